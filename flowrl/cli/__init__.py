@@ -1,0 +1,1 @@
+"""The ``flowrl`` command line: one module per subcommand, dispatched by ``flowrl.cli.main``."""

@@ -1,0 +1,75 @@
+"""``flowrl``'s entry point: builds the parser from the subcommand modules and turns user mistakes into exit 2.
+
+Each subcommand module defines ``register(subparsers)`` (adds its parser and sets ``func``).
+A ``FlowrlError`` (a user mistake: bad graph, bad plan, bad flag value) prints one paragraph to
+stderr and exits 2; any other exception is a flowrl bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import textwrap
+
+from flowrl import __version__
+from flowrl.errors import FlowrlError
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+#: Subcommand modules, in the order ``--help`` lists them.
+SUBCOMMANDS = ("run", "plan", "viz", "examples", "calibrate")
+
+DESCRIPTION = """\
+flowrl: declare an RL pipeline for language models as a graph, plan it onto devices, run it
+asynchronously with a hard bound on weight staleness (LlamaRL's AIPO).
+
+first steps:
+  flowrl examples                      list the built-in pipelines
+  flowrl viz llamarl --format mermaid  draw the default pipeline
+  flowrl plan llamarl --cluster cpu    dry-run a placement, no hardware needed
+  flowrl run --steps 60                train the built-in example on this CPU
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own usage errors: exit 2, no traceback
+        self.print_usage(sys.stderr)
+        self.exit(2, f"flowrl: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="flowrl", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"flowrl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"flowrl.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"flowrl.cli.{name}":  # a subcommand not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except FlowrlError as exc:
+        text = textwrap.fill(str(exc).split("\n")[0], width=100, subsequent_indent="  ")
+        rest = "\n".join(str(exc).split("\n")[1:])
+        print(f"flowrl {args.command}: error: {text}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"flowrl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The built-in example pipelines, by name: what ``flowrl run`` and ``flowrl viz`` accept as GRAPH.
+
+Example:
+    >>> sorted(EXAMPLES)
+    ['llamarl', 'llamarl_ref', 'two_scorers']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flowrl.errors import GraphError
+from flowrl.examples.llamarl import build_llamarl, build_llamarl_ref, build_two_scorers
+from flowrl.graph.ir import Graph
+
+__all__ = ["EXAMPLES", "DEFAULT_EXAMPLE", "build_example", "describe_examples"]
+
+#: name -> (builder, one-line description)
+EXAMPLES: dict[str, tuple[Callable[[], Graph], str]] = {
+    "llamarl": (build_llamarl, "prompts -> generator -> scorer -> AIPO loss -> policy, weights policy ~> generator (the default)"),
+    "llamarl_ref": (build_llamarl_ref, "the default plus a frozen reference model and a KL penalty in the loss"),
+    "two_scorers": (build_two_scorers, "two scorers (correctness and brevity) whose rewards the loss weighs"),
+}
+
+DEFAULT_EXAMPLE = "llamarl"
+
+
+def build_example(name: str = DEFAULT_EXAMPLE) -> Graph:
+    """The built-in example ``name``; ``GraphError`` listing the examples if there is none."""
+    if name not in EXAMPLES:
+        raise GraphError(f"no built-in example {name!r}; built-in examples: {', '.join(sorted(EXAMPLES))}")
+    return EXAMPLES[name][0]()
+
+
+def describe_examples() -> list[tuple[str, str]]:
+    return [(name, desc) for name, (_, desc) in sorted(EXAMPLES.items())]

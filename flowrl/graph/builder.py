@@ -1,0 +1,195 @@
+"""A builder API for RL pipelines: one call per node, data edges wired by field name.
+
+Example (the canonical LlamaRL pipeline):
+    >>> from flowrl.graph.builder import GraphBuilder
+    >>> b = GraphBuilder("llamarl")
+    >>> prompts = b.source("prompts", task="copy", batch_size=8)
+    >>> gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=6)
+    >>> reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    >>> aipo = b.loss("aipo", gen, reward, objective="aipo", rho=4.0)
+    >>> policy = b.policy("policy", aipo, lr=1e-3)
+    >>> _ = b.weights(policy, gen, transport="inprocess", max_staleness=1)
+    >>> graph = b.build()
+
+Each node call names the nodes it reads from; every input field of the new node is wired from the
+one listed node that produces it. Node configs can be passed whole (``sampling=SamplingConfig(...)``)
+or as keyword arguments of that config (``n_samples=4``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from flowrl.errors import ConfigError, GraphError
+from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
+from flowrl.graph.nodes import (
+    GeneratorNode,
+    LossNode,
+    Node,
+    PolicyNode,
+    ReferenceNode,
+    ScorerNode,
+    SourceNode,
+    signature,
+)
+from flowrl.graph.refs import reference_of
+
+__all__ = ["GraphBuilder"]
+
+NodeRef = Node | str
+
+
+def _config(cls: type[msgspec.Struct], given: Any, kwargs: dict[str, Any], owner: str) -> Any:
+    """``given`` (a config) updated by the keyword arguments that name its fields; others are errors."""
+    names = set(cls.__struct_fields__)
+    mine = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    base = given if given is not None else cls()
+    try:
+        return msgspec.structs.replace(base, **mine) if mine else base
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{owner}: {exc}") from exc
+
+
+class GraphBuilder:
+    """Declares nodes and edges, then ``build()`` validates them into a ``Graph``.
+
+    Args:
+        name: the graph's name (used in files, pictures and errors).
+        model: the model config shared by policy, generator and reference unless one is given.
+    """
+
+    def __init__(self, name: str, *, model: ModelConfig | None = None) -> None:
+        self.name = name
+        self.model = model or ModelConfig()
+        self._nodes: list[Node] = []
+        self._edges: list[DataEdge] = []
+        self._weight_edges: list[WeightEdge] = []
+
+    # -- generic ------------------------------------------------------------------------------------
+    def add(self, node: Node, inputs: tuple[NodeRef, ...] = ()) -> Node:
+        """Add ``node`` and wire each of its input fields from the one node in ``inputs`` producing it."""
+        upstream = [self._lookup(ref, reader=node.name) for ref in inputs]
+        wanted = signature(node).inputs
+        wired: dict[str, dict] = {u.name: {} for u in upstream}
+        for fname, ftype in wanted.items():
+            makers = [u for u in upstream if fname in signature(u).outputs]
+            if len(makers) > 1:
+                raise GraphError(
+                    f"node {node.name!r}: input field {fname!r} is produced by several of its inputs "
+                    f"({', '.join(m.name for m in makers)}); list only one of them, or rename a scorer's output"
+                )
+            if makers:
+                wired[makers[0].name][fname] = ftype
+        for u in upstream:
+            if not wired[u.name]:
+                raise GraphError(
+                    f"node {node.name!r} ({node.kind}) lists {u.name!r} ({u.kind}) as an input but reads none of "
+                    f"its fields {sorted(signature(u).outputs)}; it reads {sorted(wanted)}"
+                )
+        self._nodes.append(node)
+        self._edges.extend(DataEdge(src=u.name, dst=node.name, fields=wired[u.name]) for u in upstream)
+        return node
+
+    def _lookup(self, ref: NodeRef, *, reader: str) -> Node:
+        name = ref if isinstance(ref, str) else ref.name
+        for n in self._nodes:
+            if n.name == name:
+                return n
+        raise GraphError(f"node {reader!r} reads from {name!r}, which is not declared yet; declare {name!r} first")
+
+    @staticmethod
+    def _no_leftovers(kind: str, name: str, kwargs: dict[str, Any]) -> None:
+        if kwargs:
+            raise ConfigError(f"{kind} {name!r}: unknown option(s) {sorted(kwargs)}")
+
+    # -- one method per node kind ------------------------------------------------------------------
+    def source(self, name: str, *, config: SourceConfig | None = None, **kwargs: Any) -> Node:
+        """Prompts from a task (``task=``, ``batch_size=``, ``seed=``)."""
+        cfg = _config(SourceConfig, config, kwargs, f"source {name!r}")
+        self._no_leftovers("source", name, kwargs)
+        return self.add(SourceNode(name=name, source=cfg))
+
+    def generator(
+        self,
+        name: str,
+        prompts: NodeRef,
+        *,
+        model: ModelConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        **kwargs: Any,
+    ) -> Node:
+        """Samples completions from ``prompts``; keyword arguments are ``SamplingConfig`` fields."""
+        cfg = _config(SamplingConfig, sampling, kwargs, f"generator {name!r}")
+        self._no_leftovers("generator", name, kwargs)
+        return self.add(GeneratorNode(name=name, model=model or self.model, sampling=cfg), (prompts,))
+
+    def scorer(
+        self,
+        name: str,
+        rollouts: NodeRef,
+        *,
+        fn: Callable[..., Any] | str,
+        batched: bool = False,
+        output: str = "rewards",
+    ) -> Node:
+        """Rewards from ``fn(prompt_ids, completion_ids) -> float``, a module-level function or its name."""
+        return self.add(ScorerNode(name=name, fn=reference_of(fn), batched=batched, output=output), (rollouts,))
+
+    def reference(self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None) -> Node:
+        """A frozen copy of the initial policy, writing ``ref_logprobs``."""
+        return self.add(ReferenceNode(name=name, model=model or self.model), (rollouts,))
+
+    def loss(self, name: str, *inputs: NodeRef, config: LossConfig | None = None, **kwargs: Any) -> Node:
+        """The RL objective over the rollouts and rewards of ``inputs``; keyword arguments are ``LossConfig`` fields.
+
+        With several scorers, ``reward_weights`` defaults to weight 1.0 for each scorer's output.
+        """
+        if config is None and "reward_weights" not in kwargs:
+            outputs = [
+                n.output for n in (self._lookup(r, reader=name) for r in inputs) if isinstance(n, ScorerNode)
+            ]
+            if outputs:
+                kwargs["reward_weights"] = {o: 1.0 for o in outputs}
+        cfg = _config(LossConfig, config, kwargs, f"loss {name!r}")
+        self._no_leftovers("loss", name, kwargs)
+        return self.add(LossNode(name=name, loss=cfg), inputs)
+
+    def policy(
+        self,
+        name: str,
+        loss: NodeRef,
+        *,
+        model: ModelConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        **kwargs: Any,
+    ) -> Node:
+        """The trainer, stepping on ``loss``; keyword arguments are ``OptimizerConfig`` fields."""
+        cfg = _config(OptimizerConfig, optimizer, kwargs, f"policy {name!r}")
+        self._no_leftovers("policy", name, kwargs)
+        return self.add(PolicyNode(name=name, model=model or self.model, optimizer=cfg), (loss,))
+
+    def weights(self, src: NodeRef, dst: NodeRef, *, transport: str = "inprocess", max_staleness: int = 1) -> WeightEdge:
+        """A weight edge: ``src``'s trainable weights reach ``dst`` over ``transport``, at most
+        ``max_staleness`` versions behind when its rollouts are consumed."""
+        edge = WeightEdge(
+            src=src if isinstance(src, str) else src.name,
+            dst=dst if isinstance(dst, str) else dst.name,
+            transport=transport,
+            max_staleness=max_staleness,
+        )
+        self._weight_edges.append(edge)
+        return edge
+
+    def build(self) -> Graph:
+        """Validate and return the graph; raises ``GraphError`` naming every broken rule."""
+        spec = GraphSpec(
+            name=self.name,
+            nodes=tuple(self._nodes),
+            edges=tuple(self._edges),
+            weight_edges=tuple(self._weight_edges),
+        )
+        return Graph(spec)

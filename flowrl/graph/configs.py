@@ -1,0 +1,215 @@
+"""Typed configuration structs of the node kinds: model shape, sampling, loss, optimizer, data.
+
+Every struct is a frozen, keyword-only msgspec Struct that rejects unknown fields, so a typo in a
+graph file is an error rather than a silently ignored setting. Range checks live in ``__post_init__``
+and raise ``ConfigError`` with the field, the value and the allowed range.
+
+Example:
+    >>> ModelConfig(dim=64, n_layers=2, n_heads=4).head_dim
+    16
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from flowrl.errors import ConfigError
+
+__all__ = [
+    "ModelConfig",
+    "SamplingConfig",
+    "LossConfig",
+    "OptimizerConfig",
+    "SourceConfig",
+    "Precision",
+]
+
+Precision = Literal["float32", "bfloat16", "float16"]
+
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+
+def _check(ok: bool, owner: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{owner}: {message}")
+
+
+class ModelConfig(msgspec.Struct, **_STRUCT):
+    """Shape of the built-in decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU).
+
+    Attributes:
+        vocab_size: number of token ids; must cover the task tokenizer's vocabulary.
+        dim: width of the residual stream.
+        n_layers: transformer blocks.
+        n_heads: attention (query) heads; must divide ``dim``.
+        n_kv_heads: key/value heads (grouped-query attention); must divide ``n_heads``.
+        ffn_dim: hidden width of the SwiGLU MLP; 0 picks ``round_up(8/3 * dim, 8)``.
+        max_seq_len: longest prompt + completion the model accepts.
+        rope_theta: base of the rotary embedding frequencies.
+        norm_eps: epsilon of RMSNorm.
+        tie_embeddings: share the input embedding with the output projection.
+        seed: seed of the weight initialisation.
+        preset: optional name of a published shape (``"llama3-8b"``, ``"llama3-70b"``, ``"llama3-405b"``)
+            that the planner uses instead of the fields above for dry-runs; the runtime refuses to
+            build a preset it cannot fit.
+    """
+
+    vocab_size: int = 32
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    ffn_dim: int = 0
+    max_seq_len: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    seed: int = 0
+    preset: str | None = None
+
+    def __post_init__(self) -> None:
+        o = "ModelConfig"
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            _check(getattr(self, name) >= 1, o, f"{name}={getattr(self, name)} must be >= 1")
+        _check(self.ffn_dim >= 0, o, f"ffn_dim={self.ffn_dim} must be >= 0 (0 picks 8/3 * dim)")
+        _check(self.dim % self.n_heads == 0, o, f"n_heads={self.n_heads} must divide dim={self.dim}")
+        _check(
+            self.n_heads % self.n_kv_heads == 0,
+            o,
+            f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}",
+        )
+        _check((self.dim // self.n_heads) % 2 == 0, o, f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU hidden width actually used."""
+        if self.ffn_dim:
+            return self.ffn_dim
+        return ((8 * self.dim // 3) + 7) // 8 * 8
+
+    def short(self) -> str:
+        """A compact form for printing: ``"2L64d"`` or the preset name."""
+        return self.preset or f"{self.n_layers}L{self.dim}d"
+
+
+class SamplingConfig(msgspec.Struct, **_STRUCT):
+    """How the generator samples completions from the behaviour policy mu.
+
+    Attributes:
+        n_samples: completions drawn per prompt (the group of LlamaRL's baseline).
+        max_new_tokens: longest completion.
+        temperature: softmax temperature; must be > 0 (use a small value for near-greedy).
+        top_k: keep the k most likely tokens; 0 disables.
+        top_p: nucleus sampling mass; 1.0 disables.
+        stop_tokens: ids that end a completion (kept in it); empty means the tokenizer's end token.
+        precision: dtype of the generator's weights (LlamaRL samples with lower-precision weights).
+        use_kv_cache: decode with the KV cache (off only to measure what the cache saves).
+    """
+
+    n_samples: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+    precision: Precision = "float32"
+    use_kv_cache: bool = True
+
+    def __post_init__(self) -> None:
+        o = "SamplingConfig"
+        _check(self.n_samples >= 1, o, f"n_samples={self.n_samples} must be >= 1")
+        _check(self.max_new_tokens >= 1, o, f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        _check(self.temperature > 0, o, f"temperature={self.temperature} must be > 0")
+        _check(self.top_k >= 0, o, f"top_k={self.top_k} must be >= 0 (0 disables)")
+        _check(0 < self.top_p <= 1, o, f"top_p={self.top_p} must be in (0, 1]")
+
+
+class LossConfig(msgspec.Struct, **_STRUCT):
+    """Hyper-parameters of the RL objective.
+
+    Attributes:
+        objective: ``"aipo"`` (LlamaRL), ``"grpo"`` (PPO-clip ratio with group advantages) or
+            ``"ppo_clip"`` (an alias kept for readers of the PPO paper); checked by
+            ``flowrl.operators.losses``.
+        rho: AIPO's one-sided cap on the importance ratio pi/mu.
+        clip_eps: PPO/GRPO clip range.
+        baseline: ``"group_mean"`` (LlamaRL) or ``"leave_one_out"``.
+        normalize_std: divide advantages by the group's reward std (GRPO style).
+        kl_coef: weight of a KL(pi || reference) penalty; needs a ``ref_logprobs`` input.
+        reward_weights: reward fields the loss reads and their weights (one per scorer output).
+    """
+
+    objective: str = "aipo"
+    rho: float = 4.0
+    clip_eps: float = 0.2
+    baseline: Literal["group_mean", "leave_one_out"] = "group_mean"
+    normalize_std: bool = False
+    kl_coef: float = 0.0
+    reward_weights: dict[str, float] = msgspec.field(default_factory=lambda: {"rewards": 1.0})
+
+    def __post_init__(self) -> None:
+        o = "LossConfig"
+        _check(self.rho >= 1.0, o, f"rho={self.rho} must be >= 1 (it caps pi/mu from above)")
+        _check(0 < self.clip_eps < 1, o, f"clip_eps={self.clip_eps} must be in (0, 1)")
+        _check(self.kl_coef >= 0, o, f"kl_coef={self.kl_coef} must be >= 0")
+        _check(len(self.reward_weights) >= 1, o, "reward_weights must name at least one reward field")
+
+
+class OptimizerConfig(msgspec.Struct, **_STRUCT):
+    """AdamW and the step around it.
+
+    Attributes:
+        lr: peak learning rate.
+        betas: AdamW betas.
+        weight_decay: decoupled weight decay.
+        grad_clip: max global grad norm; 0 disables clipping.
+        schedule: learning-rate schedule after warm-up.
+        warmup_steps: linear warm-up steps.
+        total_steps: horizon of the cosine/linear decay (0: no decay).
+        micro_batch_size: samples per forward/backward; gradients accumulate over the batch
+            (0: the whole batch at once).
+        seed: seed of the trainer's own randomness.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    micro_batch_size: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        o = "OptimizerConfig"
+        _check(self.lr > 0, o, f"lr={self.lr} must be > 0")
+        _check(all(0 <= b < 1 for b in self.betas), o, f"betas={self.betas} must be in [0, 1)")
+        _check(self.grad_clip >= 0, o, f"grad_clip={self.grad_clip} must be >= 0 (0 disables)")
+        _check(self.warmup_steps >= 0, o, f"warmup_steps={self.warmup_steps} must be >= 0")
+        _check(self.total_steps >= 0, o, f"total_steps={self.total_steps} must be >= 0")
+        _check(self.micro_batch_size >= 0, o, f"micro_batch_size={self.micro_batch_size} must be >= 0")
+
+
+class SourceConfig(msgspec.Struct, **_STRUCT):
+    """Where prompts come from.
+
+    Attributes:
+        task: a built-in task name (``flowrl examples`` and ``flowrl.operators.tasks.TASKS``) or a
+            ``module:qualname`` reference to a user task factory.
+        batch_size: prompts per trainer step.
+        seed: seed of the endless prompt stream.
+    """
+
+    task: str = "add"
+    batch_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, "SourceConfig", f"batch_size={self.batch_size} must be >= 1")

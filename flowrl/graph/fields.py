@@ -1,0 +1,85 @@
+"""Typed batch fields: what flows along data edges, with the standard fields of an RL rollout.
+
+A field is a name plus a type: a dtype and named dims. Dims are symbolic, written the way the shape
+comments in the operators read (``sample``, ``time``): ``prompt`` counts prompts in a batch, ``sample``
+counts completions (``prompt * n_samples``), ``ptime`` and ``ctime`` are prompt and completion
+positions. A scalar has no dims.
+
+Example:
+    >>> FIELDS["behaviour_logprobs"]
+    FieldType(dtype='float32', dims=('sample', 'ctime'))
+    >>> str(FIELDS["behaviour_logprobs"])
+    'float32[sample,ctime]'
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["Dtype", "FieldType", "FIELDS", "SOURCE_FIELDS", "ROLLOUT_FIELDS", "field_type"]
+
+Dtype = Literal["int64", "float32", "bool"]
+
+
+class FieldType(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The type of one batch field.
+
+    Attributes:
+        dtype: element type of the tensor.
+        dims: symbolic dim names, outermost first; ``()`` for a scalar.
+    """
+
+    dtype: Dtype
+    dims: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(self.dims)}]"
+
+
+def _t(dtype: Dtype, *dims: str) -> FieldType:
+    return FieldType(dtype=dtype, dims=tuple(dims))
+
+
+#: The standard fields, by name. Node kinds declare their inputs and outputs from this table
+#: (``flowrl.graph.kinds.signature``); scorer outputs (``rewards`` by default) are float32[sample].
+FIELDS: dict[str, FieldType] = {
+    # source -> generator
+    "prompt_ids": _t("int64", "prompt", "ptime"),  # left-padded prompt tokens
+    "prompt_lens": _t("int64", "prompt"),  # real (unpadded) prompt lengths
+    "prompt_index": _t("int64", "prompt"),  # position of each prompt in the source stream
+    # generator -> scorer / loss / reference
+    "sample_prompt_ids": _t("int64", "sample", "ptime"),  # the prompt of each sample, left-padded
+    "sample_prompt_lens": _t("int64", "sample"),
+    "completion_ids": _t("int64", "sample", "ctime"),  # right-padded completion tokens
+    "completion_mask": _t("bool", "sample", "ctime"),  # True on real completion tokens
+    "completion_lens": _t("int64", "sample"),
+    "behaviour_logprobs": _t("float32", "sample", "ctime"),  # log mu(y_t | x, y_<t)
+    "group_ids": _t("int64", "sample"),  # which prompt of the batch each sample answers
+    "rollout_version": _t("int64"),  # policy version of the weights that sampled
+    # reference -> loss
+    "ref_logprobs": _t("float32", "sample", "ctime"),
+    # loss -> policy
+    "objective": _t("float32"),
+}
+
+SOURCE_FIELDS: tuple[str, ...] = ("prompt_ids", "prompt_lens", "prompt_index")
+ROLLOUT_FIELDS: tuple[str, ...] = (
+    "sample_prompt_ids",
+    "sample_prompt_lens",
+    "completion_ids",
+    "completion_mask",
+    "completion_lens",
+    "behaviour_logprobs",
+    "group_ids",
+    "rollout_version",
+    "prompt_index",
+)
+
+REWARD_TYPE = _t("float32", "sample")
+
+
+def field_type(name: str) -> FieldType:
+    """The type of a standard field; any other name is a reward field (float32[sample])."""
+    return FIELDS.get(name, REWARD_TYPE)

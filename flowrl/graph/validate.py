@@ -1,0 +1,202 @@
+"""The rules a graph must keep, each checked by a small function that raises ``GraphError``.
+
+Every message names the node(s), the broken rule, the values involved and the fix. ``problems``
+lists every broken rule; ``validate_graph`` raises on the first, with the others listed after it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from flowrl.errors import GraphError
+from flowrl.graph.ir import SCHEMA_VERSION
+from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, ScorerNode, signature
+from flowrl.graph.refs import check_reference
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+
+__all__ = ["validate_graph", "problems", "NAME_RE"]
+
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def _known_transports() -> set[str]:
+    from flowrl.runtime.transports.registry import transport_names
+
+    return set(transport_names())
+
+
+def _check_schema(g: Graph) -> Iterable[str]:
+    if g.spec.schema_version != SCHEMA_VERSION:
+        yield (
+            f"graph {g.name!r} has schema_version {g.spec.schema_version}, this flowrl reads "
+            f"{SCHEMA_VERSION}; re-export the graph with this version of flowrl"
+        )
+    if not g.nodes:
+        yield f"graph {g.name!r} has no nodes; declare at least a source, a generator, a scorer, a loss and a policy"
+
+
+def _check_names(g: Graph) -> Iterable[str]:
+    for name, count in Counter(n.name for n in g.nodes).items():
+        if count > 1:
+            yield f"duplicate node name {name!r} (declared {count} times); give each node its own name"
+    for n in g.nodes:
+        if not NAME_RE.match(n.name):
+            yield (
+                f"node name {n.name!r} is not an identifier; use letters, digits and '_' "
+                "(at most 64, not starting with a digit) so that it can name files, ranks and pictures"
+            )
+
+
+def _check_edge_ends(g: Graph) -> Iterable[str]:
+    for e in g.edges:
+        for end in (e.src, e.dst):
+            if end not in g:
+                yield f"data edge {e.src} -> {e.dst} names node {end!r}, which does not exist; declare it or remove the edge"
+        if e.src == e.dst:
+            yield f"data edge {e.src} -> {e.dst} connects node {e.src!r} to itself; remove it"
+    for w in g.weight_edges:
+        for end in (w.src, w.dst):
+            if end not in g:
+                yield f"weight edge {w.src} ~> {w.dst} names node {end!r}, which does not exist; declare it or remove the edge"
+
+
+def _check_cycle(g: Graph) -> Iterable[str]:
+    cycle = g.find_cycle()
+    if cycle:
+        yield (
+            f"data edges form a cycle: {' -> '.join(cycle)}; data must flow one way. The RL loop "
+            "closes through a weight edge (policy ~> generator), not a data edge"
+        )
+
+
+def _check_fields(g: Graph) -> Iterable[str]:
+    supplied: dict[tuple[str, str], list[str]] = {}
+    for e in g.edges:
+        if e.src not in g or e.dst not in g:
+            continue
+        out = signature(g.node(e.src)).outputs
+        inp = signature(g.node(e.dst)).inputs
+        for fname, ftype in e.fields.items():
+            supplied.setdefault((e.dst, fname), []).append(e.src)
+            if fname not in out:
+                yield (
+                    f"data edge {e.src} -> {e.dst} carries field {fname!r}, which node {e.src!r} "
+                    f"({g.node(e.src).kind}) does not produce; it produces {sorted(out)}"
+                )
+            elif out[fname] != ftype:
+                yield (
+                    f"field {fname!r} on edge {e.src} -> {e.dst} is declared {ftype} but node {e.src!r} "
+                    f"produces {out[fname]}; make the types agree"
+                )
+            if fname not in inp:
+                yield (
+                    f"data edge {e.src} -> {e.dst} carries field {fname!r}, which node {e.dst!r} "
+                    f"({g.node(e.dst).kind}) does not read; it reads {sorted(inp)}"
+                )
+            elif inp[fname] != ftype:
+                yield (
+                    f"field type mismatch on {fname!r}: edge {e.src} -> {e.dst} carries {ftype} but node "
+                    f"{e.dst!r} reads {inp[fname]}; make producer and consumer agree"
+                )
+    for node in g.nodes:
+        for fname in signature(node).inputs:
+            srcs = supplied.get((node.name, fname), [])
+            if not srcs:
+                hint = (
+                    f"add a scorer with output={fname!r} feeding it, or drop {fname!r} from the loss's reward_weights"
+                    if node.kind == "loss" and fname in getattr(node, "loss").reward_weights
+                    else "connect a node that produces it"
+                )
+                yield f"input field {fname!r} of node {node.name!r} ({node.kind}) is produced by no node; {hint}"
+            elif len(srcs) > 1:
+                yield (
+                    f"input field {fname!r} of node {node.name!r} comes from {len(srcs)} nodes "
+                    f"({', '.join(sorted(srcs))}); exactly one must provide it (rename a scorer's output)"
+                )
+
+
+def _check_losses(g: Graph) -> Iterable[str]:
+    for loss in g.nodes_of_kind("loss"):
+        policies = [u.name for u in g.users(loss.name) if u.kind == "policy"]
+        if len(policies) != 1:
+            yield (
+                f"loss {loss.name!r} feeds {len(policies)} policies {policies}; a loss runs inside exactly "
+                "one policy's training step: connect it to one policy"
+            )
+    for policy in g.nodes_of_kind("policy"):
+        losses = [p.name for p in g.producers(policy.name) if p.kind == "loss"]
+        if len(losses) != 1:
+            yield f"policy {policy.name!r} is fed by {len(losses)} losses {losses}; connect exactly one loss node"
+
+
+def _check_weight_edges(g: Graph) -> Iterable[str]:
+    known = _known_transports()
+    for w in g.weight_edges:
+        label = f"weight edge {w.src} ~> {w.dst}"
+        if w.src in g and g.node(w.src).kind not in TRAINABLE_KINDS:
+            yield (
+                f"{label} starts at {w.src!r}, a {g.node(w.src).kind} without trainable weights; "
+                f"weights flow from a {'/'.join(sorted(TRAINABLE_KINDS))} node"
+            )
+        if w.dst in g and g.node(w.dst).kind not in WEIGHT_HOLDING_KINDS:
+            yield (
+                f"{label} ends at {w.dst!r}, a {g.node(w.dst).kind} that holds no weights; "
+                f"weights flow into a {'/'.join(sorted(WEIGHT_HOLDING_KINDS - TRAINABLE_KINDS))} node"
+            )
+        if w.src == w.dst:
+            yield f"{label} connects {w.src!r} to itself; remove it"
+        if w.transport not in known:
+            yield f"{label} names unknown transport {w.transport!r}; known transports: {sorted(known)} (register yours with flowrl.runtime.transports.register_transport)"
+        if w.max_staleness < 0:
+            yield f"{label} has max_staleness={w.max_staleness}; it must be >= 0 (0 is synchronous on-policy training)"
+        src, dst = g.node(w.src) if w.src in g else None, g.node(w.dst) if w.dst in g else None
+        src_model, dst_model = getattr(src, "model", None), getattr(dst, "model", None)
+        if src_model is not None and dst_model is not None and src_model != dst_model:
+            yield f"{label}: model configs differ ({src_model.short()} vs {dst_model.short()}); weights can only move between models of the same config"
+    for dst, count in Counter(w.dst for w in g.weight_edges).items():
+        if count > 1:
+            yield f"node {dst!r} receives weights over {count} weight edges; keep one"
+    for gen in g.nodes_of_kind("generator"):
+        if not g.weight_edges_into(gen.name):
+            yield f"generator {gen.name!r} receives no weights, so it would sample with its initial weights forever; add a weight edge from the policy (builder.weights(policy, {gen.name!r}))"
+
+
+def _check_scorers(g: Graph) -> Iterable[str]:
+    for node in g.nodes:
+        if isinstance(node, ScorerNode):
+            message = check_reference(node.fn)
+            if message:
+                yield f"scorer {node.name!r}: {message}"
+
+
+RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
+    _check_schema,
+    _check_names,
+    _check_edge_ends,
+    _check_cycle,
+    _check_fields,
+    _check_losses,
+    _check_weight_edges,
+    _check_scorers,
+)
+
+
+def problems(g: Graph) -> list[str]:
+    """Every broken rule of ``g``, as messages; empty for a valid graph."""
+    found: list[str] = []
+    for rule in RULES:
+        found.extend(rule(g))
+    return found
+
+
+def validate_graph(g: Graph) -> None:
+    """Raise ``GraphError`` if ``g`` breaks any rule; the message lists every broken rule."""
+    found = problems(g)
+    if found:
+        more = "".join(f"\n  also: {p}" for p in found[1:])
+        raise GraphError(f"invalid graph {g.name!r}: {found[0]}{more}")
