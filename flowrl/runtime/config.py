@@ -1,0 +1,64 @@
+"""The run configuration: one typed struct, filled from the command line (CLI > defaults)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from flowrl.errors import ConfigError
+
+__all__ = ["RunConfig", "BACKENDS"]
+
+BACKENDS = ("local", "process")
+
+
+class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to execute a graph.
+
+    Attributes:
+        steps: trainer steps to run in total (a resumed run continues up to this many).
+        max_staleness: override every weight edge's k; None keeps the graph's.
+        backend: ``local`` (threads in this process) or ``process`` (one OS process per executor).
+        seed: seed of sampling and of the synthetic operators.
+        metrics: JSON-lines file, one row per trainer step.
+        trace: Chrome trace file (open in https://ui.perfetto.dev).
+        checkpoint_dir: where checkpoints go; checkpoint_every: every N steps (0: only at the end).
+        resume: continue from the newest checkpoint in ``checkpoint_dir``.
+        plan: a plan file from ``flowrl plan -o``; None uses the default placement.
+        programs: node -> ``module:qualname`` program factory replacing the built-in one.
+        options: settings passed to those programs (``ProgramEnv.options``).
+        channel_capacity: messages per data edge; 0 picks ``max_staleness + 1``.
+        stall_timeout_s: fail the run if no executor finishes a step for this long.
+        progress: draw a progress bar on stderr.
+    """
+
+    steps: int = 60
+    max_staleness: int | None = None
+    backend: Literal["local", "process"] = "local"
+    seed: int = 0
+    metrics: str | None = None
+    trace: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    plan: str | None = None
+    programs: dict[str, str] = {}
+    options: dict[str, Any] = {}
+    channel_capacity: int = 0
+    stall_timeout_s: float = 300.0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"steps={self.steps} must be >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0 (0 is synchronous on-policy training)")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be >= 0")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir DIR)")
+        if self.channel_capacity < 0:
+            raise ConfigError(f"channel_capacity={self.channel_capacity} must be >= 0")
+        if self.stall_timeout_s <= 0:
+            raise ConfigError(f"stall_timeout_s={self.stall_timeout_s} must be > 0")

@@ -1,0 +1,416 @@
+"""The controller: runs a graph's executors, keeps the version clock, and enforces the staleness bound.
+
+State it keeps (each guarded as noted):
+
+- ``clock`` (``VersionClock``, its own condition): the policy version = completed optimizer steps.
+  Only the policy executor advances it, after a step's weights are published.
+- ``channels`` (``Channel``, each its own condition): one bounded FIFO per executor-level data
+  edge. Edges into a loss node are redirected to its policy (the loss runs inside the policy's
+  step). Capacity ``max_staleness + 1`` unless configured.
+- ``executors``: one thread per non-loss node. Executor ``e`` processes steps ``start .. steps-1``
+  in order: it takes message ``seq`` from each input channel, runs its program, and puts the
+  outputs on each output channel.
+- ``locks``: one lock per colocation group of the placement; an executor holds its group's lock
+  for the whole of a program step, so executors that share devices never run at the same time.
+- ``_gen_info`` (``_lock``): per (generator, seq) timings and the version the rollout used.
+- ``_failure`` (``_lock``): the first error, with its node and step; set once, then ``_stop``.
+
+Invariants:
+
+- The generator samples batch ``seq`` only after ``clock >= seq - k`` and with weights of version
+  ``>= seq - k`` (it fetches the newest). The policy consumes batch ``seq`` at version ``seq``.
+  Hence, for every consumed batch: ``policy_version_at_consumption - rollout_version <= k``.
+  The policy checks it on every batch; a violation is a flowrl bug and fails the run.
+- Nothing is dropped: a full channel blocks its producer (backpressure).
+- On any failure every channel is closed and the clock stopped, so every executor returns within
+  one program step; the run raises ``NodeExecutionError`` naming the node and the step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowrl.errors import CheckpointError, FlowrlError, NodeExecutionError
+from flowrl.graph.ir import Graph
+from flowrl.runtime.channels import Channel, ChannelClosed, Message
+from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta
+from flowrl.runtime.clock import ClockStopped, VersionClock
+from flowrl.runtime.config import RunConfig
+from flowrl.runtime.metrics import MetricsWriter
+from flowrl.runtime.placement import Placement
+from flowrl.runtime.programs import NodeProgram
+from flowrl.runtime.trace import Tracer
+
+__all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]
+
+#: The span each node kind's program step is recorded as in the trace.
+SPAN_NAMES = {"source": "prompts", "generator": "generate", "scorer": "score", "reference": "reference", "policy": "train"}
+
+
+class StalenessViolation(FlowrlError):
+    """A consumed batch was staler than its weight edge allows: a flowrl bug, never user error."""
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports.
+
+    Attributes:
+        rows: the metrics rows, one per trainer step run in this process.
+        version: the policy version at the end.
+        consumed: for each step, the prompt indices the trainer consumed (exactly-once checks).
+        wall_s: seconds from the first step to the last.
+        checkpoint: the newest checkpoint written, if any.
+    """
+
+    rows: list[dict[str, Any]]
+    version: int
+    consumed: list[list[int]]
+    wall_s: float
+    checkpoint: Path | None = None
+
+
+@dataclass
+class _Executor:
+    name: str
+    kind: str
+    host: NodeProgram
+    inputs: list[Channel] = field(default_factory=list)
+    outputs: list[tuple[Channel, tuple[str, ...]]] = field(default_factory=list)
+    lock: threading.Lock | None = None
+    cores: tuple[int, ...] = ()
+    thread: threading.Thread | None = None
+
+
+class Controller:
+    """Executes ``graph`` with the programs in ``hosts`` (built by a backend).
+
+    Args:
+        graph: a validated graph.
+        config: the run configuration.
+        hosts: node name -> program (in this process, or a proxy to a worker process), for every
+            node but the loss nodes.
+        placement: devices per node; colocated nodes are serialised.
+        on_step: called with each metrics row (the CLI's progress bar).
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        config: RunConfig,
+        hosts: dict[str, NodeProgram],
+        placement: Placement,
+        *,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.graph = graph
+        self.config = config
+        self.placement = placement
+        self.on_step = on_step
+        self.tracer = Tracer(enabled=True)
+        self.clock = VersionClock(0)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._failure: tuple[str, int | None, BaseException] | None = None
+        self._gen_info: dict[tuple[str, int], dict[str, Any]] = {}
+        self._idle: dict[int, float] = {}
+        self._progress_at = time.monotonic()
+        self._t0 = 0.0
+        self.rows: list[dict[str, Any]] = []
+        self.consumed: list[list[int]] = []
+        self.last_checkpoint: Path | None = None
+
+        self.k = {e.dst: (config.max_staleness if config.max_staleness is not None else e.max_staleness) for e in graph.weight_edges}
+        self.policy_names = [n.name for n in graph.nodes_of_kind("policy")]
+        self.loss_policy = {n.name: graph.users(n.name)[0].name for n in graph.nodes_of_kind("loss")}
+        self.reward_weights: dict[str, float] = {}
+        for loss in graph.nodes_of_kind("loss"):
+            self.reward_weights.update(loss.loss.reward_weights)  # type: ignore[union-attr]
+        self._build_executors(hosts)
+
+    # -- wiring -------------------------------------------------------------------------------------
+    def _build_executors(self, hosts: dict[str, NodeProgram]) -> None:
+        locks = {}
+        for group in self.placement.groups():
+            lock = threading.Lock()
+            for name in group:
+                locks[name] = lock
+        self.executors: dict[str, _Executor] = {}
+        for node in self.graph.nodes:
+            if node.kind == "loss":
+                continue
+            self.executors[node.name] = _Executor(
+                name=node.name,
+                kind=node.kind,
+                host=hosts[node.name],
+                lock=locks.get(node.name),
+                cores=self.placement.devices.get(node.name, ()) if self.placement.pin else (),
+            )
+        k_max = max(self.k.values(), default=0)
+        capacity = self.config.channel_capacity or k_max + 1
+        self.channels: list[Channel] = []
+        for edge in self.graph.edges:
+            src = self.loss_policy.get(edge.src, edge.src)
+            dst = self.loss_policy.get(edge.dst, edge.dst)
+            if src == dst:  # loss -> its policy: the same executor
+                continue
+            ch = Channel(f"{edge.src}->{edge.dst}", capacity)
+            self.channels.append(ch)
+            self.executors[src].outputs.append((ch, tuple(edge.fields)))
+            self.executors[dst].inputs.append(ch)
+
+    # -- the run ------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        """Run to ``config.steps`` trainer steps (from a checkpoint if ``resume``); raise on failure."""
+        start = self._restore() if self.config.resume else 0
+        self.clock = VersionClock(start)
+        self._start_version = start
+        metrics = MetricsWriter(self.config.metrics, append=self.config.resume and start > 0)
+        self._metrics = metrics
+        self._t0 = time.perf_counter()
+        try:
+            for ex in self.executors.values():
+                ex.host.start()
+            for ex in self.executors.values():
+                ex.thread = threading.Thread(target=self._executor_main, args=(ex, start), name=f"flowrl-{ex.name}", daemon=True)
+                ex.thread.start()
+            self._supervise()
+        except KeyboardInterrupt:
+            self._halt()
+            self._join()
+            if self.config.checkpoint_dir and self.rows:
+                self._checkpoint_now()
+            raise
+        finally:
+            self._halt()
+            self._join()
+            metrics.close()
+            if self.config.trace:
+                self.tracer.save(self.config.trace)
+        if self._failure is not None:
+            node, step, exc = self._failure
+            if isinstance(exc, NodeExecutionError):
+                raise exc
+            kind = self.graph.node(node).kind
+            where = f" at step {step}" if step is not None else ""
+            raise NodeExecutionError(f"node {node!r} ({kind}) failed{where}: {type(exc).__name__}: {exc}", node=node, step=step) from exc
+        if self.config.checkpoint_dir and (not self.last_checkpoint or self.clock.version % max(1, self.config.checkpoint_every)):
+            self._checkpoint_now()
+        return RunResult(
+            rows=self.rows,
+            version=self.clock.version,
+            consumed=self.consumed,
+            wall_s=time.perf_counter() - self._t0,
+            checkpoint=self.last_checkpoint,
+        )
+
+    def _supervise(self) -> None:
+        """Wait for the policy to finish, a failure, or a stall."""
+        while not self._done.wait(0.05):
+            if self._stop.is_set():
+                return
+            if time.monotonic() - self._progress_at > self.config.stall_timeout_s:
+                waiting = ", ".join(f"{c.name}({len(c)})" for c in self.channels)
+                self._fail("controller", None, TimeoutError(
+                    f"no executor finished a step in {self.config.stall_timeout_s:.0f} s (channels: {waiting}); "
+                    "a program is hung or far slower than stall_timeout_s allows"
+                ))
+                return
+
+    def _halt(self) -> None:
+        self._stop.set()
+        self.clock.stop()
+        for ch in self.channels:
+            ch.close()
+
+    def _join(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for ex in self.executors.values():
+            if ex.thread is not None:
+                ex.thread.join(max(0.0, deadline - time.monotonic()))
+        for ex in self.executors.values():
+            try:
+                ex.host.close()
+            except Exception:  # noqa: BLE001 - closing after a failure must not hide the failure
+                pass
+
+    def _fail(self, node: str, step: int | None, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = (node, step, exc)
+        self._halt()
+
+    # -- one executor -------------------------------------------------------------------------------
+    def _executor_main(self, ex: _Executor, start: int) -> None:
+        if ex.cores and hasattr(os, "sched_setaffinity"):
+            try:
+                os.sched_setaffinity(threading.get_native_id(), ex.cores)
+            except OSError:
+                pass
+        seq: int | None = None
+        try:
+            for seq in range(start, self.config.steps):
+                if self._stop.is_set():
+                    return
+                self._step(ex, seq)
+        except (ChannelClosed, ClockStopped):
+            return
+        except BaseException as exc:  # noqa: BLE001 - every failure ends the run, reported once
+            self._fail(ex.name, seq, exc)
+
+    def _step(self, ex: _Executor, seq: int) -> None:
+        t_wait = time.perf_counter()
+        inputs: dict[str, torch.Tensor] = {}
+        for ch in ex.inputs:
+            message = ch.get()
+            if message.seq != seq:
+                raise RuntimeError(f"executor {ex.name!r} expected step {seq} on {ch.name}, got {message.seq}")
+            inputs.update(message.fields)
+        idle = time.perf_counter() - t_wait
+        if ex.inputs and idle > 1e-4:
+            self.tracer.add(ex.name, "wait", t_wait, t_wait + idle, step=seq)
+        min_version = -1
+        if ex.kind == "generator":
+            min_version = seq - self.k[ex.name]
+            t = time.perf_counter()
+            self.clock.wait_for(min_version)
+            if time.perf_counter() - t > 1e-4:
+                self.tracer.add(ex.name, "wait", t, time.perf_counter(), step=seq, reason=f"weights >= v{min_version}")
+        lock = ex.lock or _NULL_LOCK
+        with lock:
+            if self._stop.is_set():
+                raise ChannelClosed(ex.name)
+            t_step = time.perf_counter()
+            outputs, info = ex.host.step(seq, inputs, min_version)
+            t_end = time.perf_counter()
+        self._trace_step(ex, seq, t_step, t_end, info)
+        self._progress_at = time.monotonic()
+        if ex.kind == "generator":
+            with self._lock:
+                self._gen_info[(ex.name, seq)] = info
+        elif ex.kind == "policy":
+            self._on_train_step(ex, seq, inputs, info, idle)
+        for ch, fields in ex.outputs:
+            ch.put(Message(seq, {f: outputs[f] for f in fields}))
+
+    def _trace_step(self, ex: _Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
+        name = SPAN_NAMES.get(ex.kind, ex.kind)
+        if ex.kind == "generator" and info.get("fetch_s", 0) > 0:
+            fetch_end = t0 + info["fetch_s"]
+            self.tracer.add(ex.name, "weight fetch", t0, fetch_end, step=seq, version=info.get("version"))
+            self.tracer.add(ex.name, name, fetch_end, t1, step=seq, version=info.get("version"))
+        elif ex.kind == "policy" and "publish_s" in info:
+            pub_start = t1 - info["publish_s"]
+            self.tracer.add(ex.name, name, t0, pub_start, step=seq, version=info.get("version"))
+            self.tracer.add(ex.name, "weight publish", pub_start, t1, step=seq, version=info.get("version"))
+        else:
+            self.tracer.add(ex.name, name, t0, t1, step=seq)
+
+    # -- the trainer's side ---------------------------------------------------------------------------
+    def _on_train_step(self, ex: _Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
+        rollout_version = int(batch["rollout_version"])
+        staleness = seq - rollout_version
+        gens = [e.dst for e in self.graph.weight_edges_from(ex.name)]
+        k = min((self.k[g] for g in gens), default=0)
+        if staleness > k or staleness < 0:
+            raise StalenessViolation(
+                f"policy {ex.name!r} consumed a batch of version {rollout_version} at version {seq}: "
+                f"staleness {staleness} breaks max_staleness={k}. This is a flowrl bug; please report it"
+            )
+        version = int(info.get("version", seq + 1))
+        self.clock.advance(version)
+        gen = {}
+        with self._lock:
+            for g in gens:
+                gen = self._gen_info.pop((g, seq), gen)
+        rewards = {name: batch[name].float() for name in self.reward_weights if name in batch}
+        combined = sum(w * rewards[name] for name, w in self.reward_weights.items() if name in rewards)
+        row: dict[str, Any] = {
+            "step": seq + 1,
+            "policy_version": version,
+            "rollout_version": rollout_version,
+            "staleness": staleness,
+            "reward_mean": float(combined.mean()) if isinstance(combined, torch.Tensor) else 0.0,
+            "loss": float(info.get("loss", float("nan"))),
+            "time_s": time.perf_counter() - self._t0,
+            "gen_s": float(gen.get("gen_s", 0.0)),
+            "train_s": float(info.get("train_s", 0.0)),
+            "sync_s": float(info.get("publish_s", 0.0)) + float(gen.get("fetch_s", 0.0)),
+            "idle_s": idle,
+            "samples": int(batch["completion_ids"].shape[0]) if "completion_ids" in batch else 0,
+        }
+        if len(rewards) > 1:
+            row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
+        row.update({key: value for key, value in info.items() if "/" in key})
+        self.rows.append(row)
+        self._metrics.write(row)
+        prompts = batch.get("prompt_index")
+        consumed = sorted(set(prompts.tolist())) if prompts is not None else []
+        self.consumed.append(consumed)
+        self._data_position = (max(consumed) + 1) if consumed else 0
+        if self.on_step is not None:
+            self.on_step(row)
+        every = self.config.checkpoint_every
+        if self.config.checkpoint_dir and every and version % every == 0:
+            self._checkpoint_now()
+        if seq + 1 >= self.config.steps:
+            self._done.set()
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _checkpoint_now(self) -> None:
+        assert self.config.checkpoint_dir is not None
+        writer = CheckpointWriter(self.config.checkpoint_dir)
+        version = self.clock.version
+        staging = writer.staging(version)
+        files = {}
+        for name in self.policy_names:
+            files[name] = f"policy-{name}.pt"
+            self.executors[name].host.save(str(staging / files[name]))
+        meta = CheckpointMeta(
+            version=version,
+            data_position=getattr(self, "_data_position", 0),
+            graph=self.graph.name,
+            graph_sha256=graph_fingerprint(self.graph),
+            files=files,
+            wall_time=time.time(),
+        )
+        self.last_checkpoint = writer.commit(staging, meta)
+
+    def _restore(self) -> int:
+        assert self.config.checkpoint_dir is not None
+        path = latest_checkpoint(self.config.checkpoint_dir)
+        if path is None:
+            return 0  # nothing to resume from: a fresh run (the CLI says so)
+        meta = read_meta(path, self.graph)
+        for name, fname in meta.files.items():
+            if name not in self.executors:
+                raise CheckpointError(f"checkpoint {path} holds state for node {name!r}, which this graph lacks")
+            self.executors[name].host.load(str(path / fname))
+        for ex in self.executors.values():
+            if ex.kind == "source":
+                ex.host.seek(meta.data_position)
+        self._data_position = meta.data_position
+        self.last_checkpoint = path
+        if meta.version >= self.config.steps:
+            raise CheckpointError(f"checkpoint {path} is at step {meta.version}, already >= --steps {self.config.steps}; raise --steps to train further")
+        return meta.version
+
+
+class _NullLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL_LOCK = _NullLock()

@@ -1,0 +1,289 @@
+"""Node programs: what an executor runs for one node, per step, whatever process it lives in.
+
+A program wraps a node's operator (``flowrl.operators``) with the runtime's concerns: the generator
+fetches fresh enough weights before it samples, the policy publishes its weights after each step
+and reports timings. Programs are built from plain data (the graph, a node name, transport options)
+so that a worker process can rebuild them without pickle.
+
+Protocol (``NodeProgram``):
+    step(seq, inputs, min_version) -> (outputs, info)   one batch; ``info`` holds numbers only
+    save(path) / load(path)                             checkpoint the node's state (policy only)
+    close()                                             release transports and threads
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import msgspec
+import torch
+
+from flowrl.errors import ConfigError, TransportError
+from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode
+from flowrl.graph.refs import resolve
+from flowrl.runtime.transports.registry import create_transport
+
+__all__ = [
+    "NodeProgram",
+    "ProgramBase",
+    "ProgramEnv",
+    "TransportSpec",
+    "build_program",
+    "SourceProgram",
+    "GeneratorProgram",
+    "ScorerProgram",
+    "ReferenceProgram",
+    "PolicyProgram",
+]
+
+Batch = dict[str, torch.Tensor]
+Info = dict[str, Any]
+
+
+class NodeProgram(Protocol):
+    def start(self) -> None: ...
+
+    def seek(self, position: int) -> None: ...
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ProgramBase:
+    """No-op defaults: most nodes have nothing to start, seek, checkpoint or close."""
+
+    def start(self) -> None:
+        """Called once before the first step (the policy publishes its initial weights here)."""
+
+    def seek(self, position: int) -> None:
+        """Continue a data stream from ``position`` (sources only)."""
+
+    def save(self, path: str) -> None:
+        """Write the node's checkpoint state to ``path`` (nodes with trainable state only)."""
+
+    def load(self, path: str) -> None:
+        """Read state written by ``save``."""
+
+    def close(self) -> None:
+        """Release what the program holds."""
+
+
+class TransportSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How to open one weight edge's transport on either side: its registry name and plain options.
+
+    ``writer_options`` open it on the policy's side, ``reader_options`` on the consumer's side.
+    """
+
+    src: str
+    dst: str
+    name: str
+    writer_options: dict[str, Any] = {}
+    reader_options: dict[str, Any] = {}
+
+
+class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything besides the graph that a program needs, as plain data.
+
+    Attributes:
+        transports: one spec per weight edge.
+        programs: node name -> ``module:qualname`` of a factory ``(node, graph, env, transports) -> NodeProgram``
+            replacing the built-in program (synthetic operators in tests and benches).
+        seed: the run's seed.
+        weight_timeout_s: how long a consumer waits for a published version before failing.
+        options: free-form settings for user programs (durations of synthetic operators, ...).
+    """
+
+    transports: tuple[TransportSpec, ...] = ()
+    programs: dict[str, str] = {}
+    seed: int = 0
+    weight_timeout_s: float = 300.0
+    options: dict[str, Any] = {}
+
+
+class SharedTransports:
+    """The transports one process holds, opened lazily, keyed by (src, dst, side).
+
+    In the local backend one instance serves every program, so both sides of an in-process
+    transport share one object; in a worker process it holds only that worker's side.
+    """
+
+    def __init__(self, specs: tuple[TransportSpec, ...]) -> None:
+        self._specs = {(s.src, s.dst): s for s in specs}
+        self._open: dict[tuple[str, str], Any] = {}
+        self._readers: dict[tuple[str, str], Any] = {}
+
+    def writer(self, src: str, dst: str) -> Any:
+        key = (src, dst)
+        if key not in self._open:
+            spec = self._specs[key]
+            self._open[key] = create_transport(spec.name, **spec.writer_options)
+        return self._open[key]
+
+    def reader(self, src: str, dst: str) -> Any:
+        key = (src, dst)
+        if key in self._open:  # same process as the writer: share the object
+            return self._open[key]
+        if key not in self._readers:
+            spec = self._specs[key]
+            self._readers[key] = create_transport(spec.name, **spec.reader_options)
+        return self._readers[key]
+
+    def close(self) -> None:
+        for t in [*self._readers.values(), *self._open.values()]:
+            t.close()
+        self._open.clear()
+        self._readers.clear()
+
+
+class SourceProgram(ProgramBase):
+    def __init__(self, node: SourceNode) -> None:
+        from flowrl.operators.source import PromptSource
+
+        self.source = PromptSource(node)
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        return self.source.next_batch(), {"position": self.source.position}
+
+    def seek(self, position: int) -> None:
+        self.source.load_state({"position": position})
+
+
+
+class GeneratorProgram(ProgramBase):
+    """Samples with the newest weights it can get, and never with weights older than ``min_version``."""
+
+    def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, seed: int) -> None:
+        from flowrl.operators.generation import Generator
+
+        self.name = node.name
+        self.generator = Generator(node, seed=seed)
+        (edge,) = graph.weight_edges_into(node.name)
+        self._edge = (edge.src, edge.dst)
+        self._transports = transports
+        self._timeout = env.weight_timeout_s
+
+    def _sync(self, min_version: int) -> float:
+        transport = self._transports.reader(*self._edge)
+        start = time.perf_counter()
+        deadline = start + self._timeout
+        while True:
+            got = transport.fetch_into(self.generator.weight_targets(), newer_than=self.generator.version)
+            if got is not None:
+                self.generator.version = got
+            if self.generator.version >= min_version:
+                return time.perf_counter() - start
+            if time.perf_counter() > deadline:
+                raise TransportError(
+                    f"generator {self.name!r} waited {self._timeout:.0f} s for weights of version >= {min_version} "
+                    f"from {self._edge[0]!r}; the newest it got is {self.generator.version}"
+                )
+            time.sleep(0.0005)
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        fetch_s = self._sync(min_version)
+        start = time.perf_counter()
+        rollout = self.generator.generate(inputs)
+        return rollout, {"fetch_s": fetch_s, "gen_s": time.perf_counter() - start, "version": self.generator.version}
+
+
+class ScorerProgram(ProgramBase):
+    def __init__(self, node: ScorerNode) -> None:
+        from flowrl.operators.scoring import Scorer
+
+        self.scorer = Scorer(node)
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        start = time.perf_counter()
+        out = self.scorer.score(inputs)
+        return out, {"score_s": time.perf_counter() - start}
+
+
+class ReferenceProgram(ProgramBase):
+    def __init__(self, node: ReferenceNode) -> None:
+        from flowrl.operators.reference import Reference
+
+        self.reference = Reference(node)
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        start = time.perf_counter()
+        out = self.reference.logprobs(inputs)
+        return out, {"ref_s": time.perf_counter() - start}
+
+
+class PolicyProgram(ProgramBase):
+    """Trains on one batch per step, then publishes its weights on every outgoing weight edge."""
+
+    def __init__(self, node: PolicyNode, loss: LossNode, graph: Graph, transports: SharedTransports) -> None:
+        from flowrl.operators.trainer import Trainer
+
+        self.name = node.name
+        self.trainer = Trainer(node, loss)
+        self._edges = [(e.src, e.dst) for e in graph.weight_edges_from(node.name)]
+        self._transports = transports
+        self._published = -1
+
+    def publish(self) -> float:
+        """Publish the current weights (once per version); returns the seconds it took."""
+        start = time.perf_counter()
+        if self.trainer.version > self._published:
+            weights = self.trainer.weights()
+            for edge in self._edges:
+                self._transports.writer(*edge).publish(weights, self.trainer.version)
+            self._published = self.trainer.version
+        return time.perf_counter() - start
+
+    def start(self) -> None:
+        self.publish()  # the initial (or resumed) weights, so consumers can start
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        start = time.perf_counter()
+        metrics = self.trainer.train_step(inputs)
+        train_s = time.perf_counter() - start
+        publish_s = self.publish()
+        info: Info = {k: float(v) for k, v in metrics.items()}
+        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        return {}, info
+
+    def save(self, path: str) -> None:
+        torch.save(self.trainer.state(), path)
+
+    def load(self, path: str) -> None:
+        self.trainer.load_state(torch.load(path, weights_only=True))
+        self._published = -1
+
+
+def build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """The program for node ``name``: a user factory from ``env.programs`` or the built-in one."""
+    node: Node = graph.node(name)
+    if name in env.programs:
+        factory: Callable[..., NodeProgram] = resolve(env.programs[name])
+        return factory(node, graph, env, transports)
+    if isinstance(node, SourceNode):
+        return SourceProgram(node)
+    if isinstance(node, GeneratorNode):
+        return GeneratorProgram(node, graph, env, transports, seed=env.seed)
+    if isinstance(node, ScorerNode):
+        return ScorerProgram(node)
+    if isinstance(node, ReferenceNode):
+        return ReferenceProgram(node)
+    if isinstance(node, PolicyNode):
+        loss = graph.loss_of(name)
+        if not isinstance(loss, LossNode):
+            raise ConfigError(f"policy {name!r} has no loss node")
+        return PolicyProgram(node, loss, graph, transports)
+    raise ConfigError(f"node {name!r} of kind {node.kind!r} has no program (loss nodes run inside their policy)")
+
+
+def merge(batches: list[Mapping[str, torch.Tensor]]) -> Batch:
+    out: Batch = {}
+    for b in batches:
+        out.update(b)
+    return out
