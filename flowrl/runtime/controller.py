@@ -248,6 +248,10 @@ class Controller:
             if self._failure is None:
                 self._failure = (node, step, exc)
         self._halt()
+        for ex in self.executors.values():  # unblock threads waiting on worker processes
+            abort = getattr(ex.host, "abort", None)
+            if abort is not None:
+                abort()
 
     # -- one executor -------------------------------------------------------------------------------
     def _executor_main(self, ex: _Executor, start: int) -> None:

@@ -1,0 +1,169 @@
+"""The ``process`` backend: one OS process per executor on this machine.
+
+Each worker (``flowrl.runtime.worker``) hosts one node's program; the controller's executor thread
+for that node talks to it over a socket pair with msgspec headers and raw tensor bytes (no pickle).
+Weights go over shared memory (``inprocess`` edges become ``shm``). Workers are pinned to their
+placement's cores when the placement comes from a CPU plan.
+
+Failure handling: a worker that raises answers with the error and its traceback; a worker that dies
+(SIGKILL, OOM) closes its socket, which the controller sees at once. On any failure every worker
+is killed; the controller's end closing makes a worker exit by itself, so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+from flowrl.errors import FlowrlError
+from flowrl.graph.ir import Graph
+from flowrl.graph.serialize import to_json
+from flowrl.runtime.placement import Placement
+from flowrl.runtime.programs import Batch, Info, ProgramEnv
+from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
+
+__all__ = ["ProcessBackend", "RemoteProgram", "WorkerError"]
+
+
+class WorkerError(FlowrlError):
+    """A worker process raised or died; the message names its node and pid."""
+
+
+class RemoteProgram:
+    """A node program living in a worker process; same methods as a local program."""
+
+    def __init__(self, node: str, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.node = node
+        self.proc = proc
+        self.sock = sock
+        self._lock = threading.Lock()
+
+    def _died(self) -> WorkerError:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return WorkerError(f"worker process of node {self.node!r} (pid {self.proc.pid}) died ({how})")
+
+    def _call(self, header: dict[str, Any], tensors: Batch | None = None) -> tuple[dict[str, Any], Batch]:
+        with self._lock:
+            try:
+                send_message(self.sock, header, tensors)
+                reply, out = recv_message(self.sock)
+            except (ConnectionLost, OSError):
+                raise self._died() from None
+        if not reply.get("ok"):
+            raise WorkerError(f"{reply.get('error')}\n--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---\n{reply.get('traceback', '')}")
+        return reply, out
+
+    def start(self) -> None:
+        self._call({"op": "start"})
+
+    def seek(self, position: int) -> None:
+        self._call({"op": "seek", "position": position})
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        reply, outputs = self._call({"op": "step", "seq": seq, "min_version": min_version}, inputs)
+        return outputs, reply.get("info", {})
+
+    def save(self, path: str) -> None:
+        self._call({"op": "save", "path": path})
+
+    def load(self, path: str) -> None:
+        self._call({"op": "load", "path": path})
+
+    def abort(self) -> None:
+        """Kill the worker now (after a failure elsewhere): unblocks a controller thread waiting on it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.sock.settimeout(10)
+                self._call({"op": "close"})
+            except (FlowrlError, OSError):
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.sock.close()
+
+
+class ProcessBackend:
+    """Starts one worker per executor node and hands the controller proxies to them."""
+
+    name = "process"
+
+    def __init__(self, graph: Graph, env: ProgramEnv, placement: Placement) -> None:
+        self.graph = graph
+        self.env = env
+        self.placement = placement
+        self.hosts: dict[str, RemoteProgram] = {}
+
+    def _spawn(self, node: str) -> RemoteProgram:
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[3])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flowrl.runtime.worker", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        host = RemoteProgram(node, proc, parent)
+        cores = list(self.placement.devices.get(node, ())) if self.placement.pin else []
+        host._call({
+            "op": "init",
+            "graph": to_json(self.graph, indent=0),
+            "node": node,
+            "env": msgspec.to_builtins(self.env),
+            "cores": cores,
+            "threads": self.placement.threads_per_group(),
+        })
+        return host
+
+    def open(self) -> dict[str, Any]:
+        try:
+            for node in self.graph.nodes:
+                if node.kind != "loss":
+                    self.hosts[node.name] = self._spawn(node.name)
+        except BaseException:
+            self.abort()
+            self.close()
+            raise
+        return dict(self.hosts)
+
+    def abort(self) -> None:
+        for host in self.hosts.values():
+            host.abort()
+
+    def close(self) -> None:
+        for host in self.hosts.values():
+            host.close()
+        self._unlink_segments()
+
+    def _unlink_segments(self) -> None:
+        """Remove shared-memory segments a killed worker could not unlink itself."""
+        for spec in self.env.transports:
+            name = spec.writer_options.get("name") if spec.name == "shm" else None
+            if name:
+                path = Path("/dev/shm") / name.lstrip("/")
+                if path.exists():
+                    path.unlink(missing_ok=True)
+
+
