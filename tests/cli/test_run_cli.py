@@ -1,0 +1,58 @@
+"""``flowrl run``: outputs users rely on, and every user mistake exits 2 with a message, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowrl.cli.main import main
+from flowrl.runtime.metrics import REQUIRED_KEYS, read_metrics
+
+
+def test_synthetic_run_writes_metrics_and_trace(tmp_path, capsys):
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "t.json"
+    code = main(["run", "--synthetic", "--steps", "4", "--metrics", str(metrics), "--trace", str(trace), "--quiet"])
+    assert code == 0
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert set(REQUIRED_KEYS) <= set(row)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {"generate", "score", "train", "weight publish", "weight fetch"} <= {e["name"] for e in events}
+    out = capsys.readouterr().out
+    assert "done: 4 steps" in out and str(metrics) in out
+
+
+def test_progress_bar_lines_when_not_a_tty(capsys):
+    assert main(["run", "--synthetic", "--steps", "10"]) == 0
+    err = capsys.readouterr().err
+    assert "step 10/10" in err and "samples/s" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--steps", "0"], "steps=0 must be >= 1"),
+        (["run", "--max-staleness", "-1"], "max_staleness=-1 must be >= 0"),
+        (["run", "--checkpoint-every", "5"], "--checkpoint-dir"),
+        (["run", "--resume"], "--checkpoint-dir"),
+        (["run", "no_such_example"], "cannot find graph 'no_such_example'"),
+        (["run", "missing.json"], "does not exist"),
+        (["run", "--plan", "missing-plan.json"], "no such file"),
+        (["run", "--metrics", "/no/such/dir/m.jsonl"], "does not exist"),
+    ],
+    ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir"],
+)
+def test_user_mistakes_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_backend_choice_is_checked(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--backend", "gpu"])
+    assert info.value.code == 2
+    assert "invalid choice: 'gpu'" in capsys.readouterr().err
