@@ -2,7 +2,9 @@
 
 Each subcommand module defines ``register(subparsers)`` (adds its parser and sets ``func``).
 A ``FlowrlError`` (a user mistake: bad graph, bad plan, bad flag value) prints one paragraph to
-stderr and exits 2; any other exception is a flowrl bug and keeps its traceback.
+stderr and exits 2. A ``NodeExecutionError`` (an operator failed during a run) prints the
+operator's traceback and the node and step, and exits 1. Anything else is a flowrl bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import argparse
 import importlib
 import sys
 import textwrap
+import traceback
 
 from flowrl import __version__
-from flowrl.errors import FlowrlError
+from flowrl.errors import FlowrlError, NodeExecutionError
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -61,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except NodeExecutionError as exc:  # an operator failed mid-run: its traceback is the useful part
+        cause = exc.__cause__
+        if cause is not None:
+            print("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)).rstrip(), file=sys.stderr)
+        print(f"flowrl {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except FlowrlError as exc:
         text = textwrap.fill(str(exc).split("\n")[0], width=100, subsequent_indent="  ")
         rest = "\n".join(str(exc).split("\n")[1:])
