@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -34,6 +35,12 @@ _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 def _check(ok: bool, owner: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{owner}: {message}")
+
+
+def _finite(owner: str, **values: float) -> None:
+    """Reject inf and nan: JSON cannot carry them, so a graph holding one would not round-trip."""
+    for name, value in values.items():
+        _check(math.isfinite(value), owner, f"{name}={value} must be a finite number (JSON has no inf or nan)")
 
 
 class ModelConfig(msgspec.Struct, **_STRUCT):
@@ -81,6 +88,9 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
             f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}",
         )
         _check((self.dim // self.n_heads) % 2 == 0, o, f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+        _finite(o, rope_theta=self.rope_theta, norm_eps=self.norm_eps)
+        _check(self.rope_theta > 0, o, f"rope_theta={self.rope_theta} must be > 0")
+        _check(self.norm_eps > 0, o, f"norm_eps={self.norm_eps} must be > 0")
 
     @property
     def head_dim(self) -> int:
@@ -123,6 +133,7 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
 
     def __post_init__(self) -> None:
         o = "SamplingConfig"
+        _finite(o, temperature=self.temperature, top_p=self.top_p)
         _check(self.n_samples >= 1, o, f"n_samples={self.n_samples} must be >= 1")
         _check(self.max_new_tokens >= 1, o, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         _check(self.temperature > 0, o, f"temperature={self.temperature} must be > 0")
@@ -155,6 +166,8 @@ class LossConfig(msgspec.Struct, **_STRUCT):
 
     def __post_init__(self) -> None:
         o = "LossConfig"
+        _finite(o, rho=self.rho, clip_eps=self.clip_eps, kl_coef=self.kl_coef)
+        _finite(o, **{f"reward_weights[{k!r}]": v for k, v in self.reward_weights.items()})
         _check(self.rho >= 1.0, o, f"rho={self.rho} must be >= 1 (it caps pi/mu from above)")
         _check(0 < self.clip_eps < 1, o, f"clip_eps={self.clip_eps} must be in (0, 1)")
         _check(self.kl_coef >= 0, o, f"kl_coef={self.kl_coef} must be >= 0")
@@ -189,6 +202,9 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
 
     def __post_init__(self) -> None:
         o = "OptimizerConfig"
+        _finite(o, lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+        _finite(o, **{f"betas[{i}]": b for i, b in enumerate(self.betas)})
+        _check(self.weight_decay >= 0, o, f"weight_decay={self.weight_decay} must be >= 0")
         _check(self.lr > 0, o, f"lr={self.lr} must be > 0")
         _check(all(0 <= b < 1 for b in self.betas), o, f"betas={self.betas} must be in [0, 1)")
         _check(self.grad_clip >= 0, o, f"grad_clip={self.grad_clip} must be >= 0 (0 disables)")

@@ -6,12 +6,14 @@ as data and never imports anything.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 
-from flowrl.errors import GraphError
+from flowrl.errors import FlowrlError, GraphError
 from flowrl.graph.ir import Graph
 from flowrl.graph.refs import REF_RE
 from flowrl.graph.serialize import from_json
@@ -25,26 +27,49 @@ GRAPH_FORMS = (
 )
 
 
+def _user_code_error(exc: BaseException, what: str) -> GraphError:
+    """A one-paragraph ``GraphError`` for an exception raised by the user's own code, naming where."""
+    if isinstance(exc, SyntaxError):
+        return GraphError(f"{what}: syntax error at {exc.filename}, line {exc.lineno}: {exc.msg}")
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return GraphError(f"{what} raised {type(exc).__name__}: {exc}{where}")
+
+
 def _from_object(obj: object, where: str) -> Graph:
     if callable(obj) and not isinstance(obj, Graph):
-        obj = obj()
+        try:
+            obj = obj()
+        except FlowrlError:
+            raise
+        except Exception as exc:
+            raise _user_code_error(exc, f"calling {where}()") from exc
     if not isinstance(obj, Graph):
         raise GraphError(f"{where} is a {type(obj).__name__}, not a flowrl Graph; return GraphBuilder(...).build()")
     return obj
 
 
 def _from_py(path: Path) -> Graph:
+    """Run the user's script as a fresh module and take its ``graph`` (or ``build_graph()``)."""
     module_name = f"_flowrl_user_graph_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise GraphError(f"cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    sys.path.insert(0, str(path.parent.resolve()))
+    sys.modules[module_name] = module  # so that dataclasses, pickling-free enums etc. can find it
+    folder = str(path.parent.resolve())
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
+    except FlowrlError:
+        sys.modules.pop(module_name, None)
+        raise
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise _user_code_error(exc, f"graph script {str(path)!r}") from exc
     finally:
-        sys.path.remove(str(path.parent.resolve()))
+        if folder in sys.path:
+            sys.path.remove(folder)
     for attr in ("graph", "build_graph"):
         if hasattr(module, attr):
             return _from_object(getattr(module, attr), f"{path}:{attr}")
@@ -65,24 +90,40 @@ def load_graph(text: str | None) -> Graph:
         return build_example(text)
     path = Path(text)
     if text.endswith(".json"):
+        if not path.exists():
+            raise GraphError(f"graph file {text!r} does not exist. {GRAPH_FORMS}")
         if not path.is_file():
-            raise GraphError(f"graph file {text!r} does not exist")
+            raise GraphError(f"graph file {text!r} is not a file")
         try:
             data = path.read_bytes()
         except OSError as exc:
             raise GraphError(f"cannot read graph file {text!r}: {exc.strerror}") from None
-        return from_json(data)
+        try:
+            return from_json(data)
+        except GraphError as exc:
+            raise GraphError(f"{text}: {exc}") from None
     if text.endswith(".py"):
+        if not path.exists():
+            raise GraphError(f"graph script {text!r} does not exist. {GRAPH_FORMS}")
         if not path.is_file():
-            raise GraphError(f"graph script {text!r} does not exist")
+            raise GraphError(f"graph script {text!r} is not a file")
         return _from_py(path)
     if REF_RE.match(text):
         module_name, attr = text.split(":")
         try:
             obj: object = importlib.import_module(module_name)
-            for part in attr.split("."):
+        except ImportError as exc:
+            raise GraphError(f"cannot load {text!r}: {exc}; is the module on PYTHONPATH?") from None
+        except FlowrlError:
+            raise
+        except Exception as exc:
+            raise _user_code_error(exc, f"importing module {module_name!r}") from exc
+        for part in attr.split("."):
+            try:
                 obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise GraphError(f"cannot load {text!r}: {exc}") from None
+            except AttributeError:
+                raise GraphError(f"cannot load {text!r}: module {module_name!r} has no attribute {attr!r}") from None
         return _from_object(obj, text)
-    raise GraphError(f"cannot find graph {text!r}. {GRAPH_FORMS}")
+    close = difflib.get_close_matches(text, list(EXAMPLES), n=1)
+    hint = f" Did you mean the example {close[0]!r}?" if close else ""
+    raise GraphError(f"cannot find graph {text!r}.{hint} {GRAPH_FORMS}")

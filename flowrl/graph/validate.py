@@ -59,6 +59,11 @@ def _check_edge_ends(g: Graph) -> Iterable[str]:
                 yield f"data edge {e.src} -> {e.dst} names node {end!r}, which does not exist; declare it or remove the edge"
         if e.src == e.dst:
             yield f"data edge {e.src} -> {e.dst} connects node {e.src!r} to itself; remove it"
+        if not e.fields:
+            yield f"data edge {e.src} -> {e.dst} carries no fields; name the fields node {e.dst!r} reads from {e.src!r}, or remove the edge"
+    for (src, dst), count in Counter((e.src, e.dst) for e in g.edges).items():
+        if count > 1:
+            yield f"data edge {src} -> {dst} is declared {count} times; merge their fields into one edge"
     for w in g.weight_edges:
         for end in (w.src, w.dst):
             if end not in g:
@@ -113,11 +118,24 @@ def _check_fields(g: Graph) -> Iterable[str]:
                     else "connect a node that produces it"
                 )
                 yield f"input field {fname!r} of node {node.name!r} ({node.kind}) is produced by no node; {hint}"
-            elif len(srcs) > 1:
+            elif len(set(srcs)) > 1:
                 yield (
-                    f"input field {fname!r} of node {node.name!r} comes from {len(srcs)} nodes "
-                    f"({', '.join(sorted(srcs))}); exactly one must provide it (rename a scorer's output)"
+                    f"input field {fname!r} of node {node.name!r} comes from {len(set(srcs))} nodes "
+                    f"({', '.join(sorted(set(srcs)))}); exactly one must provide it (rename a scorer's output)"
                 )
+
+
+def _check_unused(g: Graph) -> Iterable[str]:
+    """Every node but a policy must feed some node: an unread scorer is a reward silently ignored."""
+    for node in g.nodes:
+        outputs = sorted(signature(node).outputs)
+        if outputs and not g.out_edges(node.name):
+            hint = (
+                f"pass it to the loss (builder.loss(..., {node.name!r})) so that its reward counts"
+                if node.kind == "scorer"
+                else "connect it to a node that reads them"
+            )
+            yield f"node {node.name!r} ({node.kind}) writes {outputs} but no node reads them; {hint}, or remove it"
 
 
 def _check_losses(g: Graph) -> Iterable[str]:
@@ -180,6 +198,7 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_edge_ends,
     _check_cycle,
     _check_fields,
+    _check_unused,
     _check_losses,
     _check_weight_edges,
     _check_scorers,
