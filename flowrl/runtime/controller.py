@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -376,18 +377,26 @@ class Controller:
         version = self.clock.version
         staging = writer.staging(version)
         files = {}
-        for name in self.policy_names:
-            files[name] = f"policy-{name}.pt"
-            self.executors[name].host.save(str(staging / files[name]))
-        meta = CheckpointMeta(
-            version=version,
-            data_position=getattr(self, "_data_position", 0),
-            graph=self.graph.name,
-            graph_sha256=graph_fingerprint(self.graph),
-            files=files,
-            wall_time=time.time(),
-        )
-        self.last_checkpoint = writer.commit(staging, meta)
+        try:
+            for name in self.policy_names:
+                files[name] = f"policy-{name}.pt"
+                self.executors[name].host.save(str(staging / files[name]))
+            meta = CheckpointMeta(
+                version=version,
+                data_position=getattr(self, "_data_position", 0),
+                graph=self.graph.name,
+                graph_sha256=graph_fingerprint(self.graph),
+                files=files,
+                wall_time=time.time(),
+            )
+            self.last_checkpoint = writer.commit(staging, meta)
+        except Exception as exc:
+            shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
+            previous = f"; the previous checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint else ""
+            raise CheckpointError(
+                f"writing the checkpoint of step {version} to {self.config.checkpoint_dir} failed "
+                f"({type(exc).__name__}: {exc}){previous}; free disk space or choose another --checkpoint-dir"
+            ) from exc
 
     def _restore(self) -> int:
         assert self.config.checkpoint_dir is not None
