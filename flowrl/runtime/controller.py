@@ -129,6 +129,7 @@ class Controller:
         self.rows: list[dict[str, Any]] = []
         self.consumed: list[list[int]] = []
         self.last_checkpoint: Path | None = None
+        self._checkpoint_version = -1
 
         self.k = {e.dst: (config.max_staleness if config.max_staleness is not None else e.max_staleness) for e in graph.weight_edges}
         self.policy_names = [n.name for n in graph.nodes_of_kind("policy")]
@@ -188,7 +189,7 @@ class Controller:
         except KeyboardInterrupt:
             self._halt()
             self._join()
-            if self.config.checkpoint_dir and self.rows:
+            if self.config.checkpoint_dir and self.rows and self._checkpoint_version != self.clock.version:
                 self._checkpoint_now()
             raise
         finally:
@@ -204,8 +205,8 @@ class Controller:
             kind = self.graph.node(node).kind
             where = f" at step {step}" if step is not None else ""
             raise NodeExecutionError(f"node {node!r} ({kind}) failed{where}: {type(exc).__name__}: {exc}", node=node, step=step) from exc
-        if self.config.checkpoint_dir and (not self.last_checkpoint or self.clock.version % max(1, self.config.checkpoint_every)):
-            self._checkpoint_now()
+        if self.config.checkpoint_dir and self._checkpoint_version != self.clock.version:
+            self._checkpoint_now()  # the final state, unless the last periodic checkpoint is it
         return RunResult(
             rows=self.rows,
             version=self.clock.version,
@@ -390,6 +391,7 @@ class Controller:
                 wall_time=time.time(),
             )
             self.last_checkpoint = writer.commit(staging, meta)
+            self._checkpoint_version = version
         except Exception as exc:
             shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
             previous = f"; the previous checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint else ""
@@ -413,6 +415,7 @@ class Controller:
                 ex.host.seek(meta.data_position)
         self._data_position = meta.data_position
         self.last_checkpoint = path
+        self._checkpoint_version = meta.version
         if meta.version >= self.config.steps:
             raise CheckpointError(f"checkpoint {path} is at step {meta.version}, already >= --steps {self.config.steps}; raise --steps to train further")
         return meta.version

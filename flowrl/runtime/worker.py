@@ -10,6 +10,7 @@ of the socket closes (it exited or was killed) the worker exits: no orphans.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -77,6 +78,7 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller decides
     fd = int(sys.argv[1])
     sock = socket.socket(fileno=fd)
     try:
