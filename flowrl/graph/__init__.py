@@ -16,6 +16,7 @@ from flowrl.graph.nodes import (
     signature,
 )
 from flowrl.graph.serialize import from_json, references, to_json
+from flowrl.graph.export import render, to_dot, to_mermaid
 
 __all__ = [
     "GraphBuilder",
@@ -42,4 +43,7 @@ __all__ = [
     "to_json",
     "from_json",
     "references",
+    "to_dot",
+    "to_mermaid",
+    "render",
 ]
