@@ -1,0 +1,155 @@
+"""The builder API and the IR's typed accessors: wiring by field name, errors a user can act on, configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowrl.errors import ConfigError, GraphError
+from flowrl.examples import build_example
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.fields import FIELDS, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
+from flowrl.graph.nodes import NODE_KINDS, GeneratorNode, ScorerNode, describe, signature
+
+
+def module_level_reward(prompt_ids, completion_ids) -> float:
+    return 0.0
+
+
+def _canonical(**weights) -> GraphBuilder:
+    b = GraphBuilder("t")
+    prompts = b.source("prompts", task="copy", batch_size=4)
+    gen = b.generator("gen", prompts, n_samples=2)
+    reward = b.scorer("reward", gen, fn=module_level_reward)
+    loss = b.loss("aipo", gen, reward)
+    policy = b.policy("policy", loss, lr=1e-4)
+    b.weights(policy, gen, **weights)
+    return b
+
+
+def test_canonical_pipeline_wires_fields_by_name() -> None:
+    g = _canonical(transport="shm", max_staleness=3).build()
+    assert [n.name for n in g.topological_order()] == ["prompts", "gen", "reward", "aipo", "policy"]
+    edges = {(e.src, e.dst): set(e.fields) for e in g.edges}
+    assert edges[("prompts", "gen")] == set(SOURCE_FIELDS)
+    assert edges[("gen", "aipo")] == set(ROLLOUT_FIELDS)
+    assert edges[("reward", "aipo")] == {"rewards"}
+    assert edges[("aipo", "policy")] == {"objective"}
+    assert all(t == FIELDS.get(f, t) for e in g.edges for f, t in e.fields.items())
+    (w,) = g.weight_edges
+    assert (w.src, w.dst, w.transport, w.max_staleness) == ("policy", "gen", "shm", 3)
+    scorer = g.node("reward")
+    assert isinstance(scorer, ScorerNode) and scorer.fn == f"{__name__}:module_level_reward"
+
+
+def test_accessors() -> None:
+    g = build_example("two_scorers")
+    assert [n.name for n in g.producers("aipo")] == ["brief", "correct", "gen"]
+    assert [n.name for n in g.users("gen")] == ["aipo", "brief", "correct"]
+    assert [n.name for n in g.nodes_of_kind("scorer")] == ["correct", "brief"]
+    assert g.loss_of("policy").name == "aipo"
+    assert g.rl_loop(g.weight_edges[0]) == ["gen", "aipo", "policy"]
+    assert g.weight_edges_into("gen") == list(g.weight_edges) == g.weight_edges_from("policy")
+    assert [e.src for e in g.in_edges("aipo")] == ["gen", "correct", "brief"]
+    assert "gen" in g and "nope" not in g and len(g) == 6
+    assert repr(g) == "Graph('two_scorers', nodes=6, edges=7, weight_edges=1)"
+    with pytest.raises(KeyError, match=r"no node 'nope' in graph 'two_scorers'; nodes: \['aipo', 'brief'"):
+        g.node("nope")
+    assert g.find_cycle() is None
+    assert g != build_example("llamarl") and g == build_example("two_scorers")
+
+
+def test_node_kinds_are_closed_and_documented() -> None:
+    import flowrl.graph.nodes as nodes
+
+    for kind in NODE_KINDS:
+        assert f"``{kind}``" in nodes.__doc__
+    assert "critic" not in NODE_KINDS  # reserved, documented as not accepted yet
+    assert "``critic``" in nodes.__doc__
+
+
+def test_signature_and_describe() -> None:
+    scorer = ScorerNode(name="r", fn="m:f", output="reward_x", batched=True)
+    assert signature(scorer).outputs == {"reward_x": FieldType(dtype="float32", dims=("sample",))}
+    assert describe(scorer) == "fn=m:f, batched"
+    assert describe(GeneratorNode(name="g")) == "model=2L64d, n=4, max_new=8, T=1"
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (lambda b: b.generator("gen2", "missing"), GraphError, r"node 'gen2' reads from 'missing', which is not declared yet"),
+        (lambda b: b.scorer("r2", "gen", fn=lambda p, c: 0.0), GraphError, r"cannot reference .*lambda.*define it at module level"),
+        (lambda b: b.scorer("r2", "gen", fn="not a reference"), GraphError, r"is not of the form 'package.module:function'"),
+        (lambda b: b.loss("l2", "gen", "reward", "prompts"), GraphError, r"input field 'prompt_index' is produced by several of its inputs \(gen, prompts\)"),
+        (lambda b: b.policy("p2", "gen"), GraphError, r"node 'p2' \(policy\) lists 'gen' \(generator\) as an input but reads none of its fields"),
+        (lambda b: b.generator("gen2", "prompts", n_smaples=3), ConfigError, r"generator 'gen2': unknown option\(s\) \['n_smaples'\]"),
+        (lambda b: b.generator("gen2", "prompts", n_samples=0), ConfigError, r"n_samples=0 must be >= 1"),
+        (lambda b: b.source("s2", batch_size=-1), ConfigError, r"batch_size=-1 must be >= 1"),
+        (lambda b: b.policy("p2", "aipo", lr=float("inf")), ConfigError, r"lr=inf must be a finite number"),
+    ],
+    ids=["undeclared-input", "lambda-scorer", "bad-reference", "ambiguous-field", "useless-input", "typo-option", "bad-value", "bad-batch", "inf-lr"],
+)
+def test_builder_errors(build, error, match: str) -> None:
+    b = _canonical()
+    with pytest.raises(error, match=match):
+        build(b)
+
+
+def test_nested_function_is_refused() -> None:
+    def nested(p, c):
+        return 0.0
+
+    with pytest.raises(GraphError, match=r"not a lambda or a nested function"):
+        GraphBuilder("t").scorer("r", "gen", fn=nested)
+
+
+def test_build_reports_a_broken_rule_naming_the_node() -> None:
+    b = GraphBuilder("t")
+    prompts = b.source("prompts")
+    gen = b.generator("gen", prompts)
+    reward = b.scorer("reward", gen, fn="m:f")
+    b.policy("policy", b.loss("aipo", gen, reward))
+    with pytest.raises(GraphError, match=r"generator 'gen' receives no weights.*builder.weights\(policy, 'gen'\)"):
+        b.build()
+
+
+def test_loss_reward_weights_default_to_the_scorers() -> None:
+    g = build_example("two_scorers")
+    assert g.node("aipo").loss.reward_weights == {"reward_correct": 1.0, "reward_brief": 0.1}
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts"))
+    a = b.scorer("a", gen, fn="m:a", output="reward_a")
+    c = b.scorer("c", gen, fn="m:c", output="reward_c")
+    assert b.loss("aipo", gen, a, c).loss.reward_weights == {"reward_a": 1.0, "reward_c": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ModelConfig(dim=60, n_heads=8), r"n_heads=8 must divide dim=60"),
+        (lambda: ModelConfig(n_heads=4, n_kv_heads=3), r"n_kv_heads=3 must divide n_heads=4"),
+        (lambda: ModelConfig(dim=12, n_heads=4), r"head_dim=3 must be even"),
+        (lambda: ModelConfig(norm_eps=0.0), r"norm_eps=0.0 must be > 0"),
+        (lambda: SamplingConfig(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (lambda: SamplingConfig(temperature=float("nan")), r"temperature=nan must be a finite number"),
+        (lambda: LossConfig(rho=0.5), r"rho=0.5 must be >= 1"),
+        (lambda: LossConfig(rho=float("inf")), r"rho=inf must be a finite number \(JSON has no inf or nan\)"),
+        (lambda: LossConfig(reward_weights={}), r"reward_weights must name at least one reward field"),
+        (lambda: LossConfig(reward_weights={"r": float("nan")}), r"reward_weights\['r'\]=nan must be a finite number"),
+        (lambda: OptimizerConfig(betas=(0.9, 1.0)), r"betas=\(0.9, 1.0\) must be in \[0, 1\)"),
+        (lambda: OptimizerConfig(weight_decay=-0.1), r"weight_decay=-0.1 must be >= 0"),
+        (lambda: SourceConfig(batch_size=0), r"SourceConfig: batch_size=0 must be >= 1"),
+    ],
+    ids=["heads-dim", "kv-heads", "odd-head-dim", "norm-eps", "top-p", "nan-temperature", "rho", "inf-rho", "no-rewards", "nan-weight", "betas", "weight-decay", "batch"],
+)
+def test_config_errors_name_field_and_value(make, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def test_builder_model_is_shared_unless_given() -> None:
+    model = ModelConfig(dim=32, n_heads=2, n_kv_heads=2)
+    b = GraphBuilder("t", model=model)
+    gen = b.generator("gen", b.source("prompts"))
+    assert gen.model == model
