@@ -71,9 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flowrl {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except FlowrlError as exc:
-        text = textwrap.fill(str(exc).split("\n")[0], width=100, subsequent_indent="  ")
-        rest = "\n".join(str(exc).split("\n")[1:])
-        print(f"flowrl {args.command}: error: {text}" + (f"\n{rest}" if rest else ""), file=sys.stderr)
+        first, *rest = str(exc).split("\n")
+        text = textwrap.fill(
+            first,
+            width=100,
+            initial_indent=f"flowrl {args.command}: error: ",
+            subsequent_indent="  ",
+            break_long_words=False,  # keep paths and references whole, so they can be copied
+            break_on_hyphens=False,
+        )
+        print(text + "".join(f"\n{line}" for line in rest), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"flowrl {args.command}: interrupted", file=sys.stderr)
