@@ -1,0 +1,1 @@
+"""Tests of flowrl.graph: IR, builder, validation, serialisation, loading and export."""
