@@ -8,10 +8,13 @@ or ``Graph(spec)``, which validates.
 ``str(graph)`` is a stable one-line-per-node form, in topological order, that tests compare against::
 
     graph llamarl
-      prompts = source(task=add, batch=8)
-      gen = generator(model=2L64d, n=4, max_new=8, T=1) <- prompts[prompt_ids,prompt_index,prompt_lens]
+      prompts = source(task=copy, batch=16)
+      gen = generator(model=2L64d, n=4, max_new=6, T=1) <- prompts[prompt_ids,prompt_index,prompt_lens]
       ...
+      policy = policy(model=2L64d, lr=0.003) <- aipo[objective]
       policy ~> gen  weights(transport=inprocess, max_staleness=1)
+
+Pictures of a graph come from the free functions of ``flowrl.graph.export`` (DOT, Mermaid, SVG).
 """
 
 from __future__ import annotations

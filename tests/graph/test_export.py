@@ -6,6 +6,8 @@ import os
 import re
 import shutil
 import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -138,6 +140,25 @@ def test_mermaid_escapes_and_renames_reserved_ids() -> None:
     assert "end" not in ids and len(set(ids)) == len(ids)
     assert 'pro#quot;mpts\\N#lt;b#gt;#35;quot;' in text  # no raw quote, tag or entity reaches Mermaid
     assert not re.search(r'"[^"\n]*<b>', text)
+
+
+def test_mermaid_parses_with_the_real_parser(tmp_path) -> None:
+    """Mermaid's own parser accepts every golden file and escaped names; a broken file is refused.
+
+    Needs node and the npm packages mermaid and jsdom:
+    ``npm install --prefix /tmp/mm mermaid@11 jsdom`` then ``FLOWRL_MERMAID_NODE_MODULES=/tmp/mm/node_modules``.
+    """
+    modules = os.environ.get("FLOWRL_MERMAID_NODE_MODULES")
+    if not modules or shutil.which("node") is None:
+        pytest.skip("Mermaid parser not set up (node + FLOWRL_MERMAID_NODE_MODULES with mermaid and jsdom): Mermaid syntax checked by goldens only")
+    (tmp_path / "weird.mmd").write_text(to_mermaid(_weird_graph(), annotations=None))
+    (tmp_path / "plan.mmd").write_text(to_mermaid(build_example("two_scorers"), annotations={"gen": 'a "b" <c> & #d;'}))
+    files = sorted(str(p) for p in (Path(__file__).parent / "golden").glob("*.mmd")) + [str(tmp_path / "weird.mmd"), str(tmp_path / "plan.mmd")]
+    script = str(Path(__file__).parent / "mermaid_parse.mjs")
+    done = subprocess.run(["node", script, *files], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (tmp_path / "broken.mmd").write_text("flowchart LR\n    a -->|x| end\n")
+    assert subprocess.run(["node", script, str(tmp_path / "broken.mmd")], capture_output=True, timeout=120, check=False).returncode == 1
 
 
 def test_field_summary() -> None:
