@@ -109,14 +109,14 @@ def _run(args: argparse.Namespace) -> int:
         if not os.path.isdir(folder):
             raise ConfigError(f"-o {out}: folder {folder} does not exist; create it first")
     fmt = fmt or DEFAULT_FORMAT
-
-    graph = load_graph(args.graph)
-    annotations = plan_annotations(args.plan, graph) if args.plan else None
-    if fmt == "json" and annotations:
+    if fmt == "json" and args.plan:
         raise ConfigError(
             "--plan labels pictures, but --format json writes the graph itself, which holds no placement; "
             "pick --format mermaid, dot, svg or png, or drop --plan"
         )
+
+    graph = load_graph(args.graph)
+    annotations = plan_annotations(args.plan, graph) if args.plan else None
 
     if fmt in IMAGE_FORMATS:
         data: bytes = render_bytes(graph, fmt, annotations=annotations, direction=args.direction)
@@ -127,7 +127,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if out is None or out == "-":
         sys.stdout.flush()
-        sys.stdout.buffer.write(data) if hasattr(sys.stdout, "buffer") else sys.stdout.write(data.decode())
+        if hasattr(sys.stdout, "buffer"):
+            sys.stdout.buffer.write(data)
+        else:  # a text-only stream (some embedding): text formats only make sense there anyway
+            sys.stdout.write(data.decode(errors="replace"))
         sys.stdout.flush()
         return 0
     write_atomic(out, data)
