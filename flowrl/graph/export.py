@@ -90,12 +90,13 @@ class KindStyle(msgspec.Struct, frozen=True, kw_only=True):
 
 
 #: Shape and colour of each node kind: data comes from cylinders, models are boxes, rules hexagons.
+#: (The loss is an octagon in DOT, where a parallelogram grows too wide for its label; Mermaid keeps one.)
 KIND_STYLES: dict[str, KindStyle] = {
     "source": KindStyle(dot_shape="cylinder", dot_style="filled", mermaid_open="[(", mermaid_close=")]", fill="#fff2cc", stroke="#d6b656"),
     "generator": KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     "scorer": KindStyle(dot_shape="hexagon", dot_style="filled", mermaid_open="{{", mermaid_close="}}", fill="#d5e8d4", stroke="#82b366"),
     "reference": KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
-    "loss": KindStyle(dot_shape="parallelogram", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
+    "loss": KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
     "policy": KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
 }
 _FALLBACK_STYLE = KindStyle(dot_shape="box", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#ffffff", stroke="#000000")
