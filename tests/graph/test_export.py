@@ -97,7 +97,7 @@ def test_dot_structure(example_graph: Graph) -> None:
         assert _unquote(e.get_attributes()["label"]) == field_summary(d.fields)
 
 
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(valid_graphs())
 def test_random_graphs_export_parseable_dot_and_complete_mermaid(graph: Graph) -> None:
     dot = _parse_dot(to_dot(graph))

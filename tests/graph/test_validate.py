@@ -335,7 +335,7 @@ def _check_caught(defect: Defect) -> None:
 
 
 @pytest.mark.parametrize("inject", DEFECTS, ids=[d.__name__ for d in DEFECTS])
-@settings(max_examples=15)
+@settings(max_examples=12)
 @given(graph=valid_graphs(), data=st.data())
 def test_single_defect_is_caught_naming_the_node(inject, graph: Graph, data: st.DataObject) -> None:
     assert problems(graph) == []
@@ -349,7 +349,7 @@ def test_single_defect_is_caught_many(graph: Graph, inject, data: st.DataObject)
     _check_caught(inject(graph.spec, data))
 
 
-@settings(max_examples=40)
+@settings(max_examples=25)
 @given(valid_graphs())
 def test_valid_graphs_have_no_problems(graph: Graph) -> None:
     assert problems(graph) == []
