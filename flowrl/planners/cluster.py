@@ -1,0 +1,326 @@
+"""Cluster specs: hosts x devices per host, each device's memory, FLOP/s and bandwidths; presets and parsing.
+
+A cluster is ``hosts`` hosts of ``devices_per_host`` identical devices. Device ids run host by
+host: device ``d`` lives on host ``d // devices_per_host``. Every figure is per device:
+
+- ``memory_bytes``: memory one device holds (HBM on a GPU; on the ``cpu`` preset, the host's RAM
+  divided by its cores, since there a device is one core);
+- ``peak_flops``: dense FLOP/s at the compute dtype (bf16 on GPUs, float32 on CPU);
+  ``peak_flops_8bit``: the same for 8-bit weights (FP8 on H100/H200; 0 = not supported);
+- ``memory_bandwidth``: bytes/s between the device and its own memory;
+- ``intra_host_bandwidth`` / ``inter_host_bandwidth``: bytes/s one device can send in one
+  direction to another device on the same host (NVLink) / on another host (its NIC share);
+- ``kernel_overhead_s``: fixed cost of launching one operator (dominant for tiny models on CPU).
+
+String forms (``parse_cluster``)::
+
+    1024xH100       1024 H100s, 8 per host (128 hosts)
+    128x8xH100      128 hosts x 8 H100s
+    4xA100          one host with 4 A100s
+    cpu             this machine, one device per core (uncalibrated defaults)
+    cpu:4           this machine's figures, 4 cores
+    my_cluster.json / my_cluster.toml   a ClusterSpec file (e.g. from ``flowrl calibrate -o cpu.json``)
+
+Example:
+    >>> c = parse_cluster("128x8xH100")
+    >>> c.n_devices, c.device.name
+    (1024, 'H100')
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from flowrl.errors import PlanError
+
+__all__ = [
+    "DeviceSpec",
+    "ClusterSpec",
+    "DEVICE_PRESETS",
+    "CLUSTER_FORMS",
+    "parse_cluster",
+    "cpu_device",
+    "cpu_cluster",
+    "load_cluster_file",
+    "cluster_to_json",
+]
+
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+CLUSTER_FORMS = (
+    "CLUSTER is one of: 'NxDEVICE' (e.g. '1024xH100': N devices, 8 per host), 'HxDxDEVICE' "
+    "(e.g. '128x8xH100': H hosts of D devices), 'cpu' (this machine, one device per core), "
+    "'cpu:N' (N cores of this machine), or a .json/.toml ClusterSpec file (e.g. written by "
+    "'flowrl calibrate -o cpu.json'). DEVICE is one of: " + ", ".join(("H100", "H200", "A100")) + "."
+)
+
+
+class DeviceSpec(msgspec.Struct, **_STRUCT):
+    """One device's figures (see the module docstring for units).
+
+    Attributes:
+        name: short name used in cluster strings (``"H100"``, ``"cpu"``).
+        kind: ``"gpu"`` or ``"cpu"``; on ``"cpu"`` a device is one core and the runtime pins to it.
+        memory_bytes: device memory.
+        peak_flops: dense FLOP/s at ``compute_dtype``.
+        peak_flops_8bit: dense FLOP/s with 8-bit weights and activations; 0 when unsupported.
+        memory_bandwidth: device-memory bytes/s.
+        intra_host_bandwidth: bytes/s per device per direction to a device on the same host.
+        inter_host_bandwidth: bytes/s per device per direction to a device on another host.
+        intra_host_latency_s: fixed cost of one step (hop) of a collective among devices of one host.
+        inter_host_latency_s: fixed cost of one step (hop) of a collective that crosses hosts.
+        kernel_overhead_s: fixed cost of one operator launch.
+        compute_dtype: the dtype ``peak_flops`` refers to, and the trainer's parameter dtype.
+        default_devices_per_host: devices per host assumed by the ``NxDEVICE`` form.
+    """
+
+    name: str
+    kind: Literal["gpu", "cpu"] = "gpu"
+    memory_bytes: int
+    peak_flops: float
+    peak_flops_8bit: float = 0.0
+    memory_bandwidth: float
+    intra_host_bandwidth: float
+    inter_host_bandwidth: float
+    intra_host_latency_s: float = 2e-6
+    inter_host_latency_s: float = 5e-6
+    kernel_overhead_s: float = 2e-6
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    default_devices_per_host: int = 8
+
+    def __post_init__(self) -> None:
+        for field in ("memory_bytes", "peak_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
+            value = getattr(self, field)
+            if not (value > 0 and value < float("inf")):
+                raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number > 0")
+        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s"):
+            value = getattr(self, field)
+            if not (value >= 0 and value < float("inf")):
+                raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number >= 0")
+        if self.default_devices_per_host < 1:
+            raise PlanError(f"DeviceSpec {self.name!r}: default_devices_per_host={self.default_devices_per_host} must be >= 1")
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of one element of ``compute_dtype``."""
+        return 2 if self.compute_dtype == "bfloat16" else 4
+
+
+class ClusterSpec(msgspec.Struct, **_STRUCT):
+    """``hosts`` x ``devices_per_host`` identical devices.
+
+    Attributes:
+        name: how the cluster was named (``"1024xH100"``, ``"cpu:2"``); plans record it.
+        hosts: number of hosts.
+        devices_per_host: devices on each host.
+        device: the figures of one device.
+    """
+
+    name: str
+    hosts: int
+    devices_per_host: int
+    device: DeviceSpec
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.devices_per_host < 1:
+            raise PlanError(
+                f"cluster {self.name!r}: hosts={self.hosts} and devices_per_host={self.devices_per_host} must both be >= 1"
+            )
+
+    @property
+    def n_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    def host_of(self, device: int) -> int:
+        return device // self.devices_per_host
+
+    def with_devices(self, hosts: int, devices_per_host: int | None = None) -> ClusterSpec:
+        """The same devices, a different count (used by the scaling property and benches)."""
+        dph = devices_per_host or self.devices_per_host
+        return ClusterSpec(name=f"{hosts}x{dph}x{self.device.name}", hosts=hosts, devices_per_host=dph, device=self.device)
+
+
+GiB = 1024**3
+
+#: Public datasheet figures (dense, no sparsity). Bandwidths are per direction, per device.
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    "H100": DeviceSpec(
+        name="H100",
+        memory_bytes=80 * GiB,
+        peak_flops=989e12,  # H100 SXM bf16 dense
+        peak_flops_8bit=1979e12,  # FP8 dense
+        memory_bandwidth=3.35e12,  # HBM3
+        intra_host_bandwidth=450e9,  # NVLink 4: 900 GB/s bidirectional
+        inter_host_bandwidth=50e9,  # one 400 Gb/s NIC per GPU
+    ),
+    "H200": DeviceSpec(
+        name="H200",
+        memory_bytes=141 * 10**9,
+        peak_flops=989e12,
+        peak_flops_8bit=1979e12,
+        memory_bandwidth=4.8e12,  # HBM3e
+        intra_host_bandwidth=450e9,
+        inter_host_bandwidth=50e9,
+    ),
+    "A100": DeviceSpec(
+        name="A100",
+        memory_bytes=80 * GiB,
+        peak_flops=312e12,  # A100 SXM bf16 dense
+        peak_flops_8bit=0.0,  # no FP8
+        memory_bandwidth=2.039e12,
+        intra_host_bandwidth=300e9,  # NVLink 3: 600 GB/s bidirectional
+        inter_host_bandwidth=25e9,  # one 200 Gb/s NIC per GPU
+    ),
+}
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume 8 GiB
+        return 8 * GiB
+
+
+def _host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_device(
+    *,
+    cores: int | None = None,
+    memory_bytes: int | None = None,
+    peak_flops: float = 30e9,
+    memory_bandwidth: float = 8e9,
+    kernel_overhead_s: float = 10e-6,
+    name: str = "cpu",
+) -> DeviceSpec:
+    """One core of this machine as a device.
+
+    The defaults are deliberately round, uncalibrated guesses for one modern x86 core in float32
+    (``flowrl calibrate`` measures the real ones): 30 GFLOP/s matmul, 8 GB/s memory copy, 10 us per
+    operator launch. A core's memory is the host's RAM divided by its cores; a collective between
+    cores is a memory copy, so both bandwidths are ``memory_bandwidth``.
+    """
+    n = cores or _host_cores()
+    mem = memory_bytes if memory_bytes is not None else _host_memory_bytes() // n
+    return DeviceSpec(
+        name=name,
+        kind="cpu",
+        memory_bytes=mem,
+        peak_flops=peak_flops,
+        peak_flops_8bit=0.0,
+        memory_bandwidth=memory_bandwidth,
+        intra_host_bandwidth=memory_bandwidth,
+        inter_host_bandwidth=memory_bandwidth,
+        intra_host_latency_s=1e-6,
+        inter_host_latency_s=1e-6,
+        kernel_overhead_s=kernel_overhead_s,
+        compute_dtype="float32",
+        default_devices_per_host=n,
+    )
+
+
+def cpu_cluster(cores: int | None = None, *, device: DeviceSpec | None = None) -> ClusterSpec:
+    """This machine: one host, one device per core (``cores`` of them; default: all usable cores)."""
+    n = cores or _host_cores()
+    if n < 1:
+        raise PlanError(f"cpu cluster: cores={n} must be >= 1")
+    dev = device or cpu_device(cores=_host_cores())
+    return ClusterSpec(name="cpu" if cores is None else f"cpu:{n}", hosts=1, devices_per_host=n, device=dev)
+
+
+def cluster_to_json(cluster: ClusterSpec) -> bytes:
+    """The cluster as indented JSON (what ``flowrl calibrate -o`` writes and ``--cluster FILE`` reads)."""
+    return msgspec.json.format(msgspec.json.encode(cluster), indent=2) + b"\n"
+
+
+def load_cluster_file(path: str | Path) -> ClusterSpec:
+    """A ClusterSpec from a .json or .toml file; never runs code.
+
+    Raises:
+        PlanError: naming the file and what is wrong with it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"cluster file {str(path)!r} does not exist. {CLUSTER_FORMS}")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PlanError(f"cannot read cluster file {str(path)!r}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            try:
+                raw = tomllib.loads(data.decode("utf-8"))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
+            return msgspec.convert(raw, type=ClusterSpec)
+        return msgspec.json.decode(data, type=ClusterSpec)
+    except msgspec.ValidationError as exc:
+        raise PlanError(
+            f"cluster file {str(path)!r} does not match the ClusterSpec schema: {exc}; "
+            "expected fields name, hosts, devices_per_host and device{name, memory_bytes, peak_flops, "
+            "memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth, ...}"
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise PlanError(f"cluster file {str(path)!r} is not valid JSON: {exc}") from None
+
+
+_N_DEV = re.compile(r"^(\d+)x([A-Za-z][A-Za-z0-9]*)$")
+_H_D_DEV = re.compile(r"^(\d+)x(\d+)x([A-Za-z][A-Za-z0-9]*)$")
+_CPU = re.compile(r"^cpu(?::(\d+))?$")
+
+
+def _preset(name: str, text: str) -> DeviceSpec:
+    for key, spec in DEVICE_PRESETS.items():
+        if key.lower() == name.lower():
+            return spec
+    raise PlanError(f"cluster {text!r}: unknown device {name!r}; known devices: {', '.join(DEVICE_PRESETS)}. {CLUSTER_FORMS}")
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """The cluster named by ``text`` (see the module docstring for the forms).
+
+    Raises:
+        PlanError: listing the accepted forms when ``text`` matches none of them.
+
+    Example:
+        >>> parse_cluster("1024xH100").hosts
+        128
+    """
+    text = text.strip()
+    if text.endswith((".json", ".toml")):
+        return load_cluster_file(text)
+    if m := _CPU.match(text):
+        cores = int(m.group(1)) if m.group(1) else None
+        if cores is not None and cores < 1:
+            raise PlanError(f"cluster {text!r}: cores={cores} must be >= 1")
+        return cpu_cluster(cores)
+    if m := _H_D_DEV.match(text):
+        hosts, dph, dev = int(m.group(1)), int(m.group(2)), _preset(m.group(3), text)
+        if hosts < 1 or dph < 1:
+            raise PlanError(f"cluster {text!r}: hosts={hosts} and devices per host={dph} must both be >= 1")
+        return ClusterSpec(name=f"{hosts}x{dph}x{dev.name}", hosts=hosts, devices_per_host=dph, device=dev)
+    if m := _N_DEV.match(text):
+        n, dev = int(m.group(1)), _preset(m.group(2), text)
+        per_host = dev.default_devices_per_host
+        if n < 1:
+            raise PlanError(f"cluster {text!r}: device count {n} must be >= 1")
+        if n <= per_host:
+            return ClusterSpec(name=f"{n}x{dev.name}", hosts=1, devices_per_host=n, device=dev)
+        if n % per_host:
+            raise PlanError(
+                f"cluster {text!r}: {n} {dev.name}s do not fill hosts of {per_host} ({n} % {per_host} = {n % per_host}); "
+                f"write it as HOSTSxPER_HOSTx{dev.name}, e.g. '{-(-n // per_host)}x{per_host}x{dev.name}'"
+            )
+        return ClusterSpec(name=f"{n}x{dev.name}", hosts=n // per_host, devices_per_host=per_host, device=dev)
+    raise PlanError(f"cannot parse cluster {text!r}. {CLUSTER_FORMS}")

@@ -1,0 +1,154 @@
+"""Generation time and memory: compute-bound prefill, memory-bound decode, KV cache, tensor-parallel traffic.
+
+Notation as in ``train``; each of the dp replicas (tp * pp devices) generates ``ceil(S / dp)``
+completions, batched; ``wb`` is bytes per weight in the generator's precision (LlamaRL samples with
+FP8 weights), ``kvb`` bytes per KV element. Per device::
+
+    weights    = P * wb / (tp * pp)
+    kv_token   = 2 * (L/pp) * ceil(kv_heads / tp) * head_dim * kvb     # KV heads replicate when tp > kv_heads
+    batch      = min(ceil(S/dp), (budget - reserved - weights - workspace) // (s * kv_token))
+    waves      = ceil(ceil(S/dp) / batch)                 # rounds when the KV cache cannot hold them all
+
+Time of one wave of ``b`` completions::
+
+    prefill    = b * prompt_len * F_tok(prompt_len / 2) / (tp * pp * peak * mfu_prefill)
+                 + L * 2 * all_reduce(b * prompt_len * h * 2, tp) + L * ops_per_layer * kernel_overhead
+    stage      = max( (weights + b * ctx * kv_token + b * V * 4 / (tp*pp)) / (mem_bw * mem_eff),   # read
+                      b * F_tok(ctx) / (tp * pp * peak * mfu_decode) )                              # compute
+    token      = pp * (stage + (L/pp) * 2 * all_reduce(b * h * 2, tp) + (L/pp) * ops_per_layer * kernel_overhead)
+                 + (pp - 1) * send(b * h * 2)
+    decode     = gen_len * token,        ctx = prompt_len + gen_len / 2 (mean keys attended)
+    G          = waves * (prefill + decode)
+
+The decode step reads every weight once per generated token, so it is bound by memory bandwidth:
+tp splits those reads over tp devices (and pays two all-reduces per layer per token); pp splits
+memory but not the time of one token, since the stages of one token run one after another.
+Prefill is counted per completion (no prefix sharing between the samples of one prompt).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from flowrl.planners.estimate.common import (
+    GiB,
+    Context,
+    MemoryBreakdown,
+    NodeEstimate,
+    all_reduce_s,
+    axis_link,
+    precision_bytes,
+    send_s,
+)
+from flowrl.planners.estimate.train import memory_budget
+from flowrl.planners.modelspec import ModelSpec
+from flowrl.planners.parallel import ParallelDims
+
+__all__ = ["estimate_generate", "generator_dtype"]
+
+
+def generator_dtype(node_precision: str, ctx: Context) -> str:
+    """The generator's weight dtype: the ``gen_precision`` tuning override, else the node's own."""
+    return ctx.tuning.gen_precision or node_precision
+
+
+def _peak(dtype: str, ctx: Context) -> float:
+    dev = ctx.cluster.device
+    if dtype == "float8" and dev.peak_flops_8bit > 0:
+        return dev.peak_flops_8bit
+    if dtype == "float32" and dev.kind == "gpu":
+        return dev.peak_flops / 2  # TF32 tensor cores run at half the bf16 rate
+    return dev.peak_flops
+
+
+def estimate_generate(
+    model: ModelSpec,
+    dims: ParallelDims,
+    devices: Sequence[int],
+    ctx: Context,
+    *,
+    precision: str = "bfloat16",
+    reserved_bytes: float = 0.0,
+    node: str = "gen",
+) -> NodeEstimate:
+    """Seconds to generate one step's completions on this mesh, and bytes per device.
+
+    Args:
+        precision: the generator's weight dtype (``generator_dtype`` resolves the tuning override).
+        reserved_bytes: bytes per device held by colocated nodes (their weights and optimizer states);
+            the KV cache gets what is left.
+
+    Example:
+        >>> from flowrl.planners.cluster import parse_cluster
+        >>> from flowrl.planners.modelspec import model_preset
+        >>> from flowrl.planners.tuning import Tuning
+        >>> from flowrl.planners.workload import Workload
+        >>> ctx = Context(cluster=parse_cluster("8xH100"), tuning=Tuning(),
+        ...               workload=Workload(prompts_per_step=64, samples_per_prompt=4, prompt_len=256, gen_len=256))
+        >>> est = estimate_generate(model_preset("llama3-8b"), ParallelDims(dp=8), range(8), ctx)
+        >>> est.feasible, est.notes
+        (True, ('batch 32 x 1 wave', 'bfloat16 weights'))
+    """
+    c, t, w = ctx.cluster, ctx.tuning, ctx.workload
+    dev = c.device
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
+    wb = precision_bytes(precision)
+    kvb = t.kv_bytes or (2 if dev.kind == "gpu" else wb)
+    ab = 2 if dev.kind == "gpu" else dev.dtype_bytes
+    h, L, V = model.dim, model.n_layers, model.vocab_size
+    layers = L / pp
+    per_replica = math.ceil(w.sequences / dp)
+    weights = int(model.params * wb / (tp * pp))
+    kv_token = 2 * layers * math.ceil(model.n_kv_heads / tp) * model.head_dim * kvb
+    kv_seq = w.seq_len * kv_token
+    prefill_chunk = min(per_replica * w.prompt_len, 8192)
+    workspace = int(prefill_chunk * (8 * h + 3 * model.ffn_dim) * ab / tp + min(per_replica, 1024) * V * 4 / tp)
+
+    budget = memory_budget(ctx)
+    room = budget - reserved_bytes - weights - workspace
+    max_batch = int(room // kv_seq) if room > 0 else 0
+    if max_batch < 1:
+        need = reserved_bytes + weights + workspace + kv_seq
+        memory = MemoryBreakdown(weights=weights, kv_cache=int(kv_seq), workspace=workspace)
+        problem = (
+            f"node {node!r} ({model.name} generation on {dims.short()}, {precision} weights) needs {need / GiB:.1f} GiB per device "
+            f"for its weights ({weights / GiB:.1f}) and one sequence of KV cache ({kv_seq / GiB:.2f})"
+            + (f" beside {reserved_bytes / GiB:.1f} GiB held by colocated nodes" if reserved_bytes else "")
+            + f"; a {dev.name} has {dev.memory_bytes / GiB:.1f} GiB x memory_util {t.memory_util:g} = {budget / GiB:.1f} GiB, "
+            f"{(need - budget) / GiB:.1f} GiB over"
+        )
+        return NodeEstimate(time_s=math.inf, memory=memory, feasible=False, problem=problem)
+    waves = math.ceil(per_replica / min(max_batch, per_replica))
+    b = math.ceil(per_replica / waves)
+
+    tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
+    pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
+    peak = _peak(precision, ctx)
+    mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
+    launch_layer = t.ops_per_layer * dev.kernel_overhead_s
+
+    p_tok = b * w.prompt_len
+    prefill_compute = p_tok * model.forward_flops_per_token(w.prompt_len / 2) / (tp * pp * peak * t.mfu_prefill)
+    prefill_comm = L * 2 * all_reduce_s(p_tok * h * ab, tp, tp_link) if tp_link else 0.0
+    prefill = prefill_compute + prefill_comm + L * launch_layer
+
+    ctx_len = w.prompt_len + w.gen_len / 2
+    read = weights + b * ctx_len * kv_token + b * V * 4 / (tp * pp)
+    t_read = read / mem_bw
+    t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * peak * t.mfu_decode)
+    stage = max(t_read, t_compute)
+    tp_tok = layers * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
+    token = pp * (stage + tp_tok + layers * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
+    decode = w.gen_len * token
+
+    memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
+    breakdown = {
+        "prefill": waves * prefill,
+        "decode_memory" if t_read >= t_compute else "decode_compute": waves * w.gen_len * pp * stage,
+        "tp_comm": waves * (w.gen_len * pp * tp_tok + prefill_comm),
+        "launch": waves * (w.gen_len * pp * layers * launch_layer + L * launch_layer),
+        "pp_comm": waves * w.gen_len * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0),
+    }
+    notes = (f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights")
+    return NodeEstimate(time_s=waves * (prefill + decode), memory=memory, breakdown=breakdown, notes=notes)

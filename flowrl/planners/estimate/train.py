@@ -1,0 +1,268 @@
+"""Training-step time and memory of a policy (and forward-only passes of a reference model).
+
+Notation: S sequences of s tokens per step (``Workload``), model of L layers, width h, MLP width f,
+vocabulary V, P parameters; mesh dp x tp x pp; micro-batches of ``mb`` sequences, so each
+data-parallel rank runs ``m = ceil(ceil(S / dp) / mb)`` micro-batches.
+
+Time of one optimizer step::
+
+    F_tok       = 2 * matmul_params + 4 * L * h * (s / 2)            # forward FLOPs/token, causal
+    passes      = 3 (forward + backward) + 1 if activation checkpointing + 1 if log-probs are recomputed
+    t_mb        = passes * [ mb*s * F_tok / pp / (tp * peak * mfu_train)          # compute of one stage
+                             + (L/pp) * 2 * all_reduce(mb*s*h*act_bytes, tp)      # tp: 2 per layer
+                             + (L/pp) * ops_per_layer * kernel_overhead ]         # launches
+                  + 2 * send(mb*s*h*act_bytes) if pp > 1                          # stage-to-stage
+    pipeline    = (m + pp - 1) * t_mb                                  # 1F1B: pp - 1 bubble slots
+    grad_sync   = (1 - dp_overlap) * all_reduce(P/(tp*pp) * grad_bytes, dp)
+    optimizer   = P/(tp*pp) * (param_bytes + grad_bytes + 2 * optimizer_bytes / shard) / mem_bw
+                  + param_tensors * 10 * kernel_overhead  (+ all_gather of the params if sharded)
+    T           = pipeline + grad_sync + optimizer
+
+Memory per device::
+
+    weights = P/(tp*pp) * param_bytes;  grads = P/(tp*pp) * grad_bytes
+    optimizer = P/(tp*pp) * optimizer_bytes / (dp if shard_optimizer else 1)
+    per_layer  = mb*s * (8h + 3f) * act_bytes / tp          # stored activations of one layer
+    activations = min(pp, m) * (L/pp) * per_layer            # 1F1B keeps up to pp micro-batches
+                = min(pp, m) * (L/pp) * mb*s*h*act_bytes/tp + per_layer   with checkpointing
+    workspace   = mb*s * V * 8 / tp                          # fp32 logits and their gradient
+
+Parameters are assumed evenly spread over stages (the first and last stages also hold the
+embedding and output head; for Llama-3 405B at tp=8 that is about 2 GiB more on those two).
+The estimate tries every power-of-two micro-batch (or the one the optimizer config fixes) with
+and without checkpointing and keeps the fastest that fits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from flowrl.planners.estimate.common import (
+    GiB,
+    Context,
+    MemoryBreakdown,
+    NodeEstimate,
+    all_gather_s,
+    all_reduce_s,
+    axis_link,
+    send_s,
+)
+from flowrl.planners.modelspec import ModelSpec
+from flowrl.planners.parallel import ParallelDims
+
+__all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget"]
+
+
+def memory_budget(ctx: Context) -> float:
+    """Bytes per device the planner may fill: device memory x ``memory_util``."""
+    return ctx.cluster.device.memory_bytes * ctx.tuning.memory_util
+
+
+def _micro_batches(per_rank: int, fixed: int) -> list[int]:
+    if fixed > 0:
+        return [min(fixed, per_rank)]
+    sizes, mb = [], 1
+    while mb < per_rank:
+        sizes.append(mb)
+        mb *= 2
+    sizes.append(per_rank)
+    return sizes
+
+
+class TrainOption(NamedTuple):
+    """One (micro-batch, checkpointing) choice: its step time and bytes per device."""
+
+    time_s: float
+    memory_total: int
+    micro_batch: int
+    checkpointing: bool
+
+
+class TrainOptions:
+    """Every option of one node on one mesh, fastest first; ``estimate(option)`` details one.
+
+    Computing a full ``NodeEstimate`` for each of the ~24 options of each of the thousands of
+    meshes a search visits would dominate its run time, so options stay tuples until chosen.
+    """
+
+    def __init__(self, options: list[TrainOption], detail: Callable[[TrainOption], NodeEstimate]) -> None:
+        self.options = options
+        self._detail = detail
+
+    def estimate(self, option: TrainOption) -> NodeEstimate:
+        return self._detail(option)
+
+
+def train_options(
+    model: ModelSpec,
+    dims: ParallelDims,
+    devices: Sequence[int],
+    ctx: Context,
+    *,
+    forward_only: bool = False,
+    recompute_logprobs: bool = False,
+    micro_batch: int = 0,
+) -> TrainOptions:
+    """Every (micro-batch, checkpointing) option for this mesh, fastest first, feasible or not.
+
+    Args:
+        forward_only: a reference model: one forward pass, no gradients or optimizer.
+        recompute_logprobs: add a forward pass for old-policy log-probs (PPO/GRPO).
+        micro_batch: sequences per micro-batch; 0 lets the estimate choose.
+    """
+    c, t, w = ctx.cluster, ctx.tuning, ctx.workload
+    dev = c.device
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
+    pb = t.param_bytes or dev.dtype_bytes
+    ob = t.optimizer_bytes or (12 if pb <= 2 else 8)
+    gb = t.grad_bytes
+    ab = dev.dtype_bytes
+    h, f, L, V = model.dim, model.ffn_dim, model.n_layers, model.vocab_size
+    layers = L / pp
+    s = w.seq_len
+    per_rank = math.ceil(w.sequences / dp)
+    f_tok = model.forward_flops_per_token(s / 2)
+    p_dev = model.params / (tp * pp)
+
+    tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
+    pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
+    dp_link = axis_link(c, t, devices, dims, "dp") if dp > 1 else None
+
+    weights = int(p_dev * pb)
+    if forward_only:
+        grads = optim = 0
+        grad_sync = optimizer_s = 0.0
+    else:
+        grads = int(p_dev * gb)
+        shard = dp if t.shard_optimizer else 1
+        optim = int(p_dev * ob / shard)
+        grad_sync = (1 - t.dp_overlap) * all_reduce_s(p_dev * gb, dp, dp_link) if dp_link else 0.0
+        tensors = 9 * L + 3
+        optimizer_s = p_dev * (pb + gb + 2 * ob / shard) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+        optimizer_s += tensors * 10 * dev.kernel_overhead_s
+        if t.shard_optimizer and dp_link:
+            optimizer_s += all_gather_s(p_dev * pb, dp, dp_link)
+    resident = weights + grads + optim
+
+    if forward_only:
+        ckpt_choices = (False,)
+    elif t.activation_checkpointing == "auto":
+        ckpt_choices = (False, True)
+    else:
+        ckpt_choices = (t.activation_checkpointing == "on",)
+
+    def parts(mb: int, ckpt: bool) -> tuple[float, dict[str, float], MemoryBreakdown]:
+        m = math.ceil(per_rank / mb)
+        tok = mb * s
+        per_layer = tok * (8 * h + 3 * f) * ab / tp
+        workspace = int(tok * V * (4 if forward_only else 8) / tp)
+        passes = 1 if forward_only else 3 + int(ckpt) + int(recompute_logprobs)
+        compute = passes * tok * f_tok / pp / (tp * dev.peak_flops * t.mfu_train)
+        tp_comm = passes * layers * 2 * all_reduce_s(tok * h * ab, tp, tp_link) if tp_link else 0.0
+        launches = passes * layers * t.ops_per_layer * dev.kernel_overhead_s
+        p2p = (1 if forward_only else 2) * send_s(tok * h * ab, pp_link) if pp_link else 0.0
+        t_mb = compute + tp_comm + launches + p2p
+        if forward_only:
+            acts = int(per_layer)
+        elif ckpt:
+            acts = int(min(pp, m) * layers * tok * h * ab / tp + per_layer)
+        else:
+            acts = int(min(pp, m) * layers * per_layer)
+        memory = MemoryBreakdown(weights=weights, grads=grads, optimizer=optim, activations=acts, workspace=workspace)
+        breakdown = {
+            "compute": m * compute,
+            "tp_comm": m * tp_comm,
+            "launch": m * launches,
+            "pp_comm": m * p2p,
+            "bubble": (pp - 1) * t_mb,
+            "dp_comm": grad_sync,
+            "optimizer": optimizer_s,
+        }
+        return (m + pp - 1) * t_mb + grad_sync + optimizer_s, breakdown, memory
+
+    # the hot loop: the same formulas as ``parts``, without building structs
+    options: list[TrainOption] = []
+    tp_ar = (lambda nbytes: all_reduce_s(nbytes, tp, tp_link)) if tp_link else (lambda nbytes: 0.0)
+    for mb in _micro_batches(per_rank, micro_batch):
+        m = -(-per_rank // mb)
+        tok = mb * s
+        per_layer = tok * (8 * h + 3 * f) * ab / tp
+        workspace = int(tok * V * (4 if forward_only else 8) / tp)
+        layer_comm = layers * 2 * tp_ar(tok * h * ab)
+        p2p = (1 if forward_only else 2) * send_s(tok * h * ab, pp_link) if pp_link else 0.0
+        for ckpt in ckpt_choices:
+            passes = 1 if forward_only else 3 + ckpt + recompute_logprobs
+            t_mb = passes * (tok * f_tok / pp / (tp * dev.peak_flops * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
+            if forward_only:
+                acts = int(per_layer)
+            elif ckpt:
+                acts = int(min(pp, m) * layers * tok * h * ab / tp + per_layer)
+            else:
+                acts = int(min(pp, m) * layers * per_layer)
+            options.append(TrainOption((m + pp - 1) * t_mb + grad_sync + optimizer_s, resident + acts + workspace, mb, ckpt))
+    options.sort()
+
+    def detail(option: TrainOption) -> NodeEstimate:
+        time, breakdown, memory = parts(option.micro_batch, option.checkpointing)
+        m = math.ceil(per_rank / option.micro_batch)
+        notes = [f"micro-batch {option.micro_batch} x {m}"]
+        if option.checkpointing:
+            notes.append("activation checkpointing")
+        if recompute_logprobs:
+            notes.append("log-prob recompute")
+        return NodeEstimate(time_s=time, memory=memory, breakdown=breakdown, notes=tuple(notes))
+
+    return TrainOptions(options, detail)
+
+
+def pick_fitting(options: TrainOptions, ctx: Context, reserved_bytes: float, *, node: str, what: str) -> NodeEstimate:
+    """The first option (fastest) whose memory plus ``reserved_bytes`` fits; else the smallest, marked infeasible."""
+    budget = memory_budget(ctx)
+    for option in options.options:
+        if option.memory_total + reserved_bytes <= budget:
+            return options.estimate(option)
+    smallest = options.estimate(min(options.options, key=lambda o: o.memory_total))
+    need = smallest.memory.total + reserved_bytes
+    dev = ctx.cluster.device
+    problem = (
+        f"node {node!r} ({what}) needs {need / GiB:.1f} GiB per device "
+        f"({smallest.memory.resident / GiB:.1f} resident + {smallest.memory.transient / GiB:.1f} transient"
+        + (f" + {reserved_bytes / GiB:.1f} held by colocated nodes" if reserved_bytes else "")
+        + f"); a {dev.name} has {dev.memory_bytes / GiB:.1f} GiB x memory_util {ctx.tuning.memory_util:g} = "
+        f"{budget / GiB:.1f} GiB, {(need - budget) / GiB:.1f} GiB over"
+    )
+    return NodeEstimate(time_s=smallest.time_s, memory=smallest.memory, breakdown=smallest.breakdown, notes=smallest.notes, feasible=False, problem=problem)
+
+
+def estimate_train(
+    model: ModelSpec,
+    dims: ParallelDims,
+    devices: Sequence[int],
+    ctx: Context,
+    *,
+    reserved_bytes: float = 0.0,
+    node: str = "policy",
+    forward_only: bool = False,
+    recompute_logprobs: bool = False,
+    micro_batch: int = 0,
+) -> NodeEstimate:
+    """The fastest option of ``train_options`` that fits beside ``reserved_bytes`` of colocated state.
+
+    Example:
+        >>> from flowrl.planners.cluster import parse_cluster
+        >>> from flowrl.planners.modelspec import model_preset
+        >>> from flowrl.planners.tuning import Tuning
+        >>> from flowrl.planners.workload import Workload
+        >>> ctx = Context(cluster=parse_cluster("8xH100"), tuning=Tuning(),
+        ...               workload=Workload(prompts_per_step=64, samples_per_prompt=4, prompt_len=256, gen_len=256))
+        >>> est = estimate_train(model_preset("llama3-8b"), ParallelDims(dp=2, tp=4), range(8), ctx)
+        >>> est.feasible, round(est.time_s, 1)
+        (True, 4.1)
+    """
+    options = train_options(
+        model, dims, devices, ctx, forward_only=forward_only, recompute_logprobs=recompute_logprobs, micro_batch=micro_batch
+    )
+    what = f"{model.name} {'forward' if forward_only else 'training'} on {dims.short()}"
+    return pick_fitting(options, ctx, reserved_bytes, node=node, what=what)

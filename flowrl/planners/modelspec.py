@@ -1,0 +1,194 @@
+"""Model shapes without weights: parameter counts, FLOPs and KV-cache bytes of decoder-only transformers.
+
+The planner reasons about models far too large for this machine, so it needs only their shape:
+layers, width, heads, KV heads, MLP width, vocabulary. A shape comes from a published preset
+(``llama3-8b``, ``llama3-70b``, ``llama3-405b``), from a Hugging Face ``config.json``, or from the
+built-in model's ``ModelConfig`` (whose ``preset`` field, when set, names a published shape).
+
+Counting (Llama architecture: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)::
+
+    attention params per layer = h*h (q) + 2*h*(kv*hd) (k, v) + h*h (o)
+    mlp params per layer       = 3*h*f
+    params = L*(attention + mlp + 2h) + V*h (embedding) + h (final norm) + V*h (unless tied)
+    forward FLOPs per token    = 2 * matmul_params + 4 * L * h * ctx     (ctx: keys attended to)
+    KV-cache bytes per token   = 2 * L * kv * hd * bytes
+
+where ``matmul_params`` counts every weight matrix a token goes through (layers and output head,
+not the embedding lookup). Example: Llama-3 8B has 8.03e9 parameters.
+
+Example:
+    >>> spec = model_preset("llama3-8b")
+    >>> round(spec.params / 1e9, 2)
+    8.03
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from flowrl.errors import PlanError
+
+if TYPE_CHECKING:
+    from flowrl.graph.configs import ModelConfig
+
+__all__ = ["ModelSpec", "MODEL_PRESETS", "model_preset", "model_from_config", "model_from_hf_config", "resolve_model"]
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The shape of a decoder-only transformer; enough to count parameters, FLOPs and bytes.
+
+    Attributes:
+        name: a short name (preset name, HF ``model_type`` or ``"2L64d"``).
+        n_layers: transformer blocks (L).
+        dim: residual width (h).
+        n_heads: query heads.
+        n_kv_heads: key/value heads (grouped-query attention).
+        ffn_dim: SwiGLU hidden width (f).
+        vocab_size: vocabulary (V).
+        tie_embeddings: the output head shares the embedding matrix.
+    """
+
+    name: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            if getattr(self, field) < 1:
+                raise PlanError(f"model {self.name!r}: {field}={getattr(self, field)} must be >= 1")
+        if self.dim % self.n_heads:
+            raise PlanError(f"model {self.name!r}: n_heads={self.n_heads} must divide dim={self.dim}")
+        if self.n_heads % self.n_kv_heads:
+            raise PlanError(f"model {self.name!r}: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer block (attention, MLP, two norms)."""
+        h, kv = self.dim, self.n_kv_heads * self.head_dim
+        return 2 * h * h + 2 * h * kv + 3 * h * self.ffn_dim + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus (untied) output head."""
+        return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        """Every parameter: blocks, embeddings, output head, final norm."""
+        return self.n_layers * self.layer_params + self.embedding_params + self.dim
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights a token multiplies through in a forward pass: every block's matrices and the output head."""
+        return self.n_layers * (self.layer_params - 2 * self.dim) + self.vocab_size * self.dim
+
+    def forward_flops_per_token(self, ctx: float) -> float:
+        """FLOPs of one token's forward pass when it attends to ``ctx`` keys (see module docstring)."""
+        return 2.0 * self.matmul_params + 4.0 * self.n_layers * self.dim * ctx
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """KV-cache bytes one token occupies across all layers."""
+        return 2.0 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
+    def short(self) -> str:
+        return self.name
+
+
+#: Published shapes (Llama 3 / 3.1 model cards).
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "llama3-8b": ModelSpec(name="llama3-8b", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+    "llama3-70b": ModelSpec(name="llama3-70b", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
+    "llama3-405b": ModelSpec(name="llama3-405b", n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256),
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    """The published shape called ``name``; ``PlanError`` listing the presets if there is none."""
+    key = name.strip().lower()
+    if key not in MODEL_PRESETS:
+        raise PlanError(f"unknown model preset {name!r}; presets: {', '.join(MODEL_PRESETS)}, or a Hugging Face config.json path")
+    return MODEL_PRESETS[key]
+
+
+def model_from_config(config: ModelConfig) -> ModelSpec:
+    """The shape of a graph node's ``ModelConfig``: its ``preset`` when set, else its own dims."""
+    if config.preset:
+        return model_preset(config.preset)
+    return ModelSpec(
+        name=config.short(),
+        n_layers=config.n_layers,
+        dim=config.dim,
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        ffn_dim=config.hidden_dim,
+        vocab_size=config.vocab_size,
+        tie_embeddings=config.tie_embeddings,
+    )
+
+
+_HF_KEYS = {
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "dim": ("hidden_size", "n_embd", "d_model"),
+    "n_heads": ("num_attention_heads", "n_head"),
+    "ffn_dim": ("intermediate_size", "n_inner", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) -> ModelSpec:
+    """The shape in a Hugging Face ``config.json`` (a path or the parsed dict); reads JSON, runs nothing.
+
+    Reads ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``
+    (default: the attention heads), ``intermediate_size``, ``vocab_size`` and
+    ``tie_word_embeddings`` (GPT-2-style names are accepted too).
+
+    Raises:
+        PlanError: naming the file and the missing or malformed key.
+    """
+    where = "config dict"
+    if not isinstance(source, dict):
+        where = str(source)
+        path = Path(source)
+        if not path.is_file():
+            raise PlanError(f"model config {where!r} does not exist; give a preset ({', '.join(MODEL_PRESETS)}) or a config.json path")
+        try:
+            source = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PlanError(f"model config {where!r} is not readable JSON: {exc}") from None
+        if not isinstance(source, dict):
+            raise PlanError(f"model config {where!r} holds a {type(source).__name__}, not a JSON object")
+        name = name or path.parent.name or path.stem
+    values: dict[str, int] = {}
+    for field, keys in _HF_KEYS.items():
+        found = next((source[k] for k in keys if k in source), None)
+        if not isinstance(found, int) or isinstance(found, bool):
+            raise PlanError(f"model config {where!r}: missing or non-integer {keys[0]!r} (got {found!r})")
+        values[field] = found
+    kv = source.get("num_key_value_heads") or values["n_heads"]
+    if not isinstance(kv, int) or isinstance(kv, bool):
+        raise PlanError(f"model config {where!r}: num_key_value_heads={kv!r} must be an integer")
+    tie = bool(source.get("tie_word_embeddings", False))
+    label = name or str(source.get("_name_or_path") or source.get("model_type") or "hf-model")
+    return ModelSpec(name=label, n_kv_heads=kv, tie_embeddings=tie, **values)
+
+
+def resolve_model(text: str) -> ModelSpec:
+    """A model named on the command line: a preset name or a path to a HF ``config.json``."""
+    if text.strip().lower() in MODEL_PRESETS:
+        return model_preset(text)
+    if text.endswith(".json") or Path(text).is_file():
+        return model_from_hf_config(text)
+    return model_preset(text)  # raises, listing the presets

@@ -1,0 +1,184 @@
+"""Parallel dims of one node (dp, tp, pp) and how they lay out over a list of device ids.
+
+A node on ``n`` devices splits them into a mesh with named axes, outermost first::
+
+    AXES = ("pp", "dp", "tp")        mesh_shape = (pp, dp, tp),  dp * tp * pp == n
+
+``tp`` is innermost, so a tensor-parallel group is ``tp`` consecutive devices (one host when
+``tp <= devices_per_host``), data-parallel peers are ``tp`` apart and pipeline stages ``dp * tp``
+apart (Megatron's order). ``fsdp`` and ``cp`` would be further axes; none is modelled yet.
+
+Rules (``ParallelDims.check``): the product equals the device count; tp divides the attention
+heads; pp divides the layers. Each error states the whole equation with its values.
+
+Example:
+    >>> ParallelDims(dp=2, tp=4, pp=2).short()
+    'd2t4p2'
+    >>> ParallelDims.parse("d2t4p2") == ParallelDims(dp=2, tp=4, pp=2)
+    True
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from flowrl.errors import PlanError
+
+if TYPE_CHECKING:
+    from flowrl.planners.modelspec import ModelSpec
+
+__all__ = ["AXES", "ParallelDims", "divisors", "enumerate_dims", "axis_groups", "spans_hosts"]
+
+#: Mesh axis names, outermost first; the order ``mesh_shape`` and ``DeviceMesh`` use.
+AXES: tuple[str, ...] = ("pp", "dp", "tp")
+
+_DIMS_RE = re.compile(r"^(?:d(\d+))?(?:t(\d+))?(?:p(\d+))?$")
+
+
+class ParallelDims(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Data-, tensor- and pipeline-parallel degrees of one node.
+
+    Attributes:
+        dp: data-parallel replicas (each sees a slice of the batch).
+        tp: tensor-parallel degree (each layer's matrices split over tp devices).
+        pp: pipeline stages (layers split into pp consecutive groups).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "tp", "pp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"ParallelDims: {axis}={value!r} must be an integer >= 1")
+
+    @property
+    def size(self) -> int:
+        """Devices the dims occupy: dp * tp * pp."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """Sizes along ``AXES`` (pp, dp, tp)."""
+        return (self.pp, self.dp, self.tp)
+
+    def check(self, devices: int, model: ModelSpec | None = None, *, node: str = "node") -> None:
+        """Raise ``PlanError`` unless the dims fit ``devices`` devices and ``model``'s heads and layers.
+
+        Example:
+            >>> ParallelDims(dp=2, tp=4, pp=2).check(8)
+            Traceback (most recent call last):
+            ...
+            flowrl.errors.PlanError: node 'node': dp(2) * tp(4) * pp(2) = 16 != devices(8); pick dims whose product is 8
+        """
+        if self.size != devices:
+            raise PlanError(
+                f"node {node!r}: dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.size} != devices({devices}); "
+                f"pick dims whose product is {devices}"
+            )
+        if model is not None:
+            if model.n_heads % self.tp:
+                raise PlanError(
+                    f"node {node!r}: tp({self.tp}) must divide the attention heads of {model.name} "
+                    f"(n_heads={model.n_heads}, {model.n_heads} % {self.tp} = {model.n_heads % self.tp})"
+                )
+            if model.n_layers % self.pp:
+                raise PlanError(
+                    f"node {node!r}: pp({self.pp}) must divide the layers of {model.name} "
+                    f"(n_layers={model.n_layers}, {model.n_layers} % {self.pp} = {model.n_layers % self.pp})"
+                )
+
+    def short(self) -> str:
+        """Compact form: ``"d2t4p2"``; axes of size 1 are left out except a lone ``"d1"``."""
+        text = "".join(f"{c}{v}" for c, v in (("d", self.dp), ("t", self.tp), ("p", self.pp)) if v > 1)
+        return text or "d1"
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelDims:
+        """Inverse of ``short`` (``"d4t2"``, ``"t8p2"``, ``"d1"``); missing axes are 1."""
+        m = _DIMS_RE.match(text.strip())
+        if not m or not text.strip():
+            raise PlanError(f"cannot parse parallel dims {text!r}; write e.g. 'd4t2p2' (dp=4, tp=2, pp=2), axes of size 1 may be left out")
+        dp, tp, pp = (int(g) if g else 1 for g in m.groups())
+        return cls(dp=dp, tp=tp, pp=pp)
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order."""
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def enumerate_dims(devices: int, model: ModelSpec, *, max_tp: int | None = None, max_pp: int | None = None) -> Iterator[ParallelDims]:
+    """Every ``ParallelDims`` valid for ``devices`` devices and ``model`` (tp | heads, pp | layers)."""
+    for tp in divisors(devices):
+        if model.n_heads % tp or (max_tp and tp > max_tp):
+            continue
+        for pp in divisors(devices // tp):
+            if model.n_layers % pp or (max_pp and pp > max_pp):
+                continue
+            yield ParallelDims(dp=devices // (tp * pp), tp=tp, pp=pp)
+
+
+def axis_groups(devices: Sequence[int], dims: ParallelDims, axis: str) -> list[tuple[int, ...]]:
+    """The device groups that communicate along ``axis`` (``"tp"``, ``"dp"`` or ``"pp"``).
+
+    Example:
+        >>> axis_groups(range(8), ParallelDims(dp=2, tp=2, pp=2), "dp")
+        [(0, 2), (1, 3), (4, 6), (5, 7)]
+    """
+    pp, dp, tp = dims.mesh_shape
+    if len(devices) != dims.size:
+        raise PlanError(f"dp({dp}) * tp({tp}) * pp({pp}) = {dims.size} != devices({len(devices)})")
+    ids = list(devices)
+    at = lambda p, d, t: ids[(p * dp + d) * tp + t]  # noqa: E731
+    if axis == "tp":
+        return [tuple(at(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)]
+    if axis == "dp":
+        return [tuple(at(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)]
+    if axis == "pp":
+        return [tuple(at(p, d, t) for p in range(pp)) for d in range(dp) for t in range(tp)]
+    raise PlanError(f"unknown mesh axis {axis!r}; axes: {', '.join(AXES)}")
+
+
+def spans_hosts(devices: Sequence[int], dims: ParallelDims, axis: str, devices_per_host: int) -> bool:
+    """Whether any group along ``axis`` has devices on more than one host (then it uses the NIC).
+
+    A contiguous block (a ``range``, as the search builds) is checked in O(devices_per_host**2)
+    without listing its groups: each group is an arithmetic progression, so it straddles hosts iff
+    its first and last devices do, and the group starts repeat modulo the host size.
+    """
+    if axis not in AXES:
+        raise PlanError(f"unknown mesh axis {axis!r}; axes: {', '.join(AXES)}")
+    if len(devices) != dims.size:
+        raise PlanError(f"dp({dims.dp}) * tp({dims.tp}) * pp({dims.pp}) = {dims.size} != devices({len(devices)})")
+    pp, dp, tp = dims.mesh_shape
+    if isinstance(devices, range) and devices.step == 1:
+        h = devices_per_host
+        start = devices.start
+        if axis == "tp":
+            stride, count, firsts = 1, tp, (start + k * tp for k in range(min(dp * pp, h)))
+        elif axis == "dp":
+            stride, count = tp, dp
+            firsts = (start + p * dp * tp + t for p in range(min(pp, h)) for t in range(min(tp, h)))
+        else:
+            stride, count, firsts = dp * tp, pp, (start + x for x in range(min(dp * tp, h)))
+        span = stride * (count - 1)
+        return any(a // h != (a + span) // h for a in firsts)
+    hosts = (np.asarray(devices, dtype=np.int64) // devices_per_host).reshape(dims.mesh_shape)
+    along = AXES.index(axis)
+    return bool((hosts.max(axis=along) != hosts.min(axis=along)).any())

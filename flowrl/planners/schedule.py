@@ -1,0 +1,224 @@
+"""Step time of a placed graph, synchronous and asynchronous, with a predicted timeline of one step.
+
+Resources: nodes whose device sets overlap form one colocation group and run one at a time; each
+host node (source, scorer) is its own resource (a host thread); a loss node runs inside its
+policy's step (time 0, the policy's estimate includes it).
+
+- **Synchronous** (max_staleness 0): one step is the graph run in topological order, each node
+  starting when its producers are done and its resource is free, then every weight sync (which
+  occupies the trainer's and the generator's resources). ``sync_step_s`` is the makespan: about
+  G + score + T + W.
+- **Asynchronous** (max_staleness >= 1): in steady state every resource works on its own batch
+  (the generator one version ahead of the trainer), so a step lasts as long as the busiest
+  resource: ``async_step_s = max over resources of (sum of its nodes' times + (1 - sync_overlap) * W
+  for each weight sync it takes part in)`` - about max(G + W, T + W) when disaggregated, and
+  still G + T + W when colocated, since a colocation group cannot overlap with itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from flowrl.graph.ir import Graph
+from flowrl.planners.estimate.sync import SyncEstimate
+
+__all__ = ["Span", "StepTimes", "colocation_groups", "step_times", "device_ranges"]
+
+
+class Span(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One piece of work in the predicted timeline of a step.
+
+    Attributes:
+        node: the node (or ``"src~>dst"`` for a weight sync).
+        resource: the colocation group (``"devices 0-7"``) or host thread (``"host:reward"``) it occupies.
+        what: ``"generate"``, ``"score"``, ``"train"``, ``"forward"``, ``"source"``, ``"weight sync"``.
+        start_s, end_s: seconds from the start of the step.
+    """
+
+    node: str
+    resource: str
+    what: str
+    start_s: float
+    end_s: float
+
+
+class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
+    """Both step times of one placement, their timelines and the bottleneck of the async one."""
+
+    sync_step_s: float
+    async_step_s: float
+    sync_timeline: tuple[Span, ...]
+    async_timeline: tuple[Span, ...]
+    bottleneck: str
+    busy_s: dict[str, float]
+
+
+_WHAT = {"generator": "generate", "scorer": "score", "policy": "train", "reference": "forward", "source": "source", "loss": "loss"}
+
+
+def colocation_groups(devices: Mapping[str, Sequence[int]]) -> list[list[str]]:
+    """Connected components of nodes whose device sets overlap (nodes with no devices are left out).
+
+    Example:
+        >>> colocation_groups({"gen": (0, 1), "policy": (1, 2), "ref": (3,), "reward": ()})
+        [['gen', 'policy'], ['ref']]
+    """
+    names = sorted(n for n, d in devices.items() if len(d))
+    parent = {n: n for n in names}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if _overlap(devices[a], devices[b]):
+                parent[find(a)] = find(b)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(find(name), []).append(name)
+    return sorted(groups.values())
+
+
+def _overlap(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether two device sets share a device; ranges (the search's meshes) are compared as intervals."""
+    if isinstance(a, range) and isinstance(b, range) and a.step == 1 and b.step == 1:
+        return max(a.start, b.start) < min(a.stop, b.stop)
+    return not set(a).isdisjoint(b)
+
+
+def _resource_names(devices: Mapping[str, Sequence[int]], graph: Graph) -> dict[str, str]:
+    resources: dict[str, str] = {}
+    for group in colocation_groups(devices):
+        label = f"devices {_group_label([devices[n] for n in group])}"
+        for n in group:
+            resources[n] = label
+    for node in graph.nodes:
+        resources.setdefault(node.name, f"host:{node.name}")
+    return resources
+
+
+def _group_label(sets: Sequence[Sequence[int]]) -> str:
+    if all(isinstance(r, range) and r.step == 1 for r in sets):
+        lo, hi = min(r.start for r in sets), max(r.stop for r in sets)  # type: ignore[union-attr]
+        if sum(len(r) for r in sets) >= hi - lo and _covers(sets, lo, hi):
+            return f"{lo}-{hi - 1}" if hi - lo > 1 else f"{lo}"
+    return device_ranges(sorted({d for r in sets for d in r}))
+
+
+def _covers(sets: Sequence[Sequence[int]], lo: int, hi: int) -> bool:
+    reach = lo
+    for r in sorted(sets, key=lambda r: r.start):  # type: ignore[union-attr]
+        if r.start > reach:  # type: ignore[union-attr]
+            return False
+        reach = max(reach, r.stop)  # type: ignore[union-attr]
+    return reach >= hi
+
+
+def device_ranges(ids: Sequence[int]) -> str:
+    """``[0,1,2,3,8,9]`` -> ``"0-3,8-9"``."""
+    parts: list[str] = []
+    start = prev = None
+    for d in ids:
+        if start is None:
+            start = prev = d
+        elif d == prev + 1:  # type: ignore[operator]
+            prev = d
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = d
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(parts)
+
+
+def step_times(
+    graph: Graph,
+    devices: Mapping[str, Sequence[int]],
+    times: Mapping[str, float],
+    syncs: Sequence[SyncEstimate],
+    *,
+    sync_overlap: float = 0.0,
+    order: Sequence[str] | None = None,
+    producers: Mapping[str, Sequence[str]] | None = None,
+) -> StepTimes:
+    """Predicted sync and async step times of a placed graph (see the module docstring).
+
+    Args:
+        devices: node -> device ids (empty for host nodes; a loss node has its policy's).
+        times: node -> seconds per step.
+        syncs: one estimate per weight edge.
+        sync_overlap: fraction of each weight sync hidden behind compute in async mode.
+        order, producers: the graph's topological order and producers, when the caller has them
+            already (the search evaluates thousands of placements of one graph).
+    """
+    resource = _resource_names(devices, graph)
+    if order is None:
+        order = [n.name for n in graph.topological_order()]
+    if producers is None:
+        producers = {n: [p.name for p in graph.producers(n)] for n in order}
+    kinds = {n.name: n.kind for n in graph.nodes}
+
+    # synchronous: list-schedule in topological order, then the weight syncs
+    free: dict[str, float] = {}
+    end: dict[str, float] = {}
+    sync_spans: list[Span] = []
+    for name in order:
+        res = resource[name]
+        ready = max((end[p] for p in producers[name]), default=0.0)
+        start = max(ready, free.get(res, 0.0))
+        stop = start + times.get(name, 0.0)
+        end[name] = stop
+        free[res] = stop
+        sync_spans.append(Span(node=name, resource=res, what=_WHAT.get(kinds[name], kinds[name]), start_s=start, end_s=stop))
+    for s in syncs:
+        rs = {resource[s.src], resource[s.dst]}
+        start = max([end.get(s.src, 0.0)] + [free.get(r, 0.0) for r in rs])
+        stop = start + s.time_s
+        for r in sorted(rs):
+            free[r] = stop
+            sync_spans.append(Span(node=f"{s.src}~>{s.dst}", resource=r, what="weight sync", start_s=start, end_s=stop))
+    sync_step = max((sp.end_s for sp in sync_spans), default=0.0)
+
+    # asynchronous: each resource busy with its own batch; the busiest sets the pace
+    busy: dict[str, float] = {}
+    async_spans: list[Span] = []
+    for name in order:
+        res = resource[name]
+        t = times.get(name, 0.0)
+        start = busy.get(res, 0.0)
+        busy[res] = start + t
+        async_spans.append(Span(node=name, resource=res, what=_WHAT.get(kinds[name], kinds[name]), start_s=start, end_s=start + t))
+    for s in syncs:
+        exposed = (1.0 - sync_overlap) * s.time_s
+        for r in sorted({resource[s.src], resource[s.dst]}):
+            start = busy.get(r, 0.0)
+            busy[r] = start + exposed
+            async_spans.append(Span(node=f"{s.src}~>{s.dst}", resource=r, what="weight sync", start_s=start, end_s=start + exposed))
+    async_step = max(busy.values(), default=0.0)
+
+    bottleneck = _bottleneck(busy, async_spans, async_step)
+    return StepTimes(
+        sync_step_s=sync_step,
+        async_step_s=async_step,
+        sync_timeline=tuple(sync_spans),
+        async_timeline=tuple(async_spans),
+        bottleneck=bottleneck,
+        busy_s=busy,
+    )
+
+
+def _bottleneck(busy: Mapping[str, float], spans: Sequence[Span], step: float) -> str:
+    if not busy or step <= 0:
+        return "nothing to do"
+    res = max(sorted(busy), key=lambda r: busy[r])
+    mine = [s for s in spans if s.resource == res and s.end_s > s.start_s]
+    if not mine:
+        return res
+    top = max(mine, key=lambda s: s.end_s - s.start_s)
+    share = (top.end_s - top.start_s) / step
+    return f"{top.node} ({top.what} {top.end_s - top.start_s:.3g} s, {share:.0%} of the async step, on {res})"

@@ -1,0 +1,450 @@
+"""The placement search: estimate every enumerated candidate, keep the feasible, rank by predicted step time.
+
+Pipeline (pure functions, no printing or I/O)::
+
+    device_splits(strategy)            # strategies.py: which devices each side gets
+      -> per side, every ParallelDims  # parallel.py: tp | heads, pp | layers, product == devices
+      -> estimate each node            # estimate/: time and memory per device
+      -> step_times                    # schedule.py: sync and async step, timeline
+      -> rank                          # fastest feasible first, one best candidate per device split
+
+Pruning keeps the search fast on 10,000 devices: per disaggregated split, each side keeps its
+``SIDE_TOP`` fastest dims on its own and only their ``SIDE_TOP**2`` pairs are costed together
+(weight sync); per colocated split, every generator dims is paired with the ``COLOCATED_TRAIN_TOP``
+fastest trainer dims, and the ``COLOCATED_FULL`` best pairs by G + T get a full evaluation.
+Estimates are memoised per (node, devices, dims, reserved memory).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flowrl.errors import PlanError
+from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode
+from flowrl.planners.cluster import ClusterSpec
+from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
+from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
+from flowrl.planners.estimate.host import estimate_host
+from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
+from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options
+from flowrl.planners.modelspec import ModelSpec, model_from_config
+from flowrl.planners.parallel import ParallelDims, enumerate_dims
+from flowrl.planners.schedule import StepTimes, step_times
+from flowrl.planners.strategies import DeviceSplit, device_splits
+
+__all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "search_placements", "why_lost"]
+
+SIDE_TOP = 3
+COLOCATED_TRAIN_TOP = 6
+COLOCATED_FULL = 4
+
+Layout = Mapping[str, tuple[Sequence[int], ParallelDims]]
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What the planner needs to know about each node of a graph.
+
+    Attributes:
+        gens, trainers, refs: heavy nodes by side (generators; policies; references).
+        loss_of: loss node -> the policy it runs inside.
+        models: heavy node -> its model shape.
+        gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
+        recompute: policy -> whether its objective needs an extra log-prob forward.
+        micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
+    """
+
+    gens: tuple[str, ...]
+    trainers: tuple[str, ...]
+    refs: tuple[str, ...]
+    loss_of: dict[str, str]
+    models: dict[str, ModelSpec]
+    gen_dtype: dict[str, str]
+    param_bytes: float
+    recompute: dict[str, bool]
+    micro_batch: dict[str, int]
+
+    @property
+    def heavy(self) -> tuple[str, ...]:
+        return self.gens + self.trainers + self.refs
+
+    @property
+    def train_side(self) -> tuple[str, ...]:
+        return self.trainers + self.refs
+
+
+def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) -> Roles:
+    """Sides, model shapes and per-node options of ``graph``; ``model`` overrides every node's shape."""
+    gens, trainers, refs = [], [], []
+    models: dict[str, ModelSpec] = {}
+    gen_dtype: dict[str, str] = {}
+    recompute: dict[str, bool] = {}
+    micro: dict[str, int] = {}
+    loss_of: dict[str, str] = {}
+    for node in graph.nodes:
+        if isinstance(node, GeneratorNode):
+            gens.append(node.name)
+            models[node.name] = model or model_from_config(node.model)
+            gen_dtype[node.name] = generator_dtype(node.sampling.precision, ctx)
+        elif isinstance(node, PolicyNode):
+            trainers.append(node.name)
+            models[node.name] = model or model_from_config(node.model)
+            micro[node.name] = node.optimizer.micro_batch_size
+            loss = graph.loss_of(node.name)
+            objective = loss.loss.objective if isinstance(loss, LossNode) else "aipo"
+            recompute[node.name] = ctx.tuning.recompute_logprobs if ctx.tuning.recompute_logprobs is not None else objective != "aipo"
+        elif isinstance(node, ReferenceNode):
+            refs.append(node.name)
+            models[node.name] = model or model_from_config(node.model)
+    for node in graph.nodes:
+        if isinstance(node, LossNode):
+            users = [u.name for u in graph.users(node.name) if u.kind == "policy"]
+            if users:
+                loss_of[node.name] = users[0]
+            elif trainers:
+                loss_of[node.name] = trainers[0]
+    param_bytes = ctx.tuning.param_bytes or ctx.cluster.device.dtype_bytes
+    return Roles(
+        gens=tuple(gens),
+        trainers=tuple(trainers),
+        refs=tuple(refs),
+        loss_of=loss_of,
+        models=models,
+        gen_dtype=gen_dtype,
+        param_bytes=param_bytes,
+        recompute=recompute,
+        micro_batch=micro,
+    )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One fully estimated placement."""
+
+    family: str
+    split: DeviceSplit | None
+    layout: dict[str, tuple[Sequence[int], ParallelDims]]
+    estimates: dict[str, NodeEstimate]
+    syncs: tuple[SyncEstimate, ...]
+    steps: StepTimes
+    max_staleness: int
+    feasible: bool
+    problem: str = ""
+
+    @property
+    def step_s(self) -> float:
+        """The step time this placement runs at: async when max_staleness >= 1, else sync."""
+        return self.steps.async_step_s if self.max_staleness >= 1 else self.steps.sync_step_s
+
+    def side_times(self, roles: Roles) -> dict[str, float]:
+        """Seconds per step of each part: generation, training side, weight sync, host work."""
+        e = self.estimates
+        return {
+            "generation": sum(e[n].time_s for n in roles.gens),
+            "training": sum(e[n].time_s for n in roles.train_side),
+            "weight sync": sum(s.time_s for s in self.syncs),
+            "host": max((e[n].time_s for n in e if n not in roles.heavy), default=0.0),
+        }
+
+    def short(self) -> str:
+        parts = [f"{n}:{d.short()}@{_span(devs)}" for n, (devs, d) in self.layout.items()]
+        return " | ".join(parts)
+
+
+def _span(devices: Sequence[int]) -> str:
+    if isinstance(devices, range) and devices.step == 1 and len(devices):
+        return f"{devices.start}-{devices.stop - 1}" if len(devices) > 1 else f"{devices.start}"
+    from flowrl.planners.schedule import device_ranges
+
+    return device_ranges(sorted(devices))
+
+
+@dataclass
+class SearchResult:
+    """Ranked feasible candidates (best first) and what the search saw."""
+
+    ranked: list[Candidate]
+    evaluated: int = 0
+    infeasible: int = 0
+    problems: dict[str, NodeEstimate] = field(default_factory=dict)
+
+
+class _Evaluator:
+    """Memoised estimates for one (graph, cluster, workload, tuning); the search's only state."""
+
+    def __init__(self, graph: Graph, roles: Roles, ctx: Context, max_staleness: int) -> None:
+        self.graph, self.roles, self.ctx, self.k = graph, roles, ctx, max_staleness
+        self._train: dict[tuple, TrainOptions] = {}
+        self._nodes: dict[tuple, NodeEstimate] = {}
+        self._sides: dict[tuple, list[tuple[float, ParallelDims]]] = {}
+        self.dph = ctx.cluster.devices_per_host
+        self.order = [n.name for n in graph.topological_order()]
+        self.producers = {n: [p.name for p in graph.producers(n)] for n in self.order}
+        self.problems: dict[str, NodeEstimate] = {}
+        self.evaluated = 0
+        self.host = {n.name: estimate_host(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
+
+    # -- per node ---------------------------------------------------------------------------------
+    def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:
+        key = (name, _key(devices, self.dph), dims)
+        if key not in self._train:
+            r = self.roles
+            self._train[key] = train_options(
+                r.models[name],
+                dims,
+                devices,
+                self.ctx,
+                forward_only=name in r.refs,
+                recompute_logprobs=r.recompute.get(name, False),
+                micro_batch=r.micro_batch.get(name, 0),
+            )
+        return self._train[key]
+
+    def resident(self, name: str, dims: ParallelDims) -> float:
+        """Bytes per device a node keeps allocated for the whole run (weights, grads, optimizer)."""
+        r = self.roles
+        model = r.models[name]
+        if name in r.gens:
+            return model.params * precision_bytes(r.gen_dtype[name]) / (dims.tp * dims.pp)
+        if name in r.refs:
+            return model.params * r.param_bytes / (dims.tp * dims.pp)
+        t = self.ctx.tuning
+        ob = t.optimizer_bytes or (12 if r.param_bytes <= 2 else 8)
+        shard = dims.dp if t.shard_optimizer else 1
+        return model.params / (dims.tp * dims.pp) * (r.param_bytes + t.grad_bytes + ob / shard)
+
+    def node(self, name: str, devices: Sequence[int], dims: ParallelDims, reserved: float) -> NodeEstimate:
+        r = self.roles
+        model = r.models[name]
+        key = (name, _key(devices, self.dph), dims, round(reserved))
+        est = self._nodes.get(key)
+        if est is not None:
+            return est
+        if name in r.gens:
+            est = estimate_generate(model, dims, devices, self.ctx, precision=r.gen_dtype[name], reserved_bytes=reserved, node=name)
+        else:
+            what = f"{model.name} {'forward' if name in r.refs else 'training'} on {dims.short()}"
+            est = pick_fitting(self.train_opts(name, devices, dims), self.ctx, reserved, node=name, what=what)
+        self._nodes[key] = est
+        if not est.feasible:
+            seen = self.problems.get(name)
+            if seen is None or est.memory.total < seen.memory.total:
+                self.problems[name] = est
+        return est
+
+    # -- whole layouts ----------------------------------------------------------------------------
+    def evaluate(self, layout: Layout, family: str, split: DeviceSplit | None = None) -> Candidate:
+        self.evaluated += 1
+        r = self.roles
+        names = list(layout)
+        estimates: dict[str, NodeEstimate] = {}
+        for name in names:
+            devices, dims = layout[name]
+            reserved = sum(self.resident(o, layout[o][1]) for o in names if o != name and _shares(layout[o][0], devices))
+            estimates[name] = self.node(name, devices, dims, reserved)
+        estimates.update(self.host)
+        for loss, policy in r.loss_of.items():
+            estimates[loss] = NodeEstimate(time_s=0.0, memory=MemoryBreakdown(), notes=(f"runs inside {policy}'s step",))
+        syncs = []
+        for edge in self.graph.weight_edges:
+            if edge.src not in layout or edge.dst not in layout:
+                continue
+            (sd, sdims), (dd, ddims) = layout[edge.src], layout[edge.dst]
+            dst_bytes = precision_bytes(r.gen_dtype[edge.dst]) if edge.dst in r.gens else r.param_bytes
+            syncs.append(
+                estimate_sync(
+                    r.models[edge.dst],
+                    src=edge.src,
+                    dst=edge.dst,
+                    transport=edge.transport,
+                    src_devices=sd,
+                    src_dims=sdims,
+                    dst_devices=dd,
+                    dst_dims=ddims,
+                    dst_bytes_per_param=dst_bytes,
+                    src_bytes_per_param=r.param_bytes,
+                    ctx=self.ctx,
+                )
+            )
+        devices = {n: layout[n][0] for n in names}
+        devices.update({loss: layout[p][0] for loss, p in r.loss_of.items() if p in layout})
+        times = {n: e.time_s for n, e in estimates.items()}
+        feasible = all(e.feasible for e in estimates.values())
+        if not feasible:
+            times = {n: (t if math.isfinite(t) else 0.0) for n, t in times.items()}
+        steps = step_times(self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, order=self.order, producers=self.producers)
+        problem = next((e.problem for e in estimates.values() if not e.feasible), "")
+        return Candidate(
+            family=family,
+            split=split,
+            layout={n: layout[n] for n in names},
+            estimates=estimates,
+            syncs=tuple(syncs),
+            steps=steps,
+            max_staleness=self.k,
+            feasible=feasible,
+            problem=problem,
+        )
+
+    # -- one side at a time -----------------------------------------------------------------------
+    def side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
+        """Dims valid for every node of ``side`` on ``devices``, with the side's standalone time (feasible only), fastest first."""
+        if not side:
+            return []
+        key = (tuple(side), _key(devices, self.dph))
+        if key not in self._sides:
+            self._sides[key] = self._side_dims(side, devices)
+        return self._sides[key]
+
+    def _side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
+        models = [self.roles.models[n] for n in side]
+        options = [d for d in enumerate_dims(len(devices), models[0]) if all(m.n_heads % d.tp == 0 and m.n_layers % d.pp == 0 for m in models[1:])]
+        ranked = []
+        for dims in options:
+            total, ok = 0.0, True
+            for name in side:
+                reserved = sum(self.resident(o, dims) for o in side if o != name)
+                est = self.node(name, devices, dims, reserved)
+                if not est.feasible:
+                    ok = False
+                    break
+                total += est.time_s
+            if ok:
+                ranked.append((total, dims))
+        ranked.sort(key=lambda x: (x[0], x[1].tp, x[1].pp))
+        return ranked
+
+
+def _key(devices: Sequence[int], devices_per_host: int) -> object:
+    """Memo key of a mesh: estimates see devices only through which groups straddle hosts, so a
+    contiguous block is fully described by its offset within a host and its length."""
+    if isinstance(devices, range) and devices.step == 1:
+        return ("block", devices.start % devices_per_host, len(devices))
+    return tuple(devices)
+
+
+def _shares(a: Sequence[int], b: Sequence[int]) -> bool:
+    if isinstance(a, range) and isinstance(b, range):
+        return max(a.start, b.start) < min(a.stop, b.stop)
+    return not set(a).isdisjoint(b)
+
+
+def evaluate_layout(graph: Graph, ctx: Context, roles: Roles, layout: Layout, *, max_staleness: int, family: str = "manual") -> Candidate:
+    """Estimate one given placement (``flowrl plan --strategy 'gen:d4@0-3 | policy:d4@4-7'``)."""
+    return _Evaluator(graph, roles, ctx, max_staleness).evaluate(layout, family)
+
+
+def _layout(roles: Roles, split: DeviceSplit, gen_dims: ParallelDims | None, train_dims: ParallelDims | None) -> dict:
+    layout: dict[str, tuple[Sequence[int], ParallelDims]] = {}
+    for n in roles.gens:
+        layout[n] = (split.gen_devices, gen_dims)
+    for n in roles.train_side:
+        layout[n] = (split.train_devices, train_dims)
+    return layout
+
+
+def _colocated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
+    r = ev.roles
+    devices = split.gen_devices
+    gen_opts = [d for _, d in ev.side_dims(r.gens, devices)] if r.gens else [None]
+    train_opts = [d for _, d in ev.side_dims(r.train_side, devices)][:COLOCATED_TRAIN_TOP] if r.train_side else [None]
+    if not gen_opts or not train_opts:
+        return []
+    scored = []
+    for gd in gen_opts:
+        for td in train_opts:
+            layout = _layout(r, split, gd, td)
+            total, ok = 0.0, True
+            for name, (devs, dims) in layout.items():
+                reserved = sum(ev.resident(o, layout[o][1]) for o in layout if o != name)
+                est = ev.node(name, devs, dims, reserved)
+                if not est.feasible:
+                    ok = False
+                    break
+                total += est.time_s
+            if ok:
+                scored.append((total, layout))
+    scored.sort(key=lambda x: x[0])
+    return [ev.evaluate(layout, "colocated", split) for _, layout in scored[:COLOCATED_FULL]]
+
+
+def _disaggregated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
+    r = ev.roles
+    gen_opts = [d for _, d in ev.side_dims(r.gens, split.gen_devices)][:SIDE_TOP]
+    train_opts = [d for _, d in ev.side_dims(r.train_side, split.train_devices)][:SIDE_TOP]
+    return [ev.evaluate(_layout(r, split, gd, td), "disaggregated", split) for gd in gen_opts for td in train_opts]
+
+
+def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: Roles, *, strategy: str, max_staleness: int) -> SearchResult:
+    """Every candidate of ``strategy``, estimated; feasible ones ranked by predicted step time.
+
+    One candidate per device split survives (the fastest dims for it), so the runners-up differ in
+    how devices are divided rather than in a tp degree. Splits are visited in order of a lower
+    bound on their step (each side's fastest standalone time: ``max(G, T)`` when the sides are
+    disjoint, ``G + T`` when colocated) and the visit stops once no remaining split can enter the
+    top ``top_k + 1``: branch and bound, exact for the ranking it returns.
+    """
+    ev = _Evaluator(graph, roles, ctx, max_staleness)
+    splits = device_splits(
+        strategy,
+        cluster.n_devices,
+        ctx.tuning.split_multipliers,
+        devices_per_host=cluster.devices_per_host,
+        has_generator=bool(roles.gens),
+        has_trainer=bool(roles.train_side),
+    )
+    bounded: list[tuple[float, int, DeviceSplit]] = []
+    infeasible = 0
+    for i, split in enumerate(splits):
+        g = ev.side_dims(roles.gens, split.gen_devices)
+        t = ev.side_dims(roles.train_side, split.train_devices)
+        if (roles.gens and not g) or (roles.train_side and not t):
+            infeasible += 1
+            continue
+        g0, t0 = (g[0][0] if g else 0.0), (t[0][0] if t else 0.0)
+        bounded.append((g0 + t0 if split.family == "colocated" else max(g0, t0), i, split))
+    bounded.sort(key=lambda x: (x[0], x[1]))
+    keep = ctx.tuning.top_k + 1
+    best_per_split: list[Candidate] = []
+    steps: list[float] = []
+    for bound, _, split in bounded:
+        if len(steps) >= keep and bound >= steps[keep - 1]:
+            break
+        found = _colocated(ev, split) if split.family == "colocated" else _disaggregated(ev, split)
+        feasible = [c for c in found if c.feasible]
+        infeasible += len(found) - len(feasible)
+        if not found:
+            infeasible += 1
+        if feasible:
+            best = min(feasible, key=_rank)
+            best_per_split.append(best)
+            bisect.insort(steps, best.step_s)
+    best_per_split.sort(key=_rank)
+    return SearchResult(ranked=best_per_split, evaluated=ev.evaluated, infeasible=infeasible, problems=dict(ev.problems))
+
+
+def _rank(c: Candidate) -> tuple[float, float, int]:
+    """Fastest step first; ties go to the faster synchronous step, then to fewer devices."""
+    split = c.split
+    used = 0 if split is None else split.gen_count + (split.train_count if split.family == "disaggregated" else 0)
+    return (round(c.step_s, 12), c.steps.sync_step_s, used)
+
+
+def why_lost(loser: Candidate, winner: Candidate, roles: Roles) -> str:
+    """One line: how much slower ``loser`` is predicted to be than ``winner``, and which part makes it so."""
+    if not loser.feasible:
+        return f"does not fit: {loser.problem}"
+    a, b = loser.step_s, winner.step_s
+    pct = (a / b - 1) * 100 if b > 0 else 0.0
+    lt, wt = loser.side_times(roles), winner.side_times(roles)
+    part = max(lt, key=lambda k: lt[k] - wt[k])
+    text = f"step {a:.3g} s vs {b:.3g} s (+{pct:.0f}%)"
+    if lt[part] > wt[part]:
+        text += f": {part} {lt[part]:.3g} s vs {wt[part]:.3g} s"
+    if loser.family == "colocated" and winner.family == "disaggregated" and loser.max_staleness >= 1:
+        text += "; colocated phases cannot overlap"
+    return text

@@ -1,0 +1,123 @@
+"""The planner's tunable constants: efficiencies, byte sizes and host costs, each a named, documented field.
+
+Every estimate formula reads its constants from one ``Tuning``; ``plan_graph(..., **tuning)`` and
+``flowrl plan --set NAME=VALUE`` override them by name. The defaults are round figures of the kind
+published for Megatron-style training and vLLM-style serving on H100s; none is fitted to a
+particular result (in particular not to LlamaRL's reported speedups).
+
+Example:
+    >>> make_tuning(mfu_train=0.4).mfu_train
+    0.4
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from flowrl.errors import PlanError
+
+__all__ = ["Tuning", "make_tuning", "tuning_help"]
+
+
+class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Constants of the cost and memory model.
+
+    Attributes:
+        mfu_train: fraction of peak FLOP/s the trainer's forward/backward reaches (model FLOPs utilisation).
+        mfu_prefill: fraction of peak FLOP/s the generator's prefill reaches.
+        mfu_decode: fraction of peak FLOP/s the generator's decode reaches when compute-bound.
+        memory_bandwidth_efficiency: fraction of the datasheet memory bandwidth a decode step streams at.
+        link_efficiency: fraction of the datasheet link bandwidth a collective or a copy reaches.
+        ops_per_layer: operator launches per transformer block per forward pass (kernel overhead term).
+        memory_util: fraction of device memory the planner may fill (the rest: allocator slack, buffers).
+        param_bytes: bytes per trainer parameter; None: the device's compute dtype (2 bf16, 4 float32).
+        grad_bytes: bytes per gradient element (float32 accumulation).
+        optimizer_bytes: AdamW state bytes per parameter; None: 12 with bf16 parameters (fp32 master
+            copy + two moments), 8 with float32 parameters (two moments).
+        shard_optimizer: shard optimizer states over the data-parallel axis (ZeRO-1 / Megatron's
+            distributed optimizer).
+        activation_checkpointing: ``"auto"`` turns it on only for nodes that do not fit without it;
+            it costs one more forward pass.
+        dp_overlap: fraction of the data-parallel gradient all-reduce hidden behind the backward pass.
+        recompute_logprobs: an extra forward pass per step for old-policy log-probs; None: only for
+            objectives other than AIPO (AIPO uses the generator's recorded log-probs of mu).
+        gen_precision: dtype of the generator's weights; None: the node's ``sampling.precision``.
+            ``"float8"`` is LlamaRL's choice (halves the bytes each decode step reads).
+        kv_bytes: bytes per KV-cache element; None: 2 on GPUs, the generator's dtype on CPU.
+        scorer_s_per_sample: host seconds a rule scorer spends per completion.
+        source_s_per_prompt: host seconds a source spends per prompt.
+        file_bandwidth: bytes/s of the shared file system the ``file`` weight transport goes through.
+        sync_overlap: fraction of a weight sync hidden behind compute (0: both sides stop for it).
+        split_multipliers: the search tries device counts ``m * 2**k`` for these ``m`` (both for
+            each side of a split and for colocated meshes).
+        top_k: how many losing candidates a plan keeps, each with the reason it lost.
+    """
+
+    mfu_train: float = 0.45
+    mfu_prefill: float = 0.55
+    mfu_decode: float = 0.5
+    memory_bandwidth_efficiency: float = 0.8
+    link_efficiency: float = 0.8
+    ops_per_layer: int = 16
+    memory_util: float = 0.9
+    param_bytes: float | None = None
+    grad_bytes: float = 4.0
+    optimizer_bytes: float | None = None
+    shard_optimizer: bool = True
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    dp_overlap: float = 0.5
+    recompute_logprobs: bool | None = None
+    gen_precision: Literal["float32", "bfloat16", "float16", "float8"] | None = None
+    kv_bytes: float | None = None
+    scorer_s_per_sample: float = 50e-6
+    source_s_per_prompt: float = 5e-6
+    file_bandwidth: float = 2e9
+    sync_overlap: float = 0.0
+    split_multipliers: tuple[int, ...] = (1, 3, 5, 7)
+    top_k: int = 5
+
+    def __post_init__(self) -> None:
+        fractions = ("mfu_train", "mfu_prefill", "mfu_decode", "memory_bandwidth_efficiency", "link_efficiency", "memory_util")
+        for name in fractions:
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise PlanError(f"tuning {name}={value} must be in (0, 1]")
+        for name in ("dp_overlap", "sync_overlap"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise PlanError(f"tuning {name}={value} must be in [0, 1]")
+        for name in ("param_bytes", "optimizer_bytes", "kv_bytes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise PlanError(f"tuning {name}={value} must be > 0 (or None for the default)")
+        for name in ("grad_bytes", "scorer_s_per_sample", "source_s_per_prompt"):
+            if not getattr(self, name) >= 0:
+                raise PlanError(f"tuning {name}={getattr(self, name)} must be >= 0")
+        if not self.file_bandwidth > 0:
+            raise PlanError(f"tuning file_bandwidth={self.file_bandwidth} must be > 0")
+        if self.ops_per_layer < 0:
+            raise PlanError(f"tuning ops_per_layer={self.ops_per_layer} must be >= 0")
+        if self.top_k < 0:
+            raise PlanError(f"tuning top_k={self.top_k} must be >= 0")
+        if not self.split_multipliers or any(m < 1 for m in self.split_multipliers):
+            raise PlanError(f"tuning split_multipliers={self.split_multipliers} must be a non-empty tuple of integers >= 1")
+
+
+def make_tuning(**overrides: Any) -> Tuning:
+    """A ``Tuning`` with ``overrides`` applied; an unknown name is a ``PlanError`` listing the known ones."""
+    known = Tuning.__struct_fields__
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise PlanError(f"unknown tuning parameter(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    try:
+        return msgspec.convert(overrides, type=Tuning, strict=False)
+    except msgspec.ValidationError as exc:
+        raise PlanError(f"bad tuning value: {exc}") from None
+
+
+def tuning_help() -> str:
+    """``name=default`` for every tuning parameter, one per line (for ``flowrl plan --help``)."""
+    defaults = Tuning()
+    return "\n".join(f"  {name}={getattr(defaults, name)!r}" for name in Tuning.__struct_fields__)

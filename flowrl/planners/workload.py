@@ -1,0 +1,94 @@
+"""The workload of one RL step: prompts, samples per prompt, prompt and generation lengths.
+
+Every predicted time depends on it, so a ``Plan`` records it. From a graph it is read off the
+nodes (the source's batch size, the generator's ``n_samples`` and ``max_new_tokens``); a graph
+does not say how long its prompts are, so ``prompt_len`` defaults to the longest prompt the model
+accepts (``max_seq_len - max_new_tokens``), an upper bound. Dry-runs of published models
+(``--model llama3-70b``) use ``LLM_DEFAULTS`` instead, a math-reasoning-sized step.
+
+Example:
+    >>> Workload(prompts_per_step=4, samples_per_prompt=2, prompt_len=10, gen_len=6).tokens_per_step
+    128
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from flowrl.errors import PlanError
+from flowrl.graph.ir import Graph
+
+__all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph"]
+
+
+class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tokens of one trainer step.
+
+    Attributes:
+        prompts_per_step: prompts the trainer consumes per optimizer step.
+        samples_per_prompt: completions per prompt (the AIPO group size).
+        prompt_len: tokens per prompt.
+        gen_len: generated tokens per completion (every completion assumed to run to the limit).
+    """
+
+    prompts_per_step: int
+    samples_per_prompt: int
+    prompt_len: int
+    gen_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "prompt_len", "gen_len"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"workload {name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def sequences(self) -> int:
+        """Completions per step: prompts x samples."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens the trainer processes per step (prompt + completion of every sequence)."""
+        return self.sequences * self.seq_len
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.sequences * self.gen_len
+
+    def short(self) -> str:
+        return (
+            f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples, "
+            f"{self.prompt_len}+{self.gen_len} tokens ({self.tokens_per_step:,} tokens/step)"
+        )
+
+
+#: Workload of the ``--model`` dry-runs: 2048 completions of 512 + 2048 tokens (5.2M tokens/step).
+LLM_DEFAULTS = Workload(prompts_per_step=256, samples_per_prompt=8, prompt_len=512, gen_len=2048)
+
+
+def workload_from_graph(graph: Graph, **overrides: int | None) -> Workload:
+    """The step workload the graph declares, with ``overrides`` (non-None keyword arguments) applied.
+
+    Raises:
+        PlanError: if the graph has no source or no generator to read from and nothing overrides it.
+    """
+    sources = graph.nodes_of_kind("source")
+    gens = graph.nodes_of_kind("generator")
+    values: dict[str, int | None] = {
+        "prompts_per_step": sum(s.source.batch_size for s in sources) if sources else None,  # type: ignore[union-attr]
+        "samples_per_prompt": max(g.sampling.n_samples for g in gens) if gens else None,  # type: ignore[union-attr]
+        "gen_len": max(g.sampling.max_new_tokens for g in gens) if gens else None,  # type: ignore[union-attr]
+        "prompt_len": None,
+    }
+    if gens:
+        g = gens[0]
+        values["prompt_len"] = max(1, g.model.max_seq_len - g.sampling.max_new_tokens)  # type: ignore[union-attr]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        raise PlanError(f"graph {graph.name!r} does not say its {', '.join(missing)}; give them as --{missing[0].replace('_', '-')} ...")
+    return Workload(**values)  # type: ignore[arg-type]
