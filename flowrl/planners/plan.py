@@ -41,7 +41,7 @@ from flowrl.planners.schedule import Span, device_ranges
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners.strategies import STRATEGIES
 from flowrl.planners.tuning import Tuning, make_tuning
-from flowrl.planners.workload import LLM_DEFAULTS, Workload, workload_from_graph
+from flowrl.planners.workload import Workload, default_workload
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -379,13 +379,6 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 
 # -- the entry point -------------------------------------------------------------------------------
-def _default_workload(graph: Graph, model: ModelSpec | None) -> Workload:
-    presets = any(getattr(getattr(n, "model", None), "preset", None) for n in graph.nodes)
-    if model is not None or presets:
-        return LLM_DEFAULTS
-    return workload_from_graph(graph)
-
-
 def _manual_layout(graph: Graph, roles: Roles, cluster: ClusterSpec, text: str) -> dict[str, tuple[tuple[int, ...], ParallelDims]]:
     given = parse_plan(text)
     unknown = sorted(set(given) - set(roles.heavy))
@@ -437,7 +430,7 @@ def plan_graph(
     k = max_staleness if max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
     if k < 0:
         raise PlanError(f"max_staleness={k} must be >= 0")
-    ctx = Context(cluster=spec, workload=workload or _default_workload(graph, model), tuning=make_tuning(**tuning))
+    ctx = Context(cluster=spec, workload=workload or default_workload(graph, model_override=model is not None), tuning=make_tuning(**tuning))
     roles = resolve_roles(graph, ctx, model)
     manual = ":" in strategy
     if not manual and strategy not in STRATEGIES:

@@ -18,7 +18,7 @@ import msgspec
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 
-__all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph"]
+__all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph", "default_workload"]
 
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -90,5 +90,16 @@ def workload_from_graph(graph: Graph, **overrides: int | None) -> Workload:
     values.update({k: v for k, v in overrides.items() if v is not None})
     missing = [k for k, v in values.items() if v is None]
     if missing:
-        raise PlanError(f"graph {graph.name!r} does not say its {', '.join(missing)}; give them as --{missing[0].replace('_', '-')} ...")
+        flags = {"prompts_per_step": "--prompts-per-step", "samples_per_prompt": "--samples", "prompt_len": "--prompt-len", "gen_len": "--gen-len"}
+        raise PlanError(f"graph {graph.name!r} does not say its {', '.join(missing)}; give {' and '.join(flags[m] for m in missing)}")
     return Workload(**values)  # type: ignore[arg-type]
+
+
+def default_workload(graph: Graph, *, model_override: bool = False, **overrides: int | None) -> Workload:
+    """``LLM_DEFAULTS`` when a published model is planned (``model_override`` or a node's ``preset``),
+    else what the graph declares; non-None ``overrides`` replace single fields either way."""
+    presets = any(getattr(getattr(n, "model", None), "preset", None) for n in graph.nodes)
+    if model_override or presets:
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return Workload(**{**msgspec.structs.asdict(LLM_DEFAULTS), **given})
+    return workload_from_graph(graph, **overrides)

@@ -13,8 +13,9 @@ By transport (the runtime's names):
   there): direct rank-to-rank transfers (LlamaRL's DDMA): ``max(per receiver, per sender) / bw +
   latency``, over NVLink when trainer and generator share hosts, the NIC otherwise. Colocated with
   the same layout and dtype it is a local copy: ``per receiver / mem_bw``.
-- ``inprocess`` on CPU: one memory copy of ``bytes`` by one core; ``shm``: two copies (into
-  the shared segment, out of it).
+- ``inprocess`` on CPU: one memory copy of ``P * wb`` by one core (the runtime runs a node as
+  one process with a thread per core, so there is one copy whatever dp says); ``shm``: two
+  copies (into the shared segment, out of it).
 - ``file``: written once, read once per replica, through ``file_bandwidth``:
   ``bytes * (1 + dp_g) / file_bandwidth``.
 
@@ -41,6 +42,7 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         src, dst: the weight edge's ends (policy, generator).
         transport: the edge's transport name.
         bytes: bytes the generator's replicas receive in total (P * wb * dp_g).
+        replicas: dp_g, the generator's data-parallel replicas (each receives a full copy).
         time_s: seconds one sync takes; both ends are busy for it unless ``sync_overlap`` hides part.
         note: how it was costed.
     """
@@ -50,6 +52,7 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     transport: str
     bytes: int
     time_s: float
+    replicas: int = 1
     note: str = ""
 
 
@@ -75,11 +78,13 @@ def estimate_sync(
     mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
     if transport == "file":
         time = total * (1 + dst_dims.dp) / t.file_bandwidth
-        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, time_s=time, note="file system write + one read per replica")
+        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="file system write + one read per replica")
     if dev.kind == "cpu" and transport in ("inprocess", "shm"):
         copies = 1 if transport == "inprocess" else 2
         time = copies * total / mem_bw
-        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, time_s=time, note=f"{copies} memory cop{'y' if copies == 1 else 'ies'} on one core")
+        # on CPU the runtime runs a node as one process with an intra-op thread per core: one copy
+        note = f"{copies} memory cop{'y' if copies == 1 else 'ies'} on one core"
+        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note=note)
     note = "rank-to-rank reshard"
     if transport not in ("collective", "inprocess", "shm"):
         note += f" (user transport {transport!r} costed as collective)"
@@ -88,7 +93,7 @@ def estimate_sync(
     same_mesh = tuple(src_devices) == tuple(dst_devices)
     if same_mesh and src_dims == dst_dims and src_bytes_per_param == dst_bytes_per_param:
         time = total / (dst_dims.tp * dst_dims.pp) / mem_bw
-        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, time_s=time, note="same layout: local copy")
+        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="same layout: local copy")
     hosts_src = {d // c.devices_per_host for d in (src_devices[0], src_devices[-1])} if src_devices else set()
     hosts_dst = {d // c.devices_per_host for d in (dst_devices[0], dst_devices[-1])} if dst_devices else set()
     one_host = len(hosts_src | hosts_dst) == 1
@@ -102,4 +107,4 @@ def estimate_sync(
     if not same_mesh and dst_bytes_per_param != src_bytes_per_param:
         note += f", cast to {dst_bytes_per_param:g} bytes/param before sending"
     time = max(per_receiver, per_sender) / link.bandwidth + link.latency
-    return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, time_s=time, note=note)
+    return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note=note)

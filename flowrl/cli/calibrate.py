@@ -1,0 +1,73 @@
+"""``flowrl calibrate``: measure this machine (matmul FLOP/s, memory copy, operator overhead) into a cluster spec."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+__all__ = ["register"]
+
+EPILOG = """\
+examples:
+  flowrl calibrate                        print the measured figures
+  flowrl calibrate -o cpu.json            write a calibrated cluster spec ...
+  flowrl plan llamarl --cluster cpu.json  ... and plan with it
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this CPU into a cluster spec for 'flowrl plan --cluster FILE'",
+        description=(
+            "Run micro-benchmarks on one core (float32 matmul FLOP/s, memory-copy bandwidth, operator "
+            "overhead; about two seconds) and write a 'cpu-calibrated' cluster spec: one device per core."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-o", "--output", metavar="FILE", help="write the cluster spec as JSON (atomically)")
+    p.add_argument("--cores", type=int, metavar="N", help="devices (cores) the spec offers (default: all usable cores)")
+    p.add_argument("--matmul-size", type=int, default=256, metavar="N", help="n of the n x n matmul (default: 256)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flowrl.errors import PlanError
+    from flowrl.planners.calibrate import calibrated_cluster, measure
+    from flowrl.planners.cluster import cluster_to_json
+
+    if args.cores is not None and args.cores < 1:
+        raise PlanError(f"--cores {args.cores}: must be >= 1")
+    if args.matmul_size < 8:
+        raise PlanError(f"--matmul-size {args.matmul_size}: must be >= 8")
+    if args.output:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder):
+            raise PlanError(f"cannot write {args.output!r}: folder {folder!r} does not exist")
+    m = measure(matmul_size=args.matmul_size)
+    cluster = calibrated_cluster(m, cores=args.cores)
+    print(
+        f"matmul {m.matmul_flops / 1e9:.1f} GFLOP/s per core ({m.matmul_size}^3 float32), memory copy "
+        f"{m.copy_bandwidth / 1e9:.2f} GB/s, operator overhead {m.op_overhead_s * 1e6:.2f} us, "
+        f"{m.cores} cores, {m.memory_bytes / 2**30:.1f} GiB RAM",
+        file=sys.stderr,
+    )
+    data = cluster_to_json(cluster)
+    if not args.output:
+        sys.stdout.write(data.decode())
+        return 0
+    folder = os.path.dirname(os.path.abspath(args.output))
+    fd, tmp = tempfile.mkstemp(prefix=".calibrate.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, args.output)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    print(f"calibrated cluster written to {args.output}; use it with: flowrl plan GRAPH --cluster {args.output}")
+    return 0

@@ -1,0 +1,116 @@
+"""``flowrl plan GRAPH --cluster SPEC``: a dry-run placement with predicted step times; no hardware needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register"]
+
+EPILOG = """\
+examples:
+  flowrl plan llamarl --cluster cpu                          the default example on this machine's cores
+  flowrl plan llamarl --cluster cpu --strategy disaggregated -o plan.json    then: flowrl run --plan plan.json
+  flowrl plan llamarl --cluster 1024xH100 --model llama3-70b              a published model on 1024 H100s
+  flowrl plan llamarl --cluster 128x8xH100 --model llama3-405b --gen-precision float8
+  flowrl plan llamarl --cluster 16xH100 --model llama3-8b --strategy 'gen:d4t2@0-7 | policy:d2t4@8-15'
+  flowrl plan llamarl --cluster cpu.json                     with figures measured by 'flowrl calibrate -o cpu.json'
+
+workload: read from the graph (prompts = the source's batch size, samples = the generator's
+n_samples, gen-len = its max_new_tokens, prompt-len = max_seq_len - max_new_tokens, an upper bound).
+With --model, or a graph whose models name a preset, the defaults are a math-reasoning-sized step:
+--prompts-per-step 256 --samples 8 --prompt-len 512 --gen-len 2048 (2048 completions, 5.2M tokens),
+and --gen-precision bfloat16. Each flag overrides its field either way.
+
+tuning (--set NAME=VALUE, repeatable; the defaults):
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from flowrl.graph.load import GRAPH_FORMS
+    from flowrl.planners.cluster import CLUSTER_FORMS
+    from flowrl.planners.tuning import tuning_help
+
+    p = sub.add_parser(
+        "plan",
+        help="dry-run a placement: devices, parallel dims, predicted step times",
+        description=(
+            "Place every node of GRAPH (default: the built-in 'llamarl' example) on a cluster and predict "
+            "its step time, synchronous and asynchronous, without any hardware. " + GRAPH_FORMS + " " + CLUSTER_FORMS
+        ),
+        epilog=EPILOG + tuning_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("graph", nargs="?", metavar="GRAPH", help="what to plan (default: the built-in example 'llamarl')")
+    p.add_argument("--cluster", default="cpu", metavar="SPEC", help="'1024xH100', '128x8xH100', 'cpu', 'cpu:N' or a .json/.toml file (default: cpu)")
+    p.add_argument(
+        "--strategy",
+        default="search",
+        metavar="S",
+        help="search (default: the fastest of both), colocated, disaggregated, or a placement 'gen:d4@0-3 | policy:d4@4-7'",
+    )
+    p.add_argument("--max-staleness", type=int, metavar="K", help="the k the step assumes (default: the graph's weight edges)")
+    p.add_argument("--model", metavar="M", help="plan every model as this shape: llama3-8b, llama3-70b, llama3-405b, or a HF config.json")
+    p.add_argument("--prompts-per-step", type=int, metavar="N", help="prompts per trainer step")
+    p.add_argument("--samples", type=int, metavar="N", help="completions per prompt")
+    p.add_argument("--prompt-len", type=int, metavar="N", help="tokens per prompt")
+    p.add_argument("--gen-len", type=int, metavar="N", help="generated tokens per completion")
+    p.add_argument("--gen-precision", choices=("float32", "bfloat16", "float16", "float8"), help="generator weight dtype (LlamaRL: float8)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a tuning constant (listed below)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE (atomically)")
+    p.set_defaults(func=_run)
+
+
+def _tuning(pairs: list[str]) -> dict[str, object]:
+    from flowrl.errors import PlanError
+
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name.strip():
+            raise PlanError(f"--set {pair!r}: write NAME=VALUE, e.g. --set mfu_train=0.4")
+        try:
+            value: object = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[name.strip()] = value
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flowrl.graph.load import load_graph
+    from flowrl.planners.cluster import parse_cluster
+    from flowrl.planners.modelspec import resolve_model
+    from flowrl.planners.plan import plan_graph, plan_to_json, save_plan
+    from flowrl.planners.report import format_plan
+    from flowrl.planners.workload import default_workload
+
+    graph = load_graph(args.graph)
+    cluster = parse_cluster(args.cluster)
+    model = resolve_model(args.model) if args.model else None
+    tuning = _tuning(args.set)
+    presets = model is not None or any(getattr(getattr(n, "model", None), "preset", None) for n in graph.nodes)
+    if args.gen_precision:
+        tuning["gen_precision"] = args.gen_precision
+    elif presets:
+        tuning.setdefault("gen_precision", "bfloat16")
+    workload = default_workload(
+        graph,
+        model_override=model is not None,
+        prompts_per_step=args.prompts_per_step,
+        samples_per_prompt=args.samples,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+    )
+    plan = plan_graph(graph, cluster, strategy=args.strategy, max_staleness=args.max_staleness, workload=workload, model=model, **tuning)
+    if args.output:
+        save_plan(plan, args.output)
+    if args.json:
+        sys.stdout.write(plan_to_json(plan) + "\n")
+    else:
+        print(format_plan(plan))
+        if args.output:
+            print(f"plan written to {args.output}")
+    return 0

@@ -1,0 +1,137 @@
+"""Calibration: measure this machine's own figures (matmul FLOP/s, memory-copy bandwidth, operator overhead).
+
+``measure()`` runs three micro-benchmarks on one thread (a device of the ``cpu`` preset is one
+core), each the best of several repeats, so that other load on the machine biases them as little
+as possible:
+
+- matmul: ``C = A @ B`` on float32 ``n x n`` matrices; ``2 n^3 / seconds``;
+- memory copy: ``dst.copy_(src)`` of a float32 buffer; ``bytes / seconds`` (one read and one
+  write of each byte count once, as the estimates' "bytes read" do);
+- operator overhead: a transformer-block-shaped chain of 16 operators (norms, linears, softmax,
+  SiLU, residual adds) on 8-wide tensors, where the work is nil; seconds / 16 is the fixed cost of
+  one operator as model code calls it (dispatch, allocation, Python), the planner's ``kernel_overhead_s``.
+
+``calibrated_cluster(measurements)`` (pure) turns them into a ``ClusterSpec`` named
+``cpu-calibrated``; ``flowrl calibrate -o cpu.json`` writes it and ``--cluster cpu.json`` reads it.
+
+Example:
+    >>> m = Measurements(matmul_flops=40e9, copy_bandwidth=6e9, op_overhead_s=4e-6, cores=2, memory_bytes=8 * 2**30)
+    >>> calibrated_cluster(m).device.peak_flops
+    40000000000.0
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from flowrl.planners.cluster import ClusterSpec, _host_cores, _host_memory_bytes, cpu_device
+
+__all__ = ["Measurements", "measure", "calibrated_cluster"]
+
+
+class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``measure`` found, per core.
+
+    Attributes:
+        matmul_flops: float32 matmul FLOP/s on one thread.
+        copy_bandwidth: bytes/s of a large memory copy on one thread.
+        op_overhead_s: seconds of one tiny operator (dispatch and launch, no work).
+        cores: usable cores of this machine.
+        memory_bytes: the machine's RAM.
+        matmul_size: the n of the n x n matmul.
+        copy_bytes: the size of the copied buffer.
+    """
+
+    matmul_flops: float
+    copy_bandwidth: float
+    op_overhead_s: float
+    cores: int
+    memory_bytes: int
+    matmul_size: int = 256
+    copy_bytes: int = 32 * 2**20
+
+
+def _best(fn: Callable[[], object], *, inner: int, repeats: int) -> float:
+    """Seconds of one call of ``fn``: the best over ``repeats`` timings of ``inner`` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+#: Operators in ``_tiny_block``.
+BLOCK_OPS = 16
+
+
+def _tiny_block(torch: object) -> Callable[[], object]:
+    """16 operators shaped like one transformer block's forward, on tensors too small to do work."""
+    import torch as t
+    import torch.nn.functional as F
+
+    x, w = t.randn(4, 8), t.randn(8, 8)
+
+    def block() -> object:
+        h = F.rms_norm(x, (8,))  # 1
+        q, k, v = F.linear(h, w), F.linear(h, w), F.linear(h, w)  # 4
+        a = t.softmax(q @ k.T, dim=-1)  # 6
+        y = x + F.linear(a @ v, w)  # 9
+        h2 = F.rms_norm(y, (8,))  # 10
+        g = F.silu(F.linear(h2, w)) * F.linear(h2, w)  # 14
+        return y + F.linear(g, w)  # 16
+
+    return block
+
+
+def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5) -> Measurements:
+    """Run the micro-benchmarks (about a second) with torch on one thread; restores the thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = matmul_size
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        torch.matmul(a, b, out=out)  # warm up
+        inner = max(1, int(2e8 // (2 * n**3)) or 1)
+        t_mm = _best(lambda: torch.matmul(a, b, out=out), inner=inner, repeats=repeats)
+
+        numel = copy_mib * 2**20 // 4
+        src, dst = torch.randn(numel), torch.empty(numel)
+        dst.copy_(src)
+        t_copy = _best(lambda: dst.copy_(src), inner=2, repeats=repeats)
+
+        block = _tiny_block(torch)
+        block()
+        t_op = _best(block, inner=200, repeats=repeats) / BLOCK_OPS
+    finally:
+        torch.set_num_threads(threads)
+    return Measurements(
+        matmul_flops=2 * n**3 / t_mm,
+        copy_bandwidth=numel * 4 / t_copy,
+        op_overhead_s=t_op,
+        cores=_host_cores(),
+        memory_bytes=_host_memory_bytes(),
+        matmul_size=n,
+        copy_bytes=numel * 4,
+    )
+
+
+def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterSpec:
+    """A ``cpu`` cluster with measured figures: one host, one device per core (``cores`` of them, default all)."""
+    n = cores or m.cores
+    device = cpu_device(
+        cores=m.cores,
+        memory_bytes=m.memory_bytes // m.cores,
+        peak_flops=m.matmul_flops,
+        memory_bandwidth=m.copy_bandwidth,
+        kernel_overhead_s=m.op_overhead_s,
+        name="cpu",
+    )
+    return ClusterSpec(name="cpu-calibrated", hosts=1, devices_per_host=n, device=device)

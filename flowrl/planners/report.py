@@ -1,0 +1,74 @@
+"""The human-readable form of a ``Plan``: a table of nodes, the step times, the bottleneck, the runners-up.
+
+``format_plan(plan)`` returns text (it prints nothing); ``flowrl plan`` prints it.
+"""
+
+from __future__ import annotations
+
+from flowrl.planners.plan import Plan, _gib, _seconds
+from flowrl.planners.schedule import device_ranges
+
+__all__ = ["format_plan", "format_table"]
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def format_table(plan: Plan) -> list[str]:
+    """One row per node: name, kind, devices, dp/tp/pp, memory per device, time per step, notes."""
+    rows = [["node", "kind", "devices", "dp", "tp", "pp", "memory/device", "time/step", "notes"]]
+    for name, p in plan.placements.items():
+        if p.kind == "loss":
+            rows.append([name, p.kind, device_ranges(p.devices) if p.devices else "host", "", "", "", "", "", "inside the policy's step"])
+        elif not p.devices:
+            rows.append([name, p.kind, "host", "-", "-", "-", "-", _seconds(p.time_s), ""])
+        else:
+            d = p.dims
+            rows.append(
+                [name, p.kind, device_ranges(p.devices), str(d.dp), str(d.tp), str(d.pp), _gib(p.memory_bytes), _seconds(p.time_s), ", ".join(p.notes)]
+            )
+    return _table(rows, right={3, 4, 5, 6, 7})
+
+
+def format_plan(plan: Plan) -> str:
+    """The whole plan as text for a terminal (what ``flowrl plan`` prints)."""
+    spec = plan.cluster_spec
+    where = f"{plan.cluster}" + (f" ({spec.hosts} host{'s' if spec.hosts > 1 else ''} x {spec.devices_per_host} {spec.device.name})" if spec else "")
+    models = sorted({m.name for m in plan.models.values()})
+    lines = [
+        f"plan for graph {plan.graph!r} on {where}: strategy {plan.strategy} -> {plan.family}",
+        f"workload: {plan.workload.short()}; model {', '.join(models) or '-'}; max_staleness {plan.max_staleness}",
+        "",
+    ]
+    lines += format_table(plan)
+    lines.append("")
+    for s in plan.weight_syncs:
+        copies = f"{_gib(s.bytes // max(1, s.replicas))} x {s.replicas} replicas" if s.replicas > 1 else _gib(s.bytes)
+        lines.append(f"weight sync {s.src} ~> {s.dst} ({s.transport}): {copies}, {_seconds(s.time_s)} ({s.note})")
+    k = plan.max_staleness
+    lines.append(
+        f"predicted step: sync (k=0) {_seconds(plan.sync_step_s)} | async (k>=1) {_seconds(plan.async_step_s)} | "
+        f"speedup {plan.speedup:.2f}x" + ("" if k >= 1 else "  [this graph runs synchronously: k=0]")
+    )
+    if plan.baseline_step_s is not None and spec is not None:
+        lines.append(
+            f"synchronous colocated baseline on all {spec.n_devices} devices: {_seconds(plan.baseline_step_s)}; "
+            f"this plan at k={k}: {_seconds(plan.step_s)} ({plan.speedup_vs_baseline:.2f}x)"
+        )
+    elif spec is not None:
+        lines.append(f"synchronous colocated baseline on all {spec.n_devices} devices: does not fit")
+    lines.append(f"bottleneck: {plan.bottleneck}")
+    lines.append(f"placement: {plan}")
+    if plan.alternatives:
+        lines.append("runners-up:")
+        for a in plan.alternatives:
+            lines.append(f"  {a.placement}  [{a.family}]  {a.reason}")
+    if plan.search.evaluated > 1:
+        lines.append(f"search: {plan.search.evaluated} placements estimated in full, {plan.search.infeasible} did not fit in memory")
+    return "\n".join(lines)
