@@ -69,7 +69,7 @@ def _best(fn: Callable[[], object], *, inner: int, repeats: int) -> float:
 BLOCK_OPS = 16
 
 
-def _tiny_block(torch: object) -> Callable[[], object]:
+def _tiny_block() -> Callable[[], object]:
     """16 operators shaped like one transformer block's forward, on tensors too small to do work."""
     import torch as t
     import torch.nn.functional as F
@@ -107,7 +107,7 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5) -> 
         dst.copy_(src)
         t_copy = _best(lambda: dst.copy_(src), inner=2, repeats=repeats)
 
-        block = _tiny_block(torch)
+        block = _tiny_block()
         block()
         t_op = _best(block, inner=200, repeats=repeats) / BLOCK_OPS
     finally:

@@ -259,7 +259,7 @@ def estimate_train(
         ...               workload=Workload(prompts_per_step=64, samples_per_prompt=4, prompt_len=256, gen_len=256))
         >>> est = estimate_train(model_preset("llama3-8b"), ParallelDims(dp=2, tp=4), range(8), ctx)
         >>> est.feasible, round(est.time_s, 1)
-        (True, 4.1)
+        (True, 2.1)
     """
     options = train_options(
         model, dims, devices, ctx, forward_only=forward_only, recompute_logprobs=recompute_logprobs, micro_batch=micro_batch

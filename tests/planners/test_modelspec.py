@@ -1,0 +1,89 @@
+"""Model shapes without weights: hand-counted parameters, FLOPs and KV bytes; presets, HF configs, ModelConfig."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowrl.errors import PlanError
+from flowrl.graph.configs import ModelConfig
+from flowrl.planners.modelspec import MODEL_PRESETS, ModelSpec, model_from_config, model_from_hf_config, model_preset, resolve_model
+
+TINY = ModelSpec(name="tiny", n_layers=2, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=10)
+
+
+def test_tiny_counts_by_hand():
+    # per layer: q 8*8 + k,v 2*8*4 + o 8*8 + mlp 3*8*16 + norms 2*8 = 64+64+64+384+16 = 592
+    assert TINY.layer_params == 592
+    # embedding 10*8, untied head 10*8, final norm 8
+    assert TINY.params == 2 * 592 + 160 + 8
+    # matmuls a token passes: 2 * (592 - 16) + head 80 = 1232
+    assert TINY.matmul_params == 1232
+    # forward FLOPs at ctx 5: 2 * 1232 + 4 * 2 * 8 * 5
+    assert TINY.forward_flops_per_token(5) == 2464 + 320
+    # KV: 2 (k and v) * 2 layers * 1 kv head * head_dim 4 * 2 bytes
+    assert TINY.kv_bytes_per_token(2) == 32
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    [("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3-405b", 405.85)],
+    ids=["8b", "70b", "405b"],
+)
+def test_presets_match_published_sizes(name, billions):
+    assert model_preset(name).params / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_preset_shapes_are_the_issue_s():
+    s = MODEL_PRESETS["llama3-405b"]
+    assert (s.n_layers, s.dim, s.n_heads, s.n_kv_heads, s.ffn_dim, s.vocab_size) == (126, 16384, 128, 8, 53248, 128256)
+
+
+def test_model_config_dims_and_preset():
+    cfg = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_heads=4)
+    spec = model_from_config(cfg)
+    assert (spec.n_layers, spec.dim, spec.ffn_dim, spec.vocab_size, spec.tie_embeddings) == (2, 64, cfg.hidden_dim, 16, True)
+    assert spec.params == 2 * spec.layer_params + 16 * 64 + 64  # tied: one embedding matrix
+    assert model_from_config(ModelConfig(preset="llama3-70b")) == MODEL_PRESETS["llama3-70b"]
+
+
+def test_hf_config_json(tmp_path):
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    path = folder / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "intermediate_size": 16, "vocab_size": 10, "tie_word_embeddings": False,
+    }))
+    spec = model_from_hf_config(path)
+    assert spec.params == TINY.params and spec.name == "tiny-llama"
+    assert resolve_model(str(path)).params == TINY.params
+
+
+def test_hf_config_without_kv_heads_uses_attention_heads():
+    spec = model_from_hf_config({"num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 4, "vocab_size": 3})
+    assert spec.n_kv_heads == 2
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"hidden_size": 8}, r"missing or non-integer 'num_hidden_layers'"),
+        ({"num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 3, "intermediate_size": 4, "vocab_size": 3}, r"n_heads=3 must divide dim=8"),
+        ({"num_hidden_layers": "2", "hidden_size": 8}, r"non-integer 'num_hidden_layers' \(got '2'\)"),
+    ],
+    ids=["missing", "heads", "string"],
+)
+def test_bad_hf_configs(config, match):
+    with pytest.raises(PlanError, match=match):
+        model_from_hf_config(config)
+
+
+def test_unknown_preset_lists_presets(tmp_path):
+    with pytest.raises(PlanError, match=r"unknown model preset 'llama2'; presets: llama3-8b, llama3-70b, llama3-405b"):
+        resolve_model("llama2")
+    bad = tmp_path / "config.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(PlanError, match="holds a list, not a JSON object"):
+        resolve_model(str(bad))

@@ -1,0 +1,130 @@
+"""The search: which splits each strategy enumerates, and properties every returned plan keeps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowrl.errors import PlanError
+from flowrl.examples import build_example
+from flowrl.planners.cluster import ClusterSpec, DEVICE_PRESETS, parse_cluster
+from flowrl.planners.modelspec import ModelSpec, model_preset
+from flowrl.planners.plan import plan_graph
+from flowrl.planners.strategies import candidate_counts, device_splits
+from flowrl.planners.workload import Workload
+
+MID = ModelSpec(name="mid", n_layers=8, dim=1024, n_heads=16, n_kv_heads=4, ffn_dim=4096, vocab_size=32000)
+WORK = Workload(prompts_per_step=16, samples_per_prompt=4, prompt_len=64, gen_len=64)
+GRAPHS = {name: build_example(name) for name in ("llamarl", "llamarl_ref", "two_scorers")}
+
+
+def h100s(hosts: int, per_host: int = 4) -> ClusterSpec:
+    return ClusterSpec(name=f"{hosts}x{per_host}xH100", hosts=hosts, devices_per_host=per_host, device=DEVICE_PRESETS["H100"])
+
+
+def test_candidate_counts_do_not_depend_on_cluster_size():
+    small, large = candidate_counts(100), candidate_counts(1000)
+    assert small == [c for c in large if c <= 100]
+    assert candidate_counts(1024)[-1] == 1024 and 896 in candidate_counts(1024)  # 7 * 128
+
+
+@pytest.mark.parametrize(
+    "strategy, n, families, uses_all",
+    [("colocated", 12, {"colocated"}, True), ("disaggregated", 12, {"disaggregated"}, True), ("search", 12, {"colocated", "disaggregated"}, False)],
+    ids=["colocated", "disaggregated", "search"],
+)
+def test_device_splits_per_strategy(strategy, n, families, uses_all):
+    splits = device_splits(strategy, n, devices_per_host=4)
+    assert {s.family for s in splits} == families
+    for s in splits:
+        assert s.gen_devices.stop <= n and s.train_devices.stop <= n
+        if s.family == "disaggregated":
+            assert s.gen_devices.stop <= s.train_devices.start  # disjoint
+    if uses_all:
+        assert any(max(s.gen_devices.stop, s.train_devices.stop) == n for s in splits)
+
+
+def test_disaggregated_split_also_tries_host_aligned_trainer():
+    starts = {s.train_start for s in device_splits("disaggregated", 16, devices_per_host=8) if s.gen_count == 3}
+    assert {3, 8} <= starts
+
+
+def test_disaggregated_needs_two_devices():
+    with pytest.raises(PlanError, match="needs at least 2 devices"):
+        plan_graph(GRAPHS["llamarl"], "cpu:1", strategy="disaggregated")
+
+
+@settings(max_examples=12)
+@given(
+    st.sampled_from(sorted(GRAPHS)),
+    st.integers(1, 3),
+    st.sampled_from([2, 4]),
+    st.sampled_from(["search", "colocated", "disaggregated"]),
+    st.integers(0, 2),
+)
+def test_plans_fit_and_share_devices_only_within_groups(graph_name, hosts, per_host, strategy, k):
+    graph = GRAPHS[graph_name]
+    cluster = h100s(hosts, per_host)
+    try:
+        plan = plan_graph(graph, cluster, strategy=strategy, model=MID, workload=WORK, max_staleness=k)
+    except PlanError as exc:
+        assert "needs at least 2 devices" in str(exc) or "no placement" in str(exc)
+        return
+    budget = cluster.device.memory_bytes * plan.tuning.memory_util
+    groups = plan.colocation_groups()
+    group_of = {n: i for i, g in enumerate(groups) for n in g}
+    names = list(plan.placements)
+    for p in plan.placements.values():
+        assert p.memory_bytes <= budget
+        assert all(0 <= d < cluster.n_devices for d in p.devices)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if set(plan.placements[a].devices) & set(plan.placements[b].devices):
+                assert group_of[a] == group_of[b]
+    # nodes of one colocation group never run at the same time in the predicted timeline
+    by_resource: dict[str, list] = {}
+    for span in plan.timeline:
+        by_resource.setdefault(span.resource, []).append(span)
+    for spans in by_resource.values():
+        spans.sort(key=lambda s: s.start_s)
+        for x, y in zip(spans, spans[1:]):
+            assert y.start_s >= x.end_s - 1e-9
+    assert plan.step_s == (plan.async_step_s if k >= 1 else plan.sync_step_s)
+
+
+@settings(max_examples=10)
+@given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([2, 4]), st.integers(0, 1))
+def test_more_devices_never_make_the_best_step_slower(hosts, extra, per_host, k):
+    graph = GRAPHS["llamarl"]
+    steps = []
+    for h in (hosts, hosts + extra):
+        try:
+            steps.append(plan_graph(graph, h100s(h, per_host), model=MID, workload=WORK, max_staleness=k).step_s)
+        except PlanError:
+            steps.append(float("inf"))
+    assert steps[1] <= steps[0] * (1 + 1e-9)
+
+
+@settings(max_examples=6)
+@given(st.integers(1, 5))
+def test_more_cores_never_make_the_cpu_step_slower(cores):
+    graph = GRAPHS["llamarl"]
+    small = plan_graph(graph, parse_cluster(f"cpu:{cores}")).step_s
+    large = plan_graph(graph, parse_cluster(f"cpu:{cores + 1}")).step_s
+    assert large <= small * (1 + 1e-9)
+
+
+def test_search_is_at_least_as_fast_as_each_family_on_aligned_clusters():
+    graph = GRAPHS["llamarl"]
+    cluster = h100s(2, 4)
+    best = plan_graph(graph, cluster, model=MID, workload=WORK).step_s
+    for strategy in ("colocated", "disaggregated"):
+        assert best <= plan_graph(graph, cluster, model=MID, workload=WORK, strategy=strategy).step_s * (1 + 1e-9)
+
+
+def test_llama_on_1024_h100s_answers():
+    plan = plan_graph(GRAPHS["llamarl"], "1024xH100", model=model_preset("llama3-70b"), gen_precision="bfloat16")
+    assert plan.family == "disaggregated" and plan.speedup_vs_baseline > 1
+    assert plan.workload.tokens_per_step == 256 * 8 * (512 + 2048)
+    assert "gen" in plan.bottleneck or "policy" in plan.bottleneck
