@@ -208,9 +208,11 @@ class FileTransport:
                 write_safetensors(tmp, state, metadata={"flowrl_version": str(version)}, fsync=self._fsync)
                 os.replace(tmp, final)
                 self._write_latest(version)
-            except OSError as exc:
+            except BaseException as exc:
                 _remove(tmp)
-                raise TransportError(f"{self.label}: could not write version {version}: {exc}") from exc
+                if isinstance(exc, OSError):
+                    raise TransportError(f"{self.label}: could not write version {version}: {exc}") from exc
+                raise
             self._layout = layout
             self._last_version = version
             self._prune()

@@ -41,11 +41,16 @@ def register_transport(name: str, factory: Callable[..., Any], *, replace: bool 
 
 
 def transport_names() -> list[str]:
+    """Every name a weight edge may use: the built-ins and the registered ones, sorted."""
     return sorted({*BUILTIN_TRANSPORTS, *_USER_TRANSPORTS})
 
 
-def create_transport(name: str, **options: Any) -> Any:
-    """A new transport of kind ``name``; ``options`` go to its factory."""
+def create_transport(name: str, /, **options: Any) -> Any:
+    """A new transport of kind ``name``; ``options`` go to its factory.
+
+    ``name`` is positional-only, so a transport may take a ``name`` option of its own (the shared-memory
+    transport's segment name: ``create_transport("shm", name="flowrl-run1-policy-gen", create=False)``).
+    """
     if name in _USER_TRANSPORTS:
         return _USER_TRANSPORTS[name](**options)
     if name not in BUILTIN_TRANSPORTS:

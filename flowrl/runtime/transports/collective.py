@@ -1,0 +1,591 @@
+"""The collective weight transport: trainer shards to generator shards, rank to rank, over torch.distributed.
+
+LlamaRL's distributed direct memory access: every rank computes the same transfer plan
+(:func:`flowrl.runtime.resharding.plan_state`) from plain-data options (parameter shapes and dtypes,
+the trainer layout, the generator layout), and each trainer rank sends each generator rank exactly
+the slices of its own shards that the generator's shards need: one message per (trainer rank,
+generator rank) pair and version, nothing gathered on one rank, no parameter server, every byte on
+the wire once per destination that lacks it, and a rank that holds a block on both sides copies it
+locally. Only point-to-point operations are used (``batch_isend_irecv``), on contiguous buffers, so
+the same code is correct on gloo (CPU) and NCCL (GPU, with ``device="cuda:<i>"``).
+
+Roles come from the layouts: a rank in the trainer layout publishes, a rank in the generator
+layout fetches, a rank in both (colocated) does both.
+
+Wire format (per pair and version): one ``uint8`` buffer, a 32-byte header of four int64
+``(magic, version, payload_bytes, src_rank)`` followed by the blocks in plan order (parameters in
+sorted name order), each 16-byte aligned. A generator rank that needs no data from anyone still
+gets a header-only message from one trainer rank, so every generator learns every version.
+
+Pairing semantics (publish and fetch are collective):
+
+- ``publish(state, version)`` (trainer ranks, with their *local shards*) copies the outgoing blocks
+  into send buffers, posts the sends, announces ``version`` in the process group's store (key
+  ``flowrl/collective/<channel>/<epoch>/v/<rank>``) and returns. Each version is delivered once to
+  each generator rank, so at most one version is in flight per trainer rank: ``publish(v + 1)``
+  first waits until every destination has received ``v`` (backpressure; up to ``timeout_s``). This
+  is the one departure from "publish costs one copy": it waits when the generators lag a version.
+- ``fetch_into(target, newer_than)`` (generator ranks, with their *local shard targets*) reads the
+  versions its source ranks announced. When all of them announced a version ``w`` it has not
+  received, it receives ``w`` (blocking until the data is in, up to ``timeout_s``: the sends were
+  posted before the announcement) into its own staging buffers, then copies them into ``target``
+  and returns ``w`` if ``w > newer_than``. A version that is not newer than ``newer_than`` is still
+  received (so the trainer can go on) but dropped, and cannot be fetched again: the caller said it
+  holds something at least as new. With nothing new announced it returns ``None`` at once, or
+  after polling up to ``fetch_wait_s`` seconds (a constructor option, 0 by default: the runtime's
+  generator polls on its own deadline). ``target`` is only written inside ``fetch_into``: a
+  generator never sees a torn state, and the header of every message must carry the version.
+- A rank holding both roles posts its sends inside its own ``fetch_into``, batched with its
+  receives (NCCL deadlocks on two ranks that each send before receiving from the other); its
+  ``publish`` only stages the copy. So its peers' fetches complete when it fetches; if it publishes
+  twice without fetching, the second publish first exchanges the staged version.
+- Both sides must keep calling: a generator that stops fetching stalls the trainers one version
+  later; a trainer that stops publishing leaves generators on their last version.
+
+Timeouts (no rank hangs forever): the constructor waits up to ``timeout_s`` for every
+participating rank to construct the transport with the same options (a handshake over the store,
+which also catches ranks whose options differ); ``publish`` waits up to ``timeout_s`` for the
+previous version to be received; ``fetch_into`` waits up to ``timeout_s`` for announced data to
+arrive. Each wait raises :class:`~flowrl.errors.TransportError` naming the ranks and the version.
+The process group's own timeout (``init_process_group(timeout=...)``) bounds everything else; on
+NCCL, ``Work.wait`` only orders streams, so there the process group timeout (watchdog) is the bound.
+After a timeout the process group's state is undefined: the job should stop.
+
+Several instances may share a process group if each has its own ``channel`` (its gloo tag and store
+keys); NCCL ignores tags, so there give each instance its own group or use them one at a time. The
+first ``batch_isend_irecv`` on an NCCL group must involve all of the group's ranks: pass a group of
+exactly the participating ranks, or run one collective on it first. Not thread-safe: one thread per
+rank calls it.
+
+Example (every rank of a 4-rank gloo group, 2 trainer ranks with FSDP -> 2 generator ranks with tp2):
+    >>> t = CollectiveTransport(params={"w": {"shape": [8, 8], "dtype": "float32"}},
+    ...                         trainer_layout=fsdp((0, 1)), generator_layout=tp_row((2, 3)))  # doctest: +SKIP
+    >>> t.publish({"w": full[local_slice(fsdp((0, 1)), (8, 8), rank)]}, 0)   # on ranks 0, 1  # doctest: +SKIP
+    >>> t.fetch_into({"w": my_shard}, newer_than=-1)                          # on ranks 2, 3  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import zlib
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal, NamedTuple
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from flowrl.errors import ConfigError, TransportError
+from flowrl.runtime.resharding import ShardLayout, Transfer, box_numel, local_shape, plan_state
+from flowrl.runtime.transports.base import State
+
+__all__ = ["CollectiveTransport", "ParamSpec", "HEADER_BYTES", "DTYPES"]
+
+HEADER_BYTES = 32
+_MAGIC = int.from_bytes(b"FLOWRL01", "little")
+_ALIGN = 16
+_POLL_S = 0.0005
+
+#: Dtype names a parameter may declare.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+#: Send works (and their buffers) still pending when their transport closed: kept referenced so that
+#: gloo never writes from freed memory; they finish or fail when the process group is destroyed.
+_ABANDONED: list[Any] = []
+
+
+class ParamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Full (unsharded) shape and dtype of one parameter.
+
+    Attributes:
+        shape: the full tensor's shape.
+        dtype: one of :data:`DTYPES`; the wire dtype (published shards are cast to it if they differ).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"ParamSpec: dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if any(not isinstance(s, int) or s < 0 for s in self.shape):
+            raise ConfigError(f"ParamSpec: shape {self.shape} must be non-negative integers")
+
+
+class _Spec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything every rank must agree on; its digest is compared in the handshake."""
+
+    params: dict[str, ParamSpec]
+    trainer: dict[str, ShardLayout]
+    generator: dict[str, ShardLayout]
+
+
+class _Block(NamedTuple):
+    """One block of one parameter inside a message buffer."""
+
+    name: str
+    offset: int  # byte offset in the buffer
+    nbytes: int
+    shape: tuple[int, ...]
+    slices: tuple[slice, ...]  # where the block lies in this rank's local shard (source or destination side)
+    other: tuple[slice, ...]  # local copies only: the destination-side index
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layouts(value: Any, names: list[str], what: str) -> dict[str, ShardLayout]:
+    """One layout for every parameter, or name -> layout; structs or their plain-dict form."""
+    if isinstance(value, ShardLayout):
+        return {n: value for n in names}
+    if isinstance(value, Mapping) and "ranks" in value and set(value) != set(names):
+        one = msgspec.convert(value, ShardLayout)
+        return {n: one for n in names}
+    if isinstance(value, Mapping):
+        missing, extra = sorted(set(names) - set(value)), sorted(set(value) - set(names))
+        if missing or extra:
+            raise ConfigError(
+                f"CollectiveTransport: {what} must be one layout or one per parameter; "
+                f"missing layouts for {missing}, layouts for unknown parameters {extra}"
+            )
+        return {n: v if isinstance(v, ShardLayout) else msgspec.convert(v, ShardLayout) for n, v in value.items()}
+    raise ConfigError(f"CollectiveTransport: {what} must be a ShardLayout or a mapping, got {type(value).__name__}")
+
+
+class CollectiveTransport:
+    """Weights from trainer shards to generator shards over torch.distributed; see the module docstring.
+
+    Args:
+        params: name -> :class:`ParamSpec` (or its dict form ``{"shape": [...], "dtype": "float32"}``):
+            the *full* shapes.
+        trainer_layout: one :class:`~flowrl.runtime.resharding.ShardLayout` for every parameter, or
+            name -> layout (structs or their dict form). Ranks are global ranks.
+        generator_layout: likewise for the generator side.
+        channel: names this transport's store keys and gloo tag; give each weight edge its own.
+        timeout_s: the longest any call waits for other ranks (see the module docstring).
+        fetch_wait_s: how long ``fetch_into`` polls for a new version before returning None.
+        device: where the send/receive buffers live (``"cpu"`` for gloo, ``"cuda:<i>"`` for NCCL).
+        rank: this process's global rank (default ``dist.get_rank()``).
+        group: the process group (default the world).
+        store: the store used to announce versions (default the default process group's store).
+        handshake: wait at construction until every participating rank constructed the transport
+            with the same options.
+
+    Raises:
+        ConfigError: for options that do not describe a valid plan.
+        TransportError: if this rank is in neither layout, or the handshake fails.
+
+    Attributes:
+        bytes_sent: payload bytes this rank has put on the wire (headers excluded).
+        header_bytes_sent: header bytes this rank has put on the wire.
+        bytes_received: payload bytes this rank has received.
+        bytes_copied_locally: bytes this rank copied from its own trainer shards to its generator shards.
+        send_bytes_per_version: payload bytes this rank sends per published version.
+    """
+
+    name = "collective"
+
+    def __init__(
+        self,
+        *,
+        params: Mapping[str, ParamSpec | Mapping[str, Any]],
+        trainer_layout: Any,
+        generator_layout: Any,
+        channel: str = "weights",
+        timeout_s: float = 300.0,
+        fetch_wait_s: float = 0.0,
+        device: str = "cpu",
+        rank: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        store: dist.Store | None = None,
+        handshake: bool = True,
+    ) -> None:
+        names = sorted(params)
+        specs = {n: p if isinstance(p, ParamSpec) else msgspec.convert(p, ParamSpec) for n, p in params.items()}
+        self._spec = _Spec(
+            params={n: specs[n] for n in names},
+            trainer=_layouts(trainer_layout, names, "trainer_layout"),
+            generator=_layouts(generator_layout, names, "generator_layout"),
+        )
+        if timeout_s <= 0:
+            raise ConfigError(f"CollectiveTransport: timeout_s={timeout_s} must be > 0")
+        self._timeout = timedelta(seconds=timeout_s)
+        self._timeout_s = float(timeout_s)
+        self._fetch_wait_s = float(fetch_wait_s)
+        self._device = torch.device(device)
+        self._group = group
+        self.channel = channel
+        self._tag = zlib.crc32(channel.encode()) % (1 << 20) + 1
+        if rank is None:
+            if not dist.is_initialized():
+                raise TransportError("CollectiveTransport needs an initialized process group (dist.init_process_group) or rank=")
+            rank = dist.get_rank()
+        self.rank = rank
+
+        self._plans = plan_state(
+            {n: (s.shape, s.dtype) for n, s in self._spec.params.items()}, self._spec.trainer, self._spec.generator
+        )
+        self.trainer_ranks = sorted({r for lay in self._spec.trainer.values() for r in lay.ranks})
+        self.generator_ranks = sorted({r for lay in self._spec.generator.values() for r in lay.ranks})
+        self.is_trainer = rank in self.trainer_ranks
+        self.is_generator = rank in self.generator_ranks
+        if not (self.is_trainer or self.is_generator):
+            raise TransportError(
+                f"CollectiveTransport {channel!r}: rank {rank} is in neither the trainer ranks {self.trainer_ranks} "
+                f"nor the generator ranks {self.generator_ranks}; construct it only on participating ranks"
+            )
+        self._dual = self.is_trainer and self.is_generator
+        self._build_messages()
+
+        # version state (see the module docstring)
+        self._published = -1  # trainer side: last version published
+        self._sent = -1  # trainer side: last version whose sends were posted
+        self._send_works: list[Any] = []
+        self._received = -1  # generator side: version held in the staging buffers
+        self._pending = False  # the staged version has not been delivered or dropped yet
+        self._closed = False
+        self._outbox: dict[int, torch.Tensor] | None = None
+        self._inbox: dict[int, torch.Tensor] | None = None
+        self._local_out: torch.Tensor | None = None
+        self._local_in: torch.Tensor | None = None
+
+        self.bytes_sent = 0
+        self.header_bytes_sent = 0
+        self.bytes_received = 0
+        self.bytes_copied_locally = 0
+        self._counts = {"publishes": 0, "deliveries": 0, "dropped": 0, "exchanges": 0}
+
+        self._store = store if store is not None else (dist.distributed_c10d._get_default_store() if dist.is_initialized() else None)
+        if self._store is None:
+            raise TransportError(f"CollectiveTransport {channel!r}: no store to announce versions in; pass store=")
+        epoch = self._store.add(f"flowrl/collective/{channel}/epoch/{rank}", 1)
+        self._prefix = f"flowrl/collective/{channel}/{epoch}"
+        if handshake:
+            self._handshake()
+
+    # --- plan -> messages ------------------------------------------------------------------------
+
+    def _build_messages(self) -> None:
+        """This rank's blocks: per destination (sends), per source (receives), and local copies."""
+        me = self.rank
+        sends: dict[int, list[_Block]] = {}
+        recvs: dict[int, list[_Block]] = {}
+        local: list[_Block] = []
+        offsets: dict[tuple[int, int], int] = {}
+        local_off = 0
+        load = {r: 0 for r in self.trainer_ranks}
+        fed: set[int] = set()
+        for name, transfers in self._plans.items():
+            spec = self._spec.params[name]
+            size = DTYPES[spec.dtype].itemsize
+            for t in transfers:
+                nbytes = t.numel * size
+                if t.local:
+                    if t.src_rank == me:
+                        local.append(_Block(name, local_off, nbytes, t.shape, t.src_slices(), t.dst_slices()))
+                        local_off = _align(local_off + nbytes)
+                    continue
+                load[t.src_rank] += nbytes
+                fed.add(t.dst_rank)
+                key = (t.src_rank, t.dst_rank)
+                off = offsets.get(key, HEADER_BYTES)
+                offsets[key] = _align(off + nbytes)
+                if t.src_rank == me:
+                    sends.setdefault(t.dst_rank, []).append(_Block(name, off, nbytes, t.shape, t.src_slices(), ()))
+                if t.dst_rank == me:
+                    recvs.setdefault(t.src_rank, []).append(_Block(name, off, nbytes, t.shape, t.dst_slices(), ()))
+        # Generator ranks that receive nothing and are no trainer learn each version from a header-only message.
+        for g in self.generator_ranks:
+            if g in fed or g in self.trainer_ranks:
+                continue
+            src = min(self.trainer_ranks, key=lambda r: (load[r], r))
+            load[src] += 1
+            offsets[(src, g)] = HEADER_BYTES
+            if src == me:
+                sends[g] = []
+            if g == me:
+                recvs[src] = []
+        self._sends = sends
+        self._recvs = recvs
+        self._local = local
+        self._sizes = offsets  # (src, dst) -> message bytes, header included
+        self._local_bytes = local_off
+        self.send_bytes_per_version = sum(b.nbytes for blocks in sends.values() for b in blocks)
+        # the ranks whose announced version a generator waits for: its remote sources, and itself if dual
+        self._sources = sorted(recvs) + ([me] if self._dual else [])
+
+    def local_shapes(self, role: Literal["trainer", "generator"]) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the local shards this rank publishes (``"trainer"``) or fetches into."""
+        layouts = self._spec.trainer if role == "trainer" else self._spec.generator
+        return {
+            n: local_shape(layouts[n], self._spec.params[n].shape, self.rank)
+            for n in self._spec.params
+            if self.rank in layouts[n].ranks
+        }
+
+    def plan(self) -> dict[str, list[Transfer]]:
+        """The transfer plan every rank computed (name -> transfers), for inspection and tests."""
+        return dict(self._plans)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this rank: bytes on the wire, local copies, publishes, deliveries."""
+        return {
+            "rank": self.rank,
+            "bytes_sent": self.bytes_sent,
+            "header_bytes_sent": self.header_bytes_sent,
+            "bytes_received": self.bytes_received,
+            "bytes_copied_locally": self.bytes_copied_locally,
+            "published": self._published,
+            "received": self._received,
+            **self._counts,
+        }
+
+    # --- store: handshake and announcements --------------------------------------------------------
+
+    def _handshake(self) -> None:
+        digest = hashlib.sha256(msgspec.json.encode(self._spec)).hexdigest()[:16]
+        ranks = sorted({*self.trainer_ranks, *self.generator_ranks})
+        self._store.set(f"{self._prefix}/hello/{self.rank}", digest)
+        keys = [f"{self._prefix}/hello/{r}" for r in ranks]
+        try:
+            self._store.wait(keys, self._timeout)
+        except Exception as exc:  # DistStoreError / RuntimeError on timeout
+            missing = [r for r, k in zip(ranks, keys) if not self._store.check([k])]
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r} on rank {self.rank}: rank(s) {missing} did not construct "
+                f"the transport within {self._timeout_s:.0f} s (participants {ranks}); construct it on every "
+                "trainer and generator rank, or raise timeout_s"
+            ) from exc
+        digests = {r: self._store.get(k).decode() for r, k in zip(ranks, keys)}
+        differ = sorted(r for r, d in digests.items() if d != digest)
+        if differ:
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r}: rank(s) {differ} were constructed with other params or "
+                f"layouts than rank {self.rank} (option digests {digests}); pass the same options on every rank"
+            )
+
+    def _announced(self, rank: int) -> int:
+        return int(self._store.add(f"{self._prefix}/v/{rank}", 0)) - 1
+
+    def _available(self) -> int:
+        """The newest version every source of this generator rank has announced (-1 if none)."""
+        return min(self._published if r == self.rank else self._announced(r) for r in self._sources)
+
+    # --- buffers -----------------------------------------------------------------------------------
+
+    def _buffers(self) -> None:
+        if self._outbox is not None:
+            return
+        dev = self._device
+        self._outbox = {d: torch.zeros(self._sizes[(self.rank, d)], dtype=torch.uint8, device=dev) for d in self._sends}
+        self._inbox = {s: torch.zeros(self._sizes[(s, self.rank)], dtype=torch.uint8, device=dev) for s in self._recvs}
+        self._local_out = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev)
+        self._local_in = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev) if self._dual else None
+
+    def _view(self, buf: torch.Tensor, block: _Block) -> torch.Tensor:
+        dtype = DTYPES[self._spec.params[block.name].dtype]
+        return buf[block.offset : block.offset + block.nbytes].view(dtype).view(block.shape)
+
+    # --- checks ------------------------------------------------------------------------------------
+
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], role: Literal["trainer", "generator"]) -> None:
+        want = self.local_shapes(role)
+        what = "published state" if role == "trainer" else "fetch target"
+        missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+        if missing or extra:
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r} rank {self.rank}: the {what} must hold this rank's shards of "
+                f"{sorted(want)}; missing {missing}, unknown {extra}"
+            )
+        for n, shape in want.items():
+            got = tuple(tensors[n].shape)
+            if got != shape:
+                layout = (self._spec.trainer if role == "trainer" else self._spec.generator)[n]
+                raise TransportError(
+                    f"CollectiveTransport {self.channel!r} rank {self.rank}: tensor {n!r} of the {what} has shape {got}, "
+                    f"but this rank's shard of the full shape {self._spec.params[n].shape} under {role} layout "
+                    f"{layout} is {shape}; pass the local shard (full[local_slice(layout, shape, rank)])"
+                )
+
+    def _wait(self, works: list[Any], doing: str) -> None:
+        try:
+            for w in works:
+                w.wait(self._timeout)
+        except Exception as exc:
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r} rank {self.rank}: {doing} did not complete within "
+                f"{self._timeout_s:.0f} s ({type(exc).__name__}: {exc}); a peer is slow, stopped calling, or died. "
+                "The process group is now unusable: stop the job"
+            ) from exc
+
+    def _p2p(self, sends: bool, recvs: bool) -> list[Any]:
+        ops = []
+        if sends:
+            for d, buf in self._outbox.items():
+                ops.append(dist.P2POp(dist.isend, buf, peer=d, group=self._group, tag=self._tag))
+                self.bytes_sent += sum(b.nbytes for b in self._sends[d])
+                self.header_bytes_sent += HEADER_BYTES
+        if recvs:
+            for s, buf in self._inbox.items():
+                ops.append(dist.P2POp(dist.irecv, buf, peer=s, group=self._group, tag=self._tag))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    # --- trainer side ------------------------------------------------------------------------------
+
+    def publish(self, state: State, version: int) -> None:
+        """Send this trainer rank's blocks of ``state`` (its local shards) as ``version``.
+
+        Raises:
+            TransportError: if ``version`` does not exceed the last one, ``state`` does not hold this
+                rank's shards, this rank is no trainer, or the previous version was not received in time.
+        """
+        self._check_open()
+        if not self.is_trainer:
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r}: rank {self.rank} is a generator rank only; publish on the "
+                f"trainer ranks {self.trainer_ranks}"
+            )
+        if not isinstance(version, int) or version <= self._published:
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r} rank {self.rank}: version {version!r} must be an integer greater "
+                f"than the last published version {self._published}; versions only grow"
+            )
+        self._check_tensors(state, "trainer")
+        self._buffers()
+        if self._dual:
+            if self._sent < self._published:  # the staged version never went out: exchange it first
+                self._exchange(self._published)
+        elif self._send_works:
+            late = sorted(self._sends)
+            self._wait(self._send_works, f"sending version {self._sent} to generator rank(s) {late}")
+            self._send_works = []
+        for d, blocks in self._sends.items():
+            buf = self._outbox[d]
+            header = torch.tensor([_MAGIC, version, self._sizes[(self.rank, d)] - HEADER_BYTES, self.rank], dtype=torch.int64)
+            buf[:HEADER_BYTES].view(torch.int64).copy_(header)
+            for b in blocks:
+                self._view(buf, b).copy_(state[b.name][b.slices])
+        for b in self._local:
+            self._view(self._local_out, b).copy_(state[b.name][b.slices])
+        if not self._dual:
+            self._send_works = self._p2p(sends=True, recvs=False)
+            self._sent = version
+        self._store.add(f"{self._prefix}/v/{self.rank}", version - self._published)
+        self._published = version
+        self._counts["publishes"] += 1
+
+    def latest_version(self) -> int:
+        """Generator ranks: the newest version all of this rank's sources announced; trainer ranks: the last published."""
+        self._check_open()
+        return self._available() if self.is_generator else self._published
+
+    # --- generator side ----------------------------------------------------------------------------
+
+    def _exchange(self, version: int) -> None:
+        """Receive ``version`` into the staging buffers (and, on a dual rank, send the staged blocks)."""
+        send = self._dual and self._sent < self._published
+        if send and self._published != version:
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r} rank {self.rank}: internal error: staged version "
+                f"{self._published} but exchanging {version}"
+            )
+        works = self._p2p(sends=send, recvs=self.is_generator)
+        peers = sorted({*self._recvs, *(self._sends if send else ())})
+        self._wait(works, f"exchanging version {version} with rank(s) {peers}")
+        if send:
+            self._sent = version
+        if not self.is_generator:
+            return
+        for s, buf in self._inbox.items():
+            magic, got, nbytes, src = buf[:HEADER_BYTES].view(torch.int64).tolist()
+            expected = (_MAGIC, version, self._sizes[(s, self.rank)] - HEADER_BYTES, s)
+            if (magic, got, nbytes, src) != expected:
+                raise TransportError(
+                    f"CollectiveTransport {self.channel!r} rank {self.rank}: message from rank {s} has header "
+                    f"(magic, version, bytes, src) = {(magic, got, nbytes, src)}, expected {expected}; the ranks "
+                    "disagree on options or versions (same channel used twice?)"
+                )
+            self.bytes_received += nbytes
+        if self._local_in is not None and self._local_bytes:
+            self._local_in.copy_(self._local_out)
+            self.bytes_copied_locally += sum(b.nbytes for b in self._local)
+        self._received = version
+        self._pending = True
+        self._counts["exchanges"] += 1
+
+    def fetch_into(self, target: Mapping[str, torch.Tensor], *, newer_than: int = -1) -> int | None:
+        """Copy the newest announced version into ``target`` (this rank's local shards) and return it.
+
+        Returns None if no version newer than ``newer_than`` arrived (within ``fetch_wait_s``). A
+        version that arrives but is not newer than ``newer_than`` is dropped (see the module docstring).
+
+        Raises:
+            TransportError: if ``target`` does not hold this rank's shards, this rank is no generator, or
+                announced data did not arrive within ``timeout_s``.
+        """
+        self._check_open()
+        if not self.is_generator:
+            raise TransportError(
+                f"CollectiveTransport {self.channel!r}: rank {self.rank} is a trainer rank only; fetch on the "
+                f"generator ranks {self.generator_ranks}"
+            )
+        self._check_tensors(target, "generator")
+        self._buffers()
+        deadline = time.monotonic() + self._fetch_wait_s
+        while True:
+            avail = self._available()
+            if avail > self._received:
+                self._exchange(avail)
+            if self._pending:
+                self._pending = False
+                if self._received > newer_than:
+                    self._deliver(target)
+                    self._counts["deliveries"] += 1
+                    return self._received
+                self._counts["dropped"] += 1
+                continue
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    def _deliver(self, target: Mapping[str, torch.Tensor]) -> None:
+        for s, blocks in self._recvs.items():
+            for b in blocks:
+                target[b.name][b.slices].copy_(self._view(self._inbox[s], b))
+        for b in self._local:
+            target[b.name][b.other].copy_(self._view(self._local_in, b))
+
+    # --- lifetime ----------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"CollectiveTransport {self.channel!r} rank {self.rank} is closed")
+
+    def close(self) -> None:
+        """Drop the buffers. Sends still pending (nobody fetched the last version) are kept alive until
+        the process group is destroyed, so that gloo never reads freed memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._send_works:
+            _ABANDONED.append((self._send_works, self._outbox))
+        self._send_works = []
+        self._outbox = self._inbox = self._local_out = self._local_in = None
+
+    def __repr__(self) -> str:
+        role = "trainer+generator" if self._dual else ("trainer" if self.is_trainer else "generator")
+        return f"CollectiveTransport(channel={self.channel!r}, rank={self.rank}, role={role}, published={self._published}, received={self._received})"
