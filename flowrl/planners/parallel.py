@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -166,19 +167,22 @@ def spans_hosts(devices: Sequence[int], dims: ParallelDims, axis: str, devices_p
         raise PlanError(f"unknown mesh axis {axis!r}; axes: {', '.join(AXES)}")
     if len(devices) != dims.size:
         raise PlanError(f"dp({dims.dp}) * tp({dims.tp}) * pp({dims.pp}) = {dims.size} != devices({len(devices)})")
-    pp, dp, tp = dims.mesh_shape
     if isinstance(devices, range) and devices.step == 1:
-        h = devices_per_host
-        start = devices.start
-        if axis == "tp":
-            stride, count, firsts = 1, tp, (start + k * tp for k in range(min(dp * pp, h)))
-        elif axis == "dp":
-            stride, count = tp, dp
-            firsts = (start + p * dp * tp + t for p in range(min(pp, h)) for t in range(min(tp, h)))
-        else:
-            stride, count, firsts = dp * tp, pp, (start + x for x in range(min(dp * tp, h)))
-        span = stride * (count - 1)
-        return any(a // h != (a + span) // h for a in firsts)
+        return _block_spans(devices.start % devices_per_host, dims.dp, dims.tp, dims.pp, axis, devices_per_host)
     hosts = (np.asarray(devices, dtype=np.int64) // devices_per_host).reshape(dims.mesh_shape)
     along = AXES.index(axis)
     return bool((hosts.max(axis=along) != hosts.min(axis=along)).any())
+
+
+@functools.lru_cache(maxsize=65536)
+def _block_spans(offset: int, dp: int, tp: int, pp: int, axis: str, h: int) -> bool:
+    """``spans_hosts`` for the block ``range(offset, offset + dp*tp*pp)`` (offset within a host)."""
+    if axis == "tp":
+        stride, count, firsts = 1, tp, (offset + k * tp for k in range(min(dp * pp, h)))
+    elif axis == "dp":
+        stride, count = tp, dp
+        firsts = (offset + p * dp * tp + t for p in range(min(pp, h)) for t in range(min(tp, h)))
+    else:
+        stride, count, firsts = dp * tp, pp, (offset + x for x in range(min(dp * tp, h)))
+    span = stride * (count - 1)
+    return any(a // h != (a + span) // h for a in firsts)

@@ -37,7 +37,8 @@ from flowrl.planners.estimate.common import Context, MemoryBreakdown
 from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.planners.modelspec import ModelSpec, model_from_config
 from flowrl.planners.parallel import AXES, ParallelDims
-from flowrl.planners.schedule import Span, device_ranges
+from flowrl.planners.schedule import Span
+from flowrl.planners.units import device_ranges, format_bytes, format_seconds
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners.strategies import STRATEGIES
 from flowrl.planners.tuning import Tuning, make_tuning
@@ -125,10 +126,12 @@ class Alternative(msgspec.Struct, **_STRUCT):
 
 
 class SearchStats(msgspec.Struct, **_STRUCT):
-    """How much the search looked at: candidates estimated in full, and those that did not fit."""
+    """How much the search looked at: placements estimated in full, those that did not fit, and
+    the candidate that missed by the least (its node, memory need and excess)."""
 
     evaluated: int = 0
     infeasible: int = 0
+    closest_miss: str = ""
 
 
 class Plan(msgspec.Struct, **_STRUCT):
@@ -199,9 +202,9 @@ class Plan(msgspec.Struct, **_STRUCT):
             owner = next((n for n, q in self.placements.items() if q.kind == "policy" and q.devices == p.devices), "its policy")
             return f"in {owner}'s step · devices {device_ranges(p.devices)}" if p.devices else f"in {owner}'s step"
         if not p.devices:
-            return f"host CPU · {_seconds(p.time_s)}"
+            return f"host CPU · {format_seconds(p.time_s)}"
         axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
-        return f"devices {device_ranges(p.devices)} · {axes} · {_seconds(p.time_s)} · {_gib(p.memory_bytes)}"
+        return f"devices {device_ranges(p.devices)} · {axes} · {format_seconds(p.time_s)} · {format_bytes(p.memory_bytes)}"
 
     def colocation_groups(self) -> list[list[str]]:
         """Node names that share any device (the runtime serialises each group); loss nodes included.
@@ -252,22 +255,6 @@ class Plan(msgspec.Struct, **_STRUCT):
             return self.placements[name]
         except KeyError:
             raise PlanError(f"plan for graph {self.graph!r} has no node {name!r}; nodes: {', '.join(self.placements)}") from None
-
-
-def _seconds(t: float) -> str:
-    if t == 0:
-        return "0 s"
-    if t < 1e-3:
-        return f"{t * 1e6:.3g} us"
-    if t < 1:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t:.3g} s"
-
-
-def _gib(nbytes: int) -> str:
-    if nbytes >= 1024**3:
-        return f"{nbytes / 1024**3:.1f} GiB"
-    return f"{nbytes / 1024**2:.1f} MiB"
 
 
 # -- compact string form --------------------------------------------------------------------------
@@ -446,8 +433,9 @@ def plan_graph(
     else:
         result = search_placements(graph, spec, ctx, roles, strategy=strategy, max_staleness=k)
         if not result.ranked:
-            raise PlanError(_nothing_fits(graph, spec, strategy, result.problems, ctx))
-        ranked, stats = result.ranked, SearchStats(evaluated=result.evaluated, infeasible=result.infeasible)
+            raise PlanError(_nothing_fits(graph, spec, strategy, result.problems, result.fitted))
+        miss = min(result.problems.values(), key=lambda e: e.memory.total).problem if result.problems else ""
+        ranked, stats = result.ranked, SearchStats(evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss)
         best = ranked[0]
     baseline = _baseline(graph, spec, ctx, roles, best, strategy)
     return _to_plan(graph, spec, ctx, roles, best, ranked[1 : 1 + ctx.tuning.top_k], stats, "manual" if manual else strategy, k, baseline)
@@ -463,17 +451,25 @@ def _baseline(graph: Graph, spec: ClusterSpec, ctx: Context, roles: Roles, best:
     return result.ranked[0].steps.sync_step_s if result.ranked else None
 
 
-def _nothing_fits(graph: Graph, spec: ClusterSpec, strategy: str, problems: dict, ctx: Context) -> str:
+def _nothing_fits(graph: Graph, spec: ClusterSpec, strategy: str, problems: dict, fitted: set[str]) -> str:
     lines = [f"no placement of graph {graph.name!r} fits on {spec.name} ({spec.n_devices} x {spec.device.name}) with strategy {strategy!r}"]
-    if problems:
-        worst = min(problems.values(), key=lambda e: e.memory.total)
-        lines[0] += f"; closest miss: {worst.problem}"
+    never = {n: e for n, e in problems.items() if n not in fitted}
+    hint = "more devices, or --set memory_util=0.95"
+    if never:
+        name, closest = min(never.items(), key=lambda kv: kv[1].memory.total)
+        lines[0] += f"; closest miss: {closest.problem}"
+        kind = graph.node(name).kind
+        if kind == "generator":
+            hint = "--gen-precision float8 (half the weight bytes), more devices, or fewer --prompts-per-step (smaller KV cache)"
+        elif kind == "policy":
+            hint = "more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)"
+    elif problems:
+        closest = min(problems.values(), key=lambda e: e.memory.total)
+        lines[0] += f"; every node fits on some mesh, but no split fits them all at once, e.g. {closest.problem}"
+        hint = "more devices, the disaggregated strategy (no colocated state to share memory with), or --gen-precision float8"
     else:
         lines[0] += "; the graph's models admit no parallel dims on these device counts (tp must divide the heads, pp the layers)"
-    lines.append(
-        "  try: more devices, --gen-precision float8 (smaller generator weights), fewer --prompts-per-step, "
-        "or --set memory_util=0.95"
-    )
+    lines.append(f"  try: {hint}")
     return "\n".join(lines)
 
 
@@ -497,9 +493,7 @@ def _to_plan(
         if name in layout:
             devices, dims = layout[name]
             devs = tuple(devices)
-            reserved = sum(
-                _resident(best, o) for o in layout if o != name and not set(layout[o][0]).isdisjoint(devs)
-            ) if len(devs) <= 4096 else sum(_resident(best, o) for o in layout if o != name and _ranges_share(layout[o][0], devices))
+            reserved = sum(_resident(best, o) for o in layout if o != name and _ranges_share(layout[o][0], devices))
             placements[name] = NodePlacement(
                 kind=node.kind,
                 devices=devs,

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from flowrl.planners.plan import Plan, _gib, _seconds
-from flowrl.planners.schedule import device_ranges
+from flowrl.planners.plan import Plan
+from flowrl.planners.units import device_ranges, format_bytes, format_seconds
 
 __all__ = ["format_plan", "format_table"]
 
@@ -27,11 +27,11 @@ def format_table(plan: Plan) -> list[str]:
         if p.kind == "loss":
             rows.append([name, p.kind, device_ranges(p.devices) if p.devices else "host", "", "", "", "", "", "inside the policy's step"])
         elif not p.devices:
-            rows.append([name, p.kind, "host", "-", "-", "-", "-", _seconds(p.time_s), ""])
+            rows.append([name, p.kind, "host", "-", "-", "-", "-", format_seconds(p.time_s), ""])
         else:
             d = p.dims
             rows.append(
-                [name, p.kind, device_ranges(p.devices), str(d.dp), str(d.tp), str(d.pp), _gib(p.memory_bytes), _seconds(p.time_s), ", ".join(p.notes)]
+                [name, p.kind, device_ranges(p.devices), str(d.dp), str(d.tp), str(d.pp), format_bytes(p.memory_bytes), format_seconds(p.time_s), ", ".join(p.notes)]
             )
     return _table(rows, right={3, 4, 5, 6, 7})
 
@@ -49,17 +49,17 @@ def format_plan(plan: Plan) -> str:
     lines += format_table(plan)
     lines.append("")
     for s in plan.weight_syncs:
-        copies = f"{_gib(s.bytes // max(1, s.replicas))} x {s.replicas} replicas" if s.replicas > 1 else _gib(s.bytes)
-        lines.append(f"weight sync {s.src} ~> {s.dst} ({s.transport}): {copies}, {_seconds(s.time_s)} ({s.note})")
+        copies = f"{format_bytes(s.bytes // max(1, s.replicas))} x {s.replicas} replicas" if s.replicas > 1 else format_bytes(s.bytes)
+        lines.append(f"weight sync {s.src} ~> {s.dst} ({s.transport}): {copies}, {format_seconds(s.time_s)} ({s.note})")
     k = plan.max_staleness
     lines.append(
-        f"predicted step: sync (k=0) {_seconds(plan.sync_step_s)} | async (k>=1) {_seconds(plan.async_step_s)} | "
+        f"predicted step: sync (k=0) {format_seconds(plan.sync_step_s)} | async (k>=1) {format_seconds(plan.async_step_s)} | "
         f"speedup {plan.speedup:.2f}x" + ("" if k >= 1 else "  [this graph runs synchronously: k=0]")
     )
     if plan.baseline_step_s is not None and spec is not None:
         lines.append(
-            f"synchronous colocated baseline on all {spec.n_devices} devices: {_seconds(plan.baseline_step_s)}; "
-            f"this plan at k={k}: {_seconds(plan.step_s)} ({plan.speedup_vs_baseline:.2f}x)"
+            f"synchronous colocated baseline on all {spec.n_devices} devices: {format_seconds(plan.baseline_step_s)}; "
+            f"this plan at k={k}: {format_seconds(plan.step_s)} ({plan.speedup_vs_baseline:.2f}x)"
         )
     elif spec is not None:
         lines.append(f"synchronous colocated baseline on all {spec.n_devices} devices: does not fit")
@@ -71,4 +71,6 @@ def format_plan(plan: Plan) -> str:
             lines.append(f"  {a.placement}  [{a.family}]  {a.reason}")
     if plan.search.evaluated > 1:
         lines.append(f"search: {plan.search.evaluated} placements estimated in full, {plan.search.infeasible} did not fit in memory")
+        if plan.search.closest_miss:
+            lines.append(f"  e.g. {plan.search.closest_miss}")
     return "\n".join(lines)

@@ -23,8 +23,9 @@ import msgspec
 
 from flowrl.graph.ir import Graph
 from flowrl.planners.estimate.sync import SyncEstimate
+from flowrl.planners.units import device_ranges
 
-__all__ = ["Span", "StepTimes", "colocation_groups", "step_times", "device_ranges"]
+__all__ = ["Span", "StepTimes", "colocation_groups", "step_times"]
 
 
 class Span(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -117,23 +118,6 @@ def _covers(sets: Sequence[Sequence[int]], lo: int, hi: int) -> bool:
             return False
         reach = max(reach, r.stop)  # type: ignore[union-attr]
     return reach >= hi
-
-
-def device_ranges(ids: Sequence[int]) -> str:
-    """``[0,1,2,3,8,9]`` -> ``"0-3,8-9"``."""
-    parts: list[str] = []
-    start = prev = None
-    for d in ids:
-        if start is None:
-            start = prev = d
-        elif d == prev + 1:  # type: ignore[operator]
-            prev = d
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = d
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ",".join(parts)
 
 
 def step_times(

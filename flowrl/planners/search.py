@@ -35,6 +35,7 @@ from flowrl.planners.modelspec import ModelSpec, model_from_config
 from flowrl.planners.parallel import ParallelDims, enumerate_dims
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
+from flowrl.planners.units import device_ranges
 
 __all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "search_placements", "why_lost"]
 
@@ -151,26 +152,21 @@ class Candidate:
         }
 
     def short(self) -> str:
-        parts = [f"{n}:{d.short()}@{_span(devs)}" for n, (devs, d) in self.layout.items()]
+        parts = [f"{n}:{d.short()}@{device_ranges(devs)}" for n, (devs, d) in self.layout.items()]
         return " | ".join(parts)
-
-
-def _span(devices: Sequence[int]) -> str:
-    if isinstance(devices, range) and devices.step == 1 and len(devices):
-        return f"{devices.start}-{devices.stop - 1}" if len(devices) > 1 else f"{devices.start}"
-    from flowrl.planners.schedule import device_ranges
-
-    return device_ranges(sorted(devices))
 
 
 @dataclass
 class SearchResult:
-    """Ranked feasible candidates (best first) and what the search saw."""
+    """Ranked feasible candidates (best first) and what the search saw: for each node, its
+    infeasible estimate that needed the least memory (``problems``), and the nodes that fit on at
+    least one mesh (``fitted``)."""
 
     ranked: list[Candidate]
     evaluated: int = 0
     infeasible: int = 0
     problems: dict[str, NodeEstimate] = field(default_factory=dict)
+    fitted: set[str] = field(default_factory=set)
 
 
 class _Evaluator:
@@ -185,6 +181,7 @@ class _Evaluator:
         self.order = [n.name for n in graph.topological_order()]
         self.producers = {n: [p.name for p in graph.producers(n)] for n in self.order}
         self.problems: dict[str, NodeEstimate] = {}
+        self.fitted: set[str] = set()
         self.evaluated = 0
         self.host = {n.name: estimate_host(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
 
@@ -230,7 +227,9 @@ class _Evaluator:
             what = f"{model.name} {'forward' if name in r.refs else 'training'} on {dims.short()}"
             est = pick_fitting(self.train_opts(name, devices, dims), self.ctx, reserved, node=name, what=what)
         self._nodes[key] = est
-        if not est.feasible:
+        if est.feasible:
+            self.fitted.add(name)
+        else:
             seen = self.problems.get(name)
             if seen is None or est.memory.total < seen.memory.total:
                 self.problems[name] = est
@@ -424,7 +423,7 @@ def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: R
             best_per_split.append(best)
             bisect.insort(steps, best.step_s)
     best_per_split.sort(key=_rank)
-    return SearchResult(ranked=best_per_split, evaluated=ev.evaluated, infeasible=infeasible, problems=dict(ev.problems))
+    return SearchResult(ranked=best_per_split, evaluated=ev.evaluated, infeasible=infeasible, problems=dict(ev.problems), fitted=set(ev.fitted))
 
 
 def _rank(c: Candidate) -> tuple[float, float, int]:
