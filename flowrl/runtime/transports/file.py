@@ -34,6 +34,7 @@ from flowrl.runtime.transports.base import (
     check_state,
     check_target,
     check_version,
+    copy_tensor,
     dtype_name,
     layout_of,
 )
@@ -302,14 +303,13 @@ def _copy_out(mm: mmap.mmap | bytes, path: str, label: str, target: Mapping[str,
     layout, data_start = read_safetensors_layout(mm, path=path)
     check_target(label, layout, target)
     base = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
-    with torch.no_grad():
-        for spec in layout.tensors:
-            raw = base[data_start + spec.offset : data_start + spec.offset + spec.nbytes]
-            dtype = getattr(torch, spec.dtype)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if (data_start + spec.offset) % itemsize:
-                raw = raw.clone()  # another writer's unaligned tensor: copy it to an aligned buffer first
-            target[spec.name].copy_(raw.view(dtype).view(spec.shape))
+    for spec in layout.tensors:
+        raw = base[data_start + spec.offset : data_start + spec.offset + spec.nbytes]
+        dtype = getattr(torch, spec.dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if (data_start + spec.offset) % itemsize:
+            raw = raw.clone()  # another writer's unaligned tensor: copy it to an aligned buffer first
+        copy_tensor(target[spec.name], raw.view(dtype).view(spec.shape))
 
 
 def _remove(path: str) -> None:

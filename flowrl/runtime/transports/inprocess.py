@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from flowrl.errors import TransportError
-from flowrl.runtime.transports.base import StateLayout, State, check_state, check_target, check_version, layout_of
+from flowrl.runtime.transports.base import StateLayout, State, check_state, check_target, check_version, copy_tensor, layout_of
 
 __all__ = ["InProcessTransport"]
 
@@ -80,9 +80,8 @@ class InProcessTransport:
             if buf is None:
                 buf = _Buffer({k: torch.empty(t.shape, dtype=t.dtype, device=t.device) for k, t in state.items()})
                 self._allocated += 1
-            with torch.no_grad():
-                for k, dst in buf.tensors.items():
-                    dst.copy_(state[k])
+            for k, dst in buf.tensors.items():
+                copy_tensor(dst, state[k])
             _synchronize(buf.tensors)
             buf.version = version
             with self._lock:
@@ -108,9 +107,8 @@ class InProcessTransport:
         try:
             assert layout is not None  # set with the first front buffer
             check_target(self.name, layout, target)
-            with torch.no_grad():
-                for k, src in buf.tensors.items():
-                    target[k].copy_(src)
+            for k, src in buf.tensors.items():
+                copy_tensor(target[k], src)
             _synchronize(buf.tensors)
             return buf.version
         finally:

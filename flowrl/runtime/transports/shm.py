@@ -52,6 +52,7 @@ from flowrl.runtime.transports.base import (
     check_state,
     check_target,
     check_version,
+    copy_tensor,
     dtype_from_name,
     layout_of,
 )
@@ -228,9 +229,8 @@ class SharedMemoryTransport:
             seq = int(control[_seq_word(slot)])
             control[_seq_word(slot)] = seq + 1  # odd: being written
             _fence()
-            with torch.no_grad():
-                for k, dst in m.slots[slot].items():
-                    dst.copy_(state[k])
+            for k, dst in m.slots[slot].items():
+                copy_tensor(dst, state[k])
             _fence()
             control[_version_word(slot)] = version
             _fence()
@@ -321,9 +321,8 @@ class SharedMemoryTransport:
             if not checked:
                 check_target(self.label, m.header.layout, target)
                 checked = True
-            with torch.no_grad():
-                for k, src in m.slots[slot].items():
-                    target[k].copy_(src)
+            for k, src in m.slots[slot].items():
+                copy_tensor(target[k], src)
             _fence()
             if int(control[_seq_word(slot)]) == seq:
                 return version
