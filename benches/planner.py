@@ -22,7 +22,6 @@ import time
 
 from flowrl.examples import build_example
 from flowrl.planners.calibrate import calibrated_cluster, measure
-from flowrl.planners.cluster import parse_cluster
 from flowrl.planners.modelspec import model_preset
 from flowrl.planners.plan import Plan, plan_graph
 from flowrl.planners.workload import LLM_DEFAULTS

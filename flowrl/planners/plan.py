@@ -35,7 +35,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planners.cluster import ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
 from flowrl.planners.estimate.sync import SyncEstimate
-from flowrl.planners.modelspec import ModelSpec, model_from_config
+from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import AXES, ParallelDims
 from flowrl.planners.schedule import Span
 from flowrl.planners.units import device_ranges, format_bytes, format_seconds
@@ -533,9 +533,6 @@ def _to_plan(
         for c in losers
     )
     models = {n: roles.models[n] for n in roles.heavy}
-    for node in graph.nodes:
-        if node.name not in models and getattr(node, "model", None) is not None and node.kind in ("generator", "policy", "reference"):
-            models[node.name] = model_from_config(node.model)  # pragma: no cover - every heavy node is in roles
     return Plan(
         graph=graph.name,
         cluster=spec.name,

@@ -22,7 +22,6 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode
 from flowrl.planners.cluster import ClusterSpec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +11,7 @@ from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.planners.cluster import ClusterSpec, DEVICE_PRESETS, parse_cluster
 from flowrl.planners.modelspec import ModelSpec, model_preset
-from flowrl.planners.plan import plan_graph
+from flowrl.planners.plan import Plan, parse_plan, plan_graph, plan_to_json
 from flowrl.planners.strategies import candidate_counts, device_splits
 from flowrl.planners.workload import Workload
 
@@ -91,6 +92,10 @@ def test_plans_fit_and_share_devices_only_within_groups(graph_name, hosts, per_h
         for x, y in zip(spans, spans[1:]):
             assert y.start_s >= x.end_s - 1e-9
     assert plan.step_s == (plan.async_step_s if k >= 1 else plan.sync_step_s)
+    # round trips: JSON keeps everything, the compact string keeps the placement
+    assert msgspec.json.decode(plan_to_json(plan), type=Plan) == plan
+    for name, p in parse_plan(str(plan)).items():
+        assert (p.devices, p.dims) == (plan.placements[name].devices, plan.placements[name].dims)
 
 
 @settings(max_examples=10)
