@@ -13,7 +13,7 @@ Roles come from the layouts: a rank in the trainer layout publishes, a rank in t
 layout fetches, a rank in both (colocated) does both.
 
 Wire format (per pair and version): one ``uint8`` buffer, a 32-byte header of four int64
-``(magic, version, payload_bytes, src_rank)`` followed by the blocks in plan order (parameters in
+``(magic, version, payload_bytes, src_rank)`` (payload bytes with alignment padding) followed by the blocks in plan order (parameters in
 sorted name order), each 16-byte aligned. A generator rank that needs no data from anyone still
 gets a header-only message from one trainer rank, so every generator learns every version.
 
@@ -27,14 +27,14 @@ Pairing semantics (publish and fetch are collective):
   is the one departure from "publish costs one copy": it waits when the generators lag a version.
 - ``fetch_into(target, newer_than)`` (generator ranks, with their *local shard targets*) reads the
   versions its source ranks announced. When all of them announced a version ``w`` it has not
-  received, it receives ``w`` (blocking until the data is in, up to ``timeout_s``: the sends were
-  posted before the announcement) into its own staging buffers, then copies them into ``target``
-  and returns ``w`` if ``w > newer_than``. A version that is not newer than ``newer_than`` is still
-  received (so the trainer can go on) but dropped, and cannot be fetched again: the caller said it
-  holds something at least as new. With nothing new announced it returns ``None`` at once, or
-  after polling up to ``fetch_wait_s`` seconds (a constructor option, 0 by default: the runtime's
-  generator polls on its own deadline). ``target`` is only written inside ``fetch_into``: a
-  generator never sees a torn state, and the header of every message must carry the version.
+  received, it receives ``w`` into its own staging buffers (blocking until the data is in, up to
+  ``timeout_s``; the sends were posted before the announcement). Then, as the contract says, it
+  copies the newest received version into ``target`` and returns it if it is newer than
+  ``newer_than``, else returns None; the staging buffers keep that version, so it can be fetched
+  again. With nothing new announced it answers at once, or polls up to ``fetch_wait_s`` seconds
+  (a constructor option, 0 by default: the runtime's generator polls on its own deadline).
+  ``target`` is only written inside ``fetch_into`` and every message's header must carry the
+  version received: a generator never sees a torn state.
 - A rank holding both roles posts its sends inside its own ``fetch_into``, batched with its
   receives (NCCL deadlocks on two ranks that each send before receiving from the other); its
   ``publish`` only stages the copy. So its peers' fetches complete when it fetches; if it publishes
@@ -54,8 +54,9 @@ After a timeout the process group's state is undefined: the job should stop.
 Several instances may share a process group if each has its own ``channel`` (its gloo tag and store
 keys); NCCL ignores tags, so there give each instance its own group or use them one at a time. The
 first ``batch_isend_irecv`` on an NCCL group must involve all of the group's ranks: pass a group of
-exactly the participating ranks, or run one collective on it first. Not thread-safe: one thread per
-rank calls it.
+exactly the participating ranks, or run one collective on it first. Calls on one rank are serialised
+by a lock (a colocated rank may publish and fetch from two threads); a dual rank's ``fetch_into``
+holds it while it waits for its peers.
 
 Example (every rank of a 4-rank gloo group, 2 trainer ranks with FSDP -> 2 generator ranks with tp2):
     >>> t = CollectiveTransport(params={"w": {"shape": [8, 8], "dtype": "float32"}},
@@ -67,6 +68,7 @@ Example (every rank of a 4-rank gloo group, 2 trainer ranks with FSDP -> 2 gener
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import zlib
 from collections.abc import Mapping
@@ -79,7 +81,7 @@ import torch.distributed as dist
 
 from flowrl.errors import ConfigError, TransportError
 from flowrl.runtime.resharding import ShardLayout, Transfer, box_numel, local_shape, plan_state
-from flowrl.runtime.transports.base import State
+from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
 
 __all__ = ["CollectiveTransport", "ParamSpec", "HEADER_BYTES", "DTYPES"]
 
@@ -112,7 +114,7 @@ class ParamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     Attributes:
         shape: the full tensor's shape.
-        dtype: one of :data:`DTYPES`; the wire dtype (published shards are cast to it if they differ).
+        dtype: one of :data:`DTYPES`: the dtype of the published shards (fetch targets may differ: they are cast).
     """
 
     shape: tuple[int, ...]
@@ -235,6 +237,7 @@ class CollectiveTransport:
                 raise TransportError("CollectiveTransport needs an initialized process group (dist.init_process_group) or rank=")
             rank = dist.get_rank()
         self.rank = rank
+        self._where = f"collective {channel!r} rank {rank}"
 
         self._plans = plan_state(
             {n: (s.shape, s.dtype) for n, s in self._spec.params.items()}, self._spec.trainer, self._spec.generator
@@ -255,8 +258,7 @@ class CollectiveTransport:
         self._published = -1  # trainer side: last version published
         self._sent = -1  # trainer side: last version whose sends were posted
         self._send_works: list[Any] = []
-        self._received = -1  # generator side: version held in the staging buffers
-        self._pending = False  # the staged version has not been delivered or dropped yet
+        self._received = -1  # generator side: the version the staging buffers hold (complete)
         self._closed = False
         self._outbox: dict[int, torch.Tensor] | None = None
         self._inbox: dict[int, torch.Tensor] | None = None
@@ -267,7 +269,9 @@ class CollectiveTransport:
         self.header_bytes_sent = 0
         self.bytes_received = 0
         self.bytes_copied_locally = 0
-        self._counts = {"publishes": 0, "deliveries": 0, "dropped": 0, "exchanges": 0}
+        self._counts = {"publishes": 0, "deliveries": 0, "exchanges": 0}
+        self._lock = threading.Lock()
+        self._layouts = {"trainer": self._layout("trainer"), "generator": self._layout("generator")}
 
         self._store = store if store is not None else (dist.distributed_c10d._get_default_store() if dist.is_initialized() else None)
         if self._store is None:
@@ -366,7 +370,7 @@ class CollectiveTransport:
         except Exception as exc:  # DistStoreError / RuntimeError on timeout
             missing = [r for r, k in zip(ranks, keys) if not self._store.check([k])]
             raise TransportError(
-                f"CollectiveTransport {self.channel!r} on rank {self.rank}: rank(s) {missing} did not construct "
+                f"{self._where}: rank(s) {missing} did not construct "
                 f"the transport within {self._timeout_s:.0f} s (participants {ranks}); construct it on every "
                 "trainer and generator rank, or raise timeout_s"
             ) from exc
@@ -374,8 +378,8 @@ class CollectiveTransport:
         differ = sorted(r for r, d in digests.items() if d != digest)
         if differ:
             raise TransportError(
-                f"CollectiveTransport {self.channel!r}: rank(s) {differ} were constructed with other params or "
-                f"layouts than rank {self.rank} (option digests {digests}); pass the same options on every rank"
+                f"{self._where}: rank(s) {differ} were constructed with other params or "
+                f"layouts than this rank (option digests {digests}); pass the same options on every rank"
             )
 
     def _announced(self, rank: int) -> int:
@@ -402,24 +406,25 @@ class CollectiveTransport:
 
     # --- checks ------------------------------------------------------------------------------------
 
-    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], role: Literal["trainer", "generator"]) -> None:
-        want = self.local_shapes(role)
-        what = "published state" if role == "trainer" else "fetch target"
-        missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-        if missing or extra:
+    def _layout(self, role: Literal["trainer", "generator"]) -> StateLayout:
+        specs = [
+            TensorSpec(name=n, dtype=self._spec.params[n].dtype, shape=shape, offset=0, nbytes=0)
+            for n, shape in self.local_shapes(role).items()
+        ]
+        return StateLayout(tensors=tuple(specs), nbytes=0)
+
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], role: Literal["trainer", "generator"], version: int) -> None:
+        """The shared checks of ``base`` (same messages as every transport), against this rank's shards."""
+        try:
+            if role == "trainer":
+                check_state(self._where, self._layouts[role], tensors, version)
+            else:
+                check_target(self._where, self._layouts[role], tensors)
+        except TransportError as exc:
             raise TransportError(
-                f"CollectiveTransport {self.channel!r} rank {self.rank}: the {what} must hold this rank's shards of "
-                f"{sorted(want)}; missing {missing}, unknown {extra}"
-            )
-        for n, shape in want.items():
-            got = tuple(tensors[n].shape)
-            if got != shape:
-                layout = (self._spec.trainer if role == "trainer" else self._spec.generator)[n]
-                raise TransportError(
-                    f"CollectiveTransport {self.channel!r} rank {self.rank}: tensor {n!r} of the {what} has shape {got}, "
-                    f"but this rank's shard of the full shape {self._spec.params[n].shape} under {role} layout "
-                    f"{layout} is {shape}; pass the local shard (full[local_slice(layout, shape, rank)])"
-                )
+                f"{exc} (here the layout is rank {self.rank}'s {role} shards of the full shapes in `params`: "
+                f"see CollectiveTransport.local_shapes({role!r}))"
+            ) from None
 
     def _wait(self, works: list[Any], doing: str) -> None:
         try:
@@ -427,7 +432,7 @@ class CollectiveTransport:
                 w.wait(self._timeout)
         except Exception as exc:
             raise TransportError(
-                f"CollectiveTransport {self.channel!r} rank {self.rank}: {doing} did not complete within "
+                f"{self._where}: {doing} did not complete within "
                 f"{self._timeout_s:.0f} s ({type(exc).__name__}: {exc}); a peer is slow, stopped calling, or died. "
                 "The process group is now unusable: stop the job"
             ) from exc
@@ -442,7 +447,14 @@ class CollectiveTransport:
         if recvs:
             for s, buf in self._inbox.items():
                 ops.append(dist.P2POp(dist.irecv, buf, peer=s, group=self._group, tag=self._tag))
-        return dist.batch_isend_irecv(ops) if ops else []
+        try:
+            return dist.batch_isend_irecv(ops) if ops else []
+        except Exception as exc:  # a peer's connection is gone
+            peers = sorted({op.peer for op in ops})
+            raise TransportError(
+                f"{self._where}: could not post sends/receives to rank(s) {peers} ({type(exc).__name__}: {exc}); "
+                "a peer died or an earlier timeout closed the connection. The process group is unusable: stop the job"
+            ) from exc
 
     # --- trainer side ------------------------------------------------------------------------------
 
@@ -453,18 +465,17 @@ class CollectiveTransport:
             TransportError: if ``version`` does not exceed the last one, ``state`` does not hold this
                 rank's shards, this rank is no trainer, or the previous version was not received in time.
         """
-        self._check_open()
+        self._check_open("publish")
         if not self.is_trainer:
             raise TransportError(
-                f"CollectiveTransport {self.channel!r}: rank {self.rank} is a generator rank only; publish on the "
-                f"trainer ranks {self.trainer_ranks}"
+                f"{self._where}: rank {self.rank} is a generator rank only; publish on the trainer ranks {self.trainer_ranks}"
             )
-        if not isinstance(version, int) or version <= self._published:
-            raise TransportError(
-                f"CollectiveTransport {self.channel!r} rank {self.rank}: version {version!r} must be an integer greater "
-                f"than the last published version {self._published}; versions only grow"
-            )
-        self._check_tensors(state, "trainer")
+        check_version(self._where, version, self._published)
+        self._check_tensors(state, "trainer", version)
+        with self._lock, torch.no_grad():
+            self._publish(state, version)
+
+    def _publish(self, state: State, version: int) -> None:
         self._buffers()
         if self._dual:
             if self._sent < self._published:  # the staged version never went out: exchange it first
@@ -490,8 +501,9 @@ class CollectiveTransport:
 
     def latest_version(self) -> int:
         """Generator ranks: the newest version all of this rank's sources announced; trainer ranks: the last published."""
-        self._check_open()
-        return self._available() if self.is_generator else self._published
+        self._check_open("latest_version")
+        with self._lock:
+            return self._available() if self.is_generator else self._published
 
     # --- generator side ----------------------------------------------------------------------------
 
@@ -500,7 +512,7 @@ class CollectiveTransport:
         send = self._dual and self._sent < self._published
         if send and self._published != version:
             raise TransportError(
-                f"CollectiveTransport {self.channel!r} rank {self.rank}: internal error: staged version "
+                f"{self._where}: internal error: staged version "
                 f"{self._published} but exchanging {version}"
             )
         works = self._p2p(sends=send, recvs=self.is_generator)
@@ -515,49 +527,45 @@ class CollectiveTransport:
             expected = (_MAGIC, version, self._sizes[(s, self.rank)] - HEADER_BYTES, s)
             if (magic, got, nbytes, src) != expected:
                 raise TransportError(
-                    f"CollectiveTransport {self.channel!r} rank {self.rank}: message from rank {s} has header "
+                    f"{self._where}: message from rank {s} has header "
                     f"(magic, version, bytes, src) = {(magic, got, nbytes, src)}, expected {expected}; the ranks "
                     "disagree on options or versions (same channel used twice?)"
                 )
-            self.bytes_received += nbytes
+            self.bytes_received += sum(b.nbytes for b in self._recvs[s])
         if self._local_in is not None and self._local_bytes:
             self._local_in.copy_(self._local_out)
             self.bytes_copied_locally += sum(b.nbytes for b in self._local)
         self._received = version
-        self._pending = True
         self._counts["exchanges"] += 1
 
     def fetch_into(self, target: Mapping[str, torch.Tensor], *, newer_than: int = -1) -> int | None:
-        """Copy the newest announced version into ``target`` (this rank's local shards) and return it.
+        """Copy the newest version into ``target`` (this rank's local shards) and return it.
 
-        Returns None if no version newer than ``newer_than`` arrived (within ``fetch_wait_s``). A
-        version that arrives but is not newer than ``newer_than`` is dropped (see the module docstring).
+        Receives a newly announced version first (see the module docstring); the newest received
+        version stays in the staging buffers, so a later call with a smaller ``newer_than`` gets it again.
+        Returns None if nothing newer than ``newer_than`` is there (after polling up to ``fetch_wait_s``).
 
         Raises:
             TransportError: if ``target`` does not hold this rank's shards, this rank is no generator, or
                 announced data did not arrive within ``timeout_s``.
         """
-        self._check_open()
+        self._check_open("fetch_into")
         if not self.is_generator:
             raise TransportError(
-                f"CollectiveTransport {self.channel!r}: rank {self.rank} is a trainer rank only; fetch on the "
-                f"generator ranks {self.generator_ranks}"
+                f"{self._where}: rank {self.rank} is a trainer rank only; fetch on the generator ranks {self.generator_ranks}"
             )
-        self._check_tensors(target, "generator")
-        self._buffers()
+        self._check_tensors(target, "generator", -1)
         deadline = time.monotonic() + self._fetch_wait_s
         while True:
-            avail = self._available()
-            if avail > self._received:
-                self._exchange(avail)
-            if self._pending:
-                self._pending = False
+            with self._lock, torch.no_grad():
+                self._buffers()
+                avail = self._available()
+                if avail > self._received:
+                    self._exchange(avail)
                 if self._received > newer_than:
                     self._deliver(target)
                     self._counts["deliveries"] += 1
                     return self._received
-                self._counts["dropped"] += 1
-                continue
             if time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL_S)
@@ -571,20 +579,21 @@ class CollectiveTransport:
 
     # --- lifetime ----------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_open(self, op: str) -> None:
         if self._closed:
-            raise TransportError(f"CollectiveTransport {self.channel!r} rank {self.rank} is closed")
+            raise TransportError(f"{self._where}: {op}() called after close(); open a new transport")
 
     def close(self) -> None:
         """Drop the buffers. Sends still pending (nobody fetched the last version) are kept alive until
         the process group is destroyed, so that gloo never reads freed memory. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._send_works:
-            _ABANDONED.append((self._send_works, self._outbox))
-        self._send_works = []
-        self._outbox = self._inbox = self._local_out = self._local_in = None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._send_works:
+                _ABANDONED.append((self._send_works, self._outbox))
+            self._send_works = []
+            self._outbox = self._inbox = self._local_out = self._local_in = None
 
     def __repr__(self) -> str:
         role = "trainer+generator" if self._dual else ("trainer" if self.is_trainer else "generator")

@@ -1,0 +1,470 @@
+"""CollectiveTransport: resharding across real gloo ranks (bit for bit, bytes == minimum), the contract
+across ranks, faults that must end in an error rather than a hang, and the conformance suite on one rank.
+
+The multi-rank tests start this module as 4 worker processes (``python -m tests.runtime.test_collective
+RANK WORLD INIT_FILE OUT_DIR``, one gloo group over a FileStore) that run every resharding case, the
+cross-rank contract, then the faults (last: they leave the group unusable); each rank writes its
+findings as JSON (no pickle) and the tests below read them. A run that does not finish in time is
+killed and fails. The worker imports neither pytest nor hypothesis (see the bottom of the module).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flowrl.errors import TransportError
+from flowrl.runtime.resharding import (
+    ShardLayout,
+    dp_replicas,
+    dp_tp,
+    fsdp,
+    local_slice,
+    minimum_bytes,
+    plan_state,
+    replicated,
+    tp_column,
+    tp_row,
+)
+from flowrl.runtime.transports.base import layout_of
+from flowrl.runtime.transports.collective import CollectiveTransport
+
+REPO = Path(__file__).resolve().parents[2]
+VERSIONS = (0, 1, 2)
+
+# --- the resharding table ------------------------------------------------------------------------
+
+#: name -> (full shape, dtype): a matrix with uneven splits, a vector, a scalar, an integer matrix.
+PARAMS: dict[str, tuple[tuple[int, ...], str]] = {
+    "w": ((6, 5), "float32"),
+    "b": ((7,), "bfloat16"),
+    "s": ((), "float32"),
+    "e": ((4, 3), "int64"),
+}
+
+
+def _by_ndim(params: dict, matrix: ShardLayout, vector: ShardLayout, scalar: ShardLayout) -> dict[str, ShardLayout]:
+    return {n: (scalar if not len(s) else vector if len(s) == 1 else matrix) for n, (s, _) in params.items()}
+
+
+def _case(src: Callable[[int], ShardLayout], dst: Callable[[int], ShardLayout], params=PARAMS):
+    """A resharding case: layouts per parameter from a function of the parameter's ndim."""
+    return {
+        "params": params,
+        "trainer": {n: src(len(s)) for n, (s, _) in params.items()},
+        "generator": {n: dst(len(s)) for n, (s, _) in params.items()},
+    }
+
+
+def _nd(matrix, vector, scalar):
+    return lambda ndim: scalar if ndim == 0 else vector if ndim == 1 else matrix
+
+
+R01, G23, ALL = (0, 1), (2, 3), (0, 1, 2, 3)
+CASES: dict[str, dict[str, Any]] = {
+    # the issue's table
+    "replicated->tp2": _case(lambda n: replicated(R01), _nd(tp_column(G23), tp_column(G23), replicated(G23))),
+    "fsdp2->tp2": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), _nd(tp_row(G23), tp_column(G23), replicated(G23))),
+    "tp2->tp4": _case(_nd(tp_column(R01), tp_column(R01), replicated(R01)), _nd(tp_column(ALL), tp_column(ALL), replicated(ALL))),
+    "fsdp2->dp-replicas": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), lambda n: dp_replicas(G23)),
+    # colocated and combined meshes
+    "fsdp2->dp2xtp2-colocated": _case(
+        _nd(fsdp(R01), fsdp(R01), replicated(R01)),
+        _nd(dp_tp(ALL, dp=2, tp=2, tp_dim=1), dp_tp(ALL, dp=2, tp=2, tp_dim=0), replicated(ALL)),
+    ),
+    "fsdp2->tp2-swapped-colocated": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), _nd(tp_row((1, 0)), tp_column((1, 0)), replicated((1, 0)))),
+    "fsdp2xtp2->tp2": _case(
+        _nd(dp_tp(ALL, dp=2, tp=2, tp_dim=0, fsdp=True), dp_tp(ALL, dp=2, tp=2, tp_dim=0, fsdp=True), replicated(ALL)),
+        _nd(tp_column(G23), tp_column(G23), replicated(G23)),
+    ),
+    "replicated4->tp2-overlap": _case(lambda n: replicated(ALL), _nd(tp_row((3, 0)), tp_column((3, 0)), replicated((3, 0)))),
+    # uneven torch.chunk splits: trainer rank 1 and generator rank 3 hold empty shards, so rank 3 only gets headers
+    "uneven-empty-shards": {
+        "params": {"v": ((1, 4), "float32"), "u": ((1,), "float16")},
+        "trainer": {"v": fsdp(R01), "u": fsdp(R01)},
+        "generator": {"v": tp_column(G23), "u": tp_column(G23)},
+    },
+}
+
+
+def _full(name: str, shape: tuple[int, ...], dtype: str, version: int) -> torch.Tensor:
+    """The trainer's full tensor of ``name`` at ``version``: seeded random values, shifted by the version."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)) * 1000 + version)
+    if dtype == "int64":
+        return torch.randint(-1000, 1000, shape, generator=gen) + version
+    return (torch.randn(shape, generator=gen) + version).to(getattr(torch, dtype))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _expected_bytes(case: dict[str, Any]) -> tuple[int, int]:
+    """(minimum wire bytes, locally copied bytes) per version of a case, from the pure functions."""
+    wire = sum(minimum_bytes(s, d, case["trainer"][n], case["generator"][n]) for n, (s, d) in case["params"].items())
+    plans = plan_state(case["params"], case["trainer"], case["generator"])
+    size = {n: torch.empty((), dtype=getattr(torch, d)).element_size() for n, (_, d) in case["params"].items()}
+    local = sum(t.numel * size[n] for n, ts in plans.items() for t in ts if t.local)
+    return wire, local
+
+
+# --- worker side (runs in the spawned processes) -------------------------------------------------
+
+
+def _run_case(rank: int, name: str, case: dict[str, Any]) -> dict[str, Any]:
+    if not any(rank in lay.ranks for side in ("trainer", "generator") for lay in case[side].values()):
+        return {"stats": {"bytes_sent": 0, "bytes_received": 0, "bytes_copied_locally": 0}, "mismatches": [],
+                "is_trainer": False, "is_generator": False}  # not a participant: constructs nothing
+    params = {n: {"shape": list(s), "dtype": d} for n, (s, d) in case["params"].items()}
+    t = CollectiveTransport(
+        params=params, trainer_layout=case["trainer"], generator_layout=case["generator"], channel=name,
+        timeout_s=60, fetch_wait_s=60,
+    )
+    mismatches: list[str] = []
+    got_versions: list[int | None] = []
+    try:
+        target = {n: torch.zeros(shape, dtype=getattr(torch, case["params"][n][1])) for n, shape in t.local_shapes("generator").items()}
+        for v in VERSIONS:
+            if t.is_trainer:
+                full = {n: _full(n, s, d, v) for n, (s, d) in case["params"].items()}
+                shards = {n: full[n][local_slice(case["trainer"][n], full[n].shape, rank)].clone() for n in t.local_shapes("trainer")}
+                t.publish(shards, v)
+                for s in shards.values():  # the trainer changes its weights after publishing
+                    s.fill_(-7)
+            if t.is_generator:
+                got = t.fetch_into(target, newer_than=v - 1)
+                got_versions.append(got)
+                for n, tensor in target.items():
+                    s, d = case["params"][n]
+                    want = _full(n, s, d, v)[local_slice(case["generator"][n], s, rank)]
+                    if not torch.equal(_bits(tensor), _bits(want)):
+                        mismatches.append(f"version {v}: {n!r} on rank {rank}")
+        return {"stats": t.stats(), "versions": got_versions, "mismatches": mismatches,
+                "is_trainer": t.is_trainer, "is_generator": t.is_generator}
+    finally:
+        t.close()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _expect_error(fn: Callable[[], Any], match: str, log: list[str], what: str) -> None:
+    import re
+
+    try:
+        fn()
+    except TransportError as exc:
+        if not re.search(match, str(exc)):
+            log.append(f"{what}: message {str(exc)!r} does not match {match!r}")
+        return
+    log.append(f"{what}: no TransportError")
+
+
+def _contract(rank: int) -> dict[str, Any]:
+    """The contract across ranks: 2 trainer ranks (fsdp) -> 2 generator ranks (tp row split)."""
+    params = {"w": {"shape": [4, 6], "dtype": "float32"}, "n": {"shape": [6], "dtype": "bfloat16"}}
+    trainer = {"w": fsdp(R01), "n": replicated(R01)}
+    generator = {"w": tp_row(G23), "n": tp_column(G23)}
+    fails: list[str] = []
+    log: dict[str, Any] = {}
+    t = CollectiveTransport(params=params, trainer_layout=trainer, generator_layout=generator, channel="contract", timeout_s=60)
+
+    def shards(value: float) -> dict[str, torch.Tensor]:
+        return {n: torch.full(s, value, dtype=getattr(torch, params[n]["dtype"])) for n, s in t.local_shapes("trainer").items()}
+
+    target = {n: torch.zeros(s, dtype=getattr(torch, params[n]["dtype"])) for n, s in t.local_shapes("generator").items()}
+
+    def holds(tensors: dict[str, torch.Tensor], value: float) -> bool:
+        return all(bool((x == value).all()) for x in tensors.values())
+
+    # nothing published yet
+    if t.latest_version() != -1:
+        fails.append(f"latest_version before any publish is {t.latest_version()}")
+    if t.is_generator and t.fetch_into(target) is not None:
+        fails.append("fetch before any publish returned a version")
+    _barrier()
+    # publish copies; fetch returns the version; newer_than semantics
+    if t.is_trainer:
+        state = shards(3.0)
+        t.publish(state, 3)
+        for x in state.values():
+            x.fill_(999.0)
+        _expect_error(lambda: t.publish(shards(1.0), 3), r"version 3 published after version 3", fails, "equal version")
+        _expect_error(lambda: t.publish(shards(1.0), 2), r"must strictly increase", fails, "older version")
+        _expect_error(lambda: t.publish(shards(1.0), -2), r"negative", fails, "negative version")
+        _expect_error(lambda: t.publish({"w": torch.ones(9, 9)}, 4), r"lacks tensor\(s\) 'n'", fails, "missing tensor")
+        _expect_error(lambda: t.publish({**shards(1.0), "w": torch.ones(1, 6)}, 4), r"'w' is float32\[1, 6\] at version 4", fails, "wrong shard shape")
+        _expect_error(lambda: t.fetch_into(target), r"trainer rank only", fails, "fetch on a trainer")
+        if t.latest_version() != 3:
+            fails.append(f"trainer latest_version {t.latest_version()} != 3")
+    _barrier()
+    if t.is_generator:
+        _expect_error(lambda: t.publish(shards(1.0), 9), r"generator rank only", fails, "publish on a generator")
+        _expect_error(lambda: t.fetch_into({"w": target["w"]}), r"lacks tensor\(s\) 'n'", fails, "target missing a tensor")
+        _expect_error(lambda: t.fetch_into({**target, "w": torch.zeros(4, 6)}), r"target tensor 'w' has shape \[4, 6\] but .*\[4, 3\]", fails, "full tensor as target")
+        if t.latest_version() != 3:
+            fails.append(f"generator latest_version {t.latest_version()} != 3 after the publish")
+        if not holds(target, 0.0):
+            fails.append("target written before fetch_into")
+        got = [t.fetch_into(target, newer_than=10), t.fetch_into(target, newer_than=3)]
+        if got != [None, None] or not holds(target, 0.0):
+            fails.append(f"fetch with newer_than >= 3 returned {got} or wrote the target")
+        if t.fetch_into(target, newer_than=2) != 3 or not holds(target, 3.0):
+            fails.append("fetch newer_than=2 did not return version 3 with the published values (publish must copy)")
+        if t.fetch_into(target, newer_than=-1) != 3:
+            fails.append("the newest version cannot be fetched again with newer_than=-1")
+    _barrier()
+    # casting into another dtype; a long run of versions never torn, versions only grow
+    if t.is_trainer:
+        for v in range(10, 30):
+            t.publish(shards(float(v)), v)
+    if t.is_generator:
+        cast = {n: torch.zeros(x.shape, dtype=torch.float64) for n, x in target.items()}
+        seen: list[int] = []
+        deadline = time.monotonic() + 60
+        while (not seen or seen[-1] < 29) and time.monotonic() < deadline:
+            got = t.fetch_into(cast, newer_than=seen[-1] if seen else 3)
+            if got is None:
+                time.sleep(0.001)
+                continue
+            if not holds(cast, float(got)):
+                fails.append(f"version {got}: target holds other values (torn or not cast)")
+            seen.append(got)
+        if not seen or seen[-1] != 29 or seen != sorted(set(seen)):
+            fails.append(f"versions seen: {seen}")
+        log["seen"] = seen
+    _barrier()
+    stats = t.stats()
+    t.close()
+    t.close()
+    _expect_error(lambda: t.publish(shards(1.0), 99) if t.is_trainer else t.fetch_into(target), r"after close\(\)", fails, "use after close")
+    # options that differ between ranks are caught at construction, on every rank
+    other = {**params, "w": {"shape": [4, 7], "dtype": "float32"}} if rank == 0 else params
+    _expect_error(
+        lambda: CollectiveTransport(params=other, trainer_layout=trainer, generator_layout=generator, channel="mismatch", timeout_s=60),
+        r"rank\(s\) \[.*\] were constructed with other params", fails, "options that differ",
+    )
+    return {"fails": fails, "stats": stats, **log}
+
+
+def _faults(rank: int) -> dict[str, Any]:
+    """Rank 0 trains; rank 2 dies; a peer never constructs; rank 1 stops fetching. Rank 0 gets errors, never hangs."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    params = {"w": {"shape": [8, 8], "dtype": "float32"}}
+    w = {"w": torch.ones(8, 8)}
+    if rank in (0, 2):
+        dead = CollectiveTransport(params=params, trainer_layout=replicated((0,)), generator_layout=replicated((2,)), channel="dead", timeout_s=30)
+        if rank == 2:
+            os._exit(0)  # dies without a word
+        out["dead"] = _error_of(lambda: (dead.publish(w, 0), time.sleep(0.5), dead.publish(w, 1)))
+        dead.close()
+    if rank == 0:  # a peer that never constructs: the handshake times out naming it
+        out["lonely"] = _error_of(lambda: CollectiveTransport(
+            params=params, trainer_layout=replicated((0,)), generator_layout=replicated((3,)), channel="lonely", timeout_s=1))
+        store.set("faults/slow", "go")
+    if rank in (0, 1):
+        store.wait(["faults/slow"])
+        slow = CollectiveTransport(params=params, trainer_layout=replicated((0,)), generator_layout=replicated((1,)), channel="slow", timeout_s=1)
+        if rank == 0:  # rank 1 never fetches version 0
+            out["slow"] = _error_of(lambda: (slow.publish(w, 0), slow.publish(w, 1)))
+        else:
+            time.sleep(2)
+        slow.close()
+    return out
+
+
+def _error_of(fn: Callable[[], Any]) -> str:
+    start = time.monotonic()
+    try:
+        fn()
+    except TransportError as exc:
+        return f"{exc} [after {time.monotonic() - start:.1f} s]"
+    return "no TransportError"
+
+
+def _worker_main(argv: list[str]) -> None:
+    """One rank: every resharding case, the contract, then the faults (which leave the group unusable)."""
+    import torch.distributed as dist
+
+    rank, world, init, out_dir = int(argv[0]), int(argv[1]), argv[2], Path(argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    result: dict[str, Any] = {"cases": {}}
+    out = out_dir / f"rank{rank}.json"
+    try:
+        for name, case in CASES.items():
+            try:
+                result["cases"][name] = _run_case(rank, name, case)
+            except Exception:  # noqa: BLE001 - reported per case
+                result["cases"][name] = {"error": traceback.format_exc()}
+            _barrier()
+        result["contract"] = _contract(rank)
+        _barrier()
+        out.write_text(json.dumps(result))  # before the faults: rank 2 dies there
+        result["faults"] = _faults(rank)
+    except Exception:  # noqa: BLE001 - reported to the test
+        result["error"] = traceback.format_exc()
+    out.write_text(json.dumps(result))
+    os._exit(0)  # the faults leave a dead peer and timed-out pairs: skip gloo's teardown
+
+
+# --- test side -----------------------------------------------------------------------------------
+
+
+def _launch(world: int, tmp: Path, timeout_s: float = 150) -> dict[int, dict[str, Any]]:
+    """Run ``world`` worker ranks; kill them all and fail if they do not finish in time."""
+    out = tmp / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "tests.runtime.test_collective"]
+    procs = [
+        subprocess.Popen([*cmd, str(r), str(world), str(tmp / "pg.init"), str(out)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout_s
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the worker ranks did not finish in {timeout_s:.0f} s (a rank hangs)")
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if (out / f"rank{r}.json").exists()} | {
+        -1: {"logs": logs}
+    }
+
+
+@pytest.fixture(scope="module")
+def table_run(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    """The results of one 4-rank run (each rank: per case, the contract, the faults)."""
+    return _launch(4, tmp_path_factory.mktemp("collective"))
+
+
+def _ranks(run: dict[int, dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    missing = [r for r in range(world) if r not in run]
+    assert not missing, f"ranks {missing} wrote no result; output:\n" + "\n".join(run[-1]["logs"])
+    errors = [run[r]["error"] for r in range(world) if "error" in run[r]]
+    assert not errors, "\n".join(errors)
+    return [run[r] for r in range(world)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_resharding_is_bit_exact_with_minimum_bytes(table_run, name):
+    case = CASES[name]
+    results = [r["cases"][name] for r in _ranks(table_run, 4)]
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, "\n".join(errors)
+    assert not [m for r in results for m in r["mismatches"]]
+    for r in results:
+        if r["is_generator"]:
+            assert r["versions"] == list(VERSIONS)
+    wire, local = _expected_bytes(case)
+    assert sum(r["stats"]["bytes_sent"] for r in results) == wire * len(VERSIONS)
+    assert sum(r["stats"]["bytes_received"] for r in results) == wire * len(VERSIONS)
+    assert sum(r["stats"]["bytes_copied_locally"] for r in results) == local * len(VERSIONS)
+    # every generator rank got each version exactly once: one exchange per version
+    assert all(r["stats"]["exchanges"] == len(VERSIONS) for r in results if r["is_generator"])
+
+
+def test_the_table_covers_local_copies_and_header_only_ranks():
+    """Guards the table itself: some cases must move bytes locally, and one must leave a rank with nothing."""
+    assert _expected_bytes(CASES["tp2->tp4"])[1] > 0
+    assert _expected_bytes(CASES["replicated->tp2"])[1] == 0
+    case = CASES["uneven-empty-shards"]
+    assert local_slice(case["generator"]["v"], (1, 4), 3) == (slice(1, 1), slice(0, 4))
+
+
+def test_contract_across_ranks(table_run):
+    results = _ranks(table_run, 4)
+    fails = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res["contract"]["fails"]]
+    assert not fails, "\n".join(fails)
+    assert results[2]["contract"]["seen"][-1] == 29
+    # the contract run moved w (fsdp -> tp row: all of it) and n (replicated -> tp column: all of it) per version
+    versions = 1 + 20
+    sent = sum(r["contract"]["stats"]["bytes_sent"] for r in results)
+    assert sent == versions * (minimum_bytes((4, 6), "float32", fsdp(R01), tp_row(G23)) + minimum_bytes((6,), "bfloat16", replicated(R01), tp_column(G23)))
+
+
+def test_faults_end_in_errors_not_hangs(table_run):
+    assert 0 in table_run, "rank 0 wrote no result:\n" + "\n".join(table_run[-1]["logs"])
+    assert "error" not in table_run[0], table_run[0]["error"]
+    trainer = table_run[0]["faults"]
+    assert "rank(s) [3] did not construct" in trainer["lonely"]
+    assert "sending version 0 to generator rank(s) [1] did not complete" in trainer["slow"]
+    assert "stop the job" in trainer["slow"]
+    assert "rank(s) [2]" in trainer["dead"] and "stop the job" in trainer["dead"]
+
+
+# --- the conformance suite, on one rank that is trainer and generator ---------------------------
+
+
+class _OneRank:
+    """A rank-0 world with both roles (local copies only, no process group): the transport is opened on
+    the first publish, from that state's names, shapes and dtypes (the suite does not declare them)."""
+
+    name = "collective"
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.HashStore()
+        self._t: CollectiveTransport | None = None
+        self._closed = False
+
+    def publish(self, state, version):
+        if self._t is None and not self._closed:
+            layout = layout_of(state, transport="collective")
+            params = {s.name: {"shape": list(s.shape), "dtype": s.dtype} for s in layout.tensors}
+            self._t = CollectiveTransport(params=params, trainer_layout=replicated((0,)), generator_layout=replicated((0,)),
+                                          rank=0, store=self._store, timeout_s=30)
+        if self._t is None:
+            raise TransportError("collective: publish() called after close()")
+        self._t.publish(state, version)
+
+    def latest_version(self):
+        return -1 if self._t is None else self._t.latest_version()
+
+    def fetch_into(self, target, *, newer_than=-1):
+        if self._t is None:
+            if self._closed:
+                raise TransportError("collective: fetch_into() called after close()")
+            return None
+        return self._t.fetch_into(target, newer_than=newer_than)
+
+    def close(self):
+        self._closed = True
+        if self._t is not None:
+            self._t.close()
+
+
+if __name__ == "__main__":  # a worker rank: no hypothesis import (it costs a second per rank on a busy machine)
+    _worker_main(sys.argv[1:])
+else:
+    from tests.runtime.transports.conformance import TransportConformance
+
+    class TestCollectiveOneRankConformance(TransportConformance):
+        concurrent_versions = 60
+        random_examples = 8
+
+        def open_pair(self, tmp_path):
+            t = _OneRank()
+            return t, t
