@@ -45,15 +45,17 @@ def test_worker_killed_is_reported(graph_k):
 
     process_backend.ProcessBackend._spawn = spy
     try:
+        steps_seen = threading.Event()
+
         def killer():
-            time.sleep(1.5)
+            steps_seen.wait(120)  # the run is under way: every worker is up
             victim = next(h for h in spawned if h.node == "gen")
             os.kill(victim.proc.pid, signal.SIGKILL)
 
         t = threading.Thread(target=killer)
         t.start()
         with pytest.raises(NodeExecutionError, match=r"'gen'.*SIGKILL"):
-            run_graph(g, config)
+            run_graph(g, config, on_step=lambda row: row["step"] >= 3 and steps_seen.set())
         t.join()
     finally:
         process_backend.ProcessBackend._spawn = original

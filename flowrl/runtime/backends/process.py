@@ -66,6 +66,16 @@ class RemoteProgram:
             raise WorkerError(f"{reply.get('error')}\n--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---\n{reply.get('traceback', '')}")
         return reply, out
 
+    def ready(self) -> None:
+        """Wait for the worker's answer to its init message."""
+        with self._lock:
+            try:
+                reply, _ = recv_message(self.sock)
+            except (ConnectionLost, OSError):
+                raise self._died() from None
+        if not reply.get("ok"):
+            raise WorkerError(f"worker of node {self.node!r} failed to start: {reply.get('error')}\n{reply.get('traceback', '')}")
+
     def start(self) -> None:
         self._call({"op": "start"})
 
@@ -81,6 +91,76 @@ class RemoteProgram:
 
     def load(self, path: str) -> None:
         self._call({"op": "load", "path": path})
+
+    def abort(self) -> None:
+        """Kill the worker now (after a failure elsewhere): unblocks a controller thread waiting on it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.sock.settimeout(10)
+                self._call({"op": "close"})
+            except (FlowrlError, OSError):
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.sock.close()
+
+
+class ProcessBackend:
+    """Starts one worker per executor node and hands the controller proxies to them."""
+
+    name = "process"
+
+    def __init__(self, graph: Graph, env: ProgramEnv, placement: Placement) -> None:
+        self.graph = graph
+        self.env = env
+        self.placement = placement
+        self.hosts: dict[str, RemoteProgram] = {}
+
+    def _spawn(self, node: str) -> RemoteProgram:
+        """Start the worker of ``node`` and send it its init message (its reply is read by ``open``)."""
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[3])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flowrl.runtime.worker", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        host = RemoteProgram(node, proc, parent)
+        cores = list(self.placement.devices.get(node, ())) if self.placement.pin else []
+        send_message(parent, {
+            "op": "init",
+            "graph": to_json(self.graph, indent=0),
+            "node": node,
+            "env": msgspec.to_builtins(self.env),
+            "cores": cores,
+            "threads": self.placement.threads_per_group(),
+        })
+        return host
+
+    def open(self) -> dict[str, Any]:
+        """Start every worker at once (they import torch in parallel), then wait for each to be ready."""
+        try:
+            for node in self.graph.nodes:
+                if node.kind != "loss":
+                    self.hosts[node.name] = self._spawn(node.name)
+            for host in self.hosts.values():
+                host.ready()
+        except BaseException:
+            self.abort()
+            self.close()
+            raise
+        return dict(self.hosts)
 
     def abort(self) -> None:
         """Kill the worker now (after a failure elsewhere): unblocks a controller thread waiting on it."""
