@@ -16,6 +16,8 @@ examples:
   flowrl run --checkpoint-dir ck --checkpoint-every 10     then, after a stop: add --resume
   flowrl run --backend process                 one OS process per executor, weights over shared memory
   flowrl run --plan plan.json                  place executors as 'flowrl plan ... -o plan.json' says
+  torchrun --nproc-per-node 3 -m flowrl run --backend torchrun --plan plan.json
+                                               one rank per device of the plan (controller on rank 0)
 
 The trace opens in https://ui.perfetto.dev (or chrome://tracing): one track per executor, a span for
 every generate / score / train / weight publish / weight fetch / wait.
@@ -35,7 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("graph", nargs="?", metavar="GRAPH", help="what to run (default: the built-in example 'llamarl')")
     p.add_argument("--steps", type=int, default=60, help="trainer steps in total (default: 60)")
     p.add_argument("--max-staleness", type=int, metavar="K", help="override every weight edge's k; 0 = synchronous")
-    p.add_argument("--backend", choices=("local", "process"), default="local", help="threads in one process (default) or one process per executor")
+    p.add_argument(
+        "--backend",
+        choices=("local", "process", "torchrun"),
+        default="local",
+        help="threads in one process (default), one process per executor, or ranks of a torchrun job (launch under torchrun)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line of metrics per trainer step")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
@@ -81,6 +88,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
+    if args.backend == "torchrun" and os.environ.get("RANK", "0") != "0":
+        run_graph(graph, config)
+        return 0  # a worker rank: rank 0 reports
     if args.resume:
         from flowrl.runtime.checkpoint import latest_checkpoint
 

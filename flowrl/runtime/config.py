@@ -10,7 +10,7 @@ from flowrl.errors import ConfigError
 
 __all__ = ["RunConfig", "BACKENDS"]
 
-BACKENDS = ("local", "process")
+BACKENDS = ("local", "process", "torchrun")
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -19,7 +19,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     Attributes:
         steps: trainer steps to run in total (a resumed run continues up to this many).
         max_staleness: override every weight edge's k; None keeps the graph's.
-        backend: ``local`` (threads in this process) or ``process`` (one OS process per executor).
+        backend: ``local`` (threads in this process), ``process`` (one OS process per executor) or
+            ``torchrun`` (this process is one rank of a torchrun job; see ``flowrl.runtime.backends.torchrun``).
         seed: seed of sampling and of the synthetic operators.
         metrics: JSON-lines file, one row per trainer step.
         trace: Chrome trace file (open in https://ui.perfetto.dev).
@@ -35,7 +36,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     steps: int = 60
     max_staleness: int | None = None
-    backend: Literal["local", "process"] = "local"
+    backend: Literal["local", "process", "torchrun"] = "local"
     seed: int = 0
     metrics: str | None = None
     trace: str | None = None

@@ -60,6 +60,10 @@ def resolve_placement(graph: Graph, config: RunConfig) -> Placement:
 
 def run_graph(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     """Execute ``graph`` for ``config.steps`` trainer steps; raises ``NodeExecutionError`` on failure."""
+    if config.backend == "torchrun":  # every rank calls this; placement, transports and controller are its own
+        from flowrl.runtime.backends.torchrun import run_torchrun
+
+        return run_torchrun(graph, config, on_step=on_step)
     placement = resolve_placement(graph, config)
     with tempfile.TemporaryDirectory(prefix="flowrl-run-") as run_dir:
         env = ProgramEnv(
@@ -77,7 +81,7 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, A
 
             backend = ProcessBackend(graph, env, placement)
         else:  # RunConfig's Literal already refuses others; kept for direct callers
-            raise ConfigError(f"unknown backend {config.backend!r}; choose local or process")
+            raise ConfigError(f"unknown backend {config.backend!r}; choose local, process or torchrun")
         threads = torch.get_num_threads()
         if config.backend == "local":
             torch.set_num_threads(placement.threads_per_group())

@@ -1,0 +1,603 @@
+"""The ``torchrun`` backend: every rank of a torch.distributed job runs part of the graph.
+
+Launch (one host; several hosts add ``--nnodes``, ``--rdzv-backend c10d --rdzv-endpoint HOST:PORT``)::
+
+    torchrun --nproc-per-node 3 -m flowrl run llamarl --backend torchrun --plan plan.json
+
+Where things run:
+
+- Device ids of the plan are global ranks. Each heavy node (generator, policy, reference) runs on
+  its ranks; its first rank is its *lead*. ``--plan`` takes a plan file from ``flowrl plan -o`` or,
+  as a fallback, a small JSON placement ``{"node": [ranks, ...], ...}`` (mesh axis ``("dp",)``).
+  Without ``--plan``: every heavy node on every rank (colocated).
+- The controller (version clock, channels, staleness gate, metrics, trace, checkpoints) runs on
+  rank 0 only: the clock and the staleness invariant need one owner, and metrics, trace and
+  checkpoints must be written once. Light nodes (sources, rule scorers) run in threads there too.
+  The other ranks are workers.
+- Rank 0 listens on a TCP socket (127.0.0.1 when the job is on one host, this host's address
+  otherwise) and publishes ``host:port`` in the job's torch.distributed store. Every rank connects
+  once per node it belongs to and answers ``flowrl.runtime.worker.serve`` (the process backend's
+  protocol: msgspec header + raw tensor bytes). Rank 0's own memberships use a socket pair. The
+  controller sends each request to every rank of the node at once (``GroupProgram``); only the lead
+  gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
+  idle rank waits without a timeout ticking; collectives run only inside a step, between busy ranks.
+- Each heavy node's ranks form a process group (``dist.new_group``, created by every rank, in graph
+  order) and a ``DeviceMesh`` with the plan's named axes (``("dp",)`` for a JSON placement).
+- Parallel executors: a policy on several ranks trains data-parallel (``DataParallelPolicy``: the lead
+  broadcasts the batch, each replica trains on whole prompt groups of it, gradients weighted by token
+  share and summed, the same clipped step everywhere; equal to a one-process step up to rounding).
+  A generator on several ranks runs replicas (``ReplicaGenerator``: each samples a contiguous part of
+  the prompts with its own copy of the weights, the lead gathers). Tensor parallelism is not here.
+  User / synthetic programs on several ranks run on the lead; the other ranks idle.
+- Weights: ``inprocess`` edges become ``shm`` when every rank is on one host, ``file`` otherwise
+  (``FLOWRL_WEIGHTS_DIR`` must then be a directory every host sees). The collective transport will
+  replace both: see ``_weight_transport``.
+
+Timeouts (a failure stops the whole job in bounded time; nothing waits forever):
+
+- ``FLOWRL_DIST_TIMEOUT_S`` (default 120): the process-group timeout; a collective whose peer died
+  or raised fails after it. Steps are not bounded by it, only collectives inside a step.
+- ``FLOWRL_CONNECT_TIMEOUT_S`` (default 120): ranks connecting to rank 0, and rank 0's address in the store.
+- A rank that raises answers the controller with the error; a rank that dies closes its socket. Either
+  way the controller fails the run naming the node and the rank, closes every socket (each worker's
+  ``serve`` then returns) and rank 0 exits 1; torchrun then stops any rank still running.
+- ``RunConfig.stall_timeout_s``: the controller fails the run if no executor finishes a step for that long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from flowrl.errors import ConfigError, FlowrlError, PlanError
+from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import GeneratorNode, Node, PolicyNode
+from flowrl.graph.serialize import to_json
+from flowrl.runtime.config import RunConfig
+from flowrl.runtime.controller import Controller, RunResult
+from flowrl.runtime.placement import HEAVY_KINDS, Placement
+from flowrl.runtime.programs import (
+    Batch,
+    GeneratorProgram,
+    Info,
+    PolicyProgram,
+    ProgramBase,
+    ProgramEnv,
+    SharedTransports,
+    TransportSpec,
+    build_program,
+)
+from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
+
+__all__ = [
+    "run_torchrun",
+    "rank_placement",
+    "GroupProgram",
+    "RankError",
+    "DataParallelPolicy",
+    "ReplicaGenerator",
+    "rank_program",
+    "DIST_TIMEOUT_S",
+    "CONNECT_TIMEOUT_S",
+]
+
+DIST_TIMEOUT_S = float(os.environ.get("FLOWRL_DIST_TIMEOUT_S", "120"))
+CONNECT_TIMEOUT_S = float(os.environ.get("FLOWRL_CONNECT_TIMEOUT_S", "120"))
+_STORE_KEY = "flowrl/controller"
+RANK_PROGRAM = "flowrl.runtime.backends.torchrun:rank_program"
+
+
+class RankError(FlowrlError):
+    """A rank raised or died; the message names the rank and its node."""
+
+
+# -- placement --------------------------------------------------------------------------------------
+def rank_placement(graph: Graph, plan_path: str | None, world: int) -> tuple[dict[str, tuple[int, ...]], Any]:
+    """Ranks of every heavy node, and the loaded ``Plan`` (None for a JSON placement or no plan).
+
+    Raises:
+        PlanError: a node missing from the placement, or one needing ranks >= ``world``.
+    """
+    heavy = [n.name for n in graph.nodes if n.kind in HEAVY_KINDS]
+    plan = None
+    if plan_path is None:
+        ranks = {n: tuple(range(world)) for n in heavy}
+    else:
+        try:
+            raw = json.loads(Path(plan_path).read_text())
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"--plan {plan_path}: cannot read it as JSON ({exc})") from None
+        if isinstance(raw, dict) and "placements" in raw:
+            from flowrl.planners.plan import load_plan
+
+            plan = load_plan(plan_path)
+            if plan.graph != graph.name:
+                raise PlanError(f"plan {plan_path!r} was made for graph {plan.graph!r}, not {graph.name!r}; re-plan this graph")
+            ranks = {n: tuple(plan.placements[n].devices) for n in heavy if n in plan.placements}
+        elif isinstance(raw, dict) and all(isinstance(v, list) and all(isinstance(r, int) for r in v) for v in raw.values()):
+            ranks = {n: tuple(v) for n, v in raw.items()}
+        else:
+            raise PlanError(f"--plan {plan_path}: neither a flowrl plan nor a placement like {{\"gen\": [0], \"policy\": [1, 2]}}")
+        for n in heavy:
+            if not ranks.get(n):
+                raise PlanError(f"--plan {plan_path} gives node {n!r} no ranks; every generator, policy and reference needs at least one")
+        unknown = sorted(set(ranks) - set(heavy))
+        if unknown:
+            raise PlanError(f"--plan {plan_path} places {unknown}, which are not heavy nodes of graph {graph.name!r} (those are {heavy})")
+    for n, rs in ranks.items():
+        if len(set(rs)) != len(rs) or min(rs) < 0:
+            raise PlanError(f"node {n!r} is placed on ranks {list(rs)}: ranks must be distinct and >= 0")
+        if max(rs) >= world:
+            raise PlanError(
+                f"node {n!r} needs ranks {list(rs)} but torchrun launched WORLD_SIZE={world} "
+                f"(ranks 0-{world - 1}); launch with --nproc-per-node {max(rs) + 1} (or more), or re-plan for {world} devices"
+            )
+    return ranks, plan
+
+
+# -- this rank's view of the job --------------------------------------------------------------------
+@dataclass
+class RankContext:
+    """What every rank knows about the job (set once per process by ``run_torchrun``)."""
+
+    rank: int
+    world: int
+    ranks: dict[str, tuple[int, ...]]
+    programs: dict[str, str]
+    groups: dict[str, Any] = field(default_factory=dict)
+    meshes: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")
+
+
+_CONTEXT: RankContext | None = None
+
+
+def _context() -> RankContext:
+    if _CONTEXT is None:
+        raise ConfigError("rank programs exist only inside a torchrun job (flowrl run --backend torchrun under torchrun)")
+    return _CONTEXT
+
+
+class _Idle(ProgramBase):
+    """A non-lead rank of a node whose program is not parallel: takes part in nothing."""
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        return {}, {}
+
+
+class DataParallelPolicy(PolicyProgram):
+    """One data-parallel replica of a policy (see ``flowrl.runtime.distributed.make_data_parallel``)."""
+
+    def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...]) -> None:
+        from flowrl.runtime.distributed import make_data_parallel
+
+        ctx = _context()
+        loss = graph.loss_of(node.name)
+        max_norm = float(node.optimizer.grad_clip or 0.0)
+        unclipped = msgspec.structs.replace(node, optimizer=msgspec.structs.replace(node.optimizer, grad_clip=0.0))
+        super().__init__(unclipped, loss, graph, transports)  # type: ignore[arg-type]
+        self.group, self.ranks, self.lead = group, ranks, ranks[0]
+        self.index = ranks.index(ctx.rank)
+        self.device = ctx.device
+        for p in self.trainer.model.parameters():  # identical initial weights on every replica
+            torch.distributed.broadcast(p.data, src=self.lead, group=group)
+        make_data_parallel(self.trainer, group=group, max_norm=max_norm, device=None)
+
+    def publish(self) -> float:
+        return super().publish() if self.index == 0 else 0.0
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+
+        start = time.perf_counter()
+        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group)
+        shard = shard_by_groups(batch, len(self.ranks))[self.index]
+        total = float(batch["completion_mask"].sum().clamp(min=1))
+        mine = float(shard["completion_mask"].sum())
+        self.trainer.dp_token_share = max(mine, 1.0) / total
+        metrics = self.trainer.train_step(shard)
+        samples = float(shard["completion_mask"].shape[0])
+        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group)
+        metrics["grad_norm"] = self.trainer.dp_grad_norm
+        train_s = time.perf_counter() - start
+        publish_s = self.publish()
+        info: Info = dict(metrics)
+        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        return {}, info
+
+
+class ReplicaGenerator(GeneratorProgram):
+    """One generator replica: samples its contiguous part of the prompts; the lead gathers the parts."""
+
+    def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...]) -> None:
+        super().__init__(node, graph, env, transports, seed=env.seed)  # sampling is seeded by (seed, first prompt index)
+        self.group, self.ranks, self.lead = group, ranks, ranks[0]
+        self.index = ranks.index(_context().rank)
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.runtime.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
+
+        prompts = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group)
+        part = split_prompts(prompts, len(self.ranks))[self.index]
+        fetch_s = self._sync(min_version)
+        start = time.perf_counter()
+        rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
+        gen_s = time.perf_counter() - start
+        timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group)
+        if self.index != 0:
+            send_batch(rollout, dst=self.lead, group=self.group)
+            return {}, {}
+        parts = [rollout] + [recv_batch(src=r, group=self.group) for r in self.ranks[1:]]
+        merged = merge_rollouts(parts)
+        return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"])}
+
+
+def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> Any:
+    """``ProgramEnv.programs`` factory on every rank: this rank's part of ``node``."""
+    ctx = _context()
+    ranks = ctx.ranks[node.name]
+    env = msgspec.structs.replace(env, programs=dict(ctx.programs))
+    lead = ctx.rank == ranks[0]
+    if len(ranks) == 1 or node.name in ctx.programs:
+        return build_program(graph, node.name, env, transports) if lead else _Idle()
+    group = ctx.groups[node.name]
+    if isinstance(node, PolicyNode):
+        return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
+    if isinstance(node, GeneratorNode):
+        return ReplicaGenerator(node, graph, env, transports, group=group, ranks=ranks)
+    return build_program(graph, node.name, env, transports) if lead else _Idle()  # reference: on the lead only
+
+
+# -- the controller's side: one node = requests to all its ranks at once -------------------------------
+class GroupProgram:
+    """A node program spread over ranks; the controller's executor thread calls it like a local one.
+
+    Every request goes to every rank of the node before any reply is read (ranks meet in collectives
+    inside the request); only the lead gets the input tensors and returns outputs and info.
+    """
+
+    def __init__(self, node: str, links: dict[int, socket.socket]) -> None:
+        self.node = node
+        self.links = links  # rank -> socket, lead first
+        self.lead = next(iter(links))
+        self._lock = threading.Lock()
+
+    def _fail(self, rank: int, what: str) -> RankError:
+        return RankError(f"rank {rank} of node {self.node!r} {what}")
+
+    def _call(self, header: dict[str, Any], tensors: Batch | None = None, *, ranks: list[int] | None = None) -> tuple[dict[str, Any], Batch]:
+        ranks = ranks if ranks is not None else list(self.links)
+        lead_reply: tuple[dict[str, Any], Batch] = ({}, {})
+        with self._lock:
+            for r in ranks:
+                try:
+                    send_message(self.links[r], header, tensors if r == self.lead else None)
+                except OSError:
+                    raise self._fail(r, "died (its connection to the controller is closed)") from None
+            errors = []
+            for r in ranks:
+                try:
+                    reply, out = recv_message(self.links[r])
+                except (ConnectionLost, OSError):
+                    raise self._fail(r, "died (its connection to the controller is closed)") from None
+                if not reply.get("ok"):
+                    errors.append(f"rank {r} of node {self.node!r} raised {reply.get('error')}\n--- traceback on rank {r} ---\n{reply.get('traceback', '')}")
+                elif r == self.lead:
+                    lead_reply = (reply, out)
+            if errors:
+                raise RankError("\n".join(errors))
+        return lead_reply
+
+    def init(self, header: dict[str, Any]) -> None:
+        self._call(header)
+
+    def start(self) -> None:
+        self._call({"op": "start"})
+
+    def seek(self, position: int) -> None:
+        self._call({"op": "seek", "position": position}, ranks=[self.lead])
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        reply, outputs = self._call({"op": "step", "seq": seq, "min_version": min_version}, inputs)
+        return outputs, reply.get("info", {})
+
+    def save(self, path: str) -> None:
+        self._call({"op": "save", "path": path}, ranks=[self.lead])  # replicas hold the same state
+
+    def load(self, path: str) -> None:
+        self._call({"op": "load", "path": path})
+
+    def abort(self) -> None:
+        """After a failure elsewhere: close the sockets, so every worker's ``serve`` returns."""
+        for s in self.links.values():
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Nothing yet: the controller closes its hosts before its final checkpoint (which still
+        calls ``save``), so the backend ends the ranks' programs itself, with ``shutdown``."""
+
+    def shutdown(self) -> None:
+        """Close the program on every rank (each ``serve`` returns), then the sockets."""
+        try:
+            for s in self.links.values():
+                s.settimeout(30)
+            self._call({"op": "close"})
+        except (FlowrlError, OSError):
+            pass
+        for s in self.links.values():
+            s.close()
+
+
+# -- setting up the job -----------------------------------------------------------------------------
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ConfigError(f"--backend torchrun needs {name} in the environment: launch with 'torchrun --nproc-per-node N -m flowrl run ... --backend torchrun'")
+    return int(value)
+
+
+def _one_host() -> bool:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "-1")) == int(os.environ.get("WORLD_SIZE", "-2"))
+
+
+def _weight_transport(name: str) -> str:
+    """The transport a weight edge uses across ranks.
+
+    COLLECTIVE TRANSPORT GOES HERE: once ``flowrl.runtime.transports.collective`` exists, return
+    "collective" for ``inprocess`` (and honour an explicit "collective" edge) on every layout.
+    """
+    if name != "inprocess":
+        return name
+    return "shm" if _one_host() else "file"
+
+
+def _transport_specs(graph: Graph, run_dir: str) -> tuple[TransportSpec, ...]:
+    token = f"{os.getpid()}-{time.time_ns() % 10**9}"
+    specs = []
+    for e in graph.weight_edges:
+        name = _weight_transport(e.transport)
+        writer: dict[str, Any] = {}
+        reader: dict[str, Any] = {}
+        if name == "shm":
+            seg = f"flowrl-trun-{token}-{e.src}-{e.dst}"
+            writer, reader = {"name": seg, "create": True}, {"name": seg, "create": False}
+        elif name == "file":
+            directory = os.path.join(run_dir, f"weights-{e.src}-{e.dst}")
+            writer = reader = {"directory": directory}
+        specs.append(TransportSpec(src=e.src, dst=e.dst, name=name, writer_options=writer, reader_options=reader))
+    return tuple(specs)
+
+
+def _listen_address() -> str:
+    if _one_host():
+        return "127.0.0.1"
+    return os.environ.get("FLOWRL_CONTROLLER_ADDR") or socket.gethostbyname(socket.gethostname())
+
+
+def _serve_thread(sock: socket.socket, node: str, errors: list[str]) -> threading.Thread:
+    from flowrl.runtime.worker import serve
+
+    def main() -> None:
+        try:
+            serve(sock)
+        except ConnectionLost:
+            pass  # the controller closed the connection: the run is over
+        except BaseException as exc:  # noqa: BLE001 - reported after join
+            errors.append(f"node {node!r}: {type(exc).__name__}: {exc}")
+        finally:
+            sock.close()
+
+    t = threading.Thread(target=main, name=f"flowrl-rank-{node}", daemon=True)
+    t.start()
+    return t
+
+
+def _setup_groups(graph: Graph, ctx: RankContext, plan: Any) -> None:
+    """Every rank creates every node's group and mesh, in graph order (new_group is collective)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for node in graph.nodes:
+        ranks = ctx.ranks.get(node.name)
+        if not ranks:
+            continue
+        ctx.groups[node.name] = dist.new_group(list(ranks))
+        if plan is not None and node.name in plan.placements:
+            mesh = plan.device_mesh(node.name)
+        else:
+            mesh = DeviceMesh(ctx.device.type, torch.tensor(list(ranks)), mesh_dim_names=("dp",))
+        if ctx.rank in ranks:
+            ctx.meshes[node.name] = mesh
+
+
+def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """Run ``graph`` as one rank of a torchrun job. Rank 0 returns the run's result; the other
+    ranks serve their nodes and return an empty result (``version == -1``) when rank 0 is done.
+
+    Raises:
+        PlanError: (every rank, before any work) a placement needing more ranks than WORLD_SIZE.
+        RankError / NodeExecutionError: on rank 0, a rank that raised or died, naming it and its node.
+    """
+    global _CONTEXT
+    import torch.distributed as dist
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    ranks, plan = rank_placement(graph, config.plan, world)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device)
+    _CONTEXT = ctx
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    try:
+        _setup_groups(graph, ctx, plan)
+        store = dist.distributed_c10d._get_default_store()
+        mine = [n for n, rs in ranks.items() if rank in rs]
+        if rank != 0:
+            return _work(store, ctx, mine)
+        seen: dict[str, Controller] = {}
+        with _report_on_sigterm(seen):
+            return _control(graph, config, store, ctx, on_step, seen)
+    finally:
+        _CONTEXT = None
+        if owns_group:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer already gone must not hide the run's outcome
+                pass
+
+
+def _work(store: Any, ctx: RankContext, mine: list[str]) -> RunResult:
+    """A worker rank: connect to rank 0 once per node of this rank, serve until rank 0 closes."""
+    store.set_timeout(datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+    host, port = store.get(_STORE_KEY).decode().rsplit(":", 1)
+    errors: list[str] = []
+    threads = []
+    for node in mine:
+        sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+        sock.settimeout(None)
+        send_message(sock, {"rank": ctx.rank, "node": node})
+        threads.append(_serve_thread(sock, node, errors))
+    for t in threads:
+        t.join()
+    if errors:
+        raise RankError(f"rank {ctx.rank}: " + "; ".join(errors))
+    return RunResult(rows=[], version=-1, consumed=[], wall_s=0.0)
+
+
+@contextlib.contextmanager
+def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
+    """When a rank dies, torchrun SIGTERMs every other rank, rank 0 included, often before rank 0
+    has printed what it saw. On SIGTERM, print the failure the controller recorded (naming the rank
+    and its node) or, without one, that torchrun stopped this rank; then exit 1."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        controller = seen.get("controller")
+        failure = controller._failure if controller is not None else None
+        if failure is not None:
+            node, step, exc = failure
+            at = f" at step {step}" if step is not None else ""
+            message = f"node {node!r} failed{at}: {type(exc).__name__}: {exc}"
+        else:
+            message = "torchrun stopped rank 0 (SIGTERM), most likely because another rank failed; see torchrun's summary"
+        print(f"flowrl run: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except BaseException as exc:
+        # the failure is on its way to the CLI, which prints it; until it does, a SIGTERM prints it
+        def on_term_after(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            print(f"flowrl run: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
+
+        signal.signal(signal.SIGTERM, on_term_after)
+        raise
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _control(
+    graph: Graph, config: RunConfig, store: Any, ctx: RankContext, on_step: Callable[[dict[str, Any]], None] | None, seen: dict[str, Controller]
+) -> RunResult:
+    listener = socket.create_server((_listen_address(), 0))
+    listener.settimeout(CONNECT_TIMEOUT_S)
+    host, port = listener.getsockname()[:2]
+    store.set(_STORE_KEY, f"{host}:{port}")
+    shared = os.environ.get("FLOWRL_WEIGHTS_DIR")
+    if not shared and not _one_host() and any(_weight_transport(e.transport) == "file" for e in graph.weight_edges):
+        raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
+    run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
+    env = ProgramEnv(
+        transports=_transport_specs(graph, run_dir),
+        programs={**dict(config.programs), **{n: RANK_PROGRAM for n in ctx.ranks}},
+        seed=config.seed,
+        options=dict(config.options),
+    )
+    local_errors: list[str] = []
+    links: dict[str, dict[int, socket.socket]] = {n: {} for n in ctx.ranks}
+    hosts: dict[str, Any] = {}
+    light = SharedTransports(env.transports)
+    try:
+        # rank 0's own memberships: a socket pair served by a thread
+        for node, rs in ctx.ranks.items():
+            if 0 in rs:
+                mine, theirs = socket.socketpair()
+                links[node][0] = mine
+                _serve_thread(theirs, node, local_errors)
+        expected = {(n, r) for n, rs in ctx.ranks.items() for r in rs if r != 0}
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while expected:
+            listener.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                missing = ", ".join(f"rank {r} (node {n!r})" for n, r in sorted(expected))
+                raise RankError(f"{missing} did not connect to the controller on rank 0 within {CONNECT_TIMEOUT_S:.0f} s (FLOWRL_CONNECT_TIMEOUT_S)") from None
+            conn.settimeout(None)
+            hello, _ = recv_message(conn)
+            key = (hello["node"], int(hello["rank"]))
+            expected.discard(key)
+            links[key[0]][key[1]] = conn
+        init = {
+            "op": "init",
+            "graph": to_json(graph, indent=0),
+            "env": msgspec.to_builtins(env),
+            "cores": [],
+            "threads": torch.get_num_threads(),
+        }
+        for node, rs in ctx.ranks.items():
+            group = GroupProgram(node, {r: links[node][r] for r in rs})
+            hosts[node] = group
+        for node, group in hosts.items():
+            group.init({**init, "node": node})
+        for node in graph.nodes:
+            if node.kind != "loss" and node.name not in hosts:
+                hosts[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
+        placement = Placement(devices=dict(ctx.ranks), source=f"torchrun:{config.plan or 'all ranks'}")
+        controller = Controller(graph, config, hosts, placement, on_step=on_step)
+        seen["controller"] = controller
+        return controller.run()
+    except BaseException:
+        for h in hosts.values():
+            if isinstance(h, GroupProgram):
+                h.abort()
+        raise
+    finally:
+        for node, h in hosts.items():
+            if isinstance(h, GroupProgram):
+                h.shutdown()
+        for node_links in links.values():
+            for s in node_links.values():
+                s.close()
+        listener.close()
+        light.close()
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,269 @@
+"""Tests of the torchrun backend: placement checks, batch sharding, and real torchrun jobs on CPU (gloo).
+
+Four jobs run by default (about 30 s on 2 idle cores); ``--runslow`` adds generator replicas
+colocated with the policy and a rank that raises. The jobs are launched with ``python -m torch.distributed.run`` (2-3 ranks, c10d rendezvous on a free
+local port, a timeout on each). This file is also the jobs' entry point for what the CLI cannot
+express (fault injection, the data-parallel equivalence check): ``python tests/runtime/test_torchrun.py MODE ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.errors import PlanError
+from flowrl.examples.llamarl import build_llamarl
+from flowrl.runtime.backends.torchrun import rank_placement
+from flowrl.runtime.distributed import merge_rollouts, shard_by_groups, split_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+THIS = Path(__file__).resolve()
+JOB_TIMEOUT_S = 150
+
+
+def file_graph():
+    """The default pipeline with weights over files (a transport every rank layout can use)."""
+    return build_llamarl(max_staleness=1, transport="file")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *args,
+    ]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "30", "FLOWRL_CONNECT_TIMEOUT_S": "30", **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+
+
+# -- pure parts ------------------------------------------------------------------------------------
+def test_shards_are_whole_groups_and_cover_the_batch():
+    gid = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    batch = {"group_ids": gid, "x": torch.arange(10), "rollout_version": torch.tensor(3)}
+    shards = shard_by_groups(batch, 3)
+    assert [s["x"].tolist() for s in shards] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert all(int(s["rollout_version"]) == 3 for s in shards)
+    assert [len(s["x"]) for s in shard_by_groups({"group_ids": gid[:2], "x": torch.arange(2)}, 3)] == [2, 0, 0]
+
+
+def test_split_and_merge_rollouts_reoffset_groups_and_keep_the_oldest_version():
+    prompts = {"prompt_ids": torch.arange(10).reshape(5, 2), "prompt_index": torch.arange(5)}
+    parts = split_prompts(prompts, 2)
+    assert [p["prompt_index"].tolist() for p in parts] == [[0, 1], [2, 3, 4]]
+    rollouts = [
+        {"group_ids": torch.arange(len(p["prompt_index"])).repeat_interleave(2), "prompt_index": p["prompt_index"],
+         "rollout_version": torch.tensor(v)}
+        for p, v in zip(parts, (4, 3))
+    ]
+    merged = merge_rollouts(rollouts)
+    assert merged["group_ids"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert merged["prompt_index"].tolist() == [0, 1, 2, 3, 4]
+    assert int(merged["rollout_version"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("placement", "world", "match"),
+    [
+        ({"gen": [0], "policy": [1, 2, 3]}, 2, r"node 'policy' needs ranks \[1, 2, 3\] but torchrun launched WORLD_SIZE=2"),
+        ({"gen": [0]}, 4, "gives node 'policy' no ranks"),
+        ({"gen": [0], "policy": [1], "reward": [0]}, 4, r"places \['reward'\], which are not heavy nodes"),
+        ({"gen": [0], "policy": [1, 1]}, 4, "must be distinct"),
+    ],
+    ids=["too-few-ranks", "node-missing", "light-node-placed", "duplicate-rank"],
+)
+def test_bad_placements_are_plan_errors(tmp_path, placement, world, match):
+    path = tmp_path / "place.json"
+    path.write_text(json.dumps(placement))
+    with pytest.raises(PlanError, match=match):
+        rank_placement(file_graph(), str(path), world)
+
+
+def test_plan_files_give_ranks(tmp_path):
+    planners = pytest.importorskip("flowrl.planners.plan")
+    graph = file_graph()
+    plan = planners.plan_graph(graph, "cpu:3", strategy="gen:d1@0 | policy:d2@1-2")
+    planners.save_plan(plan, tmp_path / "plan.json")
+    ranks, loaded = rank_placement(graph, str(tmp_path / "plan.json"), 3)
+    assert ranks == {"gen": (0,), "policy": (1, 2)} and loaded is not None
+    with pytest.raises(PlanError, match="WORLD_SIZE=2"):
+        rank_placement(graph, str(tmp_path / "plan.json"), 2)
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_real_pipeline_trains_data_parallel_and_respects_staleness(tmp_path):
+    """gen on rank 0; policy data-parallel on ranks 1-2 (real operators, gloo)."""
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_torchrun:file_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "4", "--quiet", "--metrics", "m.jsonl",
+                         "--checkpoint-dir", "ck"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert all(0 <= r["staleness"] <= 1 for r in rows)
+    assert all(r["samples"] == 64 and r["train_s"] > 0 for r in rows)
+    assert (tmp_path / "ck").is_dir() and any((tmp_path / "ck").iterdir())
+    assert "done: 4 steps" in proc.stdout and proc.stdout.count("done:") == 1  # only rank 0 reports
+
+
+@pytest.mark.slow
+def test_generator_replicas_colocated_with_the_policy(tmp_path):
+    """gen replicas on ranks 0-1, policy on rank 1 (shares rank 1 with a replica: colocation group)."""
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0, 1], "policy": [1]}))
+    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_torchrun:file_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "3", "--quiet", "--metrics", "m.jsonl", "--max-staleness", "0"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    assert [r["staleness"] for r in rows] == [0, 0, 0]
+    assert all(r["samples"] == 64 for r in rows)
+
+
+def test_too_few_ranks_fails_on_every_rank_before_any_work(tmp_path):
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_torchrun:file_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "2", "--quiet", "--metrics", "m.jsonl"], tmp_path)
+    assert proc.returncode != 0
+    message = "node 'policy' needs ranks [1, 2] but torchrun launched WORLD_SIZE=2"
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]  # each rank says it
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "expect"),
+    [
+        pytest.param("raise", "rank 1 of node 'gen' raised RuntimeError: injected failure in gen at step 2", marks=pytest.mark.slow),
+        ("die", "rank 1 of node 'gen' died"),
+    ],
+    ids=["rank-raises", "rank-dies"],
+)
+def test_a_failing_rank_stops_the_job_naming_rank_and_node(tmp_path, mode, expect):
+    proc = _torchrun(3, [str(THIS), "fail", mode], tmp_path)
+    assert proc.returncode != 0
+    assert expect in proc.stderr, proc.stderr[-3000:]
+
+
+def test_data_parallel_step_equals_a_single_process_step(tmp_path):
+    proc = _torchrun(2, [str(THIS), "dp", str(tmp_path / "dp.json")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "dp.json").read_text())
+    assert result["shards"] == [32, 32]
+    assert result["max_grad_diff"] < 1e-5, result
+    assert abs(result["grad_norm_dp"] - result["grad_norm_ref"]) < 1e-4 * max(1.0, result["grad_norm_ref"]), result
+    assert abs(result["loss_dp"] - result["loss_ref"]) < 1e-5, result
+
+
+# -- entry points of the jobs above (run under torchrun) -----------------------------------------
+class _Killer:
+    """A synthetic generator that kills its own process at step 2 (a rank dying mid-run)."""
+
+    def __init__(self, node, graph, env, transports):
+        from flowrl.runtime.synthetic import synthetic_program
+
+        self.inner = synthetic_program(node, graph, env, transports)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, seq, inputs, min_version):
+        if seq == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.step(seq, inputs, min_version)
+
+
+def _fail_job(mode: str) -> int:
+    from flowrl.cli.main import main as cli_main  # noqa: F401 - same error printing as the CLI
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+    from flowrl.runtime.synthetic import synthetic_programs
+
+    graph = file_graph()
+    programs = synthetic_programs(graph)
+    if mode == "die":
+        programs["gen"] = f"{__name__}:_Killer" if __name__ != "__main__" else "tests.runtime.test_torchrun:_Killer"
+    place = Path("place.json")
+    place.write_text(json.dumps({"gen": [1], "policy": [2]}))
+    options = {"gen_s": 0.002, "train_s": 0.002}
+    if mode == "raise":
+        options.update(fail_node="gen", fail_step=2)
+    config = RunConfig(steps=6, backend="torchrun", plan=str(place), programs=programs, options=options, stall_timeout_s=30)
+    try:
+        run_graph(graph, config)
+    except Exception as exc:  # noqa: BLE001 - printed as the CLI would
+        print(f"flowrl run: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _dp_job(out: str) -> int:
+    import msgspec
+    import torch.distributed as dist
+
+    from flowrl.operators.generation import Generator
+    from flowrl.operators.scoring import Scorer
+    from flowrl.operators.source import PromptSource
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.distributed import broadcast_batch, make_data_parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    graph = file_graph()
+    policy, loss = graph.node("policy"), graph.loss_of("policy")
+    batch = None
+    if rank == 0:
+        prompts = PromptSource(graph.node("prompts")).next_batch()
+        rollout = Generator(graph.node("gen"), seed=0).generate(prompts)
+        batch = {**rollout, **Scorer(graph.node("reward")).score(rollout)}
+    batch = broadcast_batch(batch, src=0, group=None)
+    torch.manual_seed(0)
+    ref = Trainer(policy, loss)
+    torch.manual_seed(0)
+    unclipped = msgspec.structs.replace(policy, optimizer=msgspec.structs.replace(policy.optimizer, grad_clip=0.0))
+    dp = Trainer(unclipped, loss)
+    make_data_parallel(dp, group=None, max_norm=float(policy.optimizer.grad_clip))
+    ref_metrics = ref.train_step(batch)
+    shard = shard_by_groups(batch, world)[rank]
+    dp.dp_token_share = max(float(shard["completion_mask"].sum()), 1.0) / float(batch["completion_mask"].sum().clamp(min=1))
+    dp_metrics = dp.train_step(shard)
+    loss_dp = torch.tensor([dp_metrics["loss"] * dp.dp_token_share], dtype=torch.float64)
+    dist.all_reduce(loss_dp)
+    diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(ref.model.parameters(), dp.model.parameters()))
+    sizes = torch.zeros(world, dtype=torch.int64)
+    sizes[rank] = shard["completion_mask"].shape[0]
+    dist.all_reduce(sizes)
+    diffs = torch.tensor([diff])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "shards": sizes.tolist(),
+            "max_grad_diff": float(diffs),
+            "grad_norm_dp": dp.dp_grad_norm,
+            "grad_norm_ref": ref_metrics["grad_norm"],
+            "loss_dp": float(loss_dp),
+            "loss_ref": ref_metrics["loss"],
+        }))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fail":
+        sys.exit(_fail_job(sys.argv[2]))
+    if sys.argv[1] == "dp":
+        sys.exit(_dp_job(sys.argv[2]))
+    raise SystemExit(f"unknown mode {sys.argv[1]!r}")
