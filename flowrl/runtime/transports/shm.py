@@ -298,6 +298,13 @@ class SharedMemoryTransport:
         raise self._lapped(m)
 
     def fetch_into(self, target: Mapping[str, torch.Tensor], *, newer_than: int = -1) -> int | None:
+        """Copy the newest version into ``target`` (see the protocol), retrying when the writer laps the copy.
+
+        Raises:
+            TransportError: ``target`` does not match the layout (nothing written); or ``max_retries``
+                copies in a row were overwritten, in which case ``target`` holds a mix of versions
+                and must be fetched again before use.
+        """
         self._check_open("fetch_into")
         m = self._attach()
         if m is None:
