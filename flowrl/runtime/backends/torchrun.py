@@ -195,8 +195,10 @@ class DataParallelPolicy(PolicyProgram):
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
         for p in self.trainer.model.parameters():  # identical initial weights on every replica
-            torch.distributed.broadcast(p.data, src=self.lead, group=group)
-        make_data_parallel(self.trainer, group=group, max_norm=max_norm, device=None)
+            t = p.data.to(self.device)  # NCCL moves CUDA tensors only; the models live on CPU for now
+            torch.distributed.broadcast(t, src=self.lead, group=group)
+            p.data.copy_(t)
+        make_data_parallel(self.trainer, group=group, max_norm=max_norm, device=self.device if self.device.type == "cuda" else None)
 
     def publish(self) -> float:
         return super().publish() if self.index == 0 else 0.0
@@ -205,14 +207,15 @@ class DataParallelPolicy(PolicyProgram):
         from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
 
         start = time.perf_counter()
-        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group)
+        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
+        batch = {k: v.cpu() for k, v in batch.items()}
         shard = shard_by_groups(batch, len(self.ranks))[self.index]
         total = float(batch["completion_mask"].sum().clamp(min=1))
         mine = float(shard["completion_mask"].sum())
         self.trainer.dp_token_share = max(mine, 1.0) / total
         metrics = self.trainer.train_step(shard)
         samples = float(shard["completion_mask"].shape[0])
-        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group)
+        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
         metrics["grad_norm"] = self.trainer.dp_grad_norm
         train_s = time.perf_counter() - start
         publish_s = self.publish()
@@ -228,21 +231,23 @@ class ReplicaGenerator(GeneratorProgram):
         super().__init__(node, graph, env, transports, seed=env.seed)  # sampling is seeded by (seed, first prompt index)
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.index = ranks.index(_context().rank)
+        self.device = _context().device
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
 
-        prompts = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group)
+        prompts = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
+        prompts = {k: v.cpu() for k, v in prompts.items()}
         part = split_prompts(prompts, len(self.ranks))[self.index]
         fetch_s = self._sync(min_version)
         start = time.perf_counter()
         rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
         gen_s = time.perf_counter() - start
-        timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group)
+        timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group, device=self.device)
         if self.index != 0:
-            send_batch(rollout, dst=self.lead, group=self.group)
+            send_batch(rollout, dst=self.lead, group=self.group, device=self.device)
             return {}, {}
-        parts = [rollout] + [recv_batch(src=r, group=self.group) for r in self.ranks[1:]]
+        parts = [rollout] + [{k: v.cpu() for k, v in recv_batch(src=r, group=self.group, device=self.device).items()} for r in self.ranks[1:]]
         merged = merge_rollouts(parts)
         return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"])}
 
