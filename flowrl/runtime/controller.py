@@ -179,6 +179,7 @@ class Controller:
         metrics = MetricsWriter(self.config.metrics, append=self.config.resume and start > 0)
         self._metrics = metrics
         self._t0 = time.perf_counter()
+        interrupted = False
         try:
             for ex in self.executors.values():
                 ex.host.start()
@@ -187,17 +188,22 @@ class Controller:
                 ex.thread.start()
             self._supervise()
         except KeyboardInterrupt:
-            self._halt()
-            self._join()
-            if self.config.checkpoint_dir and self.rows and self._checkpoint_version != self.clock.version:
-                self._checkpoint_now()
-            raise
+            interrupted = True
         finally:
             self._halt()
             self._join()
+        try:
+            # The final state (also after Ctrl-C), unless the last periodic checkpoint is it. Not after
+            # a failure: the newest periodic checkpoint is the last state known to be good.
+            if self.config.checkpoint_dir and self._failure is None and self.rows and self._checkpoint_version != self.clock.version:
+                self._checkpoint_now()
+        finally:
+            self._close_hosts()
             metrics.close()
             if self.config.trace:
                 self.tracer.save(self.config.trace)
+        if interrupted:
+            raise KeyboardInterrupt
         if self._failure is not None:
             node, step, exc = self._failure
             if isinstance(exc, NodeExecutionError):
@@ -205,8 +211,6 @@ class Controller:
             kind = self.graph.node(node).kind
             where = f" at step {step}" if step is not None else ""
             raise NodeExecutionError(f"node {node!r} ({kind}) failed{where}: {type(exc).__name__}: {exc}", node=node, step=step) from exc
-        if self.config.checkpoint_dir and self._checkpoint_version != self.clock.version:
-            self._checkpoint_now()  # the final state, unless the last periodic checkpoint is it
         return RunResult(
             rows=self.rows,
             version=self.clock.version,
@@ -235,10 +239,13 @@ class Controller:
             ch.close()
 
     def _join(self, timeout: float = 30.0) -> None:
+        """Wait for the executor threads (each returns within one program step once halted)."""
         deadline = time.monotonic() + timeout
         for ex in self.executors.values():
             if ex.thread is not None:
                 ex.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _close_hosts(self) -> None:
         for ex in self.executors.values():
             try:
                 ex.host.close()

@@ -46,3 +46,13 @@ def test_checkpoint_is_atomic(graph_k, tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["LATEST", "step-00000002", "step-00000004", "step-00000006"]
     assert (tmp_path / "LATEST").read_text() == "step-00000006"
+
+
+def test_process_backend_checkpoints_and_resumes(graph_k, tmp_path):
+    """The final checkpoint is taken from the worker processes before they are shut down."""
+    g = graph_k(1)
+    first = run_graph(g, synthetic_config(g, steps=4, backend="process", checkpoint_dir=str(tmp_path)))
+    assert first.checkpoint is not None and first.checkpoint.name == "step-00000004"
+    resumed = run_graph(g, synthetic_config(g, steps=6, backend="process", checkpoint_dir=str(tmp_path), resume=True))
+    assert [r["step"] for r in resumed.rows] == [5, 6]
+    assert first.consumed + resumed.consumed == run_graph(g, synthetic_config(g, steps=6)).consumed
