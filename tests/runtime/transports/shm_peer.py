@@ -1,15 +1,13 @@
-"""A writer or reader process of a shared-memory weight edge, for the cross-process tests.
+"""The writer process of a shared-memory weight edge, for the cross-process test.
 
-Run as ``python -m tests.runtime.transports.shm_peer {writer|reader} SEGMENT VERSIONS NUMEL``; it
-talks to the test over stdin/stdout lines (see ``test_shm.py``). Every tensor of version v is filled
-with v, so a reader can tell a torn state from a whole one.
+Run as ``python -m tests.runtime.transports.shm_peer writer SEGMENT VERSIONS NUMEL``; it talks to the
+test (the reader process) over stdin/stdout lines (see ``test_shm.py``). Every tensor of version v is
+filled with v, so the reader can tell a torn state from a whole one.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 
 import torch
 
@@ -40,34 +38,11 @@ def writer(segment: str, versions: int, numel: int) -> None:
     # otherwise exit without close(): the segment must still be unlinked at interpreter exit
 
 
-def reader(segment: str, versions: int, numel: int) -> None:
-    t = SharedMemoryTransport(segment, create=False)
-    print("ready", flush=True)
-    target = make_state(numel)
-    seen: list[int] = []
-    torn: list[str] = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        got = t.fetch_into(target)
-        if got is None:
-            time.sleep(0.001)
-            continue
-        bad = [k for k, x in target.items() if not bool((x == got).all())]
-        if bad:
-            torn.append(f"version {got}: {bad}")
-            break
-        if not seen:
-            print("saw 0", flush=True)
-        seen.append(got)
-        if got == versions - 1:
-            break
-    t.close()
-    print(json.dumps({"seen": seen, "torn": torn}), flush=True)
-
-
 def main(argv: list[str]) -> None:
     role, segment, versions, numel = argv
-    {"writer": writer, "reader": reader}[role](segment, int(versions), int(numel))
+    if role != "writer":
+        raise SystemExit(f"unknown role {role!r}; this peer only writes")
+    writer(segment, int(versions), int(numel))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@ the seqlock's retry, and cleanup without resource_tracker warnings."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from flowrl.errors import TransportError
 from flowrl.runtime.transports.registry import create_transport
 from flowrl.runtime.transports.shm import SharedMemoryTransport, read_header
 from tests.runtime.transports.conformance import TransportConformance
+from tests.runtime.transports.shm_peer import make_state
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -150,36 +151,42 @@ def test_reader_cannot_publish(edge):
 
 
 def test_writer_and_reader_processes():
-    """A writer process publishes 60 versions while a reader process fetches: never torn, never backwards."""
-    segment, versions = _segment(), 60
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tests.runtime.transports.shm_peer"]
-    spawn = dict(cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # both start at once: the reader polls until the writer's segment appears
-    reader = subprocess.Popen([*cmd, "reader", segment, str(versions), "65536"], **spawn)
-    writer = subprocess.Popen([*cmd, "writer", segment, str(versions), "65536"], **spawn)
-    watchdog = threading.Timer(90, lambda: [p.kill() for p in (reader, writer)])
+    """A writer process publishes 60 versions while this process fetches: never torn, never backwards."""
+    segment, versions, numel = _segment(), 60, 65536
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "tests.runtime.transports.shm_peer", "writer", segment, str(versions), str(numel)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    watchdog = threading.Timer(90, writer.kill)
     watchdog.start()
+    reader = SharedMemoryTransport(segment, create=False)  # attaches once the writer's segment exists
+    target = make_state(numel)
+    seen, torn = [], []
     try:
-        assert reader.stdout.readline() == "ready\n", reader.stderr.read()
         assert writer.stdout.readline() == "published 0\n", writer.stderr.read()
-        assert reader.stdout.readline() == "saw 0\n", reader.stderr.read()
+        assert reader.fetch_into(target) == 0
         writer.stdin.write("go\n")
         writer.stdin.flush()
-        assert writer.stdout.readline() == "published all\n", writer.stderr.read()
-        out, reader_err = reader.communicate(timeout=60)
+        deadline = time.monotonic() + 60
+        while (not seen or seen[-1] < versions - 1) and time.monotonic() < deadline:
+            got = reader.fetch_into(target)  # copies every time, to overlap the writer's publishes
+            bad = [k for k, x in target.items() if not bool((x == got).all())]
+            if bad:
+                torn.append(f"version {got}: {bad}")
+                break
+            seen.append(got)
+        assert writer.stdout.readline() == "published all\n"
         _, writer_err = writer.communicate("close\n", timeout=60)
     finally:
         watchdog.cancel()
-        for p in (reader, writer):
-            if p.poll() is None:
-                p.kill()
-    result = json.loads(out)
-    assert reader.returncode == 0 and writer.returncode == 0, (reader_err, writer_err)
-    assert result["torn"] == []
-    assert result["seen"][0] == 0 and result["seen"][-1] == versions - 1
-    assert result["seen"] == sorted(result["seen"])
-    assert reader_err == "" and writer_err == ""  # no resource_tracker warnings, nothing else either
+        reader.close()
+        if writer.poll() is None:
+            writer.kill()
+    assert torn == []
+    assert seen == sorted(seen) and seen[-1] == versions - 1
+    assert writer.returncode == 0, writer_err
+    assert writer_err == ""  # no resource_tracker warnings, nothing else either
     assert not os.path.exists(f"/dev/shm/{segment}")
 
 
