@@ -1,0 +1,225 @@
+"""The generator node's operator: batched sampling from the behaviour policy mu, recording its log-probs.
+
+For a batch of P left-padded prompts it draws ``n_samples`` completions per prompt (S = P * n rows,
+sample ``s`` answers prompt ``s // n``), one token per step for up to ``max_new_tokens`` steps, with
+the KV cache (or, to measure what the cache saves, a full forward pass per step). A row stops after
+it emits a stop token (kept in the completion); the loop ends when every row has stopped.
+
+What it records is exactly what AIPO needs as mu: the log-prob of each sampled token under the
+distribution it was drawn from, i.e. ``log_softmax(logits / temperature)`` after top-k and top-p
+truncation, computed in float32 from the generator's own weights (in ``sampling.precision``). With
+temperature 1 and no truncation this equals ``completion_logprobs`` of the same weights, which the
+trainer uses for pi, so on-policy ratios are 1 up to float rounding.
+
+Randomness: tokens are drawn by Gumbel-max from a private ``torch.Generator`` seeded per batch from
+``(seed, prompt_index[0])``, so the same prompts with the same weights give the same completions,
+whatever was generated before (a resumed run re-draws what it would have drawn), and the cached and
+uncached paths consume the same random numbers.
+
+Weight version: ``version`` starts at 0 because a generator and a policy built from the same
+``ModelConfig`` start from the same seeded weights (the policy's version 0); ``load_weights`` and the
+runtime's transports set it when they copy newer weights in.
+
+Example:
+    >>> from flowrl.graph.nodes import GeneratorNode
+    >>> from flowrl.graph.configs import ModelConfig, SamplingConfig
+    >>> node = GeneratorNode(name="gen", model=ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1),
+    ...                      sampling=SamplingConfig(n_samples=2, max_new_tokens=3))
+    >>> gen = Generator(node, seed=0)
+    >>> out = gen.generate({"prompt_ids": torch.tensor([[1, 4, 14]]), "prompt_lens": torch.tensor([3]),
+    ...                     "prompt_index": torch.tensor([0])})
+    >>> out["completion_ids"].shape, out["group_ids"].tolist(), int(out["rollout_version"])
+    (torch.Size([2, 3]), [0, 0], 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import SamplingConfig
+from flowrl.graph.nodes import GeneratorNode
+from flowrl.operators.batch import Batch
+from flowrl.operators.logprobs import prompt_valid
+from flowrl.operators.model import Transformer, attention_mask, positions_from_valid
+from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+
+__all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights"]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sampling_logprobs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """``log_softmax`` of ``logits / temperature`` after top-k and top-p truncation (-inf outside).
+
+    Args:
+        logits: ``[N, V]`` float32.
+        sampling: temperature, top_k, top_p.
+
+    Returns:
+        ``[N, V]`` float32 log-probs of the distribution a token is drawn from.
+    """
+    logits = logits / sampling.temperature
+    V = logits.shape[-1]
+    if 0 < sampling.top_k < V:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens; the first is always kept
+        sorted_logits = sorted_logits.masked_fill(before >= sampling.top_p, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return torch.log_softmax(logits, dim=-1)
+
+
+@torch.no_grad()
+def copy_weights(targets: Mapping[str, Tensor], state: Mapping[str, Tensor], *, owner: str) -> None:
+    """Copy ``state`` into ``targets`` in place (casting dtype); the names must match exactly.
+
+    Raises:
+        ConfigError: naming missing and unexpected names, or a shape mismatch.
+    """
+    missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
+    if missing or unexpected:
+        raise ConfigError(
+            f"{owner}: weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+            "are both sides built from the same ModelConfig?"
+        )
+    for name, target in targets.items():
+        source = state[name]
+        if source.shape != target.shape:
+            raise ConfigError(f"{owner}: weight {name!r} has shape {tuple(source.shape)}, the model wants {tuple(target.shape)}")
+        target.copy_(source)
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64-style), stable across runs and machines."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class Generator:
+    """Samples completions with the behaviour policy mu (see the module docstring).
+
+    Args:
+        node: the generator node (model shape, sampling settings).
+        seed: seed of sampling (mixed with each batch's first prompt index).
+
+    Attributes:
+        model: the inference model, in ``sampling.precision``, without gradients.
+        version: policy version of the weights it holds (0 = the shared initial weights).
+        stop_tokens: ids that end a completion (``sampling.stop_tokens`` or the tokenizer's ``</s>``).
+    """
+
+    def __init__(self, node: GeneratorNode, *, seed: int = 0) -> None:
+        self.name = node.name
+        self.sampling = node.sampling
+        self.seed = seed
+        self.model = Transformer(node.model).to(DTYPES[node.sampling.precision]).eval().requires_grad_(False)
+        self.version = 0
+        self.stop_tokens: tuple[int, ...] = tuple(node.sampling.stop_tokens) or (DEFAULT_TOKENIZER.eos_id,)
+        self.pad_id = DEFAULT_TOKENIZER.pad_id
+        self._stop = torch.tensor(self.stop_tokens, dtype=torch.int64)
+        self._targets = dict(self.model.state_dict())
+        self._calls = 0
+
+    def weight_targets(self) -> dict[str, Tensor]:
+        """The model's parameters by name: tensors a transport may copy into in place."""
+        return self._targets
+
+    def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        """Copy ``state`` (a trainer's ``weights()``) into the model, cast to its precision; set ``version``."""
+        copy_weights(self._targets, state, owner=f"generator {self.name!r}")
+        self.version = int(version)
+
+    def _check(self, prompts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        for field in ("prompt_ids", "prompt_lens"):
+            if field not in prompts:
+                raise ConfigError(f"generator {self.name!r}: input batch lacks {field!r} (it has {sorted(prompts)})")
+        ids, lens = prompts["prompt_ids"], prompts["prompt_lens"]
+        if ids.dim() != 2 or lens.shape != ids.shape[:1]:
+            raise ConfigError(f"generator {self.name!r}: prompt_ids {tuple(ids.shape)} and prompt_lens {tuple(lens.shape)} disagree")
+        if len(lens) and (int(lens.min()) < 1 or int(lens.max()) > ids.shape[1]):
+            raise ConfigError(f"generator {self.name!r}: prompt_lens must be in [1, {ids.shape[1]}], got {lens.tolist()}")
+        longest = (int(lens.max()) if len(lens) else 0) + self.sampling.max_new_tokens
+        if longest > self.model.config.max_seq_len:
+            raise ConfigError(
+                f"generator {self.name!r}: longest prompt ({longest - self.sampling.max_new_tokens}) + "
+                f"max_new_tokens ({self.sampling.max_new_tokens}) = {longest} > max_seq_len={self.model.config.max_seq_len}"
+            )
+        return ids, lens
+
+    def generate(self, prompts: Mapping[str, Tensor]) -> Batch:
+        """Sample ``n_samples`` completions for each prompt of ``prompts`` (``prompt_ids``, ``prompt_lens``).
+
+        Returns:
+            The rollout (every field of ``flowrl.graph.fields.ROLLOUT_FIELDS``): ``completion_ids``,
+            ``completion_mask``, ``behaviour_logprobs`` are ``[S, max_new_tokens]``, right-padded
+            (pad id, False, 0.0); ``rollout_version`` is ``version``.
+
+        Raises:
+            ConfigError: for missing fields, bad lengths, or sequences longer than ``max_seq_len``.
+        """
+        ids, lens = self._check(prompts)
+        P, n = ids.shape[0], self.sampling.n_samples
+        index = prompts.get("prompt_index")
+        if index is None:
+            index = torch.arange(P, dtype=torch.int64)
+        first = int(index[0]) if len(index) else 0
+        rng = torch.Generator().manual_seed(_mix(self.seed, first, self._calls if "prompt_index" not in prompts else 0))
+        self._calls += 1
+        sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
+        with torch.no_grad():
+            tokens, logprobs, mask = self._sample(sample_ids, sample_lens, rng)
+        return {
+            "sample_prompt_ids": sample_ids,
+            "sample_prompt_lens": sample_lens,
+            "completion_ids": tokens,
+            "completion_mask": mask,
+            "completion_lens": mask.sum(1),
+            "behaviour_logprobs": logprobs,
+            "group_ids": torch.arange(P, dtype=torch.int64).repeat_interleave(n),
+            "rollout_version": torch.tensor(self.version, dtype=torch.int64),
+            "prompt_index": index,
+        }
+
+    def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+        S, C = prompt_ids.shape[0], self.sampling.max_new_tokens
+        tokens = torch.full((S, C), self.pad_id, dtype=torch.int64)
+        logprobs = torch.zeros(S, C, dtype=torch.float32)
+        mask = torch.zeros(S, C, dtype=torch.bool)
+        if S == 0:
+            return tokens, logprobs, mask
+        prompt_ids = prompt_ids[:, prompt_ids.shape[1] - int(prompt_lens.max()) :]  # drop all-pad columns
+        Tp = prompt_ids.shape[1]
+        valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), torch.ones(S, C, dtype=torch.bool)], dim=1)
+        positions = positions_from_valid(valid)  # generated token t sits at position len + t
+        cache = self.model.new_cache(S, Tp + C) if self.sampling.use_kv_cache else None
+        logits = self.model(prompt_ids, positions=positions[:, :Tp], attn_mask=attention_mask(valid, 0, Tp), cache=cache)[:, -1]
+        alive = torch.ones(S, dtype=torch.bool)
+        for t in range(C):
+            logp = sampling_logprobs(logits.float(), self.sampling)  # [S, V]
+            uniform = torch.rand(logp.shape, generator=rng).clamp_(min=1e-20)
+            token = torch.argmax(logp - torch.log(-torch.log(uniform)), dim=-1)  # Gumbel-max draw from logp
+            tokens[:, t] = torch.where(alive, token, self.pad_id)
+            logprobs[:, t] = torch.where(alive, logp.gather(-1, token[:, None]).squeeze(-1), 0.0)
+            mask[:, t] = alive
+            alive = alive & ~torch.isin(token, self._stop)
+            if t == C - 1 or not bool(alive.any()):
+                break
+            end = Tp + t + 1
+            if cache is not None:
+                logits = self.model(
+                    token[:, None], positions=positions[:, end - 1 : end], attn_mask=attention_mask(valid, end - 1, 1), cache=cache
+                )[:, -1]
+            else:
+                seq = torch.cat([prompt_ids, tokens[:, : t + 1]], dim=1)
+                logits = self.model(seq, positions=positions[:, :end], attn_mask=attention_mask(valid, 0, end))[:, -1]
+        return tokens, logprobs, mask

@@ -1,0 +1,53 @@
+"""The reference node's operator: a frozen copy of the initial policy that scores completions for a KL penalty.
+
+It builds the same seeded ``Transformer`` as the policy (so it *is* the policy's version 0) and never
+trains. ``logprobs`` uses ``completion_logprobs``, the computation the trainer uses for pi, so a KL
+estimate between them is exactly 0 before the first step.
+
+Example:
+    >>> from flowrl.graph.nodes import ReferenceNode
+    >>> from flowrl.graph.configs import ModelConfig
+    >>> ref = Reference(ReferenceNode(name="ref", model=ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1)))
+    >>> out = ref.logprobs({"sample_prompt_ids": torch.tensor([[1, 4, 14]]), "sample_prompt_lens": torch.tensor([3]),
+    ...                     "completion_ids": torch.tensor([[4, 2]]), "completion_mask": torch.tensor([[True, True]])})
+    >>> out["ref_logprobs"].shape
+    torch.Size([1, 2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from flowrl.graph.nodes import ReferenceNode
+from flowrl.operators.batch import Batch
+from flowrl.operators.logprobs import completion_logprobs
+from flowrl.operators.model import Transformer
+
+__all__ = ["Reference"]
+
+
+class Reference:
+    """Log-probs of completions under the frozen initial weights.
+
+    Attributes:
+        model: the frozen model (float32, no gradients).
+    """
+
+    def __init__(self, node: ReferenceNode) -> None:
+        self.name = node.name
+        self.model = Transformer(node.model).eval().requires_grad_(False)
+
+    def logprobs(self, rollout: Mapping[str, Tensor]) -> Batch:
+        """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding."""
+        with torch.no_grad():
+            lp = completion_logprobs(
+                self.model,
+                rollout["sample_prompt_ids"],
+                rollout["sample_prompt_lens"],
+                rollout["completion_ids"],
+                rollout["completion_mask"],
+            )
+        return {"ref_logprobs": lp}

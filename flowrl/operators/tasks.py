@@ -1,0 +1,191 @@
+"""The built-in tasks: endless, seeded prompt streams with verifiable rewards, and their reward functions.
+
+A task is anything with ``name``, ``prompt(index) -> list[int]`` (prompt ``index`` of its endless
+stream, a pure function of the task's seed and ``index``) and ``reward(prompt_ids, completion_ids)
+-> float``. Prompts include the start token; completions include the stop token when the generator
+emitted one.
+
+Built-in tasks (``TASKS``), both scored position by position against the target answer followed by
+``</s>``, so that they give partial credit (a chance-level policy scores about 1/16 per position):
+
+- ``copy`` (easy): ``<s>4071=`` -> ``4071</s>``; 4 digits. A tiny model learns it from scratch
+  with RL in about a minute on a laptop CPU.
+- ``add`` (harder): ``<s>27+385=`` -> ``412</s>``; operands of 1 to 3 digits, the sum written most
+  significant digit first (so the first digit needs the carries of all others).
+
+Reward functions are module-level so that a scorer can reference them as ``module:qualname``
+(``flowrl.operators.tasks:copy_reward``).
+
+Example:
+    >>> task = make_task("add", seed=0)
+    >>> p = task.prompt(0)
+    >>> DEFAULT_TOKENIZER.decode(p)
+    '<s>467+0='
+    >>> task.reward(p, DEFAULT_TOKENIZER.encode("467</s>"))
+    1.0
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from flowrl.errors import ConfigError
+from flowrl.graph.refs import resolve
+from flowrl.operators.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+
+__all__ = [
+    "Task",
+    "CopyTask",
+    "AddTask",
+    "TASKS",
+    "make_task",
+    "positional_reward",
+    "copy_reward",
+    "add_reward",
+    "brevity_reward",
+]
+
+_TOK = DEFAULT_TOKENIZER
+_EQ = _TOK.encode("=")[0]
+_PLUS = _TOK.encode("+")[0]
+_DIGITS = {i: c for c in "0123456789" for i in _TOK.encode(c)}
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A prompt stream with a reward (see the module docstring)."""
+
+    name: str
+
+    def prompt(self, index: int) -> list[int]: ...
+
+    def reward(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float: ...
+
+
+def _rng(name: str, seed: int, index: int) -> random.Random:
+    # Seeding with a str hashes it with SHA-512: the same stream on every machine and Python run.
+    return random.Random(f"{name}:{seed}:{index}")
+
+
+def positional_reward(target: Sequence[int], completion_ids: Sequence[int]) -> float:
+    """Fraction of the positions of ``target + [</s>]`` that ``completion_ids`` gets right, in [0, 1].
+
+    Example:
+        >>> positional_reward([4, 5], [4, 9, 2])  # '0' right, '1' wrong, </s> right
+        0.6666666666666666
+    """
+    want = [*target, _TOK.eos_id]
+    got = list(completion_ids)
+    return sum(1 for i, w in enumerate(want) if i < len(got) and int(got[i]) == w) / len(want)
+
+
+def _question(prompt_ids: Sequence[int]) -> list[int]:
+    """The tokens between ``<s>`` and ``=`` of a built-in prompt."""
+    ids = [int(i) for i in prompt_ids if int(i) not in (_TOK.pad_id, _TOK.bos_id)]
+    if not ids or ids[-1] != _EQ:
+        raise ValueError(f"not a built-in task prompt (expected '<s>...='): {_TOK.decode(prompt_ids)!r}")
+    return ids[:-1]
+
+
+def copy_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+    """Reward of the ``copy`` task: the completion should repeat the prompt's digits, then stop."""
+    return positional_reward(_question(prompt_ids), completion_ids)
+
+
+def add_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+    """Reward of the ``add`` task: the completion should be the sum's digits, then stop."""
+    question = _question(prompt_ids)
+    if question.count(_PLUS) != 1:
+        raise ValueError(f"not an 'add' prompt: {_TOK.decode(prompt_ids)!r}")
+    at = question.index(_PLUS)
+    a = int("".join(_DIGITS[i] for i in question[:at]))
+    b = int("".join(_DIGITS[i] for i in question[at + 1 :]))
+    return positional_reward(_TOK.digits(str(a + b)), completion_ids)
+
+
+def brevity_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+    """1.0 when the completion stops (ends with ``</s>``) within one token more than the question
+    between ``<s>`` and ``=`` is long, else 0.0: it rewards stopping, not rambling, for any built-in task."""
+    ids = [int(i) for i in completion_ids]
+    limit = len(_question(prompt_ids)) + 1
+    return 1.0 if ids and ids[-1] == _TOK.eos_id and len(ids) <= limit else 0.0
+
+
+class CopyTask:
+    """``<s>DDDD=`` -> ``DDDD</s>`` (see the module docstring).
+
+    Args:
+        seed: seed of the prompt stream.
+        n_digits: digits per prompt.
+    """
+
+    name = "copy"
+
+    def __init__(self, seed: int = 0, *, n_digits: int = 4) -> None:
+        if n_digits < 1:
+            raise ConfigError(f"copy task: n_digits={n_digits} must be >= 1")
+        self.seed, self.n_digits = seed, n_digits
+        self.tokenizer: Tokenizer = _TOK
+        self.pad_id = _TOK.pad_id
+
+    def prompt(self, index: int) -> list[int]:
+        rng = _rng(self.name, self.seed, index)
+        digits = "".join(rng.choice("0123456789") for _ in range(self.n_digits))
+        return _TOK.encode(f"<s>{digits}=")
+
+    def reward(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+        return copy_reward(prompt_ids, completion_ids)
+
+
+class AddTask:
+    """``<s>A+B=`` -> ``(A+B)</s>`` with A and B of 1 to ``max_digits`` digits (see the module docstring).
+
+    Args:
+        seed: seed of the prompt stream.
+        max_digits: most digits of an operand.
+    """
+
+    name = "add"
+
+    def __init__(self, seed: int = 0, *, max_digits: int = 3) -> None:
+        if max_digits < 1:
+            raise ConfigError(f"add task: max_digits={max_digits} must be >= 1")
+        self.seed, self.max_digits = seed, max_digits
+        self.tokenizer: Tokenizer = _TOK
+        self.pad_id = _TOK.pad_id
+
+    def prompt(self, index: int) -> list[int]:
+        rng = _rng(self.name, self.seed, index)
+        a, b = (rng.randrange(10 ** rng.randint(1, self.max_digits)) for _ in range(2))
+        return _TOK.encode(f"<s>{a}+{b}=")
+
+    def reward(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+        return add_reward(prompt_ids, completion_ids)
+
+
+#: Built-in tasks: name -> factory(seed).
+TASKS: dict[str, Callable[[int], Task]] = {"copy": CopyTask, "add": AddTask}
+
+
+def make_task(name_or_ref: str, seed: int) -> Task:
+    """The task ``name_or_ref``: a built-in name, or the ``module:qualname`` of a factory ``(seed) -> Task``.
+
+    Raises:
+        ConfigError: for an unknown name (listing the built-in ones) or a factory whose result is no task.
+        GraphError: for a reference that does not resolve.
+    """
+    if name_or_ref in TASKS:
+        return TASKS[name_or_ref](seed)
+    if ":" not in name_or_ref:
+        raise ConfigError(
+            f"unknown task {name_or_ref!r}: built-in tasks are {', '.join(sorted(TASKS))}; "
+            "or name a factory as 'package.module:function' taking the seed"
+        )
+    task = resolve(name_or_ref)(seed)
+    if not isinstance(task, Task):
+        raise ConfigError(
+            f"task factory {name_or_ref!r} returned {type(task).__name__}, which lacks name, prompt(index) or reward(prompt, completion)"
+        )
+    return task

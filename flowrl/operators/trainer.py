@@ -1,0 +1,211 @@
+"""The policy node's operator: pi's weights, AdamW, the learning-rate schedule and the version clock.
+
+One ``train_step(batch)``:
+
+1. reads the rollout and its reward fields; advantages come from the whole batch (group baselines
+   need every sample of a prompt);
+2. in micro-batches of ``optimizer.micro_batch_size`` samples (0: one), recomputes log pi of the
+   completions with gradients (``completion_logprobs``, the same layout the generator sampled with),
+   applies the loss node's objective, and back-propagates; token sums are divided by the whole
+   batch's token count, so accumulation gives exactly the whole-batch gradient;
+3. clips the global gradient norm, sets the scheduled learning rate, steps AdamW;
+4. bumps ``version`` (completed optimizer steps, 0 before the first).
+
+State (``state()`` / ``load_state``) is the model, the optimizer and the version: tensors, ints,
+floats, strings, tuples and dicts only, so that a checkpoint loads with ``torch.load(weights_only=True)``.
+The schedule has no state of its own: the learning rate is a pure function of the version.
+
+``OptimizerConfig.seed`` is recorded for the trainer's own randomness; the built-in model has no
+dropout, so a step is deterministic given the batch and the state.
+
+Example:
+    >>> from flowrl.graph.nodes import LossNode, PolicyNode
+    >>> from flowrl.graph.configs import ModelConfig
+    >>> trainer = Trainer(PolicyNode(name="policy", model=ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1)),
+    ...                   LossNode(name="aipo"))
+    >>> trainer.version
+    0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from flowrl.errors import CheckpointError, ConfigError
+from flowrl.graph.configs import OptimizerConfig
+from flowrl.graph.nodes import LossNode, PolicyNode
+from flowrl.operators.batch import split
+from flowrl.operators.generation import copy_weights
+from flowrl.operators.logprobs import completion_logprobs
+from flowrl.operators.losses import advantages, check_objective, combined_rewards, compute_loss
+from flowrl.operators.model import Transformer
+
+__all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS"]
+
+#: Rollout fields a training step reads (besides the reward fields of the loss).
+TRAIN_FIELDS: tuple[str, ...] = (
+    "sample_prompt_ids",
+    "sample_prompt_lens",
+    "completion_ids",
+    "completion_mask",
+    "behaviour_logprobs",
+    "group_ids",
+)
+
+
+def learning_rate(config: OptimizerConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based).
+
+    Linear warm-up over ``warmup_steps`` (step s gets ``lr * (s + 1) / warmup_steps``), then
+    ``constant``, or ``cosine``/``linear`` decay to 0 at ``total_steps`` (no decay when it is 0).
+
+    Example:
+        >>> learning_rate(OptimizerConfig(lr=1.0, schedule="linear", warmup_steps=2, total_steps=6), 4)
+        0.5
+    """
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.schedule == "constant" or config.total_steps == 0:
+        return config.lr
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    if config.schedule == "cosine":
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (1.0 - progress)
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+class Trainer:
+    """Trains pi with the objective of ``loss`` (see the module docstring).
+
+    Args:
+        node: the policy node (model shape, optimizer).
+        loss: the loss node its objective comes from.
+
+    Attributes:
+        model: pi (float32, trainable).
+        optimizer: AdamW over the model's parameters.
+        version: completed optimizer steps.
+
+    Raises:
+        ConfigError: for an unknown objective.
+    """
+
+    def __init__(self, node: PolicyNode, loss: LossNode) -> None:
+        check_objective(loss.loss.objective)
+        self.name = node.name
+        self.node, self.loss = node, loss
+        self.model = Transformer(node.model).train()
+        opt = node.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay
+        )
+        self.version = 0
+        self._weights = dict(self.model.state_dict())  # views of the parameters, updated in place
+
+    def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
+        """One optimizer step on ``batch`` (a rollout plus its reward fields, and ``ref_logprobs`` for a KL term).
+
+        Returns:
+            Metrics: ``loss``, ``reward_mean``, ``reward/<field>`` per reward field, ``grad_norm``
+            (before clipping), ``lr``, ``completion_len_mean``, ``staleness`` (version at this step
+            minus ``rollout_version``, when the batch has it), and the loss's own metrics.
+
+        Raises:
+            ConfigError: naming a field the batch lacks.
+        """
+        missing = [f for f in TRAIN_FIELDS if f not in batch]
+        if missing:
+            raise ConfigError(f"policy {self.name!r}: the training batch lacks {missing} (it has {sorted(batch)})")
+        config = self.loss.loss
+        rewards = combined_rewards(config, batch)  # [S]
+        adv = advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
+        mask = batch["completion_mask"]
+        normalizer = float(mask.sum().clamp(min=1))
+        n = int(mask.shape[0])
+        size = self.node.optimizer.micro_batch_size or max(n, 1)
+        lr = learning_rate(self.node.optimizer, self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        pieces: list[Tensor] = []
+        for start, part in zip(range(0, n, size), split(batch, size)):
+            logprobs = completion_logprobs(
+                self.model, part["sample_prompt_ids"], part["sample_prompt_lens"], part["completion_ids"], part["completion_mask"]
+            )
+            loss, _ = compute_loss(config, logprobs, part, advantages=adv[start : start + size], normalizer=normalizer)
+            loss.backward()
+            pieces.append(logprobs.detach())
+        with torch.no_grad():
+            all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])
+            loss, metrics = compute_loss(config, all_logprobs, batch, advantages=adv, normalizer=normalizer)
+        max_norm = self.node.optimizer.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        metrics.update(
+            {
+                "loss": float(loss),
+                "reward_mean": float(rewards.mean()) if n else 0.0,
+                "grad_norm": float(grad_norm),
+                "lr": lr,
+                "completion_len_mean": float(mask.sum(1).float().mean()) if n else 0.0,
+            }
+        )
+        for name in config.reward_weights:
+            metrics[f"reward/{name}"] = float(batch[name].float().mean()) if n else 0.0
+        if "rollout_version" in batch:
+            metrics["staleness"] = float(self.version - int(batch["rollout_version"]))
+        self.version += 1
+        return metrics
+
+    def weights(self) -> dict[str, Tensor]:
+        """The current weights by name, without copying (a transport copies them)."""
+        return self._weights
+
+    def load_weights(self, state: Mapping[str, Tensor]) -> None:
+        """Copy ``state`` into the model in place (the optimizer and the version are left as they are)."""
+        copy_weights(self._weights, state, owner=f"policy {self.name!r}")
+
+    def state(self) -> dict[str, Any]:
+        """A copy of everything a checkpoint needs: ``version``, ``model``, ``optimizer`` and the model config."""
+        return {
+            "version": self.version,
+            "model_config": msgspec.to_builtins(self.node.model),
+            "model": _clone(dict(self.model.state_dict())),
+            "optimizer": _clone(self.optimizer.state_dict()),
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state()`` returned (possibly through ``torch.save``/``torch.load(weights_only=True)``).
+
+        Raises:
+            CheckpointError: when the state is incomplete or was saved from a model of another shape.
+        """
+        missing = [k for k in ("version", "model", "optimizer") if k not in state]
+        if missing:
+            raise CheckpointError(f"policy {self.name!r}: trainer state lacks {missing}")
+        saved = state.get("model_config")
+        mine = msgspec.to_builtins(self.node.model)
+        if saved is not None and dict(saved) != mine:
+            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+            raise CheckpointError(
+                f"policy {self.name!r}: the checkpoint holds a model with a different config (saved, now): {diff}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])

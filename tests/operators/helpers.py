@@ -1,0 +1,55 @@
+"""Small configs and batches the operator tests share."""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ScorerNode, SourceNode
+
+__all__ = ["TINY", "tiny_generator_node", "tiny_policy_node", "loss_node", "prompts_of", "rollout_with_rewards"]
+
+#: A model of a few thousand parameters with grouped-query attention (4 query heads, 2 kv heads).
+TINY = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+
+
+def tiny_generator_node(model: ModelConfig = TINY, **sampling: object) -> GeneratorNode:
+    sampling.setdefault("n_samples", 3)
+    sampling.setdefault("max_new_tokens", 5)
+    return GeneratorNode(name="gen", model=model, sampling=SamplingConfig(**sampling))  # type: ignore[arg-type]
+
+
+def tiny_policy_node(model: ModelConfig = TINY, **optimizer: object) -> PolicyNode:
+    return PolicyNode(name="policy", model=model, optimizer=OptimizerConfig(**optimizer))  # type: ignore[arg-type]
+
+
+def loss_node(**loss: object) -> LossNode:
+    return LossNode(name="loss", loss=LossConfig(**loss))  # type: ignore[arg-type]
+
+
+def source_node(task: str = "copy", batch_size: int = 4, seed: int = 0) -> SourceNode:
+    return SourceNode(name="prompts", source=SourceConfig(task=task, batch_size=batch_size, seed=seed))
+
+
+def scorer_node(fn: str = "flowrl.operators.tasks:copy_reward", **kw: object) -> ScorerNode:
+    return ScorerNode(name="reward", fn=fn, **kw)  # type: ignore[arg-type]
+
+
+def prompts_of(rows: list[list[int]], start: int = 0) -> dict[str, torch.Tensor]:
+    """A source batch of ``rows``, left-padded with 0."""
+    from flowrl.operators.source import pad_left
+
+    ids, lens = pad_left(rows, 0)
+    return {"prompt_ids": ids, "prompt_lens": lens, "prompt_index": torch.arange(start, start + len(rows))}
+
+
+def rollout_with_rewards(seed: int = 0, *, task: str = "copy", batch_size: int = 4, **sampling: object) -> dict[str, torch.Tensor]:
+    """A rollout of the tiny generator on ``task`` with its ``rewards``."""
+    from flowrl.operators.generation import Generator
+    from flowrl.operators.scoring import Scorer
+    from flowrl.operators.source import PromptSource
+
+    source = PromptSource(source_node(task, batch_size))
+    rollout = Generator(tiny_generator_node(**sampling), seed=seed).generate(source.next_batch())
+    fn = f"flowrl.operators.tasks:{task}_reward"
+    return {**rollout, **Scorer(scorer_node(fn)).score(rollout)}

@@ -1,0 +1,108 @@
+"""The transformer: seeded init, parameter count, GQA, KV cache and padding give the same numbers."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import ModelConfig
+from flowrl.operators.model import Transformer, attention_mask, count_parameters, positions_from_valid
+
+from .helpers import TINY
+
+
+def expected_parameters(c: ModelConfig) -> int:
+    kv = c.n_kv_heads * c.head_dim
+    attention = c.dim * c.dim * 2 + c.dim * kv * 2  # wq, wo, wk, wv
+    ffn = 3 * c.dim * c.hidden_dim
+    per_layer = attention + ffn + 2 * c.dim  # two RMSNorms
+    embeddings = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
+    return embeddings + c.n_layers * per_layer + c.dim
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TINY, ModelConfig(vocab_size=16, dim=48, n_layers=3, n_heads=6, n_kv_heads=6, tie_embeddings=False, ffn_dim=100)],
+    ids=["gqa-tied", "mha-untied"],
+)
+def test_parameter_count_matches_the_formula(config):
+    assert count_parameters(Transformer(config)) == expected_parameters(config)
+
+
+def test_same_seed_same_weights_whatever_the_global_rng():
+    torch.manual_seed(1)
+    a = Transformer(TINY).state_dict()
+    torch.manual_seed(2)
+    torch.rand(100)
+    b = Transformer(TINY).state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = Transformer(msgspec.structs.replace(TINY, seed=1)).state_dict()
+    assert not torch.equal(a["tok_embeddings.weight"], c["tok_embeddings.weight"])
+
+
+def test_output_shape_and_causality():
+    model = Transformer(TINY)
+    tokens = torch.tensor([[1, 4, 5, 6, 14], [1, 7, 8, 9, 14]])
+    logits = model(tokens)
+    assert logits.shape == (2, 5, 16) and logits.dtype == torch.float32
+    changed = tokens.clone()
+    changed[:, 3:] = 3
+    # Changing later tokens never changes earlier logits.
+    torch.testing.assert_close(model(changed)[:, :3], logits[:, :3], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunks", [[5, 1, 1, 1], [2, 3, 3], [1] * 8], ids=["prefill+decode", "chunked", "token-by-token"])
+def test_kv_cache_gives_the_full_forward_logits(chunks):
+    model = Transformer(TINY)
+    tokens = torch.randint(0, 16, (3, sum(chunks)), generator=torch.Generator().manual_seed(0))
+    full = model(tokens)
+    cache = model.new_cache(3, sum(chunks))
+    got, start = [], 0
+    for n in chunks:
+        got.append(model(tokens[:, start : start + n], cache=cache))
+        start += n
+    assert cache.length == sum(chunks)
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padding_gives_the_unpadded_logits():
+    model = Transformer(TINY)
+    short, long = [1, 4, 5, 14], [1, 9, 8, 7, 6, 5, 14]
+    width = len(long)
+    tokens = torch.tensor([[0] * (width - len(short)) + short, long])
+    valid = tokens != 0
+    logits = model(tokens, positions=positions_from_valid(valid), attn_mask=attention_mask(valid, 0, width))
+    assert torch.isfinite(logits).all()  # pad rows stay finite
+    alone = model(torch.tensor([short]))
+    torch.testing.assert_close(logits[0, width - len(short) :], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1], model(torch.tensor([long]))[0], rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_query_attention_equals_repeated_heads():
+    """A GQA model equals the multi-head model whose k/v heads are the GQA heads repeated."""
+    gqa = Transformer(TINY)
+    mha_config = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=32)
+    mha = Transformer(mha_config)
+    state = gqa.state_dict()
+    rep = TINY.n_heads // TINY.n_kv_heads
+    for key in list(state):
+        if key.endswith(("wk.weight", "wv.weight")):
+            w = state[key].view(TINY.n_kv_heads, TINY.head_dim, TINY.dim)
+            state[key] = w.repeat_interleave(rep, 0).reshape(-1, TINY.dim)
+    mha.load_state_dict(state)
+    tokens = torch.tensor([[1, 4, 5, 6, 14]])
+    torch.testing.assert_close(mha(tokens), gqa(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_positions_beyond_max_seq_len_are_refused():
+    model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=4))
+    with pytest.raises(ConfigError, match="max_seq_len=4"):
+        model(torch.ones(1, 5, dtype=torch.long))
+
+
+def test_presets_are_for_dry_runs_only():
+    with pytest.raises(ConfigError, match="preset='llama3-8b'"):
+        Transformer(ModelConfig(preset="llama3-8b"))
