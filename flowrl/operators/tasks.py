@@ -8,8 +8,8 @@ emitted one.
 Built-in tasks (``TASKS``), both scored position by position against the target answer followed by
 ``</s>``, so that they give partial credit (a chance-level policy scores about 1/16 per position):
 
-- ``copy`` (easy): ``<s>4071=`` -> ``4071</s>``; 4 digits. A tiny model learns it from scratch
-  with RL in about a minute on a laptop CPU.
+- ``copy`` (easy): ``<s>407=`` -> ``407</s>``; 3 digits. The 2-layer, 64-wide example model learns
+  it from scratch with RL in well under a minute on a laptop CPU (``benches/learning.py``).
 - ``add`` (harder): ``<s>27+385=`` -> ``412</s>``; operands of 1 to 3 digits, the sum written most
   significant digit first (so the first digit needs the carries of all others).
 
@@ -114,7 +114,7 @@ def brevity_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> 
 
 
 class CopyTask:
-    """``<s>DDDD=`` -> ``DDDD</s>`` (see the module docstring).
+    """``<s>DDD=`` -> ``DDD</s>`` (see the module docstring).
 
     Args:
         seed: seed of the prompt stream.
@@ -123,7 +123,7 @@ class CopyTask:
 
     name = "copy"
 
-    def __init__(self, seed: int = 0, *, n_digits: int = 4) -> None:
+    def __init__(self, seed: int = 0, *, n_digits: int = 3) -> None:
         if n_digits < 1:
             raise ConfigError(f"copy task: n_digits={n_digits} must be >= 1")
         self.seed, self.n_digits = seed, n_digits
