@@ -32,6 +32,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         channel_capacity: messages per data edge; 0 picks ``max_staleness + 1``.
         stall_timeout_s: fail the run if no executor finishes a step for this long.
         progress: draw a progress bar on stderr.
+        threads: torch intra-op threads of the local backend; 0 divides the cores among the
+            placement's colocation groups.
     """
 
     steps: int = 60
@@ -49,6 +51,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     channel_capacity: int = 0
     stall_timeout_s: float = 300.0
     progress: bool = False
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -61,5 +64,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir DIR)")
         if self.channel_capacity < 0:
             raise ConfigError(f"channel_capacity={self.channel_capacity} must be >= 0")
+        if self.threads < 0:
+            raise ConfigError(f"threads={self.threads} must be >= 0 (0: divide the cores among colocation groups)")
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"stall_timeout_s={self.stall_timeout_s} must be > 0")

@@ -84,7 +84,7 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, A
             raise ConfigError(f"unknown backend {config.backend!r}; choose local, process or torchrun")
         threads = torch.get_num_threads()
         if config.backend == "local":
-            torch.set_num_threads(placement.threads_per_group())
+            torch.set_num_threads(config.threads or placement.threads_per_group())
         try:
             hosts = backend.open()
             controller = Controller(graph, config, hosts, placement, on_step=on_step)
