@@ -58,9 +58,11 @@ def _by_ndim(params: dict, matrix: ShardLayout, vector: ShardLayout, scalar: Sha
     return {n: (scalar if not len(s) else vector if len(s) == 1 else matrix) for n, (s, _) in params.items()}
 
 
-def _case(src: Callable[[int], ShardLayout], dst: Callable[[int], ShardLayout], params=PARAMS):
-    """A resharding case: layouts per parameter from a function of the parameter's ndim."""
+def _case(src: Callable[[int], ShardLayout], dst: Callable[[int], ShardLayout], params=PARAMS, chunk_bytes: int = 1):
+    """A resharding case: layouts per parameter from a function of the parameter's ndim; messages go in
+    pieces of one block each unless ``chunk_bytes`` says otherwise (0: whole messages)."""
     return {
+        "chunk_bytes": chunk_bytes,
         "params": params,
         "trainer": {n: src(len(s)) for n, (s, _) in params.items()},
         "generator": {n: dst(len(s)) for n, (s, _) in params.items()},
@@ -74,10 +76,10 @@ def _nd(matrix, vector, scalar):
 R01, G23, ALL = (0, 1), (2, 3), (0, 1, 2, 3)
 CASES: dict[str, dict[str, Any]] = {
     # the issue's table
-    "replicated->tp2": _case(lambda n: replicated(R01), _nd(tp_column(G23), tp_column(G23), replicated(G23))),
+    "replicated->tp2": _case(lambda n: replicated(R01), _nd(tp_column(G23), tp_column(G23), replicated(G23)), chunk_bytes=0),
     "fsdp2->tp2": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), _nd(tp_row(G23), tp_column(G23), replicated(G23))),
     "tp2->tp4": _case(_nd(tp_column(R01), tp_column(R01), replicated(R01)), _nd(tp_column(ALL), tp_column(ALL), replicated(ALL))),
-    "fsdp2->dp-replicas": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), lambda n: dp_replicas(G23)),
+    "fsdp2->dp-replicas": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), lambda n: dp_replicas(G23), chunk_bytes=40),
     # colocated and combined meshes
     "fsdp2->dp2xtp2-colocated": _case(
         _nd(fsdp(R01), fsdp(R01), replicated(R01)),

@@ -14,27 +14,31 @@ layout fetches, a rank in both (colocated) does both.
 
 Wire format (per pair and version): one ``uint8`` buffer, a 32-byte header of four int64
 ``(magic, version, payload_bytes, src_rank)`` (payload bytes with alignment padding) followed by the blocks in plan order (parameters in
-sorted name order), each 16-byte aligned. A generator rank that needs no data from anyone still
-gets a header-only message from one trainer rank, so every generator learns every version.
+sorted name order), each 16-byte aligned. A message goes as pieces of about ``chunk_bytes`` (whole
+blocks; the same split on both sides, matched in order), so that the sender copies piece i + 1 while
+piece i is on the wire and the receiver copies piece i into its target while piece i + 1 arrives.
+A generator rank that needs no data from anyone still gets a header-only message from one trainer
+rank, so every generator learns every version.
 
 Pairing semantics (publish and fetch are collective):
 
-- ``publish(state, version)`` (trainer ranks, with their *local shards*) copies the outgoing blocks
-  into send buffers, posts the sends, announces ``version`` in the process group's store (key
-  ``flowrl/collective/<channel>/<epoch>/v/<rank>``) and returns. Each version is delivered once to
-  each generator rank, so at most one version is in flight per trainer rank: ``publish(v + 1)``
+- ``publish(state, version)`` (trainer ranks, with their *local shards*) announces ``version`` in
+  the process group's store (key ``flowrl/collective/<channel>/<epoch>/v/<rank>``), copies the
+  outgoing blocks into send buffers piece by piece, posting each piece's send as it is copied, and
+  returns. Each version is delivered once to each generator rank, so at most one version is in flight per trainer rank: ``publish(v + 1)``
   first waits until every destination has received ``v`` (backpressure; up to ``timeout_s``). This
   is the one departure from "publish costs one copy": it waits when the generators lag a version.
 - ``fetch_into(target, newer_than)`` (generator ranks, with their *local shard targets*) reads the
   versions its source ranks announced. When all of them announced a version ``w`` it has not
   received, it receives ``w`` into its own staging buffers (blocking until the data is in, up to
-  ``timeout_s``; the sends were posted before the announcement). Then, as the contract says, it
-  copies the newest received version into ``target`` and returns it if it is newer than
+  ``timeout_s``; the trainer is posting the sends). Then, as the contract says, it copies the
+  newest received version into ``target`` (piece by piece as they arrive) and returns it if it is newer than
   ``newer_than``, else returns None; the staging buffers keep that version, so it can be fetched
   again. With nothing new announced it answers at once, or polls up to ``fetch_wait_s`` seconds
   (a constructor option, 0 by default: the runtime's generator polls on its own deadline).
-  ``target`` is only written inside ``fetch_into`` and every message's header must carry the
-  version received: a generator never sees a torn state.
+  ``target`` is only written inside ``fetch_into``, after every message's header was checked to
+  carry the version: a generator never sees a torn state (except after a ``TransportError``
+  raised mid-transfer, when pieces of the new version may be in it and the job must stop anyway).
 - A rank holding both roles posts its sends inside its own ``fetch_into``, batched with its
   receives (NCCL deadlocks on two ranks that each send before receiving from the other); its
   ``publish`` only stages the copy. So its peers' fetches complete when it fetches; if it publishes
@@ -146,8 +150,36 @@ class _Block(NamedTuple):
     other: tuple[slice, ...]  # local copies only: the destination-side index
 
 
+class _Chunk(NamedTuple):
+    """A byte range ``[lo, hi)`` of one message, posted as one send/receive: whole blocks, the header in the first."""
+
+    lo: int
+    hi: int
+    blocks: tuple[_Block, ...]
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _chunks(blocks: list[_Block], total: int, chunk_bytes: int) -> list[_Chunk]:
+    """Split a message at block boundaries into pieces of at least ``chunk_bytes`` (0: one piece)."""
+    out: list[_Chunk] = []
+    lo, cur = 0, []
+    for b in blocks:
+        cur.append(b)
+        end = _align(b.offset + b.nbytes)
+        if chunk_bytes > 0 and end - lo >= chunk_bytes and end < total:
+            out.append(_Chunk(lo, end, tuple(cur)))
+            lo, cur = end, []
+    out.append(_Chunk(lo, total, tuple(cur)))
+    return out
+
+
+def _round_robin(chunks: dict[int, list[_Chunk]]) -> list[tuple[int, _Chunk]]:
+    """(peer, chunk) in the order they are posted: chunk 0 of every peer, then chunk 1, ... (keeps peers busy)."""
+    longest = max((len(c) for c in chunks.values()), default=0)
+    return [(peer, cs[i]) for i in range(longest) for peer, cs in sorted(chunks.items()) if i < len(cs)]
 
 
 def _layouts(value: Any, names: list[str], what: str) -> dict[str, ShardLayout]:
@@ -181,6 +213,8 @@ class CollectiveTransport:
         timeout_s: the longest any call waits for other ranks (see the module docstring).
         fetch_wait_s: how long ``fetch_into`` polls for a new version before returning None.
         device: where the send/receive buffers live (``"cpu"`` for gloo, ``"cuda:<i>"`` for NCCL).
+        chunk_bytes: messages go in pieces of about this many bytes (whole blocks), so that copying
+            into send buffers, the wire and copying into the target overlap; 0 sends each message whole.
         rank: this process's global rank (default ``dist.get_rank()``).
         group: the process group (default the world).
         store: the store used to announce versions (default the default process group's store).
@@ -211,6 +245,7 @@ class CollectiveTransport:
         timeout_s: float = 300.0,
         fetch_wait_s: float = 0.0,
         device: str = "cpu",
+        chunk_bytes: int = 8 << 20,
         rank: int | None = None,
         group: dist.ProcessGroup | None = None,
         store: dist.Store | None = None,
@@ -229,6 +264,7 @@ class CollectiveTransport:
         self._timeout_s = float(timeout_s)
         self._fetch_wait_s = float(fetch_wait_s)
         self._device = torch.device(device)
+        self._chunk_bytes = int(chunk_bytes)
         self._group = group
         self.channel = channel
         self._tag = zlib.crc32(channel.encode()) % (1 << 20) + 1
@@ -325,6 +361,8 @@ class CollectiveTransport:
                 recvs[src] = []
         self._sends = sends
         self._recvs = recvs
+        self._send_chunks = {d: _chunks(bl, offsets[(me, d)], self._chunk_bytes) for d, bl in sends.items()}
+        self._recv_chunks = {s: _chunks(bl, offsets[(s, me)], self._chunk_bytes) for s, bl in recvs.items()}
         self._local = local
         self._sizes = offsets  # (src, dst) -> message bytes, header included
         self._local_bytes = local_off
@@ -340,6 +378,10 @@ class CollectiveTransport:
             for n in self._spec.params
             if self.rank in layouts[n].ranks
         }
+
+    def message_sizes(self) -> dict[tuple[int, int], int]:
+        """(source rank, destination rank) -> bytes of their message per version, header and padding included."""
+        return dict(self._sizes)
 
     def plan(self) -> dict[str, list[Transfer]]:
         """The transfer plan every rank computed (name -> transfers), for inspection and tests."""
@@ -437,16 +479,16 @@ class CollectiveTransport:
                 "The process group is now unusable: stop the job"
             ) from exc
 
-    def _p2p(self, sends: bool, recvs: bool) -> list[Any]:
-        ops = []
-        if sends:
-            for d, buf in self._outbox.items():
-                ops.append(dist.P2POp(dist.isend, buf, peer=d, group=self._group, tag=self._tag))
-                self.bytes_sent += sum(b.nbytes for b in self._sends[d])
-                self.header_bytes_sent += HEADER_BYTES
-        if recvs:
-            for s, buf in self._inbox.items():
-                ops.append(dist.P2POp(dist.irecv, buf, peer=s, group=self._group, tag=self._tag))
+    def _send_op(self, peer: int, chunk: _Chunk) -> dist.P2POp:
+        self.bytes_sent += sum(b.nbytes for b in chunk.blocks)
+        self.header_bytes_sent += HEADER_BYTES if chunk.lo == 0 else 0
+        return dist.P2POp(dist.isend, self._outbox[peer][chunk.lo : chunk.hi], peer=peer, group=self._group, tag=self._tag)
+
+    def _recv_op(self, peer: int, chunk: _Chunk) -> dist.P2POp:
+        return dist.P2POp(dist.irecv, self._inbox[peer][chunk.lo : chunk.hi], peer=peer, group=self._group, tag=self._tag)
+
+    def _post(self, ops: list[dist.P2POp]) -> list[Any]:
+        """Post ``ops`` as one batch; the works (one per op on gloo, one for the batch on NCCL)."""
         try:
             return dist.batch_isend_irecv(ops) if ops else []
         except Exception as exc:  # a peer's connection is gone
@@ -484,18 +526,20 @@ class CollectiveTransport:
             late = sorted(self._sends)
             self._wait(self._send_works, f"sending version {self._sent} to generator rank(s) {late}")
             self._send_works = []
-        for d, blocks in self._sends.items():
-            buf = self._outbox[d]
+        for d in self._sends:
             header = torch.tensor([_MAGIC, version, self._sizes[(self.rank, d)] - HEADER_BYTES, self.rank], dtype=torch.int64)
-            buf[:HEADER_BYTES].view(torch.int64).copy_(header)
-            for b in blocks:
-                self._view(buf, b).copy_(state[b.name][b.slices])
+            self._outbox[d][:HEADER_BYTES].view(torch.int64).copy_(header)
+        # announce first: the generators post their receives while the pieces are copied and sent
+        self._store.add(f"{self._prefix}/v/{self.rank}", version - self._published)
         for b in self._local:
             self._view(self._local_out, b).copy_(state[b.name][b.slices])
+        for d, chunk in _round_robin(self._send_chunks):  # copy a piece, post it, copy the next meanwhile
+            for b in chunk.blocks:
+                self._view(self._outbox[d], b).copy_(state[b.name][b.slices])
+            if not self._dual:  # a dual rank sends from its fetch_into (see the module docstring)
+                self._send_works += self._post([self._send_op(d, chunk)])
         if not self._dual:
-            self._send_works = self._p2p(sends=True, recvs=False)
             self._sent = version
-        self._store.add(f"{self._prefix}/v/{self.rank}", version - self._published)
         self._published = version
         self._counts["publishes"] += 1
 
@@ -507,36 +551,52 @@ class CollectiveTransport:
 
     # --- generator side ----------------------------------------------------------------------------
 
-    def _exchange(self, version: int) -> None:
-        """Receive ``version`` into the staging buffers (and, on a dual rank, send the staged blocks)."""
+    def _exchange(self, version: int, target: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Receive ``version`` into the staging buffers (on a dual rank, send the staged blocks in the same
+        batch); with ``target``, copy each piece into it as soon as it is in (after every header checked)."""
         send = self._dual and self._sent < self._published
         if send and self._published != version:
-            raise TransportError(
-                f"{self._where}: internal error: staged version "
-                f"{self._published} but exchanging {version}"
-            )
-        works = self._p2p(sends=send, recvs=self.is_generator)
+            raise TransportError(f"{self._where}: internal error: staged version {self._published} but exchanging {version}")
+        ops = [self._send_op(d, c) for d, c in _round_robin(self._send_chunks)] if send else []
+        first_recv = len(ops)
+        pieces = _round_robin(self._recv_chunks) if self.is_generator else []
+        ops += [self._recv_op(s, c) for s, c in pieces]
+        works = self._post(ops)
         peers = sorted({*self._recvs, *(self._sends if send else ())})
-        self._wait(works, f"exchanging version {version} with rank(s) {peers}")
-        if send:
-            self._sent = version
-        if not self.is_generator:
-            return
-        for s, buf in self._inbox.items():
+        doing = f"exchanging version {version} with rank(s) {peers}"
+        per_op = len(works) == len(ops)  # gloo: one work per op; NCCL: one work for the whole batch
+        if not per_op:
+            self._wait(works, doing)
+        recv_works = works[first_recv:] if per_op else []
+        if per_op:  # the first piece of every message: its header (a gloo work must be waited only once)
+            self._wait([w for w, (_, c) in zip(recv_works, pieces) if c.lo == 0], doing)
+        for s, buf in self._inbox.items() if self.is_generator else ():
             magic, got, nbytes, src = buf[:HEADER_BYTES].view(torch.int64).tolist()
             expected = (_MAGIC, version, self._sizes[(s, self.rank)] - HEADER_BYTES, s)
             if (magic, got, nbytes, src) != expected:
                 raise TransportError(
-                    f"{self._where}: message from rank {s} has header "
-                    f"(magic, version, bytes, src) = {(magic, got, nbytes, src)}, expected {expected}; the ranks "
-                    "disagree on options or versions (same channel used twice?)"
+                    f"{self._where}: message from rank {s} has header (magic, version, bytes, src) = "
+                    f"{(magic, got, nbytes, src)}, expected {expected}; the ranks disagree on options or versions "
+                    "(the same channel used by two transports?)"
                 )
-            self.bytes_received += sum(b.nbytes for b in self._recvs[s])
+        for i, (s, chunk) in enumerate(pieces):
+            if per_op and chunk.lo != 0:
+                self._wait([recv_works[i]], doing)
+            self.bytes_received += sum(b.nbytes for b in chunk.blocks)
+            if target is not None:
+                self._deliver_chunk(target, s, chunk)
+        if per_op:
+            self._wait(works[:first_recv], doing)
+        if send:
+            self._sent = version
         if self._local_in is not None and self._local_bytes:
             self._local_in.copy_(self._local_out)
             self.bytes_copied_locally += sum(b.nbytes for b in self._local)
-        self._received = version
-        self._counts["exchanges"] += 1
+            if target is not None:
+                self._deliver_local(target)
+        if self.is_generator:
+            self._received = version
+            self._counts["exchanges"] += 1
 
     def fetch_into(self, target: Mapping[str, torch.Tensor], *, newer_than: int = -1) -> int | None:
         """Copy the newest version into ``target`` (this rank's local shards) and return it.
@@ -560,22 +620,33 @@ class CollectiveTransport:
             with self._lock, torch.no_grad():
                 self._buffers()
                 avail = self._available()
+                delivered = False
                 if avail > self._received:
-                    self._exchange(avail)
+                    delivered = avail > newer_than
+                    self._exchange(avail, target if delivered else None)
                 if self._received > newer_than:
-                    self._deliver(target)
+                    if not delivered:
+                        self._deliver(target)
                     self._counts["deliveries"] += 1
                     return self._received
             if time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL_S)
 
-    def _deliver(self, target: Mapping[str, torch.Tensor]) -> None:
-        for s, blocks in self._recvs.items():
-            for b in blocks:
-                target[b.name][b.slices].copy_(self._view(self._inbox[s], b))
+    def _deliver_chunk(self, target: Mapping[str, torch.Tensor], source: int, chunk: _Chunk) -> None:
+        for b in chunk.blocks:
+            target[b.name][b.slices].copy_(self._view(self._inbox[source], b))
+
+    def _deliver_local(self, target: Mapping[str, torch.Tensor]) -> None:
         for b in self._local:
             target[b.name][b.other].copy_(self._view(self._local_in, b))
+
+    def _deliver(self, target: Mapping[str, torch.Tensor]) -> None:
+        """Copy the staged version into ``target``."""
+        for s, chunks in self._recv_chunks.items():
+            for chunk in chunks:
+                self._deliver_chunk(target, s, chunk)
+        self._deliver_local(target)
 
     # --- lifetime ----------------------------------------------------------------------------------
 
