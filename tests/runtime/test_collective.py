@@ -74,21 +74,29 @@ def _nd(matrix, vector, scalar):
 
 
 R01, G23, ALL = (0, 1), (2, 3), (0, 1, 2, 3)
+FSDP2 = _nd(fsdp(R01), fsdp(R01), replicated(R01))  # the trainer of most cases (scalars replicated)
+
+
+def _tp(ranks: tuple[int, ...]) -> Callable[[int], ShardLayout]:
+    """Generator tensor parallelism: matrices split on dim 1, vectors on dim 0, scalars replicated."""
+    return _nd(tp_row(ranks), tp_column(ranks), replicated(ranks))
+
+
 CASES: dict[str, dict[str, Any]] = {
     # the issue's table
     "replicated->tp2": _case(lambda n: replicated(R01), _nd(tp_column(G23), tp_column(G23), replicated(G23)), chunk_bytes=0),
-    "fsdp2->tp2": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), _nd(tp_row(G23), tp_column(G23), replicated(G23))),
+    "fsdp2->tp2": _case(FSDP2, _tp(G23)),
     "tp2->tp4": _case(_nd(tp_column(R01), tp_column(R01), replicated(R01)), _nd(tp_column(ALL), tp_column(ALL), replicated(ALL))),
-    "fsdp2->dp-replicas": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), lambda n: dp_replicas(G23), chunk_bytes=40),
+    "fsdp2->dp-replicas": _case(FSDP2, lambda n: dp_replicas(G23), chunk_bytes=40),
     # colocated and combined meshes
     "fsdp2->dp2xtp2-colocated": _case(
-        _nd(fsdp(R01), fsdp(R01), replicated(R01)),
+        FSDP2,
         _nd(dp_tp(ALL, dp=2, tp=2, tp_dim=1), dp_tp(ALL, dp=2, tp=2, tp_dim=0), replicated(ALL)),
     ),
-    "fsdp2->tp2-swapped-colocated": _case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), _nd(tp_row((1, 0)), tp_column((1, 0)), replicated((1, 0)))),
+    "fsdp2->tp2-swapped-colocated": _case(FSDP2, _tp((1, 0))),
     # colocated ranks that publish twice before fetching (the second publish exchanges the first version)
-    "two-publishes-per-fetch-colocated": {**_case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), _nd(tp_row((1, 2, 0)), tp_column((1, 2, 0)), replicated((1, 2, 0)))), "per_fetch": 2},
-    "two-publishes-per-fetch-swapped": {**_case(_nd(fsdp(R01), fsdp(R01), replicated(R01)), _nd(tp_row((1, 0)), tp_column((1, 0)), replicated((1, 0))), chunk_bytes=0), "per_fetch": 2},
+    "two-publishes-per-fetch-colocated": {**_case(FSDP2, _tp((1, 2, 0))), "per_fetch": 2},
+    "two-publishes-per-fetch-swapped": {**_case(FSDP2, _tp((1, 0)), chunk_bytes=0), "per_fetch": 2},
     "fsdp2xtp2->tp2": _case(
         _nd(dp_tp(ALL, dp=2, tp=2, tp_dim=0, fsdp=True), dp_tp(ALL, dp=2, tp=2, tp_dim=0, fsdp=True), replicated(ALL)),
         _nd(tp_column(G23), tp_column(G23), replicated(G23)),
@@ -216,7 +224,8 @@ def _contract(rank: int) -> dict[str, Any]:
         _expect_error(lambda: t.publish(shards(1.0), 2), r"must strictly increase", fails, "older version")
         _expect_error(lambda: t.publish(shards(1.0), -2), r"negative", fails, "negative version")
         _expect_error(lambda: t.publish({"w": torch.ones(9, 9)}, 4), r"lacks tensor\(s\) 'n'", fails, "missing tensor")
-        _expect_error(lambda: t.publish({**shards(1.0), "w": torch.ones(1, 6)}, 4), r"'w' is float32\[1, 6\] at version 4", fails, "wrong shard shape")
+        _expect_error(lambda: t.publish({**shards(1.0), "w": torch.ones(1, 6)}, 4), r"'w' is float32\[1, 6\] at version 4",
+                      fails, "wrong shard shape")
         _expect_error(lambda: t.fetch_into(target), r"trainer rank only", fails, "fetch on a trainer")
         if t.latest_version() != 3:
             fails.append(f"trainer latest_version {t.latest_version()} != 3")
@@ -224,7 +233,8 @@ def _contract(rank: int) -> dict[str, Any]:
     if t.is_generator:
         _expect_error(lambda: t.publish(shards(1.0), 9), r"generator rank only", fails, "publish on a generator")
         _expect_error(lambda: t.fetch_into({"w": target["w"]}), r"lacks tensor\(s\) 'n'", fails, "target missing a tensor")
-        _expect_error(lambda: t.fetch_into({**target, "w": torch.zeros(4, 6)}), r"target tensor 'w' has shape \[4, 6\] but .*\[4, 3\]", fails, "full tensor as target")
+        _expect_error(lambda: t.fetch_into({**target, "w": torch.zeros(4, 6)}), r"target tensor 'w' has shape \[4, 6\] but .*\[4, 3\]",
+                      fails, "full tensor as target")
         if t.latest_version() != 3:
             fails.append(f"generator latest_version {t.latest_version()} != 3 after the publish")
         if not holds(target, 0.0):
@@ -413,7 +423,8 @@ def test_contract_across_ranks(table_run):
     # the contract run moved w (fsdp -> tp row: all of it) and n (replicated -> tp column: all of it) per version
     versions = 1 + 20
     sent = sum(r["contract"]["stats"]["bytes_sent"] for r in results)
-    assert sent == versions * (minimum_bytes((4, 6), "float32", fsdp(R01), tp_row(G23)) + minimum_bytes((6,), "bfloat16", replicated(R01), tp_column(G23)))
+    per_version = minimum_bytes((4, 6), "float32", fsdp(R01), tp_row(G23)) + minimum_bytes((6,), "bfloat16", replicated(R01), tp_column(G23))
+    assert sent == versions * per_version
 
 
 def test_faults_end_in_errors_not_hangs(table_run):

@@ -25,16 +25,17 @@ Pairing semantics (publish and fetch are collective):
 - ``publish(state, version)`` (trainer ranks, with their *local shards*) announces ``version`` in
   the process group's store (key ``flowrl/collective/<channel>/<epoch>/v/<rank>``), copies the
   outgoing blocks into send buffers piece by piece, posting each piece's send as it is copied, and
-  returns. Each version is delivered once to each generator rank, so at most one version is in flight per trainer rank: ``publish(v + 1)``
-  first waits until every destination has received ``v`` (backpressure; up to ``timeout_s``). This
-  is the one departure from "publish costs one copy": it waits when the generators lag a version.
+  returns. Each version is delivered once to each generator rank, so at most one version is in
+  flight per trainer rank: ``publish(v + 1)`` first waits until every destination has received
+  ``v`` (backpressure; up to ``timeout_s``). This is the one departure from "publish costs one
+  copy": it waits when the generators lag a version.
 - ``fetch_into(target, newer_than)`` (generator ranks, with their *local shard targets*) reads the
   versions its source ranks announced. When all of them announced a version ``w`` it has not
   received, it receives ``w`` into its own staging buffers (blocking until the data is in, up to
   ``timeout_s``; the trainer is posting the sends). Then, as the contract says, it copies the
-  newest received version into ``target`` (piece by piece as they arrive) and returns it if it is newer than
-  ``newer_than``, else returns None; the staging buffers keep that version, so it can be fetched
-  again. With nothing new announced it answers at once, or polls up to ``fetch_wait_s`` seconds
+  newest received version into ``target`` (piece by piece as they arrive) and returns it if it is
+  newer than ``newer_than``, else returns None; the staging buffers keep that version, so it can be
+  fetched again. With nothing new announced it answers at once, or polls up to ``fetch_wait_s`` seconds
   (a constructor option, 0 by default: the runtime's generator polls on its own deadline).
   ``target`` is only written inside ``fetch_into``, after every message's header was checked to
   carry the version: a generator never sees a torn state (except after a ``TransportError``
@@ -84,7 +85,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl.errors import ConfigError, TransportError
-from flowrl.runtime.resharding import ShardLayout, Transfer, box_numel, local_shape, plan_state
+from flowrl.runtime.resharding import ShardLayout, Transfer, local_shape, plan_state
 from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
 
 __all__ = ["CollectiveTransport", "ParamSpec", "HEADER_BYTES", "DTYPES"]
@@ -92,7 +93,7 @@ __all__ = ["CollectiveTransport", "ParamSpec", "HEADER_BYTES", "DTYPES"]
 HEADER_BYTES = 32
 _MAGIC = int.from_bytes(b"FLOWRL01", "little")
 _ALIGN = 16
-_POLL_S = 0.0005
+_POLL_S = (0.0005, 0.005)  # fetch_into's store polling: first and longest pause
 
 #: Dtype names a parameter may declare.
 DTYPES: dict[str, torch.dtype] = {
@@ -137,6 +138,7 @@ class _Spec(msgspec.Struct, frozen=True, kw_only=True):
     params: dict[str, ParamSpec]
     trainer: dict[str, ShardLayout]
     generator: dict[str, ShardLayout]
+    chunk_bytes: int
 
 
 class _Block(NamedTuple):
@@ -257,6 +259,7 @@ class CollectiveTransport:
             params={n: specs[n] for n in names},
             trainer=_layouts(trainer_layout, names, "trainer_layout"),
             generator=_layouts(generator_layout, names, "generator_layout"),
+            chunk_bytes=int(chunk_bytes),  # both sides must cut messages into the same pieces
         )
         if timeout_s <= 0:
             raise ConfigError(f"CollectiveTransport: timeout_s={timeout_s} must be > 0")
@@ -264,7 +267,7 @@ class CollectiveTransport:
         self._timeout_s = float(timeout_s)
         self._fetch_wait_s = float(fetch_wait_s)
         self._device = torch.device(device)
-        self._chunk_bytes = int(chunk_bytes)
+        self._chunk_bytes = self._spec.chunk_bytes
         self._group = group
         self.channel = channel
         self._tag = zlib.crc32(channel.encode()) % (1 << 20) + 1
@@ -616,6 +619,7 @@ class CollectiveTransport:
             )
         self._check_tensors(target, "generator", -1)
         deadline = time.monotonic() + self._fetch_wait_s
+        pause = _POLL_S[0]
         while True:
             with self._lock, torch.no_grad():
                 self._buffers()
@@ -631,7 +635,8 @@ class CollectiveTransport:
                     return self._received
             if time.monotonic() >= deadline:
                 return None
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S[1])
 
     def _deliver_chunk(self, target: Mapping[str, torch.Tensor], source: int, chunk: _Chunk) -> None:
         for b in chunk.blocks:
@@ -668,4 +673,7 @@ class CollectiveTransport:
 
     def __repr__(self) -> str:
         role = "trainer+generator" if self._dual else ("trainer" if self.is_trainer else "generator")
-        return f"CollectiveTransport(channel={self.channel!r}, rank={self.rank}, role={role}, published={self._published}, received={self._received})"
+        return (
+            f"CollectiveTransport(channel={self.channel!r}, rank={self.rank}, role={role}, "
+            f"published={self._published}, received={self._received})"
+        )
