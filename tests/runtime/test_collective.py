@@ -5,7 +5,7 @@ The multi-rank tests start this module as 4 worker processes (``python -m tests.
 RANK WORLD INIT_FILE OUT_DIR``, one gloo group over a FileStore) that run every resharding case, the
 cross-rank contract, then the faults (last: they leave the group unusable); each rank writes its
 findings as JSON (no pickle) and the tests below read them. A run that does not finish in time is
-killed and fails. The worker imports neither pytest nor hypothesis (see the bottom of the module).
+killed and fails. The worker does not import hypothesis (see the bottom of the module).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
-from flowrl.errors import TransportError
+from flowrl.errors import ConfigError, TransportError
 from flowrl.runtime.resharding import (
     ShardLayout,
     dp_replicas,
@@ -39,6 +40,7 @@ from flowrl.runtime.resharding import (
 )
 from flowrl.runtime.transports.base import layout_of
 from flowrl.runtime.transports.collective import CollectiveTransport
+from flowrl.runtime.transports.registry import create_transport
 
 REPO = Path(__file__).resolve().parents[2]
 VERSIONS = (0, 1, 2)
@@ -435,6 +437,52 @@ def test_faults_end_in_errors_not_hangs(table_run):
     assert "sending version 0 to generator rank(s) [1] did not complete" in trainer["slow"]
     assert "stop the job" in trainer["slow"]
     assert "rank(s) [2]" in trainer["dead"] and "stop the job" in trainer["dead"]
+
+
+# --- options: plain data, errors (one process, no process group) -------------------------------
+
+
+def _open(rank: int, **options: Any) -> CollectiveTransport:
+    import torch.distributed as dist
+
+    return create_transport("collective", rank=rank, store=dist.HashStore(), handshake=False, **options)
+
+
+def test_options_are_plain_data_through_the_registry():
+    """What a backend sends to a rank: dicts and lists (msgspec builtins), no structs needed."""
+    options = msgspec.json.decode(msgspec.json.encode({
+        "params": {"w": {"shape": [4, 6], "dtype": "bfloat16"}, "n": {"shape": [6]}},
+        "trainer_layout": fsdp(R01),
+        "generator_layout": {"w": tp_row(G23), "n": tp_column(G23)},
+        "chunk_bytes": 0,
+    }))
+    t = _open(2, **options)
+    assert isinstance(t, CollectiveTransport) and t.name == "collective"
+    assert t.local_shapes("generator") == {"n": (3,), "w": (4, 3)} and t.local_shapes("trainer") == {}
+    assert (t.is_trainer, t.is_generator) == (False, True)
+    # one message from each trainer rank: header + its 2 rows x 3 columns of bf16 (padded to 16) + its part of n
+    assert {k: v for k, v in t.message_sizes().items() if k[1] == 2} == {(0, 2): 32 + 16 + 16, (1, 2): 32 + 16}
+    assert t.latest_version() == -1 and t.fetch_into({"w": torch.zeros(4, 3), "n": torch.zeros(3)}) is None
+    t.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"generator_layout": {"w": tp_row(G23)}}, ConfigError, r"missing layouts for \['n'\]"),
+        ({"trainer_layout": {"w": fsdp(R01), "n": fsdp(R01), "x": fsdp(R01)}}, ConfigError, r"unknown parameters \['x'\]"),
+        ({"params": {"w": {"shape": [4, 6], "dtype": "float8"}}}, ConfigError, r"dtype 'float8' is not one of"),
+        ({"rank": 7}, TransportError, r"rank 7 is in neither the trainer ranks \[0, 1\] nor the generator ranks \[2, 3\]"),
+        ({"timeout_s": 0}, ConfigError, r"timeout_s=0 must be > 0"),
+    ],
+    ids=["missing-layout", "unknown-param", "dtype", "not-a-participant", "timeout"],
+)
+def test_option_errors(options, error, match):
+    base = {"params": {"w": {"shape": [4, 6]}, "n": {"shape": [6]}}, "trainer_layout": fsdp(R01),
+            "generator_layout": {"w": tp_row(G23), "n": tp_column(G23)}, "rank": 2}
+    base |= options
+    with pytest.raises(error, match=match):
+        _open(**base)
 
 
 # --- the conformance suite, on one rank that is trainer and generator ---------------------------
