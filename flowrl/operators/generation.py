@@ -148,6 +148,12 @@ class Generator:
             raise ConfigError(f"generator {self.name!r}: prompt_ids {tuple(ids.shape)} and prompt_lens {tuple(lens.shape)} disagree")
         if len(lens) and (int(lens.min()) < 1 or int(lens.max()) > ids.shape[1]):
             raise ConfigError(f"generator {self.name!r}: prompt_lens must be in [1, {ids.shape[1]}], got {lens.tolist()}")
+        vocab = self.model.config.vocab_size
+        if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            raise ConfigError(
+                f"generator {self.name!r}: prompt token ids span [{int(ids.min())}, {int(ids.max())}] but the model's "
+                f"vocab_size is {vocab}; the task's tokenizer must fit ModelConfig.vocab_size"
+            )
         longest = (int(lens.max()) if len(lens) else 0) + self.sampling.max_new_tokens
         if longest > self.model.config.max_seq_len:
             raise ConfigError(

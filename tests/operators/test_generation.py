@@ -152,9 +152,10 @@ def test_load_weights_sets_the_version_and_the_weights():
         gen.load_weights({}, 5)
 
 
-def test_lower_precision_generation_runs_and_stays_close():
-    gen = Generator(tiny_generator_node(precision="bfloat16"), seed=0)
-    assert gen.model.tok_embeddings.weight.dtype == torch.bfloat16
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_lower_precision_generation_runs_and_stays_close(precision):
+    gen = Generator(tiny_generator_node(precision=precision), seed=0)
+    assert gen.model.tok_embeddings.weight.dtype == getattr(torch, precision)
     out = gen.generate(prompts_of(PROMPTS))
     assert out["behaviour_logprobs"].dtype == torch.float32
     full = Transformer(TINY)  # the same weights in float32
@@ -165,3 +166,9 @@ def test_too_long_sequences_are_refused_with_the_numbers():
     gen = Generator(tiny_generator_node(max_new_tokens=30), seed=0)
     with pytest.raises(ConfigError, match=r"7\) \+ max_new_tokens \(30\) = 37 > max_seq_len=32"):
         gen.generate(prompts_of(PROMPTS))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    gen = Generator(tiny_generator_node(), seed=0)
+    with pytest.raises(ConfigError, match=r"span \[1, 20\] but the model's vocab_size is 16"):
+        gen.generate(prompts_of([[1, 20, 14]]))
