@@ -32,7 +32,13 @@ def test_default_example_plans_on_two_cores(strategy, family):
     assert plan.placements["prompts"].devices == () and plan.placements["reward"].devices == ()
     assert plan.step_s == plan.async_step_s  # the example's weight edge has k = 1
     assert plan.sync_step_s >= plan.async_step_s > 0
-    assert plan.workload == Workload(prompts_per_step=16, samples_per_prompt=4, prompt_len=26, gen_len=6)
+    source, gen = LLAMARL.nodes_of_kind("source")[0], LLAMARL.nodes_of_kind("generator")[0]
+    assert plan.workload == Workload(
+        prompts_per_step=source.source.batch_size,
+        samples_per_prompt=gen.sampling.n_samples,
+        prompt_len=gen.model.max_seq_len - gen.sampling.max_new_tokens,  # no prompt length in a graph: the bound
+        gen_len=gen.sampling.max_new_tokens,
+    )
     text = format_plan(plan)
     assert "predicted step: sync (k=0)" in text and "memory/device" in text
 

@@ -117,7 +117,9 @@ def test_real_pipeline_trains_data_parallel_and_respects_staleness(tmp_path):
     rows = _rows(tmp_path / "m.jsonl")
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert all(0 <= r["staleness"] <= 1 for r in rows)
-    assert all(r["samples"] == 64 and r["train_s"] > 0 for r in rows)
+    g = file_graph()
+    per_step = g.nodes_of_kind("source")[0].source.batch_size * g.nodes_of_kind("generator")[0].sampling.n_samples
+    assert all(r["samples"] == per_step and r["train_s"] > 0 for r in rows)
     assert (tmp_path / "ck").is_dir() and any((tmp_path / "ck").iterdir())
     assert "done: 4 steps" in proc.stdout and proc.stdout.count("done:") == 1  # only rank 0 reports
 
@@ -162,7 +164,11 @@ def test_data_parallel_step_equals_a_single_process_step(tmp_path):
     proc = _torchrun(2, [str(THIS), "dp", str(tmp_path / "dp.json")], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "dp.json").read_text())
-    assert result["shards"] == [32, 32]
+    from flowrl.examples import build_example
+
+    g = build_example("llamarl")
+    total = g.nodes_of_kind("source")[0].source.batch_size * g.nodes_of_kind("generator")[0].sampling.n_samples
+    assert result["shards"] == [total // 2, total // 2]  # whole prompt groups, split evenly
     assert result["max_grad_diff"] < 1e-5, result
     assert abs(result["grad_norm_dp"] - result["grad_norm_ref"]) < 1e-4 * max(1.0, result["grad_norm_ref"]), result
     assert abs(result["loss_dp"] - result["loss_ref"]) < 1e-5, result
