@@ -145,6 +145,8 @@ class _FakePlan:
 @pytest.fixture
 def fake_planner(monkeypatch, tmp_path):
     """A stand-in ``flowrl.planners.plan`` whose ``load_plan`` reads ``{node: [devices]}`` JSON."""
+    import flowrl.planners  # noqa: F401 - the real package first, so only its plan module is replaced
+
     module = types.ModuleType("flowrl.planners.plan")
 
     def load_plan(path):
@@ -167,7 +169,10 @@ def test_plan_labels_each_node(capsys, fake_planner) -> None:
     assert code == 0
     annotations = {"gen": "devices 0-3 · dp4", "aipo": "devices 4-5 · dp2", "policy": "devices 4-5 · dp2"}
     assert out == to_mermaid(build_example("llamarl"), annotations=annotations)
-    assert 'gen("gen (generator)<br/>model=2L64d, n=4, max_new=6, T=1<br/>devices 0-3 · dp4")' in out
+    from flowrl.graph.nodes import describe
+
+    gen = build_example("llamarl").node("gen")
+    assert f'gen("gen (generator)<br/>{describe(gen)}<br/>devices 0-3 · dp4")' in out
 
 
 def test_plan_labels_in_svg(capsys, tmp_path, fake_planner) -> None:
