@@ -11,6 +11,7 @@ steps) reaches ``--target``, and the curve (step, seconds, windowed mean reward,
 
     python benches/learning.py                       # copy: chance -> 0.9, then add for --add-seconds
     python benches/learning.py --tasks copy --threads 1 --staleness 1
+    python benches/learning.py --runtime-only        # the runtime: k = 0 vs k = 1, 2: time to target, final reward
 """
 
 from __future__ import annotations
@@ -117,6 +118,59 @@ def run(task: str, *, max_steps: int, max_seconds: float, target: float, window:
     }
 
 
+# -- the runtime: the default example through flowrl's controller, synchronous (k = 0) and async ---------
+def runtime_curve(k: int, *, steps: int, target: float, window: int, seed: int, backend: str, threads: int) -> dict:
+    """Train the default example with ``run_graph`` at staleness ``k``; time to the target and final reward."""
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    graph = build_llamarl(max_staleness=k)
+    result = run_graph(graph, RunConfig(steps=steps, seed=seed, backend=backend, threads=threads))
+    rows = result.rows
+    reached = None
+    for i in range(window - 1, len(rows)):
+        mean = sum(r["reward_mean"] for r in rows[i - window + 1 : i + 1]) / window
+        if mean >= target:
+            reached = {"step": rows[i]["step"], "seconds": round(rows[i]["time_s"], 2)}
+            break
+    tail = rows[-20:]
+    return {
+        "max_staleness": k,
+        "backend": backend,
+        "threads": threads or "auto",
+        "steps": len(rows),
+        "wall_s": round(result.wall_s, 2),
+        "reached_target": reached,
+        "final_reward": round(sum(r["reward_mean"] for r in tail) / len(tail), 4),
+        "staleness_max": max(r["staleness"] for r in rows),
+        "mean_step_s": round(result.wall_s / len(rows), 4),
+        "curve": [
+            {"step": r["step"], "time_s": round(r["time_s"], 2), "reward": round(r["reward_mean"], 3), "staleness": r["staleness"]}
+            for r in rows[:: max(1, len(rows) // 20)]
+        ],
+    }
+
+
+def runtime_comparison(args: argparse.Namespace) -> dict:
+    """Synchronous k = 0 (local backend, 1 thread and auto; its best is the baseline) against async
+    k = 1 and k = 2 on ``--backend`` (process by default: one process per executor, so generation and
+    training run on their own cores without sharing the GIL). Same seed and steps for all."""
+    common = dict(steps=args.runtime_steps, target=args.target, window=args.window, seed=args.seed)
+    runs = [runtime_curve(0, backend="local", threads=t, **common) for t in (1, 0)]
+    runs += [runtime_curve(k, backend=args.backend, threads=0, **common) for k in (1, 2)]
+    never = {"seconds": float("inf")}
+    sync = min(runs[:2], key=lambda r: (r["reached_target"] or never)["seconds"])
+    out: dict = {"target": args.target, "window": args.window, "baseline": f"k=0 local threads={sync['threads']}", "runs": runs}
+    for r in runs[2:]:
+        key = f"k{r['max_staleness']}"
+        if sync["reached_target"] and r["reached_target"]:
+            out[f"{key}_time_to_target_speedup"] = round(sync["reached_target"]["seconds"] / r["reached_target"]["seconds"], 3)
+        else:
+            out[f"{key}_time_to_target_speedup"] = None  # one of them never reached the target in the steps given
+        out[f"{key}_final_reward_vs_sync"] = [r["final_reward"], sync["final_reward"]]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=["copy", "add"], choices=sorted(REWARD_FNS))
@@ -130,6 +184,10 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for this tiny model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runtime", action="store_true", help="also train through flowrl's runtime: k=0 vs k=1 and k=2")
+    p.add_argument("--runtime-only", action="store_true", help="only the runtime comparison")
+    p.add_argument("--runtime-steps", type=int, default=300, help="trainer steps of each runtime run")
+    p.add_argument("--backend", default="process", choices=("local", "process"), help="backend of the async runs (process: no shared GIL)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     _, gen_node, *_ = example_nodes("copy", args.seed)
@@ -140,7 +198,9 @@ def main() -> None:
         "threads": args.threads,
         "runs": [],
     }
-    for task in args.tasks:
+    if args.runtime or args.runtime_only:
+        out["runtime"] = runtime_comparison(args)
+    for task in ([] if args.runtime_only else args.tasks):
         seconds = args.copy_seconds if task == "copy" else args.add_seconds
         out["runs"].append(
             run(
