@@ -48,9 +48,15 @@ __all__ = [
     "cpu_cluster",
     "load_cluster_file",
     "cluster_to_json",
+    "MAX_DEVICES",
 ]
 
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+#: Most devices a cluster may have: plans list every device id of every mesh, and the search
+#: compares them, so a cluster of millions of devices would take minutes and gigabytes to plan
+#: (131072 devices, 16384 hosts of 8, plan in about 20 s). The largest RL jobs use a few thousand.
+MAX_DEVICES = 2**17
 
 CLUSTER_FORMS = (
     "CLUSTER is one of: 'NxDEVICE' (e.g. '1024xH100': N devices, 8 per host), 'HxDxDEVICE' "
@@ -130,6 +136,12 @@ class ClusterSpec(msgspec.Struct, **_STRUCT):
         if self.hosts < 1 or self.devices_per_host < 1:
             raise PlanError(
                 f"cluster {self.name!r}: hosts={self.hosts} and devices_per_host={self.devices_per_host} must both be >= 1"
+            )
+        if self.hosts * self.devices_per_host > MAX_DEVICES:
+            raise PlanError(
+                f"cluster {self.name!r}: hosts({self.hosts}) * devices_per_host({self.devices_per_host}) = "
+                f"{self.hosts * self.devices_per_host} devices, over the {MAX_DEVICES} a plan can list; plan the slice "
+                "of the cluster one job gets"
             )
 
     @property
@@ -300,6 +312,8 @@ def parse_cluster(text: str) -> ClusterSpec:
     text = text.strip()
     if text.endswith((".json", ".toml")):
         return load_cluster_file(text)
+    if any(len(digits) > 12 for digits in re.findall(r"\d+", text)):  # int() of thousands of digits raises
+        raise PlanError(f"cluster {text[:40]!r}{'...' if len(text) > 40 else ''}: a count of over 12 digits; at most {MAX_DEVICES} devices can be planned")
     if m := _CPU.match(text):
         cores = int(m.group(1)) if m.group(1) else None
         if cores is not None and cores < 1:

@@ -107,6 +107,8 @@ class ParallelDims(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         m = _DIMS_RE.match(text.strip())
         if not m or not text.strip():
             raise PlanError(f"cannot parse parallel dims {text!r}; write e.g. 'd4t2p2' (dp=4, tp=2, pp=2), axes of size 1 may be left out")
+        if any(g and len(g) > 12 for g in m.groups()):  # int() refuses thousands of digits with a ValueError
+            raise PlanError(f"parallel dims {text[:40]!r}{'...' if len(text) > 40 else ''}: an axis of over 12 digits; no cluster has that many devices")
         dp, tp, pp = (int(g) if g else 1 for g in m.groups())
         return cls(dp=dp, tp=tp, pp=pp)
 

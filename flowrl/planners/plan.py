@@ -32,7 +32,7 @@ import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
-from flowrl.planners.cluster import ClusterSpec, parse_cluster
+from flowrl.planners.cluster import MAX_DEVICES, ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
 from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.planners.modelspec import ModelSpec
@@ -273,6 +273,8 @@ def _parse_devices(text: str, part: str) -> tuple[int, ...]:
             raise PlanError(f"placement {part!r}: cannot read device range {piece!r}; write e.g. '0-7' or '0-3,8-11'") from None
         if b < a:
             raise PlanError(f"placement {part!r}: device range {piece!r} runs backwards")
+        if b >= MAX_DEVICES or len(ids) + b - a >= MAX_DEVICES:  # before listing them: '0-99999999999' would fill the memory
+            raise PlanError(f"placement {part!r}: device range {piece!r} goes past the {MAX_DEVICES} devices a plan can list")
         ids.extend(range(a, b + 1))
     if not ids:
         raise PlanError(f"placement {part!r} names no devices")
