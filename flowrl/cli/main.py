@@ -3,8 +3,10 @@
 Each subcommand module defines ``register(subparsers)`` (adds its parser and sets ``func``).
 A ``FlowrlError`` (a user mistake: bad graph, bad plan, bad flag value) prints one paragraph to
 stderr and exits 2. A ``NodeExecutionError`` (an operator failed during a run) prints the
-operator's traceback and the node and step, and exits 1. Anything else is a flowrl bug and keeps
-its traceback.
+operator's traceback and the node and step, and exits 1, unless what failed was a flowrl check of
+the user's input (a ``FlowrlError`` at the root of the chain: a prompt longer than the model's
+context, a reward of NaN), which prints one paragraph and exits 2 like any other user mistake.
+Anything else is a flowrl bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -56,6 +58,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_mistake(exc: NodeExecutionError) -> bool:
+    """True when the root of ``exc``'s cause chain is another flowrl error (a bad config, a reference
+    that does not resolve, a reward that is not a finite float), not an exception from user code or torch."""
+    inner: BaseException = exc
+    for _ in range(32):  # cause chains are short; the bound only guards against a cycle
+        if inner.__cause__ is None:
+            break
+        inner = inner.__cause__
+    return inner is not exc and isinstance(inner, FlowrlError)
+
+
+def _print_error(command: str, exc: FlowrlError) -> None:
+    first, *rest = str(exc).split("\n")
+    text = textwrap.fill(
+        first,
+        width=100,
+        initial_indent=f"flowrl {command}: error: ",
+        subsequent_indent="  ",
+        break_long_words=False,  # keep paths and references whole, so they can be copied
+        break_on_hyphens=False,
+    )
+    print(text + "".join(f"\n{line}" for line in rest), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -66,21 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except NodeExecutionError as exc:  # an operator failed mid-run: its traceback is the useful part
         cause = exc.__cause__
+        if _user_mistake(exc):  # e.g. prompts longer than max_seq_len, a reward of NaN: no traceback helps
+            _print_error(args.command, exc)
+            return 2
         if cause is not None:
             print("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)).rstrip(), file=sys.stderr)
         print(f"flowrl {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except FlowrlError as exc:
-        first, *rest = str(exc).split("\n")
-        text = textwrap.fill(
-            first,
-            width=100,
-            initial_indent=f"flowrl {args.command}: error: ",
-            subsequent_indent="  ",
-            break_long_words=False,  # keep paths and references whole, so they can be copied
-            break_on_hyphens=False,
-        )
-        print(text + "".join(f"\n{line}" for line in rest), file=sys.stderr)
+        _print_error(args.command, exc)
         return 2
     except KeyboardInterrupt:
         print(f"flowrl {args.command}: interrupted", file=sys.stderr)
