@@ -37,6 +37,8 @@ def _decode_spec(data: bytes | str) -> GraphSpec:
         raise GraphError(f"graph JSON does not match the flowrl schema: {exc}") from None
     except msgspec.DecodeError as exc:
         raise GraphError(f"graph file is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside some strings
+        raise GraphError(f"graph file is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})") from None
     except ConfigError as exc:
         raise GraphError(f"graph JSON holds a bad config: {exc}") from None
     except RecursionError:

@@ -285,6 +285,8 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
         ) from None
     except msgspec.DecodeError as exc:
         raise PlanError(f"cluster file {str(path)!r} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
+        raise PlanError(f"cluster file {str(path)!r} is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})") from None
 
 
 _N_DEV = re.compile(r"^(\d+)x([A-Za-z][A-Za-z0-9]*)$")

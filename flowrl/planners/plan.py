@@ -363,6 +363,8 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         raise PlanError(f"plan file {str(p)!r} does not match the flowrl plan schema: {exc}") from None
     except msgspec.DecodeError as exc:
         raise PlanError(f"plan file {str(p)!r} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
+        raise PlanError(f"plan file {str(p)!r} is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})") from None
     except PlanError as exc:
         raise PlanError(f"plan file {str(p)!r}: {exc}") from None
 
