@@ -143,12 +143,13 @@ class Graph:
         return [n for n in self._spec.nodes if n.kind == kind]
 
     def producers(self, name: str) -> list[Node]:
-        """Nodes with a data edge into ``name``."""
-        return [self._nodes[p] for p in sorted(self._dag.predecessors(name))]
+        """Nodes with a data edge into ``name`` (an edge from an undeclared node, which validation
+        reports, names no node and is left out)."""
+        return [self._nodes[p] for p in sorted(self._dag.predecessors(name)) if p in self._nodes]
 
     def users(self, name: str) -> list[Node]:
-        """Nodes with a data edge out of ``name``."""
-        return [self._nodes[s] for s in sorted(self._dag.successors(name))]
+        """Nodes with a data edge out of ``name`` (edges to undeclared nodes left out, as in ``producers``)."""
+        return [self._nodes[s] for s in sorted(self._dag.successors(name)) if s in self._nodes]
 
     def in_edges(self, name: str) -> list[DataEdge]:
         return [e for e in self._spec.edges if e.dst == name]
