@@ -33,7 +33,7 @@ first steps:
   flowrl examples                      list the built-in pipelines
   flowrl viz llamarl --format mermaid  draw the default pipeline
   flowrl plan llamarl --cluster cpu    dry-run a placement, no hardware needed
-  flowrl run --steps 60                train the built-in example on this CPU
+  flowrl run                           train the built-in example on this CPU
 """
 
 

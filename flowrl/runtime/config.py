@@ -36,7 +36,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             placement's colocation groups.
     """
 
-    steps: int = 60
+    steps: int = 250
     max_staleness: int | None = None
     backend: Literal["local", "process", "torchrun"] = "local"
     seed: int = 0
