@@ -416,7 +416,16 @@ class Controller:
         for name, fname in meta.files.items():
             if name not in self.executors:
                 raise CheckpointError(f"checkpoint {path} holds state for node {name!r}, which this graph lacks")
-            self.executors[name].host.load(str(path / fname))
+            try:
+                self.executors[name].host.load(str(path / fname))
+            except CheckpointError:
+                raise
+            except Exception as exc:  # a corrupt, foreign or poisoned file (weights_only refuses code)
+                raise CheckpointError(
+                    f"checkpoint {path} cannot be loaded: {fname} for node {name!r} is unreadable "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                    "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
+                ) from exc
         for ex in self.executors.values():
             if ex.kind == "source":
                 ex.host.seek(meta.data_position)

@@ -299,12 +299,13 @@ def test_checkpoint_holding_a_pickled_object_is_refused(tmp_path: Path) -> None:
     assert re.search(r"Weights only load failed|Unsupported global", f"{info.value} {info.value.__cause__}")
 
 
-@pytest.mark.xfail(strict=True, reason="runtime bug (not this suite's to fix): Controller._restore lets torch's "
-                   "UnpicklingError escape unwrapped, so 'flowrl run --resume' prints a traceback and exits 1")
 def test_poisoned_checkpoint_is_a_checkpoint_error(tmp_path: Path) -> None:
+    from flowrl.errors import CheckpointError
+
     g, config, marker = _poisoned_checkpoint(tmp_path)
-    with pytest.raises(FlowrlError):
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
         run_graph(g, config)
+    assert not marker.exists()  # the pickled payload never ran
 
 
 def test_every_torch_load_in_flowrl_is_weights_only() -> None:
