@@ -26,19 +26,23 @@ from flowrl.runtime.programs import ProgramEnv, TransportSpec
 __all__ = ["run_graph", "transport_specs", "resolve_placement"]
 
 
-def transport_specs(graph: Graph, backend: str, run_dir: str) -> tuple[TransportSpec, ...]:
-    """Open options for each weight edge's transport. In the process backend, ``inprocess``
-    cannot cross processes, so it becomes ``shm`` (shared memory) there."""
-    token = uuid.uuid4().hex[:8]
+def transport_specs(
+    graph: Graph, backend: str, run_dir: str, *, choose: Callable[[str], str] | None = None
+) -> tuple[TransportSpec, ...]:
+    """Open options for each weight edge's transport. ``choose`` maps an edge's transport name to the
+    one this backend uses; by default, in the process backend ``inprocess`` (which cannot cross
+    processes) becomes ``shm`` (shared memory)."""
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     specs = []
     for e in graph.weight_edges:
-        name = e.transport
-        if backend == "process" and name == "inprocess":
-            name = "shm"
+        if choose is not None:
+            name = choose(e.transport)
+        else:
+            name = "shm" if backend == "process" and e.transport == "inprocess" else e.transport
         writer: dict[str, Any] = {}
         reader: dict[str, Any] = {}
         if name == "shm":
-            seg = f"flowrl-{os.getpid()}-{token}-{e.src}-{e.dst}"
+            seg = f"flowrl-{token}-{e.src}-{e.dst}"
             writer, reader = {"name": seg, "create": True}, {"name": seg, "create": False}
         elif name == "file":
             directory = os.path.join(run_dir, f"weights-{e.src}-{e.dst}")

@@ -71,6 +71,7 @@ from flowrl.graph.serialize import to_json
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.placement import HEAVY_KINDS, Placement
+from flowrl.runtime.run import transport_specs
 from flowrl.runtime.programs import (
     Batch,
     GeneratorProgram,
@@ -79,7 +80,6 @@ from flowrl.runtime.programs import (
     ProgramBase,
     ProgramEnv,
     SharedTransports,
-    TransportSpec,
     build_program,
 )
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
@@ -374,23 +374,6 @@ def _weight_transport(name: str) -> str:
     return "shm" if _one_host() else "file"
 
 
-def _transport_specs(graph: Graph, run_dir: str) -> tuple[TransportSpec, ...]:
-    token = f"{os.getpid()}-{time.time_ns() % 10**9}"
-    specs = []
-    for e in graph.weight_edges:
-        name = _weight_transport(e.transport)
-        writer: dict[str, Any] = {}
-        reader: dict[str, Any] = {}
-        if name == "shm":
-            seg = f"flowrl-trun-{token}-{e.src}-{e.dst}"
-            writer, reader = {"name": seg, "create": True}, {"name": seg, "create": False}
-        elif name == "file":
-            directory = os.path.join(run_dir, f"weights-{e.src}-{e.dst}")
-            writer = reader = {"directory": directory}
-        specs.append(TransportSpec(src=e.src, dst=e.dst, name=name, writer_options=writer, reader_options=reader))
-    return tuple(specs)
-
-
 def _listen_address() -> str:
     if _one_host():
         return "127.0.0.1"
@@ -517,10 +500,13 @@ def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        # the failure is on its way to the CLI, which prints it; until it does, a SIGTERM prints it
+        # the failure is on its way to the CLI, which prints it; until it does, a SIGTERM prints it.
+        # Bind the text now: Python deletes `exc` when this except block ends.
+        failure = str(exc)
+
         def on_term_after(signum: int, frame: Any) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            print(f"flowrl run: error: {exc}", file=sys.stderr, flush=True)
+            print(f"flowrl run: error: {failure}", file=sys.stderr, flush=True)
             raise SystemExit(1)
 
         signal.signal(signal.SIGTERM, on_term_after)
@@ -540,7 +526,7 @@ def _control(
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
     env = ProgramEnv(
-        transports=_transport_specs(graph, run_dir),
+        transports=transport_specs(graph, "torchrun", run_dir, choose=_weight_transport),
         programs={**dict(config.programs), **{n: RANK_PROGRAM for n in ctx.ranks}},
         seed=config.seed,
         options=dict(config.options),

@@ -87,6 +87,7 @@ import torch.distributed as dist
 from flowrl.errors import ConfigError, TransportError
 from flowrl.runtime.resharding import ShardLayout, Transfer, local_shape, plan_state
 from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
+from flowrl.runtime.wire import DTYPES as WIRE_DTYPES
 
 __all__ = ["CollectiveTransport", "ParamSpec", "HEADER_BYTES", "DTYPES"]
 
@@ -95,19 +96,8 @@ _MAGIC = int.from_bytes(b"FLOWRL01", "little")
 _ALIGN = 16
 _POLL_S = (0.0005, 0.005)  # fetch_into's store polling: first and longest pause
 
-#: Dtype names a parameter may declare.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+#: Dtype names a parameter may declare: the ones that cross processes (``flowrl.runtime.wire``).
+DTYPES = WIRE_DTYPES
 
 #: Send works (and their buffers) still pending when their transport closed: kept referenced so that
 #: gloo never writes from freed memory; they finish or fail when the process group is destroyed.
