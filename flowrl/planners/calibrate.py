@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from flowrl.planners.cluster import ClusterSpec, _host_cores, _host_memory_bytes, cpu_device
+from flowrl.planners.cluster import ClusterSpec, _host_cores, host_memory_bytes, cpu_device
 
 __all__ = ["Measurements", "measure", "calibrated_cluster"]
 
@@ -117,7 +117,7 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5) -> 
         copy_bandwidth=numel * 4 / t_copy,
         op_overhead_s=t_op,
         cores=_host_cores(),
-        memory_bytes=_host_memory_bytes(),
+        memory_bytes=host_memory_bytes(),
         matmul_size=n,
         copy_bytes=numel * 4,
     )

@@ -191,7 +191,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
 }
 
 
-def _host_memory_bytes() -> int:
+def host_memory_bytes() -> int:
     try:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):  # not POSIX: assume 8 GiB
@@ -222,7 +222,7 @@ def cpu_device(
     cores is a memory copy, so both bandwidths are ``memory_bandwidth``.
     """
     n = cores or _host_cores()
-    mem = memory_bytes if memory_bytes is not None else _host_memory_bytes() // n
+    mem = memory_bytes if memory_bytes is not None else host_memory_bytes() // n
     return DeviceSpec(
         name=name,
         kind="cpu",

@@ -64,6 +64,9 @@ def resolve_placement(graph: Graph, config: RunConfig) -> Placement:
 
 def run_graph(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     """Execute ``graph`` for ``config.steps`` trainer steps; raises ``NodeExecutionError`` on failure."""
+    from flowrl.runtime.preflight import check_fits_in_memory
+
+    check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     if config.backend == "torchrun":  # every rank calls this; placement, transports and controller are its own
         from flowrl.runtime.backends.torchrun import run_torchrun
 

@@ -1,0 +1,54 @@
+"""Preflight checks a run makes before it allocates anything: does the graph fit in this machine?"""
+
+from __future__ import annotations
+
+from flowrl.errors import ConfigError
+from flowrl.graph.ir import Graph
+from flowrl.planners.cluster import host_memory_bytes
+from flowrl.planners.modelspec import model_from_config
+
+__all__ = ["check_fits_in_memory"]
+
+
+def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset()) -> None:
+    """Refuse a graph whose models or rollouts cannot fit in ``memory_bytes`` (default: this host's RAM).
+
+    A lower bound, counted before anything is allocated, so that a graph file with absurd sizes
+    (a 10**12-prompt batch, a 2**40-token vocabulary) is a one-line error rather than an allocator
+    traceback or a run that fills the memory for minutes: float32 weights of every model node (a
+    policy also holds gradients and two AdamW moments: 4x), plus, per generator, the token ids of
+    its rollout and one decode step's logits (``prompts * n_samples * (max_seq_len * 8 + vocab * 4)``).
+
+    Raises:
+        ConfigError: naming the node, its size, the estimate and the memory available.
+    """
+    limit = host_memory_bytes() if memory_bytes is None else memory_bytes
+    need: dict[str, int] = {}
+    for node in graph.nodes:
+        model = getattr(node, "model", None)
+        if model is None or model.preset or node.name in skip:  # a preset is refused by the runtime with its own message
+            continue
+        need[node.name] = model_from_config(model).params * 4 * (4 if node.kind == "policy" else 1)
+        if node.kind == "generator":
+            prompts = sum(getattr(p, "source").batch_size for p in graph.producers(node.name) if p.kind == "source")
+            sequences = prompts * node.sampling.n_samples
+            need[node.name] += sequences * (model.max_seq_len * 8 + model.vocab_size * 4)
+    for name, nbytes in need.items():
+        if nbytes > limit:
+            node = graph.node(name)
+            shape = node.model
+            size = f"vocab_size={shape.vocab_size}, dim={shape.dim}, n_layers={shape.n_layers}, max_seq_len={shape.max_seq_len}"
+            if node.kind == "generator":
+                size += f", n_samples={node.sampling.n_samples}, prompts per batch={sum(getattr(p, 'source').batch_size for p in graph.producers(name) if p.kind == 'source')}"
+            raise ConfigError(
+                f"node {name!r} ({node.kind}) needs at least {nbytes / 2**30:.3g} GiB ({size}), more than the "
+                f"{limit / 2**30:.3g} GiB of memory of this machine; shrink it, or plan it for a cluster with "
+                f"'flowrl plan {graph.name} --cluster ...'"
+            )
+    total = sum(need.values())
+    if total > limit:
+        raise ConfigError(
+            f"graph {graph.name!r} needs at least {total / 2**30:.3g} GiB for its models and rollouts "
+            f"({', '.join(f'{n}: {b / 2**30:.3g} GiB' for n, b in need.items())}), more than the "
+            f"{limit / 2**30:.3g} GiB of memory of this machine; shrink the models or the batch"
+        )
