@@ -8,6 +8,7 @@ __all__ = [
     "ConfigError",
     "PlanError",
     "NodeExecutionError",
+    "NodeBuildError",
     "TransportError",
     "CheckpointError",
 ]
@@ -45,6 +46,12 @@ class NodeExecutionError(FlowrlError):
         super().__init__(message)
         self.node = node
         self.step = step
+
+
+class NodeBuildError(NodeExecutionError):
+    """A node's program could not be built (a user factory that raised, a model config torch
+    rejects): a mistake in the graph or its user code, reported before any step runs.
+    ``step`` is None; ``__cause__`` (local backend) holds the original error."""
 
 
 class TransportError(FlowrlError):

@@ -14,13 +14,14 @@ Protocol (``NodeProgram``):
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import msgspec
 import torch
 
-from flowrl.errors import ConfigError, TransportError
+from flowrl.errors import ConfigError, FlowrlError, NodeBuildError, TransportError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode
 from flowrl.graph.refs import resolve
@@ -32,6 +33,7 @@ __all__ = [
     "ProgramEnv",
     "TransportSpec",
     "build_program",
+    "build_error",
     "SourceProgram",
     "GeneratorProgram",
     "ScorerProgram",
@@ -261,7 +263,30 @@ class PolicyProgram(ProgramBase):
 
 
 def build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
-    """The program for node ``name``: a user factory from ``env.programs`` or the built-in one."""
+    """The program for node ``name``: a user factory from ``env.programs`` or the built-in one.
+
+    Raises:
+        NodeBuildError: naming the node, whatever the factory or operator raised (``__cause__``).
+    """
+    try:
+        return _build_program(graph, name, env, transports)
+    except NodeBuildError:
+        raise
+    except Exception as exc:
+        raise build_error(graph, name, exc) from exc
+
+
+def build_error(graph: Graph, name: str, exc: BaseException) -> NodeBuildError:
+    """A one-paragraph ``NodeBuildError`` for ``exc`` raised while building node ``name``'s program,
+    naming the innermost frame it came from (the user's factory or the operator that refused)."""
+    kind = graph.node(name).kind if name in graph else "?"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (raised at {frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    what = str(exc) if isinstance(exc, FlowrlError) else f"{type(exc).__name__}: {exc}"
+    return NodeBuildError(f"node {name!r} ({kind}): building its program failed: {what}{where}", node=name)
+
+
+def _build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
     node: Node = graph.node(name)
     if name in env.programs:
         factory: Callable[..., NodeProgram] = resolve(env.programs[name])
