@@ -176,7 +176,7 @@ class Controller:
         start = self._restore() if self.config.resume else 0
         self.clock = VersionClock(start)
         self._start_version = start
-        metrics = MetricsWriter(self.config.metrics, append=self.config.resume and start > 0)
+        metrics = MetricsWriter(self.config.metrics, append=self.config.resume and start > 0, keep_through=start)
         self._metrics = metrics
         self._t0 = time.perf_counter()
         interrupted = False
@@ -200,7 +200,7 @@ class Controller:
         finally:
             self._close_hosts()
             metrics.close()
-            if self.config.trace:
+            if self.config.trace and self.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
         if interrupted:
             raise KeyboardInterrupt
@@ -364,10 +364,11 @@ class Controller:
         if len(rewards) > 1:
             row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
         row.update({key: value for key, value in info.items() if "/" in key})
-        self.rows.append(row)
-        self._metrics.write(row)
         prompts = batch.get("prompt_index")
         consumed = sorted(set(prompts.tolist())) if prompts is not None else []
+        row["prompt_index"] = consumed  # the prompts this step consumed: exactly-once is checkable from the file
+        self.rows.append(row)
+        self._metrics.write(row)
         self.consumed.append(consumed)
         self._data_position = (max(consumed) + 1) if consumed else 0
         if self.on_step is not None:

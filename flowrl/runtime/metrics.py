@@ -2,7 +2,9 @@
 
 Every line has at least ``step``, ``policy_version``, ``rollout_version``, ``staleness``,
 ``reward_mean``, ``loss``, ``time_s`` and the timings ``gen_s``, ``train_s``, ``sync_s``, ``idle_s``,
-plus the loss's own namespaced metrics (``aipo/ratio_mean`` ...).
+plus the loss's own namespaced metrics (``aipo/ratio_mean`` ...) and ``prompt_index``: the indices of
+the prompts the step consumed (sorted), so that what a run trained on, across kills and resumes, can
+be read back from the file alone.
 """
 
 from __future__ import annotations
@@ -20,19 +22,28 @@ REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "rewa
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``path`` (None: keeps them in memory only)."""
+    """Appends one JSON object per step to ``path`` (None: keeps them in memory only).
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, append: bool = False) -> None:
+    The file is created at the first row, so a run that fails before its first step leaves none.
+    With ``append`` (a resumed run), rows of steps after ``keep_through`` (the checkpoint resumed
+    from) are removed first, with a torn last line a kill may have left: they belong to the part of
+    the interrupted run that the resume repeats, so the file keeps exactly one row per step.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None, *, append: bool = False, keep_through: int | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.rows: list[dict[str, Any]] = []
         self._file: IO[bytes] | None = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab" if append else "wb")  # noqa: SIM115 - closed in close()
+        self._mode = "ab" if append else "wb"
+        if self.path is not None and append and keep_through is not None and self.path.is_file():
+            _truncate_after(self.path, keep_through)
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
-        if self._file is not None:
+        if self.path is not None:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, self._mode)  # noqa: SIM115 - closed in close()
             self._file.write(msgspec.json.encode(row) + b"\n")
             self._file.flush()
 
@@ -40,6 +51,24 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the complete rows of ``path`` with ``step <= step``; replace the file atomically."""
+    kept = []
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break  # torn by a kill mid-write
+            try:
+                row = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                break
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
