@@ -6,6 +6,8 @@ stderr and exits 2. A ``NodeExecutionError`` (an operator failed during a run) p
 operator's traceback and the node and step, and exits 1, unless what failed was a flowrl check of
 the user's input (a ``FlowrlError`` at the root of the chain: a prompt longer than the model's
 context, a reward of NaN), which prints one paragraph and exits 2 like any other user mistake.
+A ``NodeBuildError`` (a node's program could not be built: a user factory that raised, a model config
+torch refuses) prints one paragraph naming the node and where the error was raised, and exits 2.
 Anything else is a flowrl bug and keeps its traceback.
 """
 
@@ -18,7 +20,7 @@ import textwrap
 import traceback
 
 from flowrl import __version__
-from flowrl.errors import FlowrlError, NodeExecutionError
+from flowrl.errors import FlowrlError, NodeBuildError, NodeExecutionError
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except NodeBuildError as exc:  # a node's program could not be built: the message names node and cause
+        _print_error(args.command, exc)
+        return 2
     except NodeExecutionError as exc:  # an operator failed mid-run: its traceback is the useful part
         cause = exc.__cause__
         if _user_mistake(exc):  # e.g. prompts longer than max_seq_len, a reward of NaN: no traceback helps

@@ -15,6 +15,8 @@ examples:
   flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline
   flowrl run --checkpoint-dir ck --checkpoint-every 10     then, after a stop: add --resume
   flowrl run --backend process                 one OS process per executor, weights over shared memory
+  flowrl run --synthetic --option gen_s=0.2 --option train_s=0.3
+                                               the runtime alone, operators replaced by sleeps
   flowrl run --plan plan.json                  place executors as 'flowrl plan ... -o plan.json' says
   torchrun --nproc-per-node 3 -m flowrl run --backend torchrun --plan plan.json
                                                one rank per device of the plan (controller on rank 0)
@@ -51,6 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE'")
     p.add_argument("--synthetic", action="store_true", help="replace every operator by a sleep of known length (measures the runtime alone)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the synthetic operators (repeatable; needs --synthetic): gen_s, train_s, score_s, jitter, "
+        "fail_node/fail_step, die_node/die_step, save_s, weight_numel (see flowrl.runtime.synthetic)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
@@ -58,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from flowrl.errors import ConfigError
+    from flowrl.errors import ConfigError, NodeBuildError, NodeExecutionError
     from flowrl.graph.load import load_graph
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.progress import ProgressBar
@@ -71,6 +81,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
     if args.plan and not os.path.isfile(args.plan):
         raise ConfigError(f"--plan {args.plan}: no such file; make one with 'flowrl plan {args.graph or 'llamarl'} --cluster cpu -o {args.plan}'")
+    options = _parse_options(args.option)
+    if options and not args.synthetic:
+        raise ConfigError("--option sets the synthetic operators' settings; add --synthetic (or drop --option)")
     try:
         config = RunConfig(
             steps=args.steps,
@@ -84,6 +97,7 @@ def _run(args: argparse.Namespace) -> int:
             resume=args.resume,
             plan=args.plan,
             programs=synthetic_programs(graph) if args.synthetic else {},
+            options=options,
             progress=not args.quiet,
         )
     except msgspec.ValidationError as exc:
@@ -104,6 +118,10 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
         return 130
+    except NodeExecutionError as exc:
+        if isinstance(exc, NodeBuildError):
+            raise
+        raise NodeExecutionError(f"{exc}{_what_is_kept(args)}", node=exc.node, step=exc.step) from exc.__cause__
     rows = result.rows
     if rows:
         head, tail = rows[: max(1, len(rows) // 10)], rows[-max(1, len(rows) // 10):]
@@ -118,3 +136,45 @@ def _run(args: argparse.Namespace) -> int:
         if path:
             print(f"{what}: {path}")
     return 0
+
+
+def _parse_options(items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` strings -> options; a VALUE that parses as JSON (a number, true) is that value."""
+    import json
+
+    from flowrl.errors import ConfigError
+
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE with KEY a name, e.g. --option gen_s=0.05")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def _what_is_kept(args: argparse.Namespace) -> str:
+    """After a run failed mid-way: which of its outputs remain (they are real) and how to go on."""
+    from flowrl.runtime.checkpoint import latest_checkpoint
+    from flowrl.runtime.metrics import read_metrics
+
+    notes = []
+    if args.metrics and os.path.isfile(args.metrics):
+        try:
+            steps = len(read_metrics(args.metrics))
+        except (OSError, ValueError):
+            steps = 0
+        notes.append(f"the metrics of the {steps} steps done are kept in {args.metrics}")
+    if args.trace and os.path.isfile(args.trace):
+        notes.append(f"the trace up to the failure is in {args.trace}")
+    if args.checkpoint_dir:
+        try:
+            found = latest_checkpoint(args.checkpoint_dir)
+        except Exception:  # noqa: BLE001 - a note must not hide the failure
+            found = None
+        if found is not None:
+            notes.append(f"the last complete checkpoint is {found}: fix the cause and rerun with --resume")
+    return ("\n" + "; ".join(notes)) if notes else ""

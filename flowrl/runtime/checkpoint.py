@@ -69,15 +69,24 @@ class CheckpointWriter:
         self.keep = keep
 
     def staging(self, version: int) -> Path:
-        """A fresh temporary directory to write the state files of ``version`` into."""
+        """A fresh temporary directory to write the state files of ``version`` into.
+
+        Staging directories and LATEST temporaries left by a writer that was killed (its pid is
+        gone) are removed first: they never looked complete, and nothing else will remove them.
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._sweep_orphans()
         tmp = self.directory / f".step-{version:08d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         return tmp
 
     def commit(self, staging: Path, meta: CheckpointMeta) -> Path:
-        """Finish a checkpoint: meta.json, fsync, rename into place, then point LATEST at it."""
+        """Finish a checkpoint: meta.json (last), fsync, rename into place, then point LATEST at it.
+
+        A kill at any point leaves LATEST naming the previous complete checkpoint or this one, never
+        a directory without its meta.json: the directory becomes ``step-*`` in one rename, whole.
+        """
         for f in meta.files.values():
             if not (staging / f).is_file():
                 raise CheckpointError(f"checkpoint state file {f!r} was not written in {staging}")
@@ -85,21 +94,52 @@ class CheckpointWriter:
         for f in staging.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        _fsync_dir(staging)
         final = self.directory / f"step-{meta.version:08d}"
-        if final.exists():
-            shutil.rmtree(final)
+        trash = None
+        if final.exists():  # the same step written again (a fresh run in a used directory): move it aside
+            trash = self.directory / f".trash-{final.name}-{os.getpid()}"
+            os.replace(final, trash)
         os.replace(staging, final)
         latest_tmp = self.directory / f"LATEST.tmp-{os.getpid()}"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, self.directory / "LATEST")
         _fsync_dir(self.directory)
-        self._prune()
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        self._prune(meta.version)
         return final
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.directory.glob("step-*") if p.is_dir())
+    def _prune(self, version: int) -> None:
+        """Keep the ``keep`` newest checkpoints up to ``version``; never touch newer ones (another
+        run's, in a reused directory) nor the one LATEST names."""
+        done = sorted(p for p in self.directory.glob("step-*") if p.is_dir() and _step_of(p) is not None and _step_of(p) <= version)  # type: ignore[operator]
         for old in done[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def _sweep_orphans(self) -> None:
+        for p in [*self.directory.glob(".step-*.tmp-*"), *self.directory.glob("LATEST.tmp-*"), *self.directory.glob(".trash-*")]:
+            pid = p.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+
+def _step_of(path: Path) -> int | None:
+    tail = path.name.removeprefix("step-")
+    return int(tail) if tail.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:

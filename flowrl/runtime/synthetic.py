@@ -8,12 +8,21 @@ Options (``RunConfig.options``):
     gen_s, train_s, score_s: seconds per step (default 0.01, 0.01, 0.0);
     jitter: each duration is scaled by a factor in [1 - jitter, 1 + jitter], seeded by (seed, step);
     fail_node, fail_step: that node raises ``RuntimeError`` at that step (fault injection);
+    die_node, die_step: that node's process kills itself with SIGKILL at that step (the whole run
+        in the local backend, the node's worker in the process backend, its rank under torchrun);
+    save_s: a policy checkpoint takes this long to write (half the file, a pause, the rest), so
+        that a kill can land while a checkpoint is being written;
     weight_numel: size of the synthetic weights (float32 elements).
+
+From the command line: ``flowrl run --synthetic --option gen_s=0.05 --option die_node=gen ...``.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -47,6 +56,8 @@ class _Synthetic(ProgramBase):
         return duration
 
     def _maybe_fail(self, seq: int) -> None:
+        if self.opt.get("die_node") == self.name and int(self.opt.get("die_step", -1)) == seq:
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.opt.get("fail_node") == self.name and int(self.opt.get("fail_step", -1)) == seq:
             raise RuntimeError(f"injected failure in {self.name} at step {seq}")
 
@@ -142,7 +153,19 @@ class SyntheticPolicy(_Synthetic):
         return {}, {"loss": 0.0, "train_s": train_s, "publish_s": publish_s, "version": self.version}
 
     def save(self, path: str) -> None:
-        torch.save({"version": torch.tensor(self.version)}, path)
+        state = {"version": torch.tensor(self.version)}
+        pause = float(self.opt.get("save_s", 0.0))
+        if not pause:
+            torch.save(state, path)
+            return
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        with open(path, "wb") as f:  # a slow writer: half, a pause, the rest
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(pause)
+            f.write(data[len(data) // 2 :])
 
     def load(self, path: str) -> None:
         self.version = int(torch.load(path, weights_only=True)["version"])

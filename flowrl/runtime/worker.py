@@ -1,10 +1,12 @@
 """The worker process of the ``process`` backend: hosts one node's program and answers the controller.
 
-Started as ``python -m flowrl.runtime.worker FD`` with a connected socket on file descriptor FD.
+Started as ``python -m flowrl.runtime.worker FD PARENT_PID`` with a connected socket on file
+descriptor FD; the worker dies with PARENT_PID (``die_with_parent``).
 The first message is ``init`` (the graph as JSON, the node name, the ``ProgramEnv``, the cores to
 pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, each answered by
 ``{"ok": true, ...}`` or ``{"ok": false, "error": ..., "traceback": ...}``. When the controller's end
-of the socket closes (it exited or was killed) the worker exits: no orphans.
+of the socket closes (it exited or was killed) the worker exits, and if the controller is killed
+mid-step the kernel kills the worker with it: no orphans.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 
 import msgspec
 import torch
 
+from flowrl.errors import NodeBuildError
 from flowrl.graph.serialize import from_json
 from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
-__all__ = ["serve"]
+__all__ = ["serve", "die_with_parent"]
 
 
 def _pin(cores: list[int], threads: int) -> None:
@@ -43,6 +48,9 @@ def serve(sock: socket.socket) -> None:
     try:
         program = build_program(graph, header["node"], env, transports)
         send_message(sock, {"ok": True, "pid": os.getpid()})
+    except NodeBuildError as exc:  # the controller raises it as its own NodeBuildError
+        send_message(sock, {"ok": False, "build": True, "error": str(exc), "traceback": traceback.format_exc()})
+        return
     except Exception as exc:  # noqa: BLE001 - reported to the controller, which raises it
         send_message(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return
@@ -77,8 +85,35 @@ def serve(sock: socket.socket) -> None:
         transports.close()
 
 
+def die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (the controller) dies, even while a step is running.
+
+    A worker blocked in a step (a long generation, a wait for weights) would notice the closed
+    socket only when the step ends; a SIGKILLed controller must not leave it running. On Linux the
+    kernel sends SIGKILL (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent pid. The check
+    after ``prctl`` covers a parent that died before it was set.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller decides
+    if len(sys.argv) > 2:
+        die_with_parent(int(sys.argv[2]))
     fd = int(sys.argv[1])
     sock = socket.socket(fileno=fd)
     try:

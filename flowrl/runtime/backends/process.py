@@ -7,7 +7,9 @@ placement's cores when the placement comes from a CPU plan.
 
 Failure handling: a worker that raises answers with the error and its traceback; a worker that dies
 (SIGKILL, OOM) closes its socket, which the controller sees at once. On any failure every worker
-is killed; the controller's end closing makes a worker exit by itself, so none is orphaned.
+is killed; the controller's end closing makes a worker exit by itself, and a worker dies with the
+controller's process even mid-step (``worker.die_with_parent``), so none is orphaned. Shared-memory
+segments of a run whose controller was killed are removed by the next process-backend run.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from typing import Any
 import msgspec
 
 
-from flowrl.errors import FlowrlError
+from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import Batch, Info, ProgramEnv
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
-__all__ = ["ProcessBackend", "RemoteProgram", "WorkerError"]
+__all__ = ["ProcessBackend", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
 
 
 class WorkerError(FlowrlError):
@@ -73,6 +75,8 @@ class RemoteProgram:
                 reply, _ = recv_message(self.sock)
             except (ConnectionLost, OSError):
                 raise self._died() from None
+        if reply.get("build"):  # the node's factory or operator refused: a user mistake, named as in every backend
+            raise NodeBuildError(str(reply.get("error")), node=self.node)
         if not reply.get("ok"):
             raise WorkerError(f"worker of node {self.node!r} failed to start: {reply.get('error')}\n{reply.get('traceback', '')}")
 
@@ -130,7 +134,7 @@ class ProcessBackend:
         root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flowrl.runtime.worker", str(child.fileno())],
+            [sys.executable, "-m", "flowrl.runtime.worker", str(child.fileno()), str(os.getpid())],
             pass_fds=(child.fileno(),),
             env=env,
             stdin=subprocess.DEVNULL,
@@ -150,6 +154,7 @@ class ProcessBackend:
 
     def open(self) -> dict[str, Any]:
         """Start every worker at once (they import torch in parallel), then wait for each to be ready."""
+        sweep_orphan_segments()
         try:
             for node in self.graph.nodes:
                 if node.kind != "loss":
@@ -181,3 +186,24 @@ class ProcessBackend:
                     path.unlink(missing_ok=True)
 
 
+def sweep_orphan_segments(root: str = "/dev/shm") -> list[str]:
+    """Remove flowrl shared-memory segments whose creating controller (the pid in their name,
+    ``flowrl-<pid>-<token>-...``) is dead: a SIGKILLed run cannot unlink its own. Returns their names."""
+    removed = []
+    folder = Path(root)
+    if not folder.is_dir():
+        return removed
+    for path in folder.glob("flowrl-*"):
+        pid = path.name.split("-")[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running (or a pid reused by another process: leave it)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
