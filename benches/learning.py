@@ -151,24 +151,48 @@ def runtime_curve(k: int, *, steps: int, target: float, window: int, seed: int, 
     }
 
 
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def runtime_comparison(args: argparse.Namespace) -> dict:
-    """Synchronous k = 0 (local backend, 1 thread and auto; its best is the baseline) against async
-    k = 1 and k = 2 on ``--backend`` (process by default: one process per executor, so generation and
-    training run on their own cores without sharing the GIL). Same seed and steps for all."""
-    common = dict(steps=args.runtime_steps, target=args.target, window=args.window, seed=args.seed)
-    runs = [runtime_curve(0, backend="local", threads=t, **common) for t in (1, 0)]
-    runs += [runtime_curve(k, backend=args.backend, threads=0, **common) for k in (1, 2)]
-    never = {"seconds": float("inf")}
-    sync = min(runs[:2], key=lambda r: (r["reached_target"] or never)["seconds"])
-    out: dict = {"target": args.target, "window": args.window, "baseline": f"k=0 local threads={sync['threads']}", "runs": runs}
-    for r in runs[2:]:
-        key = f"k{r['max_staleness']}"
-        if sync["reached_target"] and r["reached_target"]:
-            out[f"{key}_time_to_target_speedup"] = round(sync["reached_target"]["seconds"] / r["reached_target"]["seconds"], 3)
-        else:
-            out[f"{key}_time_to_target_speedup"] = None  # one of them never reached the target in the steps given
-        out[f"{key}_final_reward_vs_sync"] = [r["final_reward"], sync["final_reward"]]
-    return out
+    """Synchronous k = 0 (local backend, 1 thread: the fastest for this tiny model in a plain loop)
+    against async k = 1 and k = 2 on ``--backend`` (process by default: one process per executor,
+    so generation and training run on their own cores without sharing the GIL), for every seed of
+    ``--seeds``: same seed and steps for all three. Per seed: time-to-target speedup of each k over
+    k = 0 and the final rewards; over seeds: median speedup and mean final reward (one seed is noise:
+    some seeds plateau below the target whatever k is)."""
+    common = dict(steps=args.runtime_steps, target=args.target, window=args.window)
+    per_seed = []
+    for seed in args.seeds:
+        runs = [runtime_curve(0, backend="local", threads=1, seed=seed, **common)]
+        runs += [runtime_curve(k, backend=args.backend, threads=0, seed=seed, **common) for k in (1, 2)]
+        sync = runs[0]
+        entry: dict = {"seed": seed, "runs": runs}
+        for r in runs[1:]:
+            key = f"k{r['max_staleness']}"
+            both = sync["reached_target"] and r["reached_target"]
+            entry[f"{key}_time_to_target_speedup"] = round(sync["reached_target"]["seconds"] / r["reached_target"]["seconds"], 3) if both else None
+        per_seed.append(entry)
+        print(f"[runtime] seed {seed}: " + ", ".join(f"k{r['max_staleness']} reached {r['reached_target']} final {r['final_reward']}" for r in runs), file=sys.stderr, flush=True)
+    summary: dict = {}
+    for k in (0, 1, 2):
+        runs = [e["runs"][k] for e in per_seed]
+        summary[f"k{k}"] = {
+            "reached_target": f"{sum(r['reached_target'] is not None for r in runs)}/{len(runs)}",
+            "median_seconds_to_target": _median([r["reached_target"]["seconds"] for r in runs if r["reached_target"]]),
+            "mean_final_reward": round(sum(r["final_reward"] for r in runs) / len(runs), 4),
+            "mean_step_s": round(sum(r["mean_step_s"] for r in runs) / len(runs), 4),
+        }
+        if k:
+            speedups = [e[f"k{k}_time_to_target_speedup"] for e in per_seed if e[f"k{k}_time_to_target_speedup"] is not None]
+            summary[f"k{k}"]["time_to_target_speedup_median"] = _median(speedups)
+            summary[f"k{k}"]["time_to_target_speedup_per_seed"] = [e[f"k{k}_time_to_target_speedup"] for e in per_seed]
+    return {"target": args.target, "window": args.window, "steps": args.runtime_steps, "baseline": "k=0 local threads=1", "summary": summary, "per_seed": per_seed}
 
 
 def main() -> None:
@@ -186,7 +210,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runtime", action="store_true", help="also train through flowrl's runtime: k=0 vs k=1 and k=2")
     p.add_argument("--runtime-only", action="store_true", help="only the runtime comparison")
-    p.add_argument("--runtime-steps", type=int, default=300, help="trainer steps of each runtime run")
+    p.add_argument("--runtime-steps", type=int, default=400, help="trainer steps of each runtime run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds of the runtime comparison")
     p.add_argument("--backend", default="process", choices=("local", "process"), help="backend of the async runs (process: no shared GIL)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
