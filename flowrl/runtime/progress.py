@@ -1,7 +1,12 @@
-"""A progress bar for runs: one redrawn line on a terminal, a line every tenth of the run otherwise."""
+"""A progress bar for runs: one redrawn line on a terminal, a line every tenth of the run otherwise.
+
+Samples/s and the ETA come from the last ``window`` steps, so start-up (spawning worker processes,
+building models) does not drag the rate down for the rest of the run.
+"""
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 from typing import IO, Any
@@ -12,7 +17,7 @@ __all__ = ["ProgressBar"]
 class ProgressBar:
     """Shows step, reward, staleness and samples/s; call it with each metrics row."""
 
-    def __init__(self, total: int, *, start: int = 0, stream: IO[str] | None = None, width: int = 24) -> None:
+    def __init__(self, total: int, *, start: int = 0, stream: IO[str] | None = None, width: int = 24, window: int = 20) -> None:
         self.total = total
         self.start = start
         self.stream = stream or sys.stderr
@@ -20,19 +25,26 @@ class ProgressBar:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._t0 = time.perf_counter()
         self._samples = 0
+        self._recent: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=window + 1)  # (time, samples so far, step)
         self._every = max(1, (total - start) // 10)
 
     def __call__(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
         self._samples += int(row.get("samples", 0))
-        elapsed = max(1e-9, time.perf_counter() - self._t0)
+        now = time.perf_counter()
+        self._recent.append((now, self._samples, step))
+        if len(self._recent) > 1:  # the rate over the recent window
+            (t_old, s_old, step_old), span = self._recent[0], max(1e-9, now - self._recent[0][0])
+            rate, step_s = (self._samples - s_old) / span, span / max(1, step - step_old)
+        else:
+            rate, step_s = self._samples / max(1e-9, now - self._t0), (now - self._t0) / max(1, step - self.start)
         done = (step - self.start) / max(1, self.total - self.start)
-        eta = elapsed / max(done, 1e-9) * (1 - done)
+        eta = step_s * (self.total - step)
         filled = int(self.width * done)
         bar = "#" * filled + "." * (self.width - filled)
         text = (
             f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] reward {row['reward_mean']:.3f} "
-            f"staleness {row['staleness']} {self._samples / elapsed:6.1f} samples/s ETA {eta:4.0f}s"
+            f"staleness {row['staleness']} {rate:6.1f} samples/s ETA {eta:4.0f}s"
         )
         if self.tty:
             self.stream.write("\r" + text)
