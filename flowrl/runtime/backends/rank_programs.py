@@ -4,7 +4,9 @@
 ``RANK_PROGRAM``). A node on one rank runs its ordinary program there. A node on several ranks runs:
 
 - a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them);
-- a generator: ``ReplicaGenerator`` (replicas that split each batch of prompts);
+- a generator: ``TensorParallelGenerator`` when its mesh has a ``tp`` axis of size > 1 (dp replicas
+  of tensor-parallel groups, see ``flowrl.runtime.tensor_parallel``), else ``ReplicaGenerator``
+  (replicas that split each batch of prompts);
 - anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
 
 ``RankContext`` is what every rank knows about the job; ``flowrl.runtime.backends.torchrun`` sets it
@@ -34,7 +36,15 @@ from flowrl.runtime.programs import (
     build_program,
 )
 
-__all__ = ["RANK_PROGRAM", "RankContext", "set_context", "DataParallelPolicy", "ReplicaGenerator", "rank_program"]
+__all__ = [
+    "RANK_PROGRAM",
+    "RankContext",
+    "set_context",
+    "DataParallelPolicy",
+    "ReplicaGenerator",
+    "TensorParallelGenerator",
+    "rank_program",
+]
 
 RANK_PROGRAM = "flowrl.runtime.backends.rank_programs:rank_program"
 
@@ -94,11 +104,29 @@ class DataParallelPolicy(PolicyProgram):
             torch.distributed.broadcast(t, src=self.lead, group=group)
             p.data.copy_(t)
         make_data_parallel(self.trainer, group=group, max_norm=max_norm, device=self.device if self.device.type == "cuda" else None)
+        self.collective_bytes = 0  # payload bytes this replica sent on collective weight edges
 
     def publish(self) -> float:
-        return super().publish() if self.index == 0 else 0.0
+        """Every replica publishes on a collective edge (the transfer plan picks which replica sends
+        what); on a shm / file edge (one writer) only the lead does."""
+        from flowrl.runtime.backends.weights import channel, opened
+
+        start = time.perf_counter()
+        if self.trainer.version > self._published:
+            weights = self.trainer.weights()
+            for edge in self._edges:
+                collective = opened(channel(*edge))
+                if collective is not None:
+                    before = collective.bytes_sent
+                    collective.publish(weights, self.trainer.version)
+                    self.collective_bytes += collective.bytes_sent - before
+                elif self.index == 0:
+                    self._transports.writer(*edge).publish(weights, self.trainer.version)
+            self._published = self.trainer.version
+        return time.perf_counter() - start
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.runtime.backends.weights import channel, opened
         from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
 
         start = time.perf_counter()
@@ -113,9 +141,14 @@ class DataParallelPolicy(PolicyProgram):
         metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
         metrics["grad_norm"] = self.trainer.dp_grad_norm
         train_s = time.perf_counter() - start
+        sent = self.collective_bytes
         publish_s = self.publish()
         info: Info = dict(metrics)
         info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all replicas put on the wire
+            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(total, group=self.group)
+            info["weights/collective_bytes"] = float(total)
         return {}, info
 
 
@@ -147,6 +180,145 @@ class ReplicaGenerator(GeneratorProgram):
         return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"])}
 
 
+
+def _mesh_axes(mesh: Any) -> dict[str, int]:
+    """Axis name -> size of a ``DeviceMesh`` (empty without a mesh)."""
+    if mesh is None:
+        return {}
+    return dict(zip(mesh.mesh_dim_names or (), (int(s) for s in mesh.mesh.shape)))
+
+
+class TensorParallelGenerator(GeneratorProgram):
+    """A generator whose mesh has a ``tp`` axis: ``dp`` replicas (1 or more), each a tensor-parallel group.
+
+    Each rank holds its shards of the model (``flowrl.runtime.tensor_parallel``: whole attention
+    heads and a slice of the SwiGLU units, two all-reduces per layer over its tp group). Per step: the
+    node's lead broadcasts the prompts to every rank of the node; replica ``r`` takes part ``r`` of
+    them (``split_prompts``); its tp ranks agree on a weight version (below) and run the same
+    sampling with the same seed, so they draw the same tokens (checked after each batch with a
+    checksum all-reduce; a mismatch is an error, never a silent divergence); the first rank of every
+    other replica sends its rollout to the node's lead, which merges them in replica order.
+
+    Weights (for now): every rank fetches the full state through the node's transport into a full-size
+    staging copy, the tp ranks agree on one version (an all-reduce of their staged versions, fetching
+    again until they match), then each copies its own slices into its shards. ``local_weight_targets``
+    gives the shard tensors for a transport that delivers only this rank's slices (``CollectiveTransport``
+    with ``tp_param_layouts``).
+    """
+
+    def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
+        import torch.distributed as dist
+
+        from flowrl.runtime.tensor_parallel import check_tp, shard_transformer_
+
+        ctx = _context()
+        axes = _mesh_axes(mesh)
+        other = {a: n for a, n in axes.items() if a not in ("dp", "tp") and n > 1}
+        if other:
+            raise ConfigError(
+                f"generator {node.name!r}: its mesh {axes} has {other}; a generator runs dp replicas of tp groups only "
+                "(re-plan it with pp=1)"
+            )
+        tp = axes["tp"]
+        check_tp(node.model, tp)
+        super().__init__(node, graph, env, transports, seed=env.seed)  # every rank seeds sampling alike
+        names = list(mesh.mesh_dim_names)
+        grid = mesh.mesh.movedim(names.index("tp"), -1).reshape(-1, tp)  # [replicas, tp], global ranks
+        self.rows = [tuple(int(r) for r in row) for row in grid.tolist()]
+        self.replica = next(i for i, row in enumerate(self.rows) if ctx.rank in row)
+        self.tp_ranks = self.rows[self.replica]
+        self.group, self.ranks, self.lead, self.device = group, ranks, ranks[0], ctx.device
+        self.tp_group = mesh.get_group("tp")
+        in_group = sorted(dist.get_process_group_ranks(self.tp_group))
+        if in_group != sorted(self.tp_ranks):
+            raise ConfigError(f"generator {node.name!r}: the mesh's tp group holds ranks {in_group}, expected {list(self.tp_ranks)}")
+        model = self.generator.model
+        self._config = model.config
+        self._staging = dict(self.generator.weight_targets())  # the full tensors (version 0) become the staging copy
+        comm = ctx.device if ctx.device.type == "cuda" else None
+        shard_transformer_(model, self.tp_ranks, ctx.rank, self.tp_group, comm_device=comm)
+        self._local = dict(model.state_dict())
+        self.generator._targets = self._local  # weight_targets() now gives the shards (the Generator keeps no other reference)
+        self._staged = self.generator.version
+
+    def local_weight_targets(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter, by the full model's names (those of ``tp_param_layouts``):
+        tensors of shape ``local_shape(layout, full_shape, rank)`` a transport may write into in place."""
+        return self._local
+
+    def _agree(self, values: list[int]) -> tuple[list[int], list[int]]:
+        """Max and min of each value over the tp group (one all-reduce)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+        n = len(values)
+        got = t.cpu().tolist()
+        return got[:n], [-v for v in got[n:]]
+
+    def _sync(self, min_version: int) -> float:
+        from flowrl.errors import TransportError
+        from flowrl.runtime.tensor_parallel import copy_local_shards_
+
+        transport = self._transports.reader(*self._edge)
+        start = time.perf_counter()
+        deadline = start + self._timeout
+        while True:  # every tp rank runs the same iterations: each decision comes from the all-reduced values
+            got = transport.fetch_into(self._staging, newer_than=self._staged)
+            if got is not None:
+                self._staged = got
+            late = int(time.perf_counter() > deadline)
+            (newest, any_late), (oldest, _) = self._agree([self._staged, late])
+            if newest == oldest and max(newest, self.generator.version) >= min_version:
+                if newest > self.generator.version:
+                    copy_local_shards_(self._local, self._staging, self.tp_ranks, _context().rank, self._config)
+                    self.generator.version = newest
+                return time.perf_counter() - start
+            if any_late:
+                raise TransportError(
+                    f"generator {self.name!r} (tp ranks {list(self.tp_ranks)}) waited {self._timeout:.0f} s for one weight "
+                    f"version >= {min_version} from {self._edge[0]!r} on every tp rank; they hold versions {oldest}..{newest}"
+                )
+            time.sleep(0.0005)
+
+    def _check_same_tokens(self, rollout: Batch) -> None:
+        ids = rollout.get("completion_ids")
+        if ids is None:
+            return
+        weights = torch.arange(ids.numel(), dtype=torch.int64).remainder_(1009).add_(1).view_as(ids)
+        checksum = int((ids.long() * weights).sum()) + int(rollout["completion_mask"].sum()) * 7919
+        (hi,), (lo,) = self._agree([checksum])
+        if hi != lo:
+            raise RuntimeError(
+                f"generator {self.name!r}: tp ranks {list(self.tp_ranks)} sampled different tokens (checksums {lo}..{hi}); "
+                "their logits differ, e.g. a non-deterministic kernel or different thread counts per rank"
+            )
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.runtime.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
+
+        rank = _context().rank
+        prompts = broadcast_batch(inputs if rank == self.lead else None, src=self.lead, group=self.group, device=self.device)
+        prompts = {k: v.cpu() for k, v in prompts.items()}
+        part = split_prompts(prompts, len(self.rows))[self.replica]
+        fetch_s = self._sync(min_version)
+        start = time.perf_counter()
+        rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
+        gen_s = time.perf_counter() - start
+        self._check_same_tokens(rollout)
+        timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group, device=self.device)
+        if rank != self.lead:
+            if rank == self.tp_ranks[0] and self.lead not in self.tp_ranks:
+                send_batch(rollout, dst=self.lead, group=self.group, device=self.device)
+            return {}, {}
+        parts = [
+            rollout if i == self.replica else {k: v.cpu() for k, v in recv_batch(src=row[0], group=self.group, device=self.device).items()}
+            for i, row in enumerate(self.rows)
+        ]
+        merged = merge_rollouts(parts)
+        return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"])}
+
+
 def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> Any:
     """``ProgramEnv.programs`` factory on every rank: this rank's part of ``node``."""
     ctx = _context()
@@ -159,5 +331,8 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     if isinstance(node, PolicyNode):
         return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
     if isinstance(node, GeneratorNode):
+        mesh = ctx.meshes.get(node.name)
+        if _mesh_axes(mesh).get("tp", 1) > 1:
+            return TensorParallelGenerator(node, graph, env, transports, group=group, ranks=ranks, mesh=mesh)
         return ReplicaGenerator(node, graph, env, transports, group=group, ranks=ranks)
     return build_program(graph, node.name, env, transports) if lead else _Idle()  # reference: on the lead only

@@ -1,0 +1,448 @@
+"""Tensor parallelism of the built-in model: TP logits and sampling equal the full model's, shards are the
+layouts' slices, the TensorParallelGenerator program matches a one-process generator, and bad tp sizes
+are clear errors.
+
+The multi-rank tests start this module as worker processes (``python -m tests.runtime.test_tensor_parallel
+RANK WORLD INIT_FILE OUT_DIR``, one gloo group over a FileStore, as tests/runtime/test_collective.py
+does). Each rank runs every check and writes its findings as JSON (no pickle); the tests read them. A
+run that does not finish in time is killed and fails. 2 ranks by default (tp=2); ``--runslow`` adds 4
+ranks (tp=4 for the model checks, a dp2 x tp2 mesh for the program) and a torchrun job whose generator
+is tensor-parallel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.configs import ModelConfig
+from flowrl.graph.nodes import GeneratorNode
+from flowrl.operators.model import Transformer, attention_mask, positions_from_valid
+from flowrl.runtime.resharding import local_shape, local_slice
+from flowrl.runtime.tensor_parallel import (
+    TensorParallelTransformer,
+    check_tp,
+    copy_local_shards_,
+    param_splits,
+    shard_transformer_,
+    tp_param_layouts,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Model shapes the checks run: grouped-query attention, an uneven SwiGLU split (45 = 23 + 22 over tp2,
+#: 12 + 12 + 12 + 9 over tp4), an untied output head; and the tied default-like shape.
+CONFIGS: dict[str, ModelConfig] = {
+    "gqa-untied-uneven": ModelConfig(vocab_size=24, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=45,
+                                     tie_embeddings=False, max_seq_len=32, seed=3),
+    "tied": ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=32, seed=1),
+}
+GEN_SEED = 11
+
+
+def tp_graph():
+    """A pipeline whose generator can run tp2 and tp4 (8 query, 4 kv heads), weights over files."""
+    b = GraphBuilder("tp", model=ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=32))
+    prompts = b.source("prompts", task="copy", batch_size=5)
+    gen = b.generator("gen", prompts, n_samples=3, max_new_tokens=5)
+    reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    aipo = b.loss("aipo", gen, reward, objective="aipo")
+    policy = b.policy("policy", aipo, lr=1e-3)
+    b.weights(policy, gen, transport="file", max_staleness=1)
+    return b.build()
+
+
+# --- worker side ---------------------------------------------------------------------------------
+
+
+def _padded_batch(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts of lengths 7, 4, 1 and their real-token mask."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, config.vocab_size, (3, 7), generator=gen)
+    valid = torch.arange(7)[None, :] >= torch.tensor([0, 3, 6])[:, None]
+    return ids.masked_fill(~valid, 0), valid
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _logits_diffs(full: Transformer, tp: Transformer, steps: int = 3) -> dict[str, float]:
+    """Max |full - tp| of the logits: causal prefill, padded prefill, cached decode, uncached decode."""
+    config = full.config
+    ids, valid_p = _padded_batch(config)
+    B, Tp = ids.shape
+    valid = torch.cat([valid_p, torch.ones(B, steps, dtype=torch.bool)], dim=1)
+    pos = positions_from_valid(valid)
+    out = {"causal": _max_diff(full(ids), tp(ids))}
+    caches = [m.new_cache(B, Tp + steps) for m in (full, tp)]
+    lf, lt = (m(ids, positions=pos[:, :Tp], attn_mask=attention_mask(valid, 0, Tp), cache=c) for m, c in zip((full, tp), caches))
+    out["prefill"] = _max_diff(lf, lt)
+    seq = ids
+    decode, uncached = 0.0, 0.0
+    for t in range(steps):
+        token = lf[:, -1].argmax(-1)  # the full model's choice feeds both
+        seq = torch.cat([seq, token[:, None]], dim=1)
+        end = Tp + t + 1
+        lf, lt = (m(token[:, None], positions=pos[:, end - 1 : end], attn_mask=attention_mask(valid, end - 1, 1), cache=c)
+                  for m, c in zip((full, tp), caches))
+        decode = max(decode, _max_diff(lf, lt))
+        uf, ut = (m(seq, positions=pos[:, :end], attn_mask=attention_mask(valid, 0, end)) for m in (full, tp))
+        uncached = max(uncached, _max_diff(uf, ut))
+    out.update(decode=decode, uncached=uncached, cache_kv_heads=int(caches[1].k[0].shape[1]), scale=float(lf.abs().max()))
+    return out
+
+
+def _check_model(rank: int, ranks: tuple[int, ...], group: Any) -> dict[str, Any]:
+    """(a) logits, (c) shards, reloading shards from another full state, in float32 and bfloat16."""
+    result: dict[str, Any] = {}
+    for name, config in CONFIGS.items():
+        full = Transformer(config).eval().requires_grad_(False)
+        tp = shard_transformer_(Transformer(config).eval().requires_grad_(False), ranks, rank, group)
+        layouts = tp_param_layouts(config, ranks)
+        full_state, local = full.state_dict(), tp.state_dict()
+        shards = {
+            n: bool(torch.equal(local[n], full_state[n][local_slice(layouts[n], full_state[n].shape, rank)]))
+            and tuple(local[n].shape) == local_shape(layouts[n], full_state[n].shape, rank)
+            for n in full_state
+        }
+        entry: dict[str, Any] = {
+            "names_match": sorted(local) == sorted(full_state) == sorted(layouts),
+            "shards_equal": shards,
+            "class": type(tp).__name__,
+            "float32": _logits_diffs(full, tp),
+        }
+        other = Transformer(msgspec_replace(config, seed=config.seed + 100)).eval().requires_grad_(False)
+        copy_local_shards_(local, other.state_dict(), ranks, rank, config)
+        entry["reloaded"] = _logits_diffs(other, tp)
+        full16 = Transformer(config).to(torch.bfloat16).eval().requires_grad_(False)
+        tp16 = shard_transformer_(Transformer(config).to(torch.bfloat16).eval().requires_grad_(False), ranks, rank, group)
+        entry["bfloat16"] = _logits_diffs(full16, tp16)
+        result[name] = entry
+    return result
+
+
+def msgspec_replace(config: ModelConfig, **changes: Any) -> ModelConfig:
+    import msgspec
+
+    return msgspec.structs.replace(config, **changes)
+
+
+def _check_generate(rank: int, ranks: tuple[int, ...], group: Any) -> dict[str, Any]:
+    """(b) ``Generator.generate`` on the TP model draws the tokens of the full model (same seed)."""
+    from flowrl.graph.configs import SamplingConfig
+    from flowrl.operators.generation import Generator
+
+    result: dict[str, Any] = {}
+    config = CONFIGS["gqa-untied-uneven"]
+    ids, valid = _padded_batch(config)
+    prompts = {"prompt_ids": ids, "prompt_lens": valid.sum(1), "prompt_index": torch.tensor([40, 41, 42])}
+    for cache in (True, False):
+        node = GeneratorNode(name="gen", model=config, sampling=SamplingConfig(n_samples=4, max_new_tokens=8, use_kv_cache=cache))
+        full, tp = Generator(node, seed=GEN_SEED), Generator(node, seed=GEN_SEED)
+        shard_transformer_(tp.model, ranks, rank, group)
+        a, b = full.generate(prompts), tp.generate(prompts)
+        result["cache" if cache else "no-cache"] = {
+            "tokens_equal": bool(torch.equal(a["completion_ids"], b["completion_ids"])),
+            "mask_equal": bool(torch.equal(a["completion_mask"], b["completion_mask"])),
+            "logprob_diff": _max_diff(a["behaviour_logprobs"], b["behaviour_logprobs"]),
+            "tokens": b["completion_ids"].tolist(),
+        }
+    return result
+
+
+def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, Any]:
+    """The ``TensorParallelGenerator`` through ``rank_program``: two versions published over files, the
+    merged rollout against one process's generator (per replica part, merged the same way)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from flowrl.operators.generation import Generator
+    from flowrl.operators.source import PromptSource
+    from flowrl.runtime.backends.rank_programs import RankContext, rank_program, set_context
+    from flowrl.runtime.distributed import merge_rollouts, split_prompts
+    from flowrl.runtime.programs import ProgramEnv, SharedTransports
+    from flowrl.runtime.run import transport_specs
+
+    graph = tp_graph()
+    node = graph.node("gen")
+    tp = world // dp
+    ranks = tuple(range(world))
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+    group = dist.new_group(list(ranks))
+    set_context(RankContext(rank=rank, world=world, ranks={"gen": ranks}, programs={}, groups={"gen": group}, meshes={"gen": mesh}))
+    specs = transport_specs(graph, "torchrun", str(out_dir / "run"))
+    transports = SharedTransports(specs)
+    env = ProgramEnv(transports=specs, seed=GEN_SEED, weight_timeout_s=30.0)
+    result: dict[str, Any] = {}
+    try:
+        program = rank_program(node, graph, env, transports)
+        result["class"] = type(program).__name__
+        layouts = tp_param_layouts(node.model, ranks, dp=dp) if dp > 1 else tp_param_layouts(node.model, ranks)
+        source = PromptSource(graph.node("prompts"))
+        for version in (1, 2):
+            state = Transformer(msgspec_replace(node.model, seed=50 + version)).state_dict()
+            if rank == 0:
+                transports.writer("policy", "gen").publish(state, version)
+            dist.barrier(group=group)
+            prompts = source.next_batch()  # every rank advances its source alike; only the lead's batch is used
+            out, info = program.step(version, prompts if rank == 0 else {}, min_version=version)
+            local = program.local_weight_targets()
+            step: dict[str, Any] = {
+                "version": program.generator.version,
+                "shards_equal": all(torch.equal(t, state[n][local_slice(layouts[n], state[n].shape, rank)]) for n, t in local.items()),
+                "targets_are_shards": program.generator.weight_targets() is local,
+            }
+            if rank == 0:
+                ref = Generator(node, seed=GEN_SEED)
+                ref.load_weights(state, version)
+                want = merge_rollouts([ref.generate(p) for p in split_prompts(prompts, dp)])
+                step.update(
+                    keys_equal=sorted(out) == sorted(want),
+                    tokens_equal=bool(torch.equal(out["completion_ids"], want["completion_ids"])),
+                    groups_equal=bool(torch.equal(out["group_ids"], want["group_ids"])),
+                    logprob_diff=_max_diff(out["behaviour_logprobs"], want["behaviour_logprobs"]),
+                    rollout_version=int(out["rollout_version"]),
+                    info_version=int(info["version"]),
+                    samples=int(out["completion_ids"].shape[0]),
+                )
+            else:
+                step["empty"] = out == {} and info == {}
+            result[f"v{version}"] = step
+    finally:
+        set_context(None)
+        transports.close()
+    return result
+
+
+def _worker_main(argv: list[str]) -> None:
+    import torch.distributed as dist
+
+    rank, world, init, out_dir = int(argv[0]), int(argv[1]), argv[2], Path(argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    ranks = tuple(range(world))
+    checks: dict[str, Callable[[], Any]] = {
+        "model": lambda: _check_model(rank, ranks, dist.group.WORLD),
+        "generate": lambda: _check_generate(rank, ranks, dist.group.WORLD),
+        "program": lambda: _check_program(rank, world, 2 if world == 4 else 1, out_dir),
+    }
+    result: dict[str, Any] = {}
+    for name, check in checks.items():
+        try:
+            result[name] = check()
+        except Exception:  # noqa: BLE001 - reported to the test
+            result[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# --- test side -----------------------------------------------------------------------------------
+
+
+def _launch(world: int, tmp: Path, timeout_s: float = 120) -> dict[int, dict[str, Any]]:
+    """Run ``world`` worker ranks; kill them all and fail if they do not finish in time."""
+    out = tmp / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "tests.runtime.test_tensor_parallel"]
+    procs = [
+        subprocess.Popen([*cmd, str(r), str(world), str(tmp / "pg.init"), str(out)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout_s
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the {world} worker ranks did not finish in {timeout_s:.0f} s (a rank hangs)")
+    missing = [r for r in range(world) if not (out / f"rank{r}.json").exists()]
+    assert not missing, f"ranks {missing} wrote no result; output:\n" + "\n".join(logs)
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    return _launch(2, tmp_path_factory.mktemp("tp2"))
+
+
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    return _launch(4, tmp_path_factory.mktemp("tp4"))
+
+
+def _results(run: dict[int, dict[str, Any]], check: str) -> list[Any]:
+    out = [run[r][check] for r in sorted(run)]
+    errors = [r["error"] for r in out if isinstance(r, dict) and "error" in r]
+    assert not errors, "\n".join(errors)
+    return out
+
+
+def _assert_model(run: dict[int, dict[str, Any]]) -> None:
+    for rank_result in _results(run, "model"):
+        for name, entry in rank_result.items():
+            assert entry["class"] == "TensorParallelTransformer"
+            assert entry["names_match"], name
+            assert all(entry["shards_equal"].values()), (name, [n for n, ok in entry["shards_equal"].items() if not ok])
+            for what in ("float32", "reloaded"):
+                diffs = entry[what]
+                for path in ("causal", "prefill", "decode", "uncached"):
+                    assert diffs[path] <= 1e-5 * max(1.0, diffs["scale"]), (name, what, path, diffs)
+            tp = len(run)
+            assert entry["float32"]["cache_kv_heads"] == CONFIGS[name].n_kv_heads // tp  # the cache holds local heads only
+            bf = entry["bfloat16"]
+            for path in ("causal", "prefill", "decode", "uncached"):
+                assert bf[path] <= 0.05 * max(1.0, bf["scale"]), (name, path, bf)
+
+
+def _assert_generate(run: dict[int, dict[str, Any]]) -> None:
+    results = _results(run, "generate")
+    for rank_result in results:
+        for path, entry in rank_result.items():
+            assert entry["tokens_equal"] and entry["mask_equal"], path
+            assert entry["logprob_diff"] <= 1e-4, (path, entry["logprob_diff"])
+    assert all(r["cache"]["tokens"] == results[0]["cache"]["tokens"] for r in results)  # every tp rank drew the same
+
+
+def _assert_program(run: dict[int, dict[str, Any]], samples: int) -> None:
+    results = _results(run, "program")
+    for rank, res in enumerate(results):
+        assert res["class"] == "TensorParallelGenerator"
+        for version in (1, 2):
+            step = res[f"v{version}"]
+            assert step["version"] == version and step["shards_equal"] and step["targets_are_shards"], (rank, step)
+            if rank == 0:
+                assert step["keys_equal"] and step["tokens_equal"] and step["groups_equal"], step
+                assert step["logprob_diff"] <= 1e-4 and step["rollout_version"] == step["info_version"] == version, step
+                assert step["samples"] == samples
+            else:
+                assert step["empty"], (rank, step)
+
+
+def test_tp2_logits_equal_the_full_model_and_shards_are_the_layout_slices(tp2):
+    _assert_model(tp2)
+
+
+def test_tp2_generate_draws_the_full_models_tokens(tp2):
+    _assert_generate(tp2)
+
+
+def test_tp2_generator_program_matches_one_process(tp2):
+    _assert_program(tp2, samples=5 * 3)
+
+
+@pytest.mark.slow
+def test_tp4_model_generate_and_dp2_tp2_program(tp4):
+    _assert_model(tp4)
+    _assert_generate(tp4)
+    _assert_program(tp4, samples=5 * 3)
+
+
+# --- one process: names, layouts, errors ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layouts_name_every_parameter_of_the_full_model(name):
+    config = CONFIGS[name]
+    full = Transformer(config)
+    layouts = tp_param_layouts(full, (2, 3))
+    assert list(layouts) == list(full.state_dict()) == list(param_splits(config))
+    # column-parallel projections split dim 0 (whole heads), row-parallel dim 1; everything else whole
+    wk = layouts["layers.0.attention.wk.weight"]
+    head = config.head_dim
+    assert local_slice(wk, (config.n_kv_heads * head, config.dim), 3)[0] == slice(config.n_kv_heads // 2 * head, config.n_kv_heads * head)
+    assert local_slice(layouts["layers.1.feed_forward.w2.weight"], (config.dim, config.hidden_dim), 2)[1] == slice(0, -(-config.hidden_dim // 2))
+    assert local_shape(layouts["tok_embeddings.weight"], (config.vocab_size, config.dim), 3) == (config.vocab_size, config.dim)
+
+
+def test_dp_layouts_replicate_tp_shards_across_replicas():
+    config = CONFIGS["tied"]
+    layouts = tp_param_layouts(config, (4, 5, 6, 7), dp=2)
+    shape = (config.dim, config.dim)
+    wq = layouts["layers.0.attention.wq.weight"]
+    assert local_slice(wq, shape, 4) == local_slice(wq, shape, 6) != local_slice(wq, shape, 5)
+    assert local_slice(layouts["norm.weight"], (config.dim,), 7) == (slice(0, config.dim),)
+
+
+def test_tp1_sharding_changes_nothing():
+    config = CONFIGS["gqa-untied-uneven"]
+    full = Transformer(config).eval()
+    tp = shard_transformer_(Transformer(config).eval(), (0,), 0, None)
+    assert isinstance(tp, TensorParallelTransformer)
+    ids = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(full(ids), tp(ids))
+
+
+@pytest.mark.parametrize(
+    "config, tp, match",
+    [
+        (ModelConfig(dim=64, n_heads=4, n_kv_heads=2), 4, r"tp=4 must divide n_kv_heads=2 \(ModelConfig n_heads=4, n_kv_heads=2\)"),
+        (ModelConfig(dim=48, n_heads=6, n_kv_heads=6), 4, r"tp=4 must divide n_heads=6 and n_kv_heads=6"),
+        (ModelConfig(dim=64, n_heads=4, n_kv_heads=4), 0, r"tp=0 must be an integer >= 1"),
+    ],
+    ids=["kv-heads", "both-heads", "zero"],
+)
+def test_tp_sizes_that_do_not_split_whole_heads_are_config_errors(config, tp, match):
+    with pytest.raises(ConfigError, match=match):
+        check_tp(config, tp)
+    if tp > 0:
+        with pytest.raises(ConfigError, match=match):
+            tp_param_layouts(config, tuple(range(tp)))
+        with pytest.raises(ConfigError, match=match):
+            shard_transformer_(Transformer(config), tuple(range(tp)), 0, object())
+
+
+def test_bad_sharding_calls_are_config_errors():
+    config = CONFIGS["tied"]
+    with pytest.raises(ConfigError, match=r"rank 5 is not in the tp group \[0, 1\]"):
+        shard_transformer_(Transformer(config), (0, 1), 5, object())
+    with pytest.raises(ConfigError, match=r"needs their process group \(got group=None\)"):
+        shard_transformer_(Transformer(config), (0, 1), 0, None)
+    model = shard_transformer_(Transformer(config), (0,), 0, None)
+    with pytest.raises(ConfigError, match="already tensor-parallel"):
+        shard_transformer_(model, (0,), 0, None)
+    with pytest.raises(ConfigError, match=r"dp=3 must be an integer >= 1 dividing len\(ranks\)=4"):
+        tp_param_layouts(config, (0, 1, 2, 3), dp=3)
+    with pytest.raises(ConfigError, match="wants a ModelConfig or a Transformer"):
+        tp_param_layouts("llama", (0, 1))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="missing"):
+        copy_local_shards_({"x": torch.zeros(1)}, Transformer(config).state_dict(), (0,), 0, config)
+
+
+def test_a_generator_mesh_with_pipeline_stages_is_refused():
+    from flowrl.runtime.backends.rank_programs import RankContext, TensorParallelGenerator, set_context
+
+    class Mesh:  # the two attributes the program reads before touching a process group
+        mesh_dim_names = ("pp", "dp", "tp")
+        mesh = torch.arange(4).reshape(2, 1, 2)
+
+    graph = tp_graph()
+    set_context(RankContext(rank=0, world=4, ranks={"gen": (0, 1, 2, 3)}, programs={}))
+    try:
+        with pytest.raises(ConfigError, match=r"generator 'gen': its mesh .* has \{'pp': 2\}.*pp=1"):
+            TensorParallelGenerator(graph.node("gen"), graph, None, None, group=None, ranks=(0, 1, 2, 3), mesh=Mesh())  # type: ignore[arg-type]
+    finally:
+        set_context(None)
+
+
+if __name__ == "__main__":  # a worker rank
+    _worker_main(sys.argv[1:])
