@@ -67,6 +67,7 @@ from flowrl.errors import ConfigError, FlowrlError, PlanError
 from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
+from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.placement import HEAVY_KINDS, Placement
@@ -77,6 +78,7 @@ from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 __all__ = [
     "run_torchrun",
     "rank_placement",
+    "read_placement",
     "GroupProgram",
     "RankError",
     "DIST_TIMEOUT_S",
@@ -97,10 +99,54 @@ def rank_placement(graph: Graph, plan_path: str | None, world: int) -> tuple[dic
     """Ranks of every heavy node, and the loaded ``Plan`` (None for a JSON placement or no plan).
 
     Raises:
-        PlanError: a node missing from the placement, or one needing ranks >= ``world``.
+        PlanError: a node missing from the placement, one needing ranks >= ``world``, or a bad mesh.
     """
+    ranks, plan, _ = read_placement(graph, plan_path, world)
+    return ranks, plan
+
+
+#: Mesh axis names a JSON placement may use (those of flowrl plans).
+MESH_AXES = ("pp", "dp", "tp")
+
+Axes = tuple[tuple[str, ...], tuple[int, ...]]
+
+
+def _json_node(plan_path: str, node: str, value: Any) -> tuple[tuple[int, ...], Axes | None]:
+    """``[ranks]`` or ``{"ranks": [...], "mesh": {"tp": 2, ...}}``: the ranks and the mesh (names, shape)."""
+    if isinstance(value, list):
+        return tuple(value), None
+    ranks, mesh = value.get("ranks"), value.get("mesh", {"dp": len(value.get("ranks") or [])})
+    extra = sorted(set(value) - {"ranks", "mesh"})
+    if extra or not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise PlanError(
+            f"--plan {plan_path}: node {node!r} must be a list of ranks or {{\"ranks\": [...], \"mesh\": {{\"tp\": 2}}}}"
+            + (f"; unknown key(s) {extra}" if extra else "")
+        )
+    if not isinstance(mesh, dict) or not mesh:
+        raise PlanError(f"--plan {plan_path}: node {node!r} has mesh {mesh!r}; give named axis sizes like {{\"dp\": 2, \"tp\": 2}}")
+    unknown = sorted(set(mesh) - set(MESH_AXES))
+    if unknown:
+        raise PlanError(f"--plan {plan_path}: node {node!r} has mesh axis/axes {unknown}; the axes are {list(MESH_AXES)}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh.values()):
+        raise PlanError(f"--plan {plan_path}: node {node!r} has mesh {mesh}; every axis size must be an integer >= 1")
+    size = 1
+    for v in mesh.values():
+        size *= v
+    if size != len(ranks):
+        shape = " x ".join(f"{k}={v}" for k, v in mesh.items())
+        raise PlanError(
+            f"--plan {plan_path}: node {node!r} has mesh {shape} = {size} ranks but {len(ranks)} rank(s) {ranks}; "
+            "the product of the mesh axes must equal the number of ranks"
+        )
+    return tuple(ranks), (tuple(mesh), tuple(mesh.values()))
+
+
+def read_placement(graph: Graph, plan_path: str | None, world: int) -> tuple[dict[str, tuple[int, ...]], Any, dict[str, Axes]]:
+    """Like :func:`rank_placement`, plus each heavy node's mesh (axis names, shape): a plan's axes,
+    a JSON placement's ``mesh``, or ``("dp",)`` over its ranks."""
     heavy = [n.name for n in graph.nodes if n.kind in HEAVY_KINDS]
     plan = None
+    axes: dict[str, Axes] = {}
     if plan_path is None:
         ranks = {n: tuple(range(world)) for n in heavy}
     else:
@@ -115,10 +161,21 @@ def rank_placement(graph: Graph, plan_path: str | None, world: int) -> tuple[dic
             if plan.graph != graph.name:
                 raise PlanError(f"plan {plan_path!r} was made for graph {plan.graph!r}, not {graph.name!r}; re-plan this graph")
             ranks = {n: tuple(plan.placements[n].devices) for n in heavy if n in plan.placements}
-        elif isinstance(raw, dict) and all(isinstance(v, list) and all(isinstance(r, int) for r in v) for v in raw.values()):
-            ranks = {n: tuple(v) for n, v in raw.items()}
+            axes = {n: (tuple(plan.placements[n].axes), tuple(plan.placements[n].mesh_shape)) for n in ranks if plan.placements[n].axes}
+        elif isinstance(raw, dict) and all(isinstance(v, (list, dict)) for v in raw.values()):
+            ranks = {}
+            for n, v in raw.items():
+                ranks[n], mesh = _json_node(plan_path, n, v)
+                if mesh is not None:
+                    axes[n] = mesh
+            bad = sorted(n for n, rs in ranks.items() if not all(isinstance(r, int) and not isinstance(r, bool) for r in rs))
+            if bad:
+                raise PlanError(f"--plan {plan_path}: node(s) {bad} must list integer ranks")
         else:
-            raise PlanError(f"--plan {plan_path}: neither a flowrl plan nor a placement like {{\"gen\": [0], \"policy\": [1, 2]}}")
+            raise PlanError(
+                f"--plan {plan_path}: neither a flowrl plan nor a placement like "
+                f"{{\"gen\": [0], \"policy\": [1, 2]}} or {{\"policy\": [0], \"gen\": {{\"ranks\": [1, 2], \"mesh\": {{\"tp\": 2}}}}}}"
+            )
         for n in heavy:
             if not ranks.get(n):
                 raise PlanError(f"--plan {plan_path} gives node {n!r} no ranks; every generator, policy and reference needs at least one")
@@ -133,7 +190,8 @@ def rank_placement(graph: Graph, plan_path: str | None, world: int) -> tuple[dic
                 f"node {n!r} needs ranks {list(rs)} but torchrun launched WORLD_SIZE={world} "
                 f"(ranks 0-{world - 1}); launch with --nproc-per-node {max(rs) + 1} (or more), or re-plan for {world} devices"
             )
-    return ranks, plan
+        axes.setdefault(n, (("dp",), (len(rs),)))
+    return ranks, plan, axes
 
 
 # -- the controller's side: one node = requests to all its ranks at once -------------------------------
@@ -232,14 +290,9 @@ def _one_host() -> bool:
 
 
 def _weight_transport(name: str) -> str:
-    """The transport a weight edge uses across ranks.
-
-    COLLECTIVE TRANSPORT GOES HERE: once ``flowrl.runtime.transports.collective`` exists, return
-    "collective" for ``inprocess`` (and honour an explicit "collective" edge) on every layout.
-    """
-    if name != "inprocess":
-        return name
-    return "shm" if _one_host() else "file"
+    """The transport a weight edge uses across ranks: the collective one for ``inprocess`` and
+    ``collective`` edges (``weights.COLLECTIVE``), ``shm`` / ``file`` when the graph names them."""
+    return weight_transport(name)
 
 
 def _listen_address() -> str:
@@ -266,8 +319,9 @@ def _serve_thread(sock: socket.socket, node: str, errors: list[str]) -> threadin
     return t
 
 
-def _setup_groups(graph: Graph, ctx: RankContext, plan: Any) -> None:
-    """Every rank creates every node's group and mesh, in graph order (new_group is collective)."""
+def _setup_groups(graph: Graph, ctx: RankContext, axes: dict[str, Axes], edges: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every rank creates every node's group and mesh, then every collective weight edge's group (its
+    participating ranks exactly), in graph order (``new_group`` is collective). Returns the edge groups."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -276,12 +330,26 @@ def _setup_groups(graph: Graph, ctx: RankContext, plan: Any) -> None:
         if not ranks:
             continue
         ctx.groups[node.name] = dist.new_group(list(ranks))
-        if plan is not None and node.name in plan.placements:
-            mesh = plan.device_mesh(node.name)
-        else:
-            mesh = DeviceMesh(ctx.device.type, torch.tensor(list(ranks)), mesh_dim_names=("dp",))
+        names, shape = axes.get(node.name, (("dp",), (len(ranks),)))
+        mesh = DeviceMesh(ctx.device.type, torch.tensor(list(ranks)).reshape(shape), mesh_dim_names=names)
         if ctx.rank in ranks:
             ctx.meshes[node.name] = mesh
+    groups = {}
+    for ch, options in edges.items():
+        members = participants(options)
+        groups[ch] = dist.new_group(members)
+        if ctx.rank in members:  # one collective first: NCCL's first point-to-point batch must involve every rank
+            dist.all_reduce(torch.zeros(1, device=ctx.device), group=groups[ch])
+    return groups
+
+
+def _edge_options(graph: Graph, ctx: RankContext, axes: dict[str, Axes]) -> dict[str, dict[str, Any]]:
+    """Channel -> options of every collective weight edge (the same on every rank)."""
+    return {
+        channel(e.src, e.dst): collective_options(graph, e.src, e.dst, ctx.ranks, ctx.programs, axes, DIST_TIMEOUT_S)
+        for e in graph.weight_edges
+        if _weight_transport(e.transport) == COLLECTIVE
+    }
 
 
 def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
@@ -295,7 +363,7 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
     import torch.distributed as dist
 
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    ranks, plan = rank_placement(graph, config.plan, world)
+    ranks, _plan, axes = read_placement(graph, config.plan, world)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -305,16 +373,23 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    edges = _edge_options(graph, ctx, axes)
+    ok = False
     try:
-        _setup_groups(graph, ctx, plan)
+        groups = _setup_groups(graph, ctx, axes, edges)
+        open_edges(edges, groups, rank, device)  # handshakes: every participating rank is here now
         store = dist.distributed_c10d._get_default_store()
         mine = [n for n, rs in ranks.items() if rank in rs]
         if rank != 0:
-            return _work(store, ctx, mine)
-        seen: dict[str, Controller] = {}
-        with _report_on_sigterm(seen):
-            return _control(graph, config, store, ctx, on_step, seen)
+            result = _work(store, ctx, mine)
+        else:
+            seen: dict[str, Controller] = {}
+            with _report_on_sigterm(seen):
+                result = _control(graph, config, store, ctx, on_step, seen, edges)
+        ok = True
+        return result
     finally:
+        close_edges(drain_s=10.0 if ok else 0.0)  # after a success, let the last version reach the generators
         set_context(None)
         if owns_group:
             try:
@@ -382,7 +457,13 @@ def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
 
 
 def _control(
-    graph: Graph, config: RunConfig, store: Any, ctx: RankContext, on_step: Callable[[dict[str, Any]], None] | None, seen: dict[str, Controller]
+    graph: Graph,
+    config: RunConfig,
+    store: Any,
+    ctx: RankContext,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    seen: dict[str, Controller],
+    edges: dict[str, dict[str, Any]],
 ) -> RunResult:
     listener = socket.create_server((_listen_address(), 0))
     listener.settimeout(CONNECT_TIMEOUT_S)
@@ -392,8 +473,13 @@ def _control(
     if not shared and not _one_host() and any(_weight_transport(e.transport) == "file" for e in graph.weight_edges):
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
+    specs = tuple(
+        msgspec.structs.replace(s, writer_options=edges[channel(s.src, s.dst)], reader_options=edges[channel(s.src, s.dst)])
+        if s.name == COLLECTIVE else s
+        for s in transport_specs(graph, "torchrun", run_dir, choose=_weight_transport)
+    )
     env = ProgramEnv(
-        transports=transport_specs(graph, "torchrun", run_dir, choose=_weight_transport),
+        transports=specs,
         programs={**dict(config.programs), **{n: RANK_PROGRAM for n in ctx.ranks}},
         seed=config.seed,
         options=dict(config.options),

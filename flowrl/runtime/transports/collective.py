@@ -46,6 +46,15 @@ Pairing semantics (publish and fetch are collective):
   twice without fetching, the second publish first exchanges the staged version.
 - Both sides must keep calling: a generator that stops fetching stalls the trainers one version
   later; a trainer that stops publishing leaves generators on their last version.
+- ``background_receive=True`` (what the torchrun backend uses) lifts the first half: on a generator
+  rank a daemon thread receives every announced version into the staging buffers as soon as all of
+  its sources announced it (the same exchange ``fetch_into`` runs, under the same lock), and
+  ``fetch_into`` copies the newest staged version into ``target``. A trainer's ``publish`` then
+  waits only for the wire, never for the generator's next step: a generator that is busy sampling,
+  blocked by backpressure, colocated with the trainer (serialised steps) or finished with its
+  last step no longer stalls the trainers. The cost is one more copy (staging -> target) per
+  delivery that no longer overlaps the wire. An error in the thread (a peer died, a timeout) is
+  raised by the next ``fetch_into``.
 
 Timeouts (no rank hangs forever): the constructor waits up to ``timeout_s`` for every
 participating rank to construct the transport with the same options (a handshake over the store,
@@ -212,6 +221,8 @@ class CollectiveTransport:
         store: the store used to announce versions (default the default process group's store).
         handshake: wait at construction until every participating rank constructed the transport
             with the same options.
+        background_receive: on a generator rank, receive every announced version in a daemon
+            thread (see the module docstring); ``fetch_into`` then only delivers.
 
     Raises:
         ConfigError: for options that do not describe a valid plan.
@@ -242,6 +253,7 @@ class CollectiveTransport:
         group: dist.ProcessGroup | None = None,
         store: dist.Store | None = None,
         handshake: bool = True,
+        background_receive: bool = False,
     ) -> None:
         names = sorted(params)
         specs = {n: p if isinstance(p, ParamSpec) else msgspec.convert(p, ParamSpec) for n, p in params.items()}
@@ -309,6 +321,12 @@ class CollectiveTransport:
         self._prefix = f"flowrl/collective/{channel}/{epoch}"
         if handshake:
             self._handshake()
+        self._pump_error: BaseException | None = None
+        self._pump_stop = threading.Event()
+        self._pump: threading.Thread | None = None
+        if background_receive and self.is_generator:
+            self._pump = threading.Thread(target=self._receive_loop, name=f"flowrl-collective-{channel}", daemon=True)
+            self._pump.start()
 
     # --- plan -> messages ------------------------------------------------------------------------
 
@@ -612,6 +630,7 @@ class CollectiveTransport:
         pause = _POLL_S[0]
         while True:
             with self._lock, torch.no_grad():
+                self._raise_pump_error()
                 self._buffers()
                 avail = self._available()
                 delivered = False
@@ -627,6 +646,37 @@ class CollectiveTransport:
                 return None
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S[1])
+
+    # --- background receiving ------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        """The ``background_receive`` thread: receive each newly announced version into the staging buffers."""
+        pause = _POLL_S[0]
+        while not self._pump_stop.is_set():
+            got = False
+            try:
+                with self._lock, torch.no_grad():
+                    if self._closed:
+                        return
+                    self._buffers()
+                    avail = self._available()
+                    if avail > self._received:
+                        self._exchange(avail)
+                        got = True
+            except BaseException as exc:  # noqa: BLE001 - raised by the next fetch_into
+                if not self._closed:
+                    self._pump_error = exc
+                return
+            pause = _POLL_S[0] if got else min(2 * pause, _POLL_S[1])
+            self._pump_stop.wait(pause)
+
+    def _raise_pump_error(self) -> None:
+        exc = self._pump_error
+        if exc is None:
+            return
+        if isinstance(exc, TransportError):
+            raise TransportError(f"{exc} (in the background receiver)") from exc
+        raise TransportError(f"{self._where}: the background receiver failed: {type(exc).__name__}: {exc}") from exc
 
     def _deliver_chunk(self, target: Mapping[str, torch.Tensor], source: int, chunk: _Chunk) -> None:
         for b in chunk.blocks:
@@ -649,10 +699,29 @@ class CollectiveTransport:
         if self._closed:
             raise TransportError(f"{self._where}: {op}() called after close(); open a new transport")
 
-    def close(self) -> None:
-        """Drop the buffers. Sends still pending (nobody fetched the last version) are kept alive until
-        the process group is destroyed, so that gloo never reads freed memory. Idempotent."""
-        with self._lock:
+    def close(self, *, drain_s: float = 0.0) -> None:
+        """Drop the buffers. With ``drain_s``, first wait up to that long for this rank's last sends to
+        be received (a background receiver takes them at once). Sends still pending (nobody fetched the
+        last version) are kept alive until the process group is destroyed, so that gloo never reads
+        freed memory. The background receiver, if any, is stopped; if it is stuck in a transfer (a peer
+        died) for more than a second, its buffers are left to it. Idempotent."""
+        self._pump_stop.set()
+        if self._pump is not None and self._pump is not threading.current_thread():
+            self._pump.join(timeout=1.0)
+        if drain_s > 0 and self._send_works and self._lock.acquire(timeout=drain_s):
+            try:
+                deadline = time.monotonic() + drain_s
+                pending = [w for w in self._send_works if not w.is_completed()]
+                while pending and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                    pending = [w for w in pending if not w.is_completed()]
+            finally:
+                self._lock.release()
+        if not self._lock.acquire(timeout=1.0):  # the receiver is stuck in a transfer: leave it its buffers
+            self._closed = True
+            _ABANDONED.append((self._send_works, self._outbox, self._inbox))
+            return
+        try:
             if self._closed:
                 return
             self._closed = True
@@ -660,6 +729,8 @@ class CollectiveTransport:
                 _ABANDONED.append((self._send_works, self._outbox))
             self._send_works = []
             self._outbox = self._inbox = self._local_out = self._local_in = None
+        finally:
+            self._lock.release()
 
     def __repr__(self) -> str:
         role = "trainer+generator" if self._dual else ("trainer" if self.is_trainer else "generator")

@@ -1,0 +1,226 @@
+"""Weight edges of a torchrun job: which transport, its plain-data options, and one shared instance per rank.
+
+In a torchrun job a weight edge (policy -> generator) uses the collective transport
+(``flowrl.runtime.transports.collective``) unless the graph names ``shm`` or ``file`` explicitly:
+``inprocess`` (the default, which cannot cross processes) and ``collective`` both become it.
+
+- Options are plain data (``collective_options``): the parameters' full shapes and dtypes (from the
+  policy's ``ModelConfig``, via a model built on the meta device: no memory, no initialisation
+  cost), the trainer layout and the generator layout (``ShardLayout`` in dict form), the channel
+  (``"<policy>-><generator>"``) and the timeout. Every rank computes the same options from the graph
+  and the placement; rank 0 also ships them in the ``TransportSpec`` (registry name
+  :data:`COLLECTIVE`), and the factory checks that they agree.
+- Layouts: every rank of a data-parallel policy publishes its full replica (``dp_replicas`` over the
+  policy's ranks; the transfer plan picks the sender of each block among the replicas, least loaded
+  first, so each byte is sent once per destination). Generator replicas fetch the full state
+  (``dp_replicas``); a tensor-parallel generator (a ``tp`` mesh axis > 1, when
+  ``flowrl.runtime.tensor_parallel.tp_param_layouts`` exists) fetches its shards. A node run by a
+  user program takes part on its lead rank only (its other ranks idle).
+- Process groups: each collective edge gets a group of exactly its participating ranks, created by
+  every rank in graph order (``dist.new_group`` is collective), then warmed with one all-reduce so
+  that NCCL's first point-to-point batch need not involve every rank.
+- One instance per rank and edge: ``open_edges`` constructs the transports on every participating
+  rank during job setup, while all ranks are there (construction handshakes over the store), with
+  ``background_receive=True`` so that a generator rank receives each version as soon as it is
+  published (a trainer never waits for the generator's next step: see the transport's docstring).
+  The node programs get them through the registry (:data:`COLLECTIVE`): a rank that hosts both the
+  policy and the generator shares one instance between them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from typing import Any
+
+import msgspec
+import torch
+
+from flowrl.errors import ConfigError, TransportError
+from flowrl.graph.ir import Graph
+from flowrl.runtime.resharding import ShardLayout, dp_replicas
+from flowrl.runtime.transports.registry import register_transport
+
+__all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]
+
+#: Registry name of the shared per-rank collective transport (the TransportSpec name in torchrun jobs).
+COLLECTIVE = "torchrun-collective"
+
+_LOCK = threading.Lock()
+_OPEN: dict[str, Any] = {}  # channel -> CollectiveTransport of this process
+_OPTIONS: dict[str, dict[str, Any]] = {}  # channel -> the options it was built with
+
+
+def weight_transport(name: str) -> str:
+    """The transport a weight edge named ``name`` uses across ranks (a registry name)."""
+    if name in ("inprocess", "collective"):
+        return COLLECTIVE
+    return name
+
+
+def channel(src: str, dst: str) -> str:
+    return f"{src}->{dst}"
+
+
+def _meshes_tp(axes: tuple[tuple[str, ...], tuple[int, ...]] | None) -> int:
+    if not axes:
+        return 1
+    names, shape = axes
+    return dict(zip(names, shape)).get("tp", 1)
+
+
+def tensor_parallel_available() -> bool:
+    """True once ``flowrl.runtime.tensor_parallel`` (``tp_param_layouts``) exists."""
+    return importlib.util.find_spec("flowrl.runtime.tensor_parallel") is not None
+
+
+def edge_ranks(graph: Graph, src: str, dst: str, ranks: dict[str, tuple[int, ...]], programs: dict[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(publishing ranks, fetching ranks) of the edge: all of a built-in node's ranks, a user program's lead."""
+    def active(node: str) -> tuple[int, ...]:
+        rs = ranks[node]
+        return rs[:1] if node in programs else rs
+
+    return active(src), active(dst)
+
+
+def _param_specs(graph: Graph, src: str) -> dict[str, dict[str, Any]]:
+    """Full shapes and dtypes of the policy's weights (its ``Trainer.weights()``), from its ModelConfig."""
+    from flowrl.operators.model import Transformer
+
+    node = graph.node(src)
+    config = getattr(node, "model", None)
+    if config is None:
+        raise ConfigError(f"weight edge from {src!r}: node has no model config, so the collective transport cannot know its parameter shapes")
+    with torch.device("meta"):
+        model = Transformer(config)
+    return {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in model.state_dict().items()}
+
+
+def tp_fetches_shards() -> bool:
+    """True once ``rank_programs.TensorParallelGenerator`` fetches only its shards: it sets the class
+    attribute ``FETCHES_LOCAL_SHARDS = True`` and fetches into ``local_weight_targets()``."""
+    if not tensor_parallel_available():
+        return False
+    from flowrl.runtime.backends import rank_programs
+
+    cls = getattr(rank_programs, "TensorParallelGenerator", None)
+    return bool(getattr(cls, "FETCHES_LOCAL_SHARDS", False))
+
+
+def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: Any, params: dict[str, Any]) -> Any:
+    """The generator side's layout(s): replicas, or tensor-parallel shards.
+
+    TENSOR-PARALLEL HOOK: a generator whose mesh has a ``tp`` axis > 1 runs as
+    ``rank_programs.TensorParallelGenerator``. When that class fetches only its shards
+    (:func:`tp_fetches_shards`), its layout is ``tensor_parallel.tp_param_layouts(config, ranks, dp=...)``
+    (each rank receives exactly its slices); until then each of its ranks fetches the full state
+    (``dp_replicas``) and slices it itself.
+    """
+    tp = _meshes_tp(axes)
+    if len(fetchers) > 1 and tp > 1 and tp_fetches_shards():
+        from flowrl.runtime.tensor_parallel import tp_param_layouts
+
+        names, shape = axes
+        sizes = dict(zip(names, shape))
+        if any(n > 1 for a, n in sizes.items() if a not in ("dp", "tp")):
+            raise ConfigError(f"generator {dst!r}: mesh {sizes}: a tensor-parallel generator takes dp and tp axes only")
+        # tp innermost, as TensorParallelGenerator orders its replicas
+        grid = torch.tensor(list(fetchers)).reshape(shape).movedim(list(names).index("tp"), -1).reshape(-1)
+        config = graph.node(dst).model  # type: ignore[attr-defined]
+        layouts = tp_param_layouts(config, [int(r) for r in grid.tolist()], dp=sizes.get("dp", 1))
+        missing = sorted(set(params) - set(layouts))
+        if missing:
+            raise ConfigError(f"tp_param_layouts for generator {dst!r} gives no layout for {missing}")
+        return {n: msgspec.to_builtins(layouts[n]) for n in params}
+    return msgspec.to_builtins(dp_replicas(fetchers))
+
+
+def collective_options(
+    graph: Graph,
+    src: str,
+    dst: str,
+    ranks: dict[str, tuple[int, ...]],
+    programs: dict[str, str],
+    axes: dict[str, Any],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Plain-data options of the edge's ``CollectiveTransport`` (the same on every rank)."""
+    publishers, fetchers = edge_ranks(graph, src, dst, ranks, programs)
+    params = _param_specs(graph, src)
+    return {
+        "params": params,
+        "trainer_layout": msgspec.to_builtins(dp_replicas(publishers)),
+        "generator_layout": _generator_layouts(graph, dst, fetchers, axes.get(dst), params),
+        "channel": channel(src, dst),
+        "timeout_s": float(timeout_s),
+    }
+
+
+def participants(options: dict[str, Any]) -> list[int]:
+    """Every rank of the edge: publishers and fetchers, sorted."""
+    def ranks_of(layout: Any) -> set[int]:
+        if isinstance(layout, dict) and "ranks" in layout:
+            return set(layout["ranks"])
+        return {r for lay in layout.values() for r in lay["ranks"]}
+
+    return sorted(ranks_of(options["trainer_layout"]) | ranks_of(options["generator_layout"]))
+
+
+def open_edges(specs: dict[str, dict[str, Any]], groups: dict[str, Any], rank: int, device: torch.device) -> None:
+    """Construct this rank's transport of every edge it takes part in (every participating rank must call this)."""
+    from flowrl.runtime.transports.collective import CollectiveTransport
+
+    for ch, options in specs.items():
+        if rank not in participants(options):
+            continue
+        with _LOCK:
+            _OPEN[ch] = CollectiveTransport(
+                **options, group=groups[ch], device=str(device), background_receive=True, fetch_wait_s=0.0
+            )
+            _OPTIONS[ch] = options
+
+
+def opened(ch: str) -> Any:
+    """This rank's transport of edge ``ch`` (None if it has none)."""
+    return _OPEN.get(ch)
+
+
+def close_edges(*, drain_s: float = 0.0) -> None:
+    """Close this rank's transports (end of the job)."""
+    with _LOCK:
+        items = list(_OPEN.values())
+        _OPEN.clear()
+        _OPTIONS.clear()
+    for t in items:
+        t.close(drain_s=drain_s)
+
+
+class _Handle:
+    """What a program gets from the registry: the rank's shared transport; ``close`` is the job's, not the program's."""
+
+    def __init__(self, transport: Any) -> None:
+        self._t = transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+    def close(self) -> None:
+        """Nothing: the job closes the shared transport once every program on this rank is done."""
+
+
+def _shared(**options: Any) -> _Handle:
+    ch = options.get("channel")
+    with _LOCK:
+        transport, expected = _OPEN.get(ch), _OPTIONS.get(ch)
+    if transport is None:
+        raise TransportError(
+            f"collective weight edge {ch!r}: this rank has no transport for it; it is opened during torchrun job "
+            "setup on the edge's ranks only (is this program running on a rank the placement gave the node?)"
+        )
+    if msgspec.json.encode(options) != msgspec.json.encode(expected):
+        raise TransportError(f"collective weight edge {ch!r}: the controller's options differ from this rank's; every rank must run the same graph and plan")
+    return _Handle(transport)
+
+
+register_transport(COLLECTIVE, _shared, replace=True)
+
