@@ -192,6 +192,7 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
         program = rank_program(node, graph, env, transports)
         result["class"] = type(program).__name__
         layouts = tp_param_layouts(node.model, ranks, dp=dp) if dp > 1 else tp_param_layouts(node.model, ranks)
+        result["layouts_match"] = {n: str(v) for n, v in program.weight_layouts().items()} == {n: str(v) for n, v in layouts.items()}
         source = PromptSource(graph.node("prompts"))
         for version in (1, 2):
             state = Transformer(msgspec_replace(node.model, seed=50 + version)).state_dict()
@@ -325,7 +326,7 @@ def _assert_generate(run: dict[int, dict[str, Any]]) -> None:
 def _assert_program(run: dict[int, dict[str, Any]], samples: int) -> None:
     results = _results(run, "program")
     for rank, res in enumerate(results):
-        assert res["class"] == "TensorParallelGenerator"
+        assert res["class"] == "TensorParallelGenerator" and res["layouts_match"]
         for version in (1, 2):
             step = res[f"v{version}"]
             assert step["version"] == version and step["shards_equal"] and step["targets_are_shards"], (rank, step)

@@ -246,6 +246,13 @@ class TensorParallelGenerator(GeneratorProgram):
         tensors of shape ``local_shape(layout, full_shape, rank)`` a transport may write into in place."""
         return self._local
 
+    def weight_layouts(self) -> dict[str, Any]:
+        """The layout of every parameter over all of this node's ranks (``tp_param_layouts`` in mesh order,
+        ``dp`` replicas of the tp groups): the generator side of a ``CollectiveTransport``."""
+        from flowrl.runtime.tensor_parallel import tp_param_layouts
+
+        return tp_param_layouts(self._config, [r for row in self.rows for r in row], dp=len(self.rows))
+
     def _agree(self, values: list[int]) -> tuple[list[int], list[int]]:
         """Max and min of each value over the tp group (one all-reduce)."""
         import torch.distributed as dist
