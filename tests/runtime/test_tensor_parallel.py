@@ -6,7 +6,8 @@ The multi-rank tests start this module as worker processes (``python -m tests.ru
 RANK WORLD INIT_FILE OUT_DIR``, one gloo group over a FileStore, as tests/runtime/test_collective.py
 does). Each rank runs every check and writes its findings as JSON (no pickle); the tests read them. A
 run that does not finish in time is killed and fails. 2 ranks by default (tp=2), plus one torchrun job
-whose generator is tensor-parallel (plan ``gen:t2@0-1 | policy:d1@2``); ``--runslow`` adds 4 ranks
+of the default example whose generator is tensor-parallel (plan ``gen:t2@0-1 | policy:d1@2``, weights
+over the collective transport, shard by shard); ``--runslow`` adds 4 ranks
 (tp=4 for the model checks, a dp2 x tp2 mesh for the program).
 """
 
@@ -359,20 +360,24 @@ def test_tp4_model_generate_and_dp2_tp2_program(tp4):
 
 
 def test_torchrun_job_with_a_tensor_parallel_generator_stays_on_policy(tmp_path):
-    """gen tp2 on ranks 0-1 (plan ``gen:t2@0-1``), policy on rank 2, k=0: every rollout is sampled with the
-    policy's current weights, so the AIPO ratio pi/mu is 1 up to float rounding at every step (the TP
-    shards equal the trainer's weights after each sync; a stale or wrong shard moves it away from 1)."""
+    """The default example with gen tp2 on ranks 0-1 (plan ``gen:t2@0-1``), policy on rank 2, k=0. Its weight
+    edge is the collective transport laid out with ``tp_param_layouts``, so each generator rank receives
+    only its shards, in place. Every rollout is sampled with the policy's current weights, so the AIPO
+    ratio pi/mu is 1 up to float rounding at every step (a stale or misplaced shard moves it away from 1).
+    The staging path (a transport that delivers the full state) runs in the program check above."""
+    from flowrl.examples.llamarl import build_llamarl
     from flowrl.planners.plan import plan_graph, save_plan
-    from tests.runtime.test_torchrun import _rows, _torchrun, file_graph
+    from tests.runtime.test_torchrun import _rows, _torchrun
 
-    save_plan(plan_graph(file_graph(), "cpu:3", strategy="gen:t2@0-1 | policy:d1@2"), tmp_path / "plan.json")
-    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_torchrun:file_graph", "--backend", "torchrun",
+    save_plan(plan_graph(build_llamarl(), "cpu:3", strategy="gen:t2@0-1 | policy:d1@2"), tmp_path / "plan.json")
+    proc = _torchrun(3, ["-m", "flowrl", "run", "llamarl", "--backend", "torchrun",
                          "--plan", "plan.json", "--steps", "3", "--quiet", "--metrics", "m.jsonl", "--max-staleness", "0"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(tmp_path / "m.jsonl")
     assert [(r["policy_version"], r["rollout_version"]) for r in rows] == [(1, 0), (2, 1), (3, 2)]
     assert all(r["samples"] == 16 * 16 for r in rows)
     assert all(abs(r["aipo/ratio_max"] - 1.0) < 1e-4 and abs(r["aipo/ratio_mean"] - 1.0) < 1e-5 for r in rows), rows
+
 
 # --- one process: names, layouts, errors ---------------------------------------------------------
 

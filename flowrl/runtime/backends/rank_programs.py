@@ -199,12 +199,17 @@ class TensorParallelGenerator(GeneratorProgram):
     checksum all-reduce; a mismatch is an error, never a silent divergence); the first rank of every
     other replica sends its rollout to the node's lead, which merges them in replica order.
 
-    Weights (for now): every rank fetches the full state through the node's transport into a full-size
-    staging copy, the tp ranks agree on one version (an all-reduce of their staged versions, fetching
-    again until they match), then each copies its own slices into its shards. ``local_weight_targets``
-    gives the shard tensors for a transport that delivers only this rank's slices (``CollectiveTransport``
-    with ``tp_param_layouts``).
+    Weights: a transport that delivers only this rank's slices (``CollectiveTransport`` whose generator
+    layout is ``weight_layouts()``, i.e. ``tp_param_layouts``: its ``local_shapes("generator")`` are the
+    shard shapes) writes straight into ``local_weight_targets()``; any other transport delivers the full
+    state into a full-size staging copy, from which each rank copies its own slices. Either way the tp
+    ranks first agree on one version (an all-reduce of the versions they hold, fetching again until
+    they match), so no replica ever samples with shards of two versions.
     """
+
+    #: Read by ``flowrl.runtime.backends.weights``: this program fetches only its shards when the
+    #: collective transport is laid out with ``tp_param_layouts``.
+    FETCHES_LOCAL_SHARDS = True
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         import torch.distributed as dist
@@ -240,6 +245,7 @@ class TensorParallelGenerator(GeneratorProgram):
         self._local = dict(model.state_dict())
         self.generator._targets = self._local  # weight_targets() now gives the shards (the Generator keeps no other reference)
         self._staged = self.generator.version
+        self._direct: bool | None = None  # whether the transport delivers shards (decided at the first fetch)
 
     def local_weight_targets(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter, by the full model's names (those of ``tp_param_layouts``):
@@ -263,22 +269,39 @@ class TensorParallelGenerator(GeneratorProgram):
         got = t.cpu().tolist()
         return got[:n], [-v for v in got[n:]]
 
+    def _delivers_shards(self, transport: Any) -> bool:
+        """True when ``transport`` fetches into shard-shaped targets (its ``local_shapes`` say so)."""
+        local_shapes = getattr(transport, "local_shapes", None)
+        if not callable(local_shapes):
+            return False
+        shards = {n: tuple(t.shape) for n, t in self._local.items()}
+        return {n: tuple(shape) for n, shape in local_shapes("generator").items()} == shards
+
     def _sync(self, min_version: int) -> float:
         from flowrl.errors import TransportError
         from flowrl.runtime.tensor_parallel import copy_local_shards_
 
         transport = self._transports.reader(*self._edge)
+        if self._direct is None:
+            self._direct = self._delivers_shards(transport)
+            (some,), (every,) = self._agree([int(self._direct)])
+            if some != every:
+                raise ConfigError(f"generator {self.name!r}: tp ranks {list(self.tp_ranks)} disagree on whether the transport delivers shards")
+            if self._direct:
+                self._staging = {}  # shards arrive in place: free the full-size copy
+        target = self._local if self._direct else self._staging
         start = time.perf_counter()
         deadline = start + self._timeout
         while True:  # every tp rank runs the same iterations: each decision comes from the all-reduced values
-            got = transport.fetch_into(self._staging, newer_than=self._staged)
+            got = transport.fetch_into(target, newer_than=self._staged)
             if got is not None:
                 self._staged = got
             late = int(time.perf_counter() > deadline)
             (newest, any_late), (oldest, _) = self._agree([self._staged, late])
             if newest == oldest and max(newest, self.generator.version) >= min_version:
                 if newest > self.generator.version:
-                    copy_local_shards_(self._local, self._staging, self.tp_ranks, _context().rank, self._config)
+                    if not self._direct:
+                        copy_local_shards_(self._local, self._staging, self.tp_ranks, _context().rank, self._config)
                     self.generator.version = newest
                 return time.perf_counter() - start
             if any_late:
