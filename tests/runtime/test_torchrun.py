@@ -1,9 +1,14 @@
 """Tests of the torchrun backend: placement checks, batch sharding, and real torchrun jobs on CPU (gloo).
 
-Four jobs run by default (about 30 s on 2 idle cores); ``--runslow`` adds generator replicas
-colocated with the policy and a rank that raises. The jobs are launched with ``python -m torch.distributed.run`` (2-3 ranks, c10d rendezvous on a free
-local port, a timeout on each). This file is also the jobs' entry point for what the CLI cannot
-express (fault injection, the data-parallel equivalence check): ``python tests/runtime/test_torchrun.py MODE ...``.
+By default (about 90 s on 2 idle cores): the default example learning with the policy data-parallel
+on ranks 1-2 and the generator on rank 0, weights over the collective transport; the generator's
+weights equal the trainer's bit for bit after a sync (policy replicas on two ranks, generator
+replicas on two others); a rank dying mid-transfer stops the job; too few ranks; the data-parallel
+equivalence. ``--runslow`` adds a tensor-parallel generator (tp2), generator replicas colocated with
+the policy, the file transport, and a rank that raises. The jobs are launched with
+``python -m torch.distributed.run`` (2-4 ranks, c10d rendezvous on a free local port, a timeout on
+each). This file is also the jobs' entry point for what the CLI cannot express (fault injection,
+the bit-for-bit check, the data-parallel equivalence check): ``python tests/runtime/test_torchrun.py MODE ...``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from flowrl.errors import PlanError
 from flowrl.examples.llamarl import build_llamarl
-from flowrl.runtime.backends.torchrun import rank_placement
+from flowrl.runtime.backends.torchrun import rank_placement, read_placement
 from flowrl.runtime.distributed import merge_rollouts, shard_by_groups, split_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,13 +107,128 @@ def test_plan_files_give_ranks(tmp_path):
         rank_placement(graph, str(tmp_path / "plan.json"), 2)
 
 
+@pytest.mark.parametrize(
+    ("gen", "match"),
+    [
+        ({"ranks": [1, 2], "mesh": {"tp": 3}}, r"node 'gen' has mesh tp=3 = 3 ranks but 2 rank\(s\) \[1, 2\]"),
+        ({"ranks": [1, 2, 3, 4], "mesh": {"dp": 2, "tp": 3}}, r"node 'gen' has mesh dp=2 x tp=3 = 6 ranks"),
+        ({"ranks": [1, 2], "mesh": {"model": 2}}, r"node 'gen' has mesh axis/axes \['model'\]; the axes are \['pp', 'dp', 'tp'\]"),
+        ({"ranks": [1, 2], "mesh": {"tp": 0}}, r"node 'gen' has mesh \{'tp': 0\}; every axis size must be an integer >= 1"),
+        ({"ranks": [1, 2], "layout": "tp"}, r"node 'gen' must be a list of ranks or .*unknown key\(s\) \['layout'\]"),
+        ({"mesh": {"tp": 2}}, r"node 'gen' must be a list of ranks"),
+    ],
+    ids=["product-too-big", "2d-product", "unknown-axis", "zero-axis", "unknown-key", "no-ranks"],
+)
+def test_bad_meshes_are_plan_errors_naming_the_node(tmp_path, gen, match):
+    path = tmp_path / "place.json"
+    path.write_text(json.dumps({"policy": [0], "gen": gen}))
+    with pytest.raises(PlanError, match=match):
+        rank_placement(file_graph(), str(path), 8)
+
+
+def test_json_placements_give_named_meshes(tmp_path):
+    path = tmp_path / "place.json"
+    path.write_text(json.dumps({"policy": [0], "gen": {"ranks": [1, 2, 3, 4], "mesh": {"dp": 2, "tp": 2}}}))
+    ranks, plan, axes = read_placement(file_graph(), str(path), 5)
+    assert ranks == {"policy": (0,), "gen": (1, 2, 3, 4)} and plan is None
+    assert axes == {"policy": (("dp",), (1,)), "gen": (("dp", "tp"), (2, 2))}
+
+
+def test_collective_options_are_plain_data_and_cover_the_model():
+    """What every rank computes for a weight edge: shapes from the model config, replica layouts."""
+    import msgspec
+
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.backends.weights import COLLECTIVE, collective_options, participants, weight_transport
+    from flowrl.runtime.resharding import ShardLayout, minimum_bytes, plan_state
+
+    graph = build_llamarl()
+    assert weight_transport("inprocess") == weight_transport("collective") == COLLECTIVE
+    assert weight_transport("shm") == "shm" and weight_transport("file") == "file"
+    ranks = {"gen": (0, 3), "policy": (1, 2)}
+    opts = collective_options(graph, "policy", "gen", ranks, {}, {"gen": (("dp",), (2,))}, 30.0)
+    assert msgspec.json.decode(msgspec.json.encode(opts)) == opts  # plain data, JSON round trip
+    weights = Trainer(graph.node("policy"), graph.loss_of("policy")).weights()
+    assert {n: tuple(p["shape"]) for n, p in opts["params"].items()} == {n: tuple(t.shape) for n, t in weights.items()}
+    assert participants(opts) == [0, 1, 2, 3]
+    src = msgspec.convert(opts["trainer_layout"], ShardLayout)
+    dst = msgspec.convert(opts["generator_layout"], ShardLayout)
+    plans = plan_state({n: (p["shape"], p["dtype"]) for n, p in opts["params"].items()}, src, dst)
+    sent = {}
+    for transfers in plans.values():
+        for t in transfers:
+            sent[t.src_rank] = sent.get(t.src_rank, 0) + t.numel * 4
+    total = sum(minimum_bytes(p["shape"], p["dtype"], src, dst) for p in opts["params"].values())
+    assert sum(sent.values()) == total == 2 * 4 * sum(t.numel() for t in weights.values())  # each byte once per generator rank
+    assert set(sent) == {1, 2} and min(sent.values()) > 0.3 * total  # both replicas send a share
+    # a user program takes part on its lead only
+    solo = collective_options(graph, "policy", "gen", ranks, {"gen": "x:y"}, {}, 30.0)
+    assert participants(solo) == [0, 1, 2]
+
+
 # -- jobs ------------------------------------------------------------------------------------------
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_real_pipeline_trains_data_parallel_and_respects_staleness(tmp_path):
-    """gen on rank 0; policy data-parallel on ranks 1-2 (real operators, gloo)."""
+def test_default_example_learns_over_the_collective_transport(tmp_path):
+    """The default example (inprocess weight edge -> collective): generator on rank 0, policy
+    data-parallel on ranks 1-2 (different layouts: one replica vs two). It learns, every row
+    respects max_staleness, and the weights crossed over the collective transport: each step the
+    policy's replicas together put one full copy of the weights on the wire (one generator rank)."""
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    steps = 60
+    proc = _torchrun(3, ["-m", "flowrl", "run", "llamarl", "--backend", "torchrun", "--plan", "place.json",
+                         "--steps", str(steps), "--quiet", "--metrics", "m.jsonl"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    k = build_llamarl().weight_edges[0].max_staleness
+    assert k >= 1 and all(0 <= r["staleness"] <= k for r in rows)
+    assert any(r["staleness"] == 1 for r in rows)  # async: the generator ran ahead
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > first + 0.05 and last > 1.8 * first, (first, last)
+    from flowrl.operators.model import Transformer
+
+    nbytes = 4 * sum(p.numel() for p in Transformer(build_llamarl().node("policy").model).parameters())
+    assert all(r["weights/collective_bytes"] == nbytes for r in rows), rows[0]
+
+
+def test_generator_weights_equal_the_trainers_bit_for_bit(tmp_path):
+    """Policy replicas on ranks 0-1 publish (each sends part), generator replicas on ranks 2-3 fetch;
+    after the last sync every generator rank's weights hash like the final checkpoint's."""
+    proc = _torchrun(4, [str(THIS), "bitwise"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hashes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("gen-rank*.json"))]
+    assert len(hashes) == 2, proc.stderr[-3000:]
+    latest = (tmp_path / "ck" / "LATEST").read_text().strip() if (tmp_path / "ck" / "LATEST").exists() else None
+    ckpts = sorted((tmp_path / "ck").glob("step-*"))
+    path = (tmp_path / "ck" / latest) if latest else ckpts[-1]
+    state = torch.load(path / "policy-policy.pt", weights_only=True)
+    assert all(h["version"] == int(state["version"]) == 3 for h in hashes), (hashes, state["version"])
+    assert all(h["sha256"] == _state_hash(state["model"]) for h in hashes)
+    assert {h["rank"] for h in hashes} == {2, 3}
+    assert all(h["bytes_received"] > 0 for h in hashes)  # over the wire, not a local copy
+
+
+@pytest.mark.slow
+def test_tensor_parallel_generator_learns_over_the_collective_transport(tmp_path):
+    """policy on rank 0, a tp2 generator on ranks 1-2 (a JSON placement with a mesh)."""
+    (tmp_path / "place.json").write_text(json.dumps({"policy": [0], "gen": {"ranks": [1, 2], "mesh": {"tp": 2}}}))
+    proc = _torchrun(3, ["-m", "flowrl", "run", "llamarl", "--backend", "torchrun", "--plan", "place.json",
+                         "--steps", "60", "--quiet", "--metrics", "m.jsonl"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    assert len(rows) == 60 and all(0 <= r["staleness"] <= 1 for r in rows)
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > first + 0.05, (first, last)
+
+
+@pytest.mark.slow
+def test_real_pipeline_trains_data_parallel_over_files(tmp_path):
+    """gen on rank 0; policy data-parallel on ranks 1-2 (real operators, gloo), weights over an explicit file edge."""
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
     proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_torchrun:file_graph", "--backend", "torchrun",
                          "--plan", "place.json", "--steps", "4", "--quiet", "--metrics", "m.jsonl",
@@ -150,14 +270,21 @@ def test_too_few_ranks_fails_on_every_rank_before_any_work(tmp_path):
     ("mode", "expect"),
     [
         pytest.param("raise", "rank 1 of node 'gen' raised RuntimeError: injected failure in gen at step 2", marks=pytest.mark.slow),
-        ("die", "rank 1 of node 'gen' died"),
+        pytest.param("die", "rank 1 of node 'gen' died", marks=pytest.mark.slow),
+        ("die-collective", "rank 1 of node 'gen' died"),
     ],
-    ids=["rank-raises", "rank-dies"],
+    ids=["rank-raises", "rank-dies", "rank-dies-collective"],
 )
 def test_a_failing_rank_stops_the_job_naming_rank_and_node(tmp_path, mode, expect):
+    """A generator rank that raises or dies (with die-collective: the real generator, its weights over the
+    collective transport from a policy on rank 2) stops the whole job within the test's timeout."""
+    import time
+
+    start = time.monotonic()
     proc = _torchrun(3, [str(THIS), "fail", mode], tmp_path)
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 90
 
 
 def test_data_parallel_step_equals_a_single_process_step(tmp_path):
@@ -192,16 +319,48 @@ class _Killer:
         return self.inner.step(seq, inputs, min_version)
 
 
+class _RealKiller:
+    """The built-in generator program, killing its own process at step 2 (while weights cross)."""
+
+    def __init__(self, node, graph, env, transports):
+        from flowrl.runtime.programs import GeneratorProgram
+
+        self.inner = GeneratorProgram(node, graph, env, transports, seed=env.seed)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, seq, inputs, min_version):
+        if seq == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.step(seq, inputs, min_version)
+
+
+def _state_hash(state) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _fail_job(mode: str) -> int:
     from flowrl.cli.main import main as cli_main  # noqa: F401 - same error printing as the CLI
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
     from flowrl.runtime.synthetic import synthetic_programs
 
-    graph = file_graph()
-    programs = synthetic_programs(graph)
+    module = __name__ if __name__ != "__main__" else "tests.runtime.test_torchrun"
+    if mode == "die-collective":  # real programs, default weight edge (collective)
+        graph = build_llamarl()
+        programs = {"gen": f"{module}:_RealKiller"}
+    else:
+        graph = file_graph()
+        programs = synthetic_programs(graph)
     if mode == "die":
-        programs["gen"] = f"{__name__}:_Killer" if __name__ != "__main__" else "tests.runtime.test_torchrun:_Killer"
+        programs["gen"] = f"{module}:_Killer"
     place = Path("place.json")
     place.write_text(json.dumps({"gen": [1], "policy": [2]}))
     options = {"gen_s": 0.002, "train_s": 0.002}
@@ -213,6 +372,46 @@ def _fail_job(mode: str) -> int:
     except Exception as exc:  # noqa: BLE001 - printed as the CLI would
         print(f"flowrl run: error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _bitwise_job() -> int:
+    """policy replicas on ranks 0-1, generator replicas on 2-3, 3 steps at k=0, final checkpoint in ck/;
+    then each generator rank fetches the last version and writes its weights' hash."""
+    import time
+
+    from flowrl.runtime.backends import weights as edges
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    graph = build_llamarl(max_staleness=0)
+    place = Path("place.json")
+    place.write_text(json.dumps({"policy": [0, 1], "gen": [2, 3]}))
+    rank = int(os.environ["RANK"])
+    real_close = edges.close_edges
+
+    def close_after_hashing(**kw):  # the job's end, before the transports close: fetch the newest, hash it
+        t = edges.opened(edges.channel("policy", "gen"))
+        if t is not None and t.is_generator:
+            from flowrl.operators.model import Transformer
+
+            target = dict(Transformer(graph.node("gen").model).state_dict())
+            deadline, got = time.monotonic() + 20, None
+            while got != 3 and time.monotonic() < deadline:
+                got = t.fetch_into(target, newer_than=-1)
+                time.sleep(0.01)
+            Path(f"gen-rank{rank}.json").write_text(json.dumps(
+                {"rank": rank, "version": got, "sha256": _state_hash(target), "bytes_received": t.bytes_received}))
+        real_close(**kw)
+
+    edges_close = edges.close_edges
+    import flowrl.runtime.backends.torchrun as tr
+
+    tr.close_edges = close_after_hashing
+    try:
+        run_graph(graph, RunConfig(steps=3, backend="torchrun", plan=str(place), checkpoint_dir="ck", stall_timeout_s=60))
+    finally:
+        tr.close_edges = edges_close
     return 0
 
 
@@ -272,4 +471,6 @@ if __name__ == "__main__":
         sys.exit(_fail_job(sys.argv[2]))
     if sys.argv[1] == "dp":
         sys.exit(_dp_job(sys.argv[2]))
+    if sys.argv[1] == "bitwise":
+        sys.exit(_bitwise_job())
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")

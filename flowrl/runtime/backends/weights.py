@@ -147,13 +147,14 @@ def collective_options(
     """Plain-data options of the edge's ``CollectiveTransport`` (the same on every rank)."""
     publishers, fetchers = edge_ranks(graph, src, dst, ranks, programs)
     params = _param_specs(graph, src)
-    return {
+    options = {
         "params": params,
-        "trainer_layout": msgspec.to_builtins(dp_replicas(publishers)),
+        "trainer_layout": dp_replicas(publishers),
         "generator_layout": _generator_layouts(graph, dst, fetchers, axes.get(dst), params),
         "channel": channel(src, dst),
         "timeout_s": float(timeout_s),
     }
+    return msgspec.json.decode(msgspec.json.encode(options))  # JSON types only: what the TransportSpec carries
 
 
 def participants(options: dict[str, Any]) -> list[int]:
