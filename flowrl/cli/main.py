@@ -68,7 +68,8 @@ def _user_mistake(exc: NodeExecutionError) -> bool:
         if inner.__cause__ is None:
             break
         inner = inner.__cause__
-    return inner is not exc and isinstance(inner, FlowrlError)
+    # a worker process that died or raised is a failed run, unless it reports a flowrl input check
+    return inner is not exc and isinstance(inner, FlowrlError) and getattr(inner, "user_mistake", True)
 
 
 def _print_error(command: str, exc: FlowrlError) -> None:

@@ -22,7 +22,7 @@ import traceback
 import msgspec
 import torch
 
-from flowrl.errors import NodeBuildError
+from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.serialize import from_json
 from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
@@ -80,9 +80,20 @@ def serve(sock: socket.socket) -> None:
                     raise ValueError(f"unknown request {op!r}")
                 send_message(sock, {"ok": True})
             except Exception as exc:  # noqa: BLE001
-                send_message(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+                send_message(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                                    "user_mistake": _rooted_in_flowrl_check(exc)})
     finally:
         transports.close()
+
+
+def _rooted_in_flowrl_check(exc: BaseException) -> bool:
+    """True when the root of ``exc``'s cause chain is a flowrl check of the user's input (a prompt
+    longer than the context, a NaN reward): the CLI then reports a user mistake, as in-process."""
+    for _ in range(32):
+        if exc.__cause__ is None:
+            break
+        exc = exc.__cause__
+    return isinstance(exc, FlowrlError)
 
 
 def die_with_parent(parent: int) -> None:

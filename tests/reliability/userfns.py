@@ -60,3 +60,13 @@ def empty_prompt_task(seed: int) -> CopyTask:
 
 def long_prompt_task(seed: int) -> CopyTask:
     return _Prompts(seed, super(_Prompts, _Prompts(seed, [])).prompt(0) * 20)  # 100 tokens; the model takes 32
+
+
+def failing_task(seed: int) -> CopyTask:
+    """A task factory that raises: the source's program cannot be built."""
+    raise ValueError(f"no dataset shard for seed {seed}")
+
+
+def failing_program(node, graph, env, transports):
+    """A ``RunConfig.programs`` factory that raises: the node's program cannot be built."""
+    raise ValueError(f"cannot build a program for {node.name}")

@@ -37,7 +37,15 @@ __all__ = ["ProcessBackend", "RemoteProgram", "WorkerError", "sweep_orphan_segme
 
 
 class WorkerError(FlowrlError):
-    """A worker process raised or died; the message names its node and pid."""
+    """A worker process raised or died; the message names its node and pid.
+
+    ``user_mistake`` is True only when what the worker raised was a flowrl check of the user's input;
+    a worker that died or raised anything else is a failed run (the CLI exits 1, not 2).
+    """
+
+    def __init__(self, message: str, *, user_mistake: bool = False) -> None:
+        super().__init__(message)
+        self.user_mistake = user_mistake
 
 
 class RemoteProgram:
@@ -65,7 +73,8 @@ class RemoteProgram:
             except (ConnectionLost, OSError):
                 raise self._died() from None
         if not reply.get("ok"):
-            raise WorkerError(f"{reply.get('error')}\n--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---\n{reply.get('traceback', '')}")
+            raise WorkerError(f"{reply.get('error')}\n--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---\n{reply.get('traceback', '')}",
+                              user_mistake=bool(reply.get("user_mistake")))
         return reply, out
 
     def ready(self) -> None:
