@@ -12,6 +12,14 @@ steps) reaches ``--target``, and the curve (step, seconds, windowed mean reward,
     python benches/learning.py                       # copy: chance -> 0.9, then add for --add-seconds
     python benches/learning.py --tasks copy --threads 1 --staleness 1
     python benches/learning.py --runtime-only        # the runtime: k = 0 vs k = 1, 2: time to target, final reward
+    python benches/learning.py --torchrun-only       # the torchrun backend (3 CPU ranks: gen rank 0, policy dp ranks 1-2,
+                                                     # weights over the collective transport): k = 0 vs k = 1
+
+``--torchrun`` launches ``python -m torch.distributed.run --nproc-per-node 3 -m flowrl run llamarl --backend torchrun``
+as a subprocess per k (placement ``--torchrun-plan``), reads its metrics JSONL, and reports the wall time
+to the target (``time_s`` of the row where the windowed reward first reaches it, measured from the
+controller's start: process start-up and rendezvous excluded, reported separately as ``launch_s``)
+and the final reward (mean of the last 20 steps).
 """
 
 from __future__ import annotations
@@ -19,8 +27,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import torch
@@ -159,6 +172,71 @@ def _median(values: list[float]) -> float | None:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
+def _summarise_rows(rows: list[dict], *, target: float, window: int) -> dict:
+    reached = None
+    for i in range(window - 1, len(rows)):
+        mean = sum(r["reward_mean"] for r in rows[i - window + 1 : i + 1]) / window
+        if mean >= target:
+            reached = {"step": rows[i]["step"], "seconds": round(rows[i]["time_s"], 2)}
+            break
+    tail = rows[-20:]
+    return {
+        "steps": len(rows),
+        "reached_target": reached,
+        "final_reward": round(sum(r["reward_mean"] for r in tail) / len(tail), 4),
+        "staleness_max": max(r["staleness"] for r in rows),
+        "curve": [
+            {"step": r["step"], "time_s": round(r["time_s"], 2), "reward": round(r["reward_mean"], 3), "staleness": r["staleness"]}
+            for r in rows[:: max(1, len(rows) // 20)]
+        ],
+    }
+
+
+def torchrun_curve(k: int, *, steps: int, target: float, window: int, seed: int, plan: dict, timeout_s: float) -> dict:
+    """The default example under torchrun at staleness ``k`` (a subprocess); time to target and final reward."""
+    nproc = 1 + max(r for v in plan.values() for r in (v["ranks"] if isinstance(v, dict) else v))
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="flowrl-bench-torchrun-") as tmp:
+        Path(tmp, "place.json").write_text(json.dumps(plan))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "flowrl", "run", "llamarl", "--backend", "torchrun",
+            "--plan", "place.json", "--steps", str(steps), "--max-staleness", str(k), "--seed", str(seed),
+            "--quiet", "--metrics", "m.jsonl",
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
+        total = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"torchrun k={k} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        rows = [json.loads(line) for line in Path(tmp, "m.jsonl").read_text().splitlines()]
+    wall = rows[-1]["time_s"]
+    out = {"max_staleness": k, "backend": "torchrun", "ranks": nproc, "plan": plan, "wall_s": round(wall, 2),
+           "launch_s": round(total - wall, 2), "mean_step_s": round(wall / len(rows), 4)}
+    out.update(_summarise_rows(rows, target=target, window=window))
+    out["collective_bytes_per_step"] = rows[-1].get("weights/collective_bytes")
+    return out
+
+
+def torchrun_comparison(args: argparse.Namespace) -> dict:
+    """Synchronous k = 0 against async k = 1 on the torchrun backend, same seed, steps and placement."""
+    plan = json.loads(args.torchrun_plan)
+    common = dict(steps=args.runtime_steps, target=args.target, window=args.window, seed=args.seed, plan=plan, timeout_s=args.torchrun_timeout)
+    runs = [torchrun_curve(k, **common) for k in (0, 1)]
+    sync, fast = runs
+    out: dict = {"target": args.target, "window": args.window, "runs": runs}
+    if sync["reached_target"] and fast["reached_target"]:
+        out["k1_time_to_target_speedup"] = round(sync["reached_target"]["seconds"] / fast["reached_target"]["seconds"], 3)
+    else:
+        out["k1_time_to_target_speedup"] = None
+    out["k1_final_reward_vs_sync"] = [fast["final_reward"], sync["final_reward"]]
+    return out
+
+
 def runtime_comparison(args: argparse.Namespace) -> dict:
     """Synchronous k = 0 (local backend, 1 thread: the fastest for this tiny model in a plain loop)
     against async k = 1 and k = 2 on ``--backend`` (process by default: one process per executor,
@@ -213,6 +291,10 @@ def main() -> None:
     p.add_argument("--runtime-steps", type=int, default=400, help="trainer steps of each runtime run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds of the runtime comparison")
     p.add_argument("--backend", default="process", choices=("local", "process"), help="backend of the async runs (process: no shared GIL)")
+    p.add_argument("--torchrun", action="store_true", help="also train under torchrun (collective weights): k=0 vs k=1")
+    p.add_argument("--torchrun-only", action="store_true", help="only the torchrun comparison")
+    p.add_argument("--torchrun-plan", default='{"gen": [0], "policy": [1, 2]}', help="JSON placement of the torchrun runs")
+    p.add_argument("--torchrun-timeout", type=float, default=900, help="seconds before a torchrun run is killed")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     _, gen_node, *_ = example_nodes("copy", args.seed)
@@ -225,7 +307,9 @@ def main() -> None:
     }
     if args.runtime or args.runtime_only:
         out["runtime"] = runtime_comparison(args)
-    for task in ([] if args.runtime_only else args.tasks):
+    if args.torchrun or args.torchrun_only:
+        out["torchrun"] = torchrun_comparison(args)
+    for task in ([] if args.runtime_only or args.torchrun_only else args.tasks):
         seconds = args.copy_seconds if task == "copy" else args.add_seconds
         out["runs"].append(
             run(

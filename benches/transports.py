@@ -9,9 +9,16 @@ it also prints ``per_tensor_copy_GBps``: ``copy_`` tensor by tensor into a preal
 on a busy machine is much slower than one flat copy (see ``copy_tensor`` in ``transports/base.py``). The shm and file readers are separate objects attached by name, as another process
 would. The file transport fsyncs each version (its default), so its publish measures the disk.
 
-    python benches/transports.py                      # 100MB and 1GB
-    python benches/transports.py --sizes 100MB        # the quick run
+    python benches/transports.py                      # 100MB and 1GB, inprocess/shm/file and collective
+    python benches/transports.py --quick              # 100MB, 2 repeats
     python benches/transports.py --transports shm --repeats 5
+    python benches/transports.py --transports collective   # only the collective transport (4 CPU ranks)
+
+``collective`` (the torch.distributed transport) is measured by ``benches/collective.py``, launched as a
+subprocess with the same sizes and repeats: 4 gloo ranks, trainer FSDP over ranks 0-1 -> generator
+tp2 over ranks 2-3, throughput as a ratio to raw gloo send/recv of the same bytes between the same
+ranks in the same run, and the bytes moved against ``resharding.minimum_bytes``. Its JSON goes under
+``"collective"`` (its sizes are powers of 1024: 100MB = 100 MiB there).
 
 Memory: the state, a target and two copies inside the transport (2 x in /dev/shm for shm, on disk
 for file): about 4x the size at peak (4 GB for 1GB).
@@ -24,10 +31,13 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -89,7 +99,7 @@ def open_pair(name: str, workdir: str):
     if name == "file":
         directory = os.path.join(workdir, f"weights-{uuid.uuid4().hex[:8]}")
         return FileTransport(directory), FileTransport(directory)
-    raise SystemExit(f"unknown transport {name!r}; choose from inprocess, shm, file")
+    raise SystemExit(f"unknown transport {name!r}; choose from inprocess, shm, file, collective")
 
 
 def bench_transport(name: str, state: dict[str, torch.Tensor], repeats: int, workdir: str) -> dict[str, float]:
@@ -107,13 +117,29 @@ def bench_transport(name: str, state: dict[str, torch.Tensor], repeats: int, wor
     return {"publish_s": pub, "fetch_s": fetch, "first_publish_s": first_pub, "first_fetch_s": first_fetch}
 
 
+def bench_collective(sizes: list[str], repeats: int, timeout_s: float) -> dict:
+    """Run benches/collective.py (4 gloo ranks) and return its JSON."""
+    script = Path(__file__).with_name("collective.py")
+    cmd = [sys.executable, str(script), "--sizes", *sizes, "--repeats", str(repeats), "--timeout", str(timeout_s)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 60, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"benches/collective.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES), help="state sizes to run")
-    p.add_argument("--transports", nargs="+", default=["inprocess", "shm", "file"])
+    p.add_argument("--transports", nargs="+", default=["inprocess", "shm", "file", "collective"])
     p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median), after one warm-up")
     p.add_argument("--workdir", default=None, help="where the file transport writes (default: a temp dir on disk)")
+    p.add_argument("--quick", action="store_true", help="100MB only, 2 repeats")
+    p.add_argument("--collective-timeout", type=float, default=1200, help="seconds before the collective ranks are killed")
     args = p.parse_args()
+    if args.quick:
+        args.sizes, args.repeats = ["100MB"], min(args.repeats, 2)
+    local = [t for t in args.transports if t != "collective"]
     out: dict[str, object] = {
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "python": platform.python_version()},
@@ -121,10 +147,10 @@ def main() -> None:
         "results": [],
     }
     with tempfile.TemporaryDirectory(prefix="flowrl-bench-", dir=args.workdir) as workdir:
-        for size in args.sizes:
+        for size in args.sizes if local else []:
             state = model_state(SIZES[size])
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
-            for name in args.transports:
+            for name in local:
                 copy_s, state_copy_s = copy_baselines(state, args.repeats)  # next to each transport: same load
                 copy_gbps = nbytes / copy_s / 1e9
                 r = bench_transport(name, state, args.repeats, workdir)
@@ -137,6 +163,8 @@ def main() -> None:
                     "first_publish_s": round(r["first_publish_s"], 4), "first_fetch_s": round(r["first_fetch_s"], 4),
                 })
             del state
+    if "collective" in args.transports:
+        out["collective"] = bench_collective(args.sizes, args.repeats, args.collective_timeout)
     print(json.dumps(out, indent=2))
 
 
