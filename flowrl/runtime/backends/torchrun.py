@@ -8,8 +8,10 @@ Where things run:
 
 - Device ids of the plan are global ranks. Each heavy node (generator, policy, reference) runs on
   its ranks; its first rank is its *lead*. ``--plan`` takes a plan file from ``flowrl plan -o`` or,
-  as a fallback, a small JSON placement ``{"node": [ranks, ...], ...}`` (mesh axis ``("dp",)``).
-  Without ``--plan``: every heavy node on every rank (colocated).
+  as a fallback, a small JSON placement ``{"node": [ranks, ...], ...}`` (mesh axis ``("dp",)``), where
+  a node may also be ``{"ranks": [...], "mesh": {"dp": 1, "tp": 2}}`` (named axes; their product must
+  be the number of ranks, names among ``pp``, ``dp``, ``tp``). Without ``--plan``: every heavy node on
+  every rank (colocated).
 - The controller (version clock, channels, staleness gate, metrics, trace, checkpoints) runs on
   rank 0 only: the clock and the staleness invariant need one owner, and metrics, trace and
   checkpoints must be written once. Light nodes (sources, rule scorers) run in threads there too.
@@ -22,21 +24,24 @@ Where things run:
   gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
   idle rank waits without a timeout ticking; collectives run only inside a step, between busy ranks.
 - Each heavy node's ranks form a process group (``dist.new_group``, created by every rank, in graph
-  order) and a ``DeviceMesh`` with the plan's named axes (``("dp",)`` for a JSON placement).
-- Parallel executors: a policy on several ranks trains data-parallel (``rank_programs.DataParallelPolicy``: the lead
-  broadcasts the batch, each replica trains on whole prompt groups of it, gradients weighted by token
-  share and summed, the same clipped step everywhere; equal to a one-process step up to rounding).
-  A generator on several ranks runs replicas (``rank_programs.ReplicaGenerator``: each samples a contiguous part of
-  the prompts with its own copy of the weights, the lead gathers). Tensor parallelism is not here.
+  order) and a ``DeviceMesh`` with the plan's named axes; each collective weight edge a group of
+  exactly its ranks (``_setup_groups``).
+- Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
+  (``DataParallelPolicy``: equal to a one-process step up to rounding); a generator on several ranks
+  runs replicas (``ReplicaGenerator``) or, with a ``tp`` mesh axis, ``TensorParallelGenerator``.
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
-- Weights: ``inprocess`` edges become ``shm`` when every rank is on one host, ``file`` otherwise
-  (``FLOWRL_WEIGHTS_DIR`` must then be a directory every host sees). The collective transport will
-  replace both: see ``_weight_transport``.
+- Weights: ``inprocess`` and ``collective`` edges use the collective transport
+  (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
+  edge opened at setup, generator ranks receiving in the background); every policy replica
+  publishes, every generator rank fetches. Edges that name ``shm`` or ``file`` keep them (``file``
+  across hosts needs ``FLOWRL_WEIGHTS_DIR``, a directory every host sees).
 
 Timeouts (a failure stops the whole job in bounded time; nothing waits forever):
 
 - ``FLOWRL_DIST_TIMEOUT_S`` (default 120): the process-group timeout; a collective whose peer died
-  or raised fails after it. Steps are not bounded by it, only collectives inside a step.
+  or raised fails after it. Steps are not bounded by it, only collectives inside a step. It is also
+  the collective weight transport's ``timeout_s`` (its handshake at setup, a publish waiting for the
+  previous version's sends, a fetch waiting for announced data).
 - ``FLOWRL_CONNECT_TIMEOUT_S`` (default 120): ranks connecting to rank 0, and rank 0's address in the store.
 - A rank that raises answers the controller with the error; a rank that dies closes its socket. Either
   way the controller fails the run naming the node and the rank, closes every socket (each worker's
