@@ -1,7 +1,7 @@
 """Exactly-once resume after SIGKILL: of the whole run (local and process backends, at a random
 moment and while a checkpoint is being written) and of one worker process. See ``killresume.py``.
 
-Default run: five kills (about 45 s on 2 idle cores). ``--runslow`` adds a sweep over k in 0..4
+Default run: four kills (about 75 s on 2 shared cores). ``--runslow`` adds a sweep over k in 0..4
 and checkpoint intervals 1..4 with random kill moments.
 """
 
@@ -36,7 +36,7 @@ def _assert_exact(out) -> None:
     assert not out.orphans
 
 
-@pytest.mark.parametrize(("k", "every", "seed"), [(0, 1, 1), (2, 3, 2)], ids=["k0-every1", "k2-every3"])
+@pytest.mark.parametrize(("k", "every", "seed"), [pytest.param(0, 1, 1, marks=pytest.mark.slow), (2, 3, 2)], ids=["k0-every1", "k2-every3"])
 def test_sigkill_at_a_random_moment_then_resume_is_exact(tmp_path: Path, want, k: int, every: int, seed: int) -> None:
     out = kill_and_resume(tmp_path, steps=STEPS, k=k, every=every, rng=random.Random(seed), want=want(k))
     _assert_exact(out)
