@@ -126,32 +126,37 @@ def fuzzed(t: Tally, root: str, n: int, seed: int) -> None:
     cluster_case()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=500, help="generated inputs per fuzzed family (default: 500)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def summary(n: int = 500, seed: int = 0) -> dict:
+    """Run every hand-made bad input and ``n`` generated ones per family; the figures as a dict."""
     t = Tally()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flowrl-bad-inputs-") as root:
         hand_made(t, root)
         hand_s = time.perf_counter() - start
-        fuzzed(t, root, args.n, args.seed)
+        fuzzed(t, root, n, seed)
     families = sorted(t.tried)
     hand = [f for f in families if not f.startswith("fuzz:")]
     fuzz = [f for f in families if f.startswith("fuzz:")]
-    print(json.dumps({
+    return {
         "tried": sum(t.tried.values()),
         "clean_errors": sum(t.clean.values()),
         "valid_generated": sum(t.valid.values()),
         "failures": len(t.failures),
         "hand_made": {"tried": sum(t.tried[f] for f in hand), "clean": sum(t.clean[f] for f in hand), "seconds": round(hand_s, 1)},
         "generated": {"tried": sum(t.tried[f] for f in fuzz), "clean": sum(t.clean[f] for f in fuzz),
-                      "valid": sum(t.valid[f] for f in fuzz), "per_family": args.n},
+                      "valid": sum(t.valid[f] for f in fuzz), "per_family": n},
         "by_family": {f: {"tried": t.tried[f], "clean": t.clean[f], "valid": t.valid[f]} for f in families},
         "wall_s": round(time.perf_counter() - start, 1),
         "failure_list": t.failures,
-    }, indent=2))
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=500, help="generated inputs per fuzzed family (default: 500)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(json.dumps(summary(args.n, args.seed), indent=2))
 
 
 if __name__ == "__main__":
