@@ -240,6 +240,9 @@ def kill_and_resume(
     if [r.get("prompt_index") for r in killed] != want[: len(killed)]:
         out.problems.append("the killed run's rows already differ from the uninterrupted run's")
     _check_checkpoints(ck, out.problems)
+    if out.finished:  # the run ended before the kill came: nothing to resume, its metrics must be whole
+        out.lost, out.repeated = check_run(metrics, want, k, out.problems)
+        return out
     _resume(args, out, TIMEOUT_S)
     if out.resumed_from and out.resumed_from > out.killed_rows:
         out.problems.append(f"resumed from step {out.resumed_from}, after the {out.killed_rows} steps the metrics show")
