@@ -245,15 +245,19 @@ def test_real_pipeline_trains_data_parallel_over_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_generator_replicas_colocated_with_the_policy(tmp_path):
-    """gen replicas on ranks 0-1, policy on rank 1 (shares rank 1 with a replica: colocation group)."""
+@pytest.mark.parametrize("graph", ["tests.runtime.test_torchrun:file_graph", "llamarl"], ids=["file", "collective"])
+def test_generator_replicas_colocated_with_the_policy(tmp_path, graph):
+    """gen replicas on ranks 0-1, policy on rank 1 (shares rank 1 with a replica: colocation group;
+    with the collective transport rank 1 holds both roles)."""
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0, 1], "policy": [1]}))
-    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_torchrun:file_graph", "--backend", "torchrun",
+    proc = _torchrun(2, ["-m", "flowrl", "run", graph, "--backend", "torchrun",
                          "--plan", "place.json", "--steps", "3", "--quiet", "--metrics", "m.jsonl", "--max-staleness", "0"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(tmp_path / "m.jsonl")
     assert [r["staleness"] for r in rows] == [0, 0, 0]
-    assert all(r["samples"] == 64 for r in rows)
+    g = file_graph()
+    per_step = g.nodes_of_kind("source")[0].source.batch_size * g.nodes_of_kind("generator")[0].sampling.n_samples
+    assert all(r["samples"] == per_step for r in rows)
 
 
 def test_too_few_ranks_fails_on_every_rank_before_any_work(tmp_path):
