@@ -171,6 +171,8 @@ def open_edges(specs: dict[str, dict[str, Any]], groups: dict[str, Any], rank: i
     """Construct this rank's transport of every edge it takes part in (every participating rank must call this)."""
     from flowrl.runtime.transports.collective import CollectiveTransport
 
+    # registered here, inside a torchrun job only: graphs validated elsewhere never see the name
+    register_transport(COLLECTIVE, _shared, replace=True)
     for ch, options in specs.items():
         if rank not in participants(options):
             continue
@@ -222,6 +224,4 @@ def _shared(**options: Any) -> _Handle:
         raise TransportError(f"collective weight edge {ch!r}: the controller's options differ from this rank's; every rank must run the same graph and plan")
     return _Handle(transport)
 
-
-register_transport(COLLECTIVE, _shared, replace=True)
 
