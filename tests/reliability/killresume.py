@@ -215,7 +215,7 @@ def kill_and_resume(
                     raise TimeoutError("no checkpoint was started")
                 time.sleep(0.002)
         else:
-            time.sleep(rng.uniform(0.0, steps * 2 * step_s))
+            time.sleep(rng.uniform(0.0, steps * 0.8 * step_s))  # a step takes about step_s or more: mid-run
         out.mid_checkpoint = any(ck.glob(".step-*.tmp-*"))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -225,7 +225,8 @@ def kill_and_resume(
             proc.wait(timeout=30)
         if proc.stderr is not None:
             proc.stderr.close()
-    out.finished = proc.returncode == 0
+    # ended before the kill, or killed after its final checkpoint (nothing left to resume)
+    out.finished = proc.returncode == 0 or (ck / "LATEST").is_file() and (ck / "LATEST").read_text().strip() == f"step-{steps:08d}"
     deadline = time.monotonic() + 10
     while any(alive(p) for p in out.workers) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -40,6 +40,7 @@ def _assert_exact(out) -> None:
 def test_sigkill_at_a_random_moment_then_resume_is_exact(tmp_path: Path, want, k: int, every: int, seed: int) -> None:
     out = kill_and_resume(tmp_path, steps=STEPS, k=k, every=every, rng=random.Random(seed), want=want(k))
     _assert_exact(out)
+    assert not out.finished, "the kill came after the run had finished: nothing was tested"
 
 
 def test_sigkill_while_a_checkpoint_is_written_never_leaves_one_that_looks_complete(tmp_path: Path, want) -> None:
