@@ -116,7 +116,7 @@ class Controller:
         self.config = config
         self.placement = placement
         self.on_step = on_step
-        self.tracer = Tracer(enabled=True)
+        self.tracer = Tracer(enabled=bool(config.trace))  # spans are kept in memory only when a trace is asked for
         self.clock = VersionClock(0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
