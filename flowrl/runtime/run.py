@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from flowrl.errors import ConfigError
-from flowrl.graph.ir import Graph
+from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.placement import Placement, default_placement, placement_from_plan
@@ -27,16 +27,16 @@ __all__ = ["run_graph", "transport_specs", "resolve_placement"]
 
 
 def transport_specs(
-    graph: Graph, backend: str, run_dir: str, *, choose: Callable[[str], str] | None = None
+    graph: Graph, backend: str, run_dir: str, *, choose: Callable[[WeightEdge], str] | None = None
 ) -> tuple[TransportSpec, ...]:
-    """Open options for each weight edge's transport. ``choose`` maps an edge's transport name to the
-    one this backend uses; by default, in the process backend ``inprocess`` (which cannot cross
+    """Open options for each weight edge's transport. ``choose`` maps an edge to the name of the
+    transport this backend uses for it; by default, in the process backend ``inprocess`` (which cannot cross
     processes) becomes ``shm`` (shared memory)."""
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     specs = []
     for e in graph.weight_edges:
         if choose is not None:
-            name = choose(e.transport)
+            name = choose(e)
         else:
             name = "shm" if backend == "process" and e.transport == "inprocess" else e.transport
         writer: dict[str, Any] = {}

@@ -21,10 +21,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
-from flowrl.errors import PlanError
+from flowrl.errors import ConfigError, PlanError
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.runtime.backends.torchrun import rank_placement, read_placement
 from flowrl.runtime.distributed import merge_rollouts, shard_by_groups, split_prompts
@@ -478,3 +479,23 @@ if __name__ == "__main__":
     if sys.argv[1] == "bitwise":
         sys.exit(_bitwise_job())
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")
+
+
+def test_weight_edges_of_user_programs_avoid_the_collective_transport(monkeypatch):
+    """The collective transport lays out the built-in model: an edge with a user program at an end
+    (synthetic operators) uses shm on one host and file across hosts; naming collective is an error."""
+    from flowrl.runtime.backends.torchrun import _weight_transport
+    from flowrl.runtime.backends.weights import COLLECTIVE
+
+    g = build_llamarl(max_staleness=1)
+    (edge,) = g.weight_edges
+    user = {"gen": "flowrl.runtime.synthetic:synthetic_program"}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _weight_transport(edge, {}) == COLLECTIVE
+    assert _weight_transport(edge, user) == "shm"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert _weight_transport(edge, user) == "file"
+    explicit = msgspec.structs.replace(edge, transport="collective")
+    with pytest.raises(ConfigError, match="runs a user program.*use transport='shm' or 'file'"):
+        _weight_transport(explicit, user)

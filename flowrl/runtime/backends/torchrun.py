@@ -61,7 +61,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ import msgspec
 import torch
 
 from flowrl.errors import ConfigError, FlowrlError, PlanError
-from flowrl.graph.ir import Graph
+from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
@@ -294,10 +294,24 @@ def _one_host() -> bool:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "-1")) == int(os.environ.get("WORLD_SIZE", "-2"))
 
 
-def _weight_transport(name: str) -> str:
+def _weight_transport(edge: WeightEdge, programs: Mapping[str, str]) -> str:
     """The transport a weight edge uses across ranks: the collective one for ``inprocess`` and
-    ``collective`` edges (``weights.COLLECTIVE``), ``shm`` / ``file`` when the graph names them."""
-    return weight_transport(name)
+    ``collective`` edges (``weights.COLLECTIVE``), ``shm`` / ``file`` when the graph names them.
+
+    An ``inprocess`` edge with a user program at either end (synthetic operators, say) moves its
+    weights through ``shm`` on one host and ``file`` otherwise: the collective transport lays out
+    the built-in model's parameters and cannot know a user program's tensors.
+    """
+    user = edge.src in programs or edge.dst in programs
+    if user and edge.transport == "collective":
+        raise ConfigError(
+            f"weight edge {edge.src!r} -> {edge.dst!r} asks for the collective transport, but "
+            f"{edge.src if edge.src in programs else edge.dst!r} runs a user program: the collective transport "
+            "moves the built-in model's parameters only; use transport='shm' or 'file' for this edge"
+        )
+    if user and edge.transport == "inprocess":
+        return "shm" if _one_host() else "file"
+    return weight_transport(edge.transport)
 
 
 def _listen_address() -> str:
@@ -353,7 +367,7 @@ def _edge_options(graph: Graph, ctx: RankContext, axes: dict[str, Axes]) -> dict
     return {
         channel(e.src, e.dst): collective_options(graph, e.src, e.dst, ctx.ranks, ctx.programs, axes, DIST_TIMEOUT_S)
         for e in graph.weight_edges
-        if _weight_transport(e.transport) == COLLECTIVE
+        if _weight_transport(e, ctx.programs) == COLLECTIVE
     }
 
 
@@ -475,13 +489,13 @@ def _control(
     host, port = listener.getsockname()[:2]
     store.set(_STORE_KEY, f"{host}:{port}")
     shared = os.environ.get("FLOWRL_WEIGHTS_DIR")
-    if not shared and not _one_host() and any(_weight_transport(e.transport) == "file" for e in graph.weight_edges):
+    if not shared and not _one_host() and any(_weight_transport(e, config.programs) == "file" for e in graph.weight_edges):
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
     specs = tuple(
         msgspec.structs.replace(s, writer_options=edges[channel(s.src, s.dst)], reader_options=edges[channel(s.src, s.dst)])
         if s.name == COLLECTIVE else s
-        for s in transport_specs(graph, "torchrun", run_dir, choose=_weight_transport)
+        for s in transport_specs(graph, "torchrun", run_dir, choose=lambda e: _weight_transport(e, config.programs))
     )
     env = ProgramEnv(
         transports=specs,
