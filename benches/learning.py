@@ -264,6 +264,7 @@ def runtime_comparison(args: argparse.Namespace) -> dict:
             "reached_target": f"{sum(r['reached_target'] is not None for r in runs)}/{len(runs)}",
             "median_seconds_to_target": _median([r["reached_target"]["seconds"] for r in runs if r["reached_target"]]),
             "mean_final_reward": round(sum(r["final_reward"] for r in runs) / len(runs), 4),
+            "median_final_reward": _median([r["final_reward"] for r in runs]),
             "mean_step_s": round(sum(r["mean_step_s"] for r in runs) / len(runs), 4),
         }
         if k:
