@@ -139,28 +139,13 @@ def runtime_curve(k: int, *, steps: int, target: float, window: int, seed: int, 
 
     graph = build_llamarl(max_staleness=k)
     result = run_graph(graph, RunConfig(steps=steps, seed=seed, backend=backend, threads=threads))
-    rows = result.rows
-    reached = None
-    for i in range(window - 1, len(rows)):
-        mean = sum(r["reward_mean"] for r in rows[i - window + 1 : i + 1]) / window
-        if mean >= target:
-            reached = {"step": rows[i]["step"], "seconds": round(rows[i]["time_s"], 2)}
-            break
-    tail = rows[-20:]
     return {
         "max_staleness": k,
         "backend": backend,
         "threads": threads or "auto",
-        "steps": len(rows),
         "wall_s": round(result.wall_s, 2),
-        "reached_target": reached,
-        "final_reward": round(sum(r["reward_mean"] for r in tail) / len(tail), 4),
-        "staleness_max": max(r["staleness"] for r in rows),
-        "mean_step_s": round(result.wall_s / len(rows), 4),
-        "curve": [
-            {"step": r["step"], "time_s": round(r["time_s"], 2), "reward": round(r["reward_mean"], 3), "staleness": r["staleness"]}
-            for r in rows[:: max(1, len(rows) // 20)]
-        ],
+        "mean_step_s": round(result.wall_s / len(result.rows), 4),
+        **_summarise_rows(result.rows, target=target, window=window),
     }
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -41,8 +40,8 @@ from flowrl.runtime.resharding import (
 from flowrl.runtime.transports.base import layout_of
 from flowrl.runtime.transports.collective import CollectiveTransport
 from flowrl.runtime.transports.registry import create_transport
+from tests.runtime.helpers import launch_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 VERSIONS = (0, 1, 2)
 
 # --- the resharding table ------------------------------------------------------------------------
@@ -350,28 +349,9 @@ def _worker_main(argv: list[str]) -> None:
 
 
 def _launch(world: int, tmp: Path, timeout_s: float = 150) -> dict[int, dict[str, Any]]:
-    """Run ``world`` worker ranks; kill them all and fail if they do not finish in time."""
-    out = tmp / "out"
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tests.runtime.test_collective"]
-    procs = [
-        subprocess.Popen([*cmd, str(r), str(world), str(tmp / "pg.init"), str(out)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout_s
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"the worker ranks did not finish in {timeout_s:.0f} s (a rank hangs)")
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if (out / f"rank{r}.json").exists()} | {
-        -1: {"logs": logs}
-    }
+    """Run ``world`` worker ranks; their results, plus every rank's output under key -1."""
+    results, logs = launch_ranks("tests.runtime.test_collective", world, tmp, timeout_s)
+    return results | {-1: {"logs": logs}}
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -41,8 +38,8 @@ from flowrl.runtime.tensor_parallel import (
     shard_transformer_,
     tp_param_layouts,
 )
+from tests.runtime.helpers import launch_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 
 #: Model shapes the checks run: grouped-query attention, an uneven SwiGLU split (45 = 23 + 22 over tp2,
 #: 12 + 12 + 12 + 9 over tp4), an untied output head; and the tied default-like shape.
@@ -257,28 +254,11 @@ def _worker_main(argv: list[str]) -> None:
 
 
 def _launch(world: int, tmp: Path, timeout_s: float = 120) -> dict[int, dict[str, Any]]:
-    """Run ``world`` worker ranks; kill them all and fail if they do not finish in time."""
-    out = tmp / "out"
-    out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tests.runtime.test_tensor_parallel"]
-    procs = [
-        subprocess.Popen([*cmd, str(r), str(world), str(tmp / "pg.init"), str(out)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout_s
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"the {world} worker ranks did not finish in {timeout_s:.0f} s (a rank hangs)")
-    missing = [r for r in range(world) if not (out / f"rank{r}.json").exists()]
+    """Run ``world`` worker ranks; every rank must write its result."""
+    results, logs = launch_ranks("tests.runtime.test_tensor_parallel", world, tmp, timeout_s)
+    missing = [r for r in range(world) if r not in results]
     assert not missing, f"ranks {missing} wrote no result; output:\n" + "\n".join(logs)
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+    return results
 
 
 @pytest.fixture(scope="module")
