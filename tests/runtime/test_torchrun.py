@@ -467,6 +467,7 @@ def _dp_job(out: str) -> int:
             "loss_dp": float(loss_dp),
             "loss_ref": ref_metrics["loss"],
         }))
+    dist.barrier()  # nobody tears down (rank 0 hosts the store) while a peer is still in a collective
     dist.destroy_process_group()
     return 0
 
