@@ -134,6 +134,12 @@ class Generator:
         """The model's parameters by name: tensors a transport may copy into in place."""
         return self._targets
 
+    def refresh_weight_targets(self) -> dict[str, Tensor]:
+        """Re-read the targets from the model after its parameters were replaced (e.g. by their
+        tensor-parallel shards, ``flowrl.runtime.tensor_parallel``); returns them."""
+        self._targets = dict(self.model.state_dict())
+        return self._targets
+
     def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         """Copy ``state`` (a trainer's ``weights()``) into the model, cast to its precision; set ``version``."""
         copy_weights(self._targets, state, owner=f"generator {self.name!r}")

@@ -242,8 +242,7 @@ class TensorParallelGenerator(GeneratorProgram):
         self._staging = dict(self.generator.weight_targets())  # the full tensors (version 0) become the staging copy
         comm = ctx.device if ctx.device.type == "cuda" else None
         shard_transformer_(model, self.tp_ranks, ctx.rank, self.tp_group, comm_device=comm)
-        self._local = dict(model.state_dict())
-        self.generator._targets = self._local  # weight_targets() now gives the shards (the Generator keeps no other reference)
+        self._local = self.generator.refresh_weight_targets()  # weight_targets() now gives the shards
         self._staged = self.generator.version
         self._direct: bool | None = None  # whether the transport delivers shards (decided at the first fetch)
 
