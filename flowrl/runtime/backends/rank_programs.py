@@ -207,10 +207,6 @@ class TensorParallelGenerator(GeneratorProgram):
     they match), so no replica ever samples with shards of two versions.
     """
 
-    #: Read by ``flowrl.runtime.backends.weights``: this program fetches only its shards when the
-    #: collective transport is laid out with ``tp_param_layouts``.
-    FETCHES_LOCAL_SHARDS = True
-
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         import torch.distributed as dist
 

@@ -13,8 +13,8 @@ In a torchrun job a weight edge (policy -> generator) uses the collective transp
 - Layouts: every rank of a data-parallel policy publishes its full replica (``dp_replicas`` over the
   policy's ranks; the transfer plan picks the sender of each block among the replicas, least loaded
   first, so each byte is sent once per destination). Generator replicas fetch the full state
-  (``dp_replicas``); a tensor-parallel generator (a ``tp`` mesh axis > 1, when
-  ``flowrl.runtime.tensor_parallel.tp_param_layouts`` exists) fetches its shards. A node run by a
+  (``dp_replicas``); a tensor-parallel generator (a ``tp`` mesh axis > 1) fetches its shards
+  (``flowrl.runtime.tensor_parallel.tp_param_layouts``). A node run by a
   user program takes part on its lead rank only (its other ranks idle).
 - Process groups: each collective edge gets a group of exactly its participating ranks, created by
   every rank in graph order (``dist.new_group`` is collective), then warmed with one all-reduce so
@@ -29,7 +29,6 @@ In a torchrun job a weight edge (policy -> generator) uses the collective transp
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 
 from flowrl.errors import ConfigError, TransportError
 from flowrl.graph.ir import Graph
-from flowrl.runtime.resharding import ShardLayout, dp_replicas
+from flowrl.runtime.resharding import dp_replicas
 from flowrl.runtime.transports.registry import register_transport
 
 __all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]
@@ -69,11 +68,6 @@ def _meshes_tp(axes: tuple[tuple[str, ...], tuple[int, ...]] | None) -> int:
     return dict(zip(names, shape)).get("tp", 1)
 
 
-def tensor_parallel_available() -> bool:
-    """True once ``flowrl.runtime.tensor_parallel`` (``tp_param_layouts``) exists."""
-    return importlib.util.find_spec("flowrl.runtime.tensor_parallel") is not None
-
-
 def edge_ranks(graph: Graph, src: str, dst: str, ranks: dict[str, tuple[int, ...]], programs: dict[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(publishing ranks, fetching ranks) of the edge: all of a built-in node's ranks, a user program's lead."""
     def active(node: str) -> tuple[int, ...]:
@@ -96,28 +90,15 @@ def _param_specs(graph: Graph, src: str) -> dict[str, dict[str, Any]]:
     return {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in model.state_dict().items()}
 
 
-def tp_fetches_shards() -> bool:
-    """True once ``rank_programs.TensorParallelGenerator`` fetches only its shards: it sets the class
-    attribute ``FETCHES_LOCAL_SHARDS = True`` and fetches into ``local_weight_targets()``."""
-    if not tensor_parallel_available():
-        return False
-    from flowrl.runtime.backends import rank_programs
-
-    cls = getattr(rank_programs, "TensorParallelGenerator", None)
-    return bool(getattr(cls, "FETCHES_LOCAL_SHARDS", False))
-
-
 def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: Any, params: dict[str, Any]) -> Any:
     """The generator side's layout(s): replicas, or tensor-parallel shards.
 
-    TENSOR-PARALLEL HOOK: a generator whose mesh has a ``tp`` axis > 1 runs as
-    ``rank_programs.TensorParallelGenerator``. When that class fetches only its shards
-    (:func:`tp_fetches_shards`), its layout is ``tensor_parallel.tp_param_layouts(config, ranks, dp=...)``
-    (each rank receives exactly its slices); until then each of its ranks fetches the full state
-    (``dp_replicas``) and slices it itself.
+    A generator whose mesh has a ``tp`` axis > 1 runs as ``rank_programs.TensorParallelGenerator``,
+    which fetches only its shards: its layout is ``tensor_parallel.tp_param_layouts(config, ranks, dp=...)``,
+    so each rank receives exactly its slices. Replicas fetch the full state (``dp_replicas``).
     """
     tp = _meshes_tp(axes)
-    if len(fetchers) > 1 and tp > 1 and tp_fetches_shards():
+    if len(fetchers) > 1 and tp > 1:
         from flowrl.runtime.tensor_parallel import tp_param_layouts
 
         names, shape = axes
