@@ -111,9 +111,10 @@ class CheckpointWriter:
         return final
 
     def _prune(self, version: int) -> None:
-        """Keep the ``keep`` newest checkpoints up to ``version``; never touch newer ones (another
-        run's, in a reused directory) nor the one LATEST names."""
-        done = sorted(p for p in self.directory.glob("step-*") if p.is_dir() and _step_of(p) is not None and _step_of(p) <= version)  # type: ignore[operator]
+        """Keep the ``keep`` newest checkpoints up to ``version`` (the one just written, which LATEST
+        names, among them); never touch newer ones (another run's, in a reused directory)."""
+        steps = {p: _step_of(p) for p in self.directory.glob("step-*") if p.is_dir()}
+        done = sorted(p for p, step in steps.items() if step is not None and step <= version)
         for old in done[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 

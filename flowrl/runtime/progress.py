@@ -34,7 +34,8 @@ class ProgressBar:
         now = time.perf_counter()
         self._recent.append((now, self._samples, step))
         if len(self._recent) > 1:  # the rate over the recent window
-            (t_old, s_old, step_old), span = self._recent[0], max(1e-9, now - self._recent[0][0])
+            t_old, s_old, step_old = self._recent[0]
+            span = max(1e-9, now - t_old)
             rate, step_s = (self._samples - s_old) / span, span / max(1, step - step_old)
         else:
             rate, step_s = self._samples / max(1e-9, now - self._t0), (now - self._t0) / max(1, step - self.start)

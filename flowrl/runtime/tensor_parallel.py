@@ -49,6 +49,8 @@ Example (the layouts; tests run the model itself at tp=2 and tp=4 over gloo):
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -67,6 +69,7 @@ __all__ = [
     "check_tp",
     "param_splits",
     "tp_param_layouts",
+    "tp_rows",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "TensorParallelTransformer",
@@ -121,6 +124,27 @@ def _config_of(config_or_model: ModelConfig | nn.Module) -> ModelConfig:
     if not isinstance(config, ModelConfig):
         raise ConfigError(f"tp_param_layouts wants a ModelConfig or a Transformer, got {type(config_or_model).__name__}")
     return config
+
+
+def tp_rows(ranks: Sequence[int], names: Sequence[str], shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """A generator's ranks as ``dp`` replicas of tp groups: ``ranks`` (mesh order) reshaped to the
+    mesh ``shape`` with axis ``names``, the ``tp`` axis moved innermost; one row per replica.
+    ``tp_param_layouts(config, [r for row in rows for r in row], dp=len(rows))`` is their layout.
+
+    Raises:
+        ConfigError: no ``tp`` axis, an axis other than ``dp``/``tp`` larger than 1, or a shape that
+            does not hold ``len(ranks)`` ranks.
+    """
+    names, shape = list(names), [int(n) for n in shape]
+    sizes = dict(zip(names, shape))
+    other = {a: n for a, n in sizes.items() if a not in ("dp", "tp") and n > 1}
+    if "tp" not in sizes or other or len(names) != len(shape) or math.prod(shape) != len(ranks):
+        raise ConfigError(
+            f"a tensor-parallel generator needs a mesh of dp and tp axes holding its {len(ranks)} ranks; got {sizes}"
+            + (f" ({other} must be 1: re-plan with pp=1)" if other else "")
+        )
+    grid = torch.tensor([int(r) for r in ranks]).reshape(shape).movedim(names.index("tp"), -1).reshape(-1, sizes["tp"])
+    return [tuple(int(r) for r in row) for row in grid.tolist()]
 
 
 def tp_param_layouts(config_or_model: ModelConfig | nn.Module, ranks: Sequence[int], *, dp: int = 1) -> dict[str, ShardLayout]:

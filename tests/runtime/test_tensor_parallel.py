@@ -37,6 +37,7 @@ from flowrl.runtime.tensor_parallel import (
     param_splits,
     shard_transformer_,
     tp_param_layouts,
+    tp_rows,
 )
 from tests.runtime.helpers import launch_ranks
 
@@ -189,8 +190,17 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
     try:
         program = rank_program(node, graph, env, transports)
         result["class"] = type(program).__name__
-        layouts = tp_param_layouts(node.model, ranks, dp=dp) if dp > 1 else tp_param_layouts(node.model, ranks)
-        result["layouts_match"] = {n: str(v) for n, v in program.weight_layouts().items()} == {n: str(v) for n, v in layouts.items()}
+        # the collective transport's generator layout (weights.py) gives this rank exactly its shards
+        import msgspec
+
+        from flowrl.runtime.backends.weights import _generator_layouts, _param_specs
+        from flowrl.runtime.resharding import ShardLayout
+
+        params = _param_specs(graph, "policy")
+        edge_layouts = _generator_layouts(graph, "gen", ranks, (("dp", "tp"), (dp, tp)), params)
+        mine = {n: local_shape(msgspec.convert(edge_layouts[n], ShardLayout), params[n]["shape"], rank) for n in params}
+        layouts = tp_param_layouts(node.model, ranks, dp=dp)
+        result["layouts_match"] = mine == {n: tuple(t.shape) for n, t in program.local_weight_targets().items()}
         source = PromptSource(graph.node("prompts"))
         for version in (1, 2):
             state = Transformer(msgspec_replace(node.model, seed=50 + version)).state_dict()
@@ -431,6 +441,16 @@ def test_bad_sharding_calls_are_config_errors():
         copy_local_shards_({"x": torch.zeros(1)}, Transformer(config).state_dict(), (0,), 0, config)
 
 
+def test_tp_rows_put_the_tp_axis_innermost():
+    assert tp_rows([4, 5, 6, 7], ("dp", "tp"), (2, 2)) == [(4, 5), (6, 7)]
+    assert tp_rows([4, 5, 6, 7], ("tp", "dp"), (2, 2)) == [(4, 6), (5, 7)]  # tp is the outer axis of this mesh
+    assert tp_rows([3, 1], ("tp",), (2,)) == [(3, 1)]
+    with pytest.raises(ConfigError, match="holding its 3 ranks"):
+        tp_rows([0, 1, 2], ("dp", "tp"), (2, 2))
+    with pytest.raises(ConfigError, match="mesh of dp and tp axes"):
+        tp_rows([0, 1], ("dp",), (2,))
+
+
 def test_a_generator_mesh_with_pipeline_stages_is_refused():
     from flowrl.runtime.backends.rank_programs import RankContext, TensorParallelGenerator, set_context
 
@@ -441,7 +461,7 @@ def test_a_generator_mesh_with_pipeline_stages_is_refused():
     graph = tp_graph()
     set_context(RankContext(rank=0, world=4, ranks={"gen": (0, 1, 2, 3)}, programs={}))
     try:
-        with pytest.raises(ConfigError, match=r"generator 'gen': its mesh .* has \{'pp': 2\}.*pp=1"):
+        with pytest.raises(ConfigError, match=r"generator 'gen': .*mesh of dp and tp axes.*\{'pp': 2\} must be 1: re-plan with pp=1"):
             TensorParallelGenerator(graph.node("gen"), graph, None, None, group=None, ranks=(0, 1, 2, 3), mesh=Mesh())  # type: ignore[arg-type]
     finally:
         set_context(None)

@@ -200,7 +200,7 @@ class TensorParallelGenerator(GeneratorProgram):
     other replica sends its rollout to the node's lead, which merges them in replica order.
 
     Weights: a transport that delivers only this rank's slices (``CollectiveTransport`` whose generator
-    layout is ``weight_layouts()``, i.e. ``tp_param_layouts``: its ``local_shapes("generator")`` are the
+    layout is ``tp_param_layouts`` over ``tensor_parallel.tp_rows``: its ``local_shapes("generator")`` are the
     shard shapes) writes straight into ``local_weight_targets()``; any other transport delivers the full
     state into a full-size staging copy, from which each rank copies its own slices. Either way the tp
     ranks first agree on one version (an all-reduce of the versions they hold, fetching again until
@@ -210,22 +210,16 @@ class TensorParallelGenerator(GeneratorProgram):
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         import torch.distributed as dist
 
-        from flowrl.runtime.tensor_parallel import check_tp, shard_transformer_
+        from flowrl.runtime.tensor_parallel import check_tp, shard_transformer_, tp_rows
 
         ctx = _context()
-        axes = _mesh_axes(mesh)
-        other = {a: n for a, n in axes.items() if a not in ("dp", "tp") and n > 1}
-        if other:
-            raise ConfigError(
-                f"generator {node.name!r}: its mesh {axes} has {other}; a generator runs dp replicas of tp groups only "
-                "(re-plan it with pp=1)"
-            )
-        tp = axes["tp"]
-        check_tp(node.model, tp)
+        names = tuple(mesh.mesh_dim_names or ())
+        try:
+            self.rows = tp_rows(mesh.mesh.reshape(-1).tolist(), names, tuple(mesh.mesh.shape))  # [replica] -> its tp ranks
+        except ConfigError as exc:
+            raise ConfigError(f"generator {node.name!r}: {exc}") from None
+        check_tp(node.model, len(self.rows[0]))
         super().__init__(node, graph, env, transports, seed=env.seed)  # every rank seeds sampling alike
-        names = list(mesh.mesh_dim_names)
-        grid = mesh.mesh.movedim(names.index("tp"), -1).reshape(-1, tp)  # [replicas, tp], global ranks
-        self.rows = [tuple(int(r) for r in row) for row in grid.tolist()]
         self.replica = next(i for i, row in enumerate(self.rows) if ctx.rank in row)
         self.tp_ranks = self.rows[self.replica]
         self.group, self.ranks, self.lead, self.device = group, ranks, ranks[0], ctx.device
@@ -246,13 +240,6 @@ class TensorParallelGenerator(GeneratorProgram):
         """This rank's shard of every parameter, by the full model's names (those of ``tp_param_layouts``):
         tensors of shape ``local_shape(layout, full_shape, rank)`` a transport may write into in place."""
         return self._local
-
-    def weight_layouts(self) -> dict[str, Any]:
-        """The layout of every parameter over all of this node's ranks (``tp_param_layouts`` in mesh order,
-        ``dp`` replicas of the tp groups): the generator side of a ``CollectiveTransport``."""
-        from flowrl.runtime.tensor_parallel import tp_param_layouts
-
-        return tp_param_layouts(self._config, [r for row in self.rows for r in row], dp=len(self.rows))
 
     def _agree(self, values: list[int]) -> tuple[list[int], list[int]]:
         """Max and min of each value over the tp group (one all-reduce)."""

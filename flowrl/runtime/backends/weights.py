@@ -99,16 +99,14 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
     """
     tp = _meshes_tp(axes)
     if len(fetchers) > 1 and tp > 1:
-        from flowrl.runtime.tensor_parallel import tp_param_layouts
+        from flowrl.runtime.tensor_parallel import tp_param_layouts, tp_rows
 
-        names, shape = axes
-        sizes = dict(zip(names, shape))
-        if any(n > 1 for a, n in sizes.items() if a not in ("dp", "tp")):
-            raise ConfigError(f"generator {dst!r}: mesh {sizes}: a tensor-parallel generator takes dp and tp axes only")
-        # tp innermost, as TensorParallelGenerator orders its replicas
-        grid = torch.tensor(list(fetchers)).reshape(shape).movedim(list(names).index("tp"), -1).reshape(-1)
+        try:
+            rows = tp_rows(fetchers, *axes)  # the replicas' tp groups, as TensorParallelGenerator forms them
+        except ConfigError as exc:
+            raise ConfigError(f"generator {dst!r}: {exc}") from None
         config = graph.node(dst).model  # type: ignore[attr-defined]
-        layouts = tp_param_layouts(config, [int(r) for r in grid.tolist()], dp=sizes.get("dp", 1))
+        layouts = tp_param_layouts(config, [r for row in rows for r in row], dp=len(rows))
         missing = sorted(set(params) - set(layouts))
         if missing:
             raise ConfigError(f"tp_param_layouts for generator {dst!r} gives no layout for {missing}")
