@@ -20,6 +20,9 @@ from flowrl.errors import ConfigError
 
 __all__ = [
     "ModelConfig",
+    "HFModelConfig",
+    "AnyModelConfig",
+    "HF_FAMILIES",
     "SamplingConfig",
     "LossConfig",
     "OptimizerConfig",
@@ -43,8 +46,11 @@ def _finite(owner: str, **values: float) -> None:
         _check(math.isfinite(value), owner, f"{name}={value} must be a finite number (JSON has no inf or nan)")
 
 
-class ModelConfig(msgspec.Struct, **_STRUCT):
+class ModelConfig(msgspec.Struct, tag="builtin", tag_field="family", **_STRUCT):
     """Shape of the built-in decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU).
+
+    In JSON it carries ``"family": "builtin"``; ``HFModelConfig`` (``"family": "hf"``) is the other
+    model description a node may hold.
 
     Attributes:
         vocab_size: number of token ids; must cover the task tokenizer's vocabulary.
@@ -106,6 +112,51 @@ class ModelConfig(msgspec.Struct, **_STRUCT):
     def short(self) -> str:
         """A compact form for printing: ``"2L64d"`` or the preset name."""
         return self.preset or f"{self.n_layers}L{self.dim}d"
+
+# Hugging Face ``model_type`` values flowrl trains (decoder-only, Llama-style blocks); see flowrl.models.
+HF_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+class HFModelConfig(msgspec.Struct, tag="hf", tag_field="family", **_STRUCT):
+    """A Hugging Face causal LM in a local directory, as ``save_pretrained`` writes it.
+
+    Nothing is ever downloaded: ``path`` must be a local directory holding ``config.json`` (and, for
+    ``init="pretrained"``, ``*.safetensors`` weights). The tokenizer is read from ``tokenizer`` (or
+    ``path`` when empty). Checked against the files only when a node is built (``flowrl.models``),
+    so a graph naming a model on another machine still loads, prints and plans.
+
+    Attributes:
+        path: the model directory (``~`` is expanded).
+        init: ``"pretrained"`` loads the weights; ``"random"`` builds the architecture from
+            ``config.json`` alone with seeded random weights (tests, dry-runs, from-scratch runs).
+        seed: seed of the random initialisation (every node built from this config gets the same
+            weights, so a generator and its policy start equal).
+        tokenizer: directory of the tokenizer files; empty means ``path``.
+        max_seq_len: longest prompt + completion; 0 means the config's ``max_position_embeddings``.
+    """
+
+    path: str
+    init: Literal["pretrained", "random"] = "pretrained"
+    seed: int = 0
+    tokenizer: str = ""
+    max_seq_len: int = 0
+
+    def __post_init__(self) -> None:
+        o = "HFModelConfig"
+        _check(bool(self.path.strip()), o, "path must name a local model directory")
+        _check(self.max_seq_len >= 0, o, f"max_seq_len={self.max_seq_len} must be >= 0 (0: the model's own)")
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer files are: ``tokenizer`` or else ``path``."""
+        return self.tokenizer or self.path
+
+    def short(self) -> str:
+        """A compact form for printing: the directory's last component."""
+        return "hf:" + (self.path.rstrip("/").rsplit("/", 1)[-1] or self.path)
+
+
+AnyModelConfig = ModelConfig | HFModelConfig
 
 
 class SamplingConfig(msgspec.Struct, **_STRUCT):

@@ -27,7 +27,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.configs import AnyModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
 
 __all__ = [
@@ -72,7 +72,7 @@ class SourceNode(_NodeBase, tag="source"):
 class GeneratorNode(_NodeBase, tag="generator"):
     """Samples completions with the behaviour policy mu."""
 
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
 
 
@@ -95,7 +95,7 @@ class ScorerNode(_NodeBase, tag="scorer"):
 class ReferenceNode(_NodeBase, tag="reference"):
     """A frozen copy of the initial policy, for a KL penalty."""
 
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
 
 
 class LossNode(_NodeBase, tag="loss"):
@@ -107,7 +107,7 @@ class LossNode(_NodeBase, tag="loss"):
 class PolicyNode(_NodeBase, tag="policy"):
     """The trainer: pi's weights, its optimizer and the version clock."""
 
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
 
 

@@ -32,7 +32,7 @@ def _decode_spec(data: bytes | str) -> GraphSpec:
     if len(data) > MAX_GRAPH_BYTES:
         raise GraphError(f"graph file is {len(data)} bytes, over the {MAX_GRAPH_BYTES}-byte limit; is it really a flowrl graph?")
     try:
-        return msgspec.json.decode(data, type=GraphSpec)
+        return msgspec.convert(_with_model_family(msgspec.json.decode(data)), GraphSpec)
     except msgspec.ValidationError as exc:
         raise GraphError(f"graph JSON does not match the flowrl schema: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -43,6 +43,16 @@ def _decode_spec(data: bytes | str) -> GraphSpec:
         raise GraphError(f"graph JSON holds a bad config: {exc}") from None
     except RecursionError:
         raise GraphError("graph JSON is nested too deeply to be a flowrl graph") from None
+
+
+def _with_model_family(raw: object) -> object:
+    """Graphs written before models had a ``family`` tag hold built-in models: say so explicitly."""
+    if isinstance(raw, dict) and isinstance(raw.get("nodes"), list):
+        for node in raw["nodes"]:
+            model = node.get("model") if isinstance(node, dict) else None
+            if isinstance(model, dict) and "family" not in model:
+                model["family"] = "builtin"
+    return raw
 
 
 def from_json(data: bytes | str, *, validate: bool = True) -> Graph:

@@ -201,7 +201,9 @@ class Trainer:
             raise CheckpointError(f"policy {self.name!r}: trainer state lacks {missing}")
         saved = state.get("model_config")
         mine = msgspec.to_builtins(self.node.model)
-        if saved is not None and dict(saved) != mine:
+        if saved is not None:
+            saved = {"family": "builtin", **dict(saved)}  # checkpoints from before the family tag
+        if saved is not None and saved != mine:
             diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
             raise CheckpointError(
                 f"policy {self.name!r}: the checkpoint holds a model with a different config (saved, now): {diff}"
