@@ -1,0 +1,100 @@
+"""The Hugging Face example: a small Llama-architecture model learns to copy digits from a prompt file.
+
+Everything it uses is built in code and shipped as plain files in ``flowrl/examples/assets/hf_copy``
+(regenerate them with ``python -m flowrl.examples.hf_copy DIR``; a test checks the shipped files equal
+what this module builds):
+
+- ``config.json``: a ``LlamaConfig`` of ~90K parameters (2 layers, width 64), initialised with
+  seeded random weights (``HFModelConfig(init="random")``), since there is nothing to download;
+- ``tokenizer.json`` and friends: a word-level tokenizer built with ``tokenizers`` (32 words:
+  specials, digits, a few words), saved with ``PreTrainedTokenizerFast.save_pretrained``;
+- ``prompts.jsonl``: rows ``{"prompt": "copy 3 1 4 :", "answer": "3 1 4"}``.
+
+The reward is a text scorer, ``reward(prompt, completion, answer)``: the fraction of answer words
+the completion has in the right place, over the longer of the two (so rambling costs).
+
+Example:
+    >>> reward("copy 3 1 4 :", "3 1 4", answer="3 1 4")
+    1.0
+    >>> reward("copy 3 1 4 :", "3 9", answer="3 1 4")
+    0.3333333333333333
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ASSETS", "WORDS", "reward", "build_tokenizer", "build_config", "make_prompts", "write_assets"]
+
+#: The shipped files (config, tokenizer, prompts).
+ASSETS = Path(__file__).parent / "assets" / "hf_copy"
+
+#: The vocabulary, in id order: pad, bos, eos, unk, the digits, then words.
+WORDS: tuple[str, ...] = (
+    "<pad>", "<s>", "</s>", "<unk>", *"0123456789",
+    "copy", "repeat", "the", "digits", "please", ":", "=", "and", "then", "stop",
+    "a", "b", "c", "d", "e", "f", "g", "h",
+)  # fmt: skip
+
+
+def reward(prompt: str, completion: str, answer: str) -> float:
+    """Positional match of ``completion``'s words against ``answer``'s, over the longer length."""
+    got, want = completion.split(), answer.split()
+    if not want:
+        return float(not got)
+    return sum(g == w for g, w in zip(got, want)) / max(len(got), len(want))
+
+
+def build_tokenizer() -> Any:
+    """The word-level tokenizer, as a ``transformers.PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def build_config() -> Any:
+    """The model's ``LlamaConfig`` (random weights come from ``HFModelConfig(init="random", seed=...)``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+
+
+def make_prompts(n: int = 512, *, seed: int = 0, n_digits: int = 3) -> list[dict[str, str]]:
+    """``n`` rows ``{"prompt": "copy D D D :", "answer": "D D D"}`` drawn with ``seed``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        digits = " ".join(rng.choice("0123456789") for _ in range(n_digits))
+        rows.append({"prompt": f"copy {digits} :", "answer": digits})
+    return rows
+
+
+def write_assets(directory: str | Path) -> Path:
+    """Write config, tokenizer and prompts into ``directory`` (created; existing files replaced)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = build_config()
+    config.save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    with open(out / "prompts.jsonl", "w", encoding="utf-8") as f:
+        for row in make_prompts():
+            f.write(json.dumps(row) + "\n")
+    return out
+
+
+if __name__ == "__main__":  # python -m flowrl.examples.hf_copy DIR
+    print(write_assets(sys.argv[1] if len(sys.argv) > 1 else ASSETS))
