@@ -56,3 +56,59 @@ def test_process_backend_checkpoints_and_resumes(graph_k, tmp_path):
     resumed = run_graph(g, synthetic_config(g, steps=6, backend="process", checkpoint_dir=str(tmp_path), resume=True))
     assert [r["step"] for r in resumed.rows] == [5, 6]
     assert first.consumed + resumed.consumed == run_graph(g, synthetic_config(g, steps=6)).consumed
+
+
+class _StopAt(Exception):
+    """Raised from ``on_step`` to stop a run mid-way, as a crash of the trainer would."""
+
+
+def _real_run(backend: str, steps: int, workdir, *, resume: bool = False, stop_at: int | None = None):
+    """The default example with its real operators (synchronous, so its weights are reproducible bit for
+    bit), checkpointing every 2 steps; stopped by a failure after step ``stop_at`` if given."""
+    from flowrl.examples import build_example
+    from flowrl.runtime.config import RunConfig
+
+    def stop(row):
+        if row["step"] == stop_at:
+            raise _StopAt(f"stopped by the test after step {stop_at}")
+
+    config = RunConfig(steps=steps, max_staleness=0, backend=backend, checkpoint_dir=str(workdir / "ck"), checkpoint_every=2,
+                       metrics=str(workdir / "m.jsonl"), resume=resume, progress=False, stall_timeout_s=120)
+    return run_graph(build_example("llamarl"), config, on_step=stop)
+
+
+def _final_weights(result) -> dict:
+    import torch
+
+    return torch.load(result.checkpoint / "policy-policy.pt", weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """An uninterrupted real run of 6 steps: (its prompts per step, its final weights)."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    result = _real_run("local", 6, workdir)
+    return result.consumed, _final_weights(result)
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_real_run_stopped_and_resumed_equals_an_uninterrupted_one(uninterrupted, tmp_path, backend):
+    """Through the real prompt source (not the synthetic one): the metrics' ``prompt_index`` rows and the
+    final weights of a run stopped after step 5 and resumed (from step 4) equal an uninterrupted run's."""
+    import torch
+
+    from tests.reliability.killresume import check_run
+
+    want, weights = uninterrupted
+    with pytest.raises(NodeExecutionError, match="stopped by the test"):
+        _real_run(backend, 6, tmp_path, stop_at=5)
+    assert (tmp_path / "ck" / "LATEST").read_text() == "step-00000004"
+    resumed = _real_run(backend, 6, tmp_path, resume=True)
+    assert [r["step"] for r in resumed.rows] == [5, 6]
+    problems: list[str] = []
+    lost, repeated = check_run(tmp_path / "m.jsonl", want, 0, problems)
+    assert not problems, "\n".join(problems)
+    assert (lost, repeated) == (0, 0)
+    got = _final_weights(resumed)
+    assert got.keys() == weights.keys()
+    assert all(torch.equal(got[name], weights[name]) for name in weights), "the resumed run's final weights differ"
