@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from flowrl.errors import CheckpointError, NodeExecutionError
-from flowrl.runtime.checkpoint import latest_checkpoint
 from flowrl.runtime.run import run_graph
 from tests.runtime.helpers import synthetic_config
 
@@ -20,17 +19,34 @@ def test_resume_after_failure_loses_and_repeats_nothing(graph_k, tmp_path, k, fa
     with pytest.raises(NodeExecutionError):
         run_graph(g, synthetic_config(g, steps=steps, checkpoint_dir=str(ckpt), checkpoint_every=3,
                                        options={"fail_node": "gen", "fail_step": fail_step}))
-    path = latest_checkpoint(ckpt)
-    assert path is not None
-    first = (fail_step - k) // 3 * 3  # the newest checkpoint the failed run could have written
+    # LATEST read here, not through the code under test (k=2, fail_step=4 may fail before step 3's checkpoint)
+    latest = int((ckpt / "LATEST").read_text().removeprefix("step-")) if (ckpt / "LATEST").exists() else 0
+    # gen starts step fail_step only once the policy is at version fail_step - k, so every checkpoint
+    # below that version was committed (the one at exactly that version may still be in flight)
+    first = (fail_step - k - 1) // 3 * 3
+    assert latest >= first
     resumed = run_graph(g, synthetic_config(g, steps=steps, checkpoint_dir=str(ckpt), resume=True))
     done_before = resumed.rows[0]["step"] - 1
-    assert done_before % 3 == 0 and done_before >= min(first, done_before)
+    assert done_before == latest  # the resume starts right after the checkpoint LATEST names
     before = reference.consumed[:done_before]
     assert before + resumed.consumed == reference.consumed
     assert resumed.version == steps
     assert all(0 <= r["staleness"] <= k for r in resumed.rows)
     assert resumed.rows[0]["rollout_version"] >= done_before - k  # versions continue across the boundary
+
+
+@pytest.mark.parametrize(("latest", "first_step"), [("step-00000006", 7), ("step-00000002", 3)], ids=["newest", "pointed-back"])
+def test_resume_starts_from_exactly_the_checkpoint_latest_names(graph_k, tmp_path, latest, first_step):
+    """Of step-2, step-4 and step-6, a resume loads the one LATEST names (also one a user pointed it back
+    at, as the error for a corrupt checkpoint advises), not the newest directory nor a neighbour."""
+    g = graph_k(1)
+    reference = run_graph(g, synthetic_config(g, steps=8))
+    run_graph(g, synthetic_config(g, steps=6, checkpoint_dir=str(tmp_path), checkpoint_every=2))
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000004", "step-00000006"]
+    (tmp_path / "LATEST").write_text(latest)
+    resumed = run_graph(g, synthetic_config(g, steps=8, checkpoint_dir=str(tmp_path), resume=True))
+    assert [r["step"] for r in resumed.rows] == list(range(first_step, 9))
+    assert resumed.consumed == reference.consumed[first_step - 1:]
 
 
 def test_resume_into_another_graph_is_refused(graph_k, tmp_path):
