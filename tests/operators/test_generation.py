@@ -153,14 +153,16 @@ def test_load_weights_sets_the_version_and_the_weights():
         gen.load_weights({}, 5)
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
-def test_lower_precision_generation_runs_and_stays_close(precision):
+# atol: the max |error| measured for seed 0 was 0.0015 (bf16) and 0.00017 (fp16), at most 0.0025 and
+# 0.00032 over seeds 0-4; the tolerance is ~6x the seed-0 error (4x and 3x the worst seen).
+@pytest.mark.parametrize(("precision", "atol"), [("bfloat16", 0.01), ("float16", 0.001)], ids=["bfloat16", "float16"])
+def test_lower_precision_generation_runs_and_stays_close(precision, atol):
     gen = Generator(tiny_generator_node(precision=precision), seed=0)
     assert gen.model.tok_embeddings.weight.dtype == getattr(torch, precision)
     out = gen.generate(prompts_of(PROMPTS))
     assert out["behaviour_logprobs"].dtype == torch.float32
     full = Transformer(TINY)  # the same weights in float32
-    torch.testing.assert_close(out["behaviour_logprobs"], recomputed(full, out), rtol=0, atol=0.1)
+    torch.testing.assert_close(out["behaviour_logprobs"], recomputed(full, out), rtol=0, atol=atol)
 
 
 def test_too_long_sequences_are_refused_with_the_numbers():
