@@ -1,4 +1,9 @@
-"""A run interrupted and resumed from its checkpoint consumes exactly the prompts an uninterrupted run does."""
+"""A run interrupted and resumed from its checkpoint consumes exactly the prompts an uninterrupted run does.
+
+Most cases use the synthetic operators (fast, any timing); one runs the default example's real
+operators, so the real prompt source's ``seek`` and the real trainer's state are what resume; and a
+resume must start from exactly the checkpoint LATEST names.
+"""
 
 from __future__ import annotations
 
