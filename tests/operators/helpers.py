@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ScorerNode, SourceNode
 
-__all__ = ["TINY", "tiny_generator_node", "tiny_policy_node", "loss_node", "prompts_of", "rollout_with_rewards"]
+__all__ = ["TINY", "tiny_generator_node", "tiny_policy_node", "loss_node", "prompts_of", "rollout_with_rewards", "reference_sampling_logprobs"]
 
 #: A model of a few thousand parameters with grouped-query attention (4 query heads, 2 kv heads).
 TINY = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -53,3 +55,23 @@ def rollout_with_rewards(seed: int = 0, *, task: str = "copy", batch_size: int =
     rollout = Generator(tiny_generator_node(**sampling), seed=seed).generate(source.next_batch())
     fn = f"flowrl.operators.tasks:{task}_reward"
     return {**rollout, **Scorer(scorer_node(fn)).score(rollout)}
+
+
+def reference_sampling_logprobs(logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list[float]:
+    """The sampling distribution's log-probs, written independently of ``flowrl.operators.generation``.
+
+    Plain Python in float64, one token at a time: divide by the temperature; keep the ``top_k`` largest
+    (0: all); of those, in descending order, keep a token while the probability mass of the ones before
+    it is below ``top_p``; ``log softmax`` over what is kept, ``-inf`` elsewhere.
+    """
+    z = [x / temperature for x in logits]
+    order = sorted(range(len(z)), key=lambda i: -z[i])[: top_k or len(z)]
+    norm = math.fsum(math.exp(z[i]) for i in order)
+    kept, before = [], 0.0
+    for i in order:
+        if before >= top_p:
+            break
+        kept.append(i)
+        before += math.exp(z[i]) / norm
+    log_norm = math.log(math.fsum(math.exp(z[i]) for i in kept))
+    return [z[i] - log_norm if i in kept else -math.inf for i in range(len(z))]

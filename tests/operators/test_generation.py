@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.fields import FIELDS, ROLLOUT_FIELDS
-from flowrl.operators.generation import Generator, sampling_logprobs
+from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.model import Transformer
 
-from .helpers import TINY, prompts_of, tiny_generator_node
+from .helpers import TINY, prompts_of, reference_sampling_logprobs, tiny_generator_node
 
 PROMPTS = [[1, 4, 5, 14], [1, 9, 8, 7, 6, 5, 14], [1, 3, 14]]
 
@@ -120,18 +122,17 @@ def test_the_default_stop_token_is_the_tokenizers_end():
 def test_recorded_logprobs_are_those_of_the_sampling_distribution(sampling):
     gen = Generator(tiny_generator_node(**sampling, n_samples=4), seed=2)
     out = gen.generate(prompts_of(PROMPTS))
-    config = gen.sampling
-    # Recompute logits with a full pass and apply the same transform.
+    # Recompute logits with a full pass and apply the tests' own, independent, transform (helpers.py).
     ids = torch.cat([out["sample_prompt_ids"], out["completion_ids"]], 1)
     S, Tp = out["sample_prompt_ids"].shape
     for s in range(S):
         n, c = int(out["sample_prompt_lens"][s]), int(out["completion_lens"][s])
         seq = ids[s, Tp - n : Tp + c][None]
         with torch.no_grad():
-            logp = sampling_logprobs(gen.model(seq)[0, n - 1 : n + c - 1].float(), config)
-        want = logp.gather(-1, out["completion_ids"][s, :c, None]).squeeze(-1)
-        assert torch.isfinite(want).all()  # never a token outside the top-k / top-p set
-        torch.testing.assert_close(out["behaviour_logprobs"][s, :c], want, rtol=0, atol=2e-5)
+            logits = gen.model(seq)[0, n - 1 : n + c - 1].double().tolist()
+        want = [reference_sampling_logprobs(row, **sampling)[int(y)] for row, y in zip(logits, out["completion_ids"][s, :c])]
+        assert all(math.isfinite(w) for w in want)  # never a token outside the top-k / top-p set
+        torch.testing.assert_close(out["behaviour_logprobs"][s, :c], torch.tensor(want, dtype=torch.float32), rtol=0, atol=2e-5)
 
 
 def test_top_k_one_is_greedy():
@@ -152,14 +153,16 @@ def test_load_weights_sets_the_version_and_the_weights():
         gen.load_weights({}, 5)
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
-def test_lower_precision_generation_runs_and_stays_close(precision):
+# atol: the max |error| measured for seed 0 was 0.0015 (bf16) and 0.00017 (fp16), at most 0.0025 and
+# 0.00032 over seeds 0-4; the tolerance is ~6x the seed-0 error (4x and 3x the worst seen).
+@pytest.mark.parametrize(("precision", "atol"), [("bfloat16", 0.01), ("float16", 0.001)], ids=["bfloat16", "float16"])
+def test_lower_precision_generation_runs_and_stays_close(precision, atol):
     gen = Generator(tiny_generator_node(precision=precision), seed=0)
     assert gen.model.tok_embeddings.weight.dtype == getattr(torch, precision)
     out = gen.generate(prompts_of(PROMPTS))
     assert out["behaviour_logprobs"].dtype == torch.float32
     full = Transformer(TINY)  # the same weights in float32
-    torch.testing.assert_close(out["behaviour_logprobs"], recomputed(full, out), rtol=0, atol=0.1)
+    torch.testing.assert_close(out["behaviour_logprobs"], recomputed(full, out), rtol=0, atol=atol)
 
 
 def test_too_long_sequences_are_refused_with_the_numbers():

@@ -199,6 +199,7 @@ def test_default_example_learns_over_the_collective_transport(tmp_path):
 def test_generator_weights_equal_the_trainers_bit_for_bit(tmp_path):
     """Policy replicas on ranks 0-1 publish (each sends part), generator replicas on ranks 2-3 fetch;
     after the last sync every generator rank's weights hash like the final checkpoint's."""
+    (tmp_path / "place.json").write_text(json.dumps(BITWISE_PLACEMENT))  # once, before the ranks start
     proc = _torchrun(4, [str(THIS), "bitwise"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     hashes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("gen-rank*.json"))]
@@ -286,6 +287,7 @@ def test_a_failing_rank_stops_the_job_naming_rank_and_node(tmp_path, mode, expec
     import time
 
     start = time.monotonic()
+    (tmp_path / "place.json").write_text(json.dumps(FAIL_PLACEMENT))  # once, before the ranks start
     proc = _torchrun(3, [str(THIS), "fail", mode], tmp_path)
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
@@ -307,6 +309,12 @@ def test_data_parallel_step_equals_a_single_process_step(tmp_path):
 
 
 # -- entry points of the jobs above (run under torchrun) -----------------------------------------
+# Their plans are written by the test before launch: every rank writing the shared place.json let
+# one rank read it while another truncated it ("cannot read it as JSON").
+FAIL_PLACEMENT = {"gen": [1], "policy": [2]}
+BITWISE_PLACEMENT = {"policy": [0, 1], "gen": [2, 3]}
+
+
 class _Killer:
     """A synthetic generator that kills its own process at step 2 (a rank dying mid-run)."""
 
@@ -358,8 +366,7 @@ def _fail_job(mode: str) -> int:
         programs = synthetic_programs(graph)
     if mode == "die":
         programs["gen"] = f"{module}:_Killer"
-    place = Path("place.json")
-    place.write_text(json.dumps({"gen": [1], "policy": [2]}))
+    place = Path("place.json")  # FAIL_PLACEMENT, written by the test before launch (never by a rank: they race)
     options = {"gen_s": 0.002, "train_s": 0.002}
     if mode == "raise":
         options.update(fail_node="gen", fail_step=2)
@@ -382,8 +389,7 @@ def _bitwise_job() -> int:
     from flowrl.runtime.run import run_graph
 
     graph = build_llamarl(max_staleness=0)
-    place = Path("place.json")
-    place.write_text(json.dumps({"policy": [0, 1], "gen": [2, 3]}))
+    place = Path("place.json")  # BITWISE_PLACEMENT, written by the test before launch (never by a rank: they race)
     rank = int(os.environ["RANK"])
     real_close = edges.close_edges
 
