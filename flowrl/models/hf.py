@@ -149,7 +149,11 @@ class HFCausalLM(nn.Module):
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each decoder layer's activations in the backward pass (transformers' own mechanism)."""
-        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(self.hf, "activation_checkpointing_enable", None)  # transformers >= 5.x; the old name warns
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_hf(config: HFModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFCausalLM:
