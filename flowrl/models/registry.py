@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from flowrl.graph.configs import HF_FAMILIES, AnyModelConfig, HFModelConfig, ModelConfig
 from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["ModelFamily", "FAMILIES", "family_of", "build_model", "ModelTokens", "model_tokens"]
+__all__ = ["ModelFamily", "FAMILIES", "family_of", "build_model", "weight_shapes", "ModelTokens", "model_tokens"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,33 @@ def build_model(config: AnyModelConfig, *, dtype: torch.dtype = torch.float32, d
         ConfigError: for a description that cannot be built (a preset shape, a bad HF directory).
     """
     return family_of(config).build(config, dtype, device)
+
+
+def weight_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of the tensors ``weight_dict`` gives for ``config``'s float32 model,
+    from a model built on the meta device (no memory, no weights read).
+
+    Raises:
+        ConfigError: as ``build_model``.
+    """
+    from flowrl.models.causal_lm import weight_dict
+
+    if isinstance(config, ModelConfig):
+        from flowrl.operators.model import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(config)
+    else:
+        from flowrl.models.hf import HFCausalLM, check_hf_dir
+        from flowrl.models.local import require_transformers
+
+        raw = check_hf_dir(config)
+        transformers = require_transformers("a Hugging Face model")
+        hf_config = transformers.AutoConfig.from_pretrained(str(Path(config.path).expanduser()), local_files_only=True)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model = HFCausalLM(hf, max_seq_len=config.max_seq_len or int(raw.get("max_position_embeddings") or 1))
+    return {n: (tuple(t.shape), t.dtype) for n, t in weight_dict(model).items()}
 
 
 @dataclass(frozen=True)

@@ -69,3 +69,11 @@ def test_tied_embeddings_travel_once(hf_llama_dir, hf_qwen2_dir):
     assert all(not n.startswith("hf.") for n in tied)  # Hugging Face names, no adapter prefix
     model = Trainer(hf_policy_node(hf_llama_dir), LossNode(name="aipo")).model
     assert sum(t.numel() for t in weight_dict(model).values()) == sum(p.numel() for p in model.parameters())
+
+
+def test_weight_shapes_from_the_meta_device_match_the_trainers_weights(hf_dir):
+    from flowrl.models.registry import weight_shapes
+
+    weights = Trainer(hf_policy_node(hf_dir), LossNode(name="aipo")).weights()
+    shapes = weight_shapes(hf_policy_node(hf_dir).model)
+    assert shapes == {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
