@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["Dtype", "FieldType", "FIELDS", "SOURCE_FIELDS", "ROLLOUT_FIELDS", "field_type"]
+__all__ = ["Dtype", "FieldType", "FIELDS", "SOURCE_FIELDS", "ROLLOUT_FIELDS", "OPTIONAL_FIELDS", "field_type"]
 
 Dtype = Literal["int64", "float32", "bool"]
 
@@ -78,6 +78,10 @@ ROLLOUT_FIELDS: tuple[str, ...] = (
     "rollout_version",
     "prompt_index",
 )
+
+#: Inputs a node reads when an edge carries them and does without otherwise (a graph saved before
+#: the field existed still validates): the trainer and the reference take temperature 1 then.
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature"})
 
 REWARD_TYPE = _t("float32", "sample")
 
