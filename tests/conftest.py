@@ -10,6 +10,8 @@ from flowrl.graph.ir import Graph
 
 __all__ = ["EXAMPLE_NAMES"]
 
+pytest_plugins = ["tests.hf_fixtures"]  # tiny Hugging Face model directories for every HF test
+
 EXAMPLE_NAMES: tuple[str, ...] = tuple(sorted(EXAMPLES))
 
 # No per-example deadline: this machine's cores are shared, so timing varies by 10x between runs,

@@ -168,7 +168,10 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
         temperature: softmax temperature; must be > 0 (use a small value for near-greedy).
         top_k: keep the k most likely tokens; 0 disables.
         top_p: nucleus sampling mass; 1.0 disables.
-        stop_tokens: ids that end a completion (kept in it); empty means the tokenizer's end token.
+        stop_tokens: ids that end a completion (kept in it). Built-in model: empty means the
+            tokenizer's end token. Hugging Face model: added to the tokenizer's end ids.
+        stop_strings: texts that end a completion once its decoded text contains one (the token
+            that completes it is kept).
         precision: dtype of the generator's weights (LlamaRL samples with lower-precision weights).
         use_kv_cache: decode with the KV cache (off only to measure what the cache saves).
     """
@@ -179,6 +182,7 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
     top_k: int = 0
     top_p: float = 1.0
     stop_tokens: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
     precision: Precision = "float32"
     use_kv_cache: bool = True
 
@@ -190,6 +194,7 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
         _check(self.temperature > 0, o, f"temperature={self.temperature} must be > 0")
         _check(self.top_k >= 0, o, f"top_k={self.top_k} must be >= 0 (0 disables)")
         _check(0 < self.top_p <= 1, o, f"top_p={self.top_p} must be in (0, 1]")
+        _check(all(self.stop_strings), o, f"stop_strings={self.stop_strings} must not hold an empty string")
 
 
 class LossConfig(msgspec.Struct, **_STRUCT):
@@ -239,6 +244,10 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
         micro_batch_size: samples per forward/backward; gradients accumulate over the batch
             (0: the whole batch at once).
         seed: seed of the trainer's own randomness.
+        gradient_checkpointing: recompute block activations in the backward pass (less memory,
+            about one more forward pass of time).
+        autocast: run the forward pass under ``torch.autocast`` in this dtype (``"float32"``: off);
+            the weights and the optimizer stay float32.
     """
 
     lr: float = 1e-3
@@ -250,6 +259,8 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
     total_steps: int = 0
     micro_batch_size: int = 0
     seed: int = 0
+    gradient_checkpointing: bool = False
+    autocast: Precision = "float32"
 
     def __post_init__(self) -> None:
         o = "OptimizerConfig"

@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["Dtype", "FieldType", "FIELDS", "SOURCE_FIELDS", "ROLLOUT_FIELDS", "field_type"]
+__all__ = ["Dtype", "FieldType", "FIELDS", "SOURCE_FIELDS", "ROLLOUT_FIELDS", "OPTIONAL_FIELDS", "field_type"]
 
 Dtype = Literal["int64", "float32", "bool"]
 
@@ -56,6 +56,7 @@ FIELDS: dict[str, FieldType] = {
     "completion_mask": _t("bool", "sample", "ctime"),  # True on real completion tokens
     "completion_lens": _t("int64", "sample"),
     "behaviour_logprobs": _t("float32", "sample", "ctime"),  # log mu(y_t | x, y_<t)
+    "sampling_temperature": _t("float32", "sample"),  # softmax temperature mu sampled at
     "group_ids": _t("int64", "sample"),  # which prompt of the batch each sample answers
     "rollout_version": _t("int64"),  # policy version of the weights that sampled
     # reference -> loss
@@ -72,10 +73,15 @@ ROLLOUT_FIELDS: tuple[str, ...] = (
     "completion_mask",
     "completion_lens",
     "behaviour_logprobs",
+    "sampling_temperature",
     "group_ids",
     "rollout_version",
     "prompt_index",
 )
+
+#: Inputs a node reads when an edge carries them and does without otherwise (a graph saved before
+#: the field existed still validates): the trainer and the reference take temperature 1 then.
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature"})
 
 REWARD_TYPE = _t("float32", "sample")
 

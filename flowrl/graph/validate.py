@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from flowrl.errors import GraphError
 from flowrl.graph.ir import SCHEMA_VERSION
+from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, ScorerNode, signature
 from flowrl.graph.refs import check_reference
 
@@ -111,7 +112,7 @@ def _check_fields(g: Graph) -> Iterable[str]:
     for node in g.nodes:
         for fname in signature(node).inputs:
             srcs = supplied.get((node.name, fname), [])
-            if not srcs:
+            if not srcs and fname not in OPTIONAL_FIELDS:
                 hint = (
                     f"add a scorer with output={fname!r} feeding it, or drop {fname!r} from the loss's reward_weights"
                     if node.kind == "loss" and fname in getattr(node, "loss").reward_weights

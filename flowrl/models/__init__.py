@@ -3,9 +3,25 @@
 A node's model description (``flowrl.graph.configs.ModelConfig`` or ``HFModelConfig``) is plain
 data; this package turns it into what the operators need. ``transformers`` is an optional extra
 (``pip install 'flowrl[hf]'``), imported only when a Hugging Face model is built.
+
+Modules: ``causal_lm`` (the interface the operators use), ``registry`` (one record per family and
+``build_model``), ``hf`` (the Hugging Face adapter), ``local`` and ``tokenizer`` (directory and
+tokenizer checks), ``export`` (a checkpoint's policy as a Hugging Face directory).
 """
 
+from flowrl.models.causal_lm import CausalLM, weight_dict
 from flowrl.models.local import require_transformers, resolve_local_dir
+from flowrl.models.registry import FAMILIES, build_model, family_of, model_tokens
 from flowrl.models.tokenizer import load_tokenizer
 
-__all__ = ["load_tokenizer", "require_transformers", "resolve_local_dir"]
+__all__ = [
+    "CausalLM",
+    "FAMILIES",
+    "build_model",
+    "family_of",
+    "load_tokenizer",
+    "model_tokens",
+    "require_transformers",
+    "resolve_local_dir",
+    "weight_dict",
+]

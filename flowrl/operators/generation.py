@@ -3,13 +3,21 @@
 For a batch of P left-padded prompts it draws ``n_samples`` completions per prompt (S = P * n rows,
 sample ``s`` answers prompt ``s // n``), one token per step for up to ``max_new_tokens`` steps, with
 the KV cache (or, to measure what the cache saves, a full forward pass per step). A row stops after
-it emits a stop token (kept in the completion); the loop ends when every row has stopped.
+it emits a stop token (kept in the completion) or once its decoded completion contains one of
+``sampling.stop_strings``; the loop ends when every row has stopped.
+
+Any model family works through ``flowrl.models`` (``build_model``, ``model_tokens``): the built-in
+transformer with the digit tokenizer, or a Hugging Face causal LM with its own tokenizer, whose
+pad id pads completions and whose end ids (tokenizer, ``config.json``, ``generation_config.json``)
+stop them, besides ``sampling.stop_tokens``. For the built-in model ``stop_tokens`` replaces the
+default end token ``</s>``, as before.
 
 What it records is exactly what AIPO needs as mu: the log-prob of each sampled token under the
 distribution it was drawn from, i.e. ``log_softmax(logits / temperature)`` after top-k and top-p
-truncation, computed in float32 from the generator's own weights (in ``sampling.precision``). With
-temperature 1 and no truncation this equals ``completion_logprobs`` of the same weights, which the
-trainer uses for pi, so on-policy ratios are 1 up to float rounding.
+truncation, computed in float32 from the generator's own weights (in ``sampling.precision``). The
+rollout records the temperature (``sampling_temperature``, per sample); without truncation this
+equals ``completion_logprobs(..., temperature=T)`` of the same weights, which the trainer uses for
+pi, so on-policy ratios are 1 up to float rounding.
 
 Randomness: tokens are drawn by Gumbel-max from a private ``torch.Generator`` seeded per batch from
 ``(seed, prompt_index[0])``, so the same prompts with the same weights give the same completions,
@@ -43,9 +51,10 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import SamplingConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.batch import Batch
+from flowrl.graph.configs import ModelConfig
+from flowrl.models.causal_lm import weight_dict
+from flowrl.models.registry import build_model, model_tokens
 from flowrl.operators.logprobs import prompt_valid
-from flowrl.operators.model import Transformer, attention_mask, positions_from_valid
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
 
 __all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights"]
 
@@ -113,21 +122,27 @@ class Generator:
         seed: seed of sampling (mixed with each batch's first prompt index).
 
     Attributes:
-        model: the inference model, in ``sampling.precision``, without gradients.
+        model: the inference model (a ``flowrl.models.CausalLM``), in ``sampling.precision``, without gradients.
         version: policy version of the weights it holds (0 = the shared initial weights).
-        stop_tokens: ids that end a completion (``sampling.stop_tokens`` or the tokenizer's ``</s>``).
+        stop_tokens: ids that end a completion (see the module docstring).
+        pad_id: id that pads completions (the tokenizer's).
     """
 
     def __init__(self, node: GeneratorNode, *, seed: int = 0) -> None:
         self.name = node.name
         self.sampling = node.sampling
         self.seed = seed
-        self.model = Transformer(node.model).to(DTYPES[node.sampling.precision]).eval().requires_grad_(False)
+        tokens = model_tokens(node.model)  # checks the tokenizer before the model is built
+        self.model = build_model(node.model, dtype=DTYPES[node.sampling.precision]).eval().requires_grad_(False)
         self.version = 0
-        self.stop_tokens: tuple[int, ...] = tuple(node.sampling.stop_tokens) or (DEFAULT_TOKENIZER.eos_id,)
-        self.pad_id = DEFAULT_TOKENIZER.pad_id
+        if isinstance(node.model, ModelConfig):
+            self.stop_tokens: tuple[int, ...] = tuple(node.sampling.stop_tokens) or tokens.eos_ids
+        else:
+            self.stop_tokens = tuple(dict.fromkeys((*tokens.eos_ids, *node.sampling.stop_tokens)))
+        self.pad_id = tokens.pad_id
+        self._decode = tokens.decode
         self._stop = torch.tensor(self.stop_tokens, dtype=torch.int64)
-        self._targets = dict(self.model.state_dict())
+        self._targets = weight_dict(self.model)
         self._calls = 0
 
     def weight_targets(self) -> dict[str, Tensor]:
@@ -137,7 +152,7 @@ class Generator:
     def refresh_weight_targets(self) -> dict[str, Tensor]:
         """Re-read the targets from the model after its parameters were replaced (e.g. by their
         tensor-parallel shards, ``flowrl.runtime.tensor_parallel``); returns them."""
-        self._targets = dict(self.model.state_dict())
+        self._targets = weight_dict(self.model)
         return self._targets
 
     def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
@@ -154,17 +169,17 @@ class Generator:
             raise ConfigError(f"generator {self.name!r}: prompt_ids {tuple(ids.shape)} and prompt_lens {tuple(lens.shape)} disagree")
         if len(lens) and (int(lens.min()) < 1 or int(lens.max()) > ids.shape[1]):
             raise ConfigError(f"generator {self.name!r}: prompt_lens must be in [1, {ids.shape[1]}], got {lens.tolist()}")
-        vocab = self.model.config.vocab_size
+        vocab = self.model.vocab_size
         if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
             raise ConfigError(
                 f"generator {self.name!r}: prompt token ids span [{int(ids.min())}, {int(ids.max())}] but the model's "
-                f"vocab_size is {vocab}; the task's tokenizer must fit ModelConfig.vocab_size"
+                f"vocab_size is {vocab}; the prompts' tokenizer must fit the model's embeddings"
             )
         longest = (int(lens.max()) if len(lens) else 0) + self.sampling.max_new_tokens
-        if longest > self.model.config.max_seq_len:
+        if longest > self.model.max_seq_len:
             raise ConfigError(
                 f"generator {self.name!r}: longest prompt ({longest - self.sampling.max_new_tokens}) + "
-                f"max_new_tokens ({self.sampling.max_new_tokens}) = {longest} > max_seq_len={self.model.config.max_seq_len}"
+                f"max_new_tokens ({self.sampling.max_new_tokens}) = {longest} > max_seq_len={self.model.max_seq_len}"
             )
         return ids, lens
 
@@ -174,7 +189,7 @@ class Generator:
         Returns:
             The rollout (every field of ``flowrl.graph.fields.ROLLOUT_FIELDS``): ``completion_ids``,
             ``completion_mask``, ``behaviour_logprobs`` are ``[S, max_new_tokens]``, right-padded
-            (pad id, False, 0.0); ``rollout_version`` is ``version``.
+            (pad id, False, 0.0); ``sampling_temperature`` is ``[S]``; ``rollout_version`` is ``version``.
 
         Raises:
             ConfigError: for missing fields, bad lengths, or sequences longer than ``max_seq_len``.
@@ -197,6 +212,7 @@ class Generator:
             "completion_mask": mask,
             "completion_lens": mask.sum(1),
             "behaviour_logprobs": logprobs,
+            "sampling_temperature": torch.full((sample_ids.shape[0],), self.sampling.temperature, dtype=torch.float32),
             "group_ids": torch.arange(P, dtype=torch.int64).repeat_interleave(n),
             "rollout_version": torch.tensor(self.version, dtype=torch.int64),
             "prompt_index": index,
@@ -212,10 +228,10 @@ class Generator:
         prompt_ids = prompt_ids[:, prompt_ids.shape[1] - int(prompt_lens.max()) :]  # drop all-pad columns
         Tp = prompt_ids.shape[1]
         valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), torch.ones(S, C, dtype=torch.bool)], dim=1)
-        positions = positions_from_valid(valid)  # generated token t sits at position len + t
         cache = self.model.new_cache(S, Tp + C) if self.sampling.use_kv_cache else None
-        logits = self.model(prompt_ids, positions=positions[:, :Tp], attn_mask=attention_mask(valid, 0, Tp), cache=cache)[:, -1]
+        logits = self.model(prompt_ids, valid=valid[:, :Tp], cache=cache, keep=1)[:, -1]
         alive = torch.ones(S, dtype=torch.bool)
+        stop_strings = self.sampling.stop_strings
         for t in range(C):
             logp = sampling_logprobs(logits.float(), self.sampling)  # [S, V]
             uniform = torch.rand(logp.shape, generator=rng).clamp_(min=1e-20)
@@ -224,14 +240,16 @@ class Generator:
             logprobs[:, t] = torch.where(alive, logp.gather(-1, token[:, None]).squeeze(-1), 0.0)
             mask[:, t] = alive
             alive = alive & ~torch.isin(token, self._stop)
+            if stop_strings:
+                for s in alive.nonzero().flatten().tolist():
+                    text = self._decode(tokens[s, : t + 1].tolist())
+                    alive[s] = not any(stop in text for stop in stop_strings)
             if t == C - 1 or not bool(alive.any()):
                 break
             end = Tp + t + 1
             if cache is not None:
-                logits = self.model(
-                    token[:, None], positions=positions[:, end - 1 : end], attn_mask=attention_mask(valid, end - 1, 1), cache=cache
-                )[:, -1]
+                logits = self.model(token[:, None], valid=valid[:, :end], cache=cache, keep=1)[:, -1]
             else:
                 seq = torch.cat([prompt_ids, tokens[:, : t + 1]], dim=1)
-                logits = self.model(seq, positions=positions[:, :end], attn_mask=attention_mask(valid, 0, end))[:, -1]
+                logits = self.model(seq, valid=valid[:, :end], keep=1)[:, -1]
         return tokens, logprobs, mask

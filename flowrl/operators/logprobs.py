@@ -6,6 +6,12 @@ Both lay a sample out the same way: the left-padded prompt, then the completion;
 the first real prompt token; pads are never attended. So with identical weights they agree to float
 rounding (float32: ~1e-6), which is what makes the AIPO ratio pi/mu exactly 1 on-policy.
 
+Temperature: the generator samples from ``softmax(logits / T)`` and records ``T`` per sample
+(``sampling_temperature``); ``completion_logprobs(..., temperature=T)`` evaluates the same
+distribution, so the ratio is 1 on-policy at any temperature (top-k/top-p truncation is not undone).
+
+Any model works through the ``flowrl.models.CausalLM`` interface (``model(tokens, valid=..., keep=...)``).
+
 Example:
     >>> from flowrl.graph.configs import ModelConfig
     >>> from flowrl.operators.model import Transformer
@@ -21,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowrl.operators.model import Transformer, attention_mask, positions_from_valid
+from flowrl.models.causal_lm import CausalLM
 
 __all__ = ["completion_logprobs", "prompt_valid"]
 
@@ -33,22 +39,26 @@ def prompt_valid(prompt_ids: Tensor, prompt_lens: Tensor) -> Tensor:
 
 
 def completion_logprobs(
-    model: Transformer,
+    model: CausalLM,
     prompt_ids: Tensor,
     prompt_lens: Tensor,
     completion_ids: Tensor,
     completion_mask: Tensor,
+    *,
+    temperature: Tensor | float = 1.0,
 ) -> Tensor:
     """log p(y_t | x, y_<t) of every completion token, 0 where ``completion_mask`` is False.
 
     Gradients flow to the model unless the caller runs it under ``torch.no_grad()``.
 
     Args:
-        model: the model whose log-probs to compute (temperature 1, no top-k/top-p).
+        model: the model whose log-probs to compute (no top-k/top-p).
         prompt_ids: ``[S, Tp]`` left-padded prompts.
         prompt_lens: ``[S]`` real prompt lengths.
         completion_ids: ``[S, C]`` right-padded completions.
         completion_mask: ``[S, C]`` bool, True on real completion tokens (a prefix of each row).
+        temperature: softmax temperature, a float or ``[S]`` per sample (the rollout's
+            ``sampling_temperature``); logits are divided by it before ``log_softmax``.
 
     Returns:
         ``[S, C]`` float32.
@@ -65,10 +75,12 @@ def completion_logprobs(
     valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), completion_mask[:, :used]], dim=1)
     tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]  # the last token predicts nothing
     valid = valid[:, :-1]
-    T = tokens.shape[1]
-    logits = model(tokens, positions=positions_from_valid(valid), attn_mask=attention_mask(valid, 0, T))
-    start = prompt_ids.shape[1] - 1  # the logits of the last prompt token predict y_0
-    logp = torch.log_softmax(logits[:, start:].float(), dim=-1)  # [S, used, V]
+    logits = model(tokens, valid=valid, keep=used).float()  # [S, used, V]: the last prompt token's logits predict y_0
+    if isinstance(temperature, Tensor):
+        logits = logits / temperature.to(logits)[:, None, None]
+    elif temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)  # [S, used, V]
     picked = logp.gather(-1, completion_ids[:, :used, None]).squeeze(-1)
     out = torch.cat([picked, out[:, used:]], dim=1) if used < C else picked
     return torch.where(completion_mask, out, torch.zeros((), dtype=out.dtype))

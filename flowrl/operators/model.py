@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import ModelConfig
@@ -165,6 +166,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.gradient_checkpointing = False
         self._init_weights()
 
     @torch.no_grad()
@@ -186,6 +188,8 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         attn_mask: Tensor | None = None,
         cache: KVCache | None = None,
+        valid: Tensor | None = None,
+        keep: int = 0,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -195,17 +199,29 @@ class Transformer(nn.Module):
             attn_mask: bool, ``[B, T, S]`` or ``[B, 1, T, S]`` with ``S = cache.length + T`` (or ``T``),
                 True where a query may attend a key; default causal (over the whole cache when decoding).
             cache: KV cache to read and extend (see the module docstring).
+            valid: instead of ``positions`` and ``attn_mask`` (the ``flowrl.models.CausalLM``
+                interface): bool ``[B, S]``, True on real tokens of the cached past and the new tokens;
+                both are then ``positions_from_valid`` and ``attention_mask`` of it.
+            keep: return the logits of the last ``keep`` positions only (0: all).
 
         Returns:
-            ``[B, T, vocab_size]`` logits, in the model's dtype.
+            ``[B, T, vocab_size]`` logits (``[B, keep, vocab_size]`` with ``keep``), in the model's dtype.
 
         Raises:
-            ConfigError: when a position or a cache slot would exceed ``max_seq_len`` or the cache size.
+            ConfigError: when a position or a cache slot would exceed ``max_seq_len`` or the cache size,
+                or ``valid`` disagrees with the cache.
         """
         B, T = tokens.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise ConfigError(f"KV cache holds {cache.max_len} slots; {start} filled + {T} new tokens do not fit")
+        if valid is not None:
+            if positions is not None or attn_mask is not None:
+                raise ConfigError("pass either valid or positions/attn_mask, not both")
+            if valid.shape != (B, start + T):
+                raise ConfigError(f"valid has shape {tuple(valid.shape)}; the cache holds {start} tokens and {T} are new, so it must be {(B, start + T)}")
+            positions = positions_from_valid(valid)[:, start:]
+            attn_mask = attention_mask(valid, start, T)
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         max_pos = int(positions.max()) if positions.numel() else 0
@@ -226,13 +242,29 @@ class Transformer(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn_mask, cache, i)
+            if self.gradient_checkpointing and self.training and cache is None:
+                x = checkpoint(layer, x, cos, sin, attn_mask, cache, i, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attn_mask, cache, i)
         if cache is not None:
             cache.length = start + T
         x = self.norm(x)
-        if self.output is None:
-            return F.linear(x, self.tok_embeddings.weight)
-        return self.output(x)
+        logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        return logits[:, -keep:] if keep else logits
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding (``ModelConfig.vocab_size``)."""
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest prompt + completion (``ModelConfig.max_seq_len``)."""
+        return self.config.max_seq_len
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each block's activations in the backward pass (``torch.utils.checkpoint``)."""
+        self.gradient_checkpointing = True
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens, in the model's dtype."""

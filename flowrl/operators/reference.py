@@ -1,8 +1,9 @@
 """The reference node's operator: a frozen copy of the initial policy that scores completions for a KL penalty.
 
-It builds the same seeded ``Transformer`` as the policy (so it *is* the policy's version 0) and never
-trains. ``logprobs`` uses ``completion_logprobs``, the computation the trainer uses for pi, so a KL
-estimate between them is exactly 0 before the first step.
+It builds the same model as the policy (``flowrl.models.build_model``: the same seeded or pretrained
+weights, so it *is* the policy's version 0) and never trains. ``logprobs`` uses
+``completion_logprobs`` at the rollout's ``sampling_temperature``, the computation the trainer uses
+for pi, so a KL estimate between them is exactly 0 before the first step.
 
 Example:
     >>> from flowrl.graph.nodes import ReferenceNode
@@ -24,7 +25,7 @@ from torch import Tensor
 from flowrl.graph.nodes import ReferenceNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.logprobs import completion_logprobs
-from flowrl.operators.model import Transformer
+from flowrl.models.registry import build_model
 
 __all__ = ["Reference"]
 
@@ -38,7 +39,7 @@ class Reference:
 
     def __init__(self, node: ReferenceNode) -> None:
         self.name = node.name
-        self.model = Transformer(node.model).eval().requires_grad_(False)
+        self.model = build_model(node.model).eval().requires_grad_(False)
 
     def logprobs(self, rollout: Mapping[str, Tensor]) -> Batch:
         """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding."""
@@ -49,5 +50,6 @@ class Reference:
                 rollout["sample_prompt_lens"],
                 rollout["completion_ids"],
                 rollout["completion_mask"],
+                temperature=rollout.get("sampling_temperature", 1.0),
             )
         return {"ref_logprobs": lp}

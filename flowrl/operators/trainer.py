@@ -5,8 +5,9 @@ One ``train_step(batch)``:
 1. reads the rollout and its reward fields; advantages come from the whole batch (group baselines
    need every sample of a prompt);
 2. in micro-batches of ``optimizer.micro_batch_size`` samples (0: one), recomputes log pi of the
-   completions with gradients (``completion_logprobs``, the same layout the generator sampled with),
-   applies the loss node's objective, and back-propagates; token sums are divided by the whole
+   completions with gradients (``completion_logprobs``, the same layout and the same temperature,
+   ``sampling_temperature``, the generator sampled with), applies the loss node's objective, and
+   back-propagates (optionally under bf16/fp16 ``torch.autocast`` and with gradient checkpointing); token sums are divided by the whole
    batch's token count, so accumulation gives exactly the whole-batch gradient;
 3. clips the global gradient norm, sets the scheduled learning rate, steps AdamW;
 4. bumps ``version`` (completed optimizer steps, 0 before the first).
@@ -14,6 +15,9 @@ One ``train_step(batch)``:
 State (``state()`` / ``load_state``) is the model, the optimizer and the version: tensors, ints,
 floats, strings, tuples and dicts only, so that a checkpoint loads with ``torch.load(weights_only=True)``.
 The schedule has no state of its own: the learning rate is a pure function of the version.
+
+The model is any ``flowrl.models`` family (``build_model``), held in float32 (master weights);
+``weights()`` names its tensors once each (a tied output projection is not repeated).
 
 ``OptimizerConfig.seed`` is recorded for the trainer's own randomness; the built-in model has no
 dropout, so a step is deterministic given the batch and the state.
@@ -41,10 +45,11 @@ from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.configs import OptimizerConfig
 from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.operators.batch import split
-from flowrl.operators.generation import copy_weights
+from flowrl.operators.generation import DTYPES, copy_weights
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.losses import advantages, check_objective, combined_rewards, compute_loss
-from flowrl.operators.model import Transformer
+from flowrl.models.causal_lm import weight_dict
+from flowrl.models.registry import build_model
 
 __all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS"]
 
@@ -98,7 +103,7 @@ class Trainer:
         loss: the loss node its objective comes from.
 
     Attributes:
-        model: pi (float32, trainable).
+        model: pi (a ``flowrl.models.CausalLM``, float32, trainable).
         optimizer: AdamW over the model's parameters.
         version: completed optimizer steps.
 
@@ -110,13 +115,15 @@ class Trainer:
         check_objective(loss.loss.objective)
         self.name = node.name
         self.node, self.loss = node, loss
-        self.model = Transformer(node.model).train()
         opt = node.optimizer
+        self.model = build_model(node.model).train()
+        if opt.gradient_checkpointing:
+            self.model.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay
         )
         self.version = 0
-        self._weights = dict(self.model.state_dict())  # views of the parameters, updated in place
+        self._weights = weight_dict(self.model)  # views of the parameters, updated in place
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
         """One optimizer step on ``batch`` (a rollout plus its reward fields, and ``ref_logprobs`` for a KL term).
@@ -144,10 +151,18 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         pieces: list[Tensor] = []
+        precision = self.node.optimizer.autocast
+        device_type = next(self.model.parameters()).device.type
         for start, part in zip(range(0, n, size), split(batch, size)):
-            logprobs = completion_logprobs(
-                self.model, part["sample_prompt_ids"], part["sample_prompt_lens"], part["completion_ids"], part["completion_mask"]
-            )
+            with torch.autocast(device_type, dtype=DTYPES[precision], enabled=precision != "float32"):
+                logprobs = completion_logprobs(
+                    self.model,
+                    part["sample_prompt_ids"],
+                    part["sample_prompt_lens"],
+                    part["completion_ids"],
+                    part["completion_mask"],
+                    temperature=part.get("sampling_temperature", 1.0),
+                )
             loss, _ = compute_loss(config, logprobs, part, advantages=adv[start : start + size], normalizer=normalizer)
             loss.backward()
             pieces.append(logprobs.detach())

@@ -111,6 +111,7 @@ class SyntheticGenerator(_Synthetic):
             "completion_mask": torch.ones(s, t, dtype=torch.bool),
             "completion_lens": torch.full((s,), t),
             "behaviour_logprobs": torch.zeros(s, t),
+            "sampling_temperature": torch.ones(s),
             "group_ids": torch.arange(prompts).repeat_interleave(n),
             "rollout_version": torch.tensor(self.version),
             "prompt_index": inputs["prompt_index"],

@@ -79,15 +79,13 @@ def edge_ranks(graph: Graph, src: str, dst: str, ranks: dict[str, tuple[int, ...
 
 def _param_specs(graph: Graph, src: str) -> dict[str, dict[str, Any]]:
     """Full shapes and dtypes of the policy's weights (its ``Trainer.weights()``), from its ModelConfig."""
-    from flowrl.operators.model import Transformer
+    from flowrl.models.registry import weight_shapes
 
     node = graph.node(src)
     config = getattr(node, "model", None)
     if config is None:
         raise ConfigError(f"weight edge from {src!r}: node has no model config, so the collective transport cannot know its parameter shapes")
-    with torch.device("meta"):
-        model = Transformer(config)
-    return {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in model.state_dict().items()}
+    return {n: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, (shape, dtype) in weight_shapes(config).items()}
 
 
 def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: Any, params: dict[str, Any]) -> Any:

@@ -1,0 +1,40 @@
+"""``flowrl export CHECKPOINT -o DIR``: a trained policy as a Hugging Face directory (``from_pretrained`` loads it)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
+
+EPILOG = """\
+CHECKPOINT is a run's --checkpoint-dir (its newest checkpoint is used) or one step-* directory in it.
+The built-in model is written as LlamaForCausalLM (an exact mapping); a Hugging Face policy keeps
+its own architecture and tokenizer.
+
+examples:
+  flowrl export runs/ckpt -o my-model
+  python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('my-model')"
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint's policy as a Hugging Face directory",
+        description="Write the policy of CHECKPOINT as a Hugging Face directory (weights, config.json, tokenizer).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a run's checkpoint directory or one step-* directory")
+    p.add_argument("-o", "--output", metavar="DIR", required=True, help="directory to write (must be empty or new)")
+    p.add_argument("--node", metavar="NAME", help="the policy node, when the checkpoint holds several")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flowrl.models.export import export_hf
+
+    out = export_hf(args.checkpoint, args.output, node=args.node, overwrite=args.overwrite)
+    print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it)")
+    return 0

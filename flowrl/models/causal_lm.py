@@ -1,0 +1,66 @@
+"""The one interface the operators use for any model: ``CausalLM``, and the weights a transport moves.
+
+A ``CausalLM`` is an ``nn.Module`` whose ``state_dict()`` names are those of the model family (the
+built-in transformer's own names, or Hugging Face parameter names), with:
+
+- ``forward(tokens [B, T], *, valid [B, S], cache=None, keep=0) -> logits [B, T or keep, V]``:
+  ``valid`` is True on real tokens over the cached past *and* the new tokens (``S = past + T``;
+  prompts are left-padded); positions count real tokens before each token, pads are never attended.
+  ``keep > 0`` returns the logits of the last ``keep`` positions only.
+- ``new_cache(batch, max_len)``: an empty KV cache that ``forward`` extends.
+- ``vocab_size`` (rows of the embedding) and ``max_seq_len`` (longest prompt + completion).
+- ``enable_gradient_checkpointing()``: recompute block activations in the backward pass.
+
+Tied weights (an output projection sharing the input embedding) appear once in ``weight_dict``,
+under the first name ``state_dict`` gives them, so transports move each tensor once and both ends
+of a weight edge hold the same names.
+
+Example:
+    >>> from flowrl.graph.configs import ModelConfig
+    >>> from flowrl.models.registry import build_model
+    >>> model = build_model(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1))
+    >>> isinstance(model, CausalLM), sorted(weight_dict(model))[:2]
+    (True, ['layers.0.attention.wk.weight', 'layers.0.attention.wo.weight'])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+__all__ = ["CausalLM", "weight_dict"]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model as the operators see it (see the module docstring)."""
+
+    vocab_size: int
+    max_seq_len: int
+
+    def __call__(self, tokens: Tensor, *, valid: Tensor, cache: Any = None, keep: int = 0) -> Tensor: ...
+
+    def new_cache(self, batch: int, max_len: int) -> Any: ...
+
+    def enable_gradient_checkpointing(self) -> None: ...
+
+
+def weight_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` (views, not copies) without the entries that alias an earlier one.
+
+    Args:
+        model: any module.
+
+    Returns:
+        name -> tensor, each storage once (a tied ``lm_head.weight`` is dropped in favour of the
+        embedding it shares).
+    """
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():  # the Parameter objects: a tied one is the same object
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t.detach()
+    return out

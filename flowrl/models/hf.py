@@ -1,0 +1,185 @@
+"""The Hugging Face adapter: a local ``AutoModelForCausalLM`` directory as a ``CausalLM``.
+
+``check_hf_dir`` reads ``config.json`` and refuses, before any work, what cannot run: a missing
+directory or hub id, no ``config.json``, a ``model_type`` outside ``HF_FAMILIES``, ``init="pretrained"``
+without weight files, a missing ``transformers``. ``load_hf`` builds the model (pretrained weights,
+or seeded random ones under ``torch.random.fork_rng`` so that every node built from one config gets
+the same weights) and wraps it in ``HFCausalLM``.
+
+``HFCausalLM`` registers the Hugging Face model's children as its own, so its ``state_dict()`` names
+are the Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``): weights travel
+keyed by them and ``save_pretrained`` writes them back. Its forward passes a 2-D ``attention_mask``
+(the ``valid`` mask), explicit ``position_ids`` (real tokens before each token) and a transformers
+``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import HF_FAMILIES, HFModelConfig
+from flowrl.models.local import require_transformers, resolve_local_dir
+
+__all__ = ["HFCausalLM", "check_hf_dir", "load_hf", "hf_eos_ids"]
+
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def _positions(valid: Tensor) -> Tensor:
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def check_hf_dir(config: HFModelConfig, *, owner: str = "model") -> dict[str, Any]:
+    """The directory's ``config.json`` as a dict, after every check that needs no model built.
+
+    Raises:
+        ConfigError: for a missing directory or hub id, no ``config.json``, an unsupported
+            ``model_type``, ``init="pretrained"`` without weight files, or no ``transformers``.
+    """
+    directory = resolve_local_dir(config.path, owner=owner)
+    cfg_file = directory / "config.json"
+    if not cfg_file.is_file():
+        present = sorted(p.name for p in directory.iterdir())[:12]
+        raise ConfigError(
+            f"{owner}: {str(directory)!r} has no config.json (files there: {present}); "
+            "pass the directory that model.save_pretrained(DIR) wrote"
+        )
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{owner}: {str(cfg_file)!r} is not valid JSON: {exc}") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in HF_FAMILIES:
+        raise ConfigError(
+            f"{owner}: {str(cfg_file)!r} has model_type {model_type!r}; flowrl trains the families {list(HF_FAMILIES)}"
+        )
+    if config.init == "pretrained" and not any(next(directory.glob(g), None) for g in _WEIGHT_GLOBS):
+        raise ConfigError(
+            f"{owner}: {str(directory)!r} holds no weights (*.safetensors or pytorch_model*.bin); "
+            'save them with model.save_pretrained(DIR), or use init="random" for seeded random weights'
+        )
+    require_transformers(f"{owner} (a Hugging Face model)")
+    return raw
+
+
+def hf_eos_ids(directory: str | Path, config_json: dict[str, Any]) -> tuple[int, ...]:
+    """End-of-sequence ids the model's ``config.json`` and ``generation_config.json`` name (may be empty)."""
+    ids: list[int] = []
+    sources = [config_json]
+    gen_file = Path(directory).expanduser() / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            sources.append(json.loads(gen_file.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            pass
+    for src in sources:
+        value = src.get("eos_token_id") if isinstance(src, dict) else None
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM behind flowrl's ``CausalLM`` interface (see the module docstring).
+
+    Args:
+        hf: a ``PreTrainedModel`` for causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...).
+        max_seq_len: longest prompt + completion accepted.
+
+    Attributes:
+        hf: the wrapped model (its children are this module's children, so names agree).
+        vocab_size: rows of the input embedding.
+        max_seq_len: as given.
+    """
+
+    def __init__(self, hf: nn.Module, *, max_seq_len: int) -> None:
+        super().__init__()
+        if list(hf.named_parameters(recurse=False)) or list(hf.named_buffers(recurse=False)):
+            raise ConfigError(f"{type(hf).__name__} holds tensors outside its submodules; flowrl cannot adapt it")
+        for name, child in hf.named_children():
+            self.add_module(name, child)
+        self.__dict__["hf"] = hf  # not a submodule: its children are already ours (state-dict names = HF names)
+        self.vocab_size = int(hf.get_input_embeddings().num_embeddings)
+        self.max_seq_len = int(max_seq_len)
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        super().train(mode)
+        self.hf.training = mode
+        return self
+
+    def forward(self, tokens: Tensor, *, valid: Tensor | None = None, cache: Any = None, keep: int = 0) -> Tensor:
+        """Logits ``[B, T or keep, V]`` of the next token (see ``flowrl.models.causal_lm``).
+
+        Raises:
+            ConfigError: when a position exceeds ``max_seq_len`` or ``valid`` disagrees with the cache.
+        """
+        B, T = tokens.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        if valid is None:
+            valid = torch.ones(B, past + T, dtype=torch.bool, device=tokens.device)
+        if valid.shape != (B, past + T):
+            raise ConfigError(f"valid has shape {tuple(valid.shape)}; the cache holds {past} tokens and {T} are new, so it must be {(B, past + T)}")
+        positions = _positions(valid)[:, past:]
+        if positions.numel() and int(positions.max()) >= self.max_seq_len:
+            raise ConfigError(
+                f"position {int(positions.max())} >= max_seq_len={self.max_seq_len}: shorten prompts or max_new_tokens"
+            )
+        out = self.hf(
+            input_ids=tokens,
+            attention_mask=valid.long(),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            logits_to_keep=keep,
+        )
+        return out.logits
+
+    def new_cache(self, batch: int, max_len: int) -> Any:
+        """An empty transformers ``DynamicCache`` (it grows as ``forward`` extends it; ``max_len`` unused)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf.config)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each decoder layer's activations in the backward pass (transformers' own mechanism)."""
+        enable = getattr(self.hf, "activation_checkpointing_enable", None)  # transformers >= 5.x; the old name warns
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_hf(config: HFModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFCausalLM:
+    """Build the model of ``config`` (after ``check_hf_dir``), in ``dtype`` on ``device``.
+
+    Random weights are drawn in float32 under ``torch.manual_seed(config.seed)`` inside
+    ``torch.random.fork_rng`` (the caller's RNG is untouched), then cast: a bf16 generator and an fp32
+    policy of one config start from the same weights, rounded.
+
+    Raises:
+        ConfigError: see ``check_hf_dir``; also when transformers cannot load the directory.
+    """
+    raw = check_hf_dir(config)
+    transformers = require_transformers("a Hugging Face model")
+    directory = str(Path(config.path).expanduser())
+    try:
+        if config.init == "pretrained":
+            hf = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        else:
+            hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.seed)
+                hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model: transformers could not load {directory!r}: {exc}") from None
+    max_len = config.max_seq_len or int(raw.get("max_position_embeddings") or 0)
+    if max_len < 1:
+        raise ConfigError(f"model: {directory!r}: config.json has no max_position_embeddings; set HFModelConfig.max_seq_len")
+    return HFCausalLM(hf, max_seq_len=max_len).to(device=device, dtype=dtype)

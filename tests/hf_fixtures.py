@@ -1,0 +1,93 @@
+"""Tiny Hugging Face model directories built in the test (never downloaded), for every HF test.
+
+``make_hf_dir(path, family)`` writes what ``save_pretrained`` writes for a 2-layer Llama, Qwen2 or
+Qwen3 of hidden size 32-64 and a 100-token vocabulary, plus a word-level tokenizer built with
+``tokenizers`` (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, the words of ``WORDS``). The fixtures
+``hf_llama_dir``, ``hf_qwen2_dir`` and ``hf_dir`` (both families in turn) build one per session;
+they are registered for the whole suite through ``tests/conftest.py``'s ``pytest_plugins``, so
+integration tests use them too. Each skips visibly when ``transformers`` is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+__all__ = ["WORDS", "VOCAB", "make_hf_dir", "hf_llama_dir", "hf_qwen2_dir", "hf_dir", "hf_config"]
+
+VOCAB = 100
+WORDS: tuple[str, ...] = tuple(str(i) for i in range(10)) + tuple("abcdefghijklmnopqrstuvwxyz") + ("+", "=", "-", "?", "yes", "no")
+
+
+def _tokenizer(path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for w in WORDS:
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+
+
+def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = VOCAB):
+    """A transformers config of a tiny model of ``family`` (``llama``, ``qwen2``, ``qwen3``)."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+    if family == "qwen3":
+        common["head_dim"] = hidden // 4
+    return cls(**common)
+
+
+def make_hf_dir(path: Path, family: str = "llama", *, tie: bool = True, hidden: int = 32, seed: int = 0, weights: bool = True) -> Path:
+    """Write a tiny ``family`` model (safetensors weights unless ``weights=False``) and its tokenizer to ``path``."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    path.mkdir(parents=True, exist_ok=True)
+    config = hf_config(family, tie=tie, hidden=hidden)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    if weights:
+        model.save_pretrained(str(path), safe_serialization=True)
+    else:
+        config.save_pretrained(str(path))
+    _tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama directory (tied embeddings), built once per session."""
+    return make_hf_dir(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 directory (untied embeddings, qkv biases), built once per session."""
+    return make_hf_dir(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", tie=False, hidden=48)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def hf_dir(request: pytest.FixtureRequest) -> Path:
+    """Each tiny HF family's directory in turn."""
+    return request.getfixturevalue(f"hf_{request.param}_dir")

@@ -1,0 +1,89 @@
+"""Bad Hugging Face model descriptions: each a ConfigError naming the thing and the fix, before any work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.nodes import GeneratorNode
+from flowrl.models import build_model
+from flowrl.operators.generation import Generator
+from tests.hf_fixtures import make_hf_dir
+
+pytest.importorskip("transformers")
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _no_config(d):
+    (d / "config.json").unlink()
+
+
+def _no_weights(d):
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+
+
+def _gpt2(d):
+    raw = json.loads((d / "config.json").read_text())
+    raw["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(raw))
+
+
+CASES = [
+    ("no-config", _no_config, {}, r"has no config.json .*save_pretrained"),
+    ("no-weights", _no_weights, {}, r'holds no weights .*init="random"'),
+    ("unsupported-family", _gpt2, {}, r"model_type 'gpt2'; flowrl trains the families \['llama', 'qwen2', 'qwen3'\]"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "kw", "match"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_model_directory(hf_llama_dir, tmp_path, mutate, kw, match):
+    d = _copy(hf_llama_dir, tmp_path / "m")
+    mutate(d)
+    with pytest.raises(ConfigError, match=match):
+        build_model(HFModelConfig(path=str(d), **kw))
+
+
+def test_random_init_needs_no_weights(hf_llama_dir, tmp_path):
+    d = _copy(hf_llama_dir, tmp_path / "m")
+    _no_weights(d)
+    assert build_model(HFModelConfig(path=str(d), init="random")).vocab_size == 100
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [("Qwen/Qwen2.5-0.5B-Instruct", r"looks like a Hugging Face hub id.*--local-dir"), ("/no/such/model", r"does not exist")],
+    ids=["hub-id", "missing"],
+)
+def test_hub_ids_and_missing_paths(path, match):
+    with pytest.raises(ConfigError, match=match):
+        build_model(HFModelConfig(path=path))
+
+
+def test_tokenizer_larger_than_the_embeddings(tmp_path, hf_llama_dir):
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_fixtures import hf_config
+
+    d = make_hf_dir(tmp_path / "m", "llama")
+    transformers.AutoModelForCausalLM.from_config(hf_config("llama", vocab=20)).save_pretrained(str(d))
+    with pytest.raises(ConfigError, match=r"the tokenizer has \d+ tokens but the model's embedding has 20 rows"):
+        Generator(GeneratorNode(name="gen", model=HFModelConfig(path=str(d))))
+
+
+def test_missing_transformers_gives_the_install_hint(hf_llama_dir, monkeypatch):
+    import flowrl.models.local as local
+
+    def no_transformers(name):
+        raise ImportError(name)
+
+    monkeypatch.setattr(local.importlib, "import_module", no_transformers)
+    with pytest.raises(ConfigError, match=r"needs the 'transformers' package: pip install 'flowrl\[hf\]'"):
+        build_model(HFModelConfig(path=str(hf_llama_dir)))

@@ -1,0 +1,78 @@
+"""Generation with Hugging Face models: recorded log-probs equal the HF model's own forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.operators.generation import Generator
+from tests.models.helpers import hf_generator_node, hf_reference_model, left_padded, reference_logprobs
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 12], [1, 20, 21, 22]]  # different lengths: left padding
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
+def test_behaviour_logprobs_equal_the_hf_forward(hf_dir, use_kv_cache, temperature):
+    gen = Generator(hf_generator_node(hf_dir, use_kv_cache=use_kv_cache, temperature=temperature), seed=3)
+    out = gen.generate(left_padded(PROMPTS))
+    assert bool(out["completion_mask"].any())
+    ref = hf_reference_model(hf_dir)
+    with torch.no_grad():
+        alone = reference_logprobs(ref, out, temperature=temperature)
+        padded = reference_logprobs(ref, out, temperature=temperature, padded=True)
+    torch.testing.assert_close(out["behaviour_logprobs"], alone, rtol=0, atol=2e-5)
+    torch.testing.assert_close(out["behaviour_logprobs"], padded, rtol=0, atol=2e-5)
+    assert torch.equal(out["sampling_temperature"], torch.full((9,), temperature))
+
+
+def test_cache_and_no_cache_draw_the_same_completions(hf_llama_dir):
+    outs = [Generator(hf_generator_node(hf_llama_dir, use_kv_cache=c), seed=1).generate(left_padded(PROMPTS)) for c in (True, False)]
+    assert torch.equal(outs[0]["completion_ids"], outs[1]["completion_ids"])
+
+
+def test_completions_stop_at_eos_and_pad_with_the_tokenizers_pad(hf_llama_dir):
+    gen = Generator(hf_generator_node(hf_llama_dir, n_samples=16, max_new_tokens=12), seed=0)
+    assert gen.stop_tokens == (2,) and gen.pad_id == 0
+    with torch.no_grad():
+        gen.model.lm_head.weight[2] *= 40  # a large </s> logit in some contexts: some rows stop early
+    out = gen.generate(left_padded([[1, 5, 6]]))
+    ids, mask = out["completion_ids"], out["completion_mask"]
+    stopped = 0
+    for s in range(ids.shape[0]):
+        n = int(mask[s].sum())
+        row = ids[s, :n].tolist()
+        assert 2 not in row[:-1]  # nothing after </s>
+        if row[-1] == 2:
+            stopped += 1
+            assert (ids[s, n:] == 0).all()
+    assert stopped >= 1
+
+
+def test_stop_strings_end_a_completion_at_the_token_that_completes_them(hf_llama_dir):
+    gen = Generator(hf_generator_node(hf_llama_dir, n_samples=16, max_new_tokens=12, stop_strings=("a", "b", "c")), seed=0)
+    out = gen.generate(left_padded([[1, 5, 6]]))
+    tok = __import__("flowrl.models", fromlist=["load_tokenizer"]).load_tokenizer(str(hf_llama_dir))
+    hits = 0
+    for s in range(out["completion_ids"].shape[0]):
+        n = int(out["completion_mask"][s].sum())
+        row = out["completion_ids"][s, :n].tolist()
+        before = tok.decode(row[:-1])
+        assert not any(x in before.split() for x in "abc")  # no stop string before the last token
+        if tok.decode(row[-1:]) in ("a", "b", "c"):
+            hits += 1
+        else:
+            assert n == 12 or row[-1] == 2
+    assert hits >= 1
+
+
+def test_a_bf16_generator_samples_from_the_same_initial_weights_rounded(hf_llama_dir):
+    gen = Generator(hf_generator_node(hf_llama_dir, precision="bfloat16"), seed=0)
+    ref = hf_reference_model(hf_llama_dir)
+    w = gen.weight_targets()["model.embed_tokens.weight"]
+    assert w.dtype == torch.bfloat16
+    assert torch.equal(w, ref.model.embed_tokens.weight.to(torch.bfloat16))
+    out = gen.generate(left_padded(PROMPTS))
+    assert torch.isfinite(out["behaviour_logprobs"]).all()

@@ -1,0 +1,90 @@
+"""Training Hugging Face models: the trainer's gradient against plain autograd on the HF model itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.graph.nodes import LossNode
+from flowrl.graph.configs import LossConfig
+from flowrl.operators.generation import Generator
+from flowrl.operators.losses import advantages, combined_rewards, compute_loss
+from flowrl.operators.trainer import Trainer
+from tests.models.helpers import hf_generator_node, hf_policy_node, hf_reference_model, left_padded, reference_logprobs
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[1, 5, 6, 7], [1, 12], [1, 20, 21, 22, 23]]
+
+
+def _rollout(directory, temperature: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    out = Generator(hf_generator_node(directory, n_samples=2, temperature=temperature), seed=seed).generate(left_padded(PROMPTS))
+    rewards = torch.linspace(-1, 1, out["completion_ids"].shape[0])
+    return {**out, "rewards": rewards}
+
+
+@pytest.mark.parametrize("micro_batch_size", [0, 2], ids=["whole", "micro2"])
+def test_trainer_gradient_equals_autograd_on_the_hf_model(hf_dir, micro_batch_size):
+    batch = _rollout(hf_dir, temperature=0.8)
+    trainer = Trainer(hf_policy_node(hf_dir, grad_clip=0.0, micro_batch_size=micro_batch_size), LossNode(name="aipo"))
+    trainer.train_step(batch)
+    ref = hf_reference_model(hf_dir)
+    config = LossConfig()
+    logprobs = reference_logprobs(ref, batch, temperature=0.8)  # each row alone: no padding, no flowrl code
+    adv = advantages(combined_rewards(config, batch), batch["group_ids"], baseline=config.baseline, normalize_std=False)
+    normalizer = float(batch["completion_mask"].sum())
+    loss, _ = compute_loss(config, logprobs, batch, advantages=adv, normalizer=normalizer)
+    loss.backward()
+    mine = dict(trainer.model.named_parameters())
+    checked = 0
+    for name, param in ref.named_parameters():
+        assert name in mine, name
+        torch.testing.assert_close(mine[name].grad, param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        checked += 1
+    assert checked == len(list(ref.parameters()))
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(hf_llama_dir):
+    batch = _rollout(hf_llama_dir)
+    grads = []
+    for ckpt in (False, True):
+        trainer = Trainer(hf_policy_node(hf_llama_dir, grad_clip=0.0, gradient_checkpointing=ckpt), LossNode(name="aipo"))
+        assert getattr(trainer.model.model.layers[0], "gradient_checkpointing", False) == ckpt
+        trainer.train_step(batch)
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_bf16_autocast_trains_float32_master_weights(hf_llama_dir):
+    batch = _rollout(hf_llama_dir)
+    trainer = Trainer(hf_policy_node(hf_llama_dir, autocast="bfloat16"), LossNode(name="aipo"))
+    before = {n: t.clone() for n, t in trainer.weights().items()}
+    metrics = trainer.train_step(batch)
+    assert all(t.dtype == torch.float32 for t in trainer.weights().values())
+    assert any(not torch.equal(before[n], t) for n, t in trainer.weights().items())
+    assert abs(metrics["aipo/ratio_mean"] - 1.0) < 0.05  # bf16 forward: close to, not exactly, on-policy
+
+
+def test_policy_generator_and_reference_from_one_random_config_start_equal(hf_llama_dir, tmp_path):
+    from tests.hf_fixtures import make_hf_dir
+
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.graph.nodes import GeneratorNode, PolicyNode
+    from flowrl.models import build_model
+
+    directory = make_hf_dir(tmp_path / "cfg", "llama", weights=False)
+    config = HFModelConfig(path=str(directory), init="random", seed=7)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    a = build_model(config)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG is untouched
+    torch.rand(5)
+    b = build_model(config)
+    c = build_model(HFModelConfig(path=str(directory), init="random", seed=8))
+    for (name, x), y, z in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+        assert torch.equal(x, y), name
+    assert any(not torch.equal(x, z) for x, z in zip(a.state_dict().values(), c.state_dict().values()))
+    gen = Generator(GeneratorNode(name="gen", model=config), seed=0)
+    trainer = Trainer(PolicyNode(name="policy", model=config), LossNode(name="aipo"))
+    assert all(torch.equal(gen.weight_targets()[n], t) for n, t in trainer.weights().items())
