@@ -43,10 +43,13 @@ class PromptStream:
         encoded: their token ids after the length limit.
         seed: seed of the per-epoch shuffle.
         shuffle: shuffle each epoch (else file order, epoch after epoch).
+        tokenizer: the tokenizer that encoded them (its ``pad_token_id`` pads batches).
     """
 
-    def __init__(self, dataset: PromptDataset, encoded: EncodedPrompts, *, seed: int, shuffle: bool = True) -> None:
-        self.dataset, self.encoded = dataset, encoded
+    def __init__(
+        self, dataset: PromptDataset, encoded: EncodedPrompts, *, seed: int, shuffle: bool = True, tokenizer: Any = None
+    ) -> None:
+        self.dataset, self.encoded, self.tokenizer = dataset, encoded, tokenizer
         self.order = EpochOrder(len(encoded.rows), seed, shuffle=shuffle)
 
     @classmethod
@@ -87,7 +90,12 @@ class PromptStream:
                 f"tokens (the longest has {encoded.longest}) and are {what}",
                 stacklevel=2,
             )
-        return cls(dataset, encoded, seed=seed, shuffle=shuffle)
+        return cls(dataset, encoded, seed=seed, shuffle=shuffle, tokenizer=tokenizer)
+
+    @property
+    def pad_id(self) -> int:
+        """The id that pads prompts: the tokenizer's pad token (0 if it has none)."""
+        return int(getattr(self.tokenizer, "pad_token_id", None) or 0)
 
     def __len__(self) -> int:
         """Prompts per epoch (the rows kept)."""
