@@ -203,10 +203,11 @@ class GeneratorProgram(ProgramBase):
 
 
 class ScorerProgram(ProgramBase):
-    def __init__(self, node: ScorerNode) -> None:
+    def __init__(self, node: ScorerNode, graph: Graph) -> None:
         from flowrl.operators.scoring import Scorer
+        from flowrl.operators.text_inputs import TextInputs
 
-        self.scorer = Scorer(node)
+        self.scorer = Scorer(node, TextInputs(graph, node.name) if node.inputs == "text" else None)
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         start = time.perf_counter()
@@ -302,7 +303,7 @@ def _build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedT
     if isinstance(node, GeneratorNode):
         return GeneratorProgram(node, graph, env, transports, seed=env.seed)
     if isinstance(node, ScorerNode):
-        return ScorerProgram(node)
+        return ScorerProgram(node, graph)
     if isinstance(node, ReferenceNode):
         return ReferenceProgram(node)
     if isinstance(node, PolicyNode):

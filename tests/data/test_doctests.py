@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["flowrl.data.files", "flowrl.data.dataset", "flowrl.data.encode", "flowrl.data.order", "flowrl.data.stream", "flowrl.data.wiring"]
+MODULES = ["flowrl.operators.rewards", "flowrl.data.files", "flowrl.data.dataset", "flowrl.data.encode", "flowrl.data.order", "flowrl.data.stream", "flowrl.data.wiring"]
 
 
 @pytest.mark.parametrize("name", MODULES)
