@@ -71,3 +71,9 @@ def text_optional(prompt: str, completion: str, solution: str = "", **rest: obje
 
 def text_nan(prompt: str, completion: str) -> float:
     return float("nan")
+
+
+def text_record(prompts: list[str], completions: list[str], **fields: list) -> list[float]:
+    """Batched: records the prompts of each batch it scores (in-process runs only); rewards the answer."""
+    SEEN.append(list(prompts))
+    return [float(c.strip() == str(a)) for c, a in zip(completions, fields.get("answer", [""] * len(completions)))]
