@@ -19,12 +19,12 @@ or as keyword arguments of that config (``n_samples=4``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from flowrl.errors import ConfigError, GraphError
-from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.configs import HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
 from flowrl.graph.nodes import (
     GeneratorNode,
@@ -108,7 +108,11 @@ class GraphBuilder:
 
     # -- one method per node kind ------------------------------------------------------------------
     def source(self, name: str, *, config: SourceConfig | None = None, **kwargs: Any) -> Node:
-        """Prompts from a task (``task=``, ``batch_size=``, ``seed=``)."""
+        """Prompts from a task (``task=``) or a prompt file (``data=``, ``prompt_field=``, ...);
+        keyword arguments are ``SourceConfig`` fields. A file's ``tokenizer`` defaults to that of the
+        Hugging Face model of the generator the source feeds (filled in by ``build``)."""
+        if config is None and kwargs.get("data") and "task" not in kwargs:
+            kwargs["task"] = ""  # the default config's built-in task gives way to the file
         cfg = _config(SourceConfig, config, kwargs, f"source {name!r}")
         self._no_leftovers("source", name, kwargs)
         return self.add(SourceNode(name=name, source=cfg))
@@ -135,9 +139,12 @@ class GraphBuilder:
         fn: Callable[..., Any] | str,
         batched: bool = False,
         output: str = "rewards",
+        inputs: Literal["ids", "text"] = "ids",
     ) -> Node:
-        """Rewards from ``fn(prompt_ids, completion_ids) -> float``, a module-level function or its name."""
-        return self.add(ScorerNode(name=name, fn=reference_of(fn), batched=batched, output=output), (rollouts,))
+        """Rewards from ``fn(prompt_ids, completion_ids) -> float`` or, with ``inputs="text"``, from
+        ``fn(prompt, completion, **row_fields) -> float``; ``fn`` is a module-level function or its name."""
+        node = ScorerNode(name=name, fn=reference_of(fn), batched=batched, output=output, inputs=inputs)
+        return self.add(node, (rollouts,))
 
     def reference(self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None) -> Node:
         """A frozen copy of the initial policy, writing ``ref_logprobs``."""
@@ -184,11 +191,24 @@ class GraphBuilder:
         self._weight_edges.append(edge)
         return edge
 
+    def _with_tokenizers(self) -> tuple[Node, ...]:
+        """The nodes, each data source without a ``tokenizer`` given that of the HF model it feeds."""
+        nodes = []
+        for node in self._nodes:
+            if isinstance(node, SourceNode) and node.source.data and not node.source.tokenizer:
+                fed = {e.dst for e in self._edges if e.src == node.name}
+                models = [n.model for n in self._nodes if isinstance(n, GeneratorNode) and n.name in fed]
+                paths = [m.tokenizer_path for m in models if isinstance(m, HFModelConfig)]
+                if paths:
+                    node = msgspec.structs.replace(node, source=msgspec.structs.replace(node.source, tokenizer=paths[0]))
+            nodes.append(node)
+        return tuple(nodes)
+
     def build(self) -> Graph:
         """Validate and return the graph; raises ``GraphError`` naming every broken rule."""
         spec = GraphSpec(
             name=self.name,
-            nodes=tuple(self._nodes),
+            nodes=self._with_tokenizers(),
             edges=tuple(self._edges),
             weight_edges=tuple(self._weight_edges),
         )

@@ -27,6 +27,7 @@ __all__ = [
     "LossConfig",
     "OptimizerConfig",
     "SourceConfig",
+    "DATA_EXTENSIONS",
     "Precision",
 ]
 
@@ -275,19 +276,60 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
         _check(self.micro_batch_size >= 0, o, f"micro_batch_size={self.micro_batch_size} must be >= 0")
 
 
+#: Extensions of the prompt files a source reads (``flowrl.data.files``).
+DATA_EXTENSIONS: tuple[str, ...] = (".jsonl", ".json", ".csv", ".parquet")
+
+
 class SourceConfig(msgspec.Struct, **_STRUCT):
-    """Where prompts come from.
+    """Where prompts come from: a built-in task, or the user's prompt file (``data``).
+
+    With neither ``task`` nor ``data`` given, the source serves the built-in ``add`` task. The file
+    is read when the run starts (``flowrl.data``), never when a graph is loaded, so a graph naming a
+    file on another machine still loads, prints and plans.
 
     Attributes:
         task: a built-in task name (``flowrl examples`` and ``flowrl.operators.tasks.TASKS``) or a
-            ``module:qualname`` reference to a user task factory.
+            ``module:qualname`` reference to a user task factory. Exclusive with ``data``.
         batch_size: prompts per trainer step.
-        seed: seed of the endless prompt stream.
+        seed: seed of the endless prompt stream (the per-epoch shuffle of a file).
+        data: a prompt file: ``.jsonl``, ``.json`` (a list of objects), ``.csv`` or ``.parquet``.
+        prompt_field: the field of each row holding the prompt (text or chat messages); every other
+            field goes to the scorers.
+        tokenizer: a local tokenizer directory; empty means the tokenizer of the Hugging Face model
+            of the generator the source feeds (``GraphBuilder`` fills it in).
+        chat_template: render prompts with the tokenizer's chat template (text becomes one user message).
+        max_prompt_len: longest prompt in tokens; 0 means the generator model's ``max_seq_len``
+            minus ``max_new_tokens`` (where the model states it).
+        overlong: a longer prompt is dropped from the stream (``"drop"``) or cut to its last
+            ``max_prompt_len`` tokens (``"truncate"``); counted and reported once at start.
+        shuffle: visit the rows in a new seeded order every epoch (else file order).
     """
 
-    task: str = "add"
+    task: str = ""
     batch_size: int = 8
     seed: int = 0
+    data: str = ""
+    prompt_field: str = "prompt"
+    tokenizer: str = ""
+    chat_template: bool = False
+    max_prompt_len: int = 0
+    overlong: Literal["drop", "truncate"] = "drop"
+    shuffle: bool = True
 
     def __post_init__(self) -> None:
-        _check(self.batch_size >= 1, "SourceConfig", f"batch_size={self.batch_size} must be >= 1")
+        o = "SourceConfig"
+        _check(self.batch_size >= 1, o, f"batch_size={self.batch_size} must be >= 1")
+        if not self.task and not self.data:
+            msgspec.structs.force_setattr(self, "task", "add")  # the built-in default
+        if not self.data:
+            return
+        _check(not self.task, o, f"task={self.task!r} and data={self.data!r} are both set; a source reads one: drop one of them")
+        suffix = "." + self.data.rsplit(".", 1)[-1].lower() if "." in self.data else ""
+        _check(
+            suffix in DATA_EXTENSIONS,
+            o,
+            f"data={self.data!r} has extension {suffix or '(none)'!r}; prompt files are {', '.join(DATA_EXTENSIONS)}",
+        )
+        _check(bool(self.prompt_field), o, "prompt_field must name the field holding the prompts")
+        _check(self.max_prompt_len >= 0, o, f"max_prompt_len={self.max_prompt_len} must be >= 0 (0: the model's max_seq_len - max_new_tokens)")
+        _check(self.overlong in ("drop", "truncate"), o, f"overlong={self.overlong!r} must be 'drop' or 'truncate'")

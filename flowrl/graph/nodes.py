@@ -2,13 +2,15 @@
 
 Node kinds (the ``kind`` tag in JSON):
 
-- ``source``: yields batches of prompts from a task's endless, seeded stream.
+- ``source``: yields batches of prompts from a task's or a prompt file's endless, seeded stream.
   Writes ``prompt_ids``, ``prompt_lens``, ``prompt_index``.
 - ``generator``: samples ``n_samples`` completions per prompt with the behaviour policy mu. Holds
   inference weights (received over a weight edge). Writes the rollout: completion ids and mask,
   per-token log-probs under mu (``behaviour_logprobs``), lengths, group ids and ``rollout_version``.
 - ``scorer``: turns completions into rewards with a rule, a user function referenced as
-  ``module:qualname``. Writes one reward field (``rewards`` unless renamed).
+  ``module:qualname``, on token ids or (``inputs="text"``) on decoded text and the prompt row's
+  fields; a text scorer also reads ``prompt_index`` and ``group_ids`` to find each sample's row.
+  Writes one reward field (``rewards`` unless renamed).
 - ``reference``: a frozen copy of the initial policy; writes ``ref_logprobs`` for a KL penalty.
 - ``loss``: the RL objective (AIPO, GRPO/PPO-clip). Reads the rollout and the reward fields named in
   its config; runs inside the policy's training step, on the policy's devices. Writes ``objective``.
@@ -27,6 +29,7 @@ from typing import Literal, Union
 
 import msgspec
 
+from flowrl.errors import ConfigError
 from flowrl.graph.configs import AnyModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
 
@@ -85,11 +88,20 @@ class ScorerNode(_NodeBase, tag="scorer"):
             runs, never when it is loaded.
         batched: ``fn`` scores a whole batch at once.
         output: name of the reward field it writes.
+        inputs: ``"ids"`` (token ids, as above) or ``"text"``: ``fn(prompt: str, completion: str,
+            **fields) -> float`` with the decoded prompt and completion and the prompt row's fields
+            (batched: ``fn(prompts, completions, **fields_as_lists) -> list[float]``); see
+            ``flowrl.operators.scoring``.
     """
 
     fn: str
     batched: bool = False
     output: str = "rewards"
+    inputs: Literal["ids", "text"] = "ids"
+
+    def __post_init__(self) -> None:
+        if self.inputs not in ("ids", "text"):
+            raise ConfigError(f"scorer {self.name!r}: inputs={self.inputs!r} must be 'ids' (token ids) or 'text' (decoded text)")
 
 
 class ReferenceNode(_NodeBase, tag="reference"):
@@ -137,10 +149,10 @@ def signature(node: Node) -> Signature:
     if isinstance(node, GeneratorNode):
         return Signature(_fields(SOURCE_FIELDS), _fields(ROLLOUT_FIELDS))
     if isinstance(node, ScorerNode):
-        return Signature(
-            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_lens")),
-            {node.output: REWARD_TYPE},
-        )
+        names = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_lens")
+        if node.inputs == "text":
+            names += ("group_ids", "prompt_index")
+        return Signature(_fields(names), {node.output: REWARD_TYPE})
     if isinstance(node, ReferenceNode):
         return Signature(
             _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")),
@@ -161,12 +173,14 @@ def describe(node: Node) -> str:
     """A short, stable summary of a node's config, used by ``print(graph)`` and the exporters."""
     if isinstance(node, SourceNode):
         s = node.source
+        if s.data:
+            return f"data={s.data.rsplit('/', 1)[-1]}, batch={s.batch_size}"
         return f"task={s.task}, batch={s.batch_size}"
     if isinstance(node, GeneratorNode):
         s = node.sampling
         return f"model={node.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}"
     if isinstance(node, ScorerNode):
-        return f"fn={node.fn}" + (", batched" if node.batched else "")
+        return f"fn={node.fn}" + (", batched" if node.batched else "") + (", text" if node.inputs == "text" else "")
     if isinstance(node, ReferenceNode):
         return f"model={node.model.short()}"
     if isinstance(node, LossNode):

@@ -193,6 +193,19 @@ def _check_scorers(g: Graph) -> Iterable[str]:
                 yield f"scorer {node.name!r}: {message}"
 
 
+def _check_sources(g: Graph) -> Iterable[str]:
+    """A prompt file needs a tokenizer: its own, or that of the Hugging Face model it feeds (no file is read)."""
+    from flowrl.data.wiring import tokenizer_path
+
+    for node in g.nodes_of_kind("source"):
+        cfg = node.source
+        if cfg.data and not tokenizer_path(g, node.name):
+            yield (
+                f"source {node.name!r} reads prompt file {cfg.data!r} but has no tokenizer to encode it; set "
+                "tokenizer='DIR' (a local tokenizer directory) or feed it to a generator with a Hugging Face model"
+            )
+
+
 RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_schema,
     _check_names,
@@ -203,6 +216,7 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_losses,
     _check_weight_edges,
     _check_scorers,
+    _check_sources,
 )
 
 

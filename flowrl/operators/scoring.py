@@ -6,6 +6,10 @@ completion_ids) -> float`` with plain ``list[int]``s: the real prompt tokens (no
 completion's real tokens (the stop token included when one was emitted). With ``batched=True`` it is
 called once as ``fn(list_of_prompts, list_of_completions) -> list[float]``.
 
+A scorer with ``inputs="text"`` is built with ``TextInputs`` (``flowrl.operators.text_inputs``) and
+calls ``fn(prompt: str, completion: str, **fields) -> float`` with the decoded text and the fields of
+each sample's prompt row (batched: ``fn(prompts, completions, **fields_as_lists) -> list[float]``).
+
 Every reward must be a finite real number; a function that raises or returns anything else fails with
 ``NodeExecutionError`` naming the scorer, the function, the sample index and the offending value.
 
@@ -28,10 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowrl.errors import NodeExecutionError
+from flowrl.errors import ConfigError, NodeExecutionError
 from flowrl.graph.nodes import ScorerNode
 from flowrl.graph.refs import resolve
 from flowrl.operators.batch import Batch
+from flowrl.operators.text_inputs import TextInputs
 from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
 
 __all__ = ["Scorer", "unpad"]
@@ -48,12 +53,27 @@ def unpad(rollout: Mapping[str, Tensor]) -> tuple[list[list[int]], list[list[int
 
 
 class Scorer:
-    """Scores rollouts with ``node.fn`` into the field ``node.output`` (see the module docstring)."""
+    """Scores rollouts with ``node.fn`` into the field ``node.output`` (see the module docstring).
 
-    def __init__(self, node: ScorerNode) -> None:
+    Args:
+        node: the scorer node.
+        text: for ``inputs="text"``, how to decode the rollout and find the rows; building it
+            resolves ``fn`` and checks the fields it asks for.
+
+    Raises:
+        ConfigError: for a text scorer without ``text``, or asking for a field the rows lack.
+    """
+
+    def __init__(self, node: ScorerNode, text: TextInputs | None = None) -> None:
         self.name = node.name
         self.node = node
         self._fn: Callable[..., Any] | None = None
+        self.text = text
+        self._fields: tuple[str, ...] | None = None
+        if node.inputs == "text":
+            if text is None:
+                raise ConfigError(f"scorer {node.name!r} reads text: build it with TextInputs(graph, {node.name!r})")
+            self._fields = text.fields_for(self.fn)
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -62,25 +82,34 @@ class Scorer:
             self._fn = resolve(self.node.fn)
         return self._fn
 
-    def _fail(self, message: str, index: int, prompts: list[list[int]], completions: list[list[int]]) -> NodeExecutionError:
-        tok = DEFAULT_TOKENIZER
+    def _fail(self, message: str, index: int, shown: tuple[list[str], list[str]]) -> NodeExecutionError:
         return NodeExecutionError(
             f"scorer {self.name!r} ({self.node.fn}) {message} for sample {index} "
-            f"(prompt {tok.decode(prompts[index])!r}, completion {tok.decode(completions[index])!r}); "
+            f"(prompt {shown[0][index]!r}, completion {shown[1][index]!r}); "
             "a reward function must return a finite float",
             node=self.name,
         )
 
-    def _check(self, value: Any, index: int, prompts: list[list[int]], completions: list[list[int]]) -> float:
+    def _check(self, value: Any, index: int, shown: tuple[list[str], list[str]]) -> float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
                 value = float(value)
             else:
-                raise self._fail(f"returned {value!r} of type {type(value).__name__}", index, prompts, completions)
+                raise self._fail(f"returned {value!r} of type {type(value).__name__}", index, shown)
         value = float(value)
         if not math.isfinite(value):
-            raise self._fail(f"returned {value!r}", index, prompts, completions)
+            raise self._fail(f"returned {value!r}", index, shown)
         return value
+
+    def _arguments(self, rollout: Mapping[str, Tensor]) -> tuple[list[Any], list[Any], list[dict[str, Any]], tuple[list[str], list[str]]]:
+        """(prompts, completions, per-sample fields, the texts errors show) in the form ``fn`` takes."""
+        prompts, completions = unpad(rollout)
+        if self.text is None:
+            tok = DEFAULT_TOKENIZER
+            shown = ([tok.decode(p) for p in prompts], [tok.decode(c) for c in completions])
+            return prompts, completions, [{} for _ in prompts], shown
+        texts = [self.text.prompt_text(p) for p in prompts], [self.text.completion_text(c) for c in completions]
+        return texts[0], texts[1], self.text.rows(rollout, self._fields), texts
 
     def score(self, rollout: Mapping[str, Tensor]) -> Batch:
         """``{node.output: float32[sample]}`` for ``rollout``.
@@ -90,10 +119,11 @@ class Scorer:
                 returns a non-finite or non-numeric value; the message names the sample.
         """
         fn = self.fn
-        prompts, completions = unpad(rollout)
+        prompts, completions, fields, shown = self._arguments(rollout)
         if self.node.batched:
+            columns = {k: [f.get(k) for f in fields] for k in dict.fromkeys(k for f in fields for k in f)}
             try:
-                values = list(fn(prompts, completions))
+                values = list(fn(prompts, completions, **columns))
             except Exception as exc:
                 raise NodeExecutionError(
                     f"scorer {self.name!r} ({self.node.fn}) raised {type(exc).__name__}: {exc} on a batch of {len(prompts)} samples",
@@ -108,8 +138,8 @@ class Scorer:
             values = []
             for i, (prompt, completion) in enumerate(zip(prompts, completions)):
                 try:
-                    values.append(fn(prompt, completion))
+                    values.append(fn(prompt, completion, **fields[i]))
                 except Exception as exc:
-                    raise self._fail(f"raised {type(exc).__name__}: {exc}", i, prompts, completions) from exc
-        rewards = [self._check(v, i, prompts, completions) for i, v in enumerate(values)]
+                    raise self._fail(f"raised {type(exc).__name__}: {exc}", i, shown) from exc
+        rewards = [self._check(v, i, shown) for i, v in enumerate(values)]
         return {self.node.output: torch.tensor(rewards, dtype=torch.float32)}

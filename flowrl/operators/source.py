@@ -1,8 +1,10 @@
-"""The source node's operator: batches of left-padded prompts from a task's endless, seeded stream.
+"""The source node's operator: batches of left-padded prompts from a task's or a file's endless stream.
 
 State: ``position``, the index of the next prompt to emit. Prompt ``i`` is a pure function of the
-task's seed and ``i``, so saving ``state()`` and restoring it with ``load_state`` resumes the stream
-exactly: no prompt lost, none repeated.
+task's seed and ``i`` (or, for a prompt file, of the file, the source's settings and ``i``: see
+``flowrl.data.stream``), so saving ``state()`` and restoring it with ``load_state`` resumes the stream
+exactly: no prompt lost, none repeated. ``prompt_index`` holds stream positions; for a prompt file,
+``stream.row_of(position)`` names the file row.
 
 Example:
     >>> from flowrl.graph.nodes import SourceNode
@@ -16,11 +18,15 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.nodes import SourceNode
+
+if TYPE_CHECKING:
+    from flowrl.data.stream import PromptStream
 from flowrl.operators.batch import Batch
 from flowrl.operators.tasks import Task, make_task
 from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
@@ -40,28 +46,53 @@ def pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 
 
 class PromptSource:
-    """Emits ``batch_size`` prompts per call from ``make_task(node.source.task, node.source.seed)``.
+    """Emits ``batch_size`` prompts per call from the source's task or prompt file.
+
+    Args:
+        node: the source node.
+        stream: for a prompt file (``node.source.data``), its opened stream
+            (``flowrl.data.wiring.open_source_stream``, which knows the graph's tokenizer and length
+            limit); None opens it from the node's own settings.
 
     Attributes:
-        task: the task.
+        task: the task (None for a prompt file).
+        stream: the prompt file's stream (None for a task).
         position: index of the next prompt to emit.
     """
 
-    def __init__(self, node: SourceNode) -> None:
+    def __init__(self, node: SourceNode, *, stream: PromptStream | None = None) -> None:
         self.name = node.name
         self.config = node.source
-        self.task: Task = make_task(node.source.task, node.source.seed)
-        self.pad_id: int = int(getattr(self.task, "pad_id", DEFAULT_TOKENIZER.pad_id))
+        self.task: Task | None = None
+        self.stream: PromptStream | None = None
+        if node.source.data:
+            if stream is None:
+                from flowrl.data.wiring import open_source_stream
+                from flowrl.graph.ir import Graph, GraphSpec
+
+                stream = open_source_stream(Graph(GraphSpec(name=node.name, nodes=(node,)), validate=False), node.name)
+            self.stream = stream
+            self.pad_id = int(stream.pad_id)
+        else:
+            self.task = make_task(node.source.task, node.source.seed)
+            self.pad_id = int(getattr(self.task, "pad_id", DEFAULT_TOKENIZER.pad_id))
         self.position = 0
 
+    def prompt(self, position: int) -> list[int]:
+        """The token ids of the prompt at stream ``position``."""
+        if self.stream is not None:
+            return self.stream.prompt_ids(position)
+        assert self.task is not None  # one of the two is set in __init__
+        return self.task.prompt(position)
+
     def next_batch(self) -> Batch:
-        """The next ``batch_size`` prompts: ``prompt_ids``, ``prompt_lens``, ``prompt_index``.
+        """The next ``batch_size`` prompts: ``prompt_ids``, ``prompt_lens``, ``prompt_index`` (stream positions).
 
         Raises:
             ConfigError: when the task yields an empty prompt.
         """
         start, n = self.position, self.config.batch_size
-        prompts = [self.task.prompt(i) for i in range(start, start + n)]
+        prompts = [self.prompt(i) for i in range(start, start + n)]
         for i, p in enumerate(prompts):
             if not len(p):
                 raise ConfigError(f"source {self.name!r}: task {self.config.task!r} gave an empty prompt at index {start + i}")

@@ -146,13 +146,19 @@ class SharedTransports:
 
 
 class SourceProgram(ProgramBase):
-    def __init__(self, node: SourceNode) -> None:
+    def __init__(self, node: SourceNode, graph: Graph) -> None:
+        from flowrl.data.wiring import open_source_stream
         from flowrl.operators.source import PromptSource
 
-        self.source = PromptSource(node)
+        self.source = PromptSource(node, stream=open_source_stream(graph, node.name) if node.source.data else None)
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        return self.source.next_batch(), {"position": self.source.position}
+        info: Info = {"position": self.source.position}
+        if self.source.stream is not None:
+            encoded = self.source.stream.encoded
+            info.update({"data/epoch": self.source.stream.epoch_of(self.source.position),
+                         "data/prompts_dropped": encoded.dropped, "data/prompts_truncated": encoded.truncated})
+        return self.source.next_batch(), info
 
     def seek(self, position: int) -> None:
         self.source.load_state({"position": position})
@@ -197,10 +203,11 @@ class GeneratorProgram(ProgramBase):
 
 
 class ScorerProgram(ProgramBase):
-    def __init__(self, node: ScorerNode) -> None:
+    def __init__(self, node: ScorerNode, graph: Graph) -> None:
         from flowrl.operators.scoring import Scorer
+        from flowrl.operators.text_inputs import TextInputs
 
-        self.scorer = Scorer(node)
+        self.scorer = Scorer(node, TextInputs(graph, node.name) if node.inputs == "text" else None)
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         start = time.perf_counter()
@@ -292,11 +299,11 @@ def _build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedT
         factory: Callable[..., NodeProgram] = resolve(env.programs[name])
         return factory(node, graph, env, transports)
     if isinstance(node, SourceNode):
-        return SourceProgram(node)
+        return SourceProgram(node, graph)
     if isinstance(node, GeneratorNode):
         return GeneratorProgram(node, graph, env, transports, seed=env.seed)
     if isinstance(node, ScorerNode):
-        return ScorerProgram(node)
+        return ScorerProgram(node, graph)
     if isinstance(node, ReferenceNode):
         return ReferenceProgram(node)
     if isinstance(node, PolicyNode):

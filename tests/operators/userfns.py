@@ -43,3 +43,37 @@ def task_factory(seed):
 
 def not_a_task(seed):
     return 42
+
+
+# -- text scorers (inputs="text") -----------------------------------------------------------------
+SEEN: list[tuple] = []
+
+
+def text_echo(prompt: str, completion: str, answer: str, id: int) -> float:
+    """Records what it was given; 1.0 when the completion equals the row's answer."""
+    SEEN.append((prompt, completion, answer, id))
+    return float(completion == answer)
+
+
+def text_batched(prompts: list[str], completions: list[str], answer: list[str]) -> list[float]:
+    SEEN.append((list(prompts), list(completions), list(answer)))
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def text_needs_solution(prompt: str, completion: str, solution: str) -> float:
+    return 0.0
+
+
+def text_optional(prompt: str, completion: str, solution: str = "", **rest: object) -> float:
+    SEEN.append(dict(rest, solution=solution))
+    return 0.5
+
+
+def text_nan(prompt: str, completion: str) -> float:
+    return float("nan")
+
+
+def text_record(prompts: list[str], completions: list[str], **fields: list) -> list[float]:
+    """Batched: records the prompts of each batch it scores (in-process runs only); rewards the answer."""
+    SEEN.append(list(prompts))
+    return [float(c.strip() == str(a)) for c, a in zip(completions, fields.get("answer", [""] * len(completions)))]

@@ -1,0 +1,123 @@
+"""Text scorers: decoded prompts and completions (cut at the stop token) with each sample's row fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.errors import ConfigError, NodeBuildError, NodeExecutionError
+from flowrl.models.tokenizer import load_tokenizer
+from flowrl.operators.scoring import Scorer
+from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
+from tests.data.helpers import data_graph, word_tokenizer, write_jsonl
+
+from . import userfns
+
+ROWS = [{"prompt": "what is one plus two ?", "answer": "3", "id": 10},
+        {"prompt": "what is two plus two ?", "answer": "4", "id": 11},
+        {"prompt": "what is one plus one ?", "answer": "2", "id": 12}]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    tok_dir = word_tokenizer(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    return str(data), str(tok_dir), load_tokenizer(str(tok_dir))
+
+
+def program(graph):
+    return build_program(graph, "reward", ProgramEnv(), SharedTransports(()))
+
+
+def rollout_for(graph, tok, positions, completions):
+    """A rollout of two samples per prompt at ``positions`` with the given completion texts (EOS appended)."""
+    src = build_program(graph, "prompts", ProgramEnv(), SharedTransports(())).source
+    prompts = [src.prompt(p) for p in positions]
+    width = max(map(len, prompts))
+    sample_prompts = [p for p in prompts for _ in range(2)]
+    ids = [tok(c)["input_ids"] + [tok.eos_token_id, 7] for c in completions]  # a token after EOS must be cut
+    cw = max(map(len, ids))
+    return {
+        "sample_prompt_ids": torch.tensor([[0] * (width - len(p)) + p for p in sample_prompts]),
+        "sample_prompt_lens": torch.tensor([len(p) for p in sample_prompts]),
+        "completion_ids": torch.tensor([c + [0] * (cw - len(c)) for c in ids]),
+        "completion_lens": torch.tensor([len(c) for c in ids]),
+        "group_ids": torch.arange(len(positions)).repeat_interleave(2),
+        "prompt_index": torch.tensor(positions),
+    }
+
+
+def test_each_sample_gets_its_decoded_text_and_its_rows_fields(setup):
+    data, tok_dir, tok = setup
+    g = data_graph(data, tok_dir, scorer="tests.operators.userfns:text_echo", inputs="text", seed=1)
+    scorer = program(g).scorer
+    stream = scorer.text.stream
+    positions = [4, 5]  # epoch 1 of 3 rows
+    rows = [stream.row_of(p) for p in positions]
+    userfns.SEEN.clear()
+    got = scorer.score(rollout_for(g, tok, positions, [ROWS[rows[0]]["answer"], "9", "9", ROWS[rows[1]]["answer"]]))
+    assert got["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert userfns.SEEN == [
+        (ROWS[rows[0]]["prompt"], ROWS[rows[0]]["answer"], ROWS[rows[0]]["answer"], ROWS[rows[0]]["id"]),
+        (ROWS[rows[0]]["prompt"], "9", ROWS[rows[0]]["answer"], ROWS[rows[0]]["id"]),
+        (ROWS[rows[1]]["prompt"], "9", ROWS[rows[1]]["answer"], ROWS[rows[1]]["id"]),
+        (ROWS[rows[1]]["prompt"], ROWS[rows[1]]["answer"], ROWS[rows[1]]["answer"], ROWS[rows[1]]["id"]),
+    ]
+
+
+def test_the_batched_form_gets_lists_of_texts_and_fields(setup):
+    data, tok_dir, tok = setup
+    g = data_graph(data, tok_dir, scorer="tests.operators.userfns:text_batched", inputs="text", batched=True, shuffle=False)
+    userfns.SEEN.clear()
+    got = program(g).scorer.score(rollout_for(g, tok, [0, 1], ["3", "4", "4", "4"]))
+    assert got["rewards"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert userfns.SEEN == [([ROWS[0]["prompt"]] * 2 + [ROWS[1]["prompt"]] * 2, ["3", "4", "4", "4"], ["3", "3", "4", "4"])]
+
+
+def test_optional_and_catch_all_parameters_get_what_the_row_has(setup):
+    data, tok_dir, tok = setup
+    g = data_graph(data, tok_dir, scorer="tests.operators.userfns:text_optional", inputs="text", shuffle=False)
+    userfns.SEEN.clear()
+    program(g).scorer.score(rollout_for(g, tok, [2], ["2", "2"]))
+    assert userfns.SEEN[0] == {"answer": "2", "id": 12, "solution": ""}
+
+
+def test_a_required_field_the_rows_lack_is_an_error_at_start(setup):
+    data, tok_dir, _ = setup
+    g = data_graph(data, tok_dir, scorer="tests.operators.userfns:text_needs_solution", inputs="text")
+    with pytest.raises(NodeBuildError, match=r"asks for row field\(s\) \['solution'\], which the prompt rows lack; the fields present are \['answer', 'id'\]"):
+        program(g)
+
+
+def test_a_field_missing_from_some_rows_is_an_error_at_start(setup, tmp_path):
+    _, tok_dir, _ = setup
+    data = write_jsonl(tmp_path / "holes.jsonl", [ROWS[0], {"prompt": "what is one ?", "id": 3}])
+    g = data_graph(str(data), tok_dir, scorer="tests.operators.userfns:text_echo", inputs="text")
+    with pytest.raises(NodeBuildError, match=r"row field 'answer', which 1 row\(s\) of .*holes.jsonl' lack \(first: row 1\)"):
+        program(g)
+
+
+def test_bad_text_rewards_keep_naming_the_sample_with_its_text(setup):
+    data, tok_dir, tok = setup
+    g = data_graph(data, tok_dir, scorer="tests.operators.userfns:text_nan", inputs="text", shuffle=False)
+    with pytest.raises(NodeExecutionError, match=r"returned nan for sample 0 \(prompt 'what is one plus two \?', completion '3'\)"):
+        program(g).scorer.score(rollout_for(g, tok, [0], ["3", "3"]))
+
+
+def test_a_text_scorer_on_a_task_source_decodes_with_the_builtin_tokenizer():
+    from flowrl.graph.builder import GraphBuilder
+
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts", task="copy"))
+    loss = b.loss("aipo", gen, b.scorer("reward", gen, fn="flowrl.operators.rewards:exact_match_strict", inputs="text"))
+    b.weights(b.policy("policy", loss), gen)
+    g = b.build()
+    with pytest.raises(NodeBuildError, match=r"asks for row field\(s\) \['answer'\].*fields present are \[\]"):
+        program(g)
+
+
+def test_a_text_scorer_needs_its_text_inputs():
+    from flowrl.graph.nodes import ScorerNode
+
+    with pytest.raises(ConfigError, match="reads text: build it with TextInputs"):
+        Scorer(ScorerNode(name="r", fn="m:f", inputs="text"))
