@@ -2,7 +2,7 @@
 
 Example:
     >>> sorted(EXAMPLES)
-    ['llamarl', 'llamarl_ref', 'two_scorers']
+    ['hf_copy', 'llamarl', 'llamarl_ref', 'two_scorers']
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flowrl.errors import GraphError
+from flowrl.examples.hf_copy import build_hf_copy
 from flowrl.examples.llamarl import build_llamarl, build_llamarl_ref, build_two_scorers
 from flowrl.graph.ir import Graph
 
@@ -19,6 +20,7 @@ __all__ = ["EXAMPLES", "DEFAULT_EXAMPLE", "build_example", "describe_examples"]
 EXAMPLES: dict[str, tuple[Callable[[], Graph], str]] = {
     "llamarl": (build_llamarl, "prompts -> generator -> scorer -> AIPO loss -> policy, weights policy ~> generator (the default)"),
     "llamarl_ref": (build_llamarl_ref, "the default plus a frozen reference model and a KL penalty in the loss"),
+    "hf_copy": (build_hf_copy, "a Hugging Face Llama (random init, word tokenizer) learns to copy digits from a JSONL prompt file"),
     "two_scorers": (build_two_scorers, "two scorers (correctness and brevity) whose rewards the loss weighs"),
 }
 

@@ -28,7 +28,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ASSETS", "WORDS", "reward", "build_tokenizer", "build_config", "make_prompts", "write_assets"]
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.ir import Graph
+
+__all__ = ["ASSETS", "WORDS", "build_hf_copy", "reward", "build_tokenizer", "build_config", "make_prompts", "write_assets"]
 
 #: The shipped files (config, tokenizer, prompts).
 ASSETS = Path(__file__).parent / "assets" / "hf_copy"
@@ -39,6 +43,26 @@ WORDS: tuple[str, ...] = (
     "copy", "repeat", "the", "digits", "please", ":", "=", "and", "then", "stop",
     "a", "b", "c", "d", "e", "f", "g", "h",
 )  # fmt: skip
+
+
+def build_hf_copy(*, max_staleness: int = 1, model_dir: str | Path = ASSETS, data: str | Path | None = None) -> Graph:
+    """prompts.jsonl -> gen -> reward (text) -> aipo -> policy, with a Llama-architecture model from ``model_dir``.
+
+    Args:
+        max_staleness: the weight edge's bound k.
+        model_dir: the model directory (config and tokenizer); the shipped one has no weights, so
+            the model starts from seeded random weights.
+        data: the prompt file; defaults to ``prompts.jsonl`` in the shipped assets.
+    """
+    model = HFModelConfig(path=str(model_dir), init="random", seed=0)
+    b = GraphBuilder("hf_copy", model=model)
+    prompts = b.source("prompts", data=str(data or ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=16)
+    gen = b.generator("gen", prompts, n_samples=8, max_new_tokens=5, temperature=1.0)
+    score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
+    aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0, normalize_std=True)
+    policy = b.policy("policy", aipo, lr=2e-3)
+    b.weights(policy, gen, max_staleness=max_staleness)
+    return b.build()
 
 
 def reward(prompt: str, completion: str, answer: str) -> float:

@@ -33,7 +33,7 @@ import msgspec
 from flowrl.errors import PlanError
 
 if TYPE_CHECKING:
-    from flowrl.graph.configs import ModelConfig
+    from flowrl.graph.configs import AnyModelConfig
 
 __all__ = ["ModelSpec", "MODEL_PRESETS", "model_preset", "model_from_config", "model_from_hf_config", "resolve_model"]
 
@@ -123,8 +123,14 @@ def model_preset(name: str) -> ModelSpec:
     return MODEL_PRESETS[key]
 
 
-def model_from_config(config: ModelConfig) -> ModelSpec:
-    """The shape of a graph node's ``ModelConfig``: its ``preset`` when set, else its own dims."""
+def model_from_config(config: AnyModelConfig) -> ModelSpec:
+    """The shape of a graph node's model: a ``ModelConfig``'s ``preset`` when set, else its own dims;
+    an ``HFModelConfig``'s directory's ``config.json`` (read as JSON, nothing imported or built), so
+    the planner's dry-run and the run read the same description."""
+    from flowrl.graph.configs import HFModelConfig
+
+    if isinstance(config, HFModelConfig):
+        return model_from_hf_config(Path(config.path).expanduser() / "config.json", name=config.short())
     if config.preset:
         return model_preset(config.preset)
     return ModelSpec(

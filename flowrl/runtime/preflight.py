@@ -5,7 +5,9 @@ from __future__ import annotations
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.planners.cluster import host_memory_bytes
-from flowrl.planners.modelspec import model_from_config
+from flowrl.graph.configs import HFModelConfig
+from flowrl.models.hf import check_hf_dir
+from flowrl.planners.modelspec import ModelSpec, model_from_config
 
 __all__ = ["check_fits_in_memory"]
 
@@ -24,20 +26,28 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
     """
     limit = host_memory_bytes() if memory_bytes is None else memory_bytes
     need: dict[str, int] = {}
+    shapes: dict[str, tuple[ModelSpec, int]] = {}
     for node in graph.nodes:
         model = getattr(node, "model", None)
-        if model is None or model.preset or node.name in skip:  # a preset is refused by the runtime with its own message
+        if model is None or getattr(model, "preset", None) or node.name in skip:  # a preset is refused by the runtime
             continue
-        need[node.name] = model_from_config(model).params * 4 * (4 if node.kind == "policy" else 1)
+        if isinstance(model, HFModelConfig):
+            raw = check_hf_dir(model, owner=f"node {node.name!r}")  # the model's own errors first: path, family, weights
+            spec, seq = model_from_config(model), model.max_seq_len or int(raw.get("max_position_embeddings") or 0)
+        else:
+            spec, seq = model_from_config(model), model.max_seq_len
+        shapes[node.name] = (spec, seq)
+        need[node.name] = spec.params * 4 * (4 if node.kind == "policy" else 1)
         if node.kind == "generator":
             prompts = sum(getattr(p, "source").batch_size for p in graph.producers(node.name) if p.kind == "source")
             sequences = prompts * node.sampling.n_samples
-            need[node.name] += sequences * (model.max_seq_len * 8 + model.vocab_size * 4)
+            tokens = min(seq, 2 * node.sampling.max_new_tokens + 4096) if seq else node.sampling.max_new_tokens
+            need[node.name] += sequences * (tokens * 8 + spec.vocab_size * 4)
     for name, nbytes in need.items():
         if nbytes > limit:
             node = graph.node(name)
-            shape = node.model
-            size = f"vocab_size={shape.vocab_size}, dim={shape.dim}, n_layers={shape.n_layers}, max_seq_len={shape.max_seq_len}"
+            shape, seq = shapes[name]
+            size = f"{shape.params / 1e6:.1f}M parameters, vocab_size={shape.vocab_size}, dim={shape.dim}, n_layers={shape.n_layers}, max_seq_len={seq}"
             if node.kind == "generator":
                 size += f", n_samples={node.sampling.n_samples}, prompts per batch={sum(getattr(p, 'source').batch_size for p in graph.producers(name) if p.kind == 'source')}"
             raise ConfigError(

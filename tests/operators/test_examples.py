@@ -10,6 +10,7 @@ from flowrl.operators.generation import Generator
 from flowrl.operators.reference import Reference
 from flowrl.operators.scoring import Scorer
 from flowrl.operators.source import PromptSource
+from flowrl.operators.text_inputs import TextInputs
 from flowrl.operators.trainer import Trainer
 
 
@@ -19,7 +20,8 @@ def test_one_step_of_each_example(example_graph):
     rollout = Generator(generator, seed=0).generate(PromptSource(source).next_batch())
     batch = dict(rollout)
     for scorer in g.nodes_of_kind("scorer"):
-        batch.update(Scorer(scorer).score(rollout))
+        text = TextInputs(g, scorer.name) if scorer.inputs == "text" else None
+        batch.update(Scorer(scorer, text).score(rollout))
     for reference in g.nodes_of_kind("reference"):
         batch.update(Reference(reference).logprobs(rollout))
     trainer = Trainer(policy, g.loss_of(policy.name))
@@ -27,5 +29,5 @@ def test_one_step_of_each_example(example_graph):
     assert trainer.version == 1 and all(math.isfinite(v) for v in metrics.values())
     assert abs(metrics["aipo/ratio_mean"] - 1.0) < 1e-5  # on-policy
     # The example model fits the task tokenizer, and its prompts fit its sequence length.
-    assert int(rollout["completion_ids"].max()) < policy.model.vocab_size
+    assert int(rollout["completion_ids"].max()) < trainer.model.vocab_size
     assert torch.equal(rollout["group_ids"], torch.arange(source.source.batch_size).repeat_interleave(generator.sampling.n_samples))

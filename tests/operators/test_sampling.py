@@ -48,9 +48,10 @@ class FixedLogits(torch.nn.Module):
     def __init__(self, logits: torch.Tensor, config: ModelConfig) -> None:
         super().__init__()
         self.logits, self.config = logits, config
+        self.vocab_size, self.max_seq_len = config.vocab_size, config.max_seq_len  # the CausalLM interface
 
-    def forward(self, tokens: torch.Tensor, **_: object) -> torch.Tensor:
-        return self.logits.expand(tokens.shape[0], tokens.shape[1], -1)
+    def forward(self, tokens: torch.Tensor, *, keep: int = 0, **_: object) -> torch.Tensor:
+        return self.logits.expand(tokens.shape[0], keep or tokens.shape[1], -1)
 
 
 SUPPORT = (5, 6, 7)  # the tokens that get the logits of a case; every other token has logit -inf
