@@ -5,7 +5,7 @@ Point it at your local copy of the model (nothing is downloaded)::
     flowrl run qwen_math --option model=~/models/Qwen2.5-0.5B-Instruct
 
 Shipped in ``flowrl/examples/assets/qwen_math``: the model's ``config.json`` only (so the planner's
-dry-run, ``flowrl plan qwen_math --cluster h100:8``, works on any machine) and ``math.jsonl``, 256
+dry-run, ``flowrl plan qwen_math --cluster 8xH100``, works on any machine) and ``math.jsonl``, 256
 arithmetic word problems with integer answers made by ``make_problems`` (rows
 ``{"question": ..., "answer": ...}``). Its run works on any model directory of a supported family
 with a chat template; the tests run it on tiny random weights of the same architecture.
@@ -23,7 +23,11 @@ import random
 import sys
 from pathlib import Path
 
-__all__ = ["ASSETS", "QWEN_CONFIG", "make_problems", "write_assets"]
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.ir import Graph
+
+__all__ = ["ASSETS", "QWEN_CONFIG", "build_qwen_math", "make_problems", "write_assets"]
 
 ASSETS = Path(__file__).parent / "assets" / "qwen_math"
 
@@ -52,6 +56,26 @@ QWEN_CONFIG: dict = {
     "use_sliding_window": False,
     "vocab_size": 151936,
 }
+
+def build_qwen_math(*, max_staleness: int = 1, model_dir: str | Path = ASSETS, data: str | Path | None = None) -> Graph:
+    """math.jsonl -> gen (chat template, bf16) -> math-verify + boxed format -> AIPO -> policy.
+
+    Args:
+        max_staleness: the weight edge's bound k.
+        model_dir: your local copy of Qwen2.5-0.5B-Instruct (or any llama/qwen2/qwen3 directory with
+            a chat template); the default holds only its ``config.json``, enough for a dry-run plan.
+        data: the prompt file (rows with ``question`` and ``answer``); defaults to the shipped problems.
+    """
+    b = GraphBuilder("qwen_math", model=HFModelConfig(path=str(model_dir), max_seq_len=1024))
+    prompts = b.source("prompts", data=str(data or ASSETS / "math.jsonl"), prompt_field="question", chat_template=True, batch_size=8)
+    gen = b.generator("gen", prompts, n_samples=8, max_new_tokens=256, temperature=1.0, precision="bfloat16")
+    correct = b.scorer("correct", gen, fn="flowrl.operators.rewards:math_answer", inputs="text", output="reward_correct")
+    boxed = b.scorer("boxed", gen, fn="flowrl.operators.rewards:boxed_format", inputs="text", output="reward_boxed")
+    loss = b.loss("aipo", gen, correct, boxed, objective="aipo", rho=4.0, reward_weights={"reward_correct": 1.0, "reward_boxed": 0.1})
+    policy = b.policy("policy", loss, lr=1e-6, micro_batch_size=8, grad_clip=1.0)
+    b.weights(policy, gen, max_staleness=max_staleness)
+    return b.build()
+
 
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana")
 _ITEMS = ("apples", "books", "marbles", "stamps", "coins", "pencils")
