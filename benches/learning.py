@@ -12,6 +12,8 @@ steps) reaches ``--target``, and the curve (step, seconds, windowed mean reward,
     python benches/learning.py                       # copy: chance -> 0.9, then add for --add-seconds
     python benches/learning.py --tasks copy --threads 1 --staleness 1
     python benches/learning.py --runtime-only        # the runtime: k = 0 vs k = 1, 2: time to target, final reward
+    python benches/learning.py --runtime-only --example hf_copy --ks 0 2 --sync-backend process --seeds 0 1 2
+                                                     # the Hugging Face example, k = 0 vs k = 2, both on the process backend
     python benches/learning.py --torchrun-only       # the torchrun backend (3 CPU ranks: gen rank 0, policy dp ranks 1-2,
                                                      # weights over the collective transport): k = 0 vs k = 1
 
@@ -132,12 +134,13 @@ def run(task: str, *, max_steps: int, max_seconds: float, target: float, window:
 
 
 # -- the runtime: the default example through flowrl's controller, synchronous (k = 0) and async ---------
-def runtime_curve(k: int, *, steps: int, target: float, window: int, seed: int, backend: str, threads: int) -> dict:
-    """Train the default example with ``run_graph`` at staleness ``k``; time to the target and final reward."""
+def runtime_curve(k: int, *, steps: int, target: float, window: int, seed: int, backend: str, threads: int, example: str = "llamarl") -> dict:
+    """Train a built-in example with ``run_graph`` at staleness ``k``; time to the target and final reward."""
+    from flowrl.examples import EXAMPLES
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 
-    graph = build_llamarl(max_staleness=k)
+    graph = EXAMPLES[example][0](max_staleness=k)
     result = run_graph(graph, RunConfig(steps=steps, seed=seed, backend=backend, threads=threads))
     return {
         "max_staleness": k,
@@ -229,11 +232,13 @@ def runtime_comparison(args: argparse.Namespace) -> dict:
     ``--seeds``: same seed and steps for all three. Per seed: time-to-target speedup of each k over
     k = 0 and the final rewards; over seeds: median speedup and mean final reward (one seed is noise:
     some seeds plateau below the target whatever k is)."""
-    common = dict(steps=args.runtime_steps, target=args.target, window=args.window)
+    common = dict(steps=args.runtime_steps, target=args.target, window=args.window, example=args.example)
+    ks = [k for k in args.ks if k]
+    sync_backend, sync_threads = ("local", 1) if args.sync_backend == "local" else (args.sync_backend, 0)
     per_seed = []
     for seed in args.seeds:
-        runs = [runtime_curve(0, backend="local", threads=1, seed=seed, **common)]
-        runs += [runtime_curve(k, backend=args.backend, threads=0, seed=seed, **common) for k in (1, 2)]
+        runs = [runtime_curve(0, backend=sync_backend, threads=sync_threads, seed=seed, **common)]
+        runs += [runtime_curve(k, backend=args.backend, threads=0, seed=seed, **common) for k in ks]
         sync = runs[0]
         entry: dict = {"seed": seed, "runs": runs}
         for r in runs[1:]:
@@ -243,8 +248,8 @@ def runtime_comparison(args: argparse.Namespace) -> dict:
         per_seed.append(entry)
         print(f"[runtime] seed {seed}: " + ", ".join(f"k{r['max_staleness']} reached {r['reached_target']} final {r['final_reward']}" for r in runs), file=sys.stderr, flush=True)
     summary: dict = {}
-    for k in (0, 1, 2):
-        runs = [e["runs"][k] for e in per_seed]
+    for i, k in enumerate([0, *ks]):
+        runs = [e["runs"][i] for e in per_seed]
         summary[f"k{k}"] = {
             "reached_target": f"{sum(r['reached_target'] is not None for r in runs)}/{len(runs)}",
             "median_seconds_to_target": _median([r["reached_target"]["seconds"] for r in runs if r["reached_target"]]),
@@ -256,7 +261,9 @@ def runtime_comparison(args: argparse.Namespace) -> dict:
             speedups = [e[f"k{k}_time_to_target_speedup"] for e in per_seed if e[f"k{k}_time_to_target_speedup"] is not None]
             summary[f"k{k}"]["time_to_target_speedup_median"] = _median(speedups)
             summary[f"k{k}"]["time_to_target_speedup_per_seed"] = [e[f"k{k}_time_to_target_speedup"] for e in per_seed]
-    return {"target": args.target, "window": args.window, "steps": args.runtime_steps, "baseline": "k=0 local threads=1", "summary": summary, "per_seed": per_seed}
+    baseline = f"k=0 {sync_backend}" + (" threads=1" if sync_threads else "")
+    return {"example": args.example, "target": args.target, "window": args.window, "steps": args.runtime_steps, "baseline": baseline,
+            "load_1min": round(os.getloadavg()[0], 2), "summary": summary, "per_seed": per_seed}
 
 
 def main() -> None:
@@ -276,6 +283,9 @@ def main() -> None:
     p.add_argument("--runtime-only", action="store_true", help="only the runtime comparison")
     p.add_argument("--runtime-steps", type=int, default=400, help="trainer steps of each runtime run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds of the runtime comparison")
+    p.add_argument("--example", default="llamarl", help="built-in example of the runtime comparison (hf_copy: the Hugging Face one)")
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="staleness bounds of the runtime comparison (k=0 always runs first)")
+    p.add_argument("--sync-backend", default="local", choices=("local", "process"), help="backend of the k=0 run (local: 1 thread)")
     p.add_argument("--backend", default="process", choices=("local", "process"), help="backend of the async runs (process: no shared GIL)")
     p.add_argument("--torchrun", action="store_true", help="also train under torchrun (collective weights): k=0 vs k=1")
     p.add_argument("--torchrun-only", action="store_true", help="only the torchrun comparison")
