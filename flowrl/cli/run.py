@@ -84,6 +84,7 @@ def _run(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
     if options and not args.synthetic:
         raise ConfigError("--option sets the synthetic operators' settings; add --synthetic (or drop --option)")
+    _check_option_names(options)
     try:
         config = RunConfig(
             steps=args.steps,
@@ -154,6 +155,20 @@ def _parse_options(items: list[str]) -> dict[str, object]:
         except ValueError:
             options[key] = value
     return options
+
+
+def _check_option_names(options: dict[str, object]) -> None:
+    """Raise ``ConfigError`` for an option the synthetic programs do not read, naming the known ones."""
+    import difflib
+
+    from flowrl.errors import ConfigError
+    from flowrl.runtime.synthetic import OPTIONS
+
+    for key in options:
+        if key not in OPTIONS:
+            close = difflib.get_close_matches(key, OPTIONS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"--option {key}: unknown option{hint}; the synthetic operators read {', '.join(OPTIONS)}")
 
 
 def _what_is_kept(args: argparse.Namespace) -> str:

@@ -108,7 +108,19 @@ class GraphBuilder:
 
     # -- one method per node kind ------------------------------------------------------------------
     def source(self, name: str, *, config: SourceConfig | None = None, **kwargs: Any) -> Node:
-        """Prompts from a task (``task=``, ``batch_size=``, ``seed=``)."""
+        """Prompts from a task (``task=``, ``batch_size=``, ``seed=``).
+
+        ``task`` is a built-in task name, or a task factory ``(seed) -> Task``: a module-level
+        function or class, stored by reference like a scorer's function.
+        """
+        task = kwargs.get("task", config.task if config is not None else None)
+        if task is not None and not isinstance(task, str):
+            if not callable(task):
+                raise ConfigError(
+                    f"source {name!r}: task={task!r} is a {type(task).__name__}; give a built-in task name "
+                    "or a module-level factory (seed) -> Task"
+                )
+            kwargs["task"] = reference_of(task)
         cfg = _config(SourceConfig, config, kwargs, f"source {name!r}")
         self._no_leftovers("source", name, kwargs)
         return self.add(SourceNode(name=name, source=cfg))

@@ -192,6 +192,28 @@ def _check_scorers(g: Graph) -> Iterable[str]:
                 yield f"scorer {node.name!r}: {message}"
 
 
+def _check_sources(g: Graph) -> Iterable[str]:
+    from flowrl.operators.tasks import TASKS
+
+    for node in g.nodes_of_kind("source"):
+        task = node.source.task  # type: ignore[attr-defined]
+        if isinstance(task, str) and (task in TASKS or check_reference(task) is None):
+            continue
+        yield (
+            f"source {node.name!r}: unknown task {task!r}; built-in tasks are {', '.join(sorted(TASKS))}, "
+            "or name a factory (seed) -> Task as 'package.module:function' or 'path/to/file.py:function'"
+        )
+
+
+def _check_objectives(g: Graph) -> Iterable[str]:
+    from flowrl.operators.losses import LOSSES
+
+    for node in g.nodes_of_kind("loss"):
+        objective = node.loss.objective  # type: ignore[attr-defined]
+        if objective not in LOSSES:
+            yield f"loss {node.name!r}: unknown objective {objective!r}; known objectives are {', '.join(sorted(LOSSES))}"
+
+
 RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_schema,
     _check_names,
@@ -202,6 +224,8 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_losses,
     _check_weight_edges,
     _check_scorers,
+    _check_sources,
+    _check_objectives,
 )
 
 
