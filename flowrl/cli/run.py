@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+    from flowrl.runtime.config import RunConfig
 
 __all__ = ["register"]
 
@@ -14,6 +21,7 @@ examples:
   flowrl run --max-staleness 0                 synchronous on-policy training, for comparison
   flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline
   flowrl run --checkpoint-dir ck --checkpoint-every 10     then, after a stop: add --resume
+                                               (a directory that holds checkpoints needs --resume or --overwrite-checkpoints)
   flowrl run --backend process                 one OS process per executor, weights over shared memory
   flowrl run --synthetic --option gen_s=0.2 --option train_s=0.3
                                                the runtime alone, operators replaced by sleeps
@@ -50,7 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (which must hold one)")
+    p.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="start over in a --checkpoint-dir that holds checkpoints: delete them first (without it, such a run is refused)",
+    )
     p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE'")
     p.add_argument("--synthetic", action="store_true", help="replace every operator by a sleep of known length (measures the runtime alone)")
     p.add_argument(
@@ -68,10 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from flowrl.errors import ConfigError, NodeBuildError, NodeExecutionError
+    from flowrl.errors import ConfigError
     from flowrl.graph.load import load_graph
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.progress import ProgressBar
     from flowrl.runtime.run import run_graph
     from flowrl.runtime.synthetic import synthetic_programs
 
@@ -103,14 +115,36 @@ def _run(args: argparse.Namespace) -> int:
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
+    if args.overwrite_checkpoints and not args.checkpoint_dir:
+        raise ConfigError("--overwrite-checkpoints needs --checkpoint-dir DIR")
     if args.backend == "torchrun" and os.environ.get("RANK", "0") != "0":
         run_graph(graph, config)
-        return 0  # a worker rank: rank 0 reports
-    if args.resume:
-        from flowrl.runtime.checkpoint import latest_checkpoint
+        return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
+    with _checkpoint_directory(args):
+        return _train(args, graph, config)
 
-        found = latest_checkpoint(args.checkpoint_dir)
-        print(f"resuming from {found}" if found else f"no checkpoint in {args.checkpoint_dir}: starting fresh", file=sys.stderr)
+
+@contextlib.contextmanager
+def _checkpoint_directory(args: argparse.Namespace) -> Iterator[None]:
+    """Check and lock ``--checkpoint-dir`` for the whole run (nothing to do without one)."""
+    if not args.checkpoint_dir:
+        yield
+        return
+    from flowrl.runtime.checkpoint import lock_directory, prepare_directory
+
+    with lock_directory(args.checkpoint_dir, create=not args.resume):  # first: a concurrent run is refused at once
+        found = prepare_directory(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite_checkpoints)
+        if found is not None:
+            print(f"resuming from {found}", file=sys.stderr)
+        yield
+
+
+def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
+    """Run the graph with a progress bar and print the summary (rank 0 or a single process)."""
+    from flowrl.errors import NodeBuildError, NodeExecutionError
+    from flowrl.runtime.progress import ProgressBar
+    from flowrl.runtime.run import run_graph
+
     k = args.max_staleness if args.max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)

@@ -69,3 +69,27 @@ def test_user_functions_of_a_graph_script_run_on_every_path(tmp_path, capsys):
     assert main(["viz", str(script), "--format", "json", "-o", str(graph_json)]) == 0
     assert main(["run", str(graph_json), "--steps", "2", "--quiet"]) == 0, capsys.readouterr().err
     assert "done: 2 steps" in capsys.readouterr().out
+
+
+def test_checkpoint_directory_is_not_overwritten_silently(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    base = ["run", "--synthetic", "--steps", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--quiet"]
+    assert main(base) == 0
+    assert (ck / "step-00000004" / "graph.json").is_file()
+    capsys.readouterr()
+    assert main(base) == 2  # a fresh run into a used directory
+    err = " ".join(capsys.readouterr().err.split())
+    assert "holds the checkpoints of an earlier run (newest step-00000004)" in err and "--resume" in err and "--overwrite-checkpoints" in err
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000004"]
+    assert main([*base[:3], "6", *base[4:], "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert main([*base, "--overwrite-checkpoints"]) == 0
+    assert (ck / "LATEST").read_text() == "step-00000004"
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000004"]  # step 6 of the old run is gone
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
+    assert main(["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "typo"), "--resume", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "checkpoint directory" in err and "does not exist" in err and "drop --resume" in err
+    assert not (tmp_path / "typo").exists()
