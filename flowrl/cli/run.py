@@ -117,6 +117,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if args.overwrite_checkpoints and not args.checkpoint_dir:
         raise ConfigError("--overwrite-checkpoints needs --checkpoint-dir DIR")
+    if args.plan:
+        _check_plan_here(args)
     if args.backend == "torchrun" and os.environ.get("RANK", "0") != "0":
         run_graph(graph, config)
         return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
@@ -189,6 +191,33 @@ def _parse_options(items: list[str]) -> dict[str, object]:
         except ValueError:
             options[key] = value
     return options
+
+
+def _check_plan_here(args: argparse.Namespace) -> None:
+    """Say which node of the plan runs on which devices here; refuse a plan whose devices are not here.
+
+    A JSON placement (not a plan file from 'flowrl plan -o') names ranks, not a cluster: the backend
+    checks it when it reads it.
+    """
+    import torch
+
+    from flowrl.errors import PlanError
+    from flowrl.planners.machine import check_plan_here
+    from flowrl.planners.plan import load_plan
+
+    try:
+        plan = load_plan(args.plan)
+    except PlanError:
+        return  # a placement, or a broken plan: the backend reads it and says what is wrong
+    line = check_plan_here(
+        plan,
+        backend=args.backend,
+        cores=os.cpu_count() or 1,
+        cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    if os.environ.get("RANK", "0") == "0":
+        print(f"flowrl run: {line}", file=sys.stderr)
 
 
 def _check_option_names(options: dict[str, object]) -> None:

@@ -93,3 +93,19 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert "checkpoint directory" in err and "does not exist" in err and "drop --resume" in err
     assert not (tmp_path / "typo").exists()
+
+
+def test_plan_for_another_machine_is_refused(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "llamarl", "--cluster", "1024xH100", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--plan", str(plan), "--synthetic", "--steps", "2", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the plan was made for 1024xH100" in err and "make a plan for this machine: flowrl plan llamarl --cluster cpu" in err
+
+
+def test_plan_devices_are_said(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "llamarl", "--cluster", "cpu:1", "-o", str(plan)]) == 0
+    assert main(["run", "--plan", str(plan), "--synthetic", "--steps", "2", "--quiet"]) == 0
+    assert "flowrl run: plan for cpu:1 on this machine's CPU cores: " in capsys.readouterr().err
