@@ -27,7 +27,7 @@ from flowrl.errors import FlowrlError, NodeBuildError, NodeExecutionError
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS = ("run", "plan", "viz", "examples", "calibrate")
+SUBCOMMANDS = ("run", "plan", "viz", "plot", "sample", "eval", "examples", "calibrate")
 
 DESCRIPTION = """\
 flowrl: declare an RL pipeline for language models as a graph, plan it onto devices, run it
