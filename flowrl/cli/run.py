@@ -19,7 +19,8 @@ EPILOG = """\
 examples:
   flowrl run                                   train the default example (reward 0.07 -> ~0.99 in under a minute on 2 cores)
   flowrl run --max-staleness 0                 synchronous on-policy training, for comparison
-  flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline
+  flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline ('flowrl plot m.jsonl' draws them)
+  flowrl run --tensorboard tb                  the same scalars for 'tensorboard --logdir tb'
   flowrl run --checkpoint-dir ck --checkpoint-every 10     then, after a stop: add --resume
                                                (a directory that holds checkpoints needs --resume or --overwrite-checkpoints)
   flowrl run --backend process                 one OS process per executor, weights over shared memory
@@ -56,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line of metrics per trainer step")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
+    p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (which must hold one)")
@@ -150,8 +152,20 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
     k = args.max_staleness if args.max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)
+    sinks = [s for s in (bar,) if s is not None]
+    board = None
+    if args.tensorboard:
+        from flowrl.runtime.tensorboard import TensorBoardSink
+
+        board = TensorBoardSink(args.tensorboard)
+        sinks.append(board)
+
+    def on_step(row: dict) -> None:
+        for sink in sinks:
+            sink(row)
+
     try:
-        result = run_graph(graph, config, on_step=bar)
+        result = run_graph(graph, config, on_step=on_step if sinks else None)
     except KeyboardInterrupt:
         print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
         return 130
@@ -159,6 +173,9 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
         if isinstance(exc, NodeBuildError):
             raise
         raise NodeExecutionError(f"{exc}{_what_is_kept(args)}", node=exc.node, step=exc.step) from exc.__cause__
+    finally:
+        if board is not None:
+            board.close()
     rows = result.rows
     if rows:
         head, tail = rows[: max(1, len(rows) // 10)], rows[-max(1, len(rows) // 10):]
@@ -169,7 +186,7 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
             f"{mean(tail, 'reward_mean'):.3f} (first/last 10% of steps); staleness max {max(r['staleness'] for r in rows)}; "
             f"{samples / max(result.wall_s, 1e-9):.1f} samples/s; policy version {result.version}"
         )
-    for what, path in (("metrics", args.metrics), ("trace", args.trace), ("checkpoint", result.checkpoint)):
+    for what, path in (("metrics", args.metrics), ("trace", args.trace), ("tensorboard", args.tensorboard), ("checkpoint", result.checkpoint)):
         if path:
             print(f"{what}: {path}")
     return 0
