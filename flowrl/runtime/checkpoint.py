@@ -270,6 +270,7 @@ def lock_directory(directory: str | os.PathLike[str], *, create: bool = True) ->
         raise CheckpointError(
             f"--resume: checkpoint directory {str(directory)!r} does not exist; check the path, or drop --resume to start a fresh run"
         )
+    created = not d.exists()
     d.mkdir(parents=True, exist_ok=True)
     fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -284,7 +285,17 @@ def lock_directory(directory: str | os.PathLike[str], *, create: bool = True) ->
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield d
+        failed = False
+    except BaseException:
+        failed = True
+        raise
     finally:
+        if created and failed and [p.name for p in d.iterdir()] == [LOCK_FILE]:
+            # a run that failed before its first checkpoint leaves no directory behind it (removed
+            # while still locked, so no other run can hold it)
+            (d / LOCK_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                d.rmdir()
         os.close(fd)  # releases the lock
 
 
