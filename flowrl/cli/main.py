@@ -8,13 +8,15 @@ the user's input (a ``FlowrlError`` at the root of the chain: a prompt longer th
 context, a reward of NaN), which prints one paragraph and exits 2 like any other user mistake.
 A ``NodeBuildError`` (a node's program could not be built: a user factory that raised, a model config
 torch refuses) prints one paragraph naming the node and where the error was raised, and exits 2.
-Anything else is a flowrl bug and keeps its traceback.
+A closed stdout (``flowrl plan ... | head -1``) ends the command quietly with exit status 141, as
+a process killed by SIGPIPE reports. Anything else is a flowrl bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import textwrap
 import traceback
@@ -25,7 +27,7 @@ from flowrl.errors import FlowrlError, NodeBuildError, NodeExecutionError
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS = ("run", "plan", "viz", "examples", "calibrate", "export")
+SUBCOMMANDS = ("run", "plan", "viz", "plot", "sample", "eval", "export", "examples", "calibrate")
 
 DESCRIPTION = """\
 flowrl: declare an RL pipeline for language models as a graph, plan it onto devices, run it
@@ -92,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe must fail here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _closed_stdout()
     except NodeBuildError as exc:  # a node's program could not be built: the message names node and cause
         _print_error(args.command, exc)
         return 2
@@ -111,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"flowrl {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _closed_stdout() -> int:
+    """The reader of stdout went away: point stdout at /dev/null so that the exit flush is quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (an embedding): nothing to quiet
+        pass
+    return 141
 
 
 if __name__ == "__main__":

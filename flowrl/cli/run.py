@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+    from flowrl.runtime.config import RunConfig
 
 __all__ = ["register"]
 
@@ -12,8 +19,10 @@ EPILOG = """\
 examples:
   flowrl run                                   train the default example (reward 0.07 -> ~0.99 in under a minute on 2 cores)
   flowrl run --max-staleness 0                 synchronous on-policy training, for comparison
-  flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline
+  flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline ('flowrl plot m.jsonl' draws them)
+  flowrl run --tensorboard tb                  the same scalars for 'tensorboard --logdir tb'
   flowrl run --checkpoint-dir ck --checkpoint-every 10     then, after a stop: add --resume
+                                               (a directory that holds checkpoints needs --resume or --overwrite-checkpoints)
   flowrl run --backend process                 one OS process per executor, weights over shared memory
   flowrl run --synthetic --option gen_s=0.2 --option train_s=0.3
                                                the runtime alone, operators replaced by sleeps
@@ -48,9 +57,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line of metrics per trainer step")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
+    p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (which must hold one)")
+    p.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="start over in a --checkpoint-dir that holds checkpoints: delete them first (without it, such a run is refused)",
+    )
     p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE'")
     p.add_argument("--synthetic", action="store_true", help="replace every operator by a sleep of known length (measures the runtime alone)")
     p.add_argument(
@@ -68,10 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from flowrl.errors import ConfigError, NodeBuildError, NodeExecutionError
+    from flowrl.errors import ConfigError
     from flowrl.graph.load import load_graph
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.progress import ProgressBar
     from flowrl.runtime.run import run_graph
     from flowrl.runtime.synthetic import synthetic_programs
 
@@ -84,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     options = _parse_options(args.option)
     if options and not args.synthetic:
         raise ConfigError("--option sets the synthetic operators' settings; add --synthetic (or drop --option)")
+    _check_option_names(options)
     try:
         config = RunConfig(
             steps=args.steps,
@@ -102,19 +117,55 @@ def _run(args: argparse.Namespace) -> int:
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
+    if args.overwrite_checkpoints and not args.checkpoint_dir:
+        raise ConfigError("--overwrite-checkpoints needs --checkpoint-dir DIR")
+    if args.plan:
+        _check_plan_here(args)
     if args.backend == "torchrun" and os.environ.get("RANK", "0") != "0":
         run_graph(graph, config)
-        return 0  # a worker rank: rank 0 reports
-    if args.resume:
-        from flowrl.runtime.checkpoint import latest_checkpoint
+        return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
+    with _checkpoint_directory(args):
+        return _train(args, graph, config)
 
-        found = latest_checkpoint(args.checkpoint_dir)
-        print(f"resuming from {found}" if found else f"no checkpoint in {args.checkpoint_dir}: starting fresh", file=sys.stderr)
+
+@contextlib.contextmanager
+def _checkpoint_directory(args: argparse.Namespace) -> Iterator[None]:
+    """Check and lock ``--checkpoint-dir`` for the whole run (nothing to do without one)."""
+    if not args.checkpoint_dir:
+        yield
+        return
+    from flowrl.runtime.checkpoint import lock_directory, prepare_directory
+
+    with lock_directory(args.checkpoint_dir, create=not args.resume):  # first: a concurrent run is refused at once
+        found = prepare_directory(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite_checkpoints)
+        if found is not None:
+            print(f"resuming from {found}", file=sys.stderr)
+        yield
+
+
+def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
+    """Run the graph with a progress bar and print the summary (rank 0 or a single process)."""
+    from flowrl.errors import NodeBuildError, NodeExecutionError
+    from flowrl.runtime.progress import ProgressBar
+    from flowrl.runtime.run import run_graph
+
     k = args.max_staleness if args.max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)
+    sinks = [s for s in (bar,) if s is not None]
+    board = None
+    if args.tensorboard:
+        from flowrl.runtime.tensorboard import TensorBoardSink
+
+        board = TensorBoardSink(args.tensorboard)
+        sinks.append(board)
+
+    def on_step(row: dict) -> None:
+        for sink in sinks:
+            sink(row)
+
     try:
-        result = run_graph(graph, config, on_step=bar)
+        result = run_graph(graph, config, on_step=on_step if sinks else None)
     except KeyboardInterrupt:
         print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
         return 130
@@ -122,6 +173,9 @@ def _run(args: argparse.Namespace) -> int:
         if isinstance(exc, NodeBuildError):
             raise
         raise NodeExecutionError(f"{exc}{_what_is_kept(args)}", node=exc.node, step=exc.step) from exc.__cause__
+    finally:
+        if board is not None:
+            board.close()
     rows = result.rows
     if rows:
         head, tail = rows[: max(1, len(rows) // 10)], rows[-max(1, len(rows) // 10):]
@@ -132,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{mean(tail, 'reward_mean'):.3f} (first/last 10% of steps); staleness max {max(r['staleness'] for r in rows)}; "
             f"{samples / max(result.wall_s, 1e-9):.1f} samples/s; policy version {result.version}"
         )
-    for what, path in (("metrics", args.metrics), ("trace", args.trace), ("checkpoint", result.checkpoint)):
+    for what, path in (("metrics", args.metrics), ("trace", args.trace), ("tensorboard", args.tensorboard), ("checkpoint", result.checkpoint)):
         if path:
             print(f"{what}: {path}")
     return 0
@@ -154,6 +208,47 @@ def _parse_options(items: list[str]) -> dict[str, object]:
         except ValueError:
             options[key] = value
     return options
+
+
+def _check_plan_here(args: argparse.Namespace) -> None:
+    """Say which node of the plan runs on which devices here; refuse a plan whose devices are not here.
+
+    A JSON placement (not a plan file from 'flowrl plan -o') names ranks, not a cluster: the backend
+    checks it when it reads it.
+    """
+    import torch
+
+    from flowrl.errors import PlanError
+    from flowrl.planners.machine import check_plan_here
+    from flowrl.planners.plan import load_plan
+
+    try:
+        plan = load_plan(args.plan)
+    except PlanError:
+        return  # a placement, or a broken plan: the backend reads it and says what is wrong
+    line = check_plan_here(
+        plan,
+        backend=args.backend,
+        cores=os.cpu_count() or 1,
+        cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    if os.environ.get("RANK", "0") == "0":
+        print(f"flowrl run: {line}", file=sys.stderr)
+
+
+def _check_option_names(options: dict[str, object]) -> None:
+    """Raise ``ConfigError`` for an option the synthetic programs do not read, naming the known ones."""
+    import difflib
+
+    from flowrl.errors import ConfigError
+    from flowrl.runtime.synthetic import OPTIONS
+
+    for key in options:
+        if key not in OPTIONS:
+            close = difflib.get_close_matches(key, OPTIONS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"--option {key}: unknown option{hint}; the synthetic operators read {', '.join(OPTIONS)}")
 
 
 def _what_is_kept(args: argparse.Namespace) -> str:

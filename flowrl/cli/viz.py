@@ -1,4 +1,4 @@
-"""``flowrl viz [GRAPH]``: draw a pipeline as Mermaid, DOT, JSON, SVG or PNG, optionally labelled with a plan."""
+"""``flowrl viz [GRAPH]``: draw a pipeline as Mermaid, DOT, JSON, SVG, PNG or PDF, optionally labelled with a plan."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ formats:
   mermaid  text; paste into a ```mermaid block on GitHub (the default)
   dot      Graphviz text; 'dot -Tsvg' draws it
   json     the graph file itself; 'flowrl viz FILE.json' and 'flowrl run FILE.json' read it back
-  svg/png  drawn by Graphviz's 'dot' (apt-get install graphviz / brew install graphviz)
+  svg/png/pdf  drawn by Graphviz's 'dot' (apt-get install graphviz / brew install graphviz)
 
-Text formats go to stdout unless -o is given; svg and png go to -o FILE, or to GRAPHNAME.svg/.png.
-With -o and no --format, the file's suffix picks the format (.mmd .dot .gv .json .svg .png).
+Text formats go to stdout unless -o is given; svg, png and pdf go to -o FILE, or to GRAPHNAME.svg/.png/.pdf.
+With -o and no --format, the file's suffix picks the format (.mmd .dot .gv .json .svg .png .pdf);
+another suffix is an error (a file without a suffix gets mermaid).
 '-o -' writes any format to stdout.
 
 examples:
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "viz",
-        help="draw a pipeline (mermaid, dot, json, svg, png)",
+        help="draw a pipeline (mermaid, dot, json, svg, png, pdf)",
         description="Draw GRAPH (default: the built-in 'llamarl' example). " + GRAPH_FORMS,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -91,13 +92,19 @@ def _default_name(graph: Graph, fmt: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
-    from flowrl.graph.export import IMAGE_FORMATS, export_text, format_for_path, render_bytes, write_atomic
+    from flowrl.graph.export import FORMATS, IMAGE_FORMATS, SUFFIXES, export_text, format_for_path, render_bytes, write_atomic
     from flowrl.graph.load import load_graph
 
     out = args.output
     fmt = args.format
     if out and out != "-":
         implied = format_for_path(out)
+        suffix = os.path.splitext(out)[1]
+        if fmt is None and implied is None and suffix:
+            raise ConfigError(
+                f"-o {out}: the suffix {suffix!r} names no format flowrl writes; use one of "
+                f"{' '.join(sorted(SUFFIXES))}, or say --format {{{','.join(FORMATS)}}}"
+            )
         if fmt is None:
             fmt = implied or DEFAULT_FORMAT
         elif implied is not None and implied != fmt:

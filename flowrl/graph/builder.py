@@ -109,10 +109,23 @@ class GraphBuilder:
     # -- one method per node kind ------------------------------------------------------------------
     def source(self, name: str, *, config: SourceConfig | None = None, **kwargs: Any) -> Node:
         """Prompts from a task (``task=``) or a prompt file (``data=``, ``prompt_field=``, ...);
-        keyword arguments are ``SourceConfig`` fields. A file's ``tokenizer`` defaults to that of the
-        Hugging Face model of the generator the source feeds (filled in by ``build``)."""
+        keyword arguments are ``SourceConfig`` fields.
+
+        ``task`` is a built-in task name, or a task factory ``(seed) -> Task``: a module-level
+        function or class, stored by reference like a scorer's function. A file's ``tokenizer``
+        defaults to that of the Hugging Face model of the generator the source feeds (filled in by
+        ``build``).
+        """
         if config is None and kwargs.get("data") and "task" not in kwargs:
             kwargs["task"] = ""  # the default config's built-in task gives way to the file
+        task = kwargs.get("task", config.task if config is not None else None)
+        if task is not None and not isinstance(task, str):
+            if not callable(task):
+                raise ConfigError(
+                    f"source {name!r}: task={task!r} is a {type(task).__name__}; give a built-in task name "
+                    "or a module-level factory (seed) -> Task"
+                )
+            kwargs["task"] = reference_of(task)
         cfg = _config(SourceConfig, config, kwargs, f"source {name!r}")
         self._no_leftovers("source", name, kwargs)
         return self.add(SourceNode(name=name, source=cfg))

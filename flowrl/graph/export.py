@@ -18,7 +18,7 @@ Example:
     >>> from flowrl.examples import build_example
     >>> text = to_mermaid(build_example("llamarl"), annotations={"gen": "devices 0-1 · dp2"})
     >>> [line.strip() for line in text.splitlines() if line.strip().startswith("gen(")]
-    ['gen("gen (generator)<br/>model=2L64d, n=4, max_new=6, T=1<br/>devices 0-1 · dp2")']
+    ['gen("gen (generator)<br/>model=2L64d, n=16, max_new=5, T=1<br/>devices 0-1 · dp2")']
 """
 
 from __future__ import annotations
@@ -105,12 +105,12 @@ _FALLBACK_STYLE = KindStyle(dot_shape="box", dot_style="filled", mermaid_open="[
 WEIGHT_COLOR = "#9673a6"
 
 TEXT_FORMATS: tuple[str, ...] = ("mermaid", "dot", "json")
-IMAGE_FORMATS: tuple[str, ...] = ("svg", "png")
+IMAGE_FORMATS: tuple[str, ...] = ("svg", "png", "pdf")
 FORMATS: tuple[str, ...] = TEXT_FORMATS + IMAGE_FORMATS
 DIRECTIONS: tuple[str, ...] = ("LR", "TB")
 
 #: File suffixes that name a format (``format_for_path``).
-SUFFIXES: dict[str, str] = {".mmd": "mermaid", ".mermaid": "mermaid", ".dot": "dot", ".gv": "dot", ".json": "json", ".svg": "svg", ".png": "png"}
+SUFFIXES: dict[str, str] = {".mmd": "mermaid", ".mermaid": "mermaid", ".dot": "dot", ".gv": "dot", ".json": "json", ".svg": "svg", ".png": "png", ".pdf": "pdf"}
 
 GRAPHVIZ_INSTALL = (
     "install Graphviz: 'apt-get install graphviz' (Debian/Ubuntu), 'brew install graphviz' (macOS) "

@@ -5,13 +5,15 @@ networkx ``DiGraph`` of the data edges and answers questions about it: producers
 order, the RL loop. A ``Graph`` is immutable; build one with ``flowrl.graph.builder.GraphBuilder``
 or ``Graph(spec)``, which validates.
 
-``str(graph)`` is a stable one-line-per-node form, in topological order, that tests compare against::
+``str(graph)`` is a stable one-line-per-node form, in topological order, that tests compare against:
 
+    >>> from flowrl.examples import build_example
+    >>> print(build_example("llamarl"))  # doctest: +ELLIPSIS
     graph llamarl
       prompts = source(task=copy, batch=16)
-      gen = generator(model=2L64d, n=4, max_new=6, T=1) <- prompts[prompt_ids,prompt_index,prompt_lens]
+      gen = generator(model=2L64d, n=16, max_new=5, T=1) <- prompts[prompt_ids,prompt_index,prompt_lens]
       ...
-      policy = policy(model=2L64d, lr=0.003) <- aipo[objective]
+      policy = policy(model=2L64d, lr=0.001) <- aipo[objective]
       policy ~> gen  weights(transport=inprocess, max_staleness=1)
 
 Pictures of a graph come from the free functions of ``flowrl.graph.export`` (DOT, Mermaid, SVG).

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.util
-import sys
 import traceback
 from pathlib import Path
 
 from flowrl.errors import FlowrlError, GraphError
 from flowrl.graph.ir import Graph
-from flowrl.graph.refs import REF_RE
+from flowrl.graph.refs import REF_RE, load_file_module
 from flowrl.graph.serialize import from_json
 
 __all__ = ["load_graph", "GRAPH_FORMS"]
@@ -50,26 +48,17 @@ def _from_object(obj: object, where: str) -> Graph:
 
 
 def _from_py(path: Path) -> Graph:
-    """Run the user's script as a fresh module and take its ``graph`` (or ``build_graph()``)."""
-    module_name = f"_flowrl_user_graph_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise GraphError(f"cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # so that dataclasses, pickling-free enums etc. can find it
-    folder = str(path.parent.resolve())
-    sys.path.insert(0, folder)
+    """Run the user's script as a module (``refs.load_file_module``) and take its ``graph`` (or ``build_graph()``).
+
+    Functions the script defines are referenced as ``<its absolute path>:<qualname>``, so they resolve
+    in every process of a run and survive the JSON round trip.
+    """
     try:
-        spec.loader.exec_module(module)
+        module = load_file_module(path, fresh=True)
     except FlowrlError:
-        sys.modules.pop(module_name, None)
         raise
     except Exception as exc:
-        sys.modules.pop(module_name, None)
         raise _user_code_error(exc, f"graph script {str(path)!r}") from exc
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
     for attr in ("graph", "build_graph"):
         if hasattr(module, attr):
             return _from_object(getattr(module, attr), f"{path}:{attr}")

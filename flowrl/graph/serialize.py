@@ -1,7 +1,7 @@
 """Graphs to and from JSON through msgspec: an exact round trip that never imports or runs code.
 
 Decoding is typed (``GraphSpec``): unknown fields, wrong types and unknown node kinds are errors
-naming the JSON path, and scorer functions stay ``module:qualname`` strings until the graph runs.
+naming the JSON path, and user functions stay reference strings (``module:qualname``, ``file.py:qualname``) until the graph runs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import msgspec
 
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.ir import Graph, GraphSpec
-from flowrl.graph.refs import REF_RE
+from flowrl.graph.refs import is_reference
 
 __all__ = ["to_json", "from_json", "references", "MAX_GRAPH_BYTES"]
 
@@ -61,8 +61,8 @@ def from_json(data: bytes | str, *, validate: bool = True) -> Graph:
 
 
 def references(data: bytes | str | Graph) -> list[str]:
-    """Every ``module:qualname`` a graph would import when run, read without importing anything."""
+    """Every reference (``module:qualname`` or ``file.py:qualname``) a graph would import when run, read without importing anything."""
     spec = data.spec if isinstance(data, Graph) else _decode_spec(data)
     refs = {getattr(n, "fn") for n in spec.nodes if n.kind == "scorer"}
-    refs |= {n.source.task for n in spec.nodes if n.kind == "source" and REF_RE.match(n.source.task)}
+    refs |= {n.source.task for n in spec.nodes if n.kind == "source" and is_reference(n.source.task)}
     return sorted(refs)

@@ -194,16 +194,36 @@ def _check_scorers(g: Graph) -> Iterable[str]:
 
 
 def _check_sources(g: Graph) -> Iterable[str]:
-    """A prompt file needs a tokenizer: its own, or that of the Hugging Face model it feeds (no file is read)."""
+    """A task must be built-in or a reference; a prompt file needs a tokenizer: its own, or that of
+    the Hugging Face model it feeds (no file is read)."""
     from flowrl.data.wiring import tokenizer_path
+    from flowrl.operators.tasks import TASKS
 
     for node in g.nodes_of_kind("source"):
-        cfg = node.source
-        if cfg.data and not tokenizer_path(g, node.name):
-            yield (
-                f"source {node.name!r} reads prompt file {cfg.data!r} but has no tokenizer to encode it; set "
-                "tokenizer='DIR' (a local tokenizer directory) or feed it to a generator with a Hugging Face model"
-            )
+        cfg = node.source  # type: ignore[attr-defined]
+        if cfg.data:
+            if not tokenizer_path(g, node.name):
+                yield (
+                    f"source {node.name!r} reads prompt file {cfg.data!r} but has no tokenizer to encode it; set "
+                    "tokenizer='DIR' (a local tokenizer directory) or feed it to a generator with a Hugging Face model"
+                )
+            continue
+        task = cfg.task
+        if isinstance(task, str) and (task in TASKS or check_reference(task) is None):
+            continue
+        yield (
+            f"source {node.name!r}: unknown task {task!r}; built-in tasks are {', '.join(sorted(TASKS))}, "
+            "or name a factory (seed) -> Task as 'package.module:function' or 'path/to/file.py:function'"
+        )
+
+
+def _check_objectives(g: Graph) -> Iterable[str]:
+    from flowrl.operators.losses import LOSSES
+
+    for node in g.nodes_of_kind("loss"):
+        objective = node.loss.objective  # type: ignore[attr-defined]
+        if objective not in LOSSES:
+            yield f"loss {node.name!r}: unknown objective {objective!r}; known objectives are {', '.join(sorted(LOSSES))}"
 
 
 RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
@@ -217,6 +237,7 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_weight_edges,
     _check_scorers,
     _check_sources,
+    _check_objectives,
 )
 
 

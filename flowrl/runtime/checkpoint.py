@@ -3,9 +3,14 @@
 Layout of ``DIR``::
 
     LATEST                  the name of the newest complete checkpoint (replaced atomically)
+    LOCK                    held (flock) by the run writing here; the OS releases it when that process ends
     step-00000010/          one checkpoint, renamed into place only once complete
         policy-<node>.pt    trainer state (weights, optimizer, version), loaded with weights_only=True
+        graph.json          the graph that wrote it (``flowrl sample`` / ``flowrl eval`` read it)
         meta.json           CheckpointMeta: version, data position, graph fingerprint
+
+A directory belongs to one run at a time (``lock_directory``), and a fresh run does not start
+over a directory that holds another run's checkpoints unless told to (``prepare_directory``).
 
 Rollouts in flight at checkpoint time are not saved: their prompts are re-queued (the data
 position is the first prompt the trainer has not consumed), so a resumed run regenerates them with
@@ -15,10 +20,13 @@ costs at most ``max_staleness`` batches of generation.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -27,7 +35,23 @@ from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
 
-__all__ = ["CheckpointMeta", "graph_fingerprint", "CheckpointWriter", "latest_checkpoint", "read_meta"]
+__all__ = [
+    "CheckpointMeta",
+    "graph_fingerprint",
+    "CheckpointWriter",
+    "latest_checkpoint",
+    "read_meta",
+    "holds_checkpoints",
+    "prepare_directory",
+    "lock_directory",
+    "GRAPH_FILE",
+    "LOCK_FILE",
+]
+
+#: The graph that wrote a checkpoint, in each ``step-*`` directory.
+GRAPH_FILE = "graph.json"
+#: The lock file a running writer holds in the checkpoint directory.
+LOCK_FILE = "LOCK"
 
 
 class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -62,11 +86,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointWriter:
-    """Writes checkpoints into ``directory``, keeping the newest ``keep``."""
+    """Writes checkpoints into ``directory``, keeping the newest ``keep``; with ``graph``, each one
+    also holds the graph as ``graph.json``."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int = 3, graph: Graph | None = None) -> None:
         self.directory = Path(directory)
         self.keep = keep
+        self.graph = graph
 
     def staging(self, version: int) -> Path:
         """A fresh temporary directory to write the state files of ``version`` into.
@@ -90,6 +116,8 @@ class CheckpointWriter:
         for f in meta.files.values():
             if not (staging / f).is_file():
                 raise CheckpointError(f"checkpoint state file {f!r} was not written in {staging}")
+        if self.graph is not None:
+            (staging / GRAPH_FILE).write_text(to_json(self.graph))
         (staging / "meta.json").write_bytes(msgspec.json.encode(meta))
         for f in staging.iterdir():
             with open(f, "rb") as fh:
@@ -166,6 +194,109 @@ def read_meta(path: Path, graph: Graph) -> CheckpointMeta:
             "resume with the same graph, or start a new run in another --checkpoint-dir"
         )
     return meta
+
+
+def holds_checkpoints(directory: str | os.PathLike[str]) -> bool:
+    """True if ``directory`` holds a ``LATEST`` pointer or any ``step-*`` checkpoint."""
+    d = Path(directory)
+    return (d / "LATEST").exists() or any(p.is_dir() for p in d.glob("step-*"))
+
+
+def prepare_directory(directory: str | os.PathLike[str], *, resume: bool, overwrite: bool) -> Path | None:
+    """Check what a run may do with ``directory`` before it starts; returns the checkpoint to resume from.
+
+    Call it holding the directory's lock (``lock_directory``): with ``overwrite`` it deletes.
+
+    Args:
+        directory: the checkpoint directory.
+        resume: continue from its newest checkpoint (which must exist).
+        overwrite: start over: delete the checkpoints it holds (``step-*``, ``LATEST``) first.
+
+    Returns:
+        The checkpoint to resume from, or None for a fresh run.
+
+    Raises:
+        CheckpointError: resuming from a directory with no checkpoint, a fresh run into a directory
+            that holds checkpoints without ``overwrite``, or both flags at once.
+    """
+    d = Path(directory)
+    if resume and overwrite:
+        raise CheckpointError("--resume continues the checkpoints in --checkpoint-dir, --overwrite-checkpoints deletes them; pick one")
+    if resume:
+        found = latest_checkpoint(d) if d.is_dir() else None
+        if found is None:
+            where = "does not exist" if not d.exists() else "holds no checkpoint (no LATEST file)"
+            raise CheckpointError(
+                f"--resume: checkpoint directory {str(directory)!r} {where}; check the path, or drop --resume to start a fresh run"
+            )
+        return found
+    if holds_checkpoints(d) and not overwrite:
+        newest = latest_checkpoint(d) if (d / "LATEST").exists() else None
+        what = f"the checkpoints of an earlier run (newest {newest.name})" if newest else "checkpoints of an earlier run"
+        raise CheckpointError(
+            f"checkpoint directory {str(directory)!r} holds {what}; a fresh run would overwrite them. "
+            "Add --resume to continue that run, or --overwrite-checkpoints to delete them and start over "
+            "(or choose another --checkpoint-dir)"
+        )
+    if overwrite:
+        _delete_checkpoints(d)
+    return None
+
+
+def _delete_checkpoints(directory: Path) -> None:
+    """Remove ``LATEST`` (first: no pointer at a half-deleted checkpoint) and every ``step-*``."""
+    (directory / "LATEST").unlink(missing_ok=True)
+    for p in directory.glob("step-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def lock_directory(directory: str | os.PathLike[str], *, create: bool = True) -> Iterator[Path]:
+    """Hold ``directory``'s advisory lock (``flock`` on ``LOCK``) while the body runs.
+
+    The OS releases the lock when the holder exits, however it exits (SIGKILL included), so a crashed
+    run never leaves a directory locked.
+
+    Args:
+        directory: the checkpoint directory.
+        create: make the directory if it does not exist (a resume does not: it needs one).
+
+    Raises:
+        CheckpointError: naming the holder's pid when another process holds the lock, or when
+            ``directory`` does not exist and ``create`` is false.
+    """
+    d = Path(directory)
+    if not create and not d.is_dir():
+        raise CheckpointError(
+            f"--resume: checkpoint directory {str(directory)!r} does not exist; check the path, or drop --resume to start a fresh run"
+        )
+    created = not d.exists()
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise CheckpointError(
+                f"checkpoint directory {str(directory)!r} is in use by another flowrl run (pid {holder}); "
+                "wait for it to finish, stop it, or choose another --checkpoint-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield d
+        failed = False
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if created and failed and [p.name for p in d.iterdir()] == [LOCK_FILE]:
+            # a run that failed before its first checkpoint leaves no directory behind it (removed
+            # while still locked, so no other run can hold it)
+            (d / LOCK_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        os.close(fd)  # releases the lock
 
 
 def now() -> float:

@@ -382,7 +382,7 @@ class Controller:
     # -- checkpoints ---------------------------------------------------------------------------------
     def _checkpoint_now(self) -> None:
         assert self.config.checkpoint_dir is not None
-        writer = CheckpointWriter(self.config.checkpoint_dir)
+        writer = CheckpointWriter(self.config.checkpoint_dir, graph=self.graph)
         version = self.clock.version
         staging = writer.staging(version)
         files = {}

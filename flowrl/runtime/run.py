@@ -2,8 +2,11 @@
 
 Example:
     >>> from flowrl.examples import build_example
-    >>> from flowrl.runtime import RunConfig, run_graph
-    >>> result = run_graph(build_example("llamarl"), RunConfig(steps=2))  # doctest: +SKIP
+    >>> from flowrl.runtime.config import RunConfig
+    >>> from flowrl.runtime.run import run_graph
+    >>> result = run_graph(build_example("llamarl"), RunConfig(steps=2, progress=False))
+    >>> len(result.rows), result.version
+    (2, 2)
 """
 
 from __future__ import annotations

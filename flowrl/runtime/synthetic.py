@@ -32,7 +32,12 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import Node
 from flowrl.runtime.programs import Batch, Info, ProgramBase, ProgramEnv, SharedTransports
 
-__all__ = ["SYNTHETIC", "synthetic_programs"]
+__all__ = ["SYNTHETIC", "synthetic_programs", "OPTIONS"]
+
+#: Every option the synthetic programs read (the module docstring says what each does).
+OPTIONS: tuple[str, ...] = (
+    "gen_s", "train_s", "score_s", "jitter", "fail_node", "fail_step", "die_node", "die_step", "save_s", "weight_numel",
+)
 
 
 class _Synthetic(ProgramBase):

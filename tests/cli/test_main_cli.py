@@ -56,7 +56,7 @@ def test_every_command_has_help(capsys, command: str) -> None:
 def test_viz_help_explains_formats_and_graph_forms(capsys) -> None:
     assert _exit_code(["viz", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    for text in ("{mermaid,dot,json,svg,png}", "--plan FILE", "a .json graph file", "apt-get install graphviz", "the default"):
+    for text in ("{mermaid,dot,json,svg,png,pdf}", "--plan FILE", "a .json graph file", "apt-get install graphviz", "the default"):
         assert text in out
 
 
@@ -122,3 +122,22 @@ def test_graph_error_message_is_one_paragraph(capsys, monkeypatch) -> None:
 def test_python_dash_m_flowrl() -> None:
     done = subprocess.run([sys.executable, "-m", "flowrl", "--version"], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and done.stdout.strip() == f"flowrl {__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["plan", "llamarl"], ["viz", "llamarl"], ["examples"], ["viz", "llamarl", "--format", "json"]],
+    ids=["plan", "viz", "examples", "viz-json"],
+)
+def test_closed_stdout_ends_quietly(argv):
+    """`flowrl plan | head -1`: the reader is gone before flowrl writes; no traceback on stderr."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # no reader at all: the first write fails with EPIPE, deterministically
+    try:
+        done = subprocess.run([sys.executable, "-m", "flowrl", *argv], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 141

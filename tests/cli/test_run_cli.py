@@ -41,13 +41,14 @@ def test_progress_bar_lines_when_not_a_tty(capsys):
         (["run", "missing.json"], "does not exist"),
         (["run", "--plan", "missing-plan.json"], "no such file"),
         (["run", "--metrics", "/no/such/dir/m.jsonl"], "does not exist"),
+        (["run", "--synthetic", "--option", "gen_ss=1"], "--option gen_ss: unknown option (did you mean 'gen_s'?); the synthetic operators read gen_s, train_s"),
     ],
-    ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir"],
+    ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir", "option-typo"],
 )
 def test_user_mistakes_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err
+    assert message in " ".join(err.split())  # main wraps the paragraph at 100 columns
     assert "Traceback" not in err
 
 
@@ -56,3 +57,55 @@ def test_backend_choice_is_checked(capsys):
         main(["run", "--backend", "gpu"])
     assert info.value.code == 2
     assert "invalid choice: 'gpu'" in capsys.readouterr().err
+
+
+def test_user_functions_of_a_graph_script_run_on_every_path(tmp_path, capsys):
+    """The README's `fn=my_reward` pattern: on the process backend, and after a JSON round trip."""
+    from tests.graph.test_refs import SCRIPT
+
+    script, graph_json = tmp_path / "mine.py", tmp_path / "g.json"
+    script.write_text(SCRIPT)
+    assert main(["run", str(script), "--backend", "process", "--steps", "2", "--quiet"]) == 0, capsys.readouterr().err
+    assert main(["viz", str(script), "--format", "json", "-o", str(graph_json)]) == 0
+    assert main(["run", str(graph_json), "--steps", "2", "--quiet"]) == 0, capsys.readouterr().err
+    assert "done: 2 steps" in capsys.readouterr().out
+
+
+def test_checkpoint_directory_is_not_overwritten_silently(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    base = ["run", "--synthetic", "--steps", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--quiet"]
+    assert main(base) == 0
+    assert (ck / "step-00000004" / "graph.json").is_file()
+    capsys.readouterr()
+    assert main(base) == 2  # a fresh run into a used directory
+    err = " ".join(capsys.readouterr().err.split())
+    assert "holds the checkpoints of an earlier run (newest step-00000004)" in err and "--resume" in err and "--overwrite-checkpoints" in err
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000004"]
+    assert main([*base[:3], "6", *base[4:], "--resume"]) == 0
+    assert "resuming from" in capsys.readouterr().err
+    assert main([*base, "--overwrite-checkpoints"]) == 0
+    assert (ck / "LATEST").read_text() == "step-00000004"
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000004"]  # step 6 of the old run is gone
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
+    assert main(["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "typo"), "--resume", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "checkpoint directory" in err and "does not exist" in err and "drop --resume" in err
+    assert not (tmp_path / "typo").exists()
+
+
+def test_plan_for_another_machine_is_refused(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "llamarl", "--cluster", "1024xH100", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--plan", str(plan), "--synthetic", "--steps", "2", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the plan was made for 1024xH100" in err and "make a plan for this machine: flowrl plan llamarl --cluster cpu" in err
+
+
+def test_plan_devices_are_said(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "llamarl", "--cluster", "cpu:1", "-o", str(plan)]) == 0
+    assert main(["run", "--plan", str(plan), "--synthetic", "--steps", "2", "--quiet"]) == 0
+    assert "flowrl run: plan for cpu:1 on this machine's CPU cores: " in capsys.readouterr().err

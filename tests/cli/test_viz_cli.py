@@ -63,7 +63,7 @@ def test_text_formats_to_stdout(capsys, example_name: str, example_graph, fmt: s
         assert out == (to_mermaid if fmt == "mermaid" else to_dot)(example_graph)
 
 
-@pytest.mark.parametrize("fmt", ["svg", "png"])
+@pytest.mark.parametrize("fmt", ["svg", "png", "pdf"])
 def test_images_to_files(capsys, tmp_path, example_name: str, fmt: str) -> None:
     _needs_dot()
     target = tmp_path / f"out.{fmt}"
@@ -71,7 +71,7 @@ def test_images_to_files(capsys, tmp_path, example_name: str, fmt: str) -> None:
     assert code == 0 and out == ""
     assert f"wrote {target} ({fmt}," in err
     data = target.read_bytes()
-    assert data.startswith(b"\x89PNG") if fmt == "png" else b"</svg>" in data
+    assert {"png": data.startswith(b"\x89PNG"), "pdf": data.startswith(b"%PDF"), "svg": b"</svg>" in data}[fmt]
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
 
 
@@ -258,6 +258,24 @@ def test_error_output_folder_missing(capsys, tmp_path) -> None:
 def test_error_output_suffix_contradicts_format(capsys, tmp_path) -> None:
     err = _user_error(capsys, "-f", "dot", "-o", str(tmp_path / "g.svg"))
     assert "has the suffix of format svg but --format is dot" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pdf_suffix_picks_pdf(capsys, tmp_path) -> None:
+    """`-o pipeline.pdf` draws a PDF through Graphviz (or says Graphviz is missing); never Mermaid text."""
+    target = tmp_path / "pipeline.pdf"
+    code, _, err = _run(capsys, "llamarl", "-o", str(target))
+    if shutil.which("dot") is None:
+        assert code == 2 and "drawing pdf needs the Graphviz program" in " ".join(err.split())
+        assert not target.exists()
+    else:
+        assert code == 0 and target.read_bytes().startswith(b"%PDF")
+
+
+@pytest.mark.parametrize("name", ["g.txt", "g.jpeg", "g.html"], ids=["txt", "jpeg", "html"])
+def test_error_unknown_output_suffix(capsys, tmp_path, name: str) -> None:
+    err = _user_error(capsys, "llamarl", "-o", str(tmp_path / name))
+    assert f"the suffix '{name[1:]}' names no format flowrl writes" in err and ".pdf .png .svg" in err
     assert list(tmp_path.iterdir()) == []
 
 

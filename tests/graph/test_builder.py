@@ -153,3 +153,59 @@ def test_builder_model_is_shared_unless_given() -> None:
     b = GraphBuilder("t", model=model)
     gen = b.generator("gen", b.source("prompts"))
     assert gen.model == model
+
+
+def _task_factory(seed):  # a module-level task factory, referenced by the source
+    from flowrl.operators.tasks import CopyTask
+
+    return CopyTask(seed)
+
+
+def _pipeline(**source):
+    from flowrl.graph.builder import GraphBuilder
+
+    b = GraphBuilder("t")
+    prompts = b.source("prompts", batch_size=4, **source)
+    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4)
+    reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    policy = b.policy("policy", b.loss("aipo", gen, reward))
+    b.weights(policy, gen)
+    return b.build()
+
+
+def test_callable_task_is_stored_by_reference_and_runs():
+    from flowrl.operators.tasks import CopyTask, make_task
+
+    graph = _pipeline(task=_task_factory)
+    ref = graph.node("prompts").source.task
+    assert ref == f"{__name__}:_task_factory"
+    assert isinstance(make_task(ref, 0), CopyTask)
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ({"task": 3}, "task=3 is a int"),
+        ({"task": "cpoy"}, "unknown task 'cpoy'; built-in tasks are add, copy"),
+    ],
+    ids=["not-callable", "unknown-name"],
+)
+def test_bad_task_is_refused_at_build(source, message):
+    from flowrl.errors import FlowrlError
+
+    with pytest.raises(FlowrlError, match=message):
+        _pipeline(**source)
+
+
+def test_unknown_objective_is_refused_at_build():
+    from flowrl.errors import GraphError
+    from flowrl.graph.builder import GraphBuilder
+
+    b = GraphBuilder("t")
+    prompts = b.source("prompts", task="copy", batch_size=4)
+    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4)
+    reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    policy = b.policy("policy", b.loss("aipo", gen, reward, objective="aipoo"))
+    b.weights(policy, gen)
+    with pytest.raises(GraphError, match="loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, grpo, ppo_clip"):
+        b.build()

@@ -175,7 +175,10 @@ def _wait_rows(proc: subprocess.Popen, metrics: Path, n: int, timeout: float) ->
 
 
 def _resume(args: list[str], out: Outcome, timeout: float) -> None:
-    proc = subprocess.run(command([*args, "--resume"]), env=environment(), capture_output=True, text=True, timeout=timeout)
+    ck = Path(args[args.index("--checkpoint-dir") + 1])
+    # killed before its first checkpoint: nothing to resume (--resume would refuse), a fresh start
+    again = [*args, "--resume"] if (ck / "LATEST").is_file() else args
+    proc = subprocess.run(command(again), env=environment(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         out.problems.append(f"the resume exited {proc.returncode}: {proc.stderr[-1500:]}")
     found = re.search(r"resuming from \S*step-(\d+)", proc.stderr)

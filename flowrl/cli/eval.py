@@ -1,0 +1,56 @@
+"""``flowrl eval CHECKPOINT``: a checkpoint's greedy and sampled mean reward on held-out prompts of its task.
+
+Held-out prompts are the task's prompt indices from ``HELD_OUT_START`` (2**40) on, beyond what any
+training run reads (``flowrl.cli.policy_samples``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="score a checkpoint on held-out prompts (greedy and sampled mean reward)",
+        description="Score the policy in CHECKPOINT on held-out prompts of its task (prompt indices from 2**40 on, "
+        "which no training run reads): the mean reward of greedy completions and of sampled ones.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (its LATEST is used) or a step-* directory")
+    p.add_argument("--prompts", type=int, default=256, metavar="N", help="held-out prompts (default: 256)")
+    p.add_argument("--samples", type=int, default=4, metavar="S", help="sampled completions per prompt (default: 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flowrl.cli.policy_samples import HELD_OUT_START, load_policy, rollout
+    from flowrl.errors import ConfigError
+
+    if args.prompts < 1 or args.samples < 1:
+        raise ConfigError(f"--prompts {args.prompts} and --samples {args.samples} must both be >= 1")
+    policy = load_policy(args.checkpoint, seed=args.seed)
+    indices = range(HELD_OUT_START, HELD_OUT_START + args.prompts)
+    greedy = rollout(policy, indices, n_samples=1, greedy=True)
+    sampled = rollout(policy, indices, n_samples=args.samples, greedy=False)
+    figures = {
+        "checkpoint": str(policy.path),
+        "policy_version": policy.version,
+        "prompts": args.prompts,
+        "greedy_reward_mean": sum(r.reward for r in greedy) / len(greedy),
+        "sampled_reward_mean": sum(r.reward for r in sampled) / len(sampled),
+        "samples_per_prompt": args.samples,
+    }
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        print(
+            f"{policy.path} (policy version {policy.version}) on {args.prompts} held-out prompts: "
+            f"greedy reward {figures['greedy_reward_mean']:.3f}, sampled reward {figures['sampled_reward_mean']:.3f} "
+            f"({args.samples} per prompt)"
+        )
+    return 0

@@ -1,0 +1,142 @@
+"""``flowrl plot METRICS.jsonl [MORE.jsonl ...] -o curves.png``: the curves of one or several runs in one picture.
+
+Rows: reward, loss, staleness, the importance ratio and AIPO's truncated fraction, and step time;
+the left column against the trainer step, the right against wall time. Each metrics file is one
+line per panel, labelled by its file name, so ``k = 0`` and ``k = 2`` runs sit side by side.
+matplotlib is an optional extra (``pip install 'flowrl[plot]'``); it draws with the Agg backend, so
+no display is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "plot_runs", "PANELS"]
+
+#: (title, what it reads): a key of the metrics rows, or ``"step_time_s"`` (the difference of ``time_s``).
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward (mean)", ("reward_mean",)),
+    ("loss", ("loss",)),
+    ("staleness (policy version - rollout version)", ("staleness",)),
+    ("importance ratio pi/mu (mean) and truncated fraction", ("ratio_mean", "truncated_frac")),
+    ("step time (s)", ("step_time_s",)),
+)
+
+PLOT_INSTALL = "pip install 'flowrl[plot]'  (or: pip install matplotlib)"
+
+EPILOG = """\
+examples:
+  flowrl run --metrics k0.jsonl --max-staleness 0 && flowrl run --metrics k2.jsonl --max-staleness 2
+  flowrl plot k0.jsonl k2.jsonl -o curves.png     both runs in one picture, labelled k0 and k2
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw the curves of metrics files (reward, loss, staleness, AIPO ratio, step time)",
+        description="Draw reward, loss, staleness, importance ratio / truncated fraction and step time against step "
+        "and wall time, one line per metrics file (from 'flowrl run --metrics FILE'). Needs matplotlib: " + PLOT_INSTALL,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("metrics", nargs="+", metavar="METRICS.jsonl", help="metrics files written by 'flowrl run --metrics'")
+    p.add_argument("-o", "--output", default="curves.png", metavar="FILE", help="the picture (.png, .svg or .pdf; default: curves.png)")
+    p.set_defaults(func=_run)
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float], list[float]]:
+    """``(steps, wall times, values)`` of ``key``; a ``/``-less key also matches ``objective/key``."""
+    steps, times, values = [], [], []
+    previous = 0.0
+    for row in rows:
+        t = float(row.get("time_s", 0.0))
+        if key == "step_time_s":
+            value: Any = t - previous
+        else:
+            value = row.get(key)
+            if value is None:
+                value = next((v for k, v in row.items() if k.endswith(f"/{key}")), None)
+        previous = t
+        if isinstance(value, (int, float)):
+            steps.append(float(row["step"]))
+            times.append(t)
+            values.append(float(value))
+    return steps, times, values
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    """File stems, or whole paths where two stems are the same."""
+    stems = [p.stem for p in paths]
+    return [str(p) if stems.count(p.stem) > 1 else p.stem for p in paths]
+
+
+def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[str]) -> None:
+    """Draw ``PANELS`` for every run (label -> metrics rows) into ``output`` (format from its suffix).
+
+    Raises:
+        ConfigError: when matplotlib is missing (with the install command).
+    """
+    from flowrl.errors import ConfigError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(f"flowrl plot needs matplotlib: {PLOT_INSTALL}") from None
+    fig, axes = plt.subplots(len(PANELS), 2, figsize=(13, 3.0 * len(PANELS)), squeeze=False)
+    for row, (title, keys) in enumerate(PANELS):
+        for label_i, (label, rows) in enumerate(runs.items()):
+            color = f"C{label_i % 10}"
+            for key_i, key in enumerate(keys):
+                steps, times, values = _series(rows, key)
+                style = "-" if key_i == 0 else "--"
+                name = label if len(keys) == 1 else f"{label} {key}"
+                axes[row][0].plot(steps, values, style, color=color, label=name, linewidth=1.2)
+                axes[row][1].plot(times, values, style, color=color, label=name, linewidth=1.2)
+        for col, xlabel in enumerate(("trainer step", "wall time (s)")):
+            ax = axes[row][col]
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel(xlabel)
+            ax.grid(True, alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+            else:
+                ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+    fig.suptitle("flowrl: " + ", ".join(runs), fontsize=12)
+    fig.tight_layout()
+    fig.savefig(output, dpi=90)
+    plt.close(fig)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flowrl.errors import ConfigError
+    from flowrl.runtime.metrics import read_metrics
+
+    out = Path(args.output)
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"-o {out}: write .png, .svg or .pdf")
+    if not out.parent.resolve().is_dir():
+        raise ConfigError(f"-o {out}: folder {out.parent.resolve()} does not exist; create it first")
+    paths = [Path(m) for m in args.metrics]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for path, label in zip(paths, _labels(paths)):
+        try:
+            rows = read_metrics(path)
+        except FileNotFoundError:
+            raise ConfigError(f"metrics file {str(path)!r} does not exist; write one with 'flowrl run --metrics {path}'") from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"metrics file {str(path)!r} is not a flowrl metrics file (one JSON object per line): {exc}") from None
+        rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
+        if not rows:
+            raise ConfigError(f"metrics file {str(path)!r} holds no step rows")
+        runs[label] = rows
+    plot_runs(runs, out)
+    print(f"flowrl plot: wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''})", file=sys.stderr)
+    return 0

@@ -1,0 +1,38 @@
+"""``flowrl sample CHECKPOINT [-n 8]``: decoded prompts and completions of a checkpoint's policy, with their rewards."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sample",
+        help="print what a checkpoint's policy writes: prompts, completions, rewards",
+        description="Sample completions from the policy in CHECKPOINT (a --checkpoint-dir or one of its step-* "
+        "directories) for held-out prompts of its task, and print them decoded with their rewards.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (its LATEST is used) or a step-* directory")
+    p.add_argument("-n", type=int, default=8, metavar="N", help="prompts to sample (default: 8)")
+    p.add_argument("--samples", type=int, default=1, metavar="S", help="completions per prompt (default: 1)")
+    p.add_argument("--greedy", action="store_true", help="the most likely completion instead of a sampled one")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flowrl.cli.policy_samples import HELD_OUT_START, load_policy, rollout
+    from flowrl.errors import ConfigError
+
+    if args.n < 1 or args.samples < 1:
+        raise ConfigError(f"-n {args.n} and --samples {args.samples} must both be >= 1")
+    policy = load_policy(args.checkpoint, seed=args.seed)
+    rows = rollout(policy, range(HELD_OUT_START, HELD_OUT_START + args.n), n_samples=args.samples, greedy=args.greedy)
+    print(f"{policy.path} (graph {policy.graph.name!r}, policy version {policy.version}), held-out prompts:")
+    for row in rows:
+        detail = ", ".join(f"{k} {v:.3f}" for k, v in row.rewards.items()) if len(row.rewards) > 1 else ""
+        print(f"  {row.prompt!r} -> {row.completion!r}  reward {row.reward:.3f}" + (f" ({detail})" if detail else ""))
+    print(f"mean reward {sum(r.reward for r in rows) / len(rows):.3f} over {len(rows)} completions")
+    return 0

@@ -1,0 +1,74 @@
+"""Does a plan fit the machine it is run on: which node runs on which devices, and are they here.
+
+A plan names devices of the cluster it was made for (``1024xH100``, ``cpu:2``). Before a run starts,
+``check_plan_here`` compares them with what this machine (or this torchrun job) has and either
+describes the placement in one line or refuses, naming the cluster, the devices it needs, what is
+here and how to re-plan. The machine's facts are arguments, so the check is a pure function.
+
+Example:
+    >>> from flowrl.examples import build_example
+    >>> from flowrl.planners.plan import plan_graph
+    >>> plan = plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated")
+    >>> print(check_plan_here(plan, backend="local", cores=2, cuda_devices=0))
+    plan for cpu:2 on this machine's CPU cores: gen on 0, aipo on 1, policy on 1
+    >>> check_plan_here(plan_graph(build_example("llamarl"), "16xH100"), backend="local", cores=2, cuda_devices=0)
+    Traceback (most recent call last):
+    ...
+    flowrl.errors.PlanError: the plan was made for 16xH100 (GPU devices 0-6), but this machine has no CUDA GPU (2 CPU cores); make a plan for this machine: flowrl plan llamarl --cluster cpu -o plan.json
+"""
+
+from __future__ import annotations
+
+from flowrl.errors import PlanError
+from flowrl.planners.plan import Plan
+
+__all__ = ["check_plan_here"]
+
+
+def _ranges(devices: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    for d in sorted(devices):
+        if out and d == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{d}"
+        else:
+            out.append(str(d))
+    return ",".join(out)
+
+
+def check_plan_here(
+    plan: Plan, *, backend: str, cores: int, cuda_devices: int, world_size: int | None = None
+) -> str:
+    """One line saying which node runs on which devices here; raises when the devices are not here.
+
+    Args:
+        plan: the plan to run.
+        backend: ``local``, ``process`` or ``torchrun``.
+        cores: CPU cores of this machine.
+        cuda_devices: CUDA devices of this machine.
+        world_size: ranks of the torchrun job (``backend="torchrun"`` only): plan devices are ranks.
+
+    Raises:
+        PlanError: naming the plan's cluster, the devices it needs, what is here and the fix.
+    """
+    placed = {name: p.devices for name, p in plan.placements.items() if p.devices}
+    needed = 1 + max((d for ds in placed.values() for d in ds), default=0)
+    spec = plan.cluster_spec
+    gpu = spec is not None and spec.device.kind == "gpu"
+    kind = "GPU" if gpu else "CPU"
+    wanted = f"the plan was made for {plan.cluster} ({kind} devices {_ranges(tuple(range(needed)))})"
+    replan = f"make a plan for this machine: flowrl plan {plan.graph} --cluster cpu -o plan.json"
+    if gpu and cuda_devices == 0:
+        raise PlanError(f"{wanted}, but this machine has no CUDA GPU ({cores} CPU cores); {replan}")
+    if backend == "torchrun":
+        have, what = (world_size or 1), "ranks in this torchrun job"
+        if needed > have:
+            raise PlanError(f"{wanted}, but there are {have} {what}; launch torchrun with {needed} processes in all, or re-plan for {have}")
+        where = "torchrun ranks"
+    else:
+        have, what = (cuda_devices, "CUDA GPUs") if gpu else (cores, "CPU cores")
+        if needed > have:
+            raise PlanError(f"{wanted}, but this machine has {have} {what}; {replan.replace('cpu', f'cpu:{have}') if not gpu else replan}")
+        where = "this machine's GPUs" if gpu else "this machine's CPU cores"
+    nodes = ", ".join(f"{name} on {_ranges(ds)}" for name, ds in placed.items())
+    return f"plan for {plan.cluster} on {where}: {nodes}"

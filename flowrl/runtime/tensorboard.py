@@ -1,0 +1,44 @@
+"""A TensorBoard sink for the per-step metrics rows: the same scalars, written with torch's ``SummaryWriter``.
+
+``flowrl run --tensorboard DIR`` passes it each row; ``tensorboard --logdir DIR`` shows them. The
+``tensorboard`` package is an optional extra (``pip install 'flowrl[tensorboard]'``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flowrl.errors import ConfigError
+
+__all__ = ["TensorBoardSink", "TENSORBOARD_INSTALL"]
+
+TENSORBOARD_INSTALL = "pip install 'flowrl[tensorboard]'  (or: pip install tensorboard)"
+
+
+class TensorBoardSink:
+    """Writes every numeric field of a metrics row (but ``step``) as a scalar at that step.
+
+    Args:
+        log_dir: the event-file directory (created).
+
+    Raises:
+        ConfigError: when the tensorboard package is missing (with the install command).
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError(f"--tensorboard needs the tensorboard package: {TENSORBOARD_INSTALL}") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()

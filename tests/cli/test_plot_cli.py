@@ -1,0 +1,62 @@
+"""``flowrl plot``: a real PNG of several runs, and clear errors (missing matplotlib, bad files)."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from flowrl.cli.main import main
+
+
+def _metrics(path, n, k):
+    rows = [
+        {"step": s, "time_s": 0.1 * s, "reward_mean": s / n, "loss": 1.0 / s, "staleness": min(k, s - 1),
+         "aipo/ratio_mean": 1.0, "aipo/truncated_frac": 0.01 * k, "prompt_index": [s]}
+        for s in range(1, n + 1)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_plot_renders_a_png_of_several_runs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(_metrics(tmp_path / "k0.jsonl", 20, 0)), str(_metrics(tmp_path / "k2.jsonl", 20, 2)), "-o", str(out)]) == 0
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000
+    assert "wrote" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert main(["plot", str(_metrics(tmp_path / "m.jsonl", 3, 0)), "-o", str(tmp_path / "c.png")]) == 2
+    assert "pip install 'flowrl[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize(
+    "content, output, message",
+    [
+        (None, "c.png", "does not exist; write one with 'flowrl run --metrics"),
+        ("not json\n", "c.png", "is not a flowrl metrics file"),
+        ('{"a": 1}\n', "c.png", "holds no step rows"),
+        ('{"step": 1}\n', "c.txt", "write .png, .svg or .pdf"),
+    ],
+    ids=["missing", "not-json", "no-rows", "bad-suffix"],
+)
+def test_plot_user_mistakes(tmp_path, capsys, content, output, message):
+    path = tmp_path / "m.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert main(["plot", str(path), "-o", str(tmp_path / output)]) == 2
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and "Traceback" not in err

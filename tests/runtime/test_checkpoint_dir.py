@@ -1,0 +1,75 @@
+"""A checkpoint directory belongs to one run: fresh runs do not overwrite it, two runs do not share it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flowrl.errors import CheckpointError
+from flowrl.runtime.checkpoint import LOCK_FILE, holds_checkpoints, lock_directory, prepare_directory
+
+HOLD = """
+import sys, time
+from flowrl.runtime.checkpoint import lock_directory
+with lock_directory(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def _checkpoint(directory, step):
+    (directory / f"step-{step:08d}").mkdir(parents=True)
+    (directory / f"step-{step:08d}" / "meta.json").write_text("{}")
+    (directory / "LATEST").write_text(f"step-{step:08d}")
+
+
+@pytest.mark.parametrize(
+    "resume, overwrite, message",
+    [
+        (False, False, "holds the checkpoints of an earlier run (newest step-00000020); a fresh run would overwrite them. Add --resume to continue that run, or --overwrite-checkpoints"),
+        (True, True, "pick one"),
+    ],
+    ids=["fresh-into-used", "both-flags"],
+)
+def test_refusals_on_a_used_directory(tmp_path, resume, overwrite, message):
+    _checkpoint(tmp_path, 20)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        prepare_directory(tmp_path, resume=resume, overwrite=overwrite)
+    assert holds_checkpoints(tmp_path)
+
+
+@pytest.mark.parametrize("exists", [True, False], ids=["empty", "missing"])
+def test_resume_from_nothing_is_an_error(tmp_path, exists):
+    d = tmp_path / "ck"
+    if exists:
+        d.mkdir()
+    with pytest.raises(CheckpointError, match="drop --resume to start a fresh run"):
+        prepare_directory(d, resume=True, overwrite=False)
+
+
+def test_resume_and_overwrite_do_what_they_say(tmp_path):
+    _checkpoint(tmp_path, 20)
+    assert prepare_directory(tmp_path, resume=True, overwrite=False) == tmp_path / "step-00000020"
+    assert prepare_directory(tmp_path, resume=False, overwrite=True) is None
+    assert not holds_checkpoints(tmp_path)
+
+
+def test_second_holder_fails_at_once_and_a_killed_holder_leaves_it_free(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match=f"in use by another flowrl run \\(pid {holder.pid}\\)"):
+            with lock_directory(tmp_path):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    with lock_directory(tmp_path) as d:  # the OS released the dead holder's lock
+        assert (d / LOCK_FILE).read_text().strip() == str(os.getpid())
