@@ -47,3 +47,14 @@ def example_name(request: pytest.FixtureRequest) -> str:
 def example_graph(example_name: str) -> Graph:
     """Each built-in example graph in turn."""
     return build_example(example_name)
+
+
+@pytest.fixture
+def runnable_example_graph(example_name: str, request: pytest.FixtureRequest) -> Graph:
+    """Each built-in example graph in turn, ready to run here: ``qwen_math`` (a real model's shape,
+    no weights shipped) pointed at a tiny random Qwen2 with a chat template, as its docstring says."""
+    if example_name == "qwen_math":
+        from flowrl.examples.qwen_math import build_qwen_math
+
+        return build_qwen_math(model_dir=request.getfixturevalue("hf_qwen2_chat_dir"))
+    return build_example(example_name)

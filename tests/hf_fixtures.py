@@ -14,13 +14,20 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["WORDS", "VOCAB", "make_hf_dir", "hf_llama_dir", "hf_qwen2_dir", "hf_dir", "hf_config"]
+__all__ = ["WORDS", "VOCAB", "make_hf_dir", "hf_llama_dir", "hf_qwen2_dir", "hf_qwen2_chat_dir", "hf_dir", "hf_config", "CHAT_TEMPLATE"]
 
 VOCAB = 100
 WORDS: tuple[str, ...] = tuple(str(i) for i in range(10)) + tuple("abcdefghijklmnopqrstuvwxyz") + ("+", "=", "-", "?", "yes", "no")
 
 
-def _tokenizer(path: Path) -> None:
+#: A minimal chat template (role: content lines, then "assistant:") for tokenizers that need one.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def _tokenizer(path: Path, *, chat_template: bool = False) -> None:
     pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -32,6 +39,8 @@ def _tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
 
 
@@ -57,8 +66,11 @@ def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = V
     return cls(**common)
 
 
-def make_hf_dir(path: Path, family: str = "llama", *, tie: bool = True, hidden: int = 32, seed: int = 0, weights: bool = True) -> Path:
-    """Write a tiny ``family`` model (safetensors weights unless ``weights=False``) and its tokenizer to ``path``."""
+def make_hf_dir(
+    path: Path, family: str = "llama", *, tie: bool = True, hidden: int = 32, seed: int = 0, weights: bool = True, chat_template: bool = False
+) -> Path:
+    """Write a tiny ``family`` model (safetensors weights unless ``weights=False``) and its tokenizer
+    (with ``CHAT_TEMPLATE`` when ``chat_template``) to ``path``."""
     import torch
 
     transformers = pytest.importorskip("transformers")
@@ -71,7 +83,7 @@ def make_hf_dir(path: Path, family: str = "llama", *, tie: bool = True, hidden: 
         model.save_pretrained(str(path), safe_serialization=True)
     else:
         config.save_pretrained(str(path))
-    _tokenizer(path)
+    _tokenizer(path, chat_template=chat_template)
     return path
 
 
@@ -85,6 +97,13 @@ def hf_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 directory (untied embeddings, qkv biases), built once per session."""
     return make_hf_dir(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", tie=False, hidden=48)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 directory (tied, like Qwen2.5-0.5B) whose tokenizer has a chat template: the
+    architecture of the ``qwen_math`` example on tiny random weights."""
+    return make_hf_dir(tmp_path_factory.mktemp("hf") / "qwen2_chat", "qwen2", hidden=32, chat_template=True)
 
 
 @pytest.fixture(params=["llama", "qwen2"])

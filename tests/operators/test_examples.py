@@ -14,8 +14,8 @@ from flowrl.operators.text_inputs import TextInputs
 from flowrl.operators.trainer import Trainer
 
 
-def test_one_step_of_each_example(example_graph):
-    g = example_graph
+def test_one_step_of_each_example(runnable_example_graph):
+    g = runnable_example_graph
     (source,), (generator,), (policy,) = (g.nodes_of_kind(k) for k in ("source", "generator", "policy"))
     rollout = Generator(generator, seed=0).generate(PromptSource(source).next_batch())
     batch = dict(rollout)
@@ -27,7 +27,10 @@ def test_one_step_of_each_example(example_graph):
     trainer = Trainer(policy, g.loss_of(policy.name))
     metrics = trainer.train_step(batch)
     assert trainer.version == 1 and all(math.isfinite(v) for v in metrics.values())
-    assert abs(metrics["aipo/ratio_mean"] - 1.0) < 1e-5  # on-policy
+    # On-policy: ratio 1 up to rounding; a bf16 generator (qwen_math) samples from slightly other
+    # probabilities than the fp32 trainer (measured |mean ratio - 1| = 1.4e-5 there; 50x margin).
+    tolerance = 1e-5 if generator.sampling.precision == "float32" else 1e-3
+    assert abs(metrics["aipo/ratio_mean"] - 1.0) < tolerance
     # The example model fits the task tokenizer, and its prompts fit its sequence length.
     assert int(rollout["completion_ids"].max()) < trainer.model.vocab_size
     assert torch.equal(rollout["group_ids"], torch.arange(source.source.batch_size).repeat_interleave(generator.sampling.n_samples))
