@@ -16,31 +16,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
         help="score a checkpoint on held-out prompts (greedy and sampled mean reward)",
-        description="Score the policy in CHECKPOINT on held-out prompts of its task (prompt indices from 2**40 on, "
-        "which no training run reads): the mean reward of greedy completions and of sampled ones.",
+        description="Score the policy in CHECKPOINT on held-out prompts: for a built-in task, its prompt indices from "
+        "2**40 on, which no training run reads; for a prompt file, the rows of --data FILE (without it, the training "
+        "file's first rows, reported as not held out). Prints the mean reward of greedy completions and of sampled ones.",
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (its LATEST is used) or a step-* directory")
     p.add_argument("--prompts", type=int, default=256, metavar="N", help="held-out prompts (default: 256)")
     p.add_argument("--samples", type=int, default=4, metavar="S", help="sampled completions per prompt (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    p.add_argument("--data", metavar="FILE", help="held-out prompt file (same fields as training), for a graph whose source reads a file")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flowrl.cli.policy_samples import HELD_OUT_START, load_policy, rollout
+    from flowrl.cli.policy_samples import eval_positions, load_policy, rollout
     from flowrl.errors import ConfigError
 
     if args.prompts < 1 or args.samples < 1:
         raise ConfigError(f"--prompts {args.prompts} and --samples {args.samples} must both be >= 1")
-    policy = load_policy(args.checkpoint, seed=args.seed)
-    indices = range(HELD_OUT_START, HELD_OUT_START + args.prompts)
+    policy = load_policy(args.checkpoint, seed=args.seed, data=args.data)
+    indices = eval_positions(policy, args.prompts)
     greedy = rollout(policy, indices, n_samples=1, greedy=True)
     sampled = rollout(policy, indices, n_samples=args.samples, greedy=False)
     figures = {
         "checkpoint": str(policy.path),
         "policy_version": policy.version,
-        "prompts": args.prompts,
+        "prompts": len(indices),
+        "held_out": policy.held_out,
         "greedy_reward_mean": sum(r.reward for r in greedy) / len(greedy),
         "sampled_reward_mean": sum(r.reward for r in sampled) / len(sampled),
         "samples_per_prompt": args.samples,
@@ -49,7 +52,8 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(figures))
     else:
         print(
-            f"{policy.path} (policy version {policy.version}) on {args.prompts} held-out prompts: "
+            f"{policy.path} (policy version {policy.version}) on {len(indices)} "
+            f"{'held-out prompts' if policy.held_out else 'prompts of the training file (no --data given)'}: "
             f"greedy reward {figures['greedy_reward_mean']:.3f}, sampled reward {figures['sampled_reward_mean']:.3f} "
             f"({args.samples} per prompt)"
         )

@@ -2,13 +2,15 @@
 
 Shared by ``flowrl sample`` and ``flowrl eval``. A checkpoint directory (``step-*``, or a checkpoint
 root whose ``LATEST`` names one) holds ``graph.json``; the generator that the policy feeds samples
-with the policy's weights, the graph's scorers score, and ``decode`` turns ids into text with the
-task's tokenizer (the one place to extend for other model families).
+with the policy's weights (built-in or Hugging Face), the graph's scorers score (text scorers with
+their rows' fields), and ``decode`` turns ids into text with the generator model's tokenizer.
 
-Held-out prompts: a task is an endless, seeded stream indexed from 0 and a run reads indices
-``0 .. data_position - 1``; ``HELD_OUT_START`` (2**40) is beyond what any run reads, so the prompts
-from there on are ones training never consumed. A task with few distinct prompts (``copy``: 1000)
-can still repeat a training prompt's text.
+Which prompts (``eval_positions``): a built-in task is an endless, seeded stream indexed from 0 and
+a run reads indices ``0 .. data_position - 1``; ``HELD_OUT_START`` (2**40) is beyond what any run
+reads, so the prompts from there on are ones training never consumed (a task with few distinct
+prompts, ``copy``: 1000, can still repeat a training prompt's text). A prompt file has no such
+tail: give held-out rows as another file (``data=``), read in file order from its first row;
+without one, the training file's first rows are used and ``held_out`` says so.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, ScorerNode
 
-__all__ = ["HELD_OUT_START", "LoadedPolicy", "load_policy", "decode", "rollout", "Scored"]
+__all__ = ["HELD_OUT_START", "LoadedPolicy", "load_policy", "decode", "eval_positions", "rollout", "Scored"]
 
 #: First prompt index of held-out prompts: beyond anything a training run reads.
 HELD_OUT_START = 1 << 40
@@ -32,16 +34,22 @@ HELD_OUT_START = 1 << 40
 
 @dataclass
 class LoadedPolicy:
-    """A checkpoint's graph, its generator with the policy's weights, the task and the scorers."""
+    """A checkpoint's graph, its generator with the policy's weights, the prompt source and the scorers.
+
+    Attributes:
+        held_out: whether ``eval_positions`` gives prompts training never read.
+    """
 
     path: Path
     graph: Graph
     version: int
     generator: Any
     generator_node: GeneratorNode
-    task: Any
+    source: Any
     scorers: list[Any]
     reward_weights: dict[str, float]
+    decode_ids: Any
+    held_out: bool
 
 
 @dataclass
@@ -67,17 +75,27 @@ def _step_dir(path: Path) -> Path:
     return found
 
 
-def load_policy(path: str | Path, *, seed: int = 0) -> LoadedPolicy:
+def load_policy(path: str | Path, *, seed: int = 0, data: str | None = None) -> LoadedPolicy:
     """The policy of the checkpoint at ``path`` (a step directory or a checkpoint root), ready to sample.
+
+    Args:
+        path: a step directory or a checkpoint root.
+        seed: seed of sampling.
+        data: a prompt file of held-out rows for a graph whose source reads a file (same fields).
 
     Raises:
         CheckpointError: for a missing or incomplete checkpoint, one without its graph, or a graph
             with no generator fed by a policy.
     """
     from flowrl.graph.serialize import from_json
+    import msgspec
+
+    from flowrl.graph.ir import GraphSpec
+    from flowrl.models.registry import model_tokens
     from flowrl.operators.generation import Generator
     from flowrl.operators.scoring import Scorer
-    from flowrl.operators.tasks import make_task
+    from flowrl.operators.source import PromptSource
+    from flowrl.operators.text_inputs import TextInputs
     from flowrl.runtime.checkpoint import GRAPH_FILE, read_meta
 
     step = _step_dir(Path(path))
@@ -95,27 +113,45 @@ def load_policy(path: str | Path, *, seed: int = 0) -> LoadedPolicy:
     state = torch.load(step / meta.files[policy_name], weights_only=True)
     gen_node = graph.node(gen_name)
     generator = Generator(gen_node, seed=seed)  # type: ignore[arg-type]
-    generator.load_weights(state["model"], int(state["version"]))
+    targets = generator.weight_targets()  # a checkpoint's state_dict also lists tied aliases (lm_head.weight)
+    generator.load_weights({k: v for k, v in state["model"].items() if k in targets}, int(state["version"]))
     source = next(n for n in graph.nodes_of_kind("source"))
+    config = source.source  # type: ignore[attr-defined]
+    if data and not config.data:
+        raise ConfigError(f"--data {data!r}: graph {graph.name!r} draws prompts from task {config.task!r}, not a file; drop --data")
+    if config.data:  # file order, from the first row: positions name rows
+        config = msgspec.structs.replace(config, data=data or config.data, shuffle=False)
+        source = msgspec.structs.replace(source, source=config)
+        nodes = tuple(source if n.name == source.name else n for n in graph.nodes)
+        graph = type(graph)(msgspec.structs.replace(graph.spec, nodes=nodes), validate=False)
+    elif not isinstance(graph.spec, GraphSpec):  # pragma: no cover - a Graph always holds a GraphSpec
+        raise CheckpointError(f"checkpoint {step}: unreadable graph")
     loss = next(iter(graph.nodes_of_kind("loss")), None)
+    scorers = [Scorer(n, TextInputs(graph, n.name) if n.inputs == "text" else None) for n in graph.nodes if isinstance(n, ScorerNode)]
     return LoadedPolicy(
         path=step,
         graph=graph,
         version=int(state["version"]),
         generator=generator,
         generator_node=gen_node,  # type: ignore[arg-type]
-        task=make_task(source.source.task, source.source.seed),  # type: ignore[attr-defined]
-        scorers=[Scorer(n) for n in graph.nodes if isinstance(n, ScorerNode)],
+        source=PromptSource(source),  # type: ignore[arg-type]
+        scorers=scorers,
         reward_weights=dict(loss.loss.reward_weights) if loss is not None else {"rewards": 1.0},  # type: ignore[attr-defined]
+        decode_ids=model_tokens(gen_node.model).decode,  # type: ignore[attr-defined]
+        held_out=not config.data or bool(data),
     )
 
 
+def eval_positions(policy: LoadedPolicy, n: int) -> range:
+    """Stream positions of ``n`` evaluation prompts (see the module docstring)."""
+    if policy.source.stream is None:
+        return range(HELD_OUT_START, HELD_OUT_START + n)
+    return range(min(n, len(policy.source.stream)))
+
+
 def decode(policy: LoadedPolicy, ids: Sequence[int]) -> str:
-    """The text of token ``ids`` (the task's tokenizer: the built-in model's)."""
-    tokenizer = getattr(policy.task, "tokenizer", None)
-    if tokenizer is None:
-        return " ".join(map(str, ids))
-    return tokenizer.decode([int(i) for i in ids])
+    """The text of token ``ids`` with the generator model's tokenizer (special tokens kept)."""
+    return policy.decode_ids([int(i) for i in ids])
 
 
 def rollout(policy: LoadedPolicy, indices: Sequence[int], *, n_samples: int, greedy: bool) -> list[Scored]:
@@ -129,10 +165,10 @@ def rollout(policy: LoadedPolicy, indices: Sequence[int], *, n_samples: int, gre
     from flowrl.operators.scoring import unpad
     from flowrl.operators.source import pad_left
 
-    prompts = [policy.task.prompt(i) for i in indices]
+    prompts = [policy.source.prompt(i) for i in indices]
     if any(not len(p) for p in prompts):
-        raise ConfigError(f"task {policy.task!r} gave an empty prompt")
-    ids, lens = pad_left(prompts, int(getattr(policy.task, "pad_id", 0)))
+        raise ConfigError(f"source {policy.source.name!r} gave an empty prompt")
+    ids, lens = pad_left(prompts, policy.source.pad_id)
     trained = policy.generator_node.sampling  # the graph's settings; greedy keeps only the most likely token
     policy.generator.sampling = msgspec.structs.replace(
         trained, n_samples=1 if greedy else n_samples, top_k=1 if greedy else trained.top_k

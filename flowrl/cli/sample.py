@@ -19,18 +19,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=1, metavar="S", help="completions per prompt (default: 1)")
     p.add_argument("--greedy", action="store_true", help="the most likely completion instead of a sampled one")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    p.add_argument("--data", metavar="FILE", help="held-out prompt file (same fields as training), for a graph whose source reads a file")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flowrl.cli.policy_samples import HELD_OUT_START, load_policy, rollout
+    from flowrl.cli.policy_samples import eval_positions, load_policy, rollout
     from flowrl.errors import ConfigError
 
     if args.n < 1 or args.samples < 1:
         raise ConfigError(f"-n {args.n} and --samples {args.samples} must both be >= 1")
-    policy = load_policy(args.checkpoint, seed=args.seed)
-    rows = rollout(policy, range(HELD_OUT_START, HELD_OUT_START + args.n), n_samples=args.samples, greedy=args.greedy)
-    print(f"{policy.path} (graph {policy.graph.name!r}, policy version {policy.version}), held-out prompts:")
+    policy = load_policy(args.checkpoint, seed=args.seed, data=args.data)
+    rows = rollout(policy, eval_positions(policy, args.n), n_samples=args.samples, greedy=args.greedy)
+    print(f"{policy.path} (graph {policy.graph.name!r}, policy version {policy.version}), " + ("held-out prompts:" if policy.held_out else "prompts of the training file (give --data FILE for held-out rows):"))
     for row in rows:
         detail = ", ".join(f"{k} {v:.3f}" for k, v in row.rewards.items()) if len(row.rewards) > 1 else ""
         print(f"  {row.prompt!r} -> {row.completion!r}  reward {row.reward:.3f}" + (f" ({detail})" if detail else ""))

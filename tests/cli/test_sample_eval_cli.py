@@ -58,3 +58,35 @@ def test_greedy_is_deterministic_and_sampling_is_not_greedy(checkpoint):
     assert greedy == [r.completion for r in rollout(load_policy(checkpoint, seed=1), indices, n_samples=1, greedy=True)]
     sampled = [r.completion for r in rollout(policy, indices, n_samples=1, greedy=False)]
     assert sampled != greedy  # after a greedy call, sampling uses the graph's settings again
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    ck = tmp_path_factory.mktemp("hf_ck")
+    assert main(["run", "hf_copy", "--steps", "2", "--checkpoint-dir", str(ck), "--quiet"]) == 0
+    return ck
+
+
+def test_sample_and_eval_an_hf_model_on_a_prompt_file(hf_checkpoint, tmp_path, capsys):
+    """The HF example: prompts decoded with its tokenizer, rows of the file in file order, the text
+    scorer fed the row's ``answer``; --data reads held-out rows."""
+    from flowrl.cli.policy_samples import load_policy, rollout
+    from flowrl.examples.hf_copy import ASSETS, reward
+
+    rows = [json.loads(line) for line in (ASSETS / "prompts.jsonl").read_text().splitlines()[:3]]
+    capsys.readouterr()
+    assert main(["sample", str(hf_checkpoint), "-n", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts of the training file" in out
+    for row in rows:
+        assert f"  {row['prompt']!r} -> " in out
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": f"copy {d} {d} {d} :", "answer": f"{d} {d} {d}"}) + "\n" for d in "123"))
+    scored = rollout(load_policy(hf_checkpoint, data=str(held)), range(3), n_samples=1, greedy=True)
+    for d, s in zip("123", scored):
+        assert s.prompt == f"copy {d} {d} {d} :"
+        assert s.reward == pytest.approx(reward(s.prompt, s.completion.replace("</s>", " ").strip(), answer=f"{d} {d} {d}"))
+    assert main(["eval", str(hf_checkpoint), "--data", str(held), "--prompts", "3", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["held_out"] is True and figures["prompts"] == 3
