@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import torch
@@ -25,7 +25,10 @@ from flowrl.errors import ConfigError, FlowrlError, NodeBuildError, TransportErr
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode
 from flowrl.graph.refs import resolve
-from flowrl.runtime.transports.registry import create_transport
+from flowrl.runtime.transports.registry import create_transport, import_transport
+
+if TYPE_CHECKING:
+    from flowrl.runtime.transports.base import WeightTransport
 
 __all__ = [
     "NodeProgram",
@@ -81,12 +84,15 @@ class ProgramBase:
 class TransportSpec(msgspec.Struct, frozen=True, kw_only=True):
     """How to open one weight edge's transport on either side: its registry name and plain options.
 
-    ``writer_options`` open it on the policy's side, ``reader_options`` on the consumer's side.
+    ``writer_options`` open it on the policy's side, ``reader_options`` on the consumer's side;
+    ``factory`` is a user transport's ``module:qualname`` (``registry.transport_reference``), so that
+    a worker process that did not register it can (``""`` for a built-in).
     """
 
     src: str
     dst: str
     name: str
+    factory: str = ""
     writer_options: dict[str, Any] = {}
     reader_options: dict[str, Any] = {}
 
@@ -119,23 +125,30 @@ class SharedTransports:
 
     def __init__(self, specs: tuple[TransportSpec, ...]) -> None:
         self._specs = {(s.src, s.dst): s for s in specs}
-        self._open: dict[tuple[str, str], Any] = {}
-        self._readers: dict[tuple[str, str], Any] = {}
+        self._open: dict[tuple[str, str], WeightTransport] = {}
+        self._readers: dict[tuple[str, str], WeightTransport] = {}
 
-    def writer(self, src: str, dst: str) -> Any:
+    @staticmethod
+    def _create(spec: TransportSpec, options: dict[str, Any]) -> WeightTransport:
+        import_transport(spec.name, spec.factory)
+        return create_transport(spec.name, **options)
+
+    def writer(self, src: str, dst: str) -> WeightTransport:
+        """The publishing side of edge ``src -> dst`` (opened on first use)."""
         key = (src, dst)
         if key not in self._open:
             spec = self._specs[key]
-            self._open[key] = create_transport(spec.name, **spec.writer_options)
+            self._open[key] = self._create(spec, spec.writer_options)
         return self._open[key]
 
-    def reader(self, src: str, dst: str) -> Any:
+    def reader(self, src: str, dst: str) -> WeightTransport:
+        """The fetching side of edge ``src -> dst``: the writer's object when it lives in this process."""
         key = (src, dst)
         if key in self._open:  # same process as the writer: share the object
             return self._open[key]
         if key not in self._readers:
             spec = self._specs[key]
-            self._readers[key] = create_transport(spec.name, **spec.reader_options)
+            self._readers[key] = self._create(spec, spec.reader_options)
         return self._readers[key]
 
     def close(self) -> None:

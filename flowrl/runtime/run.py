@@ -22,32 +22,47 @@ from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.placement import Placement, default_placement, placement_from_plan
 from flowrl.runtime.programs import ProgramEnv, TransportSpec
+from flowrl.runtime.transports.registry import check_transports, transport_reference, transport_traits
 
-__all__ = ["run_graph", "transport_specs", "resolve_placement"]
+__all__ = ["run_graph", "transport_specs", "resolve_placement", "SHARED_MEMORY"]
+
+#: The built-in transport that carries weights between the processes of one machine.
+SHARED_MEMORY = "shm"
 
 
 def transport_specs(
     graph: Graph, backend: str, run_dir: str, *, choose: Callable[[WeightEdge], str] | None = None
 ) -> tuple[TransportSpec, ...]:
-    """Open options for each weight edge's transport. ``choose`` maps an edge to the name of the
-    transport this backend uses for it; by default, in the process backend ``inprocess`` (which cannot cross
-    processes) becomes ``shm`` (shared memory)."""
+    """Open options for each weight edge's transport, from the transport's traits.
+
+    ``choose`` maps an edge to the name of the transport this backend uses for it; by default, in
+    the process backend a transport that cannot cross processes (``inprocess``) becomes ``shm``
+    (shared memory). A transport that ``needs_segment`` gets a fresh shared-memory segment name, one
+    that ``needs_directory`` a folder under ``run_dir``; a user transport carries its factory's reference.
+
+    Raises:
+        TransportError: an edge names a transport nobody registered, or a user transport that
+            another process cannot import.
+    """
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     specs = []
     for e in graph.weight_edges:
         if choose is not None:
             name = choose(e)
         else:
-            name = "shm" if backend == "process" and e.transport == "inprocess" else e.transport
+            crossing = backend == "process" and not transport_traits(e.transport).crosses_processes
+            name = SHARED_MEMORY if crossing else e.transport
+        traits = transport_traits(name)
         writer: dict[str, Any] = {}
         reader: dict[str, Any] = {}
-        if name == "shm":
+        if traits.needs_segment:
             seg = f"flowrl-{token}-{e.src}-{e.dst}"
             writer, reader = {"name": seg, "create": True}, {"name": seg, "create": False}
-        elif name == "file":
+        elif traits.needs_directory:
             directory = os.path.join(run_dir, f"weights-{e.src}-{e.dst}")
             writer = reader = {"directory": directory}
-        specs.append(TransportSpec(src=e.src, dst=e.dst, name=name, writer_options=writer, reader_options=reader))
+        factory = transport_reference(name) if backend == "process" else ""  # torchrun ranks load the graph file themselves
+        specs.append(TransportSpec(src=e.src, dst=e.dst, name=name, factory=factory, writer_options=writer, reader_options=reader))
     return tuple(specs)
 
 
@@ -67,6 +82,7 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, A
     from flowrl.runtime.preflight import check_fits_in_memory
 
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
+    check_transports(e.transport for e in graph.weight_edges)  # the registry of this process, where the run starts
     if config.backend == "torchrun":  # every rank calls this; placement, transports and controller are its own
         from flowrl.runtime.backends.torchrun import run_torchrun
 

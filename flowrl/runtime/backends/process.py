@@ -2,7 +2,7 @@
 
 Each worker (``flowrl.runtime.worker``) hosts one node's program; the controller's executor thread
 for that node talks to it over a socket pair with msgspec headers and raw tensor bytes (no pickle).
-Weights go over shared memory (``inprocess`` edges become ``shm``). Workers are pinned to their
+Weights go over shared memory (a transport that cannot cross processes, ``inprocess``, becomes ``shm``). Workers are pinned to their
 placement's cores when the placement comes from a CPU plan.
 
 Failure handling: a worker that raises answers with the error and its traceback; a worker that dies
@@ -31,6 +31,7 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import Batch, Info, ProgramEnv
+from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = ["ProcessBackend", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
@@ -188,7 +189,7 @@ class ProcessBackend:
     def _unlink_segments(self) -> None:
         """Remove shared-memory segments a killed worker could not unlink itself."""
         for spec in self.env.transports:
-            name = spec.writer_options.get("name") if spec.name == "shm" else None
+            name = spec.writer_options.get("name") if transport_traits(spec.name).needs_segment else None
             if name:
                 path = Path("/dev/shm") / name.lstrip("/")
                 if path.exists():

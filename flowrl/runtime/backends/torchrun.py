@@ -76,7 +76,8 @@ from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, co
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.placement import HEAVY_KINDS, Placement
-from flowrl.runtime.run import transport_specs
+from flowrl.runtime.run import SHARED_MEMORY, transport_specs
+from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.programs import Batch, Info, ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
@@ -93,6 +94,8 @@ __all__ = [
 DIST_TIMEOUT_S = float(os.environ.get("FLOWRL_DIST_TIMEOUT_S", "120"))
 CONNECT_TIMEOUT_S = float(os.environ.get("FLOWRL_CONNECT_TIMEOUT_S", "120"))
 _STORE_KEY = "flowrl/controller"
+#: The built-in transport that carries weights between hosts through a directory they all see.
+SHARED_DIRECTORY = "file"
 
 
 class RankError(FlowrlError):
@@ -295,22 +298,23 @@ def _one_host() -> bool:
 
 
 def _weight_transport(edge: WeightEdge, programs: Mapping[str, str]) -> str:
-    """The transport a weight edge uses across ranks: the collective one for ``inprocess`` and
-    ``collective`` edges (``weights.COLLECTIVE``), ``shm`` / ``file`` when the graph names them.
+    """The transport a weight edge uses across ranks: the collective one for a collective transport
+    or one that cannot cross processes (``weights.COLLECTIVE``), the graph's own otherwise.
 
-    An ``inprocess`` edge with a user program at either end (synthetic operators, say) moves its
-    weights through ``shm`` on one host and ``file`` otherwise: the collective transport lays out
-    the built-in model's parameters and cannot know a user program's tensors.
+    An edge whose transport cannot cross processes with a user program at either end (synthetic
+    operators, say) moves its weights through ``shm`` on one host and ``file`` otherwise: the
+    collective transport lays out the built-in model's parameters and cannot know a user program's tensors.
     """
+    traits = transport_traits(edge.transport)
     user = edge.src in programs or edge.dst in programs
-    if user and edge.transport == "collective":
+    if user and traits.collective:
         raise ConfigError(
             f"weight edge {edge.src!r} -> {edge.dst!r} asks for the collective transport, but "
             f"{edge.src if edge.src in programs else edge.dst!r} runs a user program: the collective transport "
             "moves the built-in model's parameters only; use transport='shm' or 'file' for this edge"
         )
-    if user and edge.transport == "inprocess":
-        return "shm" if _one_host() else "file"
+    if user and not traits.crosses_processes:
+        return SHARED_MEMORY if _one_host() else SHARED_DIRECTORY
     return weight_transport(edge.transport)
 
 
@@ -489,7 +493,7 @@ def _control(
     host, port = listener.getsockname()[:2]
     store.set(_STORE_KEY, f"{host}:{port}")
     shared = os.environ.get("FLOWRL_WEIGHTS_DIR")
-    if not shared and not _one_host() and any(_weight_transport(e, config.programs) == "file" for e in graph.weight_edges):
+    if not shared and not _one_host() and any(transport_traits(_weight_transport(e, config.programs)).needs_directory for e in graph.weight_edges):
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
     specs = tuple(
