@@ -17,8 +17,9 @@ from flowrl.graph.ir import Graph
 
 if TYPE_CHECKING:
     from flowrl.planners.plan import Plan
+    from flowrl.runtime.config import RunConfig
 
-__all__ = ["Placement", "default_placement", "placement_from_plan", "HEAVY_KINDS"]
+__all__ = ["Placement", "default_placement", "placement_from_plan", "run_placement", "HEAVY_KINDS"]
 
 #: Kinds that run a model; the light ones (source, scorer) run beside them on no device of their own.
 HEAVY_KINDS = frozenset({"generator", "policy", "reference"})
@@ -90,3 +91,15 @@ def placement_from_plan(graph: Graph, plan: Plan, *, path: str = "plan") -> Plac
     cores = os.cpu_count() or 1
     pin = plan.cluster.startswith("cpu") and all(d < cores for ds in devices.values() for d in ds)
     return Placement(devices=devices, pin=pin, source=f"plan:{path}")
+
+
+def run_placement(graph: Graph, config: RunConfig) -> Placement:
+    """The placement a run of ``graph`` uses: ``config.plan``'s, or the default for its staleness bound."""
+    k = config.max_staleness
+    if k is None:
+        k = min((e.max_staleness for e in graph.weight_edges), default=0)
+    if config.plan is None:
+        return default_placement(graph, k)
+    from flowrl.planners.plan import load_plan
+
+    return placement_from_plan(graph, load_plan(config.plan), path=config.plan)

@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flowrl.graph.ir import Graph
+from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports, build_program
 
-__all__ = ["LocalBackend"]
+if TYPE_CHECKING:
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.controller import RunResult
+
+__all__ = ["LocalBackend", "LocalHosts"]
 
 
 class LocalBackend:
-    """Builds each node's program here; both sides of a weight edge share one transport object."""
+    """Threads in this process: both sides of a weight edge share one transport object."""
 
     name = "local"
+    crosses_processes = False
+
+    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Run ``graph`` here; torch's intra-op threads are divided among the placement's colocation groups."""
+        from flowrl.runtime.backends.hosted import run_hosted
+
+        return run_hosted(graph, config, lambda env, placement: LocalHosts(graph, env),
+                          crosses_processes=False, set_threads=True, on_step=on_step)
+
+
+class LocalHosts:
+    """Builds each node's program here; both sides of a weight edge share one transport object."""
 
     def __init__(self, graph: Graph, env: ProgramEnv) -> None:
         self.graph = graph

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -29,12 +29,17 @@ import msgspec
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
+from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import Batch, Info, ProgramEnv
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
-__all__ = ["ProcessBackend", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
+if TYPE_CHECKING:
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.controller import RunResult
+
+__all__ = ["ProcessBackend", "ProcessHosts", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
 
 
 class WorkerError(FlowrlError):
@@ -127,9 +132,21 @@ class RemoteProgram:
 
 
 class ProcessBackend:
-    """Starts one worker per executor node and hands the controller proxies to them."""
+    """One OS process per executor on this machine; weights cross processes."""
 
     name = "process"
+    crosses_processes = True
+
+    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Run ``graph`` with one worker per executor node (``ProcessHosts``), the controller here."""
+        from flowrl.runtime.backends.hosted import run_hosted
+
+        return run_hosted(graph, config, lambda env, placement: ProcessHosts(graph, env, placement),
+                          crosses_processes=True, set_threads=False, on_step=on_step)
+
+
+class ProcessHosts:
+    """Starts one worker per executor node and hands the controller proxies to them."""
 
     def __init__(self, graph: Graph, env: ProgramEnv, placement: Placement) -> None:
         self.graph = graph

@@ -71,17 +71,19 @@ import torch
 from flowrl.errors import ConfigError, FlowrlError, PlanError
 from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.serialize import to_json
+from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.placement import HEAVY_KINDS, Placement
-from flowrl.runtime.run import SHARED_MEMORY, transport_specs
+from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.programs import Batch, Info, ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = [
+    "TorchrunBackend",
     "run_torchrun",
     "rank_placement",
     "read_placement",
@@ -94,12 +96,21 @@ __all__ = [
 DIST_TIMEOUT_S = float(os.environ.get("FLOWRL_DIST_TIMEOUT_S", "120"))
 CONNECT_TIMEOUT_S = float(os.environ.get("FLOWRL_CONNECT_TIMEOUT_S", "120"))
 _STORE_KEY = "flowrl/controller"
-#: The built-in transport that carries weights between hosts through a directory they all see.
-SHARED_DIRECTORY = "file"
 
 
 class RankError(FlowrlError):
     """A rank raised or died; the message names the rank and its node."""
+
+
+class TorchrunBackend:
+    """This process is one rank of a torchrun job (see the module docstring)."""
+
+    name = "torchrun"
+    crosses_processes = True
+
+    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Every rank calls this; rank 0 returns the run's result (``run_torchrun``)."""
+        return run_torchrun(graph, config, on_step=on_step)
 
 
 # -- placement --------------------------------------------------------------------------------------
@@ -499,7 +510,7 @@ def _control(
     specs = tuple(
         msgspec.structs.replace(s, writer_options=edges[channel(s.src, s.dst)], reader_options=edges[channel(s.src, s.dst)])
         if s.name == COLLECTIVE else s
-        for s in transport_specs(graph, "torchrun", run_dir, choose=lambda e: _weight_transport(e, config.programs))
+        for s in transport_specs(graph, run_dir, crosses_processes=True, choose=lambda e: _weight_transport(e, config.programs), references=False)
     )
     env = ProgramEnv(
         transports=specs,

@@ -10,7 +10,8 @@ import pytest
 
 from flowrl.errors import TransportError
 from flowrl.examples.llamarl import build_llamarl
-from flowrl.runtime.run import run_graph, transport_specs
+from flowrl.runtime.run import run_graph
+from flowrl.runtime.weight_edges import transport_specs
 from flowrl.runtime.transports.file import FileTransport
 from flowrl.runtime.transports.registry import register_transport, transport_reference, transport_traits
 from tests.runtime.helpers import synthetic_config
@@ -62,7 +63,7 @@ def test_registered_transport_runs_on_every_backend(backend, logged):
 
 def test_traits_come_from_the_class_and_decide_the_options(logged, tmp_path):
     assert transport_traits(NAME).needs_directory and transport_traits(NAME).crosses_processes
-    (spec,) = transport_specs(build_llamarl(transport=NAME), "process", str(tmp_path))
+    (spec,) = transport_specs(build_llamarl(transport=NAME), str(tmp_path), crosses_processes=True)
     assert spec.name == NAME and spec.writer_options == {"directory": str(tmp_path / "weights-policy-gen")}
     assert spec.factory == f"{__name__}:LoggedFileTransport"
 
