@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE'")
+    p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE', or a placement like '{\"gen\": [0], \"policy\": [1]}' (every backend)")
     p.add_argument("--synthetic", action="store_true", help="replace every operator by a sleep of known length (measures the runtime alone)")
     p.add_argument(
         "--option",
@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
 
         found = latest_checkpoint(args.checkpoint_dir)
         print(f"resuming from {found}" if found else f"no checkpoint in {args.checkpoint_dir}: starting fresh", file=sys.stderr)
-    k = args.max_staleness if args.max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
+    k = graph.max_staleness(args.max_staleness)
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)
     try:

@@ -26,7 +26,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -43,9 +43,6 @@ from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_ro
 from flowrl.planners.strategies import STRATEGIES
 from flowrl.planners.tuning import Tuning, make_tuning
 from flowrl.planners.workload import Workload, default_workload
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "Plan",
@@ -140,11 +137,13 @@ class Plan(msgspec.Struct, **_STRUCT):
     Attributes:
         graph: the graph's name.
         cluster: the cluster's name (``"1024xH100"``, ``"cpu:2"``, ``"cpu-calibrated"``).
-        strategy: ``colocated``, ``disaggregated``, ``search`` or ``manual`` (a given placement).
+        strategy: ``colocated``, ``disaggregated``, ``search``, ``manual`` (a given placement) or a
+            run strategy (``all-colocated``, ``halves``: a run without a plan).
         family: what the chosen placement is: ``colocated`` (every heavy node on one mesh),
             ``disaggregated`` (generators and trainers on disjoint meshes) or ``manual``.
         max_staleness: the k the step time assumes (0: synchronous).
-        workload: tokens of one step (prompts, samples, prompt and generation lengths).
+        workload: tokens of one step (prompts, samples, prompt and generation lengths); None in a
+            plan without predictions (a placement given as JSON, a run's default: ``planners.forms``).
         placements: every node of the graph, loss nodes included (on their policy's mesh).
         weight_syncs: one predicted transfer per weight edge.
         sync_step_s: predicted step time with k = 0 on this placement (generate, score, train, sync in turn).
@@ -167,7 +166,7 @@ class Plan(msgspec.Struct, **_STRUCT):
     strategy: str
     family: str
     max_staleness: int
-    workload: Workload
+    workload: Workload | None
     placements: dict[str, NodePlacement]
     weight_syncs: tuple[SyncEstimate, ...] = ()
     sync_step_s: float = 0.0
@@ -217,34 +216,6 @@ class Plan(msgspec.Struct, **_STRUCT):
         from flowrl.planners.schedule import colocation_groups
 
         return colocation_groups({n: p.devices for n, p in self.placements.items()})
-
-    def device_mesh(self, name: str) -> DeviceMesh:
-        """The torch ``DeviceMesh`` of node ``name`` on the running default process group.
-
-        Device ids are global ranks (one rank per device), the mesh has ``axes`` as dim names. Every
-        rank of the default group must call this (``DeviceMesh`` creates sub-groups collectively).
-
-        Raises:
-            PlanError: if the node has no devices, no process group runs, or it is too small.
-        """
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-
-        p = self._placement(name)
-        if not p.devices:
-            raise PlanError(f"node {name!r} ({p.kind}) runs on the host and has no device mesh")
-        if not dist.is_available() or not dist.is_initialized():
-            raise PlanError(f"device_mesh({name!r}) needs a running process group; call torch.distributed.init_process_group first (torchrun does)")
-        world = dist.get_world_size()
-        if max(p.devices) >= world:
-            raise PlanError(
-                f"node {name!r} is placed on devices {device_ranges(p.devices)} but the process group has {world} ranks; "
-                f"launch {max(p.devices) + 1} or more ranks, or re-plan for {world} devices"
-            )
-        kind = self.cluster_spec.device.kind if self.cluster_spec else ("cpu" if self.cluster.startswith("cpu") else "gpu")
-        mesh = torch.tensor(p.devices, dtype=torch.int64).reshape(p.mesh_shape)
-        return DeviceMesh("cpu" if kind == "cpu" else "cuda", mesh, mesh_dim_names=tuple(p.axes))
 
     def __str__(self) -> str:
         parts = [f"{n}:{p.dims.short()}@{device_ranges(p.devices)}" for n, p in self.placements.items() if p.devices and p.kind != "loss"]
@@ -418,7 +389,7 @@ def plan_graph(
             bad strategy, cluster, placement or tuning name.
     """
     spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    k = max_staleness if max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
+    k = graph.max_staleness(max_staleness)
     if k < 0:
         raise PlanError(f"max_staleness={k} must be >= 0")
     ctx = Context(cluster=spec, workload=workload or default_workload(graph, model_override=model is not None), tuning=make_tuning(**tuning))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import msgspec
+import networkx as nx
 
 from flowrl.graph.ir import Graph
 from flowrl.planners.estimate.sync import SyncEstimate
@@ -66,23 +67,11 @@ def colocation_groups(devices: Mapping[str, Sequence[int]]) -> list[list[str]]:
         >>> colocation_groups({"gen": (0, 1), "policy": (1, 2), "ref": (3,), "reward": ()})
         [['gen', 'policy'], ['ref']]
     """
+    overlaps = nx.Graph()
     names = sorted(n for n, d in devices.items() if len(d))
-    parent = {n: n for n in names}
-
-    def find(n: str) -> str:
-        while parent[n] != n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            if _overlap(devices[a], devices[b]):
-                parent[find(a)] = find(b)
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(find(name), []).append(name)
-    return sorted(groups.values())
+    overlaps.add_nodes_from(names)
+    overlaps.add_edges_from((a, b) for i, a in enumerate(names) for b in names[i + 1 :] if _overlap(devices[a], devices[b]))
+    return sorted(sorted(c) for c in nx.connected_components(overlaps))
 
 
 def _overlap(a: Sequence[int], b: Sequence[int]) -> bool:
