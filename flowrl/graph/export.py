@@ -23,18 +23,17 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import msgspec
 
+from flowrl import fileio
 from flowrl.errors import FlowrlError
 from flowrl.graph.fields import ROLLOUT_FIELDS, SOURCE_FIELDS
 from flowrl.graph.ir import Graph
@@ -417,47 +416,9 @@ def render(
     return write_atomic(path, data)
 
 
-def _new_file_mode() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename.
-
-    Readers see the old file or the new one, never a partial one; on failure the temporary file is
-    removed. A new file gets the usual permissions (0o666 less the umask); a replaced one keeps its own.
-
-    Raises:
-        ExportError: naming the path when it cannot be written (missing folder, a folder in the way...).
-    """
-    target = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
-    folder = target.parent
-    if not folder.is_dir():
-        raise ExportError(f"cannot write {str(target)!r}: folder {str(folder)!r} does not exist; create it first")
-    if target.is_dir():
-        raise ExportError(f"cannot write {str(target)!r}: it is a folder; give a file name")
-    try:
-        mode = os.stat(target).st_mode & 0o777 if target.exists() else _new_file_mode()
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise ExportError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise ExportError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
-        raise
-    return target
+    """Write ``data`` to ``path`` atomically (``flowrl.fileio.write_atomic``), failing with ``ExportError``."""
+    return fileio.write_atomic(path, data, error=ExportError)
 
 
 def format_for_path(path: str | os.PathLike[str]) -> str | None:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from flowrl.errors import PlanError
+from flowrl.fileio import decode_errors, write_atomic
 from flowrl.graph.ir import Graph
 from flowrl.planners.cluster import MAX_DEVICES, ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
@@ -293,23 +293,8 @@ def plan_to_json(plan: Plan, *, indent: int = 2) -> str:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
-    """Write ``plan`` as JSON atomically: a temporary file in the same folder, then a rename."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise PlanError(f"cannot write plan {str(path)!r}: folder {str(folder)!r} does not exist")
-    data = plan_to_json(plan).encode() + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """Write ``plan`` as JSON atomically (``flowrl.fileio.write_atomic``); ``PlanError`` naming the path otherwise."""
+    write_atomic(path, plan_to_json(plan).encode() + b"\n", error=PlanError, what="plan ")
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -328,16 +313,11 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         data = p.read_bytes()
     except OSError as exc:
         raise PlanError(f"cannot read plan file {str(p)!r}: {exc.strerror}") from None
-    try:
-        return msgspec.json.decode(data, type=Plan)
-    except msgspec.ValidationError as exc:
-        raise PlanError(f"plan file {str(p)!r} does not match the flowrl plan schema: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise PlanError(f"plan file {str(p)!r} is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
-        raise PlanError(f"plan file {str(p)!r} is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})") from None
-    except PlanError as exc:
-        raise PlanError(f"plan file {str(p)!r}: {exc}") from None
+    with decode_errors(PlanError, mismatch=f"plan file {str(p)!r} does not match the flowrl plan schema", invalid=f"plan file {str(p)!r} is not valid JSON"):
+        try:
+            return msgspec.json.decode(data, type=Plan)
+        except PlanError as exc:  # a check in the structs' __post_init__ (mesh shapes, devices)
+            raise PlanError(f"plan file {str(p)!r}: {exc}") from None
 
 
 # -- the entry point -------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import IO, Any
 
 import msgspec
 
+from flowrl.fileio import write_atomic
+
 __all__ = ["MetricsWriter", "read_metrics", "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "reward_mean", "loss", "time_s",
@@ -66,9 +68,7 @@ def _truncate_after(path: Path, step: int) -> None:
                 break
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join(kept))
-    os.replace(tmp, path)
+    write_atomic(path, b"".join(kept))
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -11,10 +11,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from flowrl.fileio import write_atomic
 
 __all__ = ["Tracer"]
 
@@ -81,8 +82,5 @@ class Tracer:
             return {"traceEvents": meta + list(self._events), "displayTimeUnit": "ms"}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the trace atomically (temp file + rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(msgspec.json.encode(self.to_dict()))
-        os.replace(tmp, path)
+        """Write the trace atomically (``flowrl.fileio.write_atomic``)."""
+        write_atomic(path, msgspec.json.encode(self.to_dict()))
