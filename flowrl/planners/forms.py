@@ -34,7 +34,7 @@ from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import DEVICE_KINDS
 from flowrl.planners.parallel import AXES, ParallelDims
-from flowrl.planners.plan import MAX_PLAN_BYTES, NodePlacement, Plan, load_plan
+from flowrl.planners.plan_data import MAX_PLAN_BYTES, NodePlacement, Plan, load_plan
 from flowrl.planners.strategies import run_devices, run_strategy
 
 __all__ = ["NodeMesh", "PlacementForm", "read_plan", "placement_plan", "run_plan", "decode_placement"]

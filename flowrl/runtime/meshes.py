@@ -17,7 +17,7 @@ from flowrl.planners.units import device_ranges
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from flowrl.planners.plan import Plan
+    from flowrl.planners.plan_data import Plan
 
 __all__ = ["device_mesh", "mesh_device_type"]
 

@@ -19,7 +19,7 @@ import msgspec
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import DEVICE_KINDS
-from flowrl.planners.plan import Plan
+from flowrl.planners.plan_data import Plan
 
 if TYPE_CHECKING:
     from flowrl.runtime.config import RunConfig

@@ -17,6 +17,8 @@ MODULES = [
     "flowrl.planners.strategies",
     "flowrl.planners.schedule",
     "flowrl.planners.plan",
+    "flowrl.planners.plan_data",
+    "flowrl.planners.forms",
     "flowrl.planners.calibrate",
     "flowrl.planners.estimate.train",
     "flowrl.planners.estimate.generate",

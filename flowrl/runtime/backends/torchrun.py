@@ -74,7 +74,7 @@ from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, co
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.planners.forms import read_plan, run_plan
-from flowrl.planners.plan import Plan
+from flowrl.planners.plan_data import Plan
 from flowrl.runtime.meshes import device_mesh
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
