@@ -37,6 +37,7 @@ from flowrl import fileio
 from flowrl.errors import FlowrlError
 from flowrl.graph.fields import ROLLOUT_FIELDS, SOURCE_FIELDS
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS, KindStyle
 from flowrl.graph.nodes import NODE_KINDS, Node, describe, signature
 from flowrl.graph.serialize import to_json
 
@@ -68,36 +69,8 @@ class ExportError(FlowrlError):
     """A graph cannot be exported: bad annotations, an unknown format, ``dot`` missing or failing, an unwritable path."""
 
 
-class KindStyle(msgspec.Struct, frozen=True, kw_only=True):
-    """How one node kind is drawn.
-
-    Attributes:
-        dot_shape: Graphviz node shape.
-        dot_style: Graphviz node style (always includes ``filled``).
-        mermaid_open: the opening bracket of Mermaid's node shape, e.g. ``[(`` for a cylinder.
-        mermaid_close: the matching closing bracket.
-        fill: fill colour.
-        stroke: border colour.
-    """
-
-    dot_shape: str
-    dot_style: str
-    mermaid_open: str
-    mermaid_close: str
-    fill: str
-    stroke: str
-
-
-#: Shape and colour of each node kind: data comes from cylinders, models are boxes, rules hexagons.
-#: (The loss is an octagon in DOT, where a parallelogram grows too wide for its label; Mermaid keeps one.)
-KIND_STYLES: dict[str, KindStyle] = {
-    "source": KindStyle(dot_shape="cylinder", dot_style="filled", mermaid_open="[(", mermaid_close=")]", fill="#fff2cc", stroke="#d6b656"),
-    "generator": KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
-    "scorer": KindStyle(dot_shape="hexagon", dot_style="filled", mermaid_open="{{", mermaid_close="}}", fill="#d5e8d4", stroke="#82b366"),
-    "reference": KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
-    "loss": KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
-    "policy": KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
-}
+#: Shape and colour of each node kind, from the kinds table (``flowrl.graph.kinds``).
+KIND_STYLES: dict[str, KindStyle] = {kind: spec.style for kind, spec in KINDS.items()}
 _FALLBACK_STYLE = KindStyle(dot_shape="box", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#ffffff", stroke="#000000")
 
 #: Colour of weight edges (the policy's colour: weights leave the policy).

@@ -23,6 +23,7 @@ import msgspec
 import networkx as nx
 
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.planners.units import device_ranges
 
@@ -57,7 +58,8 @@ class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: dict[str, float]
 
 
-_WHAT = {"generator": "generate", "scorer": "score", "policy": "train", "reference": "forward", "source": "source", "loss": "loss"}
+#: What a node's span is called: its kind's span name, the same as in the runtime's trace (``flowrl.graph.kinds``).
+_WHAT = {kind: spec.span for kind, spec in KINDS.items()}
 
 
 def colocation_groups(devices: Mapping[str, Sequence[int]]) -> list[list[str]]:

@@ -40,6 +40,7 @@ import torch
 
 from flowrl.errors import FlowrlError, NodeExecutionError
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.runtime.channels import Channel, ChannelClosed, Message
 from flowrl.runtime.clock import ClockStopped, VersionClock
 from flowrl.runtime.config import RunConfig
@@ -51,8 +52,9 @@ from flowrl.runtime.trace import Tracer
 
 __all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]
 
-#: The span each node kind's program step is recorded as in the trace.
-SPAN_NAMES = {"source": "prompts", "generator": "generate", "scorer": "score", "reference": "reference", "policy": "train"}
+#: The span each node kind's program step is recorded as in the trace (``flowrl.graph.kinds``: the
+#: planner's predicted timeline uses the same names).
+SPAN_NAMES = {kind: spec.span for kind, spec in KINDS.items() if spec.program}
 
 
 class StalenessViolation(FlowrlError):

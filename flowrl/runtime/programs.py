@@ -23,6 +23,7 @@ import torch
 
 from flowrl.errors import ConfigError, FlowrlError, NodeBuildError, TransportError
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode
 from flowrl.graph.refs import resolve
 from flowrl.runtime.transports.registry import create_transport, import_transport
@@ -37,6 +38,11 @@ __all__ = [
     "TransportSpec",
     "build_program",
     "build_error",
+    "build_source",
+    "build_generator",
+    "build_scorer",
+    "build_reference",
+    "build_policy",
     "SourceProgram",
     "GeneratorProgram",
     "ScorerProgram",
@@ -304,20 +310,43 @@ def _build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedT
     if name in env.programs:
         factory: Callable[..., NodeProgram] = resolve(env.programs[name])
         return factory(node, graph, env, transports)
-    if isinstance(node, SourceNode):
-        return SourceProgram(node)
-    if isinstance(node, GeneratorNode):
-        return GeneratorProgram(node, graph, env, transports, seed=env.seed)
-    if isinstance(node, ScorerNode):
-        return ScorerProgram(node)
-    if isinstance(node, ReferenceNode):
-        return ReferenceProgram(node)
-    if isinstance(node, PolicyNode):
-        loss = graph.loss_of(name)
-        if not isinstance(loss, LossNode):
-            raise ConfigError(f"policy {name!r} has no loss node")
-        return PolicyProgram(node, loss, graph, transports)
-    raise ConfigError(f"node {name!r} of kind {node.kind!r} has no program (loss nodes run inside their policy)")
+    builder = KINDS[node.kind].program if node.kind in KINDS else ""
+    if not builder:
+        raise ConfigError(f"node {name!r} of kind {node.kind!r} has no program (loss nodes run inside their policy)")
+    return resolve(builder)(node, graph, env, transports)
+
+
+# -- one builder per kind (``flowrl.graph.kinds.KINDS[kind].program``) ---------------------------------
+def build_source(node: SourceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A source's program: yields prompt batches."""
+    return SourceProgram(node)
+
+
+def build_generator(node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A generator's program: samples completions, fetching weights first."""
+    return GeneratorProgram(node, graph, env, transports, seed=env.seed)
+
+
+def build_scorer(node: ScorerNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A scorer's program: rewards completions."""
+    return ScorerProgram(node)
+
+
+def build_reference(node: ReferenceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A reference model's program: log-probs under frozen weights."""
+    return ReferenceProgram(node)
+
+
+def build_policy(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A policy's program: its loss's training step, then a publish of the new weights.
+
+    Raises:
+        ConfigError: if no loss node feeds it.
+    """
+    loss = graph.loss_of(node.name)
+    if not isinstance(loss, LossNode):
+        raise ConfigError(f"policy {node.name!r} has no loss node")
+    return PolicyProgram(node, loss, graph, transports)
 
 
 def merge(batches: list[Mapping[str, torch.Tensor]]) -> Batch:
