@@ -36,7 +36,8 @@ class Span(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     Attributes:
         node: the node (or ``"src~>dst"`` for a weight sync).
         resource: the colocation group (``"devices 0-7"``) or host thread (``"host:reward"``) it occupies.
-        what: ``"generate"``, ``"score"``, ``"train"``, ``"forward"``, ``"source"``, ``"weight sync"``.
+        what: the kind's span name (``flowrl.graph.kinds``: ``"generate"``, ``"score"``, ``"train"``,
+            ``"reference"``, ``"prompts"``, ``"loss"``) or ``"weight sync"``.
         start_s, end_s: seconds from the start of the step.
     """
 

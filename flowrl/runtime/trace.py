@@ -21,11 +21,17 @@ __all__ = ["Tracer"]
 
 
 class Tracer:
-    """Collects spans; ``save(path)`` writes them. A disabled tracer records nothing and costs nothing."""
+    """Collects spans; ``save(path)`` writes them. A disabled tracer records nothing and costs nothing.
 
-    def __init__(self, enabled: bool = True) -> None:
+    Args:
+        enabled: record spans.
+        origin: the time (``time.perf_counter()`` seconds) the trace starts at; default: now. A
+            predicted timeline (``flowrl.planners.timeline``) passes 0 and adds spans in seconds from it.
+    """
+
+    def __init__(self, enabled: bool = True, *, origin: float | None = None) -> None:
         self.enabled = enabled
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter() if origin is None else origin
         self._events: list[dict[str, Any]] = []
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()

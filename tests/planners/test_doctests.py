@@ -19,6 +19,7 @@ MODULES = [
     "flowrl.planners.plan",
     "flowrl.planners.plan_data",
     "flowrl.planners.forms",
+    "flowrl.planners.timeline",
     "flowrl.planners.calibrate",
     "flowrl.planners.estimate.train",
     "flowrl.planners.estimate.generate",
