@@ -28,6 +28,7 @@ every generate / score / train / weight publish / weight fetch / wait.
 
 def register(sub: argparse._SubParsersAction) -> None:
     from flowrl.graph.load import GRAPH_FORMS
+    from flowrl.runtime.backends.base import backend_names
 
     p = sub.add_parser(
         "run",
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-staleness", type=int, metavar="K", help="override every weight edge's k; 0 = synchronous")
     p.add_argument(
         "--backend",
-        choices=("local", "process", "torchrun"),
+        choices=tuple(backend_names()),
         default="local",
         help="threads in one process (default), one process per executor, or ranks of a torchrun job (launch under torchrun)",
     )
