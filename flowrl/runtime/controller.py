@@ -84,7 +84,7 @@ class RunResult:
 class _Executor:
     name: str
     kind: str
-    host: NodeProgram
+    program: NodeProgram
     inputs: list[Channel] = field(default_factory=list)
     outputs: list[tuple[Channel, tuple[str, ...]]] = field(default_factory=list)
     lock: threading.Lock | None = None
@@ -93,12 +93,12 @@ class _Executor:
 
 
 class Controller:
-    """Executes ``graph`` with the programs in ``hosts`` (built by a backend).
+    """Executes ``graph`` with the programs in ``node_programs`` (built by a backend).
 
     Args:
         graph: a validated graph.
         config: the run configuration.
-        hosts: node name -> program (in this process, or a proxy to a worker process), for every
+        node_programs: node name -> program (in this process, or a proxy to a worker process), for every
             node but the loss nodes.
         placement: devices per node; colocated nodes are serialised.
         on_step: called with each metrics row (the CLI's progress bar).
@@ -108,7 +108,7 @@ class Controller:
         self,
         graph: Graph,
         config: RunConfig,
-        hosts: dict[str, NodeProgram],
+        node_programs: dict[str, NodeProgram],
         placement: Placement,
         *,
         on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -138,10 +138,10 @@ class Controller:
         self.reward_weights: dict[str, float] = {}
         for loss in graph.nodes_of_kind("loss"):
             self.reward_weights.update(loss.loss.reward_weights)  # type: ignore[union-attr]
-        self._build_executors(hosts)
+        self._build_executors(node_programs)
 
     # -- wiring -------------------------------------------------------------------------------------
-    def _build_executors(self, hosts: dict[str, NodeProgram]) -> None:
+    def _build_executors(self, node_programs: dict[str, NodeProgram]) -> None:
         locks = {}
         for group in self.placement.groups():
             lock = threading.Lock()
@@ -154,7 +154,7 @@ class Controller:
             self.executors[node.name] = _Executor(
                 name=node.name,
                 kind=node.kind,
-                host=hosts[node.name],
+                program=node_programs[node.name],
                 lock=locks.get(node.name),
                 cores=self.placement.devices.get(node.name, ()) if self.placement.pin else (),
             )
@@ -183,7 +183,7 @@ class Controller:
         interrupted = False
         try:
             for ex in self.executors.values():
-                ex.host.start()
+                ex.program.start()
             for ex in self.executors.values():
                 ex.thread = threading.Thread(target=self._executor_main, args=(ex, start), name=f"flowrl-{ex.name}", daemon=True)
                 ex.thread.start()
@@ -199,7 +199,7 @@ class Controller:
             if self.config.checkpoint_dir and self._failure is None and self.rows and self._checkpoint_version != self.clock.version:
                 self._checkpoint_now()
         finally:
-            self._close_hosts()
+            self._close_programs()
             metrics.close()
             if self.config.trace and self.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
@@ -246,10 +246,10 @@ class Controller:
             if ex.thread is not None:
                 ex.thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _close_hosts(self) -> None:
+    def _close_programs(self) -> None:
         for ex in self.executors.values():
             try:
-                ex.host.close()
+                ex.program.close()
             except Exception:  # noqa: BLE001 - closing after a failure must not hide the failure
                 pass
 
@@ -259,7 +259,7 @@ class Controller:
                 self._failure = (node, step, exc)
         self._halt()
         for ex in self.executors.values():  # unblock threads waiting on worker processes
-            abort = getattr(ex.host, "abort", None)
+            abort = getattr(ex.program, "abort", None)
             if abort is not None:
                 abort()
 
@@ -304,7 +304,7 @@ class Controller:
             if self._stop.is_set():
                 raise ChannelClosed(ex.name)
             t_step = time.perf_counter()
-            outputs, info = ex.host.step(seq, inputs, min_version)
+            outputs, info = ex.program.step(seq, inputs, min_version)
             t_end = time.perf_counter()
         self._trace_step(ex, seq, t_step, t_end, info)
         self._progress_at = time.monotonic()
@@ -368,9 +368,9 @@ class Controller:
         """Checkpoint the policies at the clock's version (``resume.save_run_checkpoint``)."""
         assert self.config.checkpoint_dir is not None
         version = self.clock.version
-        hosts = {name: ex.host for name, ex in self.executors.items()}
+        node_programs = {name: ex.program for name, ex in self.executors.items()}
         self.last_checkpoint = save_run_checkpoint(
-            self.config.checkpoint_dir, self.graph, hosts, version=version,
+            self.config.checkpoint_dir, self.graph, node_programs, version=version,
             data_position=getattr(self, "_data_position", 0), previous=self.last_checkpoint,
         )
         self._checkpoint_version = version
@@ -378,8 +378,8 @@ class Controller:
     def _restore(self) -> int:
         """Load the newest checkpoint into the programs (``resume.restore_run_checkpoint``); the version to start at."""
         assert self.config.checkpoint_dir is not None
-        hosts = {name: ex.host for name, ex in self.executors.items()}
-        restored = restore_run_checkpoint(self.config.checkpoint_dir, self.graph, hosts, steps=self.config.steps)
+        node_programs = {name: ex.program for name, ex in self.executors.items()}
+        restored = restore_run_checkpoint(self.config.checkpoint_dir, self.graph, node_programs, steps=self.config.steps)
         if restored is None:
             return 0  # nothing to resume from: a fresh run (the CLI says so)
         self._data_position = restored.data_position

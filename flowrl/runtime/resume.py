@@ -38,13 +38,13 @@ class Restored(msgspec.Struct, frozen=True, kw_only=True):
 def save_run_checkpoint(
     directory: str,
     graph: Graph,
-    hosts: Mapping[str, NodeProgram],
+    programs: Mapping[str, NodeProgram],
     *,
     version: int,
     data_position: int,
     previous: Path | None,
 ) -> Path:
-    """Checkpoint the state of every policy in ``hosts`` at ``version``; returns the committed folder.
+    """Checkpoint the state of every policy in ``programs`` at ``version``; returns the committed folder.
 
     Raises:
         CheckpointError: a program failed to save or the disk is full, naming the step, the folder
@@ -56,7 +56,7 @@ def save_run_checkpoint(
     try:
         for node in graph.nodes_of_kind("policy"):
             files[node.name] = f"policy-{node.name}.pt"
-            hosts[node.name].save(str(staging / files[node.name]))
+            programs[node.name].save(str(staging / files[node.name]))
         meta = CheckpointMeta(
             version=version,
             data_position=data_position,
@@ -75,8 +75,8 @@ def save_run_checkpoint(
         ) from exc
 
 
-def restore_run_checkpoint(directory: str, graph: Graph, hosts: Mapping[str, NodeProgram], *, steps: int) -> Restored | None:
-    """Load the newest checkpoint in ``directory`` into ``hosts``; None when there is none (a fresh run).
+def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, NodeProgram], *, steps: int) -> Restored | None:
+    """Load the newest checkpoint in ``directory`` into ``programs``; None when there is none (a fresh run).
 
     Raises:
         CheckpointError: the checkpoint holds a node this graph lacks, a file cannot be loaded, or it
@@ -87,10 +87,10 @@ def restore_run_checkpoint(directory: str, graph: Graph, hosts: Mapping[str, Nod
         return None
     meta = read_meta(path, graph)
     for name, fname in meta.files.items():
-        if name not in hosts:
+        if name not in programs:
             raise CheckpointError(f"checkpoint {path} holds state for node {name!r}, which this graph lacks")
         try:
-            hosts[name].load(str(path / fname))
+            programs[name].load(str(path / fname))
         except CheckpointError:
             raise
         except Exception as exc:  # a corrupt, foreign or poisoned file (weights_only refuses code)
@@ -100,7 +100,7 @@ def restore_run_checkpoint(directory: str, graph: Graph, hosts: Mapping[str, Nod
                 "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
             ) from exc
     for node in graph.nodes_of_kind("source"):
-        hosts[node.name].seek(meta.data_position)
+        programs[node.name].seek(meta.data_position)
     if meta.version >= steps:
         raise CheckpointError(f"checkpoint {path} is at step {meta.version}, already >= --steps {steps}; raise --steps to train further")
     return Restored(path=path, version=meta.version, data_position=meta.data_position)

@@ -49,7 +49,7 @@ def test_unknown_backend_names_the_known_ones():
     assert {"local", "process", "torchrun"} <= set(backend_names())
 
 
-@pytest.mark.parametrize("module", ["local", "process", "torchrun", "hosted", "weights", "rank_programs"])
+@pytest.mark.parametrize("module", ["local", "process", "torchrun", "drive", "weights", "rank_programs"])
 def test_no_backend_imports_run_py(module):
     """``run.py`` dispatches to the backends; a backend importing it back would close an import circle."""
     source = importlib.import_module(f"flowrl.runtime.backends.{module}").__file__

@@ -66,7 +66,7 @@ def test_overlap_seen_in_trace(graph_k, k, tmp_path):
 
 def test_channels_stay_bounded(graph_k):
     from flowrl.examples.llamarl import build_llamarl
-    from flowrl.runtime.backends.local import LocalHosts
+    from flowrl.runtime.backends.local import LocalPrograms
     from flowrl.runtime.controller import Controller
     from flowrl.runtime.placement import run_placement
     from flowrl.runtime.programs import ProgramEnv
@@ -75,7 +75,7 @@ def test_channels_stay_bounded(graph_k):
     g = build_llamarl(max_staleness=3)
     config = synthetic_config(g, steps=10, options={"gen_s": 0.0, "train_s": 0.02})
     env = ProgramEnv(transports=transport_specs(g, "/tmp"), programs=dict(config.programs), options=dict(config.options))
-    backend = LocalHosts(g, env)
+    backend = LocalPrograms(g, env)
     try:
         controller = Controller(g, config, backend.open(), run_placement(g, config))
         result = controller.run()

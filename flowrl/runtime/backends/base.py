@@ -8,8 +8,8 @@ dispatches through this registry by ``RunConfig.backend``. The built-ins:
 - ``process`` (``backends.process``): one OS process per executor on this machine;
 - ``torchrun`` (``backends.torchrun``): this process is one rank of a torch.distributed job.
 
-``local`` and ``process`` share their driver (``backends.hosted.run_hosted``: one controller in this
-process over host objects); ``torchrun`` drives its own ranks. A backend declares
+``local`` and ``process`` share their driver (``backends.drive.run_with_controller``: one controller in this
+process over node programs); ``torchrun`` drives its own ranks. A backend declares
 ``crosses_processes``: whether the two ends of a weight edge may live in different processes, which
 decides the transport each edge opens (``flowrl.runtime.weight_edges``).
 

@@ -1,6 +1,6 @@
 """The ``process`` backend: one OS process per executor on this machine.
 
-Each worker (``flowrl.runtime.worker``) hosts one node's program; the controller's executor thread
+Each worker (``flowrl.runtime.worker``) runs one node's program; the controller's executor thread
 for that node talks to it over a socket pair with msgspec headers and raw tensor bytes (no pickle).
 Weights go over shared memory (a transport that cannot cross processes, ``inprocess``, becomes ``shm``). Workers are pinned to their
 placement's cores when the placement comes from a CPU plan.
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.controller import RunResult
 
-__all__ = ["ProcessBackend", "ProcessHosts", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
+__all__ = ["ProcessBackend", "ProcessWorkers", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
 
 
 class WorkerError(FlowrlError):
@@ -138,21 +138,21 @@ class ProcessBackend:
     crosses_processes = True
 
     def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
-        """Run ``graph`` with one worker per executor node (``ProcessHosts``), the controller here."""
-        from flowrl.runtime.backends.hosted import run_hosted
+        """Run ``graph`` with one worker per executor node (``ProcessWorkers``), the controller here."""
+        from flowrl.runtime.backends.drive import run_with_controller
 
-        return run_hosted(graph, config, lambda env, placement: ProcessHosts(graph, env, placement),
-                          crosses_processes=True, set_threads=False, on_step=on_step)
+        return run_with_controller(graph, config, lambda env, placement: ProcessWorkers(graph, env, placement),
+                                   crosses_processes=True, set_threads=False, on_step=on_step)
 
 
-class ProcessHosts:
+class ProcessWorkers:
     """Starts one worker per executor node and hands the controller proxies to them."""
 
     def __init__(self, graph: Graph, env: ProgramEnv, placement: Placement) -> None:
         self.graph = graph
         self.env = env
         self.placement = placement
-        self.hosts: dict[str, RemoteProgram] = {}
+        self.workers: dict[str, RemoteProgram] = {}
 
     def _spawn(self, node: str) -> RemoteProgram:
         """Start the worker of ``node`` and send it its init message (its reply is read by ``open``)."""
@@ -167,7 +167,7 @@ class ProcessHosts:
             stdin=subprocess.DEVNULL,
         )
         child.close()
-        host = RemoteProgram(node, proc, parent)
+        worker = RemoteProgram(node, proc, parent)
         cores = list(self.placement.devices.get(node, ())) if self.placement.pin else []
         send_message(parent, {
             "op": "init",
@@ -177,7 +177,7 @@ class ProcessHosts:
             "cores": cores,
             "threads": self.placement.threads_per_group(),
         })
-        return host
+        return worker
 
     def open(self) -> dict[str, Any]:
         """Start every worker at once (they import torch in parallel), then wait for each to be ready."""
@@ -185,22 +185,22 @@ class ProcessHosts:
         try:
             for node in self.graph.nodes:
                 if node.kind != "loss":
-                    self.hosts[node.name] = self._spawn(node.name)
-            for host in self.hosts.values():
-                host.ready()
+                    self.workers[node.name] = self._spawn(node.name)
+            for worker in self.workers.values():
+                worker.ready()
         except BaseException:
             self.abort()
             self.close()
             raise
-        return dict(self.hosts)
+        return dict(self.workers)
 
     def abort(self) -> None:
-        for host in self.hosts.values():
-            host.abort()
+        for worker in self.workers.values():
+            worker.abort()
 
     def close(self) -> None:
-        for host in self.hosts.values():
-            host.close()
+        for worker in self.workers.values():
+            worker.close()
         self._unlink_segments()
 
     def _unlink_segments(self) -> None:

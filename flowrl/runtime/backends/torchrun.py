@@ -206,7 +206,7 @@ class GroupProgram:
                 pass
 
     def close(self) -> None:
-        """Nothing yet: the controller closes its hosts before its final checkpoint (which still
+        """Nothing yet: the controller closes its programs before its final checkpoint (which still
         calls ``save``), so the backend ends the ranks' programs itself, with ``shutdown``."""
 
     def shutdown(self) -> None:
@@ -445,7 +445,7 @@ def _control(
     )
     local_errors: list[str] = []
     links: dict[str, dict[int, socket.socket]] = {n: {} for n in ctx.ranks}
-    hosts: dict[str, Any] = {}
+    node_programs: dict[str, Any] = {}
     light = SharedTransports(env.transports)
     try:
         # rank 0's own memberships: a socket pair served by a thread
@@ -477,23 +477,23 @@ def _control(
         }
         for node, rs in ctx.ranks.items():
             group = GroupProgram(node, {r: links[node][r] for r in rs})
-            hosts[node] = group
-        for node, group in hosts.items():
+            node_programs[node] = group
+        for node, group in node_programs.items():
             group.init({**init, "node": node})
         for node in graph.nodes:
-            if node.kind != "loss" and node.name not in hosts:
-                hosts[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
+            if node.kind != "loss" and node.name not in node_programs:
+                node_programs[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
         placement = Placement(plan=plan, source=f"torchrun:{config.plan or 'all ranks'}")
-        controller = Controller(graph, config, hosts, placement, on_step=on_step)
+        controller = Controller(graph, config, node_programs, placement, on_step=on_step)
         seen["controller"] = controller
         return controller.run()
     except BaseException:
-        for h in hosts.values():
+        for h in node_programs.values():
             if isinstance(h, GroupProgram):
                 h.abort()
         raise
     finally:
-        for node, h in hosts.items():
+        for node, h in node_programs.items():
             if isinstance(h, GroupProgram):
                 h.shutdown()
         for node_links in links.values():

@@ -1,9 +1,10 @@
-"""The driver shared by the backends whose controller runs in this process over host objects (local, process).
+"""The driver shared by the backends whose controller runs in this process over a set of node programs (local, process).
 
-A *host* is what the controller's executor thread calls for one node: a program built here
-(``local``) or a proxy to a program in a worker process (``process``). :func:`run_hosted` resolves
+A node's *program* is what the controller's executor thread calls for it: a program built here
+(``local``) or a proxy to a program in a worker process (``process``). (In flowrl "host" means a
+machine only.) :func:`run_with_controller` resolves
 the placement, opens every weight edge's transport options in a temporary run directory, opens the
-hosts, runs the controller over them, and closes everything whatever happens.
+programs, runs the controller over them, and closes everything whatever happens.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from flowrl.runtime.placement import Placement, run_placement
 from flowrl.runtime.programs import NodeProgram, ProgramEnv
 from flowrl.runtime.weight_edges import transport_specs
 
-__all__ = ["Hosts", "run_hosted"]
+__all__ = ["ProgramSet", "run_with_controller"]
 
 
-class Hosts(Protocol):
+class ProgramSet(Protocol):
     """The programs of one run: ``open`` builds (or starts) one per executor node, ``close`` ends them."""
 
     def open(self) -> dict[str, NodeProgram]: ...
@@ -33,21 +34,21 @@ class Hosts(Protocol):
     def close(self) -> None: ...
 
 
-def run_hosted(
+def run_with_controller(
     graph: Graph,
     config: RunConfig,
-    make_hosts: Callable[[ProgramEnv, Placement], Hosts],
+    open_programs: Callable[[ProgramEnv, Placement], ProgramSet],
     *,
     crosses_processes: bool,
     set_threads: bool,
     on_step: OnStep | None = None,
 ) -> RunResult:
-    """Run ``graph`` with one controller in this process over the hosts ``make_hosts`` gives.
+    """Run ``graph`` with one controller in this process over the programs ``open_programs`` gives.
 
     Args:
         graph, config: what to run and how.
-        make_hosts: builds the run's hosts from the programs' environment and the placement.
-        crosses_processes: the hosts live in other processes (decides the weight edges' transports).
+        open_programs: builds the run's programs from the programs' environment and the placement.
+        crosses_processes: the programs live in other processes (decides the weight edges' transports).
         set_threads: size this process's torch intra-op threads for the run (the programs run here).
         on_step: called with each metrics row.
     """
@@ -59,13 +60,13 @@ def run_hosted(
             seed=config.seed,
             options=dict(config.options),
         )
-        hosts = make_hosts(env, placement)
+        programs = open_programs(env, placement)
         threads = torch.get_num_threads()
         if set_threads:
             torch.set_num_threads(config.threads or placement.threads_per_group())
         try:
-            controller = Controller(graph, config, hosts.open(), placement, on_step=on_step)
+            controller = Controller(graph, config, programs.open(), placement, on_step=on_step)
             return controller.run()
         finally:
-            hosts.close()
+            programs.close()
             torch.set_num_threads(threads)
