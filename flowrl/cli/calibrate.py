@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
+
+from flowrl.fileio import write_atomic
 
 __all__ = ["register"]
 
@@ -59,15 +60,6 @@ def _run(args: argparse.Namespace) -> int:
     if not args.output:
         sys.stdout.write(data.decode())
         return 0
-    folder = os.path.dirname(os.path.abspath(args.output))
-    fd, tmp = tempfile.mkstemp(prefix=".calibrate.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, args.output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(args.output, data, what="calibrated cluster ")
     print(f"calibrated cluster written to {args.output}; use it with: flowrl plan GRAPH --cluster {args.output}")
     return 0

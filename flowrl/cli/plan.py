@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a tuning constant (listed below)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE (atomically)")
+    p.add_argument("--trace", metavar="FILE", help="write the predicted steady state as a Chrome trace, with the track and span names of 'flowrl run --trace'")
     p.set_defaults(func=_run)
 
 
@@ -107,6 +108,10 @@ def _run(args: argparse.Namespace) -> int:
     plan = plan_graph(graph, cluster, strategy=args.strategy, max_staleness=args.max_staleness, workload=workload, model=model, **tuning)
     if args.output:
         save_plan(plan, args.output)
+    if args.trace:
+        from flowrl.planners.timeline import predicted_trace
+
+        predicted_trace(plan).save(args.trace)
     if args.json:
         sys.stdout.write(plan_to_json(plan) + "\n")
     else:

@@ -37,6 +37,7 @@ every generate / score / train / weight publish / weight fetch / wait.
 
 def register(sub: argparse._SubParsersAction) -> None:
     from flowrl.graph.load import GRAPH_FORMS
+    from flowrl.runtime.backends.base import backend_names
 
     p = sub.add_parser(
         "run",
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-staleness", type=int, metavar="K", help="override every weight edge's k; 0 = synchronous")
     p.add_argument(
         "--backend",
-        choices=("local", "process", "torchrun"),
+        choices=tuple(backend_names()),
         default="local",
         help="threads in one process (default), one process per executor, or ranks of a torchrun job (launch under torchrun)",
     )
@@ -66,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="start over in a --checkpoint-dir that holds checkpoints: delete them first (without it, such a run is refused)",
     )
-    p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE'")
+    p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE', or a placement like '{\"gen\": [0], \"policy\": [1]}' (every backend)")
     p.add_argument("--synthetic", action="store_true", help="replace every operator by a sleep of known length (measures the runtime alone)")
     p.add_argument(
         "--option",
@@ -149,7 +150,7 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
     from flowrl.runtime.progress import ProgressBar
     from flowrl.runtime.run import run_graph
 
-    k = args.max_staleness if args.max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
+    k = graph.max_staleness(args.max_staleness)
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)
     sinks = [s for s in (bar,) if s is not None]

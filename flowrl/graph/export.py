@@ -23,21 +23,21 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import msgspec
 
+from flowrl import fileio
 from flowrl.errors import FlowrlError
 from flowrl.graph.fields import ROLLOUT_FIELDS, SOURCE_FIELDS
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS, KindStyle
 from flowrl.graph.nodes import NODE_KINDS, Node, describe, signature
 from flowrl.graph.serialize import to_json
 
@@ -69,36 +69,8 @@ class ExportError(FlowrlError):
     """A graph cannot be exported: bad annotations, an unknown format, ``dot`` missing or failing, an unwritable path."""
 
 
-class KindStyle(msgspec.Struct, frozen=True, kw_only=True):
-    """How one node kind is drawn.
-
-    Attributes:
-        dot_shape: Graphviz node shape.
-        dot_style: Graphviz node style (always includes ``filled``).
-        mermaid_open: the opening bracket of Mermaid's node shape, e.g. ``[(`` for a cylinder.
-        mermaid_close: the matching closing bracket.
-        fill: fill colour.
-        stroke: border colour.
-    """
-
-    dot_shape: str
-    dot_style: str
-    mermaid_open: str
-    mermaid_close: str
-    fill: str
-    stroke: str
-
-
-#: Shape and colour of each node kind: data comes from cylinders, models are boxes, rules hexagons.
-#: (The loss is an octagon in DOT, where a parallelogram grows too wide for its label; Mermaid keeps one.)
-KIND_STYLES: dict[str, KindStyle] = {
-    "source": KindStyle(dot_shape="cylinder", dot_style="filled", mermaid_open="[(", mermaid_close=")]", fill="#fff2cc", stroke="#d6b656"),
-    "generator": KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
-    "scorer": KindStyle(dot_shape="hexagon", dot_style="filled", mermaid_open="{{", mermaid_close="}}", fill="#d5e8d4", stroke="#82b366"),
-    "reference": KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
-    "loss": KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
-    "policy": KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
-}
+#: Shape and colour of each node kind, from the kinds table (``flowrl.graph.kinds``).
+KIND_STYLES: dict[str, KindStyle] = {kind: spec.style for kind, spec in KINDS.items()}
 _FALLBACK_STYLE = KindStyle(dot_shape="box", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#ffffff", stroke="#000000")
 
 #: Colour of weight edges (the policy's colour: weights leave the policy).
@@ -417,47 +389,9 @@ def render(
     return write_atomic(path, data)
 
 
-def _new_file_mode() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename.
-
-    Readers see the old file or the new one, never a partial one; on failure the temporary file is
-    removed. A new file gets the usual permissions (0o666 less the umask); a replaced one keeps its own.
-
-    Raises:
-        ExportError: naming the path when it cannot be written (missing folder, a folder in the way...).
-    """
-    target = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
-    folder = target.parent
-    if not folder.is_dir():
-        raise ExportError(f"cannot write {str(target)!r}: folder {str(folder)!r} does not exist; create it first")
-    if target.is_dir():
-        raise ExportError(f"cannot write {str(target)!r}: it is a folder; give a file name")
-    try:
-        mode = os.stat(target).st_mode & 0o777 if target.exists() else _new_file_mode()
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise ExportError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise ExportError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
-        raise
-    return target
+    """Write ``data`` to ``path`` atomically (``flowrl.fileio.write_atomic``), failing with ``ExportError``."""
+    return fileio.write_atomic(path, data, error=ExportError)
 
 
 def format_for_path(path: str | os.PathLike[str]) -> str | None:

@@ -189,6 +189,13 @@ class Graph:
         except (nx.NetworkXNoPath, nx.NodeNotFound):
             return []
 
+    def max_staleness(self, override: int | None = None) -> int:
+        """The run's effective staleness bound k: ``override`` when given (``--max-staleness``), else
+        the smallest ``max_staleness`` of the weight edges (the tightest one binds), 0 without any."""
+        if override is not None:
+            return override
+        return min((e.max_staleness for e in self.weight_edges), default=0)
+
     def loss_of(self, policy: str) -> Node | None:
         """The loss node feeding ``policy``, if any."""
         losses = [n for n in self.producers(policy) if n.kind == "loss"]

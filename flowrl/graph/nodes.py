@@ -38,6 +38,7 @@ __all__ = [
     "NODE_KINDS",
     "TRAINABLE_KINDS",
     "WEIGHT_HOLDING_KINDS",
+    "DEVICE_KINDS",
     "SourceNode",
     "GeneratorNode",
     "ScorerNode",
@@ -54,6 +55,9 @@ NodeKind = Literal["source", "generator", "scorer", "reference", "loss", "policy
 NODE_KINDS: tuple[str, ...] = ("source", "generator", "scorer", "reference", "loss", "policy")
 TRAINABLE_KINDS: frozenset[str] = frozenset({"policy"})
 WEIGHT_HOLDING_KINDS: frozenset[str] = frozenset({"generator", "reference", "policy"})
+#: Kinds that run a model on devices of their own (a placement gives each some); the others run on
+#: the host CPU beside them (sources, rule scorers) or inside their policy's step (losses).
+DEVICE_KINDS: frozenset[str] = WEIGHT_HOLDING_KINDS
 
 
 class _NodeBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):

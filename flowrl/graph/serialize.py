@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from flowrl.errors import ConfigError, GraphError
+from flowrl.fileio import decode_errors
 from flowrl.graph.ir import Graph, GraphSpec
 from flowrl.graph.refs import is_reference
 
@@ -32,13 +33,8 @@ def _decode_spec(data: bytes | str) -> GraphSpec:
     if len(data) > MAX_GRAPH_BYTES:
         raise GraphError(f"graph file is {len(data)} bytes, over the {MAX_GRAPH_BYTES}-byte limit; is it really a flowrl graph?")
     try:
-        return msgspec.convert(_with_model_family(msgspec.json.decode(data)), GraphSpec)
-    except msgspec.ValidationError as exc:
-        raise GraphError(f"graph JSON does not match the flowrl schema: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise GraphError(f"graph file is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside some strings
-        raise GraphError(f"graph file is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})") from None
+        with decode_errors(GraphError, mismatch="graph JSON does not match the flowrl schema", invalid="graph file is not valid JSON"):
+            return msgspec.convert(_with_model_family(msgspec.json.decode(data)), GraphSpec)
     except ConfigError as exc:
         raise GraphError(f"graph JSON holds a bad config: {exc}") from None
     except RecursionError:

@@ -37,6 +37,7 @@ from typing import Literal
 import msgspec
 
 from flowrl.errors import PlanError
+from flowrl.fileio import decode_errors
 
 __all__ = [
     "DeviceSpec",
@@ -267,7 +268,12 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
         data = path.read_bytes()
     except OSError as exc:
         raise PlanError(f"cannot read cluster file {str(path)!r}: {exc.strerror}") from None
-    try:
+    hint = (
+        "; expected fields name, hosts, devices_per_host and device{name, memory_bytes, peak_flops, "
+        "memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth, ...}"
+    )
+    with decode_errors(PlanError, mismatch=f"cluster file {str(path)!r} does not match the ClusterSpec schema",
+                       invalid=f"cluster file {str(path)!r} is not valid JSON", hint=hint):
         if path.suffix == ".toml":
             import tomllib
 
@@ -277,16 +283,6 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
                 raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
             return msgspec.convert(raw, type=ClusterSpec)
         return msgspec.json.decode(data, type=ClusterSpec)
-    except msgspec.ValidationError as exc:
-        raise PlanError(
-            f"cluster file {str(path)!r} does not match the ClusterSpec schema: {exc}; "
-            "expected fields name, hosts, devices_per_host and device{name, memory_bytes, peak_flops, "
-            "memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth, ...}"
-        ) from None
-    except msgspec.DecodeError as exc:
-        raise PlanError(f"cluster file {str(path)!r} is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
-        raise PlanError(f"cluster file {str(path)!r} is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})") from None
 
 
 _N_DEV = re.compile(r"^(\d+)x([A-Za-z][A-Za-z0-9]*)$")

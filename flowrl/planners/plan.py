@@ -1,6 +1,7 @@
-"""The ``Plan``: every node's device mesh and parallel dims, predicted times and memory; JSON and a compact string.
+"""``plan_graph``: the planner's driver, enumerate -> estimate -> search -> ``Plan`` (pure: no printing, no I/O).
 
-``plan_graph`` is the one entry point (pure: no printing, no I/O)::
+The ``Plan``'s data and its forms (compact string, JSON) live in ``flowrl.planners.plan_data``;
+they are re-exported here, the planner's public face::
 
     >>> from flowrl.examples import build_example
     >>> plan = plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated")
@@ -22,30 +23,30 @@ validates types, unknown fields and mesh shapes, and never executes code.
 
 from __future__ import annotations
 
-import os
-import re
-import tempfile
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import Any
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
-from flowrl.planners.cluster import MAX_DEVICES, ClusterSpec, parse_cluster
+from flowrl.planners.cluster import ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
-from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import AXES, ParallelDims
-from flowrl.planners.schedule import Span
-from flowrl.planners.units import device_ranges, format_bytes, format_seconds
+from flowrl.planners.plan_data import (
+    MAX_PLAN_BYTES,
+    PLAN_VERSION,
+    Alternative,
+    NodePlacement,
+    Plan,
+    SearchStats,
+    load_plan,
+    parse_plan,
+    plan_to_json,
+    save_plan,
+)
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners.strategies import STRATEGIES
-from flowrl.planners.tuning import Tuning, make_tuning
+from flowrl.planners.tuning import make_tuning
 from flowrl.planners.workload import Workload, default_workload
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "Plan",
@@ -53,320 +54,13 @@ __all__ = [
     "Alternative",
     "SearchStats",
     "PLAN_VERSION",
+    "MAX_PLAN_BYTES",
     "plan_graph",
     "parse_plan",
     "save_plan",
     "load_plan",
     "plan_to_json",
 ]
-
-PLAN_VERSION = 1
-_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
-
-
-class NodePlacement(msgspec.Struct, **_STRUCT):
-    """Where one node runs and what it is predicted to cost.
-
-    Attributes:
-        kind: the node's kind (``generator``, ``policy``, ``loss``, ``source`` ...).
-        devices: device ids of its mesh in mesh order (``AXES``: pp outermost, tp innermost);
-            empty for host nodes (sources, rule scorers), which run on the host CPU.
-        dims: its parallel dims (dp * tp * pp == len(devices)).
-        axes: mesh axis names, ``("pp", "dp", "tp")``; empty for host nodes.
-        mesh_shape: sizes along ``axes``.
-        model: the model shape it was estimated with ("" for nodes without a model).
-        time_s: predicted seconds of work per step (a loss node's time is inside its policy's).
-        memory_bytes: predicted bytes per device while it runs, including the resident state
-            (weights, optimizer) of nodes colocated with it.
-        memory: its own bytes per device by kind.
-        breakdown: named parts of ``time_s``.
-        notes: choices the estimate made (micro-batch, checkpointing, waves, precision).
-    """
-
-    kind: str
-    devices: tuple[int, ...] = ()
-    dims: ParallelDims = ParallelDims()
-    axes: tuple[str, ...] = ()
-    mesh_shape: tuple[int, ...] = ()
-    model: str = ""
-    time_s: float = 0.0
-    memory_bytes: int = 0
-    memory: MemoryBreakdown = MemoryBreakdown()
-    breakdown: dict[str, float] = {}
-    notes: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.devices:
-            if self.axes or self.mesh_shape:
-                raise PlanError(f"a {self.kind} placement without devices cannot have mesh axes {self.axes} / shape {self.mesh_shape}")
-            return
-        if len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
-            raise PlanError(f"a {self.kind} placement lists devices {self.devices}: ids must be distinct and >= 0")
-        if tuple(self.axes) != AXES or tuple(self.mesh_shape) != self.dims.mesh_shape:
-            raise PlanError(
-                f"a {self.kind} placement has axes {self.axes} and mesh_shape {self.mesh_shape}; "
-                f"expected axes {AXES} and shape {self.dims.mesh_shape} from dims {self.dims.short()}"
-            )
-        if self.dims.size != len(self.devices):
-            raise PlanError(
-                f"a {self.kind} placement: dp({self.dims.dp}) * tp({self.dims.tp}) * pp({self.dims.pp}) = {self.dims.size} "
-                f"!= devices({len(self.devices)})"
-            )
-
-
-class Alternative(msgspec.Struct, **_STRUCT):
-    """A candidate the search ranked below the chosen one, in compact form, with why it lost."""
-
-    placement: str
-    family: str
-    step_s: float
-    sync_step_s: float
-    async_step_s: float
-    reason: str
-
-
-class SearchStats(msgspec.Struct, **_STRUCT):
-    """How much the search looked at: placements estimated in full, those that did not fit, and
-    the candidate that missed by the least (its node, memory need and excess)."""
-
-    evaluated: int = 0
-    infeasible: int = 0
-    closest_miss: str = ""
-
-
-class Plan(msgspec.Struct, **_STRUCT):
-    """A placement of every node of a graph on a cluster, with its predicted cost.
-
-    Attributes:
-        graph: the graph's name.
-        cluster: the cluster's name (``"1024xH100"``, ``"cpu:2"``, ``"cpu-calibrated"``).
-        strategy: ``colocated``, ``disaggregated``, ``search`` or ``manual`` (a given placement).
-        family: what the chosen placement is: ``colocated`` (every heavy node on one mesh),
-            ``disaggregated`` (generators and trainers on disjoint meshes) or ``manual``.
-        max_staleness: the k the step time assumes (0: synchronous).
-        workload: tokens of one step (prompts, samples, prompt and generation lengths).
-        placements: every node of the graph, loss nodes included (on their policy's mesh).
-        weight_syncs: one predicted transfer per weight edge.
-        sync_step_s: predicted step time with k = 0 on this placement (generate, score, train, sync in turn).
-        async_step_s: predicted step time with k >= 1 on this placement (busiest colocation group).
-        step_s: the one that applies at ``max_staleness``.
-        speedup: ``sync_step_s / async_step_s``.
-        baseline_step_s: the synchronous colocated baseline on every device (LlamaRL's comparison);
-            None when no colocated placement fits.
-        speedup_vs_baseline: ``baseline_step_s / step_s``.
-        bottleneck: the node that sets the pace of the async step, and its share of it.
-        timeline: predicted spans of one step at ``max_staleness`` (async spans are steady state).
-        alternatives: runners-up with the reason each lost (search strategies only).
-        search: how many candidates were estimated.
-        cluster_spec, models, tuning: everything the prediction used, so a plan file explains itself.
-        version: the plan file format version.
-    """
-
-    graph: str
-    cluster: str
-    strategy: str
-    family: str
-    max_staleness: int
-    workload: Workload
-    placements: dict[str, NodePlacement]
-    weight_syncs: tuple[SyncEstimate, ...] = ()
-    sync_step_s: float = 0.0
-    async_step_s: float = 0.0
-    step_s: float = 0.0
-    speedup: float = 1.0
-    baseline_step_s: float | None = None
-    speedup_vs_baseline: float | None = None
-    bottleneck: str = ""
-    timeline: tuple[Span, ...] = ()
-    alternatives: tuple[Alternative, ...] = ()
-    search: SearchStats = SearchStats()
-    cluster_spec: ClusterSpec | None = None
-    models: dict[str, ModelSpec] = {}
-    tuning: Tuning = Tuning()
-    version: int = PLAN_VERSION
-
-    def __post_init__(self) -> None:
-        if self.version != PLAN_VERSION:
-            raise PlanError(f"plan format version {self.version} is not supported (this flowrl reads version {PLAN_VERSION}); re-plan")
-        if self.cluster_spec is not None:
-            n = self.cluster_spec.n_devices
-            for name, p in self.placements.items():
-                if p.devices and max(p.devices) >= n:
-                    raise PlanError(f"plan places node {name!r} on device {max(p.devices)}, but cluster {self.cluster!r} has devices 0-{n - 1}")
-
-    # -- what other parts of flowrl call ------------------------------------------------------
-    def node_label(self, name: str) -> str:
-        """One short line for pictures: ``"devices 0-3 · dp2 tp2 · 1.2 s · 10.5 GiB"``."""
-        p = self._placement(name)
-        if p.kind == "loss":
-            owner = next((n for n, q in self.placements.items() if q.kind == "policy" and q.devices == p.devices), "its policy")
-            return f"in {owner}'s step · devices {device_ranges(p.devices)}" if p.devices else f"in {owner}'s step"
-        if not p.devices:
-            return f"host CPU · {format_seconds(p.time_s)}"
-        axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
-        return f"devices {device_ranges(p.devices)} · {axes} · {format_seconds(p.time_s)} · {format_bytes(p.memory_bytes)}"
-
-    def colocation_groups(self) -> list[list[str]]:
-        """Node names that share any device (the runtime serialises each group); loss nodes included.
-
-        Example:
-            >>> from flowrl.examples import build_example
-            >>> plan_graph(build_example("llamarl"), "cpu:2", strategy="colocated").colocation_groups()
-            [['aipo', 'gen', 'policy']]
-        """
-        from flowrl.planners.schedule import colocation_groups
-
-        return colocation_groups({n: p.devices for n, p in self.placements.items()})
-
-    def device_mesh(self, name: str) -> DeviceMesh:
-        """The torch ``DeviceMesh`` of node ``name`` on the running default process group.
-
-        Device ids are global ranks (one rank per device), the mesh has ``axes`` as dim names. Every
-        rank of the default group must call this (``DeviceMesh`` creates sub-groups collectively).
-
-        Raises:
-            PlanError: if the node has no devices, no process group runs, or it is too small.
-        """
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-
-        p = self._placement(name)
-        if not p.devices:
-            raise PlanError(f"node {name!r} ({p.kind}) runs on the host and has no device mesh")
-        if not dist.is_available() or not dist.is_initialized():
-            raise PlanError(f"device_mesh({name!r}) needs a running process group; call torch.distributed.init_process_group first (torchrun does)")
-        world = dist.get_world_size()
-        if max(p.devices) >= world:
-            raise PlanError(
-                f"node {name!r} is placed on devices {device_ranges(p.devices)} but the process group has {world} ranks; "
-                f"launch {max(p.devices) + 1} or more ranks, or re-plan for {world} devices"
-            )
-        kind = self.cluster_spec.device.kind if self.cluster_spec else ("cpu" if self.cluster.startswith("cpu") else "gpu")
-        mesh = torch.tensor(p.devices, dtype=torch.int64).reshape(p.mesh_shape)
-        return DeviceMesh("cpu" if kind == "cpu" else "cuda", mesh, mesh_dim_names=tuple(p.axes))
-
-    def __str__(self) -> str:
-        parts = [f"{n}:{p.dims.short()}@{device_ranges(p.devices)}" for n, p in self.placements.items() if p.devices and p.kind != "loss"]
-        return " | ".join(parts)
-
-    def _placement(self, name: str) -> NodePlacement:
-        try:
-            return self.placements[name]
-        except KeyError:
-            raise PlanError(f"plan for graph {self.graph!r} has no node {name!r}; nodes: {', '.join(self.placements)}") from None
-
-
-# -- compact string form --------------------------------------------------------------------------
-_PART = re.compile(r"^(?P<name>[^\s|@]+):(?P<dims>[dtp0-9]+)@(?P<devices>[0-9,\- ]+)$")
-
-
-def _parse_devices(text: str, part: str) -> tuple[int, ...]:
-    ids: list[int] = []
-    for piece in text.replace(" ", "").split(","):
-        if not piece:
-            continue
-        lo, _, hi = piece.partition("-")
-        try:
-            a, b = int(lo), int(hi) if hi else int(lo)
-        except ValueError:
-            raise PlanError(f"placement {part!r}: cannot read device range {piece!r}; write e.g. '0-7' or '0-3,8-11'") from None
-        if b < a:
-            raise PlanError(f"placement {part!r}: device range {piece!r} runs backwards")
-        if b >= MAX_DEVICES or len(ids) + b - a >= MAX_DEVICES:  # before listing them: '0-99999999999' would fill the memory
-            raise PlanError(f"placement {part!r}: device range {piece!r} goes past the {MAX_DEVICES} devices a plan can list")
-        ids.extend(range(a, b + 1))
-    if not ids:
-        raise PlanError(f"placement {part!r} names no devices")
-    return tuple(ids)
-
-
-def parse_plan(text: str) -> dict[str, NodePlacement]:
-    """The placements in a compact plan string (``"gen:d4t2@0-7 | policy:d8@8-15"``), without predictions.
-
-    Raises:
-        PlanError: naming the part that cannot be read and the expected form.
-    """
-    out: dict[str, NodePlacement] = {}
-    for raw in text.split("|"):
-        part = raw.strip()
-        if not part:
-            continue
-        m = _PART.match(part)
-        if not m:
-            raise PlanError(f"cannot read placement {part!r}; write NODE:DIMS@DEVICES, e.g. 'gen:d4t2@0-7' (dims dp/tp/pp, devices as ranges)")
-        name = m.group("name")
-        if name in out:
-            raise PlanError(f"placement string names node {name!r} twice")
-        dims = ParallelDims.parse(m.group("dims"))
-        devices = _parse_devices(m.group("devices"), part)
-        if dims.size != len(devices):
-            raise PlanError(f"placement {part!r}: dp({dims.dp}) * tp({dims.tp}) * pp({dims.pp}) = {dims.size} != devices({len(devices)})")
-        out[name] = NodePlacement(kind="", devices=devices, dims=dims, axes=AXES, mesh_shape=dims.mesh_shape)
-    if not out:
-        raise PlanError(f"placement string {text!r} is empty; write e.g. 'gen:d4@0-3 | policy:d4@4-7'")
-    return out
-
-
-# -- JSON ------------------------------------------------------------------------------------------
-_encoder = msgspec.json.Encoder(order="deterministic")
-
-#: Plan files larger than this are refused before parsing.
-MAX_PLAN_BYTES = 64 * 1024 * 1024
-
-
-def plan_to_json(plan: Plan, *, indent: int = 2) -> str:
-    """The plan as JSON text; ``load_plan`` reads it back equal."""
-    raw = _encoder.encode(plan)
-    return (msgspec.json.format(raw, indent=indent) if indent else raw).decode()
-
-
-def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
-    """Write ``plan`` as JSON atomically: a temporary file in the same folder, then a rename."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise PlanError(f"cannot write plan {str(path)!r}: folder {str(folder)!r} does not exist")
-    data = plan_to_json(plan).encode() + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read a plan file written by ``save_plan`` (or ``flowrl plan -o``); never executes code.
-
-    Raises:
-        PlanError: naming the file and what is wrong (missing, not JSON, wrong schema, bad mesh).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"plan file {str(p)!r} does not exist; write one with 'flowrl plan GRAPH --cluster SPEC -o {p}'")
-    try:
-        size = p.stat().st_size
-        if size > MAX_PLAN_BYTES:
-            raise PlanError(f"plan file {str(p)!r} is {size} bytes, over the {MAX_PLAN_BYTES}-byte limit; is it a flowrl plan?")
-        data = p.read_bytes()
-    except OSError as exc:
-        raise PlanError(f"cannot read plan file {str(p)!r}: {exc.strerror}") from None
-    try:
-        return msgspec.json.decode(data, type=Plan)
-    except msgspec.ValidationError as exc:
-        raise PlanError(f"plan file {str(p)!r} does not match the flowrl plan schema: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise PlanError(f"plan file {str(p)!r} is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
-        raise PlanError(f"plan file {str(p)!r} is not valid JSON: a string holds bytes that are not UTF-8 ({exc.reason})") from None
-    except PlanError as exc:
-        raise PlanError(f"plan file {str(p)!r}: {exc}") from None
 
 
 # -- the entry point -------------------------------------------------------------------------------
@@ -418,7 +112,7 @@ def plan_graph(
             bad strategy, cluster, placement or tuning name.
     """
     spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
-    k = max_staleness if max_staleness is not None else min((e.max_staleness for e in graph.weight_edges), default=0)
+    k = graph.max_staleness(max_staleness)
     if k < 0:
         raise PlanError(f"max_staleness={k} must be >= 0")
     ctx = Context(cluster=spec, workload=workload or default_workload(graph, model_override=model is not None), tuning=make_tuning(**tuning))

@@ -43,7 +43,7 @@ def format_plan(plan: Plan) -> str:
     models = sorted({m.name for m in plan.models.values()})
     lines = [
         f"plan for graph {plan.graph!r} on {where}: strategy {plan.strategy} -> {plan.family}",
-        f"workload: {plan.workload.short()}; model {', '.join(models) or '-'}; max_staleness {plan.max_staleness}",
+        f"workload: {plan.workload.short() if plan.workload else 'not estimated'}; model {', '.join(models) or '-'}; max_staleness {plan.max_staleness}",
         "",
     ]
     lines += format_table(plan)

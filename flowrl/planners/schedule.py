@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import msgspec
+import networkx as nx
 
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.planners.units import device_ranges
 
@@ -34,7 +36,8 @@ class Span(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     Attributes:
         node: the node (or ``"src~>dst"`` for a weight sync).
         resource: the colocation group (``"devices 0-7"``) or host thread (``"host:reward"``) it occupies.
-        what: ``"generate"``, ``"score"``, ``"train"``, ``"forward"``, ``"source"``, ``"weight sync"``.
+        what: the kind's span name (``flowrl.graph.kinds``: ``"generate"``, ``"score"``, ``"train"``,
+            ``"reference"``, ``"prompts"``, ``"loss"``) or ``"weight sync"``.
         start_s, end_s: seconds from the start of the step.
     """
 
@@ -56,7 +59,8 @@ class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: dict[str, float]
 
 
-_WHAT = {"generator": "generate", "scorer": "score", "policy": "train", "reference": "forward", "source": "source", "loss": "loss"}
+#: What a node's span is called: its kind's span name, the same as in the runtime's trace (``flowrl.graph.kinds``).
+_WHAT = {kind: spec.span for kind, spec in KINDS.items()}
 
 
 def colocation_groups(devices: Mapping[str, Sequence[int]]) -> list[list[str]]:
@@ -66,23 +70,11 @@ def colocation_groups(devices: Mapping[str, Sequence[int]]) -> list[list[str]]:
         >>> colocation_groups({"gen": (0, 1), "policy": (1, 2), "ref": (3,), "reward": ()})
         [['gen', 'policy'], ['ref']]
     """
+    overlaps = nx.Graph()
     names = sorted(n for n, d in devices.items() if len(d))
-    parent = {n: n for n in names}
-
-    def find(n: str) -> str:
-        while parent[n] != n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            if _overlap(devices[a], devices[b]):
-                parent[find(a)] = find(b)
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(find(name), []).append(name)
-    return sorted(groups.values())
+    overlaps.add_nodes_from(names)
+    overlaps.add_edges_from((a, b) for i, a in enumerate(names) for b in names[i + 1 :] if _overlap(devices[a], devices[b]))
+    return sorted(sorted(c) for c in nx.connected_components(overlaps))
 
 
 def _overlap(a: Sequence[int], b: Sequence[int]) -> bool:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from flowrl.errors import ConfigError
+from flowrl.runtime.backends.base import BUILTIN_BACKENDS, backend_names
 
 __all__ = ["RunConfig", "BACKENDS"]
 
-BACKENDS = ("local", "process", "torchrun")
+#: The built-in backends (``flowrl.runtime.backends.base``; more may be registered).
+BACKENDS = tuple(BUILTIN_BACKENDS)
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -19,8 +21,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     Attributes:
         steps: trainer steps to run in total (a resumed run continues up to this many).
         max_staleness: override every weight edge's k; None keeps the graph's.
-        backend: ``local`` (threads in this process), ``process`` (one OS process per executor) or
-            ``torchrun`` (this process is one rank of a torchrun job; see ``flowrl.runtime.backends.torchrun``).
+        backend: ``local`` (threads in this process), ``process`` (one OS process per executor),
+            ``torchrun`` (this process is one rank of a torchrun job; see ``flowrl.runtime.backends.torchrun``)
+            or a backend registered with ``flowrl.runtime.backends.base.register_backend``.
         seed: seed of sampling and of the synthetic operators.
         metrics: JSON-lines file, one row per trainer step.
         trace: Chrome trace file (open in https://ui.perfetto.dev).
@@ -38,7 +41,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     steps: int = 250
     max_staleness: int | None = None
-    backend: Literal["local", "process", "torchrun"] = "local"
+    backend: str = "local"
     seed: int = 0
     metrics: str | None = None
     trace: str | None = None
@@ -54,6 +57,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.backend not in backend_names():
+            raise ConfigError(f"unknown backend {self.backend!r}; choose one of {backend_names()}")
         if self.steps < 1:
             raise ConfigError(f"steps={self.steps} must be >= 1")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -29,7 +29,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -39,21 +38,23 @@ from typing import Any
 
 import torch
 
-from flowrl.errors import CheckpointError, FlowrlError, NodeExecutionError
+from flowrl.errors import FlowrlError, NodeExecutionError
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.runtime.channels import Channel, ChannelClosed, Message
-from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta
 from flowrl.runtime.clock import ClockStopped, VersionClock
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.metrics import MetricsWriter
+from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import NodeProgram
+from flowrl.runtime.resume import restore_run_checkpoint, save_run_checkpoint
 from flowrl.runtime.trace import Tracer
 
 __all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]
 
-#: The span each node kind's program step is recorded as in the trace.
-SPAN_NAMES = {"source": "prompts", "generator": "generate", "scorer": "score", "reference": "reference", "policy": "train"}
+#: The span each node kind's program step is recorded as in the trace (``flowrl.graph.kinds``: the
+#: planner's predicted timeline uses the same names).
+SPAN_NAMES = {kind: spec.span for kind, spec in KINDS.items() if spec.program}
 
 
 class StalenessViolation(FlowrlError):
@@ -83,7 +84,7 @@ class RunResult:
 class _Executor:
     name: str
     kind: str
-    host: NodeProgram
+    program: NodeProgram
     inputs: list[Channel] = field(default_factory=list)
     outputs: list[tuple[Channel, tuple[str, ...]]] = field(default_factory=list)
     lock: threading.Lock | None = None
@@ -92,12 +93,12 @@ class _Executor:
 
 
 class Controller:
-    """Executes ``graph`` with the programs in ``hosts`` (built by a backend).
+    """Executes ``graph`` with the programs in ``node_programs`` (built by a backend).
 
     Args:
         graph: a validated graph.
         config: the run configuration.
-        hosts: node name -> program (in this process, or a proxy to a worker process), for every
+        node_programs: node name -> program (in this process, or a proxy to a worker process), for every
             node but the loss nodes.
         placement: devices per node; colocated nodes are serialised.
         on_step: called with each metrics row (the CLI's progress bar).
@@ -107,7 +108,7 @@ class Controller:
         self,
         graph: Graph,
         config: RunConfig,
-        hosts: dict[str, NodeProgram],
+        node_programs: dict[str, NodeProgram],
         placement: Placement,
         *,
         on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -137,10 +138,10 @@ class Controller:
         self.reward_weights: dict[str, float] = {}
         for loss in graph.nodes_of_kind("loss"):
             self.reward_weights.update(loss.loss.reward_weights)  # type: ignore[union-attr]
-        self._build_executors(hosts)
+        self._build_executors(node_programs)
 
     # -- wiring -------------------------------------------------------------------------------------
-    def _build_executors(self, hosts: dict[str, NodeProgram]) -> None:
+    def _build_executors(self, node_programs: dict[str, NodeProgram]) -> None:
         locks = {}
         for group in self.placement.groups():
             lock = threading.Lock()
@@ -153,7 +154,7 @@ class Controller:
             self.executors[node.name] = _Executor(
                 name=node.name,
                 kind=node.kind,
-                host=hosts[node.name],
+                program=node_programs[node.name],
                 lock=locks.get(node.name),
                 cores=self.placement.devices.get(node.name, ()) if self.placement.pin else (),
             )
@@ -182,7 +183,7 @@ class Controller:
         interrupted = False
         try:
             for ex in self.executors.values():
-                ex.host.start()
+                ex.program.start()
             for ex in self.executors.values():
                 ex.thread = threading.Thread(target=self._executor_main, args=(ex, start), name=f"flowrl-{ex.name}", daemon=True)
                 ex.thread.start()
@@ -198,7 +199,7 @@ class Controller:
             if self.config.checkpoint_dir and self._failure is None and self.rows and self._checkpoint_version != self.clock.version:
                 self._checkpoint_now()
         finally:
-            self._close_hosts()
+            self._close_programs()
             metrics.close()
             if self.config.trace and self.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
@@ -245,10 +246,10 @@ class Controller:
             if ex.thread is not None:
                 ex.thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _close_hosts(self) -> None:
+    def _close_programs(self) -> None:
         for ex in self.executors.values():
             try:
-                ex.host.close()
+                ex.program.close()
             except Exception:  # noqa: BLE001 - closing after a failure must not hide the failure
                 pass
 
@@ -258,7 +259,7 @@ class Controller:
                 self._failure = (node, step, exc)
         self._halt()
         for ex in self.executors.values():  # unblock threads waiting on worker processes
-            abort = getattr(ex.host, "abort", None)
+            abort = getattr(ex.program, "abort", None)
             if abort is not None:
                 abort()
 
@@ -303,7 +304,7 @@ class Controller:
             if self._stop.is_set():
                 raise ChannelClosed(ex.name)
             t_step = time.perf_counter()
-            outputs, info = ex.host.step(seq, inputs, min_version)
+            outputs, info = ex.program.step(seq, inputs, min_version)
             t_end = time.perf_counter()
         self._trace_step(ex, seq, t_step, t_end, info)
         self._progress_at = time.monotonic()
@@ -345,28 +346,11 @@ class Controller:
         with self._lock:
             for g in gens:
                 gen = self._gen_info.pop((g, seq), gen)
-        rewards = {name: batch[name].float() for name in self.reward_weights if name in batch}
-        combined = sum(w * rewards[name] for name, w in self.reward_weights.items() if name in rewards)
-        row: dict[str, Any] = {
-            "step": seq + 1,
-            "policy_version": version,
-            "rollout_version": rollout_version,
-            "staleness": staleness,
-            "reward_mean": float(combined.mean()) if isinstance(combined, torch.Tensor) else 0.0,
-            "loss": float(info.get("loss", float("nan"))),
-            "time_s": time.perf_counter() - self._t0,
-            "gen_s": float(gen.get("gen_s", 0.0)),
-            "train_s": float(info.get("train_s", 0.0)),
-            "sync_s": float(info.get("publish_s", 0.0)) + float(gen.get("fetch_s", 0.0)),
-            "idle_s": idle,
-            "samples": int(batch["completion_ids"].shape[0]) if "completion_ids" in batch else 0,
-        }
-        if len(rewards) > 1:
-            row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
-        row.update({key: value for key, value in info.items() if "/" in key})
-        prompts = batch.get("prompt_index")
-        consumed = sorted(set(prompts.tolist())) if prompts is not None else []
-        row["prompt_index"] = consumed  # the prompts this step consumed: exactly-once is checkable from the file
+        row = step_row(
+            seq=seq, version=version, rollout_version=rollout_version, batch=batch, info=info, gen=gen,
+            reward_weights=self.reward_weights, time_s=time.perf_counter() - self._t0, idle_s=idle,
+        )
+        consumed = row["prompt_index"]
         self.rows.append(row)
         self._metrics.write(row)
         self.consumed.append(consumed)
@@ -381,61 +365,27 @@ class Controller:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _checkpoint_now(self) -> None:
+        """Checkpoint the policies at the clock's version (``resume.save_run_checkpoint``)."""
         assert self.config.checkpoint_dir is not None
-        writer = CheckpointWriter(self.config.checkpoint_dir, graph=self.graph)
         version = self.clock.version
-        staging = writer.staging(version)
-        files = {}
-        try:
-            for name in self.policy_names:
-                files[name] = f"policy-{name}.pt"
-                self.executors[name].host.save(str(staging / files[name]))
-            meta = CheckpointMeta(
-                version=version,
-                data_position=getattr(self, "_data_position", 0),
-                graph=self.graph.name,
-                graph_sha256=graph_fingerprint(self.graph),
-                files=files,
-                wall_time=time.time(),
-            )
-            self.last_checkpoint = writer.commit(staging, meta)
-            self._checkpoint_version = version
-        except Exception as exc:
-            shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
-            previous = f"; the previous checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint else ""
-            raise CheckpointError(
-                f"writing the checkpoint of step {version} to {self.config.checkpoint_dir} failed "
-                f"({type(exc).__name__}: {exc}){previous}; free disk space or choose another --checkpoint-dir"
-            ) from exc
+        node_programs = {name: ex.program for name, ex in self.executors.items()}
+        self.last_checkpoint = save_run_checkpoint(
+            self.config.checkpoint_dir, self.graph, node_programs, version=version,
+            data_position=getattr(self, "_data_position", 0), previous=self.last_checkpoint,
+        )
+        self._checkpoint_version = version
 
     def _restore(self) -> int:
+        """Load the newest checkpoint into the programs (``resume.restore_run_checkpoint``); the version to start at."""
         assert self.config.checkpoint_dir is not None
-        path = latest_checkpoint(self.config.checkpoint_dir)
-        if path is None:
+        node_programs = {name: ex.program for name, ex in self.executors.items()}
+        restored = restore_run_checkpoint(self.config.checkpoint_dir, self.graph, node_programs, steps=self.config.steps)
+        if restored is None:
             return 0  # nothing to resume from: a fresh run (the CLI says so)
-        meta = read_meta(path, self.graph)
-        for name, fname in meta.files.items():
-            if name not in self.executors:
-                raise CheckpointError(f"checkpoint {path} holds state for node {name!r}, which this graph lacks")
-            try:
-                self.executors[name].host.load(str(path / fname))
-            except CheckpointError:
-                raise
-            except Exception as exc:  # a corrupt, foreign or poisoned file (weights_only refuses code)
-                raise CheckpointError(
-                    f"checkpoint {path} cannot be loaded: {fname} for node {name!r} is unreadable "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                    "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
-                ) from exc
-        for ex in self.executors.values():
-            if ex.kind == "source":
-                ex.host.seek(meta.data_position)
-        self._data_position = meta.data_position
-        self.last_checkpoint = path
-        self._checkpoint_version = meta.version
-        if meta.version >= self.config.steps:
-            raise CheckpointError(f"checkpoint {path} is at step {meta.version}, already >= --steps {self.config.steps}; raise --steps to train further")
-        return meta.version
+        self._data_position = restored.data_position
+        self.last_checkpoint = restored.path
+        self._checkpoint_version = restored.version
+        return restored.version
 
 
 class _NullLock:

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+import torch
 
-__all__ = ["MetricsWriter", "read_metrics", "REQUIRED_KEYS"]
+from flowrl.fileio import write_atomic
+
+__all__ = ["MetricsWriter", "read_metrics", "step_row", "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "reward_mean", "loss", "time_s",
                  "gen_s", "train_s", "sync_s", "idle_s")
@@ -66,12 +69,57 @@ def _truncate_after(path: Path, step: int) -> None:
                 break
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join(kept))
-    os.replace(tmp, path)
+    write_atomic(path, b"".join(kept))
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The rows of a metrics file."""
     with open(path, "rb") as f:
         return [msgspec.json.decode(line) for line in f if line.strip()]
+
+
+def step_row(
+    *,
+    seq: int,
+    version: int,
+    rollout_version: int,
+    batch: dict[str, torch.Tensor],
+    info: dict[str, Any],
+    gen: dict[str, Any],
+    reward_weights: dict[str, float],
+    time_s: float,
+    idle_s: float,
+) -> dict[str, Any]:
+    """The metrics row of trainer step ``seq`` (0-based; the row's ``step`` is ``seq + 1``).
+
+    Args:
+        seq: the step's sequence number; version: the policy's version after it.
+        rollout_version: the weights' version that generated the batch.
+        batch: the batch the policy consumed (rewards by scorer name, completions, prompt indices).
+        info: what the policy's program reported (loss, train and publish times, namespaced metrics).
+        gen: what the generator reported for this batch (``gen_s``, ``fetch_s``).
+        reward_weights: scorer name -> weight in the combined reward.
+        time_s: seconds since the run started; idle_s: seconds the policy waited for this batch.
+    """
+    rewards = {name: batch[name].float() for name in reward_weights if name in batch}
+    combined = sum(w * rewards[name] for name, w in reward_weights.items() if name in rewards)
+    row: dict[str, Any] = {
+        "step": seq + 1,
+        "policy_version": version,
+        "rollout_version": rollout_version,
+        "staleness": seq - rollout_version,
+        "reward_mean": float(combined.mean()) if isinstance(combined, torch.Tensor) else 0.0,
+        "loss": float(info.get("loss", float("nan"))),
+        "time_s": time_s,
+        "gen_s": float(gen.get("gen_s", 0.0)),
+        "train_s": float(info.get("train_s", 0.0)),
+        "sync_s": float(info.get("publish_s", 0.0)) + float(gen.get("fetch_s", 0.0)),
+        "idle_s": idle_s,
+        "samples": int(batch["completion_ids"].shape[0]) if "completion_ids" in batch else 0,
+    }
+    if len(rewards) > 1:
+        row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
+    row.update({key: value for key, value in info.items() if "/" in key})
+    prompts = batch.get("prompt_index")
+    row["prompt_index"] = sorted(set(prompts.tolist())) if prompts is not None else []  # exactly-once is checkable from the file
+    return row

@@ -1,8 +1,13 @@
-"""Where executors run: the devices of each node, from a plan or a default, and the colocation groups.
+"""Where a run's executors run, read from its ``Plan``: devices per node, colocation groups, pinning.
 
-Executors whose device sets overlap form one colocation group and never run a step at the same
-time; executors on disjoint devices run concurrently. On CPU a device is a core: executors are
-pinned to their cores when the placement comes from a plan.
+The runtime reads placement only from a ``Plan`` (``flowrl.planners``): a plan file, a JSON placement
+(both read by ``planners.forms.read_plan``, the one reader for every backend) or, without
+``--plan``, the run strategy for the staleness bound (``planners.forms.run_plan``: every heavy node
+colocated for k = 0, generators and trainers on disjoint halves of the cores for k >= 1).
+
+Executors whose device sets overlap form one colocation group (``planners.schedule.colocation_groups``)
+and never run a step at the same time; executors on disjoint devices run concurrently. On CPU a
+device is a core: executors are pinned to their cores when the placement comes from a CPU plan file.
 """
 
 from __future__ import annotations
@@ -12,50 +17,42 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import DEVICE_KINDS
+from flowrl.planners.plan_data import Plan
 
 if TYPE_CHECKING:
-    from flowrl.planners.plan import Plan
+    from flowrl.runtime.config import RunConfig
 
-__all__ = ["Placement", "default_placement", "placement_from_plan", "HEAVY_KINDS"]
+__all__ = ["Placement", "run_placement", "HEAVY_KINDS"]
 
 #: Kinds that run a model; the light ones (source, scorer) run beside them on no device of their own.
-HEAVY_KINDS = frozenset({"generator", "policy", "reference"})
+HEAVY_KINDS = DEVICE_KINDS
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
-    """Node name -> device ids (cores on CPU). Nodes absent from ``devices`` share none.
+    """The runtime's reading of a run's plan.
 
     Attributes:
-        devices: the devices of each executor node.
+        plan: where every node runs.
         pin: pin executors to their cores (only meaningful on CPU, only when ids are real cores).
-        source: where the placement came from ("default", "plan:<file>").
+        source: where the plan came from (``"default (halves)"``, ``"plan:<file>"``, ...).
     """
 
-    devices: dict[str, tuple[int, ...]]
+    plan: Plan
     pin: bool = False
     source: str = "default"
 
+    @property
+    def devices(self) -> dict[str, tuple[int, ...]]:
+        """The devices of each executor node that has some (losses run inside their policy)."""
+        return {n: p.devices for n, p in self.plan.placements.items() if p.devices and p.kind in HEAVY_KINDS}
+
     def groups(self) -> list[list[str]]:
-        """Colocation groups: connected components of nodes whose device sets overlap."""
-        names = sorted(self.devices)
-        parent = {n: n for n in names}
+        """Colocation groups of the executor nodes: connected components of overlapping device sets."""
+        from flowrl.planners.schedule import colocation_groups
 
-        def find(n: str) -> str:
-            while parent[n] != n:
-                parent[n] = parent[parent[n]]
-                n = parent[n]
-            return n
-
-        for i, a in enumerate(names):
-            for b in names[i + 1:]:
-                if set(self.devices[a]) & set(self.devices[b]):
-                    parent[find(a)] = find(b)
-        out: dict[str, list[str]] = {}
-        for n in names:
-            out.setdefault(find(n), []).append(n)
-        return sorted(out.values())
+        return colocation_groups(self.devices)
 
     def threads_per_group(self, cpu_count: int | None = None) -> int:
         """Intra-op threads each concurrently running group may use without oversubscribing."""
@@ -63,30 +60,22 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
         return max(1, cores // max(1, len(self.groups())))
 
 
-def default_placement(graph: Graph, max_staleness: int, cpu_count: int | None = None) -> Placement:
-    """Colocated (every heavy node on every core) when k == 0, the synchronous baseline;
-    otherwise generators and the policy on disjoint halves of the cores, so they overlap."""
-    cores = cpu_count or os.cpu_count() or 1
-    heavy = [n.name for n in graph.nodes if n.kind in HEAVY_KINDS]
-    if max_staleness == 0 or cores < 2:
-        return Placement(devices={n: tuple(range(cores)) for n in heavy}, source="default (colocated)")
-    half = cores // 2
-    trainer_side = {n.name for n in graph.nodes if n.kind in {"policy", "reference"}}
-    devices = {n: tuple(range(half, cores)) if n in trainer_side else tuple(range(half)) for n in heavy}
-    return Placement(devices=devices, source="default (disaggregated)")
+def run_placement(graph: Graph, config: RunConfig, *, n_devices: int | None = None) -> Placement:
+    """The placement a run of ``graph`` uses: ``config.plan``'s, or the run strategy for its staleness bound.
 
+    Args:
+        graph, config: the run.
+        n_devices: devices of a run without a plan (default: this machine's cores).
 
-def placement_from_plan(graph: Graph, plan: Plan, *, path: str = "plan") -> Placement:
-    """The executors' devices as the plan places them; the plan must cover every heavy node."""
-    if plan.graph != graph.name:
-        raise PlanError(f"plan {path!r} was made for graph {plan.graph!r}, not {graph.name!r}; re-plan with 'flowrl plan {graph.name} ...'")
-    devices: dict[str, tuple[int, ...]] = {}
-    for node in graph.nodes:
-        if node.kind not in HEAVY_KINDS:
-            continue
-        if node.name not in plan.placements:
-            raise PlanError(f"plan {path!r} places no devices for node {node.name!r}; re-plan this graph")
-        devices[node.name] = tuple(plan.placements[node.name].devices)
+    Raises:
+        PlanError: a plan file or placement that cannot be read or does not fit the graph.
+    """
+    from flowrl.planners.forms import read_plan, run_plan
+
+    if config.plan is None:
+        plan = run_plan(graph, graph.max_staleness(config.max_staleness), n_devices or os.cpu_count() or 1)
+        return Placement(plan=plan, source=f"default ({plan.strategy})")
+    plan = read_plan(config.plan, graph)
     cores = os.cpu_count() or 1
-    pin = plan.cluster.startswith("cpu") and all(d < cores for ds in devices.values() for d in ds)
-    return Placement(devices=devices, pin=pin, source=f"plan:{path}")
+    pin = plan.cluster.startswith("cpu") and all(d < cores for ds in Placement(plan=plan).devices.values() for d in ds)
+    return Placement(plan=plan, pin=pin, source=f"plan:{config.plan}")

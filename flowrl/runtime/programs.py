@@ -16,16 +16,20 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import torch
 
 from flowrl.errors import ConfigError, FlowrlError, NodeBuildError, TransportError
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode
 from flowrl.graph.refs import resolve
-from flowrl.runtime.transports.registry import create_transport
+from flowrl.runtime.transports.registry import create_transport, import_transport
+
+if TYPE_CHECKING:
+    from flowrl.runtime.transports.base import WeightTransport
 
 __all__ = [
     "NodeProgram",
@@ -34,6 +38,11 @@ __all__ = [
     "TransportSpec",
     "build_program",
     "build_error",
+    "build_source",
+    "build_generator",
+    "build_scorer",
+    "build_reference",
+    "build_policy",
     "SourceProgram",
     "GeneratorProgram",
     "ScorerProgram",
@@ -81,12 +90,15 @@ class ProgramBase:
 class TransportSpec(msgspec.Struct, frozen=True, kw_only=True):
     """How to open one weight edge's transport on either side: its registry name and plain options.
 
-    ``writer_options`` open it on the policy's side, ``reader_options`` on the consumer's side.
+    ``writer_options`` open it on the policy's side, ``reader_options`` on the consumer's side;
+    ``factory`` is a user transport's ``module:qualname`` (``registry.transport_reference``), so that
+    a worker process that did not register it can (``""`` for a built-in).
     """
 
     src: str
     dst: str
     name: str
+    factory: str = ""
     writer_options: dict[str, Any] = {}
     reader_options: dict[str, Any] = {}
 
@@ -119,23 +131,30 @@ class SharedTransports:
 
     def __init__(self, specs: tuple[TransportSpec, ...]) -> None:
         self._specs = {(s.src, s.dst): s for s in specs}
-        self._open: dict[tuple[str, str], Any] = {}
-        self._readers: dict[tuple[str, str], Any] = {}
+        self._open: dict[tuple[str, str], WeightTransport] = {}
+        self._readers: dict[tuple[str, str], WeightTransport] = {}
 
-    def writer(self, src: str, dst: str) -> Any:
+    @staticmethod
+    def _create(spec: TransportSpec, options: dict[str, Any]) -> WeightTransport:
+        import_transport(spec.name, spec.factory)
+        return create_transport(spec.name, **options)
+
+    def writer(self, src: str, dst: str) -> WeightTransport:
+        """The publishing side of edge ``src -> dst`` (opened on first use)."""
         key = (src, dst)
         if key not in self._open:
             spec = self._specs[key]
-            self._open[key] = create_transport(spec.name, **spec.writer_options)
+            self._open[key] = self._create(spec, spec.writer_options)
         return self._open[key]
 
-    def reader(self, src: str, dst: str) -> Any:
+    def reader(self, src: str, dst: str) -> WeightTransport:
+        """The fetching side of edge ``src -> dst``: the writer's object when it lives in this process."""
         key = (src, dst)
         if key in self._open:  # same process as the writer: share the object
             return self._open[key]
         if key not in self._readers:
             spec = self._specs[key]
-            self._readers[key] = create_transport(spec.name, **spec.reader_options)
+            self._readers[key] = self._create(spec, spec.reader_options)
         return self._readers[key]
 
     def close(self) -> None:
@@ -298,20 +317,43 @@ def _build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedT
     if name in env.programs:
         factory: Callable[..., NodeProgram] = resolve(env.programs[name])
         return factory(node, graph, env, transports)
-    if isinstance(node, SourceNode):
-        return SourceProgram(node, graph)
-    if isinstance(node, GeneratorNode):
-        return GeneratorProgram(node, graph, env, transports, seed=env.seed)
-    if isinstance(node, ScorerNode):
-        return ScorerProgram(node, graph)
-    if isinstance(node, ReferenceNode):
-        return ReferenceProgram(node)
-    if isinstance(node, PolicyNode):
-        loss = graph.loss_of(name)
-        if not isinstance(loss, LossNode):
-            raise ConfigError(f"policy {name!r} has no loss node")
-        return PolicyProgram(node, loss, graph, transports)
-    raise ConfigError(f"node {name!r} of kind {node.kind!r} has no program (loss nodes run inside their policy)")
+    builder = KINDS[node.kind].program if node.kind in KINDS else ""
+    if not builder:
+        raise ConfigError(f"node {name!r} of kind {node.kind!r} has no program (loss nodes run inside their policy)")
+    return resolve(builder)(node, graph, env, transports)
+
+
+# -- one builder per kind (``flowrl.graph.kinds.KINDS[kind].program``) ---------------------------------
+def build_source(node: SourceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A source's program: yields prompt batches."""
+    return SourceProgram(node, graph)
+
+
+def build_generator(node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A generator's program: samples completions, fetching weights first."""
+    return GeneratorProgram(node, graph, env, transports, seed=env.seed)
+
+
+def build_scorer(node: ScorerNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A scorer's program: rewards completions."""
+    return ScorerProgram(node, graph)
+
+
+def build_reference(node: ReferenceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A reference model's program: log-probs under frozen weights."""
+    return ReferenceProgram(node)
+
+
+def build_policy(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A policy's program: its loss's training step, then a publish of the new weights.
+
+    Raises:
+        ConfigError: if no loss node feeds it.
+    """
+    loss = graph.loss_of(node.name)
+    if not isinstance(loss, LossNode):
+        raise ConfigError(f"policy {node.name!r} has no loss node")
+    return PolicyProgram(node, loss, graph, transports)
 
 
 def merge(batches: list[Mapping[str, torch.Tensor]]) -> Batch:

@@ -1,4 +1,7 @@
-"""``run_graph``: the one call that executes a graph: placement, transports, backend, controller.
+"""``run_graph``: the one call that executes a graph: the checks every backend needs, then the backend.
+
+The backend (``RunConfig.backend``) comes from the registry in ``flowrl.runtime.backends.base``; it
+decides where the programs live, the placement they run on and the transports the weight edges open.
 
 Example:
     >>> from flowrl.examples import build_example
@@ -11,94 +14,26 @@ Example:
 
 from __future__ import annotations
 
-import os
-import tempfile
-import uuid
-from collections.abc import Callable
-from typing import Any
-
-import torch
-
-from flowrl.errors import ConfigError
-from flowrl.graph.ir import Graph, WeightEdge
+from flowrl.graph.ir import Graph
+from flowrl.runtime.backends.base import OnStep, create_backend
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.controller import Controller, RunResult
-from flowrl.runtime.placement import Placement, default_placement, placement_from_plan
-from flowrl.runtime.programs import ProgramEnv, TransportSpec
+from flowrl.runtime.controller import RunResult
+from flowrl.runtime.transports.registry import check_transports
 
-__all__ = ["run_graph", "transport_specs", "resolve_placement"]
-
-
-def transport_specs(
-    graph: Graph, backend: str, run_dir: str, *, choose: Callable[[WeightEdge], str] | None = None
-) -> tuple[TransportSpec, ...]:
-    """Open options for each weight edge's transport. ``choose`` maps an edge to the name of the
-    transport this backend uses for it; by default, in the process backend ``inprocess`` (which cannot cross
-    processes) becomes ``shm`` (shared memory)."""
-    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    specs = []
-    for e in graph.weight_edges:
-        if choose is not None:
-            name = choose(e)
-        else:
-            name = "shm" if backend == "process" and e.transport == "inprocess" else e.transport
-        writer: dict[str, Any] = {}
-        reader: dict[str, Any] = {}
-        if name == "shm":
-            seg = f"flowrl-{token}-{e.src}-{e.dst}"
-            writer, reader = {"name": seg, "create": True}, {"name": seg, "create": False}
-        elif name == "file":
-            directory = os.path.join(run_dir, f"weights-{e.src}-{e.dst}")
-            writer = reader = {"directory": directory}
-        specs.append(TransportSpec(src=e.src, dst=e.dst, name=name, writer_options=writer, reader_options=reader))
-    return tuple(specs)
+__all__ = ["run_graph"]
 
 
-def resolve_placement(graph: Graph, config: RunConfig) -> Placement:
-    k = config.max_staleness
-    if k is None:
-        k = min((e.max_staleness for e in graph.weight_edges), default=0)
-    if config.plan is None:
-        return default_placement(graph, k)
-    from flowrl.planners.plan import load_plan
+def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+    """Execute ``graph`` for ``config.steps`` trainer steps on ``config.backend``.
 
-    return placement_from_plan(graph, load_plan(config.plan), path=config.plan)
-
-
-def run_graph(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
-    """Execute ``graph`` for ``config.steps`` trainer steps; raises ``NodeExecutionError`` on failure."""
+    Raises:
+        ConfigError: an unknown backend, or a model that does not fit in this machine's memory.
+        TransportError: a weight edge names a transport this process has not registered.
+        NodeExecutionError: a node failed while running.
+    """
     from flowrl.runtime.preflight import check_fits_in_memory
 
+    backend = create_backend(config.backend)
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
-    if config.backend == "torchrun":  # every rank calls this; placement, transports and controller are its own
-        from flowrl.runtime.backends.torchrun import run_torchrun
-
-        return run_torchrun(graph, config, on_step=on_step)
-    placement = resolve_placement(graph, config)
-    with tempfile.TemporaryDirectory(prefix="flowrl-run-") as run_dir:
-        env = ProgramEnv(
-            transports=transport_specs(graph, config.backend, run_dir),
-            programs=dict(config.programs),
-            seed=config.seed,
-            options=dict(config.options),
-        )
-        if config.backend == "local":
-            from flowrl.runtime.backends.local import LocalBackend
-
-            backend: Any = LocalBackend(graph, env)
-        elif config.backend == "process":
-            from flowrl.runtime.backends.process import ProcessBackend
-
-            backend = ProcessBackend(graph, env, placement)
-        else:  # RunConfig's Literal already refuses others; kept for direct callers
-            raise ConfigError(f"unknown backend {config.backend!r}; choose local, process or torchrun")
-        threads = torch.get_num_threads()
-        if config.backend == "local":
-            torch.set_num_threads(config.threads or placement.threads_per_group())
-        try:
-            hosts = backend.open()
-            controller = Controller(graph, config, hosts, placement, on_step=on_step)
-            return controller.run()
-        finally:
-            backend.close()
-            torch.set_num_threads(threads)
+    check_transports(e.transport for e in graph.weight_edges)  # the registry of this process, where the run starts
+    return backend.run(graph, config, on_step=on_step)

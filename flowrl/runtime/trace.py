@@ -11,20 +11,27 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from flowrl.fileio import write_atomic
 
 __all__ = ["Tracer"]
 
 
 class Tracer:
-    """Collects spans; ``save(path)`` writes them. A disabled tracer records nothing and costs nothing."""
+    """Collects spans; ``save(path)`` writes them. A disabled tracer records nothing and costs nothing.
 
-    def __init__(self, enabled: bool = True) -> None:
+    Args:
+        enabled: record spans.
+        origin: the time (``time.perf_counter()`` seconds) the trace starts at; default: now. A
+            predicted timeline (``flowrl.planners.timeline``) passes 0 and adds spans in seconds from it.
+    """
+
+    def __init__(self, enabled: bool = True, *, origin: float | None = None) -> None:
         self.enabled = enabled
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter() if origin is None else origin
         self._events: list[dict[str, Any]] = []
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -81,8 +88,5 @@ class Tracer:
             return {"traceEvents": meta + list(self._events), "displayTimeUnit": "ms"}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the trace atomically (temp file + rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(msgspec.json.encode(self.to_dict()))
-        os.replace(tmp, path)
+        """Write the trace atomically (``flowrl.fileio.write_atomic``)."""
+        write_atomic(path, msgspec.json.encode(self.to_dict()))

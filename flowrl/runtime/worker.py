@@ -1,4 +1,4 @@
-"""The worker process of the ``process`` backend: hosts one node's program and answers the controller.
+"""The worker process of the ``process`` backend: runs one node's program and answers the controller.
 
 Started as ``python -m flowrl.runtime.worker FD PARENT_PID`` with a connected socket on file
 descriptor FD; the worker dies with PARENT_PID (``die_with_parent``).

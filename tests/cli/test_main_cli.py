@@ -86,12 +86,12 @@ def test_flowrl_error_is_exit_2_with_every_problem(capsys, tmp_path) -> None:
     from flowrl.graph.serialize import to_json
 
     data = json.loads(to_json(build_example("llamarl")))
-    data["weight_edges"][0].update(transport="pigeon", max_staleness=-1)
+    data["weight_edges"][0].update(transport="pig eon", max_staleness=-1)
     (tmp_path / "g.json").write_text(json.dumps(data))
     assert main(["viz", str(tmp_path / "g.json")]) == 2
     err = capsys.readouterr().err
     first, *rest = err.rstrip("\n").split("\n  also: ")
-    assert first.startswith("flowrl viz: error: ") and "unknown transport 'pigeon'" in first
+    assert first.startswith("flowrl viz: error: ") and "transport 'pig eon', which is not a transport name" in first.replace("\n  ", " ")
     assert rest == ["weight edge policy ~> gen has max_staleness=-1; it must be >= 0 (0 is synchronous on-policy training)"]
 
 

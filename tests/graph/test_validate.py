@@ -242,10 +242,10 @@ def weights_to_missing_node(spec: GraphSpec, data: st.DataObject) -> Defect:
     return Defect(_with_weight_edge(spec, int(i), dst=ghost), r"weight edge \S+ ~> \S+ names node '[^']+', which does not exist", (ghost,))
 
 
-def unknown_transport(spec: GraphSpec, data: st.DataObject) -> Defect:
+def malformed_transport(spec: GraphSpec, data: st.DataObject) -> Defect:
     gen, _, policy, i = _pipeline(spec, data)
-    name = data.draw(st.sampled_from(["nccl2", "carrier-pigeon", "", "INPROCESS", "in process"]), label="transport")
-    return Defect(_with_weight_edge(spec, int(i), transport=name), r"names unknown transport '[^']*'; known transports: \[", (policy, gen))
+    name = data.draw(st.sampled_from(["", "in process", "2shm", "-x", "shm/fast"]), label="transport")
+    return Defect(_with_weight_edge(spec, int(i), transport=name), r"names transport '[^']*', which is not a transport name", (policy, gen))
 
 
 def negative_staleness(spec: GraphSpec, data: st.DataObject) -> Defect:
@@ -309,7 +309,7 @@ DEFECTS = [
     weights_into_weightless,
     weights_to_itself,
     weights_to_missing_node,
-    unknown_transport,
+    malformed_transport,
     negative_staleness,
     generator_without_weights,
     two_weight_edges_in,
@@ -379,16 +379,17 @@ def test_message_cycle_prints_the_cycle() -> None:
 
 def test_message_lists_every_problem_after_the_first() -> None:
     spec = _llamarl_spec()
-    spec = replace(spec, weight_edges=(WeightEdge(src="policy", dst="gen", transport="pigeon", max_staleness=-2),))
+    spec = replace(spec, weight_edges=(WeightEdge(src="policy", dst="gen", transport="pig eon", max_staleness=-2),))
     message = _raise_message(spec)
-    assert message.startswith("invalid graph 'llamarl': weight edge policy ~> gen names unknown transport 'pigeon'")
+    assert message.startswith("invalid graph 'llamarl': weight edge policy ~> gen names transport 'pig eon', which is not a transport name")
     assert "\n  also: weight edge policy ~> gen has max_staleness=-2; it must be >= 0 (0 is synchronous on-policy training)" in message
 
 
-def test_message_unknown_transport_lists_known_ones() -> None:
+def test_unregistered_transport_is_valid_until_the_run_starts() -> None:
+    """Validation checks a transport name's form; the registry is consulted where the run starts
+    (``flowrl.runtime.run``), so a graph naming a transport that only the running process registers loads anywhere."""
     spec = _llamarl_spec()
-    spec = replace(spec, weight_edges=(WeightEdge(src="policy", dst="gen", transport="pigeon"),))
-    assert "known transports: ['collective', 'file', 'inprocess', 'shm']" in _raise_message(spec)
+    Graph(replace(spec, weight_edges=(WeightEdge(src="policy", dst="gen", transport="pigeon"),)))
 
 
 def test_message_weights_from_a_generator() -> None:
@@ -401,17 +402,6 @@ def test_message_weights_from_a_generator() -> None:
 def test_empty_graph() -> None:
     with pytest.raises(GraphError, match=r"graph 'empty' has no nodes; declare at least a source"):
         Graph(GraphSpec(name="empty", nodes=()))
-
-
-def test_registered_transport_becomes_valid(monkeypatch) -> None:
-    from flowrl.runtime.transports import registry
-
-    spec = _llamarl_spec()
-    spec = replace(spec, weight_edges=(WeightEdge(src="policy", dst="gen", transport="pigeon_test"),))
-    with pytest.raises(GraphError, match="unknown transport 'pigeon_test'"):
-        Graph(spec)
-    monkeypatch.setitem(registry._USER_TRANSPORTS, "pigeon_test", lambda **kw: None)
-    Graph(spec)
 
 
 def test_policy_and_generator_models_may_differ_only_in_nothing() -> None:

@@ -16,7 +16,7 @@ from flowrl.planners.modelspec import model_preset
 from flowrl.planners.plan import Plan, load_plan, parse_plan, plan_graph, plan_to_json, save_plan
 from flowrl.planners.report import format_plan
 from flowrl.planners.workload import Workload
-from flowrl.runtime.placement import placement_from_plan
+from flowrl.runtime.placement import Placement
 
 LLAMARL = build_example("llamarl")
 CPU2 = parse_cluster("cpu:2")
@@ -47,7 +47,7 @@ def test_disaggregated_on_cpu_pins_one_core_each():
     plan = plan_graph(LLAMARL, CPU2, strategy="disaggregated")
     assert str(plan) == "gen:d1@0 | policy:d1@1"
     assert plan.colocation_groups() == [["aipo", "policy"], ["gen"]]
-    placement = placement_from_plan(LLAMARL, plan)  # what 'flowrl run --plan' does with it
+    placement = Placement(plan=plan)  # what 'flowrl run --plan' reads
     assert placement.devices == {"gen": (0,), "policy": (1,)}
     assert placement.groups() == [["gen"], ["policy"]]
 

@@ -36,14 +36,14 @@ def test_worker_killed_is_reported(graph_k):
     from flowrl.runtime.backends import process as process_backend
 
     spawned = []
-    original = process_backend.ProcessBackend._spawn
+    original = process_backend.ProcessWorkers._spawn
 
     def spy(self, node):
         host = original(self, node)
         spawned.append(host)
         return host
 
-    process_backend.ProcessBackend._spawn = spy
+    process_backend.ProcessWorkers._spawn = spy
     try:
         steps_seen = threading.Event()
 
@@ -58,6 +58,6 @@ def test_worker_killed_is_reported(graph_k):
             run_graph(g, config, on_step=lambda row: row["step"] >= 3 and steps_seen.set())
         t.join()
     finally:
-        process_backend.ProcessBackend._spawn = original
+        process_backend.ProcessWorkers._spawn = original
     for host in spawned:
         assert host.proc.poll() is not None, f"worker of {host.node} still running"

@@ -66,17 +66,18 @@ def test_overlap_seen_in_trace(graph_k, k, tmp_path):
 
 def test_channels_stay_bounded(graph_k):
     from flowrl.examples.llamarl import build_llamarl
-    from flowrl.runtime.backends.local import LocalBackend
+    from flowrl.runtime.backends.local import LocalPrograms
     from flowrl.runtime.controller import Controller
+    from flowrl.runtime.placement import run_placement
     from flowrl.runtime.programs import ProgramEnv
-    from flowrl.runtime.run import resolve_placement, transport_specs
+    from flowrl.runtime.weight_edges import transport_specs
 
     g = build_llamarl(max_staleness=3)
     config = synthetic_config(g, steps=10, options={"gen_s": 0.0, "train_s": 0.02})
-    env = ProgramEnv(transports=transport_specs(g, "local", "/tmp"), programs=dict(config.programs), options=dict(config.options))
-    backend = LocalBackend(g, env)
+    env = ProgramEnv(transports=transport_specs(g, "/tmp"), programs=dict(config.programs), options=dict(config.options))
+    backend = LocalPrograms(g, env)
     try:
-        controller = Controller(g, config, backend.open(), resolve_placement(g, config))
+        controller = Controller(g, config, backend.open(), run_placement(g, config))
         result = controller.run()
     finally:
         backend.close()

@@ -7,7 +7,7 @@ import torch
 from flowrl.examples import build_example
 from flowrl.runtime.checkpoint import latest_checkpoint
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.placement import default_placement
+from flowrl.runtime.placement import run_placement
 from flowrl.runtime.run import run_graph
 
 
@@ -34,7 +34,7 @@ def test_k0_matches_a_synchronous_loop(tmp_path):
     graph = build_example("llamarl")
     steps, seed = 3, 7
     threads = torch.get_num_threads()
-    torch.set_num_threads(default_placement(graph, 0).threads_per_group())
+    torch.set_num_threads(run_placement(graph, RunConfig(max_staleness=0)).threads_per_group())
     try:
         expected = _sync_loop(graph, steps, seed)
     finally:

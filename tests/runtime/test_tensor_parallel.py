@@ -174,7 +174,7 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
     from flowrl.runtime.backends.rank_programs import RankContext, rank_program, set_context
     from flowrl.runtime.distributed import merge_rollouts, split_prompts
     from flowrl.runtime.programs import ProgramEnv, SharedTransports
-    from flowrl.runtime.run import transport_specs
+    from flowrl.runtime.weight_edges import transport_specs
 
     graph = tp_graph()
     node = graph.node("gen")
@@ -183,7 +183,7 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
     group = dist.new_group(list(ranks))
     set_context(RankContext(rank=rank, world=world, ranks={"gen": ranks}, programs={}, groups={"gen": group}, meshes={"gen": mesh}))
-    specs = transport_specs(graph, "torchrun", str(out_dir / "run"))
+    specs = transport_specs(graph, str(out_dir / "run"))
     transports = SharedTransports(specs)
     env = ProgramEnv(transports=specs, seed=GEN_SEED, weight_timeout_s=30.0)
     result: dict[str, Any] = {}

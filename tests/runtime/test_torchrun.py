@@ -27,7 +27,7 @@ import torch
 
 from flowrl.errors import ConfigError, PlanError
 from flowrl.examples.llamarl import build_llamarl
-from flowrl.runtime.backends.torchrun import rank_placement, read_placement
+from flowrl.runtime.backends.torchrun import rank_plan
 from flowrl.runtime.distributed import merge_rollouts, shard_by_groups, split_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,8 +84,8 @@ def test_split_and_merge_rollouts_reoffset_groups_and_keep_the_oldest_version():
     ("placement", "world", "match"),
     [
         ({"gen": [0], "policy": [1, 2, 3]}, 2, r"node 'policy' needs ranks \[1, 2, 3\] but torchrun launched WORLD_SIZE=2"),
-        ({"gen": [0]}, 4, "gives node 'policy' no ranks"),
-        ({"gen": [0], "policy": [1], "reward": [0]}, 4, r"places \['reward'\], which are not heavy nodes"),
+        ({"gen": [0]}, 4, "gives node 'policy' no devices"),
+        ({"gen": [0], "policy": [1], "reward": [0]}, 4, r"places \['reward'\], which are not device nodes"),
         ({"gen": [0], "policy": [1, 1]}, 4, "must be distinct"),
     ],
     ids=["too-few-ranks", "node-missing", "light-node-placed", "duplicate-rank"],
@@ -94,7 +94,7 @@ def test_bad_placements_are_plan_errors(tmp_path, placement, world, match):
     path = tmp_path / "place.json"
     path.write_text(json.dumps(placement))
     with pytest.raises(PlanError, match=match):
-        rank_placement(file_graph(), str(path), world)
+        rank_plan(file_graph(), str(path), world)
 
 
 def test_plan_files_give_ranks(tmp_path):
@@ -102,10 +102,10 @@ def test_plan_files_give_ranks(tmp_path):
     graph = file_graph()
     plan = planners.plan_graph(graph, "cpu:3", strategy="gen:d1@0 | policy:d2@1-2")
     planners.save_plan(plan, tmp_path / "plan.json")
-    ranks, loaded = rank_placement(graph, str(tmp_path / "plan.json"), 3)
-    assert ranks == {"gen": (0,), "policy": (1, 2)} and loaded is not None
+    loaded = rank_plan(graph, str(tmp_path / "plan.json"), 3)
+    assert {n: loaded.placements[n].devices for n in ("gen", "policy")} == {"gen": (0,), "policy": (1, 2)}
     with pytest.raises(PlanError, match="WORLD_SIZE=2"):
-        rank_placement(graph, str(tmp_path / "plan.json"), 2)
+        rank_plan(graph, str(tmp_path / "plan.json"), 2)
 
 
 @pytest.mark.parametrize(
@@ -115,8 +115,8 @@ def test_plan_files_give_ranks(tmp_path):
         ({"ranks": [1, 2, 3, 4], "mesh": {"dp": 2, "tp": 3}}, r"node 'gen' has mesh dp=2 x tp=3 = 6 ranks"),
         ({"ranks": [1, 2], "mesh": {"model": 2}}, r"node 'gen' has mesh axis/axes \['model'\]; the axes are \['pp', 'dp', 'tp'\]"),
         ({"ranks": [1, 2], "mesh": {"tp": 0}}, r"node 'gen' has mesh \{'tp': 0\}; every axis size must be an integer >= 1"),
-        ({"ranks": [1, 2], "layout": "tp"}, r"node 'gen' must be a list of ranks or .*unknown key\(s\) \['layout'\]"),
-        ({"mesh": {"tp": 2}}, r"node 'gen' must be a list of ranks"),
+        ({"ranks": [1, 2], "layout": "tp"}, r"node 'gen' must be a list of devices or .*\(Object contains unknown field `layout`\)"),
+        ({"mesh": {"tp": 2}}, r"node 'gen' must be a list of devices or .*\(Object missing required field `ranks`\)"),
     ],
     ids=["product-too-big", "2d-product", "unknown-axis", "zero-axis", "unknown-key", "no-ranks"],
 )
@@ -124,15 +124,16 @@ def test_bad_meshes_are_plan_errors_naming_the_node(tmp_path, gen, match):
     path = tmp_path / "place.json"
     path.write_text(json.dumps({"policy": [0], "gen": gen}))
     with pytest.raises(PlanError, match=match):
-        rank_placement(file_graph(), str(path), 8)
+        rank_plan(file_graph(), str(path), 8)
 
 
 def test_json_placements_give_named_meshes(tmp_path):
     path = tmp_path / "place.json"
     path.write_text(json.dumps({"policy": [0], "gen": {"ranks": [1, 2, 3, 4], "mesh": {"dp": 2, "tp": 2}}}))
-    ranks, plan, axes = read_placement(file_graph(), str(path), 5)
-    assert ranks == {"policy": (0,), "gen": (1, 2, 3, 4)} and plan is None
-    assert axes == {"policy": (("dp",), (1,)), "gen": (("dp", "tp"), (2, 2))}
+    plan = rank_plan(file_graph(), str(path), 5)
+    gen, policy = plan.placements["gen"], plan.placements["policy"]
+    assert (policy.devices, policy.axes, policy.mesh_shape) == ((0,), ("pp", "dp", "tp"), (1, 1, 1))
+    assert (gen.devices, gen.axes, gen.mesh_shape) == ((1, 2, 3, 4), ("pp", "dp", "tp"), (1, 2, 2))
 
 
 def test_collective_options_are_plain_data_and_cover_the_model():

@@ -7,19 +7,20 @@ Every one of its dp_g replicas needs a full copy, split over that replica's tp_g
     per receiver = bytes / (tp_g * pp_g)                 # what one generator device must receive
     per sender   = bytes * dp_g / n_trainer_devices      # every byte leaves the trainer once per replica
 
-By transport (the runtime's names):
+By the transport's declared cost (``TransportTraits.cost``; the built-ins in brackets):
 
-- ``collective`` (and, on GPU clusters, ``inprocess`` / ``shm``, which cannot cross devices
+- ``"collective"`` [``collective``] (and, on GPU clusters, ``"memory"`` transports, which cannot cross devices
   there): direct rank-to-rank transfers (LlamaRL's DDMA): ``max(per receiver, per sender) / bw +
   latency``, over NVLink when trainer and generator share hosts, the NIC otherwise. Colocated with
   the same layout and dtype it is a local copy: ``per receiver / mem_bw``.
-- ``inprocess`` on CPU: one memory copy of ``P * wb`` by one core (the runtime runs a node as
-  one process with a thread per core, so there is one copy whatever dp says); ``shm``: two
-  copies (into the shared segment, out of it).
-- ``file``: written once, read once per replica, through ``file_bandwidth``:
+- ``"memory"`` on CPU: ``memory_copies`` copies of ``P * wb`` by one core (the runtime runs a node as
+  one process with a thread per core, so there is one copy whatever dp says): one for ``inprocess``,
+  two for ``shm`` (into the shared segment, out of it).
+- ``"file"`` [``file``]: written once, read once per replica, through ``file_bandwidth``:
   ``bytes * (1 + dp_g) / file_bandwidth``.
 
-An unknown (user-registered) transport is costed as ``collective``; the estimate notes it.
+A user transport declares its cost (the default is ``"collective"``); a name this process has not
+registered is costed as ``"collective"``, and the estimate notes it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from collections.abc import Sequence
 
 import msgspec
 
+from flowrl.errors import TransportError
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
+from flowrl.runtime.transports.registry import TransportTraits, transport_traits
 
 __all__ = ["SyncEstimate", "estimate_sync"]
 
@@ -56,6 +59,14 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     note: str = ""
 
 
+def _traits(transport: str) -> TransportTraits | None:
+    """The transport's declared traits; None for a name this process has not registered."""
+    try:
+        return transport_traits(transport)
+    except TransportError:
+        return None
+
+
 def estimate_sync(
     model: ModelSpec,
     *,
@@ -76,19 +87,20 @@ def estimate_sync(
     total = model.params * dst_bytes_per_param
     received = int(total * dst_dims.dp)
     mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
-    if transport == "file":
+    traits = _traits(transport)
+    if traits is not None and traits.cost == "file":
         time = total * (1 + dst_dims.dp) / t.file_bandwidth
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="file system write + one read per replica")
-    if dev.kind == "cpu" and transport in ("inprocess", "shm"):
-        copies = 1 if transport == "inprocess" else 2
+    if dev.kind == "cpu" and traits is not None and traits.cost == "memory":
+        copies = traits.memory_copies
         time = copies * total / mem_bw
         # on CPU the runtime runs a node as one process with an intra-op thread per core: one copy
         note = f"{copies} memory cop{'y' if copies == 1 else 'ies'} on one core"
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note=note)
     note = "rank-to-rank reshard"
-    if transport not in ("collective", "inprocess", "shm"):
-        note += f" (user transport {transport!r} costed as collective)"
-    elif transport != "collective":
+    if traits is None:
+        note += f" (user transport {transport!r}, not registered in this process: costed as collective)"
+    elif traits.cost == "memory":
         note += f" ({transport!r} cannot cross devices on a {dev.name} cluster: costed as collective)"
     same_mesh = tuple(src_devices) == tuple(dst_devices)
     if same_mesh and src_dims == dst_dims and src_bytes_per_param == dst_bytes_per_param:

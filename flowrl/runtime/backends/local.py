@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flowrl.graph.ir import Graph
+from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports, build_program
 
-__all__ = ["LocalBackend"]
+if TYPE_CHECKING:
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.controller import RunResult
+
+__all__ = ["LocalBackend", "LocalPrograms"]
 
 
 class LocalBackend:
-    """Builds each node's program here; both sides of a weight edge share one transport object."""
+    """Threads in this process: both sides of a weight edge share one transport object."""
 
     name = "local"
+    crosses_processes = False
+
+    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Run ``graph`` here; torch's intra-op threads are divided among the placement's colocation groups."""
+        from flowrl.runtime.backends.drive import run_with_controller
+
+        return run_with_controller(graph, config, lambda env, placement: LocalPrograms(graph, env),
+                                   crosses_processes=False, set_threads=True, on_step=on_step)
+
+
+class LocalPrograms:
+    """Builds each node's program here; both sides of a weight edge share one transport object."""
 
     def __init__(self, graph: Graph, env: ProgramEnv) -> None:
         self.graph = graph
@@ -19,15 +38,15 @@ class LocalBackend:
         self.transports = SharedTransports(env.transports)
 
     def open(self) -> dict[str, NodeProgram]:
-        hosts: dict[str, NodeProgram] = {}
+        programs: dict[str, NodeProgram] = {}
         try:
             for node in self.graph.nodes:
                 if node.kind != "loss":
-                    hosts[node.name] = build_program(self.graph, node.name, self.env, self.transports)
+                    programs[node.name] = build_program(self.graph, node.name, self.env, self.transports)
         except BaseException:
             self.close()
             raise
-        return hosts
+        return programs
 
     def close(self) -> None:
         self.transports.close()

@@ -1,8 +1,8 @@
 """The ``process`` backend: one OS process per executor on this machine.
 
-Each worker (``flowrl.runtime.worker``) hosts one node's program; the controller's executor thread
+Each worker (``flowrl.runtime.worker``) runs one node's program; the controller's executor thread
 for that node talks to it over a socket pair with msgspec headers and raw tensor bytes (no pickle).
-Weights go over shared memory (``inprocess`` edges become ``shm``). Workers are pinned to their
+Weights go over shared memory (a transport that cannot cross processes, ``inprocess``, becomes ``shm``). Workers are pinned to their
 placement's cores when the placement comes from a CPU plan.
 
 Failure handling: a worker that raises answers with the error and its traceback; a worker that dies
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -29,11 +29,17 @@ import msgspec
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
+from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import Batch, Info, ProgramEnv
+from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
-__all__ = ["ProcessBackend", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
+if TYPE_CHECKING:
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.controller import RunResult
+
+__all__ = ["ProcessBackend", "ProcessWorkers", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
 
 
 class WorkerError(FlowrlError):
@@ -126,15 +132,27 @@ class RemoteProgram:
 
 
 class ProcessBackend:
-    """Starts one worker per executor node and hands the controller proxies to them."""
+    """One OS process per executor on this machine; weights cross processes."""
 
     name = "process"
+    crosses_processes = True
+
+    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Run ``graph`` with one worker per executor node (``ProcessWorkers``), the controller here."""
+        from flowrl.runtime.backends.drive import run_with_controller
+
+        return run_with_controller(graph, config, lambda env, placement: ProcessWorkers(graph, env, placement),
+                                   crosses_processes=True, set_threads=False, on_step=on_step)
+
+
+class ProcessWorkers:
+    """Starts one worker per executor node and hands the controller proxies to them."""
 
     def __init__(self, graph: Graph, env: ProgramEnv, placement: Placement) -> None:
         self.graph = graph
         self.env = env
         self.placement = placement
-        self.hosts: dict[str, RemoteProgram] = {}
+        self.workers: dict[str, RemoteProgram] = {}
 
     def _spawn(self, node: str) -> RemoteProgram:
         """Start the worker of ``node`` and send it its init message (its reply is read by ``open``)."""
@@ -149,7 +167,7 @@ class ProcessBackend:
             stdin=subprocess.DEVNULL,
         )
         child.close()
-        host = RemoteProgram(node, proc, parent)
+        worker = RemoteProgram(node, proc, parent)
         cores = list(self.placement.devices.get(node, ())) if self.placement.pin else []
         send_message(parent, {
             "op": "init",
@@ -159,7 +177,7 @@ class ProcessBackend:
             "cores": cores,
             "threads": self.placement.threads_per_group(),
         })
-        return host
+        return worker
 
     def open(self) -> dict[str, Any]:
         """Start every worker at once (they import torch in parallel), then wait for each to be ready."""
@@ -167,28 +185,28 @@ class ProcessBackend:
         try:
             for node in self.graph.nodes:
                 if node.kind != "loss":
-                    self.hosts[node.name] = self._spawn(node.name)
-            for host in self.hosts.values():
-                host.ready()
+                    self.workers[node.name] = self._spawn(node.name)
+            for worker in self.workers.values():
+                worker.ready()
         except BaseException:
             self.abort()
             self.close()
             raise
-        return dict(self.hosts)
+        return dict(self.workers)
 
     def abort(self) -> None:
-        for host in self.hosts.values():
-            host.abort()
+        for worker in self.workers.values():
+            worker.abort()
 
     def close(self) -> None:
-        for host in self.hosts.values():
-            host.close()
+        for worker in self.workers.values():
+            worker.close()
         self._unlink_segments()
 
     def _unlink_segments(self) -> None:
         """Remove shared-memory segments a killed worker could not unlink itself."""
         for spec in self.env.transports:
-            name = spec.writer_options.get("name") if spec.name == "shm" else None
+            name = spec.writer_options.get("name") if transport_traits(spec.name).needs_segment else None
             if name:
                 path = Path("/dev/shm") / name.lstrip("/")
                 if path.exists():

@@ -7,11 +7,10 @@ Launch (one host; several hosts add ``--nnodes``, ``--rdzv-backend c10d --rdzv-e
 Where things run:
 
 - Device ids of the plan are global ranks. Each heavy node (generator, policy, reference) runs on
-  its ranks; its first rank is its *lead*. ``--plan`` takes a plan file from ``flowrl plan -o`` or,
-  as a fallback, a small JSON placement ``{"node": [ranks, ...], ...}`` (mesh axis ``("dp",)``), where
-  a node may also be ``{"ranks": [...], "mesh": {"dp": 1, "tp": 2}}`` (named axes; their product must
-  be the number of ranks, names among ``pp``, ``dp``, ``tp``). Without ``--plan``: every heavy node on
-  every rank (colocated).
+  its ranks; its first rank is its *lead*. ``--plan`` takes a plan file from ``flowrl plan -o`` or a
+  JSON placement ``{"node": [ranks, ...], ...}`` (a node may also be ``{"ranks": [...], "mesh":
+  {"dp": 1, "tp": 2}}``), read as on every backend (``flowrl.planners.forms``). Without ``--plan``:
+  every heavy node on every rank (colocated).
 - The controller (version clock, channels, staleness gate, metrics, trace, checkpoints) runs on
   rank 0 only: the clock and the staleness invariant need one owner, and metrics, trace and
   checkpoints must be written once. Light nodes (sources, rule scorers) run in threads there too.
@@ -24,7 +23,7 @@ Where things run:
   gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
   idle rank waits without a timeout ticking; collectives run only inside a step, between busy ranks.
 - Each heavy node's ranks form a process group (``dist.new_group``, created by every rank, in graph
-  order) and a ``DeviceMesh`` with the plan's named axes; each collective weight edge a group of
+  order) and a ``DeviceMesh`` with the plan's named axes (``flowrl.runtime.meshes``); each collective weight edge a group of
   exactly its ranks (``_setup_groups``).
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
   (``DataParallelPolicy``: equal to a one-process step up to rounding); a generator on several ranks
@@ -53,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import signal
 import socket
@@ -62,7 +60,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -71,19 +68,24 @@ import torch
 from flowrl.errors import ConfigError, FlowrlError, PlanError
 from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.serialize import to_json
+from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
-from flowrl.runtime.placement import HEAVY_KINDS, Placement
-from flowrl.runtime.run import transport_specs
+from flowrl.planners.forms import read_plan, run_plan
+from flowrl.planners.plan_data import Plan
+from flowrl.runtime.meshes import device_mesh
+from flowrl.runtime.placement import Placement
+from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
+from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.programs import Batch, Info, ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = [
+    "TorchrunBackend",
     "run_torchrun",
-    "rank_placement",
-    "read_placement",
+    "rank_plan",
     "GroupProgram",
     "RankError",
     "DIST_TIMEOUT_S",
@@ -99,104 +101,41 @@ class RankError(FlowrlError):
     """A rank raised or died; the message names the rank and its node."""
 
 
+class TorchrunBackend:
+    """This process is one rank of a torchrun job (see the module docstring)."""
+
+    name = "torchrun"
+    crosses_processes = True
+
+    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Every rank calls this; rank 0 returns the run's result (``run_torchrun``)."""
+        return run_torchrun(graph, config, on_step=on_step)
+
+
 # -- placement --------------------------------------------------------------------------------------
-def rank_placement(graph: Graph, plan_path: str | None, world: int) -> tuple[dict[str, tuple[int, ...]], Any]:
-    """Ranks of every heavy node, and the loaded ``Plan`` (None for a JSON placement or no plan).
-
-    Raises:
-        PlanError: a node missing from the placement, one needing ranks >= ``world``, or a bad mesh.
-    """
-    ranks, plan, _ = read_placement(graph, plan_path, world)
-    return ranks, plan
-
-
-#: Mesh axis names a JSON placement may use (those of flowrl plans).
-MESH_AXES = ("pp", "dp", "tp")
-
 Axes = tuple[tuple[str, ...], tuple[int, ...]]
 
 
-def _json_node(plan_path: str, node: str, value: Any) -> tuple[tuple[int, ...], Axes | None]:
-    """``[ranks]`` or ``{"ranks": [...], "mesh": {"tp": 2, ...}}``: the ranks and the mesh (names, shape)."""
-    if isinstance(value, list):
-        return tuple(value), None
-    ranks, mesh = value.get("ranks"), value.get("mesh", {"dp": len(value.get("ranks") or [])})
-    extra = sorted(set(value) - {"ranks", "mesh"})
-    if extra or not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-        raise PlanError(
-            f"--plan {plan_path}: node {node!r} must be a list of ranks or {{\"ranks\": [...], \"mesh\": {{\"tp\": 2}}}}"
-            + (f"; unknown key(s) {extra}" if extra else "")
-        )
-    if not isinstance(mesh, dict) or not mesh:
-        raise PlanError(f"--plan {plan_path}: node {node!r} has mesh {mesh!r}; give named axis sizes like {{\"dp\": 2, \"tp\": 2}}")
-    unknown = sorted(set(mesh) - set(MESH_AXES))
-    if unknown:
-        raise PlanError(f"--plan {plan_path}: node {node!r} has mesh axis/axes {unknown}; the axes are {list(MESH_AXES)}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh.values()):
-        raise PlanError(f"--plan {plan_path}: node {node!r} has mesh {mesh}; every axis size must be an integer >= 1")
-    size = 1
-    for v in mesh.values():
-        size *= v
-    if size != len(ranks):
-        shape = " x ".join(f"{k}={v}" for k, v in mesh.items())
-        raise PlanError(
-            f"--plan {plan_path}: node {node!r} has mesh {shape} = {size} ranks but {len(ranks)} rank(s) {ranks}; "
-            "the product of the mesh axes must equal the number of ranks"
-        )
-    return tuple(ranks), (tuple(mesh), tuple(mesh.values()))
+def rank_plan(graph: Graph, plan_path: str | None, world: int) -> Plan:
+    """The job's plan: ``--plan``'s (a plan file or a JSON placement, read by ``planners.forms.read_plan``
+    as on every backend) or, without one, every heavy node on every rank; its device ids are ranks.
 
-
-def read_placement(graph: Graph, plan_path: str | None, world: int) -> tuple[dict[str, tuple[int, ...]], Any, dict[str, Axes]]:
-    """Like :func:`rank_placement`, plus each heavy node's mesh (axis names, shape): a plan's axes,
-    a JSON placement's ``mesh``, or ``("dp",)`` over its ranks."""
-    heavy = [n.name for n in graph.nodes if n.kind in HEAVY_KINDS]
-    plan = None
-    axes: dict[str, Axes] = {}
-    if plan_path is None:
-        ranks = {n: tuple(range(world)) for n in heavy}
-    else:
-        try:
-            raw = json.loads(Path(plan_path).read_text())
-        except (OSError, ValueError) as exc:
-            raise PlanError(f"--plan {plan_path}: cannot read it as JSON ({exc})") from None
-        if isinstance(raw, dict) and "placements" in raw:
-            from flowrl.planners.plan import load_plan
-
-            plan = load_plan(plan_path)
-            if plan.graph != graph.name:
-                raise PlanError(f"plan {plan_path!r} was made for graph {plan.graph!r}, not {graph.name!r}; re-plan this graph")
-            ranks = {n: tuple(plan.placements[n].devices) for n in heavy if n in plan.placements}
-            axes = {n: (tuple(plan.placements[n].axes), tuple(plan.placements[n].mesh_shape)) for n in ranks if plan.placements[n].axes}
-        elif isinstance(raw, dict) and all(isinstance(v, (list, dict)) for v in raw.values()):
-            ranks = {}
-            for n, v in raw.items():
-                ranks[n], mesh = _json_node(plan_path, n, v)
-                if mesh is not None:
-                    axes[n] = mesh
-            bad = sorted(n for n, rs in ranks.items() if not all(isinstance(r, int) and not isinstance(r, bool) for r in rs))
-            if bad:
-                raise PlanError(f"--plan {plan_path}: node(s) {bad} must list integer ranks")
-        else:
-            raise PlanError(
-                f"--plan {plan_path}: neither a flowrl plan nor a placement like "
-                f"{{\"gen\": [0], \"policy\": [1, 2]}} or {{\"policy\": [0], \"gen\": {{\"ranks\": [1, 2], \"mesh\": {{\"tp\": 2}}}}}}"
-            )
-        for n in heavy:
-            if not ranks.get(n):
-                raise PlanError(f"--plan {plan_path} gives node {n!r} no ranks; every generator, policy and reference needs at least one")
-        unknown = sorted(set(ranks) - set(heavy))
-        if unknown:
-            raise PlanError(f"--plan {plan_path} places {unknown}, which are not heavy nodes of graph {graph.name!r} (those are {heavy})")
-    for n, rs in ranks.items():
-        if len(set(rs)) != len(rs) or min(rs) < 0:
-            raise PlanError(f"node {n!r} is placed on ranks {list(rs)}: ranks must be distinct and >= 0")
+    Raises:
+        PlanError: a plan or placement that cannot be read, or a node needing ranks >= ``world``.
+    """
+    plan = read_plan(plan_path, graph) if plan_path else run_plan(graph, 0, world, cluster=f"torchrun:{world}")
+    for n, rs in Placement(plan=plan).devices.items():
         if max(rs) >= world:
             raise PlanError(
                 f"node {n!r} needs ranks {list(rs)} but torchrun launched WORLD_SIZE={world} "
                 f"(ranks 0-{world - 1}); launch with --nproc-per-node {max(rs) + 1} (or more), or re-plan for {world} devices"
             )
-        axes.setdefault(n, (("dp",), (len(rs),)))
-    return ranks, plan, axes
+    return plan
+
+
+def _axes(plan: Plan) -> dict[str, Axes]:
+    """Each heavy node's mesh: (axis names, shape)."""
+    return {n: (tuple(plan.placements[n].axes), tuple(plan.placements[n].mesh_shape)) for n in Placement(plan=plan).devices}
 
 
 # -- the controller's side: one node = requests to all its ranks at once -------------------------------
@@ -267,7 +206,7 @@ class GroupProgram:
                 pass
 
     def close(self) -> None:
-        """Nothing yet: the controller closes its hosts before its final checkpoint (which still
+        """Nothing yet: the controller closes its programs before its final checkpoint (which still
         calls ``save``), so the backend ends the ranks' programs itself, with ``shutdown``."""
 
     def shutdown(self) -> None:
@@ -295,22 +234,23 @@ def _one_host() -> bool:
 
 
 def _weight_transport(edge: WeightEdge, programs: Mapping[str, str]) -> str:
-    """The transport a weight edge uses across ranks: the collective one for ``inprocess`` and
-    ``collective`` edges (``weights.COLLECTIVE``), ``shm`` / ``file`` when the graph names them.
+    """The transport a weight edge uses across ranks: the collective one for a collective transport
+    or one that cannot cross processes (``weights.COLLECTIVE``), the graph's own otherwise.
 
-    An ``inprocess`` edge with a user program at either end (synthetic operators, say) moves its
-    weights through ``shm`` on one host and ``file`` otherwise: the collective transport lays out
-    the built-in model's parameters and cannot know a user program's tensors.
+    An edge whose transport cannot cross processes with a user program at either end (synthetic
+    operators, say) moves its weights through ``shm`` on one host and ``file`` otherwise: the
+    collective transport lays out the built-in model's parameters and cannot know a user program's tensors.
     """
+    traits = transport_traits(edge.transport)
     user = edge.src in programs or edge.dst in programs
-    if user and edge.transport == "collective":
+    if user and traits.collective:
         raise ConfigError(
             f"weight edge {edge.src!r} -> {edge.dst!r} asks for the collective transport, but "
             f"{edge.src if edge.src in programs else edge.dst!r} runs a user program: the collective transport "
             "moves the built-in model's parameters only; use transport='shm' or 'file' for this edge"
         )
-    if user and edge.transport == "inprocess":
-        return "shm" if _one_host() else "file"
+    if user and not traits.crosses_processes:
+        return SHARED_MEMORY if _one_host() else SHARED_DIRECTORY
     return weight_transport(edge.transport)
 
 
@@ -338,19 +278,17 @@ def _serve_thread(sock: socket.socket, node: str, errors: list[str]) -> threadin
     return t
 
 
-def _setup_groups(graph: Graph, ctx: RankContext, axes: dict[str, Axes], edges: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _setup_groups(graph: Graph, ctx: RankContext, plan: Plan, edges: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Every rank creates every node's group and mesh, then every collective weight edge's group (its
     participating ranks exactly), in graph order (``new_group`` is collective). Returns the edge groups."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     for node in graph.nodes:
         ranks = ctx.ranks.get(node.name)
         if not ranks:
             continue
         ctx.groups[node.name] = dist.new_group(list(ranks))
-        names, shape = axes.get(node.name, (("dp",), (len(ranks),)))
-        mesh = DeviceMesh(ctx.device.type, torch.tensor(list(ranks)).reshape(shape), mesh_dim_names=names)
+        mesh = device_mesh(plan, node.name, device_type=ctx.device.type)
         if ctx.rank in ranks:
             ctx.meshes[node.name] = mesh
     groups = {}
@@ -382,7 +320,8 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
     import torch.distributed as dist
 
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    ranks, _plan, axes = read_placement(graph, config.plan, world)
+    plan = rank_plan(graph, config.plan, world)
+    ranks, axes = Placement(plan=plan).devices, _axes(plan)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -395,7 +334,7 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
     edges = _edge_options(graph, ctx, axes)
     ok = False
     try:
-        groups = _setup_groups(graph, ctx, axes, edges)
+        groups = _setup_groups(graph, ctx, plan, edges)
         open_edges(edges, groups, rank, device)  # handshakes: every participating rank is here now
         store = dist.distributed_c10d._get_default_store()
         mine = [n for n, rs in ranks.items() if rank in rs]
@@ -404,7 +343,7 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
         else:
             seen: dict[str, Controller] = {}
             with _report_on_sigterm(seen):
-                result = _control(graph, config, store, ctx, on_step, seen, edges)
+                result = _control(graph, config, plan, store, ctx, on_step, seen, edges)
         ok = True
         return result
     finally:
@@ -478,6 +417,7 @@ def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
 def _control(
     graph: Graph,
     config: RunConfig,
+    plan: Plan,
     store: Any,
     ctx: RankContext,
     on_step: Callable[[dict[str, Any]], None] | None,
@@ -489,13 +429,13 @@ def _control(
     host, port = listener.getsockname()[:2]
     store.set(_STORE_KEY, f"{host}:{port}")
     shared = os.environ.get("FLOWRL_WEIGHTS_DIR")
-    if not shared and not _one_host() and any(_weight_transport(e, config.programs) == "file" for e in graph.weight_edges):
+    if not shared and not _one_host() and any(transport_traits(_weight_transport(e, config.programs)).needs_directory for e in graph.weight_edges):
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
     specs = tuple(
         msgspec.structs.replace(s, writer_options=edges[channel(s.src, s.dst)], reader_options=edges[channel(s.src, s.dst)])
         if s.name == COLLECTIVE else s
-        for s in transport_specs(graph, "torchrun", run_dir, choose=lambda e: _weight_transport(e, config.programs))
+        for s in transport_specs(graph, run_dir, crosses_processes=True, choose=lambda e: _weight_transport(e, config.programs), references=False)
     )
     env = ProgramEnv(
         transports=specs,
@@ -505,7 +445,7 @@ def _control(
     )
     local_errors: list[str] = []
     links: dict[str, dict[int, socket.socket]] = {n: {} for n in ctx.ranks}
-    hosts: dict[str, Any] = {}
+    node_programs: dict[str, Any] = {}
     light = SharedTransports(env.transports)
     try:
         # rank 0's own memberships: a socket pair served by a thread
@@ -537,23 +477,23 @@ def _control(
         }
         for node, rs in ctx.ranks.items():
             group = GroupProgram(node, {r: links[node][r] for r in rs})
-            hosts[node] = group
-        for node, group in hosts.items():
+            node_programs[node] = group
+        for node, group in node_programs.items():
             group.init({**init, "node": node})
         for node in graph.nodes:
-            if node.kind != "loss" and node.name not in hosts:
-                hosts[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
-        placement = Placement(devices=dict(ctx.ranks), source=f"torchrun:{config.plan or 'all ranks'}")
-        controller = Controller(graph, config, hosts, placement, on_step=on_step)
+            if node.kind != "loss" and node.name not in node_programs:
+                node_programs[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
+        placement = Placement(plan=plan, source=f"torchrun:{config.plan or 'all ranks'}")
+        controller = Controller(graph, config, node_programs, placement, on_step=on_step)
         seen["controller"] = controller
         return controller.run()
     except BaseException:
-        for h in hosts.values():
+        for h in node_programs.values():
             if isinstance(h, GroupProgram):
                 h.abort()
         raise
     finally:
-        for node, h in hosts.items():
+        for node, h in node_programs.items():
             if isinstance(h, GroupProgram):
                 h.shutdown()
         for node_links in links.values():

@@ -1,8 +1,9 @@
 """Weight edges of a torchrun job: which transport, its plain-data options, and one shared instance per rank.
 
 In a torchrun job a weight edge (policy -> generator) uses the collective transport
-(``flowrl.runtime.transports.collective``) unless the graph names ``shm`` or ``file`` explicitly:
-``inprocess`` (the default, which cannot cross processes) and ``collective`` both become it.
+(``flowrl.runtime.transports.collective``) when its transport is a collective one or cannot cross
+processes (``inprocess``, the default); a transport that crosses processes itself (``shm``, ``file``,
+a user's) is kept.
 
 - Options are plain data (``collective_options``): the parameters' full shapes and dtypes (from the
   policy's ``ModelConfig``, via a model built on the meta device: no memory, no initialisation
@@ -38,7 +39,7 @@ import torch
 from flowrl.errors import ConfigError, TransportError
 from flowrl.graph.ir import Graph
 from flowrl.runtime.resharding import dp_replicas
-from flowrl.runtime.transports.registry import register_transport
+from flowrl.runtime.transports.registry import register_transport, transport_traits
 
 __all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]
 
@@ -51,8 +52,10 @@ _OPTIONS: dict[str, dict[str, Any]] = {}  # channel -> the options it was built 
 
 
 def weight_transport(name: str) -> str:
-    """The transport a weight edge named ``name`` uses across ranks (a registry name)."""
-    if name in ("inprocess", "collective"):
+    """The transport a weight edge named ``name`` uses across ranks (a registry name): the shared
+    per-rank collective for a collective transport and for one that cannot cross processes."""
+    traits = transport_traits(name)
+    if traits.collective or not traits.crosses_processes:
         return COLLECTIVE
     return name
 
@@ -149,7 +152,7 @@ def open_edges(specs: dict[str, dict[str, Any]], groups: dict[str, Any], rank: i
     from flowrl.runtime.transports.collective import CollectiveTransport
 
     # registered here, inside a torchrun job only: graphs validated elsewhere never see the name
-    register_transport(COLLECTIVE, _shared, replace=True)
+    register_transport(COLLECTIVE, _shared, replace=True, traits=CollectiveTransport.traits)
     for ch, options in specs.items():
         if rank not in participants(options):
             continue

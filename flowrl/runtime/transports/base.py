@@ -19,6 +19,9 @@ Contract every transport keeps (checked by ``tests/runtime/transports/conformanc
 - ``close()`` releases what the transport holds (shared memory, files, threads); idempotent. Any
   other call after ``close()`` raises ``TransportError``.
 - ``name`` is the transport's registry name (``"inprocess"``, ``"shm"``, ...), not an instance name.
+- ``traits`` (a class attribute, ``registry.TransportTraits``) says what it is: whether it crosses
+  processes and hosts, which options open it, how the planner costs it. Backends and the planner
+  read it instead of the name; a user factory without one gets the defaults.
 
 A transport is opened on each side of a weight edge from plain keyword options (msgspec-encodable:
 str, int, float, bool, None), because the process backend sends them to another process.

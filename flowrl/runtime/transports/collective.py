@@ -96,6 +96,7 @@ import torch.distributed as dist
 from flowrl.errors import ConfigError, TransportError
 from flowrl.runtime.resharding import ShardLayout, Transfer, local_shape, plan_state
 from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
+from flowrl.runtime.transports.registry import TransportTraits
 from flowrl.runtime.wire import DTYPES as WIRE_DTYPES
 
 __all__ = ["CollectiveTransport", "ParamSpec", "HEADER_BYTES", "DTYPES"]
@@ -237,6 +238,8 @@ class CollectiveTransport:
     """
 
     name = "collective"
+    #: torch.distributed point-to-point between the edge's ranks, built per rank by the torchrun backend
+    traits = TransportTraits(crosses_processes=True, crosses_hosts=True, collective=True, cost="collective")
 
     def __init__(
         self,

@@ -56,6 +56,7 @@ from flowrl.runtime.transports.base import (
     dtype_from_name,
     layout_of,
 )
+from flowrl.runtime.transports.registry import TransportTraits
 
 __all__ = ["SharedMemoryTransport", "ShmHeader", "read_header"]
 
@@ -168,6 +169,8 @@ class SharedMemoryTransport:
     """
 
     name = "shm"
+    #: a named shared-memory segment: processes of one machine; copies in and out of it
+    traits = TransportTraits(crosses_processes=True, needs_segment=True, cost="memory", memory_copies=2)
 
     def __init__(
         self,

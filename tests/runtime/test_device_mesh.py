@@ -1,4 +1,4 @@
-"""``Plan.device_mesh``: a torch DeviceMesh over the node's devices on a running (one-rank, gloo) process group."""
+"""``runtime.meshes.device_mesh``: a torch DeviceMesh over the node's devices on a running (one-rank, gloo) process group."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.planners.plan import plan_graph
+from flowrl.runtime.meshes import device_mesh
 
 dist = pytest.importorskip("torch.distributed")
 
@@ -27,20 +28,20 @@ def one_rank_group():
 def test_device_mesh_needs_a_process_group():
     plan = plan_graph(build_example("llamarl"), "cpu:1")
     with pytest.raises(PlanError, match="needs a running process group"):
-        plan.device_mesh("policy")
+        device_mesh(plan, "policy")
 
 
 def test_device_mesh_on_one_rank(one_rank_group):
     plan = plan_graph(build_example("llamarl"), "cpu:1")
-    mesh = plan.device_mesh("policy")
+    mesh = device_mesh(plan, "policy")
     assert mesh.mesh_dim_names == ("pp", "dp", "tp")
     assert mesh.mesh.tolist() == [[[0]]]
     assert mesh.device_type == "cpu"
     with pytest.raises(PlanError, match="runs on the host and has no device mesh"):
-        plan.device_mesh("reward")
+        device_mesh(plan, "reward")
 
 
 def test_device_mesh_larger_than_the_group(one_rank_group):
     plan = plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated")
     with pytest.raises(PlanError, match=r"placed on devices 1 but the process group has 1 ranks; launch 2 or more ranks"):
-        plan.device_mesh("policy")
+        device_mesh(plan, "policy")

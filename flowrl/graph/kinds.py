@@ -1,0 +1,105 @@
+"""The node kinds in one table: per kind, its node struct (config), program, planner estimator, trace span and picture style.
+
+Every part of flowrl that treats kinds differently reads this table: the runtime builds a node's
+program with ``program`` (``flowrl.runtime.programs``), the controller names its trace spans and the
+planner names its predicted spans with ``span`` (so a measured and a predicted timeline line up),
+the planner costs a node with ``estimator``, and the exporters draw it with ``style``.
+``tests/graph/test_kinds.py`` walks the table, so a kind missing from any part fails loudly.
+
+References are ``module:qualname`` strings, so this module imports neither torch nor the planner.
+To add a kind: one module with its node struct, program and estimator, and one entry here (and
+its name in ``flowrl.graph.nodes.NODE_KINDS``).
+
+Example:
+    >>> KINDS["generator"].span, KINDS["loss"].program
+    ('generate', '')
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["KindSpec", "KindStyle", "KINDS"]
+
+
+class KindStyle(msgspec.Struct, frozen=True, kw_only=True):
+    """How one node kind is drawn.
+
+    Attributes:
+        dot_shape: Graphviz node shape.
+        dot_style: Graphviz node style (always includes ``filled``).
+        mermaid_open: the opening bracket of Mermaid's node shape, e.g. ``[(`` for a cylinder.
+        mermaid_close: the matching closing bracket.
+        fill: fill colour.
+        stroke: border colour.
+    """
+
+    dot_shape: str
+    dot_style: str
+    mermaid_open: str
+    mermaid_close: str
+    fill: str
+    stroke: str
+
+
+class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything flowrl needs to know about one node kind.
+
+    Attributes:
+        node: ``module:qualname`` of its node struct (which holds its config).
+        program: ``module:qualname`` of its program builder ``(node, graph, env, transports) -> NodeProgram``;
+            ``""`` for a kind that runs inside another node's program (the loss, in its policy's step).
+        estimator: ``module:qualname`` of the planner's estimate of one step.
+        runs_on: ``"devices"`` (placed on a mesh of its own), ``"host"`` (the host CPU, beside them) or
+            ``"policy"`` (inside its policy's step, on its mesh).
+        span: the name of one step's span in the measured trace and the predicted timeline.
+        style: how pictures draw it.
+    """
+
+    node: str
+    program: str
+    estimator: str
+    runs_on: Literal["devices", "host", "policy"]
+    span: str
+    style: KindStyle
+
+
+_EST = "flowrl.planners.estimate"
+_PROG = "flowrl.runtime.programs"
+
+#: Every node kind, in ``NODE_KINDS`` order. Data comes from cylinders, models are boxes, rules
+#: hexagons (the loss is an octagon in DOT, where a parallelogram grows too wide for its label).
+KINDS: dict[str, KindSpec] = {
+    "source": KindSpec(
+        node="flowrl.graph.nodes:SourceNode", program=f"{_PROG}:build_source", estimator=f"{_EST}.host:estimate_host",
+        runs_on="host", span="prompts",
+        style=KindStyle(dot_shape="cylinder", dot_style="filled", mermaid_open="[(", mermaid_close=")]", fill="#fff2cc", stroke="#d6b656"),
+    ),
+    "generator": KindSpec(
+        node="flowrl.graph.nodes:GeneratorNode", program=f"{_PROG}:build_generator", estimator=f"{_EST}.generate:estimate_generate",
+        runs_on="devices", span="generate",
+        style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
+    ),
+    "scorer": KindSpec(
+        node="flowrl.graph.nodes:ScorerNode", program=f"{_PROG}:build_scorer", estimator=f"{_EST}.host:estimate_host",
+        runs_on="host", span="score",
+        style=KindStyle(dot_shape="hexagon", dot_style="filled", mermaid_open="{{", mermaid_close="}}", fill="#d5e8d4", stroke="#82b366"),
+    ),
+    "reference": KindSpec(
+        node="flowrl.graph.nodes:ReferenceNode", program=f"{_PROG}:build_reference", estimator=f"{_EST}.train:estimate_train",
+        runs_on="devices", span="reference",
+        style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
+    ),
+    "loss": KindSpec(
+        node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.host:estimate_host",
+        runs_on="policy", span="loss",
+        style=KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
+    ),
+    "policy": KindSpec(
+        node="flowrl.graph.nodes:PolicyNode", program=f"{_PROG}:build_policy", estimator=f"{_EST}.train:estimate_train",
+        runs_on="devices", span="train",
+        style=KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
+    ),
+}

@@ -1,0 +1,314 @@
+"""The ``Plan``'s data and forms: every node's device mesh, parallel dims, predicted times and memory; a compact string and JSON.
+
+The driver that makes plans is ``flowrl.planners.plan.plan_graph``; plans without predictions (a
+JSON placement, a run without ``--plan``) come from ``flowrl.planners.forms``.
+
+Example:
+    >>> p = parse_plan("gen:d1@0 | policy:d2@1-2")
+    >>> {n: (q.devices, q.dims.short()) for n, q in p.items()}
+    {'gen': ((0,), 'd1'), 'policy': ((1, 2), 'd2')}
+
+The compact form lists the nodes that hold devices as ``name:DIMS@DEVICES`` joined by ``" | "``:
+``DIMS`` is ``ParallelDims.short()`` (``d4t2p2``; axes of size 1 left out, ``d1`` for one device),
+``DEVICES`` comma-separated ranges (``0-7`` or ``0-3,8-11``). Loss nodes are left out (they
+always run on their policy's mesh), and so are host-CPU nodes (sources, rule scorers).
+
+The JSON form (``save_plan`` / ``load_plan``) is the whole struct through msgspec; loading
+validates types, unknown fields and mesh shapes, and never executes code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import msgspec
+
+from flowrl.errors import PlanError
+from flowrl.fileio import decode_errors, write_atomic
+from flowrl.planners.cluster import MAX_DEVICES, ClusterSpec
+from flowrl.planners.estimate.common import MemoryBreakdown
+from flowrl.planners.estimate.sync import SyncEstimate
+from flowrl.planners.modelspec import ModelSpec
+from flowrl.planners.parallel import AXES, ParallelDims
+from flowrl.planners.schedule import Span
+from flowrl.planners.tuning import Tuning
+from flowrl.planners.units import device_ranges, format_bytes, format_seconds
+from flowrl.planners.workload import Workload
+
+__all__ = [
+    "Plan",
+    "NodePlacement",
+    "Alternative",
+    "SearchStats",
+    "PLAN_VERSION",
+    "MAX_PLAN_BYTES",
+    "parse_plan",
+    "save_plan",
+    "load_plan",
+    "plan_to_json",
+]
+
+PLAN_VERSION = 1
+_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
+
+
+class NodePlacement(msgspec.Struct, **_STRUCT):
+    """Where one node runs and what it is predicted to cost.
+
+    Attributes:
+        kind: the node's kind (``generator``, ``policy``, ``loss``, ``source`` ...).
+        devices: device ids of its mesh in mesh order (``AXES``: pp outermost, tp innermost);
+            empty for host nodes (sources, rule scorers), which run on the host CPU.
+        dims: its parallel dims (dp * tp * pp == len(devices)).
+        axes: mesh axis names, ``("pp", "dp", "tp")``; empty for host nodes.
+        mesh_shape: sizes along ``axes``.
+        model: the model shape it was estimated with ("" for nodes without a model).
+        time_s: predicted seconds of work per step (a loss node's time is inside its policy's).
+        memory_bytes: predicted bytes per device while it runs, including the resident state
+            (weights, optimizer) of nodes colocated with it.
+        memory: its own bytes per device by kind.
+        breakdown: named parts of ``time_s``.
+        notes: choices the estimate made (micro-batch, checkpointing, waves, precision).
+    """
+
+    kind: str
+    devices: tuple[int, ...] = ()
+    dims: ParallelDims = ParallelDims()
+    axes: tuple[str, ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    model: str = ""
+    time_s: float = 0.0
+    memory_bytes: int = 0
+    memory: MemoryBreakdown = MemoryBreakdown()
+    breakdown: dict[str, float] = {}
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            if self.axes or self.mesh_shape:
+                raise PlanError(f"a {self.kind} placement without devices cannot have mesh axes {self.axes} / shape {self.mesh_shape}")
+            return
+        if len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
+            raise PlanError(f"a {self.kind} placement lists devices {self.devices}: ids must be distinct and >= 0")
+        if tuple(self.axes) != AXES or tuple(self.mesh_shape) != self.dims.mesh_shape:
+            raise PlanError(
+                f"a {self.kind} placement has axes {self.axes} and mesh_shape {self.mesh_shape}; "
+                f"expected axes {AXES} and shape {self.dims.mesh_shape} from dims {self.dims.short()}"
+            )
+        if self.dims.size != len(self.devices):
+            raise PlanError(
+                f"a {self.kind} placement: dp({self.dims.dp}) * tp({self.dims.tp}) * pp({self.dims.pp}) = {self.dims.size} "
+                f"!= devices({len(self.devices)})"
+            )
+
+
+class Alternative(msgspec.Struct, **_STRUCT):
+    """A candidate the search ranked below the chosen one, in compact form, with why it lost."""
+
+    placement: str
+    family: str
+    step_s: float
+    sync_step_s: float
+    async_step_s: float
+    reason: str
+
+
+class SearchStats(msgspec.Struct, **_STRUCT):
+    """How much the search looked at: placements estimated in full, those that did not fit, and
+    the candidate that missed by the least (its node, memory need and excess)."""
+
+    evaluated: int = 0
+    infeasible: int = 0
+    closest_miss: str = ""
+
+
+class Plan(msgspec.Struct, **_STRUCT):
+    """A placement of every node of a graph on a cluster, with its predicted cost.
+
+    Attributes:
+        graph: the graph's name.
+        cluster: the cluster's name (``"1024xH100"``, ``"cpu:2"``, ``"cpu-calibrated"``).
+        strategy: ``colocated``, ``disaggregated``, ``search``, ``manual`` (a given placement) or a
+            run strategy (``all-colocated``, ``halves``: a run without a plan).
+        family: what the chosen placement is: ``colocated`` (every heavy node on one mesh),
+            ``disaggregated`` (generators and trainers on disjoint meshes) or ``manual``.
+        max_staleness: the k the step time assumes (0: synchronous).
+        workload: tokens of one step (prompts, samples, prompt and generation lengths); None in a
+            plan without predictions (a placement given as JSON, a run's default: ``planners.forms``).
+        placements: every node of the graph, loss nodes included (on their policy's mesh).
+        weight_syncs: one predicted transfer per weight edge.
+        sync_step_s: predicted step time with k = 0 on this placement (generate, score, train, sync in turn).
+        async_step_s: predicted step time with k >= 1 on this placement (busiest colocation group).
+        step_s: the one that applies at ``max_staleness``.
+        speedup: ``sync_step_s / async_step_s``.
+        baseline_step_s: the synchronous colocated baseline on every device (LlamaRL's comparison);
+            None when no colocated placement fits.
+        speedup_vs_baseline: ``baseline_step_s / step_s``.
+        bottleneck: the node that sets the pace of the async step, and its share of it.
+        timeline: predicted spans of one step at ``max_staleness`` (async spans are steady state).
+        alternatives: runners-up with the reason each lost (search strategies only).
+        search: how many candidates were estimated.
+        cluster_spec, models, tuning: everything the prediction used, so a plan file explains itself.
+        version: the plan file format version.
+    """
+
+    graph: str
+    cluster: str
+    strategy: str
+    family: str
+    max_staleness: int
+    workload: Workload | None
+    placements: dict[str, NodePlacement]
+    weight_syncs: tuple[SyncEstimate, ...] = ()
+    sync_step_s: float = 0.0
+    async_step_s: float = 0.0
+    step_s: float = 0.0
+    speedup: float = 1.0
+    baseline_step_s: float | None = None
+    speedup_vs_baseline: float | None = None
+    bottleneck: str = ""
+    timeline: tuple[Span, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    search: SearchStats = SearchStats()
+    cluster_spec: ClusterSpec | None = None
+    models: dict[str, ModelSpec] = {}
+    tuning: Tuning = Tuning()
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"plan format version {self.version} is not supported (this flowrl reads version {PLAN_VERSION}); re-plan")
+        if self.cluster_spec is not None:
+            n = self.cluster_spec.n_devices
+            for name, p in self.placements.items():
+                if p.devices and max(p.devices) >= n:
+                    raise PlanError(f"plan places node {name!r} on device {max(p.devices)}, but cluster {self.cluster!r} has devices 0-{n - 1}")
+
+    # -- what other parts of flowrl call ------------------------------------------------------
+    def node_label(self, name: str) -> str:
+        """One short line for pictures: ``"devices 0-3 · dp2 tp2 · 1.2 s · 10.5 GiB"``."""
+        p = self._placement(name)
+        if p.kind == "loss":
+            owner = next((n for n, q in self.placements.items() if q.kind == "policy" and q.devices == p.devices), "its policy")
+            return f"in {owner}'s step · devices {device_ranges(p.devices)}" if p.devices else f"in {owner}'s step"
+        if not p.devices:
+            return f"host CPU · {format_seconds(p.time_s)}"
+        axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
+        return f"devices {device_ranges(p.devices)} · {axes} · {format_seconds(p.time_s)} · {format_bytes(p.memory_bytes)}"
+
+    def colocation_groups(self) -> list[list[str]]:
+        """Node names that share any device (the runtime serialises each group); loss nodes included.
+
+        Example:
+            >>> from flowrl.examples import build_example
+            >>> from flowrl.planners.plan import plan_graph
+            >>> plan_graph(build_example("llamarl"), "cpu:2", strategy="colocated").colocation_groups()
+            [['aipo', 'gen', 'policy']]
+        """
+        from flowrl.planners.schedule import colocation_groups
+
+        return colocation_groups({n: p.devices for n, p in self.placements.items()})
+
+    def __str__(self) -> str:
+        parts = [f"{n}:{p.dims.short()}@{device_ranges(p.devices)}" for n, p in self.placements.items() if p.devices and p.kind != "loss"]
+        return " | ".join(parts)
+
+    def _placement(self, name: str) -> NodePlacement:
+        try:
+            return self.placements[name]
+        except KeyError:
+            raise PlanError(f"plan for graph {self.graph!r} has no node {name!r}; nodes: {', '.join(self.placements)}") from None
+
+
+# -- compact string form --------------------------------------------------------------------------
+_PART = re.compile(r"^(?P<name>[^\s|@]+):(?P<dims>[dtp0-9]+)@(?P<devices>[0-9,\- ]+)$")
+
+
+def _parse_devices(text: str, part: str) -> tuple[int, ...]:
+    ids: list[int] = []
+    for piece in text.replace(" ", "").split(","):
+        if not piece:
+            continue
+        lo, _, hi = piece.partition("-")
+        try:
+            a, b = int(lo), int(hi) if hi else int(lo)
+        except ValueError:
+            raise PlanError(f"placement {part!r}: cannot read device range {piece!r}; write e.g. '0-7' or '0-3,8-11'") from None
+        if b < a:
+            raise PlanError(f"placement {part!r}: device range {piece!r} runs backwards")
+        if b >= MAX_DEVICES or len(ids) + b - a >= MAX_DEVICES:  # before listing them: '0-99999999999' would fill the memory
+            raise PlanError(f"placement {part!r}: device range {piece!r} goes past the {MAX_DEVICES} devices a plan can list")
+        ids.extend(range(a, b + 1))
+    if not ids:
+        raise PlanError(f"placement {part!r} names no devices")
+    return tuple(ids)
+
+
+def parse_plan(text: str) -> dict[str, NodePlacement]:
+    """The placements in a compact plan string (``"gen:d4t2@0-7 | policy:d8@8-15"``), without predictions.
+
+    Raises:
+        PlanError: naming the part that cannot be read and the expected form.
+    """
+    out: dict[str, NodePlacement] = {}
+    for raw in text.split("|"):
+        part = raw.strip()
+        if not part:
+            continue
+        m = _PART.match(part)
+        if not m:
+            raise PlanError(f"cannot read placement {part!r}; write NODE:DIMS@DEVICES, e.g. 'gen:d4t2@0-7' (dims dp/tp/pp, devices as ranges)")
+        name = m.group("name")
+        if name in out:
+            raise PlanError(f"placement string names node {name!r} twice")
+        dims = ParallelDims.parse(m.group("dims"))
+        devices = _parse_devices(m.group("devices"), part)
+        if dims.size != len(devices):
+            raise PlanError(f"placement {part!r}: dp({dims.dp}) * tp({dims.tp}) * pp({dims.pp}) = {dims.size} != devices({len(devices)})")
+        out[name] = NodePlacement(kind="", devices=devices, dims=dims, axes=AXES, mesh_shape=dims.mesh_shape)
+    if not out:
+        raise PlanError(f"placement string {text!r} is empty; write e.g. 'gen:d4@0-3 | policy:d4@4-7'")
+    return out
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+_encoder = msgspec.json.Encoder(order="deterministic")
+
+#: Plan files larger than this are refused before parsing.
+MAX_PLAN_BYTES = 64 * 1024 * 1024
+
+
+def plan_to_json(plan: Plan, *, indent: int = 2) -> str:
+    """The plan as JSON text; ``load_plan`` reads it back equal."""
+    raw = _encoder.encode(plan)
+    return (msgspec.json.format(raw, indent=indent) if indent else raw).decode()
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Write ``plan`` as JSON atomically (``flowrl.fileio.write_atomic``); ``PlanError`` naming the path otherwise."""
+    write_atomic(path, plan_to_json(plan).encode() + b"\n", error=PlanError, what="plan ")
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan file written by ``save_plan`` (or ``flowrl plan -o``); never executes code.
+
+    Raises:
+        PlanError: naming the file and what is wrong (missing, not JSON, wrong schema, bad mesh).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"plan file {str(p)!r} does not exist; write one with 'flowrl plan GRAPH --cluster SPEC -o {p}'")
+    try:
+        size = p.stat().st_size
+        if size > MAX_PLAN_BYTES:
+            raise PlanError(f"plan file {str(p)!r} is {size} bytes, over the {MAX_PLAN_BYTES}-byte limit; is it a flowrl plan?")
+        data = p.read_bytes()
+    except OSError as exc:
+        raise PlanError(f"cannot read plan file {str(p)!r}: {exc.strerror}") from None
+    with decode_errors(PlanError, mismatch=f"plan file {str(p)!r} does not match the flowrl plan schema", invalid=f"plan file {str(p)!r} is not valid JSON"):
+        try:
+            return msgspec.json.decode(data, type=Plan)
+        except PlanError as exc:  # a check in the structs' __post_init__ (mesh shapes, devices)
+            raise PlanError(f"plan file {str(p)!r}: {exc}") from None

@@ -1,0 +1,96 @@
+"""The backend protocol and registry: a backend decides where a run's node programs live.
+
+A :class:`Backend` runs a whole graph: ``run(graph, config, on_step=...)`` returns the run's
+``RunResult``. ``run_graph`` (``flowrl.runtime.run``) checks what every backend needs checked, then
+dispatches through this registry by ``RunConfig.backend``. The built-ins:
+
+- ``local`` (``backends.local``): every program in this process, on the controller's threads;
+- ``process`` (``backends.process``): one OS process per executor on this machine;
+- ``torchrun`` (``backends.torchrun``): this process is one rank of a torch.distributed job.
+
+``local`` and ``process`` share their driver (``backends.drive.run_with_controller``: one controller in this
+process over node programs); ``torchrun`` drives its own ranks. A backend declares
+``crosses_processes``: whether the two ends of a weight edge may live in different processes, which
+decides the transport each edge opens (``flowrl.runtime.weight_edges``).
+
+To add a backend: one module with a class that has ``name``, ``crosses_processes`` and ``run``, and
+one ``register_backend`` call (or one entry in ``BUILTIN_BACKENDS``). This module imports nothing heavy.
+
+Example:
+    >>> backend_names()
+    ['local', 'process', 'torchrun']
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from flowrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.controller import RunResult
+
+__all__ = ["Backend", "BUILTIN_BACKENDS", "register_backend", "backend_names", "create_backend", "OnStep"]
+
+OnStep = Callable[[dict[str, Any]], None]
+
+#: Built-in backends: name -> "module:class". Imported on first use.
+BUILTIN_BACKENDS: dict[str, str] = {
+    "local": "flowrl.runtime.backends.local:LocalBackend",
+    "process": "flowrl.runtime.backends.process:ProcessBackend",
+    "torchrun": "flowrl.runtime.backends.torchrun:TorchrunBackend",
+}
+
+_USER_BACKENDS: dict[str, Callable[[], Backend]] = {}
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where a run's programs live and how the run is driven there.
+
+    Attributes:
+        name: the registry name (``RunConfig.backend``).
+        crosses_processes: the two ends of a weight edge may be in different processes, so a
+            transport that cannot cross processes is replaced (``weight_edges.transport_specs``).
+    """
+
+    name: str
+    crosses_processes: bool
+
+    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Execute ``graph`` for ``config.steps`` trainer steps; ``NodeExecutionError`` on failure."""
+        ...
+
+
+def register_backend(name: str, factory: Callable[[], Backend], *, replace: bool = False) -> None:
+    """Make ``factory()`` the backend ``RunConfig(backend=name)`` runs on.
+
+    Raises:
+        ConfigError: if ``name`` is taken and ``replace`` is False.
+    """
+    if not replace and (name in BUILTIN_BACKENDS or name in _USER_BACKENDS):
+        raise ConfigError(f"backend {name!r} is already registered; pass replace=True to override it")
+    _USER_BACKENDS[name] = factory
+
+
+def backend_names() -> list[str]:
+    """Every backend a run may name: the built-ins and the registered ones, sorted."""
+    return sorted({*BUILTIN_BACKENDS, *_USER_BACKENDS})
+
+
+def create_backend(name: str) -> Backend:
+    """A new backend of kind ``name``.
+
+    Raises:
+        ConfigError: for a name nobody registered, listing the known ones.
+    """
+    if name in _USER_BACKENDS:
+        return _USER_BACKENDS[name]()
+    if name not in BUILTIN_BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; choose one of {backend_names()} (or register yours with register_backend)")
+    module_name, attr = BUILTIN_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module_name), attr)()

@@ -1,0 +1,72 @@
+"""The driver shared by the backends whose controller runs in this process over a set of node programs (local, process).
+
+A node's *program* is what the controller's executor thread calls for it: a program built here
+(``local``) or a proxy to a program in a worker process (``process``). (In flowrl "host" means a
+machine only.) :func:`run_with_controller` resolves
+the placement, opens every weight edge's transport options in a temporary run directory, opens the
+programs, runs the controller over them, and closes everything whatever happens.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from flowrl.graph.ir import Graph
+from flowrl.runtime.backends.base import OnStep
+from flowrl.runtime.config import RunConfig
+from flowrl.runtime.controller import Controller, RunResult
+from flowrl.runtime.placement import Placement, run_placement
+from flowrl.runtime.programs import NodeProgram, ProgramEnv
+from flowrl.runtime.weight_edges import transport_specs
+
+__all__ = ["ProgramSet", "run_with_controller"]
+
+
+class ProgramSet(Protocol):
+    """The programs of one run: ``open`` builds (or starts) one per executor node, ``close`` ends them."""
+
+    def open(self) -> dict[str, NodeProgram]: ...
+
+    def close(self) -> None: ...
+
+
+def run_with_controller(
+    graph: Graph,
+    config: RunConfig,
+    open_programs: Callable[[ProgramEnv, Placement], ProgramSet],
+    *,
+    crosses_processes: bool,
+    set_threads: bool,
+    on_step: OnStep | None = None,
+) -> RunResult:
+    """Run ``graph`` with one controller in this process over the programs ``open_programs`` gives.
+
+    Args:
+        graph, config: what to run and how.
+        open_programs: builds the run's programs from the programs' environment and the placement.
+        crosses_processes: the programs live in other processes (decides the weight edges' transports).
+        set_threads: size this process's torch intra-op threads for the run (the programs run here).
+        on_step: called with each metrics row.
+    """
+    placement = run_placement(graph, config)
+    with tempfile.TemporaryDirectory(prefix="flowrl-run-") as run_dir:
+        env = ProgramEnv(
+            transports=transport_specs(graph, run_dir, crosses_processes=crosses_processes),
+            programs=dict(config.programs),
+            seed=config.seed,
+            options=dict(config.options),
+        )
+        programs = open_programs(env, placement)
+        threads = torch.get_num_threads()
+        if set_threads:
+            torch.set_num_threads(config.threads or placement.threads_per_group())
+        try:
+            controller = Controller(graph, config, programs.open(), placement, on_step=on_step)
+            return controller.run()
+        finally:
+            programs.close()
+            torch.set_num_threads(threads)

@@ -1,0 +1,106 @@
+"""A run's checkpoints as the controller takes and restores them: the policies' state plus the data position.
+
+The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belong to
+``flowrl.runtime.checkpoint``; this module decides what a run puts in them and reads back:
+
+- :func:`save_run_checkpoint`: every policy program saves its state into a staging folder, which
+  is committed with the run's version and data position (the index of the next unread prompt). A
+  failure removes the staging folder and names the previous checkpoint, which stays intact.
+- :func:`restore_run_checkpoint`: loads the newest checkpoint into the programs (each policy
+  its state; each source seeks to the data position), or returns None when there is none.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+
+from flowrl.errors import CheckpointError
+from flowrl.graph.ir import Graph
+from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta
+from flowrl.runtime.programs import NodeProgram
+
+__all__ = ["Restored", "save_run_checkpoint", "restore_run_checkpoint"]
+
+
+class Restored(msgspec.Struct, frozen=True, kw_only=True):
+    """What a resumed run continues from: the checkpoint's folder, version and data position."""
+
+    path: Path
+    version: int
+    data_position: int
+
+
+def save_run_checkpoint(
+    directory: str,
+    graph: Graph,
+    programs: Mapping[str, NodeProgram],
+    *,
+    version: int,
+    data_position: int,
+    previous: Path | None,
+) -> Path:
+    """Checkpoint the state of every policy in ``programs`` at ``version``; returns the committed folder.
+
+    Raises:
+        CheckpointError: a program failed to save or the disk is full, naming the step, the folder
+            and the intact ``previous`` checkpoint.
+    """
+    writer = CheckpointWriter(directory, graph=graph)
+    staging = writer.staging(version)
+    files = {}
+    try:
+        for node in graph.nodes_of_kind("policy"):
+            files[node.name] = f"policy-{node.name}.pt"
+            programs[node.name].save(str(staging / files[node.name]))
+        meta = CheckpointMeta(
+            version=version,
+            data_position=data_position,
+            graph=graph.name,
+            graph_sha256=graph_fingerprint(graph),
+            files=files,
+            wall_time=time.time(),
+        )
+        return writer.commit(staging, meta)
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
+        kept = f"; the previous checkpoint {previous} is intact" if previous else ""
+        raise CheckpointError(
+            f"writing the checkpoint of step {version} to {directory} failed "
+            f"({type(exc).__name__}: {exc}){kept}; free disk space or choose another --checkpoint-dir"
+        ) from exc
+
+
+def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, NodeProgram], *, steps: int) -> Restored | None:
+    """Load the newest checkpoint in ``directory`` into ``programs``; None when there is none (a fresh run).
+
+    Raises:
+        CheckpointError: the checkpoint holds a node this graph lacks, a file cannot be loaded, or it
+            is already at ``steps``.
+    """
+    path = latest_checkpoint(directory)
+    if path is None:
+        return None
+    meta = read_meta(path, graph)
+    for name, fname in meta.files.items():
+        if name not in programs:
+            raise CheckpointError(f"checkpoint {path} holds state for node {name!r}, which this graph lacks")
+        try:
+            programs[name].load(str(path / fname))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a corrupt, foreign or poisoned file (weights_only refuses code)
+            raise CheckpointError(
+                f"checkpoint {path} cannot be loaded: {fname} for node {name!r} is unreadable "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
+            ) from exc
+    for node in graph.nodes_of_kind("source"):
+        programs[node.name].seek(meta.data_position)
+    if meta.version >= steps:
+        raise CheckpointError(f"checkpoint {path} is at step {meta.version}, already >= --steps {steps}; raise --steps to train further")
+    return Restored(path=path, version=meta.version, data_position=meta.data_position)

@@ -1,0 +1,72 @@
+"""The transport each weight edge of a run opens, with its options (``TransportSpec``), from the transports' traits.
+
+Every backend calls :func:`transport_specs` once per run. A transport's traits
+(``flowrl.runtime.transports.registry.TransportTraits``) decide its options: one that
+``needs_segment`` gets a fresh shared-memory segment name, one that ``needs_directory`` a folder
+under the run's directory. In a backend whose processes differ from edge end to edge end
+(``crosses_processes``) a transport that cannot cross processes becomes shared memory, and a user
+transport carries its factory's reference so that a worker can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from flowrl.graph.ir import Graph, WeightEdge
+from flowrl.runtime.programs import TransportSpec
+from flowrl.runtime.transports.registry import transport_reference, transport_traits
+
+__all__ = ["transport_specs", "SHARED_MEMORY", "SHARED_DIRECTORY"]
+
+#: The built-in transport that carries weights between the processes of one machine.
+SHARED_MEMORY = "shm"
+#: The built-in transport that carries weights between machines through a directory they all see.
+SHARED_DIRECTORY = "file"
+
+
+def transport_specs(
+    graph: Graph,
+    run_dir: str,
+    *,
+    crosses_processes: bool = False,
+    choose: Callable[[WeightEdge], str] | None = None,
+    references: bool | None = None,
+) -> tuple[TransportSpec, ...]:
+    """Open options for each weight edge's transport.
+
+    Args:
+        graph: the run's graph.
+        run_dir: a directory of the run, for transports that need one.
+        crosses_processes: the backend puts an edge's ends in different processes: a transport that
+            cannot cross them becomes ``SHARED_MEMORY``.
+        choose: maps an edge to the transport this backend uses for it (replaces the rule above).
+        references: ship user transports' factory references (default: ``crosses_processes``).
+
+    Raises:
+        TransportError: an edge names a transport nobody registered, or (with ``references``) a user
+            transport that another process cannot import.
+    """
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    ship = crosses_processes if references is None else references
+    specs = []
+    for e in graph.weight_edges:
+        if choose is not None:
+            name = choose(e)
+        else:
+            stays = not crosses_processes or transport_traits(e.transport).crosses_processes
+            name = e.transport if stays else SHARED_MEMORY
+        traits = transport_traits(name)
+        writer: dict[str, Any] = {}
+        reader: dict[str, Any] = {}
+        if traits.needs_segment:
+            seg = f"flowrl-{token}-{e.src}-{e.dst}"
+            writer, reader = {"name": seg, "create": True}, {"name": seg, "create": False}
+        elif traits.needs_directory:
+            directory = os.path.join(run_dir, f"weights-{e.src}-{e.dst}")
+            writer = reader = {"directory": directory}
+        factory = transport_reference(name) if ship else ""
+        specs.append(TransportSpec(src=e.src, dst=e.dst, name=name, factory=factory, writer_options=writer, reader_options=reader))
+    return tuple(specs)
