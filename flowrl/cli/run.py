@@ -58,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line of metrics per trainer step")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
+    p.add_argument("--log-samples", type=int, default=0, metavar="N", help="every N steps, print a few decoded samples (prompt -> completion, reward) and keep them in the metrics rows")
     p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
@@ -115,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
             programs=synthetic_programs(graph) if args.synthetic else {},
             options=options,
             progress=not args.quiet,
+            log_samples=args.log_samples,
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None

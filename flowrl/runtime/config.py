@@ -35,6 +35,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         channel_capacity: messages per data edge; 0 picks ``max_staleness + 1``.
         stall_timeout_s: fail the run if no executor finishes a step for this long.
         progress: draw a progress bar on stderr.
+        log_samples: every N trainer steps, decode a few samples of the batch into the metrics row
+            (``samples_text``; ``flowrl.runtime.samples``); 0 never.
         threads: torch intra-op threads of the local backend; 0 divides the cores among the
             placement's colocation groups.
     """
@@ -55,6 +57,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     stall_timeout_s: float = 300.0
     progress: bool = False
     threads: int = 0
+    log_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in backend_names():
@@ -63,6 +66,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError(f"steps={self.steps} must be >= 1")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"max_staleness={self.max_staleness} must be >= 0 (0 is synchronous on-policy training)")
+        if self.log_samples < 0:
+            raise ConfigError(f"log_samples={self.log_samples} must be >= 0 (0: never)")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be >= 0")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:

@@ -45,6 +45,7 @@ from flowrl.runtime.channels import Channel, ChannelClosed, Message
 from flowrl.runtime.clock import ClockStopped, VersionClock
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.metrics import MetricsWriter, step_row
+from flowrl.runtime.samples import SampleLogger
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import NodeProgram
 from flowrl.runtime.resume import restore_run_checkpoint, save_run_checkpoint
@@ -138,6 +139,10 @@ class Controller:
         self.reward_weights: dict[str, float] = {}
         for loss in graph.nodes_of_kind("loss"):
             self.reward_weights.update(loss.loss.reward_weights)  # type: ignore[union-attr]
+        self._sample_loggers = {  # --log-samples: decoded samples in the metrics rows
+            node.name: SampleLogger(graph, node.name, every=config.log_samples, reward_weights=self.reward_weights)
+            for node in graph.nodes_of_kind("policy")
+        } if config.log_samples else {}
         self._build_executors(node_programs)
 
     # -- wiring -------------------------------------------------------------------------------------
@@ -350,6 +355,10 @@ class Controller:
             seq=seq, version=version, rollout_version=rollout_version, batch=batch, info=info, gen=gen,
             reward_weights=self.reward_weights, time_s=time.perf_counter() - self._t0, idle_s=idle,
         )
+        logger = self._sample_loggers.get(ex.name)
+        texts = logger(version, batch) if logger is not None else None
+        if texts:
+            row["samples_text"] = texts
         consumed = row["prompt_index"]
         self.rows.append(row)
         self._metrics.write(row)

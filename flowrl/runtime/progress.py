@@ -47,6 +47,9 @@ class ProgressBar:
             f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] reward {row['reward_mean']:.3f} "
             f"staleness {row['staleness']} {rate:6.1f} samples/s ETA {eta:4.0f}s"
         )
+        for sample in row.get("samples_text", ()):  # --log-samples: above the bar, which is redrawn below
+            line = f"  sample: {sample['prompt']!r} -> {sample['completion']!r}  reward {sample['reward']:.3f}"
+            self.stream.write(("\r\033[K" if self.tty else "") + line + "\n")
         if self.tty:
             self.stream.write("\r" + text)
             if step >= self.total:

@@ -1,0 +1,58 @@
+"""Samples of what the model writes, decoded during a run (``flowrl run --log-samples N``).
+
+Every ``N`` trainer steps the controller decodes a few samples of the batch the policy just
+consumed (one per prompt group, the first ``count`` groups) with the tokenizer of the policy's model
+and puts them in the step's metrics row as ``samples_text``: a list of ``{"prompt", "completion",
+"reward"}`` (the combined reward the loss saw). The progress bar prints them; the metrics file keeps
+them, so a run's samples can be read back next to its curves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from flowrl.graph.ir import Graph
+from flowrl.operators.scoring import unpad
+
+__all__ = ["SampleLogger"]
+
+
+class SampleLogger:
+    """Decodes ``count`` samples of a training batch every ``every`` steps (see the module docstring).
+
+    Args:
+        graph: the graph (the policy's model gives the tokenizer).
+        policy: the policy node's name.
+        every: steps between logged samples; count: samples per log.
+        reward_weights: reward field -> weight of the combined reward.
+    """
+
+    def __init__(self, graph: Graph, policy: str, *, every: int, count: int = 2, reward_weights: Mapping[str, float]) -> None:
+        self.graph, self.policy, self.every, self.count = graph, policy, every, count
+        self.reward_weights = dict(reward_weights)
+        self._decode: Callable[[list[int]], str] | None = None
+
+    def __call__(self, version: int, batch: Mapping[str, torch.Tensor]) -> list[dict[str, Any]] | None:
+        """The decoded samples for the step that produced ``version``, or None when it is not a logging step."""
+        if self.every <= 0 or version % self.every or "completion_ids" not in batch:
+            return None
+        if self._decode is None:  # the tokenizer is loaded on first use (HF: from the model directory)
+            from flowrl.models.registry import model_tokens
+
+            self._decode = model_tokens(self.graph.node(self.policy).model).decode  # type: ignore[attr-defined]
+        prompts, completions = unpad(batch)
+        groups = batch["group_ids"].tolist() if "group_ids" in batch else list(range(len(prompts)))
+        rewards = sum(w * batch[k].float() for k, w in self.reward_weights.items() if k in batch)
+        picked, seen = [], set()
+        for i, g in enumerate(groups):
+            if g in seen:
+                continue
+            seen.add(g)
+            reward = float(rewards[i]) if isinstance(rewards, torch.Tensor) else 0.0
+            picked.append({"prompt": self._decode(prompts[i]), "completion": self._decode(completions[i]), "reward": round(reward, 4)})
+            if len(picked) >= self.count:
+                break
+        return picked
