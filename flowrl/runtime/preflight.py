@@ -47,7 +47,7 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
         if nbytes > limit:
             node = graph.node(name)
             shape, seq = shapes[name]
-            size = f"{shape.params:.3g} parameters, vocab_size={shape.vocab_size}, dim={shape.dim}, n_layers={shape.n_layers}, max_seq_len={seq}"
+            size = f"vocab_size={shape.vocab_size}, dim={shape.dim}, n_layers={shape.n_layers}, max_seq_len={seq}, {shape.params:.3g} parameters"
             if node.kind == "generator":
                 size += f", n_samples={node.sampling.n_samples}, prompts per batch={sum(getattr(p, 'source').batch_size for p in graph.producers(name) if p.kind == 'source')}"
             raise ConfigError(

@@ -51,5 +51,5 @@ def test_an_hf_model_too_big_for_this_machine_is_refused_before_it_is_built(tmp_
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (big / name).write_bytes((ASSETS / name).read_bytes())
     check_fits_in_memory(build_hf_copy(), memory_bytes=2**30)
-    with pytest.raises(ConfigError, match=r"node 'gen' \(generator\) needs at least .* GiB \(4.04e\+11 parameters, vocab_size=128256"):
+    with pytest.raises(ConfigError, match=r"node 'gen' \(generator\) needs at least .* GiB \(vocab_size=128256, dim=16384, n_layers=126, max_seq_len=64, 4.04e\+11 parameters"):
         run_graph(build_hf_copy(model_dir=big), RunConfig(steps=1))
