@@ -13,6 +13,8 @@ State it keeps (each guarded as noted):
 - ``locks``: one lock per colocation group of the placement; an executor holds its group's lock
   for the whole of a program step, so executors that share devices never run at the same time.
 - ``_gen_info`` (``_lock``): per (generator, seq) timings and the version the rollout used.
+- ``_source_info`` (``_lock``): per seq, the sources' namespaced metrics (``data/epoch``,
+  ``data/prompts_dropped``, ...), merged into that step's metrics row.
 - ``_failure`` (``_lock``): the first error, with its node and step; set once, then ``_stop``.
 
 Invariants:
@@ -125,6 +127,7 @@ class Controller:
         self._done = threading.Event()
         self._failure: tuple[str, int | None, BaseException] | None = None
         self._gen_info: dict[tuple[str, int], dict[str, Any]] = {}
+        self._source_info: dict[int, dict[str, Any]] = {}
         self._idle: dict[int, float] = {}
         self._progress_at = time.monotonic()
         self._t0 = 0.0
@@ -316,6 +319,9 @@ class Controller:
         if ex.kind == "generator":
             with self._lock:
                 self._gen_info[(ex.name, seq)] = info
+        elif ex.kind == "source" and any("/" in key for key in info):
+            with self._lock:
+                self._source_info.setdefault(seq, {}).update({k: v for k, v in info.items() if "/" in k})
         elif ex.kind == "policy":
             self._on_train_step(ex, seq, inputs, info, idle)
         for ch, fields in ex.outputs:
@@ -351,10 +357,12 @@ class Controller:
         with self._lock:
             for g in gens:
                 gen = self._gen_info.pop((g, seq), gen)
+            source_metrics = self._source_info.pop(seq, {})
         row = step_row(
             seq=seq, version=version, rollout_version=rollout_version, batch=batch, info=info, gen=gen,
             reward_weights=self.reward_weights, time_s=time.perf_counter() - self._t0, idle_s=idle,
         )
+        row.update(source_metrics)
         logger = self._sample_loggers.get(ex.name)
         texts = logger(version, batch) if logger is not None else None
         if texts:
