@@ -62,7 +62,8 @@ def check_hf_dir(config: HFModelConfig, *, owner: str = "model") -> dict[str, An
     if config.init == "pretrained" and not any(next(directory.glob(g), None) for g in _WEIGHT_GLOBS):
         raise ConfigError(
             f"{owner}: {str(directory)!r} holds no weights (*.safetensors or pytorch_model*.bin); "
-            'save them with model.save_pretrained(DIR), or use init="random" for seeded random weights'
+            "point the graph at a directory that has them ('flowrl run GRAPH --model DIR'), save them with "
+            'model.save_pretrained(DIR), or use init="random" for seeded random weights'
         )
     require_transformers(f"{owner} (a Hugging Face model)")
     return raw
@@ -169,6 +170,7 @@ def load_hf(config: HFModelConfig, *, dtype: torch.dtype = torch.float32, device
     raw = check_hf_dir(config)
     transformers = require_transformers("a Hugging Face model")
     directory = str(Path(config.path).expanduser())
+    transformers.utils.logging.disable_progress_bar()  # a bar per node would tear flowrl's own progress bar
     try:
         if config.init == "pretrained":
             hf = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)

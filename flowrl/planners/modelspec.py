@@ -192,9 +192,12 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
 
 
 def resolve_model(text: str) -> ModelSpec:
-    """A model named on the command line: a preset name or a path to a HF ``config.json``."""
+    """A model named on the command line: a preset name, a path to a HF ``config.json``, or a model
+    directory holding one."""
     if text.strip().lower() in MODEL_PRESETS:
         return model_preset(text)
+    if Path(text).expanduser().is_dir():
+        return model_from_hf_config(Path(text).expanduser() / "config.json")
     if text.endswith(".json") or Path(text).is_file():
         return model_from_hf_config(text)
     return model_preset(text)  # raises, listing the presets

@@ -109,3 +109,18 @@ def test_plan_devices_are_said(tmp_path, capsys):
     assert main(["plan", "llamarl", "--cluster", "cpu:1", "-o", str(plan)]) == 0
     assert main(["run", "--plan", str(plan), "--synthetic", "--steps", "2", "--quiet"]) == 0
     assert "flowrl run: plan for cpu:1 on this machine's CPU cores: " in capsys.readouterr().err
+
+
+def test_model_points_an_example_at_a_local_copy(hf_qwen2_chat_dir, tmp_path, capsys):
+    """qwen_math ships no weights: it says how to point it at a copy; --model DIR runs it (tiny random
+    Qwen2 with a chat template) and 'flowrl plan --model DIR' reads the same directory."""
+    from flowrl.cli.main import main
+
+    assert main(["run", "qwen_math", "--steps", "1", "--quiet"]) == 2
+    assert "--model DIR" in " ".join(capsys.readouterr().err.split())
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", "qwen_math", "--model", str(hf_qwen2_chat_dir), "--steps", "1", "--quiet", "--metrics", str(metrics)]) == 0
+    assert len(metrics.read_text().splitlines()) == 1
+    assert main(["run", "--model", str(hf_qwen2_chat_dir), "--steps", "1"]) == 2  # llamarl has no HF model
+    assert "has no Hugging Face model" in " ".join(capsys.readouterr().err.split())
+    assert main(["plan", "qwen_math", "--model", str(hf_qwen2_chat_dir)]) == 0

@@ -1,0 +1,47 @@
+"""Graph-to-graph rewrites that the command line offers: a graph is data, so a change is a new graph.
+
+``with_model_path(graph, path)`` points every Hugging Face model of a graph at another local
+directory (``flowrl run qwen_math --model ~/models/Qwen2.5-0.5B-Instruct``): the model's ``path``,
+its ``tokenizer`` when that named the old directory, and the tokenizer of every source that read the
+old directory. Built-in models are left alone. The result is validated like any graph.
+
+Example:
+    >>> from flowrl.examples import build_example
+    >>> g = with_model_path(build_example("hf_copy"), "/models/mine")
+    >>> g.node("gen").model.path, g.node("prompts").source.tokenizer
+    ('/models/mine', '/models/mine')
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.ir import Graph
+
+__all__ = ["with_model_path"]
+
+
+def with_model_path(graph: Graph, path: str) -> Graph:
+    """``graph`` with every Hugging Face model (and the tokenizers read from it) at ``path``.
+
+    Raises:
+        ConfigError: when the graph has no Hugging Face model to point elsewhere.
+    """
+    old = {n.model.path for n in graph.nodes if isinstance(getattr(n, "model", None), HFModelConfig)}  # type: ignore[attr-defined]
+    if not old:
+        raise ConfigError(
+            f"--model {path!r}: graph {graph.name!r} has no Hugging Face model (its models are the built-in "
+            "transformer); --model points HFModelConfig nodes at a local model directory"
+        )
+    nodes = []
+    for node in graph.nodes:
+        model = getattr(node, "model", None)
+        if isinstance(model, HFModelConfig):
+            tokenizer = path if model.tokenizer in old else model.tokenizer
+            node = msgspec.structs.replace(node, model=msgspec.structs.replace(model, path=path, tokenizer=tokenizer))
+        elif node.kind == "source" and node.source.tokenizer in old:  # type: ignore[attr-defined]
+            node = msgspec.structs.replace(node, source=msgspec.structs.replace(node.source, tokenizer=path))  # type: ignore[attr-defined]
+        nodes.append(node)
+    return Graph(msgspec.structs.replace(graph.spec, nodes=tuple(nodes)))
