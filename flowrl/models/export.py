@@ -149,6 +149,7 @@ def export_hf(source: str | Path | dict[str, Any], out_dir: str | Path, *, node:
         raise CheckpointError(f"export: the checkpoint's model_config is not a model description: {exc}") from None
     weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state["model"].items()}
     transformers = require_transformers("flowrl export")
+    transformers.utils.logging.disable_progress_bar()  # one line of output, not a bar per shard
     if isinstance(config, ModelConfig):
         hf_config, hf_state = builtin_to_llama(config, weights)
         with torch.device("meta"):
