@@ -109,3 +109,20 @@ def test_plan_devices_are_said(tmp_path, capsys):
     assert main(["plan", "llamarl", "--cluster", "cpu:1", "-o", str(plan)]) == 0
     assert main(["run", "--plan", str(plan), "--synthetic", "--steps", "2", "--quiet"]) == 0
     assert "flowrl run: plan for cpu:1 on this machine's CPU cores: " in capsys.readouterr().err
+
+
+def test_device_cpu_runs_a_short_graph(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", "--device", "cpu", "--steps", "2", "--metrics", str(metrics), "--quiet"]) == 0, capsys.readouterr().err
+    assert len(read_metrics(str(metrics))) == 2
+
+
+def test_device_cuda_without_cuda_exits_2(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal cannot happen")
+    assert main(["run", "--device", "cuda", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "this machine has no CUDA device; use --device cpu or auto" in err and "Traceback" not in err
+    assert not (tmp_path / "ck").exists()  # refused before any directory was touched
