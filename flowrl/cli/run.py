@@ -79,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a setting of the synthetic operators (repeatable; needs --synthetic): gen_s, train_s, score_s, jitter, "
         "fail_node/fail_step, die_node/die_step, save_s, weight_numel (see flowrl.runtime.synthetic)",
     )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the models run: auto (CUDA when torch sees a GPU, else the CPU; default), cpu, or cuda (each node on cuda:N from the plan)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
@@ -89,6 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
     from flowrl.graph.load import load_graph
     from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.placement import resolve_device
     from flowrl.runtime.run import run_graph
     from flowrl.runtime.synthetic import synthetic_programs
 
@@ -122,9 +125,11 @@ def _run(args: argparse.Namespace) -> int:
             options=options,
             progress=not args.quiet,
             log_samples=args.log_samples,
+            device=args.device,
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
+    resolve_device(config.device)  # --device cuda without CUDA: refused before any directory is touched
     if args.overwrite_checkpoints and not args.checkpoint_dir:
         raise ConfigError("--overwrite-checkpoints needs --checkpoint-dir DIR")
     if args.plan:

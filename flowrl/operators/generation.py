@@ -24,6 +24,13 @@ Randomness: tokens are drawn by Gumbel-max from a private ``torch.Generator`` se
 whatever was generated before (a resumed run re-draws what it would have drawn), and the cached and
 uncached paths consume the same random numbers.
 
+Device: the model lives on ``device`` (``"cpu"``, ``"cuda:0"``, ...; the runtime picks it,
+``flowrl.runtime.placement.node_devices``). Prompts arrive as CPU tensors and are moved there; every
+tensor of the rollout comes back on the CPU (channels, the process wire and scorers carry CPU
+tensors). The sampling RNG is a ``torch.Generator`` on the device: on the CPU results are exactly
+those of a generator built without a device; on CUDA the draws differ from the CPU's (another RNG)
+but are just as reproducible on that device.
+
 Weight version: ``version`` starts at 0 because a generator and a policy built from the same
 ``ModelConfig`` start from the same seeded weights (the policy's version 0); ``load_weights`` and the
 runtime's transports set it when they copy newer weights in.
@@ -120,20 +127,23 @@ class Generator:
     Args:
         node: the generator node (model shape, sampling settings).
         seed: seed of sampling (mixed with each batch's first prompt index).
+        device: where the model runs and samples (``"cpu"``, ``"cuda:N"``); outputs return to the CPU.
 
     Attributes:
         model: the inference model (a ``flowrl.models.CausalLM``), in ``sampling.precision``, without gradients.
         version: policy version of the weights it holds (0 = the shared initial weights).
         stop_tokens: ids that end a completion (see the module docstring).
         pad_id: id that pads completions (the tokenizer's).
+        device: the model's device; ``weight_targets()`` are tensors there.
     """
 
-    def __init__(self, node: GeneratorNode, *, seed: int = 0) -> None:
+    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.name = node.name
         self.sampling = node.sampling
         self.seed = seed
+        self.device = torch.device(device)
         tokens = model_tokens(node.model)  # checks the tokenizer before the model is built
-        self.model = build_model(node.model, dtype=DTYPES[node.sampling.precision]).eval().requires_grad_(False)
+        self.model = build_model(node.model, dtype=DTYPES[node.sampling.precision], device=self.device).eval().requires_grad_(False)
         self.version = 0
         if isinstance(node.model, ModelConfig):
             self.stop_tokens: tuple[int, ...] = tuple(node.sampling.stop_tokens) or tokens.eos_ids
@@ -141,7 +151,7 @@ class Generator:
             self.stop_tokens = tuple(dict.fromkeys((*tokens.eos_ids, *node.sampling.stop_tokens)))
         self.pad_id = tokens.pad_id
         self._decode = tokens.decode
-        self._stop = torch.tensor(self.stop_tokens, dtype=torch.int64)
+        self._stop = torch.tensor(self.stop_tokens, dtype=torch.int64, device=self.device)
         self._targets = weight_dict(self.model)
         self._calls = 0
 
@@ -190,6 +200,7 @@ class Generator:
             The rollout (every field of ``flowrl.graph.fields.ROLLOUT_FIELDS``): ``completion_ids``,
             ``completion_mask``, ``behaviour_logprobs`` are ``[S, max_new_tokens]``, right-padded
             (pad id, False, 0.0); ``sampling_temperature`` is ``[S]``; ``rollout_version`` is ``version``.
+            Every tensor is on the CPU, whatever ``device`` is.
 
         Raises:
             ConfigError: for missing fields, bad lengths, or sequences longer than ``max_seq_len``.
@@ -200,11 +211,11 @@ class Generator:
         if index is None:
             index = torch.arange(P, dtype=torch.int64)
         first = int(index[0]) if len(index) else 0
-        rng = torch.Generator().manual_seed(_mix(self.seed, first, self._calls if "prompt_index" not in prompts else 0))
+        rng = torch.Generator(device=self.device).manual_seed(_mix(self.seed, first, self._calls if "prompt_index" not in prompts else 0))
         self._calls += 1
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
         with torch.no_grad():
-            tokens, logprobs, mask = self._sample(sample_ids, sample_lens, rng)
+            tokens, logprobs, mask = (t.cpu() for t in self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng))
         return {
             "sample_prompt_ids": sample_ids,
             "sample_prompt_lens": sample_lens,
@@ -219,22 +230,22 @@ class Generator:
         }
 
     def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-        S, C = prompt_ids.shape[0], self.sampling.max_new_tokens
-        tokens = torch.full((S, C), self.pad_id, dtype=torch.int64)
-        logprobs = torch.zeros(S, C, dtype=torch.float32)
-        mask = torch.zeros(S, C, dtype=torch.bool)
+        S, C, device = prompt_ids.shape[0], self.sampling.max_new_tokens, prompt_ids.device
+        tokens = torch.full((S, C), self.pad_id, dtype=torch.int64, device=device)
+        logprobs = torch.zeros(S, C, dtype=torch.float32, device=device)
+        mask = torch.zeros(S, C, dtype=torch.bool, device=device)
         if S == 0:
             return tokens, logprobs, mask
         prompt_ids = prompt_ids[:, prompt_ids.shape[1] - int(prompt_lens.max()) :]  # drop all-pad columns
         Tp = prompt_ids.shape[1]
-        valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), torch.ones(S, C, dtype=torch.bool)], dim=1)
+        valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), torch.ones(S, C, dtype=torch.bool, device=device)], dim=1)
         cache = self.model.new_cache(S, Tp + C) if self.sampling.use_kv_cache else None
         logits = self.model(prompt_ids, valid=valid[:, :Tp], cache=cache, keep=1)[:, -1]
-        alive = torch.ones(S, dtype=torch.bool)
+        alive = torch.ones(S, dtype=torch.bool, device=device)
         stop_strings = self.sampling.stop_strings
         for t in range(C):
             logp = sampling_logprobs(logits.float(), self.sampling)  # [S, V]
-            uniform = torch.rand(logp.shape, generator=rng).clamp_(min=1e-20)
+            uniform = torch.rand(logp.shape, generator=rng, device=device).clamp_(min=1e-20)
             token = torch.argmax(logp - torch.log(-torch.log(uniform)), dim=-1)  # Gumbel-max draw from logp
             tokens[:, t] = torch.where(alive, token, self.pad_id)
             logprobs[:, t] = torch.where(alive, logp.gather(-1, token[:, None]).squeeze(-1), 0.0)

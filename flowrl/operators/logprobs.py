@@ -10,6 +10,9 @@ Temperature: the generator samples from ``softmax(logits / T)`` and records ``T`
 (``sampling_temperature``); ``completion_logprobs(..., temperature=T)`` evaluates the same
 distribution, so the ratio is 1 on-policy at any temperature (top-k/top-p truncation is not undone).
 
+Devices: every tensor is computed on the device of the model and of ``prompt_ids`` (the callers
+move their inputs there first); the result is on that device.
+
 Any model works through the ``flowrl.models.CausalLM`` interface (``model(tokens, valid=..., keep=...)``).
 
 Example:
@@ -83,4 +86,4 @@ def completion_logprobs(
     logp = torch.log_softmax(logits, dim=-1)  # [S, used, V]
     picked = logp.gather(-1, completion_ids[:, :used, None]).squeeze(-1)
     out = torch.cat([picked, out[:, used:]], dim=1) if used < C else picked
-    return torch.where(completion_mask, out, torch.zeros((), dtype=out.dtype))
+    return torch.where(completion_mask, out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -58,7 +58,7 @@ LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``x`` over ``mask``; 0 for an empty mask (never nan)."""
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype)).sum() / mask.sum().clamp(min=1)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum().clamp(min=1)
 
 
 def _denominator(mask: Tensor, normalizer: float | None) -> Tensor | float:
@@ -91,8 +91,8 @@ def advantages(
     rewards = rewards.to(torch.float32)
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    count = torch.zeros(n_groups).index_add_(0, inverse, torch.ones_like(rewards))  # [G]
-    total = torch.zeros(n_groups).index_add_(0, inverse, rewards)  # [G]
+    count = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))  # [G]
+    total = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, rewards)  # [G]
     mean = total / count
     if baseline == "group_mean":
         base = mean[inverse]
@@ -103,7 +103,7 @@ def advantages(
         raise ConfigError(f"unknown advantage baseline {baseline!r}: use 'group_mean' or 'leave_one_out'")
     adv = rewards - base  # [S]
     if normalize_std:
-        var = torch.zeros(n_groups).index_add_(0, inverse, (rewards - mean[inverse]) ** 2) / count
+        var = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, (rewards - mean[inverse]) ** 2) / count
         adv = adv / (var.sqrt()[inverse] + eps)
     return adv
 
@@ -151,7 +151,7 @@ def aipo_loss(
         ``(loss, metrics)`` with ``loss/policy``, ``aipo/ratio_mean``, ``aipo/ratio_max``,
         ``aipo/truncated_frac``, ``aipo/kl`` (KL(mu || pi), k3 estimator) and ``aipo/tokens``.
     """
-    zero = torch.zeros((), dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)  # [S, C]
     ratio = log_ratio.exp()
     weight = ratio.clamp(max=rho)  # one-sided truncation, a constant (no gradient)
@@ -183,7 +183,7 @@ def ppo_clip_loss(
     Arguments as ``aipo_loss``; ``clip_eps`` is the clip range. Metrics: ``loss/policy``,
     ``ppo/ratio_mean``, ``ppo/clip_frac``, ``ppo/kl``.
     """
-    zero = torch.zeros((), dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, zero)  # [S, C], with gradient
     ratio = log_ratio.exp()
     adv = advantages[:, None]
@@ -207,7 +207,7 @@ def kl_penalty(
 
     Metric: ``loss/kl_ref``.
     """
-    zero = torch.zeros((), dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     diff = torch.where(mask, ref_logprobs - logprobs, zero)
     kl = torch.where(mask, diff.exp() - diff - 1, zero)
     penalty = kl.sum() / _denominator(mask, normalizer)

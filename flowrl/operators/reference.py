@@ -5,6 +5,8 @@ weights, so it *is* the policy's version 0) and never trains. ``logprobs`` uses
 ``completion_logprobs`` at the rollout's ``sampling_temperature``, the computation the trainer uses
 for pi, so a KL estimate between them is exactly 0 before the first step.
 
+The model lives on ``device``; the rollout arrives as CPU tensors and ``ref_logprobs`` returns on the CPU.
+
 Example:
     >>> from flowrl.graph.nodes import ReferenceNode
     >>> from flowrl.graph.configs import ModelConfig
@@ -33,23 +35,26 @@ __all__ = ["Reference"]
 class Reference:
     """Log-probs of completions under the frozen initial weights.
 
+    Args:
+        node: the reference node (its model).
+        device: where the model runs (``"cpu"``, ``"cuda:N"``).
+
     Attributes:
-        model: the frozen model (float32, no gradients).
+        model: the frozen model (float32, no gradients), on ``device``.
     """
 
-    def __init__(self, node: ReferenceNode) -> None:
+    def __init__(self, node: ReferenceNode, *, device: str | torch.device = "cpu") -> None:
         self.name = node.name
-        self.model = build_model(node.model).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.model = build_model(node.model, device=self.device).eval().requires_grad_(False)
 
     def logprobs(self, rollout: Mapping[str, Tensor]) -> Batch:
-        """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding."""
+        """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding, on the CPU."""
+        fields = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")
+        prompt_ids, prompt_lens, completion_ids, completion_mask = (rollout[f].to(self.device) for f in fields)
+        temperature = rollout.get("sampling_temperature", 1.0)
+        if isinstance(temperature, Tensor):
+            temperature = temperature.to(self.device)
         with torch.no_grad():
-            lp = completion_logprobs(
-                self.model,
-                rollout["sample_prompt_ids"],
-                rollout["sample_prompt_lens"],
-                rollout["completion_ids"],
-                rollout["completion_mask"],
-                temperature=rollout.get("sampling_temperature", 1.0),
-            )
-        return {"ref_logprobs": lp}
+            lp = completion_logprobs(self.model, prompt_ids, prompt_lens, completion_ids, completion_mask, temperature=temperature)
+        return {"ref_logprobs": lp.cpu()}

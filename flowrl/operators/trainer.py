@@ -19,6 +19,10 @@ The schedule has no state of its own: the learning rate is a pure function of th
 The model is any ``flowrl.models`` family (``build_model``), held in float32 (master weights);
 ``weights()`` names its tensors once each (a tied output projection is not repeated).
 
+Device: the model and the optimizer live on ``device`` (``"cpu"``, ``"cuda:N"``); a batch arrives as
+CPU tensors and is moved there; ``weights()`` are the device tensors (transports copy them out);
+``state()`` holds CPU copies, so a checkpoint written on a GPU machine loads on a CPU-only one.
+
 ``OptimizerConfig.seed`` is recorded for the trainer's own randomness; the built-in model has no
 dropout, so a step is deterministic given the batch and the state.
 
@@ -86,8 +90,9 @@ def learning_rate(config: OptimizerConfig, step: int) -> float:
 
 
 def _clone(value: Any) -> Any:
+    """A deep copy of ``value`` with every tensor copied to the CPU (a checkpoint loads anywhere)."""
     if isinstance(value, Tensor):
-        return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -101,9 +106,10 @@ class Trainer:
     Args:
         node: the policy node (model shape, optimizer).
         loss: the loss node its objective comes from.
+        device: where the model and the optimizer live (``"cpu"``, ``"cuda:N"``).
 
     Attributes:
-        model: pi (a ``flowrl.models.CausalLM``, float32, trainable).
+        model: pi (a ``flowrl.models.CausalLM``, float32, trainable), on ``device``.
         optimizer: AdamW over the model's parameters.
         version: completed optimizer steps.
 
@@ -111,12 +117,13 @@ class Trainer:
         ConfigError: for an unknown objective.
     """
 
-    def __init__(self, node: PolicyNode, loss: LossNode) -> None:
+    def __init__(self, node: PolicyNode, loss: LossNode, *, device: str | torch.device = "cpu") -> None:
         check_objective(loss.loss.objective)
         self.name = node.name
         self.node, self.loss = node, loss
+        self.device = torch.device(device)
         opt = node.optimizer
-        self.model = build_model(node.model).train()
+        self.model = build_model(node.model, device=self.device).train()
         if opt.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(
@@ -139,6 +146,7 @@ class Trainer:
         missing = [f for f in TRAIN_FIELDS if f not in batch]
         if missing:
             raise ConfigError(f"policy {self.name!r}: the training batch lacks {missing} (it has {sorted(batch)})")
+        batch = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         config = self.loss.loss
         rewards = combined_rewards(config, batch)  # [S]
         adv = advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
@@ -152,7 +160,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         pieces: list[Tensor] = []
         precision = self.node.optimizer.autocast
-        device_type = next(self.model.parameters()).device.type
+        device_type = self.device.type
         for start, part in zip(range(0, n, size), split(batch, size)):
             with torch.autocast(device_type, dtype=DTYPES[precision], enabled=precision != "float32"):
                 logprobs = completion_logprobs(
@@ -189,7 +197,7 @@ class Trainer:
         return metrics
 
     def weights(self) -> dict[str, Tensor]:
-        """The current weights by name, without copying (a transport copies them)."""
+        """The current weights by name, without copying (a transport copies them); tensors on ``device``."""
         return self._weights
 
     def load_weights(self, state: Mapping[str, Tensor]) -> None:
@@ -197,7 +205,8 @@ class Trainer:
         copy_weights(self._weights, state, owner=f"policy {self.name!r}")
 
     def state(self) -> dict[str, Any]:
-        """A copy of everything a checkpoint needs: ``version``, ``model``, ``optimizer`` and the model config."""
+        """A copy of everything a checkpoint needs: ``version``, ``model``, ``optimizer`` and the model config,
+        every tensor on the CPU (``load_state`` moves them to ``device``)."""
         return {
             "version": self.version,
             "model_config": msgspec.to_builtins(self.node.model),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -39,6 +39,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             (``samples_text``; ``flowrl.runtime.samples``); 0 never.
         threads: torch intra-op threads of the local backend; 0 divides the cores among the
             placement's colocation groups.
+        device: where the models run: ``"auto"`` (CUDA when torch sees a CUDA device, else the CPU),
+            ``"cpu"`` or ``"cuda"`` (each node on ``cuda:N`` from the plan; see
+            ``flowrl.runtime.placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
     """
 
     steps: int = 250
@@ -58,6 +61,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     progress: bool = False
     threads: int = 0
     log_samples: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in backend_names():

@@ -113,6 +113,8 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
         seed: the run's seed.
         weight_timeout_s: how long a consumer waits for a published version before failing.
         options: free-form settings for user programs (durations of synthetic operators, ...).
+        devices: node name -> the torch device its model lives on (``"cuda:0"``); a node not named
+            runs on the CPU. Decided by ``flowrl.runtime.placement.node_devices``.
     """
 
     transports: tuple[TransportSpec, ...] = ()
@@ -120,6 +122,16 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     weight_timeout_s: float = 300.0
     options: dict[str, Any] = {}
+    devices: dict[str, str] = {}
+
+    def device_of(self, node: str) -> str:
+        """The torch device of ``node``'s model: ``devices[node]``, else ``"cpu"``.
+
+        Example:
+            >>> ProgramEnv(devices={"gen": "cuda:0"}).device_of("gen"), ProgramEnv().device_of("gen")
+            ('cuda:0', 'cpu')
+        """
+        return self.devices.get(node, "cpu")
 
 
 class SharedTransports:
@@ -191,7 +203,7 @@ class GeneratorProgram(ProgramBase):
         from flowrl.operators.generation import Generator
 
         self.name = node.name
-        self.generator = Generator(node, seed=seed)
+        self.generator = Generator(node, seed=seed, device=env.device_of(node.name))
         (edge,) = graph.weight_edges_into(node.name)
         self._edge = (edge.src, edge.dst)
         self._transports = transports
@@ -235,10 +247,10 @@ class ScorerProgram(ProgramBase):
 
 
 class ReferenceProgram(ProgramBase):
-    def __init__(self, node: ReferenceNode) -> None:
+    def __init__(self, node: ReferenceNode, *, device: str = "cpu") -> None:
         from flowrl.operators.reference import Reference
 
-        self.reference = Reference(node)
+        self.reference = Reference(node, device=device)
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         start = time.perf_counter()
@@ -249,11 +261,11 @@ class ReferenceProgram(ProgramBase):
 class PolicyProgram(ProgramBase):
     """Trains on one batch per step, then publishes its weights on every outgoing weight edge."""
 
-    def __init__(self, node: PolicyNode, loss: LossNode, graph: Graph, transports: SharedTransports) -> None:
+    def __init__(self, node: PolicyNode, loss: LossNode, graph: Graph, transports: SharedTransports, *, device: str = "cpu") -> None:
         from flowrl.operators.trainer import Trainer
 
         self.name = node.name
-        self.trainer = Trainer(node, loss)
+        self.trainer = Trainer(node, loss, device=device)
         self._edges = [(e.src, e.dst) for e in graph.weight_edges_from(node.name)]
         self._transports = transports
         self._published = -1
@@ -284,7 +296,7 @@ class PolicyProgram(ProgramBase):
         torch.save(self.trainer.state(), path)
 
     def load(self, path: str) -> None:
-        self.trainer.load_state(torch.load(path, weights_only=True))
+        self.trainer.load_state(torch.load(path, weights_only=True, map_location="cpu"))  # load_state moves to the device
         self._published = -1
 
 
@@ -341,7 +353,7 @@ def build_scorer(node: ScorerNode, graph: Graph, env: ProgramEnv, transports: Sh
 
 def build_reference(node: ReferenceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
     """A reference model's program: log-probs under frozen weights."""
-    return ReferenceProgram(node)
+    return ReferenceProgram(node, device=env.device_of(node.name))
 
 
 def build_policy(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
@@ -353,7 +365,7 @@ def build_policy(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: Sh
     loss = graph.loss_of(node.name)
     if not isinstance(loss, LossNode):
         raise ConfigError(f"policy {node.name!r} has no loss node")
-    return PolicyProgram(node, loss, graph, transports)
+    return PolicyProgram(node, loss, graph, transports, device=env.device_of(node.name))
 
 
 def merge(batches: list[Mapping[str, torch.Tensor]]) -> Batch:

@@ -124,3 +124,18 @@ def test_model_points_an_example_at_a_local_copy(hf_qwen2_chat_dir, tmp_path, ca
     assert main(["run", "--model", str(hf_qwen2_chat_dir), "--steps", "1"]) == 2  # llamarl has no HF model
     assert "has no Hugging Face model" in " ".join(capsys.readouterr().err.split())
     assert main(["plan", "qwen_math", "--model", str(hf_qwen2_chat_dir)]) == 0
+def test_device_cpu_runs_a_short_graph(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", "--device", "cpu", "--steps", "2", "--metrics", str(metrics), "--quiet"]) == 0, capsys.readouterr().err
+    assert len(read_metrics(str(metrics))) == 2
+
+
+def test_device_cuda_without_cuda_exits_2(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal cannot happen")
+    assert main(["run", "--device", "cuda", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "this machine has no CUDA device; use --device cpu or auto" in err and "Traceback" not in err
+    assert not (tmp_path / "ck").exists()  # refused before any directory was touched

@@ -19,7 +19,7 @@ from flowrl.graph.ir import Graph
 from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
-from flowrl.runtime.placement import Placement, run_placement
+from flowrl.runtime.placement import Placement, node_devices, resolve_device, run_placement
 from flowrl.runtime.programs import NodeProgram, ProgramEnv
 from flowrl.runtime.weight_edges import transport_specs
 
@@ -59,6 +59,7 @@ def run_with_controller(
             programs=dict(config.programs),
             seed=config.seed,
             options=dict(config.options),
+            devices=node_devices(placement, resolve_device(config.device)),
         )
         programs = open_programs(env, placement)
         threads = torch.get_num_threads()

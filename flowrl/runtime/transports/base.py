@@ -28,6 +28,11 @@ str, int, float, bool, None), because the process backend sends them to another 
 
 The helpers below (``StateLayout``, ``layout_of``, ``check_*``, ``copy_tensor``) are shared by every
 built-in transport, so that all of them fail the same way with the same messages and copy the same way.
+
+Devices: a state or a target may hold CUDA tensors (a trainer or a generator on a GPU). Every copy
+goes through ``copy_tensor``, whose raw memcpy is taken only between CPU tensors
+(``memcpy_applies``); a copy into or out of a CUDA tensor is torch's ``copy_`` (a synchronous
+device <-> host transfer), so shared memory and files, which hold CPU bytes, stage through the CPU.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ __all__ = [
     "check_state",
     "check_target",
     "copy_tensor",
+    "memcpy_applies",
 ]
 
 State = Mapping[str, torch.Tensor]
@@ -214,17 +220,15 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` without autograd; a single-threaded memcpy when both are contiguous CPU
-    tensors of one dtype and size, ``torch``'s ``copy_`` (casts, devices, strides) otherwise.
+def memcpy_applies(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``copy_tensor`` may copy ``src`` into ``dst`` with a raw memcpy: both strided,
+    contiguous, on the CPU (never a CUDA pointer), of one dtype and size.
 
-    Why not always ``copy_``: it splits every copy across torch's intra-op threads and joins them
-    at a barrier. On a busy machine (the runtime's executors share few cores) a descheduled thread
-    stalls each barrier, once per tensor: on the 2-core dev box under load, ``copy_`` over a
-    43-tensor, 96 MB state ran at 0.15 GB/s where a memcpy of the same tensors ran at 1.1-1.9 GB/s
-    (``benches/transports.py`` prints both). Unloaded many-core machines lose a little peak.
+    Example:
+        >>> memcpy_applies(torch.zeros(3), torch.ones(3)), memcpy_applies(torch.zeros(3), torch.ones(3, dtype=torch.float16))
+        (True, False)
     """
-    if (
+    return (
         dst.layout == torch.strided
         and src.layout == torch.strided
         and dst.device.type == "cpu"
@@ -233,7 +237,20 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
         and dst.numel() == src.numel()
         and dst.is_contiguous()
         and src.is_contiguous()
-    ):
+    )
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` without autograd; a single-threaded memcpy when ``memcpy_applies`` (both
+    contiguous CPU tensors of one dtype and size), ``torch``'s ``copy_`` (casts, devices, strides) otherwise.
+
+    Why not always ``copy_``: it splits every copy across torch's intra-op threads and joins them
+    at a barrier. On a busy machine (the runtime's executors share few cores) a descheduled thread
+    stalls each barrier, once per tensor: on the 2-core dev box under load, ``copy_`` over a
+    43-tensor, 96 MB state ran at 0.15 GB/s where a memcpy of the same tensors ran at 1.1-1.9 GB/s
+    (``benches/transports.py`` prints both). Unloaded many-core machines lose a little peak.
+    """
+    if memcpy_applies(dst, src):
         if dst.numel() == 0:
             return
         try:

@@ -13,6 +13,10 @@ under the lock (a pointer swap), so a publish costs one copy and a reader never 
 written: a buffer being read is never spare, and a spare one is never read. The old front goes back
 to ``_spare`` at the swap, or when its last reader finishes. With one reader there are at most three
 buffers (two in steady state); each concurrent reader can pin one more.
+
+Devices: a buffer lives on the device of the state first published (a trainer on a GPU keeps its
+buffers there: device-to-device copies); a publish or a fetch waits for its copies on every CUDA
+device involved before it hands a buffer over or returns.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class InProcessTransport:
                 self._allocated += 1
             for k, dst in buf.tensors.items():
                 copy_tensor(dst, state[k])
-            _synchronize(buf.tensors)
+            _synchronize([*buf.tensors.values(), *state.values()])
             buf.version = version
             with self._lock:
                 old, self._front = self._front, buf
@@ -112,7 +116,7 @@ class InProcessTransport:
             check_target(self.name, layout, target)
             for k, src in buf.tensors.items():
                 copy_tensor(target[k], src)
-            _synchronize(buf.tensors)
+            _synchronize([*buf.tensors.values(), *target.values()])
             return buf.version
         finally:
             with self._lock:
@@ -131,8 +135,9 @@ class InProcessTransport:
             raise TransportError(f"{self.name}: {op}() called after close(); open a new transport")
 
 
-def _synchronize(tensors: dict[str, torch.Tensor]) -> None:
-    """Wait for copies queued on accelerator streams, so a buffer handed over is complete (no-op on CPU)."""
-    devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
+def _synchronize(tensors: list[torch.Tensor]) -> None:
+    """Wait for copies queued on the CUDA streams of ``tensors``' devices, so a buffer handed over is
+    complete (no-op when every tensor is on the CPU)."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
     for device in devices:
         torch.cuda.current_stream(device).synchronize()

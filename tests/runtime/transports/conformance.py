@@ -129,6 +129,22 @@ class TransportConformance:
             bad = [k for k in state if not same_bytes(target[k], state[k])]
             assert not bad, f"{t.name}: tensors changed in transit: {bad}"
 
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
+    @pytest.mark.parametrize("where", ["cuda-to-cuda", "cuda-to-cpu", "cpu-to-cuda"])
+    def test_round_trip_with_cuda_tensors(self, pair, where):
+        """A trainer or a generator on a GPU: the state, the target or both hold CUDA tensors."""
+        writer, reader = pair
+        gen = torch.Generator().manual_seed(1)
+        state = {f"{str(d).removeprefix('torch.')}": random_tensor((16, 33), d, gen) for d in (torch.float32, torch.bfloat16, torch.int64)}
+        src_device, dst_device = {"cuda-to-cuda": ("cuda", "cuda"), "cuda-to-cpu": ("cuda", "cpu"), "cpu-to-cuda": ("cpu", "cuda")}[where]
+        writer.publish({k: v.to(src_device) for k, v in state.items()}, 0)
+        for t in self._sides(writer, reader):
+            target = {k: v.to(dst_device) for k, v in _zeros_like(state).items()}
+            assert t.fetch_into(target) == 0
+            assert {v.device.type for v in target.values()} == {dst_device}
+            bad = [k for k in state if not same_bytes(target[k].cpu(), state[k])]
+            assert not bad, f"{t.name}: tensors changed in transit: {bad}"
+
     def test_round_trip_of_random_states(self, tmp_path):
         names = st.text("abcdefghij._", min_size=1, max_size=12)
         shapes = st.lists(st.integers(0, 5), max_size=3).map(tuple)
