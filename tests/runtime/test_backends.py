@@ -32,7 +32,10 @@ def test_builtins_implement_the_protocol(name):
     assert isinstance(backend, Backend) and backend.name == name and isinstance(backend.crosses_processes, bool)
 
 
-def test_run_graph_dispatches_through_the_registry():
+def test_run_graph_dispatches_through_the_registry(monkeypatch):
+    from flowrl.runtime.backends import base
+
+    monkeypatch.setattr(base, "_USER_BACKENDS", {})  # the registration ends with the test (doctests list the built-ins)
     register_backend("test-counting", CountingBackend, replace=True)
     g = build_llamarl(max_staleness=1)
     result = run_graph(g, synthetic_config(g, steps=2, backend="test-counting"))
