@@ -114,68 +114,11 @@ SPLIT_TABLES: dict[str, tuple[tuple[str, Split], ...]] = {"llama": _LLAMA_BLOCK,
 
 
 class _Shape(msgspec.Struct, frozen=True):
-    """What sharding needs to know of a model: its family, its weight names, its head counts."""
+    """What sharding needs to know of a model: its family, each weight's split, its head counts."""
 
     family: str
-    names: tuple[str, ...]
-    n_heads: int
-    n_kv_heads: int
-    head_fields: tuple[str, str]  # how the family's config names the two head counts (for errors)
-
-
-def _hf_shape(family: str, names: list[str], config: Mapping[str, Any] | Any) -> _Shape:
-    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
-    if family not in SPLIT_TABLES:
-        raise ConfigError(f"tensor parallelism splits the Hugging Face families {sorted(SPLIT_TABLES)}; got model_type {family!r}")
-    heads = int(get("num_attention_heads"))
-    kv = int(get("num_key_value_heads", None) or heads)
-    return _Shape(family, tuple(names), heads, kv, ("num_attention_heads", "num_key_value_heads"))
-
-
-def _shape_of(config_or_model: Any) -> _Shape:
-    """The ``_Shape`` of a ``ModelConfig``, ``Transformer``, ``HFModelConfig`` or ``HFCausalLM``."""
-    if isinstance(config_or_model, HFCausalLM):
-        hf_config = config_or_model.hf.config
-        return _hf_shape(str(hf_config.model_type), list(weight_dict(config_or_model)), hf_config)
-    if isinstance(config_or_model, HFModelConfig):
-        from flowrl.models.hf import check_hf_dir
-        from flowrl.models.registry import weight_shapes
-
-        raw = check_hf_dir(config_or_model)
-        return _hf_shape(str(raw["model_type"]), list(weight_shapes(config_or_model)), raw)
-    config = getattr(config_or_model, "config", config_or_model)
-    if not isinstance(config, ModelConfig):
-        raise ConfigError(
-            "tp_param_layouts wants a ModelConfig or a Transformer (or an HFModelConfig or HFCausalLM), "
-            f"got {type(config_or_model).__name__}"
-        )
-    return _Shape("builtin", tuple(_builtin_splits(config)), config.n_heads, config.n_kv_heads, ("n_heads", "n_kv_heads"))
-
-
-def check_tp(config: ModelConfig | HFModelConfig | nn.Module, tp: int) -> None:
-    """Refuse a tp size the model cannot be split into (whole heads per rank).
-
-    Args:
-        config: a ``ModelConfig`` or ``HFModelConfig``, or the model itself.
-        tp: the tensor-parallel size.
-
-    Raises:
-        ConfigError: naming the head counts (``n_heads`` / ``n_kv_heads``, or the Hugging Face
-            ``num_attention_heads`` / ``num_key_value_heads``) and the tp size, when ``tp`` is not a
-            positive integer dividing both.
-    """
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tensor parallelism: tp={tp!r} must be an integer >= 1")
-    shape = _shape_of(config)
-    counts = dict(zip(shape.head_fields, (shape.n_heads, shape.n_kv_heads)))
-    bad = [f"{name}={n}" for name, n in counts.items() if n % tp]
-    if bad:
-        owner = "ModelConfig" if shape.family == "builtin" else f"{shape.family} config.json"
-        raise ConfigError(
-            f"tensor parallelism splits attention by whole heads: tp={tp} must divide {' and '.join(bad)} "
-            f"({owner} {', '.join(f'{k}={v}' for k, v in counts.items())}); pick a tp size dividing "
-            f"both, or change the model's head counts"
-        )
+    splits: dict[str, Split]  # weight_dict order
+    heads: dict[str, int]  # the two head counts, as the family's config names them (for errors)
 
 
 def _builtin_splits(config: ModelConfig) -> dict[str, Split]:
@@ -197,8 +140,63 @@ def _builtin_splits(config: ModelConfig) -> dict[str, Split]:
     return out
 
 
-def _table_split(family: str, name: str) -> Split:
-    return next((split for pattern, split in SPLIT_TABLES[family] if re.fullmatch(pattern, name)), "replicated")
+def _hf_shape(family: str, names: list[str], config: Mapping[str, Any] | Any) -> _Shape:
+    """``config``: the ``config.json`` dict or the transformers config object."""
+    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    if family not in SPLIT_TABLES:
+        raise ConfigError(f"tensor parallelism splits the Hugging Face families {sorted(SPLIT_TABLES)}; got model_type {family!r}")
+    table = SPLIT_TABLES[family]
+    splits = {n: next((split for pattern, split in table if re.fullmatch(pattern, n)), "replicated") for n in names}
+    heads = int(get("num_attention_heads"))
+    return _Shape(family, splits, {"num_attention_heads": heads, "num_key_value_heads": int(get("num_key_value_heads", None) or heads)})
+
+
+def _shape_of(config_or_model: Any) -> _Shape:
+    """The ``_Shape`` of a ``ModelConfig``, ``Transformer``, ``HFModelConfig`` or ``HFCausalLM``."""
+    if isinstance(config_or_model, HFCausalLM):
+        hf_config = config_or_model.hf.config
+        return _hf_shape(str(hf_config.model_type), list(weight_dict(config_or_model)), hf_config)
+    if isinstance(config_or_model, HFModelConfig):
+        from flowrl.models.hf import check_hf_dir
+        from flowrl.models.registry import weight_shapes
+
+        raw = check_hf_dir(config_or_model)
+        return _hf_shape(str(raw["model_type"]), list(weight_shapes(config_or_model)), raw)
+    config = getattr(config_or_model, "config", config_or_model)
+    if not isinstance(config, ModelConfig):
+        raise ConfigError(
+            "tp_param_layouts wants a ModelConfig or a Transformer (or an HFModelConfig or HFCausalLM), "
+            f"got {type(config_or_model).__name__}"
+        )
+    return _Shape("builtin", _builtin_splits(config), {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads})
+
+
+def _check_heads(shape: _Shape, tp: int) -> None:
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor parallelism: tp={tp!r} must be an integer >= 1")
+    bad = [f"{name}={n}" for name, n in shape.heads.items() if n % tp]
+    if bad:
+        owner = "ModelConfig" if shape.family == "builtin" else f"{shape.family} config.json"
+        raise ConfigError(
+            f"tensor parallelism splits attention by whole heads: tp={tp} must divide {' and '.join(bad)} "
+            f"({owner} {', '.join(f'{k}={v}' for k, v in shape.heads.items())}); pick a tp size dividing "
+            f"both, or change the model's head counts"
+        )
+
+
+def check_tp(config: ModelConfig | HFModelConfig | nn.Module, tp: int) -> None:
+    """Refuse a tp size the model cannot be split into (whole heads per rank).
+
+    Args:
+        config: a ``ModelConfig`` or ``HFModelConfig``, or the model itself.
+        tp: the tensor-parallel size.
+
+    Raises:
+        ConfigError: naming the head counts (``n_heads`` / ``n_kv_heads``, or the Hugging Face
+            ``num_attention_heads`` / ``num_key_value_heads``) and the tp size, when ``tp`` is not a
+            positive integer dividing both.
+    """
+    _check_heads(_shape_of(config), tp)
 
 
 def param_splits(config: ModelConfig | HFModelConfig | nn.Module) -> dict[str, Split]:
@@ -211,12 +209,7 @@ def param_splits(config: ModelConfig | HFModelConfig | nn.Module) -> dict[str, S
     Raises:
         ConfigError: for anything else, or a Hugging Face family without a split table.
     """
-    if isinstance(config, ModelConfig):
-        return _builtin_splits(config)
-    shape = _shape_of(config)
-    if shape.family == "builtin":
-        return _builtin_splits(config.config)  # type: ignore[union-attr]
-    return {name: _table_split(shape.family, name) for name in shape.names}
+    return _shape_of(config).splits
 
 
 def tp_rows(ranks: Sequence[int], names: Sequence[str], shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -261,7 +254,8 @@ def tp_param_layouts(config_or_model: ModelConfig | HFModelConfig | nn.Module, r
     if not isinstance(dp, int) or dp < 1 or len(ranks) % dp:
         raise ConfigError(f"tp_param_layouts: dp={dp!r} must be an integer >= 1 dividing len(ranks)={len(ranks)} ({list(ranks)})")
     tp = len(ranks) // dp
-    check_tp(config_or_model, tp)
+    shape = _shape_of(config_or_model)
+    _check_heads(shape, tp)
     if dp == 1:
         layouts: dict[str, ShardLayout] = {"column": tp_column(ranks), "row": tp_row(ranks), "replicated": replicated(ranks, axis="tp")}
     else:
@@ -270,7 +264,7 @@ def tp_param_layouts(config_or_model: ModelConfig | HFModelConfig | nn.Module, r
             "row": dp_tp(ranks, dp=dp, tp=tp, tp_dim=1),
             "replicated": replicated(ranks, axis="dp"),
         }
-    return {name: layouts[split] for name, split in param_splits(config_or_model).items()}
+    return {name: layouts[split] for name, split in shape.splits.items()}
 
 
 def _all_reduce_sum(x: Tensor, group: Any, comm_device: torch.device | None) -> Tensor:
@@ -462,7 +456,7 @@ def shard_hf_(
         raise ConfigError(f"shard_hf_ shards an HFCausalLM, got {type(model).__name__}")
     ranks = _check_shard_call(model, ranks, rank, group)
     layouts = tp_param_layouts(model, ranks)
-    splits = param_splits(model)
+    splits = param_splits(model)  # cheap for a model: its weight_dict names and config
     done: set[str] = set()
     for name, module in list(model.named_modules()):
         split = splits.get(f"{name}.weight")
