@@ -1,6 +1,7 @@
-"""Tensor parallelism of the built-in transformer: Megatron-style explicit sharding over a tp process group.
+"""Tensor parallelism of the built-in transformer and of Hugging Face Llama-family models: Megatron-style
+explicit sharding over a tp process group.
 
-Which parameter is split how (``tp`` ranks, ``torch.chunk`` bounds, see ``flowrl.runtime.resharding``),
+Which parameter of the built-in transformer is split how (``tp`` ranks, ``torch.chunk`` bounds, see ``flowrl.runtime.resharding``),
 for an ``nn.Linear`` weight ``[out, in]``:
 
 - ``attention.wq / wk / wv``: column-parallel (dim 0 split): each rank computes its own whole heads
@@ -10,6 +11,16 @@ for an ``nn.Linear`` weight ``[out, in]``:
 - ``feed_forward.w1 / w3``: column-parallel: the rank's slice of the SwiGLU hidden units.
 - ``feed_forward.w2``: row-parallel: a partial sum, then ``all_reduce(SUM)``.
 - ``tok_embeddings``, the norms, ``output``: replicated.
+
+Hugging Face Llama-family models (``llama``, ``qwen2``, ``qwen3``: one block layout) split by the
+table ``SPLIT_TABLES[family]`` over their Hugging Face parameter names (``model.layers.N.`` ...):
+``self_attn.{q,k,v}_proj`` column (weight and bias rows), ``self_attn.o_proj`` row, ``mlp.{gate,up}_proj``
+column, ``mlp.down_proj`` row; everything else (embeddings, norms, ``lm_head``, qwen3's per-head
+``q_norm`` / ``k_norm``, a row-parallel layer's bias) replicated. transformers' attention reshapes
+q/k/v with ``view(..., -1, head_dim)`` and repeats kv heads by the ratio ``num_key_value_groups``, so
+a rank's whole local heads need no change to the attention module, and the ``DynamicCache`` grows
+with whatever head count it is handed (the local one). A row-parallel layer adds its bias after the
+all-reduce, so once, not ``tp`` times.
 
 So the residual stream ``x`` is replicated: every block's input is identical on every tp rank, and
 its two all-reduces (two per layer, as in Megatron-LM) make its output identical again. Grouped-query
@@ -29,11 +40,14 @@ after each batch (a checksum of the rollout over the tp group) rather than trust
 API:
 
 - :func:`tp_param_layouts` ``(config_or_model, ranks, *, dp=1)``: name -> ``ShardLayout`` for every
-  name of the full model's ``state_dict()`` (the generator's ``weight_targets()`` names). With
+  name of the full model's ``weight_dict`` (the generator's ``weight_targets()`` names), for a
+  ``ModelConfig`` / ``Transformer`` or an ``HFModelConfig`` / ``HFCausalLM``. With
   ``dp > 1``: ``dp`` replicas of a tp group, ranks in mesh order (tp innermost). A rank's local shard
   is ``full[local_slice(layout, full.shape, rank)]``, which is what ``CollectiveTransport`` delivers.
 - :func:`shard_transformer_` ``(model, ranks, rank, group)``: turn a full ``Transformer`` into this
   rank's tensor-parallel model, in place; ``Generator.generate`` then runs unchanged.
+- :func:`shard_hf_` ``(model, ranks, rank, group)``: the same for an ``HFCausalLM`` of a Llama family
+  (it stays an ``HFCausalLM``); :func:`shard_model_` picks one of the two by the model's type.
 - :func:`copy_local_shards_` ``(targets, full_state, ranks, rank, config)``: copy a rank's slices of a
   full state into its shard tensors.
 
@@ -50,6 +64,7 @@ Example (the layouts; tests run the model itself at tp=2 and tp=4 over gloo):
 from __future__ import annotations
 
 import math
+import re
 
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -60,12 +75,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flowrl.errors import ConfigError
-from flowrl.graph.configs import ModelConfig
+from flowrl.graph.configs import HFModelConfig, ModelConfig
+from flowrl.models.causal_lm import weight_dict
+from flowrl.models.hf import HFCausalLM
 from flowrl.operators.model import KVCache, Transformer
 from flowrl.runtime.resharding import ShardLayout, dp_tp, local_slice, replicated, tp_column, tp_row
 
 __all__ = [
     "Split",
+    "SPLIT_TABLES",
     "check_tp",
     "param_splits",
     "tp_param_layouts",
@@ -74,33 +92,36 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallelTransformer",
     "shard_transformer_",
+    "TensorParallelHFCausalLM",
+    "shard_hf_",
+    "shard_model_",
     "copy_local_shards_",
 ]
 
 Split = Literal["column", "row", "replicated"]
 
+_LLAMA_BLOCK: tuple[tuple[str, Split], ...] = (
+    (r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)", "column"),
+    (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", "row"),
+    (r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.(weight|bias)", "column"),
+    (r"model\.layers\.\d+\.mlp\.down_proj\.weight", "row"),
+)
+
+#: Hugging Face family -> (regular expression a whole parameter name matches, its split), first match
+#: wins; a name no row matches is replicated. A row-parallel layer's bias is replicated (added once,
+#: after the all-reduce).
+SPLIT_TABLES: dict[str, tuple[tuple[str, Split], ...]] = {"llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": _LLAMA_BLOCK}
 
 
-def check_tp(config: ModelConfig, tp: int) -> None:
-    """Refuse a tp size the model cannot be split into (whole heads per rank).
+class _Shape(msgspec.Struct, frozen=True):
+    """What sharding needs to know of a model: its family, each weight's split, its head counts."""
 
-    Raises:
-        ConfigError: naming ``n_heads`` / ``n_kv_heads`` and the tp size, when ``tp`` is not a positive
-            integer dividing both.
-    """
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tensor parallelism: tp={tp!r} must be an integer >= 1")
-    bad = [f"{name}={getattr(config, name)}" for name in ("n_heads", "n_kv_heads") if getattr(config, name) % tp]
-    if bad:
-        raise ConfigError(
-            f"tensor parallelism splits attention by whole heads: tp={tp} must divide {' and '.join(bad)} "
-            f"(ModelConfig n_heads={config.n_heads}, n_kv_heads={config.n_kv_heads}); pick a tp size dividing "
-            f"both, or change the model's head counts"
-        )
+    family: str
+    splits: dict[str, Split]  # weight_dict order
+    heads: dict[str, int]  # the two head counts, as the family's config names them (for errors)
 
 
-def param_splits(config: ModelConfig) -> dict[str, Split]:
-    """How each parameter of the full model splits: name (``state_dict()`` order) -> column / row / replicated."""
+def _builtin_splits(config: ModelConfig) -> dict[str, Split]:
     out: dict[str, Split] = {"tok_embeddings.weight": "replicated"}
     for i in range(config.n_layers):
         p = f"layers.{i}."
@@ -119,11 +140,76 @@ def param_splits(config: ModelConfig) -> dict[str, Split]:
     return out
 
 
-def _config_of(config_or_model: ModelConfig | nn.Module) -> ModelConfig:
+def _hf_shape(family: str, names: list[str], config: Mapping[str, Any] | Any) -> _Shape:
+    """``config``: the ``config.json`` dict or the transformers config object."""
+    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    if family not in SPLIT_TABLES:
+        raise ConfigError(f"tensor parallelism splits the Hugging Face families {sorted(SPLIT_TABLES)}; got model_type {family!r}")
+    table = SPLIT_TABLES[family]
+    splits = {n: next((split for pattern, split in table if re.fullmatch(pattern, n)), "replicated") for n in names}
+    heads = int(get("num_attention_heads"))
+    return _Shape(family, splits, {"num_attention_heads": heads, "num_key_value_heads": int(get("num_key_value_heads", None) or heads)})
+
+
+def _shape_of(config_or_model: Any) -> _Shape:
+    """The ``_Shape`` of a ``ModelConfig``, ``Transformer``, ``HFModelConfig`` or ``HFCausalLM``."""
+    if isinstance(config_or_model, HFCausalLM):
+        hf_config = config_or_model.hf.config
+        return _hf_shape(str(hf_config.model_type), list(weight_dict(config_or_model)), hf_config)
+    if isinstance(config_or_model, HFModelConfig):
+        from flowrl.models.hf import check_hf_dir
+        from flowrl.models.registry import weight_shapes
+
+        raw = check_hf_dir(config_or_model)
+        return _hf_shape(str(raw["model_type"]), list(weight_shapes(config_or_model)), raw)
     config = getattr(config_or_model, "config", config_or_model)
     if not isinstance(config, ModelConfig):
-        raise ConfigError(f"tp_param_layouts wants a ModelConfig or a Transformer, got {type(config_or_model).__name__}")
-    return config
+        raise ConfigError(
+            "tp_param_layouts wants a ModelConfig or a Transformer (or an HFModelConfig or HFCausalLM), "
+            f"got {type(config_or_model).__name__}"
+        )
+    return _Shape("builtin", _builtin_splits(config), {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads})
+
+
+def _check_heads(shape: _Shape, tp: int) -> None:
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tensor parallelism: tp={tp!r} must be an integer >= 1")
+    bad = [f"{name}={n}" for name, n in shape.heads.items() if n % tp]
+    if bad:
+        owner = "ModelConfig" if shape.family == "builtin" else f"{shape.family} config.json"
+        raise ConfigError(
+            f"tensor parallelism splits attention by whole heads: tp={tp} must divide {' and '.join(bad)} "
+            f"({owner} {', '.join(f'{k}={v}' for k, v in shape.heads.items())}); pick a tp size dividing "
+            f"both, or change the model's head counts"
+        )
+
+
+def check_tp(config: ModelConfig | HFModelConfig | nn.Module, tp: int) -> None:
+    """Refuse a tp size the model cannot be split into (whole heads per rank).
+
+    Args:
+        config: a ``ModelConfig`` or ``HFModelConfig``, or the model itself.
+        tp: the tensor-parallel size.
+
+    Raises:
+        ConfigError: naming the head counts (``n_heads`` / ``n_kv_heads``, or the Hugging Face
+            ``num_attention_heads`` / ``num_key_value_heads``) and the tp size, when ``tp`` is not a
+            positive integer dividing both.
+    """
+    _check_heads(_shape_of(config), tp)
+
+
+def param_splits(config: ModelConfig | HFModelConfig | nn.Module) -> dict[str, Split]:
+    """How each parameter of the full model splits: name (``weight_dict`` order) -> column / row / replicated.
+
+    Args:
+        config: a ``ModelConfig`` or ``HFModelConfig`` (its model is built on the meta device for the
+            names), or the model itself (``Transformer`` or ``HFCausalLM``, full or sharded).
+
+    Raises:
+        ConfigError: for anything else, or a Hugging Face family without a split table.
+    """
+    return _shape_of(config).splits
 
 
 def tp_rows(ranks: Sequence[int], names: Sequence[str], shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -147,27 +233,29 @@ def tp_rows(ranks: Sequence[int], names: Sequence[str], shape: Sequence[int]) ->
     return [tuple(int(r) for r in row) for row in grid.tolist()]
 
 
-def tp_param_layouts(config_or_model: ModelConfig | nn.Module, ranks: Sequence[int], *, dp: int = 1) -> dict[str, ShardLayout]:
+def tp_param_layouts(config_or_model: ModelConfig | HFModelConfig | nn.Module, ranks: Sequence[int], *, dp: int = 1) -> dict[str, ShardLayout]:
     """The layout of every parameter of the full model across the generator's ranks.
 
     Args:
-        config_or_model: the model's config, or the (full or sharded) model itself.
+        config_or_model: the model's config (``ModelConfig`` or ``HFModelConfig``), or the (full or
+            sharded) model itself (``Transformer`` or ``HFCausalLM``).
         ranks: global ranks; with ``dp == 1`` the tp group in tp order, else ``dp * tp`` ranks in mesh
             order (``dp`` replicas of ``tp`` consecutive ranks).
         dp: number of tensor-parallel replicas.
 
     Returns:
-        name -> layout, for every name of ``Transformer(config).state_dict()`` (= ``Generator.weight_targets()``).
+        name -> layout, for every name of the full model's ``weight_dict`` (= ``Generator.weight_targets()``).
 
     Raises:
-        ConfigError: when ``len(ranks)`` is not a multiple of ``dp`` or the tp size does not divide the heads.
+        ConfigError: when ``len(ranks)`` is not a multiple of ``dp``, the tp size does not divide the
+            heads, or the model is neither the built-in one nor of a family in ``SPLIT_TABLES``.
     """
-    config = _config_of(config_or_model)
     ranks = tuple(ranks)
     if not isinstance(dp, int) or dp < 1 or len(ranks) % dp:
         raise ConfigError(f"tp_param_layouts: dp={dp!r} must be an integer >= 1 dividing len(ranks)={len(ranks)} ({list(ranks)})")
     tp = len(ranks) // dp
-    check_tp(config, tp)
+    shape = _shape_of(config_or_model)
+    _check_heads(shape, tp)
     if dp == 1:
         layouts: dict[str, ShardLayout] = {"column": tp_column(ranks), "row": tp_row(ranks), "replicated": replicated(ranks, axis="tp")}
     else:
@@ -176,7 +264,7 @@ def tp_param_layouts(config_or_model: ModelConfig | nn.Module, ranks: Sequence[i
             "row": dp_tp(ranks, dp=dp, tp=tp, tp_dim=1),
             "replicated": replicated(ranks, axis="dp"),
         }
-    return {name: layouts[split] for name, split in param_splits(config).items()}
+    return {name: layouts[split] for name, split in shape.splits.items()}
 
 
 def _all_reduce_sum(x: Tensor, group: Any, comm_device: torch.device | None) -> Tensor:
@@ -193,33 +281,39 @@ def _all_reduce_sum(x: Tensor, group: Any, comm_device: torch.device | None) -> 
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y_local = x @ W[rows]^T``: this rank's slice of the output features; input replicated, no communication."""
+    """``y_local = x @ W[rows]^T + b[rows]``: this rank's slice of the output features; input replicated, no communication."""
 
-    def __init__(self, weight: Tensor, *, requires_grad: bool = False) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, requires_grad: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"local out={self.weight.shape[0]}, in={self.weight.shape[1]}"
+        return f"local out={self.weight.shape[0]}, in={self.weight.shape[1]}, bias={self.bias is not None}"
 
 
 class RowParallelLinear(nn.Module):
-    """``y = all_reduce_sum(x_local @ W[:, cols]^T)``: input split over the tp ranks, output replicated."""
+    """``y = all_reduce_sum(x_local @ W[:, cols]^T) + b``: input split over the tp ranks, output replicated;
+    the (replicated) bias is added after the sum, so once."""
 
-    def __init__(self, weight: Tensor, group: Any, *, requires_grad: bool = False, comm_device: torch.device | None = None) -> None:
+    def __init__(
+        self, weight: Tensor, group: Any, bias: Tensor | None = None, *, requires_grad: bool = False, comm_device: torch.device | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=requires_grad)
         self.group = group
         self.comm_device = comm_device
 
     def forward(self, x: Tensor) -> Tensor:
-        return _all_reduce_sum(F.linear(x, self.weight), self.group, self.comm_device)
+        y = _all_reduce_sum(F.linear(x, self.weight), self.group, self.comm_device)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"out={self.weight.shape[0]}, local in={self.weight.shape[1]}, all_reduce"
+        return f"out={self.weight.shape[0]}, local in={self.weight.shape[1]}, bias={self.bias is not None}, all_reduce"
 
 
 class TensorParallelTransformer(Transformer):
@@ -244,6 +338,18 @@ class TensorParallelTransformer(Transformer):
         local = msgspec.structs.replace(c, n_heads=c.n_heads // tp, n_kv_heads=c.n_kv_heads // tp, dim=c.head_dim * (c.n_heads // tp))
         weight = self.tok_embeddings.weight
         return KVCache(local, batch, max_len, dtype=weight.dtype, device=weight.device)
+
+
+def _check_shard_call(model: nn.Module, ranks: Sequence[int], rank: int, group: Any) -> tuple[int, ...]:
+    """``ranks`` as a tuple, after refusing a sharded model, a rank outside ``ranks`` or a missing group."""
+    if isinstance(model, (TensorParallelTransformer, TensorParallelHFCausalLM)):
+        raise ConfigError(f"the model is already tensor-parallel (tp ranks {list(model.tp_ranks)}); shard a full model")
+    ranks = tuple(ranks)
+    if rank not in ranks:
+        raise ConfigError(f"rank {rank} is not in the tp group {list(ranks)}; pass this process's global rank and its tp group's ranks")
+    if len(ranks) > 1 and group is None:
+        raise ConfigError(f"tensor parallelism over {len(ranks)} ranks {list(ranks)} needs their process group (got group=None)")
+    return ranks
 
 
 @torch.no_grad()
@@ -274,16 +380,10 @@ def shard_transformer_(
         ConfigError: a tp size that does not divide the head counts, a rank not in ``ranks``, a model
             already sharded, or a missing group.
     """
-    if isinstance(model, TensorParallelTransformer):
-        raise ConfigError(f"the model is already tensor-parallel (tp ranks {list(model.tp_ranks)}); shard a full Transformer")
-    if type(model) is not Transformer:
+    if type(model) is not Transformer and not isinstance(model, TensorParallelTransformer):
         raise ConfigError(f"shard_transformer_ shards the built-in Transformer, got {type(model).__name__}")
-    ranks = tuple(ranks)
-    if rank not in ranks:
-        raise ConfigError(f"rank {rank} is not in the tp group {list(ranks)}; pass this process's global rank and its tp group's ranks")
+    ranks = _check_shard_call(model, ranks, rank, group)
     tp = len(ranks)
-    if tp > 1 and group is None:
-        raise ConfigError(f"tensor parallelism over {tp} ranks {list(ranks)} needs their process group (got group=None)")
     config = model.config
     layouts = tp_param_layouts(config, ranks)
     splits = param_splits(config)
@@ -306,11 +406,99 @@ def shard_transformer_(
     return model  # type: ignore[return-value]
 
 
+class TensorParallelHFCausalLM(HFCausalLM):
+    """An ``HFCausalLM`` after :func:`shard_hf_`: same forward and ``DynamicCache``, sharded projections.
+
+    Attributes:
+        tp_ranks: the tp group's global ranks, in tp order.
+        tp_rank: this rank's global rank.
+        tp_index: its position in ``tp_ranks``.
+    """
+
+    tp_ranks: tuple[int, ...]
+    tp_rank: int
+    tp_index: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("build a TensorParallelHFCausalLM with shard_hf_(build_model(HFModelConfig(...)), ranks, rank, group)")
+
+
+@torch.no_grad()
+def shard_hf_(
+    model: HFCausalLM, ranks: Sequence[int], rank: int, group: Any, *, comm_device: torch.device | None = None
+) -> TensorParallelHFCausalLM:
+    """Turn a full Hugging Face Llama-family ``model`` into global rank ``rank``'s part of a tensor-parallel model, in place.
+
+    Each ``nn.Linear`` whose weight ``SPLIT_TABLES[family]`` calls column-parallel becomes a
+    :class:`ColumnParallelLinear` holding its rows (weight and bias) of this rank; a row-parallel one
+    a :class:`RowParallelLinear` holding its weight's columns and the whole bias (all-reduce over
+    ``group``, then the bias once). Parameter names stay the Hugging Face names; each shard is
+    ``full[local_slice(layout, full.shape, rank)]`` (a copy) for the layout of :func:`tp_param_layouts`.
+    The attention modules need no change (they reshape by ``head_dim``), nor does the cache. The
+    model's class becomes :class:`TensorParallelHFCausalLM` (still an ``HFCausalLM``).
+
+    Args:
+        model: a full ``HFCausalLM`` of a family in ``SPLIT_TABLES`` (any dtype).
+        ranks: the tp group's global ranks, in tp order (every rank of the group passes the same).
+        rank: this process's global rank (in ``ranks``).
+        group: the tp process group (``None`` only when ``ranks`` has one rank).
+        comm_device: where the all-reduces run when it is not where the model lives; None: the model's device.
+
+    Returns:
+        ``model``, now a ``TensorParallelHFCausalLM``.
+
+    Raises:
+        ConfigError: a tp size that does not divide the head counts, a family without a split table,
+            a rank not in ``ranks``, a model already sharded, a missing group, or a split parameter
+            that is not an ``nn.Linear``'s.
+    """
+    if not isinstance(model, HFCausalLM):
+        raise ConfigError(f"shard_hf_ shards an HFCausalLM, got {type(model).__name__}")
+    ranks = _check_shard_call(model, ranks, rank, group)
+    layouts = tp_param_layouts(model, ranks)
+    splits = param_splits(model)  # cheap for a model: its weight_dict names and config
+    done: set[str] = set()
+    for name, module in list(model.named_modules()):
+        split = splits.get(f"{name}.weight")
+        if split not in ("column", "row"):
+            continue
+        if type(module) is not nn.Linear:
+            raise ConfigError(f"{name}.weight splits {split}-parallel but {name} is a {type(module).__name__}, not an nn.Linear")
+        parent, _, attr = name.rpartition(".")
+        weight = module.weight.detach()[local_slice(layouts[f"{name}.weight"], module.weight.shape, rank)].clone()
+        bias = None
+        if module.bias is not None:
+            bias = module.bias.detach()[local_slice(layouts[f"{name}.bias"], module.bias.shape, rank)].clone()
+        grad = module.weight.requires_grad
+        if split == "row":
+            shard: nn.Module = RowParallelLinear(weight, group, bias, requires_grad=grad, comm_device=comm_device)
+        else:
+            shard = ColumnParallelLinear(weight, bias, requires_grad=grad)
+        setattr(model.get_submodule(parent), attr, shard)
+        done.update(n for n in (f"{name}.weight", f"{name}.bias") if n in splits)
+    missed = sorted(n for n, split in splits.items() if split != "replicated" and n not in done)
+    if missed:
+        raise ConfigError(f"shard_hf_: parameters {missed[:5]} split by SPLIT_TABLES[{model.hf.config.model_type!r}] belong to no nn.Linear")
+    model.__class__ = TensorParallelHFCausalLM  # same forward and cache
+    model.tp_ranks, model.tp_rank, model.tp_index = ranks, rank, ranks.index(rank)
+    return model  # type: ignore[return-value]
+
+
+def shard_model_(
+    model: nn.Module, ranks: Sequence[int], rank: int, group: Any, *, comm_device: torch.device | None = None
+) -> nn.Module:
+    """:func:`shard_hf_` for an ``HFCausalLM``, else :func:`shard_transformer_` (same arguments and errors)."""
+    shard = shard_hf_ if isinstance(model, HFCausalLM) else shard_transformer_
+    return shard(model, ranks, rank, group, comm_device=comm_device)  # type: ignore[arg-type]
+
+
 @torch.no_grad()
 def copy_local_shards_(
-    targets: Mapping[str, Tensor], full_state: Mapping[str, Tensor], ranks: Sequence[int], rank: int, config: ModelConfig
+    targets: Mapping[str, Tensor], full_state: Mapping[str, Tensor], ranks: Sequence[int], rank: int, config: ModelConfig | HFModelConfig | nn.Module
 ) -> None:
     """Copy rank ``rank``'s slice of every tensor of ``full_state`` into ``targets`` (same names; cast to their dtype).
+
+    ``config`` is what :func:`tp_param_layouts` takes (a sharded model itself is cheapest for an HF one).
 
     Raises:
         ConfigError: for names that do not match or a shard whose shape differs from the slice.

@@ -191,8 +191,9 @@ def _mesh_axes(mesh: Any) -> dict[str, int]:
 class TensorParallelGenerator(GeneratorProgram):
     """A generator whose mesh has a ``tp`` axis: ``dp`` replicas (1 or more), each a tensor-parallel group.
 
-    Each rank holds its shards of the model (``flowrl.runtime.tensor_parallel``: whole attention
-    heads and a slice of the SwiGLU units, two all-reduces per layer over its tp group). Per step: the
+    Each rank holds its shards of the model, the built-in transformer or a Hugging Face Llama-family
+    one (``flowrl.runtime.tensor_parallel``: whole attention heads and a slice of the SwiGLU units, two
+    all-reduces per layer over its tp group). Per step: the
     node's lead broadcasts the prompts to every rank of the node; replica ``r`` takes part ``r`` of
     them (``split_prompts``); its tp ranks agree on a weight version (below) and run the same
     sampling with the same seed, so they draw the same tokens (checked after each batch with a
@@ -210,7 +211,7 @@ class TensorParallelGenerator(GeneratorProgram):
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         import torch.distributed as dist
 
-        from flowrl.runtime.tensor_parallel import check_tp, shard_transformer_, tp_rows
+        from flowrl.runtime.tensor_parallel import check_tp, shard_model_, tp_rows
 
         ctx = _context()
         names = tuple(mesh.mesh_dim_names or ())
@@ -227,11 +228,9 @@ class TensorParallelGenerator(GeneratorProgram):
         in_group = sorted(dist.get_process_group_ranks(self.tp_group))
         if in_group != sorted(self.tp_ranks):
             raise ConfigError(f"generator {node.name!r}: the mesh's tp group holds ranks {in_group}, expected {list(self.tp_ranks)}")
-        model = self.generator.model
-        self._config = model.config
         self._staging = dict(self.generator.weight_targets())  # the full tensors (version 0) become the staging copy
         comm = ctx.device if ctx.device.type == "cuda" else None
-        shard_transformer_(model, self.tp_ranks, ctx.rank, self.tp_group, comm_device=comm)
+        self._model = shard_model_(self.generator.model, self.tp_ranks, ctx.rank, self.tp_group, comm_device=comm)
         self._local = self.generator.refresh_weight_targets()  # weight_targets() now gives the shards
         self._staged = self.generator.version
         self._direct: bool | None = None  # whether the transport delivers shards (decided at the first fetch)
@@ -283,7 +282,7 @@ class TensorParallelGenerator(GeneratorProgram):
             if newest == oldest and max(newest, self.generator.version) >= min_version:
                 if newest > self.generator.version:
                     if not self._direct:
-                        copy_local_shards_(self._local, self._staging, self.tp_ranks, _context().rank, self._config)
+                        copy_local_shards_(self._local, self._staging, self.tp_ranks, _context().rank, self._model)
                     self.generator.version = newest
                 return time.perf_counter() - start
             if any_late:

@@ -81,7 +81,7 @@ def edge_ranks(graph: Graph, src: str, dst: str, ranks: dict[str, tuple[int, ...
 
 
 def _param_specs(graph: Graph, src: str) -> dict[str, dict[str, Any]]:
-    """Full shapes and dtypes of the policy's weights (its ``Trainer.weights()``), from its ModelConfig."""
+    """Full shapes and dtypes of the policy's weights (its ``Trainer.weights()``), from its model config."""
     from flowrl.models.registry import weight_shapes
 
     node = graph.node(src)
@@ -95,8 +95,9 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
     """The generator side's layout(s): replicas, or tensor-parallel shards.
 
     A generator whose mesh has a ``tp`` axis > 1 runs as ``rank_programs.TensorParallelGenerator``,
-    which fetches only its shards: its layout is ``tensor_parallel.tp_param_layouts(config, ranks, dp=...)``,
-    so each rank receives exactly its slices. Replicas fetch the full state (``dp_replicas``).
+    which fetches only its shards: its layout is ``tensor_parallel.tp_param_layouts(config, ranks, dp=...)``
+    (the built-in transformer's or, by Hugging Face parameter names, a Llama family's), so each rank
+    receives exactly its slices. Replicas fetch the full state (``dp_replicas``).
     """
     tp = _meshes_tp(axes)
     if len(fetchers) > 1 and tp > 1:
