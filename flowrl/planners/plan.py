@@ -131,44 +131,60 @@ def plan_graph(
     else:
         result = search_placements(graph, spec, ctx, roles, strategy=strategy, max_staleness=k)
         if not result.ranked:
-            raise PlanError(_nothing_fits(graph, spec, strategy, result.problems, result.fitted))
+            raise PlanError(_nothing_fits(graph, roles, ctx, spec, strategy, result.problems, result.fitted))
         miss = min(result.problems.values(), key=lambda e: e.memory.total).problem if result.problems else ""
         ranked, stats = result.ranked, SearchStats(evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss)
         best = ranked[0]
-    baseline = _baseline(graph, spec, ctx, roles, best, strategy)
-    return _to_plan(graph, spec, ctx, roles, best, ranked[1 : 1 + ctx.tuning.top_k], stats, "manual" if manual else strategy, k, baseline)
+    baseline, baseline_problem = _baseline(graph, spec, ctx, roles, best, strategy)
+    losers = ranked[1 : 1 + ctx.tuning.top_k]
+    return _to_plan(graph, spec, ctx, roles, best, losers, stats, "manual" if manual else strategy, k, baseline, baseline_problem)
 
 
-def _baseline(graph: Graph, spec: ClusterSpec, ctx: Context, roles: Roles, best: Candidate, strategy: str) -> float | None:
-    """Sync step of the best colocated placement on every device (LlamaRL's synchronous baseline)."""
+def _baseline(graph: Graph, spec: ClusterSpec, ctx: Context, roles: Roles, best: Candidate, strategy: str) -> tuple[float | None, str]:
+    """Sync step of the best colocated placement on every device (LlamaRL's synchronous baseline),
+    or None and why nothing colocated fits."""
     if not roles.heavy:
-        return best.steps.sync_step_s
+        return best.steps.sync_step_s, ""
     if strategy == "colocated":
-        return best.steps.sync_step_s
+        return best.steps.sync_step_s, ""
     result = search_placements(graph, spec, ctx, roles, strategy="colocated", max_staleness=0)
-    return result.ranked[0].steps.sync_step_s if result.ranked else None
+    if result.ranked:
+        return result.ranked[0].steps.sync_step_s, ""
+    return None, _why_none_fits(graph, roles, ctx, "colocated", result.problems, result.fitted)[0]
 
 
-def _nothing_fits(graph: Graph, spec: ClusterSpec, strategy: str, problems: dict, fitted: set[str]) -> str:
-    lines = [f"no placement of graph {graph.name!r} fits on {spec.name} ({spec.n_devices} x {spec.device.name}) with strategy {strategy!r}"]
+def _why_none_fits(graph: Graph, roles: Roles, ctx: Context, strategy: str, problems: dict, fitted: set[str]) -> tuple[str, str]:
+    """Why no placement fits (the node, the resource and the numbers) and what to try; the
+    suggestions leave out what is already set (``--gen-precision float8``, a high ``memory_util``)."""
+    float8 = bool(roles.gens) and all(roles.gen_dtype[g] == "float8" for g in roles.gens)
+    fp8 = [] if float8 else ["--gen-precision float8 (half the weight bytes)"]
     never = {n: e for n, e in problems.items() if n not in fitted}
-    hint = "more devices, or --set memory_util=0.95"
+    name, closest = min((never or problems).items(), key=lambda kv: kv[1].memory.total) if problems else ("", None)
+    near = closest is not None and closest.memory.total <= 0.95 * ctx.cluster.device.memory_bytes
+    more_memory = ["--set memory_util=0.95"] if near and ctx.tuning.memory_util < 0.95 else []
     if never:
-        name, closest = min(never.items(), key=lambda kv: kv[1].memory.total)
-        lines[0] += f"; closest miss: {closest.problem}"
+        reason = f"closest miss: {closest.problem}"
         kind = graph.node(name).kind
         if kind == "generator":
-            hint = "--gen-precision float8 (half the weight bytes), more devices, or fewer --prompts-per-step (smaller KV cache)"
+            hints = [*fp8, "more devices", "fewer --prompts-per-step (smaller KV cache)", *more_memory]
         elif kind == "policy":
-            hint = "more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)"
-    elif problems:
-        closest = min(problems.values(), key=lambda e: e.memory.total)
-        lines[0] += f"; every node fits on some mesh, but no split fits them all at once, e.g. {closest.problem}"
-        hint = "more devices, the disaggregated strategy (no colocated state to share memory with), or --gen-precision float8"
+            hints = ["more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)", *more_memory]
+        else:
+            hints = ["more devices", *more_memory]
+    elif closest is not None:
+        reason = f"every node fits on some mesh, but no split fits them all at once, e.g. {closest.problem}"
+        apart = ["the disaggregated strategy (no colocated state to share memory with)"] if strategy == "colocated" else []
+        hints = ["more devices", *apart, *fp8, *more_memory]
     else:
-        lines[0] += "; the graph's models admit no parallel dims on these device counts (tp must divide the heads, pp the layers)"
-    lines.append(f"  try: {hint}")
-    return "\n".join(lines)
+        reason = "the graph's models admit no parallel dims on these device counts (tp must divide the heads, pp the layers)"
+        hints = ["another device count"]
+    return reason, ", or ".join(hints)
+
+
+def _nothing_fits(graph: Graph, roles: Roles, ctx: Context, spec: ClusterSpec, strategy: str, problems: dict, fitted: set[str]) -> str:
+    reason, hint = _why_none_fits(graph, roles, ctx, strategy, problems, fitted)
+    head = f"no placement of graph {graph.name!r} fits on {spec.name} ({spec.n_devices} x {spec.device.name}) with strategy {strategy!r}"
+    return f"{head}; {reason}\n  try: {hint}"
 
 
 def _to_plan(
@@ -182,6 +198,7 @@ def _to_plan(
     strategy: str,
     k: int,
     baseline: float | None,
+    baseline_problem: str,
 ) -> Plan:
     placements: dict[str, NodePlacement] = {}
     layout = best.layout
@@ -246,6 +263,7 @@ def _to_plan(
         speedup=steps.sync_step_s / steps.async_step_s if steps.async_step_s > 0 else 1.0,
         baseline_step_s=baseline,
         speedup_vs_baseline=(baseline / step) if baseline and step > 0 else None,
+        baseline_problem=baseline_problem,
         bottleneck=steps.bottleneck,
         timeline=steps.async_timeline if k >= 1 else steps.sync_timeline,
         alternatives=alternatives,

@@ -146,6 +146,7 @@ class Plan(msgspec.Struct, **_STRUCT):
         baseline_step_s: the synchronous colocated baseline on every device (LlamaRL's comparison);
             None when no colocated placement fits.
         speedup_vs_baseline: ``baseline_step_s / step_s``.
+        baseline_problem: why the baseline does not fit (node, resource, numbers), when it does not.
         bottleneck: the node that sets the pace of the async step, and its share of it.
         timeline: predicted spans of one step at ``max_staleness`` (async spans are steady state).
         alternatives: runners-up with the reason each lost (search strategies only).
@@ -168,6 +169,7 @@ class Plan(msgspec.Struct, **_STRUCT):
     speedup: float = 1.0
     baseline_step_s: float | None = None
     speedup_vs_baseline: float | None = None
+    baseline_problem: str = ""
     bottleneck: str = ""
     timeline: tuple[Span, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
