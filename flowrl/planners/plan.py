@@ -46,7 +46,7 @@ from flowrl.planners.plan_data import (
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners.strategies import STRATEGIES
 from flowrl.planners.tuning import make_tuning
-from flowrl.planners.workload import Workload, default_workload
+from flowrl.planners.workload import Workload, check_context, default_workload
 
 __all__ = [
     "Plan",
@@ -108,8 +108,9 @@ def plan_graph(
         **tuning: ``Tuning`` fields by name (``mfu_train=0.4``, ``gen_precision="float8"``).
 
     Raises:
-        PlanError: no placement fits (naming the node, the device memory and how far over), or a
-            bad strategy, cluster, placement or tuning name.
+        PlanError: no placement fits (naming the node, the device memory and how far over), a
+            sequence (prompt + generation) longer than a model's context, or a bad strategy,
+            cluster, placement or tuning name.
     """
     spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     k = graph.max_staleness(max_staleness)
@@ -117,6 +118,7 @@ def plan_graph(
         raise PlanError(f"max_staleness={k} must be >= 0")
     ctx = Context(cluster=spec, workload=workload or default_workload(graph, model_override=model is not None), tuning=make_tuning(**tuning))
     roles = resolve_roles(graph, ctx, model)
+    check_context(ctx.workload, roles.models)
     manual = ":" in strategy
     if not manual and strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; strategies: {', '.join(STRATEGIES)}, or a placement like 'gen:d4@0-3 | policy:d4@4-7'")
