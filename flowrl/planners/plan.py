@@ -30,7 +30,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planners.cluster import ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
 from flowrl.planners.modelspec import ModelSpec
-from flowrl.planners.parallel import AXES, ParallelDims
+from flowrl.planners.parallel import AXES, ParallelDims, hosts_per_group
 from flowrl.planners.plan_data import (
     MAX_PLAN_BYTES,
     PLAN_VERSION,
@@ -250,6 +250,7 @@ def _to_plan(
         for c in losers
     )
     models = {n: roles.models[n] for n in roles.heavy}
+    warnings = tuple(w for name in layout if (w := _tp_across_hosts(name, layout[name], spec, strategy)))
     return Plan(
         graph=graph.name,
         cluster=spec.name,
@@ -266,6 +267,7 @@ def _to_plan(
         baseline_step_s=baseline,
         speedup_vs_baseline=(baseline / step) if baseline and step > 0 else None,
         baseline_problem=baseline_problem,
+        warnings=warnings,
         bottleneck=steps.bottleneck,
         timeline=steps.async_timeline if k >= 1 else steps.sync_timeline,
         alternatives=alternatives,
@@ -273,6 +275,22 @@ def _to_plan(
         cluster_spec=spec,
         models=models,
         tuning=ctx.tuning,
+    )
+
+
+def _tp_across_hosts(name: str, placed: tuple[Any, ParallelDims], spec: ClusterSpec, strategy: str) -> str:
+    """A warning when ``name``'s tensor-parallel groups span hosts (their per-layer all-reduces then use the NIC), else ``""``."""
+    devices, dims = placed
+    hosts = hosts_per_group(devices, dims, "tp", spec.devices_per_host) if dims.tp > 1 else 1
+    if hosts == 1:
+        return ""
+    dev = spec.device
+    intra, inter = dev.intra_host_bandwidth, dev.inter_host_bandwidth
+    why = "as the placement gives it" if strategy == "manual" else "the search found no placement that fits with tp within one host"
+    return (
+        f"node {name!r}: each tensor-parallel group of {dims.tp} devices spans {hosts} hosts, so its all-reduces "
+        f"(two per layer) cross hosts at {inter / 1e9:.3g} GB/s per device instead of {intra / 1e9:.3g} GB/s within a host "
+        f"({intra / inter:.3g}x slower); {why}"
     )
 
 

@@ -147,6 +147,7 @@ class Plan(msgspec.Struct, **_STRUCT):
             None when no colocated placement fits.
         speedup_vs_baseline: ``baseline_step_s / step_s``.
         baseline_problem: why the baseline does not fit (node, resource, numbers), when it does not.
+        warnings: what the user should know about the placement (a tensor-parallel group across hosts).
         bottleneck: the node that sets the pace of the async step, and its share of it.
         timeline: predicted spans of one step at ``max_staleness`` (async spans are steady state).
         alternatives: runners-up with the reason each lost (search strategies only).
@@ -170,6 +171,7 @@ class Plan(msgspec.Struct, **_STRUCT):
     baseline_step_s: float | None = None
     speedup_vs_baseline: float | None = None
     baseline_problem: str = ""
+    warnings: tuple[str, ...] = ()
     bottleneck: str = ""
     timeline: tuple[Span, ...] = ()
     alternatives: tuple[Alternative, ...] = ()

@@ -64,6 +64,7 @@ def format_plan(plan: Plan) -> str:
     elif spec is not None:
         why = f": {plan.baseline_problem}" if plan.baseline_problem else ""
         lines.append(f"synchronous colocated baseline on all {spec.n_devices} devices: does not fit{why}")
+    lines.extend(f"warning: {w}" for w in plan.warnings)
     lines.append(f"bottleneck: {plan.bottleneck}")
     lines.append(f"placement: {plan}")
     if plan.alternatives:
