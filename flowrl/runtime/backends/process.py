@@ -84,7 +84,15 @@ class RemoteProgram:
 
     def _error(self, reply: dict[str, Any], doing: str = "") -> WorkerError:
         """The worker's failure as a ``WorkerError``: a flowrl check of the user's input is its message
-        alone (one paragraph, as on the local backend); anything else, a bug, keeps the worker's traceback."""
+        alone (one paragraph, as on the local backend); anything else, a bug, keeps the worker's traceback.
+
+        Args:
+            reply: the worker's ``{"ok": false, ...}`` answer.
+            doing: words to put before the worker's message (what failed).
+
+        Returns:
+            the error to raise.
+        """
         if reply.get("user_mistake"):
             return WorkerError(f"{doing}{reply.get('error')}", user_mistake=True)
         where = f"--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---"
