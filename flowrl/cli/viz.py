@@ -6,12 +6,12 @@ import argparse
 import os
 import re
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
 
-__all__ = ["register", "plan_annotations", "DEFAULT_FORMAT"]
+__all__ = ["register", "plan_annotations", "plan_labels", "DEFAULT_FORMAT"]
 
 #: Mermaid by default: it is text a terminal shows, it renders on GitHub and in most Markdown
 #: viewers, and it needs nothing installed (svg/png need Graphviz).
@@ -61,7 +61,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def plan_annotations(path: str, graph: Graph) -> dict[str, str]:
-    """``{node: plan.node_label(node)}`` for the plan file at ``path``.
+    """``{node: plan.node_label(node)}`` for the plan file at ``path``."""
+    plan = _load_plan(path, graph)
+    return {name: plan.node_label(name) for name in plan.placements}
+
+
+def plan_labels(path: str, graph: Graph) -> dict[str, Any]:
+    """The exporters' labelling keywords for the plan file at ``path``: ``annotations`` (devices
+    and dims per node), ``models`` (the model each node was planned with) and ``title`` (graph,
+    cluster, models, step).
+
+    Raises:
+        as ``_load_plan``.
+    """
+    plan = _load_plan(path, graph)
+    return {
+        "annotations": {name: plan.node_label(name) for name in plan.placements},
+        "models": {name: m for name in plan.placements if (m := plan.node_model(name))},
+        "title": plan.picture_title(),
+    }
+
+
+def _load_plan(path: str, graph: Graph) -> Any:
+    """The plan file at ``path``.
 
     Raises:
         ConfigError: when the file is missing or the planner is not installed;
@@ -81,8 +103,7 @@ def plan_annotations(path: str, graph: Graph) -> dict[str, str]:
             "--plan needs the planner (flowrl.planners.plan.load_plan), which this flowrl does not have yet; "
             "drop --plan to draw the graph without placements"
         ) from None
-    plan = load_plan(path)
-    return {name: plan.node_label(name) for name in plan.placements}
+    return load_plan(path)
 
 
 def _default_name(graph: Graph, fmt: str) -> str:
@@ -123,14 +144,14 @@ def _run(args: argparse.Namespace) -> int:
         )
 
     graph = load_graph(args.graph)
-    annotations = plan_annotations(args.plan, graph) if args.plan else None
+    labels = plan_labels(args.plan, graph) if args.plan else {}
 
     if fmt in IMAGE_FORMATS:
-        data: bytes = render_bytes(graph, fmt, annotations=annotations, direction=args.direction)
+        data: bytes = render_bytes(graph, fmt, direction=args.direction, **labels)
         if out is None:
             out = _default_name(graph, fmt)
     else:
-        data = export_text(graph, fmt, annotations=annotations, direction=args.direction).encode()
+        data = export_text(graph, fmt, direction=args.direction, **labels).encode()
 
     if out is None or out == "-":
         sys.stdout.flush()

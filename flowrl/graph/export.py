@@ -6,7 +6,9 @@ The graph knows nothing of its pictures (dask's ``to_graphviz`` style): each exp
 - one node per graph node, its shape and colour by kind (``KIND_STYLES``), labelled
   ``name (kind)`` over a one-line summary of its config (``flowrl.graph.nodes.describe``) and, when
   ``annotations`` names the node, one more line: the planner's ``Plan.node_label(name)``, e.g.
-  ``devices 0-3 · dp2 tp2``;
+  ``devices 0-3 · dp2 tp2``; a picture of a plan also names the model each node was planned
+  with (``models``, e.g. ``llama3-70b`` under ``flowrl plan --model``) and is titled with the
+  cluster and model (``title``: ``Plan.picture_title()``);
 - one solid edge per data edge, labelled with its fields, abbreviated by ``field_summary``;
 - one dashed edge per weight edge, labelled with its transport and ``k<=max_staleness``.
 
@@ -136,24 +138,32 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _check_annotations(graph: Graph, annotations: Mapping[str, str] | None) -> dict[str, str]:
+def _check_annotations(graph: Graph, annotations: Mapping[str, str] | None, what: str = "annotations") -> dict[str, str]:
     if not annotations:
         return {}
     unknown = sorted(str(n) for n in annotations if n not in graph)
     if unknown:
         raise ExportError(
-            f"annotations name node(s) {unknown} that graph {graph.name!r} does not have (its nodes: "
+            f"{what} name node(s) {unknown} that graph {graph.name!r} does not have (its nodes: "
             f"{sorted(n.name for n in graph.nodes)}); was the plan made for another graph? Plan this graph again"
         )
     bad = sorted(n for n, v in annotations.items() if not isinstance(v, str))
     if bad:
-        raise ExportError(f"annotations of node(s) {bad} are not strings; pass one short line of text per node")
+        raise ExportError(f"{what} of node(s) {bad} are not strings; pass one short line of text per node")
     return {n: _one_line(v) for n, v in annotations.items()}
 
 
-def node_label_lines(node: Node, annotation: str | None = None) -> list[str]:
-    """The lines of a node's label: ``name (kind)``, its config summary, and the annotation if any."""
-    lines = [f"{node.name} ({node.kind})", describe(node)]
+def node_label_lines(node: Node, annotation: str | None = None, model: str | None = None) -> list[str]:
+    """The lines of a node's label: ``name (kind)``, its config summary, and the annotation if any.
+
+    ``model`` (a plan's model for the node, e.g. ``llama3-70b`` under ``flowrl plan --model``)
+    replaces the graph's own ``model=...`` in the summary, so a picture shows what was planned.
+    """
+    summary = describe(node)
+    own = getattr(node, "model", None)
+    if model and own is not None and summary.startswith(f"model={own.short()}"):
+        summary = f"model={_one_line(model)}" + summary[len(f"model={own.short()}") :]
+    lines = [f"{node.name} ({node.kind})", summary]
     if annotation:
         lines.append(annotation)
     return lines
@@ -186,7 +196,14 @@ def _dot_attrs(attrs: dict[str, str]) -> str:
     return "[" + ", ".join(f"{k}={v}" for k, v in attrs.items()) + "]"
 
 
-def to_dot(graph: Graph, *, annotations: Mapping[str, str] | None = None, direction: str = "LR") -> str:
+def to_dot(
+    graph: Graph,
+    *,
+    annotations: Mapping[str, str] | None = None,
+    direction: str = "LR",
+    title: str | None = None,
+    models: Mapping[str, str] | None = None,
+) -> str:
     """The graph as Graphviz DOT text (ends with a newline).
 
     Args:
@@ -194,15 +211,19 @@ def to_dot(graph: Graph, *, annotations: Mapping[str, str] | None = None, direct
         annotations: node name -> one more label line (e.g. ``Plan.node_label(name)``); every key
             must be a node of ``graph``.
         direction: ``"LR"`` (data flows left to right) or ``"TB"`` (top to bottom).
+        title: the picture's title (default: the graph's name), e.g. ``Plan.picture_title()``.
+        models: node name -> the model to name in its label instead of the graph's own
+            (``Plan.node_model(name)``: the model a plan was made for).
 
     Raises:
-        ExportError: for annotations naming unknown nodes, or an unknown direction.
+        ExportError: for annotations or models naming unknown nodes, or an unknown direction.
     """
     notes = _check_annotations(graph, annotations)
+    shown = _check_annotations(graph, models, "models")
     _check_direction(direction)
     out = [
         f"digraph {_dot_str(graph.name)} {{",
-        f"  graph [rankdir={direction}, label={_dot_str(graph.name)}, labelloc=t, fontname={_dot_str(_FONT)}, fontsize=14];",
+        f"  graph [rankdir={direction}, label={_dot_str(_one_line(title or graph.name))}, labelloc=t, fontname={_dot_str(_FONT)}, fontsize=14];",
         f"  node [fontname={_dot_str(_FONT)}, fontsize=11, penwidth=1.2];",
         f"  edge [fontname={_dot_str(_FONT)}, fontsize=9];",
     ]
@@ -211,7 +232,7 @@ def to_dot(graph: Graph, *, annotations: Mapping[str, str] | None = None, direct
         sig = signature(node)
         tooltip = f"{node.kind} {node.name}\nreads:\n{_typed_fields(sig.inputs) or '-'}\nwrites:\n{_typed_fields(sig.outputs) or '-'}"
         attrs = {
-            "label": _dot_lines(node_label_lines(node, notes.get(node.name))),
+            "label": _dot_lines(node_label_lines(node, notes.get(node.name), shown.get(node.name))),
             "shape": style.dot_shape,
             "style": _dot_str(style.dot_style),
             "fillcolor": _dot_str(style.fill),
@@ -279,18 +300,26 @@ def _mermaid_ids(graph: Graph) -> dict[str, str]:
     return ids
 
 
-def to_mermaid(graph: Graph, *, annotations: Mapping[str, str] | None = None, direction: str = "LR") -> str:
+def to_mermaid(
+    graph: Graph,
+    *,
+    annotations: Mapping[str, str] | None = None,
+    direction: str = "LR",
+    title: str | None = None,
+    models: Mapping[str, str] | None = None,
+) -> str:
     """The graph as a Mermaid flowchart (renders on GitHub inside a ```` ```mermaid ```` block; ends with a newline).
 
     Args and Raises: as ``to_dot``.
     """
     notes = _check_annotations(graph, annotations)
+    shown = _check_annotations(graph, models, "models")
     _check_direction(direction)
     ids = _mermaid_ids(graph)
-    out = ["---", f"title: {json.dumps(graph.name)}", "---", f"flowchart {direction}"]
+    out = ["---", f"title: {json.dumps(_one_line(title) if title else graph.name)}", "---", f"flowchart {direction}"]
     for node in graph.topological_order():
         style = KIND_STYLES.get(node.kind, _FALLBACK_STYLE)
-        label = _mermaid_label(node_label_lines(node, notes.get(node.name)))
+        label = _mermaid_label(node_label_lines(node, notes.get(node.name), shown.get(node.name)))
         out.append(f"    {ids[node.name]}{style.mermaid_open}{label}{style.mermaid_close}")
     for e in graph.edges:
         out.append(f"    {ids[e.src]} -->|{_mermaid_label([field_summary(e.fields)])}| {ids[e.dst]}")
@@ -316,22 +345,32 @@ def _check_format(fmt: str, allowed: tuple[str, ...]) -> None:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(allowed)}")
 
 
-def export_text(graph: Graph, fmt: str, *, annotations: Mapping[str, str] | None = None, direction: str = "LR") -> str:
+def export_text(
+    graph: Graph,
+    fmt: str,
+    *,
+    annotations: Mapping[str, str] | None = None,
+    direction: str = "LR",
+    title: str | None = None,
+    models: Mapping[str, str] | None = None,
+) -> str:
     """The graph in text format ``fmt`` (``mermaid``, ``dot`` or ``json``), ending with a newline.
+
+    ``annotations``, ``direction``, ``title`` and ``models`` label pictures, as in ``to_dot``.
 
     Raises:
         ExportError: for another format, or annotations with ``json`` (a graph file holds no placement).
     """
     _check_format(fmt, TEXT_FORMATS)
     if fmt == "json":
-        if annotations:
+        if annotations or models:
             raise ExportError(
                 "annotations (a plan) only label pictures; the json format is the graph itself and holds no "
                 "placement. Save the plan with 'flowrl plan ... -o plan.json', or pick --format mermaid/dot/svg/png"
             )
         return to_json(graph) + "\n"
     exporter = to_mermaid if fmt == "mermaid" else to_dot
-    return exporter(graph, annotations=annotations, direction=direction)
+    return exporter(graph, annotations=annotations, direction=direction, title=title, models=models)
 
 
 def render_bytes(
@@ -340,17 +379,19 @@ def render_bytes(
     *,
     annotations: Mapping[str, str] | None = None,
     direction: str = "LR",
+    title: str | None = None,
+    models: Mapping[str, str] | None = None,
     dot_program: str = "dot",
     timeout_s: float = 60.0,
 ) -> bytes:
-    """The graph drawn by Graphviz's ``dot`` as ``fmt`` (``svg`` or ``png``).
+    """The graph drawn by Graphviz's ``dot`` as ``fmt`` (``svg`` or ``png``); labels as in ``to_dot``.
 
     Raises:
         ExportError: naming the package to install when ``dot`` is missing, or with dot's own
             message when it fails.
     """
     _check_format(fmt, IMAGE_FORMATS)
-    text = to_dot(graph, annotations=annotations, direction=direction)
+    text = to_dot(graph, annotations=annotations, direction=direction, title=title, models=models)
     program = shutil.which(dot_program)
     if program is None:
         raise ExportError(
@@ -376,6 +417,8 @@ def render(
     *,
     annotations: Mapping[str, str] | None = None,
     direction: str = "LR",
+    title: str | None = None,
+    models: Mapping[str, str] | None = None,
     dot_program: str = "dot",
 ) -> Path:
     """Draw the graph with Graphviz into ``path`` (``svg`` or ``png``), atomically; returns the path.
@@ -385,7 +428,7 @@ def render(
     Raises:
         ExportError: as ``render_bytes``, or when ``path`` cannot be written.
     """
-    data = render_bytes(graph, fmt, annotations=annotations, direction=direction, dot_program=dot_program)
+    data = render_bytes(graph, fmt, annotations=annotations, direction=direction, title=title, models=models, dot_program=dot_program)
     return write_atomic(path, data)
 
 

@@ -35,7 +35,11 @@ from flowrl.errors import PlanError
 if TYPE_CHECKING:
     from flowrl.graph.configs import AnyModelConfig
 
-__all__ = ["ModelSpec", "MODEL_PRESETS", "model_preset", "model_from_config", "model_from_hf_config", "resolve_model"]
+__all__ = ["ModelSpec", "MODEL_PRESETS", "DEFAULT_CONTEXT", "model_preset", "model_from_config", "model_from_hf_config", "resolve_model"]
+
+
+#: The context assumed for a model whose spec does not say it (an old GPT-2-sized window).
+DEFAULT_CONTEXT = 2048
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -50,6 +54,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         ffn_dim: SwiGLU hidden width (f).
         vocab_size: vocabulary (V).
         tie_embeddings: the output head shares the embedding matrix.
+        max_seq_len: the context: the most tokens (prompt + completion) one sequence may hold.
+            Presets: as published; a HF ``config.json``: its ``max_position_embeddings``; a
+            ``ModelConfig``: its ``max_seq_len``. Unknown: ``DEFAULT_CONTEXT``, a conservative 2048.
     """
 
     name: str
@@ -60,9 +67,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ffn_dim: int
     vocab_size: int
     tie_embeddings: bool = False
+    max_seq_len: int = DEFAULT_CONTEXT
 
     def __post_init__(self) -> None:
-        for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, field) < 1:
                 raise PlanError(f"model {self.name!r}: {field}={getattr(self, field)} must be >= 1")
         if self.dim % self.n_heads:
@@ -107,11 +115,14 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return self.name
 
 
-#: Published shapes (Llama 3 / 3.1 model cards).
+#: Published shapes (Llama 3 / 3.1 model cards): Llama 3 8B and 70B have an 8k context; 405B
+#: exists only as Llama 3.1, with 128k.
 MODEL_PRESETS: dict[str, ModelSpec] = {
-    "llama3-8b": ModelSpec(name="llama3-8b", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-    "llama3-70b": ModelSpec(name="llama3-70b", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
-    "llama3-405b": ModelSpec(name="llama3-405b", n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256),
+    "llama3-8b": ModelSpec(name="llama3-8b", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, max_seq_len=8192),
+    "llama3-70b": ModelSpec(name="llama3-70b", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, max_seq_len=8192),
+    "llama3-405b": ModelSpec(
+        name="llama3-405b", n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256, max_seq_len=131072
+    ),
 }
 
 
@@ -130,7 +141,8 @@ def model_from_config(config: AnyModelConfig) -> ModelSpec:
     from flowrl.graph.configs import HFModelConfig
 
     if isinstance(config, HFModelConfig):
-        return model_from_hf_config(Path(config.path).expanduser() / "config.json", name=config.short())
+        spec = model_from_hf_config(Path(config.path).expanduser() / "config.json", name=config.short())
+        return msgspec.structs.replace(spec, max_seq_len=config.max_seq_len) if config.max_seq_len else spec
     if config.preset:
         return model_preset(config.preset)
     return ModelSpec(
@@ -142,6 +154,7 @@ def model_from_config(config: AnyModelConfig) -> ModelSpec:
         ffn_dim=config.hidden_dim,
         vocab_size=config.vocab_size,
         tie_embeddings=config.tie_embeddings,
+        max_seq_len=config.max_seq_len,
     )
 
 
@@ -152,6 +165,7 @@ _HF_KEYS = {
     "ffn_dim": ("intermediate_size", "n_inner", "ffn_dim"),
     "vocab_size": ("vocab_size",),
 }
+_HF_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) -> ModelSpec:
@@ -159,7 +173,8 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
 
     Reads ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``
     (default: the attention heads), ``intermediate_size``, ``vocab_size`` and
-    ``tie_word_embeddings`` (GPT-2-style names are accepted too).
+    ``tie_word_embeddings`` (GPT-2-style names are accepted too), and the context from
+    ``max_position_embeddings`` (or ``n_positions``; ``DEFAULT_CONTEXT`` when there is none).
 
     Raises:
         PlanError: naming the file and the missing or malformed key.
@@ -187,8 +202,11 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     if not isinstance(kv, int) or isinstance(kv, bool):
         raise PlanError(f"model config {where!r}: num_key_value_heads={kv!r} must be an integer")
     tie = bool(source.get("tie_word_embeddings", False))
+    context = next((source[k] for k in _HF_CONTEXT_KEYS if k in source), DEFAULT_CONTEXT)
+    if not isinstance(context, int) or isinstance(context, bool):
+        raise PlanError(f"model config {where!r}: max_position_embeddings={context!r} must be an integer")
     label = name or str(source.get("_name_or_path") or source.get("model_type") or "hf-model")
-    return ModelSpec(name=label, n_kv_heads=kv, tie_embeddings=tie, **values)
+    return ModelSpec(name=label, n_kv_heads=kv, tie_embeddings=tie, max_seq_len=context, **values)
 
 
 def resolve_model(text: str) -> ModelSpec:

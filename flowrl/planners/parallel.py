@@ -33,7 +33,7 @@ from flowrl.errors import PlanError
 if TYPE_CHECKING:
     from flowrl.planners.modelspec import ModelSpec
 
-__all__ = ["AXES", "ParallelDims", "divisors", "enumerate_dims", "axis_groups", "spans_hosts"]
+__all__ = ["AXES", "ParallelDims", "divisors", "enumerate_dims", "axis_groups", "spans_hosts", "hosts_per_group"]
 
 #: Mesh axis names, outermost first; the order ``mesh_shape`` and ``DeviceMesh`` use.
 AXES: tuple[str, ...] = ("pp", "dp", "tp")
@@ -174,6 +174,24 @@ def spans_hosts(devices: Sequence[int], dims: ParallelDims, axis: str, devices_p
     hosts = (np.asarray(devices, dtype=np.int64) // devices_per_host).reshape(dims.mesh_shape)
     along = AXES.index(axis)
     return bool((hosts.max(axis=along) != hosts.min(axis=along)).any())
+
+
+def hosts_per_group(devices: Sequence[int], dims: ParallelDims, axis: str, devices_per_host: int) -> int:
+    """The most hosts any one group along ``axis`` touches (1: every group stays on one host).
+
+    Example:
+        >>> hosts_per_group(range(64), ParallelDims(dp=4, tp=16), "tp", 8)
+        2
+        >>> hosts_per_group(range(64), ParallelDims(dp=8, tp=8), "tp", 8)
+        1
+    """
+    if axis not in AXES:
+        raise PlanError(f"unknown mesh axis {axis!r}; axes: {', '.join(AXES)}")
+    if len(devices) != dims.size:
+        raise PlanError(f"dp({dims.dp}) * tp({dims.tp}) * pp({dims.pp}) = {dims.size} != devices({len(devices)})")
+    hosts = (np.asarray(devices, dtype=np.int64) // devices_per_host).reshape(dims.mesh_shape)
+    groups = np.sort(np.moveaxis(hosts, AXES.index(axis), -1), axis=-1)
+    return int((np.diff(groups, axis=-1) != 0).sum(axis=-1).max()) + 1
 
 
 @functools.lru_cache(maxsize=65536)

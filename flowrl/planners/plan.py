@@ -30,7 +30,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planners.cluster import ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
 from flowrl.planners.modelspec import ModelSpec
-from flowrl.planners.parallel import AXES, ParallelDims
+from flowrl.planners.parallel import AXES, ParallelDims, hosts_per_group
 from flowrl.planners.plan_data import (
     MAX_PLAN_BYTES,
     PLAN_VERSION,
@@ -46,7 +46,7 @@ from flowrl.planners.plan_data import (
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners.strategies import STRATEGIES
 from flowrl.planners.tuning import make_tuning
-from flowrl.planners.workload import Workload, default_workload
+from flowrl.planners.workload import Workload, check_context, default_workload
 
 __all__ = [
     "Plan",
@@ -108,8 +108,9 @@ def plan_graph(
         **tuning: ``Tuning`` fields by name (``mfu_train=0.4``, ``gen_precision="float8"``).
 
     Raises:
-        PlanError: no placement fits (naming the node, the device memory and how far over), or a
-            bad strategy, cluster, placement or tuning name.
+        PlanError: no placement fits (naming the node, the device memory and how far over), a
+            sequence (prompt + generation) longer than a model's context, or a bad strategy,
+            cluster, placement or tuning name.
     """
     spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
     k = graph.max_staleness(max_staleness)
@@ -117,6 +118,7 @@ def plan_graph(
         raise PlanError(f"max_staleness={k} must be >= 0")
     ctx = Context(cluster=spec, workload=workload or default_workload(graph, model_override=model is not None), tuning=make_tuning(**tuning))
     roles = resolve_roles(graph, ctx, model)
+    check_context(ctx.workload, roles.models)
     manual = ":" in strategy
     if not manual and strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; strategies: {', '.join(STRATEGIES)}, or a placement like 'gen:d4@0-3 | policy:d4@4-7'")
@@ -131,44 +133,60 @@ def plan_graph(
     else:
         result = search_placements(graph, spec, ctx, roles, strategy=strategy, max_staleness=k)
         if not result.ranked:
-            raise PlanError(_nothing_fits(graph, spec, strategy, result.problems, result.fitted))
+            raise PlanError(_nothing_fits(graph, roles, ctx, spec, strategy, result.problems, result.fitted))
         miss = min(result.problems.values(), key=lambda e: e.memory.total).problem if result.problems else ""
         ranked, stats = result.ranked, SearchStats(evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss)
         best = ranked[0]
-    baseline = _baseline(graph, spec, ctx, roles, best, strategy)
-    return _to_plan(graph, spec, ctx, roles, best, ranked[1 : 1 + ctx.tuning.top_k], stats, "manual" if manual else strategy, k, baseline)
+    baseline, baseline_problem = _baseline(graph, spec, ctx, roles, best, strategy)
+    losers = ranked[1 : 1 + ctx.tuning.top_k]
+    return _to_plan(graph, spec, ctx, roles, best, losers, stats, "manual" if manual else strategy, k, baseline, baseline_problem)
 
 
-def _baseline(graph: Graph, spec: ClusterSpec, ctx: Context, roles: Roles, best: Candidate, strategy: str) -> float | None:
-    """Sync step of the best colocated placement on every device (LlamaRL's synchronous baseline)."""
+def _baseline(graph: Graph, spec: ClusterSpec, ctx: Context, roles: Roles, best: Candidate, strategy: str) -> tuple[float | None, str]:
+    """Sync step of the best colocated placement on every device (LlamaRL's synchronous baseline),
+    or None and why nothing colocated fits."""
     if not roles.heavy:
-        return best.steps.sync_step_s
+        return best.steps.sync_step_s, ""
     if strategy == "colocated":
-        return best.steps.sync_step_s
+        return best.steps.sync_step_s, ""
     result = search_placements(graph, spec, ctx, roles, strategy="colocated", max_staleness=0)
-    return result.ranked[0].steps.sync_step_s if result.ranked else None
+    if result.ranked:
+        return result.ranked[0].steps.sync_step_s, ""
+    return None, _why_none_fits(graph, roles, ctx, "colocated", result.problems, result.fitted)[0]
 
 
-def _nothing_fits(graph: Graph, spec: ClusterSpec, strategy: str, problems: dict, fitted: set[str]) -> str:
-    lines = [f"no placement of graph {graph.name!r} fits on {spec.name} ({spec.n_devices} x {spec.device.name}) with strategy {strategy!r}"]
+def _why_none_fits(graph: Graph, roles: Roles, ctx: Context, strategy: str, problems: dict, fitted: set[str]) -> tuple[str, str]:
+    """Why no placement fits (the node, the resource and the numbers) and what to try; the
+    suggestions leave out what is already set (``--gen-precision float8``, a high ``memory_util``)."""
+    float8 = bool(roles.gens) and all(roles.gen_dtype[g] == "float8" for g in roles.gens)
+    fp8 = [] if float8 else ["--gen-precision float8 (half the weight bytes)"]
     never = {n: e for n, e in problems.items() if n not in fitted}
-    hint = "more devices, or --set memory_util=0.95"
+    name, closest = min((never or problems).items(), key=lambda kv: kv[1].memory.total) if problems else ("", None)
+    near = closest is not None and closest.memory.total <= 0.95 * ctx.cluster.device.memory_bytes
+    more_memory = ["--set memory_util=0.95"] if near and ctx.tuning.memory_util < 0.95 else []
     if never:
-        name, closest = min(never.items(), key=lambda kv: kv[1].memory.total)
-        lines[0] += f"; closest miss: {closest.problem}"
+        reason = f"closest miss: {closest.problem}"
         kind = graph.node(name).kind
         if kind == "generator":
-            hint = "--gen-precision float8 (half the weight bytes), more devices, or fewer --prompts-per-step (smaller KV cache)"
+            hints = [*fp8, "more devices", "fewer --prompts-per-step (smaller KV cache)", *more_memory]
         elif kind == "policy":
-            hint = "more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)"
-    elif problems:
-        closest = min(problems.values(), key=lambda e: e.memory.total)
-        lines[0] += f"; every node fits on some mesh, but no split fits them all at once, e.g. {closest.problem}"
-        hint = "more devices, the disaggregated strategy (no colocated state to share memory with), or --gen-precision float8"
+            hints = ["more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)", *more_memory]
+        else:
+            hints = ["more devices", *more_memory]
+    elif closest is not None:
+        reason = f"every node fits on some mesh, but no split fits them all at once, e.g. {closest.problem}"
+        apart = ["the disaggregated strategy (no colocated state to share memory with)"] if strategy == "colocated" else []
+        hints = ["more devices", *apart, *fp8, *more_memory]
     else:
-        lines[0] += "; the graph's models admit no parallel dims on these device counts (tp must divide the heads, pp the layers)"
-    lines.append(f"  try: {hint}")
-    return "\n".join(lines)
+        reason = "the graph's models admit no parallel dims on these device counts (tp must divide the heads, pp the layers)"
+        hints = ["another device count"]
+    return reason, ", or ".join(hints)
+
+
+def _nothing_fits(graph: Graph, roles: Roles, ctx: Context, spec: ClusterSpec, strategy: str, problems: dict, fitted: set[str]) -> str:
+    reason, hint = _why_none_fits(graph, roles, ctx, strategy, problems, fitted)
+    head = f"no placement of graph {graph.name!r} fits on {spec.name} ({spec.n_devices} x {spec.device.name}) with strategy {strategy!r}"
+    return f"{head}; {reason}\n  try: {hint}"
 
 
 def _to_plan(
@@ -182,6 +200,7 @@ def _to_plan(
     strategy: str,
     k: int,
     baseline: float | None,
+    baseline_problem: str,
 ) -> Plan:
     placements: dict[str, NodePlacement] = {}
     layout = best.layout
@@ -231,6 +250,7 @@ def _to_plan(
         for c in losers
     )
     models = {n: roles.models[n] for n in roles.heavy}
+    warnings = tuple(w for name in layout if (w := _tp_across_hosts(name, layout[name], spec, strategy)))
     return Plan(
         graph=graph.name,
         cluster=spec.name,
@@ -246,6 +266,8 @@ def _to_plan(
         speedup=steps.sync_step_s / steps.async_step_s if steps.async_step_s > 0 else 1.0,
         baseline_step_s=baseline,
         speedup_vs_baseline=(baseline / step) if baseline and step > 0 else None,
+        baseline_problem=baseline_problem,
+        warnings=warnings,
         bottleneck=steps.bottleneck,
         timeline=steps.async_timeline if k >= 1 else steps.sync_timeline,
         alternatives=alternatives,
@@ -253,6 +275,22 @@ def _to_plan(
         cluster_spec=spec,
         models=models,
         tuning=ctx.tuning,
+    )
+
+
+def _tp_across_hosts(name: str, placed: tuple[Any, ParallelDims], spec: ClusterSpec, strategy: str) -> str:
+    """A warning when ``name``'s tensor-parallel groups span hosts (their per-layer all-reduces then use the NIC), else ``""``."""
+    devices, dims = placed
+    hosts = hosts_per_group(devices, dims, "tp", spec.devices_per_host) if dims.tp > 1 else 1
+    if hosts == 1:
+        return ""
+    dev = spec.device
+    intra, inter = dev.intra_host_bandwidth, dev.inter_host_bandwidth
+    why = "as the placement gives it" if strategy == "manual" else "the search found no placement that fits with tp within one host"
+    return (
+        f"node {name!r}: each tensor-parallel group of {dims.tp} devices spans {hosts} hosts, so its all-reduces "
+        f"(two per layer) cross hosts at {inter / 1e9:.3g} GB/s per device instead of {intra / 1e9:.3g} GB/s within a host "
+        f"({intra / inter:.3g}x slower); {why}"
     )
 
 

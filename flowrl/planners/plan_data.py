@@ -146,6 +146,8 @@ class Plan(msgspec.Struct, **_STRUCT):
         baseline_step_s: the synchronous colocated baseline on every device (LlamaRL's comparison);
             None when no colocated placement fits.
         speedup_vs_baseline: ``baseline_step_s / step_s``.
+        baseline_problem: why the baseline does not fit (node, resource, numbers), when it does not.
+        warnings: what the user should know about the placement (a tensor-parallel group across hosts).
         bottleneck: the node that sets the pace of the async step, and its share of it.
         timeline: predicted spans of one step at ``max_staleness`` (async spans are steady state).
         alternatives: runners-up with the reason each lost (search strategies only).
@@ -168,6 +170,8 @@ class Plan(msgspec.Struct, **_STRUCT):
     speedup: float = 1.0
     baseline_step_s: float | None = None
     speedup_vs_baseline: float | None = None
+    baseline_problem: str = ""
+    warnings: tuple[str, ...] = ()
     bottleneck: str = ""
     timeline: tuple[Span, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
@@ -197,6 +201,25 @@ class Plan(msgspec.Struct, **_STRUCT):
             return f"host CPU · {format_seconds(p.time_s)}"
         axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
         return f"devices {device_ranges(p.devices)} · {axes} · {format_seconds(p.time_s)} · {format_bytes(p.memory_bytes)}"
+
+    def node_model(self, name: str) -> str:
+        """The model ``name`` was planned with (``"llama3-70b"`` under ``--model``), ``""`` for a node without one."""
+        return self._placement(name).model
+
+    def picture_title(self) -> str:
+        """The title of a picture of this plan: graph, cluster, the models planned, the step.
+
+        Example:
+            >>> from flowrl.examples import build_example
+            >>> from flowrl.planners.plan import plan_graph
+            >>> plan_graph(build_example("llamarl"), "cpu:2", strategy="colocated").picture_title().rsplit(": ", 1)[0]
+            "'llamarl' on cpu:2 (1 host x 2 cpu), model 2L64d"
+        """
+        spec = self.cluster_spec
+        where = f" ({spec.hosts} host{'s' if spec.hosts > 1 else ''} x {spec.devices_per_host} {spec.device.name})" if spec else ""
+        models = sorted({p.model for p in self.placements.values() if p.model})
+        model = f", model {', '.join(models)}" if models else ""
+        return f"{self.graph!r} on {self.cluster}{where}{model}: {self.family}, {format_seconds(self.step_s)}/step at k={self.max_staleness}"
 
     def colocation_groups(self) -> list[list[str]]:
         """Node names that share any device (the runtime serialises each group); loss nodes included.

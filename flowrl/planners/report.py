@@ -62,7 +62,9 @@ def format_plan(plan: Plan) -> str:
             f"this plan at k={k}: {format_seconds(plan.step_s)} ({plan.speedup_vs_baseline:.2f}x)"
         )
     elif spec is not None:
-        lines.append(f"synchronous colocated baseline on all {spec.n_devices} devices: does not fit")
+        why = f": {plan.baseline_problem}" if plan.baseline_problem else ""
+        lines.append(f"synchronous colocated baseline on all {spec.n_devices} devices: does not fit{why}")
+    lines.extend(f"warning: {w}" for w in plan.warnings)
     lines.append(f"bottleneck: {plan.bottleneck}")
     lines.append(f"placement: {plan}")
     if plan.alternatives:

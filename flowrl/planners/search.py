@@ -13,6 +13,10 @@ Pruning keeps the search fast on 10,000 devices: per disaggregated split, each s
 (weight sync); per colocated split, every generator dims is paired with the ``COLOCATED_TRAIN_TOP``
 fastest trainer dims, and the ``COLOCATED_FULL`` best pairs by G + T get a full evaluation.
 Estimates are memoised per (node, devices, dims, reserved memory).
+
+A tensor-parallel group all-reduces twice per layer, so it is kept within one host: dims whose tp
+groups span hosts are searched only when no placement fits without them, first only for the sides
+that fit no other way, then for every side (the plan then warns).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from flowrl.planners.estimate.host import estimate_host
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options
 from flowrl.planners.modelspec import ModelSpec, model_from_config
-from flowrl.planners.parallel import ParallelDims, enumerate_dims
+from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
 from flowrl.planners.units import device_ranges
@@ -182,6 +186,9 @@ class _Evaluator:
         self.problems: dict[str, NodeEstimate] = {}
         self.fitted: set[str] = set()
         self.evaluated = 0
+        #: when side_dims offers tp groups that span hosts: "never" (the search's first pass), "when
+        #: needed" (a side on which nothing else fits), "always" (the last pass)
+        self.tp_across_hosts = "never"
         self.host = {n.name: estimate_host(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
 
     # -- per node ---------------------------------------------------------------------------------
@@ -314,7 +321,10 @@ class _Evaluator:
             if ok:
                 ranked.append((total, dims))
         ranked.sort(key=lambda x: (x[0], x[1].tp, x[1].pp))
-        return ranked
+        if self.tp_across_hosts == "always":
+            return ranked
+        within = [(t, d) for t, d in ranked if d.tp == 1 or not spans_hosts(devices, d, "tp", self.dph)]
+        return within or ranked if self.tp_across_hosts == "when needed" else within
 
 
 def _key(devices: Sequence[int], devices_per_host: int) -> object:
@@ -384,9 +394,22 @@ def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: R
     how devices are divided rather than in a tp degree. Splits are visited in order of a lower
     bound on their step (each side's fastest standalone time: ``max(G, T)`` when the sides are
     disjoint, ``G + T`` when colocated) and the visit stops once no remaining split can enter the
-    top ``top_k + 1``: branch and bound, exact for the ranking it returns.
+    top ``top_k + 1``: branch and bound, exact for the ranking it returns. Tensor-parallel groups
+    that span hosts are searched only when nothing fits without them.
     """
     ev = _Evaluator(graph, roles, ctx, max_staleness)
+    result = _search(ev, cluster, strategy)
+    for mode in ("when needed", "always"):  # nothing fits with every tensor-parallel group on one host
+        if result.ranked:
+            break
+        ev.tp_across_hosts = mode
+        ev._sides.clear()
+        result = _search(ev, cluster, strategy)
+    return result
+
+
+def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str) -> SearchResult:
+    ctx, roles = ev.ctx, ev.roles
     splits = device_splits(
         strategy,
         cluster.n_devices,

@@ -13,12 +13,18 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 
-__all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph", "default_workload"]
+if TYPE_CHECKING:
+    from flowrl.planners.modelspec import ModelSpec
+
+__all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph", "default_workload", "check_context"]
 
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -103,3 +109,25 @@ def default_workload(graph: Graph, *, model_override: bool = False, **overrides:
         given = {k: v for k, v in overrides.items() if v is not None}
         return Workload(**{**msgspec.structs.asdict(LLM_DEFAULTS), **given})
     return workload_from_graph(graph, **overrides)
+
+
+def check_context(workload: Workload, models: Mapping[str, ModelSpec]) -> None:
+    """Refuse a workload whose sequences (prompt + completion) are longer than a node's model accepts.
+
+    Args:
+        workload: the step's tokens.
+        models: node name -> the model shape planned for it.
+
+    Raises:
+        PlanError: naming the node, the model, prompt + generation length against its context, and
+            the fix.
+    """
+    for name, model in models.items():
+        if workload.seq_len <= model.max_seq_len:
+            continue
+        room = model.max_seq_len - workload.prompt_len
+        fix = f"lower --gen-len (the generator's max_new_tokens) to at most {room:,}" if room >= 1 else "shorten --prompt-len"
+        raise PlanError(
+            f"node {name!r}: prompt_len {workload.prompt_len:,} + max_new_tokens {workload.gen_len:,} = {workload.seq_len:,} tokens, "
+            f"longer than the {model.max_seq_len:,}-token context of model {model.name}; {fix}, or plan a model with a longer context"
+        )

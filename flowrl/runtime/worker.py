@@ -4,7 +4,9 @@ Started as ``python -m flowrl.runtime.worker FD PARENT_PID`` with a connected so
 descriptor FD; the worker dies with PARENT_PID (``die_with_parent``).
 The first message is ``init`` (the graph as JSON, the node name, the ``ProgramEnv``, the cores to
 pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, each answered by
-``{"ok": true, ...}`` or ``{"ok": false, "error": ..., "traceback": ...}``. When the controller's end
+``{"ok": true, ...}`` or ``{"ok": false, "error": ..., "traceback": ..., "user_mistake": ...}``
+(``user_mistake``: the error is a flowrl check of the user's input, so the controller reports its
+message alone, without the traceback). When the controller's end
 of the socket closes (it exited or was killed) the worker exits, and if the controller is killed
 mid-step the kernel kills the worker with it: no orphans.
 """
@@ -52,7 +54,8 @@ def serve(sock: socket.socket) -> None:
         send_message(sock, {"ok": False, "build": True, "error": str(exc), "traceback": traceback.format_exc()})
         return
     except Exception as exc:  # noqa: BLE001 - reported to the controller, which raises it
-        send_message(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        send_message(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                            "user_mistake": _rooted_in_flowrl_check(exc)})
         return
     try:
         while True:

@@ -69,14 +69,20 @@ def test_manual_placement_and_tuning_flags(capsys):
         (["plan", "--cluster", "cpu:2", "--prompt-len", "0"], "workload prompt_len=0 must be >= 1"),
         (["plan", "--cluster", "8xH100", "--model", "llama3-405b"], "no placement of graph 'llamarl' fits on 8xH100"),
         (["plan", "no_such_graph"], "cannot find graph 'no_such_graph'"),
+        (
+            ["plan", "--cluster", "16xH100", "--model", "llama3-8b", "--gen-len", "1000000"],
+            "node 'gen': prompt_len 512 + max_new_tokens 1,000,000 = 1,000,512 tokens, longer than the 8,192-token context of model "
+            "llama3-8b; lower --gen-len (the generator's max_new_tokens) to at most 7,680, or plan a model with a longer context",
+        ),
+        (["plan", "--cluster", "16xH100", "--model", "llama3-8b", "--prompt-len", "9000"], "shorten --prompt-len"),
         (["calibrate", "--cores", "0"], "--cores 0: must be >= 1"),
     ],
-    ids=["cluster", "strategy", "model", "set-form", "set-name", "workload", "too-big", "graph", "cores"],
+    ids=["cluster", "strategy", "model", "set-form", "set-name", "workload", "too-big", "graph", "context", "context-prompt", "cores"],
 )
 def test_user_mistakes_exit_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in " ".join(err.split()) and "Traceback" not in err  # main wraps the paragraph at 100 columns
 
 
 def test_failed_plan_leaves_no_file(tmp_path, capsys):

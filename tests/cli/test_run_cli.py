@@ -139,3 +139,31 @@ def test_device_cuda_without_cuda_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "this machine has no CUDA device; use --device cpu or auto" in err and "Traceback" not in err
     assert not (tmp_path / "ck").exists()  # refused before any directory was touched
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_worker_user_mistake_is_one_paragraph(backend, tmp_path, capsys):
+    """A flowrl check failing inside a worker (a scorer whose file is missing) reads as on the local backend."""
+    graph_json = tmp_path / "g.json"
+    assert main(["viz", "llamarl", "--format", "json", "-o", str(graph_json)]) == 0
+    data = json.loads(graph_json.read_text())
+    missing = tmp_path / "nope.py"
+    for node in data["nodes"]:
+        if node["kind"] == "scorer":
+            node["fn"] = f"{missing}:score"
+    graph_json.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["run", str(graph_json), "--backend", backend, "--steps", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load file '{missing}'" in " ".join(err.split())
+    assert "Traceback" not in err and "--- traceback" not in err
+    assert len(err.strip().split("\n\n")) == 1  # one paragraph
+
+
+def test_worker_bug_keeps_its_traceback(capsys):
+    """A non-flowrl error in a worker (a bug, here an injected RuntimeError) is a failed run with the worker's traceback."""
+    argv = ["run", "--synthetic", "--backend", "process", "--steps", "3", "--quiet", "--option", "fail_node=reward", "--option", "fail_step=1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "injected failure in reward at step 1" in err
+    assert "--- traceback in worker of node 'reward'" in err and "Traceback (most recent call last)" in err

@@ -141,6 +141,12 @@ class _FakePlan:
         devices = self.placements[name]
         return f"devices {devices[0]}-{devices[-1]} · dp{len(devices)}"
 
+    def node_model(self, name: str) -> str:
+        return ""
+
+    def picture_title(self) -> str:
+        return "llamarl"
+
 
 @pytest.fixture
 def fake_planner(monkeypatch, tmp_path):
@@ -213,6 +219,20 @@ def test_real_planner_plan(capsys, tmp_path) -> None:
     assert code == 0
     for name in plan.placements:
         assert plan.node_label(name).split()[0] in out
+
+
+@pytest.mark.parametrize("fmt", ["mermaid", "dot"])
+def test_plan_picture_names_the_planned_model_and_cluster(capsys, tmp_path, fmt) -> None:
+    """A plan made with --model labels nodes with that model, not the graph's built-in one, and says cluster and model in the title."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "llamarl", "--cluster", "64xH100", "--model", "llama3-8b", "-o", str(path)]) == 0
+    capsys.readouterr()
+    code, out, _ = _run(capsys, "llamarl", "--plan", str(path), "-f", fmt)
+    assert code == 0
+    assert "model=2L64d" not in out
+    assert out.count("model=llama3-8b") == 2  # the generator and the policy
+    title = out.split("title: ", 1)[1].split("\n", 1)[0] if fmt == "mermaid" else out.split("label=", 1)[1].split(", labelloc", 1)[0]
+    assert title.startswith('"\'llamarl\' on 64xH100 (8 hosts x 8 H100), model llama3-8b: ')
 
 
 # -- every user mistake: exit 2, one paragraph, no traceback --------------------------------------

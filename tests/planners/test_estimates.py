@@ -15,7 +15,7 @@ from flowrl.planners.estimate.common import Context, Link, all_gather_s, all_red
 from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.host import estimate_host
 from flowrl.planners.estimate.sync import estimate_sync
-from flowrl.planners.estimate.train import estimate_train
+from flowrl.planners.estimate.train import estimate_train, pick_fitting, train_options
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.tuning import Tuning
@@ -114,7 +114,42 @@ def test_checkpointing_is_chosen_only_when_needed():
 def test_train_infeasible_names_node_memory_and_excess():
     est = estimate_train(TINY, ParallelDims(), range(1), ctx(dev=device(memory_bytes=1000)), node="policy")
     assert not est.feasible
-    assert "node 'policy'" in est.problem and "a X has 0.0 GiB x memory_util 1" in est.problem and "GiB over" in est.problem
+    assert "node 'policy'" in est.problem and "a X has 0.0 GiB x memory_util 1" in est.problem and "bytes over" in est.problem
+
+
+GiB = 1024**3
+
+
+def _just_over(kind: str, excess: int) -> str:
+    """The problem of a node that needs ``excess`` bytes more than a 72 GiB device (memory_util 1) has."""
+    c = ctx(dev=device(memory_bytes=72 * GiB))
+    if kind == "train":
+        options = train_options(TINY, ParallelDims(), range(1), c)
+        smallest = min(o.memory_total for o in options.options)
+        return pick_fitting(options, c, 72 * GiB - smallest + excess, node="policy", what="tiny training").problem
+    fits = estimate_generate(TINY, ParallelDims(), range(1), c, precision="bfloat16")
+    kv_seq = fits.memory.kv_cache // WORK.sequences
+    reserved = 72 * GiB - fits.memory.weights - fits.memory.workspace - kv_seq + excess
+    return estimate_generate(TINY, ParallelDims(), range(1), c, precision="bfloat16", reserved_bytes=reserved, node="gen").problem
+
+
+@pytest.mark.parametrize(
+    "kind, excess, shown",
+    [
+        ("train", 5 * 1024**2, "needs 72.005 GiB per device (0.0 resident"),
+        ("train", 5 * 1024**2, "= 72.000 GiB, 5 MiB over"),
+        ("train", 300, "= 72.0000 GiB, 300 bytes over"),
+        ("train", int(1.5 * GiB), "needs 73.5 GiB per device"),
+        ("train", int(1.5 * GiB), "= 72.0 GiB, 1.5 GiB over"),
+        ("generate", 12 * 1024**2, "needs 72.01 GiB per device"),
+        ("generate", 12 * 1024**2, "= 72.00 GiB, 12 MiB over"),
+    ],
+    ids=["train-need", "train-mib", "train-bytes", "train-gib-need", "train-gib", "gen-need", "gen-mib"],
+)
+def test_memory_excess_is_never_rounded_away(kind, excess, shown):
+    problem = _just_over(kind, excess)
+    assert shown in problem, problem
+    assert "0.0 GiB over" not in problem
 
 
 def test_reference_forward_only_has_no_optimizer():
@@ -161,7 +196,7 @@ def test_kv_cache_limit_forces_waves():
 def test_generation_infeasible_message():
     est = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=device(memory_bytes=2000)), precision="bfloat16", node="gen")
     assert not est.feasible and math.isinf(est.time_s)
-    assert "node 'gen' (tiny generation on d1, bfloat16 weights)" in est.problem and "GiB over" in est.problem
+    assert "node 'gen' (tiny generation on d1, bfloat16 weights)" in est.problem and "bytes over" in est.problem
 
 
 def test_tensor_parallel_splits_weight_reads():

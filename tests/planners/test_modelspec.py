@@ -8,7 +8,7 @@ import pytest
 
 from flowrl.errors import PlanError
 from flowrl.graph.configs import ModelConfig
-from flowrl.planners.modelspec import MODEL_PRESETS, ModelSpec, model_from_config, model_from_hf_config, model_preset, resolve_model
+from flowrl.planners.modelspec import DEFAULT_CONTEXT, MODEL_PRESETS, ModelSpec, model_from_config, model_from_hf_config, model_preset, resolve_model
 
 TINY = ModelSpec(name="tiny", n_layers=2, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=10)
 
@@ -59,6 +59,27 @@ def test_hf_config_json(tmp_path):
     spec = model_from_hf_config(path)
     assert spec.params == TINY.params and spec.name == "tiny-llama"
     assert resolve_model(str(path)).params == TINY.params
+
+
+_HF = {"num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 4, "vocab_size": 3}
+
+
+@pytest.mark.parametrize(
+    "make, context",
+    [
+        (lambda: MODEL_PRESETS["llama3-8b"], 8192),
+        (lambda: MODEL_PRESETS["llama3-70b"], 8192),
+        (lambda: MODEL_PRESETS["llama3-405b"], 131072),
+        (lambda: model_from_hf_config({**_HF, "max_position_embeddings": 32768}), 32768),
+        (lambda: model_from_hf_config({**_HF, "n_positions": 1024}), 1024),
+        (lambda: model_from_hf_config(_HF), DEFAULT_CONTEXT),
+        (lambda: model_from_config(ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=96)), 96),
+        (lambda: model_from_config(ModelConfig(preset="llama3-8b")), 8192),
+    ],
+    ids=["8b", "70b", "405b", "hf", "hf-gpt2", "hf-unknown", "model-config", "model-config-preset"],
+)
+def test_context_comes_from_the_spec(make, context):
+    assert make().max_seq_len == context
 
 
 def test_hf_config_without_kv_heads_uses_attention_heads():

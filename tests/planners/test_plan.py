@@ -113,6 +113,40 @@ def test_nothing_fits_names_node_memory_and_excess():
         plan_graph(LLAMARL, "8xH100", model=model_preset("llama3-405b"))
 
 
+@pytest.mark.parametrize(
+    "tuning, suggested, left_out",
+    [
+        ({"gen_precision": "bfloat16"}, ["--gen-precision float8", "the disaggregated strategy", "--set memory_util=0.95"], []),
+        ({"gen_precision": "float8"}, ["the disaggregated strategy", "--set memory_util=0.95"], ["float8"]),
+        ({"gen_precision": "bfloat16", "memory_util": 0.95}, ["--gen-precision float8"], ["memory_util"]),
+    ],
+    ids=["nothing-set", "float8-set", "memory-util-set"],
+)
+def test_hint_suggests_only_what_is_not_set(tuning, suggested, left_out):
+    with pytest.raises(PlanError, match="no split fits them all at once") as info:
+        plan_graph(LLAMARL, "2xH100", model=model_preset("llama3-8b"), strategy="colocated", **tuning)
+    hint = str(info.value).split("try: ", 1)[1]
+    assert all(s in hint for s in suggested), hint
+    assert not any(s in hint for s in left_out), hint
+
+
+def test_hint_leaves_out_a_strategy_the_search_already_tried():
+    with pytest.raises(PlanError, match="no split fits them all at once") as info:
+        plan_graph(LLAMARL, "2xH100", model=model_preset("llama3-8b"), gen_precision="float8")
+    assert "disaggregated" not in str(info.value).split("try: ", 1)[1]
+
+
+def test_baseline_that_does_not_fit_says_why(tmp_path):
+    plan = plan_graph(LLAMARL, "3xH100", model=model_preset("llama3-8b"), gen_precision="bfloat16")
+    assert plan.baseline_step_s is None
+    assert plan.baseline_problem.startswith("closest miss: node 'policy' (llama3-8b training on d3) needs ")
+    assert "a H100 has 80.0 GiB x memory_util 0.9 = 72.0 GiB" in plan.baseline_problem
+    text = format_plan(plan)
+    assert f"synchronous colocated baseline on all 3 devices: does not fit: {plan.baseline_problem}" in text
+    save_plan(plan, tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").baseline_problem == plan.baseline_problem
+
+
 def test_every_memory_figure_fits_the_budget():
     plan = plan_graph(LLAMARL, "64xH100", model=model_preset("llama3-70b"), workload=_SMALL, gen_precision="bfloat16")
     budget = plan.cluster_spec.device.memory_bytes * plan.tuning.memory_util

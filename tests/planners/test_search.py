@@ -133,3 +133,39 @@ def test_llama_on_1024_h100s_answers():
     assert plan.family == "disaggregated" and plan.speedup_vs_baseline > 1
     assert plan.workload.tokens_per_step == 256 * 8 * (512 + 2048)
     assert "gen" in plan.bottleneck or "policy" in plan.bottleneck
+
+
+# -- tensor-parallel groups and hosts ------------------------------------------------------------
+_WORK_TP = Workload(prompts_per_step=64, samples_per_prompt=4, prompt_len=256, gen_len=256)
+#: one layer (no pipeline split) and 17B parameters: its trainer fits on H100s only with tp >= 2
+WIDE = ModelSpec(name="wide", n_layers=1, dim=32768, n_heads=256, n_kv_heads=8, ffn_dim=131072, vocab_size=32000, max_seq_len=4096)
+
+
+def test_tensor_parallel_groups_stay_within_a_host():
+    """On one device per host every tp > 1 crosses hosts; the 8B model fits without, so no candidate uses it."""
+    plan = plan_graph(GRAPHS["llamarl"], h100s(8, per_host=1), model=model_preset("llama3-8b"), workload=_WORK_TP, gen_precision="bfloat16")
+    placements = [str(plan)] + [a.placement for a in plan.alternatives]
+    assert len(placements) > 1
+    for text in placements:
+        assert all(p.dims.tp == 1 for p in parse_plan(text).values()), text
+    assert plan.warnings == ()
+
+
+def test_tensor_parallel_across_hosts_only_where_nothing_else_fits_and_warned():
+    from flowrl.planners.report import format_plan
+
+    plan = plan_graph(GRAPHS["llamarl"], h100s(16, per_host=1), model=WIDE, workload=_WORK_TP, gen_precision="bfloat16")
+    assert plan.placements["gen"].dims.tp == 1  # the generator fits on one device: its tp stays 1
+    assert plan.placements["policy"].dims.tp == 2
+    assert plan.warnings == (
+        "node 'policy': each tensor-parallel group of 2 devices spans 2 hosts, so its all-reduces (two per layer) cross hosts "
+        "at 50 GB/s per device instead of 450 GB/s within a host (9x slower); the search found no placement that fits with tp within one host",
+    )
+    assert f"warning: {plan.warnings[0]}" in format_plan(plan)
+    assert msgspec.json.decode(plan_to_json(plan), type=Plan).warnings == plan.warnings
+
+
+def test_given_placement_across_hosts_is_warned():
+    plan = plan_graph(GRAPHS["llamarl"], h100s(2, per_host=4), model=model_preset("llama3-8b"), workload=_WORK_TP, strategy="gen:t8@0-7 | policy:d8@0-7")
+    assert len(plan.warnings) == 1 and plan.warnings[0].startswith("node 'gen': each tensor-parallel group of 8 devices spans 2 hosts")
+    assert plan.warnings[0].endswith("; as the placement gives it")

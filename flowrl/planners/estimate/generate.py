@@ -44,6 +44,7 @@ from flowrl.planners.estimate.common import (
 from flowrl.planners.estimate.train import memory_budget
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.units import format_excess, format_gib_pair
 
 __all__ = ["estimate_generate", "generator_dtype"]
 
@@ -111,12 +112,13 @@ def estimate_generate(
     if max_batch < 1:
         need = reserved_bytes + weights + workspace + kv_seq
         memory = MemoryBreakdown(weights=weights, kv_cache=int(kv_seq), workspace=workspace)
+        need_s, budget_s = format_gib_pair(need, budget)
         problem = (
-            f"node {node!r} ({model.name} generation on {dims.short()}, {precision} weights) needs {need / GiB:.1f} GiB per device "
+            f"node {node!r} ({model.name} generation on {dims.short()}, {precision} weights) needs {need_s} per device "
             f"for its weights ({weights / GiB:.1f}) and one sequence of KV cache ({kv_seq / GiB:.2f})"
             + (f" beside {reserved_bytes / GiB:.1f} GiB held by colocated nodes" if reserved_bytes else "")
-            + f"; a {dev.name} has {dev.memory_bytes / GiB:.1f} GiB x memory_util {t.memory_util:g} = {budget / GiB:.1f} GiB, "
-            f"{(need - budget) / GiB:.1f} GiB over"
+            + f"; a {dev.name} has {dev.memory_bytes / GiB:.1f} GiB x memory_util {t.memory_util:g} = {budget_s}, "
+            f"{format_excess(need - budget)} over"
         )
         return NodeEstimate(time_s=math.inf, memory=memory, feasible=False, problem=problem)
     waves = math.ceil(per_replica / min(max_batch, per_replica))

@@ -51,6 +51,7 @@ from flowrl.planners.estimate.common import (
 )
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.units import format_excess, format_gib_pair
 
 __all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget"]
 
@@ -226,12 +227,13 @@ def pick_fitting(options: TrainOptions, ctx: Context, reserved_bytes: float, *, 
     smallest = options.estimate(min(options.options, key=lambda o: o.memory_total))
     need = smallest.memory.total + reserved_bytes
     dev = ctx.cluster.device
+    need_s, budget_s = format_gib_pair(need, budget)
     problem = (
-        f"node {node!r} ({what}) needs {need / GiB:.1f} GiB per device "
+        f"node {node!r} ({what}) needs {need_s} per device "
         f"({smallest.memory.resident / GiB:.1f} resident + {smallest.memory.transient / GiB:.1f} transient"
         + (f" + {reserved_bytes / GiB:.1f} held by colocated nodes" if reserved_bytes else "")
         + f"); a {dev.name} has {dev.memory_bytes / GiB:.1f} GiB x memory_util {ctx.tuning.memory_util:g} = "
-        f"{budget / GiB:.1f} GiB, {(need - budget) / GiB:.1f} GiB over"
+        f"{budget_s}, {format_excess(need - budget)} over"
     )
     return NodeEstimate(time_s=smallest.time_s, memory=smallest.memory, breakdown=smallest.breakdown, notes=smallest.notes, feasible=False, problem=problem)
 

@@ -79,9 +79,24 @@ class RemoteProgram:
             except (ConnectionLost, OSError):
                 raise self._died() from None
         if not reply.get("ok"):
-            raise WorkerError(f"{reply.get('error')}\n--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---\n{reply.get('traceback', '')}",
-                              user_mistake=bool(reply.get("user_mistake")))
+            raise self._error(reply)
         return reply, out
+
+    def _error(self, reply: dict[str, Any], doing: str = "") -> WorkerError:
+        """The worker's failure as a ``WorkerError``: a flowrl check of the user's input is its message
+        alone (one paragraph, as on the local backend); anything else, a bug, keeps the worker's traceback.
+
+        Args:
+            reply: the worker's ``{"ok": false, ...}`` answer.
+            doing: words to put before the worker's message (what failed).
+
+        Returns:
+            the error to raise.
+        """
+        if reply.get("user_mistake"):
+            return WorkerError(f"{doing}{reply.get('error')}", user_mistake=True)
+        where = f"--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---"
+        return WorkerError(f"{doing}{reply.get('error')}\n{where}\n{reply.get('traceback', '')}")
 
     def ready(self) -> None:
         """Wait for the worker's answer to its init message."""
@@ -93,7 +108,7 @@ class RemoteProgram:
         if reply.get("build"):  # the node's factory or operator refused: a user mistake, named as in every backend
             raise NodeBuildError(str(reply.get("error")), node=self.node)
         if not reply.get("ok"):
-            raise WorkerError(f"worker of node {self.node!r} failed to start: {reply.get('error')}\n{reply.get('traceback', '')}")
+            raise self._error(reply, doing=f"worker of node {self.node!r} failed to start: ")
 
     def start(self) -> None:
         self._call({"op": "start"})
