@@ -123,7 +123,7 @@ def test_model_points_an_example_at_a_local_copy(hf_qwen2_chat_dir, tmp_path, ca
     assert len(metrics.read_text().splitlines()) == 1
     assert main(["run", "--model", str(hf_qwen2_chat_dir), "--steps", "1"]) == 2  # llamarl has no HF model
     assert "has no Hugging Face model" in " ".join(capsys.readouterr().err.split())
-    assert main(["plan", "qwen_math", "--model", str(hf_qwen2_chat_dir)]) == 0
+    assert main(["plan", "qwen_math", "--model", str(hf_qwen2_chat_dir), "--prompt-len", "32", "--gen-len", "64"]) == 0  # its context is 128
 def test_device_cpu_runs_a_short_graph(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     assert main(["run", "--device", "cpu", "--steps", "2", "--metrics", str(metrics), "--quiet"]) == 0, capsys.readouterr().err
