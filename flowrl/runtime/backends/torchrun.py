@@ -27,7 +27,7 @@ Where things run:
   exactly its ranks (``_setup_groups``).
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
   (``DataParallelPolicy``: equal to a one-process step up to rounding); a generator on several ranks
-  runs replicas (``ReplicaGenerator``) or, with a ``tp`` mesh axis, ``TensorParallelGenerator``.
+  runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1.
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
 - Weights: ``inprocess`` and ``collective`` edges use the collective transport
   (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
