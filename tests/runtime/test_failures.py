@@ -50,7 +50,7 @@ def test_worker_killed_is_reported(graph_k):
         def killer():
             steps_seen.wait(120)  # the run is under way: every worker is up
             victim = next(h for h in spawned if h.node == "gen")
-            os.kill(victim.proc.pid, signal.SIGKILL)
+            os.kill(victim.link.proc.pid, signal.SIGKILL)
 
         t = threading.Thread(target=killer)
         t.start()
@@ -60,4 +60,4 @@ def test_worker_killed_is_reported(graph_k):
     finally:
         process_backend.ProcessWorkers._spawn = original
     for host in spawned:
-        assert host.proc.poll() is not None, f"worker of {host.node} still running"
+        assert host.link.proc.poll() is not None, f"worker of {host.node} still running"

@@ -1,5 +1,5 @@
 """Tensor parallelism of the built-in model: TP logits and sampling equal the full model's, shards are the
-layouts' slices, the TensorParallelGenerator program matches a one-process generator, and bad tp sizes
+layouts' slices, the ParallelGenerator program matches a one-process generator, and bad tp sizes
 are clear errors.
 
 The multi-rank tests start this module as worker processes (``python -m tests.runtime.test_tensor_parallel
@@ -164,7 +164,7 @@ def _check_generate(rank: int, ranks: tuple[int, ...], group: Any) -> dict[str, 
 
 
 def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, Any]:
-    """The ``TensorParallelGenerator`` through ``rank_program``: two versions published over files, the
+    """The ``ParallelGenerator`` through ``rank_program``: two versions published over files, the
     merged rollout against one process's generator (per replica part, merged the same way)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -190,6 +190,7 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
     try:
         program = rank_program(node, graph, env, transports)
         result["class"] = type(program).__name__
+        result["sharded"] = program.sharded
         # the collective transport's generator layout (weights.py) gives this rank exactly its shards
         import msgspec
 
@@ -317,7 +318,7 @@ def _assert_generate(run: dict[int, dict[str, Any]]) -> None:
 def _assert_program(run: dict[int, dict[str, Any]], samples: int) -> None:
     results = _results(run, "program")
     for rank, res in enumerate(results):
-        assert res["class"] == "TensorParallelGenerator" and res["layouts_match"]
+        assert res["class"] == "ParallelGenerator" and res["sharded"] and res["layouts_match"]
         for version in (1, 2):
             step = res[f"v{version}"]
             assert step["version"] == version and step["shards_equal"] and step["targets_are_shards"], (rank, step)
@@ -452,7 +453,7 @@ def test_tp_rows_put_the_tp_axis_innermost():
 
 
 def test_a_generator_mesh_with_pipeline_stages_is_refused():
-    from flowrl.runtime.backends.rank_programs import RankContext, TensorParallelGenerator, set_context
+    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
 
     class Mesh:  # the two attributes the program reads before touching a process group
         mesh_dim_names = ("pp", "dp", "tp")
@@ -462,7 +463,7 @@ def test_a_generator_mesh_with_pipeline_stages_is_refused():
     set_context(RankContext(rank=0, world=4, ranks={"gen": (0, 1, 2, 3)}, programs={}))
     try:
         with pytest.raises(ConfigError, match=r"generator 'gen': .*mesh of dp and tp axes.*\{'pp': 2\} must be 1: re-plan with pp=1"):
-            TensorParallelGenerator(graph.node("gen"), graph, None, None, group=None, ranks=(0, 1, 2, 3), mesh=Mesh())  # type: ignore[arg-type]
+            ParallelGenerator(graph.node("gen"), graph, None, None, group=None, ranks=(0, 1, 2, 3), mesh=Mesh())  # type: ignore[arg-type]
     finally:
         set_context(None)
 

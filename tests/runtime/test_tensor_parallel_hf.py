@@ -1,6 +1,6 @@
 """Tensor parallelism of Hugging Face Llama-family models: tp logits, cached decoding and sampling equal the
 full model's, shards are the layouts' slices, the collective edge gives each rank exactly its shards,
-the TensorParallelGenerator program matches one process, and a torchrun job stays on-policy.
+the ParallelGenerator program matches one process, and a torchrun job stays on-policy.
 
 The multi-rank tests start this module as worker processes (``python -m tests.runtime.test_tensor_parallel_hf
 RANK WORLD INIT_FILE OUT_DIR``, one gloo group, as tests/runtime/test_tensor_parallel.py does); the model
@@ -165,7 +165,7 @@ def hf_graph(model_dir: str, prompts_file: str) -> Any:
 
 
 def _check_program(rank: int, world: int, out_dir: Path, dirs: dict[str, str]) -> dict[str, Any]:
-    """The ``TensorParallelGenerator`` of an HF graph through ``rank_program``: two versions published over
+    """The ``ParallelGenerator`` of an HF graph through ``rank_program``: two versions published over
     files (the staging path), against one process's generator; the collective edge's layout gives this
     rank exactly the shapes of its shards."""
     import msgspec
@@ -195,6 +195,7 @@ def _check_program(rank: int, world: int, out_dir: Path, dirs: dict[str, str]) -
     try:
         program = rank_program(node, graph, env, transports)
         result["class"] = type(program).__name__
+        result["sharded"] = program.sharded
         params = _param_specs(graph, "policy")
         edge = _generator_layouts(graph, "gen", ranks, (("dp", "tp"), (1, world)), params)
         mine = {n: local_shape(msgspec.convert(edge[n], ShardLayout), params[n]["shape"], rank) for n in params}
@@ -306,7 +307,7 @@ def test_tp2_hf_generate_draws_the_full_models_tokens(tp2):
 
 def test_tp2_hf_generator_program_gets_exactly_its_shards_and_matches_one_process(tp2):
     for rank, res in enumerate(_results(tp2, "program")):
-        assert res["class"] == "TensorParallelGenerator" and res["edge_gives_shards"] and res["some_split"], res
+        assert res["class"] == "ParallelGenerator" and res["sharded"] and res["edge_gives_shards"] and res["some_split"], res
         for version in (1, 2):
             step = res[f"v{version}"]
             assert step["version"] == version and step["shards_equal"], (rank, step)

@@ -1,7 +1,8 @@
 """The ``process`` backend: one OS process per executor on this machine.
 
 Each worker (``flowrl.runtime.worker``) runs one node's program; the controller's executor thread
-for that node talks to it over a socket pair with msgspec headers and raw tensor bytes (no pickle).
+for that node talks to it through a ``remote.RemoteProgram`` over a ``WorkerLink``: a socket pair
+with msgspec headers and raw tensor bytes (no pickle).
 Weights go over shared memory (a transport that cannot cross processes, ``inprocess``, becomes ``shm``). Workers are pinned to their
 placement's cores when the placement comes from a CPU plan.
 
@@ -19,27 +20,26 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.base import OnStep
+from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.placement import Placement
-from flowrl.runtime.programs import Batch, Info, ProgramEnv
+from flowrl.runtime.programs import Batch, ProgramEnv
 from flowrl.runtime.transports.registry import transport_traits
-from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
+from flowrl.runtime.wire import recv_message, send_message
 
 if TYPE_CHECKING:
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.controller import RunResult
 
-__all__ = ["ProcessBackend", "ProcessWorkers", "RemoteProgram", "WorkerError", "sweep_orphan_segments"]
+__all__ = ["ProcessBackend", "ProcessWorkers", "WorkerLink", "WorkerError", "sweep_orphan_segments"]
 
 
 class WorkerError(FlowrlError):
@@ -54,16 +54,24 @@ class WorkerError(FlowrlError):
         self.user_mistake = user_mistake
 
 
-class RemoteProgram:
-    """A node program living in a worker process; same methods as a local program."""
+class WorkerLink:
+    """The ``process`` backend's ``remote.Link``: one peer, a worker process over a socket pair."""
+
+    peers = (0,)
+    closes_with_controller = True
 
     def __init__(self, node: str, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.node = node
         self.proc = proc
         self.sock = sock
-        self._lock = threading.Lock()
 
-    def _died(self) -> WorkerError:
+    def send(self, peer: int, header: dict[str, Any], tensors: Batch | None) -> None:
+        send_message(self.sock, header, tensors)
+
+    def recv(self, peer: int) -> tuple[dict[str, Any], Batch]:
+        return recv_message(self.sock)
+
+    def died(self, peer: int) -> WorkerError:
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -71,73 +79,31 @@ class RemoteProgram:
         how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         return WorkerError(f"worker process of node {self.node!r} (pid {self.proc.pid}) died ({how})")
 
-    def _call(self, header: dict[str, Any], tensors: Batch | None = None) -> tuple[dict[str, Any], Batch]:
-        with self._lock:
-            try:
-                send_message(self.sock, header, tensors)
-                reply, out = recv_message(self.sock)
-            except (ConnectionLost, OSError):
-                raise self._died() from None
-        if not reply.get("ok"):
-            raise self._error(reply)
-        return reply, out
-
-    def _error(self, reply: dict[str, Any], doing: str = "") -> WorkerError:
-        """The worker's failure as a ``WorkerError``: a flowrl check of the user's input is its message
-        alone (one paragraph, as on the local backend); anything else, a bug, keeps the worker's traceback.
-
-        Args:
-            reply: the worker's ``{"ok": false, ...}`` answer.
-            doing: words to put before the worker's message (what failed).
-
-        Returns:
-            the error to raise.
-        """
+    def raised(self, failures: list[tuple[int, dict[str, Any]]], *, starting: bool) -> FlowrlError:
+        """The worker's failure: a node that failed to build is a ``NodeBuildError``; a flowrl check of
+        the user's input is its message alone (one paragraph, as on the local backend); anything else,
+        a bug, keeps the worker's traceback."""
+        [(_, reply)] = failures
+        if starting and reply.get("build"):  # the node's factory or operator refused: a user mistake, named as in every backend
+            return NodeBuildError(str(reply.get("error")), node=self.node)
+        doing = f"worker of node {self.node!r} failed to start: " if starting else ""
         if reply.get("user_mistake"):
             return WorkerError(f"{doing}{reply.get('error')}", user_mistake=True)
         where = f"--- traceback in worker of node {self.node!r} (pid {self.proc.pid}) ---"
         return WorkerError(f"{doing}{reply.get('error')}\n{where}\n{reply.get('traceback', '')}")
 
-    def ready(self) -> None:
-        """Wait for the worker's answer to its init message."""
-        with self._lock:
-            try:
-                reply, _ = recv_message(self.sock)
-            except (ConnectionLost, OSError):
-                raise self._died() from None
-        if reply.get("build"):  # the node's factory or operator refused: a user mistake, named as in every backend
-            raise NodeBuildError(str(reply.get("error")), node=self.node)
-        if not reply.get("ok"):
-            raise self._error(reply, doing=f"worker of node {self.node!r} failed to start: ")
-
-    def start(self) -> None:
-        self._call({"op": "start"})
-
-    def seek(self, position: int) -> None:
-        self._call({"op": "seek", "position": position})
-
-    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        reply, outputs = self._call({"op": "step", "seq": seq, "min_version": min_version}, inputs)
-        return outputs, reply.get("info", {})
-
-    def save(self, path: str) -> None:
-        self._call({"op": "save", "path": path})
-
-    def load(self, path: str) -> None:
-        self._call({"op": "load", "path": path})
-
     def abort(self) -> None:
-        """Kill the worker now (after a failure elsewhere): unblocks a controller thread waiting on it."""
+        """Kill the worker now."""
         if self.proc.poll() is None:
             self.proc.kill()
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.sock.settimeout(10)
-                self._call({"op": "close"})
-            except (FlowrlError, OSError):
-                pass
+    def closing(self) -> bool:
+        if self.proc.poll() is not None:
+            return False
+        self.sock.settimeout(10)
+        return True
+
+    def release(self) -> None:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -182,9 +148,9 @@ class ProcessWorkers:
             stdin=subprocess.DEVNULL,
         )
         child.close()
-        worker = RemoteProgram(node, proc, parent)
+        worker = RemoteProgram(node, WorkerLink(node, proc, parent))
         cores = list(self.placement.devices.get(node, ())) if self.placement.pin else []
-        send_message(parent, {
+        worker.open({
             "op": "init",
             "graph": to_json(self.graph, indent=0),
             "node": node,

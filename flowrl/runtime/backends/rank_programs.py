@@ -4,9 +4,8 @@
 ``RANK_PROGRAM``). A node on one rank runs its ordinary program there. A node on several ranks runs:
 
 - a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them);
-- a generator: ``TensorParallelGenerator`` when its mesh has a ``tp`` axis of size > 1 (dp replicas
-  of tensor-parallel groups, see ``flowrl.runtime.tensor_parallel``), else ``ReplicaGenerator``
-  (replicas that split each batch of prompts);
+- a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
+  tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.tensor_parallel``);
 - anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
 
 ``RankContext`` is what every rank knows about the job; ``flowrl.runtime.backends.torchrun`` sets it
@@ -41,8 +40,7 @@ __all__ = [
     "RankContext",
     "set_context",
     "DataParallelPolicy",
-    "ReplicaGenerator",
-    "TensorParallelGenerator",
+    "ParallelGenerator",
     "rank_program",
 ]
 
@@ -152,35 +150,6 @@ class DataParallelPolicy(PolicyProgram):
         return {}, info
 
 
-class ReplicaGenerator(GeneratorProgram):
-    """One generator replica: samples its contiguous part of the prompts; the lead gathers the parts."""
-
-    def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...]) -> None:
-        super().__init__(node, graph, env, transports, seed=env.seed)  # sampling is seeded by (seed, first prompt index)
-        self.group, self.ranks, self.lead = group, ranks, ranks[0]
-        self.index = ranks.index(_context().rank)
-        self.device = _context().device
-
-    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.runtime.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
-
-        prompts = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
-        prompts = {k: v.cpu() for k, v in prompts.items()}
-        part = split_prompts(prompts, len(self.ranks))[self.index]
-        fetch_s = self._sync(min_version)
-        start = time.perf_counter()
-        rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
-        gen_s = time.perf_counter() - start
-        timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group, device=self.device)
-        if self.index != 0:
-            send_batch(rollout, dst=self.lead, group=self.group, device=self.device)
-            return {}, {}
-        parts = [rollout] + [{k: v.cpu() for k, v in recv_batch(src=r, group=self.group, device=self.device).items()} for r in self.ranks[1:]]
-        merged = merge_rollouts(parts)
-        return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"])}
-
-
-
 def _mesh_axes(mesh: Any) -> dict[str, int]:
     """Axis name -> size of a ``DeviceMesh`` (empty without a mesh)."""
     if mesh is None:
@@ -188,46 +157,61 @@ def _mesh_axes(mesh: Any) -> dict[str, int]:
     return dict(zip(mesh.mesh_dim_names or (), (int(s) for s in mesh.mesh.shape)))
 
 
-class TensorParallelGenerator(GeneratorProgram):
-    """A generator whose mesh has a ``tp`` axis: ``dp`` replicas (1 or more), each a tensor-parallel group.
+class ParallelGenerator(GeneratorProgram):
+    """A generator on several ranks: ``dp`` replicas, each a group of ``tp`` ranks (``tp`` = 1: plain
+    replicas, each rank one; ``tp`` > 1 when its mesh has a ``tp`` axis larger than 1).
 
-    Each rank holds its shards of the model, the built-in transformer or a Hugging Face Llama-family
-    one (``flowrl.runtime.tensor_parallel``: whole attention heads and a slice of the SwiGLU units, two
-    all-reduces per layer over its tp group). Per step: the
-    node's lead broadcasts the prompts to every rank of the node; replica ``r`` takes part ``r`` of
-    them (``split_prompts``); its tp ranks agree on a weight version (below) and run the same
-    sampling with the same seed, so they draw the same tokens (checked after each batch with a
-    checksum all-reduce; a mismatch is an error, never a silent divergence); the first rank of every
-    other replica sends its rollout to the node's lead, which merges them in replica order.
+    Per step: the node's lead broadcasts the prompts to every rank of the node; replica ``r`` takes
+    part ``r`` of them (``split_prompts``), fetches weights and samples; the first rank of every other
+    replica sends its rollout to the node's lead, which merges them in replica order. Sampling is
+    seeded alike on every rank (by seed and first prompt index).
 
-    Weights: a transport that delivers only this rank's slices (``CollectiveTransport`` whose generator
-    layout is ``tp_param_layouts`` over ``tensor_parallel.tp_rows``: its ``local_shapes("generator")`` are the
-    shard shapes) writes straight into ``local_weight_targets()``; any other transport delivers the full
-    state into a full-size staging copy, from which each rank copies its own slices. Either way the tp
-    ranks first agree on one version (an all-reduce of the versions they hold, fetching again until
-    they match), so no replica ever samples with shards of two versions.
+    With ``tp`` > 1 each rank holds its shards of the model, the built-in transformer or a Hugging
+    Face Llama-family one (``flowrl.runtime.tensor_parallel``: whole attention heads and a slice of
+    the SwiGLU units, two all-reduces per layer over its tp group). The tp ranks of a replica agree on
+    a weight version (below) and run the same sampling with the same seed, so they draw the same
+    tokens (checked after each batch with a checksum all-reduce; a mismatch is an error, never a
+    silent divergence).
+
+    Weights with ``tp`` > 1: a transport that delivers only this rank's slices (``CollectiveTransport``
+    whose generator layout is ``tp_param_layouts`` over ``tensor_parallel.tp_rows``: its
+    ``local_shapes("generator")`` are the shard shapes) writes straight into ``local_weight_targets()``;
+    any other transport delivers the full state into a full-size staging copy, from which each rank
+    copies its own slices. Either way the tp ranks first agree on one version (an all-reduce of the
+    versions they hold, fetching again until they match), so no replica ever samples with shards of
+    two versions. With ``tp`` = 1 each replica fetches as a one-process generator does.
     """
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
-        import torch.distributed as dist
-
-        from flowrl.runtime.tensor_parallel import check_tp, shard_model_, tp_rows
+        from flowrl.runtime.tensor_parallel import check_tp, tp_rows
 
         ctx = _context()
-        names = tuple(mesh.mesh_dim_names or ())
-        try:
-            self.rows = tp_rows(mesh.mesh.reshape(-1).tolist(), names, tuple(mesh.mesh.shape))  # [replica] -> its tp ranks
-        except ConfigError as exc:
-            raise ConfigError(f"generator {node.name!r}: {exc}") from None
-        check_tp(node.model, len(self.rows[0]))
+        self.rows = [(r,) for r in ranks]  # [replica] -> its tp ranks
+        if _mesh_axes(mesh).get("tp", 1) > 1:
+            try:
+                self.rows = tp_rows(mesh.mesh.reshape(-1).tolist(), tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.shape))
+            except ConfigError as exc:
+                raise ConfigError(f"generator {node.name!r}: {exc}") from None
+            check_tp(node.model, len(self.rows[0]))
         super().__init__(node, graph, env, transports, seed=env.seed)  # every rank seeds sampling alike
         self.replica = next(i for i, row in enumerate(self.rows) if ctx.rank in row)
         self.tp_ranks = self.rows[self.replica]
         self.group, self.ranks, self.lead, self.device = group, ranks, ranks[0], ctx.device
+        self.sharded = len(self.tp_ranks) > 1
+        if self.sharded:
+            self._shard(mesh)
+
+    def _shard(self, mesh: Any) -> None:
+        """Keep only this rank's shards of the model; the full tensors become the staging copy."""
+        import torch.distributed as dist
+
+        from flowrl.runtime.tensor_parallel import shard_model_
+
+        ctx = _context()
         self.tp_group = mesh.get_group("tp")
         in_group = sorted(dist.get_process_group_ranks(self.tp_group))
         if in_group != sorted(self.tp_ranks):
-            raise ConfigError(f"generator {node.name!r}: the mesh's tp group holds ranks {in_group}, expected {list(self.tp_ranks)}")
+            raise ConfigError(f"generator {self.name!r}: the mesh's tp group holds ranks {in_group}, expected {list(self.tp_ranks)}")
         self._staging = dict(self.generator.weight_targets())  # the full tensors (version 0) become the staging copy
         comm = ctx.device if ctx.device.type == "cuda" else None
         self._model = shard_model_(self.generator.model, self.tp_ranks, ctx.rank, self.tp_group, comm_device=comm)
@@ -237,8 +221,9 @@ class TensorParallelGenerator(GeneratorProgram):
 
     def local_weight_targets(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter, by the full model's names (those of ``tp_param_layouts``):
-        tensors of shape ``local_shape(layout, full_shape, rank)`` a transport may write into in place."""
-        return self._local
+        tensors of shape ``local_shape(layout, full_shape, rank)`` a transport may write into in place
+        (with ``tp`` = 1, the whole model's)."""
+        return self._local if self.sharded else self.generator.weight_targets()
 
     def _agree(self, values: list[int]) -> tuple[list[int], list[int]]:
         """Max and min of each value over the tp group (one all-reduce)."""
@@ -262,6 +247,8 @@ class TensorParallelGenerator(GeneratorProgram):
         from flowrl.errors import TransportError
         from flowrl.runtime.tensor_parallel import copy_local_shards_
 
+        if not self.sharded:
+            return super()._sync(min_version)
         transport = self._transports.reader(*self._edge)
         if self._direct is None:
             self._direct = self._delivers_shards(transport)
@@ -294,7 +281,7 @@ class TensorParallelGenerator(GeneratorProgram):
 
     def _check_same_tokens(self, rollout: Batch) -> None:
         ids = rollout.get("completion_ids")
-        if ids is None:
+        if ids is None or not self.sharded:
             return
         weights = torch.arange(ids.numel(), dtype=torch.int64).remainder_(1009).add_(1).view_as(ids)
         checksum = int((ids.long() * weights).sum()) + int(rollout["completion_mask"].sum()) * 7919
@@ -342,8 +329,5 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     if isinstance(node, PolicyNode):
         return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
     if isinstance(node, GeneratorNode):
-        mesh = ctx.meshes.get(node.name)
-        if _mesh_axes(mesh).get("tp", 1) > 1:
-            return TensorParallelGenerator(node, graph, env, transports, group=group, ranks=ranks, mesh=mesh)
-        return ReplicaGenerator(node, graph, env, transports, group=group, ranks=ranks)
+        return ParallelGenerator(node, graph, env, transports, group=group, ranks=ranks, mesh=ctx.meshes.get(node.name))
     return build_program(graph, node.name, env, transports) if lead else _Idle()  # reference: on the lead only

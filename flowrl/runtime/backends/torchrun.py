@@ -19,15 +19,15 @@ Where things run:
   otherwise) and publishes ``host:port`` in the job's torch.distributed store. Every rank connects
   once per node it belongs to and answers ``flowrl.runtime.worker.serve`` (the process backend's
   protocol: msgspec header + raw tensor bytes). Rank 0's own memberships use a socket pair. The
-  controller sends each request to every rank of the node at once (``GroupProgram``); only the lead
-  gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
+  controller sends each request to every rank of the node at once (``remote.RemoteProgram`` over
+  ``RankLinks``); only the lead gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
   idle rank waits without a timeout ticking; collectives run only inside a step, between busy ranks.
 - Each heavy node's ranks form a process group (``dist.new_group``, created by every rank, in graph
   order) and a ``DeviceMesh`` with the plan's named axes (``flowrl.runtime.meshes``); each collective weight edge a group of
   exactly its ranks (``_setup_groups``).
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
   (``DataParallelPolicy``: equal to a one-process step up to rounding); a generator on several ranks
-  runs replicas (``ReplicaGenerator``) or, with a ``tp`` mesh axis, ``TensorParallelGenerator``.
+  runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1.
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
 - Weights: ``inprocess`` and ``collective`` edges use the collective transport
   (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
@@ -70,6 +70,7 @@ from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
+from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
@@ -79,14 +80,14 @@ from flowrl.runtime.meshes import device_mesh
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
-from flowrl.runtime.programs import Batch, Info, ProgramEnv, SharedTransports, build_program
+from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = [
     "TorchrunBackend",
     "run_torchrun",
     "rank_plan",
-    "GroupProgram",
+    "RankLinks",
     "RankError",
     "DIST_TIMEOUT_S",
     "CONNECT_TIMEOUT_S",
@@ -139,84 +140,49 @@ def _axes(plan: Plan) -> dict[str, Axes]:
 
 
 # -- the controller's side: one node = requests to all its ranks at once -------------------------------
-class GroupProgram:
-    """A node program spread over ranks; the controller's executor thread calls it like a local one.
+class RankLinks:
+    """The ``torchrun`` backend's ``remote.Link``: one peer per rank of the node (a socket each, lead first).
 
-    Every request goes to every rank of the node before any reply is read (ranks meet in collectives
-    inside the request); only the lead gets the input tensors and returns outputs and info.
+    The controller's ``close`` leaves the ranks' programs open; ``_control`` ends them after the run
+    with ``RemoteProgram.shutdown``.
     """
+
+    closes_with_controller = False
 
     def __init__(self, node: str, links: dict[int, socket.socket]) -> None:
         self.node = node
         self.links = links  # rank -> socket, lead first
-        self.lead = next(iter(links))
-        self._lock = threading.Lock()
+        self.peers = tuple(links)
 
-    def _fail(self, rank: int, what: str) -> RankError:
-        return RankError(f"rank {rank} of node {self.node!r} {what}")
+    def send(self, peer: int, header: dict[str, Any], tensors: Batch | None) -> None:
+        send_message(self.links[peer], header, tensors)
 
-    def _call(self, header: dict[str, Any], tensors: Batch | None = None, *, ranks: list[int] | None = None) -> tuple[dict[str, Any], Batch]:
-        ranks = ranks if ranks is not None else list(self.links)
-        lead_reply: tuple[dict[str, Any], Batch] = ({}, {})
-        with self._lock:
-            for r in ranks:
-                try:
-                    send_message(self.links[r], header, tensors if r == self.lead else None)
-                except OSError:
-                    raise self._fail(r, "died (its connection to the controller is closed)") from None
-            errors = []
-            for r in ranks:
-                try:
-                    reply, out = recv_message(self.links[r])
-                except (ConnectionLost, OSError):
-                    raise self._fail(r, "died (its connection to the controller is closed)") from None
-                if not reply.get("ok"):
-                    errors.append(f"rank {r} of node {self.node!r} raised {reply.get('error')}\n--- traceback on rank {r} ---\n{reply.get('traceback', '')}")
-                elif r == self.lead:
-                    lead_reply = (reply, out)
-            if errors:
-                raise RankError("\n".join(errors))
-        return lead_reply
+    def recv(self, peer: int) -> tuple[dict[str, Any], Batch]:
+        return recv_message(self.links[peer])
 
-    def init(self, header: dict[str, Any]) -> None:
-        self._call(header)
+    def died(self, peer: int) -> RankError:
+        return RankError(f"rank {peer} of node {self.node!r} died (its connection to the controller is closed)")
 
-    def start(self) -> None:
-        self._call({"op": "start"})
-
-    def seek(self, position: int) -> None:
-        self._call({"op": "seek", "position": position}, ranks=[self.lead])
-
-    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        reply, outputs = self._call({"op": "step", "seq": seq, "min_version": min_version}, inputs)
-        return outputs, reply.get("info", {})
-
-    def save(self, path: str) -> None:
-        self._call({"op": "save", "path": path}, ranks=[self.lead])  # replicas hold the same state
-
-    def load(self, path: str) -> None:
-        self._call({"op": "load", "path": path})
+    def raised(self, failures: list[tuple[int, dict[str, Any]]], *, starting: bool) -> RankError:
+        return RankError("\n".join(
+            f"rank {r} of node {self.node!r} raised {reply.get('error')}\n--- traceback on rank {r} ---\n{reply.get('traceback', '')}"
+            for r, reply in failures
+        ))
 
     def abort(self) -> None:
-        """After a failure elsewhere: close the sockets, so every worker's ``serve`` returns."""
+        """Close the sockets, so every worker's ``serve`` returns."""
         for s in self.links.values():
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
-    def close(self) -> None:
-        """Nothing yet: the controller closes its programs before its final checkpoint (which still
-        calls ``save``), so the backend ends the ranks' programs itself, with ``shutdown``."""
+    def closing(self) -> bool:
+        for s in self.links.values():
+            s.settimeout(30)
+        return True
 
-    def shutdown(self) -> None:
-        """Close the program on every rank (each ``serve`` returns), then the sockets."""
-        try:
-            for s in self.links.values():
-                s.settimeout(30)
-            self._call({"op": "close"})
-        except (FlowrlError, OSError):
-            pass
+    def release(self) -> None:
         for s in self.links.values():
             s.close()
 
@@ -476,10 +442,10 @@ def _control(
             "threads": torch.get_num_threads(),
         }
         for node, rs in ctx.ranks.items():
-            group = GroupProgram(node, {r: links[node][r] for r in rs})
-            node_programs[node] = group
+            node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}))
         for node, group in node_programs.items():
-            group.init({**init, "node": node})
+            group.open({**init, "node": node})
+            group.ready()
         for node in graph.nodes:
             if node.kind != "loss" and node.name not in node_programs:
                 node_programs[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
@@ -489,12 +455,12 @@ def _control(
         return controller.run()
     except BaseException:
         for h in node_programs.values():
-            if isinstance(h, GroupProgram):
+            if isinstance(h, RemoteProgram):
                 h.abort()
         raise
     finally:
         for node, h in node_programs.items():
-            if isinstance(h, GroupProgram):
+            if isinstance(h, RemoteProgram):
                 h.shutdown()
         for node_links in links.values():
             for s in node_links.values():

@@ -94,7 +94,7 @@ def _param_specs(graph: Graph, src: str) -> dict[str, dict[str, Any]]:
 def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: Any, params: dict[str, Any]) -> Any:
     """The generator side's layout(s): replicas, or tensor-parallel shards.
 
-    A generator whose mesh has a ``tp`` axis > 1 runs as ``rank_programs.TensorParallelGenerator``,
+    A generator whose mesh has a ``tp`` axis > 1 runs as ``rank_programs.ParallelGenerator``,
     which fetches only its shards: its layout is ``tensor_parallel.tp_param_layouts(config, ranks, dp=...)``
     (the built-in transformer's or, by Hugging Face parameter names, a Llama family's), so each rank
     receives exactly its slices. Replicas fetch the full state (``dp_replicas``).
@@ -104,7 +104,7 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
         from flowrl.runtime.tensor_parallel import tp_param_layouts, tp_rows
 
         try:
-            rows = tp_rows(fetchers, *axes)  # the replicas' tp groups, as TensorParallelGenerator forms them
+            rows = tp_rows(fetchers, *axes)  # the replicas' tp groups, as ParallelGenerator forms them
         except ConfigError as exc:
             raise ConfigError(f"generator {dst!r}: {exc}") from None
         config = graph.node(dst).model  # type: ignore[attr-defined]
