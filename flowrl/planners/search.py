@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowrl.graph.ir import Graph
@@ -387,6 +387,13 @@ def _disaggregated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
     return [ev.evaluate(_layout(r, split, gd, td), "disaggregated", split) for gd in gen_opts for td in train_opts]
 
 
+#: Per split family (``strategies.DeviceSplit.family``): how its candidates are found, and a lower
+#: bound of its step from each side's best time (colocated phases add up; disjoint ones overlap).
+#: ``DeviceSplit.family`` is a Literal of exactly these keys; a new family needs an entry in both.
+_SEARCH_SPLIT: dict[str, Callable[[_Evaluator, DeviceSplit], list[Candidate]]] = {"colocated": _colocated, "disaggregated": _disaggregated}
+_LOWER_BOUND: dict[str, Callable[[float, float], float]] = {"colocated": lambda g, t: g + t, "disaggregated": max}
+
+
 def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: Roles, *, strategy: str, max_staleness: int) -> SearchResult:
     """Every candidate of ``strategy``, estimated; feasible ones ranked by predicted step time.
 
@@ -427,7 +434,7 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str) -> SearchResult
             infeasible += 1
             continue
         g0, t0 = (g[0][0] if g else 0.0), (t[0][0] if t else 0.0)
-        bounded.append((g0 + t0 if split.family == "colocated" else max(g0, t0), i, split))
+        bounded.append((_LOWER_BOUND[split.family](g0, t0), i, split))
     bounded.sort(key=lambda x: (x[0], x[1]))
     keep = ctx.tuning.top_k + 1
     best_per_split: list[Candidate] = []
@@ -435,7 +442,7 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str) -> SearchResult
     for bound, _, split in bounded:
         if len(steps) >= keep and bound >= steps[keep - 1]:
             break
-        found = _colocated(ev, split) if split.family == "colocated" else _disaggregated(ev, split)
+        found = _SEARCH_SPLIT[split.family](ev, split)
         feasible = [c for c in found if c.feasible]
         infeasible += len(found) - len(feasible)
         if not found:

@@ -169,3 +169,16 @@ def test_given_placement_across_hosts_is_warned():
     plan = plan_graph(GRAPHS["llamarl"], h100s(2, per_host=4), model=model_preset("llama3-8b"), workload=_WORK_TP, strategy="gen:t8@0-7 | policy:d8@0-7")
     assert len(plan.warnings) == 1 and plan.warnings[0].startswith("node 'gen': each tensor-parallel group of 8 devices spans 2 hosts")
     assert plan.warnings[0].endswith("; as the placement gives it")
+
+
+def test_every_split_family_has_a_search_and_a_bound():
+    """A split family the search does not know would have been costed as disaggregated (issue 13):
+    each family of ``DeviceSplit`` has its own entry in both tables."""
+    import typing
+
+    from flowrl.planners import search
+    from flowrl.planners.strategies import DeviceSplit
+
+    families = set(typing.get_args(typing.get_type_hints(DeviceSplit)["family"]))
+    assert families == set(search._SEARCH_SPLIT) == set(search._LOWER_BOUND)
+    assert search._LOWER_BOUND["colocated"](1.0, 2.0) == 3.0 and search._LOWER_BOUND["disaggregated"](1.0, 2.0) == 2.0
