@@ -52,7 +52,7 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
         program: ``module:qualname`` of its program builder ``(node, graph, env, transports) -> NodeProgram``;
             ``""`` for a kind that runs inside another node's program (the loss, in its policy's step).
         estimator: ``module:qualname`` of the planner's estimate of one step.
-        runs_on: ``"devices"`` (placed on a mesh of its own), ``"host"`` (the host CPU, beside them) or
+        runs_on: ``"devices"`` (placed on a mesh of its own), ``"cpu"`` (the CPU of its machine, beside them) or
             ``"policy"`` (inside its policy's step, on its mesh).
         span: the name of one step's span in the measured trace and the predicted timeline.
         style: how pictures draw it.
@@ -61,7 +61,7 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     program: str
     estimator: str
-    runs_on: Literal["devices", "host", "policy"]
+    runs_on: Literal["devices", "cpu", "policy"]
     span: str
     style: KindStyle
 
@@ -73,8 +73,8 @@ _PROG = "flowrl.runtime.programs"
 #: hexagons (the loss is an octagon in DOT, where a parallelogram grows too wide for its label).
 KINDS: dict[str, KindSpec] = {
     "source": KindSpec(
-        node="flowrl.graph.nodes:SourceNode", program=f"{_PROG}:build_source", estimator=f"{_EST}.host:estimate_host",
-        runs_on="host", span="prompts",
+        node="flowrl.graph.nodes:SourceNode", program=f"{_PROG}:build_source", estimator=f"{_EST}.cpu:estimate_cpu",
+        runs_on="cpu", span="prompts",
         style=KindStyle(dot_shape="cylinder", dot_style="filled", mermaid_open="[(", mermaid_close=")]", fill="#fff2cc", stroke="#d6b656"),
     ),
     "generator": KindSpec(
@@ -83,8 +83,8 @@ KINDS: dict[str, KindSpec] = {
         style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     ),
     "scorer": KindSpec(
-        node="flowrl.graph.nodes:ScorerNode", program=f"{_PROG}:build_scorer", estimator=f"{_EST}.host:estimate_host",
-        runs_on="host", span="score",
+        node="flowrl.graph.nodes:ScorerNode", program=f"{_PROG}:build_scorer", estimator=f"{_EST}.cpu:estimate_cpu",
+        runs_on="cpu", span="score",
         style=KindStyle(dot_shape="hexagon", dot_style="filled", mermaid_open="{{", mermaid_close="}}", fill="#d5e8d4", stroke="#82b366"),
     ),
     "reference": KindSpec(
@@ -93,7 +93,7 @@ KINDS: dict[str, KindSpec] = {
         style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
     ),
     "loss": KindSpec(
-        node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.host:estimate_host",
+        node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.cpu:estimate_cpu",
         runs_on="policy", span="loss",
         style=KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
     ),

@@ -25,9 +25,9 @@ def format_table(plan: Plan) -> list[str]:
     rows = [["node", "kind", "devices", "dp", "tp", "pp", "memory/device", "time/step", "notes"]]
     for name, p in plan.placements.items():
         if p.kind == "loss":
-            rows.append([name, p.kind, device_ranges(p.devices) if p.devices else "host", "", "", "", "", "", "inside the policy's step"])
+            rows.append([name, p.kind, device_ranges(p.devices) if p.devices else "cpu", "", "", "", "", "", "inside the policy's step"])
         elif not p.devices:
-            rows.append([name, p.kind, "host", "-", "-", "-", "-", format_seconds(p.time_s), ""])
+            rows.append([name, p.kind, "cpu", "-", "-", "-", "-", format_seconds(p.time_s), ""])
         else:
             d = p.dims
             rows.append(

@@ -31,7 +31,7 @@ from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNod
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
-from flowrl.planners.estimate.host import estimate_host
+from flowrl.planners.estimate.cpu import estimate_cpu
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options
 from flowrl.planners.modelspec import ModelSpec, model_from_config
@@ -151,7 +151,7 @@ class Candidate:
             "generation": sum(e[n].time_s for n in roles.gens),
             "training": sum(e[n].time_s for n in roles.train_side),
             "weight sync": sum(s.time_s for s in self.syncs),
-            "host": max((e[n].time_s for n in e if n not in roles.heavy), default=0.0),
+            "cpu": max((e[n].time_s for n in e if n not in roles.heavy), default=0.0),
         }
 
     def short(self) -> str:
@@ -189,7 +189,7 @@ class _Evaluator:
         #: when side_dims offers tp groups that span hosts: "never" (the search's first pass), "when
         #: needed" (a side on which nothing else fits), "always" (the last pass)
         self.tp_across_hosts = "never"
-        self.host = {n.name: estimate_host(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
+        self.cpu_side = {n.name: estimate_cpu(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
 
     # -- per node ---------------------------------------------------------------------------------
     def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:
@@ -251,7 +251,7 @@ class _Evaluator:
             devices, dims = layout[name]
             reserved = sum(self.resident(o, layout[o][1]) for o in names if o != name and _shares(layout[o][0], devices))
             estimates[name] = self.node(name, devices, dims, reserved)
-        estimates.update(self.host)
+        estimates.update(self.cpu_side)
         for loss, policy in r.loss_of.items():
             estimates[loss] = NodeEstimate(time_s=0.0, memory=MemoryBreakdown(), notes=(f"runs inside {policy}'s step",))
         syncs = []

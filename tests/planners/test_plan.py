@@ -27,7 +27,7 @@ def test_default_example_plans_on_two_cores(strategy, family):
     plan = plan_graph(LLAMARL, CPU2, strategy=strategy)
     assert set(plan.placements) == {n.name for n in LLAMARL.nodes}
     assert family is None or plan.family == family
-    # the loss runs on its policy's mesh; host nodes hold no devices
+    # the loss runs on its policy's mesh; CPU nodes hold no devices
     assert plan.placements["aipo"].devices == plan.placements["policy"].devices
     assert plan.placements["prompts"].devices == () and plan.placements["reward"].devices == ()
     assert plan.step_s == plan.async_step_s  # the example's weight edge has k = 1
