@@ -11,6 +11,8 @@ Prints one JSON object.
 
     python benches/generation.py                 # tiny (the example model) and small
     python benches/generation.py --models big    # ~100M parameters, small batch (slow on a CPU)
+    python benches/generation.py --hf [ARGS]     # a Hugging Face Llama: flowrl vs transformers' generate()
+                                                 # (benches/hf_generation.py, ARGS are its own)
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ def measure(model: ModelConfig, batch: int, length: int, use_kv_cache: bool, rep
 
 
 def main() -> None:
+    if "--hf" in sys.argv[1:]:  # the Hugging Face comparison lives in its own script
+        import hf_generation  # benches/ is on sys.path when a bench runs as a script
+
+        sys.argv = [a for a in sys.argv if a != "--hf"]
+        hf_generation.main()
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["tiny", "small"], choices=sorted(MODELS))
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point, fewer past 5 s (the fastest is kept)")
