@@ -13,6 +13,8 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flowrl.cli.policy_samples import add_checkpoint_arguments
+
     p = sub.add_parser(
         "eval",
         help="score a checkpoint on held-out prompts (greedy and sampled mean reward)",
@@ -20,11 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "2**40 on, which no training run reads; for a prompt file, the rows of --data FILE (without it, the training "
         "file's first rows, reported as not held out). Prints the mean reward of greedy completions and of sampled ones.",
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (its LATEST is used) or a step-* directory")
+    add_checkpoint_arguments(p)
     p.add_argument("--prompts", type=int, default=256, metavar="N", help="held-out prompts (default: 256)")
     p.add_argument("--samples", type=int, default=4, metavar="S", help="sampled completions per prompt (default: 4)")
-    p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
-    p.add_argument("--data", metavar="FILE", help="held-out prompt file (same fields as training), for a graph whose source reads a file")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_run)
 

@@ -26,7 +26,7 @@ from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, ScorerNode
 
-__all__ = ["HELD_OUT_START", "LoadedPolicy", "load_policy", "decode", "eval_positions", "rollout", "Scored"]
+__all__ = ["add_checkpoint_arguments", "HELD_OUT_START", "LoadedPolicy", "load_policy", "decode", "eval_positions", "rollout", "Scored"]
 
 #: First prompt index of held-out prompts: beyond anything a training run reads.
 HELD_OUT_START = 1 << 40
@@ -60,6 +60,13 @@ class Scored:
     completion: str
     reward: float
     rewards: dict[str, float]
+
+
+def add_checkpoint_arguments(p: Any) -> None:
+    """The arguments ``flowrl sample`` and ``flowrl eval`` share: CHECKPOINT, ``--seed``, ``--data``."""
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (its LATEST is used) or a step-* directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    p.add_argument("--data", metavar="FILE", help="held-out prompt file (same fields as training), for a graph whose source reads a file")
 
 
 def _step_dir(path: Path) -> Path:

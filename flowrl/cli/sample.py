@@ -8,18 +8,19 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flowrl.cli.policy_samples import add_checkpoint_arguments
+
     p = sub.add_parser(
         "sample",
         help="print what a checkpoint's policy writes: prompts, completions, rewards",
         description="Sample completions from the policy in CHECKPOINT (a --checkpoint-dir or one of its step-* "
-        "directories) for held-out prompts of its task, and print them decoded with their rewards.",
+        "directories) for held-out prompts (a built-in task's prompts from 2**40 on; a prompt file's --data FILE, else "
+        "its first rows) and print them decoded with their rewards.",
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (its LATEST is used) or a step-* directory")
+    add_checkpoint_arguments(p)
     p.add_argument("-n", type=int, default=8, metavar="N", help="prompts to sample (default: 8)")
     p.add_argument("--samples", type=int, default=1, metavar="S", help="completions per prompt (default: 1)")
     p.add_argument("--greedy", action="store_true", help="the most likely completion instead of a sampled one")
-    p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
-    p.add_argument("--data", metavar="FILE", help="held-out prompt file (same fields as training), for a graph whose source reads a file")
     p.set_defaults(func=_run)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from flowrl.errors import ConfigError
 
-__all__ = ["read_rows", "FORMATS", "DATA_INSTALL_HINT"]
+__all__ = ["read_rows", "write_jsonl", "FORMATS", "DATA_INSTALL_HINT"]
 
 DATA_INSTALL_HINT = "pip install 'flowrl[data]'"
 
@@ -110,6 +110,13 @@ def _parquet(path: Path) -> list[Row]:
 
 #: Extension -> reader.
 FORMATS: dict[str, Callable[[Path], list[Row]]] = {".jsonl": _jsonl, ".json": _json, ".csv": _csv, ".parquet": _parquet}
+
+
+def write_jsonl(path: str | Path, rows: list[Row]) -> Path:
+    """Write ``rows`` to ``path`` as JSON lines (UTF-8, one object per line); ``read_rows`` reads them back."""
+    out = Path(path)
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return out
 
 
 def read_rows(path: str) -> list[Row]:

@@ -22,12 +22,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
+from flowrl.data.files import write_jsonl
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
@@ -114,9 +114,7 @@ def write_assets(directory: str | Path) -> Path:
     config = build_config()
     config.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
-    with open(out / "prompts.jsonl", "w", encoding="utf-8") as f:
-        for row in make_prompts():
-            f.write(json.dumps(row) + "\n")
+    write_jsonl(out / "prompts.jsonl", make_prompts())
     return out
 
 

@@ -23,6 +23,7 @@ import random
 import sys
 from pathlib import Path
 
+from flowrl.data.files import write_jsonl
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
@@ -109,9 +110,7 @@ def write_assets(directory: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(QWEN_CONFIG, indent=2) + "\n", encoding="utf-8")
-    with open(out / "math.jsonl", "w", encoding="utf-8") as f:
-        for row in make_problems():
-            f.write(json.dumps(row) + "\n")
+    write_jsonl(out / "math.jsonl", make_problems())
     return out
 
 

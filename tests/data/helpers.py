@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from flowrl.data import files
 from pathlib import Path
 
 import pytest
@@ -38,8 +38,7 @@ def word_tokenizer(directory: Path, *, chat_template: str | None = CHAT_TEMPLATE
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return files.write_jsonl(path, rows)
 
 
 def model_config():
