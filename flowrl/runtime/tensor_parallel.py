@@ -316,8 +316,9 @@ class RowParallelLinear(nn.Module):
         return f"out={self.weight.shape[0]}, local in={self.weight.shape[1]}, bias={self.bias is not None}, all_reduce"
 
 
-class TensorParallelTransformer(Transformer):
-    """A ``Transformer`` after :func:`shard_transformer_`: same forward, sharded layers, local KV cache.
+class _TensorParallelModel:
+    """What every sharded model class adds to its full model's class: its place in the tp group.
+    A sharded model is made by a shard function (which swaps ``__class__``), never constructed.
 
     Attributes:
         tp_ranks: the tp group's global ranks, in tp order.
@@ -328,9 +329,16 @@ class TensorParallelTransformer(Transformer):
     tp_ranks: tuple[int, ...]
     tp_rank: int
     tp_index: int
+    built_by = ""  # the call that makes one, for the error below
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("build a TensorParallelTransformer with shard_transformer_(Transformer(config), ranks, rank, group)")
+        raise TypeError(f"build a {type(self).__name__} with {self.built_by}")
+
+
+class TensorParallelTransformer(_TensorParallelModel, Transformer):
+    """A ``Transformer`` after :func:`shard_transformer_`: same forward, sharded layers, local KV cache."""
+
+    built_by = "shard_transformer_(Transformer(config), ranks, rank, group)"
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KV cache for the local heads only."""
@@ -342,7 +350,7 @@ class TensorParallelTransformer(Transformer):
 
 def _check_shard_call(model: nn.Module, ranks: Sequence[int], rank: int, group: Any) -> tuple[int, ...]:
     """``ranks`` as a tuple, after refusing a sharded model, a rank outside ``ranks`` or a missing group."""
-    if isinstance(model, (TensorParallelTransformer, TensorParallelHFCausalLM)):
+    if isinstance(model, _TensorParallelModel):
         raise ConfigError(f"the model is already tensor-parallel (tp ranks {list(model.tp_ranks)}); shard a full model")
     ranks = tuple(ranks)
     if rank not in ranks:
@@ -406,21 +414,10 @@ def shard_transformer_(
     return model  # type: ignore[return-value]
 
 
-class TensorParallelHFCausalLM(HFCausalLM):
-    """An ``HFCausalLM`` after :func:`shard_hf_`: same forward and ``DynamicCache``, sharded projections.
+class TensorParallelHFCausalLM(_TensorParallelModel, HFCausalLM):
+    """An ``HFCausalLM`` after :func:`shard_hf_`: same forward and ``DynamicCache``, sharded projections."""
 
-    Attributes:
-        tp_ranks: the tp group's global ranks, in tp order.
-        tp_rank: this rank's global rank.
-        tp_index: its position in ``tp_ranks``.
-    """
-
-    tp_ranks: tuple[int, ...]
-    tp_rank: int
-    tp_index: int
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("build a TensorParallelHFCausalLM with shard_hf_(build_model(HFModelConfig(...)), ranks, rank, group)")
+    built_by = "shard_hf_(build_model(HFModelConfig(...)), ranks, rank, group)"
 
 
 @torch.no_grad()
