@@ -33,7 +33,6 @@ import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import msgspec
 
 from flowrl import fileio
 from flowrl.errors import FlowrlError
