@@ -7,8 +7,10 @@ the planner costs a node with ``estimator``, and the exporters draw it with ``st
 ``tests/graph/test_kinds.py`` walks the table, so a kind missing from any part fails loudly.
 
 References are ``module:qualname`` strings, so this module imports neither torch nor the planner.
-To add a kind: one module with its node struct, program and estimator, and one entry here (and
-its name in ``flowrl.graph.nodes.NODE_KINDS``).
+To add a kind: one module with its node struct (a ``flowrl.graph.nodes.NodeBase`` subclass with its
+``signature()`` and ``describe()``), program and estimator, and one entry here: ``NODE_KINDS``
+and the ``Node`` union graph files decode into are built from this table
+(``tests/graph/test_kinds.py::test_a_kind_is_one_module_and_one_entry`` does exactly that).
 
 Example:
     >>> KINDS["generator"].span, KINDS["loss"].program
@@ -51,7 +53,10 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
         node: ``module:qualname`` of its node struct (which holds its config).
         program: ``module:qualname`` of its program builder ``(node, graph, env, transports) -> NodeProgram``;
             ``""`` for a kind that runs inside another node's program (the loss, in its policy's step).
-        estimator: ``module:qualname`` of the planner's estimate of one step.
+        estimator: ``module:qualname`` of the planner's estimate of one step. For a kind that runs on
+            the CPU or inside its policy it is called as ``estimator(kind, ctx) -> NodeEstimate``
+            (``flowrl.planners.estimate.cpu.estimate_cpu``); a device kind's estimate is chosen by its
+            side of the search (generation or training).
         runs_on: ``"devices"`` (placed on a mesh of its own), ``"cpu"`` (the CPU of its machine, beside them) or
             ``"policy"`` (inside its policy's step, on its mesh).
         span: the name of one step's span in the measured trace and the predicted timeline.

@@ -21,11 +21,19 @@ Node kinds (the ``kind`` tag in JSON):
 
 Which kinds own trainable weights (may start a weight edge) and which hold weights (may end one)
 is stated by ``TRAINABLE_KINDS`` and ``WEIGHT_HOLDING_KINDS``.
+
+Each node struct states its own fields and summary (``signature()``, ``describe()``), and the
+``Node`` union that graph files decode into is built from the kinds table
+(``flowrl.graph.kinds.KINDS``), so a new kind is its module (a ``NodeBase`` subclass with a
+``tag``) plus one entry in that table; nothing here changes.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Union
+
+from flowrl.graph.kinds import KINDS
+from flowrl.graph.refs import resolve
 
 import msgspec
 
@@ -46,22 +54,39 @@ __all__ = [
     "LossNode",
     "PolicyNode",
     "Node",
+    "NodeBase",
     "Signature",
     "signature",
     "describe",
 ]
 
-NodeKind = Literal["source", "generator", "scorer", "reference", "loss", "policy"]
-NODE_KINDS: tuple[str, ...] = ("source", "generator", "scorer", "reference", "loss", "policy")
+NodeKind = str
+#: Every kind, in the order of the kinds table (``flowrl.graph.kinds.KINDS``).
+NODE_KINDS: tuple[str, ...] = tuple(KINDS)
 TRAINABLE_KINDS: frozenset[str] = frozenset({"policy"})
-WEIGHT_HOLDING_KINDS: frozenset[str] = frozenset({"generator", "reference", "policy"})
 #: Kinds that run a model on devices of their own (a placement gives each some); the others run on
 #: the host CPU beside them (sources, rule scorers) or inside their policy's step (losses).
-DEVICE_KINDS: frozenset[str] = WEIGHT_HOLDING_KINDS
+DEVICE_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.runs_on == "devices")
+WEIGHT_HOLDING_KINDS: frozenset[str] = DEVICE_KINDS
 
 
-class _NodeBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):
-    """Fields every node has. ``name`` is unique in its graph and names the node in every error."""
+class Signature(msgspec.Struct, frozen=True):
+    """The typed fields a node reads and writes."""
+
+    inputs: dict[str, FieldType]
+    outputs: dict[str, FieldType]
+
+
+def _fields(names: tuple[str, ...]) -> dict[str, FieldType]:
+    return {n: FIELDS[n] for n in names}
+
+
+class NodeBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):
+    """Fields every node has; a kind subclasses it with ``tag="<kind>"``.
+
+    ``name`` is unique in its graph and names the node in every error. A kind overrides
+    ``signature()`` (the fields it reads and writes) and ``describe()`` (its one-line summary).
+    """
 
     name: str
 
@@ -69,21 +94,48 @@ class _NodeBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def kind(self) -> str:
         return type(self).__struct_config__.tag  # type: ignore[return-value]
 
+    def signature(self) -> Signature:
+        """The fields this node reads and writes."""
+        raise NotImplementedError(f"node kind {self.kind!r} does not state its signature()")
 
-class SourceNode(_NodeBase, tag="source"):
+    def describe(self) -> str:
+        """A short, stable summary of its config (``print(graph)``, the exporters)."""
+        return ""
+
+
+_NodeBase = NodeBase  # the name earlier modules used
+
+
+class SourceNode(NodeBase, tag="source"):
     """Prompts from a task. See the module docstring for the fields it writes."""
 
     source: SourceConfig = msgspec.field(default_factory=SourceConfig)
 
+    def signature(self) -> Signature:
+        return Signature({}, _fields(SOURCE_FIELDS))
 
-class GeneratorNode(_NodeBase, tag="generator"):
+    def describe(self) -> str:
+        s = self.source
+        if s.data:
+            return f"data={s.data.rsplit('/', 1)[-1]}, batch={s.batch_size}"
+        return f"task={s.task}, batch={s.batch_size}"
+
+
+class GeneratorNode(NodeBase, tag="generator"):
     """Samples completions with the behaviour policy mu."""
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
 
+    def signature(self) -> Signature:
+        return Signature(_fields(SOURCE_FIELDS), _fields(ROLLOUT_FIELDS))
 
-class ScorerNode(_NodeBase, tag="scorer"):
+    def describe(self) -> str:
+        s = self.sampling
+        return f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}"
+
+
+class ScorerNode(NodeBase, tag="scorer"):
     """Rewards from a rule.
 
     Attributes:
@@ -107,90 +159,88 @@ class ScorerNode(_NodeBase, tag="scorer"):
         if self.inputs not in ("ids", "text"):
             raise ConfigError(f"scorer {self.name!r}: inputs={self.inputs!r} must be 'ids' (token ids) or 'text' (decoded text)")
 
+    def signature(self) -> Signature:
+        names = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_lens")
+        if self.inputs == "text":
+            names += ("group_ids", "prompt_index")
+        return Signature(_fields(names), {self.output: REWARD_TYPE})
 
-class ReferenceNode(_NodeBase, tag="reference"):
+    def describe(self) -> str:
+        return f"fn={self.fn}" + (", batched" if self.batched else "") + (", text" if self.inputs == "text" else "")
+
+
+class ReferenceNode(NodeBase, tag="reference"):
     """A frozen copy of the initial policy, for a KL penalty."""
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
 
+    def signature(self) -> Signature:
+        return Signature(
+            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")),
+            _fields(("ref_logprobs",)),
+        )
 
-class LossNode(_NodeBase, tag="loss"):
+    def describe(self) -> str:
+        return f"model={self.model.short()}"
+
+
+class LossNode(NodeBase, tag="loss"):
     """The RL objective; runs inside its policy's training step."""
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
+    def signature(self) -> Signature:
+        inputs = _fields(ROLLOUT_FIELDS)
+        inputs.update({name: REWARD_TYPE for name in self.loss.reward_weights})
+        if self.loss.kl_coef > 0:
+            inputs["ref_logprobs"] = FIELDS["ref_logprobs"]
+        return Signature(inputs, _fields(("objective",)))
 
-class PolicyNode(_NodeBase, tag="policy"):
+    def describe(self) -> str:
+        c = self.loss
+        extra = f", rho={c.rho:g}" if c.objective == "aipo" else f", eps={c.clip_eps:g}"
+        return f"{c.objective}{extra}, baseline={c.baseline}"
+
+
+class PolicyNode(NodeBase, tag="policy"):
     """The trainer: pi's weights, its optimizer and the version clock."""
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
 
+    def signature(self) -> Signature:
+        return Signature(_fields(("objective",)), {})
 
-Node = Union[SourceNode, GeneratorNode, ScorerNode, ReferenceNode, LossNode, PolicyNode]
-
-
-class Signature(msgspec.Struct, frozen=True):
-    """The typed fields a node reads and writes."""
-
-    inputs: dict[str, FieldType]
-    outputs: dict[str, FieldType]
+    def describe(self) -> str:
+        return f"model={self.model.short()}, lr={self.optimizer.lr:g}"
 
 
-def _fields(names: tuple[str, ...]) -> dict[str, FieldType]:
-    return {n: FIELDS[n] for n in names}
+def _node_structs() -> tuple[type[NodeBase], ...]:
+    """Each kind's node struct, from the table (a kind in another module is imported here; it may
+    import ``NodeBase`` from this module, which is defined by then)."""
+    structs = []
+    for kind, spec in KINDS.items():
+        struct = resolve(spec.node)
+        if not (isinstance(struct, type) and issubclass(struct, NodeBase) and struct.__struct_config__.tag == kind):
+            raise TypeError(f"kinds table: {spec.node} is not a NodeBase subclass tagged {kind!r}")
+        structs.append(struct)
+    return tuple(structs)
+
+
+#: Any node: the tagged union of every kind's struct (graph files decode into it by ``kind``).
+Node = Union[_node_structs()]  # type: ignore[valid-type]
 
 
 def signature(node: Node) -> Signature:
-    """The fields ``node`` reads and writes, by kind and config.
+    """The fields ``node`` reads and writes, by kind and config (``node.signature()``).
 
     Example:
         >>> sorted(signature(ScorerNode(name="r", fn="m:f")).outputs)
         ['rewards']
     """
-    if isinstance(node, SourceNode):
-        return Signature({}, _fields(SOURCE_FIELDS))
-    if isinstance(node, GeneratorNode):
-        return Signature(_fields(SOURCE_FIELDS), _fields(ROLLOUT_FIELDS))
-    if isinstance(node, ScorerNode):
-        names = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_lens")
-        if node.inputs == "text":
-            names += ("group_ids", "prompt_index")
-        return Signature(_fields(names), {node.output: REWARD_TYPE})
-    if isinstance(node, ReferenceNode):
-        return Signature(
-            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")),
-            _fields(("ref_logprobs",)),
-        )
-    if isinstance(node, LossNode):
-        inputs = _fields(ROLLOUT_FIELDS)
-        inputs.update({name: REWARD_TYPE for name in node.loss.reward_weights})
-        if node.loss.kl_coef > 0:
-            inputs["ref_logprobs"] = FIELDS["ref_logprobs"]
-        return Signature(inputs, _fields(("objective",)))
-    if isinstance(node, PolicyNode):
-        return Signature(_fields(("objective",)), {})
-    raise TypeError(f"not a flowrl node: {node!r}")  # unreachable for the closed Node union
+    return node.signature()
 
 
 def describe(node: Node) -> str:
     """A short, stable summary of a node's config, used by ``print(graph)`` and the exporters."""
-    if isinstance(node, SourceNode):
-        s = node.source
-        if s.data:
-            return f"data={s.data.rsplit('/', 1)[-1]}, batch={s.batch_size}"
-        return f"task={s.task}, batch={s.batch_size}"
-    if isinstance(node, GeneratorNode):
-        s = node.sampling
-        return f"model={node.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}"
-    if isinstance(node, ScorerNode):
-        return f"fn={node.fn}" + (", batched" if node.batched else "") + (", text" if node.inputs == "text" else "")
-    if isinstance(node, ReferenceNode):
-        return f"model={node.model.short()}"
-    if isinstance(node, LossNode):
-        c = node.loss
-        extra = f", rho={c.rho:g}" if c.objective == "aipo" else f", eps={c.clip_eps:g}"
-        return f"{c.objective}{extra}, baseline={c.baseline}"
-    if isinstance(node, PolicyNode):
-        return f"model={node.model.short()}, lr={node.optimizer.lr:g}"
-    raise TypeError(f"not a flowrl node: {node!r}")
+    return node.describe()

@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
-from flowrl.planners.estimate.cpu import estimate_cpu
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options
 from flowrl.planners.modelspec import ModelSpec, model_from_config
@@ -39,6 +39,7 @@ from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
 from flowrl.planners.units import device_ranges
+from flowrl.graph.refs import resolve
 
 __all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "search_placements", "why_lost"]
 
@@ -189,7 +190,8 @@ class _Evaluator:
         #: when side_dims offers tp groups that span hosts: "never" (the search's first pass), "when
         #: needed" (a side on which nothing else fits), "always" (the last pass)
         self.tp_across_hosts = "never"
-        self.cpu_side = {n.name: estimate_cpu(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
+        #: nodes beside the models (sources, scorers, losses), costed by their kind's estimator in the kinds table
+        self.cpu_side = {n.name: resolve(KINDS[n.kind].estimator)(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
 
     # -- per node ---------------------------------------------------------------------------------
     def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:

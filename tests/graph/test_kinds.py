@@ -52,3 +52,68 @@ def test_programs_are_built_through_the_table(monkeypatch):
 
 def _fake_program(node, graph, env, transports):
     return ("fake", node.name)
+
+
+_ADD_A_KIND = '''
+import importlib.util, json, sys
+
+# The one entry, made before flowrl.graph loads, exactly as if written in flowrl/graph/kinds.py.
+spec = importlib.util.spec_from_file_location("flowrl.graph.kinds", "flowrl/graph/kinds.py")
+kinds = importlib.util.module_from_spec(spec)
+sys.modules["flowrl.graph.kinds"] = kinds
+spec.loader.exec_module(kinds)
+kinds.KINDS["length_bonus"] = kinds.KindSpec(
+    node="tests.graph.kind_module:LengthBonusNode", program="tests.graph.kind_module:build_length_bonus",
+    estimator="tests.graph.kind_module:estimate_length_bonus", runs_on="cpu", span="length_bonus",
+    style=kinds.KINDS["scorer"].style,
+)
+
+import flowrl
+from flowrl.examples.llamarl import DEFAULT_MODEL
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.export import to_dot, to_mermaid
+from flowrl.graph.serialize import from_json, to_json
+from flowrl.planners.plan import plan_graph
+from flowrl.runtime.config import RunConfig
+from flowrl.runtime.run import run_graph
+from tests.graph.kind_module import LengthBonusNode
+
+b = GraphBuilder("bonus", model=DEFAULT_MODEL)
+prompts = b.source("prompts", task="copy", batch_size=4)
+gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5)
+reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+bonus = b.add(LengthBonusNode(name="bonus"), (gen,))
+loss = b.loss("aipo", gen, reward, bonus, reward_weights={"rewards": 1.0, "reward_short": 0.1})
+b.weights(b.policy("policy", loss), gen)
+g = b.build()
+plan = plan_graph(g, "cpu")
+rows = run_graph(g, RunConfig(steps=2)).rows
+print(json.dumps({
+    "round_trip": from_json(to_json(g)) == g,
+    "printed": str(g),
+    "dot": to_dot(g),
+    "mermaid": to_mermaid(g),
+    "planned": {n: p.time_s for n, p in plan.placements.items()},
+    "rewards": [r["reward/reward_short"] for r in rows],
+}))
+'''
+
+
+def test_a_kind_is_one_module_and_one_entry():
+    """``tests/graph/kind_module.py`` plus one table entry: graph files, pictures, the planner and a run take it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _ADD_A_KIND], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["round_trip"], "a graph with the new kind does not survive to_json/from_json"
+    assert "bonus = length_bonus(max_len=5) <- gen[completion_lens]" in out["printed"]
+    assert "max_len=5" in out["dot"] and "max_len=5" in out["mermaid"]
+    assert out["planned"]["bonus"] == pytest.approx(4 * 4 * 1e-6), "the planner did not cost it with its estimator"
+    assert len(out["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in out["rewards"])
