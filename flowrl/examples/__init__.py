@@ -2,7 +2,7 @@
 
 Example:
     >>> sorted(EXAMPLES)
-    ['hf_copy', 'llamarl', 'llamarl_ref', 'qwen_math', 'two_scorers']
+    ['hf_copy', 'llamarl', 'llamarl_ref', 'longtail', 'qwen_math', 'two_scorers']
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from flowrl.errors import GraphError
 from flowrl.examples.hf_copy import build_hf_copy
+from flowrl.examples.longtail import build_longtail
 from flowrl.examples.qwen_math import build_qwen_math
 from flowrl.examples.llamarl import build_llamarl, build_llamarl_ref, build_two_scorers
 from flowrl.graph.ir import Graph
@@ -22,6 +23,7 @@ EXAMPLES: dict[str, tuple[Callable[[], Graph], str]] = {
     "llamarl": (build_llamarl, "prompts -> generator -> scorer -> AIPO loss -> policy, weights policy ~> generator (the default)"),
     "llamarl_ref": (build_llamarl_ref, "the default plus a frozen reference model and a KL penalty in the loss"),
     "hf_copy": (build_hf_copy, "a Hugging Face Llama (random init, word tokenizer) learns to copy digits from a JSONL prompt file"),
+    "longtail": (build_longtail, "the default pipeline on the longtail task: completion lengths from a heavy-tailed law (continuous batching's case)"),
     "qwen_math": (build_qwen_math, "Qwen2.5-0.5B-Instruct on math word problems, math-verify reward; point --model at your local copy"),
     "two_scorers": (build_two_scorers, "two scorers (correctness and brevity) whose rewards the loss weighs"),
 }

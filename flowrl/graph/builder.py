@@ -192,14 +192,18 @@ class GraphBuilder:
         self._no_leftovers("policy", name, kwargs)
         return self.add(PolicyNode(name=name, model=model or self.model, optimizer=cfg), (loss,))
 
-    def weights(self, src: NodeRef, dst: NodeRef, *, transport: str = "inprocess", max_staleness: int = 1) -> WeightEdge:
+    def weights(
+        self, src: NodeRef, dst: NodeRef, *, transport: str = "inprocess", max_staleness: int = 1, in_flight: bool = False
+    ) -> WeightEdge:
         """A weight edge: ``src``'s trainable weights reach ``dst`` over ``transport``, at most
-        ``max_staleness`` versions behind when its rollouts are consumed."""
+        ``max_staleness`` versions behind when its rollouts are consumed; ``in_flight`` lets a
+        continuous generator take them between decode steps."""
         edge = WeightEdge(
             src=src if isinstance(src, str) else src.name,
             dst=dst if isinstance(dst, str) else dst.name,
             transport=transport,
             max_staleness=max_staleness,
+            in_flight=in_flight,
         )
         self._weight_edges.append(edge)
         return edge

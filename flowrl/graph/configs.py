@@ -175,6 +175,10 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
             that completes it is kept).
         precision: dtype of the generator's weights (LlamaRL samples with lower-precision weights).
         use_kv_cache: decode with the KV cache (off only to measure what the cache saves).
+        batching: ``"lockstep"`` (the default) samples each batch's rows together until the
+            longest stops; ``"continuous"`` keeps ``slots`` sequences decoding and gives a freed
+            slot the next waiting sample at once, across batches (``flowrl.operators.slots``).
+        slots: sequences decoded at once in continuous batching; 0 means ``batch_size * n_samples``.
     """
 
     n_samples: int = 4
@@ -186,9 +190,15 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
     stop_strings: tuple[str, ...] = ()
     precision: Precision = "float32"
     use_kv_cache: bool = True
+    batching: Literal["lockstep", "continuous"] = "lockstep"
+    slots: int = 0
 
     def __post_init__(self) -> None:
         o = "SamplingConfig"
+        _check(self.slots >= 0, o, f"slots={self.slots} must be >= 0 (0: one slot per sample of a batch)")
+        _check(self.batching == "continuous" or self.slots == 0, o,
+               f"slots={self.slots} applies to batching='continuous' only; set batching='continuous' or drop slots")
+        _check(self.batching == "lockstep" or self.use_kv_cache, o, "batching='continuous' needs use_kv_cache=True")
         _finite(o, temperature=self.temperature, top_p=self.top_p)
         _check(self.n_samples >= 1, o, f"n_samples={self.n_samples} must be >= 1")
         _check(self.max_new_tokens >= 1, o, f"max_new_tokens={self.max_new_tokens} must be >= 1")

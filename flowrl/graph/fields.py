@@ -58,7 +58,8 @@ FIELDS: dict[str, FieldType] = {
     "behaviour_logprobs": _t("float32", "sample", "ctime"),  # log mu(y_t | x, y_<t)
     "sampling_temperature": _t("float32", "sample"),  # softmax temperature mu sampled at
     "group_ids": _t("int64", "sample"),  # which prompt of the batch each sample answers
-    "rollout_version": _t("int64"),  # policy version of the weights that sampled
+    "rollout_version": _t("int64"),  # policy version of the weights that sampled (the oldest token's)
+    "token_versions": _t("int64", "sample", "ctime"),  # version of the weights that drew each token
     # reference -> loss
     "ref_logprobs": _t("float32", "sample", "ctime"),
     # loss -> policy
@@ -77,11 +78,12 @@ ROLLOUT_FIELDS: tuple[str, ...] = (
     "group_ids",
     "rollout_version",
     "prompt_index",
+    "token_versions",
 )
 
 #: Inputs a node reads when an edge carries them and does without otherwise (a graph saved before
 #: the field existed still validates): the trainer and the reference take temperature 1 then.
-OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature"})
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature", "token_versions"})
 
 REWARD_TYPE = _t("float32", "sample")
 

@@ -51,12 +51,17 @@ class WeightEdge(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         transport: a registered weight transport (``flowrl.runtime.transports``).
         max_staleness: k in ``policy_version_at_consumption - rollout_version <= k``; 0 is
             synchronous on-policy training.
+        in_flight: the consumer takes new weights between decode steps, not only between batches
+            (partial rollouts; a generator with ``batching="continuous"`` only). Every token then
+            records the version that drew it (``token_versions``), and the bound holds for a
+            sample's oldest token.
     """
 
     src: str
     dst: str
     transport: str = "inprocess"
     max_staleness: int = 1
+    in_flight: bool = False
 
 
 class GraphSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -172,6 +172,11 @@ def _check_weight_edges(g: Graph) -> Iterable[str]:
         if w.max_staleness < 0:
             yield f"{label} has max_staleness={w.max_staleness}; it must be >= 0 (0 is synchronous on-policy training)"
         src, dst = g.node(w.src) if w.src in g else None, g.node(w.dst) if w.dst in g else None
+        if w.in_flight and getattr(getattr(dst, "sampling", None), "batching", None) != "continuous":
+            yield (
+                f"{label} has in_flight=True, but {w.dst!r} is not a generator with batching='continuous' "
+                "(a lock-step generator takes weights between batches only); set the generator's batching or drop in_flight"
+            )
         src_model, dst_model = getattr(src, "model", None), getattr(dst, "model", None)
         if src_model is not None and dst_model is not None and src_model != dst_model:
             yield f"{label}: model configs differ ({src_model.short()} vs {dst_model.short()}); weights can only move between models of the same config"
@@ -179,6 +184,14 @@ def _check_weight_edges(g: Graph) -> Iterable[str]:
         if count > 1:
             yield f"node {dst!r} receives weights over {count} weight edges; keep one"
     for gen in g.nodes_of_kind("generator"):
+        feeds = [g.node(e.src) for e in g.edges if e.dst == gen.name]
+        if gen.sampling.batching == "continuous" and (  # type: ignore[attr-defined]
+            len(feeds) != 1 or feeds[0].kind != "source" or any(e.dst != gen.name for e in g.edges if e.src == feeds[0].name)
+        ):
+            yield (
+                f"generator {gen.name!r} has batching='continuous', which reads prompts ahead from one source that "
+                f"feeds only it; it is fed by {[n.name for n in feeds]}: give it its own source or use batching='lockstep'"
+            )
         if not g.weight_edges_into(gen.name):
             yield f"generator {gen.name!r} receives no weights, so it would sample with its initial weights forever; add a weight edge from the policy (builder.weights(policy, {gen.name!r}))"
 

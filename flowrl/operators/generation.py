@@ -199,7 +199,9 @@ class Generator:
         Returns:
             The rollout (every field of ``flowrl.graph.fields.ROLLOUT_FIELDS``): ``completion_ids``,
             ``completion_mask``, ``behaviour_logprobs`` are ``[S, max_new_tokens]``, right-padded
-            (pad id, False, 0.0); ``sampling_temperature`` is ``[S]``; ``rollout_version`` is ``version``.
+            (pad id, False, 0.0); ``sampling_temperature`` is ``[S]``; ``rollout_version`` is ``version``,
+            and so is every entry of ``token_versions`` ``[S, max_new_tokens]`` (lock step never
+            changes weights within a batch).
             Every tensor is on the CPU, whatever ``device`` is.
 
         Raises:
@@ -227,6 +229,7 @@ class Generator:
             "group_ids": torch.arange(P, dtype=torch.int64).repeat_interleave(n),
             "rollout_version": torch.tensor(self.version, dtype=torch.int64),
             "prompt_index": index,
+            "token_versions": torch.full(tokens.shape, self.version, dtype=torch.int64),
         }
 
     def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:

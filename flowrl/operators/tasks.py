@@ -12,6 +12,9 @@ Built-in tasks (``TASKS``), both scored position by position against the target 
   it from scratch with RL in well under a minute on a laptop CPU (``benches/learning.py``).
 - ``add`` (harder): ``<s>27+385=`` -> ``412</s>``; operands of 1 to 3 digits, the sum written most
   significant digit first (so the first digit needs the carries of all others).
+- ``longtail`` (long completions, rarely): ``<s>47-9=`` -> ``474747474</s>``, a two-digit pattern
+  repeated to a length drawn per prompt from a truncated Zipf law, so that completion lengths are
+  heavy-tailed (``LongTailTask``): what continuous batching is measured on.
 
 Reward functions are module-level so that a scorer can reference them as ``module:qualname``
 (``flowrl.operators.tasks:copy_reward``).
@@ -39,17 +42,20 @@ __all__ = [
     "Task",
     "CopyTask",
     "AddTask",
+    "LongTailTask",
     "TASKS",
     "make_task",
     "positional_reward",
     "copy_reward",
     "add_reward",
+    "longtail_reward",
     "brevity_reward",
 ]
 
 _TOK = DEFAULT_TOKENIZER
 _EQ = _TOK.encode("=")[0]
 _PLUS = _TOK.encode("+")[0]
+_MINUS = _TOK.encode("-")[0]
 _DIGITS = {i: c for c in "0123456789" for i in _TOK.encode(c)}
 
 
@@ -103,6 +109,15 @@ def add_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> floa
     a = int("".join(_DIGITS[i] for i in question[:at]))
     b = int("".join(_DIGITS[i] for i in question[at + 1 :]))
     return positional_reward(_TOK.digits(str(a + b)), completion_ids)
+
+
+def longtail_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+    """Reward of the ``longtail`` task: the prompt's two digits repeated to its length, then stop."""
+    question = _question(prompt_ids)
+    if question.count(_MINUS) != 1 or question.index(_MINUS) != 2:
+        raise ValueError(f"not a 'longtail' prompt (expected '<s>DD-N='): {_TOK.decode(prompt_ids)!r}")
+    count = int("".join(_DIGITS[i] for i in question[3:]))
+    return positional_reward([question[j % 2] for j in range(count)], completion_ids)
 
 
 def brevity_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
@@ -165,8 +180,70 @@ class AddTask:
         return add_reward(prompt_ids, completion_ids)
 
 
+class LongTailTask:
+    """``<s>DE-N=`` -> ``DEDE...`` (N digits), then ``</s>``: completion lengths N + 1 with a heavy tail.
+
+    The length N of prompt ``i`` is drawn from its seeded stream by a truncated Zipf law,
+    ``P(N = j) = j ** -alpha / Z`` for ``j`` in ``1 .. max_count`` (``Z`` normalises), the digits D
+    and E uniformly. With the defaults (``alpha=1.5``, ``max_count=31``, so completions fit
+    ``max_new_tokens=32``): mean N about 4.3 (completions 5.3 tokens), median 2; P(N >= 8) about 0.16, P(N >= 16)
+    about 0.065, P(N = 31) about 0.003. A batch of 32 completions holds one of 16 tokens or more 9 times in 10,
+    so a lock-step batch decodes about 4 times as many steps as its mean completion needs: the
+    long tail that continuous batching removes (``benches/generation.py --longtail``).
+
+    The reward is positional (``positional_reward``) against the N digits and ``</s>``, so a policy
+    first learns to repeat the pattern (most of the credit), then to count.
+
+    Args:
+        seed: seed of the prompt stream.
+        alpha: the Zipf exponent (> 1; smaller is a heavier tail).
+        max_count: the longest count; completions are at most ``max_count + 1`` tokens.
+
+    Example:
+        >>> task = LongTailTask(seed=0)
+        >>> [len(task.target(i)) for i in range(12)]
+        [1, 19, 12, 1, 1, 2, 1, 1, 8, 3, 1, 6]
+    """
+
+    name = "longtail"
+
+    def __init__(self, seed: int = 0, *, alpha: float = 1.5, max_count: int = 31) -> None:
+        if not alpha > 1.0:
+            raise ConfigError(f"longtail task: alpha={alpha} must be > 1 (the Zipf exponent; smaller is a heavier tail)")
+        if not 1 <= max_count <= 99:
+            raise ConfigError(f"longtail task: max_count={max_count} must be in [1, 99] (two digits in the prompt)")
+        self.seed, self.alpha, self.max_count = seed, alpha, max_count
+        self.tokenizer: Tokenizer = _TOK
+        self.pad_id = _TOK.pad_id
+        weights = [j**-alpha for j in range(1, max_count + 1)]
+        total, acc = sum(weights), 0.0
+        self._cdf = []
+        for w in weights:
+            acc += w / total
+            self._cdf.append(acc)
+
+    def _draw(self, index: int) -> tuple[str, int]:  # (pattern, length)
+        rng = _rng(self.name, self.seed, index)
+        pattern = "".join(rng.choice("0123456789") for _ in range(2))
+        u = rng.random()
+        count = next((j + 1 for j, c in enumerate(self._cdf) if u < c), self.max_count)
+        return pattern, count
+
+    def target(self, index: int) -> list[int]:
+        """The answer of prompt ``index`` without the stop token."""
+        pattern, count = self._draw(index)
+        return _TOK.digits((pattern * count)[:count])
+
+    def prompt(self, index: int) -> list[int]:
+        pattern, count = self._draw(index)
+        return _TOK.encode(f"<s>{pattern}-{count}=")
+
+    def reward(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
+        return longtail_reward(prompt_ids, completion_ids)
+
+
 #: Built-in tasks: name -> factory(seed).
-TASKS: dict[str, Callable[[int], Task]] = {"copy": CopyTask, "add": AddTask}
+TASKS: dict[str, Callable[[int], Task]] = {"copy": CopyTask, "add": AddTask, "longtail": LongTailTask}
 
 
 def make_task(name_or_ref: str, seed: int) -> Task:

@@ -60,6 +60,8 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     Attributes:
         version: policy version (completed optimizer steps) at the checkpoint.
         data_position: index of the first prompt the trainer has not consumed.
+        delivered_ahead: prompt indices above ``data_position`` the trainer consumed already
+            (continuous batching delivers out of order; empty in lock step).
         graph: graph name; graph_sha256: fingerprint of its JSON (a resume into another graph fails).
         files: node name -> state file name in the checkpoint directory.
     """
@@ -69,6 +71,7 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     graph: str
     graph_sha256: str
     files: dict[str, str]
+    delivered_ahead: tuple[int, ...] = ()
     wall_time: float = 0.0
     format: int = 1
 

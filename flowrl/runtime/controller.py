@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from flowrl.errors import FlowrlError, NodeExecutionError
+from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.runtime.channels import Channel, ChannelClosed, Message
@@ -146,6 +147,16 @@ class Controller:
             node.name: SampleLogger(graph, node.name, every=config.log_samples, reward_weights=self.reward_weights)
             for node in graph.nodes_of_kind("policy")
         } if config.log_samples else {}
+        # Continuous-batching generators read prompts ahead (``_read_ahead``): name -> (source, P, k).
+        self._continuous: dict[str, tuple[str, int, int]] = {}
+        for gen in graph.nodes_of_kind("generator"):
+            if gen.sampling.batching == "continuous":  # type: ignore[attr-defined]
+                (feed,) = (e.src for e in graph.edges if e.dst == gen.name)
+                self._continuous[gen.name] = (feed, graph.node(feed).source.batch_size, self.k[gen.name])  # type: ignore[attr-defined]
+        self._pulled: dict[str, int] = {}  # prompts a continuous generator was handed
+        self._skip: set[int] = set()  # prompts a resumed run delivered before its checkpoint (out of order)
+        self._watermark = 0  # the first prompt index the trainer has not consumed
+        self._ahead: set[int] = set()  # consumed prompt indices above the watermark
         self._build_executors(node_programs)
 
     # -- wiring -------------------------------------------------------------------------------------
@@ -279,8 +290,12 @@ class Controller:
             except OSError:
                 pass
         seq: int | None = None
+        end = self.config.steps
+        for _gen, (feed, P, k) in self._continuous.items():
+            if ex.name == feed:  # the generator reads k batches ahead, more after a resume skipped some
+                end += k + 1 + -(-len(self._skip) // P)
         try:
-            for seq in range(start, self.config.steps):
+            for seq in range(start, end):
                 if self._stop.is_set():
                     return
                 self._step(ex, seq)
@@ -292,7 +307,9 @@ class Controller:
     def _step(self, ex: _Executor, seq: int) -> None:
         t_wait = time.perf_counter()
         inputs: dict[str, torch.Tensor] = {}
-        for ch in ex.inputs:
+        if ex.name in self._continuous:
+            inputs = self._read_ahead(ex, seq)
+        for ch in ex.inputs if ex.name not in self._continuous else ():
             message = ch.get()
             if message.seq != seq:
                 raise RuntimeError(f"executor {ex.name!r} expected step {seq} on {ch.name}, got {message.seq}")
@@ -325,7 +342,33 @@ class Controller:
         elif ex.kind == "policy":
             self._on_train_step(ex, seq, inputs, info, idle)
         for ch, fields in ex.outputs:
-            ch.put(Message(seq, {f: outputs[f] for f in fields}))
+            ch.put(Message(seq, {f: outputs[f] for f in fields if f in outputs or f not in OPTIONAL_FIELDS}))
+
+    def _read_ahead(self, ex: _Executor, seq: int) -> dict[str, torch.Tensor]:
+        """The prompts a continuous generator gets at ``seq``: enough that ``(1 + k) * P`` are
+        undelivered (it may start groups up to ``k`` steps ahead), without those a resumed run
+        delivered already (``_skip``); the messages' prompts concatenated, left-padded."""
+        from flowrl.operators.source import pad_left
+
+        _feed, P, k = self._continuous[ex.name]
+        (ch,) = ex.inputs
+        want = (seq - self._start_version + 1 + k) * P
+        prompts: list[list[int]] = []
+        index: list[int] = []
+        while self._pulled.get(ex.name, 0) + len(index) < want:
+            fields = ch.get().fields
+            lens = fields["prompt_lens"].tolist()
+            for row, i in enumerate(fields["prompt_index"].tolist()):
+                if i in self._skip:
+                    continue
+                ids = fields["prompt_ids"][row]
+                prompts.append(ids[ids.shape[0] - lens[row] :].tolist())
+                index.append(i)
+        self._pulled[ex.name] = self._pulled.get(ex.name, 0) + len(index)
+        if not index:
+            return {}
+        ids, lens_t = pad_left(prompts, 0)  # the generator reads each prompt by its length
+        return {"prompt_ids": ids, "prompt_lens": lens_t, "prompt_index": torch.tensor(index, dtype=torch.int64)}
 
     def _trace_step(self, ex: _Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
         name = SPAN_NAMES.get(ex.kind, ex.kind)
@@ -333,6 +376,8 @@ class Controller:
             fetch_end = t0 + info["fetch_s"]
             self.tracer.add(ex.name, "weight fetch", t0, fetch_end, step=seq, version=info.get("version"))
             self.tracer.add(ex.name, name, fetch_end, t1, step=seq, version=info.get("version"))
+            if "slots/utilisation" in info:
+                self.tracer.counter(ex.name, "slot occupancy", fetch_end, info["slots/utilisation"])
         elif ex.kind == "policy" and "publish_s" in info:
             pub_start = t1 - info["publish_s"]
             self.tracer.add(ex.name, name, t0, pub_start, step=seq, version=info.get("version"))
@@ -343,6 +388,11 @@ class Controller:
     # -- the trainer's side ---------------------------------------------------------------------------
     def _on_train_step(self, ex: _Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
         rollout_version = int(batch["rollout_version"])
+        if "token_versions" in batch and batch["token_versions"].numel():  # the oldest token decides
+            versions = batch["token_versions"]
+            rollout_version = min(rollout_version, int(versions.min()))
+            if int(versions.max()) > seq:
+                raise StalenessViolation(f"policy {ex.name!r} at version {seq} consumed tokens of version {int(versions.max())}, from its future; this is a flowrl bug")
         staleness = seq - rollout_version
         gens = [e.dst for e in self.graph.weight_edges_from(ex.name)]
         k = min((self.k[g] for g in gens), default=0)
@@ -371,7 +421,7 @@ class Controller:
         self.rows.append(row)
         self._metrics.write(row)
         self.consumed.append(consumed)
-        self._data_position = (max(consumed) + 1) if consumed else 0
+        self._consume(consumed)
         if self.on_step is not None:
             self.on_step(row)
         every = self.config.checkpoint_every
@@ -379,6 +429,18 @@ class Controller:
             self._checkpoint_now()
         if seq + 1 >= self.config.steps:
             self._done.set()
+
+    def _consume(self, indices: list[int]) -> None:
+        """Advance the watermark (first prompt not consumed) past ``indices``; keep those above it.
+        In lock step, indices arrive in order and ``_ahead`` stays empty."""
+        for i in indices:
+            if i in self._ahead or i < self._watermark:
+                raise StalenessViolation(f"prompt {i} was consumed twice; this is a flowrl bug")
+            self._ahead.add(i)
+        while self._watermark in self._ahead:
+            self._ahead.remove(self._watermark)
+            self._watermark += 1
+        self._data_position = self._watermark
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _checkpoint_now(self) -> None:
@@ -389,6 +451,7 @@ class Controller:
         self.last_checkpoint = save_run_checkpoint(
             self.config.checkpoint_dir, self.graph, node_programs, version=version,
             data_position=getattr(self, "_data_position", 0), previous=self.last_checkpoint,
+            delivered_ahead=tuple(sorted(self._ahead)),
         )
         self._checkpoint_version = version
 
@@ -399,7 +462,16 @@ class Controller:
         restored = restore_run_checkpoint(self.config.checkpoint_dir, self.graph, node_programs, steps=self.config.steps)
         if restored is None:
             return 0  # nothing to resume from: a fresh run (the CLI says so)
-        self._data_position = restored.data_position
+        self._data_position = self._watermark = restored.data_position
+        self._ahead = set(restored.delivered_ahead)
+        self._skip = set(restored.delivered_ahead)
+        if self._skip and len(self._continuous) != len(self.graph.nodes_of_kind("generator")):
+            from flowrl.errors import CheckpointError
+
+            raise CheckpointError(
+                f"checkpoint {restored.path} was written by a continuous-batching run ({len(self._skip)} prompts delivered "
+                "out of order); resume it with the generator's batching='continuous'"
+            )
         self.last_checkpoint = restored.path
         self._checkpoint_version = restored.version
         return restored.version

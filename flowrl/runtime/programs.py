@@ -206,8 +206,19 @@ class GeneratorProgram(ProgramBase):
         self.generator = Generator(node, seed=seed, device=env.device_of(node.name))
         (edge,) = graph.weight_edges_into(node.name)
         self._edge = (edge.src, edge.dst)
+        self._in_flight = edge.in_flight
         self._transports = transports
         self._timeout = env.weight_timeout_s
+        self._continuous = None
+        if node.sampling.batching == "continuous":
+            (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
+            self._group_count = feed.source.batch_size  # type: ignore[attr-defined]
+
+    def _poll(self) -> None:
+        """Take newer weights if the policy published some (in-flight updates; never waits)."""
+        got = self._transports.reader(*self._edge).fetch_into(self.generator.weight_targets(), newer_than=self.generator.version)
+        if got is not None:
+            self.generator.version = got
 
     def _sync(self, min_version: int) -> float:
         transport = self._transports.reader(*self._edge)
@@ -229,8 +240,19 @@ class GeneratorProgram(ProgramBase):
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         fetch_s = self._sync(min_version)
         start = time.perf_counter()
-        rollout = self.generator.generate(inputs)
-        return rollout, {"fetch_s": fetch_s, "gen_s": time.perf_counter() - start, "version": self.generator.version}
+        if not hasattr(self, "_group_count"):
+            rollout = self.generator.generate(inputs)
+            return rollout, {"fetch_s": fetch_s, "gen_s": time.perf_counter() - start, "version": self.generator.version}
+        from flowrl.runtime.continuous import ContinuousRollouts
+
+        if self._continuous is None:  # k is the controller's (a run may override the edge's)
+            self._continuous = ContinuousRollouts(
+                self.generator, group_count=self._group_count, k=seq - min_version, poll=self._poll if self._in_flight else None
+            )
+        self._continuous.add_prompts(inputs)
+        rollout, info = self._continuous.next_batch(seq)
+        info.update(fetch_s=fetch_s, gen_s=time.perf_counter() - start, version=int(rollout["rollout_version"]))
+        return rollout, info
 
 
 class ScorerProgram(ProgramBase):

@@ -4,7 +4,10 @@ The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belon
 ``flowrl.runtime.checkpoint``; this module decides what a run puts in them and reads back:
 
 - :func:`save_run_checkpoint`: every policy program saves its state into a staging folder, which
-  is committed with the run's version and data position (the index of the next unread prompt). A
+  is committed with the run's version and data position (the index of the next unread prompt) and,
+  for continuous batching, which delivers prompts out of order, the indices above it that the
+  trainer consumed already (``delivered_ahead``: a resumed run skips them, so every prompt is
+  delivered exactly once). A
   failure removes the staging folder and names the previous checkpoint, which stays intact.
 - :func:`restore_run_checkpoint`: loads the newest checkpoint into the programs (each policy
   its state; each source seeks to the data position), or returns None when there is none.
@@ -33,6 +36,7 @@ class Restored(msgspec.Struct, frozen=True, kw_only=True):
     path: Path
     version: int
     data_position: int
+    delivered_ahead: tuple[int, ...] = ()
 
 
 def save_run_checkpoint(
@@ -43,6 +47,7 @@ def save_run_checkpoint(
     version: int,
     data_position: int,
     previous: Path | None,
+    delivered_ahead: tuple[int, ...] = (),
 ) -> Path:
     """Checkpoint the state of every policy in ``programs`` at ``version``; returns the committed folder.
 
@@ -60,6 +65,7 @@ def save_run_checkpoint(
         meta = CheckpointMeta(
             version=version,
             data_position=data_position,
+            delivered_ahead=delivered_ahead,
             graph=graph.name,
             graph_sha256=graph_fingerprint(graph),
             files=files,
@@ -103,4 +109,4 @@ def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, 
         programs[node.name].seek(meta.data_position)
     if meta.version >= steps:
         raise CheckpointError(f"checkpoint {path} is at step {meta.version}, already >= --steps {steps}; raise --steps to train further")
-    return Restored(path=path, version=meta.version, data_position=meta.data_position)
+    return Restored(path=path, version=meta.version, data_position=meta.data_position, delivered_ahead=meta.delivered_ahead)

@@ -59,6 +59,14 @@ class Tracer:
                 }
             )
 
+    def counter(self, track: str, name: str, at: float, value: float) -> None:
+        """A counter sample (``"ph": "C"``, a value track in Perfetto) named ``name`` on ``track``'s process row."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._tid(track)
+            self._events.append({"name": f"{track} {name}", "ph": "C", "ts": (at - self._t0) * 1e6, "pid": 1, "tid": self._tid(track), "args": {name: value}})
+
     @contextmanager
     def span(self, track: str, name: str, **args: Any) -> Iterator[dict[str, Any]]:
         """Time the block as a span; the yielded dict's items become the span's args."""

@@ -6,7 +6,9 @@ import pytest
 
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.refs import resolve
-from flowrl.operators.tasks import TASKS, AddTask, CopyTask, Task, add_reward, brevity_reward, copy_reward, make_task
+from flowrl.operators.tasks import (
+    TASKS, AddTask, CopyTask, LongTailTask, Task, add_reward, brevity_reward, copy_reward, longtail_reward, make_task,
+)
 from flowrl.operators.tokenizer import DEFAULT_TOKENIZER as TOK
 
 
@@ -103,3 +105,32 @@ def test_bad_task_names_are_clear(name, error, match):
 def test_non_task_prompts_are_rejected_by_rewards():
     with pytest.raises(ValueError, match="not a built-in task prompt"):
         copy_reward([1, 4, 5], [4, 5, 2])
+
+
+@pytest.mark.parametrize(
+    "prompt, completion, reward",
+    [("<s>47-3=", "474</s>", 1.0), ("<s>47-3=", "47</s>", 0.5), ("<s>09-1=", "0</s>", 1.0), ("<s>47-3=", "4747", 0.75)],
+    ids=["exact", "stops-early", "one", "no-stop"],
+)
+def test_longtail_reward_is_positional(prompt, completion, reward):
+    assert longtail_reward(TOK.encode(prompt), TOK.encode(completion)) == pytest.approx(reward)
+
+
+def test_longtail_lengths_are_heavy_tailed_as_documented():
+    task = LongTailTask(seed=0)
+    counts = [len(task.target(i)) for i in range(20000)]
+    mean = sum(counts) / len(counts)
+    assert 4.0 < mean < 4.6  # the docstring's 4.3
+    assert 0.05 < sum(c >= 16 for c in counts) / len(counts) < 0.08  # its tail: 0.065
+    assert max(counts) == 31 and min(counts) == 1
+    for i in range(50):  # the prompt names the target and the reward accepts it
+        assert task.reward(task.prompt(i), [*task.target(i), TOK.eos_id]) == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match", [({"alpha": 1.0}, "alpha=1.0 must be > 1"), ({"max_count": 100}, r"max_count=100 must be in \[1, 99\]")],
+    ids=["light-tail", "three-digits"],
+)
+def test_longtail_bad_settings_are_clear(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        LongTailTask(0, **kwargs)

@@ -1,0 +1,205 @@
+"""Continuous batching: a fixed number of sequence slots, each taking the next waiting sample as soon as it frees.
+
+``SlotBatcher`` decodes up to ``slots`` sequences at once with one KV cache whose columns form one
+time axis shared by every slot. State:
+
+- ``rows[i]``: the ``Sample`` slot ``i`` decodes, or None when free.
+- ``waiting``: samples not started yet, FIFO (a sample is admitted only in turn).
+- ``valid`` ``[slots, L]``: True where column ``j`` of the cache holds a real token of row ``i``'s
+  current sample; ``L`` is the cache's length.
+- ``pending`` ``[slots, V]``: each busy row's logits for its next token.
+
+One ``step``: free slots take waiting samples (``admit`` may refuse the head of the queue); the
+new rows' prompts are prefilled as new columns, the other rows' columns there masked invalid (and
+the new rows' earlier columns, their previous occupants', too), since the ``CausalLM`` interface
+derives positions from ``valid``. When the columns would outgrow ``width``, the cache is compacted
+instead: every busy row is re-prefilled from its tokens (prompt and completion so far) into a fresh
+cache. Both work for the built-in and the Hugging Face models alike. Then every busy row draws one
+token exactly as the lock-step sampler does (``sampling_logprobs``, Gumbel-max with one
+``[slots, V]`` uniform draw per step from ``rng``), records its log-prob and the weight version
+that drew it, and the rows that continue are fed their token. A row stops at a stop token, a stop
+string, or ``max_new_tokens``; ``step`` returns the samples that finished.
+
+With ``slots`` equal to the rows of one batch and nothing waiting, the forward passes, random
+draws and tokens are those of ``Generator.generate`` (lock step): only refills differ.
+
+Example:
+    >>> from flowrl.graph.nodes import GeneratorNode
+    >>> from flowrl.graph.configs import ModelConfig, SamplingConfig
+    >>> from flowrl.operators.generation import Generator
+    >>> gen = Generator(GeneratorNode(name="g", model=ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1),
+    ...                               sampling=SamplingConfig(n_samples=1, max_new_tokens=3)))
+    >>> slots = SlotBatcher(gen, slots=2, rng=torch.Generator().manual_seed(0))
+    >>> for i in range(3):
+    ...     slots.add(Sample(key=(i, 0), prompt=[1, 4 + i, 14]))
+    >>> done = []
+    >>> while slots.busy or slots.waiting:
+    ...     done += slots.step()
+    >>> sorted(s.key for s in done), all(1 <= len(s.tokens) <= 3 for s in done)
+    ([(0, 0), (1, 0), (2, 0)], True)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from flowrl.operators.generation import Generator
+
+__all__ = ["Sample", "SlotBatcher"]
+
+
+@dataclass
+class Sample:
+    """One completion being drawn.
+
+    Attributes:
+        key: (group, sample number): who asked for it.
+        prompt: its prompt's real token ids.
+        tokens, logprobs, versions: per completion token: the id, log mu of it, the weight version that drew it.
+    """
+
+    key: tuple[int, int]
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class SlotBatcher:
+    """Continuous batching over ``slots`` rows (see the module docstring).
+
+    Args:
+        generator: the model, sampling settings, stop tokens and pad id to use (its ``version`` is
+            read at every step).
+        slots: rows decoded at once.
+        rng: the random stream of the draws.
+        width: cache columns before a compaction (default: twice the model's ``max_seq_len``).
+
+    Attributes:
+        steps, busy_steps: decode steps run and slot-steps that drew a token (utilisation = busy_steps / (steps * slots)).
+        compactions: how often the cache was rebuilt.
+    """
+
+    def __init__(self, generator: Generator, *, slots: int, rng: torch.Generator, width: int | None = None) -> None:
+        if slots < 1:
+            raise ValueError(f"slots={slots} must be >= 1")
+        self.gen = generator
+        self.slots = slots
+        self.rng = rng
+        self.width = width or 2 * generator.model.max_seq_len
+        self.rows: list[Sample | None] = [None] * slots
+        self.waiting: deque[Sample] = deque()
+        device = generator.device
+        self.valid = torch.zeros(slots, 0, dtype=torch.bool, device=device)
+        self.pending = torch.zeros(slots, generator.model.vocab_size, dtype=torch.float32, device=device)
+        self.cache: Any = None
+        self.steps = self.busy_steps = self.compactions = 0
+
+    @property
+    def busy(self) -> int:
+        """Slots decoding a sample now."""
+        return sum(r is not None for r in self.rows)
+
+    def add(self, sample: Sample) -> None:
+        """Queue ``sample`` for the next free slot."""
+        self.waiting.append(sample)
+
+    def _fill(self, admit: Callable[[Sample], bool] | None) -> list[int]:
+        new = []
+        for i, row in enumerate(self.rows):
+            if row is not None:
+                continue
+            if not self.waiting or (admit is not None and not admit(self.waiting[0])):
+                break
+            self.rows[i] = self.waiting.popleft()
+            new.append(i)
+        return new
+
+    def _forward(self, tokens: Tensor, valid: Tensor) -> Tensor:
+        return self.gen.model(tokens, valid=valid, cache=self.cache, keep=1)[:, -1].float()
+
+    def _prefill_all(self) -> None:
+        """A fresh cache holding every busy row's tokens so far (compaction, and the first fill)."""
+        from flowrl.operators.source import pad_left
+
+        seqs = [[*r.prompt, *r.tokens] if r is not None else [] for r in self.rows]
+        ids, lens = pad_left(seqs, self.gen.pad_id)
+        ids, lens = ids.to(self.gen.device), lens.to(self.gen.device)
+        width = ids.shape[1]
+        self.valid = torch.arange(width, device=self.gen.device)[None, :] >= (width - lens)[:, None]
+        self.cache = self.gen.model.new_cache(self.slots, self.width)
+        self.pending = self._forward(ids, self.valid)
+        self.compactions += 1
+
+    def _prefill_new(self, new: list[int]) -> None:
+        """Append the new rows' prompts as columns; the other rows see them as padding."""
+        from flowrl.operators.source import pad_left
+
+        ids, lens = pad_left([self.rows[i].prompt if i in new else [] for i in range(self.slots)], self.gen.pad_id)  # type: ignore[union-attr]
+        ids, lens = ids.to(self.gen.device), lens.to(self.gen.device)
+        width = ids.shape[1]
+        fresh = torch.arange(width, device=self.gen.device)[None, :] >= (width - lens)[:, None]
+        rows = torch.tensor(new, device=self.gen.device)
+        self.valid[rows] = False  # the previous occupants' columns
+        self.valid = torch.cat([self.valid, fresh], dim=1)
+        logits = self._forward(ids, self.valid)
+        self.pending[rows] = logits[rows]
+
+    def step(self, admit: Callable[[Sample], bool] | None = None) -> list[Sample]:
+        """Fill free slots, draw one token in every busy row, feed the rows that continue.
+
+        Args:
+            admit: called with the head of the queue before it takes a slot; False keeps it (and
+                everything behind it) waiting.
+
+        Returns:
+            The samples that finished in this step (their slots are free again).
+        """
+        from flowrl.operators.generation import sampling_logprobs
+
+        gen, sampling = self.gen, self.gen.sampling
+        new = self._fill(admit)
+        busy = [i for i, r in enumerate(self.rows) if r is not None]
+        if not busy:
+            return []
+        length = self.valid.shape[1]
+        extra = max((len(self.rows[i].prompt) for i in new), default=0)  # type: ignore[union-attr]
+        if self.cache is None or length + extra + 1 > self.width:
+            self._prefill_all()
+        elif new:
+            self._prefill_new(new)
+        logp = sampling_logprobs(self.pending, sampling)  # [slots, V]
+        uniform = torch.rand(logp.shape, generator=self.rng, device=logp.device).clamp_(min=1e-20)
+        token = torch.argmax(logp - torch.log(-torch.log(uniform)), dim=-1)  # Gumbel-max, as in lock step
+        chosen = logp.gather(-1, token[:, None]).squeeze(-1)
+        stops = torch.isin(token, gen._stop).tolist()
+        token_list, chosen_list = token.tolist(), chosen.tolist()
+        self.steps += 1
+        self.busy_steps += len(busy)
+        finished, going = [], torch.zeros(self.slots, dtype=torch.bool, device=logp.device)
+        for i in busy:
+            row = self.rows[i]
+            assert row is not None
+            row.tokens.append(token_list[i])
+            row.logprobs.append(chosen_list[i])
+            row.versions.append(gen.version)
+            done = stops[i] or len(row.tokens) >= sampling.max_new_tokens
+            if not done and sampling.stop_strings:
+                text = gen._decode(row.tokens)
+                done = any(stop in text for stop in sampling.stop_strings)
+            if done:
+                finished.append(row)
+                self.rows[i] = None
+            else:
+                going[i] = True
+        if bool(going.any()):
+            self.valid = torch.cat([self.valid, going[:, None]], dim=1)
+            self.pending = self._forward(torch.where(going, token, gen.pad_id)[:, None], self.valid)
+        return finished

@@ -1,0 +1,180 @@
+"""A continuous-batching generator's rollouts: groups decoded across steps, delivered as they finish, within the staleness bound.
+
+``ContinuousRollouts`` wraps a ``SlotBatcher`` for the generator program. The controller hands it
+prompts ahead of need (``k`` batches of lookahead, ``Controller._read_ahead``); each ``next_batch(seq)``
+returns ``P`` finished groups (a prompt's ``n`` samples), whichever finished first, so a long
+completion no longer holds its batch back: it keeps its slot and is delivered at a later step.
+
+Staleness on the oldest token. A group's *deadline* is the version of its first token plus ``k``:
+the last trainer step that may consume it (versions only grow, so the first token is the oldest,
+whether or not weights change in flight). Two rules keep every deadline met:
+
+- admission: a group takes its first slot at step ``seq`` only if, counting it, at most
+  ``P * (d - seq + 1)`` undelivered groups have a deadline ``<= d`` (its own deadline ``d``);
+- delivery: step ``seq`` delivers the ``P`` finished groups of earliest deadline, and only once no
+  deadline ``D`` would be left with more than ``P * (D - seq)`` groups for the steps after it
+  (otherwise it decodes on).
+
+Deliveries by earliest deadline keep the admission invariant, so every group is delivered by its
+deadline: ``trainer_version - oldest_token_version <= k`` for every consumed sample, checked again by
+the controller. ``rollout_version`` is the batch's oldest token's version; ``token_versions``
+``[S, C]`` holds each token's (padding repeats the sample's first).
+
+Weights: without ``in_flight`` the program takes new weights only between steps, and sequences
+carried across a step meet the newer weights then; either way each token records the version that
+drew it, so carried sequences have per-token versions in both cases. The KV cache of a carried
+sequence keeps the keys and values its earlier tokens got under older weights (as PipelineRL does);
+mu's log-probs are those of the distribution each token was actually drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from flowrl.errors import FlowrlError
+from flowrl.operators.generation import Generator, _mix
+from flowrl.operators.slots import Sample, SlotBatcher
+from flowrl.operators.source import pad_left
+
+__all__ = ["ContinuousRollouts"]
+
+
+@dataclass
+class _Group:
+    index: int  # the prompt's stream position
+    prompt: list[int]
+    samples: list[Sample] = field(default_factory=list)
+    deadline: int | None = None  # set when its first sample takes a slot
+    finished_at: int = -1  # order of completion
+
+
+class ContinuousRollouts:
+    """Continuous batching for a generator program (see the module docstring).
+
+    Args:
+        generator: the generator (model, sampling, weight version).
+        group_count: P, the groups (prompts) each step delivers.
+        k: the weight edge's max staleness.
+        poll: called between decode steps to take newer weights in flight (None: between steps only).
+    """
+
+    def __init__(self, generator: Generator, *, group_count: int, k: int, poll: Callable[[], None] | None = None) -> None:
+        self.gen = generator
+        self.P = group_count
+        self.n = generator.sampling.n_samples
+        self.k = k
+        self.poll = poll
+        self.slots = generator.sampling.slots or group_count * self.n
+        self.batcher: SlotBatcher | None = None
+        self.groups: dict[int, _Group] = {}  # pulled, not delivered
+        self._finished = 0
+
+    def add_prompts(self, prompts: Mapping[str, Tensor]) -> None:
+        """Queue the prompts of a (possibly empty) prompt batch, ``n`` samples each."""
+        if "prompt_ids" not in prompts or not len(prompts["prompt_ids"]):
+            return
+        ids, lens, index = prompts["prompt_ids"], prompts["prompt_lens"], prompts["prompt_index"]
+        if self.batcher is None:  # seeded as lock step seeds its first batch
+            rng = torch.Generator(device=self.gen.device).manual_seed(_mix(self.gen.seed, int(index[0]), 0))
+            self.batcher = SlotBatcher(self.gen, slots=self.slots, rng=rng)
+        for row in range(ids.shape[0]):
+            i, length = int(index[row]), int(lens[row])
+            if i in self.groups:
+                raise FlowrlError(f"generator {self.gen.name!r} got prompt {i} twice; this is a flowrl bug")
+            group = _Group(index=i, prompt=ids[row, ids.shape[1] - length :].tolist())
+            self.groups[i] = group
+            for j in range(self.n):
+                self.batcher.add(Sample(key=(i, j), prompt=group.prompt))
+
+    def _admit(self, seq: int) -> Callable[[Sample], bool]:
+        def admit(sample: Sample) -> bool:
+            group = self.groups[sample.key[0]]
+            if group.deadline is not None:
+                return True
+            d = self.gen.version + self.k
+            earlier = sum(1 for g in self.groups.values() if g.deadline is not None and g.deadline <= d)
+            if earlier + 1 > self.P * (d - seq + 1):
+                return False
+            group.deadline = d
+            return True
+
+        return admit
+
+    def _pick(self, seq: int) -> list[_Group] | None:
+        """The P groups to deliver at ``seq``, or None while no choice keeps every deadline."""
+        done = sorted((g for g in self.groups.values() if g.finished_at >= 0), key=lambda g: (g.deadline, g.finished_at))
+        if len(done) < self.P:
+            return None
+        chosen = done[: self.P]
+        deadlines = sorted(g.deadline for g in self.groups.values() if g.deadline is not None)  # type: ignore[misc]
+        taken = sorted(g.deadline for g in chosen)  # type: ignore[misc]
+        for D in sorted(set(deadlines)):
+            left = sum(1 for d in deadlines if d <= D) - sum(1 for d in taken if d <= D)
+            if left > self.P * (D - seq):
+                return None
+        return chosen
+
+    def next_batch(self, seq: int) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """Decode until ``P`` groups can be delivered at step ``seq``; the rollout and numbers about it."""
+        if self.batcher is None:
+            raise FlowrlError(f"generator {self.gen.name!r}: step {seq} has no prompts; this is a flowrl bug")
+        b = self.batcher
+        steps0, busy0, swaps = b.steps, b.busy_steps, 0
+        admit = self._admit(seq)
+        while (chosen := self._pick(seq)) is None:
+            if self.poll is not None:
+                before = self.gen.version
+                self.poll()
+                swaps += self.gen.version != before
+            if not b.busy and not b.waiting:
+                raise FlowrlError(f"generator {self.gen.name!r}: step {seq} ran out of prompts; this is a flowrl bug")
+            for sample in b.step(admit):
+                group = self.groups[sample.key[0]]
+                group.samples.append(sample)
+                if len(group.samples) == self.n:
+                    group.finished_at = self._finished
+                    self._finished += 1
+        for g in chosen:
+            del self.groups[g.index]
+        steps = b.steps - steps0
+        info = {
+            "slots/utilisation": (b.busy_steps - busy0) / (steps * self.slots) if steps else 0.0,
+            "slots/decode_steps": float(steps),
+            "slots/carried_groups": float(sum(g.deadline is not None for g in self.groups.values())),
+            "slots/weight_swaps": float(swaps),  # weights taken in flight during this step
+        }
+        return self._rollout(chosen), info
+
+    def _rollout(self, chosen: list[_Group]) -> dict[str, Tensor]:
+        C, n, pad = self.gen.sampling.max_new_tokens, self.n, self.gen.pad_id
+        samples = [s for g in chosen for s in sorted(g.samples, key=lambda s: s.key[1])]
+        S = len(samples)
+        sample_ids, sample_lens = pad_left([s.prompt for s in samples], pad)
+        tokens = torch.full((S, C), pad, dtype=torch.int64)
+        logprobs = torch.zeros(S, C, dtype=torch.float32)
+        mask = torch.zeros(S, C, dtype=torch.bool)
+        versions = torch.zeros(S, C, dtype=torch.int64)
+        for r, s in enumerate(samples):
+            L = len(s.tokens)
+            tokens[r, :L] = torch.tensor(s.tokens)
+            logprobs[r, :L] = torch.tensor(s.logprobs)
+            mask[r, :L] = True
+            versions[r] = s.versions[0]
+            versions[r, :L] = torch.tensor(s.versions)
+        return {
+            "sample_prompt_ids": sample_ids,
+            "sample_prompt_lens": sample_lens,
+            "completion_ids": tokens,
+            "completion_mask": mask,
+            "completion_lens": mask.sum(1),
+            "behaviour_logprobs": logprobs,
+            "sampling_temperature": torch.full((S,), self.gen.sampling.temperature, dtype=torch.float32),
+            "group_ids": torch.arange(len(chosen), dtype=torch.int64).repeat_interleave(n),
+            "rollout_version": versions.min() if S else torch.tensor(self.gen.version, dtype=torch.int64),
+            "prompt_index": torch.tensor([g.index for g in chosen], dtype=torch.int64),
+            "token_versions": versions,
+        }
