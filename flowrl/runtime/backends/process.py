@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,8 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.remote import RemoteProgram
+from flowrl.runtime.backends.zygote import ForkedWorker, Zygote
+from flowrl.runtime.backends.zygote import take as take_zygote
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import Batch, ProgramEnv
 from flowrl.runtime.transports.registry import transport_traits
@@ -60,7 +61,7 @@ class WorkerLink:
     peers = (0,)
     closes_with_controller = True
 
-    def __init__(self, node: str, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    def __init__(self, node: str, proc: ForkedWorker, sock: socket.socket) -> None:
         self.node = node
         self.proc = proc
         self.sock = sock
@@ -134,20 +135,15 @@ class ProcessWorkers:
         self.env = env
         self.placement = placement
         self.workers: dict[str, RemoteProgram] = {}
+        self.zygote: Zygote | None = None
 
-    def _spawn(self, node: str) -> RemoteProgram:
-        """Start the worker of ``node`` and send it its init message (its reply is read by ``open``)."""
+    def _spawn(self, zygote: Zygote, node: str) -> RemoteProgram:
+        """Fork the worker of ``node`` from ``zygote`` and send it its init message (its reply is read by ``open``)."""
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[3])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flowrl.runtime.worker", str(child.fileno()), str(os.getpid())],
-            pass_fds=(child.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        child.close()
+        try:
+            proc = zygote.fork(child)
+        finally:
+            child.close()
         worker = RemoteProgram(node, WorkerLink(node, proc, parent))
         cores = list(self.placement.devices.get(node, ())) if self.placement.pin else []
         worker.open({
@@ -161,12 +157,13 @@ class ProcessWorkers:
         return worker
 
     def open(self) -> dict[str, Any]:
-        """Start every worker at once (they import torch in parallel), then wait for each to be ready."""
+        """Fork every worker at once (they build their programs in parallel), then wait for each to be ready."""
         sweep_orphan_segments()
         try:
+            self.zygote = zygote = take_zygote()
             for node in self.graph.nodes:
                 if node.kind != "loss":
-                    self.workers[node.name] = self._spawn(node.name)
+                    self.workers[node.name] = self._spawn(zygote, node.name)
             for worker in self.workers.values():
                 worker.ready()
         except BaseException:
@@ -182,6 +179,8 @@ class ProcessWorkers:
     def close(self) -> None:
         for worker in self.workers.values():
             worker.close()
+        if self.zygote is not None:
+            self.zygote.close()
         self._unlink_segments()
 
     def _unlink_segments(self) -> None:
