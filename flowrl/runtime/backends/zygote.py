@@ -112,6 +112,8 @@ class Zygote:
                     self._await(lambda m: m.get("exited") == pid, min(left, 0.2) if left is not None else 0.2)
                 except TimeoutError:
                     pass
+                except ZygoteError:  # the zygote is gone, so are its workers
+                    return self._codes.setdefault(pid, -signal.SIGKILL)
                 if pid in self._codes:
                     return self._codes[pid]
             if deadline is not None and time.monotonic() >= deadline:
@@ -146,7 +148,9 @@ class Zygote:
             ZygoteError: the zygote reported a failed start, or its end closed.
         """
         while True:
-            if self._dead:
+            if self._dead:  # workers not reported die with the zygote (PR_SET_PDEATHSIG), or were killed by it
+                for pid in self._live - self._codes.keys():
+                    self._codes[pid] = -signal.SIGKILL
                 raise ZygoteError(self._death())
             self._sock.settimeout(timeout)
             try:
@@ -160,9 +164,7 @@ class Zygote:
                     self._sock.settimeout(None)
             if not data:
                 self._dead = True
-                for pid in self._live - self._codes.keys():
-                    self._codes[pid] = -signal.SIGKILL  # killed with the zygote (PR_SET_PDEATHSIG)
-                raise ZygoteError(self._death())
+                continue
             message = msgspec.json.decode(data)
             if "error" in message:
                 self._dead = True
