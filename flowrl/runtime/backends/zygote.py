@@ -324,18 +324,16 @@ def serve(control: socket.socket) -> None:
 
 
 def main() -> None:
-    from flowrl.runtime.worker import die_with_parent
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller decides
-    die_with_parent(int(sys.argv[2]))
     control = socket.socket(fileno=int(sys.argv[1]))
     try:
         import torch._dynamo  # noqa: F401 - preloaded: building a trainer's optimizer imports it
 
-        import flowrl.runtime.worker  # noqa: F401 - torch, the programs and the operators, once for every worker
+        from flowrl.runtime.worker import die_with_parent  # torch, the programs and the operators, once for every worker
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which raises it
         _send(control, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return
+    die_with_parent(int(sys.argv[2]))  # after the imports: it exits at once if the controller died meanwhile
     _send(control, {"ready": os.getpid()})
     try:
         serve(control)
