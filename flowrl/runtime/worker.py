@@ -1,7 +1,8 @@
 """The worker process of the ``process`` backend: runs one node's program and answers the controller.
 
-Started as ``python -m flowrl.runtime.worker FD PARENT_PID`` with a connected socket on file
-descriptor FD; the worker dies with PARENT_PID (``die_with_parent``).
+Forked by the process backend's zygote (``backends.zygote``), or started as ``python -m
+flowrl.runtime.worker FD PARENT_PID``; either way ``run_worker`` serves the connected socket on file
+descriptor FD and the worker dies with its parent (``die_with_parent``).
 The first message is ``init`` (the graph as JSON, the node name, the ``ProgramEnv``, the cores to
 pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, each answered by
 ``{"ok": true, ...}`` or ``{"ok": false, "error": ..., "traceback": ..., "user_mistake": ...}``

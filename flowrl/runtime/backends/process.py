@@ -1,6 +1,8 @@
 """The ``process`` backend: one OS process per executor on this machine.
 
-Each worker (``flowrl.runtime.worker``) runs one node's program; the controller's executor thread
+Each worker (``flowrl.runtime.worker``) runs one node's program. Workers are forked, all at once, from
+the zygote (``backends.zygote``), a process that imported torch and the worker's modules once, so a
+worker starts in milliseconds instead of importing torch itself. The controller's executor thread
 for that node talks to it through a ``remote.RemoteProgram`` over a ``WorkerLink``: a socket pair
 with msgspec headers and raw tensor bytes (no pickle).
 Weights go over shared memory (a transport that cannot cross processes, ``inprocess``, becomes ``shm``). Workers are pinned to their
@@ -9,7 +11,8 @@ placement's cores when the placement comes from a CPU plan.
 Failure handling: a worker that raises answers with the error and its traceback; a worker that dies
 (SIGKILL, OOM) closes its socket, which the controller sees at once. On any failure every worker
 is killed; the controller's end closing makes a worker exit by itself, and a worker dies with the
-controller's process even mid-step (``worker.die_with_parent``), so none is orphaned. Shared-memory
+zygote, which dies with the controller's process, even mid-step (``worker.die_with_parent``), so
+none is orphaned. Shared-memory
 segments of a run whose controller was killed are removed by the next process-backend run.
 """
 
