@@ -108,3 +108,12 @@ def test_flowrl_and_the_default_example_import_no_heavy_optional_library() -> No
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_prestarted_zygote_no_run_took_ends_with_the_command() -> None:
+    from flowrl.runtime.backends import zygote
+
+    with pytest.raises(RuntimeError, match="the command failed"), zygote.prestarted():
+        assert len(descendants(os.getpid())) == 1
+        raise RuntimeError("the command failed before its run")
+    assert descendants(os.getpid()) == []

@@ -221,7 +221,8 @@ def discard() -> None:
     """End a zygote ``prestart`` started that no run took (the command failed before its run)."""
     global _prestarted
     zygote, _prestarted = _prestarted, None
-    if zygote is not None:
+    if zygote is not None:  # it forked nothing: kill it rather than wait for its imports to end
+        zygote.proc.kill()
         zygote.close()
 
 
@@ -334,8 +335,8 @@ def main() -> None:
         _send(control, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return
     die_with_parent(int(sys.argv[2]))  # after the imports: it exits at once if the controller died meanwhile
-    _send(control, {"ready": os.getpid()})
     try:
+        _send(control, {"ready": os.getpid()})
         serve(control)
     except OSError:
         pass  # the controller went away
