@@ -42,7 +42,7 @@ from flowrl.examples.llamarl import build_llamarl  # noqa: E402
 from flowrl.runtime.config import RunConfig  # noqa: E402
 from flowrl.runtime.run import run_graph  # noqa: E402
 from flowrl.runtime.synthetic import synthetic_programs  # noqa: E402
-from tests.reliability.killresume import children, kill_and_resume, reference_prompts, worker_dies_and_resume  # noqa: E402
+from tests.reliability.killresume import descendants, kill_and_resume, reference_prompts, worker_dies_and_resume  # noqa: E402
 
 
 def _rss_mb(pid: int) -> float:
@@ -55,10 +55,10 @@ def _fds(pid: int) -> int:
 
 
 def _sample() -> dict:
-    """RSS (MiB) and open descriptors of this process and of each of its child processes (workers)."""
+    """RSS (MiB) and open descriptors of this process and of each process under it (the zygote and its workers)."""
     me = os.getpid()
     workers = {}
-    for pid in children(me):
+    for pid in descendants(me):
         try:
             workers[pid] = (_rss_mb(pid), _fds(pid))
         except OSError:
@@ -104,7 +104,7 @@ def load(k: int, steps: int, backend: str) -> dict:
             "fds_warm_last": [[warm["workers"][p][1], last["workers"][p][1]] for p in pids],
             "fd_drift_max": max((last["workers"][p][1] - warm["workers"][p][1] for p in pids), default=0),
         }
-        out["workers_left_after_run"] = len(children(os.getpid()))
+        out["workers_left_after_run"] = len(descendants(os.getpid()))
     return out
 
 
@@ -123,7 +123,7 @@ def faults(backends: list[str], workdir: Path, torchrun: bool) -> dict:
                     run_graph(g, config)
                 except NodeExecutionError as exc:
                     left = [t for t in threading.enumerate() if t.name.startswith("flowrl-")]
-                    if exc.node == node and exc.step == step and not left and not children(os.getpid()) and time.perf_counter() - t0 < 30:
+                    if exc.node == node and exc.step == step and not left and not descendants(os.getpid()) and time.perf_counter() - t0 < 30:
                         contained += 1
                     else:
                         details.append(f"{backend}/{node}@{step}: {exc.node}@{exc.step}, threads {left}")

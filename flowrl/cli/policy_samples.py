@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, ScorerNode
@@ -94,9 +92,10 @@ def load_policy(path: str | Path, *, seed: int = 0, data: str | None = None) -> 
         CheckpointError: for a missing or incomplete checkpoint, one without its graph, or a graph
             with no generator fed by a policy.
     """
-    from flowrl.graph.serialize import from_json
     import msgspec
+    import torch
 
+    from flowrl.graph.serialize import from_json
     from flowrl.models.registry import model_tokens
     from flowrl.operators.generation import Generator
     from flowrl.operators.scoring import Scorer
@@ -165,6 +164,7 @@ def rollout(policy: LoadedPolicy, indices: Sequence[int], *, n_samples: int, gre
         ConfigError: when the task gives an empty prompt.
     """
     import msgspec
+    import torch
 
     from flowrl.operators.scoring import unpad
     from flowrl.operators.source import pad_left

@@ -86,6 +86,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.backend != "process":
+        return _run_here(args)
+    from flowrl.runtime.backends import zygote
+
+    with zygote.prestarted():  # the workers' zygote imports torch while this process does
+        return _run_here(args)
+
+
+def _run_here(args: argparse.Namespace) -> int:
     import msgspec
 
     from flowrl.errors import ConfigError

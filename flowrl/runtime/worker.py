@@ -1,7 +1,8 @@
 """The worker process of the ``process`` backend: runs one node's program and answers the controller.
 
-Started as ``python -m flowrl.runtime.worker FD PARENT_PID`` with a connected socket on file
-descriptor FD; the worker dies with PARENT_PID (``die_with_parent``).
+Forked by the process backend's zygote (``backends.zygote``), or started as ``python -m
+flowrl.runtime.worker FD PARENT_PID``; either way ``run_worker`` serves the connected socket on file
+descriptor FD and the worker dies with its parent (``die_with_parent``).
 The first message is ``init`` (the graph as JSON, the node name, the ``ProgramEnv``, the cores to
 pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, each answered by
 ``{"ok": true, ...}`` or ``{"ok": false, "error": ..., "traceback": ..., "user_mistake": ...}``
@@ -29,7 +30,7 @@ from flowrl.graph.serialize import from_json
 from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
-__all__ = ["serve", "die_with_parent"]
+__all__ = ["serve", "run_worker", "die_with_parent"]
 
 
 def _pin(cores: list[int], threads: int) -> None:
@@ -105,7 +106,8 @@ def die_with_parent(parent: int) -> None:
     A worker blocked in a step (a long generation, a wait for weights) would notice the closed
     socket only when the step ends; a SIGKILLed controller must not leave it running. On Linux the
     kernel sends SIGKILL (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent pid. The check
-    after ``prctl`` covers a parent that died before it was set.
+    after ``prctl`` covers a parent that died before it was set. On Linux no thread is started, so
+    the process backend's zygote, which forks workers, stays single-threaded.
     """
     if sys.platform.startswith("linux"):
         import ctypes
@@ -115,6 +117,8 @@ def die_with_parent(parent: int) -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(1)
+    if sys.platform.startswith("linux"):
+        return
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -124,11 +128,13 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller decides
-    if len(sys.argv) > 2:
-        die_with_parent(int(sys.argv[2]))
-    fd = int(sys.argv[1])
+def run_worker(fd: int, parent: int) -> None:
+    """Serve the controller on the connected socket ``fd`` until it closes; die with ``parent``.
+
+    A worker started as its own interpreter (``main``) and one forked by the process backend's zygote
+    (``backends.zygote``, whose workers die with the zygote) both run this.
+    """
+    die_with_parent(parent)
     sock = socket.socket(fileno=fd)
     try:
         serve(sock)
@@ -136,6 +142,11 @@ def main() -> None:
         pass  # the controller went away: exit quietly
     finally:
         sock.close()
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the controller decides
+    run_worker(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid())
 
 
 if __name__ == "__main__":

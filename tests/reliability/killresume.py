@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-__all__ = ["Outcome", "kill_and_resume", "worker_dies_and_resume", "reference_prompts", "children", "alive", "check_run"]
+__all__ = ["Outcome", "kill_and_resume", "worker_dies_and_resume", "reference_prompts", "children", "descendants", "alive", "check_run"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
@@ -105,6 +105,16 @@ def children(pid: int) -> list[int]:
             fields = stat[stat.rindex(")") + 2:].split()
             if int(fields[1]) == pid and fields[0] != "Z":
                 found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of the live descendants of ``pid``: the process backend's zygote and the workers it forked."""
+    found, todo = [], [pid]
+    while todo:
+        below = children(todo.pop())
+        found += below
+        todo += below
     return found
 
 
@@ -210,7 +220,7 @@ def kill_and_resume(
     proc = subprocess.Popen(command(args), env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_rows(proc, metrics, 1, TIMEOUT_S)
-        out.workers = children(proc.pid) if backend == "process" else []
+        out.workers = descendants(proc.pid) if backend == "process" else []
         if mode == "checkpoint":
             deadline = time.monotonic() + TIMEOUT_S
             while proc.poll() is None and not any(p.is_dir() and any(p.iterdir()) for p in ck.glob(".step-*.tmp-*")):
@@ -277,7 +287,7 @@ def worker_dies_and_resume(workdir: Path, *, steps: int, k: int, every: int, nod
                             env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_rows(proc, metrics, 1, TIMEOUT_S)  # the workers are up once a step is done
-        out.workers = children(proc.pid)
+        out.workers = descendants(proc.pid)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

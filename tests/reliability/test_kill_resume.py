@@ -52,7 +52,7 @@ def test_sigkill_while_a_checkpoint_is_written_never_leaves_one_that_looks_compl
 
 def test_sigkill_of_the_process_backend_controller_kills_its_workers(tmp_path: Path, want) -> None:
     out = kill_and_resume(tmp_path, steps=STEPS, k=1, every=2, backend="process", mode="checkpoint", save_s=0.3, want=want(1))
-    assert len(out.workers) == 4, out.workers  # prompts, gen, reward, policy
+    assert len(out.workers) == 5, out.workers  # the zygote and its workers: prompts, gen, reward, policy
     assert out.mid_checkpoint
     _assert_exact(out)
 

@@ -38,8 +38,8 @@ def test_worker_killed_is_reported(graph_k):
     spawned = []
     original = process_backend.ProcessWorkers._spawn
 
-    def spy(self, node):
-        host = original(self, node)
+    def spy(self, *args):
+        host = original(self, *args)
         spawned.append(host)
         return host
 

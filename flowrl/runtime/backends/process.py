@@ -1,6 +1,8 @@
 """The ``process`` backend: one OS process per executor on this machine.
 
-Each worker (``flowrl.runtime.worker``) runs one node's program; the controller's executor thread
+Each worker (``flowrl.runtime.worker``) runs one node's program. Workers are forked, all at once, from
+the zygote (``backends.zygote``), a process that imported torch and the worker's modules once, so a
+worker starts in milliseconds instead of importing torch itself. The controller's executor thread
 for that node talks to it through a ``remote.RemoteProgram`` over a ``WorkerLink``: a socket pair
 with msgspec headers and raw tensor bytes (no pickle).
 Weights go over shared memory (a transport that cannot cross processes, ``inprocess``, becomes ``shm``). Workers are pinned to their
@@ -9,7 +11,8 @@ placement's cores when the placement comes from a CPU plan.
 Failure handling: a worker that raises answers with the error and its traceback; a worker that dies
 (SIGKILL, OOM) closes its socket, which the controller sees at once. On any failure every worker
 is killed; the controller's end closing makes a worker exit by itself, and a worker dies with the
-controller's process even mid-step (``worker.die_with_parent``), so none is orphaned. Shared-memory
+zygote, which dies with the controller's process, even mid-step (``worker.die_with_parent``), so
+none is orphaned. Shared-memory
 segments of a run whose controller was killed are removed by the next process-backend run.
 """
 
@@ -19,7 +22,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,8 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.remote import RemoteProgram
+from flowrl.runtime.backends.zygote import ForkedWorker, Zygote
+from flowrl.runtime.backends.zygote import take as take_zygote
 from flowrl.runtime.placement import Placement
 from flowrl.runtime.programs import Batch, ProgramEnv
 from flowrl.runtime.transports.registry import transport_traits
@@ -60,7 +64,7 @@ class WorkerLink:
     peers = (0,)
     closes_with_controller = True
 
-    def __init__(self, node: str, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    def __init__(self, node: str, proc: ForkedWorker, sock: socket.socket) -> None:
         self.node = node
         self.proc = proc
         self.sock = sock
@@ -134,20 +138,15 @@ class ProcessWorkers:
         self.env = env
         self.placement = placement
         self.workers: dict[str, RemoteProgram] = {}
+        self.zygote: Zygote | None = None
 
-    def _spawn(self, node: str) -> RemoteProgram:
-        """Start the worker of ``node`` and send it its init message (its reply is read by ``open``)."""
+    def _spawn(self, zygote: Zygote, node: str) -> RemoteProgram:
+        """Fork the worker of ``node`` from ``zygote`` and send it its init message (its reply is read by ``open``)."""
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[3])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flowrl.runtime.worker", str(child.fileno()), str(os.getpid())],
-            pass_fds=(child.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        child.close()
+        try:
+            proc = zygote.fork(child)
+        finally:
+            child.close()
         worker = RemoteProgram(node, WorkerLink(node, proc, parent))
         cores = list(self.placement.devices.get(node, ())) if self.placement.pin else []
         worker.open({
@@ -161,12 +160,13 @@ class ProcessWorkers:
         return worker
 
     def open(self) -> dict[str, Any]:
-        """Start every worker at once (they import torch in parallel), then wait for each to be ready."""
+        """Fork every worker at once (they build their programs in parallel), then wait for each to be ready."""
         sweep_orphan_segments()
         try:
+            self.zygote = zygote = take_zygote()
             for node in self.graph.nodes:
                 if node.kind != "loss":
-                    self.workers[node.name] = self._spawn(node.name)
+                    self.workers[node.name] = self._spawn(zygote, node.name)
             for worker in self.workers.values():
                 worker.ready()
         except BaseException:
@@ -182,6 +182,8 @@ class ProcessWorkers:
     def close(self) -> None:
         for worker in self.workers.values():
             worker.close()
+        if self.zygote is not None:
+            self.zygote.close()
         self._unlink_segments()
 
     def _unlink_segments(self) -> None:
