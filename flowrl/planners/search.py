@@ -281,7 +281,10 @@ class _Evaluator:
         feasible = all(e.feasible for e in estimates.values())
         if not feasible:
             times = {n: (t if math.isfinite(t) else 0.0) for n, t in times.items()}
-        steps = step_times(self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, order=self.order, producers=self.producers)
+        steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
+        steps = step_times(
+            self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers
+        )
         problem = next((e.problem for e in estimates.values() if not e.feasible), "")
         return Candidate(
             family=family,

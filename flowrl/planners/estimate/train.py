@@ -1,17 +1,18 @@
 """Training-step time and memory of a policy (and forward-only passes of a reference model).
 
-Notation: S sequences of s tokens per step (``Workload``), model of L layers, width h, MLP width f,
+Notation: S sequences per step of at most s tokens and ``s_bar`` on average (``Workload``: prompt +
+mean completion; sequences are packed, so time follows the mean and memory the longest), model of L layers, width h, MLP width f,
 vocabulary V, P parameters; mesh dp x tp x pp; micro-batches of ``mb`` sequences, so each
 data-parallel rank runs ``m = ceil(ceil(S / dp) / mb)`` micro-batches.
 
 Time of one optimizer step::
 
-    F_tok       = 2 * matmul_params + 4 * L * h * (s / 2)            # forward FLOPs/token, causal
+    F_tok       = 2 * matmul_params + 4 * L * h * (s_bar / 2)        # forward FLOPs/token, causal
     passes      = 3 (forward + backward) + 1 if activation checkpointing + 1 if log-probs are recomputed
-    t_mb        = passes * [ mb*s * F_tok / pp / (tp * peak * mfu_train)          # compute of one stage
-                             + (L/pp) * 2 * all_reduce(mb*s*h*act_bytes, tp)      # tp: 2 per layer
+    t_mb        = passes * [ mb*s_bar * F_tok / pp / (tp * peak * mfu_train)      # compute of one stage
+                             + (L/pp) * 2 * all_reduce(mb*s_bar*h*act_bytes, tp)  # tp: 2 per layer
                              + (L/pp) * ops_per_layer * kernel_overhead ]         # launches
-                  + 2 * send(mb*s*h*act_bytes) if pp > 1                          # stage-to-stage
+                  + 2 * send(mb*s_bar*h*act_bytes) if pp > 1                      # stage-to-stage
     pipeline    = (m + pp - 1) * t_mb                                  # 1F1B: pp - 1 bubble slots
     grad_sync   = (1 - dp_overlap) * all_reduce(P/(tp*pp) * grad_bytes, dp)
     optimizer   = P/(tp*pp) * (param_bytes + grad_bytes + 2 * optimizer_bytes / shard) / mem_bw
@@ -123,8 +124,9 @@ def train_options(
     h, f, L, V = model.dim, model.ffn_dim, model.n_layers, model.vocab_size
     layers = L / pp
     s = w.seq_len
+    s_bar = w.mean_seq_len
     per_rank = math.ceil(w.sequences / dp)
-    f_tok = model.forward_flops_per_token(s / 2)
+    f_tok = model.forward_flops_per_token(s_bar / 2)
     p_dev = model.params / (tp * pp)
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
@@ -156,14 +158,14 @@ def train_options(
 
     def parts(mb: int, ckpt: bool) -> tuple[float, dict[str, float], MemoryBreakdown]:
         m = math.ceil(per_rank / mb)
-        tok = mb * s
+        tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int(tok * V * (4 if forward_only else 8) / tp)
         passes = 1 if forward_only else 3 + int(ckpt) + int(recompute_logprobs)
-        compute = passes * tok * f_tok / pp / (tp * dev.peak_flops * t.mfu_train)
-        tp_comm = passes * layers * 2 * all_reduce_s(tok * h * ab, tp, tp_link) if tp_link else 0.0
+        compute = passes * tok_bar * f_tok / pp / (tp * dev.peak_flops * t.mfu_train)
+        tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
         launches = passes * layers * t.ops_per_layer * dev.kernel_overhead_s
-        p2p = (1 if forward_only else 2) * send_s(tok * h * ab, pp_link) if pp_link else 0.0
+        p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         t_mb = compute + tp_comm + launches + p2p
         if forward_only:
             acts = int(per_layer)
@@ -188,14 +190,14 @@ def train_options(
     tp_ar = (lambda nbytes: all_reduce_s(nbytes, tp, tp_link)) if tp_link else (lambda nbytes: 0.0)
     for mb in _micro_batches(per_rank, micro_batch):
         m = -(-per_rank // mb)
-        tok = mb * s
+        tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int(tok * V * (4 if forward_only else 8) / tp)
-        layer_comm = layers * 2 * tp_ar(tok * h * ab)
-        p2p = (1 if forward_only else 2) * send_s(tok * h * ab, pp_link) if pp_link else 0.0
+        layer_comm = layers * 2 * tp_ar(tok_bar * h * ab)
+        p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
             passes = 1 if forward_only else 3 + ckpt + recompute_logprobs
-            t_mb = passes * (tok * f_tok / pp / (tp * dev.peak_flops * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
+            t_mb = passes * (tok_bar * f_tok / pp / (tp * dev.peak_flops * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
             if forward_only:
                 acts = int(per_layer)
             elif ckpt:
