@@ -32,6 +32,7 @@ from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
 from flowrl.planners.estimate.cpu import estimate_cpu
+from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options
 from flowrl.planners.modelspec import ModelSpec, model_from_config
@@ -40,7 +41,7 @@ from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
 from flowrl.planners.units import device_ranges
 
-__all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "search_placements", "why_lost"]
+__all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "evaluator", "search_placements", "why_lost"]
 
 SIDE_TOP = 3
 COLOCATED_TRAIN_TOP = 6
@@ -190,6 +191,9 @@ class _Evaluator:
         #: needed" (a side on which nothing else fits), "always" (the last pass)
         self.tp_across_hosts = "never"
         self.cpu_side = {n.name: estimate_cpu(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
+        #: weight-sync cost: the transport's (``estimate_sync``, plus ``quantize_cost``) unless a
+        #: system (``baseline.BaselineSystem``) replaces it; same arguments as ``estimate_sync``
+        self.sync_cost: Callable[..., SyncEstimate] = _sync_with_quantization
 
     # -- per node ---------------------------------------------------------------------------------
     def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:
@@ -261,7 +265,7 @@ class _Evaluator:
             (sd, sdims), (dd, ddims) = layout[edge.src], layout[edge.dst]
             dst_bytes = precision_bytes(r.gen_dtype[edge.dst]) if edge.dst in r.gens else r.param_bytes
             syncs.append(
-                estimate_sync(
+                self.sync_cost(
                     r.models[edge.dst],
                     src=edge.src,
                     dst=edge.dst,
@@ -328,6 +332,17 @@ class _Evaluator:
             return ranked
         within = [(t, d) for t, d in ranked if d.tp == 1 or not spans_hosts(devices, d, "tp", self.dph)]
         return within or ranked if self.tp_across_hosts == "when needed" else within
+
+
+def _sync_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:
+    """``estimate_sync`` (the transport's transfer) plus the trainer's cast to the generator's dtype."""
+    est = estimate_sync(model, **kwargs)  # type: ignore[arg-type]
+    return add_quantization(est, model, **kwargs)  # type: ignore[arg-type]
+
+
+def evaluator(graph: Graph, roles: Roles, ctx: Context, max_staleness: int) -> _Evaluator:
+    """A fresh memoising evaluator (``evaluate(layout, family)``, ``side_dims(side, devices)``) for other searches."""
+    return _Evaluator(graph, roles, ctx, max_staleness)
 
 
 def _key(devices: Sequence[int], devices_per_host: int) -> object:

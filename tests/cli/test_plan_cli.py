@@ -39,7 +39,7 @@ def test_plan_published_model_on_1024_h100s(capsys):
     out = capsys.readouterr().out
     assert "1024xH100 (128 hosts x 8 H100)" in out and "model llama3-8b" in out
     assert "256 prompts x 8 samples, 512+512 tokens" in out
-    assert "synchronous colocated baseline on all 1024 devices" in out and "runners-up:" in out
+    assert "baseline synchronous colocated (DeepSpeed-Chat-like) on all 1024 devices" in out and "runners-up:" in out
 
 
 def test_plan_with_a_calibrated_cluster(tmp_path, capsys):
