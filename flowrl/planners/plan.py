@@ -199,7 +199,12 @@ def _to_plan(
         if name in layout:
             devices, dims = layout[name]
             devs = tuple(devices)
-            reserved = sum(_resident(best, o) for o in layout if o != name and _ranges_share(layout[o][0], devices))
+            offloaded = est is not None and "offload" in est.breakdown  # the others keep only their weights meanwhile
+            reserved = sum(
+                best.estimates[o].memory.weights if offloaded else _resident(best, o)
+                for o in layout
+                if o != name and _ranges_share(layout[o][0], devices)
+            )
             placements[name] = NodePlacement(
                 kind=node.kind,
                 devices=devs,

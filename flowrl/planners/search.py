@@ -26,6 +26,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode
 from flowrl.planners.cluster import ClusterSpec
@@ -34,12 +36,12 @@ from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
 from flowrl.planners.estimate.cpu import estimate_cpu
 from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
-from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options
+from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
 from flowrl.planners.modelspec import ModelSpec, model_from_config
-from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts
+from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
-from flowrl.planners.units import device_ranges
+from flowrl.planners.units import device_ranges, format_bytes
 
 __all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "evaluator", "search_placements", "why_lost"]
 
@@ -215,14 +217,51 @@ class _Evaluator:
         """Bytes per device a node keeps allocated for the whole run (weights, grads, optimizer)."""
         r = self.roles
         model = r.models[name]
+        p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp  # the largest stage
         if name in r.gens:
-            return model.params * precision_bytes(r.gen_dtype[name]) / (dims.tp * dims.pp)
+            return p_dev * precision_bytes(r.gen_dtype[name])
         if name in r.refs:
-            return model.params * r.param_bytes / (dims.tp * dims.pp)
+            return p_dev * r.param_bytes
         t = self.ctx.tuning
         ob = t.optimizer_bytes or (12 if r.param_bytes <= 2 else 8)
-        shard = dims.dp if t.shard_optimizer else 1
-        return model.params / (dims.tp * dims.pp) * (r.param_bytes + t.grad_bytes + ob / shard)
+        zero, dp = zero_stage(t), dims.dp
+        return p_dev * (r.param_bytes / (dp if zero >= 3 else 1) + t.grad_bytes / (dp if zero >= 2 else 1) + ob / (dp if zero >= 1 else 1))
+
+    def offloadable(self, name: str, dims: ParallelDims) -> float:
+        """Bytes per device of ``resident`` that may wait in host memory while another node runs:
+        a trainer's gradients and optimizer states (weights stay: the weight sync reads them)."""
+        if name not in self.roles.trainers:
+            return 0.0
+        model = self.roles.models[name]
+        p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp
+        return self.resident(name, dims) - p_dev * self.roles.param_bytes / (dims.dp if zero_stage(self.ctx.tuning) >= 3 else 1)
+
+    def beside(self, name: str, devices: Sequence[int], dims: ParallelDims, others: Sequence[tuple[str, ParallelDims]]) -> NodeEstimate:
+        """``node`` on devices it shares with ``others`` (name, dims), which hold their resident state.
+
+        When it does not fit and ``offload`` allows, the others' offloadable state goes to host
+        memory while it runs: memory is this node's phase plus what stays resident, and the step
+        pays the move out and back, ``2 * offloaded / host_bandwidth``.
+        """
+        reserved = sum(self.resident(o, d) for o, d in others)
+        est = self.node(name, devices, dims, reserved)
+        host_bw = self.ctx.cluster.device.host_bandwidth
+        if est.feasible or not others or self.ctx.tuning.offload == "off" or host_bw <= 0:
+            return est
+        moved = sum(self.offloadable(o, d) for o, d in others)
+        if moved <= 0:
+            return est
+        lighter = self.node(name, devices, dims, reserved - moved)
+        if not lighter.feasible:
+            return est
+        move = 2 * moved / host_bw
+        return msgspec.structs.replace(
+            lighter,
+            time_s=lighter.time_s + move,
+            steady_s=None if lighter.steady_s is None else lighter.steady_s + move,
+            breakdown={**lighter.breakdown, "offload": move},
+            notes=(*lighter.notes, f"colocated state offloaded: {format_bytes(moved)} out and back over {host_bw / 1e9:.3g} GB/s"),
+        )
 
     def node(self, name: str, devices: Sequence[int], dims: ParallelDims, reserved: float) -> NodeEstimate:
         r = self.roles
@@ -253,8 +292,8 @@ class _Evaluator:
         estimates: dict[str, NodeEstimate] = {}
         for name in names:
             devices, dims = layout[name]
-            reserved = sum(self.resident(o, layout[o][1]) for o in names if o != name and _shares(layout[o][0], devices))
-            estimates[name] = self.node(name, devices, dims, reserved)
+            others = [(o, layout[o][1]) for o in names if o != name and _shares(layout[o][0], devices)]
+            estimates[name] = self.beside(name, devices, dims, others)
         estimates.update(self.cpu_side)
         for loss, policy in r.loss_of.items():
             estimates[loss] = NodeEstimate(time_s=0.0, memory=MemoryBreakdown(), notes=(f"runs inside {policy}'s step",))
@@ -314,13 +353,12 @@ class _Evaluator:
 
     def _side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
         models = [self.roles.models[n] for n in side]
-        options = [d for d in enumerate_dims(len(devices), models[0]) if all(m.n_heads % d.tp == 0 and m.n_layers % d.pp == 0 for m in models[1:])]
+        options = [d for d in enumerate_dims(len(devices), models[0]) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
         ranked = []
         for dims in options:
             total, ok = 0.0, True
             for name in side:
-                reserved = sum(self.resident(o, dims) for o in side if o != name)
-                est = self.node(name, devices, dims, reserved)
+                est = self.beside(name, devices, dims, [(o, dims) for o in side if o != name])
                 if not est.feasible:
                     ok = False
                     break
@@ -386,8 +424,7 @@ def _colocated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
             layout = _layout(r, split, gd, td)
             total, ok = 0.0, True
             for name, (devs, dims) in layout.items():
-                reserved = sum(ev.resident(o, layout[o][1]) for o in layout if o != name)
-                est = ev.node(name, devs, dims, reserved)
+                est = ev.beside(name, devs, dims, [(o, layout[o][1]) for o in layout if o != name])
                 if not est.feasible:
                     ok = False
                     break

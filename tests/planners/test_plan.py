@@ -145,11 +145,13 @@ def test_hint_leaves_out_a_strategy_the_search_already_tried():
 
 
 def test_baseline_that_does_not_fit_says_why(tmp_path):
-    plan = plan_graph(LLAMARL, "3xH100", model=model_preset("llama3-8b"), gen_precision="bfloat16")
-    assert plan.baseline_step_s is None
-    # the shared layout puts the generator beside the policy's weights, gradients and optimizer states
-    assert plan.baseline_problem.startswith("closest miss: node 'gen' (llama3-8b generation on d3, bfloat16 weights) needs ")
-    assert "held by colocated nodes; a H100 has 80.0 GiB x memory_util 0.9 = 72.0 GiB" in plan.baseline_problem
+    # uneven pipeline stages let the default baseline fit on 3 devices (p3); one sampling in float32 does not
+    fp32 = BaselineSystem(name="fp32-sampler", gen_precision="float32")
+    plan = plan_graph(LLAMARL, "3xH100", model=model_preset("llama3-8b"), gen_precision="bfloat16", baseline=fp32, memory_util=0.7, offload="off")
+    assert plan.baseline_step_s is None and plan.step_s > 0
+    # the shared layout puts the generator's float32 weights beside the policy's state
+    assert plan.baseline_problem.startswith("closest miss: node 'gen' (llama3-8b generation on p3, float32 weights) needs ")
+    assert "held by colocated nodes; a H100 has 80.0 GiB x memory_util 0.7 = 56.0 GiB" in plan.baseline_problem
     text = format_plan(plan)
     assert f"baseline {plan.baseline_system} on all 3 devices: does not fit: {plan.baseline_problem}" in text
     save_plan(plan, tmp_path / "plan.json")

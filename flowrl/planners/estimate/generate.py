@@ -16,6 +16,8 @@ Time of one wave of ``b`` completions::
     stage      = max( (weights + b * ctx * kv_token + b * V * 4 / (tp*pp)) / (mem_bw * mem_eff),   # read
                       b * F_tok(ctx) / (tp * pp * peak * mfu_decode) )                              # compute
     token      = pp * (stage + (L/pp) * 2 * all_reduce(b * h * 2, tp) + (L/pp) * ops_per_layer * kernel_overhead)
+    (with uneven stages memory is the largest stage's, ``ceil(L/pp)`` layers, and a token still
+    passes every layer once, so its time is the sum over stages, ``pp * (L/pp) = L`` layers)
                  + (pp - 1) * send(b * h * 2)
     decode     = steps * token,          ctx = prompt_len + l / 2 (mean keys attended)
     G          = waves * prefill + decode
@@ -52,7 +54,7 @@ from flowrl.planners.estimate.common import (
 from flowrl.planners.estimate.train import memory_budget
 from flowrl.planners.lengths import decode_steps, steady_decode_steps
 from flowrl.planners.modelspec import ModelSpec
-from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.units import format_excess, format_gib_pair
 
 __all__ = ["estimate_generate", "generator_dtype"]
@@ -107,9 +109,9 @@ def estimate_generate(
     kvb = t.kv_bytes or (2 if dev.kind == "gpu" else wb)
     ab = 2 if dev.kind == "gpu" else dev.dtype_bytes
     h, L, V = model.dim, model.n_layers, model.vocab_size
-    layers = L / pp
+    layers = stage_layers(L, pp)  # the largest stage: its memory must fit (stages may be uneven)
     per_replica = math.ceil(w.sequences / dp)
-    weights = int(model.params * wb / (tp * pp))
+    weights = int(model.params * wb * layers / (L * tp))
     kv_token = 2 * layers * math.ceil(model.n_kv_heads / tp) * model.head_dim * kvb
     kv_seq = w.seq_len * kv_token
     prefill_chunk = min(per_replica * w.prompt_len, 8192)
@@ -148,12 +150,12 @@ def estimate_generate(
     steps = decode_steps(dist, completions=per_replica, batch=b, batching=w.batching)
     continuous = w.batching == "continuous"
     ctx_len = w.prompt_len + (dist.mean if continuous else dist.expected_max(b)) / 2
-    read = weights + b * ctx_len * kv_token + b * V * 4 / (tp * pp)
+    read = weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
     t_read = read / mem_bw
     t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * peak * t.mfu_decode)
     stage = max(t_read, t_compute)
-    tp_tok = layers * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
-    token = pp * (stage + tp_tok + layers * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
+    tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
+    token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
     decode = steps * token
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
@@ -161,7 +163,7 @@ def estimate_generate(
         "prefill": waves * prefill,
         "decode_memory" if t_read >= t_compute else "decode_compute": steps * pp * stage,
         "tp_comm": steps * pp * tp_tok + waves * prefill_comm,
-        "launch": steps * pp * layers * launch_layer + waves * L * launch_layer,
+        "launch": steps * L * launch_layer + waves * L * launch_layer,
         "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0),
     }
     mode = "continuous" if continuous else "lock-step"
