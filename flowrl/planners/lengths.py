@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -92,13 +93,9 @@ class LengthDistribution(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             last = length
 
     @property
-    def _total(self) -> float:
-        return sum(w for _, w in self.points)
-
-    @property
     def mean(self) -> float:
         """Mean completion length."""
-        return sum(length * w for length, w in self.points) / self._total
+        return _mean(self.points)
 
     @property
     def max_len(self) -> int:
@@ -107,16 +104,27 @@ class LengthDistribution(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 
     def expected_max(self, n: int) -> float:
         """Expected length of the longest of ``n`` independent completions (``n >= 1``)."""
-        total, cdf, prev, out = self._total, 0.0, 0.0, 0.0
-        for length, w in self.points:
-            cdf = min(1.0, cdf + w / total)
-            now = cdf**n
-            out += length * (now - prev)
-            prev = now
-        return out
+        return _expected_max(self.points, n)
 
     def short(self) -> str:
         return f"mean {self.mean:.0f}, max {self.max_len}"
+
+
+# the search asks the same distribution thousands of times: memoised on its (hashable) points
+@functools.lru_cache(maxsize=256)
+def _mean(points: tuple[tuple[int, float], ...]) -> float:
+    return sum(length * w for length, w in points) / sum(w for _, w in points)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_max(points: tuple[tuple[int, float], ...], n: int) -> float:
+    total, cdf, prev, out = sum(w for _, w in points), 0.0, 0.0, 0.0
+    for length, w in points:
+        cdf = min(1.0, cdf + w / total)
+        now = cdf**n
+        out += length * (now - prev)
+        prev = now
+    return out
 
 
 def fixed_lengths(length: int) -> LengthDistribution:

@@ -199,7 +199,7 @@ class _Evaluator:
 
     # -- per node ---------------------------------------------------------------------------------
     def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:
-        key = (name, _key(devices, self.dph), dims)
+        key = (name, _mesh_key(devices, dims, self.dph), dims)
         if key not in self._train:
             r = self.roles
             self._train[key] = train_options(
@@ -266,7 +266,7 @@ class _Evaluator:
     def node(self, name: str, devices: Sequence[int], dims: ParallelDims, reserved: float) -> NodeEstimate:
         r = self.roles
         model = r.models[name]
-        key = (name, _key(devices, self.dph), dims, round(reserved))
+        key = (name, _mesh_key(devices, dims, self.dph), dims, round(reserved))
         est = self._nodes.get(key)
         if est is not None:
             return est
@@ -381,6 +381,17 @@ def _sync_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:
 def evaluator(graph: Graph, roles: Roles, ctx: Context, max_staleness: int) -> _Evaluator:
     """A fresh memoising evaluator (``evaluate(layout, family)``, ``side_dims(side, devices)``) for other searches."""
     return _Evaluator(graph, roles, ctx, max_staleness)
+
+
+def _mesh_key(devices: Sequence[int], dims: ParallelDims, devices_per_host: int) -> object:
+    """Memo key of one node's estimate on a mesh: an estimate sees its devices only through which
+    axes' groups straddle hosts (``estimate.common.axis_link``), so meshes that agree on those
+    three facts share it, wherever on the cluster they start."""
+    if isinstance(devices, range) and devices.step == 1:
+        return tuple(
+            getattr(dims, axis) > 1 and spans_hosts(devices, dims, axis, devices_per_host) for axis in ("tp", "pp", "dp")
+        )
+    return tuple(devices)
 
 
 def _key(devices: Sequence[int], devices_per_host: int) -> object:
