@@ -5,8 +5,9 @@ Run: ``python benches/planner.py [--example llamarl] [--steps 30] [--skip-measur
 1. ``cpu_predicted_vs_measured``: the example (``--example``, default ``llamarl``; the long-tail
    task's example once it exists) on this machine. Its workload is measured first: a short run
    with a metrics file gives the completion lengths (``completion_len_hist``), the task's prompts
-   their mean length. Then ``flowrl calibrate``'s spec (``measure()``, every core at once, median),
-   then for sync k = 0 (colocated), async k = 1 and k = 2 (disaggregated): the plan's predicted
+   their mean length. Then for sync k = 0 (colocated), async k = 1 and k = 2 (disaggregated), each
+   right after its own ``flowrl calibrate`` spec (``measure()``: every core at once, median; the
+   load of a shared machine drifts within minutes, and the 1-minute load average is printed): the plan's predicted
    step, the runtime's measured step (median step interval after warm-up, same process, same
    run of this bench) and predicted / measured (goal 0.77-1.3). ``--trace-dir`` writes each
    pair's predicted and measured Chrome traces, to open side by side in Perfetto.
@@ -122,25 +123,20 @@ def cpu_predicted_vs_measured(example: str, steps: int, batching: str | None, tr
     graph = build_example(example)
     with tempfile.TemporaryDirectory() as folder:
         workload, warm_s = _measured_workload(graph, max(3, steps // 5), batching, folder)
-        load_before = os.getloadavg()[0]
-        m = measure()
-        cluster = calibrated_cluster(m)
-        out: dict = {
-            "example": example,
-            "calibrated": {
+        out: dict = {"example": example, "workload": workload.short(), "steps": steps}
+        for label, strategy, k in (("sync_k0", "colocated", 0), ("async_k1", "disaggregated", 1), ("async_k2", "disaggregated", 2)):
+            # calibrated right before each run: on a shared machine the load drifts within minutes
+            load_before = os.getloadavg()[0]
+            m = measure()
+            plan = plan_graph(graph, calibrated_cluster(m), strategy=strategy, max_staleness=k, workload=workload)
+            out[label] = _measured_step(plan, graph, k, steps, folder, label, trace_dir)
+            out[label]["calibrated"] = {
                 "matmul_gflops_per_core": round(m.matmul_flops / 1e9, 1),
                 "copy_gb_per_s": round(m.copy_bandwidth / 1e9, 2),
                 "op_overhead_us": round(m.op_overhead_s * 1e6, 2),
                 "cores": m.cores,
-                "load_average_1min": round(load_before, 2),
-            },
-            "workload": workload.short(),
-            "steps": steps,
-        }
-        for label, strategy, k in (("sync_k0", "colocated", 0), ("async_k1", "disaggregated", 1), ("async_k2", "disaggregated", 2)):
-            plan = plan_graph(graph, cluster, strategy=strategy, max_staleness=k, workload=workload)
-            out[label] = _measured_step(plan, graph, k, steps, folder, label, trace_dir)
-        out["load_average_1min_after"] = round(os.getloadavg()[0], 2)
+                "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            }
     return out
 
 
