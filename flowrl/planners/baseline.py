@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -49,7 +49,7 @@ from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.lengths import Batching, check_batching
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
-from flowrl.planners.search import COLOCATED_FULL, Candidate, _colocated, evaluator, resolve_roles
+from flowrl.planners.search import COLOCATED_FULL, Candidate, colocated_candidates, evaluator, resolve_roles
 from flowrl.planners.strategies import DeviceSplit, candidate_counts
 
 __all__ = ["BaselineSystem", "BaselineResult", "SYNC_BASELINE", "baseline_context", "gather_sync", "plan_baseline"]
@@ -71,7 +71,7 @@ class BaselineSystem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     shared_layout: bool = True
     weight_sync: Literal["gather", "reshard"] = "gather"
     recompute_logprobs: bool = True
-    gen_precision: Literal["float32", "bfloat16", "float16", "float8", "int8"] | None = None
+    gen_precision: Literal["float32", "bfloat16", "float16", "float8"] | None = None
     batching: Batching = "lockstep"
 
     def __post_init__(self) -> None:
@@ -151,7 +151,7 @@ def baseline_context(ctx: Context, system: BaselineSystem) -> Context:
     return Context(cluster=ctx.cluster, workload=workload, tuning=tuning)
 
 
-def _best_on(ev, count: int, shared: bool) -> Candidate | None:
+def _best_on(ev: Any, count: int, shared: bool) -> Candidate | None:
     """The fastest synchronous placement of the system on devices ``0 .. count-1``."""
     r = ev.roles
     split = DeviceSplit(family="colocated", gen_start=0, gen_count=count, train_start=0, train_count=count)
@@ -160,7 +160,7 @@ def _best_on(ev, count: int, shared: bool) -> Candidate | None:
         ranked = ev.side_dims(r.heavy, devices)[:COLOCATED_FULL]
         found = [ev.evaluate({n: (devices, dims) for n in r.heavy}, "colocated", split) for _, dims in ranked]
     else:
-        found = _colocated(ev, split)
+        found = colocated_candidates(ev, split)
     feasible = [c for c in found if c.feasible]
     return min(feasible, key=lambda c: c.steps.sync_step_s) if feasible else None
 
@@ -188,8 +188,7 @@ def plan_baseline(graph: Graph, ctx: Context, *, model: ModelSpec | None = None,
     best: dict[int, Candidate | None] = {}
     problem = ""
     for mode in ("never", "when needed", "always"):  # tensor-parallel groups across hosts only when nothing else fits
-        ev.tp_across_hosts = mode
-        ev._sides.clear()
+        ev.allow_tp_across_hosts(mode)
         best[n] = _best_on(ev, n, system.shared_layout)
         if best[n] is not None:
             break
@@ -198,8 +197,7 @@ def plan_baseline(graph: Graph, ctx: Context, *, model: ModelSpec | None = None,
         closest = min((never or ev.problems).values(), key=lambda e: e.memory.total, default=None)
         problem = f"closest miss: {closest.problem}" if closest else "no parallel dims fit these devices"
     for mode in ("never", "when needed", "always"):
-        ev.tp_across_hosts = mode
-        ev._sides.clear()
+        ev.allow_tp_across_hosts(mode)
         for count in counts:
             if best.get(count) is None:
                 best[count] = _best_on(ev, count, system.shared_layout)

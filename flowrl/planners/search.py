@@ -43,7 +43,17 @@ from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
 from flowrl.planners.units import device_ranges, format_bytes
 
-__all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "evaluator", "search_placements", "why_lost"]
+__all__ = [
+    "Roles",
+    "Candidate",
+    "SearchResult",
+    "resolve_roles",
+    "evaluate_layout",
+    "evaluator",
+    "colocated_candidates",
+    "search_placements",
+    "why_lost",
+]
 
 SIDE_TOP = 3
 COLOCATED_TRAIN_TOP = 6
@@ -196,6 +206,11 @@ class _Evaluator:
         #: weight-sync cost: the transport's (``estimate_sync``, plus ``quantize_cost``) unless a
         #: system (``baseline.BaselineSystem``) replaces it; same arguments as ``estimate_sync``
         self.sync_cost: Callable[..., SyncEstimate] = _sync_with_quantization
+
+    def allow_tp_across_hosts(self, mode: str) -> None:
+        """Set ``tp_across_hosts`` (``"never"``, ``"when needed"``, ``"always"``) and forget the side rankings made under another."""
+        self.tp_across_hosts = mode
+        self._sides.clear()
 
     # -- per node ---------------------------------------------------------------------------------
     def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:
@@ -422,7 +437,8 @@ def _layout(roles: Roles, split: DeviceSplit, gen_dims: ParallelDims | None, tra
     return layout
 
 
-def _colocated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
+def colocated_candidates(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
+    """The best few placements of a colocated split, each side with its own dims (``COLOCATED_FULL`` of them)."""
     r = ev.roles
     devices = split.gen_devices
     gen_opts = [d for _, d in ev.side_dims(r.gens, devices)] if r.gens else [None]
@@ -456,7 +472,7 @@ def _disaggregated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
 #: Per split family (``strategies.DeviceSplit.family``): how its candidates are found, and a lower
 #: bound of its step from each side's best time (colocated phases add up; disjoint ones overlap).
 #: ``DeviceSplit.family`` is a Literal of exactly these keys; a new family needs an entry in both.
-_SEARCH_SPLIT: dict[str, Callable[[_Evaluator, DeviceSplit], list[Candidate]]] = {"colocated": _colocated, "disaggregated": _disaggregated}
+_SEARCH_SPLIT: dict[str, Callable[[_Evaluator, DeviceSplit], list[Candidate]]] = {"colocated": colocated_candidates, "disaggregated": _disaggregated}
 _LOWER_BOUND: dict[str, Callable[[float, float], float]] = {"colocated": lambda g, t: g + t, "disaggregated": max}
 
 
@@ -475,8 +491,7 @@ def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: R
     for mode in ("when needed", "always"):  # nothing fits with every tensor-parallel group on one host
         if result.ranked:
             break
-        ev.tp_across_hosts = mode
-        ev._sides.clear()
+        ev.allow_tp_across_hosts(mode)
         result = _search(ev, cluster, strategy)
     return result
 
