@@ -21,7 +21,10 @@ workload: read from the graph (prompts = the source's batch size, samples = the 
 n_samples, gen-len = its max_new_tokens, prompt-len = max_seq_len - max_new_tokens, an upper bound).
 With --model, or a graph whose models name a preset, the defaults are a math-reasoning-sized step:
 --prompts-per-step 256 --samples 8 --prompt-len 512 --gen-len 2048 (2048 completions, 5.2M tokens),
-and --gen-precision bfloat16. Each flag overrides its field either way.
+and --gen-precision bfloat16. Each flag overrides its field either way. Completion lengths:
+every completion runs to --gen-len unless --gen-len-mean (with --tail-frac of them at --gen-len)
+or --lengths-from METRICS (a real run's lengths) says otherwise; --batching continuous pays the
+mean plus one tail instead of the longest of every batch.
 
 tuning (--set NAME=VALUE, repeatable; the defaults):
 """
@@ -56,6 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, metavar="N", help="completions per prompt")
     p.add_argument("--prompt-len", type=int, metavar="N", help="tokens per prompt")
     p.add_argument("--gen-len", type=int, metavar="N", help="generated tokens per completion")
+    p.add_argument("--gen-len-mean", type=float, metavar="N", help="mean generated tokens per completion (default: every completion runs to --gen-len)")
+    p.add_argument("--tail-frac", type=float, default=0.05, metavar="F", help="with --gen-len-mean: the fraction of completions that run to --gen-len (default: 0.05)")
+    p.add_argument("--lengths-from", metavar="METRICS", help="completion lengths of a real run: its 'flowrl run --metrics' file")
+    p.add_argument("--batching", choices=("lockstep", "continuous"), help="the generator's batching (default: the graph's, else lockstep)")
     p.add_argument("--gen-precision", choices=("float32", "bfloat16", "float16", "float8"), help="generator weight dtype (LlamaRL: float8)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a tuning constant (listed below)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
@@ -81,8 +88,12 @@ def _tuning(pairs: list[str]) -> dict[str, object]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from flowrl.errors import PlanError
     from flowrl.graph.load import load_graph
     from flowrl.planners.cluster import parse_cluster
+    from flowrl.planners.lengths import lengths_from_metrics, mean_and_tail
     from flowrl.planners.modelspec import resolve_model
     from flowrl.planners.plan import plan_graph, plan_to_json, save_plan
     from flowrl.planners.report import format_plan
@@ -104,7 +115,15 @@ def _run(args: argparse.Namespace) -> int:
         samples_per_prompt=args.samples,
         prompt_len=args.prompt_len,
         gen_len=args.gen_len,
+        batching=args.batching,
     )
+    if args.lengths_from and args.gen_len_mean is not None:
+        raise PlanError("give either --lengths-from or --gen-len-mean, not both")
+    if args.lengths_from:
+        workload = msgspec.structs.replace(workload, lengths=lengths_from_metrics(args.lengths_from))
+    elif args.gen_len_mean is not None:
+        lengths = mean_and_tail(mean=args.gen_len_mean, max_len=workload.gen_len, tail_frac=args.tail_frac)
+        workload = msgspec.structs.replace(workload, lengths=lengths)
     plan = plan_graph(graph, cluster, strategy=args.strategy, max_staleness=args.max_staleness, workload=workload, model=model, **tuning)
     if args.output:
         save_plan(plan, args.output)

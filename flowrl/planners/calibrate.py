@@ -1,15 +1,18 @@
 """Calibration: measure this machine's own figures (matmul FLOP/s, memory-copy bandwidth, operator overhead).
 
-``measure()`` runs three micro-benchmarks on one thread (a device of the ``cpu`` preset is one
-core), each the best of several repeats, so that other load on the machine biases them as little
-as possible:
+``measure()`` runs three micro-benchmarks on every core at once (one thread per core, as the local
+backend runs colocation groups side by side; a device of the ``cpu`` preset is one core) and
+keeps the median of several repeats: a run gets what a core delivers while its neighbours work
+and while the rest of the machine does whatever it does, not what an idle core does at its best
+moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives the latter):
 
 - matmul: ``C = A @ B`` on float32 ``n x n`` matrices; ``2 n^3 / seconds``;
 - memory copy: ``dst.copy_(src)`` of a float32 buffer; ``bytes / seconds`` (one read and one
   write of each byte count once, as the estimates' "bytes read" do);
 - operator overhead: a transformer-block-shaped chain of 16 operators (norms, linears, softmax,
   SiLU, residual adds) on 8-wide tensors, where the work is nil; seconds / 16 is the fixed cost of
-  one operator as model code calls it (dispatch, allocation, Python), the planner's ``kernel_overhead_s``.
+  one operator as model code calls it (dispatch, allocation, Python, the GIL shared with the
+  other threads), the planner's ``kernel_overhead_s``.
 
 ``calibrated_cluster(measurements)`` (pure) turns them into a ``ClusterSpec`` named
 ``cpu-calibrated``; ``flowrl calibrate -o cpu.json`` writes it and ``--cluster cpu.json`` reads it.
@@ -22,18 +25,21 @@ Example:
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
 from collections.abc import Callable
 
 import msgspec
 
+from flowrl.errors import PlanError
 from flowrl.planners.cluster import ClusterSpec, _host_cores, host_memory_bytes, cpu_device
 
 __all__ = ["Measurements", "measure", "calibrated_cluster"]
 
 
 class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What ``measure`` found, per core.
+    """What ``measure`` found, per core, with every core busy.
 
     Attributes:
         matmul_flops: float32 matmul FLOP/s on one thread.
@@ -54,15 +60,28 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     copy_bytes: int = 32 * 2**20
 
 
-def _best(fn: Callable[[], object], *, inner: int, repeats: int) -> float:
-    """Seconds of one call of ``fn``: the best over ``repeats`` timings of ``inner`` calls."""
-    best = float("inf")
+def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, statistic: str) -> float:
+    """Seconds of one call while one thread per entry of ``calls`` runs its own at once:
+    ``statistic`` (``"median"`` or ``"best"``) over ``repeats`` rounds of ``inner`` calls per thread."""
+    times: list[float] = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+        start = threading.Barrier(len(calls))
+        spent = [0.0] * len(calls)
+
+        def work(i: int) -> None:
+            start.wait()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                calls[i]()
+            spent[i] = (time.perf_counter() - t0) / inner
+
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        times.extend(spent)
+    return min(times) if statistic == "best" else statistics.median(times)
 
 
 #: Operators in ``_tiny_block``.
@@ -88,35 +107,53 @@ def _tiny_block() -> Callable[[], object]:
     return block
 
 
-def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5) -> Measurements:
-    """Run the micro-benchmarks (about a second) with torch on one thread; restores the thread count."""
+def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, statistic: str = "median") -> Measurements:
+    """Run the micro-benchmarks (a few seconds) on every core at once, each thread with one intra-op
+    thread; restores the thread count.
+
+    Args:
+        statistic: ``"median"`` (what a run gets, the default) or ``"best"`` (an idle core's peak).
+
+    Raises:
+        PlanError: for an unknown ``statistic``.
+    """
     import torch
 
+    if statistic not in ("median", "best"):
+        raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
+    cores = _host_cores()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         n = matmul_size
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out = torch.empty(n, n)
-        torch.matmul(a, b, out=out)  # warm up
+
+        def matmul_call() -> Callable[[], object]:
+            a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+            torch.matmul(a, b, out=out)  # warm up
+            return lambda: torch.matmul(a, b, out=out)
+
         inner = max(1, int(2e8 // (2 * n**3)) or 1)
-        t_mm = _best(lambda: torch.matmul(a, b, out=out), inner=inner, repeats=repeats)
+        t_mm = _timed([matmul_call() for _ in range(cores)], inner=inner, repeats=repeats, statistic=statistic)
 
         numel = copy_mib * 2**20 // 4
-        src, dst = torch.randn(numel), torch.empty(numel)
-        dst.copy_(src)
-        t_copy = _best(lambda: dst.copy_(src), inner=2, repeats=repeats)
 
-        block = _tiny_block()
-        block()
-        t_op = _best(block, inner=200, repeats=repeats) / BLOCK_OPS
+        def copy_call() -> Callable[[], object]:
+            src, dst = torch.randn(numel), torch.empty(numel)
+            dst.copy_(src)
+            return lambda: dst.copy_(src)
+
+        t_copy = _timed([copy_call() for _ in range(cores)], inner=2, repeats=repeats, statistic=statistic)
+        blocks = [_tiny_block() for _ in range(cores)]
+        for block in blocks:
+            block()
+        t_op = _timed(blocks, inner=200, repeats=repeats, statistic=statistic) / BLOCK_OPS
     finally:
         torch.set_num_threads(threads)
     return Measurements(
         matmul_flops=2 * n**3 / t_mm,
         copy_bandwidth=numel * 4 / t_copy,
         op_overhead_s=t_op,
-        cores=_host_cores(),
+        cores=cores,
         memory_bytes=host_memory_bytes(),
         matmul_size=n,
         copy_bytes=numel * 4,

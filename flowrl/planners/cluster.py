@@ -10,6 +10,7 @@ host: device ``d`` lives on host ``d // devices_per_host``. Every figure is per 
 - ``memory_bandwidth``: bytes/s between the device and its own memory;
 - ``intra_host_bandwidth`` / ``inter_host_bandwidth``: bytes/s one device can send in one
   direction to another device on the same host (NVLink) / on another host (its NIC share);
+- ``host_bandwidth``: bytes/s one device moves to or from host memory (PCIe; offloading; 0 = none);
 - ``kernel_overhead_s``: fixed cost of launching one operator (dominant for tiny models on CPU).
 
 String forms (``parse_cluster``)::
@@ -82,6 +83,8 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
         intra_host_latency_s: fixed cost of one step (hop) of a collective among devices of one host.
         inter_host_latency_s: fixed cost of one step (hop) of a collective that crosses hosts.
         kernel_overhead_s: fixed cost of one operator launch.
+        host_bandwidth: bytes/s per device per direction to host memory (PCIe); 0: the planner
+            never offloads to the host.
         compute_dtype: the dtype ``peak_flops`` refers to, and the trainer's parameter dtype.
         default_devices_per_host: devices per host assumed by the ``NxDEVICE`` form.
     """
@@ -97,6 +100,7 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
     intra_host_latency_s: float = 2e-6
     inter_host_latency_s: float = 5e-6
     kernel_overhead_s: float = 2e-6
+    host_bandwidth: float = 0.0
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     default_devices_per_host: int = 8
 
@@ -105,7 +109,7 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             value = getattr(self, field)
             if not (value > 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number > 0")
-        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s"):
+        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number >= 0")
@@ -170,6 +174,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         memory_bandwidth=3.35e12,  # HBM3
         intra_host_bandwidth=450e9,  # NVLink 4: 900 GB/s bidirectional
         inter_host_bandwidth=50e9,  # one 400 Gb/s NIC per GPU
+        host_bandwidth=64e9,  # PCIe Gen5 x16: 64 GB/s per direction
     ),
     "H200": DeviceSpec(
         name="H200",
@@ -179,6 +184,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         memory_bandwidth=4.8e12,  # HBM3e
         intra_host_bandwidth=450e9,
         inter_host_bandwidth=50e9,
+        host_bandwidth=64e9,  # PCIe Gen5 x16
     ),
     "A100": DeviceSpec(
         name="A100",
@@ -188,6 +194,7 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
         memory_bandwidth=2.039e12,
         intra_host_bandwidth=300e9,  # NVLink 3: 600 GB/s bidirectional
         inter_host_bandwidth=25e9,  # one 200 Gb/s NIC per GPU
+        host_bandwidth=32e9,  # PCIe Gen4 x16
     ),
 }
 
@@ -233,6 +240,7 @@ def cpu_device(
         memory_bandwidth=memory_bandwidth,
         intra_host_bandwidth=memory_bandwidth,
         inter_host_bandwidth=memory_bandwidth,
+        host_bandwidth=memory_bandwidth,
         intra_host_latency_s=1e-6,
         inter_host_latency_s=1e-6,
         kernel_overhead_s=kernel_overhead_s,

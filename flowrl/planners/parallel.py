@@ -9,7 +9,10 @@ A node on ``n`` devices splits them into a mesh with named axes, outermost first
 apart (Megatron's order). ``fsdp`` and ``cp`` would be further axes; none is modelled yet.
 
 Rules (``ParallelDims.check``): the product equals the device count; tp divides the attention
-heads; pp divides the layers. Each error states the whole equation with its values.
+heads; pp is at most the layers. Stages may be uneven: with ``L`` layers over ``pp`` stages the
+first ``L % pp`` stages hold ``ceil(L / pp)`` layers, the rest ``floor(L / pp)``; the largest
+stage sets a pipeline's pace and memory (``stage_layers``). Each error states the whole equation
+with its values.
 
 Example:
     >>> ParallelDims(dp=2, tp=4, pp=2).short()
@@ -33,7 +36,7 @@ from flowrl.errors import PlanError
 if TYPE_CHECKING:
     from flowrl.planners.modelspec import ModelSpec
 
-__all__ = ["AXES", "ParallelDims", "divisors", "enumerate_dims", "axis_groups", "spans_hosts", "hosts_per_group"]
+__all__ = ["AXES", "ParallelDims", "stage_layers", "stage_fraction", "divisors", "enumerate_dims", "axis_groups", "spans_hosts", "hosts_per_group"]
 
 #: Mesh axis names, outermost first; the order ``mesh_shape`` and ``DeviceMesh`` use.
 AXES: tuple[str, ...] = ("pp", "dp", "tp")
@@ -90,10 +93,10 @@ class ParallelDims(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     f"node {node!r}: tp({self.tp}) must divide the attention heads of {model.name} "
                     f"(n_heads={model.n_heads}, {model.n_heads} % {self.tp} = {model.n_heads % self.tp})"
                 )
-            if model.n_layers % self.pp:
+            if self.pp > model.n_layers:
                 raise PlanError(
-                    f"node {node!r}: pp({self.pp}) must divide the layers of {model.name} "
-                    f"(n_layers={model.n_layers}, {model.n_layers} % {self.pp} = {model.n_layers % self.pp})"
+                    f"node {node!r}: pp({self.pp}) is more pipeline stages than {model.name} has layers "
+                    f"(n_layers={model.n_layers}); pick pp <= {model.n_layers}"
                 )
 
     def short(self) -> str:
@@ -113,6 +116,21 @@ class ParallelDims(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return cls(dp=dp, tp=tp, pp=pp)
 
 
+def stage_layers(n_layers: int, pp: int) -> int:
+    """Layers of the largest pipeline stage: ``ceil(n_layers / pp)``.
+
+    Example:
+        >>> stage_layers(126, 32), stage_layers(80, 16)
+        (4, 5)
+    """
+    return -(-n_layers // pp)
+
+
+def stage_fraction(n_layers: int, pp: int) -> float:
+    """Share of the layers on the largest stage (``1 / pp`` when pp divides the layers)."""
+    return stage_layers(n_layers, pp) / n_layers
+
+
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n`` in increasing order."""
     small, large = [], []
@@ -127,12 +145,12 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_dims(devices: int, model: ModelSpec, *, max_tp: int | None = None, max_pp: int | None = None) -> Iterator[ParallelDims]:
-    """Every ``ParallelDims`` valid for ``devices`` devices and ``model`` (tp | heads, pp | layers)."""
+    """Every ``ParallelDims`` valid for ``devices`` devices and ``model`` (tp | heads, pp <= layers)."""
     for tp in divisors(devices):
         if model.n_heads % tp or (max_tp and tp > max_tp):
             continue
         for pp in divisors(devices // tp):
-            if model.n_layers % pp or (max_pp and pp > max_pp):
+            if pp > model.n_layers or (max_pp and pp > max_pp):
                 continue
             yield ParallelDims(dp=devices // (tp * pp), tp=tp, pp=pp)
 

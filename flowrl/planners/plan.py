@@ -27,6 +27,7 @@ from typing import Any
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
+from flowrl.planners.baseline import SYNC_BASELINE, BaselineResult, BaselineSystem, plan_baseline
 from flowrl.planners.cluster import ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
 from flowrl.planners.modelspec import ModelSpec
@@ -93,6 +94,7 @@ def plan_graph(
     max_staleness: int | None = None,
     workload: Workload | None = None,
     model: ModelSpec | None = None,
+    baseline: BaselineSystem | None = None,
     **tuning: Any,
 ) -> Plan:
     """Place every node of ``graph`` on ``cluster`` and predict its step time (pure: no I/O).
@@ -105,6 +107,7 @@ def plan_graph(
         max_staleness: k the step time assumes; None: the smallest k of the graph's weight edges.
         workload: tokens per step; None: read from the graph (or ``LLM_DEFAULTS`` for published models).
         model: a model shape for every model-holding node (dry-runs of published models).
+        baseline: the synchronous system the plan is compared with; None: ``SYNC_BASELINE``.
         **tuning: ``Tuning`` fields by name (``mfu_train=0.4``, ``gen_precision="float8"``).
 
     Raises:
@@ -137,22 +140,9 @@ def plan_graph(
         miss = min(result.problems.values(), key=lambda e: e.memory.total).problem if result.problems else ""
         ranked, stats = result.ranked, SearchStats(evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss)
         best = ranked[0]
-    baseline, baseline_problem = _baseline(graph, spec, ctx, roles, best, strategy)
+    base = plan_baseline(graph, ctx, model=model, system=baseline or SYNC_BASELINE) if roles.heavy else None
     losers = ranked[1 : 1 + ctx.tuning.top_k]
-    return _to_plan(graph, spec, ctx, roles, best, losers, stats, "manual" if manual else strategy, k, baseline, baseline_problem)
-
-
-def _baseline(graph: Graph, spec: ClusterSpec, ctx: Context, roles: Roles, best: Candidate, strategy: str) -> tuple[float | None, str]:
-    """Sync step of the best colocated placement on every device (LlamaRL's synchronous baseline),
-    or None and why nothing colocated fits."""
-    if not roles.heavy:
-        return best.steps.sync_step_s, ""
-    if strategy == "colocated":
-        return best.steps.sync_step_s, ""
-    result = search_placements(graph, spec, ctx, roles, strategy="colocated", max_staleness=0)
-    if result.ranked:
-        return result.ranked[0].steps.sync_step_s, ""
-    return None, _why_none_fits(graph, roles, ctx, "colocated", result.problems, result.fitted)[0]
+    return _to_plan(graph, spec, ctx, roles, best, losers, stats, "manual" if manual else strategy, k, base)
 
 
 def _why_none_fits(graph: Graph, roles: Roles, ctx: Context, strategy: str, problems: dict, fitted: set[str]) -> tuple[str, str]:
@@ -199,8 +189,7 @@ def _to_plan(
     stats: SearchStats,
     strategy: str,
     k: int,
-    baseline: float | None,
-    baseline_problem: str,
+    base: BaselineResult | None,
 ) -> Plan:
     placements: dict[str, NodePlacement] = {}
     layout = best.layout
@@ -210,7 +199,12 @@ def _to_plan(
         if name in layout:
             devices, dims = layout[name]
             devs = tuple(devices)
-            reserved = sum(_resident(best, o) for o in layout if o != name and _ranges_share(layout[o][0], devices))
+            offloaded = est is not None and "offload" in est.breakdown  # the others keep only their weights meanwhile
+            reserved = sum(
+                best.estimates[o].memory.weights if offloaded else _resident(best, o)
+                for o in layout
+                if o != name and _ranges_share(layout[o][0], devices)
+            )
             placements[name] = NodePlacement(
                 kind=node.kind,
                 devices=devs,
@@ -238,6 +232,11 @@ def _to_plan(
             placements[name] = NodePlacement(kind=node.kind, time_s=est.time_s if est else 0.0, notes=("host CPU",))
     steps = best.steps
     step = best.step_s
+    if base is None:  # no device nodes: the plan is its own baseline
+        baseline, baseline_problem, subset = steps.sync_step_s, "", None
+    else:
+        baseline = base.all_devices.steps.sync_step_s if base.all_devices else None
+        baseline_problem, subset = base.problem, base.best_subset
     alternatives = tuple(
         Alternative(
             placement=c.short(),
@@ -267,6 +266,9 @@ def _to_plan(
         baseline_step_s=baseline,
         speedup_vs_baseline=(baseline / step) if baseline and step > 0 else None,
         baseline_problem=baseline_problem,
+        baseline_system=base.system.name if base else "",
+        baseline_subset_step_s=subset.steps.sync_step_s if subset else None,
+        baseline_subset_devices=subset.split.gen_count if subset and subset.split else 0,
         warnings=warnings,
         bottleneck=steps.bottleneck,
         timeline=steps.async_timeline if k >= 1 else steps.sync_timeline,

@@ -143,10 +143,13 @@ class Plan(msgspec.Struct, **_STRUCT):
         async_step_s: predicted step time with k >= 1 on this placement (busiest colocation group).
         step_s: the one that applies at ``max_staleness``.
         speedup: ``sync_step_s / async_step_s``.
-        baseline_step_s: the synchronous colocated baseline on every device (LlamaRL's comparison);
-            None when no colocated placement fits.
+        baseline_step_s: the synchronous baseline system (``baseline_system``,
+            ``flowrl.planners.baseline``) on every device (LlamaRL's comparison); None when it does not fit.
         speedup_vs_baseline: ``baseline_step_s / step_s``.
         baseline_problem: why the baseline does not fit (node, resource, numbers), when it does not.
+        baseline_system: the baseline system's name.
+        baseline_subset_step_s: the same system on its best subset of the devices (never slower
+            with more devices); baseline_subset_devices: how many devices that subset has.
         warnings: what the user should know about the placement (a tensor-parallel group across hosts).
         bottleneck: the node that sets the pace of the async step, and its share of it.
         timeline: predicted spans of one step at ``max_staleness`` (async spans are steady state).
@@ -171,6 +174,9 @@ class Plan(msgspec.Struct, **_STRUCT):
     baseline_step_s: float | None = None
     speedup_vs_baseline: float | None = None
     baseline_problem: str = ""
+    baseline_system: str = ""
+    baseline_subset_step_s: float | None = None
+    baseline_subset_devices: int = 0
     warnings: tuple[str, ...] = ()
     bottleneck: str = ""
     timeline: tuple[Span, ...] = ()

@@ -56,14 +56,20 @@ def format_plan(plan: Plan) -> str:
         f"predicted step: sync (k=0) {format_seconds(plan.sync_step_s)} | async (k>=1) {format_seconds(plan.async_step_s)} | "
         f"speedup {plan.speedup:.2f}x" + ("" if k >= 1 else "  [this graph runs synchronously: k=0]")
     )
+    name = plan.baseline_system or "synchronous colocated baseline"
     if plan.baseline_step_s is not None and spec is not None:
         lines.append(
-            f"synchronous colocated baseline on all {spec.n_devices} devices: {format_seconds(plan.baseline_step_s)}; "
+            f"baseline {name} on all {spec.n_devices} devices: {format_seconds(plan.baseline_step_s)}; "
             f"this plan at k={k}: {format_seconds(plan.step_s)} ({plan.speedup_vs_baseline:.2f}x)"
         )
     elif spec is not None:
         why = f": {plan.baseline_problem}" if plan.baseline_problem else ""
-        lines.append(f"synchronous colocated baseline on all {spec.n_devices} devices: does not fit{why}")
+        lines.append(f"baseline {name} on all {spec.n_devices} devices: does not fit{why}")
+    if plan.baseline_subset_step_s is not None and plan.step_s > 0:
+        lines.append(
+            f"baseline {name} on its best subset ({plan.baseline_subset_devices} devices): "
+            f"{format_seconds(plan.baseline_subset_step_s)} ({plan.baseline_subset_step_s / plan.step_s:.2f}x)"
+        )
     lines.extend(f"warning: {w}" for w in plan.warnings)
     lines.append(f"bottleneck: {plan.bottleneck}")
     lines.append(f"placement: {plan}")

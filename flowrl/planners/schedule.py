@@ -10,7 +10,8 @@ policy's step (time 0, the policy's estimate includes it).
   G + score + T + W.
 - **Asynchronous** (max_staleness >= 1): in steady state every resource works on its own batch
   (the generator one version ahead of the trainer), so a step lasts as long as the busiest
-  resource: ``async_step_s = max over resources of (sum of its nodes' times + (1 - sync_overlap) * W
+  resource: ``async_step_s = max over resources of (sum of its nodes' steady times (``steady``; a
+  continuous generator's differs from its sync time, ``flowrl.planners.lengths``) + (1 - sync_overlap) * W
   for each weight sync it takes part in)`` - about max(G + W, T + W) when disaggregated, and
   still G + T + W when colocated, since a colocation group cannot overlap with itself.
 """
@@ -119,6 +120,7 @@ def step_times(
     syncs: Sequence[SyncEstimate],
     *,
     sync_overlap: float = 0.0,
+    steady: Mapping[str, float] | None = None,
     order: Sequence[str] | None = None,
     producers: Mapping[str, Sequence[str]] | None = None,
 ) -> StepTimes:
@@ -129,6 +131,7 @@ def step_times(
         times: node -> seconds per step.
         syncs: one estimate per weight edge.
         sync_overlap: fraction of each weight sync hidden behind compute in async mode.
+        steady: node -> seconds per step in the async steady state, where it differs from ``times``.
         order, producers: the graph's topological order and producers, when the caller has them
             already (the search evaluates thousands of placements of one graph).
     """
@@ -163,9 +166,10 @@ def step_times(
     # asynchronous: each resource busy with its own batch; the busiest sets the pace
     busy: dict[str, float] = {}
     async_spans: list[Span] = []
+    steady = steady or {}
     for name in order:
         res = resource[name]
-        t = times.get(name, 0.0)
+        t = steady.get(name, times.get(name, 0.0))
         start = busy.get(res, 0.0)
         busy[res] = start + t
         async_spans.append(Span(node=name, resource=res, what=_WHAT.get(kinds[name], kinds[name]), start_s=start, end_s=start + t))

@@ -26,22 +26,35 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
+from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
-from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options
+from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
 from flowrl.planners.modelspec import ModelSpec, model_from_config
-from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts
+from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
-from flowrl.planners.units import device_ranges
+from flowrl.planners.units import device_ranges, format_bytes
 from flowrl.graph.refs import resolve
 
-__all__ = ["Roles", "Candidate", "SearchResult", "resolve_roles", "evaluate_layout", "search_placements", "why_lost"]
+__all__ = [
+    "Roles",
+    "Candidate",
+    "SearchResult",
+    "resolve_roles",
+    "evaluate_layout",
+    "evaluator",
+    "colocated_candidates",
+    "search_placements",
+    "why_lost",
+]
 
 SIDE_TOP = 3
 COLOCATED_TRAIN_TOP = 6
@@ -192,10 +205,18 @@ class _Evaluator:
         self.tp_across_hosts = "never"
         #: nodes beside the models (sources, scorers, losses), costed by their kind's estimator in the kinds table
         self.cpu_side = {n.name: resolve(KINDS[n.kind].estimator)(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
+        #: weight-sync cost: the transport's (``estimate_sync``, plus ``quantize_cost``) unless a
+        #: system (``baseline.BaselineSystem``) replaces it; same arguments as ``estimate_sync``
+        self.sync_cost: Callable[..., SyncEstimate] = _sync_with_quantization
+
+    def allow_tp_across_hosts(self, mode: str) -> None:
+        """Set ``tp_across_hosts`` (``"never"``, ``"when needed"``, ``"always"``) and forget the side rankings made under another."""
+        self.tp_across_hosts = mode
+        self._sides.clear()
 
     # -- per node ---------------------------------------------------------------------------------
     def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:
-        key = (name, _key(devices, self.dph), dims)
+        key = (name, _mesh_key(devices, dims, self.dph), dims)
         if key not in self._train:
             r = self.roles
             self._train[key] = train_options(
@@ -213,19 +234,56 @@ class _Evaluator:
         """Bytes per device a node keeps allocated for the whole run (weights, grads, optimizer)."""
         r = self.roles
         model = r.models[name]
+        p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp  # the largest stage
         if name in r.gens:
-            return model.params * precision_bytes(r.gen_dtype[name]) / (dims.tp * dims.pp)
+            return p_dev * precision_bytes(r.gen_dtype[name])
         if name in r.refs:
-            return model.params * r.param_bytes / (dims.tp * dims.pp)
+            return p_dev * r.param_bytes
         t = self.ctx.tuning
         ob = t.optimizer_bytes or (12 if r.param_bytes <= 2 else 8)
-        shard = dims.dp if t.shard_optimizer else 1
-        return model.params / (dims.tp * dims.pp) * (r.param_bytes + t.grad_bytes + ob / shard)
+        zero, dp = zero_stage(t), dims.dp
+        return p_dev * (r.param_bytes / (dp if zero >= 3 else 1) + t.grad_bytes / (dp if zero >= 2 else 1) + ob / (dp if zero >= 1 else 1))
+
+    def offloadable(self, name: str, dims: ParallelDims) -> float:
+        """Bytes per device of ``resident`` that may wait in host memory while another node runs:
+        a trainer's gradients and optimizer states (weights stay: the weight sync reads them)."""
+        if name not in self.roles.trainers:
+            return 0.0
+        model = self.roles.models[name]
+        p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp
+        return self.resident(name, dims) - p_dev * self.roles.param_bytes / (dims.dp if zero_stage(self.ctx.tuning) >= 3 else 1)
+
+    def beside(self, name: str, devices: Sequence[int], dims: ParallelDims, others: Sequence[tuple[str, ParallelDims]]) -> NodeEstimate:
+        """``node`` on devices it shares with ``others`` (name, dims), which hold their resident state.
+
+        When it does not fit and ``offload`` allows, the others' offloadable state goes to host
+        memory while it runs: memory is this node's phase plus what stays resident, and the step
+        pays the move out and back, ``2 * offloaded / host_bandwidth``.
+        """
+        reserved = sum(self.resident(o, d) for o, d in others)
+        est = self.node(name, devices, dims, reserved)
+        host_bw = self.ctx.cluster.device.host_bandwidth
+        if est.feasible or not others or self.ctx.tuning.offload == "off" or host_bw <= 0:
+            return est
+        moved = sum(self.offloadable(o, d) for o, d in others)
+        if moved <= 0:
+            return est
+        lighter = self.node(name, devices, dims, reserved - moved)
+        if not lighter.feasible:
+            return est
+        move = 2 * moved / host_bw
+        return msgspec.structs.replace(
+            lighter,
+            time_s=lighter.time_s + move,
+            steady_s=None if lighter.steady_s is None else lighter.steady_s + move,
+            breakdown={**lighter.breakdown, "offload": move},
+            notes=(*lighter.notes, f"colocated state offloaded: {format_bytes(moved)} out and back over {host_bw / 1e9:.3g} GB/s"),
+        )
 
     def node(self, name: str, devices: Sequence[int], dims: ParallelDims, reserved: float) -> NodeEstimate:
         r = self.roles
         model = r.models[name]
-        key = (name, _key(devices, self.dph), dims, round(reserved))
+        key = (name, _mesh_key(devices, dims, self.dph), dims, round(reserved))
         est = self._nodes.get(key)
         if est is not None:
             return est
@@ -251,8 +309,8 @@ class _Evaluator:
         estimates: dict[str, NodeEstimate] = {}
         for name in names:
             devices, dims = layout[name]
-            reserved = sum(self.resident(o, layout[o][1]) for o in names if o != name and _shares(layout[o][0], devices))
-            estimates[name] = self.node(name, devices, dims, reserved)
+            others = [(o, layout[o][1]) for o in names if o != name and _shares(layout[o][0], devices)]
+            estimates[name] = self.beside(name, devices, dims, others)
         estimates.update(self.cpu_side)
         for loss, policy in r.loss_of.items():
             estimates[loss] = NodeEstimate(time_s=0.0, memory=MemoryBreakdown(), notes=(f"runs inside {policy}'s step",))
@@ -263,7 +321,7 @@ class _Evaluator:
             (sd, sdims), (dd, ddims) = layout[edge.src], layout[edge.dst]
             dst_bytes = precision_bytes(r.gen_dtype[edge.dst]) if edge.dst in r.gens else r.param_bytes
             syncs.append(
-                estimate_sync(
+                self.sync_cost(
                     r.models[edge.dst],
                     src=edge.src,
                     dst=edge.dst,
@@ -283,7 +341,10 @@ class _Evaluator:
         feasible = all(e.feasible for e in estimates.values())
         if not feasible:
             times = {n: (t if math.isfinite(t) else 0.0) for n, t in times.items()}
-        steps = step_times(self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, order=self.order, producers=self.producers)
+        steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
+        steps = step_times(
+            self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers
+        )
         problem = next((e.problem for e in estimates.values() if not e.feasible), "")
         return Candidate(
             family=family,
@@ -309,13 +370,12 @@ class _Evaluator:
 
     def _side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
         models = [self.roles.models[n] for n in side]
-        options = [d for d in enumerate_dims(len(devices), models[0]) if all(m.n_heads % d.tp == 0 and m.n_layers % d.pp == 0 for m in models[1:])]
+        options = [d for d in enumerate_dims(len(devices), models[0]) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
         ranked = []
         for dims in options:
             total, ok = 0.0, True
             for name in side:
-                reserved = sum(self.resident(o, dims) for o in side if o != name)
-                est = self.node(name, devices, dims, reserved)
+                est = self.beside(name, devices, dims, [(o, dims) for o in side if o != name])
                 if not est.feasible:
                     ok = False
                     break
@@ -327,6 +387,28 @@ class _Evaluator:
             return ranked
         within = [(t, d) for t, d in ranked if d.tp == 1 or not spans_hosts(devices, d, "tp", self.dph)]
         return within or ranked if self.tp_across_hosts == "when needed" else within
+
+
+def _sync_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:
+    """``estimate_sync`` (the transport's transfer) plus the trainer's cast to the generator's dtype."""
+    est = estimate_sync(model, **kwargs)  # type: ignore[arg-type]
+    return add_quantization(est, model, **kwargs)  # type: ignore[arg-type]
+
+
+def evaluator(graph: Graph, roles: Roles, ctx: Context, max_staleness: int) -> _Evaluator:
+    """A fresh memoising evaluator (``evaluate(layout, family)``, ``side_dims(side, devices)``) for other searches."""
+    return _Evaluator(graph, roles, ctx, max_staleness)
+
+
+def _mesh_key(devices: Sequence[int], dims: ParallelDims, devices_per_host: int) -> object:
+    """Memo key of one node's estimate on a mesh: an estimate sees its devices only through which
+    axes' groups straddle hosts (``estimate.common.axis_link``), so meshes that agree on those
+    three facts share it, wherever on the cluster they start."""
+    if isinstance(devices, range) and devices.step == 1:
+        return tuple(
+            getattr(dims, axis) > 1 and spans_hosts(devices, dims, axis, devices_per_host) for axis in ("tp", "pp", "dp")
+        )
+    return tuple(devices)
 
 
 def _key(devices: Sequence[int], devices_per_host: int) -> object:
@@ -357,7 +439,8 @@ def _layout(roles: Roles, split: DeviceSplit, gen_dims: ParallelDims | None, tra
     return layout
 
 
-def _colocated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
+def colocated_candidates(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
+    """The best few placements of a colocated split, each side with its own dims (``COLOCATED_FULL`` of them)."""
     r = ev.roles
     devices = split.gen_devices
     gen_opts = [d for _, d in ev.side_dims(r.gens, devices)] if r.gens else [None]
@@ -370,8 +453,7 @@ def _colocated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
             layout = _layout(r, split, gd, td)
             total, ok = 0.0, True
             for name, (devs, dims) in layout.items():
-                reserved = sum(ev.resident(o, layout[o][1]) for o in layout if o != name)
-                est = ev.node(name, devs, dims, reserved)
+                est = ev.beside(name, devs, dims, [(o, layout[o][1]) for o in layout if o != name])
                 if not est.feasible:
                     ok = False
                     break
@@ -392,7 +474,7 @@ def _disaggregated(ev: _Evaluator, split: DeviceSplit) -> list[Candidate]:
 #: Per split family (``strategies.DeviceSplit.family``): how its candidates are found, and a lower
 #: bound of its step from each side's best time (colocated phases add up; disjoint ones overlap).
 #: ``DeviceSplit.family`` is a Literal of exactly these keys; a new family needs an entry in both.
-_SEARCH_SPLIT: dict[str, Callable[[_Evaluator, DeviceSplit], list[Candidate]]] = {"colocated": _colocated, "disaggregated": _disaggregated}
+_SEARCH_SPLIT: dict[str, Callable[[_Evaluator, DeviceSplit], list[Candidate]]] = {"colocated": colocated_candidates, "disaggregated": _disaggregated}
 _LOWER_BOUND: dict[str, Callable[[float, float], float]] = {"colocated": lambda g, t: g + t, "disaggregated": max}
 
 
@@ -411,8 +493,7 @@ def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: R
     for mode in ("when needed", "always"):  # nothing fits with every tensor-parallel group on one host
         if result.ranked:
             break
-        ev.tp_across_hosts = mode
-        ev._sides.clear()
+        ev.allow_tp_across_hosts(mode)
         result = _search(ev, cluster, strategy)
     return result
 

@@ -36,6 +36,13 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         grad_bytes: bytes per gradient element (float32 accumulation).
         optimizer_bytes: AdamW state bytes per parameter; None: 12 with bf16 parameters (fp32 master
             copy + two moments), 8 with float32 parameters (two moments).
+        zero_stage: ZeRO stage of the trainer over its data-parallel axis: 0 nothing sharded, 1
+            optimizer states (ZeRO-1 / Megatron's distributed optimizer), 2 also gradients (ZeRO-2),
+            3 also parameters (ZeRO-3 / FSDP: gathered per micro-batch); None: 1 if
+            ``shard_optimizer`` else 0. Source: Rajbhandari et al., ZeRO (SC 2020).
+        offload: ``"auto"`` moves the gradients and optimizer states of colocated nodes to host
+            memory while another node needs the room (LlamaRL's co-located offloading), paying
+            their way out and back over ``DeviceSpec.host_bandwidth``; ``"off"`` never does.
         shard_optimizer: shard optimizer states over the data-parallel axis (ZeRO-1 / Megatron's
             distributed optimizer).
         activation_checkpointing: ``"auto"`` turns it on only for nodes that do not fit without it;
@@ -66,6 +73,8 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     grad_bytes: float = 4.0
     optimizer_bytes: float | None = None
     shard_optimizer: bool = True
+    zero_stage: Literal[0, 1, 2, 3] | None = None
+    offload: Literal["auto", "off"] = "auto"
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
     dp_overlap: float = 0.5
     recompute_logprobs: bool | None = None

@@ -1,9 +1,12 @@
 """The workload of one RL step: prompts, samples per prompt, prompt and generation lengths.
 
 Every predicted time depends on it, so a ``Plan`` records it. From a graph it is read off the
-nodes (the source's batch size, the generator's ``n_samples`` and ``max_new_tokens``); a graph
+nodes (the source's batch size, the generator's ``n_samples``, ``max_new_tokens`` and batching
+mode, ``sampling.batching`` when the graph's config has one, else lock-step); a graph
 does not say how long its prompts are, so ``prompt_len`` defaults to the longest prompt the model
-accepts (``max_seq_len - max_new_tokens``), an upper bound. Dry-runs of published models
+accepts (``max_seq_len - max_new_tokens``), an upper bound. Completion lengths (``lengths``, a
+``flowrl.planners.lengths.LengthDistribution``) default to every completion running to
+``gen_len``; a real run's metrics file, or a mean and tail, replace that. Dry-runs of published models
 (``--model llama3-70b``) use ``LLM_DEFAULTS`` instead, a math-reasoning-sized step.
 
 Example:
@@ -20,11 +23,12 @@ import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
+from flowrl.planners.lengths import Batching, LengthDistribution, check_batching, fixed_lengths
 
 if TYPE_CHECKING:
     from flowrl.planners.modelspec import ModelSpec
 
-__all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph", "default_workload", "check_context"]
+__all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph", "graph_batching", "default_workload", "check_context"]
 
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -34,18 +38,44 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         prompts_per_step: prompts the trainer consumes per optimizer step.
         samples_per_prompt: completions per prompt (the AIPO group size).
         prompt_len: tokens per prompt.
-        gen_len: generated tokens per completion (every completion assumed to run to the limit).
+        gen_len: the longest completion (the generator's ``max_new_tokens``).
+        lengths: how long completions are; None: every one runs to ``gen_len``.
+        batching: the generator's batching mode, ``"lockstep"`` or ``"continuous"``
+            (``flowrl.planners.lengths``).
     """
 
     prompts_per_step: int
     samples_per_prompt: int
     prompt_len: int
     gen_len: int
+    lengths: LengthDistribution | None = None
+    batching: Batching = "lockstep"
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt", "prompt_len", "gen_len"):
             if getattr(self, name) < 1:
                 raise PlanError(f"workload {name}={getattr(self, name)} must be >= 1")
+        check_batching(self.batching, "workload")
+        if self.lengths is not None and self.lengths.max_len > self.gen_len:
+            raise PlanError(
+                f"workload: completion lengths reach {self.lengths.max_len} tokens, over gen_len={self.gen_len} "
+                f"(max_new_tokens); raise --gen-len to at least {self.lengths.max_len}"
+            )
+
+    @property
+    def length_dist(self) -> LengthDistribution:
+        """``lengths``, or every completion ``gen_len`` long."""
+        return self.lengths if self.lengths is not None else fixed_lengths(self.gen_len)
+
+    @property
+    def mean_gen_len(self) -> float:
+        """Mean generated tokens per completion."""
+        return self.lengths.mean if self.lengths is not None else float(self.gen_len)
+
+    @property
+    def mean_seq_len(self) -> float:
+        """Mean tokens per sequence (prompt + completion): what a trainer packing sequences processes."""
+        return self.prompt_len + self.mean_gen_len
 
     @property
     def sequences(self) -> int:
@@ -66,9 +96,11 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return self.sequences * self.gen_len
 
     def short(self) -> str:
+        lengths = f", completions {self.lengths.short()}" if self.lengths is not None else ""
+        batching = f", {self.batching} batching" if self.batching != "lockstep" else ""
         return (
             f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples, "
-            f"{self.prompt_len}+{self.gen_len} tokens ({self.tokens_per_step:,} tokens/step)"
+            f"{self.prompt_len}+{self.gen_len} tokens ({self.tokens_per_step:,} tokens/step){lengths}{batching}"
         )
 
 
@@ -76,15 +108,18 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 LLM_DEFAULTS = Workload(prompts_per_step=256, samples_per_prompt=8, prompt_len=512, gen_len=2048)
 
 
-def workload_from_graph(graph: Graph, **overrides: int | None) -> Workload:
+def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     """The step workload the graph declares, with ``overrides`` (non-None keyword arguments) applied.
+
+    The batching mode is the first generator's ``sampling.batching`` when its config has that field
+    (``"lockstep"`` otherwise).
 
     Raises:
         PlanError: if the graph has no source or no generator to read from and nothing overrides it.
     """
     sources = graph.nodes_of_kind("source")
     gens = graph.nodes_of_kind("generator")
-    values: dict[str, int | None] = {
+    values: dict[str, object] = {
         "prompts_per_step": sum(s.source.batch_size for s in sources) if sources else None,  # type: ignore[union-attr]
         "samples_per_prompt": max(g.sampling.n_samples for g in gens) if gens else None,  # type: ignore[union-attr]
         "gen_len": max(g.sampling.max_new_tokens for g in gens) if gens else None,  # type: ignore[union-attr]
@@ -93,21 +128,29 @@ def workload_from_graph(graph: Graph, **overrides: int | None) -> Workload:
     if gens:
         g = gens[0]
         values["prompt_len"] = max(1, g.model.max_seq_len - g.sampling.max_new_tokens)  # type: ignore[union-attr]
+    optional = {"batching": graph_batching(graph)}
+    optional.update({k: overrides.pop(k) for k in ("lengths", "batching") if overrides.get(k) is not None})
     values.update({k: v for k, v in overrides.items() if v is not None})
     missing = [k for k, v in values.items() if v is None]
     if missing:
         flags = {"prompts_per_step": "--prompts-per-step", "samples_per_prompt": "--samples", "prompt_len": "--prompt-len", "gen_len": "--gen-len"}
         raise PlanError(f"graph {graph.name!r} does not say its {', '.join(missing)}; give {' and '.join(flags[m] for m in missing)}")
-    return Workload(**values)  # type: ignore[arg-type]
+    return Workload(**values, **optional)  # type: ignore[arg-type]
 
 
-def default_workload(graph: Graph, *, model_override: bool = False, **overrides: int | None) -> Workload:
+def graph_batching(graph: Graph) -> str:
+    """The batching mode of the graph's first generator (``sampling.batching`` if the config has it), else ``"lockstep"``."""
+    gens = graph.nodes_of_kind("generator")
+    return str(getattr(gens[0].sampling, "batching", "lockstep")) if gens else "lockstep"  # type: ignore[union-attr]
+
+
+def default_workload(graph: Graph, *, model_override: bool = False, **overrides: object) -> Workload:
     """``LLM_DEFAULTS`` when a published model is planned (``model_override`` or a node's ``preset``),
     else what the graph declares; non-None ``overrides`` replace single fields either way."""
     presets = any(getattr(getattr(n, "model", None), "preset", None) for n in graph.nodes)
     if model_override or presets:
         given = {k: v for k, v in overrides.items() if v is not None}
-        return Workload(**{**msgspec.structs.asdict(LLM_DEFAULTS), **given})
+        return Workload(**{**msgspec.structs.asdict(LLM_DEFAULTS), "batching": graph_batching(graph), **given})
     return workload_from_graph(graph, **overrides)
 
 

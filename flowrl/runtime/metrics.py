@@ -117,6 +117,10 @@ def step_row(
         "idle_s": idle_s,
         "samples": int(batch["completion_ids"].shape[0]) if "completion_ids" in batch else 0,
     }
+    if "completion_lens" in batch:  # the planner reads a run's lengths back (flowrl plan --lengths-from)
+        from flowrl.planners.lengths import length_histogram  # here: planners import runtime modules
+
+        row["completion_len_hist"] = length_histogram(batch["completion_lens"].tolist())
     if len(rewards) > 1:
         row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
     row.update({key: value for key, value in info.items() if "/" in key})

@@ -39,7 +39,7 @@ def test_plan_published_model_on_1024_h100s(capsys):
     out = capsys.readouterr().out
     assert "1024xH100 (128 hosts x 8 H100)" in out and "model llama3-8b" in out
     assert "256 prompts x 8 samples, 512+512 tokens" in out
-    assert "synchronous colocated baseline on all 1024 devices" in out and "runners-up:" in out
+    assert "baseline synchronous colocated (DeepSpeed-Chat-like) on all 1024 devices" in out and "runners-up:" in out
 
 
 def test_plan_with_a_calibrated_cluster(tmp_path, capsys):
@@ -76,8 +76,14 @@ def test_manual_placement_and_tuning_flags(capsys):
         ),
         (["plan", "--cluster", "16xH100", "--model", "llama3-8b", "--prompt-len", "9000"], "shorten --prompt-len"),
         (["calibrate", "--cores", "0"], "--cores 0: must be >= 1"),
+        (["plan", "--cluster", "cpu:2", "--gen-len-mean", "99"], "mean completion length 99.0 must be in [1, max_len=5]"),
+        (["plan", "--cluster", "cpu:2", "--gen-len-mean", "3", "--lengths-from", "m.jsonl"], "give either --lengths-from or --gen-len-mean"),
+        (["plan", "--cluster", "cpu:2", "--lengths-from", "no_such_metrics.jsonl"], "cannot read metrics file 'no_such_metrics.jsonl'"),
     ],
-    ids=["cluster", "strategy", "model", "set-form", "set-name", "workload", "too-big", "graph", "context", "context-prompt", "cores"],
+    ids=[
+        "cluster", "strategy", "model", "set-form", "set-name", "workload", "too-big", "graph", "context", "context-prompt", "cores",
+        "mean-over-max", "two-length-sources", "no-metrics",
+    ],
 )
 def test_user_mistakes_exit_2(capsys, argv, message):
     assert main(argv) == 2
@@ -98,3 +104,11 @@ def test_help_states_workload_defaults(capsys):
         main(["plan", "--help"])
     out = capsys.readouterr().out
     assert "--prompts-per-step 256 --samples 8 --prompt-len 512 --gen-len 2048" in out and "mfu_train=0.45" in out
+
+
+def test_plan_with_lengths_and_continuous_batching(capsys):
+    argv = ["plan", "--cluster", "64xH100", "--model", "llama3-8b", "--gen-len-mean", "800", "--batching", "continuous"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "completions mean 800, max 2048, continuous batching" in out and "continuous, " in out
+    assert "on its best subset (" in out

@@ -113,6 +113,17 @@ def test_measure_returns_positive_figures():
     assert msgspec.json.decode(msgspec.json.encode(m), type=Measurements) == m
 
 
+@pytest.mark.parametrize("statistic", ["median", "best"])
+def test_measure_with_every_core_busy(statistic):
+    m = measure(matmul_size=32, copy_mib=1, repeats=2, statistic=statistic)
+    assert m.matmul_flops > 0 and m.cores >= 1
+
+
+def test_measure_refuses_an_unknown_statistic():
+    with pytest.raises(PlanError, match="statistic 'mean' is not one of median, best"):
+        measure(statistic="mean")
+
+
 def test_cpu_cluster_default_uses_every_core():
     assert cpu_cluster().n_devices >= 1
     with pytest.raises(PlanError, match="hosts=0"):

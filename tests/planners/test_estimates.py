@@ -173,7 +173,7 @@ def test_decode_is_memory_bound_by_hand():
     kv_token = 2 * 2 * 1 * 4 * 2  # k,v x layers x kv heads x head_dim x 2 bytes
     read = weights + 4 * (3 + 1 / 2) * kv_token + 4 * 10 * 4  # weights + KV at mean ctx + fp32 logits
     assert est.time_s == pytest.approx(1 * read / 1e11, rel=1e-6)
-    assert est.notes == ("batch 4 x 1 wave", "bfloat16 weights")
+    assert est.notes == ("batch 4 x 1 wave", "bfloat16 weights", "lock-step, 1 decode steps")
     assert (est.memory.weights, est.memory.kv_cache) == (weights, 4 * 4 * kv_token)
 
 

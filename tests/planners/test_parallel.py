@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from flowrl.errors import PlanError
 from flowrl.planners.modelspec import ModelSpec
-from flowrl.planners.parallel import AXES, ParallelDims, axis_groups, divisors, enumerate_dims, spans_hosts
+from flowrl.planners.parallel import AXES, ParallelDims, axis_groups, divisors, enumerate_dims, spans_hosts, stage_fraction, stage_layers
 
 MODEL = ModelSpec(name="m", n_layers=6, dim=64, n_heads=8, n_kv_heads=2, ffn_dim=128, vocab_size=100)
 
@@ -19,13 +20,20 @@ MODEL = ModelSpec(name="m", n_layers=6, dim=64, n_heads=8, n_kv_heads=2, ffn_dim
     [
         (ParallelDims(dp=2, tp=4, pp=2), 8, r"dp\(2\) \* tp\(4\) \* pp\(2\) = 16 != devices\(8\)"),
         (ParallelDims(dp=1, tp=3), 3, r"tp\(3\) must divide the attention heads of m \(n_heads=8, 8 % 3 = 2\)"),
-        (ParallelDims(dp=1, pp=4), 4, r"pp\(4\) must divide the layers of m \(n_layers=6, 6 % 4 = 2\)"),
+        (ParallelDims(dp=1, pp=8), 8, r"pp\(8\) is more pipeline stages than m has layers \(n_layers=6\); pick pp <= 6"),
     ],
     ids=["product", "heads", "layers"],
 )
 def test_check_states_the_equation(dims, devices, match):
     with pytest.raises(PlanError, match=match):
         dims.check(devices, MODEL, node="policy")
+
+
+@pytest.mark.parametrize("layers, pp, largest", [(6, 4, 2), (126, 32, 4), (80, 16, 5), (7, 7, 1)], ids=str)
+def test_uneven_stages(layers, pp, largest):
+    assert stage_layers(layers, pp) == largest
+    assert stage_fraction(layers, pp) == pytest.approx(largest / layers)
+    ParallelDims(pp=pp).check(pp, msgspec.structs.replace(MODEL, n_layers=layers))  # pp need not divide the layers
 
 
 def test_nonpositive_axis():
@@ -57,7 +65,7 @@ def test_enumerate_dims_is_exactly_the_valid_set(n):
     brute = {
         ParallelDims(dp=dp, tp=tp, pp=n // (dp * tp))
         for dp in divisors(n) for tp in divisors(n // dp)
-        if MODEL.n_heads % tp == 0 and MODEL.n_layers % (n // (dp * tp)) == 0
+        if MODEL.n_heads % tp == 0 and n // (dp * tp) <= MODEL.n_layers  # stages may be uneven
     }
     assert found == brute
     for d in found:

@@ -11,6 +11,7 @@ from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
+from flowrl.planners.baseline import BaselineSystem
 from flowrl.planners.cluster import parse_cluster
 from flowrl.planners.modelspec import model_preset
 from flowrl.planners.plan import Plan, load_plan, parse_plan, plan_graph, plan_to_json, save_plan
@@ -52,10 +53,17 @@ def test_disaggregated_on_cpu_pins_one_core_each():
     assert placement.groups() == [["gen"], ["policy"]]
 
 
-def test_colocated_is_one_group_and_sync_equals_baseline():
-    plan = plan_graph(LLAMARL, CPU2, strategy="colocated")
+def test_colocated_is_one_group_and_sync_equals_a_baseline_with_its_choices():
+    """A baseline system that makes flowrl's colocated choices (its own dims per phase, the
+    transport's reshard, no recompute under AIPO) is the colocated plan's synchronous step; the
+    default, DeepSpeed-Chat-like system (shared layout, gather, recompute) is slower."""
+    same = BaselineSystem(name="flowrl-colocated", shared_layout=False, weight_sync="reshard", recompute_logprobs=False)
+    plan = plan_graph(LLAMARL, CPU2, strategy="colocated", baseline=same)
     assert plan.colocation_groups() == [["aipo", "gen", "policy"]]
     assert plan.baseline_step_s == pytest.approx(plan.sync_step_s)
+    assert plan.baseline_system == "flowrl-colocated"
+    default = plan_graph(LLAMARL, CPU2, strategy="colocated")
+    assert default.baseline_step_s > plan.sync_step_s
 
 
 def test_k0_graph_ranks_by_synchronous_step():
@@ -137,12 +145,15 @@ def test_hint_leaves_out_a_strategy_the_search_already_tried():
 
 
 def test_baseline_that_does_not_fit_says_why(tmp_path):
-    plan = plan_graph(LLAMARL, "3xH100", model=model_preset("llama3-8b"), gen_precision="bfloat16")
-    assert plan.baseline_step_s is None
-    assert plan.baseline_problem.startswith("closest miss: node 'policy' (llama3-8b training on d3) needs ")
-    assert "a H100 has 80.0 GiB x memory_util 0.9 = 72.0 GiB" in plan.baseline_problem
+    # uneven pipeline stages let the default baseline fit on 3 devices (p3); one sampling in float32 does not
+    fp32 = BaselineSystem(name="fp32-sampler", gen_precision="float32")
+    plan = plan_graph(LLAMARL, "3xH100", model=model_preset("llama3-8b"), gen_precision="bfloat16", baseline=fp32, memory_util=0.7, offload="off")
+    assert plan.baseline_step_s is None and plan.step_s > 0
+    # the shared layout puts the generator's float32 weights beside the policy's state
+    assert plan.baseline_problem.startswith("closest miss: node 'gen' (llama3-8b generation on p3, float32 weights) needs ")
+    assert "held by colocated nodes; a H100 has 80.0 GiB x memory_util 0.7 = 56.0 GiB" in plan.baseline_problem
     text = format_plan(plan)
-    assert f"synchronous colocated baseline on all 3 devices: does not fit: {plan.baseline_problem}" in text
+    assert f"baseline {plan.baseline_system} on all 3 devices: does not fit: {plan.baseline_problem}" in text
     save_plan(plan, tmp_path / "plan.json")
     assert load_plan(tmp_path / "plan.json").baseline_problem == plan.baseline_problem
 

@@ -83,6 +83,8 @@ class NodeEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         notes: choices the estimate made (micro-batch, activation checkpointing, waves).
         feasible: False when it does not fit in device memory; ``problem`` then says by how much.
         problem: why it is infeasible ("" when feasible).
+        steady_s: seconds per step in an asynchronous steady state when that differs from
+            ``time_s`` (a continuous generator keeps its slots full across steps); None: ``time_s``.
     """
 
     time_s: float
@@ -91,6 +93,7 @@ class NodeEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     notes: tuple[str, ...] = ()
     feasible: bool = True
     problem: str = ""
+    steady_s: float | None = None
 
 
 class Link(msgspec.Struct, frozen=True):

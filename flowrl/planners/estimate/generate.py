@@ -16,9 +16,19 @@ Time of one wave of ``b`` completions::
     stage      = max( (weights + b * ctx * kv_token + b * V * 4 / (tp*pp)) / (mem_bw * mem_eff),   # read
                       b * F_tok(ctx) / (tp * pp * peak * mfu_decode) )                              # compute
     token      = pp * (stage + (L/pp) * 2 * all_reduce(b * h * 2, tp) + (L/pp) * ops_per_layer * kernel_overhead)
+    (with uneven stages memory is the largest stage's, ``ceil(L/pp)`` layers, and a token still
+    passes every layer once, so its time is the sum over stages, ``pp * (L/pp) = L`` layers)
                  + (pp - 1) * send(b * h * 2)
-    decode     = gen_len * token,        ctx = prompt_len + gen_len / 2 (mean keys attended)
-    G          = waves * (prefill + decode)
+    decode     = steps * token,          ctx = prompt_len + l / 2 (mean keys attended)
+    G          = waves * prefill + decode
+
+``steps`` and ``l`` come from the completion lengths and the batching mode
+(``flowrl.planners.lengths``): lock-step, ``steps = waves * E[max of b]`` and ``l = E[max of b]``
+(finished slots idle until the longest is done); continuous, ``steps = E[max of b] + (n/b - 1)^+ *
+mean`` and ``l = mean``. A continuous generator in an asynchronous run keeps its slots full across
+steps (the next step's prompts fill what the tail frees), so its steady-state time per step,
+``NodeEstimate.steady_s``, is ``waves * prefill + n * mean / b * token``. Every completion running
+to ``gen_len`` (the default lengths) gives ``steps = waves * gen_len`` in every mode.
 
 The decode step reads every weight once per generated token, so it is bound by memory bandwidth:
 tp splits those reads over tp devices (and pays two all-reduces per layer per token); pp splits
@@ -42,8 +52,9 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.planners.estimate.train import memory_budget
+from flowrl.planners.lengths import decode_steps, steady_decode_steps
 from flowrl.planners.modelspec import ModelSpec
-from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.units import format_excess, format_gib_pair
 
 __all__ = ["estimate_generate", "generator_dtype"]
@@ -89,7 +100,7 @@ def estimate_generate(
         ...               workload=Workload(prompts_per_step=64, samples_per_prompt=4, prompt_len=256, gen_len=256))
         >>> est = estimate_generate(model_preset("llama3-8b"), ParallelDims(dp=8), range(8), ctx)
         >>> est.feasible, est.notes
-        (True, ('batch 32 x 1 wave', 'bfloat16 weights'))
+        (True, ('batch 32 x 1 wave', 'bfloat16 weights', 'lock-step, 256 decode steps'))
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
@@ -98,9 +109,9 @@ def estimate_generate(
     kvb = t.kv_bytes or (2 if dev.kind == "gpu" else wb)
     ab = 2 if dev.kind == "gpu" else dev.dtype_bytes
     h, L, V = model.dim, model.n_layers, model.vocab_size
-    layers = L / pp
+    layers = stage_layers(L, pp)  # the largest stage: its memory must fit (stages may be uneven)
     per_replica = math.ceil(w.sequences / dp)
-    weights = int(model.params * wb / (tp * pp))
+    weights = int(model.params * wb * layers / (L * tp))
     kv_token = 2 * layers * math.ceil(model.n_kv_heads / tp) * model.head_dim * kvb
     kv_seq = w.seq_len * kv_token
     prefill_chunk = min(per_replica * w.prompt_len, 8192)
@@ -135,22 +146,27 @@ def estimate_generate(
     prefill_comm = L * 2 * all_reduce_s(p_tok * h * ab, tp, tp_link) if tp_link else 0.0
     prefill = prefill_compute + prefill_comm + L * launch_layer
 
-    ctx_len = w.prompt_len + w.gen_len / 2
-    read = weights + b * ctx_len * kv_token + b * V * 4 / (tp * pp)
+    dist = w.length_dist
+    steps = decode_steps(dist, completions=per_replica, batch=b, batching=w.batching)
+    continuous = w.batching == "continuous"
+    ctx_len = w.prompt_len + (dist.mean if continuous else dist.expected_max(b)) / 2
+    read = weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
     t_read = read / mem_bw
     t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * peak * t.mfu_decode)
     stage = max(t_read, t_compute)
-    tp_tok = layers * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
-    token = pp * (stage + tp_tok + layers * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
-    decode = w.gen_len * token
+    tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
+    token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
+    decode = steps * token
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
     breakdown = {
         "prefill": waves * prefill,
-        "decode_memory" if t_read >= t_compute else "decode_compute": waves * w.gen_len * pp * stage,
-        "tp_comm": waves * (w.gen_len * pp * tp_tok + prefill_comm),
-        "launch": waves * (w.gen_len * pp * layers * launch_layer + L * launch_layer),
-        "pp_comm": waves * w.gen_len * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0),
+        "decode_memory" if t_read >= t_compute else "decode_compute": steps * pp * stage,
+        "tp_comm": steps * pp * tp_tok + waves * prefill_comm,
+        "launch": steps * L * launch_layer + waves * L * launch_layer,
+        "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0),
     }
-    notes = (f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights")
-    return NodeEstimate(time_s=waves * (prefill + decode), memory=memory, breakdown=breakdown, notes=notes)
+    mode = "continuous" if continuous else "lock-step"
+    notes = (f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
+    steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token if continuous else None
+    return NodeEstimate(time_s=waves * prefill + decode, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)

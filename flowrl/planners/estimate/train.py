@@ -1,33 +1,41 @@
 """Training-step time and memory of a policy (and forward-only passes of a reference model).
 
-Notation: S sequences of s tokens per step (``Workload``), model of L layers, width h, MLP width f,
+Notation: S sequences per step of at most s tokens and ``s_bar`` on average (``Workload``: prompt +
+mean completion; sequences are packed, so time follows the mean and memory the longest), model of L layers, width h, MLP width f,
 vocabulary V, P parameters; mesh dp x tp x pp; micro-batches of ``mb`` sequences, so each
 data-parallel rank runs ``m = ceil(ceil(S / dp) / mb)`` micro-batches.
 
 Time of one optimizer step::
 
-    F_tok       = 2 * matmul_params + 4 * L * h * (s / 2)            # forward FLOPs/token, causal
+    F_tok       = 2 * matmul_params + 4 * L * h * (s_bar / 2)        # forward FLOPs/token, causal
     passes      = 3 (forward + backward) + 1 if activation checkpointing + 1 if log-probs are recomputed
-    t_mb        = passes * [ mb*s * F_tok / pp / (tp * peak * mfu_train)          # compute of one stage
-                             + (L/pp) * 2 * all_reduce(mb*s*h*act_bytes, tp)      # tp: 2 per layer
+    t_mb        = passes * [ mb*s_bar * F_tok / pp / (tp * peak * mfu_train)      # compute of one stage
+                             + (L/pp) * 2 * all_reduce(mb*s_bar*h*act_bytes, tp)  # tp: 2 per layer
                              + (L/pp) * ops_per_layer * kernel_overhead ]         # launches
-                  + 2 * send(mb*s*h*act_bytes) if pp > 1                          # stage-to-stage
+                  + 2 * send(mb*s_bar*h*act_bytes) if pp > 1                      # stage-to-stage
     pipeline    = (m + pp - 1) * t_mb                                  # 1F1B: pp - 1 bubble slots
-    grad_sync   = (1 - dp_overlap) * all_reduce(P/(tp*pp) * grad_bytes, dp)
+    grad_sync   = (1 - dp_overlap) * all_reduce(P/(tp*pp) * grad_bytes, dp)      # reduce-scatter (all_gather) at zero >= 2
     optimizer   = P/(tp*pp) * (param_bytes + grad_bytes + 2 * optimizer_bytes / shard) / mem_bw
                   + param_tensors * 10 * kernel_overhead  (+ all_gather of the params if sharded)
     T           = pipeline + grad_sync + optimizer
+    zero = 3    :  t_mb += (1 - dp_overlap) * (2 + ckpt) * all_gather(P/(tp*pp) * param_bytes, dp)
+                   (FSDP gathers each stage's parameters for the forward, the backward and a recompute)
 
 Memory per device::
 
-    weights = P/(tp*pp) * param_bytes;  grads = P/(tp*pp) * grad_bytes
-    optimizer = P/(tp*pp) * optimizer_bytes / (dp if shard_optimizer else 1)
+    ZeRO stage ``zero`` (``Tuning.zero_stage``) shards over dp: 1 the optimizer states, 2 also the
+    gradients, 3 (FSDP) also the parameters:
+    weights = P/(tp*pp) * param_bytes / (dp if zero >= 3 else 1)
+    grads = P/(tp*pp) * grad_bytes / (dp if zero >= 2 else 1)
+    optimizer = P/(tp*pp) * optimizer_bytes / (dp if zero >= 1 else 1)
     per_layer  = mb*s * (8h + 3f) * act_bytes / tp          # stored activations of one layer
     activations = min(pp, m) * (L/pp) * per_layer            # 1F1B keeps up to pp micro-batches
                 = min(pp, m) * (L/pp) * mb*s*h*act_bytes/tp + per_layer   with checkpointing
     workspace   = mb*s * V * 8 / tp                          # fp32 logits and their gradient
 
-Parameters are assumed evenly spread over stages (the first and last stages also hold the
+With uneven stages (pp need not divide L) every per-stage figure is the largest stage's:
+``L/pp`` above is ``ceil(L/pp)``, ``P/(tp*pp)`` is ``P * ceil(L/pp) / (L * tp)``, and ``F_tok / pp``
+is ``F_tok * ceil(L/pp) / L``. Parameters are assumed evenly spread over layers (the first and last stages also hold the
 embedding and output head; for Llama-3 405B at tp=8 that is about 2 GiB more on those two).
 The estimate tries every power-of-two micro-batch (or the one the optimizer config fixes) with
 and without checkpointing and keeps the fastest that fits.
@@ -50,10 +58,18 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.planners.modelspec import ModelSpec
-from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.parallel import ParallelDims, stage_layers
+from flowrl.planners.tuning import Tuning
 from flowrl.planners.units import format_excess, format_gib_pair
 
-__all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget"]
+__all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage"]
+
+
+def zero_stage(tuning: Tuning) -> int:
+    """The ZeRO stage in effect: ``tuning.zero_stage``, else 1 with ``shard_optimizer`` and 0 without."""
+    if tuning.zero_stage is not None:
+        return tuning.zero_stage
+    return 1 if tuning.shard_optimizer else 0
 
 
 def memory_budget(ctx: Context) -> float:
@@ -121,29 +137,37 @@ def train_options(
     gb = t.grad_bytes
     ab = dev.dtype_bytes
     h, f, L, V = model.dim, model.ffn_dim, model.n_layers, model.vocab_size
-    layers = L / pp
+    layers = stage_layers(L, pp)  # the largest stage sets the pace (stages may be uneven)
+    frac = layers / L
     s = w.seq_len
+    s_bar = w.mean_seq_len
     per_rank = math.ceil(w.sequences / dp)
-    f_tok = model.forward_flops_per_token(s / 2)
-    p_dev = model.params / (tp * pp)
+    f_tok = model.forward_flops_per_token(s_bar / 2)
+    p_dev = model.params * frac / tp
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
     dp_link = axis_link(c, t, devices, dims, "dp") if dp > 1 else None
 
-    weights = int(p_dev * pb)
+    zero = 0 if forward_only else zero_stage(t)
+    weights = int(p_dev * pb / (dp if zero >= 3 else 1))
+    fsdp_gather = (1 - t.dp_overlap) * all_gather_s(p_dev * pb, dp, dp_link) if zero >= 3 and dp_link else 0.0
     if forward_only:
         grads = optim = 0
         grad_sync = optimizer_s = 0.0
     else:
-        grads = int(p_dev * gb)
-        shard = dp if t.shard_optimizer else 1
+        grads = int(p_dev * gb / (dp if zero >= 2 else 1))
+        shard = dp if zero >= 1 else 1
         optim = int(p_dev * ob / shard)
-        grad_sync = (1 - t.dp_overlap) * all_reduce_s(p_dev * gb, dp, dp_link) if dp_link else 0.0
+        if dp_link:
+            reduce = all_gather_s if zero >= 2 else all_reduce_s  # reduce-scatter moves what an all-gather does
+            grad_sync = (1 - t.dp_overlap) * reduce(p_dev * gb, dp, dp_link)
+        else:
+            grad_sync = 0.0
         tensors = 9 * L + 3
         optimizer_s = p_dev * (pb + gb + 2 * ob / shard) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         optimizer_s += tensors * 10 * dev.kernel_overhead_s
-        if t.shard_optimizer and dp_link:
+        if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
             optimizer_s += all_gather_s(p_dev * pb, dp, dp_link)
     resident = weights + grads + optim
 
@@ -156,15 +180,15 @@ def train_options(
 
     def parts(mb: int, ckpt: bool) -> tuple[float, dict[str, float], MemoryBreakdown]:
         m = math.ceil(per_rank / mb)
-        tok = mb * s
+        tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int(tok * V * (4 if forward_only else 8) / tp)
         passes = 1 if forward_only else 3 + int(ckpt) + int(recompute_logprobs)
-        compute = passes * tok * f_tok / pp / (tp * dev.peak_flops * t.mfu_train)
-        tp_comm = passes * layers * 2 * all_reduce_s(tok * h * ab, tp, tp_link) if tp_link else 0.0
+        compute = passes * tok_bar * f_tok * frac / (tp * dev.peak_flops * t.mfu_train)
+        tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
         launches = passes * layers * t.ops_per_layer * dev.kernel_overhead_s
-        p2p = (1 if forward_only else 2) * send_s(tok * h * ab, pp_link) if pp_link else 0.0
-        t_mb = compute + tp_comm + launches + p2p
+        p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
+        t_mb = compute + tp_comm + launches + p2p + (2 + int(ckpt)) * fsdp_gather
         if forward_only:
             acts = int(per_layer)
         elif ckpt:
@@ -178,7 +202,7 @@ def train_options(
             "launch": m * launches,
             "pp_comm": m * p2p,
             "bubble": (pp - 1) * t_mb,
-            "dp_comm": grad_sync,
+            "dp_comm": grad_sync + m * (2 + int(ckpt)) * fsdp_gather,
             "optimizer": optimizer_s,
         }
         return (m + pp - 1) * t_mb + grad_sync + optimizer_s, breakdown, memory
@@ -188,14 +212,15 @@ def train_options(
     tp_ar = (lambda nbytes: all_reduce_s(nbytes, tp, tp_link)) if tp_link else (lambda nbytes: 0.0)
     for mb in _micro_batches(per_rank, micro_batch):
         m = -(-per_rank // mb)
-        tok = mb * s
+        tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int(tok * V * (4 if forward_only else 8) / tp)
-        layer_comm = layers * 2 * tp_ar(tok * h * ab)
-        p2p = (1 if forward_only else 2) * send_s(tok * h * ab, pp_link) if pp_link else 0.0
+        layer_comm = layers * 2 * tp_ar(tok_bar * h * ab)
+        p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
             passes = 1 if forward_only else 3 + ckpt + recompute_logprobs
-            t_mb = passes * (tok * f_tok / pp / (tp * dev.peak_flops * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
+            t_mb = passes * (tok_bar * f_tok * frac / (tp * dev.peak_flops * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
+            t_mb += (2 + ckpt) * fsdp_gather
             if forward_only:
                 acts = int(per_layer)
             elif ckpt:
