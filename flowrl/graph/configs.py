@@ -210,9 +210,9 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     """Hyper-parameters of the RL objective.
 
     Attributes:
-        objective: ``"aipo"`` (LlamaRL), ``"grpo"`` (PPO-clip ratio with group advantages) or
-            ``"ppo_clip"`` (an alias kept for readers of the PPO paper); checked by
-            ``flowrl.operators.losses``.
+        objective: ``"aipo"`` (LlamaRL), ``"pg"`` (plain policy gradient that ignores mu),
+            ``"grpo"`` (PPO-clip ratio with group advantages) or ``"ppo_clip"`` (an alias kept for
+            readers of the PPO paper); checked by ``flowrl.operators.losses``.
         rho: AIPO's one-sided cap on the importance ratio pi/mu.
         clip_eps: PPO/GRPO clip range.
         baseline: ``"group_mean"`` (LlamaRL) or ``"leave_one_out"``.

@@ -189,7 +189,7 @@ def describe(node: Node) -> str:
         return f"model={node.model.short()}"
     if isinstance(node, LossNode):
         c = node.loss
-        extra = f", rho={c.rho:g}" if c.objective == "aipo" else f", eps={c.clip_eps:g}"
+        extra = {"aipo": f", rho={c.rho:g}", "pg": ""}.get(c.objective, f", eps={c.clip_eps:g}")
         return f"{c.objective}{extra}, baseline={c.baseline}"
     if isinstance(node, PolicyNode):
         return f"model={node.model.short()}, lr={node.optimizer.lr:g}"
