@@ -5,14 +5,16 @@ Three parts, one JSON object:
 - ``kernels``: one linear layer of the 88M model's MLP shape (768 -> 2048) on ``--rows`` rows:
   float32 ``F.linear`` against the forms a weight-only int8 layer could take (``linear(x, Q) * scale``,
   which ``flowrl.models.quantize`` uses; ``linear(x, Q * scale)``; aten's ``_weight_int8pack_mm`` with
-  float32 and with bfloat16 activations), milliseconds per call, best of ``--repeats``.
+  float32 and with bfloat16 activations), milliseconds per call, best and median of 50.
 - ``generation``: the generator (``flowrl.operators.generation``) on the 88M built-in model
   (``benches/generation.py``'s ``big``: 14 layers, dim 768) and on the ~29M Hugging Face Llama of
   ``benches/hf_generation.py`` (8 layers, dim 512, vocabulary 8192, built from a config: nothing is
   downloaded), same prompts and seed in every precision, stopping disabled so every row decodes
   ``--new-tokens``. The precisions are timed interleaved (float32, int8, float32, int8, ...) so a
   change of machine load hits both alike; per precision the seconds of every repeat, tokens/s of the
-  best, and the int8/float32 ratio of each repeat pair (min, median, max).
+  best, and the int8/float32 ratio of each repeat pair (min, median, max); for int8 also the bytes
+  it keeps (float weights for the transports + quantized buffers) and the seconds one re-quantization
+  (after each weight fetch) takes.
 - ``learning``: the default example (``flowrl.examples.llamarl``, the copy task, AIPO with rho = 4)
   run by the runtime for ``--steps`` steps per seed at ``--max-staleness`` (0: the quantization is the
   only source of pi != mu), with the generator in float32 and int8 under AIPO, and int8 under
@@ -52,14 +54,14 @@ from flowrl.operators.generation import Generator  # noqa: E402
 BIG = ModelConfig(vocab_size=16, dim=768, n_layers=14, n_heads=12, n_kv_heads=4, ffn_dim=2048, max_seq_len=96)
 
 
-def _best_ms(fn, repeats: int) -> float:
+def _ms(fn, repeats: int) -> dict[str, float]:
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return round(min(times) * 1e3, 3)
+    return {"best": round(min(times) * 1e3, 3), "median": round(statistics.median(times) * 1e3, 3)}
 
 
 def kernels(rows: int, repeats: int) -> dict:
@@ -75,7 +77,7 @@ def kernels(rows: int, repeats: int) -> dict:
         "int8pack_mm_bfloat16_activations": lambda: torch._weight_int8pack_mm(xb, q, scale_b),
         "bfloat16_linear": lambda: F.linear(xb, w.bfloat16()),
     }
-    return {"shape": [rows, 768, 2048], "ms_per_call_best": {name: _best_ms(fn, repeats) for name, fn in forms.items()}}
+    return {"shape": [rows, 768, 2048], "ms_per_call": {name: _ms(fn, repeats) for name, fn in forms.items()}}
 
 
 def _resident_bytes(gen: Generator) -> dict:
@@ -106,6 +108,9 @@ def generation(model, prompts: dict, *, samples: int, new_tokens: int, repeats: 
         result[p] = {"tokens": tokens[p], "seconds": [round(s, 3) for s in seconds[p]], "tokens_per_s_best": round(tokens[p] / min(seconds[p]), 1)}
         if p != "float32":
             result[p]["resident_bytes"] = _resident_bytes(gens[p])
+            start = time.perf_counter()
+            gens[p].version = gens[p].version  # what every weight fetch costs on top: re-quantize all linear layers
+            result[p]["requantize_s"] = round(time.perf_counter() - start, 3)
             pairs = sorted((tokens[p] / s) / (tokens["float32"] / f) for s, f in zip(seconds[p], seconds["float32"]))
             result[f"ratio_{p}_over_float32"] = {"min": round(pairs[0], 3), "median": round(statistics.median(pairs), 3), "max": round(pairs[-1], 3)}
     return result
@@ -167,7 +172,7 @@ def main() -> None:
     precisions = ["float32", "int8"] + (["float8"] if args.float8 else [])
     result: dict = {"bench": "quantized", "threads": args.threads, "torch": torch.__version__, "load_1min_start": round(os.getloadavg()[0], 2)}
     if "kernels" in args.parts:
-        result["kernels"] = kernels(args.rows, max(args.repeats, 5))
+        result["kernels"] = kernels(args.rows, 50)
     if "generation" in args.parts:
         common = dict(samples=args.samples, new_tokens=args.new_tokens, repeats=args.repeats, precisions=precisions)
         result["generation"] = {
