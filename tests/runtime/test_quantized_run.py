@@ -68,3 +68,20 @@ def test_the_process_backend_gives_the_same_int8_run(uninterrupted, tmp_path):
 def test_pg_ignores_mu_but_logs_the_ratio(tmp_path):
     result = _run(tmp_path, 2, objective="pg")
     assert all("pg/ratio_mean" in row and "pg/truncated_frac" in row and "aipo/ratio_mean" not in row for row in result.rows)
+
+
+def test_an_int8_generator_with_tensor_parallelism_is_refused():
+    from flowrl.errors import ConfigError
+    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
+
+    class Mesh:  # the two attributes the program reads before touching a process group
+        mesh_dim_names = ("dp", "tp")
+        mesh = torch.arange(2).reshape(1, 2)
+
+    graph = build_llamarl(precision="int8")
+    set_context(RankContext(rank=0, world=2, ranks={"gen": (0, 1)}, programs={}))
+    try:
+        with pytest.raises(ConfigError, match=r"generator 'gen': precision='int8' does not support tensor parallelism \(its mesh has tp=2\)"):
+            ParallelGenerator(graph.node("gen"), graph, None, None, group=None, ranks=(0, 1), mesh=Mesh())  # type: ignore[arg-type]
+    finally:
+        set_context(None)
