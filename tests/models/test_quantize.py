@@ -143,21 +143,24 @@ def test_quantize_linears_leaves_a_tied_output_projection_alone():
         quantize_linears_(torch.nn.Sequential(torch.nn.ReLU()), "int8")
 
 
-def test_a_hugging_face_generator_samples_in_int8(hf_llama_dir):
-    gen = Generator(hf_generator_node(hf_llama_dir, precision="int8", n_samples=3, max_new_tokens=6), seed=0)
+def test_a_hugging_face_generator_samples_in_int8(hf_dir):
+    """Llama and Qwen2 (whose q/k/v layers have biases, kept in float and still fed by the transports)."""
+    gen = Generator(hf_generator_node(hf_dir, precision="int8", n_samples=3, max_new_tokens=6), seed=0)
     names = {n for n, m in gen.model.named_modules() if isinstance(m, QuantizedLinear)}
     assert "model.layers.0.self_attn.q_proj" in names and "model.layers.1.mlp.down_proj" in names
     rows = prompts_of([[5, 6, 7], [8, 9, 10, 11]])
     rollout = gen.generate(rows)
     mu = rollout["behaviour_logprobs"]
     torch.testing.assert_close(torch.where(rollout["completion_mask"], _rollout_logprobs(gen.model, rollout), 0.0), mu, rtol=0, atol=2e-6)
-    float_gen = Generator(hf_generator_node(hf_llama_dir, n_samples=3, max_new_tokens=6), seed=0)
+    float_gen = Generator(hf_generator_node(hf_dir, n_samples=3, max_new_tokens=6), seed=0)
     float_lp = torch.where(rollout["completion_mask"], _rollout_logprobs(float_gen.model, rollout), 0.0)
     assert float((float_lp - mu).abs().max()) > 1e-5
     state = {n: t * 1.5 for n, t in float_gen.weight_targets().items()}
     gen.load_weights(state, version=2)
     q = gen.model.model.layers[0].self_attn.q_proj
     assert torch.equal(q.qweight, quantize_per_channel(state["model.layers.0.self_attn.q_proj.weight"], "int8")[0])
+    if "model.layers.0.self_attn.q_proj.bias" in state:
+        assert torch.equal(q.bias, state["model.layers.0.self_attn.q_proj.bias"])
 
 
 def _int8_graph():
