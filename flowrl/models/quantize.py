@@ -18,9 +18,9 @@ norms in float, and an output projection tied to the embedding stays the embeddi
 
 The layer computes ``linear(x, Q.to(x.dtype)) * scale`` (+ bias): the scale factors out of the
 matmul because it is per output channel. Measured on this CPU (torch 2.13, 2 cores; see
-``benches/quantized.py``): ``torch._weight_int8pack_mm`` (the aten weight-only int8 kernel) is ~30x
-slower than a float32 matmul with float32 activations and only competitive with bfloat16 ones (a
-different precision for mu); ``torch._int_mm`` and ``torch._scaled_mm`` quantize the activations as
+``benches/quantized.py``): ``torch._weight_int8pack_mm`` (the aten weight-only int8 kernel) is 30-100x
+slower than a float32 matmul with float32 activations, and fast only with bfloat16 ones (a
+different precision for mu, not offered here); ``torch._int_mm`` and ``torch._scaled_mm`` quantize the activations as
 well (W8A8), which is not weight-only. So the portable form above is used on every device.
 
 float8: ``torch.float8_e4m3fn`` is a storage dtype on every device torch supports it on (CPU
