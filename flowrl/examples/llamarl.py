@@ -15,13 +15,15 @@ __all__ = ["build_llamarl", "build_llamarl_ref", "build_two_scorers", "DEFAULT_M
 DEFAULT_MODEL = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=32)
 
 
-def build_llamarl(*, max_staleness: int = 1, transport: str = "inprocess") -> Graph:
-    """prompts -> gen -> reward -> aipo -> policy, and policy ~> gen over ``transport``."""
+def build_llamarl(*, max_staleness: int = 1, transport: str = "inprocess", precision: str = "float32", objective: str = "aipo") -> Graph:
+    """prompts -> gen -> reward -> aipo -> policy, and policy ~> gen over ``transport``; the generator
+    samples in ``precision`` (``"int8"``: a quantized generator) and the loss node runs ``objective``
+    (``"pg"``: ignore mu), so ``benches/quantized.py`` compares them on the default example."""
     b = GraphBuilder("llamarl", model=DEFAULT_MODEL)
     prompts = b.source("prompts", task="copy", batch_size=16)
-    gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=5, temperature=1.0)
+    gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=5, temperature=1.0, precision=precision)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
-    aipo = b.loss("aipo", gen, reward, objective="aipo", rho=4.0, normalize_std=True)
+    aipo = b.loss("aipo", gen, reward, objective=objective, rho=4.0, normalize_std=True)
     policy = b.policy("policy", aipo, lr=1e-3)
     b.weights(policy, gen, transport=transport, max_staleness=max_staleness)
     return b.build()

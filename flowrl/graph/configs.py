@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -29,9 +29,12 @@ __all__ = [
     "SourceConfig",
     "DATA_EXTENSIONS",
     "Precision",
+    "GeneratorPrecision",
 ]
 
 Precision = Literal["float32", "bfloat16", "float16"]
+#: A generator's precision: a float dtype, or weight-only quantized linear layers (``flowrl.models.quantize``).
+GeneratorPrecision = Literal["float32", "bfloat16", "float16", "int8", "float8"]
 
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 
@@ -173,7 +176,10 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
             tokenizer's end token. Hugging Face model: added to the tokenizer's end ids.
         stop_strings: texts that end a completion once its decoded text contains one (the token
             that completes it is kept).
-        precision: dtype of the generator's weights (LlamaRL samples with lower-precision weights).
+        precision: dtype of the generator's weights (LlamaRL samples with lower-precision weights):
+            ``float32``, ``bfloat16``, ``float16``, or ``int8`` / ``float8`` (weight-only, per output
+            channel, float32 activations; re-quantized after every weight fetch; see
+            ``flowrl.models.quantize``).
         use_kv_cache: decode with the KV cache (off only to measure what the cache saves).
         batching: ``"lockstep"`` (the default) samples each batch's rows together until the
             longest stops; ``"continuous"`` keeps ``slots`` sequences decoding and gives a freed
@@ -188,7 +194,7 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
     top_p: float = 1.0
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
-    precision: Precision = "float32"
+    precision: GeneratorPrecision = "float32"
     use_kv_cache: bool = True
     batching: Literal["lockstep", "continuous"] = "lockstep"
     slots: int = 0
@@ -206,15 +212,17 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
         _check(self.top_k >= 0, o, f"top_k={self.top_k} must be >= 0 (0 disables)")
         _check(0 < self.top_p <= 1, o, f"top_p={self.top_p} must be in (0, 1]")
         _check(all(self.stop_strings), o, f"stop_strings={self.stop_strings} must not hold an empty string")
+        choices = get_args(GeneratorPrecision)
+        _check(self.precision in choices, o, f"precision={self.precision!r} is not one of {list(choices)}")
 
 
 class LossConfig(msgspec.Struct, **_STRUCT):
     """Hyper-parameters of the RL objective.
 
     Attributes:
-        objective: ``"aipo"`` (LlamaRL), ``"grpo"`` (PPO-clip ratio with group advantages) or
-            ``"ppo_clip"`` (an alias kept for readers of the PPO paper); checked by
-            ``flowrl.operators.losses``.
+        objective: ``"aipo"`` (LlamaRL), ``"pg"`` (plain policy gradient that ignores mu),
+            ``"grpo"`` (PPO-clip ratio with group advantages) or ``"ppo_clip"`` (an alias kept for
+            readers of the PPO paper); checked by ``flowrl.operators.losses``.
         rho: AIPO's one-sided cap on the importance ratio pi/mu.
         clip_eps: PPO/GRPO clip range.
         baseline: ``"group_mean"`` (LlamaRL) or ``"leave_one_out"``.

@@ -198,7 +198,7 @@ class LossNode(NodeBase, tag="loss"):
 
     def describe(self) -> str:
         c = self.loss
-        extra = f", rho={c.rho:g}" if c.objective == "aipo" else f", eps={c.clip_eps:g}"
+        extra = {"aipo": f", rho={c.rho:g}", "pg": ""}.get(c.objective, f", eps={c.clip_eps:g}")
         return f"{c.objective}{extra}, baseline={c.baseline}"
 
 

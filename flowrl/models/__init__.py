@@ -6,7 +6,8 @@ data; this package turns it into what the operators need. ``transformers`` is an
 
 Modules: ``causal_lm`` (the interface the operators use), ``registry`` (one record per family and
 ``build_model``), ``hf`` (the Hugging Face adapter), ``local`` and ``tokenizer`` (directory and
-tokenizer checks), ``export`` (a checkpoint's policy as a Hugging Face directory).
+tokenizer checks), ``export`` (a checkpoint's policy as a Hugging Face directory), ``quantize``
+(weight-only int8/float8 linear layers for a quantized generator).
 """
 
 from flowrl.models.causal_lm import CausalLM, weight_dict

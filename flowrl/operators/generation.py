@@ -31,6 +31,11 @@ tensors). The sampling RNG is a ``torch.Generator`` on the device: on the CPU re
 those of a generator built without a device; on CUDA the draws differ from the CPU's (another RNG)
 but are just as reproducible on that device.
 
+Quantized generator: with ``sampling.precision`` ``"int8"`` or ``"float8"`` the model's linear layers
+are weight-only quantized (``flowrl.models.quantize``); ``weight_targets()`` stay the float weights,
+and setting ``version`` (what every weight delivery does) re-quantizes from them. mu's log-probs
+are then the quantized model's, which is what AIPO's ratio must divide by.
+
 Weight version: ``version`` starts at 0 because a generator and a policy built from the same
 ``ModelConfig`` start from the same seeded weights (the policy's version 0); ``load_weights`` and the
 runtime's transports set it when they copy newer weights in.
@@ -60,6 +65,7 @@ from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.batch import Batch
 from flowrl.graph.configs import ModelConfig
 from flowrl.models.causal_lm import weight_dict
+from flowrl.models.quantize import QUANTIZED_PRECISIONS, quantize_linears_
 from flowrl.models.registry import build_model, model_tokens
 from flowrl.operators.logprobs import prompt_valid
 
@@ -130,7 +136,8 @@ class Generator:
         device: where the model runs and samples (``"cpu"``, ``"cuda:N"``); outputs return to the CPU.
 
     Attributes:
-        model: the inference model (a ``flowrl.models.CausalLM``), in ``sampling.precision``, without gradients.
+        model: the inference model (a ``flowrl.models.CausalLM``), in ``sampling.precision``, without
+            gradients; for ``int8``/``float8`` its linear layers are ``flowrl.models.quantize.QuantizedLinear``.
         version: policy version of the weights it holds (0 = the shared initial weights).
         stop_tokens: ids that end a completion (see the module docstring).
         pad_id: id that pads completions (the tokenizer's).
@@ -143,8 +150,11 @@ class Generator:
         self.seed = seed
         self.device = torch.device(device)
         tokens = model_tokens(node.model)  # checks the tokenizer before the model is built
-        self.model = build_model(node.model, dtype=DTYPES[node.sampling.precision], device=self.device).eval().requires_grad_(False)
-        self.version = 0
+        precision = node.sampling.precision
+        self.model = build_model(node.model, dtype=DTYPES.get(precision, torch.float32), device=self.device).eval().requires_grad_(False)
+        self._targets = weight_dict(self.model)  # float tensors: what transports and load_weights write into
+        self._quantized = quantize_linears_(self.model, precision) if precision in QUANTIZED_PRECISIONS else None
+        self._version = 0
         if isinstance(node.model, ModelConfig):
             self.stop_tokens: tuple[int, ...] = tuple(node.sampling.stop_tokens) or tokens.eos_ids
         else:
@@ -152,21 +162,42 @@ class Generator:
         self.pad_id = tokens.pad_id
         self._decode = tokens.decode
         self._stop = torch.tensor(self.stop_tokens, dtype=torch.int64, device=self.device)
-        self._targets = weight_dict(self.model)
         self._calls = 0
 
+    @property
+    def version(self) -> int:
+        """Policy version of the weights it holds (0 = the shared initial weights)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        """Say that ``weight_targets()`` now hold the weights of version ``value``: whoever copied them
+        in (a transport's fetch, ``load_weights``) sets it. A quantized generator re-quantizes its
+        linear layers from the float targets here, so it never samples with stale quantized weights."""
+        if self._quantized is not None:
+            self._quantized.requantize()
+        self._version = int(value)
+
     def weight_targets(self) -> dict[str, Tensor]:
-        """The model's parameters by name: tensors a transport may copy into in place."""
+        """The model's parameters by name: tensors a transport may copy into in place (float ones,
+        also for an ``int8``/``float8`` generator, which re-quantizes when ``version`` is set)."""
         return self._targets
 
     def refresh_weight_targets(self) -> dict[str, Tensor]:
         """Re-read the targets from the model after its parameters were replaced (e.g. by their
-        tensor-parallel shards, ``flowrl.runtime.tensor_parallel``); returns them."""
+        tensor-parallel shards, ``flowrl.runtime.tensor_parallel``); returns them.
+
+        Raises:
+            ConfigError: for a quantized generator, whose layers cannot be re-read (or sharded).
+        """
+        if self._quantized is not None:
+            raise ConfigError(f"generator {self.name!r}: a {self.sampling.precision} generator's weights cannot be re-read or sharded")
         self._targets = weight_dict(self.model)
         return self._targets
 
     def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
-        """Copy ``state`` (a trainer's ``weights()``) into the model, cast to its precision; set ``version``."""
+        """Copy ``state`` (a trainer's ``weights()``) into the model, cast to its precision (re-quantized
+        for ``int8``/``float8``); set ``version``."""
         copy_weights(self._targets, state, owner=f"generator {self.name!r}")
         self.version = int(version)
 

@@ -1,4 +1,4 @@
-"""RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), GRPO/PPO-clip, a KL penalty.
+"""RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), plain policy gradient, GRPO/PPO-clip, a KL penalty.
 
 Every loss takes per-token tensors ``[S, C]`` (S samples, C completion positions) and returns
 ``(loss, metrics)``: a scalar to minimise and python floats under namespaced keys. Token sums are
@@ -15,6 +15,12 @@ AIPO (LlamaRL, Meta, arXiv 2505.24034), per token t of completion y of prompt x:
 The truncated ratio is a constant weight (no gradient flows through it); the truncation is one-sided
 (it caps from above only), IMPALA/V-trace style. With pi == mu every weight is 1 and the loss is
 REINFORCE with the group baseline.
+
+Plain policy gradient (``pg``): REINFORCE with the same advantages, ignoring mu (no importance
+ratio, no truncation); the baseline to show what AIPO's correction buys when mu != pi (a stale or
+quantized generator)::
+
+    loss = - sum_{i,t} A(x, y) * log pi(y_t | x, y_<t) / normalizer
 
 GRPO / PPO-clip (Schulman et al. 2017; Shao et al. 2024)::
 
@@ -46,6 +52,7 @@ __all__ = [
     "advantages",
     "combined_rewards",
     "aipo_loss",
+    "pg_loss",
     "ppo_clip_loss",
     "kl_penalty",
     "LOSSES",
@@ -169,6 +176,38 @@ def aipo_loss(
     return loss, metrics
 
 
+def pg_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    rho: float,
+    normalizer: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Plain policy gradient (REINFORCE with the given advantages) that ignores mu.
+
+    Arguments as ``aipo_loss``. mu and ``rho`` do not enter the loss; they only feed the metrics,
+    which measure the mismatch the objective ignores: ``pg/ratio_mean``, ``pg/ratio_max``,
+    ``pg/truncated_frac`` (the fraction of tokens AIPO with this ``rho`` would truncate), ``pg/kl``
+    (KL(mu || pi), k3), besides ``loss/policy``.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    per_token = torch.where(mask, advantages[:, None] * logprobs, zero)  # [S, C]
+    loss = -per_token.sum() / _denominator(mask, normalizer)
+    with torch.no_grad():
+        log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)
+        ratio = log_ratio.exp()
+        metrics = {
+            "loss/policy": float(loss.detach()),
+            "pg/ratio_mean": float(masked_mean(ratio, mask)),
+            "pg/ratio_max": float(torch.where(mask, ratio, zero).max()) if mask.any() else 1.0,
+            "pg/truncated_frac": float(masked_mean((ratio > rho).float(), mask)),
+            "pg/kl": float(masked_mean(ratio - 1 - log_ratio, mask)),
+        }
+    return loss, metrics
+
+
 def ppo_clip_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -218,12 +257,16 @@ def _aipo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, 
     return aipo_loss(logprobs, behaviour, adv, mask, rho=config.rho, normalizer=normalizer)
 
 
+def _pg(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer: float | None):
+    return pg_loss(logprobs, behaviour, adv, mask, rho=config.rho, normalizer=normalizer)
+
+
 def _ppo_clip(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer: float | None):
     return ppo_clip_loss(logprobs, behaviour, adv, mask, clip_eps=config.clip_eps, normalizer=normalizer)
 
 
 #: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer)``.
-LOSSES: dict[str, LossFn] = {"aipo": _aipo, "grpo": _ppo_clip, "ppo_clip": _ppo_clip}
+LOSSES: dict[str, LossFn] = {"aipo": _aipo, "pg": _pg, "grpo": _ppo_clip, "ppo_clip": _ppo_clip}
 
 
 def check_objective(objective: str) -> None:

@@ -60,3 +60,13 @@ def test_plot_user_mistakes(tmp_path, capsys, content, output, message):
     assert main(["plot", str(path), "-o", str(tmp_path / output)]) == 2
     err = capsys.readouterr().err
     assert message in " ".join(err.split()) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("objective", ["aipo", "pg"])
+def test_the_ratio_panel_reads_the_objectives_ratio_and_truncated_fraction(objective):
+    """The ratio panel's keys match any objective's namespaced metrics (``pg`` logs the mismatch it ignores)."""
+    from flowrl.cli.plot import PANELS, _series
+
+    rows = [{"step": s, "time_s": s, f"{objective}/ratio_mean": 1 + s / 10, f"{objective}/truncated_frac": s / 100} for s in (1, 2)]
+    (keys,) = [keys for title, keys in PANELS if title.startswith("importance ratio")]
+    assert [_series(rows, key)[2] for key in keys] == [[1.1, 1.2], [0.01, 0.02]]

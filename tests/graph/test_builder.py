@@ -207,5 +207,5 @@ def test_unknown_objective_is_refused_at_build():
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
     policy = b.policy("policy", b.loss("aipo", gen, reward, objective="aipoo"))
     b.weights(policy, gen)
-    with pytest.raises(GraphError, match="loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, grpo, ppo_clip"):
+    with pytest.raises(GraphError, match="loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, grpo, pg, ppo_clip"):
         b.build()

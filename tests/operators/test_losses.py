@@ -18,6 +18,7 @@ from flowrl.operators.losses import (
     compute_loss,
     kl_penalty,
     masked_mean,
+    pg_loss,
     ppo_clip_loss,
 )
 
@@ -131,15 +132,32 @@ def test_masked_tokens_contribute_nothing():
     assert junk_logp.grad[1, 1] == 0 and torch.isfinite(junk_logp.grad).all()
 
 
-@pytest.mark.parametrize("fn", [aipo_loss, ppo_clip_loss], ids=["aipo", "ppo-clip"])
+@pytest.mark.parametrize("fn", [aipo_loss, pg_loss, ppo_clip_loss], ids=["aipo", "pg", "ppo-clip"])
 def test_an_empty_mask_gives_zero_not_nan(fn):
-    kw = {"rho": 4.0} if fn is aipo_loss else {"clip_eps": 0.2}
+    kw = {"clip_eps": 0.2} if fn is ppo_clip_loss else {"rho": 4.0}
     logp = LOGP.clone().requires_grad_()
     loss, metrics = fn(logp, MU, ADV, torch.zeros(2, 2, dtype=torch.bool), **kw)
     loss.backward()
     assert float(loss.detach()) == 0.0 and all(math.isfinite(v) for v in metrics.values())
     assert (logp.grad == 0).all()
     assert float(masked_mean(torch.ones(3), torch.zeros(3, dtype=torch.bool))) == 0.0
+
+
+def test_pg_by_hand_ignores_mu_but_reports_the_mismatch():
+    loss, m = pg_loss(LOGP, MU, ADV, MASK, rho=4.0)
+    want = -(1 * L(0.5) + 1 * L(0.25) + -2 * L(0.8)) / 3  # every weight is 1, whatever mu says
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    assert m["pg/ratio_mean"] == pytest.approx(11 / 3, rel=1e-6) and m["pg/ratio_max"] == pytest.approx(8.0, rel=1e-6)
+    assert m["pg/truncated_frac"] == pytest.approx(1 / 3)  # the token AIPO with rho = 4 would truncate
+    other_mu, _ = pg_loss(LOGP, torch.zeros_like(MU), ADV, MASK, rho=4.0)
+    assert float(other_mu) == float(loss)
+
+
+def test_pg_gradient_is_reinforce_with_the_advantages():
+    logp = LOGP.clone().requires_grad_()
+    loss, _ = pg_loss(logp, MU, ADV, MASK, rho=4.0)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -(ADV[:, None] * MASK) / 3)
 
 
 def test_ppo_clip_by_hand():
@@ -192,7 +210,7 @@ def test_the_kl_term_needs_reference_logprobs():
 @pytest.mark.parametrize(
     ("config", "fields", "match"),
     [
-        (LossConfig(objective="dpo"), {"rewards": torch.zeros(2)}, "unknown loss objective 'dpo': known objectives are aipo, grpo, ppo_clip"),
+        (LossConfig(objective="dpo"), {"rewards": torch.zeros(2)}, "unknown loss objective 'dpo': known objectives are aipo, grpo, pg, ppo_clip"),
         (LossConfig(), {"score": torch.zeros(2)}, "reward field 'rewards'"),
     ],
     ids=["unknown-objective", "missing-reward"],

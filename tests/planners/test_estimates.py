@@ -182,6 +182,8 @@ def test_eight_bit_weights_halve_the_bytes_read():
     bf16 = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev), precision="bfloat16")
     fp8 = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev), precision="float8")
     assert fp8.memory.weights == bf16.memory.weights // 2 and fp8.time_s < bf16.time_s
+    int8 = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev), precision="int8")  # weight-only: bf16 peak
+    assert int8.memory.weights == fp8.memory.weights and bf16.time_s > int8.time_s >= fp8.time_s
 
 
 def test_kv_cache_limit_forces_waves():

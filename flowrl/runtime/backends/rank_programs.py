@@ -183,6 +183,7 @@ class ParallelGenerator(GeneratorProgram):
     """
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
+        from flowrl.models.quantize import QUANTIZED_PRECISIONS
         from flowrl.runtime.tensor_parallel import check_tp, tp_rows
 
         ctx = _context()
@@ -193,6 +194,12 @@ class ParallelGenerator(GeneratorProgram):
             except ConfigError as exc:
                 raise ConfigError(f"generator {node.name!r}: {exc}") from None
             check_tp(node.model, len(self.rows[0]))
+            if node.sampling.precision in QUANTIZED_PRECISIONS:
+                raise ConfigError(
+                    f"generator {node.name!r}: precision={node.sampling.precision!r} does not support tensor parallelism "
+                    f"(its mesh has tp={len(self.rows[0])}); give the generator a mesh without a tp axis > 1, or "
+                    "sample in float32/bfloat16/float16"
+                )
         super().__init__(node, graph, env, transports, seed=env.seed)  # every rank seeds sampling alike
         self.replica = next(i for i, row in enumerate(self.rows) if ctx.rank in row)
         self.tp_ranks = self.rows[self.replica]
