@@ -279,6 +279,8 @@ class CollectiveTransport:
         header_bytes_sent: header bytes this rank has put on the wire.
         bytes_received: payload bytes this rank has received.
         bytes_copied_locally: bytes this rank copied from its own trainer shards to its generator shards.
+        bytes_staged: bytes this rank copied through a staging buffer (packing, unpacking, local blocks),
+            once per copy; one sync sums over ranks to ``resharding.transfer_volume(...).copied_bytes``.
         send_bytes_per_version: payload bytes this rank sends per published version.
     """
 
@@ -361,6 +363,7 @@ class CollectiveTransport:
         self.bytes_received = 0
         self.bytes_copied_locally = 0
         self.bytes_staged = 0
+        self._staging_s = 0.0  # seconds spent packing and unpacking (wire pieces only)
         self._direct: dict[tuple[int, int], torch.Tensor] = {}  # (source, piece start) -> target view it was received into
         self._counts = {"publishes": 0, "deliveries": 0, "exchanges": 0}
         self._lock = threading.Lock()
@@ -467,6 +470,7 @@ class CollectiveTransport:
             "bytes_received": self.bytes_received,
             "bytes_copied_locally": self.bytes_copied_locally,
             "bytes_staged": self.bytes_staged,
+            "staging_s": self._staging_s,
             "published": self._published,
             "received": self._received,
             **self._counts,
@@ -561,9 +565,11 @@ class CollectiveTransport:
 
     def _pack(self, state: State, dest: int, piece: _Piece) -> torch.Tensor:
         """Copy a piece's blocks from ``state`` into the staging buffer of ``dest``; the bytes to send."""
+        start = time.perf_counter()
         for blk in piece.blocks:
             self._view(self._outbox[dest], blk).copy_(state[blk.name][blk.slices])
             self.bytes_staged += blk.nbytes
+        self._staging_s += time.perf_counter() - start
         return self._outbox[dest][piece.lo : piece.hi]
 
     def _direct_source(self, state: State, piece: _Piece) -> torch.Tensor | None:
@@ -794,6 +800,7 @@ class CollectiveTransport:
         """Copy a received piece into ``target``: from the staging buffer, or from the target it was
         received straight into (nothing to do when that is ``target`` itself)."""
         held = self._direct.get((source, piece.lo))
+        start = time.perf_counter()
         for b in piece.blocks:
             dst = target[b.name][b.slices]
             src = held if held is not None else self._view(self._inbox[source], b)
@@ -801,6 +808,7 @@ class CollectiveTransport:
                 continue
             dst.copy_(src)
             self.bytes_staged += b.nbytes
+        self._staging_s += time.perf_counter() - start
 
     def _deliver_local(self, target: Mapping[str, torch.Tensor]) -> None:
         for b in self._local:
