@@ -47,8 +47,10 @@ Example:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import msgspec
@@ -128,7 +130,7 @@ class Shard(msgspec.Struct, tag="shard", tag_field="kind", **_STRUCT):
 AxisPlacement = Replicate | Shard
 
 
-class ShardLayout(msgspec.Struct, **_STRUCT):
+class ShardLayout(msgspec.Struct, cache_hash=True, **_STRUCT):  # hashed often by the cached box functions
     """How one parameter lies over ``ranks``: a mesh of ranks and one placement per mesh axis.
 
     Attributes:
@@ -185,10 +187,9 @@ class ShardLayout(msgspec.Struct, **_STRUCT):
         Raises:
             ConfigError: if ``rank`` is not in the layout.
         """
-        try:
-            flat = self.ranks.index(rank)
-        except ValueError:
-            raise ConfigError(f"rank {rank} is not in layout {self}; its ranks are {list(self.ranks)}") from None
+        flat = _positions(self).get(rank)
+        if flat is None:
+            raise ConfigError(f"rank {rank} is not in layout {self}; its ranks are {list(self.ranks)}")
         out = []
         for size in reversed(self.mesh_shape):
             out.append(flat % size)
@@ -204,6 +205,12 @@ class ShardLayout(msgspec.Struct, **_STRUCT):
         mesh = ",".join(f"{n}={s}" for n, s in zip(names, self.mesh_shape))
         text = f"[{mesh}]({','.join(map(str, self.placements))}) on ranks {list(self.ranks)}"
         return text + (f" order={list(self.shard_order)}" if self.shard_order else "")
+
+
+@lru_cache(maxsize=1024)
+def _positions(layout: ShardLayout) -> dict[int, int]:
+    """rank -> its position in ``layout.ranks`` (layouts may hold thousands of ranks; they are frozen)."""
+    return {r: i for i, r in enumerate(layout.ranks)}
 
 
 class Transfer(msgspec.Struct, **_STRUCT):
@@ -338,6 +345,12 @@ def local_box(layout: ShardLayout, shape: Sequence[int], rank: int) -> Box:
     Raises:
         ConfigError: if ``rank`` is not in the layout or the layout shards a dim the tensor lacks.
     """
+    return _local_box(layout, tuple(shape), rank)
+
+
+@lru_cache(maxsize=1 << 16)
+def _local_box(layout: ShardLayout, shape: tuple[int, ...], rank: int) -> Box:
+    """:func:`local_box`, cached: the planner asks for the same boxes of thousands of ranks again and again."""
     shape = _check_shape(shape, layout, "local_box")
     coords = layout.coords(rank)
     box = [(0, n) for n in shape]
@@ -406,6 +419,10 @@ def _plan_one(
     for r in src.ranks:  # distinct source boxes (they tile the tensor), each with its replicas in layout order
         if box_numel(src_boxes[r]):
             holders.setdefault(src_boxes[r], []).append(r)
+    # per source box, its replicas by (load, position in the layout): the least loaded first, ties to the
+    # earlier rank; a heap, as thousands of ranks may hold a box. A rank holds one box of a parameter, so
+    # only its own heap sees its load change while this parameter is planned.
+    heaps: dict[Box, list[tuple[int, int, int]]] = {}
     out: list[Transfer] = []
     for d in dst.ranks:
         want = local_box(dst, shape, d)
@@ -418,8 +435,12 @@ def _plan_one(
             if d in ranks:
                 sender = d
             else:
-                sender = min(ranks, key=lambda r: (load.get(r, 0), ranks.index(r)))
+                if sbox not in heaps:
+                    heaps[sbox] = [(load.get(r, 0), i, r) for i, r in enumerate(ranks)]
+                    heapq.heapify(heaps[sbox])
+                _, i, sender = heapq.heappop(heaps[sbox])
                 load[sender] = load.get(sender, 0) + box_numel(common) * size
+                heapq.heappush(heaps[sbox], (load[sender], i, sender))
             out.append(
                 Transfer(
                     src_rank=sender,
@@ -568,6 +589,9 @@ class TransferVolume(msgspec.Struct, **_STRUCT):
         copied_bytes: bytes through a staging copy, once per copy (a block staged on both sides counts twice).
         max_send_bytes: the most bytes any one rank sends.
         max_recv_bytes: the most bytes any one rank receives.
+        max_copied_bytes: the most bytes any one rank copies through staging (its packs and unpacks).
+        max_pack_bytes: the most bytes any one rank packs (copies before sending, local blocks included).
+        max_unpack_bytes: the most bytes any one rank unpacks (copies after receiving, local blocks included).
     """
 
     wire_bytes: int = 0
@@ -575,6 +599,9 @@ class TransferVolume(msgspec.Struct, **_STRUCT):
     copied_bytes: int = 0
     max_send_bytes: int = 0
     max_recv_bytes: int = 0
+    max_copied_bytes: int = 0
+    max_pack_bytes: int = 0
+    max_unpack_bytes: int = 0
 
     @property
     def copies_per_byte(self) -> float:
@@ -605,6 +632,9 @@ def transfer_volume(
     wire = local = copied = 0
     sent: dict[int, int] = {}
     got: dict[int, int] = {}
+    staged: dict[int, int] = {}
+    packed: dict[int, int] = {}
+    unpacked: dict[int, int] = {}
     for name, transfers in plans.items():
         shape, dtype = params[name]
         s, d = _pick(src, name), _pick(dst, name)
@@ -616,6 +646,10 @@ def transfer_volume(
                 dual_sender=t.src_rank in dst_ranks, direct_min_bytes=direct_min_bytes,
             )
             copied += (pack + unpack) * nbytes
+            staged[t.src_rank] = staged.get(t.src_rank, 0) + pack * nbytes
+            staged[t.dst_rank] = staged.get(t.dst_rank, 0) + unpack * nbytes
+            packed[t.src_rank] = packed.get(t.src_rank, 0) + pack * nbytes
+            unpacked[t.dst_rank] = unpacked.get(t.dst_rank, 0) + unpack * nbytes
             if t.local:
                 local += nbytes
                 continue
@@ -625,4 +659,7 @@ def transfer_volume(
     return TransferVolume(
         wire_bytes=wire, local_bytes=local, copied_bytes=copied,
         max_send_bytes=max(sent.values(), default=0), max_recv_bytes=max(got.values(), default=0),
+        max_copied_bytes=max(staged.values(), default=0),
+        max_pack_bytes=max(packed.values(), default=0),
+        max_unpack_bytes=max(unpacked.values(), default=0),
     )
