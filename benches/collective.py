@@ -212,7 +212,7 @@ def cuda_ipc_bench(sizes: list[int]) -> dict:
     """CUDA IPC publish + fetch of states of ``sizes`` bytes against a device-to-device copy (CUDA only)."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this machine"}
-    from benches.cuda_ipc import run  # noqa: PLC0415 - CUDA only
+    from cuda_ipc import run  # noqa: PLC0415 - CUDA only; the sibling bench (this script's folder is on sys.path)
 
     return run(sizes)
 

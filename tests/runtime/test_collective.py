@@ -168,8 +168,9 @@ def _volume(case: dict[str, Any]) -> TransferVolume:
 # --- worker side (runs in the spawned processes) -------------------------------------------------
 
 
-def _run_case(rank: int, name: str, case: dict[str, Any]) -> dict[str, Any]:
-    """Publish ``len(VERSIONS) * per_fetch`` versions; generators fetch until they hold each round's last."""
+def _run_case(rank: int, name: str, case: dict[str, Any], *, device: str = "cpu", group: Any = None) -> dict[str, Any]:
+    """Publish ``len(VERSIONS) * per_fetch`` versions; generators fetch until they hold each round's last.
+    Shards and targets live on ``device`` (the transport's buffers too); ``group`` is the edge's process group."""
     if not any(rank in lay.ranks for side in ("trainer", "generator") for lay in case[side].values()):
         return {"stats": {"bytes_sent": 0, "bytes_received": 0, "bytes_copied_locally": 0}, "staged_first_version": 0, "mismatches": [],
                 "is_trainer": False, "is_generator": False}  # not a participant: constructs nothing
@@ -178,7 +179,7 @@ def _run_case(rank: int, name: str, case: dict[str, Any]) -> dict[str, Any]:
     t = CollectiveTransport(
         params=params, trainer_layout=case["trainer"], generator_layout=case["generator"], channel=name,
         timeout_s=60, fetch_wait_s=60, chunk_bytes=case.get("chunk_bytes", 1),
-        direct_min_bytes=case.get("direct_min_bytes", 0),
+        direct_min_bytes=case.get("direct_min_bytes", 0), device=device, group=group,
     )
     mismatches: list[str] = []
     got_versions: list[int | None] = []
@@ -188,13 +189,13 @@ def _run_case(rank: int, name: str, case: dict[str, Any]) -> dict[str, Any]:
         for n, tensor in tensors.items():
             s, d = case["params"][n]
             want = _full(n, s, d, version)[local_slice(case["generator"][n], s, rank)]
-            if not torch.equal(_bits(tensor), _bits(want.to(tensor.dtype))):
+            if not torch.equal(_bits(tensor.cpu()), _bits(want.to(tensor.dtype))):
                 mismatches.append(f"version {version} ({how}): {n!r} on rank {rank}")
 
     try:
         shapes = t.local_shapes("generator")
-        native = {n: torch.zeros(shape, dtype=getattr(torch, case["params"][n][1])) for n, shape in shapes.items()}
-        cast = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in shapes.items()}  # never received into directly
+        native = {n: torch.zeros(shape, dtype=getattr(torch, case["params"][n][1]), device=device) for n, shape in shapes.items()}
+        cast = {n: torch.zeros(shape, dtype=torch.float64, device=device) for n, shape in shapes.items()}  # never received into directly
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
@@ -205,7 +206,7 @@ def _run_case(rank: int, name: str, case: dict[str, Any]) -> dict[str, Any]:
             last = (r + 1) * per_fetch - 1
             for v in range(r * per_fetch, last + 1) if t.is_trainer else ():
                 full = {n: _full(n, s, d, v) for n, (s, d) in case["params"].items()}
-                shards = {n: full[n][local_slice(case["trainer"][n], full[n].shape, rank)].clone() for n in t.local_shapes("trainer")}
+                shards = {n: full[n][local_slice(case["trainer"][n], full[n].shape, rank)].to(device, copy=True) for n in t.local_shapes("trainer")}
                 t.publish(shards, v)
                 for x in shards.values():  # the trainer changes its weights after publishing
                     x.fill_(-7)
