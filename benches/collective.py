@@ -101,9 +101,9 @@ def _barrier_time(fn, cpu: list[float]) -> float:
     return time.perf_counter() - start
 
 
-def run_size(rank: int, size: int, layout: str, repeats: int, chunk_bytes: int) -> dict:
+def run_size(rank: int, size: int, layout: str, repeats: int, chunk_bytes: int, direct_min: int) -> dict:
     params, trainer, generator = model(size, layout)
-    t = CollectiveTransport(params=params, trainer_layout=trainer, generator_layout=generator,
+    t = CollectiveTransport(params=params, trainer_layout=trainer, generator_layout=generator, direct_min_bytes=direct_min,
                             channel=f"bench{size}{layout}", timeout_s=600, fetch_wait_s=600, chunk_bytes=chunk_bytes)
     # raw: the same bytes per (trainer, generator) pair (header and padding included), one contiguous
     # buffer each, with the transport's own primitive
@@ -148,14 +148,14 @@ def run_size(rank: int, size: int, layout: str, repeats: int, chunk_bytes: int) 
 
 
 def worker(argv: list[str]) -> None:
-    rank, init, out, repeats, chunk_bytes = int(argv[0]), argv[1], Path(argv[2]), int(argv[3]), int(argv[4])
-    layouts, sizes = argv[5].split(","), [int(s) for s in argv[6:]]
+    rank, init, out, repeats, chunk_bytes, direct_min = int(argv[0]), argv[1], Path(argv[2]), int(argv[3]), int(argv[4]), int(argv[5])
+    layouts, sizes = argv[6].split(","), [int(s) for s in argv[7:]]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=900))
     try:
         # the big sizes get fewer repeats: they dominate the run and vary less
-        result = {f"{lay}@{s}": run_size(rank, s, lay, repeats if s < (512 << 20) else max(1, repeats // 2), chunk_bytes)
+        result = {f"{lay}@{s}": run_size(rank, s, lay, repeats if s < (512 << 20) else max(1, repeats // 2), chunk_bytes, direct_min)
                   for lay in layouts for s in sizes}
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -224,6 +224,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed syncs per size (after one warm-up; half for sizes >= 512MB)")
     p.add_argument("--ipc-sizes", nargs="*", default=["1GB", "8GB"], help="CUDA IPC states to time (CUDA only)")
     p.add_argument("--chunk-bytes", default="8MB", help="the transport's chunk_bytes (0: whole messages)")
+    p.add_argument("--direct-min-bytes", default="64KB", help="the transport's direct_min_bytes (blocks this big go unstaged where contiguous)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds before the ranks are killed")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -236,7 +237,7 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, __file__, "--worker"]
         chunk = parse_size(args.chunk_bytes)
-        procs = [subprocess.Popen([*cmd, str(r), f"{tmp}/pg", tmp, str(args.repeats), str(chunk), ",".join(args.layouts),
+        procs = [subprocess.Popen([*cmd, str(r), f"{tmp}/pg", tmp, str(args.repeats), str(chunk), str(parse_size(args.direct_min_bytes)), ",".join(args.layouts),
                                    *map(str, sizes)], env=env)
                  for r in range(WORLD)]
         deadline = time.monotonic() + args.timeout
@@ -255,6 +256,7 @@ def main() -> None:
         "generator": "tp2 over ranks [2, 3] (matrices split on dim 1, vectors on dim 0)",
         "repeats": args.repeats,
         "chunk_bytes": parse_size(args.chunk_bytes),
+        "direct_min_bytes": parse_size(args.direct_min_bytes),
         "torch": torch.__version__,
         "load_before": load_before,
         "load_after": os.getloadavg(),
