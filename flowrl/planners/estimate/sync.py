@@ -10,8 +10,8 @@ Every one of its dp_g replicas needs a full copy, split over that replica's tp_g
 By the transport's declared cost (``TransportTraits.cost``; the built-ins in brackets):
 
 - ``"collective"`` [``collective``] (and, on GPU clusters, ``"memory"`` transports, which cannot cross devices
-  there): direct rank-to-rank transfers (LlamaRL's DDMA): ``max(per receiver, per sender) / bw +
-  latency + staged / mem_bw``, over NVLink when trainer and generator share hosts, the NIC
+  there): direct rank-to-rank transfers (LlamaRL's DDMA): ``max(max(per receiver, per sender) / bw,
+  staged / mem_bw) + latency`` (packing is pipelined with the wire), over NVLink when trainer and generator share hosts, the NIC
   otherwise. The volumes are the runtime's own (``flowrl.runtime.resharding.transfer_volume`` over
   the layouts the torchrun backend gives the collective transport, :func:`sync_params`): every
   trainer device a full replica, the generator's blocks split as ``tensor_parallel`` splits them
@@ -227,7 +227,8 @@ def estimate_sync(
     )
     if not same_mesh and dst_bytes_per_param != src_bytes_per_param:
         note += f", cast to {dst_bytes_per_param:g} bytes/param before sending"
-    time = max(volume.max_recv_bytes, volume.max_send_bytes) / link.bandwidth + link.latency + volume.max_copied_bytes / mem_bw
+    # the transport packs piece i + 1 while piece i is on the wire: the copies overlap the transfer
+    time = max(max(volume.max_recv_bytes, volume.max_send_bytes) / link.bandwidth, volume.max_copied_bytes / mem_bw) + link.latency
     return SyncEstimate(
         src=src, dst=dst, transport=transport, bytes=volume.wire_bytes + volume.local_bytes, replicas=dst_dims.dp,
         time_s=time, note=note, wire_bytes=volume.wire_bytes, copied_bytes=volume.copied_bytes,
