@@ -38,6 +38,7 @@ import datetime
 import json
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -151,7 +152,7 @@ def worker(argv: list[str]) -> None:
     rank, init, out, repeats, chunk_bytes, direct_min = int(argv[0]), argv[1], Path(argv[2]), int(argv[3]), int(argv[4]), int(argv[5])
     layouts, sizes = argv[6].split(","), [int(s) for s in argv[7:]]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=900))
     try:
         # the big sizes get fewer repeats: they dominate the run and vary less
@@ -237,7 +238,12 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, __file__, "--worker"]
         chunk = parse_size(args.chunk_bytes)
-        procs = [subprocess.Popen([*cmd, str(r), f"{tmp}/pg", tmp, str(args.repeats), str(chunk), str(parse_size(args.direct_min_bytes)), ",".join(args.layouts),
+        # a TCP store, as torchrun's: versions are announced and polled there (a FileStore re-reads its whole
+        # file on every operation, which the generators' polling makes slower with every version)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        procs = [subprocess.Popen([*cmd, str(r), f"tcp://127.0.0.1:{port}", tmp, str(args.repeats), str(chunk), str(parse_size(args.direct_min_bytes)), ",".join(args.layouts),
                                    *map(str, sizes)], env=env)
                  for r in range(WORLD)]
         deadline = time.monotonic() + args.timeout
