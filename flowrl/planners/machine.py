@@ -14,7 +14,7 @@ Example:
     >>> check_plan_here(plan_graph(build_example("llamarl"), "16xH100"), backend="local", cores=2, cuda_devices=0)
     Traceback (most recent call last):
     ...
-    flowrl.errors.PlanError: the plan was made for 16xH100 (GPU devices 0-6), but this machine has no CUDA GPU (2 CPU cores); make a plan for this machine: flowrl plan llamarl --cluster cpu -o plan.json
+    flowrl.errors.PlanError: the plan was made for 16xH100 (GPU devices 0-...), but this machine has no CUDA GPU (2 CPU cores); make a plan for this machine: flowrl plan llamarl --cluster cpu -o plan.json
 """
 
 from __future__ import annotations

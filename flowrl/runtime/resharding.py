@@ -25,6 +25,14 @@ the same plan), and a rank holding the data on both sides copies it locally (no 
 :func:`minimum_bytes` is what every destination rank needs and does not already hold; a plan's wire
 bytes (:func:`wire_bytes`) equal it.
 
+What a transfer costs besides the wire is decided here too, once, for the transport and the planner:
+:func:`staging_copies` says whether a block goes through a staging copy on the sending side (its
+slice of the source shard is strided, or it is small and packed with its neighbours) and on the
+receiving side (likewise for the destination shard); :func:`transfer_volume` sums a whole plan
+(wire bytes, local bytes, bytes copied, the busiest rank's share). The collective transport sends
+and receives by these rules and counts what it did; the planner prices a weight sync with
+:func:`transfer_volume`.
+
 Example:
     >>> src, dst = fsdp((0, 1)), tp_row((2, 3))
     >>> local_slice(dst, (4, 6), 3)
@@ -33,12 +41,16 @@ Example:
     [(0, 2, ((0, 2), (0, 3))), (1, 2, ((2, 4), (0, 3))), (0, 3, ((0, 2), (3, 6))), (1, 3, ((2, 4), (3, 6)))]
     >>> minimum_bytes((4, 6), "float32", src, dst)
     96
+    >>> transfer_volume({"w": ((4, 6), "float32")}, src, dst, direct_min_bytes=0).copied_bytes  # sender slices are strided
+    96
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import msgspec
@@ -70,6 +82,11 @@ __all__ = [
     "wire_bytes",
     "minimum_bytes",
     "itemsize",
+    "DIRECT_MIN_BYTES",
+    "is_contiguous",
+    "staging_copies",
+    "TransferVolume",
+    "transfer_volume",
 ]
 
 #: A block of a tensor: one ``(start, stop)`` pair per dim, stop exclusive.
@@ -113,7 +130,7 @@ class Shard(msgspec.Struct, tag="shard", tag_field="kind", **_STRUCT):
 AxisPlacement = Replicate | Shard
 
 
-class ShardLayout(msgspec.Struct, **_STRUCT):
+class ShardLayout(msgspec.Struct, cache_hash=True, **_STRUCT):  # hashed often by the cached box functions
     """How one parameter lies over ``ranks``: a mesh of ranks and one placement per mesh axis.
 
     Attributes:
@@ -170,10 +187,9 @@ class ShardLayout(msgspec.Struct, **_STRUCT):
         Raises:
             ConfigError: if ``rank`` is not in the layout.
         """
-        try:
-            flat = self.ranks.index(rank)
-        except ValueError:
-            raise ConfigError(f"rank {rank} is not in layout {self}; its ranks are {list(self.ranks)}") from None
+        flat = _positions(self).get(rank)
+        if flat is None:
+            raise ConfigError(f"rank {rank} is not in layout {self}; its ranks are {list(self.ranks)}")
         out = []
         for size in reversed(self.mesh_shape):
             out.append(flat % size)
@@ -189,6 +205,12 @@ class ShardLayout(msgspec.Struct, **_STRUCT):
         mesh = ",".join(f"{n}={s}" for n, s in zip(names, self.mesh_shape))
         text = f"[{mesh}]({','.join(map(str, self.placements))}) on ranks {list(self.ranks)}"
         return text + (f" order={list(self.shard_order)}" if self.shard_order else "")
+
+
+@lru_cache(maxsize=1024)
+def _positions(layout: ShardLayout) -> dict[int, int]:
+    """rank -> its position in ``layout.ranks`` (layouts may hold thousands of ranks; they are frozen)."""
+    return {r: i for i, r in enumerate(layout.ranks)}
 
 
 class Transfer(msgspec.Struct, **_STRUCT):
@@ -323,6 +345,12 @@ def local_box(layout: ShardLayout, shape: Sequence[int], rank: int) -> Box:
     Raises:
         ConfigError: if ``rank`` is not in the layout or the layout shards a dim the tensor lacks.
     """
+    return _local_box(layout, tuple(shape), rank)
+
+
+@lru_cache(maxsize=1 << 16)
+def _local_box(layout: ShardLayout, shape: tuple[int, ...], rank: int) -> Box:
+    """:func:`local_box`, cached: the planner asks for the same boxes of thousands of ranks again and again."""
     shape = _check_shape(shape, layout, "local_box")
     coords = layout.coords(rank)
     box = [(0, n) for n in shape]
@@ -391,6 +419,10 @@ def _plan_one(
     for r in src.ranks:  # distinct source boxes (they tile the tensor), each with its replicas in layout order
         if box_numel(src_boxes[r]):
             holders.setdefault(src_boxes[r], []).append(r)
+    # per source box, its replicas by (load, position in the layout): the least loaded first, ties to the
+    # earlier rank; a heap, as thousands of ranks may hold a box. A rank holds one box of a parameter, so
+    # only its own heap sees its load change while this parameter is planned.
+    heaps: dict[Box, list[tuple[int, int, int]]] = {}
     out: list[Transfer] = []
     for d in dst.ranks:
         want = local_box(dst, shape, d)
@@ -403,8 +435,12 @@ def _plan_one(
             if d in ranks:
                 sender = d
             else:
-                sender = min(ranks, key=lambda r: (load.get(r, 0), ranks.index(r)))
+                if sbox not in heaps:
+                    heaps[sbox] = [(load.get(r, 0), i, r) for i, r in enumerate(ranks)]
+                    heapq.heapify(heaps[sbox])
+                _, i, sender = heapq.heappop(heaps[sbox])
                 load[sender] = load.get(sender, 0) + box_numel(common) * size
+                heapq.heappush(heaps[sbox], (load[sender], i, sender))
             out.append(
                 Transfer(
                     src_rank=sender,
@@ -484,3 +520,146 @@ def minimum_bytes(shape: Sequence[int], dtype: Any, src: ShardLayout, dst: Shard
         have = intersect(want, local_box(src, shape, d)) if d in held else None
         total += box_numel(want) - (box_numel(have) if have is not None else 0)
     return total * itemsize(dtype)
+
+
+# --- what a transfer costs besides the wire ------------------------------------------------------
+
+#: Blocks smaller than this are packed with their neighbours into one staged message (one copy on
+#: each side) rather than sent as a message of their own: per-message costs dominate below it.
+DIRECT_MIN_BYTES = 64 << 10
+
+
+def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
+    """Whether ``box`` (local coordinates) is one contiguous run of a row-major tensor of ``shape``.
+
+    True when every dim after the first partial one is whole and every dim before it has extent 1
+    (an empty or one-element box is contiguous).
+
+    >>> is_contiguous(((0, 2), (0, 6)), (4, 6)), is_contiguous(((0, 4), (0, 3)), (4, 6)), is_contiguous(((1, 2), (0, 3)), (4, 6))
+    (True, False, True)
+    """
+    extents = [b - a for a, b in box]
+    if math.prod(extents) <= 1:
+        return True
+    first = next(i for i, e in enumerate(extents) if e != 1)  # leading dims of extent 1 do not matter
+    return all(e == n for e, n in zip(extents[first + 1 :], shape[first + 1 :]))
+
+
+def staging_copies(
+    transfer: Transfer,
+    src_shape: Sequence[int],
+    dst_shape: Sequence[int],
+    nbytes: int,
+    *,
+    dual_sender: bool = False,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
+) -> tuple[int, int]:
+    """Staging copies of one transfer's bytes: ``(on the sending side, on the receiving side)``, 0 or 1 each.
+
+    The collective transport sends a block straight from the source shard when its slice is
+    contiguous and receives it straight into the destination shard when that slice is; otherwise the
+    block passes through a staging buffer on that side. Blocks under ``direct_min_bytes`` are packed
+    together (staged on both sides). A local block (a rank holding it on both sides) is copied at
+    publish (the state may change afterwards) and delivered at fetch: (1, 1). A sender that is also a
+    generator rank (``dual_sender``) stages everything it sends (its sends go out from its fetch).
+
+    Args:
+        transfer: one block of a plan.
+        src_shape: the shape of the source rank's local shard (contiguous, as published).
+        dst_shape: the shape of the destination rank's local shard (contiguous, as fetched into).
+        nbytes: the block's bytes.
+        dual_sender: the source rank is also a destination rank of the same transport.
+        direct_min_bytes: the smallest block sent as a message of its own.
+
+    Returns:
+        ``(sender copies, receiver copies)``.
+    """
+    if transfer.local or nbytes < direct_min_bytes:
+        return 1, 1
+    send = 1 if dual_sender or not is_contiguous(transfer.src_box, src_shape) else 0
+    return send, 0 if is_contiguous(transfer.dst_box, dst_shape) else 1
+
+
+class TransferVolume(msgspec.Struct, **_STRUCT):
+    """What one weight sync moves and copies, summed over a plan (:func:`transfer_volume`).
+
+    Attributes:
+        wire_bytes: bytes on the wire (equals :func:`minimum_bytes` summed over the parameters).
+        local_bytes: bytes a rank holding them on both sides copies locally.
+        copied_bytes: bytes through a staging copy, once per copy (a block staged on both sides counts twice).
+        max_send_bytes: the most bytes any one rank sends.
+        max_recv_bytes: the most bytes any one rank receives.
+        max_copied_bytes: the most bytes any one rank copies through staging (its packs and unpacks).
+        max_pack_bytes: the most bytes any one rank packs (copies before sending, local blocks included).
+        max_unpack_bytes: the most bytes any one rank unpacks (copies after receiving, local blocks included).
+    """
+
+    wire_bytes: int = 0
+    local_bytes: int = 0
+    copied_bytes: int = 0
+    max_send_bytes: int = 0
+    max_recv_bytes: int = 0
+    max_copied_bytes: int = 0
+    max_pack_bytes: int = 0
+    max_unpack_bytes: int = 0
+
+    @property
+    def copies_per_byte(self) -> float:
+        """Staging copies per byte delivered (wire and local)."""
+        return self.copied_bytes / max(1, self.wire_bytes + self.local_bytes)
+
+
+def transfer_volume(
+    params: Mapping[str, tuple[Sequence[int], Any]],
+    src: ShardLayout | Mapping[str, ShardLayout],
+    dst: ShardLayout | Mapping[str, ShardLayout],
+    *,
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
+) -> TransferVolume:
+    """The wire bytes, local bytes and staging copies of one sync of ``params`` from ``src`` to ``dst``.
+
+    The plan is :func:`plan_state`'s and the copies :func:`staging_copies`', as the collective
+    transport does them (with contiguous shards on both sides).
+
+    Args:
+        params: name -> ``(full shape, dtype)``.
+        src: one layout for every parameter, or name -> layout.
+        dst: likewise for the destination.
+        direct_min_bytes: the smallest block sent as a message of its own.
+    """
+    plans = plan_state(params, src, dst)
+    dst_ranks = {r for n in params for r in _pick(dst, n).ranks}
+    wire = local = copied = 0
+    sent: dict[int, int] = {}
+    got: dict[int, int] = {}
+    staged: dict[int, int] = {}
+    packed: dict[int, int] = {}
+    unpacked: dict[int, int] = {}
+    for name, transfers in plans.items():
+        shape, dtype = params[name]
+        s, d = _pick(src, name), _pick(dst, name)
+        size = itemsize(dtype)
+        for t in transfers:
+            nbytes = t.numel * size
+            pack, unpack = staging_copies(
+                t, local_shape(s, shape, t.src_rank), local_shape(d, shape, t.dst_rank), nbytes,
+                dual_sender=t.src_rank in dst_ranks, direct_min_bytes=direct_min_bytes,
+            )
+            copied += (pack + unpack) * nbytes
+            staged[t.src_rank] = staged.get(t.src_rank, 0) + pack * nbytes
+            staged[t.dst_rank] = staged.get(t.dst_rank, 0) + unpack * nbytes
+            packed[t.src_rank] = packed.get(t.src_rank, 0) + pack * nbytes
+            unpacked[t.dst_rank] = unpacked.get(t.dst_rank, 0) + unpack * nbytes
+            if t.local:
+                local += nbytes
+                continue
+            wire += nbytes
+            sent[t.src_rank] = sent.get(t.src_rank, 0) + nbytes
+            got[t.dst_rank] = got.get(t.dst_rank, 0) + nbytes
+    return TransferVolume(
+        wire_bytes=wire, local_bytes=local, copied_bytes=copied,
+        max_send_bytes=max(sent.values(), default=0), max_recv_bytes=max(got.values(), default=0),
+        max_copied_bytes=max(staged.values(), default=0),
+        max_pack_bytes=max(packed.values(), default=0),
+        max_unpack_bytes=max(unpacked.values(), default=0),
+    )

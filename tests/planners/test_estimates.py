@@ -222,11 +222,47 @@ def test_sync_per_transport_by_hand():
     c = ctx(tuning=Tuning(**{**_fields(EXACT), "file_bandwidth": 1e9}))
     total = 1352 * 2
     assert _sync("file", c).time_s == pytest.approx(total * (1 + 2) / 1e9)
-    # rank to rank: each generator device receives a full copy (tp=pp=1); senders split dp copies
+    # rank to rank: each generator device receives a full copy (tp=pp=1); senders split dp copies; every
+    # block is under 64 KiB, so packed by its sender and unpacked by its receiver: each rank copies ``total``,
+    # overlapped with the wire (the copies win only where memory is slower than the link)
     assert _sync("collective", c).time_s == pytest.approx(max(total, total * 2 / 2) / 1e10)
+    slow_memory = ctx(dev=device(memory_bandwidth=1e9), tuning=c.tuning)
+    assert _sync("collective", slow_memory).time_s == pytest.approx(total / 1e9)
     same = _sync("collective", c, src=(range(4), ParallelDims(dp=4)), dst=(range(4), ParallelDims(dp=4)))
     assert same.time_s == pytest.approx(total / 1e11) and same.note == "same layout: local copy"
-    assert _sync("collective", c).bytes == total * 2
+    assert _sync("collective", c).bytes == _sync("collective", c).wire_bytes == total * 2
+    assert _sync("collective", c).copied_bytes == 2 * total * 2
+
+
+#: blocks of 64 KiB and more in float32 (wq is 128 x 128): sent and received without staging where contiguous
+WIDE = ModelSpec(name="wide", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=64)
+
+
+@pytest.mark.parametrize(
+    ("dst_dims", "wire", "copied"),
+    [
+        # dp replicas: every block whole on both sides; only the small ones (k, v, norms, embeddings) are staged
+        (ParallelDims(dp=2), 2 * WIDE.params * 4, 2 * 2 * 4 * (2 * (2 * 128 * 64 + 2 * 128) + 2 * 64 * 128 + 128)),
+        # tp2: each rank also receives the replicated embeddings, head and norms; row splits are strided on the sender
+        (ParallelDims(tp=2), 4 * (WIDE.params + 2 * 64 * 128 + 128 + 2 * 2 * 128), None),
+    ],
+    ids=["dp2", "tp2"],
+)
+def test_collective_sync_volume_is_the_transports(dst_dims, wire, copied):
+    """The planner's bytes come from ``resharding.transfer_volume`` over the runtime's layouts (``sync_params``)."""
+    from flowrl.runtime.resharding import transfer_volume
+
+    from flowrl.planners.estimate.sync import sync_params
+
+    est = estimate_sync(WIDE, src="policy", dst="gen", transport="collective", src_devices=range(2), src_dims=ParallelDims(dp=2),
+                        dst_devices=range(2, 4), dst_dims=dst_dims, dst_bytes_per_param=4.0, src_bytes_per_param=4.0, ctx=ctx())
+    full = transfer_volume(*sync_params(WIDE, range(2), range(2, 4), dst_dims, layers=WIDE.n_layers, wb=4))
+    assert (est.wire_bytes, est.copied_bytes) == (full.wire_bytes, full.copied_bytes)
+    assert est.wire_bytes == wire
+    if copied is not None:
+        assert est.copied_bytes == copied
+    else:  # wo and w2 (row splits) are strided on the sending side; everything small is staged on both
+        assert 0 < est.copied_bytes < 2 * est.wire_bytes
 
 
 def test_sync_on_cpu_is_memory_copies():

@@ -25,17 +25,24 @@ import pytest
 import torch
 
 from flowrl.errors import ConfigError, TransportError
+from flowrl.planners.estimate.sync import estimate_sync, sync_params
+from flowrl.planners.modelspec import ModelSpec
+from flowrl.planners.parallel import ParallelDims
 from flowrl.runtime.resharding import (
+    DIRECT_MIN_BYTES,
     ShardLayout,
     dp_replicas,
     dp_tp,
     fsdp,
     local_slice,
     minimum_bytes,
+    TransferVolume,
     plan_state,
     replicated,
+    sharded,
     tp_column,
     tp_row,
+    transfer_volume,
 )
 from flowrl.runtime.transports.base import layout_of
 from flowrl.runtime.transports.collective import CollectiveTransport
@@ -59,11 +66,15 @@ def _by_ndim(params: dict, matrix: ShardLayout, vector: ShardLayout, scalar: Sha
     return {n: (scalar if not len(s) else vector if len(s) == 1 else matrix) for n, (s, _) in params.items()}
 
 
-def _case(src: Callable[[int], ShardLayout], dst: Callable[[int], ShardLayout], params=PARAMS, chunk_bytes: int = 1):
-    """A resharding case: layouts per parameter from a function of the parameter's ndim; messages go in
-    pieces of one block each unless ``chunk_bytes`` says otherwise (0: whole messages)."""
+def _case(src: Callable[[int], ShardLayout], dst: Callable[[int], ShardLayout], params=PARAMS, chunk_bytes: int = 1,
+          direct_min_bytes: int = 0):
+    """A resharding case: layouts per parameter from a function of the parameter's ndim. Every block is
+    a message of its own, sent from the shard and received into the target where its slice is
+    contiguous (``direct_min_bytes=0``), unless the case says otherwise; small blocks packed together go
+    in pieces of one block each unless ``chunk_bytes`` says otherwise (0: all together)."""
     return {
         "chunk_bytes": chunk_bytes,
+        "direct_min_bytes": direct_min_bytes,
         "params": params,
         "trainer": {n: src(len(s)) for n, (s, _) in params.items()},
         "generator": {n: dst(len(s)) for n, (s, _) in params.items()},
@@ -87,8 +98,15 @@ CASES: dict[str, dict[str, Any]] = {
     # the issue's table
     "replicated->tp2": _case(lambda n: replicated(R01), _nd(tp_column(G23), tp_column(G23), replicated(G23)), chunk_bytes=0),
     "fsdp2->tp2": _case(FSDP2, _tp(G23)),
+    "fsdp2->tp2-packed": _case(FSDP2, _tp(G23), direct_min_bytes=1 << 16),
+    # contiguous on the sender, strided on the receiver; strided on both sides (3-d: dim 1 -> dim 2)
+    "tp-row->fsdp2-strided-target": _case(_nd(tp_row(R01), tp_column(R01), replicated(R01)), _nd(fsdp(G23), fsdp(G23), replicated(G23))),
+    "tp->other-tp-nothing-contiguous": _case(
+        lambda n: sharded(R01, 1), lambda n: sharded(G23, 2), params={"q": ((3, 4, 6), "float32"), "k": ((2, 2, 2), "bfloat16")}
+    ),
+    "replicated->tp2-column-direct": _case(lambda n: replicated(R01), _nd(tp_column(G23), tp_column(G23), replicated(G23))),
     "tp2->tp4": _case(_nd(tp_column(R01), tp_column(R01), replicated(R01)), _nd(tp_column(ALL), tp_column(ALL), replicated(ALL))),
-    "fsdp2->dp-replicas": _case(FSDP2, lambda n: dp_replicas(G23), chunk_bytes=40),
+    "fsdp2->dp-replicas": _case(FSDP2, lambda n: dp_replicas(G23), chunk_bytes=40, direct_min_bytes=1 << 16),
     # colocated and combined meshes
     "fsdp2->dp2xtp2-colocated": _case(
         FSDP2,
@@ -112,6 +130,15 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+# the planner's view of a small model (blocks of 64 KiB and more in float32) on trainer ranks 0, 1 and a tp2
+# generator on ranks 2, 3: what it prices must be what the transport moves (test_planner_prices_what_moved)
+PLANNED_MODEL = ModelSpec(name="wide", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=64)
+PLANNED_DIMS = ParallelDims(tp=2)
+_planned = sync_params(PLANNED_MODEL, R01, G23, PLANNED_DIMS, layers=PLANNED_MODEL.n_layers, wb=4)
+CASES["planner-layouts"] = {"params": _planned[0], "trainer": _planned[1], "generator": _planned[2],
+                            "chunk_bytes": 8 << 20, "direct_min_bytes": DIRECT_MIN_BYTES}
+
+
 def _full(name: str, shape: tuple[int, ...], dtype: str, version: int) -> torch.Tensor:
     """The trainer's full tensor of ``name`` at ``version``: seeded random values, shifted by the version."""
     gen = torch.Generator().manual_seed(sum(map(ord, name)) * 1000 + version)
@@ -133,29 +160,53 @@ def _expected_bytes(case: dict[str, Any]) -> tuple[int, int]:
     return wire, local
 
 
+def _volume(case: dict[str, Any]) -> TransferVolume:
+    """What the planner prices for one sync of a case (the transport's own rules)."""
+    return transfer_volume(case["params"], case["trainer"], case["generator"], direct_min_bytes=case.get("direct_min_bytes", 0))
+
+
 # --- worker side (runs in the spawned processes) -------------------------------------------------
 
 
-def _run_case(rank: int, name: str, case: dict[str, Any]) -> dict[str, Any]:
-    """Publish ``len(VERSIONS) * per_fetch`` versions; generators fetch until they hold each round's last."""
+def _run_case(rank: int, name: str, case: dict[str, Any], *, device: str = "cpu", group: Any = None) -> dict[str, Any]:
+    """Publish ``len(VERSIONS) * per_fetch`` versions; generators fetch until they hold each round's last.
+    Shards and targets live on ``device`` (the transport's buffers too); ``group`` is the edge's process group."""
     if not any(rank in lay.ranks for side in ("trainer", "generator") for lay in case[side].values()):
-        return {"stats": {"bytes_sent": 0, "bytes_received": 0, "bytes_copied_locally": 0}, "mismatches": [],
+        return {"stats": {"bytes_sent": 0, "bytes_received": 0, "bytes_copied_locally": 0}, "staged_first_version": 0, "mismatches": [],
                 "is_trainer": False, "is_generator": False}  # not a participant: constructs nothing
     params = {n: {"shape": list(s), "dtype": d} for n, (s, d) in case["params"].items()}
     per_fetch = case.get("per_fetch", 1)
     t = CollectiveTransport(
         params=params, trainer_layout=case["trainer"], generator_layout=case["generator"], channel=name,
         timeout_s=60, fetch_wait_s=60, chunk_bytes=case.get("chunk_bytes", 1),
+        direct_min_bytes=case.get("direct_min_bytes", 0), device=device, group=group,
     )
     mismatches: list[str] = []
     got_versions: list[int | None] = []
+    staged_first_version = 0
+
+    def check(tensors: dict[str, torch.Tensor], version: int, how: str) -> None:
+        for n, tensor in tensors.items():
+            s, d = case["params"][n]
+            want = _full(n, s, d, version)[local_slice(case["generator"][n], s, rank)]
+            if not torch.equal(_bits(tensor.cpu()), _bits(want.to(tensor.dtype))):
+                mismatches.append(f"version {version} ({how}): {n!r} on rank {rank}")
+
     try:
-        target = {n: torch.zeros(shape, dtype=getattr(torch, case["params"][n][1])) for n, shape in t.local_shapes("generator").items()}
+        shapes = t.local_shapes("generator")
+        native = {n: torch.zeros(shape, dtype=getattr(torch, case["params"][n][1]), device=device) for n, shape in shapes.items()}
+        cast = {n: torch.zeros(shape, dtype=torch.float64, device=device) for n, shape in shapes.items()}  # never received into directly
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
         for r in VERSIONS:
+            target = cast if r == 1 else native
+            if t.is_trainer and r:  # publish round r once every generator rank is done with round r - 1
+                store.wait([f"rounds/{name}/{r - 1}/{g}" for g in t.generator_ranks])
             last = (r + 1) * per_fetch - 1
             for v in range(r * per_fetch, last + 1) if t.is_trainer else ():
                 full = {n: _full(n, s, d, v) for n, (s, d) in case["params"].items()}
-                shards = {n: full[n][local_slice(case["trainer"][n], full[n].shape, rank)].clone() for n in t.local_shapes("trainer")}
+                shards = {n: full[n][local_slice(case["trainer"][n], full[n].shape, rank)].to(device, copy=True) for n in t.local_shapes("trainer")}
                 t.publish(shards, v)
                 for x in shards.values():  # the trainer changes its weights after publishing
                     x.fill_(-7)
@@ -163,12 +214,17 @@ def _run_case(rank: int, name: str, case: dict[str, Any]) -> dict[str, Any]:
             while t.is_generator and got is not None and got < last:
                 got = t.fetch_into(target, newer_than=got)
                 got_versions.append(got)
-                for n, tensor in target.items() if got is not None else ():
-                    s, d = case["params"][n]
-                    want = _full(n, s, d, got)[local_slice(case["generator"][n], s, rank)]
-                    if not torch.equal(_bits(tensor), _bits(want)):
-                        mismatches.append(f"version {got}: {n!r} on rank {rank}")
-        return {"stats": t.stats(), "versions": got_versions, "mismatches": mismatches,
+                if got is not None:
+                    check(target, got, "fetched")
+            if r == 0:
+                staged_first_version = t.stats()["bytes_staged"]
+            if t.is_generator:  # fetched again into fresh tensors: from staging, or from the target it went straight into
+                again = {n: torch.zeros_like(x) for n, x in native.items()}
+                if t.fetch_into(again, newer_than=last - 1) != last:
+                    mismatches.append(f"version {last} could not be fetched again on rank {rank}")
+                check(again, last, "fetched again")
+                store.set(f"rounds/{name}/{r}/{rank}", "done")
+        return {"stats": t.stats(), "staged_first_version": staged_first_version, "versions": got_versions, "mismatches": mismatches,
                 "is_trainer": t.is_trainer, "is_generator": t.is_generator}
     finally:
         t.close()
@@ -387,14 +443,37 @@ def test_resharding_is_bit_exact_with_minimum_bytes(table_run, name):
     assert sum(r["stats"]["bytes_received"] for r in results) == wire * versions
     assert sum(r["stats"]["bytes_copied_locally"] for r in results) == local * versions
     assert all(r["stats"]["exchanges"] == versions for r in results if r["is_generator"])
+    volume = _volume(case)
+    assert (volume.wire_bytes, volume.local_bytes) == (wire, local)
+    if per_fetch == 1:  # version 0, delivered once into its native target: the staging copies the planner prices
+        assert sum(r["staged_first_version"] for r in results) == volume.copied_bytes
 
 
 def test_the_table_covers_local_copies_and_header_only_ranks():
-    """Guards the table itself: some cases must move bytes locally, and one must leave a rank with nothing."""
+    """Guards the table itself: some cases must move bytes locally, and one must leave a rank with nothing;
+    some send or receive blocks without staging them, and some stage every block."""
+    staged = {name: _volume(case).copies_per_byte for name, case in CASES.items() if case.get("per_fetch", 1) == 1}
+    assert staged["replicated->tp2-column-direct"] == 0.0  # contiguous on both sides: no copy at all
+    assert 0.0 < staged["fsdp2->tp2"] < staged["fsdp2->tp2-packed"] == 2.0
+    assert 0.5 < staged["tp-row->fsdp2-strided-target"] < 1.0  # a receiver-side copy of every matrix byte
+    assert staged["tp->other-tp-nothing-contiguous"] == 2.0
     assert _expected_bytes(CASES["tp2->tp4"])[1] > 0
     assert _expected_bytes(CASES["replicated->tp2"])[1] == 0
     case = CASES["uneven-empty-shards"]
     assert local_slice(case["generator"]["v"], (1, 4), 3) == (slice(1, 1), slice(0, 4))
+
+
+def test_planner_prices_what_moved(table_run):
+    """The planner's sync estimate (wire bytes, staging copies) equals what the transport did in a real gloo run."""
+    from tests.planners.test_estimates import ctx
+
+    results = [r["cases"]["planner-layouts"] for r in _ranks(table_run, 4)]
+    assert not [r["error"] for r in results if "error" in r]
+    est = estimate_sync(PLANNED_MODEL, src="policy", dst="gen", transport="collective", src_devices=R01, src_dims=ParallelDims(dp=2),
+                        dst_devices=G23, dst_dims=PLANNED_DIMS, dst_bytes_per_param=4.0, src_bytes_per_param=4.0, ctx=ctx())
+    assert sum(r["stats"]["bytes_sent"] for r in results) == est.wire_bytes * len(VERSIONS)
+    assert sum(r["staged_first_version"] for r in results) == est.copied_bytes
+    assert 0 < est.copied_bytes < 2 * est.wire_bytes  # some blocks went without a copy, some with one or two
 
 
 def test_contract_across_ranks(table_run):

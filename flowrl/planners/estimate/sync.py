@@ -10,9 +10,14 @@ Every one of its dp_g replicas needs a full copy, split over that replica's tp_g
 By the transport's declared cost (``TransportTraits.cost``; the built-ins in brackets):
 
 - ``"collective"`` [``collective``] (and, on GPU clusters, ``"memory"`` transports, which cannot cross devices
-  there): direct rank-to-rank transfers (LlamaRL's DDMA): ``max(per receiver, per sender) / bw +
-  latency``, over NVLink when trainer and generator share hosts, the NIC otherwise. Colocated with
-  the same layout and dtype it is a local copy: ``per receiver / mem_bw``.
+  there): direct rank-to-rank transfers (LlamaRL's DDMA): ``max(max(per receiver, per sender) / bw,
+  staged / mem_bw) + latency`` (packing is pipelined with the wire), over NVLink when trainer and generator share hosts, the NIC
+  otherwise. The volumes are the runtime's own (``flowrl.runtime.resharding.transfer_volume`` over
+  the layouts the torchrun backend gives the collective transport, :func:`sync_params`): every
+  trainer device a full replica, the generator's blocks split as ``tensor_parallel`` splits them
+  (embeddings, head and norms replicated on every tp rank); ``per receiver`` / ``per sender`` are the
+  busiest rank's bytes, ``staged`` the busiest rank's staging copies (strided slices and blocks
+  under 64 KiB). Colocated with the same layout and dtype it is a local copy: ``per receiver / mem_bw``.
 - ``"memory"`` on CPU: ``memory_copies`` copies of ``P * wb`` by one core (the runtime runs a node as
   one process with a thread per core, so there is one copy whatever dp says): one for ``inprocess``,
   two for ``shm`` (into the shared segment, out of it).
@@ -25,7 +30,9 @@ registered is costed as ``"collective"``, and the estimate notes it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import msgspec
 
@@ -33,9 +40,10 @@ from flowrl.errors import TransportError
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
+from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, replicated, tp_column, tp_row, transfer_volume
 from flowrl.runtime.transports.registry import TransportTraits, transport_traits
 
-__all__ = ["SyncEstimate", "estimate_sync"]
+__all__ = ["SyncEstimate", "estimate_sync", "sync_params"]
 
 
 class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -44,8 +52,12 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     Attributes:
         src, dst: the weight edge's ends (policy, generator).
         transport: the edge's transport name.
-        bytes: bytes the generator's replicas receive in total (P * wb * dp_g).
+        bytes: bytes the generator's replicas receive in total (P * wb * dp_g with tp_g = 1; more with
+            tp_g > 1, whose ranks each hold the replicated embeddings and norms).
         replicas: dp_g, the generator's data-parallel replicas (each receives a full copy).
+        wire_bytes: of ``bytes``, those on the wire (the rest are local copies of colocated ranks);
+            what the collective transport's ranks send, summed (0 where not costed as collective).
+        copied_bytes: bytes through a staging copy, once per copy (the transport's ``bytes_staged``, summed).
         time_s: seconds one sync takes; both ends are busy for it unless ``sync_overlap`` hides part.
         note: how it was costed.
     """
@@ -57,6 +69,8 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     time_s: float
     replicas: int = 1
     note: str = ""
+    wire_bytes: int = 0
+    copied_bytes: int = 0
 
 
 def _traits(transport: str) -> TransportTraits | None:
@@ -65,6 +79,100 @@ def _traits(transport: str) -> TransportTraits | None:
         return transport_traits(transport)
     except TransportError:
         return None
+
+
+def sync_params(
+    model: ModelSpec,
+    src_devices: Sequence[int],
+    dst_devices: Sequence[int],
+    dst_dims: ParallelDims,
+    *,
+    layers: int,
+    rest: bool = True,
+    wb: int = 1,
+) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, ShardLayout], dict[str, ShardLayout]]:
+    """Parameters and layouts the collective transport moves for ``model``: ``layers`` blocks, and with
+    ``rest`` the embeddings, head and final norm (the planner prices one block and scales).
+
+    The layouts are the torchrun backend's (``runtime.backends.weights``): the trainer's devices each
+    publish a full replica; the generator's first pipeline stage, ``dp x tp`` devices, splits the
+    blocks as ``runtime.tensor_parallel`` does (q, k, v, w1, w3 by rows, wo, w2 by columns, norms replicated).
+
+    Args:
+        model: the generator's model shape.
+        src_devices: the trainer's devices (ranks).
+        dst_devices: the generator's devices (ranks), pipeline stage 0 first.
+        dst_dims: the generator's parallel dims.
+        layers: how many blocks to list.
+        rest: list the embeddings, the output head (unless tied) and the final norm too.
+        wb: bytes per element (an integer dtype size; the planner uses 1 and scales by its own).
+
+    Returns:
+        ``(params, trainer layouts, generator layouts)`` for ``resharding.transfer_volume`` or the transport.
+    """
+    dtype = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "float64"}[wb]
+    h, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    ranks = tuple(dst_devices[: dst_dims.dp * dst_dims.tp])
+    same = replicated(ranks, axis="dp" if dst_dims.tp == 1 else "tp")
+    if dst_dims.tp == 1:
+        column = row = same
+    elif dst_dims.dp == 1:
+        column, row = tp_column(ranks), tp_row(ranks)
+    else:
+        column, row = dp_tp(ranks, dp=dst_dims.dp, tp=dst_dims.tp, tp_dim=0), dp_tp(ranks, dp=dst_dims.dp, tp=dst_dims.tp, tp_dim=1)
+    block = {"wq": ((h, h), column), "wk": ((kv, h), column), "wv": ((kv, h), column), "wo": ((h, h), row),
+             "w1": ((f, h), column), "w3": ((f, h), column), "w2": ((h, f), row), "norm1": ((h,), same), "norm2": ((h,), same)}
+    shapes: dict[str, tuple[tuple[int, ...], ShardLayout]] = {f"layers.{i}.{n}": v for i in range(layers) for n, v in block.items()}
+    if rest:
+        shapes |= {"embed": ((model.vocab_size, h), same), "norm": ((h,), same)}
+        if not model.tie_embeddings:
+            shapes["head"] = ((model.vocab_size, h), same)
+    src = replicated(tuple(src_devices))
+    params = {n: (shape, dtype) for n, (shape, _) in shapes.items()}
+    return params, {n: src for n in shapes}, {n: lay for n, (_, lay) in shapes.items()}
+
+
+@lru_cache(maxsize=256)
+def _volume(model: ModelSpec, src_devices: tuple[int, ...], dst_devices: tuple[int, ...], dst_dims: ParallelDims, wb: float) -> TransferVolume:
+    """``transfer_volume`` of the whole model in bytes of ``wb`` each: one block times the layers, plus the rest."""
+    direct_min = math.ceil(DIRECT_MIN_BYTES / wb)  # elements of 1 "byte" below: the threshold in elements
+    one = transfer_volume(*sync_params(model, src_devices, dst_devices, dst_dims, layers=1, rest=False), direct_min_bytes=direct_min)
+    rest = transfer_volume(*sync_params(model, src_devices, dst_devices, dst_dims, layers=0), direct_min_bytes=direct_min)
+    stages = max(1, dst_dims.pp)  # a rank of one pipeline stage holds 1/pp of the blocks
+    scale = model.n_layers
+
+    def total(a: int, b: int) -> int:
+        return round((a * scale + b) * wb)
+
+    def busiest(a: int, b: int) -> int:
+        return round((a * scale / stages + b) * wb)
+
+    return TransferVolume(
+        wire_bytes=total(one.wire_bytes, rest.wire_bytes),
+        local_bytes=total(one.local_bytes, rest.local_bytes),
+        copied_bytes=total(one.copied_bytes, rest.copied_bytes),
+        max_send_bytes=busiest(one.max_send_bytes, rest.max_send_bytes),
+        max_recv_bytes=busiest(one.max_recv_bytes, rest.max_recv_bytes),
+        max_copied_bytes=busiest(one.max_copied_bytes, rest.max_copied_bytes),
+        max_pack_bytes=busiest(one.max_pack_bytes, rest.max_pack_bytes),
+        max_unpack_bytes=busiest(one.max_unpack_bytes, rest.max_unpack_bytes),
+    )
+
+
+@lru_cache(maxsize=256)
+def _disjoint_volume(model: ModelSpec, senders: int, dst_dims: ParallelDims, wb: float) -> TransferVolume:
+    """:func:`_volume` when no device is on both sides: priced on one generator replica fed by one trainer
+    device, then scaled. Exact for the wire bytes, the copies and the busiest receiver (replicas receive
+    alike, and with no local blocks the sender does not change what is staged); the busiest sender's
+    share is the balanced one, ``wire / senders`` (the transport's least-loaded choice comes within a block of it)."""
+    one = _volume(model, (0,), tuple(range(1, 1 + dst_dims.tp)), ParallelDims(tp=dst_dims.tp, pp=dst_dims.pp), wb)
+    dp = dst_dims.dp
+    return TransferVolume(
+        wire_bytes=one.wire_bytes * dp, local_bytes=0, copied_bytes=one.copied_bytes * dp,
+        max_send_bytes=math.ceil(one.wire_bytes * dp / max(1, senders)), max_recv_bytes=one.max_recv_bytes,
+        max_copied_bytes=max(math.ceil(one.max_pack_bytes * dp / max(1, senders)), one.max_unpack_bytes),
+        max_pack_bytes=math.ceil(one.max_pack_bytes * dp / max(1, senders)), max_unpack_bytes=one.max_unpack_bytes,
+    )
 
 
 def estimate_sync(
@@ -114,9 +222,14 @@ def estimate_sync(
         if one_host
         else Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
     )
-    per_receiver = total / (dst_dims.tp * dst_dims.pp)
-    per_sender = total * dst_dims.dp / max(1, len(src_devices))
+    volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param) if not set(src_devices) & set(dst_devices) else (
+        _volume(model, tuple(src_devices), tuple(dst_devices), dst_dims, dst_bytes_per_param)
+    )
     if not same_mesh and dst_bytes_per_param != src_bytes_per_param:
         note += f", cast to {dst_bytes_per_param:g} bytes/param before sending"
-    time = max(per_receiver, per_sender) / link.bandwidth + link.latency
-    return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note=note)
+    # the transport packs piece i + 1 while piece i is on the wire: the copies overlap the transfer
+    time = max(max(volume.max_recv_bytes, volume.max_send_bytes) / link.bandwidth, volume.max_copied_bytes / mem_bw) + link.latency
+    return SyncEstimate(
+        src=src, dst=dst, transport=transport, bytes=volume.wire_bytes + volume.local_bytes, replicas=dst_dims.dp,
+        time_s=time, note=note, wire_bytes=volume.wire_bytes, copied_bytes=volume.copied_bytes,
+    )

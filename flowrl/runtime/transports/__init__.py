@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from flowrl.runtime.transports.file import FileTransport
     from flowrl.runtime.transports.inprocess import InProcessTransport
     from flowrl.runtime.transports.shm import SharedMemoryTransport
+    from flowrl.runtime.transports.cuda_ipc import CudaIpcTransport
+    from flowrl.runtime.transports.collective import CollectiveTransport
 
 __all__ = [
     "WeightTransport",
@@ -35,6 +37,8 @@ __all__ = [
     "InProcessTransport",
     "SharedMemoryTransport",
     "FileTransport",
+    "CudaIpcTransport",
+    "CollectiveTransport",
 ]
 
 _LAZY = {
@@ -43,6 +47,8 @@ _LAZY = {
     "InProcessTransport": "flowrl.runtime.transports.inprocess",
     "SharedMemoryTransport": "flowrl.runtime.transports.shm",
     "FileTransport": "flowrl.runtime.transports.file",
+    "CudaIpcTransport": "flowrl.runtime.transports.cuda_ipc",
+    "CollectiveTransport": "flowrl.runtime.transports.collective",
 }
 
 

@@ -9,33 +9,49 @@ the wire once per destination that lacks it, and a rank that holds a block on bo
 locally. Only point-to-point operations are used (``batch_isend_irecv``), on contiguous buffers, so
 the same code is correct on gloo (CPU) and NCCL (GPU, with ``device="cuda:<i>"``).
 
+No staging copy where none is needed (the rule is :func:`flowrl.runtime.resharding.staging_copies`,
+which the planner prices too): a block of at least ``direct_min_bytes`` whose slice of the trainer's
+shard is contiguous is sent straight from that shard's storage; one whose slice of the generator's
+shard is contiguous is received straight into the target; a strided slice goes through one copy on
+its side, and small blocks are packed together (one copy on each side). The sender packs piece
+i + 1 while piece i is on the wire; the receiver unpacks piece i while piece i + 1 arrives.
+``stats()["bytes_staged"]`` counts the bytes that went through a staging copy.
+
 Roles come from the layouts: a rank in the trainer layout publishes, a rank in the generator
 layout fetches, a rank in both (colocated) does both.
 
-Wire format (per pair and version): one ``uint8`` buffer, a 32-byte header of four int64
-``(magic, version, payload_bytes, src_rank)`` (payload bytes with alignment padding) followed by the blocks in plan order (parameters in
-sorted name order), each 16-byte aligned. A message goes as pieces of about ``chunk_bytes`` (whole
-blocks; the same split on both sides, matched in order), so that the sender copies piece i + 1 while
-piece i is on the wire and the receiver copies piece i into its target while piece i + 1 arrives.
-A generator rank that needs no data from anyone still gets a header-only message from one trainer
+Wire format (per pair and version): a 32-byte header of four int64 ``(magic, version,
+payload_bytes, src_rank)`` (payload bytes with alignment padding), sent first and checked by the
+receiver before any piece is posted (so a target is never written by a message of another version),
+then the pieces in plan order (parameters in sorted name order): each block of at least
+``direct_min_bytes`` alone, runs of smaller blocks together up to ``chunk_bytes``; the same cut on
+both sides (it depends only on the plan), matched in order. The staging buffer of a pair lays the
+header and the blocks out 16-byte aligned; a piece sent or received directly skips its part. A
+generator rank that needs no data from anyone still gets a header-only message from one trainer
 rank, so every generator learns every version.
 
 Pairing semantics (publish and fetch are collective):
 
 - ``publish(state, version)`` (trainer ranks, with their *local shards*) announces ``version`` in
-  the process group's store (key ``flowrl/collective/<channel>/<epoch>/v/<rank>``), copies the
-  outgoing blocks into send buffers piece by piece, posting each piece's send as it is copied, and
-  returns. Each version is delivered once to each generator rank, so at most one version is in
-  flight per trainer rank: ``publish(v + 1)`` first waits until every destination has received
-  ``v`` (backpressure; up to ``timeout_s``). This is the one departure from "publish costs one
-  copy": it waits when the generators lag a version.
+  the process group's store (key ``flowrl/collective/<channel>/<epoch>/v/<rank>``), sends the
+  headers, then posts each piece's send, packing it first unless it goes straight from ``state``,
+  and returns. If some piece went straight from ``state``, publish first waits (up to
+  ``timeout_s``) until those bytes are out, since ``state`` may change once it returns: such a
+  publish returns when the generators have taken the version (they must be receiving: a
+  concurrent ``fetch_into`` or ``background_receive``). A version whose pieces were all packed is
+  left in flight. Each version is delivered once to each generator rank, so at most one version is
+  in flight per trainer rank: ``publish(v + 1)`` first waits until every destination has received
+  ``v`` (backpressure; up to ``timeout_s``).
 - ``fetch_into(target, newer_than)`` (generator ranks, with their *local shard targets*) reads the
   versions its source ranks announced. When all of them announced a version ``w`` it has not
-  received, it receives ``w`` into its own staging buffers (blocking until the data is in, up to
-  ``timeout_s``; the trainer is posting the sends). Then, as the contract says, it copies the
-  newest received version into ``target`` (piece by piece as they arrive) and returns it if it is
-  newer than ``newer_than``, else returns None; the staging buffers keep that version, so it can be
-  fetched again. With nothing new announced it answers at once, or polls up to ``fetch_wait_s`` seconds
+  received, it receives ``w`` (blocking until the data is in, up to ``timeout_s``; the trainer is
+  posting the sends): if ``w`` is newer than ``newer_than``, straight into ``target`` where a
+  piece's slice of it is contiguous and of the published dtype and device, the rest through the
+  staging buffers (unpacked piece by piece as they arrive), and returns ``w``; else into the
+  staging buffers only, and returns None. The newest received version can be fetched again (a
+  smaller ``newer_than``): from the staging buffers, and for the pieces received straight into a
+  target, from that target (which the generator keeps as its weights; one it changes in place
+  changes what a fetch of the same version again delivers). With nothing new announced it answers at once, or polls up to ``fetch_wait_s`` seconds
   (a constructor option, 0 by default: the runtime's generator polls on its own deadline).
   ``target`` is only written inside ``fetch_into``, after every message's header was checked to
   carry the version: a generator never sees a torn state (except after a ``TransportError``
@@ -54,7 +70,7 @@ Pairing semantics (publish and fetch are collective):
   blocked by backpressure, colocated with the trainer (serialised steps) or finished with its
   last step no longer stalls the trainers. The cost is one more copy (staging -> target) per
   delivery that no longer overlaps the wire. An error in the thread (a peer died, a timeout) is
-  raised by the next ``fetch_into``.
+  raised by the next ``fetch_into``. (It has no target to receive into: everything is staged.)
 
 Timeouts (no rank hangs forever): the constructor waits up to ``timeout_s`` for every
 participating rank to construct the transport with the same options (a handshake over the store,
@@ -94,7 +110,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl.errors import ConfigError, TransportError
-from flowrl.runtime.resharding import ShardLayout, Transfer, local_shape, plan_state
+from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, Transfer, local_shape, plan_state, staging_copies
 from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
 from flowrl.runtime.transports.registry import TransportTraits
 from flowrl.runtime.wire import DTYPES as WIRE_DTYPES
@@ -139,49 +155,75 @@ class _Spec(msgspec.Struct, frozen=True, kw_only=True):
     trainer: dict[str, ShardLayout]
     generator: dict[str, ShardLayout]
     chunk_bytes: int
+    direct_min_bytes: int
 
 
 class _Block(NamedTuple):
-    """One block of one parameter inside a message buffer."""
+    """One block of one parameter inside a message's staging buffer."""
 
     name: str
-    offset: int  # byte offset in the buffer
+    offset: int  # byte offset in the staging buffer
     nbytes: int
     shape: tuple[int, ...]
     slices: tuple[slice, ...]  # where the block lies in this rank's local shard (source or destination side)
     other: tuple[slice, ...]  # local copies only: the destination-side index
+    direct: bool  # the plan sends (receives) it straight from (into) the shard: ``staging_copies`` says 0 on this side
 
 
-class _Chunk(NamedTuple):
-    """A byte range ``[lo, hi)`` of one message, posted as one send/receive: whole blocks, the header in the first."""
+class _Piece(NamedTuple):
+    """Bytes ``[lo, hi)`` of one message's staging buffer, posted as one send/receive: one block of at
+    least ``direct_min_bytes`` (which may skip the staging buffer), or a run of smaller blocks packed."""
 
     lo: int
     hi: int
     blocks: tuple[_Block, ...]
+
+    @property
+    def direct(self) -> bool:
+        return len(self.blocks) == 1 and self.blocks[0].direct
 
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _chunks(blocks: list[_Block], total: int, chunk_bytes: int) -> list[_Chunk]:
-    """Split a message at block boundaries into pieces of at least ``chunk_bytes`` (0: one piece)."""
-    out: list[_Chunk] = []
-    lo, cur = 0, []
+def _pieces(blocks: list[_Block], chunk_bytes: int, direct_min: int) -> list[_Piece]:
+    """Cut a message's blocks into pieces: a block of ``direct_min`` bytes or more alone, smaller
+    neighbours together up to ``chunk_bytes`` (0: no limit). Depends only on the plan, so sender and
+    receiver cut alike."""
+    out: list[_Piece] = []
+    run: list[_Block] = []
+
+    def close_run() -> None:
+        if run:
+            out.append(_Piece(run[0].offset, run[-1].offset + run[-1].nbytes, tuple(run)))
+            run.clear()
+
     for b in blocks:
-        cur.append(b)
-        end = _align(b.offset + b.nbytes)
-        if chunk_bytes > 0 and end - lo >= chunk_bytes and end < total:
-            out.append(_Chunk(lo, end, tuple(cur)))
-            lo, cur = end, []
-    out.append(_Chunk(lo, total, tuple(cur)))
+        if b.nbytes >= direct_min:
+            close_run()
+            out.append(_Piece(b.offset, b.offset + b.nbytes, (b,)))
+            continue
+        run.append(b)
+        if chunk_bytes > 0 and b.offset + b.nbytes - run[0].offset >= chunk_bytes:
+            close_run()
+    close_run()
     return out
 
 
-def _round_robin(chunks: dict[int, list[_Chunk]]) -> list[tuple[int, _Chunk]]:
-    """(peer, chunk) in the order they are posted: chunk 0 of every peer, then chunk 1, ... (keeps peers busy)."""
-    longest = max((len(c) for c in chunks.values()), default=0)
-    return [(peer, cs[i]) for i in range(longest) for peer, cs in sorted(chunks.items()) if i < len(cs)]
+def _round_robin(pieces: dict[int, list[_Piece]]) -> list[tuple[int, _Piece]]:
+    """(peer, piece) in the order they are posted: piece 0 of every peer, then piece 1, ... (keeps peers busy)."""
+    longest = max((len(c) for c in pieces.values()), default=0)
+    return [(peer, cs[i]) for i in range(longest) for peer, cs in sorted(pieces.items()) if i < len(cs)]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype, b.device)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 tensor (what goes on the wire)."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _layouts(value: Any, names: list[str], what: str) -> dict[str, ShardLayout]:
@@ -215,8 +257,11 @@ class CollectiveTransport:
         timeout_s: the longest any call waits for other ranks (see the module docstring).
         fetch_wait_s: how long ``fetch_into`` polls for a new version before returning None.
         device: where the send/receive buffers live (``"cpu"`` for gloo, ``"cuda:<i>"`` for NCCL).
-        chunk_bytes: messages go in pieces of about this many bytes (whole blocks), so that copying
-            into send buffers, the wire and copying into the target overlap; 0 sends each message whole.
+        chunk_bytes: blocks smaller than ``direct_min_bytes`` go packed in pieces of about this many
+            bytes, so that packing, the wire and unpacking overlap; 0 packs all of a message's small blocks together.
+        direct_min_bytes: a block of at least this many bytes is a message of its own, sent straight
+            from the shard and received straight into the target where its slice is contiguous
+            (``flowrl.runtime.resharding.staging_copies``).
         rank: this process's global rank (default ``dist.get_rank()``).
         group: the process group (default the world).
         store: the store used to announce versions (default the default process group's store).
@@ -234,6 +279,8 @@ class CollectiveTransport:
         header_bytes_sent: header bytes this rank has put on the wire.
         bytes_received: payload bytes this rank has received.
         bytes_copied_locally: bytes this rank copied from its own trainer shards to its generator shards.
+        bytes_staged: bytes this rank copied through a staging buffer (packing, unpacking, local blocks),
+            once per copy; one sync sums over ranks to ``resharding.transfer_volume(...).copied_bytes``.
         send_bytes_per_version: payload bytes this rank sends per published version.
     """
 
@@ -252,6 +299,7 @@ class CollectiveTransport:
         fetch_wait_s: float = 0.0,
         device: str = "cpu",
         chunk_bytes: int = 8 << 20,
+        direct_min_bytes: int = DIRECT_MIN_BYTES,
         rank: int | None = None,
         group: dist.ProcessGroup | None = None,
         store: dist.Store | None = None,
@@ -265,6 +313,7 @@ class CollectiveTransport:
             trainer=_layouts(trainer_layout, names, "trainer_layout"),
             generator=_layouts(generator_layout, names, "generator_layout"),
             chunk_bytes=int(chunk_bytes),  # both sides must cut messages into the same pieces
+            direct_min_bytes=int(direct_min_bytes),
         )
         if timeout_s <= 0:
             raise ConfigError(f"CollectiveTransport: timeout_s={timeout_s} must be > 0")
@@ -313,6 +362,9 @@ class CollectiveTransport:
         self.header_bytes_sent = 0
         self.bytes_received = 0
         self.bytes_copied_locally = 0
+        self.bytes_staged = 0
+        self._staging_s = 0.0  # seconds spent packing and unpacking (wire pieces only)
+        self._direct: dict[tuple[int, int], torch.Tensor] = {}  # (source, piece start) -> target view it was received into
         self._counts = {"publishes": 0, "deliveries": 0, "exchanges": 0}
         self._lock = threading.Lock()
         self._layouts = {"trainer": self._layout("trainer"), "generator": self._layout("generator")}
@@ -343,14 +395,16 @@ class CollectiveTransport:
         local_off = 0
         load = {r: 0 for r in self.trainer_ranks}
         fed: set[int] = set()
+        direct_min = self._spec.direct_min_bytes
         for name, transfers in self._plans.items():
             spec = self._spec.params[name]
             size = DTYPES[spec.dtype].itemsize
+            src, dst = self._spec.trainer[name], self._spec.generator[name]
             for t in transfers:
                 nbytes = t.numel * size
                 if t.local:
                     if t.src_rank == me:
-                        local.append(_Block(name, local_off, nbytes, t.shape, t.src_slices(), t.dst_slices()))
+                        local.append(_Block(name, local_off, nbytes, t.shape, t.src_slices(), t.dst_slices(), False))
                         local_off = _align(local_off + nbytes)
                     continue
                 load[t.src_rank] += nbytes
@@ -358,10 +412,16 @@ class CollectiveTransport:
                 key = (t.src_rank, t.dst_rank)
                 off = offsets.get(key, HEADER_BYTES)
                 offsets[key] = _align(off + nbytes)
+                if me not in key:
+                    continue
+                pack, unpack = staging_copies(  # the same rule the planner prices (resharding.transfer_volume)
+                    t, local_shape(src, spec.shape, t.src_rank), local_shape(dst, spec.shape, t.dst_rank), nbytes,
+                    dual_sender=t.src_rank in self.generator_ranks, direct_min_bytes=direct_min,
+                )
                 if t.src_rank == me:
-                    sends.setdefault(t.dst_rank, []).append(_Block(name, off, nbytes, t.shape, t.src_slices(), ()))
+                    sends.setdefault(t.dst_rank, []).append(_Block(name, off, nbytes, t.shape, t.src_slices(), (), not pack))
                 if t.dst_rank == me:
-                    recvs.setdefault(t.src_rank, []).append(_Block(name, off, nbytes, t.shape, t.dst_slices(), ()))
+                    recvs.setdefault(t.src_rank, []).append(_Block(name, off, nbytes, t.shape, t.dst_slices(), (), not unpack))
         # Generator ranks that receive nothing and are no trainer learn each version from a header-only message.
         for g in self.generator_ranks:
             if g in fed or g in self.trainer_ranks:
@@ -375,8 +435,8 @@ class CollectiveTransport:
                 recvs[src] = []
         self._sends = sends
         self._recvs = recvs
-        self._send_chunks = {d: _chunks(bl, offsets[(me, d)], self._chunk_bytes) for d, bl in sends.items()}
-        self._recv_chunks = {s: _chunks(bl, offsets[(s, me)], self._chunk_bytes) for s, bl in recvs.items()}
+        self._send_pieces = {d: _pieces(bl, self._chunk_bytes, direct_min) for d, bl in sends.items()}
+        self._recv_pieces = {s: _pieces(bl, self._chunk_bytes, direct_min) for s, bl in recvs.items()}
         self._local = local
         self._sizes = offsets  # (src, dst) -> message bytes, header included
         self._local_bytes = local_off
@@ -409,6 +469,8 @@ class CollectiveTransport:
             "header_bytes_sent": self.header_bytes_sent,
             "bytes_received": self.bytes_received,
             "bytes_copied_locally": self.bytes_copied_locally,
+            "bytes_staged": self.bytes_staged,
+            "staging_s": self._staging_s,
             "published": self._published,
             "received": self._received,
             **self._counts,
@@ -493,13 +555,43 @@ class CollectiveTransport:
                 "The process group is now unusable: stop the job"
             ) from exc
 
-    def _send_op(self, peer: int, chunk: _Chunk) -> dist.P2POp:
-        self.bytes_sent += sum(b.nbytes for b in chunk.blocks)
-        self.header_bytes_sent += HEADER_BYTES if chunk.lo == 0 else 0
-        return dist.P2POp(dist.isend, self._outbox[peer][chunk.lo : chunk.hi], peer=peer, group=self._group, tag=self._tag)
+    def _p2p(self, op: Any, peer: int, buf: torch.Tensor) -> dist.P2POp:
+        return dist.P2POp(op, buf, peer=peer, group=self._group, tag=self._tag)
 
-    def _recv_op(self, peer: int, chunk: _Chunk) -> dist.P2POp:
-        return dist.P2POp(dist.irecv, self._inbox[peer][chunk.lo : chunk.hi], peer=peer, group=self._group, tag=self._tag)
+    def _header_sends(self) -> list[dist.P2POp]:
+        """The header of this rank's message to each of its destinations (the first send of a version)."""
+        self.header_bytes_sent += HEADER_BYTES * len(self._sends)
+        return [self._p2p(dist.isend, d, self._outbox[d][:HEADER_BYTES]) for d in sorted(self._sends)]
+
+    def _pack(self, state: State, dest: int, piece: _Piece) -> torch.Tensor:
+        """Copy a piece's blocks from ``state`` into the staging buffer of ``dest``; the bytes to send."""
+        start = time.perf_counter()
+        for blk in piece.blocks:
+            self._view(self._outbox[dest], blk).copy_(state[blk.name][blk.slices])
+            self.bytes_staged += blk.nbytes
+        self._staging_s += time.perf_counter() - start
+        return self._outbox[dest][piece.lo : piece.hi]
+
+    def _direct_source(self, state: State, piece: _Piece) -> torch.Tensor | None:
+        """The bytes of a piece straight from the shard in ``state``, or None if it must be packed
+        (the plan stages it, or this tensor's slice is strided or on another device)."""
+        if not piece.direct:
+            return None
+        blk = piece.blocks[0]
+        x = state[blk.name].detach()[blk.slices]
+        return _bytes_of(x) if x.is_contiguous() and x.device == self._device else None
+
+    def _direct_target(self, target: Mapping[str, torch.Tensor] | None, piece: _Piece) -> torch.Tensor | None:
+        """The view of ``target`` a piece can be received into, or None if it goes through staging
+        (the plan stages it, or the target's slice is strided, of another dtype or on another device)."""
+        if target is None or not piece.direct:
+            return None
+        blk = piece.blocks[0]
+        x = target[blk.name]
+        if x.dtype != DTYPES[self._spec.params[blk.name].dtype] or x.device != self._device:
+            return None
+        view = x.detach()[blk.slices]
+        return view if view.is_contiguous() else None
 
     def _post(self, ops: list[dist.P2POp]) -> list[Any]:
         """Post ``ops`` as one batch; the works (one per op on gloo, one for the batch on NCCL)."""
@@ -543,16 +635,25 @@ class CollectiveTransport:
         for d in self._sends:
             header = torch.tensor([_MAGIC, version, self._sizes[(self.rank, d)] - HEADER_BYTES, self.rank], dtype=torch.int64)
             self._outbox[d][:HEADER_BYTES].view(torch.int64).copy_(header)
-        # announce first: the generators post their receives while the pieces are copied and sent
+        # announce first: the generators post their receives while the pieces are packed and sent
         self._store.add(f"{self._prefix}/v/{self.rank}", version - self._published)
         for b in self._local:
             self._view(self._local_out, b).copy_(state[b.name][b.slices])
-        for d, chunk in _round_robin(self._send_chunks):  # copy a piece, post it, copy the next meanwhile
-            for b in chunk.blocks:
-                self._view(self._outbox[d], b).copy_(state[b.name][b.slices])
-            if not self._dual:  # a dual rank sends from its fetch_into (see the module docstring)
-                self._send_works += self._post([self._send_op(d, chunk)])
-        if not self._dual:
+            self.bytes_staged += b.nbytes
+        if self._dual:  # a dual rank stages everything and sends from its fetch_into (see the module docstring)
+            for d, piece in _round_robin(self._send_pieces):
+                self._pack(state, d, piece)
+        else:
+            self._send_works += self._post(self._header_sends())
+            borrowed = False
+            for d, piece in _round_robin(self._send_pieces):  # pack a piece, post it, pack the next meanwhile
+                buf = self._direct_source(state, piece)
+                borrowed |= buf is not None
+                self.bytes_sent += sum(b.nbytes for b in piece.blocks)
+                self._send_works += self._post([self._p2p(dist.isend, d, buf if buf is not None else self._pack(state, d, piece))])
+            if borrowed:  # sent straight from ``state``, which may change once publish returns: wait for the wire
+                self._wait(self._send_works, f"sending version {version} to generator rank(s) {sorted(self._sends)}")
+                self._send_works = []
             self._sent = version
         self._published = version
         self._counts["publishes"] += 1
@@ -566,24 +667,18 @@ class CollectiveTransport:
     # --- generator side ----------------------------------------------------------------------------
 
     def _exchange(self, version: int, target: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Receive ``version`` into the staging buffers (on a dual rank, send the staged blocks in the same
-        batch); with ``target``, copy each piece into it as soon as it is in (after every header checked)."""
+        """Receive ``version``: every header first (checked), then the pieces, straight into ``target``
+        where :meth:`_direct_target` allows, else into the staging buffers (copied into ``target``, if
+        given, as each piece arrives). A dual rank sends its staged pieces in the same two batches."""
         send = self._dual and self._sent < self._published
         if send and self._published != version:
             raise TransportError(f"{self._where}: internal error: staged version {self._published} but exchanging {version}")
-        ops = [self._send_op(d, c) for d, c in _round_robin(self._send_chunks)] if send else []
-        first_recv = len(ops)
-        pieces = _round_robin(self._recv_chunks) if self.is_generator else []
-        ops += [self._recv_op(s, c) for s, c in pieces]
-        works = self._post(ops)
         peers = sorted({*self._recvs, *(self._sends if send else ())})
         doing = f"exchanging version {version} with rank(s) {peers}"
-        per_op = len(works) == len(ops)  # gloo: one work per op; NCCL: one work for the whole batch
-        if not per_op:
-            self._wait(works, doing)
-        recv_works = works[first_recv:] if per_op else []
-        if per_op:  # the first piece of every message: its header (a gloo work must be waited only once)
-            self._wait([w for w, (_, c) in zip(recv_works, pieces) if c.lo == 0], doing)
+        # 1. headers, both ways: no byte lands in ``target`` before every source is known to send ``version``
+        ops = self._header_sends() if send else []
+        ops += [self._p2p(dist.irecv, s, self._inbox[s][:HEADER_BYTES]) for s in sorted(self._recvs)]
+        self._wait(self._post(ops), doing)
         for s, buf in self._inbox.items() if self.is_generator else ():
             magic, got, nbytes, src = buf[:HEADER_BYTES].view(torch.int64).tolist()
             expected = (_MAGIC, version, self._sizes[(s, self.rank)] - HEADER_BYTES, s)
@@ -593,18 +688,38 @@ class CollectiveTransport:
                     f"{(magic, got, nbytes, src)}, expected {expected}; the ranks disagree on options or versions "
                     "(the same channel used by two transports?)"
                 )
-        for i, (s, chunk) in enumerate(pieces):
-            if per_op and chunk.lo != 0:
-                self._wait([recv_works[i]], doing)
-            self.bytes_received += sum(b.nbytes for b in chunk.blocks)
-            if target is not None:
-                self._deliver_chunk(target, s, chunk)
+        # 2. the pieces (the same batch holds a dual rank's sends: NCCL needs both ways in one group)
+        ops = []
+        for d, piece in _round_robin(self._send_pieces) if send else ():
+            self.bytes_sent += sum(b.nbytes for b in piece.blocks)
+            ops.append(self._p2p(dist.isend, d, self._outbox[d][piece.lo : piece.hi]))
+        first_recv = len(ops)
+        incoming = _round_robin(self._recv_pieces) if self.is_generator else []
+        direct: list[torch.Tensor | None] = []
+        for s, piece in incoming:
+            view = self._direct_target(target, piece)
+            direct.append(view)
+            ops.append(self._p2p(dist.irecv, s, _bytes_of(view) if view is not None else self._inbox[s][piece.lo : piece.hi]))
+        works = self._post(ops)
+        per_op = len(works) == len(ops)  # gloo: one work per op; NCCL: one work for the whole batch
+        if not per_op:
+            self._wait(works, doing)
+        for i, ((s, piece), view) in enumerate(zip(incoming, direct)):
+            if per_op:
+                self._wait([works[first_recv + i]], doing)  # unpack piece i while the next ones arrive
+            self.bytes_received += sum(b.nbytes for b in piece.blocks)
+            if view is not None:
+                self._direct[(s, piece.lo)] = view  # this version's copy is now that target's
+            else:
+                self._direct.pop((s, piece.lo), None)
+                if target is not None:
+                    self._deliver_piece(target, s, piece)
         if per_op:
             self._wait(works[:first_recv], doing)
         if send:
             self._sent = version
         if self._local_in is not None and self._local_bytes:
-            self._local_in.copy_(self._local_out)
+            self._local_in, self._local_out = self._local_out, self._local_in  # received; the next publish fills the other
             self.bytes_copied_locally += sum(b.nbytes for b in self._local)
             if target is not None:
                 self._deliver_local(target)
@@ -681,19 +796,30 @@ class CollectiveTransport:
             raise TransportError(f"{exc} (in the background receiver)") from exc
         raise TransportError(f"{self._where}: the background receiver failed: {type(exc).__name__}: {exc}") from exc
 
-    def _deliver_chunk(self, target: Mapping[str, torch.Tensor], source: int, chunk: _Chunk) -> None:
-        for b in chunk.blocks:
-            target[b.name][b.slices].copy_(self._view(self._inbox[source], b))
+    def _deliver_piece(self, target: Mapping[str, torch.Tensor], source: int, piece: _Piece) -> None:
+        """Copy a received piece into ``target``: from the staging buffer, or from the target it was
+        received straight into (nothing to do when that is ``target`` itself)."""
+        held = self._direct.get((source, piece.lo))
+        start = time.perf_counter()
+        for b in piece.blocks:
+            dst = target[b.name][b.slices]
+            src = held if held is not None else self._view(self._inbox[source], b)
+            if held is not None and _same_memory(dst, held):
+                continue
+            dst.copy_(src)
+            self.bytes_staged += b.nbytes
+        self._staging_s += time.perf_counter() - start
 
     def _deliver_local(self, target: Mapping[str, torch.Tensor]) -> None:
         for b in self._local:
             target[b.name][b.other].copy_(self._view(self._local_in, b))
+            self.bytes_staged += b.nbytes
 
     def _deliver(self, target: Mapping[str, torch.Tensor]) -> None:
-        """Copy the staged version into ``target``."""
-        for s, chunks in self._recv_chunks.items():
-            for chunk in chunks:
-                self._deliver_chunk(target, s, chunk)
+        """Copy the newest received version into ``target`` (a fetch of a version received earlier)."""
+        for s, pieces in self._recv_pieces.items():
+            for piece in pieces:
+                self._deliver_piece(target, s, piece)
         self._deliver_local(target)
 
     # --- lifetime ----------------------------------------------------------------------------------
@@ -732,6 +858,7 @@ class CollectiveTransport:
                 _ABANDONED.append((self._send_works, self._outbox))
             self._send_works = []
             self._outbox = self._inbox = self._local_out = self._local_in = None
+            self._direct = {}
         finally:
             self._lock.release()
 

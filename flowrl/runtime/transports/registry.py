@@ -81,6 +81,7 @@ BUILTIN_TRANSPORTS: dict[str, str] = {
     "shm": "flowrl.runtime.transports.shm:SharedMemoryTransport",
     "file": "flowrl.runtime.transports.file:FileTransport",
     "collective": "flowrl.runtime.transports.collective:CollectiveTransport",
+    "cuda_ipc": "flowrl.runtime.transports.cuda_ipc:CudaIpcTransport",
 }
 
 _USER_TRANSPORTS: dict[str, Callable[..., Any]] = {}
