@@ -230,4 +230,4 @@ def test_aipo_weighs_each_token_by_the_mu_that_drew_it():
     assert m["aipo/ratio_mean"] == pytest.approx((5 + 1.25 + 1) / 3, rel=1e-6)
     assert m["aipo/truncated_frac"] == pytest.approx(1 / 3) and m["aipo/ratio_max"] == pytest.approx(5.0, rel=1e-6)
     want_loss = -(4.0 * 0.5 * L(0.5) + 1.25 * 0.5 * L(0.5) + 1.0 * -0.5 * L(0.5)) / 3
-    assert float(loss) == pytest.approx(want_loss, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-6)

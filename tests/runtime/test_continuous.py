@@ -45,7 +45,10 @@ def test_every_prompt_is_delivered_once_within_the_bound_on_its_oldest_token(k, 
     monkeypatch.setattr(Controller, "_on_train_step", spy)
     result = run_graph(_graph(k=k, in_flight=in_flight), RunConfig(steps=8, progress=False, backend=backend))
     delivered = [i for step in result.consumed for i in step]
-    assert sorted(delivered) == list(range(len(delivered))) and len(delivered) == 8 * 4  # once each, none lost
+    assert len(delivered) == len(set(delivered)) == 8 * 4  # once each
+    # Only prompts read (k batches ahead) are delivered; groups may finish out of order, so with k > 0 a
+    # long one may still be decoding when the run stops (none is lost: the resume test below).
+    assert max(delivered) < (8 + k) * 4 and (k or sorted(delivered) == list(range(32)))
     for seq, oldest, rollout_version in seen:
         assert oldest >= seq - k and oldest == rollout_version
     if k:  # samples carried across steps meet newer weights: their tokens record both versions
