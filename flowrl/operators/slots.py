@@ -7,8 +7,8 @@ time axis shared by every slot. State:
 - ``waiting``: samples not started yet, FIFO (a sample is admitted only in turn).
 - ``valid`` ``[slots, L]``: True where column ``j`` of the cache holds a real token of row ``i``'s
   current sample; ``L`` is the cache's length.
-- ``pending`` ``[slots, V]``: each busy row's logits for its next token.
-
+- ``pending`` ``[slots, V]``: each busy row's logits for its next token (a ``feeding`` row's come
+  with the next step's forward pass).
 - ``feeding`` ``[slots]``: rows whose last drawn token is not in the cache yet (``feed`` holds it).
 
 One ``step``: free slots take waiting samples (``admit`` may refuse the head of the queue); then
