@@ -13,6 +13,8 @@ Prints one JSON object.
     python benches/generation.py --models big    # ~100M parameters, small batch (slow on a CPU)
     python benches/generation.py --hf [ARGS]     # a Hugging Face Llama: flowrl vs transformers' generate()
                                                  # (benches/hf_generation.py, ARGS are its own)
+    python benches/generation.py --longtail [ARGS]  # the long-tail task: continuous vs lock-step batching,
+                                                 # tokens/s and slot utilisation (benches/longtail_generation.py)
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ def main() -> None:
 
         sys.argv = [a for a in sys.argv if a != "--hf"]
         hf_generation.main()
+        return
+    if "--longtail" in sys.argv[1:]:  # so does the long-tail (continuous batching) comparison
+        import longtail_generation
+
+        sys.argv = [a for a in sys.argv if a != "--longtail"]
+        longtail_generation.main()
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["tiny", "small"], choices=sorted(MODELS))

@@ -14,6 +14,9 @@ steps) reaches ``--target``, and the curve (step, seconds, windowed mean reward,
     python benches/learning.py --runtime-only        # the runtime: k = 0 vs k = 1, 2: time to target, final reward
     python benches/learning.py --runtime-only --example hf_copy --ks 0 2 --sync-backend process --seeds 0 1 2
                                                      # the Hugging Face example, k = 0 vs k = 2, both on the process backend
+    python benches/learning.py --runtime-only --example longtail --modes lockstep:0 continuous-inflight:2 --target 0.3
+                                                     # the long-tail task: k = 0 lock step vs k = 2 continuous batching
+                                                     # with in-flight weight updates (--modes replaces --ks)
     python benches/learning.py --torchrun-only       # the torchrun backend (3 CPU ranks: gen rank 0, policy dp ranks 1-2,
                                                      # weights over the collective transport): k = 0 vs k = 1
 
@@ -134,15 +137,34 @@ def run(task: str, *, max_steps: int, max_seconds: float, target: float, window:
 
 
 # -- the runtime: the default example through flowrl's controller, synchronous (k = 0) and async ---------
-def runtime_curve(k: int, *, steps: int, target: float, window: int, seed: int, backend: str, threads: int, example: str = "llamarl") -> dict:
-    """Train a built-in example with ``run_graph`` at staleness ``k``; time to the target and final reward."""
+#: ``--modes`` names: the example builder's generator and weight-edge options besides ``max_staleness``.
+MODES = {
+    "lockstep": {},
+    "continuous": {"batching": "continuous"},
+    "continuous-inflight": {"batching": "continuous", "in_flight": True},
+}
+
+
+def parse_mode(text: str) -> tuple[str, int]:
+    """``"continuous-inflight:2"`` -> ``("continuous-inflight", 2)``; argparse's type for ``--modes``."""
+    name, _, k = text.partition(":")
+    if name not in MODES or not k.isdigit():
+        raise argparse.ArgumentTypeError(f"mode {text!r}: write NAME:K with NAME one of {', '.join(MODES)} and K a staleness bound >= 0")
+    return name, int(k)
+
+
+def runtime_curve(
+    k: int, *, steps: int, target: float, window: int, seed: int, backend: str, threads: int, example: str = "llamarl", mode: str | None = None
+) -> dict:
+    """Train a built-in example with ``run_graph`` at staleness ``k`` (and ``mode``'s options); time to the target and final reward."""
     from flowrl.examples import EXAMPLES
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 
-    graph = EXAMPLES[example][0](max_staleness=k)
+    graph = EXAMPLES[example][0](max_staleness=k, **(MODES[mode] if mode else {}))
     result = run_graph(graph, RunConfig(steps=steps, seed=seed, backend=backend, threads=threads))
     return {
+        **({"mode": mode} if mode else {}),
         "max_staleness": k,
         "backend": backend,
         "threads": threads or "auto",
@@ -233,35 +255,36 @@ def runtime_comparison(args: argparse.Namespace) -> dict:
     k = 0 and the final rewards; over seeds: median speedup and mean final reward (one seed is noise:
     some seeds plateau below the target whatever k is)."""
     common = dict(steps=args.runtime_steps, target=args.target, window=args.window, example=args.example)
-    ks = [k for k in args.ks if k]
+    # (label, k, mode): the first is the baseline; --modes, or k = 0 then the nonzero --ks
+    specs = [(f"{m}:{k}", k, m) for m, k in args.modes] if args.modes else [(f"k{k}", k, None) for k in [0, *(k for k in args.ks if k)]]
     sync_backend, sync_threads = ("local", 1) if args.sync_backend == "local" else (args.sync_backend, 0)
     per_seed = []
     for seed in args.seeds:
-        runs = [runtime_curve(0, backend=sync_backend, threads=sync_threads, seed=seed, **common)]
-        runs += [runtime_curve(k, backend=args.backend, threads=0, seed=seed, **common) for k in ks]
+        runs = [runtime_curve(specs[0][1], mode=specs[0][2], backend=sync_backend, threads=sync_threads, seed=seed, **common)]
+        runs += [runtime_curve(k, mode=m, backend=args.backend, threads=0, seed=seed, **common) for _, k, m in specs[1:]]
         sync = runs[0]
         entry: dict = {"seed": seed, "runs": runs}
-        for r in runs[1:]:
-            key = f"k{r['max_staleness']}"
+        for (key, _, _), r in zip(specs[1:], runs[1:]):
             both = sync["reached_target"] and r["reached_target"]
             entry[f"{key}_time_to_target_speedup"] = round(sync["reached_target"]["seconds"] / r["reached_target"]["seconds"], 3) if both else None
         per_seed.append(entry)
-        print(f"[runtime] seed {seed}: " + ", ".join(f"k{r['max_staleness']} reached {r['reached_target']} final {r['final_reward']}" for r in runs), file=sys.stderr, flush=True)
+        print(f"[runtime] seed {seed}: " + ", ".join(f"{key} reached {r['reached_target']} final {r['final_reward']}" for (key, _, _), r in zip(specs, runs)), file=sys.stderr, flush=True)
     summary: dict = {}
-    for i, k in enumerate([0, *ks]):
+    for i, (key, k, _) in enumerate(specs):
         runs = [e["runs"][i] for e in per_seed]
-        summary[f"k{k}"] = {
+        summary[key] = {
             "reached_target": f"{sum(r['reached_target'] is not None for r in runs)}/{len(runs)}",
             "median_seconds_to_target": _median([r["reached_target"]["seconds"] for r in runs if r["reached_target"]]),
             "mean_final_reward": round(sum(r["final_reward"] for r in runs) / len(runs), 4),
             "median_final_reward": _median([r["final_reward"] for r in runs]),
             "mean_step_s": round(sum(r["mean_step_s"] for r in runs) / len(runs), 4),
+            "final_reward_per_seed": [r["final_reward"] for r in runs],
         }
-        if k:
-            speedups = [e[f"k{k}_time_to_target_speedup"] for e in per_seed if e[f"k{k}_time_to_target_speedup"] is not None]
-            summary[f"k{k}"]["time_to_target_speedup_median"] = _median(speedups)
-            summary[f"k{k}"]["time_to_target_speedup_per_seed"] = [e[f"k{k}_time_to_target_speedup"] for e in per_seed]
-    baseline = f"k=0 {sync_backend}" + (" threads=1" if sync_threads else "")
+        if i:
+            speedups = [e[f"{key}_time_to_target_speedup"] for e in per_seed if e[f"{key}_time_to_target_speedup"] is not None]
+            summary[key]["time_to_target_speedup_median"] = _median(speedups)
+            summary[key]["time_to_target_speedup_per_seed"] = [e[f"{key}_time_to_target_speedup"] for e in per_seed]
+    baseline = f"{specs[0][0]} {sync_backend}" + (" threads=1" if sync_threads else "")
     return {"example": args.example, "target": args.target, "window": args.window, "steps": args.runtime_steps, "baseline": baseline,
             "load_1min": round(os.getloadavg()[0], 2), "summary": summary, "per_seed": per_seed}
 
@@ -285,6 +308,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds of the runtime comparison")
     p.add_argument("--example", default="llamarl", help="built-in example of the runtime comparison (hf_copy: the Hugging Face one)")
     p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="staleness bounds of the runtime comparison (k=0 always runs first)")
+    p.add_argument("--modes", type=parse_mode, nargs="+", default=None, metavar="NAME:K",
+                   help=f"instead of --ks: runs as NAME:K, NAME one of {', '.join(MODES)} (the first is the baseline), "
+                   "e.g. lockstep:0 continuous-inflight:2; the example's builder must take the mode's options (longtail does)")
     p.add_argument("--sync-backend", default="local", choices=("local", "process"), help="backend of the k=0 run (local: 1 thread)")
     p.add_argument("--backend", default="process", choices=("local", "process"), help="backend of the async runs (process: no shared GIL)")
     p.add_argument("--torchrun", action="store_true", help="also train under torchrun (collective weights): k=0 vs k=1")

@@ -7,18 +7,22 @@ time axis shared by every slot. State:
 - ``waiting``: samples not started yet, FIFO (a sample is admitted only in turn).
 - ``valid`` ``[slots, L]``: True where column ``j`` of the cache holds a real token of row ``i``'s
   current sample; ``L`` is the cache's length.
-- ``pending`` ``[slots, V]``: each busy row's logits for its next token.
+- ``pending`` ``[slots, V]``: each busy row's logits for its next token (a ``feeding`` row's come
+  with the next step's forward pass).
+- ``feeding`` ``[slots]``: rows whose last drawn token is not in the cache yet (``feed`` holds it).
 
-One ``step``: free slots take waiting samples (``admit`` may refuse the head of the queue); the
-new rows' prompts are prefilled as new columns, the other rows' columns there masked invalid (and
-the new rows' earlier columns, their previous occupants', too), since the ``CausalLM`` interface
-derives positions from ``valid``. When the columns would outgrow ``width``, the cache is compacted
-instead: every busy row is re-prefilled from its tokens (prompt and completion so far) into a fresh
-cache. Both work for the built-in and the Hugging Face models alike. Then every busy row draws one
-token exactly as the lock-step sampler does (``sampling_logprobs``, Gumbel-max with one
-``[slots, V]`` uniform draw per step from ``rng``), records its log-prob and the weight version
-that drew it, and the rows that continue are fed their token. A row stops at a stop token, a stop
-string, or ``max_new_tokens``; ``step`` returns the samples that finished.
+One ``step``: free slots take waiting samples (``admit`` may refuse the head of the queue); then
+one forward pass appends, as new columns, the new rows' prompts and the continuing rows' last
+tokens (a row's columns that are not its own are masked invalid there, and so are a new row's
+earlier columns, its previous occupant's, since the ``CausalLM`` interface derives positions from
+``valid``): one forward per decode step, as in lock step, refills included. When the columns
+would outgrow ``width``, the cache is compacted instead: every busy row is re-prefilled from its
+tokens (prompt and completion so far) into a fresh cache. Both work for the built-in and the
+Hugging Face models alike. Then every busy row draws one token exactly as the lock-step sampler
+does (``sampling_logprobs``, Gumbel-max with one ``[slots, V]`` uniform draw per step from
+``rng``) and records it, its log-prob and the weight version that drew it; the rows that continue
+are fed it at the next step. A row stops at a stop token, a stop string, or ``max_new_tokens``;
+``step`` returns the samples that finished.
 
 With ``slots`` equal to the rows of one batch and nothing waiting, the forward passes, random
 draws and tokens are those of ``Generator.generate`` (lock step): only refills differ.
@@ -99,6 +103,8 @@ class SlotBatcher:
         device = generator.device
         self.valid = torch.zeros(slots, 0, dtype=torch.bool, device=device)
         self.pending = torch.zeros(slots, generator.model.vocab_size, dtype=torch.float32, device=device)
+        self.feeding = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.feed = torch.full((slots,), generator.pad_id, dtype=torch.int64, device=device)
         self.cache: Any = None
         self.steps = self.busy_steps = self.compactions = 0
 
@@ -136,21 +142,29 @@ class SlotBatcher:
         self.valid = torch.arange(width, device=self.gen.device)[None, :] >= (width - lens)[:, None]
         self.cache = self.gen.model.new_cache(self.slots, self.width)
         self.pending = self._forward(ids, self.valid)
+        self.feeding[:] = False  # every row's tokens are in the fresh cache
         self.compactions += 1
 
-    def _prefill_new(self, new: list[int]) -> None:
-        """Append the new rows' prompts as columns; the other rows see them as padding."""
+    def _advance(self, new: list[int]) -> None:
+        """Append the new rows' prompts and the feeding rows' last tokens as columns, in one forward pass."""
         from flowrl.operators.source import pad_left
 
+        device = self.gen.device
         ids, lens = pad_left([self.rows[i].prompt if i in new else [] for i in range(self.slots)], self.gen.pad_id)  # type: ignore[union-attr]
-        ids, lens = ids.to(self.gen.device), lens.to(self.gen.device)
-        width = ids.shape[1]
-        fresh = torch.arange(width, device=self.gen.device)[None, :] >= (width - lens)[:, None]
-        rows = torch.tensor(new, device=self.gen.device)
-        self.valid[rows] = False  # the previous occupants' columns
+        width = max(ids.shape[1], 1)
+        ids = torch.cat([torch.full((self.slots, width - ids.shape[1]), self.gen.pad_id, dtype=torch.int64), ids], dim=1).to(device)
+        fresh = torch.arange(width, device=device)[None, :] >= (width - lens.to(device))[:, None]  # [slots, width]
+        ids[:, -1] = torch.where(self.feeding, self.feed, ids[:, -1])
+        fresh[:, -1] |= self.feeding
+        updated = self.feeding.clone()
+        if new:
+            rows = torch.tensor(new, device=device)
+            self.valid[rows] = False  # the previous occupants' columns
+            updated[rows] = True
         self.valid = torch.cat([self.valid, fresh], dim=1)
         logits = self._forward(ids, self.valid)
-        self.pending[rows] = logits[rows]
+        self.pending = torch.where(updated[:, None], logits, self.pending)
+        self.feeding[:] = False
 
     def step(self, admit: Callable[[Sample], bool] | None = None) -> list[Sample]:
         """Fill free slots, draw one token in every busy row, feed the rows that continue.
@@ -169,12 +183,11 @@ class SlotBatcher:
         busy = [i for i, r in enumerate(self.rows) if r is not None]
         if not busy:
             return []
-        length = self.valid.shape[1]
-        extra = max((len(self.rows[i].prompt) for i in new), default=0)  # type: ignore[union-attr]
-        if self.cache is None or length + extra + 1 > self.width:
+        columns = max([len(self.rows[i].prompt) for i in new] + [int(self.feeding.any())])  # type: ignore[union-attr]
+        if self.cache is None or self.valid.shape[1] + columns > self.width:
             self._prefill_all()
-        elif new:
-            self._prefill_new(new)
+        elif columns:
+            self._advance(new)
         logp = sampling_logprobs(self.pending, sampling)  # [slots, V]
         uniform = torch.rand(logp.shape, generator=self.rng, device=logp.device).clamp_(min=1e-20)
         token = torch.argmax(logp - torch.log(-torch.log(uniform)), dim=-1)  # Gumbel-max, as in lock step
@@ -183,7 +196,7 @@ class SlotBatcher:
         token_list, chosen_list = token.tolist(), chosen.tolist()
         self.steps += 1
         self.busy_steps += len(busy)
-        finished, going = [], torch.zeros(self.slots, dtype=torch.bool, device=logp.device)
+        finished = []
         for i in busy:
             row = self.rows[i]
             assert row is not None
@@ -198,8 +211,6 @@ class SlotBatcher:
                 finished.append(row)
                 self.rows[i] = None
             else:
-                going[i] = True
-        if bool(going.any()):
-            self.valid = torch.cat([self.valid, going[:, None]], dim=1)
-            self.pending = self._forward(torch.where(going, token, gen.pad_id)[:, None], self.valid)
+                self.feeding[i] = True  # fed at the next step, with any refills
+        self.feed = token
         return finished

@@ -12,9 +12,9 @@ Built-in tasks (``TASKS``), both scored position by position against the target 
   it from scratch with RL in well under a minute on a laptop CPU (``benches/learning.py``).
 - ``add`` (harder): ``<s>27+385=`` -> ``412</s>``; operands of 1 to 3 digits, the sum written most
   significant digit first (so the first digit needs the carries of all others).
-- ``longtail`` (long completions, rarely): ``<s>47-9=`` -> ``474747474</s>``, a two-digit pattern
-  repeated to a length drawn per prompt from a truncated Zipf law, so that completion lengths are
-  heavy-tailed (``LongTailTask``): what continuous batching is measured on.
+- ``longtail`` (long completions, rarely): ``<s>4-9=`` -> ``444444444</s>``, a digit repeated as
+  many times as the prompt says, the count drawn per prompt from a truncated Zipf law, so that
+  completion lengths are heavy-tailed (``LongTailTask``): what continuous batching is measured on.
 
 Reward functions are module-level so that a scorer can reference them as ``module:qualname``
 (``flowrl.operators.tasks:copy_reward``).
@@ -112,12 +112,12 @@ def add_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> floa
 
 
 def longtail_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
-    """Reward of the ``longtail`` task: the prompt's two digits repeated to its length, then stop."""
+    """Reward of the ``longtail`` task: the prompt's digit repeated as often as it says, then stop."""
     question = _question(prompt_ids)
-    if question.count(_MINUS) != 1 or question.index(_MINUS) != 2:
-        raise ValueError(f"not a 'longtail' prompt (expected '<s>DD-N='): {_TOK.decode(prompt_ids)!r}")
-    count = int("".join(_DIGITS[i] for i in question[3:]))
-    return positional_reward([question[j % 2] for j in range(count)], completion_ids)
+    if question.count(_MINUS) != 1 or question.index(_MINUS) != 1:
+        raise ValueError(f"not a 'longtail' prompt (expected '<s>D-N='): {_TOK.decode(prompt_ids)!r}")
+    count = int("".join(_DIGITS[i] for i in question[2:]))
+    return positional_reward([question[0]] * count, completion_ids)
 
 
 def brevity_reward(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
@@ -181,18 +181,21 @@ class AddTask:
 
 
 class LongTailTask:
-    """``<s>DE-N=`` -> ``DEDE...`` (N digits), then ``</s>``: completion lengths N + 1 with a heavy tail.
+    """``<s>D-N=`` -> ``DDD...`` (N digits), then ``</s>``: completion lengths N + 1 with a heavy tail.
 
     The length N of prompt ``i`` is drawn from its seeded stream by a truncated Zipf law,
-    ``P(N = j) = j ** -alpha / Z`` for ``j`` in ``1 .. max_count`` (``Z`` normalises), the digits D
-    and E uniformly. With the defaults (``alpha=1.5``, ``max_count=31``, so completions fit
+    ``P(N = j) = j ** -alpha / Z`` for ``j`` in ``1 .. max_count`` (``Z`` normalises), the digit D
+    uniformly. With the defaults (``alpha=1.5``, ``max_count=31``, so completions fit
     ``max_new_tokens=32``): mean N about 4.3 (completions 5.3 tokens), median 2; P(N >= 8) about 0.16, P(N >= 16)
     about 0.065, P(N = 31) about 0.003. A batch of 32 completions holds one of 16 tokens or more 9 times in 10,
     so a lock-step batch decodes about 4 times as many steps as its mean completion needs: the
     long tail that continuous batching removes (``benches/generation.py --longtail``).
 
     The reward is positional (``positional_reward``) against the N digits and ``</s>``, so a policy
-    first learns to repeat the pattern (most of the credit), then to count.
+    first learns to repeat the digit (most of the credit), then to stop after N. One digit, not a
+    longer pattern, keeps the task learnable by the example model (a two-digit alternating pattern
+    stayed at chance, reward 0.07, over 250 steps); the price is fewer distinct prompts: 10 digits
+    times the lengths, most of them short (about 33 distinct in 50 prompts).
 
     Args:
         seed: seed of the prompt stream.
@@ -202,7 +205,7 @@ class LongTailTask:
     Example:
         >>> task = LongTailTask(seed=0)
         >>> [len(task.target(i)) for i in range(12)]
-        [1, 19, 12, 1, 1, 2, 1, 1, 8, 3, 1, 6]
+        [1, 4, 2, 1, 1, 6, 1, 2, 1, 2, 3, 5]
     """
 
     name = "longtail"
@@ -211,7 +214,7 @@ class LongTailTask:
         if not alpha > 1.0:
             raise ConfigError(f"longtail task: alpha={alpha} must be > 1 (the Zipf exponent; smaller is a heavier tail)")
         if not 1 <= max_count <= 99:
-            raise ConfigError(f"longtail task: max_count={max_count} must be in [1, 99] (two digits in the prompt)")
+            raise ConfigError(f"longtail task: max_count={max_count} must be in [1, 99] (at most two digits in the prompt)")
         self.seed, self.alpha, self.max_count = seed, alpha, max_count
         self.tokenizer: Tokenizer = _TOK
         self.pad_id = _TOK.pad_id
@@ -222,9 +225,9 @@ class LongTailTask:
             acc += w / total
             self._cdf.append(acc)
 
-    def _draw(self, index: int) -> tuple[str, int]:  # (pattern, length)
+    def _draw(self, index: int) -> tuple[str, int]:  # (digit, count)
         rng = _rng(self.name, self.seed, index)
-        pattern = "".join(rng.choice("0123456789") for _ in range(2))
+        pattern = rng.choice("0123456789")
         u = rng.random()
         count = next((j + 1 for j, c in enumerate(self._cdf) if u < c), self.max_count)
         return pattern, count
@@ -232,7 +235,7 @@ class LongTailTask:
     def target(self, index: int) -> list[int]:
         """The answer of prompt ``index`` without the stop token."""
         pattern, count = self._draw(index)
-        return _TOK.digits((pattern * count)[:count])
+        return _TOK.digits(pattern * count)
 
     def prompt(self, index: int) -> list[int]:
         pattern, count = self._draw(index)

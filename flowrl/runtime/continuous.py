@@ -132,7 +132,14 @@ class ContinuousRollouts:
                 swaps += self.gen.version != before
             if not b.busy and not b.waiting:
                 raise FlowrlError(f"generator {self.gen.name!r}: step {seq} ran out of prompts; this is a flowrl bug")
-            for sample in b.step(admit):
+            drawn = b.steps
+            finished = b.step(admit)
+            if b.steps == drawn:  # no slot busy and the head of the queue refused: nothing would ever change
+                raise FlowrlError(
+                    f"generator {self.gen.name!r}: step {seq} cannot deliver ({len(self.groups)} groups pending, "
+                    f"{len(b.waiting)} samples waiting, none admitted, no slot busy); this is a flowrl bug"
+                )
+            for sample in finished:
                 group = self.groups[sample.key[0]]
                 group.samples.append(sample)
                 if len(group.samples) == self.n:

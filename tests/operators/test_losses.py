@@ -224,3 +224,28 @@ def test_a_global_normalizer_makes_micro_batches_add_up():
     full, _ = aipo_loss(LOGP, MU, ADV, MASK, rho=4.0)
     parts = [aipo_loss(LOGP[i : i + 1], MU[i : i + 1], ADV[i : i + 1], MASK[i : i + 1], rho=4.0, normalizer=3)[0] for i in range(2)]
     assert float(sum(parts)) == pytest.approx(float(full), rel=1e-6)
+
+
+def test_aipo_weighs_each_token_by_the_mu_that_drew_it():
+    """An in-flight sample: its first token drawn by weights version 3 (mu 0.1), its second by version 4 (mu 0.4).
+
+    pi gives both tokens 0.5, so the per-token ratios are 5 (capped at rho = 4) and 1.25; a per-sample
+    ratio (the product 6.25, or the first token's 5 for both) would weigh them otherwise.
+    """
+    logp = torch.tensor([[L(0.5), L(0.5)], [L(0.5), 0.0]], requires_grad=True)
+    rollout = {
+        "behaviour_logprobs": torch.tensor([[L(0.1), L(0.4)], [L(0.5), 0.0]]),
+        "token_versions": torch.tensor([[3, 4], [4, 4]]),
+        "completion_mask": torch.tensor([[True, True], [True, False]]),
+        "group_ids": torch.tensor([0, 0]),
+        "rewards": torch.tensor([1.0, 0.0]),
+    }
+    config = LossConfig(objective="aipo", rho=4.0, baseline="group_mean", normalize_std=False)
+    loss, m = compute_loss(config, logp, rollout)  # advantages +0.5, -0.5
+    loss.backward()
+    want_weight = torch.tensor([[4.0, 1.25], [1.0, 0.0]])  # min(pi / mu, rho) per token
+    torch.testing.assert_close(logp.grad, -want_weight * torch.tensor([[0.5], [-0.5]]) / 3)
+    assert m["aipo/ratio_mean"] == pytest.approx((5 + 1.25 + 1) / 3, rel=1e-6)
+    assert m["aipo/truncated_frac"] == pytest.approx(1 / 3) and m["aipo/ratio_max"] == pytest.approx(5.0, rel=1e-6)
+    want_loss = -(4.0 * 0.5 * L(0.5) + 1.25 * 0.5 * L(0.5) + 1.0 * -0.5 * L(0.5)) / 3
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-6)

@@ -49,3 +49,30 @@ def test_refilled_slots_finish_every_sample_once_with_mu_of_its_tokens(slots):
         ids, lens = pad_left([s.prompt], 0)
         lp = completion_logprobs(gen.model, ids, lens, torch.tensor([s.tokens]), torch.ones(1, len(s.tokens), dtype=torch.bool))
         assert torch.allclose(lp[0], torch.tensor(s.logprobs), atol=1e-4)
+
+
+def test_each_token_records_the_version_and_mu_of_the_weights_that_drew_it():
+    """Weights change after decode step 5: tokens drawn before carry version 0 and the old model's
+    log-probs (those of a run without the change), tokens drawn after carry version 1 and new log-probs."""
+    sampling = SamplingConfig(n_samples=1, max_new_tokens=12, stop_tokens=(10**6,))  # no stop: every sample runs 12 steps
+    prompts = [LongTailTask(0).prompt(i) for i in range(3)]
+
+    def run(swap_after: int | None) -> list[Sample]:
+        gen = Generator(GeneratorNode(name="g", model=MODEL, sampling=sampling), seed=2)
+        batcher = SlotBatcher(gen, slots=2, rng=torch.Generator().manual_seed(0))
+        for i, p in enumerate(prompts):
+            batcher.add(Sample(key=(i, 0), prompt=p))
+        done: list[Sample] = []
+        while batcher.busy or batcher.waiting:
+            done += batcher.step()
+            if batcher.steps == swap_after:
+                noise = torch.Generator().manual_seed(1)
+                gen.load_weights({k: v + 0.5 * torch.randn(v.shape, generator=noise) for k, v in gen.weight_targets().items()}, 1)
+        return sorted(done, key=lambda s: s.key)
+
+    plain, swapped = run(None), run(5)
+    assert [s.versions for s in swapped] == [[0] * 5 + [1] * 7, [0] * 5 + [1] * 7, [1] * 12]  # sample 2 starts at step 13
+    assert [s.versions for s in plain] == [[0] * 12] * 3
+    for p, s in zip(plain[:2], swapped[:2]):
+        assert s.tokens[:5] == p.tokens[:5] and s.logprobs[:5] == p.logprobs[:5]  # drawn by version 0 in both runs
+        assert s.logprobs[5] != p.logprobs[5]  # the first token of version 1: its mu is the new weights'

@@ -18,7 +18,8 @@ def test_streams_are_pure_functions_of_seed_and_index(name):
     assert isinstance(a, Task) and a.name == name
     assert [a.prompt(i) for i in range(20)] == [b.prompt(i) for i in reversed(range(20))][::-1]
     assert [a.prompt(i) for i in range(20)] != [c.prompt(i) for i in range(20)]
-    assert len({tuple(a.prompt(i)) for i in range(50)}) > 40  # varied
+    # varied; a longtail prompt is one digit and a heavy-tailed count (mostly 1 to 3), so it repeats more
+    assert len({tuple(a.prompt(i)) for i in range(50)}) > (25 if name == "longtail" else 40)
     assert a.prompt(10**9)  # endless
 
 
@@ -105,12 +106,15 @@ def test_bad_task_names_are_clear(name, error, match):
 def test_non_task_prompts_are_rejected_by_rewards():
     with pytest.raises(ValueError, match="not a built-in task prompt"):
         copy_reward([1, 4, 5], [4, 5, 2])
+    with pytest.raises(ValueError, match="not a 'longtail' prompt"):
+        longtail_reward(TOK.encode("<s>47-3="), TOK.encode("444</s>"))
 
 
 @pytest.mark.parametrize(
     "prompt, completion, reward",
-    [("<s>47-3=", "474</s>", 1.0), ("<s>47-3=", "47</s>", 0.5), ("<s>09-1=", "0</s>", 1.0), ("<s>47-3=", "4747", 0.75)],
-    ids=["exact", "stops-early", "one", "no-stop"],
+    [("<s>4-3=", "444</s>", 1.0), ("<s>4-3=", "44</s>", 0.5), ("<s>0-1=", "0</s>", 1.0), ("<s>4-3=", "4444", 0.75),
+     ("<s>7-12=", "777777777777</s>", 1.0), ("<s>7-12=", "7</s>", 1 / 13)],
+    ids=["exact", "stops-early", "one", "no-stop", "two-digit-count", "two-digit-count-stops-early"],
 )
 def test_longtail_reward_is_positional(prompt, completion, reward):
     assert longtail_reward(TOK.encode(prompt), TOK.encode(completion)) == pytest.approx(reward)
@@ -125,6 +129,8 @@ def test_longtail_lengths_are_heavy_tailed_as_documented():
     assert max(counts) == 31 and min(counts) == 1
     for i in range(50):  # the prompt names the target and the reward accepts it
         assert task.reward(task.prompt(i), [*task.target(i), TOK.eos_id]) == 1.0
+    digits = {TOK.decode(task.prompt(i))[3] for i in range(1000)}
+    assert digits == set("0123456789")  # every digit is drawn
 
 
 @pytest.mark.parametrize(
