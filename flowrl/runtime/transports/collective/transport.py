@@ -1,4 +1,4 @@
-"""The collective weight transport: trainer shards to generator shards, rank to rank, over torch.distributed.
+"""``CollectiveTransport``: trainer shards to generator shards, rank to rank, over torch.distributed.
 
 LlamaRL's distributed direct memory access: every rank computes the same transfer plan
 (:func:`flowrl.runtime.resharding.plan_state`) from plain-data options (parameter shapes and dtypes,
@@ -20,15 +20,11 @@ i + 1 while piece i is on the wire; the receiver unpacks piece i while piece i +
 Roles come from the layouts: a rank in the trainer layout publishes, a rank in the generator
 layout fetches, a rank in both (colocated) does both.
 
-Wire format (per pair and version): a 32-byte header of four int64 ``(magic, version,
-payload_bytes, src_rank)`` (payload bytes with alignment padding), sent first and checked by the
-receiver before any piece is posted (so a target is never written by a message of another version),
-then the pieces in plan order (parameters in sorted name order): each block of at least
-``direct_min_bytes`` alone, runs of smaller blocks together up to ``chunk_bytes``; the same cut on
-both sides (it depends only on the plan), matched in order. The staging buffer of a pair lays the
-header and the blocks out 16-byte aligned; a piece sent or received directly skips its part. A
-generator rank that needs no data from anyone still gets a header-only message from one trainer
-rank, so every generator learns every version.
+Wire format: one message per (trainer rank, generator rank) pair and version, laid out by
+:mod:`~flowrl.runtime.transports.collective.messages` (a 32-byte header, then the blocks, posted as
+pieces). The receiver checks every header before posting any piece, so a target is never written by
+a message of another version. A generator rank that needs no data from anyone still gets a
+header-only message from one trainer rank, so every generator learns every version.
 
 Pairing semantics (publish and fetch are collective):
 
@@ -103,118 +99,35 @@ import time
 import zlib
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from flowrl.errors import ConfigError, TransportError
-from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, Transfer, local_shape, plan_state, staging_copies
+from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, Transfer, local_shape, plan_state
 from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
+from flowrl.runtime.transports.collective.messages import (
+    DTYPES,
+    HEADER_BYTES,
+    MAGIC,
+    Block,
+    ParamSpec,
+    Piece,
+    Spec,
+    build_messages,
+    round_robin,
+)
 from flowrl.runtime.transports.registry import TransportTraits
-from flowrl.runtime.wire import DTYPES as WIRE_DTYPES
 
-__all__ = ["CollectiveTransport", "ParamSpec", "HEADER_BYTES", "DTYPES"]
+__all__ = ["CollectiveTransport"]
 
-HEADER_BYTES = 32
-_MAGIC = int.from_bytes(b"FLOWRL01", "little")
-_ALIGN = 16
 _POLL_S = (0.0005, 0.005)  # fetch_into's store polling: first and longest pause
-
-#: Dtype names a parameter may declare: the ones that cross processes (``flowrl.runtime.wire``).
-DTYPES = WIRE_DTYPES
 
 #: Send works (and their buffers) still pending when their transport closed: kept referenced so that
 #: gloo never writes from freed memory; they finish or fail when the process group is destroyed.
 _ABANDONED: list[Any] = []
-
-
-class ParamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Full (unsharded) shape and dtype of one parameter.
-
-    Attributes:
-        shape: the full tensor's shape.
-        dtype: one of :data:`DTYPES`: the dtype of the published shards (fetch targets may differ: they are cast).
-    """
-
-    shape: tuple[int, ...]
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"ParamSpec: dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if any(not isinstance(s, int) or s < 0 for s in self.shape):
-            raise ConfigError(f"ParamSpec: shape {self.shape} must be non-negative integers")
-
-
-class _Spec(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything every rank must agree on; its digest is compared in the handshake."""
-
-    params: dict[str, ParamSpec]
-    trainer: dict[str, ShardLayout]
-    generator: dict[str, ShardLayout]
-    chunk_bytes: int
-    direct_min_bytes: int
-
-
-class _Block(NamedTuple):
-    """One block of one parameter inside a message's staging buffer."""
-
-    name: str
-    offset: int  # byte offset in the staging buffer
-    nbytes: int
-    shape: tuple[int, ...]
-    slices: tuple[slice, ...]  # where the block lies in this rank's local shard (source or destination side)
-    other: tuple[slice, ...]  # local copies only: the destination-side index
-    direct: bool  # the plan sends (receives) it straight from (into) the shard: ``staging_copies`` says 0 on this side
-
-
-class _Piece(NamedTuple):
-    """Bytes ``[lo, hi)`` of one message's staging buffer, posted as one send/receive: one block of at
-    least ``direct_min_bytes`` (which may skip the staging buffer), or a run of smaller blocks packed."""
-
-    lo: int
-    hi: int
-    blocks: tuple[_Block, ...]
-
-    @property
-    def direct(self) -> bool:
-        return len(self.blocks) == 1 and self.blocks[0].direct
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _pieces(blocks: list[_Block], chunk_bytes: int, direct_min: int) -> list[_Piece]:
-    """Cut a message's blocks into pieces: a block of ``direct_min`` bytes or more alone, smaller
-    neighbours together up to ``chunk_bytes`` (0: no limit). Depends only on the plan, so sender and
-    receiver cut alike."""
-    out: list[_Piece] = []
-    run: list[_Block] = []
-
-    def close_run() -> None:
-        if run:
-            out.append(_Piece(run[0].offset, run[-1].offset + run[-1].nbytes, tuple(run)))
-            run.clear()
-
-    for b in blocks:
-        if b.nbytes >= direct_min:
-            close_run()
-            out.append(_Piece(b.offset, b.offset + b.nbytes, (b,)))
-            continue
-        run.append(b)
-        if chunk_bytes > 0 and b.offset + b.nbytes - run[0].offset >= chunk_bytes:
-            close_run()
-    close_run()
-    return out
-
-
-def _round_robin(pieces: dict[int, list[_Piece]]) -> list[tuple[int, _Piece]]:
-    """(peer, piece) in the order they are posted: piece 0 of every peer, then piece 1, ... (keeps peers busy)."""
-    longest = max((len(c) for c in pieces.values()), default=0)
-    return [(peer, cs[i]) for i in range(longest) for peer, cs in sorted(pieces.items()) if i < len(cs)]
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -308,7 +221,7 @@ class CollectiveTransport:
     ) -> None:
         names = sorted(params)
         specs = {n: p if isinstance(p, ParamSpec) else msgspec.convert(p, ParamSpec) for n, p in params.items()}
-        self._spec = _Spec(
+        self._spec = Spec(
             params={n: specs[n] for n in names},
             trainer=_layouts(trainer_layout, names, "trainer_layout"),
             generator=_layouts(generator_layout, names, "generator_layout"),
@@ -321,7 +234,6 @@ class CollectiveTransport:
         self._timeout_s = float(timeout_s)
         self._fetch_wait_s = float(fetch_wait_s)
         self._device = torch.device(device)
-        self._chunk_bytes = self._spec.chunk_bytes
         self._group = group
         self.channel = channel
         self._tag = zlib.crc32(channel.encode()) % (1 << 20) + 1
@@ -345,7 +257,11 @@ class CollectiveTransport:
                 f"nor the generator ranks {self.generator_ranks}; construct it only on participating ranks"
             )
         self._dual = self.is_trainer and self.is_generator
-        self._build_messages()
+        m = build_messages(self._spec, self._plans, rank)
+        self._sends, self._recvs, self._local = m.sends, m.recvs, m.local
+        self._send_pieces, self._recv_pieces = m.send_pieces, m.recv_pieces
+        self._sizes, self._local_bytes, self._sources = m.sizes, m.local_bytes, m.sources  # sizes: header included
+        self.send_bytes_per_version = m.send_bytes_per_version
 
         # version state (see the module docstring)
         self._published = -1  # trainer side: last version published
@@ -382,67 +298,6 @@ class CollectiveTransport:
         if background_receive and self.is_generator:
             self._pump = threading.Thread(target=self._receive_loop, name=f"flowrl-collective-{channel}", daemon=True)
             self._pump.start()
-
-    # --- plan -> messages ------------------------------------------------------------------------
-
-    def _build_messages(self) -> None:
-        """This rank's blocks: per destination (sends), per source (receives), and local copies."""
-        me = self.rank
-        sends: dict[int, list[_Block]] = {}
-        recvs: dict[int, list[_Block]] = {}
-        local: list[_Block] = []
-        offsets: dict[tuple[int, int], int] = {}
-        local_off = 0
-        load = {r: 0 for r in self.trainer_ranks}
-        fed: set[int] = set()
-        direct_min = self._spec.direct_min_bytes
-        for name, transfers in self._plans.items():
-            spec = self._spec.params[name]
-            size = DTYPES[spec.dtype].itemsize
-            src, dst = self._spec.trainer[name], self._spec.generator[name]
-            for t in transfers:
-                nbytes = t.numel * size
-                if t.local:
-                    if t.src_rank == me:
-                        local.append(_Block(name, local_off, nbytes, t.shape, t.src_slices(), t.dst_slices(), False))
-                        local_off = _align(local_off + nbytes)
-                    continue
-                load[t.src_rank] += nbytes
-                fed.add(t.dst_rank)
-                key = (t.src_rank, t.dst_rank)
-                off = offsets.get(key, HEADER_BYTES)
-                offsets[key] = _align(off + nbytes)
-                if me not in key:
-                    continue
-                pack, unpack = staging_copies(  # the same rule the planner prices (resharding.transfer_volume)
-                    t, local_shape(src, spec.shape, t.src_rank), local_shape(dst, spec.shape, t.dst_rank), nbytes,
-                    dual_sender=t.src_rank in self.generator_ranks, direct_min_bytes=direct_min,
-                )
-                if t.src_rank == me:
-                    sends.setdefault(t.dst_rank, []).append(_Block(name, off, nbytes, t.shape, t.src_slices(), (), not pack))
-                if t.dst_rank == me:
-                    recvs.setdefault(t.src_rank, []).append(_Block(name, off, nbytes, t.shape, t.dst_slices(), (), not unpack))
-        # Generator ranks that receive nothing and are no trainer learn each version from a header-only message.
-        for g in self.generator_ranks:
-            if g in fed or g in self.trainer_ranks:
-                continue
-            src = min(self.trainer_ranks, key=lambda r: (load[r], r))
-            load[src] += 1
-            offsets[(src, g)] = HEADER_BYTES
-            if src == me:
-                sends[g] = []
-            if g == me:
-                recvs[src] = []
-        self._sends = sends
-        self._recvs = recvs
-        self._send_pieces = {d: _pieces(bl, self._chunk_bytes, direct_min) for d, bl in sends.items()}
-        self._recv_pieces = {s: _pieces(bl, self._chunk_bytes, direct_min) for s, bl in recvs.items()}
-        self._local = local
-        self._sizes = offsets  # (src, dst) -> message bytes, header included
-        self._local_bytes = local_off
-        self.send_bytes_per_version = sum(b.nbytes for blocks in sends.values() for b in blocks)
-        # the ranks whose announced version a generator waits for: its remote sources, and itself if dual
-        self._sources = sorted(recvs) + ([me] if self._dual else [])
 
     def local_shapes(self, role: Literal["trainer", "generator"]) -> dict[str, tuple[int, ...]]:
         """Name -> shape of the local shards this rank publishes (``"trainer"``) or fetches into."""
@@ -518,7 +373,7 @@ class CollectiveTransport:
         self._local_out = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev)
         self._local_in = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev) if self._dual else None
 
-    def _view(self, buf: torch.Tensor, block: _Block) -> torch.Tensor:
+    def _view(self, buf: torch.Tensor, block: Block) -> torch.Tensor:
         dtype = DTYPES[self._spec.params[block.name].dtype]
         return buf[block.offset : block.offset + block.nbytes].view(dtype).view(block.shape)
 
@@ -563,7 +418,7 @@ class CollectiveTransport:
         self.header_bytes_sent += HEADER_BYTES * len(self._sends)
         return [self._p2p(dist.isend, d, self._outbox[d][:HEADER_BYTES]) for d in sorted(self._sends)]
 
-    def _pack(self, state: State, dest: int, piece: _Piece) -> torch.Tensor:
+    def _pack(self, state: State, dest: int, piece: Piece) -> torch.Tensor:
         """Copy a piece's blocks from ``state`` into the staging buffer of ``dest``; the bytes to send."""
         start = time.perf_counter()
         for blk in piece.blocks:
@@ -572,7 +427,7 @@ class CollectiveTransport:
         self._staging_s += time.perf_counter() - start
         return self._outbox[dest][piece.lo : piece.hi]
 
-    def _direct_source(self, state: State, piece: _Piece) -> torch.Tensor | None:
+    def _direct_source(self, state: State, piece: Piece) -> torch.Tensor | None:
         """The bytes of a piece straight from the shard in ``state``, or None if it must be packed
         (the plan stages it, or this tensor's slice is strided or on another device)."""
         if not piece.direct:
@@ -581,7 +436,7 @@ class CollectiveTransport:
         x = state[blk.name].detach()[blk.slices]
         return _bytes_of(x) if x.is_contiguous() and x.device == self._device else None
 
-    def _direct_target(self, target: Mapping[str, torch.Tensor] | None, piece: _Piece) -> torch.Tensor | None:
+    def _direct_target(self, target: Mapping[str, torch.Tensor] | None, piece: Piece) -> torch.Tensor | None:
         """The view of ``target`` a piece can be received into, or None if it goes through staging
         (the plan stages it, or the target's slice is strided, of another dtype or on another device)."""
         if target is None or not piece.direct:
@@ -633,7 +488,7 @@ class CollectiveTransport:
             self._wait(self._send_works, f"sending version {self._sent} to generator rank(s) {late}")
             self._send_works = []
         for d in self._sends:
-            header = torch.tensor([_MAGIC, version, self._sizes[(self.rank, d)] - HEADER_BYTES, self.rank], dtype=torch.int64)
+            header = torch.tensor([MAGIC, version, self._sizes[(self.rank, d)] - HEADER_BYTES, self.rank], dtype=torch.int64)
             self._outbox[d][:HEADER_BYTES].view(torch.int64).copy_(header)
         # announce first: the generators post their receives while the pieces are packed and sent
         self._store.add(f"{self._prefix}/v/{self.rank}", version - self._published)
@@ -641,12 +496,12 @@ class CollectiveTransport:
             self._view(self._local_out, b).copy_(state[b.name][b.slices])
             self.bytes_staged += b.nbytes
         if self._dual:  # a dual rank stages everything and sends from its fetch_into (see the module docstring)
-            for d, piece in _round_robin(self._send_pieces):
+            for d, piece in round_robin(self._send_pieces):
                 self._pack(state, d, piece)
         else:
             self._send_works += self._post(self._header_sends())
             borrowed = False
-            for d, piece in _round_robin(self._send_pieces):  # pack a piece, post it, pack the next meanwhile
+            for d, piece in round_robin(self._send_pieces):  # pack a piece, post it, pack the next meanwhile
                 buf = self._direct_source(state, piece)
                 borrowed |= buf is not None
                 self.bytes_sent += sum(b.nbytes for b in piece.blocks)
@@ -681,7 +536,7 @@ class CollectiveTransport:
         self._wait(self._post(ops), doing)
         for s, buf in self._inbox.items() if self.is_generator else ():
             magic, got, nbytes, src = buf[:HEADER_BYTES].view(torch.int64).tolist()
-            expected = (_MAGIC, version, self._sizes[(s, self.rank)] - HEADER_BYTES, s)
+            expected = (MAGIC, version, self._sizes[(s, self.rank)] - HEADER_BYTES, s)
             if (magic, got, nbytes, src) != expected:
                 raise TransportError(
                     f"{self._where}: message from rank {s} has header (magic, version, bytes, src) = "
@@ -690,11 +545,11 @@ class CollectiveTransport:
                 )
         # 2. the pieces (the same batch holds a dual rank's sends: NCCL needs both ways in one group)
         ops = []
-        for d, piece in _round_robin(self._send_pieces) if send else ():
+        for d, piece in round_robin(self._send_pieces) if send else ():
             self.bytes_sent += sum(b.nbytes for b in piece.blocks)
             ops.append(self._p2p(dist.isend, d, self._outbox[d][piece.lo : piece.hi]))
         first_recv = len(ops)
-        incoming = _round_robin(self._recv_pieces) if self.is_generator else []
+        incoming = round_robin(self._recv_pieces) if self.is_generator else []
         direct: list[torch.Tensor | None] = []
         for s, piece in incoming:
             view = self._direct_target(target, piece)
@@ -796,7 +651,7 @@ class CollectiveTransport:
             raise TransportError(f"{exc} (in the background receiver)") from exc
         raise TransportError(f"{self._where}: the background receiver failed: {type(exc).__name__}: {exc}") from exc
 
-    def _deliver_piece(self, target: Mapping[str, torch.Tensor], source: int, piece: _Piece) -> None:
+    def _deliver_piece(self, target: Mapping[str, torch.Tensor], source: int, piece: Piece) -> None:
         """Copy a received piece into ``target``: from the staging buffer, or from the target it was
         received straight into (nothing to do when that is ``target`` itself)."""
         held = self._direct.get((source, piece.lo))
