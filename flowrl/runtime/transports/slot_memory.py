@@ -51,6 +51,7 @@ __all__ = [
     "HostSlots",
     "SlotMemory",
     "slot_memory_for",
+    "slot_nbytes",
     "share_storage",
     "open_storage",
 ]
