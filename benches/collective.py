@@ -28,6 +28,9 @@ says, the seconds spent packing/unpacking, and the CPU seconds of all four ranks
 (``getrusage``: this machine's cores are the bound when ``cpu_s / wall_s`` nears their count). Each
 sync is checked (every generator shard holds the published version). On a machine with a CUDA
 device it also times the CUDA-IPC transport (see ``--ipc-sizes``) against a device-to-device copy.
+The collective on NCCL is not timed here (``"nccl"`` in the output says why): it needs one GPU per
+rank (since NCCL 2.5 two ranks on one GPU fail at init with ncclInvalidUsage "Duplicate GPU
+detected"); ``tests/runtime/test_collective_nccl.py`` runs it on 2 or more GPUs.
 
     python benches/collective.py [--sizes 100MB 1GB] [--layouts fsdp->tp2 fsdp->tp2-dim0 tp->other-tp] [--repeats 5]
 
@@ -221,6 +224,14 @@ def cuda_ipc_bench(sizes: list[int]) -> dict:
     return run(sizes)
 
 
+def nccl_note() -> dict:
+    """Why this bench prints no NCCL figures on this machine."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        return {"skipped": f"NCCL needs one GPU per rank (two ranks on one GPU fail at init: 'Duplicate GPU detected'); this machine has {gpus}"}
+    return {"skipped": f"not timed by this bench; {gpus} GPUs: python -m pytest tests/runtime/test_collective_nccl.py runs the collective on NCCL"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["100MB", "1GB"], help="weights sizes (e.g. 100MB 1GB)")
@@ -272,6 +283,7 @@ def main() -> None:
         "layouts": {lay: {text: summarise(size, lay, [r[f"{lay}@{size}"] for r in ranks]) for text, size in zip(args.sizes, sizes)}
                     for lay in args.layouts},
         "cuda_ipc": cuda_ipc_bench([parse_size(s) for s in args.ipc_sizes]),
+        "nccl": nccl_note(),
     }
     print(json.dumps(out, indent=2))
 

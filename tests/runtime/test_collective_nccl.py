@@ -6,8 +6,11 @@ an NCCL group, one GPU each, and run resharding cases of ``test_collective`` thr
 created by every rank in the same order and warmed with an all-reduce (as ``runtime.backends.weights``
 does), so that NCCL's first point-to-point batch need not involve every rank. With 4 GPUs the whole
 table runs; with 2, the cases on ranks 0 and 1 (pure sender -> pure receiver, and colocated ranks that
-send and receive in one batch). NCCL refuses two ranks of one communicator on the same GPU, so a
-machine with fewer than 2 GPUs skips these tests, visibly.
+send and receive in one batch). With 1 GPU (or none) these tests skip, visibly: NCCL does not
+support two ranks of one communicator on the same GPU (NCCL user guide, "Creating a Communicator":
+"not supported and may lead to hangs"), and since NCCL 2.5 ``ncclCommInitRank`` refuses it with
+``ncclInvalidUsage`` ("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device ..."), MPS or
+not (NVIDIA/nccl#418). Two processes sharing one GPU exchange weights with ``cuda_ipc`` instead.
 """
 
 from __future__ import annotations
@@ -71,7 +74,10 @@ def _worker_main(argv: list[str]) -> None:
     os._exit(0)
 
 
-needs_gpus = pytest.mark.skipif(GPUS < 2, reason=f"NCCL needs one GPU per rank and this machine has {GPUS} (2 or more needed)")
+#: why one GPU is not enough (see the module docstring)
+ONE_GPU_PER_RANK = ("NCCL needs one GPU per rank: since NCCL 2.5 two ranks on one GPU fail at init with ncclInvalidUsage "
+                    "'Duplicate GPU detected'")
+needs_gpus = pytest.mark.skipif(GPUS < 2, reason=f"{ONE_GPU_PER_RANK}; this machine has {GPUS} GPU(s), 2 or more needed")
 
 
 @pytest.fixture(scope="module")

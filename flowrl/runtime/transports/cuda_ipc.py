@@ -7,6 +7,12 @@ CUDA IPC handles once; a reader maps them into its own address space
 CUDA tensor) and copies device to device. Nothing crosses a process boundary as pickle: a handle
 travels as a :class:`CudaIpcHandle` (the fields of ``UntypedStorage._share_cuda_()``) in msgspec JSON.
 
+What the slots are made of is a seam (``slot_memory.py``): ``memory="cuda"`` (the default) is the
+above; ``memory="host"`` keeps them in POSIX shared memory, one ``/dev/shm`` file per slot named by a
+:class:`HostSlotHandle`, so that the whole protocol (two processes, the control block, attach, the
+seqlock, close) runs and is tested on a machine without a GPU, and serves as a CPU fallback. Only the
+writer chooses: a reader learns the kind from the header.
+
 The control plane is a :class:`~flowrl.runtime.transports.shm.SharedMemoryTransport` segment (named
 ``name``, as every transport that ``needs_segment``), which delivers consistent snapshots of a small
 CPU state, the *control block*::
@@ -14,17 +20,24 @@ CPU state, the *control block*::
     count    int64[1]       publishes completed; the newest slot is (count - 1) % slots
     seq      int64[slots]   per-slot sequence, odd while the writer fills the slot
     version  int64[slots]   the version each slot holds (-1: none)
-    header   uint8[n]       msgspec JSON of an IpcHeader: slots, the state's StateLayout, one CudaIpcHandle per slot
+    closed   int64[1]       1 once the writer closed: its slots are going away
+    header   uint8[n]       msgspec JSON of an IpcHeader: slots, the state's StateLayout, one handle per slot
 
-Protocol (a seqlock per slot over GPU memory; 2 slots by default, a double buffer):
+Protocol (a seqlock per slot over the slot memory; 2 slots by default, a double buffer):
 
 - publish number c fills slot c % slots: it sets the slot's seq odd (control block published), copies
-  the state into the slot and waits for the copy to finish on the device, then sets the version, the
-  seq even and count = c + 1 (control block published again).
-- fetch reads the control block, takes the newest slot, checks that its seq is even, copies the slot
-  into the target, waits for that copy, and reads the control block again: an unchanged seq means no
-  publish touched the slot during the copy; otherwise it copies again. A reader is only disturbed when
-  the writer laps it (``slots`` publishes during one copy).
+  the state into the slot and waits for the copy to finish (on the device; a fence on the host), then
+  sets the version, the seq even and count = c + 1 (control block published again).
+- fetch reads the control block (a consistent snapshot, so the newest slot's seq is even: the slot
+  being written is count % slots, never the newest), copies the newest slot into the target, waits for
+  that copy, and reads the control block again: an unchanged seq means no publish touched the slot
+  during the copy (the writer marks it odd before its first byte); otherwise it copies again, up to
+  ``max_retries`` times. A reader is only disturbed when the writer laps it (``slots`` publishes
+  during one copy, or ``slots - 1`` and the start of the next).
+- close on the writer publishes ``closed = 1``, then frees its slots (CUDA: once no reader maps them;
+  host: the files are unlinked) and unlinks the control segment. A reader that had attached then gets a
+  ``TransportError`` saying so from ``fetch_into`` and ``latest_version``; one that attaches only after
+  the close finds no segment and sees ``-1`` / ``None``, as before the first publish.
 
 Costs: a publish is one device-to-device copy of the state (the contract lets the trainer change its
 weights as soon as publish returns, so the writer cannot lend its live parameters); a fetch is one
@@ -44,9 +57,8 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Literal
 
 import msgspec
 import torch
@@ -64,66 +76,22 @@ from flowrl.runtime.transports.base import (
 )
 from flowrl.runtime.transports.registry import TransportTraits
 from flowrl.runtime.transports.shm import SharedMemoryTransport, backoff, read_header
+from flowrl.runtime.transports.slot_memory import (
+    CudaIpcHandle,
+    CudaSlots,
+    HostSlotHandle,
+    HostSlots,
+    SlotHandle,
+    SlotMemory,
+    open_storage,
+    share_storage,
+    slot_memory_for,
+    slot_nbytes,
+)
 
-__all__ = ["CudaIpcTransport", "CudaIpcHandle", "IpcHeader", "share_storage", "open_storage"]
+__all__ = ["CudaIpcTransport", "CudaIpcHandle", "HostSlotHandle", "IpcHeader", "share_storage", "open_storage"]
 
-_ALIGN = 256  # slot sizes rounded up, so that every slot starts aligned for any dtype
-
-#: (handle, offset) -> the buffer this process shared: CUDA cannot open a process's own IPC handle, so a
-#: reader in the writer's process uses the buffer itself (as ``torch.multiprocessing``'s ``shared_cache`` does)
-_SHARED: weakref.WeakValueDictionary[tuple[bytes, int], torch.Tensor] = weakref.WeakValueDictionary()
-
-
-class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One CUDA allocation as another process maps it: the fields of ``UntypedStorage._share_cuda_()``.
-
-    Attributes:
-        device: the CUDA device index in the writer's numbering.
-        handle: the ``cudaIpcMemHandle_t`` of the allocation (opaque bytes).
-        size_bytes: the storage's size.
-        offset_bytes: the storage's offset in the allocation (the caching allocator packs storages).
-        ref_counter_handle: the shared-memory file of torch's producer/consumer reference counter.
-        ref_counter_offset: this storage's counter in that file.
-        event_handle: a ``cudaIpcEventHandle_t`` the consumer waits on before using the memory, if any.
-        event_sync_required: whether the consumer must wait on ``event_handle``.
-    """
-
-    device: int
-    handle: bytes
-    size_bytes: int
-    offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None = None
-    event_sync_required: bool = False
-
-    @classmethod
-    def from_share_tuple(cls, fields: tuple[Any, ...]) -> CudaIpcHandle:
-        """From the 8-tuple ``UntypedStorage._share_cuda_()`` returns.
-
-        Raises:
-            TransportError: if it is not such a tuple (another torch version's layout).
-        """
-        if len(fields) != 8:
-            raise TransportError(
-                f"cuda_ipc: UntypedStorage._share_cuda_() returned {len(fields)} fields, expected 8 "
-                f"(device, handle, size, offset, ref counter handle, ref counter offset, event handle, event sync); "
-                f"this torch ({torch.__version__}) shares CUDA memory differently"
-            )
-        device, handle, size, offset, ref_handle, ref_offset, event, sync = fields
-        return cls(
-            device=int(device), handle=bytes(handle), size_bytes=int(size), offset_bytes=int(offset),
-            ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
-            event_handle=None if event is None else bytes(event), event_sync_required=bool(sync),
-        )
-
-    def new_shared_args(self, device: int | None = None) -> tuple[Any, ...]:
-        """The arguments of ``UntypedStorage._new_shared_cuda`` that map this allocation (on ``device``,
-        by default the writer's index)."""
-        return (
-            self.device if device is None else device, self.handle, self.size_bytes, self.offset_bytes,
-            self.ref_counter_handle, self.ref_counter_offset, self.event_handle, self.event_sync_required,
-        )
+MEMORIES = ("cuda", "host")
 
 
 class IpcHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -133,43 +101,13 @@ class IpcHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         slots: how many copies of the state the writer keeps.
         slot_nbytes: bytes per slot.
         layout: names, dtypes, shapes and offsets (within a slot) of the tensors.
-        handles: one per slot.
+        handles: one per slot, all of one slot memory (their ``memory`` tag: ``cuda`` or ``host``).
     """
 
     slots: int
     slot_nbytes: int
     layout: StateLayout
-    handles: tuple[CudaIpcHandle, ...]
-
-
-def share_storage(buffer: torch.Tensor) -> CudaIpcHandle:
-    """The IPC handle of ``buffer``'s storage (a flat CUDA tensor over all of it), for another process to
-    map with :func:`open_storage`."""
-    handle = CudaIpcHandle.from_share_tuple(buffer.untyped_storage()._share_cuda_())
-    _SHARED[(handle.handle, handle.offset_bytes)] = buffer
-    return handle
-
-
-def open_storage(handle: CudaIpcHandle, device: int | None = None) -> torch.Tensor:
-    """Map a storage another process shared (:func:`share_storage`) as a flat ``uint8`` CUDA tensor.
-
-    Raises:
-        TransportError: if CUDA cannot open the handle (another GPU, a writer that exited).
-    """
-    index = handle.device if device is None else device
-    own = _SHARED.get((handle.handle, handle.offset_bytes))
-    if own is not None:  # shared by this very process
-        return own
-    try:
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(*handle.new_shared_args(index))
-    except Exception as exc:  # RuntimeError from CUDA
-        raise TransportError(
-            f"cuda_ipc: could not map the writer's CUDA memory on cuda:{index} ({type(exc).__name__}: {exc}); "
-            "both processes must see the same GPU and the writer must still be running"
-        ) from exc
-    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
-    return flat.set_(storage, 0, (handle.size_bytes,), (1,))
+    handles: tuple[SlotHandle, ...]
 
 
 def _views(flat: torch.Tensor, layout: StateLayout) -> dict[str, torch.Tensor]:
@@ -177,22 +115,6 @@ def _views(flat: torch.Tensor, layout: StateLayout) -> dict[str, torch.Tensor]:
         t.name: flat[t.offset : t.offset + t.nbytes].view(dtype_from_name(t.dtype)).view(t.shape)
         for t in layout.tensors
     }
-
-
-def _need_cuda(what: str) -> None:
-    if not torch.cuda.is_available():
-        raise TransportError(f"cuda_ipc: {what} needs a CUDA device and this process sees none; use 'shm' between CPU processes")
-
-
-def _check_slot_device(device: torch.device, label: str) -> None:
-    if device.type != "cuda":
-        raise TransportError(f"{label}: device={device} is not a CUDA device; the slots live in GPU memory")
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait until the copies queued on ``device`` are done (a no-op off CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class CudaIpcTransport:
@@ -203,13 +125,32 @@ class CudaIpcTransport:
             see ``segment_name``); readers must name it.
         create: ``True`` on the one writer (it owns the slots and the segment), ``False`` on readers.
         slots: copies of the state the writer keeps on the GPU (>= 2).
+        memory: what the writer's slots are made of: ``"cuda"`` (GPU memory shared by IPC handles) or
+            ``"host"`` (POSIX shared memory: the protocol's CPU test double and fallback). A reader
+            follows the writer's header and ignores it.
         device: the writer's CUDA device for the slots (default: that of the first CUDA tensor of the
             first published state, else the current device); on a reader, the index to map the
-            handles on (default: the writer's index).
+            handles on (default: the writer's index). Only for ``memory="cuda"``.
         max_retries: how many times a fetch copies again when the writer lapped it before it gives up.
 
     Raises:
         TransportError: bad options (the shared-memory segment's checks apply to ``name``).
+
+    Example (``memory="host"``, so that it runs anywhere; both ends would be separate processes):
+        >>> writer = CudaIpcTransport(create=True, memory="host")
+        >>> reader = CudaIpcTransport(writer.segment_name, create=False)
+        >>> reader.latest_version()
+        -1
+        >>> writer.publish({"w": torch.ones(2)}, version=0)
+        >>> target = {"w": torch.zeros(2)}
+        >>> reader.fetch_into(target), target["w"].tolist()
+        (0, [1.0, 1.0])
+        >>> writer.close()
+        >>> reader.latest_version()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        flowrl.errors.TransportError: cuda_ipc segment '...': the writer closed the edge (its last version was 0) ...
+        >>> reader.close()
     """
 
     name = "cuda_ipc"
@@ -222,6 +163,7 @@ class CudaIpcTransport:
         *,
         create: bool = True,
         slots: int = 2,
+        memory: Literal["cuda", "host"] = "cuda",
         device: int | str | torch.device | None = None,
         max_retries: int = 1000,
     ) -> None:
@@ -229,11 +171,18 @@ class CudaIpcTransport:
             raise TransportError(f"cuda_ipc: slots={slots!r} must be an integer >= 2 (a double buffer or more)")
         if not isinstance(max_retries, int) or max_retries < 1:
             raise TransportError(f"cuda_ipc: max_retries={max_retries!r} must be a positive int")
+        if memory not in MEMORIES:
+            raise TransportError(f"cuda_ipc: memory={memory!r} is not one of {MEMORIES}; 'cuda' shares GPU memory, 'host' POSIX shared memory")
+        if memory == "host" and device is not None:
+            raise TransportError(f"cuda_ipc: device={device!r} applies to memory='cuda' only; host slots live in /dev/shm")
         self._control = SharedMemoryTransport(name, create=create)
         self.segment_name = self._control.segment_name
         self._create = bool(create)
         self._slots = slots
         self._device = None if device is None else torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        self._memory: SlotMemory | None = None
+        if self._create:
+            self._memory = HostSlots(self.label, self._control.path) if memory == "host" else CudaSlots(self.label, self._device)
         self._max_retries = max_retries
         self._lock = threading.Lock()
         self._closed = False
@@ -255,7 +204,7 @@ class CudaIpcTransport:
 
         Raises:
             TransportError: a reader publishes, the version does not increase, the state's layout
-                changed, or no CUDA device is there.
+                changed, or no CUDA device is there (``memory="cuda"``).
         """
         with self._lock:
             self._check_open("publish")
@@ -274,7 +223,7 @@ class CudaIpcTransport:
             with torch.no_grad():
                 for k, dst in self._slot_views[slot].items():
                     copy_tensor(dst, state[k])
-            _synchronize(self._buffers[slot].device)  # the bytes are in before the slot says so
+            self._memory.wait(self._buffers[slot])  # the bytes are in before the slot says so
             block["version"][slot] = version
             block["seq"][slot] += 1  # even: complete
             block["count"][0] = count + 1
@@ -282,19 +231,17 @@ class CudaIpcTransport:
             self._last_version = version
 
     def _make_slots(self, layout: StateLayout, state: State) -> None:
-        _need_cuda("publish")
-        device = self._device or next((t.device for t in state.values() if t.is_cuda), None) or torch.device("cuda", torch.cuda.current_device())
-        _check_slot_device(device, self.label)
-        nbytes = max(_ALIGN, -(-layout.nbytes // _ALIGN) * _ALIGN)
-        self._buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(self._slots)]
+        nbytes = slot_nbytes(layout.nbytes)
+        self._buffers, handles = self._memory.allocate(self._slots, nbytes, state)
         self._slot_views = [_views(b, layout) for b in self._buffers]
-        header = IpcHeader(slots=self._slots, slot_nbytes=nbytes, layout=layout, handles=tuple(share_storage(b) for b in self._buffers))
+        header = IpcHeader(slots=self._slots, slot_nbytes=nbytes, layout=layout, handles=handles)
         encoded = msgspec.json.encode(header)
         self._header = header
         self._block = {
             "count": torch.zeros(1, dtype=torch.int64),
             "seq": torch.zeros(self._slots, dtype=torch.int64),
             "version": torch.full((self._slots,), -1, dtype=torch.int64),
+            "closed": torch.zeros(1, dtype=torch.int64),
             "header": torch.frombuffer(bytearray(encoded), dtype=torch.uint8),
         }
 
@@ -305,29 +252,52 @@ class CudaIpcTransport:
     # -- reader side --------------------------------------------------------------------------
 
     def _read_block(self) -> bool:
-        """Refresh the control block (reader); False while the writer has published nothing."""
+        """Refresh the control block (reader); False while the writer has published nothing.
+
+        Raises:
+            TransportError: the writer has closed the edge.
+        """
         if self._block is None:
             if not os.path.exists(self._control.path):
                 return False
             layout = read_header(self._control.path).layout
             self._block = {t.name: torch.zeros(t.shape, dtype=dtype_from_name(t.dtype)) for t in layout.tensors}
-        return self._control.fetch_into(self._block) is not None
+        if self._control.fetch_into(self._block) is None:
+            return False
+        if int(self._block["closed"][0]):
+            count = int(self._block["count"][0])
+            last = int(self._block["version"][(count - 1) % self._slots_of()]) if count else -1
+            raise TransportError(
+                f"{self.label}: the writer closed the edge (its last version was {last}) and its slots are going away; "
+                "close this reader, and open a new one once a new writer publishes"
+            )
+        return True
 
     def _attach(self) -> None:
         """Map the writer's slots (once, after the first control block arrived)."""
         if self._header is not None:
             return
-        _need_cuda("fetch_into")
         try:
             header = msgspec.json.decode(self._block["header"].numpy().tobytes(), type=IpcHeader)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise TransportError(f"{self.label}: unreadable IPC header ({exc}); is the writer a flowrl cuda_ipc transport of this version?") from exc
-        index = self._device.index if self._device is not None else None
-        self._buffers = [open_storage(h, index) for h in header.handles]
+        memory = slot_memory_for(header.handles[0], self.label, self._device)
+        try:
+            self._buffers = [memory.open(h) for h in header.handles]
+        except TransportError:
+            self._buffers = []
+            memory.close()
+            raise
+        self._memory = memory
         self._slot_views = [_views(b, header.layout) for b in self._buffers]
         self._header = header
 
     def latest_version(self) -> int:
+        """The newest version published, ``-1`` if none (or no writer yet).
+
+        Raises:
+            TransportError: after ``close()``, or (a reader) once the writer closed the edge.
+        """
         self._check_open("latest_version")
         if self._create:
             return self._last_version
@@ -347,12 +317,12 @@ class CudaIpcTransport:
 
         Raises:
             TransportError: ``target`` does not match the layout (nothing written); the writer lapped
-                ``max_retries`` copies in a row (``target`` holds a mix and must be fetched again); or
-                the writer's memory cannot be mapped.
+                ``max_retries`` copies in a row (``target`` holds a mix and must be fetched again); the
+                writer closed the edge; or the writer's memory cannot be mapped.
         """
         self._check_open("fetch_into")
         with self._lock, torch.no_grad():
-            if self._create:  # the writer reads its own slots (the conformance suite's one-object pair)
+            if self._create:  # the writer reads its own slots
                 return self._fetch_own(target, newer_than)
             checked = False
             for attempt in range(self._max_retries):
@@ -362,10 +332,8 @@ class CudaIpcTransport:
                 if count == 0:
                     return None
                 slot = (count - 1) % self._slots_of()
+                # even: the control block is a consistent snapshot, and the slot being written is count % slots
                 seq, version = int(self._block["seq"][slot]), int(self._block["version"][slot])
-                if seq % 2:
-                    backoff(attempt)
-                    continue
                 if version <= newer_than:
                     return None
                 self._attach()
@@ -374,7 +342,7 @@ class CudaIpcTransport:
                     checked = True
                 for k, src in self._slot_views[slot].items():
                     copy_tensor(target[k], src)
-                _synchronize(self._buffers[slot].device)
+                self._memory.wait(self._buffers[slot])
                 self._read_block()
                 if int(self._block["seq"][slot]) == seq:
                     return version
@@ -391,23 +359,28 @@ class CudaIpcTransport:
         slot = (int(self._block["count"][0]) - 1) % self._slots
         for k, src in self._slot_views[slot].items():
             copy_tensor(target[k], src)
-        _synchronize(self._buffers[slot].device)
+        self._memory.wait(self._buffers[slot])
         return self._last_version
 
     # -- both ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drop the slots (a reader unmaps them; the writer's memory is freed once no reader maps it) and
-        the control segment (the writer unlinks it). Idempotent."""
+        """Drop the slots and the control segment. The writer first tells attached readers it closed
+        (``closed = 1``), then frees its slots (CUDA: once no reader maps them; host: unlinks the files)
+        and unlinks the segment; a reader unmaps. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if self._create and self._block is not None:
+                self._block["closed"][0] = 1
+                self._send_block()
             self._slot_views = []
             self._buffers = []
+            if self._memory is not None:
+                self._memory.close()
             self._control.close()
 
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise TransportError(f"{self.label}: {op}() called after close(); open a new transport")
-

@@ -58,7 +58,7 @@ from flowrl.runtime.transports.base import (
 )
 from flowrl.runtime.transports.registry import TransportTraits
 
-__all__ = ["SharedMemoryTransport", "ShmHeader", "read_header", "backoff"]
+__all__ = ["SharedMemoryTransport", "ShmHeader", "read_header", "backoff", "fence", "unlink_quietly"]
 
 MAGIC = 0x3157_5452_4C57_4F46  # b"FOWLRTW1" read as little-endian int64: a flowrl weight segment, format 1
 _W_MAGIC, _W_HEADER_LEN, _W_SLOTS, _W_COUNT = 0, 1, 2, 3
@@ -94,7 +94,7 @@ class ShmHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 _fence_lock = threading.Lock()
 
 
-def _fence() -> None:
+def fence() -> None:
     """A full memory barrier (a mutex acquire + release) between seqlock control and data accesses.
 
     x86 already keeps stores (and loads) in program order; this keeps the protocol right on weaker
@@ -104,7 +104,8 @@ def _fence() -> None:
         pass
 
 
-def _unlink_quietly(path: str, pid: int) -> None:
+def unlink_quietly(path: str, pid: int) -> None:
+    """Remove the file at ``path`` if this is process ``pid`` (a finalizer's body) and it is still there."""
     if os.getpid() == pid:  # a forked child must not remove its parent's segment
         try:
             os.unlink(path)
@@ -231,14 +232,14 @@ class SharedMemoryTransport:
             slot = count % self._slots
             seq = int(control[_seq_word(slot)])
             control[_seq_word(slot)] = seq + 1  # odd: being written
-            _fence()
+            fence()
             for k, dst in m.slots[slot].items():
                 copy_tensor(dst, state[k])
-            _fence()
+            fence()
             control[_version_word(slot)] = version
-            _fence()
+            fence()
             control[_seq_word(slot)] = seq + 2  # even: complete
-            _fence()
+            fence()
             control[_W_COUNT] = count + 1  # the newest slot is now `slot`
             self._last_version = version
 
@@ -275,7 +276,7 @@ class SharedMemoryTransport:
                 ) from None
         finally:
             os.unlink(tmp)
-        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path, os.getpid())
+        self._finalizer = weakref.finalize(self, unlink_quietly, self.path, os.getpid())
         return _Mapping(mm, header)
 
     # -- reader side --------------------------------------------------------------------------
@@ -292,9 +293,9 @@ class SharedMemoryTransport:
                 return -1
             slot = (count - 1) % m.header.slots
             seq = int(control[_seq_word(slot)])
-            _fence()
+            fence()
             version = int(control[_version_word(slot)])
-            _fence()
+            fence()
             if seq % 2 == 0 and int(control[_seq_word(slot)]) == seq:
                 return version
             backoff(attempt)
@@ -320,9 +321,9 @@ class SharedMemoryTransport:
                 return None
             slot = (count - 1) % m.header.slots
             seq = int(control[_seq_word(slot)])
-            _fence()
+            fence()
             version = int(control[_version_word(slot)])
-            _fence()
+            fence()
             if seq % 2 == 1 or int(control[_seq_word(slot)]) != seq:
                 backoff(attempt)
                 continue
@@ -333,7 +334,7 @@ class SharedMemoryTransport:
                 checked = True
             for k, src in m.slots[slot].items():
                 copy_tensor(target[k], src)
-            _fence()
+            fence()
             if int(control[_seq_word(slot)]) == seq:
                 return version
             backoff(attempt)  # the writer lapped us: the target holds a mix; copy again

@@ -1,17 +1,23 @@
-"""CudaIpcTransport: its handle encoding and options on any machine; the conformance suite and a real
-cross-process run (a writer process, this process mapping its GPU memory) where a CUDA device is.
+"""CudaIpcTransport: handles and options; the whole protocol across real processes on any machine
+(``memory="host"``: slots in /dev/shm); the same with GPU memory where a CUDA device is.
 
-On a machine without CUDA the GPU tests are skipped, visibly (pytest's skip summary names them).
+The cross-process tests run a writer process (``cuda_ipc_peer.py``) and fetch here: a continuous
+stream (every fetched state must be one version), deterministic laps (the writer rewrites the slot
+being copied, or stops half-way through it), a reader before the first publish and after the
+writer's close. Each runs over host memory everywhere and over CUDA memory where there is a GPU; on
+a machine without CUDA the GPU variants are skipped, visibly (pytest's skip summary names them).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -20,9 +26,11 @@ import torch
 
 from flowrl.errors import TransportError
 from flowrl.runtime.transports.base import layout_of
-from flowrl.runtime.transports.cuda_ipc import CudaIpcHandle, CudaIpcTransport, IpcHeader
+import flowrl.runtime.transports.cuda_ipc as cuda_ipc
+from flowrl.runtime.transports.cuda_ipc import CudaIpcHandle, CudaIpcTransport, HostSlotHandle, IpcHeader
 from flowrl.runtime.transports.registry import create_transport, transport_traits
 from tests.runtime.transports.conformance import TransportConformance
+from tests.runtime.transports.cuda_ipc_peer import make_state
 
 REPO = Path(__file__).resolve().parents[3]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (this machine has none)")
@@ -31,8 +39,21 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SHARE_TUPLE = (0, b"\x01\x02ipc\x00handle", 4096, 512, b"/torch_123_456", 8, b"\xffevent", True)
 
 
+MEMORIES = ["host", pytest.param("cuda", marks=needs_cuda)]
+
+
 def _segment() -> str:
     return f"flowrl-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments() -> Iterator[None]:
+    """Every control segment and host slot file a test made (named after this pid) is gone after it."""
+    yield
+    leaked = glob.glob(f"/dev/shm/flowrl-test-{os.getpid()}-*")
+    for path in leaked:
+        os.unlink(path)
+    assert not leaked, f"left in /dev/shm: {leaked}"
 
 
 # --- on any machine: handles, header, options, traits --------------------------------------------
@@ -80,8 +101,10 @@ def test_traits_and_registry():
         ({"max_retries": 0}, r"max_retries=0 must be a positive int"),
         ({"create": False}, r"a reader \(create=False\) must name the segment"),
         ({"name": "a/b"}, r"not a plain file name"),
+        ({"memory": "gpu"}, r"memory='gpu' is not one of \('cuda', 'host'\)"),
+        ({"memory": "host", "device": 0}, r"device=0 applies to memory='cuda' only"),
     ],
-    ids=["slots", "retries", "reader-without-name", "bad-name"],
+    ids=["slots", "retries", "reader-without-name", "bad-name", "memory", "host-with-device"],
 )
 def test_option_errors(options, match):
     with pytest.raises(TransportError, match=match):
@@ -104,31 +127,6 @@ def test_publish_without_cuda_says_so():
     t.close()
 
 
-class TestCudaIpcProtocolOnCpu(TransportConformance):
-    """The whole transport but CUDA itself, on any machine: slots in host memory, handles faked (a reader
-    in the writer's process maps nothing: it uses the writer's buffers, as on a GPU). Exercises the
-    control block, the seqlock, versions, casts, errors and close; not the IPC mapping or the device copies."""
-
-    random_examples = 5
-
-    @pytest.fixture(autouse=True)
-    def _slots_in_host_memory(self, monkeypatch):
-        import flowrl.runtime.transports.cuda_ipc as ipc
-
-        def fake_share(buffer):
-            handle = CudaIpcHandle.from_share_tuple((0, uuid.uuid4().bytes, buffer.numel(), 0, b"/none", 0, None, False))
-            ipc._SHARED[(handle.handle, 0)] = buffer
-            return handle
-
-        monkeypatch.setattr(ipc, "_need_cuda", lambda what: None)
-        monkeypatch.setattr(ipc, "_check_slot_device", lambda device, label: None)
-        monkeypatch.setattr(ipc, "share_storage", fake_share)
-
-    def open_pair(self, tmp_path):
-        name = _segment()
-        return CudaIpcTransport(name, create=True, device="cpu"), CudaIpcTransport(name, create=False)
-
-
 # --- with a GPU: the conformance suite, and a writer in another process ---------------------------
 
 
@@ -144,43 +142,213 @@ class TestCudaIpcConformance(TransportConformance):
         return CudaIpcTransport(name, create=True), CudaIpcTransport(name, create=False)
 
 
-@needs_cuda
-def test_a_writer_process_shares_its_gpu_memory():
-    """A writer process publishes 30 versions on the GPU while this process maps its slots and fetches."""
-    from tests.runtime.transports.cuda_ipc_peer import make_state
 
-    segment, versions, numel = _segment(), 30, 1 << 16
-    writer = subprocess.Popen(
-        [sys.executable, "-m", "tests.runtime.transports.cuda_ipc_peer", segment, str(versions), str(numel)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    watchdog = threading.Timer(120, writer.kill)
-    watchdog.start()
-    reader = CudaIpcTransport(segment, create=False)
-    target = make_state(numel)
-    seen, torn = [], []
+
+# --- on any machine: the protocol over host shared memory ----------------------------------------
+
+
+class TestCudaIpcHostMemoryConformance(TransportConformance):
+    """The whole transport with its slots in /dev/shm: the reader maps the writer's slot files and
+    reads the control segment as a reader in another process does (its own mappings, no shortcut)."""
+
+    random_examples = 5
+
+    def open_pair(self, tmp_path):
+        name = _segment()
+        return CudaIpcTransport(name, create=True, memory="host"), CudaIpcTransport(name, create=False)
+
+
+class TestCudaIpcHostMemoryThreeSlotsConformance(TransportConformance):
+    random_examples = 2
+    concurrent_versions = 60
+
+    def open_pair(self, tmp_path):
+        name = _segment()
+        return CudaIpcTransport(name, create=True, memory="host", slots=3), CudaIpcTransport(name, create=False)
+
+
+def test_host_slots_are_named_in_json_and_unlinked_at_close():
+    name = _segment()
+    writer, reader = CudaIpcTransport(name, create=True, memory="host", slots=3), CudaIpcTransport(name, create=False)
+    writer.publish({"w": torch.arange(5.0)}, 0)
+    target = {"w": torch.zeros(5)}
+    assert reader.fetch_into(target) == 0 and target["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    wire = bytes(writer._block["header"].numpy())
+    assert b'"memory":"host"' in wire and b"pickle" not in wire
+    handles = msgspec.json.decode(wire, type=IpcHeader).handles
+    assert [type(h) for h in handles] == [HostSlotHandle] * 3
+    assert [h.path for h in handles] == [f"/dev/shm/{name}.slot{i}" for i in range(3)]
+    assert all(os.path.exists(h.path) for h in handles)
+    writer.close()
+    assert not any(os.path.exists(h.path) for h in handles) and not os.path.exists(f"/dev/shm/{name}")
+    with pytest.raises(TransportError, match=r"the writer closed the edge \(its last version was 0\)"):
+        reader.fetch_into(target)
+    reader.close()
+
+
+def test_reader_of_a_closed_writer_that_it_never_attached_sees_nothing():
+    name = _segment()
+    writer = CudaIpcTransport(name, create=True, memory="host")
+    writer.publish({"w": torch.ones(2)}, 0)
+    writer.close()
+    late = CudaIpcTransport(name, create=False)  # the segment is gone: as before the first publish
+    assert late.latest_version() == -1 and late.fetch_into({"w": torch.zeros(2)}) is None
+    late.close()
+
+
+def test_a_slot_file_in_the_way_is_an_error_naming_it():
+    name = _segment()
+    squatter = f"/dev/shm/{name}.slot1"
+    Path(squatter).write_bytes(b"x")
+    writer = CudaIpcTransport(name, create=True, memory="host")
     try:
-        assert writer.stdout.readline() == "published 0\n", writer.stderr.read()
-        assert reader.fetch_into(target) == 0
-        assert all(bool((x == 0).all()) for x in target.values())
-        writer.stdin.write("go\n")
-        writer.stdin.flush()
-        deadline = time.monotonic() + 60
-        while (not seen or seen[-1] < versions - 1) and time.monotonic() < deadline:
-            got = reader.fetch_into(target)
-            if got is None:
-                continue
-            torn += [f"{k}@{got}" for k, x in target.items() if not bool((x == got).all())]
-            seen.append(got)
-        assert writer.stdout.readline() == "published all\n", writer.stderr.read()
+        with pytest.raises(TransportError, match=rf"slot file '{squatter}' already exists"):
+            writer.publish({"w": torch.ones(2)}, 0)
+    finally:
+        writer.close()
+        os.unlink(squatter)
+    assert not os.path.exists(f"/dev/shm/{name}.slot0")
+
+
+# --- a writer in another process (host memory anywhere, GPU memory where there is one) ------------
+
+
+class Peer:
+    """The writer process (``cuda_ipc_peer.py``), driven one command line at a time."""
+
+    def __init__(self, segment: str, memory: str, numel: int, slots: int = 2) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.runtime.transports.cuda_ipc_peer", segment, memory, str(numel), str(slots)],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.watchdog = threading.Timer(120, self.proc.kill)
+        self.watchdog.start()
+        self.expect("ready")
+
+    def expect(self, reply: str) -> None:
+        line = self.proc.stdout.readline().strip()
+        if line != reply:
+            self.proc.kill()
+            raise AssertionError(f"writer process said {line!r}, expected {reply!r}; stderr:\n{self.proc.stderr.read()}")
+
+    def ask(self, command: str, reply: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        self.expect(reply)
+
+    def finish(self) -> None:
+        try:
+            self.proc.stdin.close()  # end of input: the peer exits (its finalizers unlink what it made)
+            self.proc.wait(30)
+        finally:
+            self.watchdog.cancel()
+        assert self.proc.returncode == 0, self.proc.stderr.read()
+
+
+@pytest.fixture
+def peer(request) -> Iterator[tuple[Peer, CudaIpcTransport, dict[str, torch.Tensor]]]:
+    """A writer process on ``request.param`` memory (2 slots), a reader here, and a target."""
+    memory, numel = request.param, 1 << 14
+    segment = _segment()
+    p = Peer(segment, memory, numel)
+    reader = CudaIpcTransport(segment, create=False)
+    try:
+        yield p, reader, make_state(numel, "cuda" if memory == "cuda" else "cpu")
     finally:
         reader.close()
-        if writer.poll() is None:
-            writer.stdin.write("close\n")
-            writer.stdin.flush()
-        writer.wait(30)
-        watchdog.cancel()
+        p.finish()
+
+
+def _torn(target: dict[str, torch.Tensor], version: int) -> list[str]:
+    return [k for k, x in target.items() if not bool((x == version).all())]
+
+
+@pytest.mark.parametrize("peer", MEMORIES, indirect=True)
+def test_a_writer_process_streams_and_every_fetch_is_one_version(peer):
+    """Before the first publish: nothing. Then the writer publishes 300 versions back to back while
+    this process fetches: every fetched state holds exactly the version returned, and versions never
+    go back. After the writer's close: a clear error, and its slots are gone."""
+    writer, reader, target = peer
+    assert reader.latest_version() == -1 and reader.fetch_into(target) is None
+    writer.ask("publish 1", "published 0")
+    assert reader.latest_version() == 0 and reader.fetch_into(target) == 0 and not _torn(target, 0)
+    last = 300
+    writer.proc.stdin.write(f"stream {last}\n")
+    writer.proc.stdin.flush()
+    seen, torn = [], []
+    deadline = time.monotonic() + 60
+    while (not seen or seen[-1] < last) and time.monotonic() < deadline:
+        got = reader.fetch_into(target)
+        torn += [f"{k}@{got}" for k in _torn(target, got)]
+        seen.append(got)
+    writer.expect(f"published {last}")
     assert not torn, torn
-    assert seen and seen[-1] == versions - 1 and seen == sorted(seen)
-    assert writer.returncode == 0, writer.stderr.read()
+    assert seen[-1] == last and seen == sorted(seen)
+    writer.ask("close", "closed")
+    with pytest.raises(TransportError, match=rf"the writer closed the edge \(its last version was {last}\)"):
+        reader.fetch_into(target)
+    with pytest.raises(TransportError, match=r"the writer closed the edge"):
+        reader.latest_version()
+    assert not glob.glob(f"/dev/shm/{reader.segment_name}*")
+
+
+def _during_first_copy(monkeypatch, action, every_attempt=False):
+    """Make this process's fetch run ``action`` right after it copied the first tensor of an attempt
+    (of the first attempt only, unless ``every_attempt``): the writer then acts mid-copy."""
+    real, calls = cuda_ipc.copy_tensor, []
+
+    def copy(dst, src):
+        real(dst, src)
+        calls.append(1)
+        if len(calls) % len(make_state(16, "cpu")) == 1 and (every_attempt or len(calls) == 1):
+            action()
+
+    monkeypatch.setattr(cuda_ipc, "copy_tensor", copy)
+    return calls
+
+
+@pytest.mark.parametrize("peer", MEMORIES, indirect=True)
+def test_a_reader_lapped_mid_copy_copies_again(peer, monkeypatch):
+    """The writer publishes twice (a full lap of 2 slots) while this process copies version 0: the
+    target holds parts of versions 0 and 2, the slot's seq changed, so the fetch copies again."""
+    writer, reader, target = peer
+    writer.ask("publish 1", "published 0")
+    calls = _during_first_copy(monkeypatch, lambda: writer.ask("publish 2", "published 2"))
+    assert reader.fetch_into(target) == 2
+    assert not _torn(target, 2)
+    assert len(calls) == 2 * len(target), "one lapped copy, then one whole"
+
+
+@pytest.mark.parametrize("peer", MEMORIES, indirect=True)
+def test_a_reader_lapped_every_time_gives_up_after_max_retries(peer, monkeypatch):
+    writer, reader, target = peer
+    impatient = CudaIpcTransport(reader.segment_name, create=False, max_retries=3)
+    writer.ask("publish 1", "published 0")
+    published = iter(range(2, 100, 2))
+    calls = _during_first_copy(monkeypatch, lambda: writer.ask("publish 2", f"published {next(published)}"), every_attempt=True)
+    try:
+        with pytest.raises(TransportError, match=r"no consistent read in 3 attempts: the writer overwrote the slot being read every time"):
+            impatient.fetch_into(target)
+    finally:
+        impatient.close()
+    assert len(calls) == 3 * len(target)
+
+
+@pytest.mark.parametrize("peer", MEMORIES, indirect=True)
+def test_a_writer_stopped_half_way_through_the_slot_being_read_is_not_missed(peer, monkeypatch):
+    """While this process copies version 0 (slot 0), the writer publishes 1 (slot 1) and stops after
+    two tensors of version 2 in slot 0: the slot's seq is odd, so the fetch copies again, and takes
+    version 1; once the writer finishes, version 2."""
+    writer, reader, target = peer
+    writer.ask("publish 1", "published 0")
+
+    def lap_half_way():
+        writer.ask("publish 1", "published 1")
+        writer.ask("stall 2", "stalled 2")
+
+    _during_first_copy(monkeypatch, lap_half_way)
+    assert reader.fetch_into(target) == 1
+    assert not _torn(target, 1)
+    writer.ask("resume", "published 2")
+    assert reader.fetch_into(target) == 2 and not _torn(target, 2)
