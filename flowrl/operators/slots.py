@@ -91,9 +91,13 @@ class SlotBatcher:
         compactions: how often the cache was rebuilt.
     """
 
-    def __init__(self, generator: Generator, *, slots: int, rng: torch.Generator, width: int | None = None) -> None:
+    def __init__(
+        self, generator: Generator, *, slots: int, rng: torch.Generator, width: int | None = None, prefill_rows: int | None = None
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
+        if prefill_rows is not None and prefill_rows < 1:
+            raise ValueError(f"prefill_rows={prefill_rows} must be >= 1")
         self.gen = generator
         self.slots = slots
         self.rng = rng
@@ -106,6 +110,13 @@ class SlotBatcher:
         self.feeding = torch.zeros(slots, dtype=torch.bool, device=device)
         self.feed = torch.full((slots,), generator.pad_id, dtype=torch.int64, device=device)
         self.cache: Any = None
+        self.splices = True
+        self.prefill_rows = prefill_rows or slots
+        self.staged: dict[tuple[int, ...], int] = {}
+        self._part: Any = None
+        self._part_valid = self._part_logits = torch.zeros(0, 0)
+        self._part_version = 0
+        self.prefills = 0
         self.steps = self.busy_steps = self.compactions = 0
 
     @property
@@ -128,8 +139,8 @@ class SlotBatcher:
             new.append(i)
         return new
 
-    def _forward(self, tokens: Tensor, valid: Tensor) -> Tensor:
-        return self.gen.model(tokens, valid=valid, cache=self.cache, keep=1)[:, -1].float()
+    def _forward(self, tokens: Tensor, valid: Tensor, cache: Any) -> Tensor:
+        return self.gen.model(tokens, valid=valid, cache=cache, keep=1)[:, -1].float()
 
     def _prefill_all(self) -> None:
         """A fresh cache holding every busy row's tokens so far (compaction, and the first fill)."""
@@ -141,12 +152,71 @@ class SlotBatcher:
         width = ids.shape[1]
         self.valid = torch.arange(width, device=self.gen.device)[None, :] >= (width - lens)[:, None]
         self.cache = self.gen.model.new_cache(self.slots, self.width)
-        self.pending = self._forward(ids, self.valid)
+        self.pending = self._forward(ids, self.valid, self.cache)
         self.feeding[:] = False  # every row's tokens are in the fresh cache
         self.compactions += 1
 
+    def _decode(self) -> None:
+        """Append one column: the feeding rows' last tokens (the other rows' entry is masked invalid)."""
+        self.valid = torch.cat([self.valid, self.feeding[:, None]], dim=1)
+        logits = self._forward(self.feed[:, None], self.valid, self.cache)
+        self.pending = torch.where(self.feeding[:, None], logits, self.pending)
+        self.feeding[:] = False
+
+    def _stage(self, needed: list[tuple[int, ...]], longest: int) -> None:
+        """Prefill ``needed`` and the next distinct waiting prompts (up to ``prefill_rows`` in all, none
+        longer than ``longest``) in one forward pass, into a fresh staging cache."""
+        from flowrl.operators.logprobs import prompt_valid
+        from flowrl.operators.source import pad_left
+
+        prompts = dict.fromkeys(needed)
+        for sample in self.waiting:
+            if len(prompts) >= self.prefill_rows:
+                break
+            if len(sample.prompt) <= longest:
+                prompts.setdefault(tuple(sample.prompt))
+        device, model = self.gen.device, self.gen.model
+        ids, lens = pad_left([list(p) for p in prompts], self.gen.pad_id)
+        ids, lens = ids.to(device), lens.to(device)
+        self._part = model.new_cache(len(prompts), ids.shape[1])
+        self._part_valid = prompt_valid(ids, lens)  # [prompts, Tp]
+        self._part_logits = self._forward(ids, self._part_valid, self._part)
+        self._part_version = self.gen.version
+        self.staged = {p: j for j, p in enumerate(prompts)}
+        self.prefills += 1
+
+    def _splice(self, new: list[int]) -> bool:
+        """Fill the new rows from staged prompts, prefilling the ones not staged (see the module docstring).
+
+        Returns:
+            False when the model cannot splice this cache (then rows are filled another way from now on).
+        """
+        filled = self.valid.shape[1]
+        if self._part is not None and (self._part_version != self.gen.version or self._part_valid.shape[1] > filled):
+            self.staged = {}  # prefilled by older weights, or too wide for this (compacted) cache
+        prompts = [tuple(self.rows[i].prompt) for i in new]  # type: ignore[union-attr]
+        later = [(i, p) for i, p in zip(new, prompts) if p not in self.staged]
+        now = [(i, p) for i, p in zip(new, prompts) if p in self.staged]
+        for batch in (now, later):
+            if batch is later and later:
+                self._stage([p for _, p in later], filled)
+            if not batch:
+                continue
+            device = self.gen.device
+            rows = torch.tensor([i for i, _ in batch], device=device)
+            source = torch.tensor([self.staged[p] for _, p in batch], device=device)
+            start = filled - self._part_valid.shape[1]
+            if not self.gen.model.splice_cache(self.cache, self._part, source, rows, start):
+                self.splices = False
+                return False
+            self.valid[rows] = False  # the previous occupants' columns
+            self.valid[rows, start:] = self._part_valid[source]
+            self.pending[rows] = self._part_logits[source]
+        return True
+
     def _advance(self, new: list[int]) -> None:
-        """Append the new rows' prompts and the feeding rows' last tokens as columns, in one forward pass."""
+        """Append the new rows' prompts and the feeding rows' last tokens as columns, in one forward pass
+        (for a model that cannot splice its cache)."""
         from flowrl.operators.source import pad_left
 
         device = self.gen.device
@@ -162,9 +232,29 @@ class SlotBatcher:
             self.valid[rows] = False  # the previous occupants' columns
             updated[rows] = True
         self.valid = torch.cat([self.valid, fresh], dim=1)
-        logits = self._forward(ids, self.valid)
+        logits = self._forward(ids, self.valid, self.cache)
         self.pending = torch.where(updated[:, None], logits, self.pending)
         self.feeding[:] = False
+
+    def _columns(self, new: list[int]) -> None:
+        """Bring the cache up to date: the new rows' prompts and the feeding rows' last tokens in it, their logits in ``pending``."""
+        feeding = bool(self.feeding.any())
+        longest = max((len(self.rows[i].prompt) for i in new), default=0)  # type: ignore[union-attr]
+        filled = self.valid.shape[1] if self.cache is not None else 0
+        if self.splices:
+            if self.cache is None or filled + feeding > self.width or longest > filled + feeding:
+                self._prefill_all()
+                return
+            if feeding:
+                self._decode()
+            if new and not self._splice(new):
+                self._prefill_all()  # this model's cache takes no splice: the rows it just decoded are re-prefilled once
+            return
+        columns = max(longest, int(feeding))
+        if self.cache is None or filled + columns > self.width:
+            self._prefill_all()
+        elif columns:
+            self._advance(new)
 
     def step(self, admit: Callable[[Sample], bool] | None = None) -> list[Sample]:
         """Fill free slots, draw one token in every busy row, feed the rows that continue.
@@ -183,11 +273,7 @@ class SlotBatcher:
         busy = [i for i, r in enumerate(self.rows) if r is not None]
         if not busy:
             return []
-        columns = max([len(self.rows[i].prompt) for i in new] + [int(self.feeding.any())])  # type: ignore[union-attr]
-        if self.cache is None or self.valid.shape[1] + columns > self.width:
-            self._prefill_all()
-        elif columns:
-            self._advance(new)
+        self._columns(new)
         logp = sampling_logprobs(self.pending, sampling)  # [slots, V]
         uniform = torch.rand(logp.shape, generator=self.rng, device=logp.device).clamp_(min=1e-20)
         token = torch.argmax(logp - torch.log(-torch.log(uniform)), dim=-1)  # Gumbel-max, as in lock step
