@@ -10,19 +10,37 @@ time axis shared by every slot. State:
 - ``pending`` ``[slots, V]``: each busy row's logits for its next token (a ``feeding`` row's come
   with the next step's forward pass).
 - ``feeding`` ``[slots]``: rows whose last drawn token is not in the cache yet (``feed`` holds it).
+- ``staged``: prompt (token ids) -> its row of a small staging cache that holds it prefilled
+  (keys/values, real-token mask, next-token logits) by the weights of ``_part_version``.
 
-One ``step``: free slots take waiting samples (``admit`` may refuse the head of the queue); then
-one forward pass appends, as new columns, the new rows' prompts and the continuing rows' last
-tokens (a row's columns that are not its own are masked invalid there, and so are a new row's
-earlier columns, its previous occupant's, since the ``CausalLM`` interface derives positions from
-``valid``): one forward per decode step, as in lock step, refills included. When the columns
-would outgrow ``width``, the cache is compacted instead: every busy row is re-prefilled from its
-tokens (prompt and completion so far) into a fresh cache. Both work for the built-in and the
-Hugging Face models alike. Then every busy row draws one token exactly as the lock-step sampler
-does (``sampling_logprobs``, Gumbel-max with one ``[slots, V]`` uniform draw per step from
-``rng``) and records it, its log-prob and the weight version that drew it; the rows that continue
-are fed it at the next step. A row stops at a stop token, a stop string, or ``max_new_tokens``;
-``step`` returns the samples that finished.
+One ``step``: free slots take waiting samples (``admit`` may refuse the head of the queue). Then
+the cache is brought up to date, in one of three ways:
+
+- decode and splice (the rule): one forward pass appends one column holding the continuing rows'
+  last tokens (the other rows' entries masked invalid); then each new row is filled from its
+  staged prompt: ``CausalLM.splice_cache`` copies the prompt's keys/values into the new row's
+  last columns (its previous occupant's, masked invalid for it from then on) and its logits into
+  ``pending``. A prompt that is not staged is prefilled first, in one forward pass with the next
+  distinct waiting prompts (``prefill_rows`` in all, none wider than the cache): a refill costs a
+  copy, not a forward pass over every row, and a prompt's ``n`` samples share one prefill (as
+  serving engines share a prompt's KV blocks across parallel samples). Positions come from
+  ``valid`` (real tokens before each), so a spliced prompt keeps the positions it was prefilled
+  with. Staged prompts prefilled by older weights are dropped (prefilled again when needed), so
+  every token's logits come from the weights of the version it records.
+- compaction: when one more column would outgrow ``width`` (or a new prompt is wider than the
+  cache), every busy row is re-prefilled from its tokens (prompt and completion so far) into a
+  fresh cache. The cache then grows by one column per step, so this is rare.
+- merged (a model whose cache takes no splice, e.g. Hugging Face sliding-window layers: the first
+  refusal compacts once and switches to this for good): one forward pass appends, as new columns,
+  the new rows' prompts and the continuing rows' last tokens.
+
+All three work for the built-in and the Hugging Face models alike. Then every busy row draws one
+token exactly as the lock-step sampler does (``sampling_logprobs``, Gumbel-max with one
+``[slots, V]`` uniform draw per step from ``rng``) and records it, its log-prob and the weight
+version that drew it; the rows that continue are fed it at the next step. A row stops at a stop
+token, a stop string, or ``max_new_tokens``; ``step`` returns the samples that finished. The
+three ways compute the same logits up to float rounding (batch shapes differ), so they draw the same
+tokens but where rounding flips a draw.
 
 With ``slots`` equal to the rows of one batch and nothing waiting, the forward passes, random
 draws and tokens are those of ``Generator.generate`` (lock step): only refills differ.
@@ -85,10 +103,17 @@ class SlotBatcher:
         slots: rows decoded at once.
         rng: the random stream of the draws.
         width: cache columns before a compaction (default: twice the model's ``max_seq_len``).
+        prefill_rows: distinct prompts prefilled together when a refill finds its prompt not staged
+            (default: ``slots``).
 
     Attributes:
         steps, busy_steps: decode steps run and slot-steps that drew a token (utilisation = busy_steps / (steps * slots)).
         compactions: how often the cache was rebuilt.
+        prefills: forward passes that staged prompts.
+        splices: whether refills are spliced (False once the model refused a splice: merged refills).
+
+    Raises:
+        ValueError: for ``slots`` or ``prefill_rows`` below 1.
     """
 
     def __init__(
@@ -186,32 +211,36 @@ class SlotBatcher:
         self.prefills += 1
 
     def _splice(self, new: list[int]) -> bool:
-        """Fill the new rows from staged prompts, prefilling the ones not staged (see the module docstring).
+        """Fill the new rows from staged prompts, staging the ones that are not (see the module docstring).
 
         Returns:
             False when the model cannot splice this cache (then rows are filled another way from now on).
         """
         filled = self.valid.shape[1]
         if self._part is not None and (self._part_version != self.gen.version or self._part_valid.shape[1] > filled):
-            self.staged = {}  # prefilled by older weights, or too wide for this (compacted) cache
-        prompts = [tuple(self.rows[i].prompt) for i in new]  # type: ignore[union-attr]
-        later = [(i, p) for i, p in zip(new, prompts) if p not in self.staged]
-        now = [(i, p) for i, p in zip(new, prompts) if p in self.staged]
-        for batch in (now, later):
-            if batch is later and later:
-                self._stage([p for _, p in later], filled)
-            if not batch:
-                continue
-            device = self.gen.device
-            rows = torch.tensor([i for i, _ in batch], device=device)
-            source = torch.tensor([self.staged[p] for _, p in batch], device=device)
-            start = filled - self._part_valid.shape[1]
-            if not self.gen.model.splice_cache(self.cache, self._part, source, rows, start):
-                self.splices = False
-                return False
-            self.valid[rows] = False  # the previous occupants' columns
-            self.valid[rows, start:] = self._part_valid[source]
-            self.pending[rows] = self._part_logits[source]
+            self.staged = {}  # prefilled by older weights, or wider than this (compacted) cache
+        prompts = {i: tuple(self.rows[i].prompt) for i in new}  # type: ignore[union-attr]
+        ready = [i for i in new if prompts[i] in self.staged]
+        if ready and not self._place(ready, prompts):
+            return False
+        unstaged = [i for i in new if prompts[i] not in self.staged]
+        if unstaged:
+            self._stage([prompts[i] for i in unstaged], filled)
+            return self._place(unstaged, prompts)
+        return True
+
+    def _place(self, new: list[int], prompts: dict[int, tuple[int, ...]]) -> bool:
+        """Splice the staged prompts of rows ``new`` into their rows' last columns; False if the model refuses."""
+        device, filled = self.gen.device, self.valid.shape[1]
+        rows = torch.tensor(new, device=device)
+        source = torch.tensor([self.staged[prompts[i]] for i in new], device=device)
+        start = filled - self._part_valid.shape[1]
+        if not self.gen.model.splice_cache(self.cache, self._part, source, rows, start):
+            self.splices = False
+            return False
+        self.valid[rows] = False  # the previous occupants' columns
+        self.valid[rows, start:] = self._part_valid[source]
+        self.pending[rows] = self._part_logits[source]
         return True
 
     def _advance(self, new: list[int]) -> None:
