@@ -19,6 +19,10 @@ Tokens per second are given per wall second and per CPU second of this process (
 on a shared machine the second is the steadier figure.
 
 Prints one JSON object (``speedup_tokens_per_s`` = continuous / lock step, min and max over repeats).
+``step_costs`` (one extra untimed run of each mode, after the repeats) splits each mode's time by
+what a step does, in ms per run and per call: lock step's prefill and decode forward passes;
+continuous batching's decode forward passes, staging prefills, splices (KV copy and masks) and
+compactions (``flowrl.operators.slots``); ``rest`` is sampling, stop checks and bookkeeping.
 
     python benches/generation.py --longtail              # about a minute on a loaded 2-core machine
     python benches/generation.py --longtail --repeats 5 --model small
@@ -108,7 +112,59 @@ def continuous(gen: Generator, prompts: list[list[int]], slots: int) -> dict:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(lengths)
     return {"seconds": wall, "cpu_seconds": cpu, "tokens": tokens, "decode_steps": batcher.steps, "utilisation": batcher.busy_steps / (batcher.steps * slots),
-            "lengths": lengths, "compactions": batcher.compactions}
+            "lengths": lengths, "compactions": batcher.compactions, "prefills": batcher.prefills}
+
+
+class _Clock:
+    """Wall time and calls per label, from wrapped callables (``step_costs``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, label: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        return timed
+
+    def report(self, total: float) -> dict:
+        out = {k: {"ms": round(1e3 * v, 2), "calls": self.calls[k], "ms_per_call": round(1e3 * v / self.calls[k], 3)} for k, v in self.seconds.items()}
+        out["rest"] = {"ms": round(1e3 * (total - sum(self.seconds.values())), 2)}
+        out["total_ms"] = round(1e3 * total, 2)
+        return out
+
+
+def step_costs(gen: Generator, prompts: list[list[int]], slots: int) -> dict:
+    """One run of each mode with its step kinds timed (see the module docstring): ``{mode: {kind: ...}}``."""
+    model, out = gen.model, {}
+    clock = _Clock()
+    forward = model.forward
+    model.forward = lambda tokens, **kw: clock.wrap("prefill" if tokens.shape[1] > 1 else "decode", forward)(tokens, **kw)
+    try:
+        start = time.perf_counter()
+        lockstep(gen, prompts, slots)
+        out["lockstep"] = clock.report(time.perf_counter() - start)
+    finally:
+        del model.forward
+    clock = _Clock()
+    kinds = {"_decode": "decode", "_stage": "stage_prefill", "_place": "splice", "_prefill_all": "compaction"}
+    originals = {name: getattr(SlotBatcher, name) for name in kinds}
+    for name, label in kinds.items():
+        setattr(SlotBatcher, name, clock.wrap(label, originals[name]))
+    try:
+        start = time.perf_counter()
+        continuous(gen, prompts, slots)
+        out["continuous"] = clock.report(time.perf_counter() - start)
+    finally:
+        for name, fn in originals.items():
+            setattr(SlotBatcher, name, fn)
+    return out
 
 
 def _law(lengths: list[int]) -> dict:
@@ -147,6 +203,7 @@ def main() -> None:
                 runs[mode].append(fn(gen, prompts, args.slots))
                 print(f"[{r}] {mode:10s} {runs[mode][-1]['tokens'] / runs[mode][-1]['seconds']:8.0f} tok/s, "
                       f"utilisation {runs[mode][-1]['utilisation']:.2f}", file=sys.stderr, flush=True)
+        costs = step_costs(gen, prompts, args.slots)
 
     def summary(mode: str) -> dict:
         rs = runs[mode]
@@ -162,6 +219,7 @@ def main() -> None:
         }
         if "compactions" in rs[0]:
             out["compactions"] = rs[0]["compactions"]
+            out["staging_prefills"] = rs[0]["prefills"]
         return out
 
     lock, cont = summary("lockstep"), summary("continuous")
@@ -184,6 +242,7 @@ def main() -> None:
         "speedup_tokens_per_s": {"min": round(min(ratios), 2), "max": round(max(ratios), 2)},
         "speedup_tokens_per_cpu_s": {"min": round(min(cpu_ratios), 2), "max": round(max(cpu_ratios), 2)},
         "utilisation_ratio": round(cont["slot_utilisation"] / lock["slot_utilisation"], 2),
+        "step_costs": costs,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "machine": platform.machine(),
     }

@@ -8,6 +8,11 @@ built-in transformer's own names, or Hugging Face parameter names), with:
   prompts are left-padded); positions count real tokens before each token, pads are never attended.
   ``keep > 0`` returns the logits of the last ``keep`` positions only.
 - ``new_cache(batch, max_len)``: an empty KV cache that ``forward`` extends.
+- ``splice_cache(cache, part, source, rows, start) -> bool``: copy the keys/values of sequences
+  ``source`` of another cache ``part`` (``T`` tokens) into rows ``rows``, positions
+  ``[start, start + T)`` of ``cache`` (already filled; its length does not change), so that
+  continuous batching prefills only the prompts it refills rows with; False, changing nothing,
+  where the cache layout does not allow it.
 - ``vocab_size`` (rows of the embedding) and ``max_seq_len`` (longest prompt + completion).
 - ``enable_gradient_checkpointing()``: recompute block activations in the backward pass.
 
@@ -42,6 +47,8 @@ class CausalLM(Protocol):
     def __call__(self, tokens: Tensor, *, valid: Tensor, cache: Any = None, keep: int = 0) -> Tensor: ...
 
     def new_cache(self, batch: int, max_len: int) -> Any: ...
+
+    def splice_cache(self, cache: Any, part: Any, source: Tensor, rows: Tensor, start: int) -> bool: ...
 
     def enable_gradient_checkpointing(self) -> None: ...
 

@@ -148,6 +148,36 @@ class HFCausalLM(nn.Module):
 
         return DynamicCache(config=self.hf.config)
 
+    @torch.no_grad()
+    def splice_cache(self, cache: Any, part: Any, source: Tensor, rows: Tensor, start: int) -> bool:
+        """Copy sequences ``source`` of ``part`` into rows ``rows``, positions ``[start, start + T)`` of ``cache``
+        (both ``DynamicCache``s; ``T`` tokens in ``part``), as ``flowrl.operators.model.Transformer.splice_cache`` does.
+
+        Returns:
+            False, changing nothing, unless every layer of both caches is a full-attention
+            ``DynamicLayer`` holding ``[B, heads, length, head_dim]`` tensors (a sliding-window
+            layer drops old positions, so its slots are not addressable): the caller then fills
+            the rows another way.
+
+        Raises:
+            ConfigError: when the positions are not all filled or ``source`` and ``rows`` differ in length.
+        """
+        from transformers.cache_utils import DynamicLayer
+
+        pairs = list(zip(cache.layers, part.layers, strict=True))
+        if not all(type(a) is DynamicLayer and type(b) is DynamicLayer and a.is_initialized and b.is_initialized for a, b in pairs):
+            return False
+        T, filled = part.get_seq_length(), cache.get_seq_length()
+        if start < 0 or start + T > filled or source.shape != rows.shape:
+            raise ConfigError(
+                f"splice of sequences {source.tolist()} x {T} tokens into rows {rows.tolist()}, positions "
+                f"[{start}, {start + T}) does not fit a cache with {filled} filled positions"
+            )
+        for a, b in pairs:
+            a.keys[rows, :, start : start + T] = b.keys[source]
+            a.values[rows, :, start : start + T] = b.values[source]
+        return True
+
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each decoder layer's activations in the backward pass (transformers' own mechanism)."""
         enable = getattr(self.hf, "activation_checkpointing_enable", None)  # transformers >= 5.x; the old name warns

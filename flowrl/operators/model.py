@@ -13,6 +13,8 @@ finite (their outputs are never used).
 KV cache: ``KVCache`` holds, per layer, keys and values ``[B, n_kv_heads, max_len, head_dim]`` and
 ``length``, the number of slots filled. ``forward(..., cache=c)`` writes the new keys/values at slots
 ``[c.length, c.length + T)``, attends over slots ``[0, c.length + T)`` and advances ``c.length``.
+``splice_cache`` copies another cache's keys/values into some rows of filled slots (continuous
+batching's refills, ``flowrl.operators.slots``).
 
 Initialisation is seeded by ``ModelConfig.seed`` through a private ``torch.Generator``: two models
 built from the same config have identical weights, whatever the global RNG state.
@@ -270,6 +272,38 @@ class Transformer(nn.Module):
         """An empty KV cache for ``batch`` sequences of up to ``max_len`` tokens, in the model's dtype."""
         weight = self.tok_embeddings.weight
         return KVCache(self.config, batch, max_len, dtype=weight.dtype, device=weight.device)
+
+    @torch.no_grad()
+    def splice_cache(self, cache: KVCache, part: KVCache, source: Tensor, rows: Tensor, start: int) -> bool:
+        """Copy every layer's keys and values of sequences ``source`` of ``part`` into rows ``rows``, slots ``[start, start + part.length)`` of ``cache``.
+
+        The slots must be filled already (``cache.length`` does not change); what they held for those
+        rows is overwritten, the other rows are untouched. Keys carry their rotary positions, so the
+        caller's ``valid`` must give the spliced tokens the positions they had in ``part``.
+
+        Args:
+            cache: the cache written into.
+            part: the cache read from (same model).
+            source: ``[N]`` int64 sequence indices of ``part``.
+            rows: ``[N]`` int64 row indices of ``cache`` (``source[i]`` goes to ``rows[i]``).
+            start: first slot written.
+
+        Returns:
+            True (this cache layout always takes a splice; see ``flowrl.models.CausalLM``).
+
+        Raises:
+            ConfigError: when the slots are not all filled or ``source`` and ``rows`` differ in length.
+        """
+        T = part.length
+        if start < 0 or start + T > cache.length or source.shape != rows.shape:
+            raise ConfigError(
+                f"splice of sequences {source.tolist()} x {T} tokens into rows {rows.tolist()}, slots [{start}, {start + T}) "
+                f"does not fit a cache with {cache.length} filled slots"
+            )
+        for layer in range(len(cache.k)):
+            cache.k[layer][rows, :, start : start + T] = part.k[layer][source, :, :T]
+            cache.v[layer][rows, :, start : start + T] = part.v[layer][source, :, :T]
+        return True
 
 
 def count_parameters(model: nn.Module) -> int:

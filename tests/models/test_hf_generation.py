@@ -76,3 +76,29 @@ def test_a_bf16_generator_samples_from_the_same_initial_weights_rounded(hf_llama
     assert torch.equal(w, ref.model.embed_tokens.weight.to(torch.bfloat16))
     out = gen.generate(left_padded(PROMPTS))
     assert torch.isfinite(out["behaviour_logprobs"]).all()
+
+
+@pytest.mark.parametrize("splices", [True, False], ids=["spliced", "in-decode-forward"])
+def test_continuous_batching_refills_record_the_hf_forwards_mu(hf_dir, splices):
+    """Slots refilled by splicing prefilled prompts into the HF cache (and, for a cache that takes no
+    splice, in the decode forward): every token's mu is the HF model's own log-prob."""
+    from flowrl.operators.slots import Sample, SlotBatcher
+    from flowrl.operators.source import pad_left
+
+    gen = Generator(hf_generator_node(hf_dir, n_samples=2, max_new_tokens=6, stop_tokens=(10**6,)), seed=0)
+    batcher = SlotBatcher(gen, slots=2, rng=torch.Generator().manual_seed(0), prefill_rows=2)
+    batcher.splices = splices
+    for i, prompt in enumerate([*PROMPTS, [1, 30, 31]]):
+        for j in range(2):
+            batcher.add(Sample(key=(i, j), prompt=prompt))
+    done: list[Sample] = []
+    while batcher.busy or batcher.waiting:
+        done += batcher.step()
+    assert len(done) == 8 and batcher.splices == splices
+    assert batcher.prefills == (2 if splices else 0)  # prompts 1+2, then 3 (prompt 0's samples fill the first slots)
+    ids, lens = pad_left([s.prompt for s in done], 0)
+    rollout = {"sample_prompt_ids": ids, "sample_prompt_lens": lens, "completion_ids": torch.tensor([s.tokens for s in done]),
+               "completion_mask": torch.ones(8, 6, dtype=torch.bool)}
+    with torch.no_grad():
+        alone = reference_logprobs(hf_reference_model(hf_dir), rollout)
+    torch.testing.assert_close(torch.tensor([s.logprobs for s in done]), alone, rtol=0, atol=2e-5)

@@ -106,3 +106,35 @@ def test_positions_beyond_max_seq_len_are_refused():
 def test_presets_are_for_dry_runs_only():
     with pytest.raises(ConfigError, match="preset='llama3-8b'"):
         Transformer(ModelConfig(preset="llama3-8b"))
+
+
+def test_a_spliced_prompt_continues_as_if_prefilled_in_its_row():
+    """Row 1 of a batch gets another sequence's prompt by splicing its keys/values over its last slots:
+    the next token's logits equal those of that prompt decoded alone."""
+    model = Transformer(TINY).eval()
+    prompt, other = torch.tensor([[1, 4, 5]]), torch.tensor([[1, 6, 7, 8, 9], [1, 9, 8, 7, 6]])
+    with torch.no_grad():
+        cache = model.new_cache(2, 8)
+        model(other, valid=torch.ones(2, 5, dtype=torch.bool), cache=cache)
+        part = model.new_cache(1, 3)
+        model(prompt, valid=torch.ones(1, 3, dtype=torch.bool), cache=part)
+        assert model.splice_cache(cache, part, torch.tensor([0]), torch.tensor([1]), 2)
+        valid = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+        spliced = model(torch.tensor([[3], [3]]), valid=valid, cache=cache)[1, -1]
+        alone = model(torch.tensor([[1, 4, 5, 3]]))[0, -1]
+    torch.testing.assert_close(spliced, alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "source, rows, start",
+    [([0], [1], 3), ([0], [1], -1), ([0, 0], [1], 0)],
+    ids=["past-the-filled-slots", "negative-start", "rows-and-source-differ"],
+)
+def test_a_splice_that_does_not_fit_is_refused(source, rows, start):
+    model = Transformer(TINY).eval()
+    with torch.no_grad():
+        cache, part = model.new_cache(2, 8), model.new_cache(1, 3)
+        model(torch.ones(2, 5, dtype=torch.long), cache=cache)
+        model(torch.ones(1, 3, dtype=torch.long), cache=part)
+    with pytest.raises(ConfigError, match="does not fit a cache with 5 filled slots"):
+        model.splice_cache(cache, part, torch.tensor(source), torch.tensor(rows), start)
