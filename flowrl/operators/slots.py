@@ -235,7 +235,8 @@ class SlotBatcher:
         rows = torch.tensor(new, device=device)
         source = torch.tensor([self.staged[prompts[i]] for i in new], device=device)
         start = filled - self._part_valid.shape[1]
-        if not self.gen.model.splice_cache(self.cache, self._part, source, rows, start):
+        splice = getattr(self.gen.model, "splice_cache", None)  # an adapter without it takes the merged refill
+        if splice is None or not splice(self.cache, self._part, source, rows, start):
             self.splices = False
             return False
         self.valid[rows] = False  # the previous occupants' columns
