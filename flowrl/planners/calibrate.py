@@ -49,6 +49,13 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         memory_bytes: the machine's RAM.
         matmul_size: the n of the n x n matmul.
         copy_bytes: the size of the copied buffer.
+        flops_by_width: ``(w, FLOP/s)`` of a ``[256 x w] @ [w x w]`` float32 matmul on one thread,
+            every core busy, for ``w`` in ``WIDTHS`` (``DeviceSpec.flops_by_width``).
+        thread_speedup: time of a transformer-block-shaped chain on ``[256 x 64]`` tensors with one
+            intra-op thread over its time with ``cores`` threads, this process alone
+            (``DeviceSpec.thread_speedup``).
+        decode_step_overhead_s: seconds of one decode step of the built-in generator outside its
+            transformer blocks, at one row (``DeviceSpec.decode_step_overhead_s``; ``_decode_overhead``).
     """
 
     matmul_flops: float
@@ -58,6 +65,9 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     memory_bytes: int
     matmul_size: int = 256
     copy_bytes: int = 32 * 2**20
+    flops_by_width: tuple[tuple[int, float], ...] = ()
+    thread_speedup: float = 0.0
+    decode_step_overhead_s: float = 0.0
 
 
 def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, statistic: str) -> float:
@@ -86,25 +96,54 @@ def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, stati
 
 #: Operators in ``_tiny_block``.
 BLOCK_OPS = 16
+#: Matmul widths ``flops_by_width`` measures (the built-in examples are 32-128 wide).
+WIDTHS = (32, 64, 128, 256, 512)
 
 
-def _tiny_block() -> Callable[[], object]:
-    """16 operators shaped like one transformer block's forward, on tensors too small to do work."""
+def _tiny_block(rows: int = 4, width: int = 8) -> Callable[[], object]:
+    """16 operators shaped like one transformer block's forward on ``[rows x width]`` tensors (the
+    default: too small to do work)."""
     import torch as t
     import torch.nn.functional as F
 
-    x, w = t.randn(4, 8), t.randn(8, 8)
+    x, w = t.randn(rows, width), t.randn(width, width)
 
     def block() -> object:
-        h = F.rms_norm(x, (8,))  # 1
+        h = F.rms_norm(x, (width,))  # 1
         q, k, v = F.linear(h, w), F.linear(h, w), F.linear(h, w)  # 4
         a = t.softmax(q @ k.T, dim=-1)  # 6
         y = x + F.linear(a @ v, w)  # 9
-        h2 = F.rms_norm(y, (8,))  # 10
+        h2 = F.rms_norm(y, (width,))  # 10
         g = F.silu(F.linear(h2, w)) * F.linear(h2, w)  # 14
         return y + F.linear(g, w)  # 16
 
     return block
+
+
+def _decode_overhead(repeats: int) -> float:
+    """Seconds of one decode step of the built-in generator outside its blocks, at one row: with
+    ``g(L, C)`` the median time to generate ``C`` tokens with ``L`` layers, a decode step costs
+    ``d(L) = (g(L, 5) - g(L, 1)) / 4`` and its non-block part is ``2 d(1) - d(2)``."""
+    import torch
+
+    from flowrl.graph.configs import ModelConfig, SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+    from flowrl.operators.generation import Generator
+
+    prompt = {"prompt_ids": torch.tensor([[1, 4, 14, 3, 5]]), "prompt_lens": torch.tensor([5]), "prompt_index": torch.tensor([0])}
+
+    def step_s(layers: int) -> float:
+        model = ModelConfig(vocab_size=16, dim=64, n_layers=layers, n_heads=4, n_kv_heads=4, max_seq_len=32)
+        gens = {}
+        for tokens in (1, 5):  # stop_tokens=() : every row runs to max_new_tokens
+            node = GeneratorNode(name="gen", model=model, sampling=SamplingConfig(n_samples=1, max_new_tokens=tokens, stop_tokens=(99,)))
+            gens[tokens] = Generator(node, seed=0)
+            gens[tokens].generate(prompt)
+        g1 = _timed([lambda: gens[1].generate(prompt)], inner=20, repeats=repeats, statistic="median")
+        g5 = _timed([lambda: gens[5].generate(prompt)], inner=20, repeats=repeats, statistic="median")
+        return (g5 - g1) / 4
+
+    return max(0.0, 2 * step_s(1) - step_s(2))
 
 
 def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, statistic: str = "median") -> Measurements:
@@ -147,6 +186,26 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         for block in blocks:
             block()
         t_op = _timed(blocks, inner=200, repeats=repeats, statistic=statistic) / BLOCK_OPS
+
+        by_width = []
+        for width in WIDTHS:
+            def width_call(width: int = width) -> Callable[[], object]:
+                a, b, out = torch.randn(256, width), torch.randn(width, width), torch.empty(256, width)
+                torch.matmul(a, b, out=out)
+                return lambda: torch.matmul(a, b, out=out)
+
+            t_w = _timed([width_call() for _ in range(cores)], inner=max(1, int(5e7 // (2 * 256 * width**2))), repeats=repeats, statistic=statistic)
+            by_width.append((width, 2 * 256 * width**2 / t_w))
+
+        block = _tiny_block(256, 64)
+        block()
+        t_one = _timed([block], inner=50, repeats=repeats, statistic=statistic)
+        torch.set_num_threads(cores)
+        for _ in range(20):  # start the intra-op thread pool
+            block()
+        t_all = _timed([block], inner=50, repeats=repeats, statistic=statistic)
+        torch.set_num_threads(1)
+        decode_s = _decode_overhead(repeats)
     finally:
         torch.set_num_threads(threads)
     return Measurements(
@@ -157,6 +216,9 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         memory_bytes=host_memory_bytes(),
         matmul_size=n,
         copy_bytes=numel * 4,
+        flops_by_width=tuple(by_width),
+        thread_speedup=t_one / t_all,
+        decode_step_overhead_s=decode_s,
     )
 
 
@@ -170,5 +232,8 @@ def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterS
         memory_bandwidth=m.copy_bandwidth,
         kernel_overhead_s=m.op_overhead_s,
         name="cpu",
+        flops_by_width=m.flops_by_width,
+        thread_speedup=m.thread_speedup,
+        decode_step_overhead_s=m.decode_step_overhead_s,
     )
     return ClusterSpec(name="cpu-calibrated", hosts=1, devices_per_host=n, device=device)

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -87,6 +88,21 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             never offloads to the host.
         compute_dtype: the dtype ``peak_flops`` refers to, and the trainer's parameter dtype.
         default_devices_per_host: devices per host assumed by the ``NxDEVICE`` form.
+        flops_by_width: ``(width, FLOP/s)`` pairs, widths ascending: what a ``[256 x w] @ [w x w]``
+            matmul reaches on one device (measured by ``flowrl calibrate``; small matmuls on a CPU
+            core run several times below ``peak_flops``). A model of width ``h`` computes at the
+            rate interpolated at ``h`` (``flops_at``); empty (GPU presets): ``peak_flops``.
+        thread_speedup: how much faster one process runs a transformer block's work with every core
+            of the host as intra-op threads than with one (measured by ``flowrl calibrate``). When
+            > 0, a mesh of ``n`` such devices is one replica sped up ``1 + (thread_speedup - 1) *
+            (n - 1) / (devices_per_host - 1)`` times (the runtime runs a CPU mesh as one process
+            with ``n`` threads), not ``n`` data-parallel replicas; 0 (GPU presets): ``n`` replicas.
+        decode_step_overhead_s: fixed seconds of one decode step outside the transformer blocks
+            (embedding, output head, sampling: softmax, random draws, Gumbel argmax, stop checks,
+            the Python loop), measured by ``flowrl calibrate`` on the built-in generator; 0: not modelled.
+        train_step_overhead_s: fixed seconds of one optimizer step besides the blocks' passes (loss,
+            backward bookkeeping, optimizer over every parameter tensor), measured by ``flowrl
+            calibrate`` on the built-in trainer; 0: ``optimizer`` term only.
     """
 
     name: str
@@ -103,18 +119,62 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
     host_bandwidth: float = 0.0
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     default_devices_per_host: int = 8
+    flops_by_width: tuple[tuple[int, float], ...] = ()
+    thread_speedup: float = 0.0
+    decode_step_overhead_s: float = 0.0
+    train_step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "peak_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
             value = getattr(self, field)
             if not (value > 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number > 0")
-        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth"):
+        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth",
+                      "thread_speedup", "decode_step_overhead_s", "train_step_overhead_s"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number >= 0")
         if self.default_devices_per_host < 1:
             raise PlanError(f"DeviceSpec {self.name!r}: default_devices_per_host={self.default_devices_per_host} must be >= 1")
+        widths = [w for w, _ in self.flops_by_width]
+        if widths != sorted(set(widths)) or any(w < 1 or not 0 < f < float("inf") for w, f in self.flops_by_width):
+            raise PlanError(
+                f"DeviceSpec {self.name!r}: flops_by_width={self.flops_by_width} must be (width >= 1, FLOP/s > 0) pairs, "
+                "widths strictly ascending"
+            )
+
+    def flops_at(self, width: int) -> float:
+        """FLOP/s of a model of residual width ``width``: ``flops_by_width`` interpolated linearly in
+        log(width), clamped to its ends and to ``peak_flops``; ``peak_flops`` when it is empty.
+
+        Example:
+            >>> d = cpu_device(cores=2, memory_bytes=2**30, peak_flops=100e9, flops_by_width=((32, 10e9), (128, 40e9)))
+            >>> d.flops_at(64) / 1e9, d.flops_at(16) / 1e9, d.flops_at(4096) / 1e9
+            (25.0, 10.0, 40.0)
+        """
+        table = self.flops_by_width
+        if not table:
+            return self.peak_flops
+        if width <= table[0][0]:
+            rate = table[0][1]
+        elif width >= table[-1][0]:
+            rate = table[-1][1]
+        else:
+            (w0, f0), (w1, f1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= width <= b[0])
+            rate = f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
+        return min(rate, self.peak_flops)
+
+    def mesh_speedup(self, n: int) -> float:
+        """How much faster ``n`` of these devices run one mesh's work than one device; ``n`` unless
+        ``thread_speedup`` is set (see its attribute).
+
+        Example:
+            >>> round(cpu_device(cores=4, memory_bytes=2**30, thread_speedup=1.6).mesh_speedup(3), 6)
+            1.4
+        """
+        if self.thread_speedup <= 0 or n <= 1:
+            return float(n)
+        return 1 + (self.thread_speedup - 1) * (n - 1) / max(1, self.default_devices_per_host - 1)
 
     @property
     def dtype_bytes(self) -> int:
@@ -221,6 +281,10 @@ def cpu_device(
     memory_bandwidth: float = 8e9,
     kernel_overhead_s: float = 10e-6,
     name: str = "cpu",
+    flops_by_width: tuple[tuple[int, float], ...] = (),
+    thread_speedup: float = 0.0,
+    decode_step_overhead_s: float = 0.0,
+    train_step_overhead_s: float = 0.0,
 ) -> DeviceSpec:
     """One core of this machine as a device.
 
@@ -246,6 +310,10 @@ def cpu_device(
         kernel_overhead_s=kernel_overhead_s,
         compute_dtype="float32",
         default_devices_per_host=n,
+        flops_by_width=flops_by_width,
+        thread_speedup=thread_speedup,
+        decode_step_overhead_s=decode_step_overhead_s,
+        train_step_overhead_s=train_step_overhead_s,
     )
 
 

@@ -65,13 +65,13 @@ def generator_dtype(node_precision: str, ctx: Context) -> str:
     return ctx.tuning.gen_precision or node_precision
 
 
-def _peak(dtype: str, ctx: Context) -> float:
+def _peak(dtype: str, ctx: Context, width: int) -> float:
     dev = ctx.cluster.device
     if dtype == "float8" and dev.peak_flops_8bit > 0:
         return dev.peak_flops_8bit
     if dtype == "float32" and dev.kind == "gpu":
         return dev.peak_flops / 2  # TF32 tensor cores run at half the bf16 rate
-    return dev.peak_flops
+    return dev.flops_at(width)
 
 
 def estimate_generate(
@@ -110,7 +110,9 @@ def estimate_generate(
     ab = 2 if dev.kind == "gpu" else dev.dtype_bytes
     h, L, V = model.dim, model.n_layers, model.vocab_size
     layers = stage_layers(L, pp)  # the largest stage: its memory must fit (stages may be uneven)
-    per_replica = math.ceil(w.sequences / dp)
+    replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
+    speedup = dev.mesh_speedup(dp) / replicas
+    per_replica = math.ceil(w.sequences / replicas)
     weights = int(model.params * wb * layers / (L * tp))
     kv_token = 2 * layers * math.ceil(model.n_kv_heads / tp) * model.head_dim * kvb
     kv_seq = w.seq_len * kv_token
@@ -137,7 +139,7 @@ def estimate_generate(
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
-    peak = _peak(precision, ctx)
+    peak = _peak(precision, ctx, h)
     mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
     launch_layer = t.ops_per_layer * dev.kernel_overhead_s
 
@@ -156,15 +158,19 @@ def estimate_generate(
     stage = max(t_read, t_compute)
     tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
+    token += dev.decode_step_overhead_s
+    prefill /= speedup
+    token /= speedup
     decode = steps * token
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
     breakdown = {
         "prefill": waves * prefill,
-        "decode_memory" if t_read >= t_compute else "decode_compute": steps * pp * stage,
-        "tp_comm": steps * pp * tp_tok + waves * prefill_comm,
-        "launch": steps * L * launch_layer + waves * L * launch_layer,
-        "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0),
+        "decode_memory" if t_read >= t_compute else "decode_compute": steps * pp * stage / speedup,
+        "tp_comm": steps * pp * tp_tok / speedup + waves * prefill_comm / speedup,
+        "launch": steps * L * launch_layer / speedup + waves * L * launch_layer / speedup,
+        "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0) / speedup,
+        "step_overhead": steps * dev.decode_step_overhead_s / speedup,
     }
     mode = "continuous" if continuous else "lock-step"
     notes = (f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")

@@ -141,13 +141,16 @@ def train_options(
     frac = layers / L
     s = w.seq_len
     s_bar = w.mean_seq_len
-    per_rank = math.ceil(w.sequences / dp)
+    replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
+    speedup = dev.mesh_speedup(dp) / replicas
+    per_rank = math.ceil(w.sequences / replicas)
+    peak = dev.flops_at(h)
     f_tok = model.forward_flops_per_token(s_bar / 2)
     p_dev = model.params * frac / tp
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
-    dp_link = axis_link(c, t, devices, dims, "dp") if dp > 1 else None
+    dp_link = axis_link(c, t, devices, dims, "dp") if replicas > 1 else None
 
     zero = 0 if forward_only else zero_stage(t)
     weights = int(p_dev * pb / (dp if zero >= 3 else 1))
@@ -166,7 +169,7 @@ def train_options(
             grad_sync = 0.0
         tensors = 9 * L + 3
         optimizer_s = p_dev * (pb + gb + 2 * ob / shard) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
-        optimizer_s += tensors * 10 * dev.kernel_overhead_s
+        optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
             optimizer_s += all_gather_s(p_dev * pb, dp, dp_link)
     resident = weights + grads + optim
@@ -184,7 +187,7 @@ def train_options(
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int(tok * V * (4 if forward_only else 8) / tp)
         passes = 1 if forward_only else 3 + int(ckpt) + int(recompute_logprobs)
-        compute = passes * tok_bar * f_tok * frac / (tp * dev.peak_flops * t.mfu_train)
+        compute = passes * tok_bar * f_tok * frac / (tp * peak * t.mfu_train)
         tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
         launches = passes * layers * t.ops_per_layer * dev.kernel_overhead_s
         p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
@@ -205,7 +208,8 @@ def train_options(
             "dp_comm": grad_sync + m * (2 + int(ckpt)) * fsdp_gather,
             "optimizer": optimizer_s,
         }
-        return (m + pp - 1) * t_mb + grad_sync + optimizer_s, breakdown, memory
+        breakdown = {name: part / speedup for name, part in breakdown.items()}
+        return ((m + pp - 1) * t_mb + grad_sync + optimizer_s) / speedup, breakdown, memory
 
     # the hot loop: the same formulas as ``parts``, without building structs
     options: list[TrainOption] = []
@@ -219,7 +223,7 @@ def train_options(
         p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
             passes = 1 if forward_only else 3 + ckpt + recompute_logprobs
-            t_mb = passes * (tok_bar * f_tok * frac / (tp * dev.peak_flops * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
+            t_mb = passes * (tok_bar * f_tok * frac / (tp * peak * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
             t_mb += (2 + ckpt) * fsdp_gather
             if forward_only:
                 acts = int(per_layer)
@@ -227,7 +231,7 @@ def train_options(
                 acts = int(min(pp, m) * layers * tok * h * ab / tp + per_layer)
             else:
                 acts = int(min(pp, m) * layers * per_layer)
-            options.append(TrainOption((m + pp - 1) * t_mb + grad_sync + optimizer_s, resident + acts + workspace, mb, ckpt))
+            options.append(TrainOption(((m + pp - 1) * t_mb + grad_sync + optimizer_s) / speedup, resident + acts + workspace, mb, ckpt))
     options.sort()
 
     def detail(option: TrainOption) -> NodeEstimate:
