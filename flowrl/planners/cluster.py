@@ -164,17 +164,17 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             rate = f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
         return min(rate, self.peak_flops)
 
-    def mesh_speedup(self, n: int) -> float:
-        """How much faster ``n`` of these devices run one mesh's work than one device; ``n`` unless
-        ``thread_speedup`` is set (see its attribute).
+    def mesh_speedup(self, n: int, per_host: int) -> float:
+        """How much faster ``n`` of these devices, on hosts of ``per_host``, run one mesh's work than
+        one device; ``n`` unless ``thread_speedup`` is set (see its attribute).
 
         Example:
-            >>> round(cpu_device(cores=4, memory_bytes=2**30, thread_speedup=1.6).mesh_speedup(3), 6)
+            >>> round(cpu_device(cores=4, memory_bytes=2**30, thread_speedup=1.6).mesh_speedup(3, 4), 6)
             1.4
         """
         if self.thread_speedup <= 0 or n <= 1:
             return float(n)
-        return 1 + (self.thread_speedup - 1) * (n - 1) / max(1, self.default_devices_per_host - 1)
+        return 1 + (self.thread_speedup - 1) * (n - 1) / max(1, per_host - 1)
 
     @property
     def dtype_bytes(self) -> int:

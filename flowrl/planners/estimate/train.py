@@ -142,7 +142,7 @@ def train_options(
     s = w.seq_len
     s_bar = w.mean_seq_len
     replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
-    speedup = dev.mesh_speedup(dp) / replicas
+    speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
     per_rank = math.ceil(w.sequences / replicas)
     peak = dev.flops_at(h)
     f_tok = model.forward_flops_per_token(s_bar / 2)
@@ -168,7 +168,7 @@ def train_options(
         else:
             grad_sync = 0.0
         tensors = 9 * L + 3
-        optimizer_s = p_dev * (pb + gb + 2 * ob / shard) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+        optimizer_s = p_dev * (pb + gb + 2 * ob / (shard if replicas > 1 else 1)) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
             optimizer_s += all_gather_s(p_dev * pb, dp, dp_link)
