@@ -1,12 +1,15 @@
 """Collective weight transport vs raw gloo send/recv of the same bytes between the same ranks, in the same run.
 
-Four CPU ranks in one gloo group, ranks 0, 1 the trainer's, ranks 2, 3 the generator's, two layouts:
+Four CPU ranks in one gloo group, ranks 0, 1 the trainer's, ranks 2, 3 the generator's, three layouts:
 
 - ``fsdp->tp2``: the trainer holds its weights with FSDP (dim 0 split), the generator with tp2
   (matrices split on dim 1, vectors on dim 0), so every generator rank needs a quarter of every
   matrix from each trainer rank. The weights are a model-like state of 1024 x 1024 float32 matrices
   (4 MiB each) with a 1024-vector each. Each block's slice of the trainer's shard is strided (one
   pack), of the generator's shard contiguous (received in place).
+- ``fsdp->tp2-dim0``: the same state, the generator's matrices split on dim 0 (column-parallel
+  weights, as q/k/v and the MLP's up projections are): each trainer rank's shard is exactly the
+  slice one generator rank needs, contiguous on both sides, so nothing is staged (the direct path).
 - ``tp->other-tp``: 4 x 512 x 512 float32 tensors (4 MiB each) split on dim 1 by the trainer and
   on dim 2 by the generator: nothing is contiguous on either side (one pack, one unpack per byte).
 
@@ -26,7 +29,7 @@ says, the seconds spent packing/unpacking, and the CPU seconds of all four ranks
 sync is checked (every generator shard holds the published version). On a machine with a CUDA
 device it also times the CUDA-IPC transport (see ``--ipc-sizes``) against a device-to-device copy.
 
-    python benches/collective.py [--sizes 100MB 1GB] [--layouts fsdp->tp2 tp->other-tp] [--repeats 5]
+    python benches/collective.py [--sizes 100MB 1GB] [--layouts fsdp->tp2 fsdp->tp2-dim0 tp->other-tp] [--repeats 5]
 
 Sizes are MiB/GiB (powers of 1024). The 1 GB case needs about 6 GB of memory across the 4 ranks.
 """
@@ -66,7 +69,7 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-LAYOUTS = ("fsdp->tp2", "tp->other-tp")
+LAYOUTS = ("fsdp->tp2", "fsdp->tp2-dim0", "tp->other-tp")
 
 
 def model(size: int, layout: str = "fsdp->tp2") -> tuple[dict, dict, dict]:
@@ -82,7 +85,7 @@ def model(size: int, layout: str = "fsdp->tp2") -> tuple[dict, dict, dict]:
         params[f"layer{i:03d}.weight"] = {"shape": [DIM, DIM], "dtype": "float32"}
         params[f"layer{i:03d}.norm"] = {"shape": [DIM], "dtype": "float32"}
         trainer[f"layer{i:03d}.weight"] = trainer[f"layer{i:03d}.norm"] = fsdp(TRAINER)
-        generator[f"layer{i:03d}.weight"] = tp_row(GENERATOR)
+        generator[f"layer{i:03d}.weight"] = tp_column(GENERATOR) if layout == "fsdp->tp2-dim0" else tp_row(GENERATOR)
         generator[f"layer{i:03d}.norm"] = tp_column(GENERATOR)
     return params, trainer, generator
 

@@ -1,4 +1,4 @@
-"""The quantized generator: tokens per second of int8 (and float8) against float32, and what it does to learning.
+"""The quantized generator: tokens per second of int8, int8-bf16 (and float8) against float32, and what it does to learning.
 
 Three parts, one JSON object:
 
@@ -169,7 +169,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    precisions = ["float32", "int8"] + (["float8"] if args.float8 else [])
+    precisions = ["float32", "int8", "int8-bf16"] + (["float8"] if args.float8 else [])
     result: dict = {"bench": "quantized", "threads": args.threads, "torch": torch.__version__, "load_1min_start": round(os.getloadavg()[0], 2)}
     if "kernels" in args.parts:
         result["kernels"] = kernels(args.rows, 50)

@@ -34,7 +34,7 @@ __all__ = [
 
 Precision = Literal["float32", "bfloat16", "float16"]
 #: A generator's precision: a float dtype, or weight-only quantized linear layers (``flowrl.models.quantize``).
-GeneratorPrecision = Literal["float32", "bfloat16", "float16", "int8", "float8"]
+GeneratorPrecision = Literal["float32", "bfloat16", "float16", "int8", "int8-bf16", "float8"]
 
 _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 
@@ -179,7 +179,8 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
         precision: dtype of the generator's weights (LlamaRL samples with lower-precision weights):
             ``float32``, ``bfloat16``, ``float16``, or ``int8`` / ``float8`` (weight-only, per output
             channel, float32 activations; re-quantized after every weight fetch; see
-            ``flowrl.models.quantize``).
+            ``flowrl.models.quantize``), or ``int8-bf16`` (the same int8 weights with bfloat16
+            activations in the quantized layers: aten's fast int8 kernel on a CPU).
         use_kv_cache: decode with the KV cache (off only to measure what the cache saves).
         batching: ``"lockstep"`` (the default) samples each batch's rows together until the
             longest stops; ``"continuous"`` keeps ``slots`` sequences decoding and gives a freed

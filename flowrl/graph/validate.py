@@ -184,7 +184,7 @@ def _check_weight_edges(g: Graph) -> Iterable[str]:
         if count > 1:
             yield f"node {dst!r} receives weights over {count} weight edges; keep one"
     for gen in g.nodes_of_kind("generator"):
-        feeds = [g.node(e.src) for e in g.edges if e.dst == gen.name]
+        feeds = [g.node(e.src) for e in g.edges if e.dst == gen.name and e.src in g]  # a missing node is reported by the edge rules
         if gen.sampling.batching == "continuous" and (  # type: ignore[attr-defined]
             len(feeds) != 1 or feeds[0].kind != "source" or any(e.dst != gen.name for e in g.edges if e.src == feeds[0].name)
         ):

@@ -20,8 +20,13 @@ The layer computes ``linear(x, Q.to(x.dtype)) * scale`` (+ bias): the scale fact
 matmul because it is per output channel. Measured on this CPU (torch 2.13, 2 cores; see
 ``benches/quantized.py``): ``torch._weight_int8pack_mm`` (the aten weight-only int8 kernel) is 30-100x
 slower than a float32 matmul with float32 activations, and fast only with bfloat16 ones (a
-different precision for mu, not offered here); ``torch._int_mm`` and ``torch._scaled_mm`` quantize the activations as
-well (W8A8), which is not weight-only. So the portable form above is used on every device.
+different precision for mu); ``torch._int_mm`` and ``torch._scaled_mm`` quantize the activations as
+well (W8A8), which is not weight-only. So ``"int8"`` uses the portable form above on every device,
+and ``"int8-bf16"`` is the fast CPU variant: the same int8 weights, with each quantized layer's input
+rounded to bfloat16 and ``torch._weight_int8pack_mm`` doing the matmul (the portable form in
+bfloat16 on other devices). Everything outside those layers stays float32, and mu is what this model
+computed, so AIPO corrects the extra rounding like any other mismatch; ``benches/quantized.py``
+measures both.
 
 float8: ``torch.float8_e4m3fn`` is a storage dtype on every device torch supports it on (CPU
 included), and the weight-only layer only casts it up, so float8 needs no fp8 matmul unit: on a
@@ -65,10 +70,10 @@ __all__ = [
 ]
 
 #: The weight-only precisions a generator may sample in, beside the float ones.
-QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "float8")
+QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "int8-bf16", "float8")
 
 #: Largest magnitude a quantized value may take.
-QMAX: dict[str, float] = {"int8": 127.0, "float8": 448.0}
+QMAX: dict[str, float] = {"int8": 127.0, "int8-bf16": 127.0, "float8": 448.0}
 
 
 def quant_dtype(precision: str) -> torch.dtype:
@@ -78,7 +83,7 @@ def quant_dtype(precision: str) -> torch.dtype:
         ConfigError: for a precision that is not one of ``QUANTIZED_PRECISIONS``, or ``"float8"``
             on a torch without ``float8_e4m3fn``.
     """
-    if precision == "int8":
+    if precision in ("int8", "int8-bf16"):
         return torch.int8
     if precision == "float8":
         dtype = getattr(torch, "float8_e4m3fn", None)
@@ -107,13 +112,26 @@ def quantize_per_channel(weight: Tensor, precision: str) -> tuple[Tensor, Tensor
     amax = w.abs().amax(dim=1)  # [out]
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     scaled = (w / scale[:, None]).clamp_(-qmax, qmax)  # the clamp only catches rounding above qmax
-    q = scaled.round_() if precision == "int8" else scaled
+    q = scaled.round_() if quant_dtype(precision) == torch.int8 else scaled
     return q.to(dtype), scale
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """``Q * scale`` per row, in ``dtype``: the weight a ``QuantizedLinear`` stands for."""
     return q.to(dtype) * scale.to(dtype)[:, None]
+
+
+def _int8_bf16_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """``(x in bfloat16) @ Q.T * scale``, returned in ``x``'s dtype: aten's weight-only int8 kernel on a
+    CPU (``torch._weight_int8pack_mm``) where the input width is a multiple of 16 (measured with torch
+    2.13: other widths crash that kernel), the portable form in bfloat16 elsewhere."""
+    shape = x.shape
+    xb = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+    if x.device.type == "cpu" and shape[-1] % 16 == 0 and hasattr(torch, "_weight_int8pack_mm"):
+        out = torch._weight_int8pack_mm(xb.contiguous(), q, scale.to(torch.bfloat16))
+    else:
+        out = F.linear(xb, q.to(torch.bfloat16)) * scale.to(torch.bfloat16)
+    return out.to(x.dtype).reshape(*shape[:-1], q.shape[0])
 
 
 class QuantizedLinear(nn.Module):
@@ -148,7 +166,10 @@ class QuantizedLinear(nn.Module):
         self.scale.copy_(scale)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)  # [..., out]
+        if self.precision == "int8-bf16":
+            out = _int8_bf16_linear(x, self.qweight, self.scale)
+        else:
+            out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)  # [..., out]
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

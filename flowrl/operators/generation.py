@@ -69,7 +69,7 @@ from flowrl.models.quantize import QUANTIZED_PRECISIONS, quantize_linears_
 from flowrl.models.registry import build_model, model_tokens
 from flowrl.operators.logprobs import prompt_valid
 
-__all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights"]
+__all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights", "rollout_batch"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -125,6 +125,40 @@ def _mix(*values: int) -> int:
         h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h & 0x7FFFFFFFFFFFFFFF
+
+
+def rollout_batch(
+    sample_ids: Tensor,
+    sample_lens: Tensor,
+    tokens: Tensor,
+    mask: Tensor,
+    logprobs: Tensor,
+    versions: Tensor,
+    prompt_index: Tensor,
+    *,
+    n: int,
+    temperature: float,
+    version: int,
+) -> Batch:
+    """The rollout fields (``flowrl.graph.fields.ROLLOUT_FIELDS``) of ``P = len(prompt_index)`` groups of
+    ``n`` samples, in group order: what a lock-step batch and a continuous generator's finished groups
+    both deliver. ``rollout_version`` is the oldest token's version (``versions.min()``), or
+    ``version`` (the generator's) for a batch without samples.
+    """
+    S = tokens.shape[0]
+    return {
+        "sample_prompt_ids": sample_ids,
+        "sample_prompt_lens": sample_lens,
+        "completion_ids": tokens,
+        "completion_mask": mask,
+        "completion_lens": mask.sum(1),
+        "behaviour_logprobs": logprobs,
+        "sampling_temperature": torch.full((S,), temperature, dtype=torch.float32),
+        "group_ids": torch.arange(len(prompt_index), dtype=torch.int64).repeat_interleave(n),
+        "rollout_version": versions.min() if versions.numel() else torch.tensor(version, dtype=torch.int64),
+        "prompt_index": prompt_index,
+        "token_versions": versions,
+    }
 
 
 class Generator:
@@ -249,19 +283,8 @@ class Generator:
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
         with torch.no_grad():
             tokens, logprobs, mask = (t.cpu() for t in self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng))
-        return {
-            "sample_prompt_ids": sample_ids,
-            "sample_prompt_lens": sample_lens,
-            "completion_ids": tokens,
-            "completion_mask": mask,
-            "completion_lens": mask.sum(1),
-            "behaviour_logprobs": logprobs,
-            "sampling_temperature": torch.full((sample_ids.shape[0],), self.sampling.temperature, dtype=torch.float32),
-            "group_ids": torch.arange(P, dtype=torch.int64).repeat_interleave(n),
-            "rollout_version": torch.tensor(self.version, dtype=torch.int64),
-            "prompt_index": index,
-            "token_versions": torch.full(tokens.shape, self.version, dtype=torch.int64),
-        }
+        versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
+        return rollout_batch(sample_ids, sample_lens, tokens, mask, logprobs, versions, index, n=n, temperature=self.sampling.temperature, version=self.version)
 
     def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
         S, C, device = prompt_ids.shape[0], self.sampling.max_new_tokens, prompt_ids.device

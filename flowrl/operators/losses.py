@@ -135,6 +135,18 @@ def combined_rewards(config: LossConfig, batch: Mapping[str, Tensor]) -> Tensor:
     return total
 
 
+@torch.no_grad()
+def _ratio_metrics(prefix: str, log_ratio: Tensor, mask: Tensor, rho: float) -> dict[str, float]:
+    """pi/mu over the real tokens: mean, max, the fraction above ``rho`` and KL(mu || pi) (k3 estimator)."""
+    ratio = log_ratio.exp()
+    return {
+        f"{prefix}/ratio_mean": float(masked_mean(ratio, mask)),
+        f"{prefix}/ratio_max": float(torch.where(mask, ratio, 0.0).max()) if mask.any() else 1.0,
+        f"{prefix}/truncated_frac": float(masked_mean((ratio > rho).float(), mask)),
+        f"{prefix}/kl": float(masked_mean(ratio - 1 - log_ratio, mask)),
+    }
+
+
 def aipo_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -164,15 +176,7 @@ def aipo_loss(
     weight = ratio.clamp(max=rho)  # one-sided truncation, a constant (no gradient)
     per_token = torch.where(mask, weight * advantages[:, None] * logprobs, zero)
     loss = -per_token.sum() / _denominator(mask, normalizer)
-    with torch.no_grad():
-        metrics = {
-            "loss/policy": float(loss.detach()),
-            "aipo/ratio_mean": float(masked_mean(ratio, mask)),
-            "aipo/ratio_max": float(torch.where(mask, ratio, zero).max()) if mask.any() else 1.0,
-            "aipo/truncated_frac": float(masked_mean((ratio > rho).float(), mask)),
-            "aipo/kl": float(masked_mean(ratio - 1 - log_ratio, mask)),
-            "aipo/tokens": float(mask.sum()),
-        }
+    metrics = {"loss/policy": float(loss.detach()), **_ratio_metrics("aipo", log_ratio, mask, rho), "aipo/tokens": float(mask.sum())}
     return loss, metrics
 
 
@@ -195,17 +199,8 @@ def pg_loss(
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     per_token = torch.where(mask, advantages[:, None] * logprobs, zero)  # [S, C]
     loss = -per_token.sum() / _denominator(mask, normalizer)
-    with torch.no_grad():
-        log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)
-        ratio = log_ratio.exp()
-        metrics = {
-            "loss/policy": float(loss.detach()),
-            "pg/ratio_mean": float(masked_mean(ratio, mask)),
-            "pg/ratio_max": float(torch.where(mask, ratio, zero).max()) if mask.any() else 1.0,
-            "pg/truncated_frac": float(masked_mean((ratio > rho).float(), mask)),
-            "pg/kl": float(masked_mean(ratio - 1 - log_ratio, mask)),
-        }
-    return loss, metrics
+    log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)
+    return loss, {"loss/policy": float(loss.detach()), **_ratio_metrics("pg", log_ratio, mask, rho)}
 
 
 def ppo_clip_loss(

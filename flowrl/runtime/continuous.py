@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import FlowrlError
-from flowrl.operators.generation import Generator, _mix
+from flowrl.operators.generation import Generator, _mix, rollout_batch
 from flowrl.operators.slots import Sample, SlotBatcher
 from flowrl.operators.source import pad_left
 
@@ -172,16 +172,7 @@ class ContinuousRollouts:
             mask[r, :L] = True
             versions[r] = s.versions[0]
             versions[r, :L] = torch.tensor(s.versions)
-        return {
-            "sample_prompt_ids": sample_ids,
-            "sample_prompt_lens": sample_lens,
-            "completion_ids": tokens,
-            "completion_mask": mask,
-            "completion_lens": mask.sum(1),
-            "behaviour_logprobs": logprobs,
-            "sampling_temperature": torch.full((S,), self.gen.sampling.temperature, dtype=torch.float32),
-            "group_ids": torch.arange(len(chosen), dtype=torch.int64).repeat_interleave(n),
-            "rollout_version": versions.min() if S else torch.tensor(self.gen.version, dtype=torch.int64),
-            "prompt_index": torch.tensor([g.index for g in chosen], dtype=torch.int64),
-            "token_versions": versions,
-        }
+        index = torch.tensor([g.index for g in chosen], dtype=torch.int64)
+        return rollout_batch(
+            sample_ids, sample_lens, tokens, mask, logprobs, versions, index, n=n, temperature=self.gen.sampling.temperature, version=self.gen.version
+        )

@@ -408,3 +408,21 @@ def test_policy_and_generator_models_may_differ_only_in_nothing() -> None:
     spec = _llamarl_spec()
     nodes = tuple(replace(n, model=ModelConfig(dim=128)) if isinstance(n, PolicyNode) else n for n in spec.nodes)
     assert "model configs differ (2L128d vs 2L64d)" in _raise_message(replace(spec, nodes=nodes))
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_a_generator_fed_by_a_missing_node_is_a_graph_error(batching):
+    """Found by tests/reliability's fuzzing: the continuous-batching rule looked up the feeding node before
+    the edge rules had said it does not exist (a KeyError escaped the CLI)."""
+    import json
+
+    from flowrl.examples import build_example
+    from flowrl.graph.serialize import from_json, to_json
+
+    raw = json.loads(to_json(build_example("llamarl")))
+    raw["nodes"] = [n for n in raw["nodes"] if n["name"] != "prompts"]
+    for n in raw["nodes"]:
+        if n["kind"] == "generator":
+            n["sampling"]["batching"] = batching
+    with pytest.raises(GraphError, match="names node 'prompts', which does not exist"):
+        from_json(json.dumps(raw))

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +54,43 @@ def launch_ranks(module: str, world: int, tmp: Path, timeout_s: float) -> tuple[
         pytest.fail(f"the {world} worker ranks of {module} did not finish in {timeout_s:.0f} s (a rank hangs)")
     results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if (out / f"rank{r}.json").exists()}
     return results, logs
+
+
+@contextmanager
+def generator_rank_program(graph: Graph, rank: int, world: int, dp: int, run_dir: Path, *, seed: int) -> Iterator[tuple[Any, Any, Any]]:
+    """Node ``gen``'s torchrun rank program on a ``dp x (world // dp)`` mesh of this gloo world, with the
+    graph's transports opened under ``run_dir``; yields ``(program, transports, group)`` and clears the
+    rank context and closes the transports afterwards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from flowrl.runtime.backends.rank_programs import RankContext, rank_program, set_context
+    from flowrl.runtime.programs import ProgramEnv, SharedTransports
+    from flowrl.runtime.weight_edges import transport_specs
+
+    ranks = tuple(range(world))
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(dp, world // dp), mesh_dim_names=("dp", "tp"))
+    group = dist.new_group(list(ranks))
+    set_context(RankContext(rank=rank, world=world, ranks={"gen": ranks}, programs={}, groups={"gen": group}, meshes={"gen": mesh}))
+    specs = transport_specs(graph, str(run_dir))
+    transports = SharedTransports(specs)
+    try:
+        program = rank_program(graph.node("gen"), graph, ProgramEnv(transports=specs, seed=seed, weight_timeout_s=30.0), transports)
+        yield program, transports, group
+    finally:
+        set_context(None)
+        transports.close()
+
+
+def edge_shard_shapes(graph: Graph, world: int, dp: int, rank: int) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
+    """The shapes the collective transport's generator layout (``backends/weights.py``) gives ``rank`` of
+    node ``gen`` on a ``dp x tp`` mesh, and the policy's parameter specs."""
+    import msgspec
+
+    from flowrl.runtime.backends.weights import _generator_layouts, _param_specs
+    from flowrl.runtime.resharding import ShardLayout, local_shape
+
+    params = _param_specs(graph, "policy")
+    layouts = _generator_layouts(graph, "gen", tuple(range(world)), (("dp", "tp"), (dp, world // dp)), params)
+    return {n: local_shape(msgspec.convert(layouts[n], ShardLayout), params[n]["shape"], rank) for n in params}, params

@@ -39,7 +39,7 @@ from flowrl.runtime.tensor_parallel import (
     tp_param_layouts,
     tp_rows,
 )
-from tests.runtime.helpers import launch_ranks
+from tests.runtime.helpers import edge_shard_shapes, generator_rank_program, launch_ranks
 
 
 #: Model shapes the checks run: grouped-query attention, an uneven SwiGLU split (45 = 23 + 22 over tp2,
@@ -167,39 +167,20 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
     """The ``ParallelGenerator`` through ``rank_program``: two versions published over files, the
     merged rollout against one process's generator (per replica part, merged the same way)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     from flowrl.operators.generation import Generator
     from flowrl.operators.source import PromptSource
-    from flowrl.runtime.backends.rank_programs import RankContext, rank_program, set_context
     from flowrl.runtime.distributed import merge_rollouts, split_prompts
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports
-    from flowrl.runtime.weight_edges import transport_specs
 
     graph = tp_graph()
     node = graph.node("gen")
-    tp = world // dp
     ranks = tuple(range(world))
-    mesh = DeviceMesh("cpu", torch.arange(world).reshape(dp, tp), mesh_dim_names=("dp", "tp"))
-    group = dist.new_group(list(ranks))
-    set_context(RankContext(rank=rank, world=world, ranks={"gen": ranks}, programs={}, groups={"gen": group}, meshes={"gen": mesh}))
-    specs = transport_specs(graph, str(out_dir / "run"))
-    transports = SharedTransports(specs)
-    env = ProgramEnv(transports=specs, seed=GEN_SEED, weight_timeout_s=30.0)
     result: dict[str, Any] = {}
-    try:
-        program = rank_program(node, graph, env, transports)
+    with generator_rank_program(graph, rank, world, dp, out_dir / "run", seed=GEN_SEED) as (program, transports, group):
         result["class"] = type(program).__name__
         result["sharded"] = program.sharded
         # the collective transport's generator layout (weights.py) gives this rank exactly its shards
-        import msgspec
-
-        from flowrl.runtime.backends.weights import _generator_layouts, _param_specs
-        from flowrl.runtime.resharding import ShardLayout
-
-        params = _param_specs(graph, "policy")
-        edge_layouts = _generator_layouts(graph, "gen", ranks, (("dp", "tp"), (dp, tp)), params)
-        mine = {n: local_shape(msgspec.convert(edge_layouts[n], ShardLayout), params[n]["shape"], rank) for n in params}
+        mine, _ = edge_shard_shapes(graph, world, dp, rank)
         layouts = tp_param_layouts(node.model, ranks, dp=dp)
         result["layouts_match"] = mine == {n: tuple(t.shape) for n, t in program.local_weight_targets().items()}
         source = PromptSource(graph.node("prompts"))
@@ -232,9 +213,6 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
             else:
                 step["empty"] = out == {} and info == {}
             result[f"v{version}"] = step
-    finally:
-        set_context(None)
-        transports.close()
     return result
 
 

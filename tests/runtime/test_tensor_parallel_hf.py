@@ -27,7 +27,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.runtime.resharding import local_shape, local_slice
 from flowrl.runtime.tensor_parallel import check_tp, param_splits, shard_hf_, shard_transformer_, tp_param_layouts
-from tests.runtime.helpers import launch_ranks
+from tests.runtime.helpers import edge_shard_shapes, generator_rank_program, launch_ranks
 
 GEN_SEED = 7
 #: case -> (family, hf_config overrides): what each tiny directory holds.
@@ -168,37 +168,21 @@ def _check_program(rank: int, world: int, out_dir: Path, dirs: dict[str, str]) -
     """The ``ParallelGenerator`` of an HF graph through ``rank_program``: two versions published over
     files (the staging path), against one process's generator; the collective edge's layout gives this
     rank exactly the shapes of its shards."""
-    import msgspec
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     from flowrl.models.causal_lm import weight_dict
     from flowrl.models.registry import build_model
     from flowrl.operators.generation import Generator
     from flowrl.operators.source import PromptSource
-    from flowrl.runtime.backends.rank_programs import RankContext, rank_program, set_context
-    from flowrl.runtime.backends.weights import _generator_layouts, _param_specs
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports
-    from flowrl.runtime.resharding import ShardLayout
-    from flowrl.runtime.weight_edges import transport_specs
 
     graph = hf_graph(dirs["llama-bias-uneven"], dirs["prompts"])
     node = graph.node("gen")
     ranks = tuple(range(world))
-    mesh = DeviceMesh("cpu", torch.arange(world).reshape(1, world), mesh_dim_names=("dp", "tp"))
-    group = dist.new_group(list(ranks))
-    set_context(RankContext(rank=rank, world=world, ranks={"gen": ranks}, programs={}, groups={"gen": group}, meshes={"gen": mesh}))
-    specs = transport_specs(graph, str(out_dir / "run"))
-    transports = SharedTransports(specs)
-    env = ProgramEnv(transports=specs, seed=GEN_SEED, weight_timeout_s=30.0)
     result: dict[str, Any] = {}
-    try:
-        program = rank_program(node, graph, env, transports)
+    with generator_rank_program(graph, rank, world, 1, out_dir / "run", seed=GEN_SEED) as (program, transports, group):
         result["class"] = type(program).__name__
         result["sharded"] = program.sharded
-        params = _param_specs(graph, "policy")
-        edge = _generator_layouts(graph, "gen", ranks, (("dp", "tp"), (1, world)), params)
-        mine = {n: local_shape(msgspec.convert(edge[n], ShardLayout), params[n]["shape"], rank) for n in params}
+        mine, params = edge_shard_shapes(graph, world, 1, rank)
         result["edge_gives_shards"] = mine == {n: tuple(t.shape) for n, t in program.local_weight_targets().items()}
         result["some_split"] = any(tuple(s) != tuple(params[n]["shape"]) for n, s in mine.items())
         layouts = tp_param_layouts(node.model, ranks)
@@ -225,9 +209,6 @@ def _check_program(rank: int, world: int, out_dir: Path, dirs: dict[str, str]) -
                     rollout_version=int(out["rollout_version"]),
                 )
             result[f"v{version}"] = step
-    finally:
-        set_context(None)
-        transports.close()
     return result
 
 

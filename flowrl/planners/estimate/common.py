@@ -134,7 +134,7 @@ def send_s(nbytes: float, link: Link) -> float:
     return nbytes / link.bandwidth + link.latency
 
 
-_PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
+_PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1, "int8-bf16": 1}
 
 
 def precision_bytes(precision: str) -> int:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -64,7 +63,7 @@ from flowrl.runtime.transports.base import (
     layout_of,
 )
 from flowrl.runtime.transports.registry import TransportTraits
-from flowrl.runtime.transports.shm import SharedMemoryTransport, read_header
+from flowrl.runtime.transports.shm import SharedMemoryTransport, backoff, read_header
 
 __all__ = ["CudaIpcTransport", "CudaIpcHandle", "IpcHeader", "share_storage", "open_storage"]
 
@@ -365,7 +364,7 @@ class CudaIpcTransport:
                 slot = (count - 1) % self._slots_of()
                 seq, version = int(self._block["seq"][slot]), int(self._block["version"][slot])
                 if seq % 2:
-                    _backoff(attempt)
+                    backoff(attempt)
                     continue
                 if version <= newer_than:
                     return None
@@ -379,7 +378,7 @@ class CudaIpcTransport:
                 self._read_block()
                 if int(self._block["seq"][slot]) == seq:
                     return version
-                _backoff(attempt)  # the writer lapped us: copy again
+                backoff(attempt)  # the writer lapped us: copy again
             raise TransportError(
                 f"{self.label}: no consistent read in {self._max_retries} attempts: the writer overwrote the slot being read "
                 f"every time; open the writer with more slots, or publish less often"
@@ -412,10 +411,3 @@ class CudaIpcTransport:
         if self._closed:
             raise TransportError(f"{self.label}: {op}() called after close(); open a new transport")
 
-
-def _backoff(attempt: int) -> None:
-    """Let the writer finish the slot: yield at first, then sleep a millisecond per attempt."""
-    if attempt < 10:
-        os.sched_yield()
-    else:
-        time.sleep(0.001)

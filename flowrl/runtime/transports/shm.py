@@ -58,7 +58,7 @@ from flowrl.runtime.transports.base import (
 )
 from flowrl.runtime.transports.registry import TransportTraits
 
-__all__ = ["SharedMemoryTransport", "ShmHeader", "read_header"]
+__all__ = ["SharedMemoryTransport", "ShmHeader", "read_header", "backoff"]
 
 MAGIC = 0x3157_5452_4C57_4F46  # b"FOWLRTW1" read as little-endian int64: a flowrl weight segment, format 1
 _W_MAGIC, _W_HEADER_LEN, _W_SLOTS, _W_COUNT = 0, 1, 2, 3
@@ -297,7 +297,7 @@ class SharedMemoryTransport:
             _fence()
             if seq % 2 == 0 and int(control[_seq_word(slot)]) == seq:
                 return version
-            _backoff(attempt)
+            backoff(attempt)
         raise self._lapped(m)
 
     def fetch_into(self, target: Mapping[str, torch.Tensor], *, newer_than: int = -1) -> int | None:
@@ -324,7 +324,7 @@ class SharedMemoryTransport:
             version = int(control[_version_word(slot)])
             _fence()
             if seq % 2 == 1 or int(control[_seq_word(slot)]) != seq:
-                _backoff(attempt)
+                backoff(attempt)
                 continue
             if version <= newer_than:
                 return None
@@ -336,7 +336,7 @@ class SharedMemoryTransport:
             _fence()
             if int(control[_seq_word(slot)]) == seq:
                 return version
-            _backoff(attempt)  # the writer lapped us: the target holds a mix; copy again
+            backoff(attempt)  # the writer lapped us: the target holds a mix; copy again
         raise self._lapped(m)
 
     def _attach(self) -> _Mapping | None:
@@ -377,7 +377,7 @@ class SharedMemoryTransport:
             raise TransportError(f"{self.label}: {op}() called after close(); open a new transport")
 
 
-def _backoff(attempt: int) -> None:
+def backoff(attempt: int) -> None:
     """Let the writer finish the slot: yield the CPU at first, then sleep a millisecond per attempt."""
     if attempt < 10:
         os.sched_yield()
