@@ -12,7 +12,27 @@ moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives t
 - operator overhead: a transformer-block-shaped chain of 16 operators (norms, linears, softmax,
   SiLU, residual adds) on 8-wide tensors, where the work is nil; seconds / 16 is the fixed cost of
   one operator as model code calls it (dispatch, allocation, Python, the GIL shared with the
-  other threads), the planner's ``kernel_overhead_s``.
+  other threads), the planner's ``kernel_overhead_s``;
+- the built-in transformer's own passes by width (``_pass_rates``), one thread alone (how the local
+  runtime runs a node with its cores to itself; ``shared_slowdown`` is what running beside another
+  costs): for each ``w`` in ``WIDTHS``, a 2-layer model of width ``w`` runs a forward on ``[256 x 8]`` tokens (prefill-shaped), a forward of
+  one token on 256 rows (decode-shaped) and a forward + backward on ``[256 x 8]`` (training); FLOP/s
+  is the FLOPs the planner counts for that pass (``ModelSpec.forward_flops_per_token``, three times
+  it for forward + backward) over the seconds it took. The rate so includes everything the pass
+  really does beside its matmuls (norms, attention, SiLU, launches: on a CPU core at these widths
+  matmuls are a third of a training step), so the estimates apply neither an MFU factor nor a
+  launch term to it (``DeviceSpec.flops_by_width``);
+- ``shared_slowdown``: how much slower a decode-shaped pass and the training pass run side by side,
+  each on a core of its own, than alone (``_shared_slowdown``: a disaggregated generator and trainer
+  in one process share its GIL, the memory system and whatever else the machine runs);
+- ``thread_speedup``: the width-64 training pass alone on one thread over its
+  time with one intra-op thread per core when two Python threads take turns running it
+  (``_taking_turns``). That is how the local runtime runs a colocated mesh: each node's executor
+  is a Python thread of its own and they alternate under the group's lock; each has its own
+  OpenMP team, whose idle workers keep spinning a while after their turn (libgomp's active wait)
+  and slow the other's, so a mesh of every core gains much less than one thread's pass with all
+  of them would suggest (about 1.3x here, against 1.6x);
+- ``decode_step_overhead_s``: a decode step of the built-in generator outside its blocks (``_decode_overhead``).
 
 ``calibrated_cluster(measurements)`` (pure) turns them into a ``ClusterSpec`` named
 ``cpu-calibrated``; ``flowrl calibrate -o cpu.json`` writes it and ``--cluster cpu.json`` reads it.
@@ -25,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -35,7 +56,7 @@ import msgspec
 from flowrl.errors import PlanError
 from flowrl.planners.cluster import ClusterSpec, _host_cores, host_memory_bytes, cpu_device
 
-__all__ = ["Measurements", "measure", "calibrated_cluster"]
+__all__ = ["Measurements", "measure", "calibrated_cluster", "pass_flops", "PASSES", "WIDTHS"]
 
 
 class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,11 +70,12 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         memory_bytes: the machine's RAM.
         matmul_size: the n of the n x n matmul.
         copy_bytes: the size of the copied buffer.
-        flops_by_width: ``(w, FLOP/s)`` of a ``[256 x w] @ [w x w]`` float32 matmul on one thread,
-            every core busy, for ``w`` in ``WIDTHS`` (``DeviceSpec.flops_by_width``).
-        thread_speedup: time of a transformer-block-shaped chain on ``[256 x 64]`` tensors with one
-            intra-op thread over its time with ``cores`` threads, this process alone
-            (``DeviceSpec.thread_speedup``).
+        flops_by_width, decode_flops_by_width, train_flops_by_width: ``(w, FLOP/s)`` of the built-in
+            transformer's forward, one-token forward and forward + backward at width ``w`` on one
+            thread alone, for ``w`` in ``WIDTHS`` (the ``DeviceSpec`` fields of these names).
+        thread_speedup: time of the width-64 training pass on one thread alone over its time with
+            ``cores`` intra-op threads, two Python threads taking turns (``DeviceSpec.thread_speedup``).
+        shared_slowdown: ``_shared_slowdown`` (``DeviceSpec.shared_slowdown``).
         decode_step_overhead_s: seconds of one decode step of the built-in generator outside its
             transformer blocks, at one row (``DeviceSpec.decode_step_overhead_s``; ``_decode_overhead``).
     """
@@ -66,7 +88,10 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     matmul_size: int = 256
     copy_bytes: int = 32 * 2**20
     flops_by_width: tuple[tuple[int, float], ...] = ()
+    decode_flops_by_width: tuple[tuple[int, float], ...] = ()
+    train_flops_by_width: tuple[tuple[int, float], ...] = ()
     thread_speedup: float = 0.0
+    shared_slowdown: float = 1.0
     decode_step_overhead_s: float = 0.0
 
 
@@ -96,8 +121,11 @@ def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, stati
 
 #: Operators in ``_tiny_block``.
 BLOCK_OPS = 16
-#: Matmul widths ``flops_by_width`` measures (the built-in examples are 32-128 wide).
-WIDTHS = (32, 64, 128, 256, 512)
+#: Model widths the pass rates are measured at (the built-in examples are 64 wide; a CPU core
+#: trains a 512-wide model too slowly to be worth a calibration second, the table's last rate holds above).
+WIDTHS = (32, 64, 128, 256)
+#: Rows and tokens per row of the prefill-shaped and training passes (decode: one token per row).
+PASS_ROWS, PASS_TOKENS = 256, 8
 
 
 def _tiny_block(rows: int = 4, width: int = 8) -> Callable[[], object]:
@@ -118,6 +146,118 @@ def _tiny_block(rows: int = 4, width: int = 8) -> Callable[[], object]:
         return y + F.linear(g, w)  # 16
 
     return block
+
+
+#: The passes ``_pass_rates`` times: (rows, tokens per row, forward + backward).
+PASSES = {"forward": (PASS_ROWS, PASS_TOKENS, False), "decode": (PASS_ROWS, 1, False), "train": (PASS_ROWS, PASS_TOKENS, True)}
+
+
+def _pass_model(width: int):
+    """The built-in 2-layer transformer of width ``width`` (16-wide heads) and its planner spec."""
+    from flowrl.graph.configs import ModelConfig
+    from flowrl.models import build_model
+    from flowrl.planners.modelspec import model_from_config
+
+    heads = max(1, width // 16)
+    config = ModelConfig(vocab_size=16, dim=width, n_layers=2, n_heads=heads, n_kv_heads=heads, max_seq_len=2 * PASS_TOKENS)
+    return build_model(config), model_from_config(config)
+
+
+def _pass_call(width: int, kind: str) -> Callable[[], object]:
+    """One ``PASSES[kind]`` pass of a fresh width-``width`` model (warmed up)."""
+    import torch
+
+    model, _ = _pass_model(width)
+    rows, tokens, backward = PASSES[kind]
+    x = torch.randint(0, 16, (rows, tokens))
+    valid = torch.ones_like(x, dtype=torch.bool)
+
+    def call() -> object:
+        if backward:
+            model(x, valid=valid).float().sum().backward()
+            return None
+        with torch.no_grad():
+            return model(x, valid=valid)
+
+    call()
+    return call
+
+
+def pass_flops(width: int, kind: str) -> float:
+    """FLOPs the planner counts for one ``PASSES[kind]`` pass at ``width`` (``ModelSpec.forward_flops_per_token``
+    at the mean context, three times it with the backward).
+
+    Example:
+        >>> round(pass_flops(64, "train") / pass_flops(64, "forward"), 6)
+        3.0
+    """
+    _, spec = _pass_model(width)
+    rows, tokens, backward = PASSES[kind]
+    return rows * tokens * spec.forward_flops_per_token(tokens / 2) * (3 if backward else 1)
+
+
+def _pass_rates(*, repeats: int, statistic: str) -> dict[str, tuple[tuple[int, float], ...]]:
+    """``{pass: ((width, FLOP/s), ...)}`` for every pass of ``PASSES`` and width of ``WIDTHS``, one
+    thread alone. The repeats go round every (pass, width) in turn, so each one's statistic spans
+    the whole measurement rather than one moment of a shared machine's load."""
+    calls = {(kind, width): _pass_call(width, kind) for kind in PASSES for width in WIDTHS}
+    seconds: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            seconds[key].append(_timed([call], inner=1, repeats=1, statistic=statistic))
+    pick = min if statistic == "best" else statistics.median
+    return {kind: tuple((width, pass_flops(width, kind) / pick(seconds[(kind, width)])) for width in WIDTHS) for kind in PASSES}
+
+
+def _shared_slowdown(decode: Callable[[], object], train: Callable[[], object], *, cores: int, repeats: int, statistic: str) -> float:
+    """How much slower a generator's and a trainer's passes run side by side, each on its own core
+    with one intra-op thread (a disaggregated placement in one process), than each alone: the
+    geometric mean of the decode pass's and the training pass's ratio; 1 on one core."""
+    if cores < 2:
+        return 1.0
+    decode_alone = _timed([decode], inner=8, repeats=repeats, statistic=statistic)
+    train_alone = _timed([train], inner=2, repeats=repeats, statistic=statistic)
+    stop = threading.Event()
+    done: list[float] = []
+
+    def generate() -> None:  # decode passes for as long as the trainer runs
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            decode()
+            done.append(time.perf_counter() - t0)
+
+    side = threading.Thread(target=generate)
+    side.start()
+    try:
+        train_side = _timed([train], inner=2, repeats=repeats, statistic=statistic)
+    finally:
+        stop.set()
+        side.join()
+    decode_side = (min if statistic == "best" else statistics.median)(done[1:] or done)
+    return max(1.0, math.sqrt(decode_side / decode_alone * train_side / train_alone))
+
+
+def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: str) -> float:
+    """Seconds of one call when one Python thread per entry of ``calls`` runs its own in turn (one at
+    a time, as colocated executors do), ``rounds`` turns each; the first round is warm-up."""
+    turn = [threading.Semaphore(1)] + [threading.Semaphore(0) for _ in calls[1:]]
+    times: list[float] = []
+
+    def work(i: int) -> None:
+        for r in range(rounds + 1):
+            turn[i].acquire()
+            t0 = time.perf_counter()
+            calls[i]()
+            if r:
+                times.append(time.perf_counter() - t0)
+            turn[(i + 1) % len(calls)].release()
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return min(times) if statistic == "best" else statistics.median(times)
 
 
 def _decode_overhead(repeats: int) -> float:
@@ -187,23 +327,12 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
             block()
         t_op = _timed(blocks, inner=200, repeats=repeats, statistic=statistic) / BLOCK_OPS
 
-        by_width = []
-        for width in WIDTHS:
-            def width_call(width: int = width) -> Callable[[], object]:
-                a, b, out = torch.randn(256, width), torch.randn(width, width), torch.empty(256, width)
-                torch.matmul(a, b, out=out)
-                return lambda: torch.matmul(a, b, out=out)
-
-            t_w = _timed([width_call() for _ in range(cores)], inner=max(1, int(5e7 // (2 * 256 * width**2))), repeats=repeats, statistic=statistic)
-            by_width.append((width, 2 * 256 * width**2 / t_w))
-
-        block = _tiny_block(256, 64)
-        block()
-        t_one = _timed([block], inner=50, repeats=repeats, statistic=statistic)
+        rates = _pass_rates(repeats=repeats, statistic=statistic)
+        train_64, decode_64 = _pass_call(64, "train"), _pass_call(64, "decode")
+        t_one = _timed([train_64], inner=2, repeats=repeats, statistic=statistic)
+        shared = _shared_slowdown(decode_64, train_64, cores=cores, repeats=repeats, statistic=statistic)
         torch.set_num_threads(cores)
-        for _ in range(20):  # start the intra-op thread pool
-            block()
-        t_all = _timed([block], inner=50, repeats=repeats, statistic=statistic)
+        t_all = _taking_turns([train_64, _pass_call(64, "train")], rounds=4 * repeats, statistic=statistic)
         torch.set_num_threads(1)
         decode_s = _decode_overhead(repeats)
     finally:
@@ -216,8 +345,11 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         memory_bytes=host_memory_bytes(),
         matmul_size=n,
         copy_bytes=numel * 4,
-        flops_by_width=tuple(by_width),
+        flops_by_width=rates["forward"],
+        decode_flops_by_width=rates["decode"],
+        train_flops_by_width=rates["train"],
         thread_speedup=t_one / t_all,
+        shared_slowdown=shared,
         decode_step_overhead_s=decode_s,
     )
 
@@ -233,7 +365,10 @@ def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterS
         kernel_overhead_s=m.op_overhead_s,
         name="cpu",
         flops_by_width=m.flops_by_width,
+        decode_flops_by_width=m.decode_flops_by_width,
+        train_flops_by_width=m.train_flops_by_width,
         thread_speedup=m.thread_speedup,
+        shared_slowdown=m.shared_slowdown,
         decode_step_overhead_s=m.decode_step_overhead_s,
     )
     return ClusterSpec(name="cpu-calibrated", hosts=1, devices_per_host=n, device=device)

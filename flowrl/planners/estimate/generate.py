@@ -30,6 +30,11 @@ steps (the next step's prompts fill what the tail frees), so its steady-state ti
 ``NodeEstimate.steady_s``, is ``waves * prefill + n * mean / b * token``. Every completion running
 to ``gen_len`` (the default lengths) gives ``steps = waves * gen_len`` in every mode.
 
+``peak * mfu`` is, on a calibrated CPU device (``DeviceSpec.flops_by_width``), the measured rate of
+the built-in model's forward at the model's width instead (``decode_flops_by_width`` for decode):
+what the machine achieves on the whole pass, so no MFU factor, and its launches are in it (the
+``ops_per_layer * kernel_overhead`` terms are 0 there).
+
 The decode step reads every weight once per generated token, so it is bound by memory bandwidth:
 tp splits those reads over tp devices (and pays two all-reduces per layer per token); pp splits
 memory but not the time of one token, since the stages of one token run one after another.
@@ -65,13 +70,18 @@ def generator_dtype(node_precision: str, ctx: Context) -> str:
     return ctx.tuning.gen_precision or node_precision
 
 
-def _peak(dtype: str, ctx: Context, width: int) -> float:
+def _rate(dtype: str, ctx: Context, width: int, pass_kind: str, mfu: float) -> tuple[float, bool]:
+    """FLOP/s of a generator pass and whether it was measured: a calibrated table's rate (the
+    whole pass as this machine runs it: no MFU, launches included), else the peak for ``dtype`` x ``mfu``."""
     dev = ctx.cluster.device
+    measured = dev.measured_flops(width, pass_kind)
+    if measured is not None:
+        return measured, True
     if dtype == "float8" and dev.peak_flops_8bit > 0:
-        return dev.peak_flops_8bit
+        return dev.peak_flops_8bit * mfu, False
     if dtype == "float32" and dev.kind == "gpu":
-        return dev.peak_flops / 2  # TF32 tensor cores run at half the bf16 rate
-    return dev.flops_at(width)
+        return dev.peak_flops / 2 * mfu, False  # TF32 tensor cores run at half the bf16 rate
+    return dev.peak_flops * mfu, False
 
 
 def estimate_generate(
@@ -139,12 +149,13 @@ def estimate_generate(
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
-    peak = _peak(precision, ctx, h)
+    prefill_rate, measured = _rate(precision, ctx, h, "forward", t.mfu_prefill)
+    decode_rate, _ = _rate(precision, ctx, h, "decode", t.mfu_decode)
     mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
-    launch_layer = t.ops_per_layer * dev.kernel_overhead_s
+    launch_layer = 0.0 if measured else t.ops_per_layer * dev.kernel_overhead_s  # a measured rate has its launches
 
     p_tok = b * w.prompt_len
-    prefill_compute = p_tok * model.forward_flops_per_token(w.prompt_len / 2) / (tp * pp * peak * t.mfu_prefill)
+    prefill_compute = p_tok * model.forward_flops_per_token(w.prompt_len / 2) / (tp * pp * prefill_rate)
     prefill_comm = L * 2 * all_reduce_s(p_tok * h * ab, tp, tp_link) if tp_link else 0.0
     prefill = prefill_compute + prefill_comm + L * launch_layer
 
@@ -154,7 +165,7 @@ def estimate_generate(
     ctx_len = w.prompt_len + (dist.mean if continuous else dist.expected_max(b)) / 2
     read = weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
     t_read = read / mem_bw
-    t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * peak * t.mfu_decode)
+    t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * decode_rate)
     stage = max(t_read, t_compute)
     tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
