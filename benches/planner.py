@@ -173,6 +173,7 @@ def cpu_predicted_vs_measured(example: str, steps: int, batching: str | None, tr
                 "thread_speedup": round(m.thread_speedup, 2),
                 "shared_slowdown": round(m.shared_slowdown, 2),
                 "decode_step_overhead_us": round(m.decode_step_overhead_s * 1e6, 1),
+                "slot_row_overhead_us": round(m.slot_row_overhead_s * 1e6, 2),
                 "matmul_gflops_per_core": round(m.matmul_flops / 1e9, 1),
                 "copy_gb_per_s": round(m.copy_bandwidth / 1e9, 2),
                 "op_overhead_us": round(m.op_overhead_s * 1e6, 2),

@@ -32,7 +32,9 @@ moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives t
   OpenMP team, whose idle workers keep spinning a while after their turn (libgomp's active wait)
   and slow the other's, so a mesh of every core gains much less than one thread's pass with all
   of them would suggest (about 1.3x here, against 1.6x);
-- ``decode_step_overhead_s``: a decode step of the built-in generator outside its blocks (``_decode_overhead``).
+- ``decode_step_overhead_s``: a decode step of the built-in generator outside its blocks (``_decode_overhead``);
+- ``slot_row_overhead_s``: what the continuous generator's slot batcher spends per busy row per
+  decode step beyond lock step (``_slot_row_overhead``).
 
 ``calibrated_cluster(measurements)`` (pure) turns them into a ``ClusterSpec`` named
 ``cpu-calibrated``; ``flowrl calibrate -o cpu.json`` writes it and ``--cluster cpu.json`` reads it.
@@ -76,6 +78,7 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         thread_speedup: time of the width-64 training pass on one thread alone over its time with
             ``cores`` intra-op threads, two Python threads taking turns (``DeviceSpec.thread_speedup``).
         shared_slowdown: ``_shared_slowdown`` (``DeviceSpec.shared_slowdown``).
+        slot_row_overhead_s: ``_slot_row_overhead`` (``DeviceSpec.slot_row_overhead_s``).
         decode_step_overhead_s: seconds of one decode step of the built-in generator outside its
             transformer blocks, at one row (``DeviceSpec.decode_step_overhead_s``; ``_decode_overhead``).
     """
@@ -93,6 +96,7 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     thread_speedup: float = 0.0
     shared_slowdown: float = 1.0
     decode_step_overhead_s: float = 0.0
+    slot_row_overhead_s: float = 0.0
 
 
 def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, statistic: str) -> float:
@@ -286,6 +290,37 @@ def _decode_overhead(repeats: int) -> float:
     return max(0.0, 2 * step_s(1) - step_s(2))
 
 
+def _slot_row_overhead(repeats: int, *, rows: int = 64, tokens: int = 8) -> float:
+    """Seconds per busy row per decode step that flowrl's slot batcher spends beyond lock step: the
+    same ``rows`` samples of ``tokens`` tokens (no stop token, no refill) drawn by a ``SlotBatcher``
+    and by ``Generator.generate``, the difference over ``rows * tokens``."""
+    import torch
+
+    from flowrl.graph.configs import ModelConfig, SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+    from flowrl.operators.generation import Generator
+    from flowrl.operators.slots import Sample, SlotBatcher
+
+    model = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=16)
+    node = GeneratorNode(name="gen", model=model, sampling=SamplingConfig(n_samples=1, max_new_tokens=tokens, stop_tokens=(99,)))
+    gen = Generator(node, seed=0)
+    prompt = [1, 4, 14, 3, 5]
+    batch = {"prompt_ids": torch.tensor([prompt] * rows), "prompt_lens": torch.tensor([len(prompt)] * rows)}
+
+    def slots() -> None:
+        batcher = SlotBatcher(gen, slots=rows, rng=torch.Generator().manual_seed(0))
+        for i in range(rows):
+            batcher.add(Sample(key=(i, 0), prompt=prompt))
+        while batcher.busy or batcher.waiting:
+            batcher.step()
+
+    slots()
+    gen.generate(batch)
+    t_slots = _timed([slots], inner=3, repeats=repeats, statistic="median")
+    t_lock = _timed([lambda: gen.generate(batch)], inner=3, repeats=repeats, statistic="median")
+    return max(0.0, (t_slots - t_lock) / (rows * tokens))
+
+
 def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, statistic: str = "median") -> Measurements:
     """Run the micro-benchmarks (a few seconds) on every core at once, each thread with one intra-op
     thread; restores the thread count.
@@ -335,6 +370,7 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         t_all = _taking_turns([train_64, _pass_call(64, "train")], rounds=4 * repeats, statistic=statistic)
         torch.set_num_threads(1)
         decode_s = _decode_overhead(repeats)
+        slot_s = _slot_row_overhead(repeats)
     finally:
         torch.set_num_threads(threads)
     return Measurements(
@@ -351,6 +387,7 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         thread_speedup=t_one / t_all,
         shared_slowdown=shared,
         decode_step_overhead_s=decode_s,
+        slot_row_overhead_s=slot_s,
     )
 
 
@@ -370,5 +407,6 @@ def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterS
         thread_speedup=m.thread_speedup,
         shared_slowdown=m.shared_slowdown,
         decode_step_overhead_s=m.decode_step_overhead_s,
+        slot_row_overhead_s=m.slot_row_overhead_s,
     )
     return ClusterSpec(name="cpu-calibrated", hosts=1, devices_per_host=n, device=device)

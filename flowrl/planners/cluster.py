@@ -113,6 +113,10 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
         decode_step_overhead_s: fixed seconds of one decode step outside the transformer blocks
             (embedding, output head, sampling: softmax, random draws, Gumbel argmax, stop checks,
             the Python loop), measured by ``flowrl calibrate`` on the built-in generator; 0: not modelled.
+        slot_row_overhead_s: seconds a continuous generator spends per busy row per decode step
+            outside the forward (flowrl's slot batcher: each row's token, log-prob and version
+            recorded, its stop checked, its slot freed or fed), measured by ``flowrl calibrate``; 0:
+            not modelled.
         train_step_overhead_s: fixed seconds of one optimizer step besides the blocks' passes (loss,
             backward bookkeeping), set by hand in a cluster file; 0 (what ``flowrl calibrate``
             writes: the built-in trainer's step is its passes plus the ``optimizer`` term within a
@@ -139,6 +143,7 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
     thread_speedup: float = 0.0
     shared_slowdown: float = 1.0
     decode_step_overhead_s: float = 0.0
+    slot_row_overhead_s: float = 0.0
     train_step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -147,7 +152,7 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             if not (value > 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number > 0")
         for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth",
-                      "thread_speedup", "decode_step_overhead_s", "train_step_overhead_s"):
+                      "thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number >= 0")
@@ -320,6 +325,7 @@ def cpu_device(
     thread_speedup: float = 0.0,
     shared_slowdown: float = 1.0,
     decode_step_overhead_s: float = 0.0,
+    slot_row_overhead_s: float = 0.0,
     train_step_overhead_s: float = 0.0,
 ) -> DeviceSpec:
     """One core of this machine as a device.
@@ -352,6 +358,7 @@ def cpu_device(
         thread_speedup=thread_speedup,
         shared_slowdown=shared_slowdown,
         decode_step_overhead_s=decode_step_overhead_s,
+        slot_row_overhead_s=slot_row_overhead_s,
         train_step_overhead_s=train_step_overhead_s,
     )
 

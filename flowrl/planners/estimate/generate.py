@@ -27,7 +27,12 @@ Time of one wave of ``b`` completions::
 (finished slots idle until the longest is done); continuous, ``steps = E[max of b] + (n/b - 1)^+ *
 mean`` and ``l = mean``. A continuous generator in an asynchronous run keeps its slots full across
 steps (the next step's prompts fill what the tail frees), so its steady-state time per step,
-``NodeEstimate.steady_s``, is ``waves * prefill + n * mean / b * token``. Every completion running
+``NodeEstimate.steady_s``, is ``waves * prefill + n * mean / b * token`` (``Tuning.cross_step_slots``;
+off by default on a CPU device, where the planner predicts flowrl's own slot batcher: with its
+default slots, one step's samples, and its deadline admission it holds about one step's groups at
+a time, so each step still waits for its longest group and ``steady_s`` is the synchronous time).
+A continuous generator also pays ``DeviceSpec.slot_row_overhead_s`` per busy row per decode step,
+``n * mean`` of them per step (``slot_overhead``). Every completion running
 to ``gen_len`` (the default lengths) gives ``steps = waves * gen_len`` in every mode.
 
 ``peak * mfu`` is, on a calibrated CPU device (``DeviceSpec.flops_by_width``), the measured rate of
@@ -173,6 +178,8 @@ def estimate_generate(
     prefill /= speedup
     token /= speedup
     decode = steps * token
+    # flowrl's slot batcher: Python bookkeeping per busy row per decode step, one per completion token
+    slot_rows = per_replica * dist.mean * dev.slot_row_overhead_s / speedup if continuous else 0.0
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
     breakdown = {
@@ -182,8 +189,10 @@ def estimate_generate(
         "launch": steps * L * launch_layer / speedup + waves * L * launch_layer / speedup,
         "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0) / speedup,
         "step_overhead": steps * dev.decode_step_overhead_s / speedup,
+        "slot_overhead": slot_rows,
     }
     mode = "continuous" if continuous else "lock-step"
     notes = (f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
-    steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token if continuous else None
-    return NodeEstimate(time_s=waves * prefill + decode, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)
+    cross_step = t.cross_step_slots if t.cross_step_slots is not None else dev.kind == "gpu"
+    steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None
+    return NodeEstimate(time_s=waves * prefill + decode + slot_rows, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)
