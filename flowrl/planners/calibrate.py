@@ -1,10 +1,10 @@
-"""Calibration: measure this machine's own figures (matmul FLOP/s, memory-copy bandwidth, operator overhead).
+"""Calibration: measure this machine's own figures as the local runtime meets them (pass rates, threads, overheads).
 
-``measure()`` runs three micro-benchmarks on every core at once (one thread per core, as the local
-backend runs colocation groups side by side; a device of the ``cpu`` preset is one core) and
-keeps the median of several repeats: a run gets what a core delivers while its neighbours work
-and while the rest of the machine does whatever it does, not what an idle core does at its best
-moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives the latter):
+``measure()`` keeps the median of several repeats of each figure: a run gets what the machine
+delivers while the rest of it does whatever it does, not its best moment (on a shared machine
+the two differ by 2-3x; ``statistic="best"`` gives the latter). The first three run on every core
+at once (one thread per core; a device of the ``cpu`` preset is one core); the model's passes run
+on one thread, and what running beside another mesh costs is measured on its own:
 
 - matmul: ``C = A @ B`` on float32 ``n x n`` matrices; ``2 n^3 / seconds``;
 - memory copy: ``dst.copy_(src)`` of a float32 buffer; ``bytes / seconds`` (one read and one
@@ -15,8 +15,8 @@ moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives t
   other threads), the planner's ``kernel_overhead_s``;
 - the built-in transformer's own passes by width (``_pass_rates``), one thread alone (how the local
   runtime runs a node with its cores to itself; ``shared_slowdown`` is what running beside another
-  costs): for each ``w`` in ``WIDTHS``, a 2-layer model of width ``w`` runs a forward on ``[256 x 8]`` tokens (prefill-shaped), a forward of
-  one token on 256 rows (decode-shaped) and a forward + backward on ``[256 x 8]`` (training); FLOP/s
+  costs): for each ``w`` in ``WIDTHS``, a 2-layer model of width ``w`` runs a forward on
+  ``[256 x 8]`` tokens (prefill-shaped), a forward of one token on 256 rows (decode-shaped) and a forward + backward on ``[256 x 8]`` (training); FLOP/s
   is the FLOPs the planner counts for that pass (``ModelSpec.forward_flops_per_token``, three times
   it for forward + backward) over the seconds it took. The rate so includes everything the pass
   really does beside its matmuls (norms, attention, SiLU, launches: on a CPU core at these widths
@@ -31,7 +31,8 @@ moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives t
   is a Python thread of its own and they alternate under the group's lock; each has its own
   OpenMP team, whose idle workers keep spinning a while after their turn (libgomp's active wait)
   and slow the other's, so a mesh of every core gains much less than one thread's pass with all
-  of them would suggest (about 1.3x here, against 1.6x);
+  of them would suggest (0.7-1.7 measured on a shared 2-core machine, where one Python thread
+  alone gains 1.6 when the machine is quiet);
 - ``decode_step_overhead_s``: a decode step of the built-in generator outside its blocks (``_decode_overhead``);
 - ``slot_row_overhead_s``: what the continuous generator's slot batcher spends per busy row per
   decode step beyond lock step (``_slot_row_overhead``).
@@ -52,11 +53,13 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.planners.cluster import ClusterSpec, _host_cores, host_memory_bytes, cpu_device
+from flowrl.planners.modelspec import ModelSpec
 
 __all__ = ["Measurements", "measure", "calibrated_cluster", "pass_flops", "PASSES", "WIDTHS"]
 
@@ -156,7 +159,7 @@ def _tiny_block(rows: int = 4, width: int = 8) -> Callable[[], object]:
 PASSES = {"forward": (PASS_ROWS, PASS_TOKENS, False), "decode": (PASS_ROWS, 1, False), "train": (PASS_ROWS, PASS_TOKENS, True)}
 
 
-def _pass_model(width: int):
+def _pass_model(width: int) -> tuple[Any, ModelSpec]:
     """The built-in 2-layer transformer of width ``width`` (16-wide heads) and its planner spec."""
     from flowrl.graph.configs import ModelConfig
     from flowrl.models import build_model
