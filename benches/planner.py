@@ -171,6 +171,7 @@ def cpu_predicted_vs_measured(example: str, steps: int, batching: str | None, tr
             out[label]["calibrated"] = {
                 f"gflops_per_core_at_width_{width}": {kind: round(dev.flops_at(width, kind) / 1e9, 1) for kind in ("forward", "decode", "train")},
                 "thread_speedup": round(m.thread_speedup, 2),
+                "gen_thread_speedup": round(m.gen_thread_speedup, 2),
                 "shared_slowdown": round(m.shared_slowdown, 2),
                 "decode_step_overhead_us": round(m.decode_step_overhead_s * 1e6, 1),
                 "slot_row_overhead_us": round(m.slot_row_overhead_s * 1e6, 2),

@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
         for kind, table in (("forward", m.flops_by_width), ("decode", m.decode_flops_by_width), ("train", m.train_flops_by_width))
     )
     print(
-        f"model passes, GFLOP/s by width: {rates}; thread speedup {m.thread_speedup:.2f}, shared slowdown "
+        f"model passes, GFLOP/s by width: {rates}; thread speedup {m.thread_speedup:.2f} (generating {m.gen_thread_speedup:.2f}), shared slowdown "
         f"{m.shared_slowdown:.2f}, decode step overhead {m.decode_step_overhead_s * 1e6:.0f} us, slot row "
         f"overhead {m.slot_row_overhead_s * 1e6:.1f} us",
         file=sys.stderr,

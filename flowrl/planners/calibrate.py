@@ -25,9 +25,9 @@ on one thread, and what running beside another mesh costs is measured on its own
 - ``shared_slowdown``: how much slower a decode-shaped pass and the training pass run side by side,
   each on a core of its own, than alone (``_shared_slowdown``: a disaggregated generator and trainer
   in one process share its GIL, the memory system and whatever else the machine runs);
-- ``thread_speedup``: the width-64 training pass alone on one thread over its
-  time with one intra-op thread per core when two Python threads take turns running it
-  (``_taking_turns``). That is how the local runtime runs a colocated mesh: each node's executor
+- ``thread_speedup`` / ``gen_thread_speedup``: the width-64 training pass (a generator's turn: 8
+  decode-shaped passes) alone on one thread over its time with one intra-op thread per core when
+  two Python threads take turns, one generating, one training (``_taking_turns``). That is how the local runtime runs a colocated mesh: each node's executor
   is a Python thread of its own and they alternate under the group's lock; each has its own
   OpenMP team, whose idle workers keep spinning a while after their turn (libgomp's active wait)
   and slow the other's, so a mesh of every core gains much less than one thread's pass with all
@@ -78,8 +78,9 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         flops_by_width, decode_flops_by_width, train_flops_by_width: ``(w, FLOP/s)`` of the built-in
             transformer's forward, one-token forward and forward + backward at width ``w`` on one
             thread alone, for ``w`` in ``WIDTHS`` (the ``DeviceSpec`` fields of these names).
-        thread_speedup: time of the width-64 training pass on one thread alone over its time with
-            ``cores`` intra-op threads, two Python threads taking turns (``DeviceSpec.thread_speedup``).
+        thread_speedup, gen_thread_speedup: time of the width-64 training pass (8 decode-shaped
+            passes) on one thread alone over its time with ``cores`` intra-op threads, a training
+            and a generating Python thread taking turns (the ``DeviceSpec`` fields).
         shared_slowdown: ``_shared_slowdown`` (``DeviceSpec.shared_slowdown``).
         slot_row_overhead_s: ``_slot_row_overhead`` (``DeviceSpec.slot_row_overhead_s``).
         decode_step_overhead_s: seconds of one decode step of the built-in generator outside its
@@ -97,6 +98,7 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     decode_flops_by_width: tuple[tuple[int, float], ...] = ()
     train_flops_by_width: tuple[tuple[int, float], ...] = ()
     thread_speedup: float = 0.0
+    gen_thread_speedup: float = 0.0
     shared_slowdown: float = 1.0
     decode_step_overhead_s: float = 0.0
     slot_row_overhead_s: float = 0.0
@@ -244,11 +246,22 @@ def _shared_slowdown(decode: Callable[[], object], train: Callable[[], object], 
     return max(1.0, math.sqrt(decode_side / decode_alone * train_side / train_alone))
 
 
-def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: str) -> float:
-    """Seconds of one call when one Python thread per entry of ``calls`` runs its own in turn (one at
-    a time, as colocated executors do), ``rounds`` turns each; the first round is warm-up."""
+def _generation_like(decode: Callable[[], object], steps: int = 8) -> Callable[[], object]:
+    """``steps`` decode-shaped passes in a row: a generator's turn."""
+
+    def generate() -> object:
+        for _ in range(steps):
+            decode()
+        return None
+
+    return generate
+
+
+def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: str) -> list[float]:
+    """Seconds of one call of each of ``calls`` when one Python thread per entry runs its own in turn
+    (one at a time, as colocated executors do), ``rounds`` turns each; the first round is warm-up."""
     turn = [threading.Semaphore(1)] + [threading.Semaphore(0) for _ in calls[1:]]
-    times: list[float] = []
+    times: list[list[float]] = [[] for _ in calls]
 
     def work(i: int) -> None:
         for r in range(rounds + 1):
@@ -256,7 +269,7 @@ def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: 
             t0 = time.perf_counter()
             calls[i]()
             if r:
-                times.append(time.perf_counter() - t0)
+                times[i].append(time.perf_counter() - t0)
             turn[(i + 1) % len(calls)].release()
 
     pool = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
@@ -264,7 +277,7 @@ def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: 
         th.start()
     for th in pool:
         th.join()
-    return min(times) if statistic == "best" else statistics.median(times)
+    return [min(t) if statistic == "best" else statistics.median(t) for t in times]
 
 
 def _decode_overhead(repeats: int) -> float:
@@ -369,8 +382,10 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         train_64, decode_64 = _pass_call(64, "train"), _pass_call(64, "decode")
         t_one = _timed([train_64], inner=2, repeats=repeats, statistic=statistic)
         shared = _shared_slowdown(decode_64, train_64, cores=cores, repeats=repeats, statistic=statistic)
+        generate_64 = _generation_like(decode_64)
+        t_gen_one = _timed([generate_64], inner=1, repeats=repeats, statistic=statistic)
         torch.set_num_threads(cores)
-        t_all = _taking_turns([train_64, _pass_call(64, "train")], rounds=4 * repeats, statistic=statistic)
+        t_gen_all, t_all = _taking_turns([generate_64, train_64], rounds=4 * repeats, statistic=statistic)
         torch.set_num_threads(1)
         decode_s = _decode_overhead(repeats)
         slot_s = _slot_row_overhead(repeats)
@@ -388,6 +403,7 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         decode_flops_by_width=rates["decode"],
         train_flops_by_width=rates["train"],
         thread_speedup=t_one / t_all,
+        gen_thread_speedup=t_gen_one / t_gen_all,
         shared_slowdown=shared,
         decode_step_overhead_s=decode_s,
         slot_row_overhead_s=slot_s,
@@ -408,6 +424,7 @@ def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterS
         decode_flops_by_width=m.decode_flops_by_width,
         train_flops_by_width=m.train_flops_by_width,
         thread_speedup=m.thread_speedup,
+        gen_thread_speedup=m.gen_thread_speedup,
         shared_slowdown=m.shared_slowdown,
         decode_step_overhead_s=m.decode_step_overhead_s,
         slot_row_overhead_s=m.slot_row_overhead_s,

@@ -106,6 +106,9 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             / (devices_per_host - 1)`` times (the local runtime runs a CPU mesh as one process with
             ``n`` threads), not ``n`` data-parallel replicas, and the search gives it no tensor or
             pipeline split (there is none to run); 0 (GPU presets): ``n`` replicas.
+        gen_thread_speedup: the same for a generator's decode passes (many small operators, which
+            gain less from threads and lose more to the other executor's spinning OpenMP workers);
+            0: ``thread_speedup``.
         shared_slowdown: how much slower two meshes of one host run while both are busy than each
             alone (>= 1; measured by ``flowrl calibrate``: a generator's and a trainer's pass side by
             side in one process, each on its own core); the asynchronous schedule applies it while
@@ -141,6 +144,7 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
     decode_flops_by_width: tuple[tuple[int, float], ...] = ()
     train_flops_by_width: tuple[tuple[int, float], ...] = ()
     thread_speedup: float = 0.0
+    gen_thread_speedup: float = 0.0
     shared_slowdown: float = 1.0
     decode_step_overhead_s: float = 0.0
     slot_row_overhead_s: float = 0.0
@@ -152,7 +156,8 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             if not (value > 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number > 0")
         for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth",
-                      "thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s"):
+                      "thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s",
+                      "train_step_overhead_s"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number >= 0")
@@ -202,17 +207,20 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
         (w0, f0), (w1, f1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= width <= b[0])
         return f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
 
-    def mesh_speedup(self, n: int, per_host: int) -> float:
+    def mesh_speedup(self, n: int, per_host: int, *, generator: bool = False) -> float:
         """How much faster ``n`` of these devices, on hosts of ``per_host``, run one mesh's work than
-        one device; ``n`` unless ``thread_speedup`` is set (see its attribute).
+        one device; ``n`` unless ``thread_speedup`` is set (see its attribute; a ``generator``'s
+        mesh uses ``gen_thread_speedup`` when set).
 
         Example:
-            >>> round(cpu_device(cores=4, memory_bytes=2**30, thread_speedup=1.6).mesh_speedup(3, 4), 6)
-            1.4
+            >>> d = cpu_device(cores=4, memory_bytes=2**30, thread_speedup=1.6, gen_thread_speedup=1.3)
+            >>> round(d.mesh_speedup(3, 4), 6), round(d.mesh_speedup(3, 4, generator=True), 6)
+            (1.4, 1.2)
         """
         if self.thread_speedup <= 0 or n <= 1:
             return float(n)
-        return 1 + (self.thread_speedup - 1) * (n - 1) / max(1, per_host - 1)
+        speedup = self.gen_thread_speedup if generator and self.gen_thread_speedup > 0 else self.thread_speedup
+        return 1 + (speedup - 1) * (n - 1) / max(1, per_host - 1)
 
     @property
     def dtype_bytes(self) -> int:
@@ -323,6 +331,7 @@ def cpu_device(
     decode_flops_by_width: tuple[tuple[int, float], ...] = (),
     train_flops_by_width: tuple[tuple[int, float], ...] = (),
     thread_speedup: float = 0.0,
+    gen_thread_speedup: float = 0.0,
     shared_slowdown: float = 1.0,
     decode_step_overhead_s: float = 0.0,
     slot_row_overhead_s: float = 0.0,
@@ -356,6 +365,7 @@ def cpu_device(
         decode_flops_by_width=decode_flops_by_width,
         train_flops_by_width=train_flops_by_width,
         thread_speedup=thread_speedup,
+        gen_thread_speedup=gen_thread_speedup,
         shared_slowdown=shared_slowdown,
         decode_step_overhead_s=decode_step_overhead_s,
         slot_row_overhead_s=slot_row_overhead_s,

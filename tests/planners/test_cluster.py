@@ -112,7 +112,7 @@ def test_measure_returns_positive_figures():
     assert m.matmul_flops > 0 and m.copy_bandwidth > 0 and m.op_overhead_s > 0
     for table in (m.flops_by_width, m.decode_flops_by_width, m.train_flops_by_width):
         assert [w for w, _ in table] == list(WIDTHS) and all(rate > 0 for _, rate in table)
-    assert m.thread_speedup > 0 and m.shared_slowdown >= 1 and m.decode_step_overhead_s >= 0 and m.slot_row_overhead_s >= 0
+    assert m.thread_speedup > 0 and m.gen_thread_speedup > 0 and m.shared_slowdown >= 1 and m.decode_step_overhead_s >= 0 and m.slot_row_overhead_s >= 0
     calibrated_cluster(m)  # every measured figure is a valid DeviceSpec field
     assert msgspec.json.decode(msgspec.json.encode(m), type=Measurements) == m
 

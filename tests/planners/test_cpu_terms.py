@@ -88,9 +88,26 @@ def test_measured_generate_rates_take_no_mfu_and_no_launches():
     assert est.breakdown["launch"] == 0.0
 
 
-@pytest.mark.parametrize("speedup, expected", [(0.0, 4.0), (1.6, 1 + 0.6 * 3 / 7), (1.0, 1.0)], ids=["gpu-replicas", "measured", "no-gain"])
-def test_mesh_speedup(speedup, expected):
-    assert device(thread_speedup=speedup).mesh_speedup(4, 8) == pytest.approx(expected)
+@pytest.mark.parametrize(
+    "speedups, generator, expected",
+    [
+        ((0.0, 0.0), False, 4.0),
+        ((1.6, 0.0), False, 1 + 0.6 * 3 / 7),
+        ((1.6, 0.0), True, 1 + 0.6 * 3 / 7),  # no generator figure: the trainer's
+        ((1.6, 1.2), True, 1 + 0.2 * 3 / 7),
+        ((1.0, 1.2), False, 1.0),
+    ],
+    ids=["gpu-replicas", "measured", "generator-falls-back", "generator-own", "no-gain"],
+)
+def test_mesh_speedup(speedups, generator, expected):
+    dev = device(thread_speedup=speedups[0], gen_thread_speedup=speedups[1])
+    assert dev.mesh_speedup(4, 8, generator=generator) == pytest.approx(expected)
+
+
+def test_a_cpu_generator_mesh_uses_its_own_thread_speedup():
+    one = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=device(thread_speedup=1.5, gen_thread_speedup=1.25), per_host=2))
+    mesh = estimate_generate(TINY, ParallelDims(dp=2), range(2), ctx(dev=device(thread_speedup=1.5, gen_thread_speedup=1.25), per_host=2))
+    assert mesh.time_s == pytest.approx(one.time_s / 1.25)
 
 
 def test_cpu_mesh_is_one_replica_sped_up_by_threads():
@@ -131,9 +148,10 @@ def test_train_step_overhead_is_paid_once_per_optimizer_step():
 # -- flowrl's own trainer and slot batcher on a CPU device ------------------------------------------------
 def test_cpu_trainer_pads_the_whole_batch_to_its_longest_sequence():
     # 4 sequences of 3 prompt tokens + 1 or 3 completion tokens: padded, one micro-batch of 4 (the
-    # trainer's micro_batch_size 0) costs 4 x (3 + E[max of 4]) tokens; packed, 4 x (3 + 2) tokens
+    # trainer's micro_batch_size 0) costs 4 x (3 + E[max of 4] - 1) tokens (the last token predicts
+    # nothing); packed, 4 x (3 + 2) tokens
     cpu = cpu_device(cores=1, memory_bytes=10**9, peak_flops=1e12, memory_bandwidth=1e11, kernel_overhead_s=0.0)
-    s_pad = 3 + 1 + 2 * (1 - 0.5**4)
+    s_pad = 3 + 1 + 2 * (1 - 0.5**4) - 1
     padded = estimate_train(TINY, ParallelDims(), range(1), ctx(dev=cpu, work=LONG_WORK))
     assert padded.notes[0] == "micro-batch 4 x 1"
     assert padded.breakdown["compute"] == pytest.approx(3 * 4 * s_pad * F_TOK(s_pad / 2) / 1e12)
@@ -193,10 +211,10 @@ def test_calibrated_cluster_carries_every_measured_term():
     m = Measurements(
         matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30,
         flops_by_width=((64, 3e10),), decode_flops_by_width=((64, 2e10),), train_flops_by_width=((64, 2.5e10),),
-        thread_speedup=1.3, shared_slowdown=1.2, decode_step_overhead_s=2e-4, slot_row_overhead_s=5e-6,
+        thread_speedup=1.3, gen_thread_speedup=1.1, shared_slowdown=1.2, decode_step_overhead_s=2e-4, slot_row_overhead_s=5e-6,
     )
     dev = calibrated_cluster(m).device
-    got = (dev.flops_at(64), dev.flops_at(64, "decode"), dev.flops_at(64, "train"), dev.thread_speedup, dev.shared_slowdown,
-           dev.decode_step_overhead_s, dev.slot_row_overhead_s)
-    assert got == (3e10, 2e10, 2.5e10, 1.3, 1.2, 2e-4, 5e-6)
+    got = (dev.flops_at(64), dev.flops_at(64, "decode"), dev.flops_at(64, "train"), dev.thread_speedup, dev.gen_thread_speedup,
+           dev.shared_slowdown, dev.decode_step_overhead_s, dev.slot_row_overhead_s)
+    assert got == (3e10, 2e10, 2.5e10, 1.3, 1.1, 1.2, 2e-4, 5e-6)
     assert isinstance(calibrated_cluster(m), ClusterSpec)

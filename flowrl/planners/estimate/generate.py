@@ -126,7 +126,7 @@ def estimate_generate(
     h, L, V = model.dim, model.n_layers, model.vocab_size
     layers = stage_layers(L, pp)  # the largest stage: its memory must fit (stages may be uneven)
     replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
-    speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
+    speedup = dev.mesh_speedup(dp, c.devices_per_host, generator=True) / replicas
     per_replica = math.ceil(w.sequences / replicas)
     weights = int(model.params * wb * layers / (L * tp))
     kv_token = 2 * layers * math.ceil(model.n_kv_heads / tp) * model.head_dim * kvb

@@ -4,7 +4,7 @@ Notation: S sequences per step of at most s tokens and ``s_bar`` on average (``W
 mean completion; sequences are packed, so time follows the mean and memory the longest; with
 ``Tuning.packed_sequences`` off, the default on a CPU device, each micro-batch is padded to its
 longest sequence as flowrl's built-in trainer does, so ``s_bar`` is prompt + the expected longest
-of ``mb`` completions), model of L layers, width h, MLP width f,
+of ``mb`` completions - 1, the last token predicting nothing), model of L layers, width h, MLP width f,
 vocabulary V, P parameters; mesh dp x tp x pp; micro-batches of ``mb`` sequences, so each
 data-parallel rank runs ``m = ceil(ceil(S / dp) / mb)`` micro-batches.
 
@@ -153,7 +153,7 @@ def train_options(
 
     def mean_len(mb: int) -> float:
         """Tokens per sequence a micro-batch of ``mb`` costs: the mean packed, its longest padded."""
-        return w.mean_seq_len if packed else w.prompt_len + dist.expected_max(mb)
+        return w.mean_seq_len if packed else w.prompt_len + dist.expected_max(mb) - 1  # the last token predicts nothing
 
     replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
     speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
