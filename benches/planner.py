@@ -48,7 +48,7 @@ from flowrl.planners.calibrate import calibrated_cluster, measure
 from flowrl.planners.cluster import parse_cluster
 from flowrl.planners.estimate.common import Context
 from flowrl.planners.lengths import lengths_from_metrics, mean_and_tail
-from flowrl.planners.modelspec import model_preset
+from flowrl.planners.modelspec import model_from_config, model_preset
 from flowrl.planners.plan import Plan, plan_graph, save_plan
 from flowrl.planners.search import Candidate, resolve_roles
 from flowrl.planners.timeline import predicted_trace
@@ -78,11 +78,36 @@ LLAMARL_CLUSTER = "1024xH100"
 
 
 # -- 1. predicted against measured, here ---------------------------------------------------------
-def _measured_workload(graph: Graph, steps: int, batching: str | None, folder: str) -> tuple[Workload, float]:
-    """The example's workload with its completion lengths from a short real run and its mean prompt length."""
-    metrics = os.path.join(folder, "warmup.jsonl")
+def _with_batching(graph: Graph, batching: str | None) -> Graph:
+    """``graph`` with its generators' ``sampling.batching`` set to ``batching`` (None: unchanged), so
+    the run measured is the one the prediction assumes."""
+    if batching is None:
+        return graph
+    nodes = [
+        msgspec.structs.replace(n, sampling=msgspec.structs.replace(n.sampling, batching=batching)) if n.kind == "generator" else n  # type: ignore[union-attr]
+        for n in graph.nodes
+    ]
+    return Graph(msgspec.structs.replace(graph.spec, nodes=nodes))
+
+
+def _span_medians(trace: str) -> dict[str, float]:
+    """Median seconds of each span name in a runtime trace (Chrome trace JSON)."""
+    with open(trace, "rb") as f:
+        events = msgspec.json.decode(f.read())["traceEvents"]
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            spans.setdefault(e["name"], []).append(e["dur"] / 1e6)
+    return {name: statistics.median(v) for name, v in spans.items()}
+
+
+def _measured_workload(graph: Graph, steps: int, batching: str | None, folder: str) -> tuple[Workload, dict[str, float], float]:
+    """From a short real run of the example: its workload (completion lengths, mean prompt length)
+    and the host costs of its scorer and source per sample and per prompt (``Tuning`` overrides:
+    these are the graph's own functions, not the machine's)."""
+    metrics, trace = os.path.join(folder, "warmup.jsonl"), os.path.join(folder, "warmup.trace.json")
     t0 = time.perf_counter()
-    run_graph(graph, RunConfig(steps=steps, metrics=metrics, progress=False))
+    run_graph(graph, RunConfig(steps=steps, metrics=metrics, trace=trace, progress=False))
     warm_s = time.perf_counter() - t0
     lengths = lengths_from_metrics(metrics)
     source = graph.nodes_of_kind("source")[0].source  # type: ignore[union-attr]
@@ -90,47 +115,66 @@ def _measured_workload(graph: Graph, steps: int, batching: str | None, folder: s
     n = source.batch_size * steps
     prompt_len = max(1, round(sum(len(task.prompt(i)) for i in range(n)) / n))
     workload = workload_from_graph(graph, prompt_len=prompt_len, lengths=lengths, batching=batching)
-    return workload, warm_s
+    spans = _span_medians(trace)
+    host = {"scorer_s_per_sample": spans.get("score", 0.0) / workload.sequences, "source_s_per_prompt": spans.get("prompts", 0.0) / workload.prompts_per_step}
+    return workload, host, warm_s
 
 
 def _measured_step(plan: Plan, graph: Graph, k: int, steps: int, folder: str, label: str, trace_dir: str | None) -> dict:
     path = os.path.join(folder, f"{label}.json")
     save_plan(plan, path)
-    trace = os.path.join(trace_dir, f"{label}.measured.json") if trace_dir else None
+    trace = os.path.join(trace_dir or folder, f"{label}.measured.json")
     result = run_graph(graph, RunConfig(steps=steps, plan=path, max_staleness=k, progress=False, trace=trace))
     if trace_dir:
         predicted_trace(plan, steps=steps).save(os.path.join(trace_dir, f"{label}.predicted.json"))
     times = [row["time_s"] for row in result.rows]
     skip = min(5, len(times) // 3)
     intervals = [b - a for a, b in zip(times, times[1:])][skip:]
-    rows = result.rows[skip + 1 :]
     step = statistics.median(intervals)
+    spans = _span_medians(trace)
     kinds = {n: p.kind for n, p in plan.placements.items()}
-    predicted_gen = sum(p.time_s for n, p in plan.placements.items() if kinds[n] == "generator")
-    predicted_train = sum(p.time_s for n, p in plan.placements.items() if kinds[n] in ("policy", "reference"))
+
+    def predicted(*wanted: str) -> float:
+        return sum(p.time_s for n, p in plan.placements.items() if kinds[n] in wanted)
+
+    # per component: the plan's time beside the median span of the measured run (the measured
+    # spans include any slowdown from what ran beside them)
+    components = {
+        "generate_s": (predicted("generator"), spans.get("generate", 0.0)),
+        "score_s": (predicted("scorer"), spans.get("score", 0.0)),
+        "train_s": (predicted("policy", "reference"), spans.get("train", 0.0)),
+        "weight_sync_s": (sum(s.time_s for s in plan.weight_syncs), spans.get("weight publish", 0.0) + spans.get("weight fetch", 0.0)),
+    }
     return {
         "placement": str(plan),
         "predicted_step_s": round(plan.step_s, 4),
         "measured_step_s": round(step, 4),
         "predicted_over_measured": round(plan.step_s / step, 2),
         "within_0.77_1.3": 0.77 <= plan.step_s / step <= 1.3,
-        "generate_s": {"predicted": round(predicted_gen, 4), "measured_median": round(statistics.median(r["gen_s"] for r in rows), 4)},
-        "train_s": {"predicted": round(predicted_train, 4), "measured_median": round(statistics.median(r["train_s"] for r in rows), 4)},
+        **{name: {"predicted": round(p, 4), "measured_median": round(m, 4)} for name, (p, m) in components.items()},
     }
 
 
 def cpu_predicted_vs_measured(example: str, steps: int, batching: str | None, trace_dir: str | None) -> dict:
-    graph = build_example(example)
+    graph = _with_batching(build_example(example), batching)
     with tempfile.TemporaryDirectory() as folder:
-        workload, warm_s = _measured_workload(graph, max(3, steps // 5), batching, folder)
-        out: dict = {"example": example, "workload": workload.short(), "steps": steps}
+        workload, host, warm_s = _measured_workload(graph, max(3, steps // 5), batching, folder)
+        out: dict = {"example": example, "workload": workload.short(), "steps": steps, "host_costs_measured": {k: f"{v * 1e6:.1f} us" for k, v in host.items()}}
         for label, strategy, k in (("sync_k0", "colocated", 0), ("async_k1", "disaggregated", 1), ("async_k2", "disaggregated", 2)):
             # calibrated right before each run: on a shared machine the load drifts within minutes
             load_before = os.getloadavg()[0]
             m = measure()
-            plan = plan_graph(graph, calibrated_cluster(m), strategy=strategy, max_staleness=k, workload=workload)
+            plan = plan_graph(graph, calibrated_cluster(m), strategy=strategy, max_staleness=k, workload=workload, **host)
             out[label] = _measured_step(plan, graph, k, steps, folder, label, trace_dir)
+            width = model_from_config(graph.nodes_of_kind("policy")[0].model).dim  # type: ignore[union-attr]
+            dev = plan.cluster_spec.device
             out[label]["calibrated"] = {
+                f"gflops_per_core_at_width_{width}": {kind: round(dev.flops_at(width, kind) / 1e9, 1) for kind in ("forward", "decode", "train")},
+                "thread_speedup": round(m.thread_speedup, 2),
+                "gen_thread_speedup": round(m.gen_thread_speedup, 2),
+                "shared_slowdown": round(m.shared_slowdown, 2),
+                "decode_step_overhead_us": round(m.decode_step_overhead_s * 1e6, 1),
+                "slot_row_overhead_us": round(m.slot_row_overhead_s * 1e6, 2),
                 "matmul_gflops_per_core": round(m.matmul_flops / 1e9, 1),
                 "copy_gb_per_s": round(m.copy_bandwidth / 1e9, 2),
                 "op_overhead_us": round(m.op_overhead_s * 1e6, 2),

@@ -1,4 +1,4 @@
-"""``flowrl calibrate``: measure this machine (matmul FLOP/s, memory copy, operator overhead) into a cluster spec."""
+"""``flowrl calibrate``: measure this machine (the built-in model's pass rates, thread speedup, overheads) into a cluster spec."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "calibrate",
         help="measure this CPU into a cluster spec for 'flowrl plan --cluster FILE'",
         description=(
-            "Run micro-benchmarks on one core (float32 matmul FLOP/s, memory-copy bandwidth, operator "
-            "overhead; about two seconds) and write a 'cpu-calibrated' cluster spec: one device per core."
+            "Run micro-benchmarks (float32 matmul FLOP/s, memory-copy bandwidth, operator overhead; the "
+            "built-in model's forward, decode and training passes by width; the speedup of a mesh of every "
+            "core, the slowdown of two meshes side by side, the generators' per-step overheads; about ten "
+            "seconds) and write a 'cpu-calibrated' cluster spec: one device per core."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -54,6 +56,16 @@ def _run(args: argparse.Namespace) -> int:
         f"matmul {m.matmul_flops / 1e9:.1f} GFLOP/s per core ({m.matmul_size}^3 float32), memory copy "
         f"{m.copy_bandwidth / 1e9:.2f} GB/s, operator overhead {m.op_overhead_s * 1e6:.2f} us, "
         f"{m.cores} cores, {m.memory_bytes / 2**30:.1f} GiB RAM",
+        file=sys.stderr,
+    )
+    rates = ", ".join(
+        f"{kind} {' '.join(f'{w}:{f / 1e9:.1f}' for w, f in table)}"
+        for kind, table in (("forward", m.flops_by_width), ("decode", m.decode_flops_by_width), ("train", m.train_flops_by_width))
+    )
+    print(
+        f"model passes, GFLOP/s by width: {rates}; thread speedup {m.thread_speedup:.2f} (generating {m.gen_thread_speedup:.2f}), shared slowdown "
+        f"{m.shared_slowdown:.2f}, decode step overhead {m.decode_step_overhead_s * 1e6:.0f} us, slot row "
+        f"overhead {m.slot_row_overhead_s * 1e6:.1f} us",
         file=sys.stderr,
     )
     data = cluster_to_json(cluster)

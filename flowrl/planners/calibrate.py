@@ -1,10 +1,10 @@
-"""Calibration: measure this machine's own figures (matmul FLOP/s, memory-copy bandwidth, operator overhead).
+"""Calibration: measure this machine's own figures as the local runtime meets them (pass rates, threads, overheads).
 
-``measure()`` runs three micro-benchmarks on every core at once (one thread per core, as the local
-backend runs colocation groups side by side; a device of the ``cpu`` preset is one core) and
-keeps the median of several repeats: a run gets what a core delivers while its neighbours work
-and while the rest of the machine does whatever it does, not what an idle core does at its best
-moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives the latter):
+``measure()`` keeps the median of several repeats of each figure: a run gets what the machine
+delivers while the rest of it does whatever it does, not its best moment (on a shared machine
+the two differ by 2-3x; ``statistic="best"`` gives the latter). The first three run on every core
+at once (one thread per core; a device of the ``cpu`` preset is one core); the model's passes run
+on one thread, and what running beside another mesh costs is measured on its own:
 
 - matmul: ``C = A @ B`` on float32 ``n x n`` matrices; ``2 n^3 / seconds``;
 - memory copy: ``dst.copy_(src)`` of a float32 buffer; ``bytes / seconds`` (one read and one
@@ -12,7 +12,30 @@ moment (on a shared machine the two differ by 2-3x; ``statistic="best"`` gives t
 - operator overhead: a transformer-block-shaped chain of 16 operators (norms, linears, softmax,
   SiLU, residual adds) on 8-wide tensors, where the work is nil; seconds / 16 is the fixed cost of
   one operator as model code calls it (dispatch, allocation, Python, the GIL shared with the
-  other threads), the planner's ``kernel_overhead_s``.
+  other threads), the planner's ``kernel_overhead_s``;
+- the built-in transformer's own passes by width (``_pass_rates``), one thread alone (how the local
+  runtime runs a node with its cores to itself; ``shared_slowdown`` is what running beside another
+  costs): for each ``w`` in ``WIDTHS``, a 2-layer model of width ``w`` runs a forward on
+  ``[256 x 8]`` tokens (prefill-shaped), a forward of one token on 256 rows (decode-shaped) and a forward + backward on ``[256 x 8]`` (training); FLOP/s
+  is the FLOPs the planner counts for that pass (``ModelSpec.forward_flops_per_token``, three times
+  it for forward + backward) over the seconds it took. The rate so includes everything the pass
+  really does beside its matmuls (norms, attention, SiLU, launches: on a CPU core at these widths
+  matmuls are a third of a training step), so the estimates apply neither an MFU factor nor a
+  launch term to it (``DeviceSpec.flops_by_width``);
+- ``shared_slowdown``: how much slower a decode-shaped pass and the training pass run side by side,
+  each on a core of its own, than alone (``_shared_slowdown``: a disaggregated generator and trainer
+  in one process share its GIL, the memory system and whatever else the machine runs);
+- ``thread_speedup`` / ``gen_thread_speedup``: the width-64 training pass (a generator's turn: 8
+  decode-shaped passes) alone on one thread over its time with one intra-op thread per core when
+  two Python threads take turns, one generating, one training (``_taking_turns``). That is how the local runtime runs a colocated mesh: each node's executor
+  is a Python thread of its own and they alternate under the group's lock; each has its own
+  OpenMP team, whose idle workers keep spinning a while after their turn (libgomp's active wait)
+  and slow the other's, so a mesh of every core gains much less than one thread's pass with all
+  of them would suggest (0.7-1.7 measured on a shared 2-core machine, where one Python thread
+  alone gains 1.6 when the machine is quiet);
+- ``decode_step_overhead_s``: a decode step of the built-in generator outside its blocks (``_decode_overhead``);
+- ``slot_row_overhead_s``: what the continuous generator's slot batcher spends per busy row per
+  decode step beyond lock step (``_slot_row_overhead``).
 
 ``calibrated_cluster(measurements)`` (pure) turns them into a ``ClusterSpec`` named
 ``cpu-calibrated``; ``flowrl calibrate -o cpu.json`` writes it and ``--cluster cpu.json`` reads it.
@@ -25,17 +48,20 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.planners.cluster import ClusterSpec, _host_cores, host_memory_bytes, cpu_device
+from flowrl.planners.modelspec import ModelSpec
 
-__all__ = ["Measurements", "measure", "calibrated_cluster"]
+__all__ = ["Measurements", "measure", "calibrated_cluster", "pass_flops", "PASSES", "WIDTHS"]
 
 
 class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,6 +75,16 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         memory_bytes: the machine's RAM.
         matmul_size: the n of the n x n matmul.
         copy_bytes: the size of the copied buffer.
+        flops_by_width, decode_flops_by_width, train_flops_by_width: ``(w, FLOP/s)`` of the built-in
+            transformer's forward, one-token forward and forward + backward at width ``w`` on one
+            thread alone, for ``w`` in ``WIDTHS`` (the ``DeviceSpec`` fields of these names).
+        thread_speedup, gen_thread_speedup: time of the width-64 training pass (8 decode-shaped
+            passes) on one thread alone over its time with ``cores`` intra-op threads, a training
+            and a generating Python thread taking turns (the ``DeviceSpec`` fields).
+        shared_slowdown: ``_shared_slowdown`` (``DeviceSpec.shared_slowdown``).
+        slot_row_overhead_s: ``_slot_row_overhead`` (``DeviceSpec.slot_row_overhead_s``).
+        decode_step_overhead_s: seconds of one decode step of the built-in generator outside its
+            transformer blocks, at one row (``DeviceSpec.decode_step_overhead_s``; ``_decode_overhead``).
     """
 
     matmul_flops: float
@@ -58,6 +94,14 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     memory_bytes: int
     matmul_size: int = 256
     copy_bytes: int = 32 * 2**20
+    flops_by_width: tuple[tuple[int, float], ...] = ()
+    decode_flops_by_width: tuple[tuple[int, float], ...] = ()
+    train_flops_by_width: tuple[tuple[int, float], ...] = ()
+    thread_speedup: float = 0.0
+    gen_thread_speedup: float = 0.0
+    shared_slowdown: float = 1.0
+    decode_step_overhead_s: float = 0.0
+    slot_row_overhead_s: float = 0.0
 
 
 def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, statistic: str) -> float:
@@ -86,25 +130,211 @@ def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, stati
 
 #: Operators in ``_tiny_block``.
 BLOCK_OPS = 16
+#: Model widths the pass rates are measured at (the built-in examples are 64 wide; a CPU core
+#: trains a 512-wide model too slowly to be worth a calibration second, the table's last rate holds above).
+WIDTHS = (32, 64, 128, 256)
+#: Rows and tokens per row of the prefill-shaped and training passes (decode: one token per row).
+PASS_ROWS, PASS_TOKENS = 256, 8
 
 
-def _tiny_block() -> Callable[[], object]:
-    """16 operators shaped like one transformer block's forward, on tensors too small to do work."""
+def _tiny_block(rows: int = 4, width: int = 8) -> Callable[[], object]:
+    """16 operators shaped like one transformer block's forward on ``[rows x width]`` tensors (the
+    default: too small to do work)."""
     import torch as t
     import torch.nn.functional as F
 
-    x, w = t.randn(4, 8), t.randn(8, 8)
+    x, w = t.randn(rows, width), t.randn(width, width)
 
     def block() -> object:
-        h = F.rms_norm(x, (8,))  # 1
+        h = F.rms_norm(x, (width,))  # 1
         q, k, v = F.linear(h, w), F.linear(h, w), F.linear(h, w)  # 4
         a = t.softmax(q @ k.T, dim=-1)  # 6
         y = x + F.linear(a @ v, w)  # 9
-        h2 = F.rms_norm(y, (8,))  # 10
+        h2 = F.rms_norm(y, (width,))  # 10
         g = F.silu(F.linear(h2, w)) * F.linear(h2, w)  # 14
         return y + F.linear(g, w)  # 16
 
     return block
+
+
+#: The passes ``_pass_rates`` times: (rows, tokens per row, forward + backward).
+PASSES = {"forward": (PASS_ROWS, PASS_TOKENS, False), "decode": (PASS_ROWS, 1, False), "train": (PASS_ROWS, PASS_TOKENS, True)}
+
+
+def _pass_model(width: int) -> tuple[Any, ModelSpec]:
+    """The built-in 2-layer transformer of width ``width`` (16-wide heads) and its planner spec."""
+    from flowrl.graph.configs import ModelConfig
+    from flowrl.models import build_model
+    from flowrl.planners.modelspec import model_from_config
+
+    heads = max(1, width // 16)
+    config = ModelConfig(vocab_size=16, dim=width, n_layers=2, n_heads=heads, n_kv_heads=heads, max_seq_len=2 * PASS_TOKENS)
+    return build_model(config), model_from_config(config)
+
+
+def _pass_call(width: int, kind: str) -> Callable[[], object]:
+    """One ``PASSES[kind]`` pass of a fresh width-``width`` model (warmed up)."""
+    import torch
+
+    model, _ = _pass_model(width)
+    rows, tokens, backward = PASSES[kind]
+    x = torch.randint(0, 16, (rows, tokens))
+    valid = torch.ones_like(x, dtype=torch.bool)
+
+    def call() -> object:
+        if backward:
+            model(x, valid=valid).float().sum().backward()
+            return None
+        with torch.no_grad():
+            return model(x, valid=valid)
+
+    call()
+    return call
+
+
+def pass_flops(width: int, kind: str) -> float:
+    """FLOPs the planner counts for one ``PASSES[kind]`` pass at ``width`` (``ModelSpec.forward_flops_per_token``
+    at the mean context, three times it with the backward).
+
+    Example:
+        >>> round(pass_flops(64, "train") / pass_flops(64, "forward"), 6)
+        3.0
+    """
+    _, spec = _pass_model(width)
+    rows, tokens, backward = PASSES[kind]
+    return rows * tokens * spec.forward_flops_per_token(tokens / 2) * (3 if backward else 1)
+
+
+def _pass_rates(*, repeats: int, statistic: str) -> dict[str, tuple[tuple[int, float], ...]]:
+    """``{pass: ((width, FLOP/s), ...)}`` for every pass of ``PASSES`` and width of ``WIDTHS``, one
+    thread alone. The repeats go round every (pass, width) in turn, so each one's statistic spans
+    the whole measurement rather than one moment of a shared machine's load."""
+    calls = {(kind, width): _pass_call(width, kind) for kind in PASSES for width in WIDTHS}
+    seconds: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            seconds[key].append(_timed([call], inner=1, repeats=1, statistic=statistic))
+    pick = min if statistic == "best" else statistics.median
+    return {kind: tuple((width, pass_flops(width, kind) / pick(seconds[(kind, width)])) for width in WIDTHS) for kind in PASSES}
+
+
+def _shared_slowdown(decode: Callable[[], object], train: Callable[[], object], *, cores: int, repeats: int, statistic: str) -> float:
+    """How much slower a generator's and a trainer's passes run side by side, each on its own core
+    with one intra-op thread (a disaggregated placement in one process), than each alone: the
+    geometric mean of the decode pass's and the training pass's ratio; 1 on one core."""
+    if cores < 2:
+        return 1.0
+    decode_alone = _timed([decode], inner=8, repeats=repeats, statistic=statistic)
+    train_alone = _timed([train], inner=2, repeats=repeats, statistic=statistic)
+    stop = threading.Event()
+    done: list[float] = []
+
+    def generate() -> None:  # decode passes for as long as the trainer runs
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            decode()
+            done.append(time.perf_counter() - t0)
+
+    side = threading.Thread(target=generate)
+    side.start()
+    try:
+        train_side = _timed([train], inner=2, repeats=repeats, statistic=statistic)
+    finally:
+        stop.set()
+        side.join()
+    decode_side = (min if statistic == "best" else statistics.median)(done[1:] or done)
+    return max(1.0, math.sqrt(decode_side / decode_alone * train_side / train_alone))
+
+
+def _generation_like(decode: Callable[[], object], steps: int = 8) -> Callable[[], object]:
+    """``steps`` decode-shaped passes in a row: a generator's turn."""
+
+    def generate() -> object:
+        for _ in range(steps):
+            decode()
+        return None
+
+    return generate
+
+
+def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: str) -> list[float]:
+    """Seconds of one call of each of ``calls`` when one Python thread per entry runs its own in turn
+    (one at a time, as colocated executors do), ``rounds`` turns each; the first round is warm-up."""
+    turn = [threading.Semaphore(1)] + [threading.Semaphore(0) for _ in calls[1:]]
+    times: list[list[float]] = [[] for _ in calls]
+
+    def work(i: int) -> None:
+        for r in range(rounds + 1):
+            turn[i].acquire()
+            t0 = time.perf_counter()
+            calls[i]()
+            if r:
+                times[i].append(time.perf_counter() - t0)
+            turn[(i + 1) % len(calls)].release()
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return [min(t) if statistic == "best" else statistics.median(t) for t in times]
+
+
+def _decode_overhead(repeats: int) -> float:
+    """Seconds of one decode step of the built-in generator outside its blocks, at one row: with
+    ``g(L, C)`` the median time to generate ``C`` tokens with ``L`` layers, a decode step costs
+    ``d(L) = (g(L, 5) - g(L, 1)) / 4`` and its non-block part is ``2 d(1) - d(2)``."""
+    import torch
+
+    from flowrl.graph.configs import ModelConfig, SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+    from flowrl.operators.generation import Generator
+
+    prompt = {"prompt_ids": torch.tensor([[1, 4, 14, 3, 5]]), "prompt_lens": torch.tensor([5]), "prompt_index": torch.tensor([0])}
+
+    def step_s(layers: int) -> float:
+        model = ModelConfig(vocab_size=16, dim=64, n_layers=layers, n_heads=4, n_kv_heads=4, max_seq_len=32)
+        gens = {}
+        for tokens in (1, 5):  # stop_tokens=() : every row runs to max_new_tokens
+            node = GeneratorNode(name="gen", model=model, sampling=SamplingConfig(n_samples=1, max_new_tokens=tokens, stop_tokens=(99,)))
+            gens[tokens] = Generator(node, seed=0)
+            gens[tokens].generate(prompt)
+        g1 = _timed([lambda: gens[1].generate(prompt)], inner=20, repeats=repeats, statistic="median")
+        g5 = _timed([lambda: gens[5].generate(prompt)], inner=20, repeats=repeats, statistic="median")
+        return (g5 - g1) / 4
+
+    return max(0.0, 2 * step_s(1) - step_s(2))
+
+
+def _slot_row_overhead(repeats: int, *, rows: int = 64, tokens: int = 8) -> float:
+    """Seconds per busy row per decode step that flowrl's slot batcher spends beyond lock step: the
+    same ``rows`` samples of ``tokens`` tokens (no stop token, no refill) drawn by a ``SlotBatcher``
+    and by ``Generator.generate``, the difference over ``rows * tokens``."""
+    import torch
+
+    from flowrl.graph.configs import ModelConfig, SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+    from flowrl.operators.generation import Generator
+    from flowrl.operators.slots import Sample, SlotBatcher
+
+    model = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=16)
+    node = GeneratorNode(name="gen", model=model, sampling=SamplingConfig(n_samples=1, max_new_tokens=tokens, stop_tokens=(99,)))
+    gen = Generator(node, seed=0)
+    prompt = [1, 4, 14, 3, 5]
+    batch = {"prompt_ids": torch.tensor([prompt] * rows), "prompt_lens": torch.tensor([len(prompt)] * rows)}
+
+    def slots() -> None:
+        batcher = SlotBatcher(gen, slots=rows, rng=torch.Generator().manual_seed(0))
+        for i in range(rows):
+            batcher.add(Sample(key=(i, 0), prompt=prompt))
+        while batcher.busy or batcher.waiting:
+            batcher.step()
+
+    slots()
+    gen.generate(batch)
+    t_slots = _timed([slots], inner=3, repeats=repeats, statistic="median")
+    t_lock = _timed([lambda: gen.generate(batch)], inner=3, repeats=repeats, statistic="median")
+    return max(0.0, (t_slots - t_lock) / (rows * tokens))
 
 
 def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, statistic: str = "median") -> Measurements:
@@ -147,6 +377,18 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         for block in blocks:
             block()
         t_op = _timed(blocks, inner=200, repeats=repeats, statistic=statistic) / BLOCK_OPS
+
+        rates = _pass_rates(repeats=repeats, statistic=statistic)
+        train_64, decode_64 = _pass_call(64, "train"), _pass_call(64, "decode")
+        t_one = _timed([train_64], inner=2, repeats=repeats, statistic=statistic)
+        shared = _shared_slowdown(decode_64, train_64, cores=cores, repeats=repeats, statistic=statistic)
+        generate_64 = _generation_like(decode_64)
+        t_gen_one = _timed([generate_64], inner=1, repeats=repeats, statistic=statistic)
+        torch.set_num_threads(cores)
+        t_gen_all, t_all = _taking_turns([generate_64, train_64], rounds=4 * repeats, statistic=statistic)
+        torch.set_num_threads(1)
+        decode_s = _decode_overhead(repeats)
+        slot_s = _slot_row_overhead(repeats)
     finally:
         torch.set_num_threads(threads)
     return Measurements(
@@ -157,6 +399,14 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         memory_bytes=host_memory_bytes(),
         matmul_size=n,
         copy_bytes=numel * 4,
+        flops_by_width=rates["forward"],
+        decode_flops_by_width=rates["decode"],
+        train_flops_by_width=rates["train"],
+        thread_speedup=t_one / t_all,
+        gen_thread_speedup=t_gen_one / t_gen_all,
+        shared_slowdown=shared,
+        decode_step_overhead_s=decode_s,
+        slot_row_overhead_s=slot_s,
     )
 
 
@@ -170,5 +420,13 @@ def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterS
         memory_bandwidth=m.copy_bandwidth,
         kernel_overhead_s=m.op_overhead_s,
         name="cpu",
+        flops_by_width=m.flops_by_width,
+        decode_flops_by_width=m.decode_flops_by_width,
+        train_flops_by_width=m.train_flops_by_width,
+        thread_speedup=m.thread_speedup,
+        gen_thread_speedup=m.gen_thread_speedup,
+        shared_slowdown=m.shared_slowdown,
+        decode_step_overhead_s=m.decode_step_overhead_s,
+        slot_row_overhead_s=m.slot_row_overhead_s,
     )
     return ClusterSpec(name="cpu-calibrated", hosts=1, devices_per_host=n, device=device)

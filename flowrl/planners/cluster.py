@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -87,6 +88,42 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             never offloads to the host.
         compute_dtype: the dtype ``peak_flops`` refers to, and the trainer's parameter dtype.
         default_devices_per_host: devices per host assumed by the ``NxDEVICE`` form.
+        flops_by_width: ``(width, FLOP/s)`` pairs, widths ascending: what the built-in transformer's
+            forward pass reaches on one device at width ``w`` (prefill-shaped: 256 rows of 8 tokens),
+            FLOPs counted as ``ModelSpec.forward_flops_per_token`` counts them (measured by ``flowrl
+            calibrate``). It is what the machine achieves on the whole pass (norms, attention, launches
+            included), so an estimate that uses it applies no MFU factor and no launch term. A model
+            of width ``h`` computes at the rate interpolated at ``h`` (``flops_at``); empty (GPU
+            presets): ``peak_flops`` x the ``Tuning`` MFU, plus launches.
+        decode_flops_by_width: the same for a decode-shaped pass (one token on each of 256 rows);
+            empty: ``flops_by_width``.
+        train_flops_by_width: the same for forward + backward (three times the forward FLOPs);
+            empty: ``flops_by_width``.
+        thread_speedup: how much faster one process runs the built-in model's training pass with
+            every core of the host as intra-op threads than with one (measured by ``flowrl
+            calibrate``; below 1 when the machine's other load stalls one of the threads). When > 0,
+            a mesh of ``n`` such devices is one replica sped up ``1 + (thread_speedup - 1) * (n - 1)
+            / (devices_per_host - 1)`` times (the local runtime runs a CPU mesh as one process with
+            ``n`` threads), not ``n`` data-parallel replicas, and the search gives it no tensor or
+            pipeline split (there is none to run); 0 (GPU presets): ``n`` replicas.
+        gen_thread_speedup: the same for a generator's decode passes (many small operators, which
+            gain less from threads and lose more to the other executor's spinning OpenMP workers);
+            0: ``thread_speedup``.
+        shared_slowdown: how much slower two meshes of one host run while both are busy than each
+            alone (>= 1; measured by ``flowrl calibrate``: a generator's and a trainer's pass side by
+            side in one process, each on its own core); the asynchronous schedule applies it while
+            they overlap (``schedule.shared_step_s``). 1: no slowdown (GPU presets: separate devices).
+        decode_step_overhead_s: fixed seconds of one decode step outside the transformer blocks
+            (embedding, output head, sampling: softmax, random draws, Gumbel argmax, stop checks,
+            the Python loop), measured by ``flowrl calibrate`` on the built-in generator; 0: not modelled.
+        slot_row_overhead_s: seconds a continuous generator spends per busy row per decode step
+            outside the forward (flowrl's slot batcher: each row's token, log-prob and version
+            recorded, its stop checked, its slot freed or fed), measured by ``flowrl calibrate``; 0:
+            not modelled.
+        train_step_overhead_s: fixed seconds of one optimizer step besides the blocks' passes (loss,
+            backward bookkeeping), set by hand in a cluster file; 0 (what ``flowrl calibrate``
+            writes: the built-in trainer's step is its passes plus the ``optimizer`` term within a
+            millisecond): the ``optimizer`` term only.
     """
 
     name: str
@@ -103,18 +140,87 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
     host_bandwidth: float = 0.0
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     default_devices_per_host: int = 8
+    flops_by_width: tuple[tuple[int, float], ...] = ()
+    decode_flops_by_width: tuple[tuple[int, float], ...] = ()
+    train_flops_by_width: tuple[tuple[int, float], ...] = ()
+    thread_speedup: float = 0.0
+    gen_thread_speedup: float = 0.0
+    shared_slowdown: float = 1.0
+    decode_step_overhead_s: float = 0.0
+    slot_row_overhead_s: float = 0.0
+    train_step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "peak_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
             value = getattr(self, field)
             if not (value > 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number > 0")
-        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth"):
+        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth",
+                      "thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s",
+                      "train_step_overhead_s"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number >= 0")
+        if not 1 <= self.shared_slowdown < float("inf"):
+            raise PlanError(f"DeviceSpec {self.name!r}: shared_slowdown={self.shared_slowdown} must be a finite number >= 1")
         if self.default_devices_per_host < 1:
             raise PlanError(f"DeviceSpec {self.name!r}: default_devices_per_host={self.default_devices_per_host} must be >= 1")
+        for field in ("flops_by_width", "decode_flops_by_width", "train_flops_by_width"):
+            table = getattr(self, field)
+            widths = [w for w, _ in table]
+            if widths != sorted(set(widths)) or any(w < 1 or not 0 < f < float("inf") for w, f in table):
+                raise PlanError(
+                    f"DeviceSpec {self.name!r}: {field}={table} must be (width >= 1, FLOP/s > 0) pairs, "
+                    "widths strictly ascending"
+                )
+
+    def flops_at(self, width: int, pass_kind: str = "forward") -> float:
+        """FLOP/s of a model of residual width ``width`` in one pass (``"forward"``, ``"decode"`` or
+        ``"train"``): ``measured_flops`` when there is a table, else ``peak_flops``.
+
+        Example:
+            >>> d = cpu_device(cores=2, memory_bytes=2**30, peak_flops=100e9, flops_by_width=((32, 10e9), (128, 40e9)))
+            >>> d.flops_at(64) / 1e9, d.flops_at(16) / 1e9, d.flops_at(4096) / 1e9, d.flops_at(64, "train") / 1e9
+            (25.0, 10.0, 40.0, 25.0)
+        """
+        measured = self.measured_flops(width, pass_kind)
+        return self.peak_flops if measured is None else measured
+
+    def measured_flops(self, width: int, pass_kind: str = "forward") -> float | None:
+        """The calibrated FLOP/s of a ``pass_kind`` pass at ``width``, or None (no table: a GPU preset).
+
+        The pass's own table (``decode_flops_by_width``, ``train_flops_by_width``), else
+        ``flops_by_width``, interpolated linearly in log(width) and clamped to its ends.
+
+        Raises:
+            PlanError: for an unknown ``pass_kind``.
+        """
+        if pass_kind not in ("forward", "decode", "train"):
+            raise PlanError(f"pass kind {pass_kind!r} is not one of forward, decode, train")
+        table = {"decode": self.decode_flops_by_width, "train": self.train_flops_by_width}.get(pass_kind) or self.flops_by_width
+        if not table:
+            return None
+        if width <= table[0][0]:
+            return table[0][1]
+        if width >= table[-1][0]:
+            return table[-1][1]
+        (w0, f0), (w1, f1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= width <= b[0])
+        return f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
+
+    def mesh_speedup(self, n: int, per_host: int, *, generator: bool = False) -> float:
+        """How much faster ``n`` of these devices, on hosts of ``per_host``, run one mesh's work than
+        one device; ``n`` unless ``thread_speedup`` is set (see its attribute; a ``generator``'s
+        mesh uses ``gen_thread_speedup`` when set).
+
+        Example:
+            >>> d = cpu_device(cores=4, memory_bytes=2**30, thread_speedup=1.6, gen_thread_speedup=1.3)
+            >>> round(d.mesh_speedup(3, 4), 6), round(d.mesh_speedup(3, 4, generator=True), 6)
+            (1.4, 1.2)
+        """
+        if self.thread_speedup <= 0 or n <= 1:
+            return float(n)
+        speedup = self.gen_thread_speedup if generator and self.gen_thread_speedup > 0 else self.thread_speedup
+        return 1 + (speedup - 1) * (n - 1) / max(1, per_host - 1)
 
     @property
     def dtype_bytes(self) -> int:
@@ -221,6 +327,15 @@ def cpu_device(
     memory_bandwidth: float = 8e9,
     kernel_overhead_s: float = 10e-6,
     name: str = "cpu",
+    flops_by_width: tuple[tuple[int, float], ...] = (),
+    decode_flops_by_width: tuple[tuple[int, float], ...] = (),
+    train_flops_by_width: tuple[tuple[int, float], ...] = (),
+    thread_speedup: float = 0.0,
+    gen_thread_speedup: float = 0.0,
+    shared_slowdown: float = 1.0,
+    decode_step_overhead_s: float = 0.0,
+    slot_row_overhead_s: float = 0.0,
+    train_step_overhead_s: float = 0.0,
 ) -> DeviceSpec:
     """One core of this machine as a device.
 
@@ -246,6 +361,15 @@ def cpu_device(
         kernel_overhead_s=kernel_overhead_s,
         compute_dtype="float32",
         default_devices_per_host=n,
+        flops_by_width=flops_by_width,
+        decode_flops_by_width=decode_flops_by_width,
+        train_flops_by_width=train_flops_by_width,
+        thread_speedup=thread_speedup,
+        gen_thread_speedup=gen_thread_speedup,
+        shared_slowdown=shared_slowdown,
+        decode_step_overhead_s=decode_step_overhead_s,
+        slot_row_overhead_s=slot_row_overhead_s,
+        train_step_overhead_s=train_step_overhead_s,
     )
 
 

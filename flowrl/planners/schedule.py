@@ -14,6 +14,10 @@ policy's step (time 0, the policy's estimate includes it).
   continuous generator's differs from its sync time, ``flowrl.planners.lengths``) + (1 - sync_overlap) * W
   for each weight sync it takes part in)`` - about max(G + W, T + W) when disaggregated, and
   still G + T + W when colocated, since a colocation group cannot overlap with itself.
+- **Sharing a host** (``shared_slowdown`` s > 1, a calibrated CPU: ``DeviceSpec.shared_slowdown``):
+  colocation groups on one host slow each other down while they overlap, so the async step is
+  ``shared_step_s`` of their busy times rather than their maximum: every group runs s times slower
+  while another is busy and at full speed once it is alone (two groups, busy x <= y: ``y + (s - 1) * x``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from flowrl.graph.kinds import KINDS
 from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.planners.units import device_ranges
 
-__all__ = ["Span", "StepTimes", "colocation_groups", "step_times"]
+__all__ = ["Span", "StepTimes", "colocation_groups", "step_times", "shared_step_s"]
 
 
 class Span(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -113,6 +117,23 @@ def _covers(sets: Sequence[Sequence[int]], lo: int, hi: int) -> bool:
     return reach >= hi
 
 
+def shared_step_s(busy: Sequence[float], slowdown: float) -> float:
+    """Seconds until every one of ``busy`` (seconds of work each, alone) is done when they start
+    together and each runs ``slowdown`` times slower while any other is still busy.
+
+    Example:
+        >>> shared_step_s([2.0, 5.0], 1.5), shared_step_s([2.0, 5.0], 1.0), shared_step_s([3.0], 2.0)
+        (6.0, 5.0, 3.0)
+    """
+    works = sorted(b for b in busy if b > 0)
+    elapsed = done = 0.0
+    for i, work in enumerate(works):
+        active = len(works) - i  # every unfinished one has done ``done`` seconds of its work
+        elapsed += (work - done) * (slowdown if active > 1 else 1.0)
+        done = work
+    return elapsed
+
+
 def step_times(
     graph: Graph,
     devices: Mapping[str, Sequence[int]],
@@ -123,6 +144,7 @@ def step_times(
     steady: Mapping[str, float] | None = None,
     order: Sequence[str] | None = None,
     producers: Mapping[str, Sequence[str]] | None = None,
+    shared_slowdown: float = 1.0,
 ) -> StepTimes:
     """Predicted sync and async step times of a placed graph (see the module docstring).
 
@@ -134,6 +156,8 @@ def step_times(
         steady: node -> seconds per step in the async steady state, where it differs from ``times``.
         order, producers: the graph's topological order and producers, when the caller has them
             already (the search evaluates thousands of placements of one graph).
+        shared_slowdown: how much slower colocation groups run while another is busy (they share
+            one host: ``shared_step_s``); 1 for separate devices.
     """
     resource = _resource_names(devices, graph)
     if order is None:
@@ -180,6 +204,9 @@ def step_times(
             busy[r] = start + exposed
             async_spans.append(Span(node=f"{s.src}~>{s.dst}", resource=r, what="weight sync", start_s=start, end_s=start + exposed))
     async_step = max(busy.values(), default=0.0)
+    if shared_slowdown > 1.0:
+        groups = [t for r, t in busy.items() if not r.startswith("host:")]
+        async_step = max(async_step, shared_step_s(groups, shared_slowdown))
 
     bottleneck = _bottleneck(busy, async_spans, async_step)
     return StepTimes(

@@ -342,8 +342,11 @@ class _Evaluator:
         if not feasible:
             times = {n: (t if math.isfinite(t) else 0.0) for n, t in times.items()}
         steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
+        cluster = self.ctx.cluster
+        shared = cluster.device.shared_slowdown if cluster.hosts == 1 else 1.0  # meshes on one host share it
         steps = step_times(
-            self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers
+            self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers,
+            shared_slowdown=shared,
         )
         problem = next((e.problem for e in estimates.values() if not e.feasible), "")
         return Candidate(
@@ -370,7 +373,9 @@ class _Evaluator:
 
     def _side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
         models = [self.roles.models[n] for n in side]
-        options = [d for d in enumerate_dims(len(devices), models[0]) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
+        # a CPU mesh with a measured thread speedup is one process with n intra-op threads: no tp or pp to split
+        single = 1 if self.ctx.cluster.device.thread_speedup > 0 else None
+        options = [d for d in enumerate_dims(len(devices), models[0], max_tp=single, max_pp=single) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
         ranked = []
         for dims in options:
             total, ok = 0.0, True

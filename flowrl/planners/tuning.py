@@ -50,6 +50,17 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         dp_overlap: fraction of the data-parallel gradient all-reduce hidden behind the backward pass.
         recompute_logprobs: an extra forward pass per step for old-policy log-probs; None: only for
             objectives other than AIPO (AIPO uses the generator's recorded log-probs of mu).
+        packed_sequences: whether the trainer packs its sequences (time follows the mean length)
+            or pads each micro-batch to its longest sequence (time follows the longest of ``mb``
+            completions, ``LengthDistribution.expected_max``, as flowrl's built-in trainer runs,
+            which also takes an optimizer ``micro_batch_size`` of 0 as the whole batch in one pass);
+            None: packed on GPUs (production trainers pack), padded on a CPU device (there the
+            planner predicts flowrl's own runtime).
+        cross_step_slots: whether a continuous generator in an asynchronous run fills the slots the
+            tail frees with the next step's prompts (its steady step pays the mean length, not the
+            tail: in-flight engines such as PipelineRL's); None: on GPUs yes, on a CPU device no
+            (flowrl's slot batcher with its default slots, one step's samples, and its deadline
+            admission holds about one step's groups, so each step waits for its longest group).
         gen_precision: dtype of the generator's weights; None: the node's ``sampling.precision``.
             ``"float8"`` is LlamaRL's choice (halves the bytes each decode step reads).
         kv_bytes: bytes per KV-cache element; None: 2 on GPUs, the generator's dtype on CPU.
@@ -78,6 +89,8 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
     dp_overlap: float = 0.5
     recompute_logprobs: bool | None = None
+    packed_sequences: bool | None = None
+    cross_step_slots: bool | None = None
     gen_precision: Literal["float32", "bfloat16", "float16", "float8"] | None = None
     kv_bytes: float | None = None
     scorer_s_per_sample: float = 50e-6

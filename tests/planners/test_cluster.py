@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from flowrl.errors import PlanError
-from flowrl.planners.calibrate import Measurements, calibrated_cluster, measure
+from flowrl.planners.calibrate import WIDTHS, Measurements, calibrated_cluster, measure
 from flowrl.planners.cluster import DEVICE_PRESETS, ClusterSpec, cluster_to_json, cpu_cluster, load_cluster_file, parse_cluster
 
 
@@ -110,6 +110,10 @@ def test_calibrated_cluster_is_pure_and_round_trips(tmp_path):
 def test_measure_returns_positive_figures():
     m = measure(matmul_size=32, copy_mib=1, repeats=1)
     assert m.matmul_flops > 0 and m.copy_bandwidth > 0 and m.op_overhead_s > 0
+    for table in (m.flops_by_width, m.decode_flops_by_width, m.train_flops_by_width):
+        assert [w for w, _ in table] == list(WIDTHS) and all(rate > 0 for _, rate in table)
+    assert m.thread_speedup > 0 and m.gen_thread_speedup > 0 and m.shared_slowdown >= 1 and m.decode_step_overhead_s >= 0 and m.slot_row_overhead_s >= 0
+    calibrated_cluster(m)  # every measured figure is a valid DeviceSpec field
     assert msgspec.json.decode(msgspec.json.encode(m), type=Measurements) == m
 
 

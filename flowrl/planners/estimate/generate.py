@@ -27,8 +27,18 @@ Time of one wave of ``b`` completions::
 (finished slots idle until the longest is done); continuous, ``steps = E[max of b] + (n/b - 1)^+ *
 mean`` and ``l = mean``. A continuous generator in an asynchronous run keeps its slots full across
 steps (the next step's prompts fill what the tail frees), so its steady-state time per step,
-``NodeEstimate.steady_s``, is ``waves * prefill + n * mean / b * token``. Every completion running
+``NodeEstimate.steady_s``, is ``waves * prefill + n * mean / b * token`` (``Tuning.cross_step_slots``;
+off by default on a CPU device, where the planner predicts flowrl's own slot batcher: with its
+default slots, one step's samples, and its deadline admission it holds about one step's groups at
+a time, so each step still waits for its longest group and ``steady_s`` is the synchronous time).
+A continuous generator also pays ``DeviceSpec.slot_row_overhead_s`` per busy row per decode step,
+``n * mean`` of them per step (``slot_overhead``). Every completion running
 to ``gen_len`` (the default lengths) gives ``steps = waves * gen_len`` in every mode.
+
+``peak * mfu`` is, on a calibrated CPU device (``DeviceSpec.flops_by_width``), the measured rate of
+the built-in model's forward at the model's width instead (``decode_flops_by_width`` for decode):
+what the machine achieves on the whole pass, so no MFU factor, and its launches are in it (the
+``ops_per_layer * kernel_overhead`` terms are 0 there).
 
 The decode step reads every weight once per generated token, so it is bound by memory bandwidth:
 tp splits those reads over tp devices (and pays two all-reduces per layer per token); pp splits
@@ -65,13 +75,18 @@ def generator_dtype(node_precision: str, ctx: Context) -> str:
     return ctx.tuning.gen_precision or node_precision
 
 
-def _peak(dtype: str, ctx: Context) -> float:
+def _rate(dtype: str, ctx: Context, width: int, pass_kind: str, mfu: float) -> tuple[float, bool]:
+    """FLOP/s of a generator pass and whether it was measured: a calibrated table's rate (the
+    whole pass as this machine runs it: no MFU, launches included), else the peak for ``dtype`` x ``mfu``."""
     dev = ctx.cluster.device
+    measured = dev.measured_flops(width, pass_kind)
+    if measured is not None:
+        return measured, True
     if dtype == "float8" and dev.peak_flops_8bit > 0:
-        return dev.peak_flops_8bit
+        return dev.peak_flops_8bit * mfu, False
     if dtype == "float32" and dev.kind == "gpu":
-        return dev.peak_flops / 2  # TF32 tensor cores run at half the bf16 rate
-    return dev.peak_flops
+        return dev.peak_flops / 2 * mfu, False  # TF32 tensor cores run at half the bf16 rate
+    return dev.peak_flops * mfu, False
 
 
 def estimate_generate(
@@ -110,7 +125,9 @@ def estimate_generate(
     ab = 2 if dev.kind == "gpu" else dev.dtype_bytes
     h, L, V = model.dim, model.n_layers, model.vocab_size
     layers = stage_layers(L, pp)  # the largest stage: its memory must fit (stages may be uneven)
-    per_replica = math.ceil(w.sequences / dp)
+    replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
+    speedup = dev.mesh_speedup(dp, c.devices_per_host, generator=True) / replicas
+    per_replica = math.ceil(w.sequences / replicas)
     weights = int(model.params * wb * layers / (L * tp))
     kv_token = 2 * layers * math.ceil(model.n_kv_heads / tp) * model.head_dim * kvb
     kv_seq = w.seq_len * kv_token
@@ -137,12 +154,13 @@ def estimate_generate(
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
-    peak = _peak(precision, ctx)
+    prefill_rate, measured = _rate(precision, ctx, h, "forward", t.mfu_prefill)
+    decode_rate, _ = _rate(precision, ctx, h, "decode", t.mfu_decode)
     mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
-    launch_layer = t.ops_per_layer * dev.kernel_overhead_s
+    launch_layer = 0.0 if measured else t.ops_per_layer * dev.kernel_overhead_s  # a measured rate has its launches
 
     p_tok = b * w.prompt_len
-    prefill_compute = p_tok * model.forward_flops_per_token(w.prompt_len / 2) / (tp * pp * peak * t.mfu_prefill)
+    prefill_compute = p_tok * model.forward_flops_per_token(w.prompt_len / 2) / (tp * pp * prefill_rate)
     prefill_comm = L * 2 * all_reduce_s(p_tok * h * ab, tp, tp_link) if tp_link else 0.0
     prefill = prefill_compute + prefill_comm + L * launch_layer
 
@@ -152,21 +170,29 @@ def estimate_generate(
     ctx_len = w.prompt_len + (dist.mean if continuous else dist.expected_max(b)) / 2
     read = weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
     t_read = read / mem_bw
-    t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * peak * t.mfu_decode)
+    t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * decode_rate)
     stage = max(t_read, t_compute)
     tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
+    token += dev.decode_step_overhead_s
+    prefill /= speedup
+    token /= speedup
     decode = steps * token
+    # flowrl's slot batcher: Python bookkeeping per busy row per decode step, one per completion token
+    slot_rows = per_replica * dist.mean * dev.slot_row_overhead_s / speedup if continuous else 0.0
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
     breakdown = {
         "prefill": waves * prefill,
-        "decode_memory" if t_read >= t_compute else "decode_compute": steps * pp * stage,
-        "tp_comm": steps * pp * tp_tok + waves * prefill_comm,
-        "launch": steps * L * launch_layer + waves * L * launch_layer,
-        "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0),
+        "decode_memory" if t_read >= t_compute else "decode_compute": steps * pp * stage / speedup,
+        "tp_comm": steps * pp * tp_tok / speedup + waves * prefill_comm / speedup,
+        "launch": steps * L * launch_layer / speedup + waves * L * launch_layer / speedup,
+        "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0) / speedup,
+        "step_overhead": steps * dev.decode_step_overhead_s / speedup,
+        "slot_overhead": slot_rows,
     }
     mode = "continuous" if continuous else "lock-step"
     notes = (f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
-    steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token if continuous else None
-    return NodeEstimate(time_s=waves * prefill + decode, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)
+    cross_step = t.cross_step_slots if t.cross_step_slots is not None else dev.kind == "gpu"
+    steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None
+    return NodeEstimate(time_s=waves * prefill + decode + slot_rows, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)

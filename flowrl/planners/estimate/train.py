@@ -1,7 +1,10 @@
 """Training-step time and memory of a policy (and forward-only passes of a reference model).
 
 Notation: S sequences per step of at most s tokens and ``s_bar`` on average (``Workload``: prompt +
-mean completion; sequences are packed, so time follows the mean and memory the longest), model of L layers, width h, MLP width f,
+mean completion; sequences are packed, so time follows the mean and memory the longest; with
+``Tuning.packed_sequences`` off, the default on a CPU device, each micro-batch is padded to its
+longest sequence as flowrl's built-in trainer does, so ``s_bar`` is prompt + the expected longest
+of ``mb`` completions - 1, the last token predicting nothing), model of L layers, width h, MLP width f,
 vocabulary V, P parameters; mesh dp x tp x pp; micro-batches of ``mb`` sequences, so each
 data-parallel rank runs ``m = ceil(ceil(S / dp) / mb)`` micro-batches.
 
@@ -20,6 +23,11 @@ Time of one optimizer step::
     T           = pipeline + grad_sync + optimizer
     zero = 3    :  t_mb += (1 - dp_overlap) * (2 + ckpt) * all_gather(P/(tp*pp) * param_bytes, dp)
                    (FSDP gathers each stage's parameters for the forward, the backward and a recompute)
+
+On a calibrated CPU device ``peak * mfu_train`` is the measured rate of the built-in model's
+forward + backward at width h (``DeviceSpec.train_flops_by_width``; a reference's forward:
+``flops_by_width``): the whole pass as this machine runs it, so no MFU, and ``ops_per_layer`` is 0
+(its launches are in it).
 
 Memory per device::
 
@@ -140,14 +148,26 @@ def train_options(
     layers = stage_layers(L, pp)  # the largest stage sets the pace (stages may be uneven)
     frac = layers / L
     s = w.seq_len
-    s_bar = w.mean_seq_len
-    per_rank = math.ceil(w.sequences / dp)
-    f_tok = model.forward_flops_per_token(s_bar / 2)
+    packed = t.packed_sequences if t.packed_sequences is not None else dev.kind == "gpu"
+    dist = w.length_dist
+
+    def mean_len(mb: int) -> float:
+        """Tokens per sequence a micro-batch of ``mb`` costs: the mean packed, its longest padded."""
+        return w.mean_seq_len if packed else w.prompt_len + dist.expected_max(mb) - 1  # the last token predicts nothing
+
+    replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
+    speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
+    per_rank = math.ceil(w.sequences / replicas)
+    if not packed and micro_batch == 0:  # flowrl's trainer runs micro_batch_size 0 as one pass over the batch
+        micro_batch = per_rank
+    measured = dev.measured_flops(h, "forward" if forward_only else "train")
+    rate = measured if measured is not None else dev.peak_flops * t.mfu_train  # a measured rate is achieved, launches in it
+    ops_per_layer = 0 if measured is not None else t.ops_per_layer
     p_dev = model.params * frac / tp
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
-    dp_link = axis_link(c, t, devices, dims, "dp") if dp > 1 else None
+    dp_link = axis_link(c, t, devices, dims, "dp") if replicas > 1 else None
 
     zero = 0 if forward_only else zero_stage(t)
     weights = int(p_dev * pb / (dp if zero >= 3 else 1))
@@ -165,8 +185,8 @@ def train_options(
         else:
             grad_sync = 0.0
         tensors = 9 * L + 3
-        optimizer_s = p_dev * (pb + gb + 2 * ob / shard) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
-        optimizer_s += tensors * 10 * dev.kernel_overhead_s
+        optimizer_s = p_dev * (pb + gb + 2 * ob / (shard if replicas > 1 else 1)) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+        optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
             optimizer_s += all_gather_s(p_dev * pb, dp, dp_link)
     resident = weights + grads + optim
@@ -180,13 +200,15 @@ def train_options(
 
     def parts(mb: int, ckpt: bool) -> tuple[float, dict[str, float], MemoryBreakdown]:
         m = math.ceil(per_rank / mb)
+        s_bar = mean_len(mb)
+        f_tok = model.forward_flops_per_token(s_bar / 2)
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int(tok * V * (4 if forward_only else 8) / tp)
         passes = 1 if forward_only else 3 + int(ckpt) + int(recompute_logprobs)
-        compute = passes * tok_bar * f_tok * frac / (tp * dev.peak_flops * t.mfu_train)
+        compute = passes * tok_bar * f_tok * frac / (tp * rate)
         tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
-        launches = passes * layers * t.ops_per_layer * dev.kernel_overhead_s
+        launches = passes * layers * ops_per_layer * dev.kernel_overhead_s
         p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         t_mb = compute + tp_comm + launches + p2p + (2 + int(ckpt)) * fsdp_gather
         if forward_only:
@@ -205,13 +227,16 @@ def train_options(
             "dp_comm": grad_sync + m * (2 + int(ckpt)) * fsdp_gather,
             "optimizer": optimizer_s,
         }
-        return (m + pp - 1) * t_mb + grad_sync + optimizer_s, breakdown, memory
+        breakdown = {name: part / speedup for name, part in breakdown.items()}
+        return ((m + pp - 1) * t_mb + grad_sync + optimizer_s) / speedup, breakdown, memory
 
     # the hot loop: the same formulas as ``parts``, without building structs
     options: list[TrainOption] = []
     tp_ar = (lambda nbytes: all_reduce_s(nbytes, tp, tp_link)) if tp_link else (lambda nbytes: 0.0)
     for mb in _micro_batches(per_rank, micro_batch):
         m = -(-per_rank // mb)
+        s_bar = mean_len(mb)
+        f_tok = model.forward_flops_per_token(s_bar / 2)
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int(tok * V * (4 if forward_only else 8) / tp)
@@ -219,7 +244,7 @@ def train_options(
         p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
             passes = 1 if forward_only else 3 + ckpt + recompute_logprobs
-            t_mb = passes * (tok_bar * f_tok * frac / (tp * dev.peak_flops * t.mfu_train) + layer_comm + layers * t.ops_per_layer * dev.kernel_overhead_s) + p2p
+            t_mb = passes * (tok_bar * f_tok * frac / (tp * rate) + layer_comm + layers * ops_per_layer * dev.kernel_overhead_s) + p2p
             t_mb += (2 + ckpt) * fsdp_gather
             if forward_only:
                 acts = int(per_layer)
@@ -227,7 +252,7 @@ def train_options(
                 acts = int(min(pp, m) * layers * tok * h * ab / tp + per_layer)
             else:
                 acts = int(min(pp, m) * layers * per_layer)
-            options.append(TrainOption((m + pp - 1) * t_mb + grad_sync + optimizer_s, resident + acts + workspace, mb, ckpt))
+            options.append(TrainOption(((m + pp - 1) * t_mb + grad_sync + optimizer_s) / speedup, resident + acts + workspace, mb, ckpt))
     options.sort()
 
     def detail(option: TrainOption) -> NodeEstimate:
