@@ -10,8 +10,13 @@ State it keeps (each guarded as noted):
 - ``executors``: one thread per non-loss node. Executor ``e`` processes steps ``start .. steps-1``
   in order: it takes message ``seq`` from each input channel, runs its program, and puts the
   outputs on each output channel.
-- ``locks``: one lock per colocation group of the placement; an executor holds its group's lock
-  for the whole of a program step, so executors that share devices never run at the same time.
+- ``runners``: one step runner per colocation group of the placement (``compute_threads``); an
+  executor hands each program step to its group's runner, which runs the group's steps one at a
+  time, so executors that share devices never run at the same time. With ``intra_op_threads``
+  (programs in this process) the runner is the group's one compute thread, which alone runs torch
+  with that many intra-op threads (one OpenMP team per group: see ``compute_threads`` for why);
+  the executor threads themselves (and the steps of executors in no group) then use one intra-op
+  thread. Otherwise it is a lock.
 - ``_gen_info`` (``_lock``): per (generator, seq) timings and the version the rollout used.
 - ``_source_info`` (``_lock``): per seq, the sources' namespaced metrics (``data/epoch``,
   ``data/prompts_dropped``, ...), merged into that step's metrics row.
@@ -30,7 +35,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +50,7 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.runtime.channels import Channel, ChannelClosed, Message
 from flowrl.runtime.clock import ClockStopped, VersionClock
+from flowrl.runtime.compute_threads import StepRunner, group_runners, set_intra_op_threads, set_thread_cores
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.samples import SampleLogger
@@ -91,7 +96,7 @@ class _Executor:
     program: NodeProgram
     inputs: list[Channel] = field(default_factory=list)
     outputs: list[tuple[Channel, tuple[str, ...]]] = field(default_factory=list)
-    lock: threading.Lock | None = None
+    runner: StepRunner | None = None
     cores: tuple[int, ...] = ()
     thread: threading.Thread | None = None
 
@@ -106,6 +111,9 @@ class Controller:
             node but the loss nodes.
         placement: devices per node; colocated nodes are serialised.
         on_step: called with each metrics row (the CLI's progress bar).
+        intra_op_threads: the programs run in this process: each colocation group's steps run on one
+            compute thread with this many torch intra-op threads; the executor threads use one.
+            ``None``: the programs run elsewhere (proxies); torch's threads here are left as they are.
     """
 
     def __init__(
@@ -116,8 +124,10 @@ class Controller:
         placement: Placement,
         *,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        intra_op_threads: int | None = None,
     ) -> None:
         self.graph = graph
+        self.intra_op_threads = intra_op_threads
         self.config = config
         self.placement = placement
         self.on_step = on_step
@@ -161,11 +171,8 @@ class Controller:
 
     # -- wiring -------------------------------------------------------------------------------------
     def _build_executors(self, node_programs: dict[str, NodeProgram]) -> None:
-        locks = {}
-        for group in self.placement.groups():
-            lock = threading.Lock()
-            for name in group:
-                locks[name] = lock
+        cores = self.placement.devices if self.placement.pin else {}
+        self.runners = group_runners(self.placement.groups(), intra_op_threads=self.intra_op_threads, cores=cores)
         self.executors: dict[str, _Executor] = {}
         for node in self.graph.nodes:
             if node.kind == "loss":
@@ -174,8 +181,8 @@ class Controller:
                 name=node.name,
                 kind=node.kind,
                 program=node_programs[node.name],
-                lock=locks.get(node.name),
-                cores=self.placement.devices.get(node.name, ()) if self.placement.pin else (),
+                runner=self.runners.get(node.name),
+                cores=cores.get(node.name, ()),
             )
         k_max = max(self.k.values(), default=0)
         capacity = self.config.channel_capacity or k_max + 1
@@ -219,6 +226,8 @@ class Controller:
                 self._checkpoint_now()
         finally:
             self._close_programs()
+            for runner in self.runners.values():
+                runner.close()
             metrics.close()
             if self.config.trace and self.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
@@ -284,11 +293,9 @@ class Controller:
 
     # -- one executor -------------------------------------------------------------------------------
     def _executor_main(self, ex: _Executor, start: int) -> None:
-        if ex.cores and hasattr(os, "sched_setaffinity"):
-            try:
-                os.sched_setaffinity(threading.get_native_id(), ex.cores)
-            except OSError:
-                pass
+        set_thread_cores(ex.cores)
+        if self.intra_op_threads is not None:  # no OpenMP team of its own (compute_threads): its group's compute thread has it
+            set_intra_op_threads(1)
         seq: int | None = None
         end = self.config.steps
         for _gen, (feed, P, k) in self._continuous.items():
@@ -324,13 +331,15 @@ class Controller:
             self.clock.wait_for(min_version)
             if time.perf_counter() - t > 1e-4:
                 self.tracer.add(ex.name, "wait", t, time.perf_counter(), step=seq, reason=f"weights >= v{min_version}")
-        lock = ex.lock or _NULL_LOCK
-        with lock:
+
+        def run_step() -> tuple[dict[str, torch.Tensor], dict[str, Any], float, float]:
             if self._stop.is_set():
                 raise ChannelClosed(ex.name)
             t_step = time.perf_counter()
             outputs, info = ex.program.step(seq, inputs, min_version)
-            t_end = time.perf_counter()
+            return outputs, info, t_step, time.perf_counter()
+
+        outputs, info, t_step, t_end = ex.runner.call(run_step) if ex.runner is not None else run_step()
         self._trace_step(ex, seq, t_step, t_end, info)
         self._progress_at = time.monotonic()
         if ex.kind == "generator":
@@ -475,14 +484,3 @@ class Controller:
         self.last_checkpoint = restored.path
         self._checkpoint_version = restored.version
         return restored.version
-
-
-class _NullLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL_LOCK = _NullLock()

@@ -49,7 +49,8 @@ def run_with_controller(
         graph, config: what to run and how.
         open_programs: builds the run's programs from the programs' environment and the placement.
         crosses_processes: the programs live in other processes (decides the weight edges' transports).
-        set_threads: size this process's torch intra-op threads for the run (the programs run here).
+        set_threads: the programs run here: size torch's intra-op threads for the run, one compute
+            thread per colocation group (``flowrl.runtime.compute_threads``).
         on_step: called with each metrics row.
     """
     placement = run_placement(graph, config)
@@ -63,10 +64,13 @@ def run_with_controller(
         )
         programs = open_programs(env, placement)
         threads = torch.get_num_threads()
-        if set_threads:
-            torch.set_num_threads(config.threads or placement.threads_per_group())
+        group_threads = (config.threads or placement.threads_per_group()) if set_threads else None
+        if group_threads is not None:
+            # Only each colocation group's compute thread runs torch with several intra-op threads
+            # (``compute_threads``: one OpenMP team per group); this thread builds the programs with one.
+            torch.set_num_threads(1)
         try:
-            controller = Controller(graph, config, programs.open(), placement, on_step=on_step)
+            controller = Controller(graph, config, programs.open(), placement, on_step=on_step, intra_op_threads=group_threads)
             return controller.run()
         finally:
             programs.close()
