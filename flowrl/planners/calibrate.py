@@ -27,12 +27,11 @@ on one thread, and what running beside another mesh costs is measured on its own
   in one process share its GIL, the memory system and whatever else the machine runs);
 - ``thread_speedup`` / ``gen_thread_speedup``: the width-64 training pass (a generator's turn: 8
   decode-shaped passes) alone on one thread over its time with one intra-op thread per core when
-  two Python threads take turns, one generating, one training (``_taking_turns``). That is how the local runtime runs a colocated mesh: each node's executor
-  is a Python thread of its own and they alternate under the group's lock; each has its own
-  OpenMP team, whose idle workers keep spinning a while after their turn (libgomp's active wait)
-  and slow the other's, so a mesh of every core gains much less than one thread's pass with all
-  of them would suggest (0.7-1.7 measured on a shared 2-core machine, where one Python thread
-  alone gains 1.6 when the machine is quiet);
+  the two passes take turns on one thread with one intra-op thread per core (``_taking_turns``).
+  That is how the local runtime runs a colocated mesh: its executors hand their steps to the
+  group's one compute thread (``flowrl.runtime.compute_threads``: one OpenMP team per group, since
+  libgomp stops spinning once the workers of several teams outnumber the cores), so a mesh gains
+  what one thread's pass with all of them gains, shared with whatever else the machine runs;
 - ``decode_step_overhead_s``: a decode step of the built-in generator outside its blocks (``_decode_overhead``);
 - ``slot_row_overhead_s``: what the continuous generator's slot batcher spends per busy row per
   decode step beyond lock step (``_slot_row_overhead``).
@@ -258,25 +257,29 @@ def _generation_like(decode: Callable[[], object], steps: int = 8) -> Callable[[
 
 
 def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: str) -> list[float]:
-    """Seconds of one call of each of ``calls`` when one Python thread per entry runs its own in turn
-    (one at a time, as colocated executors do), ``rounds`` turns each; the first round is warm-up."""
-    turn = [threading.Semaphore(1)] + [threading.Semaphore(0) for _ in calls[1:]]
+    """Seconds of one call of each of ``calls`` when they take turns on one compute thread with the
+    caller's intra-op threads, as colocated executors' steps do (``runtime.compute_threads``),
+    ``rounds`` turns each; the first round is warm-up."""
+    import torch
+
+    from flowrl.runtime.compute_threads import ComputeThread
+
     times: list[list[float]] = [[] for _ in calls]
 
-    def work(i: int) -> None:
-        for r in range(rounds + 1):
-            turn[i].acquire()
-            t0 = time.perf_counter()
-            calls[i]()
-            if r:
-                times[i].append(time.perf_counter() - t0)
-            turn[(i + 1) % len(calls)].release()
+    def timed(call: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
 
-    pool = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
+    runner = ComputeThread("flowrl-calibrate", intra_op_threads=torch.get_num_threads())
+    try:
+        for r in range(rounds + 1):
+            for i, call in enumerate(calls):
+                seconds = runner.call(lambda call=call: timed(call))
+                if r:
+                    times[i].append(seconds)
+    finally:
+        runner.close()
     return [min(t) if statistic == "best" else statistics.median(t) for t in times]
 
 
