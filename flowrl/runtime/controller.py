@@ -12,7 +12,7 @@ State it keeps (each guarded as noted):
   outputs on each output channel.
 - ``runners``: one step runner per colocation group of the placement (``compute_threads``); an
   executor hands each program step to its group's runner, which runs the group's steps one at a
-  time, so executors that share devices never run at the same time. With ``intra_op_threads``
+  time, so executors that share devices never run at the same time. With ``intra_op_threads`` > 1
   (programs in this process) the runner is the group's one compute thread, which alone runs torch
   with that many intra-op threads (one OpenMP team per group: see ``compute_threads`` for why);
   the executor threads themselves (and the steps of executors in no group) then use one intra-op
@@ -112,7 +112,8 @@ class Controller:
         placement: devices per node; colocated nodes are serialised.
         on_step: called with each metrics row (the CLI's progress bar).
         intra_op_threads: the programs run in this process: each colocation group's steps run on one
-            compute thread with this many torch intra-op threads; the executor threads use one.
+            compute thread with this many torch intra-op threads (under a lock on their executors'
+            threads when it is 1); the executor threads use one.
             ``None``: the programs run elsewhere (proxies); torch's threads here are left as they are.
     """
 

@@ -41,8 +41,8 @@ def recording_program(node, graph, env, transports):
 
 @pytest.mark.parametrize(
     ("k", "threads"),
-    [(0, 0), (1, 0), (0, 3)],
-    ids=["k0-one-group", "k1-two-groups", "k0-explicit-threads"],
+    [(0, 0), (1, 0), (0, 3), (0, 1)],
+    ids=["k0-one-group", "k1-two-groups", "k0-three-threads", "k0-one-thread-lock"],
 )
 def test_group_steps_run_on_one_compute_thread_with_the_groups_threads(k, threads):
     graph = build_llamarl(max_staleness=k)
@@ -60,8 +60,11 @@ def test_group_steps_run_on_one_compute_thread_with_the_groups_threads(k, thread
     grouped = {name for group in groups for name in group}
     assert grouped == {"gen", "policy"}
     for group in groups:
-        (where,) = {seen for name in group for seen in SEEN[name]}  # every step of the group: one thread, one count
-        assert where == (f"flowrl-compute-{group[0]}", expected_threads), group
+        if expected_threads > 1:  # every step of the group: one compute thread, the group's count
+            (where,) = {seen for name in group for seen in SEEN[name]}
+            assert where == (f"flowrl-compute-{group[0]}", expected_threads), group
+        else:  # one thread starts no OpenMP team: each executor runs its steps, under the group's lock
+            assert all(SEEN[name] == {(f"flowrl-{name}", 1)} for name in group), group
     for name in ("prompts", "reward"):  # no group: their own executor thread, one intra-op thread (no OpenMP team)
         assert SEEN[name] == {(f"flowrl-{name}", 1)}, name
     assert len(groups) == (1 if k == 0 else 2)
@@ -109,8 +112,8 @@ def test_compute_thread_raises_the_steps_error_on_the_caller():
 
 @pytest.mark.parametrize(
     ("intra_op_threads", "kind"),
-    [(None, GroupLock), (2, ComputeThread)],
-    ids=["proxies-lock", "local-compute-thread"],
+    [(None, GroupLock), (1, GroupLock), (2, ComputeThread)],
+    ids=["proxies-lock", "one-thread-lock", "local-compute-thread"],
 )
 def test_group_runners_share_one_runner_per_group(intra_op_threads, kind):
     runners = group_runners([["gen", "policy"], ["ref"]], intra_op_threads=intra_op_threads, cores={})
