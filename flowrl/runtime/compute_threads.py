@@ -105,11 +105,14 @@ class ComputeThread:
         self._tasks.put((fn, done))  # type: ignore[arg-type]
         return done.result()
 
-    def close(self) -> None:
-        """Let the thread finish the steps handed over already, then end it (idempotent)."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Let the thread finish the steps handed over already, then end it; wait up to ``timeout``
+        seconds for that (a step stuck past it is left to the daemon thread). Idempotent."""
         if not self._closed:
             self._closed = True
             self._tasks.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _main(self) -> None:
         set_thread_cores(self.cores)
