@@ -201,6 +201,13 @@ class Controller:
     # -- the run ------------------------------------------------------------------------------------
     def run(self) -> RunResult:
         """Run to ``config.steps`` trainer steps (from a checkpoint if ``resume``); raise on failure."""
+        try:
+            return self._run()
+        finally:
+            for runner in self.runners.values():  # whatever happened, even before the first step
+                runner.close()
+
+    def _run(self) -> RunResult:
         start = self._restore() if self.config.resume else 0
         self.clock = VersionClock(start)
         self._start_version = start
@@ -227,8 +234,6 @@ class Controller:
                 self._checkpoint_now()
         finally:
             self._close_programs()
-            for runner in self.runners.values():
-                runner.close()
             metrics.close()
             if self.config.trace and self.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)

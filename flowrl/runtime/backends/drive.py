@@ -17,6 +17,7 @@ import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.runtime.backends.base import OnStep
+from flowrl.runtime.compute_threads import set_intra_op_threads
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.placement import Placement, node_devices, resolve_device, run_placement
@@ -68,7 +69,7 @@ def run_with_controller(
         if group_threads is not None:
             # Only each colocation group's compute thread runs torch with several intra-op threads
             # (``compute_threads``: one OpenMP team per group); this thread builds the programs with one.
-            torch.set_num_threads(1)
+            set_intra_op_threads(1)
         try:
             controller = Controller(graph, config, programs.open(), placement, on_step=on_step, intra_op_threads=group_threads)
             return controller.run()
