@@ -237,12 +237,12 @@ class GeneratorProgram(ProgramBase):
                 )
             time.sleep(0.0005)
 
-    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        fetch_s = self._sync(min_version)
-        start = time.perf_counter()
+    def _sample(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        """Step ``seq``'s rollout with the weights held now: lock step samples ``inputs``; continuous
+        batching queues them and returns the next ``P`` finished groups (with its ``slots/*`` numbers).
+        ``info["version"]`` is the rollout's version."""
         if not hasattr(self, "_group_count"):
-            rollout = self.generator.generate(inputs)
-            return rollout, {"fetch_s": fetch_s, "gen_s": time.perf_counter() - start, "version": self.generator.version}
+            return self.generator.generate(inputs), {"version": self.generator.version}
         from flowrl.runtime.continuous import ContinuousRollouts
 
         if self._continuous is None:  # k is the controller's (a run may override the edge's)
@@ -251,7 +251,14 @@ class GeneratorProgram(ProgramBase):
             )
         self._continuous.add_prompts(inputs)
         rollout, info = self._continuous.next_batch(seq)
-        info.update(fetch_s=fetch_s, gen_s=time.perf_counter() - start, version=int(rollout["rollout_version"]))
+        info["version"] = int(rollout["rollout_version"])
+        return rollout, info
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        fetch_s = self._sync(min_version)
+        start = time.perf_counter()
+        rollout, info = self._sample(seq, inputs, min_version)
+        info.update(fetch_s=fetch_s, gen_s=time.perf_counter() - start)
         return rollout, info
 
 

@@ -94,3 +94,45 @@ def edge_shard_shapes(graph: Graph, world: int, dp: int, rank: int) -> tuple[dic
     params = _param_specs(graph, "policy")
     layouts = _generator_layouts(graph, "gen", tuple(range(world)), (("dp", "tp"), (dp, world // dp)), params)
     return {n: local_shape(msgspec.convert(layouts[n], ShardLayout), params[n]["shape"], rank) for n in params}, params
+
+
+def continuous_draws(generator: Any, prompts: list[list[int]], *, n: int, slots: int, seed: int) -> dict[str, Any]:
+    """Run ``prompts`` (``n`` samples each) through a ``SlotBatcher`` of ``slots`` rows until all finish.
+
+    Returns ``{"tokens": {"g.s": ids}, "logprobs": {"g.s": log mu}, "splices", "prefills", "compactions", "steps"}``
+    (JSON-ready: what worker ranks write for the test to compare with another model's run).
+    """
+    import torch
+
+    from flowrl.operators.slots import Sample, SlotBatcher
+
+    batcher = SlotBatcher(generator, slots=slots, rng=torch.Generator().manual_seed(seed))
+    for g, prompt in enumerate(prompts):
+        for s in range(n):
+            batcher.add(Sample(key=(g, s), prompt=list(prompt)))
+    done = []
+    while batcher.busy or batcher.waiting:
+        done += batcher.step()
+    key = lambda sample: f"{sample.key[0]}.{sample.key[1]}"  # noqa: E731
+    return {
+        "tokens": {key(s): s.tokens for s in done},
+        "logprobs": {key(s): s.logprobs for s in done},
+        "splices": batcher.splices,
+        "prefills": batcher.prefills,
+        "compactions": batcher.compactions,
+        "steps": batcher.steps,
+    }
+
+
+def compare_draws(full: dict[str, Any], tp: dict[str, Any]) -> dict[str, Any]:
+    """What a worker rank reports on two ``continuous_draws`` runs: same keys, same tokens, the largest log-prob gap, the tp run's counts."""
+    keys = sorted(full["tokens"])
+    return {
+        "keys_equal": keys == sorted(tp["tokens"]),
+        "tokens_equal": all(full["tokens"][k] == tp["tokens"].get(k) for k in keys),
+        "logprob_diff": max((abs(a - b) for k in keys for a, b in zip(full["logprobs"][k], tp["logprobs"].get(k, []))), default=0.0),
+        "lengths": sorted({len(t) for t in tp["tokens"].values()}),
+        "completions": len(keys),
+        **{f"full_{c}": full[c] for c in ("splices", "prefills", "compactions", "steps")},
+        **{c: tp[c] for c in ("splices", "prefills", "compactions", "steps")},
+    }

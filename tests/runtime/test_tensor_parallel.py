@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import sys
 import traceback
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from flowrl.runtime.tensor_parallel import (
     tp_param_layouts,
     tp_rows,
 )
-from tests.runtime.helpers import edge_shard_shapes, generator_rank_program, launch_ranks
+from tests.runtime.helpers import compare_draws, continuous_draws, edge_shard_shapes, generator_rank_program, launch_ranks
 
 
 #: Model shapes the checks run: grouped-query attention, an uneven SwiGLU split (45 = 23 + 22 over tp2,
@@ -52,11 +53,12 @@ CONFIGS: dict[str, ModelConfig] = {
 GEN_SEED = 11
 
 
-def tp_graph():
-    """A pipeline whose generator can run tp2 and tp4 (8 query, 4 kv heads), weights over files."""
+def tp_graph(**sampling: Any):
+    """A pipeline whose generator can run tp2 and tp4 (8 query, 4 kv heads), weights over files;
+    ``sampling``: more ``SamplingConfig`` fields of the generator (e.g. continuous batching)."""
     b = GraphBuilder("tp", model=ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=32))
     prompts = b.source("prompts", task="copy", batch_size=5)
-    gen = b.generator("gen", prompts, n_samples=3, max_new_tokens=5)
+    gen = b.generator("gen", prompts, n_samples=3, max_new_tokens=5, **sampling)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
     aipo = b.loss("aipo", gen, reward, objective="aipo")
     policy = b.policy("policy", aipo, lr=1e-3)
@@ -216,6 +218,129 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
     return result
 
 
+def _check_splice(rank: int, ranks: tuple[int, ...], group: Any) -> dict[str, Any]:
+    """``splice_cache`` of the tp model: a rank's cache after prefill and splice is its kv heads of the
+    full model's cache after the same prefill and splice (every layer, keys and values)."""
+    config = CONFIGS["gqa-untied-uneven"]
+    full = Transformer(config).eval().requires_grad_(False)
+    tp = shard_transformer_(Transformer(config).eval().requires_grad_(False), ranks, rank, group)
+    ids, valid = _padded_batch(config)  # 3 rows, 7 columns
+    part_ids = torch.randint(1, config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(8))
+    part_valid = torch.ones(2, 4, dtype=torch.bool)
+    source, rows, start = torch.tensor([1, 0]), torch.tensor([2, 0]), 3
+    caches = {}
+    for name, model in (("full", full), ("tp", tp)):
+        cache, part = model.new_cache(3, 12), model.new_cache(2, 4)
+        model(ids, valid=valid, cache=cache)
+        before = [k.clone() for k in cache.k]
+        model(part_ids, valid=part_valid, cache=part)
+        took = model.splice_cache(cache, part, source, rows, start)
+        caches[name] = (cache, part, before, took)
+    (cf, _, _, took_f), (ct, pt, before_t, took_t) = caches["full"], caches["tp"]
+    local = config.n_kv_heads // len(ranks)
+    heads = slice(ranks.index(rank) * local, (ranks.index(rank) + 1) * local)
+    return {
+        "took": bool(took_f and took_t),
+        "local_heads": int(ct.k[0].shape[1]),
+        "k_diff": max(_max_diff(ct.k[i], cf.k[i][:, heads]) for i in range(config.n_layers)),
+        "v_diff": max(_max_diff(ct.v[i], cf.v[i][:, heads]) for i in range(config.n_layers)),
+        # the spliced slots hold the part's rows; the row left out is untouched
+        "spliced": all(torch.equal(ct.k[i][rows, :, start:7], pt.k[i][source, :, :4]) for i in range(config.n_layers)),
+        "untouched": all(torch.equal(ct.k[i][1], before_t[i][1]) for i in range(config.n_layers)),
+        "changed": any(not torch.equal(ct.k[i][2], before_t[i][2]) for i in range(config.n_layers)),
+    }
+
+
+def _check_continuous(rank: int, ranks: tuple[int, ...], group: Any) -> dict[str, Any]:
+    """Continuous batching (``SlotBatcher``) on the tp model draws the full model's tokens: 6 prompts of
+    lengths 1..7, 2 samples each, through 3 slots (refills spliced from staged prefills), stop tokens
+    ending completions at varied lengths."""
+    from flowrl.graph.configs import SamplingConfig
+    from flowrl.operators.generation import Generator
+
+    config = CONFIGS["gqa-untied-uneven"]
+    sampling = SamplingConfig(n_samples=2, max_new_tokens=8, batching="continuous", stop_tokens=(3, 7, 11))
+    node = GeneratorNode(name="gen", model=config, sampling=sampling)
+    full, tp = Generator(node, seed=GEN_SEED), Generator(node, seed=GEN_SEED)
+    shard_transformer_(tp.model, ranks, rank, group)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, config.vocab_size, (n,), generator=gen).tolist() for n in (5, 2, 7, 1, 4, 3)]
+    a = continuous_draws(full, prompts, n=2, slots=3, seed=GEN_SEED)
+    b = continuous_draws(tp, prompts, n=2, slots=3, seed=GEN_SEED)
+    return {**compare_draws(a, b), "tokens": b["tokens"]}
+
+
+def _read_ahead(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Source batches as one continuous generator's inputs (``Controller._read_ahead``: real tokens, left-padded)."""
+    from flowrl.operators.source import pad_left
+
+    prompts = [ids[ids.shape[0] - n :].tolist() for b in batches for ids, n in zip(b["prompt_ids"], b["prompt_lens"].tolist())]
+    ids, lens = pad_left(prompts, 0)
+    return {"prompt_ids": ids, "prompt_lens": lens, "prompt_index": torch.cat([b["prompt_index"] for b in batches])}
+
+
+def _check_program_continuous(rank: int, world: int, out_dir: Path) -> dict[str, Any]:
+    """The ``ParallelGenerator`` of a continuous-batching generator (k=1, 4 slots for 5 prompts x 3
+    samples a step) against one process's ``ContinuousRollouts``: the controller hands it 2 batches
+    of prompts at step 1 and 1 at step 2, versions 1 and 2 published over files before each; then an
+    in-flight poll takes version 3 on every tp rank together."""
+    import torch.distributed as dist
+
+    from flowrl.operators.generation import Generator
+    from flowrl.operators.source import PromptSource
+    from flowrl.runtime.continuous import ContinuousRollouts
+
+    graph = tp_graph(batching="continuous", slots=4)
+    node = graph.node("gen")
+    layouts = tp_param_layouts(node.model, tuple(range(world)))
+    result: dict[str, Any] = {}
+    with generator_rank_program(graph, rank, world, 1, out_dir / "run-continuous", seed=GEN_SEED) as (program, transports, group):
+        ref = Generator(node, seed=GEN_SEED)
+        ref_rollouts = ContinuousRollouts(ref, group_count=5, k=1)
+        source = PromptSource(graph.node("prompts"))
+        states = {v: Transformer(msgspec_replace(node.model, seed=50 + v)).state_dict() for v in (1, 2, 3)}
+        for version, batches in ((1, 2), (2, 1)):
+            if rank == 0:
+                transports.writer("policy", "gen").publish(states[version], version)
+            dist.barrier(group=group)
+            prompts = _read_ahead([source.next_batch() for _ in range(batches)])
+            out, info = program.step(version, prompts if rank == 0 else {}, min_version=version - 1)
+            step: dict[str, Any] = {"version": program.generator.version}
+            if rank == 0:
+                ref.load_weights(states[version], version)
+                ref_rollouts.add_prompts(prompts)
+                want, want_info = ref_rollouts.next_batch(version)
+                same = lambda key: key in out and bool(torch.equal(out[key], want[key]))  # noqa: E731 - never raises: rank 1 waits in the next barrier
+                step.update(
+                    keys_equal=sorted(out) == sorted(want),
+                    tokens_equal=same("completion_ids"),
+                    mask_equal=same("completion_mask"),
+                    index_equal=same("prompt_index"),
+                    versions_equal=same("token_versions"),
+                    logprob_diff=_max_diff(out["behaviour_logprobs"], want["behaviour_logprobs"]) if same("completion_mask") else float("inf"),
+                    samples=int(out["completion_ids"].shape[0]),
+                    lengths=sorted(set(out["completion_mask"].sum(1).tolist())),
+                    info_version=int(info["version"]),
+                    slots_info={k: v for k, v in info.items() if k.startswith("slots/")},
+                    want_slots_info={k: v for k, v in want_info.items() if k.startswith("slots/")},
+                )
+            else:
+                step["empty"] = out == {} and info == {}
+            result[f"v{version}"] = step
+        batcher = getattr(program._continuous, "batcher", None)  # None: the program did not batch continuously
+        result["batcher"] = {c: getattr(batcher, c, None) for c in ("splices", "prefills", "compactions", "steps")}
+        if rank == 0:
+            transports.writer("policy", "gen").publish(states[3], 3)
+        dist.barrier(group=group)
+        program._poll()  # what ContinuousRollouts calls between decode steps of an in_flight edge
+        local = program.local_weight_targets()
+        result["poll"] = {
+            "version": program.generator.version,
+            "shards_equal": all(torch.equal(t, states[3][n][local_slice(layouts[n], states[3][n].shape, rank)]) for n, t in local.items()),
+        }
+    return result
+
+
 def _worker_main(argv: list[str]) -> None:
     import torch.distributed as dist
 
@@ -227,6 +352,9 @@ def _worker_main(argv: list[str]) -> None:
         "model": lambda: _check_model(rank, ranks, dist.group.WORLD),
         "generate": lambda: _check_generate(rank, ranks, dist.group.WORLD),
         "program": lambda: _check_program(rank, world, 2 if world == 4 else 1, out_dir),
+        "splice": lambda: _check_splice(rank, ranks, dist.group.WORLD),
+        "continuous": lambda: _check_continuous(rank, ranks, dist.group.WORLD),
+        "program_continuous": lambda: _check_program_continuous(rank, world, out_dir),
     }
     result: dict[str, Any] = {}
     for name, check in checks.items():
@@ -308,6 +436,35 @@ def _assert_program(run: dict[int, dict[str, Any]], samples: int) -> None:
                 assert step["empty"], (rank, step)
 
 
+def _assert_continuous(run: dict[int, dict[str, Any]]) -> None:
+    tp = len(run)
+    for rank, res in enumerate(_results(run, "splice")):
+        assert res["took"] and res["local_heads"] == CONFIGS["gqa-untied-uneven"].n_kv_heads // tp, (rank, res)
+        assert res["k_diff"] <= 1e-5 and res["v_diff"] <= 1e-5, (rank, res)  # this rank's heads of the full cache
+        assert res["spliced"] and res["untouched"] and res["changed"], (rank, res)
+    results = _results(run, "continuous")
+    for rank, res in enumerate(results):
+        assert res["keys_equal"] and res["tokens_equal"] and res["logprob_diff"] <= 1e-4, (rank, res)
+        assert res["completions"] == 12 and len(res["lengths"]) > 1, res  # more completions than slots, varied lengths
+        assert res["splices"] and res["full_splices"] and res["prefills"] >= 2, res  # refills were spliced, not merged
+        assert [res[c] for c in ("prefills", "compactions", "steps")] == [res[f"full_{c}"] for c in ("prefills", "compactions", "steps")], res
+    assert all(r["tokens"] == results[0]["tokens"] for r in results)  # every tp rank drew the same
+    programs = _results(run, "program_continuous")
+    for rank, res in enumerate(programs):
+        for version in (1, 2):
+            step = res[f"v{version}"]
+            assert step["version"] == version, (rank, step)
+            if rank == 0:
+                assert step["keys_equal"] and step["tokens_equal"] and step["mask_equal"] and step["index_equal"], step
+                assert step["versions_equal"] and step["logprob_diff"] <= 1e-4 and step["samples"] == 5 * 3, step
+                assert step["slots_info"] and step["slots_info"] == step["want_slots_info"], step
+            else:
+                assert step["empty"], (rank, step)
+        assert res["batcher"]["splices"] and res["batcher"]["prefills"] >= 2, res["batcher"]
+        assert res["poll"] == {"version": 3, "shards_equal": True}, (rank, res["poll"])
+    assert len({json.dumps(r["batcher"]) for r in programs}) == 1  # the tp ranks ran the same decode steps
+
+
 def test_tp2_logits_equal_the_full_model_and_shards_are_the_layout_slices(tp2):
     _assert_model(tp2)
 
@@ -320,11 +477,19 @@ def test_tp2_generator_program_matches_one_process(tp2):
     _assert_program(tp2, samples=5 * 3)
 
 
+def test_tp2_continuous_batching_splices_local_heads_and_matches_one_process(tp2):
+    """Continuous batching with tp=2: splices copy each rank's kv heads, refills and all; the tp model
+    draws the full model's tokens; the program delivers what one process's ContinuousRollouts does
+    (not every read-ahead prompt in lock step), and takes in-flight weights on both ranks together."""
+    _assert_continuous(tp2)
+
+
 @pytest.mark.slow
 def test_tp4_model_generate_and_dp2_tp2_program(tp4):
     _assert_model(tp4)
     _assert_generate(tp4)
     _assert_program(tp4, samples=5 * 3)
+    _assert_continuous(tp4)
 
 
 
@@ -442,6 +607,33 @@ def test_a_generator_mesh_with_pipeline_stages_is_refused():
     try:
         with pytest.raises(ConfigError, match=r"generator 'gen': .*mesh of dp and tp axes.*\{'pp': 2\} must be 1: re-plan with pp=1"):
             ParallelGenerator(graph.node("gen"), graph, None, None, group=None, ranks=(0, 1, 2, 3), mesh=Mesh())  # type: ignore[arg-type]
+    finally:
+        set_context(None)
+
+
+class _Mesh:
+    """The two attributes of a ``DeviceMesh`` the program reads before touching a process group."""
+
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        self.mesh_dim_names, self.mesh = names, torch.arange(math.prod(shape)).reshape(shape)
+
+
+@pytest.mark.parametrize(
+    "mesh, match",
+    [
+        (_Mesh(("dp", "tp"), (2, 2)), r"mesh \{'dp': 2, 'tp': 2\} makes 2 replicas \[\[0, 1\], \[2, 3\]\]"),
+        (None, r"mesh \{'dp': 4\} makes 4 replicas"),
+    ],
+    ids=["dp2-tp2", "dp4"],
+)
+def test_continuous_batching_on_several_generator_replicas_is_refused(mesh, match):
+    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
+
+    graph = tp_graph(batching="continuous")
+    set_context(RankContext(rank=0, world=4, ranks={"gen": (0, 1, 2, 3)}, programs={}))
+    try:
+        with pytest.raises(ConfigError, match=rf"generator 'gen': batching='continuous' runs on one replica .*{match}.*dp=1.*batching='lockstep'"):
+            ParallelGenerator(graph.node("gen"), graph, None, None, group=None, ranks=(0, 1, 2, 3), mesh=mesh)  # type: ignore[arg-type]
     finally:
         set_context(None)
 

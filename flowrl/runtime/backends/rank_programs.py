@@ -180,6 +180,15 @@ class ParallelGenerator(GeneratorProgram):
     copies its own slices. Either way the tp ranks first agree on one version (an all-reduce of the
     versions they hold, fetching again until they match), so no replica ever samples with shards of
     two versions. With ``tp`` = 1 each replica fetches as a one-process generator does.
+
+    Continuous batching (``sampling.batching="continuous"``) runs on one replica only (a mesh with
+    ``dp`` = 1): every rank of its tp group queues all the prompts the controller reads ahead and runs
+    the same ``ContinuousRollouts`` (same seed, same slots, same refills; each rank's KV cache and its
+    splices hold its local kv heads), so they draw the same tokens and deliver the same ``P`` groups.
+    In-flight weights (``WeightEdge.in_flight``) are taken between decode steps only when every tp
+    rank holds the newer version (``_poll``). Several replicas would each deliver groups on their own
+    schedule, which the controller's one-stream read-ahead and staleness bookkeeping do not cover:
+    they are refused.
     """
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
@@ -200,6 +209,13 @@ class ParallelGenerator(GeneratorProgram):
                     f"(its mesh has tp={len(self.rows[0])}); give the generator a mesh without a tp axis > 1, or "
                     "sample in float32/bfloat16/float16"
                 )
+        if node.sampling.batching == "continuous" and len(self.rows) > 1:
+            raise ConfigError(
+                f"generator {node.name!r}: batching='continuous' runs on one replica (one tp group decoding every "
+                f"prompt), but its mesh {_mesh_axes(mesh) or {'dp': len(ranks)}} makes {len(self.rows)} replicas "
+                f"{[list(r) for r in self.rows]}; give it a mesh with dp=1 (e.g. plan 'gen:t{len(ranks)}@...', "
+                "all its ranks tensor-parallel) or one rank, or set batching='lockstep' to split prompts across replicas"
+            )
         super().__init__(node, graph, env, transports, seed=env.seed)  # every rank seeds sampling alike
         self.replica = next(i for i, row in enumerate(self.rows) if ctx.rank in row)
         self.tp_ranks = self.rows[self.replica]
@@ -286,6 +302,14 @@ class ParallelGenerator(GeneratorProgram):
                 )
             time.sleep(0.0005)
 
+    def _poll(self) -> None:
+        """In-flight weights between decode steps: with tp > 1 a newer version only once every tp rank
+        holds it (``_sync`` at the version held now: one fetch and one all-reduce when nothing is newer)."""
+        if not self.sharded:
+            super()._poll()
+            return
+        self._sync(self.generator.version)
+
     def _check_same_tokens(self, rollout: Batch) -> None:
         ids = rollout.get("completion_ids")
         if ids is None or not self.sharded:
@@ -305,10 +329,14 @@ class ParallelGenerator(GeneratorProgram):
         rank = _context().rank
         prompts = broadcast_batch(inputs if rank == self.lead else None, src=self.lead, group=self.group, device=self.device)
         prompts = {k: v.cpu() for k, v in prompts.items()}
-        part = split_prompts(prompts, len(self.rows))[self.replica]
         fetch_s = self._sync(min_version)
         start = time.perf_counter()
-        rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
+        sampled: Info = {}
+        if self.generator.sampling.batching == "continuous":  # one replica (checked in __init__) takes every prompt
+            rollout, sampled = self._sample(seq, prompts, min_version)
+        else:
+            part = split_prompts(prompts, len(self.rows))[self.replica]
+            rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
         gen_s = time.perf_counter() - start
         self._check_same_tokens(rollout)
         timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group, device=self.device)
@@ -321,7 +349,8 @@ class ParallelGenerator(GeneratorProgram):
             for i, row in enumerate(self.rows)
         ]
         merged = merge_rollouts(parts)
-        return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"])}
+        slots = {k: v for k, v in sampled.items() if k.startswith("slots/")}  # alike on every tp rank
+        return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"]), **slots}
 
 
 def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> Any:
