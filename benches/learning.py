@@ -248,8 +248,8 @@ def torchrun_comparison(args: argparse.Namespace) -> dict:
 
 
 def runtime_comparison(args: argparse.Namespace) -> dict:
-    """Synchronous k = 0 (local backend, 1 thread: the fastest for this tiny model in a plain loop)
-    against async k = 1 and k = 2 on ``--backend`` (process by default: one process per executor,
+    """Synchronous k = 0 (local backend, its default intra-op threads: the colocated generator and trainer
+    take turns on one compute thread with all cores) against async k = 1 and k = 2 on ``--backend`` (process by default: one process per executor,
     so generation and training run on their own cores without sharing the GIL), for every seed of
     ``--seeds``: same seed and steps for all three. Per seed: time-to-target speedup of each k over
     k = 0 and the final rewards; over seeds: median speedup and mean final reward (one seed is noise:
@@ -257,10 +257,10 @@ def runtime_comparison(args: argparse.Namespace) -> dict:
     common = dict(steps=args.runtime_steps, target=args.target, window=args.window, example=args.example)
     # (label, k, mode): the first is the baseline; --modes, or k = 0 then the nonzero --ks
     specs = [(f"{m}:{k}", k, m) for m, k in args.modes] if args.modes else [(f"k{k}", k, None) for k in [0, *(k for k in args.ks if k)]]
-    sync_backend, sync_threads = ("local", 1) if args.sync_backend == "local" else (args.sync_backend, 0)
+    sync_backend = args.sync_backend
     per_seed = []
     for seed in args.seeds:
-        runs = [runtime_curve(specs[0][1], mode=specs[0][2], backend=sync_backend, threads=sync_threads, seed=seed, **common)]
+        runs = [runtime_curve(specs[0][1], mode=specs[0][2], backend=sync_backend, threads=0, seed=seed, **common)]
         runs += [runtime_curve(k, mode=m, backend=args.backend, threads=0, seed=seed, **common) for _, k, m in specs[1:]]
         sync = runs[0]
         entry: dict = {"seed": seed, "runs": runs}
@@ -284,7 +284,7 @@ def runtime_comparison(args: argparse.Namespace) -> dict:
             speedups = [e[f"{key}_time_to_target_speedup"] for e in per_seed if e[f"{key}_time_to_target_speedup"] is not None]
             summary[key]["time_to_target_speedup_median"] = _median(speedups)
             summary[key]["time_to_target_speedup_per_seed"] = [e[f"{key}_time_to_target_speedup"] for e in per_seed]
-    baseline = f"{specs[0][0]} {sync_backend}" + (" threads=1" if sync_threads else "")
+    baseline = f"{specs[0][0]} {sync_backend}"
     return {"example": args.example, "target": args.target, "window": args.window, "steps": args.runtime_steps, "baseline": baseline,
             "load_1min": round(os.getloadavg()[0], 2), "summary": summary, "per_seed": per_seed}
 
@@ -311,7 +311,7 @@ def main() -> None:
     p.add_argument("--modes", type=parse_mode, nargs="+", default=None, metavar="NAME:K",
                    help=f"instead of --ks: runs as NAME:K, NAME one of {', '.join(MODES)} (the first is the baseline), "
                    "e.g. lockstep:0 continuous-inflight:2; the example's builder must take the mode's options (longtail does)")
-    p.add_argument("--sync-backend", default="local", choices=("local", "process"), help="backend of the k=0 run (local: 1 thread)")
+    p.add_argument("--sync-backend", default="local", choices=("local", "process"), help="backend of the k=0 run")
     p.add_argument("--backend", default="process", choices=("local", "process"), help="backend of the async runs (process: no shared GIL)")
     p.add_argument("--torchrun", action="store_true", help="also train under torchrun (collective weights): k=0 vs k=1")
     p.add_argument("--torchrun-only", action="store_true", help="only the torchrun comparison")
