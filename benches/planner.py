@@ -170,11 +170,11 @@ def cpu_predicted_vs_measured(example: str, steps: int, batching: str | None, tr
             dev = plan.cluster_spec.device
             out[label]["calibrated"] = {
                 f"gflops_per_core_at_width_{width}": {kind: round(dev.flops_at(width, kind) / 1e9, 1) for kind in ("forward", "decode", "train")},
-                "thread_speedup": round(m.thread_speedup, 2),
-                "gen_thread_speedup": round(m.gen_thread_speedup, 2),
-                "shared_slowdown": round(m.shared_slowdown, 2),
-                "decode_step_overhead_us": round(m.decode_step_overhead_s * 1e6, 1),
-                "slot_row_overhead_us": round(m.slot_row_overhead_s * 1e6, 2),
+                "thread_speedup": round(m.cpu.thread_speedup, 2),
+                "gen_thread_speedup": round(m.cpu.gen_thread_speedup, 2),
+                "shared_slowdown": round(m.cpu.shared_slowdown, 2),
+                "decode_step_overhead_us": round(m.cpu.decode_step_overhead_s * 1e6, 1),
+                "slot_row_overhead_us": round(m.cpu.slot_row_overhead_s * 1e6, 2),
                 "matmul_gflops_per_core": round(m.matmul_flops / 1e9, 1),
                 "copy_gb_per_s": round(m.copy_bandwidth / 1e9, 2),
                 "op_overhead_us": round(m.op_overhead_s * 1e6, 2),

@@ -60,12 +60,12 @@ def _run(args: argparse.Namespace) -> int:
     )
     rates = ", ".join(
         f"{kind} {' '.join(f'{w}:{f / 1e9:.1f}' for w, f in table)}"
-        for kind, table in (("forward", m.flops_by_width), ("decode", m.decode_flops_by_width), ("train", m.train_flops_by_width))
+        for kind, table in (("forward", m.cpu.flops_by_width), ("decode", m.cpu.decode_flops_by_width), ("train", m.cpu.train_flops_by_width))
     )
     print(
-        f"model passes, GFLOP/s by width: {rates}; thread speedup {m.thread_speedup:.2f} (generating {m.gen_thread_speedup:.2f}), shared slowdown "
-        f"{m.shared_slowdown:.2f}, decode step overhead {m.decode_step_overhead_s * 1e6:.0f} us, slot row "
-        f"overhead {m.slot_row_overhead_s * 1e6:.1f} us",
+        f"model passes, GFLOP/s by width: {rates}; thread speedup {m.cpu.thread_speedup:.2f} (generating {m.cpu.gen_thread_speedup:.2f}), shared slowdown "
+        f"{m.cpu.shared_slowdown:.2f}, decode step overhead {m.cpu.decode_step_overhead_s * 1e6:.0f} us, slot row "
+        f"overhead {m.cpu.slot_row_overhead_s * 1e6:.1f} us",
         file=sys.stderr,
     )
     data = cluster_to_json(cluster)

@@ -57,7 +57,7 @@ from typing import Any
 import msgspec
 
 from flowrl.errors import PlanError
-from flowrl.planners.cluster import ClusterSpec, _host_cores, host_memory_bytes, cpu_device
+from flowrl.planners.cluster import ClusterSpec, CpuTerms, _host_cores, cpu_device, host_memory_bytes
 from flowrl.planners.modelspec import ModelSpec
 
 __all__ = ["Measurements", "measure", "calibrated_cluster", "pass_flops", "PASSES", "WIDTHS"]
@@ -74,16 +74,14 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         memory_bytes: the machine's RAM.
         matmul_size: the n of the n x n matmul.
         copy_bytes: the size of the copied buffer.
-        flops_by_width, decode_flops_by_width, train_flops_by_width: ``(w, FLOP/s)`` of the built-in
-            transformer's forward, one-token forward and forward + backward at width ``w`` on one
-            thread alone, for ``w`` in ``WIDTHS`` (the ``DeviceSpec`` fields of these names).
-        thread_speedup, gen_thread_speedup: time of the width-64 training pass (8 decode-shaped
-            passes) on one thread alone over its time with ``cores`` intra-op threads, a training
-            and a generating Python thread taking turns (the ``DeviceSpec`` fields).
-        shared_slowdown: ``_shared_slowdown`` (``DeviceSpec.shared_slowdown``).
-        slot_row_overhead_s: ``_slot_row_overhead`` (``DeviceSpec.slot_row_overhead_s``).
-        decode_step_overhead_s: seconds of one decode step of the built-in generator outside its
-            transformer blocks, at one row (``DeviceSpec.decode_step_overhead_s``; ``_decode_overhead``).
+        cpu: the :class:`~flowrl.planners.cluster.CpuTerms` measured: the pass rates by width
+            (``_pass_rates``: the built-in transformer's forward, one-token forward and forward +
+            backward at each of ``WIDTHS`` on one thread alone); ``thread_speedup`` and
+            ``gen_thread_speedup`` (time of the width-64 training pass, and of 8 decode-shaped
+            passes, on one thread alone over its time with ``cores`` intra-op threads, the two
+            taking turns on one compute thread); ``shared_slowdown`` (``_shared_slowdown``);
+            ``slot_row_overhead_s`` (``_slot_row_overhead``); ``decode_step_overhead_s`` (one
+            decode step of the built-in generator outside its blocks, ``_decode_overhead``).
     """
 
     matmul_flops: float
@@ -93,14 +91,7 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     memory_bytes: int
     matmul_size: int = 256
     copy_bytes: int = 32 * 2**20
-    flops_by_width: tuple[tuple[int, float], ...] = ()
-    decode_flops_by_width: tuple[tuple[int, float], ...] = ()
-    train_flops_by_width: tuple[tuple[int, float], ...] = ()
-    thread_speedup: float = 0.0
-    gen_thread_speedup: float = 0.0
-    shared_slowdown: float = 1.0
-    decode_step_overhead_s: float = 0.0
-    slot_row_overhead_s: float = 0.0
+    cpu: CpuTerms = msgspec.field(default_factory=lambda: CpuTerms())
 
 
 def _timed(calls: list[Callable[[], object]], *, inner: int, repeats: int, statistic: str) -> float:
@@ -402,14 +393,16 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
         memory_bytes=host_memory_bytes(),
         matmul_size=n,
         copy_bytes=numel * 4,
-        flops_by_width=rates["forward"],
-        decode_flops_by_width=rates["decode"],
-        train_flops_by_width=rates["train"],
-        thread_speedup=t_one / t_all,
-        gen_thread_speedup=t_gen_one / t_gen_all,
-        shared_slowdown=shared,
-        decode_step_overhead_s=decode_s,
-        slot_row_overhead_s=slot_s,
+        cpu=CpuTerms(
+            flops_by_width=rates["forward"],
+            decode_flops_by_width=rates["decode"],
+            train_flops_by_width=rates["train"],
+            thread_speedup=t_one / t_all,
+            gen_thread_speedup=t_gen_one / t_gen_all,
+            shared_slowdown=shared,
+            decode_step_overhead_s=decode_s,
+            slot_row_overhead_s=slot_s,
+        ),
     )
 
 
@@ -423,13 +416,6 @@ def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterS
         memory_bandwidth=m.copy_bandwidth,
         kernel_overhead_s=m.op_overhead_s,
         name="cpu",
-        flops_by_width=m.flops_by_width,
-        decode_flops_by_width=m.decode_flops_by_width,
-        train_flops_by_width=m.train_flops_by_width,
-        thread_speedup=m.thread_speedup,
-        gen_thread_speedup=m.gen_thread_speedup,
-        shared_slowdown=m.shared_slowdown,
-        decode_step_overhead_s=m.decode_step_overhead_s,
-        slot_row_overhead_s=m.slot_row_overhead_s,
+        cpu=m.cpu,
     )
     return ClusterSpec(name="cpu-calibrated", hosts=1, devices_per_host=n, device=device)

@@ -42,6 +42,7 @@ from flowrl.errors import PlanError
 from flowrl.fileio import decode_errors
 
 __all__ = [
+    "CpuTerms",
     "DeviceSpec",
     "ClusterSpec",
     "DEVICE_PRESETS",
@@ -69,25 +70,11 @@ CLUSTER_FORMS = (
 )
 
 
-class DeviceSpec(msgspec.Struct, **_STRUCT):
-    """One device's figures (see the module docstring for units).
+class CpuTerms(msgspec.Struct, **_STRUCT):
+    """What ``flowrl calibrate`` measures of a CPU besides its peak rates: how flowrl's own passes and
+    executors run there (``DeviceSpec.cpu``; ``calibrate.Measurements.cpu``). The defaults measure nothing.
 
     Attributes:
-        name: short name used in cluster strings (``"H100"``, ``"cpu"``).
-        kind: ``"gpu"`` or ``"cpu"``; on ``"cpu"`` a device is one core and the runtime pins to it.
-        memory_bytes: device memory.
-        peak_flops: dense FLOP/s at ``compute_dtype``.
-        peak_flops_8bit: dense FLOP/s with 8-bit weights and activations; 0 when unsupported.
-        memory_bandwidth: device-memory bytes/s.
-        intra_host_bandwidth: bytes/s per device per direction to a device on the same host.
-        inter_host_bandwidth: bytes/s per device per direction to a device on another host.
-        intra_host_latency_s: fixed cost of one step (hop) of a collective among devices of one host.
-        inter_host_latency_s: fixed cost of one step (hop) of a collective that crosses hosts.
-        kernel_overhead_s: fixed cost of one operator launch.
-        host_bandwidth: bytes/s per device per direction to host memory (PCIe); 0: the planner
-            never offloads to the host.
-        compute_dtype: the dtype ``peak_flops`` refers to, and the trainer's parameter dtype.
-        default_devices_per_host: devices per host assumed by the ``NxDEVICE`` form.
         flops_by_width: ``(width, FLOP/s)`` pairs, widths ascending: what the built-in transformer's
             forward pass reaches on one device at width ``w`` (prefill-shaped: 256 rows of 8 tokens),
             FLOPs counted as ``ModelSpec.forward_flops_per_token`` counts them (measured by ``flowrl
@@ -126,6 +113,55 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             millisecond): the ``optimizer`` term only.
     """
 
+    flops_by_width: tuple[tuple[int, float], ...] = ()
+    decode_flops_by_width: tuple[tuple[int, float], ...] = ()
+    train_flops_by_width: tuple[tuple[int, float], ...] = ()
+    thread_speedup: float = 0.0
+    gen_thread_speedup: float = 0.0
+    shared_slowdown: float = 1.0
+    decode_step_overhead_s: float = 0.0
+    slot_row_overhead_s: float = 0.0
+    train_step_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s"):
+            value = getattr(self, field)
+            if not (value >= 0 and value < float("inf")):
+                raise PlanError(f"CpuTerms: {field}={value} must be a finite number >= 0")
+        if not 1 <= self.shared_slowdown < float("inf"):
+            raise PlanError(f"CpuTerms: shared_slowdown={self.shared_slowdown} must be a finite number >= 1")
+        for field in ("flops_by_width", "decode_flops_by_width", "train_flops_by_width"):
+            table = getattr(self, field)
+            widths = [w for w, _ in table]
+            if widths != sorted(set(widths)) or any(w < 1 or not 0 < f < float("inf") for w, f in table):
+                raise PlanError(
+                    f"CpuTerms: {field}={table} must be (width >= 1, FLOP/s > 0) pairs, widths strictly ascending"
+                )
+
+
+class DeviceSpec(msgspec.Struct, **_STRUCT):
+    """One device's figures (see the module docstring for units).
+
+    Attributes:
+        name: short name used in cluster strings (``"H100"``, ``"cpu"``).
+        kind: ``"gpu"`` or ``"cpu"``; on ``"cpu"`` a device is one core and the runtime pins to it.
+        memory_bytes: device memory.
+        peak_flops: dense FLOP/s at ``compute_dtype``.
+        peak_flops_8bit: dense FLOP/s with 8-bit weights and activations; 0 when unsupported.
+        memory_bandwidth: device-memory bytes/s.
+        intra_host_bandwidth: bytes/s per device per direction to a device on the same host.
+        inter_host_bandwidth: bytes/s per device per direction to a device on another host.
+        intra_host_latency_s: fixed cost of one step (hop) of a collective among devices of one host.
+        inter_host_latency_s: fixed cost of one step (hop) of a collective that crosses hosts.
+        kernel_overhead_s: fixed cost of one operator launch.
+        host_bandwidth: bytes/s per device per direction to host memory (PCIe); 0: the planner
+            never offloads to the host.
+        compute_dtype: the dtype ``peak_flops`` refers to, and the trainer's parameter dtype.
+        default_devices_per_host: devices per host assumed by the ``NxDEVICE`` form.
+        cpu: what ``flowrl calibrate`` measured of a CPU (:class:`CpuTerms`); its defaults (a GPU
+            preset, or an uncalibrated CPU) measure nothing and change no estimate.
+    """
+
     name: str
     kind: Literal["gpu", "cpu"] = "gpu"
     memory_bytes: int
@@ -140,46 +176,26 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
     host_bandwidth: float = 0.0
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     default_devices_per_host: int = 8
-    flops_by_width: tuple[tuple[int, float], ...] = ()
-    decode_flops_by_width: tuple[tuple[int, float], ...] = ()
-    train_flops_by_width: tuple[tuple[int, float], ...] = ()
-    thread_speedup: float = 0.0
-    gen_thread_speedup: float = 0.0
-    shared_slowdown: float = 1.0
-    decode_step_overhead_s: float = 0.0
-    slot_row_overhead_s: float = 0.0
-    train_step_overhead_s: float = 0.0
+    cpu: CpuTerms = msgspec.field(default_factory=lambda: CpuTerms())
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "peak_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
             value = getattr(self, field)
             if not (value > 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number > 0")
-        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth",
-                      "thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s",
-                      "train_step_overhead_s"):
+        for field in ("peak_flops_8bit", "intra_host_latency_s", "inter_host_latency_s", "kernel_overhead_s", "host_bandwidth"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"DeviceSpec {self.name!r}: {field}={value} must be a finite number >= 0")
-        if not 1 <= self.shared_slowdown < float("inf"):
-            raise PlanError(f"DeviceSpec {self.name!r}: shared_slowdown={self.shared_slowdown} must be a finite number >= 1")
         if self.default_devices_per_host < 1:
             raise PlanError(f"DeviceSpec {self.name!r}: default_devices_per_host={self.default_devices_per_host} must be >= 1")
-        for field in ("flops_by_width", "decode_flops_by_width", "train_flops_by_width"):
-            table = getattr(self, field)
-            widths = [w for w, _ in table]
-            if widths != sorted(set(widths)) or any(w < 1 or not 0 < f < float("inf") for w, f in table):
-                raise PlanError(
-                    f"DeviceSpec {self.name!r}: {field}={table} must be (width >= 1, FLOP/s > 0) pairs, "
-                    "widths strictly ascending"
-                )
 
     def flops_at(self, width: int, pass_kind: str = "forward") -> float:
         """FLOP/s of a model of residual width ``width`` in one pass (``"forward"``, ``"decode"`` or
-        ``"train"``): ``measured_flops`` when there is a table, else ``peak_flops``.
+        ``"train"``): ``measured_flops`` when ``cpu`` has a table, else ``peak_flops``.
 
         Example:
-            >>> d = cpu_device(cores=2, memory_bytes=2**30, peak_flops=100e9, flops_by_width=((32, 10e9), (128, 40e9)))
+            >>> d = cpu_device(cores=2, memory_bytes=2**30, peak_flops=100e9, cpu=CpuTerms(flops_by_width=((32, 10e9), (128, 40e9))))
             >>> d.flops_at(64) / 1e9, d.flops_at(16) / 1e9, d.flops_at(4096) / 1e9, d.flops_at(64, "train") / 1e9
             (25.0, 10.0, 40.0, 25.0)
         """
@@ -197,7 +213,8 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
         """
         if pass_kind not in ("forward", "decode", "train"):
             raise PlanError(f"pass kind {pass_kind!r} is not one of forward, decode, train")
-        table = {"decode": self.decode_flops_by_width, "train": self.train_flops_by_width}.get(pass_kind) or self.flops_by_width
+        c = self.cpu
+        table = {"decode": c.decode_flops_by_width, "train": c.train_flops_by_width}.get(pass_kind) or c.flops_by_width
         if not table:
             return None
         if width <= table[0][0]:
@@ -213,13 +230,14 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
         mesh uses ``gen_thread_speedup`` when set).
 
         Example:
-            >>> d = cpu_device(cores=4, memory_bytes=2**30, thread_speedup=1.6, gen_thread_speedup=1.3)
+            >>> d = cpu_device(cores=4, memory_bytes=2**30, cpu=CpuTerms(thread_speedup=1.6, gen_thread_speedup=1.3))
             >>> round(d.mesh_speedup(3, 4), 6), round(d.mesh_speedup(3, 4, generator=True), 6)
             (1.4, 1.2)
         """
-        if self.thread_speedup <= 0 or n <= 1:
+        c = self.cpu
+        if c.thread_speedup <= 0 or n <= 1:
             return float(n)
-        speedup = self.gen_thread_speedup if generator and self.gen_thread_speedup > 0 else self.thread_speedup
+        speedup = c.gen_thread_speedup if generator and c.gen_thread_speedup > 0 else c.thread_speedup
         return 1 + (speedup - 1) * (n - 1) / max(1, per_host - 1)
 
     @property
@@ -327,22 +345,15 @@ def cpu_device(
     memory_bandwidth: float = 8e9,
     kernel_overhead_s: float = 10e-6,
     name: str = "cpu",
-    flops_by_width: tuple[tuple[int, float], ...] = (),
-    decode_flops_by_width: tuple[tuple[int, float], ...] = (),
-    train_flops_by_width: tuple[tuple[int, float], ...] = (),
-    thread_speedup: float = 0.0,
-    gen_thread_speedup: float = 0.0,
-    shared_slowdown: float = 1.0,
-    decode_step_overhead_s: float = 0.0,
-    slot_row_overhead_s: float = 0.0,
-    train_step_overhead_s: float = 0.0,
+    cpu: CpuTerms | None = None,
 ) -> DeviceSpec:
     """One core of this machine as a device.
 
     The defaults are deliberately round, uncalibrated guesses for one modern x86 core in float32
     (``flowrl calibrate`` measures the real ones): 30 GFLOP/s matmul, 8 GB/s memory copy, 10 us per
-    operator launch. A core's memory is the host's RAM divided by its cores; a collective between
-    cores is a memory copy, so both bandwidths are ``memory_bandwidth``.
+    operator launch; ``cpu``: the measured :class:`CpuTerms` (none by default). A core's memory is
+    the host's RAM divided by its cores; a collective between cores is a memory copy, so both
+    bandwidths are ``memory_bandwidth``.
     """
     n = cores or _host_cores()
     mem = memory_bytes if memory_bytes is not None else host_memory_bytes() // n
@@ -361,15 +372,7 @@ def cpu_device(
         kernel_overhead_s=kernel_overhead_s,
         compute_dtype="float32",
         default_devices_per_host=n,
-        flops_by_width=flops_by_width,
-        decode_flops_by_width=decode_flops_by_width,
-        train_flops_by_width=train_flops_by_width,
-        thread_speedup=thread_speedup,
-        gen_thread_speedup=gen_thread_speedup,
-        shared_slowdown=shared_slowdown,
-        decode_step_overhead_s=decode_step_overhead_s,
-        slot_row_overhead_s=slot_row_overhead_s,
-        train_step_overhead_s=train_step_overhead_s,
+        cpu=cpu or CpuTerms(),
     )
 
 

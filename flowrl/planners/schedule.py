@@ -14,7 +14,7 @@ policy's step (time 0, the policy's estimate includes it).
   continuous generator's differs from its sync time, ``flowrl.planners.lengths``) + (1 - sync_overlap) * W
   for each weight sync it takes part in)`` - about max(G + W, T + W) when disaggregated, and
   still G + T + W when colocated, since a colocation group cannot overlap with itself.
-- **Sharing a host** (``shared_slowdown`` s > 1, a calibrated CPU: ``DeviceSpec.shared_slowdown``):
+- **Sharing a host** (``shared_slowdown`` s > 1, a calibrated CPU: ``DeviceSpec.cpu.shared_slowdown``):
   colocation groups on one host slow each other down while they overlap, so the async step is
   ``shared_step_s`` of their busy times rather than their maximum: every group runs s times slower
   while another is busy and at full speed once it is alone (two groups, busy x <= y: ``y + (s - 1) * x``).

@@ -343,7 +343,7 @@ class _Evaluator:
             times = {n: (t if math.isfinite(t) else 0.0) for n, t in times.items()}
         steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
         cluster = self.ctx.cluster
-        shared = cluster.device.shared_slowdown if cluster.hosts == 1 else 1.0  # meshes on one host share it
+        shared = cluster.device.cpu.shared_slowdown if cluster.hosts == 1 else 1.0  # meshes on one host share it
         steps = step_times(
             self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers,
             shared_slowdown=shared,
@@ -374,7 +374,7 @@ class _Evaluator:
     def _side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
         models = [self.roles.models[n] for n in side]
         # a CPU mesh with a measured thread speedup is one process with n intra-op threads: no tp or pp to split
-        single = 1 if self.ctx.cluster.device.thread_speedup > 0 else None
+        single = 1 if self.ctx.cluster.device.cpu.thread_speedup > 0 else None
         options = [d for d in enumerate_dims(len(devices), models[0], max_tp=single, max_pp=single) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
         ranked = []
         for dims in options:

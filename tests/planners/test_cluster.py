@@ -110,9 +110,9 @@ def test_calibrated_cluster_is_pure_and_round_trips(tmp_path):
 def test_measure_returns_positive_figures():
     m = measure(matmul_size=32, copy_mib=1, repeats=1)
     assert m.matmul_flops > 0 and m.copy_bandwidth > 0 and m.op_overhead_s > 0
-    for table in (m.flops_by_width, m.decode_flops_by_width, m.train_flops_by_width):
+    for table in (m.cpu.flops_by_width, m.cpu.decode_flops_by_width, m.cpu.train_flops_by_width):
         assert [w for w, _ in table] == list(WIDTHS) and all(rate > 0 for _, rate in table)
-    assert m.thread_speedup > 0 and m.gen_thread_speedup > 0 and m.shared_slowdown >= 1 and m.decode_step_overhead_s >= 0 and m.slot_row_overhead_s >= 0
+    assert m.cpu.thread_speedup > 0 and m.cpu.gen_thread_speedup > 0 and m.cpu.shared_slowdown >= 1 and m.cpu.decode_step_overhead_s >= 0 and m.cpu.slot_row_overhead_s >= 0
     calibrated_cluster(m)  # every measured figure is a valid DeviceSpec field
     assert msgspec.json.decode(msgspec.json.encode(m), type=Measurements) == m
 

@@ -16,7 +16,7 @@ import pytest
 from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.planners.calibrate import Measurements, calibrated_cluster
-from flowrl.planners.cluster import ClusterSpec, cpu_device
+from flowrl.planners.cluster import ClusterSpec, CpuTerms, cpu_device
 from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.train import estimate_train
 from flowrl.planners.lengths import LengthDistribution
@@ -125,7 +125,7 @@ def test_cpu_mesh_is_one_replica_sped_up_by_threads():
 
 def test_a_cpu_mesh_is_searched_without_tensor_or_pipeline_splits():
     # a calibrated CPU runs a mesh as one process with intra-op threads: there is no tp or pp to run
-    m = Measurements(matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30, thread_speedup=1.3)
+    m = Measurements(matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30, cpu=CpuTerms(thread_speedup=1.3))
     plan = plan_graph(build_example("llamarl"), calibrated_cluster(m), strategy="colocated", max_staleness=0)
     assert str(plan) == "gen:d2@0-1 | policy:d2@0-1"
 
@@ -197,7 +197,7 @@ def test_async_step_of_meshes_sharing_a_host():
     # disaggregated on one host of 2 cores: the trainer's and the generator's busy times overlap,
     # slowed 1.5x while both run; the same plan with shared_slowdown 1 is their maximum
     def plan(shared: float):
-        m = Measurements(matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30, shared_slowdown=shared)
+        m = Measurements(matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30, cpu=CpuTerms(shared_slowdown=shared))
         return plan_graph(build_example("llamarl"), calibrated_cluster(m), strategy="disaggregated", max_staleness=1)
 
     alone, shared = plan(1.0), plan(1.5)
@@ -210,11 +210,13 @@ def test_async_step_of_meshes_sharing_a_host():
 def test_calibrated_cluster_carries_every_measured_term():
     m = Measurements(
         matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30,
-        flops_by_width=((64, 3e10),), decode_flops_by_width=((64, 2e10),), train_flops_by_width=((64, 2.5e10),),
-        thread_speedup=1.3, gen_thread_speedup=1.1, shared_slowdown=1.2, decode_step_overhead_s=2e-4, slot_row_overhead_s=5e-6,
+        cpu=CpuTerms(
+            flops_by_width=((64, 3e10),), decode_flops_by_width=((64, 2e10),), train_flops_by_width=((64, 2.5e10),),
+            thread_speedup=1.3, gen_thread_speedup=1.1, shared_slowdown=1.2, decode_step_overhead_s=2e-4, slot_row_overhead_s=5e-6,
+        ),
     )
     dev = calibrated_cluster(m).device
-    got = (dev.flops_at(64), dev.flops_at(64, "decode"), dev.flops_at(64, "train"), dev.thread_speedup, dev.gen_thread_speedup,
-           dev.shared_slowdown, dev.decode_step_overhead_s, dev.slot_row_overhead_s)
+    got = (dev.flops_at(64), dev.flops_at(64, "decode"), dev.flops_at(64, "train"), dev.cpu.thread_speedup, dev.cpu.gen_thread_speedup,
+           dev.cpu.shared_slowdown, dev.cpu.decode_step_overhead_s, dev.cpu.slot_row_overhead_s)
     assert got == (3e10, 2e10, 2.5e10, 1.3, 1.1, 1.2, 2e-4, 5e-6)
     assert isinstance(calibrated_cluster(m), ClusterSpec)

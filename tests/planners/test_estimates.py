@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from flowrl.planners.cluster import ClusterSpec, DeviceSpec
+from flowrl.planners.cluster import ClusterSpec, CpuTerms, DeviceSpec
 from flowrl.planners.estimate.common import Context, Link, all_gather_s, all_reduce_s, send_s
 from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.cpu import estimate_cpu
@@ -30,12 +30,14 @@ EXACT = Tuning(
 
 
 def device(**over) -> DeviceSpec:
+    """The test device; ``over`` may name ``DeviceSpec`` fields and ``CpuTerms`` fields (put in ``cpu``)."""
+    terms = {k: over.pop(k) for k in list(over) if k in CpuTerms.__struct_fields__}
     base = dict(
         name="X", memory_bytes=10**9, peak_flops=1e12, memory_bandwidth=1e11, intra_host_bandwidth=1e10,
         inter_host_bandwidth=1e9, intra_host_latency_s=0.0, inter_host_latency_s=0.0, kernel_overhead_s=0.0,
     )
     base.update(over)
-    return DeviceSpec(**base)
+    return DeviceSpec(**base, cpu=CpuTerms(**terms))
 
 
 def ctx(dev: DeviceSpec | None = None, per_host: int = 8, hosts: int = 1, tuning: Tuning = EXACT, work: Workload = WORK) -> Context:

@@ -31,11 +31,11 @@ steps (the next step's prompts fill what the tail frees), so its steady-state ti
 off by default on a CPU device, where the planner predicts flowrl's own slot batcher: with its
 default slots, one step's samples, and its deadline admission it holds about one step's groups at
 a time, so each step still waits for its longest group and ``steady_s`` is the synchronous time).
-A continuous generator also pays ``DeviceSpec.slot_row_overhead_s`` per busy row per decode step,
+A continuous generator also pays ``DeviceSpec.cpu.slot_row_overhead_s`` per busy row per decode step,
 ``n * mean`` of them per step (``slot_overhead``). Every completion running
 to ``gen_len`` (the default lengths) gives ``steps = waves * gen_len`` in every mode.
 
-``peak * mfu`` is, on a calibrated CPU device (``DeviceSpec.flops_by_width``), the measured rate of
+``peak * mfu`` is, on a calibrated CPU device (``DeviceSpec.cpu.flops_by_width``), the measured rate of
 the built-in model's forward at the model's width instead (``decode_flops_by_width`` for decode):
 what the machine achieves on the whole pass, so no MFU factor, and its launches are in it (the
 ``ops_per_layer * kernel_overhead`` terms are 0 there).
@@ -125,7 +125,7 @@ def estimate_generate(
     ab = 2 if dev.kind == "gpu" else dev.dtype_bytes
     h, L, V = model.dim, model.n_layers, model.vocab_size
     layers = stage_layers(L, pp)  # the largest stage: its memory must fit (stages may be uneven)
-    replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
+    replicas = 1 if dev.cpu.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
     speedup = dev.mesh_speedup(dp, c.devices_per_host, generator=True) / replicas
     per_replica = math.ceil(w.sequences / replicas)
     weights = int(model.params * wb * layers / (L * tp))
@@ -174,12 +174,12 @@ def estimate_generate(
     stage = max(t_read, t_compute)
     tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
-    token += dev.decode_step_overhead_s
+    token += dev.cpu.decode_step_overhead_s
     prefill /= speedup
     token /= speedup
     decode = steps * token
     # flowrl's slot batcher: Python bookkeeping per busy row per decode step, one per completion token
-    slot_rows = per_replica * dist.mean * dev.slot_row_overhead_s / speedup if continuous else 0.0
+    slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous else 0.0
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
     breakdown = {
@@ -188,7 +188,7 @@ def estimate_generate(
         "tp_comm": steps * pp * tp_tok / speedup + waves * prefill_comm / speedup,
         "launch": steps * L * launch_layer / speedup + waves * L * launch_layer / speedup,
         "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0) / speedup,
-        "step_overhead": steps * dev.decode_step_overhead_s / speedup,
+        "step_overhead": steps * dev.cpu.decode_step_overhead_s / speedup,
         "slot_overhead": slot_rows,
     }
     mode = "continuous" if continuous else "lock-step"

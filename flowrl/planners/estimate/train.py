@@ -25,7 +25,7 @@ Time of one optimizer step::
                    (FSDP gathers each stage's parameters for the forward, the backward and a recompute)
 
 On a calibrated CPU device ``peak * mfu_train`` is the measured rate of the built-in model's
-forward + backward at width h (``DeviceSpec.train_flops_by_width``; a reference's forward:
+forward + backward at width h (``DeviceSpec.cpu.train_flops_by_width``; a reference's forward:
 ``flops_by_width``): the whole pass as this machine runs it, so no MFU, and ``ops_per_layer`` is 0
 (its launches are in it).
 
@@ -155,7 +155,7 @@ def train_options(
         """Tokens per sequence a micro-batch of ``mb`` costs: the mean packed, its longest padded."""
         return w.mean_seq_len if packed else w.prompt_len + dist.expected_max(mb) - 1  # the last token predicts nothing
 
-    replicas = 1 if dev.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
+    replicas = 1 if dev.cpu.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
     speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
     per_rank = math.ceil(w.sequences / replicas)
     if not packed and micro_batch == 0:  # flowrl's trainer runs micro_batch_size 0 as one pass over the batch
@@ -186,7 +186,7 @@ def train_options(
             grad_sync = 0.0
         tensors = 9 * L + 3
         optimizer_s = p_dev * (pb + gb + 2 * ob / (shard if replicas > 1 else 1)) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
-        optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.train_step_overhead_s
+        optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.cpu.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
             optimizer_s += all_gather_s(p_dev * pb, dp, dp_link)
     resident = weights + grads + optim
