@@ -27,7 +27,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.runtime.resharding import local_shape, local_slice
 from flowrl.runtime.tensor_parallel import check_tp, param_splits, shard_hf_, shard_transformer_, tp_param_layouts
-from tests.runtime.helpers import edge_shard_shapes, generator_rank_program, launch_ranks
+from tests.runtime.helpers import compare_draws, continuous_draws, edge_shard_shapes, generator_rank_program, launch_ranks
 
 GEN_SEED = 7
 #: case -> (family, hf_config overrides): what each tiny directory holds.
@@ -150,6 +150,28 @@ def _check_generate(rank: int, ranks: tuple[int, ...], group: Any, dirs: dict[st
     return result
 
 
+def _check_continuous(rank: int, ranks: tuple[int, ...], group: Any, dirs: dict[str, str]) -> dict[str, Any]:
+    """Continuous batching (``SlotBatcher``) on the tp HF model draws the full model's tokens: 6 prompts of
+    lengths 1..7, 2 samples each, through 3 slots (refills spliced into the local heads' cache), stop
+    tokens ending completions at varied lengths."""
+    from flowrl.graph.configs import SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+    from flowrl.operators.generation import Generator
+
+    result: dict[str, Any] = {}
+    for case in ("llama-bias-uneven", "qwen2"):
+        sampling = SamplingConfig(n_samples=2, max_new_tokens=8, batching="continuous", stop_tokens=(3, 7, 11))
+        node = GeneratorNode(name="gen", model=_hf(dirs[case]), sampling=sampling)
+        full, tp = Generator(node, seed=GEN_SEED), Generator(node, seed=GEN_SEED)
+        shard_hf_(tp.model, ranks, rank, group)
+        gen = torch.Generator().manual_seed(9)
+        prompts = [torch.randint(3, 40, (n,), generator=gen).tolist() for n in (5, 2, 7, 1, 4, 3)]
+        a = continuous_draws(full, prompts, n=2, slots=3, seed=GEN_SEED)
+        b = continuous_draws(tp, prompts, n=2, slots=3, seed=GEN_SEED)
+        result[case] = compare_draws(a, b)
+    return result
+
+
 def hf_graph(model_dir: str, prompts_file: str) -> Any:
     """prompts file -> gen -> text reward -> aipo -> policy, an HF model, weights over files."""
     from flowrl.graph.builder import GraphBuilder
@@ -224,6 +246,7 @@ def _worker_main(argv: list[str]) -> None:
     checks = {
         "model": lambda: _check_model(rank, ranks, dist.group.WORLD, models),
         "generate": lambda: _check_generate(rank, ranks, dist.group.WORLD, dirs),
+        "continuous": lambda: _check_continuous(rank, ranks, dist.group.WORLD, dirs),
         "program": lambda: _check_program(rank, world, out_dir, dirs),
     }
     result: dict[str, Any] = {}
@@ -284,6 +307,15 @@ def test_tp2_hf_generate_draws_the_full_models_tokens(tp2):
         for path, entry in rank_result.items():
             assert entry["tokens_equal"] and entry["mask_equal"], path
             assert entry["logprob_diff"] <= 1e-4, (path, entry["logprob_diff"])
+
+
+def test_tp2_hf_continuous_batching_draws_the_full_models_tokens(tp2):
+    for rank_result in _results(tp2, "continuous"):
+        for case, entry in rank_result.items():
+            assert entry["keys_equal"] and entry["tokens_equal"] and entry["completions"] == 12, (case, entry)
+            assert entry["logprob_diff"] <= 1e-4, (case, entry["logprob_diff"])
+            assert entry["splices"] is True and entry["full_splices"] is True, (case, entry)  # refills were spliced, not merged
+            assert len(entry["lengths"]) > 1, (case, entry["lengths"])  # stop tokens ended completions at varied lengths
 
 
 def test_tp2_hf_generator_program_gets_exactly_its_shards_and_matches_one_process(tp2):
