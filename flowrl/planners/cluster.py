@@ -405,7 +405,8 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
         raise PlanError(f"cannot read cluster file {str(path)!r}: {exc.strerror}") from None
     hint = (
         "; expected fields name, hosts, devices_per_host and device{name, memory_bytes, peak_flops, "
-        "memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth, ...}"
+        "memory_bandwidth, intra_host_bandwidth, inter_host_bandwidth, ..., cpu{flops_by_width, thread_speedup, ...}}"
+        " (a file from 'flowrl calibrate' before the measured terms moved under device.cpu: run 'flowrl calibrate -o FILE' again)"
     )
     with decode_errors(PlanError, mismatch=f"cluster file {str(path)!r} does not match the ClusterSpec schema",
                        invalid=f"cluster file {str(path)!r} is not valid JSON", hint=hint):

@@ -79,8 +79,14 @@ def test_toml_file(tmp_path):
         (b'{"name": "x", "hosts": 1, "devices_per_host": 1, "device": {"name": "d", "memory_bytes": 1, "peak_flops": -1, '
          b'"memory_bandwidth": 1, "intra_host_bandwidth": 1, "inter_host_bandwidth": 1}}', r"peak_flops=-1.* must be a finite number > 0"),
         (b'{"name": "x", "hosts": 1, "devices_per_host": 1, "gpus": 3}', r"does not match the ClusterSpec schema"),
+        (b'{"name": "x", "hosts": 1, "devices_per_host": 1, "device": {"name": "d", "memory_bytes": 1, "peak_flops": 1, '
+         b'"memory_bandwidth": 1, "intra_host_bandwidth": 1, "inter_host_bandwidth": 1, "thread_speedup": 1.5}}',
+         r"unknown field `thread_speedup`.*run 'flowrl calibrate -o FILE' again"),
+        (b'{"name": "x", "hosts": 1, "devices_per_host": 1, "device": {"name": "d", "memory_bytes": 1, "peak_flops": 1, '
+         b'"memory_bandwidth": 1, "intra_host_bandwidth": 1, "inter_host_bandwidth": 1, "cpu": {"shared_slowdown": 0.5}}}',
+         r"shared_slowdown=0.5 must be a finite number >= 1"),
     ],
-    ids=["not-json", "missing-fields", "negative-flops", "unknown-field"],
+    ids=["not-json", "missing-fields", "negative-flops", "unknown-field", "flat-cpu-terms", "bad-cpu-term"],
 )
 def test_bad_cluster_files(tmp_path, content, match):
     path = tmp_path / "c.json"
