@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from flowrl.planners.lengths import LengthDistribution
+
+__all__ = ["register", "lengths_from_metrics"]
 
 EPILOG = """\
 examples:
@@ -31,7 +35,7 @@ tuning (--set NAME=VALUE, repeatable; the defaults):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flowrl.graph.load import GRAPH_FORMS
+    from flowrl.cli.graphs import GRAPH_FORMS
     from flowrl.planners.cluster import CLUSTER_FORMS
     from flowrl.planners.tuning import tuning_help
 
@@ -91,9 +95,9 @@ def _run(args: argparse.Namespace) -> int:
     import msgspec
 
     from flowrl.errors import PlanError
-    from flowrl.graph.load import load_graph
+    from flowrl.cli.graphs import load_graph
     from flowrl.planners.cluster import parse_cluster
-    from flowrl.planners.lengths import lengths_from_metrics, mean_and_tail
+    from flowrl.planners.lengths import mean_and_tail
     from flowrl.planners.modelspec import resolve_model
     from flowrl.planners.plan import plan_graph, plan_to_json, save_plan
     from flowrl.planners.report import format_plan
@@ -120,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.lengths_from and args.gen_len_mean is not None:
         raise PlanError("give either --lengths-from or --gen-len-mean, not both")
     if args.lengths_from:
-        workload = msgspec.structs.replace(workload, lengths=lengths_from_metrics(args.lengths_from))
+        workload = msgspec.structs.replace(workload, lengths=lengths_from_metrics(args.lengths_from))  # read here: the planner is pure
     elif args.gen_len_mean is not None:
         lengths = mean_and_tail(mean=args.gen_len_mean, max_len=workload.gen_len, tail_frac=args.tail_frac)
         workload = msgspec.structs.replace(workload, lengths=lengths)
@@ -138,3 +142,24 @@ def _run(args: argparse.Namespace) -> int:
         if args.output:
             print(f"plan written to {args.output}")
     return 0
+
+
+def lengths_from_metrics(path: str) -> LengthDistribution:
+    """The completion lengths recorded in a run's metrics file (``flowrl plan --lengths-from``).
+
+    Raises:
+        PlanError: the file is missing, unreadable, not JSON lines, or records no lengths.
+    """
+    import msgspec
+
+    from flowrl.errors import PlanError
+    from flowrl.planners.lengths import lengths_from_histograms
+    from flowrl.runtime.metrics import COMPLETION_LEN_HIST, read_metrics
+
+    try:
+        rows = read_metrics(path)
+    except OSError as exc:
+        raise PlanError(f"cannot read metrics file {str(path)!r}: {exc.strerror}") from None
+    except msgspec.DecodeError as exc:
+        raise PlanError(f"metrics file {str(path)!r} is not JSON lines: {exc}") from None
+    return lengths_from_histograms((row.get(COMPLETION_LEN_HIST) for row in rows if isinstance(row, dict)), source=str(path))

@@ -36,7 +36,7 @@ every generate / score / train / weight publish / weight fetch / wait.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flowrl.graph.load import GRAPH_FORMS
+    from flowrl.cli.graphs import GRAPH_FORMS
     from flowrl.runtime.backends.base import backend_names
 
     p = sub.add_parser(
@@ -98,7 +98,7 @@ def _run_here(args: argparse.Namespace) -> int:
     import msgspec
 
     from flowrl.errors import ConfigError
-    from flowrl.graph.load import load_graph
+    from flowrl.cli.graphs import load_graph
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.placement import resolve_device
     from flowrl.runtime.run import run_graph

@@ -40,7 +40,7 @@ examples:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from flowrl.graph.export import DIRECTIONS, FORMATS
-    from flowrl.graph.load import GRAPH_FORMS
+    from flowrl.cli.graphs import GRAPH_FORMS
 
     p = sub.add_parser(
         "viz",
@@ -114,7 +114,7 @@ def _default_name(graph: Graph, fmt: str) -> str:
 def _run(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
     from flowrl.graph.export import FORMATS, IMAGE_FORMATS, SUFFIXES, export_text, format_for_path, render_bytes, write_atomic
-    from flowrl.graph.load import load_graph
+    from flowrl.cli.graphs import load_graph
 
     out = args.output
     fmt = args.format

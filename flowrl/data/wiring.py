@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.graph.nodes import GeneratorNode, SourceNode
+from flowrl.graph.structure import generators_fed_by, tokenizer_path
 
 if TYPE_CHECKING:
     from flowrl.data.stream import PromptStream
@@ -43,22 +44,6 @@ def source_of(graph: Graph, name: str) -> SourceNode | None:
             return node
         todo.extend(p.name for p in graph.producers(current))
     return None
-
-
-def generators_fed_by(graph: Graph, source: str) -> list[GeneratorNode]:
-    """The generators reading prompts from ``source``."""
-    return [n for n in graph.users(source) if isinstance(n, GeneratorNode)]
-
-
-def tokenizer_path(graph: Graph, source: str) -> str:
-    """The tokenizer directory of data source ``source`` ('' when it names none and feeds no HF model)."""
-    node = graph.node(source)
-    if node.source.tokenizer:
-        return node.source.tokenizer
-    for gen in generators_fed_by(graph, source):
-        if isinstance(gen.model, HFModelConfig):
-            return gen.model.tokenizer_path
-    return ""
 
 
 def _max_seq_len(model: Any) -> int:

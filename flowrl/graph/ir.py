@@ -1,9 +1,11 @@
-"""The graph IR: nodes, data edges and weight edges as plain data, with a ``Graph`` of typed accessors.
+"""The graph IR users hold: ``Graph``, a validated ``GraphStructure`` (``flowrl.graph.structure``).
 
-``GraphSpec`` is the serialisable form (msgspec structs only). ``Graph`` wraps a spec with a private
-networkx ``DiGraph`` of the data edges and answers questions about it: producers, users, topological
-order, the RL loop. A ``Graph`` is immutable; build one with ``flowrl.graph.builder.GraphBuilder``
-or ``Graph(spec)``, which validates.
+``GraphSpec`` is the serialisable form (msgspec structs only); ``Graph`` wraps a spec with typed
+accessors (producers, users, topological order, the RL loop) once every rule of
+``flowrl.graph.validate`` holds. A ``Graph`` is immutable; build one with
+``flowrl.graph.builder.GraphBuilder`` or ``Graph(spec)``, which validates. Which task, objective,
+transport or backend a name refers to is the run's business: ``flowrl.runtime.names`` consults the
+registries at run start, so building a graph imports no torch.
 
 ``str(graph)`` is a stable one-line-per-node form, in topological order, that tests compare against:
 
@@ -21,60 +23,13 @@ Pictures of a graph come from the free functions of ``flowrl.graph.export`` (DOT
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import msgspec
-import networkx as nx
-
-from flowrl.graph.fields import FieldType
-from flowrl.graph.nodes import Node, describe
+from flowrl.graph.structure import SCHEMA_VERSION, DataEdge, GraphSpec, GraphStructure, WeightEdge
+from flowrl.graph.validate import validate_graph
 
 __all__ = ["DataEdge", "WeightEdge", "GraphSpec", "Graph", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
 
-
-class DataEdge(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Batches flow from ``src`` to ``dst``, carrying the named, typed ``fields``."""
-
-    src: str
-    dst: str
-    fields: dict[str, FieldType]
-
-
-class WeightEdge(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Parameters flow from a trainable node to a weight-holding node.
-
-    Attributes:
-        src: the node that owns trainable weights (a policy).
-        dst: the node that consumes them (a generator or reference).
-        transport: a registered weight transport (``flowrl.runtime.transports``).
-        max_staleness: k in ``policy_version_at_consumption - rollout_version <= k``; 0 is
-            synchronous on-policy training.
-        in_flight: the consumer takes new weights between decode steps, not only between batches
-            (partial rollouts; a generator with ``batching="continuous"`` only). Every token then
-            records the version that drew it (``token_versions``), and the bound holds for a
-            sample's oldest token.
-    """
-
-    src: str
-    dst: str
-    transport: str = "inprocess"
-    max_staleness: int = 1
-    in_flight: bool = False
-
-
-class GraphSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The whole graph as plain data: what ``to_json`` writes and ``from_json`` reads."""
-
-    name: str
-    nodes: tuple[Node, ...]
-    edges: tuple[DataEdge, ...] = ()
-    weight_edges: tuple[WeightEdge, ...] = ()
-    schema_version: int = SCHEMA_VERSION
-
-
-class Graph:
+class Graph(GraphStructure):
     """A validated RL pipeline.
 
     Args:
@@ -90,134 +45,6 @@ class Graph:
     """
 
     def __init__(self, spec: GraphSpec, *, validate: bool = True) -> None:
-        self._spec = spec
-        self._nodes: dict[str, Node] = {}
-        for node in spec.nodes:
-            self._nodes.setdefault(node.name, node)
-        self._dag = nx.DiGraph()
-        self._dag.add_nodes_from(self._nodes)
-        for edge in spec.edges:
-            self._dag.add_edge(edge.src, edge.dst)
+        super().__init__(spec)
         if validate:
-            from flowrl.graph.validate import validate_graph
-
             validate_graph(self)
-
-    # -- plain data -----------------------------------------------------------------------------
-    @property
-    def spec(self) -> GraphSpec:
-        return self._spec
-
-    @property
-    def name(self) -> str:
-        return self._spec.name
-
-    @property
-    def nodes(self) -> tuple[Node, ...]:
-        return self._spec.nodes
-
-    @property
-    def edges(self) -> tuple[DataEdge, ...]:
-        return self._spec.edges
-
-    @property
-    def weight_edges(self) -> tuple[WeightEdge, ...]:
-        return self._spec.weight_edges
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._nodes
-
-    def __iter__(self) -> Iterator[Node]:
-        return iter(self._spec.nodes)
-
-    def __len__(self) -> int:
-        return len(self._spec.nodes)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Graph) and other._spec == self._spec
-
-    __hash__ = None  # type: ignore[assignment]
-
-    # -- typed accessors ------------------------------------------------------------------------
-    def node(self, name: str) -> Node:
-        """The node called ``name``; ``KeyError`` naming the known nodes if there is none."""
-        try:
-            return self._nodes[name]
-        except KeyError:
-            raise KeyError(f"no node {name!r} in graph {self.name!r}; nodes: {sorted(self._nodes)}") from None
-
-    def nodes_of_kind(self, kind: str) -> list[Node]:
-        return [n for n in self._spec.nodes if n.kind == kind]
-
-    def producers(self, name: str) -> list[Node]:
-        """Nodes with a data edge into ``name`` (an edge from an undeclared node, which validation
-        reports, names no node and is left out)."""
-        return [self._nodes[p] for p in sorted(self._dag.predecessors(name)) if p in self._nodes]
-
-    def users(self, name: str) -> list[Node]:
-        """Nodes with a data edge out of ``name`` (edges to undeclared nodes left out, as in ``producers``)."""
-        return [self._nodes[s] for s in sorted(self._dag.successors(name)) if s in self._nodes]
-
-    def in_edges(self, name: str) -> list[DataEdge]:
-        return [e for e in self._spec.edges if e.dst == name]
-
-    def out_edges(self, name: str) -> list[DataEdge]:
-        return [e for e in self._spec.edges if e.src == name]
-
-    def weight_edges_into(self, name: str) -> list[WeightEdge]:
-        return [e for e in self._spec.weight_edges if e.dst == name]
-
-    def weight_edges_from(self, name: str) -> list[WeightEdge]:
-        return [e for e in self._spec.weight_edges if e.src == name]
-
-    def find_cycle(self) -> list[str] | None:
-        """A cycle among data edges as ``[a, b, ..., a]``, or None if they form a DAG."""
-        try:
-            cycle = nx.find_cycle(self._dag)
-        except nx.NetworkXNoCycle:
-            return None
-        return [u for u, _ in cycle] + [cycle[0][0]]
-
-    def topological_order(self) -> list[Node]:
-        """Nodes so that every producer comes before its users; ties broken by declaration order."""
-        position = {n.name: i for i, n in enumerate(self._spec.nodes)}
-        try:
-            order = list(nx.lexicographical_topological_sort(self._dag, key=position.__getitem__))
-        except nx.NetworkXUnfeasible:  # only an invalid graph (a data cycle) gets here
-            order = list(self._nodes)
-        return [self._nodes[n] for n in order]
-
-    def rl_loop(self, weight_edge: WeightEdge) -> list[str]:
-        """The data path that a weight edge closes into a loop: ``dst`` ... ``src`` (generator to policy)."""
-        try:
-            return list(nx.shortest_path(self._dag, weight_edge.dst, weight_edge.src))
-        except (nx.NetworkXNoPath, nx.NodeNotFound):
-            return []
-
-    def max_staleness(self, override: int | None = None) -> int:
-        """The run's effective staleness bound k: ``override`` when given (``--max-staleness``), else
-        the smallest ``max_staleness`` of the weight edges (the tightest one binds), 0 without any."""
-        if override is not None:
-            return override
-        return min((e.max_staleness for e in self.weight_edges), default=0)
-
-    def loss_of(self, policy: str) -> Node | None:
-        """The loss node feeding ``policy``, if any."""
-        losses = [n for n in self.producers(policy) if n.kind == "loss"]
-        return losses[0] if losses else None
-
-    # -- text form ------------------------------------------------------------------------------
-    def __str__(self) -> str:
-        lines = [f"graph {self.name}"]
-        for node in self.topological_order():
-            line = f"  {node.name} = {node.kind}({describe(node)})"
-            ins = [f"{e.src}[{','.join(sorted(e.fields))}]" for e in sorted(self.in_edges(node.name), key=lambda e: e.src)]
-            if ins:
-                line += " <- " + " ".join(ins)
-            lines.append(line)
-        for w in self._spec.weight_edges:
-            lines.append(f"  {w.src} ~> {w.dst}  weights(transport={w.transport}, max_staleness={w.max_staleness})")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return f"Graph({self.name!r}, nodes={len(self)}, edges={len(self.edges)}, weight_edges={len(self.weight_edges)})"

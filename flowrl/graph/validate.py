@@ -9,21 +9,22 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from flowrl.errors import GraphError
-from flowrl.graph.ir import SCHEMA_VERSION
 from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, ScorerNode, signature
 from flowrl.graph.refs import check_reference
-from flowrl.runtime.transports.registry import TRANSPORT_NAME_RE  # light: msgspec only
+from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
+from flowrl.graph.structure import GraphStructure as Graph  # the rules read the structure; ir.Graph runs them
 
-if TYPE_CHECKING:
-    from flowrl.graph.ir import Graph
-
-__all__ = ["validate_graph", "problems", "NAME_RE"]
+__all__ = ["validate_graph", "problems", "NAME_RE", "TRANSPORT_NAME_RE", "REGISTRY_NAME_RE"]
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+#: The form of a transport name (``flowrl.runtime.transports.register_transport`` checks it too).
+TRANSPORT_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+#: The form of a built-in task's or an objective's name; which names exist is checked at run start
+#: (``flowrl.runtime.names``), against the registries (``TASKS``, ``LOSSES``).
+REGISTRY_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
 def _check_schema(g: Graph) -> Iterable[str]:
@@ -205,11 +206,8 @@ def _check_scorers(g: Graph) -> Iterable[str]:
 
 
 def _check_sources(g: Graph) -> Iterable[str]:
-    """A task must be built-in or a reference; a prompt file needs a tokenizer: its own, or that of
-    the Hugging Face model it feeds (no file is read)."""
-    from flowrl.data.wiring import tokenizer_path
-    from flowrl.operators.tasks import TASKS
-
+    """A task is a name or a reference; a prompt file needs a tokenizer: its own, or that of the
+    Hugging Face model it feeds (no file is read). Whether a task name is built in is checked at run start."""
     for node in g.nodes_of_kind("source"):
         cfg = node.source  # type: ignore[attr-defined]
         if cfg.data:
@@ -220,21 +218,20 @@ def _check_sources(g: Graph) -> Iterable[str]:
                 )
             continue
         task = cfg.task
-        if isinstance(task, str) and (task in TASKS or check_reference(task) is None):
+        if isinstance(task, str) and (REGISTRY_NAME_RE.match(task) or check_reference(task) is None):
             continue
         yield (
-            f"source {node.name!r}: unknown task {task!r}; built-in tasks are {', '.join(sorted(TASKS))}, "
-            "or name a factory (seed) -> Task as 'package.module:function' or 'path/to/file.py:function'"
+            f"source {node.name!r}: task {task!r} is neither a task name nor a reference; name a built-in task "
+            "('flowrl examples' lists the pipelines using them) or a factory (seed) -> Task as "
+            "'package.module:function' or 'path/to/file.py:function'"
         )
 
 
 def _check_objectives(g: Graph) -> Iterable[str]:
-    from flowrl.operators.losses import LOSSES
-
     for node in g.nodes_of_kind("loss"):
         objective = node.loss.objective  # type: ignore[attr-defined]
-        if objective not in LOSSES:
-            yield f"loss {node.name!r}: unknown objective {objective!r}; known objectives are {', '.join(sorted(LOSSES))}"
+        if not REGISTRY_NAME_RE.match(objective):
+            yield f"loss {node.name!r}: objective {objective!r} is not an objective name (letters, digits and '_'), e.g. 'aipo'"
 
 
 RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (

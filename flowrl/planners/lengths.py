@@ -22,7 +22,8 @@ limit (the long tail). How much of that a generator pays depends on how it batch
 A distribution is a histogram: ``(length, weight)`` points. ``fixed_lengths(L)`` is the old model
 (every completion runs to the limit); ``mean_and_tail(mean, max_len, tail_frac)`` a two-point
 one: a fraction ``tail_frac`` of completions runs to ``max_len``, the rest share the remaining
-mean; ``lengths_from_metrics(path)`` pools the ``completion_len_hist`` of a run's metrics rows.
+mean; ``lengths_from_histograms`` pools the ``completion_len_hist`` of a run's metrics rows (``flowrl plan
+--lengths-from``: the CLI reads the file, this module stays pure).
 
 Example:
     >>> d = mean_and_tail(mean=40, max_len=100, tail_frac=0.1)
@@ -39,7 +40,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -52,8 +52,7 @@ __all__ = [
     "LengthDistribution",
     "fixed_lengths",
     "mean_and_tail",
-    "length_histogram",
-    "lengths_from_metrics",
+    "lengths_from_histograms",
     "decode_steps",
     "steady_decode_steps",
     "check_batching",
@@ -64,11 +63,6 @@ Batching = Literal["lockstep", "continuous"]
 #: The generator's batching modes (module docstring).
 BATCHING_MODES: tuple[str, ...] = ("lockstep", "continuous")
 
-#: Metrics-row key holding one step's completion-length histogram (``[[length, count], ...]``).
-METRICS_KEY = "completion_len_hist"
-
-#: Most bins ``length_histogram`` keeps (a bin is represented by its longest length, an upper bound).
-MAX_BINS = 64
 
 
 class LengthDistribution(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -159,50 +153,25 @@ def mean_and_tail(*, mean: float, max_len: int, tail_frac: float) -> LengthDistr
     return LengthDistribution(points=((lo, (1 - tail_frac) * (1 - frac)), (lo + 1, (1 - tail_frac) * frac), (max_len, tail_frac)))
 
 
-def length_histogram(lengths: Iterable[int], *, max_bins: int = MAX_BINS) -> list[list[int]]:
-    """``[[length, count], ...]`` of one batch, at most ``max_bins`` bins (each bin at its longest length).
+def lengths_from_histograms(histograms: Iterable[object], *, source: str) -> LengthDistribution:
+    """The completion lengths of a real run, pooled from its metrics rows' ``[[length, count], ...]``
+    histograms (``flowrl.runtime.metrics.length_histogram``); entries of another shape are skipped.
 
     Example:
-        >>> length_histogram([3, 1, 3, 5])
-        [[1, 1], [3, 2], [5, 1]]
-    """
-    counts: dict[int, int] = {}
-    for n in lengths:
-        counts[int(n)] = counts.get(int(n), 0) + 1
-    items = sorted(counts.items())
-    if len(items) > max_bins:
-        lo, hi = items[0][0], items[-1][0]
-        width = -(-(hi - lo + 1) // max_bins)
-        binned: dict[int, int] = {}
-        for length, c in items:
-            top = min(hi, lo + ((length - lo) // width + 1) * width - 1)
-            binned[top] = binned.get(top, 0) + c
-        items = sorted(binned.items())
-    return [[length, c] for length, c in items]
-
-
-def lengths_from_metrics(path: str | Path) -> LengthDistribution:
-    """The completion lengths of a real run: its metrics rows' ``completion_len_hist``, pooled.
+        >>> lengths_from_histograms([[[1, 2], [5, 2]], [[5, 4]]], source="m.jsonl").points
+        ((1, 2.0), (5, 6.0))
 
     Raises:
-        PlanError: the file is missing or unreadable, or no row records completion lengths.
+        PlanError: no histogram holds a length (``source`` names where they came from).
     """
-    from flowrl.runtime.metrics import read_metrics
-
-    try:
-        rows = read_metrics(path)
-    except OSError as exc:
-        raise PlanError(f"cannot read metrics file {str(path)!r}: {exc.strerror}") from None
-    except msgspec.DecodeError as exc:
-        raise PlanError(f"metrics file {str(path)!r} is not JSON lines: {exc}") from None
     pooled: dict[int, float] = {}
-    for row in rows:
-        for pair in row.get(METRICS_KEY, ()) if isinstance(row, dict) else ():
+    for hist in histograms:
+        for pair in hist if isinstance(hist, list) else ():
             if isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) for v in pair) and pair[0] >= 1 and pair[1] > 0:
                 pooled[pair[0]] = pooled.get(pair[0], 0.0) + pair[1]
     if not pooled:
         raise PlanError(
-            f"metrics file {str(path)!r} has no {METRICS_KEY!r} in any row; it is written by 'flowrl run --metrics FILE' "
+            f"metrics file {source!r} has no 'completion_len_hist' in any row; it is written by 'flowrl run --metrics FILE' "
             "from this version on (give --gen-len-mean and --tail-frac instead)"
         )
     return LengthDistribution(points=tuple(sorted(pooled.items())))

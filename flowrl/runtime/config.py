@@ -7,12 +7,9 @@ from typing import Any, Literal
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.runtime.backends.base import BUILTIN_BACKENDS, backend_names
 
-__all__ = ["RunConfig", "BACKENDS"]
+__all__ = ["RunConfig"]
 
-#: The built-in backends (``flowrl.runtime.backends.base``; more may be registered).
-BACKENDS = tuple(BUILTIN_BACKENDS)
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -23,7 +20,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         max_staleness: override every weight edge's k; None keeps the graph's.
         backend: ``local`` (threads in this process), ``process`` (one OS process per executor),
             ``torchrun`` (this process is one rank of a torchrun job; see ``flowrl.runtime.backends.torchrun``)
-            or a backend registered with ``flowrl.runtime.backends.base.register_backend``.
+            or a backend registered with ``flowrl.runtime.backends.base.register_backend``; an unknown
+            name is refused by ``run_graph`` before any work.
         seed: seed of sampling and of the synthetic operators.
         metrics: JSON-lines file, one row per trainer step.
         trace: Chrome trace file (open in https://ui.perfetto.dev).
@@ -64,8 +62,6 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.backend not in backend_names():
-            raise ConfigError(f"unknown backend {self.backend!r}; choose one of {backend_names()}")
         if self.steps < 1:
             raise ConfigError(f"steps={self.steps} must be >= 1")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Iterable
 from typing import IO, Any
 
 import msgspec
@@ -18,7 +19,10 @@ import torch
 
 from flowrl.fileio import write_atomic
 
-__all__ = ["MetricsWriter", "read_metrics", "step_row", "REQUIRED_KEYS"]
+__all__ = ["MetricsWriter", "read_metrics", "step_row", "REQUIRED_KEYS", "COMPLETION_LEN_HIST", "length_histogram"]
+
+#: Metrics-row key holding one step's completion-length histogram (``[[length, count], ...]``).
+COMPLETION_LEN_HIST = "completion_len_hist"
 
 REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "reward_mean", "loss", "time_s",
                  "gen_s", "train_s", "sync_s", "idle_s")
@@ -118,12 +122,33 @@ def step_row(
         "samples": int(batch["completion_ids"].shape[0]) if "completion_ids" in batch else 0,
     }
     if "completion_lens" in batch:  # the planner reads a run's lengths back (flowrl plan --lengths-from)
-        from flowrl.planners.lengths import length_histogram  # here: planners import runtime modules
-
-        row["completion_len_hist"] = length_histogram(batch["completion_lens"].tolist())
+        row[COMPLETION_LEN_HIST] = length_histogram(batch["completion_lens"].tolist())
     if len(rewards) > 1:
         row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
     row.update({key: value for key, value in info.items() if "/" in key})
     prompts = batch.get("prompt_index")
     row["prompt_index"] = sorted(set(prompts.tolist())) if prompts is not None else []  # exactly-once is checkable from the file
     return row
+
+
+def length_histogram(lengths: Iterable[int], *, max_bins: int = 64) -> list[list[int]]:
+    """``[[length, count], ...]`` of one batch (a metrics row's ``completion_len_hist``, read back by
+    ``flowrl plan --lengths-from``), at most ``max_bins`` bins (each bin at its longest length).
+
+    Example:
+        >>> length_histogram([3, 1, 3, 5])
+        [[1, 1], [3, 2], [5, 1]]
+    """
+    counts: dict[int, int] = {}
+    for n in lengths:
+        counts[int(n)] = counts.get(int(n), 0) + 1
+    items = sorted(counts.items())
+    if len(items) > max_bins:
+        lo, hi = items[0][0], items[-1][0]
+        width = -(-(hi - lo + 1) // max_bins)
+        binned: dict[int, int] = {}
+        for length, c in items:
+            top = min(hi, lo + ((length - lo) // width + 1) * width - 1)
+            binned[top] = binned.get(top, 0) + c
+        items = sorted(binned.items())
+    return [[length, c] for length, c in items]

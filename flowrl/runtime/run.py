@@ -32,11 +32,12 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
         TransportError: a weight edge names a transport this process has not registered.
         NodeExecutionError: a node failed while running.
     """
+    from flowrl.runtime.names import check_names
     from flowrl.runtime.placement import resolve_device
     from flowrl.runtime.preflight import check_fits_in_memory
 
     resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
-    check_transports(e.transport for e in graph.weight_edges)  # the registry of this process, where the run starts
+    check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
     return backend.run(graph, config, on_step=on_step)

@@ -96,7 +96,7 @@ def test_flowrl_error_is_exit_2_with_every_problem(capsys, tmp_path) -> None:
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch) -> None:
-    import flowrl.graph.load as load
+    import flowrl.cli.graphs as load
 
     def broken(text):
         raise RuntimeError("a flowrl bug")
@@ -107,7 +107,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch) -> None:
 
 
 def test_graph_error_message_is_one_paragraph(capsys, monkeypatch) -> None:
-    import flowrl.graph.load as load
+    import flowrl.cli.graphs as load
 
     def refuse(text):
         raise GraphError("word " * 60)

@@ -182,22 +182,16 @@ def test_callable_task_is_stored_by_reference_and_runs():
     assert isinstance(make_task(ref, 0), CopyTask)
 
 
-@pytest.mark.parametrize(
-    "source, message",
-    [
-        ({"task": 3}, "task=3 is a int"),
-        ({"task": "cpoy"}, "unknown task 'cpoy'; built-in tasks are add, copy"),
-    ],
-    ids=["not-callable", "unknown-name"],
-)
-def test_bad_task_is_refused_at_build(source, message):
+def test_a_task_that_is_no_name_and_no_reference_is_refused_at_build():
     from flowrl.errors import FlowrlError
 
-    with pytest.raises(FlowrlError, match=message):
-        _pipeline(**source)
+    with pytest.raises(FlowrlError, match="task=3 is a int"):
+        _pipeline(task=3)
+    with pytest.raises(FlowrlError, match="task 'no such task' is neither a task name nor a reference"):
+        _pipeline(task="no such task")
 
 
-def test_unknown_objective_is_refused_at_build():
+def test_an_objective_that_is_no_name_is_refused_at_build():
     from flowrl.errors import GraphError
     from flowrl.graph.builder import GraphBuilder
 
@@ -205,7 +199,34 @@ def test_unknown_objective_is_refused_at_build():
     prompts = b.source("prompts", task="copy", batch_size=4)
     gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
-    policy = b.policy("policy", b.loss("aipo", gen, reward, objective="aipoo"))
+    policy = b.policy("policy", b.loss("aipo", gen, reward, objective="ai po"))
     b.weights(policy, gen)
-    with pytest.raises(GraphError, match="loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, grpo, pg, ppo_clip"):
+    with pytest.raises(GraphError, match="loss 'aipo': objective 'ai po' is not an objective name"):
         b.build()
+
+
+@pytest.mark.parametrize(
+    "node, value, error, message",
+    [
+        ("prompts", "cpoy", "ConfigError", "source 'prompts': unknown task 'cpoy'; built-in tasks are add, copy, longtail"),
+        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, grpo, pg, ppo_clip"),
+    ],
+    ids=["task", "objective"],
+)
+def test_unknown_registry_names_build_and_are_refused_at_run_start(node, value, error, message):
+    """Which tasks and objectives exist is the run's registries' business (``flowrl.runtime.names``):
+    the graph builds (no torch imported), ``run_graph`` refuses it before any work."""
+    import flowrl.errors
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    b = GraphBuilder("t")
+    prompts = b.source("prompts", task=value if node == "prompts" else "copy", batch_size=4)
+    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4)
+    reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    policy = b.policy("policy", b.loss("aipo", gen, reward, objective=value if node == "aipo" else "aipo"))
+    b.weights(policy, gen)
+    graph = b.build()
+    with pytest.raises(getattr(flowrl.errors, error), match=message):
+        run_graph(graph, RunConfig(steps=1))

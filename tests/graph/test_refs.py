@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from flowrl.errors import GraphError
-from flowrl.graph.load import load_graph
+from flowrl.cli.graphs import load_graph
 from flowrl.graph.refs import check_reference, reference_of, resolve
 from flowrl.graph.serialize import from_json, references, to_json
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from flowrl.errors import GraphError
 from flowrl.graph.ir import Graph
-from flowrl.graph.load import load_graph
+from flowrl.cli.graphs import load_graph
 from flowrl.graph.serialize import MAX_GRAPH_BYTES, from_json, references, to_json
 from tests.graph.strategies import valid_graphs
 

@@ -8,6 +8,7 @@ import json
 import msgspec
 import pytest
 
+from flowrl.cli.plan import lengths_from_metrics  # reads the file, then the planner's pure pooling
 from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.planners.estimate.generate import estimate_generate
@@ -16,12 +17,11 @@ from flowrl.planners.lengths import (
     LengthDistribution,
     decode_steps,
     fixed_lengths,
-    length_histogram,
-    lengths_from_metrics,
     mean_and_tail,
     steady_decode_steps,
 )
 from flowrl.planners.parallel import ParallelDims
+from flowrl.runtime.metrics import length_histogram  # the metrics row writes it
 from flowrl.planners.schedule import step_times
 from flowrl.planners.workload import Workload, workload_from_graph
 from tests.planners.test_estimates import TINY, ctx, device

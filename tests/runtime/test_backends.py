@@ -45,8 +45,9 @@ def test_run_graph_dispatches_through_the_registry(monkeypatch):
 
 
 def test_unknown_backend_names_the_known_ones():
+    g = build_llamarl(max_staleness=1)
     with pytest.raises(ConfigError, match=r"unknown backend 'mpi'; choose one of \['local', 'process', .*'torchrun'"):
-        RunConfig(backend="mpi")
+        run_graph(g, RunConfig(backend="mpi", steps=1))  # refused at run start, before any work
     with pytest.raises(ConfigError, match=r"unknown backend 'mpi'"):
         create_backend("mpi")
     assert {"local", "process", "torchrun"} <= set(backend_names())

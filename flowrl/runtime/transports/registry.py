@@ -25,13 +25,13 @@ Example:
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 
 from flowrl.errors import TransportError
+from flowrl.graph.validate import TRANSPORT_NAME_RE  # the graph owns a name's form
 
 __all__ = [
     "TransportTraits",
@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 #: The form of a transport name (checked by graph validation; the registry is consulted at run start).
-TRANSPORT_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 
 
 class TransportTraits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

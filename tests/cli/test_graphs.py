@@ -9,7 +9,7 @@ import pytest
 
 from flowrl.errors import GraphError
 from flowrl.examples import build_example
-from flowrl.graph.load import GRAPH_FORMS, load_graph
+from flowrl.cli.graphs import GRAPH_FORMS, load_graph
 from flowrl.graph.serialize import to_json
 
 SCRIPT = """

@@ -1,0 +1,50 @@
+"""The names a graph uses, checked against this run's registries at run start.
+
+A graph file holds names, not code: a built-in task (``TASKS``), an objective (``LOSSES``), a
+weight transport. Building or validating a graph checks only their form (``flowrl.graph.validate``),
+so the IR imports no torch; which names exist is known where the run starts, in the process that
+registered them, and is checked here before any work.
+
+Example:
+    >>> from flowrl.examples import build_example
+    >>> check_names(build_example("llamarl"))  # every name is known: nothing happens
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flowrl.errors import ConfigError, GraphError
+from flowrl.graph.refs import check_reference
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+
+__all__ = ["check_names"]
+
+
+def check_names(graph: Graph) -> None:
+    """Refuse a task, objective or transport name that no registry of this process knows.
+
+    Raises:
+        ConfigError: an unknown task (listing the built-in ones).
+        GraphError: an unknown objective (listing the known ones).
+        TransportError: an unknown transport (``check_transports``).
+    """
+    from flowrl.operators.losses import LOSSES
+    from flowrl.operators.tasks import TASKS
+    from flowrl.runtime.transports.registry import check_transports
+
+    for node in graph.nodes_of_kind("source"):
+        task = node.source.task  # type: ignore[attr-defined]
+        if node.source.data or task in TASKS or check_reference(task) is None:  # type: ignore[attr-defined]
+            continue
+        raise ConfigError(
+            f"source {node.name!r}: unknown task {task!r}; built-in tasks are {', '.join(sorted(TASKS))}, "
+            "or name a factory (seed) -> Task as 'package.module:function' or 'path/to/file.py:function'"
+        )
+    for node in graph.nodes_of_kind("loss"):
+        objective = node.loss.objective  # type: ignore[attr-defined]
+        if objective not in LOSSES:
+            raise GraphError(f"loss {node.name!r}: unknown objective {objective!r}; known objectives are {', '.join(sorted(LOSSES))}")
+    check_transports(e.transport for e in graph.weight_edges)

@@ -1,0 +1,91 @@
+"""The layers ARCHITECTURE.md draws, checked on the import graph of flowrl's own modules.
+
+Every ``import`` counts, at module level, inside functions and under ``TYPE_CHECKING``: a function-level
+import is still a dependency, only a later one.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import networkx as nx
+
+import flowrl
+
+ROOT = Path(flowrl.__file__).parent
+
+#: What graph/ (the IR, the bottom layer) may import besides itself: the shared helpers.
+GRAPH_MAY_IMPORT = {"errors", "fileio"}
+
+
+def _module_name(path: Path) -> str:
+    parts = ("flowrl", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> nx.DiGraph:
+    """flowrl module -> flowrl module, one edge per import of any kind."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    g = nx.DiGraph()
+    for name, path in files.items():
+        g.add_node(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:  # `import flowrl.x.y` names module flowrl.x.y; a symbol's module
+                    target = target.rpartition(".")[0]
+                if target.startswith("flowrl") and target != name:
+                    g.add_edge(name, target)
+    return g
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_the_import_graph_has_no_circle():
+    cycles = sorted(nx.simple_cycles(import_graph()), key=len)
+    assert not cycles, "import circles (shortest first):\n" + "\n".join(" -> ".join([*c, c[0]]) for c in cycles[:10])
+
+
+def test_the_graph_package_is_the_bottom_layer():
+    edges = [(a, b) for a, b in import_graph().edges if _package(a) == "graph" and _package(b) not in {"graph", *GRAPH_MAY_IMPORT}]
+    assert not edges, f"graph/ imports other flowrl packages: {edges}"
+
+
+def test_the_checker_sees_function_level_and_type_checking_imports(tmp_path):
+    """The walk above counts every kind of import (or the two tests above could pass by hiding one)."""
+    g = import_graph()
+    assert g.has_edge("flowrl.runtime.run", "flowrl.runtime.names")  # a function-level import in run_graph
+    assert g.has_edge("flowrl.runtime.names", "flowrl.graph.ir")  # a TYPE_CHECKING import
+
+
+def test_building_and_validating_a_graph_imports_no_torch():
+    code = (
+        "import sys\n"
+        "from flowrl import GraphBuilder\n"
+        "from flowrl.graph.serialize import from_json, to_json\n"
+        "b = GraphBuilder('g')\n"
+        "gen = b.generator('gen', b.source('prompts', task='copy'))\n"
+        "reward = b.scorer('reward', gen, fn='flowrl.operators.tasks:copy_reward')\n"
+        "policy = b.policy('policy', b.loss('aipo', gen, reward))\n"
+        "b.weights(policy, gen)\n"
+        "assert from_json(to_json(b.build())).name == 'g'\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers', 'numpy'})\n"
+        "print(heavy[:5])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"building a graph imported {out.strip()}"
