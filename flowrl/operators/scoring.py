@@ -10,7 +10,7 @@ A scorer with ``inputs="text"`` is built with ``TextInputs`` (``flowrl.operators
 calls ``fn(prompt: str, completion: str, **fields) -> float`` with the decoded text and the fields of
 each sample's prompt row (batched: ``fn(prompts, completions, **fields_as_lists) -> list[float]``).
 
-Every reward must be a finite real number; a function that raises or returns anything else fails with
+Every reward must be a finite real number or a bool (True is 1.0, False 0.0: a verifier's verdict); a function that raises or returns anything else fails with
 ``NodeExecutionError`` naming the scorer, the function, the sample index and the offending value.
 
 Example:
@@ -29,6 +29,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -91,8 +92,10 @@ class Scorer:
         )
 
     def _check(self, value: Any, index: int, shown: tuple[list[str], list[str]]) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+        if isinstance(value, (bool, np.bool_)):  # a verifier's verdict: True is 1.0, False 0.0
+            return float(value)
+        if not isinstance(value, numbers.Real):
+            if isinstance(value, Tensor) and value.numel() == 1 and (value.dtype.is_floating_point or value.dtype == torch.bool):
                 value = float(value)
             else:
                 raise self._fail(f"returned {value!r} of type {type(value).__name__}", index, shown)

@@ -24,7 +24,19 @@ def returns_text(prompt_ids, completion_ids):
 
 
 def returns_bool(prompt_ids, completion_ids):
-    return True
+    return len(completion_ids) > 2  # a verifier's verdict: False, True on ROLLOUT
+
+
+def batched_bools(prompts, completions):
+    import numpy as np
+
+    return [np.bool_(len(completions[0]) > 2), torch_bool(len(completions[1]) > 2)]
+
+
+def torch_bool(value):
+    import torch
+
+    return torch.tensor(value)
 
 
 def batched_lengths(prompts, completions):
