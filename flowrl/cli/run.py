@@ -63,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="how many of the newest checkpoints stay in --checkpoint-dir; older ones are deleted (default: 3)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (which must hold one)")
     p.add_argument(
         "--overwrite-checkpoints",
@@ -128,6 +130,7 @@ def _run_here(args: argparse.Namespace) -> int:
             trace=args.trace,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
             plan=args.plan,
             programs=synthetic_programs(graph) if args.synthetic else {},

@@ -88,6 +88,22 @@ def test_checkpoint_directory_is_not_overwritten_silently(tmp_path, capsys):
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000004"]  # step 6 of the old run is gone
 
 
+@pytest.mark.parametrize(("flags", "kept"), [([], [4, 5, 6]), (["--keep-checkpoints", "2"], [5, 6]), (["--keep-checkpoints", "1"], [6])],
+                         ids=["default-3", "keep-2", "keep-1"])
+def test_keep_checkpoints_sets_how_many_stay(tmp_path, capsys, flags, kept):
+    ck = tmp_path / "ck"
+    argv = ["run", "--synthetic", "--steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--quiet", *flags]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{s:08d}" for s in kept]
+    assert (ck / "LATEST").read_text() == "step-00000006"
+
+
+def test_keep_checkpoints_below_1_exits_2(tmp_path, capsys):
+    argv = ["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--keep-checkpoints", "0", "--quiet"]
+    assert main(argv) == 2
+    assert "keep_checkpoints=0 must be >= 1" in " ".join(capsys.readouterr().err.split())
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
     assert main(["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "typo"), "--resume", "--quiet"]) == 2
     err = " ".join(capsys.readouterr().err.split())
