@@ -36,6 +36,7 @@ from flowrl.graph.nodes import (
     SourceNode,
     signature,
 )
+from flowrl.graph.option_names import leftover_message
 from flowrl.graph.refs import reference_of
 
 __all__ = ["GraphBuilder"]
@@ -103,8 +104,10 @@ class GraphBuilder:
 
     @staticmethod
     def _no_leftovers(kind: str, name: str, kwargs: dict[str, Any]) -> None:
+        """Refuse keyword arguments no config field took, saying what each most likely meant
+        (TRL's names among them: ``flowrl.graph.option_names``)."""
         if kwargs:
-            raise ConfigError(f"{kind} {name!r}: unknown option(s) {sorted(kwargs)}")
+            raise ConfigError(leftover_message(kind, name, list(kwargs)))
 
     # -- one method per node kind ------------------------------------------------------------------
     def source(self, name: str, *, config: SourceConfig | None = None, **kwargs: Any) -> Node:

@@ -96,6 +96,30 @@ def test_builder_errors(build, error, match: str) -> None:
         build(b)
 
 
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda b: b.generator("g2", "prompts", num_generations=8), r"'num_generations' is TRL's name: did you mean n_samples\?"),
+        (lambda b: b.loss("l2", "gen", "reward", beta=0.04), r"'beta' is TRL's name: did you mean kl_coef\?"),
+        (lambda b: b.generator("g2", "prompts", max_completion_length=256), r"'max_completion_length' is TRL's name: did you mean max_new_tokens\?"),
+        (lambda b: b.loss("l2", "gen", "reward", objective="grpo", epsilon=0.2), r"'epsilon' is TRL's name: did you mean clip_eps\?"),
+        (lambda b: b.policy("p2", "aipo", learning_rate=1e-6), r"'learning_rate' is TRL's name: did you mean lr\?"),
+        (lambda b: b.source("s2", max_prompt_length=512), r"'max_prompt_length' is TRL's name: did you mean max_prompt_len\?"),
+        (lambda b: b.loss("l2", "gen", "reward", num_generations=8), r"'num_generations' is TRL's name: did you mean n_samples\? It is an option of b.generator\(...\)"),
+        (lambda b: b.loss("l2", "gen", "reward", temperature=0.7), r"'temperature' is an option of b.generator\(...\), not of b.loss\(...\)"),
+        (lambda b: b.policy("p2", "aipo", num_iterations=2), r"'num_iterations' is TRL's name: not yet in flowrl"),
+        (lambda b: b.policy("p2", "aipo", save_total_limit=2), r"'save_total_limit' is TRL's name: checkpoints are the run's: flowrl run --keep-checkpoints N"),
+        (lambda b: b.generator("g2", "prompts", n_smaples=3), r"did you mean 'n_samples'\?"),
+    ],
+    ids=["num_generations", "beta", "max_completion_length", "epsilon", "learning_rate", "max_prompt_length", "on-the-wrong-node",
+         "temperature-on-the-loss", "not-yet", "a-run-flag", "typo"],
+)
+def test_options_named_as_in_trl_or_on_the_wrong_node_say_what_they_meant(build, match) -> None:
+    b = _canonical()
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['\w+'\]; " + match):
+        build(b)
+
+
 def test_nested_function_is_refused() -> None:
     def nested(p, c):
         return 0.0
