@@ -179,7 +179,22 @@ class GraphBuilder:
                 kwargs["reward_weights"] = {o: 1.0 for o in outputs}
         cfg = _config(LossConfig, config, kwargs, f"loss {name!r}")
         self._no_leftovers("loss", name, kwargs)
+        self._check_reward_weights(name, cfg, inputs)
         return self.add(LossNode(name=name, loss=cfg), inputs)
+
+    def _check_reward_weights(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
+        """Refuse a ``reward_weights`` key that none of the listed scorers writes, naming those they write."""
+        listed = [self._lookup(r, reader=name) for r in inputs]
+        scorers = [n for n in listed if isinstance(n, ScorerNode)]
+        produced = {f for n in listed for f in signature(n).outputs}
+        missing = [k for k in cfg.reward_weights if k not in produced]
+        if scorers and missing:
+            present = sorted(s.output for s in scorers)
+            raise GraphError(
+                f"loss {name!r}: reward_weights names {', '.join(map(repr, missing))}, which none of its inputs produces; "
+                f"the reward fields present are {present} (scorers {', '.join(s.name for s in scorers)}): "
+                f"rename the key, or set output={missing[0]!r} on the scorer that computes it"
+            )
 
     def policy(
         self,

@@ -120,6 +120,37 @@ def test_options_named_as_in_trl_or_on_the_wrong_node_say_what_they_meant(build,
         build(b)
 
 
+def _loss_case(case: str) -> None:
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts", task="copy"))
+    reward = b.scorer("reward", gen, fn="m:f", output="reward_correct")
+    brief = b.scorer("brief", gen, fn="m:g", output="reward_brief")
+    loss = {
+        "kl-without-reference": lambda: b.loss("aipo", gen, reward, brief, kl_coef=0.04),
+        "weight-of-a-missing-field": lambda: b.loss("aipo", gen, reward, brief, reward_weights={"reward_correct": 1.0, "correct": 0.5}),
+        "weights-and-no-scorer-listed": lambda: b.loss("aipo", gen, reward_weights={"correct": 1.0}),
+    }[case]()
+    b.weights(b.policy("policy", loss), gen)
+    b.build()
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("kl-without-reference", r"loss 'aipo' has kl_coef=0.04, a KL penalty to a reference policy, but no reference node feeds it; "
+         r"add one: ref = b.reference\('ref', 'gen'\), and list it: b.loss\('aipo', \.\.\., ref\) \(or set kl_coef=0\)"),
+        ("weight-of-a-missing-field", r"loss 'aipo': reward_weights names 'correct', which none of its inputs produces; "
+         r"the reward fields present are \['reward_brief', 'reward_correct'\]"),
+        ("weights-and-no-scorer-listed", r"input field 'correct' of node 'aipo' \(loss\) is produced by no node; .*"
+         r"the reward fields present are \['reward_brief', 'reward_correct'\] \(scorers brief, reward\)"),
+    ],
+    ids=["kl-without-reference", "weight-of-a-missing-field", "weights-and-no-scorer-listed"],
+)
+def test_loss_inputs_that_are_missing_say_what_to_add(case, match) -> None:
+    with pytest.raises(GraphError, match=match):
+        _loss_case(case)
+
+
 def test_nested_function_is_refused() -> None:
     def nested(p, c):
         return 0.0
