@@ -174,8 +174,15 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
     from flowrl.runtime.progress import ProgressBar
     from flowrl.runtime.run import run_graph
 
+    import warnings
+
+    from flowrl.errors import GraphWarning
+    from flowrl.graph.advice import advice
+
     k = graph.max_staleness(args.max_staleness)
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
+    for message in advice(graph):  # here as lines; run_graph's GraphWarnings of the same are ignored below
+        print(f"flowrl run: warning: {message}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)
     sinks = [s for s in (bar,) if s is not None]
     board = None
@@ -190,7 +197,9 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
             sink(row)
 
     try:
-        result = run_graph(graph, config, on_step=on_step if sinks else None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=GraphWarning)
+            result = run_graph(graph, config, on_step=on_step if sinks else None)
     except KeyboardInterrupt:
         print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
         return 130

@@ -36,6 +36,7 @@ from flowrl.graph.nodes import (
     SourceNode,
     signature,
 )
+from flowrl.graph.advice import warn_about
 from flowrl.graph.option_names import leftover_message
 from flowrl.graph.refs import reference_of
 
@@ -240,11 +241,14 @@ class GraphBuilder:
         return tuple(nodes)
 
     def build(self) -> Graph:
-        """Validate and return the graph; raises ``GraphError`` naming every broken rule."""
+        """Validate and return the graph; raises ``GraphError`` naming every broken rule, and warns
+        (``GraphWarning``) about settings that are legal but most likely a mistake (``flowrl.graph.advice``)."""
         spec = GraphSpec(
             name=self.name,
             nodes=self._with_tokenizers(),
             edges=tuple(self._edges),
             weight_edges=tuple(self._weight_edges),
         )
-        return Graph(spec)
+        graph = Graph(spec)
+        warn_about(graph)
+        return graph

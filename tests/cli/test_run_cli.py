@@ -104,6 +104,30 @@ def test_keep_checkpoints_below_1_exits_2(tmp_path, capsys):
     assert "keep_checkpoints=0 must be >= 1" in " ".join(capsys.readouterr().err.split())
 
 
+def test_one_sample_per_prompt_is_a_warning_line_and_a_python_warning(tmp_path, capsys):
+    """A graph file with n_samples=1 (no builder involved): ``flowrl run`` says it once, as a line; ``run_graph`` warns."""
+    import msgspec
+
+    from flowrl.errors import GraphWarning
+    from flowrl.examples import build_example
+    from flowrl.graph.ir import Graph
+    from flowrl.graph.serialize import to_json
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+    from flowrl.runtime.synthetic import synthetic_programs
+
+    spec = build_example("llamarl").spec
+    one = lambda n: msgspec.structs.replace(n, sampling=msgspec.structs.replace(n.sampling, n_samples=1)) if n.kind == "generator" else n  # noqa: E731
+    graph = Graph(msgspec.structs.replace(spec, nodes=tuple(one(n) for n in spec.nodes)))
+    (tmp_path / "g.json").write_text(to_json(graph))
+    assert main(["run", str(tmp_path / "g.json"), "--synthetic", "--steps", "1", "--quiet"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("flowrl run: warning: loss 'aipo': generator 'gen' draws n_samples=1 completion per prompt") == 1, err
+    assert "leaves every advantage 0 and nothing is learned; set n_samples >= 2" in err
+    with pytest.warns(GraphWarning, match=r"draws n_samples=1 completion per prompt"):
+        run_graph(graph, RunConfig(steps=1, programs=synthetic_programs(graph)))
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
     assert main(["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "typo"), "--resume", "--quiet"]) == 2
     err = " ".join(capsys.readouterr().err.split())

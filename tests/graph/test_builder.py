@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.errors import ConfigError, GraphError
+from flowrl.errors import ConfigError, GraphError, GraphWarning
 from flowrl.examples import build_example
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
@@ -149,6 +149,25 @@ def _loss_case(case: str) -> None:
 def test_loss_inputs_that_are_missing_say_what_to_add(case, match) -> None:
     with pytest.raises(GraphError, match=match):
         _loss_case(case)
+
+
+@pytest.mark.parametrize("baseline", ["group_mean", "leave_one_out"])
+def test_one_sample_per_prompt_warns_that_the_advantage_is_always_0(baseline) -> None:
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts", task="copy"), n_samples=1)
+    loss = b.loss("aipo", gen, b.scorer("reward", gen, fn="m:f"), baseline=baseline)
+    b.weights(b.policy("policy", loss), gen)
+    with pytest.warns(GraphWarning, match=rf"loss 'aipo': generator 'gen' draws n_samples=1 completion per prompt, so the group "
+                      rf"baseline \({baseline}\) leaves every advantage 0 and nothing is learned; set n_samples >= 2"):
+        b.build()
+
+
+def test_two_samples_per_prompt_build_without_a_warning() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _canonical().build()  # n_samples=2
 
 
 def test_nested_function_is_refused() -> None:
