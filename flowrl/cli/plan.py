@@ -22,7 +22,8 @@ examples:
   flowrl plan llamarl --cluster cpu.json                     with figures measured by 'flowrl calibrate -o cpu.json'
 
 workload: read from the graph (prompts = the source's batch size, samples = the generator's
-n_samples, gen-len = its max_new_tokens, prompt-len = max_seq_len - max_new_tokens, an upper bound).
+n_samples, gen-len = its max_new_tokens, prompt-len = the source's max_prompt_len when set, else
+max_seq_len - max_new_tokens: an upper bound either way).
 With --model, or a graph whose models name a preset, the defaults are a math-reasoning-sized step:
 --prompts-per-step 256 --samples 8 --prompt-len 512 --gen-len 2048 (2048 completions, 5.2M tokens),
 and --gen-precision bfloat16. Each flag overrides its field either way. Completion lengths:
