@@ -128,6 +128,22 @@ def test_one_sample_per_prompt_is_a_warning_line_and_a_python_warning(tmp_path, 
         run_graph(graph, RunConfig(steps=1, programs=synthetic_programs(graph)))
 
 
+def test_a_resume_into_a_changed_graph_names_what_changed(tmp_path, capsys):
+    import json
+
+    ck, first, second = tmp_path / "ck", tmp_path / "g1.json", tmp_path / "g2.json"
+    assert main(["viz", "llamarl", "--format", "json", "-o", str(first)]) == 0
+    raw = json.loads(first.read_text())
+    next(n for n in raw["nodes"] if n["name"] == "gen")["sampling"]["temperature"] = 0.7
+    second.write_text(json.dumps(raw))
+    base = ["--synthetic", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--quiet"]
+    assert main(["run", str(first), "--steps", "2", *base]) == 0
+    capsys.readouterr()
+    assert main(["run", str(second), "--steps", "4", *base, "--resume"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "was written for graph 'llamarl' with a different definition (checkpoint -> now: nodes['gen'].sampling.temperature: 1.0 -> 0.7)" in err, err
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
     assert main(["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "typo"), "--resume", "--quiet"]) == 2
     err = " ".join(capsys.readouterr().err.split())
