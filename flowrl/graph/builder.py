@@ -39,6 +39,7 @@ from flowrl.graph.nodes import (
 from flowrl.graph.advice import warn_about
 from flowrl.graph.option_names import leftover_message
 from flowrl.graph.refs import reference_of
+from flowrl.graph.scorer_forms import form_mismatch
 
 __all__ = ["GraphBuilder"]
 
@@ -159,8 +160,20 @@ class GraphBuilder:
         inputs: Literal["ids", "text"] = "ids",
     ) -> Node:
         """Rewards from ``fn(prompt_ids, completion_ids) -> float`` or, with ``inputs="text"``, from
-        ``fn(prompt, completion, **row_fields) -> float``; ``fn`` is a module-level function or its name."""
-        node = ScorerNode(name=name, fn=reference_of(fn), batched=batched, output=output, inputs=inputs)
+        ``fn(prompt, completion, **row_fields) -> float``; ``fn`` is a module-level function or its name.
+        TRL's reward functions, ``fn(completions, **kwargs) -> list[float]``, take ``inputs="text",
+        batched=True`` (``flowrl.graph.scorer_forms``).
+
+        Raises:
+            ConfigError: when ``fn`` (a function, not a name) has a signature its flags contradict
+                (text parameters with ``inputs="ids"``, TRL's form without ``batched=True``), naming the flags to set.
+        """
+        ref = reference_of(fn)
+        if not isinstance(fn, str):
+            mismatch = form_mismatch(fn, inputs=inputs, batched=batched)
+            if mismatch:
+                raise ConfigError(f"scorer {name!r}: {ref} {mismatch}")
+        node = ScorerNode(name=name, fn=ref, batched=batched, output=output, inputs=inputs)
         return self.add(node, (rollouts,))
 
     def reference(self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None) -> Node:

@@ -89,3 +89,26 @@ def text_record(prompts: list[str], completions: list[str], **fields: list) -> l
     """Batched: records the prompts of each batch it scores (in-process runs only); rewards the answer."""
     SEEN.append(list(prompts))
     return [float(c.strip() == str(a)) for c, a in zip(completions, fields.get("answer", [""] * len(completions)))]
+
+
+def text_untyped(prompt, completion, **fields):
+    """The README's text form without annotations: only its ``**fields`` says it wants rows."""
+    return float(fields["answer"] in completion)
+
+
+# -- TRL's reward-function form: f(completions, **kwargs) -> list[float], called with keywords ------
+def trl_length(completions, **kwargs):
+    """TRL's documented example (reward_len), closer to 3 characters is better; records its keyword arguments."""
+    SEEN.append(sorted(kwargs))
+    return [-abs(3 - len(c)) for c in completions]
+
+
+def trl_accuracy(completions, answer, **kwargs):
+    """A row field named as a parameter: a list, one per completion."""
+    SEEN.append((list(completions), list(answer), list(kwargs["prompts"])))
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def text_strip(prompt, completion):
+    """Text-minded, nothing in its signature says so: ``.strip()`` fails on a list of ids."""
+    return float(completion.strip() == "4")
