@@ -13,6 +13,37 @@ from flowrl.runtime.controller import Controller
 from flowrl.runtime.run import run_graph
 
 
+def _prompt_checker(graph: Graph, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Spy on every batch the trainer consumes: each sample's prompt tokens must be those of the prompt
+    its ``prompt_index[group_ids[s]]`` names, as the source itself serves it (what a text scorer
+    decodes and looks its row up by). Returns each batch's ``prompt_index``, in delivery order."""
+    from flowrl.operators.source import PromptSource
+
+    source = PromptSource(graph.node("prompts"))
+    order: list[list[int]] = []
+    original = Controller._on_train_step
+
+    def spy(self, ex, seq, batch, info, idle):
+        index, groups = batch["prompt_index"].tolist(), batch["group_ids"].tolist()
+        for s, g in enumerate(groups):
+            length = int(batch["sample_prompt_lens"][s])
+            got = batch["sample_prompt_ids"][s, batch["sample_prompt_ids"].shape[1] - length :].tolist()
+            assert got == source.prompt(index[g]), f"step {seq}: sample {s} holds another prompt than position {index[g]}'s"
+        order.append(index)
+        return original(self, ex, seq, batch, info, idle)
+
+    monkeypatch.setattr(Controller, "_on_train_step", spy)
+    return order
+
+
+def test_each_sample_holds_the_prompt_its_index_names_when_groups_finish_out_of_order(monkeypatch):
+    graph = _graph(k=2)
+    order = _prompt_checker(graph, monkeypatch)
+    run_graph(graph, RunConfig(steps=8, progress=False))
+    delivered = [i for batch in order for i in batch]
+    assert len(order) == 8 and delivered != sorted(delivered)  # groups did finish out of order
+
+
 def _graph(*, k: int, in_flight: bool = False) -> Graph:
     b = GraphBuilder("lt", model=LONGTAIL_MODEL)
     prompts = b.source("prompts", task="longtail", batch_size=4)
