@@ -97,3 +97,26 @@ def test_exactly_once_across_a_stop_and_resume(tmp_path):
     delivered = [i for step in first.consumed + second.consumed for i in step]
     assert len(delivered) == len(set(delivered)) == 10 * 4
     assert sorted(delivered)[:32] == list(range(32))  # a prefix of the stream, whatever order it came in
+
+
+def test_exactly_once_across_two_resumes_in_a_row(tmp_path, monkeypatch):
+    """Stop at 2, resume to 4, stop, resume to 10: every prompt delivered once, with the prompt its index
+    names; each checkpoint's data position is the first prompt not delivered by then (past those
+    delivered ahead of it), and its ``delivered_ahead`` are exactly the ones delivered above it."""
+    graph = _graph(k=2)
+    order = _prompt_checker(graph, monkeypatch)
+    metas, delivered_by = [], []
+    for steps in (2, 4, 10):
+        config = RunConfig(steps=steps, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=100, resume=steps > 2)
+        run_graph(graph, config)
+        metas.append(read_meta(latest_checkpoint(tmp_path), graph))
+        delivered_by.append([i for batch in order for i in batch])
+    delivered = delivered_by[-1]
+    assert len(order) == 10 and len(delivered) == len(set(delivered)) == 10 * 4
+    assert sorted(delivered)[:32] == list(range(32))
+    for meta, so_far in zip(metas, delivered_by):
+        position, ahead = meta.data_position, set(so_far)
+        assert set(range(position)) <= ahead and position not in ahead  # the watermark: first prompt not delivered
+        assert list(meta.delivered_ahead) == sorted(i for i in ahead if i > position)
+    assert metas[0].delivered_ahead and metas[1].delivered_ahead  # both resumes had prompts delivered ahead to skip
+    assert metas[0].data_position < metas[1].data_position < metas[2].data_position
