@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flowrl.examples.longtail import LONGTAIL_MODEL
 from flowrl.graph.builder import GraphBuilder
@@ -74,7 +75,16 @@ def test_every_prompt_is_delivered_once_within_the_bound_on_its_oldest_token(k, 
         return original(self, ex, seq, batch, info, idle)
 
     monkeypatch.setattr(Controller, "_on_train_step", spy)
+    swaps, trace_step = [], Controller._trace_step
+
+    def gen_info(self, ex, seq, t0, t1, info):  # what each generator step reports, in this process for every backend
+        if ex.kind == "generator":
+            swaps.append(info["slots/weight_swaps"])
+        return trace_step(self, ex, seq, t0, t1, info)
+
+    monkeypatch.setattr(Controller, "_trace_step", gen_info)
     result = run_graph(_graph(k=k, in_flight=in_flight), RunConfig(steps=8, progress=False, backend=backend))
+    assert (max(swaps) > 0) == in_flight  # weights taken between decode steps only when in flight
     delivered = [i for step in result.consumed for i in step]
     assert len(delivered) == len(set(delivered)) == 8 * 4  # once each
     # Only prompts read (k batches ahead) are delivered; groups may finish out of order, so with k > 0 a
@@ -120,3 +130,97 @@ def test_exactly_once_across_two_resumes_in_a_row(tmp_path, monkeypatch):
         assert list(meta.delivered_ahead) == sorted(i for i in ahead if i > position)
     assert metas[0].delivered_ahead and metas[1].delivered_ahead  # both resumes had prompts delivered ahead to skip
     assert metas[0].data_position < metas[1].data_position < metas[2].data_position
+
+
+def _in_flight_program(tmp_path):
+    """Node ``gen`` of an in-flight continuous graph as its program, over an inprocess edge whose
+    writer this test holds; the policy's initial weights (version 0) published."""
+    from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
+    from flowrl.runtime.weight_edges import transport_specs
+
+    graph = _graph(k=2, in_flight=True)
+    specs = transport_specs(graph, str(tmp_path))
+    transports = SharedTransports(specs)
+    program = build_program(graph, "gen", ProgramEnv(transports=specs, weight_timeout_s=10.0), transports)
+    writer = transports.writer("policy", "gen")
+    writer.publish({k: v.clone() for k, v in program.generator.weight_targets().items()}, 0)
+    return graph, program, writer, transports
+
+
+def _perturbed(weights, seed: int):
+    noise = torch.Generator().manual_seed(seed)
+    return {k: v + 0.3 * torch.randn(v.shape, generator=noise) for k, v in weights.items()}
+
+
+def test_an_unsharded_generators_poll_takes_the_published_version_and_its_weights(tmp_path):
+    """The policy published version 3 (versions 1 and 2 never reached this generator): one poll loads
+    those weights and sets the version to 3; a poll with nothing newer changes nothing."""
+    _graph_, program, writer, transports = _in_flight_program(tmp_path)
+    try:
+        v3 = _perturbed(program.generator.weight_targets(), seed=1)
+        writer.publish(v3, 3)
+        program._poll()
+        assert program.generator.version == 3
+        for name, value in program.generator.weight_targets().items():
+            assert torch.equal(value, v3[name]), name
+        program._poll()
+        assert program.generator.version == 3
+    finally:
+        transports.close()
+
+
+def test_in_flight_tokens_record_the_version_loaded_and_the_step_reports_the_swap(tmp_path, monkeypatch):
+    """Version 3 is published after decode step 4 of the generator's first step: the tokens drawn
+    before carry version 0, those after carry 3 (the version loaded, not 1), the step reports one
+    weight swap, and a sample drawn wholly by either version has the log-probs of that version's
+    model (a full forward pass of the prompt and completion, alone)."""
+    from flowrl.operators.generation import Generator
+    from flowrl.operators.logprobs import completion_logprobs
+    from flowrl.operators.slots import SlotBatcher
+    from flowrl.operators.source import PromptSource, pad_left
+
+    graph, program, writer, transports = _in_flight_program(tmp_path)
+    weights = {0: {k: v.clone() for k, v in program.generator.weight_targets().items()}}
+    weights[3] = _perturbed(weights[0], seed=1)
+    original = SlotBatcher.step
+
+    def step(self, admit=None):
+        finished = original(self, admit)
+        if self.steps == 6:
+            writer.publish(weights[3], 3)
+        return finished
+
+    monkeypatch.setattr(SlotBatcher, "step", step)
+    source = PromptSource(graph.node("prompts"))
+    try:
+        prompts = [source.next_batch() for _ in range(3)]
+        batch = {f: torch.cat([p[f] for p in prompts]) if f != "prompt_ids" else pad_left([r[r.shape[0] - n :].tolist() for p in prompts for r, n in zip(p["prompt_ids"], p["prompt_lens"])], 0)[0]
+                 for f in ("prompt_ids", "prompt_lens", "prompt_index")}
+        rollout, info = program.step(0, batch, -2)
+        rollouts = [rollout]
+        rollouts.append(program.step(1, {}, -1)[0])
+    finally:
+        transports.close()
+    reference = {}
+    for v, state in weights.items():
+        gen = Generator(graph.node("gen"))
+        gen.load_weights(state, v)
+        reference[v] = gen.model
+    whole = {0: 0, 3: 0}
+    for r in rollouts:
+        mask = r["completion_mask"]
+        assert set(r["token_versions"][mask].tolist()) <= {0, 3}
+        for s in range(mask.shape[0]):
+            versions = set(r["token_versions"][s][mask[s]].tolist())
+            if len(versions) != 1:
+                continue
+            (v,) = versions
+            whole[v] += 1
+            n = int(r["sample_prompt_lens"][s])
+            ids, lens = pad_left([r["sample_prompt_ids"][s, -n:].tolist()], 0)
+            with torch.no_grad():
+                mu = completion_logprobs(reference[v], ids, lens, r["completion_ids"][s : s + 1], mask[s : s + 1])
+            torch.testing.assert_close(r["behaviour_logprobs"][s : s + 1], mu, rtol=0, atol=1e-4)
+    assert whole[0] and whole[3], whole
+    assert any(set(r["token_versions"][s][r["completion_mask"][s]].tolist()) == {0, 3} for r in rollouts for s in range(r["completion_mask"].shape[0]))
+    assert info["slots/weight_swaps"] == 1
