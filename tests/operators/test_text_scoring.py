@@ -53,7 +53,8 @@ def test_each_sample_gets_its_decoded_text_and_its_rows_fields(setup):
     scorer = program(g).scorer
     stream = scorer.text.stream
     positions = [4, 5]  # epoch 1 of 3 rows
-    rows = [stream.row_of(p) for p in positions]
+    # each position's row, found by its prompt's tokens (the tokenizer's encoding of each row), not by row_of
+    rows = [next(i for i, r in enumerate(ROWS) if tok(r["prompt"])["input_ids"] == stream.prompt_ids(p)) for p in positions]
     userfns.SEEN.clear()
     got = scorer.score(rollout_for(g, tok, positions, [ROWS[rows[0]]["answer"], "9", "9", ROWS[rows[1]]["answer"]]))
     assert got["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
