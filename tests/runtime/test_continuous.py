@@ -155,7 +155,7 @@ def _perturbed(weights, seed: int):
 def test_an_unsharded_generators_poll_takes_the_published_version_and_its_weights(tmp_path):
     """The policy published version 3 (versions 1 and 2 never reached this generator): one poll loads
     those weights and sets the version to 3; a poll with nothing newer changes nothing."""
-    _graph_, program, writer, transports = _in_flight_program(tmp_path)
+    _, program, writer, transports = _in_flight_program(tmp_path)
     try:
         v3 = _perturbed(program.generator.weight_targets(), seed=1)
         writer.publish(v3, 3)
@@ -193,12 +193,9 @@ def test_in_flight_tokens_record_the_version_loaded_and_the_step_reports_the_swa
     monkeypatch.setattr(SlotBatcher, "step", step)
     source = PromptSource(graph.node("prompts"))
     try:
-        prompts = [source.next_batch() for _ in range(3)]
-        batch = {f: torch.cat([p[f] for p in prompts]) if f != "prompt_ids" else pad_left([r[r.shape[0] - n :].tolist() for p in prompts for r, n in zip(p["prompt_ids"], p["prompt_lens"])], 0)[0]
-                 for f in ("prompt_ids", "prompt_lens", "prompt_index")}
-        rollout, info = program.step(0, batch, -2)
-        rollouts = [rollout]
-        rollouts.append(program.step(1, {}, -1)[0])
+        ids, lens = pad_left([source.prompt(i) for i in range(12)], 0)  # what the controller reads ahead: (1 + k) * P prompts
+        rollout, info = program.step(0, {"prompt_ids": ids, "prompt_lens": lens, "prompt_index": torch.arange(12)}, -2)  # k = 2
+        rollouts = [rollout, program.step(1, {}, -1)[0]]
     finally:
         transports.close()
     reference = {}
