@@ -129,3 +129,34 @@ def test_stop_tokens_add_to_the_tokenizers_eos_which_still_stops(hf_llama_dir, b
         assert len(row) == 12 or row[-1] in (2, 7)
         ended_by_eos += row[-1] == 2
     assert ended_by_eos >= 1
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_a_stop_string_of_two_words_ends_the_completion_at_its_second_word(hf_llama_dir, batching):
+    """The word-level tokenizer decodes "a", "b" as "a b": that stop string spans two tokens, and a
+    completion ends at the "b" that completes it."""
+    from flowrl.operators.slots import Sample, SlotBatcher
+    from tests.operators.test_generation import _Favour
+
+    a, b = 3 + 10, 3 + 11  # ids of "a" and "b" (hf_fixtures: <pad>, <s>, </s>, then 0-9, a-z)
+    gen = Generator(hf_generator_node(hf_llama_dir, n_samples=12, max_new_tokens=12, stop_strings=("a b",)), seed=0)
+    gen.model = _Favour(gen.model, [a, b], 4.0)  # "a" and "b" likely: the pair shows up within a few tokens
+    if batching == "lockstep":
+        out = gen.generate(left_padded([[1, 5, 6]]))
+        rows = [out["completion_ids"][s, : int(n)].tolist() for s, n in enumerate(out["completion_lens"])]
+    else:
+        batcher = SlotBatcher(gen, slots=5, rng=torch.Generator().manual_seed(0))
+        for j in range(12):
+            batcher.add(Sample(key=(0, j), prompt=[1, 5, 6]))
+        rows = []
+        while batcher.busy or batcher.waiting:
+            rows += [s.tokens for s in batcher.step()]
+    hits = 0
+    for row in rows:
+        assert "a b" not in gen._decode(row[:-1])
+        if "a b" in gen._decode(row):
+            hits += 1
+            assert row[-1] == b  # (ids past the tokenizer's words decode to nothing: "a", 78, "b" reads "a b" too)
+        else:
+            assert len(row) == 12 or row[-1] == 2
+    assert hits >= 3
