@@ -136,11 +136,11 @@ def test_a_stop_string_of_two_words_ends_the_completion_at_its_second_word(hf_ll
     """The word-level tokenizer decodes "a", "b" as "a b": that stop string spans two tokens, and a
     completion ends at the "b" that completes it."""
     from flowrl.operators.slots import Sample, SlotBatcher
-    from tests.operators.test_generation import _Favour
+    from tests.operators.helpers import Favour
 
     a, b = 3 + 10, 3 + 11  # ids of "a" and "b" (hf_fixtures: <pad>, <s>, </s>, then 0-9, a-z)
     gen = Generator(hf_generator_node(hf_llama_dir, n_samples=12, max_new_tokens=12, stop_strings=("a b",)), seed=0)
-    gen.model = _Favour(gen.model, [a, b], 4.0)  # "a" and "b" likely: the pair shows up within a few tokens
+    gen.model = Favour(gen.model, [a, b], 4.0)  # "a" and "b" likely: the pair shows up within a few tokens
     if batching == "lockstep":
         out = gen.generate(left_padded([[1, 5, 6]]))
         rows = [out["completion_ids"][s, : int(n)].tolist() for s, n in enumerate(out["completion_lens"])]

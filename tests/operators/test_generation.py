@@ -14,7 +14,7 @@ from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.model import Transformer
 
-from .helpers import TINY, prompts_of, reference_sampling_logprobs, tiny_generator_node
+from .helpers import TINY, Favour, prompts_of, reference_sampling_logprobs, tiny_generator_node
 
 PROMPTS = [[1, 4, 5, 14], [1, 9, 8, 7, 6, 5, 14], [1, 3, 14]]
 
@@ -177,21 +177,6 @@ def test_token_ids_outside_the_vocabulary_are_refused():
         gen.generate(prompts_of([[1, 20, 14]]))
 
 
-class _Favour:
-    """``model`` with ``bump`` added to the logits of ``ids`` (everything else delegated to it)."""
-
-    def __init__(self, model, ids: list[int], bump: float) -> None:
-        self.model, self.ids, self.bump = model, ids, bump
-
-    def __call__(self, *args, **kwargs):
-        logits = self.model(*args, **kwargs).clone()
-        logits[..., self.ids] += self.bump
-        return logits
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 def _completions(gen: Generator, batching: str) -> list[list[int]]:
     """Each sample's completion tokens, drawn in lock step or through the slot engine (3 slots, refills)."""
     if batching == "lockstep":
@@ -214,7 +199,7 @@ def test_a_stop_string_spanning_several_tokens_ends_the_completion_at_its_last_t
     """Stop string "12" is two tokens ("1", "2"): a completion ends at the "2" that completes it, and
     one that runs to max_new_tokens never contains it (neither token alone matches it)."""
     gen = Generator(tiny_generator_node(n_samples=12, max_new_tokens=12, stop_tokens=(10**6,), stop_strings=("12",)), seed=0)
-    gen.model = _Favour(gen.model, [4, 5], 2.5)  # "1" and "2" likely: the pair shows up within a few tokens
+    gen.model = Favour(gen.model, [4, 5], 2.5)  # "1" and "2" likely: the pair shows up within a few tokens
     text = gen._decode
     hits = 0
     for row in _completions(gen, batching):
