@@ -1,4 +1,6 @@
-"""Continuous batching and in-flight weights in runs: exactly-once delivery (also across a resume) and staleness on the oldest token."""
+"""Continuous batching and in-flight weights in runs: exactly-once delivery (also across one and two
+resumes), each sample with the prompt its index names, staleness on the oldest token, and in-flight
+polls that take the published version, record it on the tokens and report the swap."""
 
 from __future__ import annotations
 
