@@ -49,14 +49,15 @@ def model_config():
 
 
 def data_graph(data: str, tokenizer: str, *, scorer: str = "flowrl.operators.tasks:copy_reward", inputs: str = "ids",
-               batched: bool = False, k: int = 0, eos: int = 2, **source: object):
-    """The LlamaRL pipeline on a prompt file, the built-in model, a word tokenizer (``eos``: its ``</s>`` id)."""
+               batched: bool = False, k: int = 0, eos: int = 2, batching: str = "lockstep", **source: object):
+    """The LlamaRL pipeline on a prompt file, the built-in model, a word tokenizer (``eos``: its ``</s>`` id),
+    the generator batching in lock step or continuously (``batching``)."""
     from flowrl.graph.builder import GraphBuilder
 
     b = GraphBuilder("data", model=model_config())
     source.setdefault("batch_size", 3)
     prompts = b.source("prompts", data=data, tokenizer=tokenizer, **source)
-    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4, stop_tokens=(eos,))
+    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4, stop_tokens=(eos,), batching=batching)
     reward = b.scorer("reward", gen, fn=scorer, inputs=inputs, batched=batched)
     loss = b.loss("aipo", gen, reward)
     policy = b.policy("policy", loss, lr=1e-3)

@@ -102,3 +102,61 @@ def test_continuous_batching_refills_record_the_hf_forwards_mu(hf_dir, splices):
     with torch.no_grad():
         alone = reference_logprobs(hf_reference_model(hf_dir), rollout)
     torch.testing.assert_close(torch.tensor([s.logprobs for s in done]), alone, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_stop_tokens_add_to_the_tokenizers_eos_which_still_stops(hf_llama_dir, batching):
+    """``stop_tokens=(7,)`` (the word "4") adds a stop; the tokenizer's </s> (2) still ends completions."""
+    from flowrl.operators.slots import Sample, SlotBatcher
+
+    gen = Generator(hf_generator_node(hf_llama_dir, n_samples=16, max_new_tokens=12, stop_tokens=(7,)), seed=0)
+    with torch.no_grad():
+        gen.model.lm_head.weight[2] *= 40  # a large </s> logit in some contexts: some rows stop early
+    if batching == "lockstep":
+        out = gen.generate(left_padded([[1, 5, 6]]))
+        rows = [out["completion_ids"][s, : int(n)].tolist() for s, n in enumerate(out["completion_lens"])]
+    else:
+        batcher = SlotBatcher(gen, slots=5, rng=torch.Generator().manual_seed(0))
+        for j in range(16):
+            batcher.add(Sample(key=(0, j), prompt=[1, 5, 6]))
+        rows = []
+        while batcher.busy or batcher.waiting:
+            rows += [s.tokens for s in batcher.step()]
+    assert len(rows) == 16
+    ended_by_eos = 0
+    for row in rows:
+        assert not {2, 7} & set(row[:-1])  # nothing is drawn after </s> or "4"
+        assert len(row) == 12 or row[-1] in (2, 7)
+        ended_by_eos += row[-1] == 2
+    assert ended_by_eos >= 1
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_a_stop_string_of_two_words_ends_the_completion_at_its_second_word(hf_llama_dir, batching):
+    """The word-level tokenizer decodes "a", "b" as "a b": that stop string spans two tokens, and a
+    completion ends at the "b" that completes it."""
+    from flowrl.operators.slots import Sample, SlotBatcher
+    from tests.operators.helpers import Favour
+
+    a, b = 3 + 10, 3 + 11  # ids of "a" and "b" (hf_fixtures: <pad>, <s>, </s>, then 0-9, a-z)
+    gen = Generator(hf_generator_node(hf_llama_dir, n_samples=12, max_new_tokens=12, stop_strings=("a b",)), seed=0)
+    gen.model = Favour(gen.model, [a, b], 4.0)  # "a" and "b" likely: the pair shows up within a few tokens
+    if batching == "lockstep":
+        out = gen.generate(left_padded([[1, 5, 6]]))
+        rows = [out["completion_ids"][s, : int(n)].tolist() for s, n in enumerate(out["completion_lens"])]
+    else:
+        batcher = SlotBatcher(gen, slots=5, rng=torch.Generator().manual_seed(0))
+        for j in range(12):
+            batcher.add(Sample(key=(0, j), prompt=[1, 5, 6]))
+        rows = []
+        while batcher.busy or batcher.waiting:
+            rows += [s.tokens for s in batcher.step()]
+    hits = 0
+    for row in rows:
+        assert "a b" not in gen._decode(row[:-1])
+        if "a b" in gen._decode(row):
+            hits += 1
+            assert row[-1] == b  # (ids past the tokenizer's words decode to nothing: "a", 78, "b" reads "a b" too)
+        else:
+            assert len(row) == 12 or row[-1] == 2
+    assert hits >= 3

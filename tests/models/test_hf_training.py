@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from flowrl.graph.nodes import LossNode
-from flowrl.graph.configs import LossConfig
 from flowrl.operators.generation import Generator
-from flowrl.operators.losses import advantages, combined_rewards, compute_loss
 from flowrl.operators.trainer import Trainer
 from tests.models.helpers import hf_generator_node, hf_policy_node, hf_reference_model, left_padded, reference_logprobs
 
@@ -29,11 +27,17 @@ def test_trainer_gradient_equals_autograd_on_the_hf_model(hf_dir, micro_batch_si
     trainer = Trainer(hf_policy_node(hf_dir, grad_clip=0.0, micro_batch_size=micro_batch_size), LossNode(name="aipo"))
     trainer.train_step(batch)
     ref = hf_reference_model(hf_dir)
-    config = LossConfig()
     logprobs = reference_logprobs(ref, batch, temperature=0.8)  # each row alone: no padding, no flowrl code
-    adv = advantages(combined_rewards(config, batch), batch["group_ids"], baseline=config.baseline, normalize_std=False)
-    normalizer = float(batch["completion_mask"].sum())
-    loss, _ = compute_loss(config, logprobs, batch, advantages=adv, normalizer=normalizer)
+    # AIPO written out (defaults: rho 4, group-mean baseline), summed over real tokens / their count
+    mask, rewards, groups = batch["completion_mask"], batch["rewards"], batch["group_ids"].tolist()
+    adv = [float(rewards[s]) - sum(float(rewards[j]) for j in range(len(groups)) if groups[j] == g) / groups.count(g)
+           for s, g in enumerate(groups)]
+    total = torch.zeros(())
+    for s in range(mask.shape[0]):
+        for t in range(int(mask[s].sum())):
+            ratio = float((logprobs[s, t].detach() - batch["behaviour_logprobs"][s, t]).exp())
+            total = total - min(ratio, 4.0) * adv[s] * logprobs[s, t]
+    loss = total / int(mask.sum())
     loss.backward()
     mine = dict(trainer.model.named_parameters())
     checked = 0

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ScorerNode, SourceNode
 
-__all__ = ["TINY", "tiny_generator_node", "tiny_policy_node", "loss_node", "prompts_of", "rollout_with_rewards", "reference_sampling_logprobs"]
+__all__ = ["TINY", "Favour", "tiny_generator_node", "tiny_policy_node", "loss_node", "prompts_of", "rollout_with_rewards", "reference_sampling_logprobs"]
 
 #: A model of a few thousand parameters with grouped-query attention (4 query heads, 2 kv heads).
 TINY = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -75,3 +76,18 @@ def reference_sampling_logprobs(logits: list[float], temperature: float = 1.0, t
         before += math.exp(z[i]) / norm
     log_norm = math.log(math.fsum(math.exp(z[i]) for i in kept))
     return [z[i] - log_norm if i in kept else -math.inf for i in range(len(z))]
+
+
+class Favour:
+    """``model`` with ``bump`` added to the logits of ``ids`` (everything else delegated to it)."""
+
+    def __init__(self, model: Any, ids: list[int], bump: float) -> None:
+        self.model, self.ids, self.bump = model, ids, bump
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = self.model(*args, **kwargs).clone()
+        logits[..., self.ids] += self.bump
+        return logits
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)

@@ -14,7 +14,7 @@ from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.model import Transformer
 
-from .helpers import TINY, prompts_of, reference_sampling_logprobs, tiny_generator_node
+from .helpers import TINY, Favour, prompts_of, reference_sampling_logprobs, tiny_generator_node
 
 PROMPTS = [[1, 4, 5, 14], [1, 9, 8, 7, 6, 5, 14], [1, 3, 14]]
 
@@ -175,3 +175,38 @@ def test_token_ids_outside_the_vocabulary_are_refused():
     gen = Generator(tiny_generator_node(), seed=0)
     with pytest.raises(ConfigError, match=r"span \[1, 20\] but the model's vocab_size is 16"):
         gen.generate(prompts_of([[1, 20, 14]]))
+
+
+def _completions(gen: Generator, batching: str) -> list[list[int]]:
+    """Each sample's completion tokens, drawn in lock step or through the slot engine (3 slots, refills)."""
+    if batching == "lockstep":
+        out = gen.generate(prompts_of(PROMPTS))
+        return [out["completion_ids"][s, : int(n)].tolist() for s, n in enumerate(out["completion_lens"])]
+    from flowrl.operators.slots import Sample, SlotBatcher
+
+    batcher = SlotBatcher(gen, slots=3, rng=torch.Generator().manual_seed(0))
+    for g, prompt in enumerate(PROMPTS):
+        for j in range(gen.sampling.n_samples):
+            batcher.add(Sample(key=(g, j), prompt=prompt))
+    done = []
+    while batcher.busy or batcher.waiting:
+        done += batcher.step()
+    return [s.tokens for s in done]
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_a_stop_string_spanning_several_tokens_ends_the_completion_at_its_last_token(batching):
+    """Stop string "12" is two tokens ("1", "2"): a completion ends at the "2" that completes it, and
+    one that runs to max_new_tokens never contains it (neither token alone matches it)."""
+    gen = Generator(tiny_generator_node(n_samples=12, max_new_tokens=12, stop_tokens=(10**6,), stop_strings=("12",)), seed=0)
+    gen.model = Favour(gen.model, [4, 5], 2.5)  # "1" and "2" likely: the pair shows up within a few tokens
+    text = gen._decode
+    hits = 0
+    for row in _completions(gen, batching):
+        assert "12" not in text(row[:-1])  # nothing is drawn after the stop string is complete
+        if "12" in text(row):
+            hits += 1
+            assert row[-2:] == [4, 5]  # it ends at the "2" of a "1", "2" pair
+        else:
+            assert len(row) == 12
+    assert hits >= 3

@@ -185,9 +185,9 @@ def batch(**extra):
 def test_compute_loss_weighs_the_reward_fields():
     config = LossConfig(reward_weights={"a": 1.0, "b": 0.5})
     loss, m = compute_loss(config, LOGP, batch(a=torch.tensor([1.0, 0.0]), b=torch.tensor([0.0, 4.0])))
-    # rewards 1, 2 -> advantages -0.5, 0.5
-    want, _ = aipo_loss(LOGP, MU, torch.tensor([-0.5, 0.5]), MASK, rho=config.rho)
-    assert float(loss) == pytest.approx(float(want)) and m["loss/total"] == pytest.approx(float(want))
+    # rewards 1*1 + 0.5*0 = 1 and 1*0 + 0.5*4 = 2 -> advantages -0.5, 0.5; weights 2, 1, 4 (as in test_aipo_by_hand)
+    want = -(2 * -0.5 * L(0.5) + 1 * -0.5 * L(0.25) + 4 * 0.5 * L(0.8)) / 3
+    assert float(loss) == pytest.approx(want, rel=1e-6) and m["loss/total"] == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.parametrize("objective", sorted(LOSSES))

@@ -53,7 +53,8 @@ def test_each_sample_gets_its_decoded_text_and_its_rows_fields(setup):
     scorer = program(g).scorer
     stream = scorer.text.stream
     positions = [4, 5]  # epoch 1 of 3 rows
-    rows = [stream.row_of(p) for p in positions]
+    # each position's row, found by its prompt's tokens (the tokenizer's encoding of each row), not by row_of
+    rows = [next(i for i, r in enumerate(ROWS) if tok(r["prompt"])["input_ids"] == stream.prompt_ids(p)) for p in positions]
     userfns.SEEN.clear()
     got = scorer.score(rollout_for(g, tok, positions, [ROWS[rows[0]]["answer"], "9", "9", ROWS[rows[1]]["answer"]]))
     assert got["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
@@ -178,3 +179,30 @@ def test_an_id_scorer_named_like_text_that_fails_gets_the_hint(setup):
                "completion_ids": torch.tensor([[4, 2]]), "completion_lens": torch.tensor([2])}
     with pytest.raises(NodeExecutionError, match=r"raised AttributeError.*inputs='ids' passes token-id lists; for text set inputs='text'"):
         Scorer(ScorerNode(name="r", fn="tests.operators.userfns:text_strip")).score(rollout)
+
+
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_with_over_long_rows_dropped_each_sample_gets_the_fields_of_its_own_row(tmp_path, batching):
+    """Rows 1 and 3 are longer than the model leaves room for (20 tokens) and are dropped, so kept
+    prompt i is not file row i. In a run over several shuffled epochs, the scorer gets with every
+    sample the fields of the row its prompt came from (each row's ``id`` names its prompt)."""
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    long = " ".join(["one plus two"] * 8)  # 24 tokens
+    rows = [{"prompt": "what is one plus two ?", "answer": "3", "id": 0},
+            {"prompt": long, "answer": "9", "id": 1},
+            {"prompt": "what is two plus two ?", "answer": "4", "id": 2},
+            {"prompt": long + " ?", "answer": "9", "id": 3},
+            {"prompt": "what is one plus one ?", "answer": "2", "id": 4},
+            {"prompt": "what is three plus one ?", "answer": "4", "id": 5}]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    g = data_graph(str(data), str(word_tokenizer(tmp_path / "tok")), scorer="tests.operators.userfns:text_echo", inputs="text",
+                   batching=batching, seed=3)
+    userfns.SEEN.clear()
+    with pytest.warns(UserWarning, match="2 of 6 prompts"):
+        run_graph(g, RunConfig(steps=4, progress=False))
+    assert len(userfns.SEEN) == 4 * 3 * 2
+    for prompt, _completion, answer, id_ in userfns.SEEN:
+        assert (prompt, answer) == (rows[id_]["prompt"], rows[id_]["answer"])
+    assert {id_ for *_, id_ in userfns.SEEN} == {0, 2, 4, 5}

@@ -43,6 +43,17 @@ def test_refusals_on_a_used_directory(tmp_path, resume, overwrite, message):
     assert holds_checkpoints(tmp_path)
 
 
+def test_a_fresh_run_into_step_checkpoints_without_latest_is_refused(tmp_path):
+    """A run killed before its first LATEST (or a LATEST deleted by hand) leaves ``step-*`` checkpoints
+    only: a fresh run must still refuse to write over them."""
+    _checkpoint(tmp_path, 4)
+    _checkpoint(tmp_path, 8)
+    (tmp_path / "LATEST").unlink()
+    with pytest.raises(CheckpointError, match=re.escape("holds checkpoints of an earlier run; a fresh run would overwrite them")):
+        prepare_directory(tmp_path, resume=False, overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000008"]  # nothing deleted
+
+
 @pytest.mark.parametrize("exists", [True, False], ids=["empty", "missing"])
 def test_resume_from_nothing_is_an_error(tmp_path, exists):
     d = tmp_path / "ck"
