@@ -11,6 +11,7 @@ __all__ = [
     "NodeBuildError",
     "TransportError",
     "CheckpointError",
+    "GraphWarning",
 ]
 
 
@@ -60,3 +61,9 @@ class TransportError(FlowrlError):
 
 class CheckpointError(FlowrlError):
     """A checkpoint is missing, incomplete or does not match the graph it is resumed into."""
+
+
+class GraphWarning(UserWarning):
+    """A graph that is valid but almost certainly not what its author meant (``flowrl.graph.advice``):
+    the message names the node, the setting, its effect and the fix. Emitted when a graph is built
+    and when a run starts."""

@@ -22,7 +22,8 @@ examples:
   flowrl plan llamarl --cluster cpu.json                     with figures measured by 'flowrl calibrate -o cpu.json'
 
 workload: read from the graph (prompts = the source's batch size, samples = the generator's
-n_samples, gen-len = its max_new_tokens, prompt-len = max_seq_len - max_new_tokens, an upper bound).
+n_samples, gen-len = its max_new_tokens, prompt-len = the source's max_prompt_len when set, else
+max_seq_len - max_new_tokens: an upper bound either way).
 With --model, or a graph whose models name a preset, the defaults are a math-reasoning-sized step:
 --prompts-per-step 256 --samples 8 --prompt-len 512 --gen-len 2048 (2048 completions, 5.2M tokens),
 and --gen-precision bfloat16. Each flag overrides its field either way. Completion lengths:
@@ -58,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="search (default: the fastest of both), colocated, disaggregated, or a placement 'gen:d4@0-3 | policy:d4@4-7'",
     )
     p.add_argument("--max-staleness", type=int, metavar="K", help="the k the step assumes (default: the graph's weight edges)")
-    p.add_argument("--model", metavar="M", help="plan every model as this shape: llama3-8b, llama3-70b, llama3-405b, or a HF config.json")
+    p.add_argument("--model", metavar="M", help="plan every model as this shape: a preset (llama3-8b/70b/405b, qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b) or a HF config.json")
     p.add_argument("--prompts-per-step", type=int, metavar="N", help="prompts per trainer step")
     p.add_argument("--samples", type=int, metavar="N", help="completions per prompt")
     p.add_argument("--prompt-len", type=int, metavar="N", help="tokens per prompt")

@@ -63,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="how many of the newest checkpoints stay in --checkpoint-dir; older ones are deleted (default: 3)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (which must hold one)")
     p.add_argument(
         "--overwrite-checkpoints",
@@ -128,6 +130,7 @@ def _run_here(args: argparse.Namespace) -> int:
             trace=args.trace,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
             plan=args.plan,
             programs=synthetic_programs(graph) if args.synthetic else {},
@@ -171,8 +174,15 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
     from flowrl.runtime.progress import ProgressBar
     from flowrl.runtime.run import run_graph
 
+    import warnings
+
+    from flowrl.errors import GraphWarning
+    from flowrl.graph.advice import advice
+
     k = graph.max_staleness(args.max_staleness)
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
+    for message in advice(graph):  # here as lines; run_graph's GraphWarnings of the same are ignored below
+        print(f"flowrl run: warning: {message}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)
     sinks = [s for s in (bar,) if s is not None]
     board = None
@@ -187,7 +197,9 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
             sink(row)
 
     try:
-        result = run_graph(graph, config, on_step=on_step if sinks else None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=GraphWarning)
+            result = run_graph(graph, config, on_step=on_step if sinks else None)
     except KeyboardInterrupt:
         print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
         return 130

@@ -36,7 +36,10 @@ from flowrl.graph.nodes import (
     SourceNode,
     signature,
 )
+from flowrl.graph.advice import warn_about
+from flowrl.graph.option_names import leftover_message
 from flowrl.graph.refs import reference_of
+from flowrl.graph.scorer_forms import form_mismatch
 
 __all__ = ["GraphBuilder"]
 
@@ -103,8 +106,10 @@ class GraphBuilder:
 
     @staticmethod
     def _no_leftovers(kind: str, name: str, kwargs: dict[str, Any]) -> None:
+        """Refuse keyword arguments no config field took, saying what each most likely meant
+        (TRL's names among them: ``flowrl.graph.option_names``)."""
         if kwargs:
-            raise ConfigError(f"{kind} {name!r}: unknown option(s) {sorted(kwargs)}")
+            raise ConfigError(leftover_message(kind, name, list(kwargs)))
 
     # -- one method per node kind ------------------------------------------------------------------
     def source(self, name: str, *, config: SourceConfig | None = None, **kwargs: Any) -> Node:
@@ -155,8 +160,20 @@ class GraphBuilder:
         inputs: Literal["ids", "text"] = "ids",
     ) -> Node:
         """Rewards from ``fn(prompt_ids, completion_ids) -> float`` or, with ``inputs="text"``, from
-        ``fn(prompt, completion, **row_fields) -> float``; ``fn`` is a module-level function or its name."""
-        node = ScorerNode(name=name, fn=reference_of(fn), batched=batched, output=output, inputs=inputs)
+        ``fn(prompt, completion, **row_fields) -> float``; ``fn`` is a module-level function or its name.
+        TRL's reward functions, ``fn(completions, **kwargs) -> list[float]``, take ``inputs="text",
+        batched=True`` (``flowrl.graph.scorer_forms``).
+
+        Raises:
+            ConfigError: when ``fn`` (a function, not a name) has a signature its flags contradict
+                (text parameters with ``inputs="ids"``, TRL's form without ``batched=True``), naming the flags to set.
+        """
+        ref = reference_of(fn)
+        if not isinstance(fn, str):
+            mismatch = form_mismatch(fn, inputs=inputs, batched=batched)
+            if mismatch:
+                raise ConfigError(f"scorer {name!r}: {ref} {mismatch}")
+        node = ScorerNode(name=name, fn=ref, batched=batched, output=output, inputs=inputs)
         return self.add(node, (rollouts,))
 
     def reference(self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None) -> Node:
@@ -176,7 +193,22 @@ class GraphBuilder:
                 kwargs["reward_weights"] = {o: 1.0 for o in outputs}
         cfg = _config(LossConfig, config, kwargs, f"loss {name!r}")
         self._no_leftovers("loss", name, kwargs)
+        self._check_reward_weights(name, cfg, inputs)
         return self.add(LossNode(name=name, loss=cfg), inputs)
+
+    def _check_reward_weights(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
+        """Refuse a ``reward_weights`` key that none of the listed scorers writes, naming those they write."""
+        listed = [self._lookup(r, reader=name) for r in inputs]
+        scorers = [n for n in listed if isinstance(n, ScorerNode)]
+        produced = {f for n in listed for f in signature(n).outputs}
+        missing = [k for k in cfg.reward_weights if k not in produced]
+        if scorers and missing:
+            present = sorted(s.output for s in scorers)
+            raise GraphError(
+                f"loss {name!r}: reward_weights names {', '.join(map(repr, missing))}, which none of its inputs produces; "
+                f"the reward fields present are {present} (scorers {', '.join(s.name for s in scorers)}): "
+                f"rename the key, or set output={missing[0]!r} on the scorer that computes it"
+            )
 
     def policy(
         self,
@@ -222,11 +254,14 @@ class GraphBuilder:
         return tuple(nodes)
 
     def build(self) -> Graph:
-        """Validate and return the graph; raises ``GraphError`` naming every broken rule."""
+        """Validate and return the graph; raises ``GraphError`` naming every broken rule, and warns
+        (``GraphWarning``) about settings that are legal but most likely a mistake (``flowrl.graph.advice``)."""
         spec = GraphSpec(
             name=self.name,
             nodes=self._with_tokenizers(),
             edges=tuple(self._edges),
             weight_edges=tuple(self._weight_edges),
         )
-        return Graph(spec)
+        graph = Graph(spec)
+        warn_about(graph)
+        return graph

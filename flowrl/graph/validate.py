@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 from flowrl.errors import GraphError
 from flowrl.graph.fields import OPTIONAL_FIELDS
-from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, ScorerNode, signature
+from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, ScorerNode, signature
 from flowrl.graph.refs import check_reference
 from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
 from flowrl.graph.structure import GraphStructure as Graph  # the rules read the structure; ir.Graph runs them
@@ -109,8 +109,12 @@ def _check_fields(g: Graph) -> Iterable[str]:
         for fname in signature(node).inputs:
             srcs = supplied.get((node.name, fname), [])
             if not srcs and fname not in OPTIONAL_FIELDS:
+                if node.kind == "loss" and fname == "ref_logprobs":
+                    yield _no_reference(g, node)
+                    continue
                 hint = (
-                    f"add a scorer with output={fname!r} feeding it, or drop {fname!r} from the loss's reward_weights"
+                    f"add a scorer with output={fname!r} feeding it, or drop {fname!r} from the loss's reward_weights; "
+                    + _reward_fields_present(g)
                     if node.kind == "loss" and fname in getattr(node, "loss").reward_weights
                     else "connect a node that produces it"
                 )
@@ -120,6 +124,26 @@ def _check_fields(g: Graph) -> Iterable[str]:
                     f"input field {fname!r} of node {node.name!r} comes from {len(set(srcs))} nodes "
                     f"({', '.join(sorted(set(srcs)))}); exactly one must provide it (rename a scorer's output)"
                 )
+
+
+def _no_reference(g: Graph, loss: Node) -> str:
+    """A loss with a KL penalty and no reference node feeding it: the builder calls that add one."""
+    gens = [p.name for p in g.producers(loss.name) if p.kind == "generator"] or [n.name for n in g.nodes_of_kind("generator")]
+    gen = gens[0] if gens else "gen"
+    return (
+        f"loss {loss.name!r} has kl_coef={loss.loss.kl_coef:g}, a KL penalty to a reference policy, but no reference "  # type: ignore[attr-defined]
+        f"node feeds it; add one: ref = b.reference('ref', {gen!r}), and list it: b.loss({loss.name!r}, ..., ref) "
+        "(or set kl_coef=0)"
+    )
+
+
+def _reward_fields_present(g: Graph) -> str:
+    """The reward fields the graph's scorers write, for a message about one that none writes."""
+    scorers = [n for n in g.nodes if isinstance(n, ScorerNode)]
+    if not scorers:
+        return "the graph has no scorer yet (b.scorer(...))"
+    fields = sorted({s.output for s in scorers})
+    return f"the reward fields present are {fields} (scorers {', '.join(sorted(s.name for s in scorers))})"
 
 
 def _check_unused(g: Graph) -> Iterable[str]:

@@ -12,7 +12,13 @@ from typing import Any
 from flowrl.errors import ConfigError
 from flowrl.models.local import require_transformers, resolve_local_dir
 
-__all__ = ["load_tokenizer", "check_chat_template", "check_vocab"]
+__all__ = ["load_tokenizer", "check_chat_template", "check_vocab", "VOCABULARY_FILES"]
+
+#: Files that hold a tokenizer's vocabulary, as ``save_pretrained`` writes them (fast tokenizers,
+#: BPE, WordPiece, SentencePiece, tiktoken). A directory with none of them holds no tokenizer:
+#: ``transformers`` would still build one from ``config.json``'s model type, with an empty vocabulary
+#: (every prompt encodes to no tokens, and it has no chat template).
+VOCABULARY_FILES: tuple[str, ...] = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 
 
 def load_tokenizer(path: str, *, owner: str = "tokenizer") -> Any:
@@ -20,9 +26,17 @@ def load_tokenizer(path: str, *, owner: str = "tokenizer") -> Any:
 
     Raises:
         ConfigError: for a missing directory or hub id, a missing ``transformers``, or a directory
-            without tokenizer files.
+            without tokenizer files (none of ``VOCABULARY_FILES``: "no tokenizer files in DIR").
     """
     directory = resolve_local_dir(path, owner=owner)
+    if not any((directory / f).is_file() for f in VOCABULARY_FILES) and not any(directory.glob("*.tiktoken")):
+        present = sorted(p.name for p in directory.iterdir())[:12]
+        raise ConfigError(
+            f"{owner}: no tokenizer files in {str(directory)!r} (files there: {present}); a model directory needs its "
+            f"tokenizer ({', '.join(VOCABULARY_FILES[:2])} or another vocabulary file, with tokenizer_config.json): copy "
+            "them from the model's original directory (tokenizer.save_pretrained(DIR)), or name the directory that "
+            "holds them with tokenizer='DIR'"
+        )
     transformers = require_transformers(f"{owner} (a Hugging Face tokenizer)")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

@@ -9,8 +9,15 @@ called once as ``fn(list_of_prompts, list_of_completions) -> list[float]``.
 A scorer with ``inputs="text"`` is built with ``TextInputs`` (``flowrl.operators.text_inputs``) and
 calls ``fn(prompt: str, completion: str, **fields) -> float`` with the decoded text and the fields of
 each sample's prompt row (batched: ``fn(prompts, completions, **fields_as_lists) -> list[float]``).
+A batched text function in TRL's form, ``fn(completions, **kwargs) -> list[float]``, is called as
+TRL calls it, with keyword arguments: ``completions=``, ``prompts=`` and ``completion_ids=`` (where
+its signature takes them) and the row fields, each a list.
 
-Every reward must be a finite real number; a function that raises or returns anything else fails with
+The function is resolved on first use (a text scorer's when it is built; the scorer program of a
+run resolves it when the run starts); a signature that contradicts the node's ``inputs``/``batched``
+(``flowrl.graph.scorer_forms``) is then a ``ConfigError`` naming the flags to set.
+
+Every reward must be a finite real number or a bool (True is 1.0, False 0.0: a verifier's verdict); a function that raises or returns anything else fails with
 ``NodeExecutionError`` naming the scorer, the function, the sample index and the offending value.
 
 Example:
@@ -24,22 +31,33 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError, NodeExecutionError
 from flowrl.graph.nodes import ScorerNode
 from flowrl.graph.refs import resolve
+from flowrl.graph.scorer_forms import form_mismatch, is_trl_form, text_hint
 from flowrl.operators.batch import Batch
 from flowrl.operators.text_inputs import TextInputs
 from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
 
-__all__ = ["Scorer", "unpad"]
+__all__ = ["Scorer", "unpad", "accepted"]
+
+
+def accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``kwargs`` that ``fn`` takes: all of them if it takes ``**kwargs``."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params and params[k].kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
 def unpad(rollout: Mapping[str, Tensor]) -> tuple[list[list[int]], list[list[int]]]:
@@ -61,7 +79,9 @@ class Scorer:
             resolves ``fn`` and checks the fields it asks for.
 
     Raises:
-        ConfigError: for a text scorer without ``text``, or asking for a field the rows lack.
+        ConfigError: for a text scorer without ``text``, a function asking for a field the rows
+            lack, or one whose signature contradicts ``inputs``/``batched`` (the flags to set).
+        GraphError: when ``fn``'s reference does not resolve.
     """
 
     def __init__(self, node: ScorerNode, text: TextInputs | None = None) -> None:
@@ -70,6 +90,7 @@ class Scorer:
         self._fn: Callable[..., Any] | None = None
         self.text = text
         self._fields: tuple[str, ...] | None = None
+        self._trl = False
         if node.inputs == "text":
             if text is None:
                 raise ConfigError(f"scorer {node.name!r} reads text: build it with TextInputs(graph, {node.name!r})")
@@ -77,22 +98,29 @@ class Scorer:
 
     @property
     def fn(self) -> Callable[..., Any]:
-        """The user function, resolved on first use (``GraphError`` if the reference does not resolve)."""
+        """The user function, resolved on first use (``GraphError`` if the reference does not resolve;
+        ``ConfigError`` if its signature contradicts ``inputs``/``batched``: ``flowrl.graph.scorer_forms``)."""
         if self._fn is None:
-            self._fn = resolve(self.node.fn)
+            fn = resolve(self.node.fn)
+            mismatch = form_mismatch(fn, inputs=self.node.inputs, batched=self.node.batched)
+            if mismatch:
+                raise ConfigError(f"scorer {self.name!r}: {self.node.fn} {mismatch}")
+            self._fn, self._trl = fn, is_trl_form(fn)
         return self._fn
 
     def _fail(self, message: str, index: int, shown: tuple[list[str], list[str]]) -> NodeExecutionError:
         return NodeExecutionError(
-            f"scorer {self.name!r} ({self.node.fn}) {message} for sample {index} "
+            f"scorer {self.name!r} ({self.node.fn}) {message}{text_hint(self.fn, self.node.inputs)} for sample {index} "
             f"(prompt {shown[0][index]!r}, completion {shown[1][index]!r}); "
             "a reward function must return a finite float",
             node=self.name,
         )
 
     def _check(self, value: Any, index: int, shown: tuple[list[str], list[str]]) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+        if isinstance(value, (bool, np.bool_)):  # a verifier's verdict: True is 1.0, False 0.0
+            return float(value)
+        if not isinstance(value, numbers.Real):
+            if isinstance(value, Tensor) and value.numel() == 1 and (value.dtype.is_floating_point or value.dtype == torch.bool):
                 value = float(value)
             else:
                 raise self._fail(f"returned {value!r} of type {type(value).__name__}", index, shown)
@@ -123,7 +151,11 @@ class Scorer:
         if self.node.batched:
             columns = {k: [f.get(k) for f in fields] for k in dict.fromkeys(k for f in fields for k in f)}
             try:
-                values = list(fn(prompts, completions, **columns))
+                if self._trl:  # TRL's form: keyword arguments only, those its signature takes
+                    given = {"prompts": prompts, "completion_ids": unpad(rollout)[1], **columns}
+                    values = list(fn(completions=completions, **accepted(fn, given)))
+                else:
+                    values = list(fn(prompts, completions, **columns))
             except Exception as exc:
                 raise NodeExecutionError(
                     f"scorer {self.name!r} ({self.node.fn}) raised {type(exc).__name__}: {exc} on a batch of {len(prompts)} samples",

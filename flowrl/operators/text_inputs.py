@@ -27,6 +27,7 @@ from torch import Tensor
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode
+from flowrl.graph.scorer_forms import TRL_KEYWORDS, is_trl_form
 from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
 
 __all__ = ["TextInputs", "wanted_fields"]
@@ -36,6 +37,8 @@ def wanted_fields(fn: Callable[..., Any], present: Sequence[str], *, owner: str)
     """Which row fields to pass to ``fn``, and which of them it requires.
 
     ``fn``'s first two parameters are the prompt and the completion; every other parameter names a field.
+    In TRL's form (``fn(completions, **kwargs)``: ``flowrl.graph.scorer_forms``) every parameter but
+    TRL's own keywords (``prompts``, ``completions``, ``completion_ids``) names a field.
 
     Returns:
         (the fields to pass, None meaning all of them because ``fn`` takes ``**fields``; the
@@ -48,7 +51,8 @@ def wanted_fields(fn: Callable[..., Any], present: Sequence[str], *, owner: str)
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None, []  # a builtin without a signature: give it everything
-    rest = [p for p in params if p.kind is not p.VAR_POSITIONAL][2:]
+    rest = [p for p in params if p.kind is not p.VAR_POSITIONAL]
+    rest = [p for p in rest if p.name not in TRL_KEYWORDS] if is_trl_form(fn) else rest[2:]
     named = [p for p in rest if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     required = [p.name for p in named if p.default is p.empty]
     missing = [name for name in required if name not in present]

@@ -1,13 +1,15 @@
 """Model shapes without weights: parameter counts, FLOPs and KV-cache bytes of decoder-only transformers.
 
 The planner reasons about models far too large for this machine, so it needs only their shape:
-layers, width, heads, KV heads, MLP width, vocabulary. A shape comes from a published preset
-(``llama3-8b``, ``llama3-70b``, ``llama3-405b``), from a Hugging Face ``config.json``, or from the
-built-in model's ``ModelConfig`` (whose ``preset`` field, when set, names a published shape).
+layers, width, heads, KV heads, head width, MLP width, vocabulary. A shape comes from a published
+preset (``MODEL_PRESETS``: Llama 3, Qwen2.5 0.5B-72B, Qwen3 0.6B-32B), from a Hugging Face
+``config.json``, or from the built-in model's ``ModelConfig`` (whose ``preset`` field, when set,
+names a published shape).
 
-Counting (Llama architecture: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)::
+Counting (Llama architecture: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; q is
+``heads * hd`` wide, which Qwen3 sets apart from h)::
 
-    attention params per layer = h*h (q) + 2*h*(kv*hd) (k, v) + h*h (o)
+    attention params per layer = h*q (q) + 2*h*(kv*hd) (k, v) + q*h (o)
     mlp params per layer       = 3*h*f
     params = L*(attention + mlp + 2h) + V*h (embedding) + h (final norm) + V*h (unless tied)
     forward FLOPs per token    = 2 * matmul_params + 4 * L * h * ctx     (ctx: keys attended to)
@@ -51,6 +53,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         dim: residual width (h).
         n_heads: query heads.
         n_kv_heads: key/value heads (grouped-query attention).
+        head_dim: width of one attention head (hd); 0 means ``dim // n_heads``. Qwen3's
+            ``config.json`` sets it apart (128 with ``dim`` 1024 and 16 heads, say).
         ffn_dim: SwiGLU hidden width (f).
         vocab_size: vocabulary (V).
         tie_embeddings: the output head shares the embedding matrix.
@@ -68,25 +72,31 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     vocab_size: int
     tie_embeddings: bool = False
     max_seq_len: int = DEFAULT_CONTEXT
+    head_dim: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, field) < 1:
                 raise PlanError(f"model {self.name!r}: {field}={getattr(self, field)} must be >= 1")
-        if self.dim % self.n_heads:
-            raise PlanError(f"model {self.name!r}: n_heads={self.n_heads} must divide dim={self.dim}")
+        if self.head_dim < 0:
+            raise PlanError(f"model {self.name!r}: head_dim={self.head_dim} must be >= 1 (0: dim // n_heads)")
+        if not self.head_dim and self.dim % self.n_heads:
+            raise PlanError(f"model {self.name!r}: n_heads={self.n_heads} must divide dim={self.dim} (or give head_dim)")
         if self.n_heads % self.n_kv_heads:
             raise PlanError(f"model {self.name!r}: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if not self.head_dim:
+            msgspec.structs.force_setattr(self, "head_dim", self.dim // self.n_heads)
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def q_dim(self) -> int:
+        """Width of the attention's queries (and of ``o``'s input): heads x head width."""
+        return self.n_heads * self.head_dim
 
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer block (attention, MLP, two norms)."""
-        h, kv = self.dim, self.n_kv_heads * self.head_dim
-        return 2 * h * h + 2 * h * kv + 3 * h * self.ffn_dim + 2 * h
+        h, q, kv = self.dim, self.q_dim, self.n_kv_heads * self.head_dim
+        return 2 * h * q + 2 * h * kv + 3 * h * self.ffn_dim + 2 * h
 
     @property
     def embedding_params(self) -> int:
@@ -115,14 +125,41 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return self.name
 
 
-#: Published shapes (Llama 3 / 3.1 model cards): Llama 3 8B and 70B have an 8k context; 405B
-#: exists only as Llama 3.1, with 128k.
+def _qwen(name: str, layers: int, dim: int, heads: int, kv: int, ffn: int, vocab: int, tie: bool, context: int, head_dim: int = 0) -> ModelSpec:
+    return ModelSpec(
+        name=name, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, vocab_size=vocab,
+        tie_embeddings=tie, max_seq_len=context, head_dim=head_dim,
+    )
+
+
+#: Published shapes. Llama 3 / 3.1 model cards: Llama 3 8B and 70B have an 8k context; 405B exists
+#: only as Llama 3.1, with 128k. Qwen2.5 and Qwen3: the ``config.json`` of each model on the
+#: Hugging Face hub (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+#: ``num_key_value_heads``, ``head_dim`` (Qwen3), ``intermediate_size``, ``vocab_size``,
+#: ``tie_word_embeddings``: the small ones tie); context: Qwen2.5's Instruct configs say 32,768
+#: (the base 1.5B/7B-72B configs say 131,072, reached with YaRN), Qwen3's 40,960. The counts leave
+#: out Qwen2.5's q/k/v biases and Qwen3's q/k norms (< 0.1% of the parameters).
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec(name="llama3-8b", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, max_seq_len=8192),
     "llama3-70b": ModelSpec(name="llama3-70b", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, max_seq_len=8192),
     "llama3-405b": ModelSpec(
         name="llama3-405b", n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256, max_seq_len=131072
     ),
+    #                        name            layers  dim  heads kv  ffn    vocab   tie    context
+    "qwen2.5-0.5b": _qwen("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, True, 32768),
+    "qwen2.5-1.5b": _qwen("qwen2.5-1.5b", 28, 1536, 12, 2, 8960, 151936, True, 32768),
+    "qwen2.5-3b": _qwen("qwen2.5-3b", 36, 2048, 16, 2, 11008, 151936, True, 32768),
+    "qwen2.5-7b": _qwen("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, False, 32768),
+    "qwen2.5-14b": _qwen("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, False, 32768),
+    "qwen2.5-32b": _qwen("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, False, 32768),
+    "qwen2.5-72b": _qwen("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, False, 32768),
+    #                        name            layers  dim  heads kv  ffn    vocab   tie    context head_dim
+    "qwen3-0.6b": _qwen("qwen3-0.6b", 28, 1024, 16, 8, 3072, 151936, True, 40960, head_dim=128),
+    "qwen3-1.7b": _qwen("qwen3-1.7b", 28, 2048, 16, 8, 6144, 151936, True, 40960, head_dim=128),
+    "qwen3-4b": _qwen("qwen3-4b", 36, 2560, 32, 8, 9728, 151936, True, 40960, head_dim=128),
+    "qwen3-8b": _qwen("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, False, 40960, head_dim=128),
+    "qwen3-14b": _qwen("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, False, 40960, head_dim=128),
+    "qwen3-32b": _qwen("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, False, 40960, head_dim=128),
 }
 
 
@@ -172,7 +209,8 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     """The shape in a Hugging Face ``config.json`` (a path or the parsed dict); reads JSON, runs nothing.
 
     Reads ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``
-    (default: the attention heads), ``intermediate_size``, ``vocab_size`` and
+    (default: the attention heads), ``head_dim`` (default: ``hidden_size / num_attention_heads``),
+    ``intermediate_size``, ``vocab_size`` and
     ``tie_word_embeddings`` (GPT-2-style names are accepted too), and the context from
     ``max_position_embeddings`` (or ``n_positions``; ``DEFAULT_CONTEXT`` when there is none).
 
@@ -201,12 +239,15 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     kv = source.get("num_key_value_heads") or values["n_heads"]
     if not isinstance(kv, int) or isinstance(kv, bool):
         raise PlanError(f"model config {where!r}: num_key_value_heads={kv!r} must be an integer")
+    head_dim = source.get("head_dim") or 0
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+        raise PlanError(f"model config {where!r}: head_dim={head_dim!r} must be an integer")
     tie = bool(source.get("tie_word_embeddings", False))
     context = next((source[k] for k in _HF_CONTEXT_KEYS if k in source), DEFAULT_CONTEXT)
     if not isinstance(context, int) or isinstance(context, bool):
         raise PlanError(f"model config {where!r}: max_position_embeddings={context!r} must be an integer")
     label = name or str(source.get("_name_or_path") or source.get("model_type") or "hf-model")
-    return ModelSpec(name=label, n_kv_heads=kv, tie_embeddings=tie, max_seq_len=context, **values)
+    return ModelSpec(name=label, n_kv_heads=kv, tie_embeddings=tie, max_seq_len=context, head_dim=head_dim, **values)
 
 
 def resolve_model(text: str) -> ModelSpec:

@@ -2,9 +2,10 @@
 
 Every predicted time depends on it, so a ``Plan`` records it. From a graph it is read off the
 nodes (the source's batch size, the generator's ``n_samples``, ``max_new_tokens`` and batching
-mode, ``sampling.batching`` when the graph's config has one, else lock-step); a graph
-does not say how long its prompts are, so ``prompt_len`` defaults to the longest prompt the model
-accepts (``max_seq_len - max_new_tokens``), an upper bound. Completion lengths (``lengths``, a
+mode, ``sampling.batching`` when the graph's config has one, else lock-step). ``prompt_len`` is
+the longest prompt the run encodes: the ``max_prompt_len`` of the source feeding the generator when
+it sets one, else the longest prompt the model accepts (``max_seq_len - max_new_tokens``), the
+same limit the run uses (``flowrl.data.wiring.default_max_prompt_len``); both are upper bounds. Completion lengths (``lengths``, a
 ``flowrl.planners.lengths.LengthDistribution``) default to every completion running to
 ``gen_len``; a real run's metrics file, or a mean and tail, replace that. Dry-runs of published models
 (``--model llama3-70b``) use ``LLM_DEFAULTS`` instead, a math-reasoning-sized step.
@@ -111,6 +112,9 @@ LLM_DEFAULTS = Workload(prompts_per_step=256, samples_per_prompt=8, prompt_len=5
 def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     """The step workload the graph declares, with ``overrides`` (non-None keyword arguments) applied.
 
+    ``prompt_len`` is the ``max_prompt_len`` of the source feeding the first generator, when set,
+    else that generator's ``max_seq_len - max_new_tokens``.
+
     The batching mode is the first generator's ``sampling.batching`` when its config has that field
     (``"lockstep"`` otherwise).
 
@@ -127,7 +131,8 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     }
     if gens:
         g = gens[0]
-        values["prompt_len"] = max(1, g.model.max_seq_len - g.sampling.max_new_tokens)  # type: ignore[union-attr]
+        limits = [p.source.max_prompt_len for p in graph.producers(g.name) if p.kind == "source" and p.source.max_prompt_len]  # type: ignore[attr-defined]
+        values["prompt_len"] = max(limits) if limits else max(1, g.model.max_seq_len - g.sampling.max_new_tokens)  # type: ignore[union-attr]
     optional = {"batching": graph_batching(graph)}
     optional.update({k: overrides.pop(k) for k in ("lengths", "batching") if overrides.get(k) is not None})
     values.update({k: v for k, v in overrides.items() if v is not None})

@@ -193,10 +193,27 @@ def read_meta(path: Path, graph: Graph) -> CheckpointMeta:
         raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: {exc}") from None
     if meta.graph_sha256 != graph_fingerprint(graph):
         raise CheckpointError(
-            f"checkpoint {path} was written for graph {meta.graph!r} with a different definition; "
+            f"checkpoint {path} was written for graph {meta.graph!r} with a different definition{_changes(path, graph)}; "
             "resume with the same graph, or start a new run in another --checkpoint-dir"
         )
     return meta
+
+
+def _changes(path: Path, graph: Graph, *, shown: int = 3) -> str:
+    """What differs between the checkpoint's ``graph.json`` and ``graph``: the first ``shown`` paths."""
+    import json
+
+    from flowrl.graph.diff import graph_diff
+
+    try:
+        stored = json.loads((path / GRAPH_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""  # an older checkpoint without graph.json: the fingerprint alone
+    changed = graph_diff(stored, json.loads(to_json(graph)))
+    if not changed:
+        return ""
+    more = f" (and {len(changed) - shown} more)" if len(changed) > shown else ""
+    return f" (checkpoint -> now: {'; '.join(changed[:shown])}{more})"
 
 
 def holds_checkpoints(directory: str | os.PathLike[str]) -> bool:

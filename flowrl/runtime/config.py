@@ -26,6 +26,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         metrics: JSON-lines file, one row per trainer step.
         trace: Chrome trace file (open in https://ui.perfetto.dev).
         checkpoint_dir: where checkpoints go; checkpoint_every: every N steps (0: only at the end).
+        keep_checkpoints: how many of the newest checkpoints stay in ``checkpoint_dir`` (>= 1);
+            older ones are deleted as each new one is committed.
         resume: continue from the newest checkpoint in ``checkpoint_dir``.
         plan: a plan file from ``flowrl plan -o``; None uses the default placement.
         programs: node -> ``module:qualname`` program factory replacing the built-in one.
@@ -50,6 +52,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     trace: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    keep_checkpoints: int = 3
     resume: bool = False
     plan: str | None = None
     programs: dict[str, str] = {}
@@ -70,6 +73,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError(f"log_samples={self.log_samples} must be >= 0 (0: never)")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every} must be >= 0")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(
+                f"keep_checkpoints={self.keep_checkpoints} must be >= 1 (the newest checkpoint, the one LATEST names, always stays)"
+            )
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ConfigError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir DIR)")
         if self.channel_capacity < 0:

@@ -466,7 +466,7 @@ class Controller:
         self.last_checkpoint = save_run_checkpoint(
             self.config.checkpoint_dir, self.graph, node_programs, version=version,
             data_position=getattr(self, "_data_position", 0), previous=self.last_checkpoint,
-            delivered_ahead=tuple(sorted(self._ahead)),
+            delivered_ahead=tuple(sorted(self._ahead)), keep=self.config.keep_checkpoints,
         )
         self._checkpoint_version = version
 

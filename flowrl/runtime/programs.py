@@ -268,6 +268,7 @@ class ScorerProgram(ProgramBase):
         from flowrl.operators.text_inputs import TextInputs
 
         self.scorer = Scorer(node, TextInputs(graph, node.name) if node.inputs == "text" else None)
+        self.scorer.fn  # noqa: B018 - resolve the function at run start: a bad reference or signature fails before any step
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         start = time.perf_counter()

@@ -48,14 +48,17 @@ def save_run_checkpoint(
     data_position: int,
     previous: Path | None,
     delivered_ahead: tuple[int, ...] = (),
+    keep: int = 3,
 ) -> Path:
     """Checkpoint the state of every policy in ``programs`` at ``version``; returns the committed folder.
+
+    The newest ``keep`` checkpoints stay in ``directory`` (``RunConfig.keep_checkpoints``).
 
     Raises:
         CheckpointError: a program failed to save or the disk is full, naming the step, the folder
             and the intact ``previous`` checkpoint.
     """
-    writer = CheckpointWriter(directory, graph=graph)
+    writer = CheckpointWriter(directory, keep=keep, graph=graph)
     staging = writer.staging(version)
     files = {}
     try:

@@ -31,7 +31,11 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
             model that does not fit in this machine's memory.
         TransportError: a weight edge names a transport this process has not registered.
         NodeExecutionError: a node failed while running.
+
+    Warns:
+        GraphWarning: for each of ``flowrl.graph.advice.advice(graph)``.
     """
+    from flowrl.graph.advice import warn_about
     from flowrl.runtime.names import check_names
     from flowrl.runtime.placement import resolve_device
     from flowrl.runtime.preflight import check_fits_in_memory
@@ -40,4 +44,5 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
     backend = create_backend(config.backend)
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
+    warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
     return backend.run(graph, config, on_step=on_step)

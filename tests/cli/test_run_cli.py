@@ -88,6 +88,62 @@ def test_checkpoint_directory_is_not_overwritten_silently(tmp_path, capsys):
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000004"]  # step 6 of the old run is gone
 
 
+@pytest.mark.parametrize(("flags", "kept"), [([], [4, 5, 6]), (["--keep-checkpoints", "2"], [5, 6]), (["--keep-checkpoints", "1"], [6])],
+                         ids=["default-3", "keep-2", "keep-1"])
+def test_keep_checkpoints_sets_how_many_stay(tmp_path, capsys, flags, kept):
+    ck = tmp_path / "ck"
+    argv = ["run", "--synthetic", "--steps", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--quiet", *flags]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{s:08d}" for s in kept]
+    assert (ck / "LATEST").read_text() == "step-00000006"
+
+
+def test_keep_checkpoints_below_1_exits_2(tmp_path, capsys):
+    argv = ["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--keep-checkpoints", "0", "--quiet"]
+    assert main(argv) == 2
+    assert "keep_checkpoints=0 must be >= 1" in " ".join(capsys.readouterr().err.split())
+
+
+def test_one_sample_per_prompt_is_a_warning_line_and_a_python_warning(tmp_path, capsys):
+    """A graph file with n_samples=1 (no builder involved): ``flowrl run`` says it once, as a line; ``run_graph`` warns."""
+    import msgspec
+
+    from flowrl.errors import GraphWarning
+    from flowrl.examples import build_example
+    from flowrl.graph.ir import Graph
+    from flowrl.graph.serialize import to_json
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+    from flowrl.runtime.synthetic import synthetic_programs
+
+    spec = build_example("llamarl").spec
+    one = lambda n: msgspec.structs.replace(n, sampling=msgspec.structs.replace(n.sampling, n_samples=1)) if n.kind == "generator" else n  # noqa: E731
+    graph = Graph(msgspec.structs.replace(spec, nodes=tuple(one(n) for n in spec.nodes)))
+    (tmp_path / "g.json").write_text(to_json(graph))
+    assert main(["run", str(tmp_path / "g.json"), "--synthetic", "--steps", "1", "--quiet"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("flowrl run: warning: loss 'aipo': generator 'gen' draws n_samples=1 completion per prompt") == 1, err
+    assert "leaves every advantage 0 and nothing is learned; set n_samples >= 2" in err
+    with pytest.warns(GraphWarning, match=r"draws n_samples=1 completion per prompt"):
+        run_graph(graph, RunConfig(steps=1, programs=synthetic_programs(graph)))
+
+
+def test_a_resume_into_a_changed_graph_names_what_changed(tmp_path, capsys):
+    import json
+
+    ck, first, second = tmp_path / "ck", tmp_path / "g1.json", tmp_path / "g2.json"
+    assert main(["viz", "llamarl", "--format", "json", "-o", str(first)]) == 0
+    raw = json.loads(first.read_text())
+    next(n for n in raw["nodes"] if n["name"] == "gen")["sampling"]["temperature"] = 0.7
+    second.write_text(json.dumps(raw))
+    base = ["--synthetic", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--quiet"]
+    assert main(["run", str(first), "--steps", "2", *base]) == 0
+    capsys.readouterr()
+    assert main(["run", str(second), "--steps", "4", *base, "--resume"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "was written for graph 'llamarl' with a different definition (checkpoint -> now: nodes['gen'].sampling.temperature: 1.0 -> 0.7)" in err, err
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, capsys):
     assert main(["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "typo"), "--resume", "--quiet"]) == 2
     err = " ".join(capsys.readouterr().err.split())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.errors import ConfigError, GraphError
+from flowrl.errors import ConfigError, GraphError, GraphWarning
 from flowrl.examples import build_example
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
@@ -94,6 +94,80 @@ def test_builder_errors(build, error, match: str) -> None:
     b = _canonical()
     with pytest.raises(error, match=match):
         build(b)
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda b: b.generator("g2", "prompts", num_generations=8), r"'num_generations' is TRL's name: did you mean n_samples\?"),
+        (lambda b: b.loss("l2", "gen", "reward", beta=0.04), r"'beta' is TRL's name: did you mean kl_coef\?"),
+        (lambda b: b.generator("g2", "prompts", max_completion_length=256), r"'max_completion_length' is TRL's name: did you mean max_new_tokens\?"),
+        (lambda b: b.loss("l2", "gen", "reward", objective="grpo", epsilon=0.2), r"'epsilon' is TRL's name: did you mean clip_eps\?"),
+        (lambda b: b.policy("p2", "aipo", learning_rate=1e-6), r"'learning_rate' is TRL's name: did you mean lr\?"),
+        (lambda b: b.source("s2", max_prompt_length=512), r"'max_prompt_length' is TRL's name: did you mean max_prompt_len\?"),
+        (lambda b: b.loss("l2", "gen", "reward", num_generations=8), r"'num_generations' is TRL's name: did you mean n_samples\? It is an option of b.generator\(...\)"),
+        (lambda b: b.loss("l2", "gen", "reward", temperature=0.7), r"'temperature' is an option of b.generator\(...\), not of b.loss\(...\)"),
+        (lambda b: b.policy("p2", "aipo", num_iterations=2), r"'num_iterations' is TRL's name: not yet in flowrl"),
+        (lambda b: b.policy("p2", "aipo", save_total_limit=2), r"'save_total_limit' is TRL's name: checkpoints are the run's: flowrl run --keep-checkpoints N"),
+        (lambda b: b.generator("g2", "prompts", n_smaples=3), r"did you mean 'n_samples'\?"),
+    ],
+    ids=["num_generations", "beta", "max_completion_length", "epsilon", "learning_rate", "max_prompt_length", "on-the-wrong-node",
+         "temperature-on-the-loss", "not-yet", "a-run-flag", "typo"],
+)
+def test_options_named_as_in_trl_or_on_the_wrong_node_say_what_they_meant(build, match) -> None:
+    b = _canonical()
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['\w+'\]; " + match):
+        build(b)
+
+
+def _loss_case(case: str) -> None:
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts", task="copy"))
+    reward = b.scorer("reward", gen, fn="m:f", output="reward_correct")
+    brief = b.scorer("brief", gen, fn="m:g", output="reward_brief")
+    loss = {
+        "kl-without-reference": lambda: b.loss("aipo", gen, reward, brief, kl_coef=0.04),
+        "weight-of-a-missing-field": lambda: b.loss("aipo", gen, reward, brief, reward_weights={"reward_correct": 1.0, "correct": 0.5}),
+        "weights-and-no-scorer-listed": lambda: b.loss("aipo", gen, reward_weights={"correct": 1.0}),
+    }[case]()
+    b.weights(b.policy("policy", loss), gen)
+    b.build()
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("kl-without-reference", r"loss 'aipo' has kl_coef=0.04, a KL penalty to a reference policy, but no reference node feeds it; "
+         r"add one: ref = b.reference\('ref', 'gen'\), and list it: b.loss\('aipo', \.\.\., ref\) \(or set kl_coef=0\)"),
+        ("weight-of-a-missing-field", r"loss 'aipo': reward_weights names 'correct', which none of its inputs produces; "
+         r"the reward fields present are \['reward_brief', 'reward_correct'\]"),
+        ("weights-and-no-scorer-listed", r"input field 'correct' of node 'aipo' \(loss\) is produced by no node; .*"
+         r"the reward fields present are \['reward_brief', 'reward_correct'\] \(scorers brief, reward\)"),
+    ],
+    ids=["kl-without-reference", "weight-of-a-missing-field", "weights-and-no-scorer-listed"],
+)
+def test_loss_inputs_that_are_missing_say_what_to_add(case, match) -> None:
+    with pytest.raises(GraphError, match=match):
+        _loss_case(case)
+
+
+@pytest.mark.parametrize("baseline", ["group_mean", "leave_one_out"])
+def test_one_sample_per_prompt_warns_that_the_advantage_is_always_0(baseline) -> None:
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts", task="copy"), n_samples=1)
+    loss = b.loss("aipo", gen, b.scorer("reward", gen, fn="m:f"), baseline=baseline)
+    b.weights(b.policy("policy", loss), gen)
+    with pytest.warns(GraphWarning, match=rf"loss 'aipo': generator 'gen' draws n_samples=1 completion per prompt, so the group "
+                      rf"baseline \({baseline}\) leaves every advantage 0 and nothing is learned; set n_samples >= 2"):
+        b.build()
+
+
+def test_two_samples_per_prompt_build_without_a_warning() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _canonical().build()  # n_samples=2
 
 
 def test_nested_function_is_refused() -> None:

@@ -117,7 +117,7 @@ def kl_without_reference(spec: GraphSpec, data: st.DataObject) -> Defect:
     options = [n for n in spec.nodes if isinstance(n, LossNode) and n.loss.kl_coef == 0]
     node = _pick(data, options, "loss without reference")
     nodes = tuple(replace(n, loss=replace(n.loss, kl_coef=0.5)) if n.name == node.name else n for n in spec.nodes)
-    return Defect(replace(spec, nodes=nodes), r"input field 'ref_logprobs' of node '[^']+' \(loss\) is produced by no node", (node.name,))
+    return Defect(replace(spec, nodes=nodes), r"loss '[^']+' has kl_coef=0.5, a KL penalty to a reference policy, but no reference node feeds it; add one: ref = b.reference", (node.name,))
 
 
 def unused_reference(spec: GraphSpec, data: st.DataObject) -> Defect:

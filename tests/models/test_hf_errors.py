@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.models import build_model
+from flowrl.models.registry import model_tokens
 from flowrl.operators.generation import Generator
 from tests.hf_fixtures import make_hf_dir
 
@@ -37,6 +39,15 @@ def _gpt2(d):
     (d / "config.json").write_text(json.dumps(raw))
 
 
+def _no_tokenizer(d):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).unlink()
+
+
+def _tokenizer_config_only(d):
+    (d / "tokenizer.json").unlink()  # tokenizer_config.json names a class but no vocabulary is left
+
+
 CASES = [
     ("no-config", _no_config, {}, r"has no config.json .*save_pretrained"),
     ("no-weights", _no_weights, {}, r'holds no weights .*init="random"'),
@@ -50,6 +61,23 @@ def test_bad_model_directory(hf_llama_dir, tmp_path, mutate, kw, match):
     mutate(d)
     with pytest.raises(ConfigError, match=match):
         build_model(HFModelConfig(path=str(d), **kw))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "present"),
+    [(_no_tokenizer, "['config.json', 'generation_config.json', 'model.safetensors']"),
+     (_tokenizer_config_only, "['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer_config.json']")],
+    ids=["no-tokenizer", "tokenizer-config-only"],
+)
+def test_a_model_directory_without_tokenizer_files_says_so(hf_llama_dir, tmp_path, mutate, present):
+    """Before: transformers built an empty tokenizer from config.json's model type, and the run failed later
+    with 'encodes to no tokens' or 'no chat template'."""
+    d = _copy(hf_llama_dir, tmp_path / "m")
+    mutate(d)
+    message = rf"tokenizer: no tokenizer files in '{d}' \(files there: {re.escape(present)}\); .*or name the directory that holds them with tokenizer='DIR'"
+    with pytest.raises(ConfigError, match=message):
+        model_tokens(HFModelConfig(path=str(d)))
+    assert model_tokens(HFModelConfig(path=str(d), tokenizer=str(hf_llama_dir))).pad_id == 0  # the way out the message names
 
 
 def test_random_init_needs_no_weights(hf_llama_dir, tmp_path):

@@ -44,16 +44,21 @@ def test_batched_functions_score_the_whole_batch():
     assert out["rewards"].tolist() == [2.5, 3.5]
 
 
+@pytest.mark.parametrize(("fn", "batched"), [("returns_bool", False), ("batched_bools", True)], ids=["bool", "numpy-and-tensor-bool"])
+def test_a_bool_reward_is_0_or_1(fn, batched):
+    """A verifier's True/False (Python, numpy or a 0-d torch bool) is the reward 1.0/0.0 (ROLLOUT's completions: 2 and 3 tokens)."""
+    assert scorer(f"tests.operators.userfns:{fn}", batched=batched).score(ROLLOUT)["rewards"].tolist() == [0.0, 1.0]
+
+
 @pytest.mark.parametrize(
     ("fn", "batched", "match"),
     [
         ("raises", False, r"scorer 'judge' \(tests.operators.userfns:raises\) raised ZeroDivisionError: boom for sample 0"),
         ("nan_on_long", False, r"returned nan for sample 1 \(prompt '<s>23=', completion '245'\)"),
         ("returns_text", False, r"returned '1.0' of type str for sample 0"),
-        ("returns_bool", False, r"returned True of type bool for sample 0"),
         ("batched_short", True, r"returned 1 rewards for 2 samples"),
     ],
-    ids=["raises", "nan", "text", "bool", "batched-length"],
+    ids=["raises", "nan", "text", "batched-length"],
 )
 def test_bad_rewards_fail_naming_scorer_and_sample(fn, batched, match):
     with pytest.raises(NodeExecutionError, match=match) as info:

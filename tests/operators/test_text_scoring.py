@@ -124,6 +124,63 @@ def test_a_text_scorer_needs_its_text_inputs():
         Scorer(ScorerNode(name="r", fn="m:f", inputs="text"))
 
 
+# -- the function's form against the scorer's flags (issue 25): a hint at start, TRL's form accepted --
+@pytest.mark.parametrize(
+    ("fn", "flags", "match"),
+    [
+        ("text_echo", {}, r"scorer 'reward': tests.operators.userfns:text_echo takes text \(its parameter 'prompt' is annotated str\), "
+         r"but inputs='ids' calls it with token-id lists and no row fields; set inputs='text'"),
+        ("text_untyped", {}, r"text_untyped takes text \(it takes \*\*fields, the prompt row's fields\).*set inputs='text'"),
+        ("text_batched", {"batched": True}, r"text_batched takes text \(its parameter 'prompts' is annotated list\[str\]\).*set inputs='text'"),
+        ("trl_length", {}, r"trl_length has the form of TRL's reward functions, f\(completions, \*\*kwargs\) -> list\[float\], "
+         r"called once per batch with keyword arguments; set inputs='text' and batched=True"),
+        ("trl_length", {"inputs": "text"}, r"has the form of TRL's reward functions.*set inputs='text' and batched=True"),
+    ],
+    ids=["typed-text-as-ids", "untyped-text-as-ids", "batched-text-as-ids", "trl-as-ids", "trl-per-sample"],
+)
+def test_a_function_whose_form_contradicts_the_flags_is_refused_at_start_with_the_flags_to_set(setup, fn, flags, match):
+    data, tok_dir, _ = setup
+    g = data_graph(data, tok_dir, scorer=f"tests.operators.userfns:{fn}", **flags)
+    with pytest.raises(NodeBuildError, match=match):
+        program(g)
+
+
+def test_the_builder_gives_the_same_hint_for_a_function_it_is_handed():
+    from flowrl.graph.builder import GraphBuilder
+
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts", task="copy"))
+    with pytest.raises(ConfigError, match=r"scorer 'reward': tests.operators.userfns:text_untyped takes text .* set inputs='text'"):
+        b.scorer("reward", gen, fn=userfns.text_untyped)
+    with pytest.raises(ConfigError, match=r"scorer 'reward': tests.operators.userfns:trl_length has the form of TRL's reward functions"):
+        b.scorer("reward", gen, fn=userfns.trl_length, inputs="text")
+    b.scorer("reward", gen, fn=userfns.trl_length, inputs="text", batched=True)  # accepted
+
+
+def test_trl_reward_functions_get_completions_prompts_and_row_fields_as_keyword_lists(setup):
+    data, tok_dir, tok = setup
+    g = data_graph(data, tok_dir, scorer="tests.operators.userfns:trl_accuracy", inputs="text", batched=True, shuffle=False)
+    userfns.SEEN.clear()
+    got = program(g).scorer.score(rollout_for(g, tok, [0, 1], ["3", "4", "4", "4"]))
+    assert got["rewards"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert userfns.SEEN == [(["3", "4", "4", "4"], ["3", "3", "4", "4"], [ROWS[0]["prompt"]] * 2 + [ROWS[1]["prompt"]] * 2)]
+    g = data_graph(data, tok_dir, scorer="tests.operators.userfns:trl_length", inputs="text", batched=True, shuffle=False)
+    userfns.SEEN.clear()
+    got = program(g).scorer.score(rollout_for(g, tok, [0, 1], ["3", "4 4", "4", "4 4 4"]))
+    assert got["rewards"].tolist() == [-2.0, 0.0, -2.0, -2.0]  # len("4 4") == 3
+    assert userfns.SEEN == [["answer", "completion_ids", "id", "prompts"]]
+
+
+def test_an_id_scorer_named_like_text_that_fails_gets_the_hint(setup):
+    """fn(prompt, completion) has nothing that says text until it fails on a list of ids: the failure carries the hint."""
+    from flowrl.graph.nodes import ScorerNode
+
+    rollout = {"sample_prompt_ids": torch.tensor([[1, 4]]), "sample_prompt_lens": torch.tensor([2]),
+               "completion_ids": torch.tensor([[4, 2]]), "completion_lens": torch.tensor([2])}
+    with pytest.raises(NodeExecutionError, match=r"raised AttributeError.*inputs='ids' passes token-id lists; for text set inputs='text'"):
+        Scorer(ScorerNode(name="r", fn="tests.operators.userfns:text_strip")).score(rollout)
+
+
 @pytest.mark.parametrize("batching", ["lockstep", "continuous"])
 def test_with_over_long_rows_dropped_each_sample_gets_the_fields_of_its_own_row(tmp_path, batching):
     """Rows 1 and 3 are longer than the model leaves room for (20 tokens) and are dropped, so kept

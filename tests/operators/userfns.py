@@ -24,7 +24,19 @@ def returns_text(prompt_ids, completion_ids):
 
 
 def returns_bool(prompt_ids, completion_ids):
-    return True
+    return len(completion_ids) > 2  # a verifier's verdict: False, True on ROLLOUT
+
+
+def batched_bools(prompts, completions):
+    import numpy as np
+
+    return [np.bool_(len(completions[0]) > 2), torch_bool(len(completions[1]) > 2)]
+
+
+def torch_bool(value):
+    import torch
+
+    return torch.tensor(value)
 
 
 def batched_lengths(prompts, completions):
@@ -77,3 +89,26 @@ def text_record(prompts: list[str], completions: list[str], **fields: list) -> l
     """Batched: records the prompts of each batch it scores (in-process runs only); rewards the answer."""
     SEEN.append(list(prompts))
     return [float(c.strip() == str(a)) for c, a in zip(completions, fields.get("answer", [""] * len(completions)))]
+
+
+def text_untyped(prompt, completion, **fields):
+    """The README's text form without annotations: only its ``**fields`` says it wants rows."""
+    return float(fields["answer"] in completion)
+
+
+# -- TRL's reward-function form: f(completions, **kwargs) -> list[float], called with keywords ------
+def trl_length(completions, **kwargs):
+    """TRL's documented example (reward_len), closer to 3 characters is better; records its keyword arguments."""
+    SEEN.append(sorted(kwargs))
+    return [-abs(3 - len(c)) for c in completions]
+
+
+def trl_accuracy(completions, answer, **kwargs):
+    """A row field named as a parameter: a list, one per completion."""
+    SEEN.append((list(completions), list(answer), list(kwargs["prompts"])))
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def text_strip(prompt, completion):
+    """Text-minded, nothing in its signature says so: ``.strip()`` fails on a list of ids."""
+    return float(completion.strip() == "4")

@@ -35,6 +35,43 @@ def test_presets_match_published_sizes(name, billions):
     assert model_preset(name).params / 1e9 == pytest.approx(billions, abs=0.01)
 
 
+#: "Number of Parameters" of each model card on the Hugging Face hub. The cards round to 2-3 digits
+#: ("1.7B" for 1.72e9: 1.2% off) and Qwen2.5-32B's says 32.5B where its shape counts 32.76e9 (0.8%);
+#: the presets also leave out q/k/v biases and q/k norms (< 0.1%): hence 1.5%.
+QWEN_CARDS = {
+    "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.61, "qwen2.5-14b": 14.7,
+    "qwen2.5-32b": 32.5, "qwen2.5-72b": 72.7,
+    "qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-14b": 14.8, "qwen3-32b": 32.8,
+}
+
+
+@pytest.mark.parametrize(("name", "billions"), list(QWEN_CARDS.items()), ids=list(QWEN_CARDS))
+def test_qwen_presets_match_the_model_cards(name, billions):
+    assert model_preset(name).params / 1e9 == pytest.approx(billions, rel=0.015)
+    assert resolve_model(name.upper()) == MODEL_PRESETS[name]  # 'Qwen3-8B' as the hub spells it works too
+
+
+def test_qwen3_heads_are_wider_than_dim_over_heads():
+    """Qwen3-0.6B: 16 heads of 128 (q is 2048 wide, dim 1024), 8 KV heads: KV bytes and q/o by head_dim, not dim / heads."""
+    s = MODEL_PRESETS["qwen3-0.6b"]
+    assert (s.head_dim, s.q_dim, s.tie_embeddings) == (128, 2048, True)
+    assert s.kv_bytes_per_token(2) == 2 * 28 * 8 * 128 * 2
+    assert s.layer_params == 2 * 1024 * 2048 + 2 * 1024 * 8 * 128 + 3 * 1024 * 3072 + 2 * 1024
+
+
+def test_a_qwen3_config_json_counts_what_transformers_builds():
+    """head_dim read from config.json: the count equals the parameters of transformers' own Qwen3 (less its q/k norms)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+    )  # head_dim 16, not 32 / 4
+    model = transformers.Qwen3ForCausalLM(config)
+    norms = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight")))
+    built = sum(p.numel() for p in model.parameters()) - norms
+    assert model_from_hf_config(config.to_dict(), name="q").params == built
+
+
 def test_preset_shapes_are_the_issue_s():
     s = MODEL_PRESETS["llama3-405b"]
     assert (s.n_layers, s.dim, s.n_heads, s.n_kv_heads, s.ffn_dim, s.vocab_size) == (126, 16384, 128, 8, 53248, 128256)

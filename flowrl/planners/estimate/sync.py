@@ -111,7 +111,7 @@ def sync_params(
         ``(params, trainer layouts, generator layouts)`` for ``resharding.transfer_volume`` or the transport.
     """
     dtype = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "float64"}[wb]
-    h, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    h, f, q, kv = model.dim, model.ffn_dim, model.q_dim, model.n_kv_heads * model.head_dim
     ranks = tuple(dst_devices[: dst_dims.dp * dst_dims.tp])
     same = replicated(ranks, axis="dp" if dst_dims.tp == 1 else "tp")
     if dst_dims.tp == 1:
@@ -120,7 +120,7 @@ def sync_params(
         column, row = tp_column(ranks), tp_row(ranks)
     else:
         column, row = dp_tp(ranks, dp=dst_dims.dp, tp=dst_dims.tp, tp_dim=0), dp_tp(ranks, dp=dst_dims.dp, tp=dst_dims.tp, tp_dim=1)
-    block = {"wq": ((h, h), column), "wk": ((kv, h), column), "wv": ((kv, h), column), "wo": ((h, h), row),
+    block = {"wq": ((q, h), column), "wk": ((kv, h), column), "wv": ((kv, h), column), "wo": ((h, q), row),
              "w1": ((f, h), column), "w3": ((f, h), column), "w2": ((h, f), row), "norm1": ((h,), same), "norm2": ((h,), same)}
     shapes: dict[str, tuple[tuple[int, ...], ShardLayout]] = {f"layers.{i}.{n}": v for i in range(layers) for n, v in block.items()}
     if rest:

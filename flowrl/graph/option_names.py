@@ -1,0 +1,102 @@
+"""Option names users bring from elsewhere (TRL's ``GRPOConfig``), and where flowrl keeps each option.
+
+``GraphBuilder`` reports a keyword argument that no field of a node's config takes; this module
+says what the user most likely meant: flowrl's name for a TRL option (``num_generations`` ->
+``n_samples``), the node method that takes an option given to the wrong one (``temperature`` on
+``b.loss`` -> ``b.generator``), or a close spelling. The README's "Coming from TRL" table is the
+same mapping, for reading.
+
+Example:
+    >>> option_hint("loss", "num_generations")
+    "'num_generations' is TRL's name: did you mean n_samples? It is an option of b.generator(...)"
+    >>> option_hint("generator", "n_smaples")
+    "did you mean 'n_samples'?"
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from flowrl.graph.configs import LossConfig, OptimizerConfig, SamplingConfig, SourceConfig
+
+__all__ = ["TRL_OPTIONS", "OPTION_OWNERS", "option_hint", "leftover_message"]
+
+#: Which builder method takes the fields of which config.
+OPTION_OWNERS: dict[str, type] = {
+    "source": SourceConfig,
+    "generator": SamplingConfig,
+    "loss": LossConfig,
+    "policy": OptimizerConfig,
+}
+
+#: TRL ``GRPOConfig`` option -> flowrl's option (a field of one of ``OPTION_OWNERS``' configs), or a
+#: sentence where flowrl has no such option or keeps it elsewhere (a run flag, a node of its own).
+TRL_OPTIONS: dict[str, str] = {
+    "num_generations": "n_samples",
+    "beta": "kl_coef",
+    "max_completion_length": "max_new_tokens",
+    "epsilon": "clip_eps",
+    "learning_rate": "lr",
+    "max_prompt_length": "max_prompt_len",
+    "loss_type": "objective",
+    "scale_rewards": "normalize_std",
+    "max_grad_norm": "grad_clip",
+    "lr_scheduler_type": "schedule",
+    "per_device_train_batch_size": "micro_batch_size",
+    "generation_batch_size": "batch_size",
+    "warmup_ratio": "warmup_steps",
+    "adam_beta1": "betas",
+    "adam_beta2": "betas",
+    "gradient_accumulation_steps": (
+        "flowrl accumulates gradients over the whole batch by itself: set micro_batch_size on b.policy(...)"
+    ),
+    "bf16": "set autocast='bfloat16' on b.policy(...) and precision='bfloat16' on b.generator(...)",
+    "max_steps": "the number of steps is the run's: flowrl run --steps N (RunConfig.steps)",
+    "num_train_epochs": "the number of steps is the run's: flowrl run --steps N (RunConfig.steps); a prompt file repeats in new seeded orders",
+    "save_steps": "checkpoints are the run's: flowrl run --checkpoint-every N",
+    "save_total_limit": "checkpoints are the run's: flowrl run --keep-checkpoints N",
+    "reward_funcs": "declare one b.scorer(...) per reward function and pass them all to b.loss(...)",
+    "num_iterations": "not yet in flowrl: every batch takes one optimizer step",
+    "epsilon_high": "not yet in flowrl: the clip range clip_eps is symmetric",
+    "mask_truncated_completions": "not yet in flowrl",
+    "sync_ref_model": "not yet in flowrl: the reference node stays the initial policy",
+}
+
+
+def _owner_of(option: str) -> str | None:
+    """The builder method whose config has a field called ``option``."""
+    return next((kind for kind, cls in OPTION_OWNERS.items() if option in cls.__struct_fields__), None)
+
+
+def _where(kind: str, option: str) -> str:
+    owner = _owner_of(option)
+    return "" if owner in (None, kind) else f" It is an option of b.{owner}(...)"
+
+
+def option_hint(kind: str, option: str) -> str:
+    """What ``option``, which no field of ``kind``'s config takes, most likely meant; "" when nothing fits."""
+    if option in TRL_OPTIONS:
+        target = TRL_OPTIONS[option]
+        if _owner_of(target) is None:  # a sentence, not a field
+            return f"{option!r} is TRL's name: {target}"
+        return f"{option!r} is TRL's name: did you mean {target}?{_where(kind, target)}"
+    owner = _owner_of(option)
+    if owner is not None:
+        return f"{option!r} is an option of b.{owner}(...), not of b.{kind}(...)"
+    fields = [f for cls in OPTION_OWNERS.values() for f in cls.__struct_fields__]
+    close = difflib.get_close_matches(option, fields, n=1)
+    if close:
+        return f"did you mean {close[0]!r}?{_where(kind, close[0])}"
+    return ""
+
+
+def leftover_message(kind: str, name: str, options: list[str]) -> str:
+    """The error for keyword arguments ``options`` that node ``name`` of ``kind`` does not take."""
+    known = sorted(OPTION_OWNERS[kind].__struct_fields__) if kind in OPTION_OWNERS else []
+    hints = [h for h in (option_hint(kind, o) for o in sorted(options)) if h]
+    text = f"{kind} {name!r}: unknown option(s) {sorted(options)}"
+    if hints:
+        text += "; " + "; ".join(hints)
+    if known:
+        text += f". b.{kind}(...) takes {', '.join(known)}"
+    return text

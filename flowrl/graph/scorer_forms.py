@@ -1,0 +1,110 @@
+"""What a scorer function's signature says it takes, checked against the scorer's ``inputs`` and ``batched``.
+
+A scorer calls its function in one of four forms (``flowrl.operators.scoring``):
+
+- ``inputs="ids"``: ``fn(prompt_ids, completion_ids) -> float`` (batched: lists of lists);
+- ``inputs="text"``: ``fn(prompt, completion, **fields) -> float`` (batched: lists, fields as lists);
+- ``inputs="text", batched=True`` with TRL's reward-function form ``fn(completions, **kwargs) ->
+  list[float]`` (first parameter ``completions``): called with keyword arguments as TRL calls it,
+  ``completions=``, ``prompts=``, ``completion_ids=`` and every row field as a list.
+
+A function whose signature contradicts the scorer's flags would fail on its first batch with an
+error that does not say why (a ``KeyError`` on a row field it never got, a ``TypeError`` on token
+ids). ``form_mismatch`` says which flags to set instead; the builder asks it about a function it is
+handed, and the scorer about the function its reference resolves to when the run starts. Only
+what the signature states counts (annotations, ``**fields``, parameters beyond the first two, the
+name ``completions`` first), so an unannotated ``fn(prompt, completion)`` is taken as written.
+
+Example:
+    >>> def reward_len(completions, **kwargs): ...
+    >>> is_trl_form(reward_len)
+    True
+    >>> form_mismatch(reward_len, inputs="text", batched=True) is None
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["is_trl_form", "form_mismatch", "text_hint", "TRL_KEYWORDS", "TEXT_NAMES"]
+
+#: The keyword arguments TRL passes besides the dataset's columns (those flowrl has).
+TRL_KEYWORDS: tuple[str, ...] = ("prompts", "completions", "completion_ids")
+#: Parameter names a text-minded author gives the prompt and the completion.
+TEXT_NAMES = frozenset({"prompt", "completion", "prompts", "completions", "text", "texts", "response", "responses"})
+
+_TEXT_ANNOTATION = re.compile(r"^(typing\.)?(str|(list|List|Sequence|Iterable|tuple|Tuple)\[str(, \.\.\.)?\])$")
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: nothing to say
+
+
+def is_trl_form(fn: Callable[..., Any]) -> bool:
+    """True for TRL's reward-function form: the first parameter is ``completions`` (``f(completions, **kwargs)``)."""
+    params = _parameters(fn)
+    return bool(params) and params[0].name == "completions" and params[0].kind is not inspect.Parameter.VAR_POSITIONAL  # type: ignore[index]
+
+
+def _annotation(p: inspect.Parameter) -> str:
+    a = p.annotation
+    if a is inspect.Parameter.empty:
+        return ""
+    return a if isinstance(a, str) else getattr(a, "__name__", "") if isinstance(a, type) else repr(a)
+
+
+def _text_evidence(params: list[inspect.Parameter]) -> str:
+    """Why the signature says text (empty when it does not): the reason, for the message."""
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for p in positional[:2]:
+        if _TEXT_ANNOTATION.match(_annotation(p)):
+            return f"its parameter {p.name!r} is annotated {_annotation(p)}"
+    ids_named = any(p.name.endswith("_ids") for p in positional[:2])
+    if any(p.kind is p.VAR_KEYWORD for p in params) and not ids_named:
+        return "it takes **fields, the prompt row's fields"
+    needs = [p.name for p in positional[2:] if p.default is p.empty] + [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if needs:
+        return f"it needs row field(s) {needs}, which only inputs='text' passes"
+    return ""
+
+
+def form_mismatch(fn: Callable[..., Any], *, inputs: str, batched: bool) -> str | None:
+    """What contradicts the scorer's flags in ``fn``'s signature, with the flags to set; None when nothing does.
+
+    The message starts after the function's name: ``f"{ref} {message}"`` reads as a sentence.
+    """
+    params = _parameters(fn)
+    if params is None:
+        return None
+    if is_trl_form(fn):
+        if inputs == "text" and batched:
+            return None
+        return (
+            "has the form of TRL's reward functions, f(completions, **kwargs) -> list[float], called once per batch "
+            "with keyword arguments; set inputs='text' and batched=True"
+        )
+    if inputs == "ids":
+        why = _text_evidence(params)
+        if why:
+            return (
+                f"takes text ({why}), but inputs='ids' calls it with token-id lists and no row fields; "
+                "set inputs='text' (b.scorer(..., inputs='text'))"
+            )
+    return None
+
+
+def text_hint(fn: Callable[..., Any], inputs: str) -> str:
+    """For a failure of an id scorer whose first parameters are named like text: the hint, else ""."""
+    params = _parameters(fn)
+    if inputs != "ids" or not params:
+        return ""
+    if any(p.name in TEXT_NAMES for p in params[:2]):
+        return " (inputs='ids' passes token-id lists; for text set inputs='text')"
+    return ""
