@@ -256,6 +256,26 @@ def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"], state["model"]["tok_embeddings.weight"])
 
 
+@pytest.mark.parametrize("place", [{"policy": [0, 1], "gen": [2]}, {"policy": [0, 1], "gen": [0, 1]}], ids=["disjoint", "colocated"])
+def test_the_generators_weights_equal_the_final_checkpoint_bit_for_bit(tmp_path, place):
+    """A real run (3 steps, k = 0) with the FSDP policy on ranks 0-1 and the generator on its own rank or
+    as replicas on the policy's ranks (each rank then both sends shards and receives the whole state):
+    after the last sync every generator rank's weights hash like the gathered final checkpoint's."""
+    (tmp_path / "place.json").write_text(json.dumps(place))
+    world = 1 + max(r for rs in place.values() for r in rs)
+    proc = _torchrun(world, [str(THIS), "bitwise", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from tests.runtime.test_torchrun import _state_hash
+
+    hashes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("gen-rank*.json"))]
+    assert {h["rank"] for h in hashes} == set(place["gen"]), proc.stderr[-3000:]
+    from flowrl.models.export import read_policy_state
+
+    state = read_policy_state(tmp_path / "ck")
+    assert all(h["version"] == int(state["version"]) == 3 for h in hashes), hashes
+    assert all(h["sha256"] == _state_hash(state["model"]) for h in hashes)
+
+
 @pytest.mark.slow
 def test_an_fsdp_policy_publishes_gathered_weights_on_a_file_edge(tmp_path):
     """A transport with one writer (file): every rank gathers, the lead publishes; the run keeps the bound."""
@@ -459,6 +479,42 @@ def _step_job(out: str, family: str, directory: str) -> int:
     return 0
 
 
+def _bitwise_job(out: str) -> int:
+    """``fsdp_graph`` for 3 steps at k = 0 on place.json; at the end each generator rank fetches the newest
+    version into a full model and writes its hash (as ``test_torchrun._bitwise_job``)."""
+    import time
+
+    import flowrl.runtime.backends.torchrun as tr
+    from flowrl.runtime.backends import weights as edges
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+    from tests.runtime.test_torchrun import _state_hash
+
+    graph = fsdp_graph(max_staleness=0)
+    rank = int(os.environ["RANK"])
+    real_close = edges.close_edges
+
+    def close_after_hashing(**kw):
+        t = edges.opened(edges.channel("policy", "gen"))
+        if t is not None and t.is_generator:
+            from flowrl.operators.model import Transformer
+
+            target = dict(Transformer(graph.node("gen").model).state_dict())
+            deadline, got = time.monotonic() + 20, None
+            while got != 3 and time.monotonic() < deadline:
+                got = t.fetch_into(target, newer_than=-1)
+                time.sleep(0.01)
+            Path(out, f"gen-rank{rank}.json").write_text(json.dumps({"rank": rank, "version": got, "sha256": _state_hash(target)}))
+        real_close(**kw)
+
+    tr.close_edges = close_after_hashing
+    try:
+        run_graph(graph, RunConfig(steps=3, backend="torchrun", plan="place.json", checkpoint_dir="ck", stall_timeout_s=60))
+    finally:
+        tr.close_edges = real_close
+    return 0
+
+
 def _mixed_job(out: str) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -503,6 +559,8 @@ def _mixed_job(out: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "bitwise":
+        sys.exit(_bitwise_job(sys.argv[2]))
     if sys.argv[1] == "mixed":
         sys.exit(_mixed_job(sys.argv[2]))
     if sys.argv[1] == "step":
