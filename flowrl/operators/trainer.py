@@ -112,6 +112,8 @@ class Trainer:
         model: pi (a ``flowrl.models.CausalLM``, float32, trainable), on ``device``.
         optimizer: AdamW over the model's parameters.
         version: completed optimizer steps.
+        loss_scale: a factor on the loss before ``backward`` (1; an FSDP rank sets its token share,
+            ``flowrl.runtime.fsdp.token_scale``).
 
     Raises:
         ConfigError: for an unknown objective.
