@@ -33,11 +33,10 @@ from flowrl.examples.llamarl import build_llamarl
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import OptimizerConfig
 
+from tests.runtime.test_torchrun import _rows, _torchrun  # the jobs run with PYTHONPATH=ROOT (see _torchrun)
+
 ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()
-sys.path.insert(0, str(ROOT))  # the job's entry point imports tests.* helpers
-
-from tests.runtime.test_torchrun import _rows, _torchrun  # noqa: E402
 
 
 def fsdp_graph(max_staleness: int = 1, transport: str = "inprocess"):
