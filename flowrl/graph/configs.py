@@ -269,6 +269,15 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
             about one more forward pass of time).
         autocast: run the forward pass under ``torch.autocast`` in this dtype (``"float32"``: off);
             the weights and the optimizer stay float32.
+        sharding: how a policy on several ranks (torchrun) holds its state: ``"replicate"``, full
+            data-parallel replicas whose gradients are summed; ``"fsdp"``, FSDP2 (``fully_shard`` per
+            transformer block, then the root) over the policy's dp ranks: parameters, gradients and
+            AdamW state each split on dim 0 across them, the planner's ZeRO stage 3
+            (``Tuning.zero_stage``). Needs the torchrun backend and at least 2 ranks for the policy.
+        param_dtype: with ``sharding="fsdp"``, the dtype FSDP2 gathers parameters in and runs the
+            forward and backward passes in (its ``MixedPrecisionPolicy``); the sharded master
+            weights and the optimizer stay float32.
+        reduce_dtype: with ``sharding="fsdp"``, the dtype gradients are reduce-scattered in.
     """
 
     lr: float = 1e-3
@@ -282,6 +291,9 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
     seed: int = 0
     gradient_checkpointing: bool = False
     autocast: Precision = "float32"
+    sharding: Literal["replicate", "fsdp"] = "replicate"
+    param_dtype: Precision = "float32"
+    reduce_dtype: Precision = "float32"
 
     def __post_init__(self) -> None:
         o = "OptimizerConfig"
@@ -294,6 +306,13 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
         _check(self.warmup_steps >= 0, o, f"warmup_steps={self.warmup_steps} must be >= 0")
         _check(self.total_steps >= 0, o, f"total_steps={self.total_steps} must be >= 0")
         _check(self.micro_batch_size >= 0, o, f"micro_batch_size={self.micro_batch_size} must be >= 0")
+        for field in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, field)
+            _check(
+                self.sharding == "fsdp" or value == "float32", o,
+                f"{field}={value!r} is FSDP2's mixed precision and needs sharding='fsdp' (it is {self.sharding!r}); "
+                "for a replicated policy use autocast= instead",
+            )
 
 
 #: Extensions of the prompt files a source reads (``flowrl.data.files``).

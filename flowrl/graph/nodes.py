@@ -212,7 +212,8 @@ class PolicyNode(NodeBase, tag="policy"):
         return Signature(_fields(("objective",)), {})
 
     def describe(self) -> str:
-        return f"model={self.model.short()}, lr={self.optimizer.lr:g}"
+        fsdp = ", sharding=fsdp" if self.optimizer.sharding == "fsdp" else ""
+        return f"model={self.model.short()}, lr={self.optimizer.lr:g}{fsdp}"
 
 
 def _node_structs() -> tuple[type[NodeBase], ...]:

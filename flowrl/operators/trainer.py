@@ -112,6 +112,8 @@ class Trainer:
         model: pi (a ``flowrl.models.CausalLM``, float32, trainable), on ``device``.
         optimizer: AdamW over the model's parameters.
         version: completed optimizer steps.
+        loss_scale: a factor on the loss before ``backward`` (1; an FSDP rank sets its token share,
+            ``flowrl.runtime.fsdp.token_scale``).
 
     Raises:
         ConfigError: for an unknown objective.
@@ -131,6 +133,7 @@ class Trainer:
         )
         self.version = 0
         self._weights = weight_dict(self.model)  # views of the parameters, updated in place
+        self.loss_scale = 1.0  # a factor on the loss before backward, set per step by flowrl.runtime.fsdp
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
         """One optimizer step on ``batch`` (a rollout plus its reward fields, and ``ref_logprobs`` for a KL term).
@@ -172,7 +175,7 @@ class Trainer:
                     temperature=part.get("sampling_temperature", 1.0),
                 )
             loss, _ = compute_loss(config, logprobs, part, advantages=adv[start : start + size], normalizer=normalizer)
-            loss.backward()
+            (loss * self.loss_scale).backward()
             pieces.append(logprobs.detach())
         with torch.no_grad():
             all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])

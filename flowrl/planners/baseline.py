@@ -107,8 +107,10 @@ def gather_sync(
     dst_bytes_per_param: float,
     src_bytes_per_param: float,
     ctx: Context,
+    src_sharded: bool = False,
 ) -> SyncEstimate:
-    """A gather-based weight sync (module docstring): every byte of the model passes through one device twice.
+    """A gather-based weight sync (module docstring): every byte of the model passes through one device twice
+    (from FSDP shards, ``src_sharded``, as from replicas: the gather is the same bytes).
 
     Example:
         >>> from flowrl.planners.cluster import parse_cluster

@@ -227,8 +227,14 @@ class _Evaluator:
                 forward_only=name in r.refs,
                 recompute_logprobs=r.recompute.get(name, False),
                 micro_batch=r.micro_batch.get(name, 0),
+                sharding=self._sharding(name),
             )
         return self._train[key]
+
+    def _sharding(self, name: str) -> str:
+        """The node's ``OptimizerConfig.sharding`` (``"replicate"`` for a node without an optimizer)."""
+        optimizer = getattr(self.graph.node(name), "optimizer", None) if name in self.graph else None
+        return getattr(optimizer, "sharding", "replicate")
 
     def resident(self, name: str, dims: ParallelDims) -> float:
         """Bytes per device a node keeps allocated for the whole run (weights, grads, optimizer)."""
@@ -241,7 +247,7 @@ class _Evaluator:
             return p_dev * r.param_bytes
         t = self.ctx.tuning
         ob = t.optimizer_bytes or (12 if r.param_bytes <= 2 else 8)
-        zero, dp = zero_stage(t), dims.dp
+        zero, dp = zero_stage(t, self._sharding(name)), dims.dp
         return p_dev * (r.param_bytes / (dp if zero >= 3 else 1) + t.grad_bytes / (dp if zero >= 2 else 1) + ob / (dp if zero >= 1 else 1))
 
     def offloadable(self, name: str, dims: ParallelDims) -> float:
@@ -251,7 +257,7 @@ class _Evaluator:
             return 0.0
         model = self.roles.models[name]
         p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp
-        return self.resident(name, dims) - p_dev * self.roles.param_bytes / (dims.dp if zero_stage(self.ctx.tuning) >= 3 else 1)
+        return self.resident(name, dims) - p_dev * self.roles.param_bytes / (dims.dp if zero_stage(self.ctx.tuning, self._sharding(name)) >= 3 else 1)
 
     def beside(self, name: str, devices: Sequence[int], dims: ParallelDims, others: Sequence[tuple[str, ParallelDims]]) -> NodeEstimate:
         """``node`` on devices it shares with ``others`` (name, dims), which hold their resident state.
@@ -333,6 +339,7 @@ class _Evaluator:
                     dst_bytes_per_param=dst_bytes,
                     src_bytes_per_param=r.param_bytes,
                     ctx=self.ctx,
+                    src_sharded=self._sharding(edge.src) == "fsdp",
                 )
             )
         devices = {n: layout[n][0] for n in names}

@@ -39,7 +39,9 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         zero_stage: ZeRO stage of the trainer over its data-parallel axis: 0 nothing sharded, 1
             optimizer states (ZeRO-1 / Megatron's distributed optimizer), 2 also gradients (ZeRO-2),
             3 also parameters (ZeRO-3 / FSDP: gathered per micro-batch); None: 1 if
-            ``shard_optimizer`` else 0. Source: Rajbhandari et al., ZeRO (SC 2020).
+            ``shard_optimizer`` else 0. A policy whose optimizer says ``sharding="fsdp"`` is
+            stage 3 whatever this says (the runtime shards it with FSDP2).
+            Source: Rajbhandari et al., ZeRO (SC 2020).
         offload: ``"auto"`` moves the gradients and optimizer states of colocated nodes to host
             memory while another node needs the room (LlamaRL's co-located offloading), paying
             their way out and back over ``DeviceSpec.host_bandwidth``; ``"off"`` never does.

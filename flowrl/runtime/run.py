@@ -27,8 +27,9 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
     """Execute ``graph`` for ``config.steps`` trainer steps on ``config.backend``.
 
     Raises:
-        ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, or a
-            model that does not fit in this machine's memory.
+        ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, a
+            policy with ``sharding="fsdp"`` on a backend other than torchrun, or a model that does
+            not fit in this machine's memory.
         TransportError: a weight edge names a transport this process has not registered.
         NodeExecutionError: a node failed while running.
 
@@ -36,12 +37,14 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
         GraphWarning: for each of ``flowrl.graph.advice.advice(graph)``.
     """
     from flowrl.graph.advice import warn_about
+    from flowrl.runtime.fsdp import check_backend
     from flowrl.runtime.names import check_names
     from flowrl.runtime.placement import resolve_device
     from flowrl.runtime.preflight import check_fits_in_memory
 
     resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
+    check_backend(graph, backend.name, skip=config.programs)  # sharding="fsdp" runs under torchrun only
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning

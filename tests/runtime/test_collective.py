@@ -137,6 +137,10 @@ PLANNED_DIMS = ParallelDims(tp=2)
 _planned = sync_params(PLANNED_MODEL, R01, G23, PLANNED_DIMS, layers=PLANNED_MODEL.n_layers, wb=4)
 CASES["planner-layouts"] = {"params": _planned[0], "trainer": _planned[1], "generator": _planned[2],
                             "chunk_bytes": 8 << 20, "direct_min_bytes": DIRECT_MIN_BYTES}
+# the same with an FSDP policy (sharding="fsdp"): the trainer ranks send from their dim-0 shards
+_planned_fsdp = sync_params(PLANNED_MODEL, R01, G23, PLANNED_DIMS, layers=PLANNED_MODEL.n_layers, wb=4, trainer_sharded=True)
+CASES["planner-layouts-fsdp"] = {"params": _planned_fsdp[0], "trainer": _planned_fsdp[1], "generator": _planned_fsdp[2],
+                                 "chunk_bytes": 8 << 20, "direct_min_bytes": DIRECT_MIN_BYTES}
 
 
 def _full(name: str, shape: tuple[int, ...], dtype: str, version: int) -> torch.Tensor:
@@ -463,14 +467,18 @@ def test_the_table_covers_local_copies_and_header_only_ranks():
     assert local_slice(case["generator"]["v"], (1, 4), 3) == (slice(1, 1), slice(0, 4))
 
 
-def test_planner_prices_what_moved(table_run):
-    """The planner's sync estimate (wire bytes, staging copies) equals what the transport did in a real gloo run."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicas", "fsdp"])
+def test_planner_prices_what_moved(table_run, sharded):
+    """The planner's sync estimate (wire bytes, staging copies) equals what the transport did in a real gloo run,
+    from replicas and from FSDP shards (``src_sharded``: the layout an FSDP policy publishes)."""
     from tests.planners.test_estimates import ctx
 
-    results = [r["cases"]["planner-layouts"] for r in _ranks(table_run, 4)]
+    assert CASES["planner-layouts-fsdp"]["trainer"]["layers.0.wq"] == fsdp(R01)
+    results = [r["cases"]["planner-layouts-fsdp" if sharded else "planner-layouts"] for r in _ranks(table_run, 4)]
     assert not [r["error"] for r in results if "error" in r]
     est = estimate_sync(PLANNED_MODEL, src="policy", dst="gen", transport="collective", src_devices=R01, src_dims=ParallelDims(dp=2),
-                        dst_devices=G23, dst_dims=PLANNED_DIMS, dst_bytes_per_param=4.0, src_bytes_per_param=4.0, ctx=ctx())
+                        dst_devices=G23, dst_dims=PLANNED_DIMS, dst_bytes_per_param=4.0, src_bytes_per_param=4.0, ctx=ctx(),
+                        src_sharded=sharded)
     assert sum(r["stats"]["bytes_sent"] for r in results) == est.wire_bytes * len(VERSIONS)
     assert sum(r["staged_first_version"] for r in results) == est.copied_bytes
     assert 0 < est.copied_bytes < 2 * est.wire_bytes  # some blocks went without a copy, some with one or two

@@ -14,7 +14,7 @@ By the transport's declared cost (``TransportTraits.cost``; the built-ins in bra
   staged / mem_bw) + latency`` (packing is pipelined with the wire), over NVLink when trainer and generator share hosts, the NIC
   otherwise. The volumes are the runtime's own (``flowrl.runtime.resharding.transfer_volume`` over
   the layouts the torchrun backend gives the collective transport, :func:`sync_params`): every
-  trainer device a full replica, the generator's blocks split as ``tensor_parallel`` splits them
+  trainer device a full replica, or with ``sharding="fsdp"`` its dim-0 FSDP shards (``resharding.fsdp``), the generator's blocks split as ``tensor_parallel`` splits them
   (embeddings, head and norms replicated on every tp rank); ``per receiver`` / ``per sender`` are the
   busiest rank's bytes, ``staged`` the busiest rank's staging copies (strided slices and blocks
   under 64 KiB). Colocated with the same layout and dtype it is a local copy: ``per receiver / mem_bw``.
@@ -40,7 +40,7 @@ from flowrl.errors import TransportError
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.planners.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
-from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, replicated, tp_column, tp_row, transfer_volume
+from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
 from flowrl.runtime.transports.registry import TransportTraits, transport_traits
 
 __all__ = ["SyncEstimate", "estimate_sync", "sync_params"]
@@ -90,12 +90,14 @@ def sync_params(
     layers: int,
     rest: bool = True,
     wb: int = 1,
+    trainer_sharded: bool = False,
 ) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, ShardLayout], dict[str, ShardLayout]]:
     """Parameters and layouts the collective transport moves for ``model``: ``layers`` blocks, and with
     ``rest`` the embeddings, head and final norm (the planner prices one block and scales).
 
     The layouts are the torchrun backend's (``runtime.backends.weights``): the trainer's devices each
-    publish a full replica; the generator's first pipeline stage, ``dp x tp`` devices, splits the
+    publish a full replica, or with ``trainer_sharded`` (an FSDP policy) their dim-0 shards
+    (``resharding.fsdp``: ``torch.chunk`` rows, FSDP2's); the generator's first pipeline stage, ``dp x tp`` devices, splits the
     blocks as ``runtime.tensor_parallel`` does (q, k, v, w1, w3 by rows, wo, w2 by columns, norms replicated).
 
     Args:
@@ -106,6 +108,7 @@ def sync_params(
         layers: how many blocks to list.
         rest: list the embeddings, the output head (unless tied) and the final norm too.
         wb: bytes per element (an integer dtype size; the planner uses 1 and scales by its own).
+        trainer_sharded: the policy runs ``sharding="fsdp"``.
 
     Returns:
         ``(params, trainer layouts, generator layouts)`` for ``resharding.transfer_volume`` or the transport.
@@ -127,17 +130,19 @@ def sync_params(
         shapes |= {"embed": ((model.vocab_size, h), same), "norm": ((h,), same)}
         if not model.tie_embeddings:
             shapes["head"] = ((model.vocab_size, h), same)
-    src = replicated(tuple(src_devices))
+    src = fsdp(tuple(src_devices)) if trainer_sharded and len(src_devices) > 1 else replicated(tuple(src_devices))
     params = {n: (shape, dtype) for n, (shape, _) in shapes.items()}
     return params, {n: src for n in shapes}, {n: lay for n, (_, lay) in shapes.items()}
 
 
 @lru_cache(maxsize=256)
-def _volume(model: ModelSpec, src_devices: tuple[int, ...], dst_devices: tuple[int, ...], dst_dims: ParallelDims, wb: float) -> TransferVolume:
+def _volume(
+    model: ModelSpec, src_devices: tuple[int, ...], dst_devices: tuple[int, ...], dst_dims: ParallelDims, wb: float, sharded: bool = False
+) -> TransferVolume:
     """``transfer_volume`` of the whole model in bytes of ``wb`` each: one block times the layers, plus the rest."""
     direct_min = math.ceil(DIRECT_MIN_BYTES / wb)  # elements of 1 "byte" below: the threshold in elements
-    one = transfer_volume(*sync_params(model, src_devices, dst_devices, dst_dims, layers=1, rest=False), direct_min_bytes=direct_min)
-    rest = transfer_volume(*sync_params(model, src_devices, dst_devices, dst_dims, layers=0), direct_min_bytes=direct_min)
+    one = transfer_volume(*sync_params(model, src_devices, dst_devices, dst_dims, layers=1, rest=False, trainer_sharded=sharded), direct_min_bytes=direct_min)
+    rest = transfer_volume(*sync_params(model, src_devices, dst_devices, dst_dims, layers=0, trainer_sharded=sharded), direct_min_bytes=direct_min)
     stages = max(1, dst_dims.pp)  # a rank of one pipeline stage holds 1/pp of the blocks
     scale = model.n_layers
 
@@ -160,13 +165,27 @@ def _volume(model: ModelSpec, src_devices: tuple[int, ...], dst_devices: tuple[i
 
 
 @lru_cache(maxsize=256)
-def _disjoint_volume(model: ModelSpec, senders: int, dst_dims: ParallelDims, wb: float) -> TransferVolume:
+def _disjoint_volume(model: ModelSpec, senders: int, dst_dims: ParallelDims, wb: float, sharded: bool = False) -> TransferVolume:
     """:func:`_volume` when no device is on both sides: priced on one generator replica fed by one trainer
     device, then scaled. Exact for the wire bytes, the copies and the busiest receiver (replicas receive
     alike, and with no local blocks the sender does not change what is staged); the busiest sender's
-    share is the balanced one, ``wire / senders`` (the transport's least-loaded choice comes within a block of it)."""
-    one = _volume(model, (0,), tuple(range(1, 1 + dst_dims.tp)), ParallelDims(tp=dst_dims.tp, pp=dst_dims.pp), wb)
+    share is the balanced one, ``wire / senders`` (the transport's least-loaded choice comes within a block of it).
+
+    From FSDP shards (``sharded``) the senders matter (each holds dim-0 rows, so a generator block
+    may come in pieces from several): one replica is priced fed by all ``senders`` shards, then scaled
+    by the replicas, each of which receives alike.
+    """
     dp = dst_dims.dp
+    if sharded and senders > 1:
+        tp = dst_dims.tp
+        one = _volume(model, tuple(range(senders)), tuple(range(senders, senders + tp)), ParallelDims(tp=tp, pp=dst_dims.pp), wb, True)
+        return TransferVolume(
+            wire_bytes=one.wire_bytes * dp, local_bytes=0, copied_bytes=one.copied_bytes * dp,
+            max_send_bytes=one.max_send_bytes * dp, max_recv_bytes=one.max_recv_bytes,
+            max_copied_bytes=max(one.max_pack_bytes * dp, one.max_unpack_bytes),
+            max_pack_bytes=one.max_pack_bytes * dp, max_unpack_bytes=one.max_unpack_bytes,
+        )
+    one = _volume(model, (0,), tuple(range(1, 1 + dst_dims.tp)), ParallelDims(tp=dst_dims.tp, pp=dst_dims.pp), wb)
     return TransferVolume(
         wire_bytes=one.wire_bytes * dp, local_bytes=0, copied_bytes=one.copied_bytes * dp,
         max_send_bytes=math.ceil(one.wire_bytes * dp / max(1, senders)), max_recv_bytes=one.max_recv_bytes,
@@ -202,8 +221,10 @@ def estimate_sync(
     dst_bytes_per_param: float,
     src_bytes_per_param: float,
     ctx: Context,
+    src_sharded: bool = False,
 ) -> SyncEstimate:
-    """Seconds to move the policy's weights into the generator's layout and dtype (module docstring)."""
+    """Seconds to move the policy's weights into the generator's layout and dtype (module docstring);
+    ``src_sharded``: the policy runs ``sharding="fsdp"`` and sends from its shards."""
     c, t = ctx.cluster, ctx.tuning
     dev = c.device
     total = model.params * dst_bytes_per_param
@@ -225,7 +246,7 @@ def estimate_sync(
     elif traits.cost == "memory":
         note += f" ({transport!r} cannot cross devices on a {dev.name} cluster: costed as collective)"
     same_mesh = _same_devices(src_devices, dst_devices)
-    if same_mesh and src_dims == dst_dims and src_bytes_per_param == dst_bytes_per_param:
+    if same_mesh and src_dims == dst_dims and src_bytes_per_param == dst_bytes_per_param and not src_sharded:
         time = total / (dst_dims.tp * dst_dims.pp) / mem_bw
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="same layout: local copy")
     hosts_src = {d // c.devices_per_host for d in (src_devices[0], src_devices[-1])} if src_devices else set()
@@ -236,9 +257,11 @@ def estimate_sync(
         if one_host
         else Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
     )
-    volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param) if not _overlap(src_devices, dst_devices) else (
-        _volume(model, tuple(src_devices), tuple(dst_devices), dst_dims, dst_bytes_per_param)
+    volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param, src_sharded) if not _overlap(src_devices, dst_devices) else (
+        _volume(model, tuple(src_devices), tuple(dst_devices), dst_dims, dst_bytes_per_param, src_sharded)
     )
+    if src_sharded:
+        note += " from FSDP shards"
     if not same_mesh and dst_bytes_per_param != src_bytes_per_param:
         note += f", cast to {dst_bytes_per_param:g} bytes/param before sending"
     # the transport packs piece i + 1 while piece i is on the wire: the copies overlap the transfer

@@ -73,8 +73,12 @@ from flowrl.planners.units import format_excess, format_gib_pair
 __all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage"]
 
 
-def zero_stage(tuning: Tuning) -> int:
-    """The ZeRO stage in effect: ``tuning.zero_stage``, else 1 with ``shard_optimizer`` and 0 without."""
+def zero_stage(tuning: Tuning, sharding: str = "replicate") -> int:
+    """The ZeRO stage in effect: 3 for a policy whose optimizer says ``sharding="fsdp"`` (what the
+    torchrun runtime runs: FSDP2, ``flowrl.runtime.fsdp``), else ``tuning.zero_stage``, else 1 with
+    ``shard_optimizer`` and 0 without."""
+    if sharding == "fsdp":
+        return 3
     if tuning.zero_stage is not None:
         return tuning.zero_stage
     return 1 if tuning.shard_optimizer else 0
@@ -129,6 +133,7 @@ def train_options(
     forward_only: bool = False,
     recompute_logprobs: bool = False,
     micro_batch: int = 0,
+    sharding: str = "replicate",
 ) -> TrainOptions:
     """Every (micro-batch, checkpointing) option for this mesh, fastest first, feasible or not.
 
@@ -136,6 +141,7 @@ def train_options(
         forward_only: a reference model: one forward pass, no gradients or optimizer.
         recompute_logprobs: add a forward pass for old-policy log-probs (PPO/GRPO).
         micro_batch: sequences per micro-batch; 0 lets the estimate choose.
+        sharding: the policy's ``OptimizerConfig.sharding`` (``"fsdp"``: ZeRO stage 3, ``zero_stage``).
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
@@ -169,7 +175,7 @@ def train_options(
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
     dp_link = axis_link(c, t, devices, dims, "dp") if replicas > 1 else None
 
-    zero = 0 if forward_only else zero_stage(t)
+    zero = 0 if forward_only else zero_stage(t, sharding)
     weights = int(p_dev * pb / (dp if zero >= 3 else 1))
     fsdp_gather = (1 - t.dp_overlap) * all_gather_s(p_dev * pb, dp, dp_link) if zero >= 3 and dp_link else 0.0
     if forward_only:

@@ -3,7 +3,8 @@
 ``rank_program`` is the ``ProgramEnv.programs`` factory every rank's worker uses (named by
 ``RANK_PROGRAM``). A node on one rank runs its ordinary program there. A node on several ranks runs:
 
-- a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them);
+- a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them), or with
+  ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.fsdp``);
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
   tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.tensor_parallel``);
 - anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
@@ -40,6 +41,7 @@ __all__ = [
     "RankContext",
     "set_context",
     "DataParallelPolicy",
+    "ShardedPolicy",
     "ParallelGenerator",
     "rank_program",
 ]
@@ -148,6 +150,101 @@ class DataParallelPolicy(PolicyProgram):
             torch.distributed.all_reduce(total, group=self.group)
             info["weights/collective_bytes"] = float(total)
         return {}, info
+
+
+class ShardedPolicy(PolicyProgram):
+    """One dp rank of a policy sharded with FSDP2 (``OptimizerConfig.sharding="fsdp"``; see ``flowrl.runtime.fsdp``).
+
+    Per step: the lead broadcasts the batch; each rank trains on its share of whole prompt groups
+    (``shard_by_groups``) with its loss scaled by ``dp * N_r / N`` (``fsdp.token_scale``), so that
+    FSDP2's averaged, reduce-scattered gradients are the whole batch's; the trainer clips by the
+    global norm and steps AdamW on its shards. Weights: on a collective edge every rank publishes
+    its own shards (trainer layout ``resharding.fsdp(ranks)``, no gather); on a ``shm``/``file`` edge
+    every rank gathers and the lead publishes. ``save`` runs on every rank (the controller sends it
+    to all: ``saves_on_every_rank``): the state is gathered and the lead writes the one-file format;
+    ``load`` reads that file on every rank and keeps each rank's chunks, whatever dp size wrote it.
+    """
+
+    saves_on_every_rank = True
+
+    def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
+        from flowrl.runtime.fsdp import shard_trainer_
+
+        ctx = _context()
+        loss = graph.loss_of(node.name)
+        device = ctx.device if ctx.device.type == "cuda" else "cpu"  # NCCL shards CUDA tensors; gloo CPU ones
+        super().__init__(node, loss, graph, transports, device=str(device))  # type: ignore[arg-type]
+        self.group, self.ranks, self.lead = group, ranks, ranks[0]
+        self.index = ranks.index(ctx.rank)
+        self.device = ctx.device
+        with torch.no_grad():
+            for p in self.trainer.model.parameters():  # identical initial weights on every rank before sharding
+                torch.distributed.broadcast(p.data, src=self.lead, group=group)
+        self.mesh = mesh if mesh.ndim == 1 else mesh["dp"]
+        shard_trainer_(self.trainer, self.mesh)
+        self.collective_bytes = 0
+
+    def publish(self) -> float:
+        from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.runtime.fsdp import full_weights, local_weights
+
+        start = time.perf_counter()
+        if self.trainer.version > self._published:
+            full = None
+            for edge in self._edges:
+                collective = opened(channel(*edge))
+                if collective is not None:
+                    before = collective.bytes_sent
+                    collective.publish(local_weights(self.trainer.model), self.trainer.version)
+                    self.collective_bytes += collective.bytes_sent - before
+                    continue
+                full = full_weights(self.trainer.model) if full is None else full  # every rank gathers
+                if self.index == 0:
+                    self._transports.writer(*edge).publish(full, self.trainer.version)
+            self._published = self.trainer.version
+        return time.perf_counter() - start
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+        from flowrl.runtime.fsdp import check_shards, token_scale
+
+        start = time.perf_counter()
+        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
+        batch = {k: v.cpu() for k, v in batch.items()}
+        shards = shard_by_groups(batch, len(self.ranks))
+        check_shards(self.name, [int(s["completion_mask"].shape[0]) for s in shards], self.trainer.node.optimizer.micro_batch_size)
+        shard = shards[self.index]
+        total = float(batch["completion_mask"].sum())
+        self.trainer.loss_scale = token_scale(len(self.ranks), float(shard["completion_mask"].sum()), total)
+        metrics = self.trainer.train_step(shard)
+        grad_norm = metrics["grad_norm"]  # the global norm already (DTensor gradients)
+        samples = float(shard["completion_mask"].shape[0])
+        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
+        metrics["grad_norm"] = float(grad_norm)
+        train_s = time.perf_counter() - start
+        sent = self.collective_bytes
+        publish_s = self.publish()
+        info: Info = dict(metrics)
+        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if any(opened(channel(*e)) is not None for e in self._edges):
+            sent_now = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(sent_now, group=self.group)
+            info["weights/collective_bytes"] = float(sent_now)
+        return {}, info
+
+    def save(self, path: str) -> None:
+        from flowrl.runtime.fsdp import full_state
+
+        state = full_state(self.trainer)  # every rank: the all-gathers
+        if self.index == 0:
+            torch.save(state, path)
+
+    def load(self, path: str) -> None:
+        from flowrl.runtime.fsdp import load_full_state
+
+        load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu"))
+        self._published = -1
 
 
 def _mesh_axes(mesh: Any) -> dict[str, int]:
@@ -362,6 +459,8 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     if len(ranks) == 1 or node.name in ctx.programs:
         return build_program(graph, node.name, env, transports) if lead else _Idle()
     group = ctx.groups[node.name]
+    if isinstance(node, PolicyNode) and node.optimizer.sharding == "fsdp":
+        return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=ctx.meshes[node.name])
     if isinstance(node, PolicyNode):
         return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
     if isinstance(node, GeneratorNode):

@@ -5,7 +5,8 @@ A remote program has the methods of a local one (``start``, ``seek``, ``step``, 
 ``flowrl.runtime.worker.serve``) and one reply from each. The proxy owns what every backend shares:
 the order (every request goes to every peer before any reply is read, since peers may meet in
 collectives inside the request), the lock (one call at a time), which peers a call needs (``seek``
-and ``save`` go to the lead only: every peer holds the same state) and reading the replies (only the
+and ``save`` go to the lead only: every peer holds the same state; ``save`` goes to every peer of a
+program built with ``save_on_every_peer``, whose peers hold shards to gather) and reading the replies (only the
 lead gets the input tensors and returns outputs and info). What differs per backend is its ``Link``:
 how a message reaches a peer and comes back, and which error names a peer that died or raised.
 
@@ -72,9 +73,10 @@ class Link(Protocol):
 class RemoteProgram:
     """A node program served by peers elsewhere; the controller's executor thread calls it like a local one."""
 
-    def __init__(self, node: str, link: Link) -> None:
+    def __init__(self, node: str, link: Link, *, save_on_every_peer: bool = False) -> None:
         self.node = node
         self.link = link
+        self.save_on_every_peer = save_on_every_peer  # an FSDP policy: every rank takes part in the gather
         self._lock = threading.Lock()
 
     def _send(self, header: dict[str, Any], tensors: Batch | None, peers: tuple[int, ...]) -> None:
@@ -131,7 +133,7 @@ class RemoteProgram:
         return outputs, reply.get("info", {})
 
     def save(self, path: str) -> None:
-        self._call({"op": "save", "path": path}, lead_only=True)  # peers hold the same state
+        self._call({"op": "save", "path": path}, lead_only=not self.save_on_every_peer)  # else peers hold the same state
 
     def load(self, path: str) -> None:
         self._call({"op": "load", "path": path})

@@ -26,7 +26,9 @@ Where things run:
   order) and a ``DeviceMesh`` with the plan's named axes (``flowrl.runtime.meshes``); each collective weight edge a group of
   exactly its ranks (``_setup_groups``).
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
-  (``DataParallelPolicy``: equal to a one-process step up to rounding); a generator on several ranks
+  (``DataParallelPolicy``: equal to a one-process step up to rounding), or sharded with FSDP2 when
+  its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.fsdp``: its checkpoint
+  is gathered, so its ``save`` goes to every rank of the node); a generator on several ranks
   runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1.
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
 - Weights: ``inprocess`` and ``collective`` edges use the collective transport
@@ -74,6 +76,7 @@ from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
+from flowrl.runtime.fsdp import check_ranks, fsdp_policies
 from flowrl.planners.forms import read_plan, run_plan
 from flowrl.planners.plan_data import Plan
 from flowrl.runtime.meshes import device_mesh
@@ -288,6 +291,7 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     plan = rank_plan(graph, config.plan, world)
     ranks, axes = Placement(plan=plan).devices, _axes(plan)
+    check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -441,8 +445,9 @@ def _control(
             "cores": [],
             "threads": torch.get_num_threads(),
         }
+        sharded = {n.name for n in fsdp_policies(graph, skip=config.programs)}
         for node, rs in ctx.ranks.items():
-            node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}))
+            node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}), save_on_every_peer=node in sharded)
         for node, group in node_programs.items():
             group.open({**init, "node": node})
             group.ready()

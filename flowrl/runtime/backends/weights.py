@@ -13,7 +13,9 @@ a user's) is kept.
   :data:`COLLECTIVE`), and the factory checks that they agree.
 - Layouts: every rank of a data-parallel policy publishes its full replica (``dp_replicas`` over the
   policy's ranks; the transfer plan picks the sender of each block among the replicas, least loaded
-  first, so each byte is sent once per destination). Generator replicas fetch the full state
+  first, so each byte is sent once per destination); every rank of an FSDP policy
+  (``sharding="fsdp"``) publishes its own shards (``fsdp`` over its ranks: dim-0 ``torch.chunk``
+  pieces, FSDP2's), so each generator rank gets its slices straight from the shards that hold them. Generator replicas fetch the full state
   (``dp_replicas``); a tensor-parallel generator (a ``tp`` mesh axis > 1) fetches its shards
   (``flowrl.runtime.tensor_parallel.tp_param_layouts``). A node run by a
   user program takes part on its lead rank only (its other ranks idle).
@@ -38,7 +40,7 @@ import torch
 
 from flowrl.errors import ConfigError, TransportError
 from flowrl.graph.ir import Graph
-from flowrl.runtime.resharding import dp_replicas
+from flowrl.runtime.resharding import ShardLayout, dp_replicas, fsdp
 from flowrl.runtime.transports.registry import register_transport, transport_traits
 
 __all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]
@@ -116,6 +118,16 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
     return msgspec.to_builtins(dp_replicas(fetchers))
 
 
+def _trainer_layout(graph: Graph, src: str, publishers: tuple[int, ...], programs: dict[str, str]) -> ShardLayout:
+    """The policy side's layout: ``fsdp(ranks)`` (dim-0 chunks, FSDP2's own shards) for a policy with
+    ``sharding="fsdp"`` on several ranks, which publishes its local shards; else full replicas."""
+    node = graph.node(src)
+    optimizer = getattr(node, "optimizer", None)
+    if len(publishers) > 1 and src not in programs and getattr(optimizer, "sharding", "replicate") == "fsdp":
+        return fsdp(publishers)
+    return dp_replicas(publishers)
+
+
 def collective_options(
     graph: Graph,
     src: str,
@@ -130,7 +142,7 @@ def collective_options(
     params = _param_specs(graph, src)
     options = {
         "params": params,
-        "trainer_layout": dp_replicas(publishers),
+        "trainer_layout": _trainer_layout(graph, src, publishers, programs),
         "generator_layout": _generator_layouts(graph, dst, fetchers, axes.get(dst), params),
         "channel": channel(src, dst),
         "timeout_s": float(timeout_s),

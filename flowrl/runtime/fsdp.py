@@ -1,0 +1,264 @@
+"""A policy sharded with FSDP2 (``OptimizerConfig.sharding="fsdp"``): sharding, state, the checks.
+
+What ``shard_trainer_`` does to a ``flowrl.operators.trainer.Trainer`` on each of the policy's dp
+ranks (all of them call it, in the same order):
+
+- ``torch.distributed.fsdp.fully_shard`` on every transformer block (``blocks``: the built-in
+  ``Transformer.layers``, a Hugging Face model's ``model.layers``), then on the root (embeddings,
+  final norm, head; a tied head shares the embedding's shard), over the policy's 1-D dp mesh, with
+  a ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` from the policy's optimizer config. Each
+  parameter becomes a DTensor ``Shard(0)``: this rank holds rows ``torch.chunk(p, dp)[i]``, which is
+  ``flowrl.runtime.resharding.fsdp(ranks)``, the trainer layout the collective transport moves
+  (``local_weights``) and the planner prices (ZeRO stage 3).
+- AdamW is rebuilt over the sharded parameters, so its moments are sharded too.
+- ``trainer.loss_scale`` is set per step (``token_scale``): FSDP2 averages gradients over the dp
+  ranks, and each rank's loss is its token sum over its own token count ``N_r``; scaling it by
+  ``dp * N_r / N`` makes the average the whole batch's gradient (token sum over ``N``).
+- Gradient clipping is the trainer's own ``clip_grad_norm_``, which on DTensor gradients computes
+  the global norm (one all-reduce).
+
+Checkpoints are gathered (``full_state`` / ``load_full_state``): the policy's lead rank writes the
+one-file format every policy writes (``Trainer.state()``: full tensors, ``torch.load(weights_only=True)``,
+read by ``flowrl export``), so a checkpoint of an FSDP policy resumes on any dp size, replicated
+or sharded, and exports as any other. The price: the lead holds the full model and optimizer
+state on the CPU while it writes (a torch.distributed.checkpoint format would not; not done yet).
+
+Limits: the policy's mesh must be 1-D (``dp``); every dp rank must get at least one prompt group
+per batch and the same number of micro-batches (``check_shards``); every rank first builds the
+full model and then keeps its shards (initialisation on the meta device is not done yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.errors import ConfigError
+from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import PolicyNode
+
+__all__ = [
+    "fsdp_policies",
+    "check_backend",
+    "check_ranks",
+    "check_shards",
+    "blocks",
+    "shard_trainer_",
+    "token_scale",
+    "local_weights",
+    "full_weights",
+    "full_state",
+    "load_full_state",
+    "local_numel",
+]
+
+
+# -- the checks (before any work) -----------------------------------------------------------------
+def fsdp_policies(graph: Graph, *, skip: Iterable[str] = ()) -> list[PolicyNode]:
+    """The graph's policies with ``sharding="fsdp"`` (not those in ``skip``: user programs)."""
+    skip = set(skip)
+    return [n for n in graph.nodes_of_kind("policy") if n.optimizer.sharding == "fsdp" and n.name not in skip]  # type: ignore[attr-defined]
+
+
+def check_backend(graph: Graph, backend: str, *, skip: Iterable[str] = ()) -> None:
+    """Refuse an FSDP policy on a backend other than torchrun.
+
+    Raises:
+        ConfigError: naming the policy and the two fixes.
+    """
+    if backend == "torchrun":
+        return
+    for node in fsdp_policies(graph, skip=skip):
+        raise ConfigError(
+            f"policy {node.name!r} has sharding='fsdp', which shards it over torch.distributed ranks, but the "
+            f"{backend!r} backend runs it in one process; launch under torchrun with --backend torchrun and "
+            "give the policy 2 or more ranks (e.g. torchrun --nproc-per-node 3 -m flowrl run GRAPH --backend torchrun "
+            "--plan place.json with {\"gen\": [0], \"policy\": [1, 2]}), or set sharding='replicate'"
+        )
+
+
+def check_ranks(graph: Graph, ranks: Mapping[str, tuple[int, ...]], axes: Mapping[str, Any], *, skip: Iterable[str] = ()) -> None:
+    """Refuse an FSDP policy placed on one rank, or on a mesh with an axis other than dp.
+
+    Args:
+        ranks: node -> its ranks (the plan's placement).
+        axes: node -> (axis names, shape) of its mesh.
+
+    Raises:
+        ConfigError: naming the policy, its ranks and the fix.
+    """
+    for node in fsdp_policies(graph, skip=skip):
+        rs = tuple(ranks.get(node.name, ()))
+        if len(rs) < 2:
+            raise ConfigError(
+                f"policy {node.name!r} has sharding='fsdp' but the plan gives it {len(rs)} rank(s) {list(rs)}: FSDP shards "
+                "over 2 or more ranks; place the policy on several ranks (e.g. {\"policy\": [1, 2]}) or set sharding='replicate'"
+            )
+        names, shape = axes.get(node.name, (("dp",), (len(rs),)))
+        extra = {a: s for a, s in zip(names, shape) if a != "dp" and s > 1}
+        if extra:
+            raise ConfigError(
+                f"policy {node.name!r} has sharding='fsdp' over its dp axis, but its mesh also has {extra}; "
+                f"give the policy a mesh of dp={len(rs)} only"
+            )
+
+
+def check_shards(name: str, sizes: list[int], micro_batch_size: int) -> None:
+    """Every dp rank must run the same passes (FSDP's all-gathers and reduce-scatters are collectives).
+
+    Args:
+        name: the policy.
+        sizes: samples in each rank's shard of the batch.
+        micro_batch_size: the optimizer's (0: the whole shard in one pass).
+
+    Raises:
+        ConfigError: a rank without samples, or ranks with different numbers of micro-batches.
+    """
+    if min(sizes) == 0:
+        raise ConfigError(
+            f"policy {name!r} (sharding='fsdp' over {len(sizes)} ranks): a batch split into whole prompt groups gave "
+            f"shards of {sizes} samples; every rank needs at least one group: make the source's batch_size >= {len(sizes)}"
+        )
+    if micro_batch_size:
+        passes = [-(-s // micro_batch_size) for s in sizes]
+        if len(set(passes)) > 1:
+            raise ConfigError(
+                f"policy {name!r} (sharding='fsdp'): shards of {sizes} samples make {passes} micro-batches of "
+                f"{micro_batch_size}; every rank must run as many: make batch_size a multiple of {len(sizes)}, "
+                "or micro_batch_size=0"
+            )
+
+
+# -- sharding -----------------------------------------------------------------------------------------
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a ``flowrl.models`` model (built-in ``layers``; Hugging Face ``model.layers``).
+
+    Raises:
+        ConfigError: for a model without either.
+    """
+    for owner in (model, getattr(model, "model", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return list(layers)
+    raise ConfigError(f"{type(model).__name__} has no 'layers' or 'model.layers' list of blocks for FSDP to shard")
+
+
+def shard_trainer_(trainer: Any, mesh: Any) -> None:
+    """Shard ``trainer``'s model with FSDP2 over ``mesh`` (1-D) and rebuild its AdamW over the shards
+    (see the module docstring). Every rank of ``mesh`` calls it; their models must start equal."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from flowrl.operators.generation import DTYPES
+    from flowrl.operators.trainer import learning_rate
+
+    opt = trainer.node.optimizer
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[opt.param_dtype], reduce_dtype=DTYPES[opt.reduce_dtype])
+    for block in blocks(trainer.model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(trainer.model, mesh=mesh, mp_policy=policy)
+    trainer.optimizer = torch.optim.AdamW(
+        trainer.model.parameters(), lr=learning_rate(opt, trainer.version), betas=opt.betas, weight_decay=opt.weight_decay
+    )
+    trainer._weights = local_weights(trainer.model)  # what Trainer.weights() gives: this rank's shards
+
+
+def token_scale(dp: int, mine: float, total: float) -> float:
+    """The factor on one rank's loss so that FSDP's gradient average is the whole batch's gradient:
+    ``dp * N_r / N`` (token counts; both at least 1, as the trainer's normalizer).
+
+    Example:
+        >>> token_scale(2, 30, 40)
+        1.5
+    """
+    return dp * max(mine, 1.0) / max(total, 1.0)
+
+
+def _named(model: nn.Module) -> dict[str, Tensor]:
+    from flowrl.models.causal_lm import weight_dict
+
+    return weight_dict(model)
+
+
+def local_weights(model: nn.Module) -> dict[str, Tensor]:
+    """This rank's shard of every weight (``weight_dict`` names), views of the sharded parameters:
+    ``fsdp(ranks)``'s local slices, what the collective transport publishes (no gather)."""
+    return {n: t.to_local() if hasattr(t, "to_local") else t for n, t in _named(model).items()}
+
+
+def full_weights(model: nn.Module) -> dict[str, Tensor]:
+    """Every weight gathered (one all-gather per tensor; every rank calls it): for a transport that
+    needs the whole state from one writer (``shm``, ``file``)."""
+    return {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in _named(model).items()}
+
+
+def _gathered(value: Any) -> Any:
+    """``value`` with every DTensor gathered to a CPU tensor (collective: same order on every rank)."""
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor().detach().to("cpu", copy=True)
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _gathered(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered(v) for v in value)
+    return value
+
+
+def full_state(trainer: Any) -> dict[str, Any]:
+    """``trainer.state()``'s format with every sharded tensor gathered (full, CPU): the same file a
+    replicated policy writes. Every rank calls it (all-gathers); only the lead needs to write it."""
+    import msgspec
+
+    return {
+        "version": trainer.version,
+        "model_config": msgspec.to_builtins(trainer.node.model),
+        "model": _gathered(dict(trainer.model.state_dict())),
+        "optimizer": _gathered(trainer.optimizer.state_dict()),
+    }
+
+
+def _shard_like(full: Any, like: Any) -> Any:
+    """``full`` (a whole tensor) as a DTensor placed like ``like``, keeping only this rank's chunk (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not hasattr(like, "device_mesh") or not isinstance(full, Tensor):
+        return full
+    return distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def load_full_state(trainer: Any, state: Mapping[str, Any]) -> None:
+    """Load a one-file policy state (``full_state`` or any ``Trainer.state()``) into a sharded
+    trainer: each rank keeps its chunks, then ``Trainer.load_state`` checks and loads them."""
+    from flowrl.errors import CheckpointError
+
+    model = state.get("model")
+    optimizer = state.get("optimizer")
+    if not isinstance(model, Mapping) or not isinstance(optimizer, Mapping):
+        trainer.load_state(state)  # raises its own error naming what is missing
+        return
+    mine = dict(trainer.model.state_dict())
+    unknown = sorted(set(model) - set(mine))
+    if unknown:
+        raise CheckpointError(f"policy {trainer.name!r}: the checkpoint's model has tensors this model lacks: {unknown[:5]}")
+    sharded_model = {k: _shard_like(v, mine.get(k)) for k, v in model.items()}
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    per_param = {}
+    for index, entry in dict(optimizer.get("state", {})).items():
+        like = params[int(index)] if int(index) < len(params) else None
+        # "step" is cloned: AdamW increments it in place, and must not change the caller's state
+        per_param[index] = {k: (v.clone() if k == "step" or like is None else _shard_like(v, like)) for k, v in entry.items()}
+    sharded_optimizer = {**optimizer, "state": per_param}
+    trainer.load_state({**state, "model": sharded_model, "optimizer": sharded_optimizer})
+
+
+def local_numel(trainer: Any) -> dict[str, int]:
+    """Elements this rank holds: ``params`` (its shards) and ``optimizer`` (AdamW's moments, local parts)."""
+    def numel(t: Any) -> int:
+        return int(t.to_local().numel()) if hasattr(t, "to_local") else int(t.numel())
+
+    params = sum(numel(p) for p in {id(p): p for p in trainer.model.parameters()}.values())
+    moments = sum(numel(v) for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step" and isinstance(v, Tensor))
+    return {"params": params, "optimizer": moments}

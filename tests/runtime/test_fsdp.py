@@ -1,0 +1,626 @@
+"""An FSDP2 policy (``sharding="fsdp"``) under torchrun on gloo: equal to one process, sharded, resumable.
+
+The jobs run with ``python -m torch.distributed.run`` (CPU, gloo, 2-4 ranks). This file is also their
+entry point (``python tests/runtime/test_fsdp.py MODE OUT ...``):
+
+- ``step`` (3 ranks: FSDP over 0-1, a generator rank 2), once per model family (built-in, HF Llama
+  with a tied head, HF Qwen2 untied with biases): one sharded step on half the batch per rank against
+  a one-process ``Trainer`` on the whole batch (clipped gradients, parameters, AdamW moments); the
+  elements each rank holds against a replica's; the gathered checkpoint, a second step uninterrupted
+  and after loading the checkpoint into a fresh sharded trainer (same dp) and into one process (dp 2
+  -> 1); the collective transport from the shards (``fsdp((0, 1))``) to rank 2, bit for bit;
+- ``mixed``: ``param_dtype="bfloat16"``; ``checkpointing``: gradient checkpointing + micro-batches;
+- ``bitwise``: a real run whose generator ranks hash their weights against the final checkpoint.
+
+Beside them: the refusals (before any work), the CLI pipeline (3 processes, reward rises, export),
+and (``--runslow``) a CLI resume on the same and on another dp size, and a file weight edge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.examples.llamarl import build_llamarl
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.configs import OptimizerConfig
+
+from tests.runtime.test_torchrun import _rows, _torchrun  # the jobs run with PYTHONPATH=ROOT (see _torchrun)
+
+ROOT = Path(__file__).resolve().parents[2]
+THIS = Path(__file__).resolve()
+
+
+def fsdp_graph(max_staleness: int = 1, transport: str = "inprocess"):
+    """The default example with its policy sharded with FSDP2 (weights over ``transport``)."""
+    g = build_llamarl(max_staleness=max_staleness)
+    b = GraphBuilder("llamarl_fsdp", model=g.node("policy").model)
+    prompts = b.source("prompts", task="copy", batch_size=16)
+    gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=5, temperature=1.0)
+    reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    aipo = b.loss("aipo", gen, reward, objective="aipo", rho=4.0, normalize_std=True)
+    policy = b.policy("policy", aipo, lr=1e-3, sharding="fsdp")
+    b.weights(policy, gen, max_staleness=max_staleness, transport=transport)
+    return b.build()
+
+
+def fsdp_file_graph():
+    """``fsdp_graph`` with its weights over files: the policy gathers its shards and its lead writes."""
+    return fsdp_graph(transport="file")
+
+
+# -- bad input: before any work ----------------------------------------------------------------------
+def test_mixed_precision_needs_fsdp():
+    with pytest.raises(ConfigError, match=r"param_dtype='bfloat16' is FSDP2's mixed precision and needs sharding='fsdp'"):
+        OptimizerConfig(param_dtype="bfloat16")
+    assert OptimizerConfig(sharding="fsdp", param_dtype="bfloat16", reduce_dtype="float32").param_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_fsdp_on_a_one_process_backend_is_refused_before_any_work(tmp_path, backend):
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    with pytest.raises(ConfigError, match=rf"policy 'policy' has sharding='fsdp'.*the '{backend}' backend runs it in one process; launch under torchrun"):
+        run_graph(fsdp_graph(), RunConfig(steps=1, backend=backend, metrics=str(tmp_path / "m.jsonl")))
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("ranks", "axes", "match"),
+    [
+        ({"gen": (0,), "policy": (1,)}, {}, r"policy 'policy' has sharding='fsdp' but the plan gives it 1 rank\(s\) \[1\].*or set sharding='replicate'"),
+        ({"gen": (0,), "policy": (1, 2)}, {"policy": (("dp", "tp"), (1, 2))}, r"its mesh also has \{'tp': 2\}; give the policy a mesh of dp=2 only"),
+    ],
+    ids=["one-rank", "tp-axis"],
+)
+def test_fsdp_placements_are_refused(ranks, axes, match):
+    from flowrl.runtime.fsdp import check_ranks
+
+    with pytest.raises(ConfigError, match=match):
+        check_ranks(fsdp_graph(), ranks, axes)
+    check_ranks(fsdp_graph(), {"gen": (0,), "policy": (1, 2)}, {"policy": (("dp",), (2,))})  # fine
+
+
+def test_fsdp_with_one_rank_fails_on_every_rank_under_torchrun(tmp_path):
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1]}))
+    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "2", "--quiet", "--metrics", "m.jsonl"], tmp_path)
+    assert proc.returncode != 0
+    message = "policy 'policy' has sharding='fsdp' but the plan gives it 1 rank(s) [1]"
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]  # each rank says it
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "micro", "match"),
+    [([32, 0], 0, r"shards of \[32, 0\] samples; every rank needs at least one group: make the source's batch_size >= 2"),
+     ([48, 32], 16, r"shards of \[48, 32\] samples make \[3, 2\] micro-batches of 16")],
+    ids=["empty-shard", "uneven-micro-batches"],
+)
+def test_shards_that_would_desynchronise_the_ranks_are_refused(sizes, micro, match):
+    from flowrl.runtime.fsdp import check_shards
+
+    with pytest.raises(ConfigError, match=match):
+        check_shards("policy", sizes, micro)
+    check_shards("policy", [32, 32], 16)
+
+
+def test_the_collective_trainer_layout_is_fsdp_shards():
+    """The options the torchrun backend gives the collective transport for an FSDP policy."""
+    from flowrl.runtime.backends.weights import collective_options
+    from flowrl.runtime.resharding import ShardLayout, dp_replicas, fsdp
+
+    def layout(graph):
+        options = collective_options(graph, "policy", "gen", {"gen": (0,), "policy": (1, 2)}, {}, {}, 30.0)
+        return msgspec.convert(options["trainer_layout"], ShardLayout)
+
+    assert layout(fsdp_graph()) == fsdp((1, 2))
+    assert layout(build_llamarl()) == dp_replicas((1, 2))
+
+
+# -- the sharded step, its memory, its checkpoint, its weights (one torchrun job per model family) ---
+@pytest.fixture(scope="module", params=["builtin", "llama", "qwen2"])
+def step_result(request, tmp_path_factory):
+    """One job per model family, shared by the tests below: (result, its directory, family, HF dir)."""
+    family, directory = request.param, ""
+    if family != "builtin":
+        from tests.hf_fixtures import make_hf_dir
+
+        tie = family == "llama"  # a tied head (Llama) and an untied one with qkv biases (Qwen2)
+        directory = str(make_hf_dir(tmp_path_factory.mktemp(family), family, tie=tie))
+    out = tmp_path_factory.mktemp(f"step-{family}")
+    proc = _torchrun(3, [str(THIS), "step", str(out), family, directory], out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "result.json").read_text()), out, family, directory
+
+
+def test_a_sharded_step_equals_a_one_process_step(step_result):
+    """Gradients (after clipping by the global norm) and parameters after one AdamW step, FSDP over
+    2 ranks on half the batch each vs one process on the whole batch (float32 summation order).
+    Measured (builtin / llama / qwen2): gradients 4.9e-10 / 2.3e-10 / 2.3e-10 (tolerance 1e-8, 20x the
+    largest); global grad norm equal to the last bit (tolerance 1e-6 relative); AdamW moments 5.1e-11 /
+    2.2e-11 / 2.2e-11 (tolerance 1e-9); parameters 7.9e-7 / 1.1e-5 / 7.1e-7, bounded through the
+    gradients below (lr * 2.3e-10 / eps = 2.3e-4 for the HF models)."""
+    r, *_ = step_result
+    assert r["shards"][0] > 0 and r["shards"][1] > 0 and r["tokens"][0] != r["tokens"][1], r  # uneven token counts: the scale matters
+    assert r["init_diff"] == 0.0
+    assert r["grad_norm_ref"] > r["grad_clip"], r  # the clip is active, so the global norm is checked too
+    assert abs(r["grad_norm_fsdp"] - r["grad_norm_ref"]) < 1e-6 * r["grad_norm_ref"], r
+    assert r["max_grad_diff"] < 1e-8, r
+    # AdamW's first update is lr * g / (|g| + eps): a gradient error d moves it by at most lr * d / eps
+    # (elements with |g| near eps amplify rounding), so parameters are bounded through the gradients.
+    assert r["max_param_diff"] <= r["lr"] * r["max_grad_diff"] / 1e-8 + 1e-6, r
+    assert r["max_moment_diff"] < 1e-9, r
+
+
+def test_each_rank_holds_about_half_of_the_replicas_state(step_result):
+    """Parameters + AdamW moments (elements) per rank vs a replica's: 1/2 up to the rounding of
+    ``torch.chunk`` rows (measured exactly 0.5 on these tiny models, whose dim 0 sizes are all even)."""
+    r, *_ = step_result
+    replica = r["numel_replica"]
+    for mine in r["numel_ranks"]:
+        assert abs(mine["params"] / replica["params"] - 0.5) < 0.05, r
+        assert abs(mine["optimizer"] / replica["optimizer"] - 0.5) < 0.05, r
+    assert sum(m["params"] for m in r["numel_ranks"]) == replica["params"]  # every element once
+
+
+def test_a_sharded_checkpoint_resumes_exactly_on_any_dp_size(step_result):
+    """The gathered checkpoint holds the sharded trainer's full state exactly; the step after loading it
+    into a fresh sharded trainer equals the uninterrupted run's bit for bit (same dp: same
+    arithmetic), and after loading it into one process (dp 2 -> 1) within rounding: measured 1.7e-7 /
+    1.2e-7 / 2.9e-7 (builtin / llama / qwen2) after the AdamW step; tolerance 1e-6. (A state whose
+    AdamW step count was shared with another trainer, and so advanced, gave 1.5e-3.)"""
+    r, tmp, *_ = step_result
+    state = torch.load(tmp / "policy.pt", weights_only=True)
+    assert int(state["version"]) == 1 and set(state) >= {"model", "optimizer", "model_config"}
+    assert r["checkpoint_vs_fsdp"] == 0.0 and r["checkpoint_moments_vs_fsdp"] == 0.0, r
+    assert r["resumed_fsdp_diff"] == 0.0, r
+    assert r["resumed_one_process_diff"] < 1e-6, r
+    assert r["resumed_version"] == 2
+
+
+def test_the_generator_receives_the_trainers_full_weights_from_the_shards(step_result):
+    r, *_ = step_result
+    assert r["transport_equal"], r
+    assert r["transport_bytes_received"] == r["weight_bytes"], r  # every byte once, from the shards
+    assert all(b > 0 for b in r["transport_bytes_sent"]), r  # both shards sent
+
+
+def test_flowrl_export_of_a_sharded_checkpoint_loads(step_result):
+    transformers = pytest.importorskip("transformers")
+    from flowrl.models.export import export_hf
+
+    r, tmp, family, directory = step_result
+    state = torch.load(tmp / "policy.pt", weights_only=True)
+    out = export_hf(state, tmp / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype=torch.float32)
+    exported = model.state_dict()
+    if family == "builtin":
+        from flowrl.models.export import builtin_to_llama
+        from flowrl.graph.configs import ModelConfig
+
+        _, expected = builtin_to_llama(msgspec.convert(state["model_config"], ModelConfig), state["model"])
+    else:
+        expected = state["model"]
+    for name, t in expected.items():
+        assert torch.equal(exported[name], t), name
+
+
+def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
+    """param_dtype='bfloat16': the blocks see bfloat16 activations, the sharded parameters and AdamW's
+    moments stay float32, and the gradient is the float32 one-process gradient up to bfloat16's
+    rounding (relative error of the whole gradient: measured 9.0e-3; tolerance 5e-2)."""
+    proc = _torchrun(2, [str(THIS), "mixed", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["block_input_dtype"] == "torch.bfloat16", r
+    assert r["param_dtypes"] == ["torch.float32"] and r["moment_dtypes"] == ["torch.float32"], r
+    assert 0 < r["grad_rel_error"] < 5e-2, r
+
+
+@pytest.mark.parametrize("family", ["builtin", "llama"])
+def test_gradient_checkpointing_and_micro_batches_keep_the_sharded_gradient(tmp_path, family):
+    """FSDP with gradient_checkpointing=True and micro_batch_size=8 (several all-gather / reduce-scatter
+    rounds per step, recomputed blocks) against one process without either: gradients within 1e-6
+    (measured 2.3e-10 builtin, 1.2e-10 llama)."""
+    directory = ""
+    if family != "builtin":
+        from tests.hf_fixtures import make_hf_dir
+
+        directory = str(make_hf_dir(tmp_path / family, family))
+    proc = _torchrun(2, [str(THIS), "checkpointing", str(tmp_path), family, directory], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["passes_per_rank"] > 1 and r["max_grad_diff"] < 1e-6, r
+
+
+# -- the whole pipeline ------------------------------------------------------------------------------
+def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
+    """3 processes on gloo: generator on rank 0, the FSDP policy on ranks 1-2, weights over the
+    collective transport from the shards. Every step within the staleness bound, the reward rises,
+    each step the shards together put one full copy of the weights on the wire, and the final
+    checkpoint (gathered) exports and builds."""
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    steps = 60
+    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", str(steps), "--quiet", "--metrics", "m.jsonl",
+                         "--checkpoint-dir", "ck"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert all(0 <= r["staleness"] <= 1 for r in rows)
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > first + 0.05, (first, last)  # measured: 0.07 -> 0.16 (first/last 10 steps, one run)
+    from flowrl.models.export import read_policy_state
+    from flowrl.operators.model import Transformer
+
+    nbytes = 4 * sum(p.numel() for p in Transformer(fsdp_graph().node("policy").model).parameters())
+    assert all(r["weights/collective_bytes"] == nbytes for r in rows), rows[0]
+    state = read_policy_state(tmp_path / "ck")
+    assert int(state["version"]) == steps
+    assert sum(t.numel() for t in state["model"].values()) >= nbytes // 4  # full tensors, not shards
+    transformers = pytest.importorskip("transformers")
+    export = subprocess.run([sys.executable, "-m", "flowrl", "export", "ck", "-o", "hf"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert export.returncode == 0, export.stderr[-2000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True, dtype=torch.float32)
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"], state["model"]["tok_embeddings.weight"])
+
+
+@pytest.mark.parametrize("place", [{"policy": [0, 1], "gen": [2]}, {"policy": [0, 1], "gen": [0, 1]}], ids=["disjoint", "colocated"])
+def test_the_generators_weights_equal_the_final_checkpoint_bit_for_bit(tmp_path, place):
+    """A real run (3 steps, k = 0) with the FSDP policy on ranks 0-1 and the generator on its own rank or
+    as replicas on the policy's ranks (each rank then both sends shards and receives the whole state):
+    after the last sync every generator rank's weights hash like the gathered final checkpoint's."""
+    (tmp_path / "place.json").write_text(json.dumps(place))
+    world = 1 + max(r for rs in place.values() for r in rs)
+    proc = _torchrun(world, [str(THIS), "bitwise", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from tests.runtime.test_torchrun import _state_hash
+
+    hashes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("gen-rank*.json"))]
+    assert {h["rank"] for h in hashes} == set(place["gen"]), proc.stderr[-3000:]
+    from flowrl.models.export import read_policy_state
+
+    state = read_policy_state(tmp_path / "ck")
+    assert all(h["version"] == int(state["version"]) == 3 for h in hashes), hashes
+    assert all(h["sha256"] == _state_hash(state["model"]) for h in hashes)
+
+
+@pytest.mark.slow
+def test_an_fsdp_policy_publishes_gathered_weights_on_a_file_edge(tmp_path):
+    """A transport with one writer (file): every rank gathers, the lead publishes; the run keeps the bound."""
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_file_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "4", "--quiet", "--metrics", "m.jsonl", "--max-staleness", "0"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4] and all(r["staleness"] == 0 for r in rows)
+
+
+@pytest.mark.slow  # 4 torchrun jobs, ~3 min on 2 cores; the fast check of the same is test_a_sharded_checkpoint_resumes_exactly_on_any_dp_size
+def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_one(tmp_path):
+    """Through the CLI at k = 0 (every step's rollout from the previous step's weights): a run of 4
+    steps, and a run of 2 steps resumed to 4, once on the same 2 policy ranks and once on 3 (another
+    dp size, from a copy of the same checkpoint). The same dp gives the same rewards and the same final
+    weights bit for bit; dp 3 the same rewards and final weights within 1e-5 (float summation order
+    through the reduce-scatters: the fast test measures 1.7e-7 for dp 2 -> 1 after one step on the
+    built-in model; here two AdamW steps compound it; 1e-5 leaves room for that, not for a wrong shard)."""
+    import shutil
+
+    from flowrl.models.export import read_policy_state
+
+    def run(nproc, place, steps, ck, *extra):
+        (tmp_path / "place.json").write_text(json.dumps(place))
+        proc = _torchrun(nproc, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",
+                                 "--plan", "place.json", "--steps", str(steps), "--quiet", "--metrics", f"{ck}.jsonl",
+                                 "--checkpoint-dir", ck, "--checkpoint-every", "2", "--max-staleness", "0", *extra], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return _rows(tmp_path / f"{ck}.jsonl")
+
+    two, three = {"gen": [0], "policy": [1, 2]}, {"gen": [0], "policy": [1, 2, 3]}
+    whole = run(3, two, 4, "a")
+    run(3, two, 2, "b")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    same = run(3, two, 4, "b", "--resume")[-2:]  # the resumed run appends to b's metrics
+    other = run(4, three, 4, "c", "--resume")[-2:]
+    want = [r["reward_mean"] for r in whole[2:]]
+    assert [r["policy_version"] for r in same] == [r["policy_version"] for r in other] == [3, 4]
+    assert [r["reward_mean"] for r in same] == want and [r["reward_mean"] for r in other] == want
+    final = {k: read_policy_state(tmp_path / k)["model"] for k in ("a", "b", "c")}
+    assert all(torch.equal(final["b"][n], t) for n, t in final["a"].items())
+    diff = max(float((final["c"][n] - t).abs().max()) for n, t in final["a"].items())
+    assert diff < 1e-5, diff
+
+
+# -- the job's entry point (run under torchrun) ---------------------------------------------------------
+def _batch(family: str, directory: str, seed: int) -> dict[str, torch.Tensor]:
+    """A scored rollout, the same on every rank (seeded generation)."""
+    from flowrl.operators.generation import Generator
+
+    if family == "builtin":
+        from flowrl.operators.scoring import Scorer
+        from flowrl.operators.source import PromptSource
+
+        graph = build_llamarl()
+        source = PromptSource(graph.node("prompts"))
+        for _ in range(seed + 1):
+            prompts = source.next_batch()
+        rollout = Generator(graph.node("gen"), seed=seed).generate(prompts)
+        return {**rollout, **Scorer(graph.node("reward")).score(rollout)}
+    from tests.models.helpers import hf_generator_node, left_padded
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [[1] + torch.randint(3, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (8,), generator=g)]
+    rollout = Generator(hf_generator_node(Path(directory), n_samples=4, max_new_tokens=6), seed=seed).generate(left_padded(rows))
+    mask = rollout["completion_mask"].clone()
+    ends = torch.randint(1, mask.shape[1] + 1, (mask.shape[0],), generator=g)  # uneven lengths (as if EOS came early)
+    mask &= torch.arange(mask.shape[1])[None, :] < ends[:, None]
+    return {**rollout, "completion_mask": mask, "rewards": torch.randn(mask.shape[0], generator=g)}
+
+
+def _policy(family: str, directory: str, sharding: str):
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.graph.nodes import PolicyNode
+
+    model = build_llamarl().node("policy").model if family == "builtin" else HFModelConfig(path=directory, init="random", seed=3)
+    return PolicyNode(name="policy", model=model, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.01, sharding=sharding))
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((_full(a[k]).float() - _full(b[k]).float()).abs().max()) for k in b)
+
+
+def _step_job(out: str, family: str, directory: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from flowrl.graph.nodes import LossNode
+    from flowrl.models.registry import weight_shapes
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.distributed import recv_batch, send_batch, shard_by_groups
+    from flowrl.runtime.fsdp import full_state, full_weights, load_full_state, local_numel, local_weights, shard_trainer_, token_scale
+    from flowrl.runtime.resharding import dp_replicas, fsdp
+    from flowrl.runtime.transports.collective import CollectiveTransport
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    trainers = (0, 1)
+    mesh = DeviceMesh("cpu", torch.tensor(trainers), mesh_dim_names=("dp",))  # every rank creates it
+    loss = LossNode(name="aipo")
+    batches = [_batch(family, directory, s) for s in (0, 1)]
+    torch.manual_seed(0)
+    ref = Trainer(_policy(family, directory, "replicate"), loss)
+    result: dict = {"grad_clip": 0.01, "lr": 1e-2}
+    shards = [shard_by_groups(b, 2) for b in batches]
+    if rank in trainers:
+        torch.manual_seed(0)
+        mine = Trainer(_policy(family, directory, "fsdp"), loss)
+        shard_trainer_(mine, mesh)
+        result["init_diff"] = _max_diff(dict(mine.model.named_parameters()), dict(ref.model.named_parameters()))
+
+        def fsdp_step(trainer, b, shard):
+            trainer.loss_scale = token_scale(2, float(shard["completion_mask"].sum()), float(b["completion_mask"].sum()))
+            return trainer.train_step(shard)
+
+        ref_metrics = ref.train_step(batches[0])
+        metrics = fsdp_step(mine, batches[0], shards[0][rank])
+        result.update(
+            shards=[int(s["completion_mask"].shape[0]) for s in shards[0]],
+            tokens=[int(s["completion_mask"].sum()) for s in shards[0]],
+            grad_norm_ref=ref_metrics["grad_norm"],
+            grad_norm_fsdp=metrics["grad_norm"],
+            max_grad_diff=max(float((_full(p.grad) - q.grad).abs().max()) for p, q in zip(mine.model.parameters(), ref.model.parameters())),
+            max_param_diff=_max_diff(dict(mine.model.named_parameters()), dict(ref.model.named_parameters())),
+            max_moment_diff=max(
+                float((_full(mine.optimizer.state[p][k]) - ref.optimizer.state[q][k]).abs().max())
+                for p, q in zip(mine.model.parameters(), ref.model.parameters()) for k in ("exp_avg", "exp_avg_sq")
+            ),
+        )
+        numel = torch.tensor([local_numel(mine)["params"], local_numel(mine)["optimizer"]])
+        every = [torch.zeros_like(numel) for _ in trainers]
+        dist.all_gather(every, numel, group=mesh.get_group())
+        result["numel_ranks"] = [{"params": int(n[0]), "optimizer": int(n[1])} for n in every]
+        result["numel_replica"] = local_numel(ref)
+        state = full_state(mine)  # both ranks gather; rank 0 writes
+        if rank == 0:
+            torch.save(state, Path(out) / "policy.pt")
+        result["checkpoint_vs_fsdp"] = _max_diff(state["model"], dict(mine.model.state_dict()))
+        result["checkpoint_moments_vs_fsdp"] = max(
+            float((state["optimizer"]["state"][i][k] - _full(mine.optimizer.state[p][k])).abs().max())
+            for i, p in enumerate(mine.model.parameters()) for k in ("exp_avg", "exp_avg_sq")
+        )
+        fsdp_step(mine, batches[1], shards[1][rank])  # uninterrupted
+        uninterrupted = {k: _full(v).clone() for k, v in mine.model.state_dict().items()}
+        ref.train_step(batches[1])
+        result["step2_fsdp_vs_ref"] = _max_diff(uninterrupted, dict(ref.model.state_dict()))
+        diffs = torch.cat([(uninterrupted[k] - ref.model.state_dict()[k]).flatten() for k in uninterrupted])
+        result["step2_diff_norm"] = float(diffs.norm())
+        dist.barrier(group=mesh.get_group())
+        saved = torch.load(Path(out) / "policy.pt", weights_only=True)
+        torch.manual_seed(99)  # other initial weights: only the checkpoint can make them equal
+        fresh = Trainer(_policy(family, directory, "fsdp"), loss)
+        shard_trainer_(fresh, mesh)
+        load_full_state(fresh, saved)
+        fsdp_step(fresh, batches[1], shards[1][rank])
+        result["resumed_fsdp_diff"] = _max_diff(dict(fresh.model.state_dict()), uninterrupted)
+        result["resumed_version"] = fresh.version
+        one = Trainer(_policy(family, directory, "replicate"), loss)
+        one.load_state(torch.load(Path(out) / "policy.pt", weights_only=True))
+        one.train_step(batches[1])
+        result["resumed_one_process_diff"] = _max_diff(dict(one.model.state_dict()), uninterrupted)
+        result["resumed_one_process_vs_ref"] = _max_diff(dict(one.model.state_dict()), dict(ref.model.state_dict()))
+    # the collective transport, straight from the shards: ranks 0-1 publish, rank 2 fetches the full state
+    config = _policy(family, directory, "fsdp").model
+    params = {n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in weight_shapes(config).items()}
+    t = CollectiveTransport(params=params, trainer_layout=fsdp(trainers), generator_layout=dp_replicas((2,)), channel="fsdp-test", timeout_s=30)
+    if rank in trainers:
+        t.publish(local_weights(mine.model), 7)
+        full = full_weights(mine.model)
+        sent = torch.tensor([t.bytes_sent])
+        dist.all_reduce(sent, group=mesh.get_group())
+        if rank == 0:
+            send_batch(full, dst=2)
+        every_sent = [torch.zeros(1, dtype=torch.int64) for _ in trainers]
+        dist.all_gather(every_sent, torch.tensor([t.bytes_sent]), group=mesh.get_group())
+        result["transport_bytes_sent"] = [int(x) for x in every_sent]
+    else:
+        target = {n: torch.empty(s, dtype=d) for n, (s, d) in weight_shapes(config).items()}
+        got = None
+        while got is None:
+            got = t.fetch_into(target, newer_than=-1)
+        full = recv_batch(src=0)
+        result.update(
+            transport_equal=got == 7 and all(torch.equal(target[n], full[n]) for n in target),
+            transport_bytes_received=t.bytes_received,
+            weight_bytes=sum(v.numel() * v.element_size() for v in target.values()),
+        )
+    t.close()
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)  # test-only plumbing: plain JSON-able dicts
+    if rank == 0:
+        merged = {**results[0], **results[2], "transport_bytes_sent": results[0]["transport_bytes_sent"]}
+        Path(out, "result.json").write_text(json.dumps(merged))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _bitwise_job(out: str) -> int:
+    """``fsdp_graph`` for 3 steps at k = 0 on place.json; at the end each generator rank fetches the newest
+    version into a full model and writes its hash (as ``test_torchrun._bitwise_job``)."""
+    import time
+
+    import flowrl.runtime.backends.torchrun as tr
+    from flowrl.runtime.backends import weights as edges
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+    from tests.runtime.test_torchrun import _state_hash
+
+    graph = fsdp_graph(max_staleness=0)
+    rank = int(os.environ["RANK"])
+    real_close = edges.close_edges
+
+    def close_after_hashing(**kw):
+        t = edges.opened(edges.channel("policy", "gen"))
+        if t is not None and t.is_generator:
+            from flowrl.operators.model import Transformer
+
+            target = dict(Transformer(graph.node("gen").model).state_dict())
+            deadline, got = time.monotonic() + 20, None
+            while got != 3 and time.monotonic() < deadline:
+                got = t.fetch_into(target, newer_than=-1)
+                time.sleep(0.01)
+            Path(out, f"gen-rank{rank}.json").write_text(json.dumps({"rank": rank, "version": got, "sha256": _state_hash(target)}))
+        real_close(**kw)
+
+    tr.close_edges = close_after_hashing
+    try:
+        run_graph(graph, RunConfig(steps=3, backend="torchrun", plan="place.json", checkpoint_dir="ck", stall_timeout_s=60))
+    finally:
+        tr.close_edges = real_close
+    return 0
+
+
+def _checkpointing_job(out: str, family: str, directory: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flowrl.graph.nodes import LossNode
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.distributed import shard_by_groups
+    from flowrl.runtime.fsdp import shard_trainer_, token_scale
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    batch, loss = _batch(family, directory, 0), LossNode(name="aipo")
+
+    def node(sharding, ckpt, micro):
+        n = _policy(family, directory, sharding)
+        return msgspec.structs.replace(n, optimizer=msgspec.structs.replace(n.optimizer, gradient_checkpointing=ckpt, micro_batch_size=micro))
+
+    torch.manual_seed(0)
+    ref = Trainer(node("replicate", False, 0), loss)
+    torch.manual_seed(0)
+    mine = Trainer(node("fsdp", True, 8), loss)
+    shard_trainer_(mine, mesh)
+    ref.train_step(batch)
+    shard = shard_by_groups(batch, 2)[rank]
+    mine.loss_scale = token_scale(2, float(shard["completion_mask"].sum()), float(batch["completion_mask"].sum()))
+    mine.train_step(shard)
+    diff = max(float((_full(p.grad) - q.grad).abs().max()) for p, q in zip(mine.model.parameters(), ref.model.parameters()))
+    if rank == 0:
+        Path(out, "result.json").write_text(json.dumps({"max_grad_diff": diff, "passes_per_rank": -(-int(shard["completion_mask"].shape[0]) // 8)}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _mixed_job(out: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flowrl.graph.nodes import LossNode
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.distributed import shard_by_groups
+    from flowrl.runtime.fsdp import shard_trainer_, token_scale
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    batch = _batch("builtin", "", 0)
+    loss = LossNode(name="aipo")
+    torch.manual_seed(0)
+    ref = Trainer(_policy("builtin", "", "replicate"), loss)
+    node = _policy("builtin", "", "fsdp")
+    node = msgspec.structs.replace(node, optimizer=msgspec.structs.replace(node.optimizer, param_dtype="bfloat16", grad_clip=0.0))
+    torch.manual_seed(0)
+    mine = Trainer(node, loss)
+    shard_trainer_(mine, mesh)
+    seen = []
+    mine.model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(str(args[0].dtype)))
+    ref_node = msgspec.structs.replace(ref.node, optimizer=msgspec.structs.replace(ref.node.optimizer, grad_clip=0.0))
+    ref.node = ref_node
+    ref.train_step(batch)
+    shard = shard_by_groups(batch, 2)[rank]
+    mine.loss_scale = token_scale(2, float(shard["completion_mask"].sum()), float(batch["completion_mask"].sum()))
+    mine.train_step(shard)
+    grads = torch.cat([_full(p.grad).flatten() for p in mine.model.parameters()])
+    want = torch.cat([p.grad.flatten() for p in ref.model.parameters()])
+    if rank == 0:
+        Path(out, "result.json").write_text(json.dumps({
+            "block_input_dtype": seen[0],
+            "param_dtypes": sorted({str(p.dtype) for p in mine.model.parameters()}),
+            "moment_dtypes": sorted({str(s["exp_avg"].dtype) for s in mine.optimizer.state.values()}),
+            "grad_rel_error": float((grads - want).norm() / want.norm()),
+        }))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "bitwise":
+        sys.exit(_bitwise_job(sys.argv[2]))
+    if sys.argv[1] == "checkpointing":
+        sys.exit(_checkpointing_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
+    if sys.argv[1] == "mixed":
+        sys.exit(_mixed_job(sys.argv[2]))
+    if sys.argv[1] == "step":
+        sys.exit(_step_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
+    raise SystemExit(f"unknown mode {sys.argv[1]!r}")
