@@ -242,3 +242,20 @@ def test_the_reference_truncates_by_its_own_kept_set():
                              batch["completion_mask"], top_k=batch["sampling_top_k"], top_p=batch["sampling_top_p"])  # fmt: skip
     torch.testing.assert_close(ref, pi.detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(ref, batch["behaviour_logprobs"], rtol=0, atol=1e-5)
+
+
+def test_samples_drawn_with_different_truncations_are_each_evaluated_with_their_own():
+    """A batch whose samples carry different top-k/top-p (rollouts of two generators merged): each row's
+    log-probs are those of its own setting, as if evaluated alone."""
+    trainer = Trainer(tiny_policy_node(), LossNode(name="aipo"))
+    batch = _on_policy(trainer, top_k=5)
+    S = batch["completion_ids"].shape[0]
+    top_k = torch.tensor([5, 0, 3, 5] * (S // 4))
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8] * (S // 4))
+    fields = [batch[f] for f in ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")]
+    with torch.no_grad():
+        got = completion_logprobs(trainer.model, *fields, top_k=top_k, top_p=top_p)
+        for i in range(S):
+            alone = completion_logprobs(trainer.model, *(f[i : i + 1] for f in fields), top_k=int(top_k[i]), top_p=float(top_p[i]))
+            torch.testing.assert_close(got[i : i + 1], alone, rtol=0, atol=1e-6)
+    assert bool(torch.isneginf(got).any())  # top-k 3 drops some of the tokens top-k 5 drew
