@@ -18,9 +18,10 @@ it, ``mismatch/outside_kept_frac``). Gradients flow through the renormalisation 
 over the kept set); the kept set itself is a discrete choice without gradient.
 
 Cost: with truncation off (``top_k`` 0 or >= V, ``top_p`` 1) nothing is sorted and the computation
-is the plain ``log_softmax`` it always was. Top-k costs one ``topk``; top-p without top-k looks at
-the largest logits in windows of growing size (64, 256, ...) until they hold ``top_p`` of the mass,
-so a peaked distribution never sorts the whole vocabulary.
+is the plain ``log_softmax`` it always was. Top-k costs one ``topk`` (top-p after it works on those
+k values only); top-p without top-k looks at each row's largest logits in windows of growing size
+(64, 256, ...) until they hold ``top_p`` of its mass, and sorts only the rows whose nucleus is a
+large share of the vocabulary (``benches/truncation.py`` prints the costs).
 
 Devices: every tensor is computed on the device of the model and of ``prompt_ids`` (the callers
 move their inputs there first); the result is on that device.
@@ -57,6 +58,8 @@ def prompt_valid(prompt_ids: Tensor, prompt_lens: Tensor) -> Tensor:
 
 #: The first window of largest logits that top-p (without top-k) looks at; it grows 4x until it holds ``top_p``.
 _TOP_P_WINDOW = 64
+#: A row whose window would pass ``V / _SORT_FRACTION`` is sorted whole (``topk`` of a large share of V is slower).
+_SORT_FRACTION = 16
 
 
 def _nucleus_threshold(top: Tensor, log_norm: Tensor, top_p: float) -> Tensor:
@@ -78,7 +81,8 @@ def truncation_threshold(scaled: Tensor, *, top_k: int = 0, top_p: float = 1.0) 
     The kept set of a row is ``{v : scaled[v] >= threshold}``: the ``top_k`` largest logits (0 or
     ``>= V``: all), then, of those in descending order renormalised over them, each token while the
     mass of the ones before it is below ``top_p`` (1: all). Tokens tied with the smallest kept logit
-    are kept too, so the set does not depend on how a sort orders ties.
+    are kept too, so the set does not depend on how a sort orders ties (top-p's masses count the
+    ``top_k`` largest values once each, a tie beyond them not again).
 
     Args:
         scaled: ``[..., V]`` logits already divided by the temperature (no gradient is taken).
@@ -97,19 +101,36 @@ def truncation_threshold(scaled: Tensor, *, top_k: int = 0, top_p: float = 1.0) 
         if use_k:
             top = torch.topk(flat, top_k, dim=-1).values  # [N, k], descending
             threshold = top[:, -1:]
-            if use_p:
-                log_norm = torch.logsumexp(flat.masked_fill(flat < threshold, float("-inf")), dim=-1, keepdim=True)
-                threshold = _nucleus_threshold(top, log_norm, top_p)
+            if use_p:  # top-p over the top-k renormalised: the k values are the whole kept set
+                threshold = _nucleus_threshold(top, torch.logsumexp(top, dim=-1, keepdim=True), top_p)
         else:
-            log_norm = torch.logsumexp(flat, dim=-1, keepdim=True)
-            width = min(V, _TOP_P_WINDOW)
-            while True:
-                top = torch.topk(flat, width, dim=-1).values  # [N, width], descending
-                if width == V or bool((torch.exp(top - log_norm).sum(-1) >= top_p).all()):
-                    break  # every row's nucleus ends inside the window
-                width = min(V, 4 * width)
-            threshold = _nucleus_threshold(top, log_norm, top_p)
+            threshold = _top_p_threshold(flat, top_p)
         return threshold.reshape(*scaled.shape[:-1], 1)
+
+
+def _top_p_threshold(flat: Tensor, top_p: float) -> Tensor:
+    """Top-p thresholds ``[N, 1]`` of ``flat`` ``[N, V]`` without sorting a row whose nucleus is small.
+
+    Each row looks at its ``_TOP_P_WINDOW`` largest logits, then 4x as many, while they hold less than
+    ``top_p`` of its mass; a row whose window would pass ``V / _SORT_FRACTION`` is sorted whole instead
+    (``topk`` of a large share of a row costs more than a sort). Only unresolved rows go on to a wider window.
+    """
+    N, V = flat.shape
+    log_norm = torch.logsumexp(flat, dim=-1, keepdim=True)  # [N, 1]
+    threshold = torch.empty(N, 1, dtype=flat.dtype, device=flat.device)
+    rows = torch.arange(N, device=flat.device)
+    width = min(V, _TOP_P_WINDOW)
+    while rows.numel():
+        part, norm = flat[rows], log_norm[rows]
+        if width * _SORT_FRACTION > V:  # what is left is flat: sort it whole
+            threshold[rows] = _nucleus_threshold(part.sort(dim=-1, descending=True).values, norm, top_p)
+            break
+        top = torch.topk(part, width, dim=-1).values  # [n, width], descending
+        inside = torch.exp(top - norm).sum(-1) >= top_p  # [n]: the nucleus ends within the window
+        threshold[rows[inside]] = _nucleus_threshold(top[inside], norm[inside], top_p)
+        rows = rows[~inside]
+        width *= 4
+    return threshold
 
 
 def truncated_log_softmax(scaled: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:

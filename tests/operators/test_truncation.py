@@ -148,12 +148,12 @@ def test_nothing_is_truncated_or_sorted_when_both_are_off_and_the_old_path_is_un
     assert torch.equal(kept_logprobs(logits, tokens, temperature=0.8), old)
 
 
-@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0], ids=["flat", "normal", "peaked"])
+@pytest.mark.parametrize("scale", [[0.05], [1.0], [8.0], [8.0, 0.05, 1.0, 8.0, 3.0, 0.05]], ids=["flat", "normal", "peaked", "mixed"])
 def test_top_p_windows_find_the_threshold_a_full_sort_finds(scale):
-    """Top-p without top-k looks at growing windows of the largest logits instead of sorting the whole
-    vocabulary; its threshold is that of a full sort (a flat distribution needs most of V)."""
+    """Top-p without top-k looks at growing windows of each row's largest logits, and sorts only rows
+    whose nucleus is a large share of V; its thresholds are those of a full sort, row by row."""
     V, top_p = 3000, 0.9
-    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(3)) * scale
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(3)) * torch.tensor(scale * (6 // len(scale)))[:, None]
     got = truncation_threshold(logits, top_p=top_p)
     ordered = logits.sort(dim=-1, descending=True).values
     probs = torch.softmax(ordered.double(), dim=-1)
