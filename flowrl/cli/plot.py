@@ -1,7 +1,9 @@
 """``flowrl plot METRICS.jsonl [MORE.jsonl ...] -o curves.png``: the curves of one or several runs in one picture.
 
-Rows: reward, loss, staleness, the importance ratio and AIPO's truncated fraction, and step time;
-the left column against the trainer step, the right against wall time. Each metrics file is one
+Rows: reward, loss, staleness, the importance ratio and AIPO's truncated fraction, the
+engine/trainer log-prob mismatch (``mismatch/kl``, ``mismatch/abs_logp_max``; steps whose batch held no
+token of the trainer's current weights, ``mismatch/tokens`` 0, measured nothing and are left out),
+and step time; the left column against the trainer step, the right against wall time. Each metrics file is one
 line per panel, labelled by its file name, so ``k = 0`` and ``k = 2`` runs sit side by side.
 matplotlib is an optional extra (``pip install 'flowrl[plot]'``); it draws with the Agg backend, so
 no display is needed.
@@ -23,6 +25,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss",)),
     ("staleness (policy version - rollout version)", ("staleness",)),
     ("importance ratio pi/mu (mean) and truncated fraction", ("ratio_mean", "truncated_frac")),
+    ("log-prob mismatch mu - pi on current-version tokens (mean, max |.|)", ("mismatch/kl", "mismatch/abs_logp_max")),
     ("step time (s)", ("step_time_s",)),
 )
 
@@ -38,8 +41,9 @@ examples:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plot",
-        help="draw the curves of metrics files (reward, loss, staleness, AIPO ratio, step time)",
-        description="Draw reward, loss, staleness, importance ratio / truncated fraction and step time against step "
+        help="draw the curves of metrics files (reward, loss, staleness, AIPO ratio, log-prob mismatch, step time)",
+        description="Draw reward, loss, staleness, importance ratio / truncated fraction, the engine/trainer log-prob "
+        "mismatch and step time against step "
         "and wall time, one line per metrics file (from 'flowrl run --metrics FILE'). Needs matplotlib: " + PLOT_INSTALL,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -61,6 +65,8 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[flo
             value = row.get(key)
             if value is None:
                 value = next((v for k, v in row.items() if k.endswith(f"/{key}")), None)
+            if key.startswith("mismatch/") and row.get("mismatch/tokens") == 0:
+                value = None  # no token of the trainer's weights in this batch: nothing was measured
         previous = t
         if isinstance(value, (int, float)):
             steps.append(float(row["step"]))

@@ -172,7 +172,9 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
         max_new_tokens: longest completion.
         temperature: softmax temperature; must be > 0 (use a small value for near-greedy).
         top_k: keep the k most likely tokens; 0 disables.
-        top_p: nucleus sampling mass; 1.0 disables.
+        top_p: nucleus sampling mass; 1.0 disables. Both travel in the rollout, and the trainer
+            evaluates pi truncated by its own kept set the same way
+            (``flowrl.operators.logprobs.kept_logprobs``), so the on-policy AIPO ratio stays 1.
         stop_tokens: ids that end a completion (kept in it). Built-in model: empty means the
             tokenizer's end token. Hugging Face model: added to the tokenizer's end ids.
         stop_strings: texts that end a completion once its decoded text contains one (the token

@@ -57,6 +57,8 @@ FIELDS: dict[str, FieldType] = {
     "completion_lens": _t("int64", "sample"),
     "behaviour_logprobs": _t("float32", "sample", "ctime"),  # log mu(y_t | x, y_<t)
     "sampling_temperature": _t("float32", "sample"),  # softmax temperature mu sampled at
+    "sampling_top_k": _t("int64", "sample"),  # top-k mu sampled with (0: off)
+    "sampling_top_p": _t("float32", "sample"),  # top-p mu sampled with (1: off)
     "group_ids": _t("int64", "sample"),  # which prompt of the batch each sample answers
     "rollout_version": _t("int64"),  # policy version of the weights that sampled (the oldest token's)
     "token_versions": _t("int64", "sample", "ctime"),  # version of the weights that drew each token
@@ -75,6 +77,8 @@ ROLLOUT_FIELDS: tuple[str, ...] = (
     "completion_lens",
     "behaviour_logprobs",
     "sampling_temperature",
+    "sampling_top_k",
+    "sampling_top_p",
     "group_ids",
     "rollout_version",
     "prompt_index",
@@ -82,8 +86,9 @@ ROLLOUT_FIELDS: tuple[str, ...] = (
 )
 
 #: Inputs a node reads when an edge carries them and does without otherwise (a graph saved before
-#: the field existed still validates): the trainer and the reference take temperature 1 then.
-OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature", "token_versions"})
+#: the field existed still validates): the trainer and the reference take temperature 1 and no
+#: truncation then, and the mismatch metrics take ``rollout_version`` for every token's version.
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature", "sampling_top_k", "sampling_top_p", "token_versions"})
 
 REWARD_TYPE = _t("float32", "sample")
 

@@ -14,10 +14,12 @@ default end token ``</s>``, as before.
 
 What it records is exactly what AIPO needs as mu: the log-prob of each sampled token under the
 distribution it was drawn from, i.e. ``log_softmax(logits / temperature)`` after top-k and top-p
-truncation, computed in float32 from the generator's own weights (in ``sampling.precision``). The
-rollout records the temperature (``sampling_temperature``, per sample); without truncation this
-equals ``completion_logprobs(..., temperature=T)`` of the same weights, which the trainer uses for
-pi, so on-policy ratios are 1 up to float rounding.
+truncation, renormalised over the kept tokens (``flowrl.operators.logprobs.kept_logprobs``), computed
+in float32 from the generator's own weights (in ``sampling.precision``). The rollout records the
+temperature, top-k and top-p (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``, per
+sample); ``completion_logprobs(..., temperature=T, top_k=k, top_p=p)`` of the same weights, which
+the trainer uses for pi, evaluates the same distribution, so on-policy ratios are 1 up to float
+rounding, with or without truncation.
 
 Randomness: tokens are drawn by Gumbel-max from a private ``torch.Generator`` seeded per batch from
 ``(seed, prompt_index[0])``, so the same prompts with the same weights give the same completions,
@@ -67,7 +69,7 @@ from flowrl.graph.configs import ModelConfig
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.quantize import QUANTIZED_PRECISIONS, quantize_linears_
 from flowrl.models.registry import build_model, model_tokens
-from flowrl.operators.logprobs import prompt_valid
+from flowrl.operators.logprobs import prompt_valid, truncated_log_softmax
 
 __all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights", "rollout_batch"]
 
@@ -77,6 +79,9 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 def sampling_logprobs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     """``log_softmax`` of ``logits / temperature`` after top-k and top-p truncation (-inf outside).
 
+    The kept set and its renormalisation are ``flowrl.operators.logprobs.truncated_log_softmax``'s,
+    the function the trainer evaluates pi with, so both sides truncate by one rule.
+
     Args:
         logits: ``[N, V]`` float32.
         sampling: temperature, top_k, top_p.
@@ -84,18 +89,7 @@ def sampling_logprobs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     Returns:
         ``[N, V]`` float32 log-probs of the distribution a token is drawn from.
     """
-    logits = logits / sampling.temperature
-    V = logits.shape[-1]
-    if 0 < sampling.top_k < V:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = probs.cumsum(-1) - probs  # mass of the more likely tokens; the first is always kept
-        sorted_logits = sorted_logits.masked_fill(before >= sampling.top_p, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return torch.log_softmax(logits, dim=-1)
+    return truncated_log_softmax(logits / sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
 
 
 @torch.no_grad()
@@ -139,11 +133,15 @@ def rollout_batch(
     n: int,
     temperature: float,
     version: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Batch:
     """The rollout fields (``flowrl.graph.fields.ROLLOUT_FIELDS``) of ``P = len(prompt_index)`` groups of
     ``n`` samples, in group order: what a lock-step batch and a continuous generator's finished groups
     both deliver. ``rollout_version`` is the oldest token's version (``versions.min()``), or
-    ``version`` (the generator's) for a batch without samples.
+    ``version`` (the generator's) for a batch without samples. ``temperature``, ``top_k`` and ``top_p``
+    are the sampling settings ``logprobs`` were drawn with (per-sample fields, so replicas' rollouts
+    concatenate); an engine that truncates must pass them, or the trainer evaluates pi untruncated.
     """
     S = tokens.shape[0]
     return {
@@ -154,6 +152,8 @@ def rollout_batch(
         "completion_lens": mask.sum(1),
         "behaviour_logprobs": logprobs,
         "sampling_temperature": torch.full((S,), temperature, dtype=torch.float32),
+        "sampling_top_k": torch.full((S,), top_k, dtype=torch.int64),
+        "sampling_top_p": torch.full((S,), top_p, dtype=torch.float32),
         "group_ids": torch.arange(len(prompt_index), dtype=torch.int64).repeat_interleave(n),
         "rollout_version": versions.min() if versions.numel() else torch.tensor(version, dtype=torch.int64),
         "prompt_index": prompt_index,
@@ -264,7 +264,8 @@ class Generator:
         Returns:
             The rollout (every field of ``flowrl.graph.fields.ROLLOUT_FIELDS``): ``completion_ids``,
             ``completion_mask``, ``behaviour_logprobs`` are ``[S, max_new_tokens]``, right-padded
-            (pad id, False, 0.0); ``sampling_temperature`` is ``[S]``; ``rollout_version`` is ``version``,
+            (pad id, False, 0.0); ``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p`` are
+            ``[S]``; ``rollout_version`` is ``version``,
             and so is every entry of ``token_versions`` ``[S, max_new_tokens]`` (lock step never
             changes weights within a batch).
             Every tensor is on the CPU, whatever ``device`` is.
@@ -284,7 +285,11 @@ class Generator:
         with torch.no_grad():
             tokens, logprobs, mask = (t.cpu() for t in self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng))
         versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
-        return rollout_batch(sample_ids, sample_lens, tokens, mask, logprobs, versions, index, n=n, temperature=self.sampling.temperature, version=self.version)
+        sampling = self.sampling
+        return rollout_batch(
+            sample_ids, sample_lens, tokens, mask, logprobs, versions, index,
+            n=n, temperature=sampling.temperature, version=self.version, top_k=sampling.top_k, top_p=sampling.top_p,
+        )  # fmt: skip
 
     def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
         S, C, device = prompt_ids.shape[0], self.sampling.max_new_tokens, prompt_ids.device

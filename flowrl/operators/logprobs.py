@@ -6,9 +6,22 @@ Both lay a sample out the same way: the left-padded prompt, then the completion;
 the first real prompt token; pads are never attended. So with identical weights they agree to float
 rounding (float32: ~1e-6), which is what makes the AIPO ratio pi/mu exactly 1 on-policy.
 
-Temperature: the generator samples from ``softmax(logits / T)`` and records ``T`` per sample
-(``sampling_temperature``); ``completion_logprobs(..., temperature=T)`` evaluates the same
-distribution, so the ratio is 1 on-policy at any temperature (top-k/top-p truncation is not undone).
+Temperature and truncation: the generator samples from ``softmax(logits / T)`` restricted to the
+tokens top-k and then top-p keep, renormalised over them, and records ``T``, ``k`` and ``p`` per
+sample (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``). The behaviour policy mu is
+thus mu's own distribution truncated by mu's own kept set; the target pi is pi's distribution
+truncated by *pi's* kept set under the same rule (``kept_logprobs``, the one function both sides
+use). ``completion_logprobs(..., temperature=T, top_k=k, top_p=p)`` evaluates that, so the ratio is
+1 on-policy at any temperature and truncation. A sampled token outside pi's kept set has
+probability 0 under truncated pi: its log-prob is ``-inf`` (the trainer gives it weight 0 and counts
+it, ``mismatch/outside_kept_frac``). Gradients flow through the renormalisation (a ``log_softmax``
+over the kept set); the kept set itself is a discrete choice without gradient.
+
+Cost: with truncation off (``top_k`` 0 or >= V, ``top_p`` 1) nothing is sorted and the computation
+is the plain ``log_softmax`` it always was. Top-k costs one ``topk`` (top-p after it works on those
+k values only); top-p without top-k looks at each row's largest logits in windows of growing size
+(64, 256, ...) until they hold ``top_p`` of its mass, and sorts only the rows whose nucleus is a
+large share of the vocabulary (``benches/truncation.py`` prints the costs).
 
 Devices: every tensor is computed on the device of the model and of ``prompt_ids`` (the callers
 move their inputs there first); the result is on that device.
@@ -27,18 +40,165 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
 from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["completion_logprobs", "prompt_valid"]
+__all__ = ["completion_logprobs", "prompt_valid", "truncation_threshold", "truncated_log_softmax", "kept_logprobs"]
 
 
 def prompt_valid(prompt_ids: Tensor, prompt_lens: Tensor) -> Tensor:
     """Bool ``[N, Tp]``: True on the real (right-aligned) tokens of left-padded prompts."""
     Tp = prompt_ids.shape[1]
     return torch.arange(Tp, device=prompt_ids.device)[None, :] >= (Tp - prompt_lens)[:, None]
+
+
+#: The first window of largest logits that top-p (without top-k) looks at; it grows 4x until it holds ``top_p``.
+_TOP_P_WINDOW = 64
+#: A row whose window would pass ``V / _SORT_FRACTION`` is sorted whole (``topk`` of a large share of V is slower).
+_SORT_FRACTION = 16
+
+
+def _nucleus_threshold(top: Tensor, log_norm: Tensor, top_p: float) -> Tensor:
+    """The smallest kept value of descending ``top`` ``[N, w]`` under top-p, given the log-normaliser ``[N, 1]``.
+
+    A token is kept while the mass of the ones before it (in descending order) is below ``top_p``;
+    the first is always kept. The exclusive cumulative sum never decreases (adding a probability
+    never makes a float smaller), so the kept ones are a prefix and counting them finds the last.
+    """
+    probs = torch.exp(top - log_norm)  # [N, w]
+    before = torch.cat([torch.zeros_like(probs[:, :1]), torch.cumsum(probs[:, :-1], dim=-1)], dim=-1)  # [N, w]
+    last = (before < top_p).sum(-1, keepdim=True) - 1  # [N, 1], >= 0
+    return top.gather(-1, last)
+
+
+def truncation_threshold(scaled: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tensor | None:
+    """The smallest logit each row keeps under top-k, then top-p; None when both are off.
+
+    The kept set of a row is ``{v : scaled[v] >= threshold}``: the ``top_k`` largest logits (0 or
+    ``>= V``: all), then, of those in descending order renormalised over them, each token while the
+    mass of the ones before it is below ``top_p`` (1: all). Tokens tied with the smallest kept logit
+    are kept too, so the set does not depend on how a sort orders ties (top-p's masses count the
+    ``top_k`` largest values once each, a tie beyond them not again).
+
+    Args:
+        scaled: ``[..., V]`` logits already divided by the temperature (no gradient is taken).
+        top_k: keep the ``top_k`` largest (0 disables).
+        top_p: nucleus mass in ``(0, 1]`` (1 disables).
+
+    Returns:
+        ``[..., 1]`` thresholds (detached), or None when nothing is truncated.
+    """
+    V = scaled.shape[-1]
+    use_k, use_p = 0 < top_k < V, top_p < 1.0
+    if not (use_k or use_p):
+        return None
+    with torch.no_grad():
+        flat = scaled.detach().reshape(-1, V)
+        if use_k:
+            top = torch.topk(flat, top_k, dim=-1).values  # [N, k], descending
+            threshold = top[:, -1:]
+            if use_p:  # top-p over the top-k renormalised: the k values are the whole kept set
+                threshold = _nucleus_threshold(top, torch.logsumexp(top, dim=-1, keepdim=True), top_p)
+        else:
+            threshold = _top_p_threshold(flat, top_p)
+        return threshold.reshape(*scaled.shape[:-1], 1)
+
+
+def _top_p_threshold(flat: Tensor, top_p: float) -> Tensor:
+    """Top-p thresholds ``[N, 1]`` of ``flat`` ``[N, V]`` without sorting a row whose nucleus is small.
+
+    Each row looks at its ``_TOP_P_WINDOW`` largest logits, then 4x as many, while they hold less than
+    ``top_p`` of its mass; a row whose window would pass ``V / _SORT_FRACTION`` is sorted whole instead
+    (``topk`` of a large share of a row costs more than a sort). Only unresolved rows go on to a wider window.
+    """
+    N, V = flat.shape
+    log_norm = torch.logsumexp(flat, dim=-1, keepdim=True)  # [N, 1]
+    threshold = torch.empty(N, 1, dtype=flat.dtype, device=flat.device)
+    rows = torch.arange(N, device=flat.device)
+    width = min(V, _TOP_P_WINDOW)
+    while rows.numel():
+        part, norm = flat[rows], log_norm[rows]
+        if width * _SORT_FRACTION > V:  # what is left is flat: sort it whole
+            threshold[rows] = _nucleus_threshold(part.sort(dim=-1, descending=True).values, norm, top_p)
+            break
+        top = torch.topk(part, width, dim=-1).values  # [n, width], descending
+        inside = torch.exp(top - norm).sum(-1) >= top_p  # [n]: the nucleus ends within the window
+        threshold[rows[inside]] = _nucleus_threshold(top[inside], norm[inside], top_p)
+        rows = rows[~inside]
+        width *= 4
+    return threshold
+
+
+def truncated_log_softmax(scaled: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """``log_softmax`` of ``scaled`` over its kept set (``truncation_threshold``), ``-inf`` elsewhere.
+
+    With both truncations off this is exactly ``torch.log_softmax(scaled, -1)``. Gradients flow into
+    the kept logits (through the renormalisation), none into the dropped ones.
+    """
+    threshold = truncation_threshold(scaled, top_k=top_k, top_p=top_p)
+    if threshold is not None:
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def kept_logprobs(
+    logits: Tensor, tokens: Tensor, *, temperature: Tensor | float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> Tensor:
+    """log-prob of ``tokens`` under ``softmax(logits / temperature)`` truncated by top-k then top-p and
+    renormalised over the kept set; ``-inf`` for a token outside it.
+
+    This is the one definition of a truncated sampling distribution in flowrl: the generator draws
+    from it and records it as mu, and the trainer evaluates pi with it on pi's own logits (pi
+    truncated by pi's own kept set). An engine must record the same thing: **mu's
+    behaviour_logprobs must be the log-probs of the truncated, renormalised sampling distribution
+    (vLLM: logprobs_mode='processed_logprobs')**, and the rollout must carry the temperature, top-k
+    and top-p it sampled with (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``).
+
+    Formula, with ``z = logits / T`` and ``K`` the kept set (``truncation_threshold``)::
+
+        log p(y) = z_y - log sum_{v in K} exp(z_v)   if y in K,   -inf otherwise
+
+    Args:
+        logits: ``[..., V]`` float logits (with gradients if wanted).
+        tokens: ``[...]`` int64 token ids.
+        temperature: a float, or a tensor that broadcasts against ``logits[..., :1]``.
+        top_k: 0 disables; top_p: 1 disables.
+
+    Returns:
+        ``[...]`` float log-probs. Gradients are finite everywhere, also where the result is
+        ``-inf`` (select those entries away with ``torch.where``, never multiply them by 0).
+
+    Example:
+        >>> import math
+        >>> z = torch.tensor([[2.0, 1.0, 0.0]])
+        >>> round(kept_logprobs(z, torch.tensor([1]), top_k=2).item(), 5), round(1 - math.log(math.e**2 + math.e), 5)
+        (-1.31326, -1.31326)
+        >>> kept_logprobs(z, torch.tensor([2]), top_k=2).item()
+        -inf
+    """
+    scaled = logits / temperature if isinstance(temperature, Tensor) or temperature != 1.0 else logits
+    logp = truncated_log_softmax(scaled, top_k=top_k, top_p=top_p)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def _settings(top_k: Tensor | int, top_p: Tensor | float, n: int) -> Iterator[tuple[int, float, Tensor | None]]:
+    """``(k, p, rows)`` for each distinct truncation setting of ``n`` samples (rows None: all of them)."""
+    if not isinstance(top_k, Tensor) and not isinstance(top_p, Tensor):
+        yield int(top_k), float(top_p), None
+        return
+    ks = top_k.reshape(-1).cpu() if isinstance(top_k, Tensor) else torch.full((n,), int(top_k))
+    ps = top_p.reshape(-1).cpu().to(torch.float64) if isinstance(top_p, Tensor) else torch.full((n,), float(top_p), dtype=torch.float64)
+    pairs = list(zip(ks.tolist(), ps.tolist()))
+    distinct = sorted(set(pairs))
+    if len(distinct) == 1:
+        yield int(distinct[0][0]), float(distinct[0][1]), None
+        return
+    for k, p in distinct:
+        yield int(k), float(p), torch.tensor([i for i, pair in enumerate(pairs) if pair == (k, p)], dtype=torch.int64)
 
 
 def completion_logprobs(
@@ -49,19 +209,26 @@ def completion_logprobs(
     completion_mask: Tensor,
     *,
     temperature: Tensor | float = 1.0,
+    top_k: Tensor | int = 0,
+    top_p: Tensor | float = 1.0,
 ) -> Tensor:
     """log p(y_t | x, y_<t) of every completion token, 0 where ``completion_mask`` is False.
+
+    With truncation (``top_k``/``top_p``), p is the model's distribution truncated by its own kept
+    set and renormalised (``kept_logprobs``), and a token outside that set gets ``-inf``.
 
     Gradients flow to the model unless the caller runs it under ``torch.no_grad()``.
 
     Args:
-        model: the model whose log-probs to compute (no top-k/top-p).
+        model: the model whose log-probs to compute.
         prompt_ids: ``[S, Tp]`` left-padded prompts.
         prompt_lens: ``[S]`` real prompt lengths.
         completion_ids: ``[S, C]`` right-padded completions.
         completion_mask: ``[S, C]`` bool, True on real completion tokens (a prefix of each row).
         temperature: softmax temperature, a float or ``[S]`` per sample (the rollout's
             ``sampling_temperature``); logits are divided by it before ``log_softmax``.
+        top_k: top-k of the sampling distribution, an int or ``[S]`` (``sampling_top_k``; 0: off).
+        top_p: top-p of the sampling distribution, a float or ``[S]`` (``sampling_top_p``; 1: off).
 
     Returns:
         ``[S, C]`` float32.
@@ -83,7 +250,18 @@ def completion_logprobs(
         logits = logits / temperature.to(logits)[:, None, None]
     elif temperature != 1.0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)  # [S, used, V]
-    picked = logp.gather(-1, completion_ids[:, :used, None]).squeeze(-1)
+    targets = completion_ids[:, :used]
+    settings = list(_settings(top_k, top_p, S))
+    if len(settings) == 1 and settings[0][2] is None:
+        k, p, _ = settings[0]
+        logp = truncated_log_softmax(logits, top_k=k, top_p=p)  # [S, used, V]; log_softmax when untruncated
+        picked = logp.gather(-1, targets[..., None]).squeeze(-1)
+    else:  # samples drawn with different truncations: each setting on its rows
+        pieces, order = [], []
+        for k, p, chosen in settings:
+            rows = (torch.arange(S) if chosen is None else chosen).to(logits.device)
+            pieces.append(truncated_log_softmax(logits[rows], top_k=k, top_p=p).gather(-1, targets[rows, :, None]).squeeze(-1))
+            order.append(rows)
+        picked = torch.cat(pieces)[torch.argsort(torch.cat(order))]
     out = torch.cat([picked, out[:, used:]], dim=1) if used < C else picked
     return torch.where(completion_mask, out, torch.zeros((), dtype=out.dtype, device=out.device))

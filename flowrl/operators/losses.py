@@ -239,9 +239,14 @@ def kl_penalty(
 ) -> tuple[Tensor, dict[str, float]]:
     """KL(pi || ref) per token by the k3 estimator ``exp(ref - pi) - (ref - pi) - 1`` (>= 0), summed / normalizer.
 
+    A token the truncated reference gives probability 0 (``ref_logprobs`` is ``-inf``: outside the
+    reference's top-k/top-p kept set) would make the estimate infinite; it is left out (weight 0).
+
     Metric: ``loss/kl_ref``.
     """
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    mask = mask & ~torch.isneginf(ref_logprobs)
+    ref_logprobs = torch.where(mask, ref_logprobs, zero)
     diff = torch.where(mask, ref_logprobs - logprobs, zero)
     kl = torch.where(mask, diff.exp() - diff - 1, zero)
     penalty = kl.sum() / _denominator(mask, normalizer)

@@ -2,8 +2,10 @@
 
 It builds the same model as the policy (``flowrl.models.build_model``: the same seeded or pretrained
 weights, so it *is* the policy's version 0) and never trains. ``logprobs`` uses
-``completion_logprobs`` at the rollout's ``sampling_temperature``, the computation the trainer uses
-for pi, so a KL estimate between them is exactly 0 before the first step.
+``completion_logprobs`` at the rollout's ``sampling_temperature``, ``sampling_top_k`` and
+``sampling_top_p`` (the reference truncated by its own kept set), the computation the trainer uses
+for pi, so a KL estimate between them is exactly 0 before the first step. A token outside the
+reference's kept set gets ``-inf``; the KL penalty leaves it out (``losses.kl_penalty``).
 
 The model lives on ``device``; the rollout arrives as CPU tensors and ``ref_logprobs`` returns on the CPU.
 
@@ -49,12 +51,15 @@ class Reference:
         self.model = build_model(node.model, device=self.device).eval().requires_grad_(False)
 
     def logprobs(self, rollout: Mapping[str, Tensor]) -> Batch:
-        """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding, on the CPU."""
+        """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding, ``-inf`` outside the kept set, on the CPU."""
         fields = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")
         prompt_ids, prompt_lens, completion_ids, completion_mask = (rollout[f].to(self.device) for f in fields)
         temperature = rollout.get("sampling_temperature", 1.0)
         if isinstance(temperature, Tensor):
             temperature = temperature.to(self.device)
+        top_k, top_p = rollout.get("sampling_top_k", 0), rollout.get("sampling_top_p", 1.0)
         with torch.no_grad():
-            lp = completion_logprobs(self.model, prompt_ids, prompt_lens, completion_ids, completion_mask, temperature=temperature)
+            lp = completion_logprobs(
+                self.model, prompt_ids, prompt_lens, completion_ids, completion_mask, temperature=temperature, top_k=top_k, top_p=top_p
+            )
         return {"ref_logprobs": lp.cpu()}

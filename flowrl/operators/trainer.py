@@ -6,11 +6,17 @@ One ``train_step(batch)``:
    need every sample of a prompt);
 2. in micro-batches of ``optimizer.micro_batch_size`` samples (0: one), recomputes log pi of the
    completions with gradients (``completion_logprobs``, the same layout and the same temperature,
-   ``sampling_temperature``, the generator sampled with), applies the loss node's objective, and
-   back-propagates (optionally under bf16/fp16 ``torch.autocast`` and with gradient checkpointing); token sums are divided by the whole
-   batch's token count, so accumulation gives exactly the whole-batch gradient;
+   top-k and top-p, ``sampling_temperature`` / ``sampling_top_k`` / ``sampling_top_p``, the generator
+   sampled with: pi truncated by its own kept set, renormalised), applies the loss node's objective,
+   and back-propagates (optionally under bf16/fp16 ``torch.autocast`` and with gradient checkpointing); token sums are divided by the whole
+   batch's token count, so accumulation gives exactly the whole-batch gradient. A sampled token
+   outside pi's kept set (pi = 0 there, so the ratio is 0) is left out of the objective (weight 0,
+   still counted in the token count) and never produces inf or nan;
 3. clips the global gradient norm, sets the scheduled learning rate, steps AdamW;
-4. bumps ``version`` (completed optimizer steps, 0 before the first).
+4. measures the engine/trainer mismatch on the tokens drawn by its current weights
+   (``flowrl.operators.mismatch``: ``mismatch/kl``, ``mismatch/abs_logp_max``, ``mismatch/tokens``,
+   ``mismatch/outside_kept_frac``), from what every engine writes;
+5. bumps ``version`` (completed optimizer steps, 0 before the first).
 
 State (``state()`` / ``load_state``) is the model, the optimizer and the version: tensors, ints,
 floats, strings, tuples and dicts only, so that a checkpoint loads with ``torch.load(weights_only=True)``.
@@ -52,6 +58,7 @@ from flowrl.operators.batch import split
 from flowrl.operators.generation import DTYPES, copy_weights
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.losses import advantages, check_objective, combined_rewards, compute_loss
+from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.registry import build_model
 
@@ -141,7 +148,8 @@ class Trainer:
         Returns:
             Metrics: ``loss``, ``reward_mean``, ``reward/<field>`` per reward field, ``grad_norm``
             (before clipping), ``lr``, ``completion_len_mean``, ``staleness`` (version at this step
-            minus ``rollout_version``, when the batch has it), and the loss's own metrics.
+            minus ``rollout_version``, when the batch has it), the ``mismatch/*`` metrics, and the
+            loss's own metrics (over the tokens inside pi's kept set).
 
         Raises:
             ConfigError: naming a field the batch lacks.
@@ -162,6 +170,7 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         pieces: list[Tensor] = []
+        kept_pieces: list[Tensor] = []
         precision = self.node.optimizer.autocast
         device_type = self.device.type
         for start, part in zip(range(0, n, size), split(batch, size)):
@@ -173,13 +182,26 @@ class Trainer:
                     part["completion_ids"],
                     part["completion_mask"],
                     temperature=part.get("sampling_temperature", 1.0),
+                    top_k=part.get("sampling_top_k", 0),
+                    top_p=part.get("sampling_top_p", 1.0),
                 )
-            loss, _ = compute_loss(config, logprobs, part, advantages=adv[start : start + size], normalizer=normalizer)
+            # pi = 0 (-inf) only for a sampled token outside pi's kept set: weight 0, never inf or nan
+            kept = ~torch.isneginf(logprobs)  # [s, C]
+            logprobs = torch.where(kept, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
+            inside = {**part, "completion_mask": part["completion_mask"] & kept}
+            loss, _ = compute_loss(config, logprobs, inside, advantages=adv[start : start + size], normalizer=normalizer)
             (loss * self.loss_scale).backward()
             pieces.append(logprobs.detach())
+            kept_pieces.append(kept)
         with torch.no_grad():
             all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])
-            loss, metrics = compute_loss(config, all_logprobs, batch, advantages=adv, normalizer=normalizer)
+            all_kept = torch.cat(kept_pieces) if kept_pieces else torch.ones_like(mask)
+            inside = {**batch, "completion_mask": mask & all_kept}
+            loss, metrics = compute_loss(config, all_logprobs, inside, advantages=adv, normalizer=normalizer)
+            versions = batch.get("token_versions", batch.get("rollout_version", torch.tensor(self.version)))
+            metrics.update(
+                mismatch_metrics(all_logprobs, batch["behaviour_logprobs"], mask, versions=versions, version=self.version, kept=all_kept)
+            )
         max_norm = self.node.optimizer.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()

@@ -173,6 +173,8 @@ class ContinuousRollouts:
             versions[r] = s.versions[0]
             versions[r, :L] = torch.tensor(s.versions)
         index = torch.tensor([g.index for g in chosen], dtype=torch.int64)
+        sampling = self.gen.sampling
         return rollout_batch(
-            sample_ids, sample_lens, tokens, mask, logprobs, versions, index, n=n, temperature=self.gen.sampling.temperature, version=self.gen.version
-        )
+            sample_ids, sample_lens, tokens, mask, logprobs, versions, index,
+            n=n, temperature=sampling.temperature, version=self.gen.version, top_k=sampling.top_k, top_p=sampling.top_p,
+        )  # fmt: skip

@@ -2,7 +2,10 @@
 
 Every line has at least ``step``, ``policy_version``, ``rollout_version``, ``staleness``,
 ``reward_mean``, ``loss``, ``time_s`` and the timings ``gen_s``, ``train_s``, ``sync_s``, ``idle_s``,
-plus the loss's own namespaced metrics (``aipo/ratio_mean`` ...) and ``prompt_index``: the indices of
+plus the loss's own namespaced metrics (``aipo/ratio_mean`` ...), the engine/trainer mismatch
+(``mismatch/kl``, ``mismatch/abs_logp_max``, ``mismatch/tokens``, ``mismatch/outside_kept_frac``:
+``flowrl.operators.mismatch``; 0.0 over 0 tokens when no token is of the trainer's weights, never
+NaN, which JSON would write as null) and ``prompt_index``: the indices of
 the prompts the step consumed (sorted), so that what a run trained on, across kills and resumes, can
 be read back from the file alone.
 """

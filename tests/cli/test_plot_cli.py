@@ -70,3 +70,17 @@ def test_the_ratio_panel_reads_the_objectives_ratio_and_truncated_fraction(objec
     rows = [{"step": s, "time_s": s, f"{objective}/ratio_mean": 1 + s / 10, f"{objective}/truncated_frac": s / 100} for s in (1, 2)]
     (keys,) = [keys for title, keys in PANELS if title.startswith("importance ratio")]
     assert [_series(rows, key)[2] for key in keys] == [[1.1, 1.2], [0.01, 0.02]]
+
+
+def test_the_mismatch_panel_leaves_out_steps_that_measured_nothing():
+    """``mismatch/tokens`` 0 (no token of the trainer's weights in the batch) writes kl 0.0 by convention;
+    the panel leaves those steps out instead of drawing a perfect match."""
+    from flowrl.cli.plot import PANELS, _series
+
+    rows = [
+        {"step": 1, "time_s": 1.0, "mismatch/kl": 1e-3, "mismatch/abs_logp_max": 0.01, "mismatch/tokens": 50.0},
+        {"step": 2, "time_s": 2.0, "mismatch/kl": 0.0, "mismatch/abs_logp_max": 0.0, "mismatch/tokens": 0.0},
+        {"step": 3, "time_s": 3.0, "mismatch/kl": 2e-3, "mismatch/abs_logp_max": 0.02, "mismatch/tokens": 40.0},
+    ]
+    (keys,) = [keys for title, keys in PANELS if title.startswith("log-prob mismatch")]
+    assert [_series(rows, key)[:1] + _series(rows, key)[2:] for key in keys] == [([1.0, 3.0], [1e-3, 2e-3]), ([1.0, 3.0], [0.01, 0.02])]

@@ -165,7 +165,7 @@ def test_field_summary() -> None:
     assert field_summary([]) == "(no fields)"
     assert field_summary(["objective"]) == "objective"
     assert field_summary(["prompt_lens", "prompt_ids", "prompt_index"]) == "prompt_{ids,index,lens}"
-    assert field_summary(ROLLOUT_FIELDS) == "rollout (11 fields)"
+    assert field_summary(ROLLOUT_FIELDS) == "rollout (13 fields)"
     assert field_summary(["completion", "completion_ids", "completion_lens"]) == "completion, completion_{ids,lens}"
     assert field_summary(["a_x", "b_x", "c_x", "d_x", "e_x"]) == "a_x, b_x, +3 more"
     assert field_summary(["a_x", "b_x", "c_x", "d_x"], max_items=10) == "a_x, b_x, c_x, d_x"

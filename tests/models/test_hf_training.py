@@ -48,6 +48,15 @@ def test_trainer_gradient_equals_autograd_on_the_hf_model(hf_dir, micro_batch_si
     assert checked == len(list(ref.parameters()))
 
 
+@pytest.mark.parametrize("sampling", [dict(top_p=0.9), dict(top_k=8, temperature=0.8)], ids=["top-p", "top-k"])
+def test_on_policy_ratio_is_one_with_truncation_on_the_hf_model(hf_dir, sampling):
+    """The HF path truncates pi by its own kept set too: at k = 0 ratio 1 and mismatch 0 (1e-5)."""
+    trainer = Trainer(hf_policy_node(hf_dir), LossNode(name="aipo"))
+    out = Generator(hf_generator_node(hf_dir, n_samples=2, **sampling), seed=0).generate(left_padded(PROMPTS))
+    metrics = trainer.train_step({**out, "rewards": torch.linspace(-1, 1, out["completion_ids"].shape[0])})
+    assert metrics["aipo/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["aipo/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["mismatch/tokens"] == int(out["completion_mask"].sum()) and metrics["mismatch/abs_logp_max"] < 1e-5
+
 def test_gradient_checkpointing_gives_the_same_gradient(hf_llama_dir):
     batch = _rollout(hf_llama_dir)
     grads = []

@@ -38,11 +38,14 @@ def uninterrupted(tmp_path_factory):
 
 def test_aipo_metrics_show_the_quantization_mismatch(uninterrupted):
     """At k = 0 a float32 generator's ratios pi/mu are 1 up to float rounding (max within 1e-6, KL 0);
-    an int8 one moves them (measured: max ~1.0015, KL ~1e-7), and the rows carry ratio and truncated fraction."""
+    an int8 one moves them (measured: max ~1.0015, KL ~1e-7), and the rows carry ratio and truncated fraction,
+    and the mismatch over every token (measured: ``mismatch/abs_logp_max`` 1.6e-3 to 2.1e-3, kl -3e-5 to 6e-6)."""
     for row in uninterrupted.rows:
         assert row["staleness"] == 0
         assert "aipo/ratio_mean" in row and "aipo/truncated_frac" in row and 0 <= row["aipo/truncated_frac"] < 0.5
         assert row["aipo/ratio_max"] > 1 + 1e-4 and row["aipo/kl"] > 1e-9
+        # the engine/trainer mismatch on the tokens of the trainer's weights (all of them at k = 0): not 0
+        assert row["mismatch/tokens"] == row["aipo/tokens"] > 0 and row["mismatch/abs_logp_max"] > 1e-4
 
 
 def test_a_stopped_int8_run_resumes_exactly(uninterrupted, tmp_path):
