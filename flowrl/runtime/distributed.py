@@ -171,12 +171,40 @@ def merge_rollouts(parts: list[Mapping[str, Tensor]]) -> Batch:
 
 
 def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, device: torch.device | None = None) -> dict[str, float]:
-    """The ``weight``-weighted mean of every metric over ``group`` (keys must agree on every rank)."""
+    """Every metric over ``group`` (keys must agree on every rank), each reduced as its name says.
+
+    - ``*_max``: the largest value of any rank (``mismatch/abs_logp_max``);
+    - ``*/tokens``: the sum (how many tokens a figure covers, all ranks together);
+    - ``mismatch/kl``: the mean weighted by each rank's ``mismatch/tokens`` (a mean over tokens);
+    - anything else: the ``weight``-weighted mean (``weight`` is the rank's samples).
+
+    Example (one process: a group of one):
+        >>> import torch.distributed as dist, tempfile, os
+        >>> _ = dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        >>> reduce_metrics({"loss": 2.0, "mismatch/abs_logp_max": 0.5, "mismatch/tokens": 3.0}, 4.0, group=None)
+        {'loss': 2.0, 'mismatch/abs_logp_max': 0.5, 'mismatch/tokens': 3.0}
+        >>> dist.destroy_process_group()
+    """
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) * weight for k in keys] + [weight], dtype=torch.float64, device=device or "cpu")
+    maxima = [k for k in keys if k.endswith("_max")]
+    means = [k for k in keys if k not in maxima]
+    token_weight = float(metrics.get("mismatch/tokens", 0.0))
+
+    def rank_weight(k: str) -> float:
+        return 1.0 if k.endswith("/tokens") else token_weight if k == "mismatch/kl" else weight
+
+    values = torch.tensor([float(metrics[k]) * rank_weight(k) for k in means] + [weight, token_weight], dtype=torch.float64, device=device or "cpu")
     dist.all_reduce(values, group=group)
-    total = float(values[-1]) or 1.0
-    return {k: float(v) / total for k, v in zip(keys, values[:-1].tolist())}
+    *sums, samples, tokens = values.tolist()
+    out = {}
+    for k, v in zip(means, sums):
+        total = 1.0 if k.endswith("/tokens") else tokens if k == "mismatch/kl" else samples
+        out[k] = v / (total or 1.0)
+    if maxima:
+        peaks = torch.tensor([float(metrics[k]) for k in maxima], dtype=torch.float64, device=device or "cpu")
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        out.update(zip(maxima, peaks.tolist()))
+    return {k: out[k] for k in keys}
 
 
 def make_data_parallel(trainer: Any, *, group: Any, max_norm: float, device: torch.device | None = None) -> None:
