@@ -27,16 +27,18 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
     """Execute ``graph`` for ``config.steps`` trainer steps on ``config.backend``.
 
     Raises:
-        ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, or a
-            model that does not fit in this machine's memory.
+        ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, a
+            model that does not fit in this machine's memory, or a generator engine that cannot run
+            here (``preflight.check_engines``).
         TransportError: a weight edge names a transport this process has not registered.
         NodeExecutionError: a node failed while running.
     """
     from flowrl.runtime.placement import resolve_device
-    from flowrl.runtime.preflight import check_fits_in_memory
+    from flowrl.runtime.preflight import check_engines, check_fits_in_memory
 
-    resolve_device(config.device)  # refuse --device cuda without CUDA before any work
+    device = resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
+    check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
     check_transports(e.transport for e in graph.weight_edges)  # the registry of this process, where the run starts
     return backend.run(graph, config, on_step=on_step)
