@@ -66,8 +66,12 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         kv_bytes: bytes per KV-cache element; None: 2 on GPUs, the generator's dtype on CPU.
         vllm_cpu_decode_speedup: on a CPU device, how many times the built-in engine's decode rate a
             generator with ``engine="vllm"`` decodes at (``flowrl.planners.estimate.generate``). Source:
-            ``benches/engines.py`` on this project's 2-core CPU, a 30M-parameter Llama in float32 at
-            64 rows and more: vLLM's tokens/s over the built-in engine's (README, benchmarks).
+            a 29M-parameter Llama in float32 on this project's 2-core CPU, 512 rows x 128 new tokens,
+            one engine after the other on an idle machine: vllm-cpu 0.32 847-877 tokens/s against the
+            built-in engine's 642 (1.3x; both spend their time in float32 matrix products).
+            ``benches/engines.py`` measures it again (interleaved); on a loaded machine (load 4-6) it
+            gave 3.6x at 64 rows and 4.7x at 128 (vLLM's fused kernels lose less to contention), so
+            1.3 is the conservative, idle-machine figure.
         scorer_s_per_sample: host seconds a rule scorer spends per completion.
         source_s_per_prompt: host seconds a source spends per prompt.
         file_bandwidth: bytes/s of the shared file system the ``file`` weight transport goes through.
