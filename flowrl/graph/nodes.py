@@ -38,6 +38,7 @@ from flowrl.graph.refs import resolve
 import msgspec
 
 from flowrl.errors import ConfigError
+from flowrl.graph.engines import Engine, check_engine_options
 from flowrl.graph.configs import AnyModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
 
@@ -122,17 +123,31 @@ class SourceNode(NodeBase, tag="source"):
 
 
 class GeneratorNode(NodeBase, tag="generator"):
-    """Samples completions with the behaviour policy mu."""
+    """Samples completions with the behaviour policy mu.
+
+    Attributes:
+        model: the model it samples from.
+        sampling: how it samples.
+        engine: what runs the sampling: ``"builtin"`` (flowrl's own decode loop over the model,
+            ``flowrl.operators.generation``) or ``"vllm"`` (a vLLM engine in the generator's process,
+            ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step batches,
+            float precisions). Either writes the same rollout fields.
+    """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    engine: Engine = "builtin"
+
+    def __post_init__(self) -> None:
+        check_engine_options(self)
 
     def signature(self) -> Signature:
         return Signature(_fields(SOURCE_FIELDS), _fields(ROLLOUT_FIELDS))
 
     def describe(self) -> str:
         s = self.sampling
-        return f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}"
+        engine = f", engine={self.engine}" if self.engine != "builtin" else ""
+        return f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}{engine}"
 
 
 class ScorerNode(NodeBase, tag="scorer"):

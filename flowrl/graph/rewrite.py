@@ -1,5 +1,8 @@
 """Graph-to-graph rewrites that the command line offers: a graph is data, so a change is a new graph.
 
+``with_engine(graph, engine)`` sets every generator's engine (``flowrl run hf_copy --engine vllm``);
+the node checks what that engine accepts (``flowrl.graph.engines``).
+
 ``with_model_path(graph, path)`` points every Hugging Face model of a graph at another local
 directory (``flowrl run qwen_math --model ~/models/Qwen2.5-0.5B-Instruct``): the model's ``path``,
 its ``tokenizer`` when that named the old directory, and the tokenizer of every source that read the
@@ -20,7 +23,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
 
-__all__ = ["with_model_path"]
+__all__ = ["with_model_path", "with_engine"]
 
 
 def with_model_path(graph: Graph, path: str) -> Graph:
@@ -45,3 +48,15 @@ def with_model_path(graph: Graph, path: str) -> Graph:
             node = msgspec.structs.replace(node, source=msgspec.structs.replace(node.source, tokenizer=path))  # type: ignore[attr-defined]
         nodes.append(node)
     return Graph(msgspec.structs.replace(graph.spec, nodes=tuple(nodes)))
+
+
+def with_engine(graph: Graph, engine: str) -> Graph:
+    """``graph`` with every generator sampling with ``engine`` (``"builtin"`` or ``"vllm"``).
+
+    Raises:
+        ConfigError: when the graph has no generator, or a generator's settings do not suit ``engine``.
+    """
+    if not any(n.kind == "generator" for n in graph.nodes):
+        raise ConfigError(f"--engine {engine!r}: graph {graph.name!r} has no generator")
+    nodes = tuple(msgspec.structs.replace(n, engine=engine) if n.kind == "generator" else n for n in graph.nodes)  # type: ignore[call-arg]
+    return Graph(msgspec.structs.replace(graph.spec, nodes=nodes))

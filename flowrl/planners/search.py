@@ -72,6 +72,7 @@ class Roles:
         loss_of: loss node -> the policy it runs inside.
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
+        gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
         recompute: policy -> whether its objective needs an extra log-prob forward.
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
     """
@@ -85,6 +86,7 @@ class Roles:
     param_bytes: float
     recompute: dict[str, bool]
     micro_batch: dict[str, int]
+    gen_engine: dict[str, str] = field(default_factory=dict)
 
     @property
     def heavy(self) -> tuple[str, ...]:
@@ -100,6 +102,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     gens, trainers, refs = [], [], []
     models: dict[str, ModelSpec] = {}
     gen_dtype: dict[str, str] = {}
+    gen_engine: dict[str, str] = {}
     recompute: dict[str, bool] = {}
     micro: dict[str, int] = {}
     loss_of: dict[str, str] = {}
@@ -108,6 +111,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
             gens.append(node.name)
             models[node.name] = model or model_from_config(node.model)
             gen_dtype[node.name] = generator_dtype(node.sampling.precision, ctx)
+            gen_engine[node.name] = node.engine
         elif isinstance(node, PolicyNode):
             trainers.append(node.name)
             models[node.name] = model or model_from_config(node.model)
@@ -136,6 +140,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         param_bytes=param_bytes,
         recompute=recompute,
         micro_batch=micro,
+        gen_engine=gen_engine,
     )
 
 
@@ -294,7 +299,10 @@ class _Evaluator:
         if est is not None:
             return est
         if name in r.gens:
-            est = estimate_generate(model, dims, devices, self.ctx, precision=r.gen_dtype[name], reserved_bytes=reserved, node=name)
+            est = estimate_generate(
+                model, dims, devices, self.ctx, precision=r.gen_dtype[name], reserved_bytes=reserved, node=name,
+                engine=r.gen_engine.get(name, "builtin"),
+            )
         else:
             what = f"{model.name} {'forward' if name in r.refs else 'training'} on {dims.short()}"
             est = pick_fitting(self.train_opts(name, devices, dims), self.ctx, reserved, node=name, what=what)

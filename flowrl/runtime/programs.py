@@ -200,10 +200,10 @@ class GeneratorProgram(ProgramBase):
     """Samples with the newest weights it can get, and never with weights older than ``min_version``."""
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, seed: int) -> None:
-        from flowrl.operators.generation import Generator
+        from flowrl.operators.engines import build_engine
 
         self.name = node.name
-        self.generator = Generator(node, seed=seed, device=env.device_of(node.name))
+        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name))  # node.engine's class
         (edge,) = graph.weight_edges_into(node.name)
         self._edge = (edge.src, edge.dst)
         self._in_flight = edge.in_flight
@@ -253,6 +253,12 @@ class GeneratorProgram(ProgramBase):
         rollout, info = self._continuous.next_batch(seq)
         info["version"] = int(rollout["rollout_version"])
         return rollout, info
+
+    def close(self) -> None:
+        """Stop the engine's own processes (vLLM's); the built-in engine holds none."""
+        close = getattr(self.generator, "close", None)  # optional in GeneratorEngine: only vLLM's has processes
+        if close is not None:
+            close()
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         fetch_s = self._sync(min_version)

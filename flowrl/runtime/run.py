@@ -18,7 +18,6 @@ from flowrl.graph.ir import Graph
 from flowrl.runtime.backends.base import OnStep, create_backend
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import RunResult
-from flowrl.runtime.transports.registry import check_transports
 
 __all__ = ["run_graph"]
 
@@ -28,8 +27,9 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
 
     Raises:
         ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, a
-            policy with ``sharding="fsdp"`` on a backend other than torchrun, or a model that does
-            not fit in this machine's memory.
+            policy with ``sharding="fsdp"`` on a backend other than torchrun, a model that does not
+            fit in this machine's memory, or a generator engine that cannot run here
+            (``preflight.check_engines``).
         TransportError: a weight edge names a transport this process has not registered.
         NodeExecutionError: a node failed while running.
 
@@ -40,12 +40,13 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
     from flowrl.runtime.fsdp import check_backend
     from flowrl.runtime.names import check_names
     from flowrl.runtime.placement import resolve_device
-    from flowrl.runtime.preflight import check_fits_in_memory
+    from flowrl.runtime.preflight import check_engines, check_fits_in_memory
 
-    resolve_device(config.device)  # refuse --device cuda without CUDA before any work
+    device = resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
     check_backend(graph, backend.name, skip=config.programs)  # sharding="fsdp" runs under torchrun only
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
+    check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
     return backend.run(graph, config, on_step=on_step)

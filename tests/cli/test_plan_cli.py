@@ -112,3 +112,15 @@ def test_plan_with_lengths_and_continuous_batching(capsys):
     out = capsys.readouterr().out
     assert "completions mean 800, max 2048, continuous batching" in out and "continuous, " in out
     assert "on its best subset (" in out
+
+
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
+def test_plan_says_which_generator_engine_it_assumed(tmp_path, capsys, engine):
+    from flowrl.examples.hf_copy import build_hf_copy
+    from flowrl.graph.serialize import to_json
+
+    path = tmp_path / "g.json"
+    path.write_text(to_json(build_hf_copy(engine=engine)))
+    assert main(["plan", str(path), "--cluster", "cpu:2"]) == 0
+    gen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gen "))
+    assert f"{engine} engine" in gen, gen

@@ -42,8 +42,10 @@ def test_progress_bar_lines_when_not_a_tty(capsys):
         (["run", "--plan", "missing-plan.json"], "no such file"),
         (["run", "--metrics", "/no/such/dir/m.jsonl"], "does not exist"),
         (["run", "--synthetic", "--option", "gen_ss=1"], "--option gen_ss: unknown option (did you mean 'gen_s'?); the synthetic operators read gen_s, train_s"),
+        (["run", "llamarl", "--engine", "vllm"], "engine='vllm' needs a Hugging Face model"),
+        (["run", "hf_copy", "--engine", "vllm", "--steps", "1"], "head size is 16"),
     ],
-    ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir", "option-typo"],
+    ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir", "option-typo", "engine-builtin-model", "engine-head-size"],
 )
 def test_user_mistakes_exit_2(argv, message, capsys):
     assert main(argv) == 2

@@ -120,7 +120,7 @@ def test_cpu_mesh_is_one_replica_sped_up_by_threads():
     gen_one = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=device(thread_speedup=1.5), per_host=2))
     gen_mesh = estimate_generate(TINY, ParallelDims(dp=2), range(2), ctx(dev=device(thread_speedup=1.5), per_host=2))
     assert gen_mesh.time_s == pytest.approx(gen_one.time_s / 1.5)
-    assert gen_mesh.notes[0] == "batch 4 x 1 wave"
+    assert gen_mesh.notes[1] == "batch 4 x 1 wave"
 
 
 def test_a_cpu_mesh_is_searched_without_tensor_or_pipeline_splits():

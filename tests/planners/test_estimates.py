@@ -175,7 +175,7 @@ def test_decode_is_memory_bound_by_hand():
     kv_token = 2 * 2 * 1 * 4 * 2  # k,v x layers x kv heads x head_dim x 2 bytes
     read = weights + 4 * (3 + 1 / 2) * kv_token + 4 * 10 * 4  # weights + KV at mean ctx + fp32 logits
     assert est.time_s == pytest.approx(1 * read / 1e11, rel=1e-6)
-    assert est.notes == ("batch 4 x 1 wave", "bfloat16 weights", "lock-step, 1 decode steps")
+    assert est.notes == ("builtin engine", "batch 4 x 1 wave", "bfloat16 weights", "lock-step, 1 decode steps")
     assert (est.memory.weights, est.memory.kv_cache) == (weights, 4 * 4 * kv_token)
 
 
@@ -192,7 +192,7 @@ def test_kv_cache_limit_forces_waves():
     weights, workspace, kv_seq = 1352 * 2, 12 * (64 + 48) * 2 + 4 * 10 * 4, 4 * 32
     dev = device(memory_bytes=weights + workspace + 2 * kv_seq + 50)  # two sequences of KV fit
     est = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev), precision="bfloat16")
-    assert est.notes[0] == "batch 2 x 2 waves"
+    assert est.notes[1] == "batch 2 x 2 waves"
     roomy = estimate_generate(TINY, ParallelDims(), range(1), ctx(), precision="bfloat16")
     assert est.time_s > roomy.time_s
 
@@ -291,3 +291,29 @@ def test_host_nodes():
 
 def _fields(t: Tuning) -> dict:
     return {f: getattr(t, f) for f in t.__struct_fields__}
+
+
+# -- the generator's engine ------------------------------------------------------------------------
+def test_the_vllm_engine_on_a_cpu_drops_flowrls_loop_overhead_and_decodes_at_its_measured_factor():
+    dev = device(kind="cpu", decode_step_overhead_s=1e-3)
+    tuning = Tuning(**{**_fields(EXACT), "vllm_cpu_decode_speedup": 2.0})
+    builtin = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev, tuning=tuning), precision="float32")
+    vllm = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev, tuning=tuning), precision="float32", engine="vllm")
+    assert builtin.notes[0] == "builtin engine" and vllm.notes[0] == "vllm engine"
+    assert builtin.breakdown["step_overhead"] == pytest.approx(1e-3) and vllm.breakdown["step_overhead"] == 0.0  # 1 decode step
+    prefill = builtin.breakdown["prefill"]
+    assert vllm.breakdown["prefill"] == pytest.approx(prefill)
+    assert vllm.time_s == pytest.approx(prefill + (builtin.time_s - prefill - 1e-3) / 2.0)  # the blocks' pass at 2x
+
+
+def test_the_vllm_engine_frees_finished_rows_within_a_call_but_keeps_no_slots_across_steps():
+    from flowrl.planners.lengths import LengthDistribution
+
+    work = Workload(prompts_per_step=8, samples_per_prompt=4, prompt_len=3, gen_len=10,
+                    lengths=LengthDistribution(points=((2, 1.0), (10, 1.0))))  # fmt: skip
+    dev = device(peak_flops=1e18)  # memory-bound: context length is what differs
+    builtin = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev, work=work), precision="bfloat16")
+    vllm = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev, work=work), precision="bfloat16", engine="vllm")
+    assert builtin.notes[-1].startswith("lock-step") and vllm.notes[-1].startswith("continuous within a call")
+    assert vllm.time_s < builtin.time_s  # rows leave as they finish: the mean length, not the longest
+    assert vllm.steady_s is None  # on a GPU too: weights change between calls, so no cross-step slots

@@ -40,6 +40,16 @@ the built-in model's forward at the model's width instead (``decode_flops_by_wid
 what the machine achieves on the whole pass, so no MFU factor, and its launches are in it (the
 ``ops_per_layer * kernel_overhead`` terms are 0 there).
 
+The engine (``GeneratorNode.engine``, the first note of every generator estimate): ``"builtin"`` is
+the model above as it stands. ``"vllm"`` differs in three ways: rows leave the batch as they finish
+and waiting ones take their place inside one generate call (vLLM's scheduler), so its steps and
+context follow the continuous formulas above, but without cross-step slots (weights change between
+calls, so a call waits for its longest completion) and without flowrl's slot bookkeeping; it pays
+no ``DeviceSpec.cpu.decode_step_overhead_s`` (flowrl's Python sampling loop); and on a CPU device its
+decode runs ``Tuning.vllm_cpu_decode_speedup`` times the built-in engine's measured rate (its own
+fused CPU kernels; the factor is measured by ``benches/engines.py``). On a GPU the roofline terms are
+what vLLM reaches; flowrl's built-in engine is priced with the same terms there, which flatters it.
+
 The decode step reads every weight once per generated token, so it is bound by memory bandwidth:
 tp splits those reads over tp devices (and pays two all-reduces per layer per token); pp splits
 memory but not the time of one token, since the stages of one token run one after another.
@@ -98,6 +108,7 @@ def estimate_generate(
     precision: str = "bfloat16",
     reserved_bytes: float = 0.0,
     node: str = "gen",
+    engine: str = "builtin",
 ) -> NodeEstimate:
     """Seconds to generate one step's completions on this mesh, and bytes per device.
 
@@ -105,6 +116,7 @@ def estimate_generate(
         precision: the generator's weight dtype (``generator_dtype`` resolves the tuning override).
         reserved_bytes: bytes per device held by colocated nodes (their weights and optimizer states);
             the KV cache gets what is left.
+        engine: the generator's engine, ``"builtin"`` or ``"vllm"`` (see the module docstring).
 
     Example:
         >>> from flowrl.planners.cluster import parse_cluster
@@ -115,7 +127,9 @@ def estimate_generate(
         ...               workload=Workload(prompts_per_step=64, samples_per_prompt=4, prompt_len=256, gen_len=256))
         >>> est = estimate_generate(model_preset("llama3-8b"), ParallelDims(dp=8), range(8), ctx)
         >>> est.feasible, est.notes
-        (True, ('batch 32 x 1 wave', 'bfloat16 weights', 'lock-step, 256 decode steps'))
+        (True, ('builtin engine', 'batch 32 x 1 wave', 'bfloat16 weights', 'lock-step, 256 decode steps'))
+        >>> estimate_generate(model_preset("llama3-8b"), ParallelDims(dp=8), range(8), ctx, engine="vllm").notes[0]
+        'vllm engine'
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
@@ -165,8 +179,10 @@ def estimate_generate(
     prefill = prefill_compute + prefill_comm + L * launch_layer
 
     dist = w.length_dist
-    steps = decode_steps(dist, completions=per_replica, batch=b, batching=w.batching)
-    continuous = w.batching == "continuous"
+    vllm = engine == "vllm"
+    batching = "continuous" if vllm else w.batching  # vLLM's scheduler refills finished rows within a call
+    steps = decode_steps(dist, completions=per_replica, batch=b, batching=batching)
+    continuous = batching == "continuous"
     ctx_len = w.prompt_len + (dist.mean if continuous else dist.expected_max(b)) / 2
     read = weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
     t_read = read / mem_bw
@@ -174,12 +190,15 @@ def estimate_generate(
     stage = max(t_read, t_compute)
     tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
-    token += dev.cpu.decode_step_overhead_s
+    step_overhead = 0.0 if vllm else dev.cpu.decode_step_overhead_s  # flowrl's Python sampling loop
+    token += step_overhead
+    if vllm and dev.kind == "cpu":
+        token /= t.vllm_cpu_decode_speedup
     prefill /= speedup
     token /= speedup
     decode = steps * token
     # flowrl's slot batcher: Python bookkeeping per busy row per decode step, one per completion token
-    slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous else 0.0
+    slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous and not vllm else 0.0
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
     breakdown = {
@@ -188,11 +207,12 @@ def estimate_generate(
         "tp_comm": steps * pp * tp_tok / speedup + waves * prefill_comm / speedup,
         "launch": steps * L * launch_layer / speedup + waves * L * launch_layer / speedup,
         "pp_comm": steps * ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0) / speedup,
-        "step_overhead": steps * dev.cpu.decode_step_overhead_s / speedup,
+        "step_overhead": steps * step_overhead / speedup,
         "slot_overhead": slot_rows,
     }
-    mode = "continuous" if continuous else "lock-step"
-    notes = (f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
+    mode = "continuous within a call" if vllm else "continuous" if continuous else "lock-step"
+    notes = (f"{engine} engine", f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
     cross_step = t.cross_step_slots if t.cross_step_slots is not None else dev.kind == "gpu"
+    cross_step = cross_step and not vllm  # vLLM's weights change between calls: each call waits for its longest
     steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None
     return NodeEstimate(time_s=waves * prefill + decode + slot_rows, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)

@@ -44,6 +44,8 @@ class LocalPrograms:
                 if node.kind != "loss":
                     programs[node.name] = build_program(self.graph, node.name, self.env, self.transports)
         except BaseException:
+            for program in programs.values():  # those built already may hold processes (a vLLM engine)
+                program.close()
             self.close()
             raise
         return programs

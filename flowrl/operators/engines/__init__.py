@@ -1,0 +1,91 @@
+"""Generator engines: the table from a node's ``engine`` to the class that samples for it.
+
+An engine is a class built as ``cls(node, *, seed, device)`` that the generator program
+(``flowrl.runtime.programs.GeneratorProgram``) drives through ``GeneratorEngine``: it fetches
+weights into ``weight_targets()`` and sets ``version`` (which makes the engine use them), then calls
+``generate(prompts)``, which returns the rollout (``flowrl.graph.fields.ROLLOUT_FIELDS``, built by
+``flowrl.operators.generation.rollout_batch``), and ``close()`` at the end of the run.
+
+``ENGINES`` holds one ``EngineSpec`` per name of ``flowrl.graph.engines.ENGINE_NAMES``:
+
+- ``builtin``: ``flowrl.operators.generation.Generator`` (and the slot batcher for continuous batching);
+- ``vllm``: ``flowrl.operators.engines.vllm_engine.VLLMGenerator``.
+
+``check_engine(node)`` runs an engine's machine checks (is it installed, can it load this model
+here) and is what ``flowrl.runtime.run.run_graph`` calls for every generator before any program is
+built; the node-level checks (which settings an engine accepts) are ``flowrl.graph.engines``.
+
+Example:
+    >>> sorted(ENGINES), ENGINES["vllm"].generator
+    (['builtin', 'vllm'], 'flowrl.operators.engines.vllm_engine:VLLMGenerator')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from flowrl.graph.refs import resolve
+
+if TYPE_CHECKING:
+    import torch
+
+    from flowrl.graph.configs import SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+
+__all__ = ["GeneratorEngine", "EngineSpec", "ENGINES", "build_engine", "check_engine"]
+
+
+class GeneratorEngine(Protocol):
+    """What the generator program needs from an engine (``Generator`` and ``VLLMGenerator`` have it)."""
+
+    name: str
+    sampling: SamplingConfig
+
+    @property
+    def version(self) -> int: ...
+
+    @version.setter
+    def version(self, value: int) -> None: ...
+
+    def weight_targets(self) -> dict[str, torch.Tensor]: ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def generate(self, prompts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine.
+
+    Attributes:
+        generator: ``module:qualname`` of its class, ``cls(node, *, seed, device)``.
+        check: ``module:qualname`` of ``check(node, *, device)``, which raises ``ConfigError`` for
+            what this machine cannot run (``""``: nothing to check beyond the node's own checks).
+    """
+
+    generator: str
+    check: str = ""
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "builtin": EngineSpec(generator="flowrl.operators.generation:Generator"),
+    "vllm": EngineSpec(
+        generator="flowrl.operators.engines.vllm_engine:VLLMGenerator",
+        check="flowrl.operators.engines.vllm_engine:check_vllm",
+    ),
+}
+
+
+def check_engine(node: GeneratorNode, *, device: str = "cpu") -> None:
+    """Raise ``ConfigError`` if ``node``'s engine cannot run here (before anything is loaded)."""
+    spec = ENGINES[node.engine]
+    if spec.check:
+        resolve(spec.check)(node, device=device)
+
+
+def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu") -> Any:
+    """The engine that samples for ``node`` (a ``GeneratorEngine``)."""
+    return resolve(ENGINES[node.engine].generator)(node, seed=seed, device=device)

