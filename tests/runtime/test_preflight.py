@@ -47,6 +47,7 @@ def test_an_hf_model_too_big_for_this_machine_is_refused_before_it_is_built(tmp_
     big.mkdir()
     config = json.loads((ASSETS / "config.json").read_text())
     config.update(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8, vocab_size=128256)
+    config.pop("head_dim", None)  # the small model's head width would stay (transformers reads it): 16384 / 128 it is
     (big / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (big / name).write_bytes((ASSETS / name).read_bytes())
