@@ -36,4 +36,24 @@ class FlowrlWorkerExtension:
 
         weights = load_file(path)
         self.reload_weights(weights_iterator=iter(weights.items()))
+        _refresh_tied_lm_head(self.model_runner.get_model())
         return len(weights)
+
+
+def _refresh_tied_lm_head(model: Any) -> None:
+    """Rebuild a tied LM head's kernel from the embedding it shares.
+
+    With tied embeddings the model's ``load_weights`` skips ``lm_head.weight`` (the embedding holds
+    it), so the layer-wise reload loads nothing into the LM head and puts its old kernel tensors back;
+    on a CPU the head's GEMM is a closure over a packed copy (oneDNN / sgl) of the weight made at
+    load time, so logits kept coming from the first weights while the embedding moved on (mu !=
+    pi: aipo/kl 0.023 at k = 0). Re-running the head's post-load processing packs the shared,
+    updated weight again. Untied heads are reloaded (and repacked) like every other layer.
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
