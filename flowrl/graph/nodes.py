@@ -39,6 +39,7 @@ import msgspec
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import AnyModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
 
 __all__ = [
@@ -122,17 +123,35 @@ class SourceNode(NodeBase, tag="source"):
 
 
 class GeneratorNode(NodeBase, tag="generator"):
-    """Samples completions with the behaviour policy mu."""
+    """Samples completions with the behaviour policy mu.
+
+    Attributes:
+        env: multi-turn episodes against an environment (``flowrl.graph.envs``); None: one completion
+            per sample. With one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
+    """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    env: EnvConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.env is not None and self.sampling.batching != "lockstep":
+            raise ConfigError(
+                f"generator {self.name!r}: env={self.env.env!r} runs multi-turn episodes in lock step only; "
+                f"batching={self.sampling.batching!r} does not park a sample waiting on its environment yet: "
+                "set batching='lockstep' (the default)"
+            )
 
     def signature(self) -> Signature:
-        return Signature(_fields(SOURCE_FIELDS), _fields(ROLLOUT_FIELDS))
+        outputs = _fields(ROLLOUT_FIELDS)
+        if self.env is not None:
+            outputs.update(_fields(ENV_FIELDS))
+        return Signature(_fields(SOURCE_FIELDS), outputs)
 
     def describe(self) -> str:
         s = self.sampling
-        return f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}"
+        text = f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}"
+        return text + (f", env={self.env.env}, max_turns={self.env.max_turns}" if self.env is not None else "")
 
 
 class ScorerNode(NodeBase, tag="scorer"):

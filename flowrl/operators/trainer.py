@@ -170,6 +170,7 @@ class Trainer:
                     part["completion_ids"],
                     part["completion_mask"],
                     temperature=part.get("sampling_temperature", 1.0),
+                    completion_lens=part.get("completion_lens"),  # the extent: a multi-turn sample's env tokens are attended, not trained
                 )
             loss, _ = compute_loss(config, logprobs, part, advantages=adv[start : start + size], normalizer=normalizer)
             loss.backward()
