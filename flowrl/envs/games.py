@@ -6,10 +6,13 @@
   right second guess, else 0. Prompts: ``GuessTask`` (``<s>=`` for every position).
 - ``CalcEnv``: arithmetic with a calculator tool (``flowrl run calc_agent``). The prompt is a sum,
   ``<s>27+38=``. A model turn that is an expression (``27+38``, the stop token after it) is a
-  calculator call: the observation is its value followed by ``=`` (``65=``). A turn that is a bare
-  number is the final answer: reward ``positional_reward`` against the true sum (1 when right; partial
-  credit per digit), plus ``call_bonus`` once if an earlier call computed exactly the question's
-  expression. Anything else ends the episode with reward 0. Prompts: ``CalcTask``.
+  calculator call: the observation is its value followed by ``=`` (``65=``); any other turn but a
+  bare number is a malformed call, answered ``-=``. The first call earns ``call_credit`` times its
+  ``positional_reward`` against the question's expression (shaping: how well it copied the
+  question). A turn that is a bare number is the final answer: after a call, its
+  ``positional_reward`` against the true sum (1 when right, partial credit per digit); without one,
+  1 only when exactly right (a tiny model cannot add two 2-digit numbers by itself, so guessing
+  earns nearly nothing and the calculator is the way). Prompts: ``CalcTask``.
 
 Both are plain Python classes following ``flowrl.envs.base`` (one instance per sample).
 
@@ -23,9 +26,12 @@ Example:
     >>> calc = CalcEnv()
     >>> calc.reset({"prompt": "<s>27+38="})
     >>> calc.step("27+38</s>")
-    ('65=', 0.0, {'call': '27+38'})
+    ('65=', 0.5, {'call': '27+38'})
     >>> calc.step("65</s>")
-    (None, 1.1, {'answer': 65})
+    (None, 1.0, {'answer': 65})
+    >>> calc.reset({"prompt": "<s>27+38="})
+    >>> calc.step("64</s>")  # no call: only an exact answer counts
+    (None, 0.0, {'answer': 64})
 """
 
 from __future__ import annotations
@@ -107,11 +113,11 @@ class CalcEnv:
     """Arithmetic with a calculator (see the module docstring).
 
     Args:
-        call_bonus: reward added to a final answer when an earlier call computed the question exactly.
+        call_credit: the most the first call earns (for copying the question's expression exactly).
     """
 
-    def __init__(self, call_bonus: float = 0.1) -> None:
-        self.call_bonus = call_bonus
+    def __init__(self, call_credit: float = 0.5) -> None:
+        self.call_credit = call_credit
         self.question = ""
         self.called = False
 
@@ -124,24 +130,27 @@ class CalcEnv:
     @staticmethod
     def _value(expr: str) -> int:
         m = _EXPR.match(expr)
-        assert m is not None
+        if m is None:
+            raise ValueError(f"not an expression: {expr!r}")
         a, op, b = int(m[1]), m[2], int(m[3])
         return a + b if op == "+" else a - b
 
     def step(self, action: str) -> tuple[str | None, float, dict[str, Any]]:
+        from flowrl.operators.tasks import positional_reward
+
         text = _strip(action)
-        if _EXPR.match(text):
-            self.called = self.called or text == self.question
-            return f"{self._value(text)}=", 0.0, {"call": text}
+        if not _NUMBER.match(text) or not _EXPR.match(self.question):  # a call (a malformed one gets "-=")
+            reward = 0.0 if self.called else self.call_credit * positional_reward(_TOK.encode(self.question), _TOK.encode(action))
+            self.called = True
+            return (f"{self._value(text)}=" if _EXPR.match(text) else "-="), reward, {"call": text}
         if _NUMBER.match(text) and _EXPR.match(self.question):
-            answer = int(text)
             target = _TOK.encode(str(self._value(self.question)))
             got = _TOK.encode(action)
-            from flowrl.operators.tasks import positional_reward
-
-            reward = positional_reward(target, got) + (self.call_bonus if self.called else 0.0)
-            return None, reward, {"answer": answer}
-        return None, 0.0, {"invalid": text}
+            if self.called:
+                reward = positional_reward(target, got)
+            else:
+                reward = float(got[: len(target) + 1] == [*target, _TOK.eos_id])
+            return None, reward, {"answer": int(text)}
 
 
 class CalcTask:
