@@ -22,7 +22,7 @@ def build_calc_agent(*, max_staleness: int = 1) -> Graph:
     prompts = b.source("prompts", task="flowrl.envs.games:calc_task", batch_size=16)
     gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=6, env="flowrl.envs.games:CalcEnv", max_turns=2)
     aipo = b.loss("aipo", gen, objective="aipo", rho=4.0, normalize_std=True)  # reads the env's rewards (env_rewards)
-    policy = b.policy("policy", aipo, lr=2e-3)
+    policy = b.policy("policy", aipo, lr=1e-3)
     b.weights(policy, gen, max_staleness=max_staleness)
     return b.build()
 

@@ -178,6 +178,12 @@ class GraphBuilder:
 
     def reference(self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None) -> Node:
         """A frozen copy of the initial policy, writing ``ref_logprobs``."""
+        source = self._lookup(rollouts, reader=name)
+        if isinstance(source, GeneratorNode) and source.env is not None:
+            raise ConfigError(
+                f"reference {name!r}: its generator {source.name!r} runs multi-turn episodes (env=), and the reference "
+                "does not yet attend their environment tokens (it reads no completion_lens); drop the reference (kl_coef=0)"
+            )
         return self.add(ReferenceNode(name=name, model=model or self.model), (rollouts,))
 
     def loss(self, name: str, *inputs: NodeRef, config: LossConfig | None = None, **kwargs: Any) -> Node:

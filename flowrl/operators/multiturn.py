@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ from flowrl.operators.batch import Batch
 from flowrl.operators.env_tokens import ObservationEncoder, observation_encoder
 from flowrl.operators.generation import Generator, _mix, rollout_batch
 
-__all__ = ["MultiTurnGenerator", "Episode"]
+__all__ = ["MultiTurnGenerator", "Episode", "row_fields"]
 
 log = logging.getLogger("flowrl.envs")
 
@@ -87,13 +87,21 @@ class MultiTurnGenerator:
         generator: the node's ``Generator`` (its model, weights, version, sampling and tokens).
         node: the generator node, with ``env`` set.
         encoder: how observations become tokens (default: ``observation_encoder`` of the node's model).
+        rows: stream position -> the prompt file row's other fields, added to ``reset``'s row (``row_fields``).
 
     Raises:
         ConfigError: for an environment without ``reset``/``step``, or a chat template that cannot be
             applied incrementally (both before any work).
     """
 
-    def __init__(self, generator: Generator, node: GeneratorNode, *, encoder: ObservationEncoder | None = None) -> None:
+    def __init__(
+        self,
+        generator: Generator,
+        node: GeneratorNode,
+        *,
+        encoder: ObservationEncoder | None = None,
+        rows: Callable[[int], dict[str, Any]] | None = None,
+    ) -> None:
         if node.env is None:
             raise ValueError(f"generator {node.name!r} has no env")
         self.gen, self.config = generator, node.env
@@ -101,6 +109,7 @@ class MultiTurnGenerator:
         self.factory = resolve(self.config.env)
         check_env(self.factory, owner=owner)
         self.encoder = encoder if encoder is not None else observation_encoder(node.model, role=self.config.role, owner=owner)
+        self.rows = rows
 
     def _observe(self, ep: Episode, value: Any, *, where: str, model_stopped: bool) -> None:
         """Append an observation's tokens (mask 0), or fail the episode."""
@@ -164,7 +173,7 @@ class MultiTurnGenerator:
             for j in range(n):
                 episodes.append(Episode(prompt=prompt))
                 row = {"prompt": gen._decode(prompt), "prompt_ids": prompt, "prompt_index": int(index[p]), "sample": j}
-                row.update(rows[p] if rows else {})
+                row.update(rows[p] if rows else self.rows(int(index[p])) if self.rows is not None else {})
                 reset_args.append((row,))
         t0 = time.perf_counter()
         env_wall = 0.0
@@ -270,6 +279,18 @@ class MultiTurnGenerator:
             "env/env_tokens": sum(len(ep.mask) for ep in episodes) / S - model / S,
             "env/reward_mean": sum(0.0 if ep.error else ep.reward for ep in episodes) / S,
         }
+
+
+def row_fields(graph: Any, generator: str) -> Callable[[int], dict[str, Any]] | None:
+    """Stream position -> the prompt file row's fields (all but the prompt), for the source upstream of
+    ``generator``; None for a task source (no file)."""
+    from flowrl.data.wiring import open_source_stream, source_of
+
+    source = source_of(graph, generator)
+    if source is None or not source.source.data:
+        return None
+    stream = open_source_stream(graph, source.name, warn=False)
+    return stream.fields
 
 
 def _reset(factory: Any, row: dict[str, Any]) -> tuple[Any, Any]:

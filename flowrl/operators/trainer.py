@@ -173,7 +173,8 @@ class Trainer:
                     completion_lens=part.get("completion_lens"),  # the extent: a multi-turn sample's env tokens are attended, not trained
                 )
             loss, _ = compute_loss(config, logprobs, part, advantages=adv[start : start + size], normalizer=normalizer)
-            loss.backward()
+            if loss.requires_grad:  # a micro-batch without a trainable token (e.g. multi-turn samples that all failed) adds nothing
+                loss.backward()
             pieces.append(logprobs.detach())
         with torch.no_grad():
             all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])

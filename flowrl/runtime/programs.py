@@ -212,9 +212,9 @@ class GeneratorProgram(ProgramBase):
         self._continuous = None
         self._multiturn = None
         if node.env is not None:  # multi-turn episodes against an environment (lock step)
-            from flowrl.operators.multiturn import MultiTurnGenerator
+            from flowrl.operators.multiturn import MultiTurnGenerator, row_fields
 
-            self._multiturn = MultiTurnGenerator(self.generator, node)
+            self._multiturn = MultiTurnGenerator(self.generator, node, rows=row_fields(graph, node.name))
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
             self._group_count = feed.source.batch_size  # type: ignore[attr-defined]

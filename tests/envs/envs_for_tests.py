@@ -100,3 +100,13 @@ class SlowEcho(Echo):
     def step(self, action: str) -> tuple[str | None, float, dict]:
         time.sleep(0.2)
         return "12=", 1.0, {}
+
+
+class RowReward:
+    """Ends at once with the prompt row's ``want`` field as reward (checks that rows reach reset)."""
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.want = float(row["want"])
+
+    def step(self, action: str) -> tuple[None, float, dict]:
+        return None, self.want, {}

@@ -134,3 +134,31 @@ def test_a_multi_turn_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_pa
     a = torch.load(whole.checkpoint / "policy-policy.pt", weights_only=True)["model"]
     b = torch.load(resumed.checkpoint / "policy-policy.pt", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_reference_on_a_multi_turn_generator_is_refused():
+    b = GraphBuilder("x", model=MODEL)
+    gen = b.generator("gen", b.source("prompts", task="flowrl.envs.games:guess_task"), env="flowrl.envs.games:GuessNumberEnv")
+    with pytest.raises(ConfigError, match="does not yet attend their environment tokens"):
+        b.reference("ref", gen)
+
+
+def test_reset_gets_the_prompt_file_rows_fields(tmp_path, hf_qwen2_chat_dir):
+    """A prompt file's other fields reach ``reset``'s row: the reward each sample gets is its row's ``want``."""
+    import json
+
+    from flowrl.graph.configs import HFModelConfig
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"q": f"a b {i}", "want": i}) + "\n" for i in range(4)))
+    b = GraphBuilder("rows", model=HFModelConfig(path=str(hf_qwen2_chat_dir), max_seq_len=64))
+    prompts = b.source("prompts", data=str(data), prompt_field="q", batch_size=2, shuffle=False)
+    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=2, env=f"{ENVS}:RowReward", max_turns=1)
+    policy = b.policy("policy", b.loss("aipo", gen), lr=1e-4)
+    b.weights(policy, gen, max_staleness=0)
+    result = run_graph(b.build(), RunConfig(steps=2, stall_timeout_s=120))
+    from flowrl.data.wiring import row_of
+
+    for r in result.rows:
+        wants = [row_of(b.build(), "prompts", p) for p in r["prompt_index"]]
+        assert r["env/reward_mean"] == pytest.approx(sum(wants) / len(wants))

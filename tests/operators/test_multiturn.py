@@ -196,3 +196,24 @@ def test_the_trainer_attends_environment_tokens_so_an_on_policy_ratio_is_one():
     metrics = trainer.train_step(out)
     assert abs(metrics["aipo/ratio_max"] - 1.0) < 1e-4 and abs(metrics["aipo/ratio_mean"] - 1.0) < 1e-5  # float32: ~1e-6 seen
     assert metrics["aipo/tokens"] == float(out["completion_mask"].sum())
+
+
+def test_a_batch_whose_samples_all_failed_trains_nothing_and_does_not_crash():
+    """Every reset raises: no token to train; the step still runs (the weights do not move) and the version advances."""
+    from flowrl.operators.trainer import Trainer
+
+    from .helpers import loss_node, tiny_policy_node
+
+    node = GeneratorNode(name="gen", model=MODEL, sampling=SamplingConfig(n_samples=2, max_new_tokens=4),
+                         env=EnvConfig(env=f"{ENVS}:ResetRaises", max_turns=2))
+    mt = MultiTurnGenerator(Generator(node, seed=0), node)
+    out, metrics = mt.generate(prompts_of(PROMPTS, start=1) | {"prompt_index": torch.tensor([1, 3])})
+    assert out["env_failed"].tolist() == [True, False, True, False] and metrics["env/failed"] == 2.0
+    out["env_failed"][:] = True
+    out["completion_mask"][:] = False  # as if every sample had failed in reset: no token at all
+    out["completion_lens"][:] = 0
+    trainer = Trainer(tiny_policy_node(MODEL), loss_node(reward_weights={"env_rewards": 1.0}))
+    before = {k: v.clone() for k, v in trainer.weights().items()}
+    trainer.train_step(out)
+    assert trainer.version == 1
+    assert all(torch.equal(before[k], v) for k, v in trainer.weights().items())
