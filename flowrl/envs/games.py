@@ -5,14 +5,15 @@
   ``-`` (lower), or ends the episode on a right guess. Reward 1 for a right first guess, 0.5 for a
   right second guess, else 0. Prompts: ``GuessTask`` (``<s>=`` for every position).
 - ``CalcEnv``: arithmetic with a calculator tool (``flowrl run calc_agent``). The prompt is a sum,
-  ``<s>27+38=``. A model turn that is an expression (``27+38``, the stop token after it) is a
-  calculator call: the observation is its value followed by ``=`` (``65=``); any other turn but a
-  bare number is a malformed call, answered ``-=``. The first call earns ``call_credit`` times its
-  ``positional_reward`` against the question's expression (shaping: how well it copied the
-  question). A turn that is a bare number is the final answer: after a call, its
-  ``positional_reward`` against the true sum (1 when right, partial credit per digit); without one,
-  1 only when exactly right (a tiny model cannot add two 2-digit numbers by itself, so guessing
-  earns nearly nothing and the calculator is the way). Prompts: ``CalcTask``.
+  ``<s>27+38=``. The call is a short fixed form in the tokenizer's vocabulary: a model turn ``=``
+  calls the calculator on the question, an expression (``27+38=`` or ``27+38</s>``) calls it on that
+  expression; either way the observation is the value followed by ``=`` (``65=``). The generator
+  stops a turn at ``</s>`` or ``=`` (``stop_tokens``), so the call is one token. A turn that is a
+  bare number (``65</s>`` or ``65=``) is the final answer: after a call, its ``positional_reward``
+  against the true sum (1 when right, partial credit per digit); without a call, 1 only when exactly
+  right (a tiny model cannot add two 2-digit numbers by itself: guessing earns nearly nothing, the
+  calculator is the way). Any other turn is a malformed call, answered ``-=``. ``call_credit``
+  (default 0) rewards the first call, for shaping experiments. Prompts: ``CalcTask``.
 
 Both are plain Python classes following ``flowrl.envs.base`` (one instance per sample).
 
@@ -25,8 +26,8 @@ Example:
     (None, 0.5, {'secret': 1})
     >>> calc = CalcEnv()
     >>> calc.reset({"prompt": "<s>27+38="})
-    >>> calc.step("27+38</s>")
-    ('65=', 0.5, {'call': '27+38'})
+    >>> calc.step("=")
+    ('65=', 0.0, {'call': '27+38'})
     >>> calc.step("65</s>")
     (None, 1.0, {'answer': 65})
     >>> calc.reset({"prompt": "<s>27+38="})
@@ -116,7 +117,7 @@ class CalcEnv:
         call_credit: the most the first call earns (for copying the question's expression exactly).
     """
 
-    def __init__(self, call_credit: float = 0.5) -> None:
+    def __init__(self, call_credit: float = 0.0) -> None:
         self.call_credit = call_credit
         self.question = ""
         self.called = False
@@ -139,18 +140,19 @@ class CalcEnv:
         from flowrl.operators.tasks import positional_reward
 
         text = _strip(action)
-        if not _NUMBER.match(text) or not _EXPR.match(self.question):  # a call (a malformed one gets "-=")
-            reward = 0.0 if self.called else self.call_credit * positional_reward(_TOK.encode(self.question), _TOK.encode(action))
-            self.called = True
-            return (f"{self._value(text)}=" if _EXPR.match(text) else "-="), reward, {"call": text}
-        if _NUMBER.match(text) and _EXPR.match(self.question):
-            target = _TOK.encode(str(self._value(self.question)))
-            got = _TOK.encode(action)
+        ended = text.endswith("=") or _END in action
+        body = text[:-1] if text.endswith("=") else text
+        if ended and _NUMBER.match(body) and _EXPR.match(self.question):  # the final answer
+            target, got = _TOK.encode(str(self._value(self.question))), [*_TOK.encode(body), _TOK.eos_id]
             if self.called:
-                reward = positional_reward(target, got)
-            else:
-                reward = float(got[: len(target) + 1] == [*target, _TOK.eos_id])
-            return None, reward, {"answer": int(text)}
+                return None, positional_reward(target, got), {"answer": int(body)}
+            return None, float(got == [*target, _TOK.eos_id]), {"answer": int(body)}
+        expr = self.question if body == "" and text == "=" else body
+        if _EXPR.match(expr):
+            reward = 0.0 if self.called else self.call_credit
+            self.called = True
+            return f"{self._value(expr)}=", reward, {"call": expr}
+        return "-=", 0.0, {"call": text}
 
 
 class CalcTask:

@@ -14,13 +14,14 @@ AGENT_MODEL = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_hea
 
 
 def build_calc_agent(*, max_staleness: int = 1) -> Graph:
-    """Sums of two 2-digit numbers, ``<s>27+38=``: the model may call the calculator by writing the
-    expression (``27+38</s>``), reads the result (``65=``, environment tokens, never trained) and
-    answers (``65</s>``); ``CalcEnv`` rewards the answer digit by digit, plus 0.1 for having called
-    the calculator on the question itself."""
+    """Sums of two 2-digit numbers, ``<s>27+38=``: the model may call the calculator with ``=`` (a
+    turn ends at ``</s>`` or ``=``), reads the result (``65=``, environment tokens, never trained) and
+    answers (``65</s>``); ``CalcEnv`` rewards an answer after a call digit by digit, one without a
+    call only when exactly right."""
     b = GraphBuilder("calc_agent", model=AGENT_MODEL)
     prompts = b.source("prompts", task="flowrl.envs.games:calc_task", batch_size=16)
-    gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=6, env="flowrl.envs.games:CalcEnv", max_turns=2)
+    gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=6, stop_tokens=(2, 14),  # a turn ends at </s> or =
+                      env="flowrl.envs.games:CalcEnv", max_turns=2)
     aipo = b.loss("aipo", gen, objective="aipo", rho=4.0, normalize_std=True)  # reads the env's rewards (env_rewards)
     policy = b.policy("policy", aipo, lr=1e-3)
     b.weights(policy, gen, max_staleness=max_staleness)
