@@ -110,3 +110,20 @@ class RowReward:
 
     def step(self, action: str) -> tuple[None, float, dict]:
         return None, self.want, {}
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+from flowrl.envs.tools import ToolEnv  # noqa: E402
+
+
+class Calculator(ToolEnv):
+    """The README's tool environment."""
+
+    tools = (add,)
+
+    def reward(self, answer: str, row: dict[str, Any]) -> float:
+        return float(answer.strip().removesuffix("</s>").strip() == str(row["answer"]))

@@ -162,3 +162,25 @@ def test_reset_gets_the_prompt_file_rows_fields(tmp_path, hf_qwen2_chat_dir):
     for r in result.rows:
         wants = [row_of(b.build(), "prompts", p) for p in r["prompt_index"]]
         assert r["env/reward_mean"] == pytest.approx(sum(wants) / len(wants))
+
+
+def test_the_readmes_tool_environment_runs_on_a_chat_model(tmp_path, hf_qwen2_chat_dir):
+    """The README's shape (a ToolEnv subclass passed as a class, role='tool', a prompt file with an
+    ``answer`` field) runs two steps on a tiny chat model: no episode fails."""
+    import json
+
+    from flowrl.graph.configs import HFModelConfig
+
+    from .envs_for_tests import Calculator
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + {i}", "answer": 2 * i}) + "\n" for i in range(4)))
+    b = GraphBuilder("agent", model=HFModelConfig(path=str(hf_qwen2_chat_dir), max_seq_len=64))
+    prompts = b.source("prompts", data=str(data), prompt_field="question", chat_template=True, batch_size=2)
+    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4, env=Calculator, max_turns=3, role="tool")
+    policy = b.policy("policy", b.loss("aipo", gen), lr=1e-4)
+    b.weights(policy, gen, max_staleness=1)
+    graph = b.build()
+    assert graph.node("gen").env.env == "tests.envs.envs_for_tests:Calculator"
+    result = run_graph(graph, RunConfig(steps=2, stall_timeout_s=120))
+    assert [r["env/failed"] for r in result.rows] == [0.0, 0.0]
