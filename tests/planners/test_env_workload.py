@@ -32,3 +32,13 @@ def test_environment_seconds_add_to_the_generators_time_and_show_in_its_breakdow
     assert slow.breakdown["env"] == 3.0 and "env" not in plain.breakdown
     with pytest.raises(PlanError, match="env_s=-1.0 must be"):
         msgspec.structs.replace(base, env_s=-1.0)
+
+
+def test_flowrl_plan_takes_environment_seconds(tmp_path):
+    """``flowrl plan --env-s`` reaches the plan's workload and the generator's estimate."""
+    from flowrl.cli.main import main
+    from flowrl.planners.plan_data import load_plan
+
+    assert main(["plan", "calc_agent", "--cluster", "cpu:2", "--env-s", "0.4", "-o", str(tmp_path / "p.json")]) == 0
+    plan = load_plan(str(tmp_path / "p.json"))
+    assert plan.workload.env_s == 0.4
