@@ -8,7 +8,8 @@ An environment is any object with two methods, sync or ``async``:
   is appended after the prompt before the first model turn; ``None`` or ``""`` appends nothing.
 - ``step(action: str) -> (observation | None, reward, info)``: the model's turn as text (decoded from
   its sampled tokens, the stop token included); ``None`` ends the episode, a string (or a message
-  ``{"role": ..., "content": ...}``) is the next observation; ``reward`` is a finite real number (an
+  ``{"role": ..., "content": ...}``, whose content is sent as the generator's ``EnvConfig.role``) is
+  the next observation; ``reward`` is a finite real number (an
   episode's rewards are summed); ``info`` is a dict (or None).
 
 One instance per sample (the class or factory is called with no arguments). Each call runs in a
