@@ -67,6 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-len-mean", type=float, metavar="N", help="mean generated tokens per completion (default: every completion runs to --gen-len)")
     p.add_argument("--tail-frac", type=float, default=0.05, metavar="F", help="with --gen-len-mean: the fraction of completions that run to --gen-len (default: 0.05)")
     p.add_argument("--lengths-from", metavar="METRICS", help="completion lengths of a real run: its 'flowrl run --metrics' file")
+    p.add_argument("--env-s", type=float, metavar="S",
+                   help="seconds per step the generator waits on environments (multi-turn rollouts; a run's metrics report env/seconds): a generator-side delay")
     p.add_argument("--batching", choices=("lockstep", "continuous"), help="the generator's batching (default: the graph's, else lockstep)")
     p.add_argument("--gen-precision", choices=("float32", "bfloat16", "float16", "float8"), help="generator weight dtype (LlamaRL: float8)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a tuning constant (listed below)")
@@ -129,6 +131,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.gen_len_mean is not None:
         lengths = mean_and_tail(mean=args.gen_len_mean, max_len=workload.gen_len, tail_frac=args.tail_frac)
         workload = msgspec.structs.replace(workload, lengths=lengths)
+    if args.env_s is not None:
+        workload = msgspec.structs.replace(workload, env_s=args.env_s)
     plan = plan_graph(graph, cluster, strategy=args.strategy, max_staleness=args.max_staleness, workload=workload, model=model, **tuning)
     if args.output:
         save_plan(plan, args.output)

@@ -2,7 +2,7 @@
 
 Example:
     >>> sorted(EXAMPLES)
-    ['hf_copy', 'llamarl', 'llamarl_ref', 'longtail', 'qwen_math', 'two_scorers']
+    ['calc_agent', 'guess_game', 'hf_copy', 'llamarl', 'llamarl_ref', 'longtail', 'qwen_math', 'two_scorers']
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flowrl.errors import GraphError
+from flowrl.examples.agents import build_calc_agent, build_guess_game
 from flowrl.examples.hf_copy import build_hf_copy
 from flowrl.examples.longtail import build_longtail
 from flowrl.examples.qwen_math import build_qwen_math
@@ -25,6 +26,8 @@ EXAMPLES: dict[str, tuple[Callable[[], Graph], str]] = {
     "hf_copy": (build_hf_copy, "a Hugging Face Llama (random init, word tokenizer) learns to copy digits from a JSONL prompt file"),
     "longtail": (build_longtail, "the default pipeline on the longtail task: completion lengths from a heavy-tailed law (continuous batching's case)"),
     "qwen_math": (build_qwen_math, "Qwen2.5-0.5B-Instruct on math word problems, math-verify reward; point --model at your local copy"),
+    "calc_agent": (build_calc_agent, "the built-in model learns to call a calculator tool for sums (multi-turn, CalcEnv)"),
+    "guess_game": (build_guess_game, "a two-turn guessing game: the environment says higher or lower after a wrong guess"),
     "two_scorers": (build_two_scorers, "two scorers (correctness and brevity) whose rewards the loss weighs"),
 }
 

@@ -25,6 +25,7 @@ import msgspec
 
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.engines import Engine
+from flowrl.graph.envs import EnvConfig
 from flowrl.graph.configs import HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
 from flowrl.graph.nodes import (
@@ -144,15 +145,29 @@ class GraphBuilder:
         model: ModelConfig | None = None,
         sampling: SamplingConfig | None = None,
         engine: Engine = "builtin",
+        env: EnvConfig | str | type | Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Node:
         """Samples completions from ``prompts``; keyword arguments are ``SamplingConfig`` fields.
 
-        ``engine`` picks what samples: ``"builtin"`` (flowrl's decode loop) or ``"vllm"`` (a vLLM
-        engine, for a Hugging Face model; see ``flowrl.graph.engines``)."""
+        ``env`` makes it multi-turn (``flowrl.operators.multiturn``): an environment class or factory
+        (stored by reference, like a scorer's function), its reference string, or an ``EnvConfig``;
+        the keyword arguments that are ``EnvConfig`` fields (``max_turns``, ``step_timeout_s``, ...)
+        go to it. ``engine`` picks what samples: ``"builtin"`` (flowrl's decode loop) or ``"vllm"`` (a
+        vLLM engine, for a Hugging Face model; see ``flowrl.graph.engines``).
+        """
+        env_config = None
+        if env is not None:
+            if not isinstance(env, EnvConfig):
+                env = EnvConfig(env=reference_of(env))
+            env_config = _config(EnvConfig, env, kwargs, f"generator {name!r}")
+        elif any(k in EnvConfig.__struct_fields__ and k != "env" for k in kwargs):
+            raise ConfigError(f"generator {name!r}: {sorted(k for k in kwargs if k in EnvConfig.__struct_fields__)} "
+                              "apply to a generator with an environment only; pass env=")
         cfg = _config(SamplingConfig, sampling, kwargs, f"generator {name!r}")
         self._no_leftovers("generator", name, kwargs)
-        return self.add(GeneratorNode(name=name, model=model or self.model, sampling=cfg, engine=engine), (prompts,))
+        node = GeneratorNode(name=name, model=model or self.model, sampling=cfg, engine=engine, env=env_config)
+        return self.add(node, (prompts,))
 
     def scorer(
         self,
@@ -183,6 +198,12 @@ class GraphBuilder:
 
     def reference(self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None) -> Node:
         """A frozen copy of the initial policy, writing ``ref_logprobs``."""
+        source = self._lookup(rollouts, reader=name)
+        if isinstance(source, GeneratorNode) and source.env is not None:
+            raise ConfigError(
+                f"reference {name!r}: its generator {source.name!r} runs multi-turn episodes (env=), and the reference "
+                "does not yet attend their environment tokens (it reads no completion_lens); drop the reference (kl_coef=0)"
+            )
         return self.add(ReferenceNode(name=name, model=model or self.model), (rollouts,))
 
     def loss(self, name: str, *inputs: NodeRef, config: LossConfig | None = None, **kwargs: Any) -> Node:
@@ -191,9 +212,10 @@ class GraphBuilder:
         With several scorers, ``reward_weights`` defaults to weight 1.0 for each scorer's output.
         """
         if config is None and "reward_weights" not in kwargs:
-            outputs = [
-                n.output for n in (self._lookup(r, reader=name) for r in inputs) if isinstance(n, ScorerNode)
-            ]
+            read = [self._lookup(r, reader=name) for r in inputs]
+            outputs = [n.output for n in read if isinstance(n, ScorerNode)]
+            # a generator with an environment brings its own rewards (flowrl.graph.envs)
+            outputs += ["env_rewards" for n in read if isinstance(n, GeneratorNode) and n.env is not None]
             if outputs:
                 kwargs["reward_weights"] = {o: 1.0 for o in outputs}
         cfg = _config(LossConfig, config, kwargs, f"loss {name!r}")

@@ -62,6 +62,10 @@ FIELDS: dict[str, FieldType] = {
     "group_ids": _t("int64", "sample"),  # which prompt of the batch each sample answers
     "rollout_version": _t("int64"),  # policy version of the weights that sampled (the oldest token's)
     "token_versions": _t("int64", "sample", "ctime"),  # version of the weights that drew each token
+    # generator with an environment (flowrl.graph.envs.ENV_FIELDS) -> loss, metrics
+    "env_rewards": _t("float32", "sample"),  # the sum of the environment's step rewards (0 for a failed sample)
+    "env_failed": _t("bool", "sample"),  # the episode failed (the environment raised, hung or returned garbage)
+    "env_turns": _t("int64", "sample"),  # model turns the episode took
     # reference -> loss
     "ref_logprobs": _t("float32", "sample", "ctime"),
     # loss -> policy

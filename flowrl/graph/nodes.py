@@ -40,6 +40,7 @@ import msgspec
 from flowrl.errors import ConfigError
 from flowrl.graph.engines import Engine, check_engine_options
 from flowrl.graph.configs import AnyModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
 
 __all__ = [
@@ -132,22 +133,40 @@ class GeneratorNode(NodeBase, tag="generator"):
             ``flowrl.operators.generation``) or ``"vllm"`` (a vLLM engine in the generator's process,
             ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step batches,
             float precisions). Either writes the same rollout fields.
+        env: multi-turn episodes against an environment (``flowrl.graph.envs``); None: one completion
+            per sample. With one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
     """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     engine: Engine = "builtin"
+    env: EnvConfig | None = None
 
     def __post_init__(self) -> None:
         check_engine_options(self)
+        if self.env is not None and self.engine != "builtin":
+            raise ConfigError(
+                f"generator {self.name!r}: env= runs multi-turn episodes on the built-in engine only; "
+                f"engine={self.engine!r} samples one completion per call: drop engine= or env="
+            )
+        if self.env is not None and self.sampling.batching != "lockstep":
+            raise ConfigError(
+                f"generator {self.name!r}: env={self.env.env!r} runs multi-turn episodes in lock step only; "
+                f"batching={self.sampling.batching!r} does not park a sample waiting on its environment yet: "
+                "set batching='lockstep' (the default)"
+            )
 
     def signature(self) -> Signature:
-        return Signature(_fields(SOURCE_FIELDS), _fields(ROLLOUT_FIELDS))
+        outputs = _fields(ROLLOUT_FIELDS)
+        if self.env is not None:
+            outputs.update(_fields(ENV_FIELDS))
+        return Signature(_fields(SOURCE_FIELDS), outputs)
 
     def describe(self) -> str:
         s = self.sampling
         engine = f", engine={self.engine}" if self.engine != "builtin" else ""
-        return f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}{engine}"
+        text = f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}{engine}"
+        return text + (f", env={self.env.env}, max_turns={self.env.max_turns}" if self.env is not None else "")
 
 
 class ScorerNode(NodeBase, tag="scorer"):

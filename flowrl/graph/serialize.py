@@ -61,4 +61,5 @@ def references(data: bytes | str | Graph) -> list[str]:
     spec = data.spec if isinstance(data, Graph) else _decode_spec(data)
     refs = {getattr(n, "fn") for n in spec.nodes if n.kind == "scorer"}
     refs |= {n.source.task for n in spec.nodes if n.kind == "source" and is_reference(n.source.task)}
+    refs |= {n.env.env for n in spec.nodes if n.kind == "generator" and getattr(n, "env", None) is not None}  # environments
     return sorted(refs)

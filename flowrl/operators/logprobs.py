@@ -211,6 +211,7 @@ def completion_logprobs(
     temperature: Tensor | float = 1.0,
     top_k: Tensor | int = 0,
     top_p: Tensor | float = 1.0,
+    completion_lens: Tensor | None = None,
 ) -> Tensor:
     """log p(y_t | x, y_<t) of every completion token, 0 where ``completion_mask`` is False.
 
@@ -229,6 +230,10 @@ def completion_logprobs(
             ``sampling_temperature``); logits are divided by it before ``log_softmax``.
         top_k: top-k of the sampling distribution, an int or ``[S]`` (``sampling_top_k``; 0: off).
         top_p: top-p of the sampling distribution, a float or ``[S]`` (``sampling_top_p``; 1: off).
+        completion_lens: ``[S]`` each completion's extent, when ``completion_mask`` is a loss mask
+            rather than a prefix (a multi-turn sample, ``flowrl.operators.multiturn``: its
+            environment's tokens are mask False but attended): the first ``completion_lens`` tokens
+            are attended, log-probs are still 0 where the mask is False. None: the mask's prefix.
 
     Returns:
         ``[S, C]`` float32.
@@ -236,13 +241,16 @@ def completion_logprobs(
     S, Tp = prompt_ids.shape
     C = completion_ids.shape[1]
     out = torch.zeros(S, C, dtype=torch.float32, device=completion_ids.device)
-    used = int(completion_mask.sum(1).max()) if S and C else 0  # trailing all-pad columns cost nothing
+    attended = completion_mask
+    if completion_lens is not None:  # multi-turn: every token up to the extent is attended, the mask is the loss's
+        attended = torch.arange(C, device=completion_ids.device)[None, :] < completion_lens.to(completion_ids.device)[:, None]
+    used = int(attended.sum(1).max()) if S and C else 0  # trailing all-pad columns cost nothing
     if used == 0:
         return out
     # Leading columns that are padding in every row change nothing either.
     skip = int(Tp - prompt_lens.max())
     prompt_ids = prompt_ids[:, skip:]
-    valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), completion_mask[:, :used]], dim=1)
+    valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)
     tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]  # the last token predicts nothing
     valid = valid[:, :-1]
     logits = model(tokens, valid=valid, keep=used).float()  # [S, used, V]: the last prompt token's logits predict y_0

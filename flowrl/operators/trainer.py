@@ -184,13 +184,15 @@ class Trainer:
                     temperature=part.get("sampling_temperature", 1.0),
                     top_k=part.get("sampling_top_k", 0),
                     top_p=part.get("sampling_top_p", 1.0),
+                    completion_lens=part.get("completion_lens"),  # the extent: a multi-turn sample's env tokens are attended, not trained
                 )
             # pi = 0 (-inf) only for a sampled token outside pi's kept set: weight 0, never inf or nan
             kept = ~torch.isneginf(logprobs)  # [s, C]
             logprobs = torch.where(kept, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
             inside = {**part, "completion_mask": part["completion_mask"] & kept}
             loss, _ = compute_loss(config, logprobs, inside, advantages=adv[start : start + size], normalizer=normalizer)
-            (loss * self.loss_scale).backward()
+            if loss.requires_grad:  # a micro-batch without a trainable token (e.g. multi-turn samples that all failed) adds nothing
+                (loss * self.loss_scale).backward()
             pieces.append(logprobs.detach())
             kept_pieces.append(kept)
         with torch.no_grad():

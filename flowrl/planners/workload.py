@@ -43,6 +43,10 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         lengths: how long completions are; None: every one runs to ``gen_len``.
         batching: the generator's batching mode, ``"lockstep"`` or ``"continuous"``
             (``flowrl.planners.lengths``).
+        env_s: seconds per step the generator waits on environments (multi-turn rollouts,
+            ``flowrl.operators.multiturn``): a generator-side delay added to its estimated time
+            (``estimate.generate``). A graph cannot know it: 0 unless given (a run's metrics rows
+            report it as ``env/seconds``).
     """
 
     prompts_per_step: int
@@ -51,8 +55,11 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     gen_len: int
     lengths: LengthDistribution | None = None
     batching: Batching = "lockstep"
+    env_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (self.env_s >= 0.0 and self.env_s != float("inf")):
+            raise PlanError(f"workload env_s={self.env_s} must be a finite number >= 0 (seconds per step)")
         for name in ("prompts_per_step", "samples_per_prompt", "prompt_len", "gen_len"):
             if getattr(self, name) < 1:
                 raise PlanError(f"workload {name}={getattr(self, name)} must be >= 1")
@@ -126,21 +133,28 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     values: dict[str, object] = {
         "prompts_per_step": sum(s.source.batch_size for s in sources) if sources else None,  # type: ignore[union-attr]
         "samples_per_prompt": max(g.sampling.n_samples for g in gens) if gens else None,  # type: ignore[union-attr]
-        "gen_len": max(g.sampling.max_new_tokens for g in gens) if gens else None,  # type: ignore[union-attr]
+        "gen_len": max(_model_tokens(g) for g in gens) if gens else None,
         "prompt_len": None,
     }
     if gens:
         g = gens[0]
         limits = [p.source.max_prompt_len for p in graph.producers(g.name) if p.kind == "source" and p.source.max_prompt_len]  # type: ignore[attr-defined]
-        values["prompt_len"] = max(limits) if limits else max(1, g.model.max_seq_len - g.sampling.max_new_tokens)  # type: ignore[union-attr]
+        values["prompt_len"] = max(limits) if limits else max(1, g.model.max_seq_len - _model_tokens(g))  # type: ignore[union-attr]
     optional = {"batching": graph_batching(graph)}
-    optional.update({k: overrides.pop(k) for k in ("lengths", "batching") if overrides.get(k) is not None})
+    optional.update({k: overrides.pop(k) for k in ("lengths", "batching", "env_s") if overrides.get(k) is not None})
     values.update({k: v for k, v in overrides.items() if v is not None})
     missing = [k for k, v in values.items() if v is None]
     if missing:
         flags = {"prompts_per_step": "--prompts-per-step", "samples_per_prompt": "--samples", "prompt_len": "--prompt-len", "gen_len": "--gen-len"}
         raise PlanError(f"graph {graph.name!r} does not say its {', '.join(missing)}; give {' and '.join(flags[m] for m in missing)}")
     return Workload(**values, **optional)  # type: ignore[arg-type]
+
+
+def _model_tokens(gen: object) -> int:
+    """The most tokens a generator's model samples per completion: ``max_new_tokens`` per model turn, times
+    ``max_turns`` for a multi-turn generator (``env``; its environments' tokens are not sampled)."""
+    env = getattr(gen, "env", None)
+    return int(gen.sampling.max_new_tokens) * (int(env.max_turns) if env is not None else 1)  # type: ignore[attr-defined]
 
 
 def graph_batching(graph: Graph) -> str:

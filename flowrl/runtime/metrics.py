@@ -129,6 +129,7 @@ def step_row(
     if len(rewards) > 1:
         row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
     row.update({key: value for key, value in info.items() if "/" in key})
+    row.update({key: float(value) for key, value in gen.items() if key.startswith("env/")})  # a multi-turn generator's
     prompts = batch.get("prompt_index")
     row["prompt_index"] = sorted(set(prompts.tolist())) if prompts is not None else []  # exactly-once is checkable from the file
     return row

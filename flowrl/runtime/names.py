@@ -1,7 +1,7 @@
 """The names a graph uses, checked against this run's registries at run start.
 
 A graph file holds names, not code: a built-in task (``TASKS``), an objective (``LOSSES``), a
-weight transport. Building or validating a graph checks only their form (``flowrl.graph.validate``),
+weight transport, a generator's environment. Building or validating a graph checks only their form (``flowrl.graph.validate``),
 so the IR imports no torch; which names exist is known where the run starts, in the process that
 registered them, and is checked here before any work.
 
@@ -30,6 +30,7 @@ def check_names(graph: Graph) -> None:
         ConfigError: an unknown task (listing the built-in ones).
         GraphError: an unknown objective (listing the known ones).
         TransportError: an unknown transport (``check_transports``).
+        ConfigError / GraphError: a generator's environment that does not resolve or lacks ``reset``/``step``.
     """
     from flowrl.operators.losses import LOSSES
     from flowrl.operators.tasks import TASKS
@@ -48,3 +49,10 @@ def check_names(graph: Graph) -> None:
         if objective not in LOSSES:
             raise GraphError(f"loss {node.name!r}: unknown objective {objective!r}; known objectives are {', '.join(sorted(LOSSES))}")
     check_transports(e.transport for e in graph.weight_edges)
+    for node in graph.nodes_of_kind("generator"):
+        env = getattr(node, "env", None)
+        if env is not None:  # a multi-turn generator's environment: resolvable, with reset and step
+            from flowrl.envs.base import check_env
+            from flowrl.graph.refs import resolve
+
+            check_env(resolve(env.env), owner=f"generator {node.name!r}")

@@ -210,6 +210,11 @@ class GeneratorProgram(ProgramBase):
         self._transports = transports
         self._timeout = env.weight_timeout_s
         self._continuous = None
+        self._multiturn = None
+        if node.env is not None:  # multi-turn episodes against an environment (lock step)
+            from flowrl.operators.multiturn import MultiTurnGenerator, row_fields
+
+            self._multiturn = MultiTurnGenerator(self.generator, node, rows=row_fields(graph, node.name))
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
             self._group_count = feed.source.batch_size  # type: ignore[attr-defined]
@@ -241,6 +246,9 @@ class GeneratorProgram(ProgramBase):
         """Step ``seq``'s rollout with the weights held now: lock step samples ``inputs``; continuous
         batching queues them and returns the next ``P`` finished groups (with its ``slots/*`` numbers).
         ``info["version"]`` is the rollout's version."""
+        if self._multiturn is not None:
+            rollout, info = self._multiturn.generate(inputs)
+            return rollout, {**info, "version": self.generator.version}
         if not hasattr(self, "_group_count"):
             return self.generator.generate(inputs), {"version": self.generator.version}
         from flowrl.runtime.continuous import ContinuousRollouts

@@ -143,7 +143,9 @@ def test_loading_json_never_imports_the_scorer_module(tmp_path, monkeypatch) -> 
 
 def test_references_of_examples(example_graph: Graph) -> None:
     refs = references(example_graph)
-    assert refs and all(r.startswith(("flowrl.operators.tasks:", "flowrl.operators.rewards:", "flowrl.examples.")) for r in refs)
+    assert refs and all(r.startswith(("flowrl.operators.tasks:", "flowrl.operators.rewards:", "flowrl.examples.", "flowrl.envs.")) for r in refs)
+    if example_graph.name == "calc_agent":  # an environment is a reference too
+        assert "flowrl.envs.games:CalcEnv" in refs
 
 
 def test_to_json_is_deterministic(example_graph: Graph) -> None:

@@ -17,7 +17,12 @@ from flowrl.operators.trainer import Trainer
 def test_one_step_of_each_example(runnable_example_graph):
     g = runnable_example_graph
     (source,), (generator,), (policy,) = (g.nodes_of_kind(k) for k in ("source", "generator", "policy"))
-    rollout = Generator(generator, seed=0).generate(PromptSource(source).next_batch())
+    if generator.env is not None:  # a multi-turn example: episodes against its environment
+        from flowrl.operators.multiturn import MultiTurnGenerator
+
+        rollout, _ = MultiTurnGenerator(Generator(generator, seed=0), generator).generate(PromptSource(source).next_batch())
+    else:
+        rollout = Generator(generator, seed=0).generate(PromptSource(source).next_batch())
     batch = dict(rollout)
     for scorer in g.nodes_of_kind("scorer"):
         text = TextInputs(g, scorer.name) if scorer.inputs == "text" else None

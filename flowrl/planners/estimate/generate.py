@@ -210,9 +210,13 @@ def estimate_generate(
         "step_overhead": steps * step_overhead / speedup,
         "slot_overhead": slot_rows,
     }
+    if w.env_s:
+        breakdown["env"] = w.env_s  # waiting on environments (multi-turn rollouts): a generator-side delay
     mode = "continuous within a call" if vllm else "continuous" if continuous else "lock-step"
     notes = (f"{engine} engine", f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
     cross_step = t.cross_step_slots if t.cross_step_slots is not None else dev.kind == "gpu"
     cross_step = cross_step and not vllm  # vLLM's weights change between calls: each call waits for its longest
     steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None
-    return NodeEstimate(time_s=waves * prefill + decode + slot_rows, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)
+    if steady is not None:
+        steady += w.env_s
+    return NodeEstimate(time_s=waves * prefill + decode + slot_rows + w.env_s, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)

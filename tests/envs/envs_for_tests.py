@@ -1,0 +1,129 @@
+"""Environments the tests reference by name (module level, so ``module:qualname`` resolves)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+
+class Echo:
+    """Answers every model turn with ``12=`` (so env tokens are 3 known ids), up to the turn limit; reward 1."""
+
+    def reset(self, row: dict[str, Any]) -> str:
+        return "3="
+
+    def step(self, action: str) -> tuple[str | None, float, dict]:
+        return "12=", 1.0, {}
+
+
+class AsyncEcho(Echo):
+    async def reset(self, row: dict[str, Any]) -> str:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return "3="
+
+    async def step(self, action: str) -> tuple[str | None, float, dict]:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return "12=", 1.0, {}
+
+
+class Words:
+    """For a Hugging Face word-level test tokenizer: observations are words."""
+
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+    def step(self, action: str) -> tuple[str | None, float, dict]:
+        return "yes a b", 0.5, {}
+
+
+class Flaky:
+    """Fails on the samples of prompts at odd stream positions, in the way ``mode`` names; fine elsewhere."""
+
+    mode = "raise"
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.bad = row["prompt_index"] % 2 == 1 and row["sample"] == 0
+        return None
+
+    def step(self, action: str) -> Any:
+        if not self.bad:
+            return None, 1.0, {}
+        if self.mode == "raise":
+            raise RuntimeError("the environment broke")
+        if self.mode == "hang":
+            time.sleep(30)
+        if self.mode == "garbage":
+            return "not a tuple"
+        if self.mode == "nan":
+            return None, float("nan"), {}
+        if self.mode == "bad_obs":
+            return "x!", 0.0, {}  # '!' is not in the built-in tokenizer's vocabulary
+        return None, 1.0, {}
+
+
+class FlakyRaise(Flaky):
+    mode = "raise"
+
+
+class FlakyHang(Flaky):
+    mode = "hang"
+
+
+class FlakyGarbage(Flaky):
+    mode = "garbage"
+
+
+class FlakyNan(Flaky):
+    mode = "nan"
+
+
+class FlakyBadObs(Flaky):
+    mode = "bad_obs"
+
+
+class ResetRaises:
+    def reset(self, row: dict[str, Any]) -> None:
+        if row["prompt_index"] % 2 == 1 and row["sample"] == 0:
+            raise ValueError("no episode today")
+
+    def step(self, action: str) -> tuple[None, float, dict]:
+        return None, 1.0, {}
+
+
+class NoStep:
+    def reset(self, row: dict[str, Any]) -> None:
+        return None
+
+
+class SlowEcho(Echo):
+    def step(self, action: str) -> tuple[str | None, float, dict]:
+        time.sleep(0.2)
+        return "12=", 1.0, {}
+
+
+class RowReward:
+    """Ends at once with the prompt row's ``want`` field as reward (checks that rows reach reset)."""
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.want = float(row["want"])
+
+    def step(self, action: str) -> tuple[None, float, dict]:
+        return None, self.want, {}
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+from flowrl.envs.tools import ToolEnv  # noqa: E402
+
+
+class Calculator(ToolEnv):
+    """The README's tool environment."""
+
+    tools = (add,)
+
+    def reward(self, answer: str, row: dict[str, Any]) -> float:
+        return float(answer.strip().removesuffix("</s>").strip() == str(row["answer"]))
