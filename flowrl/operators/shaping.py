@@ -44,7 +44,7 @@ def overlong_penalty(lengths: Tensor, *, max_len: int, buffer: int, penalty: flo
     if buffer <= 0:
         return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
     over = (lengths.to(torch.float32) - (max_len - buffer)).clamp(min=0, max=buffer)  # [S], tokens inside the buffer
-    return -penalty * over / buffer
+    return 0.0 - penalty * over / buffer  # 0.0 - x: +0.0 (not -0.0) below the buffer
 
 
 def truncated_completions(mask: Tensor, stopped: Tensor | None = None) -> Tensor:
