@@ -1,10 +1,12 @@
-"""RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), plain policy gradient, GRPO/PPO-clip, a KL penalty.
+"""RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), plain policy gradient, GRPO/PPO-clip
+(with DAPO's clip-higher), GSPO, CISPO, truncated and masked IS, a KL penalty.
 
 Every loss takes per-token tensors ``[S, C]`` (S samples, C completion positions) and returns
-``(loss, metrics)``: a scalar to minimise and python floats under namespaced keys. Token sums are
-divided by ``normalizer`` (default: the number of real tokens, at least 1), so that a trainer that
-accumulates micro-batches passes the whole batch's token count and gets exactly the whole batch's
-gradient. Masked positions contribute nothing, whatever their values (even inf or nan).
+``(loss, metrics)``: a scalar to minimise and python floats under namespaced keys. Per-token terms are
+reduced by ``aggregate`` under ``loss_agg`` (below; the formulas here show the default ``token_mean``:
+token sums divided by ``normalizer``, by default the number of real tokens, at least 1), so that a
+trainer that accumulates micro-batches passes the whole batch's count and gets exactly the whole
+batch's gradient. Masked positions contribute nothing, whatever their values (even inf or nan).
 
 AIPO (LlamaRL, Meta, arXiv 2505.24034), per token t of completion y of prompt x::
 
