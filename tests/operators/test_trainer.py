@@ -50,11 +50,16 @@ def objectives(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[float,
     return float((adv * logp * mask).sum()), float((adv * ratio * mask).sum())
 
 
-@pytest.mark.parametrize("objective", ["aipo", "grpo"])
-def test_steps_on_a_fixed_batch_improve_the_objective(objective):
+@pytest.mark.parametrize(
+    ("objective", "options"),
+    [("aipo", {}), ("grpo", {}), ("grpo", {"clip_eps_high": 0.28, "loss_agg": "seq_mean"}), ("gspo", {"loss_agg": "seq_mean"}),
+     ("cispo", {"clip_eps_low": 1.0, "clip_eps_high": 0.28}), ("tis", {"is_level": "sequence"}), ("mis", {}), ("pg", {"loss_agg": "dr_grpo"})],
+    ids=["aipo", "grpo", "grpo-clip-higher-seq_mean", "gspo", "cispo", "tis-sequence", "mis", "pg-dr_grpo"],
+)
+def test_steps_on_a_fixed_batch_improve_the_objective(objective, options):
     batch = rollout_with_rewards(seed=1, n_samples=4, batch_size=6)
     assert batch["rewards"].std() > 0
-    trainer = Trainer(tiny_policy_node(lr=1e-2), loss_node(objective=objective))
+    trainer = Trainer(tiny_policy_node(lr=1e-2), loss_node(objective=objective, **options))
     surrogate, weighted = objectives(trainer, batch)
     for _ in range(5):
         trainer.train_step(batch)
