@@ -25,6 +25,7 @@ __all__ = [
     "HF_FAMILIES",
     "SamplingConfig",
     "LossConfig",
+    "LOSS_AGGREGATIONS",
     "OptimizerConfig",
     "SourceConfig",
     "DATA_EXTENSIONS",
@@ -220,15 +221,43 @@ class SamplingConfig(msgspec.Struct, **_STRUCT):
         _check(self.precision in choices, o, f"precision={self.precision!r} is not one of {list(choices)}")
 
 
+#: ``LossConfig.loss_agg``'s choices (how per-token terms are reduced to the loss).
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
+
+
 class LossConfig(msgspec.Struct, **_STRUCT):
     """Hyper-parameters of the RL objective.
 
     Attributes:
         objective: ``"aipo"`` (LlamaRL), ``"pg"`` (plain policy gradient that ignores mu),
             ``"grpo"`` (PPO-clip ratio with group advantages) or ``"ppo_clip"`` (an alias kept for
-            readers of the PPO paper); checked by ``flowrl.operators.losses``.
-        rho: AIPO's one-sided cap on the importance ratio pi/mu.
-        clip_eps: PPO/GRPO clip range.
+            readers of the PPO paper), ``"gspo"`` (sequence-level ratio), ``"cispo"`` (clipped IS
+            weight on log pi), ``"tis"`` / ``"mis"`` (truncated / masked importance sampling);
+            checked by ``flowrl.operators.losses`` (formulas there).
+        rho: AIPO's one-sided cap on the importance ratio pi/mu; the cap C of ``tis`` and the upper
+            bound of ``mis``.
+        rho_low: ``mis``'s lower bound on pi/mu (a token or sequence below it is dropped); None:
+            ``1 / rho``.
+        is_level: ``tis`` / ``mis``: the ratio per ``"token"`` or per ``"sequence"`` (the product
+            of its tokens' ratios).
+        clip_eps: PPO/GRPO clip range (both sides unless ``clip_eps_low`` / ``clip_eps_high`` say).
+        clip_eps_low: lower clip range ``1 - clip_eps_low`` of ``grpo``/``ppo_clip``/``gspo``/``cispo``;
+            None: ``clip_eps``. In (0, 1] (1: no lower bound, as CISPO uses it).
+        clip_eps_high: upper clip range ``1 + clip_eps_high`` (DAPO's clip-higher: 0.28); None: ``clip_eps``.
+        loss_agg: how token terms become the loss (TRL's ``loss_type``): ``"token_mean"`` (sum over
+            the batch's real tokens / their count: TRL's ``dapo``, and ``bnpo`` over the whole batch),
+            ``"seq_mean"`` (mean over each sequence's tokens, then over sequences: TRL's ``grpo``),
+            ``"dr_grpo"`` (sum / (sequences * completion width, i.e. ``max_new_tokens``)). The counts
+            are the whole batch's, across micro-batches and data-parallel ranks.
+        mask_truncated_completions: completions that reached ``max_new_tokens`` without a stop get
+            no loss (their tokens masked; they still count as sequences in ``seq_mean``/``dr_grpo``).
+        overlong_buffer: DAPO's soft overlong punishment: a completion of length L in the last
+            ``overlong_buffer`` tokens before ``max_new_tokens`` (Lmax) gets
+            ``-overlong_penalty * (L - (Lmax - overlong_buffer)) / overlong_buffer`` added to its
+            reward (0 turns it off).
+        overlong_penalty: the penalty at Lmax (DAPO: 1.0).
+        dynamic_sampling: DAPO's dynamic sampling: drop the groups whose rewards are all equal
+            (their advantage is 0) from the step, counted in ``shaping/dropped_groups``; no refill.
         baseline: ``"group_mean"`` (LlamaRL) or ``"leave_one_out"``.
         normalize_std: divide advantages by the group's reward std (GRPO style).
         kl_coef: weight of a KL(pi || reference) penalty; needs a ``ref_logprobs`` input.
@@ -238,6 +267,15 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     objective: str = "aipo"
     rho: float = 4.0
     clip_eps: float = 0.2
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+    rho_low: float | None = None
+    is_level: Literal["token", "sequence"] = "token"
+    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = "token_mean"
+    mask_truncated_completions: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    dynamic_sampling: bool = False
     baseline: Literal["group_mean", "leave_one_out"] = "group_mean"
     normalize_std: bool = False
     kl_coef: float = 0.0
@@ -251,6 +289,36 @@ class LossConfig(msgspec.Struct, **_STRUCT):
         _check(0 < self.clip_eps < 1, o, f"clip_eps={self.clip_eps} must be in (0, 1)")
         _check(self.kl_coef >= 0, o, f"kl_coef={self.kl_coef} must be >= 0")
         _check(len(self.reward_weights) >= 1, o, "reward_weights must name at least one reward field")
+        for name in ("clip_eps_low", "clip_eps_high", "rho_low"):
+            if getattr(self, name) is not None:
+                _finite(o, **{name: getattr(self, name)})
+        low, high = self.clip_range()
+        _check(0 < low <= 1, o, f"clip_eps_low={low} must be in (0, 1] (the lower clip bound 1 - clip_eps_low is in [0, 1))")
+        _check(high > 0, o, f"clip_eps_high={high} must be > 0 (the upper clip bound is 1 + clip_eps_high)")
+        _check(
+            self.rho_low is None or 0 <= self.rho_low < self.rho, o,
+            f"rho_low={self.rho_low} must be in [0, rho={self.rho}) (mis keeps ratios in [rho_low, rho])",
+        )  # fmt: skip
+        _check(self.is_level in ("token", "sequence"), o, f"unknown is_level {self.is_level!r}: use 'token' or 'sequence'")
+        _check(
+            self.loss_agg in LOSS_AGGREGATIONS, o,
+            f"unknown loss_agg {self.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)} "
+            "(TRL's loss_type grpo -> seq_mean, bnpo/dapo -> token_mean, dr_grpo -> dr_grpo)",
+        )  # fmt: skip
+        _finite(o, overlong_penalty=self.overlong_penalty)
+        _check(self.overlong_buffer >= 0, o, f"overlong_buffer={self.overlong_buffer} must be >= 0 (0: no overlong penalty)")
+        _check(self.overlong_penalty >= 0, o, f"overlong_penalty={self.overlong_penalty} must be >= 0 (it is subtracted)")
+
+    def clip_range(self) -> tuple[float, float]:
+        """``(clip_eps_low, clip_eps_high)``, each defaulting to ``clip_eps``: the clip interval is
+        ``[1 - low, 1 + high]``."""
+        low = self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        return low, high
+
+    def mis_range(self) -> tuple[float, float]:
+        """``mis``'s kept interval of pi/mu: ``(rho_low, rho)``, ``rho_low`` defaulting to ``1 / rho``."""
+        return (1.0 / self.rho if self.rho_low is None else self.rho_low), self.rho
 
 
 class OptimizerConfig(msgspec.Struct, **_STRUCT):

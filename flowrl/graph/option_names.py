@@ -19,7 +19,7 @@ import difflib
 
 from flowrl.graph.configs import LossConfig, OptimizerConfig, SamplingConfig, SourceConfig
 
-__all__ = ["TRL_OPTIONS", "OPTION_OWNERS", "option_hint", "leftover_message"]
+__all__ = ["TRL_OPTIONS", "TRL_NOTES", "OPTION_OWNERS", "option_hint", "leftover_message"]
 
 #: Which builder method takes the fields of which config.
 OPTION_OWNERS: dict[str, type] = {
@@ -38,7 +38,11 @@ TRL_OPTIONS: dict[str, str] = {
     "epsilon": "clip_eps",
     "learning_rate": "lr",
     "max_prompt_length": "max_prompt_len",
-    "loss_type": "objective",
+    "loss_type": "loss_agg",
+    "epsilon_high": "clip_eps_high",
+    "mask_truncated_completions": "mask_truncated_completions",
+    "importance_sampling_level": "objective",
+    "vllm_importance_sampling_cap": "rho",
     "scale_rewards": "normalize_std",
     "max_grad_norm": "grad_clip",
     "lr_scheduler_type": "schedule",
@@ -57,9 +61,18 @@ TRL_OPTIONS: dict[str, str] = {
     "save_total_limit": "checkpoints are the run's: flowrl run --keep-checkpoints N",
     "reward_funcs": "declare one b.scorer(...) per reward function and pass them all to b.loss(...)",
     "num_iterations": "not yet in flowrl: every batch takes one optimizer step",
-    "epsilon_high": "not yet in flowrl: the clip range clip_eps is symmetric",
-    "mask_truncated_completions": "not yet in flowrl",
     "sync_ref_model": "not yet in flowrl: the reference node stays the initial policy",
+}
+
+
+#: What a TRL option's flowrl counterpart needs besides its name (appended to the hint).
+TRL_NOTES: dict[str, str] = {
+    "loss_type": (
+        "TRL's grpo is loss_agg='seq_mean', bnpo and dapo are 'token_mean', dr_grpo is 'dr_grpo'; "
+        "the objective itself (aipo, grpo, gspo, cispo, tis, mis, pg) is objective="
+    ),
+    "importance_sampling_level": "'sequence' is objective='gspo' (or is_level='sequence' with objective='tis' / 'mis')",
+    "vllm_importance_sampling_cap": "TRL's truncated IS correction is objective='tis' with the cap rho",
 }
 
 
@@ -75,11 +88,12 @@ def _where(kind: str, option: str) -> str:
 
 def option_hint(kind: str, option: str) -> str:
     """What ``option``, which no field of ``kind``'s config takes, most likely meant; "" when nothing fits."""
-    if option in TRL_OPTIONS:
+    if option in TRL_OPTIONS and TRL_OPTIONS[option] != option:  # the same name: only its owner can be wrong
         target = TRL_OPTIONS[option]
         if _owner_of(target) is None:  # a sentence, not a field
             return f"{option!r} is TRL's name: {target}"
-        return f"{option!r} is TRL's name: did you mean {target}?{_where(kind, target)}"
+        note = f" ({TRL_NOTES[option]})" if option in TRL_NOTES else ""
+        return f"{option!r} is TRL's name: did you mean {target}?{note}{_where(kind, target)}"
     owner = _owner_of(option)
     if owner is not None:
         return f"{option!r} is an option of b.{owner}(...), not of b.{kind}(...)"

@@ -1,10 +1,12 @@
-"""RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), plain policy gradient, GRPO/PPO-clip, a KL penalty.
+"""RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), plain policy gradient, GRPO/PPO-clip
+(with DAPO's clip-higher), GSPO, CISPO, truncated and masked IS, a KL penalty.
 
 Every loss takes per-token tensors ``[S, C]`` (S samples, C completion positions) and returns
-``(loss, metrics)``: a scalar to minimise and python floats under namespaced keys. Token sums are
-divided by ``normalizer`` (default: the number of real tokens, at least 1), so that a trainer that
-accumulates micro-batches passes the whole batch's token count and gets exactly the whole batch's
-gradient. Masked positions contribute nothing, whatever their values (even inf or nan).
+``(loss, metrics)``: a scalar to minimise and python floats under namespaced keys. Per-token terms are
+reduced by ``aggregate`` under ``loss_agg`` (below; the formulas here show the default ``token_mean``:
+token sums divided by ``normalizer``, by default the number of real tokens, at least 1), so that a
+trainer that accumulates micro-batches passes the whole batch's count and gets exactly the whole
+batch's gradient. Masked positions contribute nothing, whatever their values (even inf or nan).
 
 AIPO (LlamaRL, Meta, arXiv 2505.24034), per token t of completion y of prompt x::
 
@@ -26,6 +28,42 @@ GRPO / PPO-clip (Schulman et al. 2017; Shao et al. 2024)::
 
     loss = - sum_{i,t} min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) / normalizer
 
+Asymmetric clipping (DAPO's clip-higher, Yu et al. 2025, arXiv 2503.14476): ``clip(ratio, 1 - eps_low,
+1 + eps_high)``; ``LossConfig.clip_range()`` (both default to ``clip_eps``).
+
+GSPO (Zheng et al. 2025, arXiv 2507.18071): the ratio of a whole sequence, the geometric mean of its
+tokens' ratios, ``s_i = exp(1/|y_i| sum_t (log pi - log mu))``, clipped at the sequence level; in its
+token form ``s_{i,t} = sg[s_i] * pi_t / sg[pi_t]`` (value ``s_i``, gradient ``s_i * grad log pi_t``), so that
+with ``loss_agg="seq_mean"`` it is GSPO's objective exactly::
+
+    loss = - agg_{i,t} min(s_{i,t} * A_i, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) * A_i)
+
+CISPO (MiniMax-M1, arXiv 2506.13585): the clipped importance weight is a constant coefficient of
+log pi, so no token loses its gradient (PPO's clip drops it)::
+
+    loss = - agg_{i,t} sg[clip(ratio, 1 - eps_low, 1 + eps_high)] * A_i * log pi_t
+
+(AIPO is CISPO without a lower bound and with ``1 + eps_high = rho``.)
+
+Off-policy corrections of the policy gradient for a behaviour policy mu != pi (Yao et al. 2025,
+"Your efficient RL framework secretly brings you off-policy RL training", truncated IS; Liu et al.
+2025, "When speed kills stability", masked IS), the weight a constant (no gradient), the ratio per
+token (``r_t = pi_t / mu_t``) or per sequence (``r_i = prod_t r_t``, ``is_level="sequence"``)::
+
+    tis:  loss = - agg_{i,t} min(r, C) * A_i * log pi_t                       (C = rho)
+    mis:  loss = - agg_{i,t} r * 1[low <= r <= high] * A_i * log pi_t        ([low, high] = [rho_low, rho])
+
+(``tis`` per token is ``aipo``.)
+
+Aggregation (``loss_agg``, TRL's ``loss_type``), over per-token terms ``l_{i,t}`` and mask ``m``::
+
+    token_mean: sum_{i,t} m * l / N_tokens                         (TRL dapo; bnpo over the whole batch)
+    seq_mean:   sum_i (sum_t m * l / max(|y_i|, 1)) / N_sequences   (TRL grpo)
+    dr_grpo:    sum_{i,t} m * l / (N_sequences * C)                 (TRL dr_grpo; C: the completion width, max_new_tokens)
+
+The counts ``N`` are the whole batch's (``batch_normalizer``): a trainer accumulating micro-batches,
+or data-parallel ranks weighting their gradients by their share of it, get one big batch's gradient.
+
 Advantages (``advantages``): ``A_i = r_i - b_i`` with ``b_i`` the mean reward of the samples of the
 same prompt (LlamaRL's ``group_mean``) or the mean of the *other* samples of that prompt
 (``leave_one_out``, 0 advantage for a prompt with one sample), optionally divided by the group's
@@ -39,13 +77,14 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError
-from flowrl.graph.configs import LossConfig
+from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
 
 __all__ = [
     "masked_mean",
@@ -54,7 +93,12 @@ __all__ = [
     "aipo_loss",
     "pg_loss",
     "ppo_clip_loss",
+    "gspo_loss",
+    "cispo_loss",
+    "is_loss",
     "kl_penalty",
+    "aggregate",
+    "batch_normalizer",
     "LOSSES",
     "check_objective",
     "compute_loss",
@@ -68,12 +112,56 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum().clamp(min=1)
 
 
-def _denominator(mask: Tensor, normalizer: float | None) -> Tensor | float:
+def batch_normalizer(mask: Tensor, agg: str = "token_mean") -> float:
+    """The divisor of the whole batch's term sum under ``agg`` (module docstring), at least 1:
+    real tokens (``token_mean``), sequences (``seq_mean``), sequences * width (``dr_grpo``).
+
+    Example:
+        >>> m = torch.tensor([[True, True, False], [True, False, False]])
+        >>> [batch_normalizer(m, a) for a in ("token_mean", "seq_mean", "dr_grpo")]
+        [3.0, 2.0, 6.0]
+
+    Raises:
+        ConfigError: for an unknown ``agg``.
+    """
+    S, C = mask.shape  # [S, C]
+    if agg == "token_mean":
+        return float(max(int(mask.sum()), 1))
+    if agg == "seq_mean":
+        return float(max(S, 1))
+    if agg == "dr_grpo":
+        return float(max(S * C, 1))
+    raise ConfigError(f"unknown loss_agg {agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, *, agg: str = "token_mean", normalizer: float | None = None, lengths: Tensor | None = None
+) -> Tensor:
+    """The per-token terms ``[S, C]`` reduced to a scalar under ``agg`` (module docstring).
+
+    Args:
+        per_token: ``[S, C]`` terms; masked positions are ignored whatever their values.
+        mask: ``[S, C]`` bool.
+        agg: ``"token_mean"``, ``"seq_mean"`` or ``"dr_grpo"``.
+        normalizer: the whole batch's divisor (``batch_normalizer`` of the whole batch); default: this
+            batch's.
+        lengths: ``[S]`` each sequence's token count for ``seq_mean`` (default ``mask.sum(1)``; a trainer
+            that masks some tokens out passes the real lengths).
+
+    Raises:
+        ConfigError: for an unknown ``agg`` or a normalizer <= 0.
+    """
     if normalizer is None:
-        return mask.sum().clamp(min=1).to(torch.float32)
-    if normalizer <= 0:
-        raise ConfigError(f"normalizer={normalizer} must be > 0 (it is a token count)")
-    return float(normalizer)
+        normalizer = batch_normalizer(mask, agg)
+    elif normalizer <= 0:
+        raise ConfigError(f"normalizer={normalizer} must be > 0 (a count of tokens or sequences)")
+    x = torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))  # [S, C]
+    if agg == "seq_mean":
+        lengths = mask.sum(1) if lengths is None else lengths  # [S]
+        x = x.sum(1) / lengths.clamp(min=1).to(x.dtype)  # [S]
+    elif agg not in LOSS_AGGREGATIONS:
+        raise ConfigError(f"unknown loss_agg {agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+    return x.sum() / float(normalizer)
 
 
 def advantages(
@@ -155,6 +243,8 @@ def aipo_loss(
     *,
     rho: float,
     normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """LlamaRL's AIPO loss (formula in the module docstring).
 
@@ -164,7 +254,8 @@ def aipo_loss(
         advantages: ``[S]``.
         mask: ``[S, C]`` bool, True on real completion tokens.
         rho: upper cap of the importance ratio (>= 1).
-        normalizer: divisor of the token sum (default: real tokens in ``mask``).
+        normalizer: the whole batch's divisor (``batch_normalizer``; default: this batch's).
+        agg: ``loss_agg`` (``aggregate``); ``lengths``: ``[S]`` sequence lengths for ``seq_mean``.
 
     Returns:
         ``(loss, metrics)`` with ``loss/policy``, ``aipo/ratio_mean``, ``aipo/ratio_max``,
@@ -174,8 +265,8 @@ def aipo_loss(
     log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)  # [S, C]
     ratio = log_ratio.exp()
     weight = ratio.clamp(max=rho)  # one-sided truncation, a constant (no gradient)
-    per_token = torch.where(mask, weight * advantages[:, None] * logprobs, zero)
-    loss = -per_token.sum() / _denominator(mask, normalizer)
+    per_token = weight * advantages[:, None] * logprobs  # [S, C]
+    loss = -aggregate(per_token, mask, agg=agg, normalizer=normalizer, lengths=lengths)
     metrics = {"loss/policy": float(loss.detach()), **_ratio_metrics("aipo", log_ratio, mask, rho), "aipo/tokens": float(mask.sum())}
     return loss, metrics
 
@@ -188,6 +279,8 @@ def pg_loss(
     *,
     rho: float,
     normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Plain policy gradient (REINFORCE with the given advantages) that ignores mu.
 
@@ -197,10 +290,27 @@ def pg_loss(
     (KL(mu || pi), k3), besides ``loss/policy``.
     """
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
-    per_token = torch.where(mask, advantages[:, None] * logprobs, zero)  # [S, C]
-    loss = -per_token.sum() / _denominator(mask, normalizer)
+    per_token = advantages[:, None] * logprobs  # [S, C]
+    loss = -aggregate(per_token, mask, agg=agg, normalizer=normalizer, lengths=lengths)
     log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)
     return loss, {"loss/policy": float(loss.detach()), **_ratio_metrics("pg", log_ratio, mask, rho)}
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float) -> Tensor:
+    """PPO's pessimistic surrogate ``min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)``, elementwise."""
+    return torch.min(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
+
+
+@torch.no_grad()
+def _clip_metrics(prefix: str, ratio: Tensor, log_ratio: Tensor, mask: Tensor, low: float, high: float) -> dict[str, float]:
+    below, above = (ratio < 1 - low).float(), (ratio > 1 + high).float()
+    return {
+        f"{prefix}/ratio_mean": float(masked_mean(ratio, mask)),
+        f"{prefix}/clip_frac": float(masked_mean(below + above, mask)),
+        f"{prefix}/clip_frac_low": float(masked_mean(below, mask)),
+        f"{prefix}/clip_frac_high": float(masked_mean(above, mask)),
+        f"{prefix}/kl": float(masked_mean(ratio - 1 - log_ratio, mask)),
+    }
 
 
 def ppo_clip_loss(
@@ -210,63 +320,218 @@ def ppo_clip_loss(
     mask: Tensor,
     *,
     clip_eps: float,
+    clip_eps_high: float | None = None,
     normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The PPO clipped surrogate with (group) advantages, i.e. GRPO's policy term.
 
-    Arguments as ``aipo_loss``; ``clip_eps`` is the clip range. Metrics: ``loss/policy``,
-    ``ppo/ratio_mean``, ``ppo/clip_frac``, ``ppo/kl``.
+    Arguments as ``aipo_loss``; the clip interval is ``[1 - clip_eps, 1 + clip_eps_high]``
+    (``clip_eps_high`` defaults to ``clip_eps``; DAPO's clip-higher raises it). Metrics: ``loss/policy``,
+    ``ppo/ratio_mean``, ``ppo/clip_frac`` (ratio outside the interval), ``ppo/clip_frac_low``,
+    ``ppo/clip_frac_high``, ``ppo/kl``.
     """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, zero)  # [S, C], with gradient
     ratio = log_ratio.exp()
-    adv = advantages[:, None]
-    surrogate = torch.min(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
-    loss = -torch.where(mask, surrogate, zero).sum() / _denominator(mask, normalizer)
+    surrogate = _clipped_surrogate(ratio, advantages[:, None], clip_eps, high)  # [S, C]
+    loss = -aggregate(surrogate, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    metrics = {"loss/policy": float(loss.detach()), **_clip_metrics("ppo", ratio.detach(), log_ratio.detach(), mask, clip_eps, high)}
+    return loss, metrics
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO's sequence-level clipped objective in its token form (module docstring).
+
+    Arguments as ``aipo_loss``; the clip interval of the sequence ratio is ``[1 - clip_eps_low,
+    1 + clip_eps_high]`` (the GSPO paper uses 3e-4 and 4e-4). Metrics: ``loss/policy``,
+    ``gspo/ratio_mean`` (mean sequence ratio over the sequences with tokens), ``gspo/clip_frac``
+    (fraction of those clipped), ``gspo/clip_frac_low``, ``gspo/clip_frac_high``, ``gspo/kl`` (the k3
+    estimate on the sequence log-ratios).
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    token_log_ratio = torch.where(mask, logprobs - behaviour_logprobs, zero)  # [S, C]
+    log_s = token_log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # [S], log of the geometric mean
+    log_s_token = log_s.detach()[:, None] + logprobs - logprobs.detach()  # [S, C]: value log s_i, gradient grad log pi_t
+    ratio = torch.where(mask, log_s_token, zero).exp()
+    surrogate = _clipped_surrogate(ratio, advantages[:, None], clip_eps_low, clip_eps_high)  # [S, C]
+    loss = -aggregate(surrogate, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    has = mask.any(1)  # [S]
+    s = log_s.detach().exp()
+    metrics = {"loss/policy": float(loss.detach()), **_clip_metrics("gspo", s, log_s.detach(), has, clip_eps_low, clip_eps_high)}
+    return loss, metrics
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO: ``- agg sg[clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high)] * A * log pi`` (module docstring).
+
+    Arguments as ``aipo_loss``. MiniMax-M1 sets no lower bound (``clip_eps_low=1``) and tunes the upper
+    one. Metrics: ``loss/policy``, ``cispo/ratio_mean``, ``cispo/clip_frac`` (weights clipped),
+    ``cispo/clip_frac_low``, ``cispo/clip_frac_high``, ``cispo/kl``.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)  # [S, C], no gradient
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)  # a constant coefficient
+    per_token = weight * advantages[:, None] * logprobs  # [S, C]
+    loss = -aggregate(per_token, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    metrics = {"loss/policy": float(loss.detach()), **_clip_metrics("cispo", ratio, log_ratio, mask, clip_eps_low, clip_eps_high)}
+    return loss, metrics
+
+
+def is_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    mode: str,
+    level: str = "token",
+    high: float,
+    low: float = 0.0,
+    normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Policy gradient corrected by truncated (``mode="truncate"``, ``tis``) or masked (``mode="mask"``,
+    ``mis``) importance sampling, per token or per sequence (module docstring).
+
+    Arguments as ``aipo_loss``; ``high`` is the cap C (``truncate``) or the upper bound (``mask``),
+    ``low`` the lower bound of ``mask``; ``level`` is ``"token"`` or ``"sequence"`` (the ratio of a
+    sequence is the product of its tokens' ratios, every token of it weighted by it). Metrics, under
+    ``tis/`` or ``mis/``: ``weight_mean`` (the weights over the real tokens), ``truncated_frac`` or
+    ``masked_frac`` (fraction of tokens whose ratio was capped or dropped), ``kl`` (KL(mu || pi), k3, per
+    token).
+
+    Raises:
+        ConfigError: for an unknown mode or level.
+    """
+    if mode not in ("truncate", "mask") or level not in ("token", "sequence"):
+        raise ConfigError(f"is_loss: mode={mode!r} must be 'truncate' or 'mask', level={level!r} 'token' or 'sequence'")
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    token_log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)  # [S, C], no gradient
+    log_r = token_log_ratio if level == "token" else token_log_ratio.sum(1, keepdim=True).expand_as(token_log_ratio)
+    if mode == "truncate":
+        weight = log_r.clamp(max=math.log(high)).exp()  # min(r, C), without overflow for a long sequence
+        hit = log_r > math.log(high)
+    else:
+        keep = (log_r <= math.log(high)) & (log_r >= (math.log(low) if low > 0 else -math.inf))
+        weight = torch.where(keep, log_r.clamp(max=math.log(high)).exp(), zero)  # r inside [low, high], else 0
+        hit = ~keep
+    per_token = weight * advantages[:, None] * logprobs  # [S, C]
+    loss = -aggregate(per_token, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    prefix = "tis" if mode == "truncate" else "mis"
     with torch.no_grad():
-        r, lr = ratio.detach(), log_ratio.detach()
+        r = token_log_ratio.exp()
         metrics = {
             "loss/policy": float(loss.detach()),
-            "ppo/ratio_mean": float(masked_mean(r, mask)),
-            "ppo/clip_frac": float(masked_mean(((r - 1).abs() > clip_eps).float(), mask)),
-            "ppo/kl": float(masked_mean(r - 1 - lr, mask)),
+            f"{prefix}/weight_mean": float(masked_mean(weight, mask)),
+            f"{prefix}/{'truncated' if mode == 'truncate' else 'masked'}_frac": float(masked_mean(hit.float(), mask)),
+            f"{prefix}/kl": float(masked_mean(r - 1 - token_log_ratio, mask)),
         }
     return loss, metrics
 
 
 def kl_penalty(
-    logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, normalizer: float | None = None
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """KL(pi || ref) per token by the k3 estimator ``exp(ref - pi) - (ref - pi) - 1`` (>= 0), summed / normalizer.
+    """KL(pi || ref) per token by the k3 estimator ``exp(ref - pi) - (ref - pi) - 1`` (>= 0), aggregated
+    as the policy term (``aggregate``).
 
     A token the truncated reference gives probability 0 (``ref_logprobs`` is ``-inf``: outside the
-    reference's top-k/top-p kept set) would make the estimate infinite; it is left out (weight 0).
+    reference's top-k/top-p kept set) would make the estimate infinite; it is left out (weight 0, still
+    counted in the normaliser and in its sequence's length).
 
     Metric: ``loss/kl_ref``.
     """
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    lengths = mask.sum(1) if lengths is None else lengths
+    normalizer = batch_normalizer(mask, agg) if normalizer is None else normalizer
     mask = mask & ~torch.isneginf(ref_logprobs)
     ref_logprobs = torch.where(mask, ref_logprobs, zero)
     diff = torch.where(mask, ref_logprobs - logprobs, zero)
     kl = torch.where(mask, diff.exp() - diff - 1, zero)
-    penalty = kl.sum() / _denominator(mask, normalizer)
+    penalty = aggregate(kl, mask, agg=agg, normalizer=normalizer, lengths=lengths)
     return penalty, {"loss/kl_ref": float(masked_mean(kl.detach(), mask))}
 
 
-def _aipo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer: float | None):
-    return aipo_loss(logprobs, behaviour, adv, mask, rho=config.rho, normalizer=normalizer)
+def _agg(config: LossConfig, normalizer: float | None, lengths: Tensor | None) -> dict:
+    return {"agg": config.loss_agg, "normalizer": normalizer, "lengths": lengths}
 
 
-def _pg(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer: float | None):
-    return pg_loss(logprobs, behaviour, adv, mask, rho=config.rho, normalizer=normalizer)
+def _aipo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+    return aipo_loss(logprobs, behaviour, adv, mask, rho=config.rho, **_agg(config, normalizer, lengths))
 
 
-def _ppo_clip(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer: float | None):
-    return ppo_clip_loss(logprobs, behaviour, adv, mask, clip_eps=config.clip_eps, normalizer=normalizer)
+def _pg(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+    return pg_loss(logprobs, behaviour, adv, mask, rho=config.rho, **_agg(config, normalizer, lengths))
 
 
-#: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer)``.
-LOSSES: dict[str, LossFn] = {"aipo": _aipo, "pg": _pg, "grpo": _ppo_clip, "ppo_clip": _ppo_clip}
+def _ppo_clip(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+    low, high = config.clip_range()
+    return ppo_clip_loss(logprobs, behaviour, adv, mask, clip_eps=low, clip_eps_high=high, **_agg(config, normalizer, lengths))
+
+
+def _gspo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+    low, high = config.clip_range()
+    return gspo_loss(logprobs, behaviour, adv, mask, clip_eps_low=low, clip_eps_high=high, **_agg(config, normalizer, lengths))
+
+
+def _cispo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+    low, high = config.clip_range()
+    return cispo_loss(logprobs, behaviour, adv, mask, clip_eps_low=low, clip_eps_high=high, **_agg(config, normalizer, lengths))
+
+
+def _tis(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+    return is_loss(logprobs, behaviour, adv, mask, mode="truncate", level=config.is_level, high=config.rho, **_agg(config, normalizer, lengths))
+
+
+def _mis(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+    low, high = config.mis_range()
+    return is_loss(logprobs, behaviour, adv, mask, mode="mask", level=config.is_level, high=high, low=low, **_agg(config, normalizer, lengths))
+
+
+#: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer, lengths)``.
+LOSSES: dict[str, LossFn] = {
+    "aipo": _aipo,
+    "pg": _pg,
+    "grpo": _ppo_clip,
+    "ppo_clip": _ppo_clip,
+    "gspo": _gspo,
+    "cispo": _cispo,
+    "tis": _tis,
+    "mis": _mis,
+}
 
 
 def check_objective(objective: str) -> None:
@@ -285,6 +550,7 @@ def compute_loss(
     *,
     advantages: Tensor | None = None,
     normalizer: float | None = None,
+    lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss a ``LossNode`` declares, over a rollout batch with its reward fields.
 
@@ -295,7 +561,9 @@ def compute_loss(
             fields of ``config.reward_weights`` and, with ``kl_coef > 0``, ``ref_logprobs``.
         advantages: ``[S]`` precomputed advantages (a micro-batch passes its slice of the whole
             batch's); computed from the batch's rewards when None.
-        normalizer: divisor of token sums (see the module docstring).
+        normalizer: the whole batch's divisor under ``config.loss_agg`` (``batch_normalizer``; default:
+            this batch's).
+        lengths: ``[S]`` sequence lengths for ``seq_mean`` (default: ``completion_mask.sum(1)``).
 
     Returns:
         ``(loss, metrics)``: the objective's metrics plus ``loss/total`` and, with a KL penalty,
@@ -313,7 +581,7 @@ def compute_loss(
         advantages = _advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
     mask = batch["completion_mask"]
     loss, metrics = LOSSES[config.objective](
-        config, logprobs, batch["behaviour_logprobs"], advantages, mask, normalizer=normalizer
+        config, logprobs, batch["behaviour_logprobs"], advantages, mask, normalizer=normalizer, lengths=lengths
     )
     if config.kl_coef > 0:
         if "ref_logprobs" not in batch:
@@ -321,7 +589,9 @@ def compute_loss(
                 f"loss has kl_coef={config.kl_coef} but the batch has no 'ref_logprobs': add a reference node "
                 "feeding the loss, or set kl_coef=0"
             )
-        penalty, kl_metrics = kl_penalty(logprobs, batch["ref_logprobs"], mask, normalizer=normalizer)
+        penalty, kl_metrics = kl_penalty(
+            logprobs, batch["ref_logprobs"], mask, normalizer=normalizer, agg=config.loss_agg, lengths=lengths
+        )
         loss = loss + config.kl_coef * penalty
         metrics.update(kl_metrics)
     metrics["loss/total"] = float(loss.detach())

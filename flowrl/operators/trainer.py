@@ -8,8 +8,10 @@ One ``train_step(batch)``:
    completions with gradients (``completion_logprobs``, the same layout and the same temperature,
    top-k and top-p, ``sampling_temperature`` / ``sampling_top_k`` / ``sampling_top_p``, the generator
    sampled with: pi truncated by its own kept set, renormalised), applies the loss node's objective,
-   and back-propagates (optionally under bf16/fp16 ``torch.autocast`` and with gradient checkpointing); token sums are divided by the whole
-   batch's token count, so accumulation gives exactly the whole-batch gradient. A sampled token
+   and back-propagates (optionally under bf16/fp16 ``torch.autocast`` and with gradient checkpointing); term sums are divided by the whole
+   batch's count under ``loss_agg`` (tokens, or sequences: ``losses.batch_normalizer``), so accumulation gives exactly the whole-batch gradient.
+   Before that the batch is shaped (``flowrl.operators.shaping``: dynamic sampling, the overlong
+   penalty, truncated completions masked) as the loss config says. A sampled token
    outside pi's kept set (pi = 0 there, so the ratio is 0) is left out of the objective (weight 0,
    still counted in the token count) and never produces inf or nan;
 3. clips the global gradient norm, sets the scheduled learning rate, steps AdamW;
@@ -57,7 +59,8 @@ from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.operators.batch import split
 from flowrl.operators.generation import DTYPES, copy_weights
 from flowrl.operators.logprobs import completion_logprobs
-from flowrl.operators.losses import advantages, check_objective, combined_rewards, compute_loss
+from flowrl.operators.losses import advantages, batch_normalizer, check_objective, combined_rewards, compute_loss
+from flowrl.operators.shaping import shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.registry import build_model
@@ -148,8 +151,10 @@ class Trainer:
         Returns:
             Metrics: ``loss``, ``reward_mean``, ``reward/<field>`` per reward field, ``grad_norm``
             (before clipping), ``lr``, ``completion_len_mean``, ``staleness`` (version at this step
-            minus ``rollout_version``, when the batch has it), the ``mismatch/*`` metrics, and the
-            loss's own metrics (over the tokens inside pi's kept set).
+            minus ``rollout_version``, when the batch has it), the ``mismatch/*`` metrics, the
+            ``shaping/*`` metrics of the shaping applied, and the loss's own metrics (over the tokens
+            inside pi's kept set). ``reward_mean``, ``reward/<field>`` and ``completion_len_mean`` are
+            the rollout's, before shaping.
 
         Raises:
             ConfigError: naming a field the batch lacks.
@@ -159,10 +164,13 @@ class Trainer:
             raise ConfigError(f"policy {self.name!r}: the training batch lacks {missing} (it has {sorted(batch)})")
         batch = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         config = self.loss.loss
-        rewards = combined_rewards(config, batch)  # [S]
+        raw_rewards = combined_rewards(config, batch)  # [S], before shaping: what reward_mean reports
+        rollout = batch  # as it came, for the reward and length metrics
+        batch, rewards, shaping = shape_batch(config, batch)  # dynamic sampling, overlong penalty, truncated masked
         adv = advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
-        mask = batch["completion_mask"]
-        normalizer = float(mask.sum().clamp(min=1))
+        mask = batch["completion_mask"]  # [S, C]
+        normalizer = batch_normalizer(mask, config.loss_agg)  # the whole batch's tokens / sequences (loss_agg)
+        lengths = mask.sum(1)  # [S], real tokens, those outside pi's kept set included
         n = int(mask.shape[0])
         size = self.node.optimizer.micro_batch_size or max(n, 1)
         lr = learning_rate(self.node.optimizer, self.version)
@@ -190,7 +198,9 @@ class Trainer:
             kept = ~torch.isneginf(logprobs)  # [s, C]
             logprobs = torch.where(kept, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
             inside = {**part, "completion_mask": part["completion_mask"] & kept}
-            loss, _ = compute_loss(config, logprobs, inside, advantages=adv[start : start + size], normalizer=normalizer)
+            loss, _ = compute_loss(
+                config, logprobs, inside, advantages=adv[start : start + size], normalizer=normalizer, lengths=lengths[start : start + size]
+            )
             if loss.requires_grad:  # a micro-batch without a trainable token (e.g. multi-turn samples that all failed) adds nothing
                 (loss * self.loss_scale).backward()
             pieces.append(logprobs.detach())
@@ -199,7 +209,8 @@ class Trainer:
             all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])
             all_kept = torch.cat(kept_pieces) if kept_pieces else torch.ones_like(mask)
             inside = {**batch, "completion_mask": mask & all_kept}
-            loss, metrics = compute_loss(config, all_logprobs, inside, advantages=adv, normalizer=normalizer)
+            loss, metrics = compute_loss(config, all_logprobs, inside, advantages=adv, normalizer=normalizer, lengths=lengths)
+            metrics.update(shaping)
             versions = batch.get("token_versions", batch.get("rollout_version", torch.tensor(self.version)))
             metrics.update(
                 mismatch_metrics(all_logprobs, batch["behaviour_logprobs"], mask, versions=versions, version=self.version, kept=all_kept)
@@ -210,14 +221,14 @@ class Trainer:
         metrics.update(
             {
                 "loss": float(loss),
-                "reward_mean": float(rewards.mean()) if n else 0.0,
+                "reward_mean": float(raw_rewards.mean()) if raw_rewards.numel() else 0.0,
                 "grad_norm": float(grad_norm),
                 "lr": lr,
-                "completion_len_mean": float(mask.sum(1).float().mean()) if n else 0.0,
+                "completion_len_mean": float(rollout["completion_mask"].sum(1).float().mean()) if raw_rewards.numel() else 0.0,
             }
         )
         for name in config.reward_weights:
-            metrics[f"reward/{name}"] = float(batch[name].float().mean()) if n else 0.0
+            metrics[f"reward/{name}"] = float(rollout[name].float().mean()) if raw_rewards.numel() else 0.0
         if "rollout_version" in batch:
             metrics["staleness"] = float(self.version - int(batch["rollout_version"]))
         self.version += 1

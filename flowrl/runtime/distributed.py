@@ -174,7 +174,8 @@ def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, d
     """Every metric over ``group`` (keys must agree on every rank), each reduced as its name says.
 
     - ``*_max``: the largest value of any rank (``mismatch/abs_logp_max``);
-    - ``*/tokens``: the sum (how many tokens a figure covers, all ranks together);
+    - ``*/tokens`` and ``shaping/dropped_*``: the sum (how many tokens a figure covers, how many groups
+      or samples dynamic sampling dropped, all ranks together);
     - ``mismatch/kl``: the mean weighted by each rank's ``mismatch/tokens`` (a mean over tokens);
     - anything else: the ``weight``-weighted mean (``weight`` is the rank's samples).
 
@@ -190,15 +191,18 @@ def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, d
     means = [k for k in keys if k not in maxima]
     token_weight = float(metrics.get("mismatch/tokens", 0.0))
 
+    def summed(k: str) -> bool:
+        return k.endswith("/tokens") or k.startswith("shaping/dropped_")
+
     def rank_weight(k: str) -> float:
-        return 1.0 if k.endswith("/tokens") else token_weight if k == "mismatch/kl" else weight
+        return 1.0 if summed(k) else token_weight if k == "mismatch/kl" else weight
 
     values = torch.tensor([float(metrics[k]) * rank_weight(k) for k in means] + [weight, token_weight], dtype=torch.float64, device=device or "cpu")
     dist.all_reduce(values, group=group)
     *sums, samples, tokens = values.tolist()
     out = {}
     for k, v in zip(means, sums):
-        total = 1.0 if k.endswith("/tokens") else tokens if k == "mismatch/kl" else samples
+        total = 1.0 if summed(k) else tokens if k == "mismatch/kl" else samples
         out[k] = v / (total or 1.0)
     if maxima:
         peaks = torch.tensor([float(metrics[k]) for k in maxima], dtype=torch.float64, device=device or "cpu")

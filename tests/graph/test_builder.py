@@ -110,9 +110,14 @@ def test_builder_errors(build, error, match: str) -> None:
         (lambda b: b.policy("p2", "aipo", num_iterations=2), r"'num_iterations' is TRL's name: not yet in flowrl"),
         (lambda b: b.policy("p2", "aipo", save_total_limit=2), r"'save_total_limit' is TRL's name: checkpoints are the run's: flowrl run --keep-checkpoints N"),
         (lambda b: b.generator("g2", "prompts", n_smaples=3), r"did you mean 'n_samples'\?"),
+        (lambda b: b.loss("l2", "gen", "reward", objective="grpo", epsilon_high=0.28), r"'epsilon_high' is TRL's name: did you mean clip_eps_high\?"),
+        (lambda b: b.loss("l2", "gen", "reward", loss_type="dr_grpo"), r"'loss_type' is TRL's name: did you mean loss_agg\? \(TRL's grpo is loss_agg='seq_mean', bnpo and dapo are 'token_mean', dr_grpo is 'dr_grpo'"),
+        (lambda b: b.generator("g2", "prompts", mask_truncated_completions=True), r"'mask_truncated_completions' is an option of b.loss\(...\), not of b.generator\(...\)"),
+        (lambda b: b.loss("l2", "gen", "reward", importance_sampling_level="sequence"), r"'importance_sampling_level' is TRL's name: did you mean objective\? \('sequence' is objective='gspo'"),
     ],
     ids=["num_generations", "beta", "max_completion_length", "epsilon", "learning_rate", "max_prompt_length", "on-the-wrong-node",
-         "temperature-on-the-loss", "not-yet", "a-run-flag", "typo"],
+         "temperature-on-the-loss", "not-yet", "a-run-flag", "typo", "epsilon_high", "loss_type", "mask_truncated-on-the-generator",
+         "importance_sampling_level"],
 )
 def test_options_named_as_in_trl_or_on_the_wrong_node_say_what_they_meant(build, match) -> None:
     b = _canonical()
@@ -283,7 +288,7 @@ def test_an_objective_that_is_no_name_is_refused_at_build():
     "node, value, error, message",
     [
         ("prompts", "cpoy", "ConfigError", "source 'prompts': unknown task 'cpoy'; built-in tasks are add, copy, longtail"),
-        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, grpo, pg, ppo_clip"),
+        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, cispo, grpo, gspo, mis, pg, ppo_clip, tis"),
     ],
     ids=["task", "objective"],
 )

@@ -50,11 +50,16 @@ def objectives(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[float,
     return float((adv * logp * mask).sum()), float((adv * ratio * mask).sum())
 
 
-@pytest.mark.parametrize("objective", ["aipo", "grpo"])
-def test_steps_on_a_fixed_batch_improve_the_objective(objective):
+@pytest.mark.parametrize(
+    ("objective", "options"),
+    [("aipo", {}), ("grpo", {}), ("grpo", {"clip_eps_high": 0.28, "loss_agg": "seq_mean"}), ("gspo", {"loss_agg": "seq_mean"}),
+     ("cispo", {"clip_eps_low": 1.0, "clip_eps_high": 0.28}), ("tis", {"is_level": "sequence"}), ("mis", {}), ("pg", {"loss_agg": "dr_grpo"})],
+    ids=["aipo", "grpo", "grpo-clip-higher-seq_mean", "gspo", "cispo", "tis-sequence", "mis", "pg-dr_grpo"],
+)
+def test_steps_on_a_fixed_batch_improve_the_objective(objective, options):
     batch = rollout_with_rewards(seed=1, n_samples=4, batch_size=6)
     assert batch["rewards"].std() > 0
-    trainer = Trainer(tiny_policy_node(lr=1e-2), loss_node(objective=objective))
+    trainer = Trainer(tiny_policy_node(lr=1e-2), loss_node(objective=objective, **options))
     surrogate, weighted = objectives(trainer, batch)
     for _ in range(5):
         trainer.train_step(batch)
@@ -63,10 +68,16 @@ def test_steps_on_a_fixed_batch_improve_the_objective(objective):
     assert weighted_after > weighted + 0.1
 
 
-def test_micro_batches_accumulate_to_the_whole_batch_gradient():
+@pytest.mark.parametrize(
+    "loss",
+    [{}, {"loss_agg": "seq_mean"}, {"loss_agg": "dr_grpo", "objective": "grpo", "clip_eps_high": 0.28}, {"loss_agg": "seq_mean", "objective": "gspo"}],
+    ids=["token_mean", "seq_mean", "dr_grpo-grpo", "seq_mean-gspo"],
+)
+def test_micro_batches_accumulate_to_the_whole_batch_gradient(loss):
     batch = rollout_with_rewards(seed=2, n_samples=4, batch_size=3)
-    whole = Trainer(tiny_policy_node(lr=1e-2), loss_node())
-    micro = Trainer(tiny_policy_node(lr=1e-2, micro_batch_size=5), loss_node())  # 12 samples: 5 + 5 + 2
+    assert len(set(batch["completion_mask"].sum(1).tolist())) > 1  # unequal lengths: seq_mean differs from token_mean
+    whole = Trainer(tiny_policy_node(lr=1e-2), loss_node(**loss))
+    micro = Trainer(tiny_policy_node(lr=1e-2, micro_batch_size=5), loss_node(**loss))  # 12 samples: 5 + 5 + 2
     m_whole, m_micro = whole.train_step(batch), micro.train_step(batch)
     assert m_micro["loss"] == pytest.approx(m_whole["loss"], rel=1e-5, abs=1e-7)
     assert m_micro["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-4)
@@ -157,33 +168,63 @@ def test_missing_fields_are_named():
         Trainer(tiny_policy_node(), loss_node()).train_step(batch)
 
 
-def _reference_aipo(model: torch.nn.Module, samples: list[dict], *, temperature: float, rho: float) -> torch.Tensor:
+def _reference_aipo(
+    model: torch.nn.Module, samples: list[dict], *, temperature: float, rho: float, agg: str = "token_mean", width: int = 0,
+    masked: frozenset[int] = frozenset(),
+) -> torch.Tensor:
     """AIPO's loss written out by hand, one sample at a time with no padding anywhere:
     ``-sum_{s,t} min(pi/mu, rho) * A_s * log pi(y_t) / (real completion tokens in the batch)``,
-    ``A_s`` = reward minus the mean reward of the sample's prompt."""
+    ``A_s`` = reward minus the mean reward of the sample's prompt. ``agg="seq_mean"``: each sample's sum
+    divided by its length, then by the number of samples; ``"dr_grpo"``: divided by samples * ``width``.
+    The samples numbered in ``masked`` keep their reward in the baseline but add no term and no token."""
     by_group: dict[int, list[float]] = {}
     for s in samples:
         by_group.setdefault(s["group"], []).append(s["reward"])
-    tokens = sum(len(s["completion"]) for s in samples)
+    tokens = sum(len(s["completion"]) for i, s in enumerate(samples) if i not in masked)
     total = torch.zeros(())
-    for s in samples:
+    for i, s in enumerate(samples):
+        if i in masked:
+            continue
         prompt, completion = s["prompt"], s["completion"]
         seq = torch.tensor([prompt + completion])
         logits = model(seq, valid=torch.ones_like(seq, dtype=torch.bool))[0].float()  # [T, V]
         adv = s["reward"] - sum(by_group[s["group"]]) / len(by_group[s["group"]])
+        term = torch.zeros(())
         for t, (y, mu) in enumerate(zip(completion, s["mu"])):
             logp = torch.log_softmax(logits[len(prompt) - 1 + t] / temperature, dim=-1)[y]
             weight = min(math.exp(float(logp.detach()) - mu), rho)  # a constant, as AIPO treats it
-            total = total - weight * adv * logp
+            term = term - weight * adv * logp
+        total = total + (term / len(completion) if agg == "seq_mean" else term)
+    if agg == "seq_mean":
+        return total / len(samples)
+    if agg == "dr_grpo":
+        return total / (len(samples) * width)
     return total / tokens
 
 
-def test_loss_and_gradient_on_a_padded_batch_equal_a_per_sample_reference_normalised_by_real_tokens():
+SHAPING_CASES = {  # id: (loss options, completion width C, samples masked as truncated, rewards changed, samples dropped)
+    "token_mean": ({}, 7, (), {}, ()),
+    "seq_mean": ({"loss_agg": "seq_mean"}, 7, (), {}, ()),
+    "dr_grpo": ({"loss_agg": "dr_grpo"}, 7, (), {}, ()),
+    # width 6: sample 0 (6 tokens, no completion_stopped field) reached it: truncated
+    "mask_truncated": ({"mask_truncated_completions": True}, 6, (0,), {}, ()),
+    "mask_truncated-seq_mean": ({"mask_truncated_completions": True, "loss_agg": "seq_mean"}, 6, (0,), {}, ()),
+    # Lmax 7, buffer 3: lengths 6, 1, 2, 4, 2, 3 -> penalties -0.5 * (6 - 4) / 3 for sample 0, 0 elsewhere
+    "overlong": ({"overlong_buffer": 3, "overlong_penalty": 0.5}, 7, (), {0: 1.0 - 0.5 * 2 / 3}, ()),
+    # group 2's rewards made equal (1, 1): dropped; groups 0 and 1 train alone
+    "dynamic_sampling": ({"dynamic_sampling": True}, 7, (), {4: 1.0}, (4, 5)),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPING_CASES))
+def test_loss_and_gradient_on_a_padded_batch_equal_a_per_sample_reference_normalised_by_real_tokens(case):
     """Prompts of 2-5 tokens (left padding) and completions of 1-6 tokens (right padding, garbage ids
     and log-probs in the padding): loss and gradient equal the hand-written reference above, which
-    never sees padding. Normalising by padded tokens, or per sample then over samples, changes both."""
+    never sees padding. Normalising by padded tokens, or per sample then over samples, changes both.
+    Each aggregation and each shaping option against the reference's own form of it."""
     import copy
 
+    options, C, masked, changed, dropped = SHAPING_CASES[case]
     temperature, rho = 0.8, 1.5
     samples = [  # mu's log-probs are made up: ratios above and below rho
         {"group": 0, "reward": 1.0, "prompt": [1, 4, 5, 13], "completion": [6, 7, 8, 9, 10, 2], "mu": [-2.0, -3.0, -1.0, -2.5, -0.5, -3.5]},
@@ -193,7 +234,10 @@ def test_loss_and_gradient_on_a_padded_batch_equal_a_per_sample_reference_normal
         {"group": 2, "reward": -1.0, "prompt": [1, 3, 3, 3, 14], "completion": [4, 2], "mu": [-1.0, -2.0]},
         {"group": 2, "reward": 1.0, "prompt": [1, 3, 3, 3, 14], "completion": [7, 7, 7], "mu": [-3.0, -2.0, -2.5]},
     ]
-    S, Tp, C = len(samples), 5, 7  # one padding column beyond the longest completion
+    for i, r in changed.items():
+        if case == "dynamic_sampling":
+            samples[i]["reward"] = r
+    S, Tp = len(samples), 5  # C = 7: one padding column beyond the longest completion
     batch = {
         "sample_prompt_ids": torch.tensor([[0] * (Tp - len(s["prompt"])) + s["prompt"] for s in samples]),
         "sample_prompt_lens": torch.tensor([len(s["prompt"]) for s in samples]),
@@ -204,13 +248,20 @@ def test_loss_and_gradient_on_a_padded_batch_equal_a_per_sample_reference_normal
         "group_ids": torch.tensor([s["group"] for s in samples]),
         "rewards": torch.tensor([s["reward"] for s in samples]),
     }
-    trainer = Trainer(tiny_policy_node(grad_clip=0.0), loss_node(rho=rho))
+    trainer = Trainer(tiny_policy_node(grad_clip=0.0), loss_node(rho=rho, **options))
     reference = copy.deepcopy(trainer.model)
     metrics = trainer.train_step(batch)
-    want = _reference_aipo(reference, samples, temperature=temperature, rho=rho)
+    kept = [dict(s, reward=changed.get(i, s["reward"])) for i, s in enumerate(samples) if i not in dropped]
+    want = _reference_aipo(
+        reference, kept, temperature=temperature, rho=rho, agg=options.get("loss_agg", "token_mean"), width=C, masked=frozenset(masked)
+    )
     want.backward()
     # float32 throughout: the largest gradient difference measured is 3e-8 (atol 1e-7 plus rtol 1e-4 leaves 3x or more)
     assert metrics["loss"] == pytest.approx(float(want.detach()), rel=1e-5, abs=1e-6)
     grads = dict(reference.named_parameters())
     for name, param in trainer.model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-4, atol=1e-7, msg=name)
+    if case == "dynamic_sampling":
+        assert metrics["shaping/dropped_groups"] == 1 and metrics["shaping/dropped_samples"] == 2
+    if masked:
+        assert metrics["shaping/truncated_frac"] == pytest.approx(1 / 6)

@@ -1,5 +1,5 @@
 """``reduce_metrics`` on a 2-rank gloo group: maxima stay maxima, token counts add up, a per-token
-mean is weighted by tokens, everything else by samples (a data-parallel policy's metrics row)."""
+mean is weighted by tokens, dropped groups add up, everything else by samples (a data-parallel policy's metrics row)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tests.runtime.helpers import launch_ranks
 
 #: rank -> (its metrics, its samples)
 RANKS = {
-    0: ({"loss": 1.0, "mismatch/kl": 0.1, "mismatch/tokens": 30.0, "mismatch/abs_logp_max": 0.5}, 1.0),
-    1: ({"loss": 4.0, "mismatch/kl": 0.4, "mismatch/tokens": 10.0, "mismatch/abs_logp_max": 0.2}, 3.0),
+    0: ({"loss": 1.0, "mismatch/kl": 0.1, "mismatch/tokens": 30.0, "mismatch/abs_logp_max": 0.5, "shaping/dropped_groups": 2.0}, 1.0),
+    1: ({"loss": 4.0, "mismatch/kl": 0.4, "mismatch/tokens": 10.0, "mismatch/abs_logp_max": 0.2, "shaping/dropped_groups": 1.0}, 3.0),
 }
 
 
@@ -24,6 +24,7 @@ def test_each_metric_is_reduced_as_its_name_says(tmp_path: Path) -> None:
         "mismatch/kl": (0.1 * 30 + 0.4 * 10) / 40,  # tokens-weighted: 0.175
         "mismatch/tokens": 40.0,  # a sum
         "mismatch/abs_logp_max": 0.5,  # a max
+        "shaping/dropped_groups": 3.0,  # a sum (the samples-weighted mean would be 1.25)
     }
     for rank in (0, 1):
         assert results[rank].keys() == expected.keys()

@@ -295,8 +295,11 @@ def test_a_failing_rank_stops_the_job_naming_rank_and_node(tmp_path, mode, expec
     assert time.monotonic() - start < 90
 
 
-def test_data_parallel_step_equals_a_single_process_step(tmp_path):
-    proc = _torchrun(2, [str(THIS), "dp", str(tmp_path / "dp.json")], tmp_path)
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean", "dr_grpo"])
+def test_data_parallel_step_equals_a_single_process_step(tmp_path, loss_agg):
+    """Each replica weighs its gradient by its share of the whole batch's count under ``loss_agg``
+    (``shaping.loss_normalizer``: tokens, or sequences), which DataParallelPolicy sets."""
+    proc = _torchrun(2, [str(THIS), "dp", str(tmp_path / "dp.json"), loss_agg], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "dp.json").read_text())
     from flowrl.examples import build_example
@@ -419,13 +422,14 @@ def _bitwise_job() -> int:
     return 0
 
 
-def _dp_job(out: str) -> int:
+def _dp_job(out: str, loss_agg: str) -> int:
     import msgspec
     import torch.distributed as dist
 
     from flowrl.operators.generation import Generator
     from flowrl.operators.scoring import Scorer
     from flowrl.operators.source import PromptSource
+    from flowrl.operators.shaping import loss_normalizer
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.distributed import broadcast_batch, make_data_parallel
 
@@ -433,6 +437,7 @@ def _dp_job(out: str) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     graph = file_graph()
     policy, loss = graph.node("policy"), graph.loss_of("policy")
+    loss = msgspec.structs.replace(loss, loss=msgspec.structs.replace(loss.loss, loss_agg=loss_agg))
     batch = None
     if rank == 0:
         prompts = PromptSource(graph.node("prompts")).next_batch()
@@ -447,7 +452,7 @@ def _dp_job(out: str) -> int:
     make_data_parallel(dp, group=None, max_norm=float(policy.optimizer.grad_clip))
     ref_metrics = ref.train_step(batch)
     shard = shard_by_groups(batch, world)[rank]
-    dp.dp_token_share = max(float(shard["completion_mask"].sum()), 1.0) / float(batch["completion_mask"].sum().clamp(min=1))
+    dp.dp_token_share = loss_normalizer(loss.loss, shard) / loss_normalizer(loss.loss, batch)  # as DataParallelPolicy.step
     dp_metrics = dp.train_step(shard)
     loss_dp = torch.tensor([dp_metrics["loss"] * dp.dp_token_share], dtype=torch.float64)
     dist.all_reduce(loss_dp)
@@ -475,7 +480,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "fail":
         sys.exit(_fail_job(sys.argv[2]))
     if sys.argv[1] == "dp":
-        sys.exit(_dp_job(sys.argv[2]))
+        sys.exit(_dp_job(sys.argv[2], sys.argv[3]))
     if sys.argv[1] == "bitwise":
         sys.exit(_bitwise_job())
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")

@@ -127,15 +127,15 @@ class DataParallelPolicy(PolicyProgram):
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.operators.shaping import loss_normalizer
         from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
 
         start = time.perf_counter()
         batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
         batch = {k: v.cpu() for k, v in batch.items()}
         shard = shard_by_groups(batch, len(self.ranks))[self.index]
-        total = float(batch["completion_mask"].sum().clamp(min=1))
-        mine = float(shard["completion_mask"].sum())
-        self.trainer.dp_token_share = max(mine, 1.0) / total
+        config = self.trainer.loss.loss  # the share is in tokens or sequences, as loss_agg normalises
+        self.trainer.dp_token_share = loss_normalizer(config, shard) / loss_normalizer(config, batch)
         metrics = self.trainer.train_step(shard)
         samples = float(shard["completion_mask"].shape[0])
         metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
@@ -206,6 +206,7 @@ class ShardedPolicy(PolicyProgram):
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.operators.shaping import loss_normalizer
         from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
         from flowrl.runtime.fsdp import check_shards, token_scale
 
@@ -215,8 +216,8 @@ class ShardedPolicy(PolicyProgram):
         shards = shard_by_groups(batch, len(self.ranks))
         check_shards(self.name, [int(s["completion_mask"].shape[0]) for s in shards], self.trainer.node.optimizer.micro_batch_size)
         shard = shards[self.index]
-        total = float(batch["completion_mask"].sum())
-        self.trainer.loss_scale = token_scale(len(self.ranks), float(shard["completion_mask"].sum()), total)
+        config = self.trainer.loss.loss  # the share is in tokens or sequences, as loss_agg normalises
+        self.trainer.loss_scale = token_scale(len(self.ranks), loss_normalizer(config, shard), loss_normalizer(config, batch))
         metrics = self.trainer.train_step(shard)
         grad_norm = metrics["grad_norm"]  # the global norm already (DTensor gradients)
         samples = float(shard["completion_mask"].shape[0])
