@@ -27,12 +27,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 from flowrl.errors import ConfigError
-
-if TYPE_CHECKING:
-    from flowrl.graph.nodes import GeneratorNode
+from flowrl.graph.configs import AnyModelConfig, ModelConfig, SamplingConfig
 
 __all__ = ["Engine", "ENGINE_NAMES", "VLLM_PRECISIONS", "check_engine_options"]
 
@@ -45,25 +43,23 @@ ENGINE_NAMES: tuple[str, ...] = get_args(Engine)
 VLLM_PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
-def check_engine_options(node: GeneratorNode) -> None:
-    """Refuse settings ``node.engine`` cannot honour, naming the setting and the fix.
+def check_engine_options(name: str, engine: str, model: AnyModelConfig, sampling: SamplingConfig) -> None:
+    """Refuse settings generator ``name``'s ``engine`` cannot honour, naming the setting and the fix.
 
     Raises:
         ConfigError: for an unknown engine, or (``"vllm"``) a built-in ``ModelConfig``, continuous
             batching or its ``slots``, ``use_kv_cache=False``, or a quantized precision.
     """
-    owner = f"generator {node.name!r}"
-    if node.engine not in ENGINE_NAMES:
-        raise ConfigError(f"{owner}: engine={node.engine!r} is not one of {list(ENGINE_NAMES)}")
-    if node.engine != "vllm":
+    owner = f"generator {name!r}"
+    if engine not in ENGINE_NAMES:
+        raise ConfigError(f"{owner}: engine={engine!r} is not one of {list(ENGINE_NAMES)}")
+    if engine != "vllm":
         return
-    from flowrl.graph.configs import ModelConfig
-
-    s = node.sampling
-    if isinstance(node.model, ModelConfig):
+    s = sampling
+    if isinstance(model, ModelConfig):
         raise ConfigError(
             f"{owner}: engine='vllm' needs a Hugging Face model (HFModelConfig: a directory vLLM loads), but its model is "
-            f"the built-in ModelConfig ({node.model.short()}); export a trained built-in policy first "
+            f"the built-in ModelConfig ({model.short()}); export a trained built-in policy first "
             "('flowrl export RUN_DIR DIR') and pass HFModelConfig(path=DIR), or use engine='builtin'"
         )
     if s.batching != "lockstep":

@@ -143,7 +143,7 @@ class GeneratorNode(NodeBase, tag="generator"):
     env: EnvConfig | None = None
 
     def __post_init__(self) -> None:
-        check_engine_options(self)
+        check_engine_options(self.name, self.engine, self.model, self.sampling)
         if self.env is not None and self.engine != "builtin":
             raise ConfigError(
                 f"generator {self.name!r}: env= runs multi-turn episodes on the built-in engine only; "

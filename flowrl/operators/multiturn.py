@@ -259,7 +259,8 @@ class MultiTurnGenerator:
                     mask[i, :k] = torch.tensor(ep.mask, dtype=torch.bool)
         versions = torch.full((S, C), gen.version, dtype=torch.int64)
         out = rollout_batch(ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0), tokens, mask, logprobs, versions, index,
-                            n=n, temperature=gen.sampling.temperature, version=gen.version)
+                            n=n, temperature=gen.sampling.temperature, version=gen.version,
+                            top_k=gen.sampling.top_k, top_p=gen.sampling.top_p)  # the trainer truncates pi as the turns sampled
         out["completion_lens"] = extent  # the whole sample, model and environment tokens (the mask marks the model's)
         out["env_rewards"] = torch.tensor([0.0 if ep.error else ep.reward for ep in episodes], dtype=torch.float32)
         out["env_failed"] = torch.tensor([bool(ep.error) for ep in episodes], dtype=torch.bool)
