@@ -295,7 +295,7 @@ def test_a_failing_rank_stops_the_job_naming_rank_and_node(tmp_path, mode, expec
     assert time.monotonic() - start < 90
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean", "dr_grpo"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", pytest.param("seq_mean", marks=pytest.mark.slow), pytest.param("dr_grpo", marks=pytest.mark.slow)])  # the others: --runslow (CI time); test_loss_menu checks every aggregation's dp shares by hand
 def test_data_parallel_step_equals_a_single_process_step(tmp_path, loss_agg):
     """Each replica weighs its gradient by its share of the whole batch's count under ``loss_agg``
     (``shaping.loss_normalizer``: tokens, or sequences), which DataParallelPolicy sets."""
