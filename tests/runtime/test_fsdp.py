@@ -128,7 +128,7 @@ def test_the_collective_trainer_layout_is_fsdp_shards():
 
 
 # -- the sharded step, its memory, its checkpoint, its weights (one torchrun job per model family) ---
-@pytest.fixture(scope="module", params=["builtin", "llama", pytest.param("qwen2", marks=pytest.mark.slow)])  # qwen2: --runslow (CI time)
+@pytest.fixture(scope="module", params=["builtin", pytest.param("llama", marks=pytest.mark.slow), pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: --runslow (CI time)
 def step_result(request, tmp_path_factory):
     """One job per model family, shared by the tests below: (result, its directory, family, HF dir)."""
     family, directory = request.param, ""
@@ -215,6 +215,7 @@ def test_flowrl_export_of_a_sharded_checkpoint_loads(step_result):
         assert torch.equal(exported[name], t), name
 
 
+@pytest.mark.slow  # CI time; run with --runslow
 def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
     """param_dtype='bfloat16': the blocks see bfloat16 activations, the sharded parameters and AdamW's
     moments stay float32, and the gradient is the float32 one-process gradient up to bfloat16's
@@ -227,7 +228,8 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_master_weights(t
     assert 0 < r["grad_rel_error"] < 5e-2, r
 
 
-@pytest.mark.parametrize("family", ["builtin", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI time; run with --runslow
+@pytest.mark.parametrize("family", ["builtin", "llama"])
 def test_gradient_checkpointing_and_micro_batches_keep_the_sharded_gradient(tmp_path, family):
     """FSDP with gradient_checkpointing=True and micro_batch_size=8 (several all-gather / reduce-scatter
     rounds per step, recomputed blocks) against one process without either: gradients within 1e-6
@@ -244,6 +246,7 @@ def test_gradient_checkpointing_and_micro_batches_keep_the_sharded_gradient(tmp_
 
 
 # -- the whole pipeline ------------------------------------------------------------------------------
+@pytest.mark.slow  # CI time; run with --runslow
 def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
     """3 processes on gloo: generator on rank 0, the FSDP policy on ranks 1-2, weights over the
     collective transport from the shards. Every step within the staleness bound, the reward rises,
@@ -277,7 +280,8 @@ def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"], state["model"]["tok_embeddings.weight"])
 
 
-@pytest.mark.parametrize("place", [{"policy": [0, 1], "gen": [2]}, pytest.param({"policy": [0, 1], "gen": [0, 1]}, marks=pytest.mark.slow)], ids=["disjoint", "colocated"])
+@pytest.mark.slow  # CI time (test_the_generator_receives_the_trainers_full_weights_from_the_shards stays)
+@pytest.mark.parametrize("place", [{"policy": [0, 1], "gen": [2]}, {"policy": [0, 1], "gen": [0, 1]}], ids=["disjoint", "colocated"])
 def test_the_generators_weights_equal_the_final_checkpoint_bit_for_bit(tmp_path, place):
     """A real run (3 steps, k = 0) with the FSDP policy on ranks 0-1 and the generator on its own rank or
     as replicas on the policy's ranks (each rank then both sends shards and receives the whole state):
