@@ -269,7 +269,9 @@ def test_too_few_ranks_fails_on_every_rank_before_any_work(tmp_path):
                          "--plan", "place.json", "--steps", "2", "--quiet", "--metrics", "m.jsonl"], tmp_path)
     assert proc.returncode != 0
     message = "node 'policy' needs ranks [1, 2] but torchrun launched WORLD_SIZE=2"
-    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]  # each rank says it
+    # Every rank checks before any work, but torchrun's agent SIGTERMs the others as soon as one rank
+    # exits, so the second rank's line may never be printed (seen once in CI): at least one says it.
+    assert proc.stderr.count(message) >= 1, proc.stderr[-3000:]
     assert not (tmp_path / "m.jsonl").exists()
 
 
