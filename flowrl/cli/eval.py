@@ -1,7 +1,7 @@
 """``flowrl eval CHECKPOINT``: a checkpoint's greedy and sampled mean reward on held-out prompts of its task.
 
 Held-out prompts are the task's prompt indices from ``HELD_OUT_START`` (2**40) on, beyond what any
-training run reads (``flowrl.cli.policy_samples``).
+training run reads (``flowrl.runtime.policy_samples``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flowrl.cli.policy_samples import eval_positions, load_policy, rollout
+    from flowrl.runtime.policy_samples import eval_positions, load_policy, rollout
     from flowrl.errors import ConfigError
 
     if args.prompts < 1 or args.samples < 1:

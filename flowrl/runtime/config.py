@@ -42,6 +42,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         device: where the models run: ``"auto"`` (CUDA when torch sees a CUDA device, else the CPU),
             ``"cpu"`` or ``"cuda"`` (each node on ``cuda:N`` from the plan; see
             ``flowrl.runtime.placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
+        eval_every: every N policy versions, score the policy on the rows of ``eval_data`` in a
+            background thread (``flowrl.runtime.evaluation``: ``eval/...`` keys in that step's
+            metrics row); 0 never.
+        eval_data: the held-out prompt file (the fields of the training file); needs ``eval_every``.
+        eval_samples: sampled completions per eval row (``k`` of pass@k), besides the greedy one.
+        eval_pass_reward: an eval completion passes (pass@k, ``eval/greedy_pass``) when its combined
+            reward is at least this.
     """
 
     steps: int = 250
@@ -63,6 +70,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     threads: int = 0
     log_samples: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_every: int = 0
+    eval_data: str | None = None
+    eval_samples: int = 4
+    eval_pass_reward: float = 1.0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -83,5 +94,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError(f"channel_capacity={self.channel_capacity} must be >= 0")
         if self.threads < 0:
             raise ConfigError(f"threads={self.threads} must be >= 0 (0: divide the cores among colocation groups)")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every={self.eval_every} must be >= 1 to evaluate every N steps (0: never)")
+        if self.eval_every and not self.eval_data:
+            raise ConfigError(f"eval_every={self.eval_every} needs eval_data: a prompt file of held-out rows (--eval-data FILE)")
+        if self.eval_data and not self.eval_every:
+            raise ConfigError(f"eval_data={self.eval_data!r} is read only with eval_every: how often to evaluate (--eval-every N)")
+        if self.eval_samples < 1:
+            raise ConfigError(f"eval_samples={self.eval_samples} must be >= 1 (sampled completions per eval row)")
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"stall_timeout_s={self.stall_timeout_s} must be > 0")

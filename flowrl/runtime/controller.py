@@ -21,6 +21,11 @@ State it keeps (each guarded as noted):
 - ``_source_info`` (``_lock``): per seq, the sources' namespaced metrics (``data/epoch``,
   ``data/prompts_dropped``, ...), merged into that step's metrics row.
 - ``_failure`` (``_lock``): the first error, with its node and step; set once, then ``_stop``.
+- ``_unwritten`` (the policy executor's thread, then the controller's once the executors are
+  joined): metrics rows not yet written, in step order, each with the evaluation its row waits
+  for (``RunConfig.eval_every``: a ``Future`` from ``evaluation.Evaluator``, else None). A row is
+  written (file, ``on_step``) once it and every row before it are complete; a checkpoint first
+  waits for all of them, so the metrics file covers every step a resume will not repeat.
 
 Invariants:
 
@@ -37,7 +42,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +59,7 @@ from flowrl.runtime.channels import Channel, ChannelClosed, Message
 from flowrl.runtime.clock import ClockStopped, VersionClock
 from flowrl.runtime.compute_threads import StepRunner, group_runners, set_intra_op_threads, set_thread_cores
 from flowrl.runtime.config import RunConfig
+from flowrl.runtime.evaluation import Evaluator, merge_eval
 from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.samples import SampleLogger
 from flowrl.runtime.placement import Placement
@@ -168,6 +176,10 @@ class Controller:
         self._skip: set[int] = set()  # prompts a resumed run delivered before its checkpoint (out of order)
         self._watermark = 0  # the first prompt index the trainer has not consumed
         self._ahead: set[int] = set()  # consumed prompt indices above the watermark
+        self._unwritten: deque[tuple[dict[str, Any], Future[dict[str, float]] | None]] = deque()
+        self._evaluator: Evaluator | None = None
+        # --eval-every: the first policy that feeds a generator is the one evaluated
+        self._eval_policy = next((e.src for e in graph.weight_edges if graph.node(e.dst).kind == "generator"), None)
         self._build_executors(node_programs)
 
     # -- wiring -------------------------------------------------------------------------------------
@@ -216,6 +228,12 @@ class Controller:
         self._t0 = time.perf_counter()
         interrupted = False
         try:
+            if self.config.eval_every and self._eval_policy is not None:
+                assert self.config.eval_data is not None  # RunConfig refuses eval_every without it
+                self._evaluator = Evaluator(
+                    self.graph, self._eval_policy, data=self.config.eval_data, samples=self.config.eval_samples,
+                    pass_reward=self.config.eval_pass_reward, seed=self.config.seed,
+                )
             for ex in self.executors.values():
                 ex.program.start()
             for ex in self.executors.values():
@@ -234,6 +252,9 @@ class Controller:
                 self._checkpoint_now()
         finally:
             self._close_programs()
+            self._write_rows(wait=self._failure is None and not interrupted, drop=True)  # after a failure: without unfinished evaluations
+            if self._evaluator is not None:
+                self._evaluator.close()
             metrics.close()
             if self.config.trace and self.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
@@ -434,16 +455,43 @@ class Controller:
             row["samples_text"] = texts
         consumed = row["prompt_index"]
         self.rows.append(row)
-        self._metrics.write(row)
+        evaluation = None
+        if self._evaluator is not None and ex.name == self._eval_policy and version % self.config.eval_every == 0:
+            evaluation = self._evaluator.submit(ex.program, version)  # the trainer waits for the save only
+        self._unwritten.append((row, evaluation))
+        self._write_rows(wait=False)
         self.consumed.append(consumed)
         self._consume(consumed)
-        if self.on_step is not None:
-            self.on_step(row)
         every = self.config.checkpoint_every
         if self.config.checkpoint_dir and every and version % every == 0:
             self._checkpoint_now()
         if seq + 1 >= self.config.steps:
             self._done.set()
+
+    def _write_rows(self, *, wait: bool, drop: bool = False) -> None:
+        """Write the complete rows at the head of ``_unwritten``: with ``wait``, all of them once their
+        evaluations finish; with ``drop`` (after a failure), all of them, without the evaluations not
+        finished. An evaluation that failed fails the run (its row is written without it)."""
+        while self._unwritten:
+            row, evaluation = self._unwritten[0]
+            if evaluation is not None and (wait or evaluation.done()):
+                try:
+                    merge_eval(row, evaluation.result())
+                except BaseException as exc:  # noqa: BLE001 - the evaluation's failure fails the run, reported once
+                    step = int(row["step"])
+                    error = NodeExecutionError(
+                        f"evaluating policy {self._eval_policy!r} at version {row['policy_version']} (eval_every="
+                        f"{self.config.eval_every}, eval_data={self.config.eval_data!r}) failed: {type(exc).__name__}: {exc}",
+                        node=str(self._eval_policy), step=step,
+                    )
+                    error.__cause__ = exc
+                    self._fail(str(self._eval_policy), step, error)
+            elif evaluation is not None and not drop:
+                return
+            self._unwritten.popleft()
+            self._metrics.write(row)
+            if self.on_step is not None:
+                self.on_step(row)
 
     def _consume(self, indices: list[int]) -> None:
         """Advance the watermark (first prompt not consumed) past ``indices``; keep those above it.
@@ -461,6 +509,7 @@ class Controller:
     def _checkpoint_now(self) -> None:
         """Checkpoint the policies at the clock's version (``resume.save_run_checkpoint``)."""
         assert self.config.checkpoint_dir is not None
+        self._write_rows(wait=True)  # the metrics file covers every step the checkpoint does
         version = self.clock.version
         node_programs = {name: ex.program for name, ex in self.executors.items()}
         self.last_checkpoint = save_run_checkpoint(

@@ -31,7 +31,9 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
             fit in this machine's memory, or a generator engine that cannot run here
             (``preflight.check_engines``).
         TransportError: a weight edge names a transport this process has not registered.
-        NodeExecutionError: a node failed while running.
+        ConfigError: also ``config.eval_data`` that cannot be read or lacks a field the prompt or a
+            scorer needs, or is given for a graph whose source is a task (``evaluation.check_eval_data``).
+        NodeExecutionError: a node failed while running (or an evaluation, ``config.eval_every``).
 
     Warns:
         GraphWarning: for each of ``flowrl.graph.advice.advice(graph)``.
@@ -47,6 +49,10 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
     check_backend(graph, backend.name, skip=config.programs)  # sharding="fsdp" runs under torchrun only
     check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
+    if config.eval_every:
+        from flowrl.runtime.evaluation import check_eval_data
+
+        check_eval_data(graph, str(config.eval_data))  # a missing file or column: refused before any work
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
     return backend.run(graph, config, on_step=on_step)
