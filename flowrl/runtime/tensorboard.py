@@ -1,4 +1,6 @@
-"""A TensorBoard sink for the per-step metrics rows: the same scalars, written with torch's ``SummaryWriter``.
+"""A TensorBoard sink for the per-step metrics rows: the same scalars, written with torch's ``SummaryWriter``,
+and the decoded samples of ``--log-samples`` as a table (a text summary, tag ``samples``, holding a
+markdown table: prompt, completion, reward) at the steps that logged them.
 
 ``flowrl run --tensorboard DIR`` passes it each row; ``tensorboard --logdir DIR`` shows them. The
 ``tensorboard`` package is an optional extra (``pip install 'flowrl[tensorboard]'``).
@@ -11,13 +13,17 @@ from typing import Any
 
 from flowrl.errors import ConfigError
 
-__all__ = ["TensorBoardSink", "TENSORBOARD_INSTALL"]
+__all__ = ["TensorBoardSink", "TENSORBOARD_INSTALL", "SAMPLES_TAG"]
+
+#: The text tag of the samples table.
+SAMPLES_TAG = "samples"
 
 TENSORBOARD_INSTALL = "pip install 'flowrl[tensorboard]'  (or: pip install tensorboard)"
 
 
 class TensorBoardSink:
-    """Writes every numeric field of a metrics row (but ``step``) as a scalar at that step.
+    """Writes every numeric field of a metrics row (but ``step``) as a scalar at that step, and its
+    ``samples_text`` as a markdown table (text tag ``SAMPLES_TAG``).
 
     Args:
         log_dir: the event-file directory (created).
@@ -34,10 +40,15 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def __call__(self, row: dict[str, Any]) -> None:
+        from flowrl.runtime.wandb_log import row_scalars
+
         step = int(row["step"])
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, value, step)
+        for key, value in row_scalars(row).items():
+            self.writer.add_scalar(key, value, step)
+        if row.get("samples_text"):
+            from flowrl.runtime.samples import samples_markdown
+
+            self.writer.add_text(SAMPLES_TAG, samples_markdown(row["samples_text"]), step)
 
     def close(self) -> None:
         self.writer.flush()
