@@ -288,7 +288,8 @@ def _as_flags(message: str) -> str:
     """A ``RunConfig`` message in the command line's words: ``eval_every=3`` -> ``--eval-every 3``."""
     import re
 
-    return re.sub(r"\b(eval_every|eval_data|eval_samples|eval_pass_reward)(=| )", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
+    names = r"\b(eval_every|eval_data|eval_samples|eval_pass_reward)\b(=?)"
+    return re.sub(names, lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) else ""), message)
 
 
 def _parse_options(items: list[str]) -> dict[str, object]:

@@ -97,9 +97,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if self.eval_every < 0:
             raise ConfigError(f"eval_every={self.eval_every} must be >= 1 to evaluate every N steps (0: never)")
         if self.eval_every and not self.eval_data:
-            raise ConfigError(f"eval_every={self.eval_every} needs eval_data: a prompt file of held-out rows (--eval-data FILE)")
+            raise ConfigError(f"eval_every={self.eval_every} needs eval_data, a prompt file of held-out rows with the training file's fields")
         if self.eval_data and not self.eval_every:
-            raise ConfigError(f"eval_data={self.eval_data!r} is read only with eval_every: how often to evaluate (--eval-every N)")
+            raise ConfigError(f"eval_data={self.eval_data!r} is read only with eval_every, how often to evaluate (in steps)")
         if self.eval_samples < 1:
             raise ConfigError(f"eval_samples={self.eval_samples} must be >= 1 (sampled completions per eval row)")
         if self.stall_timeout_s <= 0:

@@ -37,7 +37,8 @@ class WandbSink:
     Args:
         project: the W&B project.
         config: the run config to record (plain data: ``msgspec.to_builtins`` of a ``RunConfig``, ...).
-        mode: ``"online"`` or ``"offline"``; None leaves it to ``WANDB_MODE`` (else online).
+        mode: ``"online"`` or ``"offline"``; None reads ``WANDB_MODE`` now (else online), not the
+            value wandb cached at its first ``init`` in this process.
         dir: the folder that gets ``wandb/`` (None: ``WANDB_DIR``, else the working directory); created.
         name: the run's display name (None: W&B picks one).
 
@@ -61,6 +62,7 @@ class WandbSink:
         if dir is not None:
             os.makedirs(dir, exist_ok=True)
         self._wandb = wandb
+        mode = mode or os.environ.get("WANDB_MODE") or None  # type: ignore[assignment]
         self.run = wandb.init(project=project, config=dict(config), mode=mode, dir=None if dir is None else str(dir), name=name)
 
     def __call__(self, row: dict[str, Any]) -> None:
@@ -73,5 +75,8 @@ class WandbSink:
         self.run.log(data, step=int(row["step"]))
 
     def close(self) -> None:
-        """Finish the run (offline: its folder is complete, ready for ``wandb sync``)."""
+        """Finish the run and stop wandb's service process, which writes the run's file: once this
+        returns, an offline run's folder is complete (ready for ``wandb sync``), and a later
+        ``WandbSink`` in this process reads ``WANDB_DIR`` and the like afresh."""
         self.run.finish()
+        self._wandb.teardown()
