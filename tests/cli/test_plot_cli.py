@@ -84,3 +84,50 @@ def test_the_mismatch_panel_leaves_out_steps_that_measured_nothing():
     ]
     (keys,) = [keys for title, keys in PANELS if title.startswith("log-prob mismatch")]
     assert [_series(rows, key)[:1] + _series(rows, key)[2:] for key in keys] == [([1.0, 3.0], [1e-3, 2e-3]), ([1.0, 3.0], [0.01, 0.02])]
+
+
+def _rich_metrics(path):
+    """Two named rewards, a KL to the reference, the objective's KL, and evaluations at steps 2 and 4."""
+    rows = []
+    for s in range(1, 5):
+        row = {"step": s, "time_s": 0.5 * s, "reward_mean": 0.1 * s, "loss": 1.0, "staleness": 0, "prompt_index": [s],
+               "reward/answer": 0.1 * s, "reward/format": 1.0, "loss/kl_ref": 0.01 * s, "aipo/kl": 0.002 * s}
+        if s % 2 == 0:
+            row.update({"eval/greedy_reward_mean": 0.2 * s, "eval/sampled_reward_mean": 0.1 * s, "eval/pass@1": 0.1 * s,
+                        "eval/pass@2": 0.15 * s, "eval/pass@4": 0.2 * s})
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_panels_per_named_reward_kl_and_evaluations_when_the_rows_hold_them(tmp_path):
+    """Each named reward field, the KL (to the reference, and the objective's) and the evaluations get a
+    panel drawn from their rows; a run without them gets none of these panels."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flowrl.cli.plot import PANELS, panels, plot_runs
+    from flowrl.runtime.metrics import read_metrics
+
+    drawn = {}
+
+    def keep(fig, *args, **kwargs):  # what each panel drew, title -> {legend label: (x, y)}; the PNG is another test's
+        for ax in fig.axes[::2]:
+            drawn[ax.get_title()] = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+
+    rows = read_metrics(_rich_metrics(tmp_path / "m.jsonl"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt.Figure, "savefig", keep)
+        mp.setattr(plt.Figure, "tight_layout", lambda fig: None)  # layout is slow and checked by the PNG test
+        plot_runs({"m": rows}, tmp_path / "c.png")
+    assert list(drawn)[len(PANELS):] == [
+        "reward: answer", "reward: format", "KL (loss/kl_ref, aipo/kl)", "eval: reward (greedy, sampled)", "eval: pass@k",
+    ]
+    assert drawn["reward: answer"]["m"] == ([1, 2, 3, 4], [r["reward/answer"] for r in rows])
+    assert drawn["KL (loss/kl_ref, aipo/kl)"]["m loss/kl_ref"][1] == [r["loss/kl_ref"] for r in rows]
+    assert drawn["eval: pass@k"]["m eval/pass@4"] == ([2, 4], [rows[1]["eval/pass@4"], rows[3]["eval/pass@4"]])
+    assert sorted(drawn["eval: pass@k"]) == ["m eval/pass@1", "m eval/pass@2", "m eval/pass@4"]
+    assert drawn["eval: reward (greedy, sampled)"]["m eval/greedy_reward_mean"][0] == [2, 4]
+
+    assert panels({"plain": read_metrics(_metrics(tmp_path / "p.jsonl", 4, 0))}) == list(PANELS)
