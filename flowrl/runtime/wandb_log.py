@@ -75,8 +75,8 @@ class WandbSink:
         self.run.log(data, step=int(row["step"]))
 
     def close(self) -> None:
-        """Finish the run and stop wandb's service process, which writes the run's file: once this
-        returns, an offline run's folder is complete (ready for ``wandb sync``), and a later
-        ``WandbSink`` in this process reads ``WANDB_DIR`` and the like afresh."""
+        """Finish the run (an offline run's folder is then complete, ready for ``wandb sync``) and stop
+        wandb's service: wandb otherwise keeps the settings of its first ``init`` in a process, so a
+        later ``WandbSink`` would ignore a changed ``WANDB_DIR``."""
         self.run.finish()
         self._wandb.teardown()

@@ -133,9 +133,10 @@ def test_eval_rows_come_every_n_steps_and_equal_a_direct_evaluation_of_that_step
         (["--eval-every", "0", "--eval-data", "{held}"], "--eval-every 0: N must be >= 1"),
         (["--eval-every", "-3", "--eval-data", "{held}"], "--eval-every -3: N must be >= 1"),
         (["--eval-data", "{held}"], "--eval-data '{held}' is read only with --eval-every"),
-        (["--eval-every", "2", "--eval-data", "{missing}"], "no such file; give a prompt file with the fields of"),
-        (["--eval-every", "2", "--eval-data", "{no_answer}"], "scorer 'reward' asks for row field(s) ['answer'], which the prompt rows lack"),
-        (["--eval-every", "2", "--eval-data", "{no_prompt}"], "'prompt'"),
+        (["--eval-every", "2", "--eval-data", "{missing}"], "--eval-data '{missing}': no such file; give a prompt file with the fields of"),
+        (["--eval-every", "2", "--eval-data", "{no_answer}"],
+         "--eval-data '{no_answer}': scorer 'reward' asks for row field(s) ['answer'], which the prompt rows lack"),
+        (["--eval-every", "2", "--eval-data", "{no_prompt}"], "no row has the prompt field 'prompt'; the fields present are ['answer']"),
         (["--eval-every", "2", "--eval-data", "{held}", "--eval-samples", "0"], "--eval-samples 0 must be >= 1"),
     ],
     ids=["no-data", "zero", "negative", "data-alone", "missing-file", "no-answer-column", "no-prompt-column", "zero-samples"],
@@ -152,7 +153,7 @@ def test_bad_eval_options_are_a_cli_error_before_any_work(tmp_path, capsys, extr
     err = capsys.readouterr().err
     assert message.format(**paths) in " ".join(err.split()), err
     assert "Traceback" not in err
-    assert not (tmp_path / "ck").exists()  # refused before any work
+    assert "flowrl run: graph" not in err and not (tmp_path / "ck").exists()  # refused before the run starts
 
 
 def test_eval_data_for_a_task_graph_names_the_way_to_evaluate_it(tmp_path, capsys):

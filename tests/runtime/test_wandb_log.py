@@ -40,7 +40,7 @@ def read_wandb_log(path: Path) -> list:
     return out
 
 
-@pytest.mark.parametrize("how", ["flag", "env"])
+@pytest.mark.parametrize("how", ["flag", pytest.param("env", marks=pytest.mark.slow)])
 def test_an_offline_run_folder_holds_every_metrics_row_and_the_run_config(tmp_path, monkeypatch, capsys, how):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
