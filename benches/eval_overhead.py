@@ -8,7 +8,8 @@ times each, after one warm-up run. Per run it reads the metrics rows:
 - ``step_s``: wall seconds between consecutive rows' ``time_s`` (what a step costs the run, the
   policy saving its state at an evaluated step included); ``eval_step_s`` / ``other_step_s``: the
   same split into the evaluated steps and the rest;
-- ``wall_s``: the whole run; ``eval_time_s``: the evaluations' own seconds (in their thread).
+- ``wall_s``: the whole run; ``eval_time_s``: the evaluations' own seconds (in their thread);
+  ``eval_save_s``: the policy's save at an evaluated step, all the trainer waits for.
 
 Prints JSON: per mode the median over repeats of each run's mean, and the load averages before and
 after (on a shared machine the evaluation thread competes with training for the same cores).
@@ -52,6 +53,7 @@ def measure(steps: int, every: int, data: str | None, samples: int) -> dict[str,
         "other_step_s": statistics.mean(others[1:]),
         "wall_s": result.wall_s,
         "eval_time_s": statistics.mean(r["eval/time_s"] for r in rows if "eval/time_s" in r) if data else 0.0,
+        "eval_save_s": statistics.mean(r["eval/save_s"] for r in rows if "eval/save_s" in r) if data else 0.0,
     }
 
 

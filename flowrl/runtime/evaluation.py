@@ -19,7 +19,8 @@ The keys an evaluated row gets (``EVAL_KEYS`` and the ``eval/pass@j``):
   ``>= pass_reward``); ``eval/pass@j`` for ``j`` in ``pass_ks(k)``: the unbiased estimate (Chen et
   al. 2021, arXiv 2107.03374) from the ``k`` samples, averaged over rows;
 - ``eval/reward/NAME``: each named reward's greedy mean, when the loss combines several;
-- ``eval/time_s``: seconds the evaluation took in its thread.
+- ``eval/time_s``: seconds the evaluation took in its thread; ``eval/save_s``: seconds the policy
+  took to save its state, the only time the trainer waited for this evaluation.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["pass_at_k", "pass_ks", "eval_metrics", "evaluate_policy", "check_eval_data", "Evaluator", "merge_eval", "EVAL_KEYS"]
 
 #: The keys every evaluated row has, besides ``eval/pass@j`` and ``eval/reward/NAME``.
-EVAL_KEYS = ("eval/version", "eval/rows", "eval/greedy_reward_mean", "eval/sampled_reward_mean", "eval/greedy_pass", "eval/time_s")
+EVAL_KEYS = (
+    "eval/version", "eval/rows", "eval/greedy_reward_mean", "eval/sampled_reward_mean", "eval/greedy_pass", "eval/time_s", "eval/save_s",
+)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -163,10 +166,11 @@ class Evaluator:
     def submit(self, program: NodeProgram, version: int) -> Future[dict[str, float]]:
         """Save ``program``'s state now (the trainer waits for this only) and evaluate it in the background."""
         path = os.path.join(self._dir, f"policy-v{version}.pt")
+        start = time.perf_counter()
         program.save(path)
-        return self._pool.submit(self._evaluate, path)
+        return self._pool.submit(self._evaluate, path, time.perf_counter() - start)
 
-    def _evaluate(self, path: str) -> dict[str, float]:
+    def _evaluate(self, path: str, save_s: float) -> dict[str, float]:
         import torch
 
         from flowrl.runtime.policy_samples import load_weights
@@ -177,6 +181,7 @@ class Evaluator:
         load_weights(self.policy, state)
         out = evaluate_policy(self.policy, samples=self.samples, pass_reward=self.pass_reward)
         out["eval/time_s"] = time.perf_counter() - start
+        out["eval/save_s"] = save_s
         return out
 
     def close(self) -> None:

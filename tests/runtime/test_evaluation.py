@@ -122,7 +122,7 @@ def test_eval_rows_come_every_n_steps_and_equal_a_direct_evaluation_of_that_step
         figures[step] = expected = _direct_eval(ck / f"step-{step:08d}", held, samples=3, pass_reward=0.6)
         for key, value in expected.items():
             assert row[key] == pytest.approx(value, abs=1e-9), (step, key)
-        assert row["eval/time_s"] > 0
+        assert row["eval/time_s"] > 0 and 0 < row["eval/save_s"] < row["eval/time_s"]
     assert figures[2] != figures[4]  # the policy moved: equal figures above are the step's own weights
 
 
