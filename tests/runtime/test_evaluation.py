@@ -168,3 +168,19 @@ def test_run_config_refuses_eval_mistakes_for_python_users():
         RunConfig(eval_every=-1)
     with pytest.raises(ConfigError, match=r"eval_every=5 needs eval_data"):
         RunConfig(eval_every=5)
+
+
+def test_an_evaluation_that_fails_fails_the_run_naming_the_evaluation_and_keeps_the_rows(tmp_path, capsys):
+    """A scorer that raises on an eval row (``answer`` not text: the hf_copy reward calls ``.split()``) fails
+    the run with the evaluated version and the eval file named, and the cause's traceback; the metrics file
+    keeps the steps done."""
+    held, metrics = tmp_path / "held.jsonl", tmp_path / "m.jsonl"
+    held.write_text(json.dumps({"prompt": "copy 1 2 3 :", "answer": 123}) + "\n")
+    argv = ["run", "hf_copy", "--steps", "4", "--quiet", "--eval-every", "1", "--eval-data", str(held), "--metrics", str(metrics)]
+    assert main(argv) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"evaluating policy 'policy' at version 1 (eval_every=1, eval_data='{held}') failed: " in err
+    assert "scorer 'reward' (flowrl.examples.hf_copy:reward) raised AttributeError: 'int' object has no attribute 'split'" in err
+    assert "Traceback" in err  # a bug in user code: its traceback is what helps
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert rows and rows[0]["step"] == 1 and "eval/version" not in rows[0]
