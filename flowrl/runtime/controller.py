@@ -54,7 +54,7 @@ from flowrl.runtime.compute_threads import StepRunner, group_runners, set_intra_
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.samples import SampleLogger
-from flowrl.runtime.placement import Placement
+from flowrl.placement.data import Placement
 from flowrl.runtime.programs import NodeProgram
 from flowrl.runtime.resume import restore_run_checkpoint, save_run_checkpoint
 from flowrl.runtime.trace import Tracer

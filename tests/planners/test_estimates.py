@@ -16,7 +16,7 @@ from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.cpu import estimate_cpu
 from flowrl.planners.estimate.sync import estimate_sync
 from flowrl.planners.estimate.train import estimate_train, pick_fitting, train_options
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.tuning import Tuning
 from flowrl.planners.workload import Workload

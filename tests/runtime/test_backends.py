@@ -21,9 +21,9 @@ class CountingBackend(LocalBackend):
     name = "test-counting"
     runs = 0
 
-    def run(self, graph, config, *, on_step=None):
+    def run(self, graph, placement, config, *, on_step=None):
         type(self).runs += 1
-        return super().run(graph, config, on_step=on_step)
+        return super().run(graph, placement, config, on_step=on_step)
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_BACKENDS))

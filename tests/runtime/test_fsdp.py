@@ -32,6 +32,7 @@ from flowrl.errors import ConfigError
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import OptimizerConfig
+from flowrl.placement import load_placement
 
 from tests.runtime.test_torchrun import _rows, _torchrun  # the jobs run with PYTHONPATH=ROOT (see _torchrun)
 
@@ -534,7 +535,7 @@ def _bitwise_job(out: str) -> int:
 
     tr.close_edges = close_after_hashing
     try:
-        run_graph(graph, RunConfig(steps=3, backend="torchrun", plan="place.json", checkpoint_dir="ck", stall_timeout_s=60))
+        run_graph(graph, load_placement("place.json", graph), RunConfig(steps=3, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60))
     finally:
         tr.close_edges = real_close
     return 0

@@ -38,7 +38,7 @@ import msgspec
 
 from flowrl.errors import TransportError
 from flowrl.planners.estimate.common import Context, Link
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
 from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
 from flowrl.runtime.transports.registry import TransportTraits, transport_traits
