@@ -44,7 +44,7 @@ from flowrl.examples import build_example
 from flowrl.graph.ir import Graph
 from flowrl.operators.tasks import make_task
 from flowrl.planners.baseline import SYNC_BASELINE, plan_baseline
-from flowrl.planners.calibrate import calibrated_cluster, measure
+from flowrl.calibration.measure import calibrated_cluster, measure
 from flowrl.planners.cluster import parse_cluster
 from flowrl.planners.estimate.common import Context
 from flowrl.planners.lengths import lengths_from_metrics, mean_and_tail

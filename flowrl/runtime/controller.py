@@ -57,7 +57,7 @@ from flowrl.runtime.samples import SampleLogger
 from flowrl.placement.data import Placement
 from flowrl.runtime.programs import NodeProgram
 from flowrl.runtime.resume import restore_run_checkpoint, save_run_checkpoint
-from flowrl.runtime.trace import Tracer
+from flowrl.trace import Tracer
 
 __all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]
 

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from flowrl.errors import PlanError
-from flowrl.planners.calibrate import WIDTHS, Measurements, calibrated_cluster, measure
+from flowrl.calibration.measure import WIDTHS, Measurements, calibrated_cluster, measure
 from flowrl.planners.cluster import DEVICE_PRESETS, ClusterSpec, cluster_to_json, cpu_cluster, load_cluster_file, parse_cluster
 
 

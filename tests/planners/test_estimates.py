@@ -252,7 +252,7 @@ WIDE = ModelSpec(name="wide", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_
 )
 def test_collective_sync_volume_is_the_transports(dst_dims, wire, copied):
     """The planner's bytes come from ``resharding.transfer_volume`` over the runtime's layouts (``sync_params``)."""
-    from flowrl.runtime.resharding import transfer_volume
+    from flowrl.placement.resharding import transfer_volume
 
     from flowrl.planners.estimate.sync import sync_params
 

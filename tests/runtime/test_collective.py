@@ -28,7 +28,7 @@ from flowrl.errors import ConfigError, TransportError
 from flowrl.planners.estimate.sync import estimate_sync, sync_params
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
-from flowrl.runtime.resharding import (
+from flowrl.placement.resharding import (
     DIRECT_MIN_BYTES,
     ShardLayout,
     dp_replicas,

@@ -144,7 +144,7 @@ def test_collective_options_are_plain_data_and_cover_the_model():
 
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.backends.weights import COLLECTIVE, collective_options, participants, weight_transport
-    from flowrl.runtime.resharding import ShardLayout, minimum_bytes, plan_state
+    from flowrl.placement.resharding import ShardLayout, minimum_bytes, plan_state
 
     graph = build_llamarl()
     assert weight_transport("inprocess") == weight_transport("collective") == COLLECTIVE
