@@ -47,7 +47,8 @@ from flowrl.planners.baseline import SYNC_BASELINE, plan_baseline
 from flowrl.calibration.measure import calibrated_cluster, measure
 from flowrl.planners.cluster import parse_cluster
 from flowrl.planners.estimate.common import Context
-from flowrl.planners.lengths import lengths_from_metrics, mean_and_tail
+from flowrl.cli.plan import lengths_from_metrics
+from flowrl.planners.lengths import mean_and_tail
 from flowrl.modelspec import model_from_config, model_preset
 from flowrl.planners.plan import Plan, plan_graph, save_plan
 from flowrl.planners.search import Candidate, resolve_roles

@@ -38,7 +38,7 @@ from flowrl.runtime.transports.base import (
     dtype_name,
     layout_of,
 )
-from flowrl.transport_traits import BUILTIN_TRAITS
+from flowrl.transport_traits import BUILTINS
 
 __all__ = ["FileTransport", "write_safetensors", "read_safetensors_layout", "SAFETENSORS_DTYPES"]
 
@@ -168,7 +168,7 @@ class FileTransport:
 
     name = "file"
     #: files in a directory both ends see: processes, and hosts given a shared directory
-    traits = BUILTIN_TRAITS["file"]
+    traits = BUILTINS["file"].traits
 
     def __init__(self, directory: str, *, keep: int = 2, fsync: bool = True, max_retries: int = 100) -> None:
         if not isinstance(directory, str) or not directory:

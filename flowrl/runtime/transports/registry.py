@@ -3,7 +3,7 @@
 A transport class declares its :class:`TransportTraits` (``flowrl.transport_traits``) as a class
 attribute ``traits``: whether it crosses processes and hosts, which options it is opened with,
 whether it is a torch.distributed collective and how the planner costs it; a built-in's is its row
-of ``BUILTIN_TRAITS``. The backends and the planner read those traits (``transport_traits`` here,
+of ``BUILTINS``. The backends and the planner read those traits (``transport_traits`` here,
 ``traits_of`` in the planner) instead of matching names, so a new transport is one class plus one
 ``register_transport`` call.
 
@@ -30,7 +30,7 @@ from typing import Any
 
 from flowrl.errors import TransportError
 from flowrl.graph.validate import TRANSPORT_NAME_RE  # the graph owns a name's form
-from flowrl.transport_traits import TransportTraits, declare_traits, traits_of
+from flowrl.transport_traits import BUILTINS, TransportTraits, declare_traits, traits_of
 
 __all__ = [
     "TransportTraits",
@@ -45,14 +45,8 @@ __all__ = [
     "BUILTIN_TRANSPORTS",
 ]
 
-#: Built-in transports: name -> "module:factory". Imported on first use.
-BUILTIN_TRANSPORTS: dict[str, str] = {
-    "inprocess": "flowrl.runtime.transports.inprocess:InProcessTransport",
-    "shm": "flowrl.runtime.transports.shm:SharedMemoryTransport",
-    "file": "flowrl.runtime.transports.file:FileTransport",
-    "collective": "flowrl.runtime.transports.collective:CollectiveTransport",
-    "cuda_ipc": "flowrl.runtime.transports.cuda_ipc:CudaIpcTransport",
-}
+#: Built-in transports: name -> "module:factory" (``flowrl.transport_traits.BUILTINS``). Imported on first use.
+BUILTIN_TRANSPORTS: dict[str, str] = {name: b.reference for name, b in BUILTINS.items()}
 
 _USER_TRANSPORTS: dict[str, Callable[..., Any]] = {}
 

@@ -56,7 +56,7 @@ from flowrl.runtime.transports.base import (
     dtype_from_name,
     layout_of,
 )
-from flowrl.transport_traits import BUILTIN_TRAITS
+from flowrl.transport_traits import BUILTINS
 
 __all__ = ["SharedMemoryTransport", "ShmHeader", "read_header", "backoff", "fence", "unlink_quietly"]
 
@@ -171,7 +171,7 @@ class SharedMemoryTransport:
 
     name = "shm"
     #: a named shared-memory segment: processes of one machine; copies in and out of it
-    traits = BUILTIN_TRAITS["shm"]
+    traits = BUILTINS["shm"].traits
 
     def __init__(
         self,

@@ -119,7 +119,7 @@ from flowrl.runtime.transports.collective.messages import (
     build_messages,
     round_robin,
 )
-from flowrl.transport_traits import BUILTIN_TRAITS
+from flowrl.transport_traits import BUILTINS
 
 __all__ = ["CollectiveTransport"]
 
@@ -199,7 +199,7 @@ class CollectiveTransport:
 
     name = "collective"
     #: torch.distributed point-to-point between the edge's ranks, built per rank by the torchrun backend
-    traits = BUILTIN_TRAITS["collective"]
+    traits = BUILTINS["collective"].traits
 
     def __init__(
         self,
