@@ -2,7 +2,9 @@
 
 Pure data (no torch, no planner): ``data`` (the ``Placement`` struct: each device node's devices
 and mesh axes, the run strategy, colocation groups), ``forms`` (its JSON form, what a user writes
-for ``--plan``), ``default`` (the run strategies of a run given no placement). The planner makes
+for ``--plan``), ``default`` (the run strategies of a run given no placement), ``resharding`` (a
+weight's layout over ranks and the transfers between two layouts, which the collective transport
+moves and the planner prices; not imported here). The planner makes
 placements (``Plan.placement()``), the runtime reads them (``run_graph(graph, placement, config)``),
 and neither imports the other.
 
