@@ -128,3 +128,9 @@ def test_synchronous_run_on_cuda_stays_on_policy(backend):
     result = run_graph(build_example("llamarl"), RunConfig(steps=3, max_staleness=0, progress=False, device="cuda", backend=backend))
     assert result.version == 3
     assert all(row["aipo/ratio_mean"] == pytest.approx(1.0, abs=1e-3) for row in result.rows)
+
+
+@pytest.mark.parametrize(("policy_core", "pinned"), [(0, True), (10**6, False)], ids=["cores-here", "core-not-here"])
+def test_a_cpu_plans_cores_are_pinned_only_where_this_machine_has_them(policy_core, pinned):
+    placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(policy_core,))}, pin=True)
+    assert run_placement(build_example("llamarl"), placement, RunConfig(steps=1)).pin is pinned
