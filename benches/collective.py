@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flowrl.runtime.resharding import fsdp, minimum_bytes, sharded, tp_column, tp_row, transfer_volume
+from flowrl.placement.resharding import fsdp, minimum_bytes, sharded, tp_column, tp_row, transfer_volume
 from flowrl.runtime.transports.collective import CollectiveTransport
 
 WORLD = 4

@@ -44,11 +44,12 @@ from flowrl.examples import build_example
 from flowrl.graph.ir import Graph
 from flowrl.operators.tasks import make_task
 from flowrl.planners.baseline import SYNC_BASELINE, plan_baseline
-from flowrl.planners.calibrate import calibrated_cluster, measure
+from flowrl.calibration.measure import calibrated_cluster, measure
 from flowrl.planners.cluster import parse_cluster
 from flowrl.planners.estimate.common import Context
-from flowrl.planners.lengths import lengths_from_metrics, mean_and_tail
-from flowrl.planners.modelspec import model_from_config, model_preset
+from flowrl.cli.plan import lengths_from_metrics
+from flowrl.planners.lengths import mean_and_tail
+from flowrl.modelspec import model_from_config, model_preset
 from flowrl.planners.plan import Plan, plan_graph, save_plan
 from flowrl.planners.search import Candidate, resolve_roles
 from flowrl.planners.timeline import predicted_trace
@@ -124,7 +125,7 @@ def _measured_step(plan: Plan, graph: Graph, k: int, steps: int, folder: str, la
     path = os.path.join(folder, f"{label}.json")
     save_plan(plan, path)
     trace = os.path.join(trace_dir or folder, f"{label}.measured.json")
-    result = run_graph(graph, RunConfig(steps=steps, plan=path, max_staleness=k, progress=False, trace=trace))
+    result = run_graph(graph, plan.placement(source=f"plan:{path}"), RunConfig(steps=steps, max_staleness=k, progress=False, trace=trace))
     if trace_dir:
         predicted_trace(plan, steps=steps).save(os.path.join(trace_dir, f"{label}.predicted.json"))
     times = [row["time_s"] for row in result.rows]

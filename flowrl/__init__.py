@@ -16,11 +16,16 @@ from flowrl.graph import (
 __version__ = "0.1.0"
 
 # The runtime (torch) loads on first use, so that building a graph imports no torch.
-_LAZY = {"run_graph": "flowrl.runtime.run", "RunConfig": "flowrl.runtime.config", "RunResult": "flowrl.runtime.controller"}
+_LAZY = {
+    "run_graph": "flowrl.runtime.run",
+    "RunConfig": "flowrl.runtime.config",
+    "RunResult": "flowrl.runtime.controller",
+    "Placement": "flowrl.placement.data",
+}
 
 
 def __getattr__(name: str):
-    """``from flowrl import run_graph, RunConfig, RunResult`` imports the runtime only then."""
+    """``from flowrl import run_graph, RunConfig, RunResult, Placement`` imports the runtime (or the placement) only then."""
     if name in _LAZY:
         import importlib
 
@@ -46,4 +51,5 @@ __all__ = [
     "run_graph",
     "RunConfig",
     "RunResult",
+    "Placement",
 ]

@@ -7,6 +7,7 @@ import is still a dependency, only a later one.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +21,22 @@ ROOT = Path(flowrl.__file__).parent
 #: What graph/ (the IR, the bottom layer) may import besides itself: the shared helpers.
 GRAPH_MAY_IMPORT = {"errors", "fileio"}
 
+#: What planners/ (pure: no torch, no processes) may import besides itself: the IR, the placement it
+#: emits and the pure shared modules; never the runtime, the operators or the models.
+PLANNERS_MAY_IMPORT = {"graph", "placement", "errors", "fileio", "host", "modelspec", "trace", "transport_traits"}
+
+#: What placement/ (between the planner and the runtime) may import besides itself.
+PLACEMENT_MAY_IMPORT = {"graph", "errors", "fileio"}
+
 
 def _module_name(path: Path) -> str:
     parts = ("flowrl", *path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def import_graph() -> nx.DiGraph:
-    """flowrl module -> flowrl module, one edge per import of any kind."""
+    """flowrl module -> flowrl module, one edge per import of any kind (parsed once per session; not to be mutated)."""
     files = {_module_name(p): p for p in ROOT.rglob("*.py")}
     g = nx.DiGraph()
     for name, path in files.items():
@@ -66,11 +75,49 @@ def test_the_graph_package_is_the_bottom_layer():
     assert not edges, f"graph/ imports other flowrl packages: {edges}"
 
 
+def _edges_out(package: str, allowed: set[str]) -> list[tuple[str, str]]:
+    return [(a, b) for a, b in import_graph().edges if _package(a) == package and _package(b) not in {package, *allowed}]
+
+
+def test_the_runtime_imports_nothing_from_the_planner():
+    edges = [(a, b) for a, b in import_graph().edges if _package(a) == "runtime" and _package(b) in {"planners", "calibration", "cli"}]
+    assert not edges, f"runtime/ imports the planner (it reads a flowrl.placement.Placement instead): {edges}"
+
+
+def test_the_planner_is_pure():
+    edges = _edges_out("planners", PLANNERS_MAY_IMPORT)
+    assert not edges, f"planners/ imports beyond the IR, the placement and the pure shared modules: {edges}"
+
+
+def test_the_placement_sits_between_the_planner_and_the_runtime():
+    edges = _edges_out("placement", PLACEMENT_MAY_IMPORT)
+    assert not edges, f"placement/ imports more than the IR and the shared helpers: {edges}"
+
+
 def test_the_checker_sees_function_level_and_type_checking_imports(tmp_path):
     """The walk above counts every kind of import (or the two tests above could pass by hiding one)."""
     g = import_graph()
     assert g.has_edge("flowrl.runtime.run", "flowrl.runtime.names")  # a function-level import in run_graph
     assert g.has_edge("flowrl.runtime.names", "flowrl.graph.ir")  # a TYPE_CHECKING import
+    assert g.has_edge("flowrl.placement.default", "flowrl.graph.ir")  # a TYPE_CHECKING import
+
+
+def _heavy_modules_after(code: str, heavy: tuple[str, ...] = ("torch", "transformers")) -> str:
+    code += f"\nimport sys\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {set(heavy)!r})[:5])\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_planning_and_placing_import_no_torch():
+    """A dry-run plan needs no hardware and no torch (numpy: the planner's mesh arithmetic); the placement a run gets from it neither."""
+    code = (
+        "from flowrl.examples import build_example\n"
+        "from flowrl.planners.plan import plan_graph\n"
+        "from flowrl.placement import default_placement\n"
+        "g = build_example('llamarl')\n"
+        "assert str(plan_graph(g, 'cpu:2', strategy='disaggregated').placement()) == 'gen:d1@0 | policy:d1@1'\n"
+        "assert str(default_placement(g, 1, 4)) == 'gen:d2@0-1 | policy:d2@2-3'\n"
+    )
+    assert _heavy_modules_after(code) == "[]"
 
 
 def test_building_and_validating_a_graph_imports_no_torch():

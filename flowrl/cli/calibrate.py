@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.errors import PlanError
-    from flowrl.planners.calibrate import calibrated_cluster, measure
+    from flowrl.calibration.measure import calibrated_cluster, measure
     from flowrl.planners.cluster import cluster_to_json
 
     if args.cores is not None and args.cores < 1:

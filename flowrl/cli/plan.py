@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     from flowrl.cli.graphs import load_graph
     from flowrl.planners.cluster import parse_cluster
     from flowrl.planners.lengths import mean_and_tail
-    from flowrl.planners.modelspec import resolve_model
+    from flowrl.modelspec import resolve_model
     from flowrl.planners.plan import plan_graph, plan_to_json, save_plan
     from flowrl.planners.report import format_plan
     from flowrl.planners.workload import default_workload

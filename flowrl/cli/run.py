@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
+    from flowrl.placement.data import Placement
     from flowrl.runtime.config import RunConfig
 
 __all__ = ["register"]
@@ -157,7 +158,6 @@ def _run_here(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
-            plan=args.plan,
             programs=synthetic_programs(graph) if args.synthetic else {},
             options=options,
             progress=not args.quiet,
@@ -182,13 +182,17 @@ def _run_here(args: argparse.Namespace) -> int:
     resolve_device(config.device)  # --device cuda without CUDA: refused before any directory is touched
     if args.overwrite_checkpoints and not args.checkpoint_dir:
         raise ConfigError("--overwrite-checkpoints needs --checkpoint-dir DIR")
+    placement = None  # run_graph's default: the run strategy for the staleness bound
     if args.plan:
+        from flowrl.planners.forms import read_placement
+
         _check_plan_here(args)
+        placement = read_placement(args.plan, graph)  # a plan file or a JSON placement, on every rank alike
     if args.backend == "torchrun" and os.environ.get("RANK", "0") != "0":
-        run_graph(graph, config)
+        run_graph(graph, placement, config)
         return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
     with _checkpoint_directory(args):
-        return _train(args, graph, config)
+        return _train(args, graph, placement, config)
 
 
 @contextlib.contextmanager
@@ -206,7 +210,7 @@ def _checkpoint_directory(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
-def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
+def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, config: RunConfig) -> int:
     """Run the graph with a progress bar and print the summary (rank 0 or a single process)."""
     from flowrl.errors import NodeBuildError, NodeExecutionError
     from flowrl.runtime.progress import ProgressBar
@@ -247,7 +251,7 @@ def _train(args: argparse.Namespace, graph: Graph, config: RunConfig) -> int:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=GraphWarning)
-            result = run_graph(graph, config, on_step=on_step if sinks else None)
+            result = run_graph(graph, placement, config, on_step=on_step if sinks else None)
     except KeyboardInterrupt:
         print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
         return 130
@@ -325,7 +329,7 @@ def _check_plan_here(args: argparse.Namespace) -> None:
     try:
         plan = load_plan(args.plan)
     except PlanError:
-        return  # a placement, or a broken plan: the backend reads it and says what is wrong
+        return  # a placement, or a broken plan: read_placement reads it next and says what is wrong
     line = check_plan_here(
         plan,
         backend=args.backend,

@@ -70,7 +70,7 @@ class ModelConfig(msgspec.Struct, tag="builtin", tag_field="family", **_STRUCT):
         tie_embeddings: share the input embedding with the output projection.
         seed: seed of the weight initialisation.
         preset: optional name of a published shape (``"llama3-8b"``, ``"llama3-70b"``, ``"llama3-405b"``,
-            ``"qwen2.5-7b"``, ``"qwen3-8b"``, ...: ``flowrl.planners.modelspec.MODEL_PRESETS``)
+            ``"qwen2.5-7b"``, ``"qwen3-8b"``, ...: ``flowrl.modelspec.MODEL_PRESETS``)
             that the planner uses instead of the fields above for dry-runs; the runtime refuses to
             build a preset it cannot fit.
     """

@@ -11,7 +11,7 @@ A pipeline of pure functions: enumerate candidates (``strategies``) -> estimate 
 """
 
 from flowrl.planners.cluster import ClusterSpec, DeviceSpec, parse_cluster
-from flowrl.planners.modelspec import ModelSpec, model_from_config, model_from_hf_config, model_preset, resolve_model
+from flowrl.modelspec import ModelSpec, model_from_config, model_from_hf_config, model_preset, resolve_model
 from flowrl.planners.parallel import AXES, ParallelDims
 from flowrl.planners.plan import NodePlacement, Plan, load_plan, parse_plan, plan_graph, plan_to_json, save_plan
 from flowrl.planners.tuning import Tuning

@@ -24,7 +24,7 @@ make it slower). Everything runs synchronously (k = 0).
 Example:
     >>> from flowrl.examples import build_example
     >>> from flowrl.planners.cluster import parse_cluster
-    >>> from flowrl.planners.modelspec import model_preset
+    >>> from flowrl.modelspec import model_preset
     >>> from flowrl.planners.tuning import Tuning
     >>> from flowrl.planners.workload import LLM_DEFAULTS
     >>> ctx = Context(cluster=parse_cluster("64xH100"), workload=LLM_DEFAULTS, tuning=Tuning())
@@ -47,7 +47,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.lengths import Batching, check_batching
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.search import COLOCATED_FULL, Candidate, colocated_candidates, evaluator, resolve_roles
 from flowrl.planners.strategies import DeviceSplit, candidate_counts
@@ -114,7 +114,7 @@ def gather_sync(
 
     Example:
         >>> from flowrl.planners.cluster import parse_cluster
-        >>> from flowrl.planners.modelspec import model_preset
+        >>> from flowrl.modelspec import model_preset
         >>> from flowrl.planners.tuning import Tuning
         >>> from flowrl.planners.workload import LLM_DEFAULTS
         >>> ctx = Context(cluster=parse_cluster("16xH100"), workload=LLM_DEFAULTS, tuning=Tuning(link_efficiency=1.0))

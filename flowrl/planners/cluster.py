@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -40,6 +39,7 @@ import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.fileio import decode_errors
+from flowrl.host import host_cores, host_memory_bytes
 
 __all__ = [
     "CpuTerms",
@@ -323,20 +323,6 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
 }
 
 
-def host_memory_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):  # not POSIX: assume 8 GiB
-        return 8 * GiB
-
-
-def _host_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def cpu_device(
     *,
     cores: int | None = None,
@@ -355,7 +341,7 @@ def cpu_device(
     the host's RAM divided by its cores; a collective between cores is a memory copy, so both
     bandwidths are ``memory_bandwidth``.
     """
-    n = cores or _host_cores()
+    n = cores or host_cores()
     mem = memory_bytes if memory_bytes is not None else host_memory_bytes() // n
     return DeviceSpec(
         name=name,
@@ -378,10 +364,10 @@ def cpu_device(
 
 def cpu_cluster(cores: int | None = None, *, device: DeviceSpec | None = None) -> ClusterSpec:
     """This machine: one host, one device per core (``cores`` of them; default: all usable cores)."""
-    n = cores or _host_cores()
+    n = cores or host_cores()
     if n < 1:
         raise PlanError(f"cpu cluster: cores={n} must be >= 1")
-    dev = device or cpu_device(cores=_host_cores())
+    dev = device or cpu_device(cores=host_cores())
     return ClusterSpec(name="cpu" if cores is None else f"cpu:{n}", hosts=1, devices_per_host=n, device=dev)
 
 

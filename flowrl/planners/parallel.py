@@ -32,14 +32,13 @@ import msgspec
 import numpy as np
 
 from flowrl.errors import PlanError
+from flowrl.placement.data import AXES
 
 if TYPE_CHECKING:
-    from flowrl.planners.modelspec import ModelSpec
+    from flowrl.modelspec import ModelSpec
 
 __all__ = ["AXES", "ParallelDims", "stage_layers", "stage_fraction", "divisors", "enumerate_dims", "axis_groups", "spans_hosts", "hosts_per_group"]
 
-#: Mesh axis names, outermost first; the order ``mesh_shape`` and ``DeviceMesh`` use.
-AXES: tuple[str, ...] = ("pp", "dp", "tp")
 
 _DIMS_RE = re.compile(r"^(?:d(\d+))?(?:t(\d+))?(?:p(\d+))?$")
 

@@ -30,7 +30,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planners.baseline import SYNC_BASELINE, BaselineResult, BaselineSystem, plan_baseline
 from flowrl.planners.cluster import ClusterSpec, parse_cluster
 from flowrl.planners.estimate.common import Context, MemoryBreakdown
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import AXES, ParallelDims, hosts_per_group
 from flowrl.planners.plan_data import (
     MAX_PLAN_BYTES,

@@ -1,7 +1,7 @@
 """The ``Plan``'s data and forms: every node's device mesh, parallel dims, predicted times and memory; a compact string and JSON.
 
-The driver that makes plans is ``flowrl.planners.plan.plan_graph``; plans without predictions (a
-JSON placement, a run without ``--plan``) come from ``flowrl.planners.forms``.
+The driver that makes plans is ``flowrl.planners.plan.plan_graph``. What the runtime reads of a plan
+is its ``Plan.placement()`` (``flowrl.placement``: each device node's devices and mesh).
 
 Example:
     >>> p = parse_plan("gen:d1@0 | policy:d2@1-2")
@@ -27,14 +27,16 @@ import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.fileio import decode_errors, write_atomic
+from flowrl.graph.nodes import DEVICE_KINDS
+from flowrl.placement.data import AXES, NodeMesh, Placement, colocation_groups, device_ranges
 from flowrl.planners.cluster import MAX_DEVICES, ClusterSpec
 from flowrl.planners.estimate.common import MemoryBreakdown
 from flowrl.planners.estimate.sync import SyncEstimate
-from flowrl.planners.modelspec import ModelSpec
-from flowrl.planners.parallel import AXES, ParallelDims
+from flowrl.modelspec import ModelSpec
+from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.schedule import Span
 from flowrl.planners.tuning import Tuning
-from flowrl.planners.units import device_ranges, format_bytes, format_seconds
+from flowrl.planners.units import format_bytes, format_seconds
 from flowrl.planners.workload import Workload
 
 __all__ = [
@@ -130,13 +132,12 @@ class Plan(msgspec.Struct, **_STRUCT):
     Attributes:
         graph: the graph's name.
         cluster: the cluster's name (``"1024xH100"``, ``"cpu:2"``, ``"cpu-calibrated"``).
-        strategy: ``colocated``, ``disaggregated``, ``search``, ``manual`` (a given placement) or a
-            run strategy (``all-colocated``, ``halves``: a run without a plan).
+        strategy: ``colocated``, ``disaggregated``, ``search`` or ``manual`` (a given placement).
         family: what the chosen placement is: ``colocated`` (every heavy node on one mesh),
             ``disaggregated`` (generators and trainers on disjoint meshes) or ``manual``.
         max_staleness: the k the step time assumes (0: synchronous).
         workload: tokens of one step (prompts, samples, prompt and generation lengths); None in a
-            plan without predictions (a placement given as JSON, a run's default: ``planners.forms``).
+            plan without predictions.
         placements: every node of the graph, loss nodes included (on their policy's mesh).
         weight_syncs: one predicted transfer per weight edge.
         sync_step_s: predicted step time with k = 0 on this placement (generate, score, train, sync in turn).
@@ -236,9 +237,20 @@ class Plan(msgspec.Struct, **_STRUCT):
             >>> plan_graph(build_example("llamarl"), "cpu:2", strategy="colocated").colocation_groups()
             [['aipo', 'gen', 'policy']]
         """
-        from flowrl.planners.schedule import colocation_groups
-
         return colocation_groups({n: p.devices for n, p in self.placements.items()})
+
+    def placement(self, *, source: str = "") -> Placement:
+        """What the runtime executes of this plan: each device node's devices and mesh (losses run
+        inside their policy, light nodes on the host); pinned to its cores when made for a CPU.
+
+        Example:
+            >>> from flowrl.examples import build_example
+            >>> from flowrl.planners.plan import plan_graph
+            >>> str(plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated").placement())
+            'gen:d1@0 | policy:d1@1'
+        """
+        nodes = {n: NodeMesh(devices=p.devices, mesh_shape=p.mesh_shape) for n, p in self.placements.items() if p.devices and p.kind in DEVICE_KINDS}
+        return Placement(nodes=nodes, strategy=self.strategy, pin=self.cluster.startswith("cpu"), source=source or f"plan ({self.strategy})")
 
     def __str__(self) -> str:
         parts = [f"{n}:{p.dims.short()}@{device_ranges(p.devices)}" for n, p in self.placements.items() if p.devices and p.kind != "loss"]

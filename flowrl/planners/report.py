@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 from flowrl.planners.plan import Plan
-from flowrl.planners.units import device_ranges, format_bytes, format_seconds
+from flowrl.placement.data import device_ranges
+from flowrl.planners.units import format_bytes, format_seconds
 
 __all__ = ["format_plan", "format_table"]
 

@@ -25,14 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import msgspec
-import networkx as nx
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
+from flowrl.placement.data import colocation_groups, device_ranges
 from flowrl.planners.estimate.sync import SyncEstimate
-from flowrl.planners.units import device_ranges
 
-__all__ = ["Span", "StepTimes", "colocation_groups", "step_times", "shared_step_s"]
+__all__ = ["Span", "StepTimes", "step_times", "shared_step_s"]
 
 
 class Span(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -66,27 +65,6 @@ class StepTimes(msgspec.Struct, frozen=True, kw_only=True):
 
 #: What a node's span is called: its kind's span name, the same as in the runtime's trace (``flowrl.graph.kinds``).
 _WHAT = {kind: spec.span for kind, spec in KINDS.items()}
-
-
-def colocation_groups(devices: Mapping[str, Sequence[int]]) -> list[list[str]]:
-    """Connected components of nodes whose device sets overlap (nodes with no devices are left out).
-
-    Example:
-        >>> colocation_groups({"gen": (0, 1), "policy": (1, 2), "ref": (3,), "reward": ()})
-        [['gen', 'policy'], ['ref']]
-    """
-    overlaps = nx.Graph()
-    names = sorted(n for n, d in devices.items() if len(d))
-    overlaps.add_nodes_from(names)
-    overlaps.add_edges_from((a, b) for i, a in enumerate(names) for b in names[i + 1 :] if _overlap(devices[a], devices[b]))
-    return sorted(sorted(c) for c in nx.connected_components(overlaps))
-
-
-def _overlap(a: Sequence[int], b: Sequence[int]) -> bool:
-    """Whether two device sets share a device; ranges (the search's meshes) are compared as intervals."""
-    if isinstance(a, range) and isinstance(b, range) and a.step == 1 and b.step == 1:
-        return max(a.start, b.start) < min(a.stop, b.stop)
-    return not set(a).isdisjoint(b)
 
 
 def _resource_names(devices: Mapping[str, Sequence[int]], graph: Graph) -> dict[str, str]:

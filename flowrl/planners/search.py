@@ -37,12 +37,13 @@ from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
 from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
-from flowrl.planners.modelspec import ModelSpec, model_from_config
+from flowrl.modelspec import ModelSpec, model_from_config
 from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
-from flowrl.planners.units import device_ranges, format_bytes
+from flowrl.planners.units import format_bytes
 from flowrl.graph.refs import resolve
+from flowrl.placement.data import device_ranges
 
 __all__ = [
     "Roles",

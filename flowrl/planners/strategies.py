@@ -15,16 +15,10 @@ contiguous block of device ids:
   more devices never make the best predicted step slower. The price: on N devices that are not of
   the form ``m * 2**k`` the search may leave some idle (``disaggregated`` and ``colocated`` use them all).
 
-Without a plan, a run places its nodes by one of two fixed strategies (``RUN_STRATEGIES``, chosen by
-``run_strategy`` from the staleness bound k, laid out by ``run_devices``; no estimates):
-
-- ``all-colocated`` (k = 0, or one device): every heavy node on every device, the synchronous baseline;
-- ``halves`` (k >= 1): generators on the first half of the devices, trainers (policies, references)
-  on the second half, so the two overlap.
+A run without a plan places its nodes by a fixed *run strategy* instead (no search, no
+estimates): ``flowrl.placement.default``.
 
 Example:
-    >>> run_devices({"gen": "generator", "policy": "policy"}, "halves", 4)
-    {'gen': (0, 1), 'policy': (2, 3)}
     >>> candidate_counts(40, (1, 3))
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24, 32]
 """
@@ -37,15 +31,9 @@ import msgspec
 
 from flowrl.errors import PlanError
 
-__all__ = ["STRATEGIES", "RUN_STRATEGIES", "DeviceSplit", "candidate_counts", "device_splits", "run_strategy", "run_devices"]
+__all__ = ["STRATEGIES", "DeviceSplit", "candidate_counts", "device_splits"]
 
 STRATEGIES: tuple[str, ...] = ("colocated", "disaggregated", "search")
-
-#: The fixed strategies of a run without a plan (module docstring).
-RUN_STRATEGIES: tuple[str, ...] = ("all-colocated", "halves")
-
-#: Node kinds on the trainer side of a ``halves`` split.
-TRAINER_SIDE_KINDS = frozenset({"policy", "reference"})
 
 #: Every count up to this one is a candidate (small clusters, e.g. CPU cores, are searched exhaustively).
 EXHAUSTIVE_UP_TO = 16
@@ -128,22 +116,3 @@ def device_splits(
     if strategy == "disaggregated" and not splits:
         raise PlanError(f"the disaggregated strategy needs at least 2 devices (one per side); the cluster has {n_devices}")
     return splits
-
-
-def run_strategy(max_staleness: int, n_devices: int) -> str:
-    """The strategy of a run without a plan: ``all-colocated`` for k = 0 or one device, else ``halves``."""
-    return "all-colocated" if max_staleness == 0 or n_devices < 2 else "halves"
-
-
-def run_devices(kinds: dict[str, str], strategy: str, n_devices: int) -> dict[str, tuple[int, ...]]:
-    """Devices of each heavy node (name -> kind, in graph order) under a run strategy (``RUN_STRATEGIES``).
-
-    Raises:
-        PlanError: for a strategy not in ``RUN_STRATEGIES``.
-    """
-    if strategy == "all-colocated":
-        return {n: tuple(range(n_devices)) for n in kinds}
-    if strategy != "halves":
-        raise PlanError(f"unknown run strategy {strategy!r}; run strategies: {', '.join(RUN_STRATEGIES)}")
-    half = n_devices // 2
-    return {n: tuple(range(half, n_devices)) if k in TRAINER_SIDE_KINDS else tuple(range(half)) for n, k in kinds.items()}

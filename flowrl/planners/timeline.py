@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from flowrl.graph.kinds import KINDS
 from flowrl.planners.plan_data import Plan
-from flowrl.runtime.trace import Tracer
+from flowrl.trace import Tracer
 
 __all__ = ["predicted_trace"]
 

@@ -1,4 +1,4 @@
-"""Short human forms of the planner's quantities: seconds, bytes and device-id ranges.
+"""Short human forms of the planner's quantities: seconds and bytes (device-id ranges: ``flowrl.placement.device_ranges``).
 
 Memory messages compare what a node needs with what a device has; ``format_gib_pair`` and
 ``format_excess`` print them so that rounding never hides the difference (no "72.0 GiB ... has
@@ -7,9 +7,7 @@ Memory messages compare what a node needs with what a device has; ``format_gib_p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-__all__ = ["format_seconds", "format_bytes", "format_gib_pair", "format_excess", "device_ranges"]
+__all__ = ["format_seconds", "format_bytes", "format_gib_pair", "format_excess"]
 
 
 def format_seconds(t: float) -> str:
@@ -57,27 +55,3 @@ def format_excess(nbytes: float) -> str:
         if nbytes >= 0.1 * size:
             return f"{nbytes / size:.3g} {unit}"
     return f"{max(0, round(nbytes)):,} bytes"
-
-
-def device_ranges(ids: Sequence[int]) -> str:
-    """``[0, 1, 2, 3, 8, 9, 11]`` -> ``"0-3,8-9,11"`` (ids in the order given).
-
-    Example:
-        >>> device_ranges(range(8))
-        '0-7'
-    """
-    if isinstance(ids, range) and ids.step == 1 and len(ids):
-        return f"{ids.start}-{ids.stop - 1}" if len(ids) > 1 else f"{ids.start}"
-    parts: list[str] = []
-    start = prev = None
-    for d in ids:
-        if start is None:
-            start = prev = d
-        elif d == prev + 1:  # type: ignore[operator]
-            prev = d
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = d
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ",".join(parts)

@@ -27,7 +27,7 @@ from flowrl.graph.ir import Graph
 from flowrl.planners.lengths import Batching, LengthDistribution, check_batching, fixed_lengths
 
 if TYPE_CHECKING:
-    from flowrl.planners.modelspec import ModelSpec
+    from flowrl.modelspec import ModelSpec
 
 __all__ = ["Workload", "LLM_DEFAULTS", "workload_from_graph", "graph_batching", "default_workload", "check_context"]
 

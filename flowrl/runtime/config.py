@@ -1,4 +1,7 @@
-"""The run configuration: one typed struct, filled from the command line (CLI > defaults)."""
+"""The run configuration: one typed struct, filled from the command line (CLI > defaults).
+
+Where the nodes run is not part of it: ``run_graph(graph, placement, config)`` takes a
+``flowrl.placement.Placement`` beside it."""
 
 from __future__ import annotations
 
@@ -29,7 +32,6 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         keep_checkpoints: how many of the newest checkpoints stay in ``checkpoint_dir`` (>= 1);
             older ones are deleted as each new one is committed.
         resume: continue from the newest checkpoint in ``checkpoint_dir``.
-        plan: a plan file from ``flowrl plan -o``; None uses the default placement.
         programs: node -> ``module:qualname`` program factory replacing the built-in one.
         options: settings passed to those programs (``ProgramEnv.options``).
         channel_capacity: messages per data edge; 0 picks ``max_staleness + 1``.
@@ -40,7 +42,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         threads: torch intra-op threads of the local backend; 0 divides the cores among the
             placement's colocation groups.
         device: where the models run: ``"auto"`` (CUDA when torch sees a CUDA device, else the CPU),
-            ``"cpu"`` or ``"cuda"`` (each node on ``cuda:N`` from the plan; see
+            ``"cpu"`` or ``"cuda"`` (each node on ``cuda:N`` from its placement; see
             ``flowrl.runtime.placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
         eval_every: every N policy versions, score the policy on the rows of ``eval_data`` in a
             background thread (``flowrl.runtime.evaluation``: ``eval/...`` keys in that step's
@@ -61,7 +63,6 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     resume: bool = False
-    plan: str | None = None
     programs: dict[str, str] = {}
     options: dict[str, Any] = {}
     channel_capacity: int = 0

@@ -62,10 +62,10 @@ from flowrl.runtime.config import RunConfig
 from flowrl.runtime.evaluation import Evaluator, merge_eval
 from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.samples import SampleLogger
-from flowrl.runtime.placement import Placement
+from flowrl.placement.data import Placement
 from flowrl.runtime.programs import NodeProgram
 from flowrl.runtime.resume import restore_run_checkpoint, save_run_checkpoint
-from flowrl.runtime.trace import Tracer
+from flowrl.trace import Tracer
 
 __all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]
 

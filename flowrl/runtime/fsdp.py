@@ -8,7 +8,7 @@ ranks (all of them call it, in the same order):
   final norm, head; a tied head shares the embedding's shard), over the policy's 1-D dp mesh, with
   a ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` from the policy's optimizer config. Each
   parameter becomes a DTensor ``Shard(0)``: this rank holds rows ``torch.chunk(p, dp)[i]``, which is
-  ``flowrl.runtime.resharding.fsdp(ranks)``, the trainer layout the collective transport moves
+  ``flowrl.placement.resharding.fsdp(ranks)``, the trainer layout the collective transport moves
   (``local_weights``) and the planner prices (ZeRO stage 3).
 - AdamW is rebuilt over the sharded parameters, so its moments are sharded too.
 - ``trainer.loss_scale`` is set per step (``token_scale``): FSDP2 averages gradients over the dp

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.planners.cluster import host_memory_bytes
 from flowrl.graph.configs import HFModelConfig
+from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
-from flowrl.planners.modelspec import ModelSpec, model_from_config
+from flowrl.modelspec import ModelSpec, model_from_config
 
 __all__ = ["check_fits_in_memory", "check_engines"]
 

@@ -1,20 +1,33 @@
 """``run_graph``: the one call that executes a graph: the checks every backend needs, then the backend.
 
+``run_graph(graph, placement, config)`` runs ``graph`` with its device nodes where ``placement``
+(a ``flowrl.placement.Placement``) puts them; ``run_graph(graph, config)`` (or a ``None``
+placement) uses the default, the run strategy for the staleness bound on this machine's devices
+(``flowrl.placement.default``: every device node colocated for k = 0, generators and trainers on
+disjoint halves otherwise), which needs no planner. A plan file or a JSON placement becomes a
+placement with ``flowrl.planners.forms.read_placement`` (what ``flowrl run --plan`` does).
+
 The backend (``RunConfig.backend``) comes from the registry in ``flowrl.runtime.backends.base``; it
-decides where the programs live, the placement they run on and the transports the weight edges open.
+decides where the programs live and the transports the weight edges open.
 
 Example:
     >>> from flowrl.examples import build_example
+    >>> from flowrl.placement import NodeMesh, Placement
     >>> from flowrl.runtime.config import RunConfig
     >>> from flowrl.runtime.run import run_graph
-    >>> result = run_graph(build_example("llamarl"), RunConfig(steps=2, progress=False))
+    >>> placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(1,))})
+    >>> result = run_graph(build_example("llamarl"), placement, RunConfig(steps=2, progress=False))
     >>> len(result.rows), result.version
     (2, 2)
 """
 
 from __future__ import annotations
 
+from typing import overload
+
+from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
+from flowrl.placement.data import Placement
 from flowrl.runtime.backends.base import OnStep, create_backend
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import RunResult
@@ -22,10 +35,28 @@ from flowrl.runtime.controller import RunResult
 __all__ = ["run_graph"]
 
 
-def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
-    """Execute ``graph`` for ``config.steps`` trainer steps on ``config.backend``.
+@overload
+def run_graph(graph: Graph, config: RunConfig, /, *, on_step: OnStep | None = None) -> RunResult: ...
+
+
+@overload
+def run_graph(graph: Graph, placement: Placement | None, config: RunConfig, /, *, on_step: OnStep | None = None) -> RunResult: ...
+
+
+def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: ignore[no-untyped-def]
+    """Execute ``graph`` on ``placement`` for ``config.steps`` trainer steps on ``config.backend``.
+
+    Args:
+        graph: what to run.
+        placement: where its device nodes run; omitted (``run_graph(graph, config)``) or None: the
+            default placement (module docstring).
+        config: how to run it.
+        on_step: called with each metrics row.
 
     Raises:
+        ConfigError: no ``RunConfig``, or a placement that is not a ``Placement`` (a path: read it
+            with ``flowrl.planners.forms.read_placement``).
+        PlanError: a placement that does not place exactly the graph's device nodes.
         ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, a
             policy with ``sharding="fsdp"`` on a backend other than torchrun, a model that does not
             fit in this machine's memory, or a generator engine that cannot run here
@@ -44,6 +75,15 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
     from flowrl.runtime.placement import resolve_device
     from flowrl.runtime.preflight import check_engines, check_fits_in_memory
 
+    if isinstance(placement, RunConfig) and config is None:  # run_graph(graph, config)
+        placement, config = None, placement
+    if not isinstance(config, RunConfig):
+        raise ConfigError(f"run_graph(graph, placement, config) needs a RunConfig as config, not {type(config).__name__}")
+    if placement is not None and not isinstance(placement, Placement):
+        raise ConfigError(
+            f"run_graph's placement must be a flowrl.placement.Placement or None, not {type(placement).__name__} "
+            f"({placement!r}); read a plan file or a JSON placement with flowrl.planners.forms.read_placement(path, graph)"
+        )
     device = resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
     check_backend(graph, backend.name, skip=config.programs)  # sharding="fsdp" runs under torchrun only
@@ -55,4 +95,4 @@ def run_graph(graph: Graph, config: RunConfig, *, on_step: OnStep | None = None)
         check_eval_data(graph, str(config.eval_data))  # a missing file or column: refused before any work
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
-    return backend.run(graph, config, on_step=on_step)
+    return backend.run(graph, placement, config, on_step=on_step)

@@ -1,7 +1,7 @@
 """Tensor parallelism of the built-in transformer and of Hugging Face Llama-family models: Megatron-style
 explicit sharding over a tp process group.
 
-Which parameter of the built-in transformer is split how (``tp`` ranks, ``torch.chunk`` bounds, see ``flowrl.runtime.resharding``),
+Which parameter of the built-in transformer is split how (``tp`` ranks, ``torch.chunk`` bounds, see ``flowrl.placement.resharding``),
 for an ``nn.Linear`` weight ``[out, in]``:
 
 - ``attention.wq / wk / wv``: column-parallel (dim 0 split): each rank computes its own whole heads
@@ -53,7 +53,7 @@ API:
 
 Example (the layouts; tests run the model itself at tp=2 and tp=4 over gloo):
     >>> from flowrl.graph.configs import ModelConfig
-    >>> from flowrl.runtime.resharding import local_shape
+    >>> from flowrl.placement.resharding import local_shape
     >>> layouts = tp_param_layouts(ModelConfig(dim=64, n_heads=4, n_kv_heads=2, n_layers=1), (4, 5))
     >>> str(layouts["layers.0.attention.wk.weight"]), str(layouts["layers.0.attention.wo.weight"])
     ('[tp=2](S(0)) on ranks [4, 5]', '[tp=2](S(1)) on ranks [4, 5]')
@@ -79,7 +79,7 @@ from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.hf import HFCausalLM
 from flowrl.operators.model import KVCache, Transformer
-from flowrl.runtime.resharding import ShardLayout, dp_tp, local_slice, replicated, tp_column, tp_row
+from flowrl.placement.resharding import ShardLayout, dp_tp, local_slice, replicated, tp_column, tp_row
 
 __all__ = [
     "Split",

@@ -79,7 +79,7 @@ def test_baseline_system_refuses_unknown_choices():
 
 
 # -- more devices never make a predicted step slower -------------------------------------------------
-from flowrl.planners.modelspec import model_preset  # noqa: E402
+from flowrl.modelspec import model_preset  # noqa: E402
 
 _8B = model_preset("llama3-8b")
 _SMALL = Workload(prompts_per_step=16, samples_per_prompt=4, prompt_len=128, gen_len=128)

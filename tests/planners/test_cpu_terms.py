@@ -15,7 +15,7 @@ import pytest
 
 from flowrl.errors import PlanError
 from flowrl.examples import build_example
-from flowrl.planners.calibrate import Measurements, calibrated_cluster
+from flowrl.calibration.measure import Measurements, calibrated_cluster
 from flowrl.planners.cluster import ClusterSpec, CpuTerms, cpu_device
 from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.train import estimate_train

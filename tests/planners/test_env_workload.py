@@ -11,7 +11,7 @@ from flowrl.examples import build_example
 from flowrl.planners.cluster import parse_cluster
 from flowrl.planners.estimate.common import Context
 from flowrl.planners.estimate.generate import estimate_generate
-from flowrl.planners.modelspec import model_preset
+from flowrl.modelspec import model_preset
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.tuning import Tuning
 from flowrl.planners.workload import Workload, workload_from_graph

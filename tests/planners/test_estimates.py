@@ -16,7 +16,7 @@ from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.cpu import estimate_cpu
 from flowrl.planners.estimate.sync import estimate_sync
 from flowrl.planners.estimate.train import estimate_train, pick_fitting, train_options
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.tuning import Tuning
 from flowrl.planners.workload import Workload
@@ -252,7 +252,7 @@ WIDE = ModelSpec(name="wide", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_
 )
 def test_collective_sync_volume_is_the_transports(dst_dims, wire, copied):
     """The planner's bytes come from ``resharding.transfer_volume`` over the runtime's layouts (``sync_params``)."""
-    from flowrl.runtime.resharding import transfer_volume
+    from flowrl.placement.resharding import transfer_volume
 
     from flowrl.planners.estimate.sync import sync_params
 

@@ -1,4 +1,4 @@
-"""``--plan`` files: a plan file or a JSON placement, read into a ``Plan`` in one place for every backend (issue 12.4)."""
+"""``--plan`` files: a plan file or a JSON placement, read into a ``Placement`` in one place for every backend."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from flowrl.cli.main import main
 from flowrl.errors import PlanError
 from flowrl.examples.llamarl import build_llamarl, build_llamarl_ref
-from flowrl.planners.forms import placement_plan, read_plan, run_plan
+from flowrl.placement import NodeMesh, default_placement, placement_to_json, run_devices, run_strategy
+from flowrl.planners.forms import read_placement
 from flowrl.planners.plan import plan_graph, save_plan
-from flowrl.planners.strategies import run_devices, run_strategy
-from flowrl.runtime.backends.torchrun import rank_plan
+from flowrl.runtime.backends.torchrun import rank_placement
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.placement import run_placement
 
@@ -32,30 +32,41 @@ def test_the_readme_placement_runs_on_local_and_process(tmp_path, capsys, backen
     assert code == 0, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("backend", ["local", "process", "torchrun"])
-def test_a_misspelt_node_is_named_on_every_backend(tmp_path, backend):
+def test_a_misspelt_node_is_named(tmp_path):
     path = _write(tmp_path, {"gen": [0], "polcy": [1]})
     match = r"places \['polcy'\], which are not device nodes of graph 'llamarl' \(those are \['gen', 'policy'\]\); 'polcy' -> did you mean 'policy'\?"
     with pytest.raises(PlanError, match=match):
+        read_placement(path, LLAMARL)
+
+
+@pytest.mark.parametrize("backend", ["local", "torchrun"])
+def test_a_placement_for_another_graph_is_refused_by_the_runtime(backend):
+    """A Python caller's placement is checked against the graph at run start, as a ``--plan`` file is."""
+    wrong = default_placement(build_llamarl_ref(), 1, 4)  # places 'ref' too
+    with pytest.raises(PlanError, match=r"places \['ref'\], which are not device nodes of graph 'llamarl'"):
         if backend == "torchrun":
-            rank_plan(LLAMARL, path, 2)
+            rank_placement(LLAMARL, wrong, 4)
         else:
-            run_placement(LLAMARL, RunConfig(plan=path, backend=backend))
+            run_placement(LLAMARL, wrong, RunConfig(backend=backend))
 
 
-def test_a_placement_becomes_a_plan_without_predictions(tmp_path):
-    plan = read_plan(_write(tmp_path, {"gen": {"ranks": [0, 1], "mesh": {"tp": 2}}, "policy": [2, 3]}), LLAMARL)
-    assert str(plan) == "gen:t2@0-1 | policy:d2@2-3" and plan.strategy == "manual" and plan.workload is None
-    assert plan.placements["aipo"].devices == (2, 3) and plan.placements["reward"].devices == ()
-    assert plan.colocation_groups() == [["aipo", "policy"], ["gen"]]
+def test_a_json_placement_reads_with_its_mesh_and_writes_back(tmp_path):
+    data = {"gen": {"ranks": [0, 1], "mesh": {"tp": 2}}, "policy": [2, 3]}
+    placement = read_placement(_write(tmp_path, data), LLAMARL)
+    assert str(placement) == "gen:t2@0-1 | policy:d2@2-3" and placement.strategy == "manual" and not placement.pin
+    assert placement.nodes["gen"] == NodeMesh(devices=(0, 1), mesh_shape=(1, 1, 2)) and "aipo" not in placement.nodes
+    assert placement.groups() == [["gen"], ["policy"]]
+    assert json.loads(placement_to_json(placement)) == data
 
 
-def test_a_plan_file_reads_as_itself(tmp_path):
+def test_a_plan_file_reads_as_its_placement(tmp_path):
     plan = plan_graph(LLAMARL, "cpu:2", strategy="disaggregated")
     save_plan(plan, tmp_path / "plan.json")
-    assert read_plan(tmp_path / "plan.json", LLAMARL) == plan
+    placement = read_placement(tmp_path / "plan.json", LLAMARL)
+    assert placement.devices == {"gen": (0,), "policy": (1,)} and placement.pin and placement.strategy == "disaggregated"
+    assert placement == plan.placement(source=f"plan:{tmp_path / 'plan.json'}")
     with pytest.raises(PlanError, match=r"was made for graph 'llamarl', not 'llamarl_ref'"):
-        read_plan(tmp_path / "plan.json", build_llamarl_ref())
+        read_placement(tmp_path / "plan.json", build_llamarl_ref())
 
 
 @pytest.mark.parametrize(
@@ -70,14 +81,12 @@ def test_a_plan_file_reads_as_itself(tmp_path):
 )
 def test_bad_placements_name_what_is_wrong(tmp_path, data, match):
     with pytest.raises(PlanError, match=match):
-        read_plan(_write(tmp_path, data), LLAMARL)
+        read_placement(_write(tmp_path, data), LLAMARL)
 
 
 @pytest.mark.parametrize(("k", "cores", "expect"), [(0, 4, {"gen": (0, 1, 2, 3), "policy": (0, 1, 2, 3)}), (1, 4, {"gen": (0, 1), "policy": (2, 3)}), (2, 1, {"gen": (0,), "policy": (0,)})],
                          ids=["k0-colocated", "k1-halves", "one-core"])
 def test_a_run_without_a_plan_uses_the_run_strategy(k, cores, expect):
-    plan = run_plan(LLAMARL, k, cores)
-    assert {n: plan.placements[n].devices for n in expect} == expect
-    assert plan.strategy == run_strategy(k, cores)
-    assert run_devices({"gen": "generator", "policy": "policy"}, plan.strategy, cores) == expect
-    assert placement_plan(LLAMARL, expect).placements["aipo"].devices == expect["policy"]
+    placement = run_placement(LLAMARL, None, RunConfig(max_staleness=k), n_devices=cores)
+    assert placement.devices == expect and placement.strategy == run_strategy(k, cores) and not placement.pin
+    assert run_devices({"gen": "generator", "policy": "policy"}, placement.strategy, cores) == expect

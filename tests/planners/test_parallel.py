@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowrl.errors import PlanError
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import AXES, ParallelDims, axis_groups, divisors, enumerate_dims, spans_hosts, stage_fraction, stage_layers
 
 MODEL = ModelSpec(name="m", n_layers=6, dim=64, n_heads=8, n_kv_heads=2, ffn_dim=128, vocab_size=100)

@@ -13,11 +13,10 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.planners.baseline import BaselineSystem
 from flowrl.planners.cluster import parse_cluster
-from flowrl.planners.modelspec import model_preset
+from flowrl.modelspec import model_preset
 from flowrl.planners.plan import Plan, load_plan, parse_plan, plan_graph, plan_to_json, save_plan
 from flowrl.planners.report import format_plan
 from flowrl.planners.workload import Workload
-from flowrl.runtime.placement import Placement
 
 LLAMARL = build_example("llamarl")
 CPU2 = parse_cluster("cpu:2")
@@ -48,8 +47,8 @@ def test_disaggregated_on_cpu_pins_one_core_each():
     plan = plan_graph(LLAMARL, CPU2, strategy="disaggregated")
     assert str(plan) == "gen:d1@0 | policy:d1@1"
     assert plan.colocation_groups() == [["aipo", "policy"], ["gen"]]
-    placement = Placement(plan=plan)  # what 'flowrl run --plan' reads
-    assert placement.devices == {"gen": (0,), "policy": (1,)}
+    placement = plan.placement()  # what 'flowrl run --plan' runs
+    assert placement.devices == {"gen": (0,), "policy": (1,)} and placement.pin  # a CPU plan's ids are cores
     assert placement.groups() == [["gen"], ["policy"]]
 
 

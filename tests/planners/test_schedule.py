@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from flowrl.examples import build_example
 from flowrl.planners.estimate.sync import SyncEstimate
-from flowrl.planners.schedule import colocation_groups, step_times
-from flowrl.planners.units import device_ranges
+from flowrl.planners.schedule import step_times
+from flowrl.placement import colocation_groups, device_ranges
 
 GRAPH = build_example("llamarl")  # prompts -> gen -> reward -> aipo -> policy, policy ~> gen
 TIMES = {"prompts": 0.1, "gen": 1.0, "reward": 0.5, "aipo": 0.0, "policy": 2.0}

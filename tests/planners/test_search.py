@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.planners.cluster import ClusterSpec, DEVICE_PRESETS, parse_cluster
-from flowrl.planners.modelspec import ModelSpec, model_preset
+from flowrl.modelspec import ModelSpec, model_preset
 from flowrl.planners.plan import Plan, parse_plan, plan_graph, plan_to_json
 from flowrl.planners.strategies import candidate_counts, device_splits
 from flowrl.planners.workload import Workload

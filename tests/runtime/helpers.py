@@ -89,7 +89,7 @@ def edge_shard_shapes(graph: Graph, world: int, dp: int, rank: int) -> tuple[dic
     import msgspec
 
     from flowrl.runtime.backends.weights import _generator_layouts, _param_specs
-    from flowrl.runtime.resharding import ShardLayout, local_shape
+    from flowrl.placement.resharding import ShardLayout, local_shape
 
     params = _param_specs(graph, "policy")
     layouts = _generator_layouts(graph, "gen", tuple(range(world)), (("dp", "tp"), (dp, world // dp)), params)

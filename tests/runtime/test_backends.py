@@ -6,8 +6,9 @@ import importlib
 
 import pytest
 
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, PlanError
 from flowrl.examples.llamarl import build_llamarl
+from flowrl.placement import NodeMesh, Placement
 from flowrl.runtime.backends.base import BUILTIN_BACKENDS, Backend, backend_names, create_backend, register_backend
 from flowrl.runtime.backends.local import LocalBackend
 from flowrl.runtime.config import RunConfig
@@ -20,10 +21,12 @@ class CountingBackend(LocalBackend):
 
     name = "test-counting"
     runs = 0
+    placements: list = []
 
-    def run(self, graph, config, *, on_step=None):
+    def run(self, graph, placement, config, *, on_step=None):
         type(self).runs += 1
-        return super().run(graph, config, on_step=on_step)
+        type(self).placements.append(placement)
+        return super().run(graph, placement, config, on_step=on_step)
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_BACKENDS))
@@ -42,6 +45,28 @@ def test_run_graph_dispatches_through_the_registry(monkeypatch):
     assert CountingBackend.runs == 1 and [r["step"] for r in result.rows] == [1, 2]
     with pytest.raises(ConfigError, match=r"'test-counting' is already registered; pass replace=True"):
         register_backend("test-counting", CountingBackend)
+
+
+def test_run_graph_hands_the_placement_to_the_backend_and_none_without_one(monkeypatch):
+    from flowrl.runtime.backends import base
+
+    monkeypatch.setattr(base, "_USER_BACKENDS", {})
+    register_backend("test-counting", CountingBackend, replace=True)
+    g = build_llamarl(max_staleness=1)
+    together = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(0,))}, source="test")
+    run_graph(g, together, synthetic_config(g, steps=1, backend="test-counting"))
+    run_graph(g, synthetic_config(g, steps=1, backend="test-counting"))  # the two-argument form
+    run_graph(g, None, synthetic_config(g, steps=1, backend="test-counting"))
+    assert CountingBackend.placements[-3:] == [together, None, None]
+
+
+def test_run_graph_refuses_a_placement_that_is_not_one_or_not_the_graphs():
+    g = build_llamarl(max_staleness=1)
+    with pytest.raises(ConfigError, match=r"placement must be a flowrl.placement.Placement or None, not str .*read_placement\(path, graph\)"):
+        run_graph(g, "place.json", RunConfig(steps=1))
+    misspelt = Placement(nodes={"gen": NodeMesh(devices=(0,)), "polcy": NodeMesh(devices=(1,))})
+    with pytest.raises(PlanError, match=r"places \['polcy'\], which are not device nodes of graph 'llamarl'.*did you mean 'policy'"):
+        run_graph(g, misspelt, synthetic_config(g, steps=1))
 
 
 def test_unknown_backend_names_the_known_ones():

@@ -26,9 +26,9 @@ import torch
 
 from flowrl.errors import ConfigError, TransportError
 from flowrl.planners.estimate.sync import estimate_sync, sync_params
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
-from flowrl.runtime.resharding import (
+from flowrl.placement.resharding import (
     DIRECT_MIN_BYTES,
     ShardLayout,
     dp_replicas,

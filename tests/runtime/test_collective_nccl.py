@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from flowrl.runtime.resharding import fsdp, replicated, tp_column, tp_row
+from flowrl.placement.resharding import fsdp, replicated, tp_column, tp_row
 from tests.runtime import test_collective as table
 from tests.runtime.helpers import launch_ranks
 

@@ -48,7 +48,7 @@ def test_group_steps_run_on_one_compute_thread_with_the_groups_threads(k, thread
     graph = build_llamarl(max_staleness=k)
     recording = {n.name: f"{__name__}:recording_program" for n in graph.nodes if n.kind != "loss"}
     config = msgspec.structs.replace(synthetic_config(graph, steps=4, max_staleness=k, threads=threads, progress=False), programs=recording)
-    placement = run_placement(graph, config)
+    placement = run_placement(graph, None, config)
     groups = placement.groups()
     expected_threads = threads or placement.threads_per_group()
     SEEN.clear()

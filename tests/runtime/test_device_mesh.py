@@ -1,4 +1,5 @@
-"""``runtime.meshes.device_mesh``: a torch DeviceMesh over the node's devices on a running (one-rank, gloo) process group."""
+"""``runtime.meshes.device_mesh``: a torch DeviceMesh over the node's devices on a running (one-rank, gloo) process group,
+from a plan's placement."""
 
 from __future__ import annotations
 
@@ -26,22 +27,22 @@ def one_rank_group():
 
 
 def test_device_mesh_needs_a_process_group():
-    plan = plan_graph(build_example("llamarl"), "cpu:1")
+    placement = plan_graph(build_example("llamarl"), "cpu:1").placement()
     with pytest.raises(PlanError, match="needs a running process group"):
-        device_mesh(plan, "policy")
+        device_mesh(placement, "policy", device_type="cpu")
 
 
 def test_device_mesh_on_one_rank(one_rank_group):
-    plan = plan_graph(build_example("llamarl"), "cpu:1")
-    mesh = device_mesh(plan, "policy")
+    placement = plan_graph(build_example("llamarl"), "cpu:1").placement()
+    mesh = device_mesh(placement, "policy", device_type="cpu")
     assert mesh.mesh_dim_names == ("pp", "dp", "tp")
     assert mesh.mesh.tolist() == [[[0]]]
     assert mesh.device_type == "cpu"
-    with pytest.raises(PlanError, match="runs on the host and has no device mesh"):
-        device_mesh(plan, "reward")
+    with pytest.raises(PlanError, match=r"places no node 'reward'; it places gen, policy"):
+        device_mesh(placement, "reward", device_type="cpu")
 
 
 def test_device_mesh_larger_than_the_group(one_rank_group):
-    plan = plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated")
+    placement = plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated").placement()
     with pytest.raises(PlanError, match=r"placed on devices 1 but the process group has 1 ranks; launch 2 or more ranks"):
-        device_mesh(plan, "policy")
+        device_mesh(placement, "policy", device_type="cpu")

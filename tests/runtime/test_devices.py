@@ -7,15 +7,17 @@ CUDA's availability is monkeypatched where only the decision is checked; the sho
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 import torch
 
 from flowrl.errors import ConfigError
 from flowrl.examples import build_example
-from flowrl.planners.forms import placement_plan
+from flowrl.placement import NodeMesh, Placement
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.placement import Placement, node_devices, resolve_device, run_placement
+from flowrl.runtime.placement import node_devices, resolve_device, run_placement
 from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
 from flowrl.runtime.run import run_graph
 from flowrl.runtime.synthetic import synthetic_program, synthetic_programs
@@ -50,25 +52,26 @@ def test_cuda_without_cuda_is_refused():
     ids=["disjoint-2gpus", "one-gpu-colocates", "colocated", "halves-of-8", "modulo"],
 )
 def test_node_devices_from_the_plan(devices, gpus, expected):
-    plan = placement_plan(build_example("llamarl"), devices)
-    assert node_devices(Placement(plan=plan), "cuda", cuda_count=gpus) == expected
+    placement = Placement(nodes={n: NodeMesh(devices=d) for n, d in devices.items()})
+    assert node_devices(placement, "cuda", cuda_count=gpus) == expected
 
 
 def test_node_devices_on_cpu_is_empty():
-    plan = placement_plan(build_example("llamarl"), {"gen": (0,), "policy": (1,)})
-    assert node_devices(Placement(plan=plan), "cpu") == {}
+    placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(1,))})
+    assert node_devices(placement, "cpu") == {}
 
 
 def test_default_plan_on_cuda_spans_the_gpus_not_the_cores(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     graph = build_example("llamarl")
-    placement = run_placement(graph, RunConfig(steps=1, max_staleness=1, device="auto"))
-    assert placement.plan.cluster == "cuda:2"
+    placement = run_placement(graph, None, RunConfig(steps=1, max_staleness=1, device="auto"))
+    assert placement.devices == {"gen": (0,), "policy": (1,)}  # the halves of 2 GPUs
     assert node_devices(placement, "cuda") == {"gen": "cuda:0", "policy": "cuda:1"}
-    synchronous = run_placement(graph, RunConfig(steps=1, max_staleness=0, device="cuda"))
+    synchronous = run_placement(graph, None, RunConfig(steps=1, max_staleness=0, device="cuda"))
     assert set(node_devices(synchronous, "cuda").values()) == {"cuda:0"}  # k = 0 colocates
-    assert run_placement(graph, RunConfig(steps=1, device="cpu")).plan.cluster.startswith("cpu")
+    cores = os.cpu_count() or 1
+    assert run_placement(graph, None, RunConfig(steps=1, max_staleness=0, device="cpu")).devices["gen"] == tuple(range(cores))
 
 
 def test_program_env_carries_devices_across_the_wire():
@@ -125,3 +128,9 @@ def test_synchronous_run_on_cuda_stays_on_policy(backend):
     result = run_graph(build_example("llamarl"), RunConfig(steps=3, max_staleness=0, progress=False, device="cuda", backend=backend))
     assert result.version == 3
     assert all(row["aipo/ratio_mean"] == pytest.approx(1.0, abs=1e-3) for row in result.rows)
+
+
+@pytest.mark.parametrize(("policy_core", "pinned"), [(0, True), (10**6, False)], ids=["cores-here", "core-not-here"])
+def test_a_cpu_plans_cores_are_pinned_only_where_this_machine_has_them(policy_core, pinned):
+    placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(policy_core,))}, pin=True)
+    assert run_placement(build_example("llamarl"), placement, RunConfig(steps=1)).pin is pinned

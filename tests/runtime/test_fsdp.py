@@ -32,6 +32,7 @@ from flowrl.errors import ConfigError
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import OptimizerConfig
+from flowrl.placement import load_placement
 
 from tests.runtime.test_torchrun import _rows, _torchrun  # the jobs run with PYTHONPATH=ROOT (see _torchrun)
 
@@ -117,7 +118,7 @@ def test_shards_that_would_desynchronise_the_ranks_are_refused(sizes, micro, mat
 def test_the_collective_trainer_layout_is_fsdp_shards():
     """The options the torchrun backend gives the collective transport for an FSDP policy."""
     from flowrl.runtime.backends.weights import collective_options
-    from flowrl.runtime.resharding import ShardLayout, dp_replicas, fsdp
+    from flowrl.placement.resharding import ShardLayout, dp_replicas, fsdp
 
     def layout(graph):
         options = collective_options(graph, "policy", "gen", {"gen": (0,), "policy": (1, 2)}, {}, {}, 30.0)
@@ -398,7 +399,7 @@ def _step_job(out: str, family: str, directory: str) -> int:
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.distributed import recv_batch, send_batch, shard_by_groups
     from flowrl.runtime.fsdp import full_state, full_weights, load_full_state, local_numel, local_weights, shard_trainer_, token_scale
-    from flowrl.runtime.resharding import dp_replicas, fsdp
+    from flowrl.placement.resharding import dp_replicas, fsdp
     from flowrl.runtime.transports.collective import CollectiveTransport
 
     dist.init_process_group("gloo")
@@ -534,7 +535,7 @@ def _bitwise_job(out: str) -> int:
 
     tr.close_edges = close_after_hashing
     try:
-        run_graph(graph, RunConfig(steps=3, backend="torchrun", plan="place.json", checkpoint_dir="ck", stall_timeout_s=60))
+        run_graph(graph, load_placement("place.json", graph), RunConfig(steps=3, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60))
     finally:
         tr.close_edges = real_close
     return 0

@@ -77,7 +77,7 @@ def test_channels_stay_bounded(graph_k):
     env = ProgramEnv(transports=transport_specs(g, "/tmp"), programs=dict(config.programs), options=dict(config.options))
     backend = LocalPrograms(g, env)
     try:
-        controller = Controller(g, config, backend.open(), run_placement(g, config))
+        controller = Controller(g, config, backend.open(), run_placement(g, None, config))
         result = controller.run()
     finally:
         backend.close()

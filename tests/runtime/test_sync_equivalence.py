@@ -34,7 +34,7 @@ def test_k0_matches_a_synchronous_loop(tmp_path):
     graph = build_example("llamarl")
     steps, seed = 3, 7
     threads = torch.get_num_threads()
-    torch.set_num_threads(run_placement(graph, RunConfig(max_staleness=0)).threads_per_group())
+    torch.set_num_threads(run_placement(graph, None, RunConfig(max_staleness=0)).threads_per_group())
     try:
         expected = _sync_loop(graph, steps, seed)
     finally:

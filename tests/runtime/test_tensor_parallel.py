@@ -30,7 +30,7 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.model import Transformer, attention_mask, positions_from_valid
-from flowrl.runtime.resharding import local_shape, local_slice
+from flowrl.placement.resharding import local_shape, local_slice
 from flowrl.runtime.tensor_parallel import (
     TensorParallelTransformer,
     check_tp,

@@ -25,7 +25,7 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
-from flowrl.runtime.resharding import local_shape, local_slice
+from flowrl.placement.resharding import local_shape, local_slice
 from flowrl.runtime.tensor_parallel import check_tp, param_splits, shard_hf_, shard_transformer_, tp_param_layouts
 from tests.runtime.helpers import compare_draws, continuous_draws, edge_shard_shapes, generator_rank_program, launch_ranks
 

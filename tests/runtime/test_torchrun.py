@@ -27,7 +27,9 @@ import torch
 
 from flowrl.errors import ConfigError, PlanError
 from flowrl.examples.llamarl import build_llamarl
-from flowrl.runtime.backends.torchrun import rank_plan
+from flowrl.placement import load_placement
+from flowrl.planners.forms import read_placement
+from flowrl.runtime.backends.torchrun import rank_placement
 from flowrl.runtime.distributed import merge_rollouts, shard_by_groups, split_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +96,7 @@ def test_bad_placements_are_plan_errors(tmp_path, placement, world, match):
     path = tmp_path / "place.json"
     path.write_text(json.dumps(placement))
     with pytest.raises(PlanError, match=match):
-        rank_plan(file_graph(), str(path), world)
+        rank_placement(file_graph(), read_placement(path, file_graph()), world)
 
 
 def test_plan_files_give_ranks(tmp_path):
@@ -102,10 +104,10 @@ def test_plan_files_give_ranks(tmp_path):
     graph = file_graph()
     plan = planners.plan_graph(graph, "cpu:3", strategy="gen:d1@0 | policy:d2@1-2")
     planners.save_plan(plan, tmp_path / "plan.json")
-    loaded = rank_plan(graph, str(tmp_path / "plan.json"), 3)
-    assert {n: loaded.placements[n].devices for n in ("gen", "policy")} == {"gen": (0,), "policy": (1, 2)}
+    loaded = rank_placement(graph, read_placement(tmp_path / "plan.json", graph), 3)
+    assert loaded.devices == {"gen": (0,), "policy": (1, 2)} and not loaded.pin  # ranks, not cores
     with pytest.raises(PlanError, match="WORLD_SIZE=2"):
-        rank_plan(graph, str(tmp_path / "plan.json"), 2)
+        rank_placement(graph, read_placement(tmp_path / "plan.json", graph), 2)
 
 
 @pytest.mark.parametrize(
@@ -124,14 +126,14 @@ def test_bad_meshes_are_plan_errors_naming_the_node(tmp_path, gen, match):
     path = tmp_path / "place.json"
     path.write_text(json.dumps({"policy": [0], "gen": gen}))
     with pytest.raises(PlanError, match=match):
-        rank_plan(file_graph(), str(path), 8)
+        rank_placement(file_graph(), read_placement(path, file_graph()), 8)
 
 
 def test_json_placements_give_named_meshes(tmp_path):
     path = tmp_path / "place.json"
     path.write_text(json.dumps({"policy": [0], "gen": {"ranks": [1, 2, 3, 4], "mesh": {"dp": 2, "tp": 2}}}))
-    plan = rank_plan(file_graph(), str(path), 5)
-    gen, policy = plan.placements["gen"], plan.placements["policy"]
+    placement = rank_placement(file_graph(), read_placement(path, file_graph()), 5)
+    gen, policy = placement.nodes["gen"], placement.nodes["policy"]
     assert (policy.devices, policy.axes, policy.mesh_shape) == ((0,), ("pp", "dp", "tp"), (1, 1, 1))
     assert (gen.devices, gen.axes, gen.mesh_shape) == ((1, 2, 3, 4), ("pp", "dp", "tp"), (1, 2, 2))
 
@@ -142,7 +144,7 @@ def test_collective_options_are_plain_data_and_cover_the_model():
 
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.backends.weights import COLLECTIVE, collective_options, participants, weight_transport
-    from flowrl.runtime.resharding import ShardLayout, minimum_bytes, plan_state
+    from flowrl.placement.resharding import ShardLayout, minimum_bytes, plan_state
 
     graph = build_llamarl()
     assert weight_transport("inprocess") == weight_transport("collective") == COLLECTIVE
@@ -377,9 +379,9 @@ def _fail_job(mode: str) -> int:
     options = {"gen_s": 0.002, "train_s": 0.002}
     if mode == "raise":
         options.update(fail_node="gen", fail_step=2)
-    config = RunConfig(steps=6, backend="torchrun", plan=str(place), programs=programs, options=options, stall_timeout_s=30)
+    config = RunConfig(steps=6, backend="torchrun", programs=programs, options=options, stall_timeout_s=30)
     try:
-        run_graph(graph, config)
+        run_graph(graph, load_placement(place, graph), config)
     except Exception as exc:  # noqa: BLE001 - printed as the CLI would
         print(f"flowrl run: error: {exc}", file=sys.stderr)
         return 1
@@ -419,7 +421,7 @@ def _bitwise_job() -> int:
 
     tr.close_edges = close_after_hashing
     try:
-        run_graph(graph, RunConfig(steps=3, backend="torchrun", plan=str(place), checkpoint_dir="ck", stall_timeout_s=60))
+        run_graph(graph, load_placement(place, graph), RunConfig(steps=3, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60))
     finally:
         tr.close_edges = edges_close
     return 0

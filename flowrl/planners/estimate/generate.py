@@ -73,7 +73,7 @@ from flowrl.planners.estimate.common import (
 )
 from flowrl.planners.estimate.train import memory_budget
 from flowrl.planners.lengths import decode_steps, steady_decode_steps
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.units import format_excess, format_gib_pair
 
@@ -120,7 +120,7 @@ def estimate_generate(
 
     Example:
         >>> from flowrl.planners.cluster import parse_cluster
-        >>> from flowrl.planners.modelspec import model_preset
+        >>> from flowrl.modelspec import model_preset
         >>> from flowrl.planners.tuning import Tuning
         >>> from flowrl.planners.workload import Workload
         >>> ctx = Context(cluster=parse_cluster("8xH100"), tuning=Tuning(),

@@ -13,7 +13,7 @@ equal dtypes costs nothing here.
 
 Example:
     >>> from flowrl.planners.cluster import parse_cluster
-    >>> from flowrl.planners.modelspec import model_preset
+    >>> from flowrl.modelspec import model_preset
     >>> from flowrl.planners.tuning import Tuning
     >>> from flowrl.planners.workload import LLM_DEFAULTS
     >>> ctx = Context(cluster=parse_cluster("8xH100"), workload=LLM_DEFAULTS, tuning=Tuning())
@@ -29,7 +29,7 @@ import msgspec
 
 from flowrl.planners.estimate.common import Context
 from flowrl.planners.estimate.sync import SyncEstimate
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
 
 __all__ = ["QUANTIZE_OPS", "quantize_cost", "add_quantization"]

@@ -12,7 +12,7 @@ By the transport's declared cost (``TransportTraits.cost``; the built-ins in bra
 - ``"collective"`` [``collective``] (and, on GPU clusters, ``"memory"`` transports, which cannot cross devices
   there): direct rank-to-rank transfers (LlamaRL's DDMA): ``max(max(per receiver, per sender) / bw,
   staged / mem_bw) + latency`` (packing is pipelined with the wire), over NVLink when trainer and generator share hosts, the NIC
-  otherwise. The volumes are the runtime's own (``flowrl.runtime.resharding.transfer_volume`` over
+  otherwise. The volumes are the runtime's own (``flowrl.placement.resharding.transfer_volume`` over
   the layouts the torchrun backend gives the collective transport, :func:`sync_params`): every
   trainer device a full replica, or with ``sharding="fsdp"`` its dim-0 FSDP shards (``resharding.fsdp``), the generator's blocks split as ``tensor_parallel`` splits them
   (embeddings, head and norms replicated on every tp rank); ``per receiver`` / ``per sender`` are the
@@ -36,12 +36,11 @@ from functools import lru_cache
 
 import msgspec
 
-from flowrl.errors import TransportError
 from flowrl.planners.estimate.common import Context, Link
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
-from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
-from flowrl.runtime.transports.registry import TransportTraits, transport_traits
+from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
+from flowrl.transport_traits import traits_of
 
 __all__ = ["SyncEstimate", "estimate_sync", "sync_params"]
 
@@ -71,14 +70,6 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     note: str = ""
     wire_bytes: int = 0
     copied_bytes: int = 0
-
-
-def _traits(transport: str) -> TransportTraits | None:
-    """The transport's declared traits; None for a name this process has not registered."""
-    try:
-        return transport_traits(transport)
-    except TransportError:
-        return None
 
 
 def sync_params(
@@ -230,7 +221,7 @@ def estimate_sync(
     total = model.params * dst_bytes_per_param
     received = int(total * dst_dims.dp)
     mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
-    traits = _traits(transport)
+    traits = traits_of(transport)  # None: a name this process has not registered
     if traits is not None and traits.cost == "file":
         time = total * (1 + dst_dims.dp) / t.file_bandwidth
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="file system write + one read per replica")

@@ -65,7 +65,7 @@ from flowrl.planners.estimate.common import (
     axis_link,
     send_s,
 )
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.tuning import Tuning
 from flowrl.planners.units import format_excess, format_gib_pair
@@ -310,7 +310,7 @@ def estimate_train(
 
     Example:
         >>> from flowrl.planners.cluster import parse_cluster
-        >>> from flowrl.planners.modelspec import model_preset
+        >>> from flowrl.modelspec import model_preset
         >>> from flowrl.planners.tuning import Tuning
         >>> from flowrl.planners.workload import Workload
         >>> ctx = Context(cluster=parse_cluster("8xH100"), tuning=Tuning(),

@@ -1,7 +1,7 @@
 """The backend protocol and registry: a backend decides where a run's node programs live.
 
-A :class:`Backend` runs a whole graph: ``run(graph, config, on_step=...)`` returns the run's
-``RunResult``. ``run_graph`` (``flowrl.runtime.run``) checks what every backend needs checked, then
+A :class:`Backend` runs a whole graph: ``run(graph, placement, config, on_step=...)`` returns the run's
+``RunResult`` (``placement`` None: the backend's default, ``flowrl.placement.default``). ``run_graph`` (``flowrl.runtime.run``) checks what every backend needs checked, then
 dispatches through this registry by ``RunConfig.backend``. The built-ins:
 
 - ``local`` (``backends.local``): every program in this process, on the controller's threads;
@@ -31,6 +31,7 @@ from flowrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
+    from flowrl.placement.data import Placement
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.controller import RunResult
 
@@ -61,8 +62,9 @@ class Backend(Protocol):
     name: str
     crosses_processes: bool
 
-    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
-        """Execute ``graph`` for ``config.steps`` trainer steps; ``NodeExecutionError`` on failure."""
+    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Execute ``graph`` on ``placement`` (None: the backend's default) for ``config.steps`` trainer
+        steps; ``NodeExecutionError`` on failure."""
         ...
 
 

@@ -20,7 +20,8 @@ from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.compute_threads import set_intra_op_threads
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
-from flowrl.runtime.placement import Placement, node_devices, resolve_device, run_placement
+from flowrl.placement.data import Placement
+from flowrl.runtime.placement import node_devices, resolve_device, run_placement
 from flowrl.runtime.programs import NodeProgram, ProgramEnv
 from flowrl.runtime.weight_edges import transport_specs
 
@@ -37,6 +38,7 @@ class ProgramSet(Protocol):
 
 def run_with_controller(
     graph: Graph,
+    placement: Placement | None,
     config: RunConfig,
     open_programs: Callable[[ProgramEnv, Placement], ProgramSet],
     *,
@@ -48,13 +50,14 @@ def run_with_controller(
 
     Args:
         graph, config: what to run and how.
+        placement: where (None: the run strategy on this machine's devices, ``placement.run_placement``).
         open_programs: builds the run's programs from the programs' environment and the placement.
         crosses_processes: the programs live in other processes (decides the weight edges' transports).
         set_threads: the programs run here: size torch's intra-op threads for the run, one compute
             thread per colocation group (``flowrl.runtime.compute_threads``).
         on_step: called with each metrics row.
     """
-    placement = run_placement(graph, config)
+    placement = run_placement(graph, placement, config)
     with tempfile.TemporaryDirectory(prefix="flowrl-run-") as run_dir:
         env = ProgramEnv(
             transports=transport_specs(graph, run_dir, crosses_processes=crosses_processes),

@@ -9,6 +9,7 @@ from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports, build_program
 
 if TYPE_CHECKING:
+    from flowrl.placement.data import Placement
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.controller import RunResult
 
@@ -21,11 +22,11 @@ class LocalBackend:
     name = "local"
     crosses_processes = False
 
-    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
         """Run ``graph`` here; torch's intra-op threads are divided among the placement's colocation groups."""
         from flowrl.runtime.backends.drive import run_with_controller
 
-        return run_with_controller(graph, config, lambda env, placement: LocalPrograms(graph, env),
+        return run_with_controller(graph, placement, config, lambda env, placement: LocalPrograms(graph, env),
                                    crosses_processes=False, set_threads=True, on_step=on_step)
 
 

@@ -34,7 +34,7 @@ from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.zygote import ForkedWorker, Zygote
 from flowrl.runtime.backends.zygote import take as take_zygote
-from flowrl.runtime.placement import Placement
+from flowrl.placement.data import Placement
 from flowrl.runtime.programs import Batch, ProgramEnv
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.wire import recv_message, send_message
@@ -122,11 +122,11 @@ class ProcessBackend:
     name = "process"
     crosses_processes = True
 
-    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
         """Run ``graph`` with one worker per executor node (``ProcessWorkers``), the controller here."""
         from flowrl.runtime.backends.drive import run_with_controller
 
-        return run_with_controller(graph, config, lambda env, placement: ProcessWorkers(graph, env, placement),
+        return run_with_controller(graph, placement, config, lambda env, placement: ProcessWorkers(graph, env, placement),
                                    crosses_processes=True, set_threads=False, on_step=on_step)
 
 

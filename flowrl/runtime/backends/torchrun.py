@@ -6,11 +6,11 @@ Launch (one host; several hosts add ``--nnodes``, ``--rdzv-backend c10d --rdzv-e
 
 Where things run:
 
-- Device ids of the plan are global ranks. Each heavy node (generator, policy, reference) runs on
+- Device ids of the placement are global ranks. Each heavy node (generator, policy, reference) runs on
   its ranks; its first rank is its *lead*. ``--plan`` takes a plan file from ``flowrl plan -o`` or a
   JSON placement ``{"node": [ranks, ...], ...}`` (a node may also be ``{"ranks": [...], "mesh":
-  {"dp": 1, "tp": 2}}``), read as on every backend (``flowrl.planners.forms``). Without ``--plan``:
-  every heavy node on every rank (colocated).
+  {"dp": 1, "tp": 2}}``), read into a ``Placement`` as on every backend (by the CLI on every rank:
+  ``flowrl.planners.forms.read_placement``). Without one: every heavy node on every rank (colocated).
 - The controller (version clock, channels, staleness gate, metrics, trace, checkpoints) runs on
   rank 0 only: the clock and the staleness invariant need one owner, and metrics, trace and
   checkpoints must be written once. Light nodes (sources, rule scorers) run in threads there too.
@@ -23,7 +23,7 @@ Where things run:
   ``RankLinks``); only the lead gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
   idle rank waits without a timeout ticking; collectives run only inside a step, between busy ranks.
 - Each heavy node's ranks form a process group (``dist.new_group``, created by every rank, in graph
-  order) and a ``DeviceMesh`` with the plan's named axes (``flowrl.runtime.meshes``); each collective weight edge a group of
+  order) and a ``DeviceMesh`` with the placement's named axes (``flowrl.runtime.meshes``); each collective weight edge a group of
   exactly its ranks (``_setup_groups``).
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
   (``DataParallelPolicy``: equal to a one-process step up to rounding), or sharded with FSDP2 when
@@ -77,10 +77,10 @@ from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, co
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.fsdp import check_ranks, fsdp_policies
-from flowrl.planners.forms import read_plan, run_plan
-from flowrl.planners.plan_data import Plan
+from flowrl.placement.data import Placement
+from flowrl.placement.default import default_placement
+from flowrl.placement.forms import check_placed
 from flowrl.runtime.meshes import device_mesh
-from flowrl.runtime.placement import Placement
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports, build_program
@@ -89,7 +89,7 @@ from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 __all__ = [
     "TorchrunBackend",
     "run_torchrun",
-    "rank_plan",
+    "rank_placement",
     "RankLinks",
     "RankError",
     "DIST_TIMEOUT_S",
@@ -111,35 +111,38 @@ class TorchrunBackend:
     name = "torchrun"
     crosses_processes = True
 
-    def run(self, graph: Graph, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
-        """Every rank calls this; rank 0 returns the run's result (``run_torchrun``)."""
-        return run_torchrun(graph, config, on_step=on_step)
+    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+        """Every rank calls this, with the same placement; rank 0 returns the run's result (``run_torchrun``)."""
+        return run_torchrun(graph, placement, config, on_step=on_step)
 
 
 # -- placement --------------------------------------------------------------------------------------
 Axes = tuple[tuple[str, ...], tuple[int, ...]]
 
 
-def rank_plan(graph: Graph, plan_path: str | None, world: int) -> Plan:
-    """The job's plan: ``--plan``'s (a plan file or a JSON placement, read by ``planners.forms.read_plan``
-    as on every backend) or, without one, every heavy node on every rank; its device ids are ranks.
+def rank_placement(graph: Graph, placement: Placement | None, world: int) -> Placement:
+    """The job's placement: the one given or, without one, every heavy node on every rank
+    (``all-colocated``); its device ids are ranks (never pinned as cores).
 
     Raises:
-        PlanError: a plan or placement that cannot be read, or a node needing ranks >= ``world``.
+        PlanError: a placement that does not place exactly the graph's device nodes, or a node
+            needing ranks >= ``world``.
     """
-    plan = read_plan(plan_path, graph) if plan_path else run_plan(graph, 0, world, cluster=f"torchrun:{world}")
-    for n, rs in Placement(plan=plan).devices.items():
+    if placement is None:
+        placement = default_placement(graph, 0, world, strategy="all-colocated")
+    check_placed(graph, placement.nodes, f"the placement ({placement.source})")
+    for n, rs in placement.devices.items():
         if max(rs) >= world:
             raise PlanError(
                 f"node {n!r} needs ranks {list(rs)} but torchrun launched WORLD_SIZE={world} "
                 f"(ranks 0-{world - 1}); launch with --nproc-per-node {max(rs) + 1} (or more), or re-plan for {world} devices"
             )
-    return plan
+    return msgspec.structs.replace(placement, pin=False)
 
 
-def _axes(plan: Plan) -> dict[str, Axes]:
+def _axes(placement: Placement) -> dict[str, Axes]:
     """Each heavy node's mesh: (axis names, shape)."""
-    return {n: (tuple(plan.placements[n].axes), tuple(plan.placements[n].mesh_shape)) for n in Placement(plan=plan).devices}
+    return {n: (m.axes, m.mesh_shape) for n, m in placement.nodes.items()}
 
 
 # -- the controller's side: one node = requests to all its ranks at once -------------------------------
@@ -247,7 +250,7 @@ def _serve_thread(sock: socket.socket, node: str, errors: list[str]) -> threadin
     return t
 
 
-def _setup_groups(graph: Graph, ctx: RankContext, plan: Plan, edges: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _setup_groups(graph: Graph, ctx: RankContext, placement: Placement, edges: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Every rank creates every node's group and mesh, then every collective weight edge's group (its
     participating ranks exactly), in graph order (``new_group`` is collective). Returns the edge groups."""
     import torch.distributed as dist
@@ -257,7 +260,7 @@ def _setup_groups(graph: Graph, ctx: RankContext, plan: Plan, edges: dict[str, d
         if not ranks:
             continue
         ctx.groups[node.name] = dist.new_group(list(ranks))
-        mesh = device_mesh(plan, node.name, device_type=ctx.device.type)
+        mesh = device_mesh(placement, node.name, device_type=ctx.device.type)
         if ctx.rank in ranks:
             ctx.meshes[node.name] = mesh
     groups = {}
@@ -278,7 +281,9 @@ def _edge_options(graph: Graph, ctx: RankContext, axes: dict[str, Axes]) -> dict
     }
 
 
-def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+def run_torchrun(
+    graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None
+) -> RunResult:
     """Run ``graph`` as one rank of a torchrun job. Rank 0 returns the run's result; the other
     ranks serve their nodes and return an empty result (``version == -1``) when rank 0 is done.
 
@@ -289,8 +294,8 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
     import torch.distributed as dist
 
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    plan = rank_plan(graph, config.plan, world)
-    ranks, axes = Placement(plan=plan).devices, _axes(plan)
+    placement = rank_placement(graph, placement, world)
+    ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -304,7 +309,7 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
     edges = _edge_options(graph, ctx, axes)
     ok = False
     try:
-        groups = _setup_groups(graph, ctx, plan, edges)
+        groups = _setup_groups(graph, ctx, placement, edges)
         open_edges(edges, groups, rank, device)  # handshakes: every participating rank is here now
         store = dist.distributed_c10d._get_default_store()
         mine = [n for n, rs in ranks.items() if rank in rs]
@@ -313,7 +318,7 @@ def run_torchrun(graph: Graph, config: RunConfig, *, on_step: Callable[[dict[str
         else:
             seen: dict[str, Controller] = {}
             with _report_on_sigterm(seen):
-                result = _control(graph, config, plan, store, ctx, on_step, seen, edges)
+                result = _control(graph, config, placement, store, ctx, on_step, seen, edges)
         ok = True
         return result
     finally:
@@ -387,7 +392,7 @@ def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
 def _control(
     graph: Graph,
     config: RunConfig,
-    plan: Plan,
+    placement: Placement,
     store: Any,
     ctx: RankContext,
     on_step: Callable[[dict[str, Any]], None] | None,
@@ -454,7 +459,6 @@ def _control(
         for node in graph.nodes:
             if node.kind != "loss" and node.name not in node_programs:
                 node_programs[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
-        placement = Placement(plan=plan, source=f"torchrun:{config.plan or 'all ranks'}")
         controller = Controller(graph, config, node_programs, placement, on_step=on_step)
         seen["controller"] = controller
         return controller.run()

@@ -40,7 +40,7 @@ import torch
 
 from flowrl.errors import ConfigError, TransportError
 from flowrl.graph.ir import Graph
-from flowrl.runtime.resharding import ShardLayout, dp_replicas, fsdp
+from flowrl.placement.resharding import ShardLayout, dp_replicas, fsdp
 from flowrl.runtime.transports.registry import register_transport, transport_traits
 
 __all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]

@@ -74,7 +74,7 @@ from flowrl.runtime.transports.base import (
     dtype_from_name,
     layout_of,
 )
-from flowrl.runtime.transports.registry import TransportTraits
+from flowrl.transport_traits import BUILTINS
 from flowrl.runtime.transports.shm import SharedMemoryTransport, backoff, read_header
 from flowrl.runtime.transports.slot_memory import (
     CudaIpcHandle,
@@ -155,7 +155,7 @@ class CudaIpcTransport:
 
     name = "cuda_ipc"
     #: processes sharing a GPU: a device-to-device copy into a slot and one out of it, no host copy
-    traits = TransportTraits(crosses_processes=True, needs_segment=True, cost="memory", memory_copies=2)
+    traits = BUILTINS["cuda_ipc"].traits
 
     def __init__(
         self,

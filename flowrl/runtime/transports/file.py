@@ -38,7 +38,7 @@ from flowrl.runtime.transports.base import (
     dtype_name,
     layout_of,
 )
-from flowrl.runtime.transports.registry import TransportTraits
+from flowrl.transport_traits import BUILTINS
 
 __all__ = ["FileTransport", "write_safetensors", "read_safetensors_layout", "SAFETENSORS_DTYPES"]
 
@@ -168,7 +168,7 @@ class FileTransport:
 
     name = "file"
     #: files in a directory both ends see: processes, and hosts given a shared directory
-    traits = TransportTraits(crosses_processes=True, crosses_hosts=True, needs_directory=True, cost="file")
+    traits = BUILTINS["file"].traits
 
     def __init__(self, directory: str, *, keep: int = 2, fsync: bool = True, max_retries: int = 100) -> None:
         if not isinstance(directory, str) or not directory:

@@ -28,7 +28,7 @@ import torch
 
 from flowrl.errors import TransportError
 from flowrl.runtime.transports.base import StateLayout, State, check_state, check_target, check_version, copy_tensor, layout_of
-from flowrl.runtime.transports.registry import TransportTraits
+from flowrl.transport_traits import BUILTINS
 
 __all__ = ["InProcessTransport"]
 
@@ -56,7 +56,7 @@ class InProcessTransport:
 
     name = "inprocess"
     #: one object shared by both ends: threads of one process only
-    traits = TransportTraits(crosses_processes=False, cost="memory", memory_copies=1)
+    traits = BUILTINS["inprocess"].traits
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # front/spare pointers and reader counts: held for O(1) work only

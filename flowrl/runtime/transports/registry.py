@@ -1,9 +1,10 @@
 """The registry of weight transports: names to factories and what each transport is (its traits).
 
-A transport class declares its :class:`TransportTraits` as a class attribute ``traits``: whether it
-crosses processes and hosts, which options it is opened with, whether it is a torch.distributed
-collective and how the planner costs it. The backends and the planner read those traits
-(``transport_traits``) instead of matching names, so a new transport is one class plus one
+A transport class declares its :class:`TransportTraits` (``flowrl.transport_traits``) as a class
+attribute ``traits``: whether it crosses processes and hosts, which options it is opened with,
+whether it is a torch.distributed collective and how the planner costs it; a built-in's is its row
+of ``BUILTINS``. The backends and the planner read those traits (``transport_traits`` here,
+``traits_of`` in the planner) instead of matching names, so a new transport is one class plus one
 ``register_transport`` call.
 
 The registry is consulted where a run starts (``check_transports``), not when a graph is validated
@@ -12,8 +13,7 @@ running process registers loads anywhere. A user transport reaches the workers o
 by reference (``transport_reference``: its factory's ``module:qualname``), so it must be defined at
 module level in an importable module.
 
-This module imports nothing heavy; a built-in transport's module is imported only when one is
-created or its traits are read.
+This module imports nothing heavy; a built-in transport's module is imported only when one is created.
 
 Example:
     >>> "inprocess" in transport_names()
@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, Literal
-
-import msgspec
+from typing import Any
 
 from flowrl.errors import TransportError
 from flowrl.graph.validate import TRANSPORT_NAME_RE  # the graph owns a name's form
+from flowrl.transport_traits import BUILTINS, TransportTraits, declare_traits, traits_of
 
 __all__ = [
     "TransportTraits",
@@ -46,45 +45,10 @@ __all__ = [
     "BUILTIN_TRANSPORTS",
 ]
 
-#: The form of a transport name (checked by graph validation; the registry is consulted at run start).
-
-
-class TransportTraits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a transport is; a transport class declares one as its ``traits`` class attribute.
-
-    Attributes:
-        crosses_processes: both ends may live in different OS processes of one machine. A backend
-            that runs nodes in several processes replaces a transport that cannot with shared memory.
-        crosses_hosts: both ends may live on different machines (given what it needs, e.g. a shared directory).
-        needs_directory: opened with ``directory=...`` (a folder both ends see; the run's own by default).
-        needs_segment: opened with a shared-memory segment ``name=...`` (``create=True`` on the writer's side).
-        collective: a torch.distributed transport; the torchrun backend builds one per rank and edge.
-        cost: how the planner costs one sync: ``"memory"`` (``memory_copies`` copies through memory on
-            one machine, a collective across devices), ``"file"`` (written once, read once per replica)
-            or ``"collective"`` (rank-to-rank resharding).
-        memory_copies: memory copies per sync when ``cost == "memory"``.
-    """
-
-    crosses_processes: bool = True
-    crosses_hosts: bool = False
-    needs_directory: bool = False
-    needs_segment: bool = False
-    collective: bool = False
-    cost: Literal["memory", "file", "collective"] = "collective"
-    memory_copies: int = 1
-
-
-#: Built-in transports: name -> "module:factory". Imported on first use.
-BUILTIN_TRANSPORTS: dict[str, str] = {
-    "inprocess": "flowrl.runtime.transports.inprocess:InProcessTransport",
-    "shm": "flowrl.runtime.transports.shm:SharedMemoryTransport",
-    "file": "flowrl.runtime.transports.file:FileTransport",
-    "collective": "flowrl.runtime.transports.collective:CollectiveTransport",
-    "cuda_ipc": "flowrl.runtime.transports.cuda_ipc:CudaIpcTransport",
-}
+#: Built-in transports: name -> "module:factory" (``flowrl.transport_traits.BUILTINS``). Imported on first use.
+BUILTIN_TRANSPORTS: dict[str, str] = {name: b.reference for name, b in BUILTINS.items()}
 
 _USER_TRANSPORTS: dict[str, Callable[..., Any]] = {}
-_USER_TRAITS: dict[str, TransportTraits] = {}
 
 
 def register_transport(name: str, factory: Callable[..., Any], *, replace: bool = False, traits: TransportTraits | None = None) -> None:
@@ -107,7 +71,7 @@ def register_transport(name: str, factory: Callable[..., Any], *, replace: bool 
         raise TransportError(f"transport {name!r} is already registered; pass replace=True to override it")
     declared = traits if traits is not None else getattr(factory, "traits", None)
     _USER_TRANSPORTS[name] = factory
-    _USER_TRAITS[name] = declared if isinstance(declared, TransportTraits) else TransportTraits()
+    declare_traits(name, declared if isinstance(declared, TransportTraits) else TransportTraits())
 
 
 def transport_names() -> list[str]:
@@ -128,16 +92,16 @@ def _unknown(name: str) -> TransportError:
 
 
 def transport_traits(name: str) -> TransportTraits:
-    """The traits transport ``name`` declares (a built-in's class is imported to read them).
+    """The traits transport ``name`` declares (``flowrl.transport_traits``: a built-in's row, or a user's
+    declared at registration).
 
     Raises:
         TransportError: for a name nobody registered.
     """
-    if name in _USER_TRAITS:
-        return _USER_TRAITS[name]
-    if name not in BUILTIN_TRANSPORTS:
+    traits = traits_of(name) if name in _USER_TRANSPORTS or name in BUILTIN_TRANSPORTS else None
+    if traits is None:
         raise _unknown(name)
-    return _builtin_class(name).traits
+    return traits
 
 
 def transport_reference(name: str) -> str:

@@ -56,7 +56,7 @@ from flowrl.runtime.transports.base import (
     dtype_from_name,
     layout_of,
 )
-from flowrl.runtime.transports.registry import TransportTraits
+from flowrl.transport_traits import BUILTINS
 
 __all__ = ["SharedMemoryTransport", "ShmHeader", "read_header", "backoff", "fence", "unlink_quietly"]
 
@@ -171,7 +171,7 @@ class SharedMemoryTransport:
 
     name = "shm"
     #: a named shared-memory segment: processes of one machine; copies in and out of it
-    traits = TransportTraits(crosses_processes=True, needs_segment=True, cost="memory", memory_copies=2)
+    traits = BUILTINS["shm"].traits
 
     def __init__(
         self,

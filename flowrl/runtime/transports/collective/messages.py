@@ -1,16 +1,16 @@
 """The collective transport's messages: which block of which parameter travels in which message, where.
 
-Every rank computes the same transfer plan (:func:`flowrl.runtime.resharding.plan_state`) from the
+Every rank computes the same transfer plan (:func:`flowrl.placement.resharding.plan_state`) from the
 same :class:`Spec`, so every rank lays the messages out alike without exchanging anything: one
 message per (trainer rank, generator rank) pair and version, a 32-byte header of four int64
 ``(magic, version, payload_bytes, src_rank)`` first, then the blocks in plan order (parameters in
 sorted name order), each 16-byte aligned. A message is posted as *pieces*: each block of at least
 ``direct_min_bytes`` alone (it may skip the staging buffer, see
-:func:`flowrl.runtime.resharding.staging_copies`), runs of smaller blocks together up to
+:func:`flowrl.placement.resharding.staging_copies`), runs of smaller blocks together up to
 ``chunk_bytes``. Sender and receiver cut alike, since the cut depends only on the plan.
 
 Example (one 8 x 8 float32 matrix, FSDP over ranks 0, 1 -> dim-0 tp over ranks 2, 3, seen by rank 0):
-    >>> from flowrl.runtime.resharding import fsdp, plan_state, tp_column
+    >>> from flowrl.placement.resharding import fsdp, plan_state, tp_column
     >>> spec = Spec(params={"w": ParamSpec(shape=(8, 8))}, trainer={"w": fsdp((0, 1))},
     ...             generator={"w": tp_column((2, 3))}, chunk_bytes=0, direct_min_bytes=64)
     >>> m = build_messages(spec, plan_state({"w": ((8, 8), "float32")}, spec.trainer, spec.generator), rank=0)
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.runtime.resharding import ShardLayout, Transfer, local_shape, staging_copies
+from flowrl.placement.resharding import ShardLayout, Transfer, local_shape, staging_copies
 from flowrl.runtime.wire import DTYPES as WIRE_DTYPES
 
 __all__ = [

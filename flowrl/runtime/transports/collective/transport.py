@@ -1,7 +1,7 @@
 """``CollectiveTransport``: trainer shards to generator shards, rank to rank, over torch.distributed.
 
 LlamaRL's distributed direct memory access: every rank computes the same transfer plan
-(:func:`flowrl.runtime.resharding.plan_state`) from plain-data options (parameter shapes and dtypes,
+(:func:`flowrl.placement.resharding.plan_state`) from plain-data options (parameter shapes and dtypes,
 the trainer layout, the generator layout), and each trainer rank sends each generator rank exactly
 the slices of its own shards that the generator's shards need: one message per (trainer rank,
 generator rank) pair and version, nothing gathered on one rank, no parameter server, every byte on
@@ -9,7 +9,7 @@ the wire once per destination that lacks it, and a rank that holds a block on bo
 locally. Only point-to-point operations are used (``batch_isend_irecv``), on contiguous buffers, so
 the same code is correct on gloo (CPU) and NCCL (GPU, with ``device="cuda:<i>"``).
 
-No staging copy where none is needed (the rule is :func:`flowrl.runtime.resharding.staging_copies`,
+No staging copy where none is needed (the rule is :func:`flowrl.placement.resharding.staging_copies`,
 which the planner prices too): a block of at least ``direct_min_bytes`` whose slice of the trainer's
 shard is contiguous is sent straight from that shard's storage; one whose slice of the generator's
 shard is contiguous is received straight into the target; a strided slice goes through one copy on
@@ -106,7 +106,7 @@ import torch
 import torch.distributed as dist
 
 from flowrl.errors import ConfigError, TransportError
-from flowrl.runtime.resharding import DIRECT_MIN_BYTES, ShardLayout, Transfer, local_shape, plan_state
+from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, Transfer, local_shape, plan_state
 from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
 from flowrl.runtime.transports.collective.messages import (
     DTYPES,
@@ -119,7 +119,7 @@ from flowrl.runtime.transports.collective.messages import (
     build_messages,
     round_robin,
 )
-from flowrl.runtime.transports.registry import TransportTraits
+from flowrl.transport_traits import BUILTINS
 
 __all__ = ["CollectiveTransport"]
 
@@ -163,7 +163,7 @@ class CollectiveTransport:
     Args:
         params: name -> :class:`ParamSpec` (or its dict form ``{"shape": [...], "dtype": "float32"}``):
             the *full* shapes.
-        trainer_layout: one :class:`~flowrl.runtime.resharding.ShardLayout` for every parameter, or
+        trainer_layout: one :class:`~flowrl.placement.resharding.ShardLayout` for every parameter, or
             name -> layout (structs or their dict form). Ranks are global ranks.
         generator_layout: likewise for the generator side.
         channel: names this transport's store keys and gloo tag; give each weight edge its own.
@@ -174,7 +174,7 @@ class CollectiveTransport:
             bytes, so that packing, the wire and unpacking overlap; 0 packs all of a message's small blocks together.
         direct_min_bytes: a block of at least this many bytes is a message of its own, sent straight
             from the shard and received straight into the target where its slice is contiguous
-            (``flowrl.runtime.resharding.staging_copies``).
+            (``flowrl.placement.resharding.staging_copies``).
         rank: this process's global rank (default ``dist.get_rank()``).
         group: the process group (default the world).
         store: the store used to announce versions (default the default process group's store).
@@ -199,7 +199,7 @@ class CollectiveTransport:
 
     name = "collective"
     #: torch.distributed point-to-point between the edge's ranks, built per rank by the torchrun backend
-    traits = TransportTraits(crosses_processes=True, crosses_hosts=True, collective=True, cost="collective")
+    traits = BUILTINS["collective"].traits
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flowrl.errors import ConfigError
-from flowrl.runtime.resharding import (
+from flowrl.placement.resharding import (
     Replicate,
     Shard,
     ShardLayout,

@@ -4,7 +4,8 @@ The planner reasons about models far too large for this machine, so it needs onl
 layers, width, heads, KV heads, head width, MLP width, vocabulary. A shape comes from a published
 preset (``MODEL_PRESETS``: Llama 3, Qwen2.5 0.5B-72B, Qwen3 0.6B-32B), from a Hugging Face
 ``config.json``, or from the built-in model's ``ModelConfig`` (whose ``preset`` field, when set,
-names a published shape).
+names a published shape). Shared by the planner (its estimates) and the runtime (the memory check
+before a run, ``runtime/preflight.py``); pure: it reads JSON and imports no torch.
 
 Counting (Llama architecture: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; q is
 ``heads * hd`` wide, which Qwen3 sets apart from h)::

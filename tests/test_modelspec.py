@@ -8,7 +8,7 @@ import pytest
 
 from flowrl.errors import PlanError
 from flowrl.graph.configs import ModelConfig
-from flowrl.planners.modelspec import DEFAULT_CONTEXT, MODEL_PRESETS, ModelSpec, model_from_config, model_from_hf_config, model_preset, resolve_model
+from flowrl.modelspec import DEFAULT_CONTEXT, MODEL_PRESETS, ModelSpec, model_from_config, model_from_hf_config, model_preset, resolve_model
 
 TINY = ModelSpec(name="tiny", n_layers=2, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=10)
 

@@ -57,8 +57,9 @@ from typing import Any
 import msgspec
 
 from flowrl.errors import PlanError
-from flowrl.planners.cluster import ClusterSpec, CpuTerms, _host_cores, cpu_device, host_memory_bytes
-from flowrl.planners.modelspec import ModelSpec
+from flowrl.host import host_cores, host_memory_bytes
+from flowrl.planners.cluster import ClusterSpec, CpuTerms, cpu_device
+from flowrl.modelspec import ModelSpec
 
 __all__ = ["Measurements", "measure", "calibrated_cluster", "pass_flops", "PASSES", "WIDTHS"]
 
@@ -155,7 +156,7 @@ def _pass_model(width: int) -> tuple[Any, ModelSpec]:
     """The built-in 2-layer transformer of width ``width`` (16-wide heads) and its planner spec."""
     from flowrl.graph.configs import ModelConfig
     from flowrl.models import build_model
-    from flowrl.planners.modelspec import model_from_config
+    from flowrl.modelspec import model_from_config
 
     heads = max(1, width // 16)
     config = ModelConfig(vocab_size=16, dim=width, n_layers=2, n_heads=heads, n_kv_heads=heads, max_seq_len=2 * PASS_TOKENS)
@@ -345,7 +346,7 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
 
     if statistic not in ("median", "best"):
         raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
-    cores = _host_cores()
+    cores = host_cores()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -2,6 +2,8 @@
 
 One track (``tid``) per executor, named by thread-name metadata events; one complete event
 (``"ph": "X"``) per span: generate, score, train, weight publish, weight fetch, wait. Thread-safe.
+The runtime's controller records the measured timeline with it, the planner's
+``planners.timeline`` the predicted one, so the two open side by side; pure (no torch).
 """
 
 from __future__ import annotations
