@@ -30,14 +30,14 @@ import msgspec
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode
+from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode, RewardModelNode
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
 from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
-from flowrl.planners.modelspec import ModelSpec, model_from_config
+from flowrl.planners.modelspec import ModelSpec, model_from_config, reward_model_spec
 from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
@@ -68,13 +68,16 @@ class Roles:
     """What the planner needs to know about each node of a graph.
 
     Attributes:
-        gens, trainers, refs: heavy nodes by side (generators; policies; references).
+        gens, trainers, refs: heavy nodes by side (generators; policies; forward-only models: references
+            and reward models, costed with the training side like a reference).
         loss_of: loss node -> the policy it runs inside.
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
         gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
         recompute: policy -> whether its objective needs an extra log-prob forward.
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
+        last_logits: forward-only nodes that compute the logits of each sequence's last position
+            only (a judge reading p(yes) vs p(no)).
     """
 
     gens: tuple[str, ...]
@@ -87,6 +90,7 @@ class Roles:
     recompute: dict[str, bool]
     micro_batch: dict[str, int]
     gen_engine: dict[str, str] = field(default_factory=dict)
+    last_logits: frozenset[str] = frozenset()
 
     @property
     def heavy(self) -> tuple[str, ...]:
@@ -106,6 +110,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     recompute: dict[str, bool] = {}
     micro: dict[str, int] = {}
     loss_of: dict[str, str] = {}
+    last: set[str] = set()
     for node in graph.nodes:
         if isinstance(node, GeneratorNode):
             gens.append(node.name)
@@ -122,6 +127,11 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         elif isinstance(node, ReferenceNode):
             refs.append(node.name)
             models[node.name] = model or model_from_config(node.model)
+        elif isinstance(node, RewardModelNode):  # a frozen model's forward pass, like a reference's
+            refs.append(node.name)
+            models[node.name] = model or reward_model_spec(node.model, judge=node.judge is not None)
+            if node.judge is not None and node.judge.verdict == "logprob":
+                last.add(node.name)
     for node in graph.nodes:
         if isinstance(node, LossNode):
             users = [u.name for u in graph.users(node.name) if u.kind == "policy"]
@@ -141,6 +151,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         recompute=recompute,
         micro_batch=micro,
         gen_engine=gen_engine,
+        last_logits=frozenset(last),
     )
 
 
@@ -233,6 +244,7 @@ class _Evaluator:
                 recompute_logprobs=r.recompute.get(name, False),
                 micro_batch=r.micro_batch.get(name, 0),
                 sharding=self._sharding(name),
+                last_logits=name in r.last_logits,
             )
         return self._train[key]
 

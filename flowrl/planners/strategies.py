@@ -45,7 +45,7 @@ STRATEGIES: tuple[str, ...] = ("colocated", "disaggregated", "search")
 RUN_STRATEGIES: tuple[str, ...] = ("all-colocated", "halves")
 
 #: Node kinds on the trainer side of a ``halves`` split.
-TRAINER_SIDE_KINDS = frozenset({"policy", "reference"})
+TRAINER_SIDE_KINDS = frozenset({"policy", "reference", "reward_model"})
 
 #: Every count up to this one is a candidate (small clusters, e.g. CPU cores, are searched exhaustively).
 EXHAUSTIVE_UP_TO = 16
