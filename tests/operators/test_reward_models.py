@@ -303,3 +303,17 @@ def test_a_local_run_with_a_reward_model_trains(dirs):
     assert all(r["reward_model/truncated/rm"] == 0 and r["aipo/tokens"] > 0 and math.isfinite(r["loss"]) for r in rows)
     rewards = [r["reward/rm_rewards"] for r in rows]
     assert all(math.isfinite(x) for x in rewards) and len(set(rewards)) == 3, rewards
+
+
+@pytest.mark.slow  # the process backend starts a worker per node, each importing torch and transformers: ~60 s at load 10
+def test_the_process_backend_scores_as_the_local_one(dirs):
+    """The reward model rebuilt in a worker process from the graph's plain data gives every step the
+    rewards the local backend's gives (same seed: same samples, so the same rewards, bit for bit)."""
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    graph = rm_graph(dirs, dirs["classifier"])
+    local = run_graph(graph, RunConfig(steps=2)).rows
+    process = run_graph(graph, RunConfig(steps=2, backend="process")).rows
+    assert [r["reward/rm_rewards"] for r in process] == [r["reward/rm_rewards"] for r in local]
+    assert [r["reward_model/truncated/rm"] for r in process] == [0.0, 0.0]
