@@ -292,17 +292,45 @@ def test_the_planner_places_reward_models_and_counts_their_memory(dirs):
     assert "rm:" in str(plan) and "judge:" in str(plan)
 
 
-def test_a_local_run_with_a_reward_model_trains(dirs):
-    """Three steps of hf_copy's policy against the classifier: every row carries the reward model's
-    reward and its count of truncated texts, and the policy steps on it (its tokens, a new version each step)."""
+def make_ends_in_seven_dir(path: Path) -> Path:
+    """A classifier on the policy's (hf_copy's) tokenizer rewarding +1 a text whose last token is ``7``
+    and -1 any other: every block's output projections zero, so the last hidden state is the last
+    token's embedding, ``+-e_0`` (+ for ``7``), which the final RMSNorm scales to ``+-sqrt(64)``; the
+    score head reads column 0 / 8. (RMSNorm's eps makes it +-0.99968.)"""
+    tok = transformers.AutoTokenizer.from_pretrained(str(ASSETS))
+    tok.save_pretrained(str(path))
+    model = transformers.AutoModelForSequenceClassification.from_config(transformers.AutoConfig.from_pretrained(str(ASSETS), num_labels=1))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = -1.0
+        model.model.embed_tokens.weight[tok.convert_tokens_to_ids("7"), 0] = 1.0
+        model.score.weight.zero_()
+        model.score.weight[0, 0] = 1 / 8
+    model.save_pretrained(str(path))
+    return path
+
+
+def test_a_local_run_learns_what_its_reward_model_rewards(tmp_path):
+    """hf_copy's random policy against a classifier that rewards completions ending in ``7``: the
+    mean reward goes from about -0.9 (a 1-in-30 chance) to about +1 in 24 steps (measured: -0.87 ->
+    1.0 over 30 steps, lr 5e-3); every row carries the reward model's reward and truncation count."""
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 
-    rows = run_graph(rm_graph(dirs, dirs["classifier"]), RunConfig(steps=3)).rows
-    assert [r["policy_version"] for r in rows] == [1, 2, 3]
-    assert all(r["reward_model/truncated/rm"] == 0 and r["aipo/tokens"] > 0 and math.isfinite(r["loss"]) for r in rows)
-    rewards = [r["reward/rm_rewards"] for r in rows]
-    assert all(math.isfinite(x) for x in rewards) and len(set(rewards)) == 3, rewards
+    b = GraphBuilder("seven", model=HFModelConfig(path=str(ASSETS), init="random"))
+    prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), batch_size=8)
+    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=4)
+    rm = b.reward_model("rm", gen, model=str(make_ends_in_seven_dir(tmp_path / "seven")), output="ends_in_7")
+    b.weights(b.policy("policy", b.loss("aipo", gen, rm), lr=5e-3), gen)
+    rows = run_graph(b.build(), RunConfig(steps=24, threads=1)).rows
+    assert [r["policy_version"] for r in rows] == list(range(1, 25))
+    assert all(r["reward_model/truncated/rm"] == 0 for r in rows)
+    rewards = [r["reward/ends_in_7"] for r in rows]
+    assert all(-1.0 <= x <= 1.0 for x in rewards)
+    assert sum(rewards[:4]) / 4 < -0.5 and sum(rewards[-4:]) / 4 > 0.5, rewards
 
 
 @pytest.mark.slow  # the process backend starts a worker per node, each importing torch and transformers: ~60 s at load 10
