@@ -242,7 +242,7 @@ def test_a_wrong_model_is_refused_when_the_run_starts_before_any_step(dirs, tmp_
     with pytest.raises(NodeBuildError, match=message):
         reward_model(graph)
     path = tmp_path / "g.json"
-    path.write_bytes(to_json(graph) if isinstance(to_json(graph), bytes) else to_json(graph).encode())
+    path.write_text(to_json(graph))
     metrics = tmp_path / "metrics.jsonl"
     assert main(["run", str(path), "--steps", "1", "--metrics", str(metrics)]) == 2
     err = capsys.readouterr().err
@@ -266,9 +266,12 @@ def test_a_bad_template_is_refused_when_the_graph_is_built(template, message):
         b.reward_model("rm", gen, model="/nowhere", judge=template)
 
 
-def test_the_planner_places_reward_models_and_counts_their_memory(dirs):
+def test_the_planner_places_reward_models_and_counts_their_memory(dirs, tmp_path, capsys):
     """Each reward model gets devices of its own kind; its weights are the HF model's parameter count
-    (``numel``, another count than the planner's shape formulas) x 4 bytes (float32 on the CPU preset)."""
+    (``numel``, another count than the planner's shape formulas) x 4 bytes (float32 on the CPU preset);
+    ``flowrl plan`` lists both on a row of their own."""
+    from flowrl.cli.main import main
+    from flowrl.graph.serialize import to_json
     from flowrl.planners.plan import plan_graph
 
     b = GraphBuilder("rm", model=HFModelConfig(path=str(ASSETS), init="random"))
@@ -277,7 +280,8 @@ def test_the_planner_places_reward_models_and_counts_their_memory(dirs):
     rm = b.reward_model("rm", gen, model=str(dirs["classifier"]), output="rm_rewards")
     judge = b.reward_model("judge", gen, model=str(dirs["judge"]), judge=JudgeConfig(template=TEMPLATE, yes="yes", no="no"), output="judged")
     b.weights(b.policy("policy", b.loss("aipo", gen, rm, judge), lr=2e-3), gen)
-    plan = plan_graph(b.build(), "cpu:2")
+    graph = b.build()
+    plan = plan_graph(graph, "cpu:2")
     numel = {
         "rm": sum(p.numel() for p in transformers.AutoModelForSequenceClassification.from_pretrained(str(dirs["classifier"])).parameters()),
         "judge": sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(str(dirs["judge"])).parameters()),
@@ -290,6 +294,11 @@ def test_the_planner_places_reward_models_and_counts_their_memory(dirs):
     # the classifier's logits: one per token, not one per vocabulary entry and token (tokens x 1 x 4 bytes)
     assert plan.placements["rm"].memory.workspace < 4 * 100 * plan.placements["rm"].memory.activations
     assert "rm:" in str(plan) and "judge:" in str(plan)
+    path = tmp_path / "g.json"
+    path.write_text(to_json(graph))
+    assert main(["plan", str(path), "--cluster", "cpu:2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert {r[0] for r in rows if len(r) > 1 and r[1] == "reward_model"} == {"rm", "judge"}
 
 
 def make_ends_in_seven_dir(path: Path) -> Path:
