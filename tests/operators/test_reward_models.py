@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import msgspec
@@ -299,6 +298,31 @@ def test_the_planner_places_reward_models_and_counts_their_memory(dirs, tmp_path
     assert main(["plan", str(path), "--cluster", "cpu:2"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert {r[0] for r in rows if len(r) > 1 and r[1] == "reward_model"} == {"rm", "judge"}
+
+
+def test_a_regex_judge_is_costed_with_its_answer_tokens(dirs):
+    """A regex judge reads its greedy answer too: its forward covers max_new_tokens more tokens per
+    sequence than a logprob judge's on the same model. Compute is FLOPs over a measured rate, so the
+    ratio of the two is that of the FLOPs, computed here from the model shape with
+    ``flowrl/planners/estimate/train.py``'s convention on a CPU (unpacked sequences of
+    ``s = prompt + completion - 1`` tokens, each attending ``s / 2`` keys)."""
+    from flowrl.planners.modelspec import model_from_hf_config
+    from flowrl.planners.plan import plan_graph
+
+    def compute(judge: JudgeConfig) -> float:
+        b = GraphBuilder("rm", model=HFModelConfig(path=str(ASSETS), init="random"))
+        gen = b.generator("gen", b.source("prompts", data=str(dirs["data"]), prompt_field="prompt", batch_size=2), n_samples=2, max_new_tokens=4)
+        rm = b.reward_model("rm", gen, model=str(dirs["judge"]), judge=judge, output="judged")
+        b.weights(b.policy("policy", b.loss("aipo", gen, rm), lr=2e-3), gen)
+        plan = plan_graph(b.build(), "cpu:2", strategy="gen:d1@0 | policy:d1@1 | rm:d1@1")
+        return plan.placements["rm"].breakdown["compute"], plan.workload.prompt_len
+
+    logprob, prompt_len = compute(JudgeConfig(template=TEMPLATE, yes="yes", no="no"))
+    regex, _ = compute(JudgeConfig(template=TEMPLATE, verdict="regex", pattern=r"(\d+)", max_new_tokens=8))
+    spec = model_from_hf_config(dirs["judge"] / "config.json")
+    s = prompt_len + 4 - 1
+    flops = {n: n * spec.forward_flops_per_token(n / 2) for n in (s, s + 8)}
+    assert regex / logprob == pytest.approx(flops[s + 8] / flops[s], rel=1e-6)
 
 
 def make_ends_in_seven_dir(path: Path) -> Path:
