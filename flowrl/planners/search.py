@@ -78,6 +78,9 @@ class Roles:
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
         last_logits: forward-only nodes that compute the logits of each sequence's last position
             only (a judge reading p(yes) vs p(no)).
+        extra_tokens: forward-only node -> tokens it reads per sequence beyond the prompt and the
+            completion: a regex judge's answer (``max_new_tokens``), costed as a forward over them
+            (the same FLOPs as decoding them; a decode's per-step memory traffic is not counted).
     """
 
     gens: tuple[str, ...]
@@ -91,6 +94,7 @@ class Roles:
     micro_batch: dict[str, int]
     gen_engine: dict[str, str] = field(default_factory=dict)
     last_logits: frozenset[str] = frozenset()
+    extra_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def heavy(self) -> tuple[str, ...]:
@@ -111,6 +115,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     micro: dict[str, int] = {}
     loss_of: dict[str, str] = {}
     last: set[str] = set()
+    extra: dict[str, int] = {}
     for node in graph.nodes:
         if isinstance(node, GeneratorNode):
             gens.append(node.name)
@@ -132,6 +137,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
             models[node.name] = model or reward_model_spec(node.model, judge=node.judge is not None)
             if node.judge is not None and node.judge.verdict == "logprob":
                 last.add(node.name)
+            elif node.judge is not None:
+                extra[node.name] = node.judge.max_new_tokens
     for node in graph.nodes:
         if isinstance(node, LossNode):
             users = [u.name for u in graph.users(node.name) if u.kind == "policy"]
@@ -152,6 +159,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         micro_batch=micro,
         gen_engine=gen_engine,
         last_logits=frozenset(last),
+        extra_tokens=extra,
     )
 
 
@@ -235,11 +243,14 @@ class _Evaluator:
         key = (name, _mesh_key(devices, dims, self.dph), dims)
         if key not in self._train:
             r = self.roles
+            ctx = self.ctx
+            if r.extra_tokens.get(name):  # a regex judge also reads its answer
+                ctx = msgspec.structs.replace(ctx, workload=msgspec.structs.replace(ctx.workload, prompt_len=ctx.workload.prompt_len + r.extra_tokens[name]))
             self._train[key] = train_options(
                 r.models[name],
                 dims,
                 devices,
-                self.ctx,
+                ctx,
                 forward_only=name in r.refs,
                 recompute_logprobs=r.recompute.get(name, False),
                 micro_batch=r.micro_batch.get(name, 0),
