@@ -290,8 +290,11 @@ def test_the_planner_places_reward_models_and_counts_their_memory(dirs, tmp_path
         assert placed.kind == "reward_model" and placed.devices and placed.time_s > 0
         assert placed.memory.weights == numel[name] * 4, name
         assert placed.memory_bytes >= placed.memory.total
-    # the classifier's logits: one per token, not one per vocabulary entry and token (tokens x 1 x 4 bytes)
-    assert plan.placements["rm"].memory.workspace < 4 * 100 * plan.placements["rm"].memory.activations
+    # float32 logits in one micro-batch of all 4 sequences of s tokens: the classifier's one per token
+    # (not one per vocabulary entry, 100, and token); the logprob judge's 100 at the last position only
+    sequences, s = 4, plan.workload.prompt_len + plan.workload.gen_len
+    assert plan.placements["rm"].memory.workspace == sequences * s * 1 * 4
+    assert plan.placements["judge"].memory.workspace == sequences * 100 * 4
     assert "rm:" in str(plan) and "judge:" in str(plan)
     path = tmp_path / "g.json"
     path.write_text(to_json(graph))
