@@ -36,9 +36,18 @@ import msgspec
 from flowrl.errors import PlanError
 
 if TYPE_CHECKING:
-    from flowrl.graph.configs import AnyModelConfig
+    from flowrl.graph.configs import AnyModelConfig, HFModelConfig
 
-__all__ = ["ModelSpec", "MODEL_PRESETS", "DEFAULT_CONTEXT", "model_preset", "model_from_config", "model_from_hf_config", "resolve_model"]
+__all__ = [
+    "ModelSpec",
+    "MODEL_PRESETS",
+    "DEFAULT_CONTEXT",
+    "model_preset",
+    "model_from_config",
+    "model_from_hf_config",
+    "reward_model_spec",
+    "resolve_model",
+]
 
 
 #: The context assumed for a model whose spec does not say it (an old GPT-2-sized window).
@@ -62,6 +71,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         max_seq_len: the context: the most tokens (prompt + completion) one sequence may hold.
             Presets: as published; a HF ``config.json``: its ``max_position_embeddings``; a
             ``ModelConfig``: its ``max_seq_len``. Unknown: ``DEFAULT_CONTEXT``, a conservative 2048.
+        head_rows: rows of the output head: 0 means the vocabulary (a causal LM's LM head); a sequence
+            classifier's ``num_labels`` (its score head, a reward model's 1), which holds, computes and
+            writes that many logits per token instead of V.
     """
 
     name: str
@@ -74,11 +86,14 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     tie_embeddings: bool = False
     max_seq_len: int = DEFAULT_CONTEXT
     head_dim: int = 0
+    head_rows: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, field) < 1:
                 raise PlanError(f"model {self.name!r}: {field}={getattr(self, field)} must be >= 1")
+        if self.head_rows < 0:
+            raise PlanError(f"model {self.name!r}: head_rows={self.head_rows} must be >= 0 (0: the vocabulary)")
         if self.head_dim < 0:
             raise PlanError(f"model {self.name!r}: head_dim={self.head_dim} must be >= 1 (0: dim // n_heads)")
         if not self.head_dim and self.dim % self.n_heads:
@@ -100,8 +115,15 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return 2 * h * q + 2 * h * kv + 3 * h * self.ffn_dim + 2 * h
 
     @property
+    def output_rows(self) -> int:
+        """Logits per token: ``head_rows``, else the vocabulary."""
+        return self.head_rows or self.vocab_size
+
+    @property
     def embedding_params(self) -> int:
-        """Input embedding plus (untied) output head."""
+        """Input embedding plus output head: untied, or a classifier's score head."""
+        if self.head_rows:
+            return (self.vocab_size + self.head_rows) * self.dim
         return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
 
     @property
@@ -112,7 +134,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     @property
     def matmul_params(self) -> int:
         """Weights a token multiplies through in a forward pass: every block's matrices and the output head."""
-        return self.n_layers * (self.layer_params - 2 * self.dim) + self.vocab_size * self.dim
+        return self.n_layers * (self.layer_params - 2 * self.dim) + self.output_rows * self.dim
 
     def forward_flops_per_token(self, ctx: float) -> float:
         """FLOPs of one token's forward pass when it attends to ``ctx`` keys (see module docstring)."""
@@ -194,6 +216,22 @@ def model_from_config(config: AnyModelConfig) -> ModelSpec:
         tie_embeddings=config.tie_embeddings,
         max_seq_len=config.max_seq_len,
     )
+
+
+def reward_model_spec(config: HFModelConfig, *, judge: bool) -> ModelSpec:
+    """The shape of a reward-model node's model (``flowrl.graph.nodes.RewardModelNode``): a judge is
+    the causal LM of its ``config.json``; a sequence classifier has its score head of ``num_labels``
+    rows (``id2label``'s size) instead of the LM head.
+
+    Raises:
+        PlanError: as ``model_from_hf_config``.
+    """
+    spec = model_from_config(config)
+    if judge:
+        return spec
+    raw = json.loads((Path(config.path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    labels = len(raw["id2label"]) if isinstance(raw.get("id2label"), dict) else int(raw.get("num_labels", 2))
+    return msgspec.structs.replace(spec, head_rows=max(labels, 1))
 
 
 _HF_KEYS = {

@@ -27,6 +27,7 @@ from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.engines import Engine
 from flowrl.graph.envs import EnvConfig
 from flowrl.graph.configs import HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.judges import JudgeConfig
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
 from flowrl.graph.nodes import (
     GeneratorNode,
@@ -34,6 +35,7 @@ from flowrl.graph.nodes import (
     Node,
     PolicyNode,
     ReferenceNode,
+    RewardModelNode,
     ScorerNode,
     SourceNode,
     signature,
@@ -206,6 +208,38 @@ class GraphBuilder:
             )
         return self.add(ReferenceNode(name=name, model=model or self.model), (rollouts,))
 
+    def reward_model(
+        self,
+        name: str,
+        rollouts: NodeRef,
+        *,
+        model: str | HFModelConfig,
+        judge: JudgeConfig | str | None = None,
+        output: str = "rewards",
+        batch_size: int = 0,
+    ) -> Node:
+        """Rewards from a Hugging Face model in a local directory (``flowrl.graph.nodes.RewardModelNode``).
+
+        Args:
+            model: the directory (or its ``HFModelConfig``): a sequence classifier with one label,
+                or, with ``judge``, a causal LM.
+            judge: a ``JudgeConfig``, or its template alone (``{prompt}``, ``{completion}``; the
+                verdict is then ``p(Yes) / (p(Yes) + p(No))``).
+            output: the reward field it writes.
+            batch_size: texts per forward pass (0: the whole batch).
+
+        Example:
+            >>> b = GraphBuilder("rm")
+            >>> gen = b.generator("gen", b.source("prompts", task="copy"))
+            >>> b.reward_model("rm", gen, model="/models/my-rm", output="rm_rewards").describe()
+            'model=hf:my-rm'
+        """
+        cfg = model if isinstance(model, HFModelConfig) else HFModelConfig(path=model)
+        if isinstance(judge, str):
+            judge = JudgeConfig(template=judge)
+        node = RewardModelNode(name=name, model=cfg, judge=judge, output=output, batch_size=batch_size)
+        return self.add(node, (rollouts,))
+
     def loss(self, name: str, *inputs: NodeRef, config: LossConfig | None = None, **kwargs: Any) -> Node:
         """The RL objective over the rollouts and rewards of ``inputs``; keyword arguments are ``LossConfig`` fields.
 
@@ -213,7 +247,7 @@ class GraphBuilder:
         """
         if config is None and "reward_weights" not in kwargs:
             read = [self._lookup(r, reader=name) for r in inputs]
-            outputs = [n.output for n in read if isinstance(n, ScorerNode)]
+            outputs = [n.output for n in read if isinstance(n, (ScorerNode, RewardModelNode))]
             # a generator with an environment brings its own rewards (flowrl.graph.envs)
             outputs += ["env_rewards" for n in read if isinstance(n, GeneratorNode) and n.env is not None]
             if outputs:
@@ -226,7 +260,7 @@ class GraphBuilder:
     def _check_reward_weights(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
         """Refuse a ``reward_weights`` key that none of the listed scorers writes, naming those they write."""
         listed = [self._lookup(r, reader=name) for r in inputs]
-        scorers = [n for n in listed if isinstance(n, ScorerNode)]
+        scorers = [n for n in listed if isinstance(n, (ScorerNode, RewardModelNode))]
         produced = {f for n in listed for f in signature(n).outputs}
         missing = [k for k in cfg.reward_weights if k not in produced]
         if scorers and missing:

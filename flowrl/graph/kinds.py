@@ -97,6 +97,11 @@ KINDS: dict[str, KindSpec] = {
         runs_on="devices", span="reference",
         style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
     ),
+    "reward_model": KindSpec(
+        node="flowrl.graph.nodes:RewardModelNode", program=f"{_PROG}:build_reward_model", estimator=f"{_EST}.train:estimate_train",
+        runs_on="devices", span="reward model",
+        style=KindStyle(dot_shape="box", dot_style="rounded,dashed,filled", mermaid_open="([", mermaid_close="])", fill="#d5e8d4", stroke="#82b366"),
+    ),
     "loss": KindSpec(
         node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.cpu:estimate_cpu",
         runs_on="policy", span="loss",

@@ -12,12 +12,17 @@ Node kinds (the ``kind`` tag in JSON):
   fields; a text scorer also reads ``prompt_index`` and ``group_ids`` to find each sample's row.
   Writes one reward field (``rewards`` unless renamed).
 - ``reference``: a frozen copy of the initial policy; writes ``ref_logprobs`` for a KL penalty.
+- ``reward_model``: rewards from a Hugging Face model in a local directory reading each sample's
+  prompt and completion text: a sequence classifier (one label: its logit is the reward) or, with a
+  ``judge`` (``flowrl.graph.judges``), a causal LM prompted with a template whose verdict is read.
+  Runs on devices of its own like a reference (it holds a model). Reads the rollout's prompt and
+  completion ids and lengths; writes one reward field (``rewards`` unless renamed).
 - ``loss``: the RL objective (AIPO, GRPO/PPO-clip). Reads the rollout and the reward fields named in
   its config; runs inside the policy's training step, on the policy's devices. Writes ``objective``.
 - ``policy``: the trainer. Holds pi's trainable weights and optimizer; every optimizer step bumps
   the policy version. Reads ``objective``; its weights leave over weight edges.
 
-``critic`` and ``reward_model`` are reserved for later; they are not accepted yet.
+``critic`` is reserved for later; it is not accepted yet.
 
 Which kinds own trainable weights (may start a weight edge) and which hold weights (may end one)
 is stated by ``TRAINABLE_KINDS`` and ``WEIGHT_HOLDING_KINDS``.
@@ -39,8 +44,9 @@ import msgspec
 
 from flowrl.errors import ConfigError
 from flowrl.graph.engines import Engine, check_engine_options
-from flowrl.graph.configs import AnyModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.envs import ENV_FIELDS, EnvConfig
+from flowrl.graph.judges import JudgeConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
 
 __all__ = [
@@ -53,6 +59,7 @@ __all__ = [
     "GeneratorNode",
     "ScorerNode",
     "ReferenceNode",
+    "RewardModelNode",
     "LossNode",
     "PolicyNode",
     "Node",
@@ -69,7 +76,8 @@ TRAINABLE_KINDS: frozenset[str] = frozenset({"policy"})
 #: Kinds that run a model on devices of their own (a placement gives each some); the others run on
 #: the host CPU beside them (sources, rule scorers) or inside their policy's step (losses).
 DEVICE_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.runs_on == "devices")
-WEIGHT_HOLDING_KINDS: frozenset[str] = DEVICE_KINDS
+#: A reward model holds a frozen model of another architecture (a classifier or a judge): no weights flow into it.
+WEIGHT_HOLDING_KINDS: frozenset[str] = DEVICE_KINDS - {"reward_model"}
 
 
 class Signature(msgspec.Struct, frozen=True):
@@ -216,6 +224,44 @@ class ReferenceNode(NodeBase, tag="reference"):
 
     def describe(self) -> str:
         return f"model={self.model.short()}"
+
+
+class RewardModelNode(NodeBase, tag="reward_model"):
+    """Rewards from a Hugging Face model reading each sample's prompt and completion text.
+
+    The text is decoded as a text scorer's is (``flowrl.operators.text_inputs``) and encoded again
+    with the reward model's own tokenizer (with its chat template when it has one); see
+    ``flowrl.operators.reward_models``.
+
+    Attributes:
+        model: the reward model's local directory (``HFModelConfig``: ``path``, ``tokenizer``,
+            ``init``). Without ``judge`` it holds a sequence classifier with ``num_labels == 1``
+            (``AutoModelForSequenceClassification``), whose logit is the reward; with ``judge``, a
+            causal LM (``AutoModelForCausalLM``).
+        judge: the generative judge's template and verdict (``flowrl.graph.judges.JudgeConfig``);
+            None: a sequence classifier.
+        output: name of the reward field it writes.
+        batch_size: texts per forward pass (0: the whole batch in one).
+    """
+
+    model: HFModelConfig
+    judge: JudgeConfig | None = None
+    output: str = "rewards"
+    batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 0:
+            raise ConfigError(f"reward_model {self.name!r}: batch_size={self.batch_size} must be >= 0 (0: the whole batch at once)")
+        if not self.output:
+            raise ConfigError(f"reward_model {self.name!r}: output must name the reward field it writes (e.g. 'rm_rewards')")
+
+    def signature(self) -> Signature:
+        names = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_lens")
+        return Signature(_fields(names), {self.output: REWARD_TYPE})
+
+    def describe(self) -> str:
+        judge = f", {self.judge.describe()}" if self.judge is not None else ""
+        return f"model={self.model.short()}{judge}" + (f", batch={self.batch_size}" if self.batch_size else "")
 
 
 class LossNode(NodeBase, tag="loss"):

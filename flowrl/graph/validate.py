@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 from flowrl.errors import GraphError
 from flowrl.graph.fields import OPTIONAL_FIELDS
-from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, ScorerNode, signature
+from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, RewardModelNode, ScorerNode, signature
 from flowrl.graph.refs import check_reference
 from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
 from flowrl.graph.structure import GraphStructure as Graph  # the rules read the structure; ir.Graph runs them
@@ -139,7 +139,7 @@ def _no_reference(g: Graph, loss: Node) -> str:
 
 def _reward_fields_present(g: Graph) -> str:
     """The reward fields the graph's scorers write, for a message about one that none writes."""
-    scorers = [n for n in g.nodes if isinstance(n, ScorerNode)]
+    scorers = [n for n in g.nodes if isinstance(n, (ScorerNode, RewardModelNode))]
     if not scorers:
         return "the graph has no scorer yet (b.scorer(...))"
     fields = sorted({s.output for s in scorers})
@@ -153,7 +153,7 @@ def _check_unused(g: Graph) -> Iterable[str]:
         if outputs and not g.out_edges(node.name):
             hint = (
                 f"pass it to the loss (builder.loss(..., {node.name!r})) so that its reward counts"
-                if node.kind == "scorer"
+                if node.kind in ("scorer", "reward_model")
                 else "connect it to a node that reads them"
             )
             yield f"node {node.name!r} ({node.kind}) writes {outputs} but no node reads them; {hint}, or remove it"

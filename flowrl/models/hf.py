@@ -26,7 +26,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HF_FAMILIES, HFModelConfig
 from flowrl.models.local import require_transformers, resolve_local_dir
 
-__all__ = ["HFCausalLM", "check_hf_dir", "load_hf", "hf_eos_ids"]
+__all__ = ["HFCausalLM", "check_hf_dir", "load_hf", "load_auto", "hf_eos_ids"]
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -187,6 +187,29 @@ class HFCausalLM(nn.Module):
             self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def load_auto(config: HFModelConfig, auto: str, *, owner: str = "model") -> Any:
+    """The ``transformers`` model of ``config``'s directory built by the auto class named ``auto``
+    (``"AutoModelForCausalLM"``, ``"AutoModelForSequenceClassification"``), in float32 on the CPU:
+    its weights, or with ``init="random"`` seeded random ones drawn inside ``torch.random.fork_rng``.
+
+    Raises:
+        ConfigError: when transformers cannot load the directory (after ``check_hf_dir``'s checks, which the caller makes).
+    """
+    transformers = require_transformers("a Hugging Face model")
+    directory = str(Path(config.path).expanduser())
+    transformers.utils.logging.disable_progress_bar()  # a bar per node would tear flowrl's own progress bar
+    cls = getattr(transformers, auto)
+    try:
+        if config.init == "pretrained":
+            return cls.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            return cls.from_config(hf_config, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{owner}: transformers could not load {directory!r}: {exc}") from None
+
+
 def load_hf(config: HFModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> HFCausalLM:
     """Build the model of ``config`` (after ``check_hf_dir``), in ``dtype`` on ``device``.
 
@@ -198,19 +221,8 @@ def load_hf(config: HFModelConfig, *, dtype: torch.dtype = torch.float32, device
         ConfigError: see ``check_hf_dir``; also when transformers cannot load the directory.
     """
     raw = check_hf_dir(config)
-    transformers = require_transformers("a Hugging Face model")
     directory = str(Path(config.path).expanduser())
-    transformers.utils.logging.disable_progress_bar()  # a bar per node would tear flowrl's own progress bar
-    try:
-        if config.init == "pretrained":
-            hf = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
-        else:
-            hf_config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.seed)
-                hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"model: transformers could not load {directory!r}: {exc}") from None
+    hf = load_auto(config, "AutoModelForCausalLM")
     max_len = config.max_seq_len or int(raw.get("max_position_embeddings") or 0)
     if max_len < 1:
         raise ConfigError(f"model: {directory!r}: config.json has no max_position_embeddings; set HFModelConfig.max_seq_len")

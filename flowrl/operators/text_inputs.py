@@ -87,7 +87,7 @@ class TextInputs:
     def __init__(self, graph: Graph, scorer: str) -> None:
         from flowrl.data.wiring import open_source_stream, source_of
 
-        self.owner = f"scorer {scorer!r}"
+        self.owner = f"{graph.node(scorer).kind} {scorer!r}"
         source = source_of(graph, scorer)
         if source is None:
             raise ConfigError(f"{self.owner} reads text, but no source is upstream of it to decode its prompts with")
@@ -117,10 +117,14 @@ class TextInputs:
                     )
         return names
 
+    def completion_cut(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` cut before the first stop token."""
+        cut = next((i for i, t in enumerate(ids) if t in self.stop_tokens), len(ids))
+        return list(ids[:cut])
+
     def completion_text(self, ids: Sequence[int]) -> str:
         """``ids`` cut before the first stop token, decoded without special tokens."""
-        cut = next((i for i, t in enumerate(ids) if t in self.stop_tokens), len(ids))
-        return self.tokenizer.decode(list(ids[:cut]), skip_special_tokens=True)
+        return self.tokenizer.decode(self.completion_cut(ids), skip_special_tokens=True)
 
     def prompt_text(self, ids: Sequence[int]) -> str:
         """The prompt's tokens decoded without special tokens."""

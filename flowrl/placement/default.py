@@ -7,7 +7,7 @@ by ``run_devices``; no estimates, no planner):
 - ``all-colocated`` (k = 0, or one device): every device node on every device, the synchronous
   baseline;
 - ``halves`` (k >= 1): generators on the first half of the devices, the trainer side (policies,
-  references) on the second half, so the two overlap.
+  references, reward models) on the second half, so the two overlap.
 
 The devices are the backend's: this machine's cores (or its GPUs on CUDA) for the local and process
 backends, the job's ranks under torchrun (which always colocates: ``all-colocated`` on every rank).
@@ -34,7 +34,7 @@ __all__ = ["RUN_STRATEGIES", "TRAINER_SIDE_KINDS", "run_strategy", "run_devices"
 RUN_STRATEGIES: tuple[str, ...] = ("all-colocated", "halves")
 
 #: Node kinds on the trainer side of a ``halves`` split.
-TRAINER_SIDE_KINDS = frozenset({"policy", "reference"})
+TRAINER_SIDE_KINDS = frozenset({"policy", "reference", "reward_model"})
 
 
 def run_strategy(max_staleness: int, n_devices: int) -> str:

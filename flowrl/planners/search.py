@@ -30,14 +30,14 @@ import msgspec
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode
+from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode, RewardModelNode
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
 from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
-from flowrl.modelspec import ModelSpec, model_from_config
+from flowrl.modelspec import ModelSpec, model_from_config, reward_model_spec
 from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
@@ -69,13 +69,19 @@ class Roles:
     """What the planner needs to know about each node of a graph.
 
     Attributes:
-        gens, trainers, refs: heavy nodes by side (generators; policies; references).
+        gens, trainers, refs: heavy nodes by side (generators; policies; forward-only models: references
+            and reward models, costed with the training side like a reference).
         loss_of: loss node -> the policy it runs inside.
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
         gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
         recompute: policy -> whether its objective needs an extra log-prob forward.
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
+        last_logits: forward-only nodes that compute the logits of each sequence's last position
+            only (a judge reading p(yes) vs p(no)).
+        extra_tokens: forward-only node -> tokens it reads per sequence beyond the prompt and the
+            completion: a regex judge's answer (``max_new_tokens``), costed as a forward over them
+            (the same FLOPs as decoding them; a decode's per-step memory traffic is not counted).
     """
 
     gens: tuple[str, ...]
@@ -88,6 +94,8 @@ class Roles:
     recompute: dict[str, bool]
     micro_batch: dict[str, int]
     gen_engine: dict[str, str] = field(default_factory=dict)
+    last_logits: frozenset[str] = frozenset()
+    extra_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def heavy(self) -> tuple[str, ...]:
@@ -107,6 +115,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     recompute: dict[str, bool] = {}
     micro: dict[str, int] = {}
     loss_of: dict[str, str] = {}
+    last: set[str] = set()
+    extra: dict[str, int] = {}
     for node in graph.nodes:
         if isinstance(node, GeneratorNode):
             gens.append(node.name)
@@ -123,6 +133,13 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         elif isinstance(node, ReferenceNode):
             refs.append(node.name)
             models[node.name] = model or model_from_config(node.model)
+        elif isinstance(node, RewardModelNode):  # a frozen model's forward pass, like a reference's
+            refs.append(node.name)
+            models[node.name] = model or reward_model_spec(node.model, judge=node.judge is not None)
+            if node.judge is not None and node.judge.verdict == "logprob":
+                last.add(node.name)
+            elif node.judge is not None:
+                extra[node.name] = node.judge.max_new_tokens
     for node in graph.nodes:
         if isinstance(node, LossNode):
             users = [u.name for u in graph.users(node.name) if u.kind == "policy"]
@@ -142,6 +159,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         recompute=recompute,
         micro_batch=micro,
         gen_engine=gen_engine,
+        last_logits=frozenset(last),
+        extra_tokens=extra,
     )
 
 
@@ -225,15 +244,19 @@ class _Evaluator:
         key = (name, _mesh_key(devices, dims, self.dph), dims)
         if key not in self._train:
             r = self.roles
+            ctx = self.ctx
+            if r.extra_tokens.get(name):  # a regex judge also reads its answer
+                ctx = msgspec.structs.replace(ctx, workload=msgspec.structs.replace(ctx.workload, prompt_len=ctx.workload.prompt_len + r.extra_tokens[name]))
             self._train[key] = train_options(
                 r.models[name],
                 dims,
                 devices,
-                self.ctx,
+                ctx,
                 forward_only=name in r.refs,
                 recompute_logprobs=r.recompute.get(name, False),
                 micro_batch=r.micro_batch.get(name, 0),
                 sharding=self._sharding(name),
+                last_logits=name in r.last_logits,
             )
         return self._train[key]
 

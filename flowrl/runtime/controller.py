@@ -18,8 +18,9 @@ State it keeps (each guarded as noted):
   the executor threads themselves (and the steps of executors in no group) then use one intra-op
   thread. Otherwise it is a lock.
 - ``_gen_info`` (``_lock``): per (generator, seq) timings and the version the rollout used.
-- ``_source_info`` (``_lock``): per seq, the sources' namespaced metrics (``data/epoch``,
-  ``data/prompts_dropped``, ...), merged into that step's metrics row.
+- ``_source_info`` (``_lock``): per seq, the namespaced metrics of the nodes besides generators and
+  policies (a source's ``data/epoch``, ``data/prompts_dropped``, ...; a reward model's
+  ``judge/unparsed/<node>``), merged into that step's metrics row.
 - ``_failure`` (``_lock``): the first error, with its node and step; set once, then ``_stop``.
 - ``_unwritten`` (the policy executor's thread, then the controller's once the executors are
   joined): metrics rows not yet written, in step order, each with the evaluation its row waits
@@ -372,7 +373,7 @@ class Controller:
         if ex.kind == "generator":
             with self._lock:
                 self._gen_info[(ex.name, seq)] = info
-        elif ex.kind == "source" and any("/" in key for key in info):
+        elif ex.kind != "policy" and any("/" in key for key in info):  # a source's data/*, a reward model's counts
             with self._lock:
                 self._source_info.setdefault(seq, {}).update({k: v for k, v in info.items() if "/" in k})
         elif ex.kind == "policy":

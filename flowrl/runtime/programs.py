@@ -24,7 +24,7 @@ import torch
 from flowrl.errors import ConfigError, FlowrlError, NodeBuildError, TransportError
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode
+from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, RewardModelNode, ScorerNode, SourceNode
 from flowrl.graph.refs import resolve
 from flowrl.runtime.transports.registry import create_transport, import_transport
 
@@ -42,11 +42,13 @@ __all__ = [
     "build_generator",
     "build_scorer",
     "build_reference",
+    "build_reward_model",
     "build_policy",
     "SourceProgram",
     "GeneratorProgram",
     "ScorerProgram",
     "ReferenceProgram",
+    "RewardModelProgram",
     "PolicyProgram",
 ]
 
@@ -302,6 +304,22 @@ class ReferenceProgram(ProgramBase):
         return out, {"ref_s": time.perf_counter() - start}
 
 
+class RewardModelProgram(ProgramBase):
+    """Scores each batch with a reward model (``flowrl.operators.reward_models``); its namespaced
+    counts (truncated texts, unparsed verdicts) go to the step's metrics row."""
+
+    def __init__(self, node: RewardModelNode, graph: Graph, *, device: str = "cpu") -> None:
+        from flowrl.operators.reward_models import RewardModel
+        from flowrl.operators.text_inputs import TextInputs
+
+        self.reward_model = RewardModel(node, TextInputs(graph, node.name), device=device)
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        start = time.perf_counter()
+        out, metrics = self.reward_model.score(inputs)
+        return out, {**metrics, "rm_s": time.perf_counter() - start}
+
+
 class PolicyProgram(ProgramBase):
     """Trains on one batch per step, then publishes its weights on every outgoing weight edge."""
 
@@ -398,6 +416,11 @@ def build_scorer(node: ScorerNode, graph: Graph, env: ProgramEnv, transports: Sh
 def build_reference(node: ReferenceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
     """A reference model's program: log-probs under frozen weights."""
     return ReferenceProgram(node, device=env.device_of(node.name))
+
+
+def build_reward_model(node: RewardModelNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A reward model's program: rewards from a frozen Hugging Face model, on its node's device."""
+    return RewardModelProgram(node, graph, device=env.device_of(node.name))
 
 
 def build_policy(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:

@@ -40,6 +40,8 @@ Memory per device::
     activations = min(pp, m) * (L/pp) * per_layer            # 1F1B keeps up to pp micro-batches
                 = min(pp, m) * (L/pp) * mb*s*h*act_bytes/tp + per_layer   with checkpointing
     workspace   = mb*s * V * 8 / tp                          # fp32 logits and their gradient
+                                                             # (forward only: 4 bytes; a classifier's
+                                                             # head_rows, not V; last_logits: mb * V * 4)
 
 With uneven stages (pp need not divide L) every per-stage figure is the largest stage's:
 ``L/pp`` above is ``ceil(L/pp)``, ``P/(tp*pp)`` is ``P * ceil(L/pp) / (L * tp)``, and ``F_tok / pp``
@@ -134,6 +136,7 @@ def train_options(
     recompute_logprobs: bool = False,
     micro_batch: int = 0,
     sharding: str = "replicate",
+    last_logits: bool = False,
 ) -> TrainOptions:
     """Every (micro-batch, checkpointing) option for this mesh, fastest first, feasible or not.
 
@@ -142,6 +145,8 @@ def train_options(
         recompute_logprobs: add a forward pass for old-policy log-probs (PPO/GRPO).
         micro_batch: sequences per micro-batch; 0 lets the estimate choose.
         sharding: the policy's ``OptimizerConfig.sharding`` (``"fsdp"``: ZeRO stage 3, ``zero_stage``).
+        last_logits: a forward pass that computes the logits of each sequence's last position only
+            (a generative judge's verdict, ``flowrl.operators.reward_models``).
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
@@ -150,7 +155,7 @@ def train_options(
     ob = t.optimizer_bytes or (12 if pb <= 2 else 8)
     gb = t.grad_bytes
     ab = dev.dtype_bytes
-    h, f, L, V = model.dim, model.ffn_dim, model.n_layers, model.vocab_size
+    h, f, L, V = model.dim, model.ffn_dim, model.n_layers, model.output_rows
     layers = stage_layers(L, pp)  # the largest stage sets the pace (stages may be uneven)
     frac = layers / L
     s = w.seq_len
@@ -210,7 +215,7 @@ def train_options(
         f_tok = model.forward_flops_per_token(s_bar / 2)
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
-        workspace = int(tok * V * (4 if forward_only else 8) / tp)
+        workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / tp)
         passes = 1 if forward_only else 3 + int(ckpt) + int(recompute_logprobs)
         compute = passes * tok_bar * f_tok * frac / (tp * rate)
         tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
@@ -245,7 +250,7 @@ def train_options(
         f_tok = model.forward_flops_per_token(s_bar / 2)
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
-        workspace = int(tok * V * (4 if forward_only else 8) / tp)
+        workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / tp)
         layer_comm = layers * 2 * tp_ar(tok_bar * h * ab)
         p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
