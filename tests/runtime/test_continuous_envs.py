@@ -90,7 +90,8 @@ def _graph(*, k: int) -> Graph:
     return b.build()
 
 
-def test_every_prompt_is_delivered_once_within_the_bound_on_each_samples_oldest_token(monkeypatch):
+@pytest.mark.parametrize("backend", ["local", pytest.param("process", marks=pytest.mark.slow)])
+def test_every_prompt_is_delivered_once_within_the_bound_on_each_samples_oldest_token(backend, monkeypatch):
     seen = []
     original = Controller._on_train_step
 
@@ -100,7 +101,7 @@ def test_every_prompt_is_delivered_once_within_the_bound_on_each_samples_oldest_
         return original(self, ex, seq, batch, info, idle)
 
     monkeypatch.setattr(Controller, "_on_train_step", spy)
-    result = run_graph(_graph(k=2), RunConfig(steps=6, progress=False))
+    result = run_graph(_graph(k=2), RunConfig(steps=6, progress=False, backend=backend))
     delivered = [i for step in result.consumed for i in step]
     assert len(delivered) == len(set(delivered)) == 6 * 4
     for seq, oldest, rollout_version in seen:
