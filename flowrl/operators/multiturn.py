@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: model turns and environment turns, token in / token out, in lock step.
+"""Multi-turn rollouts: model turns and environment turns, token in / token out (lock step here; continuous batching reuses the episode's steps).
 
 A generator with an ``env`` (``flowrl.graph.envs.EnvConfig``) runs, for each batch of P prompts, one
 episode per sample (S = P * n): one environment instance per sample (``flowrl.envs.base``), then
@@ -18,7 +18,8 @@ The sample's completion is the concatenation of its turns. What each part of it 
 - ``completion_lens``: the sample's whole extent (model and environment tokens): the trainer and the
   reference attend to every token before it (``completion_logprobs(..., completion_lens=)``);
 - ``behaviour_logprobs``: mu's log-prob of each model token (0 on environment tokens);
-- ``token_versions``: the generator's version (lock step never changes weights within a batch);
+- ``token_versions``: the version that drew each model token (in lock step the generator's, which never
+  changes within a batch); environment tokens and padding get the sample's oldest;
 - ``env_rewards``: the sum of the episode's rewards; ``env_turns``: its model turns;
   ``env_failed``: True when the environment raised, ran past ``step_timeout_s`` /
   ``episode_timeout_s``, or returned something outside the protocol, or an observation could not be
@@ -35,7 +36,9 @@ spent waiting on environments), ``env/seconds_per_sample``, ``env/failed``, ``en
 ``env/env_tokens`` (tokens per sample by role), ``env/reward_mean``), which the generator program
 reports and the metrics rows carry.
 
-Continuous batching is refused for an environment (``GeneratorNode``): a waiting sample is not parked yet.
+With ``batching="continuous"``, ``flowrl.runtime.continuous.ContinuousRollouts`` drives the same
+episode steps one sample at a time: a finished model turn frees its slot and the sample is parked
+while its environment answers.
 """
 
 from __future__ import annotations
