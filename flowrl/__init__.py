@@ -15,6 +15,18 @@ from flowrl.graph import (
 
 __version__ = "0.1.0"
 
+# The runtime (torch) loads on first use, so that building a graph imports no torch.
+_LAZY = {"run_graph": "flowrl.runtime.run", "RunConfig": "flowrl.runtime.config", "RunResult": "flowrl.runtime.controller"}
+
+
+def __getattr__(name: str):
+    """``from flowrl import run_graph, RunConfig, RunResult`` imports the runtime only then."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'flowrl' has no attribute {name!r}")
+
 __all__ = [
     "__version__",
     "Graph",
@@ -31,4 +43,7 @@ __all__ = [
     "ConfigError",
     "PlanError",
     "NodeExecutionError",
+    "run_graph",
+    "RunConfig",
+    "RunResult",
 ]

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import msgspec
 
-from flowrl.errors import CheckpointError
+from flowrl.errors import CheckpointError, FlowrlError
 from flowrl.graph.ir import Graph
-from flowrl.graph.serialize import to_json
+from flowrl.graph.serialize import from_json, to_json
 
 __all__ = [
     "CheckpointMeta",
@@ -191,12 +191,27 @@ def read_meta(path: Path, graph: Graph) -> CheckpointMeta:
         meta = msgspec.json.decode((path / "meta.json").read_bytes(), type=CheckpointMeta)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CheckpointError(f"checkpoint {path} has an unreadable meta.json: {exc}") from None
-    if meta.graph_sha256 != graph_fingerprint(graph):
+    if meta.graph_sha256 != graph_fingerprint(graph) and not _same_graph_with_defaults(path, graph):
         raise CheckpointError(
             f"checkpoint {path} was written for graph {meta.graph!r} with a different definition{_changes(path, graph)}; "
             "resume with the same graph, or start a new run in another --checkpoint-dir"
         )
     return meta
+
+
+def _same_graph_with_defaults(path: Path, graph: Graph) -> bool:
+    """Whether the checkpoint's ``graph.json``, read by this flowrl, is ``graph``.
+
+    A graph file omits nothing, so one written before flowrl gained a config field lacks it and hashes
+    differently; read back, the field takes its default. Equal once read, the graph is the same: the
+    checkpoint resumes (a field whose default differs from what the older flowrl did is the
+    config's to version, as ever).
+    """
+    try:
+        stored = from_json((path / GRAPH_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, msgspec.MsgspecError, FlowrlError):
+        return False
+    return to_json(stored) == to_json(graph)
 
 
 def _changes(path: Path, graph: Graph, *, shown: int = 3) -> str:

@@ -7,6 +7,7 @@ resume must start from exactly the checkpoint LATEST names.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from flowrl.errors import CheckpointError, NodeExecutionError
@@ -133,3 +134,31 @@ def test_real_run_stopped_and_resumed_equals_an_uninterrupted_one(uninterrupted,
     got = _final_weights(resumed)
     assert got.keys() == weights.keys()
     assert all(torch.equal(got[name], weights[name]) for name in weights), "the resumed run's final weights differ"
+
+
+def test_a_checkpoint_from_before_a_new_config_field_resumes(graph_k, tmp_path):
+    """A flowrl that gained a config field with a default hashes the same graph differently; the
+    checkpoint's graph.json, read back, is that graph, so the resume goes on (and a real change is
+    still refused)."""
+    import hashlib
+    import json
+
+    from flowrl.runtime.checkpoint import CheckpointMeta, latest_checkpoint
+
+    g = graph_k(1)
+    run_graph(g, synthetic_config(g, steps=3, checkpoint_dir=str(tmp_path)))
+    step = latest_checkpoint(tmp_path)
+    # what an older flowrl wrote: the loss config without clip_eps_high (its default, added later)
+    stored = json.loads((step / "graph.json").read_text())
+    loss = next(n for n in stored["nodes"] if n["kind"] == "loss")
+    assert "clip_eps_high" in loss["loss"], loss
+    del loss["loss"]["clip_eps_high"]
+    (step / "graph.json").write_text(json.dumps(stored))
+    old_sha = hashlib.sha256(json.dumps(stored, separators=(",", ":")).encode()).hexdigest()
+    meta = msgspec.json.decode((step / "meta.json").read_bytes(), type=CheckpointMeta)
+    (step / "meta.json").write_bytes(msgspec.json.encode(msgspec.structs.replace(meta, graph_sha256=old_sha)))
+    resumed = run_graph(g, synthetic_config(g, steps=5, checkpoint_dir=str(tmp_path), resume=True))
+    assert [r["step"] for r in resumed.rows] == [4, 5]
+    g2 = graph_k(2)
+    with pytest.raises(CheckpointError, match="different definition"):
+        run_graph(g2, synthetic_config(g2, steps=6, checkpoint_dir=str(tmp_path), resume=True))
