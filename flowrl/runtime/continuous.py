@@ -237,6 +237,14 @@ class ContinuousRollouts:
             return self._episode_rollout(chosen, info)
         return self._rollout(chosen), info
 
+    def close(self, grace_s: float = 1.0) -> None:
+        """Wait up to ``grace_s`` seconds in all for the environment calls still parked, then drop them
+        (their episodes were not delivered: a resumed run pulls their prompts again)."""
+        deadline = time.perf_counter() + grace_s
+        for _, pending, _ in self.parked:
+            pending(deadline)
+        self.parked = []
+
     def _episode_rollout(self, chosen: list[_Group], info: dict[str, float]) -> tuple[dict[str, Tensor], dict[str, float]]:
         """The rollout of the chosen groups' episodes (``MultiTurnGenerator.batch``) and the ``env/*`` numbers."""
         assert self.mt is not None

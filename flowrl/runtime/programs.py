@@ -264,7 +264,10 @@ class GeneratorProgram(ProgramBase):
         return rollout, info
 
     def close(self) -> None:
-        """Stop the engine's own processes (vLLM's); the built-in engine holds none."""
+        """Stop the engine's own processes (vLLM's; the built-in engine holds none) and let environment
+        calls still parked by continuous batching finish (briefly)."""
+        if self._continuous is not None:
+            self._continuous.close()
         close = getattr(self.generator, "close", None)  # optional in GeneratorEngine: only vLLM's has processes
         if close is not None:
             close()

@@ -163,3 +163,15 @@ class Jittery(Echo):
         time.sleep(0.002 * (self.index % 10))
         done = self.turns >= 1 + self.index % 2
         return (None if done else "12="), 1.0, {}
+
+
+class SlowSecond:
+    """One turn; prompt 1's ``step`` takes 0.5 s, prompt 0's returns at once."""
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.index = int(row["prompt_index"])
+
+    def step(self, action: str) -> tuple[None, float, dict]:
+        if self.index == 1:
+            time.sleep(0.5)
+        return None, 1.0, {}

@@ -50,6 +50,23 @@ def test_a_sample_waiting_on_its_environment_frees_its_slot():
     assert info["env/failed"] == 0.0 and info["env/turns_mean"] == 1.0
 
 
+def test_close_lets_the_environment_calls_still_parked_finish():
+    """One group per step: prompt 0 is delivered while prompt 1's 0.5 s ``step`` is still parked;
+    ``close`` waits for it, so no environment thread outlives the generator."""
+    import threading
+
+    rollouts = _rollouts("SlowSecond", n=1, slots=2, P=1, max_turns=1)
+    rollouts.add_prompts(prompts_of([[1, 4, 5, 14], [1, 6, 7, 14]]))
+    out, _ = rollouts.next_batch(0)
+    assert out["prompt_index"].tolist() == [0]
+    while not rollouts.parked:  # prompt 1's turn may still be decoding: finish it, so its step is parked
+        for sample in rollouts.batcher.step():
+            rollouts._turn_ended(sample)
+    rollouts.close()
+    assert not [t for t in threading.enumerate() if t.name == "flowrl-env" and t.is_alive()]
+    assert rollouts.parked == []
+
+
 def test_each_turn_is_decoded_from_the_conversation_as_sampled_and_env_tokens_are_masked():
     """Three slots for four samples (refills splice multi-turn prefixes): each completion is obs0, turn,
     obs, turn, obs, turn with the observations encoded once (mask 0), and mu's log-probs equal a forward
