@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flowrl.planners.lengths import LengthDistribution
 
-__all__ = ["register", "lengths_from_metrics"]
+__all__ = ["register", "lengths_from_metrics", "env_seconds_from_metrics"]
 
 EPILOG = """\
 examples:
@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-len", type=int, metavar="N", help="generated tokens per completion")
     p.add_argument("--gen-len-mean", type=float, metavar="N", help="mean generated tokens per completion (default: every completion runs to --gen-len)")
     p.add_argument("--tail-frac", type=float, default=0.05, metavar="F", help="with --gen-len-mean: the fraction of completions that run to --gen-len (default: 0.05)")
-    p.add_argument("--lengths-from", metavar="METRICS", help="completion lengths of a real run: its 'flowrl run --metrics' file")
+    p.add_argument("--lengths-from", metavar="METRICS", help="completion lengths of a real run: its 'flowrl run --metrics' file (and, for a multi-turn run, its env/seconds as --env-s)")
     p.add_argument("--env-s", type=float, metavar="S",
                    help="seconds per step the generator waits on environments (multi-turn rollouts; a run's metrics report env/seconds): a generator-side delay")
     p.add_argument("--batching", choices=("lockstep", "continuous"), help="the generator's batching (default: the graph's, else lockstep)")
@@ -126,8 +126,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     if args.lengths_from and args.gen_len_mean is not None:
         raise PlanError("give either --lengths-from or --gen-len-mean, not both")
-    if args.lengths_from:
-        workload = msgspec.structs.replace(workload, lengths=lengths_from_metrics(args.lengths_from))  # read here: the planner is pure
+    if args.lengths_from:  # read here: the planner is pure
+        workload = msgspec.structs.replace(workload, lengths=lengths_from_metrics(args.lengths_from))
+        env_s = env_seconds_from_metrics(args.lengths_from)
+        if env_s is not None and args.env_s is None:  # a multi-turn run's wait on its environments, unless --env-s says otherwise
+            workload = msgspec.structs.replace(workload, env_s=env_s)
     elif args.gen_len_mean is not None:
         lengths = mean_and_tail(mean=args.gen_len_mean, max_len=workload.gen_len, tail_frac=args.tail_frac)
         workload = msgspec.structs.replace(workload, lengths=lengths)
@@ -149,17 +152,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def lengths_from_metrics(path: str) -> LengthDistribution:
-    """The completion lengths recorded in a run's metrics file (``flowrl plan --lengths-from``).
-
-    Raises:
-        PlanError: the file is missing, unreadable, not JSON lines, or records no lengths.
-    """
+def _metrics_rows(path: str) -> list[dict[str, object]]:
     import msgspec
 
     from flowrl.errors import PlanError
-    from flowrl.planners.lengths import lengths_from_histograms
-    from flowrl.runtime.metrics import COMPLETION_LEN_HIST, read_metrics
+    from flowrl.runtime.metrics import read_metrics
 
     try:
         rows = read_metrics(path)
@@ -167,4 +164,23 @@ def lengths_from_metrics(path: str) -> LengthDistribution:
         raise PlanError(f"cannot read metrics file {str(path)!r}: {exc.strerror}") from None
     except msgspec.DecodeError as exc:
         raise PlanError(f"metrics file {str(path)!r} is not JSON lines: {exc}") from None
-    return lengths_from_histograms((row.get(COMPLETION_LEN_HIST) for row in rows if isinstance(row, dict)), source=str(path))
+    return [row for row in rows if isinstance(row, dict)]
+
+
+def lengths_from_metrics(path: str) -> LengthDistribution:
+    """The completion lengths recorded in a run's metrics file (``flowrl plan --lengths-from``).
+
+    Raises:
+        PlanError: the file is missing, unreadable, not JSON lines, or records no lengths.
+    """
+    from flowrl.planners.lengths import lengths_from_histograms
+    from flowrl.runtime.metrics import COMPLETION_LEN_HIST
+
+    return lengths_from_histograms((row.get(COMPLETION_LEN_HIST) for row in _metrics_rows(path)), source=str(path))
+
+
+def env_seconds_from_metrics(path: str) -> float | None:
+    """The mean ``env/seconds`` per step of a multi-turn run's metrics file (seconds its generator
+    waited on environments), or None when no row records it (``flowrl plan --lengths-from``)."""
+    seen = [float(v) for row in _metrics_rows(path) if isinstance(v := row.get("env/seconds"), (int, float))]
+    return sum(seen) / len(seen) if seen else None

@@ -45,7 +45,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from flowrl.errors import ConfigError, FlowrlError
 
-__all__ = ["Env", "EnvError", "EnvResult", "Observation", "call", "check_env", "make_env", "parse_step", "parse_observation"]
+__all__ = ["Env", "EnvError", "EnvResult", "Observation", "Pending", "call", "start", "check_env", "make_env", "parse_step", "parse_observation"]
 
 #: What ``reset`` and ``step`` may return as an observation: text, one chat message, or None.
 Observation = str | dict[str, str] | None
@@ -92,25 +92,37 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, box: d
         box["error"] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, TimeoutError) else f"timed out after {timeout_s:g} s"
 
 
-def start(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Callable[[float], EnvResult]:
-    """Start ``fn(*args)`` in a daemon thread; returns ``wait(deadline)`` giving its ``EnvResult``
-    (an error if it has not returned by ``deadline``, a ``time.perf_counter()`` value, or ``timeout_s``)."""
-    box: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    thread = threading.Thread(target=_run, args=(fn, args, timeout_s, box), daemon=True, name="flowrl-env")
-    thread.start()
+class Pending:
+    """A call running in its daemon thread (``start``): ``ready()`` says whether its result is in
+    (returned, raised, or past its limit); calling it waits and gives the ``EnvResult``."""
 
-    def wait(deadline: float = math.inf) -> EnvResult:
-        limit = min(t0 + timeout_s, deadline)
-        thread.join(max(0.0, limit - time.perf_counter()))
-        seconds = time.perf_counter() - t0
-        if thread.is_alive():
-            return EnvResult(error=f"timed out after {min(timeout_s, limit - t0):.3g} s", seconds=seconds)
-        if "error" in box:
-            return EnvResult(error=box["error"], seconds=seconds)
-        return EnvResult(value=box.get("value"), seconds=seconds)
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> None:
+        self._box: dict[str, Any] = {}
+        self._t0 = time.perf_counter()
+        self._timeout_s = timeout_s
+        self._thread = threading.Thread(target=_run, args=(fn, args, timeout_s, self._box), daemon=True, name="flowrl-env")
+        self._thread.start()
 
-    return wait
+    def ready(self) -> bool:
+        """True once waiting would not block: the call ended or ran past its limit."""
+        return not self._thread.is_alive() or time.perf_counter() >= self._t0 + self._timeout_s
+
+    def __call__(self, deadline: float = math.inf) -> EnvResult:
+        """The result, waiting at most until ``deadline`` (a ``time.perf_counter()`` value) or the call's limit."""
+        limit = min(self._t0 + self._timeout_s, deadline)
+        self._thread.join(max(0.0, limit - time.perf_counter()))
+        seconds = time.perf_counter() - self._t0
+        if self._thread.is_alive():
+            return EnvResult(error=f"timed out after {min(self._timeout_s, limit - self._t0):.3g} s", seconds=seconds)
+        if "error" in self._box:
+            return EnvResult(error=self._box["error"], seconds=seconds)
+        return EnvResult(value=self._box.get("value"), seconds=seconds)
+
+
+def start(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Pending:
+    """Start ``fn(*args)`` in a daemon thread; the ``Pending`` call gives its ``EnvResult`` when called
+    (an error if it has not returned by the deadline passed, a ``time.perf_counter()`` value, or ``timeout_s``)."""
+    return Pending(fn, args, timeout_s)
 
 
 def call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> EnvResult:

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from flowrl.graph.builder import GraphBuilder
-from flowrl.graph.configs import ModelConfig
 from flowrl.graph.ir import Graph
+from flowrl.examples.llamarl import DEFAULT_MODEL, train_with_aipo
 
 __all__ = ["build_calc_agent", "build_guess_game", "AGENT_MODEL"]
 
-#: The built-in examples' tiny model (~100K parameters) with room for a two-turn conversation.
-AGENT_MODEL = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=32)
+#: The built-in examples' tiny model (~100K parameters; ``max_seq_len`` 32 holds a two-turn conversation).
+AGENT_MODEL = DEFAULT_MODEL
 
 
 def build_calc_agent(*, max_staleness: int = 1) -> Graph:
@@ -22,9 +22,7 @@ def build_calc_agent(*, max_staleness: int = 1) -> Graph:
     prompts = b.source("prompts", task="flowrl.envs.games:calc_task", batch_size=16)
     gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=6, stop_tokens=(2, 14),  # a turn ends at </s> or =
                       env="flowrl.envs.games:CalcEnv", max_turns=2)
-    aipo = b.loss("aipo", gen, objective="aipo", rho=4.0, normalize_std=True)  # reads the env's rewards (env_rewards)
-    policy = b.policy("policy", aipo, lr=1e-3)
-    b.weights(policy, gen, max_staleness=max_staleness)
+    train_with_aipo(b, gen, lr=1e-3, max_staleness=max_staleness)  # the loss reads the env's rewards (env_rewards)
     return b.build()
 
 
@@ -33,7 +31,5 @@ def build_guess_game(*, max_staleness: int = 1) -> Graph:
     b = GraphBuilder("guess_game", model=AGENT_MODEL)
     prompts = b.source("prompts", task="flowrl.envs.games:guess_task", batch_size=16)
     gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=3, env="flowrl.envs.games:GuessNumberEnv", max_turns=2)
-    aipo = b.loss("aipo", gen, objective="aipo", rho=4.0, normalize_std=True)
-    policy = b.policy("policy", aipo, lr=2e-3)
-    b.weights(policy, gen, max_staleness=max_staleness)
+    train_with_aipo(b, gen, lr=2e-3, max_staleness=max_staleness)
     return b.build()

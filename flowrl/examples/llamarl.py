@@ -5,14 +5,26 @@ from __future__ import annotations
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import Node
 
-__all__ = ["build_llamarl", "build_llamarl_ref", "build_two_scorers", "DEFAULT_MODEL"]
+__all__ = ["build_llamarl", "build_llamarl_ref", "build_two_scorers", "train_with_aipo", "DEFAULT_MODEL"]
 
 #: The tiny model of the built-in examples (~100K parameters): with the settings below it learns the
 #: copy task from scratch (reward 0.07 -> 0.9) in about 250 steps, well under a minute on a laptop
 #: CPU (``benches/learning.py``). Group size 16 and std-normalised advantages keep the sparse early
 #: signal alive; with 4 samples per prompt the policy collapses onto one wrong answer first.
 DEFAULT_MODEL = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=32)
+
+
+def train_with_aipo(
+    b: GraphBuilder, gen: Node, *inputs: Node, lr: float = 1e-3, max_staleness: int = 1, transport: str = "inprocess", **loss: object
+) -> Node:
+    """The built-in examples' training half: an AIPO loss (``rho=4``, std-normalised advantages, and
+    ``loss``'s options) over ``gen`` and ``inputs``, a policy at ``lr``, weights policy ~> ``gen``; returns the policy."""
+    options: dict[str, object] = {"objective": "aipo", "rho": 4.0, "normalize_std": True, **loss}
+    policy = b.policy("policy", b.loss("aipo", gen, *inputs, **options), lr=lr)
+    b.weights(policy, gen, transport=transport, max_staleness=max_staleness)
+    return policy
 
 
 def build_llamarl(*, max_staleness: int = 1, transport: str = "inprocess", precision: str = "float32", objective: str = "aipo") -> Graph:
@@ -23,9 +35,7 @@ def build_llamarl(*, max_staleness: int = 1, transport: str = "inprocess", preci
     prompts = b.source("prompts", task="copy", batch_size=16)
     gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=5, temperature=1.0, precision=precision)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
-    aipo = b.loss("aipo", gen, reward, objective=objective, rho=4.0, normalize_std=True)
-    policy = b.policy("policy", aipo, lr=1e-3)
-    b.weights(policy, gen, transport=transport, max_staleness=max_staleness)
+    train_with_aipo(b, gen, reward, objective=objective, transport=transport, max_staleness=max_staleness)
     return b.build()
 
 
@@ -36,9 +46,7 @@ def build_llamarl_ref(*, max_staleness: int = 1) -> Graph:
     gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=5)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
     ref = b.reference("ref", gen)
-    aipo = b.loss("aipo", gen, reward, ref, objective="aipo", rho=4.0, normalize_std=True, kl_coef=0.01)
-    policy = b.policy("policy", aipo, lr=1e-3)
-    b.weights(policy, gen, max_staleness=max_staleness)
+    train_with_aipo(b, gen, reward, ref, kl_coef=0.01, max_staleness=max_staleness)
     return b.build()
 
 

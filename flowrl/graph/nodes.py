@@ -157,12 +157,6 @@ class GeneratorNode(NodeBase, tag="generator"):
                 f"generator {self.name!r}: env= runs multi-turn episodes on the built-in engine only; "
                 f"engine={self.engine!r} samples one completion per call: drop engine= or env="
             )
-        if self.env is not None and self.sampling.batching != "lockstep":
-            raise ConfigError(
-                f"generator {self.name!r}: env={self.env.env!r} runs multi-turn episodes in lock step only; "
-                f"batching={self.sampling.batching!r} does not park a sample waiting on its environment yet: "
-                "set batching='lockstep' (the default)"
-            )
 
     def signature(self) -> Signature:
         outputs = _fields(ROLLOUT_FIELDS)

@@ -258,6 +258,18 @@ class Generator:
             )
         return ids, lens
 
+    def _batch_start(self, prompts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, torch.Generator]:
+        """A batch's checked ``prompt_ids`` and ``prompt_lens``, its ``prompt_index`` (0..P-1 when absent) and
+        its random stream, seeded from ``(seed, first prompt index)`` (or the call count without an index)."""
+        ids, lens = self._check(prompts)
+        index = prompts.get("prompt_index")
+        if index is None:
+            index = torch.arange(ids.shape[0], dtype=torch.int64)
+        first = int(index[0]) if len(index) else 0
+        rng = torch.Generator(device=self.device).manual_seed(_mix(self.seed, first, self._calls if "prompt_index" not in prompts else 0))
+        self._calls += 1
+        return ids, lens, index, rng
+
     def generate(self, prompts: Mapping[str, Tensor]) -> Batch:
         """Sample ``n_samples`` completions for each prompt of ``prompts`` (``prompt_ids``, ``prompt_lens``).
 
@@ -273,14 +285,8 @@ class Generator:
         Raises:
             ConfigError: for missing fields, bad lengths, or sequences longer than ``max_seq_len``.
         """
-        ids, lens = self._check(prompts)
-        P, n = ids.shape[0], self.sampling.n_samples
-        index = prompts.get("prompt_index")
-        if index is None:
-            index = torch.arange(P, dtype=torch.int64)
-        first = int(index[0]) if len(index) else 0
-        rng = torch.Generator(device=self.device).manual_seed(_mix(self.seed, first, self._calls if "prompt_index" not in prompts else 0))
-        self._calls += 1
+        ids, lens, index, rng = self._batch_start(prompts)
+        n = self.sampling.n_samples
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
         with torch.no_grad():
             tokens, logprobs, mask = (t.cpu() for t in self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng))

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: model turns and environment turns, token in / token out, in lock step.
+"""Multi-turn rollouts: model turns and environment turns, token in / token out (lock step here; continuous batching reuses the episode's steps).
 
 A generator with an ``env`` (``flowrl.graph.envs.EnvConfig``) runs, for each batch of P prompts, one
 episode per sample (S = P * n): one environment instance per sample (``flowrl.envs.base``), then
@@ -18,7 +18,8 @@ The sample's completion is the concatenation of its turns. What each part of it 
 - ``completion_lens``: the sample's whole extent (model and environment tokens): the trainer and the
   reference attend to every token before it (``completion_logprobs(..., completion_lens=)``);
 - ``behaviour_logprobs``: mu's log-prob of each model token (0 on environment tokens);
-- ``token_versions``: the generator's version (lock step never changes weights within a batch);
+- ``token_versions``: the version that drew each model token (in lock step the generator's, which never
+  changes within a batch); environment tokens and padding get the sample's oldest;
 - ``env_rewards``: the sum of the episode's rewards; ``env_turns``: its model turns;
   ``env_failed``: True when the environment raised, ran past ``step_timeout_s`` /
   ``episode_timeout_s``, or returned something outside the protocol, or an observation could not be
@@ -35,13 +36,14 @@ spent waiting on environments), ``env/seconds_per_sample``, ``env/failed``, ``en
 ``env/env_tokens`` (tokens per sample by role), ``env/reward_mean``), which the generator program
 reports and the metrics rows carry.
 
-Continuous batching is refused for an environment (``GeneratorNode``): a waiting sample is not parked yet.
+With ``batching="continuous"``, ``flowrl.runtime.continuous.ContinuousRollouts`` drives the same
+episode steps one sample at a time: a finished model turn frees its slot and the sample is parked
+while its environment answers.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,12 +51,13 @@ from typing import Any
 
 import torch
 
-from flowrl.envs.base import EnvError, check_env, make_env, parse_observation, parse_step, start
+from flowrl.envs.base import EnvError, EnvResult, Pending, check_env, make_env, parse_observation, parse_step, start
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.graph.refs import resolve
 from flowrl.operators.batch import Batch
 from flowrl.operators.env_tokens import ObservationEncoder, observation_encoder
-from flowrl.operators.generation import Generator, _mix, rollout_batch
+from flowrl.operators.generation import Generator, rollout_batch
+from flowrl.operators.source import pad_left
 
 __all__ = ["MultiTurnGenerator", "Episode", "row_fields"]
 
@@ -63,13 +66,17 @@ log = logging.getLogger("flowrl.envs")
 
 @dataclass
 class Episode:
-    """One sample's episode: its environment and the completion built so far (three parallel lists)."""
+    """One sample's episode: its environment and the completion built so far (four parallel lists;
+    ``versions`` is -1 on environment tokens)."""
 
     env: Any = None
     prompt: list[int] = field(default_factory=list)
+    index: int = 0  # the prompt's stream position
+    sample: int = 0  # which of the prompt's n samples
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
     env_s: float = 0.0
@@ -82,6 +89,11 @@ class Episode:
 
 class MultiTurnGenerator:
     """Runs episodes for ``node.env`` with ``generator``'s model (see the module docstring).
+
+    The episode's steps are methods that lock step (``generate``) and continuous batching
+    (``flowrl.runtime.continuous``) share: ``episode`` and ``start_reset`` / ``finish_reset`` open one,
+    ``wants_turn`` says whether it takes another model turn, ``add_turn`` records one and
+    ``start_step`` / ``finish_step`` hand it to the environment; ``batch`` and ``metrics`` report.
 
     Args:
         generator: the node's ``Generator`` (its model, weights, version, sampling and tokens).
@@ -111,6 +123,66 @@ class MultiTurnGenerator:
         self.encoder = encoder if encoder is not None else observation_encoder(node.model, role=self.config.role, owner=owner)
         self.rows = rows
 
+    def episode(self, prompt: list[int], index: int, sample: int, extra: dict[str, Any] | None = None) -> tuple[Episode, dict[str, Any]]:
+        """A new episode for sample ``sample`` of the prompt at stream position ``index``, and ``reset``'s row."""
+        row = {"prompt": self.gen._decode(prompt), "prompt_ids": prompt, "prompt_index": index, "sample": sample}
+        row.update(extra if extra is not None else self.rows(index) if self.rows is not None else {})
+        return Episode(prompt=prompt, index=index, sample=sample), row
+
+    def _budget(self, ep: Episode) -> float:
+        return max(min(self.config.step_timeout_s, self.config.episode_timeout_s - ep.env_s), 1e-3)
+
+    def start_reset(self, ep: Episode, row: dict[str, Any]) -> Pending:
+        """Make the episode's environment and call ``reset(row)``, in a thread under the episode's limits."""
+        return start(lambda r: _reset(self.factory, r), row, timeout_s=self._budget(ep))  # a constructor may hang too
+
+    def finish_reset(self, ep: Episode, result: EnvResult) -> None:
+        """Take ``reset``'s result: the environment and its first observation's tokens, or the failure."""
+        ep.env_s += result.seconds
+        if result.error:
+            return ep.fail(f"reset: {result.error}")
+        ep.env, first_obs = result.value
+        try:
+            self._observe(ep, first_obs, where="reset", model_stopped=True)
+        except EnvError as exc:
+            ep.fail(str(exc))
+
+    def wants_turn(self, ep: Episode) -> bool:
+        """Whether the episode takes another model turn; it ends (truncated, not failed) when one would not fit ``max_seq_len``."""
+        if not ep.done and len(ep.prompt) + len(ep.tokens) + self.gen.sampling.max_new_tokens > self.gen.model.max_seq_len:
+            ep.done = True
+        return not ep.done
+
+    def add_turn(self, ep: Episode, ids: list[int], logprobs: list[float], versions: list[int]) -> str:
+        """Record a model turn as sampled (mask 1); returns its text, the action for ``step``."""
+        ep.tokens += ids
+        ep.mask += [True] * len(ids)
+        ep.logprobs += logprobs
+        ep.versions += versions
+        ep.turns += 1
+        return self.gen._decode(ids)
+
+    def start_step(self, ep: Episode, action: str) -> Pending:
+        """Call the episode's ``step(action)`` in a thread under its limits."""
+        return start(ep.env.step, action, timeout_s=self._budget(ep))
+
+    def finish_step(self, ep: Episode, result: EnvResult, turn: list[int]) -> None:
+        """Take ``step``'s result after the model turn ``turn``: its reward, then the end of the episode
+        (None, or the last turn) or the observation's tokens; or the failure."""
+        ep.env_s += result.seconds
+        if result.error:
+            return ep.fail(f"step: {result.error}")
+        try:
+            obs, reward, _info = parse_step(result.value)
+            ep.reward += reward
+            if obs is None or ep.turns >= self.config.max_turns:
+                ep.done = True
+            else:
+                stopped = bool(turn) and turn[-1] in self.gen.stop_tokens
+                self._observe(ep, obs, where="step", model_stopped=stopped)
+        except EnvError as exc:
+            ep.fail(str(exc))
+
     def _observe(self, ep: Episode, value: Any, *, where: str, model_stopped: bool) -> None:
         """Append an observation's tokens (mask 0), or fail the episode."""
         obs = parse_observation(value, where=where)
@@ -126,139 +198,71 @@ class MultiTurnGenerator:
         ep.tokens += ids
         ep.mask += [False] * len(ids)
         ep.logprobs += [0.0] * len(ids)
-
-    def _env_calls(self, episodes: list[Episode], method: str, args: list[tuple[Any, ...]]) -> list[Any]:
-        """Call ``method`` on each episode's env at once, each under its limits; returns the values (None
-        where the episode failed, which ``fail`` records)."""
-        cfg = self.config
-        waits = []
-        for ep, a in zip(episodes, args):
-            budget = min(cfg.step_timeout_s, cfg.episode_timeout_s - ep.env_s)
-            if method == "reset":  # the instance is made in the call's thread too: a constructor may hang
-                waits.append(start(lambda row: _reset(self.factory, row), *a, timeout_s=max(budget, 1e-3)))
-            else:
-                waits.append(start(getattr(ep.env, "step"), *a, timeout_s=max(budget, 1e-3)))
-        values = []
-        for ep, wait in zip(episodes, waits):
-            result = wait(math.inf)
-            ep.env_s += result.seconds
-            if result.error:
-                ep.fail(f"{method}: {result.error}")
-                values.append(None)
-            else:
-                values.append(result.value)
-        return values
+        ep.versions += [-1] * len(ids)
 
     def generate(self, prompts: Mapping[str, torch.Tensor], rows: list[dict[str, Any]] | None = None) -> tuple[Batch, dict[str, float]]:
-        """Episodes for every sample of ``prompts``: the rollout with ``ENV_FIELDS``, and its metrics.
+        """Episodes for every sample of ``prompts``, in lock step: the rollout with ``ENV_FIELDS``, and its metrics.
 
         Args:
             prompts: ``prompt_ids``, ``prompt_lens`` (and ``prompt_index``), as ``Generator.generate`` takes.
             rows: per prompt, extra fields for ``reset``'s row (a prompt file's row).
         """
         gen = self.gen
-        ids, lens = gen._check(prompts)
-        P, n = ids.shape[0], gen.sampling.n_samples
-        index = prompts.get("prompt_index")
-        if index is None:
-            index = torch.arange(P, dtype=torch.int64)
-        first = int(index[0]) if len(index) else 0
-        rng = torch.Generator(device=gen.device).manual_seed(_mix(gen.seed, first, gen._calls if "prompt_index" not in prompts else 0))
-        gen._calls += 1
-        width = ids.shape[1]
-        episodes: list[Episode] = []
-        reset_args = []
-        for p in range(P):
-            prompt = ids[p, width - int(lens[p]) :].tolist()
-            for j in range(n):
-                episodes.append(Episode(prompt=prompt))
-                row = {"prompt": gen._decode(prompt), "prompt_ids": prompt, "prompt_index": int(index[p]), "sample": j}
-                row.update(rows[p] if rows else self.rows(int(index[p])) if self.rows is not None else {})
-                reset_args.append((row,))
+        ids, lens, index, rng = gen._batch_start(prompts)
+        P, n, width = ids.shape[0], gen.sampling.n_samples, ids.shape[1]
+        opened = [self.episode(ids[p, width - int(lens[p]) :].tolist(), int(index[p]), j, rows[p] if rows else None)
+                  for p in range(P) for j in range(n)]  # fmt: skip
+        episodes = [ep for ep, _ in opened]
         t0 = time.perf_counter()
-        env_wall = 0.0
-        for ep, value in zip(episodes, self._env_calls(episodes, "reset", reset_args)):
-            if ep.done:
-                continue
-            ep.env, first_obs = value
-            try:
-                self._observe(ep, first_obs, where="reset", model_stopped=True)
-            except EnvError as exc:
-                ep.fail(str(exc))
-        env_wall += time.perf_counter() - t0
-        max_new, limit = gen.sampling.max_new_tokens, gen.model.max_seq_len
-        for turn in range(self.config.max_turns):
-            for ep in episodes:
-                if not ep.done and len(ep.prompt) + len(ep.tokens) + max_new > limit:
-                    ep.done = True  # no room for another model turn: the episode ends here (truncated)
-            active = [ep for ep in episodes if not ep.done]
+        for (ep, _), wait in zip(opened, [self.start_reset(ep, row) for ep, row in opened]):
+            self.finish_reset(ep, wait())
+        env_wall = time.perf_counter() - t0
+        for _ in range(self.config.max_turns):
+            active = [ep for ep in episodes if self.wants_turn(ep)]
             if not active:
                 break
             sampled = self._model_turn(active, rng)
-            actions = []
-            for ep, (turn_ids, turn_lps) in zip(active, sampled):
-                ep.tokens += turn_ids
-                ep.mask += [True] * len(turn_ids)
-                ep.logprobs += turn_lps
-                ep.turns += 1
-                actions.append((gen._decode(turn_ids),))
+            waits = [self.start_step(ep, self.add_turn(ep, t, lp, [gen.version] * len(t))) for ep, (t, lp) in zip(active, sampled)]
             t0 = time.perf_counter()
-            values = self._env_calls(active, "step", actions)
+            for ep, wait, (turn, _) in zip(active, waits, sampled):
+                self.finish_step(ep, wait(), turn)
             env_wall += time.perf_counter() - t0
-            last = turn == self.config.max_turns - 1
-            for ep, value, (turn_ids, _) in zip(active, values, sampled):
-                if ep.done:
-                    continue
-                try:
-                    obs, reward, _info = parse_step(value)
-                    ep.reward += reward
-                    if obs is None or last:
-                        ep.done = True
-                    else:
-                        stopped = bool(turn_ids) and turn_ids[-1] in gen.stop_tokens
-                        self._observe(ep, obs, where="step", model_stopped=stopped)
-                except EnvError as exc:
-                    ep.fail(str(exc))
-        for i, ep in enumerate(episodes):
-            if ep.error:
-                log.warning("generator %r: sample %d (prompt %d) failed: %s", gen.name, i, int(index[i // n]), ep.error)
-        return self._batch(episodes, ids, lens, index), self._metrics(episodes, env_wall)
+        return self.batch(episodes, ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0), index), self.metrics(episodes, env_wall)
 
     def _model_turn(self, active: list[Episode], rng: torch.Generator) -> list[tuple[list[int], list[float]]]:
         """One model turn for each active episode: its sampled tokens and their log-probs under mu."""
         gen = self.gen
-        prefixes = [ep.prompt + ep.tokens for ep in active]
-        T = max(len(p) for p in prefixes)
-        batch = torch.full((len(active), T), gen.pad_id, dtype=torch.int64)
-        for i, p in enumerate(prefixes):
-            batch[i, T - len(p) :] = torch.tensor(p, dtype=torch.int64)
-        plens = torch.tensor([len(p) for p in prefixes], dtype=torch.int64)
+        batch, plens = pad_left([ep.prompt + ep.tokens for ep in active], gen.pad_id)
         with torch.no_grad():
             tokens, logprobs, mask = (t.cpu() for t in gen._sample(batch.to(gen.device), plens.to(gen.device), rng))
-        out = []
-        for i in range(len(active)):
-            k = int(mask[i].sum())
-            out.append((tokens[i, :k].tolist(), logprobs[i, :k].tolist()))
-        return out
+        counts = mask.sum(1).tolist()
+        return [(tokens[i, :k].tolist(), logprobs[i, :k].tolist()) for i, k in enumerate(counts)]
 
-    def _batch(self, episodes: list[Episode], ids: torch.Tensor, lens: torch.Tensor, index: torch.Tensor) -> Batch:
+    def batch(self, episodes: list[Episode], sample_ids: torch.Tensor, sample_lens: torch.Tensor, index: torch.Tensor) -> Batch:
+        """The rollout of finished ``episodes`` (``n`` per prompt of ``index``, in group order), with
+        ``ENV_FIELDS``; each failed episode's error is logged here."""
         gen, n = self.gen, self.gen.sampling.n_samples
         S = len(episodes)
         C = max([len(ep.tokens) for ep in episodes] + [1])
         tokens = torch.full((S, C), gen.pad_id, dtype=torch.int64)
         mask = torch.zeros(S, C, dtype=torch.bool)
         logprobs = torch.zeros(S, C, dtype=torch.float32)
+        versions = torch.full((S, C), gen.version, dtype=torch.int64)
         extent = torch.zeros(S, dtype=torch.int64)
         for i, ep in enumerate(episodes):
+            if ep.error:
+                log.warning("generator %r: sample %d (prompt %d) failed: %s", gen.name, i, ep.index, ep.error)
             k = len(ep.tokens)
             extent[i] = k
+            model = [v for v in ep.versions if v >= 0]
+            versions[i] = min(model) if model else gen.version  # environment tokens and padding: the sample's oldest
             if k:
                 tokens[i, :k] = torch.tensor(ep.tokens, dtype=torch.int64)
                 logprobs[i, :k] = torch.tensor(ep.logprobs, dtype=torch.float32)
+                versions[i, :k] = torch.tensor([v if v >= 0 else int(versions[i, 0]) for v in ep.versions], dtype=torch.int64)
                 if not ep.error:  # a failed sample is kept (its group stays whole) but never trained on
                     mask[i, :k] = torch.tensor(ep.mask, dtype=torch.bool)
-        versions = torch.full((S, C), gen.version, dtype=torch.int64)
-        out = rollout_batch(ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0), tokens, mask, logprobs, versions, index,
+        out = rollout_batch(sample_ids, sample_lens, tokens, mask, logprobs, versions, index,
                             n=n, temperature=gen.sampling.temperature, version=gen.version,
                             top_k=gen.sampling.top_k, top_p=gen.sampling.top_p)  # the trainer truncates pi as the turns sampled
         out["completion_lens"] = extent  # the whole sample, model and environment tokens (the mask marks the model's)
@@ -268,7 +272,8 @@ class MultiTurnGenerator:
         return out
 
     @staticmethod
-    def _metrics(episodes: list[Episode], env_wall: float) -> dict[str, float]:
+    def metrics(episodes: list[Episode], env_wall: float) -> dict[str, float]:
+        """The ``env/*`` numbers of ``episodes`` (``env_wall``: seconds the generator waited on environments)."""
         S = max(len(episodes), 1)
         model = sum(sum(ep.mask) for ep in episodes)
         return {

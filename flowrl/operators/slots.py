@@ -149,9 +149,12 @@ class SlotBatcher:
         """Slots decoding a sample now."""
         return sum(r is not None for r in self.rows)
 
-    def add(self, sample: Sample) -> None:
-        """Queue ``sample`` for the next free slot."""
-        self.waiting.append(sample)
+    def add(self, sample: Sample, *, front: bool = False) -> None:
+        """Queue ``sample`` for the next free slot (``front``: ahead of every waiting sample)."""
+        if front:
+            self.waiting.appendleft(sample)
+        else:
+            self.waiting.append(sample)
 
     def _fill(self, admit: Callable[[Sample], bool] | None) -> list[int]:
         new = []

@@ -25,12 +25,26 @@ carried across a step meet the newer weights then; either way each token records
 drew it, so carried sequences have per-token versions in both cases. The KV cache of a carried
 sequence keeps the keys and values its earlier tokens got under older weights (as PipelineRL does);
 mu's log-probs are those of the distribution each token was actually drawn from.
+
+Environments (``episodes``, a ``flowrl.operators.multiturn.MultiTurnGenerator``): a slot decodes one
+model turn of a sample. When the turn ends the slot frees and the sample is *parked* while its
+environment's ``step`` runs in its thread (``reset`` likewise before the first turn), and the slots
+go on decoding other samples. A parked sample whose call returned comes back as a new slot sample
+whose prompt is the conversation so far as sampled (its tokens never re-tokenised), ahead of the
+queue once its group has a deadline (a group already admitted is never held behind a refused one);
+an episode that ended (or failed) joins its group. The group's deadline is still set when its first
+model turn takes a slot, so the staleness rule above holds on every sample's oldest token. When no
+slot is busy and nothing waiting can be admitted, the generator waits for the first parked call
+(``env/seconds`` counts that wait).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -40,6 +54,10 @@ from flowrl.operators.generation import Generator, _mix, rollout_batch
 from flowrl.operators.slots import Sample, SlotBatcher
 from flowrl.operators.source import pad_left
 
+if TYPE_CHECKING:
+    from flowrl.envs.base import Pending
+    from flowrl.operators.multiturn import Episode, MultiTurnGenerator
+
 __all__ = ["ContinuousRollouts"]
 
 
@@ -47,7 +65,7 @@ __all__ = ["ContinuousRollouts"]
 class _Group:
     index: int  # the prompt's stream position
     prompt: list[int]
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[Any] = field(default_factory=list)  # finished: Samples, or Episodes with an environment
     deadline: int | None = None  # set when its first sample takes a slot
     finished_at: int = -1  # order of completion
 
@@ -60,9 +78,13 @@ class ContinuousRollouts:
         group_count: P, the groups (prompts) each step delivers.
         k: the weight edge's max staleness.
         poll: called between decode steps to take newer weights in flight (None: between steps only).
+        episodes: the generator's environment episodes (multi-turn samples), or None for one completion per sample.
     """
 
-    def __init__(self, generator: Generator, *, group_count: int, k: int, poll: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, generator: Generator, *, group_count: int, k: int, poll: Callable[[], None] | None = None,
+        episodes: MultiTurnGenerator | None = None,
+    ) -> None:  # fmt: skip
         self.gen = generator
         self.P = group_count
         self.n = generator.sampling.n_samples
@@ -72,6 +94,10 @@ class ContinuousRollouts:
         self.batcher: SlotBatcher | None = None
         self.groups: dict[int, _Group] = {}  # pulled, not delivered
         self._finished = 0
+        self.mt = episodes
+        self._episodes: dict[tuple[int, int], Episode] = {}  # (group, sample) -> its episode, until delivered
+        self.parked: list[tuple[Episode, Pending, list[int] | None]] = []  # (episode, its env call, the turn it answers; None: reset)
+        self._env_wall = 0.0
 
     def add_prompts(self, prompts: Mapping[str, Tensor]) -> None:
         """Queue the prompts of a (possibly empty) prompt batch, ``n`` samples each."""
@@ -88,7 +114,53 @@ class ContinuousRollouts:
             group = _Group(index=i, prompt=ids[row, ids.shape[1] - length :].tolist())
             self.groups[i] = group
             for j in range(self.n):
-                self.batcher.add(Sample(key=(i, j), prompt=group.prompt))
+                if self.mt is None:
+                    self.batcher.add(Sample(key=(i, j), prompt=group.prompt))
+                    continue
+                ep, row = self.mt.episode(group.prompt, i, j)
+                self._episodes[(i, j)] = ep
+                self.parked.append((ep, self.mt.start_reset(ep, row), None))
+
+    def _done(self, key: tuple[int, int], sample: Any) -> None:
+        """Sample ``key`` is finished (a ``Sample``, or an ``Episode`` that ended): its group completes with its n-th."""
+        group = self.groups[key[0]]
+        group.samples.append(sample)
+        if len(group.samples) == self.n:
+            group.finished_at = self._finished
+            self._finished += 1
+
+    def _turn_ended(self, sample: Sample) -> None:
+        """A model turn is done: record it in its episode and park the episode on ``step``."""
+        assert self.mt is not None
+        ep = self._episodes[sample.key]
+        action = self.mt.add_turn(ep, sample.tokens, sample.logprobs, sample.versions)
+        self.parked.append((ep, self.mt.start_step(ep, action), sample.tokens))
+
+    def _unpark(self, *, block: bool) -> None:
+        """Take the parked calls that returned (with ``block``, first wait for one): each episode then
+        queues its next model turn or, ended, joins its group."""
+        assert self.mt is not None and self.batcher is not None
+        if block and not any(p.ready() for _, p, _ in self.parked):
+            t0 = time.perf_counter()
+            while not any(p.ready() for _, p, _ in self.parked):
+                time.sleep(0.0005)
+            self._env_wall += time.perf_counter() - t0
+        still = []
+        for ep, pending, turn in self.parked:
+            if not pending.ready():
+                still.append((ep, pending, turn))
+                continue
+            if turn is None:
+                self.mt.finish_reset(ep, pending())
+            else:
+                self.mt.finish_step(ep, pending(), turn)
+            key = (ep.index, ep.sample)
+            if self.mt.wants_turn(ep):
+                sample = Sample(key=key, prompt=ep.prompt + ep.tokens)  # the conversation as sampled
+                self.batcher.add(sample, front=self.groups[ep.index].deadline is not None)
+            else:
+                self._done(key, ep)
+        self.parked = still
 
     def _admit(self, seq: int) -> Callable[[Sample], bool]:
         def admit(sample: Sample) -> bool:
@@ -131,20 +203,27 @@ class ContinuousRollouts:
                 self.poll()
                 swaps += self.gen.version != before
             if not b.busy and not b.waiting:
+                if self.parked:
+                    self._unpark(block=True)
+                    continue
                 raise FlowrlError(f"generator {self.gen.name!r}: step {seq} ran out of prompts; this is a flowrl bug")
             drawn = b.steps
             finished = b.step(admit)
-            if b.steps == drawn:  # no slot busy and the head of the queue refused: nothing would ever change
+            if b.steps == drawn:  # no slot busy and the head of the queue refused: nothing changes until an environment answers
+                if self.parked:
+                    self._unpark(block=True)
+                    continue
                 raise FlowrlError(
                     f"generator {self.gen.name!r}: step {seq} cannot deliver ({len(self.groups)} groups pending, "
                     f"{len(b.waiting)} samples waiting, none admitted, no slot busy); this is a flowrl bug"
                 )
             for sample in finished:
-                group = self.groups[sample.key[0]]
-                group.samples.append(sample)
-                if len(group.samples) == self.n:
-                    group.finished_at = self._finished
-                    self._finished += 1
+                if self.mt is None:
+                    self._done(sample.key, sample)
+                else:
+                    self._turn_ended(sample)
+            if self.parked:
+                self._unpark(block=False)  # environments that answered meanwhile: their next turns queue now
         for g in chosen:
             del self.groups[g.index]
         steps = b.steps - steps0
@@ -154,7 +233,29 @@ class ContinuousRollouts:
             "slots/carried_groups": float(sum(g.deadline is not None for g in self.groups.values())),
             "slots/weight_swaps": float(swaps),  # weights taken in flight during this step
         }
+        if self.mt is not None:
+            return self._episode_rollout(chosen, info)
         return self._rollout(chosen), info
+
+    def close(self, grace_s: float = 1.0) -> None:
+        """Wait up to ``grace_s`` seconds in all for the environment calls still parked, then drop them
+        (their episodes were not delivered: a resumed run pulls their prompts again)."""
+        deadline = time.perf_counter() + grace_s
+        for _, pending, _ in self.parked:
+            pending(deadline)
+        self.parked = []
+
+    def _episode_rollout(self, chosen: list[_Group], info: dict[str, float]) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """The rollout of the chosen groups' episodes (``MultiTurnGenerator.batch``) and the ``env/*`` numbers."""
+        assert self.mt is not None
+        episodes = [ep for g in chosen for ep in sorted(g.samples, key=lambda ep: ep.sample)]
+        for ep in episodes:
+            del self._episodes[(ep.index, ep.sample)]
+        sample_ids, sample_lens = pad_left([ep.prompt for ep in episodes], self.gen.pad_id)
+        index = torch.tensor([g.index for g in chosen], dtype=torch.int64)
+        info.update(self.mt.metrics(episodes, self._env_wall))
+        self._env_wall = 0.0
+        return self.mt.batch(episodes, sample_ids, sample_lens, index), info
 
     def _rollout(self, chosen: list[_Group]) -> dict[str, Tensor]:
         C, n, pad = self.gen.sampling.max_new_tokens, self.n, self.gen.pad_id

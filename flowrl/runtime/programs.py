@@ -213,7 +213,7 @@ class GeneratorProgram(ProgramBase):
         self._timeout = env.weight_timeout_s
         self._continuous = None
         self._multiturn = None
-        if node.env is not None:  # multi-turn episodes against an environment (lock step)
+        if node.env is not None:  # multi-turn episodes against an environment (lock step, or parked between turns in continuous batching)
             from flowrl.operators.multiturn import MultiTurnGenerator, row_fields
 
             self._multiturn = MultiTurnGenerator(self.generator, node, rows=row_fields(graph, node.name))
@@ -248,7 +248,7 @@ class GeneratorProgram(ProgramBase):
         """Step ``seq``'s rollout with the weights held now: lock step samples ``inputs``; continuous
         batching queues them and returns the next ``P`` finished groups (with its ``slots/*`` numbers).
         ``info["version"]`` is the rollout's version."""
-        if self._multiturn is not None:
+        if self._multiturn is not None and not hasattr(self, "_group_count"):
             rollout, info = self._multiturn.generate(inputs)
             return rollout, {**info, "version": self.generator.version}
         if not hasattr(self, "_group_count"):
@@ -257,7 +257,8 @@ class GeneratorProgram(ProgramBase):
 
         if self._continuous is None:  # k is the controller's (a run may override the edge's)
             self._continuous = ContinuousRollouts(
-                self.generator, group_count=self._group_count, k=seq - min_version, poll=self._poll if self._in_flight else None
+                self.generator, group_count=self._group_count, k=seq - min_version, poll=self._poll if self._in_flight else None,
+                episodes=self._multiturn,
             )
         self._continuous.add_prompts(inputs)
         rollout, info = self._continuous.next_batch(seq)
@@ -265,7 +266,10 @@ class GeneratorProgram(ProgramBase):
         return rollout, info
 
     def close(self) -> None:
-        """Stop the engine's own processes (vLLM's); the built-in engine holds none."""
+        """Stop the engine's own processes (vLLM's; the built-in engine holds none) and let environment
+        calls still parked by continuous batching finish (briefly)."""
+        if self._continuous is not None:
+            self._continuous.close()
         close = getattr(self.generator, "close", None)  # optional in GeneratorEngine: only vLLM's has processes
         if close is not None:
             close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -127,3 +128,50 @@ class Calculator(ToolEnv):
 
     def reward(self, answer: str, row: dict[str, Any]) -> float:
         return float(answer.strip().removesuffix("</s>").strip() == str(row["answer"]))
+
+
+class Gate:
+    """Prompt 0's ``step`` waits until prompt 1's ``step`` has run (prompt 1's ``reset`` is slow, so
+    prompt 0 takes the one slot first): it returns only if the generator decodes prompt 1 while prompt 0
+    waits on its environment. ``opened`` is shared by the instances; a test clears it first."""
+
+    opened = threading.Event()
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.index = int(row["prompt_index"])
+        if self.index == 1:
+            time.sleep(0.2)
+
+    def step(self, action: str) -> tuple[None, float, dict]:
+        if self.index == 1:
+            Gate.opened.set()
+        elif not Gate.opened.wait(4.0):
+            raise TimeoutError("prompt 1's turn was never decoded while prompt 0 waited")
+        return None, 1.0, {}
+
+
+class Jittery(Echo):
+    """``Echo`` whose ``step`` takes 0-20 ms and ends the episode after one or two turns, by the prompt's
+    position (so groups finish out of order)."""
+
+    def reset(self, row: dict[str, Any]) -> str:
+        self.index, self.turns = int(row["prompt_index"]), 0
+        return "3="
+
+    def step(self, action: str) -> tuple[str | None, float, dict]:
+        self.turns += 1
+        time.sleep(0.002 * (self.index % 10))
+        done = self.turns >= 1 + self.index % 2
+        return (None if done else "12="), 1.0, {}
+
+
+class SlowSecond:
+    """One turn; prompt 1's ``step`` takes 0.5 s, prompt 0's returns at once."""
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.index = int(row["prompt_index"])
+
+    def step(self, action: str) -> tuple[None, float, dict]:
+        if self.index == 1:
+            time.sleep(0.5)
+        return None, 1.0, {}

@@ -38,10 +38,9 @@ def test_the_builder_takes_env_options_and_the_loss_weighs_env_rewards():
 @pytest.mark.parametrize(
     "options, match",
     [({"max_turns": 0}, "max_turns=0 must be >= 1"),
-     ({"batching": "continuous"}, "lock step only"),
      ({"step_timeout_s": 0.0}, "step_timeout_s=0.0 must be"),
      ({"env": "not a reference"}, "is not of the form")],
-    ids=["max_turns", "continuous", "timeout", "reference"],
+    ids=["max_turns", "timeout", "reference"],
 )
 def test_bad_env_options_are_refused_when_the_graph_is_built(options, match):
     env = options.pop("env", "flowrl.envs.games:GuessNumberEnv")

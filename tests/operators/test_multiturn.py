@@ -217,3 +217,50 @@ def test_a_batch_whose_samples_all_failed_trains_nothing_and_does_not_crash():
     trainer.train_step(out)
     assert trainer.version == 1
     assert all(torch.equal(before[k], v) for k, v in trainer.weights().items())
+
+
+def test_each_turn_reads_the_conversation_as_sampled_even_ids_the_built_in_tokenizer_cannot_round_trip():
+    """Built-in model with 32 embeddings and the 16-word digit tokenizer: ids 16..31 decode to
+    ``<unk:ID>``, which no tokenizer gives back, so a conversation re-tokenised between turns cannot
+    hold them. Every model turn's input row is exactly prompt + the completion so far (each earlier
+    turn's ids as sampled, then the observation's ids as encoded once), and the trained ids are the
+    sampled ones."""
+    node = _node("Echo", ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
+    gen = Generator(node, seed=0)
+    seen: list[list[list[int]]] = []  # per model turn, each active row's input (prompt + completion so far)
+    sampled: list[list[list[int]]] = []  # per model turn, each row's sampled ids
+    sample = gen._sample
+
+    def spy(prompt_ids, prompt_lens, rng):
+        W = prompt_ids.shape[1]
+        seen.append([prompt_ids[i, W - int(n) :].tolist() for i, n in enumerate(prompt_lens)])
+        tokens, logprobs, mask = sample(prompt_ids, prompt_lens, rng)
+        sampled.append([tokens[i, : int(mask[i].sum())].tolist() for i in range(len(tokens))])
+        return tokens, logprobs, mask
+
+    gen._sample = spy  # type: ignore[method-assign]
+    out, _ = MultiTurnGenerator(gen, node).generate(prompts_of(PROMPTS))
+    assert len(seen) == 3
+    assert any(i >= 16 for turn in sampled[:2] for row in turn for i in row), "pick a seed that samples an id past the tokenizer's 16"
+    obs0, obs = DEFAULT_TOKENIZER.encode("3="), DEFAULT_TOKENIZER.encode("12=")
+    for s in range(4):
+        prompt = PROMPTS[s // 2]
+        want = prompt + obs0
+        for t in range(3):
+            assert seen[t][s] == want, f"sample {s}, turn {t + 1}: the model read {seen[t][s]}, not the conversation as sampled {want}"
+            want = want + sampled[t][s] + (obs if t < 2 else [])
+        n = int(out["completion_lens"][s])
+        assert out["completion_ids"][s, :n].tolist() == want[len(prompt) :]
+
+
+def test_metrics_count_environment_seconds_and_tokens_by_role():
+    """``SlowEcho`` sleeps 0.2 s per step, two turns (one step each): every sample waits >= 0.4 s, and
+    the generator >= 0.4 s of wall-clock, less than the 4 x 0.4 s it would be if one turn's calls ran one
+    after another. Tokens by role: per sample, the model's (mask) and the environment's (the rest)."""
+    mt, _ = _spied(_node("SlowEcho", max_turns=2))
+    out, metrics = mt.generate(prompts_of(PROMPTS))
+    assert metrics["env/seconds_per_sample"] >= 0.4 and 0.4 <= metrics["env/seconds"] < 1.2
+    S, mask = 4, out["completion_mask"]
+    assert metrics["env/model_tokens"] == pytest.approx(int(mask.sum()) / S)
+    assert metrics["env/env_tokens"] == pytest.approx(int(out["completion_lens"].sum() - mask.sum()) / S)
+    assert metrics["env/env_tokens"] == len(DEFAULT_TOKENIZER.encode("3=")) + len(DEFAULT_TOKENIZER.encode("12="))

@@ -42,3 +42,20 @@ def test_flowrl_plan_takes_environment_seconds(tmp_path):
     assert main(["plan", "calc_agent", "--cluster", "cpu:2", "--env-s", "0.4", "-o", str(tmp_path / "p.json")]) == 0
     plan = load_plan(str(tmp_path / "p.json"))
     assert plan.workload.env_s == 0.4
+
+
+def test_lengths_from_a_multi_turn_runs_metrics_bring_its_environment_seconds(tmp_path):
+    """``--lengths-from`` a run whose rows record ``env/seconds`` (0.2 and 0.6): the workload's ``env_s``
+    is their mean, 0.4; ``--env-s`` given as well wins."""
+    import json
+
+    from flowrl.cli.main import main
+    from flowrl.planners.plan_data import load_plan
+
+    metrics = tmp_path / "m.jsonl"
+    rows = [{"step": i + 1, "completion_len_hist": [[6, 200], [12, 56]], "env/seconds": s} for i, s in enumerate((0.2, 0.6))]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for extra, want in (([], 0.4), (["--env-s", "1.5"], 1.5)):
+        out = tmp_path / f"p{len(extra)}.json"
+        assert main(["plan", "calc_agent", "--cluster", "cpu:2", "--lengths-from", str(metrics), *extra, "-o", str(out)]) == 0
+        assert load_plan(str(out)).workload.env_s == pytest.approx(want)
