@@ -222,3 +222,24 @@ def test_the_builder_puts_lora_on_the_policy_and_the_generator_it_feeds_and_refu
         GraphBuilder("builtin", model=ModelConfig()).policy("policy", "x", lora=dict(r=8))
     with pytest.raises(ConfigError, match="sharding='fsdp' is not supported"):
         PolicyNode(name="p", model=HFModelConfig(path="x", lora=lora), optimizer=OptimizerConfig(sharding="fsdp"))
+
+
+def test_a_lora_run_sends_only_adapter_bytes_and_checkpoints_only_adapters(tmp_path):
+    """The HF example with LoRA, 3 steps: each metrics row's ``sync/bytes`` is the adapters' size by
+    hand, and the run's checkpoint holds the adapters and their optimizer state only."""
+    from flowrl.examples.hf_copy import build_hf_copy
+    from flowrl.models.export import read_policy_state
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    graph = build_hf_copy(lora=dict(r=2, alpha=4, target_modules=["q_proj", "v_proj"]), lr=1e-2)
+    result = run_graph(graph, RunConfig(steps=3, progress=False, checkpoint_dir=str(tmp_path / "ckpt")))
+    # width 64, 2 layers, q_proj and v_proj 64 -> 64: A [2, 64] and B [64, 2] each, float32
+    adapter_bytes = 2 * 2 * (2 * 64 + 64 * 2) * 4
+    assert [r["sync/bytes"] for r in result.rows] == [adapter_bytes] * 3
+    assert all(0 <= r["staleness"] <= 1 for r in result.rows)
+    state = read_policy_state(tmp_path / "ckpt")
+    assert sorted(state["model"]) == sorted(
+        f"model.layers.{i}.self_attn.{m}.lora_{ab}.weight" for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"
+    )
+    assert len(state["optimizer"]["state"]) == 8 and state["version"] == 3
