@@ -1,18 +1,18 @@
-"""A LoRA policy learns: a tiny Qwen2 (hidden 128, 4 heads of 32) on the HF example's copy task,
-with rank-r adapters, against the same run training the whole model.
+"""A LoRA policy learns: rank-r adapters on the HF example's copy task, against the same steps training
+the whole model, with the bytes each weight sync moves.
 
-Builds the model directory in code (a ``Qwen2Config`` saved beside the example's tokenizer and
-prompts: ``flowrl.examples.hf_copy``). LoRA adapts a model that already does something: from random
-weights the copy task's reward is 0 for every sample, so no advantage and no gradient, and adapters
-on frozen random weights found no reward in 150 steps (see the report). So a base model is made first:
-``--warmup`` steps of full-model training from the seeded random weights, exported with
-``flowrl.models.export.export_hf`` (the pretrained base). Then ``build_hf_copy(lora=...)`` runs
-``--steps`` steps from that base with the built-in (or ``--engine vllm``) generator; with ``--full``
-the same steps train the whole base model instead. Prints JSON: each run's reward curve (means over
-windows of ``--window`` steps), ``sync/bytes`` (what one publish puts on the weight edge), wall-clock
-seconds, and the ratio of bytes per sync.
+The model directory is built in code beside the example's tokenizer and prompts
+(``flowrl.examples.hf_copy``): ``--family qwen2``, a 2-layer Qwen2 of hidden 128 (4 heads of 32, which
+vLLM's CPU kernels take; untied), or ``--family llama``, the example's ~90K-parameter Llama. LoRA
+adapts a model that already does something: with ``--warmup N`` a base model is made first (N steps of
+full-model training from the seeded random weights, exported with ``flowrl.models.export.export_hf``),
+and both runs start from it (``--warmup 0``: from the random weights). Then ``build_hf_copy(lora=...)``
+runs ``--steps`` steps with the built-in (or ``--engine vllm``) generator; ``--full`` adds the same
+steps training the whole model. Prints JSON: each run's reward curve (means over windows of
+``--window`` steps), ``sync/bytes`` (what one publish puts on the weight edge), wall-clock seconds,
+and the ratio of bytes per sync.
 
-    python benches/lora.py [--warmup 60] [--steps 150] [--rank 8] [--lr 1e-2] [--full] [--engine vllm]
+    python benches/lora.py [--family llama] [--warmup 100] [--steps 150] [--rank 8] [--lr 3e-3] [--full] [--engine vllm]
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def qwen2_dir(out: Path) -> Path:
-    """The example's tokenizer and prompts with a 2-layer Qwen2 of hidden 128 (4 heads of 32)."""
+def model_dir(out: Path, family: str = "qwen2") -> Path:
+    """The example's tokenizer and prompts with its ~90K-parameter Llama (``family="llama"``) or a
+    2-layer Qwen2 of hidden 128 (4 heads of 32, untied)."""
     from transformers import Qwen2Config
 
     from flowrl.examples.hf_copy import WORDS, write_assets
 
     write_assets(out)
+    if family == "llama":
+        return out
     Qwen2Config(
         vocab_size=len(WORDS), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -82,23 +85,24 @@ def main() -> None:
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--full", action="store_true", help="also train the whole model (bytes per sync and curve to compare)")
     p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"])
+    p.add_argument("--family", default="qwen2", choices=["qwen2", "llama"])
     args = p.parse_args()
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = dict(r=args.rank, alpha=2 * args.rank, target_modules=targets)
     with tempfile.TemporaryDirectory() as tmp:
         from flowrl.models.export import export_hf
 
-        random_dir = qwen2_dir(Path(tmp) / "qwen2")
-        out = {"model": "qwen2 2x128 (4 heads)", "steps": args.steps, "engine": args.engine, "lora": lora}
-        model_dir, init = random_dir, "random"
+        random_dir = model_dir(Path(tmp) / args.family, args.family)
+        out = {"model": {"qwen2": "qwen2 2x128 (4 heads)", "llama": "hf_copy's llama 2x64"}[args.family], "steps": args.steps, "engine": args.engine, "lora": lora}
+        base_dir, init = random_dir, "random"
         if args.warmup:
             out["warmup_run"] = run(random_dir, steps=args.warmup, lora=None, lr=args.full_lr, engine="builtin", window=args.window,
                                     init="random", ckpt=Path(tmp) / "ckpt")  # fmt: skip
-            model_dir, init = export_hf(Path(tmp) / "ckpt", Path(tmp) / "base"), "pretrained"
-            (model_dir / "prompts.jsonl").write_bytes((random_dir / "prompts.jsonl").read_bytes())
-        out["lora_run"] = run(model_dir, steps=args.steps, lora=lora, lr=args.lr, engine=args.engine, window=args.window, init=init)
+            base_dir, init = export_hf(Path(tmp) / "ckpt", Path(tmp) / "base"), "pretrained"
+            (base_dir / "prompts.jsonl").write_bytes((random_dir / "prompts.jsonl").read_bytes())
+        out["lora_run"] = run(base_dir, steps=args.steps, lora=lora, lr=args.lr, engine=args.engine, window=args.window, init=init)
         if args.full:
-            out["full_run"] = run(model_dir, steps=args.steps, lora=None, lr=args.full_lr, engine=args.engine, window=args.window, init=init)
+            out["full_run"] = run(base_dir, steps=args.steps, lora=None, lr=args.full_lr, engine=args.engine, window=args.window, init=init)
             out["bytes_ratio"] = round(out["full_run"]["sync_bytes"] / out["lora_run"]["sync_bytes"], 1)
     print(json.dumps(out, indent=1))
 

@@ -58,14 +58,19 @@ def _peft_model(directory, adapters: dict[str, torch.Tensor], lora: LoraConfig =
     return model
 
 
+@pytest.fixture(scope="module")
+def batch(hf_qwen2_dir) -> dict[str, torch.Tensor]:
+    """One rollout of the base model with rewards, shared by the module's training tests."""
+    return _batch(hf_qwen2_dir)
+
+
 def _batch(directory) -> dict[str, torch.Tensor]:
     out = Generator(GeneratorNode(name="g", model=_model(directory, None), sampling=SamplingConfig(n_samples=2, max_new_tokens=6)), seed=0).generate(left_padded(PROMPTS))
     return {**out, "rewards": torch.tensor([1.0, -0.5, 0.3, 0.9, -1.0, 0.2])}
 
 
-def test_adapter_gradient_equals_autograd_through_peft(hf_qwen2_dir):
+def test_adapter_gradient_equals_autograd_through_peft(hf_qwen2_dir, batch):
     """The trainer's gradient on A and B is plain autograd through peft's model on the same batch and loss."""
-    batch = _batch(hf_qwen2_dir)
     trainer = _policy(hf_qwen2_dir)
     adapters = _random_adapters(trainer)
     trainer.train_step(batch)
@@ -84,12 +89,12 @@ def test_adapter_gradient_equals_autograd_through_peft(hf_qwen2_dir):
     assert all(p.grad is None for n, p in trainer.model.named_parameters() if "lora_" not in n)
 
 
-def test_only_adapters_train_and_base_weights_stay_as_loaded(hf_qwen2_dir):
+def test_only_adapters_train_and_base_weights_stay_as_loaded(hf_qwen2_dir, batch):
     trainer = _policy(hf_qwen2_dir, lr=1e-2)
     _random_adapters(trainer)
     before = {n: t.clone() for n, t in trainer.weights().items()}
     for _ in range(2):
-        trainer.train_step(_batch(hf_qwen2_dir))
+        trainer.train_step(batch)
     optimized = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     assert {id(p) for p in optimized} == {id(p) for n, p in trainer.model.named_parameters() if "lora_" in n}
     assert all(not torch.equal(before[n], t) for n, t in trainer.weights().items() if "lora_B" in n)
@@ -123,8 +128,8 @@ def test_a_sync_moves_only_the_adapters_and_the_generator_equals_peft_merged(hf_
     assert gen.version == 1
 
 
-def test_a_resumed_lora_policy_continues_exactly(hf_qwen2_dir, tmp_path):
-    batches = [_batch(hf_qwen2_dir) for _ in range(3)]
+def test_a_resumed_lora_policy_continues_exactly(hf_qwen2_dir, batch, tmp_path):
+    batches = [batch, {**batch, "rewards": -batch["rewards"]}, batch]  # AdamW's moments make each step differ
     straight = _policy(hf_qwen2_dir, lr=1e-2)
     _random_adapters(straight)
     stopped = _policy(hf_qwen2_dir, lr=1e-2)
