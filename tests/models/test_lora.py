@@ -151,7 +151,7 @@ def test_a_resumed_lora_policy_continues_exactly(hf_qwen2_dir, batch, tmp_path):
         other.load_state(state)
 
 
-def test_export_merged_loads_in_transformers_and_adapter_loads_in_peft(hf_qwen2_dir, tmp_path):
+def test_export_merged_loads_in_transformers_and_adapter_loads_in_peft(hf_qwen2_dir, tmp_path, capsys):
     from flowrl.cli.main import main
 
     trainer = _policy(hf_qwen2_dir)
@@ -170,7 +170,15 @@ def test_export_merged_loads_in_transformers_and_adapter_loads_in_peft(hf_qwen2_
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == LORA.r
     loaded = peft.PeftModel.from_pretrained(hf_reference_model(hf_qwen2_dir), str(tmp_path / "adapter"))
     torch.testing.assert_close(loaded(input_ids=tokens).logits, expected, rtol=0, atol=1e-6)
-    assert main(["export", str(step), "-o", str(tmp_path / "adapter")]) != 0  # not empty: refused
+    assert main(["export", str(step), "-o", str(tmp_path / "adapter")]) == 2  # not empty: refused
+    plain = tmp_path / "plain" / "step-1"
+    plain.mkdir(parents=True)
+    (plain / "meta.json").write_text("{}")
+    torch.save(Trainer(PolicyNode(name="policy", model=_model(hf_qwen2_dir, None)), LossNode(name="aipo")).state(), plain / "policy-policy.pt")
+    capsys.readouterr()
+    assert main(["export", str(plain), "-o", str(tmp_path / "none"), "--adapter"]) == 2
+    err = capsys.readouterr().err
+    assert "has no lora; drop --adapter" in err and "Traceback" not in err and not (tmp_path / "none").exists()
 
 
 @pytest.mark.parametrize(
