@@ -233,6 +233,8 @@ def test_the_builder_puts_lora_on_the_policy_and_the_generator_it_feeds_and_refu
     assert from_json(to_json(graph)).node("gen").model.lora == lora
     with pytest.raises(ConfigError, match="lora= adapts a Hugging Face model"):
         GraphBuilder("builtin", model=ModelConfig()).policy("policy", "x", lora=dict(r=8))
+    with pytest.raises(ConfigError, match=r"peft_config.*lora=dict\(r=, alpha=, target_modules=\) on b.policy"):
+        b.policy("policy2", loss, peft_config={"r": 8})
     with pytest.raises(ConfigError, match="sharding='fsdp' is not supported"):
         PolicyNode(name="p", model=HFModelConfig(path="x", lora=lora), optimizer=OptimizerConfig(sharding="fsdp"))
 
