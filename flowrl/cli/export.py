@@ -9,10 +9,12 @@ __all__ = ["register"]
 EPILOG = """\
 CHECKPOINT is a run's --checkpoint-dir (its newest checkpoint is used) or one step-* directory in it.
 The built-in model is written as LlamaForCausalLM (an exact mapping); a Hugging Face policy keeps
-its own architecture and tokenizer.
+its own architecture and tokenizer. A LoRA policy is written with its adapters merged into the base
+model, or with --adapter as a peft adapter directory.
 
 examples:
   flowrl export runs/ckpt -o my-model
+  flowrl export runs/ckpt -o my-adapter --adapter      # a LoRA policy's adapters (peft's layout)
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('my-model')"
 """
 
@@ -29,12 +31,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", metavar="DIR", required=True, help="directory to write (must be empty or new)")
     p.add_argument("--node", metavar="NAME", help="the policy node, when the checkpoint holds several")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR")
+    p.add_argument(
+        "--adapter", action="store_true",
+        help="a LoRA policy: write its adapters as a peft adapter directory (default: the base model with them merged)",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.models.export import export_hf
 
-    out = export_hf(args.checkpoint, args.output, node=args.node, overwrite=args.overwrite)
-    print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it)")
+    out = export_hf(args.checkpoint, args.output, node=args.node, overwrite=args.overwrite, adapter=args.adapter)
+    if args.adapter:
+        print(f"wrote {out} (PeftModel.from_pretrained(base_model, {str(out)!r}) loads it)")
+    else:
+        print(f"wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it)")
     return 0

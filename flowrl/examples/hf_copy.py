@@ -47,7 +47,13 @@ WORDS: tuple[str, ...] = (
 
 
 def build_hf_copy(
-    *, max_staleness: int = 1, model_dir: str | Path = ASSETS, data: str | Path | None = None, engine: Engine = "builtin"
+    *,
+    max_staleness: int = 1,
+    model_dir: str | Path = ASSETS,
+    data: str | Path | None = None,
+    engine: Engine = "builtin",
+    lora: dict[str, Any] | None = None,
+    lr: float = 2e-3,
 ) -> Graph:
     """prompts.jsonl -> gen -> reward (text) -> aipo -> policy, with a Llama-architecture model from ``model_dir``.
 
@@ -58,6 +64,9 @@ def build_hf_copy(
         data: the prompt file; defaults to ``prompts.jsonl`` in the shipped assets.
         engine: the generator's engine; ``"vllm"`` on a CPU needs a head size of 32 or more, so a
             directory written with ``write_assets(DIR, heads=2)`` rather than the shipped one (4 heads of 16).
+        lora: train LoRA adapters instead of the model (``LoraConfig``'s fields, e.g.
+            ``dict(r=8, alpha=16, target_modules=["q_proj", "v_proj"])``; ``flowrl.models.lora``).
+        lr: the policy's learning rate.
     """
     model = HFModelConfig(path=str(model_dir), init="random", seed=0)
     b = GraphBuilder("hf_copy", model=model)
@@ -65,7 +74,7 @@ def build_hf_copy(
     gen = b.generator("gen", prompts, n_samples=8, max_new_tokens=5, temperature=1.0, engine=engine)
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0, normalize_std=True)
-    policy = b.policy("policy", aipo, lr=2e-3)
+    policy = b.policy("policy", aipo, lr=lr, lora=lora)
     b.weights(policy, gen, max_staleness=max_staleness)
     return b.build()
 

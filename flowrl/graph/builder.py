@@ -26,7 +26,7 @@ import msgspec
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.engines import Engine
 from flowrl.graph.envs import EnvConfig
-from flowrl.graph.configs import HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.configs import HFModelConfig, LoraConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.judges import JudgeConfig
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
 from flowrl.graph.nodes import (
@@ -278,12 +278,30 @@ class GraphBuilder:
         *,
         model: ModelConfig | None = None,
         optimizer: OptimizerConfig | None = None,
+        lora: LoraConfig | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Node:
-        """The trainer, stepping on ``loss``; keyword arguments are ``OptimizerConfig`` fields."""
+        """The trainer, stepping on ``loss``; keyword arguments are ``OptimizerConfig`` fields.
+
+        ``lora`` (a ``LoraConfig`` or a dict of its fields, e.g. ``dict(r=8, alpha=16,
+        target_modules=["q_proj", "v_proj"])``) trains low-rank adapters on the Hugging Face model
+        instead of the model: it becomes the policy model's ``lora``, and a generator this policy's
+        weights reach (``weights()``) samples from the same base model with those adapters.
+
+        Raises:
+            ConfigError: for ``lora`` on the built-in model (LoRA adapts Hugging Face models, through peft).
+        """
         cfg = _config(OptimizerConfig, optimizer, kwargs, f"policy {name!r}")
         self._no_leftovers("policy", name, kwargs)
-        return self.add(PolicyNode(name=name, model=model or self.model, optimizer=cfg), (loss,))
+        model = model or self.model
+        if lora is not None:
+            if not isinstance(model, HFModelConfig):
+                raise ConfigError(
+                    f"policy {name!r}: lora= adapts a Hugging Face model (peft wraps transformers models), and this policy's "
+                    f"model is the built-in family ({model.short()}); use model=HFModelConfig(path=DIR), or drop lora="
+                )
+            model = msgspec.structs.replace(model, lora=lora)  # HFModelConfig checks and converts a dict
+        return self.add(PolicyNode(name=name, model=model, optimizer=cfg), (loss,))
 
     def weights(
         self, src: NodeRef, dst: NodeRef, *, transport: str = "inprocess", max_staleness: int = 1, in_flight: bool = False
@@ -298,8 +316,21 @@ class GraphBuilder:
             max_staleness=max_staleness,
             in_flight=in_flight,
         )
+        self._adopt_lora(edge)
         self._weight_edges.append(edge)
         return edge
+
+    def _adopt_lora(self, edge: WeightEdge) -> None:
+        """A generator fed by a LoRA policy (``policy(..., lora=)``) whose model is the policy's base
+        model takes the policy's description, adapters included: it applies what the edge carries."""
+        names = [n.name for n in self._nodes]
+        if edge.src not in names or edge.dst not in names:
+            return  # reported by build()
+        src, i = self._nodes[names.index(edge.src)], names.index(edge.dst)
+        src_model, dst_model = getattr(src, "model", None), getattr(self._nodes[i], "model", None)
+        if (isinstance(src_model, HFModelConfig) and src_model.lora is not None and isinstance(dst_model, HFModelConfig)
+                and dst_model.lora is None and msgspec.structs.replace(src_model, lora=None) == dst_model):
+            self._nodes[i] = msgspec.structs.replace(self._nodes[i], model=src_model)
 
     def _with_tokenizers(self) -> tuple[Node, ...]:
         """The nodes, each data source without a ``tokenizer`` given that of the HF model it feeds."""

@@ -21,6 +21,7 @@ from flowrl.errors import ConfigError
 __all__ = [
     "ModelConfig",
     "HFModelConfig",
+    "LoraConfig",
     "AnyModelConfig",
     "HF_FAMILIES",
     "SamplingConfig",
@@ -123,6 +124,47 @@ class ModelConfig(msgspec.Struct, tag="builtin", tag_field="family", **_STRUCT):
 HF_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 
 
+class LoraConfig(msgspec.Struct, **_STRUCT):
+    """Low-rank adapters (LoRA, Hu et al. 2021) on some linear layers of a Hugging Face model.
+
+    Each target layer ``W0`` (``[out, in]``) gets ``A`` (``[r, in]``, random) and ``B`` (``[out, r]``,
+    zeros), and computes ``W0 x + (alpha / r) * B A x``; only ``A`` and ``B`` train and travel over
+    weight edges (``flowrl.models.lora``). peft's ``LoraConfig`` with ``lora_dropout=0`` and
+    ``bias="none"``: no dropout, so the trainer's pi and the generator's mu are one function.
+
+    Attributes:
+        r: the rank of ``B A``.
+        alpha: the scale numerator (peft's ``lora_alpha``): the update is ``(alpha / r) * B A``.
+        target_modules: which linear layers get adapters: a name matches a module whose dotted path
+            equals it or ends with ``"." + name`` (peft's rule), e.g. ``("q_proj", "v_proj")``.
+        seed: seed of ``A``'s initialisation.
+
+    Example:
+        >>> LoraConfig(r=8, alpha=16, target_modules=("q_proj", "v_proj")).scale
+        2.0
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        o = "LoraConfig"
+        _check(isinstance(self.r, int) and self.r >= 1, o, f"r={self.r!r} must be an integer >= 1 (the adapters' rank)")
+        _finite(o, alpha=self.alpha)
+        _check(self.alpha > 0, o, f"alpha={self.alpha} must be > 0 (the update is alpha / r * B A)")
+        _check(
+            len(self.target_modules) >= 1 and all(isinstance(t, str) and t for t in self.target_modules), o,
+            f"target_modules={list(self.target_modules)} must name at least one linear layer, e.g. ('q_proj', 'v_proj')",
+        )  # fmt: skip
+
+    @property
+    def scale(self) -> float:
+        """``alpha / r``, the factor on ``B A``."""
+        return self.alpha / self.r
+
+
 class HFModelConfig(msgspec.Struct, tag="hf", tag_field="family", **_STRUCT):
     """A Hugging Face causal LM in a local directory, as ``save_pretrained`` writes it.
 
@@ -139,6 +181,10 @@ class HFModelConfig(msgspec.Struct, tag="hf", tag_field="family", **_STRUCT):
             weights, so a generator and its policy start equal).
         tokenizer: directory of the tokenizer files; empty means ``path``.
         max_seq_len: longest prompt + completion; 0 means the config's ``max_position_embeddings``.
+        lora: low-rank adapters on the base model (``LoraConfig``; a dict of its fields is
+            accepted): the policy trains only them, and they are what its weight edges carry; a
+            generator holding the same description applies them to its copy of the base weights.
+            None: the whole model, as it is.
     """
 
     path: str
@@ -146,9 +192,16 @@ class HFModelConfig(msgspec.Struct, tag="hf", tag_field="family", **_STRUCT):
     seed: int = 0
     tokenizer: str = ""
     max_seq_len: int = 0
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         o = "HFModelConfig"
+        if isinstance(self.lora, dict):  # HFModelConfig(lora=dict(r=8, ...)): the builder's spelling
+            try:
+                msgspec.structs.force_setattr(self, "lora", msgspec.convert(self.lora, LoraConfig))
+            except msgspec.ValidationError as exc:
+                raise ConfigError(f"{o}: lora={self.lora!r}: {exc} (fields: {list(LoraConfig.__struct_fields__)})") from None
+        _check(self.lora is None or isinstance(self.lora, LoraConfig), o, f"lora={self.lora!r} must be a LoraConfig, a dict of its fields, or None")
         _check(bool(self.path.strip()), o, "path must name a local model directory")
         _check(self.max_seq_len >= 0, o, f"max_seq_len={self.max_seq_len} must be >= 0 (0: the model's own)")
 
@@ -158,8 +211,9 @@ class HFModelConfig(msgspec.Struct, tag="hf", tag_field="family", **_STRUCT):
         return self.tokenizer or self.path
 
     def short(self) -> str:
-        """A compact form for printing: the directory's last component."""
-        return "hf:" + (self.path.rstrip("/").rsplit("/", 1)[-1] or self.path)
+        """A compact form for printing: the directory's last component (and the adapters' rank)."""
+        lora = f"+lora{self.lora.r}" if self.lora is not None else ""
+        return "hf:" + (self.path.rstrip("/").rsplit("/", 1)[-1] or self.path) + lora
 
 
 AnyModelConfig = ModelConfig | HFModelConfig

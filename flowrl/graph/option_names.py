@@ -55,6 +55,7 @@ TRL_OPTIONS: dict[str, str] = {
         "flowrl accumulates gradients over the whole batch by itself: set micro_batch_size on b.policy(...)"
     ),
     "bf16": "set autocast='bfloat16' on b.policy(...) and precision='bfloat16' on b.generator(...)",
+    "peft_config": "LoRA is lora=dict(r=, alpha=, target_modules=) on b.policy(...) (a Hugging Face model; pip install 'flowrl[lora]')",
     "max_steps": "the number of steps is the run's: flowrl run --steps N (RunConfig.steps)",
     "num_train_epochs": "the number of steps is the run's: flowrl run --steps N (RunConfig.steps); a prompt file repeats in new seeded orders",
     "save_steps": "checkpoints are the run's: flowrl run --checkpoint-every N",

@@ -11,6 +11,9 @@
   float rounding. Its character tokenizer is written as a ``tokenizers`` word-level tokenizer over
   single characters with the same ids.
 
+- A LoRA policy is written merged (peft's ``merge_and_unload`` over its base model), or with
+  ``adapter=True`` as a peft adapter directory.
+
 A non-empty ``out_dir`` is refused unless ``overwrite=True``.
 """
 
@@ -27,6 +30,7 @@ import torch
 from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, ModelConfig
 from flowrl.models.local import require_transformers
+from flowrl.models.lora import lora_of, merged_model, save_adapter
 
 __all__ = ["export_hf", "read_policy_state", "builtin_to_llama"]
 
@@ -123,14 +127,21 @@ def _builtin_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def export_hf(source: str | Path | dict[str, Any], out_dir: str | Path, *, node: str | None = None, overwrite: bool = False) -> Path:
+def export_hf(
+    source: str | Path | dict[str, Any], out_dir: str | Path, *, node: str | None = None, overwrite: bool = False, adapter: bool = False
+) -> Path:
     """Write the policy of ``source`` as a Hugging Face directory at ``out_dir``.
+
+    A LoRA policy (its model description has ``lora``) is written merged by default: its base model
+    with peft's ``merge_and_unload`` of the adapters, a plain model; with ``adapter=True`` as a peft
+    adapter directory (``PeftModel.from_pretrained(base, out_dir)``), ``flowrl.models.lora.save_adapter``.
 
     Args:
         source: a checkpoint directory (see ``read_policy_state``) or a ``Trainer.state()`` dict.
         out_dir: where to write; created if missing.
         node: the policy node, when the checkpoint holds several.
         overwrite: allow writing into a non-empty ``out_dir`` (its files of the same names are replaced).
+        adapter: write a LoRA policy's adapters only (refused for a policy without ``lora``).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -148,9 +159,18 @@ def export_hf(source: str | Path | dict[str, Any], out_dir: str | Path, *, node:
     except msgspec.ValidationError as exc:
         raise CheckpointError(f"export: the checkpoint's model_config is not a model description: {exc}") from None
     weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state["model"].items()}
+    lora = lora_of(config)
+    if adapter and lora is None:
+        raise ConfigError(f"export: --adapter writes a LoRA policy's adapters, and this policy ({config.short()}) has no lora; drop --adapter")
+    if adapter:
+        assert isinstance(config, HFModelConfig)  # lora_of is None for the built-in family
+        return save_adapter(weights, lora, out, base_model=config.path)
     transformers = require_transformers("flowrl export")
     transformers.utils.logging.disable_progress_bar()  # one line of output, not a bar per shard
-    if isinstance(config, ModelConfig):
+    if lora is not None:
+        model = merged_model(config, weights)
+        hf_config, hf_state = model.config, None
+    elif isinstance(config, ModelConfig):
         hf_config, hf_state = builtin_to_llama(config, weights)
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(hf_config)
@@ -163,7 +183,8 @@ def export_hf(source: str | Path | dict[str, Any], out_dir: str | Path, *, node:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(hf_config)
         hf_state = weights
-    model.load_state_dict(hf_state, strict=False, assign=True)
+    if hf_state is not None:
+        model.load_state_dict(hf_state, strict=False, assign=True)
     if hf_config.tie_word_embeddings:
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

@@ -25,7 +25,7 @@ import torch
 from flowrl.graph.configs import HF_FAMILIES, AnyModelConfig, HFModelConfig, ModelConfig
 from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["ModelFamily", "FAMILIES", "family_of", "build_model", "weight_shapes", "ModelTokens", "model_tokens"]
+__all__ = ["ModelFamily", "FAMILIES", "family_of", "build_model", "weight_shapes", "meta_model", "ModelTokens", "model_tokens"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,15 @@ def weight_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], to
     """
     from flowrl.models.causal_lm import weight_dict
 
+    return {n: (tuple(t.shape), t.dtype) for n, t in weight_dict(meta_model(config)).items()}
+
+
+def meta_model(config: AnyModelConfig) -> CausalLM:
+    """``config``'s float32 model on the meta device: its modules and shapes, no memory, no weights read.
+
+    Raises:
+        ConfigError: as ``build_model``.
+    """
     if isinstance(config, ModelConfig):
         from flowrl.operators.model import Transformer
 
@@ -111,7 +120,7 @@ def weight_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], to
         with torch.device("meta"):
             hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         model = HFCausalLM(hf, max_seq_len=config.max_seq_len or int(raw.get("max_position_embeddings") or 1))
-    return {n: (tuple(t.shape), t.dtype) for n, t in weight_dict(model).items()}
+    return model
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ are weight-only quantized (``flowrl.models.quantize``); ``weight_targets()`` sta
 and setting ``version`` (what every weight delivery does) re-quantizes from them. mu's log-probs
 are then the quantized model's, which is what AIPO's ratio must divide by.
 
+LoRA: a model description with ``lora`` builds the base model; ``weight_targets()`` are then the
+adapters, and setting ``version`` merges them into the base weights (``flowrl.models.lora.LoraMerge``).
+
 Weight version: ``version`` starts at 0 because a generator and a policy built from the same
 ``ModelConfig`` start from the same seeded weights (the policy's version 0); ``load_weights`` and the
 runtime's transports set it when they copy newer weights in.
@@ -67,6 +70,7 @@ from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.batch import Batch
 from flowrl.graph.configs import ModelConfig
 from flowrl.models.causal_lm import weight_dict
+from flowrl.models.lora import LoraMerge, lora_of
 from flowrl.models.quantize import QUANTIZED_PRECISIONS, quantize_linears_
 from flowrl.models.registry import build_model, model_tokens
 from flowrl.operators.logprobs import prompt_valid, truncated_log_softmax
@@ -187,6 +191,10 @@ class Generator:
         precision = node.sampling.precision
         self.model = build_model(node.model, dtype=DTYPES.get(precision, torch.float32), device=self.device).eval().requires_grad_(False)
         self._targets = weight_dict(self.model)  # float tensors: what transports and load_weights write into
+        lora = lora_of(node.model)
+        self._lora = LoraMerge(self.model, lora, owner=f"generator {node.name!r}") if lora is not None else None
+        if self._lora is not None:  # a LoRA policy sends its adapters; they are merged into the base weights
+            self._targets = self._lora.targets
         self._quantized = quantize_linears_(self.model, precision) if precision in QUANTIZED_PRECISIONS else None
         self._version = 0
         if isinstance(node.model, ModelConfig):
@@ -208,6 +216,8 @@ class Generator:
         """Say that ``weight_targets()`` now hold the weights of version ``value``: whoever copied them
         in (a transport's fetch, ``load_weights``) sets it. A quantized generator re-quantizes its
         linear layers from the float targets here, so it never samples with stale quantized weights."""
+        if self._lora is not None:
+            self._lora.merge()
         if self._quantized is not None:
             self._quantized.requantize()
         self._version = int(value)
@@ -224,8 +234,9 @@ class Generator:
         Raises:
             ConfigError: for a quantized generator, whose layers cannot be re-read (or sharded).
         """
-        if self._quantized is not None:
-            raise ConfigError(f"generator {self.name!r}: a {self.sampling.precision} generator's weights cannot be re-read or sharded")
+        if self._quantized is not None or self._lora is not None:
+            kind = "LoRA" if self._lora is not None else self.sampling.precision
+            raise ConfigError(f"generator {self.name!r}: a {kind} generator's weights cannot be re-read or sharded")
         self._targets = weight_dict(self.model)
         return self._targets
 

@@ -20,6 +20,9 @@ One ``train_step(batch)``:
    ``mismatch/outside_kept_frac``), from what every engine writes;
 5. bumps ``version`` (completed optimizer steps, 0 before the first).
 
+A model description with ``lora`` (``flowrl.models.lora``) trains adapters only: the optimizer holds
+them, ``weights()`` and the state's ``model`` are them, the base weights stay as built.
+
 State (``state()`` / ``load_state``) is the model, the optimizer and the version: tensors, ints,
 floats, strings, tuples and dicts only, so that a checkpoint loads with ``torch.load(weights_only=True)``.
 The schedule has no state of its own: the learning rate is a pure function of the version.
@@ -63,6 +66,7 @@ from flowrl.operators.losses import advantages, batch_normalizer, check_objectiv
 from flowrl.operators.shaping import shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
+from flowrl.models.lora import adapter_weights, add_adapters, lora_of
 from flowrl.models.registry import build_model
 
 __all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS"]
@@ -136,13 +140,15 @@ class Trainer:
         self.device = torch.device(device)
         opt = node.optimizer
         self.model = build_model(node.model, device=self.device).train()
+        self.lora = lora_of(node.model)  # LoRA: only the adapters train, travel and are checkpointed
+        add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
         if opt.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay
         )
         self.version = 0
-        self._weights = weight_dict(self.model)  # views of the parameters, updated in place
+        self._weights = adapter_weights(self.model) if self.lora else weight_dict(self.model)  # views of the parameters, updated in place
         self.loss_scale = 1.0  # a factor on the loss before backward, set per step by flowrl.runtime.fsdp
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
@@ -248,7 +254,7 @@ class Trainer:
         return {
             "version": self.version,
             "model_config": msgspec.to_builtins(self.node.model),
-            "model": _clone(dict(self.model.state_dict())),
+            "model": _clone(dict(self._weights) if self.lora else dict(self.model.state_dict())),  # LoRA: the adapters
             "optimizer": _clone(self.optimizer.state_dict()),
         }
 
@@ -270,6 +276,9 @@ class Trainer:
             raise CheckpointError(
                 f"policy {self.name!r}: the checkpoint holds a model with a different config (saved, now): {diff}"
             )
-        self.model.load_state_dict(state["model"])
+        if self.lora:  # the base weights are the description's own; the checkpoint holds the adapters
+            copy_weights(self._weights, state["model"], owner=f"policy {self.name!r} (checkpoint)")
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

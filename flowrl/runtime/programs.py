@@ -356,6 +356,8 @@ class PolicyProgram(ProgramBase):
         publish_s = self.publish()
         info: Info = {k: float(v) for k, v in metrics.items()}
         info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if self._edges:  # what one publish puts on each weight edge (a LoRA policy's: its adapters only)
+            info["sync/bytes"] = float(sum(t.numel() * t.element_size() for t in self.trainer.weights().values()))
         return {}, info
 
     def save(self, path: str) -> None:

@@ -31,6 +31,11 @@ file and resets vLLM's prefix cache, so that no later token is computed from KV 
 weights. The engine is never restarted. A model with ``init="random"`` starts vLLM with dummy weights
 and loads the seeded weights the policy starts from the same way (version 0).
 
+LoRA: a model description with ``lora`` starts vLLM with ``enable_lora``; ``weight_targets()`` are
+then the adapters, and each version is saved as a peft adapter directory beside the staging file and
+handed to vLLM as a ``LoRARequest`` with a new id (``vllm_lora.VLLMAdapters``): the base weights in
+vLLM never change.
+
 Batching and in-flight updates: each ``generate`` call hands vLLM all ``S`` requests at once, and
 vLLM batches them continuously (a finished sequence's place goes to a waiting one at the next step,
 paged KV cache, prefix sharing between a prompt's samples). Weights change only between calls, so
@@ -74,6 +79,7 @@ from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
+from flowrl.operators.engines.vllm_lora import VLLMAdapters
 
 __all__ = ["VLLMGenerator", "check_vllm", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
@@ -245,12 +251,14 @@ class VLLMGenerator:
             del model
         else:
             self._targets = {n: torch.empty(shape, dtype=self._dtype) for n, (shape, _) in weight_shapes(config).items()}
+        self._lora = VLLMAdapters.for_model(config, owner=owner)  # None without lora
+        base, self._targets = self._targets, (self._lora.targets if self._lora is not None else self._targets)
         shm = Path("/dev/shm")
         self._tmp = tempfile.mkdtemp(prefix="flowrl-vllm-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
         try:
             self.llm = self._start(node, raw, device, seed)
             if config.init == "random":
-                self._push()
+                self._push(base)
         except BaseException:
             self.close()
             raise
@@ -288,6 +296,7 @@ class VLLMGenerator:
             hf_overrides=overrides or None,
             disable_log_stats=True,
             **memory,
+            **(self._lora.engine_options() if self._lora is not None else {}),
         )
         visible = _cuda_visible(device)
         try:
@@ -305,8 +314,12 @@ class VLLMGenerator:
     @version.setter
     def version(self, value: int) -> None:
         """Say that ``weight_targets()`` now hold version ``value``'s weights: they go into vLLM here
-        (file, reload in place, prefix cache reset), so no rollout is ever drawn from older ones."""
-        self._push()
+        (file, reload in place, prefix cache reset; a LoRA model's adapters: a new ``LoRARequest``),
+        so no rollout is ever drawn from older ones."""
+        if self._lora is not None:
+            self._lora.publish(self.llm, int(value), self._tmp)
+        else:
+            self._push(self._targets)
         self._version = int(value)
 
     def weight_targets(self) -> dict[str, Tensor]:
@@ -319,17 +332,17 @@ class VLLMGenerator:
         self.version = int(version)
 
     @torch.no_grad()
-    def _push(self) -> None:
+    def _push(self, weights: Mapping[str, Tensor]) -> None:
         from safetensors.torch import save_file
 
         path = os.path.join(self._tmp, "weights.safetensors")
-        save_file({n: t.contiguous() for n, t in self._targets.items()}, path)
+        save_file({n: t.contiguous() for n, t in weights.items()}, path)
         try:
             loaded = self.llm.collective_rpc("flowrl_load_weights", args=(path,))
         finally:
             os.unlink(path)
-        if any(n != len(self._targets) for n in loaded):
-            raise ConfigError(f"generator {self.name!r}: vLLM workers loaded {loaded} tensors of {len(self._targets)}")
+        if any(n != len(weights) for n in loaded):
+            raise ConfigError(f"generator {self.name!r}: vLLM workers loaded {loaded} tensors of {len(weights)}")
         if not self.llm.reset_prefix_cache():  # False while requests run; generate() has returned here
             raise RuntimeError(f"generator {self.name!r}: vLLM refused to reset its prefix cache after a weight update")
 
@@ -400,7 +413,8 @@ class VLLMGenerator:
             requests = [TokensPrompt(prompt_token_ids=ids[p, width - int(lens[p]) :].tolist()) for p in range(P)]
             # a 62-bit seed per prompt: vLLM seeds sample i with seed + i in a signed 64-bit generator
             params = [self._params(_mix(self.seed, int(index[p]), calls) >> 1) for p in range(P)]
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            adapter = self._lora.request if self._lora is not None else None  # None: the base model (version 0's B is 0)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
             for p, out in enumerate(outputs):
                 for completion in out.outputs:
                     row = p * n + completion.index
