@@ -209,9 +209,10 @@ class Trainer:
         config, opt = self.loss.loss, self.node.optimizer
         start_version = self.version
         proximal = opt.updates_per_batch > 1 or config.objective in NEEDS_PROXIMAL
+        mine = self.part_of(batch)  # this rank's samples (all of them in one process): the rollout's metrics
         if proximal:  # log pi_prox: the weights the batch starts with, once, without gradients
             batch["proximal_logprobs"] = self._logprobs(batch, grad=False)
-        mine = self.part_of(batch)  # this rank's samples (all of them in one process): the rollout's metrics
+            mine = self.part_of(batch)
         raw_rewards = combined_rewards(config, mine)  # [S], before shaping: what reward_mean reports
         steps = [self._update(self.part_of(part), mismatch=not proximal) for part in self._mini_batches(batch, start_version)]
         metrics = steps[0] if len(steps) == 1 else _combine(steps)
