@@ -73,7 +73,9 @@ class Roles:
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
         gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
-        recompute: policy -> whether its objective needs an extra log-prob forward.
+        recompute: policy -> whether its objective needs an extra log-prob forward (or it takes several
+            updates a batch: the trainer's log pi_old pass).
+        iterations: policy -> (passes over a batch, optimizer steps a batch) (``OptimizerConfig``).
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
     """
 
@@ -85,6 +87,7 @@ class Roles:
     gen_dtype: dict[str, str]
     param_bytes: float
     recompute: dict[str, bool]
+    iterations: dict[str, tuple[int, int]]
     micro_batch: dict[str, int]
     gen_engine: dict[str, str] = field(default_factory=dict)
 
@@ -104,6 +107,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     gen_dtype: dict[str, str] = {}
     gen_engine: dict[str, str] = {}
     recompute: dict[str, bool] = {}
+    iterations: dict[str, tuple[int, int]] = {}
     micro: dict[str, int] = {}
     loss_of: dict[str, str] = {}
     for node in graph.nodes:
@@ -119,6 +123,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
             loss = graph.loss_of(node.name)
             objective = loss.loss.objective if isinstance(loss, LossNode) else "aipo"
             recompute[node.name] = ctx.tuning.recompute_logprobs if ctx.tuning.recompute_logprobs is not None else objective != "aipo"
+            iterations[node.name] = (node.optimizer.num_iterations, node.optimizer.updates_per_batch)
+            recompute[node.name] = recompute[node.name] or node.optimizer.updates_per_batch > 1
         elif isinstance(node, ReferenceNode):
             refs.append(node.name)
             models[node.name] = model or model_from_config(node.model)
@@ -139,6 +145,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         gen_dtype=gen_dtype,
         param_bytes=param_bytes,
         recompute=recompute,
+        iterations=iterations,
         micro_batch=micro,
         gen_engine=gen_engine,
     )
@@ -233,6 +240,8 @@ class _Evaluator:
                 recompute_logprobs=r.recompute.get(name, False),
                 micro_batch=r.micro_batch.get(name, 0),
                 sharding=self._sharding(name),
+                iterations=r.iterations.get(name, (1, 1))[0],
+                updates=r.iterations.get(name, (1, 1))[1],
             )
         return self._train[key]
 
