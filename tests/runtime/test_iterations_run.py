@@ -45,30 +45,31 @@ def test_the_bound_counts_trainer_steps_of_u_versions(k):
     assert max(stale) == 4 * k, stale
 
 
-def _real(workdir, steps: int, *, resume: bool = False, stop_at: int | None = None, k: int = 0):
+def _real(workdir, steps: int, *, resume: bool = False, stop_at: int | None = None, k: int = 0, backend: str = "local"):
     def stop(row):
         if row["step"] == stop_at:
             raise RuntimeError(f"stopped by the test after step {stop_at}")
 
-    config = RunConfig(steps=steps, backend="local", checkpoint_dir=str(workdir / "ck"), checkpoint_every=1, metrics=str(workdir / "m.jsonl"),
+    config = RunConfig(steps=steps, backend=backend, checkpoint_dir=str(workdir / "ck"), checkpoint_every=1, metrics=str(workdir / "m.jsonl"),
                        resume=resume, progress=False, stall_timeout_s=120)  # fmt: skip
     return run_graph(graph(k=k), config, on_step=stop)
 
 
 @pytest.mark.slow  # three short real runs: ~10 s on an idle machine, ~45 s at load 9 (CI time)
-def test_a_real_run_advances_u_versions_a_step_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_a_real_run_advances_u_versions_a_step_and_resumes_exactly(tmp_path, backend):
     """Real operators, K=2 passes of M=2 mini-batches: versions 4, 8; the old-policy ratio is reported;
     a run stopped after step 2 resumes from its step-1 checkpoint (version 4) and ends with the
     uninterrupted run's weights, bit for bit (the mini-batch order is drawn from the version)."""
-    whole = _real(tmp_path / "whole", 2)
+    whole = _real(tmp_path / "whole", 2, backend=backend)
     assert [r["policy_version"] for r in whole.rows] == [4, 8]
     assert all(r["staleness"] == 0 for r in whole.rows)  # k = 0: synchronous
     assert all("old/ratio_mean" in r and "dppo/behav_weight_mean" in r for r in whole.rows)
     assert all(abs(r["old/ratio_mean"] - 1.0) > 1e-4 for r in whole.rows)  # later updates move away from the old policy
     with pytest.raises(NodeExecutionError, match="stopped by the test"):
-        _real(tmp_path / "cut", 2, stop_at=2)
+        _real(tmp_path / "cut", 2, stop_at=2, backend=backend)
     assert (tmp_path / "cut" / "ck" / "LATEST").read_text() == "step-00000004"
-    resumed = _real(tmp_path / "cut", 2, resume=True)
+    resumed = _real(tmp_path / "cut", 2, resume=True, backend=backend)
     assert [(r["step"], r["policy_version"]) for r in resumed.rows] == [(2, 8)]
     want = torch.load(whole.checkpoint / "policy-policy.pt", weights_only=True)
     got = torch.load(resumed.checkpoint / "policy-policy.pt", weights_only=True)
