@@ -194,7 +194,9 @@ class DataParallelPolicy(_RankPolicy):
 
     def _grad_norm(self, metrics: dict[str, float]) -> float:
         norms = self.trainer.dp_grad_norms  # the global norm of each optimizer step of the batch
-        return sum(norms[-self.trainer.node.optimizer.updates_per_batch :]) / self.trainer.node.optimizer.updates_per_batch
+        mean = sum(norms) / max(len(norms), 1)
+        norms.clear()
+        return mean
 
 
 class ShardedPolicy(_RankPolicy):
