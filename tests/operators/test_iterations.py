@@ -122,12 +122,27 @@ def test_trls_num_iterations_given_to_the_loss_points_at_the_policy():
 
 
 # --- the trainer: versions, mini-batches, the old policy, the gradient -----------------------------
-def test_one_update_per_batch_adds_no_old_policy_pass_or_metrics():
+def test_one_update_per_batch_is_one_aipo_step_as_before_without_an_old_policy_pass():
+    """K = M = 1 (the default): one AdamW step on AIPO's objective written out here, equal to the last
+    bit (measured: the same kernels in the same order), no ``old/*`` metrics, version 1."""
     batch = rollout_with_rewards(seed=0, n_samples=3, batch_size=2)
-    trainer = Trainer(tiny_policy_node(), loss_node())
+    assert batch["rewards"].std() > 0
+    node = tiny_policy_node(lr=3e-2, grad_clip=0.0)
+    trainer = Trainer(node, loss_node(rho=2.0))
+    replay = copy.deepcopy(trainer.model)
+    opt = torch.optim.AdamW(replay.parameters(), lr=3e-2, betas=node.optimizer.betas, weight_decay=node.optimizer.weight_decay)
+    rewards = batch["rewards"].float().view(-1, 3)
+    adv = (rewards - rewards.mean(1, keepdim=True)).reshape(-1, 1)
+    mask = batch["completion_mask"]
+    logp = _logp(replay, batch)
+    weight = torch.exp(logp.detach() - batch["behaviour_logprobs"]).clamp(max=2.0)
+    (-(torch.where(mask, weight * adv * logp, 0.0)).sum() / mask.sum()).backward()
+    opt.step()
     metrics = trainer.train_step(batch)
     assert trainer.version == 1
     assert not any(k.startswith("old/") for k in metrics) and "updates" not in metrics
+    for p, q in zip(trainer.model.parameters(), replay.parameters()):
+        assert torch.equal(p.grad, q.grad) and torch.equal(p.data, q.data)
 
 
 def test_mini_batches_are_whole_groups_each_pass_in_a_seeded_order():
