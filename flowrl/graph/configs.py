@@ -286,10 +286,12 @@ class LossConfig(msgspec.Struct, **_STRUCT):
         objective: ``"aipo"`` (LlamaRL), ``"pg"`` (plain policy gradient that ignores mu),
             ``"grpo"`` (PPO-clip ratio with group advantages) or ``"ppo_clip"`` (an alias kept for
             readers of the PPO paper), ``"gspo"`` (sequence-level ratio), ``"cispo"`` (clipped IS
-            weight on log pi), ``"tis"`` / ``"mis"`` (truncated / masked importance sampling);
-            checked by ``flowrl.operators.losses`` (formulas there).
-        rho: AIPO's one-sided cap on the importance ratio pi/mu; the cap C of ``tis`` and the upper
-            bound of ``mis``.
+            weight on log pi), ``"tis"`` / ``"mis"`` (truncated / masked importance sampling),
+            ``"decoupled_ppo"`` (AReaL: PPO-clip against the proximal policy, the trainer's weights
+            at the batch's start, weighted by pi_prox/mu; the others' ratios are to mu); checked by ``flowrl.operators.losses`` (formulas there).
+        rho: AIPO's one-sided cap on the importance ratio pi/mu; the cap C of ``tis``, the upper
+            bound of ``mis``, and ``decoupled_ppo``'s cap on pi_prox/mu (a token above it is dropped,
+            as AReaL's ``behav_imp_weight_cap``).
         rho_low: ``mis``'s lower bound on pi/mu (a token or sequence below it is dropped); None:
             ``1 / rho``.
         is_level: ``tis`` / ``mis``: the ratio per ``"token"`` or per ``"sequence"`` (the product
@@ -386,8 +388,15 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
         schedule: learning-rate schedule after warm-up.
         warmup_steps: linear warm-up steps.
         total_steps: horizon of the cosine/linear decay (0: no decay).
-        micro_batch_size: samples per forward/backward; gradients accumulate over the batch
-            (0: the whole batch at once).
+        micro_batch_size: samples per forward/backward; gradients accumulate over the mini-batch
+            (0: the whole mini-batch at once).
+        num_iterations: optimizer passes over one rollout batch (TRL's ``num_iterations``, PPO's
+            epochs); each pass visits every mini-batch once, in a new seeded order.
+        num_mini_batches: mini-batches each pass splits the batch into, each one optimizer step
+            (TRL's ``steps_per_generation``, AReaL's ``ppo_n_minibatches``). A mini-batch holds whole
+            prompt groups, so it must divide the source's ``batch_size`` (checked when the graph is
+            built). A batch thus takes ``num_iterations * num_mini_batches`` optimizer steps and the
+            policy's version advances by as many (``updates_per_batch``).
         seed: seed of the trainer's own randomness.
         gradient_checkpointing: recompute block activations in the backward pass (less memory,
             about one more forward pass of time).
@@ -412,6 +421,8 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
     warmup_steps: int = 0
     total_steps: int = 0
     micro_batch_size: int = 0
+    num_iterations: int = 1
+    num_mini_batches: int = 1
     seed: int = 0
     gradient_checkpointing: bool = False
     autocast: Precision = "float32"
@@ -430,6 +441,8 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
         _check(self.warmup_steps >= 0, o, f"warmup_steps={self.warmup_steps} must be >= 0")
         _check(self.total_steps >= 0, o, f"total_steps={self.total_steps} must be >= 0")
         _check(self.micro_batch_size >= 0, o, f"micro_batch_size={self.micro_batch_size} must be >= 0")
+        _check(self.num_iterations >= 1, o, f"num_iterations={self.num_iterations} must be >= 1 (1: one pass over each batch)")
+        _check(self.num_mini_batches >= 1, o, f"num_mini_batches={self.num_mini_batches} must be >= 1 (1: the whole batch per optimizer step)")
         for field in ("param_dtype", "reduce_dtype"):
             value = getattr(self, field)
             _check(
@@ -437,6 +450,16 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
                 f"{field}={value!r} is FSDP2's mixed precision and needs sharding='fsdp' (it is {self.sharding!r}); "
                 "for a replicated policy use autocast= instead",
             )
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps (policy versions) per rollout batch: ``num_iterations * num_mini_batches``.
+
+        Example:
+            >>> OptimizerConfig(num_iterations=2, num_mini_batches=3).updates_per_batch
+            6
+        """
+        return self.num_iterations * self.num_mini_batches
 
 
 #: Extensions of the prompt files a source reads (``flowrl.data.files``).

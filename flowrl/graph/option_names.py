@@ -61,7 +61,8 @@ TRL_OPTIONS: dict[str, str] = {
     "save_steps": "checkpoints are the run's: flowrl run --checkpoint-every N",
     "save_total_limit": "checkpoints are the run's: flowrl run --keep-checkpoints N",
     "reward_funcs": "declare one b.scorer(...) per reward function and pass them all to b.loss(...)",
-    "num_iterations": "not yet in flowrl: every batch takes one optimizer step",
+    "num_iterations": "num_iterations",
+    "steps_per_generation": "num_mini_batches",
     "sync_ref_model": "not yet in flowrl: the reference node stays the initial policy",
 }
 
@@ -74,6 +75,7 @@ TRL_NOTES: dict[str, str] = {
     ),
     "importance_sampling_level": "'sequence' is objective='gspo' (or is_level='sequence' with objective='tis' / 'mis')",
     "vllm_importance_sampling_cap": "TRL's truncated IS correction is objective='tis' with the cap rho",
+    "steps_per_generation": "a batch of P prompts splits into num_mini_batches mini-batches of whole prompt groups, one optimizer step each",
 }
 
 

@@ -171,6 +171,11 @@ class GraphStructure:
         except (nx.NetworkXNoPath, nx.NodeNotFound):
             return []
 
+    def updates_per_batch(self) -> int:
+        """Policy versions per trainer step (batch): the policies' ``num_iterations * num_mini_batches``
+        (validation keeps them equal); 1 without a policy."""
+        return max((n.optimizer.updates_per_batch for n in self.nodes_of_kind("policy")), default=1)  # type: ignore[attr-defined]
+
     def max_staleness(self, override: int | None = None) -> int:
         """The run's effective staleness bound k: ``override`` when given (``--max-staleness``), else
         the smallest ``max_staleness`` of the weight edges (the tightest one binds), 0 without any."""

@@ -221,6 +221,42 @@ def _check_weight_edges(g: Graph) -> Iterable[str]:
             yield f"generator {gen.name!r} receives no weights, so it would sample with its initial weights forever; add a weight edge from the policy (builder.weights(policy, {gen.name!r}))"
 
 
+def _check_updates(g: Graph) -> Iterable[str]:
+    """Several updates per batch (``OptimizerConfig.num_iterations`` / ``num_mini_batches``): mini-batches
+    of whole prompt groups divide the batch; the version clock advances alike for every policy."""
+    counts = {p.name: p.optimizer.updates_per_batch for p in g.nodes_of_kind("policy")}  # type: ignore[attr-defined]
+    if len(set(counts.values())) > 1:
+        yield (
+            f"policies take different numbers of optimizer steps per batch {counts} (num_iterations * num_mini_batches); "
+            "the run's one version clock advances by one count per batch: give every policy the same"
+        )
+    for policy in g.nodes_of_kind("policy"):
+        opt = policy.optimizer  # type: ignore[attr-defined]
+        for w in g.weight_edges:
+            if w.src != policy.name or w.dst not in g:
+                continue
+            gen = g.node(w.dst)
+            if opt.updates_per_batch > 1 and getattr(getattr(gen, "sampling", None), "batching", None) == "continuous":
+                yield (
+                    f"policy {policy.name!r} takes {opt.updates_per_batch} optimizer steps per batch (num_iterations="
+                    f"{opt.num_iterations}, num_mini_batches={opt.num_mini_batches}), but generator {gen.name!r} has "
+                    "batching='continuous', whose deadlines count one version per batch: use batching='lockstep', or "
+                    "num_iterations=1 and num_mini_batches=1"
+                )
+            for e in g.edges:
+                src = g.node(e.src) if e.src in g else None
+                if e.dst != gen.name or src is None or src.kind != "source":
+                    continue
+                prompts = src.source.batch_size  # type: ignore[attr-defined]
+                if prompts % opt.num_mini_batches:
+                    fits = [m for m in range(1, prompts + 1) if prompts % m == 0]
+                    yield (
+                        f"policy {policy.name!r}: num_mini_batches={opt.num_mini_batches} does not divide the "
+                        f"{prompts} prompts of a batch (source {src.name!r} batch_size={prompts}); a mini-batch holds "
+                        f"whole prompt groups: use one of {fits}, or change batch_size"
+                    )
+
+
 def _check_scorers(g: Graph) -> Iterable[str]:
     for node in g.nodes:
         if isinstance(node, ScorerNode):
@@ -267,6 +303,7 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_unused,
     _check_losses,
     _check_weight_edges,
+    _check_updates,
     _check_scorers,
     _check_sources,
     _check_objectives,

@@ -55,6 +55,18 @@ token (``r_t = pi_t / mu_t``) or per sequence (``r_i = prod_t r_t``, ``is_level=
 
 (``tis`` per token is ``aipo``.)
 
+Decoupled PPO (AReaL, Fu et al. 2025, arXiv 2505.24298; Hilton et al. 2021's decoupled objective): the
+trust region is around the proximal policy pi_prox (the trainer's weights at the start of the batch,
+``proximal_logprobs``: with several updates per batch, the "old" policy), not around the behaviour
+policy mu that sampled; the off-policy gap mu -> pi_prox is corrected by a constant importance weight,
+dropped above ``rho`` (AReaL's ``behav_imp_weight_cap``)::
+
+    w = sg[pi_prox / mu] * 1[pi_prox / mu <= rho],    r = pi / pi_prox
+    loss = - agg_{i,t} w * min(r * A_i, clip(r, 1 - eps_low, 1 + eps_high) * A_i)
+
+(With one update per batch r = 1 in value, and the gradient is ``w * A * grad log pi``. The other
+objectives take their ratio to mu whatever the number of updates.)
+
 Aggregation (``loss_agg``, TRL's ``loss_type``), over per-token terms ``l_{i,t}`` and mask ``m``::
 
     token_mean: sum_{i,t} m * l / N_tokens                         (TRL dapo; bnpo over the whole batch)
@@ -96,10 +108,13 @@ __all__ = [
     "gspo_loss",
     "cispo_loss",
     "is_loss",
+    "decoupled_ppo_loss",
+    "proximal_metrics",
     "kl_penalty",
     "aggregate",
     "batch_normalizer",
     "LOSSES",
+    "NEEDS_PROXIMAL",
     "check_objective",
     "compute_loss",
 ]
@@ -456,6 +471,87 @@ def is_loss(
     return loss, metrics
 
 
+def decoupled_ppo_loss(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    cap: float | None = None,
+    normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """AReaL's decoupled PPO (module docstring): PPO-clip of ``pi / pi_prox``, weighted by the constant
+    ``pi_prox / mu``, a token whose weight exceeds ``cap`` dropped (weight 0; None: no cap).
+
+    Args:
+        logprobs: ``[S, C]`` log pi, with gradients.
+        proximal_logprobs: ``[S, C]`` log pi_prox (no gradient), the trainer's weights at the batch's start.
+        behaviour_logprobs: ``[S, C]`` log mu recorded by the generator.
+        advantages, mask, normalizer, agg, lengths: as ``aipo_loss``.
+        clip_eps_low, clip_eps_high: the clip interval ``[1 - clip_eps_low, 1 + clip_eps_high]`` of ``pi / pi_prox``.
+
+    Returns:
+        ``(loss, metrics)`` with ``loss/policy``, ``dppo/ratio_mean`` (pi / pi_prox), ``dppo/clip_frac``,
+        ``dppo/clip_frac_low``, ``dppo/clip_frac_high``, ``dppo/kl`` (KL(pi_prox || pi), k3),
+        ``dppo/behav_weight_mean`` (pi_prox / mu over the kept tokens), ``dppo/behav_masked_frac``
+        (tokens dropped by the cap) and ``dppo/behav_kl`` (KL(mu || pi_prox), k3).
+
+    Example (one token, pi = pi_prox = 0.5, mu = 0.25: weight 2, gradient -2 * A):
+        >>> lp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        >>> loss, m = decoupled_ppo_loss(lp, lp.detach(), torch.tensor([[math.log(0.25)]]), torch.tensor([1.0]),
+        ...                              torch.tensor([[True]]), clip_eps_low=0.2, clip_eps_high=0.2)
+        >>> loss.backward(); float(lp.grad), m["dppo/behav_weight_mean"]
+        (-2.0, 2.0)
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    prox = proximal_logprobs.detach()
+    log_ratio = torch.where(mask, logprobs - prox, zero)  # [S, C], log pi / pi_prox, with gradient
+    ratio = log_ratio.exp()
+    behav_log = torch.where(mask, prox - behaviour_logprobs, zero)  # [S, C], log pi_prox / mu, a constant
+    kept = mask if cap is None else mask & (behav_log <= math.log(cap))
+    weight = torch.where(kept, behav_log.exp(), zero)  # dropped above the cap, as AReaL's behav_imp_weight_cap
+    surrogate = weight * _clipped_surrogate(ratio, advantages[:, None], clip_eps_low, clip_eps_high)  # [S, C]
+    loss = -aggregate(surrogate, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    with torch.no_grad():
+        metrics = {
+            "loss/policy": float(loss.detach()),
+            **_clip_metrics("dppo", ratio.detach(), log_ratio.detach(), mask, clip_eps_low, clip_eps_high),
+            "dppo/behav_weight_mean": float(masked_mean(weight, kept)),
+            "dppo/behav_masked_frac": float(masked_mean((mask & ~kept).float(), mask)),
+            "dppo/behav_kl": float(masked_mean((-behav_log).exp() - 1 + behav_log, mask)),
+        }
+    return loss, metrics
+
+
+@torch.no_grad()
+def proximal_metrics(logprobs: Tensor, proximal_logprobs: Tensor, mask: Tensor, *, clip_eps_low: float, clip_eps_high: float) -> dict[str, float]:
+    """pi against the proximal ("old") policy, the trainer's weights at the batch's start, over ``mask``:
+    ``old/ratio_mean``, ``old/ratio_max``, ``old/clip_frac`` (ratio outside ``[1 - clip_eps_low, 1 +
+    clip_eps_high]``), ``old/kl`` (KL(pi_old || pi), k3). The first update of a batch has ratio 1.
+
+    Example:
+        >>> m = proximal_metrics(torch.tensor([[0.0, math.log(2.0)]]), torch.zeros(1, 2), torch.tensor([[True, True]]),
+        ...                      clip_eps_low=0.2, clip_eps_high=0.2)
+        >>> m["old/ratio_mean"], m["old/ratio_max"], m["old/clip_frac"]
+        (1.5, 2.0, 0.5)
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    log_ratio = torch.where(mask, logprobs.float() - proximal_logprobs.float(), zero)  # [S, C]
+    ratio = log_ratio.exp()
+    clip = _clip_metrics("old", ratio, log_ratio, mask, clip_eps_low, clip_eps_high)
+    return {
+        "old/ratio_mean": clip["old/ratio_mean"],
+        "old/ratio_max": float(torch.where(mask, ratio, zero).max()) if mask.any() else 1.0,
+        "old/clip_frac": clip["old/clip_frac"],
+        "old/kl": clip["old/kl"],
+    }
+
+
 def kl_penalty(
     logprobs: Tensor,
     ref_logprobs: Tensor,
@@ -521,7 +617,15 @@ def _mis(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, m
     return is_loss(logprobs, behaviour, adv, mask, mode="mask", level=config.is_level, high=high, low=low, **_agg(config, normalizer, lengths))
 
 
-#: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer, lengths)``.
+def _decoupled_ppo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, proximal: Tensor, normalizer=None, lengths=None):
+    low, high = config.clip_range()
+    return decoupled_ppo_loss(
+        logprobs, proximal, behaviour, adv, mask, clip_eps_low=low, clip_eps_high=high, cap=config.rho, **_agg(config, normalizer, lengths)
+    )
+
+
+#: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer, lengths)``
+#: (and ``proximal=``, log pi_prox, for those in ``NEEDS_PROXIMAL``).
 LOSSES: dict[str, LossFn] = {
     "aipo": _aipo,
     "pg": _pg,
@@ -531,7 +635,12 @@ LOSSES: dict[str, LossFn] = {
     "cispo": _cispo,
     "tis": _tis,
     "mis": _mis,
+    "decoupled_ppo": _decoupled_ppo,
 }
+
+#: Objectives that read the proximal policy's log-probs (batch field ``proximal_logprobs``, which the
+#: trainer computes once per batch with the weights it starts the batch with).
+NEEDS_PROXIMAL: frozenset[str] = frozenset({"decoupled_ppo"})
 
 
 def check_objective(objective: str) -> None:
@@ -558,7 +667,9 @@ def compute_loss(
         config: the loss node's config.
         logprobs: ``[S, C]`` log pi of ``batch["completion_ids"]``, with gradients.
         batch: rollout fields (``behaviour_logprobs``, ``completion_mask``, ``group_ids``), the reward
-            fields of ``config.reward_weights`` and, with ``kl_coef > 0``, ``ref_logprobs``.
+            fields of ``config.reward_weights``, with ``kl_coef > 0`` ``ref_logprobs``, and for an
+            objective of ``NEEDS_PROXIMAL`` ``proximal_logprobs`` (without it, pi's own values: the
+            proximal policy of a batch's only update).
         advantages: ``[S]`` precomputed advantages (a micro-batch passes its slice of the whole
             batch's); computed from the batch's rewards when None.
         normalizer: the whole batch's divisor under ``config.loss_agg`` (``batch_normalizer``; default:
@@ -580,8 +691,11 @@ def compute_loss(
         rewards = combined_rewards(config, batch)
         advantages = _advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
     mask = batch["completion_mask"]
+    extra = {}
+    if config.objective in NEEDS_PROXIMAL:  # without the field pi_prox is pi now: a batch's only update
+        extra["proximal"] = batch["proximal_logprobs"] if "proximal_logprobs" in batch else logprobs.detach()
     loss, metrics = LOSSES[config.objective](
-        config, logprobs, batch["behaviour_logprobs"], advantages, mask, normalizer=normalizer, lengths=lengths
+        config, logprobs, batch["behaviour_logprobs"], advantages, mask, normalizer=normalizer, lengths=lengths, **extra
     )
     if config.kl_coef > 0:
         if "ref_logprobs" not in batch:

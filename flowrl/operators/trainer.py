@@ -1,9 +1,15 @@
 """The policy node's operator: pi's weights, AdamW, the learning-rate schedule and the version clock.
 
-One ``train_step(batch)``:
+One ``train_step(batch)`` takes ``num_iterations * num_mini_batches`` optimizer steps on one rollout
+batch (``OptimizerConfig``; 1 by default): ``num_iterations`` passes, each over ``num_mini_batches``
+mini-batches of whole prompt groups in an order drawn from ``(seed, version at the batch's start,
+pass)``, so a resumed run draws the same. With more than one step, or an objective that reads it
+(``losses.NEEDS_PROXIMAL``: ``decoupled_ppo``), it first computes log pi_prox of the whole batch with the
+weights it starts with (no gradient, micro-batched; the batch field ``proximal_logprobs``), which the
+``old/*`` metrics and the mismatch metrics then use. Each optimizer step, on its mini-batch:
 
-1. reads the rollout and its reward fields; advantages come from the whole batch (group baselines
-   need every sample of a prompt);
+1. reads the rollout and its reward fields; advantages come from the whole mini-batch (group
+   baselines need every sample of a prompt, and a mini-batch holds whole groups);
 2. in micro-batches of ``optimizer.micro_batch_size`` samples (0: one), recomputes log pi of the
    completions with gradients (``completion_logprobs``, the same layout and the same temperature,
    top-k and top-p, ``sampling_temperature`` / ``sampling_top_k`` / ``sampling_top_p``, the generator
@@ -18,7 +24,8 @@ One ``train_step(batch)``:
 4. measures the engine/trainer mismatch on the tokens drawn by its current weights
    (``flowrl.operators.mismatch``: ``mismatch/kl``, ``mismatch/abs_logp_max``, ``mismatch/tokens``,
    ``mismatch/outside_kept_frac``), from what every engine writes;
-5. bumps ``version`` (completed optimizer steps, 0 before the first).
+5. bumps ``version`` (completed optimizer steps, 0 before the first): a batch advances it by
+   ``updates_per_batch``.
 
 A model description with ``lora`` (``flowrl.models.lora``) trains adapters only: the optimizer holds
 them, ``weights()`` and the state's ``model`` are them, the base weights stay as built.
@@ -49,7 +56,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -59,10 +66,18 @@ from torch import Tensor
 from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.configs import OptimizerConfig
 from flowrl.graph.nodes import LossNode, PolicyNode
-from flowrl.operators.batch import split
-from flowrl.operators.generation import DTYPES, copy_weights
+from flowrl.operators.batch import leading_dim, split
+from flowrl.operators.generation import DTYPES, _mix, copy_weights
 from flowrl.operators.logprobs import completion_logprobs
-from flowrl.operators.losses import advantages, batch_normalizer, check_objective, combined_rewards, compute_loss
+from flowrl.operators.losses import (
+    NEEDS_PROXIMAL,
+    advantages,
+    batch_normalizer,
+    check_objective,
+    combined_rewards,
+    compute_loss,
+    proximal_metrics,
+)
 from flowrl.operators.shaping import shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
@@ -103,6 +118,25 @@ def learning_rate(config: OptimizerConfig, step: int) -> float:
     return config.lr * (1.0 - progress)
 
 
+def _whole(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return batch
+
+
+def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One row from the metrics of a batch's optimizer steps: each key's mean over the steps that have it
+    (``*_max``: the largest).
+
+    Example:
+        >>> _combine([{"loss": 1.0, "old/ratio_max": 1.0}, {"loss": 3.0, "old/ratio_max": 1.5}])
+        {'loss': 2.0, 'old/ratio_max': 1.5}
+    """
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in steps for k in m):
+        values = [m[key] for m in steps if key in m]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out
+
+
 def _clone(value: Any) -> Any:
     """A deep copy of ``value`` with every tensor copied to the CPU (a checkpoint loads anywhere)."""
     if isinstance(value, Tensor):
@@ -128,6 +162,10 @@ class Trainer:
         version: completed optimizer steps.
         loss_scale: a factor on the loss before ``backward`` (1; an FSDP rank sets its token share,
             ``flowrl.runtime.fsdp.token_scale``).
+        part_of: ``(mini_batch) -> this rank's part of it`` (whole prompt groups), called before each
+            optimizer step and once on the whole batch (for the rollout's metrics); a data-parallel
+            program sets it (``flowrl.runtime.backends.rank_programs``), and sets its rank's share of the
+            loss there. The identity in one process.
 
     Raises:
         ConfigError: for an unknown objective.
@@ -150,17 +188,22 @@ class Trainer:
         self.version = 0
         self._weights = adapter_weights(self.model) if self.lora else weight_dict(self.model)  # views of the parameters, updated in place
         self.loss_scale = 1.0  # a factor on the loss before backward, set per step by flowrl.runtime.fsdp
+        self.part_of: Callable[[dict[str, Tensor]], dict[str, Tensor]] = _whole  # a data-parallel rank's share
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
-        """One optimizer step on ``batch`` (a rollout plus its reward fields, and ``ref_logprobs`` for a KL term).
+        """One rollout batch: ``num_iterations * num_mini_batches`` optimizer steps (module docstring), each
+        bumping ``version``; a rollout plus its reward fields, and ``ref_logprobs`` for a KL term.
 
         Returns:
             Metrics: ``loss``, ``reward_mean``, ``reward/<field>`` per reward field, ``grad_norm``
-            (before clipping), ``lr``, ``completion_len_mean``, ``staleness`` (version at this step
+            (before clipping), ``lr``, ``completion_len_mean``, ``staleness`` (version at the batch's start
             minus ``rollout_version``, when the batch has it), the ``mismatch/*`` metrics, the
             ``shaping/*`` metrics of the shaping applied, and the loss's own metrics (over the tokens
             inside pi's kept set). ``reward_mean``, ``reward/<field>`` and ``completion_len_mean`` are
-            the rollout's, before shaping.
+            the rollout's, before shaping. With several optimizer steps, each step's loss metrics,
+            ``loss``, ``grad_norm`` and ``lr`` are averaged over the steps (``*_max``: the largest), the
+            ``old/*`` metrics (``losses.proximal_metrics``: pi against the batch's starting weights) are
+            added, and ``updates`` counts the steps.
 
         Raises:
             ConfigError: naming a field the batch lacks.
@@ -169,13 +212,90 @@ class Trainer:
         if missing:
             raise ConfigError(f"policy {self.name!r}: the training batch lacks {missing} (it has {sorted(batch)})")
         batch = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+        config, opt = self.loss.loss, self.node.optimizer
+        start_version = self.version
+        proximal = opt.updates_per_batch > 1 or config.objective in NEEDS_PROXIMAL
+        mine = self.part_of(batch)  # this rank's samples (all of them in one process): the rollout's metrics
+        if proximal:  # log pi_prox: the weights the batch starts with, once, without gradients
+            batch["proximal_logprobs"] = self._logprobs(batch, grad=False)
+            mine = self.part_of(batch)
+        raw_rewards = combined_rewards(config, mine)  # [S], before shaping: what reward_mean reports
+        steps = [self._update(self.part_of(part), mismatch=not proximal) for part in self._mini_batches(batch, start_version)]
+        metrics = steps[0] if len(steps) == 1 else _combine(steps)
+        if len(steps) > 1:
+            metrics["updates"] = float(len(steps))
+        if proximal:  # the trainer's weights at the batch's start against the engine's, once per batch
+            prox = mine["proximal_logprobs"]
+            kept = ~torch.isneginf(prox)
+            versions = mine.get("token_versions", mine.get("rollout_version", torch.tensor(start_version)))
+            metrics.update(
+                mismatch_metrics(
+                    torch.where(kept, prox, 0.0), mine["behaviour_logprobs"], mine["completion_mask"], versions=versions, version=start_version, kept=kept
+                )
+            )
+        metrics.update(shape_batch(config, mine)[2] if len(steps) > 1 else {})
+        metrics.update(
+            {
+                "reward_mean": float(raw_rewards.mean()) if raw_rewards.numel() else 0.0,
+                "completion_len_mean": float(mine["completion_mask"].sum(1).float().mean()) if raw_rewards.numel() else 0.0,
+            }
+        )
+        for name in config.reward_weights:
+            metrics[f"reward/{name}"] = float(mine[name].float().mean()) if raw_rewards.numel() else 0.0
+        if "rollout_version" in batch:
+            metrics["staleness"] = float(start_version - int(batch["rollout_version"]))
+        return metrics
+
+    def _mini_batches(self, batch: dict[str, Tensor], version: int) -> list[dict[str, Tensor]]:
+        """The batch's mini-batches, pass after pass: ``num_mini_batches`` sets of whole prompt groups
+        per pass, in an order drawn from ``(seed, version, pass)`` (so a resumed run draws the same);
+        with one mini-batch, the batch itself every pass."""
+        opt = self.node.optimizer
+        if opt.num_mini_batches == 1:
+            return [batch] * opt.num_iterations
+        gid = batch["group_ids"].cpu()
+        n = int(gid.shape[0])
+        starts = [0] + [i for i in range(1, n) if int(gid[i]) != int(gid[i - 1])] if n else []
+        bounds = list(zip(starts, starts[1:] + [n]))  # [G] row ranges of the groups (contiguous)
+        out = []
+        for p in range(opt.num_iterations):
+            order = torch.randperm(len(bounds), generator=torch.Generator().manual_seed(_mix(opt.seed, version, p)))
+            for chunk in torch.tensor_split(order, opt.num_mini_batches):
+                rows = [r for g in sorted(chunk.tolist()) for r in range(*bounds[g])]
+                index = torch.tensor(rows, dtype=torch.int64, device=gid.device).to(self.device)
+                out.append({k: v.index_select(0, index) if leading_dim(k) == "sample" else v for k, v in batch.items()})
+        return out
+
+    def _logprobs(self, part: Mapping[str, Tensor], *, grad: bool) -> Tensor:
+        """log pi ``[s, C]`` of ``part``'s completions (sampling's temperature, top-k, top-p; -inf outside pi's
+        kept set), under the policy's autocast; without ``grad``, in micro-batches under ``no_grad``."""
+        if not grad:
+            size = self.node.optimizer.micro_batch_size or max(int(part["completion_mask"].shape[0]), 1)
+            with torch.no_grad():
+                pieces = [self._logprobs(p, grad=True) for p in split(part, size)]
+            return torch.cat(pieces) if pieces else torch.zeros_like(part["behaviour_logprobs"])
+        precision = self.node.optimizer.autocast
+        with torch.autocast(self.device.type, dtype=DTYPES[precision], enabled=precision != "float32"):
+            return completion_logprobs(
+                self.model,
+                part["sample_prompt_ids"],
+                part["sample_prompt_lens"],
+                part["completion_ids"],
+                part["completion_mask"],
+                temperature=part.get("sampling_temperature", 1.0),
+                top_k=part.get("sampling_top_k", 0),
+                top_p=part.get("sampling_top_p", 1.0),
+                completion_lens=part.get("completion_lens"),  # the extent: a multi-turn sample's env tokens are attended, not trained
+            )
+
+    def _update(self, batch: dict[str, Tensor], *, mismatch: bool) -> dict[str, float]:
+        """One optimizer step on ``batch`` (a mini-batch, or this rank's part of one): shape, advantages,
+        micro-batches, clip, AdamW, ``version += 1``; its metrics (``mismatch/*`` when ``mismatch``)."""
         config = self.loss.loss
-        raw_rewards = combined_rewards(config, batch)  # [S], before shaping: what reward_mean reports
-        rollout = batch  # as it came, for the reward and length metrics
         batch, rewards, shaping = shape_batch(config, batch)  # dynamic sampling, overlong penalty, truncated masked
         adv = advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
         mask = batch["completion_mask"]  # [S, C]
-        normalizer = batch_normalizer(mask, config.loss_agg)  # the whole batch's tokens / sequences (loss_agg)
+        normalizer = batch_normalizer(mask, config.loss_agg)  # the whole (mini-)batch's tokens / sequences (loss_agg)
         lengths = mask.sum(1)  # [S], real tokens, those outside pi's kept set included
         n = int(mask.shape[0])
         size = self.node.optimizer.micro_batch_size or max(n, 1)
@@ -185,25 +305,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         pieces: list[Tensor] = []
         kept_pieces: list[Tensor] = []
-        precision = self.node.optimizer.autocast
-        device_type = self.device.type
         for start, part in zip(range(0, n, size), split(batch, size)):
-            with torch.autocast(device_type, dtype=DTYPES[precision], enabled=precision != "float32"):
-                logprobs = completion_logprobs(
-                    self.model,
-                    part["sample_prompt_ids"],
-                    part["sample_prompt_lens"],
-                    part["completion_ids"],
-                    part["completion_mask"],
-                    temperature=part.get("sampling_temperature", 1.0),
-                    top_k=part.get("sampling_top_k", 0),
-                    top_p=part.get("sampling_top_p", 1.0),
-                    completion_lens=part.get("completion_lens"),  # the extent: a multi-turn sample's env tokens are attended, not trained
-                )
+            logprobs = self._logprobs(part, grad=True)
             # pi = 0 (-inf) only for a sampled token outside pi's kept set: weight 0, never inf or nan
             kept = ~torch.isneginf(logprobs)  # [s, C]
+            if "proximal_logprobs" in part:  # and outside pi_prox's
+                kept = kept & ~torch.isneginf(part["proximal_logprobs"])
             logprobs = torch.where(kept, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
             inside = {**part, "completion_mask": part["completion_mask"] & kept}
+            if "proximal_logprobs" in part:
+                inside["proximal_logprobs"] = torch.where(kept, part["proximal_logprobs"], 0.0)
             loss, _ = compute_loss(
                 config, logprobs, inside, advantages=adv[start : start + size], normalizer=normalizer, lengths=lengths[start : start + size]
             )
@@ -215,28 +326,22 @@ class Trainer:
             all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])
             all_kept = torch.cat(kept_pieces) if kept_pieces else torch.ones_like(mask)
             inside = {**batch, "completion_mask": mask & all_kept}
+            if "proximal_logprobs" in batch:
+                inside["proximal_logprobs"] = torch.where(all_kept, batch["proximal_logprobs"], 0.0)
             loss, metrics = compute_loss(config, all_logprobs, inside, advantages=adv, normalizer=normalizer, lengths=lengths)
             metrics.update(shaping)
-            versions = batch.get("token_versions", batch.get("rollout_version", torch.tensor(self.version)))
-            metrics.update(
-                mismatch_metrics(all_logprobs, batch["behaviour_logprobs"], mask, versions=versions, version=self.version, kept=all_kept)
-            )
+            if mismatch:
+                versions = batch.get("token_versions", batch.get("rollout_version", torch.tensor(self.version)))
+                metrics.update(
+                    mismatch_metrics(all_logprobs, batch["behaviour_logprobs"], mask, versions=versions, version=self.version, kept=all_kept)
+                )
+            if "proximal_logprobs" in batch:
+                low, high = config.clip_range()
+                metrics.update(proximal_metrics(all_logprobs, inside["proximal_logprobs"], mask & all_kept, clip_eps_low=low, clip_eps_high=high))
         max_norm = self.node.optimizer.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
-        metrics.update(
-            {
-                "loss": float(loss),
-                "reward_mean": float(raw_rewards.mean()) if raw_rewards.numel() else 0.0,
-                "grad_norm": float(grad_norm),
-                "lr": lr,
-                "completion_len_mean": float(rollout["completion_mask"].sum(1).float().mean()) if raw_rewards.numel() else 0.0,
-            }
-        )
-        for name in config.reward_weights:
-            metrics[f"reward/{name}"] = float(rollout[name].float().mean()) if raw_rewards.numel() else 0.0
-        if "rollout_version" in batch:
-            metrics["staleness"] = float(self.version - int(batch["rollout_version"]))
+        metrics.update({"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr})
         self.version += 1
         return metrics
 

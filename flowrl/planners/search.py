@@ -75,7 +75,9 @@ class Roles:
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
         gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
-        recompute: policy -> whether its objective needs an extra log-prob forward.
+        recompute: policy -> whether its objective needs an extra log-prob forward (or it takes several
+            updates a batch: the trainer's log pi_old pass).
+        iterations: policy -> (passes over a batch, optimizer steps a batch) (``OptimizerConfig``).
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
         last_logits: forward-only nodes that compute the logits of each sequence's last position
             only (a judge reading p(yes) vs p(no)).
@@ -92,6 +94,7 @@ class Roles:
     gen_dtype: dict[str, str]
     param_bytes: float
     recompute: dict[str, bool]
+    iterations: dict[str, tuple[int, int]]
     micro_batch: dict[str, int]
     gen_engine: dict[str, str] = field(default_factory=dict)
     last_logits: frozenset[str] = frozenset()
@@ -113,6 +116,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     gen_dtype: dict[str, str] = {}
     gen_engine: dict[str, str] = {}
     recompute: dict[str, bool] = {}
+    iterations: dict[str, tuple[int, int]] = {}
     micro: dict[str, int] = {}
     loss_of: dict[str, str] = {}
     last: set[str] = set()
@@ -130,6 +134,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
             loss = graph.loss_of(node.name)
             objective = loss.loss.objective if isinstance(loss, LossNode) else "aipo"
             recompute[node.name] = ctx.tuning.recompute_logprobs if ctx.tuning.recompute_logprobs is not None else objective != "aipo"
+            iterations[node.name] = (node.optimizer.num_iterations, node.optimizer.updates_per_batch)
+            recompute[node.name] = recompute[node.name] or node.optimizer.updates_per_batch > 1
         elif isinstance(node, ReferenceNode):
             refs.append(node.name)
             models[node.name] = model or model_from_config(node.model)
@@ -157,6 +163,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         gen_dtype=gen_dtype,
         param_bytes=param_bytes,
         recompute=recompute,
+        iterations=iterations,
         micro_batch=micro,
         gen_engine=gen_engine,
         last_logits=frozenset(last),
@@ -257,6 +264,8 @@ class _Evaluator:
                 micro_batch=r.micro_batch.get(name, 0),
                 sharding=self._sharding(name),
                 last_logits=name in r.last_logits,
+                iterations=r.iterations.get(name, (1, 1))[0],
+                updates=r.iterations.get(name, (1, 1))[1],
             )
         return self._train[key]
 

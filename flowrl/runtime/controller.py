@@ -3,7 +3,9 @@
 State it keeps (each guarded as noted):
 
 - ``clock`` (``VersionClock``, its own condition): the policy version = completed optimizer steps.
-  Only the policy executor advances it, after a step's weights are published.
+  Only the policy executor advances it, after a step's weights are published. A trainer step (one
+  batch, ``seq``) takes ``U = graph.updates_per_batch()`` optimizer steps (``num_iterations *
+  num_mini_batches``), so the version at the start of step ``seq`` is ``U * seq``.
 - ``channels`` (``Channel``, each its own condition): one bounded FIFO per executor-level data
   edge. Edges into a loss node are redirected to its policy (the loss runs inside the policy's
   step). Capacity ``max_staleness + 1`` unless configured.
@@ -30,10 +32,12 @@ State it keeps (each guarded as noted):
 
 Invariants:
 
-- The generator samples batch ``seq`` only after ``clock >= seq - k`` and with weights of version
-  ``>= seq - k`` (it fetches the newest). The policy consumes batch ``seq`` at version ``seq``.
-  Hence, for every consumed batch: ``policy_version_at_consumption - rollout_version <= k``.
-  The policy checks it on every batch; a violation is a flowrl bug and fails the run.
+- ``max_staleness`` k counts trainer steps (batches), not versions: the generator samples batch
+  ``seq`` only after ``clock >= U * (seq - k)`` and with weights of version ``>= U * (seq - k)`` (it
+  fetches the newest). The policy consumes batch ``seq`` at version ``U * seq``. Hence, for every
+  consumed batch: ``policy_version_at_consumption - rollout_version <= U * k`` (``<= k`` with one
+  update per batch). The policy checks it on every batch; a violation is a flowrl bug and fails the run.
+  (Only versions ``U * seq`` are ever published, so a bound in versions below ``U`` would be k = 0.)
 - Nothing is dropped: a full channel blocks its producer (backpressure).
 - On any failure every channel is closed and the clock stopped, so every executor returns within
   one program step; the run raises ``NodeExecutionError`` naming the node and the step.
@@ -158,6 +162,7 @@ class Controller:
         self._checkpoint_version = -1
 
         self.k = {e.dst: (config.max_staleness if config.max_staleness is not None else e.max_staleness) for e in graph.weight_edges}
+        self.updates = graph.updates_per_batch()  # U: versions per trainer step
         self.policy_names = [n.name for n in graph.nodes_of_kind("policy")]
         self.loss_policy = {n.name: graph.users(n.name)[0].name for n in graph.nodes_of_kind("loss")}
         self.reward_weights: dict[str, float] = {}
@@ -221,9 +226,9 @@ class Controller:
                 runner.close()
 
     def _run(self) -> RunResult:
-        start = self._restore() if self.config.resume else 0
-        self.clock = VersionClock(start)
-        self._start_version = start
+        start = (self._restore() if self.config.resume else 0) // self.updates  # restore checks it divides
+        self.clock = VersionClock(start * self.updates)
+        self._start_version = start  # the first step (seq) this run takes
         metrics = MetricsWriter(self.config.metrics, append=self.config.resume and start > 0, keep_through=start)
         self._metrics = metrics
         self._t0 = time.perf_counter()
@@ -354,7 +359,7 @@ class Controller:
             self.tracer.add(ex.name, "wait", t_wait, t_wait + idle, step=seq)
         min_version = -1
         if ex.kind == "generator":
-            min_version = seq - self.k[ex.name]
+            min_version = self.updates * (seq - self.k[ex.name])
             t = time.perf_counter()
             self.clock.wait_for(min_version)
             if time.perf_counter() - t > 1e-4:
@@ -424,21 +429,22 @@ class Controller:
 
     # -- the trainer's side ---------------------------------------------------------------------------
     def _on_train_step(self, ex: _Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
+        U = self.updates
         rollout_version = int(batch["rollout_version"])
         if "token_versions" in batch and batch["token_versions"].numel():  # the oldest token decides
             versions = batch["token_versions"]
             rollout_version = min(rollout_version, int(versions.min()))
-            if int(versions.max()) > seq:
-                raise StalenessViolation(f"policy {ex.name!r} at version {seq} consumed tokens of version {int(versions.max())}, from its future; this is a flowrl bug")
-        staleness = seq - rollout_version
+            if int(versions.max()) > U * seq:
+                raise StalenessViolation(f"policy {ex.name!r} at version {U * seq} consumed tokens of version {int(versions.max())}, from its future; this is a flowrl bug")
+        staleness = U * seq - rollout_version  # in versions
         gens = [e.dst for e in self.graph.weight_edges_from(ex.name)]
         k = min((self.k[g] for g in gens), default=0)
-        if staleness > k or staleness < 0:
+        if staleness > U * k or staleness < 0:
             raise StalenessViolation(
-                f"policy {ex.name!r} consumed a batch of version {rollout_version} at version {seq}: "
-                f"staleness {staleness} breaks max_staleness={k}. This is a flowrl bug; please report it"
+                f"policy {ex.name!r} consumed a batch of version {rollout_version} at version {U * seq}: "
+                f"staleness {staleness} breaks max_staleness={k} steps of {U} versions. This is a flowrl bug; please report it"
             )
-        version = int(info.get("version", seq + 1))
+        version = int(info.get("version", U * (seq + 1)))
         self.clock.advance(version)
         gen = {}
         with self._lock:
@@ -447,7 +453,7 @@ class Controller:
             source_metrics = self._source_info.pop(seq, {})
         row = step_row(
             seq=seq, version=version, rollout_version=rollout_version, batch=batch, info=info, gen=gen,
-            reward_weights=self.reward_weights, time_s=time.perf_counter() - self._t0, idle_s=idle,
+            reward_weights=self.reward_weights, time_s=time.perf_counter() - self._t0, idle_s=idle, updates=U,
         )
         row.update(source_metrics)
         logger = self._sample_loggers.get(ex.name)
@@ -464,7 +470,7 @@ class Controller:
         self.consumed.append(consumed)
         self._consume(consumed)
         every = self.config.checkpoint_every
-        if self.config.checkpoint_dir and every and version % every == 0:
+        if self.config.checkpoint_dir and every and (seq + 1) % every == 0:  # every N steps (batches)
             self._checkpoint_now()
         if seq + 1 >= self.config.steps:
             self._done.set()

@@ -219,7 +219,8 @@ def make_data_parallel(trainer: Any, *, group: Any, max_norm: float, device: tor
     ``max(N_r, 1) / max(N, 1)`` (set ``trainer.dp_token_share`` before ``train_step``), summed over
     ``group``, and the summed gradients are clipped to ``max_norm`` by their global norm. Since the
     loss is a token sum divided by the token count, the result equals one process's step over the
-    whole batch, up to float rounding. ``trainer.dp_grad_norm`` holds the global norm afterwards.
+    whole batch, up to float rounding. ``trainer.dp_grad_norm`` holds the global norm afterwards
+    (``trainer.dp_grad_norms`` every step's).
 
     A parameter without a gradient on this replica (an empty shard) gets zeros, so every replica
     takes part in every all-reduce in the same order.
@@ -228,6 +229,7 @@ def make_data_parallel(trainer: Any, *, group: Any, max_norm: float, device: tor
     step = trainer.optimizer.step
     trainer.dp_token_share = 1.0
     trainer.dp_grad_norm = 0.0
+    trainer.dp_grad_norms = []  # every step's global norm (a batch may take several steps)
 
     def dp_step(*args: Any, **kwargs: Any) -> Any:
         share = float(trainer.dp_token_share)
@@ -246,6 +248,7 @@ def make_data_parallel(trainer: Any, *, group: Any, max_norm: float, device: tor
             offset += n
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         trainer.dp_grad_norm = float(norm)
+        trainer.dp_grad_norms.append(float(norm))
         return step(*args, **kwargs)
 
     trainer.optimizer.step = dp_step

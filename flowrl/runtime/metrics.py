@@ -96,6 +96,7 @@ def step_row(
     reward_weights: dict[str, float],
     time_s: float,
     idle_s: float,
+    updates: int = 1,
 ) -> dict[str, Any]:
     """The metrics row of trainer step ``seq`` (0-based; the row's ``step`` is ``seq + 1``).
 
@@ -107,6 +108,8 @@ def step_row(
         gen: what the generator reported for this batch (``gen_s``, ``fetch_s``).
         reward_weights: scorer name -> weight in the combined reward.
         time_s: seconds since the run started; idle_s: seconds the policy waited for this batch.
+        updates: policy versions per step (``Graph.updates_per_batch``): the row's ``staleness`` is the
+            policy's version at the step's start (``updates * seq``) minus ``rollout_version``, in versions.
     """
     rewards = {name: batch[name].float() for name in reward_weights if name in batch}
     combined = sum(w * rewards[name] for name, w in reward_weights.items() if name in rewards)
@@ -114,7 +117,7 @@ def step_row(
         "step": seq + 1,
         "policy_version": version,
         "rollout_version": rollout_version,
-        "staleness": seq - rollout_version,
+        "staleness": updates * seq - rollout_version,
         "reward_mean": float(combined.mean()) if isinstance(combined, torch.Tensor) else 0.0,
         "loss": float(info.get("loss", float("nan"))),
         "time_s": time_s,

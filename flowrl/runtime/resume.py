@@ -87,6 +87,9 @@ def save_run_checkpoint(
 def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, NodeProgram], *, steps: int) -> Restored | None:
     """Load the newest checkpoint in ``directory`` into ``programs``; None when there is none (a fresh run).
 
+    The checkpoint's version counts optimizer steps; the run's ``steps`` count batches, each
+    ``graph.updates_per_batch()`` versions.
+
     Raises:
         CheckpointError: the checkpoint holds a node this graph lacks, a file cannot be loaded, or it
             is already at ``steps``.
@@ -110,6 +113,15 @@ def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, 
             ) from exc
     for node in graph.nodes_of_kind("source"):
         programs[node.name].seek(meta.data_position)
-    if meta.version >= steps:
-        raise CheckpointError(f"checkpoint {path} is at step {meta.version}, already >= --steps {steps}; raise --steps to train further")
+    updates = graph.updates_per_batch()
+    if meta.version % updates:
+        raise CheckpointError(
+            f"checkpoint {path} is at version {meta.version}, not a whole number of batches of {updates} optimizer steps "
+            "(num_iterations * num_mini_batches): resume it with the graph that wrote it"
+        )
+    if meta.version // updates >= steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {meta.version // updates} (version {meta.version}), already >= --steps {steps}; "
+            "raise --steps to train further"
+        )
     return Restored(path=path, version=meta.version, data_position=meta.data_position, delivered_ahead=meta.delivered_ahead)

@@ -154,7 +154,7 @@ class SyntheticPolicy(_Synthetic):
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         self._maybe_fail(seq)
         train_s = self._sleep("train_s", 0.01, seq)
-        self.version += 1
+        self.version += self.graph.updates_per_batch()  # one version per optimizer step
         publish_s = self._publish()
         return {}, {"loss": 0.0, "train_s": train_s, "publish_s": publish_s, "version": self.version}
 

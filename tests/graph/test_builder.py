@@ -107,7 +107,7 @@ def test_builder_errors(build, error, match: str) -> None:
         (lambda b: b.source("s2", max_prompt_length=512), r"'max_prompt_length' is TRL's name: did you mean max_prompt_len\?"),
         (lambda b: b.loss("l2", "gen", "reward", num_generations=8), r"'num_generations' is TRL's name: did you mean n_samples\? It is an option of b.generator\(...\)"),
         (lambda b: b.loss("l2", "gen", "reward", temperature=0.7), r"'temperature' is an option of b.generator\(...\), not of b.loss\(...\)"),
-        (lambda b: b.policy("p2", "aipo", num_iterations=2), r"'num_iterations' is TRL's name: not yet in flowrl"),
+        (lambda b: b.policy("p2", "aipo", sync_ref_model=True), r"'sync_ref_model' is TRL's name: not yet in flowrl"),
         (lambda b: b.policy("p2", "aipo", save_total_limit=2), r"'save_total_limit' is TRL's name: checkpoints are the run's: flowrl run --keep-checkpoints N"),
         (lambda b: b.generator("g2", "prompts", n_smaples=3), r"did you mean 'n_samples'\?"),
         (lambda b: b.loss("l2", "gen", "reward", objective="grpo", epsilon_high=0.28), r"'epsilon_high' is TRL's name: did you mean clip_eps_high\?"),
@@ -288,7 +288,7 @@ def test_an_objective_that_is_no_name_is_refused_at_build():
     "node, value, error, message",
     [
         ("prompts", "cpoy", "ConfigError", "source 'prompts': unknown task 'cpoy'; built-in tasks are add, copy, longtail"),
-        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, cispo, grpo, gspo, mis, pg, ppo_clip, tis"),
+        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, cispo, decoupled_ppo, grpo, gspo, mis, pg, ppo_clip, tis"),
     ],
     ids=["task", "objective"],
 )

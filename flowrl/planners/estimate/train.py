@@ -137,6 +137,8 @@ def train_options(
     micro_batch: int = 0,
     sharding: str = "replicate",
     last_logits: bool = False,
+    iterations: int = 1,
+    updates: int = 1,
 ) -> TrainOptions:
     """Every (micro-batch, checkpointing) option for this mesh, fastest first, feasible or not.
 
@@ -147,6 +149,9 @@ def train_options(
         sharding: the policy's ``OptimizerConfig.sharding`` (``"fsdp"``: ZeRO stage 3, ``zero_stage``).
         last_logits: a forward pass that computes the logits of each sequence's last position only
             (a generative judge's verdict, ``flowrl.operators.reward_models``).
+        iterations: forward/backward passes over the batch (``OptimizerConfig.num_iterations``); the
+            log-prob recompute is once per batch.
+        updates: optimizer steps per batch (``updates_per_batch``): each syncs gradients and steps AdamW.
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
@@ -216,12 +221,12 @@ def train_options(
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / tp)
-        passes = 1 if forward_only else 3 + int(ckpt) + int(recompute_logprobs)
+        passes = 1 if forward_only else iterations * (3 + int(ckpt)) + int(recompute_logprobs)
         compute = passes * tok_bar * f_tok * frac / (tp * rate)
         tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
         launches = passes * layers * ops_per_layer * dev.kernel_overhead_s
-        p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
-        t_mb = compute + tp_comm + launches + p2p + (2 + int(ckpt)) * fsdp_gather
+        p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
+        t_mb = compute + tp_comm + launches + p2p + iterations * (2 + int(ckpt)) * fsdp_gather
         if forward_only:
             acts = int(per_layer)
         elif ckpt:
@@ -235,11 +240,11 @@ def train_options(
             "launch": m * launches,
             "pp_comm": m * p2p,
             "bubble": (pp - 1) * t_mb,
-            "dp_comm": grad_sync + m * (2 + int(ckpt)) * fsdp_gather,
-            "optimizer": optimizer_s,
+            "dp_comm": updates * grad_sync + m * iterations * (2 + int(ckpt)) * fsdp_gather,
+            "optimizer": updates * optimizer_s,
         }
         breakdown = {name: part / speedup for name, part in breakdown.items()}
-        return ((m + pp - 1) * t_mb + grad_sync + optimizer_s) / speedup, breakdown, memory
+        return ((m + pp - 1) * t_mb + updates * (grad_sync + optimizer_s)) / speedup, breakdown, memory
 
     # the hot loop: the same formulas as ``parts``, without building structs
     options: list[TrainOption] = []
@@ -252,18 +257,18 @@ def train_options(
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / tp)
         layer_comm = layers * 2 * tp_ar(tok_bar * h * ab)
-        p2p = (1 if forward_only else 2) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
+        p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
-            passes = 1 if forward_only else 3 + ckpt + recompute_logprobs
+            passes = 1 if forward_only else iterations * (3 + ckpt) + recompute_logprobs
             t_mb = passes * (tok_bar * f_tok * frac / (tp * rate) + layer_comm + layers * ops_per_layer * dev.kernel_overhead_s) + p2p
-            t_mb += (2 + ckpt) * fsdp_gather
+            t_mb += iterations * (2 + ckpt) * fsdp_gather
             if forward_only:
                 acts = int(per_layer)
             elif ckpt:
                 acts = int(min(pp, m) * layers * tok * h * ab / tp + per_layer)
             else:
                 acts = int(min(pp, m) * layers * per_layer)
-            options.append(TrainOption(((m + pp - 1) * t_mb + grad_sync + optimizer_s) / speedup, resident + acts + workspace, mb, ckpt))
+            options.append(TrainOption(((m + pp - 1) * t_mb + updates * (grad_sync + optimizer_s)) / speedup, resident + acts + workspace, mb, ckpt))
     options.sort()
 
     def detail(option: TrainOption) -> NodeEstimate:
@@ -274,6 +279,8 @@ def train_options(
             notes.append("activation checkpointing")
         if recompute_logprobs:
             notes.append("log-prob recompute")
+        if updates > 1:
+            notes.append(f"{iterations} passes, {updates} optimizer steps a batch")
         return NodeEstimate(time_s=time, memory=memory, breakdown=breakdown, notes=tuple(notes))
 
     return TrainOptions(options, detail)

@@ -85,7 +85,71 @@ class _Idle(ProgramBase):
         return {}, {}
 
 
-class DataParallelPolicy(PolicyProgram):
+class _RankPolicy(PolicyProgram):
+    """What a policy's replicas and its FSDP shards share: the step.
+
+    The lead broadcasts the batch; every rank runs the trainer on the whole batch with
+    ``trainer.part_of`` set to ``_part``: each optimizer step's mini-batch (whole prompt groups, the
+    same on every rank) is split into whole groups across the ranks (``shard_by_groups``) and this
+    rank's share of the mini-batch's loss divisor (``shaping.loss_normalizer``: tokens or sequences, as
+    ``loss_agg`` normalises) is set before the trainer uses its part, so the summed (replicas) or
+    averaged (FSDP) gradient is the mini-batch's. Metrics are reduced over the group, weighted by each
+    rank's samples of the batch; then weights are published. Subclasses say how the share is applied
+    (``_share``), what a rank's shards must satisfy (``_check``) and where the global gradient norm is.
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+    lead: int
+    index: int
+    collective_bytes: int
+
+    def _share(self, mine: float, total: float) -> None:
+        raise NotImplementedError
+
+    def _check(self, sizes: list[int]) -> None:
+        """Refuse shards the ranks cannot train together (nothing by default)."""
+
+    def _grad_norm(self, metrics: dict[str, float]) -> float:
+        raise NotImplementedError
+
+    def _part(self, mini: Batch) -> Batch:
+        from flowrl.operators.shaping import loss_normalizer
+        from flowrl.runtime.distributed import shard_by_groups
+
+        shards = shard_by_groups(mini, len(self.ranks))
+        self._check([int(s["completion_mask"].shape[0]) for s in shards])
+        part = shards[self.index]
+        config = self.trainer.loss.loss
+        self._share(loss_normalizer(config, part), loss_normalizer(config, mini))
+        return part
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+
+        start = time.perf_counter()
+        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
+        batch = {k: v.cpu() for k, v in batch.items()}
+        self.trainer.part_of = self._part
+        metrics = self.trainer.train_step(batch)
+        grad_norm = self._grad_norm(metrics)
+        samples = float(shard_by_groups(batch, len(self.ranks))[self.index]["completion_mask"].shape[0])
+        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
+        metrics["grad_norm"] = grad_norm
+        train_s = time.perf_counter() - start
+        sent = self.collective_bytes
+        publish_s = self.publish()
+        info: Info = dict(metrics)
+        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
+            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(total, group=self.group)
+            info["weights/collective_bytes"] = float(total)
+        return {}, info
+
+
+class DataParallelPolicy(_RankPolicy):
     """One data-parallel replica of a policy (see ``flowrl.runtime.distributed.make_data_parallel``)."""
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...]) -> None:
@@ -125,39 +189,22 @@ class DataParallelPolicy(PolicyProgram):
             self._published = self.trainer.version
         return time.perf_counter() - start
 
-    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.operators.shaping import loss_normalizer
-        from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+    def _share(self, mine: float, total: float) -> None:
+        self.trainer.dp_token_share = mine / total  # make_data_parallel weighs this replica's gradient by it
 
-        start = time.perf_counter()
-        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
-        batch = {k: v.cpu() for k, v in batch.items()}
-        shard = shard_by_groups(batch, len(self.ranks))[self.index]
-        config = self.trainer.loss.loss  # the share is in tokens or sequences, as loss_agg normalises
-        self.trainer.dp_token_share = loss_normalizer(config, shard) / loss_normalizer(config, batch)
-        metrics = self.trainer.train_step(shard)
-        samples = float(shard["completion_mask"].shape[0])
-        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
-        metrics["grad_norm"] = self.trainer.dp_grad_norm
-        train_s = time.perf_counter() - start
-        sent = self.collective_bytes
-        publish_s = self.publish()
-        info: Info = dict(metrics)
-        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
-        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all replicas put on the wire
-            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(total, group=self.group)
-            info["weights/collective_bytes"] = float(total)
-        return {}, info
+    def _grad_norm(self, metrics: dict[str, float]) -> float:
+        norms = self.trainer.dp_grad_norms  # the global norm of each optimizer step of the batch
+        mean = sum(norms) / max(len(norms), 1)
+        norms.clear()
+        return mean
 
 
-class ShardedPolicy(PolicyProgram):
+class ShardedPolicy(_RankPolicy):
     """One dp rank of a policy sharded with FSDP2 (``OptimizerConfig.sharding="fsdp"``; see ``flowrl.runtime.fsdp``).
 
-    Per step: the lead broadcasts the batch; each rank trains on its share of whole prompt groups
-    (``shard_by_groups``) with its loss scaled by ``dp * N_r / N`` (``fsdp.token_scale``), so that
-    FSDP2's averaged, reduce-scattered gradients are the whole batch's; the trainer clips by the
+    Per optimizer step (``_RankPolicy.step``): each rank trains on its share of the mini-batch's whole
+    prompt groups with its loss scaled by ``dp * N_r / N`` (``fsdp.token_scale``), so that FSDP2's
+    averaged, reduce-scattered gradients are the mini-batch's; the trainer clips by the
     global norm and steps AdamW on its shards. Weights: on a collective edge every rank publishes
     its own shards (trainer layout ``resharding.fsdp(ranks)``, no gather); on a ``shm``/``file`` edge
     every rank gathers and the lead publishes. ``save`` runs on every rank (the controller sends it
@@ -204,35 +251,18 @@ class ShardedPolicy(PolicyProgram):
             self._published = self.trainer.version
         return time.perf_counter() - start
 
-    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.operators.shaping import loss_normalizer
-        from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
-        from flowrl.runtime.fsdp import check_shards, token_scale
+    def _share(self, mine: float, total: float) -> None:
+        from flowrl.runtime.fsdp import token_scale
 
-        start = time.perf_counter()
-        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
-        batch = {k: v.cpu() for k, v in batch.items()}
-        shards = shard_by_groups(batch, len(self.ranks))
-        check_shards(self.name, [int(s["completion_mask"].shape[0]) for s in shards], self.trainer.node.optimizer.micro_batch_size)
-        shard = shards[self.index]
-        config = self.trainer.loss.loss  # the share is in tokens or sequences, as loss_agg normalises
-        self.trainer.loss_scale = token_scale(len(self.ranks), loss_normalizer(config, shard), loss_normalizer(config, batch))
-        metrics = self.trainer.train_step(shard)
-        grad_norm = metrics["grad_norm"]  # the global norm already (DTensor gradients)
-        samples = float(shard["completion_mask"].shape[0])
-        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
-        metrics["grad_norm"] = float(grad_norm)
-        train_s = time.perf_counter() - start
-        sent = self.collective_bytes
-        publish_s = self.publish()
-        info: Info = dict(metrics)
-        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
-        if any(opened(channel(*e)) is not None for e in self._edges):
-            sent_now = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(sent_now, group=self.group)
-            info["weights/collective_bytes"] = float(sent_now)
-        return {}, info
+        self.trainer.loss_scale = token_scale(len(self.ranks), mine, total)
+
+    def _check(self, sizes: list[int]) -> None:
+        from flowrl.runtime.fsdp import check_shards
+
+        check_shards(self.name, sizes, self.trainer.node.optimizer.micro_batch_size)
+
+    def _grad_norm(self, metrics: dict[str, float]) -> float:
+        return float(metrics["grad_norm"])  # the global norm already (DTensor gradients), averaged over the steps
 
     def save(self, path: str) -> None:
         from flowrl.runtime.fsdp import full_state
