@@ -493,6 +493,7 @@ def test_tp4_model_generate_and_dp2_tp2_program(tp4):
 
 
 
+@pytest.mark.slow  # CI time: a 3-rank job, ~15 s; the tp2 shards and logits are checked by the module's tp2 tests
 def test_torchrun_job_with_a_tensor_parallel_generator_stays_on_policy(tmp_path):
     """The default example with gen tp2 on ranks 0-1 (plan ``gen:t2@0-1``), policy on rank 2, k=0. Its weight
     edge is the collective transport laid out with ``tp_param_layouts``, so each generator rank receives

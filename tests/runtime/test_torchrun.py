@@ -200,6 +200,7 @@ def test_default_example_learns_over_the_collective_transport(tmp_path):
     assert all(r["weights/collective_bytes"] == nbytes for r in rows), rows[0]
 
 
+@pytest.mark.slow  # CI time: 4 ranks on 2 cores, ~20 s; shard moves are bit-checked by test_collective.py, weights end to end by test_tensor_parallel's on-policy job (--runslow)
 def test_generator_weights_equal_the_trainers_bit_for_bit(tmp_path):
     """Policy replicas on ranks 0-1 publish (each sends part), generator replicas on ranks 2-3 fetch;
     after the last sync every generator rank's weights hash like the final checkpoint's."""
