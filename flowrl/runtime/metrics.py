@@ -24,6 +24,10 @@ from flowrl.fileio import write_atomic
 
 __all__ = ["MetricsWriter", "read_metrics", "step_row", "REQUIRED_KEYS", "COMPLETION_LEN_HIST", "length_histogram"]
 
+#: The generator's own figures that reach its step's row: a multi-turn generator's ``env/*``, a
+#: continuous one's ``slots/*`` (utilisation, decode steps, carried groups, in-flight weight swaps).
+GENERATOR_PREFIXES = ("env/", "slots/")
+
 #: Metrics-row key holding one step's completion-length histogram (``[[length, count], ...]``).
 COMPLETION_LEN_HIST = "completion_len_hist"
 
@@ -132,7 +136,7 @@ def step_row(
     if len(rewards) > 1:
         row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
     row.update({key: value for key, value in info.items() if "/" in key})
-    row.update({key: float(value) for key, value in gen.items() if key.startswith("env/")})  # a multi-turn generator's
+    row.update({key: float(value) for key, value in gen.items() if key.startswith(GENERATOR_PREFIXES)})
     prompts = batch.get("prompt_index")
     row["prompt_index"] = sorted(set(prompts.tolist())) if prompts is not None else []  # exactly-once is checkable from the file
     return row

@@ -87,6 +87,8 @@ def test_every_prompt_is_delivered_once_within_the_bound_on_its_oldest_token(k, 
     monkeypatch.setattr(Controller, "_trace_step", gen_info)
     result = run_graph(_graph(k=k, in_flight=in_flight), RunConfig(steps=8, progress=False, backend=backend))
     assert (max(swaps) > 0) == in_flight  # weights taken between decode steps only when in flight
+    assert [r["slots/weight_swaps"] for r in result.rows] == swaps[:8]  # each step's row reports its generator step's
+    assert all(0 < r["slots/utilisation"] <= 1 and r["slots/decode_steps"] >= 1 for r in result.rows)
     delivered = [i for step in result.consumed for i in step]
     assert len(delivered) == len(set(delivered)) == 8 * 4  # once each
     # Only prompts read (k batches ahead) are delivered; groups may finish out of order, so with k > 0 a
