@@ -313,7 +313,11 @@ class LossConfig(msgspec.Struct, **_STRUCT):
             reward (0 turns it off).
         overlong_penalty: the penalty at Lmax (DAPO: 1.0).
         dynamic_sampling: DAPO's dynamic sampling: drop the groups whose rewards are all equal
-            (their advantage is 0) from the step, counted in ``shaping/dropped_groups``; no refill.
+            (their advantage is 0) from the step, counted in ``shaping/dropped_groups``.
+        dynamic_sampling_groups: with ``dynamic_sampling``, train on the first this many groups
+            whose rewards differ and discard the rest (``shaping/surplus_groups``): DAPO's refill
+            done by over-sampling, the source's ``batch_size`` set to a few times this; 0 keeps
+            every group with a signal.
         baseline: ``"group_mean"`` (LlamaRL) or ``"leave_one_out"``.
         normalize_std: divide advantages by the group's reward std (GRPO style).
         kl_coef: weight of a KL(pi || reference) penalty; needs a ``ref_logprobs`` input.
@@ -332,6 +336,7 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     dynamic_sampling: bool = False
+    dynamic_sampling_groups: int = 0
     baseline: Literal["group_mean", "leave_one_out"] = "group_mean"
     normalize_std: bool = False
     kl_coef: float = 0.0
@@ -364,6 +369,11 @@ class LossConfig(msgspec.Struct, **_STRUCT):
         _finite(o, overlong_penalty=self.overlong_penalty)
         _check(self.overlong_buffer >= 0, o, f"overlong_buffer={self.overlong_buffer} must be >= 0 (0: no overlong penalty)")
         _check(self.overlong_penalty >= 0, o, f"overlong_penalty={self.overlong_penalty} must be >= 0 (it is subtracted)")
+        _check(self.dynamic_sampling_groups >= 0, o, f"dynamic_sampling_groups={self.dynamic_sampling_groups} must be >= 0 (0: keep every group with a signal)")
+        _check(
+            not self.dynamic_sampling_groups or self.dynamic_sampling, o,
+            f"dynamic_sampling_groups={self.dynamic_sampling_groups} needs dynamic_sampling=True (it caps the groups dynamic sampling keeps)",
+        )
 
     def clip_range(self) -> tuple[float, float]:
         """``(clip_eps_low, clip_eps_high)``, each defaulting to ``clip_eps``: the clip interval is

@@ -78,7 +78,7 @@ from flowrl.operators.losses import (
     compute_loss,
     proximal_metrics,
 )
-from flowrl.operators.shaping import shape_batch
+from flowrl.operators.shaping import dynamic_sample, shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.lora import adapter_weights, add_adapters, lora_of
@@ -216,10 +216,17 @@ class Trainer:
         start_version = self.version
         proximal = opt.updates_per_batch > 1 or config.objective in NEEDS_PROXIMAL
         mine = self.part_of(batch)  # this rank's samples (all of them in one process): the rollout's metrics
+        raw_rewards = combined_rewards(config, mine)  # [S], before shaping: what reward_mean reports
+        rollout = {
+            "reward_mean": float(raw_rewards.mean()) if raw_rewards.numel() else 0.0,
+            "completion_len_mean": float(mine["completion_mask"].sum(1).float().mean()) if raw_rewards.numel() else 0.0,
+            **{f"reward/{name}": float(mine[name].float().mean()) if raw_rewards.numel() else 0.0 for name in config.reward_weights},
+        }
+        batch, sampled = dynamic_sample(config, batch)  # the whole batch, once: every rank keeps the same groups
+        mine = self.part_of(batch)
         if proximal:  # log pi_prox: the weights the batch starts with, once, without gradients
             batch["proximal_logprobs"] = self._logprobs(batch, grad=False)
             mine = self.part_of(batch)
-        raw_rewards = combined_rewards(config, mine)  # [S], before shaping: what reward_mean reports
         steps = [self._update(self.part_of(part), mismatch=not proximal) for part in self._mini_batches(batch, start_version)]
         metrics = steps[0] if len(steps) == 1 else _combine(steps)
         if len(steps) > 1:
@@ -234,14 +241,8 @@ class Trainer:
                 )
             )
         metrics.update(shape_batch(config, mine)[2] if len(steps) > 1 else {})
-        metrics.update(
-            {
-                "reward_mean": float(raw_rewards.mean()) if raw_rewards.numel() else 0.0,
-                "completion_len_mean": float(mine["completion_mask"].sum(1).float().mean()) if raw_rewards.numel() else 0.0,
-            }
-        )
-        for name in config.reward_weights:
-            metrics[f"reward/{name}"] = float(mine[name].float().mean()) if raw_rewards.numel() else 0.0
+        metrics.update(sampled)  # the whole batch's dynamic sampling (the steps saw it done)
+        metrics.update(rollout)
         if "rollout_version" in batch:
             metrics["staleness"] = float(start_version - int(batch["rollout_version"]))
         return metrics

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flowrl.graph.configs import LossConfig
-from flowrl.operators.shaping import loss_normalizer, overlong_penalty, shape_batch, truncated_completions, uniform_groups
+from flowrl.errors import ConfigError
+from flowrl.operators.shaping import dynamic_sample, loss_normalizer, overlong_penalty, shape_batch, truncated_completions, uniform_groups
 
 
 def _mask(lengths: list[int], width: int) -> torch.Tensor:
@@ -61,3 +62,23 @@ def test_no_option_leaves_the_batch_as_it_is():
     batch = {"completion_mask": _mask([4, 2], 4), "group_ids": torch.tensor([0, 0]), "rewards": torch.tensor([1.0, 1.0])}
     out, rewards, m = shape_batch(LossConfig(), batch)
     assert m == {} and torch.equal(out["completion_mask"], batch["completion_mask"]) and rewards.tolist() == [1.0, 1.0]
+
+
+def test_the_dynamic_sampling_cap_keeps_the_first_groups_with_a_signal_in_batch_order():
+    """Groups 0 and 3 have equal rewards (dropped); of 1, 2 and 4 a cap of 2 keeps 1 and 2, by hand."""
+    gid = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.0, 2.0])
+    out, metrics = dynamic_sample(LossConfig(dynamic_sampling=True, dynamic_sampling_groups=2), {"group_ids": gid, "rewards": rewards})
+    assert out["group_ids"].tolist() == [1, 1, 2, 2] and out["rewards"].tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert metrics == {"shaping/dropped_groups": 2.0, "shaping/dropped_samples": 4.0, "shaping/surplus_groups": 1.0, "shaping/kept_groups": 2.0}
+    out, metrics = dynamic_sample(LossConfig(dynamic_sampling=True), {"group_ids": gid, "rewards": rewards})
+    assert out["group_ids"].tolist() == [1, 1, 2, 2, 4, 4] and metrics["shaping/kept_groups"] == 3.0
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"dynamic_sampling_groups": 4}, "dynamic_sampling_groups=4 needs dynamic_sampling=True"),
+    ({"dynamic_sampling": True, "dynamic_sampling_groups": -1}, "dynamic_sampling_groups=-1 must be >= 0"),
+])
+def test_a_bad_dynamic_sampling_cap_is_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        LossConfig(**options)

@@ -213,6 +213,8 @@ SHAPING_CASES = {  # id: (loss options, completion width C, samples masked as tr
     "overlong": ({"overlong_buffer": 3, "overlong_penalty": 0.5}, 7, (), {0: 1.0 - 0.5 * 2 / 3}, ()),
     # group 2's rewards made equal (1, 1): dropped; groups 0 and 1 train alone
     "dynamic_sampling": ({"dynamic_sampling": True}, 7, (), {4: 1.0}, (4, 5)),
+    # ...and capped at one group (over-sampling's refill): the first group with a signal, group 0, trains alone
+    "dynamic_sampling_cap": ({"dynamic_sampling": True, "dynamic_sampling_groups": 1}, 7, (), {4: 1.0}, (2, 3, 4, 5)),
 }
 
 
@@ -235,7 +237,7 @@ def test_loss_and_gradient_on_a_padded_batch_equal_a_per_sample_reference_normal
         {"group": 2, "reward": 1.0, "prompt": [1, 3, 3, 3, 14], "completion": [7, 7, 7], "mu": [-3.0, -2.0, -2.5]},
     ]
     for i, r in changed.items():
-        if case == "dynamic_sampling":
+        if case.startswith("dynamic_sampling"):
             samples[i]["reward"] = r
     S, Tp = len(samples), 5  # C = 7: one padding column beyond the longest completion
     batch = {
@@ -261,7 +263,10 @@ def test_loss_and_gradient_on_a_padded_batch_equal_a_per_sample_reference_normal
     grads = dict(reference.named_parameters())
     for name, param in trainer.model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-4, atol=1e-7, msg=name)
-    if case == "dynamic_sampling":
+    if case.startswith("dynamic_sampling"):
         assert metrics["shaping/dropped_groups"] == 1 and metrics["shaping/dropped_samples"] == 2
+        assert metrics["shaping/kept_groups"] == 3 - 1 - metrics.get("shaping/surplus_groups", 0.0)
+    if case == "dynamic_sampling_cap":
+        assert metrics["shaping/surplus_groups"] == 1 and metrics["shaping/kept_groups"] == 1
     if masked:
         assert metrics["shaping/truncated_frac"] == pytest.approx(1 / 6)
