@@ -61,6 +61,13 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
             ``"policy"`` (inside its policy's step, on its mesh).
         span: the name of one step's span in the measured trace and the predicted timeline.
         style: how pictures draw it.
+        side: which half of a split it goes to: ``"generator"`` (with the generators), ``"trainer"``
+            (with the policies: ``halves`` puts it on the second half) or ``"cpu"`` (neither: it runs
+            on the CPU beside them).
+        waits_for_weights: the controller gates its step ``s`` on the version clock (weights of
+            version >= ``updates * (s - k)``), and its step's ``fetch_s`` is traced as a weight fetch.
+        publishes_weights: it trains and publishes its weights (a policy): the controller hands its
+            steps to the trainer's bookkeeping and traces its ``publish_s`` as a weight publish.
     """
 
     node: str
@@ -69,6 +76,9 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
     runs_on: Literal["devices", "cpu", "policy"]
     span: str
     style: KindStyle
+    side: Literal["generator", "trainer", "cpu"] = "cpu"
+    waits_for_weights: bool = False
+    publishes_weights: bool = False
 
 
 _EST = "flowrl.planners.estimate"
@@ -84,7 +94,7 @@ KINDS: dict[str, KindSpec] = {
     ),
     "generator": KindSpec(
         node="flowrl.graph.nodes:GeneratorNode", program=f"{_PROG}:build_generator", estimator=f"{_EST}.generate:estimate_generate",
-        runs_on="devices", span="generate",
+        runs_on="devices", span="generate", side="generator", waits_for_weights=True,
         style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     ),
     "scorer": KindSpec(
@@ -94,22 +104,22 @@ KINDS: dict[str, KindSpec] = {
     ),
     "reference": KindSpec(
         node="flowrl.graph.nodes:ReferenceNode", program=f"{_PROG}:build_reference", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="reference",
+        runs_on="devices", span="reference", side="trainer",
         style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
     ),
     "reward_model": KindSpec(
         node="flowrl.graph.nodes:RewardModelNode", program=f"{_PROG}:build_reward_model", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="reward model",
+        runs_on="devices", span="reward model", side="trainer",
         style=KindStyle(dot_shape="box", dot_style="rounded,dashed,filled", mermaid_open="([", mermaid_close="])", fill="#d5e8d4", stroke="#82b366"),
     ),
     "loss": KindSpec(
         node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.cpu:estimate_cpu",
-        runs_on="policy", span="loss",
+        runs_on="policy", span="loss", side="trainer",
         style=KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
     ),
     "policy": KindSpec(
         node="flowrl.graph.nodes:PolicyNode", program=f"{_PROG}:build_policy", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="train",
+        runs_on="devices", span="train", side="trainer", publishes_weights=True,
         style=KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
     ),
 }
