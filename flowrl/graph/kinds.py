@@ -68,6 +68,9 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
             version >= ``updates * (s - k)``), and its step's ``fetch_s`` is traced as a weight fetch.
         publishes_weights: it trains and publishes its weights (a policy): the controller hands its
             steps to the trainer's bookkeeping and traces its ``publish_s`` as a weight publish.
+        rank_program: ``module:qualname`` of its program on a mesh of several ranks (torchrun),
+            ``(node, graph, env, transports, *, group, ranks, mesh) -> program``, built on every rank
+            of its mesh; ``""``: its own ``program`` runs on the mesh's lead rank and the others idle.
     """
 
     node: str
@@ -79,10 +82,12 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
     side: Literal["generator", "trainer", "cpu"] = "cpu"
     waits_for_weights: bool = False
     publishes_weights: bool = False
+    rank_program: str = ""
 
 
 _EST = "flowrl.planners.estimate"
 _PROG = "flowrl.runtime.programs"
+_RANKS = "flowrl.runtime.backends.rank_programs"
 
 #: Every node kind, in ``NODE_KINDS`` order. Data comes from cylinders, models are boxes, rules
 #: hexagons (the loss is an octagon in DOT, where a parallelogram grows too wide for its label).
@@ -95,6 +100,7 @@ KINDS: dict[str, KindSpec] = {
     "generator": KindSpec(
         node="flowrl.graph.nodes:GeneratorNode", program=f"{_PROG}:build_generator", estimator=f"{_EST}.generate:estimate_generate",
         runs_on="devices", span="generate", side="generator", waits_for_weights=True,
+        rank_program=f"{_RANKS}:ParallelGenerator",
         style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     ),
     "scorer": KindSpec(
@@ -120,6 +126,7 @@ KINDS: dict[str, KindSpec] = {
     "policy": KindSpec(
         node="flowrl.graph.nodes:PolicyNode", program=f"{_PROG}:build_policy", estimator=f"{_EST}.train:estimate_train",
         runs_on="devices", span="train", side="trainer", publishes_weights=True,
+        rank_program=f"{_RANKS}:policy_ranks",
         style=KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
     ),
 }

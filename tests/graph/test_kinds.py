@@ -25,6 +25,8 @@ def test_every_part_of_a_kind_exists(kind):
         assert spec.program == "", "a kind that runs inside its policy has no program of its own"
     else:
         assert callable(resolve(spec.program))
+    if spec.rank_program:
+        assert spec.runs_on == "devices" and callable(resolve(spec.rank_program))
     assert spec.span and KIND_STYLES[kind] is spec.style
 
 
