@@ -68,6 +68,8 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
             version >= ``updates * (s - k)``), and its step's ``fetch_s`` is traced as a weight fetch.
         publishes_weights: it trains and publishes its weights (a policy): the controller hands its
             steps to the trainer's bookkeeping and traces its ``publish_s`` as a weight publish.
+        holds_weights: it holds a model of its policy's architecture, so a weight edge may end at it
+            (``graph.nodes.WEIGHT_HOLDING_KINDS``; a reward model's frozen classifier or judge does not).
         rank_program: ``module:qualname`` of its program on a mesh of several ranks (torchrun),
             ``(node, graph, env, transports, *, group, ranks, mesh) -> program``, built on every rank
             of its mesh; ``""``: its own ``program`` runs on the mesh's lead rank and the others idle.
@@ -82,6 +84,7 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
     side: Literal["generator", "trainer", "cpu"] = "cpu"
     waits_for_weights: bool = False
     publishes_weights: bool = False
+    holds_weights: bool = False
     rank_program: str = ""
 
 
@@ -99,7 +102,7 @@ KINDS: dict[str, KindSpec] = {
     ),
     "generator": KindSpec(
         node="flowrl.graph.nodes:GeneratorNode", program=f"{_PROG}:build_generator", estimator=f"{_EST}.generate:estimate_generate",
-        runs_on="devices", span="generate", side="generator", waits_for_weights=True,
+        runs_on="devices", span="generate", side="generator", waits_for_weights=True, holds_weights=True,
         rank_program=f"{_RANKS}:ParallelGenerator",
         style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     ),
@@ -110,7 +113,7 @@ KINDS: dict[str, KindSpec] = {
     ),
     "reference": KindSpec(
         node="flowrl.graph.nodes:ReferenceNode", program=f"{_PROG}:build_reference", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="reference", side="trainer",
+        runs_on="devices", span="reference", side="trainer", holds_weights=True,
         style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
     ),
     "reward_model": KindSpec(
@@ -125,7 +128,7 @@ KINDS: dict[str, KindSpec] = {
     ),
     "policy": KindSpec(
         node="flowrl.graph.nodes:PolicyNode", program=f"{_PROG}:build_policy", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="train", side="trainer", publishes_weights=True,
+        runs_on="devices", span="train", side="trainer", publishes_weights=True, holds_weights=True,
         rank_program=f"{_RANKS}:policy_ranks",
         style=KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
     ),

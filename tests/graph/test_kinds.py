@@ -6,7 +6,7 @@ import pytest
 
 from flowrl.graph.export import KIND_STYLES
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import DEVICE_KINDS, NODE_KINDS
+from flowrl.graph.nodes import DEVICE_KINDS, NODE_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS
 from flowrl.graph.refs import resolve
 
 
@@ -144,3 +144,4 @@ def test_roles_are_table_fields():
     assert [k for k, s in KINDS.items() if s.publishes_weights] == ["policy"]
     assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model"}
     assert all(s.side == "cpu" for s in KINDS.values() if s.runs_on == "cpu")
+    assert TRAINABLE_KINDS == {"policy"} and WEIGHT_HOLDING_KINDS == {"generator", "reference", "policy"}
