@@ -61,6 +61,18 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
             ``"policy"`` (inside its policy's step, on its mesh).
         span: the name of one step's span in the measured trace and the predicted timeline.
         style: how pictures draw it.
+        side: which half of a split it goes to: ``"generator"`` (with the generators), ``"trainer"``
+            (with the policies: ``halves`` puts it on the second half) or ``"cpu"`` (neither: it runs
+            on the CPU beside them).
+        waits_for_weights: the controller gates its step ``s`` on the version clock (weights of
+            version >= ``updates * (s - k)``), and its step's ``fetch_s`` is traced as a weight fetch.
+        publishes_weights: it trains and publishes its weights (a policy): the controller hands its
+            steps to the trainer's bookkeeping and traces its ``publish_s`` as a weight publish.
+        holds_weights: it holds a model of its policy's architecture, so a weight edge may end at it
+            (``graph.nodes.WEIGHT_HOLDING_KINDS``; a reward model's frozen classifier or judge does not).
+        rank_program: ``module:qualname`` of its program on a mesh of several ranks (torchrun),
+            ``(node, graph, env, transports, *, group, ranks, mesh) -> program``, built on every rank
+            of its mesh; ``""``: its own ``program`` runs on the mesh's lead rank and the others idle.
     """
 
     node: str
@@ -69,10 +81,16 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
     runs_on: Literal["devices", "cpu", "policy"]
     span: str
     style: KindStyle
+    side: Literal["generator", "trainer", "cpu"] = "cpu"
+    waits_for_weights: bool = False
+    publishes_weights: bool = False
+    holds_weights: bool = False
+    rank_program: str = ""
 
 
 _EST = "flowrl.planners.estimate"
 _PROG = "flowrl.runtime.programs"
+_RANKS = "flowrl.runtime.backends.rank_programs"
 
 #: Every node kind, in ``NODE_KINDS`` order. Data comes from cylinders, models are boxes, rules
 #: hexagons (the loss is an octagon in DOT, where a parallelogram grows too wide for its label).
@@ -84,7 +102,8 @@ KINDS: dict[str, KindSpec] = {
     ),
     "generator": KindSpec(
         node="flowrl.graph.nodes:GeneratorNode", program=f"{_PROG}:build_generator", estimator=f"{_EST}.generate:estimate_generate",
-        runs_on="devices", span="generate",
+        runs_on="devices", span="generate", side="generator", waits_for_weights=True, holds_weights=True,
+        rank_program=f"{_RANKS}:ParallelGenerator",
         style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     ),
     "scorer": KindSpec(
@@ -94,22 +113,23 @@ KINDS: dict[str, KindSpec] = {
     ),
     "reference": KindSpec(
         node="flowrl.graph.nodes:ReferenceNode", program=f"{_PROG}:build_reference", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="reference",
+        runs_on="devices", span="reference", side="trainer", holds_weights=True,
         style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
     ),
     "reward_model": KindSpec(
         node="flowrl.graph.nodes:RewardModelNode", program=f"{_PROG}:build_reward_model", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="reward model",
+        runs_on="devices", span="reward model", side="trainer",
         style=KindStyle(dot_shape="box", dot_style="rounded,dashed,filled", mermaid_open="([", mermaid_close="])", fill="#d5e8d4", stroke="#82b366"),
     ),
     "loss": KindSpec(
         node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.cpu:estimate_cpu",
-        runs_on="policy", span="loss",
+        runs_on="policy", span="loss", side="trainer",
         style=KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
     ),
     "policy": KindSpec(
         node="flowrl.graph.nodes:PolicyNode", program=f"{_PROG}:build_policy", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="train",
+        runs_on="devices", span="train", side="trainer", publishes_weights=True, holds_weights=True,
+        rank_program=f"{_RANKS}:policy_ranks",
         style=KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
     ),
 }

@@ -25,7 +25,8 @@ Node kinds (the ``kind`` tag in JSON):
 ``critic`` is reserved for later; it is not accepted yet.
 
 Which kinds own trainable weights (may start a weight edge) and which hold weights (may end one)
-is stated by ``TRAINABLE_KINDS`` and ``WEIGHT_HOLDING_KINDS``.
+is stated by ``TRAINABLE_KINDS`` and ``WEIGHT_HOLDING_KINDS``, read from the kinds table's
+``publishes_weights`` and ``holds_weights``.
 
 Each node struct states its own fields and summary (``signature()``, ``describe()``), and the
 ``Node`` union that graph files decode into is built from the kinds table
@@ -72,12 +73,12 @@ __all__ = [
 NodeKind = str
 #: Every kind, in the order of the kinds table (``flowrl.graph.kinds.KINDS``).
 NODE_KINDS: tuple[str, ...] = tuple(KINDS)
-TRAINABLE_KINDS: frozenset[str] = frozenset({"policy"})
+TRAINABLE_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.publishes_weights)
 #: Kinds that run a model on devices of their own (a placement gives each some); the others run on
 #: the host CPU beside them (sources, rule scorers) or inside their policy's step (losses).
 DEVICE_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.runs_on == "devices")
 #: A reward model holds a frozen model of another architecture (a classifier or a judge): no weights flow into it.
-WEIGHT_HOLDING_KINDS: frozenset[str] = DEVICE_KINDS - {"reward_model"}
+WEIGHT_HOLDING_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.holds_weights)
 
 
 class Signature(msgspec.Struct, frozen=True):

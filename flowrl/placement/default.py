@@ -22,19 +22,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flowrl.errors import PlanError
-from flowrl.graph.nodes import DEVICE_KINDS
+from flowrl.graph.kinds import KINDS
 from flowrl.placement.data import NodeMesh, Placement
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
 
-__all__ = ["RUN_STRATEGIES", "TRAINER_SIDE_KINDS", "run_strategy", "run_devices", "default_placement"]
+__all__ = ["RUN_STRATEGIES", "run_strategy", "run_devices", "default_placement"]
 
 #: The fixed strategies of a run without a placement (module docstring).
 RUN_STRATEGIES: tuple[str, ...] = ("all-colocated", "halves")
-
-#: Node kinds on the trainer side of a ``halves`` split.
-TRAINER_SIDE_KINDS = frozenset({"policy", "reference", "reward_model"})
 
 
 def run_strategy(max_staleness: int, n_devices: int) -> str:
@@ -45,6 +42,8 @@ def run_strategy(max_staleness: int, n_devices: int) -> str:
 def run_devices(kinds: dict[str, str], strategy: str, n_devices: int) -> dict[str, tuple[int, ...]]:
     """Devices of each device node (name -> kind, in graph order) under a run strategy (``RUN_STRATEGIES``).
 
+    ``halves`` puts the kinds whose table entry has ``side="trainer"`` on the second half, the others on the first.
+
     Raises:
         PlanError: for a strategy not in ``RUN_STRATEGIES``.
     """
@@ -53,7 +52,7 @@ def run_devices(kinds: dict[str, str], strategy: str, n_devices: int) -> dict[st
     if strategy != "halves":
         raise PlanError(f"unknown run strategy {strategy!r}; run strategies: {', '.join(RUN_STRATEGIES)}")
     half = n_devices // 2
-    return {n: tuple(range(half, n_devices)) if k in TRAINER_SIDE_KINDS else tuple(range(half)) for n, k in kinds.items()}
+    return {n: tuple(range(half, n_devices)) if KINDS[k].side == "trainer" else tuple(range(half)) for n, k in kinds.items()}
 
 
 def default_placement(graph: Graph, max_staleness: int, n_devices: int, *, strategy: str | None = None) -> Placement:
@@ -71,6 +70,6 @@ def default_placement(graph: Graph, max_staleness: int, n_devices: int, *, strat
     if n_devices < 1:
         raise PlanError(f"a run needs at least one device to place its nodes on, not {n_devices}")
     strategy = strategy or run_strategy(max_staleness, n_devices)
-    kinds = {n.name: n.kind for n in graph.nodes if n.kind in DEVICE_KINDS}
+    kinds = {n.name: n.kind for n in graph.nodes if KINDS[n.kind].runs_on == "devices"}
     nodes = {n: NodeMesh(devices=d) for n, d in run_devices(kinds, strategy, n_devices).items()}
     return Placement(nodes=nodes, strategy=strategy, source=f"default ({strategy})")

@@ -30,7 +30,7 @@ import msgspec
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ReferenceNode, RewardModelNode
+from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, RewardModelNode
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
@@ -70,7 +70,8 @@ class Roles:
 
     Attributes:
         gens, trainers, refs: heavy nodes by side (generators; policies; forward-only models: references
-            and reward models, costed with the training side like a reference).
+            and reward models, costed with the training side like a reference; any other kind the kinds
+            table puts on devices with ``side="trainer"`` is costed as a reference).
         loss_of: loss node -> the policy it runs inside.
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
@@ -136,9 +137,6 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
             recompute[node.name] = ctx.tuning.recompute_logprobs if ctx.tuning.recompute_logprobs is not None else objective != "aipo"
             iterations[node.name] = (node.optimizer.num_iterations, node.optimizer.updates_per_batch)
             recompute[node.name] = recompute[node.name] or node.optimizer.updates_per_batch > 1
-        elif isinstance(node, ReferenceNode):
-            refs.append(node.name)
-            models[node.name] = model or model_from_config(node.model)
         elif isinstance(node, RewardModelNode):  # a frozen model's forward pass, like a reference's
             refs.append(node.name)
             models[node.name] = model or reward_model_spec(node.model, judge=node.judge is not None)
@@ -146,9 +144,12 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
                 last.add(node.name)
             elif node.judge is not None:
                 extra[node.name] = node.judge.max_new_tokens
+        elif KINDS[node.kind].runs_on == "devices" and KINDS[node.kind].side == "trainer":  # a reference: a forward pass of its model
+            refs.append(node.name)
+            models[node.name] = model or model_from_config(node.model)  # type: ignore[attr-defined]
     for node in graph.nodes:
         if isinstance(node, LossNode):
-            users = [u.name for u in graph.users(node.name) if u.kind == "policy"]
+            users = [u.name for u in graph.users(node.name) if KINDS[u.kind].publishes_weights]
             if users:
                 loss_of[node.name] = users[0]
             elif trainers:

@@ -185,7 +185,7 @@ class Controller:
         self._unwritten: deque[tuple[dict[str, Any], Future[dict[str, float]] | None]] = deque()
         self._evaluator: Evaluator | None = None
         # --eval-every: the first policy that feeds a generator is the one evaluated
-        self._eval_policy = next((e.src for e in graph.weight_edges if graph.node(e.dst).kind == "generator"), None)
+        self._eval_policy = next((e.src for e in graph.weight_edges if KINDS[graph.node(e.dst).kind].waits_for_weights), None)
         self._build_executors(node_programs)
 
     # -- wiring -------------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class Controller:
         self.runners = group_runners(self.placement.groups(), intra_op_threads=self.intra_op_threads, cores=cores)
         self.executors: dict[str, _Executor] = {}
         for node in self.graph.nodes:
-            if node.kind == "loss":
+            if KINDS[node.kind].runs_on == "policy":  # a loss runs inside its policy's step
                 continue
             self.executors[node.name] = _Executor(
                 name=node.name,
@@ -358,7 +358,7 @@ class Controller:
         if ex.inputs and idle > 1e-4:
             self.tracer.add(ex.name, "wait", t_wait, t_wait + idle, step=seq)
         min_version = -1
-        if ex.kind == "generator":
+        if KINDS[ex.kind].waits_for_weights:
             min_version = self.updates * (seq - self.k[ex.name])
             t = time.perf_counter()
             self.clock.wait_for(min_version)
@@ -375,13 +375,13 @@ class Controller:
         outputs, info, t_step, t_end = ex.runner.call(run_step) if ex.runner is not None else run_step()
         self._trace_step(ex, seq, t_step, t_end, info)
         self._progress_at = time.monotonic()
-        if ex.kind == "generator":
+        if KINDS[ex.kind].waits_for_weights:
             with self._lock:
                 self._gen_info[(ex.name, seq)] = info
-        elif ex.kind != "policy" and any("/" in key for key in info):  # a source's data/*, a reward model's counts
+        elif not KINDS[ex.kind].publishes_weights and any("/" in key for key in info):  # a source's data/*, a reward model's counts
             with self._lock:
                 self._source_info.setdefault(seq, {}).update({k: v for k, v in info.items() if "/" in k})
-        elif ex.kind == "policy":
+        elif KINDS[ex.kind].publishes_weights:
             self._on_train_step(ex, seq, inputs, info, idle)
         for ch, fields in ex.outputs:
             ch.put(Message(seq, {f: outputs[f] for f in fields if f in outputs or f not in OPTIONAL_FIELDS}))
@@ -414,13 +414,13 @@ class Controller:
 
     def _trace_step(self, ex: _Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
         name = SPAN_NAMES.get(ex.kind, ex.kind)
-        if ex.kind == "generator" and info.get("fetch_s", 0) > 0:
+        if KINDS[ex.kind].waits_for_weights and info.get("fetch_s", 0) > 0:
             fetch_end = t0 + info["fetch_s"]
             self.tracer.add(ex.name, "weight fetch", t0, fetch_end, step=seq, version=info.get("version"))
             self.tracer.add(ex.name, name, fetch_end, t1, step=seq, version=info.get("version"))
             if "slots/utilisation" in info:
                 self.tracer.counter(ex.name, "slot occupancy", fetch_end, info["slots/utilisation"])
-        elif ex.kind == "policy" and "publish_s" in info:
+        elif KINDS[ex.kind].publishes_weights and "publish_s" in info:
             pub_start = t1 - info["publish_s"]
             self.tracer.add(ex.name, name, t0, pub_start, step=seq, version=info.get("version"))
             self.tracer.add(ex.name, "weight publish", pub_start, t1, step=seq, version=info.get("version"))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import Node
 from flowrl.runtime.programs import Batch, Info, ProgramBase, ProgramEnv, SharedTransports
 
@@ -196,4 +197,4 @@ SYNTHETIC = "flowrl.runtime.synthetic:synthetic_program"
 
 def synthetic_programs(graph: Graph) -> dict[str, str]:
     """``RunConfig.programs`` making every node of ``graph`` synthetic."""
-    return {n.name: SYNTHETIC for n in graph.nodes if n.kind != "loss"}
+    return {n.name: SYNTHETIC for n in graph.nodes if KINDS[n.kind].runs_on != "policy"}

@@ -6,7 +6,7 @@ import pytest
 
 from flowrl.graph.export import KIND_STYLES
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import DEVICE_KINDS, NODE_KINDS
+from flowrl.graph.nodes import DEVICE_KINDS, NODE_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS
 from flowrl.graph.refs import resolve
 
 
@@ -25,6 +25,8 @@ def test_every_part_of_a_kind_exists(kind):
         assert spec.program == "", "a kind that runs inside its policy has no program of its own"
     else:
         assert callable(resolve(spec.program))
+    if spec.rank_program:
+        assert spec.runs_on == "devices" and callable(resolve(spec.rank_program))
     assert spec.span and KIND_STYLES[kind] is spec.style
 
 
@@ -117,3 +119,29 @@ def test_a_kind_is_one_module_and_one_entry():
     assert "max_len=5" in out["dot"] and "max_len=5" in out["mermaid"]
     assert out["planned"]["bonus"] == pytest.approx(4 * 4 * 1e-6), "the planner did not cost it with its estimator"
     assert len(out["rewards"]) == 2 and all(0.0 <= r <= 1.0 for r in out["rewards"])
+
+
+def test_a_device_kind_is_placed_by_its_side(monkeypatch):
+    """A device kind registered with its roles goes to its half of a ``halves`` split: placement code reads the table."""
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from flowrl.graph import kinds
+    from flowrl.placement.default import default_placement
+
+    monkeypatch.setitem(kinds.KINDS, "critic", msgspec.structs.replace(KINDS["reference"], span="critic", side="trainer"))
+    monkeypatch.setitem(kinds.KINDS, "drafter", msgspec.structs.replace(KINDS["reference"], span="draft", side="generator"))
+    nodes = [("prompts", "source"), ("gen", "generator"), ("draft", "drafter"), ("critic", "critic"), ("policy", "policy")]
+    graph = SimpleNamespace(nodes=[SimpleNamespace(name=n, kind=k) for n, k in nodes])
+    placement = default_placement(graph, 1, 4)
+    assert {n: m.devices for n, m in placement.nodes.items()} == {"gen": (0, 1), "draft": (0, 1), "critic": (2, 3), "policy": (2, 3)}
+
+
+def test_roles_are_table_fields():
+    """Which kinds wait for weights, publish them and go on which side: read from the table, not kind names."""
+    assert [k for k, s in KINDS.items() if s.waits_for_weights] == ["generator"]
+    assert [k for k, s in KINDS.items() if s.publishes_weights] == ["policy"]
+    assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model"}
+    assert all(s.side == "cpu" for s in KINDS.values() if s.runs_on == "cpu")
+    assert TRAINABLE_KINDS == {"policy"} and WEIGHT_HOLDING_KINDS == {"generator", "reference", "policy"}

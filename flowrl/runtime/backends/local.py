@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports, build_program
 
@@ -42,7 +43,7 @@ class LocalPrograms:
         programs: dict[str, NodeProgram] = {}
         try:
             for node in self.graph.nodes:
-                if node.kind != "loss":
+                if KINDS[node.kind].runs_on != "policy":  # a loss runs in its policy
                     programs[node.name] = build_program(self.graph, node.name, self.env, self.transports)
         except BaseException:
             for program in programs.values():  # those built already may hold processes (a vLLM engine)

@@ -29,6 +29,7 @@ import msgspec
 
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.remote import RemoteProgram
@@ -165,7 +166,7 @@ class ProcessWorkers:
         try:
             self.zygote = zygote = take_zygote()
             for node in self.graph.nodes:
-                if node.kind != "loss":
+                if KINDS[node.kind].runs_on != "policy":  # a loss runs in its policy
                     self.workers[node.name] = self._spawn(zygote, node.name)
             for worker in self.workers.values():
                 worker.ready()

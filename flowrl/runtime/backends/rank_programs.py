@@ -24,7 +24,9 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, Node, PolicyNode
+from flowrl.graph.refs import resolve
 from flowrl.runtime.programs import (
     Batch,
     GeneratorProgram,
@@ -43,6 +45,7 @@ __all__ = [
     "DataParallelPolicy",
     "ShardedPolicy",
     "ParallelGenerator",
+    "policy_ranks",
     "rank_program",
 ]
 
@@ -489,11 +492,14 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     lead = ctx.rank == ranks[0]
     if len(ranks) == 1 or node.name in ctx.programs:
         return build_program(graph, node.name, env, transports) if lead else _Idle()
-    group = ctx.groups[node.name]
-    if isinstance(node, PolicyNode) and node.optimizer.sharding == "fsdp":
-        return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=ctx.meshes[node.name])
-    if isinstance(node, PolicyNode):
-        return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
-    if isinstance(node, GeneratorNode):
-        return ParallelGenerator(node, graph, env, transports, group=group, ranks=ranks, mesh=ctx.meshes.get(node.name))
-    return build_program(graph, node.name, env, transports) if lead else _Idle()  # reference: on the lead only
+    builder = KINDS[node.kind].rank_program  # the kinds table: "" runs on the lead only (a reference)
+    if builder:
+        return resolve(builder)(node, graph, env, transports, group=ctx.groups[node.name], ranks=ranks, mesh=ctx.meshes.get(node.name))
+    return build_program(graph, node.name, env, transports) if lead else _Idle()
+
+
+def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
+    """A policy's ``rank_program`` (``flowrl.graph.kinds``): FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
+    if node.optimizer.sharding == "fsdp":
+        return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
+    return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)

@@ -69,6 +69,7 @@ import torch
 
 from flowrl.errors import ConfigError, FlowrlError, PlanError
 from flowrl.graph.ir import Graph, WeightEdge
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
@@ -457,7 +458,7 @@ def _control(
             group.open({**init, "node": node})
             group.ready()
         for node in graph.nodes:
-            if node.kind != "loss" and node.name not in node_programs:
+            if KINDS[node.kind].runs_on != "policy" and node.name not in node_programs:  # a loss runs in its policy
                 node_programs[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
         controller = Controller(graph, config, node_programs, placement, on_step=on_step)
         seen["controller"] = controller
