@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write the cluster spec as JSON (atomically)")
     p.add_argument("--cores", type=int, metavar="N", help="devices (cores) the spec offers (default: all usable cores)")
     p.add_argument("--matmul-size", type=int, default=256, metavar="N", help="n of the n x n matmul (default: 256)")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timings per figure, of which the median is kept (default: 5; 1 is a quick, noisier look)")
     p.set_defaults(func=_run)
 
 
@@ -46,11 +47,13 @@ def _run(args: argparse.Namespace) -> int:
         raise PlanError(f"--cores {args.cores}: must be >= 1")
     if args.matmul_size < 8:
         raise PlanError(f"--matmul-size {args.matmul_size}: must be >= 8")
+    if args.repeats < 1:
+        raise PlanError(f"--repeats {args.repeats}: must be >= 1")
     if args.output:
         folder = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(folder):
             raise PlanError(f"cannot write {args.output!r}: folder {folder!r} does not exist")
-    m = measure(matmul_size=args.matmul_size)
+    m = measure(matmul_size=args.matmul_size, repeats=args.repeats)
     cluster = calibrated_cluster(m, cores=args.cores)
     print(
         f"matmul {m.matmul_flops / 1e9:.1f} GFLOP/s per core ({m.matmul_size}^3 float32), memory copy "

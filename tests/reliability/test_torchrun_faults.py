@@ -66,6 +66,7 @@ def kill_rank_and_resume(cwd: Path, *, steps: int = STEPS, k: int = K, every: in
     return {"killed_rows": killed_rows, "resumed_from": latest, "lost": lost, "repeated": repeated, "problems": problems}
 
 
+@pytest.mark.slow  # CI time (~15 s, a 3-rank job killed and resumed): the process backend's kill-and-resume tests run by default
 def test_a_killed_rank_then_resume_is_exact(tmp_path: Path) -> None:
     out = kill_rank_and_resume(tmp_path)
     assert not out["problems"], "\n".join(out["problems"])
