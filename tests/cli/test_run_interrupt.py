@@ -17,12 +17,22 @@ def test_sigint_checkpoints_and_exits_130(tmp_path: Path):
     ckpt, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "flowrl", "run", "--synthetic", "--steps", "100000", "--quiet",
            "--checkpoint-dir", str(ckpt), "--metrics", str(metrics)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not metrics.exists() or len(read_metrics(metrics)) < 5):
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    # A shell without job control starts background commands with SIGINT ignored, and a child inherits
+    # that (Python then installs no KeyboardInterrupt handler): give the run Ctrl-C's default, as a
+    # terminal would, however this test was started.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not metrics.exists() or len(read_metrics(metrics)) < 5):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # never leave the run behind for later tests to find
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     path = latest_checkpoint(ckpt)
