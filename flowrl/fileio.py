@@ -4,6 +4,8 @@
   disk, then renamed over the target, so a reader sees the old file or the new one, never a part.
   Every file flowrl writes whole (exports, plans, calibrated clusters, traces, truncated metrics)
   goes through it.
+- :func:`read_bounded`: a user's file read whole, refused when missing, over a size limit (a
+  wrong file, not a config) or unreadable, each error naming the file.
 - :func:`decode_errors`: around a msgspec decode, turns its three failures (schema mismatch, bad
   JSON, bytes that are not UTF-8) into one domain error with the same wording everywhere.
 
@@ -36,7 +38,7 @@ import msgspec
 
 from flowrl.errors import FlowrlError
 
-__all__ = ["write_atomic", "decode_errors"]
+__all__ = ["write_atomic", "read_bounded", "decode_errors"]
 
 
 def _new_file_mode() -> int:
@@ -110,3 +112,21 @@ def decode_errors(error: type[FlowrlError], *, mismatch: str, invalid: str, hint
         raise error(f"{invalid}: {exc}") from None
     except UnicodeDecodeError as exc:  # msgspec raises it, not a DecodeError, for bad bytes inside a string
         raise error(f"{invalid}: a string holds bytes that are not UTF-8 ({exc.reason})") from None
+
+
+def read_bounded(path: str | os.PathLike[str], *, limit: int, what: str, missing_hint: str, error: type[FlowrlError]) -> bytes:
+    """The bytes of ``path``, a user's ``what`` (e.g. ``"plan file"``) of at most ``limit`` bytes.
+
+    Raises:
+        error: ``what`` and the path named: it does not exist (``missing_hint`` says what to do), it is
+            over ``limit`` bytes, or it cannot be read.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} {str(p)!r} does not exist; {missing_hint}")
+    if p.stat().st_size > limit:
+        raise error(f"{what} {str(p)!r} is over the {limit}-byte limit; is it a {what.split()[0]} file?")
+    try:
+        return p.read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {what} {str(p)!r}: {exc.strerror}") from None

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from flowrl.errors import PlanError
+from flowrl.fileio import read_bounded
 from flowrl.graph.nodes import DEVICE_KINDS
 from flowrl.placement.data import AXES, NodeMesh, Placement
 
@@ -130,14 +131,7 @@ def load_placement(path: str | os.PathLike[str], graph: Graph) -> Placement:
         PlanError: naming the file: missing, too large, unreadable, or not a placement of ``graph``.
     """
     p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"placement file {str(p)!r} does not exist; write one like {EXAMPLE}")
-    if p.stat().st_size > MAX_PLACEMENT_BYTES:
-        raise PlanError(f"placement file {str(p)!r} is over the {MAX_PLACEMENT_BYTES}-byte limit; is it a placement?")
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise PlanError(f"cannot read placement file {str(p)!r}: {exc.strerror}") from None
+    data = read_bounded(p, limit=MAX_PLACEMENT_BYTES, what="placement file", missing_hint=f"write one like {EXAMPLE}", error=PlanError)
     return decode_placement(data, graph, where=str(p))
 
 

@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 from flowrl.errors import PlanError
+from flowrl.fileio import read_bounded
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import DEVICE_KINDS
 from flowrl.placement.data import Placement
@@ -45,15 +46,12 @@ def read_placement(path: str | os.PathLike[str], graph: Graph) -> Placement:
     """
     where = f"--plan {path}"
     p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"plan file {str(p)!r} does not exist; write one with 'flowrl plan {graph.name} --cluster SPEC -o {p}' or a placement like {EXAMPLE}")
-    if p.stat().st_size > MAX_PLAN_BYTES:
-        raise PlanError(f"plan file {str(p)!r} is over the {MAX_PLAN_BYTES}-byte limit; is it a flowrl plan?")
+    data = read_bounded(
+        p, limit=MAX_PLAN_BYTES, what="plan file", error=PlanError,
+        missing_hint=f"write one with 'flowrl plan {graph.name} --cluster SPEC -o {p}' or a placement like {EXAMPLE}",
+    )
     try:
-        data = p.read_bytes()
         raw = json.loads(data)
-    except OSError as exc:
-        raise PlanError(f"cannot read plan file {str(p)!r}: {exc.strerror}") from None
     except ValueError as exc:  # UnicodeDecodeError included
         raise PlanError(f"plan file {str(p)!r} is not valid JSON: {exc}") from None
     if not (isinstance(raw, dict) and "placements" in raw):

@@ -90,3 +90,27 @@ def test_a_run_without_a_plan_uses_the_run_strategy(k, cores, expect):
     placement = run_placement(LLAMARL, None, RunConfig(max_staleness=k), n_devices=cores)
     assert placement.devices == expect and placement.strategy == run_strategy(k, cores) and not placement.pin
     assert run_devices({"gen": "generator", "policy": "policy"}, placement.strategy, cores) == expect
+
+
+def test_a_plan_or_placement_file_that_is_missing_huge_or_unreadable_is_named(tmp_path):
+    """Both readers (``--plan``'s and ``load_placement``) refuse through ``fileio.read_bounded``, naming the file."""
+    from flowrl.errors import PlanError
+    from flowrl.examples import build_example
+    from flowrl.placement import load_placement
+    from flowrl.placement.forms import MAX_PLACEMENT_BYTES
+    from flowrl.planners.forms import read_placement
+
+    graph = build_example("llamarl")
+    missing = tmp_path / "none.json"
+    with pytest.raises(PlanError, match=r"plan file '.*none.json' does not exist; write one with 'flowrl plan llamarl"):
+        read_placement(missing, graph)
+    with pytest.raises(PlanError, match=r"placement file '.*none.json' does not exist; write one like"):
+        load_placement(missing, graph)
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(b" " * (MAX_PLACEMENT_BYTES + 1))
+    with pytest.raises(PlanError, match=r"placement file '.*huge.json' is over the \d+-byte limit; is it a placement file\?"):
+        load_placement(huge, graph)
+    folder = tmp_path / "dir.json"
+    folder.mkdir()
+    with pytest.raises(PlanError, match=r"does not exist"):  # a folder is not a file
+        read_placement(folder, graph)

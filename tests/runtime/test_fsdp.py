@@ -32,7 +32,6 @@ from flowrl.errors import ConfigError
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import OptimizerConfig
-from flowrl.placement import load_placement
 
 from tests.runtime.test_torchrun import _rows, _torchrun  # the jobs run with PYTHONPATH=ROOT (see _torchrun)
 
@@ -506,39 +505,10 @@ def _step_job(out: str, family: str, directory: str) -> int:
 
 
 def _bitwise_job(out: str) -> int:
-    """``fsdp_graph`` for 3 steps at k = 0 on place.json; at the end each generator rank fetches the newest
-    version into a full model and writes its hash (as ``test_torchrun._bitwise_job``)."""
-    import time
+    """``fsdp_graph`` for 3 steps at k = 0 on place.json; each generator rank hashes the newest version it fetched."""
+    from tests.runtime.test_torchrun import _run_and_hash_generator_weights
 
-    import flowrl.runtime.backends.torchrun as tr
-    from flowrl.runtime.backends import weights as edges
-    from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.run import run_graph
-    from tests.runtime.test_torchrun import _state_hash
-
-    graph = fsdp_graph(max_staleness=0)
-    rank = int(os.environ["RANK"])
-    real_close = edges.close_edges
-
-    def close_after_hashing(**kw):
-        t = edges.opened(edges.channel("policy", "gen"))
-        if t is not None and t.is_generator:
-            from flowrl.operators.model import Transformer
-
-            target = dict(Transformer(graph.node("gen").model).state_dict())
-            deadline, got = time.monotonic() + 20, None
-            while got != 3 and time.monotonic() < deadline:
-                got = t.fetch_into(target, newer_than=-1)
-                time.sleep(0.01)
-            Path(out, f"gen-rank{rank}.json").write_text(json.dumps({"rank": rank, "version": got, "sha256": _state_hash(target)}))
-        real_close(**kw)
-
-    tr.close_edges = close_after_hashing
-    try:
-        run_graph(graph, load_placement("place.json", graph), RunConfig(steps=3, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60))
-    finally:
-        tr.close_edges = real_close
-    return 0
+    return _run_and_hash_generator_weights(fsdp_graph(max_staleness=0), Path(out))
 
 
 def _checkpointing_job(out: str, family: str, directory: str) -> int:

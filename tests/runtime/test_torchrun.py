@@ -389,43 +389,45 @@ def _fail_job(mode: str) -> int:
     return 0
 
 
-def _bitwise_job() -> int:
-    """policy replicas on ranks 0-1, generator replicas on 2-3, 3 steps at k=0, final checkpoint in ck/;
-    then each generator rank fetches the last version and writes its weights' hash."""
+def _run_and_hash_generator_weights(graph, out: Path, steps: int = 3) -> int:
+    """Run ``graph`` for ``steps`` steps at k = 0 on place.json (written by the test before launch, never
+    by a rank: they race), final checkpoint in ck/; at the job's end, before the transports close, each
+    generator rank fetches the newest version into a full model and writes its hash to
+    ``out/gen-rank{RANK}.json`` (with the bytes it received). test_fsdp's bit-for-bit job uses it too."""
     import time
 
+    import flowrl.runtime.backends.torchrun as tr
+    from flowrl.operators.model import Transformer
     from flowrl.runtime.backends import weights as edges
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 
-    graph = build_llamarl(max_staleness=0)
-    place = Path("place.json")  # BITWISE_PLACEMENT, written by the test before launch (never by a rank: they race)
     rank = int(os.environ["RANK"])
     real_close = edges.close_edges
 
-    def close_after_hashing(**kw):  # the job's end, before the transports close: fetch the newest, hash it
+    def close_after_hashing(**kw):
         t = edges.opened(edges.channel("policy", "gen"))
         if t is not None and t.is_generator:
-            from flowrl.operators.model import Transformer
-
             target = dict(Transformer(graph.node("gen").model).state_dict())
             deadline, got = time.monotonic() + 20, None
-            while got != 3 and time.monotonic() < deadline:
+            while got != steps and time.monotonic() < deadline:
                 got = t.fetch_into(target, newer_than=-1)
                 time.sleep(0.01)
-            Path(f"gen-rank{rank}.json").write_text(json.dumps(
-                {"rank": rank, "version": got, "sha256": _state_hash(target), "bytes_received": t.bytes_received}))
+            record = {"rank": rank, "version": got, "sha256": _state_hash(target), "bytes_received": t.bytes_received}
+            Path(out, f"gen-rank{rank}.json").write_text(json.dumps(record))
         real_close(**kw)
-
-    edges_close = edges.close_edges
-    import flowrl.runtime.backends.torchrun as tr
 
     tr.close_edges = close_after_hashing
     try:
-        run_graph(graph, load_placement(place, graph), RunConfig(steps=3, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60))
+        run_graph(graph, load_placement("place.json", graph), RunConfig(steps=steps, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60))
     finally:
-        tr.close_edges = edges_close
+        tr.close_edges = real_close
     return 0
+
+
+def _bitwise_job() -> int:
+    """policy replicas on ranks 0-1, generator replicas on 2-3 (BITWISE_PLACEMENT)."""
+    return _run_and_hash_generator_weights(build_llamarl(max_staleness=0), Path("."))
 
 
 def _dp_job(out: str, loss_agg: str) -> int:
