@@ -147,7 +147,12 @@ class CheckpointWriter:
         steps = {p: _step_of(p) for p in self.directory.glob("step-*") if p.is_dir()}
         done = sorted(p for p, step in steps.items() if step is not None and step <= version)
         for old in done[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            # renamed aside first, in one step: a kill during the deletion must not leave a
+            # ``step-*`` directory with its meta.json and half its state files (the sweep of a
+            # later run removes the trash of a killed one)
+            trash = self.directory / f".trash-{old.name}-{os.getpid()}"
+            os.replace(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
 
     def _sweep_orphans(self) -> None:
         for p in [*self.directory.glob(".step-*.tmp-*"), *self.directory.glob("LATEST.tmp-*"), *self.directory.glob(".trash-*")]:

@@ -84,3 +84,39 @@ def test_second_holder_fails_at_once_and_a_killed_holder_leaves_it_free(tmp_path
         holder.stdout.close()
     with lock_directory(tmp_path) as d:  # the OS released the dead holder's lock
         assert (d / LOCK_FILE).read_text().strip() == str(os.getpid())
+
+
+def test_a_prune_killed_halfway_leaves_no_step_directory_that_looks_complete(tmp_path, monkeypatch):
+    """CI once caught a SIGKILL during the deletion of the oldest checkpoint: ``step-00000003``
+    kept its meta.json and lost its state file. Pruning renames a checkpoint aside before deleting it."""
+    import shutil
+
+    import msgspec
+
+    from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter
+
+    writer = CheckpointWriter(tmp_path, keep=1)
+
+    def write(version):
+        staging = writer.staging(version)
+        (staging / "policy.pt").write_bytes(b"state")
+        return writer.commit(staging, CheckpointMeta(version=version, data_position=0, graph="g", graph_sha256="0", files={"policy": "policy.pt"}))
+
+    write(1)
+
+    rmtree = shutil.rmtree
+
+    def killed_halfway(path, ignore_errors=False):  # deletes one state file of a checkpoint, then the process "dies"
+        if not (path / "meta.json").is_file():
+            return rmtree(path, ignore_errors=ignore_errors)
+        next(p for p in sorted(path.iterdir()) if p.name != "meta.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        write(2)
+    monkeypatch.undo()
+    for step in tmp_path.glob("step-*"):
+        meta = msgspec.json.decode((step / "meta.json").read_bytes(), type=CheckpointMeta)
+        assert all((step / f).is_file() for f in meta.files.values()), f"{step.name} looks complete but is not"
+    assert (tmp_path / "LATEST").read_text() == "step-00000002"
