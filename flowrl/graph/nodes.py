@@ -283,13 +283,6 @@ class PolicyNode(NodeBase, tag="policy"):
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
 
-    def __post_init__(self) -> None:
-        if getattr(self.model, "lora", None) is not None and self.optimizer.sharding == "fsdp":
-            raise ConfigError(
-                f"policy {self.name!r}: a LoRA policy (model lora=...) with sharding='fsdp' is not supported yet; "
-                "its adapters are small: use sharding='replicate' (the default)"
-            )
-
     def signature(self) -> Signature:
         return Signature(_fields(("objective",)), {})
 

@@ -53,6 +53,7 @@ __all__ = [
     "adapter_weights",
     "LoraMerge",
     "adapter_targets",
+    "adapter_shapes",
     "vllm_max_rank",
     "save_adapter",
     "merged_model",
@@ -165,6 +166,23 @@ def adapter_targets(model: nn.Module, lora: LoraConfig, *, owner: str = "generat
         out[f"{name}.lora_A.weight"] = torch.zeros(lora.r, in_dim, dtype=torch.float32, device=where)
         out[f"{name}.lora_B.weight"] = torch.zeros(out_dim, lora.r, dtype=torch.float32, device=where)
     return out
+
+
+def adapter_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of what a LoRA policy of ``config`` publishes (``adapter_weights``: float32
+    ``A`` and ``B`` per target module), from ``config``'s model on the meta device (nothing read).
+
+    Raises:
+        ConfigError: ``config`` has no ``lora``; see also ``lora_modules``.
+    """
+    from flowrl.models.registry import meta_model
+
+    lora = lora_of(config)
+    if lora is None:
+        raise ConfigError("adapter_shapes: the model description has no lora=")
+    model = meta_model(config)
+    inner = getattr(model, "hf", model)
+    return {n: (tuple(t.shape), t.dtype) for n, t in adapter_targets(inner, lora, device="meta").items()}
 
 
 class LoraMerge:

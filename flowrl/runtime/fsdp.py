@@ -160,7 +160,7 @@ def shard_trainer_(trainer: Any, mesh: Any) -> None:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(trainer.model, mesh=mesh, mp_policy=policy)
     trainer.optimizer = torch.optim.AdamW(
-        trainer.model.parameters(), lr=learning_rate(opt, trainer.version), betas=opt.betas, weight_decay=opt.weight_decay
+        [p for p in trainer.model.parameters() if p.requires_grad], lr=learning_rate(opt, trainer.version), betas=opt.betas, weight_decay=opt.weight_decay
     )
     trainer._weights = local_weights(trainer.model)  # what Trainer.weights() gives: this rank's shards
 
@@ -177,9 +177,13 @@ def token_scale(dp: int, mine: float, total: float) -> float:
 
 
 def _named(model: nn.Module) -> dict[str, Tensor]:
+    """What the policy publishes, by name: every weight (``weight_dict``), or a LoRA policy's adapters
+    (``adapter_weights``; its frozen base is sharded too, but never travels)."""
     from flowrl.models.causal_lm import weight_dict
+    from flowrl.models.lora import adapter_weights
 
-    return weight_dict(model)
+    adapters = adapter_weights(model)
+    return adapters if adapters else weight_dict(model)
 
 
 def local_weights(model: nn.Module) -> dict[str, Tensor]:
@@ -215,7 +219,7 @@ def full_state(trainer: Any) -> dict[str, Any]:
     return {
         "version": trainer.version,
         "model_config": msgspec.to_builtins(trainer.node.model),
-        "model": _gathered(dict(trainer.model.state_dict())),
+        "model": _gathered(_named(trainer.model) if trainer.lora else dict(trainer.model.state_dict())),  # LoRA: the adapters
         "optimizer": _gathered(trainer.optimizer.state_dict()),
     }
 
@@ -239,11 +243,13 @@ def load_full_state(trainer: Any, state: Mapping[str, Any]) -> None:
     if not isinstance(model, Mapping) or not isinstance(optimizer, Mapping):
         trainer.load_state(state)  # raises its own error naming what is missing
         return
-    mine = dict(trainer.model.state_dict())
+    mine = _named(trainer.model) if trainer.lora else dict(trainer.model.state_dict())
     unknown = sorted(set(model) - set(mine))
     if unknown:
         raise CheckpointError(f"policy {trainer.name!r}: the checkpoint's model has tensors this model lacks: {unknown[:5]}")
     sharded_model = {k: _shard_like(v, mine.get(k)) for k, v in model.items()}
+    if trainer.lora:  # Trainer.load_state copies a LoRA policy's adapters into its local views
+        sharded_model = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in sharded_model.items()}
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     per_param = {}
     for index, entry in dict(optimizer.get("state", {})).items():

@@ -235,8 +235,8 @@ def test_the_builder_puts_lora_on_the_policy_and_the_generator_it_feeds_and_refu
         GraphBuilder("builtin", model=ModelConfig()).policy("policy", "x", lora=dict(r=8))
     with pytest.raises(ConfigError, match=r"peft_config.*lora=dict\(r=, alpha=, target_modules=\) on b.policy"):
         b.policy("policy2", loss, peft_config={"r": 8})
-    with pytest.raises(ConfigError, match="sharding='fsdp' is not supported"):
-        PolicyNode(name="p", model=HFModelConfig(path="x", lora=lora), optimizer=OptimizerConfig(sharding="fsdp"))
+    # LoRA with FSDP is allowed (tests/runtime/test_lora_torchrun.py, test_fsdp.py's lora family)
+    assert PolicyNode(name="p", model=HFModelConfig(path="x", lora=lora), optimizer=OptimizerConfig(sharding="fsdp")).model.lora == lora
 
 
 def test_a_lora_run_sends_only_adapter_bytes_and_checkpoints_only_adapters(tmp_path):

@@ -128,15 +128,16 @@ def test_the_collective_trainer_layout_is_fsdp_shards():
 
 
 # -- the sharded step, its memory, its checkpoint, its weights (one torchrun job per model family) ---
-@pytest.fixture(scope="module", params=["builtin", pytest.param("llama", marks=pytest.mark.slow), pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: --runslow (CI time)
+@pytest.fixture(scope="module", params=["builtin", "lora", pytest.param("llama", marks=pytest.mark.slow), pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: --runslow (CI time)
 def step_result(request, tmp_path_factory):
-    """One job per model family, shared by the tests below: (result, its directory, family, HF dir)."""
+    """One job per model family, shared by the tests below: (result, its directory, family, HF dir).
+    ``lora``: LoRA adapters (r=2 on q_proj and v_proj) on a Qwen2 model, its frozen base sharded too."""
     family, directory = request.param, ""
     if family != "builtin":
         from tests.hf_fixtures import make_hf_dir
 
         tie = family == "llama"  # a tied head (Llama) and an untied one with qkv biases (Qwen2)
-        directory = str(make_hf_dir(tmp_path_factory.mktemp(family), family, tie=tie))
+        directory = str(make_hf_dir(tmp_path_factory.mktemp(family), "qwen2" if family == "lora" else family, tie=tie))
     out = tmp_path_factory.mktemp(f"step-{family}")
     proc = _torchrun(3, [str(THIS), "step", str(out), family, directory], out)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -209,6 +210,12 @@ def test_flowrl_export_of_a_sharded_checkpoint_loads(step_result):
         from flowrl.graph.configs import ModelConfig
 
         _, expected = builtin_to_llama(msgspec.convert(state["model_config"], ModelConfig), state["model"])
+    elif family == "lora":  # merged: peft's merge_and_unload of the gathered adapters into the base
+        from flowrl.graph.configs import HFModelConfig
+        from flowrl.models.lora import merged_model
+
+        expected = merged_model(msgspec.convert(state["model_config"], HFModelConfig), state["model"]).state_dict()
+        assert all(bool(t.abs().sum() > 0) for n, t in state["model"].items() if ".lora_B." in n)  # B moved from 0: a real merge
     else:
         expected = state["model"]
     for name, t in expected.items():
@@ -373,11 +380,15 @@ def _batch(family: str, directory: str, seed: int) -> dict[str, torch.Tensor]:
     return {**rollout, "completion_mask": mask, "rewards": torch.randn(mask.shape[0], generator=g)}
 
 
+LORA = dict(r=2, alpha=4, target_modules=("q_proj", "v_proj"))
+
+
 def _policy(family: str, directory: str, sharding: str):
-    from flowrl.graph.configs import HFModelConfig
+    from flowrl.graph.configs import HFModelConfig, LoraConfig
     from flowrl.graph.nodes import PolicyNode
 
-    model = build_llamarl().node("policy").model if family == "builtin" else HFModelConfig(path=directory, init="random", seed=3)
+    lora = LoraConfig(**LORA) if family == "lora" else None
+    model = build_llamarl().node("policy").model if family == "builtin" else HFModelConfig(path=directory, init="random", seed=3, lora=lora)
     return PolicyNode(name="policy", model=model, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.01, sharding=sharding))
 
 
@@ -389,11 +400,24 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((_full(a[k]).float() - _full(b[k]).float()).abs().max()) for k in b)
 
 
+def _trained(trainer) -> list:
+    """The parameters the optimizer holds, in its order (a LoRA policy's adapters only)."""
+    return [p for group in trainer.optimizer.param_groups for p in group["params"]]
+
+
+def _published(trainer) -> dict:
+    """What the trainer's checkpoint holds as its model: the state dict, or a LoRA policy's adapters."""
+    from flowrl.models.lora import adapter_weights
+
+    return adapter_weights(trainer.model) if trainer.lora else dict(trainer.model.state_dict())
+
+
 def _step_job(out: str, family: str, directory: str) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from flowrl.graph.nodes import LossNode
+    from flowrl.models.lora import adapter_shapes
     from flowrl.models.registry import weight_shapes
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.distributed import recv_batch, send_batch, shard_by_groups
@@ -428,11 +452,11 @@ def _step_job(out: str, family: str, directory: str) -> int:
             tokens=[int(s["completion_mask"].sum()) for s in shards[0]],
             grad_norm_ref=ref_metrics["grad_norm"],
             grad_norm_fsdp=metrics["grad_norm"],
-            max_grad_diff=max(float((_full(p.grad) - q.grad).abs().max()) for p, q in zip(mine.model.parameters(), ref.model.parameters())),
+            max_grad_diff=max(float((_full(p.grad) - q.grad).abs().max()) for p, q in zip(_trained(mine), _trained(ref))),
             max_param_diff=_max_diff(dict(mine.model.named_parameters()), dict(ref.model.named_parameters())),
             max_moment_diff=max(
                 float((_full(mine.optimizer.state[p][k]) - ref.optimizer.state[q][k]).abs().max())
-                for p, q in zip(mine.model.parameters(), ref.model.parameters()) for k in ("exp_avg", "exp_avg_sq")
+                for p, q in zip(_trained(mine), _trained(ref)) for k in ("exp_avg", "exp_avg_sq")
             ),
         )
         numel = torch.tensor([local_numel(mine)["params"], local_numel(mine)["optimizer"]])
@@ -443,10 +467,10 @@ def _step_job(out: str, family: str, directory: str) -> int:
         state = full_state(mine)  # both ranks gather; rank 0 writes
         if rank == 0:
             torch.save(state, Path(out) / "policy.pt")
-        result["checkpoint_vs_fsdp"] = _max_diff(state["model"], dict(mine.model.state_dict()))
+        result["checkpoint_vs_fsdp"] = _max_diff(state["model"], _published(mine))
         result["checkpoint_moments_vs_fsdp"] = max(
             float((state["optimizer"]["state"][i][k] - _full(mine.optimizer.state[p][k])).abs().max())
-            for i, p in enumerate(mine.model.parameters()) for k in ("exp_avg", "exp_avg_sq")
+            for i, p in enumerate(_trained(mine)) for k in ("exp_avg", "exp_avg_sq")
         )
         fsdp_step(mine, batches[1], shards[1][rank])  # uninterrupted
         uninterrupted = {k: _full(v).clone() for k, v in mine.model.state_dict().items()}
@@ -470,7 +494,8 @@ def _step_job(out: str, family: str, directory: str) -> int:
         result["resumed_one_process_vs_ref"] = _max_diff(dict(one.model.state_dict()), dict(ref.model.state_dict()))
     # the collective transport, straight from the shards: ranks 0-1 publish, rank 2 fetches the full state
     config = _policy(family, directory, "fsdp").model
-    params = {n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in weight_shapes(config).items()}
+    shapes = adapter_shapes(config) if family == "lora" else weight_shapes(config)
+    params = {n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in shapes.items()}
     t = CollectiveTransport(params=params, trainer_layout=fsdp(trainers), generator_layout=dp_replicas((2,)), channel="fsdp-test", timeout_s=30)
     if rank in trainers:
         t.publish(local_weights(mine.model), 7)
@@ -483,7 +508,7 @@ def _step_job(out: str, family: str, directory: str) -> int:
         dist.all_gather(every_sent, torch.tensor([t.bytes_sent]), group=mesh.get_group())
         result["transport_bytes_sent"] = [int(x) for x in every_sent]
     else:
-        target = {n: torch.empty(s, dtype=d) for n, (s, d) in weight_shapes(config).items()}
+        target = {n: torch.empty(s, dtype=d) for n, (s, d) in shapes.items()}
         got = None
         while got is None:
             got = t.fetch_into(target, newer_than=-1)

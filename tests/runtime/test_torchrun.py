@@ -389,7 +389,7 @@ def _fail_job(mode: str) -> int:
     return 0
 
 
-def _run_and_hash_generator_weights(graph, out: Path, steps: int = 3) -> int:
+def _run_and_hash_generator_weights(graph, out: Path, steps: int = 3, metrics: str | None = None) -> int:
     """Run ``graph`` for ``steps`` steps at k = 0 on place.json (written by the test before launch, never
     by a rank: they race), final checkpoint in ck/; at the job's end, before the transports close, each
     generator rank fetches the newest version into a full model and writes its hash to
@@ -397,7 +397,6 @@ def _run_and_hash_generator_weights(graph, out: Path, steps: int = 3) -> int:
     import time
 
     import flowrl.runtime.backends.torchrun as tr
-    from flowrl.operators.model import Transformer
     from flowrl.runtime.backends import weights as edges
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
@@ -408,7 +407,8 @@ def _run_and_hash_generator_weights(graph, out: Path, steps: int = 3) -> int:
     def close_after_hashing(**kw):
         t = edges.opened(edges.channel("policy", "gen"))
         if t is not None and t.is_generator:
-            target = dict(Transformer(graph.node("gen").model).state_dict())
+            specs = edges._param_specs(graph, "policy")  # what the edge carries: every weight, or LoRA adapters
+            target = {n: torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"])) for n, spec in specs.items()}
             deadline, got = time.monotonic() + 20, None
             while got != steps and time.monotonic() < deadline:
                 got = t.fetch_into(target, newer_than=-1)
@@ -419,7 +419,7 @@ def _run_and_hash_generator_weights(graph, out: Path, steps: int = 3) -> int:
 
     tr.close_edges = close_after_hashing
     try:
-        run_graph(graph, load_placement("place.json", graph), RunConfig(steps=steps, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60))
+        run_graph(graph, load_placement("place.json", graph), RunConfig(steps=steps, backend="torchrun", checkpoint_dir="ck", stall_timeout_s=60, metrics=metrics))
     finally:
         tr.close_edges = real_close
     return 0

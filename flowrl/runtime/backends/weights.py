@@ -83,14 +83,17 @@ def edge_ranks(graph: Graph, src: str, dst: str, ranks: dict[str, tuple[int, ...
 
 
 def _param_specs(graph: Graph, src: str) -> dict[str, dict[str, Any]]:
-    """Full shapes and dtypes of the policy's weights (its ``Trainer.weights()``), from its model config."""
+    """Full shapes and dtypes of the policy's weights (its ``Trainer.weights()``: a LoRA policy's
+    adapters), from its model config."""
+    from flowrl.models.lora import adapter_shapes, lora_of
     from flowrl.models.registry import weight_shapes
 
     node = graph.node(src)
     config = getattr(node, "model", None)
     if config is None:
         raise ConfigError(f"weight edge from {src!r}: node has no model config, so the collective transport cannot know its parameter shapes")
-    return {n: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, (shape, dtype) in weight_shapes(config).items()}
+    shapes = adapter_shapes(config) if lora_of(config) is not None else weight_shapes(config)
+    return {n: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, (shape, dtype) in shapes.items()}
 
 
 def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: Any, params: dict[str, Any]) -> Any:
