@@ -46,6 +46,7 @@ __all__ = [
     "model_from_config",
     "model_from_hf_config",
     "reward_model_spec",
+    "lora_adapter_params",
     "resolve_model",
 ]
 
@@ -74,6 +75,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         head_rows: rows of the output head: 0 means the vocabulary (a causal LM's LM head); a sequence
             classifier's ``num_labels`` (its score head, a reward model's 1), which holds, computes and
             writes that many logits per token instead of V.
+        adapter_params: a LoRA policy's adapter parameters (``lora_adapter_params``): they alone
+            have gradients and optimizer state and travel over weight edges, in float32; 0: the
+            whole model trains.
     """
 
     name: str
@@ -87,6 +91,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     max_seq_len: int = DEFAULT_CONTEXT
     head_dim: int = 0
     head_rows: int = 0
+    adapter_params: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -130,6 +135,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def params(self) -> int:
         """Every parameter: blocks, embeddings, output head, final norm."""
         return self.n_layers * self.layer_params + self.embedding_params + self.dim
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters with gradients and optimizer state: a LoRA policy's adapters, else every one."""
+        return self.adapter_params or self.params
 
     @property
     def matmul_params(self) -> int:
@@ -202,7 +212,11 @@ def model_from_config(config: AnyModelConfig) -> ModelSpec:
 
     if isinstance(config, HFModelConfig):
         spec = model_from_hf_config(Path(config.path).expanduser() / "config.json", name=config.short())
-        return msgspec.structs.replace(spec, max_seq_len=config.max_seq_len) if config.max_seq_len else spec
+        if config.max_seq_len:
+            spec = msgspec.structs.replace(spec, max_seq_len=config.max_seq_len)
+        if config.lora is not None:
+            spec = msgspec.structs.replace(spec, adapter_params=lora_adapter_params(spec, config.lora.r, config.lora.target_modules))
+        return spec
     if config.preset:
         return model_preset(config.preset)
     return ModelSpec(
@@ -216,6 +230,24 @@ def model_from_config(config: AnyModelConfig) -> ModelSpec:
         tie_embeddings=config.tie_embeddings,
         max_seq_len=config.max_seq_len,
     )
+
+
+def lora_adapter_params(spec: ModelSpec, r: int, targets: tuple[str, ...] | list[str]) -> int:
+    """Parameters of rank-``r`` LoRA adapters (``A`` ``[r, in]`` and ``B`` ``[out, r]``) on the linear
+    layers of a Llama-style model that ``targets`` match, by peft's rule (a module path equal to a
+    target or ending with ``"." + target``), as ``flowrl.models.lora`` puts them.
+
+    Example:
+        >>> spec = model_preset("qwen2.5-0.5b")
+        >>> lora_adapter_params(spec, 8, ("q_proj", "v_proj"))  # 24 layers x 8 x ((896 + 896) + (896 + 128))
+        540672
+    """
+    h, q, kv, f = spec.dim, spec.q_dim, spec.n_kv_heads * spec.head_dim, spec.ffn_dim
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv), "self_attn.o_proj": (q, h),
+              "mlp.gate_proj": (h, f), "mlp.up_proj": (h, f), "mlp.down_proj": (f, h)}  # fmt: skip
+    matches = lambda path: any(path == t or path.endswith("." + t) for t in targets)  # noqa: E731
+    total = sum(r * (i + o) for layer in range(spec.n_layers) for name, (i, o) in shapes.items() if matches(f"model.layers.{layer}.{name}"))
+    return total + (r * (h + spec.output_rows) if matches("lm_head") else 0)
 
 
 def reward_model_spec(config: HFModelConfig, *, judge: bool) -> ModelSpec:

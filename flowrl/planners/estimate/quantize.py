@@ -60,7 +60,10 @@ def add_quantization(
     src_devices: Sequence[int] = (),
     **_: object,
 ) -> SyncEstimate:
-    """``est`` with the trainer's cast (``quantize_cost``) added to its time and named in its note."""
+    """``est`` with the trainer's cast (``quantize_cost``) added to its time and named in its note (none
+    for a LoRA policy: its float32 adapters travel as they are and the generator merges them)."""
+    if model.adapter_params:
+        return est
     q = quantize_cost(model, src_dims, src_bytes=src_bytes_per_param, dst_bytes=dst_bytes_per_param, ctx=ctx)
     if q == 0.0:
         return est

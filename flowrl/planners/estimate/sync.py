@@ -24,6 +24,10 @@ By the transport's declared cost (``TransportTraits.cost``; the built-ins in bra
 - ``"file"`` [``file``]: written once, read once per replica, through ``file_bandwidth``:
   ``bytes * (1 + dp_g) / file_bandwidth``.
 
+A LoRA policy (``ModelSpec.adapter_params`` = A) sends its adapters only, in float32 whatever the
+generator's dtype, whole to every replica (each merges them into its own layers): ``A * 4 * dp_g``
+bytes over the link (a memory copy of ``A * 4`` on CPU, a file written once and read per replica).
+
 A user transport declares its cost (the default is ``"collective"``); a name this process has not
 registered is costed as ``"collective"``, and the estimate notes it.
 """
@@ -218,6 +222,8 @@ def estimate_sync(
     ``src_sharded``: the policy runs ``sharding="fsdp"`` and sends from its shards."""
     c, t = ctx.cluster, ctx.tuning
     dev = c.device
+    if model.adapter_params:  # a LoRA policy sends its adapters, in float32, whatever the generator's dtype
+        return _adapter_sync(model, src=src, dst=dst, transport=transport, src_devices=src_devices, dst_devices=dst_devices, dst_dims=dst_dims, ctx=ctx)
     total = model.params * dst_bytes_per_param
     received = int(total * dst_dims.dp)
     mem_bw = dev.memory_bandwidth * t.memory_bandwidth_efficiency
@@ -261,3 +267,31 @@ def estimate_sync(
         src=src, dst=dst, transport=transport, bytes=volume.wire_bytes + volume.local_bytes, replicas=dst_dims.dp,
         time_s=time, note=note, wire_bytes=volume.wire_bytes, copied_bytes=volume.copied_bytes,
     )
+
+
+def _adapter_sync(
+    model: ModelSpec, *, src: str, dst: str, transport: str, src_devices: Sequence[int], dst_devices: Sequence[int], dst_dims: ParallelDims, ctx: Context
+) -> SyncEstimate:
+    """A LoRA policy's sync: ``adapter_params`` float32 values to each generator replica (no resharding:
+    every replica merges the whole adapters into its own layers), over the link between the two meshes,
+    or one memory copy on a CPU transport within a process; a file edge writes once, reads per replica."""
+    c, t = ctx.cluster, ctx.tuning
+    dev = c.device
+    total = model.adapter_params * 4.0
+    replicas = dst_dims.dp
+    traits = traits_of(transport)
+    if traits is not None and traits.cost == "file":
+        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total * replicas), replicas=replicas,
+                            time_s=total * (1 + replicas) / t.file_bandwidth, note="LoRA adapters only; file system write + one read per replica")
+    if dev.kind == "cpu" and traits is not None and traits.cost == "memory":
+        time = traits.memory_copies * total / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+        return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note="LoRA adapters only; memory copy")
+    hosts = {d // c.devices_per_host for d in (*src_devices[:1], *src_devices[-1:], *dst_devices[:1], *dst_devices[-1:])}
+    link = (
+        Link(dev.intra_host_bandwidth * t.link_efficiency, dev.intra_host_latency_s)
+        if len(hosts) <= 1
+        else Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
+    )
+    return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total * replicas), replicas=replicas,
+                        time_s=total * replicas / link.bandwidth + link.latency, note="LoRA adapters only, to every replica",
+                        wire_bytes=int(total * replicas))

@@ -43,6 +43,11 @@ Memory per device::
                                                              # (forward only: 4 bytes; a classifier's
                                                              # head_rows, not V; last_logits: mb * V * 4)
 
+A LoRA policy (``ModelSpec.adapter_params`` = A > 0) trains its adapters only: ``grads``,
+``optimizer``, ``grad_sync`` and the optimizer step count A instead of P (the weights stay P), and
+its backward costs one forward instead of two (the frozen weights need only the input gradient), so
+``passes`` is 2 (+ 1 with checkpointing, + 1 for a log-prob recompute).
+
 With uneven stages (pp need not divide L) every per-stage figure is the largest stage's:
 ``L/pp`` above is ``ceil(L/pp)``, ``P/(tp*pp)`` is ``P * ceil(L/pp) / (L * tp)``, and ``F_tok / pp``
 is ``F_tok * ceil(L/pp) / L``. Parameters are assumed evenly spread over layers (the first and last stages also hold the
@@ -180,6 +185,10 @@ def train_options(
     rate = measured if measured is not None else dev.peak_flops * t.mfu_train  # a measured rate is achieved, launches in it
     ops_per_layer = 0 if measured is not None else t.ops_per_layer
     p_dev = model.params * frac / tp
+    # what has gradients and AdamW state: a LoRA policy's adapters (its base is frozen), else every weight;
+    # a frozen weight's backward computes the input gradient only: one forward's FLOPs instead of two
+    p_train = model.trained_params * frac / tp
+    backward = 1 if model.adapter_params else 2
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
@@ -192,19 +201,19 @@ def train_options(
         grads = optim = 0
         grad_sync = optimizer_s = 0.0
     else:
-        grads = int(p_dev * gb / (dp if zero >= 2 else 1))
+        grads = int(p_train * gb / (dp if zero >= 2 else 1))
         shard = dp if zero >= 1 else 1
-        optim = int(p_dev * ob / shard)
+        optim = int(p_train * ob / shard)
         if dp_link:
             reduce = all_gather_s if zero >= 2 else all_reduce_s  # reduce-scatter moves what an all-gather does
-            grad_sync = (1 - t.dp_overlap) * reduce(p_dev * gb, dp, dp_link)
+            grad_sync = (1 - t.dp_overlap) * reduce(p_train * gb, dp, dp_link)
         else:
             grad_sync = 0.0
         tensors = 9 * L + 3
-        optimizer_s = p_dev * (pb + gb + 2 * ob / (shard if replicas > 1 else 1)) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+        optimizer_s = p_train * (pb + gb + 2 * ob / (shard if replicas > 1 else 1)) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.cpu.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
-            optimizer_s += all_gather_s(p_dev * pb, dp, dp_link)
+            optimizer_s += all_gather_s(p_train * pb, dp, dp_link)
     resident = weights + grads + optim
 
     if forward_only:
@@ -221,7 +230,7 @@ def train_options(
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
         workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / tp)
-        passes = 1 if forward_only else iterations * (3 + int(ckpt)) + int(recompute_logprobs)
+        passes = 1 if forward_only else iterations * (1 + backward + int(ckpt)) + int(recompute_logprobs)
         compute = passes * tok_bar * f_tok * frac / (tp * rate)
         tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
         launches = passes * layers * ops_per_layer * dev.kernel_overhead_s
@@ -259,7 +268,7 @@ def train_options(
         layer_comm = layers * 2 * tp_ar(tok_bar * h * ab)
         p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
-            passes = 1 if forward_only else iterations * (3 + ckpt) + recompute_logprobs
+            passes = 1 if forward_only else iterations * (1 + backward + ckpt) + recompute_logprobs
             t_mb = passes * (tok_bar * f_tok * frac / (tp * rate) + layer_comm + layers * ops_per_layer * dev.kernel_overhead_s) + p2p
             t_mb += iterations * (2 + ckpt) * fsdp_gather
             if forward_only:
