@@ -26,7 +26,7 @@ from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, ScorerNode
 
-__all__ = ["HELD_OUT_START", "LoadedPolicy", "load_policy", "policy_on_rows", "rows_and_scorers", "load_weights", "decode", "eval_positions", "rollout", "Scored"]
+__all__ = ["HELD_OUT_START", "LoadedPolicy", "load_policy", "policy_on_rows", "rows_and_scorers", "reward_model_scorers", "load_weights", "decode", "eval_positions", "rollout", "Scored"]
 
 #: First prompt index of held-out prompts: beyond anything a training run reads.
 HELD_OUT_START = 1 << 40
@@ -131,6 +131,7 @@ def policy_on_rows(graph: Graph, *, policy: str | None = None, seed: int = 0, da
         raise CheckpointError(f"graph {graph.name!r} has no generator that receives policy {policy!r}'s weights")
     gen_node = graph.node(edges[0][1])
     graph, prompts, scorers = rows_and_scorers(graph, data)
+    scorers += reward_model_scorers(graph)
     loss = next(iter(graph.nodes_of_kind("loss")), None)
     return LoadedPolicy(
         path=Path(prompts.config.data or "."),
@@ -173,6 +174,26 @@ def rows_and_scorers(graph: Graph, data: str | None = None) -> tuple[Graph, Any,
     prompts = PromptSource(source)  # type: ignore[arg-type]  # reads the file: a missing file or prompt field fails here
     scorers = [Scorer(n, TextInputs(graph, n.name) if n.inputs == "text" else None) for n in graph.nodes if isinstance(n, ScorerNode)]
     return graph, prompts, scorers
+
+
+class _ModelScorer:
+    """A reward-model node as a scorer: ``score`` gives its reward field (its metrics are dropped)."""
+
+    def __init__(self, reward_model: Any) -> None:
+        self.reward_model = reward_model
+
+    def score(self, rollout: Any) -> dict[str, Any]:
+        return self.reward_model.score(rollout)[0]
+
+
+def reward_model_scorers(graph: Graph) -> list[Any]:
+    """The graph's reward-model nodes as scorers, each with its model loaded (on the CPU): without
+    them a reward a reward model gives would count as 0 in every score."""
+    from flowrl.graph.nodes import RewardModelNode
+    from flowrl.operators.reward_models import RewardModel
+    from flowrl.operators.text_inputs import TextInputs
+
+    return [_ModelScorer(RewardModel(n, TextInputs(graph, n.name))) for n in graph.nodes if isinstance(n, RewardModelNode)]
 
 
 def load_weights(policy: LoadedPolicy, state: dict[str, Any]) -> None:

@@ -381,3 +381,22 @@ def test_the_process_backend_scores_as_the_local_one(dirs):
     process = run_graph(graph, RunConfig(steps=2, backend="process")).rows
     assert [r["reward/rm_rewards"] for r in process] == [r["reward/rm_rewards"] for r in local]
     assert [r["reward_model/truncated/rm"] for r in process] == [0.0, 0.0]
+
+
+def test_flowrl_eval_and_sample_score_with_the_reward_model(dirs):
+    """``flowrl eval``/``sample`` and evaluation during training (``policy_samples``) score with the
+    graph's reward models too: before, a reward-model field counted as 0 in every eval score."""
+    from flowrl.runtime.policy_samples import policy_on_rows, rollout as sample_rollout
+
+    graph = rm_graph(dirs, dirs["classifier"])
+    policy = policy_on_rows(graph)
+    scored = sample_rollout(policy, [0, 1], n_samples=2, greedy=False)
+    assert len(scored) == 4
+    values = [s.rewards["rm_rewards"] for s in scored]
+    assert all(s.reward == s.rewards["rm_rewards"] for s in scored)
+    assert len(set(values)) > 1  # a real classifier's scores, not a constant
+    model = reward_model(graph)  # the same classifier scoring the same decoded texts directly
+    tok = load_tokenizer(str(ASSETS))
+    texts = [(s.prompt, s.completion) for s in scored]
+    direct = model.score(rollout([(p, c.replace(tok.eos_token, "")) for p, c in texts]))[0]["rm_rewards"].tolist()
+    assert values == pytest.approx(direct, abs=1e-6)
