@@ -236,13 +236,6 @@ def _check_updates(g: Graph) -> Iterable[str]:
             if w.src != policy.name or w.dst not in g:
                 continue
             gen = g.node(w.dst)
-            if opt.updates_per_batch > 1 and getattr(getattr(gen, "sampling", None), "batching", None) == "continuous":
-                yield (
-                    f"policy {policy.name!r} takes {opt.updates_per_batch} optimizer steps per batch (num_iterations="
-                    f"{opt.num_iterations}, num_mini_batches={opt.num_mini_batches}), but generator {gen.name!r} has "
-                    "batching='continuous', whose deadlines count one version per batch: use batching='lockstep', or "
-                    "num_iterations=1 and num_mini_batches=1"
-                )
             for e in g.edges:
                 src = g.node(e.src) if e.src in g else None
                 if e.dst != gen.name or src is None or src.kind != "source":

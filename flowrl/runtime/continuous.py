@@ -5,8 +5,9 @@ prompts ahead of need (``k`` batches of lookahead, ``Controller._read_ahead``); 
 returns ``P`` finished groups (a prompt's ``n`` samples), whichever finished first, so a long
 completion no longer holds its batch back: it keeps its slot and is delivered at a later step.
 
-Staleness on the oldest token. A group's *deadline* is the version of its first token plus ``k``:
-the last trainer step that may consume it (versions only grow, so the first token is the oldest,
+Staleness on the oldest token. A group's *deadline* is the step of its first token's version (the
+version ``v`` itself with one update per batch, ``v // U`` with ``U``) plus ``k``: the last trainer
+step that may consume it (versions only grow, so the first token is the oldest,
 whether or not weights change in flight). Two rules keep every deadline met:
 
 - admission: a group takes its first slot at step ``seq`` only if, counting it, at most
@@ -76,19 +77,22 @@ class ContinuousRollouts:
     Args:
         generator: the generator (model, sampling, weight version).
         group_count: P, the groups (prompts) each step delivers.
-        k: the weight edge's max staleness.
+        k: the weight edge's max staleness, in trainer steps.
+        updates: U, policy versions per trainer step (``Graph.updates_per_batch``): weights of version
+            ``v`` are those of step ``v // U`` (only versions ``U * seq`` are published).
         poll: called between decode steps to take newer weights in flight (None: between steps only).
         episodes: the generator's environment episodes (multi-turn samples), or None for one completion per sample.
     """
 
     def __init__(
-        self, generator: Generator, *, group_count: int, k: int, poll: Callable[[], None] | None = None,
+        self, generator: Generator, *, group_count: int, k: int, updates: int = 1, poll: Callable[[], None] | None = None,
         episodes: MultiTurnGenerator | None = None,
     ) -> None:  # fmt: skip
         self.gen = generator
         self.P = group_count
         self.n = generator.sampling.n_samples
         self.k = k
+        self.updates = updates
         self.poll = poll
         self.slots = generator.sampling.slots or group_count * self.n
         self.batcher: SlotBatcher | None = None
@@ -167,7 +171,7 @@ class ContinuousRollouts:
             group = self.groups[sample.key[0]]
             if group.deadline is not None:
                 return True
-            d = self.gen.version + self.k
+            d = self.gen.version // self.updates + self.k  # the last step that may consume it
             earlier = sum(1 for g in self.groups.values() if g.deadline is not None and g.deadline <= d)
             if earlier + 1 > self.P * (d - seq + 1):
                 return False

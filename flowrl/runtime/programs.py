@@ -217,6 +217,7 @@ class GeneratorProgram(ProgramBase):
             from flowrl.operators.multiturn import MultiTurnGenerator, row_fields
 
             self._multiturn = MultiTurnGenerator(self.generator, node, rows=row_fields(graph, node.name))
+        self._updates = graph.updates_per_batch()  # U: versions per trainer step (continuous deadlines count steps)
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
             self._group_count = feed.source.batch_size  # type: ignore[attr-defined]
@@ -255,10 +256,10 @@ class GeneratorProgram(ProgramBase):
             return self.generator.generate(inputs), {"version": self.generator.version}
         from flowrl.runtime.continuous import ContinuousRollouts
 
-        if self._continuous is None:  # k is the controller's (a run may override the edge's)
+        if self._continuous is None:  # k is the controller's (a run may override the edge's): min_version = U * (seq - k)
             self._continuous = ContinuousRollouts(
-                self.generator, group_count=self._group_count, k=seq - min_version, poll=self._poll if self._in_flight else None,
-                episodes=self._multiturn,
+                self.generator, group_count=self._group_count, k=seq - min_version // self._updates, updates=self._updates,
+                poll=self._poll if self._in_flight else None, episodes=self._multiturn,
             )
         self._continuous.add_prompts(inputs)
         rollout, info = self._continuous.next_batch(seq)

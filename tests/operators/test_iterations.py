@@ -105,11 +105,6 @@ def test_a_mini_batch_split_that_does_not_divide_the_batch_is_refused_when_the_g
     assert _graph(batch_size=4, num_mini_batches=2).updates_per_batch() == 2
 
 
-def test_several_updates_with_continuous_batching_are_refused():
-    with pytest.raises(GraphError, match=r"takes 2 optimizer steps per batch .* batching='continuous'"):
-        _graph(batching="continuous", num_iterations=2)
-
-
 def test_trls_num_iterations_given_to_the_loss_points_at_the_policy():
     b = GraphBuilder("iters", model=TINY)
     prompts = b.source("prompts", task="copy", batch_size=2)

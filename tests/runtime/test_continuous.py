@@ -47,12 +47,12 @@ def test_each_sample_holds_the_prompt_its_index_names_when_groups_finish_out_of_
     assert len(order) == 8 and delivered != sorted(delivered)  # groups did finish out of order
 
 
-def _graph(*, k: int, in_flight: bool = False) -> Graph:
+def _graph(*, k: int, in_flight: bool = False, **optimizer: int) -> Graph:
     b = GraphBuilder("lt", model=LONGTAIL_MODEL)
     prompts = b.source("prompts", task="longtail", batch_size=4)
     gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=32, batching="continuous")
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:longtail_reward")
-    policy = b.policy("policy", b.loss("aipo", gen, reward), lr=1e-3)
+    policy = b.policy("policy", b.loss("aipo", gen, reward), lr=1e-3, **optimizer)
     b.weights(policy, gen, max_staleness=k, in_flight=in_flight)
     return b.build()
 
@@ -102,8 +102,34 @@ def test_every_prompt_is_delivered_once_within_the_bound_on_its_oldest_token(k, 
         assert max(spans) == 0
 
 
-def test_exactly_once_across_a_stop_and_resume(tmp_path):
-    graph = _graph(k=2)
+@pytest.mark.parametrize("k, in_flight", [(1, False), (2, True)], ids=["k1", "k2-in-flight"])
+def test_several_updates_per_batch_keep_the_bound_in_trainer_steps(k, in_flight, monkeypatch):
+    """num_iterations=2 x num_mini_batches=2: U = 4 versions per step, only versions 4 * seq published.
+    Every consumed batch's oldest token is at most k steps old (``U * seq - oldest <= U * k``), every
+    prompt is delivered once, and carried samples span versions a step apart (multiples of U)."""
+    seen = []
+    original = Controller._on_train_step
+
+    def spy(self, ex, seq, batch, info, idle):
+        versions = batch["token_versions"][batch["completion_mask"]]
+        seen.append((seq, int(versions.min()), sorted({int(v) for v in versions.tolist()})))
+        return original(self, ex, seq, batch, info, idle)
+
+    monkeypatch.setattr(Controller, "_on_train_step", spy)
+    result = run_graph(_graph(k=k, in_flight=in_flight, num_iterations=2, num_mini_batches=2), RunConfig(steps=8, progress=False))
+    assert [r["policy_version"] for r in result.rows] == [4 * s for s in range(1, 9)]
+    delivered = [i for step in result.consumed for i in step]
+    assert len(delivered) == len(set(delivered)) == 8 * 4
+    for seq, oldest, versions in seen:
+        assert 4 * seq - oldest <= 4 * k, (seq, oldest)
+        assert all(v % 4 == 0 for v in versions), versions
+    assert max(4 * seq - oldest for seq, oldest, _ in seen) == 4 * k  # the bound is used, not just kept
+    assert all(0 <= r["staleness"] <= 4 * k for r in result.rows)
+
+
+@pytest.mark.parametrize("updates", [{}, {"num_iterations": 2}], ids=["one-update", "two-updates"])
+def test_exactly_once_across_a_stop_and_resume(tmp_path, updates):
+    graph = _graph(k=2, **updates)
     first = run_graph(graph, RunConfig(steps=2, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=2))
     meta = read_meta(latest_checkpoint(tmp_path), graph)
     assert meta.delivered_ahead  # groups delivered out of order before the checkpoint: what the resume must skip
