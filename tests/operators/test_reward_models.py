@@ -10,6 +10,7 @@ text really is decoded by one tokenizer and encoded again by another.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import math
 from pathlib import Path
@@ -400,3 +401,29 @@ def test_flowrl_eval_and_sample_score_with_the_reward_model(dirs):
     texts = [(s.prompt, s.completion) for s in scored]
     direct = model.score(rollout([(p, c.replace(tok.eos_token, "")) for p, c in texts]))[0]["rm_rewards"].tolist()
     assert values == pytest.approx(direct, abs=1e-6)
+
+
+def seven_graph():
+    """``test_a_local_run_learns_what_its_reward_model_rewards``'s graph, for torchrun (the classifier's
+    directory in ``FLOWRL_TEST_RM_DIR``: each rank builds the graph from this reference)."""
+    b = GraphBuilder("seven", model=HFModelConfig(path=str(ASSETS), init="random"))
+    prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), batch_size=8)
+    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=4)
+    rm = b.reward_model("rm", gen, model=os.environ["FLOWRL_TEST_RM_DIR"], output="ends_in_7")
+    b.weights(b.policy("policy", b.loss("aipo", gen, rm), lr=5e-3), gen)
+    return b.build()
+
+
+@pytest.mark.slow  # a 2-rank torchrun job, ~30 s on 2 cores
+def test_a_torchrun_run_learns_what_its_reward_model_rewards(tmp_path):
+    """The reward model on the policy's rank, the generator on its own, under torchrun (gloo):
+    measured -0.87 -> 1.0 over 24 steps, as the local run."""
+    from tests.runtime.test_torchrun import _rows, _torchrun
+
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "rm": [1], "policy": [1]}))
+    env = {"FLOWRL_TEST_RM_DIR": str(make_ends_in_seven_dir(tmp_path / "seven"))}
+    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.operators.test_reward_models:seven_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "24", "--quiet", "--metrics", "m.jsonl"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [r["reward/ends_in_7"] for r in _rows(tmp_path / "m.jsonl")]
+    assert len(rewards) == 24 and sum(rewards[:4]) / 4 < -0.5 and sum(rewards[-4:]) / 4 > 0.5, rewards
