@@ -76,6 +76,18 @@ def test_the_generators_adapters_equal_the_final_checkpoints_bit_for_bit(tmp_pat
     assert [r["policy_version"] for r in rows] == [1, 2, 3] and all(r["staleness"] == 0 for r in rows)
 
 
+def test_a_tensor_parallel_generator_with_lora_is_refused_naming_the_replicas_fix(model_dir):
+    from flowrl.errors import ConfigError
+    from flowrl.runtime.backends.weights import collective_options
+
+    graph = lora_graph(str(model_dir), "replicate")
+    ranks = {"policy": (0,), "gen": (1, 2)}
+    with pytest.raises(ConfigError, match=r"generator 'gen' has a tensor-parallel mesh \(tp=2\) and LoRA adapters .*\"mesh\": \{\"dp\": 2\}"):
+        collective_options(graph, "policy", "gen", ranks, {}, {"gen": (("tp",), (2,))}, 30.0)
+    options = collective_options(graph, "policy", "gen", ranks, {}, {"gen": (("dp",), (2,))}, 30.0)  # replicas: fine
+    assert all(".lora_" in name for name in options["params"])
+
+
 def _job(out: str, model_dir: str, sharding: str) -> int:
     import os
 

@@ -113,6 +113,12 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
         except ConfigError as exc:
             raise ConfigError(f"generator {dst!r}: {exc}") from None
         config = graph.node(dst).model  # type: ignore[attr-defined]
+        if getattr(config, "lora", None) is not None:
+            raise ConfigError(
+                f"generator {dst!r} has a tensor-parallel mesh (tp={tp}) and LoRA adapters from {graph.weight_edges_into(dst)[0].src!r}; "
+                "a tensor-parallel generator cannot merge adapters yet: give it data-parallel replicas instead "
+                f"(e.g. {{\"{dst}\": {{\"ranks\": {list(fetchers)}, \"mesh\": {{\"dp\": {len(fetchers)}}}}}}}), whose each rank merges the whole adapters"
+            )
         layouts = tp_param_layouts(config, [r for row in rows for r in row], dp=len(rows))
         missing = sorted(set(params) - set(layouts))
         if missing:
