@@ -1,9 +1,10 @@
-"""The node kinds in one table: per kind, its node struct (config), program, planner estimator, trace span and picture style.
+"""The node kinds in one table: per kind, its node struct (config), program, planner estimator and roles, trace span and picture style.
 
 Every part of flowrl that treats kinds differently reads this table: the runtime builds a node's
 program with ``program`` (``flowrl.runtime.programs``), the controller names its trace spans and the
 planner names its predicted spans with ``span`` (so a measured and a predicted timeline line up),
-the planner costs a node with ``estimator``, and the exporters draw it with ``style``.
+the planner costs a node with ``estimator`` (and learns a device node's model and options from
+``plan_role``), and the exporters draw it with ``style``.
 ``tests/graph/test_kinds.py`` walks the table, so a kind missing from any part fails loudly.
 
 References are ``module:qualname`` strings, so this module imports neither torch nor the planner.
@@ -73,6 +74,12 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
         rank_program: ``module:qualname`` of its program on a mesh of several ranks (torchrun),
             ``(node, graph, env, transports, *, group, ranks, mesh) -> program``, built on every rank
             of its mesh; ``""``: its own ``program`` runs on the mesh's lead rank and the others idle.
+        plan_role: ``module:qualname`` of the planner's facts about one node of a device kind,
+            ``(node, graph, ctx, model) -> flowrl.planners.roles.NodeRole`` (its model shape, a
+            generator-side node's dtype and engine, a trainer's recompute and iterations ...);
+            ``planners.search.resolve_roles`` calls it for every node of the kind, and which side of
+            the search costs the node comes from ``side`` and ``publishes_weights``. ``""`` for a
+            kind that does not run on devices of its own.
     """
 
     node: str
@@ -86,11 +93,13 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
     publishes_weights: bool = False
     holds_weights: bool = False
     rank_program: str = ""
+    plan_role: str = ""
 
 
 _EST = "flowrl.planners.estimate"
 _PROG = "flowrl.runtime.programs"
 _RANKS = "flowrl.runtime.backends.rank_programs"
+_ROLE = "flowrl.planners.roles"
 
 #: Every node kind, in ``NODE_KINDS`` order. Data comes from cylinders, models are boxes, rules
 #: hexagons (the loss is an octagon in DOT, where a parallelogram grows too wide for its label).
@@ -103,7 +112,7 @@ KINDS: dict[str, KindSpec] = {
     "generator": KindSpec(
         node="flowrl.graph.nodes:GeneratorNode", program=f"{_PROG}:build_generator", estimator=f"{_EST}.generate:estimate_generate",
         runs_on="devices", span="generate", side="generator", waits_for_weights=True, holds_weights=True,
-        rank_program=f"{_RANKS}:ParallelGenerator",
+        rank_program=f"{_RANKS}:ParallelGenerator", plan_role=f"{_ROLE}:generator_role",
         style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     ),
     "scorer": KindSpec(
@@ -114,11 +123,12 @@ KINDS: dict[str, KindSpec] = {
     "reference": KindSpec(
         node="flowrl.graph.nodes:ReferenceNode", program=f"{_PROG}:build_reference", estimator=f"{_EST}.train:estimate_train",
         runs_on="devices", span="reference", side="trainer", holds_weights=True,
+        plan_role=f"{_ROLE}:reference_role",
         style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#f5f5f5", stroke="#666666"),
     ),
     "reward_model": KindSpec(
         node="flowrl.graph.nodes:RewardModelNode", program=f"{_PROG}:build_reward_model", estimator=f"{_EST}.train:estimate_train",
-        runs_on="devices", span="reward model", side="trainer",
+        runs_on="devices", span="reward model", side="trainer", plan_role=f"{_ROLE}:reward_model_role",
         style=KindStyle(dot_shape="box", dot_style="rounded,dashed,filled", mermaid_open="([", mermaid_close="])", fill="#d5e8d4", stroke="#82b366"),
     ),
     "loss": KindSpec(
@@ -129,7 +139,7 @@ KINDS: dict[str, KindSpec] = {
     "policy": KindSpec(
         node="flowrl.graph.nodes:PolicyNode", program=f"{_PROG}:build_policy", estimator=f"{_EST}.train:estimate_train",
         runs_on="devices", span="train", side="trainer", publishes_weights=True, holds_weights=True,
-        rank_program=f"{_RANKS}:policy_ranks",
+        rank_program=f"{_RANKS}:policy_ranks", plan_role=f"{_ROLE}:policy_role",
         style=KindStyle(dot_shape="box3d", dot_style="filled", mermaid_open="[", mermaid_close="]", fill="#e1d5e7", stroke="#9673a6"),
     ),
 }

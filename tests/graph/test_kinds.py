@@ -27,6 +27,10 @@ def test_every_part_of_a_kind_exists(kind):
         assert callable(resolve(spec.program))
     if spec.rank_program:
         assert spec.runs_on == "devices" and callable(resolve(spec.rank_program))
+    if spec.runs_on == "devices":
+        assert callable(resolve(spec.plan_role)), "a device kind names its planner role (flowrl.planners.roles)"
+    else:
+        assert spec.plan_role == "", "only a device kind has a planner role"
     assert spec.span and KIND_STYLES[kind] is spec.style
 
 
