@@ -149,3 +149,85 @@ def test_roles_are_table_fields():
     assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model"}
     assert all(s.side == "cpu" for s in KINDS.values() if s.runs_on == "cpu")
     assert TRAINABLE_KINDS == {"policy"} and WEIGHT_HOLDING_KINDS == {"generator", "reference", "policy"}
+
+
+_ADD_A_DEVICE_KIND = '''
+import importlib.util, json, sys
+
+# The one entry, made before flowrl.graph loads, exactly as if written in flowrl/graph/kinds.py.
+spec = importlib.util.spec_from_file_location("flowrl.graph.kinds", "flowrl/graph/kinds.py")
+kinds = importlib.util.module_from_spec(spec)
+sys.modules["flowrl.graph.kinds"] = kinds
+spec.loader.exec_module(kinds)
+kinds.KINDS["critic"] = kinds.KindSpec(
+    node="tests.graph.device_kind_module:CriticNode", program="tests.graph.device_kind_module:build_critic",
+    estimator="flowrl.planners.estimate.train:estimate_train", runs_on="devices", side="trainer",
+    plan_role="tests.graph.device_kind_module:critic_role", span="critic", style=kinds.KINDS["reference"].style,
+)
+
+from flowrl.examples.llamarl import DEFAULT_MODEL
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.export import to_dot
+from flowrl.graph.serialize import from_json, to_json
+from flowrl.modelspec import model_preset
+from flowrl.planners.cluster import parse_cluster
+from flowrl.planners.estimate.common import Context
+from flowrl.planners.plan import plan_graph
+from flowrl.planners.report import format_plan
+from flowrl.planners.search import resolve_roles
+from flowrl.planners.tuning import make_tuning
+from flowrl.planners.workload import default_workload
+from flowrl.runtime.config import RunConfig
+from flowrl.runtime.run import run_graph
+from tests.graph.device_kind_module import CriticNode
+
+b = GraphBuilder("critic", model=DEFAULT_MODEL)
+prompts = b.source("prompts", task="copy", batch_size=4)
+gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5)
+reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+critic = b.add(CriticNode(name="critic", model=DEFAULT_MODEL), (gen,))
+loss = b.loss("aipo", gen, reward, critic, reward_weights={"rewards": 1.0, "reward_critic": 0.1})
+b.weights(b.policy("policy", loss), gen)
+g = b.build()
+ctx = Context(cluster=parse_cluster("cpu:2"), workload=default_workload(g), tuning=make_tuning())
+roles = resolve_roles(g, ctx)
+big = plan_graph(g, "64xH100", model=model_preset("llama3-8b"), strategy="disaggregated")
+small = plan_graph(g, "cpu:2", strategy="disaggregated")
+rows = run_graph(g, RunConfig(steps=2)).rows
+print(json.dumps({
+    "round_trip": from_json(to_json(g)) == g,
+    "dot": to_dot(g),
+    "roles": {"refs": roles.refs, "trainers": roles.trainers, "gens": roles.gens, "last_logits": sorted(roles.last_logits)},
+    "placed": {n: list(p.devices) for n, p in big.placements.items()},
+    "critic": {"time_s": big.placements["critic"].time_s, "memory": big.placements["critic"].memory_bytes, "model": big.placements["critic"].model},
+    "placement": str(small.placement()),
+    "report": format_plan(big),
+    "rewards": [r["reward/reward_critic"] for r in rows],
+    "values": [r["critic/value_mean"] for r in rows],
+}))
+'''
+
+
+def test_a_device_kind_is_one_module_and_one_entry():
+    """``tests/graph/device_kind_module.py`` plus one table entry: a kind on devices of its own is
+    placed on its side, costed by the planner's search with the role its module gives, reported and run."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _ADD_A_DEVICE_KIND], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["round_trip"] and "critic" in out["dot"]
+    assert out["roles"] == {"refs": ["critic"], "trainers": ["policy"], "gens": ["gen"], "last_logits": ["critic"]}
+    placed = out["placed"]
+    assert placed["critic"] and not set(placed["critic"]) & set(placed["gen"]), "the critic goes with the trainer's side, apart from the generator"
+    assert out["critic"]["time_s"] > 0 and out["critic"]["memory"] > 0 and out["critic"]["model"] == "llama3-8b"
+    assert re.search(r"^critic +critic +\d+-\d+ ", out["report"], re.M), out["report"]
+    assert re.search(r"critic:d1@\d", out["placement"]), "what the runtime executes of the plan places it"
+    assert len(out["rewards"]) == 2 and all(r < 0 for r in out["values"]), "mean log-probs of completions are negative"
