@@ -159,10 +159,10 @@ spec = importlib.util.spec_from_file_location("flowrl.graph.kinds", "flowrl/grap
 kinds = importlib.util.module_from_spec(spec)
 sys.modules["flowrl.graph.kinds"] = kinds
 spec.loader.exec_module(kinds)
-kinds.KINDS["critic"] = kinds.KindSpec(
-    node="tests.graph.device_kind_module:CriticNode", program="tests.graph.device_kind_module:build_critic",
+kinds.KINDS["likelihood"] = kinds.KindSpec(
+    node="tests.graph.device_kind_module:LikelihoodNode", program="tests.graph.device_kind_module:build_likelihood",
     estimator="flowrl.planners.estimate.train:estimate_train", runs_on="devices", side="trainer",
-    plan_role="tests.graph.device_kind_module:critic_role", span="critic", style=kinds.KINDS["reference"].style,
+    plan_role="tests.graph.device_kind_module:likelihood_role", span="likelihood", style=kinds.KINDS["reference"].style,
 )
 
 from flowrl.examples.llamarl import DEFAULT_MODEL
@@ -179,14 +179,14 @@ from flowrl.planners.tuning import make_tuning
 from flowrl.planners.workload import default_workload
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.run import run_graph
-from tests.graph.device_kind_module import CriticNode
+from tests.graph.device_kind_module import LikelihoodNode
 
-b = GraphBuilder("critic", model=DEFAULT_MODEL)
+b = GraphBuilder("likelihood", model=DEFAULT_MODEL)
 prompts = b.source("prompts", task="copy", batch_size=4)
 gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5)
 reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
-critic = b.add(CriticNode(name="critic", model=DEFAULT_MODEL), (gen,))
-loss = b.loss("aipo", gen, reward, critic, reward_weights={"rewards": 1.0, "reward_critic": 0.1})
+lik = b.add(LikelihoodNode(name="lik", model=DEFAULT_MODEL), (gen,))
+loss = b.loss("aipo", gen, reward, lik, reward_weights={"rewards": 1.0, "reward_likelihood": 0.1})
 b.weights(b.policy("policy", loss), gen)
 g = b.build()
 ctx = Context(cluster=parse_cluster("cpu:2"), workload=default_workload(g), tuning=make_tuning())
@@ -197,13 +197,13 @@ rows = run_graph(g, RunConfig(steps=2)).rows
 print(json.dumps({
     "round_trip": from_json(to_json(g)) == g,
     "dot": to_dot(g),
-    "roles": {"refs": roles.refs, "trainers": roles.trainers, "gens": roles.gens, "last_logits": sorted(roles.last_logits)},
+    "roles": {"refs": roles.refs, "trainers": roles.trainers, "gens": roles.gens, "model": roles.models["lik"].name},
     "placed": {n: list(p.devices) for n, p in big.placements.items()},
-    "critic": {"time_s": big.placements["critic"].time_s, "memory": big.placements["critic"].memory_bytes, "model": big.placements["critic"].model},
+    "lik": {"time_s": big.placements["lik"].time_s, "memory": big.placements["lik"].memory_bytes, "model": big.placements["lik"].model},
     "placement": str(small.placement()),
     "report": format_plan(big),
-    "rewards": [r["reward/reward_critic"] for r in rows],
-    "values": [r["critic/value_mean"] for r in rows],
+    "rewards": [r["reward/reward_likelihood"] for r in rows],
+    "values": [r["likelihood/mean"] for r in rows],
 }))
 '''
 
@@ -223,11 +223,11 @@ def test_a_device_kind_is_one_module_and_one_entry():
     done = subprocess.run([sys.executable, "-c", _ADD_A_DEVICE_KIND], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["round_trip"] and "critic" in out["dot"]
-    assert out["roles"] == {"refs": ["critic"], "trainers": ["policy"], "gens": ["gen"], "last_logits": ["critic"]}
+    assert out["round_trip"] and "likelihood" in out["dot"]
+    assert out["roles"] == {"refs": ["lik"], "trainers": ["policy"], "gens": ["gen"], "model": "2L64d"}
     placed = out["placed"]
-    assert placed["critic"] and not set(placed["critic"]) & set(placed["gen"]), "the critic goes with the trainer's side, apart from the generator"
-    assert out["critic"]["time_s"] > 0 and out["critic"]["memory"] > 0 and out["critic"]["model"] == "llama3-8b"
-    assert re.search(r"^critic +critic +\d+-\d+ ", out["report"], re.M), out["report"]
-    assert re.search(r"critic:d1@\d", out["placement"]), "what the runtime executes of the plan places it"
+    assert placed["lik"] and not set(placed["lik"]) & set(placed["gen"]), "it goes with the trainer's side, apart from the generator"
+    assert out["lik"]["time_s"] > 0 and out["lik"]["memory"] > 0 and out["lik"]["model"] == "llama3-8b"
+    assert re.search(r"^lik +likelihood +\d+-\d+ ", out["report"], re.M), out["report"]
+    assert re.search(r"lik:d1@\d", out["placement"]), "what the runtime executes of the plan places it"
     assert len(out["rewards"]) == 2 and all(r < 0 for r in out["values"]), "mean log-probs of completions are negative"
