@@ -56,7 +56,7 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
             ``""`` for a kind that runs inside another node's program (the loss, in its policy's step).
         estimator: ``module:qualname`` of the planner's estimate of one step. For a kind that runs on
             the CPU or inside its policy it is called as ``estimator(kind, ctx) -> NodeEstimate``
-            (``flowrl.planners.estimate.cpu.estimate_cpu``); a device kind's estimate is chosen by its
+            (``flowrl.planners.estimate.cpu.estimate_source``); a device kind's estimate is chosen by its
             side of the search (generation or training).
         runs_on: ``"devices"`` (placed on a mesh of its own), ``"cpu"`` (the CPU of its machine, beside them) or
             ``"policy"`` (inside its policy's step, on its mesh).
@@ -105,7 +105,7 @@ _ROLE = "flowrl.planners.roles"
 #: hexagons (the loss is an octagon in DOT, where a parallelogram grows too wide for its label).
 KINDS: dict[str, KindSpec] = {
     "source": KindSpec(
-        node="flowrl.graph.nodes:SourceNode", program=f"{_PROG}:build_source", estimator=f"{_EST}.cpu:estimate_cpu",
+        node="flowrl.graph.nodes:SourceNode", program=f"{_PROG}:build_source", estimator=f"{_EST}.cpu:estimate_source",
         runs_on="cpu", span="prompts",
         style=KindStyle(dot_shape="cylinder", dot_style="filled", mermaid_open="[(", mermaid_close=")]", fill="#fff2cc", stroke="#d6b656"),
     ),
@@ -116,7 +116,7 @@ KINDS: dict[str, KindSpec] = {
         style=KindStyle(dot_shape="box", dot_style="rounded,filled", mermaid_open="(", mermaid_close=")", fill="#dae8fc", stroke="#6c8ebf"),
     ),
     "scorer": KindSpec(
-        node="flowrl.graph.nodes:ScorerNode", program=f"{_PROG}:build_scorer", estimator=f"{_EST}.cpu:estimate_cpu",
+        node="flowrl.graph.nodes:ScorerNode", program=f"{_PROG}:build_scorer", estimator=f"{_EST}.cpu:estimate_scorer",
         runs_on="cpu", span="score",
         style=KindStyle(dot_shape="hexagon", dot_style="filled", mermaid_open="{{", mermaid_close="}}", fill="#d5e8d4", stroke="#82b366"),
     ),
@@ -132,7 +132,7 @@ KINDS: dict[str, KindSpec] = {
         style=KindStyle(dot_shape="box", dot_style="rounded,dashed,filled", mermaid_open="([", mermaid_close="])", fill="#d5e8d4", stroke="#82b366"),
     ),
     "loss": KindSpec(
-        node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.cpu:estimate_cpu",
+        node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.cpu:estimate_in_policy",
         runs_on="policy", span="loss", side="trainer",
         style=KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),
     ),
