@@ -231,3 +231,29 @@ def test_a_device_kind_is_one_module_and_one_entry():
     assert re.search(r"^lik +likelihood +\d+-\d+ ", out["report"], re.M), out["report"]
     assert re.search(r"lik:d1@\d", out["placement"]), "what the runtime executes of the plan places it"
     assert len(out["rewards"]) == 2 and all(r < 0 for r in out["values"]), "mean log-probs of completions are negative"
+
+
+def _drafter_role(node, graph, ctx, model):
+    from flowrl.modelspec import model_from_config
+    from flowrl.planners.roles import NodeRole
+
+    return NodeRole(model=model or model_from_config(node.model), dtype="bfloat16")
+
+
+def test_a_generator_side_kind_is_costed_as_generation(monkeypatch):
+    """The search costs a device kind by its table entry's side and its plan_role, with no branch of its own:
+    the reference of ``llamarl_ref`` re-registered as a generator-side kind is priced as generation."""
+    import msgspec
+
+    from flowrl.examples import build_example
+    from flowrl.graph import kinds
+    from flowrl.modelspec import model_preset
+    from flowrl.planners.plan import plan_graph
+
+    monkeypatch.setitem(
+        kinds.KINDS, "reference", msgspec.structs.replace(KINDS["reference"], side="generator", plan_role="tests.graph.test_kinds:_drafter_role")
+    )
+    plan = plan_graph(build_example("llamarl_ref"), "16xH100", model=model_preset("llama3-8b"), strategy="disaggregated")
+    gen, ref, policy = (plan.placements[n] for n in ("gen", "ref", "policy"))
+    assert {"builtin engine", "bfloat16 weights"} <= set(ref.notes), ref.notes  # estimate_generate's notes, its role's dtype
+    assert set(ref.devices) & set(gen.devices) and not set(ref.devices) & set(policy.devices), "it went with the generators"
