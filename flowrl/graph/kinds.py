@@ -9,9 +9,10 @@ the planner costs a node with ``estimator`` (and learns a device node's model an
 
 References are ``module:qualname`` strings, so this module imports neither torch nor the planner.
 To add a kind: one module with its node struct (a ``flowrl.graph.nodes.NodeBase`` subclass with its
-``signature()`` and ``describe()``), program and estimator, and one entry here: ``NODE_KINDS``
-and the ``Node`` union graph files decode into are built from this table
-(``tests/graph/test_kinds.py::test_a_kind_is_one_module_and_one_entry`` does exactly that).
+``signature()`` and ``describe()``), program and estimator (a device kind: its ``plan_role``), and
+one entry here: ``NODE_KINDS`` and the ``Node`` union graph files decode into are built from this
+table (``tests/graph/test_kinds.py::test_a_kind_is_one_module_and_one_entry`` does exactly that for
+a CPU kind, ``test_a_device_kind_is_one_module_and_one_entry`` for a device kind).
 
 Example:
     >>> KINDS["generator"].span, KINDS["loss"].program
@@ -57,7 +58,8 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
         estimator: ``module:qualname`` of the planner's estimate of one step. For a kind that runs on
             the CPU or inside its policy it is called as ``estimator(kind, ctx) -> NodeEstimate``
             (``flowrl.planners.estimate.cpu.estimate_source``); a device kind's estimate is chosen by its
-            side of the search (generation or training).
+            side of the search (generation, training or a forward pass) from what its ``plan_role`` says,
+            so the search does not call this (it names the estimate that side uses).
         runs_on: ``"devices"`` (placed on a mesh of its own), ``"cpu"`` (the CPU of its machine, beside them) or
             ``"policy"`` (inside its policy's step, on its mesh).
         span: the name of one step's span in the measured trace and the predicted timeline.
