@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.errors import PlanError
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate
@@ -120,7 +120,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     step (a loss) goes with the weight-publishing node it feeds.
 
     Raises:
-        PlanError: a device kind whose table entry names no ``plan_role``.
+        PlanError: a device kind whose table entry names no ``plan_role``, or a generator-side
+            node whose role gives no weight dtype.
     """
     gens, trainers, refs = [], [], []
     models: dict[str, ModelSpec] = {}
@@ -137,10 +138,15 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         if spec.runs_on != "devices":
             continue
         if not spec.plan_role:
-            raise PlanError(f"node {node.name!r}: kind {node.kind!r} runs on devices but its KindSpec names no plan_role; name its (node, graph, ctx, model) -> NodeRole function")
+            raise PlanError(
+                f"node {node.name!r}: kind {node.kind!r} runs on devices but its KindSpec names no plan_role; "
+                "name its (node, graph, ctx, model) -> flowrl.planners.roles.NodeRole function there"
+            )
         role: NodeRole = resolve(spec.plan_role)(node, graph, ctx, model)
         models[node.name] = role.model
         if spec.side == "generator":
+            if not role.dtype:
+                raise PlanError(f"node {node.name!r}: the plan_role of generator-side kind {node.kind!r} ({spec.plan_role}) gives no weight dtype (NodeRole.dtype)")
             gens.append(node.name)
             gen_dtype[node.name] = role.dtype
             gen_engine[node.name] = role.engine

@@ -257,3 +257,16 @@ def test_a_generator_side_kind_is_costed_as_generation(monkeypatch):
     gen, ref, policy = (plan.placements[n] for n in ("gen", "ref", "policy"))
     assert {"builtin engine", "bfloat16 weights"} <= set(ref.notes), ref.notes  # estimate_generate's notes, its role's dtype
     assert set(ref.devices) & set(gen.devices) and not set(ref.devices) & set(policy.devices), "it went with the generators"
+
+
+def test_a_device_kind_without_a_plan_role_is_refused_by_the_planner(monkeypatch):
+    import msgspec
+
+    from flowrl.errors import PlanError
+    from flowrl.examples import build_example
+    from flowrl.graph import kinds
+    from flowrl.planners.plan import plan_graph
+
+    monkeypatch.setitem(kinds.KINDS, "reference", msgspec.structs.replace(KINDS["reference"], plan_role=""))
+    with pytest.raises(PlanError, match=r"node 'ref': kind 'reference' runs on devices but its KindSpec names no plan_role"):
+        plan_graph(build_example("llamarl_ref"), "cpu:2")
