@@ -26,7 +26,9 @@ Node kinds (the ``kind`` tag in JSON):
 
 Which kinds own trainable weights (may start a weight edge) and which hold weights (may end one)
 is stated by ``TRAINABLE_KINDS`` and ``WEIGHT_HOLDING_KINDS``, read from the kinds table's
-``publishes_weights`` and ``holds_weights``.
+``publishes_weights`` and ``holds_weights``; which run inside their policy's step (a loss) by
+``IN_POLICY_KINDS`` (``runs_on="policy"``). Code asking what a node does reads these sets or the
+table, not kind names.
 
 Each node struct states its own fields and summary (``signature()``, ``describe()``), and the
 ``Node`` union that graph files decode into is built from the kinds table
@@ -55,6 +57,7 @@ __all__ = [
     "NODE_KINDS",
     "TRAINABLE_KINDS",
     "WEIGHT_HOLDING_KINDS",
+    "IN_POLICY_KINDS",
     "DEVICE_KINDS",
     "SourceNode",
     "GeneratorNode",
@@ -79,6 +82,8 @@ TRAINABLE_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if sp
 DEVICE_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.runs_on == "devices")
 #: A reward model holds a frozen model of another architecture (a classifier or a judge): no weights flow into it.
 WEIGHT_HOLDING_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.holds_weights)
+#: Kinds that run inside the training step of the policy they feed, on its mesh (losses).
+IN_POLICY_KINDS: frozenset[str] = frozenset(k for k, spec in KINDS.items() if spec.runs_on == "policy")
 
 
 class Signature(msgspec.Struct, frozen=True):

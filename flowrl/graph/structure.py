@@ -16,7 +16,7 @@ import networkx as nx
 
 from flowrl.graph.fields import FieldType
 from flowrl.graph.configs import HFModelConfig
-from flowrl.graph.nodes import GeneratorNode, Node, describe
+from flowrl.graph.nodes import IN_POLICY_KINDS, GeneratorNode, Node, describe
 
 __all__ = ["DataEdge", "WeightEdge", "GraphSpec", "GraphStructure", "SCHEMA_VERSION", "generators_fed_by", "tokenizer_path"]
 
@@ -184,8 +184,8 @@ class GraphStructure:
         return min((e.max_staleness for e in self.weight_edges), default=0)
 
     def loss_of(self, policy: str) -> Node | None:
-        """The loss node feeding ``policy``, if any."""
-        losses = [n for n in self.producers(policy) if n.kind == "loss"]
+        """The loss node feeding ``policy``, if any: the node of a kind that runs inside its policy's step."""
+        losses = [n for n in self.producers(policy) if n.kind in IN_POLICY_KINDS]
         return losses[0] if losses else None
 
     # -- text form ------------------------------------------------------------------------------

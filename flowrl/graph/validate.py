@@ -11,8 +11,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from flowrl.errors import GraphError
-from flowrl.graph.fields import OPTIONAL_FIELDS
-from flowrl.graph.nodes import TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, RewardModelNode, ScorerNode, signature
+from flowrl.graph.fields import OPTIONAL_FIELDS, REWARD_TYPE
+from flowrl.graph.kinds import KINDS
+from flowrl.graph.nodes import IN_POLICY_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, ScorerNode, signature
 from flowrl.graph.refs import check_reference
 from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
 from flowrl.graph.structure import GraphStructure as Graph  # the rules read the structure; ir.Graph runs them
@@ -137,12 +138,18 @@ def _no_reference(g: Graph, loss: Node) -> str:
     )
 
 
+def _writes_rewards(node: Node) -> bool:
+    """Whether ``node`` writes per-sample rewards and nothing else (a scorer, a reward model, a kind like them)."""
+    outputs = signature(node).outputs
+    return bool(outputs) and all(t == REWARD_TYPE for t in outputs.values())
+
+
 def _reward_fields_present(g: Graph) -> str:
     """The reward fields the graph's scorers write, for a message about one that none writes."""
-    scorers = [n for n in g.nodes if isinstance(n, (ScorerNode, RewardModelNode))]
+    scorers = [n for n in g.nodes if _writes_rewards(n)]
     if not scorers:
         return "the graph has no scorer yet (b.scorer(...))"
-    fields = sorted({s.output for s in scorers})
+    fields = sorted({f for s in scorers for f in signature(s).outputs})
     return f"the reward fields present are {fields} (scorers {', '.join(sorted(s.name for s in scorers))})"
 
 
@@ -153,22 +160,23 @@ def _check_unused(g: Graph) -> Iterable[str]:
         if outputs and not g.out_edges(node.name):
             hint = (
                 f"pass it to the loss (builder.loss(..., {node.name!r})) so that its reward counts"
-                if node.kind in ("scorer", "reward_model")
+                if _writes_rewards(node)
                 else "connect it to a node that reads them"
             )
             yield f"node {node.name!r} ({node.kind}) writes {outputs} but no node reads them; {hint}, or remove it"
 
 
 def _check_losses(g: Graph) -> Iterable[str]:
-    for loss in g.nodes_of_kind("loss"):
-        policies = [u.name for u in g.users(loss.name) if u.kind == "policy"]
+    """A kind that runs inside its policy's step (a loss) feeds exactly one trainer; a trainer (a policy) is fed by exactly one."""
+    for loss in (n for n in g.nodes if n.kind in IN_POLICY_KINDS):
+        policies = [u.name for u in g.users(loss.name) if u.kind in TRAINABLE_KINDS]
         if len(policies) != 1:
             yield (
                 f"loss {loss.name!r} feeds {len(policies)} policies {policies}; a loss runs inside exactly "
                 "one policy's training step: connect it to one policy"
             )
-    for policy in g.nodes_of_kind("policy"):
-        losses = [p.name for p in g.producers(policy.name) if p.kind == "loss"]
+    for policy in (n for n in g.nodes if n.kind in TRAINABLE_KINDS):
+        losses = [p.name for p in g.producers(policy.name) if p.kind in IN_POLICY_KINDS]
         if len(losses) != 1:
             yield f"policy {policy.name!r} is fed by {len(losses)} losses {losses}; connect exactly one loss node"
 
@@ -208,17 +216,19 @@ def _check_weight_edges(g: Graph) -> Iterable[str]:
     for dst, count in Counter(w.dst for w in g.weight_edges).items():
         if count > 1:
             yield f"node {dst!r} receives weights over {count} weight edges; keep one"
-    for gen in g.nodes_of_kind("generator"):
-        feeds = [g.node(e.src) for e in g.edges if e.dst == gen.name and e.src in g]  # a missing node is reported by the edge rules
-        if gen.sampling.batching == "continuous" and (  # type: ignore[attr-defined]
-            len(feeds) != 1 or feeds[0].kind != "source" or any(e.dst != gen.name for e in g.edges if e.src == feeds[0].name)
-        ):
+    for node in g.nodes:
+        if node.kind == "generator" and node.sampling.batching == "continuous":  # type: ignore[attr-defined]  # a generator's own setting
+            feeds = [g.node(e.src) for e in g.edges if e.dst == node.name and e.src in g]  # a missing node is reported by the edge rules
+            if len(feeds) != 1 or feeds[0].kind != "source" or any(e.dst != node.name for e in g.edges if e.src == feeds[0].name):
+                yield (
+                    f"generator {node.name!r} has batching='continuous', which reads prompts ahead from one source that "
+                    f"feeds only it; it is fed by {[n.name for n in feeds]}: give it its own source or use batching='lockstep'"
+                )
+        if KINDS[node.kind].waits_for_weights and not g.weight_edges_into(node.name):  # gated on the version clock (the table)
             yield (
-                f"generator {gen.name!r} has batching='continuous', which reads prompts ahead from one source that "
-                f"feeds only it; it is fed by {[n.name for n in feeds]}: give it its own source or use batching='lockstep'"
+                f"{node.kind} {node.name!r} receives no weights, so it would sample with its initial weights forever; "
+                f"add a weight edge from the policy (builder.weights(policy, {node.name!r}))"
             )
-        if not g.weight_edges_into(gen.name):
-            yield f"generator {gen.name!r} receives no weights, so it would sample with its initial weights forever; add a weight edge from the policy (builder.weights(policy, {gen.name!r}))"
 
 
 def _check_updates(g: Graph) -> Iterable[str]:

@@ -156,10 +156,9 @@ def _why_none_fits(graph: Graph, roles: Roles, ctx: Context, strategy: str, prob
     more_memory = ["--set memory_util=0.95"] if near and ctx.tuning.memory_util < 0.95 else []
     if never:
         reason = f"closest miss: {closest.problem}"
-        kind = graph.node(name).kind
-        if kind == "generator":
+        if name in roles.gens:
             hints = [*fp8, "more devices", "fewer --prompts-per-step (smaller KV cache)", *more_memory]
-        elif kind == "policy":
+        elif name in roles.trainers:
             hints = ["more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)", *more_memory]
         else:
             hints = ["more devices", *more_memory]

@@ -27,7 +27,7 @@ import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.fileio import decode_errors, write_atomic
-from flowrl.graph.nodes import DEVICE_KINDS
+from flowrl.graph.nodes import DEVICE_KINDS, IN_POLICY_KINDS, TRAINABLE_KINDS
 from flowrl.placement.data import AXES, NodeMesh, Placement, colocation_groups, device_ranges
 from flowrl.planners.cluster import MAX_DEVICES, ClusterSpec
 from flowrl.planners.estimate.common import MemoryBreakdown
@@ -201,8 +201,8 @@ class Plan(msgspec.Struct, **_STRUCT):
     def node_label(self, name: str) -> str:
         """One short line for pictures: ``"devices 0-3 · dp2 tp2 · 1.2 s · 10.5 GiB"``."""
         p = self._placement(name)
-        if p.kind == "loss":
-            owner = next((n for n, q in self.placements.items() if q.kind == "policy" and q.devices == p.devices), "its policy")
+        if p.kind in IN_POLICY_KINDS:
+            owner = next((n for n, q in self.placements.items() if q.kind in TRAINABLE_KINDS and q.devices == p.devices), "its policy")
             return f"in {owner}'s step · devices {device_ranges(p.devices)}" if p.devices else f"in {owner}'s step"
         if not p.devices:
             return f"host CPU · {format_seconds(p.time_s)}"
@@ -253,7 +253,7 @@ class Plan(msgspec.Struct, **_STRUCT):
         return Placement(nodes=nodes, strategy=self.strategy, pin=self.cluster.startswith("cpu"), source=source or f"plan ({self.strategy})")
 
     def __str__(self) -> str:
-        parts = [f"{n}:{p.dims.short()}@{device_ranges(p.devices)}" for n, p in self.placements.items() if p.devices and p.kind != "loss"]
+        parts = [f"{n}:{p.dims.short()}@{device_ranges(p.devices)}" for n, p in self.placements.items() if p.devices and p.kind not in IN_POLICY_KINDS]
         return " | ".join(parts)
 
     def _placement(self, name: str) -> NodePlacement:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from flowrl.graph.nodes import IN_POLICY_KINDS
 from flowrl.planners.plan import Plan
 from flowrl.placement.data import device_ranges
 from flowrl.planners.units import format_bytes, format_seconds
@@ -25,7 +26,7 @@ def format_table(plan: Plan) -> list[str]:
     """One row per node: name, kind, devices, dp/tp/pp, memory per device, time per step, notes."""
     rows = [["node", "kind", "devices", "dp", "tp", "pp", "memory/device", "time/step", "notes"]]
     for name, p in plan.placements.items():
-        if p.kind == "loss":
+        if p.kind in IN_POLICY_KINDS:
             rows.append([name, p.kind, device_ranges(p.devices) if p.devices else "cpu", "", "", "", "", "", "inside the policy's step"])
         elif not p.devices:
             rows.append([name, p.kind, "cpu", "-", "-", "-", "-", format_seconds(p.time_s), ""])

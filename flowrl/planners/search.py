@@ -28,16 +28,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, RewardModelNode
 from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
-from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
+from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
-from flowrl.modelspec import ModelSpec, model_from_config, reward_model_spec
+from flowrl.modelspec import ModelSpec
+from flowrl.planners.roles import NodeRole
 from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
@@ -69,9 +70,9 @@ class Roles:
     """What the planner needs to know about each node of a graph.
 
     Attributes:
-        gens, trainers, refs: heavy nodes by side (generators; policies; forward-only models: references
-            and reward models, costed with the training side like a reference; any other kind the kinds
-            table puts on devices with ``side="trainer"`` is costed as a reference).
+        gens, trainers, refs: heavy nodes by side, from the kinds table: ``side="generator"`` (generators);
+            ``side="trainer"`` and ``publishes_weights`` (policies); the other trainer-side kinds,
+            forward-only models costed with the training side (references, reward models).
         loss_of: loss node -> the policy it runs inside.
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
@@ -111,7 +112,17 @@ class Roles:
 
 
 def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) -> Roles:
-    """Sides, model shapes and per-node options of ``graph``; ``model`` overrides every node's shape."""
+    """Sides, model shapes and per-node options of ``graph``; ``model`` overrides every node's shape.
+
+    Each device node's side comes from its kind's table entry (``KindSpec.side``; a trainer-side
+    kind that publishes weights trains, the others run a forward pass) and its model and options
+    from the kind's ``plan_role`` (``flowrl.planners.roles``); a kind that runs inside its policy's
+    step (a loss) goes with the weight-publishing node it feeds.
+
+    Raises:
+        PlanError: a device kind whose table entry names no ``plan_role``, or a generator-side
+            node whose role gives no weight dtype.
+    """
     gens, trainers, refs = [], [], []
     models: dict[str, ModelSpec] = {}
     gen_dtype: dict[str, str] = {}
@@ -123,32 +134,35 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
     last: set[str] = set()
     extra: dict[str, int] = {}
     for node in graph.nodes:
-        if isinstance(node, GeneratorNode):
+        spec = KINDS[node.kind]
+        if spec.runs_on != "devices":
+            continue
+        if not spec.plan_role:
+            raise PlanError(
+                f"node {node.name!r}: kind {node.kind!r} runs on devices but its KindSpec names no plan_role; "
+                "name its (node, graph, ctx, model) -> flowrl.planners.roles.NodeRole function there"
+            )
+        role: NodeRole = resolve(spec.plan_role)(node, graph, ctx, model)
+        models[node.name] = role.model
+        if spec.side == "generator":
+            if not role.dtype:
+                raise PlanError(f"node {node.name!r}: the plan_role of generator-side kind {node.kind!r} ({spec.plan_role}) gives no weight dtype (NodeRole.dtype)")
             gens.append(node.name)
-            models[node.name] = model or model_from_config(node.model)
-            gen_dtype[node.name] = generator_dtype(node.sampling.precision, ctx)
-            gen_engine[node.name] = node.engine
-        elif isinstance(node, PolicyNode):
+            gen_dtype[node.name] = role.dtype
+            gen_engine[node.name] = role.engine
+        elif spec.publishes_weights:  # it trains
             trainers.append(node.name)
-            models[node.name] = model or model_from_config(node.model)
-            micro[node.name] = node.optimizer.micro_batch_size
-            loss = graph.loss_of(node.name)
-            objective = loss.loss.objective if isinstance(loss, LossNode) else "aipo"
-            recompute[node.name] = ctx.tuning.recompute_logprobs if ctx.tuning.recompute_logprobs is not None else objective != "aipo"
-            iterations[node.name] = (node.optimizer.num_iterations, node.optimizer.updates_per_batch)
-            recompute[node.name] = recompute[node.name] or node.optimizer.updates_per_batch > 1
-        elif isinstance(node, RewardModelNode):  # a frozen model's forward pass, like a reference's
+            micro[node.name] = role.micro_batch
+            recompute[node.name] = role.recompute
+            iterations[node.name] = role.iterations
+        else:  # a forward pass of its model, like a reference's
             refs.append(node.name)
-            models[node.name] = model or reward_model_spec(node.model, judge=node.judge is not None)
-            if node.judge is not None and node.judge.verdict == "logprob":
+            if role.last_logits:
                 last.add(node.name)
-            elif node.judge is not None:
-                extra[node.name] = node.judge.max_new_tokens
-        elif KINDS[node.kind].runs_on == "devices" and KINDS[node.kind].side == "trainer":  # a reference: a forward pass of its model
-            refs.append(node.name)
-            models[node.name] = model or model_from_config(node.model)  # type: ignore[attr-defined]
+            if role.extra_tokens:
+                extra[node.name] = role.extra_tokens
     for node in graph.nodes:
-        if isinstance(node, LossNode):
+        if KINDS[node.kind].runs_on == "policy":
             users = [u.name for u in graph.users(node.name) if KINDS[u.kind].publishes_weights]
             if users:
                 loss_of[node.name] = users[0]

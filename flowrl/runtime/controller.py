@@ -163,14 +163,15 @@ class Controller:
 
         self.k = {e.dst: (config.max_staleness if config.max_staleness is not None else e.max_staleness) for e in graph.weight_edges}
         self.updates = graph.updates_per_batch()  # U: versions per trainer step
-        self.policy_names = [n.name for n in graph.nodes_of_kind("policy")]
-        self.loss_policy = {n.name: graph.users(n.name)[0].name for n in graph.nodes_of_kind("loss")}
+        #: a node that runs inside its policy's step (a loss) -> that policy: one executor for both
+        self.loss_policy = {n.name: graph.users(n.name)[0].name for n in graph.nodes if KINDS[n.kind].runs_on == "policy"}
         self.reward_weights: dict[str, float] = {}
         for loss in graph.nodes_of_kind("loss"):
             self.reward_weights.update(loss.loss.reward_weights)  # type: ignore[union-attr]
         self._sample_loggers = {  # --log-samples: decoded samples in the metrics rows
             node.name: SampleLogger(graph, node.name, every=config.log_samples, reward_weights=self.reward_weights)
-            for node in graph.nodes_of_kind("policy")
+            for node in graph.nodes
+            if KINDS[node.kind].publishes_weights  # the trainer's step writes the row
         } if config.log_samples else {}
         # Continuous-batching generators read prompts ahead (``_read_ahead``): name -> (source, P, k).
         self._continuous: dict[str, tuple[str, int, int]] = {}

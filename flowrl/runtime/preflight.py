@@ -5,6 +5,7 @@ from __future__ import annotations
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.kinds import KINDS
 from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
@@ -37,7 +38,7 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
         else:
             spec, seq = model_from_config(model), model.max_seq_len
         shapes[node.name] = (spec, seq)
-        need[node.name] = spec.params * 4 * (4 if node.kind == "policy" else 1)
+        need[node.name] = spec.params * 4 * (4 if KINDS[node.kind].publishes_weights else 1)  # a trainer: weights, grads, Adam's two
         if node.kind == "generator":
             prompts = sum(getattr(p, "source").batch_size for p in graph.producers(node.name) if p.kind == "source")
             sequences = prompts * node.sampling.n_samples

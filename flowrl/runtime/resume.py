@@ -24,6 +24,7 @@ import msgspec
 
 from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
+from flowrl.graph.kinds import KINDS
 from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta
 from flowrl.runtime.programs import NodeProgram
 
@@ -62,7 +63,7 @@ def save_run_checkpoint(
     staging = writer.staging(version)
     files = {}
     try:
-        for node in graph.nodes_of_kind("policy"):
+        for node in (n for n in graph.nodes if KINDS[n.kind].publishes_weights):  # the nodes with trainable state
             files[node.name] = f"policy-{node.name}.pt"
             programs[node.name].save(str(staging / files[node.name]))
         meta = CheckpointMeta(

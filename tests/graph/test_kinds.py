@@ -27,6 +27,10 @@ def test_every_part_of_a_kind_exists(kind):
         assert callable(resolve(spec.program))
     if spec.rank_program:
         assert spec.runs_on == "devices" and callable(resolve(spec.rank_program))
+    if spec.runs_on == "devices":
+        assert callable(resolve(spec.plan_role)), "a device kind names its planner role (flowrl.planners.roles)"
+    else:
+        assert spec.plan_role == "", "only a device kind has a planner role"
     assert spec.span and KIND_STYLES[kind] is spec.style
 
 
@@ -145,3 +149,124 @@ def test_roles_are_table_fields():
     assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model"}
     assert all(s.side == "cpu" for s in KINDS.values() if s.runs_on == "cpu")
     assert TRAINABLE_KINDS == {"policy"} and WEIGHT_HOLDING_KINDS == {"generator", "reference", "policy"}
+
+
+_ADD_A_DEVICE_KIND = '''
+import importlib.util, json, sys
+
+# The one entry, made before flowrl.graph loads, exactly as if written in flowrl/graph/kinds.py.
+spec = importlib.util.spec_from_file_location("flowrl.graph.kinds", "flowrl/graph/kinds.py")
+kinds = importlib.util.module_from_spec(spec)
+sys.modules["flowrl.graph.kinds"] = kinds
+spec.loader.exec_module(kinds)
+kinds.KINDS["likelihood"] = kinds.KindSpec(
+    node="tests.graph.device_kind_module:LikelihoodNode", program="tests.graph.device_kind_module:build_likelihood",
+    estimator="flowrl.planners.estimate.train:estimate_train", runs_on="devices", side="trainer",
+    plan_role="tests.graph.device_kind_module:likelihood_role", span="likelihood", style=kinds.KINDS["reference"].style,
+)
+
+from flowrl.examples.llamarl import DEFAULT_MODEL
+from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.export import to_dot
+from flowrl.graph.serialize import from_json, to_json
+from flowrl.modelspec import model_preset
+from flowrl.planners.cluster import parse_cluster
+from flowrl.planners.estimate.common import Context
+from flowrl.planners.plan import plan_graph
+from flowrl.planners.report import format_plan
+from flowrl.planners.search import resolve_roles
+from flowrl.planners.tuning import make_tuning
+from flowrl.planners.workload import default_workload
+from flowrl.runtime.config import RunConfig
+from flowrl.runtime.run import run_graph
+from tests.graph.device_kind_module import LikelihoodNode
+
+b = GraphBuilder("likelihood", model=DEFAULT_MODEL)
+prompts = b.source("prompts", task="copy", batch_size=4)
+gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5)
+reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+lik = b.add(LikelihoodNode(name="lik", model=DEFAULT_MODEL), (gen,))
+loss = b.loss("aipo", gen, reward, lik, reward_weights={"rewards": 1.0, "reward_likelihood": 0.1})
+b.weights(b.policy("policy", loss), gen)
+g = b.build()
+ctx = Context(cluster=parse_cluster("cpu:2"), workload=default_workload(g), tuning=make_tuning())
+roles = resolve_roles(g, ctx)
+big = plan_graph(g, "64xH100", model=model_preset("llama3-8b"), strategy="disaggregated")
+small = plan_graph(g, "cpu:2", strategy="disaggregated")
+rows = run_graph(g, RunConfig(steps=2)).rows
+print(json.dumps({
+    "round_trip": from_json(to_json(g)) == g,
+    "dot": to_dot(g),
+    "roles": {"refs": roles.refs, "trainers": roles.trainers, "gens": roles.gens, "model": roles.models["lik"].name},
+    "placed": {n: list(p.devices) for n, p in big.placements.items()},
+    "lik": {"time_s": big.placements["lik"].time_s, "memory": big.placements["lik"].memory_bytes, "model": big.placements["lik"].model},
+    "placement": str(small.placement()),
+    "report": format_plan(big),
+    "rewards": [r["reward/reward_likelihood"] for r in rows],
+    "values": [r["likelihood/mean"] for r in rows],
+}))
+'''
+
+
+def test_a_device_kind_is_one_module_and_one_entry():
+    """``tests/graph/device_kind_module.py`` plus one table entry: a kind on devices of its own is
+    placed on its side, costed by the planner's search with the role its module gives, reported and run."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _ADD_A_DEVICE_KIND], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["round_trip"] and "likelihood" in out["dot"]
+    assert out["roles"] == {"refs": ["lik"], "trainers": ["policy"], "gens": ["gen"], "model": "2L64d"}
+    placed = out["placed"]
+    assert placed["lik"] and not set(placed["lik"]) & set(placed["gen"]), "it goes with the trainer's side, apart from the generator"
+    assert out["lik"]["time_s"] > 0 and out["lik"]["memory"] > 0 and out["lik"]["model"] == "llama3-8b"
+    assert re.search(r"^lik +likelihood +\d+-\d+ ", out["report"], re.M), out["report"]
+    assert re.search(r"lik:d1@\d", out["placement"]), "what the runtime executes of the plan places it"
+    assert len(out["rewards"]) == 2 and all(r < 0 for r in out["values"]), "mean log-probs of completions are negative"
+
+
+def _drafter_role(node, graph, ctx, model):
+    from flowrl.modelspec import model_from_config
+    from flowrl.planners.roles import NodeRole
+
+    return NodeRole(model=model or model_from_config(node.model), dtype="bfloat16")
+
+
+def test_a_generator_side_kind_is_costed_as_generation(monkeypatch):
+    """The search costs a device kind by its table entry's side and its plan_role, with no branch of its own:
+    the reference of ``llamarl_ref`` re-registered as a generator-side kind is priced as generation."""
+    import msgspec
+
+    from flowrl.examples import build_example
+    from flowrl.graph import kinds
+    from flowrl.modelspec import model_preset
+    from flowrl.planners.plan import plan_graph
+
+    monkeypatch.setitem(
+        kinds.KINDS, "reference", msgspec.structs.replace(KINDS["reference"], side="generator", plan_role="tests.graph.test_kinds:_drafter_role")
+    )
+    plan = plan_graph(build_example("llamarl_ref"), "16xH100", model=model_preset("llama3-8b"), strategy="disaggregated")
+    gen, ref, policy = (plan.placements[n] for n in ("gen", "ref", "policy"))
+    assert {"builtin engine", "bfloat16 weights"} <= set(ref.notes), ref.notes  # estimate_generate's notes, its role's dtype
+    assert set(ref.devices) & set(gen.devices) and not set(ref.devices) & set(policy.devices), "it went with the generators"
+
+
+def test_a_device_kind_without_a_plan_role_is_refused_by_the_planner(monkeypatch):
+    import msgspec
+
+    from flowrl.errors import PlanError
+    from flowrl.examples import build_example
+    from flowrl.graph import kinds
+    from flowrl.planners.plan import plan_graph
+
+    monkeypatch.setitem(kinds.KINDS, "reference", msgspec.structs.replace(KINDS["reference"], plan_role=""))
+    with pytest.raises(PlanError, match=r"node 'ref': kind 'reference' runs on devices but its KindSpec names no plan_role"):
+        plan_graph(build_example("llamarl_ref"), "cpu:2")

@@ -13,7 +13,7 @@ import pytest
 from flowrl.planners.cluster import ClusterSpec, CpuTerms, DeviceSpec
 from flowrl.planners.estimate.common import Context, Link, all_gather_s, all_reduce_s, send_s
 from flowrl.planners.estimate.generate import estimate_generate
-from flowrl.planners.estimate.cpu import estimate_cpu
+from flowrl.planners.estimate.cpu import estimate_in_policy, estimate_scorer, estimate_source
 from flowrl.planners.estimate.sync import estimate_sync
 from flowrl.planners.estimate.train import estimate_train, pick_fitting, train_options
 from flowrl.modelspec import ModelSpec
@@ -284,9 +284,9 @@ def test_unknown_transport_is_costed_as_collective():
 # -- cpu ---------------------------------------------------------------------------------------------
 def test_host_nodes():
     c = ctx(tuning=Tuning(scorer_s_per_sample=1e-3, source_s_per_prompt=1e-4))
-    assert estimate_cpu("scorer", c).time_s == pytest.approx(4 * 1e-3)
-    assert estimate_cpu("source", c).time_s == pytest.approx(2 * 1e-4)
-    assert estimate_cpu("loss", c).time_s == 0.0
+    assert estimate_scorer("scorer", c).time_s == pytest.approx(4 * 1e-3)
+    assert estimate_source("source", c).time_s == pytest.approx(2 * 1e-4)
+    assert estimate_in_policy("loss", c).time_s == 0.0
 
 
 def _fields(t: Tuning) -> dict:

@@ -2,7 +2,7 @@
 
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate
 from flowrl.planners.estimate.generate import estimate_generate, generator_dtype
-from flowrl.planners.estimate.cpu import estimate_cpu
+from flowrl.planners.estimate.cpu import estimate_in_policy, estimate_scorer, estimate_source
 from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
 from flowrl.planners.estimate.train import estimate_train, train_options
 
@@ -16,5 +16,7 @@ __all__ = [
     "estimate_generate",
     "generator_dtype",
     "estimate_sync",
-    "estimate_cpu",
+    "estimate_source",
+    "estimate_scorer",
+    "estimate_in_policy",
 ]

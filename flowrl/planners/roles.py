@@ -1,0 +1,103 @@
+"""What the planner needs of one device node, per kind: its model shape and the options its cost reads.
+
+Each device kind names its function in its kinds-table entry, ``KindSpec.plan_role``
+(``flowrl.graph.kinds``), as ``module:qualname``; ``planners.search.resolve_roles`` resolves it and
+calls it as ``role(node, graph, ctx, model) -> NodeRole`` for every node of the kind. Which side of
+the search costs the node comes from the table, not from here: ``side="generator"`` is priced as
+generation (``estimate/generate.py``), ``side="trainer"`` as training when the kind publishes
+weights (``publishes_weights``, a policy) and as a forward-only pass otherwise (a reference, a
+reward model). A new device kind writes its own function in its own module, or names one of these.
+
+``model`` is the shape ``flowrl plan --model`` gives every node; a function returns it instead of
+its node's own, without reading the node's model (a Hugging Face directory need not exist then).
+
+Example:
+    >>> from flowrl.examples import build_example
+    >>> from flowrl.planners.cluster import parse_cluster
+    >>> from flowrl.planners.estimate.common import Context
+    >>> from flowrl.planners.tuning import make_tuning
+    >>> from flowrl.planners.workload import default_workload
+    >>> g = build_example("llamarl_ref")
+    >>> ctx = Context(cluster=parse_cluster("cpu:2"), workload=default_workload(g), tuning=make_tuning())
+    >>> reference_role(g.node("ref"), g, ctx, None).model.name, policy_role(g.node("policy"), g, ctx, None).iterations
+    ('2L64d', (1, 1))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flowrl.modelspec import ModelSpec, model_from_config, reward_model_spec
+from flowrl.planners.estimate.generate import generator_dtype
+
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+    from flowrl.planners.estimate.common import Context
+
+__all__ = ["NodeRole", "generator_role", "policy_role", "reference_role", "reward_model_role"]
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    """The planner's facts about one device node (``search.Roles`` gathers them per graph).
+
+    Attributes:
+        model: its model's shape.
+        dtype: a generator-side node's weight dtype (``""``: a trainer-side node, which uses the
+            trainer's ``param_bytes``).
+        engine: a generator-side node's engine (``"builtin"`` or ``"vllm"``).
+        recompute: a training node's objective needs an extra log-prob forward (or it takes several
+            updates a batch: the trainer's log pi_old pass).
+        iterations: a training node's (passes over a batch, optimizer steps a batch).
+        micro_batch: a training node's optimizer micro-batch (0: the estimate chooses).
+        last_logits: a forward-only node that computes each sequence's last-position logits only.
+        extra_tokens: a forward-only node's tokens per sequence beyond the prompt and the completion.
+    """
+
+    model: ModelSpec
+    dtype: str = ""
+    engine: str = "builtin"
+    recompute: bool = False
+    iterations: tuple[int, int] = (1, 1)
+    micro_batch: int = 0
+    last_logits: bool = False
+    extra_tokens: int = 0
+
+
+def generator_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
+    """A generator: its model, weight dtype (``--gen-precision`` over its sampling precision) and engine."""
+    return NodeRole(model=model or model_from_config(node.model), dtype=generator_dtype(node.sampling.precision, ctx), engine=node.engine)
+
+
+def policy_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
+    """A policy: its model, micro-batch, passes and updates a batch, and whether its loss's
+    objective (``aipo`` needs none) or several updates a batch recompute log-probs."""
+    loss = graph.loss_of(node.name)
+    objective = getattr(getattr(loss, "loss", None), "objective", "aipo")
+    recompute = ctx.tuning.recompute_logprobs if ctx.tuning.recompute_logprobs is not None else objective != "aipo"
+    opt = node.optimizer
+    return NodeRole(
+        model=model or model_from_config(node.model),
+        recompute=recompute or opt.updates_per_batch > 1,
+        iterations=(opt.num_iterations, opt.updates_per_batch),
+        micro_batch=opt.micro_batch_size,
+    )
+
+
+def reference_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
+    """A frozen model's forward pass over each sequence: just its model."""
+    return NodeRole(model=model or model_from_config(node.model))
+
+
+def reward_model_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
+    """A reward model, a forward pass like a reference's, with the shape of ``reward_model_spec``: a
+    classifier's score head; a ``logprob`` judge's logits at the last position only; a ``regex``
+    judge's forward also over its ``max_new_tokens`` answer."""
+    judge = node.judge
+    return NodeRole(
+        model=model or reward_model_spec(node.model, judge=judge is not None),
+        last_logits=judge is not None and judge.verdict == "logprob",
+        extra_tokens=judge.max_new_tokens if judge is not None and judge.verdict != "logprob" else 0,
+    )
+
