@@ -22,17 +22,22 @@ import msgspec
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import TRAINABLE_KINDS
 
 __all__ = ["with_model_path", "with_engine"]
 
 
 def with_model_path(graph: Graph, path: str) -> Graph:
-    """``graph`` with every Hugging Face model (and the tokenizers read from it) at ``path``.
+    """``graph`` with the policy's Hugging Face model at ``path``: every model (and tokenizer) read from
+    the directory a policy trains (its generators' and references' too), not a reward model's own
+    classifier or judge in another directory. A graph without an HF policy repoints every HF model.
 
     Raises:
         ConfigError: when the graph has no Hugging Face model to point elsewhere.
     """
-    old = {n.model.path for n in graph.nodes if isinstance(getattr(n, "model", None), HFModelConfig)}  # type: ignore[attr-defined]
+    every = {n.model.path for n in graph.nodes if isinstance(getattr(n, "model", None), HFModelConfig)}  # type: ignore[attr-defined]
+    trained = {n.model.path for n in graph.nodes if n.kind in TRAINABLE_KINDS and isinstance(getattr(n, "model", None), HFModelConfig)}  # type: ignore[attr-defined]
+    old = trained or every
     if not old:
         raise ConfigError(
             f"--model {path!r}: graph {graph.name!r} has no Hugging Face model (its models are the built-in "
@@ -41,7 +46,7 @@ def with_model_path(graph: Graph, path: str) -> Graph:
     nodes = []
     for node in graph.nodes:
         model = getattr(node, "model", None)
-        if isinstance(model, HFModelConfig):
+        if isinstance(model, HFModelConfig) and model.path in old:
             tokenizer = path if model.tokenizer in old else model.tokenizer
             node = msgspec.structs.replace(node, model=msgspec.structs.replace(model, path=path, tokenizer=tokenizer))
         elif node.kind == "source" and node.source.tokenizer in old:  # type: ignore[attr-defined]
