@@ -17,11 +17,13 @@ ranks (all of them call it, in the same order):
 - Gradient clipping is the trainer's own ``clip_grad_norm_``, which on DTensor gradients computes
   the global norm (one all-reduce).
 
-Checkpoints are gathered (``full_state`` / ``load_full_state``): the policy's lead rank writes the
+Checkpoints are gathered (``full_state`` / ``load_full_state``) to the policy's lead rank only
+(each rank sends its rows to it; the others never hold a whole tensor), which writes the
 one-file format every policy writes (``Trainer.state()``: full tensors, ``torch.load(weights_only=True)``,
 read by ``flowrl export``), so a checkpoint of an FSDP policy resumes on any dp size, replicated
 or sharded, and exports as any other. The price: the lead holds the full model and optimizer
 state on the CPU while it writes (a torch.distributed.checkpoint format would not; not done yet).
+Every rank reads a checkpoint memory-mapped (``torch.load(mmap=True)``) and copies only its rows.
 
 Limits: the policy's mesh must be 1-D (``dp``); every dp rank must get at least one prompt group
 per batch and the same number of micro-batches (``check_shards``); every rank first builds the
@@ -198,30 +200,61 @@ def full_weights(model: nn.Module) -> dict[str, Tensor]:
     return {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in _named(model).items()}
 
 
-def _gathered(value: Any) -> Any:
-    """``value`` with every DTensor gathered to a CPU tensor (collective: same order on every rank)."""
+def _to_lead(t: Any) -> Tensor | None:
+    """A ``Shard(0)`` DTensor gathered on the first rank of its mesh (a CPU tensor there, None on the
+    others): each rank sends its rows, padded to ``torch.chunk``'s largest chunk, to the first one,
+    which alone holds the whole tensor (an all-gather would put it on every rank)."""
+    import torch.distributed as dist
+
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    if len(t.placements) != 1 or t.placements[0] != Shard(0):  # not FSDP2's layout: every rank gathers
+        full = t.full_tensor().detach().to("cpu", copy=True)
+        return full if mesh.get_local_rank() == 0 else None
+    group, n = mesh.get_group(), mesh.size()
+    local = t.to_local().detach()
+    rows = torch.chunk(torch.empty(t.shape[0], device="meta"), n)
+    sizes = [len(c) for c in rows] + [0] * (n - len(rows))  # torch.chunk may give fewer chunks than ranks
+    biggest = max(sizes)
+    padded = torch.zeros((biggest, *t.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    lead = dist.get_global_rank(group, 0)
+    if mesh.get_local_rank() == 0:
+        pieces = [torch.empty_like(padded) for _ in range(n)]
+        dist.gather(padded, gather_list=pieces, dst=lead, group=group)
+        return torch.cat([p[:size] for p, size in zip(pieces, sizes)]).to("cpu", copy=True)
+    dist.gather(padded, dst=lead, group=group)
+    return None
+
+
+def _gathered(value: Any, lead: bool) -> Any:
+    """``value`` with every DTensor gathered to the mesh's first rank (collective: the same order on
+    every rank); the first rank gets CPU copies of everything, the others None for each tensor."""
     if hasattr(value, "full_tensor"):
-        return value.full_tensor().detach().to("cpu", copy=True)
+        return _to_lead(value)
     if isinstance(value, Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=True) if lead else None
     if isinstance(value, dict):
-        return {k: _gathered(v) for k, v in value.items()}
+        return {k: _gathered(v, lead) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_gathered(v) for v in value)
+        return type(value)(_gathered(v, lead) for v in value)
     return value
 
 
-def full_state(trainer: Any) -> dict[str, Any]:
+def full_state(trainer: Any) -> dict[str, Any] | None:
     """``trainer.state()``'s format with every sharded tensor gathered (full, CPU): the same file a
-    replicated policy writes. Every rank calls it (all-gathers); only the lead needs to write it."""
+    replicated policy writes. Every rank of the policy's mesh calls it; the mesh's first rank (the
+    lead, which writes it) gets the state and alone holds the whole of it, the others get None."""
     import msgspec
 
-    return {
-        "version": trainer.version,
-        "model_config": msgspec.to_builtins(trainer.node.model),
-        "model": _gathered(_named(trainer.model) if trainer.lora else dict(trainer.model.state_dict())),  # LoRA: the adapters
-        "optimizer": _gathered(trainer.optimizer.state_dict()),
-    }
+    mesh = next(p.device_mesh for p in trainer.model.parameters() if hasattr(p, "device_mesh"))
+    lead = mesh.get_local_rank() == 0
+    model = _gathered(_named(trainer.model) if trainer.lora else dict(trainer.model.state_dict()), lead)  # LoRA: the adapters
+    optimizer = _gathered(trainer.optimizer.state_dict(), lead)
+    if not lead:
+        return None
+    return {"version": trainer.version, "model_config": msgspec.to_builtins(trainer.node.model), "model": model, "optimizer": optimizer}
 
 
 def _shard_like(full: Any, like: Any) -> Any:

@@ -184,6 +184,8 @@ def test_a_sharded_checkpoint_resumes_exactly_on_any_dp_size(step_result):
     state = torch.load(tmp / "policy.pt", weights_only=True)
     assert int(state["version"]) == 1 and set(state) >= {"model", "optimizer", "model_config"}
     assert r["checkpoint_vs_fsdp"] == 0.0 and r["checkpoint_moments_vs_fsdp"] == 0.0, r
+    assert r["state_is_none"] == [False, True]  # gathered on the lead only: the other rank never holds the whole state
+    assert r["uneven_to_lead"] == [[True] * 3, [True] * 3]  # 5, 1 and 0 rows over 2 ranks: equal on the lead, None elsewhere
     assert r["resumed_fsdp_diff"] == 0.0, r
     assert r["resumed_one_process_diff"] < 1e-6, r
     assert r["resumed_version"] == 2
@@ -464,14 +466,25 @@ def _step_job(out: str, family: str, directory: str) -> int:
         dist.all_gather(every, numel, group=mesh.get_group())
         result["numel_ranks"] = [{"params": int(n[0]), "optimizer": int(n[1])} for n in every]
         result["numel_replica"] = local_numel(ref)
-        state = full_state(mine)  # both ranks gather; rank 0 writes
+        state = full_state(mine)  # every rank sends its rows; rank 0, the lead, alone gets the state and writes it
+        published = {k: _full(v) for k, v in _published(mine).items()}  # all-gathers: every rank calls them
+        moments = [_full(mine.optimizer.state[p][k]) for p in _trained(mine) for k in ("exp_avg", "exp_avg_sq")]
+        result["state_is_none"] = state is None
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from flowrl.runtime.fsdp import _to_lead
+
+        uneven = []  # rows torch.chunk splits unevenly, or into fewer chunks than ranks
+        for rows in (5, 1, 0):
+            whole = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+            got = _to_lead(distribute_tensor(whole, mesh, [Shard(0)], src_data_rank=None))
+            uneven.append(got is None if rank else bool(torch.equal(got, whole)))
+        result["uneven_to_lead"] = uneven
         if rank == 0:
             torch.save(state, Path(out) / "policy.pt")
-        result["checkpoint_vs_fsdp"] = _max_diff(state["model"], _published(mine))
-        result["checkpoint_moments_vs_fsdp"] = max(
-            float((state["optimizer"]["state"][i][k] - _full(mine.optimizer.state[p][k])).abs().max())
-            for i, p in enumerate(_trained(mine)) for k in ("exp_avg", "exp_avg_sq")
-        )
+            result["checkpoint_vs_fsdp"] = _max_diff(state["model"], published)
+            saved = [state["optimizer"]["state"][i][k] for i, _ in enumerate(_trained(mine)) for k in ("exp_avg", "exp_avg_sq")]
+            result["checkpoint_moments_vs_fsdp"] = max(float((a - b).abs().max()) for a, b in zip(saved, moments))
         fsdp_step(mine, batches[1], shards[1][rank])  # uninterrupted
         uninterrupted = {k: _full(v).clone() for k, v in mine.model.state_dict().items()}
         ref.train_step(batches[1])
@@ -522,7 +535,9 @@ def _step_job(out: str, family: str, directory: str) -> int:
     results = [None] * dist.get_world_size()
     dist.all_gather_object(results, result)  # test-only plumbing: plain JSON-able dicts
     if rank == 0:
-        merged = {**results[0], **results[2], "transport_bytes_sent": results[0]["transport_bytes_sent"]}
+        merged = {**results[0], **results[2], "transport_bytes_sent": results[0]["transport_bytes_sent"],
+                  "state_is_none": [results[0]["state_is_none"], results[1]["state_is_none"]],
+                  "uneven_to_lead": [results[0]["uneven_to_lead"], results[1]["uneven_to_lead"]]}
         Path(out, "result.json").write_text(json.dumps(merged))
     dist.barrier()
     dist.destroy_process_group()

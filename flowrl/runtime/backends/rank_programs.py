@@ -270,14 +270,14 @@ class ShardedPolicy(_RankPolicy):
     def save(self, path: str) -> None:
         from flowrl.runtime.fsdp import full_state
 
-        state = full_state(self.trainer)  # every rank: the all-gathers
-        if self.index == 0:
+        state = full_state(self.trainer)  # every rank sends its rows; the lead alone gets the state
+        if state is not None:
             torch.save(state, path)
 
     def load(self, path: str) -> None:
         from flowrl.runtime.fsdp import load_full_state
 
-        load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu"))
+        load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu", mmap=True))  # each rank reads its rows
         self._published = -1
 
 
