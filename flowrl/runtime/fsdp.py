@@ -23,7 +23,7 @@ one-file format every policy writes (``Trainer.state()``: full tensors, ``torch.
 read by ``flowrl export``), so a checkpoint of an FSDP policy resumes on any dp size, replicated
 or sharded, and exports as any other. The price: the lead holds the full model and optimizer
 state on the CPU while it writes (a torch.distributed.checkpoint format would not; not done yet).
-Every rank reads a checkpoint memory-mapped (``torch.load(mmap=True)``) and copies only its rows.
+Every rank reads a checkpoint memory-mapped (``mmap=True``) and copies only its rows.
 
 Limits: the policy's mesh must be 1-D (``dp``); every dp rank must get at least one prompt group
 per batch and the same number of micro-batches (``check_shards``); every rank first builds the
