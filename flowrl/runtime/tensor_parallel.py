@@ -1,27 +1,26 @@
 """Tensor parallelism of the built-in transformer and of Hugging Face Llama-family models: Megatron-style
 explicit sharding over a tp process group.
 
-Which parameter of the built-in transformer is split how (``tp`` ranks, ``torch.chunk`` bounds, see ``flowrl.placement.resharding``),
-for an ``nn.Linear`` weight ``[out, in]``:
+Which weight splits how is its family's ``ModelFamily.split_table`` (``flowrl.models.families``: the
+built-in one in ``builtin/__init__.py``, the Llama block's in ``llama.py``), over ``tp`` ranks with
+``torch.chunk`` bounds (``flowrl.placement.resharding``), for an ``nn.Linear`` weight ``[out, in]``:
 
-- ``attention.wq / wk / wv``: column-parallel (dim 0 split): each rank computes its own whole heads
-  (q: ``n_heads / tp``, k and v: ``n_kv_heads / tp``); no communication.
-- ``attention.wo``: row-parallel (dim 1 split): a partial sum over the rank's heads, then
-  ``all_reduce(SUM)`` over the tp group.
-- ``feed_forward.w1 / w3``: column-parallel: the rank's slice of the SwiGLU hidden units.
-- ``feed_forward.w2``: row-parallel: a partial sum, then ``all_reduce(SUM)``.
-- ``tok_embeddings``, the norms, ``output``: replicated.
+- the q / k / v projections (``attention.wq / wk / wv``, ``self_attn.{q,k,v}_proj`` weight and bias):
+  column-parallel (dim 0 split): each rank computes its own whole heads (q: ``n_heads / tp``, k and
+  v: ``n_kv_heads / tp``); no communication.
+- the output projection (``attention.wo``, ``self_attn.o_proj``): row-parallel (dim 1 split): a
+  partial sum over the rank's heads, then ``all_reduce(SUM)`` over the tp group.
+- the SwiGLU gate and up projections (``feed_forward.w1 / w3``, ``mlp.{gate,up}_proj``): column-parallel,
+  the rank's slice of the hidden units; the down projection (``feed_forward.w2``, ``mlp.down_proj``):
+  row-parallel, a partial sum, then ``all_reduce(SUM)``.
+- everything else (embeddings, norms, the output head, qwen3's per-head ``q_norm`` / ``k_norm``, a
+  row-parallel layer's bias): replicated. A row-parallel layer adds its bias after the all-reduce,
+  so once, not ``tp`` times.
 
-Hugging Face Llama-family models (``llama``, ``qwen2``, ``qwen3``: one block layout) split by their
-family's ``ModelFamily.split_table`` (``flowrl.models.families``; the built-in transformer's table
-says the above) over their Hugging Face parameter names (``model.layers.N.`` ...):
-``self_attn.{q,k,v}_proj`` column (weight and bias rows), ``self_attn.o_proj`` row, ``mlp.{gate,up}_proj``
-column, ``mlp.down_proj`` row; everything else (embeddings, norms, ``lm_head``, qwen3's per-head
-``q_norm`` / ``k_norm``, a row-parallel layer's bias) replicated. transformers' attention reshapes
-q/k/v with ``view(..., -1, head_dim)`` and repeats kv heads by the ratio ``num_key_value_groups``, so
-a rank's whole local heads need no change to the attention module, and the ``DynamicCache`` grows
-with whatever head count it is handed (the local one). A row-parallel layer adds its bias after the
-all-reduce, so once, not ``tp`` times.
+For a Hugging Face model, transformers' attention reshapes q/k/v with ``view(..., -1, head_dim)`` and
+repeats kv heads by the ratio ``num_key_value_groups``, so a rank's whole local heads need no change
+to the attention module, and the ``DynamicCache`` grows with whatever head count it is handed (the
+local one).
 
 So the residual stream ``x`` is replicated: every block's input is identical on every tp rank, and
 its two all-reduces (two per layer, as in Megatron-LM) make its output identical again. Grouped-query
@@ -80,6 +79,7 @@ from flowrl.models.families import FAMILIES
 from flowrl.models.families.builtin.model import KVCache, Transformer
 from flowrl.models.family import Split
 from flowrl.models.hf import HFCausalLM
+from flowrl.models.registry import weight_shapes
 from flowrl.placement.resharding import ShardLayout, dp_tp, local_slice, replicated, tp_column, tp_row
 
 __all__ = [
@@ -124,8 +124,6 @@ def _hf_shape(family: str, names: list[str], config: Mapping[str, Any] | Any) ->
 def _shape_of(config_or_model: Any, *, splits: bool = True) -> _Shape:
     """The ``_Shape`` of a ``ModelConfig``, ``Transformer``, ``HFModelConfig`` or ``HFCausalLM``
     (``splits=False``: the head counts only, no model built, so a preset ``ModelConfig`` works too)."""
-    from flowrl.models.registry import weight_shapes
-
     if isinstance(config_or_model, HFCausalLM):
         hf_config = config_or_model.hf.config
         return _hf_shape(str(hf_config.model_type), list(weight_dict(config_or_model)), hf_config)
