@@ -29,7 +29,7 @@ import torch
 from flowrl.graph.configs import ModelConfig, SamplingConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.generation import Generator
-from flowrl.operators.model import count_parameters
+from flowrl.models.families.builtin.model import count_parameters
 from flowrl.operators.source import pad_left
 from flowrl.operators.tasks import make_task
 
@@ -115,7 +115,7 @@ def main() -> None:
     result = {"bench": "generation", "threads": args.threads, "models": {}}
     for name in args.models:
         config = MODELS[name]
-        from flowrl.operators.model import Transformer
+        from flowrl.models.families.builtin.model import Transformer
 
         entry = {"shape": config.short(), "parameters": count_parameters(Transformer(config)), "points": []}
         for batch, length in GRID[name]:

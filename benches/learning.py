@@ -46,7 +46,7 @@ import torch
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode, ScorerNode, SourceNode
 from flowrl.operators.generation import Generator
-from flowrl.operators.model import count_parameters
+from flowrl.models.families.builtin.model import count_parameters
 from flowrl.operators.scoring import Scorer
 from flowrl.operators.source import PromptSource
 from flowrl.operators.trainer import Trainer

@@ -47,7 +47,7 @@ from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.slots import Sample, SlotBatcher
 from flowrl.operators.source import pad_left
 from flowrl.operators.tasks import LongTailTask
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER as TOK
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER as TOK
 
 __all__ = ["main"]
 

@@ -45,7 +45,7 @@ def _tokenizer(path: Path, *, chat_template: bool = False) -> None:
 
 
 def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = VOCAB):
-    """A transformers config of a tiny model of ``family`` (``llama``, ``qwen2``, ``qwen3``)."""
+    """A transformers config of a tiny model of ``family`` (a ``model_type``: ``llama``, ``qwen2``, ``qwen3``, ...)."""
     transformers = pytest.importorskip("transformers")
     common = dict(
         vocab_size=vocab,
@@ -60,10 +60,9 @@ def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = V
         bos_token_id=1,
         eos_token_id=2,
     )
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
-    if family == "qwen3":
+    if family == "qwen3":  # its head_dim is a field of its own (default 128), not hidden / heads
         common["head_dim"] = hidden // 4
-    return cls(**common)
+    return transformers.AutoConfig.for_model(family, **common)
 
 
 def make_hf_dir(

@@ -42,7 +42,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 
 __all__ = ["GuessNumberEnv", "GuessTask", "guess_task", "CalcEnv", "CalcTask", "calc_task"]
 

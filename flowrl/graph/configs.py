@@ -23,7 +23,6 @@ __all__ = [
     "HFModelConfig",
     "LoraConfig",
     "AnyModelConfig",
-    "HF_FAMILIES",
     "SamplingConfig",
     "LossConfig",
     "LOSS_AGGREGATIONS",
@@ -119,9 +118,6 @@ class ModelConfig(msgspec.Struct, tag="builtin", tag_field="family", **_STRUCT):
     def short(self) -> str:
         """A compact form for printing: ``"2L64d"`` or the preset name."""
         return self.preset or f"{self.n_layers}L{self.dim}d"
-
-# Hugging Face ``model_type`` values flowrl trains (decoder-only, Llama-style blocks); see flowrl.models.
-HF_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 
 
 class LoraConfig(msgspec.Struct, **_STRUCT):

@@ -3,13 +3,10 @@
 ``export_hf(source, out_dir)`` reads the policy state a checkpoint holds (``Trainer.state()``:
 ``model_config`` and ``model``) and writes weights (safetensors), ``config.json`` and the tokenizer.
 
-- A Hugging Face policy is written with its own architecture, its directory's config and tokenizer.
-- The built-in transformer is written as ``LlamaForCausalLM``: the mapping is exact (same RMSNorm in
-  float32 with ``norm_eps``, the half-split rotary layout of transformers' ``rotate_half`` with the
-  same ``rope_theta`` frequencies, SwiGLU ``down(silu(gate x) * up x)``, grouped-query attention
-  scaled by ``1/sqrt(head_dim)``, tied embeddings as ``tie_word_embeddings``), so the logits agree to
-  float rounding. Its character tokenizer is written as a ``tokenizers`` word-level tokenizer over
-  single characters with the same ids.
+Any family is written as its ``ModelFamily.hf_architecture`` class with its adapter's
+``hf_config`` and tokenizer, its weights renamed by its ``export_names`` (a Hugging Face policy keeps
+its own names, directory config and tokenizer; the built-in transformer is written as
+``LlamaForCausalLM``, an exact mapping, see ``flowrl.models.families.builtin.adapter``).
 
 - A LoRA policy is written merged (peft's ``merge_and_unload`` over its base model), or with
   ``adapter=True`` as a peft adapter directory.
@@ -19,8 +16,6 @@ A non-empty ``out_dir`` is refused unless ``overwrite=True``.
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +23,12 @@ import msgspec
 import torch
 
 from flowrl.errors import CheckpointError, ConfigError
-from flowrl.graph.configs import AnyModelConfig, HFModelConfig, ModelConfig
+from flowrl.graph.configs import AnyModelConfig, HFModelConfig
 from flowrl.models.local import require_transformers
 from flowrl.models.lora import lora_of, merged_model, save_adapter
+from flowrl.models.registry import family_of
 
-__all__ = ["export_hf", "read_policy_state", "builtin_to_llama"]
-
-_BUILTIN_TO_LLAMA = [
-    (r"^tok_embeddings\.weight$", "model.embed_tokens.weight"),
-    (r"^norm\.weight$", "model.norm.weight"),
-    (r"^output\.weight$", "lm_head.weight"),
-    (r"^layers\.(\d+)\.attention\.wq\.weight$", r"model.layers.\1.self_attn.q_proj.weight"),
-    (r"^layers\.(\d+)\.attention\.wk\.weight$", r"model.layers.\1.self_attn.k_proj.weight"),
-    (r"^layers\.(\d+)\.attention\.wv\.weight$", r"model.layers.\1.self_attn.v_proj.weight"),
-    (r"^layers\.(\d+)\.attention\.wo\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"^layers\.(\d+)\.feed_forward\.w1\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"^layers\.(\d+)\.feed_forward\.w3\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"^layers\.(\d+)\.feed_forward\.w2\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
-    (r"^layers\.(\d+)\.attention_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
-    (r"^layers\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
-]
+__all__ = ["export_hf", "read_policy_state", "hf_config_and_state"]
 
 
 def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[str, Any]:
@@ -81,50 +62,14 @@ def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[st
     return state
 
 
-def builtin_to_llama(config: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The ``LlamaConfig`` and the state dict (Llama names) of a built-in model."""
-    transformers = require_transformers("exporting as LlamaForCausalLM")
-    llama = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.dim,
-        intermediate_size=config.hidden_dim,
-        num_hidden_layers=config.n_layers,
-        num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_kv_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_seq_len,
-        rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta,
-        tie_word_embeddings=config.tie_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        for pattern, repl in _BUILTIN_TO_LLAMA:
-            if re.match(pattern, name):
-                out[re.sub(pattern, repl, name)] = t
-                break
-        else:
-            raise ConfigError(f"built-in weight {name!r} has no Llama counterpart")
-    return llama, out
+def hf_config_and_state(config: AnyModelConfig, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The transformers config an export of ``config``'s family writes, and ``state`` under its Hugging Face names.
 
-
-def _builtin_tokenizer(out: Path) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    from flowrl.operators.tokenizer import DEFAULT_TOKENIZER as tok
-
-    transformers = require_transformers("exporting a tokenizer")
-    vocab = {t: i for i, t in enumerate(tok.tokens)}
-    inner = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    inner.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    inner.decoder = decoders.Fuse()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(str(out))
+    Raises:
+        ConfigError: for a weight name the family cannot export.
+    """
+    family = family_of(config)
+    return family.load_adapter().hf_config(config), {family.export_name(n): t for n, t in state.items()}
 
 
 def export_hf(
@@ -165,24 +110,17 @@ def export_hf(
     if adapter:
         assert isinstance(config, HFModelConfig)  # lora_of is None for the built-in family
         return save_adapter(weights, lora, out, base_model=config.path)
+    probe = msgspec.structs.replace(config, init="random") if isinstance(config, HFModelConfig) else config  # config.json, not weights
+    family = family_of(probe, owner="export")
     transformers = require_transformers("flowrl export")
     transformers.utils.logging.disable_progress_bar()  # one line of output, not a bar per shard
     if lora is not None:
         model = merged_model(config, weights)
         hf_config, hf_state = model.config, None
-    elif isinstance(config, ModelConfig):
-        hf_config, hf_state = builtin_to_llama(config, weights)
-        with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(hf_config)
     else:
-        assert isinstance(config, HFModelConfig)  # the tagged union has two members
-        from flowrl.models.hf import check_hf_dir
-
-        check_hf_dir(msgspec.structs.replace(config, init="random"), owner="export")  # config.json and family only
-        hf_config = transformers.AutoConfig.from_pretrained(str(Path(config.path).expanduser()), local_files_only=True)
+        hf_config, hf_state = hf_config_and_state(probe, weights)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config)
-        hf_state = weights
+            model = getattr(transformers, family.hf_architecture)(hf_config)
     if hf_state is not None:
         model.load_state_dict(hf_state, strict=False, assign=True)
     if hf_config.tie_word_embeddings:
@@ -192,13 +130,5 @@ def export_hf(
         raise CheckpointError(f"export: the checkpoint lacks weights {missing[:5]}")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    if isinstance(config, ModelConfig):
-        _builtin_tokenizer(out)
-    else:
-        from flowrl.models.tokenizer import load_tokenizer
-
-        load_tokenizer(config.tokenizer_path, owner="export").save_pretrained(str(out))
-        gen_cfg = Path(config.path).expanduser() / "generation_config.json"
-        if gen_cfg.is_file():
-            shutil.copyfile(gen_cfg, out / "generation_config.json")
+    family.load_adapter().save_tokenizer(config, out)
     return out

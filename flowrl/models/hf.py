@@ -1,8 +1,8 @@
 """The Hugging Face adapter: a local ``AutoModelForCausalLM`` directory as a ``CausalLM``.
 
 ``check_hf_dir`` reads ``config.json`` and refuses, before any work, what cannot run: a missing
-directory or hub id, no ``config.json``, a ``model_type`` outside ``HF_FAMILIES``, ``init="pretrained"``
-without weight files, a missing ``transformers``. ``load_hf`` builds the model (pretrained weights,
+directory or hub id, no ``config.json``, a ``model_type`` of no family in ``flowrl.models.families``,
+``init="pretrained"`` without weight files, a missing ``transformers``. ``load_hf`` builds the model (pretrained weights,
 or seeded random ones under ``torch.random.fork_rng`` so that every node built from one config gets
 the same weights) and wraps it in ``HFCausalLM``.
 
@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.errors import ConfigError
-from flowrl.graph.configs import HF_FAMILIES, HFModelConfig
+from flowrl.graph.configs import HFModelConfig
+from flowrl.models.families import hf_family_names
 from flowrl.models.local import require_transformers, resolve_local_dir
 
 __all__ = ["HFCausalLM", "check_hf_dir", "load_hf", "load_auto", "hf_eos_ids"]
@@ -55,9 +56,9 @@ def check_hf_dir(config: HFModelConfig, *, owner: str = "model") -> dict[str, An
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{owner}: {str(cfg_file)!r} is not valid JSON: {exc}") from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type not in HF_FAMILIES:
+    if model_type not in hf_family_names():
         raise ConfigError(
-            f"{owner}: {str(cfg_file)!r} has model_type {model_type!r}; flowrl trains the families {list(HF_FAMILIES)}"
+            f"{owner}: {str(cfg_file)!r} has model_type {model_type!r}; flowrl trains the families {hf_family_names()}"
         )
     if config.init == "pretrained" and not any(next(directory.glob(g), None) for g in _WEIGHT_GLOBS):
         raise ConfigError(
@@ -151,7 +152,7 @@ class HFCausalLM(nn.Module):
     @torch.no_grad()
     def splice_cache(self, cache: Any, part: Any, source: Tensor, rows: Tensor, start: int) -> bool:
         """Copy sequences ``source`` of ``part`` into rows ``rows``, positions ``[start, start + T)`` of ``cache``
-        (both ``DynamicCache``s; ``T`` tokens in ``part``), as ``flowrl.operators.model.Transformer.splice_cache`` does.
+        (both ``DynamicCache``s; ``T`` tokens in ``part``), as ``flowrl.models.families.builtin.model.Transformer.splice_cache`` does.
 
         Returns:
             False, changing nothing, unless every layer of both caches is a full-attention

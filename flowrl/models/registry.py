@@ -1,72 +1,34 @@
-"""Model families and their builders (torchtitan's ``TrainSpec`` idea): one small record per family.
+"""The entry points the operators use for any family: ``family_of``, ``build_model``, ``weight_shapes``,
+``meta_model``, ``model_tokens`` (torchtitan's ``TrainSpec`` idea: one small record per family).
 
-``FAMILIES`` maps a family name to a ``ModelFamily`` naming its builder. A node's model description
-picks its family: a ``ModelConfig`` is ``"builtin"``; an ``HFModelConfig`` is its directory's
-``model_type`` (one of ``HF_FAMILIES``: ``llama``, ``qwen2``, ``qwen3``). ``build_model`` is the one
-entry point the operators use; ``model_tokens`` gives the pad id, end ids and a decoder for the
-family's tokenizer.
+Each reads the family's record in ``flowrl.models.families.FAMILIES`` and calls its adapter. A
+node's model description picks its family: a ``ModelConfig`` is ``"builtin"``; an ``HFModelConfig``
+is its directory's ``model_type``.
 
 Example:
     >>> from flowrl.graph.configs import ModelConfig
-    >>> family_of(ModelConfig()).name, sorted(FAMILIES)
-    ('builtin', ['builtin', 'llama', 'qwen2', 'qwen3'])
+    >>> family_of(ModelConfig()).name
+    'builtin'
     >>> model_tokens(ModelConfig()).eos_ids
     (2,)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
-from flowrl.graph.configs import HF_FAMILIES, AnyModelConfig, HFModelConfig, ModelConfig
+from flowrl.graph.configs import AnyModelConfig, ModelConfig
 from flowrl.models.causal_lm import CausalLM
+from flowrl.models.families import FAMILIES
+from flowrl.models.family import ModelFamily, ModelTokens
 
-__all__ = ["ModelFamily", "FAMILIES", "family_of", "build_model", "weight_shapes", "meta_model", "ModelTokens", "model_tokens"]
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """One model family.
-
-    Attributes:
-        name: ``"builtin"`` or a Hugging Face ``model_type``.
-        build: ``(config, dtype, device) -> CausalLM``.
-        hf_architecture: the transformers class a checkpoint of this family exports as.
-    """
-
-    name: str
-    build: Callable[[AnyModelConfig, torch.dtype, str | torch.device], CausalLM]
-    hf_architecture: str
+__all__ = ["family_of", "build_model", "weight_shapes", "meta_model", "model_tokens"]
 
 
-def _build_builtin(config: AnyModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    from flowrl.operators.model import Transformer
-
-    assert isinstance(config, ModelConfig)  # the registry routes by config type
-    return Transformer(config).to(device=device, dtype=dtype)
-
-
-def _build_hf(config: AnyModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    from flowrl.models.hf import load_hf
-
-    assert isinstance(config, HFModelConfig)  # the registry routes by config type
-    return load_hf(config, dtype=dtype, device=device)
-
-
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-FAMILIES: dict[str, ModelFamily] = {
-    "builtin": ModelFamily("builtin", _build_builtin, "LlamaForCausalLM"),
-    **{name: ModelFamily(name, _build_hf, _HF_ARCH[name]) for name in HF_FAMILIES},
-}
-
-
-def family_of(config: AnyModelConfig) -> ModelFamily:
+def family_of(config: AnyModelConfig, *, owner: str = "model") -> ModelFamily:
     """The family of a model description (an HF one reads its directory's ``config.json``).
+
+    ``owner`` starts the message of an error.
 
     Raises:
         ConfigError: for an HF directory that fails ``flowrl.models.hf.check_hf_dir``.
@@ -75,7 +37,7 @@ def family_of(config: AnyModelConfig) -> ModelFamily:
         return FAMILIES["builtin"]
     from flowrl.models.hf import check_hf_dir
 
-    return FAMILIES[check_hf_dir(config)["model_type"]]
+    return FAMILIES[check_hf_dir(config, owner=owner)["model_type"]]
 
 
 def build_model(config: AnyModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
@@ -84,7 +46,7 @@ def build_model(config: AnyModelConfig, *, dtype: torch.dtype = torch.float32, d
     Raises:
         ConfigError: for a description that cannot be built (a preset shape, a bad HF directory).
     """
-    return family_of(config).build(config, dtype, device)
+    return family_of(config).load_adapter().build(config, dtype, device)
 
 
 def weight_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -105,37 +67,7 @@ def meta_model(config: AnyModelConfig) -> CausalLM:
     Raises:
         ConfigError: as ``build_model``.
     """
-    if isinstance(config, ModelConfig):
-        from flowrl.operators.model import Transformer
-
-        with torch.device("meta"):
-            model = Transformer(config)
-    else:
-        from flowrl.models.hf import HFCausalLM, check_hf_dir
-        from flowrl.models.local import require_transformers
-
-        raw = check_hf_dir(config)
-        transformers = require_transformers("a Hugging Face model")
-        hf_config = transformers.AutoConfig.from_pretrained(str(Path(config.path).expanduser()), local_files_only=True)
-        with torch.device("meta"):
-            hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        model = HFCausalLM(hf, max_seq_len=config.max_seq_len or int(raw.get("max_position_embeddings") or 1))
-    return model
-
-
-@dataclass(frozen=True)
-class ModelTokens:
-    """What generation needs from a model's tokenizer.
-
-    Attributes:
-        pad_id: id written after a completion ends.
-        eos_ids: ids that end a completion.
-        decode: ids -> text (for stop strings and text scorers).
-    """
-
-    pad_id: int
-    eos_ids: tuple[int, ...]
-    decode: Callable[[list[int]], str]
+    return family_of(config).load_adapter().meta_model(config)
 
 
 def model_tokens(config: AnyModelConfig) -> ModelTokens:
@@ -145,15 +77,4 @@ def model_tokens(config: AnyModelConfig) -> ModelTokens:
     Raises:
         ConfigError: for a missing tokenizer, or one whose vocabulary exceeds the model's embeddings.
     """
-    if isinstance(config, ModelConfig):
-        from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
-
-        return ModelTokens(DEFAULT_TOKENIZER.pad_id, (DEFAULT_TOKENIZER.eos_id,), DEFAULT_TOKENIZER.decode)
-    from flowrl.models.hf import check_hf_dir, hf_eos_ids
-    from flowrl.models.tokenizer import check_vocab, load_tokenizer
-
-    raw = check_hf_dir(config)
-    tok = load_tokenizer(config.tokenizer_path)
-    check_vocab(tok, int(raw.get("vocab_size") or 0), owner=f"model {config.short()}")
-    eos = tuple(dict.fromkeys(([tok.eos_token_id] if tok.eos_token_id is not None else []) + list(hf_eos_ids(config.path, raw))))
-    return ModelTokens(int(tok.pad_token_id), eos, lambda ids: tok.decode(ids, skip_special_tokens=False))
+    return family_of(config).load_adapter().tokens(config)

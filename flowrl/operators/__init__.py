@@ -1,10 +1,8 @@
-"""What each node computes: the model, tokenizer, tasks, prompt source, generator, scorers, losses, trainer.
+"""What each node computes: tasks, prompt source, generator, scorers, losses, trainer.
 
 Modules, one concept each:
 
 - ``batch``: ``Batch`` (field name -> tensor) and helpers to merge, split and measure batches.
-- ``tokenizer``: the small deterministic character tokenizer of the built-in tasks.
-- ``model``: the decoder-only transformer (RMSNorm, RoPE, SwiGLU, GQA, KV cache).
 - ``logprobs``: log-probs of completions under a model, the one computation the generator, the
   reference and the trainer share (so that equal weights give equal log-probs).
 - ``tasks``: the built-in tasks (``copy``, ``add``) and their reward functions.

@@ -43,7 +43,7 @@ class TextEncoder:
 
     def __init__(self, encode: Callable[[str], list[int]] | None = None) -> None:
         if encode is None:
-            from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+            from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 
             encode = DEFAULT_TOKENIZER.encode
         self._encode = encode

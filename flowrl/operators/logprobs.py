@@ -30,7 +30,7 @@ Any model works through the ``flowrl.models.CausalLM`` interface (``model(tokens
 
 Example:
     >>> from flowrl.graph.configs import ModelConfig
-    >>> from flowrl.operators.model import Transformer
+    >>> from flowrl.models.families.builtin.model import Transformer
     >>> m = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1))
     >>> lp = completion_logprobs(m, torch.tensor([[0, 1, 4]]), torch.tensor([2]),
     ...                          torch.tensor([[5, 2]]), torch.tensor([[True, True]]))

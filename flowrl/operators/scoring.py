@@ -47,7 +47,7 @@ from flowrl.graph.refs import resolve
 from flowrl.graph.scorer_forms import form_mismatch, is_trl_form, text_hint
 from flowrl.operators.batch import Batch
 from flowrl.operators.text_inputs import TextInputs
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 
 __all__ = ["Scorer", "unpad", "accepted"]
 

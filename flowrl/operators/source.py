@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from flowrl.data.stream import PromptStream
 from flowrl.operators.batch import Batch
 from flowrl.operators.tasks import Task, make_task
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 
 __all__ = ["PromptSource", "pad_left"]
 

@@ -36,7 +36,7 @@ from typing import Protocol, runtime_checkable
 
 from flowrl.errors import ConfigError
 from flowrl.graph.refs import resolve
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 
 __all__ = [
     "Task",

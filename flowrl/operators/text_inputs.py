@@ -28,7 +28,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.graph.scorer_forms import TRL_KEYWORDS, is_trl_form
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 
 __all__ = ["TextInputs", "wanted_fields"]
 

@@ -1,26 +1,26 @@
 """Tensor parallelism of the built-in transformer and of Hugging Face Llama-family models: Megatron-style
 explicit sharding over a tp process group.
 
-Which parameter of the built-in transformer is split how (``tp`` ranks, ``torch.chunk`` bounds, see ``flowrl.placement.resharding``),
-for an ``nn.Linear`` weight ``[out, in]``:
+Which weight splits how is its family's ``ModelFamily.split_table`` (``flowrl.models.families``: the
+built-in one in ``builtin/__init__.py``, the Llama block's in ``llama.py``), over ``tp`` ranks with
+``torch.chunk`` bounds (``flowrl.placement.resharding``), for an ``nn.Linear`` weight ``[out, in]``:
 
-- ``attention.wq / wk / wv``: column-parallel (dim 0 split): each rank computes its own whole heads
-  (q: ``n_heads / tp``, k and v: ``n_kv_heads / tp``); no communication.
-- ``attention.wo``: row-parallel (dim 1 split): a partial sum over the rank's heads, then
-  ``all_reduce(SUM)`` over the tp group.
-- ``feed_forward.w1 / w3``: column-parallel: the rank's slice of the SwiGLU hidden units.
-- ``feed_forward.w2``: row-parallel: a partial sum, then ``all_reduce(SUM)``.
-- ``tok_embeddings``, the norms, ``output``: replicated.
+- the q / k / v projections (``attention.wq / wk / wv``, ``self_attn.{q,k,v}_proj`` weight and bias):
+  column-parallel (dim 0 split): each rank computes its own whole heads (q: ``n_heads / tp``, k and
+  v: ``n_kv_heads / tp``); no communication.
+- the output projection (``attention.wo``, ``self_attn.o_proj``): row-parallel (dim 1 split): a
+  partial sum over the rank's heads, then ``all_reduce(SUM)`` over the tp group.
+- the SwiGLU gate and up projections (``feed_forward.w1 / w3``, ``mlp.{gate,up}_proj``): column-parallel,
+  the rank's slice of the hidden units; the down projection (``feed_forward.w2``, ``mlp.down_proj``):
+  row-parallel, a partial sum, then ``all_reduce(SUM)``.
+- everything else (embeddings, norms, the output head, qwen3's per-head ``q_norm`` / ``k_norm``, a
+  row-parallel layer's bias): replicated. A row-parallel layer adds its bias after the all-reduce,
+  so once, not ``tp`` times.
 
-Hugging Face Llama-family models (``llama``, ``qwen2``, ``qwen3``: one block layout) split by the
-table ``SPLIT_TABLES[family]`` over their Hugging Face parameter names (``model.layers.N.`` ...):
-``self_attn.{q,k,v}_proj`` column (weight and bias rows), ``self_attn.o_proj`` row, ``mlp.{gate,up}_proj``
-column, ``mlp.down_proj`` row; everything else (embeddings, norms, ``lm_head``, qwen3's per-head
-``q_norm`` / ``k_norm``, a row-parallel layer's bias) replicated. transformers' attention reshapes
-q/k/v with ``view(..., -1, head_dim)`` and repeats kv heads by the ratio ``num_key_value_groups``, so
-a rank's whole local heads need no change to the attention module, and the ``DynamicCache`` grows
-with whatever head count it is handed (the local one). A row-parallel layer adds its bias after the
-all-reduce, so once, not ``tp`` times.
+For a Hugging Face model, transformers' attention reshapes q/k/v with ``view(..., -1, head_dim)`` and
+repeats kv heads by the ratio ``num_key_value_groups``, so a rank's whole local heads need no change
+to the attention module, and the ``DynamicCache`` grows with whatever head count it is handed (the
+local one).
 
 So the residual stream ``x`` is replicated: every block's input is identical on every tp rank, and
 its two all-reduces (two per layer, as in Megatron-LM) make its output identical again. Grouped-query
@@ -64,10 +64,8 @@ Example (the layouts; tests run the model itself at tp=2 and tp=4 over gloo):
 from __future__ import annotations
 
 import math
-import re
-
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import torch
@@ -77,13 +75,14 @@ from torch import Tensor, nn
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.models.causal_lm import weight_dict
+from flowrl.models.families import FAMILIES
+from flowrl.models.families.builtin.model import KVCache, Transformer
+from flowrl.models.family import Split
 from flowrl.models.hf import HFCausalLM
-from flowrl.operators.model import KVCache, Transformer
+from flowrl.models.registry import weight_shapes
 from flowrl.placement.resharding import ShardLayout, dp_tp, local_slice, replicated, tp_column, tp_row
 
 __all__ = [
-    "Split",
-    "SPLIT_TABLES",
     "check_tp",
     "param_splits",
     "tp_param_layouts",
@@ -98,20 +97,6 @@ __all__ = [
     "copy_local_shards_",
 ]
 
-Split = Literal["column", "row", "replicated"]
-
-_LLAMA_BLOCK: tuple[tuple[str, Split], ...] = (
-    (r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)", "column"),
-    (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", "row"),
-    (r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.(weight|bias)", "column"),
-    (r"model\.layers\.\d+\.mlp\.down_proj\.weight", "row"),
-)
-
-#: Hugging Face family -> (regular expression a whole parameter name matches, its split), first match
-#: wins; a name no row matches is replicated. A row-parallel layer's bias is replicated (added once,
-#: after the all-reduce).
-SPLIT_TABLES: dict[str, tuple[tuple[str, Split], ...]] = {"llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": _LLAMA_BLOCK}
-
 
 class _Shape(msgspec.Struct, frozen=True):
     """What sharding needs to know of a model: its family, each weight's split, its head counts."""
@@ -121,54 +106,40 @@ class _Shape(msgspec.Struct, frozen=True):
     heads: dict[str, int]  # the two head counts, as the family's config names them (for errors)
 
 
-def _builtin_splits(config: ModelConfig) -> dict[str, Split]:
-    out: dict[str, Split] = {"tok_embeddings.weight": "replicated"}
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        out[p + "attention_norm.weight"] = "replicated"
-        out[p + "attention.wq.weight"] = "column"
-        out[p + "attention.wk.weight"] = "column"
-        out[p + "attention.wv.weight"] = "column"
-        out[p + "attention.wo.weight"] = "row"
-        out[p + "ffn_norm.weight"] = "replicated"
-        out[p + "feed_forward.w1.weight"] = "column"
-        out[p + "feed_forward.w2.weight"] = "row"
-        out[p + "feed_forward.w3.weight"] = "column"
-    out["norm.weight"] = "replicated"
-    if not config.tie_embeddings:
-        out["output.weight"] = "replicated"
-    return out
+def _splits(family: str, names: list[str]) -> dict[str, Split]:
+    """Name -> split by ``family``'s split table."""
+    if family not in FAMILIES or not FAMILIES[family].split_table:
+        have = sorted(n for n, f in FAMILIES.items() if f.split_table)
+        raise ConfigError(f"tensor parallelism splits the model families {have}; got {family!r}")
+    return {n: FAMILIES[family].split_of(n) for n in names}
 
 
 def _hf_shape(family: str, names: list[str], config: Mapping[str, Any] | Any) -> _Shape:
-    """``config``: the ``config.json`` dict or the transformers config object."""
+    """``config``: the ``config.json`` dict or the transformers config object; no ``names``: no splits."""
     get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
-    if family not in SPLIT_TABLES:
-        raise ConfigError(f"tensor parallelism splits the Hugging Face families {sorted(SPLIT_TABLES)}; got model_type {family!r}")
-    table = SPLIT_TABLES[family]
-    splits = {n: next((split for pattern, split in table if re.fullmatch(pattern, n)), "replicated") for n in names}
     heads = int(get("num_attention_heads"))
-    return _Shape(family, splits, {"num_attention_heads": heads, "num_key_value_heads": int(get("num_key_value_heads", None) or heads)})
+    return _Shape(family, _splits(family, names), {"num_attention_heads": heads, "num_key_value_heads": int(get("num_key_value_heads", None) or heads)})
 
 
-def _shape_of(config_or_model: Any) -> _Shape:
-    """The ``_Shape`` of a ``ModelConfig``, ``Transformer``, ``HFModelConfig`` or ``HFCausalLM``."""
+def _shape_of(config_or_model: Any, *, splits: bool = True) -> _Shape:
+    """The ``_Shape`` of a ``ModelConfig``, ``Transformer``, ``HFModelConfig`` or ``HFCausalLM``
+    (``splits=False``: the head counts only, no model built, so a preset ``ModelConfig`` works too)."""
     if isinstance(config_or_model, HFCausalLM):
         hf_config = config_or_model.hf.config
         return _hf_shape(str(hf_config.model_type), list(weight_dict(config_or_model)), hf_config)
     if isinstance(config_or_model, HFModelConfig):
         from flowrl.models.hf import check_hf_dir
-        from flowrl.models.registry import weight_shapes
 
         raw = check_hf_dir(config_or_model)
-        return _hf_shape(str(raw["model_type"]), list(weight_shapes(config_or_model)), raw)
+        return _hf_shape(str(raw["model_type"]), list(weight_shapes(config_or_model)) if splits else [], raw)
     config = getattr(config_or_model, "config", config_or_model)
     if not isinstance(config, ModelConfig):
         raise ConfigError(
             "tp_param_layouts wants a ModelConfig or a Transformer (or an HFModelConfig or HFCausalLM), "
             f"got {type(config_or_model).__name__}"
         )
-    return _Shape("builtin", _builtin_splits(config), {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads})
+    names = list(weight_dict(config_or_model) if isinstance(config_or_model, nn.Module) else weight_shapes(config) if splits else [])
+    return _Shape("builtin", _splits("builtin", names), {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads})
 
 
 def _check_heads(shape: _Shape, tp: int) -> None:
@@ -196,7 +167,7 @@ def check_tp(config: ModelConfig | HFModelConfig | nn.Module, tp: int) -> None:
             ``num_attention_heads`` / ``num_key_value_heads``) and the tp size, when ``tp`` is not a
             positive integer dividing both.
     """
-    _check_heads(_shape_of(config), tp)
+    _check_heads(_shape_of(config, splits=False), tp)
 
 
 def param_splits(config: ModelConfig | HFModelConfig | nn.Module) -> dict[str, Split]:
@@ -248,7 +219,7 @@ def tp_param_layouts(config_or_model: ModelConfig | HFModelConfig | nn.Module, r
 
     Raises:
         ConfigError: when ``len(ranks)`` is not a multiple of ``dp``, the tp size does not divide the
-            heads, or the model is neither the built-in one nor of a family in ``SPLIT_TABLES``.
+            heads, or the model's family has no split table.
     """
     ranks = tuple(ranks)
     if not isinstance(dp, int) or dp < 1 or len(ranks) % dp:
@@ -426,7 +397,7 @@ def shard_hf_(
 ) -> TensorParallelHFCausalLM:
     """Turn a full Hugging Face Llama-family ``model`` into global rank ``rank``'s part of a tensor-parallel model, in place.
 
-    Each ``nn.Linear`` whose weight ``SPLIT_TABLES[family]`` calls column-parallel becomes a
+    Each ``nn.Linear`` whose weight its family's split table calls column-parallel becomes a
     :class:`ColumnParallelLinear` holding its rows (weight and bias) of this rank; a row-parallel one
     a :class:`RowParallelLinear` holding its weight's columns and the whole bias (all-reduce over
     ``group``, then the bias once). Parameter names stay the Hugging Face names; each shard is
@@ -435,7 +406,7 @@ def shard_hf_(
     model's class becomes :class:`TensorParallelHFCausalLM` (still an ``HFCausalLM``).
 
     Args:
-        model: a full ``HFCausalLM`` of a family in ``SPLIT_TABLES`` (any dtype).
+        model: a full ``HFCausalLM`` of a family with a split table (any dtype).
         ranks: the tp group's global ranks, in tp order (every rank of the group passes the same).
         rank: this process's global rank (in ``ranks``).
         group: the tp process group (``None`` only when ``ranks`` has one rank).
@@ -475,7 +446,7 @@ def shard_hf_(
         done.update(n for n in (f"{name}.weight", f"{name}.bias") if n in splits)
     missed = sorted(n for n, split in splits.items() if split != "replicated" and n not in done)
     if missed:
-        raise ConfigError(f"shard_hf_: parameters {missed[:5]} split by SPLIT_TABLES[{model.hf.config.model_type!r}] belong to no nn.Linear")
+        raise ConfigError(f"shard_hf_: parameters {missed[:5]} split by the {model.hf.config.model_type!r} split table belong to no nn.Linear")
     model.__class__ = TensorParallelHFCausalLM  # same forward and cache
     model.tp_ranks, model.tp_rank, model.tp_index = ranks, rank, ranks.index(rank)
     return model  # type: ignore[return-value]

@@ -12,7 +12,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.fields import FIELDS, ROLLOUT_FIELDS
 from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
-from flowrl.operators.model import Transformer
+from flowrl.models.families.builtin.model import Transformer
 
 from .helpers import TINY, Favour, prompts_of, reference_sampling_logprobs, tiny_generator_node
 

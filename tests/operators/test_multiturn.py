@@ -14,7 +14,7 @@ from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.multiturn import MultiTurnGenerator
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 
 from .helpers import prompts_of
 
@@ -134,7 +134,7 @@ def test_mu_equals_the_models_forward_over_the_whole_conversation_on_model_token
 
 
 def test_environment_tokens_get_no_gradient_and_model_tokens_do():
-    from flowrl.operators.model import Transformer
+    from flowrl.models.families.builtin.model import Transformer
 
     mt, _ = _spied(_node("Echo"))
     out, _ = mt.generate(prompts_of(PROMPTS))

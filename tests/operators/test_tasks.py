@@ -9,7 +9,7 @@ from flowrl.graph.refs import resolve
 from flowrl.operators.tasks import (
     TASKS, AddTask, CopyTask, LongTailTask, Task, add_reward, brevity_reward, copy_reward, longtail_reward, make_task,
 )
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER as TOK
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER as TOK
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

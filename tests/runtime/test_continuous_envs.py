@@ -15,7 +15,7 @@ from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.multiturn import MultiTurnGenerator
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 from flowrl.runtime.checkpoint import latest_checkpoint, read_meta
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.continuous import ContinuousRollouts

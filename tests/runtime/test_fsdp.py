@@ -208,10 +208,10 @@ def test_flowrl_export_of_a_sharded_checkpoint_loads(step_result):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype=torch.float32)
     exported = model.state_dict()
     if family == "builtin":
-        from flowrl.models.export import builtin_to_llama
         from flowrl.graph.configs import ModelConfig
+        from flowrl.models.export import hf_config_and_state
 
-        _, expected = builtin_to_llama(msgspec.convert(state["model_config"], ModelConfig), state["model"])
+        _, expected = hf_config_and_state(msgspec.convert(state["model_config"], ModelConfig), state["model"])
     elif family == "lora":  # merged: peft's merge_and_unload of the gathered adapters into the base
         from flowrl.graph.configs import HFModelConfig
         from flowrl.models.lora import merged_model
@@ -274,7 +274,7 @@ def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > first + 0.05, (first, last)  # measured: 0.07 -> 0.16 (first/last 10 steps, one run)
     from flowrl.models.export import read_policy_state
-    from flowrl.operators.model import Transformer
+    from flowrl.models.families.builtin.model import Transformer
 
     nbytes = 4 * sum(p.numel() for p in Transformer(fsdp_graph().node("policy").model).parameters())
     assert all(r["weights/collective_bytes"] == nbytes for r in rows), rows[0]

@@ -29,7 +29,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.graph.nodes import GeneratorNode
-from flowrl.operators.model import Transformer, attention_mask, positions_from_valid
+from flowrl.models.families.builtin.model import Transformer, attention_mask, positions_from_valid
 from flowrl.placement.resharding import local_shape, local_slice
 from flowrl.runtime.tensor_parallel import (
     TensorParallelTransformer,

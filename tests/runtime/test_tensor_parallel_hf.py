@@ -407,7 +407,7 @@ def test_hf_tp1_sharding_changes_nothing(case_dirs):
 
 def test_hf_tp_errors(case_dirs):
     from flowrl.models.registry import build_model
-    from flowrl.operators.model import Transformer
+    from flowrl.models.families.builtin.model import Transformer
 
     config = _hf(case_dirs["llama-bias-uneven"])  # 4 query heads, 2 kv heads
     match = r"tp=4 must divide num_key_value_heads=2 \(llama config.json num_attention_heads=4, num_key_value_heads=2\)"

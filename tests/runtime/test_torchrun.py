@@ -194,7 +194,7 @@ def test_default_example_learns_over_the_collective_transport(tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > first + 0.05 and last > 1.8 * first, (first, last)
-    from flowrl.operators.model import Transformer
+    from flowrl.models.families.builtin.model import Transformer
 
     nbytes = 4 * sum(p.numel() for p in Transformer(build_llamarl().node("policy").model).parameters())
     assert all(r["weights/collective_bytes"] == nbytes for r in rows), rows[0]

@@ -184,7 +184,7 @@ def _check_architecture(node: GeneratorNode, raw: Mapping[str, Any], owner: str)
     vLLM's registry does not have."""
     from vllm import ModelRegistry
 
-    from flowrl.models.registry import FAMILIES
+    from flowrl.models.families import FAMILIES
 
     archs = list(raw.get("architectures") or [FAMILIES[str(raw["model_type"])].hf_architecture])
     supported = set(ModelRegistry.get_supported_archs())

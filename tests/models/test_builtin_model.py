@@ -8,9 +8,9 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import ModelConfig
-from flowrl.operators.model import Transformer, attention_mask, count_parameters, positions_from_valid
+from flowrl.models.families.builtin.model import Transformer, attention_mask, count_parameters, positions_from_valid
 
-from .helpers import TINY
+from tests.operators.helpers import TINY
 
 
 def expected_parameters(c: ModelConfig) -> int:

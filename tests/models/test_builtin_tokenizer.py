@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flowrl.graph.configs import ModelConfig
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 
 
 def test_vocabulary_fits_the_default_model():

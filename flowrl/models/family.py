@@ -1,0 +1,129 @@
+"""What a model family is: the ``ModelFamily`` record, the ``FamilyAdapter`` its code implements, ``ModelTokens``.
+
+A family's facts are plain data in its module under ``flowrl/models/families/`` (no torch import):
+its name, the transformers class it exports as, its tensor-parallel split table and its export
+names. Its code (build, meta model, tokenizer, export config) is an adapter module named by a
+string and imported on first use, so declaring the table imports no model code.
+
+Example:
+    >>> from flowrl.models.families import FAMILIES
+    >>> fam = FAMILIES["qwen2"]
+    >>> fam.split_of("model.layers.3.self_attn.k_proj.bias"), fam.split_of("model.norm.weight")
+    ('column', 'replicated')
+    >>> FAMILIES["builtin"].export_name("layers.0.feed_forward.w1.weight")
+    'model.layers.0.mlp.gate_proj.weight'
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from flowrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from flowrl.graph.configs import AnyModelConfig
+    from flowrl.models.causal_lm import CausalLM
+
+__all__ = ["Split", "ModelFamily", "FamilyAdapter", "ModelTokens"]
+
+#: How tensor parallelism splits a weight (``flowrl.runtime.tensor_parallel``): ``column`` (dim 0,
+#: output rows), ``row`` (dim 1, input columns; all-reduce after), or ``replicated``.
+Split = Literal["column", "row", "replicated"]
+
+
+@dataclass(frozen=True)
+class ModelTokens:
+    """What generation needs from a model's tokenizer.
+
+    Attributes:
+        pad_id: id written after a completion ends.
+        eos_ids: ids that end a completion.
+        decode: ids -> text (for stop strings and text scorers).
+    """
+
+    pad_id: int
+    eos_ids: tuple[int, ...]
+    decode: Callable[[list[int]], str]
+
+
+class FamilyAdapter(Protocol):
+    """The functions a family's adapter module defines (the Llama-style Hugging Face families share one)."""
+
+    def build(self, config: AnyModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+        """The model of ``config``: seeded or pretrained weights, gradients on."""
+        ...
+
+    def meta_model(self, config: AnyModelConfig) -> CausalLM:
+        """``config``'s float32 model on the meta device (modules and shapes, no memory, no weights read)."""
+        ...
+
+    def tokens(self, config: AnyModelConfig) -> ModelTokens:
+        """Pad id, end ids and decoder of the model's tokenizer."""
+        ...
+
+    def hf_config(self, config: AnyModelConfig) -> Any:
+        """The transformers config an export writes (``config.json``)."""
+        ...
+
+    def save_tokenizer(self, config: AnyModelConfig, out: Path) -> None:
+        """Write the model's tokenizer (and generation config, if any) into the export directory ``out``."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: one module under ``flowrl/models/families/`` and one entry in ``FAMILIES``.
+
+    Attributes:
+        name: ``"builtin"`` or the Hugging Face ``model_type`` of the family's ``config.json``.
+        description: which model description builds it: ``"builtin"`` (``ModelConfig``) or ``"hf"``
+            (``HFModelConfig``, whose directory's ``model_type`` is ``name``).
+        hf_architecture: the transformers ``*ForCausalLM`` class its export writes (and vLLM loads).
+        adapter: the module implementing ``FamilyAdapter`` for it, imported on first use.
+        split_table: (regular expression a whole weight name matches, its split), first match wins;
+            a name no row matches is replicated. Empty: the family has no tensor parallelism.
+        export_names: (regular expression over a weight name, replacement) for the Hugging Face
+            name an export writes, first match wins; empty: the names are already Hugging Face's.
+    """
+
+    name: str
+    description: Literal["builtin", "hf"]
+    hf_architecture: str
+    adapter: str
+    split_table: tuple[tuple[str, Split], ...] = ()
+    export_names: tuple[tuple[str, str], ...] = ()
+
+    def load_adapter(self) -> FamilyAdapter:
+        """The adapter module (imported now)."""
+        return importlib.import_module(self.adapter)  # type: ignore[return-value]
+
+    def split_of(self, name: str) -> Split:
+        """The tensor-parallel split of weight ``name``.
+
+        Raises:
+            ConfigError: for a family without a split table.
+        """
+        if not self.split_table:
+            raise ConfigError(f"model family {self.name!r} has no tensor-parallel split table; run it with tp=1")
+        return next((split for pattern, split in self.split_table if re.fullmatch(pattern, name)), "replicated")
+
+    def export_name(self, name: str) -> str:
+        """The Hugging Face name an export writes for weight ``name``.
+
+        Raises:
+            ConfigError: for a name no row of ``export_names`` matches (when there are rows).
+        """
+        if not self.export_names:
+            return name
+        for pattern, repl in self.export_names:
+            match = re.fullmatch(pattern, name)
+            if match:
+                return match.expand(repl)
+        raise ConfigError(f"{self.name} weight {name!r} has no Hugging Face ({self.hf_architecture}) name")
