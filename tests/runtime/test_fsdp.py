@@ -128,7 +128,7 @@ def test_the_collective_trainer_layout_is_fsdp_shards():
 
 
 # -- the sharded step, its memory, its checkpoint, its weights (one torchrun job per model family) ---
-@pytest.fixture(scope="module", params=["builtin", "lora", pytest.param("llama", marks=pytest.mark.slow), pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families: --runslow (CI time)
+@pytest.fixture(scope="module", params=["builtin", pytest.param("lora", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow), pytest.param("qwen2", marks=pytest.mark.slow)])  # HF families and LoRA: --runslow (CI time; test_lora_torchrun's FSDP run stays)
 def step_result(request, tmp_path_factory):
     """One job per model family, shared by the tests below: (result, its directory, family, HF dir).
     ``lora``: LoRA adapters (r=2 on q_proj and v_proj) on a Qwen2 model, its frozen base sharded too."""
