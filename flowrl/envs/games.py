@@ -7,13 +7,16 @@
 - ``CalcEnv``: arithmetic with a calculator tool (``flowrl run calc_agent``). The prompt is a sum,
   ``<s>27+38=``. The call is a short fixed form in the tokenizer's vocabulary: a model turn ``=``
   calls the calculator on the question, an expression (``27+38=`` or ``27+38</s>``) calls it on that
-  expression; either way the observation is the value followed by ``=`` (``65=``). The generator
-  stops a turn at ``</s>`` or ``=`` (``stop_tokens``), so the call is one token. A turn that is a
-  bare number (``65</s>`` or ``65=``) is the final answer: after a call, its ``positional_reward``
-  against the true sum (1 when right, partial credit per digit); without a call, 1 only when exactly
-  right (a tiny model cannot add two 2-digit numbers by itself: guessing earns nearly nothing, the
-  calculator is the way). Any other turn is a malformed call, answered ``-=``. ``call_credit``
-  (default 0) rewards the first call, for shaping experiments. Prompts: ``CalcTask``.
+  expression; either way the observation is the value followed by ``</s>`` (``65</s>``), so the
+  answer turn starts after a token unlike the prompt's last (with ``65=``, the call turn and the answer
+  turn both followed ``=``: learning to call taught the model to call again instead of answering, and
+  its answers stalled at a constant number; ``end`` sets this token). The generator stops a turn at
+  ``</s>`` or ``=`` (``stop_tokens``), so the call is one token. A turn that is a bare number
+  (``65</s>`` or ``65=``) is the final answer: after a call, its ``positional_reward`` against the
+  true sum (1 when right, partial credit per digit); without a call, 1 only when exactly right (a
+  tiny model cannot add two 2-digit numbers by itself: guessing earns nearly nothing, the calculator
+  is the way). Any other turn is a malformed call, answered ``-</s>``. ``call_credit`` (default 0)
+  rewards the first call, for shaping experiments. Prompts: ``CalcTask``.
 
 Both are plain Python classes following ``flowrl.envs.base`` (one instance per sample).
 
@@ -27,7 +30,7 @@ Example:
     >>> calc = CalcEnv()
     >>> calc.reset({"prompt": "<s>27+38="})
     >>> calc.step("=")
-    ('65=', 0.0, {'call': '27+38'})
+    ('65</s>', 0.0, {'call': '27+38'})
     >>> calc.step("65</s>")
     (None, 1.0, {'answer': 65})
     >>> calc.reset({"prompt": "<s>27+38="})
@@ -115,10 +118,11 @@ class CalcEnv:
 
     Args:
         call_credit: the most the first call earns (for copying the question's expression exactly).
+        end: the last token of every observation (default ``</s>``; see the module docstring).
     """
 
-    def __init__(self, call_credit: float = 0.0) -> None:
-        self.call_credit = call_credit
+    def __init__(self, call_credit: float = 0.0, end: str = _END) -> None:
+        self.call_credit, self.end = call_credit, end
         self.question = ""
         self.called = False
 
@@ -151,24 +155,30 @@ class CalcEnv:
         if _EXPR.match(expr):
             reward = 0.0 if self.called else self.call_credit
             self.called = True
-            return f"{self._value(expr)}=", reward, {"call": expr}
-        return "-=", 0.0, {"call": text}
+            return f"{self._value(expr)}{self.end}", reward, {"call": expr}
+        return f"-{self.end}", 0.0, {"call": text}
 
 
 class CalcTask:
-    """``calc_agent``'s prompts: ``<s>A+B=`` with A, B drawn from ``[lo, hi]`` per position (seeded).
-    The default range keeps every sum at two digits, so no constant answer earns partial credit on a
-    shared leading digit (with 10..99, about half the sums start with 1, and the model settled on
-    answering ``11`` whatever the calculator said)."""
+    """``calc_agent``'s prompts: ``<s>A+B=`` with the sum ``A+B`` drawn uniformly from ``[lo, hi]`` per
+    position (seeded), then ``A`` uniformly from ``[10, A+B-10]``: both addends and the sum have two
+    digits, and the sum's digits are about uniform, so no constant answer earns more digit credit than
+    another. (With ``A`` and ``B`` each uniform over 10..49, the sums' first digit was 5 or 6 for 44% of
+    the prompts, and the model settled on answering ``5x``/``6x`` whatever the calculator said before
+    it learned to copy; with 10..99, ``11``.)"""
 
     name = "calc"
 
-    def __init__(self, seed: int = 0, lo: int = 10, hi: int = 49) -> None:
+    def __init__(self, seed: int = 0, lo: int = 20, hi: int = 98) -> None:
+        if not 20 <= lo <= hi <= 98:
+            raise ValueError(f"CalcTask: sums must lie in 20..98 (two-digit addends and sum), got [{lo}, {hi}]")
         self.seed, self.lo, self.hi = seed, lo, hi
 
     def prompt(self, index: int) -> list[int]:
         rng = random.Random(f"calc:{self.seed}:{index}")
-        return _TOK.encode(f"<s>{rng.randint(self.lo, self.hi)}+{rng.randint(self.lo, self.hi)}=")
+        total = rng.randint(self.lo, self.hi)
+        a = rng.randint(10, total - 10)
+        return _TOK.encode(f"<s>{a}+{total - a}=")
 
     def reward(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> float:
         return 0.0  # the environment's rewards are the reward (env_rewards)

@@ -15,7 +15,7 @@ AGENT_MODEL = DEFAULT_MODEL
 
 def build_calc_agent(*, max_staleness: int = 1) -> Graph:
     """Sums of two 2-digit numbers, ``<s>27+38=``: the model may call the calculator with ``=`` (a
-    turn ends at ``</s>`` or ``=``), reads the result (``65=``, environment tokens, never trained) and
+    turn ends at ``</s>`` or ``=``), reads the result (``65</s>``, environment tokens, never trained) and
     answers (``65</s>``); ``CalcEnv`` rewards an answer after a call digit by digit, one without a
     call only when exactly right."""
     b = GraphBuilder("calc_agent", model=AGENT_MODEL)

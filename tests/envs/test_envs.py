@@ -183,3 +183,30 @@ def test_the_readmes_tool_environment_runs_on_a_chat_model(tmp_path, hf_qwen2_ch
     assert graph.node("gen").env.env == "tests.envs.envs_for_tests:Calculator"
     result = run_graph(graph, RunConfig(steps=2, stall_timeout_s=120))
     assert [r["env/failed"] for r in result.rows] == [0.0, 0.0]
+
+
+def test_calc_env_answers_a_call_with_a_last_token_unlike_the_prompts():
+    """``calc_agent``: the calculator's observation must not end with the prompt's last token. With both
+    ending in ``=``, the answer turn begins in the same local context as the call turn, so learning to call
+    (``=`` after ``=``) taught the tiny model to call again where it should answer (a second call earns 0),
+    and its answers stalled at a constant number (reward ~0.43, copies ~0%). The observation ends with
+    ``</s>``; the answer equal to the calculator's result earns 1, a second call 0."""
+    from flowrl.envs.games import CalcEnv, CalcTask
+    from flowrl.operators.tokenizer import DEFAULT_TOKENIZER as tok
+
+    task = CalcTask(0)
+    for index in range(20):
+        prompt = tok.decode(task.prompt(index))
+        env = CalcEnv()
+        env.reset({"prompt": prompt})
+        obs, reward, info = env.step("=")
+        assert obs is not None and reward == 0.0
+        assert tok.encode(obs)[-1] != tok.encode(prompt)[-1], (prompt, obs)
+        a, b = prompt.removeprefix("<s>").removesuffix("=").split("+")
+        assert obs == f"{int(a) + int(b)}</s>"
+        assert env.step(obs) == (None, 1.0, {"answer": int(a) + int(b)})  # copying the result is the answer
+    env = CalcEnv()
+    env.reset({"prompt": "<s>27+38="})
+    env.step("=")
+    assert env.step("=") == ("65</s>", 0.0, {"call": "27+38"})  # a second call earns nothing
+    assert env.step("x") == ("-</s>", 0.0, {"call": "x"})  # a malformed call
