@@ -25,7 +25,7 @@ from flowrl.examples.agents import build_calc_agent  # noqa: E402
 from flowrl.operators.generation import Generator  # noqa: E402
 from flowrl.operators.multiturn import MultiTurnGenerator  # noqa: E402
 from flowrl.operators.source import pad_left  # noqa: E402
-from flowrl.operators.tokenizer import DEFAULT_TOKENIZER as TOK  # noqa: E402
+from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER as TOK  # noqa: E402
 
 
 def score(checkpoint: str, *, prompts: int = 64, task_seed: int = 12345, seed: int = 1) -> dict[str, float]:

@@ -192,7 +192,7 @@ def test_calc_env_answers_a_call_with_a_last_token_unlike_the_prompts():
     and its answers stalled at a constant number (reward ~0.43, copies ~0%). The observation ends with
     ``</s>``; the answer equal to the calculator's result earns 1, a second call 0."""
     from flowrl.envs.games import CalcEnv, CalcTask
-    from flowrl.operators.tokenizer import DEFAULT_TOKENIZER as tok
+    from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER as tok
 
     task = CalcTask(0)
     for index in range(20):
