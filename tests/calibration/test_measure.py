@@ -31,7 +31,7 @@ def test_measure_returns_positive_figures():
     assert msgspec.json.decode(msgspec.json.encode(m), type=Measurements) == m
 
 
-@pytest.mark.parametrize("statistic", [pytest.param("median", marks=pytest.mark.slow), "best"])  # median: --runslow (CI time; test_measure_returns_positive_figures measures with the default median)
+@pytest.mark.parametrize("statistic", [pytest.param("median", marks=pytest.mark.slow), pytest.param("best", marks=pytest.mark.slow)])  # --runslow (CI time; test_measure_returns_positive_figures measures with the default median)
 def test_measure_with_every_core_busy(statistic):
     m = measure(matmul_size=32, copy_mib=1, repeats=2, statistic=statistic)
     assert m.matmul_flops > 0 and m.cores >= 1

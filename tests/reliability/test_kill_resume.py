@@ -1,7 +1,7 @@
 """Exactly-once resume after SIGKILL: of the whole run (local and process backends, at a random
 moment and while a checkpoint is being written) and of one worker process. See ``killresume.py``.
 
-Default run: four kills (about 75 s on 2 shared cores). ``--runslow`` adds a sweep over k in 0..4
+Default run: three kills (about 50 s on 2 shared cores). ``--runslow`` adds a sweep over k in 0..4
 and checkpoint intervals 1..4 with random kill moments.
 """
 
@@ -43,6 +43,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_exact(tmp_path: Path, want, k
     assert not out.finished, "the kill came after the run had finished: nothing was tested"
 
 
+@pytest.mark.slow  # CI time; the process backend's test below kills mid-checkpoint too and checks the same
 def test_sigkill_while_a_checkpoint_is_written_never_leaves_one_that_looks_complete(tmp_path: Path, want) -> None:
     out = kill_and_resume(tmp_path, steps=STEPS, k=1, every=2, mode="checkpoint", save_s=0.5, want=want(1))
     assert out.mid_checkpoint, "the kill did not land while a checkpoint was being written"

@@ -90,6 +90,7 @@ def test_fsdp_placements_are_refused(ranks, axes, match):
     check_ranks(fsdp_graph(), {"gen": (0,), "policy": (1, 2)}, {"policy": (("dp",), (2,))})  # fine
 
 
+@pytest.mark.slow  # CI time (a torchrun job); test_fsdp_placements_are_refused checks the same refusal in process
 def test_fsdp_with_one_rank_fails_on_every_rank_under_torchrun(tmp_path):
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1]}))
     proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",

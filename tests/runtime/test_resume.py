@@ -113,7 +113,7 @@ def uninterrupted(tmp_path_factory):
     return result.consumed, _final_weights(result)
 
 
-@pytest.mark.parametrize("backend", ["local", "process"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("process", marks=pytest.mark.slow)])  # process: --runslow (CI time; test_process_backend_checkpoints_and_resumes stays)
 def test_real_run_stopped_and_resumed_equals_an_uninterrupted_one(uninterrupted, tmp_path, backend):
     """Through the real prompt source (not the synthetic one): the metrics' ``prompt_index`` rows and the
     final weights of a run stopped after step 5 and resumed (from step 4) equal an uninterrupted run's."""
