@@ -246,14 +246,7 @@ def estimate_sync(
     if same_mesh and src_dims == dst_dims and src_bytes_per_param == dst_bytes_per_param and not src_sharded:
         time = total / (dst_dims.tp * dst_dims.pp) / mem_bw
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="same layout: local copy")
-    hosts_src = {d // c.devices_per_host for d in (src_devices[0], src_devices[-1])} if src_devices else set()
-    hosts_dst = {d // c.devices_per_host for d in (dst_devices[0], dst_devices[-1])} if dst_devices else set()
-    one_host = len(hosts_src | hosts_dst) == 1
-    link = (
-        Link(dev.intra_host_bandwidth * t.link_efficiency, dev.intra_host_latency_s)
-        if one_host
-        else Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
-    )
+    link = _link(src_devices, dst_devices, ctx)
     volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param, src_sharded) if not _overlap(src_devices, dst_devices) else (
         _volume(model, tuple(src_devices), tuple(dst_devices), dst_dims, dst_bytes_per_param, src_sharded)
     )
@@ -267,6 +260,16 @@ def estimate_sync(
         src=src, dst=dst, transport=transport, bytes=volume.wire_bytes + volume.local_bytes, replicas=dst_dims.dp,
         time_s=time, note=note, wire_bytes=volume.wire_bytes, copied_bytes=volume.copied_bytes,
     )
+
+
+def _link(src_devices: Sequence[int], dst_devices: Sequence[int], ctx: Context) -> Link:
+    """The link a sync between the two meshes crosses: NVLink-class within one host, the NIC across hosts."""
+    c, t = ctx.cluster, ctx.tuning
+    dev = c.device
+    hosts = {d // c.devices_per_host for d in (*src_devices[:1], *src_devices[-1:], *dst_devices[:1], *dst_devices[-1:])}
+    if len(hosts) == 1:
+        return Link(dev.intra_host_bandwidth * t.link_efficiency, dev.intra_host_latency_s)
+    return Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
 
 
 def _adapter_sync(
@@ -286,12 +289,7 @@ def _adapter_sync(
     if dev.kind == "cpu" and traits is not None and traits.cost == "memory":
         time = traits.memory_copies * total / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note="LoRA adapters only; memory copy")
-    hosts = {d // c.devices_per_host for d in (*src_devices[:1], *src_devices[-1:], *dst_devices[:1], *dst_devices[-1:])}
-    link = (
-        Link(dev.intra_host_bandwidth * t.link_efficiency, dev.intra_host_latency_s)
-        if len(hosts) <= 1
-        else Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
-    )
+    link = _link(src_devices, dst_devices, ctx)
     return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total * replicas), replicas=replicas,
                         time_s=total * replicas / link.bandwidth + link.latency, note="LoRA adapters only, to every replica",
                         wire_bytes=int(total * replicas))
