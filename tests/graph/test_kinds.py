@@ -60,14 +60,35 @@ def _fake_program(node, graph, env, transports):
     return ("fake", node.name)
 
 
-_ADD_A_KIND = '''
+#: What both scripts below start with: ``flowrl/graph/kinds.py`` loaded before ``flowrl.graph``, so
+#: the entry the script adds is there as if written in the file.
+_LOAD_THE_TABLE = '''
 import importlib.util, json, sys
 
-# The one entry, made before flowrl.graph loads, exactly as if written in flowrl/graph/kinds.py.
 spec = importlib.util.spec_from_file_location("flowrl.graph.kinds", "flowrl/graph/kinds.py")
 kinds = importlib.util.module_from_spec(spec)
 sys.modules["flowrl.graph.kinds"] = kinds
 spec.loader.exec_module(kinds)
+'''
+
+
+def _run_with_entry(script: str) -> dict:
+    """Run ``script`` (which adds one ``KINDS`` entry, then builds, plans and runs) in a fresh
+    interpreter at the repository root; its last printed line, as JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _LOAD_THE_TABLE + script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_ADD_A_KIND = '''
 kinds.KINDS["length_bonus"] = kinds.KindSpec(
     node="tests.graph.kind_module:LengthBonusNode", program="tests.graph.kind_module:build_length_bonus",
     estimator="tests.graph.kind_module:estimate_length_bonus", runs_on="cpu", span="length_bonus",
@@ -107,17 +128,7 @@ print(json.dumps({
 
 def test_a_kind_is_one_module_and_one_entry():
     """``tests/graph/kind_module.py`` plus one table entry: graph files, pictures, the planner and a run take it."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", _ADD_A_KIND], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _run_with_entry(_ADD_A_KIND)
     assert out["round_trip"], "a graph with the new kind does not survive to_json/from_json"
     assert "bonus = length_bonus(max_len=5) <- gen[completion_lens]" in out["printed"]
     assert "max_len=5" in out["dot"] and "max_len=5" in out["mermaid"]
@@ -152,13 +163,6 @@ def test_roles_are_table_fields():
 
 
 _ADD_A_DEVICE_KIND = '''
-import importlib.util, json, sys
-
-# The one entry, made before flowrl.graph loads, exactly as if written in flowrl/graph/kinds.py.
-spec = importlib.util.spec_from_file_location("flowrl.graph.kinds", "flowrl/graph/kinds.py")
-kinds = importlib.util.module_from_spec(spec)
-sys.modules["flowrl.graph.kinds"] = kinds
-spec.loader.exec_module(kinds)
 kinds.KINDS["likelihood"] = kinds.KindSpec(
     node="tests.graph.device_kind_module:LikelihoodNode", program="tests.graph.device_kind_module:build_likelihood",
     estimator="flowrl.planners.estimate.train:estimate_train", runs_on="devices", side="trainer",
@@ -211,18 +215,9 @@ print(json.dumps({
 def test_a_device_kind_is_one_module_and_one_entry():
     """``tests/graph/device_kind_module.py`` plus one table entry: a kind on devices of its own is
     placed on its side, costed by the planner's search with the role its module gives, reported and run."""
-    import json
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", _ADD_A_DEVICE_KIND], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _run_with_entry(_ADD_A_DEVICE_KIND)
     assert out["round_trip"] and "likelihood" in out["dot"]
     assert out["roles"] == {"refs": ["lik"], "trainers": ["policy"], "gens": ["gen"], "model": "2L64d"}
     placed = out["placed"]
