@@ -5,8 +5,8 @@ checkpoint's policy, sampled as in training (temperature 1), and prints JSON: th
 mean reward, the fraction that call the calculator first (``=``), the fraction whose final answer
 equals the calculator's result, and the fraction whose answer's first digit is right.
 
-    flowrl run calc_agent --steps 600 --checkpoint-dir ck --checkpoint-every 200
-    python benches/calc_agent.py ck/step-00000600/policy-policy.pt [--prompts 64] [--task-seed 12345]
+    flowrl run calc_agent --checkpoint-dir ck --checkpoint-every 200
+    python benches/calc_agent.py ck [--prompts 64] [--task-seed 12345]      # the newest; or ck/step-00000400
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from flowrl.envs.games import CalcTask  # noqa: E402
 from flowrl.examples.agents import build_calc_agent  # noqa: E402
+from flowrl.models.export import read_policy_state  # noqa: E402
 from flowrl.operators.generation import Generator  # noqa: E402
 from flowrl.operators.multiturn import MultiTurnGenerator  # noqa: E402
 from flowrl.operators.source import pad_left  # noqa: E402
@@ -32,8 +33,8 @@ def score(checkpoint: str, *, prompts: int = 64, task_seed: int = 12345, seed: i
     graph = build_calc_agent(max_staleness=0)
     node = graph.node("gen")
     gen = Generator(node, seed=seed)
-    state = torch.load(checkpoint, weights_only=True)
-    gen.load_weights(state["model"], int(state["version"]))  # a policy file: model, optimizer, version (runtime/checkpoint.py)
+    state = read_policy_state(checkpoint)  # what flowrl export reads: a run's checkpoint directory or one step-* in it
+    gen.load_weights(state["model"], int(state["version"]))
     episodes = MultiTurnGenerator(gen, node)
     task = CalcTask(seed=task_seed)
     n = called = copied = first = 0
@@ -60,7 +61,7 @@ def score(checkpoint: str, *, prompts: int = 64, task_seed: int = 12345, seed: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint", help="a policy file of a calc_agent checkpoint (step-*/policy-policy.pt)")
+    ap.add_argument("checkpoint", help="a calc_agent run's --checkpoint-dir (its newest) or one step-* directory in it")
     ap.add_argument("--prompts", type=int, default=64, help="prompts, 16 episodes each (default: 64)")
     ap.add_argument("--task-seed", type=int, default=12345, help="CalcTask seed of the fresh prompts")
     args = ap.parse_args()

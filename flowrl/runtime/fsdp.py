@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, FlowrlError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
 
@@ -209,9 +209,8 @@ def _to_lead(t: Any) -> Tensor | None:
     from torch.distributed.tensor import Shard
 
     mesh = t.device_mesh
-    if len(t.placements) != 1 or t.placements[0] != Shard(0):  # not FSDP2's layout: every rank gathers
-        full = t.full_tensor().detach().to("cpu", copy=True)
-        return full if mesh.get_local_rank() == 0 else None
+    if tuple(t.placements) != (Shard(0),):
+        raise FlowrlError(f"an FSDP2 parameter placed {t.placements}, not Shard(0) over a 1-D mesh; this is a flowrl bug")
     group, n = mesh.get_group(), mesh.size()
     local = t.to_local().detach()
     rows = torch.chunk(torch.empty(t.shape[0], device="meta"), n)

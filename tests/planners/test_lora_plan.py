@@ -4,6 +4,7 @@ and weight syncs (``ModelSpec.adapter_params``), its frozen base is held but not
 from __future__ import annotations
 
 import json
+import math
 
 import msgspec
 import pytest
@@ -30,16 +31,9 @@ def test_the_counted_adapters_are_the_ones_peft_puts_in_the_model(tmp_path, targ
 
     directory = make_hf_dir(tmp_path / "qwen2", "qwen2", tie=False, weights=False)
     config = HFModelConfig(path=str(directory), init="random", lora=LoraConfig(r=4, alpha=8, target_modules=targets))
-    built = sum(_numel(shape) for shape, _ in adapter_shapes(config).values())
+    built = sum(math.prod(shape) for shape, _ in adapter_shapes(config).values())
     assert model_from_config(config).adapter_params == built > 0
     assert model_from_config(msgspec.structs.replace(config, lora=None)).adapter_params == 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _ctx(cluster: str) -> Context:
