@@ -182,7 +182,8 @@ class Generator:
         device: the model's device; ``weight_targets()`` are tensors there.
     """
 
-    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess") -> None:
+        del transport  # the engine protocol's argument; a transport writes straight into this model's tensors
         self.name = node.name
         self.sampling = node.sampling
         self.seed = seed

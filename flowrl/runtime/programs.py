@@ -205,8 +205,8 @@ class GeneratorProgram(ProgramBase):
         from flowrl.operators.engines import build_engine
 
         self.name = node.name
-        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name))  # node.engine's class
         (edge,) = graph.weight_edges_into(node.name)
+        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=edge.transport)  # node.engine's class
         self._edge = (edge.src, edge.dst)
         self._in_flight = edge.in_flight
         self._transports = transports

@@ -1,6 +1,6 @@
 """Generator engines: the table from a node's ``engine`` to the class that samples for it.
 
-An engine is a class built as ``cls(node, *, seed, device)`` that the generator program
+An engine is a class built as ``cls(node, *, seed, device, transport)`` that the generator program
 (``flowrl.runtime.programs.GeneratorProgram``) drives through ``GeneratorEngine``: it fetches
 weights into ``weight_targets()`` and sets ``version`` (which makes the engine use them), then calls
 ``generate(prompts)``, which returns the rollout (``flowrl.graph.fields.ROLLOUT_FIELDS``, built by
@@ -61,7 +61,7 @@ class EngineSpec:
     """One engine.
 
     Attributes:
-        generator: ``module:qualname`` of its class, ``cls(node, *, seed, device)``.
+        generator: ``module:qualname`` of its class, ``cls(node, *, seed, device, transport)``.
         check: ``module:qualname`` of ``check(node, *, device)``, which raises ``ConfigError`` for
             what this machine cannot run (``""``: nothing to check beyond the node's own checks).
     """
@@ -86,6 +86,7 @@ def check_engine(node: GeneratorNode, *, device: str = "cpu") -> None:
         resolve(spec.check)(node, device=device)
 
 
-def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu") -> Any:
-    """The engine that samples for ``node`` (a ``GeneratorEngine``)."""
-    return resolve(ENGINES[node.engine].generator)(node, seed=seed, device=device)
+def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu", transport: str = "inprocess") -> Any:
+    """The engine that samples for ``node`` (a ``GeneratorEngine``), fed weights over a weight edge of
+    ``transport`` (an engine that moves weights on once more, as vLLM into its workers, may follow it)."""
+    return resolve(ENGINES[node.engine].generator)(node, seed=seed, device=device, transport=transport)

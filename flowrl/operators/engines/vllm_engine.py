@@ -24,11 +24,14 @@ ratio absorbs (``tests/operators/test_vllm_engine.py`` measures it).
 
 Weights: ``weight_targets()`` are a staging copy of the model's tensors in the generator's precision
 on the CPU, named as the policy publishes them (Hugging Face names). A transport writes into them;
-setting ``version`` then writes them to a safetensors file in a temporary directory (``/dev/shm``
-where it exists: memory, not disk), has each vLLM worker load it in place
-(``vllm_worker.FlowrlWorkerExtension.flowrl_load_weights``: vLLM's ``reload_weights``), deletes the
-file and resets vLLM's prefix cache, so that no later token is computed from KV entries of older
-weights. The engine is never restarted. A model with ``init="random"`` starts vLLM with dummy weights
+setting ``version`` then sends them into every vLLM worker, which loads them in place (vLLM's
+``reload_weights``), and resets vLLM's prefix cache, so that no later token is computed from KV
+entries of older weights. The engine is never restarted. How they travel (``weights_by``):
+``"group"`` (the default) broadcasts them in buckets over a process group the workers joined when
+the engine started (``vllm_sync.WeightSyncGroup``: each worker loads bucket ``i`` while it receives
+bucket ``i + 1``); ``"file"`` (when the weight edge's transport is ``file``) writes a safetensors file
+in a temporary directory (``/dev/shm`` where it exists: memory, not disk) that each worker reads
+(``vllm_worker.FlowrlWorkerExtension.flowrl_load_weights``), then deletes it. A model with ``init="random"`` starts vLLM with dummy weights
 and loads the seeded weights the policy starts from the same way (version 0).
 
 LoRA: a model description with ``lora`` starts vLLM with ``enable_lora``; ``weight_targets()`` are
@@ -212,9 +215,14 @@ class VLLMGenerator:
         node: a generator with ``engine="vllm"`` and an ``HFModelConfig``.
         seed: seed of sampling (mixed with each prompt's index).
         device: ``"cpu"`` or ``"cuda:N"`` (vLLM's engine then sees GPU ``N`` only).
+        transport: the weight edge's transport into this generator: ``"file"`` keeps the file route
+            into vLLM's workers (``weights_by="file"``); any other sends over the weight-sync group.
 
     Attributes:
         llm: the ``vllm.LLM``.
+        weights_by: ``"group"`` or ``"file"``: how weights reach vLLM's workers (module docstring);
+            a LoRA model's adapters always go as a peft directory.
+        sync_bytes: bytes of weights sent into vLLM so far (every tensor once, the generator's dtype).
         stop_tokens: ids that end a completion (the tokenizer's end ids and ``sampling.stop_tokens``).
         pad_id: id that pads completions.
 
@@ -222,7 +230,7 @@ class VLLMGenerator:
         ConfigError: see ``check_vllm``; also an architecture vLLM does not support.
     """
 
-    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess") -> None:
         from flowrl.models.hf import check_hf_dir
         from flowrl.models.registry import model_tokens, weight_shapes
 
@@ -242,6 +250,9 @@ class VLLMGenerator:
         self._dtype = DTYPES[node.sampling.precision]
         self._calls = 0
         self._version = 0
+        self.weights_by = "file" if transport == "file" or node.model.lora is not None else "group"
+        self.sync_bytes = 0
+        self._group: Any = None
         if config.init == "random":  # the policy's version 0: seeded weights drawn as load_hf draws them
             from flowrl.models.causal_lm import weight_dict
             from flowrl.models.registry import build_model
@@ -257,6 +268,10 @@ class VLLMGenerator:
         self._tmp = tempfile.mkdtemp(prefix="flowrl-vllm-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
         try:
             self.llm = self._start(node, raw, device, seed)
+            if self.weights_by == "group":
+                from flowrl.operators.engines.vllm_sync import WeightSyncGroup
+
+                self._group = WeightSyncGroup.join(self.llm)
             if config.init == "random":
                 self._push(base)
         except BaseException:
@@ -333,14 +348,18 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def _push(self, weights: Mapping[str, Tensor]) -> None:
-        from safetensors.torch import save_file
+        if self._group is not None:
+            loaded = self._group.send(weights)
+        else:
+            from safetensors.torch import save_file
 
-        path = os.path.join(self._tmp, "weights.safetensors")
-        save_file({n: t.contiguous() for n, t in weights.items()}, path)
-        try:
-            loaded = self.llm.collective_rpc("flowrl_load_weights", args=(path,))
-        finally:
-            os.unlink(path)
+            path = os.path.join(self._tmp, "weights.safetensors")
+            save_file({n: t.contiguous() for n, t in weights.items()}, path)
+            try:
+                loaded = self.llm.collective_rpc("flowrl_load_weights", args=(path,))
+            finally:
+                os.unlink(path)
+        self.sync_bytes += sum(t.numel() * t.element_size() for t in weights.values())
         if any(n != len(weights) for n in loaded):
             raise ConfigError(f"generator {self.name!r}: vLLM workers loaded {loaded} tensors of {len(weights)}")
         if not self.llm.reset_prefix_cache():  # False while requests run; generate() has returned here
@@ -443,6 +462,9 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """Shut vLLM's engine processes down and remove the staging directory (idempotent)."""
+        group, self._group = self.__dict__.get("_group"), None
+        if group is not None:
+            group.close()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             try:

@@ -1,10 +1,23 @@
 """The vLLM worker extension flowrl's vLLM engine installs: named methods vLLM's workers run on request.
 
 vLLM mixes ``FlowrlWorkerExtension`` into each of its workers (``LLM(worker_extension_cls=...)``),
-in the worker's own process; ``LLM.collective_rpc("flowrl_load_weights", args=(path,))`` calls the
-method there by name. Arguments cross the process boundary as plain data (a path), never as
-pickled callables (which vLLM allows only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) or
-tensors (which its message encoding turns into lists).
+in the worker's own process; ``LLM.collective_rpc("flowrl_receive_weights", args=(plan,))`` calls
+the method there by name. Arguments cross the process boundary as plain data (addresses, names,
+shapes, dtype names, a path), never as pickled callables (which vLLM allows only with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) or tensors (which its message encoding turns into lists).
+
+Weights reach the workers one of two ways (``flowrl.operators.engines.vllm_sync`` is the sender):
+
+- over the **weight-sync group**: a process group outside both default worlds, formed once by
+  ``flowrl_join_weight_group`` between the generator's process (rank 0) and every worker (rank
+  ``1 + worker rank``), with vLLM's ``stateless_init_torch_distributed_process_group``. ``flowrl_receive_weights``
+  then takes the buckets the sender broadcasts, each one flat buffer of whole tensors, a receiving
+  thread filling bucket ``i + 1`` while vLLM loads bucket ``i``;
+- from a **safetensors file** (``flowrl_load_weights``), when the weight edge's transport is ``file``.
+
+Either way vLLM's ``reload_weights`` loads them: it runs the model's own ``load_weights`` (fusing
+q/k/v and gate/up, sharding over vLLM's tensor-parallel workers) and then the post-load processing
+(on a CPU the repacking into kernel layouts), which a direct ``load_weights`` would skip.
 
 This module is imported inside vLLM's worker process: it imports nothing of flowrl and no
 torch or vLLM at the top.
@@ -12,22 +25,98 @@ torch or vLLM at the top.
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION"]
+__all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION", "BucketPlan"]
 
 #: What ``LLM(worker_extension_cls=...)`` is given (vLLM resolves a dotted qualified name).
 WORKER_EXTENSION = "flowrl.operators.engines.vllm_worker.FlowrlWorkerExtension"
 
+#: A sync's plan as plain data: per bucket, its tensors in order as ``(name, shape, dtype name)``;
+#: a bucket's bytes are its tensors' bytes back to back (``torch.uint8``), each tensor contiguous.
+BucketPlan = list[list[tuple[str, list[int], str]]]
+
+#: Buckets received ahead of the one vLLM is loading (memory: this many buckets at most in flight).
+_AHEAD = 2
+
 
 class FlowrlWorkerExtension:
-    """Methods mixed into a vLLM worker (``self`` is the worker: ``reload_weights``, ``model_runner``)."""
+    """Methods mixed into a vLLM worker (``self`` is the worker: ``reload_weights``, ``model_runner``, ``rank``)."""
+
+    def flowrl_join_weight_group(self: Any, host: str, port: int, world: int, backend: str, timeout_s: float) -> int:
+        """Join the weight-sync group as rank ``1 + self.rank`` (the sender is rank 0); blocks until
+        every member has joined. Returns this worker's rank in the group."""
+        from datetime import timedelta
+
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        rank = 1 + int(self.rank)
+        self._flowrl_group = stateless_init_torch_distributed_process_group(
+            host, port, rank, world, backend, timeout=timedelta(seconds=timeout_s)
+        )
+        self._flowrl_group_device = self.device if backend == "nccl" else "cpu"  # gloo moves CPU tensors
+        return rank
+
+    def flowrl_receive_weights(self: Any, plan: BucketPlan) -> int:
+        """Receive the buckets of ``plan`` from rank 0 of the weight-sync group and load them in place.
+
+        Returns:
+            The number of tensors loaded.
+        """
+        import torch
+
+        group = self._flowrl_group
+        device = self._flowrl_group_device
+        arrived: queue.Queue[Any] = queue.Queue(maxsize=_AHEAD)
+
+        def receive() -> None:  # the group's own broadcast: the group is not in torch's world map
+            try:
+                for bucket in plan:
+                    size = sum(_nbytes(shape, dtype) for _, shape, dtype in bucket)
+                    flat = torch.empty(size, dtype=torch.uint8, device=device)
+                    group.broadcast(flat, 0).wait()
+                    arrived.put(flat)
+            except BaseException as exc:  # handed to the loading thread, which raises it
+                arrived.put(exc)
+
+        def tensors() -> Iterator[tuple[str, Any]]:
+            for bucket in plan:
+                flat = arrived.get()
+                if isinstance(flat, BaseException):
+                    raise flat
+                offset = 0
+                for name, shape, dtype in bucket:
+                    n = _nbytes(shape, dtype)
+                    yield name, flat[offset : offset + n].view(getattr(torch, dtype)).view(shape)
+                    offset += n
+
+        thread = threading.Thread(target=receive, name="flowrl-weight-receive", daemon=True)
+        thread.start()
+        count = 0
+
+        def counted() -> Iterator[tuple[str, Any]]:
+            nonlocal count
+            for item in tensors():
+                count += 1
+                yield item
+
+        try:
+            self.reload_weights(weights_iterator=counted())
+        finally:  # after a failure keep receiving what the sender sends, so that it is not left blocked
+            while thread.is_alive():
+                try:
+                    arrived.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
+        _refresh_tied_lm_head(self.model_runner.get_model())
+        return count
 
     def flowrl_load_weights(self: Any, path: str) -> int:
-        """Load the safetensors file at ``path`` (Hugging Face names, the whole model) into the
-        worker's model in place, through vLLM's ``reload_weights``: it runs the model's own
-        ``load_weights`` (fusing q/k/v and gate/up, sharding) and then the post-load processing
-        (on a CPU the repacking into kernel layouts), which a direct ``load_weights`` would skip.
+        """Load the safetensors file at ``path`` (Hugging Face names, the whole model) in place.
 
         Returns:
             The number of tensors loaded.
@@ -38,6 +127,24 @@ class FlowrlWorkerExtension:
         self.reload_weights(weights_iterator=iter(weights.items()))
         _refresh_tied_lm_head(self.model_runner.get_model())
         return len(weights)
+
+    def flowrl_leave_weight_group(self: Any) -> bool:
+        """Shut the weight-sync group down (idempotent)."""
+        group = self.__dict__.pop("_flowrl_group", None)
+        if group is not None:
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            stateless_destroy_torch_distributed_process_group(group)
+        return group is not None
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    import torch
+
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _refresh_tied_lm_head(model: Any) -> None:

@@ -1,0 +1,169 @@
+"""Weights into vLLM's workers over a process group: the sender side of the weight-sync group.
+
+``WeightSyncGroup`` forms, once per engine, a process group between the generator's process (rank
+0) and each of vLLM's workers (rank ``1 + worker rank``; ``flowrl.operators.engines.vllm_worker``
+is the receiving side), outside torch's default world: vLLM's
+``stateless_init_torch_distributed_process_group`` on both sides, on loopback (vLLM's workers run
+on the generator's host). The group is gloo, over host memory, on a CPU and on GPUs alike: the
+generator's process and vLLM's worker use the same GPU, and NCCL refuses two ranks of one
+communicator on one device; NCCL straight from the policy's ranks (on GPUs of their own) to vLLM's
+workers is the layout's next step (ARCHITECTURE.md). The call takes ``"nccl"`` unchanged.
+
+``send(weights)`` cuts the weights into buckets of at most ``bucket_bytes`` (a tensor larger than
+that is a bucket of its own), tells every worker the plan (names, shapes, dtypes: plain data over
+vLLM's RPC) and broadcasts each bucket as one flat byte buffer with the group's own ``broadcast``
+(the group is not in torch's world map, so ``torch.distributed.broadcast`` cannot name it). The
+sender packs bucket ``i + 1`` while bucket ``i`` is on the wire; each worker receives bucket
+``i + 1`` while vLLM loads bucket ``i`` (``reload_weights`` consumes an iterator), so at most a few
+buckets are in memory beyond the model. Every tensor goes once to every worker, in the generator's
+dtype: ``bytes`` is the model's bytes in that dtype.
+
+Why a group of its own rather than a transport of the policy's: vLLM's workers are processes vLLM
+spawns, outside torchrun's world, so they cannot join the job's groups; the generator's process is
+the one process that both belongs to the job and starts vLLM (the same layout as vLLM's own RLHF
+examples, where the trainer joins a stateless group with the workers).
+
+Example (needs vLLM, so not run as a doctest)::
+
+    group = WeightSyncGroup.join(llm)
+    group.send({"model.embed_tokens.weight": emb, ...})   # -> tensors loaded per worker
+    group.close()
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowrl.errors import TransportError
+
+__all__ = ["WeightSyncGroup", "bucket_plan", "DEFAULT_BUCKET_BYTES"]
+
+#: Bytes per bucket: large enough that a broadcast's fixed cost is small, small enough that a few
+#: buckets in flight are little next to the model (a 0.5B model in float32 is 1.4 GB: 12 buckets).
+DEFAULT_BUCKET_BYTES = 128 << 20
+
+#: Seconds to wait for the workers to join or receive before the sync is an error.
+JOIN_TIMEOUT_S = 300.0
+
+
+def bucket_plan(weights: Mapping[str, Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Names of ``weights`` in order, cut into buckets of at most ``bucket_bytes`` (a larger tensor
+    alone in its bucket).
+
+    Example:
+        >>> w = {"a": torch.zeros(4), "b": torch.zeros(4), "c": torch.zeros(16)}
+        >>> bucket_plan(w, bucket_bytes=32)
+        [['a', 'b'], ['c']]
+    """
+    plan: list[list[str]] = []
+    size = 0
+    for name, t in weights.items():
+        n = t.numel() * t.element_size()
+        if plan and size + n <= bucket_bytes and plan[-1]:
+            plan[-1].append(name)
+            size += n
+        else:
+            plan.append([name])
+            size = n
+    return plan
+
+
+def _dtype_name(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+class WeightSyncGroup:
+    """A process group between this process (rank 0) and a ``vllm.LLM``'s workers (see the module docstring).
+
+    Attributes:
+        world: members: this process and vLLM's workers.
+        backend: ``"gloo"`` or ``"nccl"``.
+        bytes_sent: payload bytes broadcast so far (each bucket once; the group fans it out).
+    """
+
+    def __init__(self, llm: Any, group: Any, *, world: int, backend: str, device: torch.device, bucket_bytes: int) -> None:
+        self._llm, self._group = llm, group
+        self.world, self.backend, self.device, self.bucket_bytes = world, backend, device, bucket_bytes
+        self.bytes_sent = 0
+        self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-vllm-rpc")
+
+    @classmethod
+    def join(cls, llm: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = JOIN_TIMEOUT_S) -> WeightSyncGroup:
+        """Form the group with every worker of ``llm`` (blocks until all have joined).
+
+        Raises:
+            TransportError: a worker did not join within ``timeout_s``.
+        """
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        device, backend = torch.device("cpu"), "gloo"  # see the module docstring: NCCL cannot join two processes on one GPU
+        workers = int(llm.llm_engine.vllm_config.parallel_config.world_size)
+        world = 1 + workers
+        host = "127.0.0.1"
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listen.bind((host, 0))  # bound before the workers hear the port: no race for it
+        listen.listen()
+        port = int(listen.getsockname()[1])
+        rpc = ThreadPoolExecutor(max_workers=1)
+        try:
+            joined = rpc.submit(llm.collective_rpc, "flowrl_join_weight_group", args=(host, port, world, backend, timeout_s))
+            group = stateless_init_torch_distributed_process_group(
+                host, port, 0, world, backend, listen_socket=listen, timeout=timedelta(seconds=timeout_s)
+            )
+            ranks = joined.result(timeout=timeout_s)
+        except Exception as exc:
+            raise TransportError(f"vLLM's {workers} worker(s) did not form the weight-sync group on {host}:{port} ({backend}): {exc}") from exc
+        finally:
+            rpc.shutdown(wait=False)
+        if sorted(ranks) != list(range(1, world)):
+            raise TransportError(f"vLLM's workers joined the weight-sync group as ranks {ranks}, expected {list(range(1, world))}")
+        return cls(llm, group, world=world, backend=backend, device=device, bucket_bytes=bucket_bytes)
+
+    @torch.no_grad()
+    def send(self, weights: Mapping[str, Tensor], *, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
+        """Broadcast ``weights`` (Hugging Face names, the generator's dtype) to every worker, which
+        loads them in place. Returns the number of tensors each worker loaded.
+
+        Raises:
+            TransportError: a worker failed to receive or load them (its error is the cause).
+        """
+        plan = bucket_plan(weights, self.bucket_bytes)
+        wire = [[(n, list(weights[n].shape), _dtype_name(weights[n])) for n in bucket] for bucket in plan]
+        loaded: Future[Any] = self._rpc.submit(self._llm.collective_rpc, "flowrl_receive_weights", args=(wire,))
+        pending: Any = None
+        try:
+            for bucket in plan:
+                flat = torch.cat([weights[n].detach().contiguous().reshape(-1).view(torch.uint8) for n in bucket]).to(self.device)
+                if pending is not None:
+                    pending.wait()  # bucket i on the wire while bucket i + 1 was packed
+                pending = self._group.broadcast(flat, 0)
+                self.bytes_sent += flat.numel()
+            if pending is not None:  # every bucket is sent even after a worker's failure: it drains them
+                pending.wait()
+            counts = loaded.result(timeout=timeout_s)
+        except Exception as exc:
+            raise TransportError(f"weights into vLLM over the weight-sync group failed: {type(exc).__name__}: {exc}") from exc
+        return [int(c) for c in counts]
+
+    def close(self) -> None:
+        """Leave the group on both sides (best effort: vLLM may be shutting down)."""
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            done = self._rpc.submit(self._llm.collective_rpc, "flowrl_leave_weight_group")
+            stateless_destroy_torch_distributed_process_group(group)
+            done.result(timeout=10)
+        except Exception:
+            pass
+        self._rpc.shutdown(wait=False)
