@@ -246,6 +246,7 @@ class VLLMGenerator:
         self.pad_id = tokens.pad_id
         self._decode = tokens.decode
         self.vocab_size = int(raw.get("vocab_size") or 0)
+        self._tied = bool(raw.get("tie_word_embeddings", False))
         self.max_seq_len = _max_model_len(config, raw, owner)
         self._dtype = DTYPES[node.sampling.precision]
         self._calls = 0
@@ -364,6 +365,20 @@ class VLLMGenerator:
             raise ConfigError(f"generator {self.name!r}: vLLM workers loaded {loaded} tensors of {len(weights)}")
         if not self.llm.reset_prefix_cache():  # False while requests run; generate() has returned here
             raise RuntimeError(f"generator {self.name!r}: vLLM refused to reset its prefix cache after a weight update")
+
+    def weights_differ(self, state: Mapping[str, Tensor]) -> list[str]:
+        """vLLM's weights (read back through its kernels by every worker) against ``state`` (Hugging
+        Face names) cast to the generator's dtype, bit for bit: the names that differ, or that one side
+        lacks (``[]``: vLLM computes with exactly these weights)."""
+        from flowrl.operators.engines.vllm_sync import expected_digests
+
+        cast = {n: t.detach().to(self._dtype) for n, t in state.items()}
+        differ: set[str] = set()
+        for worker in self.llm.collective_rpc("flowrl_weight_digests"):
+            want = expected_digests(cast, worker["packed"], tied=self._tied)
+            got = worker["digests"]
+            differ.update(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
+        return sorted(differ)
 
     # -- sampling -----------------------------------------------------------------------------------
     def _check(self, prompts: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:

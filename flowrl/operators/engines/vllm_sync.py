@@ -43,7 +43,7 @@ from torch import Tensor
 
 from flowrl.errors import TransportError
 
-__all__ = ["WeightSyncGroup", "bucket_plan", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["WeightSyncGroup", "bucket_plan", "expected_digests", "DEFAULT_BUCKET_BYTES"]
 
 #: Bytes per bucket: large enough that a broadcast's fixed cost is small, small enough that a few
 #: buckets in flight are little next to the model (a 0.5B model in float32 is 1.4 GB: 12 buckets).
@@ -73,6 +73,42 @@ def bucket_plan(weights: Mapping[str, Tensor], bucket_bytes: int) -> list[list[s
             plan.append([name])
             size = n
     return plan
+
+
+def _digest(t: Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def expected_digests(weights: Mapping[str, Tensor], packed: Mapping[str, list[str]], *, tied: bool) -> dict[str, str]:
+    """What ``FlowrlWorkerExtension.flowrl_weight_digests`` must report for a vLLM model holding
+    ``weights`` (Hugging Face names, the generator's dtype): fused projections are their parts
+    concatenated along the output rows in ``packed``'s order (``qkv_proj`` = q, k, v), a tied
+    ``lm_head`` is the embedding.
+
+    Example:
+        >>> w = {"l.q_proj.weight": torch.ones(2, 2), "l.k_proj.weight": torch.zeros(1, 2), "l.v_proj.weight": torch.zeros(1, 2)}
+        >>> list(expected_digests(w, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, tied=False))
+        ['l.qkv_proj.weight']
+    """
+    out: dict[str, str] = {}
+    fused = {part: (whole, parts) for whole, parts in packed.items() for part in parts}
+    done: set[str] = set()
+    for name in weights:
+        module, _, leaf = name.rpartition(".")
+        prefix, _, proj = module.rpartition(".")
+        if proj in fused:
+            whole, parts = fused[proj]
+            key = f"{prefix}.{whole}.{leaf}"
+            if key not in done:
+                done.add(key)
+                out[key] = _digest(torch.cat([weights[f"{prefix}.{p}.{leaf}"] for p in parts]))
+            continue
+        out[name] = _digest(weights[name])
+    if tied and "lm_head.weight" not in weights:
+        out["lm_head.weight"] = _digest(weights["model.embed_tokens.weight"])
+    return out
 
 
 def _dtype_name(t: Tensor) -> str:

@@ -138,6 +138,56 @@ class FlowrlWorkerExtension:
         return group is not None
 
 
+    def flowrl_weight_digests(self: Any) -> dict[str, Any]:
+        """SHA-256 of every weight vLLM computes with, by vLLM's names (fused ``qkv_proj`` and
+        ``gate_up_proj``, ``lm_head`` even when tied), in the worker's dtype: what a test or a bench
+        compares with the policy's tensors (``expected_digests``), bit for bit.
+
+        A linear layer's weight is read back through its kernel, not its parameter (on a CPU vLLM
+        repacks it into the kernel's layout and leaves the parameter empty): ``quant_method.apply``
+        on the identity matrix gives ``W^T`` exactly, every output one product by 1 plus zeros. Other
+        parameters (norms, embeddings, biases) are read as they are.
+
+        Returns:
+            ``{"digests": {name: sha256 hex}, "packed": the model's packed_modules_mapping}``
+            (which checkpoint projections each fused one concatenates, e.g. ``qkv_proj``).
+        """
+        import torch
+
+        model = self.model_runner.get_model()
+        out: dict[str, str] = {}
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                method = getattr(module, "quant_method", None)
+                weight = getattr(module, "weight", None)
+                if method is None or not hasattr(method, "apply") or weight is None or name.endswith("embed_tokens"):
+                    continue
+                cols = int(getattr(module, "input_size_per_partition", 0) or getattr(module, "embedding_dim", 0) or weight.shape[-1])
+                eye = torch.eye(cols, dtype=weight.dtype, device=weight.device)
+                w = method.apply(module, eye, bias=None).T  # [out, in]
+                out[f"{name}.weight"] = _digest(w[: _vocab_rows(module, w)])
+            for name, p in model.named_parameters():
+                if p.numel() and name not in out:
+                    owner = model.get_submodule(name.rpartition(".")[0])
+                    out[name] = _digest(p[: _vocab_rows(owner, p)])
+        packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
+        return {"digests": out, "packed": packed}
+
+
+def _vocab_rows(module: Any, t: Any) -> int:
+    """Rows of ``t`` that are the model's: vLLM pads a vocabulary-parallel embedding or head to a
+    multiple of its tile (``org_vocab_size`` rows are the checkpoint's)."""
+    return int(getattr(module, "org_vocab_size", 0) or t.shape[0])
+
+
+def _digest(t: Any) -> str:
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def _nbytes(shape: list[int], dtype: str) -> int:
     import torch
 
