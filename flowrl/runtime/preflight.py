@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.configs import HFModelConfig
@@ -10,7 +12,7 @@ from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
 
-__all__ = ["check_fits_in_memory", "check_engines"]
+__all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes"]
 
 
 def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset()) -> None:
@@ -65,10 +67,10 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
         )
 
 
-#: Backends a generator engine other than the built-in one runs under: its engine is one process's
-#: (vLLM's engine spawns its own processes); a torchrun rank also holds a torch.distributed group
-#: whose environment vLLM's would collide with.
-ENGINE_BACKENDS: tuple[str, ...] = ("local", "process")
+#: Backends a generator engine other than the built-in one runs under: every one (vLLM's engine is
+#: its own processes, started by the generator's process: the local backend's, a process backend's
+#: worker, or each replica's first torchrun rank).
+ENGINE_BACKENDS: tuple[str, ...] = ("local", "process", "torchrun")
 
 
 def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[str] = frozenset()) -> None:
@@ -90,3 +92,29 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
                 f"{backend!r}; use --backend local or process, or engine='builtin'"
             )
         check_engine(node, device=device)  # type: ignore[arg-type]
+
+
+def check_engine_meshes(graph: Graph, axes: Mapping[str, tuple[tuple[str, ...], tuple[int, ...]]]) -> None:
+    """Refuse, on every torchrun rank before any work, a generator whose engine is not the built-in
+    one on a mesh with a ``tp`` axis larger than 1: flowrl's tensor-parallel ranks shard the built-in
+    model; a vLLM replica runs as one engine per rank (its own processes), so its mesh is dp only.
+
+    Args:
+        axes: node -> (axis names, shape) of its mesh (nodes without a named mesh are absent).
+
+    Raises:
+        ConfigError: naming the generator, its mesh and the fix.
+    """
+    for node in graph.nodes:
+        engine = getattr(node, "engine", "builtin")
+        if node.kind != "generator" or engine == "builtin" or node.name not in axes:
+            continue
+        names, shape = axes[node.name]
+        tp = dict(zip(names, shape)).get("tp", 1)
+        if tp > 1:
+            raise ConfigError(
+                f"generator {node.name!r}: engine={engine!r} on a mesh with tp={tp} ({dict(zip(names, shape))}): under torchrun "
+                "each rank of a vLLM generator runs one engine (a dp replica); vLLM's own tensor parallelism inside a "
+                "replica is not wired to a torchrun mesh yet. Give the generator a mesh of dp only (e.g. "
+                f"{{\"{node.name}\": {{\"ranks\": [...], \"mesh\": {{\"dp\": {tp}}}}}}}), or engine='builtin'"
+            )

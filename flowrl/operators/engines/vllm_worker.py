@@ -103,6 +103,7 @@ class FlowrlWorkerExtension:
                 count += 1
                 yield item
 
+        _quiet_expected_reload_warnings(self.model_runner.get_model())
         try:
             self.reload_weights(weights_iterator=counted())
         finally:  # after a failure keep receiving what the sender sends, so that it is not left blocked
@@ -124,6 +125,7 @@ class FlowrlWorkerExtension:
         from safetensors.torch import load_file
 
         weights = load_file(path)
+        _quiet_expected_reload_warnings(self.model_runner.get_model())
         self.reload_weights(weights_iterator=iter(weights.items()))
         _refresh_tied_lm_head(self.model_runner.get_model())
         return len(weights)
@@ -172,6 +174,33 @@ class FlowrlWorkerExtension:
                     out[name] = _digest(p[: _vocab_rows(owner, p)])
         packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
         return {"digests": out, "packed": packed}
+
+
+class _ExpectedReloadWarnings:
+    """A filter for vLLM's layer-wise reload logger: drops "<Layer>: Failed to load weights" for the
+    layers a reload never carries weights for, where vLLM then keeps the layer's kernel tensors as it
+    should: ``RotaryEmbedding`` (its cos/sin table is computed, not a checkpoint tensor) and, with tied
+    embeddings, ``ParallelLMHead`` (the embedding carries the weight; ``_refresh_tied_lm_head`` packs
+    it again). Any other layer's warning still shows: that one means a weight did not arrive."""
+
+    def __init__(self, layers: frozenset[str]) -> None:
+        self.layers = layers
+
+    def filter(self, record: Any) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and args[0] in self.layers)
+
+
+def _quiet_expected_reload_warnings(model: Any) -> None:
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if any(isinstance(f, _ExpectedReloadWarnings) for f in log.filters):
+        return
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = head is not None and embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None)
+    log.addFilter(_ExpectedReloadWarnings(frozenset({"RotaryEmbedding", *(("ParallelLMHead",) if tied else ())})))
 
 
 def _vocab_rows(module: Any, t: Any) -> int:

