@@ -18,7 +18,9 @@ lives. ``resolve_device`` turns ``"auto"`` into ``"cuda"`` when torch sees a CUD
 ``"cpu"`` otherwise, and refuses ``"cuda"`` on a machine without one. With ``"cuda"``,
 ``node_devices`` gives each node ``cuda:N`` with N its first device id in the placement modulo the
 number of visible GPUs: colocated nodes share a GPU, and with one GPU every node is on ``cuda:0``.
-(The torchrun backend gives each rank ``cuda:LOCAL_RANK`` itself.)
+Under torchrun ``rank_device`` gives each rank ``cuda:LOCAL_RANK`` with ``"cuda"`` (or ``"cpu"``):
+every model of a node on that rank lives there, replicas, FSDP2 shards and generators alike
+(``flowrl.runtime.backends.rank_programs``), and its process groups use NCCL there, gloo on a CPU.
 """
 
 from __future__ import annotations
@@ -89,6 +91,28 @@ def node_devices(placement: Placement, device: str, *, cuda_count: int | None = 
     if count < 1:
         raise ConfigError("no CUDA device is visible (torch.cuda.device_count() is 0); use --device cpu")
     return {node: f"cuda:{min(ids) % count}" for node, ids in placement.devices.items()}
+
+
+def rank_device(device: str, local_rank: int, *, cuda_count: int | None = None) -> torch.device:
+    """A torchrun rank's torch device: ``cuda:LOCAL_RANK`` when ``device`` (``resolve_device``'s
+    answer) is ``"cuda"``, else the CPU.
+
+    Raises:
+        ConfigError: ``LOCAL_RANK`` beyond the GPUs this host shows.
+
+    Example:
+        >>> rank_device("cpu", 3), rank_device("cuda", 1, cuda_count=2)
+        (device(type='cpu'), device(type='cuda', index=1))
+    """
+    if device == "cpu":
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    if local_rank >= count:
+        raise ConfigError(
+            f"torchrun's LOCAL_RANK={local_rank} but this host shows {count} GPU(s): launch at most {count} processes "
+            "per node (--nproc-per-node), or run on the CPU (--device cpu)"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, *, n_devices: int | None = None) -> Placement:

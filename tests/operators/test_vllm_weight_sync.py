@@ -74,19 +74,21 @@ def _perturbed(directory: Path, seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_sync_over_the_group_puts_the_policys_weights_in_vllms_kernels_bit_for_bit(gen, tied_dir):
-    assert gen.weights_by == "group" and gen._group.backend == "gloo"
+    assert gen.weights_by == "group"
+    gen.load_weights(_perturbed(tied_dir, seed=0), version=1)  # the group forms at the first update
+    assert gen._group.backend == "gloo"
     policy = _perturbed(tied_dir, seed=1)
     assert gen.weights_differ(policy)  # before the sync vLLM holds other weights: the check can fail
     gen._group.bucket_bytes = 16 << 10  # many buckets (the model is ~0.3 MB in bfloat16)
     buckets = len(bucket_plan(gen.weight_targets(), gen._group.bucket_bytes))
     sent, bytes_before = gen._group.bytes_sent, gen.sync_bytes
-    gen.load_weights(policy, version=1)
+    gen.load_weights(policy, version=2)
     assert gen.weights_differ(policy) == []  # qkv_proj, gate_up_proj, the tied lm_head included
     model_bytes = sum(t.numel() * 2 for t in policy.values())  # bfloat16: the generator's dtype
     assert gen._group.bytes_sent - sent == model_bytes == gen.sync_bytes - bytes_before
     assert buckets > 4
     out = gen.generate(left_padded([[1, 5, 6, 7]]))
-    assert (out["token_versions"] == 1).all()
+    assert (out["token_versions"] == 2).all()
 
 
 def test_a_failed_sync_is_an_error_and_the_group_still_works_after_it(gen, tied_dir):
@@ -95,12 +97,12 @@ def test_a_failed_sync_is_an_error_and_the_group_still_works_after_it(gen, tied_
     bad["model.layers.0.no_such.weight"] = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(TransportError, match="weight-sync group failed"):
         gen._group.send(bad)  # the worker refuses the name after receiving every bucket: nothing left blocked
-    gen.load_weights(policy, version=2)
+    gen.load_weights(policy, version=3)
     assert gen.weights_differ(policy) == []
 
 
 def test_the_file_route_loads_the_same_bytes(gen, tied_dir, monkeypatch):
-    monkeypatch.setattr(gen, "_group", None)  # the route a weight edge of transport 'file' takes
+    monkeypatch.setattr(gen, "weights_by", "file")  # the route a weight edge of transport 'file' takes
     policy = _perturbed(tied_dir, seed=3)
-    gen.load_weights(policy, version=3)
+    gen.load_weights(policy, version=4)
     assert gen.weights_differ(policy) == []

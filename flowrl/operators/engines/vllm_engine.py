@@ -220,8 +220,9 @@ class VLLMGenerator:
 
     Attributes:
         llm: the ``vllm.LLM``.
-        weights_by: ``"group"`` or ``"file"``: how weights reach vLLM's workers (module docstring);
-            a LoRA model's adapters always go as a peft directory.
+        weights_by: ``"group"`` or ``"file"``: how weights reach vLLM's workers (module docstring;
+            the group forms at the first update by group); a LoRA model's adapters always go as a
+            peft directory. Settable between updates (``benches/weight_sync.py`` times both).
         sync_bytes: bytes of weights sent into vLLM so far (every tensor once, the generator's dtype).
         stop_tokens: ids that end a completion (the tokenizer's end ids and ``sampling.stop_tokens``).
         pad_id: id that pads completions.
@@ -269,10 +270,6 @@ class VLLMGenerator:
         self._tmp = tempfile.mkdtemp(prefix="flowrl-vllm-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
         try:
             self.llm = self._start(node, raw, device, seed)
-            if self.weights_by == "group":
-                from flowrl.operators.engines.vllm_sync import WeightSyncGroup
-
-                self._group = WeightSyncGroup.join(self.llm)
             if config.init == "random":
                 self._push(base)
         except BaseException:
@@ -349,7 +346,11 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def _push(self, weights: Mapping[str, Tensor]) -> None:
-        if self._group is not None:
+        if self.weights_by == "group":
+            if self._group is None:  # formed at the first update: vLLM's workers join it once
+                from flowrl.operators.engines.vllm_sync import WeightSyncGroup
+
+                self._group = WeightSyncGroup.join(self.llm)
             loaded = self._group.send(weights)
         else:
             from safetensors.torch import save_file

@@ -162,14 +162,13 @@ class DataParallelPolicy(_RankPolicy):
         loss = graph.loss_of(node.name)
         max_norm = float(node.optimizer.grad_clip or 0.0)
         unclipped = msgspec.structs.replace(node, optimizer=msgspec.structs.replace(node.optimizer, grad_clip=0.0))
-        super().__init__(unclipped, loss, graph, transports)  # type: ignore[arg-type]
+        super().__init__(unclipped, loss, graph, transports, device=str(ctx.device))  # type: ignore[arg-type]
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
-        for p in self.trainer.model.parameters():  # identical initial weights on every replica
-            t = p.data.to(self.device)  # NCCL moves CUDA tensors only; the models live on CPU for now
-            torch.distributed.broadcast(t, src=self.lead, group=group)
-            p.data.copy_(t)
+        with torch.no_grad():
+            for p in self.trainer.model.parameters():  # identical initial weights on every replica (on the rank's device)
+                torch.distributed.broadcast(p.data, src=self.lead, group=group)
         make_data_parallel(self.trainer, group=group, max_norm=max_norm, device=self.device if self.device.type == "cuda" else None)
         self.collective_bytes = 0  # payload bytes this replica sent on collective weight edges
 
@@ -222,8 +221,7 @@ class ShardedPolicy(_RankPolicy):
 
         ctx = _context()
         loss = graph.loss_of(node.name)
-        device = ctx.device if ctx.device.type == "cuda" else "cpu"  # NCCL shards CUDA tensors; gloo CPU ones
-        super().__init__(node, loss, graph, transports, device=str(device))  # type: ignore[arg-type]
+        super().__init__(node, loss, graph, transports, device=str(ctx.device))  # type: ignore[arg-type]
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
@@ -488,7 +486,7 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     """``ProgramEnv.programs`` factory on every rank: this rank's part of ``node``."""
     ctx = _context()
     ranks = ctx.ranks[node.name]
-    env = msgspec.structs.replace(env, programs=dict(ctx.programs))
+    env = msgspec.structs.replace(env, programs=dict(ctx.programs), devices={**env.devices, node.name: str(ctx.device)})  # the rank's device
     lead = ctx.rank == ranks[0]
     if len(ranks) == 1 or node.name in ctx.programs:
         return build_program(graph, node.name, env, transports) if lead else _Idle()

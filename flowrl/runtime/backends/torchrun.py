@@ -78,6 +78,7 @@ from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, co
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.fsdp import check_ranks, fsdp_policies
+from flowrl.runtime.placement import rank_device, resolve_device
 from flowrl.runtime.preflight import check_engine_meshes
 from flowrl.placement.data import Placement
 from flowrl.placement.default import default_placement
@@ -300,8 +301,8 @@ def run_torchrun(
     ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs})
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device)
