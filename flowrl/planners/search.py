@@ -35,7 +35,7 @@ from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.quantize import add_quantization
-from flowrl.planners.estimate.sync import SyncEstimate, estimate_sync
+from flowrl.planners.estimate.sync import SyncEstimate, add_engine_load, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.roles import NodeRole
@@ -382,22 +382,22 @@ class _Evaluator:
                 continue
             (sd, sdims), (dd, ddims) = layout[edge.src], layout[edge.dst]
             dst_bytes = precision_bytes(r.gen_dtype[edge.dst]) if edge.dst in r.gens else r.param_bytes
-            syncs.append(
-                self.sync_cost(
-                    r.models[edge.dst],
-                    src=edge.src,
-                    dst=edge.dst,
-                    transport=edge.transport,
-                    src_devices=sd,
-                    src_dims=sdims,
-                    dst_devices=dd,
-                    dst_dims=ddims,
-                    dst_bytes_per_param=dst_bytes,
-                    src_bytes_per_param=r.param_bytes,
-                    ctx=self.ctx,
-                    src_sharded=self._sharding(edge.src) == "fsdp",
-                )
+            sync = self.sync_cost(
+                r.models[edge.dst],
+                src=edge.src,
+                dst=edge.dst,
+                transport=edge.transport,
+                src_devices=sd,
+                src_dims=sdims,
+                dst_devices=dd,
+                dst_dims=ddims,
+                dst_bytes_per_param=dst_bytes,
+                src_bytes_per_param=r.param_bytes,
+                ctx=self.ctx,
+                src_sharded=self._sharding(edge.src) == "fsdp",
             )
+            engine = r.gen_engine.get(edge.dst, "builtin")  # the runtime's last hop into a vLLM generator's workers, whatever the system's sync
+            syncs.append(add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx))
         devices = {n: layout[n][0] for n in names}
         devices.update({loss: layout[p][0] for loss, p in r.loss_of.items() if p in layout})
         times = {n: e.time_s for n, e in estimates.items()}

@@ -77,6 +77,11 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         scorer_s_per_sample: host seconds a rule scorer spends per completion.
         source_s_per_prompt: host seconds a source spends per prompt.
         file_bandwidth: bytes/s of the shared file system the ``file`` weight transport goes through.
+        vllm_group_bandwidth: bytes/s of the last hop of a sync into a vLLM generator: its
+            generator process broadcasting the weights in buckets over the weight-sync group (gloo)
+            while vLLM's worker reloads them in place (``flowrl.operators.engines.vllm_sync``).
+            Measured by ``benches/weight_sync.py`` on this CPU: 1.43 GB in 5.1-8.6 s at load 10 on 2
+            cores (about 0.2 GB/s); 0.4e9 is its idle-machine order (the bench's range in RESULTS.md).
         sync_overlap: fraction of a weight sync hidden behind compute (0: both sides stop for it).
         split_multipliers: the search tries device counts ``m * 2**k`` for these ``m`` (both for
             each side of a split and for colocated meshes).
@@ -107,6 +112,7 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     scorer_s_per_sample: float = 50e-6
     source_s_per_prompt: float = 5e-6
     file_bandwidth: float = 2e9
+    vllm_group_bandwidth: float = 0.4e9
     sync_overlap: float = 0.0
     split_multipliers: tuple[int, ...] = (1, 3, 5, 7)
     top_k: int = 5
@@ -130,6 +136,8 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         for name in ("grad_bytes", "scorer_s_per_sample", "source_s_per_prompt"):
             if not getattr(self, name) >= 0:
                 raise PlanError(f"tuning {name}={getattr(self, name)} must be >= 0")
+        if not self.vllm_group_bandwidth > 0:
+            raise PlanError(f"tuning vllm_group_bandwidth={self.vllm_group_bandwidth} must be > 0")
         if not self.file_bandwidth > 0:
             raise PlanError(f"tuning file_bandwidth={self.file_bandwidth} must be > 0")
         if self.ops_per_layer < 0:

@@ -14,7 +14,7 @@ from flowrl.planners.cluster import ClusterSpec, CpuTerms, DeviceSpec
 from flowrl.planners.estimate.common import Context, Link, all_gather_s, all_reduce_s, send_s
 from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.cpu import estimate_in_policy, estimate_scorer, estimate_source
-from flowrl.planners.estimate.sync import estimate_sync
+from flowrl.planners.estimate.sync import add_engine_load, estimate_sync
 from flowrl.planners.estimate.train import estimate_train, pick_fitting, train_options
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
@@ -218,6 +218,16 @@ def _sync(transport: str, c: Context, src=(range(0, 2), ParallelDims(dp=2)), dst
         TINY, src="policy", dst="gen", transport=transport, src_devices=src[0], src_dims=src[1],
         dst_devices=dst[0], dst_dims=dst[1], dst_bytes_per_param=dst_bytes, src_bytes_per_param=2.0, ctx=c,
     )
+
+
+def test_a_vllm_generator_adds_the_hop_into_its_workers_by_hand():
+    c = ctx(tuning=Tuning(**{**_fields(EXACT), "file_bandwidth": 1e9, "vllm_group_bandwidth": 0.5e9}))
+    total = 1352 * 2  # P * the generator's bytes per parameter: each replica sends its own copy on, in parallel
+    for transport, extra, hop in [("collective", total / 0.5e9, "weight-sync group (gloo, 0.5 GB/s)"), ("file", 2 * total / 1e9, "file vLLM's worker reads")]:
+        base = _sync(transport, c)
+        est = add_engine_load(base, TINY, engine="vllm", transport=transport, dst_bytes_per_param=2.0, ctx=c)
+        assert est.time_s == pytest.approx(base.time_s + extra) and hop in est.note and est.note.startswith(base.note)
+        assert add_engine_load(base, TINY, engine="builtin", transport=transport, dst_bytes_per_param=2.0, ctx=c) == base
 
 
 def test_sync_per_transport_by_hand():

@@ -28,6 +28,12 @@ A LoRA policy (``ModelSpec.adapter_params`` = A) sends its adapters only, in flo
 generator's dtype, whole to every replica (each merges them into its own layers): ``A * 4 * dp_g``
 bytes over the link (a memory copy of ``A * 4`` on CPU, a file written once and read per replica).
 
+A vLLM generator adds a last hop (``add_engine_load``): its process holds the weights the
+transport delivered (a staging copy) and sends them on into vLLM's workers, each replica its own
+``P * wb`` bytes at once: over the weight-sync group at ``Tuning.vllm_group_bandwidth`` (the
+broadcast and vLLM's reload, overlapped bucket by bucket), or, on a ``file`` edge, written once more
+and read by the worker at ``file_bandwidth``. The note names the hop and its rate.
+
 A user transport declares its cost (the default is ``"collective"``); a name this process has not
 registered is costed as ``"collective"``, and the estimate notes it.
 """
@@ -46,7 +52,7 @@ from flowrl.planners.parallel import ParallelDims
 from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
 from flowrl.transport_traits import traits_of
 
-__all__ = ["SyncEstimate", "estimate_sync", "sync_params"]
+__all__ = ["SyncEstimate", "estimate_sync", "add_engine_load", "sync_params"]
 
 
 class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -260,6 +266,22 @@ def estimate_sync(
         src=src, dst=dst, transport=transport, bytes=volume.wire_bytes + volume.local_bytes, replicas=dst_dims.dp,
         time_s=time, note=note, wire_bytes=volume.wire_bytes, copied_bytes=volume.copied_bytes,
     )
+
+
+def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transport: str, dst_bytes_per_param: float, ctx: Context, **_: object) -> SyncEstimate:
+    """``est`` plus the hop into a vLLM generator's workers (module docstring); ``est`` unchanged for
+    the built-in engine, whose model the transport writes into directly.
+    """
+    if engine != "vllm" or model.adapter_params:  # a LoRA policy's adapters go as a peft directory: small, not priced
+        return est
+    t = ctx.tuning
+    nbytes = model.params * dst_bytes_per_param
+    traits = traits_of(transport)
+    if traits is not None and traits.cost == "file":
+        extra, hop = 2 * nbytes / t.file_bandwidth, f"then a file vLLM's worker reads ({t.file_bandwidth / 1e9:g} GB/s, write + read)"
+    else:
+        extra, hop = nbytes / t.vllm_group_bandwidth, f"then into vLLM over the weight-sync group (gloo, {t.vllm_group_bandwidth / 1e9:g} GB/s)"
+    return msgspec.structs.replace(est, time_s=est.time_s + extra, note=f"{est.note}; {hop}")
 
 
 def _link(src_devices: Sequence[int], dst_devices: Sequence[int], ctx: Context) -> Link:
