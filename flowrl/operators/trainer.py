@@ -86,7 +86,7 @@ from flowrl.models.causal_lm import weight_dict
 from flowrl.models.lora import adapter_weights, add_adapters, lora_of
 from flowrl.models.registry import build_model
 
-__all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS"]
+__all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS", "TOKEN_MEANS"]
 
 #: Rollout fields a training step reads (besides the reward fields of the loss).
 TRAIN_FIELDS: tuple[str, ...] = (
@@ -97,6 +97,12 @@ TRAIN_FIELDS: tuple[str, ...] = (
     "behaviour_logprobs",
     "group_ids",
 )
+
+
+#: Metrics that are means over tokens -> the count of the tokens each covers: a batch's optimizer steps
+#: are combined (``_combine``), and data-parallel ranks reduced (``flowrl.runtime.distributed.reduce_metrics``),
+#: weighted by that count, so the figure is the mean over every token of the batch, whatever the split.
+TOKEN_MEANS: dict[str, str] = {"mismatch/kl": "mismatch/tokens", "policy/entropy": "policy/tokens"}
 
 
 def learning_rate(config: OptimizerConfig, step: int) -> float:
@@ -126,16 +132,25 @@ def _whole(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
     """One row from the metrics of a batch's optimizer steps: each key's mean over the steps that have it
-    (``*_max``: the largest).
+    (``*_max``: the largest; a mean over tokens, ``TOKEN_MEANS``: weighted by each step's tokens).
 
     Example:
         >>> _combine([{"loss": 1.0, "old/ratio_max": 1.0}, {"loss": 3.0, "old/ratio_max": 1.5}])
         {'loss': 2.0, 'old/ratio_max': 1.5}
+        >>> _combine([{"policy/entropy": 1.0, "policy/tokens": 1.0}, {"policy/entropy": 2.0, "policy/tokens": 3.0}])
+        {'policy/entropy': 1.75, 'policy/tokens': 2.0}
     """
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for m in steps for k in m):
-        values = [m[key] for m in steps if key in m]
-        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+        having = [m for m in steps if key in m]
+        values = [m[key] for m in having]
+        weights = [m.get(TOKEN_MEANS[key], 0.0) for m in having] if key in TOKEN_MEANS else []
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif weights and sum(weights) > 0:
+            out[key] = sum(v * w for v, w in zip(values, weights)) / sum(weights)
+        else:
+            out[key] = sum(values) / len(values)
     return out
 
 

@@ -170,11 +170,6 @@ def merge_rollouts(parts: list[Mapping[str, Tensor]]) -> Batch:
     return out
 
 
-#: Metrics that are means over tokens -> the count of the tokens each covers (``reduce_metrics``
-#: weighs each rank's mean by its count).
-TOKEN_MEANS = {"mismatch/kl": "mismatch/tokens", "policy/entropy": "policy/tokens"}
-
-
 def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, device: torch.device | None = None) -> dict[str, float]:
     """Every metric over ``group`` (keys must agree on every rank), each reduced as its name says.
 
@@ -192,6 +187,8 @@ def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, d
         {'loss': 2.0, 'mismatch/abs_logp_max': 0.5, 'mismatch/tokens': 3.0}
         >>> dist.destroy_process_group()
     """
+    from flowrl.operators.trainer import TOKEN_MEANS  # the trainer's metrics say which are means over tokens
+
     keys = sorted(metrics)
     peaks_of = [k for k in keys if k.endswith(("_max", "_min"))]
     means = [k for k in keys if k not in peaks_of]

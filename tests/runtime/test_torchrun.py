@@ -475,7 +475,7 @@ def _dp_job(out: str, loss_agg: str) -> int:
             "shards": sizes.tolist(),
             "max_grad_diff": float(diffs),
             "grad_norm_dp": dp.dp_grad_norm,
-            "grad_norm_ref": ref_metrics["grad_norm"],
+            "grad_norm_ref": ref_metrics["policy/grad_norm"],
             "loss_dp": float(loss_dp),
             "loss_ref": ref_metrics["loss"],
         }))
