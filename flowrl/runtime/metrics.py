@@ -67,11 +67,17 @@ HEALTH_KEYS = (
     "rollout/truncated_frac", "policy/entropy", "policy/grad_norm", "policy/lr",
 )  # fmt: skip
 
-#: The un-namespaced keys a policy's or a generator's step reports (``info``, ``gen``), which the row
-#: does not copy as they are: key -> where its figure is instead. Any other key without a ``/`` is
-#: dropped; ``tests/runtime/test_health_metrics.py`` checks that every key the programs report is
-#: in the row or here.
+#: The un-namespaced keys the built-in programs report (a policy's ``info``, a generator's ``gen``,
+#: a source's, scorer's, reference's or reward model's step), which the row does not copy as they
+#: are: key -> where its figure is instead. The row takes a policy's namespaced keys, a generator's
+#: ``GENERATOR_PREFIXES`` and the other nodes' namespaced keys (``Controller``); any other key is
+#: dropped. ``tests/runtime/test_health_metrics.py`` checks that every key the programs of a run
+#: report is in its row or here.
 UNNAMESPACED: dict[str, str] = {
+    "position": "the row's prompt_index (a source's read position)",
+    "score_s": "the scorer's span in the trace (--trace)",
+    "ref_s": "the reference's span in the trace (--trace)",
+    "rm_s": "the reward model's span in the trace (--trace)",
     "loss": "the row's loss",
     "reward_mean": "the row's reward_mean, computed from the batch",
     "staleness": "the row's staleness, computed from the batch's versions",
