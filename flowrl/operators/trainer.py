@@ -6,7 +6,8 @@ mini-batches of whole prompt groups in an order drawn from ``(seed, version at t
 pass)``, so a resumed run draws the same. With more than one step, or an objective that reads it
 (``losses.NEEDS_PROXIMAL``: ``decoupled_ppo``), it first computes log pi_prox of the whole batch with the
 weights it starts with (no gradient, micro-batched; the batch field ``proximal_logprobs``), which the
-``old/*`` metrics and the mismatch metrics then use. Each optimizer step, on its mini-batch:
+``old/*`` metrics and the mismatch metrics then use, and the PPO-style objectives clip their ratio
+against (``losses.ANCHORED_AT_OLD``: pi / pi_old, TRL's ``old_per_token_logps``, not pi / mu). Each optimizer step, on its mini-batch:
 
 1. reads the rollout and its reward fields; advantages come from the whole mini-batch (group
    baselines need every sample of a prompt, and a mini-batch holds whole groups);
