@@ -16,7 +16,7 @@ Training health, in every row of a policy that trains (``HEALTH_KEYS``):
   population std as the advantages' ``normalize_std`` takes it, averaged over the groups: the spread
   the group baseline learns from), ``rollout/zero_std_frac`` (the fraction of groups whose rewards
   are all equal: advantage 0, no learning signal), ``rollout/length_mean``, ``rollout/length_min``,
-  ``rollout/length_max`` (completion tokens: ``completion_lens``) and ``rollout/truncated_frac``
+  ``rollout/length_max`` (completion tokens: ``completion_lens``) and ``rollout/cut_frac``
   (the share cut at ``max_new_tokens``: ``shaping.truncated_completions``, the rule
   ``mask_truncated_completions`` applies);
 - from the trainer (``flowrl.operators.trainer``): ``policy/entropy`` (pi's entropy over the
@@ -64,7 +64,7 @@ REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "rewa
 #: The training-health figures of every row of a policy that trains (module docstring).
 HEALTH_KEYS = (
     "rollout/reward_std", "rollout/zero_std_frac", "rollout/length_mean", "rollout/length_min", "rollout/length_max",
-    "rollout/truncated_frac", "policy/entropy", "policy/grad_norm", "policy/lr",
+    "rollout/cut_frac", "policy/entropy", "policy/grad_norm", "policy/lr",
 )  # fmt: skip
 
 #: The un-namespaced keys the built-in programs report (a policy's ``info``, a generator's ``gen``,
@@ -210,7 +210,7 @@ def rollout_health(batch: dict[str, torch.Tensor], rewards: torch.Tensor | None)
         >>> b = {"completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]).bool(),
         ...      "group_ids": torch.tensor([0, 0, 1, 1])}
         >>> rollout_health(b, torch.tensor([1.0, 0.0, 0.5, 0.5]))
-        {'rollout/length_mean': 2.0, 'rollout/length_min': 1.0, 'rollout/length_max': 3.0, 'rollout/truncated_frac': 0.25, 'rollout/reward_std': 0.25, 'rollout/zero_std_frac': 0.5}
+        {'rollout/length_mean': 2.0, 'rollout/length_min': 1.0, 'rollout/length_max': 3.0, 'rollout/cut_frac': 0.25, 'rollout/reward_std': 0.25, 'rollout/zero_std_frac': 0.5}
     """
     from flowrl.operators.shaping import truncated_completions
 
@@ -224,7 +224,7 @@ def rollout_health(batch: dict[str, torch.Tensor], rewards: torch.Tensor | None)
         "rollout/length_mean": float(lengths.mean()),
         "rollout/length_min": float(lengths.min()),
         "rollout/length_max": float(lengths.max()),
-        "rollout/truncated_frac": float(cut.to(torch.float64).mean()),
+        "rollout/cut_frac": float(cut.to(torch.float64).mean()),
     }
     if rewards is not None and "group_ids" in batch:
         _, inverse = torch.unique(batch["group_ids"], return_inverse=True)  # [S] -> group 0..G-1

@@ -102,7 +102,7 @@ def test_entropy_falls_as_the_policy_collapses_and_the_rows_match_their_batches(
         lengths = batch["completion_lens"].tolist()
         assert row["rollout/length_mean"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-12)
         assert (row["rollout/length_min"], row["rollout/length_max"]) == (min(lengths), max(lengths))
-        assert row["rollout/truncated_frac"] == pytest.approx(sum(n == MAX_NEW_TOKENS for n in lengths) / len(lengths), abs=1e-12)
+        assert row["rollout/cut_frac"] == pytest.approx(sum(n == MAX_NEW_TOKENS for n in lengths) / len(lengths), abs=1e-12)
         groups: dict[int, list[float]] = {}
         for g, r in zip(batch["group_ids"].tolist(), batch["rewards"].tolist()):
             groups.setdefault(g, []).append(r)
