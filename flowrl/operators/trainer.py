@@ -223,7 +223,8 @@ class Trainer:
             and the loss's own metrics (over the tokens inside pi's kept set). ``reward_mean`` and
             ``reward/<field>`` are the rollout's, before shaping. With several optimizer steps, each
             step's loss metrics, ``loss`` and the ``policy/*`` metrics are averaged over the steps
-            (``*_max``: the largest), the ``old/*`` metrics (``losses.proximal_metrics``: pi against the
+            (``*_max``: the largest; ``policy/entropy`` weighted by each step's ``policy/tokens``, so it
+            is the mean over all their tokens: ``TOKEN_MEANS``), the ``old/*`` metrics (``losses.proximal_metrics``: pi against the
             batch's starting weights) are added, and ``updates`` counts the steps.
 
         Raises:

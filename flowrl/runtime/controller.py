@@ -26,12 +26,12 @@ State it keeps (each guarded as noted):
 - ``_failure`` (``_lock``): the first error, with its node and step; set once, then ``_stop``.
 - ``_unwritten`` (the policy executor's thread, then the controller's once the executors are
   joined): metrics rows not yet written, in step order, each with the evaluation its row waits
-  for (``RunConfig.eval_every``: a ``Future`` from ``evaluation.Evaluator``, else None).
-- Cadences count trainer steps (the row's ``step`` = ``seq + 1``), whatever the updates per batch:
-  ``eval_every``, ``log_samples`` and ``checkpoint_every`` fire after step ``seq`` when
-  ``(seq + 1) % N == 0``. A row is
+  for (``RunConfig.eval_every``: a ``Future`` from ``evaluation.Evaluator``, else None). A row is
   written (file, ``on_step``) once it and every row before it are complete; a checkpoint first
   waits for all of them, so the metrics file covers every step a resume will not repeat.
+- Cadences count trainer steps (the row's ``step`` = ``seq + 1``), whatever the updates per batch:
+  ``eval_every``, ``log_samples`` and ``checkpoint_every`` fire after step ``seq`` when
+  ``(seq + 1) % N == 0``.
 
 Invariants:
 

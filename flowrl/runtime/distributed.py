@@ -205,7 +205,9 @@ def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, d
         dtype=torch.float64, device=device or "cpu",
     )  # fmt: skip
     dist.all_reduce(values, group=group)
-    sums, samples, totals = values.tolist()[: len(means)], values.tolist()[len(means)], dict(zip(counts, values.tolist()[len(means) + 1 :]))
+    reduced = values.tolist()
+    sums, samples = reduced[: len(means)], reduced[len(means)]
+    totals = dict(zip(counts, reduced[len(means) + 1 :]))  # each token count, all ranks together
     out = {}
     for k, v in zip(means, sums):
         total = 1.0 if summed(k) else totals[TOKEN_MEANS[k]] if k in TOKEN_MEANS else samples

@@ -227,9 +227,9 @@ def rollout_health(batch: dict[str, torch.Tensor], rewards: torch.Tensor | None)
         "rollout/cut_frac": float(cut.to(torch.float64).mean()),
     }
     if rewards is not None and "group_ids" in batch:
-        _, inverse = torch.unique(batch["group_ids"], return_inverse=True)  # [S] -> group 0..G-1
+        _, inverse = torch.unique(batch["group_ids"].cpu(), return_inverse=True)  # [S] -> group 0..G-1
         n = int(inverse.max()) + 1
-        r = rewards.to(torch.float64)
+        r = rewards.to("cpu", torch.float64)
         count = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(r))  # [G]
         mean = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, r) / count  # [G]
         var = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, (r - mean[inverse]) ** 2) / count  # [G]
