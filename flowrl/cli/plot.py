@@ -3,7 +3,9 @@
 Rows: reward, loss, staleness, the importance ratio and AIPO's truncated fraction, the
 engine/trainer log-prob mismatch (``mismatch/kl``, ``mismatch/abs_logp_max``; steps whose batch held no
 token of the trainer's current weights, ``mismatch/tokens`` 0, measured nothing and are left out),
-and step time; then, where the rows hold them (``panels``): one panel per named reward field
+and step time; then, where the rows hold them (``panels``): training health (pi's entropy, the
+reward's spread within groups, completion lengths and the share cut at ``max_new_tokens``, the
+gradient norm, the learning rate), one panel per named reward field
 (``reward/NAME``, when a loss combines several), a KL panel (the KL to the reference ``loss/kl_ref``, and
 the objective's KL(mu || pi) estimate, ``aipo/kl`` ...), and the evaluations of ``--eval-every`` (greedy
 and sampled reward, pass@k; drawn at the evaluated steps only). The left column against the trainer
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "plot_runs", "panels", "PANELS"]
+__all__ = ["register", "plot_runs", "panels", "PANELS", "HEALTH_PANELS"]
 
 #: (title, what it reads): a key of the metrics rows, or ``"step_time_s"`` (the difference of ``time_s``).
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -33,12 +35,23 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("step time (s)", ("step_time_s",)),
 )
 
+#: Training health (``flowrl.runtime.metrics.HEALTH_KEYS``), a panel each when the rows hold its first key.
+HEALTH_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("policy entropy (nats per completion token)", ("policy/entropy",)),
+    ("reward std within groups; share of groups with equal rewards", ("rollout/reward_std", "rollout/zero_std_frac")),
+    ("completion length (mean, min, max)", ("rollout/length_mean", "rollout/length_min", "rollout/length_max")),
+    ("share of completions cut at max_new_tokens", ("rollout/cut_frac",)),
+    ("gradient norm (before clipping)", ("policy/grad_norm",)),
+    ("learning rate", ("policy/lr",)),
+)
+
 #: The objectives' KL(mu || pi) estimates (``flowrl.operators.losses``), as the KL panel reads them.
 OBJECTIVE_KL = ("aipo/kl", "pg/kl", "ppo/kl", "gspo/kl", "cispo/kl", "tis/kl", "mis/kl")
 
 
 def panels(runs: dict[str, list[dict[str, Any]]]) -> list[tuple[str, tuple[str, ...]]]:
-    """``PANELS``, then the panels the rows call for: a named reward field's, the KL's, the evaluations'.
+    """``PANELS``, then the panels the rows call for: training health's (``HEALTH_PANELS``), a named reward
+    field's, the KL's, the evaluations'.
 
     Example:
         >>> rows = [{"step": 1, "reward/format": 1.0, "reward/answer": 0.0, "loss/kl_ref": 0.1, "eval/greedy_reward_mean": 0.5, "eval/pass@4": 0.9}]
@@ -47,6 +60,7 @@ def panels(runs: dict[str, list[dict[str, Any]]]) -> list[tuple[str, tuple[str, 
     """
     keys = {k for rows in runs.values() for row in rows for k in row}
     out = list(PANELS)
+    out += [(title, wanted) for title, wanted in HEALTH_PANELS if wanted[0] in keys]
     named = sorted(k for k in keys if k.startswith("reward/"))
     if len(named) > 1:  # one field is the reward panel already
         out += [(f"reward: {k.partition('/')[2]}", (k,)) for k in named]

@@ -301,7 +301,8 @@ def _as_flags(message: str) -> str:
     import re
 
     names = r"\b(eval_every|eval_data|eval_samples|eval_pass_reward)\b(=?)"
-    return re.sub(names, lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) else ""), message)
+    message = re.sub(names, lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) else ""), message)
+    return re.sub(r"(?<![\w-])steps=(?=\d)", "--steps ", message)  # the field with its value, not the word
 
 
 def _parse_options(items: list[str]) -> dict[str, object]:

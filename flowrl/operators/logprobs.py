@@ -47,7 +47,15 @@ from torch import Tensor
 
 from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["completion_logprobs", "prompt_valid", "truncation_threshold", "truncated_log_softmax", "kept_logprobs"]
+__all__ = [
+    "completion_logprobs",
+    "completion_logprobs_and_entropy",
+    "prompt_valid",
+    "truncation_threshold",
+    "truncated_log_softmax",
+    "kept_logprobs",
+    "entropy_of",
+]
 
 
 def prompt_valid(prompt_ids: Tensor, prompt_lens: Tensor) -> Tensor:
@@ -185,6 +193,20 @@ def kept_logprobs(
     return logp.gather(-1, tokens[..., None]).squeeze(-1)
 
 
+def entropy_of(logp: Tensor) -> Tensor:
+    """Entropy ``-sum_v p_v log p_v`` ``[...]`` of the distributions whose log-probs are ``logp`` ``[..., V]``
+    (``-inf`` outside a truncated kept set: those terms are 0), without gradient.
+
+    Example:
+        >>> import math
+        >>> abs(float(entropy_of(torch.log(torch.tensor([0.5, 0.5, 0.0])))) - math.log(2)) < 1e-6
+        True
+    """
+    with torch.no_grad():
+        p = logp.exp()
+        return -torch.where(p > 0, p * logp, torch.zeros((), dtype=logp.dtype, device=logp.device)).sum(-1)
+
+
 def _settings(top_k: Tensor | int, top_p: Tensor | float, n: int) -> Iterator[tuple[int, float, Tensor | None]]:
     """``(k, p, rows)`` for each distinct truncation setting of ``n`` samples (rows None: all of them)."""
     if not isinstance(top_k, Tensor) and not isinstance(top_p, Tensor):
@@ -238,6 +260,55 @@ def completion_logprobs(
     Returns:
         ``[S, C]`` float32.
     """
+    logp, _ = _completion_logprobs(
+        model, prompt_ids, prompt_lens, completion_ids, completion_mask,
+        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=False,
+    )  # fmt: skip
+    return logp
+
+
+def completion_logprobs_and_entropy(
+    model: CausalLM,
+    prompt_ids: Tensor,
+    prompt_lens: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: Tensor | float = 1.0,
+    top_k: Tensor | int = 0,
+    top_p: Tensor | float = 1.0,
+    completion_lens: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``completion_logprobs`` and, from the same forward pass, the entropy of the distribution each
+    completion token was evaluated under (``entropy_of`` the truncated, renormalised ``p``; no gradient).
+
+    Costs an ``exp`` and a sum over the vocabulary of the logits already computed, no forward pass.
+
+    Returns:
+        ``([S, C] log-probs, [S, C] entropies)``, both 0 where ``completion_mask`` is False.
+    """
+    logp, entropy = _completion_logprobs(
+        model, prompt_ids, prompt_lens, completion_ids, completion_mask,
+        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=True,
+    )  # fmt: skip
+    assert entropy is not None  # asked for
+    return logp, entropy
+
+
+def _completion_logprobs(
+    model: CausalLM,
+    prompt_ids: Tensor,
+    prompt_lens: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    temperature: Tensor | float,
+    top_k: Tensor | int,
+    top_p: Tensor | float,
+    completion_lens: Tensor | None,
+    entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``completion_logprobs`` (see there), with the entropies ``[S, C]`` when ``entropy``, else None."""
     S, Tp = prompt_ids.shape
     C = completion_ids.shape[1]
     out = torch.zeros(S, C, dtype=torch.float32, device=completion_ids.device)
@@ -246,7 +317,7 @@ def completion_logprobs(
         attended = torch.arange(C, device=completion_ids.device)[None, :] < completion_lens.to(completion_ids.device)[:, None]
     used = int(attended.sum(1).max()) if S and C else 0  # trailing all-pad columns cost nothing
     if used == 0:
-        return out
+        return out, torch.zeros_like(out) if entropy else None
     # Leading columns that are padding in every row change nothing either.
     skip = int(Tp - prompt_lens.max())
     prompt_ids = prompt_ids[:, skip:]
@@ -260,16 +331,29 @@ def completion_logprobs(
         logits = logits / temperature
     targets = completion_ids[:, :used]
     settings = list(_settings(top_k, top_p, S))
+    ent: Tensor | None = None
     if len(settings) == 1 and settings[0][2] is None:
         k, p, _ = settings[0]
         logp = truncated_log_softmax(logits, top_k=k, top_p=p)  # [S, used, V]; log_softmax when untruncated
         picked = logp.gather(-1, targets[..., None]).squeeze(-1)
+        if entropy:
+            ent = entropy_of(logp)  # [S, used]
     else:  # samples drawn with different truncations: each setting on its rows
-        pieces, order = [], []
+        pieces, ents, order = [], [], []
         for k, p, chosen in settings:
             rows = (torch.arange(S) if chosen is None else chosen).to(logits.device)
-            pieces.append(truncated_log_softmax(logits[rows], top_k=k, top_p=p).gather(-1, targets[rows, :, None]).squeeze(-1))
+            logp = truncated_log_softmax(logits[rows], top_k=k, top_p=p)
+            pieces.append(logp.gather(-1, targets[rows, :, None]).squeeze(-1))
+            if entropy:
+                ents.append(entropy_of(logp))
             order.append(rows)
-        picked = torch.cat(pieces)[torch.argsort(torch.cat(order))]
+        back = torch.argsort(torch.cat(order))
+        picked = torch.cat(pieces)[back]
+        if entropy:
+            ent = torch.cat(ents)[back]
+    zero = torch.zeros((), dtype=out.dtype, device=out.device)
     out = torch.cat([picked, out[:, used:]], dim=1) if used < C else picked
-    return torch.where(completion_mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    if ent is not None:
+        ent = torch.cat([ent, torch.zeros(S, C - used, dtype=ent.dtype, device=ent.device)], dim=1) if used < C else ent
+        ent = torch.where(completion_mask, ent, zero)
+    return torch.where(completion_mask, out, zero), ent

@@ -64,8 +64,16 @@ dropped above ``rho`` (AReaL's ``behav_imp_weight_cap``)::
     w = sg[pi_prox / mu] * 1[pi_prox / mu <= rho],    r = pi / pi_prox
     loss = - agg_{i,t} w * min(r * A_i, clip(r, 1 - eps_low, 1 + eps_high) * A_i)
 
-(With one update per batch r = 1 in value, and the gradient is ``w * A * grad log pi``. The other
-objectives take their ratio to mu whatever the number of updates.)
+(With one update per batch r = 1 in value, and the gradient is ``w * A * grad log pi``.)
+
+The old policy of the PPO-style objectives (``ANCHORED_AT_OLD``: ``grpo``, ``ppo_clip``, ``gspo``,
+``cispo``, whose ``ratio`` is clipped): with several updates per batch (``num_iterations`` or
+``num_mini_batches`` > 1) the trainer computes log pi_old, the policy at the batch's start
+(``proximal_logprobs``; TRL's ``old_per_token_logps``), and the ratio is ``pi / pi_old``, as TRL takes
+it; with one update per batch it is ``pi / mu`` (the engine's recorded log-probs: PPO's old policy
+when the generator is on-policy, and a correction of a stale batch's k >= 1 versions otherwise).
+``aipo``, ``tis`` and ``mis`` are importance corrections towards mu and always take ``pi / mu``; ``pg``
+takes no ratio.
 
 Aggregation (``loss_agg``, TRL's ``loss_type``), over per-token terms ``l_{i,t}`` and mask ``m``::
 
@@ -115,6 +123,7 @@ __all__ = [
     "batch_normalizer",
     "LOSSES",
     "NEEDS_PROXIMAL",
+    "ANCHORED_AT_OLD",
     "check_objective",
     "compute_loss",
 ]
@@ -642,6 +651,10 @@ LOSSES: dict[str, LossFn] = {
 #: trainer computes once per batch with the weights it starts the batch with).
 NEEDS_PROXIMAL: frozenset[str] = frozenset({"decoupled_ppo"})
 
+#: PPO-style objectives whose clipped ratio is taken against the old policy: ``proximal_logprobs``
+#: when the batch has them (several updates per batch: TRL's ``old_per_token_logps``), else mu.
+ANCHORED_AT_OLD: frozenset[str] = frozenset({"grpo", "ppo_clip", "gspo", "cispo"})
+
 
 def check_objective(objective: str) -> None:
     """Raise ``ConfigError`` listing the known objectives if ``objective`` is not one of them."""
@@ -669,7 +682,8 @@ def compute_loss(
         batch: rollout fields (``behaviour_logprobs``, ``completion_mask``, ``group_ids``), the reward
             fields of ``config.reward_weights``, with ``kl_coef > 0`` ``ref_logprobs``, and for an
             objective of ``NEEDS_PROXIMAL`` ``proximal_logprobs`` (without it, pi's own values: the
-            proximal policy of a batch's only update).
+            proximal policy of a batch's only update). An objective of ``ANCHORED_AT_OLD`` takes its
+            ratio against ``proximal_logprobs`` when the batch has them, else against mu.
         advantages: ``[S]`` precomputed advantages (a micro-batch passes its slice of the whole
             batch's); computed from the batch's rewards when None.
         normalizer: the whole batch's divisor under ``config.loss_agg`` (``batch_normalizer``; default:
@@ -694,9 +708,10 @@ def compute_loss(
     extra = {}
     if config.objective in NEEDS_PROXIMAL:  # without the field pi_prox is pi now: a batch's only update
         extra["proximal"] = batch["proximal_logprobs"] if "proximal_logprobs" in batch else logprobs.detach()
-    loss, metrics = LOSSES[config.objective](
-        config, logprobs, batch["behaviour_logprobs"], advantages, mask, normalizer=normalizer, lengths=lengths, **extra
-    )
+    old = batch["behaviour_logprobs"]  # mu; PPO's old policy is pi_old when the trainer computed it (several updates)
+    if config.objective in ANCHORED_AT_OLD and "proximal_logprobs" in batch:
+        old = batch["proximal_logprobs"]
+    loss, metrics = LOSSES[config.objective](config, logprobs, old, advantages, mask, normalizer=normalizer, lengths=lengths, **extra)
     if config.kl_coef > 0:
         if "ref_logprobs" not in batch:
             raise ConfigError(

@@ -6,7 +6,8 @@ mini-batches of whole prompt groups in an order drawn from ``(seed, version at t
 pass)``, so a resumed run draws the same. With more than one step, or an objective that reads it
 (``losses.NEEDS_PROXIMAL``: ``decoupled_ppo``), it first computes log pi_prox of the whole batch with the
 weights it starts with (no gradient, micro-batched; the batch field ``proximal_logprobs``), which the
-``old/*`` metrics and the mismatch metrics then use. Each optimizer step, on its mini-batch:
+``old/*`` metrics and the mismatch metrics then use, and the PPO-style objectives clip their ratio
+against (``losses.ANCHORED_AT_OLD``: pi / pi_old, TRL's ``old_per_token_logps``, not pi / mu). Each optimizer step, on its mini-batch:
 
 1. reads the rollout and its reward fields; advantages come from the whole mini-batch (group
    baselines need every sample of a prompt, and a mini-batch holds whole groups);
@@ -20,7 +21,9 @@ weights it starts with (no gradient, micro-batched; the batch field ``proximal_l
    penalty, truncated completions masked) as the loss config says. A sampled token
    outside pi's kept set (pi = 0 there, so the ratio is 0) is left out of the objective (weight 0,
    still counted in the token count) and never produces inf or nan;
-3. clips the global gradient norm, sets the scheduled learning rate, steps AdamW;
+3. clips the global gradient norm, sets the scheduled learning rate, steps AdamW (the norm before
+   clipping, the rate and pi's entropy over the completion tokens, from the logits of step 2, are
+   the ``policy/*`` metrics);
 4. measures the engine/trainer mismatch on the tokens drawn by its current weights
    (``flowrl.operators.mismatch``: ``mismatch/kl``, ``mismatch/abs_logp_max``, ``mismatch/tokens``,
    ``mismatch/outside_kept_frac``), from what every engine writes;
@@ -68,7 +71,7 @@ from flowrl.graph.configs import OptimizerConfig
 from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.operators.batch import leading_dim, split
 from flowrl.operators.generation import DTYPES, _mix, copy_weights
-from flowrl.operators.logprobs import completion_logprobs
+from flowrl.operators.logprobs import completion_logprobs, completion_logprobs_and_entropy
 from flowrl.operators.losses import (
     NEEDS_PROXIMAL,
     advantages,
@@ -84,7 +87,7 @@ from flowrl.models.causal_lm import weight_dict
 from flowrl.models.lora import adapter_weights, add_adapters, lora_of
 from flowrl.models.registry import build_model
 
-__all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS"]
+__all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS", "TOKEN_MEANS"]
 
 #: Rollout fields a training step reads (besides the reward fields of the loss).
 TRAIN_FIELDS: tuple[str, ...] = (
@@ -95,6 +98,12 @@ TRAIN_FIELDS: tuple[str, ...] = (
     "behaviour_logprobs",
     "group_ids",
 )
+
+
+#: Metrics that are means over tokens -> the count of the tokens each covers: a batch's optimizer steps
+#: are combined (``_combine``), and data-parallel ranks reduced (``flowrl.runtime.distributed.reduce_metrics``),
+#: weighted by that count, so the figure is the mean over every token of the batch, whatever the split.
+TOKEN_MEANS: dict[str, str] = {"mismatch/kl": "mismatch/tokens", "policy/entropy": "policy/tokens"}
 
 
 def learning_rate(config: OptimizerConfig, step: int) -> float:
@@ -124,16 +133,25 @@ def _whole(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
     """One row from the metrics of a batch's optimizer steps: each key's mean over the steps that have it
-    (``*_max``: the largest).
+    (``*_max``: the largest; a mean over tokens, ``TOKEN_MEANS``: weighted by each step's tokens).
 
     Example:
         >>> _combine([{"loss": 1.0, "old/ratio_max": 1.0}, {"loss": 3.0, "old/ratio_max": 1.5}])
         {'loss': 2.0, 'old/ratio_max': 1.5}
+        >>> _combine([{"policy/entropy": 1.0, "policy/tokens": 1.0}, {"policy/entropy": 2.0, "policy/tokens": 3.0}])
+        {'policy/entropy': 1.75, 'policy/tokens': 2.0}
     """
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for m in steps for k in m):
-        values = [m[key] for m in steps if key in m]
-        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+        having = [m for m in steps if key in m]
+        values = [m[key] for m in having]
+        weights = [m.get(TOKEN_MEANS[key], 0.0) for m in having] if key in TOKEN_MEANS else []
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif weights and sum(weights) > 0:
+            out[key] = sum(v * w for v, w in zip(values, weights)) / sum(weights)
+        else:
+            out[key] = sum(values) / len(values)
     return out
 
 
@@ -195,15 +213,19 @@ class Trainer:
         bumping ``version``; a rollout plus its reward fields, and ``ref_logprobs`` for a KL term.
 
         Returns:
-            Metrics: ``loss``, ``reward_mean``, ``reward/<field>`` per reward field, ``grad_norm``
-            (before clipping), ``lr``, ``completion_len_mean``, ``staleness`` (version at the batch's start
-            minus ``rollout_version``, when the batch has it), the ``mismatch/*`` metrics, the
-            ``shaping/*`` metrics of the shaping applied, and the loss's own metrics (over the tokens
-            inside pi's kept set). ``reward_mean``, ``reward/<field>`` and ``completion_len_mean`` are
-            the rollout's, before shaping. With several optimizer steps, each step's loss metrics,
-            ``loss``, ``grad_norm`` and ``lr`` are averaged over the steps (``*_max``: the largest), the
-            ``old/*`` metrics (``losses.proximal_metrics``: pi against the batch's starting weights) are
-            added, and ``updates`` counts the steps.
+            Metrics: ``loss``, ``reward_mean``, ``reward/<field>`` per reward field, ``policy/grad_norm``
+            (the global gradient norm before clipping), ``policy/lr`` (the learning rate of the step),
+            ``policy/entropy`` (pi's entropy, the mean over the step's completion tokens of the
+            distribution each was evaluated under: temperature, top-k and top-p as sampled; from the
+            logits of the step's own forward pass) and ``policy/tokens`` (the completion tokens it
+            covers), ``staleness`` (version at the batch's start minus ``rollout_version``, when the
+            batch has it), the ``mismatch/*`` metrics, the ``shaping/*`` metrics of the shaping applied,
+            and the loss's own metrics (over the tokens inside pi's kept set). ``reward_mean`` and
+            ``reward/<field>`` are the rollout's, before shaping. With several optimizer steps, each
+            step's loss metrics, ``loss`` and the ``policy/*`` metrics are averaged over the steps
+            (``*_max``: the largest; ``policy/entropy`` weighted by each step's ``policy/tokens``, so it
+            is the mean over all their tokens: ``TOKEN_MEANS``), the ``old/*`` metrics (``losses.proximal_metrics``: pi against the
+            batch's starting weights) are added, and ``updates`` counts the steps.
 
         Raises:
             ConfigError: naming a field the batch lacks.
@@ -219,7 +241,6 @@ class Trainer:
         raw_rewards = combined_rewards(config, mine)  # [S], before shaping: what reward_mean reports
         rollout = {
             "reward_mean": float(raw_rewards.mean()) if raw_rewards.numel() else 0.0,
-            "completion_len_mean": float(mine["completion_mask"].sum(1).float().mean()) if raw_rewards.numel() else 0.0,
             **{f"reward/{name}": float(mine[name].float().mean()) if raw_rewards.numel() else 0.0 for name in config.reward_weights},
         }
         batch, sampled = dynamic_sample(config, batch)  # the whole batch, once: every rank keeps the same groups
@@ -275,9 +296,14 @@ class Trainer:
             with torch.no_grad():
                 pieces = [self._logprobs(p, grad=True) for p in split(part, size)]
             return torch.cat(pieces) if pieces else torch.zeros_like(part["behaviour_logprobs"])
+        return self._forward(part, completion_logprobs)
+
+    def _forward(self, part: Mapping[str, Tensor], fn: Callable[..., Any]) -> Any:
+        """``fn`` (``completion_logprobs`` or ``completion_logprobs_and_entropy``) of ``part``'s completions
+        under the policy's autocast, with gradients."""
         precision = self.node.optimizer.autocast
         with torch.autocast(self.device.type, dtype=DTYPES[precision], enabled=precision != "float32"):
-            return completion_logprobs(
+            return fn(
                 self.model,
                 part["sample_prompt_ids"],
                 part["sample_prompt_lens"],
@@ -306,8 +332,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         pieces: list[Tensor] = []
         kept_pieces: list[Tensor] = []
+        entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # pi's entropy over the completion tokens
         for start, part in zip(range(0, n, size), split(batch, size)):
-            logprobs = self._logprobs(part, grad=True)
+            logprobs, entropy = self._forward(part, completion_logprobs_and_entropy)  # [s, C] each; entropy 0 off the mask
+            entropy_sum += entropy.sum(dtype=torch.float64)
             # pi = 0 (-inf) only for a sampled token outside pi's kept set: weight 0, never inf or nan
             kept = ~torch.isneginf(logprobs)  # [s, C]
             if "proximal_logprobs" in part:  # and outside pi_prox's
@@ -342,7 +370,14 @@ class Trainer:
         max_norm = self.node.optimizer.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
-        metrics.update({"loss": float(loss), "grad_norm": float(grad_norm), "lr": lr})
+        tokens = int(mask.sum())
+        metrics.update({
+            "loss": float(loss),
+            "policy/grad_norm": float(grad_norm),
+            "policy/lr": lr,
+            "policy/entropy": float(entropy_sum) / max(tokens, 1),
+            "policy/tokens": float(tokens),
+        })  # fmt: skip
         self.version += 1
         return metrics
 

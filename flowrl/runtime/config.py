@@ -44,7 +44,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         device: where the models run: ``"auto"`` (CUDA when torch sees a CUDA device, else the CPU),
             ``"cpu"`` or ``"cuda"`` (each node on ``cuda:N`` from its placement; see
             ``flowrl.runtime.placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
-        eval_every: every N policy versions, score the policy on the rows of ``eval_data`` in a
+        eval_every: every N trainer steps, score the policy on the rows of ``eval_data`` in a
             background thread (``flowrl.runtime.evaluation``: ``eval/...`` keys in that step's
             metrics row); 0 never.
         eval_data: the held-out prompt file (the fields of the training file); needs ``eval_every``.
@@ -99,6 +99,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError(f"eval_every={self.eval_every} must be >= 1 to evaluate every N steps (0: never)")
         if self.eval_every and not self.eval_data:
             raise ConfigError(f"eval_every={self.eval_every} needs eval_data, a prompt file of held-out rows with the training file's fields")
+        if self.eval_every > self.steps:
+            raise ConfigError(
+                f"eval_every={self.eval_every} never fires within steps={self.steps} (it counts trainer steps): "
+                f"set eval_every to at most {self.steps}, or steps={self.eval_every} or more"
+            )
         if self.eval_data and not self.eval_every:
             raise ConfigError(f"eval_data={self.eval_data!r} is read only with eval_every, how often to evaluate (in steps)")
         if self.eval_samples < 1:

@@ -29,6 +29,9 @@ State it keeps (each guarded as noted):
   for (``RunConfig.eval_every``: a ``Future`` from ``evaluation.Evaluator``, else None). A row is
   written (file, ``on_step``) once it and every row before it are complete; a checkpoint first
   waits for all of them, so the metrics file covers every step a resume will not repeat.
+- Cadences count trainer steps (the row's ``step`` = ``seq + 1``), whatever the updates per batch:
+  ``eval_every``, ``log_samples`` and ``checkpoint_every`` fire after step ``seq`` when
+  ``(seq + 1) % N == 0``.
 
 Invariants:
 
@@ -458,13 +461,13 @@ class Controller:
         )
         row.update(source_metrics)
         logger = self._sample_loggers.get(ex.name)
-        texts = logger(version, batch) if logger is not None else None
+        texts = logger(seq + 1, batch) if logger is not None else None  # every N trainer steps, as evaluations and checkpoints
         if texts:
             row["samples_text"] = texts
         consumed = row["prompt_index"]
         self.rows.append(row)
         evaluation = None
-        if self._evaluator is not None and ex.name == self._eval_policy and version % self.config.eval_every == 0:
+        if self._evaluator is not None and ex.name == self._eval_policy and (seq + 1) % self.config.eval_every == 0:  # every N steps
             evaluation = self._evaluator.submit(ex.program, version)  # the trainer waits for the save only
         self._unwritten.append((row, evaluation))
         self._write_rows(wait=False)

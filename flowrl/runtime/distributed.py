@@ -173,10 +173,11 @@ def merge_rollouts(parts: list[Mapping[str, Tensor]]) -> Batch:
 def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, device: torch.device | None = None) -> dict[str, float]:
     """Every metric over ``group`` (keys must agree on every rank), each reduced as its name says.
 
-    - ``*_max``: the largest value of any rank (``mismatch/abs_logp_max``);
+    - ``*_max``: the largest value of any rank (``mismatch/abs_logp_max``); ``*_min``: the smallest;
     - ``*/tokens`` and ``shaping/dropped_*``: the sum (how many tokens a figure covers, how many groups
       or samples dynamic sampling dropped, all ranks together);
-    - ``mismatch/kl``: the mean weighted by each rank's ``mismatch/tokens`` (a mean over tokens);
+    - a mean over tokens (``TOKEN_MEANS``: ``mismatch/kl``, ``policy/entropy``): weighted by each
+      rank's count of the tokens it covers (``mismatch/tokens``, ``policy/tokens``);
     - anything else: the ``weight``-weighted mean (``weight`` is the rank's samples).
 
     Example (one process: a group of one):
@@ -186,28 +187,37 @@ def reduce_metrics(metrics: Mapping[str, float], weight: float, *, group: Any, d
         {'loss': 2.0, 'mismatch/abs_logp_max': 0.5, 'mismatch/tokens': 3.0}
         >>> dist.destroy_process_group()
     """
+    from flowrl.operators.trainer import TOKEN_MEANS  # the trainer's metrics say which are means over tokens
+
     keys = sorted(metrics)
-    maxima = [k for k in keys if k.endswith("_max")]
-    means = [k for k in keys if k not in maxima]
-    token_weight = float(metrics.get("mismatch/tokens", 0.0))
+    peaks_of = [k for k in keys if k.endswith(("_max", "_min"))]
+    means = [k for k in keys if k not in peaks_of]
+    counts = sorted({TOKEN_MEANS[k] for k in means if k in TOKEN_MEANS})  # the token counts the token means are weighted by
 
     def summed(k: str) -> bool:
         return k.endswith("/tokens") or k.startswith("shaping/dropped_")
 
     def rank_weight(k: str) -> float:
-        return 1.0 if summed(k) else token_weight if k == "mismatch/kl" else weight
+        return 1.0 if summed(k) else float(metrics.get(TOKEN_MEANS[k], 0.0)) if k in TOKEN_MEANS else weight
 
-    values = torch.tensor([float(metrics[k]) * rank_weight(k) for k in means] + [weight, token_weight], dtype=torch.float64, device=device or "cpu")
+    values = torch.tensor(
+        [float(metrics[k]) * rank_weight(k) for k in means] + [weight] + [float(metrics.get(c, 0.0)) for c in counts],
+        dtype=torch.float64, device=device or "cpu",
+    )  # fmt: skip
     dist.all_reduce(values, group=group)
-    *sums, samples, tokens = values.tolist()
+    reduced = values.tolist()
+    sums, samples = reduced[: len(means)], reduced[len(means)]
+    totals = dict(zip(counts, reduced[len(means) + 1 :]))  # each token count, all ranks together
     out = {}
     for k, v in zip(means, sums):
-        total = 1.0 if summed(k) else tokens if k == "mismatch/kl" else samples
+        total = 1.0 if summed(k) else totals[TOKEN_MEANS[k]] if k in TOKEN_MEANS else samples
         out[k] = v / (total or 1.0)
-    if maxima:
-        peaks = torch.tensor([float(metrics[k]) for k in maxima], dtype=torch.float64, device=device or "cpu")
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
-        out.update(zip(maxima, peaks.tolist()))
+    for op, suffix in ((dist.ReduceOp.MAX, "_max"), (dist.ReduceOp.MIN, "_min")):
+        named = [k for k in peaks_of if k.endswith(suffix)]
+        if named:
+            peaks = torch.tensor([float(metrics[k]) for k in named], dtype=torch.float64, device=device or "cpu")
+            dist.all_reduce(peaks, op=op, group=group)
+            out.update(zip(named, peaks.tolist()))
     return {k: out[k] for k in keys}
 
 

@@ -1,5 +1,5 @@
-"""Evaluation during training (``flowrl run --eval-every N --eval-data FILE``): every Nth policy version
-scored on held-out rows, greedy and sampled, with pass@k, off the trainer's path.
+"""Evaluation during training (``flowrl run --eval-every N --eval-data FILE``): the policy after every Nth
+trainer step scored on held-out rows, greedy and sampled, with pass@k, off the trainer's path.
 
 At an evaluation step the controller has the policy save its state (``NodeProgram.save``, the file a
 checkpoint holds: the one way to read a policy's weights that every backend offers) into a scratch
@@ -13,7 +13,7 @@ covers, so a stopped run's metrics file never lacks an evaluation a resume would
 
 The keys an evaluated row gets (``EVAL_KEYS`` and the ``eval/pass@j``):
 
-- ``eval/version``: the policy version evaluated (the row's ``step``); ``eval/rows``: rows scored;
+- ``eval/version``: the policy version evaluated (the row's ``policy_version``); ``eval/rows``: rows scored;
 - ``eval/greedy_reward_mean``, ``eval/sampled_reward_mean`` (over the ``k`` samples of every row);
 - ``eval/greedy_pass``: the fraction of rows whose greedy completion passes (combined reward
   ``>= pass_reward``); ``eval/pass@j`` for ``j`` in ``pass_ks(k)``: the unbiased estimate (Chen et

@@ -8,6 +8,23 @@ plus the loss's own namespaced metrics (``aipo/ratio_mean`` ...), the engine/tra
 NaN, which JSON would write as null) and ``prompt_index``: the indices of
 the prompts the step consumed (sorted), so that what a run trained on, across kills and resumes, can
 be read back from the file alone.
+
+Training health, in every row of a policy that trains (``HEALTH_KEYS``):
+
+- from the batch the policy consumed (``rollout_health``, so alike under every backend):
+  ``rollout/reward_std`` (the combined reward's standard deviation within each prompt group,
+  population std as the advantages' ``normalize_std`` takes it, averaged over the groups: the spread
+  the group baseline learns from), ``rollout/zero_std_frac`` (the fraction of groups whose rewards
+  are all equal: advantage 0, no learning signal), ``rollout/length_mean``, ``rollout/length_min``,
+  ``rollout/length_max`` (completion tokens: ``completion_lens``) and ``rollout/cut_frac``
+  (the share cut at ``max_new_tokens``: ``shaping.truncated_completions``, the rule
+  ``mask_truncated_completions`` applies);
+- from the trainer (``flowrl.operators.trainer``): ``policy/entropy`` (pi's entropy over the
+  completion tokens, from the logits of its training forward pass), ``policy/grad_norm`` (before
+  clipping), ``policy/lr``.
+
+What a program reports goes into the row when its key is namespaced (has a ``/``); the un-namespaced
+keys programs report each have a column of the row or are left out on purpose (``UNNAMESPACED``).
 """
 
 from __future__ import annotations
@@ -22,7 +39,17 @@ import torch
 
 from flowrl.fileio import write_atomic
 
-__all__ = ["MetricsWriter", "read_metrics", "step_row", "REQUIRED_KEYS", "COMPLETION_LEN_HIST", "length_histogram"]
+__all__ = [
+    "MetricsWriter",
+    "read_metrics",
+    "step_row",
+    "rollout_health",
+    "REQUIRED_KEYS",
+    "HEALTH_KEYS",
+    "UNNAMESPACED",
+    "COMPLETION_LEN_HIST",
+    "length_histogram",
+]
 
 #: The generator's own figures that reach its step's row: a multi-turn generator's ``env/*``, a
 #: continuous one's ``slots/*`` (utilisation, decode steps, carried groups, in-flight weight swaps).
@@ -33,6 +60,34 @@ COMPLETION_LEN_HIST = "completion_len_hist"
 
 REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "reward_mean", "loss", "time_s",
                  "gen_s", "train_s", "sync_s", "idle_s")
+
+#: The training-health figures of every row of a policy that trains (module docstring).
+HEALTH_KEYS = (
+    "rollout/reward_std", "rollout/zero_std_frac", "rollout/length_mean", "rollout/length_min", "rollout/length_max",
+    "rollout/cut_frac", "policy/entropy", "policy/grad_norm", "policy/lr",
+)  # fmt: skip
+
+#: The un-namespaced keys the built-in programs report (a policy's ``info``, a generator's ``gen``,
+#: a source's, scorer's, reference's or reward model's step), which the row does not copy as they
+#: are: key -> where its figure is instead. The row takes a policy's namespaced keys, a generator's
+#: ``GENERATOR_PREFIXES`` and the other nodes' namespaced keys (``Controller``); any other key is
+#: dropped. ``tests/runtime/test_health_metrics.py`` checks that every key the programs of a run
+#: report is in its row or here.
+UNNAMESPACED: dict[str, str] = {
+    "position": "the row's prompt_index (a source's read position)",
+    "score_s": "the scorer's span in the trace (--trace)",
+    "ref_s": "the reference's span in the trace (--trace)",
+    "rm_s": "the reward model's span in the trace (--trace)",
+    "loss": "the row's loss",
+    "reward_mean": "the row's reward_mean, computed from the batch",
+    "staleness": "the row's staleness, computed from the batch's versions",
+    "updates": "the graph's updates_per_batch, alike every step: policy_version - the previous row's",
+    "train_s": "the row's train_s",
+    "publish_s": "in the row's sync_s",
+    "fetch_s": "in the row's sync_s",
+    "gen_s": "the row's gen_s",
+    "version": "the row's policy_version (a policy's) or rollout_version (a generator's)",
+}
 
 
 class MetricsWriter:
@@ -133,6 +188,7 @@ def step_row(
     }
     if "completion_lens" in batch:  # the planner reads a run's lengths back (flowrl plan --lengths-from)
         row[COMPLETION_LEN_HIST] = length_histogram(batch["completion_lens"].tolist())
+    row.update(rollout_health(batch, combined if isinstance(combined, torch.Tensor) else None))
     if len(rewards) > 1:
         row.update({f"reward/{name}": float(r.mean()) for name, r in rewards.items()})
     row.update({key: value for key, value in info.items() if "/" in key})
@@ -140,6 +196,48 @@ def step_row(
     prompts = batch.get("prompt_index")
     row["prompt_index"] = sorted(set(prompts.tolist())) if prompts is not None else []  # exactly-once is checkable from the file
     return row
+
+
+def rollout_health(batch: dict[str, torch.Tensor], rewards: torch.Tensor | None) -> dict[str, float]:
+    """The ``rollout/*`` health figures of a consumed batch (module docstring); none without completions.
+
+    Args:
+        batch: the rollout (``completion_mask``, ``group_ids``, ``completion_lens`` when it has them,
+            ``completion_stopped`` when the engine says which stopped).
+        rewards: ``[S]`` the combined reward of each sample (None: no reward figures).
+
+    Example:
+        >>> b = {"completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]).bool(),
+        ...      "group_ids": torch.tensor([0, 0, 1, 1])}
+        >>> rollout_health(b, torch.tensor([1.0, 0.0, 0.5, 0.5]))
+        {'rollout/length_mean': 2.0, 'rollout/length_min': 1.0, 'rollout/length_max': 3.0, 'rollout/cut_frac': 0.25, 'rollout/reward_std': 0.25, 'rollout/zero_std_frac': 0.5}
+    """
+    from flowrl.operators.shaping import truncated_completions
+
+    mask = batch.get("completion_mask")
+    if mask is None or mask.shape[0] == 0:
+        return {}
+    lengths = batch["completion_lens"] if "completion_lens" in batch else mask.sum(1)  # [S]
+    lengths = lengths.to(torch.float64)
+    cut = truncated_completions(mask, batch.get("completion_stopped"))  # [S] bool
+    out = {
+        "rollout/length_mean": float(lengths.mean()),
+        "rollout/length_min": float(lengths.min()),
+        "rollout/length_max": float(lengths.max()),
+        "rollout/cut_frac": float(cut.to(torch.float64).mean()),
+    }
+    if rewards is not None and "group_ids" in batch:
+        _, inverse = torch.unique(batch["group_ids"].cpu(), return_inverse=True)  # [S] -> group 0..G-1
+        n = int(inverse.max()) + 1
+        r = rewards.to("cpu", torch.float64)
+        count = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(r))  # [G]
+        mean = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, r) / count  # [G]
+        var = torch.zeros(n, dtype=torch.float64).index_add_(0, inverse, (r - mean[inverse]) ** 2) / count  # [G]
+        hi = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amax")
+        lo = torch.full((n,), torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amin")
+        out["rollout/reward_std"] = float(var.sqrt().mean())
+        out["rollout/zero_std_frac"] = float((hi == lo).to(torch.float64).mean())
+    return out
 
 
 def length_histogram(lengths: Iterable[int], *, max_bins: int = 64) -> list[list[int]]:

@@ -80,7 +80,7 @@ def save_run_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
         kept = f"; the previous checkpoint {previous} is intact" if previous else ""
         raise CheckpointError(
-            f"writing the checkpoint of step {version} to {directory} failed "
+            f"writing the checkpoint of step {version // graph.updates_per_batch()} (version {version}) to {directory} failed "
             f"({type(exc).__name__}: {exc}){kept}; free disk space or choose another --checkpoint-dir"
         ) from exc
 

@@ -39,9 +39,10 @@ class SampleLogger:
         self.reward_weights = dict(reward_weights)
         self._decode: Callable[[list[int]], str] | None = None
 
-    def __call__(self, version: int, batch: Mapping[str, torch.Tensor]) -> list[dict[str, Any]] | None:
-        """The decoded samples for the step that produced ``version``, or None when it is not a logging step."""
-        if self.every <= 0 or version % self.every or "completion_ids" not in batch:
+    def __call__(self, step: int, batch: Mapping[str, torch.Tensor]) -> list[dict[str, Any]] | None:
+        """The decoded samples of trainer step ``step`` (1-based, the row's ``step``), or None when it is
+        not a logging step (every ``every`` trainer steps, whatever the updates per batch)."""
+        if self.every <= 0 or step % self.every or "completion_ids" not in batch:
             return None
         if self._decode is None:  # the tokenizer is loaded on first use (HF: from the model directory)
             from flowrl.models.registry import model_tokens

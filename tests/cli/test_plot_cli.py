@@ -87,11 +87,14 @@ def test_the_mismatch_panel_leaves_out_steps_that_measured_nothing():
 
 
 def _rich_metrics(path):
-    """Two named rewards, a KL to the reference, the objective's KL, and evaluations at steps 2 and 4."""
+    """Two named rewards, a KL to the reference, the objective's KL, training health, and evaluations at steps 2 and 4."""
+    from flowrl.runtime.metrics import HEALTH_KEYS
+
     rows = []
     for s in range(1, 5):
         row = {"step": s, "time_s": 0.5 * s, "reward_mean": 0.1 * s, "loss": 1.0, "staleness": 0, "prompt_index": [s],
-               "reward/answer": 0.1 * s, "reward/format": 1.0, "loss/kl_ref": 0.01 * s, "aipo/kl": 0.002 * s}
+               "reward/answer": 0.1 * s, "reward/format": 1.0, "loss/kl_ref": 0.01 * s, "aipo/kl": 0.002 * s,
+               "aipo/truncated_frac": 0.01 * s, **{k: i + 0.5 * s for i, k in enumerate(HEALTH_KEYS)}}
         if s % 2 == 0:
             row.update({"eval/greedy_reward_mean": 0.2 * s, "eval/sampled_reward_mean": 0.1 * s, "eval/pass@1": 0.1 * s,
                         "eval/pass@2": 0.15 * s, "eval/pass@4": 0.2 * s})
@@ -122,9 +125,15 @@ def test_panels_per_named_reward_kl_and_evaluations_when_the_rows_hold_them(tmp_
         mp.setattr(plt.Figure, "tight_layout", lambda fig: None)  # layout is slow and checked by the PNG test
         plot_runs({"m": rows}, tmp_path / "c.png")
     assert list(drawn)[len(PANELS):] == [
-        "reward: answer", "reward: format", "KL (loss/kl_ref, aipo/kl)", "eval: reward (greedy, sampled)", "eval: pass@k",
+        "policy entropy (nats per completion token)", "reward std within groups; share of groups with equal rewards",
+        "completion length (mean, min, max)", "share of completions cut at max_new_tokens", "gradient norm (before clipping)",
+        "learning rate", "reward: answer", "reward: format", "KL (loss/kl_ref, aipo/kl)", "eval: reward (greedy, sampled)", "eval: pass@k",
     ]
     assert drawn["reward: answer"]["m"] == ([1, 2, 3, 4], [r["reward/answer"] for r in rows])
+    assert drawn["policy entropy (nats per completion token)"]["m"] == ([1, 2, 3, 4], [r["policy/entropy"] for r in rows])
+    assert drawn["completion length (mean, min, max)"]["m rollout/length_max"][1] == [r["rollout/length_max"] for r in rows]
+    (ratio_panel,) = [t for t in drawn if t.startswith("importance ratio")]
+    assert drawn[ratio_panel]["m truncated_frac"][1] == [r["aipo/truncated_frac"] for r in rows]  # AIPO's, not rollout/cut_frac
     assert drawn["KL (loss/kl_ref, aipo/kl)"]["m loss/kl_ref"][1] == [r["loss/kl_ref"] for r in rows]
     assert drawn["eval: pass@k"]["m eval/pass@4"] == ([2, 4], [rows[1]["eval/pass@4"], rows[3]["eval/pass@4"]])
     assert sorted(drawn["eval: pass@k"]) == ["m eval/pass@1", "m eval/pass@2", "m eval/pass@4"]

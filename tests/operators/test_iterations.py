@@ -221,3 +221,59 @@ def test_each_update_equals_an_autograd_replay_against_the_old_policy(iterations
     want_ratio = sum(float(r.mean()) for r in ratios) / len(ratios)  # the row's mean over the steps
     assert metrics["old/ratio_mean"] == pytest.approx(want_ratio, rel=1e-5)
     assert metrics["old/ratio_max"] == pytest.approx(max(float(r.max()) for r in ratios), rel=1e-5)
+
+
+def _reference_ppo_steps(model, optimizer, parts, *, old, eps=0.2):
+    """GRPO's clipped surrogate written out against the log-probs ``old`` (one tensor per part): group-mean
+    advantages by hand, ``min(r A, clip(r, 1 - eps, 1 + eps) A)`` with ``r = pi / old`` over the part's real
+    tokens, backward, AdamW; returns each step's ratios."""
+    ratios = []
+    for part, anchor in zip(parts, old):
+        n = int(part["group_ids"].shape[0])
+        rewards = part["rewards"].float().view(-1, 3)  # 3 samples a group, contiguous
+        adv = (rewards - rewards.mean(1, keepdim=True)).reshape(n, 1)
+        mask = part["completion_mask"]
+        logp = _logp(model, part)
+        r = torch.exp(logp - anchor)
+        loss = -(torch.min(r * adv, r.clamp(1 - eps, 1 + eps) * adv) * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        ratios.append(r.detach()[mask])
+    return ratios
+
+
+@pytest.mark.parametrize("objective", ["grpo", "ppo_clip"])
+def test_with_two_updates_ppo_clips_against_the_policy_at_the_batchs_start_not_mu(objective):
+    """A batch whose mu is not the trainer's policy (every recorded log mu raised by 0.5, as a stale or
+    quantized generator's would differ): with num_iterations=2 both steps clip pi / pi_old, pi_old the
+    weights the batch starts with (TRL's old_per_token_logps), so the first step's ratio is exactly 1.
+    The two steps replayed by hand against pi_old give the trainer's gradients and weights (assert_close's
+    float32 defaults, 1.3e-6 relative: the same kernels in the same order); replayed against mu they
+    do not (the ratio e^-0.5 = 0.61 lies below the clip range, which drops the negative advantages'
+    gradients), so a trainer that skipped pi_old and fell back to mu fails here."""
+    batch = rollout_with_rewards(seed=3, n_samples=3, batch_size=4)
+    assert batch["rewards"].std() > 0
+    batch["behaviour_logprobs"] = torch.where(batch["completion_mask"], batch["behaviour_logprobs"] + 0.5, 0.0)  # mu != pi_old
+    node = tiny_policy_node(lr=3e-2, grad_clip=0.0, num_iterations=2)
+    trainer = Trainer(node, loss_node(objective=objective, clip_eps=0.2))
+
+    def replay(anchor_of):
+        model = copy.deepcopy(trainer.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2, betas=node.optimizer.betas, weight_decay=node.optimizer.weight_decay)
+        parts = [batch, batch]  # two passes over the one mini-batch
+        return model, _reference_ppo_steps(model, opt, parts, old=[anchor_of(p) for p in parts])
+
+    with torch.no_grad():
+        pi_old = _logp(trainer.model, batch)
+    by_hand, ratios = replay(lambda part: pi_old)
+    against_mu, _ = replay(lambda part: part["behaviour_logprobs"])
+    metrics = trainer.train_step(batch)
+    assert trainer.version == 2
+    torch.testing.assert_close(ratios[0], torch.ones_like(ratios[0]), rtol=0, atol=0)  # pi = pi_old at the first step
+    for p, q in zip(trainer.model.parameters(), by_hand.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        torch.testing.assert_close(p.data, q.data)
+    assert max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(trainer.model.parameters(), against_mu.parameters())) > 1e-3
+    # the row's mean of ~50 float32 ratios near 1, summed in another order: at most ~50 ulps (6e-6) apart
+    assert metrics["ppo/ratio_mean"] == pytest.approx(sum(float(r.mean()) for r in ratios) / 2, rel=1e-5)

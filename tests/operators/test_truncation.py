@@ -15,12 +15,14 @@ import torch
 
 from flowrl.graph.nodes import LossNode
 from flowrl.operators.generation import Generator
-from flowrl.operators.logprobs import completion_logprobs, kept_logprobs, truncation_threshold
+from flowrl.operators.logprobs import completion_logprobs, completion_logprobs_and_entropy, kept_logprobs, truncation_threshold
 from flowrl.operators.mismatch import MISMATCH_KEYS
 from flowrl.operators.source import PromptSource
 from flowrl.operators.trainer import Trainer
 
-from .helpers import loss_node, reference_sampling_logprobs, source_node, tiny_generator_node, tiny_policy_node
+from .helpers import TINY, loss_node, reference_sampling_logprobs, source_node, tiny_generator_node, tiny_policy_node
+
+TINY_V = TINY.vocab_size
 
 # -- the kept-set log-prob by hand -----------------------------------------------------------------
 
@@ -259,3 +261,35 @@ def test_samples_drawn_with_different_truncations_are_each_evaluated_with_their_
             alone = completion_logprobs(trainer.model, *(f[i : i + 1] for f in fields), top_k=int(top_k[i]), top_p=float(top_p[i]))
             torch.testing.assert_close(got[i : i + 1], alone, rtol=0, atol=1e-6)
     assert bool(torch.isneginf(got).any())  # top-k 3 drops some of the tokens top-k 5 drew
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(top_k=4, temperature=0.7), dict(top_p=0.8)], ids=["plain", "top-k-4-T0.7", "top-p-0.8"])
+def test_the_entropy_of_each_completion_token_equals_a_sum_over_the_vocabulary(settings):
+    """``completion_logprobs_and_entropy``'s entropy at position t is ``-sum_v p(v) log p(v)`` over every
+    token v put at t (each one a separate ``completion_logprobs`` call, so the kept set and its
+    renormalisation come from the one truncation rule; p(v) = 0 outside it); its log-probs are
+    ``completion_logprobs``'s. Tolerance: per-token log-probs of ~2.8 nats from forwards of other
+    batch shapes differ by a few float32 ulps (~1e-6 relative), summed over 16 tokens: 1e-5 relative."""
+    trainer = Trainer(tiny_policy_node(), LossNode(name="aipo"))
+    settings = dict(settings)
+    temperature = settings.pop("temperature", 1.0)
+    batch = _on_policy(trainer, temperature=temperature, **settings)
+    fields = [batch[f][:2] for f in ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")]
+    prompt_ids, prompt_lens, ids, mask = fields
+    with torch.no_grad():
+        logp, entropy = completion_logprobs_and_entropy(trainer.model, *fields, temperature=temperature, **settings)
+        torch.testing.assert_close(logp, completion_logprobs(trainer.model, *fields, temperature=temperature, **settings), rtol=0, atol=0)
+        assert bool((entropy[~mask] == 0).all())
+        V = TINY_V
+        for i in range(2):
+            for t in range(int(mask[i].sum())):
+                each = ids[i : i + 1].repeat(V, 1)
+                each[:, t] = torch.arange(V)  # every token at position t, after the sample's own y_<t
+                upto = (torch.arange(ids.shape[1]) <= t)[None, :].expand(V, -1)
+                lp = completion_logprobs(trainer.model, prompt_ids[i : i + 1].repeat(V, 1), prompt_lens[i : i + 1].repeat(V), each, upto,
+                                         temperature=temperature, **settings)[:, t]  # fmt: skip
+                p = lp.double().exp()
+                want = float(-(torch.where(p > 0, p * lp.double(), 0.0)).sum())
+                assert float(entropy[i, t]) == pytest.approx(want, rel=1e-5), (i, t)
+    if settings:
+        assert float(entropy[mask].max()) < math.log(V)  # truncation keeps fewer tokens than the vocabulary

@@ -453,8 +453,8 @@ def _step_job(out: str, family: str, directory: str) -> int:
         result.update(
             shards=[int(s["completion_mask"].shape[0]) for s in shards[0]],
             tokens=[int(s["completion_mask"].sum()) for s in shards[0]],
-            grad_norm_ref=ref_metrics["grad_norm"],
-            grad_norm_fsdp=metrics["grad_norm"],
+            grad_norm_ref=ref_metrics["policy/grad_norm"],
+            grad_norm_fsdp=metrics["policy/grad_norm"],
             max_grad_diff=max(float((_full(p.grad) - q.grad).abs().max()) for p, q in zip(_trained(mine), _trained(ref))),
             max_param_diff=_max_diff(dict(mine.model.named_parameters()), dict(ref.model.named_parameters())),
             max_moment_diff=max(

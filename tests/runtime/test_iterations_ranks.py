@@ -38,6 +38,12 @@ def test_replicas_and_shards_take_the_one_process_updates(tmp_path):
         assert r["max_grad_diff"] < 2e-5 * r["max_grad"], r
         assert r["max_param_diff"] < 1e-4, r
         assert abs(r["grad_norm"] - r["ref_grad_norm"]) < 1e-5 * r["ref_grad_norm"], r
+        # the health metrics the row gets: pi's entropy over every token of the batch's steps, whatever
+        # the split (per-rank means weighted by their tokens); per-token entropies of ~log 16 = 2.8 from
+        # forwards at other batch shapes differ by a few float32 ulps (~1e-6 relative): 1e-5 relative
+        assert r["policy/tokens"] == r["ref_policy/tokens"], r
+        assert abs(r["policy/entropy"] - r["ref_policy/entropy"]) < 1e-5 * r["ref_policy/entropy"], r
+        assert abs(r["policy/lr"] - r["ref_policy/lr"]) <= 1e-15 * r["ref_policy/lr"], r  # equal values averaged in float64: a few ulps (2.2e-16)
 
 
 def _job(out: str) -> int:
@@ -93,8 +99,9 @@ def _job(out: str) -> int:
                 for p, q in zip(ref.model.parameters(), program.trainer.model.parameters())
             ),  # the last update's gradient, clipped
             "max_grad": max(float(p.grad.abs().max()) for p in ref.model.parameters()),
-            "grad_norm": info["grad_norm"],
-            "ref_grad_norm": ref_metrics["grad_norm"],
+            "grad_norm": info["policy/grad_norm"],
+            "ref_grad_norm": ref_metrics["policy/grad_norm"],
+            **{f"{side}{key}": m[key] for side, m in (("", info), ("ref_", ref_metrics)) for key in ("policy/entropy", "policy/tokens", "policy/lr")},
         }
     if rank == 0:
         Path(out).write_text(json.dumps(result))

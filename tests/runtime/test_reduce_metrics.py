@@ -1,5 +1,5 @@
-"""``reduce_metrics`` on a 2-rank gloo group: maxima stay maxima, token counts add up, a per-token
-mean is weighted by tokens, dropped groups add up, everything else by samples (a data-parallel policy's metrics row)."""
+"""``reduce_metrics`` on a 2-rank gloo group: maxima stay maxima, minima minima, token counts add up, a
+per-token mean is weighted by its own tokens, dropped groups add up, everything else by samples (a data-parallel policy's metrics row)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from tests.runtime.helpers import launch_ranks
 
 #: rank -> (its metrics, its samples)
 RANKS = {
-    0: ({"loss": 1.0, "mismatch/kl": 0.1, "mismatch/tokens": 30.0, "mismatch/abs_logp_max": 0.5, "shaping/dropped_groups": 2.0}, 1.0),
-    1: ({"loss": 4.0, "mismatch/kl": 0.4, "mismatch/tokens": 10.0, "mismatch/abs_logp_max": 0.2, "shaping/dropped_groups": 1.0}, 3.0),
+    0: ({"loss": 1.0, "mismatch/kl": 0.1, "mismatch/tokens": 30.0, "mismatch/abs_logp_max": 0.5, "shaping/dropped_groups": 2.0,
+         "policy/entropy": 2.0, "policy/tokens": 10.0, "x/length_min": 3.0}, 1.0),
+    1: ({"loss": 4.0, "mismatch/kl": 0.4, "mismatch/tokens": 10.0, "mismatch/abs_logp_max": 0.2, "shaping/dropped_groups": 1.0,
+         "policy/entropy": 1.0, "policy/tokens": 10.0, "x/length_min": 7.0}, 3.0),
 }
 
 
@@ -25,6 +27,9 @@ def test_each_metric_is_reduced_as_its_name_says(tmp_path: Path) -> None:
         "mismatch/tokens": 40.0,  # a sum
         "mismatch/abs_logp_max": 0.5,  # a max
         "shaping/dropped_groups": 3.0,  # a sum (the samples-weighted mean would be 1.25)
+        "policy/entropy": (2.0 * 10 + 1.0 * 10) / 20,  # weighted by its own tokens: 1.5 (by samples 1.25, by mismatch/tokens 1.75)
+        "policy/tokens": 20.0,
+        "x/length_min": 3.0,  # a min
     }
     for rank in (0, 1):
         assert results[rank].keys() == expected.keys()

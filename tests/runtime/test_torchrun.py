@@ -247,6 +247,10 @@ def test_real_pipeline_trains_data_parallel_over_files(tmp_path):
     g = file_graph()
     per_step = g.nodes_of_kind("source")[0].source.batch_size * g.nodes_of_kind("generator")[0].sampling.n_samples
     assert all(r["samples"] == per_step and r["train_s"] > 0 for r in rows)
+    from flowrl.runtime.metrics import HEALTH_KEYS
+
+    assert all(key in r for r in rows for key in HEALTH_KEYS), [sorted(set(HEALTH_KEYS) - set(r)) for r in rows]  # the dp policy's, reduced over ranks
+    assert all(0 < r["policy/entropy"] and 0 < r["policy/grad_norm"] for r in rows), rows
     assert (tmp_path / "ck").is_dir() and any((tmp_path / "ck").iterdir())
     assert "done: 4 steps" in proc.stdout and proc.stdout.count("done:") == 1  # only rank 0 reports
 
@@ -475,7 +479,7 @@ def _dp_job(out: str, loss_agg: str) -> int:
             "shards": sizes.tolist(),
             "max_grad_diff": float(diffs),
             "grad_norm_dp": dp.dp_grad_norm,
-            "grad_norm_ref": ref_metrics["grad_norm"],
+            "grad_norm_ref": ref_metrics["policy/grad_norm"],
             "loss_dp": float(loss_dp),
             "loss_ref": ref_metrics["loss"],
         }))

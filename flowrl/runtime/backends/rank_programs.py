@@ -139,7 +139,7 @@ class _RankPolicy(PolicyProgram):
         grad_norm = self._grad_norm(metrics)
         samples = float(shard_by_groups(batch, len(self.ranks))[self.index]["completion_mask"].shape[0])
         metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
-        metrics["grad_norm"] = grad_norm
+        metrics["policy/grad_norm"] = grad_norm
         train_s = time.perf_counter() - start
         sent = self.collective_bytes
         publish_s = self.publish()
@@ -263,7 +263,7 @@ class ShardedPolicy(_RankPolicy):
         check_shards(self.name, sizes, self.trainer.node.optimizer.micro_batch_size)
 
     def _grad_norm(self, metrics: dict[str, float]) -> float:
-        return float(metrics["grad_norm"])  # the global norm already (DTensor gradients), averaged over the steps
+        return float(metrics["policy/grad_norm"])  # the global norm already (DTensor gradients), averaged over the steps
 
     def save(self, path: str) -> None:
         from flowrl.runtime.fsdp import full_state
