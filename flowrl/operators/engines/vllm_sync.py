@@ -11,11 +11,11 @@ workers is the layout's next step (ARCHITECTURE.md). The call takes ``"nccl"`` u
 
 ``send(weights)`` cuts the weights into buckets of at most ``bucket_bytes`` (a tensor larger than
 that is a bucket of its own), tells every worker the plan (names, shapes, dtypes: plain data over
-vLLM's RPC) and broadcasts each bucket as one flat byte buffer with the group's own ``broadcast``
-(the group is not in torch's world map, so ``torch.distributed.broadcast`` cannot name it). The
-sender packs bucket ``i + 1`` while bucket ``i`` is on the wire; each worker receives bucket
-``i + 1`` while vLLM loads bucket ``i`` (``reload_weights`` consumes an iterator), so at most a few
-buckets are in memory beyond the model. Every tensor goes once to every worker, in the generator's
+vLLM's RPC) and broadcasts each tensor of each bucket, as it lies in the staging copy (no packing),
+with the group's own ``broadcast`` (the group is not in torch's world map, so
+``torch.distributed.broadcast`` cannot name it). Each worker receives bucket ``i + 1`` while vLLM
+loads bucket ``i`` (``reload_weights`` consumes an iterator), so at most a few buckets are in memory
+beyond the model. Every tensor goes once to every worker, in the generator's
 dtype: ``bytes`` is the model's bytes in that dtype.
 
 Why a group of its own rather than a transport of the policy's: vLLM's workers are processes vLLM
@@ -121,12 +121,12 @@ class WeightSyncGroup:
     Attributes:
         world: members: this process and vLLM's workers.
         backend: ``"gloo"`` or ``"nccl"``.
-        bytes_sent: payload bytes broadcast so far (each bucket once; the group fans it out).
+        bytes_sent: payload bytes broadcast so far (each tensor once; the group fans it out).
     """
 
-    def __init__(self, llm: Any, group: Any, *, world: int, backend: str, device: torch.device, bucket_bytes: int) -> None:
+    def __init__(self, llm: Any, group: Any, *, world: int, backend: str, bucket_bytes: int) -> None:
         self._llm, self._group = llm, group
-        self.world, self.backend, self.device, self.bucket_bytes = world, backend, device, bucket_bytes
+        self.world, self.backend, self.bucket_bytes = world, backend, bucket_bytes
         self.bytes_sent = 0
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-vllm-rpc")
 
@@ -139,7 +139,7 @@ class WeightSyncGroup:
         """
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        device, backend = torch.device("cpu"), "gloo"  # see the module docstring: NCCL cannot join two processes on one GPU
+        backend = "gloo"  # on host memory, also on GPUs: see the module docstring (NCCL cannot join two processes on one GPU)
         workers = int(llm.llm_engine.vllm_config.parallel_config.world_size)
         world = 1 + workers
         host = "127.0.0.1"
@@ -161,7 +161,7 @@ class WeightSyncGroup:
             rpc.shutdown(wait=False)
         if sorted(ranks) != list(range(1, world)):
             raise TransportError(f"vLLM's workers joined the weight-sync group as ranks {ranks}, expected {list(range(1, world))}")
-        return cls(llm, group, world=world, backend=backend, device=device, bucket_bytes=bucket_bytes)
+        return cls(llm, group, world=world, backend=backend, bucket_bytes=bucket_bytes)
 
     @torch.no_grad()
     def send(self, weights: Mapping[str, Tensor], *, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
@@ -174,16 +174,12 @@ class WeightSyncGroup:
         plan = bucket_plan(weights, self.bucket_bytes)
         wire = [[(n, list(weights[n].shape), _dtype_name(weights[n])) for n in bucket] for bucket in plan]
         loaded: Future[Any] = self._rpc.submit(self._llm.collective_rpc, "flowrl_receive_weights", args=(wire,))
-        pending: Any = None
         try:
-            for bucket in plan:
-                flat = torch.cat([weights[n].detach().contiguous().reshape(-1).view(torch.uint8) for n in bucket]).to(self.device)
-                if pending is not None:
-                    pending.wait()  # bucket i on the wire while bucket i + 1 was packed
-                pending = self._group.broadcast(flat, 0)
-                self.bytes_sent += flat.numel()
-            if pending is not None:  # every bucket is sent even after a worker's failure: it drains them
-                pending.wait()
+            for bucket in plan:  # the staging tensors go on the wire as they are: no packing copy
+                works = [self._group.broadcast(weights[n].detach().contiguous(), 0) for n in bucket]
+                for work in works:
+                    work.wait()
+                self.bytes_sent += sum(weights[n].numel() * weights[n].element_size() for n in bucket)
             counts = loaded.result(timeout=timeout_s)
         except Exception as exc:
             raise TransportError(f"weights into vLLM over the weight-sync group failed: {type(exc).__name__}: {exc}") from exc

@@ -11,8 +11,8 @@ Weights reach the workers one of two ways (``flowrl.operators.engines.vllm_sync`
 - over the **weight-sync group**: a process group outside both default worlds, formed once by
   ``flowrl_join_weight_group`` between the generator's process (rank 0) and every worker (rank
   ``1 + worker rank``), with vLLM's ``stateless_init_torch_distributed_process_group``. ``flowrl_receive_weights``
-  then takes the buckets the sender broadcasts, each one flat buffer of whole tensors, a receiving
-  thread filling bucket ``i + 1`` while vLLM loads bucket ``i``;
+  then takes the buckets the sender broadcasts, tensor by tensor, a receiving thread filling bucket
+  ``i + 1`` while vLLM loads bucket ``i``;
 - from a **safetensors file** (``flowrl_load_weights``), when the weight edge's transport is ``file``.
 
 Either way vLLM's ``reload_weights`` loads them: it runs the model's own ``load_weights`` (fusing
@@ -36,7 +36,7 @@ __all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION", "BucketPlan"]
 WORKER_EXTENSION = "flowrl.operators.engines.vllm_worker.FlowrlWorkerExtension"
 
 #: A sync's plan as plain data: per bucket, its tensors in order as ``(name, shape, dtype name)``;
-#: a bucket's bytes are its tensors' bytes back to back (``torch.uint8``), each tensor contiguous.
+#: each tensor is one broadcast, received into a tensor of its own (no packing on either side).
 BucketPlan = list[list[tuple[str, list[int], str]]]
 
 #: Buckets received ahead of the one vLLM is loading (memory: this many buckets at most in flight).
@@ -75,23 +75,19 @@ class FlowrlWorkerExtension:
         def receive() -> None:  # the group's own broadcast: the group is not in torch's world map
             try:
                 for bucket in plan:
-                    size = sum(_nbytes(shape, dtype) for _, shape, dtype in bucket)
-                    flat = torch.empty(size, dtype=torch.uint8, device=device)
-                    group.broadcast(flat, 0).wait()
-                    arrived.put(flat)
+                    tensors = [(name, torch.empty(shape, dtype=getattr(torch, dtype), device=device)) for name, shape, dtype in bucket]
+                    for work in [group.broadcast(t, 0) for _, t in tensors]:
+                        work.wait()
+                    arrived.put(tensors)
             except BaseException as exc:  # handed to the loading thread, which raises it
                 arrived.put(exc)
 
         def tensors() -> Iterator[tuple[str, Any]]:
-            for bucket in plan:
-                flat = arrived.get()
-                if isinstance(flat, BaseException):
-                    raise flat
-                offset = 0
-                for name, shape, dtype in bucket:
-                    n = _nbytes(shape, dtype)
-                    yield name, flat[offset : offset + n].view(getattr(torch, dtype)).view(shape)
-                    offset += n
+            for _ in plan:
+                bucket = arrived.get()
+                if isinstance(bucket, BaseException):
+                    raise bucket
+                yield from bucket
 
         thread = threading.Thread(target=receive, name="flowrl-weight-receive", daemon=True)
         thread.start()
@@ -215,15 +211,6 @@ def _digest(t: Any) -> str:
     import torch
 
     return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _nbytes(shape: list[int], dtype: str) -> int:
-    import torch
-
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _refresh_tied_lm_head(model: Any) -> None:
