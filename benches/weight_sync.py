@@ -157,6 +157,10 @@ def main() -> None:
                         t0 = time.perf_counter()
                         gen.load_weights(state, version=version)
                         routes[route]["seconds"].append(round(time.perf_counter() - t0, 3))
+                    if route == "group":  # the worker's side: the whole receive-and-reload, and the reload's waits for the wire
+                        (w,) = gen._group.last_workers
+                        routes[route].setdefault("worker_s", []).append(round(w["seconds"], 3))
+                        routes[route].setdefault("reload_waited_for_wire_s", []).append(round(w["waited_s"], 3))
                     workers = _worker_pids(os.getpid())
                     peak = routes[route]["peak_rss_gb"]
                     peak["generator"] = max(peak.get("generator", 0), round(rss.peak.get(os.getpid(), 0) / 2**30, 2))

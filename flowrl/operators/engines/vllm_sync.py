@@ -128,6 +128,7 @@ class WeightSyncGroup:
         self._llm, self._group = llm, group
         self.world, self.backend, self.bucket_bytes = world, backend, bucket_bytes
         self.bytes_sent = 0
+        self.last_workers: list[dict[str, float]] = []
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-vllm-rpc")
 
     @classmethod
@@ -166,7 +167,8 @@ class WeightSyncGroup:
     @torch.no_grad()
     def send(self, weights: Mapping[str, Tensor], *, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
         """Broadcast ``weights`` (Hugging Face names, the generator's dtype) to every worker, which
-        loads them in place. Returns the number of tensors each worker loaded.
+        loads them in place. Returns the number of tensors each worker loaded; ``last_workers`` keeps
+        each worker's report (``loaded``, ``seconds``, ``waited_s``: see ``flowrl_receive_weights``).
 
         Raises:
             TransportError: a worker failed to receive or load them (its error is the cause).
@@ -183,7 +185,8 @@ class WeightSyncGroup:
             counts = loaded.result(timeout=timeout_s)
         except Exception as exc:
             raise TransportError(f"weights into vLLM over the weight-sync group failed: {type(exc).__name__}: {exc}") from exc
-        return [int(c) for c in counts]
+        self.last_workers = [dict(c) for c in counts]
+        return [int(c["loaded"]) for c in counts]
 
     def close(self) -> None:
         """Leave the group on both sides (best effort: vLLM may be shutting down)."""

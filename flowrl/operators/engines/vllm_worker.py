@@ -60,14 +60,19 @@ class FlowrlWorkerExtension:
         self._flowrl_group_device = self.device if backend == "nccl" else "cpu"  # gloo moves CPU tensors
         return rank
 
-    def flowrl_receive_weights(self: Any, plan: BucketPlan) -> int:
+    def flowrl_receive_weights(self: Any, plan: BucketPlan) -> dict[str, float]:
         """Receive the buckets of ``plan`` from rank 0 of the weight-sync group and load them in place.
 
         Returns:
-            The number of tensors loaded.
+            ``loaded``: the number of tensors loaded; ``seconds``: the whole call; ``waited_s``: of
+            it, the time vLLM's reload waited for a bucket to arrive (near ``seconds``: the wire is
+            the bottleneck; near 0: the reload is).
         """
+        import time
+
         import torch
 
+        start = time.perf_counter()
         group = self._flowrl_group
         device = self._flowrl_group_device
         arrived: queue.Queue[Any] = queue.Queue(maxsize=_AHEAD)
@@ -82,26 +87,25 @@ class FlowrlWorkerExtension:
             except BaseException as exc:  # handed to the loading thread, which raises it
                 arrived.put(exc)
 
+        loaded, waited = 0, 0.0
+
         def tensors() -> Iterator[tuple[str, Any]]:
+            nonlocal loaded, waited
             for _ in plan:
+                t0 = time.perf_counter()
                 bucket = arrived.get()
+                waited += time.perf_counter() - t0
                 if isinstance(bucket, BaseException):
                     raise bucket
-                yield from bucket
+                for item in bucket:
+                    loaded += 1
+                    yield item
 
         thread = threading.Thread(target=receive, name="flowrl-weight-receive", daemon=True)
         thread.start()
-        count = 0
-
-        def counted() -> Iterator[tuple[str, Any]]:
-            nonlocal count
-            for item in tensors():
-                count += 1
-                yield item
-
         _quiet_expected_reload_warnings(self.model_runner.get_model())
         try:
-            self.reload_weights(weights_iterator=counted())
+            self.reload_weights(weights_iterator=tensors())
         finally:  # after a failure keep receiving what the sender sends, so that it is not left blocked
             while thread.is_alive():
                 try:
@@ -110,7 +114,7 @@ class FlowrlWorkerExtension:
                     pass
             thread.join()
         _refresh_tied_lm_head(self.model_runner.get_model())
-        return count
+        return {"loaded": loaded, "seconds": time.perf_counter() - start, "waited_s": waited}
 
     def flowrl_load_weights(self: Any, path: str) -> int:
         """Load the safetensors file at ``path`` (Hugging Face names, the whole model) in place.
