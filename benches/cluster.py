@@ -1,0 +1,113 @@
+"""The cluster layout on this CPU: a 3-rank torchrun job (vLLM generator on rank 0, FSDP2 policy on ranks
+1-2) on a Qwen2.5-0.5B-shaped model, its step time split, and the planner's prediction for the same layout.
+
+The model is ``benches/weight_sync.py``'s (358M parameters, built from a config with random weights);
+the task is the HF example's (copy a word) with 2 prompts x 4 samples x 24 new tokens per step, k = 1.
+Weights go from the policy's FSDP2 shards to rank 0 over the collective transport, then into vLLM's
+worker over the weight-sync group.
+
+Prints one JSON object:
+- ``measured``: per step (median and range over the steps after the first two: vLLM's start and
+  the first updates are warm-up) ``time_s`` (the step interval), ``gen_s``, ``train_s``,
+  ``sync_s`` (the generator's wait for and load of new weights: collective + into vLLM) and
+  ``idle_s``, as the metrics rows give them; peak RSS per rank is not sampled here
+  (``weight_sync.py`` samples the generator's side);
+- ``predicted``: ``flowrl plan`` of the same graph on a CPU calibrated right before the run
+  (``flowrl calibrate``) with the same placement (``gen:d1@0 | policy:d2@1-2``), its step and its
+  parts, and predicted / measured (goal 0.77-1.3). The plan assumes 3 cores; this machine has 2, so
+  its ranks share cores the plan thinks are theirs: a figure to read with that in mind.
+
+Run: python benches/cluster.py [--steps 8]   (about 10 minutes on 2 cores; peak memory ~16 GB)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benches"))
+
+GRAPH = '''
+"""The HF example's task, a Qwen2.5-0.5B-shaped model: vLLM generator, FSDP2 policy."""
+from flowrl import GraphBuilder
+from flowrl.examples.hf_copy import ASSETS
+from flowrl.graph.configs import HFModelConfig
+
+
+def build_graph():
+    b = GraphBuilder("cluster_bench", model=HFModelConfig(path={model!r}, init="random", seed=0))
+    prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=2)
+    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=24, temperature=1.0, engine="vllm")
+    score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
+    aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
+    policy = b.policy("policy", aipo, lr=1e-5, sharding="fsdp")
+    b.weights(policy, gen, max_staleness=1)
+    return b.build()
+'''
+STRATEGY = "gen:d1@0 | policy:d2@1-2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    from weight_sync import write_model_dir
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "600"}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        model = write_model_dir(tmp_path / "qwen05")
+        (tmp_path / "graph.py").write_text(GRAPH.format(model=str(model)))
+        (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+        load_before = os.getloadavg()[0]
+        subprocess.run([sys.executable, "-m", "flowrl", "calibrate", "-o", "cpu.json"], cwd=tmp, env=env, check=True, capture_output=True)
+        plan = subprocess.run(
+            [sys.executable, "-m", "flowrl", "plan", "graph.py", "--cluster", "cpu.json", "--strategy", STRATEGY, "--json"],
+            cwd=tmp, env=env, check=True, capture_output=True, text=True,
+        )
+        predicted = json.loads(plan.stdout)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "flowrl", "run", "graph.py", "--backend", "torchrun",
+               "--plan", "place.json", "--steps", str(args.steps), "--metrics", "m.jsonl", "--quiet"]
+        run = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"the torchrun job failed:\n{run.stderr[-4000:]}")
+        rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steady = rows[2:] or rows
+    measured = {key: _spread([float(r[key]) for r in steady]) for key in ("time_s", "gen_s", "train_s", "sync_s", "idle_s") if key in steady[0]}
+    step_s = predicted.get("step_s") or predicted.get("chosen", {}).get("step_s")
+    out = {
+        "model": "Qwen2.5-0.5B-shaped (358M params, fp32), 2 prompts x 4 samples x 24 tokens, k = 1",
+        "layout": STRATEGY,
+        "steps": len(rows),
+        "measured": measured,
+        "reward_mean_first_last": [round(rows[0]["reward_mean"], 3), round(rows[-1]["reward_mean"], 3)],
+        "predicted": {"step_s": step_s, "plan": {k: v for k, v in predicted.items() if k in ("placement", "estimates", "syncs", "notes", "step_s")}},
+        "predicted_over_measured": round(step_s / measured["time_s"]["median"], 2) if step_s else None,
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
+    }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
