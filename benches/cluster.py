@@ -66,6 +66,25 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
+def _predict(graph_file: Path) -> dict:
+    """The planner's step for STRATEGY on this CPU calibrated now (``flowrl calibrate``'s measurements)
+    as a 3-device cluster: one device per rank."""
+    from flowrl.calibration.measure import calibrated_cluster, measure
+    from flowrl.graph.refs import load_file_module
+    from flowrl.planners.plan import plan_graph
+
+    graph = load_file_module(graph_file).build_graph()
+    plan = plan_graph(graph, calibrated_cluster(measure(), cores=3), strategy=STRATEGY, max_staleness=1)
+    return {
+        "placement": str(plan),
+        "step_s": round(plan.step_s, 3),
+        "sync_step_s": round(plan.sync_step_s, 3),
+        "nodes_s": {n: round(p.time_s, 3) for n, p in plan.placements.items()},
+        "syncs": [{"transport": sy.transport, "time_s": round(sy.time_s, 3), "note": sy.note} for sy in plan.weight_syncs],
+        "bottleneck": plan.bottleneck,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -79,12 +98,7 @@ def main() -> None:
         (tmp_path / "graph.py").write_text(GRAPH.format(model=str(model)))
         (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
         load_before = os.getloadavg()[0]
-        subprocess.run([sys.executable, "-m", "flowrl", "calibrate", "-o", "cpu.json"], cwd=tmp, env=env, check=True, capture_output=True)
-        plan = subprocess.run(
-            [sys.executable, "-m", "flowrl", "plan", "graph.py", "--cluster", "cpu.json", "--strategy", STRATEGY, "--json"],
-            cwd=tmp, env=env, check=True, capture_output=True, text=True,
-        )
-        predicted = json.loads(plan.stdout)
+        predicted = _predict(tmp_path / "graph.py")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "flowrl", "run", "graph.py", "--backend", "torchrun",
                "--plan", "place.json", "--steps", str(args.steps), "--metrics", "m.jsonl", "--quiet"]
@@ -94,14 +108,14 @@ def main() -> None:
         rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     steady = rows[2:] or rows
     measured = {key: _spread([float(r[key]) for r in steady]) for key in ("time_s", "gen_s", "train_s", "sync_s", "idle_s") if key in steady[0]}
-    step_s = predicted.get("step_s") or predicted.get("chosen", {}).get("step_s")
+    step_s = predicted["step_s"]
     out = {
         "model": "Qwen2.5-0.5B-shaped (358M params, fp32), 2 prompts x 4 samples x 24 tokens, k = 1",
         "layout": STRATEGY,
         "steps": len(rows),
         "measured": measured,
         "reward_mean_first_last": [round(rows[0]["reward_mean"], 3), round(rows[-1]["reward_mean"], 3)],
-        "predicted": {"step_s": step_s, "plan": {k: v for k, v in predicted.items() if k in ("placement", "estimates", "syncs", "notes", "step_s")}},
+        "predicted": predicted,
         "predicted_over_measured": round(step_s / measured["time_s"]["median"], 2) if step_s else None,
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
