@@ -75,7 +75,7 @@ from flowrl.models.quantize import QUANTIZED_PRECISIONS, quantize_linears_
 from flowrl.models.registry import build_model, model_tokens
 from flowrl.operators.logprobs import prompt_valid, truncated_log_softmax
 
-__all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights", "rollout_batch"]
+__all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights", "rollout_batch", "check_recorded_sampling"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -137,15 +137,17 @@ def rollout_batch(
     n: int,
     temperature: float,
     version: int,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    top_k: int,
+    top_p: float,
 ) -> Batch:
     """The rollout fields (``flowrl.graph.fields.ROLLOUT_FIELDS``) of ``P = len(prompt_index)`` groups of
     ``n`` samples, in group order: what a lock-step batch and a continuous generator's finished groups
     both deliver. ``rollout_version`` is the oldest token's version (``versions.min()``), or
     ``version`` (the generator's) for a batch without samples. ``temperature``, ``top_k`` and ``top_p``
     are the sampling settings ``logprobs`` were drawn with (per-sample fields, so replicas' rollouts
-    concatenate); an engine that truncates must pass them, or the trainer evaluates pi untruncated.
+    concatenate), which the trainer evaluates pi with. They have no defaults: a caller that forgot
+    them would record an untruncated distribution for a truncated mu, and every on-policy ratio would
+    be off by the kept mass (``exp(-0.05)`` at top-p 0.95); every engine says what it sampled with.
     """
     S = tokens.shape[0]
     return {
@@ -163,6 +165,27 @@ def rollout_batch(
         "prompt_index": prompt_index,
         "token_versions": versions,
     }
+
+
+def check_recorded_sampling(rollout: Mapping[str, Tensor], sampling: SamplingConfig, *, owner: str) -> None:
+    """Refuse a rollout whose recorded ``sampling_temperature`` / ``sampling_top_k`` / ``sampling_top_p``
+    are not the settings its generator samples with: the trainer evaluates pi with the recorded ones,
+    so an engine that drew with top-p 0.95 and recorded 1.0 would make every on-policy ratio the kept
+    mass instead of 1, silently. The generator program checks every batch of every engine.
+
+    Raises:
+        ConfigError: naming the field, the recorded and the configured value.
+    """
+    want = {"sampling_temperature": sampling.temperature, "sampling_top_k": sampling.top_k, "sampling_top_p": sampling.top_p}
+    for field, value in want.items():
+        got = rollout.get(field)
+        if got is None or (got.numel() and not bool((got == value).all())):
+            seen = "nothing" if got is None else sorted({float(v) for v in got.tolist()})
+            raise ConfigError(
+                f"{owner}: its rollout records {field}={seen} but it samples with {field.removeprefix('sampling_')}={value}: "
+                "the trainer would evaluate pi with another distribution than mu's; the engine must pass the settings it "
+                "sampled with to rollout_batch (a bug in that engine)"
+            )
 
 
 class Generator:

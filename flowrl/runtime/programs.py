@@ -205,6 +205,7 @@ class GeneratorProgram(ProgramBase):
         from flowrl.operators.engines import build_engine
 
         self.name = node.name
+        self._sampling, self._engine = node.sampling, node.engine
         (edge,) = graph.weight_edges_into(node.name)
         self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=edge.transport)  # node.engine's class
         self._edge = (edge.src, edge.dst)
@@ -276,10 +277,14 @@ class GeneratorProgram(ProgramBase):
             close()
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.operators.generation import check_recorded_sampling
+
         fetch_s = self._sync(min_version)
         start = time.perf_counter()
         rollout, info = self._sample(seq, inputs, min_version)
         info.update(fetch_s=fetch_s, gen_s=time.perf_counter() - start)
+        # mu must be recorded with the truncation it was drawn with, whatever the engine
+        check_recorded_sampling(rollout, self._sampling, owner=f"generator {self.name!r} (engine {self._engine!r})")
         return rollout, info
 
 

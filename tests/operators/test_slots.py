@@ -11,6 +11,7 @@ from flowrl.operators.generation import Generator, _mix
 from flowrl.operators.slots import Sample, SlotBatcher
 from flowrl.operators.source import pad_left
 from flowrl.operators.tasks import LongTailTask
+from tests.tolerances import logprob_atol
 
 MODEL = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=40)
 
@@ -38,6 +39,11 @@ def _recomputed_mu(gen: Generator, samples: list[Sample]) -> list[torch.Tensor]:
     return out
 
 
+def _atol(gen: Generator, samples: list[Sample]) -> float:
+    """float32 rounding of two evaluations of ``gen``'s model on the samples' sequences (``tests/tolerances.py``)."""
+    return logprob_atol(gen.model, [torch.tensor(s.prompt + s.tokens) for s in samples])
+
+
 def test_without_refills_it_draws_exactly_what_lock_step_draws():
     gen = Generator(GeneratorNode(name="g", model=MODEL, sampling=SamplingConfig(n_samples=2, max_new_tokens=16)), seed=3)
     prompts = [LongTailTask(0).prompt(i) for i in range(4)]
@@ -55,8 +61,9 @@ def test_refilled_slots_finish_every_sample_once_with_mu_of_its_tokens(slots):
     prompts = [LongTailTask(0).prompt(i) for i in range(6)]
     done = _run(gen, prompts, slots=slots, seed=1)  # width 48 forces compactions
     assert [s.key for s in done] == [(i, j) for i in range(6) for j in range(2)]
+    atol = _atol(gen, done)
     for s, mu in zip(done, _recomputed_mu(gen, done)):  # the recorded log-probs are the model's for the tokens drawn (temperature 1, no truncation)
-        assert torch.allclose(mu, torch.tensor(s.logprobs), atol=1e-4)
+        assert torch.allclose(mu, torch.tensor(s.logprobs), rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("prefill_rows", [1, 2, None], ids=["one-prompt", "two-prompts", "slots"])
@@ -68,10 +75,11 @@ def test_spliced_refills_draw_what_refills_in_the_decode_forward_draw(prefill_ro
     spliced = _run(gen, prompts, slots=4, seed=4, prefill_rows=prefill_rows)
     merged = _run(gen, prompts, slots=4, seed=4, splices=False)
     assert [s.tokens for s in spliced] == [s.tokens for s in merged]
+    atol = _atol(gen, spliced)
     for a, b in zip(spliced, merged):
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=atol)
     for s, mu in zip(spliced, _recomputed_mu(gen, spliced)):
-        assert torch.allclose(mu, torch.tensor(s.logprobs), atol=1e-4)
+        assert torch.allclose(mu, torch.tensor(s.logprobs), rtol=0, atol=atol)
 
 
 def test_refills_prefill_only_new_prompts_and_rarely_compact():
@@ -103,7 +111,7 @@ def test_a_prompt_staged_before_a_weight_change_is_prefilled_again_by_the_new_we
             gen.load_weights({k: v + 0.5 * torch.randn(v.shape, generator=noise) for k, v in gen.weight_targets().items()}, 1)
     last = sorted(done, key=lambda s: s.key)[2]
     assert last.versions == [1] * 6
-    assert torch.allclose(_recomputed_mu(gen, [last])[0], torch.tensor(last.logprobs), atol=1e-4)
+    assert torch.allclose(_recomputed_mu(gen, [last])[0], torch.tensor(last.logprobs), rtol=0, atol=_atol(gen, [last]))
 
 
 def test_each_token_records_the_version_and_mu_of_the_weights_that_drew_it():
@@ -139,5 +147,6 @@ def test_a_cache_that_takes_no_splice_is_compacted_once_then_refilled_in_the_dec
     prompts = [LongTailTask(0).prompt(i) for i in range(6)]
     done = _run(gen, prompts, slots=3, seed=1)
     assert [s.key for s in done] == [(i, j) for i in range(6) for j in range(2)]
+    atol = _atol(gen, done)
     for s, mu in zip(done, _recomputed_mu(gen, done)):
-        assert torch.allclose(mu, torch.tensor(s.logprobs), atol=1e-4)
+        assert torch.allclose(mu, torch.tensor(s.logprobs), rtol=0, atol=atol)

