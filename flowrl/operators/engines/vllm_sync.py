@@ -157,6 +157,7 @@ class WeightSyncGroup:
             )
             ranks = joined.result(timeout=timeout_s)
         except Exception as exc:
+            listen.close()
             raise TransportError(f"vLLM's {workers} worker(s) did not form the weight-sync group on {host}:{port} ({backend}): {exc}") from exc
         finally:
             rpc.shutdown(wait=False)
