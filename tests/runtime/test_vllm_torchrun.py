@@ -79,6 +79,7 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
     from flowrl.models.export import read_policy_state
     from flowrl.operators.engines.vllm_sync import expected_digests
     from tests.runtime.test_torchrun import _free_port
+    from tests.tolerances import REAL_BUG, graph_logprob_atol
 
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
@@ -90,10 +91,10 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
 
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
-    # mu and pi are two float32 evaluations of one model (vLLM's kernels, the FSDP2 forward): rounding apart,
-    # ~1e-6 here; a weight that did not arrive (stale or wrong) moves log-probs by 0.05 or more. Half that
-    # separates the two on any CPU (tests/tolerances.py derives the rounding bound).
-    atol = 0.025
+    # mu and pi are two float32 evaluations of one model (vLLM's kernels, the FSDP2 forward): rounding apart
+    # (tests/tolerances.py's bound for the run's weights); a weight that did not arrive moves log-probs by 0.05 or more
+    atol = graph_logprob_atol(vllm_fsdp_graph(str(model_dir)), steps=STEPS)
+    assert atol < REAL_BUG / 2
     for row in rows:  # k = 0: every token drawn with the weights the policy trains on
         assert row["staleness"] == 0 and row["rollout_version"] == row["step"] - 1, row
         assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] < atol, row
