@@ -365,7 +365,9 @@ class PolicyProgram(ProgramBase):
         torch.save(self.trainer.state(), path)
 
     def load(self, path: str) -> None:
-        self.trainer.load_state(torch.load(path, weights_only=True, map_location="cpu"))  # load_state moves to the device
+        from flowrl.runtime.sharded_state import read_state
+
+        self.trainer.load_state(read_state(path))  # one file, or a sharded state consolidated (any dp size); load_state moves to the device
         self._published = -1
 
 

@@ -1,0 +1,298 @@
+"""Sharded checkpoints of an FSDP2 policy (``flowrl.runtime.sharded_state``): each rank writes its shards,
+any dp size reads them, every reader consolidates them.
+
+One torchrun job (3 ranks, gloo; ``python tests/runtime/test_sharded_checkpoint.py reshard OUT FAMILY DIR``)
+writes, besides each sharded state, the gathered one-file state of the same trainer (``fsdp.full_state``)
+as the reference:
+
+- ``dp2``: a policy sharded over ranks 0-1 after one step, saved (``dp2.dcp``, ``dp2.pt``);
+- ``dp3-from-dp2``: a fresh policy over ranks 0-2 (other initial weights) that loads ``dp2.dcp``;
+  after a step of its own it saves ``dp3.dcp`` / ``dp3.pt``;
+- ``dp2-from-dp3``: a fresh policy over ranks 0-1 that loads ``dp3.dcp``.
+
+The tests compare the gathered states, read ``dp1`` (one process: ``read_state`` and a replicated
+``Trainer``), look at which rank's file holds each chunk, export, and refuse what cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.errors import CheckpointError
+
+from tests.runtime.test_torchrun import _torchrun  # the jobs run with PYTHONPATH=ROOT (see _torchrun)
+
+THIS = Path(__file__).resolve()
+
+
+@pytest.fixture(scope="module", params=["builtin", pytest.param("lora", marks=pytest.mark.slow)])
+def job(request, tmp_path_factory):
+    """The reshard job's directory and family (``lora``: adapters on a Qwen2 model, its base sharded too)."""
+    family, directory = request.param, ""
+    if family == "lora":
+        from tests.hf_fixtures import make_hf_dir
+
+        directory = str(make_hf_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", tie=False))
+    out = tmp_path_factory.mktemp(f"reshard-{family}")
+    proc = _torchrun(3, [str(THIS), "reshard", str(out), family, directory], out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, family
+
+
+def _same(a, b, where="state") -> None:
+    """``a`` and ``b`` equal exactly: tensors by value and dtype, containers element by element."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), (where, sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+# -- another dp size: equal to the gathered state, exactly -------------------------------------------
+@pytest.mark.parametrize(("loaded", "saved"), [("dp3-from-dp2", "dp2"), ("dp2-from-dp3", "dp3")], ids=["dp2-to-dp3", "dp3-to-dp2"])
+def test_a_sharded_state_resumes_on_another_dp_size_equal_to_the_gathered_state(job, loaded, saved):
+    """A fresh sharded policy (other initial weights) that loads the shards of another dp size holds,
+    gathered, exactly what the writer held: weights, AdamW's moments and steps, param groups, version."""
+    out, _ = job
+    want = _load(out / f"{saved}.pt")
+    assert int(want["version"]) == (1 if saved == "dp2" else 2) and want["optimizer"]["state"]
+    _same(_load(out / f"{loaded}.pt"), want)
+
+
+@pytest.mark.parametrize("saved", ["dp2", "dp3"])
+def test_a_sharded_state_read_in_one_process_equals_the_gathered_state(job, saved):
+    """dp 1: ``read_state`` consolidates the shards without a process group into the one-file format,
+    and a one-process (replicated) trainer loads it and holds the same state."""
+    from flowrl.graph.nodes import LossNode
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.sharded_state import read_state
+
+    from tests.runtime.test_fsdp import _policy
+
+    out, family = job
+    want = _load(out / f"{saved}.pt")
+    state = read_state(out / f"{saved}.dcp")
+    _same(state, want)
+    directory = json.loads((out / "job.json").read_text())["directory"]
+    one = Trainer(_policy(family, directory, "replicate"), LossNode(name="aipo"))
+    one.load_state(state)
+    _same(one.state(), want)
+
+
+def test_each_rank_writes_only_its_own_shards(job):
+    """No rank holds or writes the full state: every chunk of a sharded tensor is in the file of the
+    rank that holds those rows (``torch.chunk`` over dp), and each rank's file holds about 1/dp of the
+    bytes (the replicated scalars, AdamW's steps and the param groups, are written once)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from flowrl.runtime.sharded_state import _read_metadata
+
+    out, _ = job
+    for name, dp in (("dp2", 2), ("dp3", 3)):
+        path = out / f"{name}.dcp"
+        metadata = _read_metadata(path)
+        files = sorted(f.name for f in path.glob("*.distcp"))
+        assert files == [f"__{i}_0.distcp" for i in range(dp)], files
+        sharded = 0
+        for key, meta in metadata.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata) or len(meta.size) == 0:
+                continue
+            rows = [len(c) for c in torch.chunk(torch.empty(meta.size[0], device="meta"), dp)]
+            starts = [sum(rows[:i]) for i in range(len(rows))]
+            assert sorted(c.offsets[0] for c in meta.chunks) == starts, key  # one chunk per rank holding rows
+            for chunk in meta.chunks:
+                from torch.distributed.checkpoint.metadata import MetadataIndex
+
+                where = metadata.storage_data[MetadataIndex(key, chunk.offsets)].relative_path
+                assert where == f"__{starts.index(chunk.offsets[0])}_0.distcp", (key, chunk, where)
+            sharded += meta.size.numel() * meta.properties.dtype.itemsize
+        sizes = [(path / f).stat().st_size for f in files]
+        assert sum(sizes) >= sharded
+        assert max(sizes) < sharded / dp * 1.1 + 64 * 1024, (sizes, sharded)  # 1/dp of the state (+ rows' rounding, scalars)
+
+
+# -- the readers ---------------------------------------------------------------------------------------
+def _step_dir(root: Path, state: Path) -> Path:
+    """A checkpoint directory as ``CheckpointWriter`` lays it out, holding ``state`` (a file or a sharded directory)."""
+    step = root / "step-00000001"
+    step.mkdir(parents=True)
+    target = step / ("policy-policy.dcp" if state.is_dir() else "policy-policy.pt")
+    (shutil.copytree if state.is_dir() else shutil.copy)(state, target)
+    meta = {"version": 1, "data_position": 0, "graph": "g", "graph_sha256": "x", "files": {"policy": target.name}}
+    (step / "meta.json").write_text(json.dumps(meta))
+    (root / "LATEST").write_text(step.name)
+    return root
+
+
+def test_flowrl_export_of_a_sharded_checkpoint_equals_the_export_of_its_one_file_checkpoint(job, tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from flowrl.cli.main import main
+
+    out, _ = job
+    for kind, state in (("dcp", out / "dp2.dcp"), ("pt", out / "dp2.pt")):
+        assert main(["export", str(_step_dir(tmp_path / f"ck-{kind}", state)), "-o", str(tmp_path / f"hf-{kind}")]) == 0
+    a, b = load_file(tmp_path / "hf-dcp" / "model.safetensors"), load_file(tmp_path / "hf-pt" / "model.safetensors")
+    _same(a, b)
+    assert (tmp_path / "hf-dcp" / "config.json").read_text() == (tmp_path / "hf-pt" / "config.json").read_text()
+
+
+def test_a_one_file_checkpoint_still_reads(job, tmp_path):
+    from flowrl.models.export import read_policy_state
+
+    out, _ = job
+    _same(read_policy_state(_step_dir(tmp_path, out / "dp2.pt")), _load(out / "dp2.pt"))
+
+
+# -- what cannot be loaded: refused before any work, naming the fix ---------------------------------------
+def _broken(job, tmp_path, how: str) -> Path:
+    out, _ = job
+    path = tmp_path / "policy-policy.dcp"
+    shutil.copytree(out / "dp2.dcp", path)
+    if how == "no-index":  # killed before DCP's last write
+        (path / ".metadata").unlink()
+    elif how == "missing-rank":  # written on two hosts without a shared directory
+        (path / "__1_0.distcp").unlink()
+    elif how == "poisoned":
+        class Evil:
+            def __reduce__(self):
+                return (exec, ("open(%r, 'w').write('ran')" % str(tmp_path / "ran"),))
+
+        (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("how", "match"),
+    [
+        ("no-index", r"is incomplete \(no policy.json or .metadata: its save did not finish\); resume from an intact checkpoint"),
+        ("missing-rank", r"lacks shard files \['__1_0.distcp'\] of the 2 ranks that wrote it; .*a directory every rank sees"),
+        ("poisoned", r"has an unreadable index .metadata \(UnpicklingError: builtins.exec is not part of a checkpoint's index\)"),
+    ],
+    ids=["no-index", "missing-rank", "poisoned"],
+)
+def test_a_sharded_state_that_cannot_be_read_is_refused_naming_the_fix(job, tmp_path, how, match):
+    from flowrl.runtime.sharded_state import read_state
+
+    with pytest.raises(CheckpointError, match=match):
+        read_state(_broken(job, tmp_path, how))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_sharded_state_of_another_model_is_refused_before_any_work(job):
+    """The check every rank runs before DCP's first collective (``load_sharded``), on a one-process trainer here."""
+    from flowrl.graph.configs import ModelConfig
+    from flowrl.graph.nodes import LossNode, PolicyNode
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.sharded_state import check_sharded
+
+    out, family = job
+    if family != "builtin":
+        pytest.skip("the built-in model's config is changed here")
+    other = Trainer(PolicyNode(name="policy", model=ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=4, n_kv_heads=2)), LossNode(name="aipo"))
+    with pytest.raises(CheckpointError, match=r"policy 'policy': sharded checkpoint .* holds a model with a different config .*resume with the model description that wrote it"):
+        check_sharded(out / "dp2.dcp", other)
+
+
+def test_a_checkpoint_whose_sharded_save_did_not_finish_is_never_committed(job, tmp_path):
+    """A kill inside DCP's save leaves a state without its index: the commit refuses it, no ``step-*``
+    appears and LATEST keeps naming the previous checkpoint."""
+    from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter
+
+    writer = CheckpointWriter(tmp_path / "ck")
+    staging = writer.staging(2)
+    shutil.copytree(_broken(job, tmp_path, "no-index"), staging / "policy-policy.dcp")
+    meta = CheckpointMeta(version=2, data_position=0, graph="g", graph_sha256="x", files={"policy": "policy-policy.dcp"})
+    with pytest.raises(CheckpointError, match=r"checkpoint state file 'policy-policy.dcp' was not written"):
+        writer.commit(staging, meta)
+    assert not list((tmp_path / "ck").glob("step-*")) and not (tmp_path / "ck" / "LATEST").exists()
+    out, _ = job
+    staging = writer.staging(3)
+    shutil.copytree(out / "dp2.dcp", staging / "policy-policy.dcp")
+    final = writer.commit(staging, CheckpointMeta(version=3, data_position=0, graph="g", graph_sha256="x", files={"policy": "policy-policy.dcp"}))
+    assert (tmp_path / "ck" / "LATEST").read_text() == final.name and (final / "policy-policy.dcp" / ".metadata").is_file()
+
+
+# -- the job (run under torchrun) -------------------------------------------------------------------------
+def _reshard_job(out: str, family: str, directory: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from flowrl.graph.nodes import LossNode
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.distributed import shard_by_groups
+    from flowrl.runtime.fsdp import full_state, shard_trainer_, token_scale
+    from flowrl.runtime.sharded_state import load_sharded, save_sharded
+
+    from tests.runtime.test_fsdp import _batch, _policy
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    meshes = {dp: DeviceMesh("cpu", torch.arange(dp), mesh_dim_names=("dp",)) for dp in (2, 3)}  # every rank creates both
+    loss = LossNode(name="aipo")
+    batches = [_batch(family, directory, s) for s in (0, 1)]
+
+    def sharded(dp: int, seed: int) -> Trainer:
+        torch.manual_seed(seed)
+        trainer = Trainer(_policy(family, directory, "fsdp"), loss)
+        shard_trainer_(trainer, meshes[dp])
+        return trainer
+
+    def step(trainer: Trainer, dp: int, batch: dict) -> None:
+        shard = shard_by_groups(batch, dp)[rank]
+        trainer.loss_scale = token_scale(dp, float(shard["completion_mask"].sum()), float(batch["completion_mask"].sum()))
+        trainer.train_step(shard)
+
+    def gathered(trainer: Trainer, name: str) -> None:
+        state = full_state(trainer)  # the reference: the same trainer's state gathered to its lead
+        if state is not None:
+            torch.save(state, Path(out) / f"{name}.pt")
+
+    if rank < 2:
+        two = sharded(2, 0)
+        step(two, 2, batches[0])
+        save_sharded(two, Path(out) / "dp2.dcp", group=meshes[2].get_group())
+        gathered(two, "dp2")
+    dist.barrier()
+    three = sharded(3, 99)  # other initial weights: only the checkpoint can make them equal
+    load_sharded(three, Path(out) / "dp2.dcp", group=meshes[3].get_group())
+    gathered(three, "dp3-from-dp2")
+    step(three, 3, batches[1])
+    save_sharded(three, Path(out) / "dp3.dcp", group=meshes[3].get_group())
+    gathered(three, "dp3")
+    dist.barrier()
+    if rank < 2:
+        again = sharded(2, 7)
+        load_sharded(again, Path(out) / "dp3.dcp", group=meshes[2].get_group())
+        gathered(again, "dp2-from-dp3")
+    if rank == 0:
+        Path(out, "job.json").write_text(json.dumps({"directory": directory}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "reshard":
+        sys.exit(_reshard_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
+    raise SystemExit(f"unknown mode {sys.argv[1]!r}")
