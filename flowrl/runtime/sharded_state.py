@@ -97,9 +97,12 @@ def written(path: str | Path) -> bool:
 
 # -- saving --------------------------------------------------------------------------------------------
 def _options(trainer: Any) -> Any:
+    """LoRA: the adapters only, as the one-file format (the frozen base is the description's own, so a
+    load is not strict about it; ``check_sharded`` has checked that the adapters are all there)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=bool(trainer.lora))  # LoRA: the adapters, as the one-file format
+    lora = bool(trainer.lora)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
@@ -193,6 +196,22 @@ def _info(path: Path) -> tuple[ShardedStateInfo, Any]:
     return info, metadata
 
 
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples become lists), so that policy.json compares with a live config."""
+    return msgspec.json.decode(msgspec.json.encode(value))
+
+
+def _model_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """policy.json's model config as ``Trainer.state()`` writes it (``msgspec.to_builtins`` of the
+    model description: tuples where its fields are tuples); as read when it is no description."""
+    from flowrl.graph.configs import AnyModelConfig
+
+    try:
+        return msgspec.to_builtins(msgspec.convert({"family": "builtin", **saved}, AnyModelConfig))
+    except msgspec.ValidationError:
+        return saved
+
+
 def _expected(trainer: Any) -> dict[str, tuple[int, ...]]:
     """``model.<name>`` -> global shape of what ``save_sharded`` writes for ``trainer``'s model."""
     params = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad] if trainer.lora else list(trainer.model.state_dict().items())
@@ -210,8 +229,8 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
     """
     path = Path(path)
     info, metadata = _info(path)
-    saved = {"family": "builtin", **info.model_config}
-    mine = msgspec.to_builtins(trainer.node.model)
+    saved = _plain({"family": "builtin", **info.model_config})
+    mine = _plain(msgspec.to_builtins(trainer.node.model))
     if saved != mine:
         diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
         raise CheckpointError(
@@ -315,4 +334,4 @@ def read_state(path: str | Path) -> dict[str, Any]:
     model = dict(saved.get("model", {}))
     if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does
         model = {adapter_name(n): t for n, t in model.items()}
-    return {"version": info.version, "model_config": info.model_config, "model": model, "optimizer": _one_file_optimizer(saved.get("optimizer", {}))}
+    return {"version": info.version, "model_config": _model_config(info.model_config), "model": model, "optimizer": _one_file_optimizer(saved.get("optimizer", {}))}

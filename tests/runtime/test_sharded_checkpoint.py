@@ -120,8 +120,9 @@ def test_each_rank_writes_only_its_own_shards(job):
                 continue
             rows = [len(c) for c in torch.chunk(torch.empty(meta.size[0], device="meta"), dp)]
             starts = [sum(rows[:i]) for i in range(len(rows))]
-            assert sorted(c.offsets[0] for c in meta.chunks) == starts, key  # one chunk per rank holding rows
-            for chunk in meta.chunks:
+            chunks = [c for c in meta.chunks if c.sizes[0] > 0]  # a rank without rows (2 LoRA rows over 3) writes an empty one
+            assert sorted(c.offsets[0] for c in chunks) == starts, key  # one chunk per rank holding rows
+            for chunk in chunks:
                 from torch.distributed.checkpoint.metadata import MetadataIndex
 
                 where = metadata.storage_data[MetadataIndex(key, chunk.offsets)].relative_path
