@@ -73,6 +73,12 @@ class NodeProgram(Protocol):
 class ProgramBase:
     """No-op defaults: most nodes have nothing to start, seek, checkpoint or close."""
 
+    #: Whether ``save`` writes a directory of shards, each rank its own, rather than one file (a
+    #: program on the controller's side of an FSDP policy: ``RemoteProgram.sharded_state``); the
+    #: checkpoint names its state accordingly (``checkpoint.state_file``). Read with ``getattr``:
+    #: a user's program need not have it.
+    sharded_state = False
+
     def start(self) -> None:
         """Called once before the first step (the policy publishes its initial weights here)."""
 

@@ -34,6 +34,8 @@ classes and torch's dtypes (``_MetadataUnpickler``), as the one-file format is r
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import io
 import pickle
 import warnings
@@ -114,6 +116,7 @@ def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    untouched = not trainer.optimizer.state  # before the first step (get_state_dict fills it: an AdamW step at lr 0)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))  # DTensors: no gather
     if dist.get_rank(group) == 0:
         info = ShardedStateInfo(
@@ -121,13 +124,16 @@ def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
         )
         (path / INFO_FILE).write_bytes(msgspec.json.encode(info))
     dcp.save({"model": model, "optimizer": optimizer}, storage_writer=dcp.FileSystemWriter(str(path)), process_group=group)
+    if untouched:  # the next step must start AdamW afresh, as it would have without this save
+        trainer.optimizer.state.clear()
 
 
 # -- reading: the checks ---------------------------------------------------------------------------------
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` pickle with its own classes and torch's dtypes only (no code runs)."""
+    """DCP's ``.metadata`` pickle with DCP's metadata dataclasses and enums, torch's dtypes and layouts
+    and a few plain containers only: nothing it names can run code (no function of those modules)."""
 
-    _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # DCP's dataclasses and enums
+    _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # their dataclasses and enums only
     _ALLOWED = {
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
@@ -138,9 +144,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        value = getattr(torch, name, None) if module == "torch" else None
-        if module.startswith(self._MODULES) or (module, name) in self._ALLOWED or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if module.startswith(self._MODULES):
+            value = super().find_class(module, name)
+            if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
+                return value
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's index")
 
 
@@ -269,6 +280,8 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     dcp.load(state, storage_reader=_reader(Path(path)), process_group=group)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     trainer.version = info.version
+    if info.version == 0:  # saved before the first step: AdamW had no state (save_sharded), and has none now
+        trainer.optimizer.state.clear()
 
 
 # -- reading: the whole state in one process -------------------------------------------------------------
@@ -334,4 +347,7 @@ def read_state(path: str | Path) -> dict[str, Any]:
     model = dict(saved.get("model", {}))
     if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does
         model = {adapter_name(n): t for n, t in model.items()}
-    return {"version": info.version, "model_config": _model_config(info.model_config), "model": model, "optimizer": _one_file_optimizer(saved.get("optimizer", {}))}
+    optimizer = _one_file_optimizer(saved.get("optimizer", {}))
+    if info.version == 0:  # saved before the first step: AdamW had no state (see save_sharded)
+        optimizer["state"] = {}
+    return {"version": info.version, "model_config": _model_config(info.model_config), "model": model, "optimizer": optimizer}
