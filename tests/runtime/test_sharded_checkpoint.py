@@ -32,14 +32,16 @@ from tests.runtime.test_torchrun import _torchrun  # the jobs run with PYTHONPAT
 THIS = Path(__file__).resolve()
 
 
-@pytest.fixture(scope="module", params=["builtin", pytest.param("lora", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["builtin", pytest.param("lora", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow)])
 def job(request, tmp_path_factory):
-    """The reshard job's directory and family (``lora``: adapters on a Qwen2 model, its base sharded too)."""
+    """The reshard job's directory and family (``lora``: adapters on a Qwen2 model, its base sharded
+    too; ``llama``: a Hugging Face Llama with a tied head, two names for one parameter)."""
     family, directory = request.param, ""
-    if family == "lora":
+    if family != "builtin":
         from tests.hf_fixtures import make_hf_dir
 
-        directory = str(make_hf_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", tie=False))
+        kind = "qwen2" if family == "lora" else family
+        directory = str(make_hf_dir(tmp_path_factory.mktemp(kind), kind, tie=family == "llama"))
     out = tmp_path_factory.mktemp(f"reshard-{family}")
     proc = _torchrun(3, [str(THIS), "reshard", str(out), family, directory], out)
     assert proc.returncode == 0, proc.stderr[-4000:]
