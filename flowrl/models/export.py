@@ -41,7 +41,7 @@ def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[st
         CheckpointError: when there is no checkpoint, no policy file, or several and ``node`` is unset;
             an incomplete sharded state or one missing a rank's shard file.
     """
-    from flowrl.runtime.checkpoint import latest_checkpoint, state_file
+    from flowrl.runtime.checkpoint import latest_checkpoint
     from flowrl.runtime.sharded_state import SHARDED_SUFFIX, read_state
 
     path = Path(source).expanduser()
@@ -57,7 +57,7 @@ def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[st
     if node is not None:
         if node not in names:
             raise CheckpointError(f"checkpoint {str(path)!r} has no policy {node!r} (it has {names})")
-        files = [path / state_file(node, sharded=(path / state_file(node, sharded=True)).is_dir())]
+        files = [f for f, name in zip(files, names) if name == node]
     if len(files) != 1:
         raise CheckpointError(f"checkpoint {str(path)!r} holds policies {names}; name one (--node)")
     state = read_state(files[0])

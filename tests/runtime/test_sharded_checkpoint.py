@@ -137,14 +137,21 @@ def test_each_rank_writes_only_its_own_shards(job):
 
 
 # -- the readers ---------------------------------------------------------------------------------------
-def _step_dir(root: Path, state: Path) -> Path:
-    """A checkpoint directory as ``CheckpointWriter`` lays it out, holding ``state`` (a file or a sharded directory)."""
+def _step_dir(root: Path, state: Path, graph=None) -> Path:
+    """A checkpoint directory as ``CheckpointWriter`` lays it out, holding ``state`` (a file or a sharded
+    directory) and, given one, the graph that wrote it."""
+    from flowrl.graph.serialize import to_json
+    from flowrl.runtime.checkpoint import GRAPH_FILE, graph_fingerprint
+
     step = root / "step-00000001"
     step.mkdir(parents=True)
     target = step / ("policy-policy.dcp" if state.is_dir() else "policy-policy.pt")
     (shutil.copytree if state.is_dir() else shutil.copy)(state, target)
-    meta = {"version": 1, "data_position": 0, "graph": "g", "graph_sha256": "x", "files": {"policy": target.name}}
+    fingerprint = graph_fingerprint(graph) if graph is not None else "x"
+    meta = {"version": 1, "data_position": 0, "graph": "g", "graph_sha256": fingerprint, "files": {"policy": target.name}}
     (step / "meta.json").write_text(json.dumps(meta))
+    if graph is not None:
+        (step / GRAPH_FILE).write_text(to_json(graph))
     (root / "LATEST").write_text(step.name)
     return root
 
@@ -161,6 +168,22 @@ def test_flowrl_export_of_a_sharded_checkpoint_equals_the_export_of_its_one_file
     a, b = load_file(tmp_path / "hf-dcp" / "model.safetensors"), load_file(tmp_path / "hf-pt" / "model.safetensors")
     _same(a, b)
     assert (tmp_path / "hf-dcp" / "config.json").read_text() == (tmp_path / "hf-pt" / "config.json").read_text()
+
+
+def test_flowrl_sample_and_eval_load_a_sharded_checkpoints_weights(job, tmp_path):
+    """``load_policy`` (``flowrl sample`` / ``eval``): the generator gets the consolidated weights."""
+    from flowrl.examples.llamarl import build_llamarl
+    from flowrl.runtime.policy_samples import load_policy
+
+    out, family = job
+    if family != "builtin":
+        pytest.skip("the built-in example's graph holds the built-in policy")
+    policy = load_policy(_step_dir(tmp_path / "ck", out / "dp2.dcp", graph=build_llamarl()))
+    want = _load(out / "dp2.pt")
+    targets = policy.generator.weight_targets()
+    assert policy.version == 1 and targets
+    for name, t in targets.items():
+        assert torch.equal(t, want["model"][name]), name
 
 
 def test_a_one_file_checkpoint_still_reads(job, tmp_path):
