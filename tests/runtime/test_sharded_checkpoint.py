@@ -8,7 +8,9 @@ as the reference:
 - ``dp2``: a policy sharded over ranks 0-1 after one step, saved (``dp2.dcp``, ``dp2.pt``);
 - ``dp3-from-dp2``: a fresh policy over ranks 0-2 (other initial weights) that loads ``dp2.dcp``;
   after a step of its own it saves ``dp3.dcp`` / ``dp3.pt``;
-- ``dp2-from-dp3``: a fresh policy over ranks 0-1 that loads ``dp3.dcp``.
+- ``dp2-from-dp3``: a fresh policy over ranks 0-1 that loads ``dp3.dcp``;
+- ``dp1``: one process (rank 0, a replicated ``Trainer``) resumes ``dp2.dcp`` consolidated, steps, and
+  writes the one-file format; ``dp3-from-dp1``: a fresh policy over ranks 0-2 that loads it.
 
 The tests compare the gathered states, read ``dp1`` (one process: ``read_state`` and a replicated
 ``Trainer``), look at which rank's file holds each chunk, export, and refuse what cannot be loaded.
@@ -70,13 +72,15 @@ def _load(path: Path) -> dict:
 
 
 # -- another dp size: equal to the gathered state, exactly -------------------------------------------
-@pytest.mark.parametrize(("loaded", "saved"), [("dp3-from-dp2", "dp2"), ("dp2-from-dp3", "dp3")], ids=["dp2-to-dp3", "dp3-to-dp2"])
+@pytest.mark.parametrize(
+    ("loaded", "saved"), [("dp3-from-dp2", "dp2"), ("dp2-from-dp3", "dp3"), ("dp3-from-dp1", "dp1")], ids=["dp2-to-dp3", "dp3-to-dp2", "dp1-to-dp3"]
+)
 def test_a_sharded_state_resumes_on_another_dp_size_equal_to_the_gathered_state(job, loaded, saved):
     """A fresh sharded policy (other initial weights) that loads the shards of another dp size holds,
     gathered, exactly what the writer held: weights, AdamW's moments and steps, param groups, version."""
     out, _ = job
     want = _load(out / f"{saved}.pt")
-    assert int(want["version"]) == (1 if saved == "dp2" else 2) and want["optimizer"]["state"]
+    assert int(want["version"]) == (1 if saved == "dp2" else 2) and want["optimizer"]["state"]  # dp3, dp1: a step after loading dp2
     _same(_load(out / f"{loaded}.pt"), want)
 
 
@@ -270,8 +274,8 @@ def _reshard_job(out: str, family: str, directory: str) -> int:
     from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.distributed import shard_by_groups
-    from flowrl.runtime.fsdp import full_state, shard_trainer_, token_scale
-    from flowrl.runtime.sharded_state import load_sharded, save_sharded
+    from flowrl.runtime.fsdp import full_state, load_full_state, shard_trainer_, token_scale
+    from flowrl.runtime.sharded_state import load_sharded, read_state, save_sharded
 
     from tests.runtime.test_fsdp import _batch, _policy
 
@@ -314,6 +318,15 @@ def _reshard_job(out: str, family: str, directory: str) -> int:
         again = sharded(2, 7)
         load_sharded(again, Path(out) / "dp3.dcp", group=meshes[2].get_group())
         gathered(again, "dp2-from-dp3")
+    if rank == 0:  # dp 1: one process resumes dp 2's shards, steps on the whole batch, writes the one-file format
+        one = Trainer(_policy(family, directory, "replicate"), loss)
+        one.load_state(read_state(Path(out) / "dp2.dcp"))
+        one.train_step(batches[1])
+        torch.save(one.state(), Path(out) / "dp1.pt")
+    dist.barrier()
+    back = sharded(3, 5)  # and back to dp 3 from the one-file state (ShardedPolicy.load's other branch)
+    load_full_state(back, torch.load(Path(out) / "dp1.pt", weights_only=True, map_location="cpu", mmap=True))
+    gathered(back, "dp3-from-dp1")
     if rank == 0:
         Path(out, "job.json").write_text(json.dumps({"directory": directory}))
     dist.barrier()
