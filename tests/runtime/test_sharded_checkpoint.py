@@ -266,6 +266,25 @@ def test_a_checkpoint_whose_sharded_save_did_not_finish_is_never_committed(job, 
     assert (tmp_path / "ck" / "LATEST").read_text() == final.name and (final / "policy-policy.dcp" / ".metadata").is_file()
 
 
+@pytest.mark.slow  # CI time (a torchrun job); test_a_checkpoint_whose_sharded_save_did_not_finish_is_never_committed checks the commit's refusal
+def test_a_kill_inside_a_sharded_save_leaves_the_previous_checkpoint_as_the_newest(tmp_path):
+    """2 ranks commit a sharded checkpoint of version 1, then the lead is SIGKILLed inside the save of
+    version 2 after every rank wrote its shards and before DCP's index: LATEST still names version 1,
+    which reads whole; the half-written state never became a ``step-*``, and the next writer sweeps it."""
+    from flowrl.runtime.checkpoint import CheckpointWriter, latest_checkpoint
+    from flowrl.runtime.sharded_state import read_state
+
+    proc = _torchrun(2, [str(THIS), "kill", str(tmp_path)], tmp_path)
+    assert proc.returncode != 0 and (tmp_path / "killing").is_file(), proc.stderr[-3000:]
+    ck = tmp_path / "ck"
+    assert [p.name for p in ck.glob("step-*")] == ["step-00000001"] and latest_checkpoint(ck) == ck / "step-00000001"
+    assert int(read_state(ck / "step-00000001" / "policy-policy.dcp")["version"]) == 1
+    (orphan,) = ck.glob(".step-00000002.tmp-*")
+    assert sorted(p.name for p in (orphan / "policy-policy.dcp").iterdir()) == ["__0_0.distcp", "__1_0.distcp", "policy.json"]
+    CheckpointWriter(ck).staging(3)
+    assert not orphan.exists()
+
+
 # -- the job (run under torchrun) -------------------------------------------------------------------------
 def _reshard_job(out: str, family: str, directory: str) -> int:
     import torch.distributed as dist
@@ -334,7 +353,53 @@ def _reshard_job(out: str, family: str, directory: str) -> int:
     return 0
 
 
+def _kill_job(out: str) -> int:
+    """Version 1 committed; the lead killed inside version 2's save, before DCP writes its index."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as dcp_files
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flowrl.graph.nodes import LossNode
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter
+    from flowrl.runtime.fsdp import shard_trainer_
+    from flowrl.runtime.sharded_state import save_sharded
+
+    from tests.runtime.test_fsdp import _policy
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    trainer = Trainer(_policy("builtin", "", "fsdp"), LossNode(name="aipo"))
+    shard_trainer_(trainer, mesh)
+    for p in trainer.model.parameters():  # AdamW's state, as after a step
+        p.grad = torch.ones_like(p)
+    trainer.optimizer.step()
+    writer = CheckpointWriter(Path(out) / "ck")
+    for version in (1, 2):
+        trainer.version = version
+        staging = [writer.staging(version) if rank == 0 else None]
+        dist.broadcast_object_list(staging, src=0)  # test plumbing: the controller's staging folder
+        if version == 2 and rank == 0:
+            def killed(self, metadata, results):  # DCP's coordinator, about to write the index
+                Path(out, "killing").write_text("")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            dcp_files.FileSystemWriter.finish = killed
+        save_sharded(trainer, staging[0] / "policy-policy.dcp", group=mesh.get_group())
+        dist.barrier()
+        if rank == 0:
+            writer.commit(staging[0], CheckpointMeta(version=version, data_position=0, graph="g", graph_sha256="x", files={"policy": "policy-policy.dcp"}))
+    dist.destroy_process_group()
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "kill":
+        sys.exit(_kill_job(sys.argv[2]))
     if sys.argv[1] == "reshard":
         sys.exit(_reshard_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")
