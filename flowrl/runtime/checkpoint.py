@@ -81,7 +81,12 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 def state_file(node: str, *, sharded: bool = False) -> str:
     """The name of ``node``'s state in a ``step-*`` directory: ``policy-<node>.pt``, or a directory
-    ``policy-<node>.dcp`` when the policy's ranks each write their own shards."""
+    ``policy-<node>.dcp`` when the policy's ranks each write their own shards.
+
+    Example:
+        >>> state_file("policy"), state_file("policy", sharded=True)
+        ('policy-policy.pt', 'policy-policy.dcp')
+    """
     from flowrl.runtime.sharded_state import SHARDED_SUFFIX
 
     return f"policy-{node}{SHARDED_SUFFIX if sharded else '.pt'}"
