@@ -132,11 +132,13 @@ class CheckpointWriter:
         A kill at any point leaves LATEST naming the previous complete checkpoint or this one, never
         a directory without its meta.json: the directory becomes ``step-*`` in one rename, whole.
         """
-        from flowrl.runtime.sharded_state import written
+        from flowrl.runtime.sharded_state import check_complete, written
 
         for f in meta.files.values():
-            if not written(staging / f):  # a file, or a sharded state's directory with its index (written last)
+            if not written(staging / f):  # a file, or a sharded state's directory with its index and info (written last)
                 raise CheckpointError(f"checkpoint state file {f!r} was not written in {staging}")
+            if (staging / f).is_dir():
+                check_complete(staging / f)  # every rank's shard file is here (not on another host's disk)
         if self.graph is not None:
             (staging / GRAPH_FILE).write_text(to_json(self.graph))
         (staging / "meta.json").write_bytes(msgspec.json.encode(meta))

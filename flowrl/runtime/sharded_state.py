@@ -4,10 +4,11 @@ An FSDP2 policy (``flowrl.runtime.fsdp``) saves ``policy-<node>.dcp/`` in a chec
 directory (``flowrl.runtime.checkpoint``) instead of the one-file ``policy-<node>.pt``::
 
     policy-<node>.dcp/
-        policy.json      ShardedStateInfo: format, version, model_config, the dp size that wrote it
         __<i>_0.distcp   what dp rank i held: its rows of every parameter and AdamW moment (DCP's file)
         .metadata        DCP's index: each tensor's global shape and the file and offset of each chunk
-                         (written last, by the policy's lead, through a rename)
+                         (written by the policy's lead, through a rename, once every rank's file is written)
+        policy.json      ShardedStateInfo: format, version, model_config, the dp size that wrote it
+                         (written last, by the lead)
 
 What is saved is ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` as
 ``{"model": ..., "optimizer": ...}``: parameter names (FQNs) to DTensors, and AdamW's state by
@@ -55,6 +56,7 @@ __all__ = [
     "is_sharded",
     "written",
     "save_sharded",
+    "check_complete",
     "check_sharded",
     "load_sharded",
     "read_state",
@@ -107,25 +109,64 @@ def _options(trainer: Any) -> Any:
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
+def _writer(path: Path) -> Any:
+    """DCP's file writer at ``path``, refusing (inside DCP's planning, so that every rank of the group
+    raises, none waits in a collective) a ``path`` whose folder this rank's host does not have."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def prepare_local_plan(self, plan: Any) -> Any:
+            if not path.parent.is_dir():
+                raise CheckpointError(
+                    f"the checkpoint folder {str(path.parent)!r} does not exist on this rank's host: every rank of a "
+                    "sharded policy writes its own shards there, so on several hosts --checkpoint-dir must be a "
+                    "directory every rank sees (a shared filesystem)"
+                )
+            return super().prepare_local_plan(plan)  # makes ``path``
+
+    return Writer(str(path))
+
+
+def _collective(what: str, path: Path, call: Any) -> Any:
+    """Run DCP's ``call``; its ``CheckpointException`` (a ``BaseException``, which the rank's serve loop
+    and the run's checkpoint cleanup would not catch) as a ``CheckpointError`` naming the ranks that
+    failed and the first one's error, raised on every rank alike."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call()
+    except CheckpointException as exc:
+        ranks = sorted(exc.failures)
+        first = exc.failures[ranks[0]][0]
+        message = str(first) if isinstance(first, CheckpointError) else f"{type(first).__name__}: {first}"
+        raise CheckpointError(f"{what} {str(path)!r} failed on the policy's rank(s) {ranks} (ranks of its group): {message}") from None
+
+
 def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
-    """Write ``trainer``'s shards at ``path`` (a directory). Every rank of the policy's ``group`` calls it;
-    each writes only its own shards, the group's first rank the info and DCP's index."""
+    """Write ``trainer``'s shards at ``path`` (a directory in an existing folder). Every rank of the
+    policy's ``group`` calls it; each writes only its own shards, the group's first rank DCP's index
+    and then the info (the state is whole, ``written``, once both are there).
+
+    Raises:
+        CheckpointError: on every rank when one failed (naming it and its error, e.g. a folder its
+            host lacks).
+    """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     untouched = not trainer.optimizer.state  # before the first step (get_state_dict fills it: an AdamW step at lr 0)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))  # DTensors: no gather
+    state = {"model": model, "optimizer": optimizer}
+    _collective("saving the sharded checkpoint", path, lambda: dcp.save(state, storage_writer=_writer(path), process_group=group))
+    if untouched:  # the next step must start AdamW afresh, as it would have without this save
+        trainer.optimizer.state.clear()
     if dist.get_rank(group) == 0:
         info = ShardedStateInfo(
             version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=dist.get_world_size(group), lora=bool(trainer.lora)
         )
         (path / INFO_FILE).write_bytes(msgspec.json.encode(info))
-    dcp.save({"model": model, "optimizer": optimizer}, storage_writer=dcp.FileSystemWriter(str(path)), process_group=group)
-    if untouched:  # the next step must start AdamW afresh, as it would have without this save
-        trainer.optimizer.state.clear()
 
 
 # -- reading: the checks ---------------------------------------------------------------------------------
@@ -229,6 +270,16 @@ def _expected(trainer: Any) -> dict[str, tuple[int, ...]]:
     return {f"model.{n}": tuple(p.shape) for n, p in params}
 
 
+def check_complete(path: str | Path) -> ShardedStateInfo:
+    """The info of a whole sharded state whose every shard file is there (``CheckpointWriter.commit``
+    checks it before a checkpoint is committed).
+
+    Raises:
+        CheckpointError: incomplete, or missing a rank's shard file (naming the fix).
+    """
+    return _info(Path(path))[0]
+
+
 def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
     """Refuse, before any work, a sharded state that ``trainer`` cannot load on its dp size.
 
@@ -277,7 +328,7 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     options = _options(trainer)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
     state = {"model": model, "optimizer": optimizer}
-    dcp.load(state, storage_reader=_reader(Path(path)), process_group=group)
+    _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=_reader(Path(path)), process_group=group))
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     trainer.version = info.version
     if info.version == 0:  # saved before the first step: AdamW had no state (save_sharded), and has none now

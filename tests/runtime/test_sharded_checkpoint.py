@@ -140,6 +140,15 @@ def test_each_rank_writes_only_its_own_shards(job):
             assert size < sharded / dp * 1.05 + 2048 * items[f], (f, size, sharded, items[f])  # 1/dp (+ rows' rounding) + framing
 
 
+def test_a_rank_whose_host_lacks_the_checkpoint_folder_fails_every_rank_of_the_save(job):
+    """Each rank raises (DCP gathers the failure of its planning step), none waits in a collective, and
+    nothing is written on the host that lacks the folder."""
+    out, _ = job
+    said = [(out / f"unseen-{rank}.txt").read_text() for rank in (0, 1)]
+    assert all("does not exist on this rank's host" in s and "--checkpoint-dir must be a directory every rank sees" in s for s in said), said
+    assert not (out / "not-on-this-host").exists()
+
+
 # -- the readers ---------------------------------------------------------------------------------------
 def _step_dir(root: Path, state: Path, graph=None) -> Path:
     """A checkpoint directory as ``CheckpointWriter`` lays it out, holding ``state`` (a file or a sharded
@@ -201,6 +210,7 @@ def test_a_one_file_checkpoint_still_reads(job, tmp_path):
 def _broken(job, tmp_path, how: str) -> Path:
     out, _ = job
     path = tmp_path / "policy-policy.dcp"
+    tmp_path.mkdir(exist_ok=True)
     shutil.copytree(out / "dp2.dcp", path)
     if how == "no-index":  # killed before DCP's last write
         (path / ".metadata").unlink()
@@ -258,6 +268,10 @@ def test_a_checkpoint_whose_sharded_save_did_not_finish_is_never_committed(job, 
     meta = CheckpointMeta(version=2, data_position=0, graph="g", graph_sha256="x", files={"policy": "policy-policy.dcp"})
     with pytest.raises(CheckpointError, match=r"checkpoint state file 'policy-policy.dcp' was not written"):
         writer.commit(staging, meta)
+    shutil.rmtree(staging / "policy-policy.dcp")
+    shutil.copytree(_broken(job, tmp_path / "b", "missing-rank"), staging / "policy-policy.dcp")  # a rank's file on another host's disk
+    with pytest.raises(CheckpointError, match=r"lacks shard files \['__1_0.distcp'\]"):
+        writer.commit(staging, meta)
     assert not list((tmp_path / "ck").glob("step-*")) and not (tmp_path / "ck" / "LATEST").exists()
     out, _ = job
     staging = writer.staging(3)
@@ -280,7 +294,7 @@ def test_a_kill_inside_a_sharded_save_leaves_the_previous_checkpoint_as_the_newe
     assert [p.name for p in ck.glob("step-*")] == ["step-00000001"] and latest_checkpoint(ck) == ck / "step-00000001"
     assert int(read_state(ck / "step-00000001" / "policy-policy.dcp")["version"]) == 1
     (orphan,) = ck.glob(".step-00000002.tmp-*")
-    assert sorted(p.name for p in (orphan / "policy-policy.dcp").iterdir()) == ["__0_0.distcp", "__1_0.distcp", "policy.json"]
+    assert sorted(p.name for p in (orphan / "policy-policy.dcp").iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
     CheckpointWriter(ck).staging(3)
     assert not orphan.exists()
 
@@ -346,6 +360,14 @@ def _reshard_job(out: str, family: str, directory: str) -> int:
     back = sharded(3, 5)  # and back to dp 3 from the one-file state (ShardedPolicy.load's other branch)
     load_full_state(back, torch.load(Path(out) / "dp1.pt", weights_only=True, map_location="cpu", mmap=True))
     gathered(back, "dp3-from-dp1")
+    if rank < 2:  # rank 1's host lacks the folder (several hosts, no shared filesystem): both ranks raise
+        folder = Path(out) / ("not-on-this-host" if rank == 1 else ".")
+        try:
+            save_sharded(again, folder / "unseen.dcp", group=meshes[2].get_group())
+            said = "saved"
+        except Exception as exc:  # noqa: BLE001 - what each rank raised, for the test
+            said = f"{type(exc).__name__}: {exc}"
+        Path(out, f"unseen-{rank}.txt").write_text(said)
     if rank == 0:
         Path(out, "job.json").write_text(json.dumps({"directory": directory}))
     dist.barrier()
