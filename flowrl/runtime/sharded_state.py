@@ -290,6 +290,11 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
         CheckpointError: naming the checkpoint, what differs and the fix.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} does not exist on this rank's host; every rank of a sharded policy reads "
+            "its shards there, so on several hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem)"
+        )
     info, metadata = _info(path)
     saved = _plain({"family": "builtin", **info.model_config})
     mine = _plain(msgspec.to_builtins(trainer.node.model))
@@ -319,12 +324,27 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     each reads only the saved chunks that overlap its rows.
 
     Raises:
-        CheckpointError: see ``check_sharded`` (raised on every rank alike, before any collective).
+        CheckpointError: see ``check_sharded``, before any tensor is read; on every rank, when any
+            rank's check fails (one all-reduce of a flag first: a rank whose host lacks the
+            checkpoint must not leave the others waiting in DCP's collectives).
     """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    info = check_sharded(path, trainer)
+    try:
+        info, error = check_sharded(path, trainer), None
+    except CheckpointError as exc:
+        info, error = None, exc
+    failed = torch.tensor([0.0 if error is None else 1.0], device=next(trainer.model.parameters()).device)
+    dist.all_reduce(failed, group=group)  # how many of the policy's ranks cannot load it
+    if error is not None:
+        raise error
+    if info is None or float(failed) > 0:
+        raise CheckpointError(
+            f"policy {trainer.name!r}: {int(failed)} other rank(s) of the policy cannot load sharded checkpoint {str(path)!r} "
+            "(their errors say why; a folder on one host only: --checkpoint-dir must be a directory every rank sees)"
+        )
     options = _options(trainer)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
     state = {"model": model, "optimizer": optimizer}

@@ -140,13 +140,17 @@ def test_each_rank_writes_only_its_own_shards(job):
             assert size < sharded / dp * 1.05 + 2048 * items[f], (f, size, sharded, items[f])  # 1/dp (+ rows' rounding) + framing
 
 
-def test_a_rank_whose_host_lacks_the_checkpoint_folder_fails_every_rank_of_the_save(job):
-    """Each rank raises (DCP gathers the failure of its planning step), none waits in a collective, and
-    nothing is written on the host that lacks the folder."""
+def test_a_rank_whose_host_lacks_the_checkpoint_folder_fails_every_rank_of_the_save_and_the_load(job):
+    """Each rank raises (a save: DCP gathers the failure of its planning step; a load: the ranks agree
+    on their checks first), none waits in a collective, and nothing is written on the host that
+    lacks the folder."""
     out, _ = job
     said = [(out / f"unseen-{rank}.txt").read_text() for rank in (0, 1)]
     assert all("does not exist on this rank's host" in s and "--checkpoint-dir must be a directory every rank sees" in s for s in said), said
     assert not (out / "not-on-this-host").exists()
+    loading = [(out / f"unseen-load-{rank}.txt").read_text() for rank in (0, 1)]
+    assert loading[0].startswith("CheckpointError: policy 'policy': 1 other rank(s) of the policy cannot load sharded checkpoint"), loading
+    assert loading[1].startswith("CheckpointError: sharded checkpoint") and "does not exist on this rank's host" in loading[1], loading
 
 
 # -- the readers ---------------------------------------------------------------------------------------
@@ -368,6 +372,12 @@ def _reshard_job(out: str, family: str, directory: str) -> int:
         except Exception as exc:  # noqa: BLE001 - what each rank raised, for the test
             said = f"{type(exc).__name__}: {exc}"
         Path(out, f"unseen-{rank}.txt").write_text(said)
+        try:  # and loading: rank 1's host lacks the checkpoint
+            load_sharded(again, Path(out) / ("dp3.dcp" if rank == 0 else "not-on-this-host/dp3.dcp"), group=meshes[2].get_group())
+            said = "loaded"
+        except Exception as exc:  # noqa: BLE001 - what each rank raised, for the test
+            said = f"{type(exc).__name__}: {exc}"
+        Path(out, f"unseen-load-{rank}.txt").write_text(said)
     if rank == 0:
         Path(out, "job.json").write_text(json.dumps({"directory": directory}))
     dist.barrier()

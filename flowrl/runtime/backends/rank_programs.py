@@ -275,9 +275,9 @@ class ShardedPolicy(_RankPolicy):
 
     def load(self, path: str) -> None:
         from flowrl.runtime.fsdp import load_full_state
-        from flowrl.runtime.sharded_state import is_sharded, load_sharded
+        from flowrl.runtime.sharded_state import SHARDED_SUFFIX, is_sharded, load_sharded
 
-        if is_sharded(path):  # any dp size's shards: each rank reads the chunks that overlap its rows
+        if is_sharded(path) or path.endswith(SHARDED_SUFFIX):  # any dp size's shards: each rank reads the chunks overlapping its rows
             load_sharded(self.trainer, path, group=self.group)
         else:  # a one-file state (a replicated policy's, or an FSDP one's from before sharded checkpoints)
             load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu", mmap=True))  # each rank reads its rows
