@@ -14,12 +14,15 @@ What is saved is ``torch.distributed.checkpoint.state_dict.get_state_dict(model,
 ``{"model": ..., "optimizer": ...}``: parameter names (FQNs) to DTensors, and AdamW's state by
 parameter name with its param groups (a LoRA policy: its adapters only, ``ignore_frozen_params``).
 Nothing is gathered: each rank writes the rows it holds, so while saving no rank holds more than its
-own shards (DCP's per-rank write plan is its local chunks; replicated scalars such as AdamW's
-``step`` are written once).
+own shards and DCP's write buffers (DCP's per-rank write plan is its local chunks; replicated scalars
+such as AdamW's ``step`` are written once). ``benches/sharded_checkpoint.py`` measures it: a few MB
+above the resident memory before the save, against 1.2x the full state on the lead of a gathered save.
 
 - ``save_sharded(trainer, path, group)``: collective over the policy's ranks (every rank calls it).
+- ``check_complete(path)``: the info of a whole state with every rank's file (``CheckpointWriter.commit``).
 - ``check_sharded(path, trainer)``: before any work, the error that names the fix for a checkpoint that
-  cannot be loaded into ``trainer`` (incomplete, a shard file missing, another model or shapes).
+  cannot be loaded into ``trainer`` (incomplete, a shard file missing, not on this host, another
+  model or shapes).
 - ``load_sharded(trainer, path, group)``: each rank reads its rows of the saved chunks, whatever dp
   size wrote them (DCP reshards by chunk overlap), then ``set_state_dict``.
 - ``read_state(path)``: a checkpoint's policy state in the one-file format (``Trainer.state()``: full
