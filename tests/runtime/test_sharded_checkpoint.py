@@ -303,6 +303,52 @@ def test_a_kill_inside_a_sharded_save_leaves_the_previous_checkpoint_as_the_newe
     assert not orphan.exists()
 
 
+def hf_copy_fsdp():
+    """The Hugging Face example (a prompt file, so it can be evaluated) with its policy sharded, at k = 0."""
+    from flowrl.examples.hf_copy import ASSETS
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.graph.configs import HFModelConfig
+
+    b = GraphBuilder("hf_copy_fsdp", model=HFModelConfig(path=str(ASSETS), init="random", seed=0))
+    prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=16)
+    gen = b.generator("gen", prompts, n_samples=8, max_new_tokens=5, temperature=1.0)
+    score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
+    aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0, normalize_std=True)
+    policy = b.policy("policy", aipo, lr=2e-3, sharding="fsdp")
+    b.weights(policy, gen, max_staleness=0)
+    return b.build()
+
+
+@pytest.mark.slow  # CI time (a torchrun run and two CLI readers, ~70 s)
+def test_a_torchrun_run_with_an_fsdp_policy_evaluates_and_its_sharded_checkpoints_read_through_the_cli(tmp_path, capsys):
+    """``--eval-every`` saves the sharded policy (each rank its shards) and evaluates it consolidated; the
+    run's checkpoints are sharded; ``flowrl eval`` of the last one gives the run's own evaluation of
+    that version, and ``flowrl export`` writes a directory transformers loads."""
+    from flowrl.examples.hf_copy import ASSETS
+
+    from tests.runtime.test_torchrun import _rows
+
+    held = [line for line in (ASSETS / "prompts.jsonl").read_text().splitlines() if line.strip()][:12]
+    (tmp_path / "held.jsonl").write_text("\n".join(held) + "\n")
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_sharded_checkpoint:hf_copy_fsdp", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "4", "--eval-every", "2", "--eval-data", "held.jsonl", "--quiet",
+                         "--metrics", "m.jsonl", "--checkpoint-dir", "ck", "--checkpoint-every", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    assert [r.get("eval/version") for r in rows] == [None, 2, None, 4]
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000004").iterdir()) == ["graph.json", "meta.json", "policy-policy.dcp"]
+    from flowrl.cli.main import main
+
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "ck"), "--data", str(tmp_path / "held.jsonl"), "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["policy_version"] == 4 and figures["greedy_reward_mean"] == pytest.approx(rows[3]["eval/greedy_reward_mean"], abs=1e-9), (figures, rows[3])
+    transformers = pytest.importorskip("transformers")
+    assert main(["export", str(tmp_path / "ck"), "-o", str(tmp_path / "hf")]) == 0
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+
+
 # -- the job (run under torchrun) -------------------------------------------------------------------------
 def _reshard_job(out: str, family: str, directory: str) -> int:
     import torch.distributed as dist
