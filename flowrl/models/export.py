@@ -1,7 +1,8 @@
 """A checkpoint's policy as a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
 ``export_hf(source, out_dir)`` reads the policy state a checkpoint holds (``Trainer.state()``:
-``model_config`` and ``model``) and writes weights (safetensors), ``config.json`` and the tokenizer.
+``model_config`` and ``model``; a sharded policy's shards consolidated) and writes weights
+(safetensors), ``config.json`` and the tokenizer.
 
 Any family is written as its ``ModelFamily.hf_architecture`` class with its adapter's
 ``hf_config`` and tokenizer, its weights renamed by its ``export_names`` (a Hugging Face policy keeps
@@ -33,12 +34,15 @@ __all__ = ["export_hf", "read_policy_state", "hf_config_and_state"]
 
 def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[str, Any]:
     """The policy state saved in a checkpoint: a ``step-*`` directory, or a run's checkpoint
-    directory (its ``LATEST``).
+    directory (its ``LATEST``), in the one-file format (``Trainer.state()``); a sharded policy's
+    ``policy-<node>.dcp`` is consolidated in this process (``flowrl.runtime.sharded_state.read_state``).
 
     Raises:
-        CheckpointError: when there is no checkpoint, no policy file, or several and ``node`` is unset.
+        CheckpointError: when there is no checkpoint, no policy file, or several and ``node`` is unset;
+            an incomplete sharded state or one missing a rank's shard file.
     """
     from flowrl.runtime.checkpoint import latest_checkpoint
+    from flowrl.runtime.sharded_state import SHARDED_SUFFIX, read_state
 
     path = Path(source).expanduser()
     if not path.is_dir():
@@ -48,15 +52,15 @@ def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[st
         if latest is None:
             raise CheckpointError(f"{str(path)!r} holds no checkpoint (no meta.json, no LATEST)")
         path = latest
-    files = sorted(path.glob("policy-*.pt"))
-    names = [f.name.removeprefix("policy-").removesuffix(".pt") for f in files]
+    files = sorted([*path.glob("policy-*.pt"), *path.glob(f"policy-*{SHARDED_SUFFIX}")])
+    names = [f.name.removeprefix("policy-").removesuffix(".pt").removesuffix(SHARDED_SUFFIX) for f in files]
     if node is not None:
         if node not in names:
             raise CheckpointError(f"checkpoint {str(path)!r} has no policy {node!r} (it has {names})")
-        files = [path / f"policy-{node}.pt"]
+        files = [f for f, name in zip(files, names) if name == node]
     if len(files) != 1:
         raise CheckpointError(f"checkpoint {str(path)!r} holds policies {names}; name one (--node)")
-    state = torch.load(files[0], map_location="cpu", weights_only=True)
+    state = read_state(files[0])
     if "model" not in state or "model_config" not in state:
         raise CheckpointError(f"{str(files[0])!r} is not a policy state (no 'model' or 'model_config')")
     return state

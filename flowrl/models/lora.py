@@ -51,6 +51,7 @@ __all__ = [
     "lora_modules",
     "add_adapters",
     "adapter_weights",
+    "adapter_name",
     "LoraMerge",
     "adapter_targets",
     "adapter_shapes",
@@ -146,8 +147,13 @@ def adapter_weights(model: nn.Module) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for name, p in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
-            out[name.replace(".default.weight", ".weight")] = p.detach()
+            out[adapter_name(name)] = p.detach()
     return out
+
+
+def adapter_name(name: str) -> str:
+    """An adapter parameter's transport name: peft's ``<module>.lora_A.default.weight`` -> ``<module>.lora_A.weight``."""
+    return name.replace(".default.weight", ".weight")
 
 
 def adapter_targets(model: nn.Module, lora: LoraConfig, *, owner: str = "generator", device: str | torch.device | None = None) -> dict[str, Tensor]:

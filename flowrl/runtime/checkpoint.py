@@ -6,6 +6,8 @@ Layout of ``DIR``::
     LOCK                    held (flock) by the run writing here; the OS releases it when that process ends
     step-00000010/          one checkpoint, renamed into place only once complete
         policy-<node>.pt    trainer state (weights, optimizer, version), loaded with weights_only=True
+        policy-<node>.dcp/  or, for a policy sharded over ranks (FSDP2), every rank's shards of that state
+                            (torch.distributed.checkpoint; ``flowrl.runtime.sharded_state``)
         graph.json          the graph that wrote it (``flowrl sample`` / ``flowrl eval`` read it)
         meta.json           CheckpointMeta: version, data position, graph fingerprint
 
@@ -44,6 +46,7 @@ __all__ = [
     "holds_checkpoints",
     "prepare_directory",
     "lock_directory",
+    "state_file",
     "GRAPH_FILE",
     "LOCK_FILE",
 ]
@@ -74,6 +77,19 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     delivered_ahead: tuple[int, ...] = ()
     wall_time: float = 0.0
     format: int = 1
+
+
+def state_file(node: str, *, sharded: bool = False) -> str:
+    """The name of ``node``'s state in a ``step-*`` directory: ``policy-<node>.pt``, or a directory
+    ``policy-<node>.dcp`` when the policy's ranks each write their own shards.
+
+    Example:
+        >>> state_file("policy"), state_file("policy", sharded=True)
+        ('policy-policy.pt', 'policy-policy.dcp')
+    """
+    from flowrl.runtime.sharded_state import SHARDED_SUFFIX
+
+    return f"policy-{node}{SHARDED_SUFFIX if sharded else '.pt'}"
 
 
 def graph_fingerprint(graph: Graph) -> str:
@@ -116,13 +132,20 @@ class CheckpointWriter:
         A kill at any point leaves LATEST naming the previous complete checkpoint or this one, never
         a directory without its meta.json: the directory becomes ``step-*`` in one rename, whole.
         """
+        from flowrl.runtime.sharded_state import check_complete, written
+
         for f in meta.files.values():
-            if not (staging / f).is_file():
+            if not written(staging / f):  # a file, or a sharded state's directory with its index and info (written last)
                 raise CheckpointError(f"checkpoint state file {f!r} was not written in {staging}")
+            if (staging / f).is_dir():
+                check_complete(staging / f)  # every rank's shard file is here (not on another host's disk)
         if self.graph is not None:
             (staging / GRAPH_FILE).write_text(to_json(self.graph))
         (staging / "meta.json").write_bytes(msgspec.json.encode(meta))
-        for f in staging.iterdir():
+        for f in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # a sharded state's files, then its folder
+            if f.is_dir():
+                _fsync_dir(f)
+                continue
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(staging)

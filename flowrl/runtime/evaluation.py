@@ -165,19 +165,21 @@ class Evaluator:
 
     def submit(self, program: NodeProgram, version: int) -> Future[dict[str, float]]:
         """Save ``program``'s state now (the trainer waits for this only) and evaluate it in the background."""
-        path = os.path.join(self._dir, f"policy-v{version}.pt")
+        path = os.path.join(self._dir, f"policy-v{version}")  # a file, or a sharded policy's directory of shards
         start = time.perf_counter()
         program.save(path)
         return self._pool.submit(self._evaluate, path, time.perf_counter() - start)
 
     def _evaluate(self, path: str, save_s: float) -> dict[str, float]:
-        import torch
-
         from flowrl.runtime.policy_samples import load_weights
+        from flowrl.runtime.sharded_state import read_state
 
         start = time.perf_counter()
-        state = torch.load(path, weights_only=True, map_location="cpu")
-        os.remove(path)
+        state = read_state(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
         load_weights(self.policy, state)
         out = evaluate_policy(self.policy, samples=self.samples, pass_reward=self.pass_reward)
         out["eval/time_s"] = time.perf_counter() - start

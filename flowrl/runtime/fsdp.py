@@ -17,13 +17,14 @@ ranks (all of them call it, in the same order):
 - Gradient clipping is the trainer's own ``clip_grad_norm_``, which on DTensor gradients computes
   the global norm (one all-reduce).
 
-Checkpoints are gathered (``full_state`` / ``load_full_state``) to the policy's lead rank only
-(each rank sends its rows to it; the others never hold a whole tensor), which writes the
-one-file format every policy writes (``Trainer.state()``: full tensors, ``torch.load(weights_only=True)``,
-read by ``flowrl export``), so a checkpoint of an FSDP policy resumes on any dp size, replicated
-or sharded, and exports as any other. The price: the lead holds the full model and optimizer
-state on the CPU while it writes (a torch.distributed.checkpoint format would not; not done yet).
-Every rank reads a checkpoint memory-mapped (``mmap=True``) and copies only its rows.
+Checkpoints are sharded (``flowrl.runtime.sharded_state``, torch.distributed.checkpoint): each rank
+writes its own rows, nothing is gathered, and they load on any dp size, sharded (each rank reads
+the chunks overlapping its rows) or replicated (consolidated in one process), and export as any
+other. ``full_state`` gathers the one-file format (``Trainer.state()``) to the policy's lead rank
+only (each rank sends its rows to it; the others never hold a whole tensor): the reference the
+tests compare a sharded state with. ``load_full_state`` loads a one-file state (a replicated
+policy's, or an FSDP one's from before sharded checkpoints): every rank reads it memory-mapped
+(``mmap=True``) and copies only its rows.
 
 Limits: the policy's mesh must be 1-D (``dp``); every dp rank must get at least one prompt group
 per batch and the same number of micro-batches (``check_shards``); every rank first builds the

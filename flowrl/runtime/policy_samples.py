@@ -89,10 +89,9 @@ def load_policy(path: str | Path, *, seed: int = 0, data: str | None = None) -> 
         ConfigError: ``data`` for a graph whose source is a task, or a file that cannot be read or
             lacks a field the prompt or a scorer needs.
     """
-    import torch
-
     from flowrl.graph.serialize import from_json
     from flowrl.runtime.checkpoint import GRAPH_FILE, read_meta
+    from flowrl.runtime.sharded_state import read_state
 
     step = _step_dir(Path(path))
     if not (step / GRAPH_FILE).is_file():
@@ -107,7 +106,7 @@ def load_policy(path: str | Path, *, seed: int = 0, data: str | None = None) -> 
         raise CheckpointError(f"checkpoint {step}: graph {graph.name!r} has no generator that receives a saved policy's weights")
     policy = policy_on_rows(graph, policy=saved[0], seed=seed, data=data)
     policy.path = step
-    load_weights(policy, torch.load(step / meta.files[saved[0]], weights_only=True))
+    load_weights(policy, read_state(step / meta.files[saved[0]]))  # one file, or a sharded policy's shards consolidated
     return policy
 
 

@@ -73,6 +73,12 @@ class NodeProgram(Protocol):
 class ProgramBase:
     """No-op defaults: most nodes have nothing to start, seek, checkpoint or close."""
 
+    #: Whether ``save`` writes a directory of shards, each rank its own, rather than one file (a
+    #: program on the controller's side of an FSDP policy: ``RemoteProgram.sharded_state``); the
+    #: checkpoint names its state accordingly (``checkpoint.state_file``). Read with ``getattr``:
+    #: a user's program need not have it.
+    sharded_state = False
+
     def start(self) -> None:
         """Called once before the first step (the policy publishes its initial weights here)."""
 
@@ -370,7 +376,9 @@ class PolicyProgram(ProgramBase):
         torch.save(self.trainer.state(), path)
 
     def load(self, path: str) -> None:
-        self.trainer.load_state(torch.load(path, weights_only=True, map_location="cpu"))  # load_state moves to the device
+        from flowrl.runtime.sharded_state import read_state
+
+        self.trainer.load_state(read_state(path))  # one file, or a sharded state consolidated (any dp size); load_state moves to the device
         self._published = -1
 
 

@@ -3,7 +3,9 @@
 The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belong to
 ``flowrl.runtime.checkpoint``; this module decides what a run puts in them and reads back:
 
-- :func:`save_run_checkpoint`: every policy program saves its state into a staging folder, which
+- :func:`save_run_checkpoint`: every policy program saves its state into a staging folder (one
+  file ``policy-<node>.pt``, or a program whose ranks hold shards, ``sharded_state``, a directory
+  ``policy-<node>.dcp`` of every rank's shards: ``flowrl.runtime.sharded_state``), which
   is committed with the run's version and data position (the index of the next unread prompt) and,
   for continuous batching, which delivers prompts out of order, the indices above it that the
   trainer consumed already (``delivered_ahead``: a resumed run skips them, so every prompt is
@@ -25,7 +27,7 @@ import msgspec
 from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta
+from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta, state_file
 from flowrl.runtime.programs import NodeProgram
 
 __all__ = ["Restored", "save_run_checkpoint", "restore_run_checkpoint"]
@@ -64,8 +66,9 @@ def save_run_checkpoint(
     files = {}
     try:
         for node in (n for n in graph.nodes if KINDS[n.kind].publishes_weights):  # the nodes with trainable state
-            files[node.name] = f"policy-{node.name}.pt"
-            programs[node.name].save(str(staging / files[node.name]))
+            program = programs[node.name]
+            files[node.name] = state_file(node.name, sharded=bool(getattr(program, "sharded_state", False)))
+            program.save(str(staging / files[node.name]))
         meta = CheckpointMeta(
             version=version,
             data_position=data_position,

@@ -13,7 +13,9 @@ entry point (``python tests/runtime/test_fsdp.py MODE OUT ...``):
 - ``bitwise``: a real run whose generator ranks hash their weights against the final checkpoint.
 
 Beside them: the refusals (before any work), the CLI pipeline (3 processes, reward rises, export),
-and (``--runslow``) a CLI resume on the same and on another dp size, and a file weight edge.
+and (``--runslow``) a CLI resume on the same and on another dp size, and a file weight edge. The sharded
+checkpoints a run writes (torch.distributed.checkpoint) are ``test_sharded_checkpoint.py``'s; the
+gathered one-file state here (``full_state``) is their reference and what an older FSDP run wrote.
 """
 
 from __future__ import annotations
@@ -261,7 +263,7 @@ def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
     """3 processes on gloo: generator on rank 0, the FSDP policy on ranks 1-2, weights over the
     collective transport from the shards. Every step within the staleness bound, the reward rises,
     each step the shards together put one full copy of the weights on the wire, and the final
-    checkpoint (gathered) exports and builds."""
+    checkpoint (each rank's shards, ``policy-policy.dcp``) exports through the CLI and builds."""
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
     steps = 60
     proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",
@@ -295,7 +297,7 @@ def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
 def test_the_generators_weights_equal_the_final_checkpoint_bit_for_bit(tmp_path, place):
     """A real run (3 steps, k = 0) with the FSDP policy on ranks 0-1 and the generator on its own rank or
     as replicas on the policy's ranks (each rank then both sends shards and receives the whole state):
-    after the last sync every generator rank's weights hash like the gathered final checkpoint's."""
+    after the last sync every generator rank's weights hash like the final checkpoint's (sharded, read consolidated)."""
     (tmp_path / "place.json").write_text(json.dumps(place))
     world = 1 + max(r for rs in place.values() for r in rs)
     proc = _torchrun(world, [str(THIS), "bitwise", str(tmp_path)], tmp_path)

@@ -60,8 +60,10 @@ def test_the_generators_adapters_equal_the_final_checkpoints_bit_for_bit(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     from flowrl.models.export import read_policy_state
 
-    state = read_policy_state(tmp_path / "ck")
+    state = read_policy_state(tmp_path / "ck")  # FSDP: each rank's shards (policy-policy.dcp), consolidated here
     assert int(state["version"]) == 3
+    step = tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text()
+    assert [p.name for p in step.glob("policy-*")] == ["policy-policy.dcp" if sharding == "fsdp" else "policy-policy.pt"]
     assert sorted(state["model"]) == sorted(
         f"model.layers.{i}.self_attn.{m}.lora_{ab}.weight" for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"
     )

@@ -210,8 +210,9 @@ class ShardedPolicy(_RankPolicy):
     global norm and steps AdamW on its shards. Weights: on a collective edge every rank publishes
     its own shards (trainer layout ``resharding.fsdp(ranks)``, no gather); on a ``shm``/``file`` edge
     every rank gathers and the lead publishes. ``save`` runs on every rank (the controller sends it
-    to all: ``saves_on_every_rank``): the state is gathered and the lead writes the one-file format;
-    ``load`` reads that file on every rank and keeps each rank's chunks, whatever dp size wrote it.
+    to all: ``saves_on_every_rank``): each rank writes its own shards of a sharded checkpoint
+    (``flowrl.runtime.sharded_state``, torch.distributed.checkpoint; nothing is gathered); ``load``
+    reads one on any dp size, or a one-file state, keeping each rank's chunks.
     """
 
     saves_on_every_rank = True
@@ -266,16 +267,18 @@ class ShardedPolicy(_RankPolicy):
         return float(metrics["policy/grad_norm"])  # the global norm already (DTensor gradients), averaged over the steps
 
     def save(self, path: str) -> None:
-        from flowrl.runtime.fsdp import full_state
+        from flowrl.runtime.sharded_state import save_sharded
 
-        state = full_state(self.trainer)  # every rank sends its rows; the lead alone gets the state
-        if state is not None:
-            torch.save(state, path)
+        save_sharded(self.trainer, path, group=self.group)  # a directory: each rank writes its own shards, nothing is gathered
 
     def load(self, path: str) -> None:
         from flowrl.runtime.fsdp import load_full_state
+        from flowrl.runtime.sharded_state import SHARDED_SUFFIX, is_sharded, load_sharded
 
-        load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu", mmap=True))  # each rank reads its rows
+        if is_sharded(path) or path.endswith(SHARDED_SUFFIX):  # any dp size's shards: each rank reads the chunks overlapping its rows
+            load_sharded(self.trainer, path, group=self.group)
+        else:  # a one-file state (a replicated policy's, or an FSDP one's from before sharded checkpoints)
+            load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu", mmap=True))  # each rank reads its rows
         self._published = -1
 
 

@@ -6,7 +6,7 @@ A remote program has the methods of a local one (``start``, ``seek``, ``step``, 
 the order (every request goes to every peer before any reply is read, since peers may meet in
 collectives inside the request), the lock (one call at a time), which peers a call needs (``seek``
 and ``save`` go to the lead only: every peer holds the same state; ``save`` goes to every peer of a
-program built with ``save_on_every_peer``, whose peers hold shards to gather) and reading the replies (only the
+program built with ``save_on_every_peer``, whose peers hold shards and each write their own: ``sharded_state``) and reading the replies (only the
 lead gets the input tensors and returns outputs and info). What differs per backend is its ``Link``:
 how a message reaches a peer and comes back, and which error names a peer that died or raised.
 
@@ -76,8 +76,14 @@ class RemoteProgram:
     def __init__(self, node: str, link: Link, *, save_on_every_peer: bool = False) -> None:
         self.node = node
         self.link = link
-        self.save_on_every_peer = save_on_every_peer  # an FSDP policy: every rank takes part in the gather
+        self.save_on_every_peer = save_on_every_peer  # an FSDP policy: every rank writes its shards
         self._lock = threading.Lock()
+
+    @property
+    def sharded_state(self) -> bool:
+        """Whether ``save`` writes a sharded state (a directory of every peer's shards,
+        ``flowrl.runtime.sharded_state``) rather than one file: a program whose peers hold shards."""
+        return self.save_on_every_peer
 
     def _send(self, header: dict[str, Any], tensors: Batch | None, peers: tuple[int, ...]) -> None:
         lead = self.link.peers[0]

@@ -27,8 +27,8 @@ Where things run:
   exactly its ranks (``_setup_groups``).
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
   (``DataParallelPolicy``: equal to a one-process step up to rounding), or sharded with FSDP2 when
-  its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.fsdp``: its checkpoint
-  is gathered, so its ``save`` goes to every rank of the node); a generator on several ranks
+  its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.fsdp``: each rank writes
+  its shards of the checkpoint, so its ``save`` goes to every rank of the node); a generator on several ranks
   runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1.
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
 - Weights: ``inprocess`` and ``collective`` edges use the collective transport

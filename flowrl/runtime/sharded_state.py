@@ -1,0 +1,427 @@
+"""A sharded policy's checkpoint state as torch.distributed.checkpoint (DCP) shards: written per rank, read on any dp size.
+
+An FSDP2 policy (``flowrl.runtime.fsdp``) saves ``policy-<node>.dcp/`` in a checkpoint's ``step-*``
+directory (``flowrl.runtime.checkpoint``) instead of the one-file ``policy-<node>.pt``::
+
+    policy-<node>.dcp/
+        __<i>_0.distcp   what dp rank i held: its rows of every parameter and AdamW moment (DCP's file)
+        .metadata        DCP's index: each tensor's global shape and the file and offset of each chunk
+                         (written by the policy's lead, through a rename, once every rank's file is written)
+        policy.json      ShardedStateInfo: format, version, model_config, the dp size that wrote it
+                         (written last, by the lead)
+
+What is saved is ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` as
+``{"model": ..., "optimizer": ...}``: parameter names (FQNs) to DTensors, and AdamW's state by
+parameter name with its param groups (a LoRA policy: its adapters only, ``ignore_frozen_params``).
+Nothing is gathered: each rank writes the rows it holds, so while saving no rank holds more than its
+own shards and DCP's write buffers (DCP's per-rank write plan is its local chunks; replicated scalars
+such as AdamW's ``step`` are written once). ``benches/sharded_checkpoint.py`` measures it: a few MB
+above the resident memory before the save, against 1.2x the full state on the lead of a gathered save.
+
+- ``save_sharded(trainer, path, group)``: collective over the policy's ranks (every rank calls it).
+- ``check_complete(path)``: the info of a whole state with every rank's file (``CheckpointWriter.commit``).
+- ``check_sharded(path, trainer)``: before any work, the error that names the fix for a checkpoint that
+  cannot be loaded into ``trainer`` (incomplete, a shard file missing, not on this host, another
+  model or shapes).
+- ``load_sharded(trainer, path, group)``: each rank reads its rows of the saved chunks, whatever dp
+  size wrote them (DCP reshards by chunk overlap), then ``set_state_dict``.
+- ``read_state(path)``: a checkpoint's policy state in the one-file format (``Trainer.state()``: full
+  tensors, the optimizer's state by index), from a ``.pt`` file or a ``.dcp`` directory consolidated
+  in this process without a process group: what ``flowrl export``, ``flowrl sample`` / ``eval``, the
+  evaluator and the resume of a one-process or replicated policy read. It holds the whole state, as
+  the one-file format does.
+
+DCP's ``.metadata`` is a pickle: it is read with an unpickler that allows only DCP's metadata
+classes and torch's dtypes (``_MetadataUnpickler``), as the one-file format is read with
+``weights_only=True``: a poisoned checkpoint raises, it does not run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import pickle
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from flowrl.errors import CheckpointError
+
+__all__ = [
+    "SHARDED_SUFFIX",
+    "INFO_FILE",
+    "ShardedStateInfo",
+    "is_sharded",
+    "written",
+    "save_sharded",
+    "check_complete",
+    "check_sharded",
+    "load_sharded",
+    "read_state",
+]
+
+#: The suffix of a sharded policy state's directory (``policy-<node>.dcp``).
+SHARDED_SUFFIX = ".dcp"
+#: What a sharded state holds besides tensors, in its directory.
+INFO_FILE = "policy.json"
+_METADATA = ".metadata"  # DCP's index (torch.distributed.checkpoint.filesystem)
+
+
+class ShardedStateInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a sharded state holds besides tensors (``policy.json``).
+
+    Attributes:
+        version: the policy version (completed optimizer steps).
+        model_config: the policy's model description (``msgspec.to_builtins``), as the one-file format.
+        dp: the number of ranks that wrote it (any dp size reads it).
+        lora: whether ``model`` holds a LoRA policy's adapters only.
+        format: this layout's version.
+    """
+
+    version: int
+    model_config: dict[str, Any]
+    dp: int
+    lora: bool = False
+    format: int = 1
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded state (a directory), not a one-file state."""
+    return Path(path).is_dir()
+
+
+def written(path: str | Path) -> bool:
+    """Whether a policy state at ``path`` is whole: a file, or a directory with its info and DCP's
+    index (written last, so a kill during the save leaves it without one)."""
+    p = Path(path)
+    return p.is_file() or (p.is_dir() and (p / INFO_FILE).is_file() and (p / _METADATA).is_file())
+
+
+# -- saving --------------------------------------------------------------------------------------------
+def _options(trainer: Any) -> Any:
+    """LoRA: the adapters only, as the one-file format (the frozen base is the description's own, so a
+    load is not strict about it; ``check_sharded`` has checked that the adapters are all there)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = bool(trainer.lora)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def _writer(path: Path) -> Any:
+    """DCP's file writer at ``path``, refusing (inside DCP's planning, so that every rank of the group
+    raises, none waits in a collective) a ``path`` whose folder this rank's host does not have."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def prepare_local_plan(self, plan: Any) -> Any:
+            if not path.parent.is_dir():
+                raise CheckpointError(
+                    f"the checkpoint folder {str(path.parent)!r} does not exist on this rank's host: every rank of a "
+                    "sharded policy writes its own shards there, so on several hosts --checkpoint-dir must be a "
+                    "directory every rank sees (a shared filesystem)"
+                )
+            return super().prepare_local_plan(plan)  # makes ``path``
+
+    return Writer(str(path))
+
+
+def _collective(what: str, path: Path, call: Any) -> Any:
+    """Run DCP's ``call``; its ``CheckpointException`` (a ``BaseException``, which the rank's serve loop
+    and the run's checkpoint cleanup would not catch) as a ``CheckpointError`` naming the ranks that
+    failed and the first one's error, raised on every rank alike."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call()
+    except CheckpointException as exc:
+        ranks = sorted(exc.failures)
+        first = exc.failures[ranks[0]][0]
+        message = str(first) if isinstance(first, CheckpointError) else f"{type(first).__name__}: {first}"
+        raise CheckpointError(f"{what} {str(path)!r} failed on the policy's rank(s) {ranks} (ranks of its group): {message}") from None
+
+
+def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
+    """Write ``trainer``'s shards at ``path`` (a directory in an existing folder). Every rank of the
+    policy's ``group`` calls it; each writes only its own shards, the group's first rank DCP's index
+    and then the info (the state is whole, ``written``, once both are there).
+
+    Raises:
+        CheckpointError: on every rank when one failed (naming it and its error, e.g. a folder its
+            host lacks).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = Path(path)
+    untouched = not trainer.optimizer.state  # before the first step (get_state_dict fills it: an AdamW step at lr 0)
+    model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))  # DTensors: no gather
+    state = {"model": model, "optimizer": optimizer}
+    _collective("saving the sharded checkpoint", path, lambda: dcp.save(state, storage_writer=_writer(path), process_group=group))
+    if untouched:  # the next step must start AdamW afresh, as it would have without this save
+        trainer.optimizer.state.clear()
+    if dist.get_rank(group) == 0:
+        info = ShardedStateInfo(
+            version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=dist.get_world_size(group), lora=bool(trainer.lora)
+        )
+        (path / INFO_FILE).write_bytes(msgspec.json.encode(info))
+
+
+# -- reading: the checks ---------------------------------------------------------------------------------
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` pickle with DCP's metadata dataclasses and enums, torch's dtypes and layouts
+    and a few plain containers only: nothing it names can run code (no function of those modules)."""
+
+    _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # their dataclasses and enums only
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if module.startswith(self._MODULES):
+            value = super().find_class(module, name)
+            if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
+                return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's index")
+
+
+def _reader(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = _read_metadata(path)
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(str(path))
+
+
+def _read_metadata(path: Path) -> Any:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO((path / _METADATA).read_bytes())).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} has an unreadable index {_METADATA} ({type(exc).__name__}: {exc}); "
+            "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
+        ) from None
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def _info(path: Path) -> tuple[ShardedStateInfo, Any]:
+    """The info and DCP's index of a whole sharded state whose shard files are all there."""
+    if not written(path):
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} is incomplete (no {INFO_FILE} or {_METADATA}: its save did not finish); "
+            "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
+        )
+    try:
+        info = msgspec.json.decode((path / INFO_FILE).read_bytes(), type=ShardedStateInfo)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"sharded checkpoint {str(path)!r} has an unreadable {INFO_FILE}: {exc}") from None
+    if info.format != 1:
+        raise CheckpointError(f"sharded checkpoint {str(path)!r} has format {info.format}; this flowrl reads format 1: read it with the flowrl that wrote it")
+    metadata = _read_metadata(path)
+    files = sorted({s.relative_path for s in metadata.storage_data.values()})
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} lacks shard files {missing} of the {info.dp} ranks that wrote it; on several "
+            "hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem); copy the missing files in, "
+            "or resume from an intact checkpoint"
+        )
+    return info, metadata
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples become lists), so that policy.json compares with a live config."""
+    return msgspec.json.decode(msgspec.json.encode(value))
+
+
+def _model_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """policy.json's model config as ``Trainer.state()`` writes it (``msgspec.to_builtins`` of the
+    model description: tuples where its fields are tuples); as read when it is no description."""
+    from flowrl.graph.configs import AnyModelConfig
+
+    try:
+        return msgspec.to_builtins(msgspec.convert({"family": "builtin", **saved}, AnyModelConfig))
+    except msgspec.ValidationError:
+        return saved
+
+
+def _expected(trainer: Any) -> dict[str, tuple[int, ...]]:
+    """``model.<name>`` -> global shape of what ``save_sharded`` writes for ``trainer``'s model."""
+    params = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad] if trainer.lora else list(trainer.model.state_dict().items())
+    return {f"model.{n}": tuple(p.shape) for n, p in params}
+
+
+def check_complete(path: str | Path) -> ShardedStateInfo:
+    """The info of a whole sharded state whose every shard file is there (``CheckpointWriter.commit``
+    checks it before a checkpoint is committed).
+
+    Raises:
+        CheckpointError: incomplete, or missing a rank's shard file (naming the fix).
+    """
+    return _info(Path(path))[0]
+
+
+def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
+    """Refuse, before any work, a sharded state that ``trainer`` cannot load on its dp size.
+
+    Any dp size reads any other's (DCP reshards); what cannot be resharded is a state that is
+    incomplete, lacks a rank's shard file, or was saved from another model.
+
+    Raises:
+        CheckpointError: naming the checkpoint, what differs and the fix.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} does not exist on this rank's host; every rank of a sharded policy reads "
+            "its shards there, so on several hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem)"
+        )
+    info, metadata = _info(path)
+    saved = _plain({"family": "builtin", **info.model_config})
+    mine = _plain(msgspec.to_builtins(trainer.node.model))
+    if saved != mine:
+        diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+        raise CheckpointError(
+            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} holds a model with a different config (saved, now): {diff}; "
+            "resume with the model description that wrote it (or export it with flowrl export and start a new run from that directory)"
+        )
+    have = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size")}
+    want = _expected(trainer)
+    wrong = sorted(k for k in want if have.get(k) != want[k])
+    extra = sorted(set(have) - set(want))
+    if wrong or extra:
+        shown = {k.removeprefix("model."): (have.get(k), want[k]) for k in wrong[:3]}
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        lacks = f"; tensors this model lacks: {[k.removeprefix('model.') for k in extra[:3]]}" if extra else ""
+        raise CheckpointError(
+            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} (dp={info.dp}) cannot be resharded into this policy: "
+            f"tensors (saved shape, now) {shown}{more}{lacks}; resume with the model that wrote it"
+        )
+    return info
+
+
+def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
+    """Load a sharded state into ``trainer`` sharded over ``group`` (any dp size). Every rank calls it;
+    each reads only the saved chunks that overlap its rows.
+
+    Raises:
+        CheckpointError: see ``check_sharded``, before any tensor is read; on every rank, when any
+            rank's check fails (one all-reduce of a flag first: a rank whose host lacks the
+            checkpoint must not leave the others waiting in DCP's collectives).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    try:
+        info, error = check_sharded(path, trainer), None
+    except CheckpointError as exc:
+        info, error = None, exc
+    failed = torch.tensor([0.0 if error is None else 1.0], device=next(trainer.model.parameters()).device)
+    dist.all_reduce(failed, group=group)  # how many of the policy's ranks cannot load it
+    if error is not None:
+        raise error
+    if info is None or float(failed) > 0:
+        raise CheckpointError(
+            f"policy {trainer.name!r}: {int(failed)} other rank(s) of the policy cannot load sharded checkpoint {str(path)!r} "
+            "(their errors say why; a folder on one host only: --checkpoint-dir must be a directory every rank sees)"
+        )
+    options = _options(trainer)
+    model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
+    state = {"model": model, "optimizer": optimizer}
+    _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=_reader(Path(path)), process_group=group))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+    trainer.version = info.version
+    if info.version == 0:  # saved before the first step: AdamW had no state (save_sharded), and has none now
+        trainer.optimizer.state.clear()
+
+
+# -- reading: the whole state in one process -------------------------------------------------------------
+def _set_path(root: dict[str, Any], keys: tuple[Any, ...], value: Any) -> None:
+    """``root[k0][k1]... = value``, making dicts, and lists where the next key is an int."""
+    node: Any = root
+    for key, after in zip(keys[:-1], keys[1:]):
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+        fresh: Any = [] if isinstance(after, int) else {}
+        if (node[key] if isinstance(node, list) else node.get(key)) is None:
+            node[key] = fresh
+        node = node[key]
+    if isinstance(node, list):
+        while len(node) <= keys[-1]:
+            node.append(None)
+    node[keys[-1]] = value
+
+
+def _consolidated(path: Path) -> dict[str, Any]:
+    """Every tensor of a sharded state whole, in its saved structure (``{"model": ..., "optimizer": ...}``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _read_metadata(path)
+    state: dict[str, Any] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+        _set_path(state, tuple(metadata.planner_data.get(key, (key,))), value)
+    with warnings.catch_warnings():  # DCP warns that no process group is in use: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+    return state
+
+
+def _one_file_optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``get_state_dict``'s optimizer state (by parameter name) as ``optimizer.state_dict()`` (by index:
+    the parameters in their groups' order, as torch numbers them)."""
+    groups = [dict(g) for g in saved.get("param_groups", [])]
+    index: dict[str, int] = {}
+    for group in groups:
+        names = list(group["params"])
+        group["params"] = [index.setdefault(n, len(index)) for n in names]
+    return {"state": {index[name]: dict(entry) for name, entry in dict(saved.get("state", {})).items()}, "param_groups": groups}
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    """A policy state in the one-file format (``Trainer.state()``), from a ``.pt`` file or a sharded
+    directory (consolidated here, in this process; it holds the whole state).
+
+    Raises:
+        CheckpointError: an incomplete sharded state or one missing a shard file (any error reading a
+            file propagates as torch raises it).
+    """
+    from flowrl.models.lora import adapter_name
+
+    p = Path(path)
+    if not p.is_dir():
+        return torch.load(p, map_location="cpu", weights_only=True)
+    info, _ = _info(p)
+    saved = _consolidated(p)
+    model = dict(saved.get("model", {}))
+    if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does
+        model = {adapter_name(n): t for n, t in model.items()}
+    optimizer = _one_file_optimizer(saved.get("optimizer", {}))
+    if info.version == 0:  # saved before the first step: AdamW had no state (see save_sharded)
+        optimizer["state"] = {}
+    return {"version": info.version, "model_config": _model_config(info.model_config), "model": model, "optimizer": optimizer}
