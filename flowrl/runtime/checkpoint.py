@@ -4,7 +4,7 @@ Layout of ``DIR``::
 
     LATEST                  the name of the newest complete checkpoint (replaced atomically)
     LOCK                    held (flock) by the run writing here; the OS releases it when that process ends
-    step-00000010/          one checkpoint, renamed into place only once complete
+    step-00000010/          one checkpoint (after trainer step 10), renamed into place only once complete
         policy-<node>.pt    trainer state (weights, optimizer, version), loaded with weights_only=True
         policy-<node>.dcp/  or, for a policy sharded over ranks (FSDP2), every rank's shards of that state
                             (torch.distributed.checkpoint; ``flowrl.runtime.sharded_state``)
@@ -113,6 +113,11 @@ class CheckpointWriter:
         self.keep = keep
         self.graph = graph
 
+    def _step(self, version: int) -> int:
+        """The trainer step a checkpoint of policy ``version`` follows: its directory's number (``version``
+        over the graph's updates per batch; the version itself without a graph)."""
+        return version // self.graph.updates_per_batch() if self.graph is not None else version
+
     def staging(self, version: int) -> Path:
         """A fresh temporary directory to write the state files of ``version`` into.
 
@@ -121,7 +126,7 @@ class CheckpointWriter:
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         self._sweep_orphans()
-        tmp = self.directory / f".step-{version:08d}.tmp-{os.getpid()}"
+        tmp = self.directory / f".step-{self._step(version):08d}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         return tmp
@@ -149,7 +154,7 @@ class CheckpointWriter:
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(staging)
-        final = self.directory / f"step-{meta.version:08d}"
+        final = self.directory / f"step-{self._step(meta.version):08d}"
         trash = None
         if final.exists():  # the same step written again (a fresh run in a used directory): move it aside
             trash = self.directory / f".trash-{final.name}-{os.getpid()}"
@@ -161,14 +166,14 @@ class CheckpointWriter:
         _fsync_dir(self.directory)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
-        self._prune(meta.version)
+        self._prune(self._step(meta.version))
         return final
 
-    def _prune(self, version: int) -> None:
-        """Keep the ``keep`` newest checkpoints up to ``version`` (the one just written, which LATEST
+    def _prune(self, last: int) -> None:
+        """Keep the ``keep`` newest checkpoints up to step ``last`` (the one just written, which LATEST
         names, among them); never touch newer ones (another run's, in a reused directory)."""
         steps = {p: _step_of(p) for p in self.directory.glob("step-*") if p.is_dir()}
-        done = sorted(p for p, step in steps.items() if step is not None and step <= version)
+        done = sorted(p for p, step in steps.items() if step is not None and step <= last)
         for old in done[: -self.keep]:
             # renamed aside first, in one step: a kill during the deletion must not leave a
             # ``step-*`` directory with its meta.json and half its state files (the sweep of a

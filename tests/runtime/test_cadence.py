@@ -53,8 +53,8 @@ def test_eval_samples_and_checkpoints_fire_on_trainer_steps_with_two_updates_per
     assert [r["step"] for r in result.rows if "eval/greedy_reward_mean" in r] == [2, 4]  # not every version 2: steps 1..4
     assert [r.get("eval/version") for r in result.rows] == [None, 4, None, 8]  # the policy after that step
     assert [r["step"] for r in result.rows if "samples_text" in r] == [2, 4]
-    metas = sorted(json.loads((p / "meta.json").read_text())["version"] for p in ck.glob("step-*"))
-    assert metas == [4, 8]  # after steps 2 and 4
+    metas = sorted((p.name, json.loads((p / "meta.json").read_text())["version"]) for p in ck.glob("step-*"))
+    assert metas == [("step-00000002", 4), ("step-00000004", 8)]  # named by the trainer step, holding versions 4 and 8
 
 
 def test_an_eval_cadence_that_never_fires_is_refused_for_python_users():

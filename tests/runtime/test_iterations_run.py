@@ -68,7 +68,7 @@ def test_a_real_run_advances_u_versions_a_step_and_resumes_exactly(tmp_path, bac
     assert all(abs(r["old/ratio_mean"] - 1.0) > 1e-4 for r in whole.rows)  # later updates move away from the old policy
     with pytest.raises(NodeExecutionError, match="stopped by the test"):
         _real(tmp_path / "cut", 2, stop_at=2, backend=backend)
-    assert (tmp_path / "cut" / "ck" / "LATEST").read_text() == "step-00000004"
+    assert (tmp_path / "cut" / "ck" / "LATEST").read_text() == "step-00000001"  # named by trainer step (version 4)
     resumed = _real(tmp_path / "cut", 2, resume=True, backend=backend)
     assert [(r["step"], r["policy_version"]) for r in resumed.rows] == [(2, 8)]
     want = torch.load(whole.checkpoint / "policy-policy.pt", weights_only=True)
