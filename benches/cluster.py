@@ -8,7 +8,7 @@ worker over the weight-sync group.
 
 Prints one JSON object:
 - ``measured``: per step (median and range over the steps after the first two: vLLM's start and
-  the first updates are warm-up) ``time_s`` (the step interval), ``gen_s``, ``train_s``,
+  the first updates are warm-up) ``step_s`` (the interval between rows), ``gen_s``, ``train_s``,
   ``sync_s`` (the generator's wait for and load of new weights: collective + into vLLM) and
   ``idle_s``, as the metrics rows give them; peak RSS per rank is not sampled here
   (``weight_sync.py`` samples the generator's side);
@@ -107,7 +107,9 @@ def main() -> None:
             sys.exit(f"the torchrun job failed:\n{run.stderr[-4000:]}")
         rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     steady = rows[2:] or rows
-    measured = {key: _spread([float(r[key]) for r in steady]) for key in ("time_s", "gen_s", "train_s", "sync_s", "idle_s") if key in steady[0]}
+    measured = {key: _spread([float(r[key]) for r in steady]) for key in ("gen_s", "train_s", "sync_s", "idle_s") if key in steady[0]}
+    # a row's time_s is the run's clock at that step's end: the step is the interval between rows
+    measured["step_s"] = _spread([b["time_s"] - a["time_s"] for a, b in zip(rows[1:], rows[2:])] or [rows[-1]["time_s"]])
     step_s = predicted["step_s"]
     out = {
         "model": "Qwen2.5-0.5B-shaped (358M params, fp32), 2 prompts x 4 samples x 24 tokens, k = 1",
@@ -116,7 +118,7 @@ def main() -> None:
         "measured": measured,
         "reward_mean_first_last": [round(rows[0]["reward_mean"], 3), round(rows[-1]["reward_mean"], 3)],
         "predicted": predicted,
-        "predicted_over_measured": round(step_s / measured["time_s"]["median"], 2) if step_s else None,
+        "predicted_over_measured": round(step_s / measured["step_s"]["median"], 2),
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
     }
