@@ -214,6 +214,48 @@ def test_a_weight_update_clears_the_prefix_cache(vllm_gen, vllm_dir):
     torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=rollout_logprob_atol(policy, out))
 
 
+# -- weights over the weight-sync group ---------------------------------------------------------------
+def test_a_sync_over_the_group_puts_the_policys_weights_in_vllms_kernels_bit_for_bit(vllm_gen, vllm_dir):
+    """Read back through vLLM's kernels (fused qkv_proj and gate_up_proj included), vLLM's weights are the
+    policy's bit for bit after a sync in many small buckets; the bytes sent are the model's, once. (A tied
+    head: ``tests/runtime/test_vllm_torchrun.py``, whose model ties its embeddings.)"""
+    from flowrl.operators.engines.vllm_sync import bucket_plan
+
+    policy = weight_dict(_perturbed(vllm_dir, scale=0.1))
+    assert vllm_gen.weights_by == "group" and vllm_gen.weights_differ(policy)  # before the sync: the check can fail
+    vllm_gen.load_weights(policy, version=1)  # the group is formed by now (it forms at the first update)
+    vllm_gen._group.bucket_bytes = 64 << 10  # many buckets
+    assert len(bucket_plan(vllm_gen.weight_targets(), vllm_gen._group.bucket_bytes)) > 4
+    policy = weight_dict(_perturbed(vllm_dir, scale=0.2))
+    sent, counted = vllm_gen._group.bytes_sent, vllm_gen.sync_bytes
+    vllm_gen.load_weights(policy, version=2)
+    assert vllm_gen.weights_differ(policy) == []
+    model_bytes = sum(t.numel() * 4 for t in policy.values())
+    assert vllm_gen._group.bytes_sent - sent == model_bytes == vllm_gen.sync_bytes - counted
+    (worker,) = vllm_gen._group.last_workers
+    assert worker["loaded"] == len(policy) and 0 <= worker["waited_s"] <= worker["seconds"]
+
+
+def test_a_failed_sync_is_an_error_and_the_group_still_works_after_it(vllm_gen, vllm_dir):
+    from flowrl.errors import TransportError
+
+    vllm_gen.load_weights(weight_dict(_perturbed(vllm_dir)), version=1)
+    bad = dict(vllm_gen.weight_targets())
+    bad["model.layers.0.no_such.weight"] = torch.zeros(4)
+    with pytest.raises(TransportError, match="weight-sync group failed"):
+        vllm_gen._group.send(bad)  # the worker refuses the name after receiving every tensor: nothing left blocked
+    policy = weight_dict(_perturbed(vllm_dir, scale=0.1))
+    vllm_gen.load_weights(policy, version=2)
+    assert vllm_gen.weights_differ(policy) == []
+
+
+def test_the_file_route_loads_the_same_bytes(vllm_gen, vllm_dir, monkeypatch):
+    monkeypatch.setattr(vllm_gen, "weights_by", "file")  # the route a weight edge of transport 'file' takes
+    policy = weight_dict(_perturbed(vllm_dir, scale=0.1))
+    vllm_gen.load_weights(policy, version=1)
+    assert vllm_gen.weights_differ(policy) == []
+
+
 # -- a run ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_copy_vllm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
