@@ -37,6 +37,31 @@ def test_eval_reports_greedy_and_sampled_reward(checkpoint, capsys):
     assert 0.0 <= figures["greedy_reward_mean"] <= 1.0 and 0.0 <= figures["sampled_reward_mean"] <= 1.0
 
 
+def test_eval_reports_pass_at_k_as_the_runs_evaluation_does_by_hand(checkpoint, capsys):
+    """pass@1 is the mean share of a prompt's S sampled completions that pass; pass@S the share of prompts
+    with at least one (the unbiased estimator's ends, by hand); greedy_pass the share of greedy ones."""
+    from flowrl.runtime.policy_samples import eval_positions, load_policy, rollout
+
+    policy = load_policy(checkpoint)
+    indices = eval_positions(policy, 8)
+    sampled = [r.reward for r in rollout(policy, indices, n_samples=2, greedy=False)]
+    greedy = [r.reward for r in rollout(policy, indices, n_samples=1, greedy=True)]
+    above = sorted(r for r in sampled if r > 0)
+    assert above, sampled  # a 3-step policy of the copy task gets some tokens right (seeded: always the same draws)
+    threshold = above[0]  # some pass, most do not: both ends of pass@k are informative
+    capsys.readouterr()
+    argv = ["eval", str(checkpoint), "--prompts", "8", "--samples", "2", "--pass-reward", repr(threshold), "--json"]
+    assert main(argv) == 0
+    figures = json.loads(capsys.readouterr().out)
+    passed = [[r >= threshold for r in sampled[2 * i : 2 * i + 2]] for i in range(8)]
+    assert figures["pass@1"] == pytest.approx(sum(sum(p) / 2 for p in passed) / 8)
+    assert figures["pass@2"] == pytest.approx(sum(any(p) for p in passed) / 8)
+    assert figures["greedy_pass"] == pytest.approx(sum(r >= threshold for r in greedy) / 8)
+    assert 0 < figures["pass@1"] < 1 and figures["pass_reward"] == threshold
+    assert main(["eval", str(checkpoint), "--prompts", "8", "--samples", "2", "--pass-reward", repr(threshold)]) == 0
+    assert f"pass@1 {figures['pass@1']:.3f}, pass@2 {figures['pass@2']:.3f}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", ["sample", "eval"])
 def test_checkpoint_mistakes(tmp_path, checkpoint, capsys, command):
     assert main([command, str(tmp_path / "nope")]) == 2
