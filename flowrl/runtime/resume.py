@@ -1,4 +1,5 @@
-"""A run's checkpoints as the controller takes and restores them: the policies' state plus the data position.
+"""A run's checkpoints as the controller takes and restores them: the policies' state (and that of
+references that sync with them, ``Node.keeps_state``) plus the data position.
 
 The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belong to
 ``flowrl.runtime.checkpoint``; this module decides what a run puts in them and reads back:
@@ -24,7 +25,6 @@ import msgspec
 
 from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
-from flowrl.graph.kinds import KINDS
 from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta
 from flowrl.runtime.programs import NodeProgram
 
@@ -51,7 +51,8 @@ def save_run_checkpoint(
     delivered_ahead: tuple[int, ...] = (),
     keep: int = 3,
 ) -> Path:
-    """Checkpoint the state of every policy in ``programs`` at ``version``; returns the committed folder.
+    """Checkpoint the state of every node that keeps some (``Node.keeps_state``: the policies, syncing
+    references) in ``programs`` at ``version``; returns the committed folder.
 
     The newest ``keep`` checkpoints stay in ``directory`` (``RunConfig.keep_checkpoints``).
 
@@ -63,8 +64,8 @@ def save_run_checkpoint(
     staging = writer.staging(version)
     files = {}
     try:
-        for node in (n for n in graph.nodes if KINDS[n.kind].publishes_weights):  # the nodes with trainable state
-            files[node.name] = f"policy-{node.name}.pt"
+        for node in (n for n in graph.nodes if n.keeps_state()):  # the policies, and references that sync
+            files[node.name] = f"{node.kind}-{node.name}.pt"
             programs[node.name].save(str(staging / files[node.name]))
         meta = CheckpointMeta(
             version=version,
