@@ -41,11 +41,13 @@ def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t for n, t in weight_dict(model).items() if n in names}
 
 
-@pytest.mark.parametrize(("k", "iterations"), [(0, 1), (1, 2)], ids=["k0", "k1-two-updates"])
-def test_the_reference_is_the_hand_mix_after_its_sync(tmp_path, k, iterations):
+@pytest.mark.parametrize(
+    ("k", "iterations", "backend"), [(0, 1, "local"), (1, 2, "local"), (1, 1, "process")], ids=["k0", "k1-two-updates", "k1-processes"]
+)
+def test_the_reference_is_the_hand_mix_after_its_sync(tmp_path, k, iterations, backend):
     alpha = 0.6
     graph = _graph(sync_steps=2, alpha=alpha, k=k, iterations=iterations)
-    result = run_graph(graph, RunConfig(steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, device="cpu"))
+    result = run_graph(graph, RunConfig(steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, device="cpu", backend=backend))
     assert result.version == 4 * iterations
     at_2, at_4 = sorted(tmp_path.glob("step-*"))  # the checkpoints of steps 2 and 4
     policy_at_2 = torch.load(at_2 / "policy-policy.pt", weights_only=True)  # what the sync after step 2 mixes in
