@@ -13,8 +13,7 @@ by ``mix`` (TRL's ``sync_ref_model``): ``reference = alpha * policy + (1 - alpha
 The model lives on ``device``; the rollout arrives as CPU tensors and ``ref_logprobs`` returns on the CPU.
 
 Example:
-    >>> from flowrl.errors import ConfigError
-from flowrl.graph.nodes import ReferenceNode
+    >>> from flowrl.graph.nodes import ReferenceNode
     >>> from flowrl.graph.configs import ModelConfig
     >>> ref = Reference(ReferenceNode(name="ref", model=ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=1)))
     >>> out = ref.logprobs({"sample_prompt_ids": torch.tensor([[1, 4, 14]]), "sample_prompt_lens": torch.tensor([3]),
