@@ -120,3 +120,17 @@ def test_a_resumed_run_continues_the_synced_reference(tmp_path):
     assert end_whole["synced_at"] == end_parts["synced_at"] == 4
     for name, t in end_whole["weights"].items():
         assert torch.equal(end_parts["weights"][name], t), name
+
+
+def test_a_lora_policy_cannot_sync_a_reference():
+    from flowrl.graph.configs import HFModelConfig
+
+    b = GraphBuilder("lora_ref", model=HFModelConfig(path="/models/qwen", init="random"))
+    gen = b.generator("gen", b.source("prompts", task="copy"))
+    reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    ref = b.reference("ref", gen, sync_steps=4)
+    policy = b.policy("policy", b.loss("loss", gen, reward, ref, kl_coef=0.1), lora=dict(r=4))
+    b.weights(policy, gen)
+    b.weights(policy, ref)
+    with pytest.raises(GraphError, match=r"reference 'ref' syncs with 'policy', a LoRA policy, which sends its adapters only"):
+        b.build()
