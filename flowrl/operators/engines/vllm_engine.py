@@ -118,7 +118,8 @@ _LOGGING_CONFIG: list[str] = []
 def _quiet_vllm(directory: str) -> None:
     """Drop vLLM's start-up warnings that are noise in a flowrl run (``vllm_logging.NOISE``, each with
     its reason), in this process and in the ones vLLM spawns, unless the user configured vLLM's logging
-    (``VLLM_LOGGING_CONFIG_PATH``) or Python's warnings for them. The file is written again for each
+    (``VLLM_LOGGING_CONFIG_PATH``, or turned it off: ``VLLM_CONFIGURE_LOGGING=0``) or Python's warnings
+    (``PYTHONWARNINGS``). The file is written again for each
     engine (into its own directory, read by the processes it starts), as an earlier engine's
     directory goes when it closes."""
     import builtins
@@ -128,7 +129,8 @@ def _quiet_vllm(directory: str) -> None:
 
     from flowrl.operators.engines import vllm_logging
 
-    if os.environ.get("VLLM_LOGGING_CONFIG_PATH") in (None, *_LOGGING_CONFIG):
+    configures = os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0"  # 0: vLLM refuses any logging file
+    if configures and os.environ.get("VLLM_LOGGING_CONFIG_PATH") in (None, *_LOGGING_CONFIG):
         path = str(vllm_logging.write_logging_config(directory, os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
         _LOGGING_CONFIG.append(path)
