@@ -134,3 +134,25 @@ def test_a_lora_policy_cannot_sync_a_reference():
     b.weights(policy, ref)
     with pytest.raises(GraphError, match=r"reference 'ref' syncs with 'policy', a LoRA policy, which sends its adapters only"):
         b.build()
+
+
+def torchrun_graph():
+    """The graph the torchrun case runs (``flowrl run tests.runtime.test_reference_sync:torchrun_graph``)."""
+    return _graph(sync_steps=2, k=1, iterations=2)
+
+
+def test_under_torchrun_the_reference_on_its_own_rank_is_the_hand_mix(tmp_path):
+    """Generator, reference and policy on ranks 0, 1, 2: the policy's weights reach the reference over
+    the collective transport, and its mix after step 2 is the formula's, bit for bit."""
+    from tests.runtime.test_torchrun import _torchrun
+
+    (tmp_path / "place.json").write_text('{"gen": [0], "ref": [1], "policy": [2]}')
+    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_reference_sync:torchrun_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "3", "--quiet", "--checkpoint-dir", "ck", "--checkpoint-every", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    at_2, at_3 = sorted((tmp_path / "ck").glob("step-*"))
+    policy = torch.load(at_2 / "policy-policy.pt", weights_only=True)
+    reference = torch.load(at_3 / "reference-ref.pt", weights_only=True)
+    assert (policy["version"], reference["synced_at"]) == (4, 2)
+    for name, before in _parameters(build_model(MODEL)).items():
+        assert torch.equal(reference["weights"][name], 0.6 * policy["model"][name] + (1 - 0.6) * before), name
