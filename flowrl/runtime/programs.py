@@ -315,9 +315,14 @@ class ReferenceProgram(ProgramBase):
     """
 
     def __init__(
-        self, node: ReferenceNode, graph: Graph | None = None, transports: SharedTransports | None = None, *,
-        device: str = "cpu", timeout_s: float = 300.0,
-    ) -> None:  # fmt: skip
+        self,
+        node: ReferenceNode,
+        graph: Graph | None = None,
+        transports: SharedTransports | None = None,
+        *,
+        device: str = "cpu",
+        timeout_s: float = 300.0,
+    ) -> None:
         import threading
 
         from flowrl.operators.reference import Reference
