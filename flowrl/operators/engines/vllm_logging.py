@@ -6,7 +6,9 @@ flowrl run does not use, so they are dropped, each with its reason; every other 
 Kept on purpose because they are not noise: vLLM's advice on a CPU to preload ``libtcmalloc`` /
 ``libiomp`` (its CPU kernels run measurably faster with them: the user can act on it), torch's note
 that vLLM's CPU worker binds its memory to NUMA nodes (printed by torch's C++, not Python's logging),
-and anything at ERROR.
+and anything at ERROR. One noise line stays in vLLM's spawned processes: "Triton is installed, but
+doesn't include CPU backend", which vLLM logs while it is imported there, before it reads any logging
+configuration (Python's last-resort handler prints it); flowrl's own process filters it.
 
 The filter reaches vLLM's spawned processes through vLLM's own logging configuration
 (``VLLM_LOGGING_CONFIG_PATH``, a JSON file ``write_logging_config`` writes): the same handler as
