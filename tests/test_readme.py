@@ -46,3 +46,51 @@ def test_the_benchmarks_list_names_every_bench_script():
     runs = {m for p in (ROOT / "benches").glob("*.py") for m in re.findall(r"^\s*import (\w+)$", p.read_text(), flags=re.M)}
     present = {p.name for p in (ROOT / "benches").glob("*.py") if not p.name.startswith("_") and p.stem not in runs}
     assert listed == present, f"benches not in the README: {sorted(present - listed)}; listed but absent: {sorted(listed - present)}"
+
+
+def _trl_rows() -> list[tuple[str, str, str]]:
+    """The "Coming from TRL" table's rows: (TRL options, flowrl, notes)."""
+    rows = [line.split(" | ") for line in _section("## Coming from TRL").splitlines() if line.startswith("| ") and not line.startswith("| TRL")]
+    return [(r[0].removeprefix("| "), r[1], r[2].removesuffix(" |").removesuffix("|")) for r in rows if len(r) == 3]
+
+
+def test_the_trl_table_names_options_that_exist():
+    """Each ``name`` before ``on `b.method``` is a keyword the method takes (its config's field or its own
+    parameter), each key of ``lora=dict(...)`` a ``LoraConfig`` field, each ``--flag`` one of the CLI's, and
+    every row flowrl lacks says why."""
+    import inspect
+
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.graph.configs import LoraConfig
+    from flowrl.graph.option_names import OPTION_OWNERS
+
+    cli = "".join(p.read_text() for p in (ROOT / "flowrl" / "cli").glob("*.py"))
+    checked = 0
+    for trl, flowrl, _notes in _trl_rows():
+        if "not supported" in flowrl:
+            assert "because" in flowrl, f"{trl}: 'not supported' says why"
+        for flag in re.findall(r"(--[a-z][a-z-]+)", flowrl):
+            assert f'"{flag}"' in cli, f"{trl}: {flag} is no flowrl CLI flag"
+            checked += 1
+        options = flowrl
+        while re.search(r"\([^()]*\)", options):  # parentheticals hold values and asides, not options
+            options = re.sub(r"\([^()]*\)", "", options)
+        for part in options.split(";"):
+            for before, method in re.findall(r"(.*?)on `b\.(\w+)`", part):
+                takes = set(inspect.signature(getattr(GraphBuilder, method)).parameters)
+                takes |= set(OPTION_OWNERS[method].__struct_fields__) if method in OPTION_OWNERS else set()
+                for name in re.findall(r"`(\w+)(?:=[^`]*)?`", before):
+                    assert name in takes, f"{trl}: b.{method}(...) takes no {name!r}"
+                    checked += 1
+        for keys in re.findall(r"`lora=dict\(([^)]*)\)`", flowrl):
+            for key in re.findall(r"(\w+)=", keys):
+                assert key in LoraConfig.__struct_fields__, f"{trl}: LoraConfig has no {key!r}"
+    assert checked > 40
+
+
+def test_the_trl_table_lists_every_trl_option_flowrl_knows():
+    from flowrl.graph.option_names import TRL_OPTIONS
+
+    listed = {name for trl, _, _ in _trl_rows() for name in re.findall(r"`(\w+)", trl)}
+    missing = sorted(set(TRL_OPTIONS) - listed - {"lora_dropout"})  # peft's name: in the peft_config row's notes
+    assert not missing, f"TRL options flowrl maps (graph/option_names.py) missing from the README's table: {missing}"

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "plot_runs", "panels", "PANELS", "HEALTH_PANELS"]
+__all__ = ["register", "plot_runs", "draw_runs", "panels", "PANELS", "HEALTH_PANELS"]
 
 #: (title, what it reads): a key of the metrics rows, or ``"step_time_s"`` (the difference of ``time_s``).
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -135,6 +135,21 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[s
     Raises:
         ConfigError: when matplotlib is missing (with the install command).
     """
+    fig = draw_runs(runs)  # checks matplotlib is there
+    import matplotlib.pyplot as plt
+
+    fig.savefig(output, dpi=90)
+    plt.close(fig)
+
+
+def draw_runs(runs: dict[str, list[dict[str, Any]]]) -> Any:
+    """The matplotlib figure ``plot_runs`` saves: two columns (by trainer step, by wall time) per panel,
+    laid out by matplotlib's constrained layout, which keeps the figure's title above the first row's
+    titles and legends (``tight_layout`` ignores a ``suptitle`` and let it overlap them).
+
+    Raises:
+        ConfigError: when matplotlib is missing (with the install command).
+    """
     from flowrl.errors import ConfigError
 
     try:
@@ -145,7 +160,7 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[s
     except ImportError:
         raise ConfigError(f"flowrl plot needs matplotlib: {PLOT_INSTALL}") from None
     drawn = panels(runs)
-    fig, axes = plt.subplots(len(drawn), 2, figsize=(13, 3.0 * len(drawn)), squeeze=False)
+    fig, axes = plt.subplots(len(drawn), 2, figsize=(13, 3.0 * len(drawn)), squeeze=False, layout="constrained")
     for row, (title, keys) in enumerate(drawn):
         for label_i, (label, rows) in enumerate(runs.items()):
             color = f"C{label_i % 10}"
@@ -165,9 +180,7 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[s
             else:
                 ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.suptitle("flowrl: " + ", ".join(runs), fontsize=12)
-    fig.tight_layout()
-    fig.savefig(output, dpi=90)
-    plt.close(fig)
+    return fig
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ import msgspec
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.engines import Engine
 from flowrl.graph.envs import EnvConfig
-from flowrl.graph.configs import HFModelConfig, LoraConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.configs import HFModelConfig, LoraConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.judges import JudgeConfig
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
 from flowrl.graph.nodes import (
@@ -41,7 +41,7 @@ from flowrl.graph.nodes import (
     signature,
 )
 from flowrl.graph.advice import warn_about
-from flowrl.graph.option_names import leftover_message
+from flowrl.graph.option_names import leftover_message, reference_options
 from flowrl.graph.refs import reference_of
 from flowrl.graph.scorer_forms import form_mismatch
 
@@ -108,12 +108,21 @@ class GraphBuilder:
                 return n
         raise GraphError(f"node {reader!r} reads from {name!r}, which is not declared yet; declare {name!r} first")
 
-    @staticmethod
-    def _no_leftovers(kind: str, name: str, kwargs: dict[str, Any]) -> None:
+    def _no_leftovers(self, kind: str, name: str, kwargs: dict[str, Any]) -> None:
         """Refuse keyword arguments no config field took, saying what each most likely meant
-        (TRL's names among them: ``flowrl.graph.option_names``)."""
-        if kwargs:
-            raise ConfigError(leftover_message(kind, name, list(kwargs)))
+        (TRL's names among them: ``flowrl.graph.option_names``); a reference's sync option in a
+        graph without a reference also says how to add one."""
+        if not kwargs:
+            return
+        message = leftover_message(kind, name, list(kwargs))
+        syncs = reference_options(kwargs)
+        if syncs and not any(isinstance(n, ReferenceNode) for n in self._nodes):
+            message += (
+                f". {syncs} sync a reference node with the policy, and this graph has none yet: declare one with the "
+                "sync, ref = b.reference('ref', gen, sync_steps=N, sync_alpha=0.6), read it in the loss (kl_coef > 0, "
+                "b.loss(..., ref)) and send it the policy's weights: b.weights(policy, ref)"
+            )
+        raise ConfigError(message)
 
     # -- one method per node kind ------------------------------------------------------------------
     def source(self, name: str, *, config: SourceConfig | None = None, **kwargs: Any) -> Node:
@@ -198,15 +207,30 @@ class GraphBuilder:
         node = ScorerNode(name=name, fn=ref, batched=batched, output=output, inputs=inputs)
         return self.add(node, (rollouts,))
 
-    def reference(self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None) -> Node:
-        """A frozen copy of the initial policy, writing ``ref_logprobs``."""
+    def reference(
+        self, name: str, rollouts: NodeRef, *, model: ModelConfig | None = None, config: ReferenceConfig | None = None, **kwargs: Any
+    ) -> Node:
+        """A copy of the initial policy, writing ``ref_logprobs``; keyword arguments are ``ReferenceConfig``
+        fields: frozen by default, or synced with the policy (TRL's ``sync_ref_model``) every
+        ``sync_steps`` trainer steps, ``sync_alpha * policy + (1 - sync_alpha) * reference``, when the
+        policy's weights reach it over a weight edge (``b.weights(policy, ref)``; ``build`` refuses a
+        syncing reference without one, and one into a frozen reference).
+
+        Example:
+            >>> b = GraphBuilder("kl")
+            >>> gen = b.generator("gen", b.source("prompts", task="copy"))
+            >>> b.reference("ref", gen, sync_steps=64, sync_alpha=0.6).describe()
+            'model=2L64d, sync_steps=64'
+        """
+        cfg = _config(ReferenceConfig, config, kwargs, f"reference {name!r}")
+        self._no_leftovers("reference", name, kwargs)
         source = self._lookup(rollouts, reader=name)
         if isinstance(source, GeneratorNode) and source.env is not None:
             raise ConfigError(
                 f"reference {name!r}: its generator {source.name!r} runs multi-turn episodes (env=), and the reference "
                 "does not yet attend their environment tokens (it reads no completion_lens); drop the reference (kl_coef=0)"
             )
-        return self.add(ReferenceNode(name=name, model=model or self.model), (rollouts,))
+        return self.add(ReferenceNode(name=name, model=model or self.model, reference=cfg), (rollouts,))
 
     def reward_model(
         self,

@@ -26,6 +26,7 @@ __all__ = [
     "SamplingConfig",
     "LossConfig",
     "LOSS_AGGREGATIONS",
+    "ReferenceConfig",
     "OptimizerConfig",
     "SourceConfig",
     "DATA_EXTENSIONS",
@@ -125,8 +126,7 @@ class LoraConfig(msgspec.Struct, **_STRUCT):
 
     Each target layer ``W0`` (``[out, in]``) gets ``A`` (``[r, in]``, random) and ``B`` (``[out, r]``,
     zeros), and computes ``W0 x + (alpha / r) * B A x``; only ``A`` and ``B`` train and travel over
-    weight edges (``flowrl.models.lora``). peft's ``LoraConfig`` with ``lora_dropout=0`` and
-    ``bias="none"``: no dropout, so the trainer's pi and the generator's mu are one function.
+    weight edges (``flowrl.models.lora``). peft's ``LoraConfig`` with ``bias="none"``.
 
     Attributes:
         r: the rank of ``B A``.
@@ -134,6 +134,10 @@ class LoraConfig(msgspec.Struct, **_STRUCT):
         target_modules: which linear layers get adapters: a name matches a module whose dotted path
             equals it or ends with ``"." + name`` (peft's rule), e.g. ``("q_proj", "v_proj")``.
         seed: seed of ``A``'s initialisation.
+        dropout: peft's ``lora_dropout``, in [0, 1): dropout on the adapters' input in the trainer's
+            forward passes (as TRL trains with it; the built-in and vLLM generators sample without
+            it). 0 (the default) keeps the trainer's pi and the generator's mu one function, so the
+            on-policy ratio pi/mu is exactly 1; above 0 pi is a dropped-out function of the weights.
 
     Example:
         >>> LoraConfig(r=8, alpha=16, target_modules=("q_proj", "v_proj")).scale
@@ -144,11 +148,16 @@ class LoraConfig(msgspec.Struct, **_STRUCT):
     alpha: float = 16.0
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     seed: int = 0
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         o = "LoraConfig"
         _check(isinstance(self.r, int) and self.r >= 1, o, f"r={self.r!r} must be an integer >= 1 (the adapters' rank)")
-        _finite(o, alpha=self.alpha)
+        _finite(o, alpha=self.alpha, dropout=self.dropout)
+        _check(
+            0 <= self.dropout < 1, o,
+            f"dropout={self.dropout} must be in [0, 1) (peft's lora_dropout: the probability of zeroing an adapter input; 0: none)",
+        )  # fmt: skip
         _check(self.alpha > 0, o, f"alpha={self.alpha} must be > 0 (the update is alpha / r * B A)")
         _check(
             len(self.target_modules) >= 1 and all(isinstance(t, str) and t for t in self.target_modules), o,
@@ -193,6 +202,10 @@ class HFModelConfig(msgspec.Struct, tag="hf", tag_field="family", **_STRUCT):
     def __post_init__(self) -> None:
         o = "HFModelConfig"
         if isinstance(self.lora, dict):  # HFModelConfig(lora=dict(r=8, ...)): the builder's spelling
+            peft_names = {"lora_alpha": "alpha", "lora_dropout": "dropout"}  # peft's LoraConfig spelling
+            renamed = [f"{k} is {v}=" for k, v in peft_names.items() if k in self.lora]
+            if renamed:
+                raise ConfigError(f"{o}: lora={self.lora!r}: peft's names: {'; '.join(renamed)} (fields: {list(LoraConfig.__struct_fields__)})")
             try:
                 msgspec.structs.force_setattr(self, "lora", msgspec.convert(self.lora, LoraConfig))
             except msgspec.ValidationError as exc:
@@ -381,6 +394,46 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     def mis_range(self) -> tuple[float, float]:
         """``mis``'s kept interval of pi/mu: ``(rho_low, rho)``, ``rho_low`` defaulting to ``1 / rho``."""
         return (1.0 / self.rho if self.rho_low is None else self.rho_low), self.rho
+
+
+class ReferenceConfig(msgspec.Struct, **_STRUCT):
+    """How a reference node follows the policy (TRL's ``sync_ref_model``; Gorbatovski et al. 2024, TR-DPO).
+
+    With ``sync_steps = N > 0``, after every N trainer steps (batches, whatever the updates per
+    batch) the reference becomes ``sync_alpha * policy + (1 - sync_alpha) * reference``, weight by
+    weight in float32, from the policy's weights after that step, which reach it over a weight edge
+    (``b.weights(policy, ref)``); the reference's log-probs of batch ``s`` are those of the reference
+    after every sync at a step ``<= s``. With 0 it stays the initial policy.
+
+    Attributes:
+        sync_steps: trainer steps between syncs (TRL's ``ref_model_sync_steps``, which counts
+            optimizer steps: with U updates per batch, TRL's N is N / U trainer steps here);
+            0: never, a frozen reference.
+        sync_alpha: the policy's share of the mix (TRL's ``ref_model_mixup_alpha``), in (0, 1];
+            1 copies the policy.
+
+    Example:
+        >>> ReferenceConfig(sync_steps=64, sync_alpha=0.6).syncs_at(128), ReferenceConfig().syncs_at(128)
+        (True, False)
+    """
+
+    sync_steps: int = 0
+    sync_alpha: float = 0.6
+
+    def __post_init__(self) -> None:
+        o = "ReferenceConfig"
+        _check(isinstance(self.sync_steps, int) and self.sync_steps >= 0, o,
+               f"sync_steps={self.sync_steps!r} must be an integer >= 0 (trainer steps between syncs; 0: a frozen reference)")
+        _finite(o, sync_alpha=self.sync_alpha)
+        _check(0 < self.sync_alpha <= 1, o, f"sync_alpha={self.sync_alpha} must be in (0, 1] (the policy's share of the mix; 1 copies it)")
+        _check(
+            self.sync_steps > 0 or self.sync_alpha == ReferenceConfig.__struct_defaults__[1], o,
+            f"sync_alpha={self.sync_alpha} applies when the reference syncs: set sync_steps=N (> 0) too, or drop sync_alpha",
+        )  # fmt: skip
+
+    def syncs_at(self, step: int) -> bool:
+        """Whether the reference mixes the policy in after trainer step ``step`` (counted from 1)."""
+        return self.sync_steps > 0 and step > 0 and step % self.sync_steps == 0
 
 
 class OptimizerConfig(msgspec.Struct, **_STRUCT):

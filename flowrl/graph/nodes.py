@@ -11,7 +11,9 @@ Node kinds (the ``kind`` tag in JSON):
   ``module:qualname``, on token ids or (``inputs="text"``) on decoded text and the prompt row's
   fields; a text scorer also reads ``prompt_index`` and ``group_ids`` to find each sample's row.
   Writes one reward field (``rewards`` unless renamed).
-- ``reference``: a frozen copy of the initial policy; writes ``ref_logprobs`` for a KL penalty.
+- ``reference``: a copy of the initial policy; writes ``ref_logprobs`` for a KL penalty. Frozen,
+  or (``ReferenceConfig.sync_steps``) mixed with the policy every N trainer steps, whose weights then
+  reach it over a weight edge.
 - ``reward_model``: rewards from a Hugging Face model in a local directory reading each sample's
   prompt and completion text: a sequence classifier (one label: its logit is the reward) or, with a
   ``judge`` (``flowrl.graph.judges``), a causal LM prompted with a template whose verdict is read.
@@ -47,7 +49,7 @@ import msgspec
 
 from flowrl.errors import ConfigError
 from flowrl.graph.engines import Engine, check_engine_options
-from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.judges import JudgeConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
@@ -117,6 +119,17 @@ class NodeBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def describe(self) -> str:
         """A short, stable summary of its config (``print(graph)``, the exporters)."""
         return ""
+
+    def keeps_state(self) -> bool:
+        """Whether its program has state a checkpoint must keep (``save``/``load``): a kind that
+        trains (``publishes_weights``), or a node whose config makes it change (a syncing reference)."""
+        return KINDS[self.kind].publishes_weights
+
+    def version_needed(self, seq: int, updates: int) -> int:
+        """The policy version that must be published before this node's step ``seq`` runs, besides
+        the version clock's gate of a kind that ``waits_for_weights``; -1: none. ``updates``: the
+        graph's updates per batch (versions per trainer step)."""
+        return -1
 
 
 _NodeBase = NodeBase  # the name earlier modules used
@@ -212,9 +225,16 @@ class ScorerNode(NodeBase, tag="scorer"):
 
 
 class ReferenceNode(NodeBase, tag="reference"):
-    """A frozen copy of the initial policy, for a KL penalty."""
+    """A copy of the initial policy, for a KL penalty: frozen, or synced with the policy.
+
+    Attributes:
+        model: the policy's model description (a LoRA policy's reference is its base model).
+        reference: how it follows the policy (``ReferenceConfig``: every ``sync_steps`` trainer
+            steps, ``sync_alpha * policy + (1 - sync_alpha) * reference``); by default frozen.
+    """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
+    reference: ReferenceConfig = msgspec.field(default_factory=ReferenceConfig)
 
     def signature(self) -> Signature:
         return Signature(
@@ -223,7 +243,14 @@ class ReferenceNode(NodeBase, tag="reference"):
         )
 
     def describe(self) -> str:
-        return f"model={self.model.short()}"
+        return ", ".join([f"model={self.model.short()}", *_changed(self.reference)])
+
+    def keeps_state(self) -> bool:
+        return self.reference.sync_steps > 0  # its mixed weights
+
+    def version_needed(self, seq: int, updates: int) -> int:
+        """At a sync step, the policy after ``seq`` trainer steps (``ReferenceConfig``)."""
+        return updates * seq if self.reference.syncs_at(seq) else -1
 
 
 class RewardModelNode(NodeBase, tag="reward_model"):
@@ -277,9 +304,13 @@ class LossNode(NodeBase, tag="loss"):
         return Signature(inputs, _fields(("objective",)))
 
     def describe(self) -> str:
+        """The objective, its main knob (AIPO's rho, a clip's eps) and baseline, then every other
+        option not at its default (``reward_weights`` where a weight is not 1: the fields show on the edges)."""
         c = self.loss
         extra = {"aipo": f", rho={c.rho:g}", "pg": ""}.get(c.objective, f", eps={c.clip_eps:g}")
-        return f"{c.objective}{extra}, baseline={c.baseline}"
+        shown = ("objective", "baseline", "rho" if c.objective == "aipo" else "clip_eps")
+        rest = _changed(c, skip=shown + (() if any(w != 1 for w in c.reward_weights.values()) else ("reward_weights",)))
+        return ", ".join([f"{c.objective}{extra}, baseline={c.baseline}", *rest])
 
 
 class PolicyNode(NodeBase, tag="policy"):
@@ -292,8 +323,29 @@ class PolicyNode(NodeBase, tag="policy"):
         return Signature(_fields(("objective",)), {})
 
     def describe(self) -> str:
-        fsdp = ", sharding=fsdp" if self.optimizer.sharding == "fsdp" else ""
-        return f"model={self.model.short()}, lr={self.optimizer.lr:g}{fsdp}"
+        """Model and learning rate, then every optimizer option not at its default (``num_iterations=2``)."""
+        return ", ".join([f"model={self.model.short()}, lr={self.optimizer.lr:g}", *_changed(self.optimizer, skip=("lr",))])
+
+
+def _value(v: object) -> str:
+    """One option's value as ``describe()`` prints it: numbers by ``:g``, tuples and dicts compactly."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, tuple):
+        return "(" + ", ".join(_value(x) for x in v) + ")"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in sorted(v.items())) + "}"  # sorted: stable across JSON round trips
+    return str(v)
+
+
+def _changed(config: msgspec.Struct, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """``name=value`` for each field of ``config`` not at its default, in field order."""
+    default = type(config)()
+    return [
+        f"{name}={_value(getattr(config, name))}"
+        for name in config.__struct_fields__
+        if name not in skip and getattr(config, name) != getattr(default, name)
+    ]
 
 
 def _node_structs() -> tuple[type[NodeBase], ...]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import difflib
 
-from flowrl.graph.configs import LossConfig, OptimizerConfig, SamplingConfig, SourceConfig
+from flowrl.graph.configs import LossConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 
-__all__ = ["TRL_OPTIONS", "TRL_NOTES", "OPTION_OWNERS", "option_hint", "leftover_message"]
+__all__ = ["TRL_OPTIONS", "TRL_NOTES", "OPTION_OWNERS", "REFERENCE_SYNC_OPTIONS", "option_hint", "leftover_message", "reference_options"]
 
 #: Which builder method takes the fields of which config.
 OPTION_OWNERS: dict[str, type] = {
@@ -27,6 +27,7 @@ OPTION_OWNERS: dict[str, type] = {
     "generator": SamplingConfig,
     "loss": LossConfig,
     "policy": OptimizerConfig,
+    "reference": ReferenceConfig,
 }
 
 #: TRL ``GRPOConfig`` option -> flowrl's option (a field of one of ``OPTION_OWNERS``' configs), or a
@@ -63,8 +64,19 @@ TRL_OPTIONS: dict[str, str] = {
     "reward_funcs": "declare one b.scorer(...) per reward function and pass them all to b.loss(...)",
     "num_iterations": "num_iterations",
     "steps_per_generation": "num_mini_batches",
-    "sync_ref_model": "not yet in flowrl: the reference node stays the initial policy",
+    "sync_ref_model": (
+        "a reference syncs when given sync_steps=N (> 0) on b.reference(...) (TRL's ref_model_sync_steps; "
+        "sync_alpha is ref_model_mixup_alpha), fed the policy's weights by b.weights(policy, ref)"
+    ),
+    "ref_model_sync_steps": "sync_steps",
+    "ref_model_mixup_alpha": "sync_alpha",
+    "lora_dropout": "LoRA's dropout is lora=dict(..., dropout=) on b.policy(...)",
 }
+
+#: The options, TRL's and flowrl's, that sync a reference node with its policy.
+REFERENCE_SYNC_OPTIONS: frozenset[str] = frozenset(
+    {"sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", *ReferenceConfig.__struct_fields__}
+)
 
 
 #: What a TRL option's flowrl counterpart needs besides its name (appended to the hint).
@@ -76,6 +88,10 @@ TRL_NOTES: dict[str, str] = {
     "importance_sampling_level": "'sequence' is objective='gspo' (or is_level='sequence' with objective='tis' / 'mis')",
     "vllm_importance_sampling_cap": "TRL's truncated IS correction is objective='tis' with the cap rho",
     "steps_per_generation": "a batch of P prompts splits into num_mini_batches mini-batches of whole prompt groups, one optimizer step each",
+    "ref_model_sync_steps": (
+        "flowrl counts trainer steps (batches) where TRL counts optimizer steps: with U updates per batch, TRL's N is N / U here; "
+        "the reference also needs the policy's weights: b.weights(policy, ref)"
+    ),
 }
 
 
@@ -105,6 +121,11 @@ def option_hint(kind: str, option: str) -> str:
     if close:
         return f"did you mean {close[0]!r}?{_where(kind, close[0])}"
     return ""
+
+
+def reference_options(options: dict[str, object] | list[str]) -> list[str]:
+    """The options among ``options`` that sync a reference node (``REFERENCE_SYNC_OPTIONS``), sorted."""
+    return sorted(o for o in options if o in REFERENCE_SYNC_OPTIONS)
 
 
 def leftover_message(kind: str, name: str, options: list[str]) -> str:

@@ -16,6 +16,7 @@ import networkx as nx
 
 from flowrl.graph.fields import FieldType
 from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import IN_POLICY_KINDS, GeneratorNode, Node, describe
 
 __all__ = ["DataEdge", "WeightEdge", "GraphSpec", "GraphStructure", "SCHEMA_VERSION", "generators_fed_by", "tokenizer_path"]
@@ -178,10 +179,16 @@ class GraphStructure:
 
     def max_staleness(self, override: int | None = None) -> int:
         """The run's effective staleness bound k: ``override`` when given (``--max-staleness``), else
-        the smallest ``max_staleness`` of the weight edges (the tightest one binds), 0 without any."""
+        the smallest ``max_staleness`` of the weight edges into nodes gated on the version clock
+        (``KindSpec.waits_for_weights``: generators; a syncing reference's edge takes the version its
+        sync names, not one within a bound), the tightest one binds; 0 without any."""
         if override is not None:
             return override
-        return min((e.max_staleness for e in self.weight_edges), default=0)
+        return min((e.max_staleness for e in self.gated_weight_edges()), default=0)
+
+    def gated_weight_edges(self) -> list[WeightEdge]:
+        """The weight edges into nodes whose steps wait on the version clock (``KindSpec.waits_for_weights``)."""
+        return [e for e in self.weight_edges if e.dst in self._nodes and KINDS[self._nodes[e.dst].kind].waits_for_weights]
 
     def loss_of(self, policy: str) -> Node | None:
         """The loss node feeding ``policy``, if any: the node of a kind that runs inside its policy's step."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from flowrl.errors import GraphError
 from flowrl.graph.fields import OPTIONAL_FIELDS, REWARD_TYPE
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import IN_POLICY_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, ScorerNode, signature
+from flowrl.graph.nodes import IN_POLICY_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, ReferenceNode, ScorerNode, signature
 from flowrl.graph.refs import check_reference
 from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
 from flowrl.graph.structure import GraphStructure as Graph  # the rules read the structure; ir.Graph runs them
@@ -231,6 +231,34 @@ def _check_weight_edges(g: Graph) -> Iterable[str]:
             )
 
 
+def _check_reference_sync(g: Graph) -> Iterable[str]:
+    """A reference syncs (``ReferenceConfig.sync_steps``) exactly when the policy's weights reach it
+    over a weight edge, and mixes the whole model: a LoRA policy sends its adapters only."""
+    for node in g.nodes:
+        if not isinstance(node, ReferenceNode):
+            continue
+        into = g.weight_edges_into(node.name)
+        steps = node.reference.sync_steps
+        if steps and not into:
+            policies = [n.name for n in g.nodes if n.kind in TRAINABLE_KINDS] or ["policy"]
+            yield (
+                f"reference {node.name!r} has sync_steps={steps} (mix in the policy every {steps} trainer steps) but receives "
+                f"no weights; add a weight edge from the policy: b.weights({policies[0]!r}, {node.name!r}), or set sync_steps=0"
+            )
+        if not steps and into:
+            yield (
+                f"weight edge {into[0].src} ~> {node.name} feeds reference {node.name!r}, which is frozen (sync_steps=0) and "
+                f"would never read it; give it sync_steps=N to mix in the policy every N trainer steps, or remove the edge"
+            )
+        for edge in into:
+            src_model = getattr(g.node(edge.src), "model", None) if edge.src in g else None
+            if steps and getattr(src_model, "lora", None) is not None:
+                yield (
+                    f"reference {node.name!r} syncs with {edge.src!r}, a LoRA policy, which sends its adapters only; the "
+                    "reference mixes whole models: drop sync_steps (the reference stays the base model) or train the whole model"
+                )
+
+
 def _check_updates(g: Graph) -> Iterable[str]:
     """Several updates per batch (``OptimizerConfig.num_iterations`` / ``num_mini_batches``): mini-batches
     of whole prompt groups divide the batch; the version clock advances alike for every policy."""
@@ -306,6 +334,7 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_unused,
     _check_losses,
     _check_weight_edges,
+    _check_reference_sync,
     _check_updates,
     _check_scorers,
     _check_sources,

@@ -3,7 +3,8 @@
 A model description with ``HFModelConfig.lora`` (``flowrl.graph.configs.LoraConfig``) is the base
 model plus adapters ``A`` (``[r, in]``) and ``B`` (``[out, r]``) on each target linear layer ``W0``,
 which then computes ``W0 x + scale * B A x`` with ``scale = alpha / r`` (Hu et al. 2021; peft's
-``LoraLayer`` with ``lora_dropout=0``, ``bias="none"``).
+``LoraLayer`` with ``bias="none"`` and ``lora_dropout`` = ``LoraConfig.dropout``, active in the trainer's
+forward passes only: the generators sample from ``W0 + scale * B A`` without dropout).
 
 - The policy (``add_adapters``): peft's ``inject_adapter_in_model`` puts the adapters into the model
   in place (the base weights frozen); the trainer's optimizer holds only the adapters.
@@ -129,7 +130,7 @@ def add_adapters(model: nn.Module, config: AnyModelConfig, *, owner: str = "poli
     peft = require_peft(owner)
     inner = getattr(model, "hf", model)  # HFCausalLM shares its children with the transformers model
     targets = lora_modules(inner, lora, owner=owner)
-    peft_config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none", target_modules=targets)
+    peft_config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", target_modules=targets)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(lora.seed)
@@ -248,7 +249,7 @@ def save_adapter(weights: Mapping[str, Tensor], lora: LoraConfig, out_dir: str |
         "base_model_name_or_path": base_model,
         "r": lora.r,
         "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,  # training only: loaders sample without it
         "bias": "none",
         "target_modules": list(lora.target_modules),  # the same layers under peft's matching rule
         "use_rslora": False,
@@ -278,7 +279,7 @@ def merged_model(config: HFModelConfig, weights: Mapping[str, Tensor]) -> nn.Mod
     base = build_model(msgspec.structs.replace(config, lora=None)).hf  # type: ignore[attr-defined]
     lora = config.lora
     targets = lora_modules(base, lora, owner="export")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none", target_modules=targets))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", target_modules=targets))
     targets_now = adapter_weights(model.base_model.model)
     if sorted(targets_now) != sorted(weights) or any(weights[n].shape != t.shape for n, t in targets_now.items()):
         raise ConfigError(

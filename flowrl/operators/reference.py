@@ -1,4 +1,4 @@
-"""The reference node's operator: a frozen copy of the initial policy that scores completions for a KL penalty.
+"""The reference node's operator: a copy of the initial policy that scores completions for a KL penalty.
 
 It builds the same model as the policy (``flowrl.models.build_model``: the same seeded or pretrained
 weights, so it *is* the policy's version 0) and never trains. ``logprobs`` uses
@@ -6,6 +6,9 @@ weights, so it *is* the policy's version 0) and never trains. ``logprobs`` uses
 ``sampling_top_p`` (the reference truncated by its own kept set), the computation the trainer uses
 for pi, so a KL estimate between them is exactly 0 before the first step. A token outside the
 reference's kept set gets ``-inf``; the KL penalty leaves it out (``losses.kl_penalty``).
+
+It never trains; a reference with ``ReferenceConfig.sync_steps`` takes the policy's weights in
+by ``mix`` (TRL's ``sync_ref_model``): ``reference = alpha * policy + (1 - alpha) * reference``.
 
 The model lives on ``device``; the rollout arrives as CPU tensors and ``ref_logprobs`` returns on the CPU.
 
@@ -26,12 +29,31 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from flowrl.errors import ConfigError
 from flowrl.graph.nodes import ReferenceNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.logprobs import completion_logprobs
+from flowrl.models.causal_lm import weight_dict
 from flowrl.models.registry import build_model
 
-__all__ = ["Reference"]
+__all__ = ["Reference", "mix"]
+
+
+def mix(reference: Mapping[str, Tensor], policy: Mapping[str, Tensor], alpha: float) -> None:
+    """TRL's reference sync, in place: ``reference[n] = alpha * policy[n] + (1 - alpha) * reference[n]``
+    for every weight ``n`` of ``reference`` (float32 arithmetic on float32 weights).
+
+    Raises:
+        ConfigError: when a name is missing from ``policy`` or a shape differs (the weights of another model).
+    """
+    if any(n not in policy or reference[n].shape != policy[n].shape for n in reference):
+        raise ConfigError(
+            f"reference sync: the policy's weights {sorted(policy)[:3]}... do not match the reference's {sorted(reference)[:3]}...; "
+            "a reference syncs with a policy of the same model"
+        )
+    with torch.no_grad():
+        for name, ref in reference.items():
+            ref.copy_(alpha * policy[name] + (1 - alpha) * ref)
 
 
 class Reference:
@@ -42,13 +64,23 @@ class Reference:
         device: where the model runs (``"cpu"``, ``"cuda:N"``).
 
     Attributes:
-        model: the frozen model (float32, no gradients), on ``device``.
+        model: the model (float32, no gradients), on ``device``.
+        weights: its weights by name (``weight_dict``: views; a policy's weight edge carries these).
+        parameters: the entries of ``weights`` that are parameters, which a sync mixes (TRL's sync
+            zips ``parameters()``; buffers, such as rotary frequencies, are the same in both models).
     """
 
     def __init__(self, node: ReferenceNode, *, device: str | torch.device = "cpu") -> None:
         self.name = node.name
         self.device = torch.device(device)
         self.model = build_model(node.model, device=self.device).eval().requires_grad_(False)
+        self.weights = weight_dict(self.model)
+        names = {n for n, _ in self.model.named_parameters()}
+        self.parameters = {n: t for n, t in self.weights.items() if n in names}
+
+    def mix(self, policy: Mapping[str, Tensor], alpha: float) -> None:
+        """Sync with the policy's ``weights`` (``mix`` over ``parameters``)."""
+        mix(self.parameters, policy, alpha)
 
     def logprobs(self, rollout: Mapping[str, Tensor]) -> Batch:
         """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding, ``-inf`` outside the kept set, on the CPU."""

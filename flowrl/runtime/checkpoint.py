@@ -79,17 +79,18 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     format: int = 1
 
 
-def state_file(node: str, *, sharded: bool = False) -> str:
-    """The name of ``node``'s state in a ``step-*`` directory: ``policy-<node>.pt``, or a directory
-    ``policy-<node>.dcp`` when the policy's ranks each write their own shards.
+def state_file(node: str, *, kind: str = "policy", sharded: bool = False) -> str:
+    """The name of ``node``'s state in a ``step-*`` directory: ``<kind>-<node>.pt`` (a policy's, or a
+    syncing reference's), or a directory ``policy-<node>.dcp`` when the policy's ranks each write their
+    own shards.
 
     Example:
-        >>> state_file("policy"), state_file("policy", sharded=True)
-        ('policy-policy.pt', 'policy-policy.dcp')
+        >>> state_file("policy"), state_file("policy", sharded=True), state_file("ref", kind="reference")
+        ('policy-policy.pt', 'policy-policy.dcp', 'reference-ref.pt')
     """
     from flowrl.runtime.sharded_state import SHARDED_SUFFIX
 
-    return f"policy-{node}{SHARDED_SUFFIX if sharded else '.pt'}"
+    return f"{kind}-{node}{SHARDED_SUFFIX if sharded else '.pt'}"
 
 
 def graph_fingerprint(graph: Graph) -> str:

@@ -19,6 +19,10 @@ State it keeps (each guarded as noted):
   with that many intra-op threads (one OpenMP team per group: see ``compute_threads`` for why);
   the executor threads themselves (and the steps of executors in no group) then use one intra-op
   thread. Otherwise it is a lock.
+- A node may need the policy's weights of one step besides the version clock's gate of a kind that
+  ``waits_for_weights`` (``Node.version_needed``: a syncing reference needs version ``U * seq``
+  at its sync steps): its executor waits on the clock for it before handing the step to its runner,
+  so the wait never holds a colocation group's runner, which the policy may need to get there.
 - ``_gen_info`` (``_lock``): per (generator, seq) timings and the version the rollout used.
 - ``_source_info`` (``_lock``): per seq, the namespaced metrics of the nodes besides generators and
   policies (a source's ``data/epoch``, ``data/prompts_dropped``, ...; a reward model's
@@ -164,7 +168,9 @@ class Controller:
         self.last_checkpoint: Path | None = None
         self._checkpoint_version = -1
 
-        self.k = {e.dst: (config.max_staleness if config.max_staleness is not None else e.max_staleness) for e in graph.weight_edges}
+        self.k = {  # the nodes gated on the version clock (generators); a syncing reference's edge names its own versions
+            e.dst: (config.max_staleness if config.max_staleness is not None else e.max_staleness) for e in graph.gated_weight_edges()
+        }
         self.updates = graph.updates_per_batch()  # U: versions per trainer step
         #: a node that runs inside its policy's step (a loss) -> that policy: one executor for both
         self.loss_policy = {n.name: graph.users(n.name)[0].name for n in graph.nodes if KINDS[n.kind].runs_on == "policy"}
@@ -368,6 +374,12 @@ class Controller:
             self.clock.wait_for(min_version)
             if time.perf_counter() - t > 1e-4:
                 self.tracer.add(ex.name, "wait", t, time.perf_counter(), step=seq, reason=f"weights >= v{min_version}")
+        elif (needed := self.graph.node(ex.name).version_needed(seq, self.updates)) >= 0:
+            min_version = needed
+            t = time.perf_counter()
+            self.clock.wait_for(min_version)
+            if time.perf_counter() - t > 1e-4:
+                self.tracer.add(ex.name, "wait", t, time.perf_counter(), step=seq, reason=f"weights of v{min_version}")
 
         def run_step() -> tuple[dict[str, torch.Tensor], dict[str, Any], float, float]:
             if self._stop.is_set():
@@ -441,7 +453,7 @@ class Controller:
             if int(versions.max()) > U * seq:
                 raise StalenessViolation(f"policy {ex.name!r} at version {U * seq} consumed tokens of version {int(versions.max())}, from its future; this is a flowrl bug")
         staleness = U * seq - rollout_version  # in versions
-        gens = [e.dst for e in self.graph.weight_edges_from(ex.name)]
+        gens = [e.dst for e in self.graph.weight_edges_from(ex.name) if e.dst in self.k]
         k = min((self.k[g] for g in gens), default=0)
         if staleness > U * k or staleness < 0:
             raise StalenessViolation(

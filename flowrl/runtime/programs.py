@@ -309,15 +309,97 @@ class ScorerProgram(ProgramBase):
 
 
 class ReferenceProgram(ProgramBase):
-    def __init__(self, node: ReferenceNode, *, device: str = "cpu") -> None:
+    """Log-probs under the reference's weights; a syncing reference (``ReferenceConfig.sync_steps`` = N)
+    first mixes in the policy's weights after trainer step ``seq`` when N divides ``seq``.
+
+    Step ``seq`` scores batch ``seq``, which trainer step ``seq + 1`` consumes: the policy has then
+    taken at most ``seq`` trainer steps, and cannot take another before these log-probs reach it. So
+    the version ``U * seq`` (U updates per batch) that the controller waits for before such a step
+    (``ReferenceNode.version_needed``, outside the colocation group's runner) is exactly the policy
+    after ``seq`` trainer steps, and the weight edge's newest; a later version would be a flowrl bug,
+    refused. With k = 0 the generator waited for that version already; with k >= 1 the wait is a
+    pipeline bubble of up to k trainer steps once every N steps. ``ref/sync_s/<node>`` in that step's
+    row: the seconds fetching and mixing.
+
+    State (``_lock``: a checkpoint's ``save`` may run while a step mixes): the model's weights, and
+    ``synced_at``, the trainer step of the last mix (0: none), which a resumed run continues from.
+    """
+
+    def __init__(
+        self,
+        node: ReferenceNode,
+        graph: Graph | None = None,
+        transports: SharedTransports | None = None,
+        *,
+        device: str = "cpu",
+        timeout_s: float = 300.0,
+    ) -> None:
+        import threading
+
         from flowrl.operators.reference import Reference
 
+        self.name = node.name
         self.reference = Reference(node, device=device)
+        self.config = node.reference
+        self.synced_at = 0
+        self._lock = threading.Lock()
+        if self.config.sync_steps:
+            if graph is None or transports is None:
+                raise ConfigError(f"reference {node.name!r} syncs with its policy (sync_steps={self.config.sync_steps}) and needs the graph and its transports")
+            (edge,) = graph.weight_edges_into(node.name)
+            self._edge = (edge.src, edge.dst)
+            self._updates = graph.updates_per_batch()
+            self._transports = transports
+            self._timeout = timeout_s
+            self._staging = {k: torch.empty_like(t) for k, t in self.reference.weights.items()}  # the policy's weights, fetched
+
+    def _fetch(self, version: int) -> None:
+        """The policy's weights of exactly ``version`` into the staging tensors (waiting for them)."""
+        transport = self._transports.reader(*self._edge)
+        deadline = time.perf_counter() + self._timeout
+        got = -1
+        while got < version:
+            fetched = transport.fetch_into(self._staging, newer_than=got)
+            got = got if fetched is None else fetched
+            if got < version:
+                if time.perf_counter() > deadline:
+                    raise TransportError(
+                        f"reference {self.name!r} waited {self._timeout:.0f} s for the weights of version {version} from "
+                        f"{self._edge[0]!r} to sync with; the newest it got is {got}"
+                    )
+                time.sleep(0.0005)
+        if got != version:
+            raise TransportError(
+                f"reference {self.name!r} got version {got} from {self._edge[0]!r} to sync with, past version {version}, "
+                "which the policy cannot publish before this step's log-probs reach it: this is a flowrl bug; please report it"
+            )
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        info: Info = {}
+        if self.config.syncs_at(seq) and seq > self.synced_at:  # not again after a resume that holds this mix
+            start = time.perf_counter()
+            self._fetch(self._updates * seq)
+            with self._lock:
+                self.reference.mix(self._staging, self.config.sync_alpha)
+                self.synced_at = seq
+            info[f"ref/sync_s/{self.name}"] = time.perf_counter() - start
         start = time.perf_counter()
         out = self.reference.logprobs(inputs)
-        return out, {"ref_s": time.perf_counter() - start}
+        info["ref_s"] = time.perf_counter() - start
+        return out, info
+
+    def save(self, path: str) -> None:
+        """A syncing reference's mixed weights and ``synced_at`` (a frozen one has no state)."""
+        with self._lock:
+            state = {"synced_at": self.synced_at, "weights": {k: t.detach().cpu().clone() for k, t in self.reference.parameters.items()}}
+        torch.save(state, path)
+
+    def load(self, path: str) -> None:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+        with self._lock, torch.no_grad():
+            for name, target in self.reference.parameters.items():
+                target.copy_(state["weights"][name])
+            self.synced_at = int(state["synced_at"])
 
 
 class RewardModelProgram(ProgramBase):
@@ -434,8 +516,8 @@ def build_scorer(node: ScorerNode, graph: Graph, env: ProgramEnv, transports: Sh
 
 
 def build_reference(node: ReferenceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
-    """A reference model's program: log-probs under frozen weights."""
-    return ReferenceProgram(node, device=env.device_of(node.name))
+    """A reference model's program: log-probs under its weights, frozen or synced with the policy."""
+    return ReferenceProgram(node, graph, transports, device=env.device_of(node.name), timeout_s=env.weight_timeout_s)
 
 
 def build_reward_model(node: RewardModelNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:

@@ -1,4 +1,5 @@
-"""A run's checkpoints as the controller takes and restores them: the policies' state plus the data position.
+"""A run's checkpoints as the controller takes and restores them: the policies' state (and that of
+references that sync with them, ``Node.keeps_state``) plus the data position.
 
 The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belong to
 ``flowrl.runtime.checkpoint``; this module decides what a run puts in them and reads back:
@@ -26,7 +27,6 @@ import msgspec
 
 from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
-from flowrl.graph.kinds import KINDS
 from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta, state_file
 from flowrl.runtime.programs import NodeProgram
 
@@ -53,7 +53,8 @@ def save_run_checkpoint(
     delivered_ahead: tuple[int, ...] = (),
     keep: int = 3,
 ) -> Path:
-    """Checkpoint the state of every policy in ``programs`` at ``version``; returns the committed folder.
+    """Checkpoint the state of every node that keeps some (``Node.keeps_state``: the policies, syncing
+    references) in ``programs`` at ``version``; returns the committed folder.
 
     The newest ``keep`` checkpoints stay in ``directory`` (``RunConfig.keep_checkpoints``).
 
@@ -65,9 +66,9 @@ def save_run_checkpoint(
     staging = writer.staging(version)
     files = {}
     try:
-        for node in (n for n in graph.nodes if KINDS[n.kind].publishes_weights):  # the nodes with trainable state
+        for node in (n for n in graph.nodes if n.keeps_state()):  # the policies, and references that sync
             program = programs[node.name]
-            files[node.name] = state_file(node.name, sharded=bool(getattr(program, "sharded_state", False)))
+            files[node.name] = state_file(node.name, kind=node.kind, sharded=bool(getattr(program, "sharded_state", False)))
             program.save(str(staging / files[node.name]))
         meta = CheckpointMeta(
             version=version,

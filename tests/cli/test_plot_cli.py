@@ -140,3 +140,24 @@ def test_panels_per_named_reward_kl_and_evaluations_when_the_rows_hold_them(tmp_
     assert drawn["eval: reward (greedy, sampled)"]["m eval/greedy_reward_mean"][0] == [2, 4]
 
     assert panels({"plain": read_metrics(_metrics(tmp_path / "p.jsonl", 4, 0))}) == list(PANELS)
+
+
+def test_the_figure_title_overlaps_no_panel_title_or_legend(tmp_path):
+    """The suptitle's box lies above every first-row panel's title and legend, as drawn (a long title of
+    two runs; boxes in display pixels from matplotlib's renderer)."""
+    pytest.importorskip("matplotlib")
+    from flowrl.cli.plot import draw_runs
+    from flowrl.runtime.metrics import read_metrics
+
+    runs = {name: read_metrics(_metrics(tmp_path / f"{name}.jsonl", 20, k)) for name, k in (("k0-baseline", 0), ("k2-async", 2))}
+    fig = draw_runs(runs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    title = fig._suptitle.get_window_extent(renderer)
+    first_row = fig.axes[:2]
+    for ax in first_row:
+        for artist in (ax.title, ax.get_legend()):
+            box = artist.get_window_extent(renderer)
+            assert not title.overlaps(box), (title, box)
+            assert title.y0 >= box.y1  # above it, not beside it
+    fig.savefig(tmp_path / "curves.png", dpi=90)

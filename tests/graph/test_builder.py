@@ -107,7 +107,8 @@ def test_builder_errors(build, error, match: str) -> None:
         (lambda b: b.source("s2", max_prompt_length=512), r"'max_prompt_length' is TRL's name: did you mean max_prompt_len\?"),
         (lambda b: b.loss("l2", "gen", "reward", num_generations=8), r"'num_generations' is TRL's name: did you mean n_samples\? It is an option of b.generator\(...\)"),
         (lambda b: b.loss("l2", "gen", "reward", temperature=0.7), r"'temperature' is an option of b.generator\(...\), not of b.loss\(...\)"),
-        (lambda b: b.policy("p2", "aipo", sync_ref_model=True), r"'sync_ref_model' is TRL's name: not yet in flowrl"),
+        (lambda b: b.policy("p2", "aipo", sync_ref_model=True), r"'sync_ref_model' is TRL's name: a reference syncs when given sync_steps=N \(> 0\) on b.reference\(...\)"),
+        (lambda b: b.policy("p2", "aipo", ref_model_mixup_alpha=0.6), r"'ref_model_mixup_alpha' is TRL's name: did you mean sync_alpha\? It is an option of b.reference\(...\)"),
         (lambda b: b.policy("p2", "aipo", save_total_limit=2), r"'save_total_limit' is TRL's name: checkpoints are the run's: flowrl run --keep-checkpoints N"),
         (lambda b: b.generator("g2", "prompts", n_smaples=3), r"did you mean 'n_samples'\?"),
         (lambda b: b.loss("l2", "gen", "reward", objective="grpo", epsilon_high=0.28), r"'epsilon_high' is TRL's name: did you mean clip_eps_high\?"),
@@ -116,7 +117,7 @@ def test_builder_errors(build, error, match: str) -> None:
         (lambda b: b.loss("l2", "gen", "reward", importance_sampling_level="sequence"), r"'importance_sampling_level' is TRL's name: did you mean objective\? \('sequence' is objective='gspo'"),
     ],
     ids=["num_generations", "beta", "max_completion_length", "epsilon", "learning_rate", "max_prompt_length", "on-the-wrong-node",
-         "temperature-on-the-loss", "not-yet", "a-run-flag", "typo", "epsilon_high", "loss_type", "mask_truncated-on-the-generator",
+         "temperature-on-the-loss", "sync_ref_model", "ref_model_mixup_alpha", "a-run-flag", "typo", "epsilon_high", "loss_type", "mask_truncated-on-the-generator",
          "importance_sampling_level"],
 )
 def test_options_named_as_in_trl_or_on_the_wrong_node_say_what_they_meant(build, match) -> None:

@@ -163,3 +163,19 @@ def test_a_stop_string_of_two_words_ends_the_completion_at_its_second_word(hf_ll
         else:
             assert len(row) == 12 or row[-1] == 2
     assert hits >= 3
+
+
+def test_a_hf_run_passes_the_cache_api_and_warns_nothing(hf_dir, capfd, recwarn):
+    """flowrl hands transformers a ``DynamicCache`` object (its Cache API) as ``past_key_values``, never
+    the legacy tuples whose use transformers deprecates: a cached decode and a cacheless forward leave
+    no warning, and nothing about ``past_key_values`` on stderr (transformers' own logger writes there)."""
+    import transformers
+
+    transformers.logging.set_verbosity_warning()
+    gen = Generator(hf_generator_node(hf_dir, use_kv_cache=True), seed=0)
+    cache = gen.model.new_cache(2, 8)
+    assert isinstance(cache, transformers.Cache)
+    gen.generate(left_padded(PROMPTS))
+    gen.model(torch.tensor([[1, 5, 6]]))
+    assert "past_key_values" not in capfd.readouterr().err
+    assert not [w for w in recwarn if "past_key_values" in str(w.message) or "cache" in str(w.message).lower()]

