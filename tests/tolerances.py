@@ -19,7 +19,10 @@ sums the same products in another order. How far apart they may be follows from 
 * A logit ``z_j = sum_i h_i W_ji`` then errs by at most ``u * N * M`` with ``M = max_j sum_i |h_i|
   |W_ji|``, the ``|h|.|W|`` sum of the logits actually computed (``head_magnitude``; hidden states
   captured at the LM head's input, over the test's own sequences). Cancellation in the sum does not
-  shrink the error, which is why it is ``|h|.|W|``, not ``|z|``.
+  shrink the error, which is why it is ``|h|.|W|``, not ``|z|``. Two evaluations' logits differ by
+  at most twice that (``logit_atol``; a classifier's score head the same way). A run whose hidden
+  states a test does not see bounds ``M`` from the weights (``weights_magnitude``, Cauchy-Schwarz),
+  moved by the most its optimizer steps can move them (``trained_logprob_atol``, ``graph_logprob_atol``).
 * ``log p_y = z_y - logsumexp(z)``, and logsumexp is 1-Lipschitz in the max norm, plus its own sum of
   ``vocab`` terms rounded relative to its value: ``|d log p| <= 2 max |dz| + vocab * u``.
 
@@ -129,15 +132,18 @@ def head_magnitude(hidden: torch.Tensor, weight: torch.Tensor) -> float:
     return float((h @ weight.detach().double().abs().T).max())
 
 
-def weights_magnitude(model: Any) -> float:
+def weights_magnitude(model: Any, *, move: float = 0.0) -> float:
     """An upper bound of ``head_magnitude`` from the weights alone, for runs whose hidden states a test
     does not see: RMSNorm's output is ``g * x / rms(x)`` with ``|| x / rms(x) ||_2 = sqrt(d)``, so by
-    Cauchy-Schwarz ``sum_i |h_i| |W_ji| <= sqrt(d) max|g| ||W_j||_2``."""
+    Cauchy-Schwarz ``sum_i |h_i| |W_ji| <= sqrt(d) max|g| ||W_j||_2``; ``move``: every weight may have
+    moved by that much since (``max|g| + move``, ``||W_j||_2 + sqrt(d) move``)."""
     inner = getattr(model, "hf", model)
     _, weight = _norm_and_head(model)
     norm = inner.norm if hasattr(inner, "norm") else inner.model.norm
     d = weight.shape[1]
-    return float(math.sqrt(d) * norm.weight.detach().abs().max() * weight.detach().double().norm(dim=1).max())
+    gain = float(norm.weight.detach().abs().max()) + move
+    row = float(weight.detach().double().norm(dim=1).max()) + math.sqrt(d) * move
+    return math.sqrt(d) * gain * row
 
 
 def trained_logprob_atol(
@@ -150,13 +156,8 @@ def trained_logprob_atol(
     ``seq_len`` tokens."""
     beta1, beta2 = betas
     move = updates * lr * max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
-    inner = getattr(model, "hf", model)
-    _, weight = _norm_and_head(model)
-    norm = inner.norm if hasattr(inner, "norm") else inner.model.norm
-    d = weight.shape[1]
-    gain = float(norm.weight.detach().abs().max()) + move
-    row = float(weight.detach().double().norm(dim=1).max()) + math.sqrt(d) * move
-    return bound_logprob_atol(math.sqrt(d) * gain * row, reductions(model, seq_len), _shape(model)["vocab"], temperature=temperature)
+    magnitude = weights_magnitude(model, move=move)
+    return bound_logprob_atol(magnitude, reductions(model, seq_len), _shape(model)["vocab"], temperature=temperature)
 
 
 def graph_logprob_atol(graph: Any, *, steps: int) -> float:

@@ -9,6 +9,13 @@ Two forms, both stable across processes, backends and JSON round trips:
   Every process of a run loads the file itself (its top level runs again there), so the file must
   be at that path on every host of a multi-host run.
 
+A function a graph script imported from a module beside it (``from rewards import my_reward``, found
+because the script's folder is on ``sys.path`` while it runs) is referenced through the script,
+``/abs/path/train.py:my_reward`` (or ``...:rewards.my_reward`` after ``import rewards``), not as
+``rewards:my_reward``: loading the script puts its folder on ``sys.path`` again, so every process of
+the run and ``flowrl sample`` / ``flowrl eval`` of its checkpoints import what the run imported,
+from any directory, without ``PYTHONPATH``.
+
 Loading a graph checks the reference's syntax and nothing else; ``references(graph)`` lists them so
 that a user can read what a graph would import before running it; ``resolve`` imports the module
 (or loads the file) and walks the qualname.
@@ -109,11 +116,46 @@ def load_file_module(path: str | Path, *, fresh: bool = False) -> ModuleType:
     return module
 
 
+def _in_folder(file: str, folder: Path) -> bool:
+    try:
+        return Path(file).resolve().is_relative_to(folder)
+    except (OSError, ValueError):
+        return False
+
+
+def _through_script(fn: Callable[..., Any], module: str, qualname: str) -> str | None:
+    """``/abs/script.py:path`` for a function of a module found in a graph script's folder that the
+    script's namespace reaches (the function itself, its module, or a package above it); else None."""
+    mod = sys.modules.get(module)
+    file = getattr(mod, "__file__", None)
+    if not file:
+        return None
+    for name, path in reversed(list(_FILE_MODULES.items())):  # the newest script first
+        script = sys.modules.get(name)
+        if script is None or not _in_folder(file, Path(path).parent):
+            continue
+        for attr, value in list(vars(script).items()):
+            if value is fn:
+                candidate = attr
+            elif isinstance(value, ModuleType) and (module == value.__name__ or module.startswith(value.__name__ + ".")):
+                candidate = ".".join([attr, *module[len(value.__name__) :].split(".")[1:], qualname])
+            else:
+                continue
+            obj: Any = script
+            for part in candidate.split("."):
+                obj = getattr(obj, part, None)
+            if obj is fn:
+                return f"{path}:{candidate}"
+    return None
+
+
 def reference_of(fn: Callable[..., Any] | str) -> str:
     """The reference of a module-level function (strings pass through, checked).
 
     A function of a file loaded by ``load_file_module`` (a graph script) gets the file form
-    ``/abs/path/file.py:qualname``; any other the module form ``module:qualname``.
+    ``/abs/path/file.py:qualname``; so does one of a module in a graph script's folder that the script
+    reaches (``/abs/path/file.py:name``, see the module docstring); any other the module form
+    ``module:qualname``.
 
     Raises:
         GraphError: for a lambda, a nested function or anything without a importable name.
@@ -128,7 +170,8 @@ def reference_of(fn: Callable[..., Any] | str) -> str:
                 "(not a lambda or a nested function) and pass the function, "
                 "its 'module:qualname' or its 'path/to/file.py:qualname'"
             )
-        ref = f"{_FILE_MODULES.get(module, module)}:{qualname}"
+        ref = _through_script(fn, module, qualname) if module not in _FILE_MODULES else None
+        ref = ref or f"{_FILE_MODULES.get(module, module)}:{qualname}"
     message = check_reference(ref)
     if message:
         raise GraphError(message)

@@ -10,10 +10,14 @@ A scorer calls its function in one of four forms (``flowrl.operators.scoring``):
 
 A function whose signature contradicts the scorer's flags would fail on its first batch with an
 error that does not say why (a ``KeyError`` on a row field it never got, a ``TypeError`` on token
-ids). ``form_mismatch`` says which flags to set instead; the builder asks it about a function it is
+ids, ``r() takes 1 positional argument but 2 were given``). ``form_mismatch`` says which flags to
+set, or which parameter to add or rename, instead; the builder asks it about a function it is
 handed, and the scorer about the function its reference resolves to when the run starts. Only
 what the signature states counts (annotations, ``**fields``, parameters beyond the first two, the
-name ``completions`` first), so an unannotated ``fn(prompt, completion)`` is taken as written.
+name ``completions`` first, how many parameters take a positional argument), so an unannotated
+``fn(prompt, completion)`` is taken as written. A function with fewer than the two positional
+parameters its call passes is refused; when its first parameter is named nearly ``completions``
+(``completion``, ``complitions``) the message names TRL's form, the likelier intent.
 
 Example:
     >>> def reward_len(completions, **kwargs): ...
@@ -25,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 from collections.abc import Callable
@@ -97,7 +102,31 @@ def form_mismatch(fn: Callable[..., Any], *, inputs: str, batched: bool) -> str 
                 f"takes text ({why}), but inputs='ids' calls it with token-id lists and no row fields; "
                 "set inputs='text' (b.scorer(..., inputs='text'))"
             )
-    return None
+    return _too_few_positional(params, inputs=inputs, batched=batched)
+
+
+def _too_few_positional(params: list[inspect.Parameter], *, inputs: str, batched: bool) -> str | None:
+    """The scorer passes the prompt(s) and the completion(s) positionally: a function with room for
+    fewer than two positional arguments fails on its first batch. None when it has room."""
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2:
+        return None
+    flags = f"inputs={inputs!r}" + (", batched=True" if batched else "")
+    call = {
+        ("ids", False): "fn(prompt_ids, completion_ids)",
+        ("ids", True): "fn(prompt_ids_list, completion_ids_list)",
+        ("text", False): "fn(prompt, completion, **fields)",
+        ("text", True): "fn(prompts, completions, **fields)",
+    }[(inputs, batched)]
+    said = f"takes {len(positional)} positional parameter{'' if len(positional) == 1 else 's'} {positional}, but {flags} calls it as {call}"
+    if positional and positional[0] != "completions" and difflib.get_close_matches(positional[0], ["completions"], n=1, cutoff=0.75):
+        return (
+            f"{said}; for TRL's reward-function form f(completions, **kwargs) -> list[float], name its first parameter "
+            f"'completions' (not {positional[0]!r}) and set inputs='text', batched=True"
+        )
+    return f"{said}; take the prompt and the completion as its first two parameters"
 
 
 def text_hint(fn: Callable[..., Any], inputs: str) -> str:

@@ -115,3 +115,64 @@ def test_sample_and_eval_an_hf_model_on_a_prompt_file(hf_checkpoint, tmp_path, c
     assert main(["eval", str(hf_checkpoint), "--data", str(held), "--prompts", "3", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["held_out"] is True and figures["prompts"] == 3
+
+
+BESIDE = '''
+from flowrl.operators.tasks import CopyTask
+
+
+def beside_reward(prompt_ids, completion_ids):
+    return float(len(completion_ids) > 0)
+
+
+def beside_task(seed):
+    return CopyTask(seed)
+'''
+
+SCRIPT_IMPORTING = '''
+from flowrl import GraphBuilder, ModelConfig
+{imports}
+
+b = GraphBuilder("beside", model=ModelConfig(vocab_size=16, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=32))
+prompts = b.source("prompts", task={task}, batch_size=4)
+gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=4)
+b.weights(b.policy("policy", b.loss("aipo", gen, b.scorer("reward", gen, fn={fn})), lr=1e-3), gen, max_staleness=1)
+graph = b.build()
+'''
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        dict(imports="from rewards_beside import beside_reward, beside_task", task="beside_task", fn="beside_reward"),
+        dict(imports="import rewards_beside", task="rewards_beside.beside_task", fn="rewards_beside.beside_reward"),
+    ],
+    ids=["from-import", "import"],
+)
+def test_sample_and_eval_import_what_run_imported_from_the_graphs_folder(tmp_path, form):
+    """A graph script importing a module beside it trains, and ``flowrl sample`` / ``flowrl eval`` of its
+    checkpoint, each a fresh process started in another directory without the script's folder on
+    PYTHONPATH, import that module too (the graph references it through the script)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "rewards_beside.py").write_text(BESIDE)
+    (project / "train.py").write_text(SCRIPT_IMPORTING.format(**form))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # this checkout's flowrl, nothing else
+
+    def flowrl(*argv: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "flowrl", *argv], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    flowrl("run", str(project / "train.py"), "--steps", "2", "--checkpoint-dir", "ck", "--quiet")
+    graph = json.loads(next((elsewhere / "ck").glob("step-*/graph.json")).read_text())
+    refs = {n.get("fn") or n.get("source", {}).get("task") for n in graph["nodes"]} - {None}
+    assert all(ref.startswith(f"{project / 'train.py'}:") for ref in refs), refs  # through the script, not 'rewards_beside:...'
+    assert "mean reward 1.000" in flowrl("sample", "ck", "-n", "2")
+    assert json.loads(flowrl("eval", "ck", "--prompts", "2", "--json"))["policy_version"] == 2

@@ -135,8 +135,11 @@ def test_a_text_scorer_needs_its_text_inputs():
         ("trl_length", {}, r"trl_length has the form of TRL's reward functions, f\(completions, \*\*kwargs\) -> list\[float\], "
          r"called once per batch with keyword arguments; set inputs='text' and batched=True"),
         ("trl_length", {"inputs": "text"}, r"has the form of TRL's reward functions.*set inputs='text' and batched=True"),
+        ("trl_typo", {"inputs": "text", "batched": True}, r"trl_typo takes 1 positional parameter \['completion'\], but inputs='text', "
+         r"batched=True calls it as fn\(prompts, completions, \*\*fields\); for TRL's reward-function form .* name its first "
+         r"parameter 'completions' \(not 'completion'\)"),
     ],
-    ids=["typed-text-as-ids", "untyped-text-as-ids", "batched-text-as-ids", "trl-as-ids", "trl-per-sample"],
+    ids=["typed-text-as-ids", "untyped-text-as-ids", "batched-text-as-ids", "trl-as-ids", "trl-per-sample", "trl-typo"],
 )
 def test_a_function_whose_form_contradicts_the_flags_is_refused_at_start_with_the_flags_to_set(setup, fn, flags, match):
     data, tok_dir, _ = setup
@@ -155,6 +158,24 @@ def test_the_builder_gives_the_same_hint_for_a_function_it_is_handed():
     with pytest.raises(ConfigError, match=r"scorer 'reward': tests.operators.userfns:trl_length has the form of TRL's reward functions"):
         b.scorer("reward", gen, fn=userfns.trl_length, inputs="text")
     b.scorer("reward", gen, fn=userfns.trl_length, inputs="text", batched=True)  # accepted
+
+
+def test_a_trl_reward_with_a_typo_is_refused_when_the_graph_is_built_suggesting_completions():
+    """``def r(completion, **kw)`` with ``inputs="text", batched=True`` would build and fail after the first
+    generation (``r() takes 1 positional argument but 2 were given``): the builder refuses it, and a
+    function with too few positional parameters for its call in any form."""
+    from flowrl.graph.builder import GraphBuilder
+
+    b = GraphBuilder("t")
+    gen = b.generator("gen", b.source("prompts", task="copy"))
+    with pytest.raises(ConfigError, match=r"scorer 'reward': tests.operators.userfns:trl_typo takes 1 positional parameter \['completion'\], but inputs='text', batched=True "
+                       r"calls it as fn\(prompts, completions, \*\*fields\); .*name its first parameter 'completions' \(not 'completion'\) "
+                       r"and set inputs='text', batched=True"):
+        b.scorer("reward", gen, fn=userfns.trl_typo, inputs="text", batched=True)
+    with pytest.raises(ConfigError, match=r"ids_one takes 1 positional parameter \['prompt_ids'\], but inputs='ids' calls it as "
+                       r"fn\(prompt_ids, completion_ids\); take the prompt and the completion as its first two parameters"):
+        b.scorer("reward", gen, fn=userfns.ids_one)
+    b.scorer("reward", gen, fn=userfns.ids_star)  # *args takes both
 
 
 def test_trl_reward_functions_get_completions_prompts_and_row_fields_as_keyword_lists(setup):

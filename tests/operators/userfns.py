@@ -109,6 +109,21 @@ def trl_accuracy(completions, answer, **kwargs):
     return [float(c == a) for c, a in zip(completions, answer)]
 
 
+def trl_typo(completion, **kwargs):
+    """TRL's form with a typo (``completion``): the batched text call passes two positional lists."""
+    return [float(len(c)) for c in completion]
+
+
+def ids_one(prompt_ids):
+    """Room for one positional argument where the id call passes two."""
+    return 0.0
+
+
+def ids_star(*ids):
+    """``*args`` takes both positional arguments."""
+    return 0.0
+
+
 def text_strip(prompt, completion):
     """Text-minded, nothing in its signature says so: ``.strip()`` fails on a list of ids."""
     return float(completion.strip() == "4")
