@@ -456,6 +456,7 @@ class ParallelGenerator(GeneratorProgram):
             )
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.operators.generation import check_recorded_sampling
         from flowrl.runtime.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
 
         rank = _context().rank
@@ -470,6 +471,8 @@ class ParallelGenerator(GeneratorProgram):
             part = split_prompts(prompts, len(self.rows))[self.replica]
             rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
         gen_s = time.perf_counter() - start
+        if rollout:  # a replica given no prompts samples nothing; mu must be recorded with the truncation it was drawn with
+            check_recorded_sampling(rollout, self._sampling, owner=f"generator {self.name!r} (engine {self._engine!r}, rank {rank})")
         self._check_same_tokens(rollout)
         timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group, device=self.device)
         if rank != self.lead:
