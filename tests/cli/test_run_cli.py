@@ -33,7 +33,7 @@ def test_progress_bar_lines_when_not_a_tty(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["run", "--steps", "0"], "steps=0 must be >= 1"),
+        (["run", "--steps", "0"], "--steps 0 must be >= 1"),  # the RunConfig message in the flag's name
         (["run", "--max-staleness", "-1"], "max_staleness=-1 must be >= 0"),
         (["run", "--checkpoint-every", "5"], "--checkpoint-dir"),
         (["run", "--resume"], "--checkpoint-dir"),
