@@ -100,6 +100,8 @@ GPU_MEMORY_UTILIZATION = 0.45
 CPU_KV_CACHE_MIN_BYTES = 64 << 20
 CPU_KV_CACHE_MAX_BYTES = 4 << 30
 MAX_NUM_SEQS = 256  # vLLM's default on GPUs
+#: Seconds vLLM's engine processes get to exit at ``close`` before vLLM kills them (its default is 5 s).
+SHUTDOWN_TIMEOUT_S = 30.0
 
 #: vLLM's variables flowrl sets unless they are set already: spawn its engine processes (forking a
 #: process whose other threads run torch is unsafe), and its log warnings only, on stderr (stdout is
@@ -524,8 +526,8 @@ class VLLMGenerator:
             group.close()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
+            try:  # vLLM's default 5 s is too short for its CPU worker to exit: a forced kill left its shared-memory queue to the resource tracker
+                llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
             except Exception:  # best effort: vLLM's own atexit handler also stops its processes
                 pass
         shutil.rmtree(self._tmp, ignore_errors=True)
