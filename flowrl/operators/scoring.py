@@ -11,7 +11,9 @@ calls ``fn(prompt: str, completion: str, **fields) -> float`` with the decoded t
 each sample's prompt row (batched: ``fn(prompts, completions, **fields_as_lists) -> list[float]``).
 A batched text function in TRL's form, ``fn(completions, **kwargs) -> list[float]``, is called as
 TRL calls it, with keyword arguments: ``completions=``, ``prompts=`` and ``completion_ids=`` (where
-its signature takes them) and the row fields, each a list.
+its signature takes them) and the row fields, each a list. When the rows' prompts are chat messages,
+it gets TRL's conversational form: ``prompts`` the messages, each completion
+``[{"role": "assistant", "content": text}]``.
 
 The function is resolved on first use (a text scorer's when it is built; the scorer program of a
 run resolves it when the run starts); a signature that contradicts the node's ``inputs``/``batched``
@@ -152,6 +154,9 @@ class Scorer:
             columns = {k: [f.get(k) for f in fields] for k in dict.fromkeys(k for f in fields for k in f)}
             try:
                 if self._trl:  # TRL's form: keyword arguments only, those its signature takes
+                    messages = self.text.prompt_messages(rollout) if self.text is not None else None
+                    if messages is not None:  # TRL's conversational form: prompts as messages, each completion one assistant message
+                        prompts, completions = messages, [[{"role": "assistant", "content": c}] for c in completions]
                     given = {"prompts": prompts, "completion_ids": unpad(rollout)[1], **columns}
                     values = list(fn(completions=completions, **accepted(fn, given)))
                 else:

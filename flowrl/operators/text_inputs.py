@@ -130,6 +130,17 @@ class TextInputs:
         """The prompt's tokens decoded without special tokens."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def prompt_messages(self, rollout: Mapping[str, Tensor]) -> list[list[dict[str, Any]]] | None:
+        """Each sample's prompt as the chat messages its row holds, or None when the rows' prompts are
+        text (or there is no prompt file): what TRL passes a reward function as ``prompts`` for a
+        conversational dataset."""
+        if self.stream is None:
+            return None
+        index, groups = rollout["prompt_index"].tolist(), rollout["group_ids"].tolist()
+        field = self.stream.dataset.prompt_field
+        prompts = [self.stream.dataset.rows[self.stream.row_of(int(index[g]))][field] for g in groups]
+        return prompts if prompts and all(isinstance(p, list) for p in prompts) else None
+
     def rows(self, rollout: Mapping[str, Tensor], names: tuple[str, ...] | None) -> list[dict[str, Any]]:
         """Each sample's row fields (only ``names``, or all when None)."""
         if self.stream is None:

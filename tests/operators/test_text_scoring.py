@@ -192,6 +192,22 @@ def test_trl_reward_functions_get_completions_prompts_and_row_fields_as_keyword_
     assert userfns.SEEN == [["answer", "completion_ids", "id", "prompts"]]
 
 
+def test_trl_reward_functions_get_the_conversational_form_for_chat_prompts(setup, tmp_path):
+    """Rows whose prompts are chat messages: TRL passes ``prompts`` as those messages and each completion
+    as one assistant message, ``[{"role": "assistant", "content": text}]``; so does flowrl."""
+    _, tok_dir, tok = setup
+    chats = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in ROWS]
+    data = write_jsonl(tmp_path / "chat.jsonl", chats)
+    g = data_graph(str(data), tok_dir, scorer="tests.operators.userfns:trl_conversational", inputs="text", batched=True,
+                   shuffle=False, chat_template=True)  # fmt: skip
+    userfns.SEEN.clear()
+    got = program(g).scorer.score(rollout_for(g, tok, [0, 1], ["3", "4", "4", "4"]))
+    assert got["rewards"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    ((completions, prompts),) = userfns.SEEN
+    assert completions == [[{"role": "assistant", "content": c}] for c in ["3", "4", "4", "4"]]
+    assert prompts == [chats[0]["prompt"]] * 2 + [chats[1]["prompt"]] * 2
+
+
 def test_an_id_scorer_named_like_text_that_fails_gets_the_hint(setup):
     """fn(prompt, completion) has nothing that says text until it fails on a list of ids: the failure carries the hint."""
     from flowrl.graph.nodes import ScorerNode

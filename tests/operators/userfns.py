@@ -109,6 +109,12 @@ def trl_accuracy(completions, answer, **kwargs):
     return [float(c == a) for c, a in zip(completions, answer)]
 
 
+def trl_conversational(completions, prompts, answer, **kwargs):
+    """TRL's conversational form: each completion a list of one assistant message, each prompt its messages."""
+    SEEN.append((completions, prompts))
+    return [float(c[0]["content"] == a) for c, a in zip(completions, answer)]
+
+
 def trl_typo(completion, **kwargs):
     """TRL's form with a typo (``completion``): the batched text call passes two positional lists."""
     return [float(len(c)) for c in completion]
