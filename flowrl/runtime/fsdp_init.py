@@ -21,7 +21,9 @@ for bit, what building the whole model and keeping ``torch.chunk(p, dp)[rank]`` 
   parameters go to the meta device), recording the generator's state before each module's
   ``_init_weights``; the source replays it per module (state restored, parameters real, the rows
   kept). A parameter that ``_init_weights`` leaves unwritten (its value would be the constructor's)
-  is refused (``FlowrlError``): such a family takes the whole-model path.
+  is refused (``FlowrlError``). The one assumption: a module's constructor draws only into its own
+  parameters before the next module registers one (true of ``torch.nn``'s layers and of every
+  family in ``FAMILIES``; ``tests/runtime/test_fsdp_init.py`` checks each against the whole build).
 
 A LoRA policy is not built this way: ``ShardedPolicy`` builds its whole model and broadcasts it
 (``meta_build`` refuses it).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -93,16 +96,26 @@ def _to_meta(p: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
 
 
+#: One meta build at a time in a process: the builds patch ``nn.Module.register_parameter`` (and
+#: transformers' ``_initialize_weights``) class-wide, and a rank may build its nodes' programs in
+#: threads (``runtime/backends/torchrun.py``'s serve threads); the patches act in the building thread
+#: only, every other thread gets the original behaviour.
+_BUILD_LOCK = threading.Lock()
+
+
 class _ParamsOnMeta:
-    """Every parameter registered inside the block goes to the meta device (a constructor's value is
-    dropped; buffers stay where they are made): ``accelerate.init_empty_weights(include_buffers=False)``."""
+    """Every parameter registered inside the block, by this thread, goes to the meta device (a
+    constructor's value is dropped; buffers stay where they are made):
+    ``accelerate.init_empty_weights(include_buffers=False)``."""
 
     def __enter__(self) -> _ParamsOnMeta:
-        self._original = nn.Module.register_parameter
+        _BUILD_LOCK.acquire()
+        self._original, owner = nn.Module.register_parameter, threading.get_ident()
+        original = self._original
 
         def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            self._original(module, name, param)
-            if param is not None and not param.is_meta:
+            original(module, name, param)
+            if param is not None and not param.is_meta and threading.get_ident() == owner:
                 module._parameters[name] = _to_meta(param)
 
         nn.Module.register_parameter = register  # type: ignore[method-assign]
@@ -110,6 +123,7 @@ class _ParamsOnMeta:
 
     def __exit__(self, *exc: object) -> None:
         nn.Module.register_parameter = self._original  # type: ignore[method-assign]
+        _BUILD_LOCK.release()
 
 
 class _OneModuleAtATime:
@@ -134,10 +148,14 @@ class _OneModuleAtATime:
     def __enter__(self) -> _OneModuleAtATime:
         from transformers.modeling_utils import PreTrainedModel
 
+        _BUILD_LOCK.acquire()
         self._register, self._initialize = nn.Module.register_parameter, PreTrainedModel._initialize_weights
-        outer = self
+        outer, owner = self, threading.get_ident()
 
         def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if threading.get_ident() != owner:
+                outer._register(module, name, param)
+                return
             if outer._pending and outer._pending[-1][0] is not module:
                 outer._flush()  # the previous module is built: its constructor's draws are done
             outer._register(module, name, param)
@@ -145,6 +163,9 @@ class _OneModuleAtATime:
                 outer._pending.append((module, name))
 
         def initialize(model: Any, module: nn.Module, is_custom_code: bool = False) -> None:
+            if threading.get_ident() != owner:
+                outer._initialize(model, module, is_custom_code)
+                return
             outer._flush()
             own = {k: p for k, p in module._parameters.items() if p is not None}
             if getattr(module, "_is_hf_initialized", False) or not own:
@@ -172,6 +193,7 @@ class _OneModuleAtATime:
         nn.Module.register_parameter = self._register  # type: ignore[method-assign]
         PreTrainedModel._initialize_weights = self._initialize  # type: ignore[method-assign]
         self._flush()
+        _BUILD_LOCK.release()
 
 
 def meta_build(config: AnyModelConfig) -> tuple[nn.Module, RowSource]:
@@ -305,7 +327,8 @@ def _replayed_rows(model: nn.Module, records: list[tuple[nn.Module, nn.Module, C
                 if torch.isnan(full).any():
                     raise FlowrlError(
                         f"{name}: transformers' _init_weights of {type(module).__name__} leaves it (partly) unset, so its value is "
-                        "the constructor's, which a meta-device build does not replay; this family needs the whole-model path"
+                        "the constructor's, which a meta-device build does not replay: flowrl cannot start this family sharded "
+                        "(a flowrl limit); train it with sharding='replicate'"
                     )
                 start, stop = wanted[name]
                 yield name, full[start:stop]

@@ -94,6 +94,21 @@ def test_a_parameter_the_hf_init_leaves_unset_is_refused(tmp_path):
         dict(source(wanted))
 
 
+def test_the_meta_build_patches_only_its_own_thread():
+    import threading
+
+    from flowrl.runtime.fsdp_init import _ParamsOnMeta
+
+    other: dict[str, torch.nn.Module] = {}
+    with _ParamsOnMeta():
+        thread = threading.Thread(target=lambda: other.update(linear=torch.nn.Linear(2, 2)))  # another node's program on the rank
+        thread.start()
+        thread.join()
+        mine = torch.nn.Linear(2, 2)
+    assert mine.weight.is_meta and not other["linear"].weight.is_meta
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # restored
+
+
 def test_a_lora_policy_is_not_built_on_the_meta_device(tmp_path):
     pytest.importorskip("transformers")
     import msgspec
