@@ -161,10 +161,9 @@ def shard_trainer_(trainer: Any, mesh: Any, *, source: Any = None) -> None:
     filled with its rows from ``source`` (``fsdp_init.materialise_``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from flowrl.runtime.fsdp_init import materialise_
-
     from flowrl.operators.generation import DTYPES
     from flowrl.operators.trainer import learning_rate
+    from flowrl.runtime.fsdp_init import materialise_
 
     opt = trainer.node.optimizer
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[opt.param_dtype], reduce_dtype=DTYPES[opt.reduce_dtype])
