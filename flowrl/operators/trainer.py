@@ -173,6 +173,9 @@ class Trainer:
         node: the policy node (model shape, optimizer).
         loss: the loss node its objective comes from.
         device: where the model and the optimizer live (``"cpu"``, ``"cuda:N"``).
+        model: ``node.model``'s model already built (None: ``build_model`` here); an FSDP rank passes
+            one with its parameters on the meta device, which ``flowrl.runtime.fsdp.shard_trainer_``
+            shards and materialises (the optimizer is rebuilt there).
 
     Attributes:
         model: pi (a ``flowrl.models.CausalLM``, float32, trainable), on ``device``.
@@ -189,13 +192,14 @@ class Trainer:
         ConfigError: for an unknown objective.
     """
 
-    def __init__(self, node: PolicyNode, loss: LossNode, *, device: str | torch.device = "cpu") -> None:
+    def __init__(self, node: PolicyNode, loss: LossNode, *, device: str | torch.device = "cpu", model: torch.nn.Module | None = None) -> None:
         check_objective(loss.loss.objective)
         self.name = node.name
         self.node, self.loss = node, loss
         self.device = torch.device(device)
         opt = node.optimizer
-        self.model = build_model(node.model, device=self.device).train()
+        # a given model is node.model's, built elsewhere: an FSDP rank's on the meta device (flowrl.runtime.fsdp_init)
+        self.model = (build_model(node.model, device=self.device) if model is None else model).train()
         self.lora = lora_of(node.model)  # LoRA: only the adapters train, travel and are checkpointed
         add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
         if opt.gradient_checkpointing:

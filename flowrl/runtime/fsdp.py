@@ -27,8 +27,12 @@ policy's, or an FSDP one's from before sharded checkpoints): every rank reads it
 (``mmap=True``) and copies only its rows.
 
 Limits: the policy's mesh must be 1-D (``dp``); every dp rank must get at least one prompt group
-per batch and the same number of micro-batches (``check_shards``); every rank first builds the
-full model and then keeps its shards (initialisation on the meta device is not done yet).
+per batch and the same number of micro-batches (``check_shards``).
+
+Initialisation (``ShardedPolicy``): the model is built with its parameters on the meta device and
+only this rank's rows are materialised, read from the weight files or drawn one parameter at a time
+(``flowrl.runtime.fsdp_init``), bit for bit the shards of the whole model, with no broadcast; a LoRA
+policy still builds its whole model on every rank and broadcasts it from the lead before sharding.
 """
 
 from __future__ import annotations
@@ -149,19 +153,25 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     raise ConfigError(f"{type(model).__name__} has no 'layers' or 'model.layers' list of blocks for FSDP to shard")
 
 
-def shard_trainer_(trainer: Any, mesh: Any) -> None:
+def shard_trainer_(trainer: Any, mesh: Any, *, source: Any = None) -> None:
     """Shard ``trainer``'s model with FSDP2 over ``mesh`` (1-D) and rebuild its AdamW over the shards
-    (see the module docstring). Every rank of ``mesh`` calls it; their models must start equal."""
+    (see the module docstring). Every rank of ``mesh`` calls it; their models must start equal, or,
+    with ``source`` (a ``flowrl.runtime.fsdp_init.RowSource``), be ``meta_build``'s model with its
+    parameters on the meta device: each rank's shards are then allocated on ``trainer.device`` and
+    filled with its rows from ``source`` (``fsdp_init.materialise_``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from flowrl.operators.generation import DTYPES
     from flowrl.operators.trainer import learning_rate
+    from flowrl.runtime.fsdp_init import materialise_
 
     opt = trainer.node.optimizer
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[opt.param_dtype], reduce_dtype=DTYPES[opt.reduce_dtype])
     for block in blocks(trainer.model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(trainer.model, mesh=mesh, mp_policy=policy)
+    if source is not None:
+        materialise_(trainer.model, source, trainer.device)
     trainer.optimizer = torch.optim.AdamW(
         [p for p in trainer.model.parameters() if p.requires_grad], lr=learning_rate(opt, trainer.version), betas=opt.betas, weight_decay=opt.weight_decay
     )

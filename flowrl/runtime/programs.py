@@ -421,11 +421,11 @@ class RewardModelProgram(ProgramBase):
 class PolicyProgram(ProgramBase):
     """Trains on one batch per step, then publishes its weights on every outgoing weight edge."""
 
-    def __init__(self, node: PolicyNode, loss: LossNode, graph: Graph, transports: SharedTransports, *, device: str = "cpu") -> None:
+    def __init__(self, node: PolicyNode, loss: LossNode, graph: Graph, transports: SharedTransports, *, device: str = "cpu", model: Any = None) -> None:
         from flowrl.operators.trainer import Trainer
 
         self.name = node.name
-        self.trainer = Trainer(node, loss, device=device)
+        self.trainer = Trainer(node, loss, device=device, model=model)  # model: prebuilt (an FSDP rank's, on the meta device)
         self._edges = [(e.src, e.dst) for e in graph.weight_edges_from(node.name)]
         self._transports = transports
         self._published = -1

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import ModelConfig
 
 __all__ = [
+    "initial_weights",
     "Transformer",
     "KVCache",
     "count_parameters",
@@ -173,15 +175,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """Normal(0, 0.02) weights (residual projections scaled by 1/sqrt(2 * n_layers)), unit norms."""
-        gen = torch.Generator().manual_seed(self.config.seed)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+        """Every parameter set to its ``initial_weights`` value."""
+        params = dict(self.named_parameters())
+        for name, value in initial_weights(self):
+            params[name].copy_(value)
 
     def forward(
         self,
@@ -337,3 +334,20 @@ def attention_mask(valid: Tensor, q_start: int, q_len: int) -> Tensor:
     mask = causal[None] & valid[:, None, :S]
     mask = mask | (k == q)[None]
     return mask[:, None]
+
+
+def initial_weights(model: Transformer) -> Iterator[tuple[str, Tensor]]:
+    """``model``'s initial parameters, one whole float32 CPU tensor at a time in ``named_parameters``
+    order: Normal(0, 0.02) (residual projections scaled by 1/sqrt(2 * n_layers)) drawn from a
+    ``torch.Generator`` seeded by ``ModelConfig.seed``, unit norms. ``model`` may be on the meta
+    device (only its names and shapes are read): an FSDP rank keeps its rows of each
+    (``flowrl.runtime.fsdp_init``) and never holds the whole model.
+    """
+    gen = torch.Generator().manual_seed(model.config.seed)
+    residual_std = 0.02 / math.sqrt(2 * model.config.n_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(param.shape)
+        else:
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            yield name, torch.randn(param.shape, generator=gen) * std

@@ -1,0 +1,373 @@
+"""An FSDP2 policy's model built on the meta device and materialised shard by shard: no rank holds it whole.
+
+``meta_build(config)`` gives the policy's model with every parameter on the meta device and every
+buffer real (rotary tables as the constructor computed them), and a ``RowSource``: what each
+parameter's rows ``[start, stop)`` are, read or drawn one parameter at a time. ``materialise_``
+then, after ``fully_shard`` (``flowrl.runtime.fsdp.shard_trainer_``), allocates each rank's shards
+on its device (``to_empty``, buffers put back) and fills them from the source. The result is, bit
+for bit, what building the whole model and keeping ``torch.chunk(p, dp)[rank]`` gives
+(``tests/runtime/test_fsdp_init.py``), with no broadcast:
+
+- the built-in model: ``flowrl.models.families.builtin.model.initial_weights`` draws each whole
+  parameter from the seeded generator in order; the rank keeps its rows (peak: one parameter);
+- a Hugging Face directory with weights (``init="pretrained"``): each rank reads only its rows of
+  each tensor from the safetensors files (their byte range, read into a tensor of their size;
+  ``safe_open(...).get_slice(name)[start:stop]`` for a dtype other than float 16/32/64), cast to
+  float32 as ``from_pretrained(dtype=float32)`` does;
+- ``init="random"``: transformers draws its weights from the global generator in module order (a
+  module's constructor, then ``_init_weights`` per module in ``initialize_weights``' order), so the
+  build runs that same code under the same seed with one module's parameters real at a time
+  (``_OneModuleAtATime``: the constructor's draws advance the generator as they always do, then the
+  parameters go to the meta device), recording the generator's state before each module's
+  ``_init_weights``; the source replays it per module (state restored, parameters real, the rows
+  kept). A parameter that ``_init_weights`` leaves unwritten (its value would be the constructor's)
+  is refused (``FlowrlError``). The one assumption: a module's constructor draws only into its own
+  parameters before the next module registers one (true of ``torch.nn``'s layers and of every
+  family in ``FAMILIES``; ``tests/runtime/test_fsdp_init.py`` checks each against the whole build).
+
+A LoRA policy is not built this way: ``ShardedPolicy`` builds its whole model and broadcasts it
+(``meta_build`` refuses it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor, nn
+
+from flowrl.errors import ConfigError, FlowrlError
+from flowrl.graph.configs import AnyModelConfig, HFModelConfig, ModelConfig
+
+__all__ = ["RowSource", "meta_build", "materialise_", "row_range"]
+
+#: ``wanted`` (parameter name -> its rows ``(start, stop)``) -> each of them once, as ``(name, rows)``
+#: float32 CPU tensors of ``stop - start`` rows; one whole parameter in memory at most.
+RowSource = Callable[[Mapping[str, tuple[int, int]]], Iterator[tuple[str, Tensor]]]
+
+
+def row_range(rows: int, dp: int, index: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` that rank ``index`` of ``dp`` holds of a tensor of ``rows`` rows under
+    FSDP2's ``Shard(0)``: ``torch.chunk``'s chunks (``ceil(rows / dp)`` each, the last ones shorter or empty).
+
+    Example:
+        >>> [row_range(5, 2, i) for i in range(2)], [row_range(2, 3, i) for i in range(3)]
+        ([(0, 3), (3, 5)], [(0, 1), (1, 2), (2, 2)])
+    """
+    size = -(-rows // dp) if rows else 0
+    start = min(index * size, rows)
+    return start, min(start + size, rows)
+
+
+def _libc_trim() -> Callable[[], Any]:
+    """glibc's ``malloc_trim(0)``, or a no-op where there is none.
+
+    Why: the build frees one module's or one parameter's tensor after another, of a few sizes
+    between 1 and 32 MB; glibc raises its mmap threshold to the largest such block freed, so later
+    ones come from the heap, where small live objects between them keep the freed pages resident
+    (seen: a 110M-parameter Llama's random build held +400 MB of freed memory per rank). Trimming
+    after each frees them back to the system; it costs well under a millisecond here.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return lambda *_: 0
+
+
+_TRIM = _libc_trim()
+
+
+def _release() -> None:
+    """Give freed heap pages back to the system (``_libc_trim``)."""
+    _TRIM(0)
+
+
+def _to_meta(p: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+
+
+#: One meta build at a time in a process: the builds patch ``nn.Module.register_parameter`` (and
+#: transformers' ``_initialize_weights``) class-wide, and a rank may build its nodes' programs in
+#: threads (``runtime/backends/torchrun.py``'s serve threads); the patches act in the building thread
+#: only, every other thread gets the original behaviour.
+_BUILD_LOCK = threading.Lock()
+
+
+class _ParamsOnMeta:
+    """Every parameter registered inside the block, by this thread, goes to the meta device (a
+    constructor's value is dropped; buffers stay where they are made):
+    ``accelerate.init_empty_weights(include_buffers=False)``."""
+
+    def __enter__(self) -> _ParamsOnMeta:
+        _BUILD_LOCK.acquire()
+        self._original, owner = nn.Module.register_parameter, threading.get_ident()
+        original = self._original
+
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            original(module, name, param)
+            if param is not None and not param.is_meta and threading.get_ident() == owner:
+                module._parameters[name] = _to_meta(param)
+
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        nn.Module.register_parameter = self._original  # type: ignore[method-assign]
+        _BUILD_LOCK.release()
+
+
+class _OneModuleAtATime:
+    """A transformers ``from_config`` whose draws from the global generator are the usual ones, with one
+    module's parameters real at a time (see the module docstring). ``records`` gets, per module that
+    ``_init_weights`` initialised: ``(module, a copy of it without children or parameters, its
+    ``_init_weights``, the generator's state before it)``."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[nn.Module, nn.Module, Callable[[nn.Module], None], Tensor]] = []
+        self._pending: list[tuple[nn.Module, str]] = []
+
+    def _flush(self) -> None:
+        for module, name in self._pending:
+            p = module._parameters.get(name)
+            if p is not None and not p.is_meta:
+                module._parameters[name] = _to_meta(p)
+        if self._pending:
+            _release()
+        self._pending.clear()
+
+    def __enter__(self) -> _OneModuleAtATime:
+        from transformers.modeling_utils import PreTrainedModel
+
+        _BUILD_LOCK.acquire()
+        self._register, self._initialize = nn.Module.register_parameter, PreTrainedModel._initialize_weights
+        outer, owner = self, threading.get_ident()
+
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if threading.get_ident() != owner:
+                outer._register(module, name, param)
+                return
+            if outer._pending and outer._pending[-1][0] is not module:
+                outer._flush()  # the previous module is built: its constructor's draws are done
+            outer._register(module, name, param)
+            if param is not None and not param.is_meta:
+                outer._pending.append((module, name))
+
+        def initialize(model: Any, module: nn.Module, is_custom_code: bool = False) -> None:
+            if threading.get_ident() != owner:
+                outer._initialize(model, module, is_custom_code)
+                return
+            outer._flush()
+            own = {k: p for k, p in module._parameters.items() if p is not None}
+            if getattr(module, "_is_hf_initialized", False) or not own:
+                outer._initialize(model, module, is_custom_code)
+                return
+            template = copy.copy(module)
+            template.__dict__.update(_parameters={}, _modules={}, _buffers=dict(module._buffers))
+            outer.records.append((module, template, model._init_weights, torch.get_rng_state()))
+            for k, p in own.items():
+                module._parameters[k] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+            try:
+                outer._initialize(model, module, is_custom_code)
+            finally:
+                for k, p in own.items():
+                    module._parameters[k] = p
+                _release()
+
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        PreTrainedModel._initialize_weights = initialize  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.modeling_utils import PreTrainedModel
+
+        nn.Module.register_parameter = self._register  # type: ignore[method-assign]
+        PreTrainedModel._initialize_weights = self._initialize  # type: ignore[method-assign]
+        self._flush()
+        _BUILD_LOCK.release()
+
+
+def meta_build(config: AnyModelConfig) -> tuple[nn.Module, RowSource]:
+    """``config``'s float32 model with its parameters on the meta device and its buffers real (CPU),
+    and the source of its parameters' rows (see the module docstring).
+
+    Raises:
+        ConfigError: for a LoRA description (not built this way), or as ``flowrl.models.build_model``.
+    """
+    if isinstance(config, ModelConfig):
+        return _builtin(config)
+    if not isinstance(config, HFModelConfig):
+        raise ConfigError(f"meta_build: no meta-device build for a {type(config).__name__}")
+    if config.lora is not None:
+        raise ConfigError("meta_build: a LoRA policy builds its whole model (its adapters are added to a real base)")
+    return _hf(config)
+
+
+def _builtin(config: ModelConfig) -> tuple[nn.Module, RowSource]:
+    from flowrl.models.families.builtin.model import Transformer, initial_weights
+
+    with _ParamsOnMeta():
+        model = Transformer(config)
+
+    def source(wanted: Mapping[str, tuple[int, int]]) -> Iterator[tuple[str, Tensor]]:
+        for name, full in initial_weights(model):  # every parameter drawn in order: the generator's sequence
+            if name in wanted:
+                start, stop = wanted[name]
+                yield name, full[start:stop]
+
+    return model, source
+
+
+def _hf(config: HFModelConfig) -> tuple[nn.Module, RowSource]:
+    from flowrl.models.hf import HFCausalLM, check_hf_dir, load_auto
+
+    raw = check_hf_dir(config)
+    max_len = config.max_seq_len or int(raw.get("max_position_embeddings") or 0)
+    if max_len < 1:
+        raise ConfigError(f"model: {config.path!r}: config.json has no max_position_embeddings; set HFModelConfig.max_seq_len")
+    if config.init == "pretrained":
+        with _ParamsOnMeta():
+            hf = load_auto(msgspec.structs.replace(config, init="random"), "AutoModelForCausalLM")  # the architecture; values from the files
+        return HFCausalLM(hf, max_seq_len=max_len), _file_rows(Path(config.path).expanduser())
+    build = _OneModuleAtATime()
+    with build:
+        hf = load_auto(config, "AutoModelForCausalLM")  # seeded, inside fork_rng, as load_hf
+    model = HFCausalLM(hf, max_seq_len=max_len)
+    return model, _replayed_rows(model, build.records)
+
+
+#: safetensors dtype names -> torch dtypes ``_read_rows`` reads itself (others go through ``get_slice``)
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _read_rows(f: Any, data_start: int, entry: Mapping[str, Any], start: int, stop: int) -> Tensor:
+    """Rows ``[start, stop)`` of one safetensors tensor, read with ``readinto`` into a tensor of their
+    size: a row-major tensor's rows are one contiguous byte range. Not ``safe_open``'s memory map,
+    whose touched pages would count in this rank's RSS until the file is closed."""
+    shape, dtype = list(entry["shape"]), _SAFETENSORS_DTYPES[entry["dtype"]]
+    out = torch.empty([stop - start, *shape[1:]], dtype=dtype)
+    row = math.prod(shape[1:]) * out.element_size()
+    f.seek(data_start + int(entry["data_offsets"][0]) + start * row)
+    buffer = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(bytearray())
+    if f.readinto(buffer) != len(buffer):
+        raise FlowrlError(f"{f.name!r}: a tensor's bytes end before its header says; the file is cut short")
+    return out
+
+
+def _file_rows(directory: Path) -> RowSource:
+    """Rows read from the directory's ``*.safetensors`` (or ``pytorch_model*.bin``, memory-mapped)."""
+
+    def source(wanted: Mapping[str, tuple[int, int]]) -> Iterator[tuple[str, Tensor]]:
+        files = sorted(directory.glob("*.safetensors"))
+        left = dict(wanted)
+        if files:
+            from safetensors import safe_open
+
+            for path in files:
+                with open(path, "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(size))
+                    for name in [n for n in header if n in left]:
+                        start, stop = left.pop(name)
+                        entry = header[name]
+                        if entry["dtype"] in _SAFETENSORS_DTYPES and entry["shape"]:
+                            rows = _read_rows(f, 8 + size, entry, start, stop)
+                        else:
+                            with safe_open(str(path), framework="pt") as handle:
+                                rows = handle.get_slice(name)[start:stop]
+                        yield name, rows.to(torch.float32)
+        else:
+            for f in sorted(directory.glob("pytorch_model*.bin")):
+                state = torch.load(f, weights_only=True, map_location="cpu", mmap=True)
+                for name in [n for n in state if n in left]:
+                    start, stop = left.pop(name)
+                    yield name, state[name][start:stop].to(torch.float32, copy=True)
+                del state
+        if left:
+            raise FlowrlError(
+                f"{str(directory)!r}: its weight files hold no tensor named {sorted(left)[:5]} (of {len(left)} missing); "
+                "flowrl reads the Hugging Face parameter names as saved by save_pretrained"
+            )
+
+    return source
+
+
+def _replayed_rows(model: nn.Module, records: list[tuple[nn.Module, nn.Module, Callable[[nn.Module], None], Tensor]]) -> RowSource:
+    """Rows of a seeded transformers initialisation, replayed one module at a time (module docstring)."""
+    prefixes = {id(m): name for name, m in model.named_modules()}
+
+    def source(wanted: Mapping[str, tuple[int, int]]) -> Iterator[tuple[str, Tensor]]:
+        from transformers import initialization
+
+        for module, template, init, state in records:
+            prefix = prefixes.get(id(module))
+            names = {k: f"{prefix}.{k}" if prefix else k for k, p in module._parameters.items() if p is not None}
+            if prefix is None or not any(n in wanted for n in names.values()):
+                continue
+            template._parameters = {  # None kept: a Linear without bias has ``bias = None``
+                k: None if p is None else nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype), requires_grad=p.requires_grad)
+                for k, p in module._parameters.items()
+            }
+            with torch.random.fork_rng(devices=[]), initialization.guard_torch_init_functions():
+                torch.set_rng_state(state)
+                init(template)
+            for k, name in names.items():
+                if name not in wanted:
+                    continue
+                full = template._parameters[k].detach()
+                if torch.isnan(full).any():
+                    raise FlowrlError(
+                        f"{name}: transformers' _init_weights of {type(module).__name__} leaves it (partly) unset, so its value is "
+                        "the constructor's, which a meta-device build does not replay: flowrl cannot start this family sharded "
+                        "(a flowrl limit); train it with sharding='replicate'"
+                    )
+                start, stop = wanted[name]
+                yield name, full[start:stop]
+            template._parameters = {}
+            _release()
+
+    return source
+
+
+def materialise_(model: nn.Module, source: RowSource, device: torch.device | str) -> None:
+    """Allocate a ``fully_shard``-ed meta model's shards on ``device`` and fill them from ``source``
+    (every rank of the mesh calls it; no communication). Buffers keep their values, moved to ``device``.
+
+    Raises:
+        FlowrlError: when the source misses a parameter or gives rows of the wrong shape.
+    """
+    buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    model.to_empty(device=device)
+    for m, k, b in buffers:
+        m._buffers[k] = b.to(device)
+    locals_: dict[str, Tensor] = {}
+    wanted: dict[str, tuple[int, int]] = {}
+    for name, p in model.named_parameters():
+        if hasattr(p, "device_mesh"):
+            mesh = p.device_mesh
+            local = p.to_local()
+            start, stop = row_range(p.shape[0], mesh.size(), mesh.get_local_rank())
+        else:  # not sharded (a module fully_shard left out): the whole tensor
+            local, (start, stop) = p, (0, p.shape[0])
+        if stop - start != local.shape[0]:
+            raise FlowrlError(f"{name}: this rank holds {local.shape[0]} rows, torch.chunk gives it {stop - start}; this is a flowrl bug")
+        locals_[name], wanted[name] = local, (start, stop)
+    with torch.no_grad():
+        for name, rows in source(wanted):
+            local = locals_.pop(name)
+            if tuple(rows.shape) != tuple(local.shape):
+                raise FlowrlError(f"{name}: the source gave rows of shape {tuple(rows.shape)} for a shard of {tuple(local.shape)}")
+            local.copy_(rows)
+            del rows
+            _release()
+    if locals_:
+        raise FlowrlError(f"the model's parameters {sorted(locals_)[:5]} were not filled by its source; this is a flowrl bug")
