@@ -172,7 +172,7 @@ ARGV_CASES: list[tuple[list[str], str]] = [
     (["--bogus"], r"unrecognized arguments: --bogus"),
     (["run", "--steps", "abc"], r"argument --steps: invalid int value: 'abc'"),
     (["run", "--steps", "1.5"], r"invalid int value: '1.5'"),
-    (["run", "--steps", "0"], r"steps=0 must be >= 1"),
+    (["run", "--steps", "0"], r"--steps 0 must be >= 1"),
     (["run", "--steps", "-3"], r"steps=-3 must be >= 1"),
     (["run", "--max-staleness", "-1"], r"max_staleness=-1 must be >= 0"),
     (["run", "--max-staleness", "two"], r"invalid int value: 'two'"),

@@ -71,10 +71,10 @@ def test_at_k0_with_truncation_every_engines_rows_show_ratio_one_and_no_mismatch
 class ForgetfulEngine:
     """An engine that samples truncated (the built-in decode loop) but records no truncation."""
 
-    def __new__(cls, node, *, seed=0, device="cpu"):
+    def __new__(cls, node, *, seed=0, device="cpu", transport="inprocess"):
         from flowrl.operators.generation import Generator
 
-        gen = Generator(node, seed=seed, device=device)
+        gen = Generator(node, seed=seed, device=device, transport=transport)
         generate = gen.generate
 
         def forgetful(prompts):
