@@ -65,6 +65,10 @@ __all__ = [
     "rollout_logprob_atol",
     "ratio_atol",
     "k3_atol",
+    "GRAD_REAL_BUG",
+    "GradientMagnitudes",
+    "assert_within",
+    "adamw_param_atol",
 ]
 
 #: float32's unit roundoff: half the gap between 1 and the next float32.
@@ -256,3 +260,234 @@ def k3_atol(logprob_tolerance: float) -> float:
     when ``|log r| <= logprob_tolerance``: ``expm1(a) - a``, plus the float32 rounding of ``r = exp(log r)``
     near 1 (one ulp of 1, ``eps32``), which ``r - 1`` keeps."""
     return math.expm1(logprob_tolerance) - logprob_tolerance + torch.finfo(torch.float32).eps
+
+
+# -- gradients and AdamW steps ---------------------------------------------------------------------
+#
+# Two float32 computations of one loss's gradient (the whole batch against micro-batches, one process
+# against data-parallel ranks whose partial gradients are all-reduced, FSDP's reduce-scatter, a padded
+# batch against rows alone) sum the same per-token contributions in another order. A weight's gradient
+# is such a sum: for a linear layer ``y = x W^T (+ b)``, ``dL/dW_ij = sum_t delta_ti x_tj`` over every
+# position ``t`` of the batch (``delta = dL/dy``), ``dL/db_i = sum_t delta_ti``; an embedding row sums
+# the ``delta`` of the positions holding its token; an RMSNorm gain ``g`` sums ``delta_t * x_t/rms(x_t)``.
+# Higham's bound (section 3.1, as for the forward) applied to that sum and to the factors:
+#
+# * every contribution ``c_t = delta_ti x_tj`` carries the relative error of its factors: ``x_t`` the
+#   forward's, ``u * N`` (``N = sum(reductions(model, seq_len))``, the module docstring's depth), and
+#   ``delta_t`` the backward's, which runs the same reductions transposed from the loss down to the
+#   layer (``u * N`` again), from a ``delta`` at the logits ``w_t (onehot - p) / T`` whose ``p`` and
+#   whose per-token weight ``w_t`` (an AIPO/PPO ratio ``exp(log p - mu)``, clipped or not) carry the
+#   log-prob's error ``e = 2 u N M / T + vocab u`` as a relative error each (``M`` the |h|.|W| magnitude
+#   at the LM head, as for the log-probs): ``(2 e + 2 u N) |c_t|`` in all;
+# * the sum of the ``n`` contributions adds ``gamma_n ~ u n`` of ``sum_t |c_t|`` in any order or blocking
+#   (micro-batches, ranks, shards: the same terms in another tree), and each of the ``P`` partial
+#   gradients is scaled by its normaliser (its share of the batch's tokens or sequences) once and then
+#   accumulated or all-reduced: ``u P`` more;
+# * so one computation's gradient entry errs by at most ``rel * S`` with ``S = sum_t |c_t|``, the
+#   ``|delta|.|x|`` sum captured by hooks on the layers during a backward of the test's own batch
+#   (``GradientMagnitudes``) and ``rel = 2 e + u (2 N + n + P)``; two computations: ``2 rel S``
+#   (``GradientMagnitudes.tolerances``). Cancellation in the sum does not shrink the error: it is
+#   ``S``, not ``|grad|``, as ``|h|.|W|`` is for a logit. The model is first order (``rel << 1``) and
+#   assumes, like the forward's, that the backward's reductions carry relative errors of their
+#   magnitudes layer to layer (no catastrophic cancellation inside a layer's chain); it is worst case:
+#   on the trainer tests it is 100x to 1000x the differences seen.
+#
+# It must still fail a real bug: a gradient off by a factor of 2, by a missing or wrong normaliser, a
+# dropped micro-batch or rank share moves it by 10% of its norm or more (``GRAD_REAL_BUG``); the
+# tolerances are refused (``ToleranceTooLoose``) when their norm exceeds half of that of the gradient,
+# so no such bug fits inside them.
+#
+# AdamW (Loshchilov and Hutter; torch's ``AdamW``) moves a parameter by ``lr * r`` with
+# ``r = mhat / (sqrt(vhat) + eps)``, ``mhat = sum_k a_k g_k`` and ``vhat = sum_k w_k g_k^2`` bias-corrected
+# averages of the gradients (weights ``a_k``, ``w_k`` summing to 1; ``a_n = (1 - b1) / (1 - b1^n)`` and
+# ``w_n = (1 - b2) / (1 - b2^n)`` for the newest). When two runs' states agree before a step and the
+# step's gradients differ by at most ``d`` an element: ``|d mhat| <= a_n d``; ``s = sqrt(vhat)`` is a
+# weighted 2-norm of the gradient history, so ``|d s| <= sqrt(w_n) d`` (triangle inequality); hence
+# ``|d r| <= a_n d / (s + eps) + |mhat'| sqrt(w_n) d / ((s + eps)(s' + eps))`` with ``s' >= s - sqrt(w_n) d``
+# and ``|mhat'| <= |mhat| + a_n d``, and never more than ``|r| + |r'| <= |r| + c`` (Cauchy-Schwarz:
+# ``|mhat| <= c s``, ``c = sqrt(sum_k a_k^2 / w_k)``, 1 on the first step; Kingma and Ba, *Adam*,
+# section 2.1). That is ``lr`` times the relative error of ``m / sqrt(v)``: ~``2 d / |g|`` where ``|g|``
+# is well above ``d``, and up to ``2 lr`` (a sign flip of ``lr * sign(g)``) where a gradient is within
+# rounding of 0, which is why an Adam step magnifies rounding there. The parameter's own rounding to
+# float32 adds ``u |p'|`` per run and the float32 evaluation of ``r`` a few ``u`` of ``lr c``
+# (``adamw_param_atol``).
+
+#: The smallest relative change of a gradient (in norm) by a real bug the gradient tests guard against: a
+#: dropped micro-batch or rank share (1 sample in 10), a normaliser off by one token in 10, a factor of 2.
+GRAD_REAL_BUG = 0.1
+
+
+class GradientMagnitudes:
+    """Hooks capturing ``S = sum_t |c_t|`` of every parameter's gradient contributions (the comment
+    above) during whatever forwards and backwards run inside ``with GradientMagnitudes(model) as mags:``
+    (a reference's ``loss.backward()``, a ``Trainer.train_step``), and the ``|h|.|W|`` magnitude of the
+    logits computed. Linear layers (peft's ``lora_A``/``lora_B`` too), embeddings, RMSNorm gains and the
+    built-in model's tied head are covered; a parameter that gets a gradient none of them accounts for
+    raises ``TypeError`` in ``tolerances``. Do not use it on a gradient-checkpointed model (its recomputed
+    forwards would count twice)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.inner = getattr(model, "hf", model)
+        self._sums: dict[int, torch.Tensor] = {}
+        self._terms: dict[int, int] = {}
+        self._hidden: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+        self._last_norm: torch.Tensor | None = None
+
+    def _add(self, param: torch.Tensor, value: torch.Tensor, terms: int) -> None:
+        key = id(param)
+        self._sums[key] = self._sums[key] + value if key in self._sums else value
+        self._terms[key] = self._terms.get(key, 0) + terms
+
+    def _on_grad(self, out: Any, fn: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda delta: fn(delta.detach().double().abs()))
+
+    def _linear(self, module: torch.nn.Linear, args: tuple, out: torch.Tensor) -> None:
+        x = args[0].detach().reshape(-1, module.in_features).double().abs()
+
+        def grad(delta: torch.Tensor) -> None:
+            d = delta.reshape(-1, module.out_features)
+            if module.weight.requires_grad:
+                self._add(module.weight, d.T @ x, x.shape[0])
+            if module.bias is not None and module.bias.requires_grad:
+                self._add(module.bias, d.sum(0), x.shape[0])
+
+        self._on_grad(out, grad)
+
+    def _embedding(self, module: torch.nn.Embedding, args: tuple, out: torch.Tensor) -> None:
+        ids = args[0].detach().reshape(-1)
+        if module.weight.requires_grad:
+            self._on_grad(out, lambda d: self._add(module.weight, torch.zeros_like(module.weight, dtype=torch.float64).index_add_(0, ids, d.reshape(ids.numel(), -1)), ids.numel()))
+
+    def _norm(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        x = args[0].detach().double()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).abs().reshape(-1, x.shape[-1])
+        if module is getattr(self.inner, "norm", None):
+            self._last_norm = out.detach()
+        if module.weight.requires_grad:
+            self._on_grad(out, lambda d: self._add(module.weight, (d.reshape(normed.shape) * normed).sum(0), normed.shape[0]))
+
+    def _tied_head(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        """The built-in model with tied embeddings: ``logits = norm(x) E^T`` outside any module."""
+        if self._last_norm is None or not isinstance(out, torch.Tensor):
+            return
+        h = self._last_norm[:, -out.shape[1] :].reshape(-1, self._last_norm.shape[-1]).double().abs()
+        weight = self.inner.tok_embeddings.weight
+        if weight.requires_grad:
+            self._on_grad(out, lambda d: self._add(weight, d.reshape(h.shape[0], -1).T @ h, h.shape[0]))
+
+    def __enter__(self) -> GradientMagnitudes:
+        for module in self.inner.modules():
+            if isinstance(module, torch.nn.Linear):
+                self._handles.append(module.register_forward_hook(self._linear))
+            elif isinstance(module, torch.nn.Embedding):
+                self._handles.append(module.register_forward_hook(self._embedding))
+            elif (
+                isinstance(getattr(module, "weight", None), torch.nn.Parameter) and module.weight.dim() == 1
+                and (hasattr(module, "eps") or hasattr(module, "variance_epsilon"))
+            ):
+                self._handles.append(module.register_forward_hook(self._norm))
+        if getattr(self.inner, "output", 0) is None and hasattr(self.inner, "tok_embeddings"):
+            self._handles.append(self.inner.register_forward_hook(self._tied_head))
+        head, _ = _norm_and_head(self.model)
+        is_head = head is not getattr(self.inner, "norm", None)
+        self._handles.append(head.register_forward_hook(lambda m, args, out: self._hidden.append((args[0] if is_head else out).detach())))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def head_magnitude(self) -> float:
+        """``M``: the |h|.|W| magnitude of the logits computed inside the ``with``."""
+        _, weight = _norm_and_head(self.model)
+        return max(head_magnitude(h, weight) for h in self._hidden)
+
+    def tolerances(
+        self, *, seq_len: int, partials: int = 1, positions: int = 0, temperature: float = 1.0, extra: Sequence[int] = (),
+        named: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Per element, the largest difference of each parameter's gradient between two float32
+        computations of this loss (the comment above): ``2 * (2 e + u (2 N + n + P)) * S``.
+
+        Args:
+            seq_len: the longest sequence (padded width) either computation runs.
+            partials: ``P``, the partial gradients scaled and summed (micro-batches x ranks), the larger
+                of the two computations'.
+            positions: the other computation's summed positions, when it sums more (a padded batch).
+            temperature: the loss's sampling temperature (its logits are divided by it).
+            extra: reductions the model adds to a token's path (a LoRA adapter's rank per adapted layer).
+            named: ``(name, parameter)`` pairs to report (default: ``model.named_parameters()``).
+
+        Raises:
+            ToleranceTooLoose: the tolerances' norm exceeds ``GRAD_REAL_BUG / 2`` of the gradients'.
+            TypeError: a parameter has a gradient whose contributions no hook saw.
+        """
+        shape = _shape(self.model)
+        depth = sum(reductions(self.model, seq_len)) + sum(extra)
+        e = 2 * U32 * depth * self.head_magnitude() / temperature + shape["vocab"] * U32
+        out: dict[str, torch.Tensor] = {}
+        tol_sq = grad_sq = 0.0
+        pairs = list(named) if named is not None else list(self.model.named_parameters())
+        for name, param in pairs:
+            if param.grad is None:
+                continue
+            if id(param) not in self._sums:
+                raise TypeError(f"no gradient magnitude captured for {name}: add a hook for its module to GradientMagnitudes")
+            n = max(self._terms[id(param)], positions)
+            rel = 2 * e + U32 * (2 * depth + n + partials)
+            tol = (2 * rel * self._sums[id(param)]).reshape(param.shape).float()
+            out[name] = tol
+            tol_sq += float(tol.double().pow(2).sum())
+            grad_sq += float(param.grad.double().pow(2).sum())
+        if math.sqrt(tol_sq) > GRAD_REAL_BUG / 2 * math.sqrt(grad_sq):
+            raise ToleranceTooLoose(
+                f"float32 rounding of this gradient may reach {math.sqrt(tol_sq):.3g} in norm, above GRAD_REAL_BUG / 2 = "
+                f"{GRAD_REAL_BUG / 2} of the gradient's norm {math.sqrt(grad_sq):.3g}: it could not tell a real bug from rounding"
+            )
+        return out
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor | float, msg: str = "") -> None:
+    """``|actual - expected| <= tol`` element by element (a per-element tolerance from the helpers here)."""
+    diff = (actual.double() - expected.double()).abs()
+    excess = diff - torch.as_tensor(tol, dtype=torch.float64)
+    if bool((excess > 0).any()):
+        i = int(excess.reshape(-1).argmax())
+        bound = torch.as_tensor(tol, dtype=torch.float64).expand_as(diff).reshape(-1)[i]
+        raise AssertionError(
+            f"{msg}: {int((excess > 0).sum())} of {diff.numel()} elements differ by more than their float32 bound; worst: "
+            f"{float(diff.reshape(-1)[i]):.3g} > {float(bound):.3g} ({float(actual.reshape(-1)[i]):.6g} vs {float(expected.reshape(-1)[i]):.6g})"
+        )
+
+
+def _adam_weights(step: int, beta1: float, beta2: float) -> tuple[float, float, float]:
+    """``(a_n, w_n, c)`` of the comment above at step ``n`` (counted from 1)."""
+    a = [(1 - beta1) * beta1 ** (step - k) / (1 - beta1**step) for k in range(1, step + 1)]
+    w = [(1 - beta2) * beta2 ** (step - k) / (1 - beta2**step) for k in range(1, step + 1)]
+    return a[-1], w[-1], math.sqrt(sum(ai * ai / wi for ai, wi in zip(a, w)))
+
+
+def adamw_param_atol(
+    grad_atol: torch.Tensor | float, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, param: torch.Tensor, *, step: int, lr: float,
+    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+) -> torch.Tensor:
+    """Per element, the largest difference of a parameter between two runs after an AdamW step whose
+    states agreed before it and whose gradients differ by at most ``grad_atol`` (``GradientMagnitudes``'
+    bound), from one run's state after the step (``exp_avg``, ``exp_avg_sq``, torch's names, and the
+    parameter): ``lr`` times the bound on ``|d r|`` above, plus float32 rounding of ``r`` and ``p``.
+    Weight decay multiplies equal parameters by the same factor: it adds nothing here."""
+    beta1, beta2 = betas
+    a, w, c = _adam_weights(step, beta1, beta2)
+    d = torch.as_tensor(grad_atol, dtype=torch.float64)
+    mhat = exp_avg.detach().double().abs() / (1 - beta1**step)
+    s = (exp_avg_sq.detach().double() / (1 - beta2**step)).sqrt()
+    ds = math.sqrt(w) * d
+    other = ((s - ds).clamp(min=0) + eps)
+    dr = a * d / (s + eps) + (mhat + a * d) * ds / ((s + eps) * other)
+    dr = torch.minimum(dr, mhat / (s + eps) + c)
+    return lr * dr + 2 * U32 * (param.detach().double().abs() + 8 * lr * c)
