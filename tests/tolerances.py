@@ -335,14 +335,22 @@ class GradientMagnitudes:
         self._handles: list[Any] = []
         self._last_norm: torch.Tensor | None = None
 
-    def _add(self, param: torch.Tensor, value: torch.Tensor, terms: int) -> None:
+    def _add(self, param: torch.Tensor, elementwise: torch.Tensor, normwise: torch.Tensor, terms: int) -> None:
         key = id(param)
-        self._sums[key] = self._sums[key] + value if key in self._sums else value
+        if key in self._sums:
+            elementwise, normwise = self._sums[key][0] + elementwise, self._sums[key][1] + normwise
+        self._sums[key] = (elementwise, normwise)
         self._terms[key] = self._terms.get(key, 0) + terms
 
     def _on_grad(self, out: Any, fn: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda delta: fn(delta.detach().double().abs()))
+
+    def _outer(self, param: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
+        """``sum_t |delta_t| |x_t|^T`` (elementwise) and ``sum_t (max|delta_t| |x_t| + |delta_t| max|x_t|)``
+        (normwise) of a gradient ``sum_t delta_t x_t^T``; ``d`` ``[n, out]``, ``x`` ``[n, in]``, both absolute."""
+        dmax, xmax = d.amax(1), x.amax(1)
+        self._add(param, d.T @ x, (dmax @ x)[None, :] + (d.T @ xmax)[:, None], d.shape[0])
 
     def _linear(self, module: torch.nn.Linear, args: tuple, out: torch.Tensor) -> None:
         x = args[0].detach().reshape(-1, module.in_features).double().abs()
@@ -350,16 +358,23 @@ class GradientMagnitudes:
         def grad(delta: torch.Tensor) -> None:
             d = delta.reshape(-1, module.out_features)
             if module.weight.requires_grad:
-                self._add(module.weight, d.T @ x, x.shape[0])
+                self._outer(module.weight, d, x)
             if module.bias is not None and module.bias.requires_grad:
-                self._add(module.bias, d.sum(0), x.shape[0])
+                self._add(module.bias, d.sum(0), d.sum(0) + d.amax(1).sum(), d.shape[0])
 
         self._on_grad(out, grad)
 
     def _embedding(self, module: torch.nn.Embedding, args: tuple, out: torch.Tensor) -> None:
-        ids = args[0].detach().reshape(-1)
+        ids = args[0].detach().reshape(-1)  # a one-hot input: max|x_t| = 1
+
+        def grad(delta: torch.Tensor) -> None:
+            d = delta.reshape(ids.numel(), -1)
+            zeros = torch.zeros_like(module.weight, dtype=torch.float64)
+            elementwise = zeros.index_add(0, ids, d)
+            self._add(module.weight, elementwise, elementwise + zeros.index_add(0, ids, d.amax(1, keepdim=True).expand_as(d)), ids.numel())
+
         if module.weight.requires_grad:
-            self._on_grad(out, lambda d: self._add(module.weight, torch.zeros_like(module.weight, dtype=torch.float64).index_add_(0, ids, d.reshape(ids.numel(), -1)), ids.numel()))
+            self._on_grad(out, grad)
 
     def _norm(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
         eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
@@ -367,8 +382,13 @@ class GradientMagnitudes:
         normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).abs().reshape(-1, x.shape[-1])
         if module is getattr(self.inner, "norm", None):
             self._last_norm = out.detach()
+
+        def grad(delta: torch.Tensor) -> None:  # sum_t delta_t * xhat_t, element by element
+            d = delta.reshape(normed.shape)
+            self._add(module.weight, (d * normed).sum(0), (d.amax(1, keepdim=True) * normed + d * normed.amax(1, keepdim=True)).sum(0), d.shape[0])
+
         if module.weight.requires_grad:
-            self._on_grad(out, lambda d: self._add(module.weight, (d.reshape(normed.shape) * normed).sum(0), normed.shape[0]))
+            self._on_grad(out, grad)
 
     def _tied_head(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
         """The built-in model with tied embeddings: ``logits = norm(x) E^T`` outside any module."""
@@ -377,7 +397,7 @@ class GradientMagnitudes:
         h = self._last_norm[:, -out.shape[1] :].reshape(-1, self._last_norm.shape[-1]).double().abs()
         weight = self.inner.tok_embeddings.weight
         if weight.requires_grad:
-            self._on_grad(out, lambda d: self._add(weight, d.reshape(h.shape[0], -1).T @ h, h.shape[0]))
+            self._on_grad(out, lambda d: self._outer(weight, d.reshape(h.shape[0], -1), h))
 
     def __enter__(self) -> GradientMagnitudes:
         for module in self.inner.modules():
@@ -439,8 +459,8 @@ class GradientMagnitudes:
             if id(param) not in self._sums:
                 raise TypeError(f"no gradient magnitude captured for {name}: add a hook for its module to GradientMagnitudes")
             n = max(self._terms[id(param)], positions)
-            rel = 2 * e + U32 * (2 * depth + n + partials)
-            tol = (2 * rel * self._sums[id(param)]).reshape(param.shape).float()
+            elementwise, normwise = self._sums[id(param)]
+            tol = (2 * ((2 * e + 2 * U32 * depth) * normwise + U32 * (n + partials) * elementwise)).reshape(param.shape).float()
             out[name] = tol
             tol_sq += float(tol.double().pow(2).sum())
             grad_sq += float(param.grad.double().pow(2).sum())
