@@ -449,7 +449,7 @@ class GradientMagnitudes:
 
     def tolerances(
         self, *, seq_len: int, partials: int = 1, positions: int = 0, temperature: float = 1.0, extra: Sequence[int] = (),
-        named: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        named: Iterable[tuple[str, torch.nn.Parameter]] | None = None, grad_norm: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per element, the largest difference of each parameter's gradient between two float32
         computations of this loss (the comment above): ``2 ((2 e + 2 u N) S' + u (n + P) S)``.
@@ -462,6 +462,8 @@ class GradientMagnitudes:
             temperature: the loss's sampling temperature (its logits are divided by it).
             extra: reductions the model adds to a token's path (a LoRA adapter's rank per adapted layer).
             named: ``(name, parameter)`` pairs to report (default: ``model.named_parameters()``).
+            grad_norm: the gradients' norm before any clipping (a ``train_step``'s ``policy/grad_norm``),
+                when ``.grad`` holds them clipped (default: the norm of ``.grad``).
 
         Raises:
             ToleranceTooLoose: the tolerances' norm exceeds ``GRAD_REAL_BUG / 2`` of the gradients'.
@@ -488,6 +490,8 @@ class GradientMagnitudes:
             out[name] = tol
             tol_sq += float(tol.double().pow(2).sum())
             grad_sq += float(param.grad.double().pow(2).sum())
+        if grad_norm is not None:
+            grad_sq = grad_norm**2
         if math.sqrt(tol_sq) > GRAD_REAL_BUG / 2 * math.sqrt(grad_sq):
             raise ToleranceTooLoose(
                 f"float32 rounding of this gradient may reach {math.sqrt(tol_sq):.3g} in norm, above GRAD_REAL_BUG / 2 = "

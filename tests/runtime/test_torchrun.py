@@ -470,7 +470,7 @@ def _dp_job(out: str, loss_agg: str) -> int:
     width = batch["sample_prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
     micro = policy.optimizer.micro_batch_size
     partials = world * (-(-batch["completion_ids"].shape[0] // micro) if micro else 1)  # each rank's micro-batches, all-reduced
-    unclipped_atol = mags.tolerances(seq_len=width, partials=partials)
+    unclipped_atol = mags.tolerances(seq_len=width, partials=partials, grad_norm=ref_metrics["policy/grad_norm"])
     grads = {n: p.grad for n, p in ref.model.named_parameters()}
     norm_atol = grad_norm_atol(unclipped_atol, ref_metrics["policy/grad_norm"])
     atol = clipped_atol(unclipped_atol, grads, grad_norm=ref_metrics["policy/grad_norm"], max_norm=float(policy.optimizer.grad_clip))
