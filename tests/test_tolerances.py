@@ -72,7 +72,7 @@ def test_the_gradient_magnitudes_are_the_abs_sums_of_a_linear_layers_contributio
     v = torch.tensor([3.0, -1.0])
     with GradientMagnitudes(layer) as mags:
         (layer(x) @ v).sum().backward()
-    elementwise, normwise = mags._sums[id(layer.weight)]
+    elementwise, normwise, _ = mags._sums[id(layer.weight)]
     assert torch.equal(layer.weight.grad, torch.zeros(2, 3))
     assert torch.allclose(elementwise, 2 * v.abs()[:, None].double() * x[0].abs()[None, :].double())
     # normwise: sum_t (max|v| |x_t| + |v| max|x_t|)
