@@ -245,8 +245,8 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_master_weights(t
 @pytest.mark.parametrize("family", ["builtin", "llama"])
 def test_gradient_checkpointing_and_micro_batches_keep_the_sharded_gradient(tmp_path, family):
     """FSDP with gradient_checkpointing=True and micro_batch_size=8 (several all-gather / reduce-scatter
-    rounds per step, recomputed blocks) against one process without either: gradients within 1e-6
-    (measured 2.3e-10 builtin, 1.2e-10 llama)."""
+    rounds per step, recomputed blocks) against one process without either: gradients within their
+    derived float32 bound (``_step_bounds``; measured 2.3e-10 builtin, 1.2e-10 llama)."""
     directory = ""
     if family != "builtin":
         from tests.hf_fixtures import make_hf_dir
@@ -255,7 +255,7 @@ def test_gradient_checkpointing_and_micro_batches_keep_the_sharded_gradient(tmp_
     proc = _torchrun(2, [str(THIS), "checkpointing", str(tmp_path), family, directory], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    assert r["passes_per_rank"] > 1 and r["max_grad_diff"] < 1e-6, r
+    assert r["passes_per_rank"] > 1 and r["grad_over_bound"] <= 1.0, r
 
 
 # -- the whole pipeline ------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ def _published(trainer) -> dict:
     return adapter_weights(trainer.model) if trainer.lora else dict(trainer.model.state_dict())
 
 
-def _step_bounds(mine, ref, mags, batch: dict, grad_norm: float, family: str) -> dict:
+def _step_bounds(mine, ref, mags, batch: dict, grad_norm: float, family: str, partials: int = 2) -> dict:
     """Each gradient (after the clip), AdamW moment and parameter after the step, as its largest
     |difference| / derived float32 bound (``tests/tolerances.py``: <= 1 passes), and the global norm's bound."""
     from tests.tolerances import U32, adamw_param_atol, clipped_atol, grad_norm_atol
@@ -426,7 +426,7 @@ def _step_bounds(mine, ref, mags, batch: dict, grad_norm: float, family: str) ->
     params = _trained(ref)
     width = batch["sample_prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
     extra = [LORA["r"]] * 2 * len(LORA["target_modules"]) if family == "lora" else []
-    tol = mags.tolerances(seq_len=width, partials=2, extra=extra, named=[(str(i), p) for i, p in enumerate(params)], grad_norm=grad_norm)  # 2 ranks' partials
+    tol = mags.tolerances(seq_len=width, partials=2, extra=extra, named=[(str(i), p) for i, p in enumerate(params)], grad_norm=grad_norm)  # ranks x micro-batches
     group = ref.optimizer.param_groups[0]
     grad_tol = clipped_atol(tol, {str(i): p.grad for i, p in enumerate(params)}, grad_norm=grad_norm, max_norm=0.01)
     over = {"grad": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0, "param": 0.0}
@@ -595,6 +595,7 @@ def _checkpointing_job(out: str, family: str, directory: str) -> int:
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.distributed import shard_by_groups
     from flowrl.runtime.fsdp import shard_trainer_, token_scale
+    from tests.tolerances import GradientMagnitudes
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -610,13 +611,16 @@ def _checkpointing_job(out: str, family: str, directory: str) -> int:
     torch.manual_seed(0)
     mine = Trainer(node("fsdp", True, 8), loss)
     shard_trainer_(mine, mesh)
-    ref.train_step(batch)
+    with GradientMagnitudes(ref.model) as mags:  # the one process's |delta|.|x| sums, no recomputation (tests/tolerances.py)
+        ref_metrics = ref.train_step(batch)
     shard = shard_by_groups(batch, 2)[rank]
     mine.loss_scale = token_scale(2, float(shard["completion_mask"].sum()), float(batch["completion_mask"].sum()))
     mine.train_step(shard)
     diff = max(float((_full(p.grad) - q.grad).abs().max()) for p, q in zip(mine.model.parameters(), ref.model.parameters()))
+    passes = -(-int(shard["completion_mask"].shape[0]) // 8)
+    bounds = _step_bounds(mine, ref, mags, batch, ref_metrics["policy/grad_norm"], family, partials=2 * passes)
     if rank == 0:
-        Path(out, "result.json").write_text(json.dumps({"max_grad_diff": diff, "passes_per_rank": -(-int(shard["completion_mask"].shape[0]) // 8)}))
+        Path(out, "result.json").write_text(json.dumps({"max_grad_diff": diff, "passes_per_rank": passes, **bounds}))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -630,6 +634,7 @@ def _mixed_job(out: str) -> int:
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.distributed import shard_by_groups
     from flowrl.runtime.fsdp import shard_trainer_, token_scale
+    from tests.tolerances import GradientMagnitudes
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
