@@ -39,6 +39,10 @@ such a bug is at least twice the tolerance and fails the test, and a test whose 
 until rounding and a bug could no longer be told apart fails loudly instead of passing a bug. Keep
 test models small and near their initialisation (``M`` of a few; the vLLM test's weights perturbed by
 0.2, ``M`` ~ 22, give 0.017).
+
+Gradients between two float32 computations of one loss (``GradientMagnitudes``), the global norm and
+clipping (``grad_norm_atol``, ``clipped_atol``) and a parameter after an AdamW step
+(``adamw_param_atol``) are derived the same way further down ("gradients and AdamW steps").
 """
 
 from __future__ import annotations
