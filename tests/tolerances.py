@@ -39,6 +39,10 @@ such a bug is at least twice the tolerance and fails the test, and a test whose 
 until rounding and a bug could no longer be told apart fails loudly instead of passing a bug. Keep
 test models small and near their initialisation (``M`` of a few; the vLLM test's weights perturbed by
 0.2, ``M`` ~ 22, give 0.017).
+
+Gradients between two float32 computations of one loss (``GradientMagnitudes``), the global norm and
+clipping (``grad_norm_atol``, ``clipped_atol``) and a parameter after an AdamW step
+(``adamw_param_atol``) are derived the same way further down ("gradients and AdamW steps").
 """
 
 from __future__ import annotations
@@ -65,6 +69,13 @@ __all__ = [
     "rollout_logprob_atol",
     "ratio_atol",
     "k3_atol",
+    "GRAD_REAL_BUG",
+    "LAMBDA",
+    "GradientMagnitudes",
+    "assert_within",
+    "grad_norm_atol",
+    "clipped_atol",
+    "adamw_param_atol",
 ]
 
 #: float32's unit roundoff: half the gap between 1 and the next float32.
@@ -256,3 +267,309 @@ def k3_atol(logprob_tolerance: float) -> float:
     when ``|log r| <= logprob_tolerance``: ``expm1(a) - a``, plus the float32 rounding of ``r = exp(log r)``
     near 1 (one ulp of 1, ``eps32``), which ``r - 1`` keeps."""
     return math.expm1(logprob_tolerance) - logprob_tolerance + torch.finfo(torch.float32).eps
+
+
+# -- gradients and AdamW steps ---------------------------------------------------------------------
+#
+# Two float32 computations of one loss's gradient (the whole batch against micro-batches, one process
+# against data-parallel ranks whose partial gradients are all-reduced, FSDP's reduce-scatter, a padded
+# batch against rows alone) sum the same per-token contributions in another order. A weight's gradient
+# is such a sum: for a linear layer ``y = x W^T (+ b)``, ``dL/dW_ij = sum_t delta_ti x_tj`` over every
+# position ``t`` of the batch (``delta = dL/dy``), ``dL/db_i = sum_t delta_ti``; an embedding row sums
+# the ``delta`` of the positions holding its token; an RMSNorm gain ``g`` sums ``delta_t * x_t/rms(x_t)``.
+# Higham's bound (section 3.1, as for the forward) applied to that sum and to the factors:
+#
+# * every contribution ``c_t = delta_ti x_tj`` carries the errors of its factors: ``x_t`` the forward's,
+#   ``u * N`` (``N = sum(reductions(model, seq_len))``, the module docstring's depth), and ``delta_t``
+#   the backward's, which runs the same reductions transposed from the loss down to the layer (``u * N``
+#   again), from a ``delta`` at the logits ``w_t (onehot - p) / T`` whose ``p`` and whose per-token
+#   weight ``w_t`` (an AIPO/PPO ratio ``exp(log p - mu)``, clipped or not) carry the log-prob's error
+#   ``e = 2 u N M / T + vocab u`` as a relative error each (``M`` the |h|.|W| magnitude at the LM head,
+#   as for the log-probs). These errors are taken normwise: a matrix-vector product's element errs by
+#   ``gamma_n (|A| |x|)_i`` (Higham section 3.5), the scale of its terms, not of its value, and through
+#   a chain of layers that scale is the whole vector's: ``delta_ti`` errs by ``(2 e + u N) max_i |delta_ti|``, ``x_tj`` by ``u N max_j |x_tj|``. So
+#   ``c_t`` errs by ``(2 e + 2 u N) (max|delta_t| |x_tj| + |delta_ti| max|x_t|)``, summed over ``t``: the
+#   **normwise** sum ``S' = sum_t (max|delta_t| |x_tj| + |delta_ti| max|x_t|)``. (An elementwise model,
+#   relative to ``|delta_ti|`` itself, was 6x short of a difference seen on an HF embedding row.)
+# * the sum of the ``n`` contributions adds ``gamma_n ~ u n`` of ``S = sum_t |c_t|`` in any order or
+#   blocking (micro-batches, ranks, shards: the same terms in another tree; section 3.1), and each of the
+#   ``P`` partial gradients is scaled by its normaliser (its share of the batch's tokens or sequences)
+#   once and then accumulated or all-reduced: ``u P`` more;
+# * so one computation's gradient entry errs by at most ``(2 e + 2 u N) S' + u (n + P) S``, both sums
+#   captured by hooks on the layers during a backward of the test's own batch (``GradientMagnitudes``);
+#   two computations: twice that (``GradientMagnitudes.tolerances``). Cancellation in the sum does not
+#   shrink the error: it is ``S``, not ``|grad|``, as ``|h|.|W|`` is for a logit. The model is first
+#   order (every relative error << 1).
+# * Worst case (``gamma_n = n u``) it is refused on test_torchrun's 256-sample batch (13% of the
+#   gradient's norm: its sums are 110x the norm, the advantages cancel). The gradients therefore take
+#   Higham and Mary's probabilistic bound (*A New Approach to Probabilistic Rounding Error Analysis*,
+#   SIAM J. Sci. Comput. 41(5), 2019, theorem 2.4): with rounding errors independent and of mean zero,
+#   a sum of ``n`` terms errs by at most ``lambda sqrt(n) u sum|terms|`` except with probability
+#   ``2 n exp(-lambda^2 / 2)``; ``LAMBDA = 8`` makes that < 1e-8. Every ``u n`` above becomes
+#   ``LAMBDA sqrt(n) u`` (``e`` too). The positions' path errors, independent in the same model, add
+#   up by Hoeffding's inequality: ``sum_t eps_t a_t`` with ``|eps_t| <= eps`` exceeds
+#   ``LAMBDA eps sqrt(sum_t a_t^2)`` with probability ``2 exp(-LAMBDA^2 / 2)`` (< 3e-14), so ``S'`` is
+#   replaced by ``min(S', LAMBDA sqrt(sum_t a_t^2))``, ``a_t`` the normwise contribution (a batch of
+#   thousands of positions: ~50x tighter; a few positions: ``S'``). On the trainer, HF and LoRA tests
+#   the bound is 700x to 2000x the differences seen; a rank's equal share instead of its token share
+#   exceeds it 3.6x (test_torchrun) and 4.6x (test_fsdp).
+#
+# It must still fail a real bug: a gradient off by a factor of 2, by a missing or wrong normaliser, a
+# dropped micro-batch or rank share moves it by 10% of its norm or more (``GRAD_REAL_BUG``); the
+# tolerances are refused (``ToleranceTooLoose``) when their norm exceeds half of that of the gradient,
+# so no such bug fits inside them.
+#
+# AdamW (Loshchilov and Hutter; torch's ``AdamW``) moves a parameter by ``lr * r`` with
+# ``r = mhat / (sqrt(vhat) + eps)``, ``mhat = sum_k a_k g_k`` and ``vhat = sum_k w_k g_k^2`` bias-corrected
+# averages of the gradients (weights ``a_k``, ``w_k`` summing to 1; ``a_n = (1 - b1) / (1 - b1^n)`` and
+# ``w_n = (1 - b2) / (1 - b2^n)`` for the newest). When two runs' states agree before a step and the
+# step's gradients differ by at most ``d`` an element: ``|d mhat| <= a_n d``; ``s = sqrt(vhat)`` is a
+# weighted 2-norm of the gradient history, so ``|d s| <= sqrt(w_n) d`` (triangle inequality); hence
+# ``|d r| <= a_n d / (s + eps) + |mhat'| sqrt(w_n) d / ((s + eps)(s' + eps))`` with ``s' >= s - sqrt(w_n) d``
+# and ``|mhat'| <= |mhat| + a_n d``, and never more than ``|r| + |r'| <= |r| + c`` (Cauchy-Schwarz:
+# ``|mhat| <= c s``, ``c = sqrt(sum_k a_k^2 / w_k)``, 1 on the first step; Kingma and Ba, *Adam*,
+# section 2.1). That is ``lr`` times the relative error of ``m / sqrt(v)``: ~``2 d / |g|`` where ``|g|``
+# is well above ``d``, and up to ``2 lr`` (a sign flip of ``lr * sign(g)``) where a gradient is within
+# rounding of 0, which is why an Adam step magnifies rounding there. The parameter's own rounding to
+# float32 adds ``u |p'|`` per run and the float32 evaluation of ``r`` a few ``u`` of ``lr c``
+# (``adamw_param_atol``).
+
+#: ``lambda`` of Higham and Mary's probabilistic bound: a sum of ``n`` terms errs by more than
+#: ``lambda sqrt(n) u sum|terms|`` with probability at most ``2 n exp(-lambda^2 / 2)`` (< 1e-8 for n < 1e5; Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019, theorem 2.4).
+LAMBDA = 8.0
+
+#: The smallest relative change of a gradient (in norm) by a real bug the gradient tests guard against: a
+#: dropped micro-batch or rank share (1 sample in 10), a normaliser off by one token in 10, a factor of 2.
+GRAD_REAL_BUG = 0.1
+
+
+class GradientMagnitudes:
+    """Hooks capturing ``S = sum_t |c_t|`` and the normwise ``S'`` of every parameter's gradient
+    contributions (the comment above) during whatever forwards and backwards run inside ``with GradientMagnitudes(model) as mags:``
+    (a reference's ``loss.backward()``, a ``Trainer.train_step``), and the ``|h|.|W|`` magnitude of the
+    logits computed. Linear layers (peft's ``lora_A``/``lora_B`` too), embeddings, RMSNorm gains and the
+    built-in model's tied head are covered; a parameter that gets a gradient none of them accounts for
+    raises ``TypeError`` in ``tolerances``. Do not use it on a gradient-checkpointed model (its recomputed
+    forwards would count twice)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.inner = getattr(model, "hf", model)
+        self._sums: dict[int, torch.Tensor] = {}
+        self._terms: dict[int, int] = {}
+        self._hidden: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+        self._last_norm: torch.Tensor | None = None
+
+    def _add(self, param: torch.Tensor, elementwise: torch.Tensor, normwise: torch.Tensor, squares: torch.Tensor, terms: int) -> None:
+        key = id(param)
+        if key in self._sums:
+            elementwise, normwise, squares = (a + b for a, b in zip(self._sums[key], (elementwise, normwise, squares)))
+        self._sums[key] = (elementwise, normwise, squares)
+        self._terms[key] = self._terms.get(key, 0) + terms
+
+    def _on_grad(self, out: Any, fn: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda delta: fn(delta.detach().double().abs()))
+
+    def _outer(self, param: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> None:
+        """``sum_t |delta_t| |x_t|^T`` (elementwise) and ``sum_t (max|delta_t| |x_t| + |delta_t| max|x_t|)``
+        (normwise) of a gradient ``sum_t delta_t x_t^T``; ``d`` ``[n, out]``, ``x`` ``[n, in]``, both absolute."""
+        dmax, xmax = d.amax(1), x.amax(1)
+        squares = (dmax.square() @ x.square())[None, :] + 2 * (d * (dmax * xmax)[:, None]).T @ x + (d.square().T @ xmax.square())[:, None]
+        self._add(param, d.T @ x, (dmax @ x)[None, :] + (d.T @ xmax)[:, None], squares, d.shape[0])
+
+    def _linear(self, module: torch.nn.Linear, args: tuple, out: torch.Tensor) -> None:
+        x = args[0].detach().reshape(-1, module.in_features).double().abs()
+
+        def grad(delta: torch.Tensor) -> None:
+            d = delta.reshape(-1, module.out_features)
+            if module.weight.requires_grad:
+                self._outer(module.weight, d, x)
+            if module.bias is not None and module.bias.requires_grad:
+                self._add(module.bias, d.sum(0), d.sum(0) + d.amax(1).sum(), (d + d.amax(1, keepdim=True)).square().sum(0), d.shape[0])
+
+        self._on_grad(out, grad)
+
+    def _embedding(self, module: torch.nn.Embedding, args: tuple, out: torch.Tensor) -> None:
+        ids = args[0].detach().reshape(-1)  # a one-hot input: max|x_t| = 1
+
+        def grad(delta: torch.Tensor) -> None:
+            d = delta.reshape(ids.numel(), -1)
+            zeros = torch.zeros_like(module.weight, dtype=torch.float64)
+            elementwise = zeros.index_add(0, ids, d)
+            dmax = d.amax(1, keepdim=True)
+            squares = zeros.index_add(0, ids, (d + dmax).square())
+            self._add(module.weight, elementwise, elementwise + zeros.index_add(0, ids, dmax.expand_as(d)), squares, ids.numel())
+
+        if module.weight.requires_grad:
+            self._on_grad(out, grad)
+
+    def _norm(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        x = args[0].detach().double()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).abs().reshape(-1, x.shape[-1])
+        if module is getattr(self.inner, "norm", None):
+            self._last_norm = out.detach()
+
+        def grad(delta: torch.Tensor) -> None:  # sum_t delta_t * xhat_t, element by element
+            d = delta.reshape(normed.shape)
+            a = d.amax(1, keepdim=True) * normed + d * normed.amax(1, keepdim=True)
+            self._add(module.weight, (d * normed).sum(0), a.sum(0), a.square().sum(0), d.shape[0])
+
+        if module.weight.requires_grad:
+            self._on_grad(out, grad)
+
+    def _tied_head(self, module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        """The built-in model with tied embeddings: ``logits = norm(x) E^T`` outside any module."""
+        if self._last_norm is None or not isinstance(out, torch.Tensor):
+            return
+        h = self._last_norm[:, -out.shape[1] :].reshape(-1, self._last_norm.shape[-1]).double().abs()
+        weight = self.inner.tok_embeddings.weight
+        if weight.requires_grad:
+            self._on_grad(out, lambda d: self._outer(weight, d.reshape(h.shape[0], -1), h))
+
+    def __enter__(self) -> GradientMagnitudes:
+        for module in self.inner.modules():
+            if isinstance(module, torch.nn.Linear):
+                self._handles.append(module.register_forward_hook(self._linear))
+            elif isinstance(module, torch.nn.Embedding):
+                self._handles.append(module.register_forward_hook(self._embedding))
+            elif (
+                isinstance(getattr(module, "weight", None), torch.nn.Parameter) and module.weight.dim() == 1
+                and (hasattr(module, "eps") or hasattr(module, "variance_epsilon"))
+            ):
+                self._handles.append(module.register_forward_hook(self._norm))
+        if getattr(self.inner, "output", 0) is None and hasattr(self.inner, "tok_embeddings"):
+            self._handles.append(self.inner.register_forward_hook(self._tied_head))
+        try:
+            head, _ = _norm_and_head(self.model)
+        except AttributeError:  # not a language model (a unit test's layer): no logits, no M
+            return self
+        is_head = head is not getattr(self.inner, "norm", None)
+        self._handles.append(head.register_forward_hook(lambda m, args, out: self._hidden.append((args[0] if is_head else out).detach())))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def head_magnitude(self) -> float:
+        """``M``: the |h|.|W| magnitude of the logits computed inside the ``with``."""
+        _, weight = _norm_and_head(self.model)
+        return max(head_magnitude(h, weight) for h in self._hidden)
+
+    def tolerances(
+        self, *, seq_len: int, partials: int = 1, positions: int = 0, temperature: float = 1.0, extra: Sequence[int] = (),
+        named: Iterable[tuple[str, torch.nn.Parameter]] | None = None, grad_norm: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Per element, the largest difference of each parameter's gradient between two float32
+        computations of this loss (the comment above): ``2 ((2 e + 2 u N) S' + u (n + P) S)``.
+
+        Args:
+            seq_len: the longest sequence (padded width) either computation runs.
+            partials: ``P``, the partial gradients scaled and summed (micro-batches x ranks), the larger
+                of the two computations'.
+            positions: the other computation's summed positions, when it sums more (a padded batch).
+            temperature: the loss's sampling temperature (its logits are divided by it).
+            extra: reductions the model adds to a token's path (a LoRA adapter's rank per adapted layer).
+            named: ``(name, parameter)`` pairs to report (default: ``model.named_parameters()``).
+            grad_norm: the gradients' norm before any clipping (a ``train_step``'s ``policy/grad_norm``),
+                when ``.grad`` holds them clipped (default: the norm of ``.grad``).
+
+        Raises:
+            ToleranceTooLoose: the tolerances' norm exceeds ``GRAD_REAL_BUG / 2`` of the gradients'.
+            TypeError: a parameter has a gradient whose contributions no hook saw.
+        """
+        shape = _shape(self.model)
+        depth = sum(reductions(self.model, seq_len)) + sum(extra)
+
+        def gamma(n: int) -> float:  # Higham and Mary's probabilistic gamma~_n(lambda) ~ lambda sqrt(n) u
+            return LAMBDA * math.sqrt(n) * U32
+
+        e = 2 * gamma(depth) * self.head_magnitude() / temperature + gamma(shape["vocab"])
+        out: dict[str, torch.Tensor] = {}
+        tol_sq = grad_sq = 0.0
+        pairs = list(named) if named is not None else list(self.model.named_parameters())
+        for name, param in pairs:
+            if param.grad is None:
+                continue
+            if id(param) not in self._sums:
+                raise TypeError(f"no gradient magnitude captured for {name}: add a hook for its module to GradientMagnitudes")
+            n = max(self._terms[id(param)], positions)
+            elementwise, normwise, squares = self._sums[id(param)]
+            across = torch.minimum(normwise, LAMBDA * squares.sqrt())  # the positions' errors summed: Hoeffding, or worst case
+            tol = (2 * ((2 * e + 2 * gamma(depth)) * across + gamma(n + partials) * elementwise)).reshape(param.shape).float()
+            out[name] = tol
+            tol_sq += float(tol.double().pow(2).sum())
+            grad_sq += float(param.grad.double().pow(2).sum())
+        if grad_norm is not None:
+            grad_sq = grad_norm**2
+        if math.sqrt(tol_sq) > GRAD_REAL_BUG / 2 * math.sqrt(grad_sq):
+            raise ToleranceTooLoose(
+                f"float32 rounding of this gradient may reach {math.sqrt(tol_sq):.3g} in norm, above GRAD_REAL_BUG / 2 = "
+                f"{GRAD_REAL_BUG / 2} of the gradient's norm {math.sqrt(grad_sq):.3g}: it could not tell a real bug from rounding"
+            )
+        return out
+
+
+def grad_norm_atol(tolerances: dict[str, torch.Tensor], grad_norm: float) -> float:
+    """How far two computations' global gradient norms may be apart when their gradients are within
+    ``tolerances`` element by element: ``||t||_2`` (triangle inequality) plus each norm's own float32
+    rounding, a sum of ``numel`` squares (``gamma_numel`` relative on the square, half on its root)."""
+    numel = sum(t.numel() for t in tolerances.values())
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tolerances.values())) + numel * U32 * grad_norm
+
+
+def clipped_atol(tolerances: dict[str, torch.Tensor], clipped: dict[str, torch.Tensor], *, grad_norm: float, max_norm: float) -> dict[str, torch.Tensor]:
+    """The tolerances of gradients after ``clip_grad_norm_(max_norm)`` (``clipped``: one run's, after
+    the clip; ``grad_norm``: its norm before), from those before it: each run scales by
+    ``c = min(1, max_norm / (norm + 1e-6))``, whose relative difference between the runs is at most the
+    norms' (``grad_norm_atol / grad_norm``), so ``c t + (dn / n + u) |c g|``."""
+    if not max_norm or max_norm <= 0:
+        return tolerances
+    scale = min(1.0, max_norm / (grad_norm + 1e-6))
+    rel = grad_norm_atol(tolerances, grad_norm) / grad_norm + U32
+    return {name: scale * t + rel * clipped[name].detach().abs().float() for name, t in tolerances.items()}
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor | float, msg: str = "") -> None:
+    """``|actual - expected| <= tol`` element by element (a per-element tolerance from the helpers here)."""
+    diff = (actual.double() - expected.double()).abs()
+    excess = diff - torch.as_tensor(tol, dtype=torch.float64)
+    if bool((excess > 0).any()):
+        i = int(excess.reshape(-1).argmax())
+        bound = torch.as_tensor(tol, dtype=torch.float64).expand_as(diff).reshape(-1)[i]
+        raise AssertionError(
+            f"{msg}: {int((excess > 0).sum())} of {diff.numel()} elements differ by more than their float32 bound; worst: "
+            f"{float(diff.reshape(-1)[i]):.3g} > {float(bound):.3g} ({float(actual.reshape(-1)[i]):.6g} vs {float(expected.reshape(-1)[i]):.6g})"
+        )
+
+
+def _adam_weights(step: int, beta1: float, beta2: float) -> tuple[float, float, float]:
+    """``(a_n, w_n, c)`` of the comment above at step ``n`` (counted from 1)."""
+    a = [(1 - beta1) * beta1 ** (step - k) / (1 - beta1**step) for k in range(1, step + 1)]
+    w = [(1 - beta2) * beta2 ** (step - k) / (1 - beta2**step) for k in range(1, step + 1)]
+    return a[-1], w[-1], math.sqrt(sum(ai * ai / wi for ai, wi in zip(a, w)))
+
+
+def adamw_param_atol(
+    grad_atol: torch.Tensor | float, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, param: torch.Tensor, *, step: int, lr: float,
+    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+) -> torch.Tensor:
+    """Per element, the largest difference of a parameter between two runs after an AdamW step whose
+    states agreed before it and whose gradients differ by at most ``grad_atol`` (``GradientMagnitudes``'
+    bound), from one run's state after the step (``exp_avg``, ``exp_avg_sq``, torch's names, and the
+    parameter): ``lr`` times the bound on ``|d r|`` above, plus float32 rounding of ``r`` and ``p``.
+    Weight decay multiplies equal parameters by the same factor: it adds nothing here."""
+    beta1, beta2 = betas
+    a, w, c = _adam_weights(step, beta1, beta2)
+    d = torch.as_tensor(grad_atol, dtype=torch.float64)
+    mhat = exp_avg.detach().double().abs() / (1 - beta1**step)
+    s = (exp_avg_sq.detach().double() / (1 - beta2**step)).sqrt()
+    ds = math.sqrt(w) * d
+    other = ((s - ds).clamp(min=0) + eps)
+    dr = a * d / (s + eps) + (mhat + a * d) * ds / ((s + eps) * other)
+    dr = torch.minimum(dr, mhat / (s + eps) + c)
+    return lr * dr + 2 * U32 * (param.detach().double().abs() + 8 * lr * c)
