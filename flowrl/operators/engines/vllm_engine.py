@@ -117,6 +117,12 @@ VLLM_ENVIRONMENT: dict[str, str] = {
 _LOGGING_CONFIG: list[str] = []
 
 
+#: The variables ``_quiet_vllm`` sets for the processes vLLM spawns; ``_start`` restores them once vLLM
+#: has started, so that no later process (another engine, a torchrun job started by this one) inherits
+#: a path into a closed engine's directory and takes it for the user's.
+_QUIET_VARIABLES = ("VLLM_LOGGING_CONFIG_PATH", "PYTHONWARNINGS")
+
+
 def _quiet_vllm(directory: str) -> None:
     """Drop vLLM's start-up warnings that are noise in a flowrl run (``vllm_logging.NOISE``, each with
     its reason), in this process and in the ones vLLM spawns, unless the user configured vLLM's logging
@@ -319,7 +325,18 @@ class VLLMGenerator:
     def _start(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
         for name, value in VLLM_ENVIRONMENT.items():  # before vLLM is first imported: it reads them then
             os.environ.setdefault(name, value)
-        _quiet_vllm(self._tmp)
+        saved = {name: os.environ.get(name) for name in _QUIET_VARIABLES}
+        try:
+            _quiet_vllm(self._tmp)
+            return self._start_quiet(node, raw, device, seed)
+        finally:  # the variables named this engine's directory, gone at its close: no later process may inherit them
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    def _start_quiet(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
         owner = f"generator {node.name!r}"
         overrides = _check_architecture(node, raw, owner)  # imports vllm
         from vllm import LLM
