@@ -17,7 +17,7 @@ Prints one JSON object:
   parts, and predicted / measured (goal 0.77-1.3). The plan assumes 3 cores; this machine has 2, so
   its ranks share cores the plan thinks are theirs: a figure to read with that in mind.
 
-Run: python benches/cluster.py [--steps 8]   (about 10 minutes on 2 cores; peak memory ~16 GB)
+Run: python benches/cluster.py [--steps 8]   (about 10 minutes on 2 cores; peak memory ~20 GB: vLLM's worker 6.4 GB, each policy rank 4.5-4.7 GB)
 """
 
 from __future__ import annotations

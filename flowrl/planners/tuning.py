@@ -80,8 +80,9 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         vllm_group_bandwidth: bytes/s of the last hop of a sync into a vLLM generator: its
             generator process broadcasting the weights in buckets over the weight-sync group (gloo)
             while vLLM's worker reloads them in place (``flowrl.operators.engines.vllm_sync``).
-            Measured by ``benches/weight_sync.py`` on this CPU: 1.43 GB in 5.1-8.6 s at load 10 on 2
-            cores (about 0.2 GB/s); 0.4e9 is its idle-machine order (the bench's range in RESULTS.md).
+            Measured by ``benches/weight_sync.py`` on a 2-core CPU at load 6-7 (RESULTS.md): 1.43 GB
+            in 2.2-4.0 s (0.36-0.65 GB/s), bound by vLLM's reload, not the wire; 0.4e9 is the lower
+            end of that range.
         sync_overlap: fraction of a weight sync hidden behind compute (0: both sides stop for it).
         split_multipliers: the search tries device counts ``m * 2**k`` for these ``m`` (both for
             each side of a split and for colocated meshes).

@@ -113,10 +113,6 @@ VLLM_ENVIRONMENT: dict[str, str] = {
 }
 
 
-#: The logging configuration file flowrl wrote for vLLM's processes (``vllm_logging``), if any.
-_LOGGING_CONFIG: list[str] = []
-
-
 #: The variables ``_quiet_vllm`` sets for the processes vLLM spawns; ``_start`` restores them once vLLM
 #: has started, so that no later process (another engine, a torchrun job started by this one) inherits
 #: a path into a closed engine's directory and takes it for the user's.
@@ -127,9 +123,8 @@ def _quiet_vllm(directory: str) -> None:
     """Drop vLLM's start-up warnings that are noise in a flowrl run (``vllm_logging.NOISE``, each with
     its reason), in this process and in the ones vLLM spawns, unless the user configured vLLM's logging
     (``VLLM_LOGGING_CONFIG_PATH``, or turned it off: ``VLLM_CONFIGURE_LOGGING=0``) or Python's warnings
-    (``PYTHONWARNINGS``). The file is written again for each
-    engine (into its own directory, read by the processes it starts), as an earlier engine's
-    directory goes when it closes."""
+    (``PYTHONWARNINGS``). The file is written again for each engine (into its own directory, read by
+    the processes it starts); ``_start`` unsets the variables once vLLM has started."""
     import builtins
     import logging
     import re
@@ -138,10 +133,9 @@ def _quiet_vllm(directory: str) -> None:
     from flowrl.operators.engines import vllm_logging
 
     configures = os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0"  # 0: vLLM refuses any logging file
-    if configures and os.environ.get("VLLM_LOGGING_CONFIG_PATH") in (None, *_LOGGING_CONFIG):
+    if configures and os.environ.get("VLLM_LOGGING_CONFIG_PATH") is None:  # set: the user's (``_start`` restores flowrl's)
         path = str(vllm_logging.write_logging_config(directory, os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
-        _LOGGING_CONFIG.append(path)
         noise = vllm_logging.NoiseFilter()  # this process's vLLM loggers, if vLLM was imported already
         for logger in (logging.getLogger("vllm"), logging.getLogger("vllm.triton_utils.importing")):
             if not any(isinstance(f, vllm_logging.NoiseFilter) for f in logger.filters):

@@ -120,7 +120,7 @@ class WeightSyncGroup:
 
     Attributes:
         world: members: this process and vLLM's workers.
-        backend: ``"gloo"`` or ``"nccl"``.
+        backend: the group's backend: ``"gloo"`` (host memory, also on GPUs; see the module docstring).
         bytes_sent: payload bytes broadcast so far (each tensor once; the group fans it out).
     """
 
