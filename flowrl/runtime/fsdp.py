@@ -82,13 +82,14 @@ def check_backend(graph: Graph, backend: str, *, skip: Iterable[str] = ()) -> No
         raise ConfigError(
             f"policy {node.name!r} has sharding='fsdp', which shards it over torch.distributed ranks, but the "
             f"{backend!r} backend runs it in one process; launch under torchrun with --backend torchrun and "
-            "give the policy 2 or more ranks (e.g. torchrun --nproc-per-node 3 -m flowrl run GRAPH --backend torchrun "
+            "give the policy its ranks (e.g. torchrun --nproc-per-node 3 -m flowrl run GRAPH --backend torchrun "
             "--plan place.json with {\"gen\": [0], \"policy\": [1, 2]}), or set sharding='replicate'"
         )
 
 
 def check_ranks(graph: Graph, ranks: Mapping[str, tuple[int, ...]], axes: Mapping[str, Any], *, skip: Iterable[str] = ()) -> None:
-    """Refuse an FSDP policy placed on one rank, or on a mesh with an axis other than dp.
+    """Refuse an FSDP policy placed on no rank, or on a mesh with an axis other than dp. One rank is
+    allowed: FSDP2 over a 1-rank mesh, so that a sharded run resumes on fewer ranks with the same graph.
 
     Args:
         ranks: node -> its ranks (the plan's placement).
@@ -99,10 +100,10 @@ def check_ranks(graph: Graph, ranks: Mapping[str, tuple[int, ...]], axes: Mappin
     """
     for node in fsdp_policies(graph, skip=skip):
         rs = tuple(ranks.get(node.name, ()))
-        if len(rs) < 2:
+        if not rs:
             raise ConfigError(
-                f"policy {node.name!r} has sharding='fsdp' but the plan gives it {len(rs)} rank(s) {list(rs)}: FSDP shards "
-                "over 2 or more ranks; place the policy on several ranks (e.g. {\"policy\": [1, 2]}) or set sharding='replicate'"
+                f"policy {node.name!r} has sharding='fsdp' but the plan gives it no rank; "
+                "place the policy on one or more ranks (e.g. {\"policy\": [1, 2]})"
             )
         names, shape = axes.get(node.name, (("dp",), (len(rs),)))
         extra = {a: s for a, s in zip(names, shape) if a != "dp" and s > 1}
