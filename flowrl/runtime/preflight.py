@@ -12,7 +12,7 @@ from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
 
-__all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes"]
+__all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs"]
 
 
 def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset()) -> None:
@@ -28,24 +28,7 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
         ConfigError: naming the node, its size, the estimate and the memory available.
     """
     limit = host_memory_bytes() if memory_bytes is None else memory_bytes
-    need: dict[str, int] = {}
-    shapes: dict[str, tuple[ModelSpec, int]] = {}
-    for node in graph.nodes:
-        model = getattr(node, "model", None)
-        if model is None or getattr(model, "preset", None) or node.name in skip:  # a preset is refused by the runtime
-            continue
-        if isinstance(model, HFModelConfig):
-            raw = check_hf_dir(model, owner=f"node {node.name!r}")  # the model's own errors first: path, family, weights
-            spec, seq = model_from_config(model), model.max_seq_len or int(raw.get("max_position_embeddings") or 0)
-        else:
-            spec, seq = model_from_config(model), model.max_seq_len
-        shapes[node.name] = (spec, seq)
-        need[node.name] = spec.params * 4 * (4 if KINDS[node.kind].publishes_weights else 1)  # a trainer: weights, grads, Adam's two
-        if node.kind == "generator":
-            prompts = sum(getattr(p, "source").batch_size for p in graph.producers(node.name) if p.kind == "source")
-            sequences = prompts * node.sampling.n_samples
-            tokens = min(seq, 2 * node.sampling.max_new_tokens + 4096) if seq else node.sampling.max_new_tokens
-            need[node.name] += sequences * (tokens * 8 + spec.vocab_size * 4)
+    need, shapes = _node_needs(graph, skip)
     for name, nbytes in need.items():
         if nbytes > limit:
             node = graph.node(name)
@@ -65,6 +48,108 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
             f"({', '.join(f'{n}: {b / 2**30:.3g} GiB' for n, b in need.items())}), more than the "
             f"{limit / 2**30:.3g} GiB of memory of this machine; shrink the models or the batch"
         )
+
+
+def _node_needs(graph: Graph, skip: frozenset[str]) -> tuple[dict[str, int], dict[str, tuple[ModelSpec, int]]]:
+    """Node -> the lower bound of bytes it holds (see ``check_fits_in_memory``), and its model's shape."""
+    need: dict[str, int] = {}
+    shapes: dict[str, tuple[ModelSpec, int]] = {}
+    for node in graph.nodes:
+        model = getattr(node, "model", None)
+        if model is None or getattr(model, "preset", None) or node.name in skip:  # a preset is refused by the runtime
+            continue
+        if isinstance(model, HFModelConfig):
+            raw = check_hf_dir(model, owner=f"node {node.name!r}")  # the model's own errors first: path, family, weights
+            spec, seq = model_from_config(model), model.max_seq_len or int(raw.get("max_position_embeddings") or 0)
+        else:
+            spec, seq = model_from_config(model), model.max_seq_len
+        shapes[node.name] = (spec, seq)
+        need[node.name] = spec.params * 4 * (4 if KINDS[node.kind].publishes_weights else 1)  # a trainer: weights, grads, Adam's two
+        if node.kind == "generator":
+            prompts = sum(getattr(p, "source").batch_size for p in graph.producers(node.name) if p.kind == "source")
+            sequences = prompts * node.sampling.n_samples
+            tokens = min(seq, 2 * node.sampling.max_new_tokens + 4096) if seq else node.sampling.max_new_tokens
+            need[node.name] += sequences * (tokens * 8 + spec.vocab_size * 4)
+    return need, shapes
+
+
+def rank_needs(graph: Graph, ranks: Mapping[str, tuple[int, ...]], *, skip: frozenset[str] = frozenset()) -> dict[int, dict[str, int]]:
+    """Rank -> node -> the lower bound of bytes that rank holds for the node under a torchrun placement:
+    a policy with ``sharding="fsdp"`` holds 1/dp of its state on each of its ranks, every other node
+    a whole copy on each rank (replicas; a generator's rollout is split over its replicas).
+
+    Example:
+        >>> from flowrl.examples.llamarl import build_llamarl
+        >>> needs = rank_needs(build_llamarl(), {"gen": (0,), "policy": (1, 2)})
+        >>> sorted(needs), sorted(needs[1])
+        ([0, 1, 2], ['policy'])
+    """
+    need, shapes = _node_needs(graph, skip)
+    out: dict[int, dict[str, int]] = {}
+    for name, nbytes in need.items():
+        rs = tuple(ranks.get(name, ()))
+        node = graph.node(name)
+        sharded = node.kind == "policy" and getattr(getattr(node, "optimizer", None), "sharding", "") == "fsdp"
+        spec = shapes[name][0]
+        weights = spec.params * 4
+        for r in rs:
+            if sharded:
+                share = nbytes // len(rs)
+            elif node.kind == "generator":
+                share = weights + (nbytes - weights) // len(rs)
+            else:
+                share = nbytes
+            out.setdefault(r, {})[name] = share
+    return out
+
+
+def check_ranks_fit(
+    graph: Graph,
+    ranks: Mapping[str, tuple[int, ...]],
+    *,
+    device: str,
+    memory_bytes: int,
+    ranks_per_host: int,
+    skip: frozenset[str] = frozenset(),
+) -> None:
+    """Refuse, on every rank alike before any work, a torchrun placement whose models do not fit its ranks.
+
+    On ``cuda`` each rank holds its nodes in its own GPU's ``memory_bytes``; on the ``cpu`` the ranks of
+    a host (``ranks_per_host`` consecutive ranks, torchrun's LOCAL_WORLD_SIZE) share its ``memory_bytes``.
+    Devices and hosts are taken as alike (every rank decides from its own), so every rank gives the same answer.
+
+    Raises:
+        ConfigError: naming the rank or host, what it holds, the memory and the fixes.
+
+    Example:
+        >>> from flowrl.examples.llamarl import build_llamarl
+        >>> check_ranks_fit(build_llamarl(), {"gen": (0,), "policy": (1,)}, device="cpu", memory_bytes=2**34, ranks_per_host=2)
+    """
+    needs = rank_needs(graph, ranks, skip=skip)
+
+    def held(rs: list[int]) -> str:
+        return ", ".join(f"rank {r} {n}: {b / 2**30:.3g} GiB" for r in rs for n, b in sorted(needs.get(r, {}).items()))
+
+    if device == "cuda":
+        for r, nodes in sorted(needs.items()):
+            if sum(nodes.values()) > memory_bytes:
+                raise ConfigError(
+                    f"rank {r} needs at least {sum(nodes.values()) / 2**30:.3g} GiB ({held([r])}), more than its GPU's "
+                    f"{memory_bytes / 2**30:.3g} GiB; shard the policy over more ranks (sharding='fsdp'), place the nodes "
+                    "on other ranks, or shrink the models (see 'flowrl plan GRAPH --cluster ...')"
+                )
+        return
+    hosts: dict[int, list[int]] = {}
+    for r in needs:
+        hosts.setdefault(r // max(ranks_per_host, 1), []).append(r)
+    for h, rs in sorted(hosts.items()):
+        total = sum(sum(needs[r].values()) for r in rs)
+        if total > memory_bytes:
+            raise ConfigError(
+                f"the ranks of host {h} ({sorted(rs)}) need at least {total / 2**30:.3g} GiB together ({held(sorted(rs))}), "
+                f"more than the host's {memory_bytes / 2**30:.3g} GiB of memory; place nodes on other hosts' ranks, "
+                "shard the policy (sharding='fsdp'), or shrink the models"
+            )
 
 
 #: Backends a generator engine other than the built-in one runs under: every one (vLLM's engine is

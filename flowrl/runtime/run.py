@@ -87,7 +87,8 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     device = resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
     check_backend(graph, backend.name, skip=config.programs)  # sharding="fsdp" runs under torchrun only
-    check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
+    if backend.name != "torchrun":  # under torchrun each rank checks its share (preflight.check_ranks_fit)
+        check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
     if config.eval_every:
         from flowrl.runtime.evaluation import check_eval_data

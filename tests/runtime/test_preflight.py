@@ -54,3 +54,61 @@ def test_an_hf_model_too_big_for_this_machine_is_refused_before_it_is_built(tmp_
     check_fits_in_memory(build_hf_copy(), memory_bytes=2**30)
     with pytest.raises(ConfigError, match=r"node 'gen' \(generator\) needs at least .* GiB \(vocab_size=128256, dim=16384, n_layers=126, max_seq_len=64, 4.04e\+11 parameters"):
         run_graph(build_hf_copy(model_dir=big), RunConfig(steps=1))
+
+
+# -- a torchrun placement: each rank's share (preflight.check_ranks_fit) ----------------------------------
+def _fsdp_graph() -> Graph:
+    from tests.runtime.test_fsdp import fsdp_graph
+
+    return fsdp_graph()
+
+
+def test_an_fsdp_policy_holds_one_dp_th_of_its_state_on_each_rank():
+    from flowrl.runtime.preflight import rank_needs
+
+    g = _fsdp_graph()
+    whole = rank_needs(g, {"gen": (0,), "policy": (1,)})[1]["policy"]
+    halves = rank_needs(g, {"gen": (0,), "policy": (1, 2)})
+    assert halves[1]["policy"] == halves[2]["policy"] == whole // 2
+    assert set(halves) == {0, 1, 2} and set(halves[0]) == {"gen"}
+
+
+def test_a_layout_whose_ranks_cannot_hold_their_models_is_refused_naming_the_rank():
+    from flowrl.runtime.preflight import check_ranks_fit, rank_needs
+
+    g = _fsdp_graph()
+    policy = rank_needs(g, {"policy": (1,)})[1]["policy"]
+    gen = rank_needs(g, {"gen": (0,)})[0]["gen"]
+    memory = max(policy * 3 // 4, gen + 1)  # one GPU holds half the policy's state, not all of it
+    with pytest.raises(ConfigError, match=r"rank 1 needs at least .* \(rank 1 policy: .* GiB\), more than its GPU's .*sharding='fsdp'"):
+        check_ranks_fit(g, {"gen": (0,), "policy": (1,)}, device="cuda", memory_bytes=memory, ranks_per_host=2)
+    check_ranks_fit(g, {"gen": (0,), "policy": (1, 2)}, device="cuda", memory_bytes=memory, ranks_per_host=3)
+    # on the CPU a host's ranks share its memory: 3 ranks on one host need the sum; on 3 hosts each its own
+    total = gen + policy
+    with pytest.raises(ConfigError, match=r"the ranks of host 0 \(\[0, 1, 2\]\) need at least"):
+        check_ranks_fit(g, {"gen": (0,), "policy": (1, 2)}, device="cpu", memory_bytes=total - 2, ranks_per_host=3)
+    check_ranks_fit(g, {"gen": (0,), "policy": (1, 2)}, device="cpu", memory_bytes=total - 2, ranks_per_host=1)
+
+
+def huge_fsdp_graph() -> Graph:
+    """``fsdp_graph`` with a 2**36-token vocabulary: no host holds it, sharded or not."""
+    g = _fsdp_graph()
+    nodes = tuple(
+        msgspec.structs.replace(n, model=msgspec.structs.replace(n.model, vocab_size=2**36)) if hasattr(n, "model") else n
+        for n in g.nodes
+    )
+    return Graph(msgspec.structs.replace(g.spec, nodes=nodes))
+
+
+def test_under_torchrun_every_rank_refuses_a_layout_that_does_not_fit_before_any_work(tmp_path):
+    import json
+
+    from tests.runtime.test_torchrun import _torchrun
+
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [0, 1]}))
+    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_preflight:huge_fsdp_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "1", "--quiet", "--metrics", "m.jsonl"], tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.count("the ranks of host 0 ([0, 1]) need at least") == 2, proc.stderr[-3000:]  # each rank says it
+    assert "flowrl/" not in "".join(line for line in proc.stderr.splitlines() if line.strip().startswith("File "))  # torchrun's own traceback only
+    assert not (tmp_path / "m.jsonl").exists()

@@ -79,7 +79,8 @@ from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.fsdp import check_ranks, fsdp_policies
 from flowrl.runtime.placement import rank_device, resolve_device
-from flowrl.runtime.preflight import check_engine_meshes
+from flowrl.host import host_memory_bytes
+from flowrl.runtime.preflight import check_engine_meshes, check_ranks_fit
 from flowrl.placement.data import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
@@ -303,6 +304,9 @@ def run_torchrun(
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs})
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
     cuda = device.type == "cuda"
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else host_memory_bytes()
+    check_ranks_fit(graph, ranks, device=device.type, memory_bytes=memory, skip=frozenset(config.programs),
+                    ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))  # every rank alike, before any work
     if cuda:
         torch.cuda.set_device(device)
     ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device)
