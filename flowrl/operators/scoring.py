@@ -62,6 +62,10 @@ def accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params and params[k].kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
+#: Sample index -> (prompt, completion) as an error message shows them.
+Shown = Callable[[int], tuple[str, str]]
+
+
 def unpad(rollout: Mapping[str, Tensor]) -> tuple[list[list[int]], list[list[int]]]:
     """The real prompt and completion tokens of every sample, as lists of ints."""
     prompt_ids, prompt_lens = rollout["sample_prompt_ids"], rollout["sample_prompt_lens"].tolist()
@@ -110,15 +114,18 @@ class Scorer:
             self._fn, self._trl = fn, is_trl_form(fn)
         return self._fn
 
-    def _fail(self, message: str, index: int, shown: tuple[list[str], list[str]]) -> NodeExecutionError:
+    def _fail(self, message: str, index: int, shown: Shown) -> NodeExecutionError:
+        prompt, completion = shown(index)
         return NodeExecutionError(
             f"scorer {self.name!r} ({self.node.fn}) {message}{text_hint(self.fn, self.node.inputs)} for sample {index} "
-            f"(prompt {shown[0][index]!r}, completion {shown[1][index]!r}); "
+            f"(prompt {prompt!r}, completion {completion!r}); "
             "a reward function must return a finite float",
             node=self.name,
         )
 
-    def _check(self, value: Any, index: int, shown: tuple[list[str], list[str]]) -> float:
+    def _check(self, value: Any, index: int, shown: Shown) -> float:
+        if type(value) is float and math.isfinite(value):  # the common case, without the ABC checks below
+            return value
         if isinstance(value, (bool, np.bool_)):  # a verifier's verdict: True is 1.0, False 0.0
             return float(value)
         if not isinstance(value, numbers.Real):
@@ -131,15 +138,15 @@ class Scorer:
             raise self._fail(f"returned {value!r}", index, shown)
         return value
 
-    def _arguments(self, rollout: Mapping[str, Tensor]) -> tuple[list[Any], list[Any], list[dict[str, Any]], tuple[list[str], list[str]]]:
-        """(prompts, completions, per-sample fields, the texts errors show) in the form ``fn`` takes."""
+    def _arguments(self, rollout: Mapping[str, Tensor]) -> tuple[list[Any], list[Any], list[dict[str, Any]], Shown]:
+        """(prompts, completions, per-sample fields, the texts errors show) in the form ``fn`` takes;
+        token ids are decoded for an error message only when one is raised."""
         prompts, completions = unpad(rollout)
         if self.text is None:
             tok = DEFAULT_TOKENIZER
-            shown = ([tok.decode(p) for p in prompts], [tok.decode(c) for c in completions])
-            return prompts, completions, [{} for _ in prompts], shown
+            return prompts, completions, [{} for _ in prompts], lambda i: (tok.decode(prompts[i]), tok.decode(completions[i]))
         texts = [self.text.prompt_text(p) for p in prompts], [self.text.completion_text(c) for c in completions]
-        return texts[0], texts[1], self.text.rows(rollout, self._fields), texts
+        return texts[0], texts[1], self.text.rows(rollout, self._fields), lambda i: (texts[0][i], texts[1][i])
 
     def score(self, rollout: Mapping[str, Tensor]) -> Batch:
         """``{node.output: float32[sample]}`` for ``rollout``.
