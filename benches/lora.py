@@ -91,6 +91,7 @@ def main() -> None:
     lora = dict(r=args.rank, alpha=2 * args.rank, target_modules=targets)
     with tempfile.TemporaryDirectory() as tmp:
         from flowrl.models.export import export_hf
+        from flowrl.runtime.checkpoint import read_policy_state
 
         random_dir = model_dir(Path(tmp) / args.family, args.family)
         out = {"model": {"qwen2": "qwen2 2x128 (4 heads)", "llama": "hf_copy's llama 2x64"}[args.family], "steps": args.steps, "engine": args.engine, "lora": lora}
@@ -98,7 +99,7 @@ def main() -> None:
         if args.warmup:
             out["warmup_run"] = run(random_dir, steps=args.warmup, lora=None, lr=args.full_lr, engine="builtin", window=args.window,
                                     init="random", ckpt=Path(tmp) / "ckpt")  # fmt: skip
-            base_dir, init = export_hf(Path(tmp) / "ckpt", Path(tmp) / "base"), "pretrained"
+            base_dir, init = export_hf(read_policy_state(Path(tmp) / "ckpt"), Path(tmp) / "base"), "pretrained"
             (base_dir / "prompts.jsonl").write_bytes((random_dir / "prompts.jsonl").read_bytes())
         out["lora_run"] = run(base_dir, steps=args.steps, lora=lora, lr=args.lr, engine=args.engine, window=args.window, init=init)
         if args.full:

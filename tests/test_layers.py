@@ -70,6 +70,16 @@ def test_the_import_graph_has_no_circle():
     assert not cycles, "import circles (shortest first):\n" + "\n".join(" -> ".join([*c, c[0]]) for c in cycles[:10])
 
 
+def test_no_two_packages_import_each_other_through_any_path():
+    """Package level (``flowrl.X`` for every module under X/; top-level modules are their own): no
+    circle, so each package can be read, tested and moved with only what is below it."""
+    packages = nx.DiGraph((_package(a), _package(b)) for a, b in import_graph().edges if _package(a) != _package(b))
+    cycles = sorted(nx.simple_cycles(packages), key=len)
+    assert not cycles, f"{len(cycles)} package circles (shortest first): {cycles[:5]}; edges behind the first: " + str(
+        [(a, b) for a, b in import_graph().edges if (_package(a), _package(b)) in set(zip(cycles[0], [*cycles[0][1:], cycles[0][0]]))][:6]
+    )
+
+
 def test_the_graph_package_is_the_bottom_layer():
     edges = [(a, b) for a, b in import_graph().edges if _package(a) == "graph" and _package(b) not in {"graph", *GRAPH_MAY_IMPORT}]
     assert not edges, f"graph/ imports other flowrl packages: {edges}"
@@ -118,6 +128,12 @@ def test_planning_and_placing_import_no_torch():
         "assert str(default_placement(g, 1, 4)) == 'gen:d2@0-1 | policy:d2@2-3'\n"
     )
     assert _heavy_modules_after(code) == "[]"
+
+
+def test_environments_are_pure_python():
+    """envs/ (the protocol, tools, the built-in games) imports no torch: an environment runs anywhere."""
+    code = "import flowrl.envs, flowrl.envs.games, flowrl.envs.tools\nflowrl.envs.games.GuessNumberEnv\n"
+    assert _heavy_modules_after(code, ("torch", "transformers", "numpy")) == "[]"
 
 
 def test_building_and_validating_a_graph_imports_no_torch():

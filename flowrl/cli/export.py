@@ -40,8 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.models.export import export_hf
+    from flowrl.runtime.checkpoint import read_policy_state
 
-    out = export_hf(args.checkpoint, args.output, node=args.node, overwrite=args.overwrite, adapter=args.adapter)
+    state = read_policy_state(args.checkpoint, node=args.node)
+    out = export_hf(state, args.output, overwrite=args.overwrite, adapter=args.adapter)
     if args.adapter:
         print(f"wrote {out} (PeftModel.from_pretrained(base_model, {str(out)!r}) loads it)")
     else:

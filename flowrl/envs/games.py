@@ -45,7 +45,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
+from flowrl.digits import DEFAULT_TOKENIZER, positional_reward
 
 __all__ = ["GuessNumberEnv", "GuessTask", "guess_task", "CalcEnv", "CalcTask", "calc_task"]
 
@@ -141,7 +141,6 @@ class CalcEnv:
         return a + b if op == "+" else a - b
 
     def step(self, action: str) -> tuple[str | None, float, dict[str, Any]]:
-        from flowrl.operators.tasks import positional_reward
 
         text = _strip(action)
         ended = text.endswith("=") or _END in action

@@ -1,8 +1,8 @@
 """A checkpoint's policy as a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-``export_hf(source, out_dir)`` reads the policy state a checkpoint holds (``Trainer.state()``:
-``model_config`` and ``model``; a sharded policy's shards consolidated) and writes weights
-(safetensors), ``config.json`` and the tokenizer.
+``export_hf(state, out_dir)`` takes a policy state (``Trainer.state()``: ``model_config`` and
+``model``; a checkpoint's is ``flowrl.runtime.checkpoint.read_policy_state``, a sharded policy's
+shards consolidated) and writes weights (safetensors), ``config.json`` and the tokenizer.
 
 Any family is written as its ``ModelFamily.hf_architecture`` class with its adapter's
 ``hf_config`` and tokenizer, its weights renamed by its ``export_names`` (a Hugging Face policy keeps
@@ -29,41 +29,7 @@ from flowrl.models.local import require_transformers
 from flowrl.models.lora import lora_of, merged_model, save_adapter
 from flowrl.models.registry import family_of
 
-__all__ = ["export_hf", "read_policy_state", "hf_config_and_state"]
-
-
-def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[str, Any]:
-    """The policy state saved in a checkpoint: a ``step-*`` directory, or a run's checkpoint
-    directory (its ``LATEST``), in the one-file format (``Trainer.state()``); a sharded policy's
-    ``policy-<node>.dcp`` is consolidated in this process (``flowrl.runtime.sharded_state.read_state``).
-
-    Raises:
-        CheckpointError: when there is no checkpoint, no policy file, or several and ``node`` is unset;
-            an incomplete sharded state or one missing a rank's shard file.
-    """
-    from flowrl.runtime.checkpoint import latest_checkpoint
-    from flowrl.runtime.sharded_state import SHARDED_SUFFIX, read_state
-
-    path = Path(source).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist (pass a run's --checkpoint-dir or one step-* directory in it)")
-    if not (path / "meta.json").is_file():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{str(path)!r} holds no checkpoint (no meta.json, no LATEST)")
-        path = latest
-    files = sorted([*path.glob("policy-*.pt"), *path.glob(f"policy-*{SHARDED_SUFFIX}")])
-    names = [f.name.removeprefix("policy-").removesuffix(".pt").removesuffix(SHARDED_SUFFIX) for f in files]
-    if node is not None:
-        if node not in names:
-            raise CheckpointError(f"checkpoint {str(path)!r} has no policy {node!r} (it has {names})")
-        files = [f for f, name in zip(files, names) if name == node]
-    if len(files) != 1:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds policies {names}; name one (--node)")
-    state = read_state(files[0])
-    if "model" not in state or "model_config" not in state:
-        raise CheckpointError(f"{str(files[0])!r} is not a policy state (no 'model' or 'model_config')")
-    return state
+__all__ = ["export_hf", "hf_config_and_state"]
 
 
 def hf_config_and_state(config: AnyModelConfig, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -76,9 +42,7 @@ def hf_config_and_state(config: AnyModelConfig, state: dict[str, torch.Tensor]) 
     return family.load_adapter().hf_config(config), {family.export_name(n): t for n, t in state.items()}
 
 
-def export_hf(
-    source: str | Path | dict[str, Any], out_dir: str | Path, *, node: str | None = None, overwrite: bool = False, adapter: bool = False
-) -> Path:
+def export_hf(state: dict[str, Any], out_dir: str | Path, *, overwrite: bool = False, adapter: bool = False) -> Path:
     """Write the policy of ``source`` as a Hugging Face directory at ``out_dir``.
 
     A LoRA policy (its model description has ``lora``) is written merged by default: its base model
@@ -86,9 +50,8 @@ def export_hf(
     adapter directory (``PeftModel.from_pretrained(base, out_dir)``), ``flowrl.models.lora.save_adapter``.
 
     Args:
-        source: a checkpoint directory (see ``read_policy_state``) or a ``Trainer.state()`` dict.
+        state: a ``Trainer.state()`` dict (a checkpoint's: ``flowrl.runtime.checkpoint.read_policy_state``).
         out_dir: where to write; created if missing.
-        node: the policy node, when the checkpoint holds several.
         overwrite: allow writing into a non-empty ``out_dir`` (its files of the same names are replaced).
         adapter: write a LoRA policy's adapters only (refused for a policy without ``lora``).
 
@@ -97,12 +60,11 @@ def export_hf(
 
     Raises:
         ConfigError: for a non-empty ``out_dir`` without ``overwrite``, or a model that cannot be exported.
-        CheckpointError: for a missing or unreadable checkpoint.
+        CheckpointError: for a state that is not a policy's.
     """
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConfigError(f"export: {str(out)!r} exists and is not an empty directory; pick another -o or pass --overwrite")
-    state = source if isinstance(source, dict) else read_policy_state(source, node=node)
     try:
         config = msgspec.convert({"family": "builtin", **dict(state["model_config"])}, AnyModelConfig)
     except msgspec.ValidationError as exc:

@@ -36,7 +36,7 @@ from typing import Protocol, runtime_checkable
 
 from flowrl.errors import ConfigError
 from flowrl.graph.refs import resolve
-from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from flowrl.digits import DEFAULT_TOKENIZER, Tokenizer, positional_reward
 
 __all__ = [
     "Task",
@@ -73,18 +73,6 @@ class Task(Protocol):
 def _rng(name: str, seed: int, index: int) -> random.Random:
     # Seeding with a str hashes it with SHA-512: the same stream on every machine and Python run.
     return random.Random(f"{name}:{seed}:{index}")
-
-
-def positional_reward(target: Sequence[int], completion_ids: Sequence[int]) -> float:
-    """Fraction of the positions of ``target + [</s>]`` that ``completion_ids`` gets right, in [0, 1].
-
-    Example:
-        >>> positional_reward([4, 5], [4, 9, 2])  # '0' right, '1' wrong, </s> right
-        0.6666666666666666
-    """
-    want = [*target, _TOK.eos_id]
-    got = list(completion_ids)
-    return sum(1 for i, w in enumerate(want) if i < len(got) and int(got[i]) == w) / len(want)
 
 
 def _question(prompt_ids: Sequence[int]) -> list[int]:

@@ -30,6 +30,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -42,6 +43,7 @@ __all__ = [
     "graph_fingerprint",
     "CheckpointWriter",
     "latest_checkpoint",
+    "read_policy_state",
     "read_meta",
     "holds_checkpoints",
     "prepare_directory",
@@ -370,3 +372,36 @@ def lock_directory(directory: str | os.PathLike[str], *, create: bool = True) ->
 
 def now() -> float:
     return time.time()
+
+
+def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[str, Any]:
+    """The policy state saved in a checkpoint: a ``step-*`` directory, or a run's checkpoint
+    directory (its ``LATEST``), in the one-file format (``Trainer.state()``); a sharded policy's
+    ``policy-<node>.dcp`` is consolidated in this process (``flowrl.runtime.sharded_state.read_state``).
+
+    Raises:
+        CheckpointError: when there is no checkpoint, no policy file, or several and ``node`` is unset;
+            an incomplete sharded state or one missing a rank's shard file.
+    """
+    from flowrl.runtime.sharded_state import SHARDED_SUFFIX, read_state
+
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist (pass a run's --checkpoint-dir or one step-* directory in it)")
+    if not (path / "meta.json").is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"{str(path)!r} holds no checkpoint (no meta.json, no LATEST)")
+        path = latest
+    files = sorted([*path.glob("policy-*.pt"), *path.glob(f"policy-*{SHARDED_SUFFIX}")])
+    names = [f.name.removeprefix("policy-").removesuffix(".pt").removesuffix(SHARDED_SUFFIX) for f in files]
+    if node is not None:
+        if node not in names:
+            raise CheckpointError(f"checkpoint {str(path)!r} has no policy {node!r} (it has {names})")
+        files = [f for f, name in zip(files, names) if name == node]
+    if len(files) != 1:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds policies {names}; name one (--node)")
+    state = read_state(files[0])
+    if "model" not in state or "model_config" not in state:
+        raise CheckpointError(f"{str(files[0])!r} is not a policy state (no 'model' or 'model_config')")
+    return state

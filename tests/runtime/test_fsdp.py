@@ -100,7 +100,7 @@ def test_a_sharded_run_resumes_on_one_rank_through_the_cli(tmp_path):
     1e-6 (the dp-2 reduce-scatter sums two halves where dp 1 sums once; the slow dp-3 test's reasoning)."""
     import shutil
 
-    from flowrl.models.export import read_policy_state
+    from flowrl.runtime.checkpoint import read_policy_state
 
     def run(nproc, place, steps, ck, *extra):
         (tmp_path / "place.json").write_text(json.dumps(place))
@@ -296,7 +296,7 @@ def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > first + 0.05, (first, last)  # measured: 0.07 -> 0.16 (first/last 10 steps, one run)
-    from flowrl.models.export import read_policy_state
+    from flowrl.runtime.checkpoint import read_policy_state
     from flowrl.models.families.builtin.model import Transformer
 
     nbytes = 4 * sum(p.numel() for p in Transformer(fsdp_graph().node("policy").model).parameters())
@@ -326,7 +326,7 @@ def test_the_generators_weights_equal_the_final_checkpoint_bit_for_bit(tmp_path,
 
     hashes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("gen-rank*.json"))]
     assert {h["rank"] for h in hashes} == set(place["gen"]), proc.stderr[-3000:]
-    from flowrl.models.export import read_policy_state
+    from flowrl.runtime.checkpoint import read_policy_state
 
     state = read_policy_state(tmp_path / "ck")
     assert all(h["version"] == int(state["version"]) == 3 for h in hashes), hashes
@@ -354,7 +354,7 @@ def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_
     built-in model; here two AdamW steps compound it; 1e-5 leaves room for that, not for a wrong shard)."""
     import shutil
 
-    from flowrl.models.export import read_policy_state
+    from flowrl.runtime.checkpoint import read_policy_state
 
     def run(nproc, place, steps, ck, *extra):
         (tmp_path / "place.json").write_text(json.dumps(place))

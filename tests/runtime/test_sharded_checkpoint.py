@@ -204,7 +204,7 @@ def test_flowrl_sample_and_eval_load_a_sharded_checkpoints_weights(job, tmp_path
 
 
 def test_a_one_file_checkpoint_still_reads(job, tmp_path):
-    from flowrl.models.export import read_policy_state
+    from flowrl.runtime.checkpoint import read_policy_state
 
     out, _ = job
     _same(read_policy_state(_step_dir(tmp_path, out / "dp2.pt")), _load(out / "dp2.pt"))
