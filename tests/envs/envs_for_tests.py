@@ -38,6 +38,10 @@ class Words:
         return "yes a b", 0.5, {}
 
 
+#: Set by the test that hangs a step (``test_a_failing_environment_fails_its_sample_only``) when it ends.
+HANG_RELEASE = threading.Event()
+
+
 class Flaky:
     """Fails on the samples of prompts at odd stream positions, in the way ``mode`` names; fine elsewhere."""
 
@@ -53,7 +57,7 @@ class Flaky:
         if self.mode == "raise":
             raise RuntimeError("the environment broke")
         if self.mode == "hang":
-            time.sleep(30)
+            HANG_RELEASE.wait(30)  # a hung call, until the test that hung it ends (RELEASE set): no thread outlives it by 30 s
         if self.mode == "garbage":
             return "not a tuple"
         if self.mode == "nan":

@@ -162,11 +162,17 @@ def test_environment_tokens_get_no_gradient_and_model_tokens_do():
 )
 def test_a_failing_environment_fails_its_sample_only(env, why, caplog):
     """Sample 2 (prompt 1, sample 0) fails: reward 0, mask all False, counted and logged; the others are untouched."""
+    from tests.envs.envs_for_tests import HANG_RELEASE
+
     node = _node(env, max_turns=2, step_timeout_s=0.3)
     mt, _ = _spied(node)
     start = time.perf_counter()
-    with caplog.at_level("WARNING", logger="flowrl.envs"):
-        out, metrics = mt.generate(prompts_of(PROMPTS))
+    HANG_RELEASE.clear()
+    try:
+        with caplog.at_level("WARNING", logger="flowrl.envs"):
+            out, metrics = mt.generate(prompts_of(PROMPTS))
+    finally:
+        HANG_RELEASE.set()  # the abandoned call returns now, its thread ends
     assert time.perf_counter() - start < 20.0  # a hung step (30 s) is abandoned at its limit (0.3 s), not awaited
     assert out["env_failed"].tolist() == [False, False, True, False]
     assert not out["completion_mask"][2].any()
