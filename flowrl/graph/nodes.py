@@ -238,7 +238,7 @@ class ReferenceNode(NodeBase, tag="reference"):
 
     def signature(self) -> Signature:
         return Signature(
-            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")),
+            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens")),
             _fields(("ref_logprobs",)),
         )
 
