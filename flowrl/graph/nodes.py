@@ -171,10 +171,10 @@ class GeneratorNode(NodeBase, tag="generator"):
 
     def __post_init__(self) -> None:
         check_engine_options(self.name, self.engine, self.model, self.sampling)
-        if self.env is not None and self.engine != "builtin":
+        if self.env is not None and self.engine != "builtin" and self.sampling.batching != "lockstep":
             raise ConfigError(
-                f"generator {self.name!r}: env= runs multi-turn episodes on the built-in engine only; "
-                f"engine={self.engine!r} samples one completion per call: drop engine= or env="
+                f"generator {self.name!r}: env= with engine={self.engine!r} runs its episodes in lock step (vLLM's step API, "
+                f"environments stepping while other samples decode), not batching={self.sampling.batching!r}: drop batching="
             )
 
     def signature(self) -> Signature:

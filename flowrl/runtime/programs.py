@@ -221,9 +221,12 @@ class GeneratorProgram(ProgramBase):
         self._continuous = None
         self._multiturn = None
         if node.env is not None:  # multi-turn episodes against an environment (lock step, or parked between turns in continuous batching)
-            from flowrl.operators.multiturn import MultiTurnGenerator, row_fields
+            from flowrl.graph.refs import resolve
+            from flowrl.operators.engines import ENGINES
+            from flowrl.operators.multiturn import row_fields
 
-            self._multiturn = MultiTurnGenerator(self.generator, node, rows=row_fields(graph, node.name))
+            episodes = resolve(ENGINES[node.engine].episodes)  # the engine's episode runner (vLLM's: its step API)
+            self._multiturn = episodes(self.generator, node, rows=row_fields(graph, node.name))
         self._updates = graph.updates_per_batch()  # U: versions per trainer step (continuous deadlines count steps)
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
