@@ -171,10 +171,11 @@ class GeneratorNode(NodeBase, tag="generator"):
 
     def __post_init__(self) -> None:
         check_engine_options(self.name, self.engine, self.model, self.sampling)
-        if self.env is not None and self.engine != "builtin" and self.sampling.batching != "lockstep":
+        if self.env is not None and (self.engine != "builtin" or self.env.agent) and self.sampling.batching != "lockstep":
+            what = "an agent program (agent=True)" if self.env.agent else f"env= with engine={self.engine!r}"
             raise ConfigError(
-                f"generator {self.name!r}: env= with engine={self.engine!r} runs its episodes in lock step (vLLM's step API, "
-                f"environments stepping while other samples decode), not batching={self.sampling.batching!r}: drop batching="
+                f"generator {self.name!r}: {what} runs its episodes in lock step (requests sampled as they come, "
+                f"weights between batches), not batching={self.sampling.batching!r}: drop batching="
             )
 
     def signature(self) -> Signature:
