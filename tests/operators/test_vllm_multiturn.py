@@ -155,3 +155,49 @@ def test_node_rules(tmp_path, options, match):
     assert node.env is not None and node.engine == "vllm"
     with pytest.raises(ConfigError, match=match):
         msgspec.structs.replace(node, sampling=msgspec.structs.replace(SAMPLING, **options))
+
+
+REPLIES: dict[tuple[int, int], list[Any]] = {}
+
+
+def word_agent(session: Any, row: dict[str, Any]) -> float:
+    """Two turns over the endpoint in the test tokenizer's words; the reward is the last reply's length."""
+    client = session.client(max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "a b"}]
+    first = client.chat.completions.create(model=session.model, messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "yes"}]
+    second = client.chat.completions.create(model=session.model, messages=messages)
+    REPLIES[(row["prompt_index"], row["sample"])] = [first, second]
+    return float(len(second.choices[0].token_ids))
+
+
+def test_an_agent_program_over_the_endpoint_samples_with_vllm(engine, vllm_dir):
+    """The endpoint on the vLLM engine: each sample is the program's conversation as vLLM sampled it, the
+    replies' log-probs are the Hugging Face forward's over the whole conversation, the reward the program's."""
+    pytest.importorskip("openai")
+    from transformers import AutoModelForCausalLM
+
+    from flowrl.serve.agents import AgentRollouts
+
+    REPLIES.clear()
+    agents = AgentRollouts(engine, word_agent, model=HFModelConfig(path=str(vllm_dir)), max_turns=2, episode_timeout_s=120)
+    try:
+        out, metrics = agents.generate(_prompts([[1, 5], [1, 6]]))
+    finally:
+        agents.close()
+    assert metrics["env/failed"] == 0 and metrics["env/turns_mean"] == 2.0
+    model = AutoModelForCausalLM.from_pretrained(str(vllm_dir), torch_dtype=torch.float32).eval()
+    atol = logprob_atol(model, rollout_sequences(out))
+    for s, sequence in enumerate(rollout_sequences(out)):
+        first, second = REPLIES[divmod(s, 2)]
+        n, k = int(out["sample_prompt_lens"][s]), int(out["completion_lens"][s])
+        assert sequence.tolist() == second.prompt_token_ids + second.choices[0].token_ids  # the ids sampled, in order
+        assert sequence[:n].tolist() == first.prompt_token_ids
+        mask = out["completion_mask"][s, :k]
+        assert mask.tolist()[: len(first.choices[0].token_ids)] == [True] * len(first.choices[0].token_ids)
+        assert int(mask.sum()) == len(first.choices[0].token_ids) + len(second.choices[0].token_ids)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=sequence[None]).logits.float()[0], -1)
+        want = logp[n - 1 : n + k - 1].gather(-1, sequence[n:, None]).squeeze(-1)
+        assert torch.allclose(out["behaviour_logprobs"][s, :k][mask], want[mask], atol=atol, rtol=0)
+        assert float(out["env_rewards"][s]) == len(second.choices[0].token_ids)
