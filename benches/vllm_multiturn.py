@@ -10,7 +10,7 @@ observation of ``OBS_LEN`` (64) tokens. Every turn's prompt is the sample's whol
 the cache, vLLM prefills only what its cached blocks do not cover.
 
 Prints one JSON object: per setting the seconds per episode of each round (batch seconds / episodes),
-their median and range, vLLM's cached fraction of prompted tokens, tokens per episode; ``saved_frac``
+their median and range, the median per model turn, vLLM's cached fraction of prompted tokens, tokens per episode; ``saved_frac``
 (1 - cached median / uncached median); the machine's load (``os.getloadavg``) before and after.
 
 Run: python benches/vllm_multiturn.py [--rounds 3] [--prompts 4] [--n 2] [--turns 4]
@@ -113,6 +113,7 @@ def main() -> None:
     for name, f in figures.items():
         s = f["s_per_episode"]
         summary[name] = {"s_per_episode": s, "median": statistics.median(s), "range": [min(s), max(s)],
+                         "s_per_turn": statistics.median(s) / args.turns,
                          "cached_frac": statistics.median(f["cached_frac"]), "tokens_per_episode": statistics.median(f["tokens_per_episode"])}
     summary["saved_frac"] = 1 - summary["prefix_cache"]["median"] / summary["no_prefix_cache"]["median"]
     summary["settings"] = vars(args)
