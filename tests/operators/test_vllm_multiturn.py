@@ -201,3 +201,26 @@ def test_an_agent_program_over_the_endpoint_samples_with_vllm(engine, vllm_dir):
         want = logp[n - 1 : n + k - 1].gather(-1, sequence[n:, None]).squeeze(-1)
         assert torch.allclose(out["behaviour_logprobs"][s, :k][mask], want[mask], atol=atol, rtol=0)
         assert float(out["env_rewards"][s]) == len(second.choices[0].token_ids)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_vllm_multi_turn_generator_and_a_reference(engine, vllm_dir, tmp_path):
+    """A run: vLLM episodes with an environment, the policy training on them, a reference whose KL to the
+    policy is 0 at step 1 (both are flowrl's forward of the same weights over the same tokens)."""
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.run import run_graph
+
+    engine.close()  # one vLLM engine at a time on this machine: the module's is done by now
+    b = GraphBuilder("vllm-mt", model=HFModelConfig(path=str(vllm_dir)))
+    gen = b.generator("gen", b.source("prompts", task="copy", batch_size=2), n_samples=2, max_new_tokens=4, engine="vllm",
+                      env=f"{ENVS}:Words", max_turns=2)  # fmt: skip
+    ref = b.reference("ref", gen)
+    policy = b.policy("policy", b.loss("aipo", gen, ref, kl_coef=0.1), lr=1e-3)
+    b.weights(policy, gen, max_staleness=1)
+    run_graph(b.build(), RunConfig(steps=3, metrics=str(tmp_path / "m.jsonl"), progress=False))
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["env/failed"] == 0 and r["env/turns_mean"] == 2.0 and 0 <= r["staleness"] <= 1 for r in rows)
+    assert 0.0 <= rows[0]["loss/kl_ref"] <= 1e-6
