@@ -160,8 +160,9 @@ class GeneratorNode(NodeBase, tag="generator"):
             ``flowrl.operators.generation``) or ``"vllm"`` (a vLLM engine in the generator's process,
             ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step batches,
             float precisions). Either writes the same rollout fields.
-        env: multi-turn episodes against an environment (``flowrl.graph.envs``); None: one completion
-            per sample. With one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
+        env: multi-turn episodes against an environment, or an agent program's over the chat
+            endpoint (``flowrl.graph.envs``; either engine); None: one completion per sample. With
+            one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
     """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)

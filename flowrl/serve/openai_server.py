@@ -261,7 +261,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, err: _RequestError) -> None:
-        self.endpoint.errors += 1
+        with self.endpoint._lock:
+            self.endpoint.errors += 1
         log.info("endpoint: %s %s -> %d %s", self.command, self.path, err.status, err.message)
         self._send(err.status, {"error": {"message": err.message, "type": err.kind, "param": None, "code": err.code}})
 

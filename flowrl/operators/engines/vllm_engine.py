@@ -51,6 +51,10 @@ Sampling randomness: each prompt's request gets the seed ``mix(seed, prompt_inde
 samples ``seed + i`` in vLLM), so the same prompt with the same weights draws the same completions
 whatever it is batched with, up to vLLM's batch-dependent rounding.
 
+Multi-turn episodes (a node with ``env=``) run through vLLM's step API, not ``generate``
+(``flowrl.operators.engines.vllm_multiturn``); an agent program's requests through ``llm.generate``
+(``flowrl.serve.agents.turn_sampler``).
+
 Stop strings: completions are cut at the token that completes a stop string in flowrl's decoding
 (the built-in engine's rule), after vLLM returns them; vLLM itself stops on the stop token ids only.
 
