@@ -7,7 +7,6 @@ engine samples (the endpoint is engine-agnostic; ``tests/operators/test_vllm_mul
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,6 +53,14 @@ def hang_or_raise(session: Any, row: dict[str, Any]) -> float:
             time.sleep(30)
         raise RuntimeError("the agent broke")
     return 1.0
+
+
+def silent_or_wordy(session: Any, row: dict[str, Any]) -> Any:
+    """Prompt 0 never asks the endpoint; prompt 1 asks, then returns text instead of a reward."""
+    if row["prompt_index"] == 0:
+        return 1.0
+    session.client(max_retries=0, timeout=60).chat.completions.create(model=session.model, messages=[{"role": "user", "content": "1="}])
+    return "great"
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +193,16 @@ def test_an_agent_program_of_the_wrong_form_is_refused_before_any_work(tmp_path)
         run_graph(b.build(), RunConfig(steps=1, metrics=str(tmp_path / "m.jsonl")))
     with pytest.raises(ConfigError, match="runs its episodes in lock step"):
         GeneratorNode(name="g", model=MODEL, sampling=SamplingConfig(batching="continuous"), env=EnvConfig(env=f"{__name__}:calc_agent", agent=True))
+
+
+def test_a_program_that_never_asks_or_returns_no_number_fails_its_sample(generator, caplog):
+    from flowrl.serve.agents import AgentRollouts
+
+    agents = AgentRollouts(generator, silent_or_wordy, model=MODEL)
+    try:
+        out, metrics = agents.generate(_prompts(["3=", "12="]))
+    finally:
+        agents.close()
+    assert out["env_failed"].all() and metrics["env/failed"] == 4.0 and not out["completion_mask"].any()
+    assert "returned without a reply from the endpoint" in caplog.text
+    assert "returned 'great'; it returns the episode's reward, a finite real number" in caplog.text
