@@ -225,11 +225,6 @@ class GraphBuilder:
         cfg = _config(ReferenceConfig, config, kwargs, f"reference {name!r}")
         self._no_leftovers("reference", name, kwargs)
         source = self._lookup(rollouts, reader=name)
-        if isinstance(source, GeneratorNode) and source.env is not None:
-            raise ConfigError(
-                f"reference {name!r}: its generator {source.name!r} runs multi-turn episodes (env=), and the reference "
-                "does not yet attend their environment tokens (it reads no completion_lens); drop the reference (kl_coef=0)"
-            )
         return self.add(ReferenceNode(name=name, model=model or self.model, reference=cfg), (rollouts,))
 
     def reward_model(

@@ -8,7 +8,9 @@ A generator node names the engine that samples for it (``GeneratorNode.engine``)
 - ``"vllm"``: a vLLM engine (``flowrl.operators.engines.vllm_engine``). A Hugging Face model only
   (vLLM loads a directory: export a built-in model first), lock-step batches (vLLM batches
   continuously inside each ``generate`` call by itself, and weights change between calls), the KV
-  cache on, and a float precision (vLLM loads the weights in that dtype).
+  cache on, and a float precision (vLLM loads the weights in that dtype). Environments (``env=``)
+  and agent programs run on either engine, in lock step (``GeneratorNode`` refuses continuous
+  batching for them on vLLM).
 
 ``check_engine_options`` is the node-level check (``GeneratorNode.__post_init__``): what is wrong
 with the graph, before anything is installed or loaded. What needs the machine (vLLM installed, a

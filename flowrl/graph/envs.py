@@ -42,6 +42,9 @@ class EnvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         max_env_tokens: longest observation, in tokens; a longer one fails its sample.
         role: the chat role an observation's text is sent as, for a chat-template model (``"tool"``
             for tool results, ``"user"`` for a game's replies); the built-in model appends the text as is.
+        agent: ``env`` names an agent program ``(session, row) -> reward`` instead of an environment:
+            it chats with the generator through an OpenAI-compatible endpoint (``flowrl.serve.agents``);
+            ``max_turns`` bounds its requests, ``episode_timeout_s`` its run; ``role`` does not apply.
     """
 
     env: str
@@ -50,6 +53,7 @@ class EnvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     episode_timeout_s: float = 60.0
     max_env_tokens: int = 64
     role: str = "user"
+    agent: bool = False
 
     def __post_init__(self) -> None:
         o = "EnvConfig"

@@ -160,8 +160,9 @@ class GeneratorNode(NodeBase, tag="generator"):
             ``flowrl.operators.generation``) or ``"vllm"`` (a vLLM engine in the generator's process,
             ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step batches,
             float precisions). Either writes the same rollout fields.
-        env: multi-turn episodes against an environment (``flowrl.graph.envs``); None: one completion
-            per sample. With one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
+        env: multi-turn episodes against an environment, or an agent program's over the chat
+            endpoint (``flowrl.graph.envs``; either engine); None: one completion per sample. With
+            one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
     """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -171,10 +172,11 @@ class GeneratorNode(NodeBase, tag="generator"):
 
     def __post_init__(self) -> None:
         check_engine_options(self.name, self.engine, self.model, self.sampling)
-        if self.env is not None and self.engine != "builtin":
+        if self.env is not None and (self.engine != "builtin" or self.env.agent) and self.sampling.batching != "lockstep":
+            what = "an agent program (agent=True)" if self.env.agent else f"env= with engine={self.engine!r}"
             raise ConfigError(
-                f"generator {self.name!r}: env= runs multi-turn episodes on the built-in engine only; "
-                f"engine={self.engine!r} samples one completion per call: drop engine= or env="
+                f"generator {self.name!r}: {what} runs its episodes in lock step (requests sampled as they come, "
+                f"weights between batches), not batching={self.sampling.batching!r}: drop batching="
             )
 
     def signature(self) -> Signature:
@@ -238,7 +240,7 @@ class ReferenceNode(NodeBase, tag="reference"):
 
     def signature(self) -> Signature:
         return Signature(
-            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")),
+            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens")),
             _fields(("ref_logprobs",)),
         )
 

@@ -55,4 +55,9 @@ def check_names(graph: Graph) -> None:
             from flowrl.envs.base import check_env
             from flowrl.graph.refs import resolve
 
-            check_env(resolve(env.env), owner=f"generator {node.name!r}")
+            if env.agent:  # an agent program: a function (session, row) -> reward
+                from flowrl.serve.check import check_program
+
+                check_program(resolve(env.env), owner=f"generator {node.name!r}")
+            else:
+                check_env(resolve(env.env), owner=f"generator {node.name!r}")

@@ -221,9 +221,18 @@ class GeneratorProgram(ProgramBase):
         self._continuous = None
         self._multiturn = None
         if node.env is not None:  # multi-turn episodes against an environment (lock step, or parked between turns in continuous batching)
-            from flowrl.operators.multiturn import MultiTurnGenerator, row_fields
+            from flowrl.graph.refs import resolve
+            from flowrl.operators.engines import ENGINES
+            from flowrl.operators.multiturn import row_fields
 
-            self._multiturn = MultiTurnGenerator(self.generator, node, rows=row_fields(graph, node.name))
+            if node.env.agent:  # an agent program over the OpenAI-compatible endpoint, any engine
+                from flowrl.serve.agents import AgentRollouts
+
+                self._multiturn = AgentRollouts(self.generator, resolve(node.env.env), model=node.model, max_turns=node.env.max_turns,
+                                                episode_timeout_s=node.env.episode_timeout_s, rows=row_fields(graph, node.name))
+            else:
+                episodes = resolve(ENGINES[node.engine].episodes)  # the engine's episode runner (vLLM's: its step API)
+                self._multiturn = episodes(self.generator, node, rows=row_fields(graph, node.name))
         self._updates = graph.updates_per_batch()  # U: versions per trainer step (continuous deadlines count steps)
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
@@ -278,6 +287,9 @@ class GeneratorProgram(ProgramBase):
         calls still parked by continuous batching finish (briefly)."""
         if self._continuous is not None:
             self._continuous.close()
+        stop = getattr(self._multiturn, "close", None)  # an agent program's endpoint
+        if stop is not None:
+            stop()
         close = getattr(self.generator, "close", None)  # optional in GeneratorEngine: only vLLM's has processes
         if close is not None:
             close()

@@ -135,11 +135,22 @@ def test_a_multi_turn_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_reference_on_a_multi_turn_generator_is_refused():
-    b = GraphBuilder("x", model=MODEL)
-    gen = b.generator("gen", b.source("prompts", task="flowrl.envs.games:guess_task"), env="flowrl.envs.games:GuessNumberEnv")
-    with pytest.raises(ConfigError, match="does not yet attend their environment tokens"):
-        b.reference("ref", gen)
+def test_a_reference_on_a_multi_turn_generator_attends_the_environment_tokens(tmp_path):
+    """The reference reads ``completion_lens``: at step 1 it is the policy's version 0, so with its
+    environment tokens attended as the trainer attends them the KL penalty is 0 (within float32
+    rounding of the same forward); attending only the model's tokens would give a positive KL."""
+    from flowrl.runtime.metrics import read_metrics
+
+    b = GraphBuilder("ref", model=MODEL)
+    gen = b.generator("gen", b.source("prompts", task="flowrl.envs.games:guess_task", batch_size=2), n_samples=2,
+                      max_new_tokens=3, env="flowrl.envs.games:GuessNumberEnv", max_turns=3)
+    ref = b.reference("ref", gen)
+    policy = b.policy("policy", b.loss("aipo", gen, ref, kl_coef=0.1), lr=3e-3)
+    b.weights(policy, gen, max_staleness=0)
+    run_graph(b.build(), RunConfig(steps=1, metrics=str(tmp_path / "m.jsonl")))
+    (row,) = read_metrics(tmp_path / "m.jsonl")
+    assert row["env/env_tokens"] > 0  # observations were appended: there was something to attend
+    assert 0.0 <= row["loss/kl_ref"] <= 1e-6  # k3 of a float32 rounding difference (~1e-7 in log-prob) is ~1e-14
 
 
 def test_reset_gets_the_prompt_file_rows_fields(tmp_path, hf_qwen2_chat_dir):

@@ -9,7 +9,10 @@ weights into ``weight_targets()`` and sets ``version`` (which makes the engine u
 ``ENGINES`` holds one ``EngineSpec`` per name of ``flowrl.graph.engines.ENGINE_NAMES``:
 
 - ``builtin``: ``flowrl.operators.generation.Generator`` (and the slot batcher for continuous batching);
-- ``vllm``: ``flowrl.operators.engines.vllm_engine.VLLMGenerator``.
+  its multi-turn episodes: ``flowrl.operators.multiturn.MultiTurnGenerator``;
+- ``vllm``: ``flowrl.operators.engines.vllm_engine.VLLMGenerator``; its multi-turn episodes:
+  ``flowrl.operators.engines.vllm_multiturn.VLLMMultiTurn`` (vLLM's step API, environments stepping
+  while other samples decode).
 
 ``check_engine(node)`` runs an engine's machine checks (is it installed, can it load this model
 here) and is what ``flowrl.runtime.run.run_graph`` calls for every generator before any program is
@@ -64,10 +67,13 @@ class EngineSpec:
         generator: ``module:qualname`` of its class, ``cls(node, *, seed, device, transport)``.
         check: ``module:qualname`` of ``check(node, *, device)``, which raises ``ConfigError`` for
             what this machine cannot run (``""``: nothing to check beyond the node's own checks).
+        episodes: ``module:qualname`` of the class that runs a generator's multi-turn episodes
+            (``env=``) on this engine, built as ``cls(engine, node, rows=...)``.
     """
 
     generator: str
     check: str = ""
+    episodes: str = "flowrl.operators.multiturn:MultiTurnGenerator"
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -75,6 +81,7 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         generator="flowrl.operators.engines.vllm_engine:VLLMGenerator",
         check="flowrl.operators.engines.vllm_engine:check_vllm",
+        episodes="flowrl.operators.engines.vllm_multiturn:VLLMMultiTurn",
     ),
 }
 

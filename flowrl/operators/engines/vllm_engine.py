@@ -51,6 +51,10 @@ Sampling randomness: each prompt's request gets the seed ``mix(seed, prompt_inde
 samples ``seed + i`` in vLLM), so the same prompt with the same weights draws the same completions
 whatever it is batched with, up to vLLM's batch-dependent rounding.
 
+Multi-turn episodes (a node with ``env=``) run through vLLM's step API, not ``generate``
+(``flowrl.operators.engines.vllm_multiturn``); an agent program's requests through ``llm.generate``
+(``flowrl.serve.agents.turn_sampler``).
+
 Stop strings: completions are cut at the token that completes a stop string in flowrl's decoding
 (the built-in engine's rule), after vLLM returns them; vLLM itself stops on the stop token ids only.
 
@@ -257,6 +261,8 @@ class VLLMGenerator:
         device: ``"cpu"`` or ``"cuda:N"`` (vLLM's engine then sees GPU ``N`` only).
         transport: the weight edge's transport into this generator: ``"file"`` keeps the file route
             into vLLM's workers (``weights_by="file"``); any other sends over the weight-sync group.
+        prefix_caching: vLLM's automatic prefix caching (``enable_prefix_caching``); off only to
+            measure what it saves (``benches/vllm_multiturn.py``).
 
     Attributes:
         llm: the ``vllm.LLM``.
@@ -271,7 +277,9 @@ class VLLMGenerator:
         ConfigError: see ``check_vllm``; also an architecture vLLM does not support.
     """
 
-    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess") -> None:
+    def __init__(
+        self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess", prefix_caching: bool = True
+    ) -> None:
         from flowrl.models.hf import check_hf_dir
         from flowrl.models.registry import model_tokens, weight_shapes
 
@@ -279,6 +287,7 @@ class VLLMGenerator:
         check_vllm(node, device=device)
         assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
         self.name, self.sampling, self.seed = node.name, node.sampling, seed
+        self.prefix_caching = prefix_caching
         owner = f"generator {node.name!r}"
         config = node.model
         raw = check_hf_dir(config, owner=owner)
@@ -360,6 +369,7 @@ class VLLMGenerator:
             load_format="dummy" if config.init == "random" else "auto",
             hf_overrides=overrides or None,
             disable_log_stats=True,
+            enable_prefix_caching=self.prefix_caching,  # a prompt's samples and a multi-turn sample's turns share KV blocks
             **memory,
             **(self._lora.engine_options() if self._lora is not None else {}),
         )
