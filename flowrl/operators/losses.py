@@ -28,6 +28,10 @@ GRPO / PPO-clip (Schulman et al. 2017; Shao et al. 2024)::
 
     loss = - sum_{i,t} min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) / normalizer
 
+PPO with a critic (``ppo``): the same clipped surrogate with token-level advantages ``A_{i,t}``, a
+critic's GAE (``flowrl.operators.gae``, whitened over the batch's tokens) instead of a group baseline;
+the critic's own clipped value loss is ``flowrl.operators.critic.value_loss``.
+
 Asymmetric clipping (DAPO's clip-higher, Yu et al. 2025, arXiv 2503.14476): ``clip(ratio, 1 - eps_low,
 1 + eps_high)``; ``LossConfig.clip_range()`` (both default to ``clip_eps``).
 
@@ -360,7 +364,8 @@ def ppo_clip_loss(
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, zero)  # [S, C], with gradient
     ratio = log_ratio.exp()
-    surrogate = _clipped_surrogate(ratio, advantages[:, None], clip_eps, high)  # [S, C]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # [S, C] per token (a critic's GAE) or [S] per sample
+    surrogate = _clipped_surrogate(ratio, adv, clip_eps, high)  # [S, C]
     loss = -aggregate(surrogate, mask, agg=agg, normalizer=normalizer, lengths=lengths)
     metrics = {"loss/policy": float(loss.detach()), **_clip_metrics("ppo", ratio.detach(), log_ratio.detach(), mask, clip_eps, high)}
     return loss, metrics
@@ -640,6 +645,7 @@ LOSSES: dict[str, LossFn] = {
     "pg": _pg,
     "grpo": _ppo_clip,
     "ppo_clip": _ppo_clip,
+    "ppo": _ppo_clip,  # with a critic's token-level GAE advantages (flowrl.operators.gae.loss_advantages)
     "gspo": _gspo,
     "cispo": _cispo,
     "tis": _tis,
@@ -653,7 +659,7 @@ NEEDS_PROXIMAL: frozenset[str] = frozenset({"decoupled_ppo"})
 
 #: PPO-style objectives whose clipped ratio is taken against the old policy: ``proximal_logprobs``
 #: when the batch has them (several updates per batch: TRL's ``old_per_token_logps``), else mu.
-ANCHORED_AT_OLD: frozenset[str] = frozenset({"grpo", "ppo_clip", "gspo", "cispo"})
+ANCHORED_AT_OLD: frozenset[str] = frozenset({"grpo", "ppo_clip", "ppo", "gspo", "cispo"})
 
 
 def check_objective(objective: str) -> None:
@@ -702,8 +708,9 @@ def compute_loss(
         if field not in batch:
             raise ConfigError(f"loss {config.objective!r} needs batch field {field!r}; the batch has {sorted(batch)}")
     if advantages is None:
-        rewards = combined_rewards(config, batch)
-        advantages = _advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
+        from flowrl.operators.gae import loss_advantages  # it imports this module
+
+        advantages = loss_advantages(config, combined_rewards(config, batch), batch)
     mask = batch["completion_mask"]
     extra = {}
     if config.objective in NEEDS_PROXIMAL:  # without the field pi_prox is pi now: a batch's only update

@@ -74,13 +74,13 @@ from flowrl.operators.generation import DTYPES, _mix, copy_weights
 from flowrl.operators.logprobs import completion_logprobs, completion_logprobs_and_entropy
 from flowrl.operators.losses import (
     NEEDS_PROXIMAL,
-    advantages,
     batch_normalizer,
     check_objective,
     combined_rewards,
     compute_loss,
     proximal_metrics,
 )
+from flowrl.operators.gae import loss_advantages
 from flowrl.operators.shaping import dynamic_sample, shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
@@ -324,7 +324,7 @@ class Trainer:
         micro-batches, clip, AdamW, ``version += 1``; its metrics (``mismatch/*`` when ``mismatch``)."""
         config = self.loss.loss
         batch, rewards, shaping = shape_batch(config, batch)  # dynamic sampling, overlong penalty, truncated masked
-        adv = advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
+        adv = loss_advantages(config, rewards, batch)  # [S] a group baseline's, or [S, C] a critic's GAE ("ppo")
         mask = batch["completion_mask"]  # [S, C]
         normalizer = batch_normalizer(mask, config.loss_agg)  # the whole (mini-)batch's tokens / sequences (loss_agg)
         lengths = mask.sum(1)  # [S], real tokens, those outside pi's kept set included
