@@ -85,7 +85,7 @@ def test_the_critic_learns_the_value_while_ppo_trains():
 
     rows = run_graph(build_example("llamarl_ppo"), RunConfig(steps=150, seed=0)).rows
     ev = [r["critic/explained_variance"] for r in rows]
-    first, last = sum(ev[:20]) / 20, sum(ev[-20:]) / 20
-    assert first < 0.1 and last > 0.3, (first, last)
+    first, last = sum(ev[:20]) / 20, sum(ev[-50:]) / 50
+    assert first < 0.05 and last > 0.2, (first, last)  # benches/critic.py: ~0 at first, 0.2-0.45 over steps 100-150
     reward = [r["reward_mean"] for r in rows]
     assert sum(reward[-20:]) / 20 > sum(reward[:20]) / 20 + 0.2
