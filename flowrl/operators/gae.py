@@ -1,5 +1,7 @@
-"""Value-based advantages as pure tensor functions: GAE over completion tokens, whitening, and the
-dispatch from a loss config to its advantages (a critic's GAE, or a group baseline).
+"""Value-based advantages as pure tensor functions: GAE over completion tokens, whitening, explained variance.
+
+``flowrl.operators.losses.loss_advantages`` picks a loss's advantages: a critic's GAE from here, or a
+group baseline.
 
 Generalised advantage estimation (Schulman et al. 2016, arXiv 1506.02438), per completion token t
 of a sample whose reward R arrives at its last real token L (token-level, as verl and OpenRLHF
@@ -25,18 +27,17 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError
-from flowrl.graph.configs import LossConfig
-from flowrl.graph.critic import CRITIC_OBJECTIVES
-from flowrl.operators.losses import advantages as group_advantages
-from flowrl.operators.losses import masked_mean
 
-__all__ = ["gae", "whiten", "loss_advantages", "explained_variance"]
+__all__ = ["gae", "whiten", "explained_variance"]
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over ``mask``; 0 for an empty mask (``losses.masked_mean``, which imports this module)."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum().clamp(min=1)
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
@@ -89,19 +90,3 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     err = returns - values
     var_e = masked_mean((err - masked_mean(err, mask)) ** 2, mask)
     return float(1 - var_e / var_g) if float(var_g) > 0 else 0.0
-
-
-def loss_advantages(config: LossConfig, rewards: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
-    """The advantages ``config``'s objective trains on: a critic's whitened GAE ``[S, C]`` for the
-    objectives that read one (``CRITIC_OBJECTIVES``), else per-sample group advantages ``[S]``.
-
-    Raises:
-        ConfigError: a critic objective and a batch without ``values``.
-    """
-    if config.objective in CRITIC_OBJECTIVES:
-        if "values" not in batch:
-            raise ConfigError(f"objective {config.objective!r} needs a critic's 'values' in the batch (it has {sorted(batch)}): list a critic in the loss")
-        mask = batch["completion_mask"]
-        adv, _ = gae(rewards, batch["values"], mask, gamma=config.gamma, lam=config.lam)
-        return whiten(adv, mask)
-    return group_advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)

@@ -109,10 +109,13 @@ from torch import Tensor
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
+from flowrl.graph.critic import CRITIC_OBJECTIVES
+from flowrl.operators.gae import gae, whiten
 
 __all__ = [
     "masked_mean",
     "advantages",
+    "loss_advantages",
     "combined_rewards",
     "aipo_loss",
     "pg_loss",
@@ -229,6 +232,23 @@ def advantages(
         var = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, (rewards - mean[inverse]) ** 2) / count
         adv = adv / (var.sqrt()[inverse] + eps)
     return adv
+
+
+def loss_advantages(config: LossConfig, rewards: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+    """The advantages ``config``'s objective trains on: a critic's whitened GAE ``[S, C]`` for the
+    objectives that read one (``CRITIC_OBJECTIVES``: ``flowrl.operators.gae``, ``gamma``, ``lam``), else
+    per-sample group advantages ``[S]`` (``advantages``).
+
+    Raises:
+        ConfigError: a critic objective and a batch without ``values``.
+    """
+    if config.objective in CRITIC_OBJECTIVES:
+        if "values" not in batch:
+            raise ConfigError(f"objective {config.objective!r} needs a critic's 'values' in the batch (it has {sorted(batch)}): list a critic in the loss")
+        mask = batch["completion_mask"]
+        adv, _ = gae(rewards, batch["values"], mask, gamma=config.gamma, lam=config.lam)
+        return whiten(adv, mask)
+    return advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
 
 
 def combined_rewards(config: LossConfig, batch: Mapping[str, Tensor]) -> Tensor:
@@ -645,7 +665,7 @@ LOSSES: dict[str, LossFn] = {
     "pg": _pg,
     "grpo": _ppo_clip,
     "ppo_clip": _ppo_clip,
-    "ppo": _ppo_clip,  # with a critic's token-level GAE advantages (flowrl.operators.gae.loss_advantages)
+    "ppo": _ppo_clip,  # with a critic's token-level GAE advantages (loss_advantages)
     "gspo": _gspo,
     "cispo": _cispo,
     "tis": _tis,
@@ -708,8 +728,6 @@ def compute_loss(
         if field not in batch:
             raise ConfigError(f"loss {config.objective!r} needs batch field {field!r}; the batch has {sorted(batch)}")
     if advantages is None:
-        from flowrl.operators.gae import loss_advantages  # it imports this module
-
         advantages = loss_advantages(config, combined_rewards(config, batch), batch)
     mask = batch["completion_mask"]
     extra = {}

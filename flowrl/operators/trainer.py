@@ -78,9 +78,9 @@ from flowrl.operators.losses import (
     check_objective,
     combined_rewards,
     compute_loss,
+    loss_advantages,
     proximal_metrics,
 )
-from flowrl.operators.gae import loss_advantages
 from flowrl.operators.shaping import dynamic_sample, shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict

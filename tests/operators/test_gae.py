@@ -10,8 +10,8 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import LossConfig
 from flowrl.operators.critic import value_loss
-from flowrl.operators.gae import explained_variance, gae, loss_advantages, whiten
-from flowrl.operators.losses import compute_loss
+from flowrl.operators.gae import explained_variance, gae, whiten
+from flowrl.operators.losses import compute_loss, loss_advantages
 
 
 def _gae_by_hand(reward: float, values: list[float], keep: list[bool], gamma: float, lam: float) -> list[float]:
@@ -110,7 +110,7 @@ def test_ppo_reads_token_advantages_from_the_values():
     assert torch.allclose(adv, whiten(raw, mask))
     logprobs = batch["behaviour_logprobs"].clone().requires_grad_(True)
     loss, metrics = compute_loss(config, logprobs, batch)
-    assert float(loss) == pytest.approx(-float(adv.mean()), abs=1e-6)  # ratio 1: the surrogate is A
+    assert float(loss.detach()) == pytest.approx(-float(adv.mean()), abs=1e-6)  # ratio 1: the surrogate is A
     loss.backward()
     assert torch.allclose(logprobs.grad, -adv / (S * C))
     assert "ppo/clip_frac" in metrics
