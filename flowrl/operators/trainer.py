@@ -9,7 +9,8 @@ weights it starts with (no gradient, micro-batched; the batch field ``proximal_l
 ``old/*`` metrics and the mismatch metrics then use, and the PPO-style objectives clip their ratio
 against (``losses.ANCHORED_AT_OLD``: pi / pi_old, TRL's ``old_per_token_logps``, not pi / mu). Each optimizer step, on its mini-batch:
 
-1. reads the rollout and its reward fields; advantages come from the whole mini-batch (group
+1. reads the rollout and its reward fields (and, for ``ppo``, a critic's ``values``: token-level GAE,
+   ``losses.loss_advantages``); advantages come from the whole mini-batch (group
    baselines need every sample of a prompt, and a mini-batch holds whole groups);
 2. in micro-batches of ``optimizer.micro_batch_size`` samples (0: one), recomputes log pi of the
    completions with gradients (``completion_logprobs``, the same layout and the same temperature,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -122,3 +123,31 @@ def test_the_planner_prices_a_critic_as_training():
     # the same model and batch: the critic's forward + backward + its own values pass cost what the policy's do
     assert critic.time_s == pytest.approx(policy.time_s, rel=0.05)
     assert critic.memory.optimizer > 0
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ("drop-critic", r"loss 'ppo' has objective='ppo'.*no critic feeds it"),
+        ("lam", r"lam=1.5 must be in \[0, 1\]"),
+        ("gamma", r"gamma=-0.5 must be in \[0, 1\]"),
+    ],
+)
+def test_flowrl_run_refuses_a_bad_ppo_graph_file_before_any_work(tmp_path, capsys, edit, match):
+    from flowrl.cli.main import main
+    from flowrl.examples import build_example
+
+    data = json.loads(to_json(build_example("llamarl_ppo")))
+    if edit == "drop-critic":
+        data["nodes"] = [n for n in data["nodes"] if n["kind"] != "critic"]
+        data["edges"] = [e for e in data["edges"] if "critic" not in (e["src"], e["dst"])]
+    for n in data["nodes"]:
+        if n["kind"] == "loss" and edit != "drop-critic":
+            n["loss"][edit] = 1.5 if edit == "lam" else -0.5
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(data))
+    code = main(["run", str(path), "--steps", "1", "--metrics", str(tmp_path / "m.jsonl")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    assert re.search(match, " ".join(err.split()))
+    assert not (tmp_path / "m.jsonl").exists()  # refused before any step
