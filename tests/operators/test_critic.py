@@ -109,3 +109,14 @@ def test_a_hugging_face_critic_with_lora_trains_its_adapters_and_head(hf_llama_d
     critic = Critic(node, LOSS)
     names = sorted(critic.trainable)
     assert all(".lora_" in n or n.startswith("lm_head.") for n in names) and "lm_head.weight" in names
+
+
+def test_the_critic_shapes_the_batch_as_its_loss_does_and_writes_every_sample():
+    """With dynamic sampling a group of equal rewards drops out of the critic's training, as out of the
+    policy's; the values written still cover the whole batch, which the trainer then shapes alike."""
+    batch = _batch()
+    batch["rewards"] = torch.tensor([1.0, 1.0, 0.5, 0.0])  # group 0: all equal, no signal
+    critic = Critic(CriticNode(name="critic", model=MODEL), LossConfig(objective="ppo", dynamic_sampling=True, lam=1.0))
+    values, metrics = critic.train_step(batch)
+    assert values.shape == batch["completion_mask"].shape
+    assert metrics["critic/return_mean"] == pytest.approx((0.5 * 4 + 0.0 * 1) / 5)  # group 1's 4 + 1 tokens, zero values, lam 1: G = R
