@@ -57,17 +57,17 @@ def test_a_fresh_critic_values_everything_zero():
 
 
 def test_training_on_one_batch_lowers_its_value_loss_and_counts_versions():
-    critic = _critic(value_clip=None)
-    critic.node = msgspec.structs.replace(critic.node, optimizer=msgspec.structs.replace(critic.node.optimizer, lr=1e-2))
+    node = CriticNode(name="critic", model=MODEL, value_clip=None)
+    critic = Critic(msgspec.structs.replace(node, optimizer=msgspec.structs.replace(node.optimizer, lr=1e-2)), LOSS)
     batch = _batch()
     losses = []
-    for step in range(30):
+    for step in range(15):
         values, metrics = critic.train_step(batch)
         assert metrics["critic/version"] == step
         losses.append(metrics["critic/value_loss"])
-    assert critic.version == 30
-    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
-    assert metrics["critic/explained_variance"] > 0.5
+    assert critic.version == 15
+    assert losses[-1] < 0.1 * losses[0], losses  # seen here: 0.19 -> 0.0075
+    assert metrics["critic/explained_variance"] > 0.5  # seen here: 0.93
 
 
 def test_its_state_round_trips_exactly():
