@@ -2,7 +2,7 @@
 
 Example:
     >>> sorted(EXAMPLES)
-    ['calc_agent', 'guess_game', 'hf_copy', 'llamarl', 'llamarl_ref', 'longtail', 'qwen_math', 'two_scorers']
+    ['calc_agent', 'guess_game', 'hf_copy', 'hf_copy_ppo', 'llamarl', 'llamarl_ppo', 'llamarl_ref', 'longtail', 'qwen_math', 'two_scorers']
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from flowrl.errors import GraphError
 from flowrl.examples.agents import build_calc_agent, build_guess_game
 from flowrl.examples.hf_copy import build_hf_copy
 from flowrl.examples.longtail import build_longtail
+from flowrl.examples.ppo import build_hf_copy_ppo, build_llamarl_ppo
 from flowrl.examples.qwen_math import build_qwen_math
 from flowrl.examples.llamarl import build_llamarl, build_llamarl_ref, build_two_scorers
 from flowrl.graph.ir import Graph
@@ -22,8 +23,10 @@ __all__ = ["EXAMPLES", "DEFAULT_EXAMPLE", "DEFAULT_STEPS", "EXAMPLE_STEPS", "bui
 #: name -> (builder, one-line description)
 EXAMPLES: dict[str, tuple[Callable[[], Graph], str]] = {
     "llamarl": (build_llamarl, "prompts -> generator -> scorer -> AIPO loss -> policy, weights policy ~> generator (the default)"),
+    "llamarl_ppo": (build_llamarl_ppo, "the default pipeline with a critic (a value model) and PPO's GAE advantages instead of group baselines"),
     "llamarl_ref": (build_llamarl_ref, "the default plus a frozen reference model and a KL penalty in the loss"),
     "hf_copy": (build_hf_copy, "a Hugging Face Llama (random init, word tokenizer) learns to copy digits from a JSONL prompt file"),
+    "hf_copy_ppo": (build_hf_copy_ppo, "the Hugging Face example with a critic of the same architecture and PPO's GAE advantages"),
     "longtail": (build_longtail, "the default pipeline on the longtail task: completion lengths from a heavy-tailed law (continuous batching's case)"),
     "qwen_math": (build_qwen_math, "Qwen2.5-0.5B-Instruct on math word problems, math-verify reward; point --model at your local copy"),
     "calc_agent": (build_calc_agent, "the built-in model learns to call a calculator tool for sums (multi-turn, CalcEnv)"),

@@ -1,6 +1,7 @@
 """The graph: node kinds and their configs, the IR, validation, serialisation and export."""
 
 from flowrl.graph.builder import GraphBuilder
+from flowrl.graph.critic import CriticNode
 from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.fields import FIELDS, FieldType
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
@@ -30,6 +31,7 @@ __all__ = [
     "GeneratorNode",
     "ScorerNode",
     "ReferenceNode",
+    "CriticNode",
     "LossNode",
     "PolicyNode",
     "signature",

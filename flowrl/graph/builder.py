@@ -40,6 +40,7 @@ from flowrl.graph.nodes import (
     SourceNode,
     signature,
 )
+from flowrl.graph.critic import CRITIC_OBJECTIVES, CriticNode
 from flowrl.graph.advice import warn_about
 from flowrl.graph.option_names import leftover_message, reference_options
 from flowrl.graph.refs import reference_of
@@ -259,10 +260,63 @@ class GraphBuilder:
         node = RewardModelNode(name=name, model=cfg, judge=judge, output=output, batch_size=batch_size)
         return self.add(node, (rollouts,))
 
+    def critic(
+        self,
+        name: str,
+        rollouts: NodeRef,
+        *rewards: NodeRef,
+        model: ModelConfig | HFModelConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        lora: LoraConfig | dict[str, Any] | None = None,
+        value_clip: float | None = 0.2,
+        **kwargs: Any,
+    ) -> Node:
+        """A trained value model (``flowrl.graph.critic``) reading ``rollouts`` and the reward nodes
+        ``rewards``; keyword arguments are ``OptimizerConfig`` fields (its own optimizer).
+
+        Without ``rewards`` it reads every scorer and reward model declared so far that reads
+        ``rollouts`` (and a multi-turn generator's ``env_rewards``): list the same ones in the loss,
+        which must have ``objective="ppo"``. ``model`` defaults to the builder's; ``lora`` adapts a
+        Hugging Face model as ``policy``'s does (the value head trains in full).
+
+        Example:
+            >>> b = GraphBuilder("ppo")
+            >>> gen = b.generator("gen", b.source("prompts", task="copy"))
+            >>> reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+            >>> critic = b.critic("critic", gen, lr=1e-3)
+            >>> b.loss("ppo", gen, reward, critic, objective="ppo", gamma=1.0, lam=0.95).describe()
+            'ppo, eps=0.2, gamma=1, lam=0.95'
+        """
+        cfg = _config(OptimizerConfig, optimizer, kwargs, f"critic {name!r}")
+        self._no_leftovers("critic", name, kwargs)
+        source = self._lookup(rollouts, reader=name)
+        readers = [self._lookup(r, reader=name) for r in rewards] or [
+            n for n in self._nodes
+            if isinstance(n, (ScorerNode, RewardModelNode)) and any(e.src == source.name and e.dst == n.name for e in self._edges)
+        ]
+        fields = [n.output for n in readers if isinstance(n, (ScorerNode, RewardModelNode))]
+        fields += ["env_rewards"] if isinstance(source, GeneratorNode) and source.env is not None else []
+        if not fields:
+            raise ConfigError(
+                f"critic {name!r}: no reward to learn the value of: declare the scorer first (b.scorer(..., {source.name!r}, ...)) "
+                f"or list it: b.critic({name!r}, {source.name!r}, reward)"
+            )
+        model = model or self.model
+        if lora is not None:
+            if not isinstance(model, HFModelConfig):
+                raise ConfigError(f"critic {name!r}: lora= adapts a Hugging Face model; this critic's model is the built-in family ({model.short()})")
+            model = msgspec.structs.replace(model, lora=lora)
+        node = CriticNode(name=name, model=model, optimizer=cfg, value_clip=value_clip, rewards=tuple(fields))
+        return self.add(node, (rollouts, *readers))
+
     def loss(self, name: str, *inputs: NodeRef, config: LossConfig | None = None, **kwargs: Any) -> Node:
         """The RL objective over the rollouts and rewards of ``inputs``; keyword arguments are ``LossConfig`` fields.
 
         With several scorers, ``reward_weights`` defaults to weight 1.0 for each scorer's output.
+        ``objective="ppo"`` reads a critic's values (``critic()``), listed among ``inputs``.
+
+        Raises:
+            ConfigError: ``objective="ppo"`` without a critic among ``inputs``, or a critic with another objective.
         """
         if config is None and "reward_weights" not in kwargs:
             read = [self._lookup(r, reader=name) for r in inputs]
@@ -274,7 +328,24 @@ class GraphBuilder:
         cfg = _config(LossConfig, config, kwargs, f"loss {name!r}")
         self._no_leftovers("loss", name, kwargs)
         self._check_reward_weights(name, cfg, inputs)
+        self._check_critic(name, cfg, inputs)
         return self.add(LossNode(name=name, loss=cfg), inputs)
+
+    def _check_critic(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
+        """Refuse ``"ppo"`` without a critic among ``inputs``, and a critic listed for another objective."""
+        critics = [n.name for n in (self._lookup(r, reader=name) for r in inputs) if isinstance(n, CriticNode)]
+        if cfg.objective in CRITIC_OBJECTIVES and not critics:
+            gens = [n.name for n in self._nodes if isinstance(n, GeneratorNode)]
+            raise ConfigError(
+                f"loss {name!r}: objective={cfg.objective!r} takes its advantages from a critic's values, and none is listed; "
+                f"declare one, critic = b.critic('critic', {gens[0] if gens else 'gen'!r}, lr=...), and list it: b.loss({name!r}, ..., critic) "
+                "(or use objective='grpo', whose group baseline needs no critic)"
+            )
+        if critics and cfg.objective not in CRITIC_OBJECTIVES:
+            raise ConfigError(
+                f"loss {name!r}: objective={cfg.objective!r} does not use a learned value, but critic {critics[0]!r} is listed; "
+                "set objective='ppo' (GAE advantages from the critic), or drop the critic"
+            )
 
     def _check_reward_weights(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
         """Refuse a ``reward_weights`` key that none of the listed scorers writes, naming those they write."""

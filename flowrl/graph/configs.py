@@ -297,7 +297,9 @@ class LossConfig(msgspec.Struct, **_STRUCT):
             readers of the PPO paper), ``"gspo"`` (sequence-level ratio), ``"cispo"`` (clipped IS
             weight on log pi), ``"tis"`` / ``"mis"`` (truncated / masked importance sampling),
             ``"decoupled_ppo"`` (AReaL: PPO-clip against the proximal policy, the trainer's weights
-            at the batch's start, weighted by pi_prox/mu; the others' ratios are to mu); checked by ``flowrl.operators.losses`` (formulas there).
+            at the batch's start, weighted by pi_prox/mu; the others' ratios are to mu), ``"ppo"`` (PPO-clip
+            with token-level GAE advantages from a critic node's values, ``flowrl.operators.gae``: the
+            loss lists the critic); checked by ``flowrl.operators.losses`` (formulas there).
         rho: AIPO's one-sided cap on the importance ratio pi/mu; the cap C of ``tis``, the upper
             bound of ``mis``, and ``decoupled_ppo``'s cap on pi_prox/mu (a token above it is dropped,
             as AReaL's ``behav_imp_weight_cap``).
@@ -331,6 +333,8 @@ class LossConfig(msgspec.Struct, **_STRUCT):
         normalize_std: divide advantages by the group's reward std (GRPO style).
         kl_coef: weight of a KL(pi || reference) penalty; needs a ``ref_logprobs`` input.
         reward_weights: reward fields the loss reads and their weights (one per scorer output).
+        gamma: ``"ppo"``'s GAE discount per completion token, in [0, 1].
+        lam: ``"ppo"``'s GAE lambda (bias-variance trade-off of the advantage), in [0, 1].
     """
 
     objective: str = "aipo"
@@ -350,9 +354,14 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     normalize_std: bool = False
     kl_coef: float = 0.0
     reward_weights: dict[str, float] = msgspec.field(default_factory=lambda: {"rewards": 1.0})
+    gamma: float = 1.0
+    lam: float = 0.95
 
     def __post_init__(self) -> None:
         o = "LossConfig"
+        _finite(o, gamma=self.gamma, lam=self.lam)
+        _check(0 <= self.gamma <= 1, o, f"gamma={self.gamma} must be in [0, 1] (GAE's discount per token; 1: undiscounted)")
+        _check(0 <= self.lam <= 1, o, f"lam={self.lam} must be in [0, 1] (GAE's lambda; 1: Monte-Carlo returns, 0: one-step TD)")
         _finite(o, rho=self.rho, clip_eps=self.clip_eps, kl_coef=self.kl_coef)
         _finite(o, **{f"reward_weights[{k!r}]": v for k, v in self.reward_weights.items()})
         _check(self.rho >= 1.0, o, f"rho={self.rho} must be >= 1 (it caps pi/mu from above)")

@@ -82,6 +82,8 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
             ``planners.search.resolve_roles`` calls it for every node of the kind, and which side of
             the search costs the node comes from ``side`` and ``publishes_weights``. ``""`` for a
             kind that does not run on devices of its own.
+        trains: it takes optimizer steps on each batch without publishing weights (a critic): the
+            planner prices its forward and training like a policy's (``publishes_weights`` implies it).
     """
 
     node: str
@@ -96,6 +98,7 @@ class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
     holds_weights: bool = False
     rank_program: str = ""
     plan_role: str = ""
+    trains: bool = False
 
 
 _EST = "flowrl.planners.estimate"
@@ -132,6 +135,11 @@ KINDS: dict[str, KindSpec] = {
         node="flowrl.graph.nodes:RewardModelNode", program=f"{_PROG}:build_reward_model", estimator=f"{_EST}.train:estimate_train",
         runs_on="devices", span="reward model", side="trainer", plan_role=f"{_ROLE}:reward_model_role",
         style=KindStyle(dot_shape="box", dot_style="rounded,dashed,filled", mermaid_open="([", mermaid_close="])", fill="#d5e8d4", stroke="#82b366"),
+    ),
+    "critic": KindSpec(
+        node="flowrl.graph.critic:CriticNode", program="flowrl.runtime.critic_program:build_critic", estimator=f"{_EST}.train:estimate_train",
+        runs_on="devices", span="critic", side="trainer", trains=True, plan_role=f"{_ROLE}:critic_role",
+        style=KindStyle(dot_shape="box3d", dot_style="dashed,filled", mermaid_open="[", mermaid_close="]", fill="#ffe6cc", stroke="#d79b00"),
     ),
     "loss": KindSpec(
         node="flowrl.graph.nodes:LossNode", program="", estimator=f"{_EST}.cpu:estimate_in_policy",

@@ -19,12 +19,14 @@ Node kinds (the ``kind`` tag in JSON):
   ``judge`` (``flowrl.graph.judges``), a causal LM prompted with a template whose verdict is read.
   Runs on devices of its own like a reference (it holds a model). Reads the rollout's prompt and
   completion ids and lengths; writes one reward field (``rewards`` unless renamed).
-- ``loss``: the RL objective (AIPO, GRPO/PPO-clip). Reads the rollout and the reward fields named in
-  its config; runs inside the policy's training step, on the policy's devices. Writes ``objective``.
+- ``critic``: a trained value model (``flowrl.graph.critic``): reads the rollout and the reward
+  fields of its loss, writes ``values`` and ``value_version``, and trains on each batch with its own
+  optimizer on devices of its own.
+- ``loss``: the RL objective (AIPO, GRPO/PPO-clip, PPO with a critic's GAE advantages). Reads the
+  rollout and the reward fields named in its config (``"ppo"``: a critic's ``values`` too); runs
+  inside the policy's training step, on the policy's devices. Writes ``objective``.
 - ``policy``: the trainer. Holds pi's trainable weights and optimizer; every optimizer step bumps
   the policy version. Reads ``objective``; its weights leave over weight edges.
-
-``critic`` is reserved for later; it is not accepted yet.
 
 Which kinds own trainable weights (may start a weight edge) and which hold weights (may end one)
 is stated by ``TRAINABLE_KINDS`` and ``WEIGHT_HOLDING_KINDS``, read from the kinds table's
@@ -303,6 +305,8 @@ class LossNode(NodeBase, tag="loss"):
         inputs.update({name: REWARD_TYPE for name in self.loss.reward_weights})
         if self.loss.kl_coef > 0:
             inputs["ref_logprobs"] = FIELDS["ref_logprobs"]
+        if self.loss.objective == "ppo":  # a critic's (flowrl.graph.critic)
+            inputs.update(_fields(("values", "value_version")))
         return Signature(inputs, _fields(("objective",)))
 
     def describe(self) -> str:
@@ -311,6 +315,8 @@ class LossNode(NodeBase, tag="loss"):
         c = self.loss
         extra = {"aipo": f", rho={c.rho:g}", "pg": ""}.get(c.objective, f", eps={c.clip_eps:g}")
         shown = ("objective", "baseline", "rho" if c.objective == "aipo" else "clip_eps")
+        if c.objective == "ppo":  # GAE's, not a group baseline
+            return ", ".join([f"ppo, eps={c.clip_eps:g}, gamma={c.gamma:g}, lam={c.lam:g}", *_changed(c, skip=shown + ("gamma", "lam", "reward_weights"))])
         rest = _changed(c, skip=shown + (() if any(w != 1 for w in c.reward_weights.values()) else ("reward_weights",)))
         return ", ".join([f"{c.objective}{extra}, baseline={c.baseline}", *rest])
 

@@ -28,6 +28,7 @@ OPTION_OWNERS: dict[str, type] = {
     "loss": LossConfig,
     "policy": OptimizerConfig,
     "reference": ReferenceConfig,
+    "critic": OptimizerConfig,
 }
 
 #: TRL ``GRPOConfig`` option -> flowrl's option (a field of one of ``OPTION_OWNERS``' configs), or a

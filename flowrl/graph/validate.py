@@ -14,6 +14,7 @@ from flowrl.errors import GraphError
 from flowrl.graph.fields import OPTIONAL_FIELDS, REWARD_TYPE
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import IN_POLICY_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, ReferenceNode, ScorerNode, signature
+from flowrl.graph.critic import critic_problems, no_critic
 from flowrl.graph.refs import check_reference
 from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
 from flowrl.graph.structure import GraphStructure as Graph  # the rules read the structure; ir.Graph runs them
@@ -112,6 +113,10 @@ def _check_fields(g: Graph) -> Iterable[str]:
             if not srcs and fname not in OPTIONAL_FIELDS:
                 if node.kind == "loss" and fname == "ref_logprobs":
                     yield _no_reference(g, node)
+                    continue
+                if node.kind == "loss" and fname in ("values", "value_version"):
+                    if fname == "values":  # one message for the critic's two fields
+                        yield no_critic(g, node)
                     continue
                 hint = (
                     f"add a scorer with output={fname!r} feeding it, or drop {fname!r} from the loss's reward_weights; "
@@ -339,6 +344,7 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_scorers,
     _check_sources,
     _check_objectives,
+    critic_problems,
 )
 
 

@@ -28,6 +28,10 @@ GRPO / PPO-clip (Schulman et al. 2017; Shao et al. 2024)::
 
     loss = - sum_{i,t} min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) / normalizer
 
+PPO with a critic (``ppo``): the same clipped surrogate with token-level advantages ``A_{i,t}``, a
+critic's GAE (``flowrl.operators.gae``, whitened over the batch's tokens) instead of a group baseline;
+the critic's own clipped value loss is ``flowrl.operators.critic.value_loss``.
+
 Asymmetric clipping (DAPO's clip-higher, Yu et al. 2025, arXiv 2503.14476): ``clip(ratio, 1 - eps_low,
 1 + eps_high)``; ``LossConfig.clip_range()`` (both default to ``clip_eps``).
 
@@ -105,10 +109,13 @@ from torch import Tensor
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
+from flowrl.graph.critic import CRITIC_OBJECTIVES
+from flowrl.operators.gae import gae, whiten
 
 __all__ = [
     "masked_mean",
     "advantages",
+    "loss_advantages",
     "combined_rewards",
     "aipo_loss",
     "pg_loss",
@@ -225,6 +232,23 @@ def advantages(
         var = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, (rewards - mean[inverse]) ** 2) / count
         adv = adv / (var.sqrt()[inverse] + eps)
     return adv
+
+
+def loss_advantages(config: LossConfig, rewards: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+    """The advantages ``config``'s objective trains on: a critic's whitened GAE ``[S, C]`` for the
+    objectives that read one (``CRITIC_OBJECTIVES``: ``flowrl.operators.gae``, ``gamma``, ``lam``), else
+    per-sample group advantages ``[S]`` (``advantages``).
+
+    Raises:
+        ConfigError: a critic objective and a batch without ``values``.
+    """
+    if config.objective in CRITIC_OBJECTIVES:
+        if "values" not in batch:
+            raise ConfigError(f"objective {config.objective!r} needs a critic's 'values' in the batch (it has {sorted(batch)}): list a critic in the loss")
+        mask = batch["completion_mask"]
+        adv, _ = gae(rewards, batch["values"], mask, gamma=config.gamma, lam=config.lam)
+        return whiten(adv, mask)
+    return advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
 
 
 def combined_rewards(config: LossConfig, batch: Mapping[str, Tensor]) -> Tensor:
@@ -360,7 +384,8 @@ def ppo_clip_loss(
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     log_ratio = torch.where(mask, logprobs - behaviour_logprobs, zero)  # [S, C], with gradient
     ratio = log_ratio.exp()
-    surrogate = _clipped_surrogate(ratio, advantages[:, None], clip_eps, high)  # [S, C]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # [S, C] per token (a critic's GAE) or [S] per sample
+    surrogate = _clipped_surrogate(ratio, adv, clip_eps, high)  # [S, C]
     loss = -aggregate(surrogate, mask, agg=agg, normalizer=normalizer, lengths=lengths)
     metrics = {"loss/policy": float(loss.detach()), **_clip_metrics("ppo", ratio.detach(), log_ratio.detach(), mask, clip_eps, high)}
     return loss, metrics
@@ -640,6 +665,7 @@ LOSSES: dict[str, LossFn] = {
     "pg": _pg,
     "grpo": _ppo_clip,
     "ppo_clip": _ppo_clip,
+    "ppo": _ppo_clip,  # with a critic's token-level GAE advantages (loss_advantages)
     "gspo": _gspo,
     "cispo": _cispo,
     "tis": _tis,
@@ -653,7 +679,7 @@ NEEDS_PROXIMAL: frozenset[str] = frozenset({"decoupled_ppo"})
 
 #: PPO-style objectives whose clipped ratio is taken against the old policy: ``proximal_logprobs``
 #: when the batch has them (several updates per batch: TRL's ``old_per_token_logps``), else mu.
-ANCHORED_AT_OLD: frozenset[str] = frozenset({"grpo", "ppo_clip", "gspo", "cispo"})
+ANCHORED_AT_OLD: frozenset[str] = frozenset({"grpo", "ppo_clip", "ppo", "gspo", "cispo"})
 
 
 def check_objective(objective: str) -> None:
@@ -702,8 +728,7 @@ def compute_loss(
         if field not in batch:
             raise ConfigError(f"loss {config.objective!r} needs batch field {field!r}; the batch has {sorted(batch)}")
     if advantages is None:
-        rewards = combined_rewards(config, batch)
-        advantages = _advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
+        advantages = loss_advantages(config, combined_rewards(config, batch), batch)
     mask = batch["completion_mask"]
     extra = {}
     if config.objective in NEEDS_PROXIMAL:  # without the field pi_prox is pi now: a batch's only update

@@ -9,7 +9,8 @@ weights it starts with (no gradient, micro-batched; the batch field ``proximal_l
 ``old/*`` metrics and the mismatch metrics then use, and the PPO-style objectives clip their ratio
 against (``losses.ANCHORED_AT_OLD``: pi / pi_old, TRL's ``old_per_token_logps``, not pi / mu). Each optimizer step, on its mini-batch:
 
-1. reads the rollout and its reward fields; advantages come from the whole mini-batch (group
+1. reads the rollout and its reward fields (and, for ``ppo``, a critic's ``values``: token-level GAE,
+   ``losses.loss_advantages``); advantages come from the whole mini-batch (group
    baselines need every sample of a prompt, and a mini-batch holds whole groups);
 2. in micro-batches of ``optimizer.micro_batch_size`` samples (0: one), recomputes log pi of the
    completions with gradients (``completion_logprobs``, the same layout and the same temperature,
@@ -74,11 +75,11 @@ from flowrl.operators.generation import DTYPES, _mix, copy_weights
 from flowrl.operators.logprobs import completion_logprobs, completion_logprobs_and_entropy
 from flowrl.operators.losses import (
     NEEDS_PROXIMAL,
-    advantages,
     batch_normalizer,
     check_objective,
     combined_rewards,
     compute_loss,
+    loss_advantages,
     proximal_metrics,
 )
 from flowrl.operators.shaping import dynamic_sample, shape_batch
@@ -324,7 +325,7 @@ class Trainer:
         micro-batches, clip, AdamW, ``version += 1``; its metrics (``mismatch/*`` when ``mismatch``)."""
         config = self.loss.loss
         batch, rewards, shaping = shape_batch(config, batch)  # dynamic sampling, overlong penalty, truncated masked
-        adv = advantages(rewards, batch["group_ids"], baseline=config.baseline, normalize_std=config.normalize_std)
+        adv = loss_advantages(config, rewards, batch)  # [S] a group baseline's, or [S, C] a critic's GAE ("ppo")
         mask = batch["completion_mask"]  # [S, C]
         normalizer = batch_normalizer(mask, config.loss_agg)  # the whole (mini-)batch's tokens / sequences (loss_agg)
         lengths = mask.sum(1)  # [S], real tokens, those outside pi's kept set included

@@ -5,8 +5,8 @@ Each device kind names its function in its kinds-table entry, ``KindSpec.plan_ro
 calls it as ``role(node, graph, ctx, model) -> NodeRole`` for every node of the kind. Which side of
 the search costs the node comes from the table, not from here: ``side="generator"`` is priced as
 generation (``estimate/generate.py``), ``side="trainer"`` as training when the kind publishes
-weights (``publishes_weights``, a policy) and as a forward-only pass otherwise (a reference, a
-reward model). A new device kind writes its own function in its own module, or names one of these.
+weights (``publishes_weights``, a policy) or trains (``trains``, a critic) and as a forward-only
+pass otherwise (a reference, a reward model). A new device kind writes its own function in its own module, or names one of these.
 
 ``model`` is the shape ``flowrl plan --model`` gives every node; a function returns it instead of
 its node's own, without reading the node's model (a Hugging Face directory need not exist then).
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
     from flowrl.planners.estimate.common import Context
 
-__all__ = ["NodeRole", "generator_role", "policy_role", "reference_role", "reward_model_role"]
+__all__ = ["NodeRole", "generator_role", "policy_role", "critic_role", "reference_role", "reward_model_role"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,18 @@ def policy_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) 
     return NodeRole(
         model=model or model_from_config(node.model),
         recompute=recompute or opt.updates_per_batch > 1,
+        iterations=(opt.num_iterations, opt.updates_per_batch),
+        micro_batch=opt.micro_batch_size,
+    )
+
+
+def critic_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
+    """A critic, priced like a policy (``KindSpec.trains``): its model, micro-batch and passes a batch,
+    and the extra forward of the values it writes before it trains (``recompute``)."""
+    opt = node.optimizer
+    return NodeRole(
+        model=model or model_from_config(node.model),
+        recompute=True,
         iterations=(opt.num_iterations, opt.updates_per_batch),
         micro_batch=opt.micro_batch_size,
     )

@@ -71,7 +71,7 @@ class Roles:
 
     Attributes:
         gens, trainers, refs: heavy nodes by side, from the kinds table: ``side="generator"`` (generators);
-            ``side="trainer"`` and ``publishes_weights`` (policies); the other trainer-side kinds,
+            ``side="trainer"`` and ``publishes_weights`` or ``trains`` (policies, critics); the other trainer-side kinds,
             forward-only models costed with the training side (references, reward models).
         loss_of: loss node -> the policy it runs inside.
         models: heavy node -> its model shape.
@@ -150,7 +150,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
             gens.append(node.name)
             gen_dtype[node.name] = role.dtype
             gen_engine[node.name] = role.engine
-        elif spec.publishes_weights:  # it trains
+        elif spec.publishes_weights or spec.trains:  # it trains (a policy, a critic)
             trainers.append(node.name)
             micro[node.name] = role.micro_batch
             recompute[node.name] = role.recompute

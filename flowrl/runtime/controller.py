@@ -35,7 +35,8 @@ State it keeps (each guarded as noted):
   waits for all of them, so the metrics file covers every step a resume will not repeat.
 - Cadences count trainer steps (the row's ``step`` = ``seq + 1``), whatever the updates per batch:
   ``eval_every``, ``log_samples`` and ``checkpoint_every`` fire after step ``seq`` when
-  ``(seq + 1) % N == 0``.
+  ``(seq + 1) % N == 0``. A checkpoint is written before the clock advances past the step, so a
+  node gated on the clock (``Node.version_needed``: a critic) has not begun the next batch.
 
 Invariants:
 
@@ -461,7 +462,10 @@ class Controller:
                 f"staleness {staleness} breaks max_staleness={k} steps of {U} versions. This is a flowrl bug; please report it"
             )
         version = int(info.get("version", U * (seq + 1)))
-        self.clock.advance(version)
+        every = self.config.checkpoint_every
+        checkpoint = bool(self.config.checkpoint_dir and every and (seq + 1) % every == 0)  # every N steps (batches)
+        if not checkpoint:
+            self.clock.advance(version)
         gen = {}
         with self._lock:
             for g in gens:
@@ -485,9 +489,9 @@ class Controller:
         self._write_rows(wait=False)
         self.consumed.append(consumed)
         self._consume(consumed)
-        every = self.config.checkpoint_every
-        if self.config.checkpoint_dir and every and (seq + 1) % every == 0:  # every N steps (batches)
-            self._checkpoint_now()
+        if checkpoint:  # before the clock moves on: a node gated on it (a critic) has not begun the next batch
+            self._checkpoint_now(version)
+            self.clock.advance(version)
         if seq + 1 >= self.config.steps:
             self._done.set()
 
@@ -529,11 +533,11 @@ class Controller:
         self._data_position = self._watermark
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def _checkpoint_now(self) -> None:
-        """Checkpoint the policies at the clock's version (``resume.save_run_checkpoint``)."""
+    def _checkpoint_now(self, version: int | None = None) -> None:
+        """Checkpoint the nodes that keep state at ``version`` (default: the clock's; ``resume.save_run_checkpoint``)."""
         assert self.config.checkpoint_dir is not None
         self._write_rows(wait=True)  # the metrics file covers every step the checkpoint does
-        version = self.clock.version
+        version = self.clock.version if version is None else version
         node_programs = {name: ex.program for name, ex in self.executors.items()}
         self.last_checkpoint = save_run_checkpoint(
             self.config.checkpoint_dir, self.graph, node_programs, version=version,

@@ -63,7 +63,7 @@ def test_module_attr_reference() -> None:
         ({}, "missing.py", r"graph script 'missing.py' does not exist"),
         ({"g.json": "{not json"}, "g.json", r"g.json: graph file is not valid JSON"),
         ({"g.json": '{"name": "x", "nodes": []}'}, "g.json", r"g.json: invalid graph 'x': graph 'x' has no nodes"),
-        ({"g.json": '{"name": "x", "nodes": [{"kind": "critic", "name": "c"}]}'}, "g.json", r"does not match the flowrl schema.*\$\.nodes\[0\]"),
+        ({"g.json": '{"name": "x", "nodes": [{"kind": "actor", "name": "c"}]}'}, "g.json", r"does not match the flowrl schema.*\$\.nodes\[0\]"),
         ({"p.py": "x = 1\n"}, "p.py", r"p.py defines neither `graph` nor `build_graph\(\)`"),
         ({"p.py": "graph = 42\n"}, "p.py", r"p.py:graph is a int, not a flowrl Graph"),
         ({"p.py": "def build_graph(:\n"}, "p.py", r"graph script .*p.py': syntax error at .*p.py, line 1"),

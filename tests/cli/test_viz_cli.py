@@ -253,7 +253,7 @@ def test_error_bad_graph(capsys, tmp_path) -> None:
 
 
 def test_error_schema_mismatch(capsys, tmp_path) -> None:
-    (tmp_path / "g.json").write_text('{"name": "x", "nodes": [{"kind": "critic", "name": "c"}]}')
+    (tmp_path / "g.json").write_text('{"name": "x", "nodes": [{"kind": "actor", "name": "c"}]}')
     assert "does not match the flowrl schema" in _user_error(capsys, str(tmp_path / "g.json"))
 
 

@@ -64,8 +64,7 @@ def test_node_kinds_are_closed_and_documented() -> None:
 
     for kind in NODE_KINDS:
         assert f"``{kind}``" in nodes.__doc__
-    assert "critic" not in NODE_KINDS  # reserved, documented as not accepted yet
-    assert "``critic``" in nodes.__doc__
+    assert "actor" not in NODE_KINDS  # the kinds are a closed set: an unknown kind is refused when a graph is read
 
 
 def test_signature_and_describe() -> None:
@@ -289,7 +288,7 @@ def test_an_objective_that_is_no_name_is_refused_at_build():
     "node, value, error, message",
     [
         ("prompts", "cpoy", "ConfigError", "source 'prompts': unknown task 'cpoy'; built-in tasks are add, copy, longtail"),
-        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, cispo, decoupled_ppo, grpo, gspo, mis, pg, ppo_clip, tis"),
+        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, cispo, decoupled_ppo, grpo, gspo, mis, pg, ppo, ppo_clip, tis"),
     ],
     ids=["task", "objective"],
 )

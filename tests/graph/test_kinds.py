@@ -145,9 +145,9 @@ def test_a_device_kind_is_placed_by_its_side(monkeypatch):
     from flowrl.graph import kinds
     from flowrl.placement.default import default_placement
 
-    monkeypatch.setitem(kinds.KINDS, "critic", msgspec.structs.replace(KINDS["reference"], span="critic", side="trainer"))
+    monkeypatch.setitem(kinds.KINDS, "scorer_model", msgspec.structs.replace(KINDS["reference"], span="score model", side="trainer"))
     monkeypatch.setitem(kinds.KINDS, "drafter", msgspec.structs.replace(KINDS["reference"], span="draft", side="generator"))
-    nodes = [("prompts", "source"), ("gen", "generator"), ("draft", "drafter"), ("critic", "critic"), ("policy", "policy")]
+    nodes = [("prompts", "source"), ("gen", "generator"), ("draft", "drafter"), ("critic", "scorer_model"), ("policy", "policy")]
     graph = SimpleNamespace(nodes=[SimpleNamespace(name=n, kind=k) for n, k in nodes])
     placement = default_placement(graph, 1, 4)
     assert {n: m.devices for n, m in placement.nodes.items()} == {"gen": (0, 1), "draft": (0, 1), "critic": (2, 3), "policy": (2, 3)}
@@ -157,7 +157,8 @@ def test_roles_are_table_fields():
     """Which kinds wait for weights, publish them and go on which side: read from the table, not kind names."""
     assert [k for k, s in KINDS.items() if s.waits_for_weights] == ["generator"]
     assert [k for k, s in KINDS.items() if s.publishes_weights] == ["policy"]
-    assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model"}
+    assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model", "critic"}
+    assert [k for k, s in KINDS.items() if s.trains] == ["critic"]
     assert all(s.side == "cpu" for s in KINDS.values() if s.runs_on == "cpu")
     assert TRAINABLE_KINDS == {"policy"} and WEIGHT_HOLDING_KINDS == {"generator", "reference", "policy"}
 

@@ -50,7 +50,7 @@ def _example_dict(example_graph: Graph) -> dict:
     ("mutate", "match"),
     [
         (lambda d: d.update(extra=1), r"schema.*unknown field `extra`|Object contains unknown field `extra`"),
-        (lambda d: d["nodes"][0].update(kind="critic"), r"Invalid value 'critic'"),
+        (lambda d: d["nodes"][0].update(kind="actor"), r"Invalid value 'actor'"),
         (lambda d: d["nodes"][1]["sampling"].update(n_samples="four"), r"Expected `int`, got `str`.*n_samples"),
         (lambda d: d["nodes"][1]["sampling"].update(temperature=0), r"temperature=0.* must be > 0"),
         (lambda d: d["nodes"][1]["sampling"].update(tempreature=1.0), r"unknown field `tempreature`"),
