@@ -470,6 +470,12 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
             forward and backward passes in (its ``MixedPrecisionPolicy``); the sharded master
             weights and the optimizer stay float32.
         reduce_dtype: with ``sharding="fsdp"``, the dtype gradients are reduce-scattered in.
+        packing: run each micro-batch's sequences concatenated into rows (first-fit, rows as long as
+            its longest sequence) instead of padding every sequence to the longest: positions restart
+            per sequence and attention stays within each (``flowrl.operators.packing``); the same
+            loss and gradients to float rounding, fewer tokens computed on mixed lengths. A
+            micro-batch that packing would not shorten runs padded. Needs a model family whose
+            attention takes packed rows (``ModelFamily.packing``: the built-in one, llama, qwen2, qwen3).
     """
 
     lr: float = 1e-3
@@ -488,6 +494,7 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
     sharding: Literal["replicate", "fsdp"] = "replicate"
     param_dtype: Precision = "float32"
     reduce_dtype: Precision = "float32"
+    packing: bool = False
 
     def __post_init__(self) -> None:
         o = "OptimizerConfig"

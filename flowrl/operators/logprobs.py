@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from flowrl.models.causal_lm import CausalLM
+from flowrl.operators.packing import packed_logits
 
 __all__ = [
     "completion_logprobs",
@@ -234,6 +235,7 @@ def completion_logprobs(
     top_k: Tensor | int = 0,
     top_p: Tensor | float = 1.0,
     completion_lens: Tensor | None = None,
+    packing: bool = False,
 ) -> Tensor:
     """log p(y_t | x, y_<t) of every completion token, 0 where ``completion_mask`` is False.
 
@@ -256,13 +258,15 @@ def completion_logprobs(
             rather than a prefix (a multi-turn sample, ``flowrl.operators.multiturn``: its
             environment's tokens are mask False but attended): the first ``completion_lens`` tokens
             are attended, log-probs are still 0 where the mask is False. None: the mask's prefix.
+        packing: run the forward over packed rows (``flowrl.operators.packing``; the model's family
+            must take them) where that costs fewer positions than padding; the same log-probs to float rounding.
 
     Returns:
         ``[S, C]`` float32.
     """
     logp, _ = _completion_logprobs(
         model, prompt_ids, prompt_lens, completion_ids, completion_mask,
-        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=False,
+        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=False, packing=packing,
     )  # fmt: skip
     return logp
 
@@ -278,6 +282,7 @@ def completion_logprobs_and_entropy(
     top_k: Tensor | int = 0,
     top_p: Tensor | float = 1.0,
     completion_lens: Tensor | None = None,
+    packing: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``completion_logprobs`` and, from the same forward pass, the entropy of the distribution each
     completion token was evaluated under (``entropy_of`` the truncated, renormalised ``p``; no gradient).
@@ -289,7 +294,7 @@ def completion_logprobs_and_entropy(
     """
     logp, entropy = _completion_logprobs(
         model, prompt_ids, prompt_lens, completion_ids, completion_mask,
-        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=True,
+        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=True, packing=packing,
     )  # fmt: skip
     assert entropy is not None  # asked for
     return logp, entropy
@@ -307,6 +312,7 @@ def _completion_logprobs(
     top_p: Tensor | float,
     completion_lens: Tensor | None,
     entropy: bool,
+    packing: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` (see there), with the entropies ``[S, C]`` when ``entropy``, else None."""
     S, Tp = prompt_ids.shape
@@ -321,10 +327,13 @@ def _completion_logprobs(
     # Leading columns that are padding in every row change nothing either.
     skip = int(Tp - prompt_lens.max())
     prompt_ids = prompt_ids[:, skip:]
-    valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)
-    tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]  # the last token predicts nothing
-    valid = valid[:, :-1]
-    logits = model(tokens, valid=valid, keep=used).float()  # [S, used, V]: the last prompt token's logits predict y_0
+    logits = packed_logits(model, prompt_ids, prompt_lens, completion_ids[:, :used], attended[:, :used]) if packing else None
+    if logits is None:  # padded (packing off, or it would not shorten this batch)
+        valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)
+        tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]  # the last token predicts nothing
+        valid = valid[:, :-1]
+        logits = model(tokens, valid=valid, keep=used)  # [S, used, V]: the last prompt token's logits predict y_0
+    logits = logits.float()
     if isinstance(temperature, Tensor):
         logits = logits / temperature.to(logits)[:, None, None]
     elif temperature != 1.0:
