@@ -281,6 +281,7 @@ class _Evaluator:
                 last_logits=name in r.last_logits,
                 iterations=r.iterations.get(name, (1, 1))[0],
                 updates=r.iterations.get(name, (1, 1))[1],
+                packing=getattr(getattr(self.graph.node(name), "optimizer", None), "packing", False),  # OptimizerConfig.packing
             )
         return self._train[key]
 
