@@ -8,7 +8,8 @@ restart at 0 with each sequence and attention stays within it (``CausalLM.forwar
 the built-in model's ``packed_attention_mask``, transformers' packed-sequence detection), so every
 sequence gets the computation it gets alone, as in the padded layout: the logits equal the padded
 ones to float rounding, and so do the loss and its gradients whatever the aggregation, which reads
-the logits laid back into the padded ``[S, C, V]`` layout (``packed_logits``).
+the log-probs of the same tokens, laid back into the ``[S, C]`` layout (``packed_logits`` gives the
+logits of the attended completion tokens only, so the log-softmax skips the padding too).
 
 A micro-batch that packing would not shorten (``R x L >= S x W``: equal lengths, or one sequence
 per row anyway) runs padded: packing is never more positions than padding.
@@ -77,10 +78,12 @@ def pack_rows(lengths: list[int], *, capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_logits(model: CausalLM, prompt_ids: Tensor, prompt_lens: Tensor, completion_ids: Tensor, attended: Tensor) -> Tensor | None:
-    """The logits predicting each attended completion token, computed over packed rows and laid out as
-    the padded forward's: ``[S, C, V]`` (0 beyond each sample's attended tokens); None when packing
-    would not cost fewer positions than padding (the caller pads).
+def packed_logits(
+    model: CausalLM, prompt_ids: Tensor, prompt_lens: Tensor, completion_ids: Tensor, attended: Tensor
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The logits predicting each attended completion token, computed over packed rows: ``(logits
+    [N, V], sample [N], step [N])``, logit ``j`` predicting ``completion_ids[sample[j], step[j]]``;
+    None when packing would not cost fewer positions than padding (the caller pads).
 
     Args:
         model: a ``CausalLM`` of a family with ``ModelFamily.packing``.
@@ -105,12 +108,11 @@ def packed_logits(model: CausalLM, prompt_ids: Tensor, prompt_lens: Tensor, comp
     device = prompt_ids.device
     tokens = torch.zeros(len(rows) * L, dtype=prompt_ids.dtype, device=device)  # flat [R * L]; pads: id 0
     positions = torch.zeros(len(rows) * L, dtype=torch.int64, device=device)
-    sources, sample, step = [], [], []  # where each wanted logit is (flat) and where it goes ([S, C])
+    sources, sample, step = [], [], []  # where each wanted logit is (flat), and which token it predicts
     for r, members in enumerate(rows):
         offset = r * L
         for i in members:
-            seq = torch.cat([prompt_ids[i, Tp - p[i] :], completion_ids[i, : a[i] - 1]])
-            tokens[offset : offset + n[i]] = seq
+            tokens[offset : offset + n[i]] = torch.cat([prompt_ids[i, Tp - p[i] :], completion_ids[i, : a[i] - 1]])
             positions[offset : offset + n[i]] = torch.arange(n[i], device=device)
             sources.append(torch.arange(offset + p[i] - 1, offset + n[i], device=device))
             sample.append(torch.full((a[i],), i, device=device))
@@ -119,7 +121,4 @@ def packed_logits(model: CausalLM, prompt_ids: Tensor, prompt_lens: Tensor, comp
         tail = (r + 1) * L - offset  # the row's padding: a sequence of its own, never read
         positions[offset : offset + tail] = torch.arange(tail, device=device)
     logits = model(tokens.view(len(rows), L), packed_positions=positions.view(len(rows), L))  # [R, L, V]
-    V = logits.shape[-1]
-    wanted = logits.reshape(-1, V)[torch.cat(sources)]  # [N, V]
-    out = logits.new_zeros(S, C, V)
-    return out.index_put((torch.cat(sample), torch.cat(step)), wanted)
+    return logits.reshape(-1, logits.shape[-1])[torch.cat(sources)], torch.cat(sample), torch.cat(step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -165,3 +166,26 @@ def test_packing_is_refused_for_a_family_whose_attention_cannot_take_packed_rows
 def test_packing_is_an_optimizer_option_and_off_by_default():
     assert OptimizerConfig().packing is False
     assert packing.__all__ == ["pack_rows", "packed_logits", "check_packing"]
+
+
+def test_packed_log_probs_under_mixed_truncations_equal_the_padded_ones():
+    """Samples drawn with different top-k / top-p and temperatures: each setting on its own samples' tokens."""
+    from flowrl.models.registry import build_model
+    from flowrl.operators.logprobs import completion_logprobs_and_entropy
+    from tests.operators.helpers import TINY
+
+    batch = _long_tail(vocab=16)
+    S = batch["completion_ids"].shape[0]
+    model = build_model(TINY)
+    spy = _Spy(model)
+    settings = dict(temperature=torch.linspace(0.6, 1.2, S), top_k=torch.tensor([0, 4, 0, 4, 8, 0, 4, 8]), top_p=torch.tensor([1.0, 1.0, 0.9, 0.9, 1.0, 0.8, 1.0, 1.0]))
+    args = (model, batch["sample_prompt_ids"], batch["sample_prompt_lens"], batch["completion_ids"], batch["completion_mask"])
+    want = completion_logprobs_and_entropy(*args, **settings)
+    got = completion_logprobs_and_entropy(*args, **settings, packing=True)
+    assert (spy.packed, spy.padded) == (1, 1)
+    atol = logprob_atol(model, rollout_sequences(batch), temperature=0.6)
+    assert torch.equal(torch.isneginf(got[0]), torch.isneginf(want[0]))  # the same kept sets
+    finite = ~torch.isneginf(want[0])
+    assert_within(got[0][finite], want[0][finite], atol, msg="log-probs")
+    # H = -sum p log p: dH = -sum p dlog p (log p + 1), so |dH| <= max |dlog p| (H + 1) <= atol (log V + 1)
+    assert_within(got[1], want[1], atol * (math.log(16) + 1), msg="entropy")
