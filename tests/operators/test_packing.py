@@ -130,6 +130,15 @@ def test_packed_step_equals_the_padded_one_on_the_builtin_model(case, micro_batc
     _equal_steps(lambda **o: tiny_policy_node(**o), loss_node(**options), batch, micro_batch_size=micro_batch_size)
 
 
+def test_packed_multi_turn_step_equals_the_padded_one():
+    """Multi-turn samples: the environment's tokens inside the extent (``completion_lens``) are attended, not trained."""
+    batch = _long_tail(vocab=16)
+    lens = batch["completion_mask"].sum(1)
+    batch["completion_lens"] = lens
+    batch["completion_mask"] = batch["completion_mask"] & (torch.arange(batch["completion_mask"].shape[1])[None, :] % 3 != 1)  # every third an env token
+    _equal_steps(lambda **o: tiny_policy_node(**o), loss_node(loss_agg="seq_mean"), batch, micro_batch_size=0)
+
+
 def test_packed_step_equals_the_padded_one_on_the_hf_families(hf_dir):
     _equal_steps(lambda **o: hf_policy_node(hf_dir, **o), loss_node(loss_agg="seq_mean"), _long_tail(vocab=100), micro_batch_size=0)
 
