@@ -120,8 +120,11 @@ AGGREGATIONS = {
 }
 
 
-@pytest.mark.parametrize("micro_batch_size", [0, 3], ids=["whole", "micro3"])
-@pytest.mark.parametrize("case", list(AGGREGATIONS))
+@pytest.mark.parametrize(
+    "case, micro_batch_size",
+    [(case, 0) for case in AGGREGATIONS] + [("aipo-token_mean", 3), ("grpo-dr_grpo", 3)],
+    ids=[f"{case}-whole" for case in AGGREGATIONS] + ["aipo-token_mean-micro3", "grpo-dr_grpo-micro3"],
+)
 def test_packed_step_equals_the_padded_one_on_the_builtin_model(case, micro_batch_size):
     options = dict(AGGREGATIONS[case])
     batch = _long_tail(vocab=16)
@@ -198,3 +201,24 @@ def test_packed_log_probs_under_mixed_truncations_equal_the_padded_ones():
     assert_within(got[0][finite], want[0][finite], atol, msg="log-probs")
     # H = -sum p log p: dH = -sum p dlog p (log p + 1), so |dH| <= max |dlog p| (H + 1) <= atol (log V + 1)
     assert_within(got[1], want[1], atol * (math.log(16) + 1), msg="entropy")
+
+
+def test_a_run_refuses_packing_for_such_a_family_before_it_starts(hf_llama_dir, monkeypatch):
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.runtime import preflight
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packing=False))
+    b = GraphBuilder("g", model=HFModelConfig(path=str(hf_llama_dir)))
+    gen = b.generator("gen", b.source("prompts", task="copy", batch_size=2), n_samples=2, max_new_tokens=4)
+    aipo = b.loss("aipo", gen, b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward"))
+    b.weights(b.policy("policy", aipo, packing=True), gen)
+    graph = b.build()
+    message = r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"
+    with pytest.raises(ConfigError, match=message):
+        preflight.check_packing_families(graph)
+    monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a trainer was built"))
+    with pytest.raises(ConfigError, match=message):
+        run_graph(graph, RunConfig(steps=1))
