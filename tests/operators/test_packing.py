@@ -222,3 +222,25 @@ def test_a_run_refuses_packing_for_such_a_family_before_it_starts(hf_llama_dir, 
     monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a trainer was built"))
     with pytest.raises(ConfigError, match=message):
         run_graph(graph, RunConfig(steps=1))
+
+
+@pytest.mark.slow  # two runs: ~30 s on the loaded 2-core machine
+def test_a_run_with_packing_trains_as_the_padded_run_does():
+    """The long-tail example with and without packing, k = 0, one step: the batch is the same, and so
+    are its loss, entropy and gradient norm."""
+    from flowrl.examples.longtail import LONGTAIL_MODEL
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    def graph(packing: bool):
+        b = GraphBuilder("longtail", model=LONGTAIL_MODEL)
+        gen = b.generator("gen", b.source("prompts", task="longtail", batch_size=2), n_samples=4, max_new_tokens=32)
+        aipo = b.loss("aipo", gen, b.scorer("reward", gen, fn="flowrl.operators.tasks:longtail_reward"), objective="aipo")
+        b.weights(b.policy("policy", aipo, packing=packing, micro_batch_size=4), gen, max_staleness=0)
+        return b.build()
+
+    padded, packed = (run_graph(graph(p), RunConfig(steps=1, progress=False)).rows[0] for p in (False, True))
+    assert packed["reward_mean"] == padded["reward_mean"] and packed["policy/tokens"] == padded["policy/tokens"]
+    for key in ("loss", "policy/entropy", "policy/grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
