@@ -411,6 +411,8 @@ class ReferenceConfig(msgspec.Struct, **_STRUCT):
             0: never, a frozen reference.
         sync_alpha: the policy's share of the mix (TRL's ``ref_model_mixup_alpha``), in (0, 1];
             1 copies the policy.
+        packing: compute its log-probs over packed rows (``OptimizerConfig.packing``'s layout and
+            families): the same log-probs to float rounding, fewer positions on mixed lengths.
 
     Example:
         >>> ReferenceConfig(sync_steps=64, sync_alpha=0.6).syncs_at(128), ReferenceConfig().syncs_at(128)
@@ -419,6 +421,7 @@ class ReferenceConfig(msgspec.Struct, **_STRUCT):
 
     sync_steps: int = 0
     sync_alpha: float = 0.6
+    packing: bool = False
 
     def __post_init__(self) -> None:
         o = "ReferenceConfig"

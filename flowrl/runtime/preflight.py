@@ -121,14 +121,16 @@ def check_engine_meshes(graph: Graph, axes: Mapping[str, tuple[tuple[str, ...], 
 
 
 def check_packing_families(graph: Graph, *, skip: frozenset[str] = frozenset()) -> None:
-    """Refuse, before any node is built, a policy with ``OptimizerConfig.packing`` whose model family
-    cannot take packed rows (``flowrl.operators.packing.check_packing``; the trainer checks it again).
+    """Refuse, before any node is built, a policy (``OptimizerConfig.packing``) or a reference
+    (``ReferenceConfig.packing``) that packs with a model family that cannot take packed rows
+    (``flowrl.operators.packing.check_packing``; the trainer and the reference check it again).
 
     Raises:
-        ConfigError: naming the policy, its family and the families that can.
+        ConfigError: naming the node, its family and the families that can.
     """
     from flowrl.operators.packing import check_packing
 
     for node in graph.nodes:
-        if getattr(getattr(node, "optimizer", None), "packing", False) and node.name not in skip:
-            check_packing(node.model, owner=f"policy {node.name!r}")  # type: ignore[attr-defined]
+        config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
+        if getattr(config, "packing", False) and node.name not in skip:
+            check_packing(node.model, owner=f"{node.kind} {node.name!r}")  # type: ignore[attr-defined]

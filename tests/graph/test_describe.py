@@ -40,7 +40,7 @@ _OPT = dict(lr=0.5, betas=(0.8, 0.9), weight_decay=0.1, grad_clip=0.5, schedule=
     [
         (LossConfig, _LOSS, lambda c: LossNode(name="l", loss=c)),
         (OptimizerConfig, _OPT, lambda c: PolicyNode(name="p", optimizer=c)),
-        (ReferenceConfig, dict(sync_steps=2, sync_alpha=0.5), lambda c: ReferenceNode(name="r", reference=c)),
+        (ReferenceConfig, dict(sync_steps=2, sync_alpha=0.5, packing=True), lambda c: ReferenceNode(name="r", reference=c)),
     ],
     ids=["loss", "policy", "reference"],
 )

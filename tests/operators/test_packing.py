@@ -159,6 +159,22 @@ def test_packed_recompute_of_log_pi_old_equals_the_padded_one():
     assert_within(got, want, atol, msg="log pi_old")
 
 
+def test_packed_reference_log_probs_equal_the_padded_ones(hf_qwen2_dir):
+    """A reference with ``packing=True``: its ``ref_logprobs`` over packed rows, the whole batch at once."""
+    from flowrl.graph.configs import HFModelConfig, ReferenceConfig
+    from flowrl.graph.nodes import ReferenceNode
+    from flowrl.operators.reference import Reference
+
+    batch = _long_tail(vocab=100)
+    padded, packed = (
+        Reference(ReferenceNode(name="ref", model=HFModelConfig(path=str(hf_qwen2_dir)), reference=ReferenceConfig(packing=p))) for p in (False, True)
+    )
+    spy = _Spy(packed.model)
+    want, got = padded.logprobs(batch)["ref_logprobs"], packed.logprobs(batch)["ref_logprobs"]
+    assert (spy.packed, spy.padded) == (1, 0)
+    assert_within(got, want, logprob_atol(padded.model, rollout_sequences(batch), temperature=0.8), msg="ref_logprobs")
+
+
 def test_equal_lengths_run_padded():
     """Packing cannot shorten a batch of equal lengths: it runs padded, the same computation."""
     batch = _batch([[1, 4, 5]] * 4, [[6, 7, 8, 9]] * 4, vocab=16)
