@@ -420,6 +420,8 @@ class ReferenceConfig(msgspec.Struct, **_STRUCT):
             0: never, a frozen reference.
         sync_alpha: the policy's share of the mix (TRL's ``ref_model_mixup_alpha``), in (0, 1];
             1 copies the policy.
+        packing: compute its log-probs over packed rows (``OptimizerConfig.packing``'s layout and
+            families): the same log-probs to float rounding, fewer positions on mixed lengths.
 
     Example:
         >>> ReferenceConfig(sync_steps=64, sync_alpha=0.6).syncs_at(128), ReferenceConfig().syncs_at(128)
@@ -428,6 +430,7 @@ class ReferenceConfig(msgspec.Struct, **_STRUCT):
 
     sync_steps: int = 0
     sync_alpha: float = 0.6
+    packing: bool = False
 
     def __post_init__(self) -> None:
         o = "ReferenceConfig"
@@ -479,6 +482,12 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
             forward and backward passes in (its ``MixedPrecisionPolicy``); the sharded master
             weights and the optimizer stay float32.
         reduce_dtype: with ``sharding="fsdp"``, the dtype gradients are reduce-scattered in.
+        packing: run each micro-batch's sequences concatenated into rows (first-fit, rows as long as
+            its longest sequence) instead of padding every sequence to the longest: positions restart
+            per sequence and attention stays within each (``flowrl.operators.packing``); the same
+            loss and gradients to float rounding, fewer tokens computed on mixed lengths. A
+            micro-batch that packing would not shorten runs padded. Needs a model family whose
+            attention takes packed rows (``ModelFamily.packing``: the built-in one, llama, qwen2, qwen3).
     """
 
     lr: float = 1e-3
@@ -497,6 +506,7 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
     sharding: Literal["replicate", "fsdp"] = "replicate"
     param_dtype: Precision = "float32"
     reduce_dtype: Precision = "float32"
+    packing: bool = False
 
     def __post_init__(self) -> None:
         o = "OptimizerConfig"

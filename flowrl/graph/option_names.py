@@ -49,6 +49,7 @@ TRL_OPTIONS: dict[str, str] = {
     "max_grad_norm": "grad_clip",
     "lr_scheduler_type": "schedule",
     "per_device_train_batch_size": "micro_batch_size",
+    "padding_free": "packing",  # SFTConfig's and DPOConfig's (flattened rows, per-sequence position ids)
     "generation_batch_size": "batch_size",
     "warmup_ratio": "warmup_steps",
     "adam_beta1": "betas",

@@ -7,6 +7,11 @@ built-in transformer's own names, or Hugging Face parameter names), with:
   ``valid`` is True on real tokens over the cached past *and* the new tokens (``S = past + T``;
   prompts are left-padded); positions count real tokens before each token, pads are never attended.
   ``keep > 0`` returns the logits of the last ``keep`` positions only.
+- ``forward(tokens [R, L], *, packed_positions [R, L])``, in a family with ``ModelFamily.packing``:
+  packed rows, several sequences concatenated in each; each token's position within its own
+  sequence, counting from 0, and a sequence starts wherever a position does not follow the one
+  before it by 1 (transformers' packed-sequence convention); attention stays within each sequence,
+  causal. No ``valid`` and no cache with it.
 - ``new_cache(batch, max_len)``: an empty KV cache that ``forward`` extends.
 - ``splice_cache(cache, part, source, rows, start) -> bool``: copy the keys/values of sequences
   ``source`` of another cache ``part`` (``T`` tokens) into rows ``rows``, positions
@@ -44,7 +49,7 @@ class CausalLM(Protocol):
     vocab_size: int
     max_seq_len: int
 
-    def __call__(self, tokens: Tensor, *, valid: Tensor, cache: Any = None, keep: int = 0) -> Tensor: ...
+    def __call__(self, tokens: Tensor, *, valid: Tensor | None = None, cache: Any = None, keep: int = 0, packed_positions: Tensor | None = None) -> Tensor: ...
 
     def new_cache(self, batch: int, max_len: int) -> Any: ...
 

@@ -91,6 +91,11 @@ class ModelFamily:
             a name no row matches is replicated. Empty: the family has no tensor parallelism.
         export_names: (regular expression over a weight name, replacement) for the Hugging Face
             name an export writes, first match wins; empty: the names are already Hugging Face's.
+        packing: its model takes packed rows (``CausalLM.forward(tokens, packed_positions=)``:
+            positions restarting per sequence, attention kept within each), which a policy's
+            ``OptimizerConfig.packing`` needs. A Hugging Face family declares it when transformers
+            keeps packed sequences apart from their ``position_ids`` (``masking_utils``' packed-sequence
+            detection for sdpa, eager and flex attention; flash-attention's varlen kernel).
     """
 
     name: str
@@ -99,6 +104,7 @@ class ModelFamily:
     adapter: str
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
+    packing: bool = False
 
     def load_adapter(self) -> FamilyAdapter:
         """The adapter module (imported now)."""

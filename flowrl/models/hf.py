@@ -10,7 +10,9 @@ the same weights) and wraps it in ``HFCausalLM``.
 are the Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight``): weights travel
 keyed by them and ``save_pretrained`` writes them back. Its forward passes a 2-D ``attention_mask``
 (the ``valid`` mask), explicit ``position_ids`` (real tokens before each token) and a transformers
-``DynamicCache``.
+``DynamicCache``. Packed rows (``packed_positions``) pass no ``attention_mask`` and the packed
+``position_ids``: transformers then finds the sequences from the positions and keeps attention within
+each (``masking_utils.find_packed_sequence_indices``; flash-attention's varlen path reads the same).
 """
 
 from __future__ import annotations
@@ -116,12 +118,21 @@ class HFCausalLM(nn.Module):
         self.hf.training = mode
         return self
 
-    def forward(self, tokens: Tensor, *, valid: Tensor | None = None, cache: Any = None, keep: int = 0) -> Tensor:
+    def forward(
+        self, tokens: Tensor, *, valid: Tensor | None = None, cache: Any = None, keep: int = 0, packed_positions: Tensor | None = None
+    ) -> Tensor:
         """Logits ``[B, T or keep, V]`` of the next token (see ``flowrl.models.causal_lm``).
 
         Raises:
-            ConfigError: when a position exceeds ``max_seq_len`` or ``valid`` disagrees with the cache.
+            ConfigError: when a position exceeds ``max_seq_len``, ``valid`` disagrees with the cache,
+                or ``packed_positions`` comes with ``valid`` or a cache.
         """
+        if packed_positions is not None:
+            if valid is not None or cache is not None:
+                raise ConfigError("packed_positions takes no valid or cache")
+            if packed_positions.numel() and int(packed_positions.max()) >= self.max_seq_len:
+                raise ConfigError(f"position {int(packed_positions.max())} >= max_seq_len={self.max_seq_len}: shorten prompts or max_new_tokens")
+            return self.hf(input_ids=tokens, position_ids=packed_positions, use_cache=False, logits_to_keep=keep).logits
         B, T = tokens.shape
         past = cache.get_seq_length() if cache is not None else 0
         if valid is None:

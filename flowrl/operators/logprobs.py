@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from flowrl.models.causal_lm import CausalLM
+from flowrl.operators.packing import packed_logits
 
 __all__ = [
     "completion_logprobs",
@@ -234,6 +235,7 @@ def completion_logprobs(
     top_k: Tensor | int = 0,
     top_p: Tensor | float = 1.0,
     completion_lens: Tensor | None = None,
+    packing: bool = False,
 ) -> Tensor:
     """log p(y_t | x, y_<t) of every completion token, 0 where ``completion_mask`` is False.
 
@@ -256,13 +258,15 @@ def completion_logprobs(
             rather than a prefix (a multi-turn sample, ``flowrl.operators.multiturn``: its
             environment's tokens are mask False but attended): the first ``completion_lens`` tokens
             are attended, log-probs are still 0 where the mask is False. None: the mask's prefix.
+        packing: run the forward over packed rows (``flowrl.operators.packing``; the model's family
+            must take them) where that costs fewer positions than padding; the same log-probs to float rounding.
 
     Returns:
         ``[S, C]`` float32.
     """
     logp, _ = _completion_logprobs(
         model, prompt_ids, prompt_lens, completion_ids, completion_mask,
-        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=False,
+        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=False, packing=packing,
     )  # fmt: skip
     return logp
 
@@ -278,6 +282,7 @@ def completion_logprobs_and_entropy(
     top_k: Tensor | int = 0,
     top_p: Tensor | float = 1.0,
     completion_lens: Tensor | None = None,
+    packing: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``completion_logprobs`` and, from the same forward pass, the entropy of the distribution each
     completion token was evaluated under (``entropy_of`` the truncated, renormalised ``p``; no gradient).
@@ -289,7 +294,7 @@ def completion_logprobs_and_entropy(
     """
     logp, entropy = _completion_logprobs(
         model, prompt_ids, prompt_lens, completion_ids, completion_mask,
-        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=True,
+        temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=True, packing=packing,
     )  # fmt: skip
     assert entropy is not None  # asked for
     return logp, entropy
@@ -307,6 +312,7 @@ def _completion_logprobs(
     top_p: Tensor | float,
     completion_lens: Tensor | None,
     entropy: bool,
+    packing: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` (see there), with the entropies ``[S, C]`` when ``entropy``, else None."""
     S, Tp = prompt_ids.shape
@@ -321,29 +327,36 @@ def _completion_logprobs(
     # Leading columns that are padding in every row change nothing either.
     skip = int(Tp - prompt_lens.max())
     prompt_ids = prompt_ids[:, skip:]
-    valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)
-    tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]  # the last token predicts nothing
-    valid = valid[:, :-1]
-    logits = model(tokens, valid=valid, keep=used).float()  # [S, used, V]: the last prompt token's logits predict y_0
+    packed = packed_logits(model, prompt_ids, prompt_lens, completion_ids[:, :used], attended[:, :used]) if packing else None
+    if packed is None:  # padded (packing off, or it would not shorten this batch)
+        valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)
+        tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]  # the last token predicts nothing
+        valid = valid[:, :-1]
+        logits = model(tokens, valid=valid, keep=used)  # [S, used, V]: the last prompt token's logits predict y_0
+        owner = torch.arange(S, device=logits.device)  # the sample of each row of logits
+        targets = completion_ids[:, :used]  # [S, used]
+    else:  # packed: [N, V], the attended completion tokens only, of samples `owner` at steps `step`
+        logits, owner, step = packed
+        targets = completion_ids[owner, step]  # [N]
+    logits = logits.float()
     if isinstance(temperature, Tensor):
-        logits = logits / temperature.to(logits)[:, None, None]
+        logits = logits / temperature.to(logits)[owner].view(-1, *[1] * (logits.dim() - 1))
     elif temperature != 1.0:
         logits = logits / temperature
-    targets = completion_ids[:, :used]
     settings = list(_settings(top_k, top_p, S))
     ent: Tensor | None = None
     if len(settings) == 1 and settings[0][2] is None:
         k, p, _ = settings[0]
-        logp = truncated_log_softmax(logits, top_k=k, top_p=p)  # [S, used, V]; log_softmax when untruncated
+        logp = truncated_log_softmax(logits, top_k=k, top_p=p)  # [..., V]; log_softmax when untruncated
         picked = logp.gather(-1, targets[..., None]).squeeze(-1)
         if entropy:
-            ent = entropy_of(logp)  # [S, used]
-    else:  # samples drawn with different truncations: each setting on its rows
+            ent = entropy_of(logp)
+    else:  # samples drawn with different truncations: each setting on its samples' rows
         pieces, ents, order = [], [], []
         for k, p, chosen in settings:
-            rows = (torch.arange(S) if chosen is None else chosen).to(logits.device)
+            rows = torch.isin(owner, chosen.to(owner.device)).nonzero().squeeze(1)
             logp = truncated_log_softmax(logits[rows], top_k=k, top_p=p)
-            pieces.append(logp.gather(-1, targets[rows, :, None]).squeeze(-1))
+            pieces.append(logp.gather(-1, targets[rows][..., None]).squeeze(-1))
             if entropy:
                 ents.append(entropy_of(logp))
             order.append(rows)
@@ -352,8 +365,13 @@ def _completion_logprobs(
         if entropy:
             ent = torch.cat(ents)[back]
     zero = torch.zeros((), dtype=out.dtype, device=out.device)
-    out = torch.cat([picked, out[:, used:]], dim=1) if used < C else picked
+    if packed is not None:  # back into the [S, C] layout
+        out = out.index_put((owner, step), picked)
+        ent = None if ent is None else torch.zeros_like(out).index_put((owner, step), ent.to(out.dtype))
+    else:
+        out = torch.cat([picked, out[:, used:]], dim=1) if used < C else picked
+        if ent is not None:
+            ent = torch.cat([ent, torch.zeros(S, C - used, dtype=ent.dtype, device=ent.device)], dim=1) if used < C else ent
     if ent is not None:
-        ent = torch.cat([ent, torch.zeros(S, C - used, dtype=ent.dtype, device=ent.device)], dim=1) if used < C else ent
         ent = torch.where(completion_mask, ent, zero)
     return torch.where(completion_mask, out, zero), ent

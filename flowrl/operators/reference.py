@@ -33,6 +33,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.nodes import ReferenceNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.logprobs import completion_logprobs
+from flowrl.operators.packing import check_packing
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.registry import build_model
 
@@ -72,6 +73,9 @@ class Reference:
 
     def __init__(self, node: ReferenceNode, *, device: str | torch.device = "cpu") -> None:
         self.name = node.name
+        self.packing = node.reference.packing
+        if self.packing:
+            check_packing(node.model, owner=f"reference {node.name!r}")
         self.device = torch.device(device)
         self.model = build_model(node.model, device=self.device).eval().requires_grad_(False)
         self.weights = weight_dict(self.model)
@@ -95,5 +99,6 @@ class Reference:
             lp = completion_logprobs(
                 self.model, prompt_ids, prompt_lens, completion_ids, completion_mask, temperature=temperature, top_k=top_k, top_p=top_p,
                 completion_lens=extent.to(self.device) if extent is not None else None,
+                packing=self.packing,
             )
         return {"ref_logprobs": lp.cpu()}

@@ -281,8 +281,15 @@ class _Evaluator:
                 last_logits=name in r.last_logits,
                 iterations=r.iterations.get(name, (1, 1))[0],
                 updates=r.iterations.get(name, (1, 1))[1],
+                packing=self._packing(name),
             )
         return self._train[key]
+
+    def _packing(self, name: str) -> bool:
+        """Whether the node packs its sequences (a policy's ``OptimizerConfig.packing``, a reference's ``ReferenceConfig.packing``)."""
+        node = self.graph.node(name) if name in self.graph else None
+        config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
+        return bool(getattr(config, "packing", False))
 
     def _sharding(self, name: str) -> str:
         """The node's ``OptimizerConfig.sharding`` (``"replicate"`` for a node without an optimizer)."""

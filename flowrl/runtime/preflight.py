@@ -12,7 +12,7 @@ from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
 
-__all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs"]
+__all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families"]
 
 
 def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset()) -> None:
@@ -203,3 +203,19 @@ def check_engine_meshes(graph: Graph, axes: Mapping[str, tuple[tuple[str, ...], 
                 "replica is not wired to a torchrun mesh yet. Give the generator a mesh of dp only (e.g. "
                 f"{{\"{node.name}\": {{\"ranks\": [...], \"mesh\": {{\"dp\": {tp}}}}}}}), or engine='builtin'"
             )
+
+
+def check_packing_families(graph: Graph, *, skip: frozenset[str] = frozenset()) -> None:
+    """Refuse, before any node is built, a policy (``OptimizerConfig.packing``) or a reference
+    (``ReferenceConfig.packing``) that packs with a model family that cannot take packed rows
+    (``flowrl.operators.packing.check_packing``; the trainer and the reference check it again).
+
+    Raises:
+        ConfigError: naming the node, its family and the families that can.
+    """
+    from flowrl.operators.packing import check_packing
+
+    for node in graph.nodes:
+        config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
+        if getattr(config, "packing", False) and node.name not in skip:
+            check_packing(node.model, owner=f"{node.kind} {node.name!r}")  # type: ignore[attr-defined]

@@ -60,7 +60,8 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, a
             policy with ``sharding="fsdp"`` on a backend other than torchrun, a model that does not
             fit in this machine's memory, or a generator engine that cannot run here
-            (``preflight.check_engines``).
+            (``preflight.check_engines``), or ``packing=True`` with a model family that cannot take
+            packed rows (``preflight.check_packing_families``).
         TransportError: a weight edge names a transport this process has not registered.
         ConfigError: also ``config.eval_data`` that cannot be read or lacks a field the prompt or a
             scorer needs, or is given for a graph whose source is a task (``evaluation.check_eval_data``).
@@ -73,7 +74,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     from flowrl.runtime.fsdp import check_backend
     from flowrl.runtime.names import check_names
     from flowrl.runtime.placement import resolve_device
-    from flowrl.runtime.preflight import check_engines, check_fits_in_memory
+    from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_packing_families
 
     if isinstance(placement, RunConfig) and config is None:  # run_graph(graph, config)
         placement, config = None, placement
@@ -90,6 +91,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     if backend.name != "torchrun":  # under torchrun each rank checks its share (preflight.check_ranks_fit)
         check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
+    check_packing_families(graph, skip=frozenset(config.programs))  # packing=True with a family that cannot pack
     if config.eval_every:
         from flowrl.runtime.evaluation import check_eval_data
 

@@ -32,7 +32,7 @@ _LOSS = dict(objective="gspo", rho=2.0, clip_eps=0.1, clip_eps_low=0.3, clip_eps
              reward_weights={"a": 0.5, "b": 1.0}, gamma=0.9, lam=0.5)  # fmt: skip
 _OPT = dict(lr=0.5, betas=(0.8, 0.9), weight_decay=0.1, grad_clip=0.5, schedule="cosine", warmup_steps=3, total_steps=9,
             micro_batch_size=2, num_iterations=2, num_mini_batches=2, seed=1, gradient_checkpointing=True, autocast="bfloat16",
-            sharding="fsdp", param_dtype="bfloat16", reduce_dtype="bfloat16")  # fmt: skip
+            sharding="fsdp", param_dtype="bfloat16", reduce_dtype="bfloat16", packing=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ _OPT = dict(lr=0.5, betas=(0.8, 0.9), weight_decay=0.1, grad_clip=0.5, schedule=
     [
         (LossConfig, _LOSS, lambda c: LossNode(name="l", loss=c)),
         (OptimizerConfig, _OPT, lambda c: PolicyNode(name="p", optimizer=c)),
-        (ReferenceConfig, dict(sync_steps=2, sync_alpha=0.5), lambda c: ReferenceNode(name="r", reference=c)),
+        (ReferenceConfig, dict(sync_steps=2, sync_alpha=0.5, packing=True), lambda c: ReferenceNode(name="r", reference=c)),
     ],
     ids=["loss", "policy", "reference"],
 )

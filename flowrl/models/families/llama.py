@@ -22,5 +22,5 @@ LLAMA_BLOCK: tuple[tuple[str, Split], ...] = (
 )
 
 FAMILY = ModelFamily(
-    name="llama", description="hf", hf_architecture="LlamaForCausalLM", adapter="flowrl.models.families.llama_style", split_table=LLAMA_BLOCK
+    name="llama", description="hf", hf_architecture="LlamaForCausalLM", adapter="flowrl.models.families.llama_style", split_table=LLAMA_BLOCK, packing=True
 )

@@ -11,5 +11,5 @@ from flowrl.models.family import ModelFamily
 __all__ = ["FAMILY"]
 
 FAMILY = ModelFamily(
-    name="qwen2", description="hf", hf_architecture="Qwen2ForCausalLM", adapter="flowrl.models.families.llama_style", split_table=LLAMA_BLOCK
+    name="qwen2", description="hf", hf_architecture="Qwen2ForCausalLM", adapter="flowrl.models.families.llama_style", split_table=LLAMA_BLOCK, packing=True
 )

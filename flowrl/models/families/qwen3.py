@@ -12,5 +12,5 @@ from flowrl.models.family import ModelFamily
 __all__ = ["FAMILY"]
 
 FAMILY = ModelFamily(
-    name="qwen3", description="hf", hf_architecture="Qwen3ForCausalLM", adapter="flowrl.models.families.llama_style", split_table=LLAMA_BLOCK
+    name="qwen3", description="hf", hf_architecture="Qwen3ForCausalLM", adapter="flowrl.models.families.llama_style", split_table=LLAMA_BLOCK, packing=True
 )

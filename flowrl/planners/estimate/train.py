@@ -2,9 +2,10 @@
 
 Notation: S sequences per step of at most s tokens and ``s_bar`` on average (``Workload``: prompt +
 mean completion; sequences are packed, so time follows the mean and memory the longest; with
-``Tuning.packed_sequences`` off, the default on a CPU device, each micro-batch is padded to its
-longest sequence as flowrl's built-in trainer does, so ``s_bar`` is prompt + the expected longest
-of ``mb`` completions - 1, the last token predicting nothing), model of L layers, width h, MLP width f,
+``Tuning.packed_sequences`` off, the default on a CPU device for a policy without
+``OptimizerConfig.packing``, each micro-batch is padded to its longest sequence as flowrl's trainer
+then does, so ``s_bar`` is prompt + the expected longest of ``mb`` completions - 1, the last token
+predicting nothing; a policy with ``packing`` counts its packed tokens, the mean, on any device), model of L layers, width h, MLP width f,
 vocabulary V, P parameters; mesh dp x tp x pp; micro-batches of ``mb`` sequences, so each
 data-parallel rank runs ``m = ceil(ceil(S / dp) / mb)`` micro-batches.
 
@@ -144,6 +145,7 @@ def train_options(
     last_logits: bool = False,
     iterations: int = 1,
     updates: int = 1,
+    packing: bool = False,
 ) -> TrainOptions:
     """Every (micro-batch, checkpointing) option for this mesh, fastest first, feasible or not.
 
@@ -157,6 +159,8 @@ def train_options(
         iterations: forward/backward passes over the batch (``OptimizerConfig.num_iterations``); the
             log-prob recompute is once per batch.
         updates: optimizer steps per batch (``updates_per_batch``): each syncs gradients and steps AdamW.
+        packing: the policy's ``OptimizerConfig.packing``: flowrl's trainer packs its micro-batches, so
+            their tokens are the mean length's (``Tuning.packed_sequences``, when set, overrides it).
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
@@ -169,17 +173,19 @@ def train_options(
     layers = stage_layers(L, pp)  # the largest stage sets the pace (stages may be uneven)
     frac = layers / L
     s = w.seq_len
-    packed = t.packed_sequences if t.packed_sequences is not None else dev.kind == "gpu"
+    packed = t.packed_sequences if t.packed_sequences is not None else packing or dev.kind == "gpu"
     dist = w.length_dist
 
     def mean_len(mb: int) -> float:
         """Tokens per sequence a micro-batch of ``mb`` costs: the mean packed, its longest padded."""
-        return w.mean_seq_len if packed else w.prompt_len + dist.expected_max(mb) - 1  # the last token predicts nothing
+        if packed:  # flowrl's packing drops each sequence's last token, which predicts nothing, as padding does
+            return w.mean_seq_len - 1 if packing else w.mean_seq_len
+        return w.prompt_len + dist.expected_max(mb) - 1  # the last token predicts nothing
 
     replicas = 1 if dev.cpu.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
     speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
     per_rank = math.ceil(w.sequences / replicas)
-    if not packed and micro_batch == 0:  # flowrl's trainer runs micro_batch_size 0 as one pass over the batch
+    if (packing or not packed) and micro_batch == 0:  # flowrl's trainer runs micro_batch_size 0 as one pass over the batch
         micro_batch = per_rank
     measured = dev.measured_flops(h, "forward" if forward_only else "train")
     rate = measured if measured is not None else dev.peak_flops * t.mfu_train  # a measured rate is achieved, launches in it

@@ -43,4 +43,5 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.builtin.adapter",
     split_table=SPLIT_TABLE,
     export_names=EXPORT_NAMES,
+    packing=True,
 )

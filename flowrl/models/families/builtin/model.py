@@ -46,6 +46,7 @@ __all__ = [
     "count_parameters",
     "positions_from_valid",
     "attention_mask",
+    "packed_attention_mask",
 ]
 
 
@@ -189,6 +190,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         valid: Tensor | None = None,
         keep: int = 0,
+        packed_positions: Tensor | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -202,6 +204,8 @@ class Transformer(nn.Module):
                 interface): bool ``[B, S]``, True on real tokens of the cached past and the new tokens;
                 both are then ``positions_from_valid`` and ``attention_mask`` of it.
             keep: return the logits of the last ``keep`` positions only (0: all).
+            packed_positions: instead of ``valid``, packed rows (``flowrl.models.CausalLM``): ``[B, T]``
+                positions restarting at 0 with each sequence; the mask is ``packed_attention_mask`` of them.
 
         Returns:
             ``[B, T, vocab_size]`` logits (``[B, keep, vocab_size]`` with ``keep``), in the model's dtype.
@@ -214,6 +218,10 @@ class Transformer(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise ConfigError(f"KV cache holds {cache.max_len} slots; {start} filled + {T} new tokens do not fit")
+        if packed_positions is not None:
+            if valid is not None or positions is not None or attn_mask is not None or cache is not None:
+                raise ConfigError("packed_positions takes no valid, positions, attn_mask or cache")
+            positions, attn_mask = packed_positions, packed_attention_mask(packed_positions)
         if valid is not None:
             if positions is not None or attn_mask is not None:
                 raise ConfigError("pass either valid or positions/attn_mask, not both")
@@ -334,6 +342,22 @@ def attention_mask(valid: Tensor, q_start: int, q_len: int) -> Tensor:
     mask = causal[None] & valid[:, None, :S]
     mask = mask | (k == q)[None]
     return mask[:, None]
+
+
+def packed_attention_mask(positions: Tensor) -> Tensor:
+    """Bool ``[B, 1, T, T]`` of packed rows: query i may attend key j iff j <= i and both are in one
+    sequence; a sequence starts wherever a position does not follow the previous one by 1.
+
+    Example:
+        >>> packed_attention_mask(torch.tensor([[0, 1, 0, 1]]))[0, 0].int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    """
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    seq = starts.long().cumsum(-1)  # [B, T]: which sequence of its row each token is in
+    T = positions.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+    return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]
 
 
 def initial_weights(model: Transformer) -> Iterator[tuple[str, Tensor]]:

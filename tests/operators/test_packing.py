@@ -1,0 +1,262 @@
+"""Sequence packing (``OptimizerConfig.packing``): the same loss, gradients and metrics as the padded
+trainer to float32 rounding, for every loss aggregation, on the built-in model and the HF families."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.graph.configs import OptimizerConfig
+from flowrl.models.families import FAMILIES
+from flowrl.models.families.builtin.model import packed_attention_mask
+from flowrl.operators import packing
+from flowrl.operators.packing import pack_rows
+from flowrl.operators.trainer import Trainer
+from tests.models.helpers import hf_policy_node
+from tests.operators.helpers import loss_node, tiny_policy_node
+from tests.tolerances import GradientMagnitudes, assert_within, logprob_atol, rollout_sequences
+
+
+@pytest.mark.parametrize(
+    "lengths, capacity, rows",
+    [
+        ([5, 2, 3, 1, 4], 5, [[0], [4, 3], [2, 1]]),  # decreasing: 5 | 4+1 | 3+2
+        ([3, 3, 3], 3, [[0], [1], [2]]),  # equal lengths: one per row
+        ([2, 0, 2, 2], 6, [[0, 2, 3]]),  # an empty sequence goes nowhere
+        ([], 4, []),
+    ],
+    ids=["long-tail", "equal", "empty-sequence", "nothing"],
+)
+def test_pack_rows_is_first_fit_decreasing(lengths, capacity, rows):
+    assert pack_rows(lengths, capacity=capacity) == rows
+
+
+def test_pack_rows_refuses_a_sequence_longer_than_a_row():
+    with pytest.raises(ConfigError, match="7 tokens does not fit rows of 4"):
+        pack_rows([7], capacity=4)
+
+
+def test_packed_mask_keeps_attention_within_each_sequence():
+    mask = packed_attention_mask(torch.tensor([[0, 1, 2, 0, 0, 1]]))[0, 0]  # sequences of 3, 1 and 2 tokens
+    want = torch.zeros(6, 6, dtype=torch.bool)
+    for lo, hi in [(0, 3), (3, 4), (4, 6)]:
+        want[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
+    assert torch.equal(mask, want)
+
+
+def _batch(prompts: list[list[int]], completions: list[list[int]], vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A rollout of these prompts (left-padded) and completions (right-padded with garbage ids and
+    log-probs), two samples a group, rewards and mu's log-probs drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    S, Tp, C = len(prompts), max(map(len, prompts)), max(map(len, completions)) + 1  # one garbage column beyond the longest
+    return {
+        "sample_prompt_ids": torch.tensor([[0] * (Tp - len(p)) + p for p in prompts]),
+        "sample_prompt_lens": torch.tensor([len(p) for p in prompts]),
+        "completion_ids": torch.tensor([c + [vocab - 1] * (C - len(c)) for c in completions]),
+        "completion_mask": torch.tensor([[t < len(c) for t in range(C)] for c in completions]),
+        "behaviour_logprobs": -torch.rand(S, C, generator=g) * 3 - 0.5,
+        "sampling_temperature": torch.full((S,), 0.8),
+        "group_ids": torch.arange(S) // 2,
+        "rewards": torch.randn(S, generator=g),
+    }
+
+
+def _long_tail(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Eight samples whose completions are 1-3 tokens but one of 20 (and one empty): mostly padding when padded."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [20, 2, 1, 3, 2, 0, 1, 3]
+    prompts = [[1] + torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(1, 5, (8,), generator=g)]
+    completions = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    return _batch(prompts, completions, vocab, seed)
+
+
+class _Spy:
+    """Counts the policy model's forward calls by layout (packed rows or padded)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.packed = self.padded = 0
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        if kwargs.get("packed_positions") is not None:
+            self.packed += 1
+        else:
+            self.padded += 1
+
+
+def _equal_steps(node_of, loss, batch, *, micro_batch_size: int) -> None:
+    """One train step padded and one packed from the same weights: the same loss and metrics, each
+    gradient element within the bound of two float32 sums of its contributions (tests/tolerances.py),
+    and the packed one really ran packed rows."""
+    padded = Trainer(node_of(grad_clip=0.0, micro_batch_size=micro_batch_size), loss)
+    packed = Trainer(node_of(grad_clip=0.0, micro_batch_size=micro_batch_size, packing=True), loss)
+    packed.model.load_state_dict(padded.model.state_dict())
+    spy = _Spy(packed.model)
+    with GradientMagnitudes(padded.model) as mags:
+        want = padded.train_step(copy.deepcopy(batch))
+    got = packed.train_step(copy.deepcopy(batch))
+    assert spy.packed >= 1, (spy.packed, spy.padded)  # a micro-batch that packing cannot shorten runs padded
+    S, width = batch["completion_ids"].shape[0], batch["sample_prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+    partials = -(-S // micro_batch_size) if micro_batch_size else 1
+    tolerances = mags.tolerances(seq_len=width, positions=S * width, partials=partials, temperature=0.8)
+    mine = dict(packed.model.named_parameters())
+    for name, param in padded.model.named_parameters():
+        assert_within(mine[name].grad, param.grad, tolerances[name], msg=name)
+    assert set(got) == set(want)
+    for key, value in want.items():  # loss and metrics: sums of the same log-probs, float32
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+AGGREGATIONS = {
+    "aipo-token_mean": dict(objective="aipo", loss_agg="token_mean"),
+    "aipo-seq_mean": dict(objective="aipo", loss_agg="seq_mean"),
+    "grpo-dr_grpo": dict(objective="grpo", loss_agg="dr_grpo"),
+    "grpo-seq_mean-kl": dict(objective="grpo", loss_agg="seq_mean", kl_coef=0.1),
+}
+
+
+@pytest.mark.parametrize(
+    "case, micro_batch_size",
+    [(case, 0) for case in AGGREGATIONS] + [("aipo-token_mean", 3), ("grpo-dr_grpo", 3)],
+    ids=[f"{case}-whole" for case in AGGREGATIONS] + ["aipo-token_mean-micro3", "grpo-dr_grpo-micro3"],
+)
+def test_packed_step_equals_the_padded_one_on_the_builtin_model(case, micro_batch_size):
+    options = dict(AGGREGATIONS[case])
+    batch = _long_tail(vocab=16)
+    if options.get("kl_coef"):
+        batch["ref_logprobs"] = batch["behaviour_logprobs"] - 0.1
+    _equal_steps(lambda **o: tiny_policy_node(**o), loss_node(**options), batch, micro_batch_size=micro_batch_size)
+
+
+def test_packed_multi_turn_step_equals_the_padded_one():
+    """Multi-turn samples: the environment's tokens inside the extent (``completion_lens``) are attended, not trained."""
+    batch = _long_tail(vocab=16)
+    lens = batch["completion_mask"].sum(1)
+    batch["completion_lens"] = lens
+    batch["completion_mask"] = batch["completion_mask"] & (torch.arange(batch["completion_mask"].shape[1])[None, :] % 3 != 1)  # every third an env token
+    _equal_steps(lambda **o: tiny_policy_node(**o), loss_node(loss_agg="seq_mean"), batch, micro_batch_size=0)
+
+
+def test_packed_step_equals_the_padded_one_on_the_hf_families(hf_dir):
+    _equal_steps(lambda **o: hf_policy_node(hf_dir, **o), loss_node(loss_agg="seq_mean"), _long_tail(vocab=100), micro_batch_size=0)
+
+
+def test_packed_recompute_of_log_pi_old_equals_the_padded_one():
+    """Several updates a batch: log pi_old (no gradient, the ``old/*`` metrics, the clipped ratio) packed too."""
+    batch = _long_tail(vocab=16)
+    padded = Trainer(tiny_policy_node(num_iterations=2), loss_node(objective="grpo"))
+    packed = Trainer(tiny_policy_node(num_iterations=2, packing=True), loss_node(objective="grpo"))
+    spy = _Spy(packed.model)
+    want = padded._logprobs(batch, grad=False)
+    got = packed._logprobs(batch, grad=False)
+    assert spy.packed == 1 and spy.padded == 0
+    atol = logprob_atol(padded.model, rollout_sequences(batch), temperature=0.8)
+    assert_within(got, want, atol, msg="log pi_old")
+
+
+def test_packed_reference_log_probs_equal_the_padded_ones(hf_qwen2_dir):
+    """A reference with ``packing=True``: its ``ref_logprobs`` over packed rows, the whole batch at once."""
+    from flowrl.graph.configs import HFModelConfig, ReferenceConfig
+    from flowrl.graph.nodes import ReferenceNode
+    from flowrl.operators.reference import Reference
+
+    batch = _long_tail(vocab=100)
+    padded, packed = (
+        Reference(ReferenceNode(name="ref", model=HFModelConfig(path=str(hf_qwen2_dir)), reference=ReferenceConfig(packing=p))) for p in (False, True)
+    )
+    spy = _Spy(packed.model)
+    want, got = padded.logprobs(batch)["ref_logprobs"], packed.logprobs(batch)["ref_logprobs"]
+    assert (spy.packed, spy.padded) == (1, 0)
+    assert_within(got, want, logprob_atol(padded.model, rollout_sequences(batch), temperature=0.8), msg="ref_logprobs")
+
+
+def test_equal_lengths_run_padded():
+    """Packing cannot shorten a batch of equal lengths: it runs padded, the same computation."""
+    batch = _batch([[1, 4, 5]] * 4, [[6, 7, 8, 9]] * 4, vocab=16)
+    trainer = Trainer(tiny_policy_node(packing=True), loss_node())
+    spy = _Spy(trainer.model)
+    trainer.train_step(batch)
+    assert (spy.packed, spy.padded) == (0, 1)
+
+
+def test_packing_is_refused_for_a_family_whose_attention_cannot_take_packed_rows(hf_llama_dir, monkeypatch):
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packing=False))
+    with pytest.raises(ConfigError, match=r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"):
+        Trainer(hf_policy_node(hf_llama_dir, packing=True), loss_node())
+    Trainer(hf_policy_node(hf_llama_dir), loss_node())  # unpacked: fine
+
+
+def test_packing_is_an_optimizer_option_and_off_by_default():
+    assert OptimizerConfig().packing is False
+    assert packing.__all__ == ["pack_rows", "packed_logits", "check_packing"]
+
+
+def test_packed_log_probs_under_mixed_truncations_equal_the_padded_ones():
+    """Samples drawn with different top-k / top-p and temperatures: each setting on its own samples' tokens."""
+    from flowrl.models.registry import build_model
+    from flowrl.operators.logprobs import completion_logprobs_and_entropy
+    from tests.operators.helpers import TINY
+
+    batch = _long_tail(vocab=16)
+    S = batch["completion_ids"].shape[0]
+    model = build_model(TINY)
+    spy = _Spy(model)
+    settings = dict(temperature=torch.linspace(0.6, 1.2, S), top_k=torch.tensor([0, 4, 0, 4, 8, 0, 4, 8]), top_p=torch.tensor([1.0, 1.0, 0.9, 0.9, 1.0, 0.8, 1.0, 1.0]))
+    args = (model, batch["sample_prompt_ids"], batch["sample_prompt_lens"], batch["completion_ids"], batch["completion_mask"])
+    want = completion_logprobs_and_entropy(*args, **settings)
+    got = completion_logprobs_and_entropy(*args, **settings, packing=True)
+    assert (spy.packed, spy.padded) == (1, 1)
+    atol = logprob_atol(model, rollout_sequences(batch), temperature=0.6)
+    assert torch.equal(torch.isneginf(got[0]), torch.isneginf(want[0]))  # the same kept sets
+    finite = ~torch.isneginf(want[0])
+    assert_within(got[0][finite], want[0][finite], atol, msg="log-probs")
+    # H = -sum p log p: dH = -sum p dlog p (log p + 1), so |dH| <= max |dlog p| (H + 1) <= atol (log V + 1)
+    assert_within(got[1], want[1], atol * (math.log(16) + 1), msg="entropy")
+
+
+def test_a_run_refuses_packing_for_such_a_family_before_it_starts(hf_llama_dir, monkeypatch):
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.runtime import preflight
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packing=False))
+    b = GraphBuilder("g", model=HFModelConfig(path=str(hf_llama_dir)))
+    gen = b.generator("gen", b.source("prompts", task="copy", batch_size=2), n_samples=2, max_new_tokens=4)
+    aipo = b.loss("aipo", gen, b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward"))
+    b.weights(b.policy("policy", aipo, packing=True), gen)
+    graph = b.build()
+    message = r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"
+    with pytest.raises(ConfigError, match=message):
+        preflight.check_packing_families(graph)
+    monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a trainer was built"))
+    with pytest.raises(ConfigError, match=message):
+        run_graph(graph, RunConfig(steps=1))
+
+
+@pytest.mark.slow  # two runs: ~30 s on the loaded 2-core machine
+def test_a_run_with_packing_trains_as_the_padded_run_does():
+    """The long-tail example with and without packing, k = 0, one step: the batch is the same, and so
+    are its loss, entropy and gradient norm."""
+    from flowrl.examples.longtail import LONGTAIL_MODEL
+    from flowrl.graph.builder import GraphBuilder
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    def graph(packing: bool):
+        b = GraphBuilder("longtail", model=LONGTAIL_MODEL)
+        gen = b.generator("gen", b.source("prompts", task="longtail", batch_size=2), n_samples=4, max_new_tokens=32)
+        aipo = b.loss("aipo", gen, b.scorer("reward", gen, fn="flowrl.operators.tasks:longtail_reward"), objective="aipo")
+        b.weights(b.policy("policy", aipo, packing=packing, micro_batch_size=4), gen, max_staleness=0)
+        return b.build()
+
+    padded, packed = (run_graph(graph(p), RunConfig(steps=1, progress=False)).rows[0] for p in (False, True))
+    assert packed["reward_mean"] == padded["reward_mean"] and packed["policy/tokens"] == padded["policy/tokens"]
+    for key in ("loss", "policy/entropy", "policy/grad_norm"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
