@@ -47,7 +47,6 @@ from flowrl.graph.kinds import KINDS
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
     from flowrl.placement.data import Placement
-    from flowrl.runtime.programs import NodeProgram
 
 __all__ = [
     "OffloadMode",
@@ -340,12 +339,13 @@ class SleepingGenerator:
         self.inner.close()
 
 
-def wrap_program(program: NodeProgram, role: Role | None) -> NodeProgram:
-    """``program`` offloading as ``role`` says (None: as it is)."""
+def wrap_program(program: Any, role: Role | None) -> Any:
+    """``program`` (a ``flowrl.runtime.programs.NodeProgram``, which imports this module) offloading
+    as ``role`` says (None: as it is)."""
     if role == "trainer":
-        return OffloadingTrainer(program)  # type: ignore[return-value]
+        return OffloadingTrainer(program)
     if role == "engine":
-        return SleepingGenerator(program)  # type: ignore[return-value]
+        return SleepingGenerator(program)
     return program
 
 

@@ -49,8 +49,12 @@ def _views_are_the_parameters(trainer: Trainer) -> bool:
     return all(v.untyped_storage().data_ptr() == params[n].untyped_storage().data_ptr() for n, v in trainer.weights().items() if n in params)
 
 
-def test_a_round_trip_keeps_the_state_bit_for_bit_and_moves_every_storage():
-    batch = rollout_with_rewards(seed=1, n_samples=4, batch_size=6)
+@pytest.fixture(scope="module")
+def batch() -> dict[str, torch.Tensor]:
+    return rollout_with_rewards(seed=1, n_samples=4, batch_size=4)
+
+
+def test_a_round_trip_keeps_the_state_bit_for_bit_and_moves_every_storage(batch):
     trainer = Trainer(tiny_policy_node(lr=1e-2), loss_node())
     trainer.train_step(batch)  # gradients and AdamW moments exist
     before = _snapshot(trainer)
@@ -63,16 +67,17 @@ def test_a_round_trip_keeps_the_state_bit_for_bit_and_moves_every_storage():
     assert _equal_bits(before, _snapshot(trainer)) == []  # readable (a checkpoint's save) and equal while offloaded
     offload.reload()
     assert not offload.offloaded and _equal_bits(before, _snapshot(trainer)) == []
+    back = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    assert back.isdisjoint(host)  # back in storages of their own, off the host buffers
     assert _views_are_the_parameters(trainer)
     offload.offload()
     offload.offload()  # twice: a no-op
     assert _equal_bits(before, _snapshot(trainer)) == []
 
 
-def test_steps_with_the_state_offloaded_between_them_are_the_same_steps():
+def test_steps_with_the_state_offloaded_between_them_are_the_same_steps(batch):
     """Offloaded before the first step (as a run's start does) and between steps: the same metrics,
     the same state, and the published views still the parameters after every step."""
-    batch = rollout_with_rewards(seed=1, n_samples=4, batch_size=6)
     plain, moved = Trainer(tiny_policy_node(lr=1e-2), loss_node()), Trainer(tiny_policy_node(lr=1e-2), loss_node())
     offload = HostOffload(moved)
     offload.offload()
@@ -206,3 +211,26 @@ def test_the_cli_refuses_it_without_a_traceback(tmp_path):
     )
     assert done.returncode != 0
     assert "share no device with a generator" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_runtime_moves_the_bytes_the_planner_prices(batch):
+    """``HostOffload.nbytes`` is the planner's ``offloadable`` bytes for the same policy (16 per
+    parameter in float32 with AdamW), plus AdamW's step counts (4 bytes per parameter tensor), which
+    move with the rest on a CPU and stay on the CPU beside a GPU trainer."""
+    from flowrl.modelspec import model_from_config
+    from flowrl.planners.cluster import parse_cluster
+    from flowrl.planners.estimate.common import Context
+    from flowrl.planners.parallel import ParallelDims
+    from flowrl.planners.search import evaluator, resolve_roles
+    from flowrl.planners.tuning import Tuning
+    from flowrl.planners.workload import Workload
+
+    trainer = Trainer(tiny_policy_node(), loss_node())
+    trainer.train_step(batch)
+    offload = HostOffload(trainer)
+    offload.offload()
+    graph = build_example("llamarl")
+    ctx = Context(cluster=parse_cluster("cpu:2"), workload=Workload(prompts_per_step=1, samples_per_prompt=1, prompt_len=4, gen_len=4), tuning=Tuning())
+    priced = evaluator(graph, resolve_roles(graph, ctx, model_from_config(TINY)), ctx, 0).offloadable("policy", ParallelDims())
+    steps = sum(1 for state in trainer.optimizer.state.values() if "step" in state)
+    assert offload.nbytes == priced + 4 * steps
