@@ -89,7 +89,11 @@ def offload_roles(graph: Graph, placement: Placement, mode: OffloadMode, *, devi
 
     Raises:
         ConfigError: ``"on"`` for a trainer that shares no device with a generator, or on the
-            torchrun backend; a plan's offloaded node that is not a trainer or a sleeping engine.
+            torchrun backend; a plan's offloaded node that is not a trainer or a generator.
+
+    Warns:
+        UserWarning: ``"on"`` beside a vLLM generator that cannot sleep here (a CPU); ``"auto"``
+            with a placement that offloads, under torchrun (which does not).
 
     Example:
         >>> from flowrl.examples import build_example
@@ -131,6 +135,13 @@ def offload_roles(graph: Graph, placement: Placement, mode: OffloadMode, *, devi
                     stacklevel=2,
                 )
         return roles
+    if placement.offload and backend == "torchrun":
+        warnings.warn(
+            f"the placement ({placement.source}) offloads {list(placement.offload)}, which the torchrun backend does not do: "
+            "its ranks keep their state on the device (the plan's memory figures assume otherwise)",
+            stacklevel=2,
+        )
+        return {}
     roles = {}
     for name in placement.offload:
         if name in trainers:

@@ -234,3 +234,9 @@ def test_the_runtime_moves_the_bytes_the_planner_prices(batch):
     priced = evaluator(graph, resolve_roles(graph, ctx, model_from_config(TINY)), ctx, 0).offloadable("policy", ParallelDims())
     steps = sum(1 for state in trainer.optimizer.state.values() if "step" in state)
     assert offload.nbytes == priced + 4 * steps
+
+
+def test_a_plan_that_offloads_under_torchrun_is_said_not_done():
+    planned = msgspec.structs.replace(TOGETHER, offload=("policy",))
+    with pytest.warns(UserWarning, match="the torchrun backend does not do"):
+        assert offload_roles(build_example("llamarl"), planned, "auto", backend="torchrun") == {}
