@@ -478,7 +478,8 @@ def build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTr
     from flowrl.runtime.offload import wrap_program
 
     try:
-        return wrap_program(_build_program(graph, name, env, transports), env.offload.get(name))  # type: ignore[arg-type]
+        role = None if name in env.programs else env.offload.get(name)  # a user's program moves its own state
+        return wrap_program(_build_program(graph, name, env, transports), role)  # type: ignore[arg-type]
     except NodeBuildError:
         raise
     except Exception as exc:

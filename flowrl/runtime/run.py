@@ -96,10 +96,13 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
 
         check_eval_data(graph, str(config.eval_data))  # a missing file or column: refused before any work
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
-    if config.offload != "off":  # offloading with no generator beside a trainer: refused before any work
+    if config.offload == "on" or (config.offload == "auto" and placement is not None and placement.offload):  # refused before any work
         from flowrl.runtime.offload import offload_roles
         from flowrl.runtime.placement import run_placement
 
-        offload_roles(graph, run_placement(graph, placement, config), config.offload, device=device, backend=backend.name)
+        if backend.name == "torchrun":  # its ranks hold the default placement of the job's world: refused or said without it
+            offload_roles(graph, placement or Placement(nodes={}), config.offload, device=device, backend=backend.name)
+        else:
+            offload_roles(graph, run_placement(graph, placement, config), config.offload, device=device, backend=backend.name)
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
     return backend.run(graph, placement, config, on_step=on_step)

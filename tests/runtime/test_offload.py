@@ -240,3 +240,16 @@ def test_a_plan_that_offloads_under_torchrun_is_said_not_done():
     planned = msgspec.structs.replace(TOGETHER, offload=("policy",))
     with pytest.warns(UserWarning, match="the torchrun backend does not do"):
         assert offload_roles(build_example("llamarl"), planned, "auto", backend="torchrun") == {}
+
+
+def test_a_run_checkpointed_offloaded_resumes_to_the_same_rows(tmp_path):
+    """Saves read the state from host memory, a resume loads it back onto the device: the rows of
+    2 + 1 steps with offloading are those of 3 steps without."""
+    graph = _small_graph()
+    plain = run_graph(graph, TOGETHER, RunConfig(steps=3, seed=5, offload="off", threads=1)).rows
+    ck = str(tmp_path / "ck")
+    first = run_graph(graph, TOGETHER, RunConfig(steps=2, seed=5, offload="on", threads=1, checkpoint_dir=ck, checkpoint_every=1)).rows
+    rest = run_graph(graph, TOGETHER, RunConfig(steps=3, seed=5, offload="on", threads=1, checkpoint_dir=ck, resume=True)).rows
+    assert [{k: v for k, v in r.items() if not _timing(k)} for r in [*first, *rest]] == [
+        {k: v for k, v in r.items() if not _timing(k)} for r in plain
+    ]
