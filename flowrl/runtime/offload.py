@@ -24,8 +24,13 @@ gradients, the published weight views and its optimizer state, each once, is cop
 buffer kept for the run (pinned on CUDA, copies ``non_blocking``, one synchronisation at the end),
 and each tensor is replaced by the same view of the copy (a parameter keeps its identity, its
 ``data`` changes), so the device memory is free (on CUDA it goes back with ``empty_cache``, so
-vLLM's processes can take it); back: a fresh device storage per buffer, the same way. On a CPU both sides are host memory: the copies are real and free
-nothing, so the mechanism is tested there and priced from ``benches/offload.py``.
+vLLM's processes can take it); back: a fresh device storage per buffer, the same way. On a CPU both
+sides are host memory: the copies are real and free nothing, so the mechanism is tested there and
+timed by ``benches/offload.py``. The bytes moved are the planner's ``offloadable`` bytes
+(``planners/search.py``), which it prices at ``2 x bytes / host_bandwidth`` per step.
+
+Where it runs: the local and process backends (each program is wrapped where it is built, in its
+process); torchrun refuses ``"on"``. A user's program (``RunConfig.programs``) is never wrapped.
 
 Trace: each move is a span on its node's track: ``offload`` and ``reload`` (a trainer's state),
 ``sleep`` and ``wake`` (an engine), carved out of the step (``trace_spans``).
@@ -201,11 +206,11 @@ class HostOffload:
     def _move(self, aliases: list[Alias], to: torch.device, buffers: list[torch.UntypedStorage] | None) -> None:
         """Copy each storage behind ``aliases`` to ``buffers`` (host) or fresh storages on ``to``, then
         install the same views of the copies."""
-        groups: dict[int, tuple[torch.UntypedStorage, list[Alias]]] = {}
-        for alias in aliases:
-            storage = alias[0].untyped_storage()
-            groups.setdefault(storage.data_ptr(), (storage, []))[1].append(alias)
-        sources = [storage for storage, _ in groups.values()]
+        ptrs = [tensor.untyped_storage().data_ptr() for tensor, _ in aliases]  # before any install changes a storage
+        storages: dict[int, torch.UntypedStorage] = {}  # each storage once, in order of first use
+        for (tensor, _), ptr in zip(aliases, ptrs):
+            storages.setdefault(ptr, tensor.untyped_storage())
+        sources = list(storages.values())
         self.nbytes = sum(s.nbytes() for s in sources)
         cuda = self.device.type == "cuda"
         if buffers is None:
@@ -221,11 +226,12 @@ class HostOffload:
                 target.copy_(source, non_blocking=cuda)
             if cuda:
                 torch.cuda.synchronize(self.device)  # every copy landed before the old storages go
-            for (_storage, group), target in zip(groups.values(), targets):
-                for tensor, install in group:
-                    fresh = torch.empty(0, dtype=tensor.dtype, device=target.device)
-                    fresh.set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
-                    install(fresh)
+            target_of = dict(zip(storages, targets))
+            for (tensor, install), ptr in zip(aliases, ptrs):  # ``_aliases``' order: a parameter before its gradient, as ``Module.to`` moves them
+                target = target_of[ptr]
+                fresh = torch.empty(0, dtype=tensor.dtype, device=target.device)
+                fresh.set_(target, tensor.storage_offset(), tensor.size(), tensor.stride())
+                install(fresh)
 
     def offload(self) -> None:
         """The state to host memory (pinned buffers, ``non_blocking`` copies on CUDA); a no-op when it is there already."""
