@@ -107,3 +107,15 @@ def test_a_plan_that_offloads_names_the_node_in_its_placement():
     roomy = msgspec.structs.replace(cluster, device=device(memory_bytes=10**9, host_bandwidth=1e9))
     kept = plan_graph(LLAMARL, roomy, strategy="gen:d1@0 | policy:d1@0", model=TINY, workload=c.workload, **tuning)
     assert kept.placement().offload == ()  # room for both: nothing moves
+
+
+def test_a_vllm_generator_asleep_frees_its_weights_and_a_builtin_one_nothing():
+    """What the runtime does beside a trainer: vLLM's level-1 sleep moves its weights out and back;
+    the built-in engine never sleeps."""
+    from flowrl.graph.rewrite import with_engine
+
+    c, d = ctx(), ParallelDims()
+    assert evaluator(LLAMARL, resolve_roles(LLAMARL, c, TINY), c, 0).offloadable("gen", d) == 0.0
+    vllm = with_engine(build_example("hf_copy"), "vllm")
+    ev = evaluator(vllm, resolve_roles(vllm, c, TINY), c, 0)
+    assert ev.offloadable("gen", d) == ev.resident("gen", d) > 0
