@@ -6,8 +6,6 @@ refused before any work (also from the CLI)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import msgspec
 import pytest
@@ -17,6 +15,7 @@ from flowrl.errors import ConfigError
 from flowrl.examples import build_example
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.rewrite import with_engine
+from flowrl.operators.generation import Generator
 from flowrl.operators.trainer import Trainer
 from flowrl.placement import NodeMesh, Placement
 from flowrl.runtime.config import RunConfig
@@ -165,6 +164,46 @@ def test_the_engine_sleeps_after_each_rollout_and_wakes_before_the_next():
     assert inner.log == ["start", "sleep", "wake", "step 0", "sleep", "wake", "step 1", "sleep", "close"]
 
 
+class SleepyGenerator(Generator):
+    """The built-in engine with a sleep and a wake that keep nothing from happening (what vLLM's are on a
+    GPU: weights out and back), so a run on this CPU puts its engine to sleep between rollouts."""
+
+    def __init__(self, node, *, sleep_mode: bool = False, **options) -> None:
+        super().__init__(node, **options)
+        assert sleep_mode  # built asked to be able to sleep (``GeneratorProgram`` passes it for an engine role)
+        self.asleep = False
+
+    def sleep(self) -> None:
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        self.asleep = False
+
+    def generate(self, prompts):
+        assert not self.asleep, "generated while asleep"
+        return super().generate(prompts)
+
+
+def test_in_a_run_the_engine_sleeps_while_the_trainer_runs_and_the_trainer_waits_offloaded_while_it_samples(tmp_path, monkeypatch):
+    """On one device at k = 0 the trace's moves and steps alternate: wake, sample, sleep, then reload,
+    train, publish, offload, every step; the rows are those of a run without offloading."""
+    from flowrl.operators import engines
+    from flowrl.runtime import offload
+
+    monkeypatch.setitem(engines.ENGINES, "builtin", engines.EngineSpec(generator=f"{__name__}:SleepyGenerator"))
+    monkeypatch.setattr(offload, "_can_sleep", lambda graph, name, device: True)
+    graph = _small_graph()
+    trace = tmp_path / "trace.json"
+    assert offload_roles(graph, TOGETHER, "on") == {"policy": "trainer", "gen": "engine"}
+    rows = run_graph(graph, TOGETHER, RunConfig(steps=3, seed=5, offload="on", threads=1, trace=str(trace))).rows
+    monkeypatch.undo()
+    plain = run_graph(graph, TOGETHER, RunConfig(steps=3, seed=5, offload="off", threads=1)).rows
+    assert [{k: v for k, v in r.items() if not _timing(k)} for r in rows] == [{k: v for k, v in r.items() if not _timing(k)} for r in plain]
+    events = sorted((e["ts"], e["name"]) for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X")
+    moves = [name for _ts, name in events if name in ("wake", "generate", "sleep", "reload", "train", "weight publish", "offload")]
+    assert moves == ["wake", "generate", "sleep", "reload", "train", "weight publish", "offload"] * 3
+
+
 # -- who offloads --------------------------------------------------------------------------------
 def test_roles_by_mode():
     graph = build_example("llamarl")
@@ -202,15 +241,16 @@ def test_offloading_a_trainer_with_no_generator_beside_it_is_refused_before_any_
         offload_roles(build_example("llamarl"), TOGETHER, "on", backend="torchrun")
 
 
-def test_the_cli_refuses_it_without_a_traceback(tmp_path):
+def test_the_cli_refuses_it_without_a_traceback(tmp_path, capsys):
+    from flowrl.cli.main import main
+
     plan = tmp_path / "apart.json"
     plan.write_text(json.dumps({"gen": [0], "policy": [1]}))
-    done = subprocess.run(
-        [sys.executable, "-m", "flowrl", "run", "llamarl", "--steps", "1", "--offload", "on", "--plan", str(plan), "--quiet"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode != 0
-    assert "share no device with a generator" in done.stderr and "Traceback" not in done.stderr
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", "llamarl", "--steps", "1", "--offload", "on", "--plan", str(plan), "--metrics", str(metrics), "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # main wraps the paragraph at 100 columns
+    assert "share no device with a generator" in err and "--offload off" in err and "Traceback" not in err
+    assert not metrics.exists()
 
 
 def test_the_runtime_moves_the_bytes_the_planner_prices(batch):
