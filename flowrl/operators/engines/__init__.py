@@ -38,7 +38,10 @@ __all__ = ["GeneratorEngine", "EngineSpec", "ENGINES", "build_engine", "check_en
 
 
 class GeneratorEngine(Protocol):
-    """What the generator program needs from an engine (``Generator`` and ``VLLMGenerator`` have it)."""
+    """What the generator program needs from an engine (``Generator`` and ``VLLMGenerator`` have it).
+
+    Optional: ``close()``; ``sleep()`` / ``wake_up()`` with a ``sleep_mode=True`` keyword at
+    construction, for colocated offloading (``flowrl.runtime.offload``: ``VLLMGenerator``'s)."""
 
     name: str
     sampling: SamplingConfig

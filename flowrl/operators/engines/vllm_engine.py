@@ -264,6 +264,8 @@ class VLLMGenerator:
         device: ``"cpu"`` or ``"cuda:N"`` (vLLM's engine then sees GPU ``N`` only).
         transport: the weight edge's transport into this generator: ``"file"`` keeps the file route
             into vLLM's workers (``weights_by="file"``); any other sends over the weight-sync group.
+        sleep_mode: start vLLM able to sleep (``enable_sleep_mode``), for ``sleep`` / ``wake_up``
+            between rollouts (``flowrl.runtime.offload``); CUDA only (``sleep_mode_available``).
 
     Attributes:
         llm: the ``vllm.LLM``.
@@ -275,7 +277,8 @@ class VLLMGenerator:
         pad_id: id that pads completions.
 
     Raises:
-        ConfigError: see ``check_vllm``; also an architecture vLLM does not support.
+        ConfigError: see ``check_vllm``; also an architecture vLLM does not support, or
+            ``sleep_mode`` where vLLM has none (a CPU).
     """
 
     def __init__(
