@@ -64,6 +64,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="threads in one process (default), one process per executor, or ranks of a torchrun job (launch under torchrun)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    p.add_argument(
+        "--offload", choices=("auto", "on", "off"), default="auto",
+        help="colocated offloading: a trainer's state in host memory while its generator runs, a vLLM engine asleep while "
+        "the trainer runs; auto: as the --plan says (default), on: every trainer that shares devices with a generator, off: never",
+    )  # fmt: skip
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line of metrics per trainer step")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
     p.add_argument("--model", metavar="DIR", help="run the graph's Hugging Face models from this local directory (e.g. your copy of Qwen2.5-0.5B-Instruct for the qwen_math example)")
@@ -175,6 +180,7 @@ def _run_here(args: argparse.Namespace) -> int:
             eval_data=args.eval_data,
             eval_samples=args.eval_samples,
             eval_pass_reward=args.eval_pass_reward,
+            offload=args.offload,
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None

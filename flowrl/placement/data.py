@@ -83,12 +83,16 @@ class Placement(msgspec.Struct, **_STRUCT):
         pin: the device ids are CPU cores (a placement from a CPU plan): the local and process
             backends pin each executor to its cores where this machine has them all.
         source: where it came from, for messages (``"plan:plan.json"``, ``"default (halves)"``).
+        offload: the nodes whose state the plan moves to host memory while a colocated node runs
+            (a trainer's parameters, gradients and optimizer state; a vLLM engine asleep): what a
+            run with ``offload="auto"`` does (``flowrl.runtime.offload``).
     """
 
     nodes: dict[str, NodeMesh]
     strategy: str = "manual"
     pin: bool = False
     source: str = "manual"
+    offload: tuple[str, ...] = ()
 
     @property
     def devices(self) -> dict[str, tuple[int, ...]]:

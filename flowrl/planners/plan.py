@@ -198,9 +198,9 @@ def _to_plan(
         if name in layout:
             devices, dims = layout[name]
             devs = tuple(devices)
-            offloaded = est is not None and "offload" in est.breakdown  # the others keep only their weights meanwhile
+            offloaded = est.breakdown if est is not None else {}  # "offload/<o>": o's state waits in host memory meanwhile
             reserved = sum(
-                best.estimates[o].memory.weights if offloaded else _resident(best, o)
+                0 if f"offload/{o}" in offloaded else _resident(best, o)
                 for o in layout
                 if o != name and _ranges_share(layout[o][0], devices)
             )

@@ -241,7 +241,9 @@ class Plan(msgspec.Struct, **_STRUCT):
 
     def placement(self, *, source: str = "") -> Placement:
         """What the runtime executes of this plan: each device node's devices and mesh (losses run
-        inside their policy, light nodes on the host); pinned to its cores when made for a CPU.
+        inside their policy, light nodes on the host); pinned to its cores when made for a CPU; the
+        nodes the plan offloads beside a colocated node (``Placement.offload``, the ``offload/<node>``
+        parts of the estimates' breakdowns).
 
         Example:
             >>> from flowrl.examples import build_example
@@ -250,7 +252,10 @@ class Plan(msgspec.Struct, **_STRUCT):
             'gen:d1@0 | policy:d1@1'
         """
         nodes = {n: NodeMesh(devices=p.devices, mesh_shape=p.mesh_shape) for n, p in self.placements.items() if p.devices and p.kind in DEVICE_KINDS}
-        return Placement(nodes=nodes, strategy=self.strategy, pin=self.cluster.startswith("cpu"), source=source or f"plan ({self.strategy})")
+        offload = tuple(sorted({key.split("/", 1)[1] for p in self.placements.values() for key in p.breakdown if key.startswith("offload/")}))
+        return Placement(
+            nodes=nodes, strategy=self.strategy, pin=self.cluster.startswith("cpu"), source=source or f"plan ({self.strategy})", offload=offload,
+        )
 
     def __str__(self) -> str:
         parts = [f"{n}:{p.dims.short()}@{device_ranges(p.devices)}" for n, p in self.placements.items() if p.devices and p.kind not in IN_POLICY_KINDS]

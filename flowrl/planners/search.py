@@ -311,39 +311,49 @@ class _Evaluator:
         return p_dev * (r.param_bytes / (dp if zero >= 3 else 1) + t.grad_bytes / (dp if zero >= 2 else 1) + ob / (dp if zero >= 1 else 1))
 
     def offloadable(self, name: str, dims: ParallelDims) -> float:
-        """Bytes per device of ``resident`` that may wait in host memory while another node runs:
-        a trainer's gradients and optimizer states (weights stay: the weight sync reads them)."""
-        if name not in self.roles.trainers:
-            return 0.0
-        model = self.roles.models[name]
-        p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp
-        return self.resident(name, dims) - p_dev * self.roles.param_bytes / (dims.dp if zero_stage(self.ctx.tuning, self._sharding(name)) >= 3 else 1)
+        """Bytes per device of ``resident`` that wait in host memory while another node runs, as the
+        runtime moves them (``flowrl.runtime.offload``): a trainer's whole state (parameters,
+        gradients, optimizer states, after its weights are published), a vLLM generator's weights
+        (level-1 sleep; its KV cache is never resident here). Nothing of other nodes."""
+        if name in self.roles.trainers:
+            return self.resident(name, dims)
+        if name in self.roles.gens and self.roles.gen_engine.get(name) == "vllm":
+            return self.resident(name, dims)
+        return 0.0
 
     def beside(self, name: str, devices: Sequence[int], dims: ParallelDims, others: Sequence[tuple[str, ParallelDims]]) -> NodeEstimate:
         """``node`` on devices it shares with ``others`` (name, dims), which hold their resident state.
 
         When it does not fit and ``offload`` allows, the others' offloadable state goes to host
         memory while it runs: memory is this node's phase plus what stays resident, and the step
-        pays the move out and back, ``2 * offloaded / host_bandwidth``.
+        pays the move out and back, ``2 * offloaded / host_bandwidth`` (``breakdown["offload"]``;
+        ``breakdown["offload/<other>"]`` each other's share, which ``Plan.placement()`` turns into
+        ``Placement.offload``, what a run with ``offload="auto"`` moves).
         """
         reserved = sum(self.resident(o, d) for o, d in others)
         est = self.node(name, devices, dims, reserved)
         host_bw = self.ctx.cluster.device.host_bandwidth
         if est.feasible or not others or self.ctx.tuning.offload == "off" or host_bw <= 0:
             return est
-        moved = sum(self.offloadable(o, d) for o, d in others)
+        each = {o: self.offloadable(o, d) for o, d in others}
+        moved = sum(each.values())
         if moved <= 0:
             return est
         lighter = self.node(name, devices, dims, reserved - moved)
         if not lighter.feasible:
             return est
         move = 2 * moved / host_bw
+        names = ", ".join(f"{o} ({'asleep' if o in self.roles.gens else 'state'} {format_bytes(b)})" for o, b in each.items() if b > 0)
         return msgspec.structs.replace(
             lighter,
             time_s=lighter.time_s + move,
             steady_s=None if lighter.steady_s is None else lighter.steady_s + move,
-            breakdown={**lighter.breakdown, "offload": move},
-            notes=(*lighter.notes, f"colocated state offloaded: {format_bytes(moved)} out and back over {host_bw / 1e9:.3g} GB/s"),
+            breakdown={**lighter.breakdown, "offload": move, **{f"offload/{o}": 2 * b / host_bw for o, b in each.items() if b > 0}},
+            notes=(
+                *lighter.notes,
+                f"colocated state offloaded: {names}, {format_bytes(moved)} out and back over {host_bw / 1e9:.3g} GB/s "
+                "(what `flowrl run --offload auto` moves: a trainer's parameters, gradients and optimizer state after its publish, a vLLM engine's weights in level-1 sleep)",
+            ),
         )
 
     def node(self, name: str, devices: Sequence[int], dims: ParallelDims, reserved: float) -> NodeEstimate:

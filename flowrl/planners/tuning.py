@@ -42,9 +42,11 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             ``shard_optimizer`` else 0. A policy whose optimizer says ``sharding="fsdp"`` is
             stage 3 whatever this says (the runtime shards it with FSDP2).
             Source: Rajbhandari et al., ZeRO (SC 2020).
-        offload: ``"auto"`` moves the gradients and optimizer states of colocated nodes to host
-            memory while another node needs the room (LlamaRL's co-located offloading), paying
-            their way out and back over ``DeviceSpec.host_bandwidth``; ``"off"`` never does.
+        offload: ``"auto"`` moves a colocated trainer's whole state (parameters, gradients,
+            optimizer states) to host memory, and puts a colocated vLLM generator to sleep (its
+            weights to host memory), while another node needs the room (LlamaRL's co-located
+            offloading), paying their way out and back over ``DeviceSpec.host_bandwidth``: what
+            ``flowrl run --offload auto`` then does (``flowrl.runtime.offload``); ``"off"`` never does.
         shard_optimizer: shard optimizer states over the data-parallel axis (ZeRO-1 / Megatron's
             distributed optimizer).
         activation_checkpointing: ``"auto"`` turns it on only for nodes that do not fit without it;

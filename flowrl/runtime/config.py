@@ -51,6 +51,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         eval_samples: sampled completions per eval row (``k`` of pass@k), besides the greedy one.
         eval_pass_reward: an eval completion passes (pass@k, ``eval/greedy_pass``) when its combined
             reward is at least this.
+        offload: colocated offloading (``flowrl.runtime.offload``): ``"auto"`` as the plan says (a
+            placement from ``flowrl plan``; none otherwise), ``"on"`` every trainer sharing devices
+            with a generator keeps its state in host memory while the generator runs, and a vLLM
+            engine that can sleep sleeps while the trainer runs (a trainer sharing no device with a
+            generator is refused), ``"off"`` never.
     """
 
     steps: int = 250
@@ -75,6 +80,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     eval_data: str | None = None
     eval_samples: int = 4
     eval_pass_reward: float = 1.0
+    offload: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if self.steps < 1:

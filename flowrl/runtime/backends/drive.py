@@ -57,7 +57,14 @@ def run_with_controller(
             thread per colocation group (``flowrl.runtime.compute_threads``).
         on_step: called with each metrics row.
     """
+    import warnings
+
+    from flowrl.runtime.offload import offload_roles
+
     placement = run_placement(graph, placement, config)
+    with warnings.catch_warnings():  # run_graph's check said them already
+        warnings.simplefilter("ignore")
+        roles = offload_roles(graph, placement, config.offload, device=resolve_device(config.device), backend=config.backend)
     with tempfile.TemporaryDirectory(prefix="flowrl-run-") as run_dir:
         env = ProgramEnv(
             transports=transport_specs(graph, run_dir, crosses_processes=crosses_processes),
@@ -65,6 +72,7 @@ def run_with_controller(
             seed=config.seed,
             options=dict(config.options),
             devices=node_devices(placement, resolve_device(config.device)),
+            offload=dict(roles),
         )
         programs = open_programs(env, placement)
         threads = torch.get_num_threads()
