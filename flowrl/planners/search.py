@@ -314,8 +314,9 @@ class _Evaluator:
         """Bytes per device of ``resident`` that wait in host memory while another node runs, as the
         runtime moves them (``flowrl.runtime.offload``): a trainer's whole state (parameters,
         gradients, optimizer states, after its weights are published), a vLLM generator's weights
-        (level-1 sleep; its KV cache is never resident here). Nothing of other nodes."""
-        if name in self.roles.trainers:
+        (level-1 sleep; its KV cache is never resident here). Nothing of other nodes: a critic, which
+        trains but publishes no weights, stays resident (the runtime does not offload it)."""
+        if name in self.roles.trainers and KINDS[self.graph.node(name).kind].publishes_weights:
             return self.resident(name, dims)
         if name in self.roles.gens and self.roles.gen_engine.get(name) == "vllm":
             return self.resident(name, dims)
