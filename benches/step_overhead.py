@@ -20,6 +20,7 @@ Run: python benches/step_overhead.py [--steps 60] [--repeats 3]
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -44,7 +45,9 @@ def operators_loop(steps: int) -> dict[str, list[float]]:
     source, gen = PromptSource(g.node("prompts")), Generator(g.node("gen"), seed=0)
     scorer, trainer = Scorer(g.node("reward")), Trainer(g.node("policy"), g.node("aipo"))
     gen.load_weights(trainer.weights(), 0)
-    out: dict[str, list[float]] = {k: [] for k in ("source_s", "gen_s", "score_s", "train_s", "sync_s", "time_s")}
+    out: dict[str, list[float]] = {k: [] for k in ("source_s", "gen_s", "score_s", "train_s", "sync_s", "time_s", "bare_train_s")}
+    bare_model = copy.deepcopy(trainer.model)
+    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
     for _ in range(steps):
         t0 = time.perf_counter()
         prompts = source.next_batch()
@@ -59,7 +62,26 @@ def operators_loop(steps: int) -> dict[str, list[float]]:
         t5 = time.perf_counter()
         for k, v in zip(out, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
             out[k].append(v)
+        out["bare_train_s"].append(bare_train_step(bare_model, bare_opt, batch))
     return out
+
+
+def bare_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> float:
+    """The model's arithmetic of a policy-gradient step on ``batch`` and nothing else: one forward
+    over prompt + completion, log-softmax at the completion tokens, a reward-weighted loss, backward,
+    AdamW. Seconds."""
+    t0 = time.perf_counter()
+    prompt, completion, mask = batch["sample_prompt_ids"], batch["completion_ids"], batch["completion_mask"]
+    ids = torch.cat([prompt, completion], dim=1)
+    logits = model(ids[:, :-1])
+    logits = logits if isinstance(logits, torch.Tensor) else logits[0]
+    logp = torch.log_softmax(logits[:, prompt.shape[1] - 1 :].float(), dim=-1).gather(-1, completion[..., None]).squeeze(-1)
+    advantage = batch["rewards"] - batch["rewards"].mean()
+    loss = -((logp * mask) * advantage[:, None]).sum() / mask.sum().clamp(min=1)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return time.perf_counter() - t0
 
 
 def run_loop(steps: int, k: int) -> dict[str, list[float]]:
@@ -105,6 +127,7 @@ def main() -> None:
         step_key = "wall_per_step_s" if way != "operators" else "time_s"
         result[way] = {key: summary(v) for key, v in phases.items()}
         result[way]["completions_per_s"] = summary([completions / s for s in phases[step_key]])
+    result["trainer_over_bare"] = summary([t / b for t, b in zip(medians["operators"]["train_s"], medians["operators"]["bare_train_s"])])
     result["runtime_overhead_s"] = summary([r - o for r, o in zip(medians["run_k0"]["wall_per_step_s"], medians["operators"]["time_s"])])
     result["run_k0_over_operators"] = summary([r / o for r, o in zip(medians["run_k0"]["wall_per_step_s"], medians["operators"]["time_s"])])
     result["run_k2_speedup_over_k0"] = summary([a / b for a, b in zip(medians["run_k0"]["wall_per_step_s"], medians["run_k2"]["wall_per_step_s"])])
