@@ -77,8 +77,8 @@ class Roles:
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
         gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
-        recompute: policy -> whether its objective needs an extra log-prob forward (or it takes several
-            updates a batch: the trainer's log pi_old pass).
+        recompute: policy -> whether its step runs the extra no-gradient log-prob forward (the
+            trainer's rule, ``flowrl.graph.objectives.recomputes_logprobs``, or ``Tuning``'s override).
         iterations: policy -> (passes over a batch, optimizer steps a batch) (``OptimizerConfig``).
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
         last_logits: forward-only nodes that compute the logits of each sequence's last position
