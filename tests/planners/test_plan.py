@@ -37,6 +37,7 @@ def test_default_example_plans_on_two_cores(strategy, family):
         prompts_per_step=source.source.batch_size,
         samples_per_prompt=gen.sampling.n_samples,
         prompt_len=gen.model.max_seq_len - gen.sampling.max_new_tokens,  # no prompt length in a graph: the bound
+        prompt_len_from="the upper bound max_seq_len - max_new_tokens of generator 'gen'",
         gen_len=gen.sampling.max_new_tokens,
     )
     text = format_plan(plan)
