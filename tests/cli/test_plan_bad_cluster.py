@@ -27,4 +27,4 @@ def test_a_cluster_file_without_devices_is_refused_by_the_cli(tmp_path, capsys, 
 def test_a_cluster_string_without_devices_is_refused_by_the_cli(capsys, text):
     assert main(["plan", "llamarl", "--cluster", text]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "must be >= 1" in err and err.startswith("flowrl plan: error: cluster"), err
+    assert "Traceback" not in err and err.startswith("flowrl plan: error: cluster") and "be >= 1" in err, err
