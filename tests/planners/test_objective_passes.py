@@ -22,9 +22,10 @@ from flowrl.planners.plan import plan_graph
 from ..operators.helpers import TINY, rollout_with_rewards
 
 BATCH = 4  # prompts; with 3 samples each, 12 rows a batch
-#: (objective, num_iterations, num_mini_batches): every objective with one and two optimizer steps a
-#: batch, and two passes over the batch for an objective with and one without its own recompute
-CASES = [(o, 1, m) for o in sorted(LOSSES) for m in (1, 2)] + [("aipo", 2, 1), ("decoupled_ppo", 2, 1)]
+#: (objective, num_iterations, num_mini_batches): every objective with one optimizer step a batch;
+#: two steps (mini-batches) for an objective with and two without a recompute of their own; two
+#: passes over the batch for one with and one without
+CASES = [(o, 1, 1) for o in sorted(LOSSES)] + [(o, 1, 2) for o in ("aipo", "grpo", "decoupled_ppo")] + [("aipo", 2, 1), ("decoupled_ppo", 2, 1)]
 
 
 def _graph(objective: str, num_iterations: int, num_mini_batches: int):
