@@ -46,7 +46,7 @@ def prompt_len_from_file(graph: Graph) -> tuple[int | None, str] | None:
     try:
         stream = open_source_stream(graph, source.name, warn=False)
     except FlowrlError as exc:
-        return None, f"source {source.name!r}'s prompt file was not read ({exc}), so the plan assumes the upper bound"
+        return None, f"the prompt file of source {source.name!r} was not read here ({exc}); the plan assumes the prompt length's upper bound"
     batch = max(1, source.source.batch_size)  # type: ignore[attr-defined]
     steps = max(1, min(len(stream), MAX_PROMPTS) // batch)
     longest = [max(len(stream.prompt_ids(s * batch + i)) for i in range(batch)) for s in range(steps)]

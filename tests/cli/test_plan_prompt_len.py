@@ -66,4 +66,4 @@ def test_a_prompt_file_missing_here_leaves_the_upper_bound_with_a_note(tmp_path,
     captured = capsys.readouterr()
     workload = json.loads(captured.out)["workload"]
     assert workload["prompt_len"] == 24 - 4 and workload["prompt_len_from"].startswith("the upper bound")
-    assert "note: source 'prompts''s prompt file was not read" in captured.err and "elsewhere.jsonl" in captured.err
+    assert "note: the prompt file of source 'prompts' was not read here" in captured.err and "elsewhere.jsonl" in captured.err
