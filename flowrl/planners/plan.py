@@ -289,7 +289,7 @@ def _tp_across_hosts(name: str, placed: tuple[Any, ParallelDims], spec: ClusterS
         return ""
     dev = spec.device
     intra, inter = dev.intra_host_bandwidth, dev.inter_host_bandwidth
-    why = "as the placement gives it" if strategy == "manual" else "the search found no placement that fits with tp within one host"
+    why = "as the placement gives it" if strategy == "manual" else "on its devices the search found no dims that fit with tp within one host"
     return (
         f"node {name!r}: each tensor-parallel group of {dims.tp} devices spans {hosts} hosts, so its all-reduces "
         f"(two per layer) cross hosts at {inter / 1e9:.3g} GB/s per device instead of {intra / 1e9:.3g} GB/s within a host "

@@ -19,10 +19,10 @@ plan may leave some idle, e.g. a colocated placement on 1008 H100s uses at most 
 ``Tuning.split_multipliers`` (``--set 'split_multipliers=[1,3,5,7,63]'``) adds sizes. Using every
 device instead would not be monotone: Llama-3 405B's synchronous baseline is predicted faster on
 1008 H100s (d18t8p7) than on all of 1024 (d16t8p8), whose dims cannot hold 18 replicas.
-One rule is still the whole cluster's: tensor-parallel groups across hosts are searched only when no
-split fits without them (``search.search_placements``), so a cluster on which they become needless
-could in principle plan slower than a smaller one that needed them (the property test has found no
-such case; the baseline applies the rule count by count).
+Tensor-parallel groups across hosts follow the same rule: a split searches them for a side that
+fits on it no other way, whatever the cluster (``search.search_placements``; the baseline, count by
+count); only when no split fits at all does every side try them, the one rule left that depends on
+the whole cluster.
 
 A run without a plan places its nodes by a fixed *run strategy* instead (no search, no
 estimates): ``flowrl.placement.default``.
