@@ -17,7 +17,9 @@ Run: ``python benches/planner.py [--example llamarl] [--steps 30] [--skip-measur
    (``mechanisms``: each row adds one to the previous one), beside LlamaRL's published figures.
 3. ``weight_sync``: predicted weight sync (fp8 generator: quantization + transfer) beside LlamaRL's
    reported 1.15 s (70B) and about 2 s (405B).
-4. ``search_time``: CPU seconds (``time.process_time``) of ``plan_graph`` on 1024 and 131,072 H100s
+4. ``peers``: other published asynchronous results on their own settings (``planner_peers.py``,
+   which states what it assumes).
+5. ``search_time``: CPU seconds (``time.process_time``) of ``plan_graph`` on 1024 and 131,072 H100s
    (goals: < 1 s and < 10 s), best of ``--repeats``.
 
 The LlamaRL workload (``LLAMARL_WORKLOAD``): LlamaRL trains on math-reasoning prompts with long
@@ -57,6 +59,7 @@ from flowrl.planners.tuning import make_tuning
 from flowrl.planners.workload import Workload, workload_from_graph
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.run import run_graph
+from planner_peers import peers_table  # beside this file (python benches/planner.py puts benches/ on the path)
 
 #: LlamaRL's published step times (seconds): synchronous DeepSpeed-Chat-like baseline and LlamaRL.
 PUBLISHED = {
@@ -307,6 +310,7 @@ def main() -> None:
         "llamarl_workload": {**msgspec.to_builtins(LLAMARL_WORKLOAD), "short": LLAMARL_WORKLOAD.short()},
         "llamarl": llamarl_table(),
         "weight_sync": weight_sync_table(),
+        "peers": peers_table(),
     }
     if not args.skip_search:
         out["search_time"] = search_times(args.repeats)

@@ -22,8 +22,10 @@ examples:
   flowrl plan llamarl --cluster cpu.json                     with figures measured by 'flowrl calibrate -o cpu.json'
 
 workload: read from the graph (prompts = the source's batch size, samples = the generator's
-n_samples, gen-len = its max_new_tokens, prompt-len = the source's max_prompt_len when set, else
-max_seq_len - max_new_tokens: an upper bound either way).
+n_samples, gen-len = its max_new_tokens; prompt-len = measured on the source's prompt file when it
+reads one (each step's longest prompt, tokenised as the source will, averaged over an epoch), else
+the source's max_prompt_len when set, else max_seq_len - max_new_tokens: an upper bound either
+way). The plan says which prompt length it assumed and where from.
 With --model, or a graph whose models name a preset, the defaults are a math-reasoning-sized step:
 --prompts-per-step 256 --samples 8 --prompt-len 512 --gen-len 2048 (2048 completions, 5.2M tokens),
 and --gen-precision bfloat16. Each flag overrides its field either way. Completion lengths:
@@ -99,6 +101,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from flowrl.errors import PlanError
     from flowrl.cli.graphs import load_graph
+    from flowrl.cli.prompt_lengths import prompt_len_from_file
     from flowrl.planners.cluster import parse_cluster
     from flowrl.planners.lengths import mean_and_tail
     from flowrl.modelspec import resolve_model
@@ -115,12 +118,20 @@ def _run(args: argparse.Namespace) -> int:
         tuning["gen_precision"] = args.gen_precision
     elif presets:
         tuning.setdefault("gen_precision", "bfloat16")
+    prompt_len, prompt_len_from = args.prompt_len, "--prompt-len" if args.prompt_len is not None else None
+    if prompt_len is None and not presets:  # the graph's own prompt file, read here: the planner is pure
+        measured = prompt_len_from_file(graph)
+        if measured is not None and measured[0] is None:
+            print(f"note: {measured[1]}", file=sys.stderr)
+        elif measured is not None:
+            prompt_len, prompt_len_from = measured
     workload = default_workload(
         graph,
         model_override=model is not None,
         prompts_per_step=args.prompts_per_step,
         samples_per_prompt=args.samples,
-        prompt_len=args.prompt_len,
+        prompt_len=prompt_len,
+        prompt_len_from=prompt_len_from,
         gen_len=args.gen_len,
         batching=args.batching,
     )

@@ -111,6 +111,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
 from flowrl.graph.critic import CRITIC_OBJECTIVES
 from flowrl.operators.gae import gae, whiten
+from flowrl.graph.objectives import ANCHORED_AT_OLD, NEEDS_PROXIMAL  # the table the planner reads too
 
 __all__ = [
     "masked_mean",
@@ -672,14 +673,6 @@ LOSSES: dict[str, LossFn] = {
     "mis": _mis,
     "decoupled_ppo": _decoupled_ppo,
 }
-
-#: Objectives that read the proximal policy's log-probs (batch field ``proximal_logprobs``, which the
-#: trainer computes once per batch with the weights it starts the batch with).
-NEEDS_PROXIMAL: frozenset[str] = frozenset({"decoupled_ppo"})
-
-#: PPO-style objectives whose clipped ratio is taken against the old policy: ``proximal_logprobs``
-#: when the batch has them (several updates per batch: TRL's ``old_per_token_logps``), else mu.
-ANCHORED_AT_OLD: frozenset[str] = frozenset({"grpo", "ppo_clip", "ppo", "gspo", "cispo"})
 
 
 def check_objective(objective: str) -> None:

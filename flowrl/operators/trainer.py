@@ -4,7 +4,7 @@ One ``train_step(batch)`` takes ``num_iterations * num_mini_batches`` optimizer 
 batch (``OptimizerConfig``; 1 by default): ``num_iterations`` passes, each over ``num_mini_batches``
 mini-batches of whole prompt groups in an order drawn from ``(seed, version at the batch's start,
 pass)``, so a resumed run draws the same. With more than one step, or an objective that reads it
-(``losses.NEEDS_PROXIMAL``: ``decoupled_ppo``), it first computes log pi_prox of the whole batch with the
+(``flowrl.graph.objectives.recomputes_logprobs``: ``decoupled_ppo``), it first computes log pi_prox of the whole batch with the
 weights it starts with (no gradient, micro-batched; the batch field ``proximal_logprobs``), which the
 ``old/*`` metrics and the mismatch metrics then use, and the PPO-style objectives clip their ratio
 against (``losses.ANCHORED_AT_OLD``: pi / pi_old, TRL's ``old_per_token_logps``, not pi / mu). Each optimizer step, on its mini-batch:
@@ -70,11 +70,11 @@ from torch import Tensor
 from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.configs import OptimizerConfig
 from flowrl.graph.nodes import LossNode, PolicyNode
+from flowrl.graph.objectives import recomputes_logprobs
 from flowrl.operators.batch import leading_dim, split
 from flowrl.operators.generation import DTYPES, _mix, copy_weights
 from flowrl.operators.logprobs import completion_logprobs, completion_logprobs_and_entropy
 from flowrl.operators.losses import (
-    NEEDS_PROXIMAL,
     batch_normalizer,
     check_objective,
     combined_rewards,
@@ -245,7 +245,7 @@ class Trainer:
         batch = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         config, opt = self.loss.loss, self.node.optimizer
         start_version = self.version
-        proximal = opt.updates_per_batch > 1 or config.objective in NEEDS_PROXIMAL
+        proximal = recomputes_logprobs(config.objective, updates_per_batch=opt.updates_per_batch)  # the planner prices the same rule
         mine = self.part_of(batch)  # this rank's samples (all of them in one process): the rollout's metrics
         raw_rewards = combined_rewards(config, mine)  # [S], before shaping: what reward_mean reports
         rollout = {

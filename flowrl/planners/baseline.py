@@ -16,10 +16,14 @@ names what such a system does, each choice a field, so a comparison says what it
 - ``gen_precision``: None samples in the trainer's dtype (no quantization);
 - ``batching``: ``"lockstep"`` generation (``flowrl.planners.lengths``).
 
-Both time it on every device of the cluster (``all_devices``, the comparison LlamaRL makes) and on
-the best subset (``best_subset``: the fastest over the search's device counts,
-``strategies.candidate_counts``, which do not depend on the cluster size, so more devices never
-make it slower). Everything runs synchronously (k = 0).
+Both time it on the best subset of the devices (``best_subset``: the fastest over the search's
+device counts, ``strategies.candidate_counts``, which do not depend on the cluster size, so more
+devices never make it slower; the plan's ``baseline_step_s``) and on every device of the cluster
+(``all_devices``, the comparison LlamaRL makes, which more devices can make slower: Llama-3 405B
+on 1008 H100s runs d18t8p7, on 1024 only d16t8p8 or another mesh of all 1024). A count is
+searched with tensor-parallel groups within a host first, across hosts only when nothing fits on
+it otherwise, count by count, so that rule too is the same on every cluster. Everything runs
+synchronously (k = 0).
 
 Example:
     >>> from flowrl.examples import build_example
@@ -198,13 +202,13 @@ def plan_baseline(graph: Graph, ctx: Context, *, model: ModelSpec | None = None,
         never = {name: e for name, e in ev.problems.items() if name not in ev.fitted}
         closest = min((never or ev.problems).values(), key=lambda e: e.memory.total, default=None)
         problem = f"closest miss: {closest.problem}" if closest else "no parallel dims fit these devices"
-    for mode in ("never", "when needed", "always"):
+    for mode in ("never", "when needed", "always"):  # count by count: a count that fits within hosts never tries across
         ev.allow_tp_across_hosts(mode)
         for count in counts:
             if best.get(count) is None:
                 best[count] = _best_on(ev, count, system.shared_layout)
-        if any(best[c] is not None for c in counts):
-            break
     subset = [best[c] for c in counts if best[c] is not None]
     best_subset = min(subset, key=lambda c: (c.steps.sync_step_s, c.split.gen_count)) if subset else None
+    if best_subset is None and not problem:  # it fits on every device, on none of the counts searched
+        problem = f"it fits on none of the device counts searched ({counts[0]}-{counts[-1]}, strategies.candidate_counts), only on all {n}"
     return BaselineResult(system=system, all_devices=best[n], best_subset=best_subset, problem=problem)

@@ -232,10 +232,11 @@ def _to_plan(
     steps = best.steps
     step = best.step_s
     if base is None:  # no device nodes: the plan is its own baseline
-        baseline, baseline_problem, subset = steps.sync_step_s, "", None
-    else:
-        baseline = base.all_devices.steps.sync_step_s if base.all_devices else None
+        baseline, baseline_problem, subset, every = steps.sync_step_s, "", None, None
+    else:  # the baseline's search (never slower with more devices); every device is LlamaRL's own comparison
+        baseline = base.best_subset.steps.sync_step_s if base.best_subset else None
         baseline_problem, subset = base.problem, base.best_subset
+        every = base.all_devices.steps.sync_step_s if base.all_devices else None
     alternatives = tuple(
         Alternative(
             placement=c.short(),
@@ -268,6 +269,7 @@ def _to_plan(
         baseline_system=base.system.name if base else "",
         baseline_subset_step_s=subset.steps.sync_step_s if subset else None,
         baseline_subset_devices=subset.split.gen_count if subset and subset.split else 0,
+        baseline_all_devices_step_s=every,
         warnings=warnings,
         bottleneck=steps.bottleneck,
         timeline=steps.async_timeline if k >= 1 else steps.sync_timeline,
@@ -287,7 +289,7 @@ def _tp_across_hosts(name: str, placed: tuple[Any, ParallelDims], spec: ClusterS
         return ""
     dev = spec.device
     intra, inter = dev.intra_host_bandwidth, dev.inter_host_bandwidth
-    why = "as the placement gives it" if strategy == "manual" else "the search found no placement that fits with tp within one host"
+    why = "as the placement gives it" if strategy == "manual" else "on its devices the search found no dims that fit with tp within one host"
     return (
         f"node {name!r}: each tensor-parallel group of {dims.tp} devices spans {hosts} hosts, so its all-reduces "
         f"(two per layer) cross hosts at {inter / 1e9:.3g} GB/s per device instead of {intra / 1e9:.3g} GB/s within a host "

@@ -145,12 +145,15 @@ class Plan(msgspec.Struct, **_STRUCT):
         step_s: the one that applies at ``max_staleness``.
         speedup: ``sync_step_s / async_step_s``.
         baseline_step_s: the synchronous baseline system (``baseline_system``,
-            ``flowrl.planners.baseline``) on every device (LlamaRL's comparison); None when it does not fit.
+            ``flowrl.planners.baseline``) on its best subset of the devices, the search's device
+            counts (never slower with more devices); None when it does not fit.
         speedup_vs_baseline: ``baseline_step_s / step_s``.
         baseline_problem: why the baseline does not fit (node, resource, numbers), when it does not.
         baseline_system: the baseline system's name.
-        baseline_subset_step_s: the same system on its best subset of the devices (never slower
-            with more devices); baseline_subset_devices: how many devices that subset has.
+        baseline_subset_step_s: the same figure as ``baseline_step_s``; baseline_subset_devices: how
+            many devices that subset has.
+        baseline_all_devices_step_s: the baseline on every device (LlamaRL's comparison), which
+            more devices can make slower; None when it does not fit.
         warnings: what the user should know about the placement (a tensor-parallel group across hosts).
         bottleneck: the node that sets the pace of the async step, and its share of it.
         timeline: predicted spans of one step at ``max_staleness`` (async spans are steady state).
@@ -178,6 +181,7 @@ class Plan(msgspec.Struct, **_STRUCT):
     baseline_system: str = ""
     baseline_subset_step_s: float | None = None
     baseline_subset_devices: int = 0
+    baseline_all_devices_step_s: float | None = None
     warnings: tuple[str, ...] = ()
     bottleneck: str = ""
     timeline: tuple[Span, ...] = ()

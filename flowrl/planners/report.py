@@ -61,16 +61,16 @@ def format_plan(plan: Plan) -> str:
     name = plan.baseline_system or "synchronous colocated baseline"
     if plan.baseline_step_s is not None and spec is not None:
         lines.append(
-            f"baseline {name} on all {spec.n_devices} devices: {format_seconds(plan.baseline_step_s)}; "
-            f"this plan at k={k}: {format_seconds(plan.step_s)} ({plan.speedup_vs_baseline:.2f}x)"
+            f"baseline {name} on its best subset ({plan.baseline_subset_devices} of {spec.n_devices} devices): "
+            f"{format_seconds(plan.baseline_step_s)}; this plan at k={k}: {format_seconds(plan.step_s)} ({plan.speedup_vs_baseline:.2f}x)"
         )
     elif spec is not None:
         why = f": {plan.baseline_problem}" if plan.baseline_problem else ""
-        lines.append(f"baseline {name} on all {spec.n_devices} devices: does not fit{why}")
-    if plan.baseline_subset_step_s is not None and plan.step_s > 0:
+        lines.append(f"baseline {name} on {spec.n_devices} devices or fewer: does not fit{why}")
+    if plan.baseline_all_devices_step_s is not None and spec is not None and plan.step_s > 0:
         lines.append(
-            f"baseline {name} on its best subset ({plan.baseline_subset_devices} devices): "
-            f"{format_seconds(plan.baseline_subset_step_s)} ({plan.baseline_subset_step_s / plan.step_s:.2f}x)"
+            f"baseline {name} on all {spec.n_devices} devices: "
+            f"{format_seconds(plan.baseline_all_devices_step_s)} ({plan.baseline_all_devices_step_s / plan.step_s:.2f}x)"
         )
     lines.extend(f"warning: {w}" for w in plan.warnings)
     lines.append(f"bottleneck: {plan.bottleneck}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flowrl.graph.objectives import recomputes_logprobs
 from flowrl.modelspec import ModelSpec, model_from_config, reward_model_spec
 from flowrl.planners.estimate.generate import generator_dtype
 
@@ -47,8 +48,8 @@ class NodeRole:
         dtype: a generator-side node's weight dtype (``""``: a trainer-side node, which uses the
             trainer's ``param_bytes``).
         engine: a generator-side node's engine (``"builtin"`` or ``"vllm"``).
-        recompute: a training node's objective needs an extra log-prob forward (or it takes several
-            updates a batch: the trainer's log pi_old pass).
+        recompute: a training node's step runs the extra no-gradient log-prob forward (log pi_prox:
+            ``flowrl.graph.objectives.recomputes_logprobs``, the trainer's rule).
         iterations: a training node's (passes over a batch, optimizer steps a batch).
         micro_batch: a training node's optimizer micro-batch (0: the estimate chooses).
         last_logits: a forward-only node that computes each sequence's last-position logits only.
@@ -71,15 +72,18 @@ def generator_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | Non
 
 
 def policy_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
-    """A policy: its model, micro-batch, passes and updates a batch, and whether its loss's
-    objective (``aipo`` needs none) or several updates a batch recompute log-probs."""
+    """A policy: its model, micro-batch, passes and updates a batch, and whether its step recomputes
+    log-probs: the trainer's own rule (``flowrl.graph.objectives.recomputes_logprobs``) unless
+    ``Tuning.recompute_logprobs`` says otherwise (a what-if, or a baseline system's choice)."""
     loss = graph.loss_of(node.name)
     objective = getattr(getattr(loss, "loss", None), "objective", "aipo")
-    recompute = ctx.tuning.recompute_logprobs if ctx.tuning.recompute_logprobs is not None else objective != "aipo"
     opt = node.optimizer
+    recompute = recomputes_logprobs(objective, updates_per_batch=opt.updates_per_batch)
+    if ctx.tuning.recompute_logprobs is not None:
+        recompute = ctx.tuning.recompute_logprobs
     return NodeRole(
         model=model or model_from_config(node.model),
-        recompute=recompute or opt.updates_per_batch > 1,
+        recompute=recompute,
         iterations=(opt.num_iterations, opt.updates_per_batch),
         micro_batch=opt.micro_batch_size,
     )

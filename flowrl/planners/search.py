@@ -14,9 +14,10 @@ Pruning keeps the search fast on 10,000 devices: per disaggregated split, each s
 fastest trainer dims, and the ``COLOCATED_FULL`` best pairs by G + T get a full evaluation.
 Estimates are memoised per (node, devices, dims, reserved memory).
 
-A tensor-parallel group all-reduces twice per layer, so it is kept within one host: dims whose tp
-groups span hosts are searched only when no placement fits without them, first only for the sides
-that fit no other way, then for every side (the plan then warns).
+A tensor-parallel group all-reduces twice per layer, so it is kept within one host: on each device
+split, dims whose tp groups span hosts are searched only for a side that fits on it no other way
+(so the rule, like the splits, is the same on every cluster size: ``strategies``), and for every
+side only when no split fits at all (the plan then warns).
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ class Roles:
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
         gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
-        recompute: policy -> whether its objective needs an extra log-prob forward (or it takes several
-            updates a batch: the trainer's log pi_old pass).
+        recompute: policy -> whether its step runs the extra no-gradient log-prob forward (the
+            trainer's rule, ``flowrl.graph.objectives.recomputes_logprobs``, or ``Tuning``'s override).
         iterations: policy -> (passes over a batch, optimizer steps a batch) (``OptimizerConfig``).
         micro_batch: policy -> its optimizer's micro-batch (0: the estimate chooses).
         last_logits: forward-only nodes that compute the logits of each sequence's last position
@@ -257,9 +258,8 @@ class _Evaluator:
         self.sync_cost: Callable[..., SyncEstimate] = _sync_with_quantization
 
     def allow_tp_across_hosts(self, mode: str) -> None:
-        """Set ``tp_across_hosts`` (``"never"``, ``"when needed"``, ``"always"``) and forget the side rankings made under another."""
+        """Set ``tp_across_hosts`` (``"never"``, ``"when needed"``, ``"always"``); side rankings are kept per mode."""
         self.tp_across_hosts = mode
-        self._sides.clear()
 
     # -- per node ---------------------------------------------------------------------------------
     def train_opts(self, name: str, devices: Sequence[int], dims: ParallelDims) -> TrainOptions:
@@ -447,7 +447,7 @@ class _Evaluator:
         """Dims valid for every node of ``side`` on ``devices``, with the side's standalone time (feasible only), fastest first."""
         if not side:
             return []
-        key = (tuple(side), _key(devices, self.dph))
+        key = (tuple(side), _key(devices, self.dph), self.tp_across_hosts)
         if key not in self._sides:
             self._sides[key] = self._side_dims(side, devices)
         return self._sides[key]
@@ -572,19 +572,28 @@ def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: R
     bound on their step (each side's fastest standalone time: ``max(G, T)`` when the sides are
     disjoint, ``G + T`` when colocated) and the visit stops once no remaining split can enter the
     top ``top_k + 1``: branch and bound, exact for the ranking it returns. Tensor-parallel groups
-    that span hosts are searched only when nothing fits without them.
+    that span hosts are searched on a split only for a side that fits on it no other way, and on
+    every side only when no split fits otherwise.
     """
     ev = _Evaluator(graph, roles, ctx, max_staleness)
     result = _search(ev, cluster, strategy)
-    for mode in ("when needed", "always"):  # nothing fits with every tensor-parallel group on one host
-        if result.ranked:
-            break
-        ev.allow_tp_across_hosts(mode)
-        result = _search(ev, cluster, strategy)
+    if not result.ranked:  # no split fits its sides together with tp within hosts where they fit alone
+        result = _search(ev, cluster, strategy, modes=("always",))
     return result
 
 
-def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str) -> SearchResult:
+def _split_mode(ev: _Evaluator, split: DeviceSplit, modes: Sequence[str]) -> str | None:
+    """The first of ``modes`` under which every side of ``split`` has dims that fit (None: none):
+    tensor-parallel groups across hosts are searched on a split only when nothing fits on it without them."""
+    r = ev.roles
+    for mode in modes:
+        ev.allow_tp_across_hosts(mode)
+        if (not r.gens or ev.side_dims(r.gens, split.gen_devices)) and (not r.train_side or ev.side_dims(r.train_side, split.train_devices)):
+            return mode
+    return None
+
+
+def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence[str] = ("never", "when needed")) -> SearchResult:
     ctx, roles = ev.ctx, ev.roles
     splits = device_splits(
         strategy,
@@ -594,23 +603,25 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str) -> SearchResult
         has_generator=bool(roles.gens),
         has_trainer=bool(roles.train_side),
     )
-    bounded: list[tuple[float, int, DeviceSplit]] = []
+    bounded: list[tuple[float, int, DeviceSplit, str]] = []
     infeasible = 0
     for i, split in enumerate(splits):
-        g = ev.side_dims(roles.gens, split.gen_devices)
-        t = ev.side_dims(roles.train_side, split.train_devices)
-        if (roles.gens and not g) or (roles.train_side and not t):
+        mode = _split_mode(ev, split, modes)
+        if mode is None:
             infeasible += 1
             continue
+        g = ev.side_dims(roles.gens, split.gen_devices)
+        t = ev.side_dims(roles.train_side, split.train_devices)
         g0, t0 = (g[0][0] if g else 0.0), (t[0][0] if t else 0.0)
-        bounded.append((_LOWER_BOUND[split.family](g0, t0), i, split))
+        bounded.append((_LOWER_BOUND[split.family](g0, t0), i, split, mode))
     bounded.sort(key=lambda x: (x[0], x[1]))
     keep = ctx.tuning.top_k + 1
     best_per_split: list[Candidate] = []
     steps: list[float] = []
-    for bound, _, split in bounded:
+    for bound, _, split, mode in bounded:
         if len(steps) >= keep and bound >= steps[keep - 1]:
             break
+        ev.allow_tp_across_hosts(mode)
         found = _SEARCH_SPLIT[split.family](ev, split)
         feasible = [c for c in found if c.feasible]
         infeasible += len(found) - len(feasible)

@@ -5,15 +5,24 @@ Nodes play one of two roles: the *generator side* (generator nodes) and the *tra
 contiguous block of device ids:
 
 - ``colocated``: both sides on the same ``n`` devices, phases in sequence (the synchronous
-  DeepSpeed-Chat-like baseline LlamaRL compares against). The ``colocated`` strategy uses every
-  device of the cluster.
+  DeepSpeed-Chat-like baseline LlamaRL compares against), for ``n`` from ``candidate_counts``.
 - ``disaggregated``: generators on devices ``[0, g)``, trainers on ``[g, g + t)``, disjoint, so the
-  two overlap under a staleness bound k >= 1. The ``disaggregated`` strategy tries ``g, t`` from
-  ``candidate_counts`` and every split that uses all devices (``g + t == N``).
-- ``search``: both families over ``candidate_counts`` only. Those counts do not depend on the
-  cluster size, so every candidate on N devices is also a candidate on N' > N devices, which is why
-  more devices never make the best predicted step slower. The price: on N devices that are not of
-  the form ``m * 2**k`` the search may leave some idle (``disaggregated`` and ``colocated`` use them all).
+  two overlap under a staleness bound k >= 1, for ``g, t`` from ``candidate_counts`` with
+  ``g + t <= N``.
+- ``search``: both families.
+
+Every strategy searches sub-clusters: the counts it tries do not depend on the cluster size, so
+every candidate on N devices is also a candidate on N' > N devices, which is why more devices
+never make a strategy's best predicted step slower (``tests/planners/test_monotone.py``). The
+price: on N devices that are not of the form ``m * 2**k`` (or at most ``EXHAUSTIVE_UP_TO``) the
+plan may leave some idle, e.g. a colocated placement on 1008 H100s uses at most 896 (7 * 128); a multiplier of
+``Tuning.split_multipliers`` (``--set 'split_multipliers=[1,3,5,7,63]'``) adds sizes. Using every
+device instead would not be monotone: Llama-3 405B's synchronous baseline is predicted faster on
+1008 H100s (d18t8p7) than on all of 1024 (d16t8p8), whose dims cannot hold 18 replicas.
+Tensor-parallel groups across hosts follow the same rule: a split searches them for a side that
+fits on it no other way, whatever the cluster (``search.search_placements``; the baseline, count by
+count); only when no split fits at all does every side try them, the one rule left that depends on
+the whole cluster.
 
 A run without a plan places its nodes by a fixed *run strategy* instead (no search, no
 estimates): ``flowrl.placement.default``.
@@ -84,6 +93,7 @@ def device_splits(
 ) -> list[DeviceSplit]:
     """The device splits a strategy enumerates on ``n_devices`` devices (see the module docstring).
 
+    Every split uses counts from ``candidate_counts`` only (sub-clusters; see the module docstring).
     A disaggregated split puts the trainer right after the generator (``train_start = g``) and,
     when ``g`` does not end on a host boundary and there is room, also at the next boundary, so
     the trainer's tensor-parallel groups need not straddle hosts. A graph with only one side (no
@@ -97,16 +107,11 @@ def device_splits(
     counts = candidate_counts(n_devices, multipliers)
     splits: list[DeviceSplit] = []
     one_sided = not (has_generator and has_trainer)
-    if strategy == "colocated" or (one_sided and strategy != "search"):
-        return [DeviceSplit(family="colocated", gen_start=0, gen_count=n_devices, train_start=0, train_count=n_devices)]
-    if strategy == "search":
+    if strategy in ("colocated", "search") or one_sided:
         splits += [DeviceSplit(family="colocated", gen_start=0, gen_count=n, train_start=0, train_count=n) for n in counts]
-    if one_sided:
+    if one_sided or strategy == "colocated":
         return splits
     pairs: set[tuple[int, int]] = {(g, t) for g in counts for t in counts if g + t <= n_devices}
-    if strategy == "disaggregated":
-        pairs |= {(g, n_devices - g) for g in counts if g < n_devices}
-        pairs |= {(n_devices - t, t) for t in counts if t < n_devices}
     h = devices_per_host
     for g, t in sorted(pairs):
         splits.append(DeviceSplit(family="disaggregated", gen_start=0, gen_count=g, train_start=g, train_count=t))

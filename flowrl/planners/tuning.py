@@ -52,8 +52,9 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         activation_checkpointing: ``"auto"`` turns it on only for nodes that do not fit without it;
             it costs one more forward pass.
         dp_overlap: fraction of the data-parallel gradient all-reduce hidden behind the backward pass.
-        recompute_logprobs: an extra forward pass per step for old-policy log-probs; None: only for
-            objectives other than AIPO (AIPO uses the generator's recorded log-probs of mu).
+        recompute_logprobs: an extra forward pass per step for old-policy log-probs; None: where the
+            trainer runs one (``flowrl.graph.objectives.recomputes_logprobs``: ``decoupled_ppo``, or
+            several optimizer steps a batch).
         packed_sequences: whether the trainer packs its sequences (time follows the mean length)
             or pads each micro-batch to its longest sequence (time follows the longest of ``mb``
             completions, ``LengthDistribution.expected_max``, as flowrl's built-in trainer runs,

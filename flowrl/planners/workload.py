@@ -5,7 +5,10 @@ nodes (the source's batch size, the generator's ``n_samples``, ``max_new_tokens`
 mode, ``sampling.batching`` when the graph's config has one, else lock-step). ``prompt_len`` is
 the longest prompt the run encodes: the ``max_prompt_len`` of the source feeding the generator when
 it sets one, else the longest prompt the model accepts (``max_seq_len - max_new_tokens``), the
-same limit the run uses (``flowrl.data.wiring.default_max_prompt_len``); both are upper bounds. Completion lengths (``lengths``, a
+same limit the run uses (``flowrl.data.wiring.default_max_prompt_len``); both are upper bounds. A
+source that reads a prompt file has the lengths of its prompts instead, but the planner reads no
+files: ``flowrl plan`` measures them (``flowrl.cli.prompt_lengths``) and passes ``prompt_len``, and
+``prompt_len_from`` says where the length came from. Completion lengths (``lengths``, a
 ``flowrl.planners.lengths.LengthDistribution``) default to every completion running to
 ``gen_len``; a real run's metrics file, or a mean and tail, replace that. Dry-runs of published models
 (``--model llama3-70b``) use ``LLM_DEFAULTS`` instead, a math-reasoning-sized step.
@@ -47,6 +50,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             ``flowrl.operators.multiturn``): a generator-side delay added to its estimated time
             (``estimate.generate``). A graph cannot know it: 0 unless given (a run's metrics rows
             report it as ``env/seconds``).
+        prompt_len_from: where ``prompt_len`` came from, for the plan's reader (``""``: not said).
     """
 
     prompts_per_step: int
@@ -56,6 +60,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     lengths: LengthDistribution | None = None
     batching: Batching = "lockstep"
     env_s: float = 0.0
+    prompt_len_from: str = ""
 
     def __post_init__(self) -> None:
         if not (self.env_s >= 0.0 and self.env_s != float("inf")):
@@ -106,9 +111,10 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def short(self) -> str:
         lengths = f", completions {self.lengths.short()}" if self.lengths is not None else ""
         batching = f", {self.batching} batching" if self.batching != "lockstep" else ""
+        prompt = f", prompt length from {self.prompt_len_from}" if self.prompt_len_from else ""
         return (
             f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples, "
-            f"{self.prompt_len}+{self.gen_len} tokens ({self.tokens_per_step:,} tokens/step){lengths}{batching}"
+            f"{self.prompt_len}+{self.gen_len} tokens ({self.tokens_per_step:,} tokens/step){lengths}{batching}{prompt}"
         )
 
 
@@ -120,7 +126,8 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     """The step workload the graph declares, with ``overrides`` (non-None keyword arguments) applied.
 
     ``prompt_len`` is the ``max_prompt_len`` of the source feeding the first generator, when set,
-    else that generator's ``max_seq_len - max_new_tokens``.
+    else that generator's ``max_seq_len - max_new_tokens`` (``prompt_len_from`` says which, or
+    ``"given"`` for an override without a ``prompt_len_from`` of its own).
 
     The batching mode is the first generator's ``sampling.batching`` when its config has that field
     (``"lockstep"`` otherwise).
@@ -136,12 +143,19 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
         "gen_len": max(_model_tokens(g) for g in gens) if gens else None,
         "prompt_len": None,
     }
+    optional: dict[str, object] = {"batching": graph_batching(graph)}
     if gens:
         g = gens[0]
         limits = [p.source.max_prompt_len for p in graph.producers(g.name) if p.kind == "source" and p.source.max_prompt_len]  # type: ignore[attr-defined]
-        values["prompt_len"] = max(limits) if limits else max(1, g.model.max_seq_len - _model_tokens(g))  # type: ignore[union-attr]
-    optional = {"batching": graph_batching(graph)}
-    optional.update({k: overrides.pop(k) for k in ("lengths", "batching", "env_s") if overrides.get(k) is not None})
+        if limits:
+            values["prompt_len"] = max(limits)
+            optional["prompt_len_from"] = "the upper bound max_prompt_len of the source"
+        else:
+            values["prompt_len"] = max(1, g.model.max_seq_len - _model_tokens(g))  # type: ignore[union-attr]
+            optional["prompt_len_from"] = f"the upper bound max_seq_len - max_new_tokens of generator {g.name!r}"
+    if overrides.get("prompt_len") is not None:
+        optional["prompt_len_from"] = "given"
+    optional.update({k: overrides.pop(k) for k in ("lengths", "batching", "env_s", "prompt_len_from") if overrides.get(k) is not None})
     values.update({k: v for k, v in overrides.items() if v is not None})
     missing = [k for k, v in values.items() if v is None]
     if missing:
@@ -169,7 +183,8 @@ def default_workload(graph: Graph, *, model_override: bool = False, **overrides:
     presets = any(getattr(getattr(n, "model", None), "preset", None) for n in graph.nodes)
     if model_override or presets:
         given = {k: v for k, v in overrides.items() if v is not None}
-        return Workload(**{**msgspec.structs.asdict(LLM_DEFAULTS), "batching": graph_batching(graph), **given})
+        said = {"prompt_len_from": "given" if "prompt_len" in given else "the published-model defaults (LLM_DEFAULTS)"}
+        return Workload(**{**msgspec.structs.asdict(LLM_DEFAULTS), "batching": graph_batching(graph), **said, **given})
     return workload_from_graph(graph, **overrides)
 
 

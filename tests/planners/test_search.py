@@ -159,7 +159,7 @@ def test_tensor_parallel_across_hosts_only_where_nothing_else_fits_and_warned():
     assert plan.placements["policy"].dims.tp == 2
     assert plan.warnings == (
         "node 'policy': each tensor-parallel group of 2 devices spans 2 hosts, so its all-reduces (two per layer) cross hosts "
-        "at 50 GB/s per device instead of 450 GB/s within a host (9x slower); the search found no placement that fits with tp within one host",
+        "at 50 GB/s per device instead of 450 GB/s within a host (9x slower); on its devices the search found no dims that fit with tp within one host",
     )
     assert f"warning: {plan.warnings[0]}" in format_plan(plan)
     assert msgspec.json.decode(plan_to_json(plan), type=Plan).warnings == plan.warnings
