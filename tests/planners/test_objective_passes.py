@@ -33,7 +33,8 @@ def _graph(objective: str, num_iterations: int, num_mini_batches: int):
     prompts = b.source("prompts", task="copy", batch_size=BATCH)
     gen = b.generator("gen", prompts, n_samples=3, max_new_tokens=5)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
-    loss = b.loss("loss", gen, reward, objective=objective)
+    critic = [b.critic("critic", gen, reward, lr=1e-3)] if objective == "ppo" else []  # ppo's advantages: a critic's GAE
+    loss = b.loss("loss", gen, reward, *critic, objective=objective)
     pol = b.policy("policy", loss, num_iterations=num_iterations, num_mini_batches=num_mini_batches)
     b.weights(pol, gen, max_staleness=1)
     return b.build()
@@ -69,6 +70,8 @@ def _run_passes(graph, batch, monkeypatch) -> tuple[int, int]:
     policy: PolicyNode = graph.node("policy")  # type: ignore[assignment]
     loss: LossNode = graph.node("loss")  # type: ignore[assignment]
     n = int(batch["completion_ids"].shape[0])
+    if loss.loss.objective == "ppo":  # the critic's fields (the critic's own passes are its node's, priced as its role)
+        batch = {**batch, "values": torch.zeros(batch["completion_ids"].shape), "value_version": torch.tensor(0)}
     Trainer(policy, loss).train_step(dict(batch))
     assert rows["grad"] % n == 0 and rows["no_grad"] % n == 0, f"partial passes: {rows} rows over a batch of {n}"
     return rows["grad"] // n, rows["no_grad"] // n
