@@ -9,7 +9,8 @@ weights into ``weight_targets()`` and sets ``version`` (which makes the engine u
 ``ENGINES`` holds one ``EngineSpec`` per name of ``flowrl.graph.engines.ENGINE_NAMES``:
 
 - ``builtin``: ``flowrl.operators.generation.Generator`` (and the slot batcher for continuous batching);
-- ``vllm``: ``flowrl.operators.engines.vllm_engine.VLLMGenerator``.
+- ``vllm``: ``flowrl.operators.engines.vllm_engine.VLLMGenerator`` (and ``vllm_stream.VLLMSlotBatcher``,
+  samples streamed into vLLM, for continuous batching).
 
 ``check_engine(node)`` runs an engine's machine checks (is it installed, can it load this model
 here) and is what ``flowrl.runtime.run.run_graph`` calls for every generator before any program is
@@ -64,10 +65,13 @@ class EngineSpec:
         generator: ``module:qualname`` of its class, ``cls(node, *, seed, device, transport)``.
         check: ``module:qualname`` of ``check(node, *, device)``, which raises ``ConfigError`` for
             what this machine cannot run (``""``: nothing to check beyond the node's own checks).
+        batcher: ``module:qualname`` of the continuous batcher ``cls(engine, *, slots, rng)`` that
+            ``flowrl.runtime.continuous.ContinuousRollouts`` drives (``batching="continuous"``).
     """
 
     generator: str
     check: str = ""
+    batcher: str = "flowrl.operators.slots:SlotBatcher"
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -75,6 +79,7 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         generator="flowrl.operators.engines.vllm_engine:VLLMGenerator",
         check="flowrl.operators.engines.vllm_engine:check_vllm",
+        batcher="flowrl.operators.engines.vllm_stream:VLLMSlotBatcher",
     ),
 }
 
