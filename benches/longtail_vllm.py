@@ -15,7 +15,8 @@ the task by ``longtail_generation.fit_to_task``, exported as a Hugging Face dire
 
 Each update loads the fitted weights again under a new version (same values, so both modes draw
 from the same law; the cost of the update is paid in full: file or process-group push, reload,
-prefix-cache reset). Utilisation is tokens / (engine steps * slots); lock step's engine steps are
+prefix-cache reset). A third mode, ``continuous_no_updates``, streams the same way without them: the
+price of the in-flight updates. Utilisation is tokens / (engine steps * slots); lock step's engine steps are
 its batches' longest completions.
 """
 
@@ -69,7 +70,7 @@ def lockstep(gen: Any, weights: dict, prompts: list[list[int]], slots: int) -> d
             "updates": updates}
 
 
-def continuous(gen: Any, weights: dict, prompts: list[list[int]], slots: int) -> dict:
+def continuous(gen: Any, weights: dict, prompts: list[list[int]], slots: int, *, updates_in_flight: bool = True) -> dict:
     from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
 
     n = gen.sampling.n_samples
@@ -84,7 +85,7 @@ def continuous(gen: Any, weights: dict, prompts: list[list[int]], slots: int) ->
             for s in batcher.step():
                 lengths.append(len(s.tokens))
                 versions.append(len(set(s.versions)))
-                if len(lengths) % slots == 0 and (batcher.busy or batcher.waiting):
+                if updates_in_flight and len(lengths) % slots == 0 and (batcher.busy or batcher.waiting):
                     gen.load_weights(weights, gen.version + 1)  # in flight: running requests stop and continue
                     updates += 1
     finally:
@@ -122,14 +123,16 @@ def run_vllm(args: Any, task: Any, fit_to_task: Any, max_new: int) -> dict:
         gen = VLLMGenerator(node, seed=args.seed)
         start_s = time.perf_counter() - start
         prompts = [task.prompt(i) for i in range(args.prompts)]
-        runs: dict[str, list[dict]] = {"lockstep": [], "continuous": []}
+        runs: dict[str, list[dict]] = {"lockstep": [], "continuous": [], "continuous_no_updates": []}
+        modes = (("lockstep", lockstep), ("continuous", continuous),
+                 ("continuous_no_updates", lambda *a: continuous(*a, updates_in_flight=False)))
         try:
             lockstep(gen, weights, prompts[: args.slots // args.n], args.slots)  # warm-up
             for r in range(args.repeats):
-                for mode, fn in (("lockstep", lockstep), ("continuous", continuous)):
+                for mode, fn in modes:
                     runs[mode].append(fn(gen, weights, prompts, args.slots))
                     x = runs[mode][-1]
-                    print(f"[{r}] vllm {mode:10s} {x['tokens'] / x['seconds']:8.0f} tok/s, utilisation {x['utilisation']:.2f}",
+                    print(f"[{r}] vllm {mode:21s} {x['tokens'] / x['seconds']:8.0f} tok/s, utilisation {x['utilisation']:.2f}",
                           file=sys.stderr, flush=True)
         finally:
             gen.close()
@@ -148,6 +151,7 @@ def run_vllm(args: Any, task: Any, fit_to_task: Any, max_new: int) -> dict:
 
     ratios = [c["tokens"] / c["seconds"] / (lk["tokens"] / lk["seconds"]) for lk, c in zip(runs["lockstep"], runs["continuous"])]
     lock, cont = summary("lockstep"), summary("continuous")
+    static = [c["tokens"] / c["seconds"] / (lk["tokens"] / lk["seconds"]) for lk, c in zip(runs["lockstep"], runs["continuous_no_updates"])]
     return {
         "bench": "generation-longtail-vllm",
         "model": VLLM_MODEL.short(),
@@ -156,5 +160,7 @@ def run_vllm(args: Any, task: Any, fit_to_task: Any, max_new: int) -> dict:
         "fit": {"steps": args.fit_steps, "final_loss_per_token": round(fit_loss, 3), "seconds": round(fit_s, 1)},
         "lockstep": lock,
         "continuous": cont,
+        "continuous_no_updates": summary("continuous_no_updates"),
         "speedup_tokens_per_s": {"min": round(min(ratios), 2), "max": round(max(ratios), 2)},
+        "speedup_no_updates_tokens_per_s": {"min": round(min(static), 2), "max": round(max(static), 2)},
     }

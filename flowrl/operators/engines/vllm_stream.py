@@ -110,7 +110,7 @@ class VLLMSlotBatcher:
             self.waiting.append(sample)
 
     def _submit(self, sample: Sample) -> None:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         seed = int(torch.randint(0, 2**62, (1,), generator=self.rng))
@@ -118,7 +118,7 @@ class VLLMSlotBatcher:
         params = self.gen.sampling_params(seed, n=1, max_tokens=budget, output_kind=RequestOutputKind.DELTA)
         request = f"flowrl-{next(self._ids)}"
         adapter = self.gen.lora_request()
-        self.engine.add_request(request, TokensPrompt(prompt_token_ids=[*sample.prompt, *sample.tokens]), params, lora_request=adapter)
+        self.engine.add_request(request, tokens_input([*sample.prompt, *sample.tokens]), params, lora_request=adapter)
         self.rows[request] = sample
 
     def _take(self, outputs: list[Any]) -> list[Sample]:
