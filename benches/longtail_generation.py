@@ -191,10 +191,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     task = LongTailTask(seed=args.seed)
     if args.engine == "vllm":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from longtail_vllm import run_vllm
+        # benches/ is on sys.path when a bench runs as a script
+        import longtail_vllm
 
-        result = run_vllm(args, task, fit_to_task, MAX_NEW)
+        result = longtail_vllm.run_vllm(args, task, fit_to_task, MAX_NEW)
         result.update(prompts=args.prompts, n_samples=args.n, slots=args.slots, repeats=args.repeats, seed=args.seed,
                       load_average=[round(x, 2) for x in os.getloadavg()], machine=platform.machine())
         print(json.dumps(result, indent=1))
