@@ -55,7 +55,7 @@ def _exported(gen: Generator, directory: Path) -> Path:
 def lockstep(gen: Any, weights: dict, prompts: list[list[int]], slots: int) -> dict:
     n = gen.sampling.n_samples
     per_batch = slots // n
-    start, tokens, steps, lengths, updates = time.perf_counter(), 0, 0, [], 0
+    start, tokens, steps, lengths, updates, update_s = time.perf_counter(), 0, 0, [], 0, 0.0
     for first in range(0, len(prompts), per_batch):
         ids, lens = pad_left(prompts[first : first + per_batch], TOK.pad_id)
         out = gen.generate({"prompt_ids": ids, "prompt_lens": lens, "prompt_index": torch.arange(first, first + ids.shape[0])})
@@ -63,11 +63,13 @@ def lockstep(gen: Any, weights: dict, prompts: list[list[int]], slots: int) -> d
         tokens += int(got.sum())
         steps += int(got.max())
         lengths += got.tolist()
+        t0 = time.perf_counter()
         gen.load_weights(weights, gen.version + 1)  # between batches
+        update_s += time.perf_counter() - t0
         updates += 1
     wall = time.perf_counter() - start
     return {"seconds": wall, "tokens": tokens, "decode_steps": steps, "utilisation": tokens / (steps * slots), "lengths": lengths,
-            "updates": updates}
+            "updates": updates, "update_s": update_s}
 
 
 def continuous(gen: Any, weights: dict, prompts: list[list[int]], slots: int, *, updates_in_flight: bool = True) -> dict:
@@ -79,21 +81,23 @@ def continuous(gen: Any, weights: dict, prompts: list[list[int]], slots: int, *,
     for i, p in enumerate(prompts):
         for j in range(n):
             batcher.add(Sample(key=(i, j), prompt=p))
-    lengths, versions, updates = [], [], 0
+    lengths, versions, updates, update_s = [], [], 0, 0.0
     try:
         while batcher.busy or batcher.waiting:
             for s in batcher.step():
                 lengths.append(len(s.tokens))
                 versions.append(len(set(s.versions)))
                 if updates_in_flight and len(lengths) % slots == 0 and (batcher.busy or batcher.waiting):
+                    t0 = time.perf_counter()
                     gen.load_weights(weights, gen.version + 1)  # in flight: running requests stop and continue
+                    update_s += time.perf_counter() - t0
                     updates += 1
     finally:
         batcher.close()
     wall = time.perf_counter() - start
     tokens = sum(lengths)
     return {"seconds": wall, "tokens": tokens, "decode_steps": batcher.steps, "utilisation": sum(lengths) / (batcher.steps * slots),
-            "lengths": lengths, "updates": updates, "interrupts": batcher.interrupts, "resubmitted": batcher.resubmitted,
+            "lengths": lengths, "updates": updates, "update_s": update_s, "interrupts": batcher.interrupts, "resubmitted": batcher.resubmitted,
             "samples_spanning_versions": sum(v > 1 for v in versions)}
 
 
@@ -143,6 +147,8 @@ def run_vllm(args: Any, task: Any, fit_to_task: Any, max_new: int) -> dict:
         out = {"tokens_per_s": {"min": round(min(rates), 1), "max": round(max(rates), 1)},
                "slot_utilisation": {"min": round(min(x["utilisation"] for x in rs), 3), "max": round(max(x["utilisation"] for x in rs), 3)},
                "decode_steps": rs[0]["decode_steps"], "tokens": rs[0]["tokens"], "weight_updates": rs[0]["updates"],
+               "seconds": {"min": round(min(x["seconds"] for x in rs), 2), "max": round(max(x["seconds"] for x in rs), 2)},
+               "update_seconds": {"min": round(min(x["update_s"] for x in rs), 2), "max": round(max(x["update_s"] for x in rs), 2)},
                "lengths": _law(rs[0]["lengths"])}
         for key in ("interrupts", "resubmitted", "samples_spanning_versions"):
             if key in rs[0]:

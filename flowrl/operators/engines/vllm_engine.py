@@ -284,6 +284,8 @@ class VLLMGenerator:
         check_vllm(node, device=device)
         assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
         self.name, self.sampling, self.seed = node.name, node.sampling, seed
+        s = node.sampling  # continuous batching with a set ``slots``: vLLM decodes at most that many sequences at once
+        self.max_num_seqs = s.slots if s.batching == "continuous" and s.slots else MAX_NUM_SEQS
         self.device = "cpu"  # where its rollouts (and continuous batching's seed stream) live; vLLM runs on ``device``
         owner = f"generator {node.name!r}"
         config = node.model
@@ -359,7 +361,7 @@ class VLLMGenerator:
             dtype=node.sampling.precision,
             seed=seed,
             max_model_len=self.max_seq_len,
-            max_num_seqs=MAX_NUM_SEQS,
+            max_num_seqs=self.max_num_seqs,
             enforce_eager=True,  # no compile or graph capture at start; reloads copy into the same tensors
             logprobs_mode="processed_logprobs",  # mu: the truncated, renormalised distribution of each draw
             worker_extension_cls=WORKER_EXTENSION,

@@ -15,7 +15,13 @@ work, a trainer step on the same machine): ``step()`` collects one engine step's
 
 State:
 
-- ``rows``: request id -> the ``Sample`` vLLM decodes under it (at most ``slots`` of them).
+- ``rows``: request id -> the ``Sample`` vLLM decodes under it. At most ``slots`` of them, or
+  ``2 * slots`` when vLLM itself decodes at most ``slots`` sequences at once (``max_num_seqs``, set
+  from ``SamplingConfig.slots``): vLLM's engine core runs ahead of this process, so a place freed in
+  one engine step would stay empty until this process sees the finish and submits the next sample;
+  with ``slots`` more requests waiting inside vLLM, its scheduler refills the place in the same step.
+  (Admitting a sample early is safe for the staleness bound: its deadline is set from the version
+  at admission, and a later first token only has a newer version.)
 - ``waiting``: samples not admitted yet, FIFO (``admit`` may refuse the head).
 - ``resume``: admitted samples whose request was stopped by a weight update, re-submitted first.
 - ``done``: samples that finished in the outputs drained by an update, returned by the next ``step``.
@@ -60,7 +66,7 @@ class VLLMSlotBatcher:
     Args:
         generator: the vLLM generator (its engine, sampling, stop tokens, ``version``); the batcher
             registers itself as the generator's ``stream``, so a weight update interrupts it.
-        slots: requests in vLLM at once.
+        slots: sequences decoded at once (requests held in vLLM: ``capacity``, see ``rows`` above).
         rng: the stream each submission's seed is drawn from.
 
     Attributes:
@@ -76,6 +82,7 @@ class VLLMSlotBatcher:
         self.slots = slots
         self.rng = rng
         self.engine = generator.llm.llm_engine
+        self.capacity = 2 * slots if generator.max_num_seqs <= slots else slots  # requests held in vLLM (``rows``)
         self.rows: dict[str, Sample] = {}
         self.waiting: deque[Sample] = deque()
         self.resume: deque[Sample] = deque()
@@ -163,7 +170,7 @@ class VLLMSlotBatcher:
         while self.resume:
             self._submit(self.resume.popleft())
             self.resubmitted += 1
-        while len(self.rows) < self.slots and self.waiting and (admit is None or admit(self.waiting[0])):
+        while len(self.rows) < self.capacity and self.waiting and (admit is None or admit(self.waiting[0])):
             self._submit(self.waiting.popleft())
         if self.rows:
             finished += self._take(self.engine.step())
