@@ -1,6 +1,7 @@
 """A continuous-batching generator's rollouts: groups decoded across steps, delivered as they finish, within the staleness bound.
 
-``ContinuousRollouts`` wraps a ``SlotBatcher`` for the generator program. The controller hands it
+``ContinuousRollouts`` wraps the engine's continuous batcher for the generator program (the built-in
+``SlotBatcher``, or vLLM's ``flowrl.operators.engines.vllm_stream.VLLMSlotBatcher``: the same interface). The controller hands it
 prompts ahead of need (``k`` batches of lookahead, ``Controller._read_ahead``); each ``next_batch(seq)``
 returns ``P`` finished groups (a prompt's ``n`` samples), whichever finished first, so a long
 completion no longer holds its batch back: it keeps its slot and is delivered at a later step.

