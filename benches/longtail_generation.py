@@ -26,6 +26,7 @@ compactions (``flowrl.operators.slots``); ``rest`` is sampling, stop checks and 
 
     python benches/generation.py --longtail              # about a minute on a loaded 2-core machine
     python benches/generation.py --longtail --repeats 5 --model small
+    python benches/longtail_generation.py --engine vllm --repeats 3   # the same on vLLM, in-flight updates (longtail_vllm.py)
 """
 
 from __future__ import annotations
@@ -182,11 +183,22 @@ def main() -> None:
     p.add_argument("--fit-steps", type=int, default=150, help="teacher-forcing steps that give the model the task's lengths")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--engine", default="builtin", choices=("builtin", "vllm"),
+                   help="vllm: lock step against continuous batching with in-flight weight updates on vLLM (benches/longtail_vllm.py)")
     args = p.parse_args()
     if args.slots % args.n:
         p.error(f"--slots {args.slots} must be a multiple of --n {args.n} (lock step batches whole prompts)")
     torch.set_num_threads(args.threads)
     task = LongTailTask(seed=args.seed)
+    if args.engine == "vllm":
+        # benches/ is on sys.path when a bench runs as a script
+        import longtail_vllm
+
+        result = longtail_vllm.run_vllm(args, task, fit_to_task, MAX_NEW)
+        result.update(prompts=args.prompts, n_samples=args.n, slots=args.slots, repeats=args.repeats, seed=args.seed,
+                      load_average=[round(x, 2) for x in os.getloadavg()], machine=platform.machine())
+        print(json.dumps(result, indent=1))
+        return
     node = GeneratorNode(name="gen", model=MODELS[args.model], sampling=SamplingConfig(n_samples=args.n, max_new_tokens=MAX_NEW))
     gen = Generator(node, seed=args.seed)
     fit_start = time.perf_counter()

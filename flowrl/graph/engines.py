@@ -6,11 +6,11 @@ A generator node names the engine that samples for it (``GeneratorNode.engine``)
   ``flowrl.operators.slots`` for continuous batching). Every model description and every
   ``SamplingConfig`` setting.
 - ``"vllm"``: a vLLM engine (``flowrl.operators.engines.vllm_engine``). A Hugging Face model only
-  (vLLM loads a directory: export a built-in model first), lock-step batches (vLLM batches
-  continuously inside each ``generate`` call by itself, and weights change between calls), the KV
-  cache on, and a float precision (vLLM loads the weights in that dtype). Environments (``env=``)
-  and agent programs run on either engine, in lock step (``GeneratorNode`` refuses continuous
-  batching for them on vLLM).
+  (vLLM loads a directory: export a built-in model first), lock-step or continuous batching (samples
+  streamed into vLLM across steps, weights updated in flight: ``vllm_stream``), the KV cache on, and
+  a float precision (vLLM loads the weights in that dtype). Environments (``env=``) and agent
+  programs run on either engine, in lock step (``GeneratorNode`` refuses continuous batching for
+  them on vLLM).
 
 ``check_engine_options`` is the node-level check (``GeneratorNode.__post_init__``): what is wrong
 with the graph, before anything is installed or loaded. What needs the machine (vLLM installed, a
@@ -49,8 +49,8 @@ def check_engine_options(name: str, engine: str, model: AnyModelConfig, sampling
     """Refuse settings generator ``name``'s ``engine`` cannot honour, naming the setting and the fix.
 
     Raises:
-        ConfigError: for an unknown engine, or (``"vllm"``) a built-in ``ModelConfig``, continuous
-            batching or its ``slots``, ``use_kv_cache=False``, or a quantized precision.
+        ConfigError: for an unknown engine, or (``"vllm"``) a built-in ``ModelConfig``,
+            ``use_kv_cache=False``, or a quantized precision.
     """
     owner = f"generator {name!r}"
     if engine not in ENGINE_NAMES:
@@ -63,13 +63,6 @@ def check_engine_options(name: str, engine: str, model: AnyModelConfig, sampling
             f"{owner}: engine='vllm' needs a Hugging Face model (HFModelConfig: a directory vLLM loads), but its model is "
             f"the built-in ModelConfig ({model.short()}); export a trained built-in policy first "
             "('flowrl export RUN_DIR DIR') and pass HFModelConfig(path=DIR), or use engine='builtin'"
-        )
-    if s.batching != "lockstep":
-        raise ConfigError(
-            f"{owner}: engine='vllm' takes batching='lockstep' (got {s.batching!r}, slots={s.slots}): vLLM already "
-            "batches continuously inside each generate call, finished sequences freeing their place at once, and the "
-            "weights change between calls; drop batching/slots, or use engine='builtin' for flowrl's slot batcher "
-            "with in-flight weight updates"
         )
     if not s.use_kv_cache:
         raise ConfigError(f"{owner}: engine='vllm' always decodes with its (paged) KV cache; drop use_kv_cache=False")

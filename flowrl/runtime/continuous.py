@@ -1,6 +1,7 @@
 """A continuous-batching generator's rollouts: groups decoded across steps, delivered as they finish, within the staleness bound.
 
-``ContinuousRollouts`` wraps a ``SlotBatcher`` for the generator program. The controller hands it
+``ContinuousRollouts`` wraps the engine's continuous batcher for the generator program (the built-in
+``SlotBatcher``, or vLLM's ``flowrl.operators.engines.vllm_stream.VLLMSlotBatcher``: the same interface). The controller hands it
 prompts ahead of need (``k`` batches of lookahead, ``Controller._read_ahead``); each ``next_batch(seq)``
 returns ``P`` finished groups (a prompt's ``n`` samples), whichever finished first, so a long
 completion no longer holds its batch back: it keeps its slot and is delivered at a later step.
@@ -82,11 +83,13 @@ class ContinuousRollouts:
             ``v`` are those of step ``v // U`` (only versions ``U * seq`` are published).
         poll: called between decode steps to take newer weights in flight (None: between steps only).
         episodes: the generator's environment episodes (multi-turn samples), or None for one completion per sample.
+        batcher: the engine's continuous batcher class, ``cls(generator, *, slots, rng)``
+            (``flowrl.operators.engines.EngineSpec.batcher``; the built-in ``SlotBatcher`` by default).
     """
 
     def __init__(
         self, generator: Generator, *, group_count: int, k: int, updates: int = 1, poll: Callable[[], None] | None = None,
-        episodes: MultiTurnGenerator | None = None,
+        episodes: MultiTurnGenerator | None = None, batcher: Callable[..., Any] = SlotBatcher,
     ) -> None:  # fmt: skip
         self.gen = generator
         self.P = group_count
@@ -95,6 +98,7 @@ class ContinuousRollouts:
         self.updates = updates
         self.poll = poll
         self.slots = generator.sampling.slots or group_count * self.n
+        self._make_batcher = batcher
         self.batcher: SlotBatcher | None = None
         self.groups: dict[int, _Group] = {}  # pulled, not delivered
         self._finished = 0
@@ -110,7 +114,7 @@ class ContinuousRollouts:
         ids, lens, index = prompts["prompt_ids"], prompts["prompt_lens"], prompts["prompt_index"]
         if self.batcher is None:  # seeded as lock step seeds its first batch
             rng = torch.Generator(device=self.gen.device).manual_seed(_mix(self.gen.seed, int(index[0]), 0))
-            self.batcher = SlotBatcher(self.gen, slots=self.slots, rng=rng)
+            self.batcher = self._make_batcher(self.gen, slots=self.slots, rng=rng)
         for row in range(ids.shape[0]):
             i, length = int(index[row]), int(lens[row])
             if i in self.groups:
@@ -213,7 +217,7 @@ class ContinuousRollouts:
                 raise FlowrlError(f"generator {self.gen.name!r}: step {seq} ran out of prompts; this is a flowrl bug")
             drawn = b.steps
             finished = b.step(admit)
-            if b.steps == drawn:  # no slot busy and the head of the queue refused: nothing changes until an environment answers
+            if b.steps == drawn and not finished:  # no slot busy and the head of the queue refused: nothing changes until an environment answers
                 if self.parked:
                     self._unpark(block=True)
                     continue

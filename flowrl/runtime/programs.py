@@ -275,12 +275,14 @@ class GeneratorProgram(ProgramBase):
             return rollout, {**info, "version": self.generator.version}
         if not hasattr(self, "_group_count"):
             return self.generator.generate(inputs), {"version": self.generator.version}
+        from flowrl.graph.refs import resolve
+        from flowrl.operators.engines import ENGINES
         from flowrl.runtime.continuous import ContinuousRollouts
 
         if self._continuous is None:  # k is the controller's (a run may override the edge's): min_version = U * (seq - k)
             self._continuous = ContinuousRollouts(
                 self.generator, group_count=self._group_count, k=seq - min_version // self._updates, updates=self._updates,
-                poll=self._poll if self._in_flight else None, episodes=self._multiturn,
+                poll=self._poll if self._in_flight else None, episodes=self._multiturn, batcher=resolve(ENGINES[self._engine].batcher),
             )
         self._continuous.add_prompts(inputs)
         rollout, info = self._continuous.next_batch(seq)

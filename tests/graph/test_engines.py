@@ -35,17 +35,21 @@ def test_the_engine_round_trips_through_json_and_shows_in_the_graph():
     ("model", "sampling", "match"),
     [
         (ModelConfig(), {}, r"needs a Hugging Face model .*flowrl export"),
-        (HF, {"batching": "continuous"}, r"takes batching='lockstep' .*vLLM already batches continuously"),
-        (HF, {"batching": "continuous", "slots": 4}, r"slots=4"),
         (HF, {"use_kv_cache": False}, r"drop use_kv_cache=False"),
         (HF, {"precision": "int8"}, r"not precision='int8'"),
         (HF, {"precision": "float8"}, r"not precision='float8'"),
     ],
-    ids=["builtin-model", "continuous", "slots", "no-kv-cache", "int8", "float8"],
+    ids=["builtin-model", "no-kv-cache", "int8", "float8"],
 )
 def test_vllm_refuses_settings_it_cannot_honour(model, sampling, match):
     with pytest.raises(ConfigError, match=match):
         GeneratorNode(name="gen", model=model, sampling=SamplingConfig(**sampling), engine="vllm")
+
+
+@pytest.mark.parametrize("sampling", [{"batching": "continuous"}, {"batching": "continuous", "slots": 4}], ids=["continuous", "slots"])
+def test_vllm_takes_continuous_batching(sampling):
+    node = GeneratorNode(name="gen", model=HF, sampling=SamplingConfig(**sampling), engine="vllm")
+    assert node.sampling.batching == "continuous"
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])

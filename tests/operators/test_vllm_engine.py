@@ -214,6 +214,51 @@ def test_a_weight_update_clears_the_prefix_cache(vllm_gen, vllm_dir):
     torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=rollout_logprob_atol(policy, out))
 
 
+# -- continuous batching: samples streamed into vLLM, an update mid-generation (``vllm_stream``) ------------
+def test_an_update_mid_generation_gives_each_token_the_version_and_mu_it_was_drawn_with(vllm_gen, vllm_dir):
+    """Version 1 lands after the third engine step: tokens before it carry version 0 and the log-prob of
+    version 0's model, tokens after it version 1 and version 1's (the stopped requests' KV recomputed
+    by the new weights), each checked against the trainer's forward of that version; each group once.
+    (A run with ``batching="continuous"``: ``tests/operators/test_vllm_continuous.py``.)"""
+    from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
+    from flowrl.runtime.continuous import ContinuousRollouts
+
+    vllm_gen.sampling = msgspec.structs.replace(SAMPLING, max_new_tokens=64, batching="continuous", slots=4)
+    models = {0: build_model(HFModelConfig(path=str(vllm_dir))), 1: _perturbed(vllm_dir)}
+    polls = []
+
+    def poll():  # the generator program's in-flight poll: version 1 is published after the third step
+        polls.append(vllm_gen.version)
+        if len(polls) == 4:
+            vllm_gen.load_weights(weight_dict(models[1]), version=1)
+
+    rollouts = ContinuousRollouts(vllm_gen, group_count=2, k=1, poll=poll, batcher=VLLMSlotBatcher)
+    try:
+        rollouts.add_prompts(left_padded([LONG[:30], LONG[30:40], LONG[50:55], LONG[60:80]]))
+        batches = [rollouts.next_batch(0), rollouts.next_batch(1)]
+    finally:
+        rollouts.batcher.close()
+    batcher = rollouts.batcher
+    assert isinstance(batcher, VLLMSlotBatcher) and batcher.interrupts == 1 and batcher.resubmitted >= 1
+    assert sorted(int(i) for out, _ in batches for i in out["prompt_index"]) == [0, 1, 2, 3]  # each group once
+    assert [info["slots/weight_swaps"] for _, info in batches] == [1.0, 0.0]
+    spans, checked = set(), {0: 0, 1: 0}
+    for out, _ in batches:
+        mask, versions = out["completion_mask"], out["token_versions"]
+        assert int(versions[mask].min()) == int(out["rollout_version"])
+        for v, model in models.items():
+            with torch.no_grad():
+                pi = completion_logprobs(model, out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], mask)
+            drawn = mask & (versions == v)
+            checked[v] += int(drawn.sum())
+            diff = (out["behaviour_logprobs"] - pi)[drawn].abs()
+            assert not len(diff) or float(diff.max()) < rollout_logprob_atol(model, out), (v, diff)
+        for s in range(mask.shape[0]):
+            spans.add(tuple(sorted(set(versions[s][mask[s]].tolist()))))
+    assert checked[0] and checked[1], checked
+    assert (0, 1) in spans, spans  # a sample stopped by the update and continued under version 1
+
+
 # -- weights over the weight-sync group ---------------------------------------------------------------
 def test_a_sync_over_the_group_puts_the_policys_weights_in_vllms_kernels_bit_for_bit(vllm_gen, vllm_dir):
     """Read back through vLLM's kernels (fused qkv_proj and gate_up_proj included), vLLM's weights are the

@@ -13,6 +13,8 @@ weights into ``weight_targets()`` and sets ``version`` (which makes the engine u
 - ``vllm``: ``flowrl.operators.engines.vllm_engine.VLLMGenerator``; its multi-turn episodes:
   ``flowrl.operators.engines.vllm_multiturn.VLLMMultiTurn`` (vLLM's step API, environments stepping
   while other samples decode).
+- ``vllm``: ``flowrl.operators.engines.vllm_engine.VLLMGenerator`` (and ``vllm_stream.VLLMSlotBatcher``,
+  samples streamed into vLLM, for continuous batching).
 
 ``check_engine(node)`` runs an engine's machine checks (is it installed, can it load this model
 here) and is what ``flowrl.runtime.run.run_graph`` calls for every generator before any program is
@@ -72,11 +74,14 @@ class EngineSpec:
             what this machine cannot run (``""``: nothing to check beyond the node's own checks).
         episodes: ``module:qualname`` of the class that runs a generator's multi-turn episodes
             (``env=``) on this engine, built as ``cls(engine, node, rows=...)``.
+        batcher: ``module:qualname`` of the continuous batcher ``cls(engine, *, slots, rng)`` that
+            ``flowrl.runtime.continuous.ContinuousRollouts`` drives (``batching="continuous"``).
     """
 
     generator: str
     check: str = ""
     episodes: str = "flowrl.operators.multiturn:MultiTurnGenerator"
+    batcher: str = "flowrl.operators.slots:SlotBatcher"
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -85,6 +90,7 @@ ENGINES: dict[str, EngineSpec] = {
         generator="flowrl.operators.engines.vllm_engine:VLLMGenerator",
         check="flowrl.operators.engines.vllm_engine:check_vllm",
         episodes="flowrl.operators.engines.vllm_multiturn:VLLMMultiTurn",
+        batcher="flowrl.operators.engines.vllm_stream:VLLMSlotBatcher",
     ),
 }
 

@@ -39,13 +39,15 @@ then the adapters, and each version is saved as a peft adapter directory beside 
 handed to vLLM as a ``LoRARequest`` with a new id (``vllm_lora.VLLMAdapters``): the base weights in
 vLLM never change.
 
-Batching and in-flight updates: each ``generate`` call hands vLLM all ``S`` requests at once, and
-vLLM batches them continuously (a finished sequence's place goes to a waiting one at the next step,
-paged KV cache, prefix sharing between a prompt's samples). Weights change only between calls, so
-every token of a rollout comes from one version (``token_versions`` is that version): a lock-step
-generator as far as the staleness bound goes. flowrl's ``batching="continuous"`` (slots across
-batches, in-flight weight updates between decode steps) is the built-in engine's and refused here
-(``flowrl.graph.engines``).
+Batching and in-flight updates: with ``batching="lockstep"`` each ``generate`` call hands vLLM all
+``S`` requests at once, and vLLM batches them continuously inside the call (a finished sequence's
+place goes to a waiting one at the next step, paged KV cache, prefix sharing between a prompt's
+samples); weights change between calls, so every token of a rollout has one version. With
+``batching="continuous"`` flowrl's ``ContinuousRollouts`` streams samples into vLLM's engine across
+steps through ``vllm_stream.VLLMSlotBatcher`` (``stream``, ``slots`` requests at once): setting
+``version`` then first stops the running requests (their tokens so far kept, with their versions
+and mu), loads the weights, and the stopped samples continue with their kept tokens re-submitted as
+prompt (KV recomputed by the new weights); ``token_versions`` holds each token's version.
 
 Sampling randomness: each prompt's request gets the seed ``mix(seed, prompt_index)`` (its ``n``
 samples ``seed + i`` in vLLM), so the same prompt with the same weights draws the same completions
@@ -75,7 +77,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -87,6 +89,9 @@ from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
 from flowrl.operators.engines.vllm_lora import VLLMAdapters
+
+if TYPE_CHECKING:
+    from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
 
 __all__ = ["VLLMGenerator", "check_vllm", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
@@ -302,6 +307,9 @@ class VLLMGenerator:
         assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
         self.name, self.sampling, self.seed = node.name, node.sampling, seed
         self.prefix_caching = prefix_caching
+        s = node.sampling  # continuous batching with a set ``slots``: vLLM decodes at most that many sequences at once
+        self.max_num_seqs = s.slots if s.batching == "continuous" and s.slots else MAX_NUM_SEQS
+        self.device = "cpu"  # where its rollouts (and continuous batching's seed stream) live; vLLM runs on ``device``
         owner = f"generator {node.name!r}"
         config = node.model
         raw = check_hf_dir(config, owner=owner)
@@ -318,6 +326,7 @@ class VLLMGenerator:
         self.weights_by = "file" if transport == "file" or node.model.lora is not None else "group"
         self.sync_bytes = 0
         self._group: Any = None
+        self.stream: VLLMSlotBatcher | None = None  # continuous batching's requests in vLLM (it registers itself)
         if config.init == "random":  # the policy's version 0: seeded weights drawn as load_hf draws them
             from flowrl.models.causal_lm import weight_dict
             from flowrl.models.registry import build_model
@@ -375,7 +384,7 @@ class VLLMGenerator:
             dtype=node.sampling.precision,
             seed=seed,
             max_model_len=self.max_seq_len,
-            max_num_seqs=MAX_NUM_SEQS,
+            max_num_seqs=self.max_num_seqs,
             enforce_eager=True,  # no compile or graph capture at start; reloads copy into the same tensors
             logprobs_mode="processed_logprobs",  # mu: the truncated, renormalised distribution of each draw
             worker_extension_cls=WORKER_EXTENSION,
@@ -406,6 +415,8 @@ class VLLMGenerator:
         """Say that ``weight_targets()`` now hold version ``value``'s weights: they go into vLLM here
         (file, reload in place, prefix cache reset; a LoRA model's adapters: a new ``LoRARequest``),
         so no rollout is ever drawn from older ones."""
+        if self.stream is not None:  # continuous batching: running requests stop first, resumed by the next step
+            self.stream.interrupt()
         if self._lora is not None:
             self._lora.publish(self.llm, int(value), self._tmp)
         else:
@@ -441,7 +452,7 @@ class VLLMGenerator:
         self.sync_bytes += sum(t.numel() * t.element_size() for t in weights.values())
         if any(n != len(weights) for n in loaded):
             raise ConfigError(f"generator {self.name!r}: vLLM workers loaded {loaded} tensors of {len(weights)}")
-        if not self.llm.reset_prefix_cache():  # False while requests run; generate() has returned here
+        if not self.llm.reset_prefix_cache():  # False while requests run: generate() has returned, or the stream stopped them
             raise RuntimeError(f"generator {self.name!r}: vLLM refused to reset its prefix cache after a weight update")
 
     def weights_differ(self, state: Mapping[str, Tensor]) -> list[str]:
@@ -482,11 +493,13 @@ class VLLMGenerator:
             )
         return ids, lens
 
-    def _params(self, seed: int) -> Any:
+    def sampling_params(self, seed: int, **overrides: Any) -> Any:
+        """vLLM's ``SamplingParams`` for flowrl's ``sampling`` with ``seed`` (``overrides``: its other fields,
+        e.g. ``n``, ``max_tokens``, ``output_kind`` for a streamed request)."""
         from vllm import SamplingParams
 
         s = self.sampling
-        return SamplingParams(
+        fields: dict[str, Any] = dict(
             n=s.n_samples,
             temperature=s.temperature,
             top_p=s.top_p,
@@ -497,6 +510,15 @@ class VLLMGenerator:
             seed=seed,
             detokenize=False,
         )
+        return SamplingParams(**{**fields, **overrides})
+
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` of the adapters of ``version`` (None: no LoRA, or the base model)."""
+        return self._lora.request if self._lora is not None else None
+
+    def decode(self, tokens: list[int]) -> str:
+        """Token ids as text (stop strings are matched on it)."""
+        return self._decode(tokens)
 
     def generate(self, prompts: Mapping[str, Tensor]) -> Batch:
         """Sample ``n_samples`` completions for each prompt (``prompt_ids`` left-padded, ``prompt_lens``).
@@ -524,8 +546,8 @@ class VLLMGenerator:
         if P:
             requests = [TokensPrompt(prompt_token_ids=ids[p, width - int(lens[p]) :].tolist()) for p in range(P)]
             # a 62-bit seed per prompt: vLLM seeds sample i with seed + i in a signed 64-bit generator
-            params = [self._params(_mix(self.seed, int(index[p]), calls) >> 1) for p in range(P)]
-            adapter = self._lora.request if self._lora is not None else None  # None: the base model (version 0's B is 0)
+            params = [self.sampling_params(_mix(self.seed, int(index[p]), calls) >> 1) for p in range(P)]
+            adapter = self.lora_request()  # None: the base model (version 0's B is 0)
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
             for p, out in enumerate(outputs):
                 for completion in out.outputs:
@@ -538,7 +560,7 @@ class VLLMGenerator:
                     mask[row, : len(drawn)] = True
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
         versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
-        s = self.sampling  # vLLM sampled with these (``_params``): mu is truncated and renormalised by them
+        s = self.sampling  # vLLM sampled with these (``sampling_params``): mu is truncated and renormalised by them
         return rollout_batch(
             sample_ids, sample_lens, tokens, mask, logprobs, versions, index,
             n=n, temperature=s.temperature, version=self.version, top_k=s.top_k, top_p=s.top_p,
@@ -566,6 +588,9 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """Shut vLLM's engine processes down and remove the staging directory (idempotent)."""
+        stream = self.__dict__.get("stream")
+        if stream is not None:
+            stream.close()
         group, self._group = self.__dict__.get("_group"), None
         if group is not None:
             group.close()
