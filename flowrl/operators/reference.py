@@ -73,7 +73,7 @@ class Reference:
 
     def __init__(self, node: ReferenceNode, *, device: str | torch.device = "cpu") -> None:
         self.name = node.name
-        self.packing = node.reference.packing
+        self.packing = bool(getattr(getattr(node, "reference", None), "packing", False))  # another kind built on Reference packs not
         if self.packing:
             check_packing(node.model, owner=f"reference {node.name!r}")
         self.device = torch.device(device)

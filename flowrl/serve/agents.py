@@ -79,7 +79,7 @@ def turn_sampler(gen: Any) -> Sampler:
 
             params = []
             for seed in seeds:
-                p = gen._params(seed >> 1)
+                p = gen.sampling_params(seed >> 1)
                 p.n = 1
                 params.append(p)
             adapter = gen._lora.request if gen._lora is not None else None

@@ -301,7 +301,20 @@ def test_the_file_route_loads_the_same_bytes(vllm_gen, vllm_dir, monkeypatch):
     assert vllm_gen.weights_differ(policy) == []
 
 
+def test_sleep_and_wake_up_are_vllms_and_leave_the_draws_as_they_were(vllm_gen):
+    """``sleep`` / ``wake_up`` call vLLM's level-1 sleep and its wake (on this CPU its worker frees
+    nothing, but the engine pauses and resumes): the same prompts draw the same completions after."""
+    before = vllm_gen.generate(left_padded(PROMPTS, start=7))
+    vllm_gen.sleep()
+    assert vllm_gen.llm.llm_engine.is_sleeping()
+    vllm_gen.wake_up()
+    assert not vllm_gen.llm.llm_engine.is_sleeping()
+    after = vllm_gen.generate(left_padded(PROMPTS, start=7))
+    assert torch.equal(before["completion_ids"], after["completion_ids"])
+
+
 # -- a run ---------------------------------------------------------------------------------------------
+# the module's engine is closed before the runs below (one vLLM engine at a time): tests of it go above
 @pytest.fixture(scope="module")
 def hf_copy_vllm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The HF example's assets with 2 heads of 32 (same parameters): vLLM's CPU kernels need head size >= 32."""
@@ -432,15 +445,3 @@ def test_vllm_on_this_cpu_has_no_sleep_mode_and_flowrl_says_so(vllm_dir):
     assert not vllm_engine.sleep_mode_available("cpu")
     with pytest.raises(ConfigError, match="vLLM has no sleep mode on cpu"):
         vllm_engine.VLLMGenerator(_node(vllm_dir), seed=0, sleep_mode=True)
-
-
-def test_sleep_and_wake_up_are_vllms_and_leave_the_draws_as_they_were(vllm_gen):
-    """``sleep`` / ``wake_up`` call vLLM's level-1 sleep and its wake (on this CPU its worker frees
-    nothing, but the engine pauses and resumes): the same prompts draw the same completions after."""
-    before = vllm_gen.generate(left_padded(PROMPTS, start=7))
-    vllm_gen.sleep()
-    assert vllm_gen.llm.llm_engine.is_sleeping()
-    vllm_gen.wake_up()
-    assert not vllm_gen.llm.llm_engine.is_sleeping()
-    after = vllm_gen.generate(left_padded(PROMPTS, start=7))
-    assert torch.equal(before["completion_ids"], after["completion_ids"])

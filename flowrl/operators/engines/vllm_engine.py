@@ -77,7 +77,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -89,9 +89,6 @@ from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
 from flowrl.operators.engines.vllm_lora import VLLMAdapters
-
-if TYPE_CHECKING:
-    from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
 
 __all__ = ["VLLMGenerator", "check_vllm", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
@@ -326,7 +323,7 @@ class VLLMGenerator:
         self.weights_by = "file" if transport == "file" or node.model.lora is not None else "group"
         self.sync_bytes = 0
         self._group: Any = None
-        self.stream: VLLMSlotBatcher | None = None  # continuous batching's requests in vLLM (it registers itself)
+        self.stream: Any = None  # a vllm_stream.VLLMSlotBatcher: continuous batching's requests in vLLM (it registers itself)
         if config.init == "random":  # the policy's version 0: seeded weights drawn as load_hf draws them
             from flowrl.models.causal_lm import weight_dict
             from flowrl.models.registry import build_model

@@ -64,7 +64,7 @@ class VLLMMultiTurn(MultiTurnGenerator):
     def _params(self, ep: Episode) -> Any:
         from vllm.sampling_params import RequestOutputKind
 
-        params = self.gen._params(_mix(self.gen.seed, ep.index, ep.sample, ep.turns) >> 1)
+        params = self.gen.sampling_params(_mix(self.gen.seed, ep.index, ep.sample, ep.turns) >> 1)
         params.n = 1
         params.output_kind = RequestOutputKind.FINAL_ONLY  # the turn once it is over, not every step
         return params
