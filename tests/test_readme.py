@@ -1,5 +1,6 @@
-"""The README stays true: its Python example runs, its Layout names the packages there are, and its
-Benchmarks list names every script in ``benches/``."""
+"""The README and the guides in docs/ stay true: the Python example runs, the Layout names the
+packages there are, the Benchmarks list names every script in ``benches/``, the README stays short
+and points at every guide, and the guides' links resolve."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+GUIDES = sorted((ROOT / "docs").glob("*.md"))
+#: The README and every guide, as one text to find a section in (each guide's headings one level up).
+DOCS = README + "".join("\n" + re.sub(r"^#", "##", g.read_text(), flags=re.M) for g in GUIDES)
 
 
 def _section(title: str) -> str:
-    start = README.index(title)
-    rest = README[start + len(title):]
-    end = re.search(r"\n#{2,3} ", rest)
+    start = DOCS.index(title)
+    rest = DOCS[start + len(title):]
+    end = re.search(r"\n#{2,4} ", rest)
     return rest[: end.start()] if end else rest
 
 
@@ -24,7 +28,7 @@ def _code_blocks(text: str, lang: str = "") -> list[str]:
 
 
 def test_the_python_example_runs_and_prints_what_its_comments_say():
-    (block,) = _code_blocks(_section("### From Python"), "python")
+    (block,) = _code_blocks(_section("#### From Python"), "python")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(block, "README.md:From Python", "exec"), {"__name__": "readme"})
@@ -50,7 +54,7 @@ def test_the_benchmarks_list_names_every_bench_script():
 
 def _trl_rows() -> list[tuple[str, str, str]]:
     """The "Coming from TRL" table's rows: (TRL options, flowrl, notes)."""
-    rows = [line.split(" | ") for line in _section("## Coming from TRL").splitlines() if line.startswith("| ") and not line.startswith("| TRL")]
+    rows = [line.split(" | ") for line in _section("## Coming from TRL\n").splitlines() if line.startswith("| ") and not line.startswith("| TRL")]
     return [(r[0].removeprefix("| "), r[1], r[2].removesuffix(" |").removesuffix("|")) for r in rows if len(r) == 3]
 
 
@@ -94,3 +98,19 @@ def test_the_trl_table_lists_every_trl_option_flowrl_knows():
     listed = {name for trl, _, _ in _trl_rows() for name in re.findall(r"`(\w+)", trl)}
     missing = sorted(set(TRL_OPTIONS) - listed - {"lora_dropout"})  # peft's name: in the peft_config row's notes
     assert not missing, f"TRL options flowrl maps (graph/option_names.py) missing from the README's table: {missing}"
+
+
+def test_the_readme_is_a_short_map_and_links_every_guide():
+    lines = README.count("\n")
+    assert lines < 250, f"README.md has {lines} lines: a guide's material goes in docs/"
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", README))
+    assert linked == {g.name for g in GUIDES}, f"guides not linked from the README: {sorted({g.name for g in GUIDES} - linked)}"
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    broken = []
+    for page in [ROOT / "README.md", *GUIDES]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken

@@ -3,7 +3,7 @@
 ``GraphBuilder`` reports a keyword argument that no field of a node's config takes; this module
 says what the user most likely meant: flowrl's name for a TRL option (``num_generations`` ->
 ``n_samples``), the node method that takes an option given to the wrong one (``temperature`` on
-``b.loss`` -> ``b.generator``), or a close spelling. The README's "Coming from TRL" table is the
+``b.loss`` -> ``b.generator``), or a close spelling. The "Coming from TRL" table (docs/trl.md) is the
 same mapping, for reading.
 
 Example:
