@@ -49,7 +49,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("sharding", "place"),
-    [("fsdp", {"policy": [0, 1], "gen": [2]}), pytest.param("replicate", {"policy": [0, 1], "gen": [2]}, marks=pytest.mark.slow)],
+    # both --runslow (a 3-rank job each, ~21 s: CI time); test_fsdp_init's LoRA case and test_lora's one-process runs stay
+    [pytest.param("fsdp", {"policy": [0, 1], "gen": [2]}, marks=pytest.mark.slow),
+     pytest.param("replicate", {"policy": [0, 1], "gen": [2]}, marks=pytest.mark.slow)],
     ids=["fsdp", "replicas"],
 )
 def test_the_generators_adapters_equal_the_final_checkpoints_bit_for_bit(tmp_path, model_dir, sharding, place):

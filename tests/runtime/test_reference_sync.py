@@ -141,6 +141,7 @@ def torchrun_graph():
     return _graph(sync_steps=2, k=1, iterations=2)
 
 
+@pytest.mark.slow  # a 3-rank torchrun job, ~29 s (CI time); the same mix is checked on the process backend in the default run
 def test_under_torchrun_the_reference_on_its_own_rank_is_the_hand_mix(tmp_path):
     """Generator, reference and policy on ranks 0, 1, 2: the policy's weights reach the reference over
     the collective transport, and its mix after step 2 is the formula's, bit for bit."""
