@@ -327,3 +327,30 @@ def test_the_vllm_engine_frees_finished_rows_within_a_call_but_keeps_no_slots_ac
     assert builtin.notes[-1].startswith("lock-step") and vllm.notes[-1].startswith("continuous within a call")
     assert vllm.time_s < builtin.time_s  # rows leave as they finish: the mean length, not the longest
     assert vllm.steady_s is None  # on a GPU too: weights change between calls, so no cross-step slots
+
+
+def test_a_vllm_stream_keeps_its_slots_full_across_steps_and_pays_a_re_prefill_per_update():
+    """``batching="continuous"`` on vLLM (the stream): priced like the built-in continuous generator
+    (cross-step slots), plus one re-prefill a step of the running requests' kept tokens, whose count is
+    ``E[l^2] / (2 E[l])`` of a long-tail distribution; still below the per-call (lock-step batches) price."""
+    from flowrl.planners.lengths import mean_and_tail
+
+    dist = mean_and_tail(mean=20, max_len=200, tail_frac=0.05)  # 95% at 200/19 ~ 10.5 tokens, 5% at 200
+    work = dict(prompts_per_step=8, samples_per_prompt=4, prompt_len=3, gen_len=200, lengths=dist)
+    dev = device(peak_flops=1e9)  # prefill is compute-bound: the re-prefill is visible
+    per_call = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev, work=Workload(**work)), precision="bfloat16", engine="vllm")
+    stream = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev, work=Workload(**work, batching="continuous")), precision="bfloat16", engine="vllm")
+    builtin = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev, work=Workload(**work, batching="continuous")), precision="bfloat16")
+    assert stream.notes[-1].startswith("continuous stream") and "reprefill" not in per_call.breakdown
+
+    b = 32  # every sequence in one batch (the KV cache holds them)
+    mean = sum(n * w for n, w in dist.points) / sum(w for _, w in dist.points)
+    kept = 3 + sum(n * n * w for n, w in dist.points) / sum(w for _, w in dist.points) / (2 * mean)
+    assert kept > 3 + mean / 2  # length-biased: the long tail holds the slots
+    reprefill = b * kept * TINY.forward_flops_per_token(kept / 2) / 1e9
+    assert stream.breakdown["reprefill"] == pytest.approx(reprefill, rel=1e-9)
+    assert stream.time_s == pytest.approx(per_call.time_s + reprefill, rel=1e-9)  # one step from empty: the per-call decode
+    # the built-in continuous generator's cross-step price, vLLM's decode (no Python loop), plus the re-prefill
+    assert builtin.steady_s is not None and stream.steady_s is not None
+    assert stream.steady_s == pytest.approx(builtin.steady_s - builtin.breakdown["slot_overhead"] + reprefill, rel=1e-9)
+    assert stream.steady_s < per_call.time_s  # slots kept full beat each call waiting for its longest

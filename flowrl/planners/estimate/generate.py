@@ -43,12 +43,29 @@ what the machine achieves on the whole pass, so no MFU factor, and its launches 
 The engine (``GeneratorNode.engine``, the first note of every generator estimate): ``"builtin"`` is
 the model above as it stands. ``"vllm"`` differs in three ways: rows leave the batch as they finish
 and waiting ones take their place inside one generate call (vLLM's scheduler), so its steps and
-context follow the continuous formulas above, but without cross-step slots (weights change between
-calls, so a call waits for its longest completion) and without flowrl's slot bookkeeping; it pays
-no ``DeviceSpec.cpu.decode_step_overhead_s`` (flowrl's Python sampling loop); and on a CPU device its
+context follow the continuous formulas above, but with ``batching="lockstep"`` (a call per batch)
+without cross-step slots (weights change between calls, so a call waits for its longest
+completion), and without flowrl's slot bookkeeping; it pays no ``DeviceSpec.cpu.decode_step_overhead_s`` (flowrl's Python sampling loop); and on a CPU device its
 decode runs ``Tuning.vllm_cpu_decode_speedup`` times the built-in engine's measured rate (its own
 fused CPU kernels; the factor is measured by ``benches/engines.py``). On a GPU the roofline terms are
 what vLLM reaches; flowrl's built-in engine is priced with the same terms there, which flatters it.
+
+A vLLM generator with ``batching="continuous"`` (``flowrl.operators.engines.vllm_stream``: samples
+streamed into vLLM's engine across steps) keeps its slots full across steps like the built-in
+continuous generator (the same ``steady_s``, under the same ``Tuning.cross_step_slots`` rule), and
+pays a re-prefill for each weight update while it decodes: the update aborts the running requests
+and re-submits each with its kept tokens as its prompt, so their KV is recomputed by the new weights::
+
+    kept       = prompt_len + E[l^2] / (2 E[l])      # a running request's prompt and tokens so far
+    reprefill  = b * kept * F_tok(kept / 2) / (tp * pp * peak * mfu_prefill)
+                 + L * 2 * all_reduce(b * kept * h * 2, tp) + L * ops_per_layer * kernel_overhead
+
+added once per step (``breakdown["reprefill"]``) to ``time_s`` and ``steady_s``. Assumed: one weight
+update per step (the policy publishes once per trainer step), arriving while all ``b`` slots are
+busy; a running request is met at a uniformly random point of a length-biased completion (a longer
+one spends longer in a slot), hence ``E[l^2] / (2 E[l])`` tokens kept; the prefix cache holds
+nothing across the update (it is reset with the weights); and the stream's per-row bookkeeping in
+flowrl's process overlaps vLLM's engine core, so it pays no ``slot_row_overhead_s``.
 
 The decode step reads every weight once per generated token, so it is bound by memory bandwidth:
 tp splits those reads over tp devices (and pays two all-reduces per layer per token); pp splits
@@ -63,6 +80,7 @@ from collections.abc import Sequence
 
 from flowrl.planners.estimate.common import (
     GiB,
+    Link,
     Context,
     MemoryBreakdown,
     NodeEstimate,
@@ -72,7 +90,7 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.planners.estimate.train import memory_budget
-from flowrl.planners.lengths import decode_steps, steady_decode_steps
+from flowrl.planners.lengths import LengthDistribution, decode_steps, steady_decode_steps
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.units import format_excess, format_gib_pair
@@ -180,6 +198,7 @@ def estimate_generate(
 
     dist = w.length_dist
     vllm = engine == "vllm"
+    stream = vllm and w.batching == "continuous"  # vLLM fed across steps, weights updated in flight
     batching = "continuous" if vllm else w.batching  # vLLM's scheduler refills finished rows within a call
     steps = decode_steps(dist, completions=per_replica, batch=b, batching=batching)
     continuous = batching == "continuous"
@@ -197,6 +216,7 @@ def estimate_generate(
     prefill /= speedup
     token /= speedup
     decode = steps * token
+    reprefill = _reprefill(model, w.prompt_len + _kept(dist), b, tp, pp, prefill_rate, L, h, ab, tp_link, launch_layer) / speedup if stream else 0.0
     # flowrl's slot batcher: Python bookkeeping per busy row per decode step, one per completion token
     slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous and not vllm else 0.0
 
@@ -210,13 +230,29 @@ def estimate_generate(
         "step_overhead": steps * step_overhead / speedup,
         "slot_overhead": slot_rows,
     }
+    if stream:
+        breakdown["reprefill"] = reprefill
     if w.env_s:
         breakdown["env"] = w.env_s  # waiting on environments (multi-turn rollouts): a generator-side delay
-    mode = "continuous within a call" if vllm else "continuous" if continuous else "lock-step"
+    mode = "continuous stream, a re-prefill per update" if stream else "continuous within a call" if vllm else "continuous" if continuous else "lock-step"
     notes = (f"{engine} engine", f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
     cross_step = t.cross_step_slots if t.cross_step_slots is not None else dev.kind == "gpu"
-    cross_step = cross_step and not vllm  # vLLM's weights change between calls: each call waits for its longest
+    cross_step = cross_step and (stream or not vllm)  # vLLM called per batch: weights change between calls, each waits for its longest
     steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None
     if steady is not None:
-        steady += w.env_s
-    return NodeEstimate(time_s=waves * prefill + decode + slot_rows + w.env_s, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)
+        steady += reprefill + w.env_s
+    return NodeEstimate(time_s=waves * prefill + decode + slot_rows + reprefill + w.env_s, memory=memory, breakdown=breakdown, notes=notes, steady_s=steady)
+
+
+def _kept(dist: LengthDistribution) -> float:
+    """Tokens a running request has drawn when a weight update meets it: ``E[l^2] / (2 E[l])`` (module docstring)."""
+    total = sum(wt for _, wt in dist.points)
+    return sum(n * n * wt for n, wt in dist.points) / total / (2 * dist.mean)
+
+
+def _reprefill(model: ModelSpec, kept: float, b: int, tp: int, pp: int, rate: float, L: int, h: int, ab: int, tp_link: Link | None, launch_layer: float) -> float:
+    """One replica's prefill of ``b`` running requests' ``kept`` tokens again, after a weight update (module docstring)."""
+    tokens = b * kept
+    compute = tokens * model.forward_flops_per_token(kept / 2) / (tp * pp * rate)
+    comm = L * 2 * all_reduce_s(tokens * h * ab, tp, tp_link) if tp_link else 0.0
+    return compute + comm + L * launch_layer
