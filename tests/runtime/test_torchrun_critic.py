@@ -53,7 +53,7 @@ def _float_atol(value: float, n: int) -> float:
     return 2 * n * U32 * (1.0 + abs(value))
 
 
-@pytest.mark.slow  # two torchrun jobs and a local run: ~60 s on 2 cores
+@pytest.mark.slow  # each: a torchrun job and a local run, ~85 s on 2 shared cores (both: 170 s at load ~1.5)
 @pytest.mark.parametrize("placement", [{"gen": [0], "policy": [1], "critic": [2]}, {"gen": [0], "policy": [1], "critic": [1, 2]}], ids=["own-rank", "two-ranks"])
 def test_a_critic_under_torchrun_matches_the_local_backend(tmp_path, placement):
     (tmp_path / "place.json").write_text(json.dumps(placement))
