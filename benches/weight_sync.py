@@ -31,7 +31,7 @@ machine's load before and after each case.
 Run: python benches/weight_sync.py [--quick] [--layers 24] [--repeats 3] [--steps 3] [--bucket-mb 128]
      [--cases replicated,fsdp-group,fsdp-file]
 (--quick: 2 layers, 1 repeat, 2 steps, about 3 minutes for all three cases on 2 shared cores; the
-full 24 layers need ~20 GB for an FSDP case; 12 layers ran in ~6 minutes, 13 GB at most.)
+full 24 layers need ~20 GB for an FSDP case; 12 layers, all cases: ~6 minutes, ~12 GB for the three ranks.)
 """
 
 from __future__ import annotations
