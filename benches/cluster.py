@@ -11,7 +11,7 @@ Prints one JSON object:
   the first updates are warm-up) ``step_s`` (the interval between rows), ``gen_s``, ``train_s``,
   ``sync_s`` (the generator's wait for and load of new weights: collective + into vLLM) and
   ``idle_s``, as the metrics rows give them; peak RSS per rank is not sampled here
-  (``weight_sync.py`` samples the generator's side);
+  (``weight_sync.py``'s FSDP cases sample every rank's, per phase);
 - ``predicted``: ``flowrl plan`` of the same graph on a CPU calibrated right before the run
   (``flowrl calibrate``) with the same placement (``gen:d1@0 | policy:d2@1-2``), its step and its
   parts, and predicted / measured (goal 0.77-1.3). The plan assumes 3 cores; this machine has 2, so

