@@ -265,11 +265,13 @@ def test_each_turn_reads_the_conversation_as_sampled_even_ids_the_built_in_token
 
 def test_metrics_count_environment_seconds_and_tokens_by_role():
     """``SlowEcho`` sleeps 0.2 s per step, two turns (one step each): every sample waits >= 0.4 s, and
-    the generator >= 0.4 s of wall-clock, less than the 4 x 0.4 s it would be if one turn's calls ran one
-    after another. Tokens by role: per sample, the model's (mask) and the environment's (the rest)."""
+    the generator waits less than the 4 x 0.4 s it would if one turn's calls ran one after another
+    (``env/seconds`` is the generator's wait, from after it launched a turn's calls: a loaded machine
+    can spend part of the 0.2 s launching them, so no lower bound holds for it but > 0).
+    Tokens by role: per sample, the model's (mask) and the environment's (the rest)."""
     mt, _ = _spied(_node("SlowEcho", max_turns=2))
     out, metrics = mt.generate(prompts_of(PROMPTS))
-    assert metrics["env/seconds_per_sample"] >= 0.4 and 0.4 <= metrics["env/seconds"] < 1.2
+    assert metrics["env/seconds_per_sample"] >= 0.4 and 0 < metrics["env/seconds"] < 1.2
     S, mask = 4, out["completion_mask"]
     assert metrics["env/model_tokens"] == pytest.approx(int(mask.sum()) / S)
     assert metrics["env/env_tokens"] == pytest.approx(int(out["completion_lens"].sum() - mask.sum()) / S)
