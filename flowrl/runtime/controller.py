@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from flowrl.errors import FlowrlError, NodeExecutionError
+from flowrl.errors import NodeExecutionError
 from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
@@ -76,6 +76,7 @@ from flowrl.runtime.evaluation import Evaluator, merge_eval
 from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.offload import trace_spans
 from flowrl.runtime.samples import SampleLogger
+from flowrl.runtime.staleness import StalenessGate, StalenessViolation
 from flowrl.placement.data import Placement
 from flowrl.runtime.programs import NodeProgram
 from flowrl.runtime.resume import restore_run_checkpoint, save_run_checkpoint
@@ -86,10 +87,6 @@ __all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]
 #: The span each node kind's program step is recorded as in the trace (``flowrl.graph.kinds``: the
 #: planner's predicted timeline uses the same names).
 SPAN_NAMES = {kind: spec.span for kind, spec in KINDS.items() if spec.program}
-
-
-class StalenessViolation(FlowrlError):
-    """A consumed batch was staler than its weight edge allows: a flowrl bug, never user error."""
 
 
 @dataclass
@@ -170,10 +167,8 @@ class Controller:
         self.last_checkpoint: Path | None = None
         self._checkpoint_version = -1
 
-        self.k = {  # the nodes gated on the version clock (generators); a syncing reference's edge names its own versions
-            e.dst: (config.max_staleness if config.max_staleness is not None else e.max_staleness) for e in graph.gated_weight_edges()
-        }
-        self.updates = graph.updates_per_batch()  # U: versions per trainer step
+        self.gate = StalenessGate.of(graph, config.max_staleness)  # k per gated edge (generators), U, the check
+        self.updates = self.gate.updates  # U: versions per trainer step
         #: a node that runs inside its policy's step (a loss) -> that policy: one executor for both
         self.loss_policy = {n.name: graph.users(n.name)[0].name for n in graph.nodes if KINDS[n.kind].runs_on == "policy"}
         self.reward_weights: dict[str, float] = {}
@@ -189,7 +184,7 @@ class Controller:
         for gen in graph.nodes_of_kind("generator"):
             if gen.sampling.batching == "continuous":  # type: ignore[attr-defined]
                 (feed,) = (e.src for e in graph.edges if e.dst == gen.name)
-                self._continuous[gen.name] = (feed, graph.node(feed).source.batch_size, self.k[gen.name])  # type: ignore[attr-defined]
+                self._continuous[gen.name] = (feed, graph.node(feed).source.batch_size, self.gate.bound(gen.name).k)  # type: ignore[attr-defined]
         self._pulled: dict[str, int] = {}  # prompts a continuous generator was handed
         self._skip: set[int] = set()  # prompts a resumed run delivered before its checkpoint (out of order)
         self._watermark = 0  # the first prompt index the trainer has not consumed
@@ -215,8 +210,7 @@ class Controller:
                 runner=self.runners.get(node.name),
                 cores=cores.get(node.name, ()),
             )
-        k_max = max(self.k.values(), default=0)
-        capacity = self.config.channel_capacity or k_max + 1
+        capacity = self.config.channel_capacity or self.gate.widest() + 1
         self.channels: list[Channel] = []
         for edge in self.graph.edges:
             src = self.loss_policy.get(edge.src, edge.src)
@@ -371,7 +365,7 @@ class Controller:
             self.tracer.add(ex.name, "wait", t_wait, t_wait + idle, step=seq)
         min_version = -1
         if KINDS[ex.kind].waits_for_weights:
-            min_version = self.updates * (seq - self.k[ex.name])
+            min_version = self.gate.min_version(ex.name, seq)
             t = time.perf_counter()
             self.clock.wait_for(min_version)
             if time.perf_counter() - t > 1e-4:
@@ -451,20 +445,10 @@ class Controller:
     # -- the trainer's side ---------------------------------------------------------------------------
     def _on_train_step(self, ex: _Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
         U = self.updates
-        rollout_version = int(batch["rollout_version"])
-        if "token_versions" in batch and batch["token_versions"].numel():  # the oldest token decides
-            versions = batch["token_versions"]
-            rollout_version = min(rollout_version, int(versions.min()))
-            if int(versions.max()) > U * seq:
-                raise StalenessViolation(f"policy {ex.name!r} at version {U * seq} consumed tokens of version {int(versions.max())}, from its future; this is a flowrl bug")
-        staleness = U * seq - rollout_version  # in versions
-        gens = [e.dst for e in self.graph.weight_edges_from(ex.name) if e.dst in self.k]
-        k = min((self.k[g] for g in gens), default=0)
-        if staleness > U * k or staleness < 0:
-            raise StalenessViolation(
-                f"policy {ex.name!r} consumed a batch of version {rollout_version} at version {U * seq}: "
-                f"staleness {staleness} breaks max_staleness={k} steps of {U} versions. This is a flowrl bug; please report it"
-            )
+        versions = batch.get("token_versions")
+        tokens = (int(versions.min()), int(versions.max())) if versions is not None and versions.numel() else None
+        rollout_version = self.gate.check(ex.name, seq, int(batch["rollout_version"]), tokens)
+        gens = self.gate.gated_by(ex.name)
         version = int(info.get("version", U * (seq + 1)))
         every = self.config.checkpoint_every
         checkpoint = bool(self.config.checkpoint_dir and every and (seq + 1) % every == 0)  # every N steps (batches)
