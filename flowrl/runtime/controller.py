@@ -73,6 +73,7 @@ from flowrl.runtime.clock import ClockStopped, VersionClock
 from flowrl.runtime.compute_threads import StepRunner, group_runners, set_intra_op_threads, set_thread_cores
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.evaluation import Evaluator, merge_eval
+from flowrl.runtime.ledger import PromptLedger
 from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.offload import trace_spans
 from flowrl.runtime.samples import SampleLogger
@@ -163,7 +164,6 @@ class Controller:
         self._progress_at = time.monotonic()
         self._t0 = 0.0
         self.rows: list[dict[str, Any]] = []
-        self.consumed: list[list[int]] = []
         self.last_checkpoint: Path | None = None
         self._checkpoint_version = -1
 
@@ -185,10 +185,7 @@ class Controller:
             if gen.sampling.batching == "continuous":  # type: ignore[attr-defined]
                 (feed,) = (e.src for e in graph.edges if e.dst == gen.name)
                 self._continuous[gen.name] = (feed, graph.node(feed).source.batch_size, self.gate.bound(gen.name).k)  # type: ignore[attr-defined]
-        self._pulled: dict[str, int] = {}  # prompts a continuous generator was handed
-        self._skip: set[int] = set()  # prompts a resumed run delivered before its checkpoint (out of order)
-        self._watermark = 0  # the first prompt index the trainer has not consumed
-        self._ahead: set[int] = set()  # consumed prompt indices above the watermark
+        self.ledger = PromptLedger()  # exactly once: the watermark, the prompts consumed ahead of it, those a resume skips
         self._unwritten: deque[tuple[dict[str, Any], Future[dict[str, float]] | None]] = deque()
         self._evaluator: Evaluator | None = None
         # --eval-every: the first policy that feeds a generator is the one evaluated
@@ -282,7 +279,7 @@ class Controller:
         return RunResult(
             rows=self.rows,
             version=self.clock.version,
-            consumed=self.consumed,
+            consumed=self.ledger.consumed,
             wall_s=time.perf_counter() - self._t0,
             checkpoint=self.last_checkpoint,
         )
@@ -339,7 +336,7 @@ class Controller:
         end = self.config.steps
         for _gen, (feed, P, k) in self._continuous.items():
             if ex.name == feed:  # the generator reads k batches ahead, more after a resume skipped some
-                end += k + 1 + -(-len(self._skip) // P)
+                end += k + 1 + self.ledger.extra_steps(P)
         try:
             for seq in range(start, end):
                 if self._stop.is_set():
@@ -401,28 +398,10 @@ class Controller:
     def _read_ahead(self, ex: _Executor, seq: int) -> dict[str, torch.Tensor]:
         """The prompts a continuous generator gets at ``seq``: enough that ``(1 + k) * P`` are
         undelivered (it may start groups up to ``k`` steps ahead), without those a resumed run
-        delivered already (``_skip``); the messages' prompts concatenated, left-padded."""
-        from flowrl.operators.source import pad_left
-
+        delivered already (``PromptLedger.read_ahead``)."""
         _feed, P, k = self._continuous[ex.name]
         (ch,) = ex.inputs
-        want = (seq - self._start_version + 1 + k) * P
-        prompts: list[list[int]] = []
-        index: list[int] = []
-        while self._pulled.get(ex.name, 0) + len(index) < want:
-            fields = ch.get().fields
-            lens = fields["prompt_lens"].tolist()
-            for row, i in enumerate(fields["prompt_index"].tolist()):
-                if i in self._skip:
-                    continue
-                ids = fields["prompt_ids"][row]
-                prompts.append(ids[ids.shape[0] - lens[row] :].tolist())
-                index.append(i)
-        self._pulled[ex.name] = self._pulled.get(ex.name, 0) + len(index)
-        if not index:
-            return {}
-        ids, lens_t = pad_left(prompts, 0)  # the generator reads each prompt by its length
-        return {"prompt_ids": ids, "prompt_lens": lens_t, "prompt_index": torch.tensor(index, dtype=torch.int64)}
+        return self.ledger.read_ahead(ex.name, (seq - self._start_version + 1 + k) * P, lambda: ch.get().fields)
 
     def _trace_step(self, ex: _Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
         name = SPAN_NAMES.get(ex.kind, ex.kind)
@@ -475,8 +454,7 @@ class Controller:
             evaluation = self._evaluator.submit(ex.program, version)  # the trainer waits for the save only
         self._unwritten.append((row, evaluation))
         self._write_rows(wait=False)
-        self.consumed.append(consumed)
-        self._consume(consumed)
+        self.ledger.consume(consumed)
         if checkpoint:  # before the clock moves on: a node gated on it (a critic) has not begun the next batch
             self._checkpoint_now(version)
             self.clock.advance(version)
@@ -508,18 +486,6 @@ class Controller:
             if self.on_step is not None:
                 self.on_step(row)
 
-    def _consume(self, indices: list[int]) -> None:
-        """Advance the watermark (first prompt not consumed) past ``indices``; keep those above it.
-        In lock step, indices arrive in order and ``_ahead`` stays empty."""
-        for i in indices:
-            if i in self._ahead or i < self._watermark:
-                raise StalenessViolation(f"prompt {i} was consumed twice; this is a flowrl bug")
-            self._ahead.add(i)
-        while self._watermark in self._ahead:
-            self._ahead.remove(self._watermark)
-            self._watermark += 1
-        self._data_position = self._watermark
-
     # -- checkpoints ---------------------------------------------------------------------------------
     def _checkpoint_now(self, version: int | None = None) -> None:
         """Checkpoint the nodes that keep state at ``version`` (default: the clock's; ``resume.save_run_checkpoint``)."""
@@ -529,8 +495,8 @@ class Controller:
         node_programs = {name: ex.program for name, ex in self.executors.items()}
         self.last_checkpoint = save_run_checkpoint(
             self.config.checkpoint_dir, self.graph, node_programs, version=version,
-            data_position=getattr(self, "_data_position", 0), previous=self.last_checkpoint,
-            delivered_ahead=tuple(sorted(self._ahead)), keep=self.config.keep_checkpoints,
+            data_position=self.ledger.watermark, previous=self.last_checkpoint,
+            delivered_ahead=self.ledger.delivered_ahead(), keep=self.config.keep_checkpoints,
         )
         self._checkpoint_version = version
 
@@ -541,14 +507,12 @@ class Controller:
         restored = restore_run_checkpoint(self.config.checkpoint_dir, self.graph, node_programs, steps=self.config.steps)
         if restored is None:
             return 0  # nothing to resume from: a fresh run (the CLI says so)
-        self._data_position = self._watermark = restored.data_position
-        self._ahead = set(restored.delivered_ahead)
-        self._skip = set(restored.delivered_ahead)
-        if self._skip and len(self._continuous) != len(self.graph.nodes_of_kind("generator")):
+        self.ledger = PromptLedger(restored.data_position, restored.delivered_ahead)
+        if self.ledger.skip and len(self._continuous) != len(self.graph.nodes_of_kind("generator")):
             from flowrl.errors import CheckpointError
 
             raise CheckpointError(
-                f"checkpoint {restored.path} was written by a continuous-batching run ({len(self._skip)} prompts delivered "
+                f"checkpoint {restored.path} was written by a continuous-batching run ({len(self.ledger.skip)} prompts delivered "
                 "out of order); resume it with the generator's batching='continuous'"
             )
         self.last_checkpoint = restored.path
