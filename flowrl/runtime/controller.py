@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,12 @@ from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.placement.data import Placement
-from flowrl.runtime.channels import Channel, ChannelClosed, Message
+from flowrl.runtime.channels import ChannelClosed, Message
 from flowrl.runtime.checkpointer import Checkpointer
 from flowrl.runtime.clock import ClockStopped, VersionClock
-from flowrl.runtime.compute_threads import StepRunner, group_runners, set_intra_op_threads, set_thread_cores
+from flowrl.runtime.compute_threads import set_intra_op_threads, set_thread_cores
 from flowrl.runtime.config import RunConfig
+from flowrl.runtime.executors import Executor, Executors
 from flowrl.runtime.ledger import PromptLedger
 from flowrl.runtime.metrics import step_row
 from flowrl.runtime.programs import NodeProgram
@@ -73,18 +74,6 @@ class RunResult:
     consumed: list[list[int]]
     wall_s: float
     checkpoint: Path | None = None
-
-
-@dataclass
-class _Executor:
-    name: str
-    kind: str
-    program: NodeProgram
-    inputs: list[Channel] = field(default_factory=list)
-    outputs: list[tuple[Channel, tuple[str, ...]]] = field(default_factory=list)
-    runner: StepRunner | None = None
-    cores: tuple[int, ...] = ()
-    thread: threading.Thread | None = None
 
 
 class Controller:
@@ -114,32 +103,16 @@ class Controller:
             for g in graph.nodes_of_kind("generator") if g.sampling.batching == "continuous"  # type: ignore[attr-defined]
             for (feed,) in [[e.src for e in graph.edges if e.dst == g.name]]
         }
-        self._build_executors(node_programs)
-        self.checkpoints = Checkpointer(graph, config, {n: ex.program for n, ex in self.executors.items()})
-
-    def _build_executors(self, node_programs: dict[str, NodeProgram]) -> None:
-        cores = self.placement.devices if self.placement.pin else {}
-        self.runners = group_runners(self.placement.groups(), intra_op_threads=self.intra_op_threads, cores=cores)
-        runs_in = {n.name: self.graph.users(n.name)[0].name for n in self.graph.nodes if KINDS[n.kind].runs_on == "policy"}  # loss -> policy
-        self.executors = {
-            n.name: _Executor(n.name, n.kind, node_programs[n.name], runner=self.runners.get(n.name), cores=cores.get(n.name, ()))
-            for n in self.graph.nodes if n.name not in runs_in
-        }
-        self.channels: list[Channel] = []
-        for edge in self.graph.edges:
-            src, dst = runs_in.get(edge.src, edge.src), runs_in.get(edge.dst, edge.dst)
-            if src != dst:  # loss -> its policy: the same executor
-                self.channels.append(ch := Channel(f"{edge.src}->{edge.dst}", self.config.channel_capacity or self.gate.widest() + 1))
-                self.executors[src].outputs.append((ch, tuple(edge.fields)))
-                self.executors[dst].inputs.append(ch)
+        self.parts = Executors(graph, node_programs, placement, capacity=config.channel_capacity or self.gate.widest() + 1, intra_op_threads=intra_op_threads)
+        self.executors, self.channels = self.parts.executors, self.parts.channels
+        self.checkpoints = Checkpointer(graph, config, self.parts.programs())
 
     def run(self) -> RunResult:
         """Run to ``config.steps`` trainer steps (from a checkpoint if ``resume``); raise on failure."""
         try:
             return self._run()
         finally:
-            for runner in self.runners.values():  # whatever happened, even before the first step
-                runner.close()
+            self.parts.close_runners()  # whatever happened, even before the first step
 
     def _run(self) -> RunResult:
         restored = self.checkpoints.restore(continuous=len(self._continuous) == len(self.graph.nodes_of_kind("generator"))) if self.config.resume else None
@@ -150,29 +123,18 @@ class Controller:
         self.sink.open(self._start)
         self._t0, interrupted = time.perf_counter(), False
         try:
-            for ex in self.executors.values():
-                ex.program.start()
-            for ex in self.executors.values():
-                ex.thread = threading.Thread(target=self._executor_main, args=(ex,), name=f"flowrl-{ex.name}", daemon=True)
-                ex.thread.start()
+            self.parts.start(self._executor_main)
             self._supervise()
         except KeyboardInterrupt:
             interrupted = True
         finally:
             self._halt()
-            deadline = time.monotonic() + 30.0  # each executor returns within one program step once halted
-            for ex in self.executors.values():
-                if ex.thread is not None:
-                    ex.thread.join(max(0.0, deadline - time.monotonic()))
+            self.parts.join()
         try:  # the final state (also after Ctrl-C); not after a failure: the newest periodic checkpoint is the last good one
             if self.checkpoints.enabled and self._failure is None and self.sink.rows and not self.checkpoints.holds(self.clock.version):
                 self._checkpoint(self.clock.version)
         finally:
-            for ex in self.executors.values():
-                try:
-                    ex.program.close()
-                except Exception:  # noqa: BLE001 - closing after a failure must not hide the failure
-                    pass
+            self.parts.close()
             self.sink.close(wait=self._failure is None and not interrupted)  # after a failure: without unfinished evaluations
             if self.config.trace and self.sink.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
@@ -190,28 +152,24 @@ class Controller:
         """Wait for the policy to finish, a failure, or a stall."""
         while not self._done.wait(0.05) and not self._stop.is_set():
             if time.monotonic() - self._progress_at > self.config.stall_timeout_s:
-                waiting = ", ".join(f"{c.name}({len(c)})" for c in self.channels)
                 return self._fail("controller", None, TimeoutError(
-                    f"no executor finished a step in {self.config.stall_timeout_s:.0f} s (channels: {waiting}); "
+                    f"no executor finished a step in {self.config.stall_timeout_s:.0f} s (channels: {self.parts.describe()}); "
                     "a program is hung or far slower than stall_timeout_s allows"
                 ))
 
     def _halt(self) -> None:
         self._stop.set()
         self.clock.stop()
-        for ch in self.channels:
-            ch.close()
+        self.parts.close_channels()
 
     def _fail(self, node: str, step: int | None, exc: BaseException) -> None:
         with self._lock:
             if self._failure is None:
                 self._failure = (node, step, exc)
         self._halt()
-        for ex in self.executors.values():  # unblock threads waiting on worker processes
-            if (abort := getattr(ex.program, "abort", None)) is not None:
-                abort()
+        self.parts.abort()  # unblock threads waiting on worker processes
 
-    def _executor_main(self, ex: _Executor) -> None:
+    def _executor_main(self, ex: Executor) -> None:
         set_thread_cores(ex.cores)
         if self.intra_op_threads is not None:  # no OpenMP team of its own (compute_threads): its group's compute thread has it
             set_intra_op_threads(1)
@@ -228,13 +186,13 @@ class Controller:
         except BaseException as exc:  # noqa: BLE001 - every failure ends the run, reported once
             self._fail(ex.name, seq, exc)
 
-    def _wait_for(self, ex: _Executor, seq: int, version: int, reason: str) -> None:
+    def _wait_for(self, ex: Executor, seq: int, version: int, reason: str) -> None:
         t = time.perf_counter()
         self.clock.wait_for(version)
         if time.perf_counter() - t > 1e-4:
             self.tracer.add(ex.name, "wait", t, time.perf_counter(), step=seq, reason=reason)
 
-    def _step(self, ex: _Executor, seq: int) -> None:
+    def _step(self, ex: Executor, seq: int) -> None:
         t_wait, inputs = time.perf_counter(), {}
         if ex.name in self._continuous:
             inputs = self._read_ahead(ex, seq)
@@ -269,15 +227,15 @@ class Controller:
         for ch, fields in ex.outputs:
             ch.put(Message(seq, {f: outputs[f] for f in fields if f in outputs or f not in OPTIONAL_FIELDS}))
 
-    def _trace_step(self, ex: _Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
+    def _trace_step(self, ex: Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
         trace_step(self.tracer, ex.name, ex.kind, seq, t0, t1, info)  # a method: tests spy on each step's info here
 
-    def _read_ahead(self, ex: _Executor, seq: int) -> dict[str, torch.Tensor]:
+    def _read_ahead(self, ex: Executor, seq: int) -> dict[str, torch.Tensor]:
         """Enough prompts that ``(1 + k) * P`` are undelivered (groups start up to ``k`` steps ahead)."""
         (ch,), (_feed, P) = ex.inputs, self._continuous[ex.name]
         return self.ledger.read_ahead(ex.name, (seq - self._start + 1 + self.gate.bound(ex.name).k) * P, lambda: ch.get().fields)
 
-    def _on_train_step(self, ex: _Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
+    def _on_train_step(self, ex: Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
         versions = batch.get("token_versions")
         tokens = (int(versions.min()), int(versions.max())) if versions is not None and versions.numel() else None
         rollout_version = self.gate.check(ex.name, seq, int(batch["rollout_version"]), tokens)
