@@ -1,29 +1,17 @@
 """The controller: runs a graph's executors on the version clock and wires the run's parts.
 
-The parts, each a module with its own tests:
+Its parts, each a module tested on its own: ``executors`` (a thread per node, the bounded channels
+between them), ``staleness`` (the gate: k per weight edge, U, the minimum version, the check),
+``ledger`` (exactly-once prompts), ``row_sink`` (rows, samples, evaluations), ``checkpointer`` and
+``step_trace``. State it keeps itself:
 
-- ``staleness.StalenessGate`` (``gate``): k per gated weight edge, U = versions per trainer step,
-  the minimum version a step samples with, the group deadlines, the check on every consumed batch.
-- ``ledger.PromptLedger`` (``ledger``): exactly-once prompt bookkeeping (watermark, prompts
-  consumed ahead of it, a resume's skips, continuous generators' read-ahead).
-- ``row_sink.RowSink`` (``sink``): metrics rows in step order, samples, evaluations, ``on_step``.
-- ``checkpointer.Checkpointer`` (``checkpoints``): when to checkpoint, writing, restoring.
-- ``step_trace.trace_step``: each program step's spans in the trace.
-
-State it keeps itself:
-
-- ``clock`` (``VersionClock``): the policy version = completed optimizer steps; only the policy
-  executor advances it, after a step's weights are published (and after a due checkpoint, so a node
-  gated on the clock, a critic, has not begun the next batch).
-- ``channels``: one bounded FIFO per executor-level data edge (edges into a loss go to its policy,
-  whose step runs the loss), capacity ``widest k + 1`` unless configured; a full channel blocks its
-  producer, nothing is dropped.
-- ``executors``: one thread per non-loss node, taking message ``seq`` from each input, running the
-  program's step on its colocation group's runner (``compute_threads``), putting the outputs.
-  A node gated on the clock waits for ``gate.min_version`` first; one that needs the policy's
-  weights of one step (``Node.version_needed``: a syncing reference) waits for that version.
-- ``_gen_info`` / ``_source_info`` (``_lock``): per step, the generators' info and the other
-  nodes' namespaced metrics, merged into the trainer's row.
+- ``clock`` (``VersionClock``): the policy version = completed optimizer steps, ``U`` per trainer
+  step; only the policy executor advances it, after publishing (and after a due checkpoint, so a
+  node gated on the clock, a critic, has not begun the next batch).
+- Each executor takes message ``seq`` from each input, waits for ``gate.min_version`` (a node gated
+  on the clock) or ``Node.version_needed`` (a syncing reference) outside its group's runner, runs
+  the program's step on that runner and puts the outputs; a continuous generator's prompts come from
+  the ledger instead, read ``k`` batches ahead.
 - ``_failure`` (``_lock``): the first error, with its node and step; then every channel closes and
   the clock stops, so every executor returns within one step; the run raises ``NodeExecutionError``.
 
@@ -91,8 +79,6 @@ class Controller:
         self.clock = VersionClock(0)
         self._lock, self._stop, self._done = threading.Lock(), threading.Event(), threading.Event()
         self._failure: tuple[str, int | None, BaseException] | None = None
-        self._gen_info: dict[tuple[str, int], dict[str, Any]] = {}
-        self._source_info: dict[int, dict[str, Any]] = {}
         self._progress_at, self._t0, self._start = time.monotonic(), 0.0, 0
         self.gate = StalenessGate.of(graph, config.max_staleness)
         self.ledger = PromptLedger()
@@ -186,12 +172,6 @@ class Controller:
         except BaseException as exc:  # noqa: BLE001 - every failure ends the run, reported once
             self._fail(ex.name, seq, exc)
 
-    def _wait_for(self, ex: Executor, seq: int, version: int, reason: str) -> None:
-        t = time.perf_counter()
-        self.clock.wait_for(version)
-        if time.perf_counter() - t > 1e-4:
-            self.tracer.add(ex.name, "wait", t, time.perf_counter(), step=seq, reason=reason)
-
     def _step(self, ex: Executor, seq: int) -> None:
         t_wait, inputs = time.perf_counter(), {}
         if ex.name in self._continuous:
@@ -203,8 +183,10 @@ class Controller:
         if (idle := time.perf_counter() - t_wait) > 1e-4 and ex.inputs:
             self.tracer.add(ex.name, "wait", t_wait, t_wait + idle, step=seq)
         min_version = self.gate.min_version(ex.name, seq) if self.gate.gates(ex.name) else self.graph.node(ex.name).version_needed(seq, self.gate.updates)
-        if min_version >= 0 or self.gate.gates(ex.name):
-            self._wait_for(ex, seq, min_version, f"weights >= v{min_version}" if self.gate.gates(ex.name) else f"weights of v{min_version}")
+        if min_version >= 0 or self.gate.gates(ex.name):  # outside the runner: the policy may need it to get there
+            self.clock.wait_for(min_version)
+            if (t := time.perf_counter()) - t_wait - idle > 1e-4:
+                self.tracer.add(ex.name, "wait", t_wait + idle, t, step=seq, reason=f"weights {'>= ' if self.gate.gates(ex.name) else 'of '}v{min_version}")
 
         def run_step() -> tuple[dict[str, torch.Tensor], dict[str, Any], float, float]:
             if self._stop.is_set():
@@ -216,14 +198,10 @@ class Controller:
         outputs, info, t_step, t_end = ex.runner.call(run_step) if ex.runner is not None else run_step()
         self._trace_step(ex, seq, t_step, t_end, info)
         self._progress_at = time.monotonic()
-        if KINDS[ex.kind].waits_for_weights:
-            with self._lock:
-                self._gen_info[(ex.name, seq)] = info
-        elif KINDS[ex.kind].publishes_weights:
+        if KINDS[ex.kind].publishes_weights:
             self._on_train_step(ex, seq, inputs, info, idle)
-        elif any("/" in key for key in info):  # a source's data/*, a reward model's counts
-            with self._lock:
-                self._source_info.setdefault(seq, {}).update({k: v for k, v in info.items() if "/" in k})
+        else:  # a generator's timings, a source's data/*, a reward model's counts: for the step's row
+            self.sink.note(ex.name, seq, info, generator=KINDS[ex.kind].waits_for_weights)
         for ch, fields in ex.outputs:
             ch.put(Message(seq, {f: outputs[f] for f in fields if f in outputs or f not in OPTIONAL_FIELDS}))
 
@@ -243,11 +221,7 @@ class Controller:
         checkpoint = self.checkpoints.due(seq)  # every N steps (batches)
         if not checkpoint:
             self.clock.advance(version)
-        gen: dict[str, Any] = {}
-        with self._lock:
-            for g in self.gate.gated_by(ex.name):
-                gen = self._gen_info.pop((g, seq), gen)
-            source_metrics = self._source_info.pop(seq, {})
+        gen, source_metrics = self.sink.noted(seq, generators=self.gate.gated_by(ex.name))
         row = step_row(
             seq=seq, version=version, rollout_version=rollout_version, batch=batch, info=info, gen=gen, reward_weights=self.sink.reward_weights,
             time_s=time.perf_counter() - self._t0, idle_s=idle, updates=self.gate.updates,

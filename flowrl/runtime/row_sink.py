@@ -9,6 +9,9 @@ it and every row before it are complete.
 State (the policy executor's thread, then the controller's once the executors are joined):
 
 - ``rows``: every row added, in step order (``RunResult.rows``).
+- ``_gen_info`` / ``_source_info`` (``_lock``: the executors' threads write, the policy's reads):
+  per step, the generators' info and the other nodes' namespaced metrics (a source's ``data/*``, a
+  reward model's ``judge/unparsed/<node>``), for the trainer's row of that step (``noted``).
 - ``_unwritten``: rows not yet written, each with the evaluation it waits for (None: none).
 
 Cadences count trainer steps (the row's ``step`` = ``seq + 1``): samples and evaluations fire after
@@ -17,6 +20,7 @@ step ``seq`` when ``(seq + 1) % N == 0``.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -56,6 +60,9 @@ class RowSink:
     ) -> None:  # fmt: skip
         self.graph, self.config, self.on_step, self._fail = graph, config, on_step, fail
         self.rows: list[Row] = []
+        self._lock = threading.Lock()
+        self._gen_info: dict[tuple[str, int], dict[str, Any]] = {}
+        self._source_info: dict[int, dict[str, Any]] = {}
         self._unwritten: deque[tuple[Row, Future[dict[str, float]] | None]] = deque()
         self.reward_weights: dict[str, float] = {}
         for loss in graph.nodes_of_kind("loss"):
@@ -79,6 +86,23 @@ class RowSink:
                 self.graph, self.eval_policy, data=self.config.eval_data, samples=self.config.eval_samples,
                 pass_reward=self.config.eval_pass_reward, seed=self.config.seed,
             )
+
+    def note(self, node: str, seq: int, info: dict[str, Any], *, generator: bool) -> None:
+        """Keep what ``node``'s step ``seq`` reported for that step's row: a ``generator``'s whole info,
+        another node's namespaced keys (``"data/epoch"``, ...)."""
+        with self._lock:
+            if generator:
+                self._gen_info[(node, seq)] = info
+            elif any("/" in key for key in info):
+                self._source_info.setdefault(seq, {}).update({k: v for k, v in info.items() if "/" in k})
+
+    def noted(self, seq: int, *, generators: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Take step ``seq``'s notes: the info of the last of ``generators`` that noted one, and the other nodes' metrics."""
+        gen: dict[str, Any] = {}
+        with self._lock:
+            for g in generators:
+                gen = self._gen_info.pop((g, seq), gen)
+            return gen, self._source_info.pop(seq, {})
 
     def add(self, row: Row, *, policy: str, seq: int, version: int, batch: dict[str, torch.Tensor], program: NodeProgram) -> None:
         """Take step ``seq``'s row from ``policy`` at ``version`` (its ``batch`` for samples, its ``program`` to evaluate)."""

@@ -93,3 +93,15 @@ def test_a_failed_evaluation_fails_the_run_and_its_row_is_written(tmp_path):
     assert "evaluating policy" in str(error) and "no such row" in str(error)
     assert _steps(path) == [1, 2]
 
+
+
+def test_notes_reach_the_row_of_their_step_once(tmp_path):
+    sink, *_ = _sink(tmp_path)
+    sink.note("gen", 3, {"gen_s": 0.5, "version": 2}, generator=True)
+    sink.note("prompts", 3, {"data/epoch": 1, "position": 7}, generator=False)  # only namespaced keys go to the row
+    sink.note("judge", 3, {"judge/unparsed/judge": 2}, generator=False)
+    sink.note("gen", 4, {"gen_s": 0.25}, generator=True)
+    gen, metrics = sink.noted(3, generators=["gen"])
+    assert gen == {"gen_s": 0.5, "version": 2} and metrics == {"data/epoch": 1, "judge/unparsed/judge": 2}
+    assert sink.noted(3, generators=["gen"]) == ({}, {})  # taken once
+    assert sink.noted(4, generators=["other", "gen"]) == ({"gen_s": 0.25}, {})
