@@ -40,7 +40,7 @@ from flowrl.runtime.clock import ClockStopped, VersionClock
 from flowrl.runtime.compute_threads import set_intra_op_threads, set_thread_cores
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.executors import Executor, Executors
-from flowrl.runtime.ledger import PromptLedger
+from flowrl.runtime.ledger import PromptLedger, continuous_feeds
 from flowrl.runtime.metrics import step_row
 from flowrl.runtime.programs import NodeProgram
 from flowrl.runtime.row_sink import RowSink
@@ -81,14 +81,8 @@ class Controller:
         self._failure: tuple[str, int | None, BaseException] | None = None
         self._progress_at, self._t0, self._start = time.monotonic(), 0.0, 0
         self.gate = StalenessGate.of(graph, config.max_staleness)
-        self.ledger = PromptLedger()
+        self.ledger = PromptLedger(feeds=continuous_feeds(graph, self.gate))
         self.sink = RowSink(graph, config, on_step=on_step, fail=self._fail)
-        # a continuous generator reads prompts ahead of its source (``_read_ahead``): name -> (source, P)
-        self._continuous = {
-            g.name: (feed, graph.node(feed).source.batch_size)  # type: ignore[attr-defined]
-            for g in graph.nodes_of_kind("generator") if g.sampling.batching == "continuous"  # type: ignore[attr-defined]
-            for (feed,) in [[e.src for e in graph.edges if e.dst == g.name]]
-        }
         self.parts = Executors(graph, node_programs, placement, capacity=config.channel_capacity or self.gate.widest() + 1, intra_op_threads=intra_op_threads)
         self.executors, self.channels = self.parts.executors, self.parts.channels
         self.checkpoints = Checkpointer(graph, config, self.parts.programs())
@@ -101,9 +95,9 @@ class Controller:
             self.parts.close_runners()  # whatever happened, even before the first step
 
     def _run(self) -> RunResult:
-        restored = self.checkpoints.restore(continuous=len(self._continuous) == len(self.graph.nodes_of_kind("generator"))) if self.config.resume else None
+        restored = self.checkpoints.restore(continuous=len(self.ledger.feeds) == len(self.graph.nodes_of_kind("generator"))) if self.config.resume else None
         if restored is not None:
-            self.ledger = PromptLedger(restored.data_position, restored.delivered_ahead)
+            self.ledger.restore(restored.data_position, restored.delivered_ahead)
         self._start = self.gate.step_of(restored.version) if restored is not None else 0  # restore checks it divides
         self.clock = VersionClock(self.gate.version_at(self._start))
         self.sink.open(self._start)
@@ -159,11 +153,9 @@ class Controller:
         set_thread_cores(ex.cores)
         if self.intra_op_threads is not None:  # no OpenMP team of its own (compute_threads): its group's compute thread has it
             set_intra_op_threads(1)
-        end, seq = self.config.steps, None
-        for gen, (feed, P) in self._continuous.items():  # the generator reads k batches ahead, more after a resume skipped some
-            end += (self.gate.bound(gen).k + 1 + self.ledger.extra_steps(P)) if ex.name == feed else 0
+        seq = None
         try:
-            for seq in range(self._start, end):
+            for seq in range(self._start, self.ledger.steps_of(ex.name, self.config.steps)):  # a continuous generator's source: more
                 if self._stop.is_set():
                     return
                 self._step(ex, seq)
@@ -174,9 +166,9 @@ class Controller:
 
     def _step(self, ex: Executor, seq: int) -> None:
         t_wait, inputs = time.perf_counter(), {}
-        if ex.name in self._continuous:
+        if ex.name in self.ledger.feeds:
             inputs = self._read_ahead(ex, seq)
-        for ch in ex.inputs if ex.name not in self._continuous else ():
+        for ch in ex.inputs if ex.name not in self.ledger.feeds else ():
             if (message := ch.get()).seq != seq:
                 raise RuntimeError(f"executor {ex.name!r} expected step {seq} on {ch.name}, got {message.seq}")
             inputs.update(message.fields)
@@ -209,9 +201,9 @@ class Controller:
         trace_step(self.tracer, ex.name, ex.kind, seq, t0, t1, info)  # a method: tests spy on each step's info here
 
     def _read_ahead(self, ex: Executor, seq: int) -> dict[str, torch.Tensor]:
-        """Enough prompts that ``(1 + k) * P`` are undelivered (groups start up to ``k`` steps ahead)."""
-        (ch,), (_feed, P) = ex.inputs, self._continuous[ex.name]
-        return self.ledger.read_ahead(ex.name, (seq - self._start + 1 + self.gate.bound(ex.name).k) * P, lambda: ch.get().fields)
+        """A continuous generator's prompts, read ``k`` batches ahead (``PromptLedger.want``)."""
+        (ch,) = ex.inputs
+        return self.ledger.read_ahead(ex.name, self.ledger.want(ex.name, seq - self._start), lambda: ch.get().fields)
 
     def _on_train_step(self, ex: Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
         versions = batch.get("token_versions")

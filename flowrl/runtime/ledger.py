@@ -10,6 +10,9 @@ threads, ``read_ahead``; the two share nothing but ``skip``, which only a restor
 - ``skip``: after a resume, the prompts the checkpointed run had consumed above its watermark; a
   continuous generator's prompt feed drops them (``read_ahead``), so none is delivered twice.
 - ``pulled``: per continuous generator, the prompts it was handed so far.
+- ``feeds``: continuous generator -> (its source, P prompts a step, k): it starts groups up to ``k``
+  steps ahead, so it is handed prompts ``k`` batches ahead of its step (``want``) and its source
+  runs ``k + 1`` steps more, and more after a resume skipped some (``steps_of``).
 - ``consumed``: each step's consumed indices, in step order (``RunResult.consumed``).
 
 Example:
@@ -23,12 +26,27 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl.runtime.staleness import StalenessViolation
 
-__all__ = ["PromptLedger"]
+if TYPE_CHECKING:
+    from flowrl.graph.ir import Graph
+    from flowrl.runtime.staleness import StalenessGate
+
+__all__ = ["PromptLedger", "continuous_feeds"]
+
+
+def continuous_feeds(graph: Graph, gate: StalenessGate) -> dict[str, tuple[str, int, int]]:
+    """Each continuous-batching generator of ``graph`` -> (its source, the source's batch size P, its k)."""
+    feeds = {}
+    for gen in graph.nodes_of_kind("generator"):
+        if gen.sampling.batching == "continuous":  # type: ignore[attr-defined]
+            (source,) = (e.src for e in graph.edges if e.dst == gen.name)
+            feeds[gen.name] = (source, graph.node(source).source.batch_size, gate.bound(gen.name).k)  # type: ignore[attr-defined]
+    return feeds
 
 
 class PromptLedger:
@@ -38,14 +56,20 @@ class PromptLedger:
         watermark: the first prompt not consumed (a restored checkpoint's data position).
         ahead: the prompts consumed above it (a restored checkpoint's ``delivered_ahead``); a resumed
             run skips them.
+        feeds: the continuous generators' feeds (``continuous_feeds``).
     """
 
-    def __init__(self, watermark: int = 0, ahead: Iterable[int] = ()) -> None:
+    def __init__(self, watermark: int = 0, ahead: Iterable[int] = (), *, feeds: Mapping[str, tuple[str, int, int]] | None = None) -> None:
+        self.feeds = dict(feeds or {})
+        self.pulled: dict[str, int] = {}
+        self.consumed: list[list[int]] = []
+        self.restore(watermark, ahead)
+
+    def restore(self, watermark: int, ahead: Iterable[int]) -> None:
+        """Continue from a checkpoint's data position and the prompts it had consumed above it (skipped from now on)."""
         self.watermark = watermark
         self.ahead: set[int] = set(ahead)
         self.skip: frozenset[int] = frozenset(self.ahead)
-        self.pulled: dict[str, int] = {}
-        self.consumed: list[list[int]] = []
 
     def consume(self, indices: list[int]) -> None:
         """Record one step's consumed ``indices``: advance the watermark past them, keep those above it.
@@ -69,6 +93,16 @@ class PromptLedger:
     def extra_steps(self, group_count: int) -> int:
         """Source steps a continuous generator's feed needs beyond a fresh run's: those the skipped prompts took."""
         return -(-len(self.skip) // group_count)
+
+    def steps_of(self, node: str, steps: int) -> int:
+        """The steps ``node``'s executor runs in a run of ``steps``: more for the source of a continuous generator."""
+        return steps + sum(k + 1 + self.extra_steps(P) for source, P, k in self.feeds.values() if source == node)
+
+    def want(self, generator: str, steps_in: int) -> int:
+        """The prompts continuous ``generator`` should have been handed by its ``steps_in``-th step of this
+        run (from 0): ``(steps_in + 1 + k) * P``, so that it may start groups up to ``k`` steps ahead."""
+        _source, P, k = self.feeds[generator]
+        return (steps_in + 1 + k) * P
 
     def read_ahead(self, generator: str, want: int, receive: Callable[[], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The prompts to hand ``generator`` so that it holds ``want`` in all, reading source batches with

@@ -61,3 +61,22 @@ def test_read_ahead_fills_to_want_without_the_skipped_prompts():
     assert ledger.read_ahead("gen", 3, lambda: next(feed)) == {}  # holds enough already
     assert ledger.read_ahead("gen", 4, lambda: next(feed))["prompt_index"].tolist() == [9]  # 8 skipped
     assert ledger.pulled == {"gen": 4}
+
+
+def test_a_continuous_feed_reads_k_batches_ahead_and_its_source_runs_longer():
+    from flowrl.examples.longtail import build_longtail
+    from flowrl.runtime.ledger import continuous_feeds
+    from flowrl.runtime.staleness import StalenessGate
+
+    graph = build_longtail(max_staleness=2, batching="continuous")
+    (gen,) = graph.nodes_of_kind("generator")
+    ((name, (source, P, k)),) = continuous_feeds(graph, StalenessGate.of(graph)).items()
+    assert (name, k) == (gen.name, 2) and gen.name in [u.name for u in graph.users(source)]
+    assert P == graph.node(source).source.batch_size
+    assert continuous_feeds(build_longtail(max_staleness=2), StalenessGate.of(graph)) == {}  # lock step: none
+
+    ledger = PromptLedger(feeds={"gen": ("prompts", 4, 2)})
+    assert [ledger.want("gen", s) for s in range(3)] == [12, 16, 20]  # (s + 1 + k) * P
+    assert ledger.steps_of("prompts", 10) == 13 and ledger.steps_of("gen", 10) == 10 == ledger.steps_of("policy", 10)
+    ledger.restore(8, (9, 11, 13, 14, 15))  # five prompts skipped: two more source steps of 4
+    assert ledger.steps_of("prompts", 10) == 15 and ledger.skip == {9, 11, 13, 14, 15} and ledger.watermark == 8
