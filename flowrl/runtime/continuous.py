@@ -55,6 +55,7 @@ from flowrl.errors import FlowrlError
 from flowrl.operators.generation import Generator, _mix, rollout_batch
 from flowrl.operators.slots import Sample, SlotBatcher
 from flowrl.operators.source import pad_left
+from flowrl.runtime.staleness import EdgeBound
 
 if TYPE_CHECKING:
     from flowrl.envs.base import Pending
@@ -94,8 +95,7 @@ class ContinuousRollouts:
         self.gen = generator
         self.P = group_count
         self.n = generator.sampling.n_samples
-        self.k = k
-        self.updates = updates
+        self.bound = EdgeBound(k=k, updates=updates)  # the staleness gate's deadlines
         self.poll = poll
         self.slots = generator.sampling.slots or group_count * self.n
         self._make_batcher = batcher
@@ -175,7 +175,7 @@ class ContinuousRollouts:
             group = self.groups[sample.key[0]]
             if group.deadline is not None:
                 return True
-            d = self.gen.version // self.updates + self.k  # the last step that may consume it
+            d = self.bound.deadline(self.gen.version)  # the last step that may consume it
             earlier = sum(1 for g in self.groups.values() if g.deadline is not None and g.deadline <= d)
             if earlier + 1 > self.P * (d - seq + 1):
                 return False

@@ -26,6 +26,7 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, RewardModelNode, ScorerNode, SourceNode
 from flowrl.graph.refs import resolve
+from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.transports.registry import create_transport, import_transport
 
 if TYPE_CHECKING:
@@ -126,6 +127,8 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
         offload: node name -> its part in colocated offloading, ``"trainer"`` (its state waits in
             host memory between its steps) or ``"engine"`` (its engine sleeps between its steps);
             decided by ``flowrl.runtime.offload.offload_roles``.
+        staleness: the run's staleness gate (``StalenessGate.of(graph, config.max_staleness)``: the
+            controller's); None: the graph's own bounds.
     """
 
     transports: tuple[TransportSpec, ...] = ()
@@ -135,6 +138,7 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
     options: dict[str, Any] = {}
     devices: dict[str, str] = {}
     offload: dict[str, str] = {}
+    staleness: StalenessGate | None = None
 
     def device_of(self, node: str) -> str:
         """The torch device of ``node``'s model: ``devices[node]``, else ``"cpu"``.
@@ -238,7 +242,7 @@ class GeneratorProgram(ProgramBase):
             else:
                 episodes = resolve(ENGINES[node.engine].episodes)  # the engine's episode runner (vLLM's: its step API)
                 self._multiturn = episodes(self.generator, node, rows=row_fields(graph, node.name))
-        self._updates = graph.updates_per_batch()  # U: versions per trainer step (continuous deadlines count steps)
+        self._bound = (env.staleness or StalenessGate.of(graph)).bound(node.name)  # k and U, the controller's
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
             self._group_count = feed.source.batch_size  # type: ignore[attr-defined]
@@ -279,9 +283,9 @@ class GeneratorProgram(ProgramBase):
         from flowrl.operators.engines import ENGINES
         from flowrl.runtime.continuous import ContinuousRollouts
 
-        if self._continuous is None:  # k is the controller's (a run may override the edge's): min_version = U * (seq - k)
+        if self._continuous is None:  # group deadlines by the run's bound (a run may override the edge's k)
             self._continuous = ContinuousRollouts(
-                self.generator, group_count=self._group_count, k=seq - min_version // self._updates, updates=self._updates,
+                self.generator, group_count=self._group_count, k=self._bound.k, updates=self._bound.updates,
                 poll=self._poll if self._in_flight else None, episodes=self._multiturn, batcher=resolve(ENGINES[self._engine].batcher),
             )
         self._continuous.add_prompts(inputs)

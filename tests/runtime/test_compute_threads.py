@@ -128,12 +128,12 @@ def test_group_runners_share_one_runner_per_group(intra_op_threads, kind):
 
 def test_a_run_that_fails_before_its_first_step_ends_its_compute_threads(monkeypatch, tmp_path):
     from flowrl.errors import CheckpointError
-    from flowrl.runtime.controller import Controller
+    from flowrl.runtime.checkpointer import Checkpointer
 
-    def refuse(self):
+    def refuse(self, *, continuous):
         raise CheckpointError("checkpoint unreadable")
 
-    monkeypatch.setattr(Controller, "_restore", refuse)
+    monkeypatch.setattr(Checkpointer, "restore", refuse)
     graph = build_llamarl(max_staleness=0)
     config = synthetic_config(graph, steps=2, max_staleness=0, threads=2, resume=True, checkpoint_dir=str(tmp_path), progress=False)
     with pytest.raises(CheckpointError, match="checkpoint unreadable"):

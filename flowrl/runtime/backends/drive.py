@@ -23,6 +23,7 @@ from flowrl.runtime.controller import Controller, RunResult
 from flowrl.placement.data import Placement
 from flowrl.runtime.placement import node_devices, resolve_device, run_placement
 from flowrl.runtime.programs import NodeProgram, ProgramEnv
+from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import transport_specs
 
 __all__ = ["ProgramSet", "run_with_controller"]
@@ -73,6 +74,7 @@ def run_with_controller(
             options=dict(config.options),
             devices=node_devices(placement, resolve_device(config.device)),
             offload=dict(roles),
+            staleness=StalenessGate.of(graph, config.max_staleness),  # the controller's bounds, for the generator programs
         )
         programs = open_programs(env, placement)
         threads = torch.get_num_threads()

@@ -85,6 +85,7 @@ from flowrl.placement.data import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
 from flowrl.runtime.meshes import device_mesh
+from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports, build_program
@@ -425,6 +426,7 @@ def _control(
         programs={**dict(config.programs), **{n: RANK_PROGRAM for n in ctx.ranks}},
         seed=config.seed,
         options=dict(config.options),
+        staleness=StalenessGate.of(graph, config.max_staleness),  # the controller's bounds, for the generator programs
     )
     local_errors: list[str] = []
     links: dict[str, dict[int, socket.socket]] = {n: {} for n in ctx.ranks}
