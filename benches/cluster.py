@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benches"))
 
+#: The layout's graph file (also ``weight_sync_fsdp.py``'s): the HF example's task on a Qwen2.5-0.5B-shaped
+#: model, a vLLM generator and an FSDP2 policy; ``name``, ``model``, ``max_new_tokens`` and ``transport``.
 GRAPH = '''
 """The HF example's task, a Qwen2.5-0.5B-shaped model: vLLM generator, FSDP2 policy."""
 from flowrl import GraphBuilder
@@ -44,15 +46,16 @@ from flowrl.graph.configs import HFModelConfig
 
 
 def build_graph():
-    b = GraphBuilder("cluster_bench", model=HFModelConfig(path={model!r}, init="random", seed=0))
+    b = GraphBuilder({name!r}, model=HFModelConfig(path={model!r}, init="random", seed=0))
     prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=2)
-    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=24, temperature=1.0, engine="vllm")
+    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens={max_new_tokens}, temperature=1.0, engine="vllm")
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
     policy = b.policy("policy", aipo, lr=1e-5, sharding="fsdp")
-    b.weights(policy, gen, max_staleness=1)
+    b.weights(policy, gen, transport={transport!r}, max_staleness=1)
     return b.build()
 '''
+
 STRATEGY = "gen:d1@0 | policy:d2@1-2"
 
 
@@ -95,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         model = write_model_dir(tmp_path / "qwen05")
-        (tmp_path / "graph.py").write_text(GRAPH.format(model=str(model)))
+        (tmp_path / "graph.py").write_text(GRAPH.format(name="cluster_bench", model=str(model), max_new_tokens=24, transport="inprocess"))
         (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
         load_before = os.getloadavg()[0]
         predicted = _predict(tmp_path / "graph.py")

@@ -38,6 +38,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -85,10 +87,12 @@ def fit_to_task(gen: Generator, task: LongTailTask, *, steps: int, batch: int, s
     return float(loss.detach())
 
 
-def lockstep(gen: Generator, prompts: list[list[int]], slots: int) -> dict:
+def lockstep(gen: Any, prompts: list[list[int]], slots: int, *, between: Callable[[], None] | None = None) -> dict:
+    """Lock-step batches of ``slots // n_samples`` prompts; ``between``: called after each batch (a
+    weight update, ``longtail_vllm``), its seconds and count reported as ``update_s`` and ``updates``."""
     n = gen.sampling.n_samples
     per_batch = slots // n
-    start, cpu, tokens, steps, lengths = time.perf_counter(), time.process_time(), 0, 0, []
+    start, cpu, tokens, steps, lengths, updates, update_s = time.perf_counter(), time.process_time(), 0, 0, [], 0, 0.0
     for first in range(0, len(prompts), per_batch):
         ids, lens = pad_left(prompts[first : first + per_batch], TOK.pad_id)
         out = gen.generate({"prompt_ids": ids, "prompt_lens": lens, "prompt_index": torch.arange(first, first + ids.shape[0])})
@@ -96,8 +100,14 @@ def lockstep(gen: Generator, prompts: list[list[int]], slots: int) -> dict:
         tokens += int(got.sum())
         steps += int(got.max())
         lengths += got.tolist()
+        if between is not None:
+            t0 = time.perf_counter()
+            between()
+            update_s += time.perf_counter() - t0
+            updates += 1
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"seconds": wall, "cpu_seconds": cpu, "tokens": tokens, "decode_steps": steps, "utilisation": tokens / (steps * slots), "lengths": lengths}
+    return {"seconds": wall, "cpu_seconds": cpu, "tokens": tokens, "decode_steps": steps, "utilisation": tokens / (steps * slots), "lengths": lengths,
+            "updates": updates, "update_s": update_s}
 
 
 def continuous(gen: Generator, prompts: list[list[int]], slots: int) -> dict:

@@ -36,8 +36,6 @@ from flowrl.graph.configs import HFModelConfig, ModelConfig, SamplingConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.generation import Generator, _mix
 from flowrl.operators.slots import Sample
-from flowrl.operators.source import pad_left
-from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER as TOK
 
 __all__ = ["VLLM_MODEL", "run_vllm"]
 
@@ -53,23 +51,10 @@ def _exported(gen: Generator, directory: Path) -> Path:
 
 
 def lockstep(gen: Any, weights: dict, prompts: list[list[int]], slots: int) -> dict:
-    n = gen.sampling.n_samples
-    per_batch = slots // n
-    start, tokens, steps, lengths, updates, update_s = time.perf_counter(), 0, 0, [], 0, 0.0
-    for first in range(0, len(prompts), per_batch):
-        ids, lens = pad_left(prompts[first : first + per_batch], TOK.pad_id)
-        out = gen.generate({"prompt_ids": ids, "prompt_lens": lens, "prompt_index": torch.arange(first, first + ids.shape[0])})
-        got = out["completion_lens"]
-        tokens += int(got.sum())
-        steps += int(got.max())
-        lengths += got.tolist()
-        t0 = time.perf_counter()
-        gen.load_weights(weights, gen.version + 1)  # between batches
-        update_s += time.perf_counter() - t0
-        updates += 1
-    wall = time.perf_counter() - start
-    return {"seconds": wall, "tokens": tokens, "decode_steps": steps, "utilisation": tokens / (steps * slots), "lengths": lengths,
-            "updates": updates, "update_s": update_s}
+    """``longtail_generation.lockstep`` on vLLM, with a weight update between batches."""
+    from longtail_generation import lockstep as batches
+
+    return batches(gen, prompts, slots, between=lambda: gen.load_weights(weights, gen.version + 1))
 
 
 def continuous(gen: Any, weights: dict, prompts: list[list[int]], slots: int, *, updates_in_flight: bool = True) -> dict:

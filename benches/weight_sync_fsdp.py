@@ -11,7 +11,7 @@ before the run it wraps the methods that are the phases, so the runtime itself k
 - ``sync``: on a policy rank ``ShardedPolicy.publish`` (its shards onto the wire); on rank 0
   ``VLLMGenerator._push`` (the received state into vLLM's worker);
 - ``checkpoint``: on a policy rank ``ShardedPolicy.save`` (its shards to disk); on rank 0 the
-  controller's ``save_run_checkpoint``.
+  checkpointer's ``save_run_checkpoint``.
 
 Each rank's peak RSS in a phase is exact for its own process (the kernel's high-water mark, reset on
 entry: ``/proc/self/clear_refs``) and sampled every 10 ms for vLLM's worker (a child of rank 0). Each
@@ -25,7 +25,6 @@ import functools
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -36,22 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve()
 
-GRAPH = '''
-from flowrl import GraphBuilder
-from flowrl.examples.hf_copy import ASSETS
-from flowrl.graph.configs import HFModelConfig
-
-
-def build_graph():
-    b = GraphBuilder("weight_sync_fsdp", model=HFModelConfig(path={model!r}, init="random", seed=0))
-    prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=2)
-    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=8, temperature=1.0, engine="vllm")
-    score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
-    aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
-    policy = b.policy("policy", aipo, lr=1e-5, sharding="fsdp")
-    b.weights(policy, gen, transport={transport!r}, max_staleness=1)
-    return b.build()
-'''
+from cluster import GRAPH, _free_port  # noqa: E402  (the same layout's graph file; benches/ is on the path)
 
 
 def _status_kb(field: str, pid: int | str = "self") -> int:
@@ -143,7 +127,7 @@ def _job(out: str, model_dir: str, steps: str) -> int:
     from flowrl.graph.refs import load_file_module
     from flowrl.operators.engines.vllm_engine import VLLMGenerator
     from flowrl.placement import load_placement
-    from flowrl.runtime import controller
+    from flowrl.runtime import checkpointer
     from flowrl.runtime.backends.rank_programs import ShardedPolicy
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
@@ -154,7 +138,7 @@ def _job(out: str, model_dir: str, steps: str) -> int:
     phases.wrap(ShardedPolicy, "publish", "sync")
     phases.wrap(ShardedPolicy, "save", "checkpoint")
     phases.wrap(VLLMGenerator, "_push", "sync")
-    phases.wrap(controller, "save_run_checkpoint", "checkpoint")  # the name the controller calls
+    phases.wrap(checkpointer, "save_run_checkpoint", "checkpoint")  # the name the Checkpointer calls
     graph = load_file_module(Path("graph.py")).build_graph()
     config = RunConfig(steps=int(steps), backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
@@ -162,17 +146,11 @@ def _job(out: str, model_dir: str, steps: str) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_fsdp_case(tmp: Path, model_dir: Path, steps: int, route: str) -> dict:
     """Run the 3-rank job in ``tmp`` with weights by ``route`` (``group``: the collective transport, then
     vLLM's weight-sync group; ``file``: a ``file`` weight edge, gathered on the policy's lead); each
     rank's record and the metrics rows."""
-    (tmp / "graph.py").write_text(GRAPH.format(model=str(model_dir), transport="inprocess" if route == "group" else "file"))
+    (tmp / "graph.py").write_text(GRAPH.format(name="weight_sync_fsdp", model=str(model_dir), max_new_tokens=8, transport="inprocess" if route == "group" else "file"))
     (tmp / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
     out = tmp / "rss"
     out.mkdir()

@@ -51,7 +51,7 @@ from flowrl.operators.generation import DTYPES
 from flowrl.operators.logprobs import prompt_valid
 from flowrl.operators.losses import masked_mean
 from flowrl.operators.shaping import shape_batch
-from flowrl.operators.trainer import learning_rate
+from flowrl.operators.trainer import cpu_copy, learning_rate
 from flowrl.models.lora import add_adapters
 from flowrl.models.registry import build_model
 
@@ -135,16 +135,6 @@ def value_loss(
     n = float(max(int(mask.sum()), 1)) if normalizer is None else normalizer
     loss = 0.5 * torch.where(mask, err, zero).sum() / n
     return loss, {"critic/value_loss": float(loss.detach()), "critic/clip_frac": clip_frac}
-
-
-def _cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu(v) for v in value)
-    return value
 
 
 class Critic:
@@ -250,8 +240,8 @@ class Critic:
         return {
             "version": self.version,
             "model_config": msgspec.to_builtins(self.node.model),
-            "weights": _cpu(dict(self.trainable)),
-            "optimizer": _cpu(self.optimizer.state_dict()),
+            "weights": cpu_copy(dict(self.trainable)),
+            "optimizer": cpu_copy(self.optimizer.state_dict()),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:

@@ -89,7 +89,7 @@ from flowrl.models.causal_lm import weight_dict
 from flowrl.models.lora import adapter_weights, add_adapters, lora_of
 from flowrl.models.registry import build_model
 
-__all__ = ["Trainer", "learning_rate", "TRAIN_FIELDS", "TOKEN_MEANS"]
+__all__ = ["Trainer", "learning_rate", "cpu_copy", "TRAIN_FIELDS", "TOKEN_MEANS"]
 
 #: Rollout fields a training step reads (besides the reward fields of the loss).
 TRAIN_FIELDS: tuple[str, ...] = (
@@ -157,14 +157,14 @@ def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _clone(value: Any) -> Any:
+def cpu_copy(value: Any) -> Any:
     """A deep copy of ``value`` with every tensor copied to the CPU (a checkpoint loads anywhere)."""
     if isinstance(value, Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
+        return {k: cpu_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
+        return type(value)(cpu_copy(v) for v in value)
     return value
 
 
@@ -405,8 +405,8 @@ class Trainer:
         return {
             "version": self.version,
             "model_config": msgspec.to_builtins(self.node.model),
-            "model": _clone(dict(self._weights) if self.lora else dict(self.model.state_dict())),  # LoRA: the adapters
-            "optimizer": _clone(self.optimizer.state_dict()),
+            "model": cpu_copy(dict(self._weights) if self.lora else dict(self.model.state_dict())),  # LoRA: the adapters
+            "optimizer": cpu_copy(self.optimizer.state_dict()),
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:

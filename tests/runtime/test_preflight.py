@@ -14,8 +14,9 @@ from flowrl.runtime.run import run_graph
 from flowrl.runtime.synthetic import synthetic_programs
 
 
-def _huge_vocab() -> Graph:
-    g = build_llamarl()
+def _huge_vocab(g: Graph | None = None) -> Graph:
+    """``g`` (default: the default example) with a 2**36-token vocabulary: no host holds it, sharded or not."""
+    g = g if g is not None else build_llamarl()
     nodes = tuple(
         msgspec.structs.replace(n, model=msgspec.structs.replace(n.model, vocab_size=2**36)) if hasattr(n, "model") else n
         for n in g.nodes
@@ -91,13 +92,8 @@ def test_a_layout_whose_ranks_cannot_hold_their_models_is_refused_naming_the_ran
 
 
 def huge_fsdp_graph() -> Graph:
-    """``fsdp_graph`` with a 2**36-token vocabulary: no host holds it, sharded or not."""
-    g = _fsdp_graph()
-    nodes = tuple(
-        msgspec.structs.replace(n, model=msgspec.structs.replace(n.model, vocab_size=2**36)) if hasattr(n, "model") else n
-        for n in g.nodes
-    )
-    return Graph(msgspec.structs.replace(g.spec, nodes=nodes))
+    """``fsdp_graph`` with a 2**36-token vocabulary (the graph the torchrun job below runs)."""
+    return _huge_vocab(_fsdp_graph())
 
 
 def test_under_torchrun_every_rank_refuses_a_layout_that_does_not_fit_before_any_work(tmp_path):
