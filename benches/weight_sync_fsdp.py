@@ -117,6 +117,28 @@ class Phases:
                            for n, p in self.phases.items()}}
 
 
+#: What each rank wraps: (owner, its method or function, the phase it counts as). flowrl's own names,
+#: so ``tests/test_benches.py`` checks that each still exists (a rename would break this bench only).
+PHASES: tuple[tuple[str, str, str], ...] = (
+    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "__init__", "build"),  # RSS on entry: libraries, no model yet
+    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "publish", "sync"),
+    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "save", "checkpoint"),
+    ("flowrl.operators.engines.vllm_engine:VLLMGenerator", "_push", "sync"),
+    ("flowrl.runtime.checkpointer", "save_run_checkpoint", "checkpoint"),  # the name the Checkpointer calls
+)
+
+
+def phase_owner(ref: str) -> object:
+    """The class (``module:Class``) or module (``module``) a ``PHASES`` entry names."""
+    import importlib
+
+    module, _, qualname = ref.partition(":")
+    owner: object = importlib.import_module(module)
+    for part in qualname.split(".") if qualname else ():
+        owner = getattr(owner, part)
+    return owner
+
+
 def _job(out: str, model_dir: str, steps: str) -> int:
     """One rank of the job: wrap the phases, run the graph, write ``out/rank{R}.json``."""
     sys.path.insert(0, str(ROOT / "benches"))
@@ -125,20 +147,14 @@ def _job(out: str, model_dir: str, steps: str) -> int:
     from weight_sync import _worker_pids
 
     from flowrl.graph.refs import load_file_module
-    from flowrl.operators.engines.vllm_engine import VLLMGenerator
     from flowrl.placement import load_placement
-    from flowrl.runtime import checkpointer
-    from flowrl.runtime.backends.rank_programs import ShardedPolicy
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 
     rank = int(os.environ["RANK"])
     phases = Phases(worker_pids=(lambda: _worker_pids(os.getpid())) if rank == 0 else None)
-    phases.wrap(ShardedPolicy, "__init__", "build")  # its RSS on entry: the rank's libraries, no model yet
-    phases.wrap(ShardedPolicy, "publish", "sync")
-    phases.wrap(ShardedPolicy, "save", "checkpoint")
-    phases.wrap(VLLMGenerator, "_push", "sync")
-    phases.wrap(checkpointer, "save_run_checkpoint", "checkpoint")  # the name the Checkpointer calls
+    for owner, name, phase in PHASES:
+        phases.wrap(phase_owner(owner), name, phase)
     graph = load_file_module(Path("graph.py")).build_graph()
     config = RunConfig(steps=int(steps), backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
