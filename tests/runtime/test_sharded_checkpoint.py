@@ -45,7 +45,7 @@ def job(request, tmp_path_factory):
         kind = "qwen2" if family == "lora" else family
         directory = str(make_hf_dir(tmp_path_factory.mktemp(kind), kind, tie=family == "llama"))
     out = tmp_path_factory.mktemp(f"reshard-{family}")
-    proc = _torchrun(3, [str(THIS), "reshard", str(out), family, directory], out)
+    proc = _torchrun(3, [str(THIS), "reshard", str(out), family, directory], out, retry_cxx_abort=True)  # see CXX_ABORT
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, family
 

@@ -48,9 +48,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: What libstdc++ prints when a C++ thread object is destroyed while joinable: seen once in 40+ runs of
-#: test_fsdp's step job (a rank not in the FSDP mesh, waiting on the store), never reproduced in 30 runs
-#: at load 7-11; PYTHONFAULTHANDLER prints the Python stacks when it comes back.
+#: What libstdc++ prints when ``std::terminate`` is called outside a C++ exception (e.g. a joinable
+#: thread object destroyed). Seen twice in fresh-clone CI runs, each time in a job that builds an FSDP2
+#: policy through ``runtime/fsdp_init.py`` (test_fsdp's step job; test_fsdp_init's init job, where the
+#: faulthandler's own stack dump then died of SIGBUS: memory corrupted in the process), never in 30
+#: runs of the step job here at load 7-11. Cause unknown; ``fsdp_init``'s ``malloc_trim`` calls are
+#: the one unusual thing those jobs share. The jobs that only write a result file retry once on it.
 CXX_ABORT = "terminate called without an active exception"
 
 
