@@ -69,6 +69,10 @@ __all__ = [
     "rollout_logprob_atol",
     "ratio_atol",
     "k3_atol",
+    "TokenTerms",
+    "entropy_atol",
+    "bound_entropy_atol",
+    "logits_magnitude",
     "GRAD_REAL_BUG",
     "LAMBDA",
     "GradientMagnitudes",
@@ -224,6 +228,11 @@ def _magnitude(model: Any, sequences: Iterable[torch.Tensor]) -> tuple[float, in
     return max(head_magnitude(h, weight) for h in seen), longest
 
 
+def logits_magnitude(model: Any, sequences: Iterable[torch.Tensor]) -> float:
+    """``M``: the ``|h|.|W|`` magnitude of ``model``'s logits on ``sequences``, which bounds every ``|z_j|``."""
+    return _magnitude(model, sequences)[0]
+
+
 def logprob_atol(model: Any, sequences: Iterable[torch.Tensor], *, extra: Sequence[int] = (), temperature: float = 1.0) -> float:
     """The log-prob tolerance for ``model`` (a flowrl ``CausalLM``, a built-in ``Transformer`` or a
     transformers causal LM, peft's too) evaluated on ``sequences`` (1-D token ids each, unpadded), from
@@ -267,6 +276,71 @@ def k3_atol(logprob_tolerance: float) -> float:
     when ``|log r| <= logprob_tolerance``: ``expm1(a) - a``, plus the float32 rounding of ``r = exp(log r)``
     near 1 (one ulp of 1, ``eps32``), which ``r - 1`` keeps."""
     return math.expm1(logprob_tolerance) - logprob_tolerance + torch.finfo(torch.float32).eps
+
+
+class TokenTerms:
+    """How far two float32 evaluations of a loss's per-token statistics may be apart (``loss``, the
+    ratio and KL means and maxima of a metrics row) when their log-probs ``log pi`` differ by at most
+    ``logprob_tol`` token by token (``logprob_atol``).
+
+    Every such statistic is a weighted average (weights summing to at most 1: ``token_mean``,
+    ``seq_mean``, ``dr_grpo``'s constant divisor) or a maximum of per-token terms built from the ratios
+    ``r = exp(log pi - log mu)`` and ``r_ref = exp(log ref - log pi)``: ``r`` and its clip or
+    truncation times an advantage ``A``, the k3 KL ``r - 1 - log r`` and ``kl_coef`` times its
+    reference counterpart. With ``log pi`` moved by ``e`` (``|e| <= logprob_tol``), ``r`` moves by at most
+    ``r expm1(|e|)`` and the k3 term by ``r expm1(|e|) + |e| <= (r + 1) expm1(|e|)``, so each term moves
+    by at most ``scale * expm1(logprob_tol)`` with ``scale = (|A|max + 2) R + kl_coef (R_ref + 2)``
+    (``R``, ``R_ref``: the largest ratios over the kept tokens, widened by ``logprob_tol``), and is
+    itself at most ``scale`` in size (``r - 1 - log r <= 2 r``). Each evaluation then rounds an
+    ``n``-term float32 sum of such terms, by at most ``gamma_n scale`` (Higham, section 3.1).
+
+    A fraction of tokens past a threshold (``clip_frac``, ``truncated_frac``) changes only when a
+    token's ratio lies within its tolerance of the threshold: ``near`` counts those.
+    """
+
+    def __init__(self, logp: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, *, logprob_tol: float, advantages: torch.Tensor,
+                 ref: torch.Tensor | None = None, kl_coef: float = 0.0) -> None:  # fmt: skip
+        keep = mask.bool()
+        self.logprob_tol, self.n = logprob_tol, int(keep.sum())
+        self.log_ratio = (logp - mu)[keep]
+        ratio_max = math.exp(float(self.log_ratio.abs().max()) + logprob_tol) if self.n else 1.0
+        ref_max = math.exp(float((ref - logp)[keep].abs().max()) + logprob_tol) if ref is not None and self.n else 1.0
+        self.scale = (float(advantages.abs().max()) + 2) * ratio_max + kl_coef * (ref_max + 2)
+
+    def atol(self) -> float:
+        """The bound of the class docstring: ``scale * expm1(logprob_tol) + 2 gamma_n scale``."""
+        gamma = self.n * U32 / (1 - self.n * U32)
+        return self.scale * math.expm1(self.logprob_tol) + 2 * gamma * self.scale
+
+    def near(self, thresholds: Iterable[float]) -> int:
+        """How many kept tokens have a ratio within its tolerance of one of ``thresholds`` (ratios)."""
+        logs = torch.tensor([math.log(t) for t in thresholds if t > 0], dtype=torch.float64)
+        if not len(logs) or not self.n:
+            return 0
+        gap = (self.log_ratio.double()[:, None] - logs[None, :]).abs().min(dim=1).values
+        return int((gap <= self.logprob_tol).sum())
+
+
+def bound_entropy_atol(magnitude: float, logit_tol: float, *, vocab: int, n: int, temperature: float = 1.0) -> float:
+    """How far two float32 evaluations of the mean entropy of ``softmax(z / T)`` over ``n`` tokens may
+    be apart when their logits differ by at most ``logit_tol`` (``logit_atol``) and ``|z_j| <= magnitude``
+    (``M``, the ``|h|.|W|`` bound of the module docstring).
+
+    ``dH/dy_j = -p_j (y_j - sum_k p_k y_k)`` for ``y = z / T``, so ``H`` moves by at most
+    ``sum_j p_j |y_j - y_bar| * max|dy| <= (2 M / T) (logit_tol / T)`` to first order; each evaluation
+    rounds a ``vocab``-term log-sum-exp and ``p . y`` (terms up to ``log V + 2 M / T``) and the mean over
+    ``n`` tokens of entropies up to ``log V``.
+    """
+    first_order = (2 * magnitude / temperature) * (logit_tol / temperature)
+    per_token = vocab * U32 * (math.log(vocab) + 2 * magnitude / temperature)
+    mean = n * U32 / (1 - n * U32) * math.log(vocab)
+    return first_order + 2 * (per_token + mean)
+
+
+def entropy_atol(model: Any, sequences: Sequence[torch.Tensor], *, n: int, temperature: float = 1.0) -> float:
+    """``bound_entropy_atol`` for ``model``'s forward on ``sequences`` (its magnitude, ``logit_atol``, its vocabulary)."""
+    magnitude = logits_magnitude(model, sequences)
+    return bound_entropy_atol(magnitude, logit_atol(model, sequences), vocab=_shape(model)["vocab"], n=n, temperature=temperature)
 
 
 # -- gradients and AdamW steps ---------------------------------------------------------------------

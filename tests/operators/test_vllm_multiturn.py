@@ -23,7 +23,7 @@ from flowrl.graph.configs import HFModelConfig, SamplingConfig
 from flowrl.graph.envs import EnvConfig
 from flowrl.graph.nodes import GeneratorNode
 from tests.hf_fixtures import make_hf_dir
-from tests.tolerances import logprob_atol, rollout_sequences
+from tests.tolerances import graph_logprob_atol, k3_atol, logprob_atol, rollout_sequences
 
 pytest.importorskip("transformers")
 
@@ -219,8 +219,10 @@ def test_a_run_with_a_vllm_multi_turn_generator_and_a_reference(engine, vllm_dir
     ref = b.reference("ref", gen)
     policy = b.policy("policy", b.loss("aipo", gen, ref, kl_coef=0.1), lr=1e-3)
     b.weights(policy, gen, max_staleness=1)
-    run_graph(b.build(), RunConfig(steps=3, metrics=str(tmp_path / "m.jsonl"), progress=False))
+    graph = b.build()
+    run_graph(graph, RunConfig(steps=3, metrics=str(tmp_path / "m.jsonl"), progress=False))
     rows = read_metrics(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["env/failed"] == 0 and r["env/turns_mean"] == 2.0 and 0 <= r["staleness"] <= 1 for r in rows)
-    assert 0.0 <= rows[0]["loss/kl_ref"] <= 1e-6
+    # step 1: the policy's and the reference's forwards of the same initial weights, in different batches
+    assert 0.0 <= rows[0]["loss/kl_ref"] <= k3_atol(graph_logprob_atol(graph, steps=0))
