@@ -105,6 +105,7 @@ def _equal_steps(node_of, loss, batch, *, micro_batch_size: int) -> None:
     packed = Trainer(node_of(grad_clip=0.0, micro_batch_size=micro_batch_size, packing=True), loss)
     packed.model.load_state_dict(padded.model.state_dict())
     spy = _Spy(packed.model)
+    terms = _token_terms(padded, loss, batch)  # before the step: the weights both forwards see
     with GradientMagnitudes(padded.model) as mags:
         want = padded.train_step(copy.deepcopy(batch))
     got = packed.train_step(copy.deepcopy(batch))
@@ -116,7 +117,7 @@ def _equal_steps(node_of, loss, batch, *, micro_batch_size: int) -> None:
     for name, param in padded.model.named_parameters():
         assert_within(mine[name].grad, param.grad, tolerances[name], msg=name)
     assert set(got) == set(want)
-    _assert_metrics_within_rounding(padded, loss, batch, want, got, grad_norm_tol=grad_norm_atol(tolerances, want["policy/grad_norm"]))
+    _assert_metrics_within_rounding(padded, loss, batch, terms, want, got, grad_norm_tol=grad_norm_atol(tolerances, want["policy/grad_norm"]))
 
 
 #: Metrics that do not depend on the forward: equal, bit for bit.
@@ -125,26 +126,29 @@ EXACT = ("tokens", "lr", "reward")
 FRACTIONS = ("clip_frac", "truncated_frac", "outside_kept_frac")
 
 
-def _assert_metrics_within_rounding(padded, loss, batch, want, got, *, grad_norm_tol: float) -> None:
-    """Each metric of the packed step within what float32 rounding allows of the padded step's
-    (``tests/tolerances.py``: ``TokenTerms`` for the loss and ratio statistics, ``entropy_atol`` for
-    the entropy, ``grad_norm_atol`` for the gradient norm), and the forward-free ones equal."""
-    config = loss.loss
-    sequences = rollout_sequences(batch)
-    temperature = float(batch["sampling_temperature"][0])
-    logp_tol = logprob_atol(padded.model, sequences, temperature=temperature)
-    with torch.no_grad():
-        logp = padded._logprobs(batch, grad=False)  # the weights after the step: a pi as good as any for the scale
+def _token_terms(trainer, loss, batch) -> TokenTerms:
+    """``TokenTerms`` of ``loss`` on ``batch`` under ``trainer``'s current weights (tests/tolerances.py)."""
     from flowrl.operators.losses import combined_rewards, loss_advantages
 
-    terms = TokenTerms(
-        logp, batch["behaviour_logprobs"], batch["completion_mask"], logprob_tol=logp_tol,
+    config = loss.loss
+    temperature = float(batch["sampling_temperature"][0])
+    return TokenTerms(
+        trainer._logprobs(batch, grad=False), batch["behaviour_logprobs"], batch["completion_mask"],
+        logprob_tol=logprob_atol(trainer.model, rollout_sequences(batch), temperature=temperature),
         advantages=loss_advantages(config, combined_rewards(config, batch), batch), ref=batch.get("ref_logprobs"), kl_coef=config.kl_coef,
     )  # fmt: skip
+
+
+def _assert_metrics_within_rounding(padded, loss, batch, terms: TokenTerms, want, got, *, grad_norm_tol: float) -> None:
+    """Each metric of the packed step within what float32 rounding allows of the padded step's
+    (``tests/tolerances.py``: ``terms`` for the loss and ratio statistics, ``entropy_atol`` for the
+    entropy, ``grad_norm_atol`` for the gradient norm), and the forward-free ones equal."""
+    config = loss.loss
     low = config.clip_eps_low if config.clip_eps_low is not None else config.clip_eps
     high = config.clip_eps_high if config.clip_eps_high is not None else config.clip_eps
     near = terms.near([1 - low, 1 + high, config.rho])  # the clip range, AIPO's cap
-    entropy_tol = entropy_atol(padded.model, sequences, n=terms.n, temperature=temperature)
+    temperature = float(batch["sampling_temperature"][0])
+    entropy_tol = entropy_atol(padded.model, rollout_sequences(batch), n=terms.n, temperature=temperature)
     for key, value in want.items():
         if key.endswith(EXACT) or key.split("/")[-1] in EXACT:
             assert got[key] == value, key
