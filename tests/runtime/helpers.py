@@ -124,6 +124,16 @@ def continuous_draws(generator: Any, prompts: list[list[int]], *, n: int, slots:
     }
 
 
+def draws_logprob_atol(model: Any, prompts: list[list[int]], draws: dict[str, Any], *, temperature: float) -> float:
+    """``tests.tolerances.logprob_atol`` of ``model`` over each ``continuous_draws`` completion with its prompt."""
+    import torch
+
+    from tests.tolerances import logprob_atol
+
+    sequences = [torch.tensor(prompts[int(key.split(".")[0])] + tokens) for key, tokens in draws["tokens"].items()]
+    return logprob_atol(model, sequences, temperature=temperature)
+
+
 def compare_draws(full: dict[str, Any], tp: dict[str, Any]) -> dict[str, Any]:
     """What a worker rank reports on two ``continuous_draws`` runs: same keys, same tokens, the largest log-prob gap, the tp run's counts."""
     keys = sorted(full["tokens"])
