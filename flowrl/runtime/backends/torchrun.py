@@ -302,9 +302,9 @@ def run_torchrun(
     placement = rank_placement(graph, placement, world)
     ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
-    check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs})
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
     cuda = device.type == "cuda"
+    check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else host_memory_bytes()
     check_ranks_fit(graph, ranks, device=device.type, memory_bytes=memory, skip=frozenset(config.programs),
                     ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))  # every rank alike, before any work
