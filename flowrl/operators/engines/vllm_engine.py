@@ -12,7 +12,11 @@ processes of its own, spawned, so a script that builds such a graph needs the
 ``if __name__ == "__main__":`` guard. The CPU worker binds its OpenMP threads and replaces
 ``torch.set_num_threads`` in its process, which is why it must not run inside flowrl's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is refused). flowrl sets a few of vLLM's variables unless
-they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on stderr).
+they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on stderr). With
+``tensor_parallel_size`` > 1 vLLM runs that many workers (its ``mp`` executor), each holding a shard,
+on the given GPUs or, on a CPU, each bound to cores of its own (``cpu_binding``); a torchrun replica
+of a vLLM generator with a ``tp`` mesh axis starts one such engine
+(``flowrl.runtime.backends.vllm_replicas``).
 
 mu's log-probs: vLLM is started with ``logprobs_mode="processed_logprobs"``, so the log-prob it
 returns for a sampled token is taken from the distribution it was drawn from: logits / temperature,

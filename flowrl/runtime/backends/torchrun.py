@@ -29,7 +29,8 @@ Where things run:
   (``DataParallelPolicy``: equal to a one-process step up to rounding), or sharded with FSDP2 when
   its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.fsdp``: each rank writes
   its shards of the checkpoint, so its ``save`` goes to every rank of the node); a generator on several ranks
-  runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1.
+  runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1
+  (a vLLM generator's group is one vLLM engine with ``tensor_parallel_size`` = tp, ``vllm_replicas``).
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
 - Weights: ``inprocess`` and ``collective`` edges use the collective transport
   (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
