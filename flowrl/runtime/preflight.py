@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
@@ -179,30 +180,29 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
         check_engine(node, device=device)  # type: ignore[arg-type]
 
 
-def check_engine_meshes(graph: Graph, axes: Mapping[str, tuple[tuple[str, ...], tuple[int, ...]]]) -> None:
-    """Refuse, on every torchrun rank before any work, a generator whose engine is not the built-in
-    one on a mesh with a ``tp`` axis larger than 1: flowrl's tensor-parallel ranks shard the built-in
-    model; a vLLM replica runs as one engine per rank (its own processes), so its mesh is dp only.
+def check_engine_meshes(
+    graph: Graph, axes: Mapping[str, tuple[tuple[str, ...], tuple[int, ...]]], ranks: Mapping[str, Sequence[int]] | None = None, *, cores: int | None = None
+) -> None:
+    """Refuse, on every torchrun rank before any work, a vLLM generator's mesh that cannot run
+    (``flowrl.runtime.backends.vllm_replicas.check_vllm_mesh``): each replica (a tp group of the
+    mesh) is one vLLM engine with ``tensor_parallel_size = tp``, so ``tp`` may not exceed the
+    generator's ranks, nor on a CPU the cores a process may use (``cores``; None: not checked).
 
     Args:
         axes: node -> (axis names, shape) of its mesh (nodes without a named mesh are absent).
+        ranks: node -> its ranks (default: a mesh's size of ranks, each mesh checked alone).
 
     Raises:
         ConfigError: naming the generator, its mesh and the fix.
     """
+    from flowrl.runtime.backends.vllm_replicas import check_vllm_mesh
+
     for node in graph.nodes:
-        engine = getattr(node, "engine", "builtin")
-        if node.kind != "generator" or engine == "builtin" or node.name not in axes:
+        if node.kind != "generator" or getattr(node, "engine", "builtin") != "vllm" or node.name not in axes:
             continue
         names, shape = axes[node.name]
-        tp = dict(zip(names, shape)).get("tp", 1)
-        if tp > 1:
-            raise ConfigError(
-                f"generator {node.name!r}: engine={engine!r} on a mesh with tp={tp} ({dict(zip(names, shape))}): under torchrun "
-                "each rank of a vLLM generator runs one engine (a dp replica); vLLM's own tensor parallelism inside a "
-                "replica is not wired to a torchrun mesh yet. Give the generator a mesh of dp only (e.g. "
-                f"{{\"{node.name}\": {{\"ranks\": [...], \"mesh\": {{\"dp\": {tp}}}}}}}), or engine='builtin'"
-            )
+        held = tuple(ranks[node.name]) if ranks is not None and node.name in ranks else tuple(range(math.prod(shape)))
+        check_vllm_mesh(node.name, held, (tuple(names), tuple(shape)), cores=cores)
 
 
 def check_packing_families(graph: Graph, *, skip: frozenset[str] = frozenset()) -> None:

@@ -215,14 +215,18 @@ class SourceProgram(ProgramBase):
 class GeneratorProgram(ProgramBase):
     """Samples with the newest weights it can get, and never with weights older than ``min_version``."""
 
-    def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, seed: int) -> None:
+    def __init__(
+        self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, seed: int, engine_options: Mapping[str, Any] | None = None
+    ) -> None:
+        """``engine_options`` go to the engine's constructor (a vLLM replica's ``tensor_parallel_size`` and ``devices``)."""
         from flowrl.operators.engines import build_engine
 
         self.name = node.name
         self._sampling, self._engine = node.sampling, node.engine
         (edge,) = graph.weight_edges_into(node.name)
         sleeps = {"sleep_mode": True} if env.offload.get(node.name) == "engine" else {}  # an engine that sleeps starts able to
-        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=edge.transport, **sleeps)  # node.engine's class
+        options = {**sleeps, **(engine_options or {})}
+        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=edge.transport, **options)  # node.engine's class
         self._edge = (edge.src, edge.dst)
         self._in_flight = edge.in_flight
         self._transports = transports

@@ -33,3 +33,22 @@ def test_expected_digests_fuse_projections_and_tie_the_head():
     assert got["lm_head.weight"] == got["model.embed_tokens.weight"]
     swapped = expected_digests({**w, "model.layers.0.mlp.up_proj.weight": w["model.layers.0.mlp.gate_proj.weight"]}, packed, tied=True)
     assert swapped["model.layers.0.mlp.gate_up_proj.weight"] != got["model.layers.0.mlp.gate_up_proj.weight"]
+
+
+def test_a_tensor_parallel_workers_part_of_each_tensor_is_cut_as_vllm_cuts_it():
+    from flowrl.operators.engines.vllm_sync import TPShard, tp_part
+
+    t = torch.arange(24.0).reshape(6, 4)
+    one, two = TPShard(rank=0, size=2, heads=2, kv_heads=1), TPShard(rank=1, size=2, heads=2, kv_heads=1)
+    assert torch.equal(tp_part("l.q_proj.weight", t, two), t[3:])  # query heads split by rows
+    assert torch.equal(tp_part("l.k_proj.weight", t, one), t) and torch.equal(tp_part("l.k_proj.weight", t, two), t)  # 1 kv head on 2 workers: both hold it
+    kv2 = TPShard(rank=1, size=2, heads=4, kv_heads=2)
+    assert torch.equal(tp_part("l.v_proj.bias", torch.arange(4.0), kv2), torch.arange(2.0, 4.0))
+    assert torch.equal(tp_part("l.down_proj.weight", t, two), t[:, 2:])  # row-parallel: input columns
+    assert torch.equal(tp_part("l.o_proj.bias", t[0], two), t[0])  # its bias whole on every worker
+    assert torch.equal(tp_part("model.norm.weight", t[0], two), t[0])
+    vocab = torch.arange(100.0).reshape(100, 1)  # padded to 128: 64 rows a worker, the second holds rows 64-99
+    assert torch.equal(tp_part("model.embed_tokens.weight", vocab, two), vocab[64:])
+    small = torch.arange(20.0).reshape(20, 1)  # padded to 64: the first worker holds every row, the second none
+    assert tp_part("lm_head.weight", small, one).shape[0] == 20 and tp_part("lm_head.weight", small, two).shape[0] == 0
+    assert torch.equal(tp_part("l.gate_proj.weight", t, TPShard()), t)  # no tensor parallelism: the whole tensor

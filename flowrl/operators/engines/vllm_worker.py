@@ -150,9 +150,13 @@ class FlowrlWorkerExtension:
         on the identity matrix gives ``W^T`` exactly, every output one product by 1 plus zeros. Other
         parameters (norms, embeddings, biases) are read as they are.
 
+        With vLLM's tensor parallelism each worker reports its own shards (``tp_rank`` of ``tp_size``:
+        its rows of column-parallel and vocabulary-parallel layers, its columns of row-parallel ones).
+
         Returns:
-            ``{"digests": {name: sha256 hex}, "packed": the model's packed_modules_mapping}``
-            (which checkpoint projections each fused one concatenates, e.g. ``qkv_proj``).
+            ``{"digests": {name: sha256 hex}, "packed": the model's packed_modules_mapping,
+            "tp_rank": int, "tp_size": int}`` (``packed``: which checkpoint projections each fused one
+            concatenates, e.g. ``qkv_proj``).
         """
         import torch
 
@@ -173,7 +177,9 @@ class FlowrlWorkerExtension:
                     owner = model.get_submodule(name.rpartition(".")[0])
                     out[name] = _digest(p[: _vocab_rows(owner, p)])
         packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
-        return {"digests": out, "packed": packed}
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return {"digests": out, "packed": packed, "tp_rank": int(get_tensor_model_parallel_rank()), "tp_size": int(get_tensor_model_parallel_world_size())}
 
 
 class _ExpectedReloadWarnings:
@@ -205,7 +211,11 @@ def _quiet_expected_reload_warnings(model: Any) -> None:
 
 def _vocab_rows(module: Any, t: Any) -> int:
     """Rows of ``t`` that are the model's: vLLM pads a vocabulary-parallel embedding or head to a
-    multiple of its tile (``org_vocab_size`` rows are the checkpoint's)."""
+    multiple of its tile, per tensor-parallel shard (the shard's first ``num_org_elements`` rows are
+    the checkpoint's; without tensor parallelism that is ``org_vocab_size``)."""
+    indices = getattr(module, "shard_indices", None)
+    if indices is not None:
+        return int(indices.num_org_elements)
     return int(getattr(module, "org_vocab_size", 0) or t.shape[0])
 
 

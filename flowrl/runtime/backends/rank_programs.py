@@ -311,7 +311,13 @@ class ParallelGenerator(GeneratorProgram):
     tokens (checked after each batch with a checksum all-reduce; a mismatch is an error, never a
     silent divergence).
 
-    Weights with ``tp`` > 1: a transport that delivers only this rank's slices (``CollectiveTransport``
+    A vLLM generator (``engine="vllm"``) with ``tp`` > 1 instead runs one vLLM engine per replica with
+    ``tensor_parallel_size`` = tp, started by the replica's first rank; vLLM's own workers hold the
+    shards, on the devices of the replica's ranks, and the replica's other ranks are ``idle`` (they
+    take part in the node's prompt broadcast and metrics only). The engine rank fetches the full
+    state and pushes it into every worker (``flowrl.runtime.backends.vllm_replicas``).
+
+    Weights with ``tp`` > 1 (the built-in engine): a transport that delivers only this rank's slices (``CollectiveTransport``
     whose generator layout is ``tp_param_layouts`` over ``tensor_parallel.tp_rows``: its
     ``local_shapes("generator")`` are the shard shapes) writes straight into ``local_weight_targets()``;
     any other transport delivers the full state into a full-size staging copy, from which each rank
@@ -335,11 +341,14 @@ class ParallelGenerator(GeneratorProgram):
 
         ctx = _context()
         self.rows = [(r,) for r in ranks]  # [replica] -> its tp ranks
-        if _mesh_axes(mesh).get("tp", 1) > 1:
+        tp = _mesh_axes(mesh).get("tp", 1)
+        self.vllm_tp = node.engine == "vllm" and tp > 1  # each replica one vLLM engine with tensor_parallel_size=tp (``vllm_replicas``)
+        if tp > 1:
             try:
                 self.rows = tp_rows(mesh.mesh.reshape(-1).tolist(), tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.shape))
             except ConfigError as exc:
                 raise ConfigError(f"generator {node.name!r}: {exc}") from None
+        if tp > 1 and not self.vllm_tp:
             check_tp(node.model, len(self.rows[0]))
             if node.sampling.precision in QUANTIZED_PRECISIONS:
                 raise ConfigError(
@@ -354,13 +363,35 @@ class ParallelGenerator(GeneratorProgram):
                 f"{[list(r) for r in self.rows]}; give it a mesh with dp=1 (e.g. plan 'gen:t{len(ranks)}@...', "
                 "all its ranks tensor-parallel) or one rank, or set batching='lockstep' to split prompts across replicas"
             )
-        super().__init__(node, graph, env, transports, seed=env.seed)  # every rank seeds sampling alike
         self.replica = next(i for i, row in enumerate(self.rows) if ctx.rank in row)
         self.tp_ranks = self.rows[self.replica]
         self.group, self.ranks, self.lead, self.device = group, ranks, ranks[0], ctx.device
-        self.sharded = len(self.tp_ranks) > 1
+        assert self.lead == self.rows[0][0]  # the node's lead runs the first replica (its engine, with vLLM)
+        self.idle = self.vllm_tp and ctx.rank != self.tp_ranks[0]  # its device is one of the replica's vLLM workers
+        if self.idle:
+            self.name, self._sampling, self._engine = node.name, node.sampling, node.engine
+        else:
+            options = self._vllm_options(node.name) if self.vllm_tp else None
+            super().__init__(node, graph, env, transports, seed=env.seed, engine_options=options)  # every rank seeds sampling alike
+        self.sharded = len(self.tp_ranks) > 1 and not self.vllm_tp  # vLLM shards in its own workers
         if self.sharded:
             self._shard(mesh)
+
+    def _vllm_options(self, name: str) -> dict[str, Any]:
+        """The engine rank's ``VLLMGenerator`` options: ``tensor_parallel_size`` = tp, and on GPUs the
+        replica's ranks' devices, one per vLLM worker (the replica must sit on one host)."""
+        import os
+
+        from flowrl.runtime.backends.vllm_replicas import replica_devices
+
+        ctx = _context()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        devices = replica_devices(self.tp_ranks, ctx.rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", str(ctx.world))), name=name)
+        return {"tensor_parallel_size": len(self.tp_ranks), "devices": devices if ctx.device.type == "cuda" else None}
+
+    def close(self) -> None:
+        if not self.idle:  # an idle rank holds no engine
+            super().close()
 
     def _shard(self, mesh: Any) -> None:
         """Keep only this rank's shards of the model; the full tensors become the staging copy."""
@@ -466,6 +497,10 @@ class ParallelGenerator(GeneratorProgram):
         from flowrl.runtime.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
 
         rank = _context().rank
+        if self.idle:  # a vLLM worker's rank: the node's collectives only (its timings weigh nothing)
+            broadcast_batch(None, src=self.lead, group=self.group, device=self.device)
+            reduce_metrics({"fetch_s": 0.0, "gen_s": 0.0}, 0.0, group=self.group, device=self.device)
+            return {}, {}
         prompts = broadcast_batch(inputs if rank == self.lead else None, src=self.lead, group=self.group, device=self.device)
         prompts = {k: v.cpu() for k, v in prompts.items()}
         fetch_s = self._sync(min_version)

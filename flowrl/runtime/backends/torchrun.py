@@ -29,7 +29,8 @@ Where things run:
   (``DataParallelPolicy``: equal to a one-process step up to rounding), or sharded with FSDP2 when
   its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.fsdp``: each rank writes
   its shards of the checkpoint, so its ``save`` goes to every rank of the node); a generator on several ranks
-  runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1.
+  runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1
+  (a vLLM generator's group is one vLLM engine with ``tensor_parallel_size`` = tp, ``vllm_replicas``).
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
 - Weights: ``inprocess`` and ``collective`` edges use the collective transport
   (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
@@ -302,9 +303,9 @@ def run_torchrun(
     placement = rank_placement(graph, placement, world)
     ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
-    check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs})
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
     cuda = device.type == "cuda"
+    check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else host_memory_bytes()
     check_ranks_fit(graph, ranks, device=device.type, memory_bytes=memory, skip=frozenset(config.programs),
                     ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))  # every rank alike, before any work

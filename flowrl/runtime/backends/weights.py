@@ -17,8 +17,9 @@ a user's) is kept.
   (``sharding="fsdp"``) publishes its own shards (``fsdp`` over its ranks: dim-0 ``torch.chunk``
   pieces, FSDP2's), so each generator rank gets its slices straight from the shards that hold them. Generator replicas fetch the full state
   (``dp_replicas``); a tensor-parallel generator (a ``tp`` mesh axis > 1) fetches its shards
-  (``flowrl.runtime.tensor_parallel.tp_param_layouts``). A node run by a
-  user program takes part on its lead rank only (its other ranks idle).
+  (``flowrl.runtime.tensor_parallel.tp_param_layouts``). A vLLM generator with a ``tp`` axis fetches
+  on each replica's engine rank only, the full state (``vllm_replicas``: vLLM's workers shard it
+  themselves). A node run by a user program takes part on its lead rank only (its other ranks idle).
 - Process groups: each collective edge gets a group of exactly its participating ranks, created by
   every rank in graph order (``dist.new_group`` is collective), then warmed with one all-reduce so
   that NCCL's first point-to-point batch need not involve every rank.
@@ -41,6 +42,7 @@ import torch
 from flowrl.errors import ConfigError, TransportError
 from flowrl.graph.ir import Graph
 from flowrl.placement.resharding import ShardLayout, dp_replicas, fsdp
+from flowrl.runtime.backends.vllm_replicas import engine_ranks, is_vllm_tp, replica_rows
 from flowrl.runtime.transports.registry import register_transport, transport_traits
 
 __all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]
@@ -148,11 +150,14 @@ def collective_options(
 ) -> dict[str, Any]:
     """Plain-data options of the edge's ``CollectiveTransport`` (the same on every rank)."""
     publishers, fetchers = edge_ranks(graph, src, dst, ranks, programs)
+    dst_axes = axes.get(dst)
+    if dst not in programs and is_vllm_tp(graph.node(dst), dst_axes):  # vLLM shards in its own workers: each replica's engine rank takes the full state
+        fetchers, dst_axes = engine_ranks(replica_rows(fetchers, dst_axes)), None
     params = _param_specs(graph, src)
     options = {
         "params": params,
         "trainer_layout": _trainer_layout(graph, src, publishers, programs),
-        "generator_layout": _generator_layouts(graph, dst, fetchers, axes.get(dst), params),
+        "generator_layout": _generator_layouts(graph, dst, fetchers, dst_axes, params),
         "channel": channel(src, dst),
         "timeout_s": float(timeout_s),
     }
