@@ -41,7 +41,7 @@ from flowrl.runtime.tensor_parallel import (
     tp_rows,
 )
 from tests.runtime.helpers import compare_draws, continuous_draws, draws_logprob_atol, edge_shard_shapes, generator_rank_program, launch_ranks
-from tests.tolerances import graph_logprob_atol, ratio_atol, rollout_logprob_atol
+from tests.tolerances import graph_logprob_atol, logit_atol, ratio_atol, rollout_logprob_atol
 
 
 #: Model shapes the checks run: grouped-query attention, an uneven SwiGLU split (45 = 23 + 22 over tp2,
@@ -105,6 +105,9 @@ def _logits_diffs(full: Transformer, tp: Transformer, steps: int = 3) -> dict[st
         uf, ut = (m(seq, positions=pos[:, :end], attn_mask=attention_mask(valid, 0, end)) for m in (full, tp))
         uncached = max(uncached, _max_diff(uf, ut))
     out.update(decode=decode, uncached=uncached, cache_kv_heads=int(caches[1].k[0].shape[1]), scale=float(lf.abs().max()))
+    if next(full.parameters()).dtype == torch.float32:  # the rows as computed: whole (causal) and their real tokens (masked paths)
+        rows = [seq[b] for b in range(B)] + [seq[b][valid[b]] for b in range(B)]
+        out["atol"] = logit_atol(full, rows)
     return out
 
 
@@ -408,10 +411,10 @@ def _assert_model(run: dict[int, dict[str, Any]]) -> None:
             for what in ("float32", "reloaded"):
                 diffs = entry[what]
                 for path in ("causal", "prefill", "decode", "uncached"):
-                    assert diffs[path] <= 1e-5 * max(1.0, diffs["scale"]), (name, what, path, diffs)
+                    assert diffs[path] <= diffs["atol"], (name, what, path, diffs)
             tp = len(run)
             assert entry["float32"]["cache_kv_heads"] == CONFIGS[name].n_kv_heads // tp  # the cache holds local heads only
-            bf = entry["bfloat16"]
+            bf = entry["bfloat16"]  # no float32 bound applies (CONTRIBUTING item 5): a margin of ~25 bfloat16 unit roundoffs of the logits' scale
             for path in ("causal", "prefill", "decode", "uncached"):
                 assert bf[path] <= 0.05 * max(1.0, bf["scale"]), (name, path, bf)
 
