@@ -209,7 +209,7 @@ def fsdp_case(tmp: Path, model_dir: Path, steps: int, route: str, params: int) -
         role = "generator" if rec["rank"] == 0 else "policy"
         build = rec["phases"].get("build")
         base = min(build["rss_before_gb"]) if build else rec["base_gb"]  # before the policy's model: libraries only
-        out = {"role": role, "base_gb": base, "run_peak_gb": rec["run_peak_gb"]}
+        out = {"role": role, "base_gb": base, "run_peak_gb": rec["run_peak_gb"], "transport": rec.get("transport", [])}
         if build:  # the policy's shards (and what building them left behind)
             out["after_build_gb"] = max(build["rss_after_gb"])
         for name, ph in rec["phases"].items():
