@@ -47,6 +47,7 @@ from flowrl.placement.resharding import (
 from flowrl.runtime.transports.base import layout_of
 from flowrl.runtime.transports.collective import CollectiveTransport
 from flowrl.runtime.transports.collective.messages import HEADER_BYTES, ParamSpec, Spec, build_messages, piece_limit
+from flowrl.runtime.transports.collective.send_buffer import SendBuffer
 from flowrl.runtime.transports.registry import create_transport
 from tests.runtime.helpers import launch_ranks
 
@@ -539,6 +540,25 @@ def test_blocks_go_in_parts_of_at_most_half_a_bucket(name):
     assert cut
 
 
+def test_the_send_buffer_reuses_a_region_once_its_send_is_out_and_waits_for_each_send_once():
+    waited: list[str] = []
+    buf = SendBuffer(64, "cpu", wait=waited.extend)
+    for n, work in ((32, "w0"), (32, "w1")):
+        lo, region = buf.take(n)
+        assert region.numel() == n
+        buf.sent(lo, n, [work])
+    assert waited == [] and buf.peak_bytes == 64
+    lo, _ = buf.take(16)  # no room left at the end: back to the start, once the send reading it is out
+    assert (lo, waited) == (0, ["w0"])
+    buf.sent(lo, 16, ["w2"])
+    assert buf.pending() == ["w1", "w2"]
+    buf.drain()
+    assert waited == ["w0", "w1", "w2"] and buf.pending() == []  # gloo hangs on a send work waited for twice
+    assert buf.allocated_bytes == 64
+    with pytest.raises(ValueError, match="does not fit a send buffer of 64"):
+        buf.take(65)
+
+
 def test_the_table_covers_local_copies_and_header_only_ranks():
     """Guards the table itself: some cases must move bytes locally, and one must leave a rank with nothing;
     some send or receive blocks without staging them, and some stage every block."""
@@ -627,8 +647,9 @@ def test_options_are_plain_data_through_the_registry():
         ({"params": {"w": {"shape": [4, 6], "dtype": "float8"}}}, ConfigError, r"dtype 'float8' is not one of"),
         ({"rank": 7}, TransportError, r"rank 7 is in neither the trainer ranks \[0, 1\] nor the generator ranks \[2, 3\]"),
         ({"timeout_s": 0}, ConfigError, r"timeout_s=0 must be > 0"),
+        ({"bucket_bytes": 32}, ConfigError, r"bucket_bytes=32 must be at least 64"),
     ],
-    ids=["missing-layout", "unknown-param", "dtype", "not-a-participant", "timeout"],
+    ids=["missing-layout", "unknown-param", "dtype", "not-a-participant", "timeout", "bucket"],
 )
 def test_option_errors(options, error, match):
     base = {"params": {"w": {"shape": [4, 6]}, "n": {"shape": [6]}}, "trainer_layout": fsdp(R01),
