@@ -126,6 +126,7 @@ from flowrl.runtime.transports.collective.messages import (
     ParamSpec,
     Piece,
     Spec,
+    align,
     build_messages,
     round_robin,
 )
@@ -400,10 +401,9 @@ class CollectiveTransport:
             self._headers = {d: box[:HEADER_BYTES] for d, box in self._outbox.items()}
         else:
             self._headers = {d: torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=dev) for d in self._sends}
-            wanted = sum(-(-(p.hi - p.lo) // 16) * 16 for ps in self._send_pieces.values() for p in ps)
-            self._send_buffer = SendBuffer(
-                min(self.bucket_bytes, wanted), dev, lambda works: self._wait(works, f"sending a piece to generator rank(s) {sorted(self._sends)} (its send buffer region is wanted again)")
-            )
+            wanted = sum(align(p.hi - p.lo) for ps in self._send_pieces.values() for p in ps)  # a small message: less
+            doing = f"sending a piece to generator rank(s) {sorted(self._sends)} (its send buffer region is wanted again)"
+            self._send_buffer = SendBuffer(min(self.bucket_bytes, wanted), dev, lambda works: self._wait(works, doing))
         self._inbox = {s: torch.zeros(self._sizes[(s, self.rank)], dtype=torch.uint8, device=dev) for s in self._recvs}
         self._local_out = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev)
         self._local_in = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev) if self._dual else None
