@@ -142,6 +142,7 @@ def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
     from flowrl.graph.configs import HFModelConfig, SamplingConfig
     from flowrl.graph.nodes import GeneratorNode
     from flowrl.operators.engines.vllm_engine import VLLMGenerator
+    from flowrl.operators.generation import copy_weights
 
     torch.manual_seed(0)
     node = GeneratorNode(
@@ -164,14 +165,21 @@ def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
                 version += 1
                 state = {n: t + 1e-3 * torch.randn_like(t) for n, t in targets.items()}
                 gen.weights_by = route
-                with PeakRss() as rss:
+                with PeakRss() as rss:  # what load_weights does, its two halves timed apart
                     t0 = time.perf_counter()
-                    gen.load_weights(state, version=version)
-                    routes[route]["seconds"].append(round(time.perf_counter() - t0, 3))
+                    copy_weights(gen.weight_targets(), state, owner="bench")  # into the generator's staging copy
+                    t1 = time.perf_counter()
+                    gen.version = version  # the staging copy into vLLM by the route
+                    t2 = time.perf_counter()
+                routes[route]["seconds"].append(round(t2 - t0, 3))
+                routes[route].setdefault("staging_copy_s", []).append(round(t1 - t0, 3))
+                routes[route].setdefault("into_vllm_s", []).append(round(t2 - t1, 3))
                 if route == "group":  # the worker's side: the whole receive-and-reload, and the reload's waits for the wire
                     (w,) = gen._group.last_workers
                     routes[route].setdefault("worker_s", []).append(round(w["seconds"], 3))
                     routes[route].setdefault("reload_waited_for_wire_s", []).append(round(w["waited_s"], 3))
+                    routes[route].setdefault("sender_wire_s", []).append(round(gen._group.last_split["wire_s"], 3))
+                    routes[route].setdefault("sender_after_wire_s", []).append(round(gen._group.last_split["after_wire_s"], 3))
                 workers = _worker_pids(os.getpid())
                 peak = routes[route]["peak_rss_gb"]
                 peak["generator"] = max(peak.get("generator", 0), round(rss.peak.get(os.getpid(), 0) / 2**30, 2))
@@ -209,7 +217,7 @@ def fsdp_case(tmp: Path, model_dir: Path, steps: int, route: str, params: int) -
         role = "generator" if rec["rank"] == 0 else "policy"
         build = rec["phases"].get("build")
         base = min(build["rss_before_gb"]) if build else rec["base_gb"]  # before the policy's model: libraries only
-        out = {"role": role, "base_gb": base, "run_peak_gb": rec["run_peak_gb"]}
+        out = {"role": role, "base_gb": base, "run_peak_gb": rec["run_peak_gb"], "transport": rec.get("transport", [])}
         if build:  # the policy's shards (and what building them left behind)
             out["after_build_gb"] = max(build["rss_after_gb"])
         for name, ph in rec["phases"].items():

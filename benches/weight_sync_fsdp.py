@@ -139,6 +139,24 @@ def phase_owner(ref: str) -> object:
     return owner
 
 
+def _record_transport_stats() -> list[dict]:
+    """The collective transport's counters on this rank (bytes sent, staged, its send buffer's
+    high-water mark), taken as the job closes it: one dict per transport."""
+    from flowrl.runtime.transports.collective import CollectiveTransport
+
+    recorded: list[dict] = []
+    close = CollectiveTransport.close
+
+    @functools.wraps(close)
+    def closing(self, **kwargs):
+        if not self._closed:
+            recorded.append(self.stats())
+        return close(self, **kwargs)
+
+    CollectiveTransport.close = closing
+    return recorded
+
+
 def _job(out: str, model_dir: str, steps: str) -> int:
     """One rank of the job: wrap the phases, run the graph, write ``out/rank{R}.json``."""
     sys.path.insert(0, str(ROOT / "benches"))
@@ -155,10 +173,11 @@ def _job(out: str, model_dir: str, steps: str) -> int:
     phases = Phases(worker_pids=(lambda: _worker_pids(os.getpid())) if rank == 0 else None)
     for owner, name, phase in PHASES:
         phases.wrap(phase_owner(owner), name, phase)
+    transports = _record_transport_stats()
     graph = load_file_module(Path("graph.py")).build_graph()
     config = RunConfig(steps=int(steps), backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **phases.close()}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **phases.close(), "transport": transports}))
     return 0
 
 

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from flowrl.errors import ConfigError, FlowrlError
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, ModelConfig
 
-__all__ = ["RowSource", "meta_build", "materialise_", "row_range"]
+__all__ = ["RowSource", "meta_build", "materialise_", "release_freed_memory", "row_range"]
 
 #: ``wanted`` (parameter name -> its rows ``(start, stop)``) -> each of them once, as ``(name, rows)``
 #: float32 CPU tensors of ``stop - start`` rows; one whole parameter in memory at most.
@@ -87,9 +87,14 @@ def _libc_trim() -> Callable[[], Any]:
 _TRIM = _libc_trim()
 
 
-def _release() -> None:
-    """Give freed heap pages back to the system (``_libc_trim``)."""
+def release_freed_memory() -> None:
+    """Give freed heap pages back to the system (``_libc_trim``): also what a sharded policy does on a
+    CPU before each weight sync, so that a rank's memory during the sync is what it holds, not what
+    its last step freed."""
     _TRIM(0)
+
+
+_release = release_freed_memory
 
 
 def _to_meta(p: nn.Parameter) -> nn.Parameter:

@@ -46,6 +46,8 @@ from flowrl.placement.resharding import (
 )
 from flowrl.runtime.transports.base import layout_of
 from flowrl.runtime.transports.collective import CollectiveTransport
+from flowrl.runtime.transports.collective.messages import HEADER_BYTES, ParamSpec, Spec, build_messages, piece_limit
+from flowrl.runtime.transports.collective.send_buffer import SendBuffer
 from flowrl.runtime.transports.registry import create_transport
 from tests.runtime.helpers import launch_ranks
 
@@ -121,6 +123,20 @@ CASES: dict[str, dict[str, Any]] = {
         _nd(tp_column(G23), tp_column(G23), replicated(G23)),
     ),
     "replicated4->tp2-overlap": _case(lambda n: replicated(ALL), _nd(tp_row((3, 0)), tp_column((3, 0)), replicated((3, 0)))),
+    # send buffers far smaller than a rank's share (pieces of at most half a bucket: large blocks go in parts):
+    # everything packed through one reused buffer; parts sent in place; strided parts staged on both sides
+    "fsdp2->dp-replicas-in-buckets": {
+        **_case(FSDP2, lambda n: dp_replicas(G23), params={**PARAMS, "big": ((64, 32), "float32")}, chunk_bytes=0,
+                direct_min_bytes=1 << 16),
+        "bucket_bytes": 1024,
+    },
+    "replicated->tp2-column-direct-in-parts": {
+        **_case(lambda n: replicated(R01), _nd(tp_column(G23), tp_column(G23), replicated(G23))), "bucket_bytes": 64,
+    },
+    "tp->other-tp-in-parts": {
+        **_case(lambda n: sharded(R01, 1), lambda n: sharded(G23, 2), params={"q": ((3, 4, 6), "float32"), "k": ((2, 2, 2), "bfloat16")}),
+        "bucket_bytes": 64,
+    },
     # uneven torch.chunk splits: trainer rank 1 and generator rank 3 hold empty shards, so rank 3 only gets headers
     "uneven-empty-shards": {
         "params": {"v": ((1, 4), "float32"), "u": ((1,), "float16")},
@@ -172,19 +188,55 @@ def _volume(case: dict[str, Any]) -> TransferVolume:
 # --- worker side (runs in the spawned processes) -------------------------------------------------
 
 
+def _held_bytes(transport: CollectiveTransport) -> int:
+    """Bytes of every tensor storage the transport holds (its attributes, through containers and
+    flowrl objects such as its send buffer), each storage once: what a rank's transport weighs."""
+    storages: dict[int, int] = {}
+
+    def walk(x: Any, depth: int) -> None:
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif depth > 5:
+            return
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, depth + 1)
+        elif isinstance(x, (list, tuple, set, frozenset)) or type(x).__name__ == "deque":
+            for v in x:
+                walk(v, depth + 1)
+        elif type(x).__module__.startswith("flowrl.") and hasattr(x, "__dict__"):
+            walk(vars(x), depth + 1)
+
+    walk(vars(transport), 0)
+    return sum(storages.values())
+
+
 def _run_case(rank: int, name: str, case: dict[str, Any], *, device: str = "cpu", group: Any = None) -> dict[str, Any]:
     """Publish ``len(VERSIONS) * per_fetch`` versions; generators fetch until they hold each round's last.
-    Shards and targets live on ``device`` (the transport's buffers too); ``group`` is the edge's process group."""
+    Shards and targets live on ``device`` (the transport's buffers too); ``group`` is the edge's process group.
+    With ``bucket_bytes`` in the case, the most bytes the transport held whenever it posted (``held_peak``)."""
     if not any(rank in lay.ranks for side in ("trainer", "generator") for lay in case[side].values()):
         return {"stats": {"bytes_sent": 0, "bytes_received": 0, "bytes_copied_locally": 0}, "staged_first_version": 0, "mismatches": [],
                 "is_trainer": False, "is_generator": False}  # not a participant: constructs nothing
     params = {n: {"shape": list(s), "dtype": d} for n, (s, d) in case["params"].items()}
     per_fetch = case.get("per_fetch", 1)
+    buckets = {"bucket_bytes": case["bucket_bytes"]} if "bucket_bytes" in case else {}
     t = CollectiveTransport(
         params=params, trainer_layout=case["trainer"], generator_layout=case["generator"], channel=name,
         timeout_s=60, fetch_wait_s=60, chunk_bytes=case.get("chunk_bytes", 1),
-        direct_min_bytes=case.get("direct_min_bytes", 0), device=device, group=group,
+        direct_min_bytes=case.get("direct_min_bytes", 0), device=device, group=group, **buckets,
     )
+    held_peak = 0
+    if buckets:
+        post = t._post
+
+        def measured_post(ops: list[Any]) -> list[Any]:
+            nonlocal held_peak
+            held_peak = max(held_peak, _held_bytes(t))
+            return post(ops)
+
+        t._post = measured_post  # type: ignore[method-assign]
     mismatches: list[str] = []
     got_versions: list[int | None] = []
     staged_first_version = 0
@@ -229,7 +281,7 @@ def _run_case(rank: int, name: str, case: dict[str, Any], *, device: str = "cpu"
                 check(again, last, "fetched again")
                 store.set(f"rounds/{name}/{r}/{rank}", "done")
         return {"stats": t.stats(), "staged_first_version": staged_first_version, "versions": got_versions, "mismatches": mismatches,
-                "is_trainer": t.is_trainer, "is_generator": t.is_generator}
+                "is_trainer": t.is_trainer, "is_generator": t.is_generator, "held_peak": held_peak}
     finally:
         t.close()
 
@@ -453,6 +505,60 @@ def test_resharding_is_bit_exact_with_minimum_bytes(table_run, name):
         assert sum(r["staged_first_version"] for r in results) == volume.copied_bytes
 
 
+def test_a_trainer_rank_holds_one_bucket_however_much_it_sends(table_run):
+    """A trainer rank's transport holds at most one send buffer of ``bucket_bytes`` (plus a 32-byte header per
+    destination) while each version it sends is many buckets, all packed: it reuses the buffer as its sends
+    complete. A transport that staged a rank's whole share (a copy of its shards per destination) fails here."""
+    name = "fsdp2->dp-replicas-in-buckets"
+    case, results = CASES[name], [r["cases"][name] for r in _ranks(table_run, 4)]
+    assert not [r["error"] for r in results if "error" in r]
+    bucket, trainers = case["bucket_bytes"], [r for r in results if r["is_trainer"] and not r["is_generator"]]
+    assert len(trainers) == 2
+    for r in trainers:
+        per_version = r["stats"]["bytes_sent"] // len(VERSIONS)
+        assert per_version >= 8 * bucket, "the case must send many buckets per version to test anything"
+        assert r["stats"]["bytes_staged"] == r["stats"]["bytes_sent"]  # every byte went through the buffer
+        assert 0 < r["stats"]["send_buffer_peak_bytes"] <= r["stats"]["send_buffer_bytes"] <= bucket
+        assert 0 < r["held_peak"] <= bucket + HEADER_BYTES * len(G23)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if "bucket_bytes" in c])
+def test_blocks_go_in_parts_of_at_most_half_a_bucket(name):
+    """Every rank cuts the same pieces, none over ``piece_limit(bucket_bytes)``, and the case cuts some block."""
+    case = CASES[name]
+    spec = Spec(params={n: ParamSpec(shape=s, dtype=d) for n, (s, d) in case["params"].items()}, trainer=case["trainer"],
+                generator=case["generator"], chunk_bytes=case["chunk_bytes"], direct_min_bytes=case["direct_min_bytes"],
+                bucket_bytes=case["bucket_bytes"])
+    plans = plan_state(case["params"], case["trainer"], case["generator"])
+    limit, cut = piece_limit(case["bucket_bytes"]), False
+    messages = {r: build_messages(spec, plans, r) for r in ALL}
+    for r, m in messages.items():
+        assert all(p.hi - p.lo <= limit for side in (m.send_pieces, m.recv_pieces) for ps in side.values() for p in ps)
+        for d, ps in m.send_pieces.items():  # the receiver cuts the same message alike
+            assert [(p.lo, p.hi) for p in ps] == [(p.lo, p.hi) for p in messages[d].recv_pieces[r]]
+        cut |= sum(len(p.blocks) for ps in m.send_pieces.values() for p in ps) > sum(map(len, m.sends.values()))
+    assert cut
+
+
+def test_the_send_buffer_reuses_a_region_once_its_send_is_out_and_waits_for_each_send_once():
+    waited: list[str] = []
+    buf = SendBuffer(64, "cpu", wait=waited.extend)
+    for n, work in ((32, "w0"), (32, "w1")):
+        lo, region = buf.take(n)
+        assert region.numel() == n
+        buf.sent(lo, n, [work])
+    assert waited == [] and buf.peak_bytes == 64
+    lo, _ = buf.take(16)  # no room left at the end: back to the start, once the send reading it is out
+    assert (lo, waited) == (0, ["w0"])
+    buf.sent(lo, 16, ["w2"])
+    assert buf.pending() == ["w1", "w2"]
+    buf.drain()
+    assert waited == ["w0", "w1", "w2"] and buf.pending() == []  # gloo hangs on a send work waited for twice
+    assert buf.allocated_bytes == 64
+    with pytest.raises(ValueError, match="does not fit a send buffer of 64"):
+        buf.take(65)
+
+
 def test_the_table_covers_local_copies_and_header_only_ranks():
     """Guards the table itself: some cases must move bytes locally, and one must leave a rank with nothing;
     some send or receive blocks without staging them, and some stage every block."""
@@ -541,8 +647,9 @@ def test_options_are_plain_data_through_the_registry():
         ({"params": {"w": {"shape": [4, 6], "dtype": "float8"}}}, ConfigError, r"dtype 'float8' is not one of"),
         ({"rank": 7}, TransportError, r"rank 7 is in neither the trainer ranks \[0, 1\] nor the generator ranks \[2, 3\]"),
         ({"timeout_s": 0}, ConfigError, r"timeout_s=0 must be > 0"),
+        ({"bucket_bytes": 32}, ConfigError, r"bucket_bytes=32 must be at least 64"),
     ],
-    ids=["missing-layout", "unknown-param", "dtype", "not-a-participant", "timeout"],
+    ids=["missing-layout", "unknown-param", "dtype", "not-a-participant", "timeout", "bucket"],
 )
 def test_option_errors(options, error, match):
     base = {"params": {"w": {"shape": [4, 6]}, "n": {"shape": [6]}}, "trainer_layout": fsdp(R01),

@@ -35,6 +35,7 @@ Example (needs vLLM, so not run as a doctest)::
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -191,6 +192,7 @@ class WeightSyncGroup:
         self.world, self.backend, self.bucket_bytes = world, backend, bucket_bytes
         self.bytes_sent = 0
         self.last_workers: list[dict[str, float]] = []
+        self.last_split: dict[str, float] = {}
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-vllm-rpc")
 
     @classmethod
@@ -231,11 +233,14 @@ class WeightSyncGroup:
     def send(self, weights: Mapping[str, Tensor], *, timeout_s: float = JOIN_TIMEOUT_S) -> list[int]:
         """Broadcast ``weights`` (Hugging Face names, the generator's dtype) to every worker, which
         loads them in place. Returns the number of tensors each worker loaded; ``last_workers`` keeps
-        each worker's report (``loaded``, ``seconds``, ``waited_s``: see ``flowrl_receive_weights``).
+        each worker's report (``loaded``, ``seconds``, ``waited_s``: see ``flowrl_receive_weights``) and
+        ``last_split`` this side's: ``wire_s`` until the last bucket was out, ``after_wire_s`` waiting
+        for the workers to finish loading after that.
 
         Raises:
             TransportError: a worker failed to receive or load them (its error is the cause).
         """
+        start = time.perf_counter()
         plan = bucket_plan(weights, self.bucket_bytes)
         wire = [[(n, list(weights[n].shape), _dtype_name(weights[n])) for n in bucket] for bucket in plan]
         loaded: Future[Any] = self._rpc.submit(self._llm.collective_rpc, "flowrl_receive_weights", args=(wire,))
@@ -245,7 +250,9 @@ class WeightSyncGroup:
                 for work in works:
                     work.wait()
                 self.bytes_sent += sum(weights[n].numel() * weights[n].element_size() for n in bucket)
+            sent = time.perf_counter()
             counts = loaded.result(timeout=timeout_s)
+            self.last_split = {"wire_s": sent - start, "after_wire_s": time.perf_counter() - sent}
         except Exception as exc:
             raise TransportError(f"weights into vLLM over the weight-sync group failed: {type(exc).__name__}: {exc}") from exc
         self.last_workers = [dict(c) for c in counts]

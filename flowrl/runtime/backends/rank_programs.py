@@ -130,6 +130,7 @@ class _RankPolicy(PolicyProgram):
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.backends.weights import channel, opened
         from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+        from flowrl.runtime.fsdp_init import release_freed_memory
 
         start = time.perf_counter()
         batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
@@ -140,6 +141,8 @@ class _RankPolicy(PolicyProgram):
         samples = float(shard_by_groups(batch, len(self.ranks))[self.index]["completion_mask"].shape[0])
         metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
         metrics["policy/grad_norm"] = grad_norm
+        if self.device.type == "cpu":  # the step's freed activations (and FSDP's gathered layers) back to the system before the sync
+            release_freed_memory()
         train_s = time.perf_counter() - start
         sent = self.collective_bytes
         publish_s = self.publish()

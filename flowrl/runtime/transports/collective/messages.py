@@ -7,7 +7,10 @@ message per (trainer rank, generator rank) pair and version, a 32-byte header of
 sorted name order), each 16-byte aligned. A message is posted as *pieces*: each block of at least
 ``direct_min_bytes`` alone (it may skip the staging buffer, see
 :func:`flowrl.placement.resharding.staging_copies`), runs of smaller blocks together up to
-``chunk_bytes``. Sender and receiver cut alike, since the cut depends only on the plan.
+``chunk_bytes``, and no piece larger than half of ``bucket_bytes`` (:func:`piece_limit`): a larger
+block is cut along its first dim of extent > 1 into parts, each a piece of its own, so that a
+sender's one send buffer of ``bucket_bytes`` holds a piece being packed and one on the wire. Sender
+and receiver cut alike, since the cut depends only on the plan.
 
 Example (one 8 x 8 float32 matrix, FSDP over ranks 0, 1 -> dim-0 tp over ranks 2, 3, seen by rank 0):
     >>> from flowrl.placement.resharding import fsdp, plan_state, tp_column
@@ -33,7 +36,7 @@ from flowrl.runtime.wire import DTYPES as WIRE_DTYPES
 
 __all__ = [
     "DTYPES", "HEADER_BYTES", "MAGIC", "Block", "Messages", "ParamSpec", "Piece", "Spec",
-    "align", "build_messages", "pieces", "round_robin",
+    "align", "build_messages", "piece_limit", "pieces", "round_robin", "split",
 ]
 
 HEADER_BYTES = 32
@@ -70,6 +73,7 @@ class Spec(msgspec.Struct, frozen=True, kw_only=True):
     generator: dict[str, ShardLayout]
     chunk_bytes: int
     direct_min_bytes: int
+    bucket_bytes: int = 0  # a sender's send buffer; pieces are at most half of it (0: pieces uncut)
 
 
 class Block(NamedTuple):
@@ -101,10 +105,49 @@ def align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def pieces(blocks: list[Block], chunk_bytes: int, direct_min: int) -> list[Piece]:
+def piece_limit(bucket_bytes: int) -> int:
+    """The most bytes of one piece when a sender's send buffer holds ``bucket_bytes``: half of it,
+    rounded down to the alignment, so that one piece is packed while the one before is on the wire
+    (0: no limit).
+
+    >>> piece_limit(64 << 20) == 32 << 20, piece_limit(100), piece_limit(0)
+    (True, 48, 0)
+    """
+    return max(_ALIGN, bucket_bytes // 2 // _ALIGN * _ALIGN) if bucket_bytes > 0 else 0
+
+
+def split(block: Block, max_bytes: int) -> list[Block]:
+    """``block`` cut into parts of at most ``max_bytes`` along its first dim of extent > 1 (then the
+    next, for a part of one row that is still larger): each part is a run of the block's bytes, and a
+    part of a slice that is contiguous in its shard is contiguous there too.
+
+    >>> b = Block("w", 32, 4 * 6 * 5, (6, 5), (slice(2, 8), slice(0, 5)), (), True)
+    >>> [(p.offset, p.nbytes, p.shape, p.slices[0]) for p in split(b, 48)]
+    [(32, 40, (2, 5), slice(2, 4, None)), (72, 40, (2, 5), slice(4, 6, None)), (112, 40, (2, 5), slice(6, 8, None))]
+    """
+    if max_bytes <= 0 or block.nbytes <= max_bytes:
+        return [block]
+    k = next(i for i, n in enumerate(block.shape) if n > 1)  # a block of one element is never larger
+    unit = block.nbytes // block.shape[k]  # bytes per index along dim k
+    step = max(1, max_bytes // unit)
+    out: list[Block] = []
+    for i in range(0, block.shape[k], step):
+        j = min(i + step, block.shape[k])
+        where = block.slices[k]
+        part = block._replace(
+            offset=block.offset + i * unit, nbytes=(j - i) * unit,
+            shape=(*block.shape[:k], j - i, *block.shape[k + 1 :]),
+            slices=(*block.slices[:k], slice(where.start + i, where.start + j), *block.slices[k + 1 :]),
+        )
+        out += split(part, max_bytes)
+    return out
+
+
+def pieces(blocks: list[Block], chunk_bytes: int, direct_min: int, max_bytes: int = 0) -> list[Piece]:
     """Cut a message's blocks into pieces: a block of ``direct_min`` bytes or more alone, smaller
-    neighbours together up to ``chunk_bytes`` (0: no limit). Depends only on the plan, so sender and
-    receiver cut alike."""
+    neighbours together up to ``chunk_bytes`` (0: no limit), no piece over ``max_bytes`` (0: no
+    limit; a larger block is cut by :func:`split`, each part a piece of its own). Depends only on the
+    plan, so sender and receiver cut alike."""
     out: list[Piece] = []
     run: list[Block] = []
 
@@ -114,10 +157,12 @@ def pieces(blocks: list[Block], chunk_bytes: int, direct_min: int) -> list[Piece
             run.clear()
 
     for b in blocks:
-        if b.nbytes >= direct_min:
+        if b.nbytes >= direct_min or (max_bytes and b.nbytes > max_bytes):
             close_run()
-            out.append(Piece(b.offset, b.offset + b.nbytes, (b,)))
+            out += [Piece(p.offset, p.offset + p.nbytes, (p,)) for p in split(b, max_bytes)]
             continue
+        if run and max_bytes and b.offset + b.nbytes - run[0].offset > max_bytes:
+            close_run()
         run.append(b)
         if chunk_bytes > 0 and b.offset + b.nbytes - run[0].offset >= chunk_bytes:
             close_run()
@@ -218,14 +263,15 @@ def build_messages(spec: Spec, plans: Mapping[str, list[Transfer]], rank: int) -
         if g == rank:
             recvs[src] = []
     dual = rank in trainer_ranks and rank in generator_ranks
+    cap = piece_limit(spec.bucket_bytes)
     return Messages(
         sends=sends,
         recvs=recvs,
         local=local,
         sizes=offsets,
         local_bytes=local_off,
-        send_pieces={d: pieces(bl, spec.chunk_bytes, direct_min) for d, bl in sends.items()},
-        recv_pieces={s: pieces(bl, spec.chunk_bytes, direct_min) for s, bl in recvs.items()},
+        send_pieces={d: pieces(bl, spec.chunk_bytes, direct_min, cap) for d, bl in sends.items()},
+        recv_pieces={s: pieces(bl, spec.chunk_bytes, direct_min, cap) for s, bl in recvs.items()},
         sources=sorted(recvs) + ([rank] if dual else []),
         send_bytes_per_version=sum(b.nbytes for blocks in sends.values() for b in blocks),
     )

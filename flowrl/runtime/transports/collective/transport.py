@@ -17,6 +17,15 @@ its side, and small blocks are packed together (one copy on each side). The send
 i + 1 while piece i is on the wire; the receiver unpacks piece i while piece i + 1 arrives.
 ``stats()["bytes_staged"]`` counts the bytes that went through a staging copy.
 
+Bounded send memory (as verl, NeMo-RL and TRL send bucket by bucket): a trainer rank packs into one
+reused buffer of at most ``bucket_bytes`` (:mod:`~flowrl.runtime.transports.collective.send_buffer`),
+not a copy of its share of the weights: pieces are cut to at most half of it
+(``messages.piece_limit``), and a region is reused once the send posted from it completed. So a
+publish that packs more than a bucket waits for the wire as it goes, and the rank's staging memory
+is one bucket whatever its shards weigh (``stats()["send_buffer_bytes"]``). A rank that is also a
+generator (colocated) stages its whole message instead: it sends from its ``fetch_into``, after its
+``state`` may have changed.
+
 Roles come from the layouts: a rank in the trainer layout publishes, a rank in the generator
 layout fetches, a rank in both (colocated) does both.
 
@@ -35,7 +44,8 @@ Pairing semantics (publish and fetch are collective):
   ``timeout_s``) until those bytes are out, since ``state`` may change once it returns: such a
   publish returns when the generators have taken the version (they must be receiving: a
   concurrent ``fetch_into`` or ``background_receive``). A version whose pieces were all packed is
-  left in flight. Each version is delivered once to each generator rank, so at most one version is
+  left in flight, as far as the send buffer holds it (beyond that, publish waits for the wire as it
+  reuses the buffer, see above). Each version is delivered once to each generator rank, so at most one version is
   in flight per trainer rank: ``publish(v + 1)`` first waits until every destination has received
   ``v`` (backpressure; up to ``timeout_s``).
 - ``fetch_into(target, newer_than)`` (generator ranks, with their *local shard targets*) reads the
@@ -116,12 +126,18 @@ from flowrl.runtime.transports.collective.messages import (
     ParamSpec,
     Piece,
     Spec,
+    align,
     build_messages,
     round_robin,
 )
+from flowrl.runtime.transports.collective.send_buffer import SendBuffer
 from flowrl.transport_traits import BUILTINS
 
-__all__ = ["CollectiveTransport"]
+__all__ = ["CollectiveTransport", "DEFAULT_BUCKET_BYTES"]
+
+#: A trainer rank's send buffer by default: a bucket as the field sizes them (vLLM's weight-sync group
+#: sends 128 MiB ones: ``flowrl.operators.engines.vllm_sync``), pieces of up to 32 MiB.
+DEFAULT_BUCKET_BYTES = 64 << 20
 
 _POLL_S = (0.0005, 0.005)  # fetch_into's store polling: first and longest pause
 
@@ -172,6 +188,8 @@ class CollectiveTransport:
         device: where the send/receive buffers live (``"cpu"`` for gloo, ``"cuda:<i>"`` for NCCL).
         chunk_bytes: blocks smaller than ``direct_min_bytes`` go packed in pieces of about this many
             bytes, so that packing, the wire and unpacking overlap; 0 packs all of a message's small blocks together.
+        bucket_bytes: a trainer rank's send buffer (its staging memory for packed pieces); no piece is
+            larger than half of it (a larger block goes in parts). At least 64.
         direct_min_bytes: a block of at least this many bytes is a message of its own, sent straight
             from the shard and received straight into the target where its slice is contiguous
             (``flowrl.placement.resharding.staging_copies``).
@@ -195,6 +213,7 @@ class CollectiveTransport:
         bytes_staged: bytes this rank copied through a staging buffer (packing, unpacking, local blocks),
             once per copy; one sync sums over ranks to ``resharding.transfer_volume(...).copied_bytes``.
         send_bytes_per_version: payload bytes this rank sends per published version.
+        bucket_bytes: the send buffer's size (``stats()["send_buffer_bytes"]`` is what it holds).
     """
 
     name = "collective"
@@ -212,6 +231,7 @@ class CollectiveTransport:
         fetch_wait_s: float = 0.0,
         device: str = "cpu",
         chunk_bytes: int = 8 << 20,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         direct_min_bytes: int = DIRECT_MIN_BYTES,
         rank: int | None = None,
         group: dist.ProcessGroup | None = None,
@@ -219,6 +239,8 @@ class CollectiveTransport:
         handshake: bool = True,
         background_receive: bool = False,
     ) -> None:
+        if bucket_bytes < 64:
+            raise ConfigError(f"CollectiveTransport: bucket_bytes={bucket_bytes} must be at least 64 (the send buffer holds two aligned pieces)")
         names = sorted(params)
         specs = {n: p if isinstance(p, ParamSpec) else msgspec.convert(p, ParamSpec) for n, p in params.items()}
         self._spec = Spec(
@@ -227,7 +249,9 @@ class CollectiveTransport:
             generator=_layouts(generator_layout, names, "generator_layout"),
             chunk_bytes=int(chunk_bytes),  # both sides must cut messages into the same pieces
             direct_min_bytes=int(direct_min_bytes),
+            bucket_bytes=int(bucket_bytes),  # both sides cut large blocks alike
         )
+        self.bucket_bytes = int(bucket_bytes)
         if timeout_s <= 0:
             raise ConfigError(f"CollectiveTransport: timeout_s={timeout_s} must be > 0")
         self._timeout = timedelta(seconds=timeout_s)
@@ -269,7 +293,9 @@ class CollectiveTransport:
         self._send_works: list[Any] = []
         self._received = -1  # generator side: the version the staging buffers hold (complete)
         self._closed = False
-        self._outbox: dict[int, torch.Tensor] | None = None
+        self._headers: dict[int, torch.Tensor] | None = None  # destination -> the header of this rank's message
+        self._outbox: dict[int, torch.Tensor] | None = None  # a dual rank's whole messages (see the module docstring)
+        self._send_buffer: SendBuffer | None = None  # a trainer rank's packed pieces
         self._inbox: dict[int, torch.Tensor] | None = None
         self._local_out: torch.Tensor | None = None
         self._local_in: torch.Tensor | None = None
@@ -326,6 +352,8 @@ class CollectiveTransport:
             "bytes_copied_locally": self.bytes_copied_locally,
             "bytes_staged": self.bytes_staged,
             "staging_s": self._staging_s,
+            "send_buffer_bytes": self._send_buffer_bytes(),
+            "send_buffer_peak_bytes": self._send_buffer.peak_bytes if self._send_buffer is not None else 0,
             "published": self._published,
             "received": self._received,
             **self._counts,
@@ -365,17 +393,31 @@ class CollectiveTransport:
     # --- buffers -----------------------------------------------------------------------------------
 
     def _buffers(self) -> None:
-        if self._outbox is not None:
+        if self._headers is not None:
             return
         dev = self._device
-        self._outbox = {d: torch.zeros(self._sizes[(self.rank, d)], dtype=torch.uint8, device=dev) for d in self._sends}
+        if self._dual:  # it sends from its fetch_into, after ``state`` may have changed: the whole message is staged
+            self._outbox = {d: torch.zeros(self._sizes[(self.rank, d)], dtype=torch.uint8, device=dev) for d in self._sends}
+            self._headers = {d: box[:HEADER_BYTES] for d, box in self._outbox.items()}
+        else:
+            self._headers = {d: torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=dev) for d in self._sends}
+            wanted = sum(align(p.hi - p.lo) for ps in self._send_pieces.values() for p in ps)  # a small message: less
+            doing = f"sending a piece to generator rank(s) {sorted(self._sends)} (its send buffer region is wanted again)"
+            self._send_buffer = SendBuffer(min(self.bucket_bytes, wanted), dev, lambda works: self._wait(works, doing))
         self._inbox = {s: torch.zeros(self._sizes[(s, self.rank)], dtype=torch.uint8, device=dev) for s in self._recvs}
         self._local_out = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev)
         self._local_in = torch.zeros(self._local_bytes, dtype=torch.uint8, device=dev) if self._dual else None
 
-    def _view(self, buf: torch.Tensor, block: Block) -> torch.Tensor:
+    def _view(self, buf: torch.Tensor, block: Block, base: int = 0) -> torch.Tensor:
+        """``block`` in ``buf``, a buffer that holds its message's bytes from ``base`` on."""
         dtype = DTYPES[self._spec.params[block.name].dtype]
-        return buf[block.offset : block.offset + block.nbytes].view(dtype).view(block.shape)
+        lo = block.offset - base
+        return buf[lo : lo + block.nbytes].view(dtype).view(block.shape)
+
+    def _send_buffer_bytes(self) -> int:
+        """Bytes of send-side staging this rank holds: its send buffer, or a dual rank's messages."""
+        held = self._send_buffer.allocated_bytes if self._send_buffer is not None else 0
+        return held + sum(box.numel() for box in (self._outbox or {}).values())
 
     # --- checks ------------------------------------------------------------------------------------
 
@@ -416,16 +458,37 @@ class CollectiveTransport:
     def _header_sends(self) -> list[dist.P2POp]:
         """The header of this rank's message to each of its destinations (the first send of a version)."""
         self.header_bytes_sent += HEADER_BYTES * len(self._sends)
-        return [self._p2p(dist.isend, d, self._outbox[d][:HEADER_BYTES]) for d in sorted(self._sends)]
+        return [self._p2p(dist.isend, d, self._headers[d]) for d in sorted(self._sends)]
 
-    def _pack(self, state: State, dest: int, piece: Piece) -> torch.Tensor:
-        """Copy a piece's blocks from ``state`` into the staging buffer of ``dest``; the bytes to send."""
+    def _pack(self, state: State, piece: Piece, buf: torch.Tensor, base: int) -> torch.Tensor:
+        """Copy a piece's blocks from ``state`` into ``buf`` (which holds the message from byte ``base``
+        on); the piece's bytes there, to send."""
         start = time.perf_counter()
         for blk in piece.blocks:
-            self._view(self._outbox[dest], blk).copy_(state[blk.name][blk.slices])
+            self._view(buf, blk, base).copy_(state[blk.name][blk.slices])
             self.bytes_staged += blk.nbytes
         self._staging_s += time.perf_counter() - start
-        return self._outbox[dest][piece.lo : piece.hi]
+        return buf[piece.lo - base : piece.hi - base]
+
+    def _send_packed(self, state: State, dest: int, piece: Piece) -> None:
+        """Pack a piece into a region of the send buffer (waiting for the sends that still read it)
+        and post its send; the buffer keeps its works."""
+        assert self._send_buffer is not None
+        n = piece.hi - piece.lo
+        lo, region = self._send_buffer.take(n)
+        self._send_buffer.sent(lo, n, self._post([self._p2p(dist.isend, dest, self._pack(state, piece, region, piece.lo))]))
+
+    def _drain_sends(self, version: int) -> None:
+        """Wait until every send of ``version`` is out (each work once: headers and in-place sends here,
+        packed pieces in the send buffer)."""
+        doing = f"sending version {version} to generator rank(s) {sorted(self._sends)}"
+        self._wait(self._send_works, doing)
+        self._send_works = []
+        if self._send_buffer is not None:
+            self._send_buffer.drain()
+
+    def _pending_sends(self) -> list[Any]:
+        return self._send_works + (self._send_buffer.pending() if self._send_buffer is not None else [])
 
     def _direct_source(self, state: State, piece: Piece) -> torch.Tensor | None:
         """The bytes of a piece straight from the shard in ``state``, or None if it must be packed
@@ -483,13 +546,11 @@ class CollectiveTransport:
         if self._dual:
             if self._sent < self._published:  # the staged version never went out: exchange it first
                 self._exchange(self._published)
-        elif self._send_works:
-            late = sorted(self._sends)
-            self._wait(self._send_works, f"sending version {self._sent} to generator rank(s) {late}")
-            self._send_works = []
+        else:
+            self._drain_sends(self._sent)
         for d in self._sends:
             header = torch.tensor([MAGIC, version, self._sizes[(self.rank, d)] - HEADER_BYTES, self.rank], dtype=torch.int64)
-            self._outbox[d][:HEADER_BYTES].view(torch.int64).copy_(header)
+            self._headers[d].view(torch.int64).copy_(header)
         # announce first: the generators post their receives while the pieces are packed and sent
         self._store.add(f"{self._prefix}/v/{self.rank}", version - self._published)
         for b in self._local:
@@ -497,7 +558,7 @@ class CollectiveTransport:
             self.bytes_staged += b.nbytes
         if self._dual:  # a dual rank stages everything and sends from its fetch_into (see the module docstring)
             for d, piece in round_robin(self._send_pieces):
-                self._pack(state, d, piece)
+                self._pack(state, piece, self._outbox[d], 0)
         else:
             self._send_works += self._post(self._header_sends())
             borrowed = False
@@ -505,10 +566,12 @@ class CollectiveTransport:
                 buf = self._direct_source(state, piece)
                 borrowed |= buf is not None
                 self.bytes_sent += sum(b.nbytes for b in piece.blocks)
-                self._send_works += self._post([self._p2p(dist.isend, d, buf if buf is not None else self._pack(state, d, piece))])
+                if buf is None:
+                    self._send_packed(state, d, piece)
+                else:
+                    self._send_works += self._post([self._p2p(dist.isend, d, buf)])
             if borrowed:  # sent straight from ``state``, which may change once publish returns: wait for the wire
-                self._wait(self._send_works, f"sending version {version} to generator rank(s) {sorted(self._sends)}")
-                self._send_works = []
+                self._drain_sends(version)
             self._sent = version
         self._published = version
         self._counts["publishes"] += 1
@@ -692,10 +755,10 @@ class CollectiveTransport:
         self._pump_stop.set()
         if self._pump is not None and self._pump is not threading.current_thread():
             self._pump.join(timeout=1.0)
-        if drain_s > 0 and self._send_works and self._lock.acquire(timeout=drain_s):
+        if drain_s > 0 and self._pending_sends() and self._lock.acquire(timeout=drain_s):
             try:
                 deadline = time.monotonic() + drain_s
-                pending = [w for w in self._send_works if not w.is_completed()]
+                pending = [w for w in self._pending_sends() if not w.is_completed()]
                 while pending and time.monotonic() < deadline:
                     time.sleep(0.002)
                     pending = [w for w in pending if not w.is_completed()]
@@ -703,16 +766,17 @@ class CollectiveTransport:
                 self._lock.release()
         if not self._lock.acquire(timeout=1.0):  # the receiver is stuck in a transfer: leave it its buffers
             self._closed = True
-            _ABANDONED.append((self._send_works, self._outbox, self._inbox))
+            _ABANDONED.append((self._send_works, self._headers, self._outbox, self._send_buffer, self._inbox))
             return
         try:
             if self._closed:
                 return
             self._closed = True
-            if self._send_works:
-                _ABANDONED.append((self._send_works, self._outbox))
+            if self._pending_sends():
+                _ABANDONED.append((self._send_works, self._headers, self._outbox, self._send_buffer))
             self._send_works = []
-            self._outbox = self._inbox = self._local_out = self._local_in = None
+            self._headers = self._outbox = self._inbox = self._local_out = self._local_in = None
+            self._send_buffer = None
             self._direct = {}
         finally:
             self._lock.release()
