@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.runtime.backends.base import OnStep
-from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports, build_program
+from flowrl.runtime.program_table import build_program
+from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports
 
 if TYPE_CHECKING:
     from flowrl.placement.data import Placement

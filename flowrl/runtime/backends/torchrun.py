@@ -88,7 +88,8 @@ from flowrl.runtime.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
-from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports, build_program
+from flowrl.runtime.program_table import build_program
+from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = [
