@@ -120,6 +120,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_here(args: argparse.Namespace) -> int:
     import msgspec
 
+    from flowrl.backend_traits import backend_traits
     from flowrl.errors import ConfigError
     from flowrl.cli.graphs import load_graph
     from flowrl.runtime.config import RunConfig
@@ -203,7 +204,7 @@ def _run_here(args: argparse.Namespace) -> int:
 
         _check_plan_here(args)
         placement = read_placement(args.plan, graph)  # a plan file or a JSON placement, on every rank alike
-    if args.backend == "torchrun" and os.environ.get("RANK", "0") != "0":
+    if backend_traits(args.backend).ranks and os.environ.get("RANK", "0") != "0":
         run_graph(graph, placement, config)
         return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
     with _checkpoint_directory(args):

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from flowrl.backend_traits import backend_traits
 from flowrl.errors import ConfigError
 from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.kinds import KINDS
@@ -118,8 +119,8 @@ def offload_roles(graph: Graph, placement: Placement, mode: OffloadMode, *, devi
         return not set(devices[a]).isdisjoint(devices[b])
 
     if mode == "on":
-        if backend == "torchrun":
-            raise ConfigError("offload='on' runs on the local and process backends; under torchrun run with --offload off")
+        if not backend_traits(backend).offloads:
+            raise ConfigError(f"offload='on' runs on the local and process backends; under {backend} run with --offload off")
         alone = [t for t in trainers if not any(shares(t, g) for g in gens)]
         if alone:
             where = ", ".join(f"{n} on {list(devices[n])}" for n in [*alone, *gens])
@@ -141,9 +142,9 @@ def offload_roles(graph: Graph, placement: Placement, mode: OffloadMode, *, devi
                     stacklevel=2,
                 )
         return roles
-    if placement.offload and backend == "torchrun":
+    if placement.offload and not backend_traits(backend).offloads:
         warnings.warn(
-            f"the placement ({placement.source}) offloads {list(placement.offload)}, which the torchrun backend does not do: "
+            f"the placement ({placement.source}) offloads {list(placement.offload)}, which the {backend} backend does not do: "
             "its ranks keep their state on the device (the plan's memory figures assume otherwise)",
             stacklevel=2,
         )

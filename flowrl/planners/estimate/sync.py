@@ -47,6 +47,7 @@ from functools import lru_cache
 import msgspec
 
 from flowrl.graph.engines import ENGINE_CAPS
+from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
@@ -238,7 +239,7 @@ def estimate_sync(
     if traits is not None and traits.cost == "file":
         time = total * (1 + dst_dims.dp) / t.file_bandwidth
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="file system write + one read per replica")
-    if dev.kind == "cpu" and traits is not None and traits.cost == "memory":
+    if DEVICE_TRAITS[dev.kind].pinned and traits is not None and traits.cost == "memory":
         copies = traits.memory_copies
         time = copies * total / mem_bw
         # on CPU the runtime runs a node as one process with an intra-op thread per core: one copy
@@ -309,7 +310,7 @@ def _adapter_sync(
     if traits is not None and traits.cost == "file":
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total * replicas), replicas=replicas,
                             time_s=total * (1 + replicas) / t.file_bandwidth, note="LoRA adapters only; file system write + one read per replica")
-    if dev.kind == "cpu" and traits is not None and traits.cost == "memory":
+    if DEVICE_TRAITS[dev.kind].pinned and traits is not None and traits.cost == "memory":
         time = traits.memory_copies * total / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note="LoRA adapters only; memory copy")
     link = _link(src_devices, dst_devices, ctx)

@@ -67,6 +67,7 @@ from typing import Any
 import msgspec
 import torch
 
+from flowrl.backend_traits import BACKENDS
 from flowrl.errors import ConfigError, FlowrlError, PlanError
 from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.kinds import KINDS
@@ -115,7 +116,7 @@ class TorchrunBackend:
     """This process is one rank of a torchrun job (see the module docstring)."""
 
     name = "torchrun"
-    crosses_processes = True
+    crosses_processes = BACKENDS["torchrun"].crosses_processes
 
     def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
         """Every rank calls this, with the same placement; rank 0 returns the run's result (``run_torchrun``)."""
