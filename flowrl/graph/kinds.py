@@ -52,7 +52,7 @@ class KindStyle(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KindSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything flowrl needs to know about one node kind.
+    """The pure facts of one node kind (what each layer does with it is in that layer's table: module docstring).
 
     Attributes:
         node: ``module:qualname`` of its node struct (which holds its config), in graph/ or a user's module.
