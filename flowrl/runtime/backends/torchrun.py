@@ -372,7 +372,7 @@ def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
     def on_term(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         controller = seen.get("controller")
-        failure = controller._failure if controller is not None else None
+        failure = controller.stop.failure if controller is not None else None  # RunStop: the first failure
         if failure is not None:
             node, step, exc = failure
             at = f" at step {step}" if step is not None else ""
