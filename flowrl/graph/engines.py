@@ -1,4 +1,4 @@
-"""Generator engines as plain data: their names and the node settings each one accepts.
+"""Generator engines as plain data: one capability table, ``ENGINE_CAPS``, of what each accepts and where it runs.
 
 A generator node names the engine that samples for it (``GeneratorNode.engine``):
 
@@ -12,11 +12,17 @@ A generator node names the engine that samples for it (``GeneratorNode.engine``)
   programs run on either engine, in lock step (``GeneratorNode`` refuses continuous batching for
   them on vLLM).
 
+Every part of flowrl that treats engines differently reads ``ENGINE_CAPS`` (not an engine's name):
+the node check below, ``flowrl run --engine``'s choices, preflight (the backends an engine runs
+under, its tensor parallelism, whether this machine must be checked), colocated offloading
+(whether it sleeps) and the planner (the weights' hop into its workers). ``Engine``, the node
+field's type, lists the same names (``tests/graph/test_engines.py`` checks).
+
 ``check_engine_options`` is the node-level check (``GeneratorNode.__post_init__``): what is wrong
 with the graph, before anything is installed or loaded. What needs the machine (vLLM installed, a
 model family it loads, head sizes its CPU kernels support) is checked when a run starts
-(``flowrl.operators.engines.check_engine``). Which class runs an engine is the runtime's table,
-``flowrl.operators.engines.ENGINES``.
+(``flowrl.operators.engines.check_engine``). Which class runs an engine is the operators' table,
+``flowrl.operators.engines.ENGINES``, with the same names.
 
 Example:
     >>> from flowrl.graph.configs import ModelConfig
@@ -24,25 +30,68 @@ Example:
     >>> GeneratorNode(name="gen", model=ModelConfig(), engine="vllm")
     Traceback (most recent call last):
     ...
-    flowrl.errors.ConfigError: generator 'gen': engine='vllm' needs a Hugging Face model (HFModelConfig: a directory vLLM loads), but its model is the built-in ModelConfig (2L64d); export a trained built-in policy first ('flowrl export RUN_DIR DIR') and pass HFModelConfig(path=DIR), or use engine='builtin'
+    flowrl.errors.ConfigError: generator 'gen': engine='vllm' needs a Hugging Face model (HFModelConfig: a directory it loads), but its model is the built-in ModelConfig (2L64d); export a trained built-in policy first ('flowrl export RUN_DIR DIR') and pass HFModelConfig(path=DIR), or use engine='builtin'
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
+
+import msgspec
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import AnyModelConfig, ModelConfig, SamplingConfig
 
-__all__ = ["Engine", "ENGINE_NAMES", "VLLM_PRECISIONS", "check_engine_options"]
+__all__ = ["Engine", "EngineCaps", "ENGINE_CAPS", "ENGINE_NAMES", "VLLM_PRECISIONS", "check_engine_options"]
 
-#: A generator's engine (``GeneratorNode.engine``).
+#: A generator's engine (``GeneratorNode.engine``): the keys of ``ENGINE_CAPS``.
 Engine = Literal["builtin", "vllm"]
-ENGINE_NAMES: tuple[str, ...] = get_args(Engine)
 
 #: The precisions the vLLM engine loads weights in (its ``dtype``); the weight-only quantized ones
 #: are the built-in engine's (``flowrl.models.quantize``).
 VLLM_PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine accepts and where it runs.
+
+    Attributes:
+        builtin_models: it samples from flowrl's built-in ``ModelConfig`` (else a Hugging Face directory only).
+        precisions: the ``SamplingConfig.precision`` values it loads weights in; ``()``: every one.
+        kv_cache_optional: it decodes with ``use_kv_cache=False`` too.
+        continuous_episodes: environments (``env=``) run with ``batching="continuous"`` on it.
+        backends: the run backends (``RunConfig.backend``) it runs under; ``()``: every one, a user's too.
+        tensor_parallel: flowrl's tensor-parallel ranks shard it (a torchrun mesh with a ``tp`` axis > 1).
+        machine_check: a run checks this machine can run it before anything is loaded (installed,
+            a model family it loads, kernels: ``flowrl.operators.engines.check_engine``).
+        sleeps: it may sleep while its trainer runs on shared devices (colocated offloading), where
+            the platform has a sleep mode.
+        weight_hop: after the weight edge, the weights move on once more into its own worker
+            processes (the planner prices that hop: ``planners.estimate.sync.add_engine_load``).
+    """
+
+    builtin_models: bool
+    precisions: tuple[str, ...] = ()
+    kv_cache_optional: bool = True
+    continuous_episodes: bool = True
+    backends: tuple[str, ...] = ()
+    tensor_parallel: bool = False
+    machine_check: bool = False
+    sleeps: bool = False
+    weight_hop: bool = False
+
+
+#: Every engine. vLLM's engine is its own processes, started by the generator's process (the local
+#: backend's, a process backend's worker, or each replica's first torchrun rank), so it runs under
+#: every backend, one engine per rank: its torchrun mesh is dp only.
+ENGINE_CAPS: dict[str, EngineCaps] = {
+    "builtin": EngineCaps(builtin_models=True, tensor_parallel=True),
+    "vllm": EngineCaps(
+        builtin_models=False, precisions=VLLM_PRECISIONS, kv_cache_optional=False, continuous_episodes=False,
+        backends=("local", "process", "torchrun"), machine_check=True, sleeps=True, weight_hop=True,
+    ),
+}
+ENGINE_NAMES: tuple[str, ...] = tuple(ENGINE_CAPS)
 
 
 def check_engine_options(name: str, engine: str, model: AnyModelConfig, sampling: SamplingConfig) -> None:
@@ -53,21 +102,19 @@ def check_engine_options(name: str, engine: str, model: AnyModelConfig, sampling
             ``use_kv_cache=False``, or a quantized precision.
     """
     owner = f"generator {name!r}"
-    if engine not in ENGINE_NAMES:
-        raise ConfigError(f"{owner}: engine={engine!r} is not one of {list(ENGINE_NAMES)}")
-    if engine != "vllm":
-        return
-    s = sampling
-    if isinstance(model, ModelConfig):
+    if engine not in ENGINE_CAPS:
+        raise ConfigError(f"{owner}: engine={engine!r} is not one of {list(ENGINE_CAPS)}")
+    caps, s = ENGINE_CAPS[engine], sampling
+    if isinstance(model, ModelConfig) and not caps.builtin_models:
         raise ConfigError(
-            f"{owner}: engine='vllm' needs a Hugging Face model (HFModelConfig: a directory vLLM loads), but its model is "
+            f"{owner}: engine={engine!r} needs a Hugging Face model (HFModelConfig: a directory it loads), but its model is "
             f"the built-in ModelConfig ({model.short()}); export a trained built-in policy first "
             "('flowrl export RUN_DIR DIR') and pass HFModelConfig(path=DIR), or use engine='builtin'"
         )
-    if not s.use_kv_cache:
-        raise ConfigError(f"{owner}: engine='vllm' always decodes with its (paged) KV cache; drop use_kv_cache=False")
-    if s.precision not in VLLM_PRECISIONS:
+    if not s.use_kv_cache and not caps.kv_cache_optional:
+        raise ConfigError(f"{owner}: engine={engine!r} always decodes with its (paged) KV cache; drop use_kv_cache=False")
+    if caps.precisions and s.precision not in caps.precisions:
         raise ConfigError(
-            f"{owner}: engine='vllm' loads weights in {list(VLLM_PRECISIONS)}, not precision={s.precision!r} "
+            f"{owner}: engine={engine!r} loads weights in {list(caps.precisions)}, not precision={s.precision!r} "
             "(flowrl's weight-only quantization is the built-in engine's); pick one of those, or use engine='builtin'"
         )

@@ -50,7 +50,7 @@ from flowrl.graph.refs import resolve
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.graph.engines import Engine, check_engine_options
+from flowrl.graph.engines import ENGINE_CAPS, Engine, check_engine_options
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.judges import JudgeConfig
@@ -174,7 +174,7 @@ class GeneratorNode(NodeBase, tag="generator"):
 
     def __post_init__(self) -> None:
         check_engine_options(self.name, self.engine, self.model, self.sampling)
-        if self.env is not None and (self.engine != "builtin" or self.env.agent) and self.sampling.batching != "lockstep":
+        if self.env is not None and (not ENGINE_CAPS[self.engine].continuous_episodes or self.env.agent) and self.sampling.batching != "lockstep":
             what = "an agent program (agent=True)" if self.env.agent else f"env= with engine={self.engine!r}"
             raise ConfigError(
                 f"generator {self.name!r}: {what} runs its episodes in lock step (requests sampled as they come, "

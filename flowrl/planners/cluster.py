@@ -43,6 +43,8 @@ from flowrl.host import host_cores, host_memory_bytes
 
 __all__ = [
     "CpuTerms",
+    "DeviceKind",
+    "DEVICE_TRAITS",
     "DeviceSpec",
     "ClusterSpec",
     "DEVICE_PRESETS",
@@ -61,6 +63,37 @@ _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 #: compares them, so a cluster of millions of devices would take minutes and gigabytes to plan
 #: (131072 devices, 16384 hosts of 8, plan in about 20 s). The largest RL jobs use a few thousand.
 MAX_DEVICES = 2**17
+
+
+class DeviceKind(msgspec.Struct, **_STRUCT):
+    """What a kind of device is (``DeviceSpec.kind``): the facts the planner's estimates, a plan's
+    placement and the check of a plan against this machine read, instead of the kind's name.
+
+    Attributes:
+        label: how messages name it (``"GPU"``).
+        cuda: its devices are CUDA GPUs: a plan for it runs only where torch sees them.
+        pinned: a device is one core of the host: the runtime pins each node to its cores
+            (``Placement.pin``), and its memory is the host's, so a memory transport's copies are priced
+            at its memory bandwidth.
+        tensor_cores: matrix units with 16-bit activations and KV cache; float32 math runs as TF32 at
+            half the 16-bit rate.
+        cross_step_slots: continuous batching's free slots take the next step's prompts by default.
+        packs_sequences: a trainer packs sequences by default.
+    """
+
+    label: str
+    cuda: bool = False
+    pinned: bool = False
+    tensor_cores: bool = False
+    cross_step_slots: bool = False
+    packs_sequences: bool = False
+
+
+#: Every kind of device, by ``DeviceSpec.kind``.
+DEVICE_TRAITS: dict[str, DeviceKind] = {
+    "gpu": DeviceKind(label="GPU", cuda=True, tensor_cores=True, cross_step_slots=True, packs_sequences=True),
+    "cpu": DeviceKind(label="CPU", pinned=True),
+}
 
 CLUSTER_FORMS = (
     "CLUSTER is one of: 'NxDEVICE' (e.g. '1024xH100': N devices, 8 per host), 'HxDxDEVICE' "

@@ -19,7 +19,9 @@ Example:
 
 from __future__ import annotations
 
+from flowrl.backend_traits import backend_traits
 from flowrl.errors import PlanError
+from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.plan import Plan
 
 __all__ = ["check_plan_here"]
@@ -54,13 +56,13 @@ def check_plan_here(
     placed = {name: p.devices for name, p in plan.placements.items() if p.devices}
     needed = 1 + max((d for ds in placed.values() for d in ds), default=0)
     spec = plan.cluster_spec
-    gpu = spec is not None and spec.device.kind == "gpu"
-    kind = "GPU" if gpu else "CPU"
+    traits = DEVICE_TRAITS[spec.device.kind if spec is not None else "cpu"]
+    gpu, kind = traits.cuda, traits.label
     wanted = f"the plan was made for {plan.cluster} ({kind} devices {_ranges(tuple(range(needed)))})"
     replan = f"make a plan for this machine: flowrl plan {plan.graph} --cluster cpu -o plan.json"
     if gpu and cuda_devices == 0:
         raise PlanError(f"{wanted}, but this machine has no CUDA GPU ({cores} CPU cores); {replan}")
-    if backend == "torchrun":
+    if backend_traits(backend).ranks:
         have, what = (world_size or 1), "ranks in this torchrun job"
         if needed > have:
             raise PlanError(f"{wanted}, but there are {have} {what}; launch torchrun with {needed} processes in all, or re-plan for {have}")

@@ -29,7 +29,7 @@ from flowrl.errors import PlanError
 from flowrl.fileio import decode_errors, write_atomic
 from flowrl.graph.nodes import DEVICE_KINDS, IN_POLICY_KINDS, TRAINABLE_KINDS
 from flowrl.placement.data import AXES, NodeMesh, Placement, colocation_groups, device_ranges
-from flowrl.planners.cluster import MAX_DEVICES, ClusterSpec
+from flowrl.planners.cluster import DEVICE_TRAITS, MAX_DEVICES, ClusterSpec
 from flowrl.planners.estimate.common import MemoryBreakdown
 from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.modelspec import ModelSpec
@@ -232,6 +232,12 @@ class Plan(msgspec.Struct, **_STRUCT):
         model = f", model {', '.join(models)}" if models else ""
         return f"{self.graph!r} on {self.cluster}{where}{model}: {self.family}, {format_seconds(self.step_s)}/step at k={self.max_staleness}"
 
+    def _pinned(self) -> bool:
+        """Whether the runtime pins each node to its devices: a device is one core (``DeviceKind.pinned``)."""
+        if self.cluster_spec is not None:
+            return DEVICE_TRAITS[self.cluster_spec.device.kind].pinned
+        return self.cluster.startswith("cpu")  # a plan file written without its cluster's figures
+
     def colocation_groups(self) -> list[list[str]]:
         """Node names that share any device (the runtime serialises each group); loss nodes included.
 
@@ -258,7 +264,7 @@ class Plan(msgspec.Struct, **_STRUCT):
         nodes = {n: NodeMesh(devices=p.devices, mesh_shape=p.mesh_shape) for n, p in self.placements.items() if p.devices and p.kind in DEVICE_KINDS}
         offload = tuple(sorted({key.split("/", 1)[1] for p in self.placements.values() for key in p.breakdown if key.startswith("offload/")}))
         return Placement(
-            nodes=nodes, strategy=self.strategy, pin=self.cluster.startswith("cpu"), source=source or f"plan ({self.strategy})", offload=offload,
+            nodes=nodes, strategy=self.strategy, pin=self._pinned(), source=source or f"plan ({self.strategy})", offload=offload,
         )
 
     def __str__(self) -> str:

@@ -1,8 +1,7 @@
 """What the planner needs of one device node, per kind: its model shape and the options its cost reads.
 
-Each device kind names its function in its kinds-table entry, ``KindSpec.plan_role``
-(``flowrl.graph.kinds``), as ``module:qualname``; ``planners.search.resolve_roles`` resolves it and
-calls it as ``role(node, graph, ctx, model) -> NodeRole`` for every node of the kind. Which side of
+Each device kind has its function in the planner's kind table (``flowrl.planners.kind_table.PLAN_ROLES``);
+``planners.search.resolve_roles`` calls it as ``role(node, graph, ctx, model) -> NodeRole`` for every node of the kind. Which side of
 the search costs the node comes from the table, not from here: ``side="generator"`` is priced as
 generation (``estimate/generate.py``), ``side="trainer"`` as training when the kind publishes
 weights (``publishes_weights``, a policy) or trains (``trains``, a critic) and as a forward-only

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from flowrl.errors import PlanError
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.planners.cluster import ClusterSpec
@@ -39,12 +40,12 @@ from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.sync import SyncEstimate, add_engine_load, estimate_sync
 from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
 from flowrl.modelspec import ModelSpec
+from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
 from flowrl.planners.roles import NodeRole
 from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
 from flowrl.planners.units import format_bytes
-from flowrl.graph.refs import resolve
 from flowrl.placement.data import device_ranges
 
 __all__ = [
@@ -117,11 +118,11 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
 
     Each device node's side comes from its kind's table entry (``KindSpec.side``; a trainer-side
     kind that publishes weights trains, the others run a forward pass) and its model and options
-    from the kind's ``plan_role`` (``flowrl.planners.roles``); a kind that runs inside its policy's
+    from the kind's planner role (``flowrl.planners.kind_table.PLAN_ROLES``); a kind that runs inside its policy's
     step (a loss) goes with the weight-publishing node it feeds.
 
     Raises:
-        PlanError: a device kind whose table entry names no ``plan_role``, or a generator-side
+        PlanError: a device kind with no planner role, or a generator-side
             node whose role gives no weight dtype.
     """
     gens, trainers, refs = [], [], []
@@ -138,16 +139,16 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         spec = KINDS[node.kind]
         if spec.runs_on != "devices":
             continue
-        if not spec.plan_role:
+        if node.kind not in PLAN_ROLES:
             raise PlanError(
-                f"node {node.name!r}: kind {node.kind!r} runs on devices but its KindSpec names no plan_role; "
-                "name its (node, graph, ctx, model) -> flowrl.planners.roles.NodeRole function there"
+                f"node {node.name!r}: kind {node.kind!r} runs on devices but has no planner role; add its "
+                "(node, graph, ctx, model) -> flowrl.planners.roles.NodeRole function to flowrl.planners.kind_table.PLAN_ROLES"
             )
-        role: NodeRole = resolve(spec.plan_role)(node, graph, ctx, model)
+        role: NodeRole = PLAN_ROLES[node.kind](node, graph, ctx, model)
         models[node.name] = role.model
         if spec.side == "generator":
             if not role.dtype:
-                raise PlanError(f"node {node.name!r}: the plan_role of generator-side kind {node.kind!r} ({spec.plan_role}) gives no weight dtype (NodeRole.dtype)")
+                raise PlanError(f"node {node.name!r}: the planner role of generator-side kind {node.kind!r} gives no weight dtype (NodeRole.dtype)")
             gens.append(node.name)
             gen_dtype[node.name] = role.dtype
             gen_engine[node.name] = role.engine
@@ -251,8 +252,8 @@ class _Evaluator:
         #: when side_dims offers tp groups that span hosts: "never" (the search's first pass), "when
         #: needed" (a side on which nothing else fits), "always" (the last pass)
         self.tp_across_hosts = "never"
-        #: nodes beside the models (sources, scorers, losses), costed by their kind's estimator in the kinds table
-        self.cpu_side = {n.name: resolve(KINDS[n.kind].estimator)(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
+        #: nodes beside the models (sources, scorers, losses), costed by their kind's estimator (``kind_table.ESTIMATORS``)
+        self.cpu_side = {n.name: _cpu_estimate(n.kind, ctx) for n in graph.nodes if n.name not in roles.heavy}
         #: weight-sync cost: the transport's (``estimate_sync``, plus ``quantize_cost``) unless a
         #: system (``baseline.BaselineSystem``) replaces it; same arguments as ``estimate_sync``
         self.sync_cost: Callable[..., SyncEstimate] = _sync_with_quantization
@@ -318,7 +319,7 @@ class _Evaluator:
         trains but publishes no weights, stays resident (the runtime does not offload it)."""
         if name in self.roles.trainers and KINDS[self.graph.node(name).kind].publishes_weights:
             return self.resident(name, dims)
-        if name in self.roles.gens and self.roles.gen_engine.get(name) == "vllm":
+        if name in self.roles.gens and ENGINE_CAPS[self.roles.gen_engine.get(name, "builtin")].sleeps:
             return self.resident(name, dims)
         return 0.0
 
@@ -473,6 +474,12 @@ class _Evaluator:
             return ranked
         within = [(t, d) for t, d in ranked if d.tp == 1 or not spans_hosts(devices, d, "tp", self.dph)]
         return within or ranked if self.tp_across_hosts == "when needed" else within
+
+
+def _cpu_estimate(kind: str, ctx: Context) -> NodeEstimate:
+    if kind not in ESTIMATORS:
+        raise PlanError(f"kind {kind!r} runs beside the devices but has no estimator; add its (kind, ctx) -> NodeEstimate function to flowrl.planners.kind_table.ESTIMATORS")
+    return ESTIMATORS[kind](kind, ctx)
 
 
 def _sync_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:

@@ -50,6 +50,6 @@ def predicted_trace(plan: Plan, *, steps: int = 3) -> Tracer:
                 tracer.add(dst, "weight fetch", start, end, step=step, predicted=True)
                 continue
             kind = plan.placements[span.node].kind if span.node in plan.placements else ""
-            if kind in KINDS and KINDS[kind].program:  # a loss runs inside its policy's train span
+            if kind in KINDS and KINDS[kind].runs_on != "policy":  # a loss runs inside its policy's train span
                 tracer.add(span.node, span.what, start, end, step=step, predicted=True)
     return tracer

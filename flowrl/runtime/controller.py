@@ -2,8 +2,8 @@
 
 Its parts, each a module tested on its own: ``executors`` (a thread per node, the bounded channels
 between them), ``staleness`` (the gate: k per weight edge, U, the minimum version, the check),
-``ledger`` (exactly-once prompts), ``row_sink`` (rows, samples, evaluations), ``checkpointer`` and
-``step_trace``. State it keeps itself:
+``ledger`` (exactly-once prompts), ``row_sink`` (rows, samples, evaluations), ``checkpointer``,
+``step_trace`` and ``run_stop`` (the first failure, a stall). State it keeps itself:
 
 - ``clock`` (``VersionClock``): the policy version = completed optimizer steps, ``U`` per trainer
   step; only the policy executor advances it, after publishing (and after a due checkpoint, so a
@@ -12,15 +12,14 @@ between them), ``staleness`` (the gate: k per weight edge, U, the minimum versio
   on the clock) or ``Node.version_needed`` (a syncing reference) outside its group's runner, runs
   the program's step on that runner and puts the outputs; a continuous generator's prompts come from
   the ledger instead, read ``k`` batches ahead.
-- ``_failure`` (``_lock``): the first error, with its node and step; then every channel closes and
-  the clock stops, so every executor returns within one step; the run raises ``NodeExecutionError``.
+- On the first failure (``RunStop.fail``) every channel closes and the clock stops, so every executor
+  returns within one step; the run raises it as ``NodeExecutionError``.
 
 Invariant (``StalenessGate.check``, on every batch): ``U * seq - rollout_version <= U * k``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from typing import Any
 
 import torch
 
-from flowrl.errors import NodeExecutionError
 from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
@@ -37,13 +35,12 @@ from flowrl.placement.data import Placement
 from flowrl.runtime.channels import ChannelClosed, Message
 from flowrl.runtime.checkpointer import Checkpointer
 from flowrl.runtime.clock import ClockStopped, VersionClock
-from flowrl.runtime.compute_threads import set_intra_op_threads, set_thread_cores
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.executors import Executor, Executors
 from flowrl.runtime.ledger import PromptLedger, continuous_feeds
-from flowrl.runtime.metrics import step_row
 from flowrl.runtime.programs import NodeProgram
 from flowrl.runtime.row_sink import RowSink
+from flowrl.runtime.run_stop import RunStop
 from flowrl.runtime.staleness import StalenessGate, StalenessViolation
 from flowrl.runtime.step_trace import SPAN_NAMES, trace_step
 from flowrl.trace import Tracer
@@ -77,9 +74,7 @@ class Controller:
         self.graph, self.config, self.placement, self.intra_op_threads = graph, config, placement, intra_op_threads
         self.tracer = Tracer(enabled=bool(config.trace))  # spans are kept in memory only when a trace is asked for
         self.clock = VersionClock(0)
-        self._lock, self._stop, self._done = threading.Lock(), threading.Event(), threading.Event()
-        self._failure: tuple[str, int | None, BaseException] | None = None
-        self._progress_at, self._t0, self._start = time.monotonic(), 0.0, 0
+        self.stop, self._t0, self._start = RunStop(stall_timeout_s=config.stall_timeout_s), 0.0, 0
         self.gate = StalenessGate.of(graph, config.max_staleness)
         self.ledger = PromptLedger(feeds=continuous_feeds(graph, self.gate))
         self.sink = RowSink(graph, config, on_step=on_step, fail=self._fail)
@@ -104,59 +99,40 @@ class Controller:
         self._t0, interrupted = time.perf_counter(), False
         try:
             self.parts.start(self._executor_main)
-            self._supervise()
+            self.stop.supervise(self.parts.describe, self._fail)
         except KeyboardInterrupt:
             interrupted = True
         finally:
             self._halt()
             self.parts.join()
         try:  # the final state (also after Ctrl-C); not after a failure: the newest periodic checkpoint is the last good one
-            if self.checkpoints.enabled and self._failure is None and self.sink.rows and not self.checkpoints.holds(self.clock.version):
+            if self.checkpoints.enabled and self.stop.failure is None and self.sink.rows and not self.checkpoints.holds(self.clock.version):
                 self._checkpoint(self.clock.version)
         finally:
             self.parts.close()
-            self.sink.close(wait=self._failure is None and not interrupted)  # after a failure: without unfinished evaluations
+            self.sink.close(wait=self.stop.failure is None and not interrupted)  # after a failure: without unfinished evaluations
             if self.config.trace and self.sink.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
         if interrupted:
             raise KeyboardInterrupt
-        if self._failure is not None:
-            node, step, exc = self._failure
-            if isinstance(exc, NodeExecutionError):
-                raise exc
-            where = f" at step {step}" if step is not None else ""
-            raise NodeExecutionError(f"node {node!r} ({self.graph.node(node).kind}) failed{where}: {type(exc).__name__}: {exc}", node=node, step=step) from exc
+        self.stop.raise_failure(self.graph)
         return RunResult(self.sink.rows, self.clock.version, self.ledger.consumed, time.perf_counter() - self._t0, self.checkpoints.last)
 
-    def _supervise(self) -> None:
-        """Wait for the policy to finish, a failure, or a stall."""
-        while not self._done.wait(0.05) and not self._stop.is_set():
-            if time.monotonic() - self._progress_at > self.config.stall_timeout_s:
-                return self._fail("controller", None, TimeoutError(
-                    f"no executor finished a step in {self.config.stall_timeout_s:.0f} s (channels: {self.parts.describe()}); "
-                    "a program is hung or far slower than stall_timeout_s allows"
-                ))
-
     def _halt(self) -> None:
-        self._stop.set()
+        self.stop.stop()
         self.clock.stop()
         self.parts.close_channels()
 
     def _fail(self, node: str, step: int | None, exc: BaseException) -> None:
-        with self._lock:
-            if self._failure is None:
-                self._failure = (node, step, exc)
+        self.stop.fail(node, step, exc)
         self._halt()
         self.parts.abort()  # unblock threads waiting on worker processes
 
     def _executor_main(self, ex: Executor) -> None:
-        set_thread_cores(ex.cores)
-        if self.intra_op_threads is not None:  # no OpenMP team of its own (compute_threads): its group's compute thread has it
-            set_intra_op_threads(1)
         seq = None
         try:
             for seq in range(self._start, self.ledger.steps_of(ex.name, self.config.steps)):  # a continuous generator's source: more
-                if self._stop.is_set():
+                if self.stop.stopped():
                     return
                 self._step(ex, seq)
         except (ChannelClosed, ClockStopped):
@@ -165,13 +141,11 @@ class Controller:
             self._fail(ex.name, seq, exc)
 
     def _step(self, ex: Executor, seq: int) -> None:
-        t_wait, inputs = time.perf_counter(), {}
-        if ex.name in self.ledger.feeds:
-            inputs = self._read_ahead(ex, seq)
-        for ch in ex.inputs if ex.name not in self.ledger.feeds else ():
-            if (message := ch.get()).seq != seq:
-                raise RuntimeError(f"executor {ex.name!r} expected step {seq} on {ch.name}, got {message.seq}")
-            inputs.update(message.fields)
+        t_wait = time.perf_counter()
+        if ex.name in self.ledger.feeds:  # a continuous generator's prompts, read k batches ahead (PromptLedger.want)
+            inputs = self.ledger.read_ahead(ex.name, self.ledger.want(ex.name, seq - self._start), lambda: ex.inputs[0].get().fields)
+        else:
+            inputs = ex.take(seq)
         if (idle := time.perf_counter() - t_wait) > 1e-4 and ex.inputs:
             self.tracer.add(ex.name, "wait", t_wait, t_wait + idle, step=seq)
         min_version = self.gate.min_version(ex.name, seq) if self.gate.gates(ex.name) else self.graph.node(ex.name).version_needed(seq, self.gate.updates)
@@ -181,7 +155,7 @@ class Controller:
                 self.tracer.add(ex.name, "wait", t_wait + idle, t, step=seq, reason=f"weights {'>= ' if self.gate.gates(ex.name) else 'of '}v{min_version}")
 
         def run_step() -> tuple[dict[str, torch.Tensor], dict[str, Any], float, float]:
-            if self._stop.is_set():
+            if self.stop.stopped():
                 raise ChannelClosed(ex.name)
             t_step = time.perf_counter()
             outputs, info = ex.program.step(seq, inputs, min_version)
@@ -189,7 +163,7 @@ class Controller:
 
         outputs, info, t_step, t_end = ex.runner.call(run_step) if ex.runner is not None else run_step()
         self._trace_step(ex, seq, t_step, t_end, info)
-        self._progress_at = time.monotonic()
+        self.stop.progress()
         if KINDS[ex.kind].publishes_weights:
             self._on_train_step(ex, seq, inputs, info, idle)
         else:  # a generator's timings, a source's data/*, a reward model's counts: for the step's row
@@ -200,11 +174,6 @@ class Controller:
     def _trace_step(self, ex: Executor, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:
         trace_step(self.tracer, ex.name, ex.kind, seq, t0, t1, info)  # a method: tests spy on each step's info here
 
-    def _read_ahead(self, ex: Executor, seq: int) -> dict[str, torch.Tensor]:
-        """A continuous generator's prompts, read ``k`` batches ahead (``PromptLedger.want``)."""
-        (ch,) = ex.inputs
-        return self.ledger.read_ahead(ex.name, self.ledger.want(ex.name, seq - self._start), lambda: ch.get().fields)
-
     def _on_train_step(self, ex: Executor, seq: int, batch: dict[str, torch.Tensor], info: dict[str, Any], idle: float) -> None:
         versions = batch.get("token_versions")
         tokens = (int(versions.min()), int(versions.max())) if versions is not None and versions.numel() else None
@@ -213,19 +182,16 @@ class Controller:
         checkpoint = self.checkpoints.due(seq)  # every N steps (batches)
         if not checkpoint:
             self.clock.advance(version)
-        gen, source_metrics = self.sink.noted(seq, generators=self.gate.gated_by(ex.name))
-        row = step_row(
-            seq=seq, version=version, rollout_version=rollout_version, batch=batch, info=info, gen=gen, reward_weights=self.sink.reward_weights,
-            time_s=time.perf_counter() - self._t0, idle_s=idle, updates=self.gate.updates,
-        )
-        row.update(source_metrics)
-        self.sink.add(row, policy=ex.name, seq=seq, version=version, batch=batch, program=ex.program)
+        row = self.sink.add_step(
+            ex.name, seq, version=version, generators=self.gate.gated_by(ex.name), program=ex.program, rollout_version=rollout_version,
+            batch=batch, info=info, time_s=time.perf_counter() - self._t0, idle_s=idle, updates=self.gate.updates,
+        )  # fmt: skip
         self.ledger.consume(row["prompt_index"])
         if checkpoint:  # before the clock moves on: a node gated on it (a critic) has not begun the next batch
             self._checkpoint(version)
             self.clock.advance(version)
         if seq + 1 >= self.config.steps:
-            self._done.set()
+            self.stop.done()
 
     def _checkpoint(self, version: int) -> None:
         self.sink.write(wait=True)  # the metrics file covers every step the checkpoint does

@@ -16,11 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.placement.data import Placement
 from flowrl.runtime.channels import Channel
-from flowrl.runtime.compute_threads import StepRunner, group_runners
+from flowrl.runtime.compute_threads import StepRunner, group_runners, set_intra_op_threads, set_thread_cores
 from flowrl.runtime.programs import NodeProgram
 
 __all__ = ["Executor", "Executors"]
@@ -39,6 +41,15 @@ class Executor:
     cores: tuple[int, ...] = ()
     thread: threading.Thread | None = None
 
+    def take(self, seq: int) -> dict[str, torch.Tensor]:
+        """Message ``seq`` from each input channel, its fields merged (the channels are FIFOs: another seq is a bug)."""
+        inputs: dict[str, torch.Tensor] = {}
+        for ch in self.inputs:
+            if (message := ch.get()).seq != seq:
+                raise RuntimeError(f"executor {self.name!r} expected step {seq} on {ch.name}, got {message.seq}")
+            inputs.update(message.fields)
+        return inputs
+
 
 class Executors:
     """The executors of ``graph``'s nodes with ``programs`` on ``placement``, channels of ``capacity``
@@ -47,7 +58,7 @@ class Executors:
     def __init__(
         self, graph: Graph, programs: dict[str, NodeProgram], placement: Placement, *, capacity: int, intra_op_threads: int | None,
     ) -> None:  # fmt: skip
-        cores = placement.devices if placement.pin else {}
+        cores, self.intra_op_threads = (placement.devices if placement.pin else {}), intra_op_threads
         self.runners = group_runners(placement.groups(), intra_op_threads=intra_op_threads, cores=cores)
         runs_in = {n.name: graph.users(n.name)[0].name for n in graph.nodes if KINDS[n.kind].runs_on == "policy"}  # loss -> policy
         self.executors = {
@@ -67,12 +78,18 @@ class Executors:
         return {name: ex.program for name, ex in self.executors.items()}
 
     def start(self, main: Callable[[Executor], None]) -> None:
-        """Start every program, then run ``main(executor)`` on one daemon thread per executor."""
+        """Start every program, then run ``main(executor)`` on one daemon thread per executor, pinned to its cores."""
         for ex in self.executors.values():
             ex.program.start()
         for ex in self.executors.values():
-            ex.thread = threading.Thread(target=main, args=(ex,), name=f"flowrl-{ex.name}", daemon=True)
+            ex.thread = threading.Thread(target=self._thread, args=(ex, main), name=f"flowrl-{ex.name}", daemon=True)
             ex.thread.start()
+
+    def _thread(self, ex: Executor, main: Callable[[Executor], None]) -> None:
+        set_thread_cores(ex.cores)
+        if self.intra_op_threads is not None:  # no OpenMP team of its own (compute_threads): its group's compute thread has it
+            set_intra_op_threads(1)
+        main(ex)
 
     def close_channels(self) -> None:
         """Close every channel: a blocked ``get`` or ``put`` raises ``ChannelClosed``."""

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowrl.backend_traits import backend_traits
 from flowrl.errors import ConfigError, FlowrlError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
@@ -76,7 +77,7 @@ def check_backend(graph: Graph, backend: str, *, skip: Iterable[str] = ()) -> No
     Raises:
         ConfigError: naming the policy and the two fixes.
     """
-    if backend == "torchrun":
+    if backend_traits(backend).shards:
         return
     for node in fsdp_policies(graph, skip=skip):
         raise ConfigError(

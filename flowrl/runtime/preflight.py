@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.kinds import KINDS
 from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
@@ -153,12 +154,6 @@ def check_ranks_fit(
             )
 
 
-#: Backends a generator engine other than the built-in one runs under: every one (vLLM's engine is
-#: its own processes, started by the generator's process: the local backend's, a process backend's
-#: worker, or each replica's first torchrun rank).
-ENGINE_BACKENDS: tuple[str, ...] = ("local", "process", "torchrun")
-
-
 def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[str] = frozenset()) -> None:
     """Refuse, before any node is built, a generator whose engine cannot run here: not installed,
     a model it cannot load, a backend it does not run under (``flowrl.operators.engines.check_engine``).
@@ -169,15 +164,17 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
     from flowrl.operators.engines import check_engine
 
     for node in graph.nodes:
-        engine = getattr(node, "engine", "builtin")
-        if node.kind != "generator" or engine == "builtin" or node.name in skip:
+        if node.kind != "generator" or node.name in skip:
             continue
-        if backend not in ENGINE_BACKENDS:
+        engine = getattr(node, "engine", "builtin")
+        caps = ENGINE_CAPS[engine]
+        if caps.backends and backend not in caps.backends:
             raise ConfigError(
-                f"generator {node.name!r}: engine={engine!r} runs under the backends {list(ENGINE_BACKENDS)}, not "
-                f"{backend!r}; use --backend local or process, or engine='builtin'"
+                f"generator {node.name!r}: engine={engine!r} runs under the backends {list(caps.backends)}, not "
+                f"{backend!r}; use --backend {caps.backends[0]}, or engine='builtin'"
             )
-        check_engine(node, device=device)  # type: ignore[arg-type]
+        if caps.machine_check:
+            check_engine(node, device=device)  # type: ignore[arg-type]
 
 
 def check_engine_meshes(
@@ -198,7 +195,8 @@ def check_engine_meshes(
     from flowrl.runtime.backends.vllm_replicas import check_vllm_mesh
 
     for node in graph.nodes:
-        if node.kind != "generator" or getattr(node, "engine", "builtin") != "vllm" or node.name not in axes:
+        engine = getattr(node, "engine", "builtin")
+        if node.kind != "generator" or ENGINE_CAPS[engine].tensor_parallel or node.name not in axes:
             continue
         names, shape = axes[node.name]
         held = tuple(ranks[node.name]) if ranks is not None and node.name in ranks else tuple(range(math.prod(shape)))

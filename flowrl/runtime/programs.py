@@ -23,9 +23,7 @@ import torch
 
 from flowrl.errors import ConfigError, FlowrlError, NodeBuildError, TransportError
 from flowrl.graph.ir import Graph
-from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, RewardModelNode, ScorerNode, SourceNode
-from flowrl.graph.refs import resolve
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.transports.registry import create_transport, import_transport
 
@@ -37,7 +35,6 @@ __all__ = [
     "ProgramBase",
     "ProgramEnv",
     "TransportSpec",
-    "build_program",
     "build_error",
     "build_source",
     "build_generator",
@@ -491,23 +488,6 @@ class PolicyProgram(ProgramBase):
         self._published = -1
 
 
-def build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
-    """The program for node ``name``: a user factory from ``env.programs`` or the built-in one.
-
-    Raises:
-        NodeBuildError: naming the node, whatever the factory or operator raised (``__cause__``).
-    """
-    from flowrl.runtime.offload import wrap_program
-
-    try:
-        role = None if name in env.programs else env.offload.get(name)  # a user's program moves its own state
-        return wrap_program(_build_program(graph, name, env, transports), role)  # type: ignore[arg-type]
-    except NodeBuildError:
-        raise
-    except Exception as exc:
-        raise build_error(graph, name, exc) from exc
-
-
 def build_error(graph: Graph, name: str, exc: BaseException) -> NodeBuildError:
     """A one-paragraph ``NodeBuildError`` for ``exc`` raised while building node ``name``'s program,
     naming the innermost frame it came from (the user's factory or the operator that refused)."""
@@ -518,18 +498,7 @@ def build_error(graph: Graph, name: str, exc: BaseException) -> NodeBuildError:
     return NodeBuildError(f"node {name!r} ({kind}): building its program failed: {what}{where}", node=name)
 
 
-def _build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
-    node: Node = graph.node(name)
-    if name in env.programs:
-        factory: Callable[..., NodeProgram] = resolve(env.programs[name])
-        return factory(node, graph, env, transports)
-    builder = KINDS[node.kind].program if node.kind in KINDS else ""
-    if not builder:
-        raise ConfigError(f"node {name!r} of kind {node.kind!r} has no program (loss nodes run inside their policy)")
-    return resolve(builder)(node, graph, env, transports)
-
-
-# -- one builder per kind (``flowrl.graph.kinds.KINDS[kind].program``) ---------------------------------
+# -- one builder per kind (``flowrl.runtime.program_table.PROGRAMS[kind]``) ---------------------------------
 def build_source(node: SourceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
     """A source's program: yields prompt batches."""
     return SourceProgram(node, graph)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.errors import NodeExecutionError
 from flowrl.graph.kinds import KINDS
 from flowrl.runtime.evaluation import Evaluator, merge_eval
-from flowrl.runtime.metrics import MetricsWriter
+from flowrl.runtime.metrics import MetricsWriter, step_row
 from flowrl.runtime.samples import SampleLogger
 
 if TYPE_CHECKING:
@@ -103,6 +103,16 @@ class RowSink:
             for g in generators:
                 gen = self._gen_info.pop((g, seq), gen)
             return gen, self._source_info.pop(seq, {})
+
+    def add_step(self, policy: str, seq: int, *, version: int, generators: list[str], program: NodeProgram, **measured: Any) -> Row:
+        """Build and ``add`` step ``seq``'s row: ``measured`` (the batch, the trainer's info, its
+        ``rollout_version``, ``time_s``, ``idle_s``, ``updates``) with what ``generators`` and the
+        other nodes noted for it (``metrics.step_row``); the row."""
+        gen, source_metrics = self.noted(seq, generators=generators)
+        row = step_row(seq=seq, version=version, gen=gen, reward_weights=self.reward_weights, **measured)
+        row.update(source_metrics)
+        self.add(row, policy=policy, seq=seq, version=version, batch=measured["batch"], program=program)
+        return row
 
     def add(self, row: Row, *, policy: str, seq: int, version: int, batch: dict[str, torch.Tensor], program: NodeProgram) -> None:
         """Take step ``seq``'s row from ``policy`` at ``version`` (its ``batch`` for samples, its ``program`` to evaluate)."""

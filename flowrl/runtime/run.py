@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import overload
 
+from flowrl.backend_traits import backend_traits
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.placement.data import Placement
@@ -90,7 +91,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     device = resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
     check_backend(graph, backend.name, skip=config.programs)  # sharding="fsdp" runs under torchrun only
-    if backend.name != "torchrun":  # under torchrun each rank checks its share (preflight.check_ranks_fit)
+    if not backend_traits(backend.name).ranks:  # under torchrun each rank checks its share (preflight.check_ranks_fit)
         check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
     check_packing_families(graph, skip=frozenset(config.programs))  # packing=True with a family that cannot pack
@@ -103,7 +104,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         from flowrl.runtime.offload import offload_roles
         from flowrl.runtime.placement import run_placement
 
-        if backend.name == "torchrun":  # its ranks hold the default placement of the job's world: refused or said without it
+        if backend_traits(backend.name).ranks:  # its ranks hold the default placement of the job's world: refused or said without it
             offload_roles(graph, placement or Placement(nodes={}), config.offload, device=device, backend=backend.name)
         else:
             offload_roles(graph, run_placement(graph, placement, config), config.offload, device=device, backend=backend.name)

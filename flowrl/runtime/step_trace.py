@@ -17,7 +17,7 @@ from flowrl.trace import Tracer
 __all__ = ["SPAN_NAMES", "trace_step"]
 
 #: The span each node kind's program step is recorded as in the trace (``flowrl.graph.kinds``).
-SPAN_NAMES = {kind: spec.span for kind, spec in KINDS.items() if spec.program}
+SPAN_NAMES = {kind: spec.span for kind, spec in KINDS.items() if spec.runs_on != "policy"}
 
 
 def trace_step(tracer: Tracer, node: str, kind: str, seq: int, t0: float, t1: float, info: dict[str, Any]) -> None:

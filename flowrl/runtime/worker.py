@@ -27,7 +27,8 @@ import torch
 
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.serialize import from_json
-from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
+from flowrl.runtime.program_table import build_program
+from flowrl.runtime.programs import ProgramEnv, SharedTransports
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = ["serve", "run_worker", "die_with_parent"]

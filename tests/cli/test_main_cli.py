@@ -141,3 +141,14 @@ def test_closed_stdout_ends_quietly(argv):
         os.close(write)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.returncode == 141
+
+
+def test_run_choices_are_the_capability_tables_keys() -> None:
+    """``flowrl run --engine`` offers the engines of ``graph.engines.ENGINE_CAPS``, ``--backend`` the registered backends."""
+    from flowrl.graph.engines import ENGINE_CAPS
+    from flowrl.runtime.backends.base import backend_names
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    run = {a.dest: a for a in sub.choices["run"]._actions}
+    assert tuple(run["engine"].choices) == tuple(ENGINE_CAPS)
+    assert list(run["backend"].choices) == backend_names()

@@ -1,4 +1,4 @@
-"""A device kind written the way ARCHITECTURE.md says to add one: this module plus one table entry.
+"""A device kind written the way ARCHITECTURE.md says to add one: this module plus one entry in each table.
 
 Like ``kind_module.py`` (a CPU kind), it imports only ``flowrl.graph`` at the top and the runtime,
 operators and planner where they are used. ``likelihood`` runs on devices of its own on the trainer's
@@ -7,7 +7,7 @@ with its mean log-probability under that model. Its planner role (``likelihood_r
 search its model's shape; being trainer-side and publishing no weights, it is costed as a forward
 pass over every sequence (a kind with other costs says so in its ``NodeRole``: see
 ``flowrl.planners.roles.reward_model_role``).
-``tests/graph/test_kinds.py`` adds ``ENTRY`` to the kinds table in a fresh interpreter and plans,
+``tests/graph/test_kinds.py`` adds ``ENTRY`` to the kinds table (its program and role to theirs) in a fresh interpreter and plans,
 reports and runs a graph that uses it.
 """
 
@@ -62,13 +62,5 @@ def likelihood_role(node, graph, ctx, model):
     return NodeRole(model=model or model_from_config(node.model))
 
 
-ENTRY = KindSpec(
-    node="tests.graph.device_kind_module:LikelihoodNode",
-    program="tests.graph.device_kind_module:build_likelihood",
-    estimator="flowrl.planners.estimate.train:estimate_train",
-    runs_on="devices",
-    side="trainer",
-    plan_role="tests.graph.device_kind_module:likelihood_role",
-    span="likelihood",
-    style=KINDS["reference"].style,
-)
+
+ENTRY = KindSpec(node="tests.graph.device_kind_module:LikelihoodNode", runs_on="devices", side="trainer", span="likelihood", style=KINDS["reference"].style)

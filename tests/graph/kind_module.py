@@ -1,10 +1,10 @@
-"""A node kind written the way ARCHITECTURE.md says to add one: this module plus one table entry.
+"""A node kind written the way ARCHITECTURE.md says to add one: this module plus one entry in each table.
 
 Like the built-in kinds, it imports only ``flowrl.graph`` at the top and the runtime and planner
 where they are used: the kinds table is read while ``flowrl.graph.nodes`` is still loading.
 
 ``length_bonus`` is a CPU kind: it reads each completion's length and writes a reward field that
-favours short completions. ``tests/graph/test_kinds.py`` adds ``ENTRY`` to the kinds table in a
+favours short completions. ``tests/graph/test_kinds.py`` adds ``ENTRY`` to the kinds table (its program and estimator to theirs) in a
 fresh interpreter and runs a graph that uses it through every part of flowrl.
 """
 
@@ -52,11 +52,5 @@ def estimate_length_bonus(kind, ctx):
     return NodeEstimate(time_s=time, memory=MemoryBreakdown(), breakdown={"cpu": time})
 
 
-ENTRY = KindSpec(
-    node="tests.graph.kind_module:LengthBonusNode",
-    program="tests.graph.kind_module:build_length_bonus",
-    estimator="tests.graph.kind_module:estimate_length_bonus",
-    runs_on="cpu",
-    span="length_bonus",
-    style=KINDS["scorer"].style,
-)
+
+ENTRY = KindSpec(node="tests.graph.kind_module:LengthBonusNode", runs_on="cpu", span="length_bonus", style=KINDS["scorer"].style)

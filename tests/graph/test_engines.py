@@ -63,3 +63,25 @@ def test_an_unknown_engine_in_a_graph_file_is_an_error():
     assert '"sglang"' in text
     with pytest.raises(GraphError, match="sglang"):
         from_json(text)
+
+
+def test_every_table_of_engines_has_the_same_names():
+    """The capability table, the node field's type (what graph files decode) and the operators' classes."""
+    from typing import get_args
+
+    from flowrl.graph.engines import ENGINE_CAPS, Engine
+    from flowrl.operators.engines import ENGINES
+
+    assert get_args(Engine) == tuple(ENGINE_CAPS) == tuple(ENGINES)
+
+
+def test_what_an_engine_refuses_comes_from_its_capabilities(monkeypatch):
+    """An engine's row, not its name: a row that takes built-in models lets a ``ModelConfig`` through."""
+    import msgspec
+
+    from flowrl.graph import engines
+
+    with pytest.raises(ConfigError, match=r"engine='vllm' needs a Hugging Face model"):
+        GeneratorNode(name="gen", model=ModelConfig(), engine="vllm")
+    monkeypatch.setitem(engines.ENGINE_CAPS, "vllm", msgspec.structs.replace(engines.ENGINE_CAPS["vllm"], builtin_models=True))
+    assert GeneratorNode(name="gen", model=ModelConfig(), engine="vllm").engine == "vllm"

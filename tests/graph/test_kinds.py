@@ -1,4 +1,5 @@
-"""The kinds table (``flowrl.graph.kinds``): every kind has every part, and every part reads the table."""
+"""The kinds table (``flowrl.graph.kinds``) and each layer's table keyed by kind: every kind has every
+part, and every part reads its table."""
 
 from __future__ import annotations
 
@@ -20,21 +21,24 @@ def test_every_part_of_a_kind_exists(kind):
     spec = KINDS[kind]
     node = resolve(spec.node)
     assert node.__struct_config__.tag == kind, f"{spec.node} is not the node struct of kind {kind!r}"
-    assert callable(resolve(spec.estimator))
-    if spec.runs_on == "policy":
-        assert spec.program == "", "a kind that runs inside its policy has no program of its own"
-    else:
-        assert callable(resolve(spec.program))
-    if spec.rank_program:
-        assert spec.runs_on == "devices" and callable(resolve(spec.rank_program))
-    if spec.runs_on == "devices":
-        assert callable(resolve(spec.plan_role)), "a device kind names its planner role (flowrl.planners.roles)"
-    else:
-        assert spec.plan_role == "", "only a device kind has a planner role"
     assert spec.span and KIND_STYLES[kind] is spec.style
 
 
-@pytest.mark.parametrize("kind", [k for k in NODE_KINDS if KINDS[k].program])
+def test_every_layer_table_has_every_kind():
+    """The runtime's programs, the planner's roles and estimators: one entry per kind that needs one, and no other."""
+    from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
+    from flowrl.runtime.backends.rank_programs import RANK_PROGRAMS
+    from flowrl.runtime.program_table import PROGRAMS
+
+    on = {where: {k for k, s in KINDS.items() if s.runs_on == where} for where in ("devices", "cpu", "policy")}
+    assert set(PROGRAMS) == on["devices"] | on["cpu"], "a kind that runs inside its policy has no program of its own; every other kind has one"
+    assert set(PLAN_ROLES) == on["devices"], "a device kind has a planner role (flowrl.planners.roles); no other kind does"
+    assert set(ESTIMATORS) == on["cpu"] | on["policy"], "a kind beside the devices or inside its policy has an estimator"
+    assert set(RANK_PROGRAMS) <= on["devices"]
+    assert all(callable(f) for table in (PROGRAMS, PLAN_ROLES, ESTIMATORS, RANK_PROGRAMS) for f in table.values())
+
+
+@pytest.mark.parametrize("kind", [k for k in NODE_KINDS if KINDS[k].runs_on != "policy"])
 def test_measured_and_predicted_spans_share_the_table_names(kind):
     from flowrl.planners.schedule import _WHAT
     from flowrl.runtime.controller import SPAN_NAMES
@@ -43,14 +47,12 @@ def test_measured_and_predicted_spans_share_the_table_names(kind):
 
 
 def test_programs_are_built_through_the_table(monkeypatch):
-    """A kind's program comes from its table entry: pointing the entry elsewhere changes what is built."""
-    import msgspec
-
+    """A kind's program comes from its entry in the runtime's table: pointing the entry elsewhere changes what is built."""
     from flowrl.examples.llamarl import build_llamarl
-    from flowrl.graph import kinds
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
+    from flowrl.runtime.program_table import PROGRAMS, build_program
+    from flowrl.runtime.programs import ProgramEnv, SharedTransports
 
-    monkeypatch.setitem(kinds.KINDS, "scorer", msgspec.structs.replace(KINDS["scorer"], program="tests.graph.test_kinds:_fake_program"))
+    monkeypatch.setitem(PROGRAMS, "scorer", _fake_program)
     graph = build_llamarl()
     program = build_program(graph, "reward", ProgramEnv(), SharedTransports(()))
     assert program == ("fake", "reward")
@@ -61,7 +63,9 @@ def _fake_program(node, graph, env, transports):
 
 
 #: What both scripts below start with: ``flowrl/graph/kinds.py`` loaded before ``flowrl.graph``, so
-#: the entry the script adds is there as if written in the file.
+#: the entry the script adds is there as if written in the file (the ``Node`` union graph files
+#: decode into is built when ``flowrl.graph.nodes`` loads). The runtime's and the planner's tables
+#: take their entries after it.
 _LOAD_THE_TABLE = '''
 import importlib.util, json, sys
 
@@ -90,10 +94,15 @@ def _run_with_entry(script: str) -> dict:
 
 _ADD_A_KIND = '''
 kinds.KINDS["length_bonus"] = kinds.KindSpec(
-    node="tests.graph.kind_module:LengthBonusNode", program="tests.graph.kind_module:build_length_bonus",
-    estimator="tests.graph.kind_module:estimate_length_bonus", runs_on="cpu", span="length_bonus",
-    style=kinds.KINDS["scorer"].style,
+    node="tests.graph.kind_module:LengthBonusNode", runs_on="cpu", span="length_bonus", style=kinds.KINDS["scorer"].style,
 )
+
+from flowrl.planners.kind_table import ESTIMATORS
+from flowrl.runtime.program_table import PROGRAMS
+from tests.graph.kind_module import build_length_bonus, estimate_length_bonus
+
+PROGRAMS["length_bonus"] = build_length_bonus
+ESTIMATORS["length_bonus"] = estimate_length_bonus
 
 import flowrl
 from flowrl.examples.llamarl import DEFAULT_MODEL
@@ -127,7 +136,8 @@ print(json.dumps({
 
 
 def test_a_kind_is_one_module_and_one_entry():
-    """``tests/graph/kind_module.py`` plus one table entry: graph files, pictures, the planner and a run take it."""
+    """``tests/graph/kind_module.py`` plus one entry in each table (the kinds, the runtime's programs, the
+    planner's estimators): graph files, pictures, the planner and a run take it."""
     out = _run_with_entry(_ADD_A_KIND)
     assert out["round_trip"], "a graph with the new kind does not survive to_json/from_json"
     assert "bonus = length_bonus(max_len=5) <- gen[completion_lens]" in out["printed"]
@@ -165,10 +175,16 @@ def test_roles_are_table_fields():
 
 _ADD_A_DEVICE_KIND = '''
 kinds.KINDS["likelihood"] = kinds.KindSpec(
-    node="tests.graph.device_kind_module:LikelihoodNode", program="tests.graph.device_kind_module:build_likelihood",
-    estimator="flowrl.planners.estimate.train:estimate_train", runs_on="devices", side="trainer",
-    plan_role="tests.graph.device_kind_module:likelihood_role", span="likelihood", style=kinds.KINDS["reference"].style,
+    node="tests.graph.device_kind_module:LikelihoodNode", runs_on="devices", side="trainer", span="likelihood",
+    style=kinds.KINDS["reference"].style,
 )
+
+from flowrl.planners.kind_table import PLAN_ROLES
+from flowrl.runtime.program_table import PROGRAMS
+from tests.graph.device_kind_module import build_likelihood, likelihood_role
+
+PROGRAMS["likelihood"] = build_likelihood
+PLAN_ROLES["likelihood"] = likelihood_role
 
 from flowrl.examples.llamarl import DEFAULT_MODEL
 from flowrl.graph.builder import GraphBuilder
@@ -214,7 +230,8 @@ print(json.dumps({
 
 
 def test_a_device_kind_is_one_module_and_one_entry():
-    """``tests/graph/device_kind_module.py`` plus one table entry: a kind on devices of its own is
+    """``tests/graph/device_kind_module.py`` plus one entry in each table (the kinds, the runtime's
+    programs, the planner's roles): a kind on devices of its own is
     placed on its side, costed by the planner's search with the role its module gives, reported and run."""
     import re
 
@@ -237,18 +254,18 @@ def _drafter_role(node, graph, ctx, model):
 
 
 def test_a_generator_side_kind_is_costed_as_generation(monkeypatch):
-    """The search costs a device kind by its table entry's side and its plan_role, with no branch of its own:
+    """The search costs a device kind by its table entry's side and its planner role, with no branch of its own:
     the reference of ``llamarl_ref`` re-registered as a generator-side kind is priced as generation."""
     import msgspec
 
     from flowrl.examples import build_example
     from flowrl.graph import kinds
     from flowrl.modelspec import model_preset
+    from flowrl.planners.kind_table import PLAN_ROLES
     from flowrl.planners.plan import plan_graph
 
-    monkeypatch.setitem(
-        kinds.KINDS, "reference", msgspec.structs.replace(KINDS["reference"], side="generator", plan_role="tests.graph.test_kinds:_drafter_role")
-    )
+    monkeypatch.setitem(kinds.KINDS, "reference", msgspec.structs.replace(KINDS["reference"], side="generator"))
+    monkeypatch.setitem(PLAN_ROLES, "reference", _drafter_role)
     plan = plan_graph(build_example("llamarl_ref"), "16xH100", model=model_preset("llama3-8b"), strategy="disaggregated")
     gen, ref, policy = (plan.placements[n] for n in ("gen", "ref", "policy"))
     assert {"builtin engine", "bfloat16 weights"} <= set(ref.notes), ref.notes  # estimate_generate's notes, its role's dtype
@@ -256,13 +273,11 @@ def test_a_generator_side_kind_is_costed_as_generation(monkeypatch):
 
 
 def test_a_device_kind_without_a_plan_role_is_refused_by_the_planner(monkeypatch):
-    import msgspec
-
     from flowrl.errors import PlanError
     from flowrl.examples import build_example
-    from flowrl.graph import kinds
+    from flowrl.planners.kind_table import PLAN_ROLES
     from flowrl.planners.plan import plan_graph
 
-    monkeypatch.setitem(kinds.KINDS, "reference", msgspec.structs.replace(KINDS["reference"], plan_role=""))
-    with pytest.raises(PlanError, match=r"node 'ref': kind 'reference' runs on devices but its KindSpec names no plan_role"):
+    monkeypatch.delitem(PLAN_ROLES, "reference")
+    with pytest.raises(PlanError, match=r"node 'ref': kind 'reference' runs on devices but has no planner role; add its .* to flowrl.planners.kind_table.PLAN_ROLES"):
         plan_graph(build_example("llamarl_ref"), "cpu:2")

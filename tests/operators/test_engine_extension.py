@@ -1,5 +1,5 @@
 """The extension table's generator-engine row: a class with the ``GeneratorEngine`` interface and
-its entries in ``graph.engines.ENGINE_NAMES`` (the node's setting checks) and ``operators.engines.ENGINES``
+its entries in ``graph.engines.ENGINE_CAPS`` (what it accepts: the node's setting checks) and ``operators.engines.ENGINES``
 (class and machine check) is all the runtime needs. The third file of the row, the ``Engine``
 literal's name (what graph files decode) and a planner branch when it costs differently, is not
 exercised here: this run never writes the graph to JSON."""
@@ -22,7 +22,7 @@ def test_an_engine_in_the_two_tables_runs_a_graph(monkeypatch):
     from flowrl.runtime.run import run_graph
     from tests.operators import engine_module
 
-    monkeypatch.setattr(names, "ENGINE_NAMES", (*names.ENGINE_NAMES, "counting"))
+    monkeypatch.setitem(names.ENGINE_CAPS, "counting", names.EngineCaps(builtin_models=True))
     monkeypatch.setitem(table.ENGINES, "counting", table.EngineSpec(
         generator="tests.operators.engine_module:CountingEngine", check="tests.operators.engine_module:check"))
     graph = build_example("llamarl")

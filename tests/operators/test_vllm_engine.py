@@ -379,7 +379,7 @@ def test_a_run_refuses_a_vllm_generator_before_building_any_node(tmp_path, monke
     from flowrl.runtime.run import run_graph
 
     built: list[str] = []
-    monkeypatch.setattr("flowrl.runtime.programs._build_program", lambda graph, name, *a: built.append(name))
+    monkeypatch.setattr("flowrl.runtime.program_table._build_program", lambda graph, name, *a: built.append(name))
     monkeypatch.setitem(sys.modules, "vllm", None)
     graph = build_hf_copy(model_dir=hf_copy_vllm_dir, engine="vllm")
     with pytest.raises(ConfigError, match="needs vLLM"):

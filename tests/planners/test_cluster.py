@@ -104,3 +104,26 @@ def test_cpu_cluster_default_uses_every_core():
     assert cpu_cluster().n_devices >= 1
     with pytest.raises(PlanError, match="hosts=0"):
         ClusterSpec(name="x", hosts=0, devices_per_host=1, device=DEVICE_PRESETS["H100"])
+
+
+def test_every_device_kind_has_its_traits():
+    """``DeviceSpec.kind``'s values are the keys of ``DEVICE_TRAITS``, which the estimates, a plan's placement
+    and the machine check read instead of a kind's name; every preset's kind is one."""
+    from typing import get_args, get_type_hints
+
+    from flowrl.planners.cluster import DEVICE_PRESETS, DEVICE_TRAITS, DeviceSpec
+
+    assert get_args(get_type_hints(DeviceSpec)["kind"]) == tuple(DEVICE_TRAITS)
+    assert {d.kind for d in DEVICE_PRESETS.values()} <= set(DEVICE_TRAITS)
+    assert [k for k, t in DEVICE_TRAITS.items() if t.pinned] == ["cpu"] and [k for k, t in DEVICE_TRAITS.items() if t.cuda] == ["gpu"]
+
+
+def test_a_plan_pins_by_its_device_kind(monkeypatch):
+    from flowrl.examples import build_example
+    from flowrl.planners import cluster
+    from flowrl.planners.plan import plan_graph
+
+    plan = plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated")
+    assert plan.placement().pin
+    monkeypatch.setitem(cluster.DEVICE_TRAITS, "cpu", cluster.DeviceKind(label="CPU", pinned=False))
+    assert not plan.placement().pin

@@ -35,6 +35,32 @@ def test_builtins_implement_the_protocol(name):
     assert isinstance(backend, Backend) and backend.name == name and isinstance(backend.crosses_processes, bool)
 
 
+def test_every_builtin_has_its_traits_row():
+    """The runtime's table (name -> class) and the traits table (``flowrl.backend_traits.BACKENDS``) list the same
+    names, and a class's ``crosses_processes`` is its row's."""
+    from flowrl.backend_traits import BACKENDS
+
+    assert set(BUILTIN_BACKENDS) == set(BACKENDS)
+    for name in BUILTIN_BACKENDS:
+        assert create_backend(name).crosses_processes == BACKENDS[name].crosses_processes
+
+
+def test_what_a_backend_allows_comes_from_its_traits(monkeypatch):
+    """FSDP and offloading are refused by a backend's traits, not its name: a user backend declaring ``shards`` takes FSDP."""
+    from flowrl import backend_traits
+    from flowrl.runtime.fsdp import check_backend
+    from flowrl.runtime.offload import offload_roles
+    from tests.runtime.test_fsdp import fsdp_graph
+
+    graph = fsdp_graph()
+    with pytest.raises(ConfigError, match=r"sharding='fsdp'.*'mine' backend runs it in one process"):
+        check_backend(graph, "mine")
+    monkeypatch.setitem(backend_traits._DECLARED, "mine", backend_traits.BackendTraits(crosses_processes=True, shards=True))
+    check_backend(graph, "mine")
+    with pytest.raises(ConfigError, match=r"offload='on' runs on the local and process backends; under torchrun run with --offload off"):
+        offload_roles(graph, Placement(nodes={}), "on", backend="torchrun")
+
+
 def test_run_graph_dispatches_through_the_registry(monkeypatch):
     from flowrl.runtime.backends import base
 

@@ -166,7 +166,8 @@ def test_exactly_once_across_two_resumes_in_a_row(tmp_path, monkeypatch):
 def _in_flight_program(tmp_path):
     """Node ``gen`` of an in-flight continuous graph as its program, over an inprocess edge whose
     writer this test holds; the policy's initial weights (version 0) published."""
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
+    from flowrl.runtime.program_table import build_program
+    from flowrl.runtime.programs import ProgramEnv, SharedTransports
     from flowrl.runtime.weight_edges import transport_specs
 
     graph = _graph(k=2, in_flight=True)

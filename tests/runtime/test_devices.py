@@ -18,7 +18,8 @@ from flowrl.examples import build_example
 from flowrl.placement import NodeMesh, Placement
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.placement import node_devices, resolve_device, run_placement
-from flowrl.runtime.programs import ProgramEnv, SharedTransports, build_program
+from flowrl.runtime.program_table import build_program
+from flowrl.runtime.programs import ProgramEnv, SharedTransports
 from flowrl.runtime.run import run_graph
 from flowrl.runtime.synthetic import synthetic_program, synthetic_programs
 from tests.tolerances import graph_logprob_atol, ratio_atol

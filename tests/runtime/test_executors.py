@@ -72,3 +72,35 @@ def test_start_join_abort_and_close_reach_every_program():
     assert [line for line in log if line.startswith("close")] == [f"close {n}" for n in parts.executors]
     assert [line for line in log if line.startswith("abort")] == [f"abort {n}" for n in parts.executors]
     parts.close_runners()
+
+
+def test_take_merges_message_seq_from_every_input_and_refuses_another_seq():
+    import torch
+
+    from flowrl.runtime.channels import Message
+
+    _graph, parts, _ = _executors()
+    policy = parts.executors["policy"]
+    for i, ch in enumerate(policy.inputs):
+        ch.put(Message(0, {f"field{i}": torch.tensor(i)}))
+    assert sorted(policy.take(0)) == [f"field{i}" for i in range(len(policy.inputs))]
+    policy.inputs[0].put(Message(2, {}))
+    with pytest.raises(RuntimeError, match=r"executor 'policy' expected step 1 on .*, got 2"):
+        policy.take(1)
+
+
+def test_each_thread_is_pinned_before_main_runs(monkeypatch):
+    """Pinned to its cores and, with a compute thread per group (intra_op_threads), one torch thread of its own."""
+    from flowrl.runtime import executors
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(executors, "set_thread_cores", lambda cores: calls.append(("cores", threading.current_thread().name, cores)))
+    monkeypatch.setattr(executors, "set_intra_op_threads", lambda n: calls.append(("threads", threading.current_thread().name, n)))
+    _graph, parts, _ = _executors()
+    parts.intra_op_threads = 2
+    parts.start(lambda ex: calls.append(("main", threading.current_thread().name, ex.name)))
+    parts.join(5.0)
+    for name in parts.executors:
+        mine = [c[0] for c in calls if c[1] == f"flowrl-{name}"]
+        assert mine == ["cores", "threads", "main"], (name, mine)
+    parts.close_runners()

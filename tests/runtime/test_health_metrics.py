@@ -51,7 +51,9 @@ def _spied_run(monkeypatch, graph: Graph, config: RunConfig):
     """Run ``graph``; also return every program step's ``(kind, info)`` and each row with its batch."""
     infos: list[tuple[str, dict]] = []
     rows: list[tuple[dict, dict]] = []
-    trace_step, step_row = controller_module.Controller._trace_step, controller_module.step_row
+    from flowrl.runtime import row_sink
+
+    trace_step, step_row = controller_module.Controller._trace_step, row_sink.step_row
 
     def spy_trace(self, ex, seq, t0, t1, info):
         infos.append((ex.kind, dict(info)))
@@ -63,7 +65,7 @@ def _spied_run(monkeypatch, graph: Graph, config: RunConfig):
         return row
 
     monkeypatch.setattr(controller_module.Controller, "_trace_step", spy_trace)
-    monkeypatch.setattr(controller_module, "step_row", spy_row)
+    monkeypatch.setattr(row_sink, "step_row", spy_row)  # the row sink builds each step's row
     return run_graph(graph, config), infos, rows
 
 

@@ -105,3 +105,21 @@ def test_notes_reach_the_row_of_their_step_once(tmp_path):
     assert gen == {"gen_s": 0.5, "version": 2} and metrics == {"data/epoch": 1, "judge/unparsed/judge": 2}
     assert sink.noted(3, generators=["gen"]) == ({}, {})  # taken once
     assert sink.noted(4, generators=["other", "gen"]) == ({"gen_s": 0.25}, {})
+
+
+def test_add_step_builds_the_row_from_the_noted_infos(tmp_path):
+    """A step's row: the trainer's batch and info, the last gated generator's notes, the other nodes' namespaced metrics."""
+    import torch
+
+    sink, written, _, _, policy = _sink(tmp_path)
+    sink.note("gen", 0, {"gen_s": 0.5, "fetch_s": 0.1}, generator=True)
+    sink.note("prompts", 0, {"data/epoch": 1, "plain": 3}, generator=False)
+    batch = {"rewards": torch.tensor([1.0, 0.0]), "prompt_index": torch.tensor([4, 4]), "rollout_version": torch.tensor(0),
+             "completion_lens": torch.tensor([3, 5]), "completion_mask": torch.ones(2, 5)}  # fmt: skip
+    row = sink.add_step(policy, 0, version=1, generators=["gen"], program=None, rollout_version=0, batch=batch,
+                        info={"loss": 0.25, "train_s": 0.2}, time_s=1.0, idle_s=0.0, updates=1)  # fmt: skip
+    assert written == [row] and row["step"] == 1 and row["policy_version"] == 1
+    assert row["data/epoch"] == 1 and "plain" not in row, "another node's namespaced keys only"
+    assert row["gen_s"] == 0.5, "the generator's info"
+    assert sink.noted(0, generators=["gen"]) == ({}, {}), "the notes are taken"
+    sink.close(wait=True)

@@ -1,6 +1,6 @@
 """A critic under the torchrun backend (issue 35): it runs on its mesh's lead rank, as in one process.
 
-A critic has no rank program (``KINDS["critic"].rank_program`` is empty): on a mesh of several ranks
+A critic has no rank program (no entry in ``rank_programs.RANK_PROGRAMS``): on a mesh of several ranks
 its lead runs the ordinary ``CriticProgram`` and the others idle (``rank_programs.rank_program``), so
 its values and training are the one-process ones whatever its placement. By default: that choice,
 checked in process. ``--runslow`` (a torchrun job is ~20 s on 2 cores): ``llamarl_ppo`` under torchrun

@@ -90,7 +90,7 @@ def test_an_engine_that_records_another_truncation_than_it_samples_with_is_refus
     from flowrl.graph import engines as names
     from flowrl.operators import engines as table
 
-    monkeypatch.setattr(names, "ENGINE_NAMES", (*names.ENGINE_NAMES, "forgetful"))
+    monkeypatch.setitem(names.ENGINE_CAPS, "forgetful", names.EngineCaps(builtin_models=False))
     monkeypatch.setitem(table.ENGINES, "forgetful", table.EngineSpec(generator=f"{__name__}:ForgetfulEngine"))
     graph = _graph(model_dir, "forgetful", top_p=0.8)
     with pytest.raises(FlowrlError) as err:

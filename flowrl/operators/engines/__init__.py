@@ -6,7 +6,7 @@ weights into ``weight_targets()`` and sets ``version`` (which makes the engine u
 ``generate(prompts)``, which returns the rollout (``flowrl.graph.fields.ROLLOUT_FIELDS``, built by
 ``flowrl.operators.generation.rollout_batch``), and ``close()`` at the end of the run.
 
-``ENGINES`` holds one ``EngineSpec`` per name of ``flowrl.graph.engines.ENGINE_NAMES``:
+``ENGINES`` holds one ``EngineSpec`` per engine of ``flowrl.graph.engines.ENGINE_CAPS``:
 
 - ``builtin``: ``flowrl.operators.generation.Generator`` (and the slot batcher for continuous batching);
   its multi-turn episodes: ``flowrl.operators.multiturn.MultiTurnGenerator``;

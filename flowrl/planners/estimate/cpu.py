@@ -1,6 +1,6 @@
 """Nodes that run on the CPU beside the devices (not on a mesh): sources and rule scorers; and losses,
-which cost nothing of their own. One estimator per kind, each named by its kind's entry in the kinds
-table (``KindSpec.estimator``) and called as ``estimator(kind, ctx)``:
+which cost nothing of their own. One estimator per kind, each in the planner's kind table
+(``flowrl.planners.kind_table.ESTIMATORS``) and called as ``estimator(kind, ctx)``:
 
     source = prompts_per_step * source_s_per_prompt
     scorer = prompts_per_step * samples_per_prompt * scorer_s_per_sample

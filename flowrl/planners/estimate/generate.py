@@ -89,6 +89,7 @@ from flowrl.planners.estimate.common import (
     precision_bytes,
     send_s,
 )
+from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.estimate.train import memory_budget
 from flowrl.planners.lengths import LengthDistribution, decode_steps, steady_decode_steps
 from flowrl.modelspec import ModelSpec
@@ -112,7 +113,7 @@ def _rate(dtype: str, ctx: Context, width: int, pass_kind: str, mfu: float) -> t
         return measured, True
     if dtype == "float8" and dev.peak_flops_8bit > 0:
         return dev.peak_flops_8bit * mfu, False
-    if dtype == "float32" and dev.kind == "gpu":
+    if dtype == "float32" and DEVICE_TRAITS[dev.kind].tensor_cores:
         return dev.peak_flops / 2 * mfu, False  # TF32 tensor cores run at half the bf16 rate
     return dev.peak_flops * mfu, False
 
@@ -153,8 +154,8 @@ def estimate_generate(
     dev = c.device
     dp, tp, pp = dims.dp, dims.tp, dims.pp
     wb = precision_bytes(precision)
-    kvb = t.kv_bytes or (2 if dev.kind == "gpu" else wb)
-    ab = 2 if dev.kind == "gpu" else dev.dtype_bytes
+    kvb = t.kv_bytes or (2 if DEVICE_TRAITS[dev.kind].tensor_cores else wb)
+    ab = 2 if DEVICE_TRAITS[dev.kind].tensor_cores else dev.dtype_bytes
     h, L, V = model.dim, model.n_layers, model.vocab_size
     layers = stage_layers(L, pp)  # the largest stage: its memory must fit (stages may be uneven)
     replicas = 1 if dev.cpu.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
@@ -211,7 +212,7 @@ def estimate_generate(
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
     step_overhead = 0.0 if vllm else dev.cpu.decode_step_overhead_s  # flowrl's Python sampling loop
     token += step_overhead
-    if vllm and dev.kind == "cpu":
+    if vllm and not DEVICE_TRAITS[dev.kind].cuda:  # vLLM's CPU build
         token /= t.vllm_cpu_decode_speedup
     prefill /= speedup
     token /= speedup
@@ -236,7 +237,7 @@ def estimate_generate(
         breakdown["env"] = w.env_s  # waiting on environments (multi-turn rollouts): a generator-side delay
     mode = "continuous stream, a re-prefill per update" if stream else "continuous within a call" if vllm else "continuous" if continuous else "lock-step"
     notes = (f"{engine} engine", f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
-    cross_step = t.cross_step_slots if t.cross_step_slots is not None else dev.kind == "gpu"
+    cross_step = t.cross_step_slots if t.cross_step_slots is not None else DEVICE_TRAITS[dev.kind].cross_step_slots
     cross_step = cross_step and (stream or not vllm)  # vLLM called per batch: weights change between calls, each waits for its longest
     steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None
     if steady is not None:

@@ -46,6 +46,8 @@ from functools import lru_cache
 
 import msgspec
 
+from flowrl.graph.engines import ENGINE_CAPS
+from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
@@ -237,7 +239,7 @@ def estimate_sync(
     if traits is not None and traits.cost == "file":
         time = total * (1 + dst_dims.dp) / t.file_bandwidth
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="file system write + one read per replica")
-    if dev.kind == "cpu" and traits is not None and traits.cost == "memory":
+    if DEVICE_TRAITS[dev.kind].pinned and traits is not None and traits.cost == "memory":
         copies = traits.memory_copies
         time = copies * total / mem_bw
         # on CPU the runtime runs a node as one process with an intra-op thread per core: one copy
@@ -272,7 +274,7 @@ def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transpo
     """``est`` plus the hop into a vLLM generator's workers (module docstring); ``est`` unchanged for
     the built-in engine, whose model the transport writes into directly.
     """
-    if engine != "vllm" or model.adapter_params:  # a LoRA policy's adapters go as a peft directory: small, not priced
+    if not ENGINE_CAPS[engine].weight_hop or model.adapter_params:  # a LoRA policy's adapters go as a peft directory: small, not priced
         return est
     t = ctx.tuning
     nbytes = model.params * dst_bytes_per_param
@@ -308,7 +310,7 @@ def _adapter_sync(
     if traits is not None and traits.cost == "file":
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total * replicas), replicas=replicas,
                             time_s=total * (1 + replicas) / t.file_bandwidth, note="LoRA adapters only; file system write + one read per replica")
-    if dev.kind == "cpu" and traits is not None and traits.cost == "memory":
+    if DEVICE_TRAITS[dev.kind].pinned and traits is not None and traits.cost == "memory":
         time = traits.memory_copies * total / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note="LoRA adapters only; memory copy")
     link = _link(src_devices, dst_devices, ctx)

@@ -74,6 +74,7 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.modelspec import ModelSpec
+from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.tuning import Tuning
 from flowrl.planners.units import format_excess, format_gib_pair
@@ -173,7 +174,7 @@ def train_options(
     layers = stage_layers(L, pp)  # the largest stage sets the pace (stages may be uneven)
     frac = layers / L
     s = w.seq_len
-    packed = t.packed_sequences if t.packed_sequences is not None else packing or dev.kind == "gpu"
+    packed = t.packed_sequences if t.packed_sequences is not None else packing or DEVICE_TRAITS[dev.kind].packs_sequences
     dist = w.length_dist
 
     def mean_len(mb: int) -> float:

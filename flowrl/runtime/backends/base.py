@@ -9,9 +9,10 @@ dispatches through this registry by ``RunConfig.backend``. The built-ins:
 - ``torchrun`` (``backends.torchrun``): this process is one rank of a torch.distributed job.
 
 ``local`` and ``process`` share their driver (``backends.drive.run_with_controller``: one controller in this
-process over node programs); ``torchrun`` drives its own ranks. A backend declares
-``crosses_processes``: whether the two ends of a weight edge may live in different processes, which
-decides the transport each edge opens (``flowrl.runtime.weight_edges``).
+process over node programs); ``torchrun`` drives its own ranks. What each backend is (it crosses
+processes, it is a job of ranks, it shards with FSDP2, it offloads) is pure data,
+``flowrl.backend_traits.BACKENDS``, which the CLI, preflight and the planner read; a backend class's
+``crosses_processes`` is its row's, and decides the transport each edge opens (``flowrl.runtime.weight_edges``).
 
 To add a backend: one module with a class that has ``name``, ``crosses_processes`` and ``run``, and
 one ``register_backend`` call (or one entry in ``BUILTIN_BACKENDS``). This module imports nothing heavy.
@@ -39,11 +40,12 @@ __all__ = ["Backend", "BUILTIN_BACKENDS", "register_backend", "backend_names", "
 
 OnStep = Callable[[dict[str, Any]], None]
 
-#: Built-in backends: name -> "module:class". Imported on first use.
-BUILTIN_BACKENDS: dict[str, str] = {
-    "local": "flowrl.runtime.backends.local:LocalBackend",
-    "process": "flowrl.runtime.backends.process:ProcessBackend",
-    "torchrun": "flowrl.runtime.backends.torchrun:TorchrunBackend",
+#: Built-in backends: name -> (module, class) in this package, imported on first use; their traits
+#: are ``flowrl.backend_traits.BACKENDS``.
+BUILTIN_BACKENDS: dict[str, tuple[str, str]] = {
+    "local": ("flowrl.runtime.backends.local", "LocalBackend"),
+    "process": ("flowrl.runtime.backends.process", "ProcessBackend"),
+    "torchrun": ("flowrl.runtime.backends.torchrun", "TorchrunBackend"),
 }
 
 _USER_BACKENDS: dict[str, Callable[[], Backend]] = {}
@@ -94,5 +96,5 @@ def create_backend(name: str) -> Backend:
         return _USER_BACKENDS[name]()
     if name not in BUILTIN_BACKENDS:
         raise ConfigError(f"unknown backend {name!r}; choose one of {backend_names()} (or register yours with register_backend)")
-    module_name, attr = BUILTIN_BACKENDS[name].split(":")
+    module_name, attr = BUILTIN_BACKENDS[name]
     return getattr(importlib.import_module(module_name), attr)()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from flowrl.backend_traits import BACKENDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.runtime.backends.base import OnStep
-from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports, build_program
+from flowrl.runtime.program_table import build_program
+from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports
 
 if TYPE_CHECKING:
     from flowrl.placement.data import Placement
@@ -21,7 +23,7 @@ class LocalBackend:
     """Threads in this process: both sides of a weight edge share one transport object."""
 
     name = "local"
-    crosses_processes = False
+    crosses_processes = BACKENDS["local"].crosses_processes
 
     def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
         """Run ``graph`` here; torch's intra-op threads are divided among the placement's colocation groups."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from flowrl.backend_traits import BACKENDS
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
@@ -121,7 +122,7 @@ class ProcessBackend:
     """One OS process per executor on this machine; weights cross processes."""
 
     name = "process"
-    crosses_processes = True
+    crosses_processes = BACKENDS["process"].crosses_processes
 
     def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
         """Run ``graph`` with one worker per executor node (``ProcessWorkers``), the controller here."""

@@ -1,7 +1,8 @@
 """What each rank of a torchrun job runs for a node: its part of the node's program.
 
 ``rank_program`` is the ``ProgramEnv.programs`` factory every rank's worker uses (named by
-``RANK_PROGRAM``). A node on one rank runs its ordinary program there. A node on several ranks runs:
+``RANK_PROGRAM``). A node on one rank runs its ordinary program there. A node on several ranks runs
+its kind's entry in ``RANK_PROGRAMS``:
 
 - a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them), or with
   ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.fsdp``);
@@ -16,6 +17,7 @@ once per process before any program is built.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +26,7 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, Node, PolicyNode
-from flowrl.graph.refs import resolve
 from flowrl.runtime.programs import (
     Batch,
     GeneratorProgram,
@@ -35,11 +35,12 @@ from flowrl.runtime.programs import (
     ProgramBase,
     ProgramEnv,
     SharedTransports,
-    build_program,
 )
+from flowrl.runtime.program_table import build_program
 
 __all__ = [
     "RANK_PROGRAM",
+    "RANK_PROGRAMS",
     "RankContext",
     "set_context",
     "DataParallelPolicy",
@@ -540,14 +541,20 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     lead = ctx.rank == ranks[0]
     if len(ranks) == 1 or node.name in ctx.programs:
         return build_program(graph, node.name, env, transports) if lead else _Idle()
-    builder = KINDS[node.kind].rank_program  # the kinds table: "" runs on the lead only (a reference)
-    if builder:
-        return resolve(builder)(node, graph, env, transports, group=ctx.groups[node.name], ranks=ranks, mesh=ctx.meshes.get(node.name))
+    builder = RANK_PROGRAMS.get(node.kind)  # a kind not in the table runs on the lead only (a reference)
+    if builder is not None:
+        return builder(node, graph, env, transports, group=ctx.groups[node.name], ranks=ranks, mesh=ctx.meshes.get(node.name))
     return build_program(graph, node.name, env, transports) if lead else _Idle()
 
 
 def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
-    """A policy's ``rank_program`` (``flowrl.graph.kinds``): FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
+    """A policy's entry in ``RANK_PROGRAMS``: FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
     if node.optimizer.sharding == "fsdp":
         return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
+
+
+#: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,
+#: group, ranks, mesh) -> program``, built on every rank of its mesh; a kind not here runs its own
+#: program (``flowrl.runtime.program_table.PROGRAMS``) on the mesh's lead rank while the others idle.
+RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks}

@@ -68,6 +68,7 @@ from typing import Any
 import msgspec
 import torch
 
+from flowrl.backend_traits import BACKENDS
 from flowrl.errors import ConfigError, FlowrlError, PlanError
 from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.kinds import KINDS
@@ -89,7 +90,8 @@ from flowrl.runtime.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
-from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports, build_program
+from flowrl.runtime.program_table import build_program
+from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = [
@@ -115,7 +117,7 @@ class TorchrunBackend:
     """This process is one rank of a torchrun job (see the module docstring)."""
 
     name = "torchrun"
-    crosses_processes = True
+    crosses_processes = BACKENDS["torchrun"].crosses_processes
 
     def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
         """Every rank calls this, with the same placement; rank 0 returns the run's result (``run_torchrun``)."""
@@ -371,7 +373,7 @@ def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
     def on_term(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         controller = seen.get("controller")
-        failure = controller._failure if controller is not None else None
+        failure = controller.stop.failure if controller is not None else None  # RunStop: the first failure
         if failure is not None:
             node, step, exc = failure
             at = f" at step {step}" if step is not None else ""

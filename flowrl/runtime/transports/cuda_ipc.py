@@ -155,7 +155,7 @@ class CudaIpcTransport:
 
     name = "cuda_ipc"
     #: processes sharing a GPU: a device-to-device copy into a slot and one out of it, no host copy
-    traits = BUILTINS["cuda_ipc"].traits
+    traits = BUILTINS["cuda_ipc"]
 
     def __init__(
         self,

@@ -168,7 +168,7 @@ class FileTransport:
 
     name = "file"
     #: files in a directory both ends see: processes, and hosts given a shared directory
-    traits = BUILTINS["file"].traits
+    traits = BUILTINS["file"]
 
     def __init__(self, directory: str, *, keep: int = 2, fsync: bool = True, max_retries: int = 100) -> None:
         if not isinstance(directory, str) or not directory:

@@ -56,7 +56,7 @@ class InProcessTransport:
 
     name = "inprocess"
     #: one object shared by both ends: threads of one process only
-    traits = BUILTINS["inprocess"].traits
+    traits = BUILTINS["inprocess"]
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # front/spare pointers and reader counts: held for O(1) work only

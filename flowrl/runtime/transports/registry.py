@@ -30,7 +30,7 @@ from typing import Any
 
 from flowrl.errors import TransportError
 from flowrl.graph.validate import TRANSPORT_NAME_RE  # the graph owns a name's form
-from flowrl.transport_traits import BUILTINS, TransportTraits, declare_traits, traits_of
+from flowrl.transport_traits import TransportTraits, declare_traits, traits_of
 
 __all__ = [
     "TransportTraits",
@@ -45,8 +45,15 @@ __all__ = [
     "BUILTIN_TRANSPORTS",
 ]
 
-#: Built-in transports: name -> "module:factory" (``flowrl.transport_traits.BUILTINS``). Imported on first use.
-BUILTIN_TRANSPORTS: dict[str, str] = {name: b.reference for name, b in BUILTINS.items()}
+#: Built-in transports: name -> (module, class) in this package, imported on first use; their traits
+#: are ``flowrl.transport_traits.BUILTINS`` (pure data, which the planner reads without this package).
+BUILTIN_TRANSPORTS: dict[str, tuple[str, str]] = {
+    "inprocess": ("flowrl.runtime.transports.inprocess", "InProcessTransport"),
+    "shm": ("flowrl.runtime.transports.shm", "SharedMemoryTransport"),
+    "file": ("flowrl.runtime.transports.file", "FileTransport"),
+    "collective": ("flowrl.runtime.transports.collective", "CollectiveTransport"),
+    "cuda_ipc": ("flowrl.runtime.transports.cuda_ipc", "CudaIpcTransport"),
+}
 
 _USER_TRANSPORTS: dict[str, Callable[..., Any]] = {}
 
@@ -80,7 +87,7 @@ def transport_names() -> list[str]:
 
 
 def _builtin_class(name: str) -> Any:
-    module_name, attr = BUILTIN_TRANSPORTS[name].split(":")
+    module_name, attr = BUILTIN_TRANSPORTS[name]
     return getattr(importlib.import_module(module_name), attr)
 
 

@@ -171,7 +171,7 @@ class SharedMemoryTransport:
 
     name = "shm"
     #: a named shared-memory segment: processes of one machine; copies in and out of it
-    traits = BUILTINS["shm"].traits
+    traits = BUILTINS["shm"]
 
     def __init__(
         self,

@@ -28,7 +28,18 @@ def test_builtins_are_created_by_name(name, tmp_path):
 
 def test_builtin_names():
     assert {"inprocess", "shm", "file", "collective"} <= set(transport_names())
-    assert BUILTIN_TRANSPORTS["collective"] == "flowrl.runtime.transports.collective:CollectiveTransport"
+
+
+def test_every_builtin_has_a_class_with_its_traits():
+    """The registry's table (name -> class) and the traits table (``flowrl.transport_traits.BUILTINS``) list the same names."""
+    import importlib
+
+    from flowrl.transport_traits import BUILTINS
+
+    assert set(BUILTIN_TRANSPORTS) == set(BUILTINS)
+    for name, (module, attr) in BUILTIN_TRANSPORTS.items():
+        cls = getattr(importlib.import_module(module), attr)
+        assert cls.name == name and cls.traits == BUILTINS[name], name
 
 
 def test_package_exports_the_classes():

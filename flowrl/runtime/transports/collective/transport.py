@@ -218,7 +218,7 @@ class CollectiveTransport:
 
     name = "collective"
     #: torch.distributed point-to-point between the edge's ranks, built per rank by the torchrun backend
-    traits = BUILTINS["collective"].traits
+    traits = BUILTINS["collective"]
 
     def __init__(
         self,
