@@ -302,7 +302,10 @@ class ParallelGenerator(GeneratorProgram):
     Per step: the node's lead broadcasts the prompts to every rank of the node; replica ``r`` takes
     part ``r`` of them (``split_prompts``), fetches weights and samples; the first rank of every other
     replica sends its rollout to the node's lead, which merges them in replica order. Sampling is
-    seeded alike on every rank (by seed and first prompt index).
+    seeded alike on every rank (by seed and first prompt index). Each replica samples its part through
+    ``GeneratorProgram._sample``, as one process does: single-turn, or multi-turn episodes against the
+    node's environment (every tp rank of a replica runs them, its environments answering alike); the
+    node's lead reports the whole batch's ``env/*`` numbers (``_replicas_env_metrics``).
 
     With ``tp`` > 1 each rank holds its shards of the model, the built-in transformer or a Hugging
     Face Llama-family one (``flowrl.runtime.tensor_parallel``: whole attention heads and a slice of
@@ -491,6 +494,8 @@ class ParallelGenerator(GeneratorProgram):
             raise RuntimeError(
                 f"generator {self.name!r}: tp ranks {list(self.tp_ranks)} sampled different tokens (checksums {lo}..{hi}); "
                 "their logits differ, e.g. a non-deterministic kernel or different thread counts per rank"
+                + (", or its environment answered the ranks differently (each tp rank runs the episodes: an environment "
+                   "must answer alike given the same row and actions)" if self._env else "")
             )
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
