@@ -1,9 +1,10 @@
-"""A multi-turn generator on two data-parallel ranks under torchrun runs its episodes against the
+"""A multi-turn generator on several torchrun ranks (replicas or a tp group) runs its episodes against the
 environment, as a one-process generator does (``ParallelGenerator.step`` samples through
 ``GeneratorProgram._sample``), and its metrics rows carry the whole batch's ``env/*`` numbers.
 
-By default one torchrun job of 2 ranks (``guess_game``: generator replicas on ranks 0-1, the policy
-on rank 1), about 26 s at load 15 on 2 cores; ``--runslow`` adds a tp2 generator (3 ranks).
+By default a fast in-process check (``ParallelGenerator.step`` on a one-rank gloo group, ~9 s);
+``--runslow`` adds the torchrun jobs of ``guess_game``: generator replicas on ranks 0-1 with the
+policy on rank 1 (dp2: 26 s at load 15, up to 100 s at load 24 on 2 cores), and a tp2 generator (3 ranks).
 ``continuous_guess_game`` is the same game with continuous batching, for a by-hand run on a tp group
 (slow on 2 loaded cores: a thread per parked environment call).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from flowrl.examples.agents import build_guess_game
 from flowrl.operators.engines import build_engine
@@ -41,10 +43,37 @@ def _one_process_episodes(replicas: int) -> dict[str, float]:
     return {"env/turns_mean": turns / samples, "env/failed": failed, "samples": samples}
 
 
+def test_a_generator_rank_program_samples_episodes_in_one_process(tmp_path, monkeypatch):
+    """Fast check of the same path: ``ParallelGenerator.step`` on a one-rank gloo group (lock step)
+    runs the environment's episodes, equal to ``MultiTurnGenerator`` over the same prompts."""
+    import torch.distributed as dist
+
+    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
+    from flowrl.runtime.programs import ProgramEnv
+
+    graph = build_guess_game(max_staleness=0)
+    (node,) = graph.nodes_of_kind("generator")
+    (source,) = graph.nodes_of_kind("source")
+    prompts = PromptSource(source).next_batch()
+    monkeypatch.setattr(ParallelGenerator, "_sync", lambda self, min_version: 0.0)  # the initial weights: no transport
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    set_context(RankContext(rank=0, world=1, ranks={node.name: (0,)}, programs={}))
+    try:
+        program = ParallelGenerator(node, graph, ProgramEnv(), None, group=None, ranks=(0,), mesh=None)  # type: ignore[arg-type]
+        rollout, info = program.step(0, prompts, 0)
+    finally:
+        set_context(None)
+        dist.destroy_process_group()
+    want, metrics = MultiTurnGenerator(build_engine(node, seed=0), node, rows=row_fields(graph, node.name)).generate(prompts)
+    assert torch.equal(rollout["env_turns"], want["env_turns"]) and torch.equal(rollout["completion_ids"], want["completion_ids"])
+    assert bool((rollout["env_turns"] > 1).any())  # some first guesses were wrong: the environment answered
+    assert info["env/turns_mean"] == metrics["env/turns_mean"] and info["env/failed"] == 0.0
+
+
 @pytest.mark.parametrize(
     ("placement", "nproc", "replicas"),
     [
-        ({"gen": [0, 1], "policy": [1]}, 2, 2),
+        pytest.param({"gen": [0, 1], "policy": [1]}, 2, 2, marks=pytest.mark.slow),
         pytest.param({"policy": [0], "gen": {"ranks": [1, 2], "mesh": {"tp": 2}}}, 3, 1, marks=pytest.mark.slow),
     ],
     ids=["dp2", "tp2"],
