@@ -306,7 +306,10 @@ class ParallelGenerator(GeneratorProgram):
     Per step: the node's lead broadcasts the prompts to every rank of the node; replica ``r`` takes
     part ``r`` of them (``split_prompts``), fetches weights and samples; the first rank of every other
     replica sends its rollout to the node's lead, which merges them in replica order. Sampling is
-    seeded alike on every rank (by seed and first prompt index).
+    seeded alike on every rank (by seed and first prompt index). Each replica samples its part through
+    ``GeneratorProgram._sample``, as one process does: single-turn, or multi-turn episodes against the
+    node's environment (every tp rank of a replica runs them, its environments answering alike); the
+    node's lead reports the whole batch's ``env/*`` numbers (``_replicas_env_metrics``).
 
     With ``tp`` > 1 each rank holds its shards of the model, the built-in transformer or a Hugging
     Face Llama-family one (``flowrl.runtime.tensor_parallel``: whole attention heads and a slice of
@@ -372,6 +375,7 @@ class ParallelGenerator(GeneratorProgram):
         self.group, self.ranks, self.lead, self.device = group, ranks, ranks[0], ctx.device
         assert self.lead == self.rows[0][0]  # the node's lead runs the first replica (its engine, with vLLM)
         self.idle = self.vllm_tp and ctx.rank != self.tp_ranks[0]  # its device is one of the replica's vLLM workers
+        self._env = node.env is not None  # multi-turn episodes (``GeneratorProgram._sample`` runs them)
         if self.idle:
             self.name, self._sampling, self._engine = node.name, node.sampling, node.engine
         else:
@@ -494,6 +498,8 @@ class ParallelGenerator(GeneratorProgram):
             raise RuntimeError(
                 f"generator {self.name!r}: tp ranks {list(self.tp_ranks)} sampled different tokens (checksums {lo}..{hi}); "
                 "their logits differ, e.g. a non-deterministic kernel or different thread counts per rank"
+                + (", or its environment answered the ranks differently (each tp rank runs the episodes: an environment "
+                   "must answer alike given the same row and actions)" if self._env else "")
             )
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
@@ -504,6 +510,8 @@ class ParallelGenerator(GeneratorProgram):
         if self.idle:  # a vLLM worker's rank: the node's collectives only (its timings weigh nothing)
             broadcast_batch(None, src=self.lead, group=self.group, device=self.device)
             reduce_metrics({"fetch_s": 0.0, "gen_s": 0.0}, 0.0, group=self.group, device=self.device)
+            if self._env and len(self.rows) > 1:
+                self._replicas_env_metrics({}, 0)
             return {}, {}
         prompts = broadcast_batch(inputs if rank == self.lead else None, src=self.lead, group=self.group, device=self.device)
         prompts = {k: v.cpu() for k, v in prompts.items()}
@@ -512,14 +520,16 @@ class ParallelGenerator(GeneratorProgram):
         sampled: Info = {}
         if self.generator.sampling.batching == "continuous":  # one replica (checked in __init__) takes every prompt
             rollout, sampled = self._sample(seq, prompts, min_version)
-        else:
+        else:  # ``_sample`` as a one-process generator: single-turn, or episodes against the node's environment
             part = split_prompts(prompts, len(self.rows))[self.replica]
-            rollout = self.generator.generate(part) if part["prompt_ids"].shape[0] else {}
+            rollout, sampled = self._sample(seq, part, min_version) if part["prompt_ids"].shape[0] else ({}, {})
         gen_s = time.perf_counter() - start
         if rollout:  # a replica given no prompts samples nothing; mu must be recorded with the truncation it was drawn with
             check_recorded_sampling(rollout, self._sampling, owner=f"generator {self.name!r} (engine {self._engine!r}, rank {rank})")
         self._check_same_tokens(rollout)
         timing = reduce_metrics({"fetch_s": fetch_s, "gen_s": gen_s}, 1.0, group=self.group, device=self.device)
+        if self._env and len(self.rows) > 1:
+            sampled = self._replicas_env_metrics(sampled, int(rollout["completion_ids"].shape[0]) if rollout else 0)
         if rank != self.lead:
             if rank == self.tp_ranks[0] and self.lead not in self.tp_ranks:
                 send_batch(rollout, dst=self.lead, group=self.group, device=self.device)
@@ -529,8 +539,29 @@ class ParallelGenerator(GeneratorProgram):
             for i, row in enumerate(self.rows)
         ]
         merged = merge_rollouts(parts)
-        slots = {k: v for k, v in sampled.items() if k.startswith("slots/")}  # alike on every tp rank
+        slots = {k: v for k, v in sampled.items() if k.startswith(("slots/", "env/"))}  # alike on every tp rank; env/* over every replica
         return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"]), **slots}
+
+    def _replicas_env_metrics(self, sampled: Info, samples: int) -> Info:
+        """The whole batch's ``env/*`` numbers (``MultiTurnGenerator.metrics``) from each replica's, every
+        rank of the node taking part (a replica counts once, through its first rank): the per-sample
+        means weighted by each replica's ``samples``, ``env/failed`` summed, ``env/seconds`` the longest
+        wait (replicas wait in parallel). Numbers an engine adds beyond these are not reported with
+        several replicas (a replica given no prompts cannot name them)."""
+        import torch.distributed as dist
+
+        from flowrl.operators.multiturn import MultiTurnGenerator
+
+        means = [k for k in sorted(MultiTurnGenerator.metrics([], 0.0)) if k not in ("env/failed", "env/seconds")]
+        counts = samples if _context().rank == self.tp_ranks[0] else 0  # idle vLLM ranks and tp copies weigh nothing
+        sums = torch.tensor([float(sampled.get(k, 0.0)) * counts for k in means] + [float(sampled.get("env/failed", 0.0)) * bool(counts), float(counts)],
+                            dtype=torch.float64, device=self.device)  # fmt: skip
+        wait = torch.tensor([float(sampled.get("env/seconds", 0.0))], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums, group=self.group)
+        dist.all_reduce(wait, op=dist.ReduceOp.MAX, group=self.group)
+        *totals, failed, total = sums.tolist()
+        env = {k: v / (total or 1.0) for k, v in zip(means, totals)}
+        return {**{k: v for k, v in sampled.items() if not k.startswith("env/")}, **env, "env/failed": failed, "env/seconds": wait.item()}
 
 
 def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> Any:
