@@ -8,9 +8,9 @@ A generator node names the engine that samples for it (``GeneratorNode.engine``)
 - ``"vllm"``: a vLLM engine (``flowrl.operators.engines.vllm_engine``). A Hugging Face model only
   (vLLM loads a directory: export a built-in model first), lock-step or continuous batching (samples
   streamed into vLLM across steps, weights updated in flight: ``vllm_stream``), the KV cache on, and
-  a float precision (vLLM loads the weights in that dtype). Environments (``env=``) and agent
-  programs run on either engine, in lock step (``GeneratorNode`` refuses continuous batching for
-  them on vLLM).
+  a float precision (vLLM loads the weights in that dtype). Environments (``env=``) run on either
+  engine, in lock step or with continuous batching; agent programs over the chat endpoint in lock
+  step only (``GeneratorNode`` refuses continuous batching for them).
 
 ``check_engine_options`` is the node-level check (``GeneratorNode.__post_init__``): what is wrong
 with the graph, before anything is installed or loaded. What needs the machine (vLLM installed, a

@@ -160,8 +160,8 @@ class GeneratorNode(NodeBase, tag="generator"):
         sampling: how it samples.
         engine: what runs the sampling: ``"builtin"`` (flowrl's own decode loop over the model,
             ``flowrl.operators.generation``) or ``"vllm"`` (a vLLM engine in the generator's process,
-            ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step batches,
-            float precisions). Either writes the same rollout fields.
+            ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step or
+            continuous batching, float precisions). Either writes the same rollout fields.
         env: multi-turn episodes against an environment, or an agent program's over the chat
             endpoint (``flowrl.graph.envs``; either engine); None: one completion per sample. With
             one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
@@ -174,11 +174,10 @@ class GeneratorNode(NodeBase, tag="generator"):
 
     def __post_init__(self) -> None:
         check_engine_options(self.name, self.engine, self.model, self.sampling)
-        if self.env is not None and (self.engine != "builtin" or self.env.agent) and self.sampling.batching != "lockstep":
-            what = "an agent program (agent=True)" if self.env.agent else f"env= with engine={self.engine!r}"
+        if self.env is not None and self.env.agent and self.sampling.batching != "lockstep":
             raise ConfigError(
-                f"generator {self.name!r}: {what} runs its episodes in lock step (requests sampled as they come, "
-                f"weights between batches), not batching={self.sampling.batching!r}: drop batching="
+                f"generator {self.name!r}: an agent program (agent=True) runs its episodes in lock step (requests sampled "
+                f"as they come, weights between batches), not batching={self.sampling.batching!r}: drop batching="
             )
 
     def signature(self) -> Signature:
