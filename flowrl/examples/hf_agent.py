@@ -93,7 +93,7 @@ def build_hf_agent(
     model_dir: str | Path = ASSETS,
     data: str | Path | None = None,
     engine: Engine = "builtin",
-    lr: float = 2e-3,
+    lr: float = 1e-3,
 ) -> Graph:
     """prompts.jsonl -> gen (episodes with ``BoxEnv``) -> aipo (the episodes' rewards) -> policy, policy ~> gen.
 
