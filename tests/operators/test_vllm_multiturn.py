@@ -101,8 +101,7 @@ def test_turns_are_token_ids_in_and_out_and_mu_is_the_forward_over_the_conversat
 
     episodes = _episodes(engine, vllm_dir, f"{ENVS}:Words", max_turns=3)
     out, metrics = episodes.generate(_prompts([[1, 5, 6, 7], [1, 12]]))
-    encoder = observation_encoder(HFModelConfig(path=str(vllm_dir)), role="user", owner="test")
-    sizes = {len(encoder.encode("yes a b", model_stopped=stopped)) for stopped in (False, True)}  # after a turn cut or ended
+    observation = observation_encoder(HFModelConfig(path=str(vllm_dir)), role="user", owner="test").encode("yes a b", model_stopped=False)
     assert metrics["env/failed"] == 0 and metrics["env/turns_mean"] == 3.0
     model = AutoModelForCausalLM.from_pretrained(str(vllm_dir), torch_dtype=torch.float32).eval()
     atol = logprob_atol(model, rollout_sequences(out))
