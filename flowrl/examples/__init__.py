@@ -2,7 +2,7 @@
 
 Example:
     >>> sorted(EXAMPLES)
-    ['calc_agent', 'guess_game', 'hf_copy', 'hf_copy_ppo', 'llamarl', 'llamarl_ppo', 'llamarl_ref', 'longtail', 'qwen_math', 'two_scorers']
+    ['calc_agent', 'guess_game', 'hf_agent', 'hf_copy', 'hf_copy_ppo', 'llamarl', 'llamarl_ppo', 'llamarl_ref', 'longtail', 'qwen_math', 'two_scorers']
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from flowrl.errors import GraphError
 from flowrl.examples.agents import build_calc_agent, build_guess_game
+from flowrl.examples.hf_agent import build_hf_agent
 from flowrl.examples.hf_copy import build_hf_copy
 from flowrl.examples.longtail import build_longtail
 from flowrl.examples.ppo import build_hf_copy_ppo, build_llamarl_ppo
@@ -30,6 +31,7 @@ EXAMPLES: dict[str, tuple[Callable[[], Graph], str]] = {
     "longtail": (build_longtail, "the default pipeline on the longtail task: completion lengths from a heavy-tailed law (continuous batching's case)"),
     "qwen_math": (build_qwen_math, "Qwen2.5-0.5B-Instruct on math word problems, math-verify reward; point --model at your local copy"),
     "calc_agent": (build_calc_agent, "the built-in model learns to call a calculator tool for sums (multi-turn, CalcEnv)"),
+    "hf_agent": (build_hf_agent, "a Hugging Face Llama (random init, word tokenizer) learns to call a tool (ToolEnv) and answer with its result; runs with --engine vllm as shipped"),
     "guess_game": (build_guess_game, "a two-turn guessing game: the environment says higher or lower after a wrong guess"),
     "two_scorers": (build_two_scorers, "two scorers (correctness and brevity) whose rewards the loss weighs"),
 }
@@ -41,8 +43,8 @@ DEFAULT_EXAMPLE = "llamarl"
 DEFAULT_STEPS = 250
 
 #: Examples that need more steps to show what they learn: ``calc_agent`` copies the calculator's
-#: result only after ~350 steps (benches/RESULTS.md, Agents).
-EXAMPLE_STEPS: dict[str, int] = {"calc_agent": 600}
+#: result only after ~350 steps, ``hf_agent`` the tool's after ~200-300 (benches/RESULTS.md, Agents).
+EXAMPLE_STEPS: dict[str, int] = {"calc_agent": 600, "hf_agent": 400}
 
 
 def default_steps(graph: str | None) -> int:

@@ -8,9 +8,9 @@ A generator node names the engine that samples for it (``GeneratorNode.engine``)
 - ``"vllm"``: a vLLM engine (``flowrl.operators.engines.vllm_engine``). A Hugging Face model only
   (vLLM loads a directory: export a built-in model first), lock-step or continuous batching (samples
   streamed into vLLM across steps, weights updated in flight: ``vllm_stream``), the KV cache on, and
-  a float precision (vLLM loads the weights in that dtype). Environments (``env=``) and agent
-  programs run on either engine, in lock step (``GeneratorNode`` refuses continuous batching for
-  them on vLLM).
+  a float precision (vLLM loads the weights in that dtype). Environments (``env=``) run on either
+  engine, in lock step or with continuous batching; agent programs over the chat endpoint in lock
+  step only (``GeneratorNode`` refuses continuous batching for them).
 
 Every part of flowrl that treats engines differently reads ``ENGINE_CAPS`` (not an engine's name):
 the node check below, ``flowrl run --engine``'s choices, preflight (the backends an engine runs
@@ -83,11 +83,12 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
 
 #: Every engine. vLLM's engine is its own processes, started by the generator's process (the local
 #: backend's, a process backend's worker, or each replica's first torchrun rank), so it runs under
-#: every backend, one engine per rank: its torchrun mesh is dp only.
+#: every backend, one engine per replica: a ``tp`` axis of its torchrun mesh is vLLM's own tensor
+#: parallelism (``runtime/backends/vllm_replicas.py``), not flowrl's tp ranks (``tensor_parallel``).
 ENGINE_CAPS: dict[str, EngineCaps] = {
     "builtin": EngineCaps(builtin_models=True, tensor_parallel=True),
     "vllm": EngineCaps(
-        builtin_models=False, precisions=VLLM_PRECISIONS, kv_cache_optional=False, continuous_episodes=False,
+        builtin_models=False, precisions=VLLM_PRECISIONS, kv_cache_optional=False,
         backends=("local", "process", "torchrun"), machine_check=True, sleeps=True, weight_hop=True,
     ),
 }

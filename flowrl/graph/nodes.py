@@ -160,8 +160,8 @@ class GeneratorNode(NodeBase, tag="generator"):
         sampling: how it samples.
         engine: what runs the sampling: ``"builtin"`` (flowrl's own decode loop over the model,
             ``flowrl.operators.generation``) or ``"vllm"`` (a vLLM engine in the generator's process,
-            ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step batches,
-            float precisions). Either writes the same rollout fields.
+            ``flowrl.operators.engines.vllm_engine``; Hugging Face models only, lock-step or
+            continuous batching, float precisions). Either writes the same rollout fields.
         env: multi-turn episodes against an environment, or an agent program's over the chat
             endpoint (``flowrl.graph.envs``; either engine); None: one completion per sample. With
             one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).

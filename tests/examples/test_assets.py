@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flowrl.examples import hf_copy, qwen_math
+from flowrl.examples import hf_agent, hf_copy, qwen_math
 
 
 def _config(path):
@@ -24,6 +24,18 @@ def test_hf_copy_assets_are_built_by_its_module(tmp_path):
     built, ours = json.loads((tmp_path / "tokenizer.json").read_text()), json.loads((shipped / "tokenizer.json").read_text())
     assert built["model"] == ours["model"] and built["added_tokens"] == ours["added_tokens"]
     assert list(ours["model"]["vocab"]) == list(hf_copy.WORDS)
+
+
+def test_hf_agent_assets_are_built_by_its_module(tmp_path):
+    pytest.importorskip("transformers")
+    hf_agent.write_assets(tmp_path)
+    shipped = hf_agent.ASSETS
+    assert _config(tmp_path / "config.json") == _config(shipped / "config.json")
+    assert _config(shipped / "config.json")["num_attention_heads"] == 2  # heads of 32: vLLM's CPU kernels take them
+    assert (tmp_path / "prompts.jsonl").read_text() == (shipped / "prompts.jsonl").read_text()
+    built, ours = json.loads((tmp_path / "tokenizer.json").read_text()), json.loads((shipped / "tokenizer.json").read_text())
+    assert built["model"] == ours["model"] and built["decoder"] == ours["decoder"]
+    assert list(ours["model"]["vocab"]) == list(hf_agent.WORDS)
 
 
 def test_qwen_math_assets_are_built_by_its_module(tmp_path):

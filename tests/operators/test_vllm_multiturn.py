@@ -23,7 +23,7 @@ from flowrl.graph.configs import HFModelConfig, SamplingConfig
 from flowrl.graph.envs import EnvConfig
 from flowrl.graph.nodes import GeneratorNode
 from tests.hf_fixtures import make_hf_dir
-from tests.tolerances import graph_logprob_atol, k3_atol, logprob_atol, rollout_sequences
+from tests.tolerances import graph_logprob_atol, k3_atol, logprob_atol, rollout_logprob_atol, rollout_sequences
 
 pytest.importorskip("transformers")
 
@@ -144,17 +144,90 @@ def test_the_prefix_cache_is_reused_across_turns(engine, vllm_dir):
     assert metrics["env/cached_prompt_frac"] >= least, metrics
 
 
-@pytest.mark.parametrize(
-    "options, match",
-    [({"batching": "continuous"}, "lock ?step")],
-    ids=["continuous"],
-)
-def test_node_rules(tmp_path, options, match):
+def test_node_rules(tmp_path):
+    """A vLLM generator with an environment is accepted in lock step and with continuous batching; an
+    agent program over the endpoint runs in lock step only."""
     d = make_hf_dir(tmp_path / "m", "qwen2", tie=False, hidden=128, weights=False)
-    node = _node(d, f"{ENVS}:Words")  # a vLLM generator with an environment is accepted
+    node = _node(d, f"{ENVS}:Words")
     assert node.env is not None and node.engine == "vllm"
-    with pytest.raises(ConfigError, match=match):
-        msgspec.structs.replace(node, sampling=msgspec.structs.replace(SAMPLING, **options))
+    continuous = msgspec.structs.replace(node, sampling=msgspec.structs.replace(SAMPLING, batching="continuous"))
+    assert continuous.sampling.batching == "continuous"
+    with pytest.raises(ConfigError, match="agent program .* lock step"):
+        msgspec.structs.replace(continuous, env=EnvConfig(env=f"{__name__}:word_agent", agent=True))
+
+
+def _perturbed(directory: Path, scale: float = 0.05):
+    """A policy's model: the directory's weights plus seeded noise (what a few optimizer steps do)."""
+    from flowrl.models.causal_lm import weight_dict
+    from flowrl.models.registry import build_model
+
+    model = build_model(HFModelConfig(path=str(directory)))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in weight_dict(model).values():
+            t.add_(torch.randn(t.shape, generator=g) * scale)
+    return model
+
+
+def test_continuous_episodes_take_weights_in_flight_and_each_token_keeps_its_version_and_mu(engine, vllm_dir):
+    """Continuous batching with an environment on vLLM: each model turn is a sample streamed into vLLM's
+    engine (``VLLMSlotBatcher``), parked while its environment steps. Version 1 lands after the fourth
+    engine step, stopping the turns then running (their kept tokens re-submitted as prompt): every model
+    token's mu equals the trainer's forward of the version that drew it, over the whole conversation
+    (environment tokens attended, never trained); some sample has tokens of both versions; each group
+    is delivered once and ``rollout_version`` is its oldest token's."""
+    from flowrl.models.causal_lm import weight_dict
+    from flowrl.models.registry import build_model
+    from flowrl.operators.engines.vllm_multiturn import VLLMMultiTurn
+    from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
+    from flowrl.operators.logprobs import completion_logprobs
+    from flowrl.runtime.continuous import ContinuousRollouts
+
+    sampling = msgspec.structs.replace(SAMPLING, max_new_tokens=8, batching="continuous", slots=3)
+    node = msgspec.structs.replace(_node(vllm_dir, f"{ENVS}:Words", max_turns=3), sampling=sampling)
+    from flowrl.operators.env_tokens import observation_encoder
+
+    encoder = observation_encoder(HFModelConfig(path=str(vllm_dir)), role="user", owner="test")
+    sizes = {len(encoder.encode("yes a b", model_stopped=stopped)) for stopped in (False, True)}  # after a turn cut or ended
+    models = {0: build_model(HFModelConfig(path=str(vllm_dir))), 1: _perturbed(vllm_dir)}
+    polls: list[int] = []
+
+    def poll() -> None:  # the generator program's in-flight poll: version 1 is published after the fourth step
+        polls.append(engine.version)
+        if len(polls) == 5:
+            engine.load_weights(weight_dict(models[1]), version=1)
+
+    engine.sampling = sampling
+    rollouts = ContinuousRollouts(engine, group_count=2, k=1, poll=poll, episodes=VLLMMultiTurn(engine, node), batcher=VLLMSlotBatcher)
+    try:
+        rollouts.add_prompts(_prompts([[1, 5, 6, 7], [1, 12], [1, 20, 21], [1, 30, 31, 32, 33]]))
+        batches = [rollouts.next_batch(0), rollouts.next_batch(1)]
+    finally:
+        rollouts.batcher.close()
+        rollouts.close()
+        engine.sampling = SAMPLING
+        engine.load_weights(weight_dict(models[0]), version=0)  # the module's engine as the other tests expect it
+    assert rollouts.batcher.interrupts >= 1 and rollouts.batcher.resubmitted >= 1
+    assert sorted(int(i) for out, _ in batches for i in out["prompt_index"]) == [0, 1, 2, 3]  # each group once
+    spans, checked = set(), {0: 0, 1: 0}
+    for out, info in batches:
+        assert info["env/failed"] == 0 and out["env_turns"].tolist() == [3] * 4
+        mask, versions = out["completion_mask"], out["token_versions"]
+        assert int(versions[mask].min()) == int(out["rollout_version"])
+        for s, k in enumerate(out["completion_lens"].tolist()):  # two observations between three turns, mask 0
+            assert int((~mask[s, :k]).sum()) in {a + b for a in sizes for b in sizes}
+        for v, model in models.items():
+            with torch.no_grad():
+                pi = completion_logprobs(model, out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], mask,
+                                         completion_lens=out["completion_lens"])  # fmt: skip
+            drawn = mask & (versions == v)
+            checked[v] += int(drawn.sum())
+            diff = (out["behaviour_logprobs"] - pi)[drawn].abs()
+            assert not len(diff) or float(diff.max()) < rollout_logprob_atol(model, out), (v, diff)
+        for s in range(mask.shape[0]):
+            spans.add(tuple(sorted(set(versions[s][mask[s]].tolist()))))
+    assert checked[0] and checked[1], checked
+    assert (0, 1) in spans, spans  # a sample whose episode went on under version 1
 
 
 REPLIES: dict[tuple[int, int], list[Any]] = {}
