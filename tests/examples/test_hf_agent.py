@@ -43,7 +43,9 @@ def test_the_tool_is_called_from_the_turns_text_and_only_an_answer_after_a_call_
     assert env.step(CALL)[:2] == (None, 0.0)  # a second call instead of an answer: nothing
 
 
-@pytest.mark.parametrize("engine", ["builtin", "vllm"])
+# vLLM's own start (~25 s idle, 94 s seen at load 23) is more than a default test may take (CI's 10
+# minutes): that case runs with --runslow; test_vllm_multiturn covers vLLM episodes by default.
+@pytest.mark.parametrize("engine", ["builtin", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_one_step_runs_through_the_graph_with_the_multi_turn_metrics(tmp_path, engine):
     if engine == "vllm":
         _needs_vllm()
