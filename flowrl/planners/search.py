@@ -285,11 +285,15 @@ class _Evaluator:
             )
         return self._train[key]
 
-    def _packing(self, name: str) -> bool:
-        """Whether the node packs its sequences (a policy's ``OptimizerConfig.packing``, a reference's ``ReferenceConfig.packing``)."""
+    def _packing(self, name: str) -> bool | None:
+        """The node's ``packing`` (a policy's ``OptimizerConfig.packing``, a reference's
+        ``ReferenceConfig.packing``; False for another kind). The default, None, packs with every family
+        flowrl trains, all of which take packed rows, as the runtime's ``packs`` decides (the family
+        table needs torch, which the planner does not import; ``tests/planners/test_packing_estimate.py``
+        checks the two agree); ``train_options`` prices it."""
         node = self.graph.node(name) if name in self.graph else None
         config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
-        return bool(getattr(config, "packing", False))
+        return False if config is None else config.packing
 
     def _sharding(self, name: str) -> str:
         """The node's ``OptimizerConfig.sharding`` (``"replicate"`` for a node without an optimizer)."""
