@@ -429,9 +429,11 @@ class _Evaluator:
         steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
         cluster = self.ctx.cluster
         shared = cluster.device.cpu.shared_slowdown if cluster.hosts == 1 else 1.0  # meshes on one host share it
+        cores = cluster.device.cpu.host_cores
+        oversubscribed = cores if cluster.hosts == 1 and 0 < cores < cluster.devices_per_host else 0  # more ranks than cores
         steps = step_times(
             self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers,
-            shared_slowdown=shared,
+            shared_slowdown=shared, host_cores=oversubscribed,
         )
         problem = next((e.problem for e in estimates.values() if not e.feasible), "")
         return Candidate(
