@@ -146,7 +146,9 @@ def main() -> None:
             "cpus": os.cpu_count(),
         }
         for engine in engines:
+            print(f"{engine}: calibrating, planning, running {args.steps} steps", file=sys.stderr, flush=True)
             out[engine] = one_engine(model_dir, engine, args, folder)
+            print(json.dumps({engine: out[engine]}), file=sys.stderr, flush=True)  # each engine's figures as soon as they exist
     print(json.dumps(out, indent=1))
 
 
