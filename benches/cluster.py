@@ -14,8 +14,9 @@ Prints one JSON object:
   (``weight_sync.py``'s FSDP cases sample every rank's, per phase);
 - ``predicted``: ``flowrl plan`` of the same graph on a CPU calibrated right before the run
   (``flowrl calibrate``) with the same placement (``gen:d1@0 | policy:d2@1-2``), its step and its
-  parts, and predicted / measured (goal 0.77-1.3). The plan assumes 3 cores; this machine has 2, so
-  its ranks share cores the plan thinks are theirs: a figure to read with that in mind.
+  parts, and predicted / measured (goal 0.77-1.3). The plan has 3 devices, one per rank, on this
+  machine's cores (``calibrated_cluster(m, cores=3)``: ``CpuTerms.host_cores`` = the cores measured):
+  with 3 ranks on 2 cores, meshes busy together time-share them (``schedule.shared_step_s``).
 
 Run: python benches/cluster.py [--steps 8]   (about 10 minutes on 2 cores; peak memory ~20 GB: vLLM's worker 6.4 GB, each policy rank 4.5-4.7 GB)
 """
@@ -71,7 +72,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def _predict(graph_file: Path) -> dict:
     """The planner's step for STRATEGY on this CPU calibrated now (``flowrl calibrate``'s measurements)
-    as a 3-device cluster: one device per rank."""
+    as a 3-device cluster: one device per rank, on the cores measured (more ranks than cores time-share them)."""
     from flowrl.calibration.measure import calibrated_cluster, measure
     from flowrl.graph.refs import load_file_module
     from flowrl.planners.plan import plan_graph

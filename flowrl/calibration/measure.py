@@ -408,7 +408,8 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
 
 
 def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterSpec:
-    """A ``cpu`` cluster with measured figures: one host, one device per core (``cores`` of them, default all)."""
+    """A ``cpu`` cluster with measured figures: one host, one device per core (``cores`` of them,
+    default all; more than the machine's cores are ranks sharing them: ``CpuTerms.host_cores``)."""
     n = cores or m.cores
     device = cpu_device(
         cores=m.cores,
@@ -417,6 +418,6 @@ def calibrated_cluster(m: Measurements, *, cores: int | None = None) -> ClusterS
         memory_bandwidth=m.copy_bandwidth,
         kernel_overhead_s=m.op_overhead_s,
         name="cpu",
-        cpu=m.cpu,
+        cpu=msgspec.structs.replace(m.cpu, host_cores=m.cores),
     )
     return ClusterSpec(name="cpu-calibrated", hosts=1, devices_per_host=n, device=device)

@@ -420,8 +420,9 @@ class ReferenceConfig(msgspec.Struct, **_STRUCT):
             0: never, a frozen reference.
         sync_alpha: the policy's share of the mix (TRL's ``ref_model_mixup_alpha``), in (0, 1];
             1 copies the policy.
-        packing: compute its log-probs over packed rows (``OptimizerConfig.packing``'s layout and
-            families): the same log-probs to float rounding, fewer positions on mixed lengths.
+        packing: compute its log-probs over packed rows (``OptimizerConfig.packing``'s layout,
+            families and default): the same log-probs to float rounding, fewer positions on mixed
+            lengths.
 
     Example:
         >>> ReferenceConfig(sync_steps=64, sync_alpha=0.6).syncs_at(128), ReferenceConfig().syncs_at(128)
@@ -430,7 +431,7 @@ class ReferenceConfig(msgspec.Struct, **_STRUCT):
 
     sync_steps: int = 0
     sync_alpha: float = 0.6
-    packing: bool = False
+    packing: bool | None = None
 
     def __post_init__(self) -> None:
         o = "ReferenceConfig"
@@ -486,8 +487,10 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
             its longest sequence) instead of padding every sequence to the longest: positions restart
             per sequence and attention stays within each (``flowrl.operators.packing``); the same
             loss and gradients to float rounding, fewer tokens computed on mixed lengths. A
-            micro-batch that packing would not shorten runs padded. Needs a model family whose
-            attention takes packed rows (``ModelFamily.packing``: the built-in one, llama, qwen2, qwen3).
+            micro-batch that packing would not shorten runs padded. ``None`` (the default): pack
+            when the model's family takes packed rows (``ModelFamily.packing``: the built-in one,
+            llama, qwen2, qwen3), pad otherwise; ``True``: pack, and refuse another family;
+            ``False``: pad (``flowrl.operators.packing.packs``).
     """
 
     lr: float = 1e-3
@@ -506,7 +509,7 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
     sharding: Literal["replicate", "fsdp"] = "replicate"
     param_dtype: Precision = "float32"
     reduce_dtype: Precision = "float32"
-    packing: bool = False
+    packing: bool | None = None
 
     def __post_init__(self) -> None:
         o = "OptimizerConfig"

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from flowrl.graph.configs import AnyModelConfig
     from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["pack_rows", "packed_logits", "check_packing"]
+__all__ = ["pack_rows", "packed_logits", "check_packing", "packs"]
 
 
 def check_packing(config: AnyModelConfig, *, owner: str) -> None:
@@ -51,6 +51,24 @@ def check_packing(config: AnyModelConfig, *, owner: str) -> None:
             f"{owner}: packing=True needs a model family whose attention takes packed rows; {family.name!r} does not "
             f"(the families that do: {', '.join(able)}); set packing=False or use one of those"
         )
+
+
+def packs(requested: bool | None, config: AnyModelConfig, *, owner: str) -> bool:
+    """Whether a node with ``packing=requested`` packs: ``None`` (the default) when its model's family
+    takes packed rows (``ModelFamily.packing``), padded otherwise; ``True`` packs and refuses another
+    family (``check_packing``); ``False`` pads.
+
+    Raises:
+        ConfigError: for ``True`` with a family that cannot pack, or a model description
+            ``family_of`` cannot read.
+    """
+    from flowrl.models.registry import family_of
+
+    if requested is None:
+        return family_of(config, owner=owner).packing
+    if requested:
+        check_packing(config, owner=owner)
+    return bool(requested)
 
 
 def pack_rows(lengths: list[int], *, capacity: int) -> list[list[int]]:

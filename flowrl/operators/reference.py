@@ -33,7 +33,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.nodes import ReferenceNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.logprobs import completion_logprobs
-from flowrl.operators.packing import check_packing
+from flowrl.operators.packing import packs
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.registry import build_model
 
@@ -73,9 +73,8 @@ class Reference:
 
     def __init__(self, node: ReferenceNode, *, device: str | torch.device = "cpu") -> None:
         self.name = node.name
-        self.packing = bool(getattr(getattr(node, "reference", None), "packing", False))  # another kind built on Reference packs not
-        if self.packing:
-            check_packing(node.model, owner=f"reference {node.name!r}")
+        config = getattr(node, "reference", None)  # another kind built on Reference packs not
+        self.packing = config is not None and packs(config.packing, node.model, owner=f"reference {node.name!r}")
         self.device = torch.device(device)
         self.model = build_model(node.model, device=self.device).eval().requires_grad_(False)
         self.weights = weight_dict(self.model)

@@ -82,7 +82,7 @@ from flowrl.operators.losses import (
     loss_advantages,
     proximal_metrics,
 )
-from flowrl.operators.packing import check_packing
+from flowrl.operators.packing import packs
 from flowrl.operators.shaping import dynamic_sample, shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
@@ -191,14 +191,13 @@ class Trainer:
             loss there. The identity in one process.
 
     Raises:
-        ConfigError: for an unknown objective, or ``packing`` with a model family that cannot take
-            packed rows (``flowrl.operators.packing.check_packing``).
+        ConfigError: for an unknown objective, or ``packing=True`` with a model family that cannot
+            take packed rows (``flowrl.operators.packing.packs``; the default packs where it can).
     """
 
     def __init__(self, node: PolicyNode, loss: LossNode, *, device: str | torch.device = "cpu", model: torch.nn.Module | None = None) -> None:
         check_objective(loss.loss.objective)
-        if node.optimizer.packing:
-            check_packing(node.model, owner=f"policy {node.name!r}")
+        self.packing = packs(node.optimizer.packing, node.model, owner=f"policy {node.name!r}")  # None: where the family can
         self.name = node.name
         self.node, self.loss = node, loss
         self.device = torch.device(device)
@@ -322,7 +321,7 @@ class Trainer:
                 top_k=part.get("sampling_top_k", 0),
                 top_p=part.get("sampling_top_p", 1.0),
                 completion_lens=part.get("completion_lens"),  # the extent: a multi-turn sample's env tokens are attended, not trained
-                packing=self.node.optimizer.packing,
+                packing=self.packing,
             )
 
     def _update(self, batch: dict[str, Tensor], *, mismatch: bool) -> dict[str, float]:

@@ -144,6 +144,10 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             backward bookkeeping), set by hand in a cluster file; 0 (what ``flowrl calibrate``
             writes: the built-in trainer's step is its passes plus the ``optimizer`` term within a
             millisecond): the ``optimizer`` term only.
+        host_cores: the host's cores when its devices (ranks) may outnumber them (``flowrl
+            calibrate`` writes the cores it measured; ``calibrated_cluster(m, cores=n)`` with n
+            above them is that many ranks on fewer cores): meshes busy together on more devices
+            than this time-share the cores (``schedule.shared_step_s``); 0: a core per device.
     """
 
     flops_by_width: tuple[tuple[int, float], ...] = ()
@@ -155,12 +159,15 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     decode_step_overhead_s: float = 0.0
     slot_row_overhead_s: float = 0.0
     train_step_overhead_s: float = 0.0
+    host_cores: int = 0
 
     def __post_init__(self) -> None:
         for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"CpuTerms: {field}={value} must be a finite number >= 0")
+        if not (isinstance(self.host_cores, int) and self.host_cores >= 0):
+            raise PlanError(f"CpuTerms: host_cores={self.host_cores!r} must be an integer >= 0 (0: a core per device)")
         if not 1 <= self.shared_slowdown < float("inf"):
             raise PlanError(f"CpuTerms: shared_slowdown={self.shared_slowdown} must be a finite number >= 1")
         for field in ("flops_by_width", "decode_flops_by_width", "train_flops_by_width"):

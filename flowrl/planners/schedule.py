@@ -95,19 +95,28 @@ def _covers(sets: Sequence[Sequence[int]], lo: int, hi: int) -> bool:
     return reach >= hi
 
 
-def shared_step_s(busy: Sequence[float], slowdown: float) -> float:
+def shared_step_s(busy: Sequence[float], slowdown: float, *, widths: Sequence[int] = (), cores: int = 0) -> float:
     """Seconds until every one of ``busy`` (seconds of work each, alone) is done when they start
     together and each runs ``slowdown`` times slower while any other is still busy.
+
+    With ``cores`` > 0 (the host's cores, which its ``widths[i]`` devices a group, one process or
+    thread each, outnumber), the groups still busy also run ``sum of their widths / cores`` times
+    slower when that is more: more ranks than cores time-share them.
 
     Example:
         >>> shared_step_s([2.0, 5.0], 1.5), shared_step_s([2.0, 5.0], 1.0), shared_step_s([3.0], 2.0)
         (6.0, 5.0, 3.0)
+        >>> shared_step_s([2.0, 5.0], 1.2, widths=[1, 2], cores=2)  # 3 ranks on 2 cores: 1.5x while both run
+        6.0
     """
-    works = sorted(b for b in busy if b > 0)
+    works = sorted((b, w) for b, w in zip(busy, widths or [1] * len(busy)) if b > 0)
     elapsed = done = 0.0
-    for i, work in enumerate(works):
-        active = len(works) - i  # every unfinished one has done ``done`` seconds of its work
-        elapsed += (work - done) * (slowdown if active > 1 else 1.0)
+    for i, (work, _) in enumerate(works):
+        active = works[i:]  # every unfinished one has done ``done`` seconds of its work
+        factor = slowdown if len(active) > 1 else 1.0
+        if cores > 0:
+            factor = max(factor, sum(w for _, w in active) / cores)
+        elapsed += (work - done) * factor
         done = work
     return elapsed
 
@@ -123,6 +132,7 @@ def step_times(
     order: Sequence[str] | None = None,
     producers: Mapping[str, Sequence[str]] | None = None,
     shared_slowdown: float = 1.0,
+    host_cores: int = 0,
 ) -> StepTimes:
     """Predicted sync and async step times of a placed graph (see the module docstring).
 
@@ -136,6 +146,9 @@ def step_times(
             already (the search evaluates thousands of placements of one graph).
         shared_slowdown: how much slower colocation groups run while another is busy (they share
             one host: ``shared_step_s``); 1 for separate devices.
+        host_cores: the one host's cores when its devices (ranks) outnumber them
+            (``CpuTerms.host_cores``): groups busy together time-share them (``shared_step_s``'s
+            ``cores``; the asynchronous step only); 0: a core per device.
     """
     resource = _resource_names(devices, graph)
     if order is None:
@@ -182,9 +195,13 @@ def step_times(
             busy[r] = start + exposed
             async_spans.append(Span(node=f"{s.src}~>{s.dst}", resource=r, what="weight sync", start_s=start, end_s=start + exposed))
     async_step = max(busy.values(), default=0.0)
-    if shared_slowdown > 1.0:
-        groups = [t for r, t in busy.items() if not r.startswith("host:")]
-        async_step = max(async_step, shared_step_s(groups, shared_slowdown))
+    if shared_slowdown > 1.0 or host_cores > 0:
+        used: dict[str, set[int]] = {}  # each colocation group's devices
+        for n, ids in devices.items():
+            used.setdefault(resource.get(n, ""), set()).update(ids)
+        groups = [(t, len(used.get(r, ())) or 1) for r, t in busy.items() if not r.startswith("host:")]
+        shared = shared_step_s([t for t, _ in groups], shared_slowdown, widths=[w for _, w in groups], cores=host_cores)
+        async_step = max(async_step, shared)
 
     bottleneck = _bottleneck(busy, async_spans, async_step)
     return StepTimes(

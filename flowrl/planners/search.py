@@ -286,11 +286,15 @@ class _Evaluator:
             )
         return self._train[key]
 
-    def _packing(self, name: str) -> bool:
-        """Whether the node packs its sequences (a policy's ``OptimizerConfig.packing``, a reference's ``ReferenceConfig.packing``)."""
+    def _packing(self, name: str) -> bool | None:
+        """The node's ``packing`` (a policy's ``OptimizerConfig.packing``, a reference's
+        ``ReferenceConfig.packing``; False for another kind). The default, None, packs with every family
+        flowrl trains, all of which take packed rows, as the runtime's ``packs`` decides (the family
+        table needs torch, which the planner does not import; ``tests/planners/test_packing_estimate.py``
+        checks the two agree); ``train_options`` prices it."""
         node = self.graph.node(name) if name in self.graph else None
         config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
-        return bool(getattr(config, "packing", False))
+        return False if config is None else config.packing
 
     def _sharding(self, name: str) -> str:
         """The node's ``OptimizerConfig.sharding`` (``"replicate"`` for a node without an optimizer)."""
@@ -426,9 +430,11 @@ class _Evaluator:
         steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
         cluster = self.ctx.cluster
         shared = cluster.device.cpu.shared_slowdown if cluster.hosts == 1 else 1.0  # meshes on one host share it
+        cores = cluster.device.cpu.host_cores
+        oversubscribed = cores if cluster.hosts == 1 and 0 < cores < cluster.devices_per_host else 0  # more ranks than cores
         steps = step_times(
             self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers,
-            shared_slowdown=shared,
+            shared_slowdown=shared, host_cores=oversubscribed,
         )
         problem = next((e.problem for e in estimates.values() if not e.feasible), "")
         return Candidate(

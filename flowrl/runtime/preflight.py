@@ -205,7 +205,7 @@ def check_engine_meshes(
 
 def check_packing_families(graph: Graph, *, skip: frozenset[str] = frozenset()) -> None:
     """Refuse, before any node is built, a policy (``OptimizerConfig.packing``) or a reference
-    (``ReferenceConfig.packing``) that packs with a model family that cannot take packed rows
+    (``ReferenceConfig.packing``) asked to pack (``True``) with a model family that cannot take packed rows
     (``flowrl.operators.packing.check_packing``; the trainer and the reference check it again).
 
     Raises:
@@ -215,5 +215,5 @@ def check_packing_families(graph: Graph, *, skip: frozenset[str] = frozenset()) 
 
     for node in graph.nodes:
         config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
-        if getattr(config, "packing", False) and node.name not in skip:
+        if getattr(config, "packing", None) is True and node.name not in skip:  # the default (None) pads a family that cannot pack
             check_packing(node.model, owner=f"{node.kind} {node.name!r}")  # type: ignore[attr-defined]

@@ -101,7 +101,7 @@ def _equal_steps(node_of, loss, batch, *, micro_batch_size: int) -> None:
     """One train step padded and one packed from the same weights: the same loss and metrics, each
     gradient element within the bound of two float32 sums of its contributions (tests/tolerances.py),
     and the packed one really ran packed rows."""
-    padded = Trainer(node_of(grad_clip=0.0, micro_batch_size=micro_batch_size), loss)
+    padded = Trainer(node_of(grad_clip=0.0, micro_batch_size=micro_batch_size, packing=False), loss)
     packed = Trainer(node_of(grad_clip=0.0, micro_batch_size=micro_batch_size, packing=True), loss)
     packed.model.load_state_dict(padded.model.state_dict())
     spy = _Spy(packed.model)
@@ -199,7 +199,7 @@ def test_packed_step_equals_the_padded_one_on_the_hf_families(hf_dir):
 def test_packed_recompute_of_log_pi_old_equals_the_padded_one():
     """Several updates a batch: log pi_old (no gradient, the ``old/*`` metrics, the clipped ratio) packed too."""
     batch = _long_tail(vocab=16)
-    padded = Trainer(tiny_policy_node(num_iterations=2), loss_node(objective="grpo"))
+    padded = Trainer(tiny_policy_node(num_iterations=2, packing=False), loss_node(objective="grpo"))
     packed = Trainer(tiny_policy_node(num_iterations=2, packing=True), loss_node(objective="grpo"))
     spy = _Spy(packed.model)
     want = padded._logprobs(batch, grad=False)
@@ -238,12 +238,20 @@ def test_packing_is_refused_for_a_family_whose_attention_cannot_take_packed_rows
     monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packing=False))
     with pytest.raises(ConfigError, match=r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"):
         Trainer(hf_policy_node(hf_llama_dir, packing=True), loss_node())
-    Trainer(hf_policy_node(hf_llama_dir), loss_node())  # unpacked: fine
+    assert not Trainer(hf_policy_node(hf_llama_dir, packing=False), loss_node()).packing  # unpacked: fine
+    assert not Trainer(hf_policy_node(hf_llama_dir), loss_node()).packing  # the default pads such a family, silently
 
 
-def test_packing_is_an_optimizer_option_and_off_by_default():
-    assert OptimizerConfig().packing is False
-    assert packing.__all__ == ["pack_rows", "packed_logits", "check_packing"]
+def test_packing_is_on_by_default_where_the_family_can_pack(hf_qwen2_dir):
+    from flowrl.graph.configs import ReferenceConfig
+
+    assert OptimizerConfig().packing is None and ReferenceConfig().packing is None  # None: where the family can
+    assert packing.__all__ == ["pack_rows", "packed_logits", "check_packing", "packs"]
+    assert Trainer(tiny_policy_node(), loss_node()).packing and Trainer(hf_policy_node(hf_qwen2_dir), loss_node()).packing
+    assert not Trainer(tiny_policy_node(packing=False), loss_node()).packing
+    spy = _Spy((trainer := Trainer(tiny_policy_node(), loss_node())).model)
+    trainer.train_step(_long_tail(vocab=16))
+    assert (spy.packed, spy.padded) == (1, 0)
 
 
 def test_packed_log_probs_under_mixed_truncations_equal_the_padded_ones():

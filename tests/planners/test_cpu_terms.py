@@ -207,6 +207,25 @@ def test_async_step_of_meshes_sharing_a_host():
     assert shared.async_step_s == pytest.approx(train_t + 0.5 * gen_t)
 
 
+def test_more_ranks_than_cores_time_share_them():
+    # the cluster bench's layout: a generator rank and a 2-rank policy, 3 devices on a 2-core host
+    # (calibrated_cluster(m, cores=3): CpuTerms.host_cores 2); while both run, 3 ranks on 2 cores go 1.5x
+    # slower (above shared_slowdown 1.2); the same plan on 3 cores is shared_slowdown's alone
+    m = Measurements(matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30, cpu=CpuTerms(shared_slowdown=1.2))
+    on_two = calibrated_cluster(m, cores=3)
+    assert on_two.device.cpu.host_cores == 2 and calibrated_cluster(m).device.cpu.host_cores == 2
+    on_three = msgspec.structs.replace(on_two, device=msgspec.structs.replace(on_two.device, cpu=msgspec.structs.replace(m.cpu, host_cores=3)))
+    plan = lambda cluster: plan_graph(build_example("llamarl"), cluster, strategy="gen:d1@0 | policy:d2@1-2", max_staleness=1)  # noqa: E731
+    shared, alone = plan(on_two), plan(on_three)
+    sync = sum(s.time_s for s in alone.weight_syncs)
+    gen_t, train_t = (alone.placements[n].time_s + sync for n in ("gen", "policy"))
+    (short, _), (long, _) = sorted([(gen_t, 1), (train_t, 2)])
+    assert alone.async_step_s == pytest.approx(long + 0.2 * short)
+    assert shared.async_step_s == pytest.approx(long + 0.5 * short)
+    with pytest.raises(PlanError, match=r"host_cores=-1 must be an integer >= 0"):
+        CpuTerms(host_cores=-1)
+
+
 def test_calibrated_cluster_carries_every_measured_term():
     m = Measurements(
         matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30,

@@ -36,7 +36,7 @@ def test_a_packing_policy_costs_the_mean_length_on_a_cpu_device():
     assert forced.breakdown["compute"] == pytest.approx(padded.breakdown["compute"])  # Tuning.packed_sequences overrides
 
 
-def _longtail(packing: bool):
+def _longtail(packing: bool | None):
     b = GraphBuilder("longtail", model=LONGTAIL_MODEL)
     prompts = b.source("prompts", task="longtail", batch_size=8)
     gen = b.generator("gen", prompts, n_samples=16, max_new_tokens=32)
@@ -59,3 +59,16 @@ def test_the_plan_of_a_packing_policy_prices_its_packed_tokens(lengths, faster):
         else:
             assert packed.placements[node].time_s == pytest.approx(padded.placements[node].time_s), node
     assert packed.placements["gen"].time_s == pytest.approx(padded.placements["gen"].time_s)
+
+
+def test_the_default_is_priced_as_the_runtime_packs_it():
+    # packing=None packs where the family can (flowrl.operators.packing.packs); the planner, which cannot read the
+    # family table (torch), prices it packed: true while every family flowrl trains takes packed rows
+    from flowrl.models.families import FAMILIES
+
+    assert all(f.packing for f in FAMILIES.values()), "a family that cannot pack: search._Evaluator._packing must price its default padded"
+    m = Measurements(matmul_flops=50e9, copy_bandwidth=5e9, op_overhead_s=3e-6, cores=2, memory_bytes=16 * 2**30)
+    work = Workload(prompts_per_step=8, samples_per_prompt=16, prompt_len=6, gen_len=32, lengths=LengthDistribution(points=((4, 9.0), (32, 1.0))))
+    default, packed = (plan_graph(_longtail(p), calibrated_cluster(m), strategy="colocated", max_staleness=0, workload=work) for p in (None, True))
+    for node in ("policy", "ref"):
+        assert default.placements[node].time_s == packed.placements[node].time_s, node

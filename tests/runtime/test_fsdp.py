@@ -5,8 +5,8 @@ entry point (``python tests/runtime/test_fsdp.py MODE OUT ...``):
 
 - ``step`` (3 ranks: FSDP over 0-1, a generator rank 2), once per model family (built-in, HF Llama
   with a tied head, HF Qwen2 untied with biases): one sharded step on half the batch per rank against
-  a one-process ``Trainer`` on the whole batch (clipped gradients, parameters, AdamW moments); the
-  elements each rank holds against a replica's; the gathered checkpoint, a second step uninterrupted
+  a one-process padded ``Trainer`` on the whole batch (the sharded ranks pack, the default, on uneven
+  lengths; clipped gradients, parameters, AdamW moments); the elements each rank holds against a replica's; the gathered checkpoint, a second step uninterrupted
   and after loading the checkpoint into a fresh sharded trainer (same dp) and into one process (dp 2
   -> 1); the collective transport from the shards (``fsdp((0, 1))``) to rank 2, bit for bit;
 - ``mixed``: ``param_dtype="bfloat16"``; ``checkpointing``: gradient checkpointing + micro-batches;
@@ -146,6 +146,7 @@ def test_a_sharded_step_equals_a_one_process_step(step_result):
     rounding of 0: AdamW's first step is ~lr sign(g))."""
     r, *_ = step_result
     assert r["shards"][0] > 0 and r["shards"][1] > 0 and r["tokens"][0] != r["tokens"][1], r  # uneven token counts: the scale matters
+    assert r["fsdp_forwards"]["packed"] >= 1, r["fsdp_forwards"]  # the FSDP ranks ran packed rows (the default), the one process padded
     assert r["init_diff"] == 0.0
     assert r["grad_norm_ref"] > r["grad_clip"], r  # the clip is active, so the global norm is checked too
     # each element within its derived float32 bound (tests/tolerances.py, CONTRIBUTING item 6): the
@@ -366,7 +367,10 @@ def _batch(family: str, directory: str, seed: int) -> dict[str, torch.Tensor]:
         for _ in range(seed + 1):
             prompts = source.next_batch()
         rollout = Generator(graph.node("gen"), seed=seed).generate(prompts)
-        return {**rollout, **Scorer(graph.node("reward")).score(rollout)}
+        g = torch.Generator().manual_seed(seed)  # uneven prompts (the first tokens read as padding) and early ends: rows to pack
+        lens = torch.randint(1, rollout["sample_prompt_lens"].max() + 1, rollout["sample_prompt_lens"].shape, generator=g)
+        mask = rollout["completion_mask"] & (torch.arange(rollout["completion_mask"].shape[1]) < torch.randint(1, 6, lens.shape, generator=g)[:, None])
+        return {**rollout, **Scorer(graph.node("reward")).score(rollout), "sample_prompt_lens": torch.minimum(rollout["sample_prompt_lens"], lens), "completion_mask": mask}
     from tests.models.helpers import hf_generator_node, left_padded
 
     g = torch.Generator().manual_seed(seed)
@@ -381,13 +385,13 @@ def _batch(family: str, directory: str, seed: int) -> dict[str, torch.Tensor]:
 LORA = dict(r=2, alpha=4, target_modules=("q_proj", "v_proj"))
 
 
-def _policy(family: str, directory: str, sharding: str):
+def _policy(family: str, directory: str, sharding: str, packing: bool | None = None):
     from flowrl.graph.configs import HFModelConfig, LoraConfig
     from flowrl.graph.nodes import PolicyNode
 
     lora = LoraConfig(**LORA) if family == "lora" else None
     model = build_llamarl().node("policy").model if family == "builtin" else HFModelConfig(path=directory, init="random", seed=3, lora=lora)
-    return PolicyNode(name="policy", model=model, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.01, sharding=sharding))
+    return PolicyNode(name="policy", model=model, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.01, sharding=sharding, packing=packing))
 
 
 def _full(t):
@@ -461,13 +465,17 @@ def _step_job(out: str, family: str, directory: str) -> int:
     loss = LossNode(name="aipo")
     batches = [_batch(family, directory, s) for s in (0, 1)]
     torch.manual_seed(0)
-    ref = Trainer(_policy(family, directory, "replicate"), loss)
+    ref = Trainer(_policy(family, directory, "replicate", packing=False), loss)  # padded; the FSDP ranks pack (the default)
     result: dict = {"grad_clip": 0.01, "lr": 1e-2}
     shards = [shard_by_groups(b, 2) for b in batches]
     if rank in trainers:
         torch.manual_seed(0)
         mine = Trainer(_policy(family, directory, "fsdp"), loss)
         shard_trainer_(mine, mesh)
+        layouts = result.setdefault("fsdp_forwards", {"packed": 0, "padded": 0})
+        mine.model.register_forward_pre_hook(
+            lambda m, a, k: layouts.__setitem__(key := "padded" if k.get("packed_positions") is None else "packed", layouts[key] + 1), with_kwargs=True
+        )
         result["init_diff"] = _max_diff(dict(mine.model.named_parameters()), dict(ref.model.named_parameters()))
 
         def fsdp_step(trainer, b, shard):
@@ -529,7 +537,7 @@ def _step_job(out: str, family: str, directory: str) -> int:
         fsdp_step(fresh, batches[1], shards[1][rank])
         result["resumed_fsdp_diff"] = _max_diff(dict(fresh.model.state_dict()), uninterrupted)
         result["resumed_version"] = fresh.version
-        one = Trainer(_policy(family, directory, "replicate"), loss)
+        one = Trainer(_policy(family, directory, "replicate", packing=False), loss)
         one.load_state(torch.load(Path(out) / "policy.pt", weights_only=True))
         with GradientMagnitudes(one.model) as mags:
             one_metrics = one.train_step(batches[1])

@@ -146,7 +146,7 @@ def train_options(
     last_logits: bool = False,
     iterations: int = 1,
     updates: int = 1,
-    packing: bool = False,
+    packing: bool | None = False,
 ) -> TrainOptions:
     """Every (micro-batch, checkpointing) option for this mesh, fastest first, feasible or not.
 
@@ -162,9 +162,13 @@ def train_options(
         updates: optimizer steps per batch (``updates_per_batch``): each syncs gradients and steps AdamW.
         packing: the policy's ``OptimizerConfig.packing``: flowrl's trainer packs its micro-batches, so
             their tokens are the mean length's (``Tuning.packed_sequences``, when set, overrides it).
+            None, the default, packs: priced as True on a CPU; on a GPU as before packing existed
+            (packed sequences, micro-batches of the estimate's choosing, as peer trainers run).
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
+    if packing is None:
+        packing = dev.kind != "gpu"
     dp, tp, pp = dims.dp, dims.tp, dims.pp
     pb = t.param_bytes or dev.dtype_bytes
     ob = t.optimizer_bytes or (12 if pb <= 2 else 8)
