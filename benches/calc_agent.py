@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from flowrl.envs.games import CalcTask  # noqa: E402
 from flowrl.examples.agents import build_calc_agent  # noqa: E402
-from flowrl.runtime.checkpoint import read_policy_state  # noqa: E402
+from flowrl.runtime.checkpointing.store import read_policy_state  # noqa: E402
 from flowrl.operators.generation import Generator  # noqa: E402
 from flowrl.operators.multiturn import MultiTurnGenerator  # noqa: E402
 from flowrl.operators.source import pad_left  # noqa: E402

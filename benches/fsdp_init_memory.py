@@ -1,7 +1,7 @@
 """Peak memory of an FSDP policy's initialisation per rank: the whole model on every rank, then
 broadcast and sharded (``--mode whole``, what ``ShardedPolicy`` did before, and still does for LoRA),
 against the meta-device build that materialises only each rank's rows (``--mode meta``,
-``flowrl.runtime.fsdp_init``).
+``flowrl.runtime.parallel.fsdp_init``).
 
 Each mode runs in its own ``torchrun`` job (2 gloo ranks by default), so each rank's peak RSS
 (``ru_maxrss``) is that mode's alone; printed per rank: RSS after the imports, the peak during the
@@ -45,8 +45,8 @@ def _job(mode: str, directory: str, init: str, out: str) -> None:
     from flowrl.graph.configs import HFModelConfig, OptimizerConfig
     from flowrl.graph.nodes import LossNode, PolicyNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.fsdp import shard_trainer_
-    from flowrl.runtime.fsdp_init import meta_build
+    from flowrl.runtime.parallel.fsdp import shard_trainer_
+    from flowrl.runtime.parallel.fsdp_init import meta_build
 
     import transformers  # noqa: F401  (imported before the baseline, as in a run)
 

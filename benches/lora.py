@@ -91,7 +91,7 @@ def main() -> None:
     lora = dict(r=args.rank, alpha=2 * args.rank, target_modules=targets)
     with tempfile.TemporaryDirectory() as tmp:
         from flowrl.models.export import export_hf
-        from flowrl.runtime.checkpoint import read_policy_state
+        from flowrl.runtime.checkpointing.store import read_policy_state
 
         random_dir = model_dir(Path(tmp) / args.family, args.family)
         out = {"model": {"qwen2": "qwen2 2x128 (4 heads)", "llama": "hf_copy's llama 2x64"}[args.family], "steps": args.steps, "engine": args.engine, "lora": lora}

@@ -1,12 +1,12 @@
 """An FSDP2 policy's checkpoint, sharded (each rank writes its shards) against gathered (the one-file format):
 extra memory per rank while saving, bytes each rank writes, seconds.
 
-``torchrun`` ranks (gloo, CPU) shard a built-in transformer with ``flowrl.runtime.fsdp.shard_trainer_``
+``torchrun`` ranks (gloo, CPU) shard a built-in transformer with ``flowrl.runtime.parallel.fsdp.shard_trainer_``
 and fill AdamW's moments with one step; then, alternating, ``--repeats`` times each:
 
-- ``sharded``: ``flowrl.runtime.sharded_state.save_sharded`` (torch.distributed.checkpoint, what
+- ``sharded``: ``flowrl.runtime.checkpointing.sharded_state.save_sharded`` (torch.distributed.checkpoint, what
   ``ShardedPolicy.save`` does);
-- ``gathered``: ``flowrl.runtime.fsdp.full_state`` to the lead, which ``torch.save``s it (the one-file
+- ``gathered``: ``flowrl.runtime.parallel.fsdp.full_state`` to the lead, which ``torch.save``s it (the one-file
   format an FSDP policy wrote before sharded checkpoints; what a replicated policy writes).
 
 Per rank it reports the peak resident memory above the resident memory just before the save
@@ -60,8 +60,8 @@ def _job(out: str, dim: int, layers: int, vocab: int, repeats: int) -> int:
     from flowrl.graph.configs import ModelConfig, OptimizerConfig
     from flowrl.graph.nodes import LossNode, PolicyNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.fsdp import full_state, shard_trainer_
-    from flowrl.runtime.sharded_state import save_sharded
+    from flowrl.runtime.parallel.fsdp import full_state, shard_trainer_
+    from flowrl.runtime.checkpointing.sharded_state import save_sharded
 
     dist.init_process_group("gloo")
     rank, dp = dist.get_rank(), dist.get_world_size()

@@ -124,7 +124,7 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "publish", "sync"),
     ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "save", "checkpoint"),
     ("flowrl.operators.engines.vllm_engine:VLLMGenerator", "_push", "sync"),
-    ("flowrl.runtime.checkpointer", "save_run_checkpoint", "checkpoint"),  # the name the Checkpointer calls
+    ("flowrl.runtime.checkpointing.checkpointer", "save_run_checkpoint", "checkpoint"),  # the name the Checkpointer calls
 )
 
 

@@ -20,7 +20,7 @@ _LAZY = {
     "run_graph": "flowrl.runtime.run",
     "RunConfig": "flowrl.runtime.config",
     "RunResult": "flowrl.runtime.controller",
-    "Placement": "flowrl.placement.data",
+    "Placement": "flowrl.placement.layout",
 }
 
 

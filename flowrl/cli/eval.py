@@ -2,7 +2,7 @@
 scorer's reward on held-out prompts of its task: the figures ``--eval-every`` gives during a run.
 
 Held-out prompts are the task's prompt indices from ``HELD_OUT_START`` (2**40) on, beyond what any
-training run reads (``flowrl.runtime.policy_samples``).
+training run reads (``flowrl.runtime.evaluation.policy_samples``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
-    from flowrl.runtime.evaluation import eval_metrics
-    from flowrl.runtime.policy_samples import eval_positions, load_policy, rollout
+    from flowrl.runtime.evaluation.during_run import eval_metrics
+    from flowrl.runtime.evaluation.policy_samples import eval_positions, load_policy, rollout
 
     if args.prompts < 1 or args.samples < 1:
         raise ConfigError(f"--prompts {args.prompts} and --samples {args.samples} must both be >= 1")

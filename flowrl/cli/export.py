@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.models.export import export_hf
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
 
     state = read_policy_state(args.checkpoint, node=args.node)
     out = export_hf(state, args.output, overwrite=args.overwrite, adapter=args.adapter)

@@ -167,7 +167,7 @@ def _metrics_rows(path: str) -> list[dict[str, object]]:
     import msgspec
 
     from flowrl.errors import PlanError
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
 
     try:
         rows = read_metrics(path)
@@ -185,7 +185,7 @@ def lengths_from_metrics(path: str) -> LengthDistribution:
         PlanError: the file is missing, unreadable, not JSON lines, or records no lengths.
     """
     from flowrl.planners.lengths import lengths_from_histograms
-    from flowrl.runtime.metrics import COMPLETION_LEN_HIST
+    from flowrl.runtime.observe.metrics import COMPLETION_LEN_HIST
 
     return lengths_from_histograms((row.get(COMPLETION_LEN_HIST) for row in _metrics_rows(path)), source=str(path))
 

@@ -35,7 +35,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("step time (s)", ("step_time_s",)),
 )
 
-#: Training health (``flowrl.runtime.metrics.HEALTH_KEYS``), a panel each when the rows hold its first key.
+#: Training health (``flowrl.runtime.observe.metrics.HEALTH_KEYS``), a panel each when the rows hold its first key.
 HEALTH_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policy entropy (nats per completion token)", ("policy/entropy",)),
     ("reward std within groups; share of groups with equal rewards", ("rollout/reward_std", "rollout/zero_std_frac")),
@@ -185,7 +185,7 @@ def draw_runs(runs: dict[str, list[dict[str, Any]]]) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
 
     out = Path(args.output)
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):

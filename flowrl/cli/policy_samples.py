@@ -1,5 +1,5 @@
 """The arguments ``flowrl sample`` and ``flowrl eval`` share; what they do with a checkpoint is
-``flowrl.runtime.policy_samples`` (which evaluation during training uses too)."""
+``flowrl.runtime.evaluation.policy_samples`` (which evaluation during training uses too)."""
 
 from __future__ import annotations
 

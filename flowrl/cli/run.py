@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
-    from flowrl.placement.data import Placement
+    from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
 
 __all__ = ["register"]
@@ -124,7 +124,7 @@ def _run_here(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
     from flowrl.cli.graphs import load_graph
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.placement import resolve_device
+    from flowrl.runtime.executor_placement import resolve_device
     from flowrl.runtime.run import run_graph
     from flowrl.runtime.synthetic import synthetic_programs
 
@@ -155,7 +155,7 @@ def _run_here(args: argparse.Namespace) -> int:
     if args.wandb:
         import importlib.util
 
-        from flowrl.runtime.wandb_log import WANDB_INSTALL
+        from flowrl.runtime.observe.wandb_log import WANDB_INSTALL
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError(f"--wandb needs the wandb package: {WANDB_INSTALL}")
@@ -189,7 +189,7 @@ def _run_here(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # RunConfig names its fields; say the flags
         raise ConfigError(_as_flags(str(exc))) from None
     if config.eval_every:
-        from flowrl.runtime.evaluation import check_eval_data
+        from flowrl.runtime.evaluation.during_run import check_eval_data
 
         try:  # before a checkpoint directory is touched
             check_eval_data(graph, str(config.eval_data))
@@ -217,7 +217,7 @@ def _checkpoint_directory(args: argparse.Namespace) -> Iterator[None]:
     if not args.checkpoint_dir:
         yield
         return
-    from flowrl.runtime.checkpoint import lock_directory, prepare_directory
+    from flowrl.runtime.checkpointing.store import lock_directory, prepare_directory
 
     with lock_directory(args.checkpoint_dir, create=not args.resume):  # first: a concurrent run is refused at once
         found = prepare_directory(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite_checkpoints)
@@ -229,7 +229,7 @@ def _checkpoint_directory(args: argparse.Namespace) -> Iterator[None]:
 def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, config: RunConfig) -> int:
     """Run the graph with a progress bar and print the summary (rank 0 or a single process)."""
     from flowrl.errors import NodeBuildError, NodeExecutionError
-    from flowrl.runtime.progress import ProgressBar
+    from flowrl.runtime.observe.progress import ProgressBar
     from flowrl.runtime.run import run_graph
 
     import warnings
@@ -246,14 +246,14 @@ def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, 
     closing: list = []  # the sinks that hold files open
     wandb_sink = None
     if args.tensorboard:
-        from flowrl.runtime.tensorboard import TensorBoardSink
+        from flowrl.runtime.observe.tensorboard import TensorBoardSink
 
         closing.append(TensorBoardSink(args.tensorboard))
     if args.wandb:
         import msgspec
 
         from flowrl.graph.serialize import to_json
-        from flowrl.runtime.wandb_log import WandbSink
+        from flowrl.runtime.observe.wandb_log import WandbSink
 
         run_config = {"run": msgspec.to_builtins(config), "graph": msgspec.json.decode(to_json(graph))}
         wandb_sink = WandbSink(args.wandb, config=run_config, mode=args.wandb_mode, name=graph.name)
@@ -374,8 +374,8 @@ def _check_option_names(options: dict[str, object]) -> None:
 
 def _what_is_kept(args: argparse.Namespace) -> str:
     """After a run failed mid-way: which of its outputs remain (they are real) and how to go on."""
-    from flowrl.runtime.checkpoint import latest_checkpoint
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.checkpointing.store import latest_checkpoint
+    from flowrl.runtime.observe.metrics import read_metrics
 
     notes = []
     if args.metrics and os.path.isfile(args.metrics):

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flowrl.runtime.policy_samples import eval_positions, load_policy, rollout
+    from flowrl.runtime.evaluation.policy_samples import eval_positions, load_policy, rollout
     from flowrl.errors import ConfigError
 
     if args.n < 1 or args.samples < 1:

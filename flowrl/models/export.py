@@ -1,7 +1,7 @@
 """A checkpoint's policy as a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
 ``export_hf(state, out_dir)`` takes a policy state (``Trainer.state()``: ``model_config`` and
-``model``; a checkpoint's is ``flowrl.runtime.checkpoint.read_policy_state``, a sharded policy's
+``model``; a checkpoint's is ``flowrl.runtime.checkpointing.store.read_policy_state``, a sharded policy's
 shards consolidated) and writes weights (safetensors), ``config.json`` and the tokenizer.
 
 Any family is written as its ``ModelFamily.hf_architecture`` class with its adapter's
@@ -50,7 +50,7 @@ def export_hf(state: dict[str, Any], out_dir: str | Path, *, overwrite: bool = F
     adapter directory (``PeftModel.from_pretrained(base, out_dir)``), ``flowrl.models.lora.save_adapter``.
 
     Args:
-        state: a ``Trainer.state()`` dict (a checkpoint's: ``flowrl.runtime.checkpoint.read_policy_state``).
+        state: a ``Trainer.state()`` dict (a checkpoint's: ``flowrl.runtime.checkpointing.store.read_policy_state``).
         out_dir: where to write; created if missing.
         overwrite: allow writing into a non-empty ``out_dir`` (its files of the same names are replaced).
         adapter: write a LoRA policy's adapters only (refused for a policy without ``lora``).

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Split", "ModelFamily", "FamilyAdapter", "ModelTokens"]
 
-#: How tensor parallelism splits a weight (``flowrl.runtime.tensor_parallel``): ``column`` (dim 0,
+#: How tensor parallelism splits a weight (``flowrl.runtime.parallel.tensor_parallel``): ``column`` (dim 0,
 #: output rows), ``row`` (dim 1, input columns; all-reduce after), or ``replicated``.
 Split = Literal["column", "row", "replicated"]
 

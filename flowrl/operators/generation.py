@@ -27,7 +27,7 @@ whatever was generated before (a resumed run re-draws what it would have drawn),
 uncached paths consume the same random numbers.
 
 Device: the model lives on ``device`` (``"cpu"``, ``"cuda:0"``, ...; the runtime picks it,
-``flowrl.runtime.placement.node_devices``). Prompts arrive as CPU tensors and are moved there; every
+``flowrl.runtime.executor_placement.node_devices``). Prompts arrive as CPU tensors and are moved there; every
 tensor of the rollout comes back on the CPU (channels, the process wire and scorers carry CPU
 tensors). The sampling RNG is a ``torch.Generator`` on the device: on the CPU results are exactly
 those of a generator built without a device; on CUDA the draws differ from the CPU's (another RNG)
@@ -253,7 +253,7 @@ class Generator:
 
     def refresh_weight_targets(self) -> dict[str, Tensor]:
         """Re-read the targets from the model after its parameters were replaced (e.g. by their
-        tensor-parallel shards, ``flowrl.runtime.tensor_parallel``); returns them.
+        tensor-parallel shards, ``flowrl.runtime.parallel.tensor_parallel``); returns them.
 
         Raises:
             ConfigError: for a quantized generator, whose layers cannot be re-read (or sharded).

@@ -103,7 +103,7 @@ TRAIN_FIELDS: tuple[str, ...] = (
 
 
 #: Metrics that are means over tokens -> the count of the tokens each covers: a batch's optimizer steps
-#: are combined (``_combine``), and data-parallel ranks reduced (``flowrl.runtime.distributed.reduce_metrics``),
+#: are combined (``_combine``), and data-parallel ranks reduced (``flowrl.runtime.parallel.distributed.reduce_metrics``),
 #: weighted by that count, so the figure is the mean over every token of the batch, whatever the split.
 TOKEN_MEANS: dict[str, str] = {"mismatch/kl": "mismatch/tokens", "policy/entropy": "policy/tokens"}
 
@@ -176,7 +176,7 @@ class Trainer:
         loss: the loss node its objective comes from.
         device: where the model and the optimizer live (``"cpu"``, ``"cuda:N"``).
         model: ``node.model``'s model already built (None: ``build_model`` here); an FSDP rank passes
-            one with its parameters on the meta device, which ``flowrl.runtime.fsdp.shard_trainer_``
+            one with its parameters on the meta device, which ``flowrl.runtime.parallel.fsdp.shard_trainer_``
             shards and materialises (the optimizer is rebuilt there).
 
     Attributes:
@@ -184,7 +184,7 @@ class Trainer:
         optimizer: AdamW over the model's parameters.
         version: completed optimizer steps.
         loss_scale: a factor on the loss before ``backward`` (1; an FSDP rank sets its token share,
-            ``flowrl.runtime.fsdp.token_scale``).
+            ``flowrl.runtime.parallel.fsdp.token_scale``).
         part_of: ``(mini_batch) -> this rank's part of it`` (whole prompt groups), called before each
             optimizer step and once on the whole batch (for the rollout's metrics); a data-parallel
             program sets it (``flowrl.runtime.backends.rank_programs``), and sets its rank's share of the
@@ -202,7 +202,7 @@ class Trainer:
         self.node, self.loss = node, loss
         self.device = torch.device(device)
         opt = node.optimizer
-        # a given model is node.model's, built elsewhere: an FSDP rank's on the meta device (flowrl.runtime.fsdp_init)
+        # a given model is node.model's, built elsewhere: an FSDP rank's on the meta device (flowrl.runtime.parallel.fsdp_init)
         self.model = (build_model(node.model, device=self.device) if model is None else model).train()
         self.lora = lora_of(node.model)  # LoRA: only the adapters train, travel and are checkpointed
         add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
@@ -213,7 +213,7 @@ class Trainer:
         )
         self.version = 0
         self._weights = adapter_weights(self.model) if self.lora else weight_dict(self.model)  # views of the parameters, updated in place
-        self.loss_scale = 1.0  # a factor on the loss before backward, set per step by flowrl.runtime.fsdp
+        self.loss_scale = 1.0  # a factor on the loss before backward, set per step by flowrl.runtime.parallel.fsdp
         self.part_of: Callable[[dict[str, Tensor]], dict[str, Tensor]] = _whole  # a data-parallel rank's share
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:

@@ -14,7 +14,7 @@ Example:
     'gen:d2@0-1 | policy:d2@0-1'
 """
 
-from flowrl.placement.data import AXES, NodeMesh, Placement, colocation_groups, device_ranges
+from flowrl.placement.layout import AXES, NodeMesh, Placement, colocation_groups, device_ranges
 from flowrl.placement.default import RUN_STRATEGIES, default_placement, run_devices, run_strategy
 from flowrl.placement.forms import decode_placement, load_placement, placement_to_json
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from flowrl.errors import PlanError
 from flowrl.graph.kinds import KINDS
-from flowrl.placement.data import NodeMesh, Placement
+from flowrl.placement.layout import NodeMesh, Placement
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph

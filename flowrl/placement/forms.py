@@ -32,7 +32,7 @@ import msgspec
 from flowrl.errors import PlanError
 from flowrl.fileio import read_bounded
 from flowrl.graph.nodes import DEVICE_KINDS
-from flowrl.placement.data import AXES, NodeMesh, Placement
+from flowrl.placement.layout import AXES, NodeMesh, Placement
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph

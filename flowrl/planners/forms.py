@@ -30,7 +30,7 @@ from flowrl.errors import PlanError
 from flowrl.fileio import read_bounded
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import DEVICE_KINDS
-from flowrl.placement.data import Placement
+from flowrl.placement.layout import Placement
 from flowrl.placement.forms import EXAMPLE, decode_placement
 from flowrl.planners.plan_data import MAX_PLAN_BYTES, load_plan
 

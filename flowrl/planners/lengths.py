@@ -155,7 +155,7 @@ def mean_and_tail(*, mean: float, max_len: int, tail_frac: float) -> LengthDistr
 
 def lengths_from_histograms(histograms: Iterable[object], *, source: str) -> LengthDistribution:
     """The completion lengths of a real run, pooled from its metrics rows' ``[[length, count], ...]``
-    histograms (``flowrl.runtime.metrics.length_histogram``); entries of another shape are skipped.
+    histograms (``flowrl.runtime.observe.metrics.length_histogram``); entries of another shape are skipped.
 
     Example:
         >>> lengths_from_histograms([[[1, 2], [5, 2]], [[5, 4]]], source="m.jsonl").points

@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 
 from flowrl.errors import PlanError
-from flowrl.placement.data import AXES
+from flowrl.placement.layout import AXES
 
 if TYPE_CHECKING:
     from flowrl.modelspec import ModelSpec

@@ -28,7 +28,7 @@ import msgspec
 from flowrl.errors import PlanError
 from flowrl.fileio import decode_errors, write_atomic
 from flowrl.graph.nodes import DEVICE_KINDS, IN_POLICY_KINDS, TRAINABLE_KINDS
-from flowrl.placement.data import AXES, NodeMesh, Placement, colocation_groups, device_ranges
+from flowrl.placement.layout import AXES, NodeMesh, Placement, colocation_groups, device_ranges
 from flowrl.planners.cluster import DEVICE_TRAITS, MAX_DEVICES, ClusterSpec
 from flowrl.planners.estimate.common import MemoryBreakdown
 from flowrl.planners.estimate.sync import SyncEstimate

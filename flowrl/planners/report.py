@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flowrl.graph.nodes import IN_POLICY_KINDS
 from flowrl.planners.plan import Plan
-from flowrl.placement.data import device_ranges
+from flowrl.placement.layout import device_ranges
 from flowrl.planners.units import format_bytes, format_seconds
 
 __all__ = ["format_plan", "format_table"]

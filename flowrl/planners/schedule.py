@@ -28,7 +28,7 @@ import msgspec
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.placement.data import colocation_groups, device_ranges
+from flowrl.placement.layout import colocation_groups, device_ranges
 from flowrl.planners.estimate.sync import SyncEstimate
 
 __all__ = ["Span", "StepTimes", "step_times", "shared_step_s"]

@@ -46,7 +46,7 @@ from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, 
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners.strategies import DeviceSplit, device_splits
 from flowrl.planners.units import format_bytes
-from flowrl.placement.data import device_ranges
+from flowrl.placement.layout import device_ranges
 
 __all__ = [
     "Roles",

@@ -38,14 +38,14 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         stall_timeout_s: fail the run if no executor finishes a step for this long.
         progress: draw a progress bar on stderr.
         log_samples: every N trainer steps, decode a few samples of the batch into the metrics row
-            (``samples_text``; ``flowrl.runtime.samples``); 0 never.
+            (``samples_text``; ``flowrl.runtime.observe.samples``); 0 never.
         threads: torch intra-op threads of the local backend; 0 divides the cores among the
             placement's colocation groups.
         device: where the models run: ``"auto"`` (CUDA when torch sees a CUDA device, else the CPU),
             ``"cpu"`` or ``"cuda"`` (each node on ``cuda:N`` from its placement; see
-            ``flowrl.runtime.placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
+            ``flowrl.runtime.executor_placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
         eval_every: every N trainer steps, score the policy on the rows of ``eval_data`` in a
-            background thread (``flowrl.runtime.evaluation``: ``eval/...`` keys in that step's
+            background thread (``flowrl.runtime.evaluation.during_run``: ``eval/...`` keys in that step's
             metrics row); 0 never.
         eval_data: the held-out prompt file (the fields of the training file); needs ``eval_every``.
         eval_samples: sampled completions per eval row (``k`` of pass@k), besides the greedy one.

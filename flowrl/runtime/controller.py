@@ -31,18 +31,18 @@ import torch
 from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.placement.data import Placement
+from flowrl.placement.layout import Placement
 from flowrl.runtime.channels import ChannelClosed, Message
-from flowrl.runtime.checkpointer import Checkpointer
+from flowrl.runtime.checkpointing.checkpointer import Checkpointer
 from flowrl.runtime.clock import ClockStopped, VersionClock
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.executors import Executor, Executors
 from flowrl.runtime.ledger import PromptLedger, continuous_feeds
 from flowrl.runtime.programs import NodeProgram
-from flowrl.runtime.row_sink import RowSink
+from flowrl.runtime.observe.row_sink import RowSink
 from flowrl.runtime.run_stop import RunStop
 from flowrl.runtime.staleness import StalenessGate, StalenessViolation
-from flowrl.runtime.step_trace import SPAN_NAMES, trace_step
+from flowrl.runtime.observe.step_trace import SPAN_NAMES, trace_step
 from flowrl.trace import Tracer
 
 __all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]

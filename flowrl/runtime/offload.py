@@ -53,7 +53,7 @@ from flowrl.graph.kinds import KINDS
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
-    from flowrl.placement.data import Placement
+    from flowrl.placement.layout import Placement
 
 __all__ = [
     "OffloadMode",

@@ -120,7 +120,7 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
         weight_timeout_s: how long a consumer waits for a published version before failing.
         options: free-form settings for user programs (durations of synthetic operators, ...).
         devices: node name -> the torch device its model lives on (``"cuda:0"``); a node not named
-            runs on the CPU. Decided by ``flowrl.runtime.placement.node_devices``.
+            runs on the CPU. Decided by ``flowrl.runtime.executor_placement.node_devices``.
         offload: node name -> its part in colocated offloading, ``"trainer"`` (its state waits in
             host memory between its steps) or ``"engine"`` (its engine sleeps between its steps);
             decided by ``flowrl.runtime.offload.offload_roles``.
@@ -482,7 +482,7 @@ class PolicyProgram(ProgramBase):
         torch.save(self.trainer.state(), path)
 
     def load(self, path: str) -> None:
-        from flowrl.runtime.sharded_state import read_state
+        from flowrl.runtime.checkpointing.sharded_state import read_state
 
         self.trainer.load_state(read_state(path))  # one file, or a sharded state consolidated (any dp size); load_state moves to the device
         self._published = -1

@@ -28,7 +28,7 @@ from typing import overload
 from flowrl.backend_traits import backend_traits
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.placement.data import Placement
+from flowrl.placement.layout import Placement
 from flowrl.runtime.backends.base import OnStep, create_backend
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import RunResult
@@ -74,9 +74,9 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         GraphWarning: for each of ``flowrl.graph.advice.advice(graph)``.
     """
     from flowrl.graph.advice import warn_about
-    from flowrl.runtime.fsdp import check_backend
+    from flowrl.runtime.parallel.fsdp import check_backend
     from flowrl.runtime.names import check_names
-    from flowrl.runtime.placement import resolve_device
+    from flowrl.runtime.executor_placement import resolve_device
     from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_packing_families
 
     if isinstance(placement, RunConfig) and config is None:  # run_graph(graph, config)
@@ -96,13 +96,13 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
     check_packing_families(graph, skip=frozenset(config.programs))  # packing=True with a family that cannot pack
     if config.eval_every:
-        from flowrl.runtime.evaluation import check_eval_data
+        from flowrl.runtime.evaluation.during_run import check_eval_data
 
         check_eval_data(graph, str(config.eval_data))  # a missing file or column: refused before any work
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
     if config.offload == "on" or (config.offload == "auto" and placement is not None and placement.offload):  # refused before any work
         from flowrl.runtime.offload import offload_roles
-        from flowrl.runtime.placement import run_placement
+        from flowrl.runtime.executor_placement import run_placement
 
         if backend_traits(backend.name).ranks:  # its ranks hold the default placement of the job's world: refused or said without it
             offload_roles(graph, placement or Placement(nodes={}), config.offload, device=device, backend=backend.name)

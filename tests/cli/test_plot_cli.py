@@ -88,7 +88,7 @@ def test_the_mismatch_panel_leaves_out_steps_that_measured_nothing():
 
 def _rich_metrics(path):
     """Two named rewards, a KL to the reference, the objective's KL, training health, and evaluations at steps 2 and 4."""
-    from flowrl.runtime.metrics import HEALTH_KEYS
+    from flowrl.runtime.observe.metrics import HEALTH_KEYS
 
     rows = []
     for s in range(1, 5):
@@ -111,7 +111,7 @@ def test_panels_per_named_reward_kl_and_evaluations_when_the_rows_hold_them(tmp_
     import matplotlib.pyplot as plt
 
     from flowrl.cli.plot import PANELS, panels, plot_runs
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
 
     drawn = {}
 
@@ -147,7 +147,7 @@ def test_the_figure_title_overlaps_no_panel_title_or_legend(tmp_path):
     two runs; boxes in display pixels from matplotlib's renderer)."""
     pytest.importorskip("matplotlib")
     from flowrl.cli.plot import draw_runs
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
 
     runs = {name: read_metrics(_metrics(tmp_path / f"{name}.jsonl", 20, k)) for name, k in (("k0-baseline", 0), ("k2-async", 2))}
     fig = draw_runs(runs)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flowrl.cli.main import main
-from flowrl.runtime.metrics import REQUIRED_KEYS, read_metrics
+from flowrl.runtime.observe.metrics import REQUIRED_KEYS, read_metrics
 
 
 def test_synthetic_run_writes_metrics_and_trace(tmp_path, capsys):

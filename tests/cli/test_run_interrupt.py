@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from flowrl.runtime.checkpoint import latest_checkpoint
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.checkpointing.store import latest_checkpoint
+from flowrl.runtime.observe.metrics import read_metrics
 
 
 def test_sigint_checkpoints_and_exits_130(tmp_path: Path):

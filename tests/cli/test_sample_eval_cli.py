@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flowrl.cli.main import main
-from flowrl.runtime.policy_samples import HELD_OUT_START
+from flowrl.runtime.evaluation.policy_samples import HELD_OUT_START
 from flowrl.operators.tasks import CopyTask
 
 
@@ -40,7 +40,7 @@ def test_eval_reports_greedy_and_sampled_reward(checkpoint, capsys):
 def test_eval_reports_pass_at_k_as_the_runs_evaluation_does_by_hand(checkpoint, capsys):
     """pass@1 is the mean share of a prompt's S sampled completions that pass; pass@S the share of prompts
     with at least one (the unbiased estimator's ends, by hand); greedy_pass the share of greedy ones."""
-    from flowrl.runtime.policy_samples import eval_positions, load_policy, rollout
+    from flowrl.runtime.evaluation.policy_samples import eval_positions, load_policy, rollout
 
     policy = load_policy(checkpoint)
     indices = eval_positions(policy, 8)
@@ -75,7 +75,7 @@ def test_checkpoint_mistakes(tmp_path, checkpoint, capsys, command):
 
 
 def test_greedy_is_deterministic_and_sampling_is_not_greedy(checkpoint):
-    from flowrl.runtime.policy_samples import load_policy, rollout
+    from flowrl.runtime.evaluation.policy_samples import load_policy, rollout
 
     policy = load_policy(checkpoint)
     indices = range(HELD_OUT_START, HELD_OUT_START + 16)
@@ -96,7 +96,7 @@ def hf_checkpoint(tmp_path_factory):
 def test_sample_and_eval_an_hf_model_on_a_prompt_file(hf_checkpoint, tmp_path, capsys):
     """The HF example: prompts decoded with its tokenizer, rows of the file in file order, the text
     scorer fed the row's ``answer``; --data reads held-out rows."""
-    from flowrl.runtime.policy_samples import load_policy, rollout
+    from flowrl.runtime.evaluation.policy_samples import load_policy, rollout
     from flowrl.examples.hf_copy import ASSETS, reward
 
     rows = [json.loads(line) for line in (ASSETS / "prompts.jsonl").read_text().splitlines()[:3]]

@@ -116,7 +116,7 @@ def test_a_multi_turn_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_pa
     uninterrupted run's (each step's episodes are re-run from the same prompts and weights)."""
     import torch
 
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
 
     whole = _run(tmp_path / "a", 4)
     with pytest.raises(NodeExecutionError, match="stopped by the test"):
@@ -139,7 +139,7 @@ def test_a_reference_on_a_multi_turn_generator_attends_the_environment_tokens(tm
     """The reference reads ``completion_lens``: at step 1 it is the policy's version 0, so with its
     environment tokens attended as the trainer attends them the KL penalty is 0 (within float32
     rounding of the same forward); attending only the model's tokens would give a positive KL."""
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
 
     b = GraphBuilder("ref", model=MODEL)
     gen = b.generator("gen", b.source("prompts", task="flowrl.envs.games:guess_task", batch_size=2), n_samples=2,

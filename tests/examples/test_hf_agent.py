@@ -15,7 +15,7 @@ import pytest
 
 from flowrl.cli.main import main
 from flowrl.examples.hf_agent import ASSETS, CALL, CALL_CREDIT, BoxEnv
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.observe.metrics import read_metrics
 
 pytest.importorskip("transformers")
 

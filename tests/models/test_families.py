@@ -25,7 +25,7 @@ from flowrl.models.families import FAMILIES
 from flowrl.models.family import ModelFamily
 from flowrl.models.registry import build_model, family_of, meta_model, model_tokens, weight_shapes
 from flowrl.placement.resharding import local_slice
-from flowrl.runtime.tensor_parallel import param_splits, shard_model_, tp_param_layouts
+from flowrl.runtime.parallel.tensor_parallel import param_splits, shard_model_, tp_param_layouts
 from tests.hf_fixtures import make_hf_dir
 from tests.tolerances import logit_atol
 

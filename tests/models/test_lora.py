@@ -258,7 +258,7 @@ def test_a_lora_run_sends_only_adapter_bytes_and_checkpoints_only_adapters(tmp_p
     """The HF example with LoRA, 3 steps: each metrics row's ``sync/bytes`` is the adapters' size by
     hand, and the run's checkpoint holds the adapters and their optimizer state only."""
     from flowrl.examples.hf_copy import build_hf_copy
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 

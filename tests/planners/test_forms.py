@@ -14,7 +14,7 @@ from flowrl.planners.forms import read_placement
 from flowrl.planners.plan import plan_graph, save_plan
 from flowrl.runtime.backends.torchrun import rank_placement
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.placement import run_placement
+from flowrl.runtime.executor_placement import run_placement
 
 LLAMARL = build_llamarl(max_staleness=1)
 

@@ -21,7 +21,7 @@ from flowrl.planners.lengths import (
     steady_decode_steps,
 )
 from flowrl.planners.parallel import ParallelDims
-from flowrl.runtime.metrics import length_histogram  # the metrics row writes it
+from flowrl.runtime.observe.metrics import length_histogram  # the metrics row writes it
 from flowrl.planners.schedule import step_times
 from flowrl.planners.workload import Workload, workload_from_graph
 from tests.planners.test_estimates import TINY, ctx, device

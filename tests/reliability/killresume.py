@@ -136,7 +136,7 @@ def alive(pid: int) -> bool:
 
 def _check_checkpoints(ck: Path, problems: list[str]) -> None:
     """Every ``step-*`` directory is complete and loadable; LATEST names one of them."""
-    from flowrl.runtime.checkpoint import CheckpointMeta
+    from flowrl.runtime.checkpointing.store import CheckpointMeta
 
     for step in sorted(ck.glob("step-*")):
         try:

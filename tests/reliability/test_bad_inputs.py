@@ -276,7 +276,7 @@ class _Payload:
 def _poisoned_checkpoint(tmp_path: Path):
     """A graph and a checkpoint dir whose newest trainer state is a pickle that runs code when loaded."""
     from flowrl.examples.llamarl import build_llamarl
-    from flowrl.runtime.checkpoint import latest_checkpoint
+    from flowrl.runtime.checkpointing.store import latest_checkpoint
     from tests.runtime.helpers import synthetic_config
 
     g = build_llamarl(max_staleness=1)
@@ -329,6 +329,6 @@ def test_every_torch_load_in_flowrl_is_weights_only() -> None:
 def test_pickle_is_never_imported_by_loaders() -> None:
     """The graph, plan and cluster loaders parse with msgspec: no pickle, marshal or eval in them."""
     root = Path(__file__).resolve().parents[2] / "flowrl"
-    for rel in ("graph/serialize.py", "cli/graphs.py", "planners/plan.py", "planners/cluster.py", "runtime/checkpoint.py"):
+    for rel in ("graph/serialize.py", "cli/graphs.py", "planners/plan.py", "planners/cluster.py", "runtime/checkpointing/store.py"):
         text = (root / rel).read_text()
         assert not re.search(r"^\s*import (pickle|marshal)|\beval\(|\bexec\(", text, re.M), rel

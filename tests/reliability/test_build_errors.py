@@ -69,6 +69,6 @@ def test_a_run_failing_later_keeps_its_metrics_and_says_so(tmp_path: Path) -> No
                        "--metrics", str(m)])
     assert outcome.code == 1
     assert f"the metrics of the 4 steps done are kept in {m}" in " ".join(outcome.stderr.split())
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
 
     assert [r["step"] for r in read_metrics(m)] == [1, 2, 3, 4]

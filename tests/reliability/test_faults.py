@@ -10,7 +10,7 @@ import torch
 
 from flowrl.errors import NodeExecutionError
 from flowrl.examples.llamarl import build_llamarl
-from flowrl.runtime.checkpoint import latest_checkpoint
+from flowrl.runtime.checkpointing.store import latest_checkpoint
 from flowrl.runtime.run import run_graph
 from flowrl.runtime.transports.registry import create_transport, register_transport
 from tests.runtime.helpers import synthetic_config

@@ -48,7 +48,7 @@ def test_every_builtin_has_its_traits_row():
 def test_what_a_backend_allows_comes_from_its_traits(monkeypatch):
     """FSDP and offloading are refused by a backend's traits, not its name: a user backend declaring ``shards`` takes FSDP."""
     from flowrl import backend_traits
-    from flowrl.runtime.fsdp import check_backend
+    from flowrl.runtime.parallel.fsdp import check_backend
     from flowrl.runtime.offload import offload_roles
     from tests.runtime.test_fsdp import fsdp_graph
 

@@ -11,11 +11,11 @@ import sys
 import pytest
 
 from flowrl.errors import CheckpointError
-from flowrl.runtime.checkpoint import LOCK_FILE, holds_checkpoints, lock_directory, prepare_directory
+from flowrl.runtime.checkpointing.store import LOCK_FILE, holds_checkpoints, lock_directory, prepare_directory
 
 HOLD = """
 import sys, time
-from flowrl.runtime.checkpoint import lock_directory
+from flowrl.runtime.checkpointing.store import lock_directory
 with lock_directory(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)
@@ -93,7 +93,7 @@ def test_a_prune_killed_halfway_leaves_no_step_directory_that_looks_complete(tmp
 
     import msgspec
 
-    from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter
+    from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter
 
     writer = CheckpointWriter(tmp_path, keep=1)
 

@@ -8,7 +8,7 @@ import pytest
 
 from flowrl.errors import CheckpointError
 from flowrl.examples import build_example
-from flowrl.runtime.checkpointer import Checkpointer
+from flowrl.runtime.checkpointing.checkpointer import Checkpointer
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.ledger import PromptLedger
 

@@ -11,7 +11,7 @@ import torch
 
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.runtime.compute_threads import ComputeThread, GroupLock, group_runners, set_intra_op_threads
-from flowrl.runtime.placement import run_placement
+from flowrl.runtime.executor_placement import run_placement
 from flowrl.runtime.run import run_graph
 from flowrl.runtime.synthetic import synthetic_program
 from tests.runtime.helpers import synthetic_config
@@ -128,7 +128,7 @@ def test_group_runners_share_one_runner_per_group(intra_op_threads, kind):
 
 def test_a_run_that_fails_before_its_first_step_ends_its_compute_threads(monkeypatch, tmp_path):
     from flowrl.errors import CheckpointError
-    from flowrl.runtime.checkpointer import Checkpointer
+    from flowrl.runtime.checkpointing.checkpointer import Checkpointer
 
     def refuse(self, *, continuous):
         raise CheckpointError("checkpoint unreadable")

@@ -10,7 +10,7 @@ import torch
 from flowrl.examples.longtail import LONGTAIL_MODEL
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.ir import Graph
-from flowrl.runtime.checkpoint import latest_checkpoint, read_meta
+from flowrl.runtime.checkpointing.store import latest_checkpoint, read_meta
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller
 from flowrl.runtime.run import run_graph

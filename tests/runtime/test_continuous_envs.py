@@ -16,7 +16,7 @@ from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.multiturn import MultiTurnGenerator
 from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
-from flowrl.runtime.checkpoint import latest_checkpoint, read_meta
+from flowrl.runtime.checkpointing.store import latest_checkpoint, read_meta
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.continuous import ContinuousRollouts
 from flowrl.runtime.controller import Controller

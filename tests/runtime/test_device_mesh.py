@@ -8,7 +8,7 @@ import pytest
 from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.planners.plan import plan_graph
-from flowrl.runtime.meshes import device_mesh
+from flowrl.runtime.parallel.meshes import device_mesh
 
 dist = pytest.importorskip("torch.distributed")
 

@@ -17,7 +17,7 @@ from flowrl.errors import ConfigError
 from flowrl.examples import build_example
 from flowrl.placement import NodeMesh, Placement
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.placement import node_devices, resolve_device, run_placement
+from flowrl.runtime.executor_placement import node_devices, resolve_device, run_placement
 from flowrl.runtime.program_table import build_program
 from flowrl.runtime.programs import ProgramEnv, SharedTransports
 from flowrl.runtime.run import run_graph

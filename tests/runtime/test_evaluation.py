@@ -12,8 +12,8 @@ import pytest
 from flowrl.cli.main import main
 from flowrl.errors import ConfigError
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.evaluation import eval_metrics, pass_at_k
-from flowrl.runtime.policy_samples import Scored
+from flowrl.runtime.evaluation.during_run import eval_metrics, pass_at_k
+from flowrl.runtime.evaluation.policy_samples import Scored
 
 
 def _subsets_with_a_pass(n: int, c: int, k: int) -> float:
@@ -72,7 +72,7 @@ def _direct_eval(step_dir, data, *, samples, pass_reward):
     """The figures of a checkpoint, computed here from ``flowrl eval``'s rollout, on one torch thread (as the
     evaluation thread runs), with pass@k counted over subsets."""
     from flowrl.runtime.compute_threads import set_intra_op_threads
-    from flowrl.runtime.policy_samples import eval_positions, load_policy, rollout
+    from flowrl.runtime.evaluation.policy_samples import eval_positions, load_policy, rollout
 
     out = {}
 
@@ -102,7 +102,7 @@ def test_eval_rows_come_every_n_steps_and_equal_a_direct_evaluation_of_that_step
     """hf_copy at k=1 (the generator runs a step ahead, so the evaluated weights must be the step's own, not
     the newest): every 2nd row holds eval/ figures equal to scoring the checkpoint of that step directly."""
     from flowrl.examples.hf_copy import build_hf_copy
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
     from flowrl.runtime.run import run_graph
 
     held, ck, metrics = _rows(tmp_path / "held.jsonl", 12, start=600), tmp_path / "ck", tmp_path / "m.jsonl"

@@ -85,7 +85,7 @@ def test_fsdp_on_a_one_process_backend_is_refused_before_any_work(tmp_path, back
     ids=["no-rank", "tp-axis"],
 )
 def test_fsdp_placements_are_refused(ranks, axes, match):
-    from flowrl.runtime.fsdp import check_ranks
+    from flowrl.runtime.parallel.fsdp import check_ranks
 
     with pytest.raises(ConfigError, match=match):
         check_ranks(fsdp_graph(), ranks, axes)
@@ -100,7 +100,7 @@ def test_fsdp_placements_are_refused(ranks, axes, match):
     ids=["empty-shard", "uneven-micro-batches"],
 )
 def test_shards_that_would_desynchronise_the_ranks_are_refused(sizes, micro, match):
-    from flowrl.runtime.fsdp import check_shards
+    from flowrl.runtime.parallel.fsdp import check_shards
 
     with pytest.raises(ConfigError, match=match):
         check_shards("policy", sizes, micro)
@@ -268,7 +268,7 @@ def test_a_2_rank_fsdp_policy_trains_with_a_generator_rank(tmp_path):
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last > first + 0.05, (first, last)  # measured: 0.07 -> 0.16 (first/last 10 steps, one run)
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
     from flowrl.models.families.builtin.model import Transformer
 
     nbytes = 4 * sum(p.numel() for p in Transformer(fsdp_graph().node("policy").model).parameters())
@@ -298,7 +298,7 @@ def test_the_generators_weights_equal_the_final_checkpoint_bit_for_bit(tmp_path,
 
     hashes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("gen-rank*.json"))]
     assert {h["rank"] for h in hashes} == set(place["gen"]), proc.stderr[-3000:]
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
 
     state = read_policy_state(tmp_path / "ck")
     assert all(h["version"] == int(state["version"]) == 3 for h in hashes), hashes
@@ -327,7 +327,7 @@ def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_
     built-in model; here two AdamW steps compound it; 1e-5 leaves room for that, not for a wrong shard)."""
     import shutil
 
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
 
     def run(nproc, place, steps, ck, *extra):
         (tmp_path / "place.json").write_text(json.dumps(place))
@@ -452,8 +452,8 @@ def _step_job(out: str, family: str, directory: str) -> int:
     from flowrl.models.lora import adapter_shapes
     from flowrl.models.registry import weight_shapes
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.distributed import recv_batch, send_batch, shard_by_groups
-    from flowrl.runtime.fsdp import full_state, full_weights, load_full_state, local_numel, local_weights, shard_trainer_, token_scale
+    from flowrl.runtime.parallel.distributed import recv_batch, send_batch, shard_by_groups
+    from flowrl.runtime.parallel.fsdp import full_state, full_weights, load_full_state, local_numel, local_weights, shard_trainer_, token_scale
     from flowrl.placement.resharding import dp_replicas, fsdp
     from flowrl.runtime.transports.collective import CollectiveTransport
     from tests.tolerances import GradientMagnitudes
@@ -509,7 +509,7 @@ def _step_job(out: str, family: str, directory: str) -> int:
         result["state_is_none"] = state is None
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        from flowrl.runtime.fsdp import _to_lead
+        from flowrl.runtime.parallel.fsdp import _to_lead
 
         uneven = []  # rows torch.chunk splits unevenly, or into fewer chunks than ranks
         for rows in (5, 1, 0):
@@ -596,8 +596,8 @@ def _checkpointing_job(out: str, family: str, directory: str) -> int:
 
     from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.distributed import shard_by_groups
-    from flowrl.runtime.fsdp import shard_trainer_, token_scale
+    from flowrl.runtime.parallel.distributed import shard_by_groups
+    from flowrl.runtime.parallel.fsdp import shard_trainer_, token_scale
     from tests.tolerances import GradientMagnitudes
 
     dist.init_process_group("gloo")
@@ -635,8 +635,8 @@ def _mixed_job(out: str) -> int:
 
     from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.distributed import shard_by_groups
-    from flowrl.runtime.fsdp import shard_trainer_, token_scale
+    from flowrl.runtime.parallel.distributed import shard_by_groups
+    from flowrl.runtime.parallel.fsdp import shard_trainer_, token_scale
     from tests.tolerances import GradientMagnitudes
 
     dist.init_process_group("gloo")

@@ -1,4 +1,4 @@
-"""An FSDP policy built on the meta device (``flowrl.runtime.fsdp_init``): its shards are the whole model's, bit for bit.
+"""An FSDP policy built on the meta device (``flowrl.runtime.parallel.fsdp_init``): its shards are the whole model's, bit for bit.
 
 The reference is what every rank did before: build the whole model (``build_model``), broadcast, and
 keep ``torch.chunk(p, dp)[rank]``. Pure parts run in this process (row ranges, each source's rows for
@@ -52,7 +52,7 @@ def _chunk(t: torch.Tensor, dp: int, index: int) -> torch.Tensor:
 
 
 def test_row_ranges_are_torch_chunks():
-    from flowrl.runtime.fsdp_init import row_range
+    from flowrl.runtime.parallel.fsdp_init import row_range
 
     for rows in range(0, 9):
         for dp in range(1, 5):
@@ -65,7 +65,7 @@ def test_row_ranges_are_torch_chunks():
 def test_every_rank_gets_the_rows_of_the_whole_model(case, tmp_path_factory):
     pytest.importorskip("transformers")
     from flowrl.models.registry import build_model
-    from flowrl.runtime.fsdp_init import meta_build, row_range
+    from flowrl.runtime.parallel.fsdp_init import meta_build, row_range
 
     config = _config(case, tmp_path_factory.getbasetemp() / "fsdp_init")
     whole = build_model(config)
@@ -85,7 +85,7 @@ def test_every_rank_gets_the_rows_of_the_whole_model(case, tmp_path_factory):
 
 def test_a_parameter_the_hf_init_leaves_unset_is_refused(tmp_path):
     pytest.importorskip("transformers")
-    from flowrl.runtime.fsdp_init import meta_build, row_range
+    from flowrl.runtime.parallel.fsdp_init import meta_build, row_range
 
     model, source = meta_build(_config("llama-random", tmp_path))
     model.model.norm.register_parameter("extra", torch.nn.Parameter(torch.empty(4, device="meta")))  # no _init_weights sets it
@@ -97,7 +97,7 @@ def test_a_parameter_the_hf_init_leaves_unset_is_refused(tmp_path):
 def test_the_meta_build_patches_only_its_own_thread():
     import threading
 
-    from flowrl.runtime.fsdp_init import _ParamsOnMeta
+    from flowrl.runtime.parallel.fsdp_init import _ParamsOnMeta
 
     other: dict[str, torch.nn.Module] = {}
     with _ParamsOnMeta():
@@ -115,7 +115,7 @@ def test_a_lora_policy_is_not_built_on_the_meta_device(tmp_path):
 
     from flowrl.errors import ConfigError
     from flowrl.graph.configs import LoraConfig
-    from flowrl.runtime.fsdp_init import meta_build
+    from flowrl.runtime.parallel.fsdp_init import meta_build
 
     config = msgspec.structs.replace(_config("llama-random", tmp_path), lora=LoraConfig(r=2, alpha=4, target_modules=("q_proj",)))
     with pytest.raises(ConfigError, match="a LoRA policy builds its whole model"):

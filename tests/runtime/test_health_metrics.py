@@ -22,7 +22,7 @@ from flowrl.graph.ir import Graph
 from flowrl.operators.trainer import learning_rate
 from flowrl.runtime import controller as controller_module
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.metrics import HEALTH_KEYS, UNNAMESPACED
+from flowrl.runtime.observe.metrics import HEALTH_KEYS, UNNAMESPACED
 from flowrl.runtime.run import run_graph
 
 MODEL = ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=32)
@@ -51,7 +51,7 @@ def _spied_run(monkeypatch, graph: Graph, config: RunConfig):
     """Run ``graph``; also return every program step's ``(kind, info)`` and each row with its batch."""
     infos: list[tuple[str, dict]] = []
     rows: list[tuple[dict, dict]] = []
-    from flowrl.runtime import row_sink
+    from flowrl.runtime.observe import row_sink
 
     trace_step, step_row = controller_module.Controller._trace_step, row_sink.step_row
 

@@ -63,8 +63,8 @@ def _job(out: str) -> int:
     from flowrl.operators.source import PromptSource
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.backends.rank_programs import DataParallelPolicy, RankContext, ShardedPolicy, set_context
-    from flowrl.runtime.distributed import broadcast_batch, shard_by_groups
-    from flowrl.runtime.fsdp import full_weights
+    from flowrl.runtime.parallel.distributed import broadcast_batch, shard_by_groups
+    from flowrl.runtime.parallel.fsdp import full_weights
 
     from tests.runtime.test_iterations_run import graph
 

@@ -60,7 +60,7 @@ def test_the_generators_adapters_equal_the_final_checkpoints_bit_for_bit(tmp_pat
     (tmp_path / "place.json").write_text(json.dumps(place))
     proc = _torchrun(3, [str(THIS), str(tmp_path), str(model_dir), sharding], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
 
     state = read_policy_state(tmp_path / "ck")  # FSDP: each rank's shards (policy-policy.dcp), consolidated here
     assert int(state["version"]) == 3

@@ -9,7 +9,7 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.ir import Graph
 from flowrl.operators.mismatch import MISMATCH_KEYS
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.observe.metrics import read_metrics
 from flowrl.runtime.run import run_graph
 from tests.operators.helpers import TINY
 from tests.tolerances import graph_logprob_atol, ratio_atol

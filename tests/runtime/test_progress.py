@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from flowrl.runtime import progress
-from flowrl.runtime.progress import ProgressBar
+from flowrl.runtime.observe import progress
+from flowrl.runtime.observe.progress import ProgressBar
 
 
 def test_rate_and_eta_ignore_slow_start(monkeypatch):

@@ -40,7 +40,7 @@ def test_each_metric_is_reduced_as_its_name_says(tmp_path: Path) -> None:
 def _worker_main(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    from flowrl.runtime.distributed import reduce_metrics
+    from flowrl.runtime.parallel.distributed import reduce_metrics
 
     rank, world, init, out = int(argv[0]), int(argv[1]), argv[2], Path(argv[3])
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)

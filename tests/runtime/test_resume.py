@@ -143,7 +143,7 @@ def test_a_checkpoint_from_before_a_new_config_field_resumes(graph_k, tmp_path):
     import hashlib
     import json
 
-    from flowrl.runtime.checkpoint import CheckpointMeta, latest_checkpoint
+    from flowrl.runtime.checkpointing.store import CheckpointMeta, latest_checkpoint
 
     g = graph_k(1)
     run_graph(g, synthetic_config(g, steps=3, checkpoint_dir=str(tmp_path)))

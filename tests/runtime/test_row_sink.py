@@ -10,7 +10,7 @@ import pytest
 from flowrl.errors import NodeExecutionError
 from flowrl.examples import build_example
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.row_sink import RowSink
+from flowrl.runtime.observe.row_sink import RowSink
 
 
 class _Evaluations:
@@ -30,7 +30,7 @@ class _Evaluations:
 
 @pytest.fixture(autouse=True)
 def _no_model(monkeypatch):
-    monkeypatch.setattr("flowrl.runtime.row_sink.Evaluator", _Evaluations)
+    monkeypatch.setattr("flowrl.runtime.observe.row_sink.Evaluator", _Evaluations)
 
 
 def _sink(tmp_path, *, eval_every: int = 0):

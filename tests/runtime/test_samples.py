@@ -10,7 +10,7 @@ from flowrl.examples.llamarl import build_llamarl
 from flowrl.operators.tasks import copy_reward
 from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.progress import ProgressBar
+from flowrl.runtime.observe.progress import ProgressBar
 from flowrl.runtime.run import run_graph
 
 

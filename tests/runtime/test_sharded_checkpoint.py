@@ -1,4 +1,4 @@
-"""Sharded checkpoints of an FSDP2 policy (``flowrl.runtime.sharded_state``): each rank writes its shards,
+"""Sharded checkpoints of an FSDP2 policy (``flowrl.runtime.checkpointing.sharded_state``): each rank writes its shards,
 any dp size reads them, every reader consolidates them.
 
 One torchrun job (3 ranks, gloo; ``python tests/runtime/test_sharded_checkpoint.py reshard OUT FAMILY DIR``)
@@ -90,7 +90,7 @@ def test_a_sharded_state_read_in_one_process_equals_the_gathered_state(job, save
     and a one-process (replicated) trainer loads it and holds the same state."""
     from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.sharded_state import read_state
+    from flowrl.runtime.checkpointing.sharded_state import read_state
 
     from tests.runtime.test_fsdp import _policy
 
@@ -112,7 +112,7 @@ def test_each_rank_writes_only_its_own_shards(job):
     steps, the param groups)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from flowrl.runtime.sharded_state import _read_metadata
+    from flowrl.runtime.checkpointing.sharded_state import _read_metadata
 
     out, _ = job
     for name, dp in (("dp2", 2), ("dp3", 3)):
@@ -158,7 +158,7 @@ def _step_dir(root: Path, state: Path, graph=None) -> Path:
     """A checkpoint directory as ``CheckpointWriter`` lays it out, holding ``state`` (a file or a sharded
     directory) and, given one, the graph that wrote it."""
     from flowrl.graph.serialize import to_json
-    from flowrl.runtime.checkpoint import GRAPH_FILE, graph_fingerprint
+    from flowrl.runtime.checkpointing.store import GRAPH_FILE, graph_fingerprint
 
     step = root / "step-00000001"
     step.mkdir(parents=True)
@@ -190,7 +190,7 @@ def test_flowrl_export_of_a_sharded_checkpoint_equals_the_export_of_its_one_file
 def test_flowrl_sample_and_eval_load_a_sharded_checkpoints_weights(job, tmp_path):
     """``load_policy`` (``flowrl sample`` / ``eval``): the generator gets the consolidated weights."""
     from flowrl.examples.llamarl import build_llamarl
-    from flowrl.runtime.policy_samples import load_policy
+    from flowrl.runtime.evaluation.policy_samples import load_policy
 
     out, family = job
     if family != "builtin":
@@ -204,7 +204,7 @@ def test_flowrl_sample_and_eval_load_a_sharded_checkpoints_weights(job, tmp_path
 
 
 def test_a_one_file_checkpoint_still_reads(job, tmp_path):
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
 
     out, _ = job
     _same(read_policy_state(_step_dir(tmp_path, out / "dp2.pt")), _load(out / "dp2.pt"))
@@ -239,7 +239,7 @@ def _broken(job, tmp_path, how: str) -> Path:
     ids=["no-index", "missing-rank", "poisoned"],
 )
 def test_a_sharded_state_that_cannot_be_read_is_refused_naming_the_fix(job, tmp_path, how, match):
-    from flowrl.runtime.sharded_state import read_state
+    from flowrl.runtime.checkpointing.sharded_state import read_state
 
     with pytest.raises(CheckpointError, match=match):
         read_state(_broken(job, tmp_path, how))
@@ -251,7 +251,7 @@ def test_a_sharded_state_of_another_model_is_refused_before_any_work(job):
     from flowrl.graph.configs import ModelConfig
     from flowrl.graph.nodes import LossNode, PolicyNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.sharded_state import check_sharded
+    from flowrl.runtime.checkpointing.sharded_state import check_sharded
 
     out, family = job
     if family != "builtin":
@@ -264,7 +264,7 @@ def test_a_sharded_state_of_another_model_is_refused_before_any_work(job):
 def test_a_checkpoint_whose_sharded_save_did_not_finish_is_never_committed(job, tmp_path):
     """A kill inside DCP's save leaves a state without its index: the commit refuses it, no ``step-*``
     appears and LATEST keeps naming the previous checkpoint."""
-    from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter
+    from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter
 
     writer = CheckpointWriter(tmp_path / "ck")
     staging = writer.staging(2)
@@ -289,8 +289,8 @@ def test_a_kill_inside_a_sharded_save_leaves_the_previous_checkpoint_as_the_newe
     """2 ranks commit a sharded checkpoint of version 1, then the lead is SIGKILLed inside the save of
     version 2 after every rank wrote its shards and before DCP's index: LATEST still names version 1,
     which reads whole; the half-written state never became a ``step-*``, and the next writer sweeps it."""
-    from flowrl.runtime.checkpoint import CheckpointWriter, latest_checkpoint
-    from flowrl.runtime.sharded_state import read_state
+    from flowrl.runtime.checkpointing.store import CheckpointWriter, latest_checkpoint
+    from flowrl.runtime.checkpointing.sharded_state import read_state
 
     proc = _torchrun(2, [str(THIS), "kill", str(tmp_path)], tmp_path)
     assert proc.returncode != 0 and (tmp_path / "killing").is_file(), proc.stderr[-3000:]
@@ -356,9 +356,9 @@ def _reshard_job(out: str, family: str, directory: str) -> int:
 
     from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.distributed import shard_by_groups
-    from flowrl.runtime.fsdp import full_state, load_full_state, shard_trainer_, token_scale
-    from flowrl.runtime.sharded_state import load_sharded, read_state, save_sharded
+    from flowrl.runtime.parallel.distributed import shard_by_groups
+    from flowrl.runtime.parallel.fsdp import full_state, load_full_state, shard_trainer_, token_scale
+    from flowrl.runtime.checkpointing.sharded_state import load_sharded, read_state, save_sharded
 
     from tests.runtime.test_fsdp import _batch, _policy
 
@@ -442,9 +442,9 @@ def _kill_job(out: str) -> int:
 
     from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter
-    from flowrl.runtime.fsdp import shard_trainer_
-    from flowrl.runtime.sharded_state import save_sharded
+    from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter
+    from flowrl.runtime.parallel.fsdp import shard_trainer_
+    from flowrl.runtime.checkpointing.sharded_state import save_sharded
 
     from tests.runtime.test_fsdp import _policy
 

@@ -68,7 +68,7 @@ def test_channels_stay_bounded(graph_k):
     from flowrl.examples.llamarl import build_llamarl
     from flowrl.runtime.backends.local import LocalPrograms
     from flowrl.runtime.controller import Controller
-    from flowrl.runtime.placement import run_placement
+    from flowrl.runtime.executor_placement import run_placement
     from flowrl.runtime.programs import ProgramEnv
     from flowrl.runtime.weight_edges import transport_specs
 

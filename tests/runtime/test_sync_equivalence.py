@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from flowrl.examples import build_example
-from flowrl.runtime.checkpoint import latest_checkpoint
+from flowrl.runtime.checkpointing.store import latest_checkpoint
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.placement import run_placement
+from flowrl.runtime.executor_placement import run_placement
 from flowrl.runtime.run import run_graph
 
 

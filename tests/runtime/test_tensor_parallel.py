@@ -31,7 +31,7 @@ from flowrl.graph.configs import ModelConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.models.families.builtin.model import Transformer, attention_mask, positions_from_valid
 from flowrl.placement.resharding import local_shape, local_slice
-from flowrl.runtime.tensor_parallel import (
+from flowrl.runtime.parallel.tensor_parallel import (
     TensorParallelTransformer,
     check_tp,
     copy_local_shards_,
@@ -177,7 +177,7 @@ def _check_program(rank: int, world: int, dp: int, out_dir: Path) -> dict[str, A
 
     from flowrl.operators.generation import Generator
     from flowrl.operators.source import PromptSource
-    from flowrl.runtime.distributed import merge_rollouts, split_prompts
+    from flowrl.runtime.parallel.distributed import merge_rollouts, split_prompts
 
     graph = tp_graph()
     node = graph.node("gen")

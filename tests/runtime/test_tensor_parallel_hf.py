@@ -26,7 +26,7 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.placement.resharding import local_shape, local_slice
-from flowrl.runtime.tensor_parallel import check_tp, param_splits, shard_hf_, shard_transformer_, tp_param_layouts
+from flowrl.runtime.parallel.tensor_parallel import check_tp, param_splits, shard_hf_, shard_transformer_, tp_param_layouts
 from tests.runtime.helpers import compare_draws, continuous_draws, draws_logprob_atol, edge_shard_shapes, generator_rank_program, launch_ranks
 from tests.tolerances import graph_logprob_atol, ratio_atol, rollout_logprob_atol
 

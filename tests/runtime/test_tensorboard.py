@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowrl.cli.main import main
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.observe.metrics import read_metrics
 
 
 def test_tensorboard_scalars_equal_the_metrics_rows(tmp_path, capsys):
@@ -42,7 +42,7 @@ def test_logged_samples_are_a_markdown_table_in_a_text_summary_at_their_steps(tm
 
 
 def test_a_cell_with_pipes_and_line_breaks_stays_one_cell():
-    from flowrl.runtime.samples import samples_markdown
+    from flowrl.runtime.observe.samples import samples_markdown
 
     table = samples_markdown([{"prompt": "a|b", "completion": "line 1\nline 2", "reward": 0.5}])
     assert table.splitlines()[2] == r"| a\|b | line 1<br>line 2 | 0.5 |"

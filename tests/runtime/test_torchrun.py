@@ -30,7 +30,7 @@ from flowrl.examples.llamarl import build_llamarl
 from flowrl.placement import load_placement
 from flowrl.planners.forms import read_placement
 from flowrl.runtime.backends.torchrun import rank_placement
-from flowrl.runtime.distributed import merge_rollouts, shard_by_groups, split_prompts
+from flowrl.runtime.parallel.distributed import merge_rollouts, shard_by_groups, split_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()
@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 #: What libstdc++ prints when ``std::terminate`` is called outside a C++ exception (e.g. a joinable
 #: thread object destroyed). Seen twice in fresh-clone CI runs, each time in a job that builds an FSDP2
-#: policy through ``runtime/fsdp_init.py`` (test_fsdp's step job; test_fsdp_init's init job, where the
+#: policy through ``runtime/parallel/fsdp_init.py`` (test_fsdp's step job; test_fsdp_init's init job, where the
 #: faulthandler's own stack dump then died of SIGBUS: memory corrupted in the process), never in 30
 #: runs of the step job here at load 7-11. Cause unknown; ``fsdp_init``'s ``malloc_trim`` calls are
 #: the one unusual thing those jobs share. The jobs that only write a result file retry once on it.
@@ -271,7 +271,7 @@ def test_real_pipeline_trains_data_parallel_over_files(tmp_path):
     g = file_graph()
     per_step = g.nodes_of_kind("source")[0].source.batch_size * g.nodes_of_kind("generator")[0].sampling.n_samples
     assert all(r["samples"] == per_step and r["train_s"] > 0 for r in rows)
-    from flowrl.runtime.metrics import HEALTH_KEYS
+    from flowrl.runtime.observe.metrics import HEALTH_KEYS
 
     assert all(key in r for r in rows for key in HEALTH_KEYS), [sorted(set(HEALTH_KEYS) - set(r)) for r in rows]  # the dp policy's, reduced over ranks
     assert all(0 < r["policy/entropy"] and 0 < r["policy/grad_norm"] for r in rows), rows
@@ -469,7 +469,7 @@ def _dp_job(out: str, loss_agg: str) -> int:
     from flowrl.operators.source import PromptSource
     from flowrl.operators.shaping import loss_normalizer
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.distributed import broadcast_batch, make_data_parallel
+    from flowrl.runtime.parallel.distributed import broadcast_batch, make_data_parallel
     from flowrl.operators.losses import combined_rewards, loss_advantages
     from tests.tolerances import GradientMagnitudes, TokenTerms, clipped_atol, grad_norm_atol, rollout_logprob_atol
 

@@ -20,7 +20,7 @@ from flowrl.examples.agents import build_guess_game
 from flowrl.operators.engines import build_engine
 from flowrl.operators.multiturn import MultiTurnGenerator, row_fields
 from flowrl.operators.source import PromptSource
-from flowrl.runtime.distributed import split_prompts
+from flowrl.runtime.parallel.distributed import split_prompts
 
 from tests.runtime.test_torchrun import _torchrun
 

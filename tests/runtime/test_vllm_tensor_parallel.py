@@ -132,7 +132,7 @@ def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_
     import torch
 
     from flowrl.operators.engines.vllm_sync import TPShard, expected_digests
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
     from tests.runtime.test_torchrun import _free_port
     from tests.tolerances import REAL_BUG, graph_logprob_atol
 

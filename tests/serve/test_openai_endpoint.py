@@ -166,7 +166,7 @@ def test_an_agent_generator_trains_in_a_run(tmp_path):
     """A graph whose generator's episodes are an agent program (``agent=True``) runs, the reward is the program's."""
     from flowrl.graph.builder import GraphBuilder
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.observe.metrics import read_metrics
     from flowrl.runtime.run import run_graph
 
     b = GraphBuilder("agent", model=MODEL)

@@ -1,6 +1,6 @@
 """The Llama family (``model_type`` ``llama``, ``LlamaForCausalLM``) and the Llama block's split table.
 
-Its tensor-parallel split (Megatron-style, ``flowrl.runtime.tensor_parallel``) over the Hugging Face
+Its tensor-parallel split (Megatron-style, ``flowrl.runtime.parallel.tensor_parallel``) over the Hugging Face
 names ``model.layers.N.``: ``self_attn.{q,k,v}_proj`` column (weight and bias rows), ``self_attn.o_proj``
 row, ``mlp.{gate,up}_proj`` column, ``mlp.down_proj`` row; everything else (embeddings, norms,
 ``lm_head``, a row-parallel layer's bias, added once after the all-reduce) replicated. Weights

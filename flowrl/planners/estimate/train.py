@@ -84,7 +84,7 @@ __all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pi
 
 def zero_stage(tuning: Tuning, sharding: str = "replicate") -> int:
     """The ZeRO stage in effect: 3 for a policy whose optimizer says ``sharding="fsdp"`` (what the
-    torchrun runtime runs: FSDP2, ``flowrl.runtime.fsdp``), else ``tuning.zero_stage``, else 1 with
+    torchrun runtime runs: FSDP2, ``flowrl.runtime.parallel.fsdp``), else ``tuning.zero_stage``, else 1 with
     ``shard_optimizer`` and 0 without."""
     if sharding == "fsdp":
         return 3

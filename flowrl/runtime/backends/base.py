@@ -32,7 +32,7 @@ from flowrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
-    from flowrl.placement.data import Placement
+    from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.controller import RunResult
 

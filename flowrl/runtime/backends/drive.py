@@ -20,8 +20,8 @@ from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.compute_threads import set_intra_op_threads
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
-from flowrl.placement.data import Placement
-from flowrl.runtime.placement import node_devices, resolve_device, run_placement
+from flowrl.placement.layout import Placement
+from flowrl.runtime.executor_placement import node_devices, resolve_device, run_placement
 from flowrl.runtime.programs import NodeProgram, ProgramEnv
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import transport_specs

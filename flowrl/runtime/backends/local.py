@@ -12,7 +12,7 @@ from flowrl.runtime.program_table import build_program
 from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports
 
 if TYPE_CHECKING:
-    from flowrl.placement.data import Placement
+    from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.controller import RunResult
 

@@ -36,7 +36,7 @@ from flowrl.runtime.backends.base import OnStep
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.zygote import ForkedWorker, Zygote
 from flowrl.runtime.backends.zygote import take as take_zygote
-from flowrl.placement.data import Placement
+from flowrl.placement.layout import Placement
 from flowrl.runtime.programs import Batch, ProgramEnv
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.wire import recv_message, send_message

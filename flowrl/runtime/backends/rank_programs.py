@@ -5,9 +5,9 @@
 its kind's entry in ``RANK_PROGRAMS``:
 
 - a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them), or with
-  ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.fsdp``);
+  ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.parallel.fsdp``);
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
-  tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.tensor_parallel``);
+  tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.parallel.tensor_parallel``);
 - anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
 
 ``RankContext`` is what every rank knows about the job; ``flowrl.runtime.backends.torchrun`` sets it
@@ -119,7 +119,7 @@ class _RankPolicy(PolicyProgram):
 
     def _part(self, mini: Batch) -> Batch:
         from flowrl.operators.shaping import loss_normalizer
-        from flowrl.runtime.distributed import shard_by_groups
+        from flowrl.runtime.parallel.distributed import shard_by_groups
 
         shards = shard_by_groups(mini, len(self.ranks))
         self._check([int(s["completion_mask"].shape[0]) for s in shards])
@@ -130,8 +130,8 @@ class _RankPolicy(PolicyProgram):
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.runtime.distributed import broadcast_batch, reduce_metrics, shard_by_groups
-        from flowrl.runtime.fsdp_init import release_freed_memory
+        from flowrl.runtime.parallel.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+        from flowrl.runtime.parallel.fsdp_init import release_freed_memory
 
         start = time.perf_counter()
         batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
@@ -157,10 +157,10 @@ class _RankPolicy(PolicyProgram):
 
 
 class DataParallelPolicy(_RankPolicy):
-    """One data-parallel replica of a policy (see ``flowrl.runtime.distributed.make_data_parallel``)."""
+    """One data-parallel replica of a policy (see ``flowrl.runtime.parallel.distributed.make_data_parallel``)."""
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...]) -> None:
-        from flowrl.runtime.distributed import make_data_parallel
+        from flowrl.runtime.parallel.distributed import make_data_parallel
 
         ctx = _context()
         loss = graph.loss_of(node.name)
@@ -206,7 +206,7 @@ class DataParallelPolicy(_RankPolicy):
 
 
 class ShardedPolicy(_RankPolicy):
-    """One dp rank of a policy sharded with FSDP2 (``OptimizerConfig.sharding="fsdp"``; see ``flowrl.runtime.fsdp``).
+    """One dp rank of a policy sharded with FSDP2 (``OptimizerConfig.sharding="fsdp"``; see ``flowrl.runtime.parallel.fsdp``).
 
     Per optimizer step (``_RankPolicy.step``): each rank trains on its share of the mini-batch's whole
     prompt groups with its loss scaled by ``dp * N_r / N`` (``fsdp.token_scale``), so that FSDP2's
@@ -215,7 +215,7 @@ class ShardedPolicy(_RankPolicy):
     its own shards (trainer layout ``resharding.fsdp(ranks)``, no gather); on a ``shm``/``file`` edge
     every rank gathers and the lead publishes. ``save`` runs on every rank (the controller sends it
     to all: ``saves_on_every_rank``): each rank writes its own shards of a sharded checkpoint
-    (``flowrl.runtime.sharded_state``, torch.distributed.checkpoint; nothing is gathered); ``load``
+    (``flowrl.runtime.checkpointing.sharded_state``, torch.distributed.checkpoint; nothing is gathered); ``load``
     reads one on any dp size, or a one-file state, keeping each rank's chunks.
     """
 
@@ -223,8 +223,8 @@ class ShardedPolicy(_RankPolicy):
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.models.lora import lora_of
-        from flowrl.runtime.fsdp import shard_trainer_
-        from flowrl.runtime.fsdp_init import meta_build
+        from flowrl.runtime.parallel.fsdp import shard_trainer_
+        from flowrl.runtime.parallel.fsdp_init import meta_build
 
         ctx = _context()
         loss = graph.loss_of(node.name)
@@ -245,7 +245,7 @@ class ShardedPolicy(_RankPolicy):
 
     def publish(self) -> float:
         from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.runtime.fsdp import full_weights, local_weights
+        from flowrl.runtime.parallel.fsdp import full_weights, local_weights
 
         start = time.perf_counter()
         if self.trainer.version > self._published:
@@ -264,12 +264,12 @@ class ShardedPolicy(_RankPolicy):
         return time.perf_counter() - start
 
     def _share(self, mine: float, total: float) -> None:
-        from flowrl.runtime.fsdp import token_scale
+        from flowrl.runtime.parallel.fsdp import token_scale
 
         self.trainer.loss_scale = token_scale(len(self.ranks), mine, total)
 
     def _check(self, sizes: list[int]) -> None:
-        from flowrl.runtime.fsdp import check_shards
+        from flowrl.runtime.parallel.fsdp import check_shards
 
         check_shards(self.name, sizes, self.trainer.node.optimizer.micro_batch_size)
 
@@ -277,13 +277,13 @@ class ShardedPolicy(_RankPolicy):
         return float(metrics["policy/grad_norm"])  # the global norm already (DTensor gradients), averaged over the steps
 
     def save(self, path: str) -> None:
-        from flowrl.runtime.sharded_state import save_sharded
+        from flowrl.runtime.checkpointing.sharded_state import save_sharded
 
         save_sharded(self.trainer, path, group=self.group)  # a directory: each rank writes its own shards, nothing is gathered
 
     def load(self, path: str) -> None:
-        from flowrl.runtime.fsdp import load_full_state
-        from flowrl.runtime.sharded_state import SHARDED_SUFFIX, is_sharded, load_sharded
+        from flowrl.runtime.parallel.fsdp import load_full_state
+        from flowrl.runtime.checkpointing.sharded_state import SHARDED_SUFFIX, is_sharded, load_sharded
 
         if is_sharded(path) or path.endswith(SHARDED_SUFFIX):  # any dp size's shards: each rank reads the chunks overlapping its rows
             load_sharded(self.trainer, path, group=self.group)
@@ -312,7 +312,7 @@ class ParallelGenerator(GeneratorProgram):
     node's lead reports the whole batch's ``env/*`` numbers (``_replicas_env_metrics``).
 
     With ``tp`` > 1 each rank holds its shards of the model, the built-in transformer or a Hugging
-    Face Llama-family one (``flowrl.runtime.tensor_parallel``: whole attention heads and a slice of
+    Face Llama-family one (``flowrl.runtime.parallel.tensor_parallel``: whole attention heads and a slice of
     the SwiGLU units, two all-reduces per layer over its tp group). The tp ranks of a replica agree on
     a weight version (below) and run the same sampling with the same seed, so they draw the same
     tokens (checked after each batch with a checksum all-reduce; a mismatch is an error, never a
@@ -344,7 +344,7 @@ class ParallelGenerator(GeneratorProgram):
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.models.quantize import QUANTIZED_PRECISIONS
-        from flowrl.runtime.tensor_parallel import check_tp, tp_rows
+        from flowrl.runtime.parallel.tensor_parallel import check_tp, tp_rows
 
         ctx = _context()
         self.rows = [(r,) for r in ranks]  # [replica] -> its tp ranks
@@ -405,7 +405,7 @@ class ParallelGenerator(GeneratorProgram):
         """Keep only this rank's shards of the model; the full tensors become the staging copy."""
         import torch.distributed as dist
 
-        from flowrl.runtime.tensor_parallel import shard_model_
+        from flowrl.runtime.parallel.tensor_parallel import shard_model_
 
         ctx = _context()
         self.tp_group = mesh.get_group("tp")
@@ -445,7 +445,7 @@ class ParallelGenerator(GeneratorProgram):
 
     def _sync(self, min_version: int) -> float:
         from flowrl.errors import TransportError
-        from flowrl.runtime.tensor_parallel import copy_local_shards_
+        from flowrl.runtime.parallel.tensor_parallel import copy_local_shards_
 
         if not self.sharded:
             return super()._sync(min_version)
@@ -504,7 +504,7 @@ class ParallelGenerator(GeneratorProgram):
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.operators.generation import check_recorded_sampling
-        from flowrl.runtime.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
+        from flowrl.runtime.parallel.distributed import broadcast_batch, merge_rollouts, recv_batch, reduce_metrics, send_batch, split_prompts
 
         rank = _context().rank
         if self.idle:  # a vLLM worker's rank: the node's collectives only (its timings weigh nothing)

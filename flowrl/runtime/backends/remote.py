@@ -82,7 +82,7 @@ class RemoteProgram:
     @property
     def sharded_state(self) -> bool:
         """Whether ``save`` writes a sharded state (a directory of every peer's shards,
-        ``flowrl.runtime.sharded_state``) rather than one file: a program whose peers hold shards."""
+        ``flowrl.runtime.checkpointing.sharded_state``) rather than one file: a program whose peers hold shards."""
         return self.save_on_every_peer
 
     def _send(self, header: dict[str, Any], tensors: Batch | None, peers: tuple[int, ...]) -> None:

@@ -23,11 +23,11 @@ Where things run:
   ``RankLinks``); only the lead gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
   idle rank waits without a timeout ticking; collectives run only inside a step, between busy ranks.
 - Each heavy node's ranks form a process group (``dist.new_group``, created by every rank, in graph
-  order) and a ``DeviceMesh`` with the placement's named axes (``flowrl.runtime.meshes``); each collective weight edge a group of
+  order) and a ``DeviceMesh`` with the placement's named axes (``flowrl.runtime.parallel.meshes``); each collective weight edge a group of
   exactly its ranks (``_setup_groups``).
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
   (``DataParallelPolicy``: equal to a one-process step up to rounding), or sharded with FSDP2 when
-  its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.fsdp``: each rank writes
+  its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.parallel.fsdp``: each rank writes
   its shards of the checkpoint, so its ``save`` goes to every rank of the node); a generator on several ranks
   runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1
   (a vLLM generator's group is one vLLM engine with ``tensor_parallel_size`` = tp, ``vllm_replicas``).
@@ -79,14 +79,14 @@ from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
-from flowrl.runtime.fsdp import check_ranks, fsdp_policies
-from flowrl.runtime.placement import rank_device, resolve_device
+from flowrl.runtime.parallel.fsdp import check_ranks, fsdp_policies
+from flowrl.runtime.executor_placement import rank_device, resolve_device
 from flowrl.host import host_memory_bytes
 from flowrl.runtime.preflight import check_engine_meshes, check_ranks_fit
-from flowrl.placement.data import Placement
+from flowrl.placement.layout import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
-from flowrl.runtime.meshes import device_mesh
+from flowrl.runtime.parallel.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits

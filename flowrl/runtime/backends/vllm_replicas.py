@@ -58,7 +58,7 @@ def replica_rows(ranks: Sequence[int], axes: Axes | None) -> list[tuple[int, ...
     """The replicas' ranks: with ``tp`` > 1 the mesh's tp groups (``tensor_parallel.tp_rows``), else one rank each."""
     if mesh_tp(axes) == 1:
         return [(int(r),) for r in ranks]
-    from flowrl.runtime.tensor_parallel import tp_rows
+    from flowrl.runtime.parallel.tensor_parallel import tp_rows
 
     assert axes is not None
     return tp_rows(ranks, *axes)

@@ -17,7 +17,7 @@ a user's) is kept.
   (``sharding="fsdp"``) publishes its own shards (``fsdp`` over its ranks: dim-0 ``torch.chunk``
   pieces, FSDP2's), so each generator rank gets its slices straight from the shards that hold them. Generator replicas fetch the full state
   (``dp_replicas``); a tensor-parallel generator (a ``tp`` mesh axis > 1) fetches its shards
-  (``flowrl.runtime.tensor_parallel.tp_param_layouts``). A vLLM generator with a ``tp`` axis fetches
+  (``flowrl.runtime.parallel.tensor_parallel.tp_param_layouts``). A vLLM generator with a ``tp`` axis fetches
   on each replica's engine rank only, the full state (``vllm_replicas``: vLLM's workers shard it
   themselves). A node run by a user program takes part on its lead rank only (its other ranks idle).
 - Process groups: each collective edge gets a group of exactly its participating ranks, created by
@@ -108,7 +108,7 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
     """
     tp = _meshes_tp(axes)
     if len(fetchers) > 1 and tp > 1:
-        from flowrl.runtime.tensor_parallel import tp_param_layouts, tp_rows
+        from flowrl.runtime.parallel.tensor_parallel import tp_param_layouts, tp_rows
 
         try:
             rows = tp_rows(fetchers, *axes)  # the replicas' tp groups, as ParallelGenerator forms them

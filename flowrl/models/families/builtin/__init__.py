@@ -1,7 +1,7 @@
 """The built-in family: a small Llama-shaped transformer (``model``), its character tokenizer
 (``tokenizer``) and its adapter (``adapter``), described by ``flowrl.graph.configs.ModelConfig``.
 
-Its tensor-parallel split (``flowrl.runtime.tensor_parallel``): ``attention.wq / wk / wv`` column
+Its tensor-parallel split (``flowrl.runtime.parallel.tensor_parallel``): ``attention.wq / wk / wv`` column
 (each rank its whole heads), ``attention.wo`` row, ``feed_forward.w1 / w3`` column (the rank's SwiGLU
 hidden units), ``feed_forward.w2`` row; embeddings, norms and ``output`` replicated. It exports as
 ``LlamaForCausalLM`` under the names of ``EXPORT_NAMES`` (the mapping is exact, see ``adapter``).

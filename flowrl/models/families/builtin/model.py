@@ -365,7 +365,7 @@ def initial_weights(model: Transformer) -> Iterator[tuple[str, Tensor]]:
     order: Normal(0, 0.02) (residual projections scaled by 1/sqrt(2 * n_layers)) drawn from a
     ``torch.Generator`` seeded by ``ModelConfig.seed``, unit norms. ``model`` may be on the meta
     device (only its names and shapes are read): an FSDP rank keeps its rows of each
-    (``flowrl.runtime.fsdp_init``) and never holds the whole model.
+    (``flowrl.runtime.parallel.fsdp_init``) and never holds the whole model.
     """
     gen = torch.Generator().manual_seed(model.config.seed)
     residual_std = 0.02 / math.sqrt(2 * model.config.n_layers)

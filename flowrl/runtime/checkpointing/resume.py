@@ -2,11 +2,11 @@
 references that sync with them, ``Node.keeps_state``) plus the data position.
 
 The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belong to
-``flowrl.runtime.checkpoint``; this module decides what a run puts in them and reads back:
+``flowrl.runtime.checkpointing.store``; this module decides what a run puts in them and reads back:
 
 - :func:`save_run_checkpoint`: every policy program saves its state into a staging folder (one
   file ``policy-<node>.pt``, or a program whose ranks hold shards, ``sharded_state``, a directory
-  ``policy-<node>.dcp`` of every rank's shards: ``flowrl.runtime.sharded_state``), which
+  ``policy-<node>.dcp`` of every rank's shards: ``flowrl.runtime.checkpointing.sharded_state``), which
   is committed with the run's version and data position (the index of the next unread prompt) and,
   for continuous batching, which delivers prompts out of order, the indices above it that the
   trainer consumed already (``delivered_ahead``: a resumed run skips them, so every prompt is
@@ -27,7 +27,7 @@ import msgspec
 
 from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
-from flowrl.runtime.checkpoint import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta, state_file
+from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta, state_file
 from flowrl.runtime.programs import NodeProgram
 
 __all__ = ["Restored", "save_run_checkpoint", "restore_run_checkpoint"]

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from flowrl.errors import NodeExecutionError
 from flowrl.graph.kinds import KINDS
-from flowrl.runtime.evaluation import Evaluator, merge_eval
-from flowrl.runtime.metrics import MetricsWriter, step_row
-from flowrl.runtime.samples import SampleLogger
+from flowrl.runtime.evaluation.during_run import Evaluator, merge_eval
+from flowrl.runtime.observe.metrics import MetricsWriter, step_row
+from flowrl.runtime.observe.samples import SampleLogger
 
 if TYPE_CHECKING:
     import torch

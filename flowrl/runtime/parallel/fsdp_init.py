@@ -3,7 +3,7 @@
 ``meta_build(config)`` gives the policy's model with every parameter on the meta device and every
 buffer real (rotary tables as the constructor computed them), and a ``RowSource``: what each
 parameter's rows ``[start, stop)`` are, read or drawn one parameter at a time. ``materialise_``
-then, after ``fully_shard`` (``flowrl.runtime.fsdp.shard_trainer_``), allocates each rank's shards
+then, after ``fully_shard`` (``flowrl.runtime.parallel.fsdp.shard_trainer_``), allocates each rank's shards
 on its device (``to_empty``, buffers put back) and fills them from the source. The result is, bit
 for bit, what building the whole model and keeping ``torch.chunk(p, dp)[rank]`` gives
 (``tests/runtime/test_fsdp_init.py``), with no broadcast:

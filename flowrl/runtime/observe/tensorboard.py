@@ -40,13 +40,13 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def __call__(self, row: dict[str, Any]) -> None:
-        from flowrl.runtime.wandb_log import row_scalars
+        from flowrl.runtime.observe.wandb_log import row_scalars
 
         step = int(row["step"])
         for key, value in row_scalars(row).items():
             self.writer.add_scalar(key, value, step)
         if row.get("samples_text"):
-            from flowrl.runtime.samples import samples_markdown
+            from flowrl.runtime.observe.samples import samples_markdown
 
             self.writer.add_text(SAMPLES_TAG, samples_markdown(row["samples_text"]), step)
 

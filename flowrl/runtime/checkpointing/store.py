@@ -7,7 +7,7 @@ Layout of ``DIR``::
     step-00000010/          one checkpoint (after trainer step 10), renamed into place only once complete
         policy-<node>.pt    trainer state (weights, optimizer, version), loaded with weights_only=True
         policy-<node>.dcp/  or, for a policy sharded over ranks (FSDP2), every rank's shards of that state
-                            (torch.distributed.checkpoint; ``flowrl.runtime.sharded_state``)
+                            (torch.distributed.checkpoint; ``flowrl.runtime.checkpointing.sharded_state``)
         graph.json          the graph that wrote it (``flowrl sample`` / ``flowrl eval`` read it)
         meta.json           CheckpointMeta: version, data position, graph fingerprint
 
@@ -90,7 +90,7 @@ def state_file(node: str, *, kind: str = "policy", sharded: bool = False) -> str
         >>> state_file("policy"), state_file("policy", sharded=True), state_file("ref", kind="reference")
         ('policy-policy.pt', 'policy-policy.dcp', 'reference-ref.pt')
     """
-    from flowrl.runtime.sharded_state import SHARDED_SUFFIX
+    from flowrl.runtime.checkpointing.sharded_state import SHARDED_SUFFIX
 
     return f"{kind}-{node}{SHARDED_SUFFIX if sharded else '.pt'}"
 
@@ -140,7 +140,7 @@ class CheckpointWriter:
         A kill at any point leaves LATEST naming the previous complete checkpoint or this one, never
         a directory without its meta.json: the directory becomes ``step-*`` in one rename, whole.
         """
-        from flowrl.runtime.sharded_state import check_complete, written
+        from flowrl.runtime.checkpointing.sharded_state import check_complete, written
 
         for f in meta.files.values():
             if not written(staging / f):  # a file, or a sharded state's directory with its index and info (written last)
@@ -377,13 +377,13 @@ def now() -> float:
 def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[str, Any]:
     """The policy state saved in a checkpoint: a ``step-*`` directory, or a run's checkpoint
     directory (its ``LATEST``), in the one-file format (``Trainer.state()``); a sharded policy's
-    ``policy-<node>.dcp`` is consolidated in this process (``flowrl.runtime.sharded_state.read_state``).
+    ``policy-<node>.dcp`` is consolidated in this process (``flowrl.runtime.checkpointing.sharded_state.read_state``).
 
     Raises:
         CheckpointError: when there is no checkpoint, no policy file, or several and ``node`` is unset;
             an incomplete sharded state or one missing a rank's shard file.
     """
-    from flowrl.runtime.sharded_state import SHARDED_SUFFIX, read_state
+    from flowrl.runtime.checkpointing.sharded_state import SHARDED_SUFFIX, read_state
 
     path = Path(source).expanduser()
     if not path.is_dir():

@@ -1,7 +1,7 @@
 """The checkpointer: when a run writes a checkpoint, writing it, and restoring the newest.
 
-What a checkpoint holds and how it is written belong to ``flowrl.runtime.resume`` (the nodes' state,
-the data position and the prompts delivered ahead of it) and ``flowrl.runtime.checkpoint`` (the
+What a checkpoint holds and how it is written belong to ``flowrl.runtime.checkpointing.resume`` (the nodes' state,
+the data position and the prompts delivered ahead of it) and ``flowrl.runtime.checkpointing.store`` (the
 folders). This part keeps the run's side:
 
 - ``due(seq)``: a checkpoint after step ``seq`` when ``(seq + 1) % checkpoint_every == 0`` (cadences
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowrl.errors import CheckpointError
-from flowrl.runtime.resume import Restored, restore_run_checkpoint, save_run_checkpoint
+from flowrl.runtime.checkpointing.resume import Restored, restore_run_checkpoint, save_run_checkpoint
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph

@@ -33,7 +33,7 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.placement.data import Placement
+from flowrl.placement.layout import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
 

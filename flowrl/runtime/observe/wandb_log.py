@@ -66,7 +66,7 @@ class WandbSink:
         self.run = wandb.init(project=project, config=dict(config), mode=mode, dir=None if dir is None else str(dir), name=name)
 
     def __call__(self, row: dict[str, Any]) -> None:
-        from flowrl.runtime.samples import SAMPLE_COLUMNS
+        from flowrl.runtime.observe.samples import SAMPLE_COLUMNS
 
         data: dict[str, Any] = row_scalars(row)
         if row.get("samples_text"):

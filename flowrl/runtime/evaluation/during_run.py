@@ -38,7 +38,7 @@ from flowrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
-    from flowrl.runtime.policy_samples import LoadedPolicy, Scored
+    from flowrl.runtime.evaluation.policy_samples import LoadedPolicy, Scored
     from flowrl.runtime.programs import NodeProgram
 
 __all__ = ["pass_at_k", "pass_ks", "eval_metrics", "evaluate_policy", "check_eval_data", "Evaluator", "merge_eval", "EVAL_KEYS"]
@@ -109,7 +109,7 @@ def eval_metrics(greedy: Sequence[Scored], sampled: Sequence[Scored], *, samples
 def evaluate_policy(policy: LoadedPolicy, *, samples: int, pass_reward: float) -> dict[str, float]:
     """Score ``policy`` (its current weights) on every row of its prompt file: ``eval_metrics`` of a
     greedy and ``samples`` sampled completions per row, with ``eval/version``."""
-    from flowrl.runtime.policy_samples import eval_positions, rollout
+    from flowrl.runtime.evaluation.policy_samples import eval_positions, rollout
 
     assert policy.source.stream is not None  # policy_on_rows with a file (check_eval_data refuses a task)
     indices = eval_positions(policy, len(policy.source.stream))
@@ -125,7 +125,7 @@ def check_eval_data(graph: Graph, data: str) -> None:
     Raises:
         ConfigError: naming the file, what is wrong and the fix.
     """
-    from flowrl.runtime.policy_samples import rows_and_scorers
+    from flowrl.runtime.evaluation.policy_samples import rows_and_scorers
 
     sources = graph.nodes_of_kind("source")
     if not sources:
@@ -156,7 +156,7 @@ class Evaluator:
 
     def __init__(self, graph: Graph, policy: str, *, data: str, samples: int, pass_reward: float, seed: int = 0) -> None:
         from flowrl.runtime.compute_threads import set_intra_op_threads
-        from flowrl.runtime.policy_samples import policy_on_rows
+        from flowrl.runtime.evaluation.policy_samples import policy_on_rows
 
         self.samples, self.pass_reward = samples, pass_reward
         self.policy = policy_on_rows(graph, policy=policy, seed=seed, data=data)
@@ -171,8 +171,8 @@ class Evaluator:
         return self._pool.submit(self._evaluate, path, time.perf_counter() - start)
 
     def _evaluate(self, path: str, save_s: float) -> dict[str, float]:
-        from flowrl.runtime.policy_samples import load_weights
-        from flowrl.runtime.sharded_state import read_state
+        from flowrl.runtime.evaluation.policy_samples import load_weights
+        from flowrl.runtime.checkpointing.sharded_state import read_state
 
         start = time.perf_counter()
         state = read_state(path)

@@ -17,7 +17,7 @@ ranks (all of them call it, in the same order):
 - Gradient clipping is the trainer's own ``clip_grad_norm_``, which on DTensor gradients computes
   the global norm (one all-reduce).
 
-Checkpoints are sharded (``flowrl.runtime.sharded_state``, torch.distributed.checkpoint): each rank
+Checkpoints are sharded (``flowrl.runtime.checkpointing.sharded_state``, torch.distributed.checkpoint): each rank
 writes its own rows, nothing is gathered, and they load on any dp size, sharded (each rank reads
 the chunks overlapping its rows) or replicated (consolidated in one process), and export as any
 other. ``full_state`` gathers the one-file format (``Trainer.state()``) to the policy's lead rank
@@ -31,7 +31,7 @@ per batch and the same number of micro-batches (``check_shards``).
 
 Initialisation (``ShardedPolicy``): the model is built with its parameters on the meta device and
 only this rank's rows are materialised, read from the weight files or drawn one parameter at a time
-(``flowrl.runtime.fsdp_init``), bit for bit the shards of the whole model, with no broadcast; a LoRA
+(``flowrl.runtime.parallel.fsdp_init``), bit for bit the shards of the whole model, with no broadcast; a LoRA
 policy still builds its whole model on every rank and broadcasts it from the lead before sharding.
 """
 
@@ -158,14 +158,14 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 def shard_trainer_(trainer: Any, mesh: Any, *, source: Any = None) -> None:
     """Shard ``trainer``'s model with FSDP2 over ``mesh`` (1-D) and rebuild its AdamW over the shards
     (see the module docstring). Every rank of ``mesh`` calls it; their models must start equal, or,
-    with ``source`` (a ``flowrl.runtime.fsdp_init.RowSource``), be ``meta_build``'s model with its
+    with ``source`` (a ``flowrl.runtime.parallel.fsdp_init.RowSource``), be ``meta_build``'s model with its
     parameters on the meta device: each rank's shards are then allocated on ``trainer.device`` and
     filled with its rows from ``source`` (``fsdp_init.materialise_``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from flowrl.operators.generation import DTYPES
     from flowrl.operators.trainer import learning_rate
-    from flowrl.runtime.fsdp_init import materialise_
+    from flowrl.runtime.parallel.fsdp_init import materialise_
 
     opt = trainer.node.optimizer
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[opt.param_dtype], reduce_dtype=DTYPES[opt.reduce_dtype])

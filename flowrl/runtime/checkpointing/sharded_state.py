@@ -1,7 +1,7 @@
 """A sharded policy's checkpoint state as torch.distributed.checkpoint (DCP) shards: written per rank, read on any dp size.
 
-An FSDP2 policy (``flowrl.runtime.fsdp``) saves ``policy-<node>.dcp/`` in a checkpoint's ``step-*``
-directory (``flowrl.runtime.checkpoint``) instead of the one-file ``policy-<node>.pt``::
+An FSDP2 policy (``flowrl.runtime.parallel.fsdp``) saves ``policy-<node>.dcp/`` in a checkpoint's ``step-*``
+directory (``flowrl.runtime.checkpointing.store``) instead of the one-file ``policy-<node>.pt``::
 
     policy-<node>.dcp/
         __<i>_0.distcp   what dp rank i held: its rows of every parameter and AdamW moment (DCP's file)

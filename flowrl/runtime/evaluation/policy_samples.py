@@ -1,6 +1,6 @@
 """What a policy writes: load a checkpoint (or a run's weights) with its graph, sample, score, decode.
 
-Shared by ``flowrl sample``, ``flowrl eval`` and evaluation during training (``flowrl.runtime.evaluation``,
+Shared by ``flowrl sample``, ``flowrl eval`` and evaluation during training (``flowrl.runtime.evaluation.during_run``,
 which builds a ``LoadedPolicy`` from the running graph with ``policy_on_rows`` and loads each
 evaluated version's weights with ``load_weights``). A checkpoint directory (``step-*``, or a checkpoint
 root whose ``LATEST`` names one) holds ``graph.json``; the generator that the policy feeds samples
@@ -63,7 +63,7 @@ class Scored:
 
 
 def _step_dir(path: Path) -> Path:
-    from flowrl.runtime.checkpoint import latest_checkpoint
+    from flowrl.runtime.checkpointing.store import latest_checkpoint
 
     if (path / "meta.json").is_file():
         return path
@@ -90,8 +90,8 @@ def load_policy(path: str | Path, *, seed: int = 0, data: str | None = None) -> 
             lacks a field the prompt or a scorer needs.
     """
     from flowrl.graph.serialize import from_json
-    from flowrl.runtime.checkpoint import GRAPH_FILE, read_meta
-    from flowrl.runtime.sharded_state import read_state
+    from flowrl.runtime.checkpointing.store import GRAPH_FILE, read_meta
+    from flowrl.runtime.checkpointing.sharded_state import read_state
 
     step = _step_dir(Path(path))
     if not (step / GRAPH_FILE).is_file():

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.errors import PlanError
-from flowrl.placement.data import device_ranges
+from flowrl.placement.layout import device_ranges
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from flowrl.placement.data import Placement
+    from flowrl.placement.layout import Placement
 
 __all__ = ["device_mesh"]
 

@@ -1,0 +1,1 @@
+"""Checkpoints: directories and files, the checkpointer's cadence, resume, DCP sharded state."""
