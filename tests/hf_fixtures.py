@@ -86,6 +86,22 @@ def make_hf_dir(
     return path
 
 
+def perturbed_model(directory: Path, scale: float = 0.05):
+    """A policy's model: ``directory``'s weights plus seeded noise of ``scale`` (what a few optimizer steps do)."""
+    import torch
+
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.models.causal_lm import weight_dict
+    from flowrl.models.registry import build_model
+
+    model = build_model(HFModelConfig(path=str(directory)))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in weight_dict(model).values():
+            t.add_(torch.randn(t.shape, generator=g) * scale)
+    return model
+
+
 @pytest.fixture(scope="session")
 def hf_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama directory (tied embeddings), built once per session."""

@@ -24,7 +24,7 @@ from flowrl.models.registry import build_model
 from flowrl.operators.engines import vllm_engine
 from flowrl.operators.generation import Generator, sampling_logprobs
 from flowrl.operators.logprobs import completion_logprobs
-from tests.hf_fixtures import make_hf_dir
+from tests.hf_fixtures import make_hf_dir, perturbed_model
 from tests.models.helpers import left_padded, reference_logprobs
 from tests.tolerances import ratio_atol, rollout_logprob_atol, trained_logprob_atol
 
@@ -82,15 +82,6 @@ def vllm_gen(engine, vllm_dir: Path):
         engine.load_weights(weight_dict(build_model(HFModelConfig(path=str(vllm_dir)))), version=0)
     return engine
 
-
-def _perturbed(directory: Path, scale: float = 0.05):
-    """A policy's model: the directory's weights plus seeded noise (what a few optimizer steps do)."""
-    model = build_model(HFModelConfig(path=str(directory)))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for t in weight_dict(model).values():
-            t.add_(torch.randn(t.shape, generator=g) * scale)
-    return model
 
 
 # -- the rollout -----------------------------------------------------------------------------------
@@ -189,7 +180,7 @@ def test_a_weight_update_reaches_vllm_without_a_restart_and_its_version_is_recor
     llm = vllm_gen.llm
     batch = left_padded([LONG, PROMPTS[0]])
     vllm_gen.generate(batch)  # the prefix cache now holds LONG's blocks, computed with version 0
-    policy = _perturbed(vllm_dir)
+    policy = perturbed_model(vllm_dir)
     vllm_gen.load_weights(weight_dict(policy), version=3)
     out = vllm_gen.generate(batch)
     assert vllm_gen.llm is llm  # the same engine
@@ -206,7 +197,7 @@ def test_a_weight_update_clears_the_prefix_cache(vllm_gen, vllm_dir):
     is off by far more)."""
     batch = left_padded([LONG])
     vllm_gen.generate(batch)  # LONG's blocks cached with version 0
-    policy = _perturbed(vllm_dir, scale=0.2)
+    policy = perturbed_model(vllm_dir, scale=0.2)
     vllm_gen.load_weights(weight_dict(policy), version=1)
     with torch.no_grad():
         out = vllm_gen.generate(batch)
@@ -224,7 +215,7 @@ def test_an_update_mid_generation_gives_each_token_the_version_and_mu_it_was_dra
     from flowrl.runtime.continuous import ContinuousRollouts
 
     vllm_gen.sampling = msgspec.structs.replace(SAMPLING, max_new_tokens=64, batching="continuous", slots=4)
-    models = {0: build_model(HFModelConfig(path=str(vllm_dir))), 1: _perturbed(vllm_dir)}
+    models = {0: build_model(HFModelConfig(path=str(vllm_dir))), 1: perturbed_model(vllm_dir)}
     polls = []
 
     def poll():  # the generator program's in-flight poll: version 1 is published after the third step
@@ -266,12 +257,12 @@ def test_a_sync_over_the_group_puts_the_policys_weights_in_vllms_kernels_bit_for
     head: ``tests/runtime/test_vllm_torchrun.py``, whose model ties its embeddings.)"""
     from flowrl.operators.engines.vllm_sync import bucket_plan
 
-    policy = weight_dict(_perturbed(vllm_dir, scale=0.1))
+    policy = weight_dict(perturbed_model(vllm_dir, scale=0.1))
     assert vllm_gen.weights_by == "group" and vllm_gen.weights_differ(policy)  # before the sync: the check can fail
     vllm_gen.load_weights(policy, version=1)  # the group is formed by now (it forms at the first update)
     vllm_gen._group.bucket_bytes = 64 << 10  # many buckets
     assert len(bucket_plan(vllm_gen.weight_targets(), vllm_gen._group.bucket_bytes)) > 4
-    policy = weight_dict(_perturbed(vllm_dir, scale=0.2))
+    policy = weight_dict(perturbed_model(vllm_dir, scale=0.2))
     sent, counted = vllm_gen._group.bytes_sent, vllm_gen.sync_bytes
     vllm_gen.load_weights(policy, version=2)
     assert vllm_gen.weights_differ(policy) == []
@@ -284,19 +275,19 @@ def test_a_sync_over_the_group_puts_the_policys_weights_in_vllms_kernels_bit_for
 def test_a_failed_sync_is_an_error_and_the_group_still_works_after_it(vllm_gen, vllm_dir):
     from flowrl.errors import TransportError
 
-    vllm_gen.load_weights(weight_dict(_perturbed(vllm_dir)), version=1)
+    vllm_gen.load_weights(weight_dict(perturbed_model(vllm_dir)), version=1)
     bad = dict(vllm_gen.weight_targets())
     bad["model.layers.0.no_such.weight"] = torch.zeros(4)
     with pytest.raises(TransportError, match="weight-sync group failed"):
         vllm_gen._group.send(bad)  # the worker refuses the name after receiving every tensor: nothing left blocked
-    policy = weight_dict(_perturbed(vllm_dir, scale=0.1))
+    policy = weight_dict(perturbed_model(vllm_dir, scale=0.1))
     vllm_gen.load_weights(policy, version=2)
     assert vllm_gen.weights_differ(policy) == []
 
 
 def test_the_file_route_loads_the_same_bytes(vllm_gen, vllm_dir, monkeypatch):
     monkeypatch.setattr(vllm_gen, "weights_by", "file")  # the route a weight edge of transport 'file' takes
-    policy = weight_dict(_perturbed(vllm_dir, scale=0.1))
+    policy = weight_dict(perturbed_model(vllm_dir, scale=0.1))
     vllm_gen.load_weights(policy, version=1)
     assert vllm_gen.weights_differ(policy) == []
 

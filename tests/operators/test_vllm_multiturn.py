@@ -22,7 +22,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, SamplingConfig
 from flowrl.graph.envs import EnvConfig
 from flowrl.graph.nodes import GeneratorNode
-from tests.hf_fixtures import make_hf_dir
+from tests.hf_fixtures import make_hf_dir, perturbed_model
 from tests.tolerances import graph_logprob_atol, k3_atol, logprob_atol, rollout_logprob_atol, rollout_sequences
 
 pytest.importorskip("transformers")
@@ -156,18 +156,6 @@ def test_node_rules(tmp_path):
         msgspec.structs.replace(continuous, env=EnvConfig(env=f"{__name__}:word_agent", agent=True))
 
 
-def _perturbed(directory: Path, scale: float = 0.05):
-    """A policy's model: the directory's weights plus seeded noise (what a few optimizer steps do)."""
-    from flowrl.models.causal_lm import weight_dict
-    from flowrl.models.registry import build_model
-
-    model = build_model(HFModelConfig(path=str(directory)))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for t in weight_dict(model).values():
-            t.add_(torch.randn(t.shape, generator=g) * scale)
-    return model
-
 
 def test_continuous_episodes_take_weights_in_flight_and_each_token_keeps_its_version_and_mu(engine, vllm_dir):
     """Continuous batching with an environment on vLLM: each model turn is a sample streamed into vLLM's
@@ -189,7 +177,7 @@ def test_continuous_episodes_take_weights_in_flight_and_each_token_keeps_its_ver
 
     encoder = observation_encoder(HFModelConfig(path=str(vllm_dir)), role="user", owner="test")
     sizes = {len(encoder.encode("yes a b", model_stopped=stopped)) for stopped in (False, True)}  # after a turn cut or ended
-    models = {0: build_model(HFModelConfig(path=str(vllm_dir))), 1: _perturbed(vllm_dir)}
+    models = {0: build_model(HFModelConfig(path=str(vllm_dir))), 1: perturbed_model(vllm_dir)}
     polls: list[int] = []
 
     def poll() -> None:  # the generator program's in-flight poll: version 1 is published after the fourth step
