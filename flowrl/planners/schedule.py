@@ -12,7 +12,8 @@ policy's step (time 0, the policy's estimate includes it).
   (the generator one version ahead of the trainer), so a step lasts as long as the busiest
   resource: ``async_step_s = max over resources of (sum of its nodes' steady times (``steady``; a
   continuous generator's differs from its sync time, ``flowrl.planners.lengths``) + (1 - sync_overlap) * W
-  for each weight sync it takes part in)`` - about max(G + W, T + W) when disaggregated, and
+  for each weight sync it takes part in; the trainer's side without a vLLM generator's own hop into
+  its workers, ``SyncEstimate.dst_only_s``)`` - about max(G + W, T + W) when disaggregated, and
   still G + T + W when colocated, since a colocation group cannot overlap with itself.
 - **Sharing a host** (``shared_slowdown`` s > 1, a calibrated CPU: ``DeviceSpec.cpu.shared_slowdown``):
   colocation groups on one host slow each other down while they overlap, so the async step is
@@ -189,8 +190,9 @@ def step_times(
         busy[res] = start + t
         async_spans.append(Span(node=name, resource=res, what=_WHAT.get(kinds[name], kinds[name]), start_s=start, end_s=start + t))
     for s in syncs:
-        exposed = (1.0 - sync_overlap) * s.time_s
         for r in sorted({resource[s.src], resource[s.dst]}):
+            # the generator's own hop (into vLLM's workers) keeps only its side busy (a colocated pair: both)
+            exposed = (1.0 - sync_overlap) * (s.time_s if r == resource[s.dst] else s.time_s - s.dst_only_s)
             start = busy.get(r, 0.0)
             busy[r] = start + exposed
             async_spans.append(Span(node=f"{s.src}~>{s.dst}", resource=r, what="weight sync", start_s=start, end_s=start + exposed))

@@ -227,6 +227,7 @@ def test_a_vllm_generator_adds_the_hop_into_its_workers_by_hand():
         base = _sync(transport, c)
         est = add_engine_load(base, TINY, engine="vllm", transport=transport, dst_bytes_per_param=2.0, ctx=c)
         assert est.time_s == pytest.approx(base.time_s + extra) and hop in est.note and est.note.startswith(base.note)
+        assert est.dst_only_s == pytest.approx(extra)  # the generator side's alone: the trainer has published
         assert add_engine_load(base, TINY, engine="builtin", transport=transport, dst_bytes_per_param=2.0, ctx=c) == base
 
 

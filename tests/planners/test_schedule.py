@@ -36,6 +36,18 @@ def test_disaggregated_async_is_the_busiest_side():
     assert half.async_step_s == pytest.approx(2.0 + 0.125)
 
 
+def test_the_generators_own_hop_into_vllm_keeps_only_the_generator_busy():
+    """A vLLM generator's last hop (``dst_only_s``: into its workers) is the generator side's alone:
+    disaggregated, the trainer's busy time counts only the transfer (2.0 + 0.25, not + 0.75); colocated,
+    the group waits for all of it."""
+    hop = [SyncEstimate(src="policy", dst="gen", transport="collective", bytes=1, time_s=0.75, dst_only_s=0.5)]
+    apart = step_times(GRAPH, _devices((0,), (1,)), TIMES, hop)
+    assert sorted(t for r, t in apart.busy_s.items() if not r.startswith("host")) == pytest.approx([1.0 + 0.75, 2.0 + 0.25])
+    assert apart.async_step_s == pytest.approx(2.0 + 0.25)
+    together = step_times(GRAPH, _devices((0, 1), (0, 1)), TIMES, hop)
+    assert together.async_step_s == pytest.approx(1.0 + 2.0 + 0.75)
+
+
 def test_sync_timeline_respects_data_dependencies():
     s = step_times(GRAPH, _devices((0,), (1,)), TIMES, SYNC)
     span = {sp.node: sp for sp in s.sync_timeline if sp.what != "weight sync"}

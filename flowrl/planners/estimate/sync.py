@@ -32,7 +32,8 @@ A vLLM generator adds a last hop (``add_engine_load``): its process holds the we
 transport delivered (a staging copy) and sends them on into vLLM's workers, each replica its own
 ``P * wb`` bytes at once: over the weight-sync group at ``Tuning.vllm_group_bandwidth`` (the
 broadcast and vLLM's reload, overlapped bucket by bucket), or, on a ``file`` edge, written once more
-and read by the worker at ``file_bandwidth``. The note names the hop and its rate.
+and read by the worker at ``file_bandwidth``. The note names the hop and its rate. The hop is the
+generator side's alone (``SyncEstimate.dst_only_s``): the trainer has published and goes on.
 
 A user transport declares its cost (the default is ``"collective"``); a name this process has not
 registered is costed as ``"collective"``, and the estimate notes it.
@@ -71,6 +72,9 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         copied_bytes: bytes through a staging copy, once per copy (the transport's ``bytes_staged``, summed).
         time_s: seconds one sync takes; both ends are busy for it unless ``sync_overlap`` hides part.
         note: how it was costed.
+        dst_only_s: of ``time_s``, the seconds the generator's side spends alone once the transport
+            delivered (the hop into a vLLM generator's workers, ``add_engine_load``): the trainer is
+            free during them, so an asynchronous step charges them to the generator only.
     """
 
     src: str
@@ -82,6 +86,7 @@ class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     note: str = ""
     wire_bytes: int = 0
     copied_bytes: int = 0
+    dst_only_s: float = 0.0
 
 
 def sync_params(
@@ -283,7 +288,7 @@ def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transpo
         extra, hop = 2 * nbytes / t.file_bandwidth, f"then a file vLLM's worker reads ({t.file_bandwidth / 1e9:g} GB/s, write + read)"
     else:
         extra, hop = nbytes / t.vllm_group_bandwidth, f"then into vLLM over the weight-sync group (gloo, {t.vllm_group_bandwidth / 1e9:g} GB/s)"
-    return msgspec.structs.replace(est, time_s=est.time_s + extra, note=f"{est.note}; {hop}")
+    return msgspec.structs.replace(est, time_s=est.time_s + extra, dst_only_s=est.dst_only_s + extra, note=f"{est.note}; {hop}")
 
 
 def _link(src_devices: Sequence[int], dst_devices: Sequence[int], ctx: Context) -> Link:
