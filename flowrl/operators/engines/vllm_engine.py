@@ -123,12 +123,6 @@ VLLM_ENVIRONMENT: dict[str, str] = {
 }
 
 
-#: The variables ``_quiet_vllm`` sets for the processes vLLM spawns; ``_start`` restores them once vLLM
-#: has started, so that no later process (another engine, a torchrun job started by this one) inherits
-#: a path into a closed engine's directory and takes it for the user's.
-_QUIET_VARIABLES = ("VLLM_LOGGING_CONFIG_PATH", "PYTHONWARNINGS")
-
-
 def _quiet_vllm(directory: str) -> None:
     """Drop vLLM's start-up warnings that are noise in a flowrl run (``vllm_logging.NOISE``, each with
     its reason), in this process and in the ones vLLM spawns, unless the user configured vLLM's logging
@@ -363,16 +357,12 @@ class VLLMGenerator:
     def _start(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
         for name, value in VLLM_ENVIRONMENT.items():  # before vLLM is first imported: it reads them then
             os.environ.setdefault(name, value)
-        saved = {name: os.environ.get(name) for name in _QUIET_VARIABLES}
+        saved = dict(os.environ)
         try:
             _quiet_vllm(self._tmp)
             return self._start_quiet(node, raw, device, seed)
-        finally:  # the variables named this engine's directory, gone at its close: no later process may inherit them
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        finally:
+            _restore_environment(saved)
 
     def _start_quiet(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
         owner = f"generator {node.name!r}"
@@ -647,6 +637,20 @@ def cpu_binding(tp: int, owner: str, cpus: Sequence[int] | None = None) -> str:
             f"{len(cores)} core(s) {cores}; lower the mesh's tp to at most {len(cores)}, or set VLLM_CPU_OMP_THREADS_BIND yourself"
         )
     return "|".join(",".join(str(c) for c in part.tolist()) for part in torch.tensor(cores).tensor_split(tp))
+
+
+def _restore_environment(saved: Mapping[str, str]) -> None:
+    """Put this process's environment back as ``saved`` had it. Starting an engine writes variables
+    for the processes vLLM spawns: flowrl's logging file (in the engine's directory, gone at its close)
+    and, on a CPU, vLLM's own (``LD_PRELOAD`` with torch's libgomp, and vLLM's tcmalloc where its wheel
+    bundles one; ``LOCAL_WORLD_SIZE``; thread and kernel settings); none may reach a later process of
+    this one (a torchrun job started later inherited them), nor this process's reading of
+    ``LOCAL_WORLD_SIZE``."""
+    for name in [n for n in os.environ if n not in saved]:
+        os.environ.pop(name, None)
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 class _environment:
