@@ -102,6 +102,28 @@ def perturbed_model(directory: Path, scale: float = 0.05):
     return model
 
 
+def check_mu_per_version(out, models, checked: dict[int, int], spans: set[tuple[int, ...]], **completion) -> None:
+    """Each drawn token's mu (``behaviour_logprobs``) equals the forward of the version that drew it
+    (``token_versions``; ``models``: version -> model) within ``rollout_logprob_atol``; counts the
+    tokens checked per version into ``checked`` and each sample's set of versions into ``spans``.
+    ``completion``: ``completion_lens=`` for multi-turn samples (environment tokens attended)."""
+    import torch
+
+    from flowrl.operators.logprobs import completion_logprobs
+    from tests.tolerances import rollout_logprob_atol
+
+    mask, versions = out["completion_mask"], out["token_versions"]
+    for v, model in models.items():
+        with torch.no_grad():
+            pi = completion_logprobs(model, out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], mask, **completion)
+        drawn = mask & (versions == v)
+        checked[v] += int(drawn.sum())
+        diff = (out["behaviour_logprobs"] - pi)[drawn].abs()
+        assert not len(diff) or float(diff.max()) < rollout_logprob_atol(model, out), (v, diff)
+    for s in range(mask.shape[0]):
+        spans.add(tuple(sorted(set(versions[s][mask[s]].tolist()))))
+
+
 @pytest.fixture(scope="session")
 def hf_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama directory (tied embeddings), built once per session."""

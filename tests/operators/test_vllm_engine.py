@@ -25,7 +25,7 @@ from flowrl.models.registry import build_model
 from flowrl.operators.engines import vllm_engine
 from flowrl.operators.generation import Generator, sampling_logprobs
 from flowrl.operators.logprobs import completion_logprobs
-from tests.hf_fixtures import make_hf_dir, perturbed_model
+from tests.hf_fixtures import check_mu_per_version, make_hf_dir, perturbed_model
 from tests.models.helpers import left_padded, reference_logprobs
 from tests.tolerances import ratio_atol, rollout_logprob_atol, trained_logprob_atol
 
@@ -249,15 +249,7 @@ def test_an_update_mid_generation_gives_each_token_the_version_and_mu_it_was_dra
     for out, _ in batches:
         mask, versions = out["completion_mask"], out["token_versions"]
         assert int(versions[mask].min()) == int(out["rollout_version"])
-        for v, model in models.items():
-            with torch.no_grad():
-                pi = completion_logprobs(model, out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], mask)
-            drawn = mask & (versions == v)
-            checked[v] += int(drawn.sum())
-            diff = (out["behaviour_logprobs"] - pi)[drawn].abs()
-            assert not len(diff) or float(diff.max()) < rollout_logprob_atol(model, out), (v, diff)
-        for s in range(mask.shape[0]):
-            spans.add(tuple(sorted(set(versions[s][mask[s]].tolist()))))
+        check_mu_per_version(out, models, checked, spans)
     assert checked[0] and checked[1], checked
     assert (0, 1) in spans, spans  # a sample stopped by the update and continued under version 1
 

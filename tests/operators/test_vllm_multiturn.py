@@ -22,8 +22,8 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, SamplingConfig
 from flowrl.graph.envs import EnvConfig
 from flowrl.graph.nodes import GeneratorNode
-from tests.hf_fixtures import make_hf_dir, perturbed_model
-from tests.tolerances import graph_logprob_atol, k3_atol, logprob_atol, rollout_logprob_atol, rollout_sequences
+from tests.hf_fixtures import check_mu_per_version, make_hf_dir, perturbed_model
+from tests.tolerances import graph_logprob_atol, k3_atol, logprob_atol, rollout_sequences
 
 pytest.importorskip("transformers")
 
@@ -168,7 +168,6 @@ def test_continuous_episodes_take_weights_in_flight_and_each_token_keeps_its_ver
     from flowrl.models.registry import build_model
     from flowrl.operators.engines.vllm_multiturn import VLLMMultiTurn
     from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
-    from flowrl.operators.logprobs import completion_logprobs
     from flowrl.runtime.continuous import ContinuousRollouts
 
     sampling = msgspec.structs.replace(SAMPLING, max_new_tokens=8, batching="continuous", slots=3)
@@ -204,16 +203,7 @@ def test_continuous_episodes_take_weights_in_flight_and_each_token_keeps_its_ver
         assert int(versions[mask].min()) == int(out["rollout_version"])
         for s, k in enumerate(out["completion_lens"].tolist()):  # two observations between three turns, mask 0
             assert int((~mask[s, :k]).sum()) in {a + b for a in sizes for b in sizes}
-        for v, model in models.items():
-            with torch.no_grad():
-                pi = completion_logprobs(model, out["sample_prompt_ids"], out["sample_prompt_lens"], out["completion_ids"], mask,
-                                         completion_lens=out["completion_lens"])  # fmt: skip
-            drawn = mask & (versions == v)
-            checked[v] += int(drawn.sum())
-            diff = (out["behaviour_logprobs"] - pi)[drawn].abs()
-            assert not len(diff) or float(diff.max()) < rollout_logprob_atol(model, out), (v, diff)
-        for s in range(mask.shape[0]):
-            spans.add(tuple(sorted(set(versions[s][mask[s]].tolist()))))
+        check_mu_per_version(out, models, checked, spans, completion_lens=out["completion_lens"])
     assert checked[0] and checked[1], checked
     assert (0, 1) in spans, spans  # a sample whose episode went on under version 1
 
