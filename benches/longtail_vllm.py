@@ -3,7 +3,7 @@ against continuous batching with in-flight weight updates, interleaved in one ru
 
 The model is a built-in transformer with head size 32 (vLLM's CPU kernels take no smaller), fitted to
 the task by ``longtail_generation.fit_to_task``, exported as a Hugging Face directory
-(``flowrl.models.export.export_hf``, Llama) and served by one ``VLLMGenerator``:
+(``flowrl.models.hf_export.export_hf``, Llama) and served by one ``VLLMGenerator``:
 
 - lock step: ``VLLMGenerator.generate`` on batches of ``slots`` rows (``slots / n`` prompts), one
   after the other, and a weight update between batches (vLLM batches inside a call; a batch lasts as
@@ -44,7 +44,7 @@ VLLM_MODEL = ModelConfig(vocab_size=16, dim=128, n_layers=2, n_heads=4, n_kv_hea
 
 
 def _exported(gen: Generator, directory: Path) -> Path:
-    from flowrl.models.export import export_hf
+    from flowrl.models.hf_export import export_hf
 
     state = {"model_config": msgspec.to_builtins(VLLM_MODEL), "model": {k: v.detach().clone() for k, v in gen.model.state_dict().items()}}
     return export_hf(state, directory)

@@ -5,7 +5,7 @@ The model directory is built in code beside the example's tokenizer and prompts
 (``flowrl.examples.hf_copy``): ``--family qwen2``, a 2-layer Qwen2 of hidden 128 (4 heads of 32, which
 vLLM's CPU kernels take; untied), or ``--family llama``, the example's ~90K-parameter Llama. LoRA
 adapts a model that already does something: with ``--warmup N`` a base model is made first (N steps of
-full-model training from the seeded random weights, exported with ``flowrl.models.export.export_hf``),
+full-model training from the seeded random weights, exported with ``flowrl.models.hf_export.export_hf``),
 and both runs start from it (``--warmup 0``: from the random weights). Then ``build_hf_copy(lora=...)``
 runs ``--steps`` steps with the built-in (or ``--engine vllm``) generator; ``--full`` adds the same
 steps training the whole model. Prints JSON: each run's reward curve (means over windows of
@@ -90,7 +90,7 @@ def main() -> None:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = dict(r=args.rank, alpha=2 * args.rank, target_modules=targets)
     with tempfile.TemporaryDirectory() as tmp:
-        from flowrl.models.export import export_hf
+        from flowrl.models.hf_export import export_hf
         from flowrl.runtime.checkpointing.store import read_policy_state
 
         random_dir = model_dir(Path(tmp) / args.family, args.family)

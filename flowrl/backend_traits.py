@@ -5,7 +5,7 @@ torch.distributed ranks (each rank runs ``run_graph`` on its share, rank 0 repor
 run's directory, plan devices are ranks), whether it shards a policy with FSDP2 and whether it does
 colocated offloading. The built-ins' are the table ``BACKENDS`` (each backend class's
 ``crosses_processes`` is its row's); which class runs a name is the runtime's business
-(``flowrl.runtime.backends.base.BUILTIN_BACKENDS``). A backend a user registers has the traits of a
+(``flowrl.runtime.backends.backend.BUILTIN_BACKENDS``). A backend a user registers has the traits of a
 backend in one process unless it declares its own (``declare_traits``). Code asking what a backend
 does reads these traits, not its name.
 

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flowrl.models.export import export_hf
+    from flowrl.models.hf_export import export_hf
     from flowrl.runtime.checkpointing.store import read_policy_state
 
     state = read_policy_state(args.checkpoint, node=args.node)

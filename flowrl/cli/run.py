@@ -42,7 +42,7 @@ every generate / score / train / weight publish / weight fetch / wait.
 def register(sub: argparse._SubParsersAction) -> None:
     from flowrl.cli.graphs import GRAPH_FORMS
     from flowrl.graph.engines import ENGINE_CAPS
-    from flowrl.runtime.backends.base import backend_names
+    from flowrl.runtime.backends.backend import backend_names
 
     p = sub.add_parser(
         "run",

@@ -39,7 +39,7 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flowrl.graph.export import DIRECTIONS, FORMATS
+    from flowrl.pictures import DIRECTIONS, FORMATS
     from flowrl.cli.graphs import GRAPH_FORMS
 
     p = sub.add_parser(
@@ -113,7 +113,7 @@ def _default_name(graph: Graph, fmt: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
-    from flowrl.graph.export import FORMATS, IMAGE_FORMATS, SUFFIXES, export_text, format_for_path, render_bytes, write_atomic
+    from flowrl.pictures import FORMATS, IMAGE_FORMATS, SUFFIXES, export_text, format_for_path, render_bytes, write_atomic
     from flowrl.cli.graphs import load_graph
 
     out = args.output

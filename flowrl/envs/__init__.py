@@ -10,6 +10,6 @@
 Pure Python: nothing here imports torch. ``flowrl.operators.multiturn`` runs episodes with a model.
 """
 
-from flowrl.envs.base import EnvError, EnvResult, check_env, make_env
+from flowrl.envs.environment import EnvError, EnvResult, check_env, make_env
 
 __all__ = ["EnvError", "EnvResult", "check_env", "make_env"]

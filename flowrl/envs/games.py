@@ -18,7 +18,7 @@
   is the way). Any other turn is a malformed call, answered ``-</s>``. ``call_credit`` (default 0)
   rewards the first call, for shaping experiments. Prompts: ``CalcTask``.
 
-Both are plain Python classes following ``flowrl.envs.base`` (one instance per sample).
+Both are plain Python classes following ``flowrl.envs.environment`` (one instance per sample).
 
 Example:
     >>> env = GuessNumberEnv()

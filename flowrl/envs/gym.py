@@ -2,7 +2,7 @@
 
 gymnasium's protocol is ``reset(seed=...) -> (observation, info)`` and ``step(action) -> (observation,
 reward, terminated, truncated, info)``; a text environment's observations and actions are strings
-(``gymnasium.spaces.Text``). ``GymTextEnv`` wraps one in flowrl's protocol (``flowrl.envs.base``):
+(``gymnasium.spaces.Text``). ``GymTextEnv`` wraps one in flowrl's protocol (``flowrl.envs.environment``):
 
 - ``reset(row)`` calls ``reset(seed=...)`` with a seed from the row (``seed_of``: the prompt's stream
   position and the sample, so every sample plays its own reproducible episode; a resumed run replays

@@ -12,7 +12,7 @@ model's text in the Hermes / Qwen form, results returned as tool messages, and `
 - ``call_tool(tools, call)``: the result as text; a bad call (unknown tool, bad JSON, missing,
   unexpected or mistyped arguments) or a tool that raises gives an error text for the model, never an
   exception: the model is told, and the episode goes on.
-- ``ToolEnv``: an environment (``flowrl.envs.base``) over tools. A turn with tool calls is answered with
+- ``ToolEnv``: an environment (``flowrl.envs.environment``) over tools. A turn with tool calls is answered with
   their results (``<tool_response>...</tool_response>``, one per call, as the tool message's content:
   give the generator ``role="tool"`` for a chat template with a tool role); a turn without one is the
   final answer, scored by ``reward(answer, row)``; ``max_calls`` turns of calls at most.

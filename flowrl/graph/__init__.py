@@ -1,4 +1,4 @@
-"""The graph: node kinds and their configs, the IR, validation, serialisation and export."""
+"""The graph: node kinds and their configs, the IR, validation and serialisation (its pictures: ``flowrl.pictures``)."""
 
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.critic import CriticNode
@@ -17,7 +17,6 @@ from flowrl.graph.nodes import (
     signature,
 )
 from flowrl.graph.serialize import from_json, references, to_json
-from flowrl.graph.export import render, to_dot, to_mermaid
 
 __all__ = [
     "GraphBuilder",
@@ -45,7 +44,4 @@ __all__ = [
     "to_json",
     "from_json",
     "references",
-    "to_dot",
-    "to_mermaid",
-    "render",
 ]

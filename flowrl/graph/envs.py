@@ -3,7 +3,7 @@
 A generator with an ``env`` alternates model turns and environment turns (``flowrl.operators.multiturn``):
 the environment is a user class (or factory) referenced like a scorer's function
 (``package.module:qualname`` or ``path/to/file.py:qualname``, ``flowrl.graph.refs``) and resolved only
-when the graph runs; one instance per sample (``flowrl.envs.base`` states the protocol).
+when the graph runs; one instance per sample (``flowrl.envs.environment`` states the protocol).
 
 Example:
     >>> EnvConfig(env="flowrl.envs.games:GuessNumberEnv", max_turns=2).max_turns

@@ -18,7 +18,7 @@ registries at run start, so building a graph imports no torch.
       policy = policy(model=2L64d, lr=0.001) <- aipo[objective]
       policy ~> gen  weights(transport=inprocess, max_staleness=1)
 
-Pictures of a graph come from the free functions of ``flowrl.graph.export`` (DOT, Mermaid, SVG).
+Pictures of a graph come from the free functions of ``flowrl.pictures`` (DOT, Mermaid, SVG).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: model turns and environment turns, token in / token out (lock step here; continuous batching reuses the episode's steps).
 
 A generator with an ``env`` (``flowrl.graph.envs.EnvConfig``) runs, for each batch of P prompts, one
-episode per sample (S = P * n): one environment instance per sample (``flowrl.envs.base``), then
+episode per sample (S = P * n): one environment instance per sample (``flowrl.envs.environment``), then
 
     reset(row) -> observation            appended after the prompt (mask 0)
     repeat up to max_turns:
@@ -27,7 +27,7 @@ The sample's completion is the concatenation of its turns. What each part of it 
   mask (no loss), its error is logged (logger ``flowrl.envs``) and counted (``env/failed``): the run goes on.
 
 An episode also ends when its next model turn would not fit ``max_seq_len`` (not a failure).
-Environment calls of one turn run concurrently (a thread per sample, ``flowrl.envs.base.start``).
+Environment calls of one turn run concurrently (a thread per sample, ``flowrl.envs.environment.start``).
 Each model turn re-reads the sample's whole prefix (one prefill per turn; the KV cache is not kept
 across environment turns).
 
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from flowrl.envs.base import EnvError, EnvResult, Pending, check_env, make_env, parse_observation, parse_step, start
+from flowrl.envs.environment import EnvError, EnvResult, Pending, check_env, make_env, parse_observation, parse_step, start
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.graph.refs import resolve
 from flowrl.operators.batch import Batch

@@ -23,7 +23,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         max_staleness: override every weight edge's k; None keeps the graph's.
         backend: ``local`` (threads in this process), ``process`` (one OS process per executor),
             ``torchrun`` (this process is one rank of a torchrun job; see ``flowrl.runtime.backends.torchrun``)
-            or a backend registered with ``flowrl.runtime.backends.base.register_backend``; an unknown
+            or a backend registered with ``flowrl.runtime.backends.backend.register_backend``; an unknown
             name is refused by ``run_graph`` before any work.
         seed: seed of sampling and of the synthetic operators.
         metrics: JSON-lines file, one row per trainer step.

@@ -58,7 +58,7 @@ from flowrl.operators.source import pad_left
 from flowrl.runtime.staleness import EdgeBound
 
 if TYPE_CHECKING:
-    from flowrl.envs.base import Pending
+    from flowrl.envs.environment import Pending
     from flowrl.operators.multiturn import Episode, MultiTurnGenerator
 
 __all__ = ["ContinuousRollouts"]

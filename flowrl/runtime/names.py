@@ -52,7 +52,7 @@ def check_names(graph: Graph) -> None:
     for node in graph.nodes_of_kind("generator"):
         env = getattr(node, "env", None)
         if env is not None:  # a multi-turn generator's environment: resolvable, with reset and step
-            from flowrl.envs.base import check_env
+            from flowrl.envs.environment import check_env
             from flowrl.graph.refs import resolve
 
             if env.agent:  # an agent program: a function (session, row) -> reward

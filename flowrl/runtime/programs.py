@@ -28,7 +28,7 @@ from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.transports.registry import create_transport, import_transport
 
 if TYPE_CHECKING:
-    from flowrl.runtime.transports.base import WeightTransport
+    from flowrl.runtime.transports.weight_transport import WeightTransport
 
 __all__ = [
     "NodeProgram",

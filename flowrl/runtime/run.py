@@ -7,7 +7,7 @@ placement) uses the default, the run strategy for the staleness bound on this ma
 disjoint halves otherwise), which needs no planner. A plan file or a JSON placement becomes a
 placement with ``flowrl.planners.forms.read_placement`` (what ``flowrl run --plan`` does).
 
-The backend (``RunConfig.backend``) comes from the registry in ``flowrl.runtime.backends.base``; it
+The backend (``RunConfig.backend``) comes from the registry in ``flowrl.runtime.backends.backend``; it
 decides where the programs live and the transports the weight edges open.
 
 Example:
@@ -29,7 +29,7 @@ from flowrl.backend_traits import backend_traits
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.placement.layout import Placement
-from flowrl.runtime.backends.base import OnStep, create_backend
+from flowrl.runtime.backends.backend import OnStep, create_backend
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import RunResult
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from flowrl.envs.base import start
+from flowrl.envs.environment import start
 from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix
 from flowrl.operators.multiturn import Episode, MultiTurnGenerator

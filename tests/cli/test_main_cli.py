@@ -146,7 +146,7 @@ def test_closed_stdout_ends_quietly(argv):
 def test_run_choices_are_the_capability_tables_keys() -> None:
     """``flowrl run --engine`` offers the engines of ``graph.engines.ENGINE_CAPS``, ``--backend`` the registered backends."""
     from flowrl.graph.engines import ENGINE_CAPS
-    from flowrl.runtime.backends.base import backend_names
+    from flowrl.runtime.backends.backend import backend_names
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     run = {a.dest: a for a in sub.choices["run"]._actions}

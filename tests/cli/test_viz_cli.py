@@ -14,7 +14,7 @@ import pytest
 
 from flowrl.cli.main import main
 from flowrl.examples import build_example
-from flowrl.graph.export import to_dot, to_mermaid
+from flowrl.pictures import to_dot, to_mermaid
 from flowrl.graph.serialize import from_json, to_json
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from flowrl.envs.base import parse_step
+from flowrl.envs.environment import parse_step
 from flowrl.envs.gym import GymTextEnv
 from flowrl.envs.tools import ToolCall, ToolEnv, ToolError, call_tool, parse_tool_calls, tool, tools_prompt
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.graph.export import KIND_STYLES
+from flowrl.pictures import KIND_STYLES
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import DEVICE_KINDS, NODE_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS
 from flowrl.graph.refs import resolve
@@ -107,7 +107,7 @@ ESTIMATORS["length_bonus"] = estimate_length_bonus
 import flowrl
 from flowrl.examples.llamarl import DEFAULT_MODEL
 from flowrl.graph.builder import GraphBuilder
-from flowrl.graph.export import to_dot, to_mermaid
+from flowrl.pictures import to_dot, to_mermaid
 from flowrl.graph.serialize import from_json, to_json
 from flowrl.planners.plan import plan_graph
 from flowrl.runtime.config import RunConfig
@@ -188,7 +188,7 @@ PLAN_ROLES["likelihood"] = likelihood_role
 
 from flowrl.examples.llamarl import DEFAULT_MODEL
 from flowrl.graph.builder import GraphBuilder
-from flowrl.graph.export import to_dot
+from flowrl.pictures import to_dot
 from flowrl.graph.serialize import from_json, to_json
 from flowrl.modelspec import model_preset
 from flowrl.planners.cluster import parse_cluster

@@ -20,7 +20,7 @@ import torch
 import flowrl.models.families as families_pkg
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, ModelConfig
 from flowrl.models.causal_lm import CausalLM, weight_dict
-from flowrl.models.export import export_hf
+from flowrl.models.hf_export import export_hf
 from flowrl.models.families import FAMILIES
 from flowrl.models.family import ModelFamily
 from flowrl.models.registry import build_model, family_of, meta_model, model_tokens, weight_shapes

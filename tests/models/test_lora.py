@@ -13,7 +13,7 @@ from flowrl.graph.configs import HFModelConfig, LoraConfig, LossConfig, ModelCon
 from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode
 from flowrl.operators.generation import Generator
 from flowrl.operators.trainer import Trainer
-from flowrl.runtime.transports.base import layout_of
+from flowrl.runtime.transports.weight_transport import layout_of
 from flowrl.runtime.transports.inprocess import InProcessTransport
 from tests.models.helpers import hf_reference_model, left_padded, reference_logprobs
 from tests.tolerances import GradientMagnitudes, assert_within, logit_atol, rollout_logprob_atol

@@ -9,7 +9,7 @@ import pytest
 from flowrl.errors import ConfigError, PlanError
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.placement import NodeMesh, Placement
-from flowrl.runtime.backends.base import BUILTIN_BACKENDS, Backend, backend_names, create_backend, register_backend
+from flowrl.runtime.backends.backend import BUILTIN_BACKENDS, Backend, backend_names, create_backend, register_backend
 from flowrl.runtime.backends.local import LocalBackend
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.run import run_graph
@@ -62,7 +62,7 @@ def test_what_a_backend_allows_comes_from_its_traits(monkeypatch):
 
 
 def test_run_graph_dispatches_through_the_registry(monkeypatch):
-    from flowrl.runtime.backends import base
+    from flowrl.runtime.backends import backend as base
 
     monkeypatch.setattr(base, "_USER_BACKENDS", {})  # the registration ends with the test (doctests list the built-ins)
     register_backend("test-counting", CountingBackend, replace=True)
@@ -74,7 +74,7 @@ def test_run_graph_dispatches_through_the_registry(monkeypatch):
 
 
 def test_run_graph_hands_the_placement_to_the_backend_and_none_without_one(monkeypatch):
-    from flowrl.runtime.backends import base
+    from flowrl.runtime.backends import backend as base
 
     monkeypatch.setattr(base, "_USER_BACKENDS", {})
     register_backend("test-counting", CountingBackend, replace=True)

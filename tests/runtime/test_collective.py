@@ -44,7 +44,7 @@ from flowrl.placement.resharding import (
     tp_row,
     transfer_volume,
 )
-from flowrl.runtime.transports.base import layout_of
+from flowrl.runtime.transports.weight_transport import layout_of
 from flowrl.runtime.transports.collective import CollectiveTransport
 from flowrl.runtime.transports.collective.messages import HEADER_BYTES, ParamSpec, Spec, build_messages, piece_limit
 from flowrl.runtime.transports.collective.send_buffer import SendBuffer

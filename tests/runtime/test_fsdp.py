@@ -195,7 +195,7 @@ def test_the_generator_receives_the_trainers_full_weights_from_the_shards(step_r
 
 def test_flowrl_export_of_a_sharded_checkpoint_loads(step_result):
     transformers = pytest.importorskip("transformers")
-    from flowrl.models.export import export_hf
+    from flowrl.models.hf_export import export_hf
 
     r, tmp, family, directory = step_result
     state = torch.load(tmp / "policy.pt", weights_only=True)
@@ -204,7 +204,7 @@ def test_flowrl_export_of_a_sharded_checkpoint_loads(step_result):
     exported = model.state_dict()
     if family == "builtin":
         from flowrl.graph.configs import ModelConfig
-        from flowrl.models.export import hf_config_and_state
+        from flowrl.models.hf_export import hf_config_and_state
 
         _, expected = hf_config_and_state(msgspec.convert(state["model_config"], ModelConfig), state["model"])
     elif family == "lora":  # merged: peft's merge_and_unload of the gathered adapters into the base

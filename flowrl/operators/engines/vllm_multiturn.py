@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from flowrl.envs.base import Pending
+from flowrl.envs.environment import Pending
 from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix
 from flowrl.operators.multiturn import Episode, MultiTurnGenerator

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from flowrl.graph.ir import Graph
-from flowrl.runtime.backends.base import OnStep
+from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.compute_threads import set_intra_op_threads
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from flowrl.backend_traits import BACKENDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.runtime.backends.base import OnStep
+from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.program_table import build_program
 from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports
 

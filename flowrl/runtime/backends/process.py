@@ -32,7 +32,7 @@ from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
-from flowrl.runtime.backends.base import OnStep
+from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.zygote import ForkedWorker, Zygote
 from flowrl.runtime.backends.zygote import take as take_zygote

@@ -73,7 +73,7 @@ from flowrl.errors import ConfigError, FlowrlError, PlanError
 from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
-from flowrl.runtime.backends.base import OnStep
+from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport

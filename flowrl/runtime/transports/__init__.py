@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.runtime.transports.registry import BUILTIN_TRANSPORTS, create_transport, register_transport, transport_names
 
 if TYPE_CHECKING:
-    from flowrl.runtime.transports.base import State, WeightTransport
+    from flowrl.runtime.transports.weight_transport import State, WeightTransport
     from flowrl.runtime.transports.file import FileTransport
     from flowrl.runtime.transports.inprocess import InProcessTransport
     from flowrl.runtime.transports.shm import SharedMemoryTransport
@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "WeightTransport": "flowrl.runtime.transports.base",
-    "State": "flowrl.runtime.transports.base",
+    "WeightTransport": "flowrl.runtime.transports.weight_transport",
+    "State": "flowrl.runtime.transports.weight_transport",
     "InProcessTransport": "flowrl.runtime.transports.inprocess",
     "SharedMemoryTransport": "flowrl.runtime.transports.shm",
     "FileTransport": "flowrl.runtime.transports.file",

@@ -64,7 +64,7 @@ import msgspec
 import torch
 
 from flowrl.errors import TransportError
-from flowrl.runtime.transports.base import (
+from flowrl.runtime.transports.weight_transport import (
     State,
     StateLayout,
     check_state,

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from flowrl.errors import TransportError
-from flowrl.runtime.transports.base import StateLayout, State, check_state, check_target, check_version, copy_tensor, layout_of
+from flowrl.runtime.transports.weight_transport import StateLayout, State, check_state, check_target, check_version, copy_tensor, layout_of
 from flowrl.transport_traits import BUILTINS
 
 __all__ = ["InProcessTransport"]

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from flowrl.errors import TransportError
-from flowrl.runtime.transports.base import (
+from flowrl.runtime.transports.weight_transport import (
     StateLayout,
     State,
     check_state,

@@ -1,4 +1,4 @@
-"""The weight-transport conformance suite: the contract of ``flowrl.runtime.transports.base``, as tests.
+"""The weight-transport conformance suite: the contract of ``flowrl.runtime.transports.weight_transport``, as tests.
 
 Every transport passes it by mixing ``TransportConformance`` into a test class that says how to open
 one writer and one reader on the same edge::
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flowrl.errors import TransportError
-from flowrl.runtime.transports.base import WeightTransport
+from flowrl.runtime.transports.weight_transport import WeightTransport
 
 __all__ = ["TransportConformance", "random_tensor", "same_bytes", "DTYPES", "SHAPES"]
 

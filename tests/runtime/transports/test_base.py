@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.runtime.transports import base
-from flowrl.runtime.transports.base import copy_tensor, memcpy_applies
+from flowrl.runtime.transports import weight_transport as base
+from flowrl.runtime.transports.weight_transport import copy_tensor, memcpy_applies
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from flowrl.errors import TransportError
-from flowrl.runtime.transports.base import layout_of
+from flowrl.runtime.transports.weight_transport import layout_of
 import flowrl.runtime.transports.cuda_ipc as cuda_ipc
 from flowrl.runtime.transports.cuda_ipc import CudaIpcHandle, CudaIpcTransport, HostSlotHandle, IpcHeader
 from flowrl.runtime.transports.registry import create_transport, transport_traits

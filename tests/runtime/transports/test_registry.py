@@ -10,7 +10,7 @@ import pytest
 
 from flowrl.errors import TransportError
 from flowrl.runtime import transports
-from flowrl.runtime.transports.base import WeightTransport
+from flowrl.runtime.transports.weight_transport import WeightTransport
 from flowrl.runtime.transports.registry import BUILTIN_TRANSPORTS, create_transport, register_transport, transport_names
 
 

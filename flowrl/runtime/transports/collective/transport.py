@@ -117,7 +117,7 @@ import torch.distributed as dist
 
 from flowrl.errors import ConfigError, TransportError
 from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, Transfer, local_shape, plan_state
-from flowrl.runtime.transports.base import State, StateLayout, TensorSpec, check_state, check_target, check_version
+from flowrl.runtime.transports.weight_transport import State, StateLayout, TensorSpec, check_state, check_target, check_version
 from flowrl.runtime.transports.collective.messages import (
     DTYPES,
     HEADER_BYTES,

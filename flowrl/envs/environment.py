@@ -183,7 +183,7 @@ def check_env(factory: Any, *, owner: str) -> None:
         raise ConfigError(
             f"{owner}: the environment {name!r} has no {' or '.join(missing)} method; an environment needs "
             "reset(row) -> observation and step(action_text) -> (observation or None, reward, info) "
-            "(flowrl.envs.base; a gymnasium-style one goes through flowrl.envs.gym.GymTextEnv)"
+            "(flowrl.envs.environment; a gymnasium-style one goes through flowrl.envs.gym.GymTextEnv)"
         )
 
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 
 from flowrl.examples import build_example
-from flowrl.graph.export import (
+from flowrl.pictures import (
     KIND_STYLES,
     ExportError,
     export_text,

@@ -11,7 +11,7 @@ from flowrl.cli.main import main
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import ModelConfig
 from flowrl.graph.nodes import LossNode, PolicyNode
-from flowrl.models.export import export_hf
+from flowrl.models.hf_export import export_hf
 from flowrl.operators.trainer import Trainer
 from tests.models.helpers import hf_policy_node
 from tests.tolerances import logit_atol
