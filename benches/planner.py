@@ -18,7 +18,10 @@ Run: ``python benches/planner.py [--example llamarl] [--steps 30] [--skip-measur
 3. ``weight_sync``: predicted weight sync (fp8 generator: quantization + transfer) beside LlamaRL's
    reported 1.15 s (70B) and about 2 s (405B).
 4. ``peers``: other published asynchronous results on their own settings (``planner_peers.py``,
-   which states what it assumes).
+   which states what it assumes): verl's fully_async_policy, AReaL's Table 1 (1.5B-32B), NeMo-RL's
+   one-step-off DeepSeek-V3; each row the published speedup, the predicted one and their ratio.
+   ``llamarl_workload_sweep``: LlamaRL's 70B and 405B over completion limits and prompts a step, and
+   the point closest to each published speedup, with its step times against the published ones.
 5. ``search_time``: CPU seconds (``time.process_time``) of ``plan_graph`` on 1024 and 131,072 H100s
    (goals: < 1 s and < 10 s), best of ``--repeats``.
 
@@ -258,6 +261,48 @@ def llamarl_table() -> list[dict]:
     return rows
 
 
+#: The workload sweep for LlamaRL's 70B and 405B (``llamarl_workload_sweep``): completions' limit and prompts a step.
+SWEEP_GEN_LENS = (512, 1024, 2048, 4096)
+SWEEP_PROMPTS = (256, 1024)
+
+
+def llamarl_workload_sweep(models: tuple[str, ...] = ("llama3-70b", "llama3-405b")) -> list[dict]:
+    """Which workload reproduces LlamaRL's 70B and 405B speedups, if any: the baseline (all devices) and
+    flowrl's best asynchronous step over ``SWEEP_GEN_LENS`` x ``SWEEP_PROMPTS`` (8 samples a prompt,
+    512-token prompts, a mean of half the limit with 5% at it, as ``LLAMARL_WORKLOAD``), and the point
+    closest to the published speedup with its step times beside the published ones."""
+    graph = build_example("llamarl")
+    rows = []
+    for model in models:
+        points = []
+        for gen_len in SWEEP_GEN_LENS:
+            for prompts in SWEEP_PROMPTS:
+                work = msgspec.structs.replace(
+                    LLAMARL_WORKLOAD, prompts_per_step=prompts, gen_len=gen_len, lengths=mean_and_tail(mean=gen_len / 2, max_len=gen_len, tail_frac=0.05)
+                )
+                ctx = Context(cluster=parse_cluster(LLAMARL_CLUSTER), workload=work, tuning=make_tuning())
+                base = plan_baseline(graph, ctx, model=model_preset(model), system=SYNC_BASELINE).all_devices
+                best = _plan(graph, model, workload=msgspec.structs.replace(work, batching="continuous"), gen_precision="float8", max_staleness=1)
+                if base is None:
+                    continue
+                sync_s = base.steps.sync_step_s
+                points.append({"gen_len": gen_len, "prompts": prompts, "baseline_s": round(sync_s, 1), "async_s": round(best.step_s, 1), "speedup": round(sync_s / best.step_s, 2)})
+        pub = PUBLISHED[model]
+        closest = min(points, key=lambda p: abs(p["speedup"] / pub["speedup"] - 1))
+        rows.append(
+            {
+                "model": model,
+                "published": pub,
+                "points": points,
+                "max_predicted_speedup": max(p["speedup"] for p in points),
+                "closest_to_published_speedup": closest,
+                "closest_baseline_over_published": round(closest["baseline_s"] / pub["sync_s"], 2),
+                "closest_async_over_published": round(closest["async_s"] / pub["async_s"], 2),
+            }
+        )
+    return rows
+
+
 def weight_sync_table() -> list[dict]:
     graph = build_example("llamarl")
     rows = []
@@ -310,6 +355,7 @@ def main() -> None:
         "llamarl_workload": {**msgspec.to_builtins(LLAMARL_WORKLOAD), "short": LLAMARL_WORKLOAD.short()},
         "llamarl": llamarl_table(),
         "weight_sync": weight_sync_table(),
+        "llamarl_workload_sweep": llamarl_workload_sweep(),
         "peers": peers_table(),
     }
     if not args.skip_search:

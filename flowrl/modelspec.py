@@ -19,6 +19,28 @@ Counting (Llama architecture: RMSNorm, rotary embeddings, grouped-query attentio
 where ``matmul_params`` counts every weight matrix a token goes through (layers and output head,
 not the embedding lookup). Example: Llama-3 8B has 8.03e9 parameters.
 
+A mixture of experts (``n_experts`` > 0: DeepSeek-V3's shape) replaces the MLP of every block after
+its first ``dense_layers`` by ``n_experts`` routed SwiGLU experts of width ``expert_ffn_dim``, of
+which each token goes through ``experts_per_token``, beside ``shared_experts`` every token goes
+through, and a router (``h * E``)::
+
+    moe mlp params      = 3*h*fe*(E + shared) + h*E       (held: memory, optimizer state, weight sync)
+    moe active params   = 3*h*fe*(k + shared) + h*E       (computed: FLOPs)
+
+so ``params`` counts every expert and ``matmul_params`` (hence the FLOPs) only the active ones. A
+decode step of ``b`` sequences reads the experts its tokens route to: with uniform routing a given
+expert is untouched by all ``b * k`` choices with probability ``(1 - k/E)^b``, so the step reads
+``expert_read_fraction(b) = 1 - (1 - k/E)^b`` of the routed experts' weights (assumed uniform;
+DeepSeek-V3 balances its routing without an auxiliary loss). Not modelled: expert parallelism (a
+trainer or generator shards the experts as it shards any weight, over tp, pp and ZeRO; no all-to-all
+of tokens) and routing imbalance.
+
+Attention other than grouped-query (DeepSeek's multi-head latent attention) is given by its size:
+``attention_params`` per block and ``kv_dim``, the KV-cache elements one token holds per layer (MLA
+caches a latent of ``kv_lora_rank + qk_rope_head_dim`` = 576 values, the same on every tensor-parallel
+rank). Its score FLOPs keep the ``4 * L * h * ctx`` term (DeepSeek-V3's 128 heads of 192 + 128 wide
+compute 2.9x that: about 3% of a token's FLOPs at 750 tokens of context).
+
 Example:
     >>> spec = model_preset("llama3-8b")
     >>> round(spec.params / 1e9, 2)
@@ -78,6 +100,15 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         adapter_params: a LoRA policy's adapter parameters (``lora_adapter_params``): they alone
             have gradients and optimizer state and travel over weight edges, in float32; 0: the
             whole model trains.
+        n_experts: routed experts of each mixture-of-experts block (E); 0: a dense model.
+        experts_per_token: routed experts each token goes through (k, top-k routing).
+        expert_ffn_dim: SwiGLU width of one routed or shared expert (fe).
+        shared_experts: experts every token goes through, beside the routed ones.
+        dense_layers: leading blocks whose MLP is the dense one of ``ffn_dim`` (DeepSeek-V3: 3).
+        attention_params: parameters of one block's attention when it is not grouped-query (MLA);
+            0: counted from the heads (``2*h*q + 2*h*kv``).
+        kv_dim: KV-cache elements one token holds per layer when they are not ``2 * kv_heads *
+            head_dim`` (MLA's latent, replicated on every tensor-parallel rank); 0: from the heads.
     """
 
     name: str
@@ -92,6 +123,13 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     head_dim: int = 0
     head_rows: int = 0
     adapter_params: int = 0
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_dim: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    attention_params: int = 0
+    kv_dim: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -105,6 +143,17 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise PlanError(f"model {self.name!r}: n_heads={self.n_heads} must divide dim={self.dim} (or give head_dim)")
         if self.n_heads % self.n_kv_heads:
             raise PlanError(f"model {self.name!r}: n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        for field in ("n_experts", "experts_per_token", "expert_ffn_dim", "shared_experts", "dense_layers", "attention_params", "kv_dim"):
+            if getattr(self, field) < 0:
+                raise PlanError(f"model {self.name!r}: {field}={getattr(self, field)} must be >= 0")
+        if self.n_experts and not (1 <= self.experts_per_token <= self.n_experts and self.expert_ffn_dim >= 1 and self.dense_layers < self.n_layers):
+            raise PlanError(
+                f"model {self.name!r}: a mixture of experts needs 1 <= experts_per_token <= n_experts "
+                f"(got {self.experts_per_token} of {self.n_experts}), expert_ffn_dim >= 1 (got {self.expert_ffn_dim}) "
+                f"and dense_layers < n_layers (got {self.dense_layers} of {self.n_layers})"
+            )
+        if not self.n_experts and (self.experts_per_token or self.shared_experts or self.dense_layers):
+            raise PlanError(f"model {self.name!r}: experts_per_token, shared_experts and dense_layers need n_experts >= 1 (a mixture of experts)")
         if not self.head_dim:
             msgspec.structs.force_setattr(self, "head_dim", self.dim // self.n_heads)
 
@@ -114,10 +163,53 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return self.n_heads * self.head_dim
 
     @property
+    def attn_params(self) -> int:
+        """Parameters of one block's attention: ``attention_params``, else q, k, v and o by the heads."""
+        return self.attention_params or 2 * self.dim * self.q_dim + 2 * self.dim * self.n_kv_heads * self.head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts (every block after ``dense_layers``; 0 when dense)."""
+        return self.n_layers - self.dense_layers if self.n_experts else 0
+
+    def _moe_mlp_params(self, experts: int) -> int:
+        """One mixture-of-experts MLP through ``experts`` routed experts, the shared ones and the router."""
+        return 3 * self.dim * self.expert_ffn_dim * (experts + self.shared_experts) + self.dim * self.n_experts
+
+    @property
+    def mlp_params(self) -> int:
+        """MLP parameters of all blocks: dense blocks' ``3*h*f``, every expert of the others."""
+        dense = (self.n_layers - self.moe_layers) * 3 * self.dim * self.ffn_dim
+        return dense + self.moe_layers * self._moe_mlp_params(self.n_experts)
+
+    @property
+    def active_mlp_params(self) -> int:
+        """MLP parameters one token goes through, over all blocks (``mlp_params`` when dense)."""
+        dense = (self.n_layers - self.moe_layers) * 3 * self.dim * self.ffn_dim
+        return dense + self.moe_layers * self._moe_mlp_params(self.experts_per_token)
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Parameters of the routed experts, all blocks: what a decode step reads only in part."""
+        return self.moe_layers * 3 * self.dim * self.expert_ffn_dim * self.n_experts
+
+    @property
+    def active_ffn_dim(self) -> float:
+        """The MLP width a token's activations span, averaged over blocks (``ffn_dim`` when dense)."""
+        return self.active_mlp_params / (3 * self.dim * self.n_layers)
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one transformer block (attention, MLP, two norms)."""
-        h, q, kv = self.dim, self.q_dim, self.n_kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv + 3 * h * self.ffn_dim + 2 * h
+        """Parameters of one transformer block (attention, MLP, two norms); a mean over blocks for a
+        mixture of experts whose first ``dense_layers`` differ."""
+        return self.attn_params + self.mlp_params // self.n_layers + 2 * self.dim
+
+    def expert_read_fraction(self, batch: float) -> float:
+        """Of the routed experts' weights, the share one decode step of ``batch`` tokens reads:
+        ``1 - (1 - k/E)^batch`` (uniform routing, module docstring); 1.0 for a dense model."""
+        if not self.n_experts:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_token / self.n_experts) ** max(batch, 1.0)
 
     @property
     def output_rows(self) -> int:
@@ -133,8 +225,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     @property
     def params(self) -> int:
-        """Every parameter: blocks, embeddings, output head, final norm."""
-        return self.n_layers * self.layer_params + self.embedding_params + self.dim
+        """Every parameter: blocks (every expert), embeddings, output head, final norm."""
+        return self.n_layers * (self.attn_params + 2 * self.dim) + self.mlp_params + self.embedding_params + self.dim
 
     @property
     def trained_params(self) -> int:
@@ -143,8 +235,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     @property
     def matmul_params(self) -> int:
-        """Weights a token multiplies through in a forward pass: every block's matrices and the output head."""
-        return self.n_layers * (self.layer_params - 2 * self.dim) + self.output_rows * self.dim
+        """Weights a token multiplies through in a forward pass: every block's matrices (a mixture of
+        experts: the experts it is routed to) and the output head."""
+        return self.n_layers * self.attn_params + self.active_mlp_params + self.output_rows * self.dim
 
     def forward_flops_per_token(self, ctx: float) -> float:
         """FLOPs of one token's forward pass when it attends to ``ctx`` keys (see module docstring)."""
@@ -152,7 +245,14 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
         """KV-cache bytes one token occupies across all layers."""
-        return 2.0 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+        return float(self.n_layers * self.kv_elems_per_layer(1) * dtype_bytes)
+
+    def kv_elems_per_layer(self, tp: int) -> int:
+        """KV-cache elements one token holds in one layer on one of ``tp`` tensor-parallel ranks: its
+        share of the KV heads (replicated when tp > kv heads), or all of ``kv_dim`` (an MLA latent)."""
+        if self.kv_dim:
+            return self.kv_dim
+        return 2 * -(-self.n_kv_heads // tp) * self.head_dim
 
     def short(self) -> str:
         return self.name
@@ -165,13 +265,23 @@ def _qwen(name: str, layers: int, dim: int, heads: int, kv: int, ffn: int, vocab
     )
 
 
+def _mla_params(h: int, heads: int, *, q_rank: int, kv_rank: int, nope: int, rope: int, v: int) -> int:
+    """One block's multi-head latent attention (DeepSeek-V2/V3): q down and up projections, the
+    joint kv down projection with the rope key, kv up projection, output, and the two latent norms."""
+    return h * q_rank + q_rank * heads * (nope + rope) + h * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * h + q_rank + kv_rank
+
+
 #: Published shapes. Llama 3 / 3.1 model cards: Llama 3 8B and 70B have an 8k context; 405B exists
 #: only as Llama 3.1, with 128k. Qwen2.5 and Qwen3: the ``config.json`` of each model on the
 #: Hugging Face hub (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
 #: ``num_key_value_heads``, ``head_dim`` (Qwen3), ``intermediate_size``, ``vocab_size``,
 #: ``tie_word_embeddings``: the small ones tie); context: Qwen2.5's Instruct configs say 32,768
 #: (the base 1.5B/7B-72B configs say 131,072, reached with YaRN), Qwen3's 40,960. The counts leave
-#: out Qwen2.5's q/k/v biases and Qwen3's q/k norms (< 0.1% of the parameters).
+#: out Qwen2.5's q/k/v biases and Qwen3's q/k norms (< 0.1% of the parameters). DeepSeek-V3: its
+#: ``config.json`` (``n_routed_experts`` 256, ``num_experts_per_tok`` 8, ``moe_intermediate_size`` 2048,
+#: ``n_shared_experts`` 1, ``first_k_dense_replace`` 3, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512,
+#: ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128), without its multi-token
+#: prediction module (not used by RL): 671.0e9 parameters, 37.5e9 active per token (the card: 671B, 37B).
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec(name="llama3-8b", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, max_seq_len=8192),
     "llama3-70b": ModelSpec(name="llama3-70b", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, max_seq_len=8192),
@@ -193,6 +303,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "qwen3-8b": _qwen("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, False, 40960, head_dim=128),
     "qwen3-14b": _qwen("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, False, 40960, head_dim=128),
     "qwen3-32b": _qwen("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, False, 40960, head_dim=128),
+    "deepseek-v3": ModelSpec(
+        name="deepseek-v3", n_layers=61, dim=7168, n_heads=128, n_kv_heads=128, head_dim=128, ffn_dim=18432, vocab_size=129280,
+        max_seq_len=163840, n_experts=256, experts_per_token=8, expert_ffn_dim=2048, shared_experts=1, dense_layers=3,
+        attention_params=_mla_params(7168, 128, q_rank=1536, kv_rank=512, nope=128, rope=64, v=128), kv_dim=512 + 64,
+    ),
 }
 
 

@@ -6,6 +6,7 @@ FP8 weights), ``kvb`` bytes per KV element. Per device::
 
     weights    = P * wb / (tp * pp)
     kv_token   = 2 * (L/pp) * ceil(kv_heads / tp) * head_dim * kvb     # KV heads replicate when tp > kv_heads
+                                                                     # (an MLA latent: (L/pp) * kv_dim * kvb)
     batch      = min(ceil(S/dp), (budget - reserved - weights - workspace) // (s * kv_token))
     waves      = ceil(ceil(S/dp) / batch)                 # rounds when the KV cache cannot hold them all
 
@@ -13,13 +14,15 @@ Time of one wave of ``b`` completions::
 
     prefill    = b * prompt_len * F_tok(prompt_len / 2) / (tp * pp * peak * mfu_prefill)
                  + L * 2 * all_reduce(b * prompt_len * h * 2, tp) + L * ops_per_layer * kernel_overhead
-    stage      = max( (weights + b * ctx * kv_token + b * V * 4 / (tp*pp)) / (mem_bw * mem_eff),   # read
+    stage      = max( (weights_read + b * ctx * kv_token + b * V * 4 / (tp*pp)) / (mem_bw * mem_eff),   # read
                       b * F_tok(ctx) / (tp * pp * peak * mfu_decode) )                              # compute
     token      = pp * (stage + (L/pp) * 2 * all_reduce(b * h * 2, tp) + (L/pp) * ops_per_layer * kernel_overhead)
     (with uneven stages memory is the largest stage's, ``ceil(L/pp)`` layers, and a token still
     passes every layer once, so its time is the sum over stages, ``pp * (L/pp) = L`` layers)
                  + (pp - 1) * send(b * h * 2)
     decode     = steps * token,          ctx = prompt_len + l / 2 (mean keys attended)
+    weights_read = weights, less a mixture of experts' routed experts that none of the b tokens
+                 goes to: weights * (1 - routed/P * (1 - ModelSpec.expert_read_fraction(b)))
     G          = waves * prefill + decode
 
 ``steps`` and ``l`` come from the completion lengths and the batching mode
@@ -162,10 +165,10 @@ def estimate_generate(
     speedup = dev.mesh_speedup(dp, c.devices_per_host, generator=True) / replicas
     per_replica = math.ceil(w.sequences / replicas)
     weights = int(model.params * wb * layers / (L * tp))
-    kv_token = 2 * layers * math.ceil(model.n_kv_heads / tp) * model.head_dim * kvb
+    kv_token = layers * model.kv_elems_per_layer(tp) * kvb
     kv_seq = w.seq_len * kv_token
     prefill_chunk = min(per_replica * w.prompt_len, 8192)
-    workspace = int(prefill_chunk * (8 * h + 3 * model.ffn_dim) * ab / tp + min(per_replica, 1024) * V * 4 / tp)
+    workspace = int(prefill_chunk * (8 * h + 3 * model.active_ffn_dim) * ab / tp + min(per_replica, 1024) * V * 4 / tp)
 
     budget = memory_budget(ctx)
     room = budget - reserved_bytes - weights - workspace
@@ -204,7 +207,9 @@ def estimate_generate(
     steps = decode_steps(dist, completions=per_replica, batch=b, batching=batching)
     continuous = batching == "continuous"
     ctx_len = w.prompt_len + (dist.mean if continuous else dist.expected_max(b)) / 2
-    read = weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
+    # a mixture of experts reads the routed experts its b tokens go to (ModelSpec.expert_read_fraction)
+    read_weights = weights * (1 - model.routed_expert_params / model.params * (1 - model.expert_read_fraction(b)))
+    read = read_weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
     t_read = read / mem_bw
     t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * decode_rate)
     stage = max(t_read, t_compute)

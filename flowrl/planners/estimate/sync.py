@@ -122,7 +122,10 @@ def sync_params(
         ``(params, trainer layouts, generator layouts)`` for ``resharding.transfer_volume`` or the transport.
     """
     dtype = {1: "uint8", 2: "bfloat16", 4: "float32", 8: "float64"}[wb]
-    h, f, q, kv = model.dim, model.ffn_dim, model.q_dim, model.n_kv_heads * model.head_dim
+    h, q, kv = model.dim, model.q_dim, model.n_kv_heads * model.head_dim
+    f = model.mlp_params // (3 * h * model.n_layers)  # a mixture of experts: a block's experts as one MLP as wide (the bytes, not the tensors)
+    if model.attention_params:  # attention that is not grouped-query (MLA): q, k, v, o as wide as its parameters
+        q = kv = model.attention_params // (4 * h)
     ranks = tuple(dst_devices[: dst_dims.dp * dst_dims.tp])
     same = replicated(ranks, axis="dp" if dst_dims.tp == 1 else "tp")
     if dst_dims.tp == 1:

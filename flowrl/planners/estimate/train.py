@@ -174,7 +174,7 @@ def train_options(
     ob = t.optimizer_bytes or (12 if pb <= 2 else 8)
     gb = t.grad_bytes
     ab = dev.dtype_bytes
-    h, f, L, V = model.dim, model.ffn_dim, model.n_layers, model.output_rows
+    h, f, L, V = model.dim, model.active_ffn_dim, model.n_layers, model.output_rows  # a token's activations span the experts it goes to
     layers = stage_layers(L, pp)  # the largest stage sets the pace (stages may be uneven)
     frac = layers / L
     s = w.seq_len

@@ -1,0 +1,120 @@
+"""Mixture-of-experts shapes in the planner: every expert held, the routed ones computed, the touched ones read.
+
+Hand counts from ``flowrl.modelspec``'s docstring on a tiny shape, DeepSeek-V3's published totals,
+and the estimates' use of them: FLOPs follow the active parameters, memory and weight sync the
+total, a decode step reads ``1 - (1 - k/E)^b`` of the routed experts.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from flowrl.errors import PlanError
+from flowrl.modelspec import ModelSpec, model_preset
+from flowrl.planners.estimate.generate import estimate_generate
+from flowrl.planners.estimate.sync import estimate_sync
+from flowrl.planners.estimate.train import estimate_train
+from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.workload import Workload
+
+from tests.planners.test_estimates import WORK, ctx, device
+
+# 2 blocks, the first dense (MLP 16 wide), the second 4 routed experts of width 4 (top-1) and 1 shared
+MOE = ModelSpec(
+    name="moe", n_layers=2, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=10,
+    n_experts=4, experts_per_token=1, expert_ffn_dim=4, shared_experts=1, dense_layers=1,
+)  # fmt: skip
+
+
+def test_tiny_moe_counts_by_hand():
+    attn = 8 * 8 + 2 * 8 * 4 + 8 * 8  # q, k, v, o: 192
+    dense_mlp = 3 * 8 * 16  # 384
+    moe_mlp = 3 * 8 * 4 * (4 + 1) + 8 * 4  # 5 experts of 96, router 32: 512
+    active_moe = 3 * 8 * 4 * (1 + 1) + 8 * 4  # the routed one, the shared one, router: 224
+    assert MOE.params == 2 * (attn + 16) + dense_mlp + moe_mlp + 2 * 10 * 8 + 8
+    assert MOE.matmul_params == 2 * attn + dense_mlp + active_moe + 10 * 8
+    assert MOE.routed_expert_params == 4 * 96
+    assert MOE.active_ffn_dim == pytest.approx((dense_mlp + active_moe) / (3 * 8 * 2))
+
+
+def test_deepseek_v3_matches_its_card():
+    """671B parameters, 37B active per token (the card's figures, rounded): the embedding counted active."""
+    spec = model_preset("deepseek-v3")
+    assert spec.params / 1e9 == pytest.approx(671, rel=0.001)
+    active = spec.matmul_params + spec.vocab_size * spec.dim  # the head is in matmul_params; the input embedding too
+    assert active / 1e9 == pytest.approx(37, rel=0.02)
+    assert spec.kv_bytes_per_token(2) == 61 * 576 * 2  # MLA: one 576-wide latent a layer
+    assert spec.kv_elems_per_layer(8) == 576  # replicated on every tensor-parallel rank
+
+
+def test_flops_follow_the_active_experts_memory_all_of_them():
+    top2 = msgspec.structs.replace(MOE, experts_per_token=2)
+    assert top2.params == MOE.params
+    assert top2.matmul_params - MOE.matmul_params == 3 * 8 * 4  # one more expert in the one MoE block
+    assert top2.forward_flops_per_token(5) - MOE.forward_flops_per_token(5) == 2 * 3 * 8 * 4
+
+
+def test_expert_read_fraction():
+    assert MOE.expert_read_fraction(1) == pytest.approx(1 / 4)
+    assert MOE.expert_read_fraction(2) == pytest.approx(1 - (3 / 4) ** 2)
+    assert MOE.expert_read_fraction(1000) == pytest.approx(1.0)
+    assert model_preset("llama3-8b").expert_read_fraction(1) == 1.0
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"experts_per_token": 5}, "experts_per_token <= n_experts"),
+        ({"expert_ffn_dim": 0}, "expert_ffn_dim >= 1"),
+        ({"dense_layers": 2}, "dense_layers < n_layers"),
+        ({"n_experts": 0}, "need n_experts >= 1"),
+        ({"kv_dim": -1}, "kv_dim=-1 must be >= 0"),
+    ],
+    ids=["k>E", "no-width", "all-dense", "no-experts", "negative"],
+)
+def test_bad_moe_shapes_are_refused(bad, match):
+    with pytest.raises(PlanError, match=match):
+        msgspec.structs.replace(MOE, **bad)
+
+
+# -- the estimates ------------------------------------------------------------------------------------
+def test_training_compute_follows_the_active_parameters():
+    """The same tokens through twice the routed experts: compute up by the FLOPs' ratio, weights held the same."""
+    top2 = msgspec.structs.replace(MOE, experts_per_token=2)
+    one, two = (estimate_train(m, ParallelDims(), range(1), ctx()) for m in (MOE, top2))
+    s_bar = WORK.mean_seq_len  # the test device packs sequences (an accelerator's default): the mean length
+    ratio = top2.forward_flops_per_token(s_bar / 2) / MOE.forward_flops_per_token(s_bar / 2)
+    assert two.breakdown["compute"] / one.breakdown["compute"] == pytest.approx(ratio)
+    assert two.memory.weights == one.memory.weights
+
+
+def test_a_decode_step_reads_the_experts_its_tokens_route_to():
+    """Memory-bound decode (slow memory, fast compute) of one sequence: the routed experts read are k/E
+    of them; with every expert routed (k = E) the whole model is read."""
+    dev = device(memory_bandwidth=1e3, peak_flops=1e18)
+    work = Workload(prompts_per_step=1, samples_per_prompt=1, prompt_len=1, gen_len=1)
+    every = msgspec.structs.replace(MOE, experts_per_token=4)
+    one, all_ = (estimate_generate(m, ParallelDims(), range(1), ctx(dev, work=work)) for m in (MOE, every))
+    wb = 2  # bf16 weights
+    skipped = MOE.routed_expert_params * (1 - 1 / 4) * wb / 1e3  # the 3 experts of 4 the token does not route to
+    assert all_.breakdown["decode_memory"] - one.breakdown["decode_memory"] == pytest.approx(skipped)
+
+
+def test_weight_sync_moves_every_expert():
+    """A sync sends the whole model, every expert: twice the experts, the bytes of the extra experts more."""
+    wide = msgspec.structs.replace(MOE, n_experts=8)
+
+    def sync(model: ModelSpec, transport: str):
+        return estimate_sync(
+            model, src="policy", dst="gen", transport=transport, src_devices=range(2), src_dims=ParallelDims(dp=2),
+            dst_devices=range(2, 4), dst_dims=ParallelDims(dp=2), dst_bytes_per_param=2.0, src_bytes_per_param=2.0, ctx=ctx(),
+        )  # fmt: skip
+
+    extra = (wide.params - MOE.params) * 2 * 2  # bf16, to 2 generator replicas
+    a, b = sync(MOE, "file"), sync(wide, "file")
+    assert b.bytes - a.bytes == extra
+    # the collective transport lists a block's experts as one MLP of whole columns (sync_params): each
+    # model's count may fall short by under one column (3 * h values) a block
+    a, b = sync(MOE, "collective"), sync(wide, "collective")
+    assert b.bytes - a.bytes == pytest.approx(extra, abs=2 * 3 * 8 * 2 * 2 * 2)
