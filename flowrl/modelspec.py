@@ -398,7 +398,8 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     (default: the attention heads), ``head_dim`` (default: ``hidden_size / num_attention_heads``),
     ``intermediate_size``, ``vocab_size`` and
     ``tie_word_embeddings`` (GPT-2-style names are accepted too), and the context from
-    ``max_position_embeddings`` (or ``n_positions``; ``DEFAULT_CONTEXT`` when there is none).
+    ``max_position_embeddings`` (or ``n_positions``; ``DEFAULT_CONTEXT`` when there is none); a
+    mixture of experts' and MLA's keys too (``_hf_moe``).
 
     Raises:
         PlanError: naming the file and the missing or malformed key.
@@ -433,7 +434,49 @@ def model_from_hf_config(source: str | Path | dict, *, name: str | None = None) 
     if not isinstance(context, int) or isinstance(context, bool):
         raise PlanError(f"model config {where!r}: max_position_embeddings={context!r} must be an integer")
     label = name or str(source.get("_name_or_path") or source.get("model_type") or "hf-model")
-    return ModelSpec(name=label, n_kv_heads=kv, tie_embeddings=tie, max_seq_len=context, head_dim=head_dim, **values)
+    return ModelSpec(name=label, n_kv_heads=kv, tie_embeddings=tie, max_seq_len=context, head_dim=head_dim, **values, **_hf_moe(source, where, values))
+
+
+def _hf_int(source: dict, key: str, where: str, default: int = 0) -> int:
+    value = source.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PlanError(f"model config {where!r}: {key}={value!r} must be an integer")
+    return value
+
+
+def _hf_moe(source: dict, where: str, values: dict[str, int]) -> dict[str, int]:
+    """The mixture-of-experts and MLA fields of a Hugging Face config (empty for a dense one): Mixtral
+    (``num_local_experts``; an expert is ``intermediate_size`` wide), Qwen3-MoE (``num_experts``,
+    ``moe_intermediate_size``), DeepSeek-V2/V3 (``n_routed_experts``, ``n_shared_experts``,
+    ``first_k_dense_replace``, and MLA's ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
+    ``qk_rope_head_dim``, ``v_head_dim``). A layout it cannot count (Qwen2-MoE's shared expert of its
+    own width, experts on every other layer) is refused, naming the key, rather than read as dense."""
+    experts = next((_hf_int(source, k, where) for k in ("num_local_experts", "n_routed_experts", "num_experts") if source.get(k)), 0)
+    moe: dict[str, int] = {}
+    if experts:
+        for key, fine in (("shared_expert_intermediate_size", 0), ("decoder_sparse_step", 1), ("moe_layer_freq", 1)):
+            if source.get(key, fine) not in (fine, None):
+                raise PlanError(f"model config {where!r}: {key}={source[key]!r} is a mixture-of-experts layout the planner does not count; "
+                                "it counts a routed expert width, shared experts of that width and leading dense blocks")  # fmt: skip
+        if source.get("mlp_only_layers"):
+            raise PlanError(f"model config {where!r}: mlp_only_layers={source['mlp_only_layers']!r} (dense blocks among the experts) is not counted")
+        width = _hf_int(source, "moe_intermediate_size", where) or values["ffn_dim"]  # Mixtral: an expert is intermediate_size wide
+        moe = {
+            "n_experts": experts, "experts_per_token": _hf_int(source, "num_experts_per_tok", where), "expert_ffn_dim": width,
+            "shared_experts": _hf_int(source, "n_shared_experts", where), "dense_layers": _hf_int(source, "first_k_dense_replace", where),
+        }  # fmt: skip
+    if source.get("kv_lora_rank"):
+        kv_rank, rope = _hf_int(source, "kv_lora_rank", where), _hf_int(source, "qk_rope_head_dim", where)
+        nope, v, q_rank = _hf_int(source, "qk_nope_head_dim", where), _hf_int(source, "v_head_dim", where), _hf_int(source, "q_lora_rank", where)
+        h, heads = values["dim"], values["n_heads"]
+        if q_rank:
+            attention = _mla_params(h, heads, q_rank=q_rank, kv_rank=kv_rank, nope=nope, rope=rope, v=v)
+        else:  # DeepSeek-V2-Lite: q projected directly, no q latent and no q norm
+            attention = h * heads * (nope + rope) + h * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * h + kv_rank
+        moe |= {"attention_params": attention, "kv_dim": kv_rank + rope}
+    return moe
 
 
 def resolve_model(text: str) -> ModelSpec:

@@ -118,3 +118,50 @@ def test_weight_sync_moves_every_expert():
     # model's count may fall short by under one column (3 * h values) a block
     a, b = sync(MOE, "collective"), sync(wide, "collective")
     assert b.bytes - a.bytes == pytest.approx(extra, abs=2 * 3 * 8 * 2 * 2 * 2)
+
+
+# -- Hugging Face configs --------------------------------------------------------------------------
+def _built(model, leave_out: tuple[str, ...] = ()) -> int:
+    """Parameters of a transformers model, less those whose names end with ``leave_out``."""
+    return sum(p.numel() for n, p in model.named_parameters() if not n.endswith(leave_out))
+
+
+def test_mixtral_and_qwen3_moe_configs_count_what_transformers_builds():
+    transformers = pytest.importorskip("transformers")
+    from flowrl.modelspec import model_from_hf_config
+
+    common = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    mixtral = transformers.MixtralConfig(num_local_experts=4, **common)  # an expert is intermediate_size wide
+    spec = model_from_hf_config(mixtral.to_dict(), name="m")
+    assert (spec.n_experts, spec.experts_per_token, spec.expert_ffn_dim) == (4, 2, 24)
+    assert spec.params == _built(transformers.MixtralForCausalLM(mixtral))
+    qwen = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=8, head_dim=8, **common)
+    spec = model_from_hf_config(qwen.to_dict(), name="q")
+    assert (spec.n_experts, spec.expert_ffn_dim) == (4, 8)
+    assert spec.params == _built(transformers.Qwen3MoeForCausalLM(qwen), leave_out=("q_norm.weight", "k_norm.weight"))
+
+
+def test_a_deepseek_v3_config_counts_what_transformers_builds():
+    """MLA, a shared expert and a leading dense block; the count leaves out the router's score-correction bias (E a block)."""
+    transformers = pytest.importorskip("transformers")
+    from flowrl.modelspec import model_from_hf_config
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=50, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    spec = model_from_hf_config(config.to_dict(), name="ds")
+    assert (spec.n_experts, spec.shared_experts, spec.dense_layers, spec.kv_dim) == (4, 1, 1, 8 + 4)
+    assert spec.params == _built(transformers.DeepseekV3ForCausalLM(config), leave_out=("e_score_correction_bias",))
+
+
+def test_a_moe_layout_it_cannot_count_is_refused():
+    from flowrl.modelspec import model_from_hf_config
+
+    qwen2_moe = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "intermediate_size": 24, "vocab_size": 50,
+                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 32}  # fmt: skip
+    with pytest.raises(PlanError, match="shared_expert_intermediate_size=32"):
+        model_from_hf_config(qwen2_moe, name="q2")
