@@ -42,8 +42,9 @@ training, vLLM generation at TP 32; on policy, colocated on 512 H100s, 111 s a s
 generation on 256 and training (PP 16, EP 16) on the other 256, 64.1 s a step (1.73x). Assumed: prompts
 of 128 tokens (the "average generated sequence" read as prompt + response, so a mean response of
 570-580; responses of at most 1,536 - 128 tokens, 5% at it); the ``deepseek-v3`` preset (a mixture of
-experts: ``flowrl.modelspec``), trained ZeRO-3 where Megatron shards its experts by expert
-parallelism, which the planner does not model (nor the tokens' all-to-all); both steps recompute
+experts: ``flowrl.modelspec``), its trainer's experts split over its data-parallel ranks (the
+planner's expert parallelism: 32 on the colocated d32p16, 16 on d16p16, the recipes' EP 16), ZeRO-3
+for the rest; the generator's experts sharded by its tensor parallelism (vLLM at TP 32); both steps recompute
 log-probs (NeMo-RL's step time includes its "policy logprobs"); published layouts: synchronous
 ``gen:d16t32 | policy:d32p16`` on all 512, asynchronous ``gen:d8t32`` on 256 and ``policy:d16p16``
 on the other 256, k = 1.
@@ -211,7 +212,7 @@ def _nemo_rl_row() -> dict:
     return {
         "system": "NeMo-RL v0.6, one step off",
         "setting": "DeepSeek-V3 (671B, 37B active), GRPO, 512 H100, 32 prompts x 16, sequences <= 1,536 tokens (mean ~700), bf16",
-        "assumed": "128-token prompts, responses mean 576, 5% at 1,408; ZeRO-3 instead of expert parallelism; both recompute log-probs; "
+        "assumed": "128-token prompts, responses mean 576, 5% at 1,408; experts split over the trainer's dp ranks, ZeRO-3 for the rest; both recompute log-probs; "
         "published layouts: sync gen d16t32 | policy d32p16 colocated, async gen d8t32 on 256 | policy d16p16 on 256",
         "published": {"sync_step_s": published_sync, "async_step_s": published_async},
         "predicted_sync_published_layout": _sides(sync) | {"step_s": round(sync.sync_step_s, 1)},

@@ -31,9 +31,9 @@ so ``params`` counts every expert and ``matmul_params`` (hence the FLOPs) only t
 decode step of ``b`` sequences reads the experts its tokens route to: with uniform routing a given
 expert is untouched by all ``b * k`` choices with probability ``(1 - k/E)^b``, so the step reads
 ``expert_read_fraction(b) = 1 - (1 - k/E)^b`` of the routed experts' weights (assumed uniform;
-DeepSeek-V3 balances its routing without an auxiliary loss). Not modelled: expert parallelism (a
-trainer or generator shards the experts as it shards any weight, over tp, pp and ZeRO; no all-to-all
-of tokens) and routing imbalance.
+DeepSeek-V3 balances its routing without an auxiliary loss). A trainer splits the routed experts
+over data-parallel ranks (expert parallelism, ``flowrl.planners.estimate.train``); a generator shards
+them as any weight, over tp and pp. Not modelled: routing imbalance.
 
 Attention other than grouped-query (DeepSeek's multi-head latent attention) is given by its size:
 ``attention_params`` per block and ``kv_dim``, the KV-cache elements one token holds per layer (MLA

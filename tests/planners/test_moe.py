@@ -165,3 +165,50 @@ def test_a_moe_layout_it_cannot_count_is_refused():
                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 32}  # fmt: skip
     with pytest.raises(PlanError, match="shared_expert_intermediate_size=32"):
         model_from_hf_config(qwen2_moe, name="q2")
+
+
+# -- expert parallelism in training ----------------------------------------------------------------
+def test_expert_parallel_is_the_largest_divisor_of_dp_dividing_the_experts():
+    from flowrl.planners.estimate.train import expert_parallel
+
+    assert [expert_parallel(MOE, dp) for dp in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
+    assert expert_parallel(model_preset("llama3-8b"), 8) == 1
+
+
+def _exact(**over):
+    from tests.planners.test_estimates import EXACT
+
+    return msgspec.structs.replace(EXACT, **over)
+
+
+def test_experts_shard_over_their_ranks_not_replicas():
+    """dp = ep = 4 under ZeRO-1: the dense weights whole on every rank, a quarter of the experts each."""
+    dev = device()
+    est = estimate_train(MOE, ParallelDims(dp=4), range(4), ctx(dev, tuning=_exact(zero_stage=1)))
+    dense = MOE.params - MOE.routed_expert_params
+    assert est.memory.weights == int(dense * dev.dtype_bytes + MOE.routed_expert_params / 4 * dev.dtype_bytes)
+
+
+def test_zero3_gathers_no_expert_when_every_rank_holds_its_own():
+    """ZeRO-3 at dp = ep = 4: the gathers (forward, backward) and the gradient reduce-scatter move the dense part only."""
+    from flowrl.planners.estimate.common import Link, all_gather_s
+
+    dev, tuning = device(), _exact(zero_stage=3)
+    est = estimate_train(MOE, ParallelDims(dp=4), range(4), ctx(dev, tuning=tuning))
+    dense, link = MOE.params - MOE.routed_expert_params, Link(dev.intra_host_bandwidth, 0.0)
+    # 1 micro-batch a rank (4 sequences over 4 ranks), no checkpointing: 2 gathers, 1 reduce-scatter
+    expected = 2 * all_gather_s(dense * dev.dtype_bytes, 4, link) + all_gather_s(dense * tuning.grad_bytes, 4, link)
+    assert est.breakdown["dp_comm"] == pytest.approx(expected)
+
+
+def test_tokens_go_to_their_experts_and_back():
+    """One MoE block, one micro-batch of one 4-token sequence a rank: an all-to-all each way, forward and backward."""
+    from flowrl.planners.estimate.common import Link, all_to_all_s
+
+    dev = device()
+    est = estimate_train(MOE, ParallelDims(dp=4), range(4), ctx(dev))
+    tokens = WORK.mean_seq_len  # packed, 1 sequence a micro-batch
+    one_way = all_to_all_s(tokens * MOE.experts_per_token * MOE.dim * dev.dtype_bytes, 4, Link(dev.intra_host_bandwidth, 0.0))
+    assert est.breakdown["ep_comm"] == pytest.approx(2 * 1 * (1 + 1) * one_way)
+    dense = estimate_train(model_preset("llama3-8b"), ParallelDims(dp=4), range(4), ctx(device(memory_bytes=10**12)))
+    assert "ep_comm" not in dense.breakdown

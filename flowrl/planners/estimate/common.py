@@ -23,6 +23,7 @@ from flowrl.planners.tuning import Tuning
 from flowrl.planners.workload import Workload
 
 __all__ = [
+    "all_to_all_s",
     "Context",
     "MemoryBreakdown",
     "NodeEstimate",
@@ -127,6 +128,13 @@ def all_gather_s(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     return (n - 1) / n * nbytes / link.bandwidth + _log2(n) * link.latency
+
+
+def all_to_all_s(nbytes: float, n: int, link: Link) -> float:
+    """All-to-all of ``nbytes`` per device over ``n`` devices: (n-1)/n of them leave, one message to each peer."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
 
 
 def send_s(nbytes: float, link: Link) -> float:

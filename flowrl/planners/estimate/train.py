@@ -44,6 +44,19 @@ Memory per device::
                                                              # (forward only: 4 bytes; a classifier's
                                                              # head_rows, not V; last_logits: mb * V * 4)
 
+A mixture of experts (``ModelSpec.n_experts`` = E) trains with expert parallelism, as Megatron and
+its peers do: the routed experts' X parameters are split over ``ep`` of the dp ranks (``expert_parallel``:
+the largest divisor of dp that divides E), each rank holding ``E / ep`` whole experts, so ZeRO shards
+and gathers them, and reduces their gradients, over the ``dp / ep`` ranks holding the same experts
+only (ZeRO-3 gathers no expert when ep = dp); the other ``P - X`` parameters as above. Each MoE
+layer's tokens go to their experts' ranks and back, an all-to-all each way per pass (the backward's
+gradients too)::
+
+    a2a   = 2 * moe_layers/pp * (forward passes + backward passes) * all_to_all(mb*s_bar * k * h * act_bytes / tp, ep)
+
+added to ``t_mb`` (``breakdown["ep_comm"]``). Not modelled: routing imbalance, expert tensor
+parallelism of its own.
+
 A LoRA policy (``ModelSpec.adapter_params`` = A > 0) trains its adapters only: ``grads``,
 ``optimizer``, ``grad_sync`` and the optimizer step count A instead of P (the weights stay P), and
 its backward costs one forward instead of two (the frozen weights need only the input gradient), so
@@ -66,10 +79,12 @@ from typing import NamedTuple
 from flowrl.planners.estimate.common import (
     GiB,
     Context,
+    Link,
     MemoryBreakdown,
     NodeEstimate,
     all_gather_s,
     all_reduce_s,
+    all_to_all_s,
     axis_link,
     send_s,
 )
@@ -79,7 +94,15 @@ from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.tuning import Tuning
 from flowrl.planners.units import format_excess, format_gib_pair
 
-__all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage"]
+__all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage", "expert_parallel"]
+
+
+def expert_parallel(model: ModelSpec, dp: int) -> int:
+    """Ranks of the dp axis a mixture of experts' routed experts are split over: the largest divisor
+    of ``dp`` that divides ``n_experts`` (1 for a dense model)."""
+    if not model.n_experts:
+        return 1
+    return max(d for d in range(1, dp + 1) if dp % d == 0 and model.n_experts % d == 0)
 
 
 def zero_stage(tuning: Tuning, sharding: str = "replicate") -> int:
@@ -206,26 +229,53 @@ def train_options(
     dp_link = axis_link(c, t, devices, dims, "dp") if replicas > 1 else None
 
     zero = 0 if forward_only else zero_stage(t, sharding)
-    weights = int(p_dev * pb / (dp if zero >= 3 else 1))
-    fsdp_gather = (1 - t.dp_overlap) * all_gather_s(p_dev * pb, dp, dp_link) if zero >= 3 and dp_link else 0.0
+    # expert parallelism (module docstring): the routed experts, x per device of ep, shard over dp / ep
+    ep = expert_parallel(model, dp) if replicas > 1 and not model.adapter_params else 1
+    x_full = model.routed_expert_params * frac / tp if ep > 1 else 0.0
+    x_dev, dp_x = x_full / ep, dp // ep
+    p_dev -= x_full - x_dev
+    dense = p_dev - x_dev  # what ZeRO shards over all of dp
+    if ep > 1:
+        p_train = dense + x_dev  # every weight trains (LoRA policies take no expert parallelism)
+
+    def over(dense_part: float, expert_part: float, n: int) -> float:
+        """Bytes per device of a dense and an expert part, ZeRO-sharded (n > 1) over dp and dp / ep."""
+        return dense_part / (dp if n > 1 else 1) + expert_part / (dp_x if n > 1 else 1)
+
+    weights = int(over(dense * pb, x_dev * pb, dp if zero >= 3 else 1))
+
+    def experts_too(collective: Callable[[float, int, Link], float], dense_bytes: float, expert_bytes: float) -> float:
+        """A collective over dp of the dense part, and with expert parallelism over dp / ep of the experts'."""
+        return collective(dense_bytes, dp, dp_link) + (collective(expert_bytes, dp_x, dp_link) if ep > 1 else 0.0)
+
+    fsdp_gather = (1 - t.dp_overlap) * experts_too(all_gather_s, dense * pb, x_dev * pb) if zero >= 3 and dp_link else 0.0
     if forward_only:
         grads = optim = 0
         grad_sync = optimizer_s = 0.0
     else:
-        grads = int(p_train * gb / (dp if zero >= 2 else 1))
+        d_train = p_train - x_dev
+        grads = int(over(d_train * gb, x_dev * gb, dp if zero >= 2 else 1))
         shard = dp if zero >= 1 else 1
-        optim = int(p_train * ob / shard)
+        optim = int(over(d_train * ob, x_dev * ob, shard))
         if dp_link:
             reduce = all_gather_s if zero >= 2 else all_reduce_s  # reduce-scatter moves what an all-gather does
-            grad_sync = (1 - t.dp_overlap) * reduce(p_train * gb, dp, dp_link)
+            grad_sync = (1 - t.dp_overlap) * experts_too(reduce, d_train * gb, x_dev * gb)
         else:
             grad_sync = 0.0
         tensors = 9 * L + 3
-        optimizer_s = p_train * (pb + gb + 2 * ob / (shard if replicas > 1 else 1)) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+        states = over(d_train * ob, x_dev * ob, shard if replicas > 1 else 1)  # a CPU mesh's one process steps all of them
+        optimizer_s = (p_train * (pb + gb) + 2 * states) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.cpu.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
-            optimizer_s += all_gather_s(p_train * pb, dp, dp_link)
+            optimizer_s += experts_too(all_gather_s, d_train * pb, x_dev * pb)
     resident = weights + grads + optim
+    moe_layers = model.moe_layers * frac if ep > 1 else 0.0
+
+    def a2a(tok_bar: float, fwd: int, bwd: int) -> float:
+        """The MoE layers' all-to-alls of one micro-batch: each way, every forward and backward pass."""
+        if not moe_layers:
+            return 0.0
+        return 2 * moe_layers * (fwd + bwd) * all_to_all_s(tok_bar * model.experts_per_token * h * ab / tp, ep, dp_link)
 
     if forward_only:
         ckpt_choices = (False,)
@@ -246,7 +296,8 @@ def train_options(
         tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
         launches = passes * layers * ops_per_layer * dev.kernel_overhead_s
         p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
-        t_mb = compute + tp_comm + launches + p2p + iterations * (2 + int(ckpt)) * fsdp_gather
+        ep_comm = a2a(tok_bar, 1, 0) if forward_only else a2a(tok_bar, iterations * (1 + int(ckpt)) + int(recompute_logprobs), iterations)
+        t_mb = compute + tp_comm + launches + p2p + ep_comm + iterations * (2 + int(ckpt)) * fsdp_gather
         if forward_only:
             acts = int(per_layer)
         elif ckpt:
@@ -259,6 +310,7 @@ def train_options(
             "tp_comm": m * tp_comm,
             "launch": m * launches,
             "pp_comm": m * p2p,
+            **({"ep_comm": m * ep_comm} if moe_layers else {}),
             "bubble": (pp - 1) * t_mb,
             "dp_comm": updates * grad_sync + m * iterations * (2 + int(ckpt)) * fsdp_gather,
             "optimizer": updates * optimizer_s,
@@ -282,6 +334,8 @@ def train_options(
             passes = 1 if forward_only else iterations * (1 + backward + ckpt) + recompute_logprobs
             t_mb = passes * (tok_bar * f_tok * frac / (tp * rate) + layer_comm + layers * ops_per_layer * dev.kernel_overhead_s) + p2p
             t_mb += iterations * (2 + ckpt) * fsdp_gather
+            if moe_layers:
+                t_mb += a2a(tok_bar, 1, 0) if forward_only else a2a(tok_bar, iterations * (1 + ckpt) + recompute_logprobs, iterations)
             if forward_only:
                 acts = int(per_layer)
             elif ckpt:
