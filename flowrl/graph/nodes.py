@@ -52,7 +52,7 @@ from flowrl.graph.refs import resolve
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.graph.engines import ENGINE_CAPS, Engine, check_engine_options
+from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS, Engine, check_engine_options
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.judges import JudgeConfig
@@ -171,7 +171,7 @@ class GeneratorNode(NodeBase, tag="generator"):
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
-    engine: Engine = "builtin"
+    engine: Engine = DEFAULT_ENGINE
     env: EnvConfig | None = None
 
     def __post_init__(self) -> None:
