@@ -44,7 +44,8 @@ from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
 from flowrl.planners.roles import NodeRole
 from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
-from flowrl.planners.strategies import DeviceSplit, device_splits
+from flowrl.planners import strategies
+from flowrl.planners.strategies import DeviceSplit
 from flowrl.planners.units import format_bytes
 from flowrl.placement.layout import device_ranges
 
@@ -608,7 +609,7 @@ def _split_mode(ev: _Evaluator, split: DeviceSplit, modes: Sequence[str]) -> str
 
 def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence[str] = ("never", "when needed")) -> SearchResult:
     ctx, roles = ev.ctx, ev.roles
-    splits = device_splits(
+    splits = strategies.device_splits(
         strategy,
         cluster.n_devices,
         ctx.tuning.split_multipliers,
