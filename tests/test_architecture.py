@@ -64,3 +64,13 @@ def test_every_test_it_names_by_itself_exists():
 @pytest.mark.parametrize("row", _extension_rows(), ids=lambda row: re.search(r"\*\*(.+?)\*\*", row).group(1))
 def test_each_extension_row_names_the_test_that_adds_that_thing(row):
     assert FILE_REF.search(row) or NAME_REF.search(row), f"the extension table's row names no test: {row[:120]}..."
+
+
+def test_every_file_it_names_exists():
+    """A file named in backticks (``x.py``, ``a/b.py``, ``x.md``) is one of the tree's (a path: a file whose
+    path ends so); a former name (``it was `a/b.py```) excepted."""
+    files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts]
+    named = {m.group(2) for m in re.finditer(r"(was )?`([\w./-]+\.(?:py|md|json|mjs))(?=[`:(])", TEXT) if not m.group(1)}
+    assert len(named) > 100  # the pattern finds them
+    missing = sorted(n for n in named if not any(f == n or f.endswith("/" + n) for f in files))
+    assert not missing, f"ARCHITECTURE.md names files the tree does not hold: {missing}"
