@@ -33,18 +33,22 @@ class BackendTraits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         shards: a policy with ``sharding="fsdp"`` (FSDP2 over its ranks) runs under it.
         offloads: colocated offloading (``RunConfig.offload``: a trainer's state in host memory while
             its generator runs, a vLLM engine asleep while its trainer runs).
+        zygote: its workers are forked by a zygote that imports torch once
+            (``runtime/backends/zygote.py``); ``flowrl run`` starts it before importing torch itself,
+            so that the two imports overlap.
     """
 
     crosses_processes: bool = False
     ranks: bool = False
     shards: bool = False
     offloads: bool = True
+    zygote: bool = False
 
 
 #: The built-in backends' traits, one line each.
 BACKENDS: dict[str, BackendTraits] = {
     "local": BackendTraits(crosses_processes=False),
-    "process": BackendTraits(crosses_processes=True),
+    "process": BackendTraits(crosses_processes=True, zygote=True),
     "torchrun": BackendTraits(crosses_processes=True, ranks=True, shards=True, offloads=False),
 }
 

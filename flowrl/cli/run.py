@@ -109,7 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.backend != "process":
+    from flowrl.backend_traits import backend_traits
+
+    if not backend_traits(args.backend).zygote:
         return _run_here(args)
     from flowrl.runtime.backends import zygote
 

@@ -68,7 +68,7 @@ def default_max_prompt_len(graph: Graph, source: str) -> int:
     Raises:
         ConfigError: when a generator's ``max_new_tokens`` leaves no room for a prompt.
     """
-    node = graph.node(source)
+    node = graph.node_of(source, SourceNode)
     if node.source.max_prompt_len:
         return node.source.max_prompt_len
     limits = []
@@ -96,7 +96,7 @@ def open_source_stream(graph: Graph, source: str, *, warn: bool = True) -> Promp
     from flowrl.data.stream import PromptStream
     from flowrl.models.tokenizer import check_chat_template, check_vocab, load_tokenizer
 
-    node = graph.node(source)
+    node = graph.node_of(source, SourceNode)
     cfg, owner = node.source, f"source {source!r}"
     if not cfg.data:
         raise ConfigError(f"{owner} reads task {cfg.task!r}, not a prompt file")

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Iterable
 
 from flowrl.errors import GraphWarning
+from flowrl.graph.nodes import GeneratorNode, LossNode
 from flowrl.graph.structure import GraphStructure as Graph
 
 __all__ = ["advice", "warn_about"]
@@ -26,13 +27,13 @@ def _one_sample_per_prompt(g: Graph) -> Iterable[str]:
     """Every baseline flowrl has is the prompt's group (``LossConfig.baseline``): with one sample
     per prompt the advantage ``reward - baseline`` is 0 for every sample (``leave_one_out``: 0 by
     definition), so the policy gradient is 0 too."""
-    for loss in g.nodes_of_kind("loss"):
-        for gen in (p for p in g.producers(loss.name) if p.kind == "generator"):
-            n = gen.sampling.n_samples  # type: ignore[attr-defined]
+    for loss in g.nodes_of(LossNode):
+        for gen in (p for p in g.producers(loss.name) if isinstance(p, GeneratorNode)):
+            n = gen.sampling.n_samples
             if n == 1:
                 yield (
                     f"loss {loss.name!r}: generator {gen.name!r} draws n_samples=1 completion per prompt, so the group "
-                    f"baseline ({loss.loss.baseline}) leaves every advantage 0 and nothing is learned; "  # type: ignore[attr-defined]
+                    f"baseline ({loss.loss.baseline}) leaves every advantage 0 and nothing is learned; "
                     f"set n_samples >= 2 on b.generator({gen.name!r}, ...)"
                 )
 

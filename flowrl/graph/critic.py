@@ -36,7 +36,7 @@ import msgspec
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import AnyModelConfig, ModelConfig, OptimizerConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE
-from flowrl.graph.nodes import NodeBase, Signature
+from flowrl.graph.nodes import LossNode, NodeBase, Signature
 
 if TYPE_CHECKING:
     from flowrl.graph.structure import GraphStructure
@@ -112,8 +112,8 @@ def no_critic(g: GraphStructure, loss: NodeBase) -> str:
 
 def critic_problems(g: GraphStructure) -> Iterable[str]:
     """The critic rules of the module docstring, as messages."""
-    for critic in g.nodes_of_kind("critic"):
-        losses = [u for u in g.users(critic.name) if u.kind == "loss"]
+    for critic in g.nodes_of(CriticNode):
+        losses = [u for u in g.users(critic.name) if isinstance(u, LossNode)]
         if len(losses) != 1:
             yield (
                 f"critic {critic.name!r} feeds {len(losses)} losses {[u.name for u in losses]}; its values serve exactly one loss "
@@ -121,15 +121,15 @@ def critic_problems(g: GraphStructure) -> Iterable[str]:
             )
             continue
         (loss,) = losses
-        objective = loss.loss.objective  # type: ignore[attr-defined]
+        objective = loss.loss.objective
         if objective not in CRITIC_OBJECTIVES:
             yield (
                 f"critic {critic.name!r} feeds loss {loss.name!r}, whose objective {objective!r} does not use a learned value; "
                 "set objective='ppo' on the loss, or remove the critic"
             )
-        wanted = sorted(loss.loss.reward_weights)  # type: ignore[attr-defined]
-        if sorted(critic.rewards) != wanted:  # type: ignore[attr-defined]
+        wanted = sorted(loss.loss.reward_weights)
+        if sorted(critic.rewards) != wanted:
             yield (
-                f"critic {critic.name!r} reads the reward fields {sorted(critic.rewards)} but its loss {loss.name!r} "  # type: ignore[attr-defined]
+                f"critic {critic.name!r} reads the reward fields {sorted(critic.rewards)} but its loss {loss.name!r} "
                 f"combines {wanted}: the critic learns the value of the reward the loss trains on; set rewards={tuple(wanted)} on the critic"
             )

@@ -42,7 +42,7 @@ import msgspec
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import AnyModelConfig, ModelConfig, SamplingConfig
 
-__all__ = ["Engine", "EngineCaps", "ENGINE_CAPS", "ENGINE_NAMES", "VLLM_PRECISIONS", "check_engine_options"]
+__all__ = ["Engine", "EngineCaps", "ENGINE_CAPS", "ENGINE_NAMES", "DEFAULT_ENGINE", "VLLM_PRECISIONS", "check_engine_options"]
 
 #: A generator's engine (``GeneratorNode.engine``): the keys of ``ENGINE_CAPS``.
 Engine = Literal["builtin", "vllm"]
@@ -53,7 +53,8 @@ VLLM_PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
-    """What one engine accepts and where it runs.
+    """What one engine accepts, where it runs, and how the planner costs it (``refills_rows``,
+    ``python_loop``, ``cpu_kernels``, ``weight_hop``: ``planners.estimate`` reads these, never a name).
 
     Attributes:
         builtin_models: it samples from flowrl's built-in ``ModelConfig`` (else a Hugging Face directory only).
@@ -68,6 +69,13 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
             the platform has a sleep mode.
         weight_hop: after the weight edge, the weights move on once more into its own worker
             processes (the planner prices that hop: ``planners.estimate.sync.add_engine_load``).
+        refills_rows: its scheduler lets rows leave a generate call as they finish and waiting ones
+            take their place (continuous within a call, whatever the node's ``batching``); called
+            once per batch, it keeps no slots across steps unless it streams (``batching="continuous"``).
+        python_loop: it decodes in flowrl's Python loop, paying ``DeviceSpec.cpu.decode_step_overhead_s``
+            per decode step and, with continuous batching, ``slot_row_overhead_s`` per busy row.
+        cpu_kernels: on a CPU device it decodes with fused kernels of its own, at the planner's
+            measured speed-up over the built-in engine (``Tuning.vllm_cpu_decode_speedup``).
     """
 
     builtin_models: bool
@@ -79,6 +87,9 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
     machine_check: bool = False
     sleeps: bool = False
     weight_hop: bool = False
+    refills_rows: bool = False
+    python_loop: bool = True
+    cpu_kernels: bool = False
 
 
 #: Every engine. vLLM's engine is its own processes, started by the generator's process (the local
@@ -90,9 +101,12 @@ ENGINE_CAPS: dict[str, EngineCaps] = {
     "vllm": EngineCaps(
         builtin_models=False, precisions=VLLM_PRECISIONS, kv_cache_optional=False,
         backends=("local", "process", "torchrun"), machine_check=True, sleeps=True, weight_hop=True,
+        refills_rows=True, python_loop=False, cpu_kernels=True,
     ),
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINE_CAPS)
+#: A generator's engine when it names none (``GeneratorNode.engine``'s default).
+DEFAULT_ENGINE: Engine = "builtin"
 
 
 def check_engine_options(name: str, engine: str, model: AnyModelConfig, sampling: SamplingConfig) -> None:

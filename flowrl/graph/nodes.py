@@ -42,7 +42,9 @@ Each node struct states its own fields and summary (``signature()``, ``describe(
 
 from __future__ import annotations
 
-from typing import Literal, Union
+import functools
+import operator
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.refs import resolve
@@ -50,7 +52,7 @@ from flowrl.graph.refs import resolve
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.graph.engines import ENGINE_CAPS, Engine, check_engine_options
+from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS, Engine, check_engine_options
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.judges import JudgeConfig
@@ -112,7 +114,7 @@ class NodeBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     @property
     def kind(self) -> str:
-        return type(self).__struct_config__.tag  # type: ignore[return-value]
+        return str(type(self).__struct_config__.tag)  # every kind's tag is its name (a str)
 
     def signature(self) -> Signature:
         """The fields this node reads and writes."""
@@ -169,7 +171,7 @@ class GeneratorNode(NodeBase, tag="generator"):
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
-    engine: Engine = "builtin"
+    engine: Engine = DEFAULT_ENGINE
     env: EnvConfig | None = None
 
     def __post_init__(self) -> None:
@@ -219,7 +221,7 @@ class ScorerNode(NodeBase, tag="scorer"):
             raise ConfigError(f"scorer {self.name!r}: inputs={self.inputs!r} must be 'ids' (token ids) or 'text' (decoded text)")
 
     def signature(self) -> Signature:
-        names = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_lens")
+        names: tuple[str, ...] = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_lens")
         if self.inputs == "text":
             names += ("group_ids", "prompt_index")
         return Signature(_fields(names), {self.output: REWARD_TYPE})
@@ -368,8 +370,20 @@ def _node_structs() -> tuple[type[NodeBase], ...]:
     return tuple(structs)
 
 
-#: Any node: the tagged union of every kind's struct (graph files decode into it by ``kind``).
-Node = Union[_node_structs()]  # type: ignore[valid-type]
+def _tagged_union() -> object:
+    """The tagged union of every kind's struct (``A | B | ...``), a user's kind included."""
+    return functools.reduce(operator.or_, _node_structs())
+
+
+# Any node. A type checker reads it as ``NodeBase``: every kind's struct subclasses it (a user's kind
+# too, which no union written here could name; nor could it name ``CriticNode``, whose module imports
+# this one), and code reads a kind's own fields after ``isinstance``. At run time it is the tagged
+# union of the kinds table's structs, which msgspec reads from ``GraphSpec.nodes`` to decode a graph
+# file's nodes by their ``kind``.
+if TYPE_CHECKING:
+    Node: TypeAlias = NodeBase
+else:
+    Node = _tagged_union()
 
 
 def signature(node: Node) -> Signature:

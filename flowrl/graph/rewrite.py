@@ -22,7 +22,7 @@ import msgspec
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
-from flowrl.graph.nodes import TRAINABLE_KINDS
+from flowrl.graph.nodes import TRAINABLE_KINDS, GeneratorNode, SourceNode
 
 __all__ = ["with_model_path", "with_engine"]
 
@@ -35,8 +35,9 @@ def with_model_path(graph: Graph, path: str) -> Graph:
     Raises:
         ConfigError: when the graph has no Hugging Face model to point elsewhere.
     """
-    every = {n.model.path for n in graph.nodes if isinstance(getattr(n, "model", None), HFModelConfig)}  # type: ignore[attr-defined]
-    trained = {n.model.path for n in graph.nodes if n.kind in TRAINABLE_KINDS and isinstance(getattr(n, "model", None), HFModelConfig)}  # type: ignore[attr-defined]
+    hf = [(n, m) for n in graph.nodes if isinstance(m := getattr(n, "model", None), HFModelConfig)]
+    every = {m.path for _, m in hf}
+    trained = {m.path for n, m in hf if n.kind in TRAINABLE_KINDS}
     old = trained or every
     if not old:
         raise ConfigError(
@@ -49,8 +50,8 @@ def with_model_path(graph: Graph, path: str) -> Graph:
         if isinstance(model, HFModelConfig) and model.path in old:
             tokenizer = path if model.tokenizer in old else model.tokenizer
             node = msgspec.structs.replace(node, model=msgspec.structs.replace(model, path=path, tokenizer=tokenizer))
-        elif node.kind == "source" and node.source.tokenizer in old:  # type: ignore[attr-defined]
-            node = msgspec.structs.replace(node, source=msgspec.structs.replace(node.source, tokenizer=path))  # type: ignore[attr-defined]
+        elif isinstance(node, SourceNode) and node.source.tokenizer in old:
+            node = msgspec.structs.replace(node, source=msgspec.structs.replace(node.source, tokenizer=path))
         nodes.append(node)
     return Graph(msgspec.structs.replace(graph.spec, nodes=tuple(nodes)))
 
@@ -63,5 +64,5 @@ def with_engine(graph: Graph, engine: str) -> Graph:
     """
     if not any(n.kind == "generator" for n in graph.nodes):
         raise ConfigError(f"--engine {engine!r}: graph {graph.name!r} has no generator")
-    nodes = tuple(msgspec.structs.replace(n, engine=engine) if n.kind == "generator" else n for n in graph.nodes)  # type: ignore[call-arg]
+    nodes = tuple(msgspec.structs.replace(n, engine=engine) if isinstance(n, GeneratorNode) else n for n in graph.nodes)
     return Graph(msgspec.structs.replace(graph.spec, nodes=nodes))

@@ -11,6 +11,7 @@ import msgspec
 from flowrl.errors import ConfigError, GraphError
 from flowrl.fileio import decode_errors
 from flowrl.graph.ir import Graph, GraphSpec
+from flowrl.graph.nodes import GeneratorNode, ScorerNode, SourceNode
 from flowrl.graph.refs import is_reference
 
 __all__ = ["to_json", "from_json", "references", "MAX_GRAPH_BYTES"]
@@ -59,7 +60,7 @@ def from_json(data: bytes | str, *, validate: bool = True) -> Graph:
 def references(data: bytes | str | Graph) -> list[str]:
     """Every reference (``module:qualname`` or ``file.py:qualname``) a graph would import when run, read without importing anything."""
     spec = data.spec if isinstance(data, Graph) else _decode_spec(data)
-    refs = {getattr(n, "fn") for n in spec.nodes if n.kind == "scorer"}
-    refs |= {n.source.task for n in spec.nodes if n.kind == "source" and is_reference(n.source.task)}
-    refs |= {n.env.env for n in spec.nodes if n.kind == "generator" and getattr(n, "env", None) is not None}  # environments
+    refs = {n.fn for n in spec.nodes if isinstance(n, ScorerNode)}
+    refs |= {n.source.task for n in spec.nodes if isinstance(n, SourceNode) and is_reference(n.source.task)}
+    refs |= {n.env.env for n in spec.nodes if isinstance(n, GeneratorNode) and n.env is not None}  # environments
     return sorted(refs)

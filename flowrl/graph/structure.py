@@ -10,6 +10,7 @@ read, and ``flowrl.graph.ir.Graph`` is the same structure once validated (the on
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeVar
 
 import msgspec
 import networkx as nx
@@ -17,7 +18,9 @@ import networkx as nx
 from flowrl.graph.fields import FieldType
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import IN_POLICY_KINDS, GeneratorNode, Node, describe
+from flowrl.graph.nodes import IN_POLICY_KINDS, GeneratorNode, Node, NodeBase, PolicyNode, SourceNode, describe
+
+N = TypeVar("N", bound=NodeBase)
 
 __all__ = ["DataEdge", "WeightEdge", "GraphSpec", "GraphStructure", "SCHEMA_VERSION", "generators_fed_by", "tokenizer_path"]
 
@@ -127,6 +130,17 @@ class GraphStructure:
     def nodes_of_kind(self, kind: str) -> list[Node]:
         return [n for n in self._spec.nodes if n.kind == kind]
 
+    def node_of(self, name: str, struct: type[N]) -> N:
+        """The node called ``name``, typed as ``struct``: ``TypeError`` when it is of another kind."""
+        node = self.node(name)
+        if not isinstance(node, struct):
+            raise TypeError(f"node {name!r} of graph {self.name!r} is a {node.kind}, not a {struct.__struct_config__.tag}")
+        return node
+
+    def nodes_of(self, struct: type[N]) -> list[N]:
+        """The nodes of one kind's struct, typed as it: its own fields (``policy.optimizer``) read without a cast."""
+        return [n for n in self._spec.nodes if isinstance(n, struct)]
+
     def producers(self, name: str) -> list[Node]:
         """Nodes with a data edge into ``name`` (an edge from an undeclared node, which validation
         reports, names no node and is left out)."""
@@ -175,7 +189,7 @@ class GraphStructure:
     def updates_per_batch(self) -> int:
         """Policy versions per trainer step (batch): the policies' ``num_iterations * num_mini_batches``
         (validation keeps them equal); 1 without a policy."""
-        return max((n.optimizer.updates_per_batch for n in self.nodes_of_kind("policy")), default=1)  # type: ignore[attr-defined]
+        return max((n.optimizer.updates_per_batch for n in self.nodes_of(PolicyNode)), default=1)
 
     def max_staleness(self, override: int | None = None) -> int:
         """The run's effective staleness bound k: ``override`` when given (``--max-staleness``), else
@@ -220,8 +234,8 @@ def generators_fed_by(graph: GraphStructure, source: str) -> list[GeneratorNode]
 def tokenizer_path(graph: GraphStructure, source: str) -> str:
     """The tokenizer directory of data source ``source`` ('' when it names none and feeds no HF model)."""
     node = graph.node(source)
-    if node.source.tokenizer:  # type: ignore[attr-defined]
-        return node.source.tokenizer  # type: ignore[attr-defined]
+    if isinstance(node, SourceNode) and node.source.tokenizer:
+        return node.source.tokenizer
     for gen in generators_fed_by(graph, source):
         if isinstance(gen.model, HFModelConfig):
             return gen.model.tokenizer_path

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from flowrl.errors import GraphError
 from flowrl.graph.fields import OPTIONAL_FIELDS, REWARD_TYPE
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import IN_POLICY_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, Node, ReferenceNode, ScorerNode, signature
+from flowrl.graph.nodes import IN_POLICY_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode, signature
 from flowrl.graph.critic import critic_problems, no_critic
 from flowrl.graph.refs import check_reference
 from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
@@ -111,7 +111,7 @@ def _check_fields(g: Graph) -> Iterable[str]:
         for fname in signature(node).inputs:
             srcs = supplied.get((node.name, fname), [])
             if not srcs and fname not in OPTIONAL_FIELDS:
-                if node.kind == "loss" and fname == "ref_logprobs":
+                if isinstance(node, LossNode) and fname == "ref_logprobs":
                     yield _no_reference(g, node)
                     continue
                 if node.kind == "loss" and fname in ("values", "value_version"):
@@ -132,12 +132,12 @@ def _check_fields(g: Graph) -> Iterable[str]:
                 )
 
 
-def _no_reference(g: Graph, loss: Node) -> str:
+def _no_reference(g: Graph, loss: LossNode) -> str:
     """A loss with a KL penalty and no reference node feeding it: the builder calls that add one."""
     gens = [p.name for p in g.producers(loss.name) if p.kind == "generator"] or [n.name for n in g.nodes_of_kind("generator")]
     gen = gens[0] if gens else "gen"
     return (
-        f"loss {loss.name!r} has kl_coef={loss.loss.kl_coef:g}, a KL penalty to a reference policy, but no reference "  # type: ignore[attr-defined]
+        f"loss {loss.name!r} has kl_coef={loss.loss.kl_coef:g}, a KL penalty to a reference policy, but no reference "
         f"node feeds it; add one: ref = b.reference('ref', {gen!r}), and list it: b.loss({loss.name!r}, ..., ref) "
         "(or set kl_coef=0)"
     )
@@ -218,11 +218,11 @@ def _check_weight_edges(g: Graph) -> Iterable[str]:
         src_model, dst_model = getattr(src, "model", None), getattr(dst, "model", None)
         if src_model is not None and dst_model is not None and src_model != dst_model:
             yield f"{label}: model configs differ ({src_model.short()} vs {dst_model.short()}); weights can only move between models of the same config"
-    for dst, count in Counter(w.dst for w in g.weight_edges).items():
+    for receiver, count in Counter(w.dst for w in g.weight_edges).items():
         if count > 1:
-            yield f"node {dst!r} receives weights over {count} weight edges; keep one"
+            yield f"node {receiver!r} receives weights over {count} weight edges; keep one"
     for node in g.nodes:
-        if node.kind == "generator" and node.sampling.batching == "continuous":  # type: ignore[attr-defined]  # a generator's own setting
+        if isinstance(node, GeneratorNode) and node.sampling.batching == "continuous":  # a generator's own setting
             feeds = [g.node(e.src) for e in g.edges if e.dst == node.name and e.src in g]  # a missing node is reported by the edge rules
             if len(feeds) != 1 or feeds[0].kind != "source" or any(e.dst != node.name for e in g.edges if e.src == feeds[0].name):
                 yield (
@@ -267,23 +267,23 @@ def _check_reference_sync(g: Graph) -> Iterable[str]:
 def _check_updates(g: Graph) -> Iterable[str]:
     """Several updates per batch (``OptimizerConfig.num_iterations`` / ``num_mini_batches``): mini-batches
     of whole prompt groups divide the batch; the version clock advances alike for every policy."""
-    counts = {p.name: p.optimizer.updates_per_batch for p in g.nodes_of_kind("policy")}  # type: ignore[attr-defined]
+    counts = {p.name: p.optimizer.updates_per_batch for p in g.nodes_of(PolicyNode)}
     if len(set(counts.values())) > 1:
         yield (
             f"policies take different numbers of optimizer steps per batch {counts} (num_iterations * num_mini_batches); "
             "the run's one version clock advances by one count per batch: give every policy the same"
         )
-    for policy in g.nodes_of_kind("policy"):
-        opt = policy.optimizer  # type: ignore[attr-defined]
+    for policy in g.nodes_of(PolicyNode):
+        opt = policy.optimizer
         for w in g.weight_edges:
             if w.src != policy.name or w.dst not in g:
                 continue
             gen = g.node(w.dst)
             for e in g.edges:
                 src = g.node(e.src) if e.src in g else None
-                if e.dst != gen.name or src is None or src.kind != "source":
+                if e.dst != gen.name or not isinstance(src, SourceNode):
                     continue
-                prompts = src.source.batch_size  # type: ignore[attr-defined]
+                prompts = src.source.batch_size
                 if prompts % opt.num_mini_batches:
                     fits = [m for m in range(1, prompts + 1) if prompts % m == 0]
                     yield (
@@ -304,8 +304,8 @@ def _check_scorers(g: Graph) -> Iterable[str]:
 def _check_sources(g: Graph) -> Iterable[str]:
     """A task is a name or a reference; a prompt file needs a tokenizer: its own, or that of the
     Hugging Face model it feeds (no file is read). Whether a task name is built in is checked at run start."""
-    for node in g.nodes_of_kind("source"):
-        cfg = node.source  # type: ignore[attr-defined]
+    for node in g.nodes_of(SourceNode):
+        cfg = node.source
         if cfg.data:
             if not tokenizer_path(g, node.name):
                 yield (
@@ -324,8 +324,8 @@ def _check_sources(g: Graph) -> Iterable[str]:
 
 
 def _check_objectives(g: Graph) -> Iterable[str]:
-    for node in g.nodes_of_kind("loss"):
-        objective = node.loss.objective  # type: ignore[attr-defined]
+    for node in g.nodes_of(LossNode):
+        objective = node.loss.objective
         if not REGISTRY_NAME_RE.match(objective):
             yield f"loss {node.name!r}: objective {objective!r} is not an objective name (letters, digits and '_'), e.g. 'aipo'"
 

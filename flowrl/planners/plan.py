@@ -45,7 +45,7 @@ from flowrl.planners.plan_data import (
     save_plan,
 )
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
-from flowrl.planners.strategies import STRATEGIES
+from flowrl.planners import strategies  # read when called: a strategy added there is known here
 from flowrl.planners.tuning import make_tuning
 from flowrl.planners.workload import Workload, check_context, default_workload
 
@@ -123,8 +123,8 @@ def plan_graph(
     roles = resolve_roles(graph, ctx, model)
     check_context(ctx.workload, roles.models)
     manual = ":" in strategy
-    if not manual and strategy not in STRATEGIES:
-        raise PlanError(f"unknown strategy {strategy!r}; strategies: {', '.join(STRATEGIES)}, or a placement like 'gen:d4@0-3 | policy:d4@4-7'")
+    if not manual and strategy not in strategies.STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}; strategies: {', '.join(strategies.STRATEGIES)}, or a placement like 'gen:d4@0-3 | policy:d4@4-7'")
     if manual:
         best = evaluate_layout(graph, ctx, roles, _manual_layout(graph, roles, spec, strategy), max_staleness=k)
         if not best.feasible:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flowrl.graph.engines import DEFAULT_ENGINE
 from flowrl.graph.objectives import recomputes_logprobs
 from flowrl.modelspec import ModelSpec, model_from_config, reward_model_spec
 from flowrl.planners.estimate.generate import generator_dtype
@@ -57,7 +58,7 @@ class NodeRole:
 
     model: ModelSpec
     dtype: str = ""
-    engine: str = "builtin"
+    engine: str = DEFAULT_ENGINE
     recompute: bool = False
     iterations: tuple[int, int] = (1, 1)
     micro_batch: int = 0

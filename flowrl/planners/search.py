@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from flowrl.errors import PlanError
-from flowrl.graph.engines import ENGINE_CAPS
+from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.planners.cluster import ClusterSpec
@@ -44,7 +44,8 @@ from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
 from flowrl.planners.roles import NodeRole
 from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
 from flowrl.planners.schedule import StepTimes, step_times
-from flowrl.planners.strategies import DeviceSplit, device_splits
+from flowrl.planners import strategies
+from flowrl.planners.strategies import DeviceSplit
 from flowrl.planners.units import format_bytes
 from flowrl.placement.layout import device_ranges
 
@@ -323,7 +324,7 @@ class _Evaluator:
         trains but publishes no weights, stays resident (the runtime does not offload it)."""
         if name in self.roles.trainers and KINDS[self.graph.node(name).kind].publishes_weights:
             return self.resident(name, dims)
-        if name in self.roles.gens and ENGINE_CAPS[self.roles.gen_engine.get(name, "builtin")].sleeps:
+        if name in self.roles.gens and ENGINE_CAPS[self.roles.gen_engine.get(name, DEFAULT_ENGINE)].sleeps:
             return self.resident(name, dims)
         return 0.0
 
@@ -372,7 +373,7 @@ class _Evaluator:
         if name in r.gens:
             est = estimate_generate(
                 model, dims, devices, self.ctx, precision=r.gen_dtype[name], reserved_bytes=reserved, node=name,
-                engine=r.gen_engine.get(name, "builtin"),
+                engine=r.gen_engine.get(name, DEFAULT_ENGINE),
             )
         else:
             what = f"{model.name} {'forward' if name in r.refs else 'training'} on {dims.short()}"
@@ -419,7 +420,7 @@ class _Evaluator:
                 ctx=self.ctx,
                 src_sharded=self._sharding(edge.src) == "fsdp",
             )
-            engine = r.gen_engine.get(edge.dst, "builtin")  # the runtime's last hop into a vLLM generator's workers, whatever the system's sync
+            engine = r.gen_engine.get(edge.dst, DEFAULT_ENGINE)  # the runtime's last hop into a vLLM generator's workers, whatever the system's sync
             syncs.append(add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx))
         devices = {n: layout[n][0] for n in names}
         devices.update({loss: layout[p][0] for loss, p in r.loss_of.items() if p in layout})
@@ -608,7 +609,7 @@ def _split_mode(ev: _Evaluator, split: DeviceSplit, modes: Sequence[str]) -> str
 
 def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence[str] = ("never", "when needed")) -> SearchResult:
     ctx, roles = ev.ctx, ev.roles
-    splits = device_splits(
+    splits = strategies.device_splits(
         strategy,
         cluster.n_devices,
         ctx.tuning.split_multipliers,

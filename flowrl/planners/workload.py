@@ -27,6 +27,7 @@ import msgspec
 
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import GeneratorNode, SourceNode
 from flowrl.planners.lengths import Batching, LengthDistribution, check_batching, fixed_lengths
 
 if TYPE_CHECKING:
@@ -135,23 +136,23 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     Raises:
         PlanError: if the graph has no source or no generator to read from and nothing overrides it.
     """
-    sources = graph.nodes_of_kind("source")
-    gens = graph.nodes_of_kind("generator")
+    sources = graph.nodes_of(SourceNode)
+    gens = graph.nodes_of(GeneratorNode)
     values: dict[str, object] = {
-        "prompts_per_step": sum(s.source.batch_size for s in sources) if sources else None,  # type: ignore[union-attr]
-        "samples_per_prompt": max(g.sampling.n_samples for g in gens) if gens else None,  # type: ignore[union-attr]
+        "prompts_per_step": sum(s.source.batch_size for s in sources) if sources else None,
+        "samples_per_prompt": max(g.sampling.n_samples for g in gens) if gens else None,
         "gen_len": max(_model_tokens(g) for g in gens) if gens else None,
         "prompt_len": None,
     }
     optional: dict[str, object] = {"batching": graph_batching(graph)}
     if gens:
         g = gens[0]
-        limits = [p.source.max_prompt_len for p in graph.producers(g.name) if p.kind == "source" and p.source.max_prompt_len]  # type: ignore[attr-defined]
+        limits = [p.source.max_prompt_len for p in graph.producers(g.name) if isinstance(p, SourceNode) and p.source.max_prompt_len]
         if limits:
             values["prompt_len"] = max(limits)
             optional["prompt_len_from"] = "the upper bound max_prompt_len of the source"
         else:
-            values["prompt_len"] = max(1, g.model.max_seq_len - _model_tokens(g))  # type: ignore[union-attr]
+            values["prompt_len"] = max(1, g.model.max_seq_len - _model_tokens(g))
             optional["prompt_len_from"] = f"the upper bound max_seq_len - max_new_tokens of generator {g.name!r}"
     if overrides.get("prompt_len") is not None:
         optional["prompt_len_from"] = "given"
@@ -164,17 +165,16 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     return Workload(**values, **optional)  # type: ignore[arg-type]
 
 
-def _model_tokens(gen: object) -> int:
+def _model_tokens(gen: GeneratorNode) -> int:
     """The most tokens a generator's model samples per completion: ``max_new_tokens`` per model turn, times
     ``max_turns`` for a multi-turn generator (``env``; its environments' tokens are not sampled)."""
-    env = getattr(gen, "env", None)
-    return int(gen.sampling.max_new_tokens) * (int(env.max_turns) if env is not None else 1)  # type: ignore[attr-defined]
+    return gen.sampling.max_new_tokens * (gen.env.max_turns if gen.env is not None else 1)
 
 
 def graph_batching(graph: Graph) -> str:
     """The batching mode of the graph's first generator (``sampling.batching`` if the config has it), else ``"lockstep"``."""
-    gens = graph.nodes_of_kind("generator")
-    return str(getattr(gens[0].sampling, "batching", "lockstep")) if gens else "lockstep"  # type: ignore[union-attr]
+    gens = graph.nodes_of(GeneratorNode)
+    return gens[0].sampling.batching if gens else "lockstep"
 
 
 def default_workload(graph: Graph, *, model_override: bool = False, **overrides: object) -> Workload:

@@ -10,6 +10,7 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.kinds import KINDS
+from flowrl.graph.nodes import GeneratorNode, SourceNode
 from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
@@ -36,8 +37,8 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
             node = graph.node(name)
             shape, seq = shapes[name]
             size = f"vocab_size={shape.vocab_size}, dim={shape.dim}, n_layers={shape.n_layers}, max_seq_len={seq}, {shape.params:.3g} parameters"
-            if node.kind == "generator":
-                size += f", n_samples={node.sampling.n_samples}, prompts per batch={sum(getattr(p, 'source').batch_size for p in graph.producers(name) if p.kind == 'source')}"
+            if isinstance(node, GeneratorNode):
+                size += f", n_samples={node.sampling.n_samples}, prompts per batch={sum(p.source.batch_size for p in graph.producers(name) if isinstance(p, SourceNode))}"
             raise ConfigError(
                 f"node {name!r} ({node.kind}) needs at least {nbytes / 2**30:.3g} GiB ({size}), more than the "
                 f"{limit / 2**30:.3g} GiB of memory of this machine; shrink it, or plan it for a cluster with "
@@ -67,8 +68,8 @@ def _node_needs(graph: Graph, skip: frozenset[str]) -> tuple[dict[str, int], dic
             spec, seq = model_from_config(model), model.max_seq_len
         shapes[node.name] = (spec, seq)
         need[node.name] = spec.params * 4 * (4 if KINDS[node.kind].publishes_weights else 1)  # a trainer: weights, grads, Adam's two
-        if node.kind == "generator":
-            prompts = sum(getattr(p, "source").batch_size for p in graph.producers(node.name) if p.kind == "source")
+        if isinstance(node, GeneratorNode):
+            prompts = sum(p.source.batch_size for p in graph.producers(node.name) if isinstance(p, SourceNode))
             sequences = prompts * node.sampling.n_samples
             tokens = min(seq, 2 * node.sampling.max_new_tokens + 4096) if seq else node.sampling.max_new_tokens
             need[node.name] += sequences * (tokens * 8 + spec.vocab_size * 4)

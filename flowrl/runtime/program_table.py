@@ -37,7 +37,9 @@ from flowrl.runtime.programs import (
 
 __all__ = ["PROGRAMS", "ProgramBuilder", "build_program"]
 
-ProgramBuilder = Callable[[Node, Graph, ProgramEnv, SharedTransports], NodeProgram]
+#: Takes its kind's own node struct (the table's key picks it; ``Callable[[Node, ...]]`` would refuse
+#: ``build_source(node: SourceNode, ...)``, parameters being contravariant), the graph, env and transports.
+ProgramBuilder = Callable[..., NodeProgram]
 
 #: Kind name -> its program builder (every kind that does not run inside its policy).
 PROGRAMS: dict[str, ProgramBuilder] = {

@@ -24,14 +24,16 @@ import os
 import random
 import signal
 import time
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.graph.nodes import Node
+from flowrl.graph.nodes import GeneratorNode, Node, NodeBase, PolicyNode, ReferenceNode, ScorerNode, SourceNode
 from flowrl.runtime.programs import Batch, Info, ProgramBase, ProgramEnv, SharedTransports
+
+N = TypeVar("N", bound=NodeBase)
 
 __all__ = ["SYNTHETIC", "synthetic_programs", "OPTIONS"]
 
@@ -41,8 +43,8 @@ OPTIONS: tuple[str, ...] = (
 )
 
 
-class _Synthetic(ProgramBase):
-    def __init__(self, node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> None:
+class _Synthetic(ProgramBase, Generic[N]):
+    def __init__(self, node: N, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> None:
         self.name = node.name
         self.node = node
         self.graph = graph
@@ -68,11 +70,11 @@ class _Synthetic(ProgramBase):
             raise RuntimeError(f"injected failure in {self.name} at step {seq}")
 
 
-class SyntheticSource(_Synthetic):
+class SyntheticSource(_Synthetic[SourceNode]):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.position = 0
-        self.batch_size = self.node.source.batch_size  # type: ignore[union-attr]
+        self.batch_size = self.node.source.batch_size
 
     def seek(self, position: int) -> None:
         self.position = position
@@ -85,7 +87,7 @@ class SyntheticSource(_Synthetic):
         return {"prompt_ids": index[:, None] % 7, "prompt_lens": torch.ones(b, dtype=torch.long), "prompt_index": index}, {}
 
 
-class SyntheticGenerator(_Synthetic):
+class SyntheticGenerator(_Synthetic[GeneratorNode]):
     """Fetches real weights (a tensor filled with its version) and checks they match the version."""
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
@@ -107,7 +109,7 @@ class SyntheticGenerator(_Synthetic):
         fetch_s = time.perf_counter() - t0
         self._maybe_fail(seq)
         gen_s = self._sleep("gen_s", 0.01, seq)
-        n = self.node.sampling.n_samples  # type: ignore[union-attr]
+        n = self.node.sampling.n_samples
         prompts = inputs["prompt_ids"].shape[0]
         s, t = prompts * n, 2
         rollout = {
@@ -125,21 +127,21 @@ class SyntheticGenerator(_Synthetic):
         return rollout, {"gen_s": gen_s, "fetch_s": fetch_s, "version": self.version}
 
 
-class SyntheticScorer(_Synthetic):
+class SyntheticScorer(_Synthetic[ScorerNode]):
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         self._maybe_fail(seq)
         self._sleep("score_s", 0.0, seq)
-        out = self.node.output  # type: ignore[union-attr]
+        out = self.node.output
         return {out: torch.ones(inputs["completion_ids"].shape[0])}, {}
 
 
-class SyntheticReference(_Synthetic):
+class SyntheticReference(_Synthetic[ReferenceNode]):
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         self._maybe_fail(seq)
         return {"ref_logprobs": torch.zeros(inputs["completion_ids"].shape, dtype=torch.float32)}, {}
 
 
-class SyntheticPolicy(_Synthetic):
+class SyntheticPolicy(_Synthetic[PolicyNode]):
     """Sleeps ``train_s``, bumps its version, publishes weights filled with the new version."""
 
     def _publish(self) -> float:
@@ -178,7 +180,8 @@ class SyntheticPolicy(_Synthetic):
         self.version = int(torch.load(path, weights_only=True)["version"])
 
 
-_BY_KIND = {
+#: Each class takes its kind's node (the key picks it).
+_BY_KIND: dict[str, type[_Synthetic[Any]]] = {
     "source": SyntheticSource,
     "generator": SyntheticGenerator,
     "scorer": SyntheticScorer,

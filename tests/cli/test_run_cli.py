@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from flowrl.backend_traits import BackendTraits
 from flowrl.cli.main import main
 from flowrl.runtime.observe.metrics import REQUIRED_KEYS, read_metrics
 
@@ -225,3 +226,32 @@ def test_worker_bug_keeps_its_traceback(capsys):
     err = capsys.readouterr().err
     assert "injected failure in reward at step 1" in err
     assert "--- traceback in worker of node 'reward'" in err and "Traceback (most recent call last)" in err
+
+
+@pytest.mark.parametrize("backend, traits, starts", [
+    ("process", None, True),
+    ("local", None, False),
+    ("torchrun", None, False),
+    ("mine", BackendTraits(crosses_processes=True, zygote=True), True),  # a user's backend, by its traits alone
+], ids=["process", "local", "torchrun", "declared"])
+def test_flowrl_run_prestarts_the_zygote_where_the_backends_traits_say(monkeypatch, backend, traits, starts):
+    import argparse
+    import contextlib
+
+    from flowrl import backend_traits
+    from flowrl.cli import run as run_cli
+    from flowrl.runtime.backends import zygote
+
+    if traits is not None:
+        monkeypatch.setitem(backend_traits._DECLARED, backend, traits)
+    entered = []
+
+    @contextlib.contextmanager
+    def prestarted():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(zygote, "prestarted", prestarted)
+    monkeypatch.setattr(run_cli, "_run_here", lambda args: 0)
+    assert run_cli._run(argparse.Namespace(backend=backend)) == 0
+    assert entered == ([True] if starts else [])

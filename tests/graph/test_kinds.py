@@ -281,3 +281,23 @@ def test_a_device_kind_without_a_plan_role_is_refused_by_the_planner(monkeypatch
     monkeypatch.delitem(PLAN_ROLES, "reference")
     with pytest.raises(PlanError, match=r"node 'ref': kind 'reference' runs on devices but has no planner role; add its .* to flowrl.planners.kind_table.PLAN_ROLES"):
         plan_graph(build_example("llamarl_ref"), "cpu:2")
+
+
+def test_node_is_every_kinds_struct_at_run_time_and_nodes_of_reads_one_kind_typed():
+    """``Node`` is ``NodeBase`` to a type checker and the tagged union of the kinds table's structs at run
+    time (what ``GraphSpec.nodes`` decodes into); ``nodes_of``/``node_of`` hand a kind's own struct out
+    typed, which is how code reads a kind's fields without ``type: ignore``."""
+    import typing
+
+    from flowrl.examples import build_example
+    from flowrl.graph.critic import CriticNode
+    from flowrl.graph.nodes import GeneratorNode, Node, PolicyNode, SourceNode
+
+    assert set(typing.get_args(Node)) == {resolve(spec.node) for spec in KINDS.values()}
+    assert CriticNode in typing.get_args(Node)
+    g = build_example("llamarl")
+    assert g.nodes_of(PolicyNode) == g.nodes_of_kind("policy") and g.nodes_of(PolicyNode)
+    source = g.nodes_of(SourceNode)[0]
+    assert g.node_of(source.name, SourceNode) is g.node(source.name)
+    with pytest.raises(TypeError, match=f"node '{source.name}' of graph .* is a source, not a generator"):
+        g.node_of(source.name, GeneratorNode)

@@ -182,3 +182,24 @@ def test_every_split_family_has_a_search_and_a_bound():
     families = set(typing.get_args(typing.get_type_hints(DeviceSplit)["family"]))
     assert families == set(search._SEARCH_SPLIT) == set(search._LOWER_BOUND)
     assert search._LOWER_BOUND["colocated"](1.0, 2.0) == 3.0 and search._LOWER_BOUND["disaggregated"](1.0, 2.0) == 2.0
+
+
+def test_a_strategy_is_its_name_and_its_branch_in_strategies_py(monkeypatch):
+    """The extension table's strategy row: a name in ``STRATEGIES`` and its branch in ``device_splits``,
+    both in ``planners/strategies.py``, are all ``plan_graph`` needs (patched here on that module alone)."""
+    from flowrl.planners import strategies
+    from flowrl.planners.strategies import DeviceSplit
+
+    known = strategies.device_splits
+
+    def device_splits_with_halves(strategy, n_devices, *args, **kwargs):
+        if strategy == "halves":  # the new branch: the generator on the first half, the trainer on the rest
+            return [DeviceSplit(family="disaggregated", gen_start=0, gen_count=n_devices // 2, train_start=n_devices // 2, train_count=n_devices - n_devices // 2)]
+        return known(strategy, n_devices, *args, **kwargs)
+
+    with pytest.raises(PlanError, match="unknown strategy 'halves'"):
+        plan_graph(GRAPHS["llamarl"], "cpu:4", strategy="halves")
+    monkeypatch.setattr(strategies, "STRATEGIES", (*strategies.STRATEGIES, "halves"))
+    monkeypatch.setattr(strategies, "device_splits", device_splits_with_halves)
+    plan = plan_graph(GRAPHS["llamarl"], "cpu:4", strategy="halves")
+    assert list(plan.placements["gen"].devices) == [0, 1] and list(plan.placements["policy"].devices) == [2, 3]

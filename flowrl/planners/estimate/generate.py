@@ -43,8 +43,9 @@ the built-in model's forward at the model's width instead (``decode_flops_by_wid
 what the machine achieves on the whole pass, so no MFU factor, and its launches are in it (the
 ``ops_per_layer * kernel_overhead`` terms are 0 there).
 
-The engine (``GeneratorNode.engine``, the first note of every generator estimate): ``"builtin"`` is
-the model above as it stands. ``"vllm"`` differs in three ways: rows leave the batch as they finish
+The engine (``GeneratorNode.engine``, the first note of every generator estimate) is costed by its
+row in ``graph.engines.ENGINE_CAPS``: ``"builtin"``'s is the model above as it stands. ``"vllm"``'s
+differs in three ways (``refills_rows``, ``python_loop``, ``cpu_kernels``): rows leave the batch as they finish
 and waiting ones take their place inside one generate call (vLLM's scheduler), so its steps and
 context follow the continuous formulas above, but with ``batching="lockstep"`` (a call per batch)
 without cross-step slots (weights change between calls, so a call waits for its longest
@@ -93,6 +94,7 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.planners.cluster import DEVICE_TRAITS
+from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS
 from flowrl.planners.estimate.train import memory_budget
 from flowrl.planners.lengths import LengthDistribution, decode_steps, steady_decode_steps
 from flowrl.modelspec import ModelSpec
@@ -130,7 +132,7 @@ def estimate_generate(
     precision: str = "bfloat16",
     reserved_bytes: float = 0.0,
     node: str = "gen",
-    engine: str = "builtin",
+    engine: str = DEFAULT_ENGINE,
 ) -> NodeEstimate:
     """Seconds to generate one step's completions on this mesh, and bytes per device.
 
@@ -201,9 +203,9 @@ def estimate_generate(
     prefill = prefill_compute + prefill_comm + L * launch_layer
 
     dist = w.length_dist
-    vllm = engine == "vllm"
-    stream = vllm and w.batching == "continuous"  # vLLM fed across steps, weights updated in flight
-    batching = "continuous" if vllm else w.batching  # vLLM's scheduler refills finished rows within a call
+    caps = ENGINE_CAPS[engine]  # its cost model: the row's refills_rows, python_loop, cpu_kernels
+    stream = caps.refills_rows and w.batching == "continuous"  # fed across steps, weights updated in flight
+    batching = "continuous" if caps.refills_rows else w.batching  # its scheduler refills finished rows within a call
     steps = decode_steps(dist, completions=per_replica, batch=b, batching=batching)
     continuous = batching == "continuous"
     ctx_len = w.prompt_len + (dist.mean if continuous else dist.expected_max(b)) / 2
@@ -215,16 +217,16 @@ def estimate_generate(
     stage = max(t_read, t_compute)
     tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
-    step_overhead = 0.0 if vllm else dev.cpu.decode_step_overhead_s  # flowrl's Python sampling loop
+    step_overhead = dev.cpu.decode_step_overhead_s if caps.python_loop else 0.0  # flowrl's Python sampling loop
     token += step_overhead
-    if vllm and not DEVICE_TRAITS[dev.kind].cuda:  # vLLM's CPU build
+    if caps.cpu_kernels and not DEVICE_TRAITS[dev.kind].cuda:  # its own CPU kernels
         token /= t.vllm_cpu_decode_speedup
     prefill /= speedup
     token /= speedup
     decode = steps * token
     reprefill = _reprefill(model, w.prompt_len + _kept(dist), b, tp, pp, prefill_rate, L, h, ab, tp_link, launch_layer) / speedup if stream else 0.0
     # flowrl's slot batcher: Python bookkeeping per busy row per decode step, one per completion token
-    slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous and not vllm else 0.0
+    slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous and caps.python_loop else 0.0
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
     breakdown = {
@@ -240,10 +242,10 @@ def estimate_generate(
         breakdown["reprefill"] = reprefill
     if w.env_s:
         breakdown["env"] = w.env_s  # waiting on environments (multi-turn rollouts): a generator-side delay
-    mode = "continuous stream, a re-prefill per update" if stream else "continuous within a call" if vllm else "continuous" if continuous else "lock-step"
+    mode = "continuous stream, a re-prefill per update" if stream else "continuous within a call" if caps.refills_rows else "continuous" if continuous else "lock-step"
     notes = (f"{engine} engine", f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
     cross_step = t.cross_step_slots if t.cross_step_slots is not None else DEVICE_TRAITS[dev.kind].cross_step_slots
-    cross_step = cross_step and (stream or not vllm)  # vLLM called per batch: weights change between calls, each waits for its longest
+    cross_step = cross_step and (stream or not caps.refills_rows)  # called per batch: weights change between calls, each waits for its longest
     steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None
     if steady is not None:
         steady += reprefill + w.env_s

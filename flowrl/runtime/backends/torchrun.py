@@ -469,9 +469,9 @@ def _control(
         for node, group in node_programs.items():
             group.open({**init, "node": node})
             group.ready()
-        for node in graph.nodes:
-            if KINDS[node.kind].runs_on != "policy" and node.name not in node_programs:  # a loss runs in its policy
-                node_programs[node.name] = build_program(graph, node.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
+        for n in graph.nodes:
+            if KINDS[n.kind].runs_on != "policy" and n.name not in node_programs:  # a loss runs in its policy
+                node_programs[n.name] = build_program(graph, n.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
         controller = Controller(graph, config, node_programs, placement, on_step=on_step)
         seen["controller"] = controller
         return controller.run()

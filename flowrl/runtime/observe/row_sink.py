@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowrl.errors import NodeExecutionError
 from flowrl.graph.kinds import KINDS
+from flowrl.graph.nodes import LossNode
 from flowrl.runtime.evaluation.during_run import Evaluator, merge_eval
 from flowrl.runtime.observe.metrics import MetricsWriter, step_row
 from flowrl.runtime.observe.samples import SampleLogger
@@ -65,8 +66,8 @@ class RowSink:
         self._source_info: dict[int, dict[str, Any]] = {}
         self._unwritten: deque[tuple[Row, Future[dict[str, float]] | None]] = deque()
         self.reward_weights: dict[str, float] = {}
-        for loss in graph.nodes_of_kind("loss"):
-            self.reward_weights.update(loss.loss.reward_weights)  # type: ignore[union-attr]
+        for loss in graph.nodes_of(LossNode):
+            self.reward_weights.update(loss.loss.reward_weights)
         self._sample_loggers = {  # --log-samples: decoded samples in the rows of the trainers' steps
             node.name: SampleLogger(graph, node.name, every=config.log_samples, reward_weights=self.reward_weights)
             for node in graph.nodes

@@ -68,7 +68,7 @@ __all__ = [
 def fsdp_policies(graph: Graph, *, skip: Iterable[str] = ()) -> list[PolicyNode]:
     """The graph's policies with ``sharding="fsdp"`` (not those in ``skip``: user programs)."""
     skip = set(skip)
-    return [n for n in graph.nodes_of_kind("policy") if n.optimizer.sharding == "fsdp" and n.name not in skip]  # type: ignore[attr-defined]
+    return [n for n in graph.nodes_of(PolicyNode) if n.optimizer.sharding == "fsdp" and n.name not in skip]
 
 
 def check_backend(graph: Graph, backend: str, *, skip: Iterable[str] = ()) -> None:

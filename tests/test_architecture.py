@@ -1,0 +1,76 @@
+"""ARCHITECTURE.md points at the tests that show its claims, and those tests exist.
+
+Every ``tests/...py`` it names is a file, every ``tests/...py::test_name`` a test function in that file,
+every other backticked ``test_name`` a test function somewhere under ``tests/``; and each row of its
+extension table ("Extension points: the exact steps") names a test that adds that thing.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = (ROOT / "ARCHITECTURE.md").read_text()
+#: ``tests/a/b.py`` with an optional ``::test_name`` (or ``::Class::test_name``).
+FILE_REF = re.compile(r"(tests/[\w/]+\.py)((?:::\w+)*)")
+#: A test named on its own, in backticks: ``test_name``.
+NAME_REF = re.compile(r"`(test_\w+)`")
+
+
+@cache
+def _tests_in(path: Path) -> frozenset[str]:
+    """Every function and class defined in ``path``, at any depth (test methods and classes included)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return frozenset(n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+
+
+@cache
+def _every_test_name() -> frozenset[str]:
+    return frozenset(name for p in (ROOT / "tests").rglob("*.py") for name in _tests_in(p) if name.startswith("test_"))
+
+
+def _file_refs() -> list[tuple[str, tuple[str, ...]]]:
+    return sorted({(path, tuple(filter(None, names.split("::")))) for path, names in FILE_REF.findall(TEXT)})
+
+
+def _extension_rows() -> list[str]:
+    section = TEXT[TEXT.index("## Extension points"):]
+    return [line for line in section.splitlines() if line.startswith("| a **")]
+
+
+def test_the_architecture_names_tests():
+    assert len(_file_refs()) >= 20 and len(set(NAME_REF.findall(TEXT))) >= 5  # the patterns find them
+    assert len(_extension_rows()) >= 6
+
+
+@pytest.mark.parametrize(("path", "names"), _file_refs(), ids=["::".join((p, *n)) for p, n in _file_refs()])
+def test_every_test_file_and_function_it_names_exists(path, names):
+    file = ROOT / path
+    assert file.is_file(), f"ARCHITECTURE.md names {path}, which does not exist"
+    missing = [n for n in names if n not in _tests_in(file)]
+    assert not missing, f"ARCHITECTURE.md names {path}::{'::'.join(names)}, but {path} defines no {missing}"
+
+
+def test_every_test_it_names_by_itself_exists():
+    missing = sorted(set(NAME_REF.findall(TEXT)) - _every_test_name())
+    assert not missing, f"ARCHITECTURE.md names tests no file under tests/ defines: {missing}"
+
+
+@pytest.mark.parametrize("row", _extension_rows(), ids=lambda row: re.search(r"\*\*(.+?)\*\*", row).group(1))
+def test_each_extension_row_names_the_test_that_adds_that_thing(row):
+    assert FILE_REF.search(row) or NAME_REF.search(row), f"the extension table's row names no test: {row[:120]}..."
+
+
+def test_every_file_it_names_exists():
+    """A file named in backticks (``x.py``, ``a/b.py``, ``x.md``) is one of the tree's (a path: a file whose
+    path ends so); a former name (``it was `a/b.py```) excepted."""
+    files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts]
+    named = {m.group(2) for m in re.finditer(r"(was )?`([\w./-]+\.(?:py|md|json|mjs))(?=[`:(])", TEXT) if not m.group(1)}
+    assert len(named) > 100  # the pattern finds them
+    missing = sorted(n for n in named if not any(f == n or f.endswith("/" + n) for f in files))
+    assert not missing, f"ARCHITECTURE.md names files the tree does not hold: {missing}"
