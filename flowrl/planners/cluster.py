@@ -78,7 +78,8 @@ class DeviceKind(msgspec.Struct, **_STRUCT):
         tensor_cores: matrix units with 16-bit activations and KV cache; float32 math runs as TF32 at
             half the 16-bit rate.
         cross_step_slots: continuous batching's free slots take the next step's prompts by default.
-        packs_sequences: a trainer packs sequences by default.
+        packs_sequences: a trainer whose policy says ``packing=False`` is still priced packed (GPU:
+            as production trainers run; the default ``packing`` packs on every kind).
     """
 
     label: str

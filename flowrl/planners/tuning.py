@@ -64,8 +64,9 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             or pads each micro-batch to its longest sequence (time follows the longest of ``mb``
             completions, ``LengthDistribution.expected_max``, as flowrl's built-in trainer runs,
             which also takes an optimizer ``micro_batch_size`` of 0 as the whole batch in one pass);
-            None: packed on GPUs (production trainers pack), padded on a CPU device (there the
-            planner predicts flowrl's own runtime).
+            None: as the policy's ``OptimizerConfig.packing`` says (its default packs, on any
+            device, as flowrl's trainer does; ``packing=False``: padded on a CPU device, packed
+            on GPUs as production trainers run).
         cross_step_slots: whether a continuous generator in an asynchronous run fills the slots the
             tail frees with the next step's prompts (its steady step pays the mean length, not the
             tail: in-flight engines such as PipelineRL's); None: on GPUs yes, on a CPU device no
