@@ -14,8 +14,10 @@ speed-up and weight-sync rate at the model's shape, ``flowrl.calibration.vllm_ra
 prompt file, as ``flowrl plan`` reads it; the completions at their limit: a random model rarely
 stops); then, for each backend (``--backends``: ``local``, threads in this process; ``process``, an
 OS process per executor, whose weights go over shared memory: its graph's weight edge says
-``shm``, so the plan prices the two copies that backend makes), a run with that plan's placement,
-``--steps`` steps. Per engine and backend:
+``shm``, so the plan prices the two copies that backend makes; ``torchrun``, a job of one rank per
+plan device started as ``torchrun -m flowrl run GRAPH --backend torchrun --plan PLAN``, its weight
+edge ``collective``: rank to rank), a run with that plan's placement, ``--steps`` steps. Per engine
+and backend:
 
 - ``predicted``: the plan's step and its parts: ``generate_s`` (the generator), ``train_s`` (the
   policy), ``sync_s`` (the weight syncs);
@@ -31,8 +33,7 @@ Prints one JSON object.
     python benches/planner_real.py                          # both engines, local backend, 24 layers, 6 steps (~10 min on 2 cores, ~14 GB with vLLM)
     python benches/planner_real.py --engines builtin --layers 12 --steps 4
     python benches/planner_real.py --backends local,process --layers 6 --steps 4
-
-The torchrun backend (one rank per device) is not run here: it needs a torchrun job around the run.
+    python benches/planner_real.py --backends torchrun --layers 6 --steps 4
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 #: The weight edge's transport per backend: what that backend runs (the process backend turns
 #: ``inprocess``, which cannot cross processes, into ``shm``), so the plan prices what runs.
-TRANSPORTS = {"local": "inprocess", "process": "shm"}
+TRANSPORTS = {"local": "inprocess", "process": "shm", "torchrun": "collective"}
 
 
 def calibrate(graph: Graph) -> tuple[object, dict]:
@@ -121,6 +122,30 @@ def calibrate(graph: Graph) -> tuple[object, dict]:
     }
 
 
+def _torchrun_rows(graph: Graph, plan_path: Path, metrics: Path, plan: Plan, args: argparse.Namespace, graph_path: Path) -> list[dict]:
+    """``flowrl run --backend torchrun`` of ``graph`` with the plan, one rank per plan device, in a
+    torchrun job of its own; its metrics rows."""
+    import socket
+    import subprocess
+
+    from flowrl.graph.serialize import to_json
+
+    graph_path.write_text(to_json(graph))
+    ranks = 1 + max(d for p in plan.placements.values() for d in p.devices)
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "flowrl", "run", str(graph_path), "--backend", "torchrun",
+        "--plan", str(plan_path), "--steps", str(args.steps), "--max-staleness", str(args.k), "--metrics", str(metrics), "--quiet",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrun job failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
 def one_run(model_dir: Path, engine: str, backend: str, m: object, args: argparse.Namespace, folder: Path) -> dict:
     """Plan ``engine``'s graph on the calibrated CPU ``m``, run it on ``backend``, compare."""
     graph = build_graph(model_dir, engine, args.new_tokens, args.k, TRANSPORTS[backend])
@@ -134,7 +159,10 @@ def one_run(model_dir: Path, engine: str, backend: str, m: object, args: argpars
     save_plan(plan, str(folder / f"{name}.plan.json"))
     metrics = folder / f"{name}.metrics.jsonl"
     config = RunConfig(steps=args.steps, max_staleness=args.k, metrics=str(metrics), progress=False, backend=backend)
-    rows = run_graph(graph, plan.placement(source=f"plan:{folder / f'{name}.plan.json'}"), config).rows
+    if backend == "torchrun":
+        rows = _torchrun_rows(graph, folder / f"{name}.plan.json", metrics, plan, args, folder / f"{name}.graph.json")
+    else:
+        rows = run_graph(graph, plan.placement(source=f"plan:{folder / f'{name}.plan.json'}"), config).rows
     steady = rows[2:] or rows
     measured = {key: _spread([float(r[key]) for r in steady]) for key in ("gen_s", "train_s", "sync_s")}
     measured["step_s"] = _spread([b["time_s"] - a["time_s"] for a, b in zip(rows[1:], rows[2:])] or [rows[-1]["time_s"]])
@@ -163,13 +191,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps of each run; the first two are warm-up (default: 6)")
     parser.add_argument("--new-tokens", type=int, default=24, help="max_new_tokens (default: 24)")
     parser.add_argument("--k", type=int, default=1, help="max_staleness: 0 colocated, else disaggregated (default: 1)")
-    parser.add_argument("--backends", default="local", help="comma-separated: local, process (default: local)")
+    parser.add_argument("--backends", default="local", help="comma-separated: local, process, torchrun (default: local)")
     args = parser.parse_args()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     backends = [e.strip() for e in args.backends.split(",") if e.strip()]
     unknown = sorted(set(engines) - {"builtin", "vllm"}) + sorted(set(backends) - set(TRANSPORTS))
     if unknown or not engines or not backends or args.layers < 1 or args.steps < 3:
-        parser.error(f"--engines takes builtin and vllm, --backends local and process (unknown: {unknown}); --layers >= 1; --steps >= 3 (two are warm-up)")
+        parser.error(f"--engines takes builtin and vllm, --backends local, process and torchrun (unknown: {unknown}); --layers >= 1; --steps >= 3 (two are warm-up)")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model_dir = write_model_dir(folder / "qwen05", layers=args.layers)
