@@ -106,7 +106,7 @@ def calibrate(graph: Graph) -> tuple[object, dict]:
     m = measure(widths=needs.widths)
     vllm = None
     if needs.vllm_model is not None:
-        vllm = measure_vllm(needs.vllm_model)
+        vllm = measure_vllm(needs.vllm_model, rows=needs.vllm_rows, new_tokens=needs.vllm_new_tokens)
         m = with_vllm(m, vllm)
     dev = calibrated_cluster(m).device
     width = needs.widths[-1]

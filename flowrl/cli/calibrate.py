@@ -6,7 +6,12 @@ import argparse
 import os
 import sys
 
+from typing import TYPE_CHECKING
+
 from flowrl.fileio import write_atomic
+
+if TYPE_CHECKING:
+    from flowrl.calibration.needs import CalibrationNeeds
 
 __all__ = ["register"]
 
@@ -57,7 +62,8 @@ def _run(args: argparse.Namespace) -> int:
         raise PlanError(f"--matmul-size {args.matmul_size}: must be >= 8")
     if args.repeats < 1:
         raise PlanError(f"--repeats {args.repeats}: must be >= 1")
-    widths, vllm_model = _needs(args)  # a bad --graph or --widths fails here, before any measurement
+    needs = _needs(args)  # a bad --graph or --widths fails here, before any measurement
+    widths, vllm_model = needs.widths, needs.vllm_model
     if args.output:
         folder = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(folder):
@@ -67,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
         from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
 
         print(f"measuring vLLM at {vllm_model.name}'s shape (width {vllm_model.dim}, 2 layers): starting it takes a minute", file=sys.stderr, flush=True)
-        figures = measure_vllm(vllm_model, repeats=min(args.repeats, 3))
+        shape = {"rows": needs.vllm_rows, "new_tokens": needs.vllm_new_tokens} if needs.vllm_rows else {}  # else measure_vllm's defaults
+        figures = measure_vllm(vllm_model, repeats=min(args.repeats, 3), **shape)
         m = with_vllm(m, figures)
         print(
             f"vLLM: decode {figures.decode_speedup:.2f}x the built-in engine's on one core, weight sync "
@@ -100,14 +107,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _needs(args: argparse.Namespace) -> tuple[tuple[int, ...], object]:
-    """The widths to measure beside the defaults and the model shape to measure vLLM at (None: not
-    asked), from ``--graph``, ``--widths`` and ``--vllm``; ``PlanError`` for a bad one."""
+def _needs(args: argparse.Namespace) -> CalibrationNeeds:
+    """The widths to measure beside the defaults and the model shape (and call) to measure vLLM at
+    (None: not asked), from ``--graph``, ``--widths`` and ``--vllm``; ``PlanError`` for a bad one."""
+    import msgspec
+
+    from flowrl.calibration.needs import CalibrationNeeds
     from flowrl.errors import PlanError
     from flowrl.modelspec import model_preset
 
     widths: set[int] = set()
     vllm_model = None
+    graph_needs = CalibrationNeeds()
     if args.widths:
         try:
             widths.update(int(w) for w in args.widths.split(",") if w.strip())
@@ -119,9 +130,9 @@ def _needs(args: argparse.Namespace) -> tuple[tuple[int, ...], object]:
         from flowrl.calibration.needs import calibration_needs
         from flowrl.cli.graphs import load_graph
 
-        needs = calibration_needs(load_graph(args.graph))
-        widths.update(needs.widths)
-        vllm_model = needs.vllm_model
+        graph_needs = calibration_needs(load_graph(args.graph))
+        widths.update(graph_needs.widths)
+        vllm_model = graph_needs.vllm_model
     if args.vllm and vllm_model is None:
         vllm_model = model_preset("qwen2.5-0.5b")
     if vllm_model is not None:
@@ -130,4 +141,4 @@ def _needs(args: argparse.Namespace) -> tuple[tuple[int, ...], object]:
         if vllm_distribution() is None:
             why = "--vllm" if args.vllm else f"--graph {args.graph}: a vLLM generator"
             raise PlanError(f"measuring vLLM's figures ({why}) needs vLLM installed: {VLLM_INSTALL_HINT}")
-    return tuple(sorted(widths)), vllm_model
+    return msgspec.structs.replace(graph_needs, widths=tuple(sorted(widths)), vllm_model=vllm_model)

@@ -44,6 +44,7 @@ def test_the_needs_of_a_hf_graph_are_its_configs_width_and_its_vllm_generators_m
     spec = model_from_config(HFModelConfig(path=str(model_dir)))
     assert (spec.dim, spec.n_heads, spec.n_kv_heads, spec.ffn_dim, spec.n_layers) == (96, 3, 1, 160, 2)  # the shape written
     assert needs.vllm_model == spec
+    assert (needs.vllm_rows, needs.vllm_new_tokens) == (1 * 2, 4)  # one call: batch_size 1 x 2 samples, max_new_tokens 4
 
 
 @pytest.fixture

@@ -29,7 +29,10 @@ def test_the_widths_and_vllm_shape_asked_for():
 
     from flowrl.cli.calibrate import _needs
 
-    ask = lambda **kw: _needs(argparse.Namespace(**{"graph": None, "widths": None, "vllm": False, **kw}))  # noqa: E731
+    def ask(**kw):
+        needs = _needs(argparse.Namespace(**{"graph": None, "widths": None, "vllm": False, **kw}))
+        return needs.widths, needs.vllm_model
+
     assert ask() == ((), None)
     assert ask(widths="896, 64,896") == ((64, 896), None)
     assert ask(graph="llamarl", widths="48") == ((48, 64), None)  # llamarl's generator and policy are 64 wide
