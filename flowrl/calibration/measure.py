@@ -15,8 +15,12 @@ on one thread, and what running beside another mesh costs is measured on its own
   other threads), the planner's ``kernel_overhead_s``;
 - the built-in transformer's own passes by width (``_pass_rates``), one thread alone (how the local
   runtime runs a node with its cores to itself; ``shared_slowdown`` is what running beside another
-  costs): for each ``w`` in ``WIDTHS``, a 2-layer model of width ``w`` runs a forward on
-  ``[256 x 8]`` tokens (prefill-shaped), a forward of one token on 256 rows (decode-shaped) and a forward + backward on ``[256 x 8]`` (training); FLOP/s
+  costs): for each ``w`` in ``WIDTHS`` (and the widths ``measure(widths=...)`` adds: a graph's model
+  widths, ``flowrl.calibration.needs``), a 2-layer model of width ``w`` runs a forward on
+  ``[r x 8]`` tokens (prefill-shaped), a forward of one token on ``r`` rows (decode-shaped) and a
+  forward + backward on ``[r x 8]`` (training), ``r = pass_rows(w)``: 256 up to width 256, fewer
+  above (the pass's FLOPs grow with the width, not its cube: a width-896 training pass takes about
+  a second, not six); FLOP/s
   is the FLOPs the planner counts for that pass (``ModelSpec.forward_flops_per_token``, three times
   it for forward + backward) over the seconds it took. The rate so includes everything the pass
   really does beside its matmuls (norms, attention, SiLU, launches: on a CPU core at these widths
@@ -61,7 +65,7 @@ from flowrl.host import host_cores, host_memory_bytes
 from flowrl.planners.cluster import ClusterSpec, CpuTerms, cpu_device
 from flowrl.modelspec import ModelSpec
 
-__all__ = ["Measurements", "measure", "calibrated_cluster", "pass_flops", "PASSES", "WIDTHS"]
+__all__ = ["Measurements", "measure", "calibrated_cluster", "pass_flops", "pass_rows", "PASSES", "WIDTHS"]
 
 
 class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -124,8 +128,20 @@ BLOCK_OPS = 16
 #: Model widths the pass rates are measured at (the built-in examples are 64 wide; a CPU core
 #: trains a 512-wide model too slowly to be worth a calibration second, the table's last rate holds above).
 WIDTHS = (32, 64, 128, 256)
-#: Rows and tokens per row of the prefill-shaped and training passes (decode: one token per row).
+#: Rows and tokens per row of the prefill-shaped and training passes (decode: one token per row)
+#: up to width ``WIDTHS[-1]``; above it ``pass_rows``.
 PASS_ROWS, PASS_TOKENS = 256, 8
+
+
+def pass_rows(width: int) -> int:
+    """Rows of a calibration pass at ``width``: ``PASS_ROWS`` up to ``WIDTHS[-1]``, then fewer in
+    proportion (at least 32), so that a pass's FLOPs grow linearly above it, not as the cube.
+
+    Example:
+        >>> pass_rows(64), pass_rows(896), pass_rows(8192)
+        (256, 73, 32)
+    """
+    return PASS_ROWS if width <= WIDTHS[-1] else max(32, PASS_ROWS * WIDTHS[-1] // width)
 
 
 def _tiny_block(rows: int = 4, width: int = 8) -> Callable[[], object]:
@@ -168,7 +184,8 @@ def _pass_call(width: int, kind: str) -> Callable[[], object]:
     import torch
 
     model, _ = _pass_model(width)
-    rows, tokens, backward = PASSES[kind]
+    _, tokens, backward = PASSES[kind]
+    rows = pass_rows(width)
     x = torch.randint(0, 16, (rows, tokens))
     valid = torch.ones_like(x, dtype=torch.bool)
 
@@ -184,29 +201,29 @@ def _pass_call(width: int, kind: str) -> Callable[[], object]:
 
 
 def pass_flops(width: int, kind: str) -> float:
-    """FLOPs the planner counts for one ``PASSES[kind]`` pass at ``width`` (``ModelSpec.forward_flops_per_token``
-    at the mean context, three times it with the backward).
+    """FLOPs the planner counts for one ``PASSES[kind]`` pass at ``width``, ``pass_rows(width)`` rows
+    (``ModelSpec.forward_flops_per_token`` at the mean context, three times it with the backward).
 
     Example:
         >>> round(pass_flops(64, "train") / pass_flops(64, "forward"), 6)
         3.0
     """
     _, spec = _pass_model(width)
-    rows, tokens, backward = PASSES[kind]
-    return rows * tokens * spec.forward_flops_per_token(tokens / 2) * (3 if backward else 1)
+    _, tokens, backward = PASSES[kind]
+    return pass_rows(width) * tokens * spec.forward_flops_per_token(tokens / 2) * (3 if backward else 1)
 
 
-def _pass_rates(*, repeats: int, statistic: str) -> dict[str, tuple[tuple[int, float], ...]]:
-    """``{pass: ((width, FLOP/s), ...)}`` for every pass of ``PASSES`` and width of ``WIDTHS``, one
-    thread alone. The repeats go round every (pass, width) in turn, so each one's statistic spans
-    the whole measurement rather than one moment of a shared machine's load."""
-    calls = {(kind, width): _pass_call(width, kind) for kind in PASSES for width in WIDTHS}
+def _pass_rates(widths: tuple[int, ...], *, repeats: int, statistic: str) -> dict[str, tuple[tuple[int, float], ...]]:
+    """``{pass: ((width, FLOP/s), ...)}`` for every pass of ``PASSES`` and width of ``widths``
+    (ascending), one thread alone. The repeats go round every (pass, width) in turn, so each one's
+    statistic spans the whole measurement rather than one moment of a shared machine's load."""
+    calls = {(kind, width): _pass_call(width, kind) for kind in PASSES for width in widths}
     seconds: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
     for _ in range(repeats):
         for key, call in calls.items():
             seconds[key].append(_timed([call], inner=1, repeats=1, statistic=statistic))
     pick = min if statistic == "best" else statistics.median
-    return {kind: tuple((width, pass_flops(width, kind) / pick(seconds[(kind, width)])) for width in WIDTHS) for kind in PASSES}
+    return {kind: tuple((width, pass_flops(width, kind) / pick(seconds[(kind, width)])) for width in widths) for kind in PASSES}
 
 
 def _shared_slowdown(decode: Callable[[], object], train: Callable[[], object], *, cores: int, repeats: int, statistic: str) -> float:
@@ -332,20 +349,29 @@ def _slot_row_overhead(repeats: int, *, rows: int = 64, tokens: int = 8) -> floa
     return max(0.0, (t_slots - t_lock) / (rows * tokens))
 
 
-def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, statistic: str = "median") -> Measurements:
+def measure(
+    *, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, statistic: str = "median", widths: tuple[int, ...] = ()
+) -> Measurements:
     """Run the micro-benchmarks (a few seconds) on every core at once, each thread with one intra-op
     thread; restores the thread count.
 
     Args:
         statistic: ``"median"`` (what a run gets, the default) or ``"best"`` (an idle core's peak).
+        widths: model widths whose pass rates to measure beside ``WIDTHS`` (a graph's models':
+            ``flowrl.calibration.needs.calibration_needs``); a wider model than the table's last
+            width takes that width's rate, which under-rates it (a width-896 training pass runs
+            ~1.2x the rate of a width-256 one).
 
     Raises:
-        PlanError: for an unknown ``statistic``.
+        PlanError: for an unknown ``statistic`` or a width below 16.
     """
     import torch
 
     if statistic not in ("median", "best"):
         raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
+    if any(not isinstance(w, int) or w < 16 for w in widths):
+        raise PlanError(f"calibration widths {list(widths)}: each must be an integer >= 16 (a model's hidden size)")
+    table_widths = tuple(sorted({*WIDTHS, *widths}))
     cores = host_cores()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -373,7 +399,7 @@ def measure(*, matmul_size: int = 256, copy_mib: int = 32, repeats: int = 5, sta
             block()
         t_op = _timed(blocks, inner=200, repeats=repeats, statistic=statistic) / BLOCK_OPS
 
-        rates = _pass_rates(repeats=repeats, statistic=statistic)
+        rates = _pass_rates(table_widths, repeats=repeats, statistic=statistic)
         train_64, decode_64 = _pass_call(64, "train"), _pass_call(64, "decode")
         t_one = _timed([train_64], inner=2, repeats=repeats, statistic=statistic)
         shared = _shared_slowdown(decode_64, train_64, cores=cores, repeats=repeats, statistic=statistic)

@@ -6,7 +6,12 @@ import argparse
 import os
 import sys
 
+from typing import TYPE_CHECKING
+
 from flowrl.fileio import write_atomic
+
+if TYPE_CHECKING:
+    from flowrl.calibration.needs import CalibrationNeeds
 
 __all__ = ["register"]
 
@@ -15,6 +20,8 @@ examples:
   flowrl calibrate                        print the measured figures
   flowrl calibrate -o cpu.json            write a calibrated cluster spec ...
   flowrl plan llamarl --cluster cpu.json  ... and plan with it
+  flowrl calibrate --graph g.py -o cpu.json   also at g.py's model widths (and vLLM's figures if it has a vLLM generator)
+  flowrl calibrate --widths 896 --vllm    the pass rates at width 896 too; vLLM's decode and sync rates (~1 min more)
 """
 
 
@@ -25,8 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run micro-benchmarks (float32 matmul FLOP/s, memory-copy bandwidth, operator overhead; the "
             "built-in model's forward, decode and training passes by width; the speedup of a mesh of every "
-            "core, the slowdown of two meshes side by side, the generators' per-step overheads; about ten "
-            "seconds) and write a 'cpu-calibrated' cluster spec: one device per core."
+            "core, the slowdown of two meshes side by side, the generators' per-step overheads; under a "
+            "minute) and write a 'cpu-calibrated' cluster spec: one device per core. The pass rates are "
+            "measured at widths 32-256; a wider model takes width 256's rate unless its width is measured "
+            "too (--graph, --widths). vLLM's decode speed-up and weight-sync rate are measured with --vllm "
+            "or --graph of a graph with a vLLM generator (starts vLLM: about a minute more)."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -35,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cores", type=int, metavar="N", help="devices (cores) the spec offers (default: all usable cores)")
     p.add_argument("--matmul-size", type=int, default=256, metavar="N", help="n of the n x n matmul (default: 256)")
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="timings per figure, of which the median is kept (default: 5; 1 is a quick, noisier look)")
+    p.add_argument("--graph", metavar="GRAPH", help="also measure what GRAPH needs: its models' widths, and vLLM's figures at its vLLM generator's shape")
+    p.add_argument("--widths", metavar="W,W", help="more model widths to measure the pass rates at (comma-separated hidden sizes, e.g. 896)")
+    p.add_argument("--vllm", action="store_true", help="measure vLLM's decode speed-up and weight-sync rate (needs vLLM; default shape: --graph's vLLM model, else qwen2.5-0.5b's)")
     p.set_defaults(func=_run)
 
 
@@ -49,11 +62,25 @@ def _run(args: argparse.Namespace) -> int:
         raise PlanError(f"--matmul-size {args.matmul_size}: must be >= 8")
     if args.repeats < 1:
         raise PlanError(f"--repeats {args.repeats}: must be >= 1")
+    needs = _needs(args)  # a bad --graph or --widths fails here, before any measurement
+    widths, vllm_model = needs.widths, needs.vllm_model
     if args.output:
         folder = os.path.dirname(os.path.abspath(args.output))
         if not os.path.isdir(folder):
             raise PlanError(f"cannot write {args.output!r}: folder {folder!r} does not exist")
-    m = measure(matmul_size=args.matmul_size, repeats=args.repeats)
+    m = measure(matmul_size=args.matmul_size, repeats=args.repeats, widths=widths)
+    if vllm_model is not None:
+        from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
+
+        print(f"measuring vLLM at {vllm_model.name}'s shape (width {vllm_model.dim}, 2 layers): starting it takes a minute", file=sys.stderr, flush=True)
+        shape = {"rows": needs.vllm_rows, "new_tokens": needs.vllm_new_tokens} if needs.vllm_rows else {}  # else measure_vllm's defaults
+        figures = measure_vllm(vllm_model, repeats=min(args.repeats, 3), **shape)
+        m = with_vllm(m, figures)
+        print(
+            f"vLLM: decode {figures.decode_speedup:.2f}x the built-in engine's on one core, weight sync "
+            f"{figures.sync_bandwidth / 1e9:.2f} GB/s ({figures.sync_bytes / 1e6:.0f} MB, broadcast + reload)",
+            file=sys.stderr,
+        )
     cluster = calibrated_cluster(m, cores=args.cores)
     print(
         f"matmul {m.matmul_flops / 1e9:.1f} GFLOP/s per core ({m.matmul_size}^3 float32), memory copy "
@@ -78,3 +105,40 @@ def _run(args: argparse.Namespace) -> int:
     write_atomic(args.output, data, what="calibrated cluster ")
     print(f"calibrated cluster written to {args.output}; use it with: flowrl plan GRAPH --cluster {args.output}")
     return 0
+
+
+def _needs(args: argparse.Namespace) -> CalibrationNeeds:
+    """The widths to measure beside the defaults and the model shape (and call) to measure vLLM at
+    (None: not asked), from ``--graph``, ``--widths`` and ``--vllm``; ``PlanError`` for a bad one."""
+    import msgspec
+
+    from flowrl.calibration.needs import CalibrationNeeds
+    from flowrl.errors import PlanError
+    from flowrl.modelspec import model_preset
+
+    widths: set[int] = set()
+    vllm_model = None
+    graph_needs = CalibrationNeeds()
+    if args.widths:
+        try:
+            widths.update(int(w) for w in args.widths.split(",") if w.strip())
+        except ValueError:
+            raise PlanError(f"--widths {args.widths!r}: expected comma-separated integers (hidden sizes), e.g. --widths 896,1024") from None
+        if any(w < 16 for w in widths):
+            raise PlanError(f"--widths {args.widths!r}: each width must be >= 16")
+    if args.graph:
+        from flowrl.calibration.needs import calibration_needs
+        from flowrl.cli.graphs import load_graph
+
+        graph_needs = calibration_needs(load_graph(args.graph))
+        widths.update(graph_needs.widths)
+        vllm_model = graph_needs.vllm_model
+    if args.vllm and vllm_model is None:
+        vllm_model = model_preset("qwen2.5-0.5b")
+    if vllm_model is not None:
+        from flowrl.operators.engines.vllm_engine import VLLM_INSTALL_HINT, vllm_distribution
+
+        if vllm_distribution() is None:
+            why = "--vllm" if args.vllm else f"--graph {args.graph}: a vLLM generator"
+            raise PlanError(f"measuring vLLM's figures ({why}) needs vLLM installed: {VLLM_INSTALL_HINT}")
+    return msgspec.structs.replace(graph_needs, widths=tuple(sorted(widths)), vllm_model=vllm_model)

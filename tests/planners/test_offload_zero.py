@@ -95,13 +95,22 @@ def test_a_plan_that_offloads_names_the_node_in_its_placement():
     from flowrl.planners.cluster import ClusterSpec
     from flowrl.planners.plan import plan_graph
 
+    from flowrl.graph.ir import Graph
+
+    # micro-batches of one sequence: the policy's activations stay under the generator's KV cache and
+    # workspace (the whole batch, what micro_batch_size 0 runs, holds more than the generator does)
+    nodes = tuple(
+        msgspec.structs.replace(n, optimizer=msgspec.structs.replace(n.optimizer, micro_batch_size=1)) if n.name == "policy" else n
+        for n in LLAMARL.nodes
+    )
+    graph = Graph(msgspec.structs.replace(LLAMARL.spec, nodes=nodes))
     c = ctx()
-    ev = evaluator(LLAMARL, resolve_roles(LLAMARL, c, TINY), c, 0)
+    ev = evaluator(graph, resolve_roles(graph, c, TINY), c, 0)
     room = ev.node("policy", range(1), ParallelDims(), 0.0).memory.total + ev.resident("gen", ParallelDims()) + 8  # the policy fits beside gen
     assert room < _gen_alone(c) + 18 * P  # ... but gen not beside the policy's whole state
     cluster = ClusterSpec(name="c", hosts=1, devices_per_host=1, device=device(memory_bytes=room, host_bandwidth=1e9))
     tuning = {f: getattr(EXACT, f) for f in EXACT.__struct_fields__ if getattr(EXACT, f) is not None}
-    plan = plan_graph(LLAMARL, cluster, strategy="gen:d1@0 | policy:d1@0", model=TINY, workload=c.workload, **tuning)
+    plan = plan_graph(graph, cluster, strategy="gen:d1@0 | policy:d1@0", model=TINY, workload=c.workload, **tuning)
     assert plan.placement().offload == ("policy",)
     assert plan.placements["gen"].breakdown["offload/policy"] == pytest.approx(2 * 18 * P / 1e9)
     roomy = msgspec.structs.replace(cluster, device=device(memory_bytes=10**9, host_bandwidth=1e9))

@@ -15,7 +15,7 @@ from flowrl.planners.estimate.train import pick_fitting, train_options
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.plan import plan_graph
 from tests.planners.test_cpu_terms import F_TOK, LONG_WORK
-from tests.planners.test_estimates import EXACT, TINY, ctx
+from tests.planners.test_estimates import EXACT, TINY, ctx, device
 
 
 def _fastest(context, **options):
@@ -72,3 +72,23 @@ def test_the_default_is_priced_as_the_runtime_packs_it():
     default, packed = (plan_graph(_longtail(p), calibrated_cluster(m), strategy="colocated", max_staleness=0, workload=work) for p in (None, True))
     for node in ("policy", "ref"):
         assert default.placements[node].time_s == packed.placements[node].time_s, node
+
+
+def test_the_default_on_a_gpu_is_priced_as_the_runtime_runs_it():
+    # flowrl's trainer runs packing=None packed and micro_batch_size 0 as the whole batch on any device: on the
+    # test's GPU-kind device the default costs what packing=True costs, one micro-batch of the 4 sequences
+    default, packed = _fastest(ctx(work=LONG_WORK), packing=None), _fastest(ctx(work=LONG_WORK), packing=True)
+    assert default.notes == packed.notes == ("micro-batch 4 x 1",)
+    assert default.breakdown["compute"] == pytest.approx(3 * 4 * 4 * F_TOK(2.0) / 1e12)  # 4 x (3 + 2 - 1) packed tokens
+    assert default.time_s == packed.time_s
+
+
+def test_where_the_whole_batch_does_not_fit_the_default_says_which_micro_batch_to_set():
+    options = train_options(TINY, ParallelDims(), range(1), ctx(work=LONG_WORK), packing=None).options
+    assert options[0].micro_batch == 4  # what the trainer runs comes first, whatever is faster
+    room = min(o.memory_total for o in options if o.micro_batch == 4) - 1  # the whole batch does not fit, a smaller one does
+    fits = _fastest(ctx(dev=device(memory_bytes=room), work=LONG_WORK), packing=None)
+    assert fits.feasible and fits.notes[0] != "micro-batch 4 x 1"
+    size = int(fits.notes[0].split()[1])
+    assert fits.notes[1] == f"the whole batch does not fit: set the policy's micro_batch_size={size}"
+    assert fits.memory.total <= room

@@ -50,8 +50,9 @@ and waiting ones take their place inside one generate call (vLLM's scheduler), s
 context follow the continuous formulas above, but with ``batching="lockstep"`` (a call per batch)
 without cross-step slots (weights change between calls, so a call waits for its longest
 completion), and without flowrl's slot bookkeeping; it pays no ``DeviceSpec.cpu.decode_step_overhead_s`` (flowrl's Python sampling loop); and on a CPU device its
-decode runs ``Tuning.vllm_cpu_decode_speedup`` times the built-in engine's measured rate (its own
-fused CPU kernels; the factor is measured by ``benches/engines.py``). On a GPU the roofline terms are
+decode runs ``vllm_decode_speedup`` times the built-in engine's measured rate (its own fused CPU
+kernels): ``Tuning.vllm_cpu_decode_speedup`` when set, else the cluster's calibrated
+``CpuTerms.vllm_decode_speedup`` (``flowrl calibrate --vllm``), else 1.3 (``benches/engines.py``). On a GPU the roofline terms are
 what vLLM reaches; flowrl's built-in engine is priced with the same terms there, which flatters it.
 
 A vLLM generator with ``batching="continuous"`` (``flowrl.operators.engines.vllm_stream``: samples
@@ -99,14 +100,21 @@ from flowrl.planners.estimate.train import memory_budget
 from flowrl.planners.lengths import LengthDistribution, decode_steps, steady_decode_steps
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
+from flowrl.planners.tuning import VLLM_CPU_DECODE_SPEEDUP
 from flowrl.planners.units import format_excess, format_gib_pair
 
-__all__ = ["estimate_generate", "generator_dtype"]
+__all__ = ["estimate_generate", "generator_dtype", "vllm_decode_speedup"]
 
 
 def generator_dtype(node_precision: str, ctx: Context) -> str:
     """The generator's weight dtype: the ``gen_precision`` tuning override, else the node's own."""
     return ctx.tuning.gen_precision or node_precision
+
+
+def vllm_decode_speedup(ctx: Context) -> float:
+    """How many times the built-in engine's decode rate vLLM's CPU build decodes at: the tuning's
+    figure, else the cluster's calibrated one, else ``VLLM_CPU_DECODE_SPEEDUP``."""
+    return ctx.tuning.vllm_cpu_decode_speedup or ctx.cluster.device.cpu.vllm_decode_speedup or VLLM_CPU_DECODE_SPEEDUP
 
 
 def _rate(dtype: str, ctx: Context, width: int, pass_kind: str, mfu: float) -> tuple[float, bool]:
@@ -220,7 +228,7 @@ def estimate_generate(
     step_overhead = dev.cpu.decode_step_overhead_s if caps.python_loop else 0.0  # flowrl's Python sampling loop
     token += step_overhead
     if caps.cpu_kernels and not DEVICE_TRAITS[dev.kind].cuda:  # its own CPU kernels
-        token /= t.vllm_cpu_decode_speedup
+        token /= vllm_decode_speedup(ctx)
     prefill /= speedup
     token /= speedup
     decode = steps * token

@@ -30,8 +30,9 @@ bytes over the link (a memory copy of ``A * 4`` on CPU, a file written once and 
 
 A vLLM generator adds a last hop (``add_engine_load``): its process holds the weights the
 transport delivered (a staging copy) and sends them on into vLLM's workers, each replica its own
-``P * wb`` bytes at once: over the weight-sync group at ``Tuning.vllm_group_bandwidth`` (the
-broadcast and vLLM's reload, overlapped bucket by bucket), or, on a ``file`` edge, written once more
+``P * wb`` bytes at once: over the weight-sync group at ``vllm_sync_bandwidth`` (the broadcast and
+vLLM's reload, overlapped bucket by bucket: ``Tuning.vllm_group_bandwidth`` when set, else the
+cluster's calibrated ``CpuTerms.vllm_sync_bandwidth``, ``flowrl calibrate --vllm``, else 0.4 GB/s), or, on a ``file`` edge, written once more
 and read by the worker at ``file_bandwidth``. The note names the hop and its rate. The hop is the
 generator side's alone (``SyncEstimate.dst_only_s``): the trainer has published and goes on.
 
@@ -52,10 +53,11 @@ from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.tuning import VLLM_GROUP_BANDWIDTH
 from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
 from flowrl.transport_traits import traits_of
 
-__all__ = ["SyncEstimate", "estimate_sync", "add_engine_load", "sync_params"]
+__all__ = ["SyncEstimate", "estimate_sync", "add_engine_load", "sync_params", "vllm_sync_bandwidth"]
 
 
 class SyncEstimate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -278,6 +280,12 @@ def estimate_sync(
     )
 
 
+def vllm_sync_bandwidth(ctx: Context) -> float:
+    """Bytes/s of the hop into vLLM's workers over the weight-sync group: the tuning's figure, else
+    the cluster's calibrated one, else ``VLLM_GROUP_BANDWIDTH``."""
+    return ctx.tuning.vllm_group_bandwidth or ctx.cluster.device.cpu.vllm_sync_bandwidth or VLLM_GROUP_BANDWIDTH
+
+
 def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transport: str, dst_bytes_per_param: float, ctx: Context, **_: object) -> SyncEstimate:
     """``est`` plus the hop into a vLLM generator's workers (module docstring); ``est`` unchanged for
     the built-in engine, whose model the transport writes into directly.
@@ -290,7 +298,8 @@ def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transpo
     if traits is not None and traits.cost == "file":
         extra, hop = 2 * nbytes / t.file_bandwidth, f"then a file vLLM's worker reads ({t.file_bandwidth / 1e9:g} GB/s, write + read)"
     else:
-        extra, hop = nbytes / t.vllm_group_bandwidth, f"then into vLLM over the weight-sync group (gloo, {t.vllm_group_bandwidth / 1e9:g} GB/s)"
+        bw = vllm_sync_bandwidth(ctx)
+        extra, hop = nbytes / bw, f"then into vLLM over the weight-sync group (gloo, {bw / 1e9:.3g} GB/s)"
     return msgspec.structs.replace(est, time_s=est.time_s + extra, dst_only_s=est.dst_only_s + extra, note=f"{est.note}; {hop}")
 
 

@@ -1,11 +1,11 @@
 """Training-step time and memory of a policy (and forward-only passes of a reference model).
 
 Notation: S sequences per step of at most s tokens and ``s_bar`` on average (``Workload``: prompt +
-mean completion; sequences are packed, so time follows the mean and memory the longest; with
-``Tuning.packed_sequences`` off, the default on a CPU device for a policy without
-``OptimizerConfig.packing``, each micro-batch is padded to its longest sequence as flowrl's trainer
-then does, so ``s_bar`` is prompt + the expected longest of ``mb`` completions - 1, the last token
-predicting nothing; a policy with ``packing`` counts its packed tokens, the mean, on any device), model of L layers, width h, MLP width f,
+mean completion; sequences are packed, so time follows the mean and memory the longest; a policy
+whose ``OptimizerConfig.packing`` packs (its default, None, or True) counts its packed tokens, the
+mean - 1, on any device; with ``packing=False`` on a CPU device, or ``Tuning.packed_sequences`` off,
+each micro-batch is padded to its longest sequence as flowrl's trainer then does, so ``s_bar`` is
+prompt + the expected longest of ``mb`` completions - 1, the last token predicting nothing), model of L layers, width h, MLP width f,
 vocabulary V, P parameters; mesh dp x tp x pp; micro-batches of ``mb`` sequences, so each
 data-parallel rank runs ``m = ceil(ceil(S / dp) / mb)`` micro-batches.
 
@@ -67,7 +67,9 @@ With uneven stages (pp need not divide L) every per-stage figure is the largest 
 is ``F_tok * ceil(L/pp) / L``. Parameters are assumed evenly spread over layers (the first and last stages also hold the
 embedding and output head; for Llama-3 405B at tp=8 that is about 2 GiB more on those two).
 The estimate tries every power-of-two micro-batch (or the one the optimizer config fixes) with
-and without checkpointing and keeps the fastest that fits.
+and without checkpointing and keeps the fastest that fits; for a policy with the default packing
+and ``micro_batch_size`` 0 (the whole batch, as flowrl's trainer runs it on any device) it keeps the
+whole batch where that fits, else the fastest that fits, noting the ``micro_batch_size`` to set.
 """
 
 from __future__ import annotations
@@ -185,13 +187,16 @@ def train_options(
         updates: optimizer steps per batch (``updates_per_batch``): each syncs gradients and steps AdamW.
         packing: the policy's ``OptimizerConfig.packing``: flowrl's trainer packs its micro-batches, so
             their tokens are the mean length's (``Tuning.packed_sequences``, when set, overrides it).
-            None, the default, packs: priced as True on a CPU; on a GPU as before packing existed
-            (packed sequences, micro-batches of the estimate's choosing, as peer trainers run).
+            None, the default, packs (where the family can, on any device): priced packed, and with
+            ``micro_batch`` 0 as the trainer runs ``micro_batch_size`` 0, the whole batch in one
+            micro-batch, where that fits; where it does not, the fastest micro-batch that fits, with
+            a note naming the ``micro_batch_size`` to set (the trainer would run the whole batch).
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
-    if packing is None:
-        packing = dev.kind != "gpu"
+    whole_first = False
+    if packing is None:  # flowrl's trainer packs where the family can, on any device
+        packing, whole_first = True, micro_batch == 0
     dp, tp, pp = dims.dp, dims.tp, dims.pp
     pb = t.param_bytes or dev.dtype_bytes
     ob = t.optimizer_bytes or (12 if pb <= 2 else 8)
@@ -213,7 +218,7 @@ def train_options(
     replicas = 1 if dev.cpu.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
     speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
     per_rank = math.ceil(w.sequences / replicas)
-    if (packing or not packed) and micro_batch == 0:  # flowrl's trainer runs micro_batch_size 0 as one pass over the batch
+    if (packing or not packed) and micro_batch == 0 and not whole_first:  # flowrl's trainer runs micro_batch_size 0 as one pass over the batch
         micro_batch = per_rank
     measured = dev.measured_flops(h, "forward" if forward_only else "train")
     rate = measured if measured is not None else dev.peak_flops * t.mfu_train  # a measured rate is achieved, launches in it
@@ -344,11 +349,15 @@ def train_options(
                 acts = int(min(pp, m) * layers * per_layer)
             options.append(TrainOption(((m + pp - 1) * t_mb + updates * (grad_sync + optimizer_s)) / speedup, resident + acts + workspace, mb, ckpt))
     options.sort()
+    if whole_first:  # what the trainer runs (micro_batch_size 0: the whole batch) first; a smaller one only where it does not fit
+        options.sort(key=lambda o: o.micro_batch != per_rank)
 
     def detail(option: TrainOption) -> NodeEstimate:
         time, breakdown, memory = parts(option.micro_batch, option.checkpointing)
         m = math.ceil(per_rank / option.micro_batch)
         notes = [f"micro-batch {option.micro_batch} x {m}"]
+        if whole_first and option.micro_batch != per_rank:
+            notes.append(f"the whole batch does not fit: set the policy's micro_batch_size={option.micro_batch}")
         if option.checkpointing:
             notes.append("activation checkpointing")
         if recompute_logprobs:
