@@ -143,5 +143,5 @@ def test_a_torchrun_rank_refuses_bad_input_through_the_cli_before_any_work(tmp_p
                  "--quiet", "--metrics", "m.jsonl", "--checkpoint-dir", "ck", *extra])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
-    assert not dist.is_initialized() and threading.active_count() == threads
+    assert not dist.is_initialized() and threading.active_count() <= threads  # none started (one of an earlier test may end)
     assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "ck").exists()
