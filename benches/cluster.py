@@ -18,7 +18,13 @@ Prints one JSON object:
   machine's cores (``calibrated_cluster(m, cores=3)``: ``CpuTerms.host_cores`` = the cores measured):
   with 3 ranks on 2 cores, meshes busy together time-share them (``schedule.shared_step_s``).
 
-Run: python benches/cluster.py [--steps 8]   (about 10 minutes on 2 cores; peak memory ~20 GB: vLLM's worker 6.4 GB, each policy rank 4.5-4.7 GB)
+``predicted_over_measured_parts`` sets each predicted part beside its measured median: ``gen_s`` (the
+generator node's time), ``train_s`` (the policy's), ``sync_s`` (the weight edge's) and ``idle_s`` (the
+trainer's wait for its batch: the predicted step minus the policy's time).
+
+``--layers N`` keeps the 0.5B shape with N decoder layers (less memory and time: 6 layers, ~110M parameters).
+
+Run: python benches/cluster.py [--steps 8] [--layers 24]   (24 layers: about 10 minutes on 2 cores; peak memory ~20 GB: vLLM's worker 6.4 GB, each policy rank 4.5-4.7 GB)
 """
 
 from __future__ import annotations
@@ -92,13 +98,16 @@ def _predict(graph_file: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers of the 0.5B shape (fewer: less memory)")
     args = parser.parse_args()
+    if args.steps < 3 or args.layers < 1:
+        parser.error(f"--steps ({args.steps}) must be >= 3 (the first two are warm-up) and --layers ({args.layers}) >= 1")
     from weight_sync import write_model_dir
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "600"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        model = write_model_dir(tmp_path / "qwen05")
+        model = write_model_dir(tmp_path / "qwen05", layers=args.layers)
         (tmp_path / "graph.py").write_text(GRAPH.format(name="cluster_bench", model=str(model), max_new_tokens=24, transport="inprocess"))
         (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
         load_before = os.getloadavg()[0]
@@ -115,14 +124,24 @@ def main() -> None:
     # a row's time_s is the run's clock at that step's end: the step is the interval between rows
     measured["step_s"] = _spread([b["time_s"] - a["time_s"] for a, b in zip(rows[1:], rows[2:])] or [rows[-1]["time_s"]])
     step_s = predicted["step_s"]
+    parts = {
+        "gen_s": predicted["nodes_s"].get("gen", 0.0),
+        "train_s": predicted["nodes_s"].get("policy", 0.0),
+        "sync_s": sum(sy["time_s"] for sy in predicted["syncs"]),
+        "idle_s": max(step_s - predicted["nodes_s"].get("policy", 0.0), 0.0),
+    }
     out = {
-        "model": "Qwen2.5-0.5B-shaped (358M params, fp32), 2 prompts x 4 samples x 24 tokens, k = 1",
+        "model": f"Qwen2.5-0.5B-shaped, {args.layers} layers (fp32), 2 prompts x 4 samples x 24 tokens, k = 1",
         "layout": STRATEGY,
         "steps": len(rows),
         "measured": measured,
         "reward_mean_first_last": [round(rows[0]["reward_mean"], 3), round(rows[-1]["reward_mean"], 3)],
         "predicted": predicted,
         "predicted_over_measured": round(step_s / measured["step_s"]["median"], 2),
+        "predicted_over_measured_parts": {
+            k: {"predicted": round(v, 3), "measured": measured[k]["median"], "ratio": round(v / measured[k]["median"], 2) if measured[k]["median"] else None}
+            for k, v in parts.items() if k in measured
+        },
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
     }

@@ -1,5 +1,5 @@
 """Peak memory of an FSDP policy's initialisation per rank: the whole model on every rank, then
-broadcast and sharded (``--mode whole``, what ``ShardedPolicy`` did before, and still does for LoRA),
+broadcast and sharded (``--mode whole``, what ``ShardedPolicy`` did before; for LoRA until 2026-11-27),
 against the meta-device build that materialises only each rank's rows (``--mode meta``,
 ``flowrl.runtime.parallel.fsdp_init``).
 
@@ -7,9 +7,10 @@ Each mode runs in its own ``torchrun`` job (2 gloo ranks by default), so each ra
 (``ru_maxrss``) is that mode's alone; printed per rank: RSS after the imports, the peak during the
 initialisation, and the difference. The model is a Hugging Face Llama of about 110M parameters
 (hidden 768, 12 layers, MLP 2048, vocabulary 32000, tied head; 440 MB in float32) with
-``init="random"``, or ``--init pretrained`` from safetensors written once.
+``init="random"``, or ``--init pretrained`` from safetensors written once; ``--lora`` adds LoRA
+adapters (r=8 on q_proj and v_proj) to it.
 
-    python benches/fsdp_init_memory.py [--ranks 2] [--init random|pretrained] [--layers 12]
+    python benches/fsdp_init_memory.py [--ranks 2] [--init random|pretrained] [--layers 12] [--lora]
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ def _rss_kb() -> int:
     return 0
 
 
-def _job(mode: str, directory: str, init: str, out: str) -> None:
+def _job(mode: str, directory: str, init: str, out: str, lora: str = "") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from flowrl.graph.configs import HFModelConfig, OptimizerConfig
+    from flowrl.graph.configs import HFModelConfig, LoraConfig, OptimizerConfig
     from flowrl.graph.nodes import LossNode, PolicyNode
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.parallel.fsdp import shard_trainer_
@@ -53,7 +54,9 @@ def _job(mode: str, directory: str, init: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp",))
-    node = PolicyNode(name="policy", model=HFModelConfig(path=directory, init=init, seed=0), optimizer=OptimizerConfig(sharding="fsdp"))
+    adapters = LoraConfig(r=8, alpha=16, target_modules=("q_proj", "v_proj")) if lora else None
+    model_config = HFModelConfig(path=directory, init=init, seed=0, lora=adapters)  # type: ignore[arg-type]
+    node = PolicyNode(name="policy", model=model_config, optimizer=OptimizerConfig(sharding="fsdp"))
     loss = LossNode(name="aipo")
     dist.barrier()
     base = _rss_kb()
@@ -105,7 +108,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--init", choices=("random", "pretrained"), default="random")
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--job", nargs=4, metavar=("MODE", "DIR", "INIT", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters (r=8 on q_proj, v_proj) on the model")
+    parser.add_argument("--job", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
         _job(*args.job)
@@ -113,11 +117,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "llama"
         n = _write_dir(directory, args.layers, args.init == "pretrained")
-        print(f"HF Llama {n / 1e6:.1f}M parameters ({n * 4 / 2**20:.0f} MB float32), init={args.init}, {args.ranks} gloo ranks")
+        print(f"HF Llama {n / 1e6:.1f}M parameters ({n * 4 / 2**20:.0f} MB float32), init={args.init}, lora={args.lora}, {args.ranks} gloo ranks")
         for mode in ("whole", "meta"):
             out = Path(tmp) / f"{mode}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", "127.0.0.1:0", str(Path(__file__).resolve()), "--job", mode, str(directory), args.init, str(out)]
+                   "--rdzv-endpoint", "127.0.0.1:0", str(Path(__file__).resolve()), "--job", mode, str(directory), args.init, str(out)] + (["lora"] if args.lora else [])
             env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode:

@@ -51,6 +51,7 @@ __all__ = [
     "lora_of",
     "lora_modules",
     "add_adapters",
+    "inject_adapters",
     "adapter_weights",
     "adapter_name",
     "LoraMerge",
@@ -127,9 +128,23 @@ def add_adapters(model: nn.Module, config: AnyModelConfig, *, owner: str = "poli
     lora = lora_of(config)
     if lora is None:
         return
+    require_peft(owner)  # before the targets: a missing peft is the first thing to fix
+    inject_adapters(model, lora, lora_modules(getattr(model, "hf", model), lora, owner=owner), owner=owner)
+    dtype = next(p.dtype for p in model.parameters())
+    device = next(p.device for p in model.parameters())
+    model.to(device=device, dtype=dtype)  # the adapters in the model's dtype and device
+
+
+def inject_adapters(model: nn.Module, lora: LoraConfig, targets: list[str], *, owner: str = "policy") -> None:
+    """peft's adapters on ``targets`` (``lora_modules``' paths) of ``model`` (or its ``hf``), in place: ``A``
+    drawn under ``torch.manual_seed(lora.seed)`` inside ``fork_rng``, ``B`` zero, every base weight frozen;
+    each adapter on its base weight's device and dtype (peft's rule). ``add_adapters`` without the final move.
+
+    Raises:
+        ConfigError: when peft is missing or refuses the model.
+    """
     peft = require_peft(owner)
     inner = getattr(model, "hf", model)  # HFCausalLM shares its children with the transformers model
-    targets = lora_modules(inner, lora, owner=owner)
     peft_config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", target_modules=targets)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -137,9 +152,6 @@ def add_adapters(model: nn.Module, config: AnyModelConfig, *, owner: str = "poli
             peft.inject_adapter_in_model(peft_config, inner)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{owner}: peft cannot add LoRA adapters to {type(inner).__name__}: {exc}") from None
-    dtype = next(p.dtype for p in model.parameters())
-    device = next(p.device for p in model.parameters())
-    model.to(device=device, dtype=dtype)  # the adapters in the model's dtype and device
 
 
 def adapter_weights(model: nn.Module) -> dict[str, Tensor]:

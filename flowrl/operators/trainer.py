@@ -175,9 +175,10 @@ class Trainer:
         node: the policy node (model shape, optimizer).
         loss: the loss node its objective comes from.
         device: where the model and the optimizer live (``"cpu"``, ``"cuda:N"``).
-        model: ``node.model``'s model already built (None: ``build_model`` here); an FSDP rank passes
-            one with its parameters on the meta device, which ``flowrl.runtime.parallel.fsdp.shard_trainer_``
-            shards and materialises (the optimizer is rebuilt there).
+        model: ``node.model``'s model already built, LoRA adapters included (None: ``build_model`` and
+            ``add_adapters`` here); an FSDP rank passes one with its parameters on the meta device,
+            which ``flowrl.runtime.parallel.fsdp.shard_trainer_`` shards and materialises (the
+            optimizer is rebuilt there).
 
     Attributes:
         model: pi (a ``flowrl.models.CausalLM``, float32, trainable), on ``device``.
@@ -205,7 +206,8 @@ class Trainer:
         # a given model is node.model's, built elsewhere: an FSDP rank's on the meta device (flowrl.runtime.parallel.fsdp_init)
         self.model = (build_model(node.model, device=self.device) if model is None else model).train()
         self.lora = lora_of(node.model)  # LoRA: only the adapters train, travel and are checkpointed
-        add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
+        if model is None:  # a given model has its adapters already (fsdp_init.meta_build)
+            add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
         if opt.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(

@@ -4,8 +4,9 @@ The jobs run with ``python -m torch.distributed.run`` (CPU, gloo, 2-4 ranks). Th
 entry point (``python tests/runtime/test_fsdp.py MODE OUT ...``):
 
 - ``step`` (3 ranks: FSDP over 0-1, a generator rank 2), once per model family (built-in, HF Llama
-  with a tied head, HF Qwen2 untied with biases): one sharded step on half the batch per rank against
-  a one-process padded ``Trainer`` on the whole batch (the sharded ranks pack, the default, on uneven
+  with a tied head, HF Qwen2 untied with biases, LoRA on Qwen2): one sharded step on half the batch per
+  rank, its trainer started on the meta device as a run starts it (``fsdp_init``), against a
+  one-process padded ``Trainer`` built whole on the whole batch (the sharded ranks pack, the default, on uneven
   lengths; clipped gradients, parameters, AdamW moments); the elements each rank holds against a replica's; the gathered checkpoint, a second step uninterrupted
   and after loading the checkpoint into a fresh sharded trainer (same dp) and into one process (dp 2
   -> 1); the collective transport from the shards (``fsdp((0, 1))``) to rank 2, bit for bit;
@@ -321,7 +322,8 @@ def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_
     """Through the CLI at k = 0 (every step's rollout from the previous step's weights): a run of 4
     steps, and a run of 2 steps resumed to 4, once on the same 2 policy ranks, once on 3 and once on 1
     (other dp sizes, from copies of the same checkpoint; one rank is FSDP2 over a 1-rank mesh, so the
-    same graph resumes on fewer ranks). The same dp gives the same rewards and the same final
+    same graph resumes on fewer ranks); a copy missing a rank's shard file is refused, every rank
+    stopping with the fix before any work. The same dp gives the same rewards and the same final
     weights bit for bit; dp 3 and dp 1 the same rewards and final weights within 1e-5 (float summation order
     through the reduce-scatters: the fast test measures 1.7e-7 for dp 2 -> 1 after one step on the
     built-in model; here two AdamW steps compound it; 1e-5 leaves room for that, not for a wrong shard)."""
@@ -329,11 +331,14 @@ def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_
 
     from flowrl.runtime.checkpointing.store import read_policy_state
 
-    def run(nproc, place, steps, ck, *extra):
+    def launch(nproc, place, steps, ck, *extra):
         (tmp_path / "place.json").write_text(json.dumps(place))
-        proc = _torchrun(nproc, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",
+        return _torchrun(nproc, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",
                                  "--plan", "place.json", "--steps", str(steps), "--quiet", "--metrics", f"{ck}.jsonl",
                                  "--checkpoint-dir", ck, "--checkpoint-every", "2", "--max-staleness", "0", *extra], tmp_path)
+
+    def run(nproc, place, steps, ck, *extra):
+        proc = launch(nproc, place, steps, ck, *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return _rows(tmp_path / f"{ck}.jsonl")
 
@@ -342,6 +347,14 @@ def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_
     run(3, two, 2, "b")
     shutil.copytree(tmp_path / "b", tmp_path / "c")
     shutil.copytree(tmp_path / "b", tmp_path / "d")
+    shutil.copytree(tmp_path / "b", tmp_path / "e")
+    (missing,) = (tmp_path / "e").glob("step-*/policy-policy.dcp/__1_0.distcp")
+    missing.unlink()  # rank 2's shards: a checkpoint no layout can be resharded from
+    refused = launch(3, two, 4, "e", "--resume")
+    said = " ".join(refused.stderr.split())  # the CLI wraps its message
+    assert refused.returncode != 0 and "lacks shard files ['__1_0.distcp'] of the 2 ranks that wrote it" in said, refused.stderr[-3000:]
+    assert "resume from an intact checkpoint" in said and not (tmp_path / "e.jsonl").exists()  # the fix; no step ran
+    assert "flowrl/" not in "".join(line for line in refused.stderr.splitlines() if line.strip().startswith("File "))  # torchrun's traceback only
     same = run(3, two, 4, "b", "--resume")[-2:]  # the resumed run appends to b's metrics
     others = [run(4, three, 4, "c", "--resume")[-2:], run(2, one, 4, "d", "--resume")[-2:]]
     want = [r["reward_mean"] for r in whole[2:]]
@@ -379,7 +392,8 @@ def _batch(family: str, directory: str, seed: int) -> dict[str, torch.Tensor]:
     mask = rollout["completion_mask"].clone()
     ends = torch.randint(1, mask.shape[1] + 1, (mask.shape[0],), generator=g)  # uneven lengths (as if EOS came early)
     mask &= torch.arange(mask.shape[1])[None, :] < ends[:, None]
-    return {**rollout, "completion_mask": mask, "rewards": torch.randn(mask.shape[0], generator=g)}
+    lens = torch.minimum(rollout["completion_lens"], ends.to(rollout["completion_lens"].dtype))  # the extent ends there too: rows to pack
+    return {**rollout, "completion_mask": mask, "completion_lens": lens, "rewards": torch.randn(mask.shape[0], generator=g)}
 
 
 LORA = dict(r=2, alpha=4, target_modules=("q_proj", "v_proj"))
@@ -454,6 +468,7 @@ def _step_job(out: str, family: str, directory: str) -> int:
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.parallel.distributed import recv_batch, send_batch, shard_by_groups
     from flowrl.runtime.parallel.fsdp import full_state, full_weights, load_full_state, local_numel, local_weights, shard_trainer_, token_scale
+    from flowrl.runtime.parallel.fsdp_init import meta_build
     from flowrl.placement.resharding import dp_replicas, fsdp
     from flowrl.runtime.transports.collective import CollectiveTransport
     from tests.tolerances import GradientMagnitudes
@@ -470,8 +485,10 @@ def _step_job(out: str, family: str, directory: str) -> int:
     shards = [shard_by_groups(b, 2) for b in batches]
     if rank in trainers:
         torch.manual_seed(0)
-        mine = Trainer(_policy(family, directory, "fsdp"), loss)
-        shard_trainer_(mine, mesh)
+        node = _policy(family, directory, "fsdp")
+        model, source = meta_build(node.model)  # as ShardedPolicy starts it: on the meta device, this rank's rows read or drawn
+        mine = Trainer(node, loss, model=model)
+        shard_trainer_(mine, mesh, source=source)
         layouts = result.setdefault("fsdp_forwards", {"packed": 0, "padded": 0})
         mine.model.register_forward_pre_hook(
             lambda m, a, k: layouts.__setitem__(key := "padded" if k.get("packed_positions") is None else "packed", layouts[key] + 1), with_kwargs=True

@@ -108,3 +108,40 @@ def test_under_torchrun_every_rank_refuses_a_layout_that_does_not_fit_before_any
     assert proc.stderr.count("the ranks of host 0 ([0, 1]) need at least") == 2, proc.stderr[-3000:]  # each rank says it
     assert "flowrl/" not in "".join(line for line in proc.stderr.splitlines() if line.strip().startswith("File "))  # torchrun's own traceback only
     assert not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("place", "extra", "message"),
+    [
+        ({"policy": [2], "gen": {"ranks": [0, 1], "mesh": {"tp": 3}}}, [],
+         "node 'gen' has mesh tp=3 = 3 ranks but 2 rank(s) [0, 1]; the\n  product of the mesh axes must equal the number of ranks"),
+        ({"policy": [2], "gen": [0, 1]}, ["--device", "cuda"], "--device cuda: this machine has no CUDA device; use --device cpu or auto"),
+    ],
+    ids=["tp-larger-than-the-generators-ranks", "cuda-or-nccl-without-cuda"],
+)
+def test_a_torchrun_rank_refuses_bad_input_through_the_cli_before_any_work(tmp_path, monkeypatch, capsys, place, extra, message):
+    """What each rank of ``torchrun --nproc-per-node 3 -m flowrl run ... --backend torchrun`` does first, run
+    here as rank 0 (the checks precede the process group: gloo on a CPU, NCCL exactly when the rank's
+    device is CUDA, so ``--device cuda`` is also the NCCL refusal): exit 2, the error and its fix, no
+    traceback, no process group, thread, metrics file or checkpoint folder left behind."""
+    import json
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from flowrl.cli.main import main
+
+    if "cuda" in extra and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal cannot happen")
+    (tmp_path / "place.json").write_text(json.dumps(place))
+    monkeypatch.chdir(tmp_path)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(key, value)
+    threads = threading.active_count()
+    code = main(["run", "tests.runtime.test_torchrun:file_graph", "--backend", "torchrun", "--plan", "place.json", "--steps", "1",
+                 "--quiet", "--metrics", "m.jsonl", "--checkpoint-dir", "ck", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not dist.is_initialized() and threading.active_count() <= threads  # none started (one of an earlier test may end)
+    assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "ck").exists()

@@ -222,23 +222,17 @@ class ShardedPolicy(_RankPolicy):
     saves_on_every_rank = True
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
-        from flowrl.models.lora import lora_of
         from flowrl.runtime.parallel.fsdp import shard_trainer_
         from flowrl.runtime.parallel.fsdp_init import meta_build
 
         ctx = _context()
         loss = graph.loss_of(node.name)
-        # parameters on the meta device, each rank materialising only its rows (fsdp_init); LoRA adapters
-        # go onto a real base, so a LoRA policy builds its whole model and the lead broadcasts it
-        model, source = (None, None) if lora_of(node.model) else meta_build(node.model)
+        # parameters on the meta device (LoRA adapters included), each rank materialising only its rows (fsdp_init)
+        model, source = meta_build(node.model)
         super().__init__(node, loss, graph, transports, device=str(ctx.device), model=model)  # type: ignore[arg-type]
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
-        if source is None:
-            with torch.no_grad():
-                for p in self.trainer.model.parameters():  # identical initial weights on every rank before sharding
-                    torch.distributed.broadcast(p.data, src=self.lead, group=group)
         self.mesh = mesh if mesh.ndim == 1 else mesh["dp"]
         shard_trainer_(self.trainer, self.mesh, source=source)
         self.collective_bytes = 0

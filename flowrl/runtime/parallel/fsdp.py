@@ -32,7 +32,7 @@ per batch and the same number of micro-batches (``check_shards``).
 Initialisation (``ShardedPolicy``): the model is built with its parameters on the meta device and
 only this rank's rows are materialised, read from the weight files or drawn one parameter at a time
 (``flowrl.runtime.parallel.fsdp_init``), bit for bit the shards of the whole model, with no broadcast; a LoRA
-policy still builds its whole model on every rank and broadcasts it from the lead before sharding.
+policy's adapters too (drawn as one process draws them, each rank keeping its rows).
 """
 
 from __future__ import annotations

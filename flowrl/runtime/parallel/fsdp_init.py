@@ -25,8 +25,13 @@ for bit, what building the whole model and keeping ``torch.chunk(p, dp)[rank]`` 
   parameters before the next module registers one (true of ``torch.nn``'s layers and of every
   family in ``FAMILIES``; ``tests/runtime/test_fsdp_init.py`` checks each against the whole build).
 
-A LoRA policy is not built this way: ``ShardedPolicy`` builds its whole model and broadcasts it
-(``meta_build`` refuses it).
+A LoRA policy (``HFModelConfig.lora``) is its base built as above plus peft's adapters (``_lora``):
+peft injects them into the meta model with each target's weight swapped for an empty real tensor
+(peft puts an adapter on its base weight's device, and reads the shapes from ``in_features`` /
+``out_features``), so ``A`` is drawn under the LoRA seed as ``flowrl.models.lora.add_adapters`` draws
+it; the adapters (``r * (in + out)`` numbers per target) are kept aside whole and go to the meta
+device with the rest. The source gives the base's rows under peft's names (``<target>.base_layer.weight``)
+and the adapters' rows from those copies: the shards equal the whole LoRA model's, bit for bit.
 """
 
 from __future__ import annotations
@@ -205,15 +210,17 @@ def meta_build(config: AnyModelConfig) -> tuple[nn.Module, RowSource]:
     """``config``'s float32 model with its parameters on the meta device and its buffers real (CPU),
     and the source of its parameters' rows (see the module docstring).
 
+    A LoRA description's model comes with its adapters (``flowrl.models.lora.add_adapters``' model).
+
     Raises:
-        ConfigError: for a LoRA description (not built this way), or as ``flowrl.models.build_model``.
+        ConfigError: as ``flowrl.models.build_model`` and ``flowrl.models.lora.add_adapters``.
     """
     if isinstance(config, ModelConfig):
         return _builtin(config)
     if not isinstance(config, HFModelConfig):
         raise ConfigError(f"meta_build: no meta-device build for a {type(config).__name__}")
     if config.lora is not None:
-        raise ConfigError("meta_build: a LoRA policy builds its whole model (its adapters are added to a real base)")
+        return _lora(config)
     return _hf(config)
 
 
@@ -248,6 +255,40 @@ def _hf(config: HFModelConfig) -> tuple[nn.Module, RowSource]:
         hf = load_auto(config, "AutoModelForCausalLM")  # seeded, inside fork_rng, as load_hf
     model = HFCausalLM(hf, max_seq_len=max_len)
     return model, _replayed_rows(model, build.records)
+
+
+def _lora(config: HFModelConfig) -> tuple[nn.Module, RowSource]:
+    """The meta base of ``config`` with peft's adapters, and the rows of both (module docstring)."""
+    from flowrl.models.lora import inject_adapters, lora_modules
+
+    lora = config.lora
+    model, base = _hf(msgspec.structs.replace(config, lora=None))
+    inner = getattr(model, "hf", model)
+    targets = lora_modules(inner, lora, owner="policy")  # type: ignore[arg-type]
+    modules = dict(inner.named_modules())
+    metas = {name: modules[name]._parameters["weight"] for name in targets}
+    for name in targets:  # peft puts each adapter where its base weight is: a real (empty) one, for real adapters
+        modules[name]._parameters["weight"] = nn.Parameter(torch.empty(0), requires_grad=False)
+    try:
+        inject_adapters(model, lora, targets)  # type: ignore[arg-type]
+    finally:
+        for name, weight in metas.items():  # the same module object, now the adapter layer's base_layer
+            modules[name]._parameters["weight"] = weight.requires_grad_(False)
+    by_name = {name: p.detach().clone() for name, p in model.named_parameters() if not p.is_meta}  # the adapters, whole
+    for module in model.modules():
+        for k, p in module._parameters.items():
+            if p is not None and not p.is_meta:
+                module._parameters[k] = _to_meta(p)
+
+    def source(wanted: Mapping[str, tuple[int, int]]) -> Iterator[tuple[str, Tensor]]:
+        renamed = {name.replace(".base_layer.", "."): name for name in wanted if name not in by_name}
+        for name, rows in base({plain: wanted[peft] for plain, peft in renamed.items()}):
+            yield renamed[name], rows
+        for name in [n for n in wanted if n in by_name]:
+            start, stop = wanted[name]
+            yield name, by_name[name][start:stop]
+
+    return model, source
 
 
 #: safetensors dtype names -> torch dtypes ``_read_rows`` reads itself (others go through ``get_slice``)
