@@ -7,7 +7,9 @@ Entry points (``python tests/operators/vllm_direct_parts.py ...``):
 - ``worker RPC_PORT``: one stand-in vLLM worker, serving RPC calls on ``127.0.0.1:RPC_PORT``;
 - ``sender MODE STORE_PORT RANK WORLD PG_PORT OUT [DIE_AFTER]``: one policy rank (``MODE``:
   ``replicated`` or ``fsdp``) serving version 1 of ``toy_state()``; with ``DIE_AFTER`` it exits
-  abruptly after gathering that many tensors (a rank that fails mid-sync).
+  abruptly after gathering that many tensors (a rank that fails mid-sync). With ``FLOWRL_TEST_MODEL_DIR``
+  the policy is that directory's seeded model (``FLOWRL_TEST_SEED``), served at ``FLOWRL_TEST_VERSION``
+  on channel ``FLOWRL_TEST_CHANNEL``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import msgspec
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = float(os.environ.get("FLOWRL_TEST_TIMEOUT_S", "60"))  # the engine tests wait for vLLM's start
 BUCKET_BYTES = 8 << 20  # several buckets, and one tensor (16 MiB) alone in its own
 
 
@@ -37,6 +40,14 @@ class Toy(torch.nn.Module):
         self.embed_tokens = torch.nn.Embedding(512, 1024)
         self.up_proj = torch.nn.Linear(1024, 4096)
         self.down_proj = torch.nn.Linear(4096, 1024)
+
+
+def hf_model(directory: str, seed: int) -> torch.nn.Module:
+    """The policy's model of a config-only Hugging Face directory, seeded (``init="random"``)."""
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.models.registry import build_model
+
+    return build_model(HFModelConfig(path=directory, init="random", seed=seed))
 
 
 def toy_model() -> Toy:
@@ -122,15 +133,17 @@ def _sender(mode: str, store_port: int, rank: int, world: int, pg_port: int, out
     from flowrl.operators.engines import vllm_direct
     from flowrl.operators.engines.vllm_direct import Channel, DirectSender
 
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
-    model = toy_model()
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
+    model = hf_model(os.environ["FLOWRL_TEST_MODEL_DIR"], int(os.environ.get("FLOWRL_TEST_SEED", "0"))) if "FLOWRL_TEST_MODEL_DIR" in os.environ else toy_model()
+    version = int(os.environ.get("FLOWRL_TEST_VERSION", "1"))
     group = None
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
-        fully_shard(model.up_proj)
-        fully_shard(model.down_proj)
+        if isinstance(model, Toy):
+            fully_shard(model.up_proj)
+            fully_shard(model.down_proj)
         fully_shard(model)
         group = dist.group.WORLD
     if die_after:
@@ -143,10 +156,10 @@ def _sender(mode: str, store_port: int, rank: int, world: int, pg_port: int, out
             return full(t, dtype, device)
 
         vllm_direct._full = dying
-    sender = DirectSender(Channel(store, "gen", timeout_s=60), sending=rank == 0, group=group)
+    sender = DirectSender(Channel(store, os.environ.get("FLOWRL_TEST_CHANNEL", "gen"), timeout_s=TIMEOUT_S), sending=rank == 0, group=group)
     sender.connect()
     before = rss_bytes()
-    served = sender.serve(model.state_dict(), version=1)
+    served = sender.serve(model.state_dict(), version=version)
     report = {"served": served, "bytes_sent": sender.bytes_sent, "peak_bucket_bytes": sender.peak_bucket_bytes,
               "rss_before": before, "rss_after": rss_bytes()}
     Path(out).write_bytes(msgspec.json.encode(report))

@@ -150,6 +150,7 @@ class DirectReceiver:
         self.bucket_bytes = bucket_bytes
         self.syncs, self.bytes_moved, self.last_s = 0, 0, 0.0
         self.connected = False
+        self._asked = 0.0
 
     def connect(self) -> None:
         """Say hello, wait for the sending rank's address, have every worker join (blocks until all have).
@@ -170,24 +171,38 @@ class DirectReceiver:
         self.connected = True
 
     def receive(self, min_version: int, held: int) -> int:
-        """Ask the policy for its newest version (at least ``min_version``; ``held``: the version vLLM
-        holds, -1 for none) and, when it is newer than ``held``, have the workers receive and load it.
+        """``ask``, then ``load`` what the answer names when it is newer than ``held``.
 
         Returns:
             The version vLLM now holds.
+        """
+        version = self.ask(min_version, held)
+        if version > held:
+            self.load(version)
+        return max(version, held)
+
+    def ask(self, min_version: int, held: int) -> int:
+        """Ask the policy for its newest version, at least ``min_version`` (``held``: the version vLLM
+        holds, -1 for none); the policy sends it at once when it is newer than ``held``, else nothing.
 
         Raises:
-            TransportError: the policy failed, or a worker failed to receive or load (the cause kept).
+            TransportError: the policy failed, or did not answer within the channel's timeout.
         """
-        n, start = self.syncs, time.perf_counter()
+        n = self.syncs
         self.syncs += 1
+        self._asked = time.perf_counter()
         self.channel.put(f"want/{n}", {"min_version": int(min_version), "held": int(held)})
         answer = self.channel.take(f"send/{n}", what=f"answer to weight request {n} (version >= {min_version})")
         if "error" in answer:
             raise TransportError(f"the policy's ranks failed to send weights into vLLM: {answer['error']}")
-        version = int(answer["version"])
-        if version <= held:
-            return held
+        return int(answer["version"])
+
+    def load(self, version: int) -> None:
+        """Have every worker receive the version the policy is sending (``ask`` named it) and load it.
+
+        Raises:
+            TransportError: a worker failed to receive or load it (the cause kept).
+        """
         try:
             counts = self.llm.collective_rpc("flowrl_receive_weights", args=(self.plan,), timeout=self.channel.timeout_s)
         except Exception as exc:
@@ -196,8 +211,7 @@ class DirectReceiver:
         if any(k != len(self.spec) for k in loaded):
             raise TransportError(f"vLLM's workers loaded {loaded} tensors of {len(self.spec)} (version {version})")
         self.bytes_moved += sum(_nbytes(e) for e in self.spec)
-        self.last_s = time.perf_counter() - start
-        return version
+        self.last_s = time.perf_counter() - self._asked
 
     def close(self) -> None:
         """Tell the policy side the route is closed and leave the group (best effort)."""
