@@ -25,11 +25,19 @@ Cases (``--cases``, comma-separated):
   weights, gradients and AdamW's two moments: 16 bytes per parameter) plus one 128 MB bucket, beside
   its peak above ``base_gb``.
 
+- ``direct-replicated`` / ``direct-fsdp``: the direct route (``vllm_direct``): the policy's ranks (one
+  replicated rank, or 2 FSDP2 ranks, each decoder layer sharded) are processes beside this one and
+  send ``--repeats`` versions (every weight + 1e-3 per version) straight into vLLM's worker; this
+  process runs the engine and only coordinates. Per update the seconds (the generator's
+  ``take_direct``), the bytes, this process's peak RSS above its RSS before the sync (no staging
+  copy: ~0), vLLM's worker's peak, and per policy rank its peak RSS in the sync and above its RSS
+  before it (one bucket of gathered tensors); the last version checked bit for bit.
+
 Prints one JSON object; ``group_over_file`` (replicated, median / median: the goal is <= 0.5); the
 machine's load before and after each case.
 
 Run: python benches/weight_sync.py [--quick] [--layers 24] [--repeats 3] [--steps 3] [--bucket-mb 128]
-     [--cases replicated,fsdp-group,fsdp-file]
+     [--cases replicated,fsdp-group,fsdp-file,direct-replicated,direct-fsdp]
 (--quick: 2 layers, 1 repeat, 2 steps, about 3 minutes for all three cases on 2 shared cores; the
 full 24 layers need ~20 GB for an FSDP case; 12 layers, all cases: ~6 minutes, ~12 GB for the three ranks.)
 """

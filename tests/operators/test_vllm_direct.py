@@ -129,10 +129,11 @@ def test_the_gate_sends_only_a_version_the_generator_would_accept():
     sent: list[int] = []
     send._send = lambda state: sent.append(1)  # the broadcast itself is the other tests' part
     answered: list[int] = []
+    assert not send.pending()  # nothing asked yet: a policy between its steps goes on
     t = threading.Thread(target=lambda: answered.append(recv.receive(min_version=3, held=2)))
     t.start()
     assert send.serve({"w": torch.zeros(2)}, version=2) is False  # the generator may not sample with 2: no answer
-    assert send.requests == 0 and sent == [] and not send.channel.has("send/0")
+    assert send.requests == 0 and sent == [] and not send.channel.has("send/0") and send.pending()  # asked, still open
     assert send.serve({"w": torch.zeros(2)}, version=3) is True  # the policy's next version passes the gate
     t.join(timeout=5)
     assert answered == [3] and sent == [1] and workers.calls == ["flowrl_receive_weights"] and send.version == 3
