@@ -150,6 +150,25 @@ def test_a_version_the_workers_hold_already_moves_nothing():
     assert answered == [2] and send.bytes_sent == 0 and workers.calls == []
 
 
+def test_a_policy_whose_tensors_do_not_fit_the_generators_is_refused_on_both_sides_before_any_send():
+    workers = _Workers()
+    recv, send = _pair(workers)
+    errors: list[str] = []
+
+    def ask() -> None:
+        try:
+            recv.receive(min_version=1, held=0)
+        except TransportError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=ask)
+    t.start()
+    with pytest.raises(TransportError, match=r"differ in shape from the vLLM generator's: \['w: \[3\] != \[2\]'\]"):
+        send.serve({"w": torch.zeros(3)}, version=1)
+    t.join(timeout=5)
+    assert len(errors) == 1 and "the policy's ranks failed to send weights into vLLM" in errors[0] and workers.calls == []
+
+
 def test_a_generator_that_never_says_hello_is_a_clear_error():
     send = DirectSender(Channel(dist.HashStore(), "gen", timeout_s=0.2))
     with pytest.raises(TransportError, match=r"no hello from the vLLM generator within 0 s"):

@@ -33,6 +33,10 @@ and NCCL where every member has a GPU of its own (the generator chooses it, the 
 to its device); a policy rank sharing a GPU with a vLLM worker (colocated) keeps the hop route, as
 the file transport does.
 
+Who drives it: ``VLLMGenerator(transport="direct")`` (``connect_direct``, ``take_direct``) on the
+generator's side, and on the policy's a caller that runs ``serve`` between its steps (the bench
+``benches/weight_sync.py``, the tests); the torchrun job's weight edges still take the hop route.
+
 Failures end the sync with ``TransportError`` on both sides: a member that dies closes its gloo
 connections (the others' broadcasts fail at once), a silent one runs into the group's timeout, and
 a side that never answers into the channel's.
@@ -250,6 +254,7 @@ class DirectSender:
         self.channel, self.sending, self.group, self.device = channel, sending, group, torch.device(device)
         self.requests, self.version = 0, -1
         self.bytes_sent, self.peak_bucket_bytes = 0, 0
+        self.spec: WeightSpec = []  # the generator's, from its hello (``connect``)
         self.plan: list[WeightSpec] = []
         self._pg: Any = None
 
@@ -257,7 +262,7 @@ class DirectSender:
         """Read the generator's hello; the sending rank binds, answers its address and forms the group
         (blocks until vLLM's workers joined)."""
         hello = self.channel.take("hello", what="hello from the vLLM generator")
-        self.spec: WeightSpec = [tuple(e) for e in hello["spec"]]
+        self.spec = [tuple(e) for e in hello["spec"]]
         self.plan = plan_of(self.spec, int(hello["bucket_bytes"]))
         self.backend, world = str(hello["backend"]), int(hello["world"])
         if self.backend == "nccl" and self.device.type != "cuda":
@@ -311,8 +316,10 @@ class DirectSender:
         self.requests += 1
         send = int(version) > int(want["held"])
         missing = [name for name, _, _ in self.spec if name not in state]
-        if send and missing:
-            error = f"the policy's state lacks {missing[:5]} ({len(missing)} names) that the vLLM generator holds"
+        wrong = [f"{name}: {list(state[name].shape)} != {shape}" for name, shape, _ in self.spec if name in state and list(state[name].shape) != shape]
+        if send and (missing or wrong):
+            error = (f"the policy's state lacks {missing[:5]} ({len(missing)} names) that the vLLM generator holds" if missing
+                     else f"the policy's tensors differ in shape from the vLLM generator's: {wrong[:5]}")  # fmt: skip
             if self.sending:
                 self.channel.put(f"send/{n}", {"error": error})
             raise TransportError(error)
