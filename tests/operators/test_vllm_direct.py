@@ -15,6 +15,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -43,6 +44,19 @@ def _senders(mode: str, store: dist.TCPStore, ranks: int, tmp: Path, die_after: 
     return [subprocess.Popen([sys.executable, str(PARTS), "sender", mode, str(store.port), str(r), str(ranks), str(pg_port),
                               str(tmp / f"sender{r}.json"), str(die_after)], env=env, stderr=subprocess.PIPE, text=True)
             for r in range(ranks)]  # fmt: skip
+
+
+def _start(mode: str, store: dist.TCPStore, ranks: int, tmp: Path, die_after: int = 0) -> tuple[list[subprocess.Popen], subprocess.Popen, Any]:
+    """The policy's ranks, then the stand-in worker (their imports overlap); the ranks killed if the worker fails to start."""
+    senders = _senders(mode, store, ranks, tmp, die_after)
+    try:
+        worker, llm = start_worker()
+    except BaseException:
+        for p in senders:
+            p.kill()
+            p.wait()
+        raise
+    return senders, worker, llm
 
 
 class PeakRss:
@@ -76,8 +90,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[in
 def test_an_fsdp2_policys_shards_reach_the_workers_bit_for_bit_and_the_generator_holds_no_copy(tmp_path):
     want, spec, model_bytes = _expected(torch.bfloat16)  # the policy trains in float32; the generator samples in bfloat16
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    worker, llm = start_worker()
-    senders = _senders("fsdp", store, 2, tmp_path)
+    senders, worker, llm = _start("fsdp", store, 2, tmp_path)  # the policy ranks first: their imports overlap the worker's
     receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
     try:
         receiver.connect()
@@ -179,8 +192,7 @@ def test_a_generator_that_never_says_hello_is_a_clear_error():
 def test_a_replicated_policys_first_rank_sends_float32_as_it_is(tmp_path):
     want, spec, model_bytes = _expected(torch.float32)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    worker, llm = start_worker()
-    senders = _senders("replicated", store, 1, tmp_path)
+    senders, worker, llm = _start("replicated", store, 1, tmp_path)
     receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
     try:
         receiver.connect()
@@ -201,8 +213,7 @@ def test_a_replicated_policys_first_rank_sends_float32_as_it_is(tmp_path):
 def test_a_policy_rank_that_dies_mid_sync_fails_the_sync_at_once_and_nothing_hangs(tmp_path):
     _, spec, _ = _expected(torch.float32)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    worker, llm = start_worker()
-    senders = _senders("fsdp", store, 2, tmp_path, die_after=2)  # both ranks exit after two tensors of the first bucket
+    senders, worker, llm = _start("fsdp", store, 2, tmp_path, die_after=2)  # both ranks exit after two tensors of the first bucket
     receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
     try:
         receiver.connect()
@@ -225,8 +236,7 @@ def test_a_policy_rank_that_dies_mid_sync_fails_the_sync_at_once_and_nothing_han
 def test_a_worker_that_dies_mid_sync_fails_the_policys_send_with_a_clear_error(tmp_path):
     _, spec, _ = _expected(torch.float32)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    worker, llm = start_worker()
-    senders = _senders("replicated", store, 1, tmp_path)
+    senders, worker, llm = _start("replicated", store, 1, tmp_path)
     receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
     try:
         receiver.connect()
