@@ -424,7 +424,8 @@ class VLLMGenerator:
     # -- weights ---------------------------------------------------------------------------------
     @property
     def version(self) -> int:
-        """Policy version of the weights vLLM holds (0 = the shared initial weights)."""
+        """Policy version of the weights vLLM holds (0 = the shared initial weights; -1 on the direct
+        route until the first ``take_direct``)."""
         return self._version
 
     @version.setter
