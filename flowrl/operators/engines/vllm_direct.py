@@ -38,8 +38,9 @@ generator's side, and on the policy's a caller that runs ``serve`` between its s
 ``benches/weight_sync.py``, the tests); the torchrun job's weight edges still take the hop route.
 
 Failures end the sync with ``TransportError`` on both sides: a member that dies closes its gloo
-connections (the others' broadcasts fail at once), a silent one runs into the group's timeout, and
-a side that never answers into the channel's.
+connections (the others' broadcasts fail at once), a silent one runs into the group's timeout (so
+may a sender killed in the middle of a tensor: gloo was seen to wait for the timeout then), and a
+side that never answers into the channel's.
 
 Example (a generator's process and the policy's first rank, sharing a store)::
 
