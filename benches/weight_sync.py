@@ -25,11 +25,19 @@ Cases (``--cases``, comma-separated):
   weights, gradients and AdamW's two moments: 16 bytes per parameter) plus one 128 MB bucket, beside
   its peak above ``base_gb``.
 
+- ``direct-replicated`` / ``direct-fsdp``: the direct route (``vllm_direct``): the policy's ranks (one
+  replicated rank, or 2 FSDP2 ranks, each decoder layer sharded) are processes beside this one and
+  send ``--repeats`` versions (every weight + 1e-3 per version) straight into vLLM's worker; this
+  process runs the engine and only coordinates. Per update the seconds (the generator's
+  ``take_direct``), the bytes, this process's peak RSS above its RSS before the sync (no staging
+  copy: ~0), vLLM's worker's peak, and per policy rank its peak RSS in the sync and above its RSS
+  before it (one bucket of gathered tensors); the last version checked bit for bit.
+
 Prints one JSON object; ``group_over_file`` (replicated, median / median: the goal is <= 0.5); the
 machine's load before and after each case.
 
 Run: python benches/weight_sync.py [--quick] [--layers 24] [--repeats 3] [--steps 3] [--bucket-mb 128]
-     [--cases replicated,fsdp-group,fsdp-file]
+     [--cases replicated,fsdp-group,fsdp-file,direct-replicated,direct-fsdp]
 (--quick: 2 layers, 1 repeat, 2 steps, about 3 minutes for all three cases on 2 shared cores; the
 full 24 layers need ~20 GB for an FSDP case; 12 layers, all cases: ~6 minutes, ~12 GB for the three ranks.)
 """
@@ -250,6 +258,123 @@ def fsdp_case(tmp: Path, model_dir: Path, steps: int, route: str, params: int) -
     }
 
 
+def _bump_(model: torch.nn.Module) -> None:
+    """A new version of the policy: every weight + 1e-3 in place (elementwise, so a rank's shard of
+    it is exactly the shard of the whole model's, and the bench can redo it to check the bits)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+
+
+def _policy_rank(mode: str, store_port: int, rank: int, world: int, pg_port: int, out: str, repeats: int, model_dir: str) -> None:
+    """One policy rank of a ``direct-*`` case: serves versions 1..repeats straight into vLLM's workers,
+    each rank's peak RSS per sync recorded (``python benches/weight_sync.py --policy-rank ...``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.models.registry import build_model
+    from flowrl.operators.engines.vllm_direct import Channel, DirectSender
+
+    base = _rss_bytes(os.getpid())
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=600))
+    group = None
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world)
+        group = dist.group.WORLD
+        model = build_model(HFModelConfig(path=model_dir, init="random", seed=0))
+        for module in list(model.modules()):  # each decoder layer a unit of its own, then the rest (as the policy shards)
+            if type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module)
+        fully_shard(model)
+    else:
+        model = build_model(HFModelConfig(path=model_dir, init="random", seed=0))
+    built = _rss_bytes(os.getpid())
+    sender = DirectSender(Channel(store, "bench", timeout_s=600), sending=rank == 0, group=group)
+    sender.connect()
+    syncs = []
+    for version in range(1, repeats + 1):
+        _bump_(model)
+        before = _rss_bytes(os.getpid())
+        with PeakRss() as rss:
+            t0 = time.perf_counter()
+            sender.serve(model.state_dict(), version=version)
+            seconds = time.perf_counter() - t0
+        syncs.append({"seconds": round(seconds, 3), "rss_before_gb": round(before / 2**30, 3), "peak_rss_gb": round(rss.peak.get(os.getpid(), 0) / 2**30, 3)})
+    Path(out).write_text(json.dumps({"rank": rank, "base_gb": round(base / 2**30, 3), "after_build_gb": round(built / 2**30, 3), "syncs": syncs,
+                                     "bytes_sent": sender.bytes_sent, "peak_bucket_bytes": sender.peak_bucket_bytes}))
+    sender.close()
+    if group is not None:
+        dist.destroy_process_group()
+
+
+def direct_case(tmp: Path, model_dir: Path, repeats: int, mode: str, params: int) -> dict:
+    """The direct route: the policy's ranks (``mode``: one replicated rank, or 2 FSDP2 ranks) send
+    straight into vLLM's worker; this process runs the engine and only coordinates (no staging copy)."""
+    import subprocess
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flowrl.graph.configs import HFModelConfig, SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+    from flowrl.models.causal_lm import weight_dict
+    from flowrl.models.registry import build_model
+    from flowrl.operators.engines.vllm_direct import Channel
+    from flowrl.operators.engines.vllm_engine import VLLMGenerator
+
+    ranks = 2 if mode == "fsdp" else 1
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        pg_port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, __file__, "--policy-rank", mode, str(store.port), str(r), str(ranks), str(pg_port),
+                               str(tmp / f"rank{r}.json"), str(repeats), str(model_dir)], env=env) for r in range(ranks)]  # fmt: skip
+    node = GeneratorNode(name="gen", model=HFModelConfig(path=str(model_dir), init="random", seed=0), engine="vllm",
+                         sampling=SamplingConfig(n_samples=4, max_new_tokens=24))  # fmt: skip
+    gen = VLLMGenerator(node, seed=0, transport="direct")
+    try:
+        gen.connect_direct(Channel(store, "bench", timeout_s=600))
+        seconds, gen_peak, worker_peak, gen_before = [], 0, 0, []
+        for version in range(1, repeats + 1):
+            gen_before.append(_rss_bytes(os.getpid()))
+            with PeakRss() as rss:
+                t0 = time.perf_counter()
+                gen.take_direct(min_version=version)
+                seconds.append(round(time.perf_counter() - t0, 3))
+            gen_peak = max(gen_peak, rss.peak.get(os.getpid(), 0) - gen_before[-1])
+            worker_peak = max(worker_peak, max((rss.peak.get(p, 0) for p in _worker_pids(os.getpid())), default=0))
+        policy = build_model(HFModelConfig(path=str(model_dir), init="random", seed=0))  # the policy's last version, redone here
+        for _ in range(repeats):
+            _bump_(policy)
+        bit_for_bit = gen.weights_differ(weight_dict(policy)) == []
+        del policy
+        nbytes = gen.sync_bytes // repeats
+    finally:
+        gen.close()
+        codes = [p.wait(timeout=600) for p in procs]
+    if codes != [0] * ranks:
+        raise RuntimeError(f"direct {mode}: policy ranks exited with {codes}")
+    recs = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return {
+        "route": "direct", "policy": mode, "seconds": _spread(seconds), "bytes_per_update": nbytes, "bit_for_bit": bit_for_bit,
+        "generator_peak_above_before_sync_gb": round(gen_peak / 2**30, 3), "generator_rss_gb": round(max(gen_before) / 2**30, 3),
+        "vllm_worker_peak_rss_gb": round(worker_peak / 2**30, 3),
+        "policy_ranks": {f"rank{r['rank']}": {"base_gb": r["base_gb"], "after_build_gb": r["after_build_gb"],
+                         "sync_peak_rss_gb": max(s["peak_rss_gb"] for s in r["syncs"]),
+                         "sync_peak_above_before_gb": round(max(s["peak_rss_gb"] - s["rss_before_gb"] for s in r["syncs"]), 3),
+                         "serve_s": _spread([s["seconds"] for s in r["syncs"]]), "bytes_sent": r["bytes_sent"],
+                         "peak_bucket_bytes": r["peak_bucket_bytes"]} for r in recs},  # fmt: skip
+        "model_bytes_float32": params * 4,
+    }
+
+
 def _params(model_dir: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -258,13 +383,20 @@ def _params(model_dir: Path) -> int:
     return sum(p.numel() for p in model.parameters())  # a tied head counted once
 
 
+CASES = ("replicated", "fsdp-group", "fsdp-file", "direct-replicated", "direct-fsdp")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--policy-rank"]:  # a direct case's policy rank (started by ``direct_case``)
+        a = sys.argv[2:]
+        _policy_rank(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]), a[5], int(a[6]), a[7])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="updates per route in the replicated case")
     parser.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_MB, help="the replicated case's bucket (the FSDP job's is the default)")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers of the 0.5B shape (fewer: less memory)")
     parser.add_argument("--steps", type=int, default=3, help="steps of the FSDP2 job (a checkpoint after each)")
-    parser.add_argument("--cases", default="replicated,fsdp-group,fsdp-file", help="comma-separated, of replicated, fsdp-group, fsdp-file")
+    parser.add_argument("--cases", default="replicated,fsdp-group,fsdp-file", help="comma-separated, of " + ", ".join(CASES))
     parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 2 steps: a check that it all runs")
     args = parser.parse_args()
     if args.quick:
@@ -272,9 +404,9 @@ def main() -> None:
     if min(args.layers, args.repeats, args.steps) < 1:
         parser.error(f"--layers ({args.layers}), --repeats ({args.repeats}) and --steps ({args.steps}) must be >= 1")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = sorted(set(cases) - {"replicated", "fsdp-group", "fsdp-file"})
+    unknown = sorted(set(cases) - set(CASES))
     if unknown:
-        parser.error(f"unknown case(s) {unknown}: pick from replicated, fsdp-group, fsdp-file")
+        parser.error(f"unknown case(s) {unknown}: pick from {', '.join(CASES)}")
 
     load = [round(os.getloadavg()[0], 2)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,6 +416,9 @@ def main() -> None:
         for case in cases:
             if case == "replicated":
                 out[case] = replicated_case(model_dir, args.repeats, args.bucket_mb)
+            elif case.startswith("direct-"):
+                (Path(tmp) / case).mkdir()
+                out[case] = direct_case(Path(tmp) / case, model_dir, args.repeats, case.split("-")[1], params)
             else:
                 (Path(tmp) / case).mkdir()
                 out[case] = fsdp_case(Path(tmp) / case, model_dir, args.steps, case.split("-")[1], params)

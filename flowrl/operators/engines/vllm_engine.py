@@ -267,7 +267,9 @@ class VLLMGenerator:
         seed: seed of sampling (mixed with each prompt's index).
         device: ``"cpu"`` or ``"cuda:N"`` (vLLM's engine then sees GPU ``N`` only).
         transport: the weight edge's transport into this generator: ``"file"`` keeps the file route
-            into vLLM's workers (``weights_by="file"``); any other sends over the weight-sync group.
+            into vLLM's workers (``weights_by="file"``); ``"direct"``: the policy's ranks send into the
+            workers themselves (``weights_by="direct"``, ``connect_direct`` / ``take_direct``, no staging
+            copy in this process: ``vllm_direct``); any other sends over the weight-sync group.
         prefix_caching: vLLM's automatic prefix caching (``enable_prefix_caching``); off only to
             measure what it saves (``benches/vllm_multiturn.py``).
         sleep_mode: start vLLM able to sleep (``enable_sleep_mode``), for ``sleep`` / ``wake_up``
@@ -280,7 +282,7 @@ class VLLMGenerator:
 
     Attributes:
         llm: the ``vllm.LLM``.
-        weights_by: ``"group"`` or ``"file"``: how weights reach vLLM's workers (module docstring;
+        weights_by: ``"group"``, ``"file"`` or ``"direct"``: how weights reach vLLM's workers (module docstring;
             the group forms at the first update by group); a LoRA model's adapters always go as a
             peft directory. Settable between updates (``benches/weight_sync.py`` times both).
         sync_bytes: bytes of weights sent into vLLM so far (every tensor once, the generator's dtype).
@@ -330,10 +332,19 @@ class VLLMGenerator:
         self._calls = 0
         self._version = 0
         self.weights_by = "file" if transport == "file" or node.model.lora is not None else "group"
+        if transport == "direct":  # the policy's ranks send into vLLM's workers (``vllm_direct``): no staging copy here
+            if node.model.lora is not None:
+                raise ConfigError(f"{owner}: the direct weight route sends whole models; a LoRA model's adapters go by file: use another transport")
+            self.weights_by = "direct"
         self.sync_bytes = 0
         self._group: Any = None
+        self._direct: Any = None  # a vllm_direct.DirectReceiver, once ``connect_direct`` ran
         self.stream: Any = None  # a vllm_stream.VLLMSlotBatcher: continuous batching's requests in vLLM (it registers itself)
-        if config.init == "random":  # the policy's version 0: seeded weights drawn as load_hf draws them
+        if self.weights_by == "direct":
+            self._spec = [(n, list(shape), str(self._dtype).removeprefix("torch.")) for n, (shape, _) in weight_shapes(config).items()]
+            self._targets = {}
+            self._version = -1  # nothing received yet: vLLM holds dummy weights until the first ``take_direct``
+        elif config.init == "random":  # the policy's version 0: seeded weights drawn as load_hf draws them
             from flowrl.models.causal_lm import weight_dict
             from flowrl.models.registry import build_model
 
@@ -348,7 +359,7 @@ class VLLMGenerator:
         self._tmp = tempfile.mkdtemp(prefix="flowrl-vllm-", dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None)
         try:
             self.llm = self._start(node, raw, device, seed)
-            if config.init == "random":
+            if config.init == "random" and self.weights_by != "direct":
                 self._push(base)
         except BaseException:
             self.close()
@@ -413,7 +424,8 @@ class VLLMGenerator:
     # -- weights ---------------------------------------------------------------------------------
     @property
     def version(self) -> int:
-        """Policy version of the weights vLLM holds (0 = the shared initial weights)."""
+        """Policy version of the weights vLLM holds (0 = the shared initial weights; -1 on the direct
+        route until the first ``take_direct``)."""
         return self._version
 
     @version.setter
@@ -421,6 +433,8 @@ class VLLMGenerator:
         """Say that ``weight_targets()`` now hold version ``value``'s weights: they go into vLLM here
         (file, reload in place, prefix cache reset; a LoRA model's adapters: a new ``LoRARequest``),
         so no rollout is ever drawn from older ones."""
+        if self.weights_by == "direct":
+            raise ConfigError(f"generator {self.name!r}: on the direct weight route the policy's ranks send into vLLM: call take_direct(min_version)")
         if self.stream is not None:  # continuous batching: running requests stop first, resumed by the next step
             self.stream.interrupt()
         if self._lora is not None:
@@ -430,8 +444,39 @@ class VLLMGenerator:
         self._version = int(value)
 
     def weight_targets(self) -> dict[str, Tensor]:
-        """The staging tensors (CPU, the generator's precision, Hugging Face names) a transport copies into."""
+        """The staging tensors (CPU, the generator's precision, Hugging Face names) a transport copies into
+        (none on the direct route)."""
         return self._targets
+
+    def connect_direct(self, channel: Any, *, bucket_bytes: int | None = None) -> None:
+        """Form the direct route's group: this process says hello on ``channel`` (a ``vllm_direct.Channel``),
+        the policy's sending rank answers its address, vLLM's workers join it (``vllm_direct``). The
+        group is gloo on a CPU, NCCL when vLLM's workers are on GPUs."""
+        from flowrl.operators.engines.vllm_direct import DEFAULT_BUCKET_BYTES, DirectReceiver
+
+        if self.weights_by != "direct":
+            raise ConfigError(f"generator {self.name!r}: connect_direct needs the engine started with transport='direct'")
+        backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
+        self._direct = DirectReceiver(self.llm, channel, self._spec, backend=backend, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+        self._direct.connect()
+
+    def take_direct(self, min_version: int) -> int:
+        """The generator's gate on the direct route: the policy's newest version, at least ``min_version``,
+        into vLLM's workers when it is newer than the one they hold (continuous batching's running
+        requests stopped first, the prefix cache reset after). Returns the version vLLM now holds."""
+        if self._direct is None:
+            raise ConfigError(f"generator {self.name!r}: take_direct before connect_direct")
+        version = self._direct.ask(int(min_version), held=self._version)
+        if version != self._version:
+            if self.stream is not None:  # running requests stop before the load, resumed by the next step
+                self.stream.interrupt()
+            moved = self._direct.bytes_moved
+            self._direct.load(version)
+            self.sync_bytes += self._direct.bytes_moved - moved
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError(f"generator {self.name!r}: vLLM refused to reset its prefix cache after a weight update")
+            self._version = version
+        return self._version
 
     def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         """Copy ``state`` (a trainer's ``weights()``) into vLLM; set ``version``."""
@@ -607,6 +652,9 @@ class VLLMGenerator:
         group, self._group = self.__dict__.get("_group"), None
         if group is not None:
             group.close()
+        direct, self._direct = self.__dict__.get("_direct"), None
+        if direct is not None:
+            direct.close()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             try:  # vLLM's default 5 s is too short for its CPU worker to exit: a forced kill left its shared-memory queue to the resource tracker

@@ -7,7 +7,8 @@ is the receiving side), outside torch's default world: vLLM's
 on the generator's host). The group is gloo, over host memory, on a CPU and on GPUs alike: the
 generator's process and vLLM's worker use the same GPU, and NCCL refuses two ranks of one
 communicator on one device; NCCL straight from the policy's ranks (on GPUs of their own) to vLLM's
-workers is the layout's next step (ARCHITECTURE.md). The call takes ``"nccl"`` unchanged.
+workers is the direct route (``flowrl.operators.engines.vllm_direct``), which leaves this process out
+of the group. The call takes ``"nccl"`` unchanged.
 
 ``send(weights)`` cuts the weights into buckets of at most ``bucket_bytes`` (a tensor larger than
 that is a bucket of its own), tells every worker the plan (names, shapes, dtypes: plain data over

@@ -9,8 +9,9 @@ shapes, dtype names, a path), never as pickled callables (which vLLM allows only
 Weights reach the workers one of two ways (``flowrl.operators.engines.vllm_sync`` is the sender):
 
 - over the **weight-sync group**: a process group outside both default worlds, formed once by
-  ``flowrl_join_weight_group`` between the generator's process (rank 0) and every worker (rank
-  ``1 + worker rank``), with vLLM's ``stateless_init_torch_distributed_process_group``. ``flowrl_receive_weights``
+  ``flowrl_join_weight_group`` between the sender (rank 0: the generator's process, or on the direct
+  route the policy's sending rank, ``vllm_direct``) and every worker (rank ``1 + worker rank``), with
+  vLLM's ``stateless_init_torch_distributed_process_group``. ``flowrl_receive_weights``
   then takes the buckets the sender broadcasts, tensor by tensor, a receiving thread filling bucket
   ``i + 1`` while vLLM loads bucket ``i``;
 - from a **safetensors file** (``flowrl_load_weights``), when the weight edge's transport is ``file``.
