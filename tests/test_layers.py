@@ -132,6 +132,25 @@ def test_the_runtime_imports_nothing_from_the_planner():
     assert not edges, f"runtime/ imports the planner (it reads a flowrl.placement.Placement instead): {edges}"
 
 
+#: Python's and torch's process machinery, which operators/ leaves to the runtime.
+PROCESS_MODULES = ("multiprocessing", "subprocess", "concurrent.futures.process", "torch.distributed", "torch.multiprocessing")
+
+
+def test_operators_know_nothing_of_processes():
+    """operators/ imports neither the runtime nor the process machinery; only the vLLM engine's modules
+    (``operators/engines/vllm_*.py``: vLLM's own processes and its weight-sync group) do."""
+    flowrl_edges = [(a, b) for a, b in import_graph().edges if _package(a) == "operators" and _package(b) in {"runtime", "serve", "cli"}]
+    assert not flowrl_edges, f"operators/ imports a layer above it: {flowrl_edges}"
+    found = []
+    for path in (ROOT / "operators").rglob("*.py"):
+        if path.parent.name == "engines" and path.name.startswith("vllm_"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith(PROCESS_MODULES)]
+    assert not found, f"operators/ (but the vLLM engine) knows nothing of processes; these import process machinery: {found}"
+
+
 def test_the_planner_is_pure():
     edges = _edges_out("planners", PLANNERS_MAY_IMPORT)
     assert not edges, f"planners/ imports beyond the IR, the placement and the pure shared modules: {edges}"
