@@ -290,14 +290,23 @@ class GeneratorProgram(ProgramBase):
 
     def _take_direct(self, min_version: int) -> float:
         """One request to the policy's ranks (the first connects the route): its newest version, at
-        least ``min_version``, straight into vLLM's workers when newer than the one held."""
+        least ``min_version``, straight into vLLM's workers when newer than the one held. Holding
+        ``min_version`` already, it asks only when the policy's lead says it holds a newer one and is
+        between commands (a request waits for a step in progress: with k >= 1 sampling goes on with
+        the weights held rather than waiting for the policy's step)."""
         from flowrl.runtime.backends.direct_route import store_channel
         from flowrl.runtime.backends.weights import channel
 
         start = time.perf_counter()
         if not self._connected:
-            self.generator.connect_direct(store_channel(channel(*self._edge)))
+            self._channel = store_channel(channel(*self._edge))
+            self.generator.connect_direct(self._channel)
             self._connected = True
+        held = self.generator.version  # -1 until the first take: vLLM holds dummy weights, never sampled with
+        if held >= max(min_version, 0):
+            said = self._channel.take("policy", what="the policy's version") if self._channel.has("policy") else None
+            if said is None or not (said["idle"] and int(said["version"]) > held):
+                return time.perf_counter() - start
         self.generator.take_direct(min_version)
         return time.perf_counter() - start
 

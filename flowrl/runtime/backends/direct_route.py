@@ -5,19 +5,26 @@ Which edges (``direct_channels``): a weight edge into a vLLM generator on one ra
 program at either end, from a policy on other ranks than the generator's. Such an edge's
 ``TransportSpec`` is named :data:`ROUTE`; the generator's program then starts vLLM with
 ``transport="direct"`` (no staging copy) and its sync is ``VLLMGenerator.take_direct`` at the gate's
-minimum version (``GeneratorProgram._sync``). Every other edge takes the hop route (the collective
+minimum version (``GeneratorProgram._take_direct``; holding that version already, it asks only when
+the lead's ``policy`` key says a newer one exists and the policy is between commands, so sampling at
+k >= 1 does not wait for a step in progress). Every other edge takes the hop route (the collective
 transport into the generator rank's staging copy, then vLLM's weight-sync group): colocated ranks,
-LoRA adapters, ``file``/``shm``, in-flight updates, several generator ranks (replicas or vLLM
-``tp`` > 1). Naming ``transport="collective"`` on the edge forces the hop.
+LoRA adapters, ``file``/``shm``, continuous batching and in-flight updates, several generator ranks
+(replicas or vLLM ``tp`` > 1: one sender would serve several engines, not built). Naming
+``transport="collective"`` on the edge forces the hop.
 
 The rendezvous and the requests go over the job's own store (``vllm_direct.Channel``, under
 ``<policy>-><generator>``). The policy's side is ``DirectPolicy``, which wraps each policy rank's
 program: the requests are answered between the controller's commands (``flowrl.runtime.worker.serve``
-calls ``idle`` while it waits for the next one), so a generator asking while the policy waits for
+calls ``between_requests`` while it waits for the next one), so a generator asking while the policy waits for
 its next batch (k = 0) is answered. With FSDP2 every rank gathers each bucket, so the ranks must
 answer in the same order relative to their other collectives: the lead decides (it alone looks at
 the request), writes ``order/<n>`` = the commands it had run before answering request ``n`` and
-``cmd/<c>`` = the requests it had answered before command ``c``; the other ranks follow those keys.
+``cmd/<c>`` = the requests it had answered before command ``c``; the other ranks follow those keys
+(a rank that got command ``c`` first answers the requests ordered before it, then runs it).
+The lead also answers a due request before each command. A failure while idle is raised with the
+policy's next command (the controller names the rank); the generator sees the sender's error or
+its channel's timeout.
 A replicated policy's lead sends alone.
 """
 
@@ -104,6 +111,7 @@ class DirectPolicy:
         self._closed: set[str] = set()
         self._commands = 0
         self._failed: BaseException | None = None
+        self._said: tuple[int, bool] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.program, name)
@@ -140,46 +148,79 @@ class DirectPolicy:
         if self._failed is not None:
             raise TransportError(f"the direct weight route failed while the policy waited for its next command: {self._failed}") from self._failed
         c = self._commands
+        if self.lead:
+            self._poll()  # a request already due goes before the command (the generator waits on it)
+            self._say(busy=True)
         for ch, sender in self._senders.items():
             key = f"cmd/{c}"
             if self.lead:
                 sender.channel.put(key, sender.requests)
                 continue
-            answered = int(sender.channel.take(key, what=f"the policy lead's order before command {c}"))
-            while sender.requests < answered:
-                self._serve(ch, sender)
+            self._follow(ch, sender, key)
         self._commands = c + 1
 
+    def _follow(self, ch: str, sender: Any, key: str) -> None:
+        """A non-lead rank before a command: answer the requests the lead answered before it (the lead
+        may be gathering one now, before it writes ``key``), then go on."""
+        deadline = time.monotonic() + sender.channel.timeout_s
+        while True:
+            if sender.channel.has(f"order/{sender.requests}"):
+                self._serve(ch, sender)
+            elif sender.channel.has(key):
+                answered = int(sender.channel.take(key, what=f"the policy lead's {key}"))
+                while sender.requests < answered:
+                    self._serve(ch, sender)
+                return
+            elif time.monotonic() > deadline:
+                raise TransportError(f"direct weight route {ch!r}: the policy's lead wrote no {key!r} within {sender.channel.timeout_s:.0f} s")
+            else:
+                time.sleep(POLL_S / 4)
+
     # -- between commands ------------------------------------------------------------------------
-    def idle(self) -> None:
+    def between_requests(self) -> None:
         """Answer what is due on each direct edge (``worker.serve`` calls it while no command is there)."""
         if self._failed is not None:
             return
         try:
-            for ch, sender in self._senders.items():
-                if ch in self._closed:
-                    continue
-                if ch not in self._connected:
-                    if not sender.channel.has("hello"):
-                        continue
-                    sender.connect()  # the sending rank: blocks until vLLM's workers joined
-                    self._connected.add(ch)
-                n = sender.requests
-                if self.lead:
-                    if not sender.channel.has(f"want/{n}"):
-                        continue
-                    want = sender.channel.take(f"want/{n}", what=f"weight request {n}")
-                    if want.get("closed"):
-                        self._closed.add(ch)
-                        continue
-                    if int(want["min_version"]) > self.program.trainer.version:
-                        continue  # after the next step
-                    sender.channel.put(f"order/{n}", self._commands)
-                    self._serve(ch, sender)
-                elif sender.channel.has(f"order/{n}"):
-                    self._serve(ch, sender)
+            self._poll()
+            if self.lead:
+                self._say(busy=False)
         except BaseException as exc:  # reported to the controller with the next command
             self._failed = exc
+
+    def _say(self, *, busy: bool) -> None:
+        """The lead's ``policy`` key: its newest version and whether it is between commands (the
+        generator asks for a newer version than it needs only then: ``GeneratorProgram._take_direct``)."""
+        said = (self.program.trainer.version, not busy)
+        if said == self._said:
+            return
+        self._said = said
+        for sender in self._senders.values():
+            sender.channel.put("policy", {"version": said[0], "idle": said[1]})
+
+    def _poll(self) -> None:
+        for ch, sender in self._senders.items():
+            if ch in self._closed:
+                continue
+            if ch not in self._connected:
+                if not sender.channel.has("hello"):
+                    continue
+                sender.connect()  # the sending rank: blocks until vLLM's workers joined
+                self._connected.add(ch)
+            n = sender.requests
+            if self.lead:
+                if not sender.channel.has(f"want/{n}"):
+                    continue
+                want = sender.channel.take(f"want/{n}", what=f"weight request {n}")
+                if want.get("closed"):
+                    self._closed.add(ch)
+                    continue
+                if int(want["min_version"]) > self.program.trainer.version:
+                    continue  # after the next step
+                sender.channel.put(f"order/{n}", self._commands)
+                self._serve(ch, sender)
+            elif sender.channel.has(f"order/{n}"):
+                self._serve(ch, sender)
 
     def _serve(self, ch: str, sender: Any) -> None:
         n = sender.requests
@@ -201,13 +242,12 @@ class DirectPolicy:
         return self.program.trainer.weights()
 
 
-def wait_for_command(sock: Any, idle: Any) -> None:
-    """Block until ``sock`` has data, calling ``idle()`` every ``POLL_S`` meanwhile."""
+def wait_for_command(sock: Any, work: Any) -> None:
+    """Block until ``sock`` has data, calling ``work()`` every ``POLL_S`` meanwhile."""
     import select
 
     while True:
         readable, _, _ = select.select([sock], [], [], POLL_S)
         if readable:
             return
-        idle()
-        time.sleep(0)
+        work()

@@ -36,7 +36,9 @@ Where things run:
   (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
   edge opened at setup, generator ranks receiving in the background); every policy replica
   publishes, every generator rank fetches. Edges that name ``shm`` or ``file`` keep them (``file``
-  across hosts needs ``FLOWRL_WEIGHTS_DIR``, a directory every host sees).
+  across hosts needs ``FLOWRL_WEIGHTS_DIR``, a directory every host sees). A default edge into a
+  vLLM generator on one rank apart from the policy's takes the direct route instead (the policy's
+  ranks send into vLLM's workers: ``direct_route``).
 
 Timeouts (a failure stops the whole job in bounded time; nothing waits forever):
 
