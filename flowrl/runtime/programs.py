@@ -198,7 +198,8 @@ def _is_direct(transports: SharedTransports, edge: tuple[str, str]) -> bool:
     """Whether the weight edge takes the direct route into vLLM (only a torchrun job names it so)."""
     from flowrl.runtime.backends.direct_route import ROUTE
 
-    return transports.route(*edge) == ROUTE
+    route = getattr(transports, "route", None)  # a caller without transports (a test's program) has no direct edge
+    return route is not None and route(*edge) == ROUTE
 
 
 class SourceProgram(ProgramBase):
