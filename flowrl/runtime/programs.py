@@ -182,11 +182,24 @@ class SharedTransports:
             self._readers[key] = self._create(spec, spec.reader_options)
         return self._readers[key]
 
+    def route(self, src: str, dst: str) -> str:
+        """The registry name of edge ``src -> dst``'s transport (``""`` for an edge it has no spec of)."""
+        spec = self._specs.get((src, dst))
+        return spec.name if spec is not None else ""
+
     def close(self) -> None:
         for t in [*self._readers.values(), *self._open.values()]:
             t.close()
         self._open.clear()
         self._readers.clear()
+
+
+def _is_direct(transports: SharedTransports, edge: tuple[str, str]) -> bool:
+    """Whether the weight edge takes the direct route into vLLM (only a torchrun job names it so)."""
+    from flowrl.runtime.backends.direct_route import ROUTE
+
+    route = getattr(transports, "route", None)  # a caller without transports (a test's program) has no direct edge
+    return route is not None and route(*edge) == ROUTE
 
 
 class SourceProgram(ProgramBase):
@@ -223,8 +236,11 @@ class GeneratorProgram(ProgramBase):
         (edge,) = graph.weight_edges_into(node.name)
         sleeps = {"sleep_mode": True} if env.offload.get(node.name) == "engine" else {}  # an engine that sleeps starts able to
         options = {**sleeps, **(engine_options or {})}
-        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=edge.transport, **options)  # node.engine's class
         self._edge = (edge.src, edge.dst)
+        self._direct = _is_direct(transports, self._edge)  # the policy's ranks send into vLLM's workers (torchrun: ``direct_route``)
+        self._connected = False
+        transport = "direct" if self._direct else edge.transport
+        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=transport, **options)  # node.engine's class
         self._in_flight = edge.in_flight
         self._transports = transports
         self._timeout = env.weight_timeout_s
@@ -255,6 +271,8 @@ class GeneratorProgram(ProgramBase):
             self.generator.version = got
 
     def _sync(self, min_version: int) -> float:
+        if self._direct:
+            return self._take_direct(min_version)
         transport = self._transports.reader(*self._edge)
         start = time.perf_counter()
         deadline = start + self._timeout
@@ -270,6 +288,28 @@ class GeneratorProgram(ProgramBase):
                     f"from {self._edge[0]!r}; the newest it got is {self.generator.version}"
                 )
             time.sleep(0.0005)
+
+    def _take_direct(self, min_version: int) -> float:
+        """One request to the policy's ranks (the first connects the route): its newest version, at
+        least ``min_version``, straight into vLLM's workers when newer than the one held. Holding
+        ``min_version`` already, it asks only when the policy's lead says it holds a newer one and is
+        between commands (a request waits for a step in progress: with k >= 1 sampling goes on with
+        the weights held rather than waiting for the policy's step)."""
+        from flowrl.runtime.backends.direct_route import store_channel
+        from flowrl.runtime.backends.weights import channel
+
+        start = time.perf_counter()
+        if not self._connected:
+            self._channel = store_channel(channel(*self._edge))
+            self.generator.connect_direct(self._channel)
+            self._connected = True
+        held = self.generator.version  # -1 until the first take: vLLM holds dummy weights, never sampled with
+        if held >= max(min_version, 0):
+            said = self._channel.take("policy", what="the policy's version") if self._channel.has("policy") else None
+            if said is None or not (said["idle"] and int(said["version"]) > held):
+                return time.perf_counter() - start
+        self.generator.take_direct(min_version)
+        return time.perf_counter() - start
 
     def _sample(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         """Step ``seq``'s rollout with the weights held now: lock step samples ``inputs``; continuous

@@ -7,7 +7,8 @@ The first message is ``init`` (the graph as JSON, the node name, the ``ProgramEn
 pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, each answered by
 ``{"ok": true, ...}`` or ``{"ok": false, "error": ..., "traceback": ..., "user_mistake": ...}``
 (``user_mistake``: the error is a flowrl check of the user's input, so the controller reports its
-message alone, without the traceback). When the controller's end
+message alone, without the traceback). A program with a ``between_requests()`` method has it called every
+few milliseconds while no request is there (``direct_route.DirectPolicy``). When the controller's end
 of the socket closes (it exited or was killed) the worker exits, and if the controller is killed
 mid-step the kernel kills the worker with it: no orphans.
 """
@@ -59,8 +60,13 @@ def serve(sock: socket.socket) -> None:
         send_message(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
                             "user_mistake": _rooted_in_flowrl_check(exc)})
         return
+    between = getattr(program, "between_requests", None)  # a torchrun policy answering vLLM's direct weight requests
     try:
         while True:
+            if callable(between):
+                from flowrl.runtime.backends.direct_route import wait_for_command
+
+                wait_for_command(sock, between)
             request, tensors = recv_message(sock)
             op = request["op"]
             try:

