@@ -34,7 +34,9 @@ import time
 from typing import Any
 
 from flowrl.errors import TransportError
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import GeneratorNode
 
 __all__ = ["ROUTE", "direct_channels", "register", "store_channel", "DirectEdge", "DirectPolicy"]
 
@@ -53,8 +55,8 @@ def direct_channels(graph: Graph, ranks: dict[str, tuple[int, ...]], programs: d
         src, dst = graph.node(e.src), graph.node(e.dst)
         if e.transport != "inprocess" or e.in_flight or e.src in programs or e.dst in programs:
             continue
-        if getattr(dst, "kind", "") != "generator" or getattr(dst, "engine", "") != "vllm" or dst.sampling.batching == "continuous":  # type: ignore[attr-defined]
-            continue
+        if not isinstance(dst, GeneratorNode) or not ENGINE_CAPS[dst.engine].weight_hop or dst.sampling.batching == "continuous":
+            continue  # only an engine whose weights move on into workers of its own has a route to skip
         if len(ranks.get(e.dst, ())) != 1 or set(ranks.get(e.src, ())) & set(ranks[e.dst]):
             continue
         models = [getattr(src, "model", None), getattr(dst, "model", None)]
