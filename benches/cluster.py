@@ -13,7 +13,7 @@ Prints one JSON object:
   ``idle_s``, as the metrics rows give them; peak RSS per rank is not sampled here
   (``weight_sync.py``'s FSDP cases sample every rank's, per phase);
 - ``predicted``: ``flowrl plan`` of the same graph on a CPU calibrated right before the run
-  (``flowrl calibrate``) with the same placement (``gen:d1@0 | policy:d2@1-2``), its step and its
+  (``flowrl calibrate --graph``: the model's width and vLLM's own decode and sync rates) with the same placement (``gen:d1@0 | policy:d2@1-2``), its step and its
   parts, and predicted / measured (goal 0.77-1.3). The plan has 3 devices, one per rank, on this
   machine's cores (``calibrated_cluster(m, cores=3)``: ``CpuTerms.host_cores`` = the cores measured):
   with 3 ranks on 2 cores, meshes busy together time-share them (``schedule.shared_step_s``).
@@ -80,12 +80,19 @@ def _predict(graph_file: Path) -> dict:
     """The planner's step for STRATEGY on this CPU calibrated now (``flowrl calibrate``'s measurements)
     as a 3-device cluster: one device per rank, on the cores measured (more ranks than cores time-share them)."""
     from flowrl.calibration.measure import calibrated_cluster, measure
+    from flowrl.calibration.needs import calibration_needs
+    from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
     from flowrl.graph.refs import load_file_module
     from flowrl.planners.plan import plan_graph
 
     graph = load_file_module(graph_file).build_graph()
-    plan = plan_graph(graph, calibrated_cluster(measure(), cores=3), strategy=STRATEGY, max_staleness=1)
+    needs = calibration_needs(graph)  # as `flowrl calibrate --graph`: the model's width, vLLM's own rates
+    m = measure(widths=needs.widths)
+    if needs.vllm_model is not None:
+        m = with_vllm(m, measure_vllm(needs.vllm_model, rows=needs.vllm_rows, new_tokens=needs.vllm_new_tokens))
+    plan = plan_graph(graph, calibrated_cluster(m, cores=3), strategy=STRATEGY, max_staleness=1)
     return {
+        "calibrated": {"vllm_decode_speedup": round(m.cpu.vllm_decode_speedup, 2), "vllm_sync_gb_per_s": round(m.cpu.vllm_sync_bandwidth / 1e9, 3)},
         "placement": str(plan),
         "step_s": round(plan.step_s, 3),
         "sync_step_s": round(plan.sync_step_s, 3),
