@@ -93,6 +93,7 @@ from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
 from flowrl.operators.engines.vllm_lora import VLLMAdapters
+from flowrl.operators.engines.vllm_reaper import Reaper, descendants, started_since
 
 __all__ = ["VLLMGenerator", "check_vllm", "cpu_binding", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
@@ -369,11 +370,13 @@ class VLLMGenerator:
         for name, value in VLLM_ENVIRONMENT.items():  # before vLLM is first imported: it reads them then
             os.environ.setdefault(name, value)
         saved = dict(os.environ)
+        before = descendants()
         try:
             _quiet_vllm(self._tmp)
             return self._start_quiet(node, raw, device, seed)
         finally:
             _restore_environment(saved)
+            self._reaper = Reaper.watch(started_since(before))  # vLLM's processes end with this one, even killed
 
     def _start_quiet(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
         owner = f"generator {node.name!r}"
@@ -661,6 +664,9 @@ class VLLMGenerator:
                 llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
             except Exception:  # best effort: vLLM's own atexit handler also stops its processes
                 pass
+        reaper, self._reaper = self.__dict__.get("_reaper"), None
+        if reaper is not None:
+            reaper.close()  # kills what the shutdown left running
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
