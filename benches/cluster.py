@@ -3,13 +3,14 @@
 
 The model is ``benches/weight_sync.py``'s (358M parameters, built from a config with random weights);
 the task is the HF example's (copy a word) with 2 prompts x 4 samples x 24 new tokens per step, k = 1.
-Weights go from the policy's FSDP2 shards to rank 0 over the collective transport, then into vLLM's
-worker over the weight-sync group.
+Weights take the direct route (``flowrl/runtime/backends/direct_route.py``): the policy's FSDP2 ranks
+gather each bucket and send it straight into vLLM's worker over the weight-sync group; rank 0 only
+coordinates and holds no staging copy.
 
 Prints one JSON object:
 - ``measured``: per step (median and range over the steps after the first two: vLLM's start and
   the first updates are warm-up) ``step_s`` (the interval between rows), ``gen_s``, ``train_s``,
-  ``sync_s`` (the generator's wait for and load of new weights: collective + into vLLM) and
+  ``sync_s`` (the generator's wait for and load of new weights into vLLM) and
   ``idle_s``, as the metrics rows give them; peak RSS per rank is not sampled here
   (``weight_sync.py``'s FSDP cases sample every rank's, per phase);
 - ``predicted``: ``flowrl plan`` of the same graph on a CPU calibrated right before the run
