@@ -7,12 +7,14 @@ plain processes over gloo; the tests with vLLM's engine are in ``test_vllm_direc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -87,25 +89,40 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[in
     return [(p.wait(timeout=timeout), p.stderr.read() if p.stderr else "") for p in procs]
 
 
-def test_an_fsdp2_policys_shards_reach_the_workers_bit_for_bit_and_the_generator_holds_no_copy(tmp_path):
-    want, spec, model_bytes = _expected(torch.bfloat16)  # the policy trains in float32; the generator samples in bfloat16
+class Route:
+    """One direct route under test: the policy's ranks, the stand-in worker and the generator's receiver."""
+
+    def __init__(self, receiver: DirectReceiver, llm: Any, worker: subprocess.Popen) -> None:
+        self.receiver, self.llm, self.worker = receiver, llm, worker
+        self.done: list[tuple[int, str]] = []  # each policy rank's (exit code, stderr), once the route is closed
+
+
+@contextlib.contextmanager
+def _route(mode: str, ranks: int, tmp: Path, spec: list, die_after: int = 0) -> Iterator[Route]:
+    """The route connected; on leaving, the receiver closed, the ranks' exits in ``done``, the worker ended."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    senders, worker, llm = _start("fsdp", store, 2, tmp_path)  # the policy ranks first: their imports overlap the worker's
-    receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
+    senders, worker, llm = _start(mode, store, ranks, tmp, die_after)  # the policy ranks first: their imports overlap the worker's
+    route = Route(DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES), llm, worker)
     try:
-        receiver.connect()
-        with PeakRss() as rss:
-            version = receiver.receive(min_version=1, held=-1)
-        got = llm.collective_rpc("digests")[0]
+        route.receiver.connect()
+        yield route
     finally:
-        receiver.close()
-        done = _finish(senders)
+        route.receiver.close()
+        route.done = _finish(senders)
         llm.conn.close()
         worker.wait(timeout=30)
-    assert [rc for rc, _ in done] == [0, 0], [err[-2000:] for _, err in done]
+
+
+def test_an_fsdp2_policys_shards_reach_the_workers_bit_for_bit_and_the_generator_holds_no_copy(tmp_path):
+    want, spec, model_bytes = _expected(torch.bfloat16)  # the policy trains in float32; the generator samples in bfloat16
+    with _route("fsdp", 2, tmp_path, spec) as route:
+        with PeakRss() as rss:
+            version = route.receiver.receive(min_version=1, held=-1)
+        got = route.llm.collective_rpc("digests")[0]
+    assert [rc for rc, _ in route.done] == [0, 0], [err[-2000:] for _, err in route.done]
     assert version == 1 and got.pop("__dtypes__") == ["torch.bfloat16"]
     assert got == want  # every tensor gathered from the two ranks' shards, cast, sent: the policy's bits
-    assert receiver.bytes_moved == model_bytes
+    assert route.receiver.bytes_moved == model_bytes
     # the generator's process coordinates only: the hop route's staging copy alone would be model_bytes (17 MiB)
     assert rss.peak - rss.before < model_bytes / 4, (rss.peak - rss.before, model_bytes)
     reports = [msgspec.json.decode((tmp_path / f"sender{r}.json").read_bytes()) for r in range(2)]
@@ -191,61 +208,36 @@ def test_a_generator_that_never_says_hello_is_a_clear_error():
 @pytest.mark.slow
 def test_a_replicated_policys_first_rank_sends_float32_as_it_is(tmp_path):
     want, spec, model_bytes = _expected(torch.float32)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    senders, worker, llm = _start("replicated", store, 1, tmp_path)
-    receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
-    try:
-        receiver.connect()
-        version = receiver.receive(min_version=0, held=-1)
-        got = llm.collective_rpc("digests")[0]
-    finally:
-        receiver.close()
-        done = _finish(senders)
-        llm.conn.close()
-        worker.wait(timeout=30)
-    assert done[0][0] == 0, done[0][1][-2000:]
+    with _route("replicated", 1, tmp_path, spec) as route:
+        version = route.receiver.receive(min_version=0, held=-1)
+        got = route.llm.collective_rpc("digests")[0]
+    assert route.done[0][0] == 0, route.done[0][1][-2000:]
     assert version == 1 and got.pop("__dtypes__") == ["torch.float32"] and got == want
     report = msgspec.json.decode((tmp_path / "sender0.json").read_bytes())
-    assert report["bytes_sent"] == model_bytes == receiver.bytes_moved
+    assert report["bytes_sent"] == model_bytes == route.receiver.bytes_moved
 
 
 @pytest.mark.slow
 def test_a_policy_rank_that_dies_mid_sync_fails_the_sync_at_once_and_nothing_hangs(tmp_path):
     _, spec, _ = _expected(torch.float32)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    senders, worker, llm = _start("fsdp", store, 2, tmp_path, die_after=2)  # both ranks exit after two tensors of the first bucket
-    receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
-    try:
-        receiver.connect()
+    with _route("fsdp", 2, tmp_path, spec, die_after=2) as route:  # both ranks exit after two tensors of the first bucket
         start = time.perf_counter()
         with pytest.raises(TransportError, match=r"vLLM's workers failed to receive version 1 over the direct weight-sync group"):
-            receiver.receive(min_version=1, held=-1)
+            route.receiver.receive(min_version=1, held=-1)
         assert time.perf_counter() - start < 30  # the closed connection, not the 60 s timeout
-        partial = llm.collective_rpc("digests")[0]  # the worker lives on and answers: its receiving thread ended
+        partial = route.llm.collective_rpc("digests")[0]  # the worker lives on and answers: its receiving thread ended
         assert 0 < len(partial) - 1 < len(spec)  # the buckets before the failure were loaded: the job must stop
-    finally:
-        receiver.close()
-        done = _finish(senders)
-        llm.conn.close()
-        worker.wait(timeout=30)
-    assert [rc for rc, _ in done] == [3, 3]
-    assert worker.returncode == 0
+    assert [rc for rc, _ in route.done] == [3, 3]
+    assert route.worker.returncode == 0
 
 
 @pytest.mark.slow
 def test_a_worker_that_dies_mid_sync_fails_the_policys_send_with_a_clear_error(tmp_path):
     _, spec, _ = _expected(torch.float32)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    senders, worker, llm = _start("replicated", store, 1, tmp_path)
-    receiver = DirectReceiver(llm, Channel(store, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES)
-    try:
-        receiver.connect()
-        worker.kill()  # vLLM's worker gone between syncs: the sender's first broadcast meets a closed connection
-        worker.wait(timeout=30)
+    with _route("replicated", 1, tmp_path, spec) as route:
+        route.worker.kill()  # vLLM's worker gone between syncs: the sender's first broadcast meets a closed connection
+        route.worker.wait(timeout=30)
         with pytest.raises(TransportError, match=r"vLLM's workers failed to receive version 1"):
-            receiver.receive(min_version=1, held=-1)
-    finally:
-        receiver.close()
-        done = _finish(senders)
-    rc, err = done[0]
+            route.receiver.receive(min_version=1, held=-1)
+    rc, err = route.done[0]
     assert rc != 0 and "weights (version 1) into vLLM over the direct weight-sync group failed" in err, err[-2000:]

@@ -66,10 +66,10 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import TransportError
+from flowrl.operators.engines.vllm_sync import DEFAULT_BUCKET_BYTES, cut_buckets  # one bucket rule and size for both routes
 
 __all__ = ["Channel", "DirectReceiver", "DirectSender", "WeightSpec", "spec_of", "plan_of", "DEFAULT_BUCKET_BYTES", "TIMEOUT_S"]
 
-DEFAULT_BUCKET_BYTES = 128 << 20  # vllm_sync's: one bucket of full tensors per policy rank at a time
 TIMEOUT_S = 300.0
 
 #: The weights as the generator holds them, in order: ``(name, shape, dtype name)`` (plain data).
@@ -98,17 +98,7 @@ def plan_of(spec: WeightSpec, bucket_bytes: int) -> list[WeightSpec]:
         >>> [[n for n, _, _ in b] for b in plan_of([("a", [4], "float32"), ("b", [4], "float32"), ("c", [16], "float32")], 32)]
         [['a', 'b'], ['c']]
     """
-    plan: list[WeightSpec] = []
-    size = 0
-    for entry in spec:
-        n = _nbytes(entry)
-        if plan and size + n <= bucket_bytes:
-            plan[-1].append(entry)
-            size += n
-        else:
-            plan.append([entry])
-            size = n
-    return plan
+    return cut_buckets([(entry, _nbytes(entry)) for entry in spec], bucket_bytes)
 
 
 def _nbytes(entry: tuple[str, list[int], str]) -> int:

@@ -37,18 +37,20 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from flowrl.errors import TransportError
 
-__all__ = ["WeightSyncGroup", "bucket_plan", "expected_digests", "tp_part", "TPShard", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["WeightSyncGroup", "bucket_plan", "cut_buckets", "expected_digests", "tp_part", "TPShard", "DEFAULT_BUCKET_BYTES"]
+
+K = TypeVar("K")
 
 #: Bytes per bucket: large enough that a broadcast's fixed cost is small, small enough that a few
 #: buckets in flight are little next to the model (a 0.5B model in float32 is 1.4 GB: 12 buckets).
@@ -67,15 +69,25 @@ def bucket_plan(weights: Mapping[str, Tensor], bucket_bytes: int) -> list[list[s
         >>> bucket_plan(w, bucket_bytes=32)
         [['a', 'b'], ['c']]
     """
-    plan: list[list[str]] = []
+    return cut_buckets([(name, t.numel() * t.element_size()) for name, t in weights.items()], bucket_bytes)
+
+
+def cut_buckets(sized: Sequence[tuple[K, int]], bucket_bytes: int) -> list[list[K]]:
+    """``(item, bytes)`` pairs in order, cut into buckets of at most ``bucket_bytes`` (a larger item
+    alone in its bucket): the one rule both weight routes into vLLM (this hop and ``vllm_direct``) cut by.
+
+    Example:
+        >>> cut_buckets([("a", 16), ("b", 16), ("c", 64)], 32)
+        [['a', 'b'], ['c']]
+    """
+    plan: list[list[K]] = []
     size = 0
-    for name, t in weights.items():
-        n = t.numel() * t.element_size()
-        if plan and size + n <= bucket_bytes and plan[-1]:
-            plan[-1].append(name)
+    for item, n in sized:
+        if plan and size + n <= bucket_bytes:
+            plan[-1].append(item)
             size += n
         else:
-            plan.append([name])
+            plan.append([item])
             size = n
     return plan
 

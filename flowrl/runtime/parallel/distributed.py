@@ -21,7 +21,7 @@ Every collective here runs on the group passed in and under the process group's 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -74,16 +74,11 @@ def broadcast_batch(batch: Mapping[str, Tensor] | None, *, src: int, group: Any,
         dist.broadcast(length, src=src, group=group)
         dist.broadcast(header.to(device), src=src, group=group)
         out = {k: v.detach().to(device).contiguous() for k, v in batch.items()}
-    else:
-        length = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.broadcast(length, src=src, group=group)
-        raw = torch.empty(int(length), dtype=torch.uint8, device=device)
-        dist.broadcast(raw, src=src, group=group)
-        out = _empty_from(raw, device)
-    for t in out.values():
-        if t.numel():
-            dist.broadcast(t, src=src, group=group)
-    return out
+        for t in out.values():
+            if t.numel():
+                dist.broadcast(t, src=src, group=group)
+        return out
+    return _take_batch(lambda t: dist.broadcast(t, src=src, group=group), device)
 
 
 def send_batch(batch: Mapping[str, Tensor], *, dst: int, group: Any = None, device: torch.device | None = None) -> None:
@@ -99,15 +94,20 @@ def send_batch(batch: Mapping[str, Tensor], *, dst: int, group: Any = None, devi
 
 def recv_batch(*, src: int, group: Any = None, device: torch.device | None = None) -> Batch:
     """Receive what ``send_batch`` on global rank ``src`` sent."""
-    device = device or torch.device("cpu")
+    return _take_batch(lambda t: dist.recv(t, src=src, group=group), device or torch.device("cpu"))
+
+
+def _take_batch(fill: Callable[[Tensor], object], device: torch.device) -> Batch:
+    """The receiving side of ``broadcast_batch`` and ``send_batch``: the header's length, the header,
+    then each non-empty tensor, each filled in place by ``fill`` (a broadcast or a recv)."""
     length = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(length, src=src, group=group)
+    fill(length)
     raw = torch.empty(int(length), dtype=torch.uint8, device=device)
-    dist.recv(raw, src=src, group=group)
+    fill(raw)
     out = _empty_from(raw, device)
     for t in out.values():
         if t.numel():
-            dist.recv(t, src=src, group=group)
+            fill(t)
     return out
 
 
