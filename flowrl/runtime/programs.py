@@ -239,6 +239,7 @@ class GeneratorProgram(ProgramBase):
         self._edge = (edge.src, edge.dst)
         self._direct = _is_direct(transports, self._edge)  # the policy's ranks send into vLLM's workers (torchrun: ``direct_route``)
         self._connected = False
+        self._engine_of = (0, 1)  # (this engine, the generator's engines): its replicas share one direct route (``ParallelGenerator``)
         transport = "direct" if self._direct else edge.transport
         self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=transport, **options)  # node.engine's class
         self._in_flight = edge.in_flight
@@ -294,21 +295,23 @@ class GeneratorProgram(ProgramBase):
         least ``min_version``, straight into vLLM's workers when newer than the one held. Holding
         ``min_version`` already, it asks only when the policy's lead says it holds a newer one and is
         between commands (a request waits for a step in progress: with k >= 1 sampling goes on with
-        the weights held rather than waiting for the policy's step)."""
+        the weights held rather than waiting for the policy's step). With several engines (replicas)
+        the first decides and asks for all; the others follow its request (``vllm_direct``)."""
         from flowrl.runtime.backends.direct_route import store_channel
         from flowrl.runtime.backends.weights import channel
 
         start = time.perf_counter()
+        engine, engines = self._engine_of
         if not self._connected:
             self._channel = store_channel(channel(*self._edge))
-            self.generator.connect_direct(self._channel)
+            self.generator.connect_direct(self._channel, engine=engine, engines=engines)
             self._connected = True
         held = self.generator.version  # -1 until the first take: vLLM holds dummy weights, never sampled with
-        if held >= max(min_version, 0):
+        ask = True
+        if engine == 0 and held >= max(min_version, 0):
             said = self._channel.take("policy", what="the policy's version") if self._channel.has("policy") else None
-            if said is None or not (said["idle"] and int(said["version"]) > held):
-                return time.perf_counter() - start
-        self.generator.take_direct(min_version)
+            ask = said is not None and bool(said["idle"]) and int(said["version"]) > held
+        self.generator.take_direct(min_version, ask=ask)
         return time.perf_counter() - start
 
     def _sample(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:

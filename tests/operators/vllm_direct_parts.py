@@ -4,7 +4,8 @@ real worker extension (its join and receive, gloo), the ``LLM`` stand-in that ca
 
 Entry points (``python tests/operators/vllm_direct_parts.py ...``):
 
-- ``worker RPC_PORT``: one stand-in vLLM worker, serving RPC calls on ``127.0.0.1:RPC_PORT``;
+- ``worker RPC_PORT [RANK]``: one stand-in vLLM worker (of rank ``RANK`` in its engine, default 0),
+  serving RPC calls on ``127.0.0.1:RPC_PORT``;
 - ``sender MODE STORE_PORT RANK WORLD PG_PORT OUT [DIE_AFTER]``: one policy rank (``MODE``:
   ``replicated`` or ``fsdp``) serving version 1 of ``toy_state()``; with ``DIE_AFTER`` it exits
   abruptly after gathering that many tensors (a rank that fails mid-sync). With ``FLOWRL_TEST_MODEL_DIR``
@@ -64,44 +65,70 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 
 class FakeLLM:
-    """What ``DirectReceiver`` uses of ``vllm.LLM``: the workers' count and ``collective_rpc``."""
+    """What ``DirectReceiver`` uses of ``vllm.LLM``: the workers' count and ``collective_rpc`` (every
+    worker called before any answer is read, as vLLM does: a join blocks until all members joined)."""
 
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(world_size=1)))
+    def __init__(self, *conns: Any) -> None:
+        self.conns = conns
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(world_size=len(conns))))
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = ()) -> list[Any]:
-        self.conn.send_bytes(msgspec.json.encode({"method": method, "args": list(args)}))
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"worker did not answer {method} within {timeout} s")
-        reply = msgspec.json.decode(self.conn.recv_bytes())  # EOFError: the worker died
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
-        return [reply["ok"]]
+        for conn in self.conns:
+            conn.send_bytes(msgspec.json.encode({"method": method, "args": list(args)}))
+        replies = []
+        for conn in self.conns:
+            if not conn.poll(timeout):
+                raise TimeoutError(f"worker did not answer {method} within {timeout} s")
+            reply = msgspec.json.decode(conn.recv_bytes())  # EOFError: the worker died
+            if "error" in reply:
+                raise RuntimeError(reply["error"])
+            replies.append(reply["ok"])
+        return replies
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
 
 
-def start_worker() -> tuple[Any, FakeLLM]:
-    """A stand-in worker process and the ``FakeLLM`` that drives it."""
+def start_workers(count: int = 1) -> tuple[list[Any], FakeLLM]:
+    """``count`` stand-in worker processes of one engine (ranks 0..count-1, as vLLM's tensor-parallel
+    workers) and the ``FakeLLM`` that drives them."""
     import subprocess
 
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(120)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, __file__, "worker", str(server.getsockname()[1])], env=env)
+    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(server.getsockname()[1]), str(r)], env=env) for r in range(count)]
+    conns: dict[int, Connection] = {}
     try:
-        sock, _ = server.accept()
+        for _ in range(count):
+            sock, _ = server.accept()
+            conn = Connection(sock.detach())
+            conns[int(msgspec.json.decode(conn.recv_bytes()))] = conn  # each worker says its rank first
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
     finally:
         server.close()
-    return proc, FakeLLM(Connection(sock.detach()))
+    return procs, FakeLLM(*(conns[r] for r in range(count)))
 
 
-def _worker(port: int) -> None:
+def start_worker() -> tuple[Any, FakeLLM]:
+    """A stand-in worker process and the ``FakeLLM`` that drives it."""
+    (proc,), llm = start_workers(1)
+    return proc, llm
+
+
+def _worker(port: int, rank: int = 0) -> None:
     from flowrl.operators.engines.vllm_worker import FlowrlWorkerExtension
 
     class Worker(FlowrlWorkerExtension):
-        rank, device = 0, "cpu"
+        device = "cpu"
 
         def __init__(self) -> None:
+            self.rank = rank
             self.model = torch.nn.Module()
             self.model_runner = SimpleNamespace(get_model=lambda: self.model)
             self.loaded: dict[str, torch.Tensor] = {}
@@ -115,6 +142,7 @@ def _worker(port: int) -> None:
 
     worker = Worker()
     conn = Connection(socket.create_connection(("127.0.0.1", port)).detach())
+    conn.send_bytes(msgspec.json.encode(rank))
     while True:
         try:
             call = msgspec.json.decode(conn.recv_bytes())
@@ -171,6 +199,6 @@ def _sender(mode: str, store_port: int, rank: int, world: int, pg_port: int, out
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     if sys.argv[1] == "worker":
-        _worker(int(sys.argv[2]))
+        _worker(*map(int, sys.argv[2:4]))
     else:
         _sender(sys.argv[2], *map(int, sys.argv[3:7]), sys.argv[7], *map(int, sys.argv[8:9]))

@@ -2,21 +2,29 @@
 
 The hop route (``vllm_sync.WeightSyncGroup``) has the generator's process in the group, sending from a
 full-size staging copy that a transport filled first. Here the group is the policy's *sending rank*
-(rank 0) and vLLM's workers (ranks ``1 + worker rank``, ``vllm_worker.FlowrlWorkerExtension``, the
-same receiving code); the generator's process is not a member and holds no weights: it coordinates.
+(rank 0) and every vLLM worker of every engine of the generator (``vllm_worker.FlowrlWorkerExtension``,
+the same receiving code): a generator of ``dp`` replicas, each one engine of ``tp`` workers, makes a
+group of ``1 + dp * tp``, engine ``i``'s workers at ranks ``first[i] + worker rank`` (``group_ranks``:
+engine 0 from 1 on, each next engine after the previous one's workers). The generator's processes
+are not members and hold no weights: they coordinate. One broadcast per tensor reaches every worker
+of every engine, as NeMo-RL, verl and OpenRLHF do it; with vLLM's tensor parallelism each worker
+receives the full tensor and vLLM's own ``load_weights`` keeps its shard.
 
 Rendezvous, over a ``Channel`` (a torch ``Store``: under torchrun the job's own store, so no
 address or port is configured by hand):
 
-1. the generator (``DirectReceiver.connect``) writes ``hello``: its host name, the group's size
-   (1 + vLLM's workers), the backend, and the weights' names, shapes and dtypes in *its* dtype;
-2. the sending rank (``DirectSender.connect``, the policy's first rank) binds a port on its own host
-   (loopback when it shares the generator's host, else its address, or ``FLOWRL_WEIGHT_SYNC_HOST``),
-   writes ``address`` and becomes the group's rank 0 and its ``TCPStore`` master with the bound
-   socket (vLLM's ``stateless_init_torch_distributed_process_group(listen_socket=...)``): the
-   process that listens is the process that chose the port, so no port is picked by one process and
-   bound by another, and a policy on another host needs no route into the generator's;
-3. the generator reads ``address`` and tells its workers, over vLLM's RPC, to join.
+1. each engine's process (``DirectReceiver.connect``, engine ``i`` of ``engines``) writes ``hello/<i>``:
+   its host name, its workers' count, the engines' count, the backend, and the weights' names,
+   shapes and dtypes in *its* dtype;
+2. the sending rank (``DirectSender.connect``, the policy's first rank) waits for every engine's
+   hello (their count from ``hello/0``; spec, backend and bucket size must agree), binds a port on
+   its own host (loopback when every engine shares its host, else its address, or
+   ``FLOWRL_WEIGHT_SYNC_HOST``), writes ``address`` (with the group's size and each engine's first
+   rank, assigned in engine order) and becomes the group's rank 0 and its ``TCPStore`` master with
+   the bound socket (vLLM's ``stateless_init_torch_distributed_process_group(listen_socket=...)``):
+   the process that listens is the process that chose the port, so no port is picked by one process
+   and bound by another, and a policy on another host needs no route into the generator's;
+3. each engine reads ``address`` and tells its workers, over vLLM's RPC, to join at its ranks.
 
 Each sync is one request and one answer (the generator's gate, kept exact): at the point where the
 hop route fetches, the generator writes ``want/<n>`` = the version it holds and the oldest it may
@@ -24,6 +32,20 @@ sample with (``min_version``); the policy's ranks (``DirectSender.serve``, betwe
 ``send/<n>`` with the newest version they published: it is sent only when it is newer than the held
 one, and the policy waits to answer until it has published ``min_version``. The generator then tells
 its workers the bucket plan (``flowrl_receive_weights``) and the sending rank broadcasts each bucket.
+
+With several engines the request is still one, made by the first engine on behalf of all
+(``DirectReceiver.gate``): at each of its gate calls ``s`` (one per step, every engine alike) it
+writes ``gate/<s>`` = the request it made (or none: it holds what it needs and does not ask) with the
+version it holds and the step's ``min_version``; every other engine reads ``gate/<s>`` at its own gate
+call ``s``, then that request's answer, and receives alongside. Why one engine asks for all: every
+broadcast reaches every engine's workers, so a send is one event that all engines take part in, and
+no engine can take a version another does not; one asker makes the decisions that must be common,
+whether to ask at all (``GeneratorProgram._take_direct`` asks early only when the policy says it is
+idle with a newer version, a key each engine would read at a different moment) and which version
+comes, once; and the policy keeps one request counter per edge, as with one engine. So every engine
+holds the same version after every gate call, which is the staleness bound's premise; an engine
+whose held version or ``min_version`` differs from the first's says so (``TransportError``) rather
+than sample with other weights.
 
 From an FSDP2 policy every rank takes part: per bucket each DTensor is gathered (``full_tensor``,
 an all-gather over the policy's mesh) and cast to the generator's dtype, and the sending rank
@@ -49,6 +71,9 @@ Example (a generator's process and the policy's first rank, sharing a store)::
     send = DirectSender(Channel(store, "gen")); send.connect()                      # policy rank(s)
     send.serve(model.state_dict(), version=1)   # answers the generator's next request
     recv.receive(min_version=1, held=0)         # -> 1: loaded into every worker
+
+(several engines: ``DirectReceiver(..., engine=i, engines=E)`` in each engine's process, every one
+calling ``connect`` and then ``receive`` or ``gate`` alike.)
 """
 
 from __future__ import annotations
@@ -68,7 +93,7 @@ from torch import Tensor
 from flowrl.errors import TransportError
 from flowrl.operators.engines.vllm_sync import DEFAULT_BUCKET_BYTES, cut_buckets  # one bucket rule and size for both routes
 
-__all__ = ["Channel", "DirectReceiver", "DirectSender", "WeightSpec", "spec_of", "plan_of", "DEFAULT_BUCKET_BYTES", "TIMEOUT_S"]
+__all__ = ["Channel", "DirectReceiver", "DirectSender", "WeightSpec", "spec_of", "plan_of", "group_ranks", "DEFAULT_BUCKET_BYTES", "TIMEOUT_S"]
 
 TIMEOUT_S = 300.0
 
@@ -99,6 +124,21 @@ def plan_of(spec: WeightSpec, bucket_bytes: int) -> list[WeightSpec]:
         [['a', 'b'], ['c']]
     """
     return cut_buckets([(entry, _nbytes(entry)) for entry in spec], bucket_bytes)
+
+
+def group_ranks(workers: list[int]) -> tuple[int, list[int]]:
+    """The weight-sync group's size and each engine's first rank, for engines of ``workers[i]``
+    workers each: the sender is rank 0, then the engines' workers in engine order.
+
+    Example:
+        >>> group_ranks([1, 2])   # engine 0: rank 1; engine 1 (tp = 2): ranks 2, 3
+        (4, [1, 2])
+    """
+    firsts, nxt = [], 1
+    for w in workers:
+        firsts.append(nxt)
+        nxt += int(w)
+    return nxt, firsts
 
 
 def _nbytes(entry: tuple[str, list[int], str]) -> int:
@@ -133,61 +173,105 @@ def _worker_count(llm: Any) -> int:
 
 
 class DirectReceiver:
-    """The generator's side: rendezvous and requests; it holds the spec, never a tensor of the model.
+    """One engine's side (``engine`` of the generator's ``engines``): rendezvous and requests; it holds
+    the spec, never a tensor of the model.
 
     Attributes:
-        syncs: requests answered so far; ``bytes_moved``: the bytes the workers received (each tensor
-            once, the generator's dtype); ``last_s``: the last receive's seconds.
+        syncs: requests answered so far; ``gates``: gate calls so far; ``bytes_moved``: the bytes this
+            engine's workers received (each tensor once, the generator's dtype); ``last_s``: the last
+            receive's seconds.
     """
 
-    def __init__(self, llm: Any, channel: Channel, spec: WeightSpec, *, backend: str = "gloo", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self, llm: Any, channel: Channel, spec: WeightSpec, *, backend: str = "gloo", bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine: int = 0, engines: int = 1
+    ) -> None:
+        if not 0 <= engine < engines:
+            raise ValueError(f"engine {engine} of {engines}: an engine's index must be in 0..{engines - 1}")
         self.llm, self.channel, self.spec, self.backend = llm, channel, [tuple(e) for e in spec], backend
         self.plan = plan_of(spec, bucket_bytes)
         self.bucket_bytes = bucket_bytes
-        self.syncs, self.bytes_moved, self.last_s = 0, 0, 0.0
+        self.engine, self.engines = int(engine), int(engines)
+        self.syncs, self.gates, self.bytes_moved, self.last_s = 0, 0, 0, 0.0
         self.connected = False
         self._asked = 0.0
 
     def connect(self) -> None:
-        """Say hello, wait for the sending rank's address, have every worker join (blocks until all have).
+        """Say hello, wait for the sending rank's address, have every worker join at this engine's
+        ranks (blocks until every member of the group, every engine's workers, has joined).
 
         Raises:
             TransportError: no sender answered, or a worker did not join, within the channel's timeout.
         """
-        world = 1 + _worker_count(self.llm)
+        workers = _worker_count(self.llm)
         timeout = self.channel.timeout_s
-        self.channel.put("hello", {"host": socket.gethostname(), "world": world, "backend": self.backend, "bucket_bytes": self.bucket_bytes, "spec": self.spec})
+        self.channel.put(f"hello/{self.engine}", {"host": socket.gethostname(), "workers": workers, "engines": self.engines,
+                                                  "backend": self.backend, "bucket_bytes": self.bucket_bytes, "spec": self.spec})  # fmt: skip
         addr = self.channel.take("address", what="address from the policy's sending rank")
+        world, first = int(addr["world"]), int(addr["first"][self.engine])
         try:
-            ranks = self.llm.collective_rpc("flowrl_join_weight_group", args=(addr["host"], int(addr["port"]), world, self.backend, timeout), timeout=timeout)
+            ranks = self.llm.collective_rpc("flowrl_join_weight_group", args=(addr["host"], int(addr["port"]), world, self.backend, timeout, first), timeout=timeout)
         except Exception as exc:
-            raise TransportError(f"vLLM's workers did not join the direct weight-sync group at {addr['host']}:{addr['port']} ({self.backend}): {exc}") from exc
-        if sorted(ranks) != list(range(1, world)):
-            raise TransportError(f"vLLM's workers joined the direct weight-sync group as ranks {ranks}, expected {list(range(1, world))}")
+            raise TransportError(f"vLLM's workers (engine {self.engine}) did not join the direct weight-sync group at {addr['host']}:{addr['port']} ({self.backend}): {exc}") from exc
+        if sorted(ranks) != list(range(first, first + workers)):
+            raise TransportError(f"vLLM's workers (engine {self.engine}) joined the direct weight-sync group as ranks {ranks}, expected {list(range(first, first + workers))}")
         self.connected = True
 
     def receive(self, min_version: int, held: int) -> int:
-        """``ask``, then ``load`` what the answer names when it is newer than ``held``.
+        """``gate``, then ``load`` what the answer names when it is newer than ``held``.
 
         Returns:
             The version vLLM now holds.
         """
-        version = self.ask(min_version, held)
+        version = self.gate(min_version, held)
         if version > held:
             self.load(version)
         return max(version, held)
 
+    def gate(self, min_version: int, held: int, *, ask: bool = True) -> int:
+        """One gate call of this engine (every engine of the generator makes the same calls with the
+        same ``min_version`` and ``held``): the version the policy is sending into every engine now,
+        or ``held`` when nothing comes. The first engine asks (``ask``: whether to; its decision) on
+        behalf of all and says so under ``gate/<s>``; any other engine follows that request's answer.
+
+        Raises:
+            TransportError: the policy failed or did not answer; engine 0 did not say its gate call
+                within the channel's timeout; this engine holds another version than engine 0.
+        """
+        s = self.gates
+        self.gates += 1
+        if self.engine == 0:
+            if self.engines > 1:
+                self.channel.put(f"gate/{s}", {"request": self.syncs if ask else None, "held": int(held), "min_version": int(min_version)})
+            return self.ask(min_version, held) if ask else int(held)
+        told = self.channel.take(f"gate/{s}", what=f"the first engine's gate call {s}")
+        if (int(told["held"]), int(told["min_version"])) != (int(held), int(min_version)):
+            raise TransportError(
+                f"vLLM engine {self.engine} holds version {held} at a gate of version >= {min_version}, but engine 0 holds "
+                f"{told['held']} at a gate of version >= {told['min_version']} (gate call {s}): every engine of the generator must hold one version"
+            )
+        if told["request"] is None:
+            return int(held)
+        n = int(told["request"])
+        self.syncs, self._asked = n + 1, time.perf_counter()
+        return self._answer(n, min_version)
+
     def ask(self, min_version: int, held: int) -> int:
         """Ask the policy for its newest version, at least ``min_version`` (``held``: the version vLLM
         holds, -1 for none); the policy sends it at once when it is newer than ``held``, else nothing.
+        The first engine's to call (``gate``): the other engines follow its requests.
 
         Raises:
             TransportError: the policy failed, or did not answer within the channel's timeout.
         """
+        if self.engine != 0:
+            raise ValueError(f"vLLM engine {self.engine}: only engine 0 asks the policy for weights; the others follow its requests (gate)")
         n = self.syncs
         self.syncs += 1
         self._asked = time.perf_counter()
         self.channel.put(f"want/{n}", {"min_version": int(min_version), "held": int(held)})
+        return self._answer(n, min_version)
+
+    def _answer(self, n: int, min_version: int) -> int:
         answer = self.channel.take(f"send/{n}", what=f"answer to weight request {n} (version >= {min_version})")
         if "error" in answer:
             raise TransportError(f"the policy's ranks failed to send weights into vLLM: {answer['error']}")
@@ -210,9 +294,10 @@ class DirectReceiver:
         self.last_s = time.perf_counter() - self._asked
 
     def close(self) -> None:
-        """Tell the policy side the route is closed and leave the group (best effort)."""
+        """Tell the policy side the route is closed (the first engine, for all) and leave the group (best effort)."""
         try:
-            self.channel.put(f"want/{self.syncs}", {"closed": True})
+            if self.engine == 0:
+                self.channel.put(f"want/{self.syncs}", {"closed": True})
         except Exception:
             pass
         if self.connected:
@@ -223,12 +308,12 @@ class DirectReceiver:
                 pass
 
 
-def _own_address(generator_host: str) -> tuple[str, str]:
+def _own_address(generator_hosts: set[str]) -> tuple[str, str]:
     """(address to bind, address to advertise) for the sending rank's listening socket."""
     fixed = os.environ.get("FLOWRL_WEIGHT_SYNC_HOST")
     if fixed:
         return fixed, fixed
-    if generator_host == socket.gethostname():
+    if generator_hosts == {socket.gethostname()}:
         return "127.0.0.1", "127.0.0.1"
     return "0.0.0.0", socket.gethostbyname(socket.gethostname())
 
@@ -251,25 +336,29 @@ class DirectSender:
         self._pg: Any = None
 
     def connect(self) -> None:
-        """Read the generator's hello; the sending rank binds, answers its address and forms the group
-        (blocks until vLLM's workers joined)."""
-        hello = self.channel.take("hello", what="hello from the vLLM generator")
+        """Read the generator's hello; the sending rank waits for every engine's, binds, answers its
+        address and forms the group (blocks until every engine's workers joined)."""
+        hello = self.channel.take("hello/0", what="hello from the vLLM generator")
         self.spec = [tuple(e) for e in hello["spec"]]
         self.plan = plan_of(self.spec, int(hello["bucket_bytes"]))
-        self.backend, world = str(hello["backend"]), int(hello["world"])
+        self.backend = str(hello["backend"])
         if self.backend == "nccl" and self.device.type != "cuda":
             raise TransportError(f"the vLLM generator asked for an NCCL weight-sync group but this policy rank's device is {self.device}; NCCL needs every member on a GPU of its own")
         if not self.sending:
             return
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        bind, advertise = _own_address(str(hello["host"]))
+        engines = int(hello["engines"])
+        hellos = [hello, *(self.channel.take(f"hello/{i}", what=f"hello from the vLLM generator's engine {i} of {engines}") for i in range(1, engines))]
+        _check_alike(hellos)
+        world, firsts = group_ranks([int(h["workers"]) for h in hellos])
+        bind, advertise = _own_address({str(h["host"]) for h in hellos})
         listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listen.bind((bind, 0))  # bound before anyone hears the port: no race for it
         listen.listen()
         port = int(listen.getsockname()[1])
-        self.channel.put("address", {"host": advertise, "port": port})
+        self.channel.put("address", {"host": advertise, "port": port, "world": world, "first": firsts})
         try:
             self._pg = stateless_init_torch_distributed_process_group(
                 advertise, port, 0, world, self.backend, listen_socket=listen, timeout=timedelta(seconds=self.channel.timeout_s)
@@ -347,6 +436,19 @@ class DirectSender:
                 stateless_destroy_torch_distributed_process_group(pg)
             except Exception:
                 pass
+
+
+def _check_alike(hellos: list[dict[str, Any]]) -> None:
+    """Every engine's hello names the same weights, backend, bucket size and engine count (they are
+    replicas of one generator: one plan and one broadcast serve them all)."""
+    first = hellos[0]
+    for i, h in enumerate(hellos[1:], start=1):
+        if h["spec"] != first["spec"]:
+            odd = [e[0] for e, f in zip(h["spec"], first["spec"]) if e != f][:5] or f"{len(h['spec'])} tensors against {len(first['spec'])}"
+            raise TransportError(f"the vLLM generator's engine {i} holds other weights than engine 0 ({odd}): every engine of one generator must hold the same model in one dtype")
+        for key in ("backend", "bucket_bytes", "engines"):
+            if h[key] != first[key]:
+                raise TransportError(f"the vLLM generator's engine {i} says {key}={h[key]!r}, engine 0 {key}={first[key]!r}: every engine of one generator must agree")
 
 
 def _full(t: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -451,8 +451,9 @@ class VLLMGenerator:
         (none on the direct route)."""
         return self._targets
 
-    def connect_direct(self, channel: Any, *, bucket_bytes: int | None = None) -> None:
-        """Form the direct route's group: this process says hello on ``channel`` (a ``vllm_direct.Channel``),
+    def connect_direct(self, channel: Any, *, bucket_bytes: int | None = None, engine: int = 0, engines: int = 1) -> None:
+        """Form the direct route's group: this process says hello on ``channel`` (a ``vllm_direct.Channel``)
+        as engine ``engine`` of the generator's ``engines`` (its replicas: one group spans them all),
         the policy's sending rank answers its address, vLLM's workers join it (``vllm_direct``). The
         group is gloo on a CPU, NCCL when vLLM's workers are on GPUs."""
         from flowrl.operators.engines.vllm_direct import DEFAULT_BUCKET_BYTES, DirectReceiver
@@ -460,16 +461,18 @@ class VLLMGenerator:
         if self.weights_by != "direct":
             raise ConfigError(f"generator {self.name!r}: connect_direct needs the engine started with transport='direct'")
         backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
-        self._direct = DirectReceiver(self.llm, channel, self._spec, backend=backend, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+        self._direct = DirectReceiver(self.llm, channel, self._spec, backend=backend, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, engine=engine, engines=engines)
         self._direct.connect()
 
-    def take_direct(self, min_version: int) -> int:
+    def take_direct(self, min_version: int, *, ask: bool = True) -> int:
         """The generator's gate on the direct route: the policy's newest version, at least ``min_version``,
         into vLLM's workers when it is newer than the one they hold (continuous batching's running
-        requests stopped first, the prefix cache reset after). Returns the version vLLM now holds."""
+        requests stopped first, the prefix cache reset after). ``ask``: whether to ask the policy at all
+        (holding ``min_version``, a caller may not); with several engines the first engine's decision
+        and request serve all (``vllm_direct.DirectReceiver.gate``). Returns the version vLLM now holds."""
         if self._direct is None:
             raise ConfigError(f"generator {self.name!r}: take_direct before connect_direct")
-        version = self._direct.ask(int(min_version), held=self._version)
+        version = self._direct.gate(int(min_version), held=self._version, ask=ask)
         if version != self._version:
             if self.stream is not None:  # running requests stop before the load, resumed by the next step
                 self.stream.interrupt()

@@ -10,7 +10,8 @@ Weights reach the workers one of two ways (``flowrl.operators.engines.vllm_sync`
 
 - over the **weight-sync group**: a process group outside both default worlds, formed once by
   ``flowrl_join_weight_group`` between the sender (rank 0: the generator's process, or on the direct
-  route the policy's sending rank, ``vllm_direct``) and every worker (rank ``1 + worker rank``), with
+  route the policy's sending rank, ``vllm_direct``) and every worker (rank ``1 + worker rank``; on
+  the direct route into several engines, engine ``i``'s workers from its own first rank on), with
   vLLM's ``stateless_init_torch_distributed_process_group``. ``flowrl_receive_weights``
   then takes the buckets the sender broadcasts, tensor by tensor, a receiving thread filling bucket
   ``i + 1`` while vLLM loads bucket ``i``;
@@ -47,14 +48,15 @@ _AHEAD = 2
 class FlowrlWorkerExtension:
     """Methods mixed into a vLLM worker (``self`` is the worker: ``reload_weights``, ``model_runner``, ``rank``)."""
 
-    def flowrl_join_weight_group(self: Any, host: str, port: int, world: int, backend: str, timeout_s: float) -> int:
-        """Join the weight-sync group as rank ``1 + self.rank`` (the sender is rank 0); blocks until
-        every member has joined. Returns this worker's rank in the group."""
+    def flowrl_join_weight_group(self: Any, host: str, port: int, world: int, backend: str, timeout_s: float, first: int = 1) -> int:
+        """Join the weight-sync group as rank ``first + self.rank`` (the sender is rank 0; ``first``:
+        this engine's first rank, 1 unless several engines share the group); blocks until every member
+        has joined. Returns this worker's rank in the group."""
         from datetime import timedelta
 
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        rank = 1 + int(self.rank)
+        rank = int(first) + int(self.rank)
         self._flowrl_group = stateless_init_torch_distributed_process_group(
             host, port, rank, world, backend, timeout=timedelta(seconds=timeout_s)
         )

@@ -1,17 +1,23 @@
 """The direct weight route in a torchrun job: the policy's ranks send straight into vLLM's workers.
 
-Which edges (``direct_channels``): a weight edge into a vLLM generator on one rank (one engine,
-``tp`` = 1) whose transport is the default (``inprocess``), not in flight, without LoRA, with no user
-program at either end, from a policy on other ranks than the generator's. Such an edge's
-``TransportSpec`` is named :data:`ROUTE`; the generator's program then starts vLLM with
-``transport="direct"`` (no staging copy) and its sync is ``VLLMGenerator.take_direct`` at the gate's
-minimum version (``GeneratorProgram._take_direct``; holding that version already, it asks only when
-the lead's ``policy`` key says a newer one exists and the policy is between commands, so sampling at
-k >= 1 does not wait for a step in progress). Every other edge takes the hop route (the collective
-transport into the generator rank's staging copy, then vLLM's weight-sync group): colocated ranks,
-LoRA adapters, ``file``/``shm``, continuous batching and in-flight updates, several generator ranks
-(replicas or vLLM ``tp`` > 1: one sender would serve several engines, not built). Naming
-``transport="collective"`` on the edge forces the hop.
+Which edges (``direct_channels``, the one place that decides): a weight edge into a vLLM generator
+whose transport is the default (``inprocess``), not in flight, without LoRA, in lock step, with no
+user program at either end, from a policy on other ranks than the generator's. The generator may
+have any mesh: ``dp`` replicas, each one vLLM engine of ``tp`` workers (``vllm_replicas``), all join
+one weight-sync group of ``1 + dp * tp`` members whose rank 0 is the policy's sending rank, and one
+broadcast per tensor reaches every worker of every engine (with ``tp`` > 1 each worker takes the
+full tensor and vLLM's ``load_weights`` keeps its shard), as NeMo-RL, verl and OpenRLHF do it.
+Such an edge's ``TransportSpec`` is named :data:`ROUTE`; the generator's program then starts vLLM
+with ``transport="direct"`` (no staging copy) and its sync is ``VLLMGenerator.take_direct`` at the
+gate's minimum version (``GeneratorProgram._take_direct``; holding that version already, it asks only
+when the lead's ``policy`` key says a newer one exists and the policy is between commands, so
+sampling at k >= 1 does not wait for a step in progress). With several replicas the first replica's
+engine rank decides and asks on behalf of all, and every other engine rank follows that request at
+the same gate call (``vllm_direct.DirectReceiver.gate``): every broadcast reaches every engine, so
+the engines hold one version after every gate call and the staleness bound holds for each. Every
+other edge takes the hop route (the collective transport into each engine rank's staging copy, then
+vLLM's weight-sync group): colocated ranks, LoRA adapters, ``file``/``shm``, continuous batching and
+in-flight updates. Naming ``transport="collective"`` on the edge forces the hop.
 
 The rendezvous and the requests go over the job's own store (``vllm_direct.Channel``, under
 ``<policy>-><generator>``). The policy's side is ``DirectPolicy``, which wraps each policy rank's
@@ -57,8 +63,8 @@ def direct_channels(graph: Graph, ranks: dict[str, tuple[int, ...]], programs: d
             continue
         if not isinstance(dst, GeneratorNode) or not ENGINE_CAPS[dst.engine].weight_hop or dst.sampling.batching == "continuous":
             continue  # only an engine whose weights move on into workers of its own has a route to skip
-        if len(ranks.get(e.dst, ())) != 1 or set(ranks.get(e.src, ())) & set(ranks[e.dst]):
-            continue
+        if not ranks.get(e.dst) or set(ranks.get(e.src, ())) & set(ranks[e.dst]):
+            continue  # colocated: a policy rank would share a device with a vLLM worker
         models = [getattr(src, "model", None), getattr(dst, "model", None)]
         if any(m is None or lora_of(m) is not None for m in models):
             continue
@@ -205,7 +211,7 @@ class DirectPolicy:
             if ch in self._closed:
                 continue
             if ch not in self._connected:
-                if not sender.channel.has("hello"):
+                if not sender.channel.has("hello/0"):
                     continue
                 sender.connect()  # the sending rank: blocks until vLLM's workers joined
                 self._connected.add(ch)

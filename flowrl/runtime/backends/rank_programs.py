@@ -376,6 +376,7 @@ class ParallelGenerator(GeneratorProgram):
         else:
             options = self._vllm_options(node.name) if self.vllm_tp else None
             super().__init__(node, graph, env, transports, seed=env.seed, engine_options=options)  # every rank seeds sampling alike
+            self._engine_of = (self.replica, len(self.rows))  # on the direct route every replica's engine joins one group
         self.sharded = len(self.tp_ranks) > 1 and not self.vllm_tp  # vLLM shards in its own workers
         if self.sharded:
             self._shard(mesh)
