@@ -5,7 +5,9 @@ processes), the replica's other ranks idle (``flowrl.runtime.backends.vllm_repli
 The torchrun job (slow: vLLM's start and three ranks' imports, ~1-3 min on 2 shared cores): the
 generator on ranks 0-1 with mesh ``{"dp": 1, "tp": 2}``, the policy on rank 2. After every weight
 update each of vLLM's two workers reports the digests of its shards (``collective_rpc`` reaches every
-worker); they must equal the policy checkpoint's tensors cut as vLLM cuts them, bit for bit, and the
+worker; in lock step the weights come over the direct route, the policy's rank broadcasting each
+tensor whole to both workers, with continuous batching over the hop route); they must equal the
+policy checkpoint's tensors cut as vLLM cuts them, bit for bit, and the
 policy trains with mu equal to pi within float32 rounding at k = 0; in lock step and with
 continuous batching (the engine rank streams every prompt through vLLM, the idle rank waits).
 
@@ -103,15 +105,26 @@ def _job(out: str, model_dir: str, batching: str) -> int:
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 
-    loads = VLLMGenerator.version.fset
+    loads, takes = VLLMGenerator.version.fset, VLLMGenerator.take_direct
 
-    def load_and_record(self, value):
-        loads(self, value)
+    def record(self, value):
         workers = self.llm.collective_rpc("flowrl_weight_digests")  # one answer per tensor-parallel worker
-        record = {"version": int(value), "tensor_parallel_size": self.tensor_parallel_size, "workers": workers}
+        record = {"version": int(value), "tensor_parallel_size": self.tensor_parallel_size, "weights_by": self.weights_by, "workers": workers}
         Path(out, f"vllm-v{int(value)}.json").write_text(json.dumps(record))
 
+    def load_and_record(self, value):  # the hop route (continuous batching): the engine rank pushes its staging copy
+        loads(self, value)
+        record(self, value)
+
+    def take_and_record(self, min_version, **kw):  # the direct route (lock step): the policy's rank sends into both workers
+        held = self.version
+        got = takes(self, min_version, **kw)
+        if got != held:
+            record(self, got)
+        return got
+
     VLLMGenerator.version = VLLMGenerator.version.setter(load_and_record)
+    VLLMGenerator.take_direct = take_and_record
     graph = vllm_tp_graph(model_dir, batching=batching)
     config = RunConfig(steps=STEPS, backend="torchrun", checkpoint_dir="ck", checkpoint_every=1, metrics="m.jsonl")
     run_graph(graph, load_placement("place.json", graph), config)
@@ -159,6 +172,7 @@ def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_
     vllm = json.loads((tmp_path / f"vllm-v{last}.json").read_text())
     state = read_policy_state(tmp_path / "ck" / f"step-{last:08d}")
     assert int(state["version"]) == last and last > 0 and vllm["tensor_parallel_size"] == 2
+    assert vllm["weights_by"] == ("direct" if batching == "lockstep" else "group")  # continuous batching keeps the hop route
     weights = {n: t.to(torch.float32) for n, t in state["model"].items()}
     assert sorted(w["tp_rank"] for w in vllm["workers"]) == [0, 1] and {w["tp_size"] for w in vllm["workers"]} == {2}
     for worker in vllm["workers"]:  # every worker's shards are that checkpoint's, cut as vLLM cuts them

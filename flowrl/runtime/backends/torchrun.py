@@ -37,8 +37,8 @@ Where things run:
   edge opened at setup, generator ranks receiving in the background); every policy replica
   publishes, every generator rank fetches. Edges that name ``shm`` or ``file`` keep them (``file``
   across hosts needs ``FLOWRL_WEIGHTS_DIR``, a directory every host sees). A default edge into a
-  vLLM generator on one rank apart from the policy's takes the direct route instead (the policy's
-  ranks send into vLLM's workers: ``direct_route``).
+  vLLM generator on ranks apart from the policy's takes the direct route instead (the policy's
+  ranks send into every vLLM engine's workers at once: ``direct_route``).
 
 Timeouts (a failure stops the whole job in bounded time; nothing waits forever):
 

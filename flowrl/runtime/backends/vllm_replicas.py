@@ -11,7 +11,9 @@ devices: a plan that gives the generator ``dp x tp`` devices gets them used, and
 represents each device keeps taking part in the node's step (the prompts' broadcast, the metrics).
 Only engine ranks fetch weights (``engine_ranks``: the weight edge's fetchers, each receiving the
 full state), and each pushes them into every worker of its engine over its weight-sync group
-(``flowrl.operators.engines.vllm_sync``), where vLLM's own ``load_weights`` keeps each worker's shard.
+(``flowrl.operators.engines.vllm_sync``), where vLLM's own ``load_weights`` keeps each worker's shard;
+on the direct route (``direct_route``) the policy's rank sends into every engine's workers over one
+group instead, and the engine ranks only coordinate.
 
 Why vLLM's own processes rather than its ``external_launcher`` (a vLLM worker inside every torchrun
 rank): the external launcher takes its ranks from the job's ``RANK`` and its world from the whole
