@@ -32,12 +32,16 @@ Cases (``--cases``, comma-separated):
   ``take_direct``), the bytes, this process's peak RSS above its RSS before the sync (no staging
   copy: ~0), vLLM's worker's peak, and per policy rank its peak RSS in the sync and above its RSS
   before it (one bucket of gathered tensors); the last version checked bit for bit.
+- ``direct-two-engines``: ``direct-replicated`` into two vLLM engines (replicas, one worker each: one
+  weight-sync group of 3), this process running engine 0 and a second process engine 1
+  (``--engine``); engine 0 asks for both, the policy's rank broadcasts each tensor once to both
+  workers. Per update the seconds of each engine's ``take_direct``; both engines checked bit for bit.
 
 Prints one JSON object; ``group_over_file`` (replicated, median / median: the goal is <= 0.5); the
 machine's load before and after each case.
 
 Run: python benches/weight_sync.py [--quick] [--layers 24] [--repeats 3] [--steps 3] [--bucket-mb 128]
-     [--cases replicated,fsdp-group,fsdp-file,direct-replicated,direct-fsdp]
+     [--cases replicated,fsdp-group,fsdp-file,direct-replicated,direct-fsdp,direct-two-engines]
 (--quick: 2 layers, 1 repeat, 2 steps, about 3 minutes for all three cases on 2 shared cores; the
 full 24 layers need ~20 GB for an FSDP case; 12 layers, all cases: ~6 minutes, ~12 GB for the three ranks.)
 """
@@ -53,6 +57,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -311,20 +316,62 @@ def _policy_rank(mode: str, store_port: int, rank: int, world: int, pg_port: int
         dist.destroy_process_group()
 
 
-def direct_case(tmp: Path, model_dir: Path, repeats: int, mode: str, params: int) -> dict:
+def _direct_generator(model_dir: Path) -> Any:
+    from flowrl.graph.configs import HFModelConfig, SamplingConfig
+    from flowrl.graph.nodes import GeneratorNode
+    from flowrl.operators.engines.vllm_engine import VLLMGenerator
+
+    node = GeneratorNode(name="gen", model=HFModelConfig(path=str(model_dir), init="random", seed=0), engine="vllm",
+                         sampling=SamplingConfig(n_samples=4, max_new_tokens=24))  # fmt: skip
+    return VLLMGenerator(node, seed=0, transport="direct")
+
+
+def _expected_weights(model_dir: Path, repeats: int) -> dict[str, torch.Tensor]:
+    """The policy's last version, redone here."""
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.models.causal_lm import weight_dict
+    from flowrl.models.registry import build_model
+
+    policy = build_model(HFModelConfig(path=str(model_dir), init="random", seed=0))
+    for _ in range(repeats):
+        _bump_(policy)
+    return weight_dict(policy)
+
+
+def _second_engine(store_port: int, out: str, repeats: int, model_dir: str) -> None:
+    """Engine 1 of ``direct-two-engines`` (``python benches/weight_sync.py --engine ...``): follows
+    engine 0's requests, each ``take_direct`` timed; the last version checked bit for bit."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from flowrl.operators.engines.vllm_direct import Channel
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=600))
+    gen = _direct_generator(Path(model_dir))
+    try:
+        gen.connect_direct(Channel(store, "bench", timeout_s=600), engine=1, engines=2)
+        seconds = []
+        for version in range(1, repeats + 1):
+            t0 = time.perf_counter()
+            gen.take_direct(min_version=version)
+            seconds.append(round(time.perf_counter() - t0, 3))
+        bit_for_bit = gen.weights_differ(_expected_weights(Path(model_dir), repeats)) == []
+        Path(out).write_text(json.dumps({"seconds": seconds, "bit_for_bit": bit_for_bit, "bytes": gen.sync_bytes}))
+    finally:
+        gen.close()
+
+
+def direct_case(tmp: Path, model_dir: Path, repeats: int, mode: str, params: int, engines: int = 1) -> dict:
     """The direct route: the policy's ranks (``mode``: one replicated rank, or 2 FSDP2 ranks) send
-    straight into vLLM's worker; this process runs the engine and only coordinates (no staging copy)."""
+    straight into vLLM's worker (``engines``: 2, a second engine in a process of its own joins the
+    group); this process runs the engine and only coordinates (no staging copy)."""
     import subprocess
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from flowrl.graph.configs import HFModelConfig, SamplingConfig
-    from flowrl.graph.nodes import GeneratorNode
-    from flowrl.models.causal_lm import weight_dict
-    from flowrl.models.registry import build_model
     from flowrl.operators.engines.vllm_direct import Channel
-    from flowrl.operators.engines.vllm_engine import VLLMGenerator
 
     ranks = 2 if mode == "fsdp" else 1
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
@@ -336,11 +383,11 @@ def direct_case(tmp: Path, model_dir: Path, repeats: int, mode: str, params: int
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     procs = [subprocess.Popen([sys.executable, __file__, "--policy-rank", mode, str(store.port), str(r), str(ranks), str(pg_port),
                                str(tmp / f"rank{r}.json"), str(repeats), str(model_dir)], env=env) for r in range(ranks)]  # fmt: skip
-    node = GeneratorNode(name="gen", model=HFModelConfig(path=str(model_dir), init="random", seed=0), engine="vllm",
-                         sampling=SamplingConfig(n_samples=4, max_new_tokens=24))  # fmt: skip
-    gen = VLLMGenerator(node, seed=0, transport="direct")
+    if engines == 2:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--engine", str(store.port), str(tmp / "engine1.json"), str(repeats), str(model_dir)], env=env))
+    gen = _direct_generator(model_dir)
     try:
-        gen.connect_direct(Channel(store, "bench", timeout_s=600))
+        gen.connect_direct(Channel(store, "bench", timeout_s=600), engines=engines)
         seconds, gen_peak, worker_peak, gen_before = [], 0, 0, []
         for version in range(1, repeats + 1):
             gen_before.append(_rss_bytes(os.getpid()))
@@ -350,19 +397,20 @@ def direct_case(tmp: Path, model_dir: Path, repeats: int, mode: str, params: int
                 seconds.append(round(time.perf_counter() - t0, 3))
             gen_peak = max(gen_peak, rss.peak.get(os.getpid(), 0) - gen_before[-1])
             worker_peak = max(worker_peak, max((rss.peak.get(p, 0) for p in _worker_pids(os.getpid())), default=0))
-        policy = build_model(HFModelConfig(path=str(model_dir), init="random", seed=0))  # the policy's last version, redone here
-        for _ in range(repeats):
-            _bump_(policy)
-        bit_for_bit = gen.weights_differ(weight_dict(policy)) == []
-        del policy
+        bit_for_bit = gen.weights_differ(_expected_weights(model_dir, repeats)) == []
         nbytes = gen.sync_bytes // repeats
     finally:
         gen.close()
         codes = [p.wait(timeout=600) for p in procs]
-    if codes != [0] * ranks:
-        raise RuntimeError(f"direct {mode}: policy ranks exited with {codes}")
+    if codes != [0] * len(procs):
+        raise RuntimeError(f"direct {mode}: policy ranks (and engine 1) exited with {codes}")
     recs = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(ranks)]
+    second = json.loads((tmp / "engine1.json").read_text()) if engines == 2 else None
+    if second is not None:
+        bit_for_bit = bit_for_bit and second["bit_for_bit"]
     return {
+        "engines": engines,
+        **({"engine1_seconds": _spread(second["seconds"]), "engine1_bytes_per_update": second["bytes"] // repeats} if second else {}),
         "route": "direct", "policy": mode, "seconds": _spread(seconds), "bytes_per_update": nbytes, "bit_for_bit": bit_for_bit,
         "generator_peak_above_before_sync_gb": round(gen_peak / 2**30, 3), "generator_rss_gb": round(max(gen_before) / 2**30, 3),
         "vllm_worker_peak_rss_gb": round(worker_peak / 2**30, 3),
@@ -383,13 +431,17 @@ def _params(model_dir: Path) -> int:
     return sum(p.numel() for p in model.parameters())  # a tied head counted once
 
 
-CASES = ("replicated", "fsdp-group", "fsdp-file", "direct-replicated", "direct-fsdp")
+CASES = ("replicated", "fsdp-group", "fsdp-file", "direct-replicated", "direct-fsdp", "direct-two-engines")
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--policy-rank"]:  # a direct case's policy rank (started by ``direct_case``)
         a = sys.argv[2:]
         _policy_rank(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]), a[5], int(a[6]), a[7])
+        return
+    if sys.argv[1:2] == ["--engine"]:  # engine 1 of ``direct-two-engines`` (started by ``direct_case``)
+        a = sys.argv[2:]
+        _second_engine(int(a[0]), a[1], int(a[2]), a[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="updates per route in the replicated case")
@@ -418,7 +470,8 @@ def main() -> None:
                 out[case] = replicated_case(model_dir, args.repeats, args.bucket_mb)
             elif case.startswith("direct-"):
                 (Path(tmp) / case).mkdir()
-                out[case] = direct_case(Path(tmp) / case, model_dir, args.repeats, case.split("-")[1], params)
+                mode = "replicated" if case == "direct-two-engines" else case.split("-")[1]
+                out[case] = direct_case(Path(tmp) / case, model_dir, args.repeats, mode, params, engines=2 if case == "direct-two-engines" else 1)
             else:
                 (Path(tmp) / case).mkdir()
                 out[case] = fsdp_case(Path(tmp) / case, model_dir, args.steps, case.split("-")[1], params)

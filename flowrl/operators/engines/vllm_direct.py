@@ -73,7 +73,8 @@ Example (a generator's process and the policy's first rank, sharing a store)::
     recv.receive(min_version=1, held=0)         # -> 1: loaded into every worker
 
 (several engines: ``DirectReceiver(..., engine=i, engines=E)`` in each engine's process, every one
-calling ``connect`` and then ``receive`` or ``gate`` alike.)
+calling ``connect`` and then ``receive`` or ``gate`` alike; each over a store client of its own, since
+a ``TCPStore`` client's ``wait`` holds its socket and would keep another engine's hello from going out.)
 """
 
 from __future__ import annotations
