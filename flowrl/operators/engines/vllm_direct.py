@@ -347,11 +347,11 @@ class DirectSender:
             raise TransportError(f"the vLLM generator asked for an NCCL weight-sync group but this policy rank's device is {self.device}; NCCL needs every member on a GPU of its own")
         if not self.sending:
             return
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
         engines = int(hello["engines"])
         hellos = [hello, *(self.channel.take(f"hello/{i}", what=f"hello from the vLLM generator's engine {i} of {engines}") for i in range(1, engines))]
-        _check_alike(hellos)
+        _check_alike(hellos)  # before any work: no vLLM import, no port
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
         world, firsts = group_ranks([int(h["workers"]) for h in hellos])
         bind, advertise = _own_address({str(h["host"]) for h in hellos})
         listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
