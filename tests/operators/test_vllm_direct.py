@@ -3,6 +3,8 @@
 The default tests run flowrl's real worker extension (join, receive) in a stand-in worker process
 (``vllm_direct_parts``: no vLLM engine, whose start takes a minute here) and the policy's ranks as
 plain processes over gloo; the tests with vLLM's engine are in ``test_vllm_direct_engine.py``.
+A generator of several engines (replicas; an engine of two tensor-parallel workers) shares one group:
+one broadcast per tensor reaches every worker, and the first engine's requests serve all.
 """
 
 from __future__ import annotations
