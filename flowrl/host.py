@@ -1,5 +1,7 @@
 """This machine as the OS reports it: its memory and the cores this process may use (no torch).
 
+``release_freed_memory`` gives this process's freed heap back to the OS (glibc's ``malloc_trim``).
+
 Shared by the planner (the ``cpu`` cluster preset, calibration) and the runtime (the memory check
 before a run), so that both read the same figures.
 """
@@ -7,8 +9,10 @@ before a run), so that both read the same figures.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["host_memory_bytes", "host_cores"]
+__all__ = ["host_memory_bytes", "host_cores", "release_freed_memory"]
 
 
 def host_memory_bytes() -> int:
@@ -25,3 +29,32 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def _libc_trim() -> Callable[[], Any]:
+    """glibc's ``malloc_trim(0)``, or a no-op where there is none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return lambda *_: 0
+
+
+_TRIM = _libc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give this process's freed heap pages back to the system (glibc's ``malloc_trim(0)``; a no-op elsewhere).
+
+    Why: torch frees tensors of a few sizes between 1 and 32 MB one after another; glibc raises its
+    mmap threshold to the largest such block freed, so later ones come from the heap, where small
+    live objects between them keep the freed pages resident. Seen: a 110M-parameter Llama's random
+    FSDP build held +400 MB of freed memory per rank; a notebook running a 4-layer 0.5B-shaped graph
+    four times held 1.7-1.8 GB after each run against 0.5 GB after a trim. Costs well under a
+    millisecond here. Called after each module the FSDP meta build frees
+    (``flowrl.runtime.parallel.fsdp_init``), by a sharded policy before each weight sync, and when
+    ``run_graph`` returns.
+    """
+    _TRIM(0)

@@ -74,6 +74,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         GraphWarning: for each of ``flowrl.graph.advice.advice(graph)``.
     """
     from flowrl.graph.advice import warn_about
+    from flowrl.host import release_freed_memory
     from flowrl.runtime.parallel.fsdp import check_backend
     from flowrl.runtime.names import check_names
     from flowrl.runtime.executor_placement import resolve_device
@@ -109,4 +110,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         else:
             offload_roles(graph, run_placement(graph, placement, config), config.offload, device=device, backend=backend.name)
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
-    return backend.run(graph, placement, config, on_step=on_step)
+    try:
+        return backend.run(graph, placement, config, on_step=on_step)
+    finally:
+        release_freed_memory()  # a notebook's next run starts from what is live, not what this one freed

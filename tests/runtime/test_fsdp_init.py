@@ -190,7 +190,8 @@ def _init_job(out: str, root: str) -> int:
 
     from flowrl.runtime.backends import rank_programs
     from flowrl.runtime.backends.rank_programs import RankContext, ShardedPolicy
-    from flowrl.runtime.parallel.fsdp_init import meta_build, release_freed_memory
+    from flowrl.host import release_freed_memory
+    from flowrl.runtime.parallel.fsdp_init import meta_build
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

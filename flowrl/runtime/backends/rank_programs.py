@@ -132,7 +132,7 @@ class _RankPolicy(PolicyProgram):
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.backends.weights import channel, opened
         from flowrl.runtime.parallel.distributed import broadcast_batch, reduce_metrics, shard_by_groups
-        from flowrl.runtime.parallel.fsdp_init import release_freed_memory
+        from flowrl.host import release_freed_memory
 
         start = time.perf_counter()
         batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)

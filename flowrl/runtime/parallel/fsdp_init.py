@@ -49,9 +49,10 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.errors import ConfigError, FlowrlError
+from flowrl.host import release_freed_memory
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, ModelConfig
 
-__all__ = ["RowSource", "meta_build", "materialise_", "release_freed_memory", "row_range"]
+__all__ = ["RowSource", "meta_build", "materialise_", "row_range"]
 
 #: ``wanted`` (parameter name -> its rows ``(start, stop)``) -> each of them once, as ``(name, rows)``
 #: float32 CPU tensors of ``stop - start`` rows; one whole parameter in memory at most.
@@ -71,35 +72,7 @@ def row_range(rows: int, dp: int, index: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
-def _libc_trim() -> Callable[[], Any]:
-    """glibc's ``malloc_trim(0)``, or a no-op where there is none.
-
-    Why: the build frees one module's or one parameter's tensor after another, of a few sizes
-    between 1 and 32 MB; glibc raises its mmap threshold to the largest such block freed, so later
-    ones come from the heap, where small live objects between them keep the freed pages resident
-    (seen: a 110M-parameter Llama's random build held +400 MB of freed memory per rank). Trimming
-    after each frees them back to the system; it costs well under a millisecond here.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return lambda *_: 0
-
-
-_TRIM = _libc_trim()
-
-
-def release_freed_memory() -> None:
-    """Give freed heap pages back to the system (``_libc_trim``): also what a sharded policy does on a
-    CPU before each weight sync, so that a rank's memory during the sync is what it holds, not what
-    its last step freed."""
-    _TRIM(0)
-
-
-_release = release_freed_memory
+_release = release_freed_memory  # glibc's malloc_trim after each freed module (why: flowrl.host)
 
 
 def _to_meta(p: nn.Parameter) -> nn.Parameter:
