@@ -152,6 +152,10 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
         vllm_sync_bandwidth: bytes/s of the last hop of a sync into a vLLM generator (the weight-sync
             group's broadcast and vLLM's reload, ``flowrl.operators.engines.vllm_sync``), measured by
             ``flowrl calibrate --vllm``; 0: not measured (``Tuning.vllm_group_bandwidth``'s default).
+        gloo_bandwidth: bytes/s of a gloo all-gather or reduce-scatter between two processes of the
+            host (loopback TCP), in ``estimate.common.all_gather_s``'s terms: what an FSDP2 policy's
+            collectives run at on CPU ranks (``flowrl.calibration.gloo_rate``, measured by ``flowrl
+            calibrate``: the slower of the two); 0: not measured (``tuning.GLOO_BANDWIDTH``).
         host_cores: the host's cores when its devices (ranks) may outnumber them (``flowrl
             calibrate`` writes the cores it measured; ``calibrated_cluster(m, cores=n)`` with n
             above them is that many ranks on fewer cores): meshes busy together on more devices
@@ -169,10 +173,11 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     train_step_overhead_s: float = 0.0
     vllm_decode_speedup: float = 0.0
     vllm_sync_bandwidth: float = 0.0
+    gloo_bandwidth: float = 0.0
     host_cores: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s", "vllm_decode_speedup", "vllm_sync_bandwidth"):
+        for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s", "vllm_decode_speedup", "vllm_sync_bandwidth", "gloo_bandwidth"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"CpuTerms: {field}={value} must be a finite number >= 0")

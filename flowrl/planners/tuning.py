@@ -18,12 +18,17 @@ import msgspec
 
 from flowrl.errors import PlanError
 
-__all__ = ["Tuning", "make_tuning", "tuning_help", "VLLM_CPU_DECODE_SPEEDUP", "VLLM_GROUP_BANDWIDTH"]
+__all__ = ["Tuning", "make_tuning", "tuning_help", "VLLM_CPU_DECODE_SPEEDUP", "VLLM_GROUP_BANDWIDTH", "GLOO_BANDWIDTH"]
 
 #: ``Tuning.vllm_cpu_decode_speedup`` where neither the tuning nor the cluster's calibration sets it.
 VLLM_CPU_DECODE_SPEEDUP = 1.3
 #: ``Tuning.vllm_group_bandwidth`` where neither the tuning nor the cluster's calibration sets it.
 VLLM_GROUP_BANDWIDTH = 0.4e9
+#: Bytes/s of a gloo all-gather or reduce-scatter between two processes of one host (an FSDP2
+#: policy's collectives on CPU ranks, ``estimate.train``) where ``flowrl calibrate`` did not measure
+#: it (``CpuTerms.gloo_bandwidth``): ``flowrl.calibration.gloo_rate`` on this project's 2-core CPU
+#: gave 0.12 GB/s at load 9 and GLOO_AT_REST at rest; the figure is the latter.
+GLOO_BANDWIDTH = 0.3e9
 
 
 class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,145 @@
+"""The rate of gloo collectives between two processes of this host, measured: what an FSDP2 policy's
+gathers and reduce-scatters run at on CPU ranks.
+
+An FSDP2 policy on CPU ranks (a torchrun job: one process per rank, a gloo group) gathers every
+block's parameters for each forward and again for the backward, and reduce-scatters the gradients,
+over loopback TCP between the ranks' processes: a rate of its own, well below a memory copy's. The
+planner prices those collectives at it (``estimate.train``: ``CpuTerms.gloo_bandwidth``).
+
+``measure_gloo()`` starts two processes (``python -m flowrl.calibration.gloo_rate``), which form a
+gloo group over a ``TCPStore`` that the first one binds (it picks the port and prints it: no race)
+and each time ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of a ``nbytes`` tensor (each
+rank's shard is half of it), ``repeats`` times after one warm-up each, the two taking turns. The
+rate is in the planner's terms (``estimate.common.all_gather_s``: ``(n - 1) / n * bytes /
+bandwidth`` with n = 2), the median (or ``statistic="best"``) of each collective's seconds:
+``bandwidth = nbytes / 2 / seconds``; ``CpuTerms.gloo_bandwidth`` takes the slower of the two.
+``GLOO_BYTES`` (64 MiB) makes the whole measurement about a second on this project's 2-core CPU
+(0.3-0.6 GB/s there), plus the two processes' start.
+
+Example:
+    >>> m = Measurements(matmul_flops=40e9, copy_bandwidth=6e9, op_overhead_s=4e-6, cores=2, memory_bytes=2**30)
+    >>> with_gloo(m, GlooFigures(gather_bandwidth=0.6e9, reduce_scatter_bandwidth=0.4e9, nbytes=2**26)).cpu.gloo_bandwidth
+    400000000.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from flowrl.calibration.measure import Measurements
+from flowrl.errors import PlanError
+
+__all__ = ["GlooFigures", "measure_gloo", "with_gloo", "GLOO_BYTES"]
+
+#: Bytes of the tensor each collective gathers (or reduce-scatters) by default.
+GLOO_BYTES = 64 * 2**20
+#: Seconds the two processes may take, start-up included, before they are killed.
+TIMEOUT_S = 300.0
+
+
+class GlooFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``measure_gloo`` found (module docstring), bytes/s in the planner's terms."""
+
+    gather_bandwidth: float
+    reduce_scatter_bandwidth: float
+    nbytes: int
+
+
+def with_gloo(m: Measurements, figures: GlooFigures) -> Measurements:
+    """``m`` with the slower of the two gloo rates as ``CpuTerms.gloo_bandwidth`` (pure)."""
+    rate = min(figures.gather_bandwidth, figures.reduce_scatter_bandwidth)
+    return msgspec.structs.replace(m, cpu=msgspec.structs.replace(m.cpu, gloo_bandwidth=rate))
+
+
+def measure_gloo(*, nbytes: int = GLOO_BYTES, repeats: int = 3, statistic: str = "median") -> GlooFigures:
+    """Time gloo's all-gather and reduce-scatter between two processes of this host (module docstring).
+
+    Raises:
+        PlanError: a count below 1, an unknown ``statistic``, or a process that failed or took longer
+            than ``TIMEOUT_S`` (its error kept).
+    """
+    if nbytes < 8 or repeats < 1:
+        raise PlanError(f"measure_gloo: nbytes={nbytes} must be >= 8 and repeats={repeats} >= 1")
+    if statistic not in ("median", "best"):
+        raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
+    cmd = [sys.executable, "-m", "flowrl.calibration.gloo_rate", "--bytes", str(nbytes), "--repeats", str(repeats)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun starts each rank
+    first = subprocess.Popen([*cmd, "--rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    second = None
+    try:
+        assert first.stdout is not None
+        line = first.stdout.readline()  # the port it bound, or nothing if it failed
+        if not line:
+            raise PlanError(f"measuring gloo's rate: the first process failed: {first.communicate(timeout=TIMEOUT_S)[1][-2000:]}")
+        port = int(json.loads(line)["port"])
+        second = subprocess.Popen([*cmd, "--rank", "1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        out, err = first.communicate(timeout=TIMEOUT_S)
+        _, err_second = second.communicate(timeout=TIMEOUT_S)
+        if first.returncode or second.returncode:
+            raise PlanError(f"measuring gloo's rate: a process failed (exit {first.returncode}, {second.returncode}): {(err or err_second)[-2000:]}")
+    except subprocess.TimeoutExpired:
+        raise PlanError(f"measuring gloo's rate took longer than {TIMEOUT_S:.0f} s (the machine is too busy?)") from None
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    seconds = json.loads(out.strip().splitlines()[-1])
+    pick = min if statistic == "best" else statistics.median
+    return GlooFigures(
+        gather_bandwidth=nbytes / 2 / pick(seconds["all_gather"]),
+        reduce_scatter_bandwidth=nbytes / 2 / pick(seconds["reduce_scatter"]),
+        nbytes=nbytes,
+    )
+
+
+def _rank(rank: int, port: int, nbytes: int, repeats: int) -> None:
+    """One of the two processes: join the group, time the collectives; rank 0 prints the port first and the seconds last."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=datetime.timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
+    if rank == 0:
+        print(json.dumps({"port": store.port}), flush=True)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        numel = nbytes // 4
+        full, shard = torch.ones(numel), torch.ones(numel // 2)
+        seconds: dict[str, list[float]] = {"all_gather": [], "reduce_scatter": []}
+        for r in range(repeats + 1):
+            for name in seconds:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "all_gather":
+                    dist.all_gather_into_tensor(full[: 2 * (numel // 2)], shard)
+                else:
+                    dist.reduce_scatter_tensor(shard, full[: 2 * (numel // 2)])
+                if r:
+                    seconds[name].append(time.perf_counter() - t0)
+        if rank == 0:
+            print(json.dumps(seconds), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one of measure_gloo's two processes")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--bytes", type=int, default=GLOO_BYTES)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    _rank(args.rank, args.port, args.bytes, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
