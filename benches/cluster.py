@@ -93,10 +93,10 @@ def _predict(graph_file: Path) -> dict:
     graph = load_file_module(graph_file).build_graph()
     needs = calibration_needs(graph)  # as `flowrl calibrate --graph`: the model's width, vLLM's own rates, gloo's (FSDP2)
     m = measure(widths=needs.widths)
+    if needs.gloo:  # before vLLM, whose processes take a while to leave
+        m = with_gloo(m, measure_gloo())
     if needs.vllm_model is not None:
         m = with_vllm(m, measure_vllm(needs.vllm_model, rows=needs.vllm_rows, new_tokens=needs.vllm_new_tokens))
-    if needs.gloo:
-        m = with_gloo(m, measure_gloo())
     plan = plan_graph(graph, calibrated_cluster(m, cores=3), strategy=STRATEGY, max_staleness=1)
     return {
         "calibrated": {"vllm_decode_speedup": round(m.cpu.vllm_decode_speedup, 2), "vllm_sync_gb_per_s": round(m.cpu.vllm_sync_bandwidth / 1e9, 3),

@@ -6,9 +6,8 @@ block's parameters for each forward and again for the backward, and reduce-scatt
 over loopback TCP between the ranks' processes: a rate of its own, well below a memory copy's. The
 planner prices those collectives at it (``estimate.train``: ``CpuTerms.gloo_bandwidth``).
 
-``measure_gloo()`` starts two processes (``python -m flowrl.calibration.gloo_rate``), which form a
-gloo group over a ``TCPStore`` that the first one binds (it picks the port and prints it: no race)
-and each time ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of a ``nbytes`` tensor (each
+``measure_gloo()`` binds a ``TCPStore`` (it picks the port: no race) and starts two processes
+(``python -m flowrl.calibration.gloo_rate``) at once, which form a gloo group over it and each time ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of a ``nbytes`` tensor (each
 rank's shard is half of it), ``repeats`` times after one warm-up each, the two taking turns. The
 rate is in the planner's terms (``estimate.common.all_gather_s``: ``(n - 1) / n * bytes /
 bandwidth`` with n = 2), the median (or ``statistic="best"``) of each collective's seconds:
@@ -71,28 +70,30 @@ def measure_gloo(*, nbytes: int = GLOO_BYTES, repeats: int = 3, statistic: str =
         raise PlanError(f"measure_gloo: nbytes={nbytes} must be >= 8 and repeats={repeats} >= 1")
     if statistic not in ("median", "best"):
         raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
-    cmd = [sys.executable, "-m", "flowrl.calibration.gloo_rate", "--bytes", str(nbytes), "--repeats", str(repeats)]
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this process listens: it picked the port
+    cmd = [sys.executable, "-m", "flowrl.calibration.gloo_rate", "--port", str(store.port), "--bytes", str(nbytes), "--repeats", str(repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun starts each rank
-    first = subprocess.Popen([*cmd, "--rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    second = None
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        assert first.stdout is not None
-        line = first.stdout.readline()  # the port it bound, or nothing if it failed
-        if not line:
-            raise PlanError(f"measuring gloo's rate: the first process failed: {first.communicate(timeout=TIMEOUT_S)[1][-2000:]}")
-        port = int(json.loads(line)["port"])
-        second = subprocess.Popen([*cmd, "--rank", "1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        out, err = first.communicate(timeout=TIMEOUT_S)
-        _, err_second = second.communicate(timeout=TIMEOUT_S)
-        if first.returncode or second.returncode:
-            raise PlanError(f"measuring gloo's rate: a process failed (exit {first.returncode}, {second.returncode}): {(err or err_second)[-2000:]}")
-    except subprocess.TimeoutExpired:
-        raise PlanError(f"measuring gloo's rate took longer than {TIMEOUT_S:.0f} s (the machine is too busy?)") from None
+        while any(p.poll() is None for p in procs):  # one failing stops the other (it would wait for its peer)
+            if any(p.returncode for p in procs if p.poll() is not None) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
+        for proc in procs:
+            if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+        outs = [p.communicate() for p in procs]
+        del store
+    if any(p.returncode for p in procs):
+        late = time.monotonic() > deadline
+        err = next((e for (_, e), p in zip(outs, procs) if p.returncode and e), "")
+        why = f"took longer than {TIMEOUT_S:.0f} s (the machine is too busy?)" if late else f"a process failed (exit codes {[p.returncode for p in procs]})"
+        raise PlanError(f"measuring gloo's rate: {why}: {err[-2000:]}")
+    out = outs[0][0]
     seconds = json.loads(out.strip().splitlines()[-1])
     pick = min if statistic == "best" else statistics.median
     return GlooFigures(
@@ -103,13 +104,11 @@ def measure_gloo(*, nbytes: int = GLOO_BYTES, repeats: int = 3, statistic: str =
 
 
 def _rank(rank: int, port: int, nbytes: int, repeats: int) -> None:
-    """One of the two processes: join the group, time the collectives; rank 0 prints the port first and the seconds last."""
+    """One of the two processes: join the group over the caller's store, time the collectives; rank 0 prints the seconds."""
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, timeout=datetime.timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
-    if rank == 0:
-        print(json.dumps({"port": store.port}), flush=True)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         numel = nbytes // 4
@@ -134,7 +133,7 @@ def _rank(rank: int, port: int, nbytes: int, repeats: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one of measure_gloo's two processes")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--bytes", type=int, default=GLOO_BYTES)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)

@@ -73,6 +73,16 @@ def _run(args: argparse.Namespace) -> int:
         if not os.path.isdir(folder):
             raise PlanError(f"cannot write {args.output!r}: folder {folder!r} does not exist")
     m = measure(matmul_size=args.matmul_size, repeats=args.repeats, widths=widths)
+    if needs.gloo or args.gloo:  # before vLLM, whose processes take a while to leave
+        from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
+
+        gloo = measure_gloo(repeats=min(args.repeats, 3))
+        m = with_gloo(m, gloo)
+        print(
+            f"gloo between two processes: all-gather {gloo.gather_bandwidth / 1e9:.2f} GB/s, reduce-scatter "
+            f"{gloo.reduce_scatter_bandwidth / 1e9:.2f} GB/s ({gloo.nbytes / 2**20:.0f} MiB)",
+            file=sys.stderr,
+        )
     if vllm_model is not None:
         from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
 
@@ -83,16 +93,6 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"vLLM: decode {figures.decode_speedup:.2f}x the built-in engine's on one core, weight sync "
             f"{figures.sync_bandwidth / 1e9:.2f} GB/s ({figures.sync_bytes / 1e6:.0f} MB, broadcast + reload)",
-            file=sys.stderr,
-        )
-    if needs.gloo or args.gloo:
-        from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
-
-        gloo = measure_gloo(repeats=min(args.repeats, 3))
-        m = with_gloo(m, gloo)
-        print(
-            f"gloo between two processes: all-gather {gloo.gather_bandwidth / 1e9:.2f} GB/s, reduce-scatter "
-            f"{gloo.reduce_scatter_bandwidth / 1e9:.2f} GB/s ({gloo.nbytes / 2**20:.0f} MiB)",
             file=sys.stderr,
         )
     cluster = calibrated_cluster(m, cores=args.cores)

@@ -442,7 +442,9 @@ class _Evaluator:
             times = {n: (t if math.isfinite(t) else 0.0) for n, t in times.items()}
         steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
         cluster = self.ctx.cluster
-        shared = cluster.device.cpu.shared_slowdown if cluster.hosts == 1 else 1.0  # meshes on one host share it
+        # meshes on one host share it; a torchrun job's meshes are processes of their own, sharing no
+        # interpreter (``shared_slowdown`` is measured in one process), only the cores (``host_cores``)
+        shared = cluster.device.cpu.shared_slowdown if cluster.hosts == 1 and not self.ranks else 1.0
         cores = cluster.device.cpu.host_cores
         oversubscribed = cores if cluster.hosts == 1 and 0 < cores < cluster.devices_per_host else 0  # more ranks than cores
         steps = step_times(

@@ -27,8 +27,10 @@ VLLM_GROUP_BANDWIDTH = 0.4e9
 #: Bytes/s of a gloo all-gather or reduce-scatter between two processes of one host (an FSDP2
 #: policy's collectives on CPU ranks, ``estimate.train``) where ``flowrl calibrate`` did not measure
 #: it (``CpuTerms.gloo_bandwidth``): ``flowrl.calibration.gloo_rate`` on this project's 2-core CPU
-#: gave 0.12 GB/s at load 9 and GLOO_AT_REST at rest; the figure is the latter.
-GLOO_BANDWIDTH = 0.3e9
+#: gave 0.09-0.28 GB/s at load 6-9 (16-256 MiB tensors), and the 24-layer FSDP2 step at rest
+#: (benches/RESULTS.md, 14.0 s) leaves about 9 s for its 2.15 GB of gathers and reduce-scatters per
+#: rank beside its compute: ~0.24 GB/s.
+GLOO_BANDWIDTH = 0.25e9
 
 
 class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -37,11 +37,11 @@ def graph(*, engine: str = "vllm", sharding: str = "fsdp", **edge):
     return b.build()
 
 
-def cluster(*, gloo: float = 0.0, cores: int = 2, devices: int = 3) -> ClusterSpec:
+def cluster(*, gloo: float = 0.0, cores: int = 2, devices: int = 3, shared: float = 1.0) -> ClusterSpec:
     """A calibrated-looking CPU: ``devices`` ranks on ``cores`` cores (benches/cluster.py: 3 on 2)."""
     terms = CpuTerms(
         flops_by_width=((32, 2e9), (1024, 4e9)), train_flops_by_width=((32, 1e9), (1024, 2e9)), thread_speedup=1.6,
-        vllm_sync_bandwidth=0.5e9, gloo_bandwidth=gloo, host_cores=cores,
+        vllm_sync_bandwidth=0.5e9, gloo_bandwidth=gloo, host_cores=cores, shared_slowdown=shared,
     )
     return ClusterSpec(name="cpu-test", hosts=1, devices_per_host=devices, device=cpu_device(cores=cores, memory_bytes=8 * 2**30, cpu=terms))
 
@@ -95,6 +95,20 @@ def test_the_fsdp_policys_collectives_run_at_the_calibrated_gloo_rate_with_no_ov
     )
     ratio = crowded.estimate(crowded.options[0]).breakdown["dp_comm"] / free.estimate(free.options[0]).breakdown["dp_comm"]
     assert ratio == pytest.approx(1 / (1 - Tuning().dp_overlap), rel=1e-12)
+
+
+@pytest.mark.parametrize("sharding, apart", [("fsdp", True), ("replicate", False)], ids=["torchrun-processes", "one-process"])
+def test_a_torchrun_jobs_meshes_share_the_cores_not_an_interpreter(sharding, apart):
+    """``shared_slowdown`` is measured with two meshes in one process (one interpreter); a torchrun
+    job's ranks are processes of their own: while both sides are busy they slow each other only as
+    3 ranks time-share 2 cores (1.5x), whatever the in-process figure says."""
+    g = graph(sharding=sharding)
+    alone, shared = (plan(g, cluster(gloo=0.2e9, shared=s)) for s in (1.0, 2.5))
+    assert (shared.step_s == alone.step_s) is apart
+    if apart:
+        (sync,) = alone.weight_syncs  # the direct route keeps both sides busy
+        busy = sorted(alone.placements[n].time_s + sync.time_s for n in ("gen", "policy"))
+        assert alone.step_s == pytest.approx(busy[0] * 1.5 + busy[1] - busy[0], rel=1e-12)
 
 
 def c_latency() -> float:

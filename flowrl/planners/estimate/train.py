@@ -116,7 +116,7 @@ __all__ = [
 
 def gloo_link(ctx: Context) -> Link:
     """The link an FSDP2 policy's collectives cross between CPU ranks: gloo between two processes of
-    the host, at the calibrated ``CpuTerms.gloo_bandwidth`` (else ``GLOO_BANDWIDTH``), efficiency included."""
+    the host, at the calibrated ``CpuTerms.gloo_bandwidth`` (else ``GLOO_BANDWIDTH``): a rate achieved, no ``link_efficiency``."""
     dev = ctx.cluster.device
     return Link(dev.cpu.gloo_bandwidth or GLOO_BANDWIDTH, dev.intra_host_latency_s)
 
