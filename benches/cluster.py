@@ -100,7 +100,7 @@ def _predict(graph_file: Path) -> dict:
     plan = plan_graph(graph, calibrated_cluster(m, cores=3), strategy=STRATEGY, max_staleness=1)
     return {
         "calibrated": {"vllm_decode_speedup": round(m.cpu.vllm_decode_speedup, 2), "vllm_sync_gb_per_s": round(m.cpu.vllm_sync_bandwidth / 1e9, 3),
-                       "gloo_gb_per_s": round(m.cpu.gloo_bandwidth / 1e9, 3), "train_gflops_at_width": round(m.cpu.train_flops_by_width[-1][1] / 1e9, 2)},
+                       "gloo_gb_per_s_by_mib": {f"{n / 2**20:g}": round(r / 1e9, 3) for n, r in m.cpu.gloo_by_bytes}, "train_gflops_at_width": round(m.cpu.train_flops_by_width[-1][1] / 1e9, 2)},
         "placement": str(plan),
         "step_s": round(plan.step_s, 3),
         "sync_step_s": round(plan.sync_step_s, 3),

@@ -78,11 +78,8 @@ def _run(args: argparse.Namespace) -> int:
 
         gloo = measure_gloo(repeats=min(args.repeats, 3))
         m = with_gloo(m, gloo)
-        print(
-            f"gloo between two processes: all-gather {gloo.gather_bandwidth / 1e9:.2f} GB/s, reduce-scatter "
-            f"{gloo.reduce_scatter_bandwidth / 1e9:.2f} GB/s ({gloo.nbytes / 2**20:.0f} MiB)",
-            file=sys.stderr,
-        )
+        rates = ", ".join(f"{n / 2**20:g} MiB {r / 1e9:.2f}" for n, r in m.cpu.gloo_by_bytes)
+        print(f"gloo between two processes (GB/s, the slower of all-gather and reduce-scatter): {rates}", file=sys.stderr)
     if vllm_model is not None:
         from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
 

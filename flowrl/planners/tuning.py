@@ -26,8 +26,8 @@ VLLM_CPU_DECODE_SPEEDUP = 1.3
 VLLM_GROUP_BANDWIDTH = 0.4e9
 #: Bytes/s of a gloo all-gather or reduce-scatter between two processes of one host (an FSDP2
 #: policy's collectives on CPU ranks, ``estimate.train``) where ``flowrl calibrate`` did not measure
-#: it (``CpuTerms.gloo_bandwidth``): ``flowrl.calibration.gloo_rate`` on this project's 2-core CPU
-#: gave 0.09-0.28 GB/s at load 6-9 (16-256 MiB tensors), and the 24-layer FSDP2 step at rest
+#: it (``CpuTerms.gloo_by_bytes``): ``flowrl.calibration.gloo_rate`` on this project's 2-core CPU
+#: gave 0.06-0.12 GB/s for 64 MiB tensors and 0.24-0.55 for 16 MiB at load 8-15, and the 24-layer FSDP2 step at rest
 #: (benches/RESULTS.md, 14.0 s) leaves about 9 s for its 2.15 GB of gathers and reduce-scatters per
 #: rank beside its compute: ~0.24 GB/s.
 GLOO_BANDWIDTH = 0.25e9

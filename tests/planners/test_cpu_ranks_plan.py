@@ -4,6 +4,7 @@ weights over the direct route into vLLM's workers (``planners/estimate/direct.py
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from flowrl.errors import PlanError
@@ -41,7 +42,7 @@ def cluster(*, gloo: float = 0.0, cores: int = 2, devices: int = 3, shared: floa
     """A calibrated-looking CPU: ``devices`` ranks on ``cores`` cores (benches/cluster.py: 3 on 2)."""
     terms = CpuTerms(
         flops_by_width=((32, 2e9), (1024, 4e9)), train_flops_by_width=((32, 1e9), (1024, 2e9)), thread_speedup=1.6,
-        vllm_sync_bandwidth=0.5e9, gloo_bandwidth=gloo, host_cores=cores, shared_slowdown=shared,
+        vllm_sync_bandwidth=0.5e9, gloo_by_bytes=((2**20, gloo),) if gloo else (), host_cores=cores, shared_slowdown=shared,
     )
     return ClusterSpec(name="cpu-test", hosts=1, devices_per_host=devices, device=cpu_device(cores=cores, memory_bytes=8 * 2**30, cpu=terms))
 
@@ -113,7 +114,7 @@ def test_a_torchrun_jobs_meshes_share_the_cores_not_an_interpreter(sharding, apa
 
 def c_latency() -> float:
     """One all-gather's latency term between two CPU ranks."""
-    return all_gather_s(0.0, 2, gloo_link(Context(cluster=cluster(), workload=WORK, tuning=Tuning())))
+    return all_gather_s(0.0, 2, gloo_link(Context(cluster=cluster(), workload=WORK, tuning=Tuning()), 1.0))
 
 
 # -- the direct weight route -------------------------------------------------------------------------
@@ -171,12 +172,32 @@ def test_a_cluster_file_from_before_the_gloo_rate_loads_with_it_unmeasured(tmp_p
     from flowrl.planners.cluster import cluster_to_json
 
     raw = json.loads(cluster_to_json(cluster(gloo=0.3e9)))
-    del raw["device"]["cpu"]["gloo_bandwidth"]
+    del raw["device"]["cpu"]["gloo_by_bytes"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(raw))
     old = parse_cluster(str(path))
-    assert old.device.cpu.gloo_bandwidth == 0.0
+    assert old.device.cpu.gloo_by_bytes == ()
     ctx = Context(cluster=old, workload=WORK, tuning=Tuning())
-    assert gloo_link(ctx).bandwidth == GLOO_BANDWIDTH
-    with pytest.raises(PlanError, match=r"gloo_bandwidth=-1.0 must be a finite number >= 0"):
-        CpuTerms(gloo_bandwidth=-1.0)
+    assert gloo_link(ctx, 2**20).bandwidth == GLOO_BANDWIDTH
+    for table in (((2**20, -1.0),), ((2**26, 1e8), (2**20, 1e8))):
+        with pytest.raises(PlanError, match=r"gloo_by_bytes=.* must be \(bytes >= 1, bytes/s > 0\) pairs, sizes strictly ascending"):
+            CpuTerms(gloo_by_bytes=table)
+
+
+def test_each_collective_runs_at_the_rate_measured_at_its_size():
+    """gloo's rate falls with the size: an FSDP2 policy's gathers move a block at a time (its rate at a
+    block's bytes), the direct route's gathers a tensor at a time (at an MLP weight's bytes)."""
+    g = graph()
+    model = model_from_config(g.node("policy").model)
+    block, tensor = model.params * 4 / model.n_layers, model.ffn_dim * model.dim * 4
+    assert tensor < block
+    table = ((int(tensor), 0.4e9), (int(block), 0.1e9))  # the sizes themselves: no interpolation
+
+    def rated(by_bytes):
+        c = cluster()
+        c = msgspec.structs.replace(c, device=msgspec.structs.replace(c.device, cpu=msgspec.structs.replace(c.device.cpu, gloo_by_bytes=by_bytes)))
+        return plan(g, c)
+
+    sized, at_block, at_tensor = rated(table), rated(((1, 0.1e9),)), rated(((1, 0.4e9),))
+    assert sized.placements["policy"].time_s == pytest.approx(at_block.placements["policy"].time_s, rel=1e-12)
+    assert sized.weight_syncs[0].time_s == pytest.approx(at_tensor.weight_syncs[0].time_s, rel=1e-12)

@@ -11,9 +11,10 @@ runs one); elsewhere (a CPU plan for the local or process backend) every vLLM ed
 One sync, with P parameters, ``pb`` bytes each in the policy's dtype and ``wb`` in the generator's::
 
     bytes     = P * wb                              # the model in the generator's dtype, broadcast once
-    gather    = all_gather(P * pb, dp_t)            # an FSDP2 policy: every rank gathers each bucket
-                                                    # (gloo between CPU ranks: train.gloo_link; the dp
-                                                    # axis's link on GPUs); a replicated policy: 0
+    gather    = all_gather(P * pb, dp_t)            # an FSDP2 policy: every rank gathers each bucket,
+                                                    # a tensor at a time (gloo between CPU ranks at its
+                                                    # rate for an MLP weight's bytes, train.gloo_link;
+                                                    # the dp axis's link on GPUs); a replicated policy: 0
     broadcast = P * wb / vllm_sync_bandwidth        # the lead's broadcast into the workers and vLLM's
                                                     # reload in place, bucket by bucket
     time      = gather + broadcast                  # (+ the cast to wb: quantize.add_quantization)
@@ -85,7 +86,8 @@ def estimate_direct_sync(
     gather = 0.0
     if src_sharded and src_dims.dp > 1:
         cpu = DEVICE_TRAITS[ctx.cluster.device.kind].pinned
-        link = gloo_link(ctx) if cpu else axis_link(ctx.cluster, ctx.tuning, src_devices, src_dims, "dp")
+        tensor = model.ffn_dim * model.dim * src_bytes_per_param  # gathered a tensor at a time; an MLP weight holds most bytes
+        link = gloo_link(ctx, tensor) if cpu else axis_link(ctx.cluster, ctx.tuning, src_devices, src_dims, "dp")
         gather = all_gather_s(model.params * src_bytes_per_param, src_dims.dp, link)
         note += f"; every FSDP2 rank gathers each bucket ({'gloo, ' if cpu else ''}{link.bandwidth / 1e9:.3g} GB/s), the first broadcasts it"
     else:

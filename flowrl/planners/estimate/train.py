@@ -35,8 +35,9 @@ forward + backward at width h (``DeviceSpec.cpu.train_flops_by_width``; a refere
 process backends), sped up ``DeviceSpec.mesh_speedup`` times, except an FSDP2 policy's
 (``sharding="fsdp"``), which runs under torchrun: each of its dp ranks is a process with one
 intra-op thread (torchrun's ``OMP_NUM_THREADS=1``) that computes its ``S / dp`` sequences at the
-one-core rate, gathers and reduce-scatters over gloo between the ranks' processes (``gloo_link``:
-``CpuTerms.gloo_bandwidth``, measured by ``flowrl calibrate``, else ``tuning.GLOO_BANDWIDTH``),
+one-core rate, gathers and reduce-scatters over gloo between the ranks' processes, a block at a time
+(``gloo_link``: ``CpuTerms.gloo_rate`` at a block's bytes, measured by ``flowrl calibrate``, else
+``tuning.GLOO_BANDWIDTH``),
 with no overlap where the job's ranks and vLLM's workers outnumber the host's cores (``crowded``:
 ``host_crowded``; on two cores beside vLLM nothing runs a gather while the rank computes); ranks
 that outnumber the cores time-share them in the step (``schedule.shared_step_s``).
@@ -102,9 +103,8 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.modelspec import ModelSpec
-from flowrl.planners.cluster import DEVICE_TRAITS
+from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
-from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.tuning import GLOO_BANDWIDTH, Tuning
 from flowrl.planners.units import format_excess, format_gib_pair
 
@@ -114,11 +114,12 @@ __all__ = [
 ]
 
 
-def gloo_link(ctx: Context) -> Link:
-    """The link an FSDP2 policy's collectives cross between CPU ranks: gloo between two processes of
-    the host, at the calibrated ``CpuTerms.gloo_bandwidth`` (else ``GLOO_BANDWIDTH``): a rate achieved, no ``link_efficiency``."""
+def gloo_link(ctx: Context, nbytes: float) -> Link:
+    """The link a collective of ``nbytes`` (per tensor) crosses between an FSDP2 policy's CPU ranks:
+    gloo between two processes of the host, at the calibrated ``CpuTerms.gloo_rate(nbytes)`` (else
+    ``GLOO_BANDWIDTH``): a rate achieved, no ``link_efficiency``."""
     dev = ctx.cluster.device
-    return Link(dev.cpu.gloo_bandwidth or GLOO_BANDWIDTH, dev.intra_host_latency_s)
+    return Link(dev.cpu.gloo_rate(nbytes) or GLOO_BANDWIDTH, dev.intra_host_latency_s)
 
 
 def host_crowded(cluster: ClusterSpec, vllm_workers: int) -> bool:
@@ -280,7 +281,8 @@ def train_options(
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
-    dp_link = (gloo_link(ctx) if cpu_ranks else axis_link(c, t, devices, dims, "dp")) if replicas > 1 else None
+    # on CPU ranks FSDP2 gathers (and reduce-scatters) one block's tensors at a time: gloo's rate at that size
+    dp_link = (gloo_link(ctx, model.params * pb / L) if cpu_ranks else axis_link(c, t, devices, dims, "dp")) if replicas > 1 else None
     overlap = 0.0 if crowded else t.dp_overlap  # no free core runs a collective beside the compute
 
     zero = 0 if forward_only else zero_stage(t, sharding)
