@@ -5,7 +5,9 @@ The model is ``benches/weight_sync.py``'s (358M parameters, built from a config 
 the task is the HF example's (copy a word) with 2 prompts x 4 samples x 24 new tokens per step, k = 1.
 Weights take the direct route (``flowrl/runtime/backends/direct_route.py``): the policy's FSDP2 ranks
 gather each bucket and send it straight into vLLM's worker over the weight-sync group; rank 0 only
-coordinates and holds no staging copy.
+coordinates and holds no staging copy. The planner prices the same route (``planners/estimate/direct.py``)
+and the policy as torchrun runs it: two one-thread processes, each half the batch at the one-core rate,
+their gathers and reduce-scatters over gloo, not overlapped (3 ranks and vLLM's worker on 2 cores).
 
 Prints one JSON object:
 - ``measured``: per step (median and range over the steps after the first two: vLLM's start and
@@ -14,7 +16,8 @@ Prints one JSON object:
   ``idle_s``, as the metrics rows give them; peak RSS per rank is not sampled here
   (``weight_sync.py``'s FSDP cases sample every rank's, per phase);
 - ``predicted``: ``flowrl plan`` of the same graph on a CPU calibrated right before the run
-  (``flowrl calibrate --graph``: the model's width and vLLM's own decode and sync rates) with the same placement (``gen:d1@0 | policy:d2@1-2``), its step and its
+  (``flowrl calibrate --graph``: the model's width, vLLM's own decode and sync rates and gloo's collective rate
+  between two processes, ``flowrl.calibration.gloo_rate``) with the same placement (``gen:d1@0 | policy:d2@1-2``), its step and its
   parts, and predicted / measured (goal 0.77-1.3). The plan has 3 devices, one per rank, on this
   machine's cores (``calibrated_cluster(m, cores=3)``: ``CpuTerms.host_cores`` = the cores measured):
   with 3 ranks on 2 cores, meshes busy together time-share them (``schedule.shared_step_s``).
@@ -80,6 +83,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 def _predict(graph_file: Path) -> dict:
     """The planner's step for STRATEGY on this CPU calibrated now (``flowrl calibrate``'s measurements)
     as a 3-device cluster: one device per rank, on the cores measured (more ranks than cores time-share them)."""
+    from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
     from flowrl.calibration.measure import calibrated_cluster, measure
     from flowrl.calibration.needs import calibration_needs
     from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
@@ -87,17 +91,21 @@ def _predict(graph_file: Path) -> dict:
     from flowrl.planners.plan import plan_graph
 
     graph = load_file_module(graph_file).build_graph()
-    needs = calibration_needs(graph)  # as `flowrl calibrate --graph`: the model's width, vLLM's own rates
+    needs = calibration_needs(graph)  # as `flowrl calibrate --graph`: the model's width, vLLM's own rates, gloo's (FSDP2)
     m = measure(widths=needs.widths)
+    if needs.gloo:  # before vLLM, whose processes take a while to leave
+        m = with_gloo(m, measure_gloo())
     if needs.vllm_model is not None:
         m = with_vllm(m, measure_vllm(needs.vllm_model, rows=needs.vllm_rows, new_tokens=needs.vllm_new_tokens))
     plan = plan_graph(graph, calibrated_cluster(m, cores=3), strategy=STRATEGY, max_staleness=1)
     return {
-        "calibrated": {"vllm_decode_speedup": round(m.cpu.vllm_decode_speedup, 2), "vllm_sync_gb_per_s": round(m.cpu.vllm_sync_bandwidth / 1e9, 3)},
+        "calibrated": {"vllm_decode_speedup": round(m.cpu.vllm_decode_speedup, 2), "vllm_sync_gb_per_s": round(m.cpu.vllm_sync_bandwidth / 1e9, 3),
+                       "gloo_gb_per_s_by_mib": {f"{n / 2**20:g}": round(r / 1e9, 3) for n, r in m.cpu.gloo_by_bytes}, "train_gflops_at_width": round(m.cpu.train_flops_by_width[-1][1] / 1e9, 2)},
         "placement": str(plan),
         "step_s": round(plan.step_s, 3),
         "sync_step_s": round(plan.sync_step_s, 3),
         "nodes_s": {n: round(p.time_s, 3) for n, p in plan.placements.items()},
+        "policy_parts_s": {k: round(v, 3) for k, v in plan.placements["policy"].breakdown.items() if v},
         "syncs": [{"transport": sy.transport, "time_s": round(sy.time_s, 3), "note": sy.note} for sy in plan.weight_syncs],
         "bottleneck": plan.bottleneck,
     }

@@ -8,13 +8,15 @@ models: every node with a model), for ``measure(widths=...)``, and the model of 
 generator with the rows and new tokens of one of its calls (the sources' prompts per step x its
 samples, its ``max_new_tokens``; at most ``MAX_VLLM_ROWS`` and ``MAX_VLLM_TOKENS``: the measurement's
 time), for ``flowrl.calibration.vllm_rates`` (its decode rate and its weight-sync rate at that
-shape). ``flowrl calibrate --graph GRAPH`` reads it.
+shape), and whether a policy shards with FSDP2 (``sharding="fsdp"``: its collectives run over gloo
+between the ranks' processes on a CPU, ``flowrl.calibration.gloo_rate``). ``flowrl calibrate --graph
+GRAPH`` reads it.
 
 Example:
     >>> from flowrl.examples import build_example
     >>> needs = calibration_needs(build_example("llamarl"))
-    >>> needs.widths, needs.vllm_model is None
-    ((64,), True)
+    >>> needs.widths, needs.vllm_model is None, needs.gloo
+    ((64,), True, False)
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ class CalibrationNeeds(msgspec.Struct, frozen=True, kw_only=True):
         vllm_model: the model shape of the graph's first generator with ``engine="vllm"``; None: none.
         vllm_rows: rows of one of its calls (capped); 0: no vLLM generator.
         vllm_new_tokens: its ``max_new_tokens`` (capped); 0: no vLLM generator.
+        gloo: a policy shards with FSDP2 (``OptimizerConfig.sharding="fsdp"``): measure gloo's
+            collective rate (``flowrl.calibration.gloo_rate``).
     """
 
     widths: tuple[int, ...] = ()
     vllm_model: ModelSpec | None = None
     vllm_rows: int = 0
     vllm_new_tokens: int = 0
+    gloo: bool = False
 
 
 def calibration_needs(graph: Graph) -> CalibrationNeeds:
@@ -62,4 +67,5 @@ def calibration_needs(graph: Graph) -> CalibrationNeeds:
             vllm = spec
             rows = min(MAX_VLLM_ROWS, prompts * node.sampling.n_samples)  # type: ignore[attr-defined]
             tokens = min(MAX_VLLM_TOKENS, node.sampling.max_new_tokens)  # type: ignore[attr-defined]
-    return CalibrationNeeds(widths=tuple(sorted(widths)), vllm_model=vllm, vllm_rows=rows, vllm_new_tokens=tokens)
+    fsdp = any(getattr(getattr(n, "optimizer", None), "sharding", "replicate") == "fsdp" for n in graph.nodes)
+    return CalibrationNeeds(widths=tuple(sorted(widths)), vllm_model=vllm, vllm_rows=rows, vllm_new_tokens=tokens, gloo=fsdp)

@@ -22,6 +22,7 @@ examples:
   flowrl plan llamarl --cluster cpu.json  ... and plan with it
   flowrl calibrate --graph g.py -o cpu.json   also at g.py's model widths (and vLLM's figures if it has a vLLM generator)
   flowrl calibrate --widths 896 --vllm    the pass rates at width 896 too; vLLM's decode and sync rates (~1 min more)
+  flowrl calibrate --gloo                 also gloo's collective rate between two processes (an FSDP2 policy's gathers)
 """
 
 
@@ -36,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "minute) and write a 'cpu-calibrated' cluster spec: one device per core. The pass rates are "
             "measured at widths 32-256; a wider model takes width 256's rate unless its width is measured "
             "too (--graph, --widths). vLLM's decode speed-up and weight-sync rate are measured with --vllm "
-            "or --graph of a graph with a vLLM generator (starts vLLM: about a minute more)."
+            "or --graph of a graph with a vLLM generator (starts vLLM: about a minute more); the rate of gloo's "
+            "all-gather and reduce-scatter between two processes (what an FSDP2 policy's collectives run at on "
+            "CPU ranks) with --gloo or --graph of a graph with an FSDP2 policy (two processes: seconds)."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -48,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph", metavar="GRAPH", help="also measure what GRAPH needs: its models' widths, and vLLM's figures at its vLLM generator's shape")
     p.add_argument("--widths", metavar="W,W", help="more model widths to measure the pass rates at (comma-separated hidden sizes, e.g. 896)")
     p.add_argument("--vllm", action="store_true", help="measure vLLM's decode speed-up and weight-sync rate (needs vLLM; default shape: --graph's vLLM model, else qwen2.5-0.5b's)")
+    p.add_argument("--gloo", action="store_true", help="measure gloo's all-gather and reduce-scatter rate between two processes (an FSDP2 policy's collectives on CPU ranks)")
     p.set_defaults(func=_run)
 
 
@@ -69,6 +73,13 @@ def _run(args: argparse.Namespace) -> int:
         if not os.path.isdir(folder):
             raise PlanError(f"cannot write {args.output!r}: folder {folder!r} does not exist")
     m = measure(matmul_size=args.matmul_size, repeats=args.repeats, widths=widths)
+    if needs.gloo or args.gloo:  # before vLLM, whose processes take a while to leave
+        from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
+
+        gloo = measure_gloo(repeats=min(args.repeats, 3))
+        m = with_gloo(m, gloo)
+        rates = ", ".join(f"{n / 2**20:g} MiB {r / 1e9:.2f}" for n, r in m.cpu.gloo_by_bytes)
+        print(f"gloo between two processes (GB/s, the slower of all-gather and reduce-scatter): {rates}", file=sys.stderr)
     if vllm_model is not None:
         from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
 

@@ -4,7 +4,9 @@ Pure data (no torch, no planner): ``data`` (the ``Placement`` struct: each devic
 and mesh axes, the run strategy, colocation groups), ``forms`` (its JSON form, what a user writes
 for ``--plan``), ``default`` (the run strategies of a run given no placement), ``resharding`` (a
 weight's layout over ranks and the transfers between two layouts, which the collective transport
-moves and the planner prices; not imported here). The planner makes
+moves and the planner prices; not imported here), ``weight_routes`` (which weight edges of a
+torchrun job take the direct route into vLLM's workers: the runtime opens them, the planner prices
+them; not imported here). The planner makes
 placements (``Plan.placement()``), the runtime reads them (``run_graph(graph, placement, config)``),
 and neither imports the other.
 

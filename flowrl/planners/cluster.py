@@ -152,6 +152,14 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
         vllm_sync_bandwidth: bytes/s of the last hop of a sync into a vLLM generator (the weight-sync
             group's broadcast and vLLM's reload, ``flowrl.operators.engines.vllm_sync``), measured by
             ``flowrl calibrate --vllm``; 0: not measured (``Tuning.vllm_group_bandwidth``'s default).
+        gloo_by_bytes: ``(bytes, bytes/s)`` pairs, sizes ascending: the rate of a gloo all-gather or
+            reduce-scatter of a tensor of that many bytes between two processes of the host (loopback
+            TCP), in ``estimate.common.all_gather_s``'s terms, the slower of the two at each size
+            (``flowrl.calibration.gloo_rate``; ``flowrl calibrate --gloo``, or ``--graph`` of a graph
+            with an FSDP2 policy): what an FSDP2 policy's collectives run at on CPU ranks. The rate
+            falls with the size (on this project's 2-core CPU a 64 MiB gather ran at a fifth of a
+            16 MiB one), so a collective of ``n`` bytes takes the rate interpolated at ``n``
+            (``gloo_rate``); empty: not measured (``tuning.GLOO_BANDWIDTH``).
         host_cores: the host's cores when its devices (ranks) may outnumber them (``flowrl
             calibrate`` writes the cores it measured; ``calibrated_cluster(m, cores=n)`` with n
             above them is that many ranks on fewer cores): meshes busy together on more devices
@@ -169,6 +177,7 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     train_step_overhead_s: float = 0.0
     vllm_decode_speedup: float = 0.0
     vllm_sync_bandwidth: float = 0.0
+    gloo_by_bytes: tuple[tuple[int, float], ...] = ()
     host_cores: int = 0
 
     def __post_init__(self) -> None:
@@ -187,6 +196,28 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
                 raise PlanError(
                     f"CpuTerms: {field}={table} must be (width >= 1, FLOP/s > 0) pairs, widths strictly ascending"
                 )
+        sizes = [n for n, _ in self.gloo_by_bytes]
+        if sizes != sorted(set(sizes)) or any(n < 1 or not 0 < r < float("inf") for n, r in self.gloo_by_bytes):
+            raise PlanError(f"CpuTerms: gloo_by_bytes={self.gloo_by_bytes} must be (bytes >= 1, bytes/s > 0) pairs, sizes strictly ascending")
+
+    def gloo_rate(self, nbytes: float) -> float | None:
+        """The measured gloo rate (bytes/s) of a collective of ``nbytes``: ``gloo_by_bytes`` interpolated
+        linearly in log(bytes), clamped to its ends; None when not measured.
+
+        Example:
+            >>> t = CpuTerms(gloo_by_bytes=((2**24, 0.4e9), (2**26, 0.1e9)))
+            >>> [round(t.gloo_rate(n) / 1e9, 3) for n in (2**20, 2**25, 2**30)], CpuTerms().gloo_rate(2**20)
+            ([0.4, 0.25, 0.1], None)
+        """
+        table = self.gloo_by_bytes
+        if not table:
+            return None
+        if nbytes <= table[0][0]:
+            return table[0][1]
+        if nbytes >= table[-1][0]:
+            return table[-1][1]
+        (n0, r0), (n1, r1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= nbytes <= b[0])
+        return r0 + (r1 - r0) * math.log(nbytes / n0) / math.log(n1 / n0)
 
 
 class DeviceSpec(msgspec.Struct, **_STRUCT):

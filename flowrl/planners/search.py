@@ -37,8 +37,9 @@ from flowrl.planners.cluster import ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
 from flowrl.planners.estimate.generate import estimate_generate
 from flowrl.planners.estimate.quantize import add_quantization
+from flowrl.planners.estimate.direct import estimate_direct_sync, runs_as_ranks
 from flowrl.planners.estimate.sync import SyncEstimate, add_engine_load, estimate_sync
-from flowrl.planners.estimate.train import TrainOptions, pick_fitting, train_options, zero_stage
+from flowrl.planners.estimate.train import TrainOptions, host_crowded, pick_fitting, train_options, zero_stage
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
 from flowrl.planners.roles import NodeRole
@@ -48,6 +49,7 @@ from flowrl.planners import strategies
 from flowrl.planners.strategies import DeviceSplit
 from flowrl.planners.units import format_bytes
 from flowrl.placement.layout import device_ranges
+from flowrl.placement.weight_routes import direct_edges
 
 __all__ = [
     "Roles",
@@ -258,6 +260,10 @@ class _Evaluator:
         #: weight-sync cost: the transport's (``estimate_sync``, plus ``quantize_cost``) unless a
         #: system (``baseline.BaselineSystem``) replaces it; same arguments as ``estimate_sync``
         self.sync_cost: Callable[..., SyncEstimate] = _sync_with_quantization
+        #: the host's processes outnumber its cores (``train.host_crowded``): vLLM's workers, one per vLLM generator at least
+        self.crowded = host_crowded(ctx.cluster, sum(ENGINE_CAPS[e].weight_hop for e in roles.gen_engine.values()))
+        #: the plan runs as a torchrun job, where vLLM edges may take the direct route (``estimate.direct``)
+        self.ranks = runs_as_ranks(ctx.cluster, fsdp=any(self._sharding(n) == "fsdp" for n in roles.heavy))
 
     def allow_tp_across_hosts(self, mode: str) -> None:
         """Set ``tp_across_hosts`` (``"never"``, ``"when needed"``, ``"always"``); side rankings are kept per mode."""
@@ -284,6 +290,7 @@ class _Evaluator:
                 iterations=r.iterations.get(name, (1, 1))[0],
                 updates=r.iterations.get(name, (1, 1))[1],
                 packing=self._packing(name),
+                crowded=self.crowded,
             )
         return self._train[key]
 
@@ -401,12 +408,14 @@ class _Evaluator:
         for loss, policy in r.loss_of.items():
             estimates[loss] = NodeEstimate(time_s=0.0, memory=MemoryBreakdown(), notes=(f"runs inside {policy}'s step",))
         syncs = []
+        direct = direct_edges(self.graph, {n: layout[n][0] for n in names}) if self.ranks else frozenset()
         for edge in self.graph.weight_edges:
             if edge.src not in layout or edge.dst not in layout:
                 continue
             (sd, sdims), (dd, ddims) = layout[edge.src], layout[edge.dst]
             dst_bytes = precision_bytes(r.gen_dtype[edge.dst]) if edge.dst in r.gens else r.param_bytes
-            sync = self.sync_cost(
+            cost = _direct_with_quantization if (edge.src, edge.dst) in direct else self.sync_cost
+            sync = cost(
                 r.models[edge.dst],
                 src=edge.src,
                 dst=edge.dst,
@@ -420,6 +429,9 @@ class _Evaluator:
                 ctx=self.ctx,
                 src_sharded=self._sharding(edge.src) == "fsdp",
             )
+            if (edge.src, edge.dst) in direct:  # no hop: the policy's ranks sent into vLLM's workers
+                syncs.append(sync)
+                continue
             engine = r.gen_engine.get(edge.dst, DEFAULT_ENGINE)  # the runtime's last hop into a vLLM generator's workers, whatever the system's sync
             syncs.append(add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx))
         devices = {n: layout[n][0] for n in names}
@@ -430,7 +442,9 @@ class _Evaluator:
             times = {n: (t if math.isfinite(t) else 0.0) for n, t in times.items()}
         steady = {n: e.steady_s for n, e in estimates.items() if e.steady_s is not None and math.isfinite(e.steady_s)}
         cluster = self.ctx.cluster
-        shared = cluster.device.cpu.shared_slowdown if cluster.hosts == 1 else 1.0  # meshes on one host share it
+        # meshes on one host share it; a torchrun job's meshes are processes of their own, sharing no
+        # interpreter (``shared_slowdown`` is measured in one process), only the cores (``host_cores``)
+        shared = cluster.device.cpu.shared_slowdown if cluster.hosts == 1 and not self.ranks else 1.0
         cores = cluster.device.cpu.host_cores
         oversubscribed = cores if cluster.hosts == 1 and 0 < cores < cluster.devices_per_host else 0  # more ranks than cores
         steps = step_times(
@@ -492,6 +506,12 @@ def _cpu_estimate(kind: str, ctx: Context) -> NodeEstimate:
 def _sync_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:
     """``estimate_sync`` (the transport's transfer) plus the trainer's cast to the generator's dtype."""
     est = estimate_sync(model, **kwargs)  # type: ignore[arg-type]
+    return add_quantization(est, model, **kwargs)  # type: ignore[arg-type]
+
+
+def _direct_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:
+    """``estimate_direct_sync`` (the direct route into vLLM's workers) plus the trainer's cast to the generator's dtype."""
+    est = estimate_direct_sync(model, **kwargs)  # type: ignore[arg-type]
     return add_quantization(est, model, **kwargs)  # type: ignore[arg-type]
 
 

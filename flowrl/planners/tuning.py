@@ -18,12 +18,19 @@ import msgspec
 
 from flowrl.errors import PlanError
 
-__all__ = ["Tuning", "make_tuning", "tuning_help", "VLLM_CPU_DECODE_SPEEDUP", "VLLM_GROUP_BANDWIDTH"]
+__all__ = ["Tuning", "make_tuning", "tuning_help", "VLLM_CPU_DECODE_SPEEDUP", "VLLM_GROUP_BANDWIDTH", "GLOO_BANDWIDTH"]
 
 #: ``Tuning.vllm_cpu_decode_speedup`` where neither the tuning nor the cluster's calibration sets it.
 VLLM_CPU_DECODE_SPEEDUP = 1.3
 #: ``Tuning.vllm_group_bandwidth`` where neither the tuning nor the cluster's calibration sets it.
 VLLM_GROUP_BANDWIDTH = 0.4e9
+#: Bytes/s of a gloo all-gather or reduce-scatter between two processes of one host (an FSDP2
+#: policy's collectives on CPU ranks, ``estimate.train``) where ``flowrl calibrate`` did not measure
+#: it (``CpuTerms.gloo_by_bytes``): ``flowrl.calibration.gloo_rate`` on this project's 2-core CPU
+#: gave 0.06-0.12 GB/s for 64 MiB tensors and 0.24-0.55 for 16 MiB at load 8-15, and the 24-layer FSDP2 step at rest
+#: (benches/RESULTS.md, 14.0 s) leaves about 9 s for its 2.15 GB of gathers and reduce-scatters per
+#: rank beside its compute: ~0.24 GB/s.
+GLOO_BANDWIDTH = 0.25e9
 
 
 class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -217,10 +217,14 @@ def test_more_ranks_than_cores_time_share_them():
     on_three = msgspec.structs.replace(on_two, device=msgspec.structs.replace(on_two.device, cpu=msgspec.structs.replace(m.cpu, host_cores=3)))
     plan = lambda cluster: plan_graph(build_example("llamarl"), cluster, strategy="gen:d1@0 | policy:d2@1-2", max_staleness=1)  # noqa: E731
     shared, alone = plan(on_two), plan(on_three)
-    sync = sum(s.time_s for s in alone.weight_syncs)
-    gen_t, train_t = (alone.placements[n].time_s + sync for n in ("gen", "policy"))
-    (short, _), (long, _) = sorted([(gen_t, 1), (train_t, 2)])
+
+    def busy(p):  # each side's busy seconds, shortest first (on 2 cores no collective overlaps: train.host_crowded)
+        sync = sum(s.time_s for s in p.weight_syncs)
+        return sorted(p.placements[n].time_s + sync for n in ("gen", "policy"))
+
+    short, long = busy(alone)
     assert alone.async_step_s == pytest.approx(long + 0.2 * short)
+    short, long = busy(shared)
     assert shared.async_step_s == pytest.approx(long + 0.5 * short)
     with pytest.raises(PlanError, match=r"host_cores=-1 must be an integer >= 0"):
         CpuTerms(host_cores=-1)

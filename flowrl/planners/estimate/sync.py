@@ -34,7 +34,9 @@ transport delivered (a staging copy) and sends them on into vLLM's workers, each
 vLLM's reload, overlapped bucket by bucket: ``Tuning.vllm_group_bandwidth`` when set, else the
 cluster's calibrated ``CpuTerms.vllm_sync_bandwidth``, ``flowrl calibrate --vllm``, else 0.4 GB/s), or, on a ``file`` edge, written once more
 and read by the worker at ``file_bandwidth``. The note names the hop and its rate. The hop is the
-generator side's alone (``SyncEstimate.dst_only_s``): the trainer has published and goes on.
+generator side's alone (``SyncEstimate.dst_only_s``): the trainer has published and goes on. An
+edge on the direct route (``flowrl.placement.weight_routes``, in a plan that runs as a torchrun job)
+has no hop: ``estimate/direct.py`` prices it instead of this module.
 
 A user transport declares its cost (the default is ``"collective"``); a name this process has not
 registered is costed as ``"collective"``, and the estimate notes it.

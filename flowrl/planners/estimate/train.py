@@ -18,17 +18,29 @@ Time of one optimizer step::
                              + (L/pp) * ops_per_layer * kernel_overhead ]         # launches
                   + 2 * send(mb*s_bar*h*act_bytes) if pp > 1                      # stage-to-stage
     pipeline    = (m + pp - 1) * t_mb                                  # 1F1B: pp - 1 bubble slots
-    grad_sync   = (1 - dp_overlap) * all_reduce(P/(tp*pp) * grad_bytes, dp)      # reduce-scatter (all_gather) at zero >= 2
+    grad_sync   = (1 - overlap) * all_reduce(P/(tp*pp) * grad_bytes, dp)         # reduce-scatter (all_gather) at zero >= 2
     optimizer   = P/(tp*pp) * (param_bytes + grad_bytes + 2 * optimizer_bytes / shard) / mem_bw
                   + param_tensors * 10 * kernel_overhead  (+ all_gather of the params if sharded)
+                  (ZeRO-3: a rank steps its shards, param_bytes + grad_bytes / dp too)
     T           = pipeline + grad_sync + optimizer
-    zero = 3    :  t_mb += (1 - dp_overlap) * (2 + ckpt) * all_gather(P/(tp*pp) * param_bytes, dp)
-                   (FSDP gathers each stage's parameters for the forward, the backward and a recompute)
+    zero = 3    :  t_mb += (1 - overlap) * gathers * all_gather(P/(tp*pp) * param_bytes, dp)
+                   gathers = iterations * (2 + ckpt) + 1 if log-probs are recomputed
+                   (FSDP gathers each stage's parameters for every forward and backward pass)
+    overlap     = dp_overlap, or 0 where the host's processes outnumber its cores (``host_crowded``)
 
 On a calibrated CPU device ``peak * mfu_train`` is the measured rate of the built-in model's
 forward + backward at width h (``DeviceSpec.cpu.train_flops_by_width``; a reference's forward:
 ``flops_by_width``): the whole pass as this machine runs it, so no MFU, and ``ops_per_layer`` is 0
-(its launches are in it).
+(its launches are in it). A CPU mesh is one process with an intra-op thread per core (the local and
+process backends), sped up ``DeviceSpec.mesh_speedup`` times, except an FSDP2 policy's
+(``sharding="fsdp"``), which runs under torchrun: each of its dp ranks is a process with one
+intra-op thread (torchrun's ``OMP_NUM_THREADS=1``) that computes its ``S / dp`` sequences at the
+one-core rate, gathers and reduce-scatters over gloo between the ranks' processes, a block at a time
+(``gloo_link``: ``CpuTerms.gloo_rate`` at a block's bytes, measured by ``flowrl calibrate``, else
+``tuning.GLOO_BANDWIDTH``),
+with no overlap where the job's ranks and vLLM's workers outnumber the host's cores (``crowded``:
+``host_crowded``; on two cores beside vLLM nothing runs a gather while the rank computes); ranks
+that outnumber the cores time-share them in the step (``schedule.shared_step_s``).
 
 Memory per device::
 
@@ -91,12 +103,41 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.modelspec import ModelSpec
-from flowrl.planners.cluster import DEVICE_TRAITS
+from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
-from flowrl.planners.tuning import Tuning
+from flowrl.planners.tuning import GLOO_BANDWIDTH, Tuning
 from flowrl.planners.units import format_excess, format_gib_pair
 
-__all__ = ["TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage", "expert_parallel"]
+__all__ = [
+    "TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage", "expert_parallel",
+    "gloo_link", "host_crowded",
+]
+
+
+def gloo_link(ctx: Context, nbytes: float) -> Link:
+    """The link a collective of ``nbytes`` (per tensor) crosses between an FSDP2 policy's CPU ranks:
+    gloo between two processes of the host, at the calibrated ``CpuTerms.gloo_rate(nbytes)`` (else
+    ``GLOO_BANDWIDTH``): a rate achieved, no ``link_efficiency``."""
+    dev = ctx.cluster.device
+    return Link(dev.cpu.gloo_rate(nbytes) or GLOO_BANDWIDTH, dev.intra_host_latency_s)
+
+
+def host_crowded(cluster: ClusterSpec, vllm_workers: int) -> bool:
+    """Whether a host's processes outnumber its cores, leaving none free to run a collective beside
+    the compute: on a CPU cluster (a device is a core), the job's ranks (one per device) and
+    ``vllm_workers`` (vLLM's worker processes: at least one per vLLM generator) against the host's
+    cores (``CpuTerms.host_cores``, else one per device). Never on GPUs, whose collectives run on
+    engines of their own.
+
+    Example:
+        >>> from flowrl.planners.cluster import parse_cluster
+        >>> host_crowded(parse_cluster("cpu:2"), 0), host_crowded(parse_cluster("cpu:2"), 1), host_crowded(parse_cluster("8xH100"), 1)
+        (False, True, False)
+    """
+    dev = cluster.device
+    if not DEVICE_TRAITS[dev.kind].pinned:
+        return False
+    return cluster.devices_per_host + vllm_workers > (dev.cpu.host_cores or cluster.devices_per_host)
 
 
 def expert_parallel(model: ModelSpec, dp: int) -> int:
@@ -172,6 +213,7 @@ def train_options(
     iterations: int = 1,
     updates: int = 1,
     packing: bool | None = False,
+    crowded: bool = False,
 ) -> TrainOptions:
     """Every (micro-batch, checkpointing) option for this mesh, fastest first, feasible or not.
 
@@ -191,6 +233,8 @@ def train_options(
             ``micro_batch`` 0 as the trainer runs ``micro_batch_size`` 0, the whole batch in one
             micro-batch, where that fits; where it does not, the fastest micro-batch that fits, with
             a note naming the ``micro_batch_size`` to set (the trainer would run the whole batch).
+        crowded: the host's processes outnumber its cores (:func:`host_crowded`): no data-parallel
+            collective overlaps the compute (``Tuning.dp_overlap`` is taken as 0).
     """
     c, t, w = ctx.cluster, ctx.tuning, ctx.workload
     dev = c.device
@@ -215,8 +259,14 @@ def train_options(
             return w.mean_seq_len - 1 if packing else w.mean_seq_len
         return w.prompt_len + dist.expected_max(mb) - 1  # the last token predicts nothing
 
-    replicas = 1 if dev.cpu.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
-    speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
+    # FSDP2 runs under torchrun: on a CPU each rank is a process of its own with one intra-op thread
+    # (torchrun's OMP_NUM_THREADS=1), at the calibrated one-core rate, its collectives over gloo
+    cpu_ranks = sharding == "fsdp" and not forward_only and DEVICE_TRAITS[dev.kind].pinned
+    if cpu_ranks:
+        replicas, speedup = dp, 1.0
+    else:
+        replicas = 1 if dev.cpu.thread_speedup > 0 else dp  # a CPU mesh is one process with dp intra-op threads
+        speedup = dev.mesh_speedup(dp, c.devices_per_host) / replicas
     per_rank = math.ceil(w.sequences / replicas)
     if (packing or not packed) and micro_batch == 0 and not whole_first:  # flowrl's trainer runs micro_batch_size 0 as one pass over the batch
         micro_batch = per_rank
@@ -231,7 +281,9 @@ def train_options(
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
-    dp_link = axis_link(c, t, devices, dims, "dp") if replicas > 1 else None
+    # on CPU ranks FSDP2 gathers (and reduce-scatters) one block's tensors at a time: gloo's rate at that size
+    dp_link = (gloo_link(ctx, model.params * pb / L) if cpu_ranks else axis_link(c, t, devices, dims, "dp")) if replicas > 1 else None
+    overlap = 0.0 if crowded else t.dp_overlap  # no free core runs a collective beside the compute
 
     zero = 0 if forward_only else zero_stage(t, sharding)
     # expert parallelism (module docstring): the routed experts, x per device of ep, shard over dp / ep
@@ -253,7 +305,7 @@ def train_options(
         """A collective over dp of the dense part, and with expert parallelism over dp / ep of the experts'."""
         return collective(dense_bytes, dp, dp_link) + (collective(expert_bytes, dp_x, dp_link) if ep > 1 else 0.0)
 
-    fsdp_gather = (1 - t.dp_overlap) * experts_too(all_gather_s, dense * pb, x_dev * pb) if zero >= 3 and dp_link else 0.0
+    fsdp_gather = (1 - overlap) * experts_too(all_gather_s, dense * pb, x_dev * pb) if zero >= 3 and dp_link else 0.0
     if forward_only:
         grads = optim = 0
         grad_sync = optimizer_s = 0.0
@@ -264,12 +316,13 @@ def train_options(
         optim = int(over(d_train * ob, x_dev * ob, shard))
         if dp_link:
             reduce = all_gather_s if zero >= 2 else all_reduce_s  # reduce-scatter moves what an all-gather does
-            grad_sync = (1 - t.dp_overlap) * experts_too(reduce, d_train * gb, x_dev * gb)
+            grad_sync = (1 - overlap) * experts_too(reduce, d_train * gb, x_dev * gb)
         else:
             grad_sync = 0.0
         tensors = 9 * L + 3
         states = over(d_train * ob, x_dev * ob, shard if replicas > 1 else 1)  # a CPU mesh's one process steps all of them
-        optimizer_s = (p_train * (pb + gb) + 2 * states) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+        stepped = over(d_train * (pb + gb), x_dev * (pb + gb), dp if zero >= 3 and replicas > 1 else 1)  # ZeRO-3: a rank steps its shards
+        optimizer_s = (stepped + 2 * states) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.cpu.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
             optimizer_s += experts_too(all_gather_s, d_train * pb, x_dev * pb)
@@ -302,7 +355,8 @@ def train_options(
         launches = passes * layers * ops_per_layer * dev.kernel_overhead_s
         p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         ep_comm = a2a(tok_bar, 1, 0) if forward_only else a2a(tok_bar, iterations * (1 + int(ckpt)) + int(recompute_logprobs), iterations)
-        t_mb = compute + tp_comm + launches + p2p + ep_comm + iterations * (2 + int(ckpt)) * fsdp_gather
+        gathers = iterations * (2 + int(ckpt)) + int(recompute_logprobs)  # FSDP gathers for every forward and backward
+        t_mb = compute + tp_comm + launches + p2p + ep_comm + gathers * fsdp_gather
         if forward_only:
             acts = int(per_layer)
         elif ckpt:
@@ -317,7 +371,7 @@ def train_options(
             "pp_comm": m * p2p,
             **({"ep_comm": m * ep_comm} if moe_layers else {}),
             "bubble": (pp - 1) * t_mb,
-            "dp_comm": updates * grad_sync + m * iterations * (2 + int(ckpt)) * fsdp_gather,
+            "dp_comm": updates * grad_sync + m * gathers * fsdp_gather,
             "optimizer": updates * optimizer_s,
         }
         breakdown = {name: part / speedup for name, part in breakdown.items()}
@@ -338,7 +392,7 @@ def train_options(
         for ckpt in ckpt_choices:
             passes = 1 if forward_only else iterations * (1 + backward + ckpt) + recompute_logprobs
             t_mb = passes * (tok_bar * f_tok * frac / (tp * rate) + layer_comm + layers * ops_per_layer * dev.kernel_overhead_s) + p2p
-            t_mb += iterations * (2 + ckpt) * fsdp_gather
+            t_mb += (iterations * (2 + ckpt) + recompute_logprobs) * fsdp_gather
             if moe_layers:
                 t_mb += a2a(tok_bar, 1, 0) if forward_only else a2a(tok_bar, iterations * (1 + ckpt) + recompute_logprobs, iterations)
             if forward_only:

@@ -1,6 +1,7 @@
 """The direct weight route in a torchrun job: the policy's ranks send straight into vLLM's workers.
 
-Which edges (``direct_channels``, the one place that decides): a weight edge into a vLLM generator
+Which edges (``direct_channels``; the rule is ``flowrl.placement.weight_routes.direct_edges``, the one
+place that decides, which the planner prices too): a weight edge into a vLLM generator
 whose transport is the default (``inprocess``), not in flight, without LoRA, in lock step, with no
 user program at either end, from a policy on other ranks than the generator's. The generator may
 have any mesh: ``dp`` replicas, each one vLLM engine of ``tp`` workers (``vllm_replicas``), all join
@@ -40,9 +41,8 @@ import time
 from typing import Any
 
 from flowrl.errors import TransportError
-from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.ir import Graph
-from flowrl.graph.nodes import GeneratorNode
+from flowrl.placement.weight_routes import direct_edges
 
 __all__ = ["ROUTE", "direct_channels", "register", "store_channel", "DirectEdge", "DirectPolicy"]
 
@@ -52,24 +52,11 @@ POLL_S = 0.02
 
 
 def direct_channels(graph: Graph, ranks: dict[str, tuple[int, ...]], programs: dict[str, str]) -> frozenset[str]:
-    """The channels (``"<policy>-><generator>"``) of the weight edges that take the direct route."""
-    from flowrl.models.lora import lora_of
+    """The channels (``"<policy>-><generator>"``) of the weight edges that take the direct route: the
+    rule is ``flowrl.placement.weight_routes.direct_edges``, which the planner prices too."""
     from flowrl.runtime.backends.weights import channel
 
-    out = set()
-    for e in graph.weight_edges:
-        src, dst = graph.node(e.src), graph.node(e.dst)
-        if e.transport != "inprocess" or e.in_flight or e.src in programs or e.dst in programs:
-            continue
-        if not isinstance(dst, GeneratorNode) or not ENGINE_CAPS[dst.engine].weight_hop or dst.sampling.batching == "continuous":
-            continue  # only an engine whose weights move on into workers of its own has a route to skip
-        if not ranks.get(e.dst) or set(ranks.get(e.src, ())) & set(ranks[e.dst]):
-            continue  # colocated: a policy rank would share a device with a vLLM worker
-        models = [getattr(src, "model", None), getattr(dst, "model", None)]
-        if any(m is None or lora_of(m) is not None for m in models):
-            continue
-        out.add(channel(e.src, e.dst))
-    return frozenset(out)
+    return frozenset(channel(src, dst) for src, dst in direct_edges(graph, ranks, programs))
 
 
 def store_channel(ch: str) -> Any:

@@ -1,0 +1,145 @@
+"""The rate of gloo collectives between two processes of this host, measured: what an FSDP2 policy's
+gathers and reduce-scatters run at on CPU ranks.
+
+An FSDP2 policy on CPU ranks (a torchrun job: one process per rank, a gloo group) gathers every
+block's parameters for each forward and again for the backward, and reduce-scatters the gradients,
+over loopback TCP between the ranks' processes: a rate of its own, well below a memory copy's, and
+one that falls with the tensor's size (caches). The planner prices those collectives at it
+(``estimate.train``, ``estimate.direct``: ``CpuTerms.gloo_by_bytes``, at a block's or a tensor's bytes).
+
+``measure_gloo()`` binds a ``TCPStore`` (it picks the port: no race) and starts two processes
+(``python -m flowrl.calibration.gloo_rate``) at once, which form a gloo group over it and, for
+each size of ``sizes``, time ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of a tensor
+of that many bytes (each rank's shard is half of it), ``repeats`` times after one warm-up each, the
+two taking turns. The rate is in the planner's terms (``estimate.common.all_gather_s``: ``(n - 1) /
+n * bytes / bandwidth`` with n = 2), the median (or ``statistic="best"``) of each collective's
+seconds: ``bandwidth = nbytes / 2 / seconds``; ``CpuTerms.gloo_by_bytes`` takes the slower of the
+two at each size. ``GLOO_SIZES`` (4, 16 and 64 MiB: a 0.5B model's tensors and blocks) take about
+a second on this project's 2-core CPU, plus the two processes' start.
+
+Example:
+    >>> m = Measurements(matmul_flops=40e9, copy_bandwidth=6e9, op_overhead_s=4e-6, cores=2, memory_bytes=2**30)
+    >>> figures = GlooFigures(sizes=(2**24, 2**26), gather_bandwidth=(0.5e9, 0.1e9), reduce_scatter_bandwidth=(0.4e9, 0.2e9))
+    >>> with_gloo(m, figures).cpu.gloo_by_bytes
+    ((16777216, 400000000.0), (67108864, 100000000.0))
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from flowrl.calibration.measure import Measurements
+from flowrl.errors import PlanError
+
+__all__ = ["GlooFigures", "measure_gloo", "with_gloo", "GLOO_SIZES"]
+
+#: Bytes of the tensors the collectives gather (or reduce-scatter) by default, ascending.
+GLOO_SIZES = (4 * 2**20, 16 * 2**20, 64 * 2**20)
+#: Seconds the two processes may take, start-up included, before they are killed.
+TIMEOUT_S = 300.0
+
+
+class GlooFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``measure_gloo`` found (module docstring): per size of ``sizes``, bytes/s in the planner's terms."""
+
+    sizes: tuple[int, ...]
+    gather_bandwidth: tuple[float, ...]
+    reduce_scatter_bandwidth: tuple[float, ...]
+
+
+def with_gloo(m: Measurements, figures: GlooFigures) -> Measurements:
+    """``m`` with the slower of the two gloo rates at each size as ``CpuTerms.gloo_by_bytes`` (pure)."""
+    table = tuple((n, min(g, r)) for n, g, r in zip(figures.sizes, figures.gather_bandwidth, figures.reduce_scatter_bandwidth))
+    return msgspec.structs.replace(m, cpu=msgspec.structs.replace(m.cpu, gloo_by_bytes=table))
+
+
+def measure_gloo(*, sizes: tuple[int, ...] = GLOO_SIZES, repeats: int = 3, statistic: str = "median") -> GlooFigures:
+    """Time gloo's all-gather and reduce-scatter between two processes of this host (module docstring).
+
+    Raises:
+        PlanError: a count below 1, an unknown ``statistic``, or a process that failed or took longer
+            than ``TIMEOUT_S`` (its error kept).
+    """
+    if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 8 or repeats < 1:
+        raise PlanError(f"measure_gloo: sizes={list(sizes)} must be ascending byte counts >= 8 and repeats={repeats} >= 1")
+    if statistic not in ("median", "best"):
+        raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this process listens: it picked the port
+    cmd = [sys.executable, "-m", "flowrl.calibration.gloo_rate", "--port", str(store.port), "--bytes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun starts each rank
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while any(p.poll() is None for p in procs):  # one failing stops the other (it would wait for its peer)
+            if any(p.returncode for p in procs if p.poll() is not None) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        outs = [p.communicate() for p in procs]
+        del store
+    if any(p.returncode for p in procs):
+        late = time.monotonic() > deadline
+        err = next((e for (_, e), p in zip(outs, procs) if p.returncode and e), "")
+        why = f"took longer than {TIMEOUT_S:.0f} s (the machine is too busy?)" if late else f"a process failed (exit codes {[p.returncode for p in procs]})"
+        raise PlanError(f"measuring gloo's rate: {why}: {err[-2000:]}")
+    out = outs[0][0]
+    seconds = json.loads(out.strip().splitlines()[-1])
+    pick = min if statistic == "best" else statistics.median
+    rate = {name: tuple(n / 2 / pick(seconds[f"{name}/{n}"]) for n in sizes) for name in ("all_gather", "reduce_scatter")}
+    return GlooFigures(sizes=tuple(sizes), gather_bandwidth=rate["all_gather"], reduce_scatter_bandwidth=rate["reduce_scatter"])
+
+
+def _rank(rank: int, port: int, sizes: list[int], repeats: int) -> None:
+    """One of the two processes: join the group over the caller's store, time the collectives; rank 0 prints the seconds."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        seconds: dict[str, list[float]] = {}
+        for nbytes in sizes:
+            half = nbytes // 8  # float32 elements of one rank's shard
+            full, shard = torch.ones(2 * half), torch.ones(half)
+            for r in range(repeats + 1):
+                for name in ("all_gather", "reduce_scatter"):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if name == "all_gather":
+                        dist.all_gather_into_tensor(full, shard)
+                    else:
+                        dist.reduce_scatter_tensor(shard, full)
+                    if r:
+                        seconds.setdefault(f"{name}/{nbytes}", []).append(time.perf_counter() - t0)
+        if rank == 0:
+            print(json.dumps(seconds), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one of measure_gloo's two processes")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--bytes", default=",".join(map(str, GLOO_SIZES)), help="comma-separated tensor sizes")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    _rank(args.rank, args.port, [int(n) for n in args.bytes.split(",")], args.repeats)
+
+
+if __name__ == "__main__":
+    main()
