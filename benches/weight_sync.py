@@ -186,6 +186,8 @@ def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
                     (w,) = gen._group.last_workers
                     routes[route].setdefault("worker_s", []).append(round(w["seconds"], 3))
                     routes[route].setdefault("reload_waited_for_wire_s", []).append(round(w["waited_s"], 3))
+                    for key in ("wire_s", "reload_s", "faults"):  # the worker's receive, vLLM's reload in it, its page faults
+                        routes[route].setdefault(f"worker_{key}", []).append(round(w[key], 3))
                     routes[route].setdefault("sender_wire_s", []).append(round(gen._group.last_split["wire_s"], 3))
                     routes[route].setdefault("sender_after_wire_s", []).append(round(gen._group.last_split["after_wire_s"], 3))
                 workers = _worker_pids(os.getpid())
