@@ -133,6 +133,22 @@ class PeakRss:
         self._thread.join()
 
 
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process (``generator``; its RSS sampler included) and
+    of its descendants together (``vllm``: vLLM's engine core and workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    me = os.getpid()
+    return {"generator": of(me), "vllm": sum(of(p) for p in _descendants(me))}
+
+
 def _worker_pids(me: int) -> list[int]:
     """vLLM's worker processes (their command line names them) under this process."""
     out = []
@@ -177,17 +193,22 @@ def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
                     t0 = time.perf_counter()
                     copy_weights(gen.weight_targets(), state, owner="bench")  # into the generator's staging copy
                     t1 = time.perf_counter()
+                    cpu1 = _cpu_seconds()
                     gen.version = version  # the staging copy into vLLM by the route
                     t2 = time.perf_counter()
+                    cpu2 = _cpu_seconds()
                 routes[route]["seconds"].append(round(t2 - t0, 3))
                 routes[route].setdefault("staging_copy_s", []).append(round(t1 - t0, 3))
                 routes[route].setdefault("into_vllm_s", []).append(round(t2 - t1, 3))
+                for who in ("generator", "vllm"):  # CPU seconds of the into-vLLM half: the work, whatever else the cores run
+                    routes[route].setdefault(f"into_vllm_cpu_s_{who}", []).append(round(cpu2[who] - cpu1[who], 3))
                 if route == "group":  # the worker's side: the whole receive-and-reload, and the reload's waits for the wire
                     (w,) = gen._group.last_workers
                     routes[route].setdefault("worker_s", []).append(round(w["seconds"], 3))
                     routes[route].setdefault("reload_waited_for_wire_s", []).append(round(w["waited_s"], 3))
                     for key in ("wire_s", "reload_s", "faults"):  # the worker's receive, vLLM's reload in it, its page faults
-                        routes[route].setdefault(f"worker_{key}", []).append(round(w[key], 3))
+                        if key in w:
+                            routes[route].setdefault(f"worker_{key}", []).append(round(w[key], 3))
                     routes[route].setdefault("sender_wire_s", []).append(round(gen._group.last_split["wire_s"], 3))
                     routes[route].setdefault("sender_after_wire_s", []).append(round(gen._group.last_split["after_wire_s"], 3))
                 workers = _worker_pids(os.getpid())

@@ -12,13 +12,18 @@ Weights reach the workers one of two ways (``flowrl.operators.engines.vllm_sync`
   ``flowrl_join_weight_group`` between the sender (rank 0: the generator's process, or on the direct
   route the policy's sending rank, ``vllm_direct``) and every worker (rank ``1 + worker rank``), with
   vLLM's ``stateless_init_torch_distributed_process_group``. ``flowrl_receive_weights``
-  then takes the buckets the sender broadcasts, tensor by tensor, a receiving thread filling bucket
-  ``i + 1`` while vLLM loads bucket ``i``;
+  then takes the buckets the sender broadcasts, tensor by tensor, into views of buffers the worker
+  keeps (``bucket_views``, ``_BufferPool``), a receiving thread handing each tensor to vLLM as it
+  arrives, so vLLM loads one layer while the next ones arrive;
 - from a **safetensors file** (``flowrl_load_weights``), when the weight edge's transport is ``file``.
 
 Either way vLLM's ``reload_weights`` loads them: it runs the model's own ``load_weights`` (fusing
 q/k/v and gate/up, sharding over vLLM's tensor-parallel workers) and then the post-load processing
-(on a CPU the repacking into kernel layouts), which a direct ``load_weights`` would skip.
+(on a CPU the repacking into kernel layouts), which a direct ``load_weights`` would skip. Layer by
+layer it copies the tensors into fresh parameters and, on a CPU, packs each linear layer's weight
+into a new oneDNN handle: the packed weights are the kernel's own copy, so an in-place copy into
+vLLM's parameters would leave the kernels computing with the old ones (the parameters are empty
+after packing); that repacking is most of a group update's time on a CPU (benches/RESULTS.md).
 
 This module is imported inside vLLM's worker process: it imports nothing of flowrl and no
 torch or vLLM at the top.
