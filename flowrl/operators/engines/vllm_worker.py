@@ -42,7 +42,8 @@ __all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION", "BucketPlan", "bucket_vi
 WORKER_EXTENSION = "flowrl.operators.engines.vllm_worker.FlowrlWorkerExtension"
 
 #: A sync's plan as plain data: per bucket, its tensors in order as ``(name, shape, dtype name)``;
-#: each tensor is one broadcast, received into a tensor of its own (no packing on either side).
+#: each tensor is one broadcast (no packing copy at the sender), received into a view of one buffer
+#: per bucket (``bucket_views``).
 BucketPlan = list[list[tuple[str, list[int], str]]]
 
 #: Buckets in flight on a worker: the one vLLM is loading and the one being received.
@@ -93,7 +94,9 @@ class FlowrlWorkerExtension:
 
         start = time.perf_counter()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        buffers = self.__dict__.setdefault("_flowrl_buffers", _BufferPool(self._flowrl_group_device))
+        buffers = self.__dict__.get("_flowrl_buffers")
+        if buffers is None or buffers.device != self._flowrl_group_device:  # kept while the group's device stays
+            buffers = self._flowrl_buffers = _BufferPool(self._flowrl_group_device)
         allocated = buffers.allocated
         stream = _BucketStream(self._flowrl_group, buffers, plan)
         _quiet_expected_reload_warnings(self.model_runner.get_model())
@@ -231,7 +234,6 @@ class _BucketStream:
         self.loaded, self.waited_s, self.wire_s = 0, 0.0, 0.0
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._slots = threading.Semaphore(_AHEAD)
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="flowrl-weight-receive", daemon=True)
 
     def start(self) -> None:
