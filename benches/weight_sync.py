@@ -33,6 +33,11 @@ Cases (``--cases``, comma-separated):
   copy: ~0), vLLM's worker's peak, and per policy rank its peak RSS in the sync and above its RSS
   before it (one bucket of gathered tensors); the last version checked bit for bit.
 
+Per update in the replicated case, beside the seconds of each half (``staging_copy_s``, ``into_vllm_s``),
+the CPU seconds this process and vLLM's processes spent in it (``*_cpu_s_generator``, ``*_cpu_s_vllm``):
+the work done, which the wall clock hides when other jobs share the cores; for the group route the
+worker's split (``worker_wire_s``, ``worker_reload_s``, ``reload_waited_for_wire_s``, ``worker_faults``).
+
 Prints one JSON object; ``group_over_file`` (replicated, median / median: the goal is <= 0.5); the
 machine's load before and after each case.
 
@@ -191,6 +196,7 @@ def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
                 gen.weights_by = route
                 with PeakRss() as rss:  # what load_weights does, its two halves timed apart
                     t0 = time.perf_counter()
+                    cpu0 = _cpu_seconds()
                     copy_weights(gen.weight_targets(), state, owner="bench")  # into the generator's staging copy
                     t1 = time.perf_counter()
                     cpu1 = _cpu_seconds()
@@ -200,7 +206,8 @@ def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
                 routes[route]["seconds"].append(round(t2 - t0, 3))
                 routes[route].setdefault("staging_copy_s", []).append(round(t1 - t0, 3))
                 routes[route].setdefault("into_vllm_s", []).append(round(t2 - t1, 3))
-                for who in ("generator", "vllm"):  # CPU seconds of the into-vLLM half: the work, whatever else the cores run
+                for who in ("generator", "vllm"):  # CPU seconds of each half: the work, whatever else the cores run
+                    routes[route].setdefault(f"staging_copy_cpu_s_{who}", []).append(round(cpu1[who] - cpu0[who], 3))
                     routes[route].setdefault(f"into_vllm_cpu_s_{who}", []).append(round(cpu2[who] - cpu1[who], 3))
                 if route == "group":  # the worker's side: the whole receive-and-reload, and the reload's waits for the wire
                     (w,) = gen._group.last_workers
