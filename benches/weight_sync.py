@@ -37,6 +37,11 @@ Cases (``--cases``, comma-separated):
   (``--engine``); engine 0 asks for both, the policy's rank broadcasts each tensor once to both
   workers. Per update the seconds of each engine's ``take_direct``; both engines checked bit for bit.
 
+Per update in the replicated case, beside the seconds of each half (``staging_copy_s``, ``into_vllm_s``),
+the CPU seconds this process and vLLM's processes spent in it (``*_cpu_s_generator``, ``*_cpu_s_vllm``):
+the work done, which the wall clock hides when other jobs share the cores; for the group route the
+worker's split (``worker_wire_s``, ``worker_reload_s``, ``reload_waited_for_wire_s``, ``worker_faults``).
+
 Prints one JSON object; ``group_over_file`` (replicated, median / median: the goal is <= 0.5); the
 machine's load before and after each case.
 
@@ -138,6 +143,22 @@ class PeakRss:
         self._thread.join()
 
 
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process (``generator``; its RSS sampler included) and
+    of its descendants together (``vllm``: vLLM's engine core and workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    me = os.getpid()
+    return {"generator": of(me), "vllm": sum(of(p) for p in _descendants(me))}
+
+
 def _worker_pids(me: int) -> list[int]:
     """vLLM's worker processes (their command line names them) under this process."""
     out = []
@@ -180,17 +201,26 @@ def replicated_case(model_dir: Path, repeats: int, bucket_mb: int) -> dict:
                 gen.weights_by = route
                 with PeakRss() as rss:  # what load_weights does, its two halves timed apart
                     t0 = time.perf_counter()
+                    cpu0 = _cpu_seconds()
                     copy_weights(gen.weight_targets(), state, owner="bench")  # into the generator's staging copy
                     t1 = time.perf_counter()
+                    cpu1 = _cpu_seconds()
                     gen.version = version  # the staging copy into vLLM by the route
                     t2 = time.perf_counter()
+                    cpu2 = _cpu_seconds()
                 routes[route]["seconds"].append(round(t2 - t0, 3))
                 routes[route].setdefault("staging_copy_s", []).append(round(t1 - t0, 3))
                 routes[route].setdefault("into_vllm_s", []).append(round(t2 - t1, 3))
+                for who in ("generator", "vllm"):  # CPU seconds of each half: the work, whatever else the cores run
+                    routes[route].setdefault(f"staging_copy_cpu_s_{who}", []).append(round(cpu1[who] - cpu0[who], 3))
+                    routes[route].setdefault(f"into_vllm_cpu_s_{who}", []).append(round(cpu2[who] - cpu1[who], 3))
                 if route == "group":  # the worker's side: the whole receive-and-reload, and the reload's waits for the wire
                     (w,) = gen._group.last_workers
                     routes[route].setdefault("worker_s", []).append(round(w["seconds"], 3))
                     routes[route].setdefault("reload_waited_for_wire_s", []).append(round(w["waited_s"], 3))
+                    for key in ("wire_s", "reload_s", "faults"):  # the worker's receive, vLLM's reload in it, its page faults
+                        if key in w:
+                            routes[route].setdefault(f"worker_{key}", []).append(round(w[key], 3))
                     routes[route].setdefault("sender_wire_s", []).append(round(gen._group.last_split["wire_s"], 3))
                     routes[route].setdefault("sender_after_wire_s", []).append(round(gen._group.last_split["after_wire_s"], 3))
                 workers = _worker_pids(os.getpid())

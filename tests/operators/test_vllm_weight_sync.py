@@ -52,3 +52,45 @@ def test_a_tensor_parallel_workers_part_of_each_tensor_is_cut_as_vllm_cuts_it():
     small = torch.arange(20.0).reshape(20, 1)  # padded to 64: the first worker holds every row, the second none
     assert tp_part("lm_head.weight", small, one).shape[0] == 20 and tp_part("lm_head.weight", small, two).shape[0] == 0
     assert torch.equal(tp_part("l.gate_proj.weight", t, TPShard()), t)  # no tensor parallelism: the whole tensor
+
+
+def test_a_bucket_received_into_one_buffer_gives_back_each_tensor_bit_for_bit():
+    from flowrl.operators.engines.vllm_worker import _ALIGN, bucket_nbytes, bucket_views
+
+    torch.manual_seed(0)
+    sent = {  # odd sizes and mixed dtypes: each view must start aligned and overlap no other
+        "model.embed_tokens.weight": torch.randn(7, 5),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(3).to(torch.bfloat16),
+        "model.layers.0.mlp.gate_proj.weight": torch.randn(4, 3).to(torch.float16),
+        "model.norm.weight": torch.randn(1),
+        "step": torch.tensor([3], dtype=torch.int64),
+    }
+    bucket = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in sent.items()]
+    buffer = torch.full((bucket_nbytes(bucket),), 0xAB, dtype=torch.uint8)
+    views = bucket_views(buffer, bucket)
+    assert [n for n, _ in views] == list(sent)
+    for (name, view), t in zip(views, sent.values()):
+        assert view.dtype == t.dtype and view.shape == t.shape and view.is_contiguous() and view.data_ptr() % _ALIGN == 0
+        view.copy_(t)  # what the group's broadcast does: writes the sender's bytes into the view
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for _, v in views)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])) and spans[-1][1] <= buffer.data_ptr() + buffer.numel()
+    for (name, view), t in zip(bucket_views(buffer, bucket), sent.values()):  # read back through fresh views, as vLLM does
+        assert torch.equal(view.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_a_kept_buffer_is_received_into_again_only_when_no_view_of_it_is_alive():
+    from flowrl.operators.engines.vllm_worker import _AHEAD, _BufferPool
+
+    pool = _BufferPool("cpu")
+    first = pool.take(1000)
+    view = first[:10]  # a layer vLLM has not completed yet holds a tensor of the bucket
+    second = pool.take(1000)
+    assert second.data_ptr() != first.data_ptr()  # in use: not handed out again
+    del view
+    assert pool.take(800).data_ptr() == first.data_ptr()  # free again, and large enough
+    assert pool.take(5000).numel() == 5000 and pool.allocated == 3  # no kept buffer holds 5000 bytes: a new one
+    held = [pool.take(1000)[:1] for _ in range(_AHEAD + 2)]  # each taken buffer stays in use
+    assert len({v.data_ptr() for v in held}) == _AHEAD + 2  # none handed out twice
+    assert pool.allocated == 3 + (_AHEAD + 2) - 3 and len(pool._kept) == _AHEAD + 1  # the kept ones first, then new ones, not kept
+    del held
+    assert {pool.take(1000).data_ptr() for _ in range(3)} <= {b.data_ptr() for b, _ in pool._kept}  # reused once free

@@ -14,9 +14,10 @@ of the group. The call takes ``"nccl"`` unchanged.
 that is a bucket of its own), tells every worker the plan (names, shapes, dtypes: plain data over
 vLLM's RPC) and broadcasts each tensor of each bucket, as it lies in the staging copy (no packing),
 with the group's own ``broadcast`` (the group is not in torch's world map, so
-``torch.distributed.broadcast`` cannot name it). Each worker receives bucket ``i + 1`` while vLLM
-loads bucket ``i`` (``reload_weights`` consumes an iterator), so at most a few buckets are in memory
-beyond the model. Every tensor goes once to every worker, in the generator's
+``torch.distributed.broadcast`` cannot name it). Each worker receives a bucket's tensors into views
+of one buffer it keeps from update to update and hands each to vLLM's ``reload_weights`` (which
+consumes an iterator) as soon as it arrives, so vLLM loads one layer while the next ones arrive and
+at most ``_AHEAD + 1`` buckets are in memory beyond the model (``vllm_worker``). Every tensor goes once to every worker, in the generator's
 dtype: ``bytes`` is the model's bytes in that dtype. With vLLM's tensor parallelism every worker
 is a member and receives the full tensors; its model's own ``load_weights`` keeps its shard (as verl
 and TRL do), so every shard is the policy's bits (``expected_digests`` with a ``TPShard`` checks it).

@@ -13,13 +13,18 @@ Weights reach the workers one of two ways (``flowrl.operators.engines.vllm_sync`
   route the policy's sending rank, ``vllm_direct``) and every worker (rank ``1 + worker rank``; on
   the direct route into several engines, engine ``i``'s workers from its own first rank on), with
   vLLM's ``stateless_init_torch_distributed_process_group``. ``flowrl_receive_weights``
-  then takes the buckets the sender broadcasts, tensor by tensor, a receiving thread filling bucket
-  ``i + 1`` while vLLM loads bucket ``i``;
+  then takes the buckets the sender broadcasts, tensor by tensor, into views of buffers the worker
+  keeps (``bucket_views``, ``_BufferPool``), a receiving thread handing each tensor to vLLM as it
+  arrives, so vLLM loads one layer while the next ones arrive;
 - from a **safetensors file** (``flowrl_load_weights``), when the weight edge's transport is ``file``.
 
 Either way vLLM's ``reload_weights`` loads them: it runs the model's own ``load_weights`` (fusing
 q/k/v and gate/up, sharding over vLLM's tensor-parallel workers) and then the post-load processing
-(on a CPU the repacking into kernel layouts), which a direct ``load_weights`` would skip.
+(on a CPU the repacking into kernel layouts), which a direct ``load_weights`` would skip. Layer by
+layer it copies the tensors into fresh parameters and, on a CPU, packs each linear layer's weight
+into a new oneDNN handle: the packed weights are the kernel's own copy, so an in-place copy into
+vLLM's parameters would leave the kernels computing with the old ones (the parameters are empty
+after packing); that repacking is most of a group update's time on a CPU (benches/RESULTS.md).
 
 This module is imported inside vLLM's worker process: it imports nothing of flowrl and no
 torch or vLLM at the top.
@@ -32,17 +37,21 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION", "BucketPlan"]
+__all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION", "BucketPlan", "bucket_views", "bucket_nbytes"]
 
 #: What ``LLM(worker_extension_cls=...)`` is given (vLLM resolves a dotted qualified name).
 WORKER_EXTENSION = "flowrl.operators.engines.vllm_worker.FlowrlWorkerExtension"
 
 #: A sync's plan as plain data: per bucket, its tensors in order as ``(name, shape, dtype name)``;
-#: each tensor is one broadcast, received into a tensor of its own (no packing on either side).
+#: each tensor is one broadcast (no packing copy at the sender), received into a view of one buffer
+#: per bucket (``bucket_views``).
 BucketPlan = list[list[tuple[str, list[int], str]]]
 
-#: Buckets received ahead of the one vLLM is loading (memory: this many buckets at most in flight).
+#: Buckets in flight on a worker: the one vLLM is loading and the one being received.
 _AHEAD = 2
+
+#: Each tensor of a received bucket starts at a multiple of this many bytes (a cache line; any dtype's size).
+_ALIGN = 64
 
 
 class FlowrlWorkerExtension:
@@ -66,58 +75,46 @@ class FlowrlWorkerExtension:
     def flowrl_receive_weights(self: Any, plan: BucketPlan) -> dict[str, float]:
         """Receive the buckets of ``plan`` from rank 0 of the weight-sync group and load them in place.
 
+        A receiving thread takes each bucket into one buffer (``bucket_views``: every tensor a view
+        of it) and hands each tensor to vLLM's ``reload_weights`` as soon as its broadcast completes:
+        vLLM loads (and on a CPU repacks) a layer while the next tensors arrive, from the first tensor
+        on, and at most ``_AHEAD`` buckets are in flight. The buffers are the worker's own, kept from
+        one bucket and one update to the next (``_BufferPool``): memory received into is memory
+        touched before (a fresh buffer's every page is a page fault, about as costly here as the
+        receive itself).
+
         Returns:
             ``loaded``: the number of tensors loaded; ``seconds``: the whole call; ``waited_s``: of
-            it, the time vLLM's reload waited for a bucket to arrive (near ``seconds``: the wire is
-            the bottleneck; near 0: the reload is).
+            it, the time vLLM's reload waited for a tensor to arrive (near ``seconds``: the wire is
+            the bottleneck; near 0: the reload is); ``wire_s``: until the last tensor had arrived;
+            ``reload_s``: vLLM's ``reload_weights``; ``faults``: the worker's minor page faults in the
+            call (memory touched for the first time: vLLM's repacking, and any new buffer);
+            ``new_buffers``: bucket buffers allocated (0 once the kept ones are reused).
         """
+        import resource
         import time
 
-        import torch
-
         start = time.perf_counter()
-        group = self._flowrl_group
-        device = self._flowrl_group_device
-        arrived: queue.Queue[Any] = queue.Queue(maxsize=_AHEAD)
-
-        def receive() -> None:  # the group's own broadcast: the group is not in torch's world map
-            try:
-                for bucket in plan:
-                    tensors = [(name, torch.empty(shape, dtype=getattr(torch, dtype), device=device)) for name, shape, dtype in bucket]
-                    for work in [group.broadcast(t, 0) for _, t in tensors]:
-                        work.wait()
-                    arrived.put(tensors)
-            except BaseException as exc:  # handed to the loading thread, which raises it
-                arrived.put(exc)
-
-        loaded, waited = 0, 0.0
-
-        def tensors() -> Iterator[tuple[str, Any]]:
-            nonlocal loaded, waited
-            for _ in plan:
-                t0 = time.perf_counter()
-                bucket = arrived.get()
-                waited += time.perf_counter() - t0
-                if isinstance(bucket, BaseException):
-                    raise bucket
-                for item in bucket:
-                    loaded += 1
-                    yield item
-
-        thread = threading.Thread(target=receive, name="flowrl-weight-receive", daemon=True)
-        thread.start()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        buffers = self.__dict__.get("_flowrl_buffers")
+        if buffers is None or buffers.device != self._flowrl_group_device:  # kept while the group's device stays
+            buffers = self._flowrl_buffers = _BufferPool(self._flowrl_group_device)
+        allocated = buffers.allocated
+        stream = _BucketStream(self._flowrl_group, buffers, plan)
         _quiet_expected_reload_warnings(self.model_runner.get_model())
+        stream.start()
         try:
-            self.reload_weights(weights_iterator=tensors())
+            t0 = time.perf_counter()
+            self.reload_weights(weights_iterator=stream.tensors())
+            reload_s = time.perf_counter() - t0
         finally:  # after a failure keep receiving what the sender sends, so that it is not left blocked
-            while thread.is_alive():
-                try:
-                    arrived.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            thread.join()
+            stream.drain()
         _refresh_tied_lm_head(self.model_runner.get_model())
-        return {"loaded": loaded, "seconds": time.perf_counter() - start, "waited_s": waited}
+        return {
+            "loaded": stream.loaded, "seconds": time.perf_counter() - start, "waited_s": stream.waited_s,
+            "wire_s": stream.wire_s, "reload_s": reload_s, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+            "new_buffers": buffers.allocated - allocated,
+        }
 
     def flowrl_load_weights(self: Any, path: str) -> int:
         """Load the safetensors file at ``path`` (Hugging Face names, the whole model) in place.
@@ -136,6 +133,7 @@ class FlowrlWorkerExtension:
     def flowrl_leave_weight_group(self: Any) -> bool:
         """Shut the weight-sync group down (idempotent)."""
         group = self.__dict__.pop("_flowrl_group", None)
+        self.__dict__.pop("_flowrl_buffers", None)
         if group is not None:
             from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
@@ -183,6 +181,162 @@ class FlowrlWorkerExtension:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         return {"digests": out, "packed": packed, "tp_rank": int(get_tensor_model_parallel_rank()), "tp_size": int(get_tensor_model_parallel_world_size())}
+
+
+def bucket_views(buffer: Any, bucket: list[tuple[str, list[int], str]]) -> list[tuple[str, Any]]:
+    """The tensors of ``bucket`` (``(name, shape, dtype name)``) as views of ``buffer``, a flat uint8
+    tensor of at least ``bucket_nbytes(bucket)`` bytes: each view contiguous, starting at a multiple of
+    ``_ALIGN`` bytes, none overlapping another, in the bucket's order.
+
+    Example:
+        >>> import torch
+        >>> b = [("a", [2], "float32"), ("b", [3], "bfloat16")]
+        >>> [(n, t.dtype, t.data_ptr() % _ALIGN) for n, t in bucket_views(torch.empty(bucket_nbytes(b), dtype=torch.uint8), b)]
+        [('a', torch.float32, 0), ('b', torch.bfloat16, 0)]
+    """
+    import torch
+
+    out, offset = [], 0
+    base = -buffer.data_ptr() % _ALIGN  # the first aligned byte of the buffer
+    for name, shape, dtype in bucket:
+        dt = getattr(torch, dtype)
+        n = _nbytes(shape, dt)
+        out.append((name, buffer[base + offset : base + offset + n].view(dt).view(shape)))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
+def bucket_nbytes(bucket: list[tuple[str, list[int], str]]) -> int:
+    """Bytes of a buffer that holds ``bucket``'s tensors as ``bucket_views`` lays them out (each
+    rounded up to ``_ALIGN``, plus room to align the first)."""
+    import torch
+
+    return _ALIGN + sum(-(-_nbytes(shape, getattr(torch, dtype)) // _ALIGN) * _ALIGN for _, shape, dtype in bucket)
+
+
+def _nbytes(shape: list[int], dtype: Any) -> int:
+    import math
+
+    return math.prod(shape) * dtype.itemsize
+
+
+class _BucketStream:
+    """The receiving side of one sync: a thread that receives each bucket of ``plan`` into a buffer
+    of ``buffers`` (``bucket_views``) and hands each tensor on as its broadcast completes.
+
+    State: ``_items``, the tensors received and not yet taken (``None`` after a bucket's last; an
+    exception if receiving failed); ``_slots``, buckets that may still be allocated (``_AHEAD`` at
+    first: the thread takes one per bucket, ``tensors`` gives it back when it has handed on a
+    bucket's last tensor), so at most ``_AHEAD`` buckets are being received or loaded at once (a view
+    vLLM keeps for a layer not yet complete keeps its buffer from reuse a little longer).
+    """
+
+    def __init__(self, group: Any, buffers: _BufferPool, plan: BucketPlan) -> None:
+        self.group, self.buffers, self.plan = group, buffers, plan
+        self.loaded, self.waited_s, self.wire_s = 0, 0.0, 0.0
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._slots = threading.Semaphore(_AHEAD)
+        self._thread = threading.Thread(target=self._receive, name="flowrl-weight-receive", daemon=True)
+
+    def start(self) -> None:
+        import time
+
+        self._start = time.perf_counter()
+        self._thread.start()
+
+    def _receive(self) -> None:  # the group's own broadcast: the group is not in torch's world map
+        import time
+
+        try:
+            for bucket in self.plan:
+                self._slots.acquire()
+                views = bucket_views(self.buffers.take(bucket_nbytes(bucket)), bucket)
+                works = [self.group.broadcast(t, 0) for _, t in views]  # all posted: gloo receives them in order
+                for work in works:
+                    work.wait()
+                    self._items.put(views.pop(0))
+                self._items.put(None)
+            self.wire_s = time.perf_counter() - self._start
+        except BaseException as exc:  # handed to the loading thread, which raises it
+            self._items.put(exc)
+
+    def tensors(self) -> Iterator[tuple[str, Any]]:
+        """Each received ``(name, tensor)`` in the plan's order, as it arrives."""
+        import time
+
+        for _ in self.plan:
+            while True:
+                t0 = time.perf_counter()
+                item = self._items.get()
+                self.waited_s += time.perf_counter() - t0
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    self._slots.release()
+                    break
+                self.loaded += 1
+                yield item
+                del item
+
+    def drain(self) -> None:
+        """Take (and drop) what is still arriving until the thread ends: after a failed load the
+        sender's broadcasts still complete, so the sender is not left blocked."""
+        while self._thread.is_alive():
+            try:
+                if self._items.get(timeout=0.05) is None:
+                    self._slots.release()
+            except queue.Empty:
+                pass
+        self._thread.join()
+
+
+class _BufferPool:
+    """Flat uint8 buffers on ``device`` that buckets are received into, kept from one update to the next.
+
+    ``take(nbytes)`` gives a kept buffer that holds ``nbytes`` and that nothing else refers to: no
+    view of it is alive (its storage's use count is the one it had alone), so neither the receiving
+    thread nor vLLM still reads a bucket in it; vLLM keeps a layer's tensors until the layer is complete
+    (a layer whose tensors straddle two buckets) or, for a layer it never fills, until the reload ends.
+    Otherwise it allocates one, kept in place of an unused smaller one while ``_AHEAD + 1`` are
+    kept: the bucket vLLM loads, the one being received, and the one before, which a layer straddling
+    two buckets still holds when the next is taken (memory: ``_AHEAD + 1`` buckets beside the model,
+    from one update to the next; a buffer taken beyond those is freed when its views die).
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.allocated = 0  # buffers allocated so far (kept or not)
+        self._kept: list[tuple[Any, int]] = []  # (buffer, its storage's use count with no view alive)
+
+    def take(self, nbytes: int) -> Any:
+        import torch
+
+        for buffer, alone in self._kept:
+            if buffer.numel() >= nbytes and _unused(buffer, alone):
+                return buffer
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.allocated += 1
+        entry = (buffer, _use_count(buffer))
+        unused = [i for i, (b, alone) in enumerate(self._kept) if _unused(b, alone)]
+        if len(self._kept) < _AHEAD + 1:
+            self._kept.append(entry)
+        elif unused:
+            self._kept[unused[0]] = entry
+        return buffer
+
+
+def _unused(buffer: Any, alone: int) -> bool:
+    """Whether no view of ``buffer`` is alive (never, where torch cannot count: then nothing is reused)."""
+    return alone > 0 and _use_count(buffer) == alone
+
+
+def _use_count(t: Any) -> int:
+    """How many tensors (views included) share ``t``'s storage, plus one for the storage object asked;
+    -1 where this torch has no such count."""
+    import torch
+
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return -1 if count is None else int(count(t.untyped_storage()._cdata))
 
 
 class _ExpectedReloadWarnings:
