@@ -23,6 +23,7 @@ import traceback
 
 from flowrl import __version__
 from flowrl.errors import FlowrlError, NodeBuildError, NodeExecutionError
+from flowrl.runtime.backends.rank_exit import end_rank_process, is_rank_process
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -88,6 +89,24 @@ def _print_error(command: str, exc: FlowrlError) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command in ``argv`` (default: this process's arguments) and return its exit status.
+
+    Called without ``argv`` it is this process's command (``flowrl``, ``python -m flowrl``): as a rank
+    of a torchrun job it ends the process itself once the command is done, with that status and
+    without interpreter teardown (``runtime.backends.rank_exit``: gloo's threads outlive the job's
+    process groups and may abort a rank there); a flowrl bug's traceback is printed first (exit 1).
+    """
+    if argv is not None or not is_rank_process():
+        return _command(argv)
+    try:
+        code = _command(None)
+    except Exception:  # noqa: BLE001 - a flowrl bug: its traceback, as an uncaught exception prints it
+        traceback.print_exc()
+        code = 1
+    end_rank_process(code)
+
+
+def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -536,13 +536,15 @@ def _dp_job(out: str, loss_agg: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
     if sys.argv[1] == "fail":
-        sys.exit(_fail_job(sys.argv[2]))
+        end_rank_process(_fail_job(sys.argv[2]))
     if sys.argv[1] == "dp":
-        sys.exit(_dp_job(sys.argv[2], sys.argv[3]))
+        end_rank_process(_dp_job(sys.argv[2], sys.argv[3]))
     if sys.argv[1] == "bitwise":
-        sys.exit(_bitwise_job())
+        end_rank_process(_bitwise_job())
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")
 
 
