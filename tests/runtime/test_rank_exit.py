@@ -1,12 +1,13 @@
 """A rank's process ends without interpreter teardown, losing nothing of a normal exit (``flowrl.runtime.backends.rank_exit``).
 
-``flowrl`` run as a rank (``RANK`` and ``WORLD_SIZE`` set, as torchrun sets them) keeps its exit
-status, its error paragraph or traceback and what it printed; ``atexit`` handlers run and a
-non-daemon thread is joined, while an object freed only at teardown is never freed: the teardown,
-where gloo's leftover threads abort a rank, did not run. The same program without ``RANK`` is the
-control (it does tear down), so the probe would see a rank that still did. A 2-rank job
-(``rank_exit_job.py``) whose rank 0 ends while its gloo worker thread waits for the GIL exits 0;
-ending with ``sys.exit`` instead aborts it as CI saw (``--runslow``).
+``flowrl`` run as a rank (``RANK`` and ``WORLD_SIZE`` set, as torchrun sets them) with a gloo group
+still alive at the end (its threads running, as after every torchrun job) keeps its exit status,
+its error paragraph or traceback and what it printed; ``atexit`` handlers run and a non-daemon
+thread is joined, while an object freed only at teardown is never freed: the teardown, where such a
+thread can abort a rank, did not run. A rank that stopped before any group (a refused input) exits
+as any process does, teardown included: the control, showing the probe sees a teardown. A 2-rank
+job (``rank_exit_job.py``) whose rank 0 ends while its gloo worker thread waits for the GIL exits 0;
+ending it with ``sys.exit`` instead aborts it as CI saw (``--runslow``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 #: the process: an atexit handler, a non-daemon thread still running at the end, an object freed only
-#: by interpreter teardown (module globals cleared); each writes a line to MARKS; then ``flowrl ARGS``
+#: by interpreter teardown (module globals cleared), each writing a line to MARKS; with GROUP, a gloo
+#: group kept alive past destroy_process_group; then ``flowrl ARGS`` (``planted-bug``: a flowrl bug)
 PROGRAM = """
 import atexit, sys, threading, time
 marks = open(sys.argv[1], "a", buffering=1)
@@ -32,8 +34,13 @@ class Teardown:
     def __del__(self):
         self.write("teardown\\n")
 KEEP = Teardown()
+if sys.argv[2] == "group":
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    GROUP = dist.group.WORLD  # outlives destroy_process_group, its gloo threads running
+    dist.destroy_process_group()
 print("flowrl's stdout follows")
-sys.argv = ["flowrl", *sys.argv[2:]]
+sys.argv = ["flowrl", *sys.argv[3:]]
 import flowrl.cli.main as cli
 if sys.argv[1:] == ["planted-bug"]:
     def _bug(argv):
@@ -43,28 +50,26 @@ sys.exit(cli.main())
 """
 
 
-def _flowrl(tmp_path: Path, *args: str, rank: bool) -> tuple[subprocess.CompletedProcess[str], list[str]]:
-    marks = tmp_path / f"marks-{rank}-{args[0]}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = str(ROOT)
-    if rank:
-        env.update(RANK="0", WORLD_SIZE="1")
-    proc = subprocess.run([sys.executable, "-c", PROGRAM, str(marks), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+def _flowrl(tmp_path: Path, *args: str, group: bool) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """``flowrl ARGS`` as rank 0 of 1, with or without a live gloo group; its exit and the MARKS lines."""
+    marks = tmp_path / f"marks-{group}-{args[0]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}  # as torchrun sets them
+    proc = subprocess.run([sys.executable, "-c", PROGRAM, str(marks), "group" if group else "none", *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
     return proc, sorted(marks.read_text().split()) if marks.exists() else []
 
 
-@pytest.mark.parametrize("rank", [pytest.param(False, marks=pytest.mark.slow), True], ids=["control", "rank"])  # the control: --runslow (CI time)
-def test_a_user_error_exits_2_with_its_paragraph_and_a_rank_skips_only_the_teardown(tmp_path, rank):
-    proc, marks = _flowrl(tmp_path, "run", "--eval-every", "0", rank=rank)
+@pytest.mark.parametrize("group", [True, False], ids=["live-group", "control-no-group"])
+def test_a_user_error_on_a_rank_exits_2_with_its_paragraph_and_skips_only_the_teardown(tmp_path, group):
+    proc, marks = _flowrl(tmp_path, "run", "--eval-every", "0", group=group)
     assert proc.returncode == 2, proc.stderr
     assert "flowrl run: error: --eval-every 0: N must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == "flowrl's stdout follows\n"  # flushed before the process ends
-    assert marks == (["atexit", "thread"] if rank else ["atexit", "teardown", "thread"])
+    assert marks == (["atexit", "thread"] if group else ["atexit", "teardown", "thread"])
 
 
 def test_a_flowrl_bug_on_a_rank_prints_its_traceback_and_exits_1(tmp_path):
-    proc, marks = _flowrl(tmp_path, "planted-bug", rank=True)
+    proc, marks = _flowrl(tmp_path, "planted-bug", group=True)
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "RuntimeError: a planted flowrl bug" in proc.stderr
     assert proc.stdout == "flowrl's stdout follows\n"

@@ -48,12 +48,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: What libstdc++ prints when ``std::terminate`` is called outside a C++ exception (e.g. a joinable
-#: thread object destroyed). Seen twice in fresh-clone CI runs, each time in a job that builds an FSDP2
-#: policy through ``runtime/parallel/fsdp_init.py`` (test_fsdp's step job; test_fsdp_init's init job, where the
-#: faulthandler's own stack dump then died of SIGBUS: memory corrupted in the process), never in 30
-#: runs of the step job here at load 7-11. Cause unknown; ``fsdp_init``'s ``malloc_trim`` calls are
-#: the one unusual thing those jobs share. The jobs that only write a result file retry once on it.
+#: What libstdc++ prints when ``std::terminate`` is called outside a C++ exception: what kills a rank
+#: that finalizes its interpreter while a gloo worker thread, dropping a finished work's tensors, takes
+#: the GIL (``flowrl.runtime.backends.rank_exit``). Ranks end without finalizing (``end_rank_process``:
+#: the jobs' entry points, ``flowrl`` itself); the jobs that only write a result file retry once on it,
+#: with a warning carrying the stacks, so that a recurrence shows.
 CXX_ABORT = "terminate called without an active exception"
 
 

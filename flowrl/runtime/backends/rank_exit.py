@@ -1,15 +1,17 @@
 """How a rank's process ends: the steps of a normal exit up to interpreter teardown, then ``os._exit``.
 
-Why. ``destroy_process_group()`` forgets the job's process groups, but does not free them while
-something still holds one: DTensor's sharding caches (one of them in C++), FSDP's state and
-flowrl's weight transports do, so each group's gloo threads (``gloo_tcp_loop``, two
-``pt_gloo_runloop``) are still running when the interpreter finalizes (seen in every torchrun job
-here: 1 group on rank 0 and 3 on each policy rank of ``flowrl run llamarl``, the FSDP init job's
-one). A C++ thread that waits for the GIL once finalization has begun is ended by CPython with
-``pthread_exit``, whose unwinding through a ``noexcept`` frame calls ``std::terminate``: a rank that
-finished its work dies of ``terminate called without an active exception`` / ``Fatal Python error:
-Aborted``, the dump listing only the main thread, with no Python frame. Which object a gloo thread
-drops at that moment is not known; finalization is where it hurts, so a rank skips it.
+Why. A gloo worker thread frees a finished collective's work after the caller has moved on
+(``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` -> its tensors); a tensor whose Python object
+was freed first owns that object, and dropping it takes the GIL (``TensorImpl::decref_pyobject``).
+When that happens after the main thread has begun finalizing the interpreter, CPython ends the
+worker thread (``pthread_exit``), and its unwinding through the ``noexcept`` destructor calls
+``std::terminate``: a rank that finished its work dies of ``terminate called without an active
+exception`` / ``Fatal Python error: Aborted``, the dump listing only the main thread, with no Python
+frame (this stack was caught in test_torchrun's data-parallel job by a ``std::terminate`` hook).
+Only a group that ``destroy_process_group()`` did not free leaves such a thread running past the
+job's code, and every torchrun job has one: DTensor's sharding caches (one in C++), FSDP's state
+and flowrl's weight transports hold them (in ``flowrl run llamarl`` on 3 ranks, one group's
+threads still run on rank 0 and three groups' on each policy rank). So a rank does not finalize.
 
 What still runs, in CPython's own order (``Py_FinalizeEx`` before it tears anything down):
 ``threading``'s exit hooks and the join of non-daemon threads (``threading._shutdown``), every
@@ -28,12 +30,23 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["is_rank_process", "end_rank_process"]
+__all__ = ["is_rank_process", "native_threads", "end_rank_process"]
 
 
 def is_rank_process() -> bool:
     """True in a process that a distributed launcher started as one rank (torchrun sets ``RANK`` and ``WORLD_SIZE``)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def native_threads() -> int:
+    """How many of this process's threads Python's ``threading`` does not know: C++ libraries' own
+    (gloo's ``gloo_tcp_loop`` never runs Python, so a live gloo group always shows; so does an
+    OpenMP pool, which torchrun's ``OMP_NUM_THREADS=1`` leaves out). 1 where ``/proc`` cannot tell."""
+    try:
+        tasks = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+    return max(0, tasks - threading.active_count())
 
 
 def end_rank_process(code: int) -> NoReturn:
