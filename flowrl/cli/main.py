@@ -23,6 +23,7 @@ import traceback
 
 from flowrl import __version__
 from flowrl.errors import FlowrlError, NodeBuildError, NodeExecutionError
+from flowrl.runtime.backends.rank_exit import end_rank_process, is_rank_process, native_threads
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -88,6 +89,30 @@ def _print_error(command: str, exc: FlowrlError) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command in ``argv`` (default: this process's arguments) and return its exit status.
+
+    Called without ``argv`` it is this process's command (``flowrl``, ``python -m flowrl``): as a rank
+    of a torchrun job whose C++ threads still run at the end (gloo's, of process groups that outlive
+    the job's ``destroy_process_group``), it ends the process itself with that status and without
+    interpreter teardown, where such a thread can abort the rank (``runtime.backends.rank_exit``); a
+    flowrl bug's traceback is printed first (exit 1). A rank that stopped before any process group
+    (a refused input) exits as any process does.
+    """
+    if argv is not None or not is_rank_process():
+        return _command(argv)
+    try:
+        code = _command(None)
+    except Exception:  # noqa: BLE001 - a flowrl bug: its traceback, as an uncaught exception prints it
+        if not native_threads():
+            raise
+        traceback.print_exc()
+        code = 1
+    if native_threads():
+        end_rank_process(code)
+    return code
+
+
+def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

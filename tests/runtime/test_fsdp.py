@@ -690,13 +690,15 @@ def _mixed_job(out: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
     if sys.argv[1] == "bitwise":
-        sys.exit(_bitwise_job(sys.argv[2]))
+        end_rank_process(_bitwise_job(sys.argv[2]))
     if sys.argv[1] == "checkpointing":
-        sys.exit(_checkpointing_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
+        end_rank_process(_checkpointing_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
     if sys.argv[1] == "mixed":
-        sys.exit(_mixed_job(sys.argv[2]))
+        end_rank_process(_mixed_job(sys.argv[2]))
     if sys.argv[1] == "step":
-        sys.exit(_step_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
+        end_rank_process(_step_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")

@@ -243,7 +243,9 @@ def _init_job(out: str, root: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
     if sys.argv[1] == "init":
-        sys.exit(_init_job(sys.argv[2], sys.argv[3]))
+        end_rank_process(_init_job(sys.argv[2], sys.argv[3]))
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")

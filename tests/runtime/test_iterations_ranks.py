@@ -116,5 +116,7 @@ def _job(out: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(_job(sys.argv[1]))
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
+    end_rank_process(_job(sys.argv[1]))

@@ -101,7 +101,9 @@ def _job(out: str, model_dir: str, sharding: str) -> int:
     return _run_and_hash_generator_weights(lora_graph(model_dir, sharding), Path(out), metrics="metrics.jsonl")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
-    sys.exit(_job(*sys.argv[1:4]))
+    end_rank_process(_job(*sys.argv[1:4]))

@@ -475,9 +475,11 @@ def _kill_job(out: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
     if sys.argv[1] == "kill":
-        sys.exit(_kill_job(sys.argv[2]))
+        end_rank_process(_kill_job(sys.argv[2]))
     if sys.argv[1] == "reshard":
-        sys.exit(_reshard_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
+        end_rank_process(_reshard_job(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else ""))
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")

@@ -48,12 +48,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: What libstdc++ prints when ``std::terminate`` is called outside a C++ exception (e.g. a joinable
-#: thread object destroyed). Seen twice in fresh-clone CI runs, each time in a job that builds an FSDP2
-#: policy through ``runtime/parallel/fsdp_init.py`` (test_fsdp's step job; test_fsdp_init's init job, where the
-#: faulthandler's own stack dump then died of SIGBUS: memory corrupted in the process), never in 30
-#: runs of the step job here at load 7-11. Cause unknown; ``fsdp_init``'s ``malloc_trim`` calls are
-#: the one unusual thing those jobs share. The jobs that only write a result file retry once on it.
+#: What libstdc++ prints when ``std::terminate`` is called outside a C++ exception: what kills a rank
+#: that finalizes its interpreter while a gloo worker thread, dropping a finished work's tensors, takes
+#: the GIL (``flowrl.runtime.backends.rank_exit``). Ranks end without finalizing (``end_rank_process``:
+#: the jobs' entry points, ``flowrl`` itself); the jobs that only write a result file retry once on it,
+#: with a warning carrying the stacks, so that a recurrence shows.
 CXX_ABORT = "terminate called without an active exception"
 
 
@@ -536,13 +535,15 @@ def _dp_job(out: str, loss_agg: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
     if sys.argv[1] == "fail":
-        sys.exit(_fail_job(sys.argv[2]))
+        end_rank_process(_fail_job(sys.argv[2]))
     if sys.argv[1] == "dp":
-        sys.exit(_dp_job(sys.argv[2], sys.argv[3]))
+        end_rank_process(_dp_job(sys.argv[2], sys.argv[3]))
     if sys.argv[1] == "bitwise":
-        sys.exit(_bitwise_job())
+        end_rank_process(_bitwise_job())
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")
 
 

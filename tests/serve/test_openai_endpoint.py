@@ -7,6 +7,7 @@ engine samples (the endpoint is engine-agnostic; ``tests/operators/test_vllm_mul
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,13 +45,18 @@ def calc_agent(session: Any, row: dict[str, Any]) -> float:
     return float(len(replies[-1].choices[0].token_ids))
 
 
+#: set by the test that hangs a program once it is done: the abandoned program's thread then ends
+RELEASE_HUNG = threading.Event()
+
+
 def hang_or_raise(session: Any, row: dict[str, Any]) -> float:
-    """Prompt 1's sample 0 hangs after one request, its sample 1 raises; prompt 0's samples are fine."""
+    """Prompt 1's sample 0 hangs after one request (until ``RELEASE_HUNG``, 30 s at most), its sample 1
+    raises; prompt 0's samples are fine."""
     client = session.client(max_retries=0, timeout=60)
     client.chat.completions.create(model=session.model, messages=[{"role": "user", "content": "1="}])
     if row["prompt_index"] == 1:
         if row["sample"] == 0:
-            time.sleep(30)
+            RELEASE_HUNG.wait(30)
         raise RuntimeError("the agent broke")
     return 1.0
 
@@ -150,6 +156,7 @@ def test_bad_requests_get_clear_errors_and_the_endpoint_goes_on(generator):
 def test_a_hanging_or_raising_program_fails_its_sample_only(generator):
     from flowrl.serve.agents import AgentRollouts
 
+    RELEASE_HUNG.clear()
     agents = AgentRollouts(generator, hang_or_raise, model=MODEL, episode_timeout_s=3.0)
     try:
         t0 = time.perf_counter()
@@ -157,6 +164,11 @@ def test_a_hanging_or_raising_program_fails_its_sample_only(generator):
         assert time.perf_counter() - t0 < 20  # the hung program did not hold the batch past its timeout (3 s)
     finally:
         agents.close()
+        RELEASE_HUNG.set()  # a thread cannot be stopped: the program abandoned at its limit ends now, not 30 s on
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t.name == "flowrl-env"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "flowrl-env"]  # none outlives this test (later ones check)
     assert out["env_failed"].tolist() == [False, False, True, True] and metrics["env/failed"] == 2.0
     assert not out["completion_mask"][2:].any() and out["completion_mask"][:2].any(1).all()
     assert out["env_rewards"].tolist() == [1.0, 1.0, 0.0, 0.0]
