@@ -201,6 +201,8 @@ def run_fsdp_case(tmp: Path, model_dir: Path, steps: int, route: str) -> dict:
     return {"job_s": round(time.perf_counter() - start, 1), "ranks": ranks, "rows": rows}
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
     sys.path.insert(0, str(ROOT))
-    sys.exit(_job(*sys.argv[1:4]))
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
+    end_rank_process(_job(*sys.argv[1:4]))

@@ -196,9 +196,12 @@ def _sender(mode: str, store_port: int, rank: int, world: int, pg_port: int, out
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
     sys.path.insert(0, str(ROOT))
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
     if sys.argv[1] == "worker":
         _worker(*map(int, sys.argv[2:4]))
     else:
         _sender(sys.argv[2], *map(int, sys.argv[3:7]), sys.argv[7], *map(int, sys.argv[8:9]))
+    end_rank_process(0)

@@ -648,4 +648,7 @@ def test_continuous_batching_on_several_generator_replicas_is_refused(mesh, matc
 
 
 if __name__ == "__main__":  # a worker rank
+    from flowrl.runtime.backends.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
+
     _worker_main(sys.argv[1:])
+    end_rank_process(0)

@@ -186,6 +186,8 @@ def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_
     assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
     sys.path.insert(0, str(ROOT))
-    sys.exit(_job(*sys.argv[1:4]))
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
+    end_rank_process(_job(*sys.argv[1:4]))

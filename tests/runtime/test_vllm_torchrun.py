@@ -202,6 +202,8 @@ def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_ever
     check_engine_meshes(graph, {"gen": (("dp",), (2,)), "policy": (("dp",), (2,))})  # replicas: one engine per rank
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
     sys.path.insert(0, str(ROOT))
-    sys.exit(_job(*sys.argv[1:6]))
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
+    end_rank_process(_job(*sys.argv[1:6]))
