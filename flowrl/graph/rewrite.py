@@ -3,6 +3,9 @@
 ``with_engine(graph, engine)`` sets every generator's engine (``flowrl run hf_copy --engine vllm``);
 the node checks what that engine accepts (``flowrl.graph.engines``).
 
+``with_sharding(graph, sharding)`` sets how every policy holds its state on several ranks
+(``flowrl run hf_copy --sharding fsdp --backend torchrun``): ``OptimizerConfig.sharding``.
+
 ``with_model_path(graph, path)`` points every Hugging Face model of a graph at another local
 directory (``flowrl run qwen_math --model ~/models/Qwen2.5-0.5B-Instruct``): the model's ``path``,
 its ``tokenizer`` when that named the old directory, and the tokenizer of every source that read the
@@ -13,6 +16,8 @@ Example:
     >>> g = with_model_path(build_example("hf_copy"), "/models/mine")
     >>> g.node("gen").model.path, g.node("prompts").source.tokenizer
     ('/models/mine', '/models/mine')
+    >>> with_sharding(build_example("hf_copy"), "fsdp").node("policy").optimizer.sharding
+    'fsdp'
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import msgspec
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
-from flowrl.graph.nodes import TRAINABLE_KINDS, GeneratorNode, SourceNode
+from flowrl.graph.nodes import TRAINABLE_KINDS, GeneratorNode, PolicyNode, SourceNode
 
-__all__ = ["with_model_path", "with_engine"]
+__all__ = ["with_model_path", "with_engine", "with_sharding"]
 
 
 def with_model_path(graph: Graph, path: str) -> Graph:
@@ -65,4 +70,20 @@ def with_engine(graph: Graph, engine: str) -> Graph:
     if not any(n.kind == "generator" for n in graph.nodes):
         raise ConfigError(f"--engine {engine!r}: graph {graph.name!r} has no generator")
     nodes = tuple(msgspec.structs.replace(n, engine=engine) if isinstance(n, GeneratorNode) else n for n in graph.nodes)
+    return Graph(msgspec.structs.replace(graph.spec, nodes=nodes))
+
+
+def with_sharding(graph: Graph, sharding: str) -> Graph:
+    """``graph`` with every policy's state held as ``sharding`` says on its ranks: ``"replicate"``
+    (data-parallel replicas) or ``"fsdp"`` (FSDP2 shards; torchrun only, which ``run_graph`` checks).
+
+    Raises:
+        ConfigError: when the graph has no policy, or ``sharding`` is neither.
+    """
+    if not any(isinstance(n, PolicyNode) for n in graph.nodes):
+        raise ConfigError(f"--sharding {sharding!r}: graph {graph.name!r} has no policy to shard")
+    nodes = tuple(
+        msgspec.structs.replace(n, optimizer=msgspec.structs.replace(n.optimizer, sharding=sharding)) if isinstance(n, PolicyNode) else n
+        for n in graph.nodes
+    )
     return Graph(msgspec.structs.replace(graph.spec, nodes=nodes))

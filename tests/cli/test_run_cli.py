@@ -45,8 +45,10 @@ def test_progress_bar_lines_when_not_a_tty(capsys):
         (["run", "--synthetic", "--option", "gen_ss=1"], "--option gen_ss: unknown option (did you mean 'gen_s'?); the synthetic operators read gen_s, train_s"),
         (["run", "llamarl", "--engine", "vllm"], "engine='vllm' needs a Hugging Face model"),
         (["run", "hf_copy", "--engine", "vllm", "--steps", "1"], "head size is 16"),
+        (["run", "hf_copy", "--sharding", "fsdp", "--steps", "1"], "sharding='fsdp'"),  # FSDP2 runs under torchrun only
     ],
-    ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir", "option-typo", "engine-builtin-model", "engine-head-size"],
+    ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir", "option-typo", "engine-builtin-model",
+         "engine-head-size", "fsdp-without-torchrun"],
 )
 def test_user_mistakes_exit_2(argv, message, capsys):
     assert main(argv) == 2
