@@ -321,8 +321,8 @@ def test_an_fsdp_policy_publishes_gathered_weights_on_a_file_edge(tmp_path):
 def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_one(tmp_path):
     """Through the CLI at k = 0 (every step's rollout from the previous step's weights): a run of 4
     steps, and a run of 2 steps resumed to 4, once on the same 2 policy ranks, once on 3 and once on 1
-    (other dp sizes, from copies of the same checkpoint; one rank is FSDP2 over a 1-rank mesh, so the
-    same graph resumes on fewer ranks); a copy missing a rank's shard file is refused, every rank
+    (other dp sizes, from copies of the same checkpoint; on one rank the policy runs whole and saves one
+    file, so the same graph resumes on fewer ranks), and the one-rank run resumed on 2 ranks again; a copy missing a rank's shard file is refused, every rank
     stopping with the fix before any work. The same dp gives the same rewards and the same final
     weights bit for bit; dp 3 and dp 1 the same rewards and final weights within 1e-5 (float summation order
     through the reduce-scatters: the fast test measures 1.7e-7 for dp 2 -> 1 after one step on the
@@ -360,7 +360,10 @@ def test_a_run_resumed_from_a_sharded_checkpoint_continues_as_the_uninterrupted_
     want = [r["reward_mean"] for r in whole[2:]]
     for rows in (same, *others):
         assert [r["policy_version"] for r in rows] == [3, 4] and [r["reward_mean"] for r in rows] == want
-    final = {k: read_policy_state(tmp_path / k)["model"] for k in ("a", "b", "c", "d")}
+    back = run(3, two, 6, "d", "--resume")[-2:]  # dp 1's one-file state read by 2 sharded ranks (it once took it for shards)
+    assert [r["policy_version"] for r in back] == [5, 6] and next((tmp_path / "d").glob("step-*6/policy-policy.dcp/__1_0.distcp"))
+    final = {k: read_policy_state(tmp_path / k)["model"] for k in ("a", "b", "c")}
+    final["d"] = read_policy_state(tmp_path / "d" / "step-00000004")["model"]
     assert all(torch.equal(final["b"][n], t) for n, t in final["a"].items())
     diff = max(float((final[k][n] - t).abs().max()) for k in ("c", "d") for n, t in final["a"].items())
     assert diff < 1e-5, diff  # measured, not derived: after two steps the second gradient is taken at weights the first moved apart (CONTRIBUTING item 6)

@@ -16,6 +16,7 @@ once per process before any program is built.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -280,9 +281,9 @@ class ShardedPolicy(_RankPolicy):
         from flowrl.runtime.parallel.fsdp import load_full_state
         from flowrl.runtime.checkpointing.sharded_state import SHARDED_SUFFIX, is_sharded, load_sharded
 
-        if is_sharded(path) or path.endswith(SHARDED_SUFFIX):  # any dp size's shards: each rank reads the chunks overlapping its rows
+        if is_sharded(path) or (path.endswith(SHARDED_SUFFIX) and not os.path.isfile(path)):  # any dp size's shards (or a host without them: said)
             load_sharded(self.trainer, path, group=self.group)
-        else:  # a one-file state (a replicated policy's, or an FSDP one's from before sharded checkpoints)
+        else:  # a one-file state (a replicated policy's, an FSDP one's from one rank, or from before sharded checkpoints)
             load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu", mmap=True))  # each rank reads its rows
         self._published = -1
 

@@ -474,9 +474,9 @@ def _control(
             "cores": [],
             "threads": torch.get_num_threads(),
         }
-        sharded = {n.name for n in fsdp_policies(graph, skip=config.programs)}
+        sharded = {n.name for n in fsdp_policies(graph, skip=config.programs)}  # on one rank a policy runs whole and saves one file
         for node, rs in ctx.ranks.items():
-            node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}), save_on_every_peer=node in sharded)
+            node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}), save_on_every_peer=node in sharded and len(rs) > 1)
         for node, group in node_programs.items():
             group.open({**init, "node": node})
             group.ready()

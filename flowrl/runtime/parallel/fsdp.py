@@ -90,7 +90,8 @@ def check_backend(graph: Graph, backend: str, *, skip: Iterable[str] = ()) -> No
 
 def check_ranks(graph: Graph, ranks: Mapping[str, tuple[int, ...]], axes: Mapping[str, Any], *, skip: Iterable[str] = ()) -> None:
     """Refuse an FSDP policy placed on no rank, or on a mesh with an axis other than dp. One rank is
-    allowed: FSDP2 over a 1-rank mesh, so that a sharded run resumes on fewer ranks with the same graph.
+    allowed: the policy runs whole there and checkpoints one file, which sharded ranks read their rows of,
+    so that a sharded run resumes on fewer ranks and back with the same graph.
 
     Args:
         ranks: node -> its ranks (the plan's placement).
