@@ -28,7 +28,7 @@ import networkx as nx
 
 from flowrl.errors import PlanError
 
-__all__ = ["AXES", "NodeMesh", "Placement", "colocation_groups", "device_ranges"]
+__all__ = ["AXES", "NodeMesh", "Placement", "colocation_groups", "device_ranges", "share_devices"]
 
 #: Mesh axis names, outermost first; the order of ``mesh_shape`` and of a ``DeviceMesh``'s dims.
 AXES: tuple[str, ...] = ("pp", "dp", "tp")
@@ -133,12 +133,12 @@ def colocation_groups(devices: Mapping[str, Sequence[int]]) -> list[list[str]]:
     overlaps = nx.Graph()
     names = sorted(n for n, d in devices.items() if len(d))
     overlaps.add_nodes_from(names)
-    overlaps.add_edges_from((a, b) for i, a in enumerate(names) for b in names[i + 1 :] if _overlap(devices[a], devices[b]))
+    overlaps.add_edges_from((a, b) for i, a in enumerate(names) for b in names[i + 1 :] if share_devices(devices[a], devices[b]))
     return sorted(sorted(c) for c in nx.connected_components(overlaps))
 
 
-def _overlap(a: Sequence[int], b: Sequence[int]) -> bool:
-    """Whether two device sets share a device; ranges (the search's meshes) are compared as intervals."""
+def share_devices(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether two device (or rank) sets share one; ranges (the search's meshes) are compared as intervals, in O(1)."""
     if isinstance(a, range) and isinstance(b, range) and a.step == 1 and b.step == 1:
         return max(a.start, b.start) < min(a.stop, b.stop)
     return not set(a).isdisjoint(b)

@@ -32,18 +32,12 @@ from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.graph.structure import WeightEdge
+from flowrl.placement.layout import share_devices
 
 __all__ = ["DIRECT", "HOP", "direct_edges", "route_of"]
 
 #: The route names :func:`route_of` returns.
 DIRECT, HOP = "direct", "hop"
-
-
-def _apart(a: Sequence[int], b: Sequence[int]) -> bool:
-    """Whether two rank lists share no rank, in O(1) for contiguous ranges (the planner's meshes)."""
-    if isinstance(a, range) and isinstance(b, range) and a.step == b.step == 1:
-        return max(a.start, b.start) >= min(a.stop, b.stop) or not (len(a) and len(b))
-    return not set(a) & set(b)
 
 
 def _has_adapters(node: object) -> bool:
@@ -61,7 +55,7 @@ def route_of(graph: Graph, edge: WeightEdge, ranks: Mapping[str, Sequence[int]],
     if not isinstance(gen, GeneratorNode) or not ENGINE_CAPS[gen.engine].weight_hop or gen.sampling.batching == "continuous":
         return HOP  # only an engine whose weights move on into workers of its own has a hop to skip
     mine, theirs = ranks.get(dst, ()), ranks.get(src, ())
-    if not mine or not _apart(theirs, mine):
+    if not mine or share_devices(theirs, mine):
         return HOP  # colocated: a policy rank would share a device with a vLLM worker
     if _has_adapters(graph.node(src)) or _has_adapters(gen):
         return HOP

@@ -56,6 +56,7 @@ from flowrl.planners.estimate.common import Context, Link
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.tuning import VLLM_GROUP_BANDWIDTH
+from flowrl.placement.layout import share_devices
 from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
 from flowrl.transport_traits import traits_of
 
@@ -216,13 +217,6 @@ def _same_devices(a: Sequence[int], b: Sequence[int]) -> bool:
     return tuple(a) == tuple(b)
 
 
-def _overlap(a: Sequence[int], b: Sequence[int]) -> bool:
-    """Whether two device lists share a device, in O(1) for contiguous ranges."""
-    if isinstance(a, range) and isinstance(b, range) and a.step == b.step == 1:
-        return max(a.start, b.start) < min(a.stop, b.stop)
-    return bool(set(a) & set(b))
-
-
 def estimate_sync(
     model: ModelSpec,
     *,
@@ -267,7 +261,7 @@ def estimate_sync(
         time = total / (dst_dims.tp * dst_dims.pp) / mem_bw
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="same layout: local copy")
     link = _link(src_devices, dst_devices, ctx)
-    volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param, src_sharded) if not _overlap(src_devices, dst_devices) else (
+    volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param, src_sharded) if not share_devices(src_devices, dst_devices) else (
         _volume(model, tuple(src_devices), tuple(dst_devices), dst_dims, dst_bytes_per_param, src_sharded)
     )
     if src_sharded:
