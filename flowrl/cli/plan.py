@@ -38,6 +38,7 @@ tuning (--set NAME=VALUE, repeatable; the defaults):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flowrl.cli.emit import add_emit_flags
     from flowrl.cli.graphs import GRAPH_FORMS
     from flowrl.planners.cluster import CLUSTER_FORMS
     from flowrl.planners.tuning import tuning_help
@@ -77,6 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE (atomically)")
     p.add_argument("--trace", metavar="FILE", help="write the predicted steady state as a Chrome trace, with the track and span names of 'flowrl run --trace'")
+    add_emit_flags(p)  # --emit DIR, and --engine / --sharding as 'flowrl run' takes them
     p.set_defaults(func=_run)
 
 
@@ -100,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     import msgspec
 
     from flowrl.errors import PlanError
+    from flowrl.cli.emit import emit_launch, planned_graph
     from flowrl.cli.graphs import load_graph
     from flowrl.cli.prompt_lengths import prompt_len_from_file
     from flowrl.planners.cluster import parse_cluster
@@ -109,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     from flowrl.planners.report import format_plan
     from flowrl.planners.workload import default_workload
 
-    graph = load_graph(args.graph)
+    graph = planned_graph(load_graph(args.graph), args)  # --engine / --sharding, as 'flowrl run' applies them
     cluster = parse_cluster(args.cluster)
     model = resolve_model(args.model) if args.model else None
     tuning = _tuning(args.set)
@@ -148,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.env_s is not None:
         workload = msgspec.structs.replace(workload, env_s=args.env_s)
     plan = plan_graph(graph, cluster, strategy=args.strategy, max_staleness=args.max_staleness, workload=workload, model=model, **tuning)
+    emit_launch(args, graph, plan)  # --emit DIR: refused before any file is written when the run would not be this plan
     if args.output:
         save_plan(plan, args.output)
     if args.trace:
