@@ -216,7 +216,7 @@ def _run_here(args: argparse.Namespace) -> int:
     if args.plan:
         from flowrl.planners.forms import read_placement
 
-        _check_plan_here(args)
+        _check_plan_here(args, graph)
         placement = read_placement(args.plan, graph)  # a plan file or a JSON placement, on every rank alike
     if backend_traits(args.backend).ranks and os.environ.get("RANK", "0") != "0":
         run_graph(graph, placement, config)
@@ -345,28 +345,44 @@ def _parse_options(items: list[str]) -> dict[str, object]:
     return options
 
 
-def _check_plan_here(args: argparse.Namespace) -> None:
-    """Say which node of the plan runs on which devices here; refuse a plan whose devices are not here.
+def _check_plan_here(args: argparse.Namespace, graph: Graph) -> None:
+    """Refuse a plan file made for another graph (its nodes, kinds or model shapes) or another
+    cluster than this run has; say which node of the plan runs on which devices here.
 
     A JSON placement (not a plan file from 'flowrl plan -o') names ranks, not a cluster: the backend
     checks it when it reads it.
     """
+    import shlex
+
     import torch
 
     from flowrl.errors import PlanError
+    from flowrl.planners.cluster import parse_cluster
     from flowrl.planners.machine import check_plan_here
     from flowrl.planners.plan import load_plan
+    from flowrl.planners.plan_match import check_plan_graph
 
     try:
         plan = load_plan(args.plan)
     except PlanError:
         return  # a placement, or a broken plan: read_placement reads it next and says what is wrong
+    graph_arg = shlex.quote(args.graph or "llamarl")
+    rewrites = "".join(f" --{flag} {getattr(args, flag)}" for flag in ("engine", "sharding") if getattr(args, flag))
+    try:  # the plan's cluster by the name it was made with; one from a file ('cpu-calibrated') is the user's to name
+        cluster = plan.cluster if parse_cluster(plan.cluster).name == plan.cluster else "SPEC"
+    except PlanError:
+        cluster = "SPEC"
+    check_plan_graph(plan, graph, where=f"--plan {args.plan}", replan=f"flowrl plan {graph_arg}{rewrites} --cluster {cluster} -o {shlex.quote(args.plan)}")
     line = check_plan_here(
         plan,
         backend=args.backend,
         cores=os.cpu_count() or 1,
         cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        ranks_per_host=int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None,
+        device=args.device,
+        graph_arg=graph_arg + rewrites,
+        plan_path=shlex.quote(args.plan),
     )
     if os.environ.get("RANK", "0") == "0":
         print(f"flowrl run: {line}", file=sys.stderr)

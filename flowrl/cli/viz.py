@@ -69,16 +69,22 @@ def plan_annotations(path: str, graph: Graph) -> dict[str, str]:
 def plan_labels(path: str, graph: Graph) -> dict[str, Any]:
     """The exporters' labelling keywords for the plan file at ``path``: ``annotations`` (devices
     and dims per node), ``models`` (the model each node was planned with) and ``title`` (graph,
-    cluster, models, step).
+    cluster, models, step, and the model and workload the plan's times are for, with the graph's
+    own where they differ: ``flowrl.planners.plan_match.planned_for``).
 
     Raises:
         as ``_load_plan``.
     """
     plan = _load_plan(path, graph)
+    title = plan.picture_title()
+    if hasattr(plan, "workload"):  # a planner's Plan: which model and step its times are for, beside the graph's own
+        from flowrl.planners.plan_match import planned_for
+
+        title = f"{title}; {planned_for(plan, graph)}"
     return {
         "annotations": {name: plan.node_label(name) for name in plan.placements},
         "models": {name: m for name in plan.placements if (m := plan.node_model(name))},
-        "title": plan.picture_title(),
+        "title": title,
     }
 
 

@@ -12,8 +12,9 @@ a plan made with ``--model qwen2.5-7b``). Two questions, two functions:
 - ``step_differences``: what the graph's run does otherwise than the plan priced: prompts per step,
   samples per prompt, completion length, batching, the generator's weight dtype. The placement still
   runs, but its predicted times are another step's; ``flowrl plan --emit`` refuses to hand over such
-  a plan as "the run the plan describes", and ``flowrl viz --plan`` says which step the plan's
-  numbers are for.
+  a plan as "the run the plan describes".
+- ``planned_for``: one line for a picture of the plan drawn on the graph (``flowrl viz --plan``):
+  the model and step the plan's times are for, and the graph's own where they differ.
 
 Model shapes are compared by their figures, not their names: a preset and a Hugging Face directory
 of the same shape are the same model. Pure: the graph's shapes come from its config (an HF model
@@ -31,6 +32,8 @@ Example:
     "node 'gen' was planned as model qwen2.5-7b (n_layers 28, dim 3584, n_heads 28), but runs 2L64d here (n_layers 2, dim 64, n_heads 4)"
     >>> step_differences(big, graph)[:2]
     ['prompts per step: 256 in the plan, 16 here (--prompts-per-step)', 'samples per prompt: 8 in the plan, 16 here (--samples)']
+    >>> planned_for(big, graph)
+    "times for model qwen2.5-7b, 256 prompts x 8 samples of 512+2048 tokens (not the graph's own: model 2L64d, 16 prompts x 16 samples of up to 5 new tokens)"
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from flowrl.modelspec import ModelSpec
 from flowrl.planners.plan_data import Plan
 from flowrl.planners.workload import Workload, workload_from_graph
 
-__all__ = ["graph_differences", "step_differences", "check_plan_graph", "graph_models", "graph_workload"]
+__all__ = ["graph_differences", "step_differences", "check_plan_graph", "graph_models", "graph_workload", "planned_for"]
 
 #: Workload fields a graph decides (the others are the planner's estimates: prompt length, completion
 #: lengths, environment time), with the words and the ``flowrl plan`` flag that sets each.
@@ -98,7 +101,7 @@ def graph_differences(plan: Plan, graph: Graph) -> list[str]:
     """What makes ``plan`` another graph's than ``graph`` (module docstring): one line each; [] when none."""
     out: list[str] = []
     if plan.graph != graph.name:
-        out.append(f"the plan is for graph {plan.graph!r}, this is graph {graph.name!r}")
+        out.append(f"the plan was made for graph {plan.graph!r}, not {graph.name!r}")
     kinds = {n.name: n.kind for n in graph.nodes}
     placed = {n: p.kind for n, p in plan.placements.items() if p.devices and p.kind in DEVICE_KINDS}
     here = {n for n, k in kinds.items() if k in DEVICE_KINDS}
@@ -106,8 +109,7 @@ def graph_differences(plan: Plan, graph: Graph) -> list[str]:
     missing = sorted(here - set(placed))
     if extra:
         out.append(f"the plan places {extra}, which graph {graph.name!r} {'does' if len(extra) == 1 else 'do'} not have as device nodes")
-    if missing:
-        out.append(f"the plan places no devices for {missing} of graph {graph.name!r}")
+    out += [f"the plan places no devices for node {name!r} of graph {graph.name!r}" for name in missing]
     for name in sorted(set(placed) & here):
         if placed[name] != kinds[name]:
             out.append(f"node {name!r} is a {placed[name]} in the plan but a {kinds[name]} here")
@@ -154,3 +156,23 @@ def check_plan_graph(plan: Plan, graph: Graph, *, where: str, replan: str) -> No
     differences = graph_differences(plan, graph)
     if differences:
         raise PlanError(f"{where} was made for another graph than this run's: {'; '.join(differences)}; re-plan for this graph: {replan}")
+
+
+def _step(w: Workload) -> str:
+    return f"{w.prompts_per_step} prompts x {w.samples_per_prompt} samples of {w.prompt_len}+{w.gen_len} tokens"
+
+
+def planned_for(plan: Plan, graph: Graph) -> str:
+    """What the plan's times are for (its models and step) and, where they are not ``graph``'s own,
+    the graph's (module docstring): one line for a picture's title."""
+    planned = sorted({m.name for m in plan.models.values()})
+    mine = graph_models(plan, graph) or {}
+    other = sorted({m.name for n, m in mine.items() if n in plan.models and _shape(m) != _shape(plan.models[n])})
+    w, ours = plan.workload, graph_workload(graph)
+    said = ([f"model {', '.join(planned)}"] if planned else []) + ([_step(w)] if w is not None else [])
+    differ = [f"model {', '.join(other)}"] if other else []
+    if w is not None and ours is not None and any(getattr(w, f) != getattr(ours, f) for f, _, _ in _STEP_FIELDS):
+        batching = f", {ours.batching} batching" if ours.batching != w.batching else ""
+        differ.append(f"{ours.prompts_per_step} prompts x {ours.samples_per_prompt} samples of up to {ours.gen_len} new tokens{batching}")
+    head = f"times for {', '.join(said)}" if said else "times"
+    return f"{head} (not the graph's own: {', '.join(differ)})" if differ else f"{head} (the graph's own)"
