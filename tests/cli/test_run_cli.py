@@ -165,6 +165,43 @@ def test_plan_for_another_machine_is_refused(tmp_path, capsys):
     assert "the plan was made for 1024xH100" in err and "make a plan for this machine: flowrl plan llamarl --cluster cpu" in err
 
 
+@pytest.mark.parametrize(
+    ("plan_argv", "run_argv", "message"),
+    [
+        (["llamarl", "--cluster", "64xH100", "--model", "qwen2.5-7b"], ["llamarl"],
+         "was made for another graph than this run's: node 'gen' was planned as model qwen2.5-7b (n_layers 28, dim 3584, n_heads 28), "
+         "but runs 2L64d here (n_layers 2, dim 64, n_heads 4)"),
+        (["llamarl", "--cluster", "cpu:2"], ["llamarl_ref"], "the plan places no devices for node 'ref' of graph 'llamarl_ref'; "
+         "re-plan for this graph: flowrl plan llamarl_ref --cluster cpu:2 -o"),
+        (["llamarl_ref", "--cluster", "cpu:3"], ["llamarl"], "the plan places ['ref'], which graph 'llamarl' does not have as device nodes"),
+    ],
+    ids=["other-model", "node-missing", "node-extra"],
+)
+def test_plan_for_another_graph_is_refused_before_any_work(tmp_path, capsys, plan_argv, run_argv, message):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", *plan_argv, "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", *run_argv, "--plan", str(plan), "--synthetic", "--steps", "2", "--quiet", "--metrics", str(tmp_path / "m.jsonl")]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_plan_for_more_ranks_than_the_torchrun_job_is_refused_naming_the_fix(tmp_path, capsys, monkeypatch):
+    """A plan for 8 devices under a torchrun job of 3 ranks: every rank refuses before its process group."""
+    plan = tmp_path / "p8.json"
+    assert main(["plan", "llamarl", "--cluster", "cpu:8", "--strategy", "gen:d4@0-3 | policy:d4@4-7", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "3"), ("LOCAL_WORLD_SIZE", "3"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    assert main(["run", "llamarl", "--backend", "torchrun", "--plan", str(plan), "--steps", "2", "--quiet"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("the plan was made for cpu:8 (CPU devices 0-7), but there are 3 ranks in this torchrun job; launch torchrun with 8 processes "
+            f"in all ('flowrl plan ... --emit DIR' writes that launch), or re-plan for 3: flowrl plan llamarl --cluster cpu:3 -o {plan}") in err
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
 def test_plan_devices_are_said(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["plan", "llamarl", "--cluster", "cpu:1", "-o", str(plan)]) == 0

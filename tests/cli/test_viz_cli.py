@@ -233,6 +233,17 @@ def test_plan_picture_names_the_planned_model_and_cluster(capsys, tmp_path, fmt)
     assert out.count("model=llama3-8b") == 2  # the generator and the policy
     title = out.split("title: ", 1)[1].split("\n", 1)[0] if fmt == "mermaid" else out.split("label=", 1)[1].split(", labelloc", 1)[0]
     assert title.startswith('"\'llamarl\' on 64xH100 (8 hosts x 8 H100), model llama3-8b: ')
+    # the times are another model's and another step's than the nodes show: the title says whose
+    assert "; times for model llama3-8b, 256 prompts x 8 samples of 512+2048 tokens (not the graph's own: model 2L64d, 16 prompts x 16 samples of up to 5 new tokens)" in title
+
+
+def test_plan_picture_of_the_graphs_own_step_says_so(capsys, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    assert main(["plan", "llamarl", "--cluster", "cpu:2", "-o", str(path)]) == 0
+    capsys.readouterr()
+    code, out, _ = _run(capsys, "llamarl", "--plan", str(path))
+    title = out.split("title: ", 1)[1].split("\n", 1)[0]
+    assert code == 0 and "; times for model 2L64d, 16 prompts x 16 samples of " in title and title.endswith(' tokens (the graph\'s own)"')
 
 
 # -- every user mistake: exit 2, one paragraph, no traceback --------------------------------------
