@@ -6,7 +6,8 @@ or is marked as needing what this machine lacks.
 - The cheap ones (``viz``, ``examples``, ``plan``, ``--help``) run in the default suite, in a fresh
   directory, after the commands of their page that write the files they read.
 - The rest of each page runs in order in one directory behind ``--runslow`` (``run`` with
-  ``--steps 2``: the tiny setting), shell lines (``echo``, ``torchrun``, ``python -m``) included.
+  ``--steps 2``: the tiny setting), shell lines (``echo``, ``torchrun``, ``python -m``, ``bash``: an
+  emitted launch script) included.
 - A command that needs hardware or files of the reader's says so visibly, ``[needs: GPU]``,
   ``[needs: several hosts]``, ``[needs: your model directory]``, in its own comment or in the
   comment lines just above it (then for every command up to the next blank line); it is skipped
@@ -141,7 +142,7 @@ def _page_commands(page: Path) -> list[Command]:
         needs = NEEDS.search(comment) or NEEDS.search(above)
         for part in re.split(r"\s&&\s", text):
             first = re.sub(r"^(?:[A-Z_]+=\S*\s+)+", "", re.sub(r"<[^>]*>", "X", part)).split(" ", 1)[0]  # <placeholders>
-            if first in ("flowrl", "torchrun", "python", "pip", "echo"):
+            if first in ("flowrl", "torchrun", "python", "pip", "echo", "bash"):
                 out.append(Command(f"{page.relative_to(ROOT)}:{start}", part.strip(), needs.group(1) if needs else ""))
     return out
 
