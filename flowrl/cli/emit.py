@@ -129,9 +129,10 @@ def emit_launch(args: argparse.Namespace, graph: Graph, plan: Plan) -> None:
     why = step_differences(plan, run_graph)
     if why:
         graph_arg = shlex.quote(args.graph or "llamarl")
+        defaults = " (--model plans a published-model step unless told otherwise)" if args.model else ""
         raise PlanError(
-            f"--emit: the plan priced another step than graph {graph_arg} runs: {'; '.join(why)}; 'flowrl run' runs the graph's, "
-            f"so plan that step (leave those flags out, or set them to the graph's values), or change the graph"
+            f"--emit: the plan priced another step than graph {graph_arg} runs{defaults}: {'; '.join(why)}; 'flowrl run' runs the "
+            "graph's step, so plan it (the flags in brackets), or change the graph"
         )
     files = launch_files(plan, argv, exists=exists, planned_in=os.getcwd())
     parent = directory.resolve().parent

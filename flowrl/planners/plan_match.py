@@ -31,7 +31,7 @@ Example:
     >>> graph_differences(big, graph)[0]
     "node 'gen' was planned as model qwen2.5-7b (n_layers 28, dim 3584, n_heads 28), but runs 2L64d here (n_layers 2, dim 64, n_heads 4)"
     >>> step_differences(big, graph)[:2]
-    ['prompts per step: 256 in the plan, 16 here (--prompts-per-step)', 'samples per prompt: 8 in the plan, 16 here (--samples)']
+    ['prompts per step: 256 in the plan, 16 here (--prompts-per-step 16)', 'samples per prompt: 8 in the plan, 16 here (--samples 16)']
     >>> planned_for(big, graph)
     "times for model qwen2.5-7b, 256 prompts x 8 samples of 512+2048 tokens (not the graph's own: model 2L64d, 16 prompts x 16 samples of up to 5 new tokens)"
 """
@@ -125,19 +125,19 @@ def graph_differences(plan: Plan, graph: Graph) -> list[str]:
 
 def step_differences(plan: Plan, graph: Graph) -> list[str]:
     """What ``graph``'s run does otherwise than ``plan`` priced (module docstring): one line each,
-    naming the ``flowrl plan`` flag that sets it; [] when the plan priced the graph's own step."""
+    naming the ``flowrl plan`` flag and value that plan the graph's; [] when the plan priced the graph's own step."""
     out: list[str] = []
     ours = graph_workload(graph)
     if plan.workload is not None and ours is not None:
         for field, words, flag in _STEP_FIELDS:
             a, b = getattr(plan.workload, field), getattr(ours, field)
             if a != b:
-                out.append(f"{words}: {a} in the plan, {b} here ({flag})")
+                out.append(f"{words}: {a} in the plan, {b} here ({flag} {b})")
     wanted = plan.tuning.gen_precision
     if wanted:
         for node in graph.nodes_of(GeneratorNode):
             if node.sampling.precision != wanted:
-                out.append(f"generator {node.name!r} weights: {wanted} in the plan, {node.sampling.precision} here (--gen-precision)")
+                out.append(f"generator {node.name!r} weights: {wanted} in the plan, {node.sampling.precision} here (--gen-precision {node.sampling.precision})")
     return out
 
 

@@ -85,8 +85,8 @@ def test_json_output_stays_json_with_emit(tmp_path, capsys):
     ("flags", "message"),
     [
         (["--model", "qwen2.5-0.5b"], "--emit: --model qwen2.5-0.5b is a published shape, not a model directory: 'flowrl run' has no weights of it"),
-        (["--prompts-per-step", "32"], "--emit: the plan priced another step than graph llamarl runs: prompts per step: 32 in the plan, 16 here (--prompts-per-step)"),
-        (["--gen-precision", "bfloat16"], "generator 'gen' weights: bfloat16 in the plan, float32 here (--gen-precision)"),
+        (["--prompts-per-step", "32"], "--emit: the plan priced another step than graph llamarl runs: prompts per step: 32 in the plan, 16 here (--prompts-per-step 16)"),
+        (["--gen-precision", "bfloat16"], "generator 'gen' weights: bfloat16 in the plan, float32 here (--gen-precision float32)"),
     ],
     ids=["preset-model", "other-batch", "other-precision"],
 )

@@ -58,9 +58,9 @@ def test_another_step_is_named_with_its_flag(llamarl):
     plan = plan_graph(llamarl, "cpu:2", workload=bigger, gen_precision="bfloat16")
     assert graph_differences(plan, llamarl) == []  # the same graph: it runs, with other times
     assert step_differences(plan, llamarl) == [
-        f"prompts per step: {2 * ours.prompts_per_step} in the plan, {ours.prompts_per_step} here (--prompts-per-step)",
-        f"completion length (max_new_tokens): {ours.gen_len - 1} in the plan, {ours.gen_len} here (--gen-len)",
-        "batching: continuous in the plan, lockstep here (--batching)",
-        "generator 'gen' weights: bfloat16 in the plan, float32 here (--gen-precision)",
+        f"prompts per step: {2 * ours.prompts_per_step} in the plan, {ours.prompts_per_step} here (--prompts-per-step {ours.prompts_per_step})",
+        f"completion length (max_new_tokens): {ours.gen_len - 1} in the plan, {ours.gen_len} here (--gen-len {ours.gen_len})",
+        "batching: continuous in the plan, lockstep here (--batching lockstep)",
+        "generator 'gen' weights: bfloat16 in the plan, float32 here (--gen-precision float32)",
     ]
     assert f"(not the graph's own: {ours.prompts_per_step} prompts x" in planned_for(plan, llamarl)
