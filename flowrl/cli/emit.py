@@ -21,6 +21,7 @@ user's are never overwritten. The text of the scripts is ``flowrl.planners.launc
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
 import sys
@@ -135,10 +136,9 @@ def emit_launch(args: argparse.Namespace, graph: Graph, plan: Plan) -> None:
             "graph's step, so plan it (the flags in brackets), or change the graph"
         )
     files = launch_files(plan, argv, exists=exists, planned_in=os.getcwd())
-    parent = directory.resolve().parent
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.resolve().name}.emit-", dir=directory.resolve().parent))
     try:
-        (staging / PLAN_FILE).write_text(plan_to_json(plan) + "\n", encoding="utf-8")  # the whole directory appears at once, below
+        (staging / PLAN_FILE).write_text(plan_to_json(plan) + "\n", encoding="utf-8")  # the files appear together, below
         umask = os.umask(0)
         os.umask(umask)
         for name, text in {PLAN_FILE: "", **files}.items():
@@ -147,7 +147,15 @@ def emit_launch(args: argparse.Namespace, graph: Graph, plan: Plan) -> None:
                 path.write_text(text, encoding="utf-8")
             path.chmod((0o777 if name.endswith(".sh") else 0o666) & ~umask)
         staging.chmod(0o777 & ~umask)
-        os.replace(staging, directory)  # a new directory, or over an empty one; a directory filled meanwhile fails
+        target = directory.resolve()
+        if not target.exists():
+            os.rename(staging, target)  # the whole directory appears at once
+        else:  # an empty directory (perhaps the shell's own): its files moved in, none over one written meanwhile
+            for name in sorted(os.listdir(staging)):
+                if (target / name).exists():
+                    raise FileExistsError(errno.EEXIST, f"{target / name} appeared meanwhile")
+                os.replace(staging / name, target / name)
+            staging.rmdir()
     except OSError as exc:
         import shutil
 

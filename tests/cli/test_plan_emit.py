@@ -106,3 +106,14 @@ def test_a_directory_with_files_is_refused(tmp_path, capsys):
     empty.mkdir()
     assert main(["plan", "--cluster", "cpu:3", "--emit", str(empty)]) == 0  # an empty one is filled
     assert (empty / "host0.sh").exists()
+
+
+def test_the_current_directory_when_empty_is_filled_in_place(tmp_path, capsys, monkeypatch):
+    """'--emit .' in an empty directory: the files are moved in, the directory itself stays (a shell may be in it)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    inode = here.stat().st_ino
+    monkeypatch.chdir(here)
+    assert main(["plan", "--cluster", "cpu:3", "--emit", "."]) == 0
+    assert sorted(p.name for p in here.iterdir()) == ["README.txt", "host0.sh", "plan.json"] and here.stat().st_ino == inode
+    assert [p.name for p in tmp_path.iterdir()] == ["here"]  # no staging directory left beside it
