@@ -278,6 +278,8 @@ def _to_plan(
         cluster_spec=spec,
         models=models,
         tuning=ctx.tuning,
+        engines=dict(roles.gen_engine),
+        shardings={n: s for n in roles.trainers if (s := getattr(getattr(graph.node(n), "optimizer", None), "sharding", None))},
     )
 
 

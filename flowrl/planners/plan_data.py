@@ -160,6 +160,9 @@ class Plan(msgspec.Struct, **_STRUCT):
         alternatives: runners-up with the reason each lost (search strategies only).
         search: how many candidates were estimated.
         cluster_spec, models, tuning: everything the prediction used, so a plan file explains itself.
+        engines, shardings: how the graph planned runs its device nodes beyond their models: each
+            generator's engine, each trainer's sharding (``flowrl.planners.plan_match`` compares
+            them with a run's graph: ``--engine`` / ``--sharding`` change them).
         version: the plan file format version.
     """
 
@@ -190,6 +193,8 @@ class Plan(msgspec.Struct, **_STRUCT):
     cluster_spec: ClusterSpec | None = None
     models: dict[str, ModelSpec] = {}
     tuning: Tuning = Tuning()
+    engines: dict[str, str] = {}
+    shardings: dict[str, str] = {}
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:

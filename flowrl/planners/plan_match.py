@@ -6,7 +6,8 @@ its tuning. A graph of the same name can still be another graph (a node added, a
 a plan made with ``--model qwen2.5-7b``). Two questions, two functions:
 
 - ``graph_differences``: what makes the plan another graph's placement: device nodes it places that
-  the graph lacks or the reverse, a node of another kind, a device node planned with another model
+  the graph lacks or the reverse, a node of another kind, a generator of another engine or a trainer
+  of another sharding (``Plan.engines``, ``Plan.shardings``), a device node planned with another model
   shape (layers, width, heads, vocabulary, context, LoRA adapters). ``flowrl run --plan`` refuses a
   plan with any (``check_plan_graph``), naming them and the re-plan command.
 - ``step_differences``: what the graph's run does otherwise than the plan priced: prompts per step,
@@ -115,6 +116,14 @@ def graph_differences(plan: Plan, graph: Graph) -> list[str]:
             out.append(f"node {name!r} is a {placed[name]} in the plan but a {kinds[name]} here")
     if out:
         return out  # the models of another set of nodes say nothing more
+    for name, engine in plan.engines.items():
+        node = graph.node(name) if name in kinds else None
+        if node is not None and getattr(node, "engine", engine) != engine:
+            out.append(f"generator {name!r} was planned with the {engine} engine, but runs the {node.engine} engine here (--engine)")
+    for name, sharding in plan.shardings.items():
+        here = getattr(getattr(graph.node(name), "optimizer", None), "sharding", sharding) if name in kinds else sharding
+        if here != sharding:
+            out.append(f"{graph.node(name).kind} {name!r} was planned with sharding {sharding!r}, but holds its state as {here!r} here (--sharding)")
     models = graph_models(plan, graph)
     for name, planned in plan.models.items():
         mine = (models or {}).get(name)

@@ -64,3 +64,17 @@ def test_another_step_is_named_with_its_flag(llamarl):
         "generator 'gen' weights: bfloat16 in the plan, float32 here (--gen-precision float32)",
     ]
     assert f"(not the graph's own: {ours.prompts_per_step} prompts x" in planned_for(plan, llamarl)
+
+
+def test_another_engine_or_sharding_is_another_graphs(llamarl):
+    """What --engine / --sharding change is recorded in the plan and compared: the same nodes and models, another program."""
+    from flowrl.graph.rewrite import with_sharding
+
+    plan = plan_graph(with_sharding(llamarl, "fsdp"), "cpu:3", strategy="gen:d1@0 | policy:d2@1-2")
+    assert plan.engines == {"gen": "builtin"} and plan.shardings == {"policy": "fsdp"}
+    assert graph_differences(plan, with_sharding(llamarl, "fsdp")) == []
+    assert graph_differences(plan, llamarl) == ["policy 'policy' was planned with sharding 'fsdp', but holds its state as 'replicate' here (--sharding)"]
+    vllm = msgspec.structs.replace(plan, engines={"gen": "vllm"})  # as a plan of a graph whose generator is vLLM's records it
+    assert graph_differences(vllm, with_sharding(llamarl, "fsdp")) == [
+        "generator 'gen' was planned with the vllm engine, but runs the builtin engine here (--engine)"
+    ]
