@@ -90,13 +90,14 @@ def _run_args(args: argparse.Namespace, graph: Graph, plan: Plan) -> tuple[list[
     if args.model and Path(args.model).expanduser().is_dir():  # the run reads the directory the plan measured
         from flowrl.graph.rewrite import with_model_path
 
+        model_dir = os.path.expanduser(args.model)  # the script quotes it: '~' would not expand there
         try:
-            graph = with_model_path(graph, args.model)
+            graph = with_model_path(graph, model_dir)
         except ConfigError as exc:
             raise PlanError(f"--emit: the run cannot read --model {args.model}: {exc}") from None
-        argv += ["--model", args.model]
-        if not os.path.isabs(args.model):
-            exists.append(("--model", args.model))
+        argv += ["--model", model_dir]
+        if not os.path.isabs(model_dir):
+            exists.append(("--model", model_dir))
     elif args.model:
         what = "a config.json, not a model directory" if Path(args.model).is_file() else "a published shape, not a model directory"
         raise PlanError(
