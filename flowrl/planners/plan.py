@@ -138,7 +138,9 @@ def plan_graph(
         if not result.ranked:
             raise PlanError(_nothing_fits(graph, roles, ctx, spec, strategy, result.problems, result.fitted))
         miss = min(result.problems.values(), key=lambda e: e.memory.total).problem if result.problems else ""
-        ranked, stats = result.ranked, SearchStats(evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss)
+        ranked, stats = result.ranked, SearchStats(
+            evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss, node_misses=result.node_misses
+        )
         best = ranked[0]
     base = plan_baseline(graph, ctx, model=model, system=baseline or SYNC_BASELINE) if roles.heavy else None
     losers = ranked[1 : 1 + ctx.tuning.top_k]

@@ -227,13 +227,16 @@ class Candidate:
 
 @dataclass
 class SearchResult:
-    """Ranked feasible candidates (best first) and what the search saw: for each node, its
-    infeasible estimate that needed the least memory (``problems``), and the nodes that fit on at
-    least one mesh (``fitted``)."""
+    """Ranked feasible candidates (best first) and what the search saw: placements estimated in full
+    (``evaluated``), device splits or placements on which nothing fitted (``infeasible``), node meshes
+    estimated that did not fit in memory (``node_misses``: one node on one mesh beside what it shares
+    it with, each counted once), for each node its infeasible estimate that needed the least memory
+    (``problems``: one of the ``node_misses``), and the nodes that fit on at least one mesh (``fitted``)."""
 
     ranked: list[Candidate]
     evaluated: int = 0
     infeasible: int = 0
+    node_misses: int = 0
     problems: dict[str, NodeEstimate] = field(default_factory=dict)
     fitted: set[str] = field(default_factory=set)
 
@@ -252,6 +255,7 @@ class _Evaluator:
         self.problems: dict[str, NodeEstimate] = {}
         self.fitted: set[str] = set()
         self.evaluated = 0
+        self.node_misses = 0  # node estimates that did not fit (each memo key once): what ``problems`` holds the least of
         #: when side_dims offers tp groups that span hosts: "never" (the search's first pass), "when
         #: needed" (a side on which nothing else fits), "always" (the last pass)
         self.tp_across_hosts = "never"
@@ -389,6 +393,7 @@ class _Evaluator:
         if est.feasible:
             self.fitted.add(name)
         else:
+            self.node_misses += 1
             seen = self.problems.get(name)
             if seen is None or est.memory.total < seen.memory.total:
                 self.problems[name] = est
@@ -666,7 +671,9 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence
             best_per_split.append(best)
             bisect.insort(steps, best.step_s)
     best_per_split.sort(key=_rank)
-    return SearchResult(ranked=best_per_split, evaluated=ev.evaluated, infeasible=infeasible, problems=dict(ev.problems), fitted=set(ev.fitted))
+    return SearchResult(
+        ranked=best_per_split, evaluated=ev.evaluated, infeasible=infeasible, node_misses=ev.node_misses, problems=dict(ev.problems), fitted=set(ev.fitted)
+    )
 
 
 def _rank(c: Candidate) -> tuple[float, float, int]:
