@@ -11,10 +11,10 @@ Example:
     >>> plan = plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated")
     >>> print(check_plan_here(plan, backend="local", cores=2, cuda_devices=0))
     plan for cpu:2 on this machine's CPU cores: gen on 0, aipo on 1, policy on 1
-    >>> check_plan_here(plan_graph(build_example("llamarl"), "16xH100"), backend="local", cores=2, cuda_devices=0)
+    >>> check_plan_here(plan_graph(build_example("llamarl"), "16xH100"), backend="local", cores=2, cuda_devices=0, graph_arg="mine.py")
     Traceback (most recent call last):
     ...
-    flowrl.errors.PlanError: the plan was made for 16xH100 (GPU devices 0-...), but this machine has no CUDA GPU (2 CPU cores); make a plan for this machine: flowrl plan llamarl --cluster cpu -o plan.json
+    flowrl.errors.PlanError: the plan was made for 16xH100 (GPU devices 0-...), but this machine has no CUDA GPU (2 CPU cores); make a plan for this machine: flowrl plan mine.py --cluster cpu -o plan.json
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from flowrl.backend_traits import backend_traits
 from flowrl.errors import PlanError
 from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.plan import Plan
+from flowrl.planners.replan import plan_command
 
 __all__ = ["check_plan_here"]
 
@@ -39,7 +40,7 @@ def _ranges(devices: tuple[int, ...]) -> str:
 
 
 def check_plan_here(
-    plan: Plan, *, backend: str, cores: int, cuda_devices: int, world_size: int | None = None
+    plan: Plan, *, backend: str, cores: int, cuda_devices: int, world_size: int | None = None, graph_arg: str | None = None
 ) -> str:
     """One line saying which node runs on which devices here; raises when the devices are not here.
 
@@ -49,6 +50,8 @@ def check_plan_here(
         cores: CPU cores of this machine.
         cuda_devices: CUDA devices of this machine.
         world_size: ranks of the torchrun job (``backend="torchrun"`` only): plan devices are ranks.
+        graph_arg: the graph as the user named it on the command line (``flowrl run GRAPH``), which
+            the re-planning command the error suggests names (``replan.plan_command``).
 
     Raises:
         PlanError: naming the plan's cluster, the devices it needs, what is here and the fix.
@@ -59,7 +62,7 @@ def check_plan_here(
     traits = DEVICE_TRAITS[spec.device.kind if spec is not None else "cpu"]
     gpu, kind = traits.cuda, traits.label
     wanted = f"the plan was made for {plan.cluster} ({kind} devices {_ranges(tuple(range(needed)))})"
-    replan = f"make a plan for this machine: flowrl plan {plan.graph} --cluster cpu -o plan.json"
+    replan = f"make a plan for this machine: {plan_command(graph_arg, '--cluster cpu', '-o plan.json')}"
     if gpu and cuda_devices == 0:
         raise PlanError(f"{wanted}, but this machine has no CUDA GPU ({cores} CPU cores); {replan}")
     if backend_traits(backend).ranks:
@@ -70,7 +73,8 @@ def check_plan_here(
     else:
         have, what = (cuda_devices, "CUDA GPUs") if gpu else (cores, "CPU cores")
         if needed > have:
-            raise PlanError(f"{wanted}, but this machine has {have} {what}; {replan.replace('cpu', f'cpu:{have}') if not gpu else replan}")
+            fix = replan if gpu else "make a plan for this machine: " + plan_command(graph_arg, f"--cluster cpu:{have}", "-o plan.json")
+            raise PlanError(f"{wanted}, but this machine has {have} {what}; {fix}")
         where = "this machine's GPUs" if gpu else "this machine's CPU cores"
     nodes = ", ".join(f"{name} on {_ranges(ds)}" for name, ds in placed.items())
     return f"plan for {plan.cluster} on {where}: {nodes}"

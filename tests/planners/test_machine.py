@@ -36,12 +36,13 @@ def test_devices_here_are_described(plans, plan, machine, expected):
 @pytest.mark.parametrize(
     "plan, machine, message",
     [
-        ("cpu8", {"backend": "local", "cores": 2, "cuda_devices": 0}, "made for cpu:8 (CPU devices 0-7), but this machine has 2 CPU cores; make a plan for this machine: flowrl plan llamarl --cluster cpu:2"),
+        ("cpu8", {"backend": "local", "cores": 2, "cuda_devices": 0, "graph_arg": "mine_grpo.py"}, "made for cpu:8 (CPU devices 0-7), but this machine has 2 CPU cores; make a plan for this machine: flowrl plan mine_grpo.py --cluster cpu:2 -o plan.json"),
+        ("cpu8", {"backend": "local", "cores": 2, "cuda_devices": 0}, "make a plan for this machine: flowrl plan GRAPH --cluster cpu:2 -o plan.json"),
         ("cpu8", {"backend": "torchrun", "cores": 2, "cuda_devices": 0, "world_size": 3}, "but there are 3 ranks in this torchrun job; launch torchrun with 8 processes"),
         ("h100", {"backend": "local", "cores": 2, "cuda_devices": 0}, "made for 16xH100 (GPU devices 0-3), but this machine has no CUDA GPU (2 CPU cores)"),
         ("h100", {"backend": "process", "cores": 2, "cuda_devices": 2}, "but this machine has 2 CUDA GPUs"),
     ],
-    ids=["cpu-too-few-cores", "cpu-too-few-ranks", "gpu-none", "gpu-too-few"],
+    ids=["cpu-too-few-cores", "cpu-too-few-cores-no-graph-arg", "cpu-too-few-ranks", "gpu-none", "gpu-too-few"],
 )
 def test_devices_not_here_are_refused(plans, plan, machine, message):
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
