@@ -438,7 +438,9 @@ class _Evaluator:
                 syncs.append(sync)
                 continue
             engine = r.gen_engine.get(edge.dst, DEFAULT_ENGINE)  # the runtime's last hop into a vLLM generator's workers, whatever the system's sync
-            syncs.append(add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx))
+            syncs.append(
+                add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx, dst_dims=ddims)
+            )
         devices = {n: layout[n][0] for n in names}
         devices.update({loss: layout[p][0] for loss, p in r.loss_of.items() if p in layout})
         times = {n: e.time_s for n, e in estimates.items()}
