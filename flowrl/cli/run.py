@@ -160,7 +160,7 @@ def _run_here(args: argparse.Namespace) -> int:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ConfigError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
     if args.plan and not os.path.isfile(args.plan):
-        from flowrl.planners.replan import plan_command
+        from flowrl.replan import plan_command
 
         raise ConfigError(f"--plan {args.plan}: no such file; make one with `{plan_command(_graph_arg(args), '--cluster cpu', '-o', shlex.quote(args.plan))}`")
     options = _parse_options(args.option)

@@ -34,7 +34,7 @@ from flowrl.graph.nodes import DEVICE_KINDS
 from flowrl.placement.layout import Placement
 from flowrl.placement.forms import EXAMPLE, decode_placement
 from flowrl.planners.plan_data import MAX_PLAN_BYTES, load_plan
-from flowrl.planners.replan import plan_command
+from flowrl.replan import plan_command
 
 __all__ = ["read_placement"]
 

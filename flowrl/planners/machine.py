@@ -23,7 +23,7 @@ from flowrl.backend_traits import backend_traits
 from flowrl.errors import PlanError
 from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.plan import Plan
-from flowrl.planners.replan import plan_command
+from flowrl.replan import plan_command
 
 __all__ = ["check_plan_here"]
 

@@ -14,7 +14,7 @@ from flowrl.graph.nodes import GeneratorNode, SourceNode
 from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
-from flowrl.planners.replan import plan_command
+from flowrl.replan import plan_command
 
 __all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families"]
 
@@ -28,7 +28,7 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
     policy also holds gradients and two AdamW moments: 4x), plus, per generator, the token ids of
     its rollout and one decode step's logits (``prompts * n_samples * (max_seq_len * 8 + vocab * 4)``).
     ``graph_arg``: the graph as the user named it on the command line, which the ``flowrl plan``
-    command the error suggests names (``flowrl.planners.replan.plan_command``).
+    command the error suggests names (``flowrl.replan.plan_command``).
 
     Raises:
         ConfigError: naming the node, its size, the estimate and the memory available.
