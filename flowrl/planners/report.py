@@ -64,7 +64,7 @@ def format_plan(plan: Plan) -> str:
     """The whole plan as text for a terminal (what ``flowrl plan`` prints)."""
     spec = plan.cluster_spec
     where = f"{plan.cluster}" + (f" ({spec.hosts} host{'s' if spec.hosts > 1 else ''} x {spec.devices_per_host} {spec.device.name})" if spec else "")
-    models = sorted({m.name for m in plan.models.values()})
+    models = sorted({m.name + (f" + LoRA adapters ({m.adapter_params / 1e6:.3g}M trained)" if m.adapter_params else "") for m in plan.models.values()})
     lines = [
         f"plan for graph {plan.graph!r} on {where}: strategy {plan.strategy} -> {plan.family}",
         f"workload: {plan.workload.short() if plan.workload else 'not estimated'}; model {', '.join(models) or '-'}; max_staleness {plan.max_staleness}",

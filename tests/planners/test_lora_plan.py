@@ -103,5 +103,8 @@ def test_model_override_keeps_the_graphs_lora():
     (sync,) = plan.weight_syncs
     assert sync.bytes == adapters * 4 * 4  # float32 adapters to each of the generator's 4 replicas
     assert "LoRA adapters only" in sync.note
+    from flowrl.planners.report import format_plan
+
+    assert f"model qwen2.5-7b + LoRA adapters ({adapters / 1e6:.3g}M trained)" in format_plan(plan)
     unadapted = plan_graph(build_hf_copy(engine="vllm"), "8xH100", model=spec, strategy="gen:d4@0-3 | policy:d4@4-7")
     assert unadapted.models["policy"].adapter_params == 0 and unadapted.weight_syncs[0].bytes > 100 * sync.bytes
