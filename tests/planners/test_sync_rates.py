@@ -70,6 +70,7 @@ def test_the_hop_on_gpus_is_gloo_over_host_memory_then_the_pcie_load_by_hand():
     assert "H100 preset: host_bandwidth 64 GB/s x link_efficiency 0.8" in est.note
     faster = add_engine_load(base, QWEN7, engine="vllm", transport="inprocess", dst_bytes_per_param=2, ctx=_ctx(host_gloo_bandwidth=4e9), dst_dims=dims)
     assert faster.dst_only_s == pytest.approx(nbytes / 4e9 + (nbytes / 4) / (H100.host_bandwidth * 0.8), rel=REL)
+    assert "4 GB/s (--set host_gloo_bandwidth)" in faster.note and "pytorch/gloo#248" not in faster.note
 
 
 def test_the_users_group_rate_replaces_the_groups_on_any_cluster():

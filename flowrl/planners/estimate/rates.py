@@ -49,7 +49,7 @@ import msgspec
 
 from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.estimate.common import Context
-from flowrl.planners.tuning import VLLM_GROUP_BANDWIDTH
+from flowrl.planners.tuning import HOST_GLOO_BANDWIDTH, VLLM_GROUP_BANDWIDTH
 
 __all__ = ["Rate", "cpu_group_rate", "nccl_rate", "host_gloo_rate", "device_load_rate", "host_load_rate", "on_cpu_ranks"]
 
@@ -135,6 +135,8 @@ def host_gloo_rate(ctx: Context) -> Rate:
     if user := _user(ctx, what):
         return user
     bw = ctx.tuning.host_gloo_bandwidth
+    if bw != HOST_GLOO_BANDWIDTH:
+        return Rate(bytes_per_s=bw, what=what, source="--set host_gloo_bandwidth")
     return Rate(bytes_per_s=bw, what=what, source="Tuning.host_gloo_bandwidth: gloo's TCP transport between two one-core processes, pytorch/gloo#248; not measured on this cluster")
 
 
