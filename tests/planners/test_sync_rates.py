@@ -55,7 +55,7 @@ def test_the_direct_route_on_gpus_is_nccl_over_the_links_then_vllms_load_by_hand
     load = 2 * (nbytes / 2) / (H100.memory_bandwidth * 0.8)  # each tp worker copies its half, read + written
     assert est.time_s == pytest.approx(wire + load, rel=REL)
     assert f"H100 preset: {field} x link_efficiency 0.8" in est.note
-    assert "vLLM's load into its parameters on the GPU" in est.note and "memory_bandwidth 3.35e+03 GB/s" in est.note
+    assert "vLLM's load into its parameters on the GPU" in est.note and "memory_bandwidth 3.35 TB/s" in est.note
     assert "gloo" not in est.note
 
 

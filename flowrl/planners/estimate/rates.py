@@ -17,7 +17,7 @@ which the sync's note prints:
 - **GPUs, the hop** (``vllm_sync``: the generator's process and vLLM's worker share a GPU, which
   NCCL refuses, so the runtime's group is gloo over host memory there too): the broadcast from the
   generator's staging copy (host memory) at ``host_gloo_rate`` (``Tuning.host_gloo_bandwidth``, a
-  documented figure, not this machine's: the module docstring of ``tuning``), then each worker's
+  documented figure, not this machine's: its attribute says where it comes from), then each worker's
   copy of its shard from its host buffers into its GPU parameters at ``host_load_rate``
   (``host_bandwidth``, PCIe, times ``link_efficiency``; a cluster spec without one, 0, leaves
   that term out and the note says so).
@@ -35,7 +35,7 @@ Example:
     >>> print(nccl_rate(ctx, range(0, 8), range(8, 16)).describe())
     NCCL across hosts, 40 GB/s (H100 preset: inter_host_bandwidth 50 GB/s x link_efficiency 0.8)
     >>> print(device_load_rate(ctx).describe())
-    vLLM's load into its parameters on the GPU (a device copy: read + write), 2.68e+03 GB/s (H100 preset: memory_bandwidth 3.35e+03 GB/s x memory_bandwidth_efficiency 0.8)
+    vLLM's load into its parameters on the GPU (a device copy: read + write), 2.68 TB/s (H100 preset: memory_bandwidth 3.35 TB/s x memory_bandwidth_efficiency 0.8)
     >>> cpu = Context(cluster=parse_cluster("cpu:2"), workload=LLM_DEFAULTS, tuning=Tuning())
     >>> cpu_group_rate(cpu).source
     "the project's measured default (Tuning.vllm_group_bandwidth's, benches/weight_sync.py on a 2-core CPU)"
@@ -51,7 +51,7 @@ from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.estimate.common import Context
 from flowrl.planners.tuning import HOST_GLOO_BANDWIDTH, VLLM_GROUP_BANDWIDTH
 
-__all__ = ["Rate", "cpu_group_rate", "nccl_rate", "host_gloo_rate", "device_load_rate", "host_load_rate", "on_cpu_ranks"]
+__all__ = ["Rate", "per_second", "cpu_group_rate", "nccl_rate", "host_gloo_rate", "device_load_rate", "host_load_rate", "on_cpu_ranks"]
 
 
 class Rate(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,7 +75,12 @@ class Rate(msgspec.Struct, frozen=True, kw_only=True):
 
     def describe(self) -> str:
         """``what, N GB/s (source)``: how a note names it."""
-        return f"{self.what}, {self.bytes_per_s / 1e9:.3g} GB/s ({self.source})"
+        return f"{self.what}, {per_second(self.bytes_per_s)} ({self.source})"
+
+
+def per_second(nbytes: float) -> str:
+    """A rate in GB/s, or TB/s from 1000 GB/s up (``per_second(3.35e12)`` is ``'3.35 TB/s'``)."""
+    return f"{nbytes / 1e12:.3g} TB/s" if nbytes >= 1e12 else f"{nbytes / 1e9:.3g} GB/s"
 
 
 def on_cpu_ranks(cluster: ClusterSpec) -> bool:
@@ -125,7 +130,7 @@ def nccl_rate(ctx: Context, src_devices: Sequence[int], dst_devices: Sequence[in
     )
     return Rate(
         bytes_per_s=bw * t.link_efficiency, latency_s=latency, what=f"NCCL {'within a host' if within else 'across hosts'}",
-        source=f"{_preset(ctx)}: {field} {bw / 1e9:.3g} GB/s x link_efficiency {t.link_efficiency:g}",
+        source=f"{_preset(ctx)}: {field} {per_second(bw)} x link_efficiency {t.link_efficiency:g}",
     )
 
 
@@ -146,7 +151,7 @@ def device_load_rate(ctx: Context) -> Rate:
     dev, t = ctx.cluster.device, ctx.tuning
     return Rate(
         bytes_per_s=dev.memory_bandwidth * t.memory_bandwidth_efficiency, what=f"vLLM's load into its parameters on the {DEVICE_TRAITS[dev.kind].label} (a device copy: read + write)",
-        source=f"{_preset(ctx)}: memory_bandwidth {dev.memory_bandwidth / 1e9:.3g} GB/s x memory_bandwidth_efficiency {t.memory_bandwidth_efficiency:g}",
+        source=f"{_preset(ctx)}: memory_bandwidth {per_second(dev.memory_bandwidth)} x memory_bandwidth_efficiency {t.memory_bandwidth_efficiency:g}",
     )
 
 
@@ -158,5 +163,5 @@ def host_load_rate(ctx: Context) -> Rate | None:
         return None
     return Rate(
         bytes_per_s=dev.host_bandwidth * t.link_efficiency, what="vLLM's load from host buffers into its parameters on the GPU (PCIe)",
-        source=f"{_preset(ctx)}: host_bandwidth {dev.host_bandwidth / 1e9:.3g} GB/s x link_efficiency {t.link_efficiency:g}",
+        source=f"{_preset(ctx)}: host_bandwidth {per_second(dev.host_bandwidth)} x link_efficiency {t.link_efficiency:g}",
     )
