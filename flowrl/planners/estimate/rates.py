@@ -51,7 +51,7 @@ from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.estimate.common import Context
 from flowrl.planners.tuning import HOST_GLOO_BANDWIDTH, VLLM_GROUP_BANDWIDTH
 
-__all__ = ["Rate", "per_second", "cpu_group_rate", "nccl_rate", "host_gloo_rate", "device_load_rate", "host_load_rate", "on_cpu_ranks"]
+__all__ = ["Rate", "per_second", "cpu_group_rate", "nccl_rate", "link_rate", "host_gloo_rate", "device_load_rate", "host_load_rate", "on_cpu_ranks"]
 
 
 class Rate(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,10 +116,14 @@ def cpu_group_rate(ctx: Context) -> Rate:
 
 
 def nccl_rate(ctx: Context, src_devices: Sequence[int], dst_devices: Sequence[int]) -> Rate:
-    """NCCL between two meshes of GPUs: the cluster spec's link between them (within one host, or
-    across hosts as soon as the two meshes' ends are on different hosts) times ``link_efficiency``."""
-    if user := _user(ctx, "NCCL"):
-        return user
+    """The weight-sync group's NCCL between two meshes of GPUs (the direct route): the user's
+    ``--set vllm_group_bandwidth``, else ``link_rate``."""
+    return _user(ctx, "NCCL") or link_rate(ctx, src_devices, dst_devices)
+
+
+def link_rate(ctx: Context, src_devices: Sequence[int], dst_devices: Sequence[int]) -> Rate:
+    """The cluster spec's link between two meshes (within one host, or across hosts as soon as the
+    two meshes' ends are on different hosts) times ``link_efficiency``: NCCL on GPUs."""
     c, t = ctx.cluster, ctx.tuning
     dev = c.device
     ends = (*src_devices[:1], *src_devices[-1:], *dst_devices[:1], *dst_devices[-1:])
@@ -129,7 +133,8 @@ def nccl_rate(ctx: Context, src_devices: Sequence[int], dst_devices: Sequence[in
         else ("inter_host_bandwidth", dev.inter_host_bandwidth, dev.inter_host_latency_s)
     )
     return Rate(
-        bytes_per_s=bw * t.link_efficiency, latency_s=latency, what=f"NCCL {'within a host' if within else 'across hosts'}",
+        bytes_per_s=bw * t.link_efficiency, latency_s=latency,
+        what=f"{'NCCL' if DEVICE_TRAITS[dev.kind].cuda else 'between processes'} {'within a host' if within else 'across hosts'}",
         source=f"{_preset(ctx)}: {field} {per_second(bw)} x link_efficiency {t.link_efficiency:g}",
     )
 

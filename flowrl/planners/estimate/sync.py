@@ -64,7 +64,7 @@ from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
-from flowrl.planners.estimate.rates import cpu_group_rate, host_gloo_rate, host_load_rate, on_cpu_ranks
+from flowrl.planners.estimate.rates import cpu_group_rate, host_gloo_rate, host_load_rate, link_rate, on_cpu_ranks
 from flowrl.planners.units import format_seconds
 from flowrl.placement.layout import share_devices
 from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
@@ -270,10 +270,12 @@ def estimate_sync(
     if same_mesh and src_dims == dst_dims and src_bytes_per_param == dst_bytes_per_param and not src_sharded:
         time = total / (dst_dims.tp * dst_dims.pp) / mem_bw
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="same layout: local copy")
-    link = _link(src_devices, dst_devices, ctx)
+    rate = link_rate(ctx, src_devices, dst_devices)
+    link = Link(rate.bytes_per_s, rate.latency_s)
     volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param, src_sharded) if not share_devices(src_devices, dst_devices) else (
         _volume(model, tuple(src_devices), tuple(dst_devices), dst_dims, dst_bytes_per_param, src_sharded)
     )
+    note += f" over {rate.describe()}"
     if src_sharded:
         note += " from FSDP shards"
     if not same_mesh and dst_bytes_per_param != src_bytes_per_param:
@@ -324,16 +326,6 @@ def add_engine_load(
     return msgspec.structs.replace(est, time_s=est.time_s + extra, dst_only_s=est.dst_only_s + extra, note=f"{est.note}; {hop}")
 
 
-def _link(src_devices: Sequence[int], dst_devices: Sequence[int], ctx: Context) -> Link:
-    """The link a sync between the two meshes crosses: NVLink-class within one host, the NIC across hosts."""
-    c, t = ctx.cluster, ctx.tuning
-    dev = c.device
-    hosts = {d // c.devices_per_host for d in (*src_devices[:1], *src_devices[-1:], *dst_devices[:1], *dst_devices[-1:])}
-    if len(hosts) == 1:
-        return Link(dev.intra_host_bandwidth * t.link_efficiency, dev.intra_host_latency_s)
-    return Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
-
-
 def _adapter_sync(
     model: ModelSpec, *, src: str, dst: str, transport: str, src_devices: Sequence[int], dst_devices: Sequence[int], dst_dims: ParallelDims, ctx: Context
 ) -> SyncEstimate:
@@ -351,7 +343,7 @@ def _adapter_sync(
     if DEVICE_TRAITS[dev.kind].pinned and traits is not None and traits.cost == "memory":
         time = traits.memory_copies * total / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note="LoRA adapters only; memory copy")
-    link = _link(src_devices, dst_devices, ctx)
+    rate = link_rate(ctx, src_devices, dst_devices)
     return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total * replicas), replicas=replicas,
-                        time_s=total * replicas / link.bandwidth + link.latency, note="LoRA adapters only, to every replica",
+                        time_s=rate.seconds(total * replicas), note=f"LoRA adapters only, to every replica, over {rate.describe()}",
                         wire_bytes=int(total * replicas))
