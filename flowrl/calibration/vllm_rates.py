@@ -4,7 +4,8 @@ The planner prices a vLLM generator on a CPU as the built-in engine's calibrated
 a speed-up, and the last hop of a weight sync into it (the weight-sync group's broadcast and vLLM's
 reload) at a bandwidth (``flowrl.planners.estimate.generate`` / ``.sync``). Without this
 measurement those are fixed figures (``Tuning``'s 1.3 and 0.4 GB/s), each from one machine at one
-load. ``measure_vllm(model)`` measures both at the shape of the graph's vLLM generator's model,
+load. Both price CPU devices only: on a GPU cluster the planner uses the cluster spec's own figures
+(``flowrl.planners.estimate.rates``), never a rate measured here. ``measure_vllm(model)`` measures both at the shape of the graph's vLLM generator's model,
 with ``layers`` of its blocks (2: the per-layer rates are what count, and start-up and memory stay
 small), a word-level tokenizer built in code, random weights:
 

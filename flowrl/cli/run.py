@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -159,7 +160,9 @@ def _run_here(args: argparse.Namespace) -> int:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ConfigError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
     if args.plan and not os.path.isfile(args.plan):
-        raise ConfigError(f"--plan {args.plan}: no such file; make one with 'flowrl plan {args.graph or 'llamarl'} --cluster cpu -o {args.plan}'")
+        from flowrl.replan import plan_command
+
+        raise ConfigError(f"--plan {args.plan}: no such file; make one with `{plan_command(_graph_arg(args), '--cluster cpu', '-o', shlex.quote(args.plan))}`")
     options = _parse_options(args.option)
     if options and not args.synthetic:
         raise ConfigError("--option sets the synthetic operators' settings; add --synthetic (or drop --option)")
@@ -217,7 +220,11 @@ def _run_here(args: argparse.Namespace) -> int:
         from flowrl.planners.forms import read_placement
 
         _check_plan_here(args, graph)
-        placement = read_placement(args.plan, graph)  # a plan file or a JSON placement, on every rank alike
+        placement = read_placement(args.plan, graph, graph_arg=_graph_arg(args))  # a plan file or a JSON placement, on every rank alike
+    if not backend_traits(args.backend).ranks:  # run_graph checks it too; here its error names the GRAPH argument
+        from flowrl.runtime.preflight import check_fits_in_memory
+
+        check_fits_in_memory(graph, skip=frozenset(config.programs), graph_arg=_graph_arg(args))
     if backend_traits(args.backend).ranks and os.environ.get("RANK", "0") != "0":
         run_graph(graph, placement, config)
         return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
@@ -345,6 +352,14 @@ def _parse_options(items: list[str]) -> dict[str, object]:
     return options
 
 
+def _graph_arg(args: argparse.Namespace) -> str:
+    """The graph as the user named it (``GRAPH``; the default example when left out), for the
+    ``flowrl plan`` commands messages suggest."""
+    from flowrl.examples import DEFAULT_EXAMPLE
+
+    return args.graph or DEFAULT_EXAMPLE
+
+
 def _check_plan_here(args: argparse.Namespace, graph: Graph) -> None:
     """Refuse a plan file made for another graph (its nodes, kinds or model shapes) or another
     cluster than this run has; say which node of the plan runs on which devices here.
@@ -366,7 +381,7 @@ def _check_plan_here(args: argparse.Namespace, graph: Graph) -> None:
         plan = load_plan(args.plan)
     except PlanError:
         return  # a placement, or a broken plan: read_placement reads it next and says what is wrong
-    graph_arg = shlex.quote(args.graph or "llamarl")
+    graph_arg = shlex.quote(_graph_arg(args))
     rewrites = "".join(f" --{flag} {getattr(args, flag)}" for flag in ("engine", "sharding") if getattr(args, flag))
     try:  # the plan's cluster by the name it was made with; one from a file ('cpu-calibrated') is the user's to name
         cluster = plan.cluster if parse_cluster(plan.cluster).name == plan.cluster else "SPEC"

@@ -76,6 +76,10 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
             per decode step and, with continuous batching, ``slot_row_overhead_s`` per busy row.
         cpu_kernels: on a CPU device it decodes with fused kernels of its own, at the planner's
             measured speed-up over the built-in engine (``Tuning.vllm_cpu_decode_speedup``).
+        cuda_memory_fraction: on a CUDA GPU it claims this fraction of each of its GPUs' memory when
+            it starts (weights, activations and its KV cache pool) and holds it for the run unless it
+            sleeps (vLLM's ``gpu_memory_utilization``, which the runtime passes from here and the
+            planner counts); 0: it allocates as it runs.
     """
 
     builtin_models: bool
@@ -90,6 +94,7 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
     refills_rows: bool = False
     python_loop: bool = True
     cpu_kernels: bool = False
+    cuda_memory_fraction: float = 0.0
 
 
 #: Every engine. vLLM's engine is its own processes, started by the generator's process (the local
@@ -102,6 +107,7 @@ ENGINE_CAPS: dict[str, EngineCaps] = {
         builtin_models=False, precisions=VLLM_PRECISIONS, kv_cache_optional=False,
         backends=("local", "process", "torchrun"), machine_check=True, sleeps=True, weight_hop=True,
         refills_rows=True, python_loop=False, cpu_kernels=True,
+        cuda_memory_fraction=0.45,  # half a GPU, less slack: a policy colocated on it keeps the other half
     ),
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINE_CAPS)

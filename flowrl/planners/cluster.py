@@ -107,6 +107,8 @@ CLUSTER_FORMS = (
 class CpuTerms(msgspec.Struct, **_STRUCT):
     """What ``flowrl calibrate`` measures of a CPU besides its peak rates: how flowrl's own passes and
     executors run there (``DeviceSpec.cpu``; ``calibrate.Measurements.cpu``). The defaults measure nothing.
+    Its rates (``vllm_sync_bandwidth``, ``gloo_by_bytes``) price CPU ranks only: a GPU cluster's
+    syncs and collectives are priced with its ``DeviceSpec``'s links (``planners.estimate.rates``).
 
     Attributes:
         flops_by_width: ``(width, FLOP/s)`` pairs, widths ascending: what the built-in transformer's

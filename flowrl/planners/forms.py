@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 from flowrl.errors import PlanError
@@ -33,12 +34,14 @@ from flowrl.graph.nodes import DEVICE_KINDS
 from flowrl.placement.layout import Placement
 from flowrl.placement.forms import EXAMPLE, decode_placement
 from flowrl.planners.plan_data import MAX_PLAN_BYTES, load_plan
+from flowrl.replan import plan_command
 
 __all__ = ["read_placement"]
 
 
-def read_placement(path: str | os.PathLike[str], graph: Graph) -> Placement:
-    """The placement a ``--plan`` file gives for ``graph``: a plan file's or a JSON placement (module docstring).
+def read_placement(path: str | os.PathLike[str], graph: Graph, *, graph_arg: str | None = None) -> Placement:
+    """The placement a ``--plan`` file gives for ``graph``: a plan file's or a JSON placement (module
+    docstring); ``graph_arg``: the graph as the user named it, which a suggested ``flowrl plan`` names.
 
     Raises:
         PlanError: naming the file: missing, unreadable, neither form, made for another graph, or
@@ -48,7 +51,7 @@ def read_placement(path: str | os.PathLike[str], graph: Graph) -> Placement:
     p = Path(path)
     data = read_bounded(
         p, limit=MAX_PLAN_BYTES, what="plan file", error=PlanError,
-        missing_hint=f"write one with 'flowrl plan {graph.name} --cluster SPEC -o {p}' or a placement like {EXAMPLE}",
+        missing_hint=f"write one with `{plan_command(graph_arg, '--cluster cpu', '-o', shlex.quote(str(p)))}` or a placement like {EXAMPLE}",
     )
     try:
         raw = json.loads(data)
@@ -58,7 +61,7 @@ def read_placement(path: str | os.PathLike[str], graph: Graph) -> Placement:
         return decode_placement(data, graph, where=where)
     plan = load_plan(p)
     if plan.graph != graph.name:
-        raise PlanError(f"plan {str(path)!r} was made for graph {plan.graph!r}, not {graph.name!r}; re-plan with 'flowrl plan {graph.name} ...'")
+        raise PlanError(f"plan {str(path)!r} was made for graph {plan.graph!r}, not {graph.name!r}; re-plan with `{plan_command(graph_arg, '--cluster cpu', '-o', shlex.quote(str(path)))}` (or the cluster it runs on)")
     for node in graph.nodes:
         if node.kind in DEVICE_KINDS and not (node.name in plan.placements and plan.placements[node.name].devices):
             raise PlanError(f"plan {str(path)!r} places no devices for node {node.name!r}; re-plan this graph")

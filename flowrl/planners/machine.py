@@ -14,7 +14,7 @@ Example:
     >>> check_plan_here(plan_graph(build_example("llamarl"), "16xH100"), backend="local", cores=2, cuda_devices=0)
     Traceback (most recent call last):
     ...
-    flowrl.errors.PlanError: the plan was made for 16xH100 (GPU devices 0-...), but this machine has no CUDA GPU (2 CPU cores); make a plan for this machine: flowrl plan llamarl --cluster cpu -o plan.json
+    flowrl.errors.PlanError: the plan was made for 16xH100 (GPU devices 0-...), but this machine has no CUDA GPU (2 CPU cores); make a plan for this machine: flowrl plan GRAPH --cluster cpu -o plan.json
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def check_plan_here(
         ranks_per_host: the job's ranks on each host (torchrun's ``LOCAL_WORLD_SIZE``); a plan that
             spans several of its cluster's hosts needs its devices per host.
         device: the run's ``--device`` (``auto``: CUDA when there is a GPU).
-        graph_arg: the graph as the user names it on the command line (its file), for the re-plan
-            command; default: the plan's graph name.
+        graph_arg: the graph as the user names it on the command line (its file, shell-quoted, with
+            any --engine/--sharding rewrites), for the re-plan command; default: ``GRAPH``.
         plan_path: the plan file, for the re-plan command.
 
     Raises:
@@ -74,7 +74,7 @@ def check_plan_here(
     traits = DEVICE_TRAITS[spec.device.kind if spec is not None else "cpu"]
     gpu, kind = traits.cuda, traits.label
     wanted = f"the plan was made for {plan.cluster} ({kind} devices {_ranges(tuple(range(needed)))})"
-    graph = graph_arg or plan.graph
+    graph = graph_arg or "GRAPH"  # a library call: no command line to name (replan.plan_command); the plan's graph name may be another graph's
 
     def replan(cluster: str) -> str:
         return f"flowrl plan {graph} --cluster {cluster} -o {plan_path}"

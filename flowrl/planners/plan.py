@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flowrl.backend_traits import BACKENDS
 from flowrl.errors import PlanError
 from flowrl.graph.ir import Graph
 from flowrl.planners.baseline import SYNC_BASELINE, BaselineResult, BaselineSystem, plan_baseline
@@ -138,7 +139,9 @@ def plan_graph(
         if not result.ranked:
             raise PlanError(_nothing_fits(graph, roles, ctx, spec, strategy, result.problems, result.fitted))
         miss = min(result.problems.values(), key=lambda e: e.memory.total).problem if result.problems else ""
-        ranked, stats = result.ranked, SearchStats(evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss)
+        ranked, stats = result.ranked, SearchStats(
+            evaluated=result.evaluated, infeasible=result.infeasible, closest_miss=miss, node_misses=result.node_misses
+        )
         best = ranked[0]
     base = plan_baseline(graph, ctx, model=model, system=baseline or SYNC_BASELINE) if roles.heavy else None
     losers = ranked[1 : 1 + ctx.tuning.top_k]
@@ -250,6 +253,7 @@ def _to_plan(
     )
     models = {n: roles.models[n] for n in roles.heavy}
     warnings = tuple(w for name in layout if (w := _tp_across_hosts(name, layout[name], spec, strategy)))
+    warnings += _offloads(placements)
     return Plan(
         graph=graph.name,
         cluster=spec.name,
@@ -296,6 +300,19 @@ def _tp_across_hosts(name: str, placed: tuple[Any, ParallelDims], spec: ClusterS
         f"node {name!r}: each tensor-parallel group of {dims.tp} devices spans {hosts} hosts, so its all-reduces "
         f"(two per layer) cross hosts at {inter / 1e9:.3g} GB/s per device instead of {intra / 1e9:.3g} GB/s within a host "
         f"({intra / inter:.3g}x slower); {why}"
+    )
+
+
+def _offloads(placements: dict[str, NodePlacement]) -> tuple[str, ...]:
+    """A warning when the plan fits only by moving colocated state aside: which backends do that."""
+    moved = sorted({key.split("/", 1)[1] for p in placements.values() for key in p.breakdown if key.startswith("offload/")})
+    if not moved:
+        return ()
+    able = ", ".join(b for b, traits in BACKENDS.items() if traits.offloads)
+    return (
+        f"this plan fits only with colocated offloading ({', '.join(moved)} moved aside while the node beside runs): run it "
+        f"on one host with a backend that offloads ({able}: flowrl run --plan FILE --backend process); under torchrun its "
+        "ranks keep their state (backend_traits('torchrun').offloads is False) and it does not fit",
     )
 
 

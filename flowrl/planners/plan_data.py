@@ -118,12 +118,20 @@ class Alternative(msgspec.Struct, **_STRUCT):
 
 
 class SearchStats(msgspec.Struct, **_STRUCT):
-    """How much the search looked at: placements estimated in full, those that did not fit, and
-    the candidate that missed by the least (its node, memory need and excess)."""
+    """How much the search looked at.
+
+    Attributes:
+        evaluated: placements estimated in full.
+        infeasible: device splits or placements on which no layout fitted in memory.
+        node_misses: node meshes (one node on one mesh, beside what shares it) that did not fit in
+            memory; ``closest_miss`` is one of them, so it is set exactly when this is > 0.
+        closest_miss: the node mesh that missed by the least (its node, memory need and excess).
+    """
 
     evaluated: int = 0
     infeasible: int = 0
     closest_miss: str = ""
+    node_misses: int = 0
 
 
 class Plan(msgspec.Struct, **_STRUCT):

@@ -6,11 +6,11 @@
 from __future__ import annotations
 
 from flowrl.graph.nodes import IN_POLICY_KINDS
-from flowrl.planners.plan import Plan
+from flowrl.planners.plan import Plan, SearchStats
 from flowrl.placement.layout import device_ranges
 from flowrl.planners.units import format_bytes, format_seconds
 
-__all__ = ["format_plan", "format_table"]
+__all__ = ["format_plan", "format_table", "format_search"]
 
 
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
@@ -38,11 +38,33 @@ def format_table(plan: Plan) -> list[str]:
     return _table(rows, right={3, 4, 5, 6, 7})
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def format_search(stats: SearchStats) -> list[str]:
+    """What the search looked at, in counts that agree with the example it gives: the closest miss
+    is one of the node meshes counted as not fitting (``SearchStats.node_misses``).
+
+    Example:
+        >>> for line in format_search(SearchStats(evaluated=26, infeasible=0, node_misses=3, closest_miss="node 'gen' ... 0.88 GiB over")):
+        ...     print(line)
+        search: 26 placements estimated in full; did not fit in memory: 0 placements or device splits, 3 node meshes
+          the closest miss (one of the 3 node meshes): node 'gen' ... 0.88 GiB over
+    """
+    meshes = f"{stats.node_misses} node mesh{'' if stats.node_misses == 1 else 'es'}"
+    line = (
+        f"search: {_count(stats.evaluated, 'placement')} estimated in full; did not fit in memory: "
+        f"{stats.infeasible} placement{'' if stats.infeasible == 1 else 's'} or device split{'' if stats.infeasible == 1 else 's'}, {meshes}"
+    )
+    return [line, f"  the closest miss (one of the {meshes}): {stats.closest_miss}"] if stats.closest_miss else [line]
+
+
 def format_plan(plan: Plan) -> str:
     """The whole plan as text for a terminal (what ``flowrl plan`` prints)."""
     spec = plan.cluster_spec
     where = f"{plan.cluster}" + (f" ({spec.hosts} host{'s' if spec.hosts > 1 else ''} x {spec.devices_per_host} {spec.device.name})" if spec else "")
-    models = sorted({m.name for m in plan.models.values()})
+    models = sorted({m.name + (f" + LoRA adapters ({m.adapter_params / 1e6:.3g}M trained)" if m.adapter_params else "") for m in plan.models.values()})
     lines = [
         f"plan for graph {plan.graph!r} on {where}: strategy {plan.strategy} -> {plan.family}",
         f"workload: {plan.workload.short() if plan.workload else 'not estimated'}; model {', '.join(models) or '-'}; max_staleness {plan.max_staleness}",
@@ -80,7 +102,5 @@ def format_plan(plan: Plan) -> str:
         for a in plan.alternatives:
             lines.append(f"  {a.placement}  [{a.family}]  {a.reason}")
     if plan.search.evaluated > 1:
-        lines.append(f"search: {plan.search.evaluated} placements estimated in full, {plan.search.infeasible} did not fit in memory")
-        if plan.search.closest_miss:
-            lines.append(f"  e.g. {plan.search.closest_miss}")
+        lines.extend(format_search(plan.search))
     return "\n".join(lines)

@@ -8,7 +8,9 @@ weights (``publishes_weights``, a policy) or trains (``trains``, a critic) and a
 pass otherwise (a reference, a reward model). A new device kind writes its own function in its own module, or names one of these.
 
 ``model`` is the shape ``flowrl plan --model`` gives every node; a function returns it instead of
-its node's own, without reading the node's model (a Hugging Face directory need not exist then).
+its node's own shape, without reading the node's model directory (which need not exist then), but
+with the node's LoRA adapters (``model_shape``): ``--model`` changes the base model's shape, not
+what the node trains and sends.
 
 Example:
     >>> from flowrl.examples import build_example
@@ -27,16 +29,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from flowrl.graph.engines import DEFAULT_ENGINE
 from flowrl.graph.objectives import recomputes_logprobs
-from flowrl.modelspec import ModelSpec, model_from_config, reward_model_spec
+from flowrl.modelspec import ModelSpec, lora_adapter_params, model_from_config, reward_model_spec
 from flowrl.planners.estimate.generate import generator_dtype
 
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
     from flowrl.planners.estimate.common import Context
 
-__all__ = ["NodeRole", "generator_role", "policy_role", "critic_role", "reference_role", "reward_model_role"]
+__all__ = ["NodeRole", "model_shape", "generator_role", "policy_role", "critic_role", "reference_role", "reward_model_role"]
 
 
 @dataclass(frozen=True)
@@ -66,9 +70,30 @@ class NodeRole:
     extra_tokens: int = 0
 
 
+def model_shape(config: Any, model: ModelSpec | None) -> ModelSpec:
+    """A node's model shape: ``config``'s own (``model_from_config``), or with ``model`` (``flowrl plan
+    --model``) that shape carrying ``config``'s LoRA adapters, counted on it (``lora_adapter_params``).
+
+    Example:
+        >>> from flowrl.graph.configs import HFModelConfig
+        >>> from flowrl.modelspec import model_preset
+        >>> lora = HFModelConfig(path="unread", lora=dict(r=8, alpha=16, target_modules=["q_proj", "v_proj"]))
+        >>> model_shape(lora, model_preset("qwen2.5-7b")).adapter_params * 4 / 2**20  # float32 MiB
+        9.625
+        >>> model_shape(HFModelConfig(path="unread"), model_preset("qwen2.5-7b")).adapter_params
+        0
+    """
+    if model is None:
+        return model_from_config(config)
+    lora = getattr(config, "lora", None)
+    if lora is None:
+        return model
+    return msgspec.structs.replace(model, adapter_params=lora_adapter_params(model, lora.r, lora.target_modules))
+
+
 def generator_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
     """A generator: its model, weight dtype (``--gen-precision`` over its sampling precision) and engine."""
-    return NodeRole(model=model or model_from_config(node.model), dtype=generator_dtype(node.sampling.precision, ctx), engine=node.engine)
+    return NodeRole(model=model_shape(node.model, model), dtype=generator_dtype(node.sampling.precision, ctx), engine=node.engine)
 
 
 def policy_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
@@ -82,7 +107,7 @@ def policy_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) 
     if ctx.tuning.recompute_logprobs is not None:
         recompute = ctx.tuning.recompute_logprobs
     return NodeRole(
-        model=model or model_from_config(node.model),
+        model=model_shape(node.model, model),
         recompute=recompute,
         iterations=(opt.num_iterations, opt.updates_per_batch),
         micro_batch=opt.micro_batch_size,
@@ -94,7 +119,7 @@ def critic_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) 
     and the extra forward of the values it writes before it trains (``recompute``)."""
     opt = node.optimizer
     return NodeRole(
-        model=model or model_from_config(node.model),
+        model=model_shape(node.model, model),
         recompute=True,
         iterations=(opt.num_iterations, opt.updates_per_batch),
         micro_batch=opt.micro_batch_size,
@@ -103,7 +128,7 @@ def critic_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) 
 
 def reference_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
     """A frozen model's forward pass over each sequence: just its model."""
-    return NodeRole(model=model or model_from_config(node.model))
+    return NodeRole(model=model_shape(node.model, model))
 
 
 def reward_model_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:

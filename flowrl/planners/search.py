@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from flowrl.backend_traits import BACKENDS
 from flowrl.errors import PlanError
 from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
-from flowrl.planners.cluster import ClusterSpec
+from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.estimate.common import Context, MemoryBreakdown, NodeEstimate, precision_bytes
-from flowrl.planners.estimate.generate import estimate_generate
+from flowrl.planners.estimate.generate import engine_claim, estimate_generate
 from flowrl.planners.estimate.quantize import add_quantization
 from flowrl.planners.estimate.direct import estimate_direct_sync, runs_as_ranks
 from flowrl.planners.estimate.sync import SyncEstimate, add_engine_load, estimate_sync
@@ -227,13 +228,16 @@ class Candidate:
 
 @dataclass
 class SearchResult:
-    """Ranked feasible candidates (best first) and what the search saw: for each node, its
-    infeasible estimate that needed the least memory (``problems``), and the nodes that fit on at
-    least one mesh (``fitted``)."""
+    """Ranked feasible candidates (best first) and what the search saw: placements estimated in full
+    (``evaluated``), device splits or placements on which nothing fitted (``infeasible``), node meshes
+    estimated that did not fit in memory (``node_misses``: one node on one mesh beside what it shares
+    it with, each counted once), for each node its infeasible estimate that needed the least memory
+    (``problems``: one of the ``node_misses``), and the nodes that fit on at least one mesh (``fitted``)."""
 
     ranked: list[Candidate]
     evaluated: int = 0
     infeasible: int = 0
+    node_misses: int = 0
     problems: dict[str, NodeEstimate] = field(default_factory=dict)
     fitted: set[str] = field(default_factory=set)
 
@@ -252,6 +256,7 @@ class _Evaluator:
         self.problems: dict[str, NodeEstimate] = {}
         self.fitted: set[str] = set()
         self.evaluated = 0
+        self.node_misses = 0  # node estimates that did not fit (each memo key once): what ``problems`` holds the least of
         #: when side_dims offers tp groups that span hosts: "never" (the search's first pass), "when
         #: needed" (a side on which nothing else fits), "always" (the last pass)
         self.tp_across_hosts = "never"
@@ -264,6 +269,7 @@ class _Evaluator:
         self.crowded = host_crowded(ctx.cluster, sum(ENGINE_CAPS[e].weight_hop for e in roles.gen_engine.values()))
         #: the plan runs as a torchrun job, where vLLM edges may take the direct route (``estimate.direct``)
         self.ranks = runs_as_ranks(ctx.cluster, fsdp=any(self._sharding(n) == "fsdp" for n in roles.heavy))
+
 
     def allow_tp_across_hosts(self, mode: str) -> None:
         """Set ``tp_across_hosts`` (``"never"``, ``"when needed"``, ``"always"``); side rankings are kept per mode."""
@@ -310,30 +316,43 @@ class _Evaluator:
         return getattr(optimizer, "sharding", "replicate")
 
     def resident(self, name: str, dims: ParallelDims) -> float:
-        """Bytes per device a node keeps allocated for the whole run (weights, grads, optimizer)."""
+        """Bytes per device a node keeps allocated for the whole run (weights, grads, optimizer; an
+        engine that claims its share of a GPU at start, that share: ``generate.engine_claim``)."""
         r = self.roles
         model = r.models[name]
         p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp  # the largest stage
         if name in r.gens:
-            return p_dev * precision_bytes(r.gen_dtype[name])
+            return engine_claim(r.gen_engine.get(name, DEFAULT_ENGINE), self.ctx) or p_dev * precision_bytes(r.gen_dtype[name])
         if name in r.refs:
             return p_dev * r.param_bytes
         t = self.ctx.tuning
         ob = t.optimizer_bytes or (12 if r.param_bytes <= 2 else 8)
         zero, dp = zero_stage(t, self._sharding(name)), dims.dp
-        return p_dev * (r.param_bytes / (dp if zero >= 3 else 1) + t.grad_bytes / (dp if zero >= 2 else 1) + ob / (dp if zero >= 1 else 1))
+        trained = p_dev * model.trained_params / model.params  # a LoRA policy's gradients and optimizer state: its adapters'
+        return p_dev * r.param_bytes / (dp if zero >= 3 else 1) + trained * (t.grad_bytes / (dp if zero >= 2 else 1) + ob / (dp if zero >= 1 else 1))
 
     def offloadable(self, name: str, dims: ParallelDims) -> float:
         """Bytes per device of ``resident`` that wait in host memory while another node runs, as the
         runtime moves them (``flowrl.runtime.offload``): a trainer's whole state (parameters,
-        gradients, optimizer states, after its weights are published), a vLLM generator's weights
-        (level-1 sleep; its KV cache is never resident here). Nothing of other nodes: a critic, which
-        trains but publishes no weights, stays resident (the runtime does not offload it)."""
+        gradients, optimizer states, after its weights are published), a vLLM generator's claim
+        (level-1 sleep: weights to host memory, KV cache freed; on CUDA only, where vLLM has a sleep
+        mode). Nothing of other nodes: a critic, which trains but publishes no weights, stays
+        resident (the runtime does not offload it)."""
         if name in self.roles.trainers and KINDS[self.graph.node(name).kind].publishes_weights:
             return self.resident(name, dims)
-        if name in self.roles.gens and ENGINE_CAPS[self.roles.gen_engine.get(name, DEFAULT_ENGINE)].sleeps:
+        cuda = DEVICE_TRAITS[self.ctx.cluster.device.kind].cuda
+        if name in self.roles.gens and cuda and ENGINE_CAPS[self.roles.gen_engine.get(name, DEFAULT_ENGINE)].sleeps:
             return self.resident(name, dims)
         return 0.0
+
+    def moved_bytes(self, name: str, dims: ParallelDims) -> float:
+        """Bytes per device an offloaded node moves to host memory and back: a trainer its whole
+        state; a sleeping engine its weights only (level 1 drops its KV cache, freed, not moved)."""
+        r = self.roles
+        if name in r.gens:
+            model = r.models[name]
+            return model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp * precision_bytes(r.gen_dtype[name])
+        return self.resident(name, dims)
 
     def beside(self, name: str, devices: Sequence[int], dims: ParallelDims, others: Sequence[tuple[str, ParallelDims]]) -> NodeEstimate:
         """``node`` on devices it shares with ``others`` (name, dims), which hold their resident state.
@@ -342,31 +361,49 @@ class _Evaluator:
         memory while it runs: memory is this node's phase plus what stays resident, and the step
         pays the move out and back, ``2 * offloaded / host_bandwidth`` (``breakdown["offload"]``;
         ``breakdown["offload/<other>"]`` each other's share, which ``Plan.placement()`` turns into
-        ``Placement.offload``, what a run with ``offload="auto"`` moves).
+        ``Placement.offload``, what a run with ``offload="auto"`` moves). The runtime offloads only
+        on a backend that does (``backend_traits``: not torchrun, which the planner takes a GPU plan
+        to run as) and where a move frees device memory (not on CPU cores), and vLLM sleeps only on
+        CUDA: elsewhere every colocated node keeps its state, and a node that does not fit beside
+        it does not fit. A colocated estimate's notes say which: what was moved, or what stays
+        held beside it and why nothing moved.
         """
         reserved = sum(self.resident(o, d) for o, d in others)
         est = self.node(name, devices, dims, reserved)
         host_bw = self.ctx.cluster.device.host_bandwidth
-        if est.feasible or not others or self.ctx.tuning.offload == "off" or host_bw <= 0:
+        no_offload = _no_offload(self.ctx, devices) if others else ""
+        if others and (est.feasible or no_offload):
+            kept = ", ".join(f"{o}'s {format_bytes(self.resident(o, d))}" for o, d in others)
+            notes = (*est.notes, f"beside {kept} held on the same devices")
+            if est.feasible:
+                return msgspec.structs.replace(est, notes=notes)
+            return msgspec.structs.replace(est, notes=notes, problem=f"{est.problem}; nothing offloaded or asleep: {no_offload}")
+        if est.feasible or not others:
             return est
-        each = {o: self.offloadable(o, d) for o, d in others}
-        moved = sum(each.values())
-        if moved <= 0:
+        freed = {o: self.offloadable(o, d) for o, d in others}
+        if sum(freed.values()) <= 0:
             return est
-        lighter = self.node(name, devices, dims, reserved - moved)
+        lighter = self.node(name, devices, dims, reserved - sum(freed.values()))
         if not lighter.feasible:
             return est
+        # what crosses to host memory and back: a trainer's whole state; an engine asleep, its weights (its KV cache is dropped)
+        each = {o: self.moved_bytes(o, d) for o, d in others if freed[o] > 0}
+        moved = sum(each.values())
         move = 2 * moved / host_bw
-        names = ", ".join(f"{o} ({'asleep' if o in self.roles.gens else 'state'} {format_bytes(b)})" for o, b in each.items() if b > 0)
+        names = ", ".join(
+            f"{o} ({f'asleep: frees {format_bytes(freed[o])}, moves its weights {format_bytes(b)}' if o in self.roles.gens else f'state {format_bytes(b)}'})"
+            for o, b in each.items()
+        )
         return msgspec.structs.replace(
             lighter,
             time_s=lighter.time_s + move,
             steady_s=None if lighter.steady_s is None else lighter.steady_s + move,
-            breakdown={**lighter.breakdown, "offload": move, **{f"offload/{o}": 2 * b / host_bw for o, b in each.items() if b > 0}},
+            breakdown={**lighter.breakdown, "offload": move, **{f"offload/{o}": 2 * b / host_bw for o, b in each.items()}},
             notes=(
                 *lighter.notes,
                 f"colocated state offloaded: {names}, {format_bytes(moved)} out and back over {host_bw / 1e9:.3g} GB/s "
-                "(what `flowrl run --offload auto` moves: a trainer's parameters, gradients and optimizer state after its publish, a vLLM engine's weights in level-1 sleep)",
+                "(what `flowrl run --offload auto` moves on the local or process backend, which offload (torchrun does not): "
+                "a trainer's parameters, gradients and optimizer state after its publish; a vLLM engine in level-1 sleep, its weights to host memory and its KV cache freed)",
             ),
         )
 
@@ -389,6 +426,7 @@ class _Evaluator:
         if est.feasible:
             self.fitted.add(name)
         else:
+            self.node_misses += 1
             seen = self.problems.get(name)
             if seen is None or est.memory.total < seen.memory.total:
                 self.problems[name] = est
@@ -433,7 +471,9 @@ class _Evaluator:
                 syncs.append(sync)
                 continue
             engine = r.gen_engine.get(edge.dst, DEFAULT_ENGINE)  # the runtime's last hop into a vLLM generator's workers, whatever the system's sync
-            syncs.append(add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx))
+            syncs.append(
+                add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx, dst_dims=ddims)
+            )
         devices = {n: layout[n][0] for n in names}
         devices.update({loss: layout[p][0] for loss, p in r.loss_of.items() if p in layout})
         times = {n: e.time_s for n, e in estimates.items()}
@@ -495,6 +535,23 @@ class _Evaluator:
             return ranked
         within = [(t, d) for t, d in ranked if d.tp == 1 or not spans_hosts(devices, d, "tp", self.dph)]
         return within or ranked if self.tp_across_hosts == "when needed" else within
+
+
+def _no_offload(ctx: Context, devices: Sequence[int]) -> str:
+    """Why the runtime would move no colocated state aside for nodes sharing ``devices``
+    (``flowrl.runtime.offload``), or ``""`` where it does: on GPUs of one host, run by a backend that
+    offloads (``backend_traits(...).offloads``: local, process; ``Tuning.offload`` "auto")."""
+    dev, c = ctx.cluster.device, ctx.cluster
+    if DEVICE_TRAITS[dev.kind].pinned:
+        return "on CPU cores host memory is device memory: a move frees nothing"
+    if ctx.tuning.offload == "off":
+        return "--set offload=off"
+    if dev.host_bandwidth <= 0:
+        return f"cluster {c.name!r} gives no host_bandwidth"
+    if devices and devices[0] // c.devices_per_host != devices[-1] // c.devices_per_host:
+        backends = [b for b in BACKENDS if BACKENDS[b].offloads]
+        return f"its devices span hosts, which only torchrun runs, and torchrun does not offload (backends that do: {', '.join(backends)})"
+    return ""
 
 
 def _cpu_estimate(kind: str, ctx: Context) -> NodeEstimate:
@@ -666,7 +723,9 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence
             best_per_split.append(best)
             bisect.insort(steps, best.step_s)
     best_per_split.sort(key=_rank)
-    return SearchResult(ranked=best_per_split, evaluated=ev.evaluated, infeasible=infeasible, problems=dict(ev.problems), fitted=set(ev.fitted))
+    return SearchResult(
+        ranked=best_per_split, evaluated=ev.evaluated, infeasible=infeasible, node_misses=ev.node_misses, problems=dict(ev.problems), fitted=set(ev.fitted)
+    )
 
 
 def _rank(c: Candidate) -> tuple[float, float, int]:

@@ -18,7 +18,7 @@ import msgspec
 
 from flowrl.errors import PlanError
 
-__all__ = ["Tuning", "make_tuning", "tuning_help", "VLLM_CPU_DECODE_SPEEDUP", "VLLM_GROUP_BANDWIDTH", "GLOO_BANDWIDTH"]
+__all__ = ["Tuning", "make_tuning", "tuning_help", "VLLM_CPU_DECODE_SPEEDUP", "VLLM_GROUP_BANDWIDTH", "GLOO_BANDWIDTH", "HOST_GLOO_BANDWIDTH"]
 
 #: ``Tuning.vllm_cpu_decode_speedup`` where neither the tuning nor the cluster's calibration sets it.
 VLLM_CPU_DECODE_SPEEDUP = 1.3
@@ -31,6 +31,8 @@ VLLM_GROUP_BANDWIDTH = 0.4e9
 #: (benches/RESULTS.md, 14.0 s) leaves about 9 s for its 2.15 GB of gathers and reduce-scatters per
 #: rank beside its compute: ~0.24 GB/s.
 GLOO_BANDWIDTH = 0.25e9
+#: ``Tuning.host_gloo_bandwidth``'s default (its attribute says where it comes from).
+HOST_GLOO_BANDWIDTH = 1.0e9
 
 
 class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -102,7 +104,17 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             None: the cluster's calibrated figure (``CpuTerms.vllm_sync_bandwidth``, ``flowrl calibrate
             --vllm``), else ``VLLM_GROUP_BANDWIDTH`` = 0.4e9: measured by ``benches/weight_sync.py`` on
             a 2-core CPU at load 6-7 (RESULTS.md): 1.43 GB in 2.2-4.0 s (0.36-0.65 GB/s), bound by
-            vLLM's reload, not the wire, its lower end (at rest: 1.6-2.0 s, ~0.8 GB/s).
+            vLLM's reload, not the wire, its lower end (at rest: 1.6-2.0 s, ~0.8 GB/s). A CPU figure:
+            on a GPU cluster the planner prices the group with the GPU host's rates instead
+            (``estimate.rates``), unless this is set.
+        host_gloo_bandwidth: bytes/s of gloo between two processes of a GPU host over host memory:
+            the weight-sync group of the hop into a vLLM generator on GPUs (the generator's process
+            and vLLM's worker share a GPU, so the runtime's group is gloo there: ``vllm_sync``).
+            ``HOST_GLOO_BANDWIDTH`` = 1.0e9: gloo's TCP transport between two processes pinned to
+            one core each of a Xeon E5-2620 v4 reached 1.07 GB/s (pytorch/gloo issue #248, its
+            benchmark tool), one core's TCP processing being the bound, as on loopback. A documented
+            figure, not measured on a GPU host: measure it there (``flowrl calibrate --gloo`` on
+            that host reports gloo's rate between two of its processes) and ``--set`` it.
         sync_overlap: fraction of a weight sync hidden behind compute (0: both sides stop for it).
         split_multipliers: the search tries device counts ``m * 2**k`` for these ``m`` (both for
             each side of a split and for colocated meshes).
@@ -134,6 +146,7 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     source_s_per_prompt: float = 5e-6
     file_bandwidth: float = 2e9
     vllm_group_bandwidth: float | None = None
+    host_gloo_bandwidth: float = HOST_GLOO_BANDWIDTH
     sync_overlap: float = 0.0
     split_multipliers: tuple[int, ...] = (1, 3, 5, 7)
     top_k: int = 5
@@ -159,6 +172,8 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 raise PlanError(f"tuning {name}={getattr(self, name)} must be >= 0")
         if self.vllm_group_bandwidth is not None and not self.vllm_group_bandwidth > 0:
             raise PlanError(f"tuning vllm_group_bandwidth={self.vllm_group_bandwidth} must be > 0")
+        if not self.host_gloo_bandwidth > 0:
+            raise PlanError(f"tuning host_gloo_bandwidth={self.host_gloo_bandwidth} must be > 0")
         if not self.file_bandwidth > 0:
             raise PlanError(f"tuning file_bandwidth={self.file_bandwidth} must be > 0")
         if self.ops_per_layer < 0:

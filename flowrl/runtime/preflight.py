@@ -14,11 +14,12 @@ from flowrl.graph.nodes import GeneratorNode, SourceNode
 from flowrl.host import host_memory_bytes
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
+from flowrl.replan import plan_command
 
 __all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families"]
 
 
-def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset()) -> None:
+def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset(), graph_arg: str | None = None) -> None:
     """Refuse a graph whose models or rollouts cannot fit in ``memory_bytes`` (default: this host's RAM).
 
     A lower bound, counted before anything is allocated, so that a graph file with absurd sizes
@@ -26,6 +27,8 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
     traceback or a run that fills the memory for minutes: float32 weights of every model node (a
     policy also holds gradients and two AdamW moments: 4x), plus, per generator, the token ids of
     its rollout and one decode step's logits (``prompts * n_samples * (max_seq_len * 8 + vocab * 4)``).
+    ``graph_arg``: the graph as the user named it on the command line, which the ``flowrl plan``
+    command the error suggests names (``flowrl.replan.plan_command``).
 
     Raises:
         ConfigError: naming the node, its size, the estimate and the memory available.
@@ -42,7 +45,7 @@ def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip:
             raise ConfigError(
                 f"node {name!r} ({node.kind}) needs at least {nbytes / 2**30:.3g} GiB ({size}), more than the "
                 f"{limit / 2**30:.3g} GiB of memory of this machine; shrink it, or plan it for a cluster with "
-                f"'flowrl plan {graph.name} --cluster ...'"
+                f"`{plan_command(graph_arg, '--cluster 8xH100')}` (or another cluster spec: 'flowrl plan --help')"
             )
     total = sum(need.values())
     if total > limit:

@@ -221,9 +221,11 @@ def _sync(transport: str, c: Context, src=(range(0, 2), ParallelDims(dp=2)), dst
 
 
 def test_a_vllm_generator_adds_the_hop_into_its_workers_by_hand():
-    c = ctx(tuning=Tuning(**{**_fields(EXACT), "file_bandwidth": 1e9, "vllm_group_bandwidth": 0.5e9}))
+    """On CPU ranks (GPUs: tests/planners/test_sync_rates.py)."""
+    c = ctx(dev=device(kind="cpu"), tuning=Tuning(**{**_fields(EXACT), "file_bandwidth": 1e9, "vllm_group_bandwidth": 0.5e9}))
     total = 1352 * 2  # P * the generator's bytes per parameter: each replica sends its own copy on, in parallel
-    for transport, extra, hop in [("collective", total / 0.5e9, "weight-sync group (gloo, 0.5 GB/s)"), ("file", 2 * total / 1e9, "file vLLM's worker reads")]:
+    group = "weight-sync group (gloo; its broadcast and vLLM's reload overlapped), 0.5 GB/s (--set vllm_group_bandwidth)"
+    for transport, extra, hop in [("collective", total / 0.5e9, group), ("file", 2 * total / 1e9, "file vLLM's worker reads")]:
         base = _sync(transport, c)
         est = add_engine_load(base, TINY, engine="vllm", transport=transport, dst_bytes_per_param=2.0, ctx=c)
         assert est.time_s == pytest.approx(base.time_s + extra) and hop in est.note and est.note.startswith(base.note)

@@ -102,8 +102,8 @@ def test_a_plan_or_placement_file_that_is_missing_huge_or_unreadable_is_named(tm
 
     graph = build_example("llamarl")
     missing = tmp_path / "none.json"
-    with pytest.raises(PlanError, match=r"plan file '.*none.json' does not exist; write one with 'flowrl plan llamarl"):
-        read_placement(missing, graph)
+    with pytest.raises(PlanError, match=r"plan file '.*none.json' does not exist; write one with `flowrl plan llamarl --cluster cpu -o /.*none.json`"):
+        read_placement(missing, graph, graph_arg="llamarl")
     with pytest.raises(PlanError, match=r"placement file '.*none.json' does not exist; write one like"):
         load_placement(missing, graph)
     huge = tmp_path / "huge.json"

@@ -86,3 +86,25 @@ def test_a_lora_sync_moves_the_float32_adapters_to_every_replica(tmp_path):
     s_full, s_lora = estimate_sync(full, **kw), estimate_sync(lora, **kw)
     assert s_lora.bytes == lora.adapter_params * 4 * 4 and "LoRA adapters only" in s_lora.note
     assert s_lora.time_s < s_full.time_s / 10
+
+
+def test_model_override_keeps_the_graphs_lora():
+    """``flowrl plan --model qwen2.5-7b`` of a LoRA graph plans the published shape with the graph's
+    adapters: the policy trains and sends them alone (9.6 MiB of float32 for r=8 on q_proj, v_proj),
+    not the 7B model's 15.2 GB. Fails where the override drops the node's ``lora``."""
+    from flowrl.examples.hf_copy import build_hf_copy
+    from flowrl.planners.plan import plan_graph
+
+    graph = build_hf_copy(engine="vllm", lora=dict(r=8, alpha=16, target_modules=["q_proj", "v_proj"]))
+    spec = model_preset("qwen2.5-7b")
+    adapters = lora_adapter_params(spec, 8, ("q_proj", "v_proj"))
+    plan = plan_graph(graph, "8xH100", model=spec, strategy="gen:d4@0-3 | policy:d4@4-7")
+    assert plan.models["policy"].adapter_params == plan.models["gen"].adapter_params == adapters
+    (sync,) = plan.weight_syncs
+    assert sync.bytes == adapters * 4 * 4  # float32 adapters to each of the generator's 4 replicas
+    assert "LoRA adapters only" in sync.note
+    from flowrl.planners.report import format_plan
+
+    assert f"model qwen2.5-7b + LoRA adapters ({adapters / 1e6:.3g}M trained)" in format_plan(plan)
+    unadapted = plan_graph(build_hf_copy(engine="vllm"), "8xH100", model=spec, strategy="gen:d4@0-3 | policy:d4@4-7")
+    assert unadapted.models["policy"].adapter_params == 0 and unadapted.weight_syncs[0].bytes > 100 * sync.bytes

@@ -39,7 +39,7 @@ def test_vllm_decodes_at_the_tuned_else_the_calibrated_else_the_default_speedup(
     ids=["default", "calibrated", "tuning-wins"],
 )
 def test_the_hop_into_vllm_runs_at_the_tuned_else_the_calibrated_else_the_default_rate(tuned, calibrated, expected):
-    c = ctx(dev=device(vllm_sync_bandwidth=calibrated), tuning=Tuning(**{**_fields(EXACT), "vllm_group_bandwidth": tuned}))
+    c = ctx(dev=device(kind="cpu", vllm_sync_bandwidth=calibrated), tuning=Tuning(**{**_fields(EXACT), "vllm_group_bandwidth": tuned}))
     assert vllm_sync_bandwidth(c) == expected
     base = _sync("collective", c)
     est = add_engine_load(base, TINY, engine="vllm", transport="collective", dst_bytes_per_param=2.0, ctx=c)

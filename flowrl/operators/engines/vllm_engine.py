@@ -88,6 +88,7 @@ from torch import Tensor
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
@@ -104,8 +105,9 @@ VLLM_INSTALL_HINT = "pip install 'flowrl[vllm]' (NVIDIA GPUs) or pip install 'fl
 CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 #: Fraction of a GPU's memory vLLM may take (weights, activations, KV cache): half, so that a
-#: policy colocated on the same GPU keeps the other half.
-GPU_MEMORY_UTILIZATION = 0.45
+#: policy colocated on the same GPU keeps the other half. The engines' table holds it, so that the
+#: planner counts what vLLM takes (``EngineCaps.cuda_memory_fraction``).
+GPU_MEMORY_UTILIZATION = ENGINE_CAPS["vllm"].cuda_memory_fraction
 #: KV cache bounds on a CPU (vLLM's default there is a fraction of the host's memory, which a machine
 #: shared with a trainer cannot give): room for ``max_num_seqs`` full-length sequences, clamped.
 CPU_KV_CACHE_MIN_BYTES = 64 << 20

@@ -49,9 +49,14 @@ class Context(msgspec.Struct, frozen=True, kw_only=True):
 class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Bytes per device of one node.
 
-    ``resident`` bytes (weights, gradients, optimizer states) stay allocated for the whole run, so
-    colocated nodes add them up; ``transient`` bytes (activations, KV cache, workspace) live only
-    while the node runs, so colocated nodes, which run one at a time, need only the largest.
+    ``resident`` bytes (weights, gradients, optimizer states, and what an engine claims for the run:
+    ``held``) stay allocated for the whole run, so colocated nodes add them up; ``transient`` bytes
+    (activations, KV cache, workspace) live only while the node runs, so colocated nodes, which run
+    one at a time, need only the largest.
+
+    ``held``: the rest of what an engine claims when it starts and keeps until the run ends (vLLM
+    on CUDA takes ``EngineCaps.cuda_memory_fraction`` of each GPU: its weights, then its KV cache pool
+    and activations in ``held``), resident whether or not it generates.
     """
 
     weights: int = 0
@@ -60,10 +65,11 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     activations: int = 0
     kv_cache: int = 0
     workspace: int = 0
+    held: int = 0
 
     @property
     def resident(self) -> int:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.grads + self.optimizer + self.held
 
     @property
     def transient(self) -> int:

@@ -15,11 +15,18 @@ One sync, with P parameters, ``pb`` bytes each in the policy's dtype and ``wb`` 
                                                     # a tensor at a time (gloo between CPU ranks at its
                                                     # rate for an MLP weight's bytes, train.gloo_link;
                                                     # the dp axis's link on GPUs); a replicated policy: 0
-    broadcast = P * wb / vllm_sync_bandwidth        # the lead's broadcast into the workers and vLLM's
-                                                    # reload in place, bucket by bucket
-    time      = gather + broadcast                  # (+ the cast to wb: quantize.add_quantization)
+    broadcast = P * wb / group                      # the lead's broadcast into the workers
+    load      = 2 * P * wb / tp_g / device_memory   # GPUs: each worker's copy of its shard into vLLM's
+                                                    # parameters, read + written (on CPU ranks: 0, the
+                                                    # group's measured rate holds vLLM's reload)
+    time      = gather + broadcast + load           # (+ the cast to wb: quantize.add_quantization)
 
-The buckets are gathered and broadcast in turn (``vllm_direct.DirectSender``), so the two add up.
+The group's rate is the target's (``estimate.rates``): on CPU ranks gloo at ``rates.cpu_group_rate``
+(the tuning's, else the calibrated, else the project's measured figure, vLLM's reload overlapped in
+it); on GPUs NCCL (every member has a GPU of its own) at ``rates.nccl_rate``, the cluster spec's
+link between the policy's devices and the generator's (NVLink within a host, the NIC across), and
+vLLM's load a term of its own at ``rates.device_load_rate`` (the device's memory bandwidth). The
+buckets are gathered and broadcast in turn (``vllm_direct.DirectSender``), so the terms add up.
 The weight-sync group holds the lead and every worker of every generator replica (dp_g x tp_g: each
 tp worker loads its own slices of what it receives), so one broadcast per bucket reaches them all
 and the estimate does not grow with dp_g or tp_g (gloo's broadcast from one root on a CPU may: not
@@ -40,6 +47,12 @@ Example:
     (True, 0, 0.0)
     >>> print(est.note.split(";")[0])
     direct route: the policy's ranks straight into vLLM's workers over the weight-sync group, no staging copy
+    >>> gpu = Context(cluster=parse_cluster("16xH100"), workload=LLM_DEFAULTS, tuning=Tuning())
+    >>> est = estimate_direct_sync(model_preset("qwen2.5-7b"), src="policy", dst="gen", transport="inprocess",
+    ...     src_devices=range(8, 16), src_dims=ParallelDims(dp=8), dst_devices=range(0, 8), dst_dims=ParallelDims(dp=4, tp=2),
+    ...     dst_bytes_per_param=2, src_bytes_per_param=2, ctx=gpu)
+    >>> print(est.note.split("; ")[1])
+    broadcast: NCCL across hosts, 40 GB/s (H100 preset: inter_host_bandwidth 50 GB/s x link_efficiency 0.8) 381 ms
 """
 
 from __future__ import annotations
@@ -49,9 +62,11 @@ from collections.abc import Sequence
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.estimate.common import Context, all_gather_s, axis_link
-from flowrl.planners.estimate.sync import SyncEstimate, vllm_sync_bandwidth
+from flowrl.planners.estimate.rates import cpu_group_rate, device_load_rate, nccl_rate, on_cpu_ranks
+from flowrl.planners.estimate.sync import SyncEstimate
 from flowrl.planners.estimate.train import gloo_link
 from flowrl.planners.parallel import ParallelDims
+from flowrl.planners.units import format_seconds
 
 __all__ = ["estimate_direct_sync", "runs_as_ranks"]
 
@@ -79,10 +94,16 @@ def estimate_direct_sync(
 ) -> SyncEstimate:
     """Seconds of one sync over the direct route (module docstring); the arguments are ``estimate_sync``'s."""
     wire = model.params * dst_bytes_per_param
-    bw = vllm_sync_bandwidth(ctx)
-    broadcast = wire / bw
-    route = "gloo" if not DEVICE_TRAITS[ctx.cluster.device.kind].cuda else "NCCL"
-    note = f"direct route: the policy's ranks straight into vLLM's workers over the weight-sync group, no staging copy; broadcast + vLLM's reload ({route}, {bw / 1e9:.3g} GB/s)"
+    note = "direct route: the policy's ranks straight into vLLM's workers over the weight-sync group, no staging copy"
+    if on_cpu_ranks(ctx.cluster):
+        group = cpu_group_rate(ctx)
+        broadcast = group.seconds(wire)
+        note += f"; broadcast + vLLM's reload: {group.describe()} {format_seconds(broadcast)}"
+    else:
+        group, load = nccl_rate(ctx, src_devices, dst_devices), device_load_rate(ctx)
+        sent, loaded = group.seconds(wire), load.seconds(2 * wire / max(1, dst_dims.tp))
+        broadcast = sent + loaded
+        note += f"; broadcast: {group.describe()} {format_seconds(sent)}; {load.describe()} {format_seconds(loaded)}"
     gather = 0.0
     if src_sharded and src_dims.dp > 1:
         cpu = DEVICE_TRAITS[ctx.cluster.device.kind].pinned

@@ -10,6 +10,13 @@ FP8 weights), ``kvb`` bytes per KV element. Per device::
     batch      = min(ceil(S/dp), (budget - reserved - weights - workspace) // (s * kv_token))
     waves      = ceil(ceil(S/dp) / batch)                 # rounds when the KV cache cannot hold them all
 
+An engine that claims a share of each GPU when it starts (``EngineCaps.cuda_memory_fraction``:
+vLLM's ``gpu_memory_utilization``, 0.45) holds ``claim = fraction * device memory`` for the whole
+run: its KV cache is what the claim leaves, ``batch = min(ceil(S/dp), (claim - weights - workspace)
+// (s * kv_token))``, the claim must fit beside what colocated nodes hold (``claim + reserved <=
+budget``), and its memory is all resident (``MemoryBreakdown.held``), which a colocated trainer's
+step must fit beside.
+
 Time of one wave of ``b`` completions::
 
     prefill    = b * prompt_len * F_tok(prompt_len / 2) / (tp * pp * peak * mfu_prefill)
@@ -103,7 +110,7 @@ from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.tuning import VLLM_CPU_DECODE_SPEEDUP
 from flowrl.planners.units import format_excess, format_gib_pair
 
-__all__ = ["estimate_generate", "generator_dtype", "vllm_decode_speedup"]
+__all__ = ["estimate_generate", "generator_dtype", "vllm_decode_speedup", "engine_claim"]
 
 
 def generator_dtype(node_precision: str, ctx: Context) -> str:
@@ -115,6 +122,15 @@ def vllm_decode_speedup(ctx: Context) -> float:
     """How many times the built-in engine's decode rate vLLM's CPU build decodes at: the tuning's
     figure, else the cluster's calibrated one, else ``VLLM_CPU_DECODE_SPEEDUP``."""
     return ctx.tuning.vllm_cpu_decode_speedup or ctx.cluster.device.cpu.vllm_decode_speedup or VLLM_CPU_DECODE_SPEEDUP
+
+
+def engine_claim(engine: str, ctx: Context) -> int:
+    """Bytes per device ``engine`` claims when it starts and holds for the run on this cluster's
+    devices (``EngineCaps.cuda_memory_fraction`` of a CUDA GPU's memory: vLLM's
+    ``gpu_memory_utilization``); 0 where it allocates as it runs (a CPU, the built-in engine)."""
+    dev = ctx.cluster.device
+    fraction = ENGINE_CAPS[engine].cuda_memory_fraction
+    return int(fraction * dev.memory_bytes) if fraction > 0 and DEVICE_TRAITS[dev.kind].cuda else 0
 
 
 def _rate(dtype: str, ctx: Context, width: int, pass_kind: str, mfu: float) -> tuple[float, bool]:
@@ -181,8 +197,32 @@ def estimate_generate(
     workspace = int(prefill_chunk * (8 * h + 3 * model.active_ffn_dim) * ab / tp + min(per_replica, 1024) * V * 4 / tp)
 
     budget = memory_budget(ctx)
-    room = budget - reserved_bytes - weights - workspace
+    claim = engine_claim(engine, ctx)
+    if claim:  # the engine takes its share of each GPU at start, whatever it needs: its KV pool is the rest
+        room = claim - weights - workspace if claim + reserved_bytes <= budget else 0
+    else:
+        room = budget - reserved_bytes - weights - workspace
     max_batch = int(room // kv_seq) if room > 0 else 0
+    if max_batch < 1 and claim:
+        fraction = ENGINE_CAPS[engine].cuda_memory_fraction
+        inside = weights + workspace + kv_seq
+        need_s, budget_s = format_gib_pair(claim + reserved_bytes, budget)
+        share = (
+            f"node {node!r} ({model.name} generation on {dims.short()}, {precision} weights): {engine} claims {fraction:g} of each "
+            f"{dev.name}'s {dev.memory_bytes / GiB:.1f} GiB ({claim / GiB:.1f} GiB, EngineCaps.cuda_memory_fraction) for the run"
+        )
+        if inside > claim:
+            problem = (
+                f"{share}, too little for its weights ({weights / GiB:.1f}), activations ({workspace / GiB:.2f}) and one sequence of KV "
+                f"cache ({kv_seq / GiB:.2f}): {format_excess(inside - claim)} over"
+            )
+        else:
+            problem = (
+                f"{share}; beside {reserved_bytes / GiB:.1f} GiB held by colocated nodes that needs {need_s} per device of a "
+                f"{dev.name}'s {dev.memory_bytes / GiB:.1f} GiB x memory_util {t.memory_util:g} = {budget_s}, {format_excess(claim + reserved_bytes - budget)} over"
+            )
+        memory = MemoryBreakdown(weights=weights, held=max(0, claim - weights))
+        return NodeEstimate(time_s=math.inf, memory=memory, feasible=False, problem=problem)
     if max_batch < 1:
         need = reserved_bytes + weights + workspace + kv_seq
         memory = MemoryBreakdown(weights=weights, kv_cache=int(kv_seq), workspace=workspace)
@@ -237,6 +277,8 @@ def estimate_generate(
     slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous and caps.python_loop else 0.0
 
     memory = MemoryBreakdown(weights=weights, kv_cache=int(b * kv_seq), workspace=workspace)
+    if claim:  # held from start to end: its KV pool and activations are all of the claim past the weights
+        memory = MemoryBreakdown(weights=weights, held=claim - weights)
     breakdown = {
         "prefill": waves * prefill,
         "decode_memory" if t_read >= t_compute else "decode_compute": steps * pp * stage / speedup,
@@ -251,7 +293,8 @@ def estimate_generate(
     if w.env_s:
         breakdown["env"] = w.env_s  # waiting on environments (multi-turn rollouts): a generator-side delay
     mode = "continuous stream, a re-prefill per update" if stream else "continuous within a call" if caps.refills_rows else "continuous" if continuous else "lock-step"
-    notes = (f"{engine} engine", f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
+    held = (f"holds {ENGINE_CAPS[engine].cuda_memory_fraction:g} of each {dev.name} for the run ({claim / GiB:.1f} GiB: weights, KV cache pool, activations)",) if claim else ()
+    notes = (f"{engine} engine", *held, f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
     cross_step = t.cross_step_slots if t.cross_step_slots is not None else DEVICE_TRAITS[dev.kind].cross_step_slots
     cross_step = cross_step and (stream or not caps.refills_rows)  # called per batch: weights change between calls, each waits for its longest
     steady = waves * prefill + steady_decode_steps(dist, completions=per_replica, batch=b) * token + slot_rows if continuous and cross_step else None

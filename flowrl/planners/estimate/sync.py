@@ -29,11 +29,20 @@ generator's dtype, whole to every replica (each merges them into its own layers)
 bytes over the link (a memory copy of ``A * 4`` on CPU, a file written once and read per replica).
 
 A vLLM generator adds a last hop (``add_engine_load``): its process holds the weights the
-transport delivered (a staging copy) and sends them on into vLLM's workers, each replica its own
-``P * wb`` bytes at once: over the weight-sync group at ``vllm_sync_bandwidth`` (the broadcast and
-vLLM's reload, overlapped bucket by bucket: ``Tuning.vllm_group_bandwidth`` when set, else the
-cluster's calibrated ``CpuTerms.vllm_sync_bandwidth``, ``flowrl calibrate --vllm``, else 0.4 GB/s), or, on a ``file`` edge, written once more
-and read by the worker at ``file_bandwidth``. The note names the hop and its rate. The hop is the
+transport delivered (a staging copy in host memory) and sends them on into vLLM's workers, each
+replica its own ``P * wb`` bytes at once, at the target's own rates (``estimate.rates``):
+
+- CPU ranks: over the weight-sync group at ``rates.cpu_group_rate`` (the broadcast and vLLM's
+  reload, overlapped bucket by bucket: ``Tuning.vllm_group_bandwidth`` when set, else the cluster's
+  calibrated ``CpuTerms.vllm_sync_bandwidth``, ``flowrl calibrate --vllm``, else the project's
+  measured 0.4 GB/s): ``P * wb / group``;
+- GPUs: the group is gloo over host memory there too (vLLM's worker shares the generator's GPU),
+  at ``rates.host_gloo_rate``, then each worker's load of its shard from host buffers into its
+  parameters on the GPU, a term of its own, at ``rates.host_load_rate`` (PCIe):
+  ``P * wb / gloo + P * wb / tp_g / pcie``;
+- a ``file`` edge: written once more and read by the worker at ``file_bandwidth``.
+
+The note names each rate and where it comes from. The hop is the
 generator side's alone (``SyncEstimate.dst_only_s``): the trainer has published and goes on. An
 edge on the direct route (``flowrl.placement.weight_routes``, in a plan that runs as a torchrun job)
 has no hop: ``estimate/direct.py`` prices it instead of this module.
@@ -55,7 +64,8 @@ from flowrl.planners.cluster import DEVICE_TRAITS
 from flowrl.planners.estimate.common import Context, Link
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.parallel import ParallelDims
-from flowrl.planners.tuning import VLLM_GROUP_BANDWIDTH
+from flowrl.planners.estimate.rates import cpu_group_rate, host_gloo_rate, host_load_rate, link_rate, on_cpu_ranks
+from flowrl.planners.units import format_seconds
 from flowrl.placement.layout import share_devices
 from flowrl.placement.resharding import DIRECT_MIN_BYTES, ShardLayout, TransferVolume, dp_tp, fsdp, replicated, tp_column, tp_row, transfer_volume
 from flowrl.transport_traits import traits_of
@@ -260,10 +270,12 @@ def estimate_sync(
     if same_mesh and src_dims == dst_dims and src_bytes_per_param == dst_bytes_per_param and not src_sharded:
         time = total / (dst_dims.tp * dst_dims.pp) / mem_bw
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=received, replicas=dst_dims.dp, time_s=time, note="same layout: local copy")
-    link = _link(src_devices, dst_devices, ctx)
+    rate = link_rate(ctx, src_devices, dst_devices)
+    link = Link(rate.bytes_per_s, rate.latency_s)
     volume = _disjoint_volume(model, len(src_devices), dst_dims, dst_bytes_per_param, src_sharded) if not share_devices(src_devices, dst_devices) else (
         _volume(model, tuple(src_devices), tuple(dst_devices), dst_dims, dst_bytes_per_param, src_sharded)
     )
+    note += f" over {rate.describe()}"
     if src_sharded:
         note += " from FSDP shards"
     if not same_mesh and dst_bytes_per_param != src_bytes_per_param:
@@ -277,14 +289,19 @@ def estimate_sync(
 
 
 def vllm_sync_bandwidth(ctx: Context) -> float:
-    """Bytes/s of the hop into vLLM's workers over the weight-sync group: the tuning's figure, else
-    the cluster's calibrated one, else ``VLLM_GROUP_BANDWIDTH``."""
-    return ctx.tuning.vllm_group_bandwidth or ctx.cluster.device.cpu.vllm_sync_bandwidth or VLLM_GROUP_BANDWIDTH
+    """Bytes/s of the hop into vLLM's workers over the weight-sync group between CPU processes
+    (``rates.cpu_group_rate``): the tuning's figure, else the cluster's calibrated one, else
+    ``VLLM_GROUP_BANDWIDTH``. CPU ranks only: a GPU's hop is priced by ``add_engine_load``'s GPU terms."""
+    return cpu_group_rate(ctx).bytes_per_s
 
 
-def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transport: str, dst_bytes_per_param: float, ctx: Context, **_: object) -> SyncEstimate:
+def add_engine_load(
+    est: SyncEstimate, model: ModelSpec, *, engine: str, transport: str, dst_bytes_per_param: float, ctx: Context,
+    dst_dims: ParallelDims | None = None, **_: object,
+) -> SyncEstimate:
     """``est`` plus the hop into a vLLM generator's workers (module docstring); ``est`` unchanged for
-    the built-in engine, whose model the transport writes into directly.
+    the built-in engine, whose model the transport writes into directly. ``dst_dims``: the
+    generator's dims (its ``tp`` workers each load a shard on a GPU; None: one worker).
     """
     if not ENGINE_CAPS[engine].weight_hop or model.adapter_params:  # a LoRA policy's adapters go as a peft directory: small, not priced
         return est
@@ -293,20 +310,20 @@ def add_engine_load(est: SyncEstimate, model: ModelSpec, *, engine: str, transpo
     traits = traits_of(transport)
     if traits is not None and traits.cost == "file":
         extra, hop = 2 * nbytes / t.file_bandwidth, f"then a file vLLM's worker reads ({t.file_bandwidth / 1e9:g} GB/s, write + read)"
+    elif on_cpu_ranks(ctx.cluster):
+        group = cpu_group_rate(ctx)
+        extra, hop = group.seconds(nbytes), f"then {group.describe()}"
     else:
-        bw = vllm_sync_bandwidth(ctx)
-        extra, hop = nbytes / bw, f"then into vLLM over the weight-sync group (gloo, {bw / 1e9:.3g} GB/s)"
+        group, load = host_gloo_rate(ctx), host_load_rate(ctx)
+        shard = nbytes / max(1, dst_dims.tp if dst_dims else 1)
+        wire = group.seconds(nbytes)
+        extra, hop = wire, f"then {group.describe()} {format_seconds(wire)}"
+        if load is None:
+            hop += f"; vLLM's load into its parameters not priced (cluster {ctx.cluster.name!r} gives no host_bandwidth)"
+        else:
+            extra += load.seconds(shard)
+            hop += f"; {load.describe()} {format_seconds(load.seconds(shard))}"
     return msgspec.structs.replace(est, time_s=est.time_s + extra, dst_only_s=est.dst_only_s + extra, note=f"{est.note}; {hop}")
-
-
-def _link(src_devices: Sequence[int], dst_devices: Sequence[int], ctx: Context) -> Link:
-    """The link a sync between the two meshes crosses: NVLink-class within one host, the NIC across hosts."""
-    c, t = ctx.cluster, ctx.tuning
-    dev = c.device
-    hosts = {d // c.devices_per_host for d in (*src_devices[:1], *src_devices[-1:], *dst_devices[:1], *dst_devices[-1:])}
-    if len(hosts) == 1:
-        return Link(dev.intra_host_bandwidth * t.link_efficiency, dev.intra_host_latency_s)
-    return Link(dev.inter_host_bandwidth * t.link_efficiency, dev.inter_host_latency_s)
 
 
 def _adapter_sync(
@@ -326,7 +343,7 @@ def _adapter_sync(
     if DEVICE_TRAITS[dev.kind].pinned and traits is not None and traits.cost == "memory":
         time = traits.memory_copies * total / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
         return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total), replicas=1, time_s=time, note="LoRA adapters only; memory copy")
-    link = _link(src_devices, dst_devices, ctx)
+    rate = link_rate(ctx, src_devices, dst_devices)
     return SyncEstimate(src=src, dst=dst, transport=transport, bytes=int(total * replicas), replicas=replicas,
-                        time_s=total * replicas / link.bandwidth + link.latency, note="LoRA adapters only, to every replica",
+                        time_s=rate.seconds(total * replicas), note=f"LoRA adapters only, to every replica, over {rate.describe()}",
                         wire_bytes=int(total * replicas))
