@@ -54,6 +54,7 @@ __all__ = [
     "inject_adapters",
     "adapter_weights",
     "adapter_name",
+    "is_adapter",
     "LoraMerge",
     "adapter_targets",
     "adapter_shapes",
@@ -159,9 +160,19 @@ def adapter_weights(model: nn.Module) -> dict[str, Tensor]:
     as views of the trained parameters (no copy)."""
     out: dict[str, Tensor] = {}
     for name, p in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
+        if is_adapter(name):
             out[adapter_name(name)] = p.detach()
     return out
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (peft's or ``adapter_name``'s) is an adapter's, not a base weight's.
+
+    Example:
+        >>> is_adapter("model.layers.0.self_attn.q_proj.lora_A.default.weight"), is_adapter("lm_head.weight")
+        (True, False)
+    """
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def adapter_name(name: str) -> str:

@@ -78,8 +78,12 @@ class ShardedStateInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     Attributes:
         version: the policy version (completed optimizer steps).
         model_config: the policy's model description (``msgspec.to_builtins``), as the one-file format.
-        dp: the number of ranks that wrote it (any dp size reads it).
+        dp: the number of ranks that wrote it, whatever their layout (``__<rank>_0.distcp`` files;
+            any dp size reads it).
         lora: whether ``model`` holds a LoRA policy's adapters only.
+        mesh: the writer's mesh, axis -> size (``{"dp": 2}``, ``{"tp": 2, "pp": 2}``); informative only
+            (readers need none of it: the index has every tensor's global shape). Empty in states
+            written before it was recorded.
         format: this layout's version.
     """
 
@@ -87,6 +91,7 @@ class ShardedStateInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     model_config: dict[str, Any]
     dp: int
     lora: bool = False
+    mesh: dict[str, int] = msgspec.field(default_factory=dict)
     format: int = 1
 
 
@@ -104,12 +109,28 @@ def written(path: str | Path) -> bool:
 
 # -- saving --------------------------------------------------------------------------------------------
 def _options(trainer: Any) -> Any:
-    """LoRA: the adapters only, as the one-file format (the frozen base is the description's own, so a
-    load is not strict about it; ``check_sharded`` has checked that the adapters are all there)."""
+    """LoRA: not strict (the frozen base is the description's own, and ``check_sharded`` has checked
+    that the adapters are all there); ``_stored`` keeps the adapters of what ``get_state_dict`` gives."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     lora = bool(trainer.lora)
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def _trainable(model: Any) -> set[str]:
+    """Every name of every parameter the optimizer trains (a tied parameter under each of its names)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def _stored(trainer: Any, model: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint stores of ``get_state_dict``'s ``model``: all of it, or a LoRA policy's trained
+    adapters only. ``ignore_frozen_params`` alone is not enough: it drops the frozen parameters by
+    ``named_parameters()``' names, which name a tied parameter once, so a tied head's second name
+    (``lm_head.weight``, the embedding) stayed, and with it any persistent buffer."""
+    if not trainer.lora:
+        return model
+    keep = _trainable(trainer.model)
+    return {k: v for k, v in model.items() if k in keep}
 
 
 def _writer(path: Path) -> Any:
@@ -145,10 +166,12 @@ def _collective(what: str, path: Path, call: Any) -> Any:
         raise CheckpointError(f"{what} {str(path)!r} failed on the policy's rank(s) {ranks} (ranks of its group): {message}") from None
 
 
-def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
+def save_sharded(trainer: Any, path: str | Path, *, group: Any, mesh: Mapping[str, int] | None = None) -> None:
     """Write ``trainer``'s shards at ``path`` (a directory in an existing folder). Every rank of the
     policy's ``group`` calls it; each writes only its own shards, the group's first rank DCP's index
-    and then the info (the state is whole, ``written``, once both are there).
+    and then the info (the state is whole, ``written``, once both are there). ``trainer.model``'s
+    parameter names must be the whole model's (the module docstring's format); ``mesh``: the policy's
+    axes, recorded in the info (default ``{"dp": ranks}``).
 
     Raises:
         CheckpointError: on every rank when one failed (naming it and its error, e.g. a folder its
@@ -161,13 +184,15 @@ def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     path = Path(path)
     untouched = not trainer.optimizer.state  # before the first step (get_state_dict fills it: an AdamW step at lr 0)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))  # DTensors: no gather
-    state = {"model": model, "optimizer": optimizer}
+    state = {"model": _stored(trainer, model), "optimizer": optimizer}
     _collective("saving the sharded checkpoint", path, lambda: dcp.save(state, storage_writer=_writer(path), process_group=group))
     if untouched:  # the next step must start AdamW afresh, as it would have without this save
         trainer.optimizer.state.clear()
     if dist.get_rank(group) == 0:
+        ranks = dist.get_world_size(group)
         info = ShardedStateInfo(
-            version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=dist.get_world_size(group), lora=bool(trainer.lora)
+            version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=ranks, lora=bool(trainer.lora),
+            mesh={str(k): int(v) for k, v in (mesh or {"dp": ranks}).items()},
         )
         (path / INFO_FILE).write_bytes(msgspec.json.encode(info))
 
@@ -310,7 +335,8 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
     have = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size")}
     want = _expected(trainer)
     wrong = sorted(k for k in want if have.get(k) != want[k])
-    extra = sorted(set(have) - set(want))
+    frozen = {f"model.{n}" for n in trainer.model.state_dict()} if trainer.lora else set()  # a LoRA state before _stored: the tied head too
+    extra = sorted(set(have) - set(want) - frozen)
     if wrong or extra:
         shown = {k.removeprefix("model."): (have.get(k), want[k]) for k in wrong[:3]}
         more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
@@ -350,7 +376,7 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
         )
     options = _options(trainer)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
-    state = {"model": model, "optimizer": optimizer}
+    state = {"model": _stored(trainer, model), "optimizer": optimizer}
     _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=_reader(Path(path)), process_group=group))
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     trainer.version = info.version
@@ -411,7 +437,7 @@ def read_state(path: str | Path) -> dict[str, Any]:
         CheckpointError: an incomplete sharded state or one missing a shard file (any error reading a
             file propagates as torch raises it).
     """
-    from flowrl.models.lora import adapter_name
+    from flowrl.models.lora import adapter_name, is_adapter
 
     p = Path(path)
     if not p.is_dir():
@@ -419,8 +445,8 @@ def read_state(path: str | Path) -> dict[str, Any]:
     info, _ = _info(p)
     saved = _consolidated(p)
     model = dict(saved.get("model", {}))
-    if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does
-        model = {adapter_name(n): t for n, t in model.items()}
+    if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does; a frozen
+        model = {adapter_name(n): t for n, t in model.items() if is_adapter(n)}  # base weight (the tied head, before _stored) is the description's
     optimizer = _one_file_optimizer(saved.get("optimizer", {}))
     if info.version == 0:  # saved before the first step: AdamW had no state (see save_sharded)
         optimizer["state"] = {}
