@@ -251,12 +251,16 @@ def _read_metadata(path: Path) -> Any:
     return metadata
 
 
+_INTACT = "resume from an intact checkpoint (remove this one and point LATEST at an older step-*; flowrl export takes a step-* directory)"
+
+
 def _info(path: Path) -> tuple[ShardedStateInfo, Any]:
-    """The info and DCP's index of a whole sharded state whose shard files are all there."""
+    """The info and DCP's index of a whole sharded state whose shard files are all there, each as long
+    as its index says."""
     if not written(path):
+        lacks = " and ".join(f for f in (INFO_FILE, _METADATA) if not (path / f).is_file())
         raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} is incomplete (no {INFO_FILE} or {_METADATA}: its save did not finish); "
-            "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
+            f"sharded checkpoint {str(path)!r} is incomplete (no {lacks}: its save did not finish); {_INTACT}"
         )
     try:
         info = msgspec.json.decode((path / INFO_FILE).read_bytes(), type=ShardedStateInfo)
@@ -265,15 +269,41 @@ def _info(path: Path) -> tuple[ShardedStateInfo, Any]:
     if info.format != 1:
         raise CheckpointError(f"sharded checkpoint {str(path)!r} has format {info.format}; this flowrl reads format 1: read it with the flowrl that wrote it")
     metadata = _read_metadata(path)
-    files = sorted({s.relative_path for s in metadata.storage_data.values()})
-    missing = [f for f in files if not (path / f).is_file()]
+    _check_files(path, info, metadata)
+    return info, metadata
+
+
+def _check_files(path: Path, info: ShardedStateInfo, metadata: Any) -> None:
+    """Refuse a state whose index names a shard file that is not there, or is shorter than the
+    chunks the index places in it (a copy cut short), naming the files, their ranks and a tensor each held."""
+    import re
+
+    ends: dict[str, int] = {}
+    held: dict[str, list[str]] = {}
+    for index, where in metadata.storage_data.items():
+        ends[where.relative_path] = max(ends.get(where.relative_path, 0), int(where.offset) + int(where.length))
+        held.setdefault(where.relative_path, []).append(index.fqn)
+    layout = f"{', '.join(f'{a}={n}' for a, n in info.mesh.items())}; " if info.mesh else ""
+
+    def ranks(files: list[str]) -> str:
+        numbers = [m.group(1) for f in files if (m := re.match(r"__(\d+)_", f))]
+        tensors = sorted({t for f in files for t in held[f]})
+        return f"{layout}rank(s) {', '.join(numbers) or '?'}'s, holding chunks of {len(tensors)} tensors such as {tensors[0]!r}"
+
+    missing = sorted(f for f in ends if not (path / f).is_file())
     if missing:
         raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} lacks shard files {missing} of the {info.dp} ranks that wrote it; on several "
-            "hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem); copy the missing files in, "
-            "or resume from an intact checkpoint"
+            f"sharded checkpoint {str(path)!r} lacks shard files {missing} of the {info.dp} ranks that wrote it ({ranks(missing)}); "
+            "on several hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem); copy the "
+            f"missing files in, or {_INTACT}"
         )
-    return info, metadata
+    short = {f: (path / f).stat().st_size for f in sorted(ends) if (path / f).stat().st_size < ends[f]}
+    if short:
+        sizes = ", ".join(f"{f} has {n} bytes of {ends[f]}" for f, n in short.items())
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} has shard files cut short ({sizes}; {ranks(list(short))}) of the "
+            f"{info.dp} ranks that wrote it: a copy that did not finish; copy them again, or {_INTACT}"
+        )
 
 
 def _plain(value: Any) -> Any:
