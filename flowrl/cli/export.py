@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     from flowrl.models.hf_export import export_hf
     from flowrl.runtime.checkpointing.store import read_policy_state
 
-    state = read_policy_state(args.checkpoint, node=args.node)
+    state = read_policy_state(args.checkpoint, node=args.node, optimizer=False)  # the weights: AdamW's moments are not read
     out = export_hf(state, args.output, overwrite=args.overwrite, adapter=args.adapter)
     if args.adapter:
         print(f"wrote {out} (PeftModel.from_pretrained(base_model, {str(out)!r}) loads it)")

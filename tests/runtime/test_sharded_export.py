@@ -144,3 +144,112 @@ def test_a_lora_checkpoint_that_stored_the_tied_head_still_reads_and_resumes(run
     assert sorted(state["model"]) == _adapters()
     rows = _run(tmp, "old", 3, "--resume")
     assert [r["policy_version"] for r in rows][-1:] == [3]
+
+
+# -- any layout: a checkpoint in the format's keys, however its ranks split the tensors, exports alike ----
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """One 2-rank job (``python tests/runtime/test_sharded_export.py layouts OUT MODEL_DIR``): a full-weight
+    Qwen2 policy saved by ``save_sharded`` as a tensor-parallel policy holds it (q/k/v, gate/up by rows,
+    o/down by columns, the rest on both ranks) and as a 2-stage pipeline does (each rank its own layers,
+    under the whole model's names), after one AdamW step each; and the same step in one process."""
+    pytest.importorskip("transformers")
+    from tests.hf_fixtures import make_hf_dir
+
+    model_dir = make_hf_dir(tmp_path_factory.mktemp("qwen2"), "qwen2", tie=False)
+    out = tmp_path_factory.mktemp("layouts")
+    proc = _torchrun(2, [str(Path(__file__).resolve()), "layouts", str(out), str(model_dir)], out, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_a_tensor_or_pipeline_parallel_checkpoint_reads_and_exports_as_the_one_process_state(layouts, layout, tmp_path):
+    """Read in one process with no process group, the state equals the one-process trainer's after the
+    same step exactly (weights, AdamW's moments and steps numbered in the model's order, groups), and
+    ``flowrl export`` writes the same safetensors as the export of that one-file state."""
+    from safetensors.torch import load_file
+
+    from flowrl.cli.main import main
+    from flowrl.runtime.checkpointing.sharded_state import _read_metadata, read_state
+
+    from tests.runtime.test_sharded_checkpoint import _same, _step_dir
+
+    path = layouts / f"{layout}.dcp"
+    want = torch.load(layouts / "one.pt", weights_only=True)
+    files = {s.relative_path for s in _read_metadata(path).storage_data.values()}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}  # both ranks wrote their part
+    assert json.loads((path / "policy.json").read_text())["mesh"] == {layout: 2}
+    _same(read_state(path), want)
+    weights = read_state(path, optimizer=False)  # what flowrl export reads: AdamW's moments are not
+    assert "optimizer" not in weights and sorted(weights["model"]) == sorted(want["model"])
+    assert main(["export", str(_step_dir(tmp_path / "ck", path)), "-o", str(tmp_path / "hf")]) == 0
+    assert main(["export", str(_step_dir(tmp_path / "ck-one", layouts / "one.pt")), "-o", str(tmp_path / "hf-one")]) == 0
+    _same(load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf-one" / "model.safetensors"))
+
+
+def _layouts_job(out: str, model_dir: str) -> int:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from flowrl.graph.configs import HFModelConfig, OptimizerConfig
+    from flowrl.graph.nodes import LossNode, PolicyNode
+    from flowrl.operators.trainer import Trainer, learning_rate
+    from flowrl.runtime.checkpointing.sharded_state import save_sharded
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    node = PolicyNode(name="policy", model=HFModelConfig(path=model_dir, init="random", seed=3), optimizer=OptimizerConfig(lr=1e-2))
+
+    def stepped(split) -> Trainer:
+        trainer = Trainer(node, LossNode(name="aipo"))
+        split(trainer.model)
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        opt = node.optimizer
+        trainer.optimizer = torch.optim.AdamW(params, lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay)
+        for p in params:  # a gradient that differs by element, the same wherever the element is held
+            p.grad = torch.cos(p.detach() * 7.0)
+        trainer.optimizer.step()
+        trainer.version = 1
+        return trainer
+
+    def tensor_parallel(model: nn.Module) -> None:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        plan = {}
+        for i in range(len(model.model.layers)):
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+        parallelize_module(model, mesh, plan)
+
+    def pipeline_stage(model: nn.Module) -> None:  # rank 0: embeddings and layer 0; rank 1: layer 1, norm, head
+        layers = model.model.layers
+        for i in range(len(layers)):
+            if (i < len(layers) // 2) != (rank == 0):
+                layers[i] = nn.Identity()  # the others keep their whole-model index
+        if rank == 0:
+            model.model.norm, model.lm_head = nn.Identity(), nn.Identity()
+        else:
+            model.model.embed_tokens = nn.Identity()
+
+    for layout, split in (("tp", tensor_parallel), ("pp", pipeline_stage)):
+        save_sharded(stepped(split), Path(out) / f"{layout}.dcp", group=dist.group.WORLD, mesh={layout: 2})
+    if rank == 0:
+        torch.save(stepped(lambda model: None).state(), Path(out) / "one.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
+    import sys
+
+    from flowrl.runtime.backends.rank_exit import end_rank_process
+
+    torch.set_num_threads(1)
+    if sys.argv[1] == "layouts":
+        end_rank_process(_layouts_job(sys.argv[2], sys.argv[3]))
+    raise SystemExit(f"unknown mode {sys.argv[1]!r}")

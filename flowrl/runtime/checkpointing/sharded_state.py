@@ -166,6 +166,35 @@ def _collective(what: str, path: Path, call: Any) -> Any:
         raise CheckpointError(f"{what} {str(path)!r} failed on the policy's rank(s) {ranks} (ranks of its group): {message}") from None
 
 
+def _whole_groups(optimizer: dict[str, Any], group: Any, device: Any, path: Path) -> dict[str, Any]:
+    """``optimizer`` with each param group's ``params`` the names of every rank's, in rank order without
+    repeats: the whole model's, whether each rank's optimizer holds them all (dp, tp) or its own stage's
+    (pp: DCP keeps one rank's copy of a non-tensor value, so each rank must write the same). The names go
+    as JSON bytes in tensors over ``group`` (one all-gather of sizes, one of the bytes), not pickled."""
+    import json
+
+    import torch.distributed as dist
+
+    groups = list(optimizer.get("param_groups", []))
+    mine = json.dumps([list(g["params"]) for g in groups]).encode()
+    n = dist.get_world_size(group)
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    padded = torch.zeros(int(max(int(x) for x in sizes)), dtype=torch.uint8, device=device)
+    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    every = [torch.zeros_like(padded) for _ in range(n)]
+    dist.all_gather(every, padded, group=group)
+    lists = [json.loads(bytes(b[: int(k)].cpu().tolist())) for b, k in zip(every, sizes)]
+    if len({len(x) for x in lists}) > 1:
+        raise CheckpointError(
+            f"saving the sharded checkpoint {str(path)!r}: the policy's ranks hold {[len(x) for x in lists]} optimizer param "
+            "groups; every rank must build its optimizer with the same groups (this is a flowrl bug)"
+        )
+    merged = [list(dict.fromkeys(name for ranks in lists for name in ranks[i])) for i in range(len(groups))]
+    return {**optimizer, "param_groups": [{**g, "params": names} for g, names in zip(groups, merged)]}
+
+
 def save_sharded(trainer: Any, path: str | Path, *, group: Any, mesh: Mapping[str, int] | None = None) -> None:
     """Write ``trainer``'s shards at ``path`` (a directory in an existing folder). Every rank of the
     policy's ``group`` calls it; each writes only its own shards, the group's first rank DCP's index
@@ -184,7 +213,8 @@ def save_sharded(trainer: Any, path: str | Path, *, group: Any, mesh: Mapping[st
     path = Path(path)
     untouched = not trainer.optimizer.state  # before the first step (get_state_dict fills it: an AdamW step at lr 0)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))  # DTensors: no gather
-    state = {"model": _stored(trainer, model), "optimizer": optimizer}
+    device = next(iter(trainer.model.parameters())).device
+    state = {"model": _stored(trainer, model), "optimizer": _whole_groups(optimizer, group, device, path)}
     _collective("saving the sharded checkpoint", path, lambda: dcp.save(state, storage_writer=_writer(path), process_group=group))
     if untouched:  # the next step must start AdamW afresh, as it would have without this save
         trainer.optimizer.state.clear()
@@ -290,6 +320,16 @@ def _check_files(path: Path, info: ShardedStateInfo, metadata: Any) -> None:
         tensors = sorted({t for f in files for t in held[f]})
         return f"{layout}rank(s) {', '.join(numbers) or '?'}'s, holding chunks of {len(tensors)} tensors such as {tensors[0]!r}"
 
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, meta in metadata.state_dict_metadata.items():  # a reader fills each tensor from its chunks: all of it
+        if isinstance(meta, TensorStorageMetadata):
+            covered = sum(torch.Size(c.sizes).numel() for c in meta.chunks)
+            if covered != meta.size.numel():
+                raise CheckpointError(
+                    f"sharded checkpoint {str(path)!r}: the chunks of {key!r} hold {covered} of its {meta.size.numel()} elements "
+                    f"(shape {tuple(meta.size)}): its writers did not save each element exactly once; {_INTACT}"
+                )
     missing = sorted(f for f in ends if not (path / f).is_file())
     if missing:
         raise CheckpointError(
@@ -407,7 +447,10 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     options = _options(trainer)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
     state = {"model": _stored(trainer, model), "optimizer": optimizer}
+    own = [list(g["params"]) for g in optimizer.get("param_groups", [])]
     _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=_reader(Path(path)), process_group=group))
+    for loaded, names in zip(state["optimizer"].get("param_groups", []), own):  # the saved groups name the whole model's (_whole_groups)
+        loaded["params"] = names
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     trainer.version = info.version
     if info.version == 0:  # saved before the first step: AdamW had no state (save_sharded), and has none now
@@ -432,23 +475,27 @@ def _set_path(root: dict[str, Any], keys: tuple[Any, ...], value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _consolidated(path: Path) -> dict[str, Any]:
-    """Every tensor of a sharded state whole, in its saved structure (``{"model": ..., "optimizer": ...}``)."""
+def _consolidated(path: Path, *, parts: tuple[str, ...] = ("model", "optimizer")) -> dict[str, Any]:
+    """Every tensor of a sharded state whole, in its saved structure (``{"model": ..., "optimizer": ...}``),
+    of the top-level ``parts`` only (the others are not read)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = _read_metadata(path)
     state: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
+        keys = tuple(metadata.planner_data.get(key, (key,)))
+        if keys[0] not in parts:
+            continue
         value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
-        _set_path(state, tuple(metadata.planner_data.get(key, (key,))), value)
+        _set_path(state, keys, value)
     with warnings.catch_warnings():  # DCP warns that no process group is in use: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, storage_reader=_reader(path), no_dist=True)
     return state
 
 
-def _one_file_optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
+def _one_file_optimizer(saved: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """``get_state_dict``'s optimizer state (by parameter name) as ``optimizer.state_dict()`` (by index:
     the parameters in their groups' order, as torch numbers them)."""
     groups = [dict(g) for g in saved.get("param_groups", [])]
@@ -456,28 +503,46 @@ def _one_file_optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
     for group in groups:
         names = list(group["params"])
         group["params"] = [index.setdefault(n, len(index)) for n in names]
-    return {"state": {index[name]: dict(entry) for name, entry in dict(saved.get("state", {})).items()}, "param_groups": groups}
+    state = dict(saved.get("state", {}))
+    unnamed = sorted(set(state) - set(index))
+    if unnamed:
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} holds optimizer state for {unnamed[:3]} ({len(unnamed)} parameters) that its "
+            "param_groups do not list: its writer saved one rank's groups only (save_sharded writes the whole model's); "
+            "it cannot be read as one optimizer"
+        )
+    return {"state": {index[name]: dict(entry) for name, entry in state.items()}, "param_groups": groups}
 
 
-def read_state(path: str | Path) -> dict[str, Any]:
+def read_state(path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
     """A policy state in the one-file format (``Trainer.state()``), from a ``.pt`` file or a sharded
-    directory (consolidated here, in this process; it holds the whole state).
+    directory of any layout (consolidated here, in this process, with no process group; it holds the
+    whole state). ``optimizer=False``: without the ``optimizer`` entry, whose tensors are then not read
+    (an export needs the weights only: AdamW's moments are twice their size).
 
     Raises:
-        CheckpointError: an incomplete sharded state or one missing a shard file (any error reading a
-            file propagates as torch raises it).
+        CheckpointError: an incomplete sharded state, one missing a shard file or with one cut short, or
+            one whose optimizer state its param groups do not name (any error reading a file propagates
+            as torch raises it).
     """
     from flowrl.models.lora import adapter_name, is_adapter
 
     p = Path(path)
     if not p.is_dir():
-        return torch.load(p, map_location="cpu", weights_only=True)
+        if optimizer:
+            return torch.load(p, map_location="cpu", weights_only=True)
+        state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)  # mapped: the optimizer's tensors are never read
+        if isinstance(state, dict):
+            state.pop("optimizer", None)
+        return state
     info, _ = _info(p)
-    saved = _consolidated(p)
+    saved = _consolidated(p, parts=("model", "optimizer") if optimizer else ("model",))
     model = dict(saved.get("model", {}))
     if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does; a frozen
         model = {adapter_name(n): t for n, t in model.items() if is_adapter(n)}  # base weight (the tied head, before _stored) is the description's
-    optimizer = _one_file_optimizer(saved.get("optimizer", {}))
-    if info.version == 0:  # saved before the first step: AdamW had no state (see save_sharded)
-        optimizer["state"] = {}
-    return {"version": info.version, "model_config": _model_config(info.model_config), "model": model, "optimizer": optimizer}
+    state = {"version": info.version, "model_config": _model_config(info.model_config), "model": model}
+    if optimizer:
+        state["optimizer"] = _one_file_optimizer(saved.get("optimizer", {}), p)
+        if info.version == 0:  # saved before the first step: AdamW had no state (see save_sharded)
+            state["optimizer"]["state"] = {}
+    return state

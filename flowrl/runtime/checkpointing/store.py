@@ -383,10 +383,11 @@ def _listed_policies(path: Path) -> dict[str, str]:
     return {n: f for n, f in meta.files.items() if f.startswith("policy-")}
 
 
-def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[str, Any]:
+def read_policy_state(source: str | Path, *, node: str | None = None, optimizer: bool = True) -> dict[str, Any]:
     """The policy state saved in a checkpoint: a ``step-*`` directory, or a run's checkpoint
     directory (its ``LATEST``), in the one-file format (``Trainer.state()``); a sharded policy's
     ``policy-<node>.dcp`` is consolidated in this process (``flowrl.runtime.checkpointing.sharded_state.read_state``).
+    ``optimizer=False``: without the optimizer's state, which is then not read.
 
     Raises:
         CheckpointError: when there is no checkpoint, no policy file (naming the one meta.json lists), or
@@ -418,7 +419,7 @@ def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[st
         files = [f for f, name in zip(files, names) if name == node]
     if len(files) != 1:
         raise CheckpointError(f"checkpoint {str(path)!r} holds policies {names}; name one (--node)")
-    state = read_state(files[0])
+    state = read_state(files[0], optimizer=optimizer)
     if "model" not in state or "model_config" not in state:
         raise CheckpointError(f"{str(files[0])!r} is not a policy state (no 'model' or 'model_config')")
     return state
