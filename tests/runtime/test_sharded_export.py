@@ -160,7 +160,7 @@ def layouts(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     proc = _torchrun(2, [str(Path(__file__).resolve()), "layouts", str(out), str(model_dir)], out, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return out, model_dir
 
 
 @pytest.mark.parametrize("layout", ["tp", "pp"])
@@ -175,6 +175,7 @@ def test_a_tensor_or_pipeline_parallel_checkpoint_reads_and_exports_as_the_one_p
 
     from tests.runtime.test_sharded_checkpoint import _same, _step_dir
 
+    layouts, _ = layouts
     path = layouts / f"{layout}.dcp"
     want = torch.load(layouts / "one.pt", weights_only=True)
     files = {s.relative_path for s in _read_metadata(path).storage_data.values()}
@@ -188,20 +189,58 @@ def test_a_tensor_or_pipeline_parallel_checkpoint_reads_and_exports_as_the_one_p
     _same(load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf-one" / "model.safetensors"))
 
 
+def test_a_pipeline_stage_checks_the_whole_models_checkpoint_it_loads_its_part_of(layouts):
+    """``check_sharded`` (every rank's check before ``load_sharded``) on a stage's trainer: the other
+    stage's tensors are the whole model's, not a sign of another model; a tensor of no model is refused."""
+    from flowrl.errors import CheckpointError
+    from flowrl.graph.nodes import LossNode
+    from flowrl.operators.trainer import Trainer
+    from flowrl.runtime.checkpointing.sharded_state import check_sharded
+
+    out, model_dir = layouts
+    trainer = Trainer(_layouts_node(str(model_dir)), LossNode(name="aipo"))
+    _pipeline_stage(trainer.model, 1)
+    assert check_sharded(out / "pp.dcp", trainer).mesh == {"pp": 2}
+    trainer.model.model.layers[1].add_module("extra", torch.nn.Linear(2, 2, bias=False))  # a tensor the checkpoint lacks
+    with pytest.raises(CheckpointError, match=r"\(pp=2\) cannot be resharded into this policy: tensors \(saved shape, now\) \{'model.layers.1.extra.weight'"):
+        check_sharded(out / "pp.dcp", trainer)
+
+
+def _layouts_node(model_dir: str):
+    from flowrl.graph.configs import HFModelConfig, OptimizerConfig
+    from flowrl.graph.nodes import PolicyNode
+
+    return PolicyNode(name="policy", model=HFModelConfig(path=model_dir, init="random", seed=3), optimizer=OptimizerConfig(lr=1e-2))
+
+
+def _pipeline_stage(model, rank: int) -> None:
+    """``model`` as stage ``rank`` of 2 holds it: rank 0 the embeddings and the first half of the layers,
+    rank 1 the rest, the final norm and the head; each layer keeps its whole-model index."""
+    from torch import nn
+
+    layers = model.model.layers
+    for i in range(len(layers)):
+        if (i < len(layers) // 2) != (rank == 0):
+            layers[i] = nn.Identity()
+    if rank == 0:
+        model.model.norm, model.lm_head = nn.Identity(), nn.Identity()
+    else:
+        model.model.embed_tokens = nn.Identity()
+
+
 def _layouts_job(out: str, model_dir: str) -> int:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from flowrl.graph.configs import HFModelConfig, OptimizerConfig
-    from flowrl.graph.nodes import LossNode, PolicyNode
+    from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer, learning_rate
     from flowrl.runtime.checkpointing.sharded_state import save_sharded
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    node = PolicyNode(name="policy", model=HFModelConfig(path=model_dir, init="random", seed=3), optimizer=OptimizerConfig(lr=1e-2))
+    node = _layouts_node(model_dir)
 
     def stepped(split) -> Trainer:
         trainer = Trainer(node, LossNode(name="aipo"))
@@ -225,17 +264,7 @@ def _layouts_job(out: str, model_dir: str) -> int:
                 plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
         parallelize_module(model, mesh, plan)
 
-    def pipeline_stage(model: nn.Module) -> None:  # rank 0: embeddings and layer 0; rank 1: layer 1, norm, head
-        layers = model.model.layers
-        for i in range(len(layers)):
-            if (i < len(layers) // 2) != (rank == 0):
-                layers[i] = nn.Identity()  # the others keep their whole-model index
-        if rank == 0:
-            model.model.norm, model.lm_head = nn.Identity(), nn.Identity()
-        else:
-            model.model.embed_tokens = nn.Identity()
-
-    for layout, split in (("tp", tensor_parallel), ("pp", pipeline_stage)):
+    for layout, split in (("tp", tensor_parallel), ("pp", lambda model: _pipeline_stage(model, rank))):
         save_sharded(stepped(split), Path(out) / f"{layout}.dcp", group=dist.group.WORLD, mesh={layout: 2})
     if rank == 0:
         torch.save(stepped(lambda model: None).state(), Path(out) / "one.pt")

@@ -303,6 +303,11 @@ def _info(path: Path) -> tuple[ShardedStateInfo, Any]:
     return info, metadata
 
 
+def _layout(info: ShardedStateInfo) -> str:
+    """The writer's mesh as ``dp=2`` / ``tp=2, pp=2`` (states written before ``mesh``: their dp size)."""
+    return ", ".join(f"{a}={n}" for a, n in info.mesh.items()) if info.mesh else f"dp={info.dp}"
+
+
 def _check_files(path: Path, info: ShardedStateInfo, metadata: Any) -> None:
     """Refuse a state whose index names a shard file that is not there, or is shorter than the
     chunks the index places in it (a copy cut short), naming the files, their ranks and a tensor each held."""
@@ -313,7 +318,7 @@ def _check_files(path: Path, info: ShardedStateInfo, metadata: Any) -> None:
     for index, where in metadata.storage_data.items():
         ends[where.relative_path] = max(ends.get(where.relative_path, 0), int(where.offset) + int(where.length))
         held.setdefault(where.relative_path, []).append(index.fqn)
-    layout = f"{', '.join(f'{a}={n}' for a, n in info.mesh.items())}; " if info.mesh else ""
+    layout = f"{_layout(info)}; " if info.mesh else ""
 
     def ranks(files: list[str]) -> str:
         numbers = [m.group(1) for f in files if (m := re.match(r"__(\d+)_", f))]
@@ -368,6 +373,25 @@ def _expected(trainer: Any) -> dict[str, tuple[int, ...]]:
     return {f"model.{n}": tuple(p.shape) for n, p in params}
 
 
+def _whole(trainer: Any) -> set[str]:
+    """``model.<name>`` of every tensor a checkpoint of ``trainer``'s model description may hold: the whole
+    model's (``meta_model``: a pipeline stage's trainer holds some of them only), its base weights too
+    for a LoRA policy (a state written before ``_stored`` holds the tied head) and the adapters under
+    peft's names."""
+    from flowrl.errors import FlowrlError
+    from flowrl.models.lora import adapter_shapes
+    from flowrl.models.registry import meta_model
+
+    names = {f"model.{n}" for n in trainer.model.state_dict()}
+    try:
+        names |= {f"model.{n}" for n in meta_model(trainer.node.model).state_dict()}
+        if trainer.lora:
+            names |= {f"model.{n.removesuffix('.weight')}.default.weight" for n in adapter_shapes(trainer.node.model)}
+    except FlowrlError:  # no description to build (a test's bare trainer): this rank's names only
+        pass
+    return names
+
+
 def check_complete(path: str | Path) -> ShardedStateInfo:
     """The info of a whole sharded state whose every shard file is there (``CheckpointWriter.commit``
     checks it before a checkpoint is committed).
@@ -405,14 +429,13 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
     have = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size")}
     want = _expected(trainer)
     wrong = sorted(k for k in want if have.get(k) != want[k])
-    frozen = {f"model.{n}" for n in trainer.model.state_dict()} if trainer.lora else set()  # a LoRA state before _stored: the tied head too
-    extra = sorted(set(have) - set(want) - frozen)
+    extra = sorted(set(have) - set(want) - _whole(trainer))  # another rank's (a pipeline stage's), or a LoRA state's tied head
     if wrong or extra:
         shown = {k.removeprefix("model."): (have.get(k), want[k]) for k in wrong[:3]}
         more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
         lacks = f"; tensors this model lacks: {[k.removeprefix('model.') for k in extra[:3]]}" if extra else ""
         raise CheckpointError(
-            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} (dp={info.dp}) cannot be resharded into this policy: "
+            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} ({_layout(info)}) cannot be resharded into this policy: "
             f"tensors (saved shape, now) {shown}{more}{lacks}; resume with the model that wrote it"
         )
     return info
