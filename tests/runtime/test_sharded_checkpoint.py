@@ -112,7 +112,7 @@ def test_each_rank_writes_only_its_own_shards(job):
     steps, the param groups)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from flowrl.runtime.checkpointing.sharded_state import _read_metadata
+    from flowrl.runtime.checkpointing.sharded_index import read_metadata as _read_metadata
 
     out, _ = job
     for name, dp in (("dp2", 2), ("dp3", 3)):

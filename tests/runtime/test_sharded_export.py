@@ -87,14 +87,14 @@ def test_flowrl_export_of_a_sharded_lora_policy_with_a_tied_head_gives_the_train
     a reduction more per adapted layer)."""
     transformers = pytest.importorskip("transformers")
     from flowrl.cli.main import main
-    from flowrl.runtime.checkpointing.sharded_state import _read_metadata
+    from flowrl.runtime.checkpointing.sharded_index import read_metadata
     from flowrl.runtime.checkpointing.store import read_policy_state
 
     from tests.tolerances import logit_atol
 
     tmp, graph = run
     (dcp,) = (tmp / "ck").glob("step-*/policy-policy.dcp")
-    saved = sorted(k.removeprefix("model.").replace(".default.weight", ".weight") for k in _read_metadata(dcp).state_dict_metadata if k.startswith("model."))
+    saved = sorted(k.removeprefix("model.").replace(".default.weight", ".weight") for k in read_metadata(dcp).state_dict_metadata if k.startswith("model."))
     assert saved == _adapters()  # no frozen base weight, the tied head included
     state = read_policy_state(tmp / "ck")
     assert sorted(state["model"]) == _adapters() and int(state["version"]) == 2
@@ -171,14 +171,15 @@ def test_a_tensor_or_pipeline_parallel_checkpoint_reads_and_exports_as_the_one_p
     from safetensors.torch import load_file
 
     from flowrl.cli.main import main
-    from flowrl.runtime.checkpointing.sharded_state import _read_metadata, read_state
+    from flowrl.runtime.checkpointing.sharded_index import read_metadata
+    from flowrl.runtime.checkpointing.sharded_state import read_state
 
     from tests.runtime.test_sharded_checkpoint import _same, _step_dir
 
     layouts, _ = layouts
     path = layouts / f"{layout}.dcp"
     want = torch.load(layouts / "one.pt", weights_only=True)
-    files = {s.relative_path for s in _read_metadata(path).storage_data.values()}
+    files = {s.relative_path for s in read_metadata(path).storage_data.values()}
     assert files == {"__0_0.distcp", "__1_0.distcp"}  # both ranks wrote their part
     assert json.loads((path / "policy.json").read_text())["mesh"] == {layout: 2}
     _same(read_state(path), want)

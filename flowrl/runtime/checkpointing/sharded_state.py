@@ -1,47 +1,67 @@
-"""A sharded policy's checkpoint state as torch.distributed.checkpoint (DCP) shards: written per rank, read on any dp size.
+"""A sharded policy's checkpoint state as torch.distributed.checkpoint (DCP) shards: written per rank, read on any layout.
 
-An FSDP2 policy (``flowrl.runtime.parallel.fsdp``) saves ``policy-<node>.dcp/`` in a checkpoint's ``step-*``
+A policy whose ranks hold parts of it (FSDP2, ``flowrl.runtime.parallel.fsdp``; a tensor- or
+pipeline-parallel policy the same way) saves ``policy-<node>.dcp/`` in a checkpoint's ``step-*``
 directory (``flowrl.runtime.checkpointing.store``) instead of the one-file ``policy-<node>.pt``::
 
     policy-<node>.dcp/
-        __<i>_0.distcp   what dp rank i held: its rows of every parameter and AdamW moment (DCP's file)
+        __<i>_0.distcp   what rank i of the policy's group held: its chunks of every tensor (DCP's file)
         .metadata        DCP's index: each tensor's global shape and the file and offset of each chunk
                          (written by the policy's lead, through a rename, once every rank's file is written)
-        policy.json      ShardedStateInfo: format, version, model_config, the dp size that wrote it
-                         (written last, by the lead)
+        policy.json      ShardedStateInfo: format, version, model_config, lora, the number of ranks
+                         and the mesh that wrote it (written last, by the lead)
 
-What is saved is ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` as
-``{"model": ..., "optimizer": ...}``: parameter names (FQNs) to DTensors, and AdamW's state by
-parameter name with its param groups (a LoRA policy: its adapters only, ``ignore_frozen_params``).
-Nothing is gathered: each rank writes the rows it holds, so while saving no rank holds more than its
-own shards and DCP's write buffers (DCP's per-rank write plan is its local chunks; replicated scalars
+The format (format 1), which every layout writes (``save_sharded`` writes it from any trainer whose
+parameter names are the whole model's) and every reader relies on:
+
+- ``model.<fqn>``: the model's tensors, ``<fqn>`` each one's name in the *whole* model as one process
+  builds it (``Trainer.model.state_dict()`` of an unsplit, unsharded trainer: ``model.layers.5.mlp.up_proj.weight``;
+  a pipeline stage keeps its layers' whole-model indices, a tensor-parallel rank its modules' names),
+  saved with the tensor's *global* shape whatever its placements (rows for FSDP2's ``Shard(0)``, rows or
+  columns for tensor parallelism, a stage's whole tensors), every element in exactly one chunk (a
+  tensor several ranks hold whole is written once: DCP keeps one copy). Full weights: the whole
+  ``state_dict()``, a tied weight under each of its names, persistent buffers included.
+- A LoRA policy (``lora`` true): the trained adapters only, under peft's parameter names
+  (``<module>.lora_A.default.weight``, ``.lora_B.``; ``read_state`` renames them as
+  ``flowrl.models.lora.adapter_weights`` does); no base weight and no buffer: the base is the model
+  description's own (its pretrained weights, or its seed). States written before this rule may hold
+  the tied head (``lm_head.weight``) too: readers drop every non-adapter key.
+- ``optimizer.state.<fqn>.<key>``: AdamW's state of each trained parameter, by the same ``<fqn>``
+  (without ``model.``): ``exp_avg`` and ``exp_avg_sq`` shaped and split like the parameter, ``step`` a
+  0-d tensor (the same on every rank, written once). ``optimizer.param_groups.<i>.<hyperparameter>``:
+  the groups' settings, and ``params`` the names of the *whole model's* trained parameters in the
+  group, in the one-process optimizer's order (the model's ``parameters()`` order): ``save_sharded``
+  gathers every rank's names (a pipeline stage's optimizer names its own only), and ``read_state``
+  numbers the one-file format's parameters in that order. A state saved before the first step has
+  AdamW's state as ``get_state_dict`` fills it (zero moments) and ``version`` 0: readers drop it.
+
+Nothing is gathered: each rank writes the chunks it holds, so while saving no rank holds more than its
+own shards and DCP's write buffers (DCP's per-rank write plan is its local chunks; replicated values
 such as AdamW's ``step`` are written once). ``benches/sharded_checkpoint.py`` measures it: a few MB
 above the resident memory before the save, against 1.2x the full state on the lead of a gathered save.
 
-- ``save_sharded(trainer, path, group)``: collective over the policy's ranks (every rank calls it).
+- ``save_sharded(trainer, path, group=, mesh=)``: collective over the policy's ranks (every rank calls
+  it; ``mesh`` the policy's axes for ``policy.json``, default ``{"dp": ranks}``).
 - ``check_complete(path)``: the info of a whole state with every rank's file (``CheckpointWriter.commit``).
 - ``check_sharded(path, trainer)``: before any work, the error that names the fix for a checkpoint that
-  cannot be loaded into ``trainer`` (incomplete, a shard file missing, not on this host, another
-  model or shapes).
-- ``load_sharded(trainer, path, group)``: each rank reads its rows of the saved chunks, whatever dp
-  size wrote them (DCP reshards by chunk overlap), then ``set_state_dict``.
-- ``read_state(path)``: a checkpoint's policy state in the one-file format (``Trainer.state()``: full
-  tensors, the optimizer's state by index), from a ``.pt`` file or a ``.dcp`` directory consolidated
-  in this process without a process group: what ``flowrl export``, ``flowrl sample`` / ``eval``, the
-  evaluator and the resume of a one-process or replicated policy read. It holds the whole state, as
-  the one-file format does.
+  cannot be loaded into ``trainer`` (incomplete, a shard file missing or cut short, not on this host,
+  another model or shapes); ``trainer`` may hold a part of the model (a pipeline stage).
+- ``load_sharded(trainer, path, group)``: each rank reads the parts of the saved chunks it holds,
+  whatever layout wrote them (DCP reshards by chunk overlap), then ``set_state_dict``.
+- ``read_state(path, optimizer=)``: a checkpoint's policy state in the one-file format
+  (``Trainer.state()``: full tensors, the optimizer's state by index), from a ``.pt`` file or a
+  ``.dcp`` directory of any layout consolidated in this process without a process group: what
+  ``flowrl export`` (weights only, ``optimizer=False``), ``flowrl sample`` / ``eval``, the evaluator and
+  the resume of a one-process or replicated policy read. It holds the whole state, as the one-file
+  format does.
 
 DCP's ``.metadata`` is a pickle: it is read with an unpickler that allows only DCP's metadata
-classes and torch's dtypes (``_MetadataUnpickler``), as the one-file format is read with
+classes and torch's dtypes (``_IndexUnpickler``), as the one-file format is read with
 ``weights_only=True``: a poisoned checkpoint raises, it does not run code.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import io
-import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +71,17 @@ import msgspec
 import torch
 
 from flowrl.errors import CheckpointError
+from flowrl.runtime.checkpointing.sharded_index import (
+    INFO_FILE,
+    SHARDED_SUFFIX,
+    ShardedStateInfo,
+    is_sharded,
+    layout_name,
+    read_info,
+    read_metadata,
+    storage_reader,
+    written,
+)
 
 __all__ = [
     "SHARDED_SUFFIX",
@@ -64,47 +95,6 @@ __all__ = [
     "load_sharded",
     "read_state",
 ]
-
-#: The suffix of a sharded policy state's directory (``policy-<node>.dcp``).
-SHARDED_SUFFIX = ".dcp"
-#: What a sharded state holds besides tensors, in its directory.
-INFO_FILE = "policy.json"
-_METADATA = ".metadata"  # DCP's index (torch.distributed.checkpoint.filesystem)
-
-
-class ShardedStateInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a sharded state holds besides tensors (``policy.json``).
-
-    Attributes:
-        version: the policy version (completed optimizer steps).
-        model_config: the policy's model description (``msgspec.to_builtins``), as the one-file format.
-        dp: the number of ranks that wrote it, whatever their layout (``__<rank>_0.distcp`` files;
-            any dp size reads it).
-        lora: whether ``model`` holds a LoRA policy's adapters only.
-        mesh: the writer's mesh, axis -> size (``{"dp": 2}``, ``{"tp": 2, "pp": 2}``); informative only
-            (readers need none of it: the index has every tensor's global shape). Empty in states
-            written before it was recorded.
-        format: this layout's version.
-    """
-
-    version: int
-    model_config: dict[str, Any]
-    dp: int
-    lora: bool = False
-    mesh: dict[str, int] = msgspec.field(default_factory=dict)
-    format: int = 1
-
-
-def is_sharded(path: str | Path) -> bool:
-    """Whether ``path`` is a sharded state (a directory), not a one-file state."""
-    return Path(path).is_dir()
-
-
-def written(path: str | Path) -> bool:
-    """Whether a policy state at ``path`` is whole: a file, or a directory with its info and DCP's
-    index (written last, so a kill during the save leaves it without one)."""
-    p = Path(path)
-    return p.is_file() or (p.is_dir() and (p / INFO_FILE).is_file() and (p / _METADATA).is_file())
 
 
 # -- saving --------------------------------------------------------------------------------------------
@@ -228,129 +218,6 @@ def save_sharded(trainer: Any, path: str | Path, *, group: Any, mesh: Mapping[st
 
 
 # -- reading: the checks ---------------------------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` pickle with DCP's metadata dataclasses and enums, torch's dtypes and layouts
-    and a few plain containers only: nothing it names can run code (no function of those modules)."""
-
-    _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # their dataclasses and enums only
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
-        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        if module.startswith(self._MODULES):
-            value = super().find_class(module, name)
-            if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
-                return value
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's index")
-
-
-def _reader(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = _read_metadata(path)
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return Reader(str(path))
-
-
-def _read_metadata(path: Path) -> Any:
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO((path / _METADATA).read_bytes())).load()
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} has an unreadable index {_METADATA} ({type(exc).__name__}: {exc}); "
-            "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
-        ) from None
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    return metadata
-
-
-_INTACT = "resume from an intact checkpoint (remove this one and point LATEST at an older step-*; flowrl export takes a step-* directory)"
-
-
-def _info(path: Path) -> tuple[ShardedStateInfo, Any]:
-    """The info and DCP's index of a whole sharded state whose shard files are all there, each as long
-    as its index says."""
-    if not written(path):
-        lacks = " and ".join(f for f in (INFO_FILE, _METADATA) if not (path / f).is_file())
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} is incomplete (no {lacks}: its save did not finish); {_INTACT}"
-        )
-    try:
-        info = msgspec.json.decode((path / INFO_FILE).read_bytes(), type=ShardedStateInfo)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CheckpointError(f"sharded checkpoint {str(path)!r} has an unreadable {INFO_FILE}: {exc}") from None
-    if info.format != 1:
-        raise CheckpointError(f"sharded checkpoint {str(path)!r} has format {info.format}; this flowrl reads format 1: read it with the flowrl that wrote it")
-    metadata = _read_metadata(path)
-    _check_files(path, info, metadata)
-    return info, metadata
-
-
-def _layout(info: ShardedStateInfo) -> str:
-    """The writer's mesh as ``dp=2`` / ``tp=2, pp=2`` (states written before ``mesh``: their dp size)."""
-    return ", ".join(f"{a}={n}" for a, n in info.mesh.items()) if info.mesh else f"dp={info.dp}"
-
-
-def _check_files(path: Path, info: ShardedStateInfo, metadata: Any) -> None:
-    """Refuse a state whose index names a shard file that is not there, or is shorter than the
-    chunks the index places in it (a copy cut short), naming the files, their ranks and a tensor each held."""
-    import re
-
-    ends: dict[str, int] = {}
-    held: dict[str, list[str]] = {}
-    for index, where in metadata.storage_data.items():
-        ends[where.relative_path] = max(ends.get(where.relative_path, 0), int(where.offset) + int(where.length))
-        held.setdefault(where.relative_path, []).append(index.fqn)
-    layout = f"{_layout(info)}; " if info.mesh else ""
-
-    def ranks(files: list[str]) -> str:
-        numbers = [m.group(1) for f in files if (m := re.match(r"__(\d+)_", f))]
-        tensors = sorted({t for f in files for t in held[f]})
-        return f"{layout}rank(s) {', '.join(numbers) or '?'}'s, holding chunks of {len(tensors)} tensors such as {tensors[0]!r}"
-
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    for key, meta in metadata.state_dict_metadata.items():  # a reader fills each tensor from its chunks: all of it
-        if isinstance(meta, TensorStorageMetadata):
-            covered = sum(torch.Size(c.sizes).numel() for c in meta.chunks)
-            if covered != meta.size.numel():
-                raise CheckpointError(
-                    f"sharded checkpoint {str(path)!r}: the chunks of {key!r} hold {covered} of its {meta.size.numel()} elements "
-                    f"(shape {tuple(meta.size)}): its writers did not save each element exactly once; {_INTACT}"
-                )
-    missing = sorted(f for f in ends if not (path / f).is_file())
-    if missing:
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} lacks shard files {missing} of the {info.dp} ranks that wrote it ({ranks(missing)}); "
-            "on several hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem); copy the "
-            f"missing files in, or {_INTACT}"
-        )
-    short = {f: (path / f).stat().st_size for f in sorted(ends) if (path / f).stat().st_size < ends[f]}
-    if short:
-        sizes = ", ".join(f"{f} has {n} bytes of {ends[f]}" for f, n in short.items())
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} has shard files cut short ({sizes}; {ranks(list(short))}) of the "
-            f"{info.dp} ranks that wrote it: a copy that did not finish; copy them again, or {_INTACT}"
-        )
-
-
 def _plain(value: Any) -> Any:
     """``value`` as JSON reads it back (tuples become lists), so that policy.json compares with a live config."""
     return msgspec.json.decode(msgspec.json.encode(value))
@@ -399,7 +266,7 @@ def check_complete(path: str | Path) -> ShardedStateInfo:
     Raises:
         CheckpointError: incomplete, or missing a rank's shard file (naming the fix).
     """
-    return _info(Path(path))[0]
+    return read_info(Path(path))[0]
 
 
 def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
@@ -417,7 +284,7 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
             f"sharded checkpoint {str(path)!r} does not exist on this rank's host; every rank of a sharded policy reads "
             "its shards there, so on several hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem)"
         )
-    info, metadata = _info(path)
+    info, metadata = read_info(path)
     saved = _plain({"family": "builtin", **info.model_config})
     mine = _plain(msgspec.to_builtins(trainer.node.model))
     if saved != mine:
@@ -435,7 +302,7 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
         more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
         lacks = f"; tensors this model lacks: {[k.removeprefix('model.') for k in extra[:3]]}" if extra else ""
         raise CheckpointError(
-            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} ({_layout(info)}) cannot be resharded into this policy: "
+            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} ({layout_name(info)}) cannot be resharded into this policy: "
             f"tensors (saved shape, now) {shown}{more}{lacks}; resume with the model that wrote it"
         )
     return info
@@ -471,7 +338,7 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
     state = {"model": _stored(trainer, model), "optimizer": optimizer}
     own = [list(g["params"]) for g in optimizer.get("param_groups", [])]
-    _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=_reader(Path(path)), process_group=group))
+    _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=storage_reader(Path(path)), process_group=group))
     for loaded, names in zip(state["optimizer"].get("param_groups", []), own):  # the saved groups name the whole model's (_whole_groups)
         loaded["params"] = names
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
@@ -504,7 +371,7 @@ def _consolidated(path: Path, *, parts: tuple[str, ...] = ("model", "optimizer")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _read_metadata(path)
+    metadata = read_metadata(path)
     state: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         keys = tuple(metadata.planner_data.get(key, (key,)))
@@ -514,7 +381,7 @@ def _consolidated(path: Path, *, parts: tuple[str, ...] = ("model", "optimizer")
         _set_path(state, keys, value)
     with warnings.catch_warnings():  # DCP warns that no process group is in use: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+        dcp.load(state, storage_reader=storage_reader(path), no_dist=True)
     return state
 
 
@@ -558,7 +425,7 @@ def read_state(path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
         if isinstance(state, dict):
             state.pop("optimizer", None)
         return state
-    info, _ = _info(p)
+    info, _ = read_info(p)
     saved = _consolidated(p, parts=("model", "optimizer") if optimizer else ("model",))
     model = dict(saved.get("model", {}))
     if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does; a frozen
