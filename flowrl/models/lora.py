@@ -304,10 +304,17 @@ def merged_model(config: HFModelConfig, weights: Mapping[str, Tensor]) -> nn.Mod
     targets = lora_modules(base, lora, owner="export")
     model = peft.get_peft_model(base, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", target_modules=targets))
     targets_now = adapter_weights(model.base_model.model)
-    if sorted(targets_now) != sorted(weights) or any(weights[n].shape != t.shape for n, t in targets_now.items()):
+    extra, lacking = sorted(set(weights) - set(targets_now)), sorted(set(targets_now) - set(weights))
+    shapes = {n: (tuple(weights[n].shape), tuple(t.shape)) for n, t in targets_now.items() if n in weights and weights[n].shape != t.shape}
+    if extra or lacking or shapes:
+        said = "; ".join(
+            f"{what} {names[:3]}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            for what, names in (("not adapters of it", extra), ("missing", lacking), ("shapes (saved, wanted)", list(shapes.items())))
+            if names
+        )
         raise ConfigError(
-            f"export: the checkpoint's adapters {sorted(weights)[:4]}... do not fit lora={lora} on {config.path!r} "
-            f"(which wants {sorted(targets_now)[:4]}...)"
+            f"export: the checkpoint's adapters do not fit lora={lora} on {config.path!r}: {said}; export the checkpoint "
+            "with the model description that trained it"
         )
     with torch.no_grad():
         for name, target in targets_now.items():
