@@ -211,6 +211,18 @@ def test_a_tensor_or_pipeline_parallel_checkpoint_reads_and_exports_as_the_one_p
     _same(load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf-one" / "model.safetensors"))
 
 
+def test_a_tensor_parallel_policy_resumes_a_pipeline_parallel_checkpoint_and_back_exactly(layouts):
+    """``load_sharded`` across layouts: each rank of a tp = 2 policy reads its rows and columns of the
+    pp = 2 checkpoint, each stage of a pp = 2 policy its layers of the tp = 2 one; every parameter and
+    AdamW moment held equals the one-process state after the same step, exactly."""
+    out, _ = layouts
+    for rank in (0, 1):
+        loaded = json.loads((out / f"loaded-{rank}.json").read_text())
+        assert loaded["tp-from-pp"] == {"max_diff": 0.0, "params": 27, "version": 1}, loaded  # every parameter (2 layers x 12 + embed, norm, head)
+        assert loaded["pp-from-tp"]["max_diff"] == 0.0 and loaded["pp-from-tp"]["version"] == 1, loaded
+    assert sorted(json.loads((out / f"loaded-{r}.json").read_text())["pp-from-tp"]["params"] for r in (0, 1)) == [13, 14]  # each stage its part
+
+
 def test_a_pipeline_stage_checks_the_whole_models_checkpoint_it_loads_its_part_of(layouts):
     """``check_sharded`` (every rank's check before ``load_sharded``) on a stage's trainer: the other
     stage's tensors are the whole model's, not a sign of another model; a tensor of no model is refused."""
@@ -258,7 +270,7 @@ def _layouts_job(out: str, model_dir: str) -> int:
 
     from flowrl.graph.nodes import LossNode
     from flowrl.operators.trainer import Trainer, learning_rate
-    from flowrl.runtime.checkpointing.sharded_state import save_sharded
+    from flowrl.runtime.checkpointing.sharded_state import load_sharded, save_sharded
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -286,10 +298,33 @@ def _layouts_job(out: str, model_dir: str) -> int:
                 plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
         parallelize_module(model, mesh, plan)
 
-    for layout, split in (("tp", tensor_parallel), ("pp", lambda model: _pipeline_stage(model, rank))):
+    splits = {"tp": tensor_parallel, "pp": lambda model: _pipeline_stage(model, rank)}
+    for layout, split in splits.items():
         save_sharded(stepped(split), Path(out) / f"{layout}.dcp", group=dist.group.WORLD, mesh={layout: 2})
+    one = stepped(lambda model: None)
     if rank == 0:
-        torch.save(stepped(lambda model: None).state(), Path(out) / "one.pt")
+        torch.save(one.state(), Path(out) / "one.pt")
+    dist.barrier()
+    want = {n: (p.detach(), one.optimizer.state[p]) for n, p in one.model.named_parameters()}
+    diffs = {}
+    for layout, other in (("tp", "pp"), ("pp", "tp")):  # each layout loads the other's checkpoint
+        fresh = stepped(splits[layout])  # then other weights and moments: only the checkpoint makes them equal
+        with torch.no_grad():
+            for p in fresh.model.parameters():
+                p.mul_(-3.0)
+                for value in fresh.optimizer.state[p].values():
+                    value.mul_(5.0).add_(1.0)
+        load_sharded(fresh, Path(out) / f"{other}.dcp", group=dist.group.WORLD)
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - collective for DTensors, in the same order on every rank
+        worst, held = 0.0, 0
+        for name, p in fresh.model.named_parameters():
+            weight, moments = want[name]
+            mine = fresh.optimizer.state[p]
+            pairs = [(full(p.detach()), weight)] + [(full(mine[k]), moments[k]) for k in ("exp_avg", "exp_avg_sq", "step")]
+            worst = max([worst] + [float((a - b).abs().max()) for a, b in pairs])
+            held += 1
+        diffs[f"{layout}-from-{other}"] = {"max_diff": worst, "params": held, "version": fresh.version}
+    Path(out, f"loaded-{rank}.json").write_text(json.dumps(diffs))
     dist.barrier()
     dist.destroy_process_group()
     return 0

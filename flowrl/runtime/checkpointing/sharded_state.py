@@ -309,8 +309,9 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
 
 
 def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
-    """Load a sharded state into ``trainer`` sharded over ``group`` (any dp size). Every rank calls it;
-    each reads only the saved chunks that overlap its rows.
+    """Load a sharded state, whatever layout wrote it, into ``trainer`` split over ``group`` in its own
+    (any dp size; tensor- or pipeline-parallel: ``trainer.model`` under the whole model's names). Every
+    rank calls it; each reads only the parts of the saved chunks it holds.
 
     Raises:
         CheckpointError: see ``check_sharded``, before any tensor is read; on every rank, when any
