@@ -3,6 +3,11 @@ policy on a Hugging Face model with a tied head (the frozen head is the embeddin
 name), sharded over 2 ranks, checkpointed, exported from one process with no process group and
 loaded by transformers; its logits are the trained policy's. The same checkpoint resumes on its ranks,
 and so does one written before the fix (which stored the tied head beside the adapters).
+
+Any layout: one 2-rank job (``python tests/runtime/test_sharded_export.py layouts OUT MODEL_DIR``) saves a
+policy split as tensor parallelism and as a 2-stage pipeline split it, in the format
+``flowrl.runtime.checkpointing.sharded_state`` states; each reads and exports in one process as the
+one-process state does, and each layout loads the other's.
 """
 
 from __future__ import annotations
