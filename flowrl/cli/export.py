@@ -8,6 +8,8 @@ __all__ = ["register"]
 
 EPILOG = """\
 CHECKPOINT is a run's --checkpoint-dir (its newest checkpoint is used) or one step-* directory in it.
+A sharded checkpoint (each rank's shards, policy-<node>.dcp, whatever layout wrote it) is read here,
+in one process without torchrun; only the weights are read, not the optimizer's state.
 The built-in model is written as LlamaForCausalLM (an exact mapping); a Hugging Face policy keeps
 its own architecture and tokenizer. A LoRA policy is written with its adapters merged into the base
 model, or with --adapter as a peft adapter directory.
@@ -42,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     from flowrl.models.hf_export import export_hf
     from flowrl.runtime.checkpointing.store import read_policy_state
 
-    state = read_policy_state(args.checkpoint, node=args.node)
+    state = read_policy_state(args.checkpoint, node=args.node, optimizer=False)  # the weights: AdamW's moments are not read
     out = export_hf(state, args.output, overwrite=args.overwrite, adapter=args.adapter)
     if args.adapter:
         print(f"wrote {out} (PeftModel.from_pretrained(base_model, {str(out)!r}) loads it)")

@@ -54,6 +54,7 @@ __all__ = [
     "inject_adapters",
     "adapter_weights",
     "adapter_name",
+    "is_adapter",
     "LoraMerge",
     "adapter_targets",
     "adapter_shapes",
@@ -159,9 +160,19 @@ def adapter_weights(model: nn.Module) -> dict[str, Tensor]:
     as views of the trained parameters (no copy)."""
     out: dict[str, Tensor] = {}
     for name, p in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
+        if is_adapter(name):
             out[adapter_name(name)] = p.detach()
     return out
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (peft's or ``adapter_name``'s) is an adapter's, not a base weight's.
+
+    Example:
+        >>> is_adapter("model.layers.0.self_attn.q_proj.lora_A.default.weight"), is_adapter("lm_head.weight")
+        (True, False)
+    """
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def adapter_name(name: str) -> str:
@@ -293,10 +304,17 @@ def merged_model(config: HFModelConfig, weights: Mapping[str, Tensor]) -> nn.Mod
     targets = lora_modules(base, lora, owner="export")
     model = peft.get_peft_model(base, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", target_modules=targets))
     targets_now = adapter_weights(model.base_model.model)
-    if sorted(targets_now) != sorted(weights) or any(weights[n].shape != t.shape for n, t in targets_now.items()):
+    extra, lacking = sorted(set(weights) - set(targets_now)), sorted(set(targets_now) - set(weights))
+    shapes = {n: (tuple(weights[n].shape), tuple(t.shape)) for n, t in targets_now.items() if n in weights and weights[n].shape != t.shape}
+    if extra or lacking or shapes:
+        said = "; ".join(
+            f"{what} {names[:3]}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            for what, names in (("not adapters of it", extra), ("missing", lacking), ("shapes (saved, wanted)", list(shapes.items())))
+            if names
+        )
         raise ConfigError(
-            f"export: the checkpoint's adapters {sorted(weights)[:4]}... do not fit lora={lora} on {config.path!r} "
-            f"(which wants {sorted(targets_now)[:4]}...)"
+            f"export: the checkpoint's adapters do not fit lora={lora} on {config.path!r}: {said}; export the checkpoint "
+            "with the model description that trained it"
         )
     with torch.no_grad():
         for name, target in targets_now.items():

@@ -112,7 +112,7 @@ def test_each_rank_writes_only_its_own_shards(job):
     steps, the param groups)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from flowrl.runtime.checkpointing.sharded_state import _read_metadata
+    from flowrl.runtime.checkpointing.sharded_index import read_metadata as _read_metadata
 
     out, _ = job
     for name, dp in (("dp2", 2), ("dp3", 3)):
@@ -220,6 +220,9 @@ def _broken(job, tmp_path, how: str) -> Path:
         (path / ".metadata").unlink()
     elif how == "missing-rank":  # written on two hosts without a shared directory
         (path / "__1_0.distcp").unlink()
+    elif how == "cut-short":  # a copy that did not finish
+        data = (path / "__1_0.distcp").read_bytes()
+        (path / "__1_0.distcp").write_bytes(data[: len(data) // 2])
     elif how == "poisoned":
         class Evil:
             def __reduce__(self):
@@ -232,11 +235,12 @@ def _broken(job, tmp_path, how: str) -> Path:
 @pytest.mark.parametrize(
     ("how", "match"),
     [
-        ("no-index", r"is incomplete \(no policy.json or .metadata: its save did not finish\); resume from an intact checkpoint"),
-        ("missing-rank", r"lacks shard files \['__1_0.distcp'\] of the 2 ranks that wrote it; .*a directory every rank sees"),
+        ("no-index", r"is incomplete \(no .metadata: its save did not finish\); resume from an intact checkpoint"),
+        ("missing-rank", r"lacks shard files \['__1_0.distcp'\] of the 2 ranks that wrote it \(dp=2; rank\(s\) 1's, holding chunks of \d+ tensors such as 'model\..*a directory every rank sees"),
+        ("cut-short", r"has shard files cut short \(__1_0.distcp has \d+ bytes of \d+; dp=2; rank\(s\) 1's, .* a copy that did not finish"),
         ("poisoned", r"has an unreadable index .metadata \(UnpicklingError: builtins.exec is not part of a checkpoint's index\)"),
     ],
-    ids=["no-index", "missing-rank", "poisoned"],
+    ids=["no-index", "missing-rank", "cut-short", "poisoned"],
 )
 def test_a_sharded_state_that_cannot_be_read_is_refused_naming_the_fix(job, tmp_path, how, match):
     from flowrl.runtime.checkpointing.sharded_state import read_state
@@ -244,6 +248,23 @@ def test_a_sharded_state_that_cannot_be_read_is_refused_naming_the_fix(job, tmp_
     with pytest.raises(CheckpointError, match=match):
         read_state(_broken(job, tmp_path, how))
     assert not (tmp_path / "ran").exists()
+
+
+def test_flowrl_export_of_a_checkpoint_missing_a_ranks_shards_is_refused_naming_them(job, tmp_path, capsys):
+    """No traceback, nothing written: the message names the missing file, its rank and what it held."""
+    from flowrl.cli.main import main
+
+    ck = tmp_path / "ck"
+    _step_dir(ck, _broken(job, tmp_path / "broken", "missing-rank"))
+    capsys.readouterr()
+    assert main(["export", str(ck), "-o", str(tmp_path / "hf")]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # the CLI wraps its message
+    assert "lacks shard files ['__1_0.distcp'] of the 2 ranks that wrote it (dp=2; rank(s) 1's" in err, err
+    assert "flowrl export takes a step-* directory" in err and "Traceback" not in err and not (tmp_path / "hf").exists()
+    shutil.rmtree(ck / "step-00000001" / "policy-policy.dcp")  # every rank's shards gone: the one meta.json lists is named
+    assert main(["export", str(ck), "-o", str(tmp_path / "hf")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "lacks ['policy-policy.dcp'], which its meta.json lists" in err and "Traceback" not in err, err
 
 
 def test_a_sharded_state_of_another_model_is_refused_before_any_work(job):

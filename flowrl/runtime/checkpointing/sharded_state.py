@@ -1,47 +1,67 @@
-"""A sharded policy's checkpoint state as torch.distributed.checkpoint (DCP) shards: written per rank, read on any dp size.
+"""A sharded policy's checkpoint state as torch.distributed.checkpoint (DCP) shards: written per rank, read on any layout.
 
-An FSDP2 policy (``flowrl.runtime.parallel.fsdp``) saves ``policy-<node>.dcp/`` in a checkpoint's ``step-*``
+A policy whose ranks hold parts of it (FSDP2, ``flowrl.runtime.parallel.fsdp``; a tensor- or
+pipeline-parallel policy the same way) saves ``policy-<node>.dcp/`` in a checkpoint's ``step-*``
 directory (``flowrl.runtime.checkpointing.store``) instead of the one-file ``policy-<node>.pt``::
 
     policy-<node>.dcp/
-        __<i>_0.distcp   what dp rank i held: its rows of every parameter and AdamW moment (DCP's file)
+        __<i>_0.distcp   what rank i of the policy's group held: its chunks of every tensor (DCP's file)
         .metadata        DCP's index: each tensor's global shape and the file and offset of each chunk
                          (written by the policy's lead, through a rename, once every rank's file is written)
-        policy.json      ShardedStateInfo: format, version, model_config, the dp size that wrote it
-                         (written last, by the lead)
+        policy.json      ShardedStateInfo: format, version, model_config, lora, the number of ranks
+                         and the mesh that wrote it (written last, by the lead)
 
-What is saved is ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` as
-``{"model": ..., "optimizer": ...}``: parameter names (FQNs) to DTensors, and AdamW's state by
-parameter name with its param groups (a LoRA policy: its adapters only, ``ignore_frozen_params``).
-Nothing is gathered: each rank writes the rows it holds, so while saving no rank holds more than its
-own shards and DCP's write buffers (DCP's per-rank write plan is its local chunks; replicated scalars
+The format (format 1), which every layout writes (``save_sharded`` writes it from any trainer whose
+parameter names are the whole model's) and every reader relies on:
+
+- ``model.<fqn>``: the model's tensors, ``<fqn>`` each one's name in the *whole* model as one process
+  builds it (``Trainer.model.state_dict()`` of an unsplit, unsharded trainer: ``model.layers.5.mlp.up_proj.weight``;
+  a pipeline stage keeps its layers' whole-model indices, a tensor-parallel rank its modules' names),
+  saved with the tensor's *global* shape whatever its placements (rows for FSDP2's ``Shard(0)``, rows or
+  columns for tensor parallelism, a stage's whole tensors), every element in exactly one chunk (a
+  tensor several ranks hold whole is written once: DCP keeps one copy). Full weights: the whole
+  ``state_dict()``, a tied weight under each of its names, persistent buffers included.
+- A LoRA policy (``lora`` true): the trained adapters only, under peft's parameter names
+  (``<module>.lora_A.default.weight``, ``.lora_B.``; ``read_state`` renames them as
+  ``flowrl.models.lora.adapter_weights`` does); no base weight and no buffer: the base is the model
+  description's own (its pretrained weights, or its seed). States written before this rule may hold
+  the tied head (``lm_head.weight``) too: readers drop every non-adapter key.
+- ``optimizer.state.<fqn>.<key>``: AdamW's state of each trained parameter, by the same ``<fqn>``
+  (without ``model.``): ``exp_avg`` and ``exp_avg_sq`` shaped and split like the parameter, ``step`` a
+  0-d tensor (the same on every rank, written once). ``optimizer.param_groups.<i>.<hyperparameter>``:
+  the groups' settings, and ``params`` the names of the *whole model's* trained parameters in the
+  group, in the one-process optimizer's order (the model's ``parameters()`` order): ``save_sharded``
+  gathers every rank's names (a pipeline stage's optimizer names its own only), and ``read_state``
+  numbers the one-file format's parameters in that order. A state saved before the first step has
+  AdamW's state as ``get_state_dict`` fills it (zero moments) and ``version`` 0: readers drop it.
+
+Nothing is gathered: each rank writes the chunks it holds, so while saving no rank holds more than its
+own shards and DCP's write buffers (DCP's per-rank write plan is its local chunks; replicated values
 such as AdamW's ``step`` are written once). ``benches/sharded_checkpoint.py`` measures it: a few MB
 above the resident memory before the save, against 1.2x the full state on the lead of a gathered save.
 
-- ``save_sharded(trainer, path, group)``: collective over the policy's ranks (every rank calls it).
+- ``save_sharded(trainer, path, group=, mesh=)``: collective over the policy's ranks (every rank calls
+  it; ``mesh`` the policy's axes for ``policy.json``, default ``{"dp": ranks}``).
 - ``check_complete(path)``: the info of a whole state with every rank's file (``CheckpointWriter.commit``).
 - ``check_sharded(path, trainer)``: before any work, the error that names the fix for a checkpoint that
-  cannot be loaded into ``trainer`` (incomplete, a shard file missing, not on this host, another
-  model or shapes).
-- ``load_sharded(trainer, path, group)``: each rank reads its rows of the saved chunks, whatever dp
-  size wrote them (DCP reshards by chunk overlap), then ``set_state_dict``.
-- ``read_state(path)``: a checkpoint's policy state in the one-file format (``Trainer.state()``: full
-  tensors, the optimizer's state by index), from a ``.pt`` file or a ``.dcp`` directory consolidated
-  in this process without a process group: what ``flowrl export``, ``flowrl sample`` / ``eval``, the
-  evaluator and the resume of a one-process or replicated policy read. It holds the whole state, as
-  the one-file format does.
+  cannot be loaded into ``trainer`` (incomplete, a shard file missing or cut short, not on this host,
+  another model or shapes); ``trainer`` may hold a part of the model (a pipeline stage).
+- ``load_sharded(trainer, path, group)``: each rank reads the parts of the saved chunks it holds,
+  whatever layout wrote them (DCP reshards by chunk overlap), then ``set_state_dict``.
+- ``read_state(path, optimizer=)``: a checkpoint's policy state in the one-file format
+  (``Trainer.state()``: full tensors, the optimizer's state by index), from a ``.pt`` file or a
+  ``.dcp`` directory of any layout consolidated in this process without a process group: what
+  ``flowrl export`` (weights only, ``optimizer=False``), ``flowrl sample`` / ``eval``, the evaluator and
+  the resume of a one-process or replicated policy read. It holds the whole state, as the one-file
+  format does.
 
 DCP's ``.metadata`` is a pickle: it is read with an unpickler that allows only DCP's metadata
-classes and torch's dtypes (``_MetadataUnpickler``), as the one-file format is read with
+classes and torch's dtypes (``_IndexUnpickler``), as the one-file format is read with
 ``weights_only=True``: a poisoned checkpoint raises, it does not run code.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import io
-import pickle
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +71,17 @@ import msgspec
 import torch
 
 from flowrl.errors import CheckpointError
+from flowrl.runtime.checkpointing.sharded_index import (
+    INFO_FILE,
+    SHARDED_SUFFIX,
+    ShardedStateInfo,
+    is_sharded,
+    layout_name,
+    read_info,
+    read_metadata,
+    storage_reader,
+    written,
+)
 
 __all__ = [
     "SHARDED_SUFFIX",
@@ -65,51 +96,31 @@ __all__ = [
     "read_state",
 ]
 
-#: The suffix of a sharded policy state's directory (``policy-<node>.dcp``).
-SHARDED_SUFFIX = ".dcp"
-#: What a sharded state holds besides tensors, in its directory.
-INFO_FILE = "policy.json"
-_METADATA = ".metadata"  # DCP's index (torch.distributed.checkpoint.filesystem)
-
-
-class ShardedStateInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a sharded state holds besides tensors (``policy.json``).
-
-    Attributes:
-        version: the policy version (completed optimizer steps).
-        model_config: the policy's model description (``msgspec.to_builtins``), as the one-file format.
-        dp: the number of ranks that wrote it (any dp size reads it).
-        lora: whether ``model`` holds a LoRA policy's adapters only.
-        format: this layout's version.
-    """
-
-    version: int
-    model_config: dict[str, Any]
-    dp: int
-    lora: bool = False
-    format: int = 1
-
-
-def is_sharded(path: str | Path) -> bool:
-    """Whether ``path`` is a sharded state (a directory), not a one-file state."""
-    return Path(path).is_dir()
-
-
-def written(path: str | Path) -> bool:
-    """Whether a policy state at ``path`` is whole: a file, or a directory with its info and DCP's
-    index (written last, so a kill during the save leaves it without one)."""
-    p = Path(path)
-    return p.is_file() or (p.is_dir() and (p / INFO_FILE).is_file() and (p / _METADATA).is_file())
-
 
 # -- saving --------------------------------------------------------------------------------------------
 def _options(trainer: Any) -> Any:
-    """LoRA: the adapters only, as the one-file format (the frozen base is the description's own, so a
-    load is not strict about it; ``check_sharded`` has checked that the adapters are all there)."""
+    """LoRA: not strict (the frozen base is the description's own, and ``check_sharded`` has checked
+    that the adapters are all there); ``_stored`` keeps the adapters of what ``get_state_dict`` gives."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     lora = bool(trainer.lora)
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def _trainable(model: Any) -> set[str]:
+    """Every name of every parameter the optimizer trains (a tied parameter under each of its names)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def _stored(trainer: Any, model: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint stores of ``get_state_dict``'s ``model``: all of it, or a LoRA policy's trained
+    adapters only. ``ignore_frozen_params`` alone is not enough: it drops the frozen parameters by
+    ``named_parameters()``' names, which name a tied parameter once, so a tied head's second name
+    (``lm_head.weight``, the embedding) stayed, and with it any persistent buffer."""
+    if not trainer.lora:
+        return model
+    keep = _trainable(trainer.model)
+    return {k: v for k, v in model.items() if k in keep}
 
 
 def _writer(path: Path) -> Any:
@@ -145,10 +156,41 @@ def _collective(what: str, path: Path, call: Any) -> Any:
         raise CheckpointError(f"{what} {str(path)!r} failed on the policy's rank(s) {ranks} (ranks of its group): {message}") from None
 
 
-def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
+def _whole_groups(optimizer: dict[str, Any], group: Any, device: Any, path: Path) -> dict[str, Any]:
+    """``optimizer`` with each param group's ``params`` the names of every rank's, in rank order without
+    repeats: the whole model's, whether each rank's optimizer holds them all (dp, tp) or its own stage's
+    (pp: DCP keeps one rank's copy of a non-tensor value, so each rank must write the same). The names go
+    as JSON bytes in tensors over ``group`` (one all-gather of sizes, one of the bytes), not pickled."""
+    import json
+
+    import torch.distributed as dist
+
+    groups = list(optimizer.get("param_groups", []))
+    mine = json.dumps([list(g["params"]) for g in groups]).encode()
+    n = dist.get_world_size(group)
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    padded = torch.zeros(int(max(int(x) for x in sizes)), dtype=torch.uint8, device=device)
+    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    every = [torch.zeros_like(padded) for _ in range(n)]
+    dist.all_gather(every, padded, group=group)
+    lists = [json.loads(bytes(b[: int(k)].cpu().tolist())) for b, k in zip(every, sizes)]
+    if len({len(x) for x in lists}) > 1:
+        raise CheckpointError(
+            f"saving the sharded checkpoint {str(path)!r}: the policy's ranks hold {[len(x) for x in lists]} optimizer param "
+            "groups; every rank must build its optimizer with the same groups (this is a flowrl bug)"
+        )
+    merged = [list(dict.fromkeys(name for ranks in lists for name in ranks[i])) for i in range(len(groups))]
+    return {**optimizer, "param_groups": [{**g, "params": names} for g, names in zip(groups, merged)]}
+
+
+def save_sharded(trainer: Any, path: str | Path, *, group: Any, mesh: Mapping[str, int] | None = None) -> None:
     """Write ``trainer``'s shards at ``path`` (a directory in an existing folder). Every rank of the
     policy's ``group`` calls it; each writes only its own shards, the group's first rank DCP's index
-    and then the info (the state is whole, ``written``, once both are there).
+    and then the info (the state is whole, ``written``, once both are there). ``trainer.model``'s
+    parameter names must be the whole model's (the module docstring's format); ``mesh``: the policy's
+    axes, recorded in the info (default ``{"dp": ranks}``).
 
     Raises:
         CheckpointError: on every rank when one failed (naming it and its error, e.g. a folder its
@@ -161,96 +203,21 @@ def save_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     path = Path(path)
     untouched = not trainer.optimizer.state  # before the first step (get_state_dict fills it: an AdamW step at lr 0)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))  # DTensors: no gather
-    state = {"model": model, "optimizer": optimizer}
+    device = next(iter(trainer.model.parameters())).device
+    state = {"model": _stored(trainer, model), "optimizer": _whole_groups(optimizer, group, device, path)}
     _collective("saving the sharded checkpoint", path, lambda: dcp.save(state, storage_writer=_writer(path), process_group=group))
     if untouched:  # the next step must start AdamW afresh, as it would have without this save
         trainer.optimizer.state.clear()
     if dist.get_rank(group) == 0:
+        ranks = dist.get_world_size(group)
         info = ShardedStateInfo(
-            version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=dist.get_world_size(group), lora=bool(trainer.lora)
+            version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=ranks, lora=bool(trainer.lora),
+            mesh={str(k): int(v) for k, v in (mesh or {"dp": ranks}).items()},
         )
         (path / INFO_FILE).write_bytes(msgspec.json.encode(info))
 
 
 # -- reading: the checks ---------------------------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` pickle with DCP's metadata dataclasses and enums, torch's dtypes and layouts
-    and a few plain containers only: nothing it names can run code (no function of those modules)."""
-
-    _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")  # their dataclasses and enums only
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
-        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        if module.startswith(self._MODULES):
-            value = super().find_class(module, name)
-            if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
-                return value
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's index")
-
-
-def _reader(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = _read_metadata(path)
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return Reader(str(path))
-
-
-def _read_metadata(path: Path) -> Any:
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO((path / _METADATA).read_bytes())).load()
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} has an unreadable index {_METADATA} ({type(exc).__name__}: {exc}); "
-            "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
-        ) from None
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    return metadata
-
-
-def _info(path: Path) -> tuple[ShardedStateInfo, Any]:
-    """The info and DCP's index of a whole sharded state whose shard files are all there."""
-    if not written(path):
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} is incomplete (no {INFO_FILE} or {_METADATA}: its save did not finish); "
-            "resume from an intact checkpoint (remove this one and point LATEST at an older step-*)"
-        )
-    try:
-        info = msgspec.json.decode((path / INFO_FILE).read_bytes(), type=ShardedStateInfo)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CheckpointError(f"sharded checkpoint {str(path)!r} has an unreadable {INFO_FILE}: {exc}") from None
-    if info.format != 1:
-        raise CheckpointError(f"sharded checkpoint {str(path)!r} has format {info.format}; this flowrl reads format 1: read it with the flowrl that wrote it")
-    metadata = _read_metadata(path)
-    files = sorted({s.relative_path for s in metadata.storage_data.values()})
-    missing = [f for f in files if not (path / f).is_file()]
-    if missing:
-        raise CheckpointError(
-            f"sharded checkpoint {str(path)!r} lacks shard files {missing} of the {info.dp} ranks that wrote it; on several "
-            "hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem); copy the missing files in, "
-            "or resume from an intact checkpoint"
-        )
-    return info, metadata
-
-
 def _plain(value: Any) -> Any:
     """``value`` as JSON reads it back (tuples become lists), so that policy.json compares with a live config."""
     return msgspec.json.decode(msgspec.json.encode(value))
@@ -273,6 +240,25 @@ def _expected(trainer: Any) -> dict[str, tuple[int, ...]]:
     return {f"model.{n}": tuple(p.shape) for n, p in params}
 
 
+def _whole(trainer: Any) -> set[str]:
+    """``model.<name>`` of every tensor a checkpoint of ``trainer``'s model description may hold: the whole
+    model's (``meta_model``: a pipeline stage's trainer holds some of them only), its base weights too
+    for a LoRA policy (a state written before ``_stored`` holds the tied head) and the adapters under
+    peft's names."""
+    from flowrl.errors import FlowrlError
+    from flowrl.models.lora import adapter_shapes
+    from flowrl.models.registry import meta_model
+
+    names = {f"model.{n}" for n in trainer.model.state_dict()}
+    try:
+        names |= {f"model.{n}" for n in meta_model(trainer.node.model).state_dict()}
+        if trainer.lora:
+            names |= {f"model.{n.removesuffix('.weight')}.default.weight" for n in adapter_shapes(trainer.node.model)}
+    except FlowrlError:  # no description to build (a test's bare trainer): this rank's names only
+        pass
+    return names
+
+
 def check_complete(path: str | Path) -> ShardedStateInfo:
     """The info of a whole sharded state whose every shard file is there (``CheckpointWriter.commit``
     checks it before a checkpoint is committed).
@@ -280,7 +266,7 @@ def check_complete(path: str | Path) -> ShardedStateInfo:
     Raises:
         CheckpointError: incomplete, or missing a rank's shard file (naming the fix).
     """
-    return _info(Path(path))[0]
+    return read_info(Path(path))[0]
 
 
 def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
@@ -298,7 +284,7 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
             f"sharded checkpoint {str(path)!r} does not exist on this rank's host; every rank of a sharded policy reads "
             "its shards there, so on several hosts --checkpoint-dir must be a directory every rank sees (a shared filesystem)"
         )
-    info, metadata = _info(path)
+    info, metadata = read_info(path)
     saved = _plain({"family": "builtin", **info.model_config})
     mine = _plain(msgspec.to_builtins(trainer.node.model))
     if saved != mine:
@@ -310,21 +296,22 @@ def check_sharded(path: str | Path, trainer: Any) -> ShardedStateInfo:
     have = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "size")}
     want = _expected(trainer)
     wrong = sorted(k for k in want if have.get(k) != want[k])
-    extra = sorted(set(have) - set(want))
+    extra = sorted(set(have) - set(want) - _whole(trainer))  # another rank's (a pipeline stage's), or a LoRA state's tied head
     if wrong or extra:
         shown = {k.removeprefix("model."): (have.get(k), want[k]) for k in wrong[:3]}
         more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
         lacks = f"; tensors this model lacks: {[k.removeprefix('model.') for k in extra[:3]]}" if extra else ""
         raise CheckpointError(
-            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} (dp={info.dp}) cannot be resharded into this policy: "
+            f"policy {trainer.name!r}: sharded checkpoint {str(path)!r} ({layout_name(info)}) cannot be resharded into this policy: "
             f"tensors (saved shape, now) {shown}{more}{lacks}; resume with the model that wrote it"
         )
     return info
 
 
 def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
-    """Load a sharded state into ``trainer`` sharded over ``group`` (any dp size). Every rank calls it;
-    each reads only the saved chunks that overlap its rows.
+    """Load a sharded state, whatever layout wrote it, into ``trainer`` split over ``group`` in its own
+    (any dp size; tensor- or pipeline-parallel: ``trainer.model`` under the whole model's names). Every
+    rank calls it; each reads only the parts of the saved chunks it holds.
 
     Raises:
         CheckpointError: see ``check_sharded``, before any tensor is read; on every rank, when any
@@ -350,8 +337,11 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
         )
     options = _options(trainer)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
-    state = {"model": model, "optimizer": optimizer}
-    _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=_reader(Path(path)), process_group=group))
+    state = {"model": _stored(trainer, model), "optimizer": optimizer}
+    own = [list(g["params"]) for g in optimizer.get("param_groups", [])]
+    _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=storage_reader(Path(path)), process_group=group))
+    for loaded, names in zip(state["optimizer"].get("param_groups", []), own):  # the saved groups name the whole model's (_whole_groups)
+        loaded["params"] = names
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     trainer.version = info.version
     if info.version == 0:  # saved before the first step: AdamW had no state (save_sharded), and has none now
@@ -376,23 +366,27 @@ def _set_path(root: dict[str, Any], keys: tuple[Any, ...], value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _consolidated(path: Path) -> dict[str, Any]:
-    """Every tensor of a sharded state whole, in its saved structure (``{"model": ..., "optimizer": ...}``)."""
+def _consolidated(path: Path, *, parts: tuple[str, ...] = ("model", "optimizer")) -> dict[str, Any]:
+    """Every tensor of a sharded state whole, in its saved structure (``{"model": ..., "optimizer": ...}``),
+    of the top-level ``parts`` only (the others are not read)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _read_metadata(path)
+    metadata = read_metadata(path)
     state: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
+        keys = tuple(metadata.planner_data.get(key, (key,)))
+        if keys[0] not in parts:
+            continue
         value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
-        _set_path(state, tuple(metadata.planner_data.get(key, (key,))), value)
+        _set_path(state, keys, value)
     with warnings.catch_warnings():  # DCP warns that no process group is in use: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=_reader(path), no_dist=True)
+        dcp.load(state, storage_reader=storage_reader(path), no_dist=True)
     return state
 
 
-def _one_file_optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
+def _one_file_optimizer(saved: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """``get_state_dict``'s optimizer state (by parameter name) as ``optimizer.state_dict()`` (by index:
     the parameters in their groups' order, as torch numbers them)."""
     groups = [dict(g) for g in saved.get("param_groups", [])]
@@ -400,28 +394,46 @@ def _one_file_optimizer(saved: Mapping[str, Any]) -> dict[str, Any]:
     for group in groups:
         names = list(group["params"])
         group["params"] = [index.setdefault(n, len(index)) for n in names]
-    return {"state": {index[name]: dict(entry) for name, entry in dict(saved.get("state", {})).items()}, "param_groups": groups}
+    state = dict(saved.get("state", {}))
+    unnamed = sorted(set(state) - set(index))
+    if unnamed:
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} holds optimizer state for {unnamed[:3]} ({len(unnamed)} parameters) that its "
+            "param_groups do not list: its writer saved one rank's groups only (save_sharded writes the whole model's); "
+            "it cannot be read as one optimizer"
+        )
+    return {"state": {index[name]: dict(entry) for name, entry in state.items()}, "param_groups": groups}
 
 
-def read_state(path: str | Path) -> dict[str, Any]:
+def read_state(path: str | Path, *, optimizer: bool = True) -> dict[str, Any]:
     """A policy state in the one-file format (``Trainer.state()``), from a ``.pt`` file or a sharded
-    directory (consolidated here, in this process; it holds the whole state).
+    directory of any layout (consolidated here, in this process, with no process group; it holds the
+    whole state). ``optimizer=False``: without the ``optimizer`` entry, whose tensors are then not read
+    (an export needs the weights only: AdamW's moments are twice their size).
 
     Raises:
-        CheckpointError: an incomplete sharded state or one missing a shard file (any error reading a
-            file propagates as torch raises it).
+        CheckpointError: an incomplete sharded state, one missing a shard file or with one cut short, or
+            one whose optimizer state its param groups do not name (any error reading a file propagates
+            as torch raises it).
     """
-    from flowrl.models.lora import adapter_name
+    from flowrl.models.lora import adapter_name, is_adapter
 
     p = Path(path)
     if not p.is_dir():
-        return torch.load(p, map_location="cpu", weights_only=True)
-    info, _ = _info(p)
-    saved = _consolidated(p)
+        if optimizer:
+            return torch.load(p, map_location="cpu", weights_only=True)
+        state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)  # mapped: the optimizer's tensors are never read
+        if isinstance(state, dict):
+            state.pop("optimizer", None)
+        return state
+    info, _ = read_info(p)
+    saved = _consolidated(p, parts=("model", "optimizer") if optimizer else ("model",))
     model = dict(saved.get("model", {}))
-    if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does
-        model = {adapter_name(n): t for n, t in model.items()}
-    optimizer = _one_file_optimizer(saved.get("optimizer", {}))
-    if info.version == 0:  # saved before the first step: AdamW had no state (see save_sharded)
-        optimizer["state"] = {}
-    return {"version": info.version, "model_config": _model_config(info.model_config), "model": model, "optimizer": optimizer}
+    if info.lora:  # the one-file format names a LoRA policy's adapters as adapter_weights does; a frozen
+        model = {adapter_name(n): t for n, t in model.items() if is_adapter(n)}  # base weight (the tied head, before _stored) is the description's
+    state = {"version": info.version, "model_config": _model_config(info.model_config), "model": model}
+    if optimizer:
+        state["optimizer"] = _one_file_optimizer(saved.get("optimizer", {}), p)
+        if info.version == 0:  # saved before the first step: AdamW had no state (see save_sharded)
+            state["optimizer"]["state"] = {}
+    return state

@@ -374,14 +374,25 @@ def now() -> float:
     return time.time()
 
 
-def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[str, Any]:
+def _listed_policies(path: Path) -> dict[str, str]:
+    """node -> policy state file that ``path``'s meta.json lists (empty when it lists none or is not a CheckpointMeta)."""
+    try:
+        meta = msgspec.json.decode((path / "meta.json").read_bytes(), type=CheckpointMeta)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return {}
+    return {n: f for n, f in meta.files.items() if f.startswith("policy-")}
+
+
+def read_policy_state(source: str | Path, *, node: str | None = None, optimizer: bool = True) -> dict[str, Any]:
     """The policy state saved in a checkpoint: a ``step-*`` directory, or a run's checkpoint
     directory (its ``LATEST``), in the one-file format (``Trainer.state()``); a sharded policy's
     ``policy-<node>.dcp`` is consolidated in this process (``flowrl.runtime.checkpointing.sharded_state.read_state``).
+    ``optimizer=False``: without the optimizer's state, which is then not read.
 
     Raises:
-        CheckpointError: when there is no checkpoint, no policy file, or several and ``node`` is unset;
-            an incomplete sharded state or one missing a rank's shard file.
+        CheckpointError: when there is no checkpoint, no policy file (naming the one meta.json lists), or
+            several and ``node`` is unset; an incomplete sharded state, one missing a rank's shard file or
+            one with a file cut short.
     """
     from flowrl.runtime.checkpointing.sharded_state import SHARDED_SUFFIX, read_state
 
@@ -395,13 +406,20 @@ def read_policy_state(source: str | Path, *, node: str | None = None) -> dict[st
         path = latest
     files = sorted([*path.glob("policy-*.pt"), *path.glob(f"policy-*{SHARDED_SUFFIX}")])
     names = [f.name.removeprefix("policy-").removesuffix(".pt").removesuffix(SHARDED_SUFFIX) for f in files]
+    listed = _listed_policies(path)
+    gone = sorted(f for n, f in listed.items() if (node is None or n == node) and not (path / f).exists())
+    if gone:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} lacks {gone}, which its meta.json lists (a copy without them, or a directory every "
+            "rank did not see); copy them in, or pass an older step-* directory"
+        )
     if node is not None:
         if node not in names:
             raise CheckpointError(f"checkpoint {str(path)!r} has no policy {node!r} (it has {names})")
         files = [f for f, name in zip(files, names) if name == node]
     if len(files) != 1:
         raise CheckpointError(f"checkpoint {str(path)!r} holds policies {names}; name one (--node)")
-    state = read_state(files[0])
+    state = read_state(files[0], optimizer=optimizer)
     if "model" not in state or "model_config" not in state:
         raise CheckpointError(f"{str(files[0])!r} is not a policy state (no 'model' or 'model_config')")
     return state
