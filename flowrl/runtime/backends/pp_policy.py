@@ -1,0 +1,196 @@
+"""A pipeline-parallel policy under torchrun: its mesh's ``pp`` axis splits the model into stages.
+
+``PipelinePolicy`` is a policy's rank program when its mesh has ``pp`` > 1 (``rank_programs.policy_ranks``
+dispatches to it). The mesh is ``pp x dp`` (``tp`` > 1 beside ``pp`` is refused before any work,
+``flowrl.runtime.parallel.pipeline.check_pipeline``): each rank holds stage ``i`` of the model
+(``pipeline.split_model``: contiguous layers, the planner's rule) for dp replica ``j``; the ranks of
+one dp replica form a pipeline (the mesh's ``pp`` group), the ranks of one stage its dp group.
+
+Per step (``step``): the lead broadcasts the batch to every rank of the policy; every rank runs the
+trainer (``flowrl.runtime.parallel.pipeline_trainer.PipelineTrainer``) on it with ``part_of`` set to
+its dp replica's share of each mini-batch (whole prompt groups, ``shard_by_groups``, and its share of
+the loss divisor), so a step's gradients, clipped by the global norm over every stage, and its AdamW
+step equal one process's on the whole batch up to float rounding. The RL loss and so the step's
+metrics live on the last stage: its dp ranks reduce them (``reduce_metrics``, as data-parallel
+replicas do) and its first dp rank sends them to the policy's lead (``send_batch``: a msgspec header
+and tensors, no pickle), so the run's rows are those of one process.
+
+Weights out (``publish``): stages hold their own layers and gather them: on a ``shm`` / ``file`` edge
+each stage's first dp rank sends its tensors (the whole model's names) to the lead, which publishes
+the whole model; on a collective edge every rank of the policy receives every stage's tensors
+(one broadcast per stage) and publishes as a data-parallel replica does (the transport's trainer
+layout is ``dp_replicas``: each rank holds the whole model while it publishes).
+
+Checkpoints (``save`` / ``load``, sent to every rank): each stage writes its own parameters and AdamW
+state keyed by the whole model's names (``flowrl.runtime.checkpointing.stage_state``), a
+``policy-<node>.dcp`` that resumes on any pp x dp layout, in one process, or on FSDP2 ranks, and that
+``flowrl export`` writes as one Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import PolicyNode
+from flowrl.runtime.programs import Batch, Info, PolicyProgram, SharedTransports
+
+__all__ = ["PipelinePolicy"]
+
+
+class PipelinePolicy(PolicyProgram):
+    """One rank of a pipeline-parallel policy: a stage of one dp replica (see the module docstring)."""
+
+    saves_on_every_rank = True
+
+    def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
+        from flowrl.models.causal_lm import weight_dict
+        from flowrl.models.registry import build_model
+        from flowrl.runtime.backends.rank_programs import _context, _mesh_axes
+        from flowrl.runtime.parallel.pipeline import model_layers, split_model
+        from flowrl.runtime.parallel.pipeline_trainer import PipelineTrainer
+
+        ctx = _context()
+        sizes = _mesh_axes(mesh)
+        self.pp, self.dp = sizes["pp"], sizes.get("dp", 1)
+        names = list(mesh.mesh_dim_names)
+        coordinate = mesh.get_coordinate()
+        self.stage_index = coordinate[names.index("pp")]
+        self.dp_index = coordinate[names.index("dp")] if "dp" in names else 0
+        grid = mesh.mesh.reshape(self.pp, self.dp)  # (pp, dp) -> global rank (tp is 1: check_pipeline)
+        self.stage_leads = [int(grid[s, 0]) for s in range(self.pp)]  # each stage's first dp rank
+        self.reporter = self.stage_leads[-1]  # the last stage's first dp rank: sends the step's metrics
+        whole = build_model(node.model, device=ctx.device)  # seeded or read: every rank the same weights
+        self.whole = [n for n, p in whole.named_parameters() if p.requires_grad]  # param_groups' order (checkpoints)
+        self.whole_names = list(weight_dict(whole))  # what is published, in this order
+        stage = split_model(whole, self.stage_index, self.pp, model_layers(node.model))
+        del whole
+        self.name = node.name
+        self.trainer = PipelineTrainer(
+            node, graph.loss_of(node.name), stage=stage, pp_group=mesh.get_group("pp"),
+            dp_group=mesh.get_group("dp") if self.dp > 1 else None, device=ctx.device,
+        )  # fmt: skip
+        self._edges = [(e.src, e.dst) for e in graph.weight_edges_from(node.name)]
+        self._transports = transports
+        self._published = -1
+        self.group, self.ranks, self.lead = group, ranks, ranks[0]
+        self.rank = ctx.rank
+        self.device = ctx.device
+        self.collective_bytes = 0
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _part(self, mini: Batch) -> Batch:
+        from flowrl.operators.shaping import loss_normalizer
+        from flowrl.runtime.parallel.distributed import shard_by_groups
+
+        part = shard_by_groups(mini, self.dp)[self.dp_index]
+        config = self.trainer.loss.loss
+        total = loss_normalizer(config, mini)
+        self.trainer.dp_token_share = loss_normalizer(config, part) / total if total else 0.0
+        return part
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.host import release_freed_memory
+        from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.runtime.parallel.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+
+        start = time.perf_counter()
+        batch = broadcast_batch(inputs if self.rank == self.lead else None, src=self.lead, group=self.group, device=self.device)
+        batch = {k: v.cpu() for k, v in batch.items()}
+        self.trainer.part_of = self._part
+        metrics = {k: float(v) for k, v in self.trainer.train_step(batch).items()}
+        norms = self.trainer.grad_norms  # the global norm of each optimizer step, alike on every rank
+        grad_norm = sum(norms) / max(len(norms), 1)
+        norms.clear()
+        if self.stage_index == self.pp - 1 and self.dp > 1:  # the loss lives on the last stage: its dp ranks reduce it
+            samples = float(shard_by_groups(batch, self.dp)[self.dp_index]["completion_mask"].shape[0])
+            metrics = reduce_metrics(metrics, samples, group=self.trainer.dp_group, device=self.device)
+        metrics = self._share_metrics(metrics)
+        metrics["policy/grad_norm"] = grad_norm
+        if self.device.type == "cpu":
+            release_freed_memory()
+        train_s = time.perf_counter() - start
+        sent = self.collective_bytes
+        publish_s = self.publish()
+        info: Info = dict(metrics)
+        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
+            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(total, group=self.group)
+            info["weights/collective_bytes"] = float(total)
+        return {}, info
+
+    def _share_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last stage's metrics on the lead (the other ranks keep their own: nobody reads them)."""
+        from flowrl.runtime.parallel.distributed import recv_batch, send_batch
+
+        if self.reporter == self.lead:
+            return metrics
+        if self.rank == self.reporter:
+            send_batch({k: torch.tensor([v], dtype=torch.float64) for k, v in metrics.items()}, dst=self.lead, group=self.group, device=self.device)
+        elif self.rank == self.lead:
+            got = recv_batch(src=self.reporter, group=self.group, device=self.device)
+            return {k: float(v) for k, v in got.items()}
+        return metrics
+
+    # -- weights out -------------------------------------------------------------------------------
+    def _whole_weights(self, *, everyone: bool) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights, gathered from the stages' first dp ranks: on every rank of the
+        policy (``everyone``: one broadcast per stage) or on the lead only (None elsewhere)."""
+        from flowrl.runtime.parallel.distributed import broadcast_batch, recv_batch, send_batch
+
+        mine = self.trainer.weights()
+        parts: list[dict[str, torch.Tensor]] = []
+        for s, src in enumerate(self.stage_leads):
+            if everyone:
+                parts.append(broadcast_batch(mine if self.rank == src else None, src=src, group=self.group, device=self.device))
+            elif src == self.lead:
+                parts.append(dict(mine) if self.rank == self.lead else {})
+            elif self.rank == src:
+                send_batch(mine, dst=self.lead, group=self.group, device=self.device)
+            elif self.rank == self.lead:
+                parts.append(recv_batch(src=src, group=self.group, device=self.device))
+        if not everyone and self.rank != self.lead:
+            return None
+        whole: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                whole.setdefault(k, v)  # a tied head's copy on the last stage: the first stage's is the same
+        return {k: whole[k] for k in self.whole_names}
+
+    def publish(self) -> float:
+        """Gather the stages' weights and publish the whole model (see the module docstring)."""
+        from flowrl.runtime.backends.weights import channel, opened
+
+        start = time.perf_counter()
+        if self.trainer.version > self._published:
+            edges = [(e, opened(channel(*e))) for e in self._edges]
+            if any(c is not None for _, c in edges):
+                everywhere = self._whole_weights(everyone=True)
+                for _, collective in edges:
+                    if collective is not None:
+                        before = collective.bytes_sent
+                        collective.publish(everywhere, self.trainer.version)
+                        self.collective_bytes += collective.bytes_sent - before
+            if any(c is None for _, c in edges):
+                whole = self._whole_weights(everyone=False)
+                for edge, collective in edges:
+                    if collective is None and whole is not None:
+                        self._transports.writer(*edge).publish(whole, self.trainer.version)
+            self._published = self.trainer.version
+        return time.perf_counter() - start
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        from flowrl.runtime.checkpointing.stage_state import save_stages
+
+        save_stages(self.trainer, self.whole, path, group=self.group)
+
+    def load(self, path: str) -> None:
+        from flowrl.runtime.checkpointing.stage_state import load_stages
+
+        load_stages(self.trainer, self.whole, path, group=self.group)
+        self._published = -1
