@@ -91,7 +91,7 @@ def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str]
             layers, a ``tp`` axis beside ``pp``, ``sharding="fsdp"``, ``packing=True`` or LoRA adapters.
     """
     for node, sizes in pipeline_policies(graph, axes, skip=skip):
-        pp, where = sizes["pp"], f"policy {node.name!r} (mesh {sizes})"
+        pp, where = sizes["pp"], f"policy {node.name!r} (mesh {({a: n for a, n in sizes.items() if n > 1})})"
         layers = model_layers(node.model)
         if pp > layers:
             raise ConfigError(
