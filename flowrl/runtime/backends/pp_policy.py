@@ -42,28 +42,34 @@ __all__ = ["PipelinePolicy"]
 
 
 class PipelinePolicy(PolicyProgram):
-    """One rank of a pipeline-parallel policy: a stage of one dp replica (see the module docstring)."""
+    """One rank of a pipeline-parallel policy: a stage of one dp replica (see the module docstring).
+
+    Args:
+        node, graph, transports: as every policy program's.
+        group: the process group of all the policy's ranks; ranks: them, the lead first.
+        mesh: the policy's ``DeviceMesh`` (dims ``pp``, ``dp``, ``tp``); rank, device: this rank's.
+    """
 
     saves_on_every_rank = True
 
-    def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
+    def __init__(
+        self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any, rank: int, device: torch.device
+    ) -> None:
         from flowrl.models.causal_lm import weight_dict
         from flowrl.models.registry import build_model
-        from flowrl.runtime.backends.rank_programs import _context, _mesh_axes
         from flowrl.runtime.parallel.pipeline import model_layers, split_model
         from flowrl.runtime.parallel.pipeline_trainer import PipelineTrainer
 
-        ctx = _context()
-        sizes = _mesh_axes(mesh)
-        self.pp, self.dp = sizes["pp"], sizes.get("dp", 1)
         names = list(mesh.mesh_dim_names)
+        sizes = dict(zip(names, (int(n) for n in mesh.mesh.shape)))
+        self.pp, self.dp = sizes["pp"], sizes.get("dp", 1)
         coordinate = mesh.get_coordinate()
         self.stage_index = coordinate[names.index("pp")]
         self.dp_index = coordinate[names.index("dp")] if "dp" in names else 0
         grid = mesh.mesh.reshape(self.pp, self.dp)  # (pp, dp) -> global rank (tp is 1: check_pipeline)
         self.stage_leads = [int(grid[s, 0]) for s in range(self.pp)]  # each stage's first dp rank
         self.reporter = self.stage_leads[-1]  # the last stage's first dp rank: sends the step's metrics
-        whole = build_model(node.model, device=ctx.device)  # seeded or read: every rank the same weights
+        whole = build_model(node.model, device=device)  # seeded or read: every rank the same weights
         self.whole = [n for n, p in whole.named_parameters() if p.requires_grad]  # param_groups' order (checkpoints)
         self.whole_names = list(weight_dict(whole))  # what is published, in this order
         stage = split_model(whole, self.stage_index, self.pp, model_layers(node.model))
@@ -71,14 +77,13 @@ class PipelinePolicy(PolicyProgram):
         self.name = node.name
         self.trainer = PipelineTrainer(
             node, graph.loss_of(node.name), stage=stage, pp_group=mesh.get_group("pp"),
-            dp_group=mesh.get_group("dp") if self.dp > 1 else None, device=ctx.device,
+            dp_group=mesh.get_group("dp") if self.dp > 1 else None, device=device,
         )  # fmt: skip
         self._edges = [(e.src, e.dst) for e in graph.weight_edges_from(node.name)]
         self._transports = transports
         self._published = -1
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
-        self.rank = ctx.rank
-        self.device = ctx.device
+        self.rank, self.device = rank, device
         self.collective_bytes = 0
 
     # -- the step ----------------------------------------------------------------------------------

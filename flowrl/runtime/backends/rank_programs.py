@@ -600,7 +600,8 @@ def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: Sh
     if _mesh_axes(mesh).get("pp", 1) > 1:
         from flowrl.runtime.backends.pp_policy import PipelinePolicy
 
-        return PipelinePolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
+        ctx = _context()
+        return PipelinePolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh, rank=ctx.rank, device=ctx.device)
     if node.optimizer.sharding == "fsdp":
         return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)

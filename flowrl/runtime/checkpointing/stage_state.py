@@ -3,7 +3,8 @@ the whole model's names, in the sharded format (``flowrl.runtime.checkpointing.s
 
 ``save_stages`` writes, with torch.distributed.checkpoint over the policy's ranks, the state
 ``get_state_dict`` gives an FSDP2 policy (``{"model": {name: tensor}, "optimizer": {"state": {name:
-{"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}}``), each stage its own tensors: the
+{"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}}``: the model's ``state_dict`` names, AdamW's
+state by parameter name, a tied head's under its embedding's), each stage its own tensors: the
 ``policy-<node>.dcp`` directory is the same format whoever wrote it. A stage's dp ranks and a tied head's
 two copies (first and last stage) hold equal tensors under one name, which DCP writes once. Every stage
 writes the same ``param_groups`` (the whole model's trainable names, in its parameter order), so
@@ -38,7 +39,7 @@ def stage_state(trainer: Any, whole: list[str], *, optimizer: bool = True) -> di
         optimizer: with AdamW's state (else its param groups only).
     """
     names = trainer.stage.names
-    model = {names[k]: v for k, v in trainer.model.state_dict().items()}
+    model = dict(trainer.model.state_dict())  # the whole model's state_dict names (a tied head's too, as it lists it)
     state: dict[str, Any] = {}
     if optimizer:
         for local, p in trainer.model.named_parameters():
@@ -99,7 +100,7 @@ def load_stages(trainer: Any, whole: list[str], path: str | Path, *, group: Any)
     names = trainer.stage.names
     with torch.no_grad():
         for local, t in trainer.model.state_dict(keep_vars=True).items():
-            t.copy_(model[names[local]])
+            t.copy_(model[local] if local in model else model[names[local]])  # a tied head under its own name, or its embedding's
     state = trainer.optimizer.state_dict()
     params = [names[local] for local, p in trainer.model.named_parameters() if p.requires_grad]
     state["state"] = {i: moments[n] for i, n in enumerate(params) if n in moments}
@@ -122,7 +123,7 @@ def _read_file(trainer: Any, whole: list[str], path: Path) -> tuple[int, dict[st
 
 
 def _require(trainer: Any, model: dict[str, Any], path: Path) -> None:
-    wanted = sorted(set(trainer.stage.names.values()) - set(model))
+    wanted = sorted(local for local, name in trainer.stage.names.items() if local not in model and name not in model)
     if wanted:
         raise CheckpointError(f"policy {trainer.name!r}: checkpoint {str(path)!r} lacks this stage's tensors {wanted[:3]}; resume with the model that wrote it")
 
@@ -136,8 +137,9 @@ def _read_sharded(trainer: Any, whole: list[str], path: Path, group: Any) -> tup
     _check_config(trainer, info.model_config, path)
     keys = set(metadata.state_dict_metadata)
     names = trainer.stage.names
-    model = {names[k]: torch.empty_like(v, device="cpu") for k, v in trainer.model.state_dict().items()}
-    _require(trainer, {k: None for k in model if f"model.{k}" in keys}, path)
+    saved = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    _require(trainer, {k: None for k in saved}, path)
+    model = {(k if k in saved else names[k]): torch.empty_like(v, device="cpu") for k, v in trainer.model.state_dict().items()}
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for local, p in trainer.model.named_parameters():
         name = names[local]
