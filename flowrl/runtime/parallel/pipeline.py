@@ -210,8 +210,12 @@ class StageModule(nn.Module):
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each block's activations in the backward pass."""
-        if self._hf:
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self._hf:  # transformers' own mechanism, as HFCausalLM.enable_gradient_checkpointing
+            enable = getattr(self.hf, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             self.gradient_checkpointing = True
 
