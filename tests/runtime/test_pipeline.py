@@ -94,6 +94,15 @@ def test_a_pipeline_the_program_cannot_run_is_refused(mesh, graph_options, match
     check_pipeline(pp_graph(**graph_options), {"policy": (("pp", "dp", "tp"), (1, 2, 1))})  # no pp: not a pipeline
 
 
+def test_a_direct_route_from_a_pipeline_is_refused():
+    """A default edge into a vLLM generator on ranks of its own takes the direct route
+    (``placement.weight_routes.direct_edges``), which sends one rank's whole model."""
+    from flowrl.runtime.parallel.pipeline import check_pipeline
+
+    with pytest.raises(ConfigError, match=r"weight edge to generator 'gen' takes the direct route.*transport='collective'"):
+        check_pipeline(pp_graph(), {"policy": (("pp", "dp", "tp"), (2, 1, 1))}, direct={("policy", "gen")})
+
+
 def test_lora_on_a_pipeline_is_refused(hf_qwen2_dir):
     from flowrl.graph.configs import HFModelConfig
     from flowrl.runtime.parallel.pipeline import check_pipeline

@@ -92,6 +92,7 @@ from flowrl.runtime.preflight import check_engine_meshes, check_ranks_fit
 from flowrl.placement.layout import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
+from flowrl.placement.weight_routes import direct_edges
 from flowrl.runtime.parallel.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
@@ -316,7 +317,7 @@ def run_torchrun(
     placement = rank_placement(graph, placement, world)
     ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
-    check_pipeline(graph, axes, skip=config.programs)
+    check_pipeline(graph, axes, skip=config.programs, direct=direct_edges(graph, ranks, config.programs))
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
     cuda = device.type == "cuda"
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))

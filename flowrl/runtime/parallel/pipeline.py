@@ -79,17 +79,21 @@ def pipeline_policies(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[s
     return out
 
 
-def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str] = ()) -> None:
+def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str] = (), direct: Iterable[tuple[str, str]] = ()) -> None:
     """Refuse, before any work, a pipeline-parallel policy the pipeline program cannot run as asked.
 
     Args:
         axes: node -> (axis names, shape) of its mesh (the placement's).
         skip: user programs (they run on their lead rank, whatever the mesh).
+        direct: the ``(policy, generator)`` weight edges on the direct route into vLLM
+            (``flowrl.placement.weight_routes.direct_edges``).
 
     Raises:
         ConfigError: naming the policy, the values and the fix, for ``pp`` larger than the model's
-            layers, a ``tp`` axis beside ``pp``, ``sharding="fsdp"``, ``packing=True`` or LoRA adapters.
+            layers, a ``tp`` axis beside ``pp``, ``sharding="fsdp"``, ``packing=True``, LoRA adapters,
+            or a weight edge on the direct route (it sends one rank's whole model).
     """
+    direct = set(direct)
     for node, sizes in pipeline_policies(graph, axes, skip=skip):
         pp, where = sizes["pp"], f"policy {node.name!r} (mesh {({a: n for a, n in sizes.items() if n > 1})})"
         layers = model_layers(node.model)
@@ -113,6 +117,12 @@ def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str]
             raise ConfigError(
                 f"{where}: packing=True, but pipeline stages exchange activations of one shape per micro-batch, "
                 "so a pipeline-parallel policy runs padded; set packing=None (the default) or False"
+            )
+        for src, dst in sorted(e for e in direct if e[0] == node.name):
+            raise ConfigError(
+                f"{where}: its weight edge to generator {dst!r} takes the direct route into vLLM's workers, which sends "
+                "one rank's whole model, and each pipeline stage holds part of it; give the edge transport='collective' "
+                f"(b.weights({src!r}, {dst!r}, transport='collective')): the stages gather and the generator's rank passes them on"
             )
         lora = getattr(node.model, "lora", None)
         if lora is not None:
