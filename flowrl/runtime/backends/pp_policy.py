@@ -15,6 +15,11 @@ metrics live on the last stage: its dp ranks reduce them (``reduce_metrics``, as
 replicas do) and its first dp rank sends them to the policy's lead (``send_batch``: a msgspec header
 and tensors, no pickle), so the run's rows are those of one process.
 
+Initialisation: the model is built on the meta device and each rank materialises only its stage's
+tensors, read from the weight files or drawn as a whole build draws them
+(``flowrl.runtime.parallel.fsdp_init``: ``meta_build``, ``materialise_``), bit for bit the whole
+model's, with no broadcast.
+
 Weights out (``publish``): stages hold their own layers and gather them: on a ``shm`` / ``file`` edge
 each stage's first dp rank sends its tensors (the whole model's names) to the lead, which publishes
 the whole model; on a collective edge every rank of the policy receives every stage's tensors
@@ -34,6 +39,7 @@ from typing import Any
 
 import torch
 
+from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
 from flowrl.runtime.programs import Batch, Info, PolicyProgram, SharedTransports
@@ -56,7 +62,7 @@ class PipelinePolicy(PolicyProgram):
         self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any, rank: int, device: torch.device
     ) -> None:
         from flowrl.models.causal_lm import weight_dict
-        from flowrl.models.registry import build_model
+        from flowrl.runtime.parallel.fsdp_init import materialise_, meta_build
         from flowrl.runtime.parallel.pipeline import model_layers, split_model
         from flowrl.runtime.parallel.pipeline_trainer import PipelineTrainer
 
@@ -69,11 +75,18 @@ class PipelinePolicy(PolicyProgram):
         grid = mesh.mesh.reshape(self.pp, self.dp)  # (pp, dp) -> global rank (tp is 1: check_pipeline)
         self.stage_leads = [int(grid[s, 0]) for s in range(self.pp)]  # each stage's first dp rank
         self.reporter = self.stage_leads[-1]  # the last stage's first dp rank: sends the step's metrics
-        whole = build_model(node.model, device=device)  # seeded or read: every rank the same weights
+        pipeline = [int(grid[s, self.dp_index]) for s in range(self.pp)]
+        if pipeline != sorted(pipeline):  # a PipelineStage's peers are its group's ranks in order: stage i = group rank i
+            raise ConfigError(
+                f"policy {node.name!r}: its pipeline stages 0..{self.pp - 1} sit on ranks {pipeline}; torch's pipelining numbers "
+                f"stages by rank, so list the policy's ranks in increasing order (e.g. {{\"ranks\": {sorted(ranks)}, \"mesh\": ...}})"
+            )
+        whole, source = meta_build(node.model)  # on the meta device: no rank holds the whole model
         self.whole = [n for n, p in whole.named_parameters() if p.requires_grad]  # param_groups' order (checkpoints)
         self.whole_names = list(weight_dict(whole))  # what is published, in this order
         stage = split_model(whole, self.stage_index, self.pp, model_layers(node.model))
         del whole
+        materialise_(stage, _by_whole_names(source, stage.names), device)  # this stage's tensors, read or drawn as a whole build's
         self.name = node.name
         self.trainer = PipelineTrainer(
             node, graph.loss_of(node.name), stage=stage, pp_group=mesh.get_group("pp"),
@@ -199,3 +212,15 @@ class PipelinePolicy(PolicyProgram):
 
         load_stages(self.trainer, self.whole, path, group=self.group)
         self._published = -1
+
+
+def _by_whole_names(source: Any, names: dict[str, str]) -> Any:
+    """``source`` (an ``fsdp_init.RowSource`` of the whole model) asked for a stage's parameters by the
+    whole model's names: a tied head on the last stage (``lm_head.weight``) is its embedding's rows."""
+
+    def renamed(wanted: Any) -> Any:
+        back = {names[k]: k for k in wanted}
+        for name, rows in source({names[k]: span for k, span in wanted.items()}):
+            yield back[name], rows
+
+    return renamed
