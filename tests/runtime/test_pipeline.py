@@ -125,6 +125,22 @@ def test_a_pp_larger_than_the_layers_is_refused_at_launch_before_any_work(tmp_pa
     assert not (tmp_path / "m.jsonl").exists()
 
 
+def test_each_stage_publishes_its_own_layers_on_a_collective_edge():
+    """The collective transport's trainer layout of a pp 2 x dp 2 policy on ranks 1-4: each weight on
+    the ranks of its stage (dp replicas), the tied head's matrix on the first stage's."""
+    from flowrl.placement.resharding import ShardLayout, dp_replicas
+    from flowrl.runtime.backends.weights import collective_options
+
+    graph = pp_graph()
+    options = collective_options(graph, "policy", "gen", {"gen": (0,), "policy": (1, 2, 3, 4)}, {}, {"policy": (("pp", "dp", "tp"), (2, 2, 1))}, 30.0)
+    layouts = {n: msgspec.convert(v, ShardLayout) for n, v in options["trainer_layout"].items()}
+    assert set(layouts) == set(options["params"])
+    first, last = dp_replicas((1, 2)), dp_replicas((3, 4))
+    assert layouts["tok_embeddings.weight"] == first and layouts["layers.0.attention.wq.weight"] == first
+    assert layouts["layers.1.feed_forward.w2.weight"] == last and layouts["norm.weight"] == last
+    assert {n for n, lay in layouts.items() if lay == first} == {n for n in layouts if n.startswith(("tok_", "layers.0."))}
+
+
 # -- one step against one process, and its checkpoint across layouts (one torchrun job each) --------
 @pytest.mark.parametrize(
     ("world", "family", "micro"),

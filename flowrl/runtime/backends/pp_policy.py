@@ -20,11 +20,11 @@ tensors, read from the weight files or drawn as a whole build draws them
 (``flowrl.runtime.parallel.fsdp_init``: ``meta_build``, ``materialise_``), bit for bit the whole
 model's, with no broadcast.
 
-Weights out (``publish``): stages hold their own layers and gather them: on a ``shm`` / ``file`` edge
-each stage's first dp rank sends its tensors (the whole model's names) to the lead, which publishes
-the whole model; on a collective edge every rank of the policy receives every stage's tensors
-(one broadcast per stage) and publishes as a data-parallel replica does (the transport's trainer
-layout is ``dp_replicas``: each rank holds the whole model while it publishes).
+Weights out (``publish``): each stage holds its own layers. On a collective edge each stage sends its
+own: the transport's trainer layout gives each weight the ranks of the stage that holds it, replicated
+over its dp ranks (``pipeline.stage_layouts``; a tied head's matrix is the first stage's), so no rank
+gathers the model. On a ``shm`` / ``file`` edge (one writer) each stage's first dp rank sends its
+tensors (the whole model's names) to the lead, which publishes the whole model.
 
 Checkpoints (``save`` / ``load``, sent to every rank): each stage writes its own parameters and AdamW
 state keyed by the whole model's names (``flowrl.runtime.checkpointing.stage_state``), a
@@ -155,23 +155,20 @@ class PipelinePolicy(PolicyProgram):
         return metrics
 
     # -- weights out -------------------------------------------------------------------------------
-    def _whole_weights(self, *, everyone: bool) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights, gathered from the stages' first dp ranks: on every rank of the
-        policy (``everyone``: one broadcast per stage) or on the lead only (None elsewhere)."""
-        from flowrl.runtime.parallel.distributed import broadcast_batch, recv_batch, send_batch
+    def _whole_weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on the lead, gathered from the stages' first dp ranks (None elsewhere)."""
+        from flowrl.runtime.parallel.distributed import recv_batch, send_batch
 
         mine = self.trainer.weights()
         parts: list[dict[str, torch.Tensor]] = []
-        for s, src in enumerate(self.stage_leads):
-            if everyone:
-                parts.append(broadcast_batch(mine if self.rank == src else None, src=src, group=self.group, device=self.device))
-            elif src == self.lead:
+        for src in self.stage_leads:
+            if src == self.lead:
                 parts.append(dict(mine) if self.rank == self.lead else {})
             elif self.rank == src:
                 send_batch(mine, dst=self.lead, group=self.group, device=self.device)
             elif self.rank == self.lead:
                 parts.append(recv_batch(src=src, group=self.group, device=self.device))
-        if not everyone and self.rank != self.lead:
+        if self.rank != self.lead:
             return None
         whole: dict[str, torch.Tensor] = {}
         for part in parts:
@@ -180,21 +177,21 @@ class PipelinePolicy(PolicyProgram):
         return {k: whole[k] for k in self.whole_names}
 
     def publish(self) -> float:
-        """Gather the stages' weights and publish the whole model (see the module docstring)."""
+        """Each stage its own tensors on a collective edge; the whole model, gathered, from the lead on
+        another (see the module docstring)."""
         from flowrl.runtime.backends.weights import channel, opened
 
         start = time.perf_counter()
         if self.trainer.version > self._published:
             edges = [(e, opened(channel(*e))) for e in self._edges]
-            if any(c is not None for _, c in edges):
-                everywhere = self._whole_weights(everyone=True)
-                for _, collective in edges:
-                    if collective is not None:
-                        before = collective.bytes_sent
-                        collective.publish(everywhere, self.trainer.version)
-                        self.collective_bytes += collective.bytes_sent - before
+            mine = self.trainer.weights()
+            for _, collective in edges:
+                if collective is not None:  # this stage's own tensors (a tied head's copy: the first stage sends it)
+                    before = collective.bytes_sent
+                    collective.publish({n: mine[n] for n in collective.local_shapes("trainer")}, self.trainer.version)
+                    self.collective_bytes += collective.bytes_sent - before
             if any(c is None for _, c in edges):
-                whole = self._whole_weights(everyone=False)
+                whole = self._whole_weights()
                 for edge, collective in edges:
                     if collective is None and whole is not None:
                         self._transports.writer(*edge).publish(whole, self.trainer.version)

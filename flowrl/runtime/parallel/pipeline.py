@@ -40,7 +40,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
 
-__all__ = ["stage_bounds", "model_layers", "pipeline_policies", "check_pipeline", "StageModule", "split_model"]
+__all__ = ["stage_bounds", "model_layers", "pipeline_policies", "check_pipeline", "StageModule", "split_model", "stage_owners", "stage_layouts"]
 
 
 def stage_bounds(n_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -284,3 +284,43 @@ def split_model(model: nn.Module, index: int, count: int, n_layers: int) -> Stag
     """Stage ``index`` of ``count`` of ``model`` (a built-in ``Transformer`` or an ``HFCausalLM``):
     the parts it does not hold are dropped (freed once ``model`` is)."""
     return StageModule(model, index, count, n_layers)
+
+
+def stage_owners(model: nn.Module, pp: int) -> dict[str, int]:
+    """``weight_dict`` name of ``model`` (the whole model, any device: the meta one will do) -> the stage
+    that publishes it: a block's, its stage; the input embedding (a tied head's matrix too), the first;
+    the final norm and an untied head, the last (``StageModule``'s split)."""
+    from flowrl.runtime.parallel.fsdp import blocks
+
+    layers = blocks(model)
+    stage_of: dict[int, int] = {}
+    for s, (start, end) in enumerate(stage_bounds(len(layers), pp)):
+        for block in layers[start:end]:
+            stage_of.update((id(p), s) for p in block.parameters())
+    embedding = model.hf.get_input_embeddings().weight if hasattr(model, "hf") else model.tok_embeddings.weight
+    owners: dict[str, int] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():  # weight_dict's names: each tensor once, under its first name
+        if id(t) not in seen:
+            seen.add(id(t))
+            owners[name] = stage_of.get(id(t), 0 if t is embedding else pp - 1)
+    return owners
+
+
+def stage_layouts(config: Any, ranks: tuple[int, ...], sizes: Mapping[str, int]) -> dict[str, Any]:
+    """The trainer layout of a pipeline-parallel policy on a collective weight edge: each weight
+    replicated over the ranks of the stage that publishes it (its dp replicas), so each stage sends
+    its own layers and no rank gathers the model (``flowrl.placement.resharding.dp_replicas`` per name).
+
+    Args:
+        config: the policy's model description.
+        ranks: the policy's ranks, row-major over its mesh (pp, dp, tp).
+        sizes: its mesh's axis sizes.
+    """
+    from flowrl.models.registry import meta_model
+    from flowrl.placement.resharding import dp_replicas
+
+    pp = sizes["pp"]
+    per_stage = len(ranks) // pp
+    stage_ranks = [tuple(ranks[s * per_stage : (s + 1) * per_stage]) for s in range(pp)]
+    return {name: dp_replicas(stage_ranks[s]) for name, s in stage_owners(meta_model(config), pp).items()}
