@@ -122,7 +122,8 @@ def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str]
             raise ConfigError(
                 f"{where}: its weight edge to generator {dst!r} takes the direct route into vLLM's workers, which sends "
                 "one rank's whole model, and each pipeline stage holds part of it; give the edge transport='collective' "
-                f"(b.weights({src!r}, {dst!r}, transport='collective')): the stages gather and the generator's rank passes them on"
+                f"(b.weights({src!r}, {dst!r}, transport='collective')): each stage sends its own layers to the generator's rank, "
+                "which passes the whole model on to vLLM"
             )
         lora = getattr(node.model, "lora", None)
         if lora is not None:
