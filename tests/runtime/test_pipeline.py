@@ -125,6 +125,30 @@ def test_a_pp_larger_than_the_layers_is_refused_at_launch_before_any_work(tmp_pa
     assert not (tmp_path / "m.jsonl").exists()
 
 
+@pytest.mark.parametrize("family", ["builtin", "llama-pretrained", "llama-random"])
+def test_each_stage_materialises_its_tensors_bit_for_bit_the_whole_builds(family, hf_llama_dir):
+    """A pipeline rank builds on the meta device and materialises only its stage (a tied head's rows
+    read or drawn under its embedding's name): equal, bit for bit, to building the whole model."""
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.models.registry import build_model
+    from flowrl.runtime.backends.pp_policy import _by_whole_names
+    from flowrl.runtime.parallel.fsdp_init import materialise_, meta_build
+    from flowrl.runtime.parallel.pipeline import model_layers, split_model
+
+    config = build_llamarl().node("policy").model if family == "builtin" else HFModelConfig(path=str(hf_llama_dir), init=family.split("-")[1], seed=3)
+    whole = dict(build_model(config).state_dict())
+    held = set()
+    for index in range(2):
+        model, source = meta_build(config)
+        stage = split_model(model, index, 2, model_layers(config))
+        materialise_(stage, _by_whole_names(source, stage.names), "cpu")
+        assert stage.tied_head is not None  # both tie their head: the last stage holds a copy
+        for name, t in stage.state_dict().items():
+            assert torch.equal(t, whole[name]), name
+            held.add(name)
+    assert held == set(whole)
+
+
 def test_each_stage_publishes_its_own_layers_on_a_collective_edge():
     """The collective transport's trainer layout of a pp 2 x dp 2 policy on ranks 1-4: each weight on
     the ranks of its stage (dp replicas), the tied head's matrix on the first stage's."""

@@ -136,8 +136,6 @@ def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str]
 class _Skip(nn.Module):
     """A Hugging Face decoder layer this stage does not hold: its hidden states pass through."""
 
-    attention_type = "full_attention"
-
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         return hidden_states
 
