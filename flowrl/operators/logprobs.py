@@ -56,6 +56,8 @@ __all__ = [
     "truncated_log_softmax",
     "kept_logprobs",
     "entropy_of",
+    "attended_mask",
+    "padded_layout",
 ]
 
 
@@ -63,6 +65,31 @@ def prompt_valid(prompt_ids: Tensor, prompt_lens: Tensor) -> Tensor:
     """Bool ``[N, Tp]``: True on the real (right-aligned) tokens of left-padded prompts."""
     Tp = prompt_ids.shape[1]
     return torch.arange(Tp, device=prompt_ids.device)[None, :] >= (Tp - prompt_lens)[:, None]
+
+
+def attended_mask(completion_mask: Tensor, completion_lens: Tensor | None = None) -> Tensor:
+    """Bool ``[S, C]``: the completion tokens a forward pass attends (the mask's, or a multi-turn sample's
+    first ``completion_lens``, its environment's tokens included)."""
+    if completion_lens is None:
+        return completion_mask
+    C = completion_mask.shape[1]
+    return torch.arange(C, device=completion_mask.device)[None, :] < completion_lens.to(completion_mask.device)[:, None]
+
+
+def padded_layout(prompt_ids: Tensor, prompt_lens: Tensor, completion_ids: Tensor, attended: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The padded forward's input of ``S`` samples: ``(tokens [S, W], valid [S, W], used)``.
+
+    The left-padded prompts (leading columns that are padding in every row dropped), then the first
+    ``used`` completion columns (``used``: the longest attended completion), less the last token,
+    which predicts nothing; ``model(tokens, valid=valid, keep=used)[:, j]`` are then the logits of
+    completion token ``j``. A pipeline-parallel policy lays a whole mini-batch out once with it
+    (``flowrl.runtime.parallel.pipeline_trainer``), so that every micro-batch has one shape.
+    """
+    used = int(attended.sum(1).max()) if attended.numel() else 0
+    prompt_ids = prompt_ids[:, int(prompt_ids.shape[1] - prompt_lens.max()) :] if prompt_ids.shape[0] else prompt_ids
+    valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)[:, :-1]
+    tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]
+    return tokens, valid, used
 
 
 #: The first window of largest logits that top-p (without top-k) looks at; it grows 4x until it holds ``top_p``.
@@ -315,23 +342,18 @@ def _completion_logprobs(
     packing: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` (see there), with the entropies ``[S, C]`` when ``entropy``, else None."""
-    S, Tp = prompt_ids.shape
+    S = prompt_ids.shape[0]
     C = completion_ids.shape[1]
     out = torch.zeros(S, C, dtype=torch.float32, device=completion_ids.device)
-    attended = completion_mask
-    if completion_lens is not None:  # multi-turn: every token up to the extent is attended, the mask is the loss's
-        attended = torch.arange(C, device=completion_ids.device)[None, :] < completion_lens.to(completion_ids.device)[:, None]
+    attended = attended_mask(completion_mask, completion_lens)
     used = int(attended.sum(1).max()) if S and C else 0  # trailing all-pad columns cost nothing
     if used == 0:
         return out, torch.zeros_like(out) if entropy else None
     # Leading columns that are padding in every row change nothing either.
-    skip = int(Tp - prompt_lens.max())
-    prompt_ids = prompt_ids[:, skip:]
+    prompt_ids = prompt_ids[:, int(prompt_ids.shape[1] - prompt_lens.max()) :]
     packed = packed_logits(model, prompt_ids, prompt_lens, completion_ids[:, :used], attended[:, :used]) if packing else None
     if packed is None:  # padded (packing off, or it would not shorten this batch)
-        valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)
-        tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]  # the last token predicts nothing
-        valid = valid[:, :-1]
+        tokens, valid, _ = padded_layout(prompt_ids, prompt_lens, completion_ids, attended)
         logits = model(tokens, valid=valid, keep=used)  # [S, used, V]: the last prompt token's logits predict y_0
         owner = torch.arange(S, device=logits.device)  # the sample of each row of logits
         targets = completion_ids[:, :used]  # [S, used]

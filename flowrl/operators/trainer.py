@@ -341,27 +341,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        pieces: list[Tensor] = []
-        kept_pieces: list[Tensor] = []
-        entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # pi's entropy over the completion tokens
-        for start, part in zip(range(0, n, size), split(batch, size)):
-            logprobs, entropy = self._forward(part, completion_logprobs_and_entropy)  # [s, C] each; entropy 0 off the mask
-            entropy_sum += entropy.sum(dtype=torch.float64)
-            # pi = 0 (-inf) only for a sampled token outside pi's kept set: weight 0, never inf or nan
-            kept = ~torch.isneginf(logprobs)  # [s, C]
-            if "proximal_logprobs" in part:  # and outside pi_prox's
-                kept = kept & ~torch.isneginf(part["proximal_logprobs"])
-            logprobs = torch.where(kept, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
-            inside = {**part, "completion_mask": part["completion_mask"] & kept}
-            if "proximal_logprobs" in part:
-                inside["proximal_logprobs"] = torch.where(kept, part["proximal_logprobs"], 0.0)
-            loss, _ = compute_loss(
-                config, logprobs, inside, advantages=adv[start : start + size], normalizer=normalizer, lengths=lengths[start : start + size]
-            )
-            if loss.requires_grad:  # a micro-batch without a trainable token (e.g. multi-turn samples that all failed) adds nothing
-                (loss * self.loss_scale).backward()
-            pieces.append(logprobs.detach())
-            kept_pieces.append(kept)
+        pieces, kept_pieces, entropy_sum = self._accumulate(batch, adv, normalizer, lengths, size)
         with torch.no_grad():
             all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])
             all_kept = torch.cat(kept_pieces) if kept_pieces else torch.ones_like(mask)
@@ -378,8 +358,7 @@ class Trainer:
             if "proximal_logprobs" in batch:
                 low, high = config.clip_range()
                 metrics.update(proximal_metrics(all_logprobs, inside["proximal_logprobs"], mask & all_kept, clip_eps_low=low, clip_eps_high=high))
-        max_norm = self.node.optimizer.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = self._clip_gradients(self.node.optimizer.grad_clip or float("inf"))
         self.optimizer.step()
         tokens = int(mask.sum())
         metrics.update({
@@ -391,6 +370,52 @@ class Trainer:
         })  # fmt: skip
         self.version += 1
         return metrics
+
+    def _accumulate(
+        self, batch: dict[str, Tensor], adv: Tensor, normalizer: Tensor, lengths: Tensor, size: int
+    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """Forward and backward of ``batch`` in micro-batches of ``size`` samples (gradients accumulate).
+
+        Returns:
+            Per micro-batch, in row order: pi's log-probs ``[s, C]`` (detached, 0 outside the kept set),
+            the kept set ``[s, C]``; and pi's entropy summed over the completion tokens (float64).
+        """
+        n = int(batch["completion_mask"].shape[0])
+        pieces: list[Tensor] = []
+        kept_pieces: list[Tensor] = []
+        entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # pi's entropy over the completion tokens
+        for start, part in zip(range(0, n, size), split(batch, size)):
+            logprobs, entropy = self._forward(part, completion_logprobs_and_entropy)  # [s, C] each; entropy 0 off the mask
+            entropy_sum += entropy.sum(dtype=torch.float64)
+            loss, kept, logprobs = self._micro_loss(part, logprobs, adv[start : start + size], normalizer, lengths[start : start + size])
+            if loss.requires_grad:  # a micro-batch without a trainable token (e.g. multi-turn samples that all failed) adds nothing
+                (loss * self.loss_scale).backward()
+            pieces.append(logprobs.detach())
+            kept_pieces.append(kept)
+        return pieces, kept_pieces, entropy_sum
+
+    def _micro_loss(self, part: Mapping[str, Tensor], logprobs: Tensor, adv: Tensor, normalizer: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The objective's loss of one micro-batch ``part`` from pi's log-probs ``[s, C]`` of it (with gradients).
+
+        Returns:
+            ``(loss, kept, logprobs)``: the loss (its term sums over the whole batch's ``normalizer``),
+            the tokens inside pi's (and pi_prox's) kept set, the log-probs with 0 outside it.
+        """
+        config = self.loss.loss
+        # pi = 0 (-inf) only for a sampled token outside pi's kept set: weight 0, never inf or nan
+        kept = ~torch.isneginf(logprobs)  # [s, C]
+        if "proximal_logprobs" in part:  # and outside pi_prox's
+            kept = kept & ~torch.isneginf(part["proximal_logprobs"])
+        logprobs = torch.where(kept, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
+        inside = {**part, "completion_mask": part["completion_mask"] & kept}
+        if "proximal_logprobs" in part:
+            inside["proximal_logprobs"] = torch.where(kept, part["proximal_logprobs"], 0.0)
+        loss, _ = compute_loss(config, logprobs, inside, advantages=adv, normalizer=normalizer, lengths=lengths)
+        return loss, kept, logprobs
+
+    def _clip_gradients(self, max_norm: float) -> Tensor | float:
+        """Clip the gradients to ``max_norm`` by their global norm; the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def weights(self) -> dict[str, Tensor]:
         """The current weights by name, without copying (a transport copies them); tensors on ``device``."""

@@ -5,7 +5,8 @@
 its kind's entry in ``RANK_PROGRAMS``:
 
 - a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them), or with
-  ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.parallel.fsdp``);
+  ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.parallel.fsdp``), or
+  on a mesh with ``pp`` > 1 ``pp_policy.PipelinePolicy`` (pipeline stages x dp replicas);
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
   tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.parallel.tensor_parallel``);
 - anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
@@ -594,7 +595,13 @@ def _rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedT
 
 
 def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
-    """A policy's entry in ``RANK_PROGRAMS``: FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
+    """A policy's entry in ``RANK_PROGRAMS``: pipeline stages for a mesh with ``pp`` > 1
+    (``pp_policy.PipelinePolicy``), FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
+    if _mesh_axes(mesh).get("pp", 1) > 1:
+        from flowrl.runtime.backends.pp_policy import PipelinePolicy
+
+        ctx = _context()
+        return PipelinePolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh, rank=ctx.rank, device=ctx.device)
     if node.optimizer.sharding == "fsdp":
         return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)

@@ -28,7 +28,8 @@ Where things run:
 - Parallel executors (``rank_programs``): a policy on several ranks trains data-parallel
   (``DataParallelPolicy``: equal to a one-process step up to rounding), or sharded with FSDP2 when
   its optimizer says ``sharding="fsdp"`` (``ShardedPolicy``, ``flowrl.runtime.parallel.fsdp``: each rank writes
-  its shards of the checkpoint, so its ``save`` goes to every rank of the node); a generator on several ranks
+  its shards of the checkpoint, so its ``save`` goes to every rank of the node), or in pipeline stages
+  when its mesh has ``pp`` > 1 (``pp_policy.PipelinePolicy``: each stage writes its own state); a generator on several ranks
   runs replicas (``ParallelGenerator``), each a tensor-parallel group with a ``tp`` mesh axis > 1
   (a vLLM generator's group is one vLLM engine with ``tensor_parallel_size`` = tp, ``vllm_replicas``).
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
@@ -84,12 +85,14 @@ from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, co
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.parallel.fsdp import check_ranks, fsdp_policies
+from flowrl.runtime.parallel.pipeline import check_pipeline, pipeline_policies
 from flowrl.runtime.executor_placement import rank_device, resolve_device
 from flowrl.host import host_memory_bytes
 from flowrl.runtime.preflight import check_engine_meshes, check_ranks_fit
 from flowrl.placement.layout import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
+from flowrl.placement.weight_routes import direct_edges
 from flowrl.runtime.parallel.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
@@ -314,6 +317,7 @@ def run_torchrun(
     placement = rank_placement(graph, placement, world)
     ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
+    check_pipeline(graph, axes, skip=config.programs, direct=direct_edges(graph, ranks, config.programs))
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
     cuda = device.type == "cuda"
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
@@ -475,6 +479,7 @@ def _control(
             "threads": torch.get_num_threads(),
         }
         sharded = {n.name for n in fsdp_policies(graph, skip=config.programs)}  # on one rank a policy runs whole and saves one file
+        sharded |= {n.name for n, _ in pipeline_policies(graph, _axes(placement), skip=config.programs)}  # each stage writes its own
         for node, rs in ctx.ranks.items():
             node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}), save_on_every_peer=node in sharded and len(rs) > 1)
         for node, group in node_programs.items():

@@ -129,10 +129,17 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
     return msgspec.to_builtins(dp_replicas(fetchers))
 
 
-def _trainer_layout(graph: Graph, src: str, publishers: tuple[int, ...], programs: dict[str, str]) -> ShardLayout:
+def _trainer_layout(graph: Graph, src: str, publishers: tuple[int, ...], programs: dict[str, str], axes: Any = None) -> Any:
     """The policy side's layout: ``fsdp(ranks)`` (dim-0 chunks, FSDP2's own shards) for a policy with
-    ``sharding="fsdp"`` on several ranks, which publishes its local shards; else full replicas."""
+    ``sharding="fsdp"`` on several ranks, which publishes its local shards; per weight, the ranks of
+    the pipeline stage holding it for a policy whose mesh has ``pp`` > 1 (``pipeline.stage_layouts``);
+    else full replicas."""
     node = graph.node(src)
+    sizes = dict(zip(axes[0], axes[1])) if axes else {}
+    if len(publishers) > 1 and src not in programs and sizes.get("pp", 1) > 1:
+        from flowrl.runtime.parallel.pipeline import stage_layouts
+
+        return stage_layouts(node.model, publishers, sizes)
     optimizer = getattr(node, "optimizer", None)
     if len(publishers) > 1 and src not in programs and getattr(optimizer, "sharding", "replicate") == "fsdp":
         return fsdp(publishers)
@@ -156,7 +163,7 @@ def collective_options(
     params = _param_specs(graph, src)
     options = {
         "params": params,
-        "trainer_layout": _trainer_layout(graph, src, publishers, programs),
+        "trainer_layout": _trainer_layout(graph, src, publishers, programs, axes.get(src)),
         "generator_layout": _generator_layouts(graph, dst, fetchers, dst_axes, params),
         "channel": channel(src, dst),
         "timeout_s": float(timeout_s),
