@@ -113,6 +113,11 @@ class _RankPolicy(PolicyProgram):
     def _share(self, mine: float, total: float) -> None:
         raise NotImplementedError
 
+    def _shares(self) -> tuple[int, int]:
+        """(how many parts a mini-batch splits into, this rank's part): one per rank by default; a
+        tensor-parallel group's ranks share one part (``tp_policy``)."""
+        return len(self.ranks), self.index
+
     def _check(self, sizes: list[int]) -> None:
         """Refuse shards the ranks cannot train together (nothing by default)."""
 
@@ -123,9 +128,10 @@ class _RankPolicy(PolicyProgram):
         from flowrl.operators.shaping import loss_normalizer
         from flowrl.runtime.parallel.distributed import shard_by_groups
 
-        shards = shard_by_groups(mini, len(self.ranks))
+        parts, index = self._shares()
+        shards = shard_by_groups(mini, parts)
         self._check([int(s["completion_mask"].shape[0]) for s in shards])
-        part = shards[self.index]
+        part = shards[index]
         config = self.trainer.loss.loss
         self._share(loss_normalizer(config, part), loss_normalizer(config, mini))
         return part
@@ -141,7 +147,8 @@ class _RankPolicy(PolicyProgram):
         self.trainer.part_of = self._part
         metrics = self.trainer.train_step(batch)
         grad_norm = self._grad_norm(metrics)
-        samples = float(shard_by_groups(batch, len(self.ranks))[self.index]["completion_mask"].shape[0])
+        parts, index = self._shares()
+        samples = float(shard_by_groups(batch, parts)[index]["completion_mask"].shape[0])
         metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
         metrics["policy/grad_norm"] = grad_norm
         if self.device.type == "cpu":  # the step's freed activations (and FSDP's gathered layers) back to the system before the sync
@@ -594,7 +601,12 @@ def _rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedT
 
 
 def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
-    """A policy's entry in ``RANK_PROGRAMS``: FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
+    """A policy's entry in ``RANK_PROGRAMS``: a tensor-parallel policy for a ``tp`` axis > 1
+    (``tp_policy``), FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
+    if _mesh_axes(mesh).get("tp", 1) > 1:
+        from flowrl.runtime.backends.tp_policy import TensorParallelPolicy
+
+        return TensorParallelPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     if node.optimizer.sharding == "fsdp":
         return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)

@@ -475,6 +475,8 @@ def _control(
             "threads": torch.get_num_threads(),
         }
         sharded = {n.name for n in fsdp_policies(graph, skip=config.programs)}  # on one rank a policy runs whole and saves one file
+        sharded |= {n for n, (names, shape) in _axes(placement).items() if dict(zip(names, shape)).get("tp", 1) > 1
+                    and graph.node(n).kind == "policy" and n not in config.programs}  # a tensor-parallel policy (tp_policy)
         for node, rs in ctx.ranks.items():
             node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}), save_on_every_peer=node in sharded and len(rs) > 1)
         for node, group in node_programs.items():
