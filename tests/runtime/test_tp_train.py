@@ -97,6 +97,28 @@ def test_the_hf_plans_come_from_the_family_split_table(tmp_path, family):
         check_tp_policy(_node(model), {"dp": 1, "tp": 4, "pp": 1})
 
 
+def three_kv_heads_graph():
+    """``fsdp_graph``'s pipeline on a model of 6 heads and 3 kv heads, which tp = 2 cannot split."""
+    from flowrl.graph.builder import GraphBuilder
+
+    b = GraphBuilder("three_kv_heads", model=ModelConfig(vocab_size=16, dim=48, n_layers=1, n_heads=6, n_kv_heads=3, max_seq_len=32))
+    prompts = b.source("prompts", task="copy", batch_size=4)
+    gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=5)
+    reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+    policy = b.policy("policy", b.loss("aipo", gen, reward, objective="aipo"), lr=1e-3)
+    b.weights(policy, gen, max_staleness=1)
+    return b.build()
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_refused_at_launch_before_any_work(tmp_path):
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"tp": 2}}}))
+    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_tp_train:three_kv_heads_graph", "--backend", "torchrun",
+                         "--plan", "place.json", "--steps", "2", "--quiet", "--metrics", "m.jsonl"], tmp_path)
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode != 0 and "policy 'policy' (mesh" in said and "tp=2 must divide n_kv_heads=3" in said, proc.stderr[-3000:]
+    assert "pick a tp size dividing both" in said and not (tmp_path / "m.jsonl").exists()
+
+
 def test_the_collective_trainer_layout_is_the_tp_shards():
     """The options the torchrun backend gives the collective transport for a tp = 2 policy: per name."""
     from flowrl.placement.resharding import ShardLayout, replicated, tp_column, tp_row
@@ -205,6 +227,45 @@ def test_a_tp_policy_trains_through_the_cli_and_its_generator_holds_its_weights(
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert export.returncode == 0, export.stderr[-2000:]
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.slow  # 4 torchrun jobs, ~3 min on 2 cores; the fast check of the same is test_a_tp_checkpoint_resumes_on_another_layout
+def test_a_tp_run_resumes_on_one_rank_and_back(tmp_path):
+    """Through the CLI at k = 0: 4 steps at tp = 2; 2 steps at tp = 2 resumed to 4 on tp = 2 and, from a
+    copy, on one rank (the policy whole: tp 2 -> 1), whose one-file state then resumes on tp = 2 to 6
+    (1 -> tp 2). Steps 3-4 draw the same rewards as the uninterrupted run (their rollouts come from
+    weights loaded exactly); the final weights of tp = 2 resumed equal the uninterrupted ones bit for
+    bit (same layout, same arithmetic), those of one rank within 1e-5 (two AdamW steps compound the
+    float summation order of the tp all-reduces: measured, as test_fsdp's resume, not derived)."""
+    import shutil
+
+    from flowrl.runtime.checkpointing.store import read_policy_state
+
+    def run(nproc, policy, steps, ck, *extra):
+        (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": policy}))
+        proc = _torchrun(nproc, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun",
+                                 "--plan", "place.json", "--steps", str(steps), "--quiet", "--metrics", f"{ck}.jsonl",
+                                 "--checkpoint-dir", ck, "--checkpoint-every", "2", "--max-staleness", "0", *extra], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return _rows(tmp_path / f"{ck}.jsonl")
+
+    tp2, one = {"ranks": [1, 2], "mesh": {"tp": 2}}, [1]
+    whole = run(3, tp2, 4, "a")
+    run(3, tp2, 2, "b")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    same = run(3, tp2, 4, "b", "--resume")[-2:]
+    fewer = run(2, one, 4, "c", "--resume")[-2:]
+    want = [r["reward_mean"] for r in whole[2:]]
+    for rows in (same, fewer):
+        assert [r["policy_version"] for r in rows] == [3, 4] and rows[0]["reward_mean"] == want[0], (rows, want)
+    assert next((tmp_path / "c").glob("step-*4/policy-policy.pt"))  # one rank: the whole policy's one file
+    back = run(3, tp2, 6, "c", "--resume")[-2:]
+    assert [r["policy_version"] for r in back] == [5, 6] and next((tmp_path / "c").glob("step-*6/policy-policy.dcp/__1_0.distcp"))
+    final = {k: read_policy_state(tmp_path / k)["model"] for k in ("a", "b")}
+    final["c"] = read_policy_state(tmp_path / "c" / "step-00000004")["model"]
+    assert all(torch.equal(final["b"][n], t) for n, t in final["a"].items())
+    diff = max(float((final["c"][n] - t).abs().max()) for n, t in final["a"].items())
+    assert diff < 1e-5, diff
 
 
 # -- the jobs' entry points (run under torchrun) -----------------------------------------------------

@@ -229,6 +229,7 @@ class ShardedPolicy(_RankPolicy):
     """
 
     saves_on_every_rank = True
+    holds_shards = True  # its weights are DTensors: on the direct route every rank gathers each bucket
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.runtime.parallel.fsdp import shard_trainer_
@@ -583,7 +584,7 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     from flowrl.runtime.backends.direct_route import DirectPolicy
 
     ranks = ctx.ranks[node.name]
-    sharded = isinstance(program, ShardedPolicy)
+    sharded = bool(getattr(program, "holds_shards", False))  # FSDP2 or tensor-parallel: every rank gathers
     return DirectPolicy(program, direct, lead=ctx.rank == ranks[0], sharded=sharded, group=ctx.groups.get(node.name), device=ctx.device)
 
 

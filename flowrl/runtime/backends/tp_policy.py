@@ -24,7 +24,8 @@ and ``tp``; ranks in mesh order, tp innermost). What each rank holds and how a s
 
 Refused by name before any work (``tp_train.check_tp_policy``): a ``tp`` not dividing the heads, the
 kv heads or a split width; ``dp`` > 1 without ``sharding="fsdp"``; LoRA; a ``pp`` axis. A weight edge
-on the direct route into vLLM is refused here (``TensorParallelPolicy.__init__``): use the hop.
+on the direct route into vLLM is served as an FSDP2 policy's: ``direct_route.DirectPolicy`` with every
+rank gathering each bucket (``full_tensor`` of the split weights), the lead sending.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from typing import Any
 
 import torch
 
-from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
 from flowrl.runtime.backends.rank_programs import _context, _mesh_axes, _RankPolicy
@@ -48,20 +48,14 @@ class TensorParallelPolicy(_RankPolicy):
     """One rank of a tensor-parallel policy (see the module docstring)."""
 
     saves_on_every_rank = True
+    holds_shards = True  # on the direct route into vLLM every rank gathers each bucket (``direct_route.DirectPolicy``)
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
-        from flowrl.runtime.backends.weights import channel
         from flowrl.runtime.parallel.tp_train import check_tp_policy, shard_tp_trainer_
 
         ctx = _context()
         sizes = {"dp": 1, "tp": 1, "pp": 1, **_mesh_axes(mesh)}
         check_tp_policy(node, sizes)
-        direct = [channel(e.src, e.dst) for e in graph.weight_edges_from(node.name) if channel(e.src, e.dst) in ctx.direct]
-        if direct:
-            raise ConfigError(
-                f"policy {node.name!r} (mesh {sizes}): the direct weight route into vLLM ({direct}) does not take a tensor-parallel "
-                "policy; name transport='collective' on the weight edge (the hop: each rank sends its shards to the engine ranks)"
-            )
         self.dp, self.tp = sizes["dp"], sizes["tp"]
         self.fsdp = node.optimizer.sharding == "fsdp" and self.dp > 1
         super().__init__(node, graph.loss_of(node.name), graph, transports, device=str(ctx.device))  # type: ignore[arg-type]

@@ -50,7 +50,7 @@ from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.graph.nodes import PolicyNode
 from flowrl.placement.resharding import Replicate, Shard, ShardLayout, dp_tp, replicated, tp_column, tp_row
 
-__all__ = ["mesh_sizes", "check_tp_policy", "tp_plan", "head_local", "shard_tp_trainer_", "clip_grad_norm_", "trainer_layouts"]
+__all__ = ["mesh_sizes", "check_tp_policy", "check_tp_policies", "tp_plan", "head_local", "shard_tp_trainer_", "clip_grad_norm_", "trainer_layouts"]
 
 
 def mesh_sizes(axes: tuple[Sequence[str], Sequence[int]] | None, ranks: int) -> dict[str, int]:
@@ -109,6 +109,22 @@ def check_tp_policy(node: PolicyNode, sizes: Mapping[str, int]) -> None:
             f"{where}: tp={tp} must divide every split width ({shown}); pick a tp dividing them, or a model whose "
             f"{width} (the MLP width) and head sizes are multiples of {tp}"
         )
+
+
+def check_tp_policies(graph: Any, axes: Mapping[str, tuple[Sequence[str], Sequence[int]]], *, skip: Iterable[str] = ()) -> None:
+    """``check_tp_policy`` for every policy of ``graph`` whose mesh (``axes``: node -> (names, shape))
+    has a ``tp`` axis > 1, but those in ``skip`` (user programs): the torchrun backend's check on every
+    rank before any work.
+
+    Raises:
+        ConfigError: as ``check_tp_policy``.
+    """
+    skip = set(skip)
+    for node in graph.nodes_of(PolicyNode):
+        names, shape = axes.get(node.name, ((), ()))
+        sizes = mesh_sizes((names, shape), 1)
+        if node.name not in skip and sizes["tp"] > 1:
+            check_tp_policy(node, sizes)
 
 
 def tp_plan(model: nn.Module) -> dict[str, Any]:
