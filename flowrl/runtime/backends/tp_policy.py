@@ -38,7 +38,7 @@ import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
-from flowrl.runtime.backends.rank_programs import _context, _mesh_axes, _RankPolicy
+from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, _RankPolicy
 from flowrl.runtime.programs import SharedTransports
 
 __all__ = ["TensorParallelPolicy"]
