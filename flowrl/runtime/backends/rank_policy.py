@@ -84,6 +84,13 @@ class _RankPolicy(PolicyProgram):
     def _grad_norm(self, metrics: dict[str, float]) -> float:
         raise NotImplementedError
 
+    def _reduce(self, metrics: dict[str, float], samples: float) -> dict[str, float]:
+        """The batch's metrics from this rank's (``reduce_metrics`` over the policy's ranks, each
+        weighted by its ``samples``); a tensor-parallel group's ranks count once (``tp_policy``)."""
+        from flowrl.runtime.parallel.distributed import reduce_metrics
+
+        return reduce_metrics(metrics, samples, group=self.group, device=self.device)
+
     def _part(self, mini: Batch) -> Batch:
         from flowrl.operators.shaping import loss_normalizer
         from flowrl.runtime.parallel.distributed import shard_by_groups
@@ -98,7 +105,7 @@ class _RankPolicy(PolicyProgram):
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.runtime.parallel.distributed import broadcast_batch, reduce_metrics, shard_by_groups
+        from flowrl.runtime.parallel.distributed import broadcast_batch, shard_by_groups
         from flowrl.host import release_freed_memory
 
         start = time.perf_counter()
@@ -109,7 +116,7 @@ class _RankPolicy(PolicyProgram):
         grad_norm = self._grad_norm(metrics)
         parts, index = self._shares()
         samples = float(shard_by_groups(batch, parts)[index]["completion_mask"].shape[0])
-        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
+        metrics = self._reduce({k: float(v) for k, v in metrics.items()}, samples)
         metrics["policy/grad_norm"] = grad_norm
         if self.device.type == "cpu":  # the step's freed activations (and FSDP's gathered layers) back to the system before the sync
             release_freed_memory()

@@ -11,8 +11,8 @@ and ``tp``; ranks in mesh order, tp innermost). What each rank holds and how a s
   each rank's loss is scaled by ``dp * N_r / N`` (``fsdp.token_scale``, 1 with ``dp`` = 1) so that
   FSDP2's average over ``dp`` is the mini-batch's gradient; the trainer clips by the global norm
   (``tp_train.clip_grad_norm_``, every shard counted once) and steps AdamW on its shards. Metrics are
-  reduced over the policy's ranks weighted by each rank's samples (a tp group's ranks count alike, so
-  the mean is the dp parts');
+  reduced over the ranks of one tp index (``_reduce``: one rank per dp part, weighted by its samples;
+  the ranks of a tp group hold the same figures);
 - weights: on a collective edge every rank publishes its own shards, laid out as
   ``tp_train.trainer_layouts`` says (``flowrl.runtime.backends.weights`` gives the transport the same
   layouts), so each byte leaves one rank once; on a ``shm`` / ``file`` edge every rank gathers
@@ -65,6 +65,7 @@ class TensorParallelPolicy(_RankPolicy):
         with torch.no_grad():
             for p in self.trainer.model.parameters():  # equal whole models on every rank before sharding
                 torch.distributed.broadcast(p.data, src=self.lead, group=group)
+        self.mesh = mesh
         shard_tp_trainer_(self.trainer, mesh, group=group, fsdp=self.fsdp)
         self.collective_bytes = 0
 
@@ -81,6 +82,12 @@ class TensorParallelPolicy(_RankPolicy):
             from flowrl.runtime.parallel.fsdp import check_shards
 
             check_shards(self.name, sizes, self.trainer.node.optimizer.micro_batch_size)
+
+    def _reduce(self, metrics: dict[str, float], samples: float) -> dict[str, float]:
+        """Over the dp parts only: the ranks sharing this rank's tp index (a tp group's ranks hold the same figures)."""
+        from flowrl.runtime.parallel.distributed import reduce_metrics
+
+        return metrics if self.dp == 1 else reduce_metrics(metrics, samples, group=self.mesh["dp"].get_group(), device=self.device)
 
     def _grad_norm(self, metrics: dict[str, float]) -> float:
         return float(metrics["policy/grad_norm"])  # the global norm already (tp_train.clip_grad_norm_), averaged over the steps
