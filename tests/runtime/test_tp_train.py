@@ -34,7 +34,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, LoraConfig, ModelConfig, OptimizerConfig
 from flowrl.graph.nodes import PolicyNode
 
-from tests.runtime.test_fsdp import _batch, _full, _max_diff, _policy, _step_bounds, _trained, fsdp_graph
+from tests.runtime.test_fsdp import _batch, _full, _max_diff, _policy, _published, _step_bounds, _trained, fsdp_graph
 from tests.runtime.test_torchrun import _rows, _torchrun  # the jobs run with PYTHONPATH=ROOT (see _torchrun)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,14 +68,40 @@ def test_a_tp_the_policy_cannot_take_is_refused_by_name(model, sizes, optimizer,
         check_tp_policy(_node(model, **optimizer), {"dp": 1, "tp": 1, "pp": 1, **sizes})
 
 
-def test_lora_on_a_tp_policy_is_refused_by_name(tmp_path):
+def test_lora_dropout_on_a_tp_policy_is_refused_by_name(tmp_path):
     from tests.hf_fixtures import make_hf_dir
 
     from flowrl.runtime.parallel.tp_train import check_tp_policy
 
-    model = HFModelConfig(path=str(make_hf_dir(tmp_path / "q", "qwen2", weights=False)), init="random", lora=LoraConfig(r=2, alpha=4, target_modules=("q_proj",)))
-    with pytest.raises(ConfigError, match=r"LoRA on a tensor-parallel policy is not supported.*drop lora"):
+    model = HFModelConfig(path=str(make_hf_dir(tmp_path / "q", "qwen2", weights=False)), init="random",
+                          lora=LoraConfig(r=2, alpha=4, target_modules=("q_proj",), dropout=0.1))
+    with pytest.raises(ConfigError, match=r"LoRA dropout=0.1 on a tensor-parallel policy would draw a different mask.*dropout=0.0"):
         check_tp_policy(_node(model), {"dp": 1, "tp": 2, "pp": 1})
+    check_tp_policy(_node(msgspec.structs.replace(model, lora=LoraConfig(r=2, alpha=4, target_modules=("q_proj",)))), {"dp": 1, "tp": 2, "pp": 1})
+
+
+def test_a_lora_policy_splits_its_adapters_with_their_targets(tmp_path):
+    """A column target's B splits like it (A whole), a row target's A (B whole): the plan and the layouts agree."""
+    from tests.hf_fixtures import make_hf_dir
+
+    from flowrl.models.lora import add_adapters
+    from flowrl.models.registry import build_model
+    from flowrl.placement.resharding import replicated, tp_column, tp_row
+    from flowrl.runtime.parallel.tensor_parallel import param_splits
+    from flowrl.runtime.parallel.tp_train import head_local, tp_plan, trainer_layouts
+
+    model = HFModelConfig(path=str(make_hf_dir(tmp_path / "q", "qwen3", weights=False)), init="random",
+                          lora=LoraConfig(r=2, alpha=4, target_modules=("q_proj", "o_proj")))
+    net = build_model(model)
+    add_adapters(net, model, owner="policy")
+    plan = {k: type(v).__name__ for k, v in tp_plan(net, param_splits(model)).items() if k.startswith("model.layers.0.self_attn")}
+    at = "model.layers.0.self_attn."
+    assert plan == {at + "q_proj.base_layer": "ColwiseParallel", at + "q_proj.lora_B.default": "ColwiseParallel", at + "k_proj": "ColwiseParallel",
+                    at + "v_proj": "ColwiseParallel", at + "o_proj.base_layer": "RowwiseParallel", at + "o_proj.lora_A.default": "RowwiseParallel"}
+    assert [n for n in head_local(net, param_splits(model)) if n.startswith(at)] == [at + "q_norm.weight", at + "k_norm.weight"]
+    lay = trainer_layouts(model, (0, 1), dp=1, tp=2, fsdp=False)
+    assert (lay[at + "q_proj.lora_A.weight"], lay[at + "q_proj.lora_B.weight"]) == (replicated((0, 1), axis="tp"), tp_column((0, 1)))
+    assert (lay[at + "o_proj.lora_A.weight"], lay[at + "o_proj.lora_B.weight"]) == (tp_row((0, 1)), replicated((0, 1), axis="tp"))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -133,7 +159,7 @@ def test_the_collective_trainer_layout_is_the_tp_shards():
 
 # -- one step, its checkpoint, its weights (one torchrun job per layout and family) ------------------
 @pytest.fixture(scope="module", params=["builtin-tp2", pytest.param("llama-tp2", marks=pytest.mark.slow), pytest.param("qwen2-tp2", marks=pytest.mark.slow),
-                                        "qwen3-tp2", "builtin-dp2tp2", pytest.param("qwen2-dp2tp2", marks=pytest.mark.slow)])  # CI time: Qwen3 (q/k norms summed over tp) stays
+                                        "qwen3-tp2", "builtin-dp2tp2", pytest.param("qwen2-dp2tp2", marks=pytest.mark.slow), "lora-tp2"])  # CI time: Qwen3 (q/k norms summed over tp) stays
 def step_result(request, tmp_path_factory):
     family, layout = request.param.split("-")
     dp = 2 if layout == "dp2tp2" else 1
@@ -141,7 +167,8 @@ def step_result(request, tmp_path_factory):
     if family != "builtin":
         from tests.hf_fixtures import make_hf_dir
 
-        directory = str(make_hf_dir(tmp_path_factory.mktemp(family), family, tie=family == "llama"))  # a tied head (llama), untied with biases (qwen2)
+        hf = "qwen2" if family == "lora" else family  # LoRA: on Qwen2 (biases) at every kind of target (LORA_TP)
+        directory = str(make_hf_dir(tmp_path_factory.mktemp(family), hf, tie=family == "llama"))  # a tied head (llama), untied with biases (qwen2)
     out = tmp_path_factory.mktemp(f"tp-{request.param}")
     proc = _torchrun(2 * dp, [str(THIS), "step", str(out), family, directory, str(dp)], out, retry_cxx_abort=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -196,7 +223,13 @@ def test_flowrl_export_of_a_tp_checkpoint_writes_one_hf_directory(step_result, t
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype=torch.float32)
     exported = model.state_dict()
     name = "model.layers.0.self_attn.q_proj.weight"
-    want = state["model"]["layers.0.attention.wq.weight" if family == "builtin" else name]
+    if family == "lora":  # merged: peft's merge_and_unload of the adapters into the base
+        from flowrl.models.lora import merged_model
+
+        want = merged_model(msgspec.convert(state["model_config"], HFModelConfig), state["model"]).state_dict()[name]
+        assert all(bool(t.abs().sum() > 0) for n, t in state["model"].items() if ".lora_B." in n)  # B moved from 0: a real merge
+    else:
+        want = state["model"]["layers.0.attention.wq.weight" if family == "builtin" else name]
     assert torch.equal(exported[name], want)
 
 
@@ -280,6 +313,7 @@ def test_a_tp_run_resumes_on_one_rank_and_back(tmp_path):
 
 
 # -- the jobs' entry points (run under torchrun) -----------------------------------------------------
+LORA_TP = dict(r=2, alpha=4, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))  # column and row targets
 def _tp_node(family: str, directory: str, dp: int) -> PolicyNode:
     node = _policy(family, directory, "fsdp" if dp > 1 else "replicate")
     return node
@@ -291,6 +325,7 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
     from torch.distributed.tensor import DTensor
 
     from flowrl.graph.nodes import LossNode
+    from flowrl.models.lora import adapter_shapes
     from flowrl.models.registry import weight_shapes
     from flowrl.operators.trainer import Trainer
     from flowrl.placement.resharding import dp_replicas, minimum_bytes
@@ -301,6 +336,9 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
     from flowrl.runtime.transports.collective import CollectiveTransport
     from tests.tolerances import GradientMagnitudes
 
+    import tests.runtime.test_fsdp as fsdp_tests
+
+    fsdp_tests.LORA = LORA_TP  # test_fsdp's policy and bounds read it: adapters on column and row targets alike
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
@@ -342,10 +380,10 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
     save_sharded(mine, ck, group=group)
     dist.barrier()
     state = read_state(ck)
-    full_model = {k: _full(v) for k, v in mine.model.state_dict().items()}
+    full_model = {k: _full(v) for k, v in _published(mine).items()}
     moments = [_full(mine.optimizer.state[p][k]) for p in _trained(mine) for k in ("exp_avg", "exp_avg_sq")]
     result["checkpoint"] = str(ck)
-    result["checkpoint_names_full"] = sorted(state["model"]) == sorted(dict(ref.model.state_dict()))
+    result["checkpoint_names_full"] = sorted(state["model"]) == sorted(_published(ref))
     result["checkpoint_vs_tp"] = _max_diff(state["model"], full_model)
     saved = [state["optimizer"]["state"][i][k] for i, _ in enumerate(_trained(mine)) for k in ("exp_avg", "exp_avg_sq")]
     result["checkpoint_moments_vs_tp"] = max(float((a - b).abs().max()) for a, b in zip(saved, moments))
@@ -358,7 +396,7 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
     # a one-file state into fresh sharded ranks (1 -> tp)
     fresh = build(99)
     load_full_state(fresh, one.state())
-    result["one_file_into_tp"] = _max_diff(dict(fresh.model.state_dict()), dict(one.model.state_dict()))
+    result["one_file_into_tp"] = _max_diff(_published(fresh), _published(one))
     if dp == 1:  # an FSDP2 dp = 2 policy's sharded checkpoint into the tp = 2 policy (dp 2 -> tp 2)
         dp_mesh = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("dp",))
         torch.manual_seed(5)
@@ -370,14 +408,14 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
         save_sharded(sharded, Path(out) / "fsdp.dcp", group=group)
         into = build(7)
         load_sharded(into, Path(out) / "fsdp.dcp", group=group)
-        result["fsdp_into_tp"] = _max_diff(dict(into.model.state_dict()), dict(sharded.model.state_dict()))
+        result["fsdp_into_tp"] = _max_diff(_published(into), _published(sharded))
         result["fsdp_into_tp_moments"] = max(
             float((_full(into.optimizer.state[p][k]) - _full(sharded.optimizer.state[q][k])).abs().max())
             for p, q in zip(_trained(into), _trained(sharded)) for k in ("exp_avg", "exp_avg_sq")
         )
     # the collective transport from the shards into a whole replica on rank 0 (colocated)
     config = _tp_node(family, directory, dp).model
-    shapes = weight_shapes(config)
+    shapes = adapter_shapes(config) if family == "lora" else weight_shapes(config)
     params = {n: {"shape": list(s), "dtype": str(d).removeprefix("torch.")} for n, (s, d) in shapes.items()}
     layouts = trainer_layouts(config, tuple(range(world)), dp=dp, tp=2, fsdp=dp > 1)
     t = CollectiveTransport(params=params, trainer_layout=layouts, generator_layout=dp_replicas((0,)), channel="tp-test", timeout_s=30)

@@ -67,7 +67,7 @@ def check_tp_policy(node: PolicyNode, sizes: Mapping[str, int]) -> None:
         sizes: its mesh's axis sizes (``mesh_sizes``).
 
     Raises:
-        ConfigError: naming the policy, the values and the fix, for a ``pp`` axis > 1, a LoRA policy,
+        ConfigError: naming the policy, the values and the fix, for a ``pp`` axis > 1, LoRA dropout,
             ``dp`` > 1 without ``sharding="fsdp"``, a model family without a split table, or a
             ``tp`` that does not divide the heads, the kv heads or a split weight's width.
     """
@@ -79,10 +79,11 @@ def check_tp_policy(node: PolicyNode, sizes: Mapping[str, int]) -> None:
     where = f"policy {node.name!r} (mesh {dict(sizes)})"
     if pp > 1:
         raise ConfigError(f"{where}: a tensor-parallel policy has no pipeline stages; give it a mesh of dp and tp only (pp=1)")
-    if lora_of(node.model) is not None:
+    lora = lora_of(node.model)
+    if lora is not None and lora.dropout > 0:
         raise ConfigError(
-            f"{where}: LoRA on a tensor-parallel policy is not supported (its adapters are not split); "
-            f"give the policy a mesh of dp={dp * tp} (sharding='fsdp' shards its frozen base), or drop lora"
+            f"{where}: LoRA dropout={lora.dropout} on a tensor-parallel policy would draw a different mask on each tp rank "
+            "for the same (replicated) input; set LoraConfig(dropout=0.0), or give the policy a mesh of dp only"
         )
     if dp > 1 and node.optimizer.sharding != "fsdp":
         raise ConfigError(
@@ -127,9 +128,20 @@ def check_tp_policies(graph: Any, axes: Mapping[str, tuple[Sequence[str], Sequen
             check_tp_policy(node, sizes)
 
 
-def tp_plan(model: nn.Module) -> dict[str, Any]:
+def _owners(splits: Mapping[str, str]) -> dict[str, str]:
+    """Module name -> split of every ``nn.Linear`` whose weight ``splits`` splits (column or row)."""
+    return {n.removesuffix(".weight"): s for n, s in splits.items() if s != "replicated" and n.endswith(".weight")}
+
+
+def tp_plan(model: nn.Module, splits: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Module name -> ``ColwiseParallel`` / ``RowwiseParallel`` for every ``nn.Linear`` whose weight the
-    model family's split table splits (``tensor_parallel.param_splits``); the rest stays as it is.
+    model family's split table splits (``splits``: ``tensor_parallel.param_splits`` of the model's
+    config, the base model's names; default: of ``model``); the rest stays as it is.
+
+    A target that peft wrapped with a LoRA adapter (``base_layer``, ``lora_A``, ``lora_B``): its base
+    layer takes the style; a column-parallel one's ``lora_B`` is column-parallel too (``A``, fed the
+    replicated input, stays whole, its gradient all-reduced by DTensor), a row-parallel one's
+    ``lora_A`` row-parallel (its input is the rank's slice; ``B`` gets the all-reduced sum, whole).
 
     Raises:
         ConfigError: a family without a split table, or a split weight that is not an ``nn.Linear``'s.
@@ -140,36 +152,42 @@ def tp_plan(model: nn.Module) -> dict[str, Any]:
 
     modules = dict(model.named_modules())
     plan: dict[str, Any] = {}
-    for name, split in param_splits(model).items():
-        if split == "replicated" or not name.endswith(".weight"):
-            continue
-        owner = name.removesuffix(".weight")
-        if type(modules.get(owner)) is not nn.Linear:
-            raise ConfigError(f"{name} splits {split}-parallel but {owner} is a {type(modules.get(owner)).__name__}, not an nn.Linear")
-        plan[owner] = ColwiseParallel() if split == "column" else RowwiseParallel()
+    for owner, split in _owners(param_splits(model) if splits is None else splits).items():
+        style = ColwiseParallel if split == "column" else RowwiseParallel
+        module = modules.get(owner)
+        lora = getattr(module, "base_layer", None) is not None and hasattr(module, "lora_A")
+        base = module.base_layer if lora else module  # type: ignore[union-attr]
+        if type(base) is not nn.Linear:
+            raise ConfigError(f"{owner}.weight splits {split}-parallel but {owner} is a {type(module).__name__}, not an nn.Linear")
+        plan[f"{owner}.base_layer" if lora else owner] = style()
+        if lora:
+            side = "lora_B" if split == "column" else "lora_A"
+            for key in getattr(module, side):
+                plan[f"{owner}.{side}.{key}"] = style()
     return plan
 
 
-def head_local(model: nn.Module, plan: Mapping[str, Any]) -> list[str]:
-    """Names of the parameters the plan leaves whole but that see only this rank's heads or hidden
-    units: those of a module beside a column-parallel projection (the same parent, not in the plan),
-    e.g. Qwen3's per-head ``self_attn.q_norm`` / ``k_norm``. Every tp rank holds them whole, but each
-    computes their gradient from its own heads only: the sum over tp is the gradient.
+def head_local(model: nn.Module, splits: Mapping[str, str] | None = None) -> list[str]:
+    """Names of the parameters tensor parallelism leaves whole but that see only this rank's heads or
+    hidden units: those of a module beside a column-parallel projection (the same parent, neither a
+    split projection nor inside one), e.g. Qwen3's per-head ``self_attn.q_norm`` / ``k_norm``. Every tp
+    rank holds them whole, but each computes their gradient from its own heads only: the sum over tp
+    is the gradient. ``splits`` as ``tp_plan``'s.
 
     Example:
         >>> from flowrl.graph.configs import ModelConfig
         >>> from flowrl.models.registry import meta_model
-        >>> m = meta_model(ModelConfig(dim=64, n_heads=4, n_kv_heads=2, n_layers=1))
-        >>> head_local(m, tp_plan(m))  # the built-in blocks hold nothing beside their projections
+        >>> head_local(meta_model(ModelConfig(dim=64, n_heads=4, n_kv_heads=2, n_layers=1)))  # nothing beside the built-in projections
         []
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel
+    from flowrl.runtime.parallel.tensor_parallel import param_splits
 
-    parents = {name.rpartition(".")[0] for name, style in plan.items() if isinstance(style, ColwiseParallel)}
+    owners = _owners(param_splits(model) if splits is None else splits)
+    parents = {o.rpartition(".")[0] for o, split in owners.items() if split == "column"}
     out = []
     for name, module in model.named_modules():
         parent = name.rpartition(".")[0]
-        if name in plan or parent not in parents or not name:
+        if not name or parent not in parents or name in owners:
             continue
         out.extend(f"{name}.{k}" for k, p in module.named_parameters() if p is not None)
     return out
@@ -196,8 +214,11 @@ def shard_tp_trainer_(trainer: Any, mesh: Any, *, group: Any, fsdp: bool) -> Non
 
     names = tuple(mesh.mesh_dim_names or ())
     tp_mesh = mesh["tp"] if len(names) > 1 else mesh
-    plan = tp_plan(trainer.model)
-    partial = set(head_local(trainer.model, plan))
+    from flowrl.runtime.parallel.tensor_parallel import param_splits
+
+    splits = param_splits(trainer.node.model)  # the base model's names (a LoRA policy's targets are wrapped)
+    plan = tp_plan(trainer.model, splits)
+    partial = set(head_local(trainer.model, splits))
     parallelize_module(trainer.model, tp_mesh, plan)
     _local_heads(trainer.model, tp_mesh.size())
     if fsdp:
@@ -273,6 +294,7 @@ def trainer_layouts(model: ModelConfig | HFModelConfig, ranks: Sequence[int], *,
     Raises:
         ConfigError: as ``tensor_parallel.param_splits``, or ``dp * tp != len(ranks)``.
     """
+    from flowrl.models.lora import adapter_shapes, lora_of
     from flowrl.runtime.parallel.tensor_parallel import param_splits
 
     ranks = tuple(ranks)
@@ -288,4 +310,12 @@ def trainer_layouts(model: ModelConfig | HFModelConfig, ranks: Sequence[int], *,
         }
     else:
         raise ConfigError(f"trainer_layouts: dp={dp} x tp={tp} without FSDP is not a layout a policy trains in (check_tp_policy refuses it)")
-    return {name: kinds[split] for name, split in param_splits(model).items()}
+    splits = param_splits(model)
+    if lora_of(model) is not None:  # the adapters travel (``<module>.lora_A.weight``): split as ``tp_plan`` splits them
+        adapters = {}
+        for name in adapter_shapes(model):
+            module, side, _ = name.rsplit(".", 2)
+            target = splits.get(f"{module}.weight", "replicated")
+            adapters[name] = {("column", "lora_B"): "column", ("row", "lora_A"): "row"}.get((target, side), "replicated")
+        splits = adapters
+    return {name: kinds[split] for name, split in splits.items()}
