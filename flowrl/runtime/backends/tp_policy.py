@@ -23,7 +23,8 @@ and ``tp``; ranks in mesh order, tp innermost). What each rank holds and how a s
   DCP reshards by overlap) or a one-file state (each rank keeps its pieces).
 
 Refused by name before any work (``tp_train.check_tp_policy``): a ``tp`` not dividing the heads, the
-kv heads or a split width; ``dp`` > 1 without ``sharding="fsdp"``; LoRA; a ``pp`` axis. A weight edge
+kv heads or a split width; ``dp`` > 1 without ``sharding="fsdp"``; LoRA dropout; a ``pp`` axis. A LoRA
+policy trains its adapters split with their targets (``tp_train.tp_plan``), publishes and checkpoints them. A weight edge
 on the direct route into vLLM is served as an FSDP2 policy's: ``direct_route.DirectPolicy`` with every
 rank gathering each bucket (``full_tensor`` of the split weights), the lead sending.
 """

@@ -16,6 +16,10 @@ mesh (every rank calls it, in the same order), after every rank built the same w
 - With ``sharding="fsdp"`` and a ``dp`` axis > 1, FSDP2 (``fully_shard``) over ``dp`` then shards
   every block and the root, as ``flowrl.runtime.parallel.fsdp`` does on a 1-D mesh: each parameter
   becomes a DTensor over (dp, tp) (a plain one over dp), dim 0 chunked over dp inside its tp shard.
+- A LoRA policy (``flowrl.models.lora``: peft's layers around the targets): a column target's base
+  layer and its ``lora_B`` are column-parallel, ``lora_A`` whole; a row target's base layer and its
+  ``lora_A`` row-parallel, ``lora_B`` whole (``tp_plan``); the adapters publish and checkpoint split
+  so (``trainer_layouts``). LoRA dropout is refused (each tp rank would draw its own mask).
 - A whole parameter beside the column-parallel projections (``head_local``: Qwen3's per-head q/k
   norms) sees only the rank's heads, so its gradient on each rank is a part: it is summed over tp
   before the clip.
@@ -26,7 +30,8 @@ mesh (every rank calls it, in the same order), after every rank built the same w
   edge publishes, laid out as ``trainer_layouts`` says).
 
 Tensor parallelism splits attention by whole heads and the MLP by equal slices: ``check_tp_policy``
-refuses, before any work, a ``tp`` that does not divide the heads, the kv heads or any split width.
+refuses, before any work, a ``tp`` that does not divide the heads, the kv heads or any split width
+(``check_tp_policies``: every policy of a torchrun job's placement, on every rank).
 
 Example (the plan of a one-layer built-in model):
     >>> from flowrl.graph.configs import ModelConfig
