@@ -313,6 +313,48 @@ def test_a_tp_run_resumes_on_one_rank_and_back(tmp_path):
     assert diff < 1e-5, diff
 
 
+# -- a tensor-parallel reference ---------------------------------------------------------------------
+def test_a_tp_reference_the_program_cannot_run_is_refused_by_name():
+    from flowrl.examples import build_example
+    from flowrl.runtime.parallel.tp_train import check_tp_meshes
+
+    graph = build_example("llamarl_ref")
+    check_tp_meshes(graph, {"ref": (("tp",), (2,))})  # frozen, 4 heads: runs
+    with pytest.raises(ConfigError, match=r"reference 'ref' \(mesh .*\): a tensor-parallel reference splits its model over tp only; .*\{'dp': 2\} must be 1"):
+        check_tp_meshes(graph, {"ref": (("dp", "tp"), (2, 2))})
+    with pytest.raises(ConfigError, match=r"reference 'ref' .*tp=8 must divide n_heads=4"):
+        check_tp_meshes(graph, {"ref": (("tp",), (8,))})
+    ref = graph.node("ref")
+    syncing = msgspec.structs.replace(ref, reference=msgspec.structs.replace(ref.reference, sync_steps=2))
+    from flowrl.runtime.parallel.tp_train import check_tp_reference
+
+    with pytest.raises(ConfigError, match=r"a syncing reference \(sync_steps=2\) cannot be tensor-parallel.*sync_steps=0"):
+        check_tp_reference(syncing, {"dp": 1, "tp": 2, "pp": 1})
+
+
+@pytest.mark.slow  # two torchrun jobs, ~1 min on 2 cores
+def test_a_tp_reference_gives_the_one_rank_references_log_probs(tmp_path):
+    """``llamarl_ref`` at k = 0, seed 0, with its frozen reference on one rank and on two as tp = 2: the
+    first step's rollout is the same (same generator, same seed), so its KL to the reference and its
+    loss differ only by the reference's float32 rounding (``graph_logprob_atol``, one step)."""
+    from flowrl.examples import build_example
+    from tests.tolerances import graph_logprob_atol
+
+    def run(ref, nproc, name):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"gen": [0], "policy": [1], "ref": ref}))
+        proc = _torchrun(nproc, ["-m", "flowrl", "run", "llamarl_ref", "--backend", "torchrun", "--plan", f"{name}.json", "--steps", "2",
+                                 "--max-staleness", "0", "--seed", "0", "--quiet", "--metrics", f"{name}.jsonl"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return _rows(tmp_path / f"{name}.jsonl")
+
+    one, tp = run([2], 3, "one"), run({"ranks": [2, 3], "mesh": {"tp": 2}}, 4, "tp")
+    atol = graph_logprob_atol(build_example("llamarl_ref"), steps=1)
+    assert one[0]["reward_mean"] == tp[0]["reward_mean"]
+    assert abs(one[0]["loss/kl_ref"] - tp[0]["loss/kl_ref"]) <= atol, (one[0], tp[0], atol)
+    assert abs(one[0]["loss"] - tp[0]["loss"]) <= atol, (one[0]["loss"], tp[0]["loss"], atol)
+    assert [r["policy_version"] for r in tp] == [1, 2]
+
+
 # -- the jobs' entry points (run under torchrun) -----------------------------------------------------
 LORA_TP = dict(r=2, alpha=4, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))  # column and row targets
 def _tp_node(family: str, directory: str, dp: int) -> PolicyNode:

@@ -9,7 +9,8 @@ its kind's entry in ``RANK_PROGRAMS``:
   or with a ``tp`` mesh axis > 1 ``tp_policy.TensorParallelPolicy``; they share ``rank_policy._RankPolicy``'s step;
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
   tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.parallel.tensor_parallel``);
-- anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
+- a reference: tensor-parallel with a ``tp`` mesh axis > 1 (``tp_reference``), else as anything else;
+- anything else (a critic, a user or synthetic program): on the lead rank only; the others idle.
 
 ``RankContext`` (``rank_policy``) is what every rank knows about the job; ``flowrl.runtime.backends.torchrun``
 sets it once per process before any program is built.
@@ -503,7 +504,18 @@ def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: Sh
     return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
 
 
+def reference_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
+    """A reference's entry in ``RANK_PROGRAMS``: tensor-parallel for a ``tp`` axis > 1 (``tp_reference``),
+    else its own program on the lead rank while the others idle."""
+    if _mesh_axes(mesh).get("tp", 1) > 1:
+        from flowrl.runtime.backends.tp_reference import TensorParallelReference
+
+        return TensorParallelReference(node, graph, transports, device=env.device_of(node.name), timeout_s=env.weight_timeout_s,  # type: ignore[arg-type]
+                                       group=group, ranks=ranks, mesh=mesh)
+    return build_program(graph, node.name, env, transports) if _context().rank == ranks[0] else _Idle()
+
+
 #: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,
 #: group, ranks, mesh) -> program``, built on every rank of its mesh; a kind not here runs its own
 #: program (``flowrl.runtime.program_table.PROGRAMS``) on the mesh's lead rank while the others idle.
-RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks}
+RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks, "reference": reference_ranks}

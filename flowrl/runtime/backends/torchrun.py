@@ -84,7 +84,7 @@ from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, co
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.parallel.fsdp import check_ranks, fsdp_policies
-from flowrl.runtime.parallel.tp_train import check_tp_policies
+from flowrl.runtime.parallel.tp_train import check_tp_meshes
 from flowrl.runtime.executor_placement import rank_device, resolve_device
 from flowrl.host import host_memory_bytes
 from flowrl.runtime.preflight import check_engine_meshes, check_ranks_fit
@@ -315,7 +315,7 @@ def run_torchrun(
     placement = rank_placement(graph, placement, world)
     ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
-    check_tp_policies(graph, axes, skip=config.programs)  # a tensor-parallel policy's tp against its heads and widths
+    check_tp_meshes(graph, axes, skip=config.programs)  # a tensor-parallel policy's tp against its heads and widths
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
     cuda = device.type == "cuda"
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))

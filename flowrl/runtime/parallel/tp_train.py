@@ -31,7 +31,7 @@ mesh (every rank calls it, in the same order), after every rank built the same w
 
 Tensor parallelism splits attention by whole heads and the MLP by equal slices: ``check_tp_policy``
 refuses, before any work, a ``tp`` that does not divide the heads, the kv heads or any split width
-(``check_tp_policies``: every policy of a torchrun job's placement, on every rank).
+(``check_tp_meshes``: every policy and reference of a torchrun job's placement, on every rank).
 
 Example (the plan of a one-layer built-in model):
     >>> from flowrl.graph.configs import ModelConfig
@@ -55,7 +55,7 @@ from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.graph.nodes import PolicyNode
 from flowrl.placement.resharding import Replicate, Shard, ShardLayout, dp_tp, replicated, tp_column, tp_row
 
-__all__ = ["mesh_sizes", "check_tp_policy", "check_tp_policies", "tp_plan", "head_local", "shard_tp_trainer_", "clip_grad_norm_", "trainer_layouts"]
+__all__ = ["mesh_sizes", "check_tp_policy", "check_tp_reference", "check_tp_meshes", "tp_plan", "head_local", "shard_tp_model_", "shard_tp_trainer_", "clip_grad_norm_", "trainer_layouts"]
 
 
 def mesh_sizes(axes: tuple[Sequence[str], Sequence[int]] | None, ranks: int) -> dict[str, int]:
@@ -77,8 +77,6 @@ def check_tp_policy(node: PolicyNode, sizes: Mapping[str, int]) -> None:
             ``tp`` that does not divide the heads, the kv heads or a split weight's width.
     """
     from flowrl.models.lora import lora_of
-    from flowrl.models.registry import weight_shapes
-    from flowrl.runtime.parallel.tensor_parallel import check_tp, param_splits
 
     tp, dp, pp = sizes["tp"], sizes["dp"], sizes["pp"]
     where = f"policy {node.name!r} (mesh {dict(sizes)})"
@@ -95,21 +93,50 @@ def check_tp_policy(node: PolicyNode, sizes: Mapping[str, int]) -> None:
             f"{where}: dp={dp} x tp={tp} needs sharding='fsdp' (FSDP2 over dp on the 2-D mesh); data-parallel replicas "
             "of a tensor-parallel group are not supported: set sharding='fsdp' on the policy, or give it a mesh of tp only"
         )
-    if not isinstance(node.model, (ModelConfig, HFModelConfig)):
-        raise ConfigError(f"{where}: tensor parallelism trains a ModelConfig or an HFModelConfig, got {type(node.model).__name__}")
+    _check_splits(where, node.model, tp)
+
+
+def check_tp_reference(node: Any, sizes: Mapping[str, int]) -> None:
+    """Refuse, before any work, a tensor-parallel reference (``tp_reference``) it cannot run as asked.
+
+    Raises:
+        ConfigError: naming the reference, the values and the fix, for an axis other than ``tp`` > 1,
+            a syncing reference (``sync_steps`` > 0), or a ``tp`` the model cannot be split into.
+    """
+    where = f"reference {node.name!r} (mesh {dict(sizes)})"
+    other = {a: n for a, n in sizes.items() if a != "tp" and n > 1}
+    if other:
+        raise ConfigError(f"{where}: a tensor-parallel reference splits its model over tp only; give it a mesh of tp={sizes['tp']} ({other} must be 1)")
+    sync = getattr(getattr(node, "reference", None), "sync_steps", 0)
+    if sync:
+        raise ConfigError(
+            f"{where}: a syncing reference (sync_steps={sync}) cannot be tensor-parallel (it mixes the policy's whole weights); "
+            "give it one rank, or sync_steps=0"
+        )
+    _check_splits(where, node.model, sizes["tp"])
+
+
+def _check_splits(where: str, model: Any, tp: int) -> None:
+    """Refuse a model tp cannot split: its family has no split table, tp does not divide the heads,
+    the kv heads or a split weight's width (``where`` names the node and its mesh)."""
+    from flowrl.models.registry import weight_shapes
+    from flowrl.runtime.parallel.tensor_parallel import check_tp, param_splits
+
+    if not isinstance(model, (ModelConfig, HFModelConfig)):
+        raise ConfigError(f"{where}: tensor parallelism splits a ModelConfig or an HFModelConfig, got {type(model).__name__}")
     try:
-        check_tp(node.model, tp)
-        splits = param_splits(node.model)
+        check_tp(model, tp)
+        splits = param_splits(model)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    shapes = weight_shapes(node.model)
+    shapes = weight_shapes(model)
     bad = {}
     for name, split in splits.items():
         dim = {"column": 0, "row": 1}.get(split)
         if dim is not None and shapes[name][0][dim] % tp:
             bad[name] = shapes[name][0][dim]
     if bad:
-        width = "ffn_dim" if isinstance(node.model, ModelConfig) else "intermediate_size"
+        width = "ffn_dim" if isinstance(model, ModelConfig) else "intermediate_size"
         shown = ", ".join(f"{n} splits {w}" for n, w in list(bad.items())[:3])
         raise ConfigError(
             f"{where}: tp={tp} must divide every split width ({shown}); pick a tp dividing them, or a model whose "
@@ -117,20 +144,24 @@ def check_tp_policy(node: PolicyNode, sizes: Mapping[str, int]) -> None:
         )
 
 
-def check_tp_policies(graph: Any, axes: Mapping[str, tuple[Sequence[str], Sequence[int]]], *, skip: Iterable[str] = ()) -> None:
-    """``check_tp_policy`` for every policy of ``graph`` whose mesh (``axes``: node -> (names, shape))
-    has a ``tp`` axis > 1, but those in ``skip`` (user programs): the torchrun backend's check on every
-    rank before any work.
+def check_tp_meshes(graph: Any, axes: Mapping[str, tuple[Sequence[str], Sequence[int]]], *, skip: Iterable[str] = ()) -> None:
+    """``check_tp_policy`` / ``check_tp_reference`` for every policy and reference of ``graph`` whose mesh
+    (``axes``: node -> (names, shape)) has a ``tp`` axis > 1, but those in ``skip`` (user programs):
+    the torchrun backend's check on every rank before any work.
 
     Raises:
-        ConfigError: as ``check_tp_policy``.
+        ConfigError: as ``check_tp_policy`` and ``check_tp_reference``.
     """
     skip = set(skip)
-    for node in graph.nodes_of(PolicyNode):
+    for node in graph.nodes:
         names, shape = axes.get(node.name, ((), ()))
         sizes = mesh_sizes((names, shape), 1)
-        if node.name not in skip and sizes["tp"] > 1:
+        if node.name in skip or sizes["tp"] < 2:
+            continue
+        if node.kind == "policy":
             check_tp_policy(node, sizes)
+        elif node.kind == "reference":
+            check_tp_reference(node, sizes)
 
 
 def _owners(splits: Mapping[str, str]) -> dict[str, str]:
@@ -208,24 +239,32 @@ def _local_heads(model: nn.Module, tp: int) -> None:
             block.attention.n_kv_heads //= tp
 
 
+def shard_tp_model_(model: nn.Module, tp_mesh: Any, config: ModelConfig | HFModelConfig) -> set[str]:
+    """Split ``model`` (``config``'s, LoRA adapters included) over the 1-D ``tp_mesh`` in place
+    (``parallelize_module`` with ``tp_plan``; the built-in attention told its local heads); returns
+    ``head_local``'s names. Every rank of the mesh calls it with equal whole models."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from flowrl.runtime.parallel.tensor_parallel import param_splits
+
+    splits = param_splits(config)  # the base model's names (a LoRA policy's targets are wrapped)
+    plan = tp_plan(model, splits)
+    partial = set(head_local(model, splits))
+    parallelize_module(model, tp_mesh, plan)
+    _local_heads(model, tp_mesh.size())
+    return partial
+
+
 def shard_tp_trainer_(trainer: Any, mesh: Any, *, group: Any, fsdp: bool) -> None:
     """Shard ``trainer``'s model over ``mesh`` (axes ``tp`` and optionally ``dp``; see the module
     docstring). Every rank of ``mesh`` calls it with equal whole models (``group``: every rank of the
     policy, for the gradient norm); ``fsdp``: FSDP2 over ``dp`` too (``dp`` > 1)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     from flowrl.operators.trainer import learning_rate
     from flowrl.runtime.parallel.fsdp import local_weights
 
     names = tuple(mesh.mesh_dim_names or ())
     tp_mesh = mesh["tp"] if len(names) > 1 else mesh
-    from flowrl.runtime.parallel.tensor_parallel import param_splits
-
-    splits = param_splits(trainer.node.model)  # the base model's names (a LoRA policy's targets are wrapped)
-    plan = tp_plan(trainer.model, splits)
-    partial = set(head_local(trainer.model, splits))
-    parallelize_module(trainer.model, tp_mesh, plan)
-    _local_heads(trainer.model, tp_mesh.size())
+    partial = shard_tp_model_(trainer.model, tp_mesh, trainer.node.model)
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
