@@ -358,8 +358,8 @@ def test_a_tp_reference_gives_the_one_rank_references_log_probs(tmp_path):
 # -- the jobs' entry points (run under torchrun) -----------------------------------------------------
 LORA_TP = dict(r=2, alpha=4, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))  # column and row targets
 def _tp_node(family: str, directory: str, dp: int) -> PolicyNode:
-    node = _policy(family, directory, "fsdp" if dp > 1 else "replicate")
-    return node
+    """The policy at tp = 2: FSDP2 over dp when dp > 1 (``check_tp_policy``'s rule), plain at dp = 1."""
+    return _policy(family, directory, "fsdp" if dp > 1 else "replicate")
 
 
 def _step_job(out: str, family: str, directory: str, dp: int) -> int:
@@ -414,7 +414,9 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
     result: dict = {"grad_clip": 0.01, "sharded": sum(isinstance(p, DTensor) for p in mine.model.parameters())}
     result.update(_step_bounds(mine, ref, mags, batches[0], ref_metrics["policy/grad_norm"], family))
     result.update(grad_norm_ref=ref_metrics["policy/grad_norm"], grad_norm_tp=metrics["policy/grad_norm"], loss_ref=ref_metrics["loss"], loss_tp=float(weighted))
-    plain = torch.cat([p.detach().flatten() for p in mine.model.parameters() if not isinstance(p, DTensor)] or [torch.zeros(1)])
+    untouched = [p.to_local() if isinstance(p, DTensor) else p for p in mine.model.parameters()  # left whole by tp (FSDP2 may chunk them over dp)
+                 if not isinstance(p, DTensor) or "tp" not in (p.device_mesh.mesh_dim_names or ())]
+    plain = torch.cat([p.detach().flatten() for p in untouched])
     every = [torch.zeros_like(plain) for _ in range(world)]
     dist.all_gather(every, plain)
     result["replicated_alike"] = all(torch.equal(e, every[2 * (r // 2)]) for r, e in enumerate(every))
