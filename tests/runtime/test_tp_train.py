@@ -274,6 +274,24 @@ def test_a_tp_policy_trains_through_the_cli_and_its_generator_holds_its_weights(
     assert (tmp_path / "hf" / "config.json").is_file()
 
 
+@pytest.mark.slow  # one 4-rank torchrun job, ~30 s on 2 cores
+def test_a_tp_policy_feeds_a_tp_generator(tmp_path):
+    """Policy tp = 2 on ranks 2-3, generator tp = 2 on ranks 0-1 (each rank its shards of both: the
+    collective transport reshards shard to shard). At k = 0 every rollout comes from the weights the
+    policy trains on: mu (the sharded generator) equals pi (the sharded trainer) within float32
+    rounding (``graph_logprob_atol``), which a weight that did not arrive would break."""
+    from tests.tolerances import graph_logprob_atol
+
+    (tmp_path / "place.json").write_text(json.dumps({"gen": {"ranks": [0, 1], "mesh": {"tp": 2}}, "policy": {"ranks": [2, 3], "mesh": {"tp": 2}}}))
+    proc = _torchrun(4, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun", "--plan", "place.json",
+                         "--steps", "3", "--max-staleness", "0", "--quiet", "--metrics", "m.jsonl"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "m.jsonl")
+    atol = graph_logprob_atol(fsdp_graph(max_staleness=0), steps=3)
+    assert [r["policy_version"] for r in rows] == [1, 2, 3] and all(r["staleness"] == 0 for r in rows)
+    assert all(r["mismatch/tokens"] > 0 and r["mismatch/abs_logp_max"] < atol for r in rows), (rows, atol)
+
+
 @pytest.mark.slow  # 4 torchrun jobs, ~3 min on 2 cores; the fast check of the same is test_a_tp_checkpoint_resumes_on_another_layout
 def test_a_tp_run_resumes_on_one_rank_and_back(tmp_path):
     """Through the CLI at k = 0: 4 steps at tp = 2; 2 steps at tp = 2 resumed to 4 on tp = 2 and, from a
