@@ -1,4 +1,4 @@
-"""A policy trained with tensor parallelism (a ``tp`` axis on its mesh): DTensor plans, checks, the global norm.
+"""Tensor parallelism of a policy (and of a frozen reference) under torchrun: DTensor plans, checks, the global norm.
 
 What ``shard_tp_trainer_`` does to a ``flowrl.operators.trainer.Trainer`` on each rank of the policy's
 mesh (every rank calls it, in the same order), after every rank built the same whole model:
