@@ -190,6 +190,8 @@ class Trainer:
             optimizer step and once on the whole batch (for the rollout's metrics); a data-parallel
             program sets it (``flowrl.runtime.backends.rank_programs``), and sets its rank's share of the
             loss there. The identity in one process.
+        clip_grad_norm: ``(parameters, max_norm) -> the global norm before clipping``, clipping in place:
+            ``torch.nn.utils.clip_grad_norm_``, or a tensor-parallel rank's (``flowrl.runtime.parallel.tp_train``).
 
     Raises:
         ConfigError: for an unknown objective, or ``packing=True`` with a model family that cannot
@@ -217,6 +219,7 @@ class Trainer:
         self._weights = adapter_weights(self.model) if self.lora else weight_dict(self.model)  # views of the parameters, updated in place
         self.loss_scale = 1.0  # a factor on the loss before backward, set per step by flowrl.runtime.parallel.fsdp
         self.part_of: Callable[[dict[str, Tensor]], dict[str, Tensor]] = _whole  # a data-parallel rank's share
+        self.clip_grad_norm: Callable[[Any, float], Tensor] = torch.nn.utils.clip_grad_norm_  # a tensor-parallel rank's counts each shard once
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
         """One rollout batch: ``num_iterations * num_mini_batches`` optimizer steps (module docstring), each
@@ -414,8 +417,8 @@ class Trainer:
         return loss, kept, logprobs
 
     def _clip_gradients(self, max_norm: float) -> Tensor | float:
-        """Clip the gradients to ``max_norm`` by their global norm; the norm before clipping."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        """Clip the gradients to ``max_norm`` by their global norm (``clip_grad_norm``); the norm before clipping."""
+        return self.clip_grad_norm(self.model.parameters(), max_norm)
 
     def weights(self) -> dict[str, Tensor]:
         """The current weights by name, without copying (a transport copies them); tensors on ``device``."""

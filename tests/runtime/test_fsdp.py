@@ -81,9 +81,9 @@ def test_fsdp_on_a_one_process_backend_is_refused_before_any_work(tmp_path, back
     ("ranks", "axes", "match"),
     [
         ({"gen": (0,), "policy": ()}, {}, r"policy 'policy' has sharding='fsdp' but the plan gives it no rank"),
-        ({"gen": (0,), "policy": (1, 2)}, {"policy": (("dp", "tp"), (1, 2))}, r"its mesh also has \{'tp': 2\}; give the policy a mesh of dp=2 only"),
+        ({"gen": (0,), "policy": (1, 2)}, {"policy": (("dp", "pp"), (1, 2))}, r"its mesh also has \{'pp': 2\}; give the policy a mesh of dp=2 only"),
     ],
-    ids=["no-rank", "tp-axis"],
+    ids=["no-rank", "pp-axis"],
 )
 def test_fsdp_placements_are_refused(ranks, axes, match):
     from flowrl.runtime.parallel.fsdp import check_ranks
@@ -92,6 +92,7 @@ def test_fsdp_placements_are_refused(ranks, axes, match):
         check_ranks(fsdp_graph(), ranks, axes)
     check_ranks(fsdp_graph(), {"gen": (0,), "policy": (1, 2)}, {"policy": (("dp",), (2,))})  # fine
     check_ranks(fsdp_graph(), {"gen": (0,), "policy": (1,)}, {})  # one rank: FSDP2 over a 1-rank mesh (resume a sharded run on fewer ranks)
+    check_ranks(fsdp_graph(), {"gen": (0,), "policy": (1, 2, 3, 4)}, {"policy": (("dp", "tp"), (2, 2))})  # FSDP2 over dp of a tp policy (tp_train)
 
 
 @pytest.mark.parametrize(

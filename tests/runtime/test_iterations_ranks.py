@@ -1,7 +1,8 @@
-"""Several updates per batch on 2 torchrun ranks (gloo): replicas and FSDP shards equal one process.
+"""Several updates per batch on 2 torchrun ranks (gloo): replicas, FSDP shards and tp = 2 equal one process.
 
 The job (``python tests/runtime/test_iterations_ranks.py OUT``, under torchrun) builds the real
-rank programs (``DataParallelPolicy``, ``ShardedPolicy``) of a policy with ``num_iterations=2`` and
+rank programs (``DataParallelPolicy``, ``ShardedPolicy``, ``TensorParallelPolicy`` on a mesh
+``{"tp": 2}``, whose two ranks train on the whole mini-batch) of a policy with ``num_iterations=2`` and
 ``num_mini_batches=2`` and runs one ``step`` on a batch of 4 prompt groups; each optimizer step's
 mini-batch (2 groups) is split across the ranks, one group each, with unequal token counts. A
 one-process ``Trainer`` on the whole batch is the reference: 4 AdamW steps, same versions, same
@@ -37,10 +38,10 @@ def test_replicas_and_shards_take_the_one_process_updates(tmp_path):
     proc = _torchrun(2, [str(THIS), str(tmp_path / "out.json")], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((tmp_path / "out.json").read_text())
-    for mode in ("replicate", "fsdp"):
+    for mode in ("replicate", "fsdp", "tp"):
         r = result[mode]
         assert r["version"] == r["ref_version"] == 4, r
-        assert r["tokens"][0] != r["tokens"][1], r  # unequal shares: the per-mini-batch scale matters
+        assert mode == "tp" or r["tokens"][0] != r["tokens"][1], r  # unequal shares: the per-mini-batch scale matters
         assert r["max_grad_diff"] < 2e-5 * r["max_grad"], r
         assert r["max_param_diff"] < 1e-4, r
         assert abs(r["grad_norm"] - r["ref_grad_norm"]) < 1e-5 * r["ref_grad_norm"], r
@@ -63,6 +64,7 @@ def _job(out: str) -> int:
     from flowrl.operators.source import PromptSource
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.backends.rank_programs import DataParallelPolicy, RankContext, ShardedPolicy, set_context
+    from flowrl.runtime.backends.tp_policy import TensorParallelPolicy
     from flowrl.runtime.parallel.distributed import broadcast_batch, shard_by_groups
     from flowrl.runtime.parallel.fsdp import full_weights
 
@@ -72,10 +74,10 @@ def _job(out: str) -> int:
     rank = dist.get_rank()
     set_context(RankContext(rank=rank, world=2, ranks={"policy": (0, 1)}, programs={}))
     result = {}
-    for mode in ("replicate", "fsdp"):
+    for mode in ("replicate", "fsdp", "tp"):
         g = graph(k=0)
         policy = g.node("policy")
-        policy = msgspec.structs.replace(policy, optimizer=msgspec.structs.replace(policy.optimizer, sharding=mode, grad_clip=0.5))
+        policy = msgspec.structs.replace(policy, optimizer=msgspec.structs.replace(policy.optimizer, sharding="replicate" if mode == "tp" else mode, grad_clip=0.5))
         batch = None
         if rank == 0:
             rollout = Generator(g.node("gen"), seed=7).generate(PromptSource(g.node("prompts")).next_batch())
@@ -88,6 +90,9 @@ def _job(out: str) -> int:
         ref_metrics = ref.train_step(batch)
         if mode == "replicate":
             program = DataParallelPolicy(policy, g, None, group=None, ranks=(0, 1))  # type: ignore[arg-type]
+        elif mode == "tp":
+            mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",))
+            program = TensorParallelPolicy(policy, g, None, group=dist.group.WORLD, ranks=(0, 1), mesh=mesh)  # type: ignore[arg-type]
         else:
             mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("dp",))
             program = ShardedPolicy(policy, g, None, group=None, ranks=(0, 1), mesh=mesh)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""A LoRA policy under torchrun (gloo, CPU): replicated or sharded with FSDP2, its adapters (and only
+"""A LoRA policy under torchrun (gloo, CPU): replicated, sharded with FSDP2 or tensor-parallel, its adapters (and only
 they) travel over the collective transport, and every generator rank ends with the final checkpoint's
 adapters bit for bit.
 
@@ -51,8 +51,9 @@ def model_dir(tmp_path_factory):
     ("sharding", "place"),
     # both --runslow (a 3-rank job each, ~21 s: CI time); test_fsdp_init's LoRA case and test_lora's one-process runs stay
     [pytest.param("fsdp", {"policy": [0, 1], "gen": [2]}, marks=pytest.mark.slow),
-     pytest.param("replicate", {"policy": [0, 1], "gen": [2]}, marks=pytest.mark.slow)],
-    ids=["fsdp", "replicas"],
+     pytest.param("replicate", {"policy": [0, 1], "gen": [2]}, marks=pytest.mark.slow),
+     pytest.param("replicate", {"policy": {"ranks": [0, 1], "mesh": {"tp": 2}}, "gen": [2]}, marks=pytest.mark.slow)],  # tp_policy: adapters split with their targets
+    ids=["fsdp", "replicas", "tensor-parallel"],
 )
 def test_the_generators_adapters_equal_the_final_checkpoints_bit_for_bit(tmp_path, model_dir, sharding, place):
     """Before this test a LoRA policy could not run under torchrun at all: the collective transport
@@ -65,7 +66,8 @@ def test_the_generators_adapters_equal_the_final_checkpoints_bit_for_bit(tmp_pat
     state = read_policy_state(tmp_path / "ck")  # FSDP: each rank's shards (policy-policy.dcp), consolidated here
     assert int(state["version"]) == 3
     step = tmp_path / "ck" / (tmp_path / "ck" / "LATEST").read_text()
-    assert [p.name for p in step.glob("policy-*")] == ["policy-policy.dcp" if sharding == "fsdp" else "policy-policy.pt"]
+    sharded = sharding == "fsdp" or isinstance(place["policy"], dict)  # FSDP2 or tensor-parallel: each rank writes its shards
+    assert [p.name for p in step.glob("policy-*")] == ["policy-policy.dcp" if sharded else "policy-policy.pt"]
     assert sorted(state["model"]) == sorted(
         f"model.layers.{i}.self_attn.{m}.lora_{ab}.weight" for i in range(2) for m in ("q_proj", "v_proj") for ab in "AB"
     )

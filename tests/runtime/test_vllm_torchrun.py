@@ -89,14 +89,16 @@ def model_dir(tmp_path_factory):
 
 ON_RANK_0 = {"gen": [0], "policy": [1, 2]}
 TWO_REPLICAS = {"gen": {"ranks": [0, 1], "mesh": {"dp": 2}}, "policy": [2]}  # two vLLM engines (dp = 2, tp = 1), a one-rank policy
+TP_POLICY = {"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"tp": 2}}}  # a tensor-parallel policy (tp_policy): every rank gathers each bucket
 
 
 @pytest.mark.parametrize(
     ("k", "transport", "sharding", "place"),
     [(0, "inprocess", "fsdp", ON_RANK_0), pytest.param(1, "inprocess", "fsdp", ON_RANK_0, marks=pytest.mark.slow),
      pytest.param(0, "collective", "fsdp", ON_RANK_0, marks=pytest.mark.slow), pytest.param(1, "inprocess", "replicate", ON_RANK_0, marks=pytest.mark.slow),
-     pytest.param(1, "inprocess", "replicate", TWO_REPLICAS, marks=pytest.mark.slow)],
-    ids=["direct-k0", "direct-k1", "hop-k0", "direct-replicated-k1", "direct-two-engines-k1"],
+     pytest.param(1, "inprocess", "replicate", TWO_REPLICAS, marks=pytest.mark.slow),
+     pytest.param(0, "inprocess", "replicate", TP_POLICY, marks=pytest.mark.slow)],
+    ids=["direct-k0", "direct-k1", "hop-k0", "direct-replicated-k1", "direct-two-engines-k1", "direct-tp-policy-k0"],
 )
 def test_a_vllm_generator_trains_with_a_policy_on_other_ranks(tmp_path, model_dir, k, transport, sharding, place):
     """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's

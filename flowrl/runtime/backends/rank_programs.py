@@ -5,14 +5,16 @@
 its kind's entry in ``RANK_PROGRAMS``:
 
 - a policy: ``DataParallelPolicy`` (data-parallel replicas, gradients reduced across them), or with
-  ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.parallel.fsdp``), or
-  on a mesh with ``pp`` > 1 ``pp_policy.PipelinePolicy`` (pipeline stages x dp replicas);
+  ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.parallel.fsdp``),
+  with a ``tp`` mesh axis > 1 ``tp_policy.TensorParallelPolicy``, or on a mesh with ``pp`` > 1
+  ``pp_policy.PipelinePolicy`` (pipeline stages x dp replicas); the first three share ``rank_policy._RankPolicy``'s step;
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
   tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.parallel.tensor_parallel``);
-- anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
+- a reference: tensor-parallel with a ``tp`` mesh axis > 1 (``tp_reference``), else as anything else;
+- anything else (a critic, a user or synthetic program): on the lead rank only; the others idle.
 
-``RankContext`` is what every rank knows about the job; ``flowrl.runtime.backends.torchrun`` sets it
-once per process before any program is built.
+``RankContext`` (``rank_policy``) is what every rank knows about the job; ``flowrl.runtime.backends.torchrun``
+sets it once per process before any program is built.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -39,6 +40,7 @@ from flowrl.runtime.programs import (
     SharedTransports,
 )
 from flowrl.runtime.program_table import build_program
+from flowrl.runtime.backends.rank_policy import RankContext, _context, _mesh_axes, _RankPolicy, set_context
 
 __all__ = [
     "RANK_PROGRAM",
@@ -55,108 +57,11 @@ __all__ = [
 RANK_PROGRAM = "flowrl.runtime.backends.rank_programs:rank_program"
 
 
-# -- this rank's view of the job --------------------------------------------------------------------
-@dataclass
-class RankContext:
-    """What every rank knows about the job (set once per process by ``run_torchrun``)."""
-
-    rank: int
-    world: int
-    ranks: dict[str, tuple[int, ...]]
-    programs: dict[str, str]
-    groups: dict[str, Any] = field(default_factory=dict)
-    meshes: dict[str, Any] = field(default_factory=dict)
-    device: torch.device = torch.device("cpu")
-    direct: frozenset[str] = frozenset()  # channels of the weight edges on the direct route (``direct_route``)
-
-
-_CONTEXT: RankContext | None = None
-
-
-def set_context(ctx: RankContext | None) -> None:
-    """Set (or, with None, clear) this process's view of the job."""
-    global _CONTEXT
-    _CONTEXT = ctx
-
-
-def _context() -> RankContext:
-    if _CONTEXT is None:
-        raise ConfigError("rank programs exist only inside a torchrun job (flowrl run --backend torchrun under torchrun)")
-    return _CONTEXT
-
-
 class _Idle(ProgramBase):
     """A non-lead rank of a node whose program is not parallel: takes part in nothing."""
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         return {}, {}
-
-
-class _RankPolicy(PolicyProgram):
-    """What a policy's replicas and its FSDP shards share: the step.
-
-    The lead broadcasts the batch; every rank runs the trainer on the whole batch with
-    ``trainer.part_of`` set to ``_part``: each optimizer step's mini-batch (whole prompt groups, the
-    same on every rank) is split into whole groups across the ranks (``shard_by_groups``) and this
-    rank's share of the mini-batch's loss divisor (``shaping.loss_normalizer``: tokens or sequences, as
-    ``loss_agg`` normalises) is set before the trainer uses its part, so the summed (replicas) or
-    averaged (FSDP) gradient is the mini-batch's. Metrics are reduced over the group, weighted by each
-    rank's samples of the batch; then weights are published. Subclasses say how the share is applied
-    (``_share``), what a rank's shards must satisfy (``_check``) and where the global gradient norm is.
-    """
-
-    group: Any
-    ranks: tuple[int, ...]
-    lead: int
-    index: int
-    collective_bytes: int
-
-    def _share(self, mine: float, total: float) -> None:
-        raise NotImplementedError
-
-    def _check(self, sizes: list[int]) -> None:
-        """Refuse shards the ranks cannot train together (nothing by default)."""
-
-    def _grad_norm(self, metrics: dict[str, float]) -> float:
-        raise NotImplementedError
-
-    def _part(self, mini: Batch) -> Batch:
-        from flowrl.operators.shaping import loss_normalizer
-        from flowrl.runtime.parallel.distributed import shard_by_groups
-
-        shards = shard_by_groups(mini, len(self.ranks))
-        self._check([int(s["completion_mask"].shape[0]) for s in shards])
-        part = shards[self.index]
-        config = self.trainer.loss.loss
-        self._share(loss_normalizer(config, part), loss_normalizer(config, mini))
-        return part
-
-    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.runtime.parallel.distributed import broadcast_batch, reduce_metrics, shard_by_groups
-        from flowrl.host import release_freed_memory
-
-        start = time.perf_counter()
-        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
-        batch = {k: v.cpu() for k, v in batch.items()}
-        self.trainer.part_of = self._part
-        metrics = self.trainer.train_step(batch)
-        grad_norm = self._grad_norm(metrics)
-        samples = float(shard_by_groups(batch, len(self.ranks))[self.index]["completion_mask"].shape[0])
-        metrics = reduce_metrics({k: float(v) for k, v in metrics.items()}, samples, group=self.group, device=self.device)
-        metrics["policy/grad_norm"] = grad_norm
-        if self.device.type == "cpu":  # the step's freed activations (and FSDP's gathered layers) back to the system before the sync
-            release_freed_memory()
-        train_s = time.perf_counter() - start
-        sent = self.collective_bytes
-        publish_s = self.publish()
-        info: Info = dict(metrics)
-        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
-        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
-            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(total, group=self.group)
-            info["weights/collective_bytes"] = float(total)
-        return {}, info
 
 
 class DataParallelPolicy(_RankPolicy):
@@ -223,6 +128,7 @@ class ShardedPolicy(_RankPolicy):
     """
 
     saves_on_every_rank = True
+    holds_shards = True  # its weights are DTensors: on the direct route every rank gathers each bucket
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.runtime.parallel.fsdp import shard_trainer_
@@ -287,13 +193,6 @@ class ShardedPolicy(_RankPolicy):
         else:  # a one-file state (a replicated policy's, an FSDP one's from one rank, or from before sharded checkpoints)
             load_full_state(self.trainer, torch.load(path, weights_only=True, map_location="cpu", mmap=True))  # each rank reads its rows
         self._published = -1
-
-
-def _mesh_axes(mesh: Any) -> dict[str, int]:
-    """Axis name -> size of a ``DeviceMesh`` (empty without a mesh)."""
-    if mesh is None:
-        return {}
-    return dict(zip(mesh.mesh_dim_names or (), (int(s) for s in mesh.mesh.shape)))
 
 
 class ParallelGenerator(GeneratorProgram):
@@ -577,7 +476,7 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     from flowrl.runtime.backends.direct_route import DirectPolicy
 
     ranks = ctx.ranks[node.name]
-    sharded = isinstance(program, ShardedPolicy)
+    sharded = bool(getattr(program, "holds_shards", False))  # FSDP2 or tensor-parallel: every rank gathers
     return DirectPolicy(program, direct, lead=ctx.rank == ranks[0], sharded=sharded, group=ctx.groups.get(node.name), device=ctx.device)
 
 
@@ -596,18 +495,35 @@ def _rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedT
 
 def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
     """A policy's entry in ``RANK_PROGRAMS``: pipeline stages for a mesh with ``pp`` > 1
-    (``pp_policy.PipelinePolicy``), FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
-    if _mesh_axes(mesh).get("pp", 1) > 1:
+    (``pp_policy.PipelinePolicy``), a tensor-parallel policy for a ``tp`` axis > 1 (``tp_policy``),
+    FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
+    axes = _mesh_axes(mesh)
+    if axes.get("pp", 1) > 1:
         from flowrl.runtime.backends.pp_policy import PipelinePolicy
 
         ctx = _context()
         return PipelinePolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh, rank=ctx.rank, device=ctx.device)
+    if axes.get("tp", 1) > 1:
+        from flowrl.runtime.backends.tp_policy import TensorParallelPolicy
+
+        return TensorParallelPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     if node.optimizer.sharding == "fsdp":
         return ShardedPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     return DataParallelPolicy(node, graph, transports, group=group, ranks=ranks)
 
 
+def reference_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
+    """A reference's entry in ``RANK_PROGRAMS``: tensor-parallel for a ``tp`` axis > 1 (``tp_reference``),
+    else its own program on the lead rank while the others idle."""
+    if _mesh_axes(mesh).get("tp", 1) > 1:
+        from flowrl.runtime.backends.tp_reference import TensorParallelReference
+
+        return TensorParallelReference(node, graph, transports, device=env.device_of(node.name), timeout_s=env.weight_timeout_s,  # type: ignore[arg-type]
+                                       group=group, ranks=ranks, mesh=mesh)
+    return build_program(graph, node.name, env, transports) if _context().rank == ranks[0] else _Idle()
+
+
 #: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,
 #: group, ranks, mesh) -> program``, built on every rank of its mesh; a kind not here runs its own
 #: program (``flowrl.runtime.program_table.PROGRAMS``) on the mesh's lead rank while the others idle.
-RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks}
+RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks, "reference": reference_ranks}

@@ -86,6 +86,7 @@ from flowrl.runtime.config import RunConfig
 from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.parallel.fsdp import check_ranks, fsdp_policies
 from flowrl.runtime.parallel.pipeline import check_pipeline, pipeline_policies
+from flowrl.runtime.parallel.tp_train import check_tp_meshes
 from flowrl.runtime.executor_placement import rank_device, resolve_device
 from flowrl.host import host_memory_bytes
 from flowrl.runtime.preflight import check_engine_meshes, check_ranks_fit
@@ -318,6 +319,7 @@ def run_torchrun(
     ranks, axes = placement.devices, _axes(placement)
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
     check_pipeline(graph, axes, skip=config.programs, direct=direct_edges(graph, ranks, config.programs))
+    check_tp_meshes(graph, axes, skip=config.programs)  # a tensor-parallel policy's tp against its heads and widths
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
     cuda = device.type == "cuda"
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
@@ -480,6 +482,8 @@ def _control(
         }
         sharded = {n.name for n in fsdp_policies(graph, skip=config.programs)}  # on one rank a policy runs whole and saves one file
         sharded |= {n.name for n, _ in pipeline_policies(graph, _axes(placement), skip=config.programs)}  # each stage writes its own
+        sharded |= {n for n, (names, shape) in _axes(placement).items() if dict(zip(names, shape)).get("tp", 1) > 1
+                    and graph.node(n).kind == "policy" and n not in config.programs}  # a tensor-parallel policy (tp_policy)
         for node, rs in ctx.ranks.items():
             node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}), save_on_every_peer=node in sharded and len(rs) > 1)
         for node, group in node_programs.items():

@@ -15,7 +15,9 @@ a user's) is kept.
   policy's ranks; the transfer plan picks the sender of each block among the replicas, least loaded
   first, so each byte is sent once per destination); every rank of an FSDP policy
   (``sharding="fsdp"``) publishes its own shards (``fsdp`` over its ranks: dim-0 ``torch.chunk``
-  pieces, FSDP2's), so each generator rank gets its slices straight from the shards that hold them. Generator replicas fetch the full state
+  pieces, FSDP2's), so each generator rank gets its slices straight from the shards that hold them; every rank
+  of a tensor-parallel policy (a ``tp`` axis > 1) publishes its shards, name by name
+  (``flowrl.runtime.parallel.tp_train.trainer_layouts``). Generator replicas fetch the full state
   (``dp_replicas``); a tensor-parallel generator (a ``tp`` mesh axis > 1) fetches its shards
   (``flowrl.runtime.parallel.tensor_parallel.tp_param_layouts``). A vLLM generator with a ``tp`` axis fetches
   on each replica's engine rank only, the full state (``vllm_replicas``: vLLM's workers shard it
@@ -130,9 +132,11 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
 
 
 def _trainer_layout(graph: Graph, src: str, publishers: tuple[int, ...], programs: dict[str, str], axes: Any = None) -> Any:
-    """The policy side's layout: ``fsdp(ranks)`` (dim-0 chunks, FSDP2's own shards) for a policy with
-    ``sharding="fsdp"`` on several ranks, which publishes its local shards; per weight, the ranks of
-    the pipeline stage holding it for a policy whose mesh has ``pp`` > 1 (``pipeline.stage_layouts``);
+    """The policy side's layout: per weight, the ranks of the pipeline stage holding it for a policy
+    whose mesh has ``pp`` > 1 (``pipeline.stage_layouts``); a tensor-parallel policy's (a ``tp`` axis >
+    1: name -> layout, ``tp_train.trainer_layouts``, each rank its shards); ``fsdp(ranks)`` (dim-0
+    chunks, FSDP2's own shards) for a policy with ``sharding="fsdp"`` on several ranks, which
+    publishes its local shards;
     else full replicas."""
     node = graph.node(src)
     sizes = dict(zip(axes[0], axes[1])) if axes else {}
@@ -141,6 +145,13 @@ def _trainer_layout(graph: Graph, src: str, publishers: tuple[int, ...], program
 
         return stage_layouts(node.model, publishers, sizes)
     optimizer = getattr(node, "optimizer", None)
+    tp = _meshes_tp(axes)
+    if len(publishers) > 1 and src not in programs and tp > 1:
+        from flowrl.runtime.parallel.tp_train import trainer_layouts
+
+        dp = len(publishers) // tp
+        fsdp_dp = getattr(optimizer, "sharding", "replicate") == "fsdp" and dp > 1
+        return trainer_layouts(node.model, publishers, dp=dp, tp=tp, fsdp=fsdp_dp)  # type: ignore[attr-defined]
     if len(publishers) > 1 and src not in programs and getattr(optimizer, "sharding", "replicate") == "fsdp":
         return fsdp(publishers)
     return dp_replicas(publishers)

@@ -26,7 +26,8 @@ tests compare a sharded state with. ``load_full_state`` loads a one-file state (
 policy's, or an FSDP one's from before sharded checkpoints): every rank reads it memory-mapped
 (``mmap=True``) and copies only its rows.
 
-Limits: the policy's mesh must be 1-D (``dp``); every dp rank must get at least one prompt group
+Limits: the policy's mesh is 1-D (``dp``) here; a ``tp`` axis too is ``flowrl.runtime.parallel.tp_train``'s
+(FSDP2 over ``dp`` of a tensor-parallel policy). Every dp rank must get at least one prompt group
 per batch and the same number of micro-batches (``check_shards``).
 
 Initialisation (``ShardedPolicy``): the model is built with its parameters on the meta device and
@@ -89,7 +90,8 @@ def check_backend(graph: Graph, backend: str, *, skip: Iterable[str] = ()) -> No
 
 
 def check_ranks(graph: Graph, ranks: Mapping[str, tuple[int, ...]], axes: Mapping[str, Any], *, skip: Iterable[str] = ()) -> None:
-    """Refuse an FSDP policy placed on no rank, or on a mesh with an axis other than dp. One rank is
+    """Refuse an FSDP policy placed on no rank, or on a mesh with an axis other than dp and tp (a
+    tensor-parallel policy: ``flowrl.runtime.backends.tp_policy``). One rank is
     allowed: the policy runs whole there and checkpoints one file, which sharded ranks read their rows of,
     so that a sharded run resumes on fewer ranks and back with the same graph.
 
@@ -108,7 +110,7 @@ def check_ranks(graph: Graph, ranks: Mapping[str, tuple[int, ...]], axes: Mappin
                 "place the policy on one or more ranks (e.g. {\"policy\": [1, 2]})"
             )
         names, shape = axes.get(node.name, (("dp",), (len(rs),)))
-        extra = {a: s for a, s in zip(names, shape) if a != "dp" and s > 1}
+        extra = {a: s for a, s in zip(names, shape) if a not in ("dp", "tp") and s > 1}  # tp: FSDP2 over dp of a tp policy (tp_train)
         if extra:
             raise ConfigError(
                 f"policy {node.name!r} has sharding='fsdp' over its dp axis, but its mesh also has {extra}; "

@@ -1,0 +1,139 @@
+"""What every rank of a torchrun job knows (``RankContext``) and what a policy's rank programs share (``_RankPolicy``).
+
+``RankContext`` is set once per process by ``flowrl.runtime.backends.torchrun`` before any program is
+built (``set_context``). ``_RankPolicy`` is the step every policy program on several ranks runs
+(``rank_programs.DataParallelPolicy`` and ``ShardedPolicy``, ``tp_policy.TensorParallelPolicy``): a
+module of its own so that each of them can subclass it without importing ``rank_programs``, which
+dispatches to them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowrl.errors import ConfigError
+from flowrl.runtime.programs import Batch, Info, PolicyProgram
+
+__all__ = ["RankContext", "set_context"]
+
+
+# -- this rank's view of the job --------------------------------------------------------------------
+@dataclass
+class RankContext:
+    """What every rank knows about the job (set once per process by ``run_torchrun``)."""
+
+    rank: int
+    world: int
+    ranks: dict[str, tuple[int, ...]]
+    programs: dict[str, str]
+    groups: dict[str, Any] = field(default_factory=dict)
+    meshes: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")
+    direct: frozenset[str] = frozenset()  # channels of the weight edges on the direct route (``direct_route``)
+
+
+_CONTEXT: RankContext | None = None
+
+
+def set_context(ctx: RankContext | None) -> None:
+    """Set (or, with None, clear) this process's view of the job."""
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def _context() -> RankContext:
+    if _CONTEXT is None:
+        raise ConfigError("rank programs exist only inside a torchrun job (flowrl run --backend torchrun under torchrun)")
+    return _CONTEXT
+
+
+class _RankPolicy(PolicyProgram):
+    """What a policy's replicas and its FSDP shards share: the step.
+
+    The lead broadcasts the batch; every rank runs the trainer on the whole batch with
+    ``trainer.part_of`` set to ``_part``: each optimizer step's mini-batch (whole prompt groups, the
+    same on every rank) is split into whole groups across the ranks (``shard_by_groups``) and this
+    rank's share of the mini-batch's loss divisor (``shaping.loss_normalizer``: tokens or sequences, as
+    ``loss_agg`` normalises) is set before the trainer uses its part, so the summed (replicas) or
+    averaged (FSDP) gradient is the mini-batch's. Metrics are reduced over the group, weighted by each
+    rank's samples of the batch; then weights are published. Subclasses say how the share is applied
+    (``_share``), what a rank's shards must satisfy (``_check``) and where the global gradient norm is.
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+    lead: int
+    index: int
+    collective_bytes: int
+
+    def _share(self, mine: float, total: float) -> None:
+        raise NotImplementedError
+
+    def _shares(self) -> tuple[int, int]:
+        """(how many parts a mini-batch splits into, this rank's part): one per rank by default; a
+        tensor-parallel group's ranks share one part (``tp_policy``)."""
+        return len(self.ranks), self.index
+
+    def _check(self, sizes: list[int]) -> None:
+        """Refuse shards the ranks cannot train together (nothing by default)."""
+
+    def _grad_norm(self, metrics: dict[str, float]) -> float:
+        raise NotImplementedError
+
+    def _reduce(self, metrics: dict[str, float], samples: float) -> dict[str, float]:
+        """The batch's metrics from this rank's (``reduce_metrics`` over the policy's ranks, each
+        weighted by its ``samples``); a tensor-parallel group's ranks count once (``tp_policy``)."""
+        from flowrl.runtime.parallel.distributed import reduce_metrics
+
+        return reduce_metrics(metrics, samples, group=self.group, device=self.device)
+
+    def _part(self, mini: Batch) -> Batch:
+        from flowrl.operators.shaping import loss_normalizer
+        from flowrl.runtime.parallel.distributed import shard_by_groups
+
+        parts, index = self._shares()
+        shards = shard_by_groups(mini, parts)
+        self._check([int(s["completion_mask"].shape[0]) for s in shards])
+        part = shards[index]
+        config = self.trainer.loss.loss
+        self._share(loss_normalizer(config, part), loss_normalizer(config, mini))
+        return part
+
+    def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
+        from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.runtime.parallel.distributed import broadcast_batch, shard_by_groups
+        from flowrl.host import release_freed_memory
+
+        start = time.perf_counter()
+        batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
+        batch = {k: v.cpu() for k, v in batch.items()}
+        self.trainer.part_of = self._part
+        metrics = self.trainer.train_step(batch)
+        grad_norm = self._grad_norm(metrics)
+        parts, index = self._shares()
+        samples = float(shard_by_groups(batch, parts)[index]["completion_mask"].shape[0])
+        metrics = self._reduce({k: float(v) for k, v in metrics.items()}, samples)
+        metrics["policy/grad_norm"] = grad_norm
+        if self.device.type == "cpu":  # the step's freed activations (and FSDP's gathered layers) back to the system before the sync
+            release_freed_memory()
+        train_s = time.perf_counter() - start
+        sent = self.collective_bytes
+        publish_s = self.publish()
+        info: Info = dict(metrics)
+        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
+            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(total, group=self.group)
+            info["weights/collective_bytes"] = float(total)
+        return {}, info
+
+
+def _mesh_axes(mesh: Any) -> dict[str, int]:
+    """Axis name -> size of a ``DeviceMesh`` (empty without a mesh)."""
+    if mesh is None:
+        return {}
+    return dict(zip(mesh.mesh_dim_names or (), (int(s) for s in mesh.mesh.shape)))
