@@ -38,6 +38,7 @@ from flowrl.runtime.programs import (
     SharedTransports,
 )
 from flowrl.runtime.program_table import build_program
+from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 
 __all__ = [
     "RANK_PROGRAM",
@@ -109,6 +110,7 @@ class _RankPolicy(PolicyProgram):
     lead: int
     index: int
     collective_bytes: int
+    runs: str = "{n} ranks"  # what runs, for the layout the lead reports (``{n}``: its ranks)
 
     def _share(self, mine: float, total: float) -> None:
         raise NotImplementedError
@@ -151,6 +153,9 @@ class _RankPolicy(PolicyProgram):
         publish_s = self.publish()
         info: Info = dict(metrics)
         info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if self.index == 0 and not getattr(self, "_reported", False):  # the layout it built, in the run's first row
+            info[LAYOUT_KEY] = record(self.ranks, {"dp": len(self.ranks)}, [self.ranks], self.runs.format(n=len(self.ranks)))
+            self._reported = True
         if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
             total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(total, group=self.group)
@@ -160,6 +165,8 @@ class _RankPolicy(PolicyProgram):
 
 class DataParallelPolicy(_RankPolicy):
     """One data-parallel replica of a policy (see ``flowrl.runtime.parallel.distributed.make_data_parallel``)."""
+
+    runs = "{n} data-parallel replicas"
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...]) -> None:
         from flowrl.runtime.parallel.distributed import make_data_parallel
@@ -222,6 +229,7 @@ class ShardedPolicy(_RankPolicy):
     """
 
     saves_on_every_rank = True
+    runs = "FSDP2 shards over {n} data-parallel ranks"
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.runtime.parallel.fsdp import shard_trainer_
@@ -539,7 +547,22 @@ class ParallelGenerator(GeneratorProgram):
         ]
         merged = merge_rollouts(parts)
         slots = {k: v for k, v in sampled.items() if k.startswith(("slots/", "env/"))}  # alike on every tp rank; env/* over every replica
-        return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"]), **slots}
+        info: Info = {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"]), **slots}
+        if not getattr(self, "_reported", False):  # the layout it built, in the run's first row
+            info[LAYOUT_KEY] = self.layout()
+            self._reported = True
+        return merged, info
+
+    def layout(self) -> dict[str, Any]:
+        """The layout these ranks run (``flowrl.runtime.observe.layout``): replicas by ``rows``, each a tp group."""
+        dp, tp = len(self.rows), len(self.rows[0])
+        if self.vllm_tp:
+            runs = f"{dp} vLLM engine(s), each with tensor_parallel_size={tp} over its ranks"
+        elif tp > 1:
+            runs = f"{dp} replica(s), each {tp} tensor-parallel ranks holding their shards"
+        else:
+            runs = f"{dp} replicas" + (" (vLLM engines)" if self._engine == "vllm" else "")
+        return record(self.ranks, {"dp": dp, "tp": tp}, self.rows, runs)
 
     def _replicas_env_metrics(self, sampled: Info, samples: int) -> Info:
         """The whole batch's ``env/*`` numbers (``MultiTurnGenerator.metrics``) from each replica's, every
