@@ -268,3 +268,37 @@ def vllm_torchrun_run(kinds_root: Path, request) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (kinds_root / "v.jsonl").read_text().splitlines() if line.strip()]
     return {"placement": placement, "layout": rows[0]["layout"]}
+
+
+# -- the CLI: exit 2 with the message, on every backend and on every torchrun rank ----------------------
+REFUSED = {"gen": [0], "policy": {"ranks": [0, 1], "mesh": {"tp": 2}}}
+MESSAGE = (
+    "policy 'policy' has tp=2 on its mesh {{\"tp\": 2}}, but a policy's program on {backend} runs only dp over several {where}: "
+    "it would run {instead}, without a word"
+)
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_flowrl_run_refuses_a_mesh_its_programs_do_not_run(tmp_path, backend):
+    (tmp_path / "place.json").write_text(json.dumps(REFUSED))
+    proc = subprocess.run([sys.executable, "-m", "flowrl", "run", "llamarl", "--backend", backend, "--plan", "place.json", "--steps", "1", "--quiet",
+                           "--metrics", "m.jsonl"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    instead = MESH_SUPPORT[("policy", backend, "tp")].how.format(n=2, size=2, devices=[0, 1], first=0, idle=[1], axis="tp")
+    assert MESSAGE.format(backend=backend, where="devices", instead=instead) in " ".join(proc.stderr.split()), proc.stderr  # the CLI wraps lines
+    assert "Traceback" not in proc.stderr and not (tmp_path / "m.jsonl").exists()
+
+
+def test_every_torchrun_rank_refuses_the_same_way_and_nothing_is_left_running(tmp_path):
+    from tests.runtime.test_torchrun import _torchrun
+
+    (tmp_path / "place.json").write_text(json.dumps(REFUSED))
+    proc = _torchrun(2, ["-m", "flowrl", "run", "llamarl", "--backend", "torchrun", "--plan", "place.json", "--steps", "1", "--quiet",
+                         "--metrics", "m.jsonl"], tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and not (tmp_path / "m.jsonl").exists()
+    instead = MESH_SUPPORT[("policy", "torchrun", "tp")].how.format(n=2, size=2, devices=[0, 1], first=0, idle=[1], axis="tp")
+    line = "flowrl run: error: " + MESSAGE.format(backend="torchrun", where="ranks", instead=instead)
+    said = " ".join(proc.stderr.split())
+    # each rank refuses before any process group (torchrun stops a rank still refusing once one has exited: at least one says it)
+    assert said.count(line) >= 1 and said.count("flowrl run: error: ") == said.count(line), proc.stderr[-4000:]
+    assert "/flowrl/" not in proc.stderr, proc.stderr[-4000:]  # no traceback through flowrl (torchrun prints its own summary)
