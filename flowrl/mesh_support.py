@@ -132,13 +132,13 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
 }
 
 
-def variant_of(kind: str, engine: str | None = None) -> str:
-    """The table's variant for a node of ``kind`` (a generator's ``engine``): ``kind/engine`` when the
-    table has rows for it, else ``kind`` when it has those, else ``*``."""
-    variants = {v for v, _, _ in MESH_SUPPORT}
-    if engine and f"{kind}/{engine}" in variants:
+def variant_of(kind: str, engine: str | None = None, backend: str = "torchrun") -> str:
+    """The table's variant for a node of ``kind`` (a generator's ``engine``) on ``backend``: ``kind/engine``
+    when the table has rows for it there, else ``kind`` when it has those, else ``*``."""
+    row = table_backend(backend)
+    if engine and (f"{kind}/{engine}", row, "dp") in MESH_SUPPORT:
         return f"{kind}/{engine}"
-    return kind if kind in variants else "*"
+    return kind if (kind, row, "dp") in MESH_SUPPORT else "*"
 
 
 def table_backend(backend: str) -> str:
@@ -151,14 +151,14 @@ def table_backend(backend: str) -> str:
 
 def mesh_support(kind: str, axis: str, backend: str, *, engine: str | None = None) -> AxisRun:
     """The table's entry for a node of ``kind`` (``engine``) on ``backend`` along ``axis``."""
-    return MESH_SUPPORT[(variant_of(kind, engine), table_backend(backend), axis)]
+    return MESH_SUPPORT[(variant_of(kind, engine, backend), table_backend(backend), axis)]
 
 
 def runnable_axes(kind: str, backend: str, *, engine: str | None = None, device: str | None = None, table: Mapping[tuple[str, str, str], AxisRun] | None = None) -> frozenset[str]:
     """The axes a node of ``kind`` executes at size > 1 on ``backend`` (on ``device``; None: any device
     type the entry names), read from ``table`` (default ``MESH_SUPPORT``)."""
     table = MESH_SUPPORT if table is None else table
-    variant, row = variant_of(kind, engine), table_backend(backend)
+    variant, row = variant_of(kind, engine, backend), table_backend(backend)
     out = set()
     for axis in MESH_AXES:
         entry = table[(variant, row, axis)]
@@ -186,7 +186,7 @@ def refusal(
         entry = mesh_support(kind, axis, backend, engine=engine)
         if entry.runs and (not entry.devices or device in entry.devices):
             continue
-        label = f"{kind} (engine {engine!r})" if "/" in variant_of(kind, engine) else kind
+        label = f"{kind} (engine {engine!r})" if "/" in variant_of(kind, engine, backend) else kind
         instead = _words(entry.how if not entry.runs else entry.elsewhere, devices, sizes[axis], axis)
         ok = runnable_axes(kind, backend, engine=engine, device=device)
         runs = f"runs only {' and '.join(a for a in MESH_AXES if a in ok)} over several {where}" if ok else f"runs on one {where[:-1]} only"

@@ -44,6 +44,7 @@ from flowrl.planners.plan_data import (
     plan_to_json,
     save_plan,
 )
+from flowrl.planners.runnable import check_layout
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners import strategies  # read when called: a strategy added there is known here
 from flowrl.planners.tuning import make_tuning
@@ -126,7 +127,9 @@ def plan_graph(
     if not manual and strategy not in strategies.STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; strategies: {', '.join(strategies.STRATEGIES)}, or a placement like 'gen:d4@0-3 | policy:d4@4-7'")
     if manual:
-        best = evaluate_layout(graph, ctx, roles, _manual_layout(graph, roles, spec, strategy), max_staleness=k)
+        layout = _manual_layout(graph, roles, spec, strategy)
+        check_layout(graph, spec, layout)  # an axis its node's program does not run where the plan runs: refused
+        best = evaluate_layout(graph, ctx, roles, layout, max_staleness=k)
         if not best.feasible:
             raise PlanError(f"placement {strategy!r} does not fit: {best.problem}")
         ranked, stats = [best], SearchStats(evaluated=1)

@@ -43,7 +43,8 @@ from flowrl.planners.estimate.train import TrainOptions, host_crowded, pick_fitt
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
 from flowrl.planners.roles import NodeRole
-from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
+from flowrl.planners.parallel import AXES, ParallelDims, enumerate_dims, spans_hosts, stage_fraction
+from flowrl.planners.runnable import node_axes
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners import strategies
 from flowrl.planners.strategies import DeviceSplit
@@ -91,6 +92,8 @@ class Roles:
         extra_tokens: forward-only node -> tokens it reads per sequence beyond the prompt and the
             completion: a regex judge's answer (``max_new_tokens``), costed as a forward over them
             (the same FLOPs as decoding them; a decode's per-step memory traffic is not counted).
+        axes: heavy node -> the mesh axes its program runs at size > 1 where the plan runs
+            (``flowrl.planners.runnable.node_axes``); None: every axis (another system's layouts: the baseline).
     """
 
     gens: tuple[str, ...]
@@ -106,18 +109,39 @@ class Roles:
     gen_engine: dict[str, str] = field(default_factory=dict)
     last_logits: frozenset[str] = frozenset()
     extra_tokens: dict[str, int] = field(default_factory=dict)
+    axes: dict[str, frozenset[str]] | None = None
 
     @property
     def heavy(self) -> tuple[str, ...]:
         return self.gens + self.trainers + self.refs
+
+    def runs_axes(self, name: str) -> frozenset[str]:
+        """The mesh axes heavy node ``name``'s program runs at size > 1 (``axes``; None: every axis)."""
+        return frozenset(AXES) if self.axes is None else self.axes.get(name, frozenset(AXES))
+
+    def side_axes(self, side: Sequence[str]) -> frozenset[str]:
+        """The axes every node of ``side`` that runs some axis over several devices runs (the side's shared dims)."""
+        wide = [self.runs_axes(n) for n in side if self.runs_axes(n)]
+        return frozenset.intersection(*wide) if wide else frozenset()
+
+    def place(self, name: str, devices: Sequence[int], dims: ParallelDims) -> tuple[Sequence[int], ParallelDims]:
+        """Where node ``name`` goes on its side's ``devices`` with the side's ``dims``: there, or, when its
+        program runs no axis over several devices, on the first device alone."""
+        if self.runs_axes(name) or len(devices) <= 1:
+            return devices, dims
+        return devices[:1], ParallelDims()
 
     @property
     def train_side(self) -> tuple[str, ...]:
         return self.trainers + self.refs
 
 
-def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) -> Roles:
+def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None, *, runnable: bool = True) -> Roles:
     """Sides, model shapes and per-node options of ``graph``; ``model`` overrides every node's shape.
+
+    With ``runnable``, each node's ``Roles.axes`` are those its program runs where a plan on
+    ``ctx.cluster`` runs (``flowrl.planners.runnable.node_axes``, read from ``flowrl.mesh_support``
+    here and nowhere else in the search); without, every axis (a system other than flowrl's runtime).
 
     Each device node's side comes from its kind's table entry (``KindSpec.side``; a trainer-side
     kind that publishes weights trains, the others run a forward pass) and its model and options
@@ -188,6 +212,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         gen_engine=gen_engine,
         last_logits=frozenset(last),
         extra_tokens=extra,
+        axes=node_axes(graph, ctx.cluster) if runnable else None,
     )
 
 
@@ -475,15 +500,16 @@ class _Evaluator:
         return self._sides[key]
 
     def _side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
-        models = [self.roles.models[n] for n in side]
-        # a CPU mesh with a measured thread speedup is one process with n intra-op threads: no tp or pp to split
-        single = 1 if self.ctx.cluster.device.cpu.thread_speedup > 0 else None
-        options = [d for d in enumerate_dims(len(devices), models[0], max_tp=single, max_pp=single) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
+        r = self.roles
+        models = [r.models[n] for n in side]
+        # only the axes the side's programs run where the plan runs (Roles.axes: flowrl.planners.runnable); a CPU mesh
+        # with a measured thread speedup is one process with n intra-op threads (the local backend's dp: no tp or pp)
+        options = [d for d in enumerate_dims(len(devices), models[0], axes=r.side_axes(side)) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
         ranked = []
         for dims in options:
             total, ok = 0.0, True
             for name in side:
-                est = self.beside(name, devices, dims, [(o, dims) for o in side if o != name])
+                est = self.beside(name, *r.place(name, devices, dims), [(o, r.place(o, devices, dims)[1]) for o in side if o != name])
                 if not est.feasible:
                     ok = False
                     break
@@ -553,9 +579,9 @@ def evaluate_layout(graph: Graph, ctx: Context, roles: Roles, layout: Layout, *,
 def _layout(roles: Roles, split: DeviceSplit, gen_dims: ParallelDims | None, train_dims: ParallelDims | None) -> dict:
     layout: dict[str, tuple[Sequence[int], ParallelDims]] = {}
     for n in roles.gens:
-        layout[n] = (split.gen_devices, gen_dims)
+        layout[n] = roles.place(n, split.gen_devices, gen_dims)
     for n in roles.train_side:
-        layout[n] = (split.train_devices, train_dims)
+        layout[n] = roles.place(n, split.train_devices, train_dims)
     return layout
 
 

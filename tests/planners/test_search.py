@@ -128,6 +128,7 @@ def test_search_is_at_least_as_fast_as_each_family_on_aligned_clusters():
         assert best <= plan_graph(graph, cluster, model=MID, workload=WORK, strategy=strategy).step_s * (1 + 1e-9)
 
 
+@pytest.mark.usefixtures("every_axis_runs")  # a search over tp/pp trainers (tests/planners/conftest.py)
 def test_llama_on_1024_h100s_answers():
     plan = plan_graph(GRAPHS["llamarl"], "1024xH100", model=model_preset("llama3-70b"), gen_precision="bfloat16")
     assert plan.family == "disaggregated" and plan.speedup_vs_baseline > 1
@@ -151,6 +152,7 @@ def test_tensor_parallel_groups_stay_within_a_host():
     assert plan.warnings == ()
 
 
+@pytest.mark.usefixtures("every_axis_runs")  # a search over tp/pp trainers (tests/planners/conftest.py)
 def test_tensor_parallel_across_hosts_only_where_nothing_else_fits_and_warned():
     from flowrl.planners.report import format_plan
 
