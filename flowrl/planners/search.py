@@ -15,9 +15,9 @@ fastest trainer dims, and the ``COLOCATED_FULL`` best pairs by G + T get a full 
 Estimates are memoised per (node, devices, dims, reserved memory).
 
 A tensor-parallel group all-reduces twice per layer, so it is kept within one host: on each device
-split, dims whose tp groups span hosts are searched only for a side that fits on it no other way
-(so the rule, like the splits, is the same on every cluster size: ``strategies``), and for every
-side only when no split fits at all (the plan then warns).
+split, dims whose tp groups span hosts are searched only for a side that fits on it no other way,
+and for every side only when nothing fits on the split otherwise (so the rule, like the splits, is
+the same on every cluster size: ``strategies``; the plan then warns).
 """
 
 from __future__ import annotations
@@ -629,17 +629,15 @@ def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: R
 
     One candidate per device split survives (the fastest dims for it), so the runners-up differ in
     how devices are divided rather than in a tp degree. Splits are visited in order of a lower
-    bound on their step (each side's fastest standalone time: ``max(G, T)`` when the sides are
-    disjoint, ``G + T`` when colocated) and the visit stops once no remaining split can enter the
-    top ``top_k + 1``: branch and bound, exact for the ranking it returns. Tensor-parallel groups
+    bound on their step (each side's fastest standalone time over every dims: ``max(G, T)`` when the
+    sides are disjoint, ``G + T`` when colocated) and the visit stops once no remaining split can enter
+    the top ``top_k + 1``: branch and bound, exact for the ranking it returns. Tensor-parallel groups
     that span hosts are searched on a split only for a side that fits on it no other way, and on
-    every side only when no split fits otherwise.
+    every side of a split whose sides fit alone but no candidate fits them together: a rule of the
+    split alone, so every candidate on a cluster is one on a larger cluster too (``tests/planners/test_monotone.py``).
     """
     ev = _Evaluator(graph, roles, ctx, max_staleness)
-    result = _search(ev, cluster, strategy)
-    if not result.ranked:  # no split fits its sides together with tp within hosts where they fit alone
-        result = _search(ev, cluster, strategy, modes=("always",))
-    return result
+    return _search(ev, cluster, strategy)
 
 
 def _split_mode(ev: _Evaluator, split: DeviceSplit, modes: Sequence[str]) -> str | None:
@@ -653,7 +651,7 @@ def _split_mode(ev: _Evaluator, split: DeviceSplit, modes: Sequence[str]) -> str
     return None
 
 
-def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence[str] = ("never", "when needed")) -> SearchResult:
+def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence[str] = ("never", "when needed", "always")) -> SearchResult:
     ctx, roles = ev.ctx, ev.roles
     splits = strategies.device_splits(
         strategy,
@@ -670,6 +668,7 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence
         if mode is None:
             infeasible += 1
             continue
+        ev.allow_tp_across_hosts("always")  # every dims: a lower bound of the split's candidates, its fallback's too (below)
         g = ev.side_dims(roles.gens, split.gen_devices)
         t = ev.side_dims(roles.train_side, split.train_devices)
         g0, t0 = (g[0][0] if g else 0.0), (t[0][0] if t else 0.0)
@@ -683,6 +682,9 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence
             break
         ev.allow_tp_across_hosts(mode)
         found = _SEARCH_SPLIT[split.family](ev, split)
+        if mode != "always" and not any(c.feasible for c in found):  # its sides fit alone, not together: tp across hosts on it too
+            ev.allow_tp_across_hosts("always")
+            found = _SEARCH_SPLIT[split.family](ev, split)
         feasible = [c for c in found if c.feasible]
         infeasible += len(found) - len(feasible)
         if not found:
