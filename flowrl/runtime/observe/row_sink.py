@@ -15,7 +15,8 @@ State (the policy executor's thread, then the controller's once the executors ar
 - ``_unwritten``: rows not yet written, each with the evaluation it waits for (None: none).
 - ``_layouts`` (``_lock``): node -> its layout as it runs (``observe.layout``): the controller's
   one-process records, replaced by what a program over several ranks reports at its first step;
-  the run's first row carries them (``"layout"``).
+  the run's first row carries them (``"layout"``; the row of step 1, so that a resumed run's rows
+  are those of a run without the interruption).
 
 Cadences count trainer steps (the row's ``step`` = ``seq + 1``): samples and evaluations fire after
 step ``seq`` when ``(seq + 1) % N == 0``.
@@ -131,7 +132,7 @@ class RowSink:
         texts = logger(seq + 1, batch) if logger is not None else None  # every N trainer steps, as evaluations and checkpoints
         if texts:
             row["samples_text"] = texts
-        if not self.rows:  # the run's first row: each node's devices, sub-mesh and what runs (observe.layout)
+        if not self.rows and int(row["step"]) == 1:  # a run's first row: each node's devices, sub-mesh and what runs (observe.layout)
             with self._lock:
                 row[LAYOUT_KEY] = dict(self._layouts)
         self.rows.append(row)
