@@ -58,7 +58,9 @@ def every_kind_graph(root: Path, *, engine: str = "builtin"):
     from flowrl.graph.builder import GraphBuilder
     from flowrl.graph.configs import HFModelConfig
 
-    b = GraphBuilder("every_kind", model=HFModelConfig(path=str(ASSETS), init="random", seed=0))
+    # vLLM on a CPU needs a head size of 32 or more: 2 heads of 32 (``write_assets``) rather than the shipped 4 of 16
+    model_dir = root / "two_heads" if engine == "vllm" else ASSETS
+    b = GraphBuilder("every_kind", model=HFModelConfig(path=str(model_dir), init="random", seed=0))
     prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=4)
     gen = b.generator("gen", prompts, n_samples=2, max_new_tokens=3, temperature=1.0, engine=engine)
     score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
@@ -111,7 +113,7 @@ def _run_one_process(graph, backend: str) -> dict:
     from flowrl.runtime.run import run_graph
 
     placement, _ = _every_kind_placement(graph, backend)
-    rows = run_graph(graph, placement, RunConfig(steps=1, progress=False, backend=backend, threads=1)).rows
+    rows = run_graph(graph, placement, RunConfig(steps=1, progress=False, backend=backend, threads=1, device="cpu")).rows  # the rows on the CPU
     return {"placement": placement, "layout": rows[0]["layout"]}
 
 
@@ -131,7 +133,7 @@ def torchrun_run(kinds_root: Path) -> dict:
 
     (kinds_root / "place.json").write_text(placement_to_json(placement))
     proc = _torchrun(world, ["-m", "flowrl", "run", _graph_file(kinds_root), "--backend", "torchrun", "--plan", "place.json",
-                             "--steps", "1", "--quiet", "--metrics", "m.jsonl"], kinds_root, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{kinds_root}"})
+                             "--steps", "1", "--quiet", "--metrics", "m.jsonl", "--device", "cpu"], kinds_root, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{kinds_root}"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (kinds_root / "m.jsonl").read_text().splitlines() if line.strip()]
     return {"placement": placement, "layout": rows[0]["layout"]}
@@ -165,7 +167,7 @@ for backend, axis, runs in json.loads(sys.argv[1]):
     shape = tuple(2 if a == axis else 1 for a in ("pp", "dp", "tp"))
     placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(0,)), "lik": NodeMesh(devices=(0, 1), mesh_shape=shape)})
     try:
-        rows = run_graph(g, placement, RunConfig(steps=1, progress=False, backend=backend, threads=1)).rows
+        rows = run_graph(g, placement, RunConfig(steps=1, progress=False, backend=backend, threads=1, device="cpu")).rows
         out[f"{backend}/{axis}"] = {"layout": rows[0]["layout"]["lik"]}
     except ConfigError as exc:
         out[f"{backend}/{axis}"] = {"refused": str(exc)}
@@ -204,7 +206,7 @@ def _refused(graph, name: str, kind: str, backend: str, axis: str, engine: str |
     nodes[name] = _mesh([0, 1], {axis: 2})
     entry = MESH_SUPPORT[(f"{kind}/{engine}" if engine and (f"{kind}/{engine}", backend, axis) in MESH_SUPPORT else kind, backend, axis)]
     with pytest.raises(ConfigError) as info:
-        run_graph(graph, Placement(nodes=nodes), RunConfig(steps=1, progress=False, backend=backend))
+        run_graph(graph, Placement(nodes=nodes), RunConfig(steps=1, progress=False, backend=backend, device="cpu"))
     text = str(info.value)
     assert text.startswith(f"{kind} {name!r} has {axis}=2 on its mesh"), text
     instead = entry.how.format(n=2, size=2, devices=[0, 1], first=0, idle=[1], axis=axis)
@@ -256,6 +258,9 @@ def vllm_torchrun_run(kinds_root: Path, request) -> dict:
     from flowrl.placement.forms import placement_to_json
     from tests.runtime.test_torchrun import _torchrun
 
+    from flowrl.examples.hf_copy import write_assets
+
+    write_assets(kinds_root / "two_heads", heads=2)
     graph = every_kind_graph(kinds_root, engine="vllm")
     placement, world = _every_kind_placement(graph, "torchrun")
     (kinds_root / "vplace.json").write_text(placement_to_json(placement))
@@ -264,10 +269,17 @@ def vllm_torchrun_run(kinds_root: Path, request) -> dict:
         f"def graph():\n    return every_kind_graph(Path({str(kinds_root)!r}), engine='vllm')\n"
     )
     proc = _torchrun(world, ["-m", "flowrl", "run", "every_kind_vllm:graph", "--backend", "torchrun", "--plan", "vplace.json",
-                             "--steps", "1", "--quiet", "--metrics", "v.jsonl"], kinds_root, env={"PYTHONPATH": f"{ROOT}:{kinds_root}"})
+                             "--steps", "1", "--quiet", "--metrics", "v.jsonl", "--device", "cpu"], kinds_root, env={"PYTHONPATH": f"{ROOT}:{kinds_root}"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (kinds_root / "v.jsonl").read_text().splitlines() if line.strip()]
     return {"placement": placement, "layout": rows[0]["layout"]}
+
+
+def test_the_kinds_the_table_runs_over_several_ranks_are_those_with_a_rank_program():
+    from flowrl.runtime.backends.rank_programs import RANK_PROGRAMS
+
+    spanning = {variant.partition("/")[0] for (variant, backend, _), entry in MESH_SUPPORT.items() if backend == "torchrun" and entry.runs}
+    assert spanning == set(RANK_PROGRAMS)
 
 
 # -- the CLI: exit 2 with the message, on every backend and on every torchrun rank ----------------------
@@ -281,7 +293,7 @@ MESSAGE = (
 @pytest.mark.parametrize("backend", ["local", "process"])
 def test_flowrl_run_refuses_a_mesh_its_programs_do_not_run(tmp_path, backend):
     (tmp_path / "place.json").write_text(json.dumps(REFUSED))
-    proc = subprocess.run([sys.executable, "-m", "flowrl", "run", "llamarl", "--backend", backend, "--plan", "place.json", "--steps", "1", "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "flowrl", "run", "llamarl", "--backend", backend, "--plan", "place.json", "--steps", "1", "--quiet", "--device", "cpu",
                            "--metrics", "m.jsonl"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     instead = MESH_SUPPORT[("policy", backend, "tp")].how.format(n=2, size=2, devices=[0, 1], first=0, idle=[1], axis="tp")
@@ -293,7 +305,7 @@ def test_every_torchrun_rank_refuses_the_same_way_and_nothing_is_left_running(tm
     from tests.runtime.test_torchrun import _torchrun
 
     (tmp_path / "place.json").write_text(json.dumps(REFUSED))
-    proc = _torchrun(2, ["-m", "flowrl", "run", "llamarl", "--backend", "torchrun", "--plan", "place.json", "--steps", "1", "--quiet",
+    proc = _torchrun(2, ["-m", "flowrl", "run", "llamarl", "--backend", "torchrun", "--plan", "place.json", "--steps", "1", "--quiet", "--device", "cpu",
                          "--metrics", "m.jsonl"], tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and not (tmp_path / "m.jsonl").exists()
     instead = MESH_SUPPORT[("policy", "torchrun", "tp")].how.format(n=2, size=2, devices=[0, 1], first=0, idle=[1], axis="tp")

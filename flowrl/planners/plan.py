@@ -161,8 +161,12 @@ def _why_none_fits(graph: Graph, roles: Roles, ctx: Context, strategy: str, prob
         reason = f"closest miss: {closest.problem}"
         if name in roles.gens:
             hints = [*fp8, "more devices", "fewer --prompts-per-step (smaller KV cache)", *more_memory]
-        elif name in roles.trainers:
+        elif name in roles.trainers and {"tp", "pp"} <= roles.runs_axes(name):
             hints = ["more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)", *more_memory]
+        elif name in roles.trainers:  # its program splits no layer where the plan runs (flowrl.mesh_support): only dp shards it
+            sharded = getattr(getattr(graph.node(name), "optimizer", None), "sharding", "") == "fsdp"
+            shard = [] if sharded else [f"sharding='fsdp' on {name!r} (FSDP2: weights, gradients and optimizer states shard over its dp ranks)"]
+            hints = [*shard, "more devices (its program runs only dp here: flowrl/mesh_support.py)", *more_memory]
         else:
             hints = ["more devices", *more_memory]
     elif closest is not None:

@@ -8,7 +8,12 @@ its kind's entry in ``RANK_PROGRAMS``:
   ``sharding="fsdp"`` ``ShardedPolicy`` (FSDP2 over its dp ranks, ``flowrl.runtime.parallel.fsdp``);
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
   tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.parallel.tensor_parallel``);
-- anything else (a reference, a user or synthetic program): on the lead rank only; the others idle.
+- anything else (a reference, a critic, a reward model): one rank only; a mesh of several is refused
+  before any work (``flowrl.mesh_support``, ``preflight.check_meshes``); a user or synthetic program
+  (``RunConfig.programs``) on several ranks runs on the lead rank while the others idle.
+
+A rank program reports, at its first step, the layout it built (``info["layout"]``,
+``flowrl.runtime.observe.layout``), which the run's first row shows.
 
 ``RankContext`` is what every rank knows about the job; ``flowrl.runtime.backends.torchrun`` sets it
 once per process before any program is built.
@@ -111,6 +116,7 @@ class _RankPolicy(PolicyProgram):
     index: int
     collective_bytes: int
     runs: str = "{n} ranks"  # what runs, for the layout the lead reports (``{n}``: its ranks)
+    _reported: bool = False  # the lead reported its layout (its first step)
 
     def _share(self, mine: float, total: float) -> None:
         raise NotImplementedError
@@ -153,7 +159,7 @@ class _RankPolicy(PolicyProgram):
         publish_s = self.publish()
         info: Info = dict(metrics)
         info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
-        if self.index == 0 and not getattr(self, "_reported", False):  # the layout it built, in the run's first row
+        if self.index == 0 and not self._reported:  # the layout it built, for the run's first row
             info[LAYOUT_KEY] = record(self.ranks, {"dp": len(self.ranks)}, [self.ranks], self.runs.format(n=len(self.ranks)))
             self._reported = True
         if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
@@ -347,6 +353,8 @@ class ParallelGenerator(GeneratorProgram):
     schedule, which the controller's one-stream read-ahead and staleness bookkeeping do not cover:
     they are refused.
     """
+
+    _reported = False  # the lead reported its layout (its first step)
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.models.quantize import QUANTIZED_PRECISIONS
@@ -548,7 +556,7 @@ class ParallelGenerator(GeneratorProgram):
         merged = merge_rollouts(parts)
         slots = {k: v for k, v in sampled.items() if k.startswith(("slots/", "env/"))}  # alike on every tp rank; env/* over every replica
         info: Info = {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"]), **slots}
-        if not getattr(self, "_reported", False):  # the layout it built, in the run's first row
+        if not self._reported:  # the layout it built, for the run's first row
             info[LAYOUT_KEY] = self.layout()
             self._reported = True
         return merged, info
@@ -625,5 +633,6 @@ def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: Sh
 
 #: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,
 #: group, ranks, mesh) -> program``, built on every rank of its mesh; a kind not here runs its own
-#: program (``flowrl.runtime.program_table.PROGRAMS``) on the mesh's lead rank while the others idle.
+#: program (``flowrl.runtime.program_table.PROGRAMS``) on one rank (``flowrl.mesh_support`` says which axes
+#: each kind runs; ``tests/test_mesh_support.py`` checks the two agree).
 RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks}
