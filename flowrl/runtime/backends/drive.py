@@ -61,7 +61,6 @@ def run_with_controller(
     import warnings
 
     from flowrl.runtime.offload import offload_roles
-
     from flowrl.runtime.preflight import check_meshes
 
     placement = run_placement(graph, placement, config, backend=config.backend)

@@ -58,10 +58,13 @@ def record(devices: Sequence[int], mesh: Mapping[str, int], groups: Sequence[Seq
     return msgspec.to_builtins(LayoutRecord(devices=[int(d) for d in devices], mesh=axes, groups=[[int(d) for d in g] for g in groups], runs=runs))
 
 
-def one_process(kind: str, devices: Sequence[int], mesh_shape: Sequence[int], backend: str, *, engine: str | None = None) -> dict[str, Any]:
+def one_process(kind: str, devices: Sequence[int], mesh_shape: Sequence[int], backend: str, *, engine: str | None = None) -> dict[str, Any] | None:
     """The record of a node whose program is one process: on its one rank under torchrun, or on its
-    devices under a one-process backend (where a dp mesh is that process over the cores, ``mesh_support``)."""
+    devices under a one-process backend (where a dp mesh is that process over the cores, ``mesh_support``);
+    None for a node on several ranks of a job, whose program reports what it built itself."""
     ids = list(devices)
+    if backend_traits(backend).ranks and len(ids) > 1:
+        return None
     if backend_traits(backend).ranks or len(ids) == 1:
         where = f"rank {ids[0]}" if backend_traits(backend).ranks else f"device {ids[0]}"
         return record(ids, {}, [ids], f"one process on {where}")
