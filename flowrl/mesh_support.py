@@ -4,14 +4,17 @@ A placement may give any device node a mesh with the axes ``pp``, ``dp``, ``tp``
 (``flowrl.placement.layout.AXES``). Whether the node's program *executes* an axis of size > 1 depends on
 its kind (a generator also on its engine), on the backend and, for the one-process backends, on the
 device type. This module is the one place that says so; preflight refuses every other mesh before
-any work (``refusal``, ``check_meshes``), the runtime's default placements keep to it
-(``one_device_kinds``) and the planner enumerates only the axes it allows (``runnable_axes``).
+any work (``refusal``; ``flowrl.runtime.preflight.check_meshes``), the runtime's default placements
+keep to it (``one_device``) and the planner enumerates only the axes it allows (``runnable_axes``;
+``flowrl.planners.runnable``).
 
 The table's key is ``(variant, backend, axis)``:
 
 - ``variant``: a device kind (``generator``, ``policy``, ``reference``, ``critic``, ``reward_model``),
-  or ``kind/engine`` where an engine differs (``generator/vllm``); any other device kind (a user's)
-  reads the ``*`` rows (a program with no rank program of its own);
+  or ``kind/engine`` where an engine differs (``generator/vllm``, under torchrun); any other device
+  kind (a user's) reads the ``*`` rows (a program with no rank program of its own). A policy's
+  sharding does not change which axes run (replicas and FSDP2 shards both run ``dp`` only), so the
+  policy has one variant; its ``how`` names both;
 - ``backend``: ``local``, ``process`` or ``torchrun``; a backend a user registers reads the
   one-process rows (``local``'s), or ``torchrun``'s when it declares itself a job of ranks
   (``flowrl.backend_traits.BackendTraits.ranks``).
@@ -20,7 +23,8 @@ Each entry (``AxisRun``) says whether the program runs the axis at size > 1 (on 
 and in words how, or what would run instead (for the refusal). Flipping a row (a trainer with tensor
 parallelism, say) is one line: ``runs=True`` and its ``how``; preflight, the default placements, the
 planner and ``tests/test_mesh_support.py`` (which walks every entry: a real run that reports the layout
-it ran, or the refusal) follow.
+it ran, or the refusal) follow. The program that runs it reports the layout it built at its first
+step (``flowrl.runtime.observe.layout``), which that test compares with the planned mesh.
 
 What is true today (checked in the code, ``flowrl.runtime.backends``):
 
