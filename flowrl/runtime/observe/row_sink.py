@@ -134,7 +134,7 @@ class RowSink:
             row["samples_text"] = texts
         if not self.rows and int(row["step"]) == 1:  # a run's first row: each node's devices, sub-mesh and what runs (observe.layout)
             with self._lock:
-                row[LAYOUT_KEY] = dict(self._layouts)
+                row[LAYOUT_KEY] = {n.name: self._layouts[n.name] for n in self.graph.nodes if n.name in self._layouts}  # graph order
         self.rows.append(row)
         evaluation = None
         if self.evaluator is not None and policy == self.eval_policy and (seq + 1) % self.config.eval_every == 0:
