@@ -24,7 +24,7 @@ GRAPH_MAY_IMPORT = {"errors", "fileio"}
 
 #: What planners/ (pure: no torch, no processes) may import besides itself: the IR, the placement it
 #: emits and the pure shared modules; never the runtime, the operators or the models.
-PLANNERS_MAY_IMPORT = {"graph", "placement", "errors", "fileio", "host", "modelspec", "trace", "transport_traits", "backend_traits", "replan"}
+PLANNERS_MAY_IMPORT = {"graph", "placement", "errors", "fileio", "host", "modelspec", "trace", "transport_traits", "backend_traits", "replan", "mesh_support"}
 
 #: What placement/ (between the planner and the runtime) may import besides itself.
 PLACEMENT_MAY_IMPORT = {"graph", "errors", "fileio"}

@@ -181,7 +181,7 @@ def plan_baseline(graph: Graph, ctx: Context, *, model: ModelSpec | None = None,
         system: what the baseline does.
     """
     bctx = baseline_context(ctx, system)
-    roles = resolve_roles(graph, bctx, model)
+    roles = resolve_roles(graph, bctx, model, runnable=False)  # another system's layouts, not flowrl's runtime
     if not roles.heavy:
         return BaselineResult(system=system, all_devices=None, best_subset=None, problem="the graph has no device nodes")
     ev = evaluator(graph, roles, bctx, 0)

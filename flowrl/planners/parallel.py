@@ -143,15 +143,28 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-def enumerate_dims(devices: int, model: ModelSpec, *, max_tp: int | None = None, max_pp: int | None = None) -> Iterator[ParallelDims]:
-    """Every ``ParallelDims`` valid for ``devices`` devices and ``model`` (tp | heads, pp <= layers)."""
+def enumerate_dims(
+    devices: int, model: ModelSpec, *, max_tp: int | None = None, max_pp: int | None = None, axes: frozenset[str] | None = None
+) -> Iterator[ParallelDims]:
+    """Every ``ParallelDims`` valid for ``devices`` devices and ``model`` (tp | heads, pp <= layers), with
+    size > 1 only along ``axes`` (None: every axis; the planner passes the axes a node's program runs,
+    ``flowrl.planners.runnable``).
+
+    Example:
+        >>> from flowrl.modelspec import model_preset
+        >>> [d.short() for d in enumerate_dims(4, model_preset("llama3-8b"), axes=frozenset({"dp", "tp"}))]
+        ['d4', 'd2t2', 't4']
+    """
     for tp in divisors(devices):
-        if model.n_heads % tp or (max_tp and tp > max_tp):
+        if model.n_heads % tp or (max_tp and tp > max_tp) or (axes is not None and tp > 1 and "tp" not in axes):
             continue
         for pp in divisors(devices // tp):
-            if pp > model.n_layers or (max_pp and pp > max_pp):
+            if pp > model.n_layers or (max_pp and pp > max_pp) or (axes is not None and pp > 1 and "pp" not in axes):
                 continue
-            yield ParallelDims(dp=devices // (tp * pp), tp=tp, pp=pp)
+            dp = devices // (tp * pp)
+            if axes is not None and dp > 1 and "dp" not in axes:
+                continue
+            yield ParallelDims(dp=dp, tp=tp, pp=pp)
 
 
 def axis_groups(devices: Sequence[int], dims: ParallelDims, axis: str) -> list[tuple[int, ...]]:

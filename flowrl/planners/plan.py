@@ -45,6 +45,7 @@ from flowrl.planners.plan_data import (
     plan_to_json,
     save_plan,
 )
+from flowrl.planners.runnable import check_layout
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners import strategies  # read when called: a strategy added there is known here
 from flowrl.planners.tuning import make_tuning
@@ -127,7 +128,9 @@ def plan_graph(
     if not manual and strategy not in strategies.STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; strategies: {', '.join(strategies.STRATEGIES)}, or a placement like 'gen:d4@0-3 | policy:d4@4-7'")
     if manual:
-        best = evaluate_layout(graph, ctx, roles, _manual_layout(graph, roles, spec, strategy), max_staleness=k)
+        layout = _manual_layout(graph, roles, spec, strategy)
+        check_layout(graph, spec, layout)  # an axis its node's program does not run where the plan runs: refused
+        best = evaluate_layout(graph, ctx, roles, layout, max_staleness=k)
         if not best.feasible:
             raise PlanError(f"placement {strategy!r} does not fit: {best.problem}")
         ranked, stats = [best], SearchStats(evaluated=1)
@@ -161,8 +164,12 @@ def _why_none_fits(graph: Graph, roles: Roles, ctx: Context, strategy: str, prob
         reason = f"closest miss: {closest.problem}"
         if name in roles.gens:
             hints = [*fp8, "more devices", "fewer --prompts-per-step (smaller KV cache)", *more_memory]
-        elif name in roles.trainers:
+        elif name in roles.trainers and {"tp", "pp"} <= roles.runs_axes(name):
             hints = ["more devices (weights, gradients and optimizer states shard over tp * pp, the optimizer also over dp)", *more_memory]
+        elif name in roles.trainers:  # its program splits no layer where the plan runs (flowrl.mesh_support): only dp shards it
+            sharded = getattr(getattr(graph.node(name), "optimizer", None), "sharding", "") == "fsdp"
+            shard = [] if sharded else [f"sharding='fsdp' on {name!r} (FSDP2: weights, gradients and optimizer states shard over its dp ranks)"]
+            hints = [*shard, "more devices (its program runs only dp here: flowrl/mesh_support.py)", *more_memory]
         else:
             hints = ["more devices", *more_memory]
     elif closest is not None:

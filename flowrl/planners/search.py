@@ -15,9 +15,9 @@ fastest trainer dims, and the ``COLOCATED_FULL`` best pairs by G + T get a full 
 Estimates are memoised per (node, devices, dims, reserved memory).
 
 A tensor-parallel group all-reduces twice per layer, so it is kept within one host: on each device
-split, dims whose tp groups span hosts are searched only for a side that fits on it no other way
-(so the rule, like the splits, is the same on every cluster size: ``strategies``), and for every
-side only when no split fits at all (the plan then warns).
+split, dims whose tp groups span hosts are searched only for a side that fits on it no other way,
+and for every side only when nothing fits on the split otherwise (so the rule, like the splits, is
+the same on every cluster size: ``strategies``; the plan then warns).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from flowrl.planners.estimate.train import TrainOptions, host_crowded, pick_fitt
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
 from flowrl.planners.roles import NodeRole
-from flowrl.planners.parallel import ParallelDims, enumerate_dims, spans_hosts, stage_fraction
+from flowrl.planners.parallel import AXES, ParallelDims, enumerate_dims, spans_hosts, stage_fraction
+from flowrl.planners.runnable import NodeRule, fits_splits, node_axes, node_rules
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners import strategies
 from flowrl.planners.strategies import DeviceSplit
@@ -92,6 +93,8 @@ class Roles:
         extra_tokens: forward-only node -> tokens it reads per sequence beyond the prompt and the
             completion: a regex judge's answer (``max_new_tokens``), costed as a forward over them
             (the same FLOPs as decoding them; a decode's per-step memory traffic is not counted).
+        axes: heavy node -> the mesh axes its program runs at size > 1 where the plan runs
+            (``flowrl.planners.runnable.node_axes``); None: every axis (another system's layouts: the baseline).
     """
 
     gens: tuple[str, ...]
@@ -107,18 +110,57 @@ class Roles:
     gen_engine: dict[str, str] = field(default_factory=dict)
     last_logits: frozenset[str] = frozenset()
     extra_tokens: dict[str, int] = field(default_factory=dict)
+    axes: dict[str, frozenset[str]] | None = None
+    rules: dict[str, NodeRule] | None = None
 
     @property
     def heavy(self) -> tuple[str, ...]:
         return self.gens + self.trainers + self.refs
+
+    def runs_axes(self, name: str) -> frozenset[str]:
+        """The mesh axes heavy node ``name``'s program runs at size > 1 (``axes``; None: every axis)."""
+        return frozenset(AXES) if self.axes is None else self.axes.get(name, frozenset(AXES))
+
+    def side_axes(self, side: Sequence[str]) -> frozenset[str]:
+        """The axes some node of ``side`` runs over several devices: the side's dims range over them, and a
+        node that does not run a side's dims goes on its first device alone (``place``)."""
+        wide = [self.runs_axes(n) for n in side]
+        return frozenset.union(*wide) if wide else frozenset()
+
+    def runs_dims(self, name: str, dims: ParallelDims) -> bool:
+        """Whether heavy node ``name``'s program runs ``dims`` as planned: each axis of size > 1 (``axes``),
+        no combination its program refuses and a model it can split (``rules``; None: any)."""
+        if not {a for a in AXES if getattr(dims, a) > 1} <= self.runs_axes(name):
+            return False
+        rule = self.rules.get(name) if self.rules is not None else None
+        if rule is None:
+            return True
+        return rule.allows(dims) and (rule.kind == "generator" or fits_splits(self.models[name], dims))  # a generator's tp splits the MLP unevenly
+
+    def side_allows(self, side: Sequence[str], dims: ParallelDims) -> bool:
+        """Whether the nodes of ``side`` that must hold the side's dims run them: its generators and
+        the weight-publishing trainers (a policy); the others (a reference, a critic) may go on the
+        first device alone (``place``)."""
+        return all(self.runs_dims(n, dims) for n in side if n in self.gens or n in self.loss_of.values())
+
+    def place(self, name: str, devices: Sequence[int], dims: ParallelDims) -> tuple[Sequence[int], ParallelDims]:
+        """Where node ``name`` goes on its side's ``devices`` with the side's ``dims``: there, or, when its
+        program does not run those dims (``runs_dims``), on the first device alone."""
+        if len(devices) <= 1 or self.runs_dims(name, dims):
+            return devices, dims
+        return devices[:1], ParallelDims()
 
     @property
     def train_side(self) -> tuple[str, ...]:
         return self.trainers + self.refs
 
 
-def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) -> Roles:
+def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None, *, runnable: bool = True) -> Roles:
     """Sides, model shapes and per-node options of ``graph``; ``model`` overrides every node's shape.
+
+    With ``runnable``, each node's ``Roles.axes`` are those its program runs where a plan on
+    ``ctx.cluster`` runs (``flowrl.planners.runnable.node_axes``, read from ``flowrl.mesh_support``
+    here and nowhere else in the search); without, every axis (a system other than flowrl's runtime).
 
     Each device node's side comes from its kind's table entry (``KindSpec.side``; a trainer-side
     kind that publishes weights trains, the others run a forward pass) and its model and options
@@ -189,6 +231,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None) ->
         gen_engine=gen_engine,
         last_logits=frozenset(last),
         extra_tokens=extra,
+        axes=node_axes(graph, ctx.cluster) if runnable else None,
+        rules=node_rules(graph, ctx.cluster) if runnable else None,
     )
 
 
@@ -515,15 +559,19 @@ class _Evaluator:
         return self._sides[key]
 
     def _side_dims(self, side: Sequence[str], devices: range) -> list[tuple[float, ParallelDims]]:
-        models = [self.roles.models[n] for n in side]
-        # a CPU mesh with a measured thread speedup is one process with n intra-op threads: no tp or pp to split
-        single = 1 if self.ctx.cluster.device.cpu.thread_speedup > 0 else None
-        options = [d for d in enumerate_dims(len(devices), models[0], max_tp=single, max_pp=single) if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:])]
+        r = self.roles
+        models = [r.models[n] for n in side]
+        # only the axes the side's programs run where the plan runs (Roles.axes: flowrl.planners.runnable); a CPU mesh
+        # with a measured thread speedup is one process with n intra-op threads (the local backend's dp: no tp or pp)
+        options = [
+            d for d in enumerate_dims(len(devices), models[0], axes=r.side_axes(side))
+            if all(m.n_heads % d.tp == 0 and d.pp <= m.n_layers for m in models[1:]) and r.side_allows(side, d)
+        ]
         ranked = []
         for dims in options:
             total, ok = 0.0, True
             for name in side:
-                est = self.beside(name, devices, dims, [(o, dims) for o in side if o != name])
+                est = self.beside(name, *r.place(name, devices, dims), [(o, r.place(o, devices, dims)[1]) for o in side if o != name])
                 if not est.feasible:
                     ok = False
                     break
@@ -610,9 +658,9 @@ def evaluate_layout(graph: Graph, ctx: Context, roles: Roles, layout: Layout, *,
 def _layout(roles: Roles, split: DeviceSplit, gen_dims: ParallelDims | None, train_dims: ParallelDims | None) -> dict:
     layout: dict[str, tuple[Sequence[int], ParallelDims]] = {}
     for n in roles.gens:
-        layout[n] = (split.gen_devices, gen_dims)
+        layout[n] = roles.place(n, split.gen_devices, gen_dims)
     for n in roles.train_side:
-        layout[n] = (split.train_devices, train_dims)
+        layout[n] = roles.place(n, split.train_devices, train_dims)
     return layout
 
 
@@ -660,17 +708,15 @@ def search_placements(graph: Graph, cluster: ClusterSpec, ctx: Context, roles: R
 
     One candidate per device split survives (the fastest dims for it), so the runners-up differ in
     how devices are divided rather than in a tp degree. Splits are visited in order of a lower
-    bound on their step (each side's fastest standalone time: ``max(G, T)`` when the sides are
-    disjoint, ``G + T`` when colocated) and the visit stops once no remaining split can enter the
-    top ``top_k + 1``: branch and bound, exact for the ranking it returns. Tensor-parallel groups
+    bound on their step (each side's fastest standalone time over every dims: ``max(G, T)`` when the
+    sides are disjoint, ``G + T`` when colocated) and the visit stops once no remaining split can enter
+    the top ``top_k + 1``: branch and bound, exact for the ranking it returns. Tensor-parallel groups
     that span hosts are searched on a split only for a side that fits on it no other way, and on
-    every side only when no split fits otherwise.
+    every side of a split whose sides fit alone but no candidate fits them together: a rule of the
+    split alone, so every candidate on a cluster is one on a larger cluster too (``tests/planners/test_monotone.py``).
     """
     ev = _Evaluator(graph, roles, ctx, max_staleness)
-    result = _search(ev, cluster, strategy)
-    if not result.ranked:  # no split fits its sides together with tp within hosts where they fit alone
-        result = _search(ev, cluster, strategy, modes=("always",))
-    return result
+    return _search(ev, cluster, strategy)
 
 
 def _split_mode(ev: _Evaluator, split: DeviceSplit, modes: Sequence[str]) -> str | None:
@@ -684,7 +730,7 @@ def _split_mode(ev: _Evaluator, split: DeviceSplit, modes: Sequence[str]) -> str
     return None
 
 
-def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence[str] = ("never", "when needed")) -> SearchResult:
+def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence[str] = ("never", "when needed", "always")) -> SearchResult:
     ctx, roles = ev.ctx, ev.roles
     splits = strategies.device_splits(
         strategy,
@@ -701,6 +747,7 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence
         if mode is None:
             infeasible += 1
             continue
+        ev.allow_tp_across_hosts("always")  # every dims: a lower bound of the split's candidates, its fallback's too (below)
         g = ev.side_dims(roles.gens, split.gen_devices)
         t = ev.side_dims(roles.train_side, split.train_devices)
         g0, t0 = (g[0][0] if g else 0.0), (t[0][0] if t else 0.0)
@@ -714,6 +761,9 @@ def _search(ev: _Evaluator, cluster: ClusterSpec, strategy: str, modes: Sequence
             break
         ev.allow_tp_across_hosts(mode)
         found = _SEARCH_SPLIT[split.family](ev, split)
+        if mode != "always" and not any(c.feasible for c in found):  # its sides fit alone, not together: tp across hosts on it too
+            ev.allow_tp_across_hosts("always")
+            found = _SEARCH_SPLIT[split.family](ev, split)
         feasible = [c for c in found if c.feasible]
         infeasible += len(found) - len(feasible)
         if not found:

@@ -20,9 +20,8 @@ plan may leave some idle, e.g. a colocated placement on 1008 H100s uses at most 
 device instead would not be monotone: Llama-3 405B's synchronous baseline is predicted faster on
 1008 H100s (d18t8p7) than on all of 1024 (d16t8p8), whose dims cannot hold 18 replicas.
 Tensor-parallel groups across hosts follow the same rule: a split searches them for a side that
-fits on it no other way, whatever the cluster (``search.search_placements``; the baseline, count by
-count); only when no split fits at all does every side try them, the one rule left that depends on
-the whole cluster.
+fits on it no other way, and every side of a split on which nothing fits otherwise, whatever the
+cluster (``search.search_placements``; the baseline, count by count).
 
 A run without a plan places its nodes by a fixed *run strategy* instead (no search, no
 estimates): ``flowrl.placement.default``.

@@ -32,6 +32,7 @@ from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.placement.layout import Placement
+from flowrl.runtime.observe.layout import LAYOUT_KEY, one_process
 from flowrl.runtime.channels import ChannelClosed, Message
 from flowrl.runtime.checkpointing.checkpointer import Checkpointer
 from flowrl.runtime.clock import ClockStopped, VersionClock
@@ -78,6 +79,11 @@ class Controller:
         self.gate = StalenessGate.of(graph, config.max_staleness)
         self.ledger = PromptLedger(feeds=continuous_feeds(graph, self.gate))
         self.sink = RowSink(graph, config, on_step=on_step, fail=self._fail)
+        for name, mesh in placement.nodes.items():  # a program over several ranks reports its own at its first step
+            node = graph.node(name) if name in graph else None
+            record = node and one_process(node.kind, mesh.devices, mesh.mesh_shape, config.backend, engine=getattr(node, "engine", None))
+            if record is not None:
+                self.sink.note_layout(name, record)
         self.parts = Executors(graph, node_programs, placement, capacity=config.channel_capacity or self.gate.widest() + 1, intra_op_threads=intra_op_threads)
         self.executors, self.channels = self.parts.executors, self.parts.channels
         self.checkpoints = Checkpointer(graph, config, self.parts.programs())
@@ -162,6 +168,8 @@ class Controller:
             return outputs, info, t_step, time.perf_counter()
 
         outputs, info, t_step, t_end = ex.runner.call(run_step) if ex.runner is not None else run_step()
+        if LAYOUT_KEY in info:  # a program over several ranks says what it built (observe.layout): for the first row
+            self.sink.note_layout(ex.name, info.pop(LAYOUT_KEY))
         self._trace_step(ex, seq, t_step, t_end, info)
         self.stop.progress()
         if KINDS[ex.kind].publishes_weights:

@@ -40,7 +40,7 @@ from flowrl.placement.forms import check_placed
 if TYPE_CHECKING:
     from flowrl.runtime.config import RunConfig
 
-__all__ = ["run_placement", "resolve_device", "node_devices"]
+__all__ = ["run_placement", "one_device_meshes", "resolve_device", "node_devices"]
 
 
 def resolve_device(requested: str, *, cuda_available: bool | None = None) -> str:
@@ -115,7 +115,7 @@ def rank_device(device: str, local_rank: int, *, cuda_count: int | None = None) 
     return torch.device("cuda", local_rank)
 
 
-def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, *, n_devices: int | None = None) -> Placement:
+def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, *, n_devices: int | None = None, backend: str = "local") -> Placement:
     """The placement a run of ``graph`` uses on this machine: ``placement``, or the run strategy for its staleness bound.
 
     Args:
@@ -123,6 +123,9 @@ def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, 
         placement: the placement given to ``run_graph``; None: the default (module docstring).
         n_devices: devices of a run without a placement (default: this machine's GPUs on CUDA
             (``config.device``), its cores otherwise).
+        backend: the run's backend: without a placement, a node whose program runs no axis over
+            several of its devices there (``flowrl.mesh_support``: any node on GPUs, whose one process
+            uses its first) gets its first device only (``one_device_meshes``).
 
     Returns:
         The placement, its pinning kept only where every device id is a core of this machine.
@@ -134,8 +137,30 @@ def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, 
     if placement is None:
         cuda = resolve_device(config.device) == "cuda"
         n = n_devices or (torch.cuda.device_count() if cuda else os.cpu_count() or 1)
-        return default_placement(graph, graph.max_staleness(config.max_staleness), n)
+        return one_device_meshes(graph, default_placement(graph, graph.max_staleness(config.max_staleness), n), backend, "cuda" if cuda else "cpu")
     check_placed(graph, placement.nodes, f"the placement ({placement.source})")
     cores = os.cpu_count() or 1
     pin = placement.pin and all(d < cores for ds in placement.devices.values() for d in ds)
     return placement if pin == placement.pin else msgspec.structs.replace(placement, pin=pin)
+
+
+def one_device_meshes(graph: Graph, placement: Placement, backend: str, device: str) -> Placement:
+    """``placement`` (a default one) with every node whose program runs no axis over several devices on
+    ``backend`` and ``device`` (``flowrl.mesh_support.one_device``) on its first device only: a default
+    placement says what runs.
+
+    Example:
+        >>> from flowrl.examples import build_example
+        >>> from flowrl.placement.default import default_placement
+        >>> graph = build_example("llamarl")
+        >>> str(one_device_meshes(graph, default_placement(graph, 0, 4), "local", "cuda"))
+        'gen:d1@0 | policy:d1@0'
+    """
+    from flowrl.mesh_support import one_device
+    from flowrl.placement.layout import NodeMesh
+
+    nodes = {
+        name: NodeMesh(devices=m.devices[:1]) if one_device(graph.node(name).kind, backend, engine=getattr(graph.node(name), "engine", None), device=device) else m
+        for name, m in placement.nodes.items()
+    }
+    return msgspec.structs.replace(placement, nodes=nodes)

@@ -1,4 +1,5 @@
-"""Preflight checks a run makes before it allocates anything: does the graph fit in this machine, can its generator engines run here?"""
+"""Preflight checks a run makes before it allocates anything: does the graph fit in this machine, can its
+generator engines run here, does every node's program run the mesh the placement gives it?"""
 
 from __future__ import annotations
 
@@ -12,11 +13,42 @@ from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, SourceNode
 from flowrl.host import host_memory_bytes
+from flowrl.mesh_support import node_facts, refusal
+from flowrl.placement.layout import AXES, Placement
 from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
 from flowrl.replan import plan_command
 
-__all__ = ["check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families"]
+__all__ = ["check_meshes", "check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families"]
+
+
+def check_meshes(graph: Graph, placement: Placement, *, backend: str, device: str, skip: Mapping[str, str] | frozenset[str] = frozenset()) -> None:
+    """Refuse, before any work (under torchrun on every rank alike), a node whose mesh has an axis of
+    size > 1 that its program does not execute on ``backend`` on ``device`` (``"cpu"`` or ``"cuda"``),
+    as ``flowrl.mesh_support.MESH_SUPPORT`` says: what would run instead is never run silently.
+    Nodes in ``skip`` run a user's program (``RunConfig.programs``), which the table does not describe.
+
+    Raises:
+        ConfigError: naming the node, the axis and its size, what would run instead and the fix
+            (``flowrl.mesh_support.refusal``).
+
+    Example:
+        >>> from flowrl.examples import build_example
+        >>> from flowrl.placement import NodeMesh
+        >>> placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(1, 2, 3, 4), mesh_shape=(1, 2, 2))})
+        >>> check_meshes(build_example("llamarl"), placement, backend="torchrun", device="cpu")
+        Traceback (most recent call last):
+        ...
+        flowrl.errors.ConfigError: policy 'policy' has dp=2 and tp=2 on its mesh {"dp": 2, "tp": 2}, but dp beside tp runs only as FSDP2 over dp on the 2-D mesh: set sharding='fsdp' on the policy, or give it a mesh of tp only
+    """
+    for name, mesh in placement.nodes.items():
+        if name in skip or name not in graph:
+            continue
+        node = graph.node(name)
+        axes = {a: s for a, s in zip(AXES, mesh.mesh_shape) if s > 1}
+        message = refusal(node.kind, name, axes, backend, devices=mesh.devices, engine=getattr(node, "engine", None), device=device, facts=node_facts(node))
+        if message is not None:
+            raise ConfigError(message)
 
 
 def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset(), graph_arg: str | None = None) -> None:

@@ -58,6 +58,8 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         ConfigError: no ``RunConfig``, or a placement that is not a ``Placement`` (a path: read it
             with ``flowrl.planners.forms.read_placement``).
         PlanError: a placement that does not place exactly the graph's device nodes.
+        ConfigError: a node whose mesh has an axis its program does not run on this backend
+            (``preflight.check_meshes``, read from ``flowrl.mesh_support.MESH_SUPPORT``).
         ConfigError: an unknown backend, ``config.device="cuda"`` on a machine without CUDA, a
             policy with ``sharding="fsdp"`` on a backend other than torchrun, a model that does not
             fit in this machine's memory, or a generator engine that cannot run here
@@ -78,7 +80,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     from flowrl.runtime.parallel.fsdp import check_backend
     from flowrl.runtime.names import check_names
     from flowrl.runtime.executor_placement import resolve_device
-    from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_packing_families
+    from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_meshes, check_packing_families
 
     if isinstance(placement, RunConfig) and config is None:  # run_graph(graph, config)
         placement, config = None, placement
@@ -92,6 +94,8 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     device = resolve_device(config.device)  # refuse --device cuda without CUDA before any work
     backend = create_backend(config.backend)
     check_backend(graph, backend.name, skip=config.programs)  # sharding="fsdp" runs under torchrun only
+    if placement is not None:  # an axis a node's program does not run: refused, never run as something else (mesh_support)
+        check_meshes(graph, placement, backend=backend.name, device=device, skip=config.programs)
     if not backend_traits(backend.name).ranks:  # under torchrun each rank checks its share (preflight.check_ranks_fit)
         check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
@@ -108,7 +112,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         if backend_traits(backend.name).ranks:  # its ranks hold the default placement of the job's world: refused or said without it
             offload_roles(graph, placement or Placement(nodes={}), config.offload, device=device, backend=backend.name)
         else:
-            offload_roles(graph, run_placement(graph, placement, config), config.offload, device=device, backend=backend.name)
+            offload_roles(graph, run_placement(graph, placement, config, backend=backend.name), config.offload, device=device, backend=backend.name)
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
     try:
         return backend.run(graph, placement, config, on_step=on_step)

@@ -121,6 +121,7 @@ def test_nothing_fits_names_node_memory_and_excess():
         plan_graph(LLAMARL, "8xH100", model=model_preset("llama3-405b"))
 
 
+@pytest.mark.usefixtures("every_axis_runs")  # a search over tp/pp trainers (tests/planners/conftest.py)
 @pytest.mark.parametrize(
     "tuning, suggested, left_out",
     [
@@ -138,12 +139,14 @@ def test_hint_suggests_only_what_is_not_set(tuning, suggested, left_out):
     assert not any(s in hint for s in left_out), hint
 
 
+@pytest.mark.usefixtures("every_axis_runs")  # a search over tp/pp trainers (tests/planners/conftest.py)
 def test_hint_leaves_out_a_strategy_the_search_already_tried():
     with pytest.raises(PlanError, match="no split fits them all at once") as info:
         plan_graph(LLAMARL, "2xH100", model=model_preset("llama3-8b"), gen_precision="float8")
     assert "disaggregated" not in str(info.value).split("try: ", 1)[1]
 
 
+@pytest.mark.usefixtures("every_axis_runs")  # a search over tp/pp trainers (tests/planners/conftest.py)
 def test_baseline_that_does_not_fit_says_why(tmp_path):
     # uneven pipeline stages let the default baseline fit on 3 devices (p3); one sampling in float32 does not
     fp32 = BaselineSystem(name="fp32-sampler", gen_precision="float32")
@@ -158,6 +161,7 @@ def test_baseline_that_does_not_fit_says_why(tmp_path):
     assert load_plan(tmp_path / "plan.json").baseline_problem == plan.baseline_problem
 
 
+@pytest.mark.usefixtures("every_axis_runs")  # a search over tp/pp trainers (tests/planners/conftest.py)
 def test_every_memory_figure_fits_the_budget():
     plan = plan_graph(LLAMARL, "64xH100", model=model_preset("llama3-70b"), workload=_SMALL, gen_precision="bfloat16")
     budget = plan.cluster_spec.device.memory_bytes * plan.tuning.memory_util

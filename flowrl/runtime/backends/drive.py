@@ -61,8 +61,10 @@ def run_with_controller(
     import warnings
 
     from flowrl.runtime.offload import offload_roles
+    from flowrl.runtime.preflight import check_meshes
 
-    placement = run_placement(graph, placement, config)
+    placement = run_placement(graph, placement, config, backend=config.backend)
+    check_meshes(graph, placement, backend=config.backend, device=resolve_device(config.device), skip=config.programs)  # the default's too
     with warnings.catch_warnings():  # run_graph's check said them already
         warnings.simplefilter("ignore")
         roles = offload_roles(graph, placement, config.offload, device=resolve_device(config.device), backend=config.backend)

@@ -57,6 +57,7 @@ class PipelinePolicy(PolicyProgram):
     """
 
     saves_on_every_rank = True
+    _reported = False  # the lead reported its layout (its first step)
 
     def __init__(
         self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any, rank: int, device: torch.device
@@ -73,6 +74,7 @@ class PipelinePolicy(PolicyProgram):
         self.stage_index = coordinate[names.index("pp")]
         self.dp_index = coordinate[names.index("dp")] if "dp" in names else 0
         grid = mesh.mesh.reshape(self.pp, self.dp)  # (pp, dp) -> global rank (tp is 1: check_pipeline)
+        self._grid = grid
         self.stage_leads = [int(grid[s, 0]) for s in range(self.pp)]  # each stage's first dp rank
         self.reporter = self.stage_leads[-1]  # the last stage's first dp rank: sends the step's metrics
         pipeline = [int(grid[s, self.dp_index]) for s in range(self.pp)]
@@ -135,6 +137,13 @@ class PipelinePolicy(PolicyProgram):
         publish_s = self.publish()
         info: Info = dict(metrics)
         info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if self.rank == self.lead and not self._reported:  # the layout it built, for the run's first row
+            from flowrl.runtime.observe.layout import LAYOUT_KEY, record
+
+            groups = [[int(r) for r in self._grid[:, d].tolist()] for d in range(self.dp)]  # each replica's stages, first to last
+            runs = f"{self.dp} data-parallel replica(s), each {self.pp} pipeline stages (1F1B; GPipe with fewer micro-batches than stages)"
+            info[LAYOUT_KEY] = record(self.ranks, {"pp": self.pp, "dp": self.dp}, groups, runs)
+            self._reported = True
         if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
             total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(total, group=self.group)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from flowrl.errors import ConfigError
+from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 from flowrl.runtime.programs import Batch, Info, PolicyProgram
 
 __all__ = ["RankContext", "set_context"]
@@ -69,9 +70,16 @@ class _RankPolicy(PolicyProgram):
     lead: int
     index: int
     collective_bytes: int
+    runs: str = "{n} ranks"  # what runs, for the layout the lead reports (``{n}``: its ranks)
+    _reported: bool = False  # the lead reported its layout (its first step)
 
     def _share(self, mine: float, total: float) -> None:
         raise NotImplementedError
+
+    def _layout(self) -> dict[str, Any]:
+        """The layout this program built (``observe.layout.record``), which the lead reports at its
+        first step: data-parallel over every rank by default; a tensor-parallel policy says its groups."""
+        return record(self.ranks, {"dp": len(self.ranks)}, [self.ranks], self.runs.format(n=len(self.ranks)))
 
     def _shares(self) -> tuple[int, int]:
         """(how many parts a mini-batch splits into, this rank's part): one per rank by default; a
@@ -125,6 +133,9 @@ class _RankPolicy(PolicyProgram):
         publish_s = self.publish()
         info: Info = dict(metrics)
         info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
+        if self.index == 0 and not self._reported:  # the layout it built, for the run's first row
+            info[LAYOUT_KEY] = self._layout()
+            self._reported = True
         if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
             total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(total, group=self.group)

@@ -10,8 +10,13 @@ its kind's entry in ``RANK_PROGRAMS``:
   ``pp_policy.PipelinePolicy`` (pipeline stages x dp replicas); the first three share ``rank_policy._RankPolicy``'s step;
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
   tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.parallel.tensor_parallel``);
-- a reference: tensor-parallel with a ``tp`` mesh axis > 1 (``tp_reference``), else as anything else;
-- anything else (a critic, a user or synthetic program): on the lead rank only; the others idle.
+- a reference: tensor-parallel with a ``tp`` mesh axis > 1 (``tp_reference``);
+- anything else (a critic, a reward model): one rank only; a mesh of several is refused
+  before any work (``flowrl.mesh_support``, ``preflight.check_meshes``); a user or synthetic program
+  (``RunConfig.programs``) on several ranks runs on the lead rank while the others idle.
+
+A rank program reports, at its first step, the layout it built (``info["layout"]``,
+``flowrl.runtime.observe.layout``), which the run's first row shows.
 
 ``RankContext`` (``rank_policy``) is what every rank knows about the job; ``flowrl.runtime.backends.torchrun``
 sets it once per process before any program is built.
@@ -41,6 +46,7 @@ from flowrl.runtime.programs import (
 )
 from flowrl.runtime.program_table import build_program
 from flowrl.runtime.backends.rank_policy import RankContext, _context, _mesh_axes, _RankPolicy, set_context
+from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 
 __all__ = [
     "RANK_PROGRAM",
@@ -66,6 +72,8 @@ class _Idle(ProgramBase):
 
 class DataParallelPolicy(_RankPolicy):
     """One data-parallel replica of a policy (see ``flowrl.runtime.parallel.distributed.make_data_parallel``)."""
+
+    runs = "{n} data-parallel replicas"
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...]) -> None:
         from flowrl.runtime.parallel.distributed import make_data_parallel
@@ -129,6 +137,7 @@ class ShardedPolicy(_RankPolicy):
 
     saves_on_every_rank = True
     holds_shards = True  # its weights are DTensors: on the direct route every rank gathers each bucket
+    runs = "FSDP2 shards over {n} data-parallel ranks"
 
     def __init__(self, node: PolicyNode, graph: Graph, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.runtime.parallel.fsdp import shard_trainer_
@@ -239,6 +248,8 @@ class ParallelGenerator(GeneratorProgram):
     schedule, which the controller's one-stream read-ahead and staleness bookkeeping do not cover:
     they are refused.
     """
+
+    _reported = False  # the lead reported its layout (its first step)
 
     def __init__(self, node: GeneratorNode, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> None:
         from flowrl.models.quantize import QUANTIZED_PRECISIONS
@@ -439,7 +450,22 @@ class ParallelGenerator(GeneratorProgram):
         ]
         merged = merge_rollouts(parts)
         slots = {k: v for k, v in sampled.items() if k.startswith(("slots/", "env/"))}  # alike on every tp rank; env/* over every replica
-        return merged, {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"]), **slots}
+        info: Info = {"fetch_s": timing["fetch_s"], "gen_s": timing["gen_s"], "version": int(merged["rollout_version"]), **slots}
+        if not self._reported:  # the layout it built, for the run's first row
+            info[LAYOUT_KEY] = self.layout()
+            self._reported = True
+        return merged, info
+
+    def layout(self) -> dict[str, Any]:
+        """The layout these ranks run (``flowrl.runtime.observe.layout``): replicas by ``rows``, each a tp group."""
+        dp, tp = len(self.rows), len(self.rows[0])
+        if self.vllm_tp:
+            runs = f"{dp} vLLM engine(s), each with tensor_parallel_size={tp} over its ranks"
+        elif tp > 1:
+            runs = f"{dp} replica(s), each {tp} tensor-parallel ranks holding their shards"
+        else:
+            runs = f"{dp} replicas" + (" (vLLM engines)" if self._engine == "vllm" else "")
+        return record(self.ranks, {"dp": dp, "tp": tp}, self.rows, runs)
 
     def _replicas_env_metrics(self, sampled: Info, samples: int) -> Info:
         """The whole batch's ``env/*`` numbers (``MultiTurnGenerator.metrics``) from each replica's, every
@@ -525,5 +551,6 @@ def reference_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: Share
 
 #: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,
 #: group, ranks, mesh) -> program``, built on every rank of its mesh; a kind not here runs its own
-#: program (``flowrl.runtime.program_table.PROGRAMS``) on the mesh's lead rank while the others idle.
+#: program (``flowrl.runtime.program_table.PROGRAMS``) on one rank (``flowrl.mesh_support`` says which axes
+#: each kind runs; ``tests/test_mesh_support.py`` checks the two agree).
 RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks, "reference": reference_ranks}

@@ -87,9 +87,9 @@ from flowrl.runtime.controller import Controller, RunResult
 from flowrl.runtime.parallel.fsdp import check_ranks, fsdp_policies
 from flowrl.runtime.parallel.pipeline import check_pipeline, pipeline_policies
 from flowrl.runtime.parallel.tp_train import check_tp_meshes
-from flowrl.runtime.executor_placement import rank_device, resolve_device
+from flowrl.runtime.executor_placement import one_device_meshes, rank_device, resolve_device
 from flowrl.host import host_memory_bytes
-from flowrl.runtime.preflight import check_engine_meshes, check_ranks_fit
+from flowrl.runtime.preflight import check_engine_meshes, check_meshes, check_ranks_fit
 from flowrl.placement.layout import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
@@ -138,14 +138,15 @@ Axes = tuple[tuple[str, ...], tuple[int, ...]]
 
 def rank_placement(graph: Graph, placement: Placement | None, world: int) -> Placement:
     """The job's placement: the one given or, without one, every heavy node on every rank
-    (``all-colocated``); its device ids are ranks (never pinned as cores).
+    (``all-colocated``; a kind whose program runs on one rank only, ``flowrl.mesh_support``, on rank 0);
+    its device ids are ranks (never pinned as cores).
 
     Raises:
         PlanError: a placement that does not place exactly the graph's device nodes, or a node
             needing ranks >= ``world``.
     """
-    if placement is None:
-        placement = default_placement(graph, 0, world, strategy="all-colocated")
+    if placement is None:  # a kind that runs on one rank only gets rank 0 (mesh_support), every other kind every rank
+        placement = one_device_meshes(graph, default_placement(graph, 0, world, strategy="all-colocated"), "torchrun", "cpu")
     check_placed(graph, placement.nodes, f"the placement ({placement.source})")
     for n, rs in placement.devices.items():
         if max(rs) >= world:
@@ -317,11 +318,12 @@ def run_torchrun(
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     placement = rank_placement(graph, placement, world)
     ranks, axes = placement.devices, _axes(placement)
+    device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
+    cuda = device.type == "cuda"
+    check_meshes(graph, placement, backend="torchrun", device=device.type, skip=config.programs)  # every rank alike, the default's too
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
     check_pipeline(graph, axes, skip=config.programs, direct=direct_edges(graph, ranks, config.programs))
     check_tp_meshes(graph, axes, skip=config.programs)  # a tensor-parallel policy's tp against its heads and widths
-    device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
-    cuda = device.type == "cuda"
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else host_memory_bytes()
     check_ranks_fit(graph, ranks, device=device.type, memory_bytes=memory, skip=frozenset(config.programs),

@@ -70,6 +70,14 @@ class TensorParallelPolicy(_RankPolicy):
         shard_tp_trainer_(self.trainer, mesh, group=group, fsdp=self.fsdp)
         self.collective_bytes = 0
 
+    def _layout(self) -> dict[str, Any]:
+        from flowrl.runtime.observe.layout import record
+
+        groups = [self.ranks[i * self.tp : (i + 1) * self.tp] for i in range(self.dp)]  # mesh order, tp innermost
+        each = f"{self.tp} tensor-parallel ranks holding their DTensor shards"
+        runs = f"{self.dp} data-parallel parts as FSDP2 shards, each {each}" if self.fsdp else f"one policy over {each}"
+        return record(self.ranks, {"dp": self.dp, "tp": self.tp}, groups, runs)
+
     def _shares(self) -> tuple[int, int]:
         return self.dp, self.index // self.tp  # mesh order, tp innermost: a tp group's ranks share one dp part
 

@@ -28,6 +28,8 @@ __all__ = ["TensorParallelReference"]
 class TensorParallelReference(ReferenceProgram):
     """One rank of a tensor-parallel reference (see the module docstring)."""
 
+    _reported = False  # the lead reported its layout (its first step)
+
     def __init__(
         self, node: ReferenceNode, graph: Graph, transports: SharedTransports, *, device: str, timeout_s: float, group: Any, ranks: tuple[int, ...], mesh: Any
     ) -> None:
@@ -50,4 +52,11 @@ class TensorParallelReference(ReferenceProgram):
 
         batch = broadcast_batch(inputs if self.is_lead else None, src=self.lead, group=self.group, device=self.device)
         out, info = super().step(seq, {k: v.cpu() for k, v in batch.items()}, min_version)
-        return (out, info) if self.is_lead else ({}, {})
+        if not self.is_lead:
+            return {}, {}
+        if not self._reported:  # the layout it built, for the run's first row
+            from flowrl.runtime.observe.layout import LAYOUT_KEY, record
+
+            info = {**info, LAYOUT_KEY: record(self.ranks, {"tp": len(self.ranks)}, [self.ranks], f"one frozen reference over {len(self.ranks)} tensor-parallel ranks")}
+            self._reported = True
+        return out, info

@@ -23,6 +23,9 @@ Training health, in every row of a policy that trains (``HEALTH_KEYS``):
   completion tokens, from the logits of its training forward pass), ``policy/grad_norm`` (before
   clipping), ``policy/lr``.
 
+The run's first row (step 1) also has ``layout``: each device node's devices, the sub-mesh its program
+runs and what runs there (``flowrl.runtime.observe.layout``), so a run shows the layout it ran.
+
 What a program reports goes into the row when its key is namespaced (has a ``/``); the un-namespaced
 keys programs report each have a column of the row or are left out on purpose (``UNNAMESPACED``).
 """
@@ -88,6 +91,7 @@ UNNAMESPACED: dict[str, str] = {
     "fetch_s": "in the row's sync_s",
     "gen_s": "the row's gen_s",
     "version": "the row's policy_version (a policy's) or rollout_version (a generator's)",
+    "layout": "the run's first row's layout (a program over several ranks, its first step: observe.layout)",
 }
 
 

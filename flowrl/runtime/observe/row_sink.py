@@ -13,6 +13,10 @@ State (the policy executor's thread, then the controller's once the executors ar
   per step, the generators' info and the other nodes' namespaced metrics (a source's ``data/*``, a
   reward model's ``judge/unparsed/<node>``), for the trainer's row of that step (``noted``).
 - ``_unwritten``: rows not yet written, each with the evaluation it waits for (None: none).
+- ``_layouts`` (``_lock``): node -> its layout as it runs (``observe.layout``): the controller's
+  one-process records, replaced by what a program over several ranks reports at its first step;
+  the run's first row carries them (``"layout"``; the row of step 1, so that a resumed run's rows
+  are those of a run without the interruption).
 
 Cadences count trainer steps (the row's ``step`` = ``seq + 1``): samples and evaluations fire after
 step ``seq`` when ``(seq + 1) % N == 0``.
@@ -30,6 +34,7 @@ from flowrl.errors import NodeExecutionError
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import LossNode
 from flowrl.runtime.evaluation.during_run import Evaluator, merge_eval
+from flowrl.runtime.observe.layout import LAYOUT_KEY
 from flowrl.runtime.observe.metrics import MetricsWriter, step_row
 from flowrl.runtime.observe.samples import SampleLogger
 
@@ -65,6 +70,7 @@ class RowSink:
         self._gen_info: dict[tuple[str, int], dict[str, Any]] = {}
         self._source_info: dict[int, dict[str, Any]] = {}
         self._unwritten: deque[tuple[Row, Future[dict[str, float]] | None]] = deque()
+        self._layouts: dict[str, dict[str, Any]] = {}
         self.reward_weights: dict[str, float] = {}
         for loss in graph.nodes_of(LossNode):
             self.reward_weights.update(loss.loss.reward_weights)
@@ -97,6 +103,11 @@ class RowSink:
             elif any("/" in key for key in info):
                 self._source_info.setdefault(seq, {}).update({k: v for k, v in info.items() if "/" in k})
 
+    def note_layout(self, node: str, layout: dict[str, Any]) -> None:
+        """Keep ``node``'s layout as it runs (``observe.layout``) for the run's first row."""
+        with self._lock:
+            self._layouts[node] = layout
+
     def noted(self, seq: int, *, generators: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Take step ``seq``'s notes: the info of the last of ``generators`` that noted one, and the other nodes' metrics."""
         gen: dict[str, Any] = {}
@@ -121,6 +132,9 @@ class RowSink:
         texts = logger(seq + 1, batch) if logger is not None else None  # every N trainer steps, as evaluations and checkpoints
         if texts:
             row["samples_text"] = texts
+        if not self.rows and int(row["step"]) == 1:  # a run's first row: each node's devices, sub-mesh and what runs (observe.layout)
+            with self._lock:
+                row[LAYOUT_KEY] = {n.name: self._layouts[n.name] for n in self.graph.nodes if n.name in self._layouts}  # graph order
         self.rows.append(row)
         evaluation = None
         if self.evaluator is not None and policy == self.eval_policy and (seq + 1) % self.config.eval_every == 0:
