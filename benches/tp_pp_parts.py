@@ -20,8 +20,8 @@ cross-entropy loss) over ``--batch`` sequences of ``--seq`` tokens, on two one-t
   waiting for the other, and the schedule's own work) is the whole minus compute and p2p.
 
 The planner's terms for the same work (``flowrl.planners.estimate.cpu_ranks``) are computed from this
-machine calibrated right before (``flowrl calibrate``'s pass rate at width 896 and gloo's rate by size,
-from 64 KiB), and printed beside each measured part with predicted / measured.
+machine calibrated right before (``flowrl calibrate``'s pass rate at width 896 and gloo's rates by size:
+``--gloo``'s all-gather / reduce-scatter, all-reduce and send), and printed beside each measured part with predicted / measured.
 
 Run: python benches/tp_pp_parts.py [--layers 4] [--batch 8] [--seq 32] [--microbatches 4] [--repeats 5]
 (about 2 minutes on 2 cores, ~3 GB). Prints one JSON object.
@@ -45,8 +45,6 @@ sys.path.insert(0, str(ROOT))
 
 SHAPE = dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, head_dim=64)
 VOCAB = 320
-#: gloo sizes calibrated for this bench: a micro-batch's activations are 0.1-1 MB, below GLOO_SIZES' first
-SIZES = (2**16, 2**18, 2**20, 4 * 2**20, 16 * 2**20)
 
 
 def _config(layers: int, tp: int = 1):
@@ -271,7 +269,7 @@ def main() -> None:
     from flowrl.modelspec import model_from_hf_config
 
     load = [os.getloadavg()[0]]
-    m = with_gloo(measure(widths=(SHAPE["hidden_size"],)), measure_gloo(sizes=SIZES))
+    m = with_gloo(measure(widths=(SHAPE["hidden_size"],)), measure_gloo())  # as `flowrl calibrate --gloo`
     cluster = calibrated_cluster(m, cores=2)
     ctx = Context(cluster=cluster, workload=Workload(prompts_per_step=args.batch, samples_per_prompt=1, prompt_len=args.seq, gen_len=1), tuning=Tuning())
     with tempfile.TemporaryDirectory() as tmp:
@@ -297,7 +295,8 @@ def main() -> None:
     print(json.dumps({
         "model": f"Qwen2.5-0.5B-shaped, {args.layers} layers, fp32; {args.batch} x {args.seq} tokens; 2 ranks, gloo, OMP_NUM_THREADS=1",
         "calibrated": {"train_gflops_at_896": round(cluster.device.measured_flops(896, "train") / 1e9, 2),
-                       "gloo_gb_per_s_by_kib": {f"{n // 1024}": round(r / 1e9, 3) for n, r in m.cpu.gloo_by_bytes}},
+                       **{f"{name}_gb_per_s_by_kib": {f"{n // 1024}": round(r / 1e9, 3) for n, r in getattr(m.cpu, field)}
+                          for name, field in (("gather", "gloo_by_bytes"), ("all_reduce", "gloo_all_reduce_by_bytes"), ("send", "gloo_send_by_bytes"))}},
         "tp2": {"all_reduces_per_pass": t0["all_reduces_per_pass"], "all_reduces_priced": (TP_FORWARD_ALL_REDUCES + TP_BACKWARD_ALL_REDUCES) * args.layers, "all_reduce_bytes": t0["all_reduce_bytes"],
                 "all_reduce_one_s": round(t0["all_reduce_one_s"], 5),
                 "parts": _side_by_side({**tp_pred, "whole": sum(tp_pred.values())}, tp_meas)},

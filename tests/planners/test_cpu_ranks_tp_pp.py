@@ -14,7 +14,8 @@ import pytest
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.cluster import ClusterSpec, CpuTerms, cpu_device, parse_cluster
 from flowrl.planners.estimate.common import Context
-from flowrl.planners.estimate.cpu_ranks import pp_comm_s, rank_share, stage_split, tp_comm_s
+from flowrl.errors import PlanError
+from flowrl.planners.estimate.cpu_ranks import gloo_link, pp_comm_s, rank_share, stage_split, tp_comm_s
 from flowrl.planners.estimate.train import train_options
 from flowrl.planners.parallel import ParallelDims
 from flowrl.planners.tuning import Tuning
@@ -28,8 +29,8 @@ TOKENS = 8 * 31
 RATE, GLOO, LATENCY = 1e9, 0.5e9, 1e-6  # train FLOP/s at width 64, gloo bytes/s at every size, a hop's latency
 
 
-def ctx(*, gloo: tuple[tuple[int, float], ...] = ((1, GLOO),), devices: int = 4) -> Context:
-    terms = CpuTerms(flops_by_width=((64, 2 * RATE),), train_flops_by_width=((64, RATE),), gloo_by_bytes=gloo, host_cores=devices)
+def ctx(*, gloo: tuple[tuple[int, float], ...] = ((1, GLOO),), devices: int = 4, **tables) -> Context:
+    terms = CpuTerms(flops_by_width=((64, 2 * RATE),), train_flops_by_width=((64, RATE),), gloo_by_bytes=gloo, host_cores=devices, **tables)
     dev = cpu_device(cores=devices, memory_bytes=8 * 2**30, cpu=terms)
     assert dev.intra_host_latency_s == LATENCY
     cluster = ClusterSpec(name="cpu-test", hosts=1, devices_per_host=devices, device=dev)
@@ -152,3 +153,21 @@ def test_the_same_tp_mesh_on_gpus_keeps_its_nvlink_terms():
     one = nbytes / link + 2 * c.device.intra_host_latency_s
     assert est.breakdown["tp_comm"] == pytest.approx(3 * 4 * 2 * one, rel=1e-12)
     assert est.memory.weights == int(MODEL.params / 2 * c.device.dtype_bytes)
+
+
+def test_all_reduces_and_sends_run_at_their_own_calibrated_rates_else_the_gather_rate():
+    """``flowrl calibrate --gloo`` times gloo's all-reduce and send at activations' sizes: a tp rank's
+    all-reduces are priced at the first, a stage's sends at the second; a cluster file without them
+    (or an uncalibrated CPU) falls back to the all-gather / reduce-scatter rate, then ``GLOO_BANDWIDTH``."""
+    nbytes = TOKENS * 64 * 4
+    measured = ctx(gloo_all_reduce_by_bytes=((nbytes, 2e9),), gloo_send_by_bytes=((nbytes, 4e9),))
+    assert tp_comm_s(TOKENS, 4, 2, measured, forwards=1, backwards=1, width=64) == pytest.approx(16 * (nbytes / 2e9 + 2 * LATENCY), rel=1e-12)
+    assert pp_comm_s(TOKENS, 2, measured, forwards=1, backwards=1, width=64) == pytest.approx(2 * (nbytes / 4e9 + LATENCY), rel=1e-12)
+    assert gloo_link(measured, nbytes).bandwidth == GLOO  # FSDP's gathers keep the gather rate
+    assert [gloo_link(ctx(), nbytes, op).bandwidth for op in ("gather", "all_reduce", "send")] == [GLOO] * 3
+    from flowrl.planners.tuning import GLOO_BANDWIDTH
+
+    assert gloo_link(ctx(gloo=()), nbytes, "all_reduce").bandwidth == GLOO_BANDWIDTH
+    for field in ("gloo_all_reduce_by_bytes", "gloo_send_by_bytes"):
+        with pytest.raises(PlanError, match=rf"{field}=.* must be \(bytes >= 1, bytes/s > 0\) pairs, sizes strictly ascending"):
+            CpuTerms(**{field: ((2**20, 1e9), (2**18, 1e9))})

@@ -23,8 +23,9 @@ average::
     pp_comm     = (sends forward + sends backward) * send(T*h*act_bytes)     # at gloo's rate at that size
     bubble      = (pp - 1) * t_mb                                  # 1F1B: m + pp - 1 slots of a micro-batch
 
-gloo's rate at a size is ``CpuTerms.gloo_rate`` (measured by ``flowrl calibrate --gloo``, the slower of
-an all-gather and a reduce-scatter), else ``tuning.GLOO_BANDWIDTH``. The stage with the most FLOPs
+gloo's rates at a size are measured by ``flowrl calibrate --gloo`` between two processes: an all-reduce's
+(``CpuTerms.gloo_all_reduce_rate``) and a send's (``gloo_send_rate``) at activations' sizes, else the
+all-gather / reduce-scatter rate (``gloo_rate``), else ``tuning.GLOO_BANDWIDTH``. The stage with the most FLOPs
 sets the pipeline's pace (``RankShare``'s time figures), the one with the most parameters its memory
 (``RankShare.params``). Not modelled: DTensor's own dispatch per sharded operator (measured at ~9% of
 a 4-layer pass in ``benches/tp_pp_parts.py``), a sequence-parallel layout.
@@ -113,12 +114,15 @@ def rank_share(model: ModelSpec, tp: int, pp: int) -> RankShare:
     return RankShare(layers=layers, matmul=matmul, attention=4.0 * layers * h / tp, params=params, trained=trained)
 
 
-def gloo_link(ctx: Context, nbytes: float) -> Link:
+def gloo_link(ctx: Context, nbytes: float, op: str = "gather") -> Link:
     """The link a collective of ``nbytes`` (per tensor) crosses between CPU ranks: gloo between two
-    processes of the host, at the calibrated ``CpuTerms.gloo_rate(nbytes)`` (else ``GLOO_BANDWIDTH``):
-    a rate achieved, no ``link_efficiency``."""
-    dev = ctx.cluster.device
-    return Link(dev.cpu.gloo_rate(nbytes) or GLOO_BANDWIDTH, dev.intra_host_latency_s)
+    processes of the host, at the rate calibrated at that size: ``op`` ``"gather"`` (an all-gather or
+    reduce-scatter: ``CpuTerms.gloo_rate``), ``"all_reduce"`` (``gloo_all_reduce_rate``) or ``"send"``
+    (``gloo_send_rate``); the last two fall back to the first, and that to ``GLOO_BANDWIDTH``. A rate
+    achieved: no ``link_efficiency``."""
+    cpu = ctx.cluster.device.cpu
+    rate = {"all_reduce": cpu.gloo_all_reduce_rate, "send": cpu.gloo_send_rate}.get(op, cpu.gloo_rate)(nbytes)
+    return Link(rate or cpu.gloo_rate(nbytes) or GLOO_BANDWIDTH, ctx.cluster.device.intra_host_latency_s)
 
 
 def tp_comm_s(tokens: float, layers: int, tp: int, ctx: Context, *, forwards: int, backwards: int, act_bytes: int = 4, width: int) -> float:
@@ -138,7 +142,7 @@ def tp_comm_s(tokens: float, layers: int, tp: int, ctx: Context, *, forwards: in
         return 0.0
     nbytes = tokens * width * act_bytes
     count = layers * (TP_FORWARD_ALL_REDUCES * forwards + TP_BACKWARD_ALL_REDUCES * backwards)
-    return count * all_reduce_s(nbytes, tp, gloo_link(ctx, nbytes))
+    return count * all_reduce_s(nbytes, tp, gloo_link(ctx, nbytes, "all_reduce"))
 
 
 def pp_comm_s(tokens: float, pp: int, ctx: Context, *, forwards: int, backwards: int, act_bytes: int = 4, width: int) -> float:
@@ -147,7 +151,7 @@ def pp_comm_s(tokens: float, pp: int, ctx: Context, *, forwards: int, backwards:
     if pp <= 1:
         return 0.0
     nbytes = tokens * width * act_bytes
-    return (forwards + backwards) * send_s(nbytes, gloo_link(ctx, nbytes))
+    return (forwards + backwards) * send_s(nbytes, gloo_link(ctx, nbytes, "send"))
 
 
 def _train_rate(model: ModelSpec, ctx: Context) -> float:
