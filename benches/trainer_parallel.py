@@ -29,7 +29,7 @@ gloo's rate by size; one device per rank, on the cores measured), its step and p
 (``compute``, ``tp_comm``, ``pp_comm``, ``bubble``, ``dp_comm``, ``optimizer``), and predicted /
 measured for the step and each part the run measures (goal 0.77-1.3).
 
-Run: python benches/trainer_parallel.py [--layers 4] [--steps 4] [--layouts one,dp2,tp2,pp2]
+Run: python benches/trainer_parallel.py [--layers 4] [--steps 4] [--layouts one,dp2,tp2,pp2] [--calibration FILE]
 (about 1-2 minutes a layout on 2 cores at 4 layers, ~2 GB a policy rank).
 """
 
@@ -146,23 +146,32 @@ def _ran(first_row: dict) -> dict | str:
     return found or "not reported"
 
 
-def _calibrate():
-    from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
-    from flowrl.calibration.measure import measure
+def _calibrate(path: str | None):
+    """This CPU's measurements (``flowrl calibrate``'s, at width 896, with gloo's rates); with ``path``,
+    read from it when it exists, else measured and written there."""
+    import msgspec
 
-    return with_gloo(measure(widths=(896,)), measure_gloo())
+    from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
+    from flowrl.calibration.measure import Measurements, measure
+
+    if path and Path(path).is_file():
+        return msgspec.json.decode(Path(path).read_bytes(), type=Measurements)
+    m = with_gloo(measure(widths=(896,)), measure_gloo())
+    if path:
+        Path(path).write_bytes(msgspec.json.encode(m))
+    return m
 
 
 def _predict(graph_file: Path, m, strategy: str, devices: int) -> dict:
     from flowrl.calibration.measure import calibrated_cluster
-    from flowrl.errors import FlowRLError
+    from flowrl.errors import FlowrlError
     from flowrl.graph.refs import load_file_module
     from flowrl.planners.plan import plan_graph
 
     graph = load_file_module(graph_file).build_graph()
     try:
         plan = plan_graph(graph, calibrated_cluster(m, cores=devices), strategy=strategy, max_staleness=0)
-    except FlowRLError as exc:
+    except FlowrlError as exc:
         return {"refused": str(exc)}
     policy = plan.placements["policy"]
     return {
@@ -236,6 +245,7 @@ def main() -> None:
     parser.add_argument("--pp-micro-batch", type=int, default=2, help="sequences per pipeline micro-batch (pp2)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated among {', '.join(LAYOUTS)}")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a layout's run may take")
+    parser.add_argument("--calibration", default=None, help="a file of this CPU's measurements: read if it exists, else measured and written")
     args = parser.parse_args()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     unknown = [x for x in layouts if x not in LAYOUTS]
@@ -247,7 +257,7 @@ def main() -> None:
         tmp = Path(tmp_dir)
         model = write_model_dir(tmp / "qwen05", layers=args.layers)
         load = os.getloadavg()[0]
-        m = _calibrate()
+        m = _calibrate(args.calibration)
         results = {name: _run_layout(name, tmp, model, args, m) for name in layouts}
     one = results.get("one", {})
     one_rss = one.get("peak_rss_gib_by_rank", {}).get("1")
