@@ -16,13 +16,15 @@ trains alone while the generator waits. The layouts (``LAYOUTS``):
 
 What ran is read from the run, not assumed: ``ran`` is what the run's first metrics row reports of its
 meshes (any key naming a mesh, layout or role), else ``"not reported"``; and each rank's peak RSS is
-set beside the one-process policy rank's (a tp or pp rank holds about half the weights, gradients and
-AdamW states; a data-parallel replica all of them). A layout the runtime refuses (a mesh axis it
+set beside the one-process policy rank's (``rss_says``: a tp or pp rank holds about half the weights,
+gradients and AdamW states, a data-parallel replica all of them). A layout the runtime refuses (a mesh axis it
 cannot run) is printed with its error, and the others go on.
 
 Prints one JSON object: per layout, the measured step (the interval between rows, median of the
 steps after the first), ``train_s``, ``gen_s``, ``sync_s`` and ``idle_s`` (medians), the first step's
-loss and its difference from ``one``'s (the same samples: the generator runs the same initial weights),
+loss, gradient norm and entropy and their differences from ``one``'s (the same samples: the generator
+runs the same initial weights; AIPO's first loss is 0 with the policy equal to its sampler, so the
+gradient norm is the figure that tells layouts apart),
 peak RSS per rank (``VmHWM``, GiB), and the planner's prediction: ``flowrl plan``'s estimate of the
 same placement on this CPU calibrated right before (``flowrl calibrate``'s pass rate at width 896 and
 gloo's rate by size; one device per rank, on the cores measured), its step and policy parts
@@ -78,6 +80,9 @@ LAYOUTS: dict[str, tuple[dict, str, str, str | int]] = {
 }
 #: the policy's parts the planner prices
 PARTS = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+#: a policy rank's peak RSS over the one-process rank's below which it holds a shard (FSDP2 dp=2 ran at
+#: 0.75, tp and pp meshes run as replicas at 1.05-1.06: 4 layers, 2026-12-06)
+RSS_SHARDED = 0.85
 #: words of a metrics-row key that reports how the run laid its nodes out
 LAYOUT_WORDS = ("mesh", "layout", "role", "ranks")
 
@@ -224,6 +229,8 @@ def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
         "wall_s": round(wall, 1),
         "measured": measured,
         "first_loss": rows[0]["loss"],
+        "first_grad_norm": rows[0].get("policy/grad_norm"),
+        "first_entropy": rows[0].get("policy/entropy"),
         "peak_rss_gib_by_rank": {str(r): round(b / 2**30, 2) for r, b in sorted(rss.peak.items())},
         "predicted": predicted,
         "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
@@ -262,10 +269,14 @@ def main() -> None:
     one = results.get("one", {})
     one_rss = one.get("peak_rss_gib_by_rank", {}).get("1")
     for name, r in results.items():
-        if "first_loss" in r and "first_loss" in one:
-            r["first_loss_minus_one"] = r["first_loss"] - one["first_loss"]
+        for key in ("first_loss", "first_grad_norm", "first_entropy"):  # the same samples: equal within float32 rounding
+            if r.get(key) is not None and one.get(key) is not None:
+                r[f"{key}_minus_one"] = r[key] - one[key]
         if one_rss and "peak_rss_gib_by_rank" in r:  # a tp or pp rank holds about half of what the one-process rank does
-            r["policy_rss_over_one"] = [round(r["peak_rss_gib_by_rank"][k] / one_rss, 2) for k in ("1", "2") if k in r["peak_rss_gib_by_rank"]]
+            ratios = [round(r["peak_rss_gib_by_rank"][k] / one_rss, 2) for k in ("1", "2") if k in r["peak_rss_gib_by_rank"]]
+            r["policy_rss_over_one"] = ratios
+            if name != "one":
+                r["rss_says"] = "each policy rank holds less than one process: sharded" if max(ratios) < RSS_SHARDED else "each policy rank holds as much as one process: whole replicas"
     print(json.dumps({
         "model": f"Qwen2.5-0.5B-shaped, {args.layers} layers (fp32), 2 prompts x 4 samples x {args.new_tokens} tokens, max_staleness 0",
         "calibrated": {"train_gflops_at_896": round(m.cpu.train_flops_by_width[-1][1] / 1e9, 2),
