@@ -19,7 +19,8 @@ cross-entropy loss) over ``--batch`` sequences of ``--seq`` tokens, on two one-t
   micro-batch's activations ``[mb * seq, hidden]`` each way (p2p); the rest (``bubble``: the stage
   waiting for the other, and the schedule's own work) is the whole minus compute and p2p.
 
-The planner's terms for the same work (``flowrl.planners.estimate.cpu_ranks``) are computed from this
+The parts are timed taking turns (whole, compute, collective, whole, ...: each sees the machine's load
+alike), medians of ``--repeats``. The planner's terms for the same work (``flowrl.planners.estimate.cpu_ranks``) are computed from this
 machine calibrated right before (``flowrl calibrate``'s pass rate at width 896 and gloo's rates by size:
 ``--gloo``'s all-gather / reduce-scatter, all-reduce and send), and printed beside each measured part with predicted / measured.
 
@@ -66,16 +67,18 @@ def _model(layers: int, tp: int = 1):
     return Qwen2ForCausalLM(_config(layers, tp))
 
 
-def _median_s(call, repeats: int, barrier=None) -> float:
-    call()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if barrier:
+def _medians_s(calls: list, repeats: int, barrier) -> list[float]:
+    """Median seconds of each call, the calls taking turns (so that each sees the machine's load alike),
+    each after a barrier of both ranks, after one warm-up round."""
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(repeats + 1):
+        for call, seen in zip(calls, times):
             barrier()
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            t0 = time.perf_counter()
+            call()
+            if r:
+                seen.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def _loss(logits, labels):
@@ -115,11 +118,9 @@ def _tp_parts(args, rank: int) -> dict:
         with CommDebugMode() as comm:
             step(model)
         counts[name] = sum(comm.get_comm_counts().values())
-    whole = _median_s(lambda: step(model), args.repeats, dist.barrier)
     shard = _model(args.layers, tp=2)  # the same compute without DTensor or collectives, both ranks at once
-    compute = _median_s(lambda: step(shard), args.repeats, dist.barrier)
     act = torch.randn(args.batch * args.seq, SHAPE["hidden_size"])
-    all_reduce = _median_s(lambda: dist.all_reduce(act), max(args.repeats, 9), dist.barrier)
+    whole, compute, all_reduce = _medians_s([lambda: step(model), lambda: step(shard), lambda: dist.all_reduce(act)], args.repeats, dist.barrier)
     return {"whole_s": whole, "compute_s": compute, "all_reduce_one_s": all_reduce, "all_reduces_per_pass": counts,
             "all_reduce_bytes": act.numel() * 4}
 
@@ -172,7 +173,6 @@ def _pp_parts(args, rank: int) -> dict:
         else:
             schedule.step(target=ids, losses=[])
 
-    whole = _median_s(step, args.repeats, dist.barrier)
     hidden = torch.randn(mb, args.seq, SHAPE["hidden_size"], requires_grad=True)
 
     def local() -> None:  # one micro-batch through this stage alone, forward and backward
@@ -182,7 +182,6 @@ def _pp_parts(args, rank: int) -> dict:
         else:
             _loss(stage(hidden), ids[:mb]).backward()
 
-    compute = _median_s(local, args.repeats, dist.barrier)
     act = torch.randn(mb * args.seq, SHAPE["hidden_size"])
 
     def send() -> None:  # one micro-batch's activations 0 -> 1, then its gradient 1 -> 0
@@ -193,7 +192,7 @@ def _pp_parts(args, rank: int) -> dict:
             dist.recv(act, 0)
             dist.send(act, 0)
 
-    both_ways = _median_s(send, max(args.repeats, 9), dist.barrier)
+    whole, compute, both_ways = _medians_s([step, local, send], args.repeats, dist.barrier)
     return {"whole_s": whole, "stage_compute_one_mb_s": compute, "p2p_both_ways_s": both_ways, "p2p_bytes": act.numel() * 4,
             "stage_layers": half if rank == 0 else args.layers - half}
 
@@ -299,6 +298,7 @@ def main() -> None:
                           for name, field in (("gather", "gloo_by_bytes"), ("all_reduce", "gloo_all_reduce_by_bytes"), ("send", "gloo_send_by_bytes"))}},
         "tp2": {"all_reduces_per_pass": t0["all_reduces_per_pass"], "all_reduces_priced": (TP_FORWARD_ALL_REDUCES + TP_BACKWARD_ALL_REDUCES) * args.layers, "all_reduce_bytes": t0["all_reduce_bytes"],
                 "all_reduce_one_s": round(t0["all_reduce_one_s"], 5),
+                "other_measured_s": round(tp_meas["other"], 4),  # DTensor's dispatch and what the parts miss: not priced
                 "parts": _side_by_side({**tp_pred, "whole": sum(tp_pred.values())}, tp_meas)},
         "pp2": {"microbatches": args.microbatches, "p2p_bytes": pp[0]["p2p_bytes"], "stage_compute_one_mb_s": [round(r["stage_compute_one_mb_s"], 4) for r in pp],
                 "parts": _side_by_side({**pp_pred, "whole": sum(pp_pred.values())}, pp_meas)},
