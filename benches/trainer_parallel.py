@@ -2,8 +2,9 @@
 flowrl's own path (``flowrl run GRAPH --backend torchrun --plan placement.json``), beside the planner's
 prediction for the same layout.
 
-The graph is the HF example's task (copy a word; 2 prompts x 4 samples x ``--new-tokens`` new tokens a
-step, AIPO) on a Qwen2.5-0.5B-shaped model (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864, 320-token
+The graph is the HF example's (its prompts; 2 prompts x 4 samples x ``--new-tokens`` new tokens a step,
+AIPO; a reward hashed from each completion's text, ``REWARD``, since the copy reward of a random model
+is 0 everywhere) on a Qwen2.5-0.5B-shaped model (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864, 320-token
 vocabulary, ``--layers`` decoder layers, float32, random weights, seed 0): the built-in generator on rank
 0, the policy on rank 1 (``one``) or ranks 1-2 (the others), ``max_staleness=0`` so that the policy
 trains alone while the generator waits. The layouts (``LAYOUTS``):
@@ -23,8 +24,7 @@ cannot run) is printed with its error, and the others go on.
 Prints one JSON object: per layout, the measured step (the interval between rows, median of the
 steps after the first), ``train_s``, ``gen_s``, ``sync_s`` and ``idle_s`` (medians), the first step's
 loss, gradient norm and entropy and their differences from ``one``'s (the same samples: the generator
-runs the same initial weights; AIPO's first loss is 0 with the policy equal to its sampler, so the
-gradient norm is the figure that tells layouts apart),
+runs the same initial weights),
 peak RSS per rank (``VmHWM``, GiB), and the planner's prediction: ``flowrl plan``'s estimate of the
 same placement on this CPU calibrated right before (``flowrl calibrate``'s pass rate at width 896 and
 gloo's rate by size; one device per rank, on the cores measured), its step and policy parts
@@ -64,11 +64,23 @@ def build_graph():
     b = GraphBuilder("trainer_parallel", model=HFModelConfig(path={model!r}, init="random", seed=0))
     prompts = b.source("prompts", data=str(ASSETS / "prompts.jsonl"), prompt_field="prompt", batch_size=2)
     gen = b.generator("gen", prompts, n_samples=4, max_new_tokens={new_tokens}, temperature=1.0)
-    score = b.scorer("reward", gen, fn="flowrl.examples.hf_copy:reward", inputs="text")
+    score = b.scorer("reward", gen, fn="bench_reward:reward", inputs="text")
     aipo = b.loss("aipo", gen, score, objective="aipo", rho=4.0)
     policy = b.policy("policy", aipo, lr=1e-5, sharding={sharding!r}, micro_batch_size={micro_batch})
     b.weights(policy, gen, max_staleness=0)
     return b.build()
+'''
+
+#: the scorer (a module beside the graph): the copy task's reward is 0 for every sample of a random
+#: model, so no gradient would move and the first step's loss and gradient norm would be 0 in every
+#: layout; a reward that differs between samples, and is the same for the same text in every run, is not
+REWARD = '''
+"""A reward that differs between samples and is the same for the same text in every run."""
+import zlib
+
+
+def reward(prompt: str, completion: str, answer: str) -> float:
+    return zlib.crc32(completion.encode()) % 1000 / 1000
 '''
 
 #: layout -> (placement file, the planner's strategy for it, the policy's sharding, micro-batch: 0 or "pp")
@@ -197,9 +209,12 @@ def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
     work.mkdir()
     (work / "graph.py").write_text(GRAPH.format(model=str(model), new_tokens=args.new_tokens, sharding=sharding, micro_batch=micro_batch))
     (work / "place.json").write_text(json.dumps(placement))
+    (work / "bench_reward.py").write_text(REWARD)
+    if str(work) not in sys.path:  # the planner builds the graph here, which names the scorer's module
+        sys.path.insert(0, str(work))
     ranks = max(max(v if isinstance(v, list) else v["ranks"]) for v in placement.values()) + 1
     predicted = _predict(work / "graph.py", m, strategy, ranks)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "flowrl", "run", "graph.py", "--backend", "torchrun",
            "--plan", "place.json", "--steps", str(args.steps), "--metrics", "m.jsonl", "--quiet"]
