@@ -253,10 +253,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rank-part", choices=("tp", "pp"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rank_part:
+    if args.rank_part:  # a member of a gloo group: ends without interpreter teardown, where gloo's threads may abort it
+        from flowrl.runtime.backends.rank_exit import end_rank_process
+
         args.part = args.rank_part
         _rank_main(args)
-        return
+        end_rank_process(0)
     if args.layers < 2 or args.batch % args.microbatches or args.microbatches < 2 or args.repeats < 1:
         parser.error("--layers >= 2, --microbatches >= 2 dividing --batch, --repeats >= 1")
     from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
