@@ -83,13 +83,21 @@ def reward(prompt: str, completion: str, answer: str) -> float:
     return zlib.crc32(completion.encode()) % 1000 / 1000
 '''
 
-#: layout -> (placement file, the planner's strategy for it, the policy's sharding, micro-batch: 0 or "pp")
-LAYOUTS: dict[str, tuple[dict, str, str, str | int]] = {
-    "one": ({"gen": [0], "policy": [1]}, "gen:d1@0 | policy:d1@1", "replicate", 0),
-    "dp2": ({"gen": [0], "policy": [1, 2]}, "gen:d1@0 | policy:d2@1-2", "fsdp", 0),
-    "tp2": ({"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"tp": 2}}}, "gen:d1@0 | policy:t2@1-2", "replicate", 0),
-    "pp2": ({"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"pp": 2}}}, "gen:d1@0 | policy:p2@1-2", "replicate", "pp"),
+#: layout -> (placement file, the policy's sharding, micro-batch: 0 or "pp"); the planner is given the
+#: same placement (``placement.forms.decode_placement``'s string form, e.g. ``gen:d1@0 | policy:t2@1-2``)
+LAYOUTS: dict[str, tuple[dict, str, str | int]] = {
+    "one": ({"gen": [0], "policy": [1]}, "replicate", 0),
+    "dp2": ({"gen": [0], "policy": [1, 2]}, "fsdp", 0),
+    "tp2": ({"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"tp": 2}}}, "replicate", 0),
+    "pp2": ({"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"pp": 2}}}, "replicate", "pp"),
 }
+
+
+def strategy(placement: dict, graph) -> str:
+    """The planner's form of a placement file (``gen:d1@0 | policy:t2@1-2``)."""
+    from flowrl.placement.forms import decode_placement
+
+    return str(decode_placement(json.dumps(placement).encode(), graph, where="trainer_parallel"))
 #: the policy's parts the planner prices
 PARTS = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
 #: a policy rank's peak RSS over the one-process rank's below which it holds a shard (FSDP2 dp=2 ran at
@@ -179,7 +187,7 @@ def _calibrate(path: str | None):
     return m
 
 
-def _predict(graph_file: Path, m, strategy: str, devices: int) -> dict:
+def _predict(graph_file: Path, m, placement: dict, devices: int) -> dict:
     from flowrl.calibration.measure import calibrated_cluster
     from flowrl.errors import FlowrlError
     from flowrl.graph.refs import load_file_module
@@ -187,7 +195,7 @@ def _predict(graph_file: Path, m, strategy: str, devices: int) -> dict:
 
     graph = load_file_module(graph_file).build_graph()
     try:
-        plan = plan_graph(graph, calibrated_cluster(m, cores=devices), strategy=strategy, max_staleness=0)
+        plan = plan_graph(graph, calibrated_cluster(m, cores=devices), strategy=strategy(placement, graph), max_staleness=0)
     except FlowrlError as exc:
         return {"refused": str(exc)}
     policy = plan.placements["policy"]
@@ -203,7 +211,7 @@ def _predict(graph_file: Path, m, strategy: str, devices: int) -> dict:
 
 
 def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
-    placement, strategy, sharding, micro = LAYOUTS[name]
+    placement, sharding, micro = LAYOUTS[name]
     micro_batch = args.pp_micro_batch if micro == "pp" else micro
     work = tmp / name
     work.mkdir()
@@ -213,7 +221,7 @@ def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
     if str(work) not in sys.path:  # the planner builds the graph here, which names the scorer's module
         sys.path.insert(0, str(work))
     ranks = max(max(v if isinstance(v, list) else v["ranks"]) for v in placement.values()) + 1
-    predicted = _predict(work / "graph.py", m, strategy, ranks)
+    predicted = _predict(work / "graph.py", m, placement, ranks)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "flowrl", "run", "graph.py", "--backend", "torchrun",
