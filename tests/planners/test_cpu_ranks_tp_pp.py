@@ -30,7 +30,8 @@ RATE, GLOO, LATENCY = 1e9, 0.5e9, 1e-6  # train FLOP/s at width 64, gloo bytes/s
 
 
 def ctx(*, gloo: tuple[tuple[int, float], ...] = ((1, GLOO),), devices: int = 4, **tables) -> Context:
-    terms = CpuTerms(flops_by_width=((64, 2 * RATE),), train_flops_by_width=((64, RATE),), gloo_by_bytes=gloo, host_cores=devices, **tables)
+    terms = CpuTerms(flops_by_width=((64, 2 * RATE),), train_flops_by_width=((64, RATE),), gloo_by_bytes=gloo, host_cores=devices,
+                     thread_speedup=1.6, **tables)  # as calibrated: a replicated CPU mesh would be one threaded process
     dev = cpu_device(cores=devices, memory_bytes=8 * 2**30, cpu=terms)
     assert dev.intra_host_latency_s == LATENCY
     cluster = ClusterSpec(name="cpu-test", hosts=1, devices_per_host=devices, device=dev)
@@ -116,6 +117,14 @@ def test_a_tp2_policy_on_cpu_ranks_computes_its_share_and_all_reduces_over_gloo(
     params = 154432 - 4 * LINEAR / 2
     assert (est.memory.weights, est.memory.grads, est.memory.optimizer) == (int(params * 4), int(params * 4), int(params * 8))
     assert est.memory.workspace == TOKENS // 31 * 32 * 100 * 8  # the padded tokens' fp32 logits and their gradient, on each rank
+
+
+def test_a_tp2_reference_forward_all_reduces_twice_a_layer_at_the_forward_rate():
+    est = option(ParallelDims(tp=2), forward_only=True)
+    compute = TOKENS * (2 * (4 * LINEAR / 2 + 6400) + 4 * 4 * 64 / 2 * 15.5) / (2 * RATE)  # the forward's calibrated rate
+    assert est.breakdown["compute"] == pytest.approx(compute, rel=1e-12)
+    assert est.breakdown["tp_comm"] == pytest.approx(4 * 2 * (TOKENS * 64 * 4 / GLOO + 2 * LATENCY), rel=1e-12)
+    assert (est.memory.grads, est.memory.optimizer) == (0, 0)
 
 
 def test_a_pp2_policy_on_cpu_ranks_pays_one_bubble_slot_and_its_sends():
