@@ -18,3 +18,22 @@ def test_weight_sync_fsdp_wraps_methods_that_exist():
     missing = [(owner, name) for owner, name, _ in weight_sync_fsdp.PHASES if not callable(getattr(weight_sync_fsdp.phase_owner(owner), name, None))]
     assert not missing, f"benches/weight_sync_fsdp.py wraps names flowrl no longer has: {missing}"
     assert {phase for *_, phase in weight_sync_fsdp.PHASES} == {"build", "sync", "checkpoint"}
+
+
+def test_trainer_parallel_layouts_are_the_meshes_they_name(tmp_path):
+    """benches/trainer_parallel.py's placement files decode against its graph into the layouts it
+    reports (the planner is given the same placement), on the HF example's tiny model."""
+    from flowrl.examples.hf_copy import ASSETS
+    from flowrl.graph.refs import load_file_module
+
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import trainer_parallel
+    finally:
+        sys.path.remove(str(BENCHES))
+    forms = {}
+    for name, (placement, sharding, micro) in trainer_parallel.LAYOUTS.items():
+        path = tmp_path / f"graph_{name}.py"
+        path.write_text(trainer_parallel.GRAPH.format(model=str(ASSETS), new_tokens=4, sharding=sharding, micro_batch=2 if micro == "pp" else micro))
+        forms[name] = trainer_parallel.strategy(placement, load_file_module(path).build_graph())
+    assert forms == {"one": "gen:d1@0 | policy:d1@1", "dp2": "gen:d1@0 | policy:d2@1-2", "tp2": "gen:d1@0 | policy:t2@1-2", "pp2": "gen:d1@0 | policy:p2@1-2"}

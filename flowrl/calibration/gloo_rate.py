@@ -17,11 +17,23 @@ seconds: ``bandwidth = nbytes / 2 / seconds``; ``CpuTerms.gloo_by_bytes`` takes 
 two at each size. ``GLOO_SIZES`` (4, 16 and 64 MiB: a 0.5B model's tensors and blocks) take about
 a second on this project's 2-core CPU, plus the two processes' start.
 
+At each of ``activation_sizes`` (``ACTIVATION_SIZES``: 256 KiB to 4 MiB, a micro-batch's ``[tokens,
+hidden]`` activations) the same processes also time an ``all_reduce`` (a tensor-parallel policy's,
+``bandwidth = nbytes / seconds``: ``all_reduce_s``' terms with n = 2) and a ``send`` there and back
+(a pipeline stage's activations and their gradient: ``bandwidth = nbytes / (seconds / 2)``):
+``CpuTerms.gloo_all_reduce_by_bytes`` and ``gloo_send_by_bytes``. On this project's CPU both ran 2-9
+times faster than the gather / reduce-scatter rate at those sizes (``benches/tp_pp_parts.py``).
+
 Example:
     >>> m = Measurements(matmul_flops=40e9, copy_bandwidth=6e9, op_overhead_s=4e-6, cores=2, memory_bytes=2**30)
     >>> figures = GlooFigures(sizes=(2**24, 2**26), gather_bandwidth=(0.5e9, 0.1e9), reduce_scatter_bandwidth=(0.4e9, 0.2e9))
     >>> with_gloo(m, figures).cpu.gloo_by_bytes
     ((16777216, 400000000.0), (67108864, 100000000.0))
+    >>> acts = GlooFigures(sizes=(2**24,), gather_bandwidth=(0.5e9,), reduce_scatter_bandwidth=(0.4e9,),
+    ...                    activation_sizes=(2**20,), all_reduce_bandwidth=(1.5e9,), send_bandwidth=(3e9,))
+    >>> terms = with_gloo(m, acts).cpu
+    >>> terms.gloo_all_reduce_by_bytes, terms.gloo_send_by_bytes
+    (((1048576, 1500000000.0),), ((1048576, 3000000000.0),))
 """
 
 from __future__ import annotations
@@ -40,10 +52,12 @@ import msgspec
 from flowrl.calibration.measure import Measurements
 from flowrl.errors import PlanError
 
-__all__ = ["GlooFigures", "measure_gloo", "with_gloo", "GLOO_SIZES"]
+__all__ = ["GlooFigures", "measure_gloo", "with_gloo", "GLOO_SIZES", "ACTIVATION_SIZES"]
 
 #: Bytes of the tensors the collectives gather (or reduce-scatter) by default, ascending.
 GLOO_SIZES = (4 * 2**20, 16 * 2**20, 64 * 2**20)
+#: Bytes of the activations whose all-reduce and send are timed by default, ascending.
+ACTIVATION_SIZES = (2**18, 2**20, 4 * 2**20)
 #: Seconds the two processes may take, start-up included, before they are killed.
 TIMEOUT_S = 300.0
 
@@ -54,16 +68,27 @@ class GlooFigures(msgspec.Struct, frozen=True, kw_only=True):
     sizes: tuple[int, ...]
     gather_bandwidth: tuple[float, ...]
     reduce_scatter_bandwidth: tuple[float, ...]
+    activation_sizes: tuple[int, ...] = ()
+    all_reduce_bandwidth: tuple[float, ...] = ()
+    send_bandwidth: tuple[float, ...] = ()
 
 
 def with_gloo(m: Measurements, figures: GlooFigures) -> Measurements:
-    """``m`` with the slower of the two gloo rates at each size as ``CpuTerms.gloo_by_bytes`` (pure)."""
+    """``m`` with the slower of the two gloo rates at each size as ``CpuTerms.gloo_by_bytes``, and the
+    all-reduce and send rates at activations' sizes as ``gloo_all_reduce_by_bytes`` and
+    ``gloo_send_by_bytes`` (pure)."""
     table = tuple((n, min(g, r)) for n, g, r in zip(figures.sizes, figures.gather_bandwidth, figures.reduce_scatter_bandwidth))
-    return msgspec.structs.replace(m, cpu=msgspec.structs.replace(m.cpu, gloo_by_bytes=table))
+    all_reduce = tuple(zip(figures.activation_sizes, figures.all_reduce_bandwidth))
+    send = tuple(zip(figures.activation_sizes, figures.send_bandwidth))
+    cpu = msgspec.structs.replace(m.cpu, gloo_by_bytes=table, gloo_all_reduce_by_bytes=all_reduce, gloo_send_by_bytes=send)
+    return msgspec.structs.replace(m, cpu=cpu)
 
 
-def measure_gloo(*, sizes: tuple[int, ...] = GLOO_SIZES, repeats: int = 3, statistic: str = "median") -> GlooFigures:
-    """Time gloo's all-gather and reduce-scatter between two processes of this host (module docstring).
+def measure_gloo(
+    *, sizes: tuple[int, ...] = GLOO_SIZES, activation_sizes: tuple[int, ...] = ACTIVATION_SIZES, repeats: int = 3, statistic: str = "median"
+) -> GlooFigures:
+    """Time gloo's all-gather and reduce-scatter, and at ``activation_sizes`` its all-reduce and send,
+    between two processes of this host (module docstring; ``activation_sizes=()``: none of the latter).
 
     Raises:
         PlanError: a count below 1, an unknown ``statistic``, or a process that failed or took longer
@@ -71,12 +96,15 @@ def measure_gloo(*, sizes: tuple[int, ...] = GLOO_SIZES, repeats: int = 3, stati
     """
     if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 8 or repeats < 1:
         raise PlanError(f"measure_gloo: sizes={list(sizes)} must be ascending byte counts >= 8 and repeats={repeats} >= 1")
+    if list(activation_sizes) != sorted(set(activation_sizes)) or (activation_sizes and activation_sizes[0] < 8):
+        raise PlanError(f"measure_gloo: activation_sizes={list(activation_sizes)} must be ascending byte counts >= 8 (or none)")
     if statistic not in ("median", "best"):
         raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this process listens: it picked the port
-    cmd = [sys.executable, "-m", "flowrl.calibration.gloo_rate", "--port", str(store.port), "--bytes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+    cmd = [sys.executable, "-m", "flowrl.calibration.gloo_rate", "--port", str(store.port), "--bytes", ",".join(map(str, sizes)),
+           "--activation-bytes", ",".join(map(str, activation_sizes)), "--repeats", str(repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun starts each rank
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
     deadline = time.monotonic() + TIMEOUT_S
@@ -100,10 +128,15 @@ def measure_gloo(*, sizes: tuple[int, ...] = GLOO_SIZES, repeats: int = 3, stati
     seconds = json.loads(out.strip().splitlines()[-1])
     pick = min if statistic == "best" else statistics.median
     rate = {name: tuple(n / 2 / pick(seconds[f"{name}/{n}"]) for n in sizes) for name in ("all_gather", "reduce_scatter")}
-    return GlooFigures(sizes=tuple(sizes), gather_bandwidth=rate["all_gather"], reduce_scatter_bandwidth=rate["reduce_scatter"])
+    return GlooFigures(
+        sizes=tuple(sizes), gather_bandwidth=rate["all_gather"], reduce_scatter_bandwidth=rate["reduce_scatter"],
+        activation_sizes=tuple(activation_sizes),
+        all_reduce_bandwidth=tuple(n / pick(seconds[f"all_reduce/{n}"]) for n in activation_sizes),
+        send_bandwidth=tuple(n / (pick(seconds[f"send/{n}"]) / 2) for n in activation_sizes),  # there and back: two sends
+    )
 
 
-def _rank(rank: int, port: int, sizes: list[int], repeats: int) -> None:
+def _rank(rank: int, port: int, sizes: list[int], repeats: int, activation_sizes: list[int] = ()) -> None:
     """One of the two processes: join the group over the caller's store, time the collectives; rank 0 prints the seconds."""
     import torch
     import torch.distributed as dist
@@ -125,6 +158,22 @@ def _rank(rank: int, port: int, sizes: list[int], repeats: int) -> None:
                         dist.reduce_scatter_tensor(shard, full)
                     if r:
                         seconds.setdefault(f"{name}/{nbytes}", []).append(time.perf_counter() - t0)
+        for nbytes in activation_sizes:
+            act = torch.ones(nbytes // 4)
+            for r in range(repeats + 2):  # two warm-ups: the first sends of a size open their buffers
+                for name in ("all_reduce", "send"):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if name == "all_reduce":
+                        dist.all_reduce(act)
+                    elif rank == 0:  # there and back, as a pipeline stage's activations and their gradient
+                        dist.send(act, 1)
+                        dist.recv(act, 1)
+                    else:
+                        dist.recv(act, 0)
+                        dist.send(act, 0)
+                    if r > 1:
+                        seconds.setdefault(f"{name}/{nbytes}", []).append(time.perf_counter() - t0)
         if rank == 0:
             print(json.dumps(seconds), flush=True)
     finally:
@@ -136,9 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--bytes", default=",".join(map(str, GLOO_SIZES)), help="comma-separated tensor sizes")
+    parser.add_argument("--activation-bytes", default=",".join(map(str, ACTIVATION_SIZES)), help="comma-separated sizes of the all-reduce and send (empty: none)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    _rank(args.rank, args.port, [int(n) for n in args.bytes.split(",")], args.repeats)
+    acts = [int(n) for n in args.activation_bytes.split(",") if n]
+    _rank(args.rank, args.port, [int(n) for n in args.bytes.split(",")], args.repeats, acts)
 
 
 if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)

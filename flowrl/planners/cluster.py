@@ -162,6 +162,14 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             falls with the size (on this project's 2-core CPU a 64 MiB gather ran at a fifth of a
             16 MiB one), so a collective of ``n`` bytes takes the rate interpolated at ``n``
             (``gloo_rate``); empty: not measured (``tuning.GLOO_BANDWIDTH``).
+        gloo_all_reduce_by_bytes: ``(bytes, bytes/s)`` pairs, sizes ascending: gloo's all-reduce of a
+            tensor of that many bytes between two processes of the host, in ``estimate.common.all_reduce_s``'
+            terms (``2 * (n - 1) / n * bytes / bandwidth``, n = 2), measured at activations' sizes (256 KiB
+            to 4 MiB): what a tensor-parallel policy's all-reduces of ``[tokens, hidden]`` run at on CPU
+            ranks (``estimate.cpu_ranks``); empty: ``gloo_by_bytes``' rate (on this project's CPU 2-4
+            times slower at these sizes: gloo's reduce-scatter is its slow half).
+        gloo_send_by_bytes: the same for one ``send`` of that many bytes (``bytes / bandwidth``): a
+            pipeline stage's activations and their gradients; empty: ``gloo_by_bytes``' rate.
         host_cores: the host's cores when its devices (ranks) may outnumber them (``flowrl
             calibrate`` writes the cores it measured; ``calibrated_cluster(m, cores=n)`` with n
             above them is that many ranks on fewer cores): meshes busy together on more devices
@@ -180,6 +188,8 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     vllm_decode_speedup: float = 0.0
     vllm_sync_bandwidth: float = 0.0
     gloo_by_bytes: tuple[tuple[int, float], ...] = ()
+    gloo_all_reduce_by_bytes: tuple[tuple[int, float], ...] = ()
+    gloo_send_by_bytes: tuple[tuple[int, float], ...] = ()
     host_cores: int = 0
 
     def __post_init__(self) -> None:
@@ -198,9 +208,11 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
                 raise PlanError(
                     f"CpuTerms: {field}={table} must be (width >= 1, FLOP/s > 0) pairs, widths strictly ascending"
                 )
-        sizes = [n for n, _ in self.gloo_by_bytes]
-        if sizes != sorted(set(sizes)) or any(n < 1 or not 0 < r < float("inf") for n, r in self.gloo_by_bytes):
-            raise PlanError(f"CpuTerms: gloo_by_bytes={self.gloo_by_bytes} must be (bytes >= 1, bytes/s > 0) pairs, sizes strictly ascending")
+        for field in ("gloo_by_bytes", "gloo_all_reduce_by_bytes", "gloo_send_by_bytes"):
+            table = getattr(self, field)
+            sizes = [n for n, _ in table]
+            if sizes != sorted(set(sizes)) or any(n < 1 or not 0 < r < float("inf") for n, r in table):
+                raise PlanError(f"CpuTerms: {field}={table} must be (bytes >= 1, bytes/s > 0) pairs, sizes strictly ascending")
 
     def gloo_rate(self, nbytes: float) -> float | None:
         """The measured gloo rate (bytes/s) of a collective of ``nbytes``: ``gloo_by_bytes`` interpolated
@@ -211,15 +223,27 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             >>> [round(t.gloo_rate(n) / 1e9, 3) for n in (2**20, 2**25, 2**30)], CpuTerms().gloo_rate(2**20)
             ([0.4, 0.25, 0.1], None)
         """
-        table = self.gloo_by_bytes
-        if not table:
-            return None
-        if nbytes <= table[0][0]:
-            return table[0][1]
-        if nbytes >= table[-1][0]:
-            return table[-1][1]
-        (n0, r0), (n1, r1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= nbytes <= b[0])
-        return r0 + (r1 - r0) * math.log(nbytes / n0) / math.log(n1 / n0)
+        return _by_bytes(self.gloo_by_bytes, nbytes)
+
+    def gloo_all_reduce_rate(self, nbytes: float) -> float | None:
+        """``gloo_all_reduce_by_bytes`` at ``nbytes``, as ``gloo_rate`` reads its table; None when not measured."""
+        return _by_bytes(self.gloo_all_reduce_by_bytes, nbytes)
+
+    def gloo_send_rate(self, nbytes: float) -> float | None:
+        """``gloo_send_by_bytes`` at ``nbytes``, as ``gloo_rate`` reads its table; None when not measured."""
+        return _by_bytes(self.gloo_send_by_bytes, nbytes)
+
+
+def _by_bytes(table: tuple[tuple[int, float], ...], nbytes: float) -> float | None:
+    """A ``(bytes, bytes/s)`` table at ``nbytes``: interpolated linearly in log(bytes), clamped to its ends."""
+    if not table:
+        return None
+    if nbytes <= table[0][0]:
+        return table[0][1]
+    if nbytes >= table[-1][0]:
+        return table[-1][1]
+    (n0, r0), (n1, r1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= nbytes <= b[0])
+    return r0 + (r1 - r0) * math.log(nbytes / n0) / math.log(n1 / n0)
 
 
 class DeviceSpec(msgspec.Struct, **_STRUCT):

@@ -40,7 +40,12 @@ one-core rate, gathers and reduce-scatters over gloo between the ranks' processe
 ``tuning.GLOO_BANDWIDTH``),
 with no overlap where the job's ranks and vLLM's workers outnumber the host's cores (``crowded``:
 ``host_crowded``; on two cores beside vLLM nothing runs a gather while the rank computes); ranks
-that outnumber the cores time-share them in the step (``schedule.shared_step_s``).
+that outnumber the cores time-share them in the step (``schedule.shared_step_s``). A mesh with
+``tp > 1`` or ``pp > 1`` on a CPU runs as such ranks too, priced by ``estimate.cpu_ranks``: each rank
+computes its share (1/tp of the linears and heads, its stage's layers, the replicated head whole) at
+the one-core rate, all-reduces its activations over the tp ranks (2 a layer per forward pass, 2 per
+backward) and sends them between stages at gloo's rate at their size, and holds its stage's
+replicated norms, embedding and head whole; a GPU mesh keeps the terms above.
 
 Memory per device::
 
@@ -102,6 +107,7 @@ from flowrl.planners.estimate.common import (
     axis_link,
     send_s,
 )
+from flowrl.planners.estimate.cpu_ranks import gloo_link, pp_comm_s, rank_share, tp_comm_s
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
@@ -112,14 +118,6 @@ __all__ = [
     "TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage", "expert_parallel",
     "gloo_link", "host_crowded",
 ]
-
-
-def gloo_link(ctx: Context, nbytes: float) -> Link:
-    """The link a collective of ``nbytes`` (per tensor) crosses between an FSDP2 policy's CPU ranks:
-    gloo between two processes of the host, at the calibrated ``CpuTerms.gloo_rate(nbytes)`` (else
-    ``GLOO_BANDWIDTH``): a rate achieved, no ``link_efficiency``."""
-    dev = ctx.cluster.device
-    return Link(dev.cpu.gloo_rate(nbytes) or GLOO_BANDWIDTH, dev.intra_host_latency_s)
 
 
 def host_crowded(cluster: ClusterSpec, vllm_workers: int) -> bool:
@@ -261,7 +259,11 @@ def train_options(
 
     # FSDP2 runs under torchrun: on a CPU each rank is a process of its own with one intra-op thread
     # (torchrun's OMP_NUM_THREADS=1), at the calibrated one-core rate, its collectives over gloo
-    cpu_ranks = sharding == "fsdp" and not forward_only and DEVICE_TRAITS[dev.kind].pinned
+    # a tp or pp mesh runs under torchrun on any device: on a CPU as ranks too, priced by ``cpu_ranks``'
+    # terms (each rank's share of the layers and linears, its all-reduces and sends at gloo's rate)
+    split = tp > 1 or pp > 1
+    cpu_ranks = ((sharding == "fsdp" and not forward_only) or split) and DEVICE_TRAITS[dev.kind].pinned
+    share = rank_share(model, tp, pp) if cpu_ranks and split else None
     if cpu_ranks:
         replicas, speedup = dp, 1.0
     else:
@@ -277,12 +279,15 @@ def train_options(
     # what has gradients and AdamW state: a LoRA policy's adapters (its base is frozen), else every weight;
     # a frozen weight's backward computes the input gradient only: one forward's FLOPs instead of two
     p_train = model.trained_params * frac / tp
+    if share is not None:  # a CPU rank holds its stage's replicated norms, embedding and head whole
+        p_dev, p_train = share.params, share.trained
     backward = 1 if model.adapter_params else 2
 
-    tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
-    pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
+    tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 and share is None else None
+    pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 and share is None else None
     # on CPU ranks FSDP2 gathers (and reduce-scatters) one block's tensors at a time: gloo's rate at that size
-    dp_link = (gloo_link(ctx, model.params * pb / L) if cpu_ranks else axis_link(c, t, devices, dims, "dp")) if replicas > 1 else None
+    block = model.params * pb / L if share is None else share.params * pb / share.layers
+    dp_link = (gloo_link(ctx, block) if cpu_ranks else axis_link(c, t, devices, dims, "dp")) if replicas > 1 else None
     overlap = 0.0 if crowded else t.dp_overlap  # no free core runs a collective beside the compute
 
     zero = 0 if forward_only else zero_stage(t, sharding)
@@ -342,18 +347,37 @@ def train_options(
     else:
         ckpt_choices = (t.activation_checkpointing == "on",)
 
+    # a CPU rank's logits are whole: the head is replicated over tp (``cpu_ranks``)
+    logits_split = tp if share is None else 1
+
+    def rank_terms(tok_bar: float, s_bar: float, passes: int, ckpt: bool) -> tuple[float, float, float, float]:
+        """Compute, all-reduces, launches and sends of one micro-batch on a CPU rank of a tp/pp mesh (``cpu_ranks``)."""
+        assert share is not None
+        forwards = 1 if forward_only else iterations * (1 + int(ckpt)) + int(recompute_logprobs)
+        backwards = 0 if forward_only else iterations
+        sent = 1 if forward_only else iterations + int(recompute_logprobs)  # a checkpoint's recompute stays on its stage
+        return (
+            passes * tok_bar * share.flops_per_token(s_bar / 2) / rate,
+            tp_comm_s(tok_bar, share.layers, tp, ctx, forwards=forwards, backwards=backwards, act_bytes=ab, width=h),
+            passes * share.layers * ops_per_layer * dev.kernel_overhead_s,
+            pp_comm_s(tok_bar, pp, ctx, forwards=sent, backwards=backwards, act_bytes=ab, width=h),
+        )
+
     def parts(mb: int, ckpt: bool) -> tuple[float, dict[str, float], MemoryBreakdown]:
         m = math.ceil(per_rank / mb)
         s_bar = mean_len(mb)
         f_tok = model.forward_flops_per_token(s_bar / 2)
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
-        workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / tp)
+        workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / logits_split)
         passes = 1 if forward_only else iterations * (1 + backward + int(ckpt)) + int(recompute_logprobs)
-        compute = passes * tok_bar * f_tok * frac / (tp * rate)
-        tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
-        launches = passes * layers * ops_per_layer * dev.kernel_overhead_s
-        p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
+        if share is None:
+            compute = passes * tok_bar * f_tok * frac / (tp * rate)
+            tp_comm = passes * layers * 2 * all_reduce_s(tok_bar * h * ab, tp, tp_link) if tp_link else 0.0
+            launches = passes * layers * ops_per_layer * dev.kernel_overhead_s
+            p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
+        else:
+            compute, tp_comm, launches, p2p = rank_terms(tok_bar, s_bar, passes, ckpt)
         ep_comm = a2a(tok_bar, 1, 0) if forward_only else a2a(tok_bar, iterations * (1 + int(ckpt)) + int(recompute_logprobs), iterations)
         gathers = iterations * (2 + int(ckpt)) + int(recompute_logprobs)  # FSDP gathers for every forward and backward
         t_mb = compute + tp_comm + launches + p2p + ep_comm + gathers * fsdp_gather
@@ -386,12 +410,15 @@ def train_options(
         f_tok = model.forward_flops_per_token(s_bar / 2)
         tok, tok_bar = mb * s, mb * s_bar
         per_layer = tok * (8 * h + 3 * f) * ab / tp
-        workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / tp)
+        workspace = int((mb if last_logits else tok) * V * (4 if forward_only else 8) / logits_split)
         layer_comm = layers * 2 * tp_ar(tok_bar * h * ab)
         p2p = (1 if forward_only else 2 * iterations) * send_s(tok_bar * h * ab, pp_link) if pp_link else 0.0
         for ckpt in ckpt_choices:
             passes = 1 if forward_only else iterations * (1 + backward + ckpt) + recompute_logprobs
-            t_mb = passes * (tok_bar * f_tok * frac / (tp * rate) + layer_comm + layers * ops_per_layer * dev.kernel_overhead_s) + p2p
+            if share is None:
+                t_mb = passes * (tok_bar * f_tok * frac / (tp * rate) + layer_comm + layers * ops_per_layer * dev.kernel_overhead_s) + p2p
+            else:
+                t_mb = sum(rank_terms(tok_bar, s_bar, passes, ckpt))
             t_mb += (iterations * (2 + ckpt) + recompute_logprobs) * fsdp_gather
             if moe_layers:
                 t_mb += a2a(tok_bar, 1, 0) if forward_only else a2a(tok_bar, iterations * (1 + ckpt) + recompute_logprobs, iterations)
