@@ -31,7 +31,12 @@ gloo's rate by size; one device per rank, on the cores measured), its step and p
 (``compute``, ``tp_comm``, ``pp_comm``, ``bubble``, ``dp_comm``, ``optimizer``), and predicted /
 measured for the step and each part the run measures (goal 0.77-1.3).
 
-Run: python benches/trainer_parallel.py [--layers 4] [--steps 4] [--layouts one,dp2,tp2,pp2] [--calibration FILE]
+``planned`` is issue 42's Done-when: ``flowrl plan graph.py --cluster cpu.json --emit launch`` (this CPU
+calibrated, ``--ranks`` ranks; ``--emit`` plans for torchrun) picks the layout it finds fastest among
+those the runtime runs, and ``bash launch/host0.sh`` runs it; the row says what it picked, what ran
+and predicted / measured.
+
+Run: python benches/trainer_parallel.py [--layers 4] [--steps 4] [--layouts one,dp2,tp2,pp2,planned] [--calibration FILE]
 (about 1-2 minutes a layout on 2 cores at 4 layers, ~2 GB a policy rank).
 """
 
@@ -195,7 +200,7 @@ def _predict(graph_file: Path, m, placement: dict, devices: int) -> dict:
 
     graph = load_file_module(graph_file).build_graph()
     try:
-        plan = plan_graph(graph, calibrated_cluster(m, cores=devices), strategy=strategy(placement, graph), max_staleness=0)
+        plan = plan_graph(graph, calibrated_cluster(m, cores=devices), strategy=strategy(placement, graph), max_staleness=0, backend="torchrun")
     except FlowrlError as exc:
         return {"refused": str(exc)}
     policy = plan.placements["policy"]
@@ -267,18 +272,67 @@ def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
     return result
 
 
+def _run_planned(tmp: Path, model: Path, args, m) -> dict:
+    """The Done-when of issue 42: ``flowrl plan graph.py --cluster <this CPU calibrated, --ranks ranks> --emit launch``
+    picks the layout its search finds fastest among those that run under torchrun, then the emitted
+    ``launch/host0.sh`` runs it here; its rows are set beside the plan's prediction."""
+    from flowrl.calibration.measure import calibrated_cluster
+    from flowrl.planners.cluster import cluster_to_json
+    from flowrl.planners.plan import load_plan
+
+    work = tmp / "planned"
+    work.mkdir()
+    (work / "graph.py").write_text(GRAPH.format(model=str(model), new_tokens=args.new_tokens, sharding="replicate", micro_batch=args.pp_micro_batch))
+    (work / "bench_reward.py").write_text(REWARD)
+    (work / "cpu.json").write_bytes(cluster_to_json(calibrated_cluster(m, cores=args.ranks)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
+    plan_cmd = [sys.executable, "-m", "flowrl", "plan", "graph.py", "--cluster", "cpu.json", "--emit", "launch"]
+    planned = subprocess.run(plan_cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    if planned.returncode != 0:
+        return {"failed": f"flowrl plan exit {planned.returncode}", "stderr_tail": planned.stderr[-2000:]}
+    plan = load_plan(work / "launch" / "plan.json")
+    policy = plan.placements["policy"]
+    predicted = {
+        "placement": str(plan), "step_s": round(plan.step_s, 3), "nodes_s": {n: round(p.time_s, 3) for n, p in plan.placements.items()},
+        "policy_parts_s": {k: round(policy.breakdown.get(k, 0.0), 4) for k in PARTS},
+        "runners_up": [f"{a.placement} ({a.step_s:.3g} s)" for a in plan.alternatives][:6],
+    }
+    load = os.getloadavg()[0]
+    proc = subprocess.run(["bash", "launch/host0.sh", "--steps", str(args.steps), "--metrics", "m.jsonl", "--quiet"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not (work / "m.jsonl").is_file():
+        return {"predicted": predicted, "failed": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
+    rows = [json.loads(line) for line in (work / "m.jsonl").read_text().splitlines()]
+    steady = rows[1:] or rows
+    measured = {k: _median([float(r[k]) for r in steady]) for k in ("train_s", "gen_s", "sync_s", "idle_s")}
+    measured["step_s"] = _median([b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:])] or [rows[0]["time_s"]])
+    return {
+        "command": " ".join(plan_cmd[2:]) + f" && bash launch/host0.sh --steps {args.steps}",
+        "predicted": predicted,
+        "ran": _ran(rows[0]),
+        "measured": measured,
+        "predicted_over_measured": {
+            "step": round(predicted["step_s"] / measured["step_s"], 2) if measured["step_s"] else None,
+            "train": round(predicted["nodes_s"]["policy"] / measured["train_s"], 2) if measured["train_s"] else None,
+            "gen": round(predicted["nodes_s"]["gen"] / measured["gen_s"], 2) if measured["gen_s"] else None,
+        },
+        "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the 0.5B shape")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--pp-micro-batch", type=int, default=2, help="sequences per pipeline micro-batch (pp2)")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated among {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=",".join((*LAYOUTS, "planned")), help=f"comma-separated among {', '.join(LAYOUTS)}, planned")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a layout's run may take")
     parser.add_argument("--calibration", default=None, help="a file of this CPU's measurements: read if it exists, else measured and written")
+    parser.add_argument("--ranks", type=int, default=3, help="ranks of the planned layout ('planned': flowrl plan --emit, then the emitted launch)")
     args = parser.parse_args()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    unknown = [x for x in layouts if x not in LAYOUTS]
+    unknown = [x for x in layouts if x not in LAYOUTS and x != "planned"]
     if unknown or not layouts or args.steps < 2 or args.layers < 2:
         parser.error(f"--layouts among {', '.join(LAYOUTS)} (got {unknown or 'none'}), --steps >= 2, --layers >= 2 (a pp2 stage each)")
     from weight_sync import write_model_dir
@@ -288,7 +342,7 @@ def main() -> None:
         model = write_model_dir(tmp / "qwen05", layers=args.layers)
         load = os.getloadavg()[0]
         m = _calibrate(args.calibration)
-        results = {name: _run_layout(name, tmp, model, args, m) for name in layouts}
+        results = {name: _run_planned(tmp, model, args, m) if name == "planned" else _run_layout(name, tmp, model, args, m) for name in layouts}
     one = results.get("one", {})
     one_rss = one.get("peak_rss_gib_by_rank", {}).get("1")
     for name, r in results.items():

@@ -74,6 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds per step the generator waits on environments (multi-turn rollouts; a run's metrics report env/seconds): a generator-side delay")
     p.add_argument("--batching", choices=("lockstep", "continuous"), help="the generator's batching (default: the graph's, else lockstep)")
     p.add_argument("--gen-precision", choices=("float32", "bfloat16", "float16", "float8"), help="generator weight dtype (LlamaRL: float8)")
+    p.add_argument("--backend", choices=("local", "process", "torchrun"),
+                   help="the backend the plan runs under, which decides the axes each node runs (default: what the cluster implies; --emit: torchrun)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a tuning constant (listed below)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("-o", "--output", metavar="FILE", help="write the plan as JSON to FILE (atomically)")
@@ -116,6 +118,10 @@ def _run(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster)
     model = resolve_model(args.model) if args.model else None
     tuning = _tuning(args.set)
+    if args.emit and args.backend not in (None, "torchrun"):
+        raise PlanError(f"--emit writes a torchrun launch, but --backend {args.backend} plans for another backend; drop --backend (or use --backend torchrun)")
+    if args.backend or args.emit:  # --emit's launch is a torchrun job: plan what it runs
+        tuning["backend"] = args.backend or "torchrun"
     presets = model is not None or any(getattr(getattr(n, "model", None), "preset", None) for n in graph.nodes)
     if args.gen_precision:
         tuning["gen_precision"] = args.gen_precision

@@ -129,7 +129,7 @@ def plan_graph(
         raise PlanError(f"unknown strategy {strategy!r}; strategies: {', '.join(strategies.STRATEGIES)}, or a placement like 'gen:d4@0-3 | policy:d4@4-7'")
     if manual:
         layout = _manual_layout(graph, roles, spec, strategy)
-        check_layout(graph, spec, layout)  # an axis its node's program does not run where the plan runs: refused
+        check_layout(graph, spec, layout, backend=ctx.tuning.backend)  # an axis its node's program does not run where the plan runs: refused
         best = evaluate_layout(graph, ctx, roles, layout, max_staleness=k)
         if not best.feasible:
             raise PlanError(f"placement {strategy!r} does not fit: {best.problem}")

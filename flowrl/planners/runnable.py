@@ -50,10 +50,13 @@ if TYPE_CHECKING:
 __all__ = ["plan_backend", "plan_device", "node_axes", "NodeRule", "node_rules", "check_layout"]
 
 
-def plan_backend(cluster: ClusterSpec, *, fsdp: bool = False) -> str:
-    """The backend a plan on ``cluster`` runs under (module docstring); ``fsdp``: a policy shards with FSDP2."""
+def plan_backend(cluster: ClusterSpec, *, fsdp: bool = False, backend: str = "") -> str:
+    """The backend a plan on ``cluster`` runs under (module docstring); ``fsdp``: a policy shards with FSDP2;
+    ``backend``: the one the user named (``Tuning.backend``, ``flowrl plan --backend`` / ``--emit``), else implied."""
     from flowrl.planners.estimate.direct import runs_as_ranks
 
+    if backend:
+        return backend
     if runs_as_ranks(cluster, fsdp=fsdp):
         return "torchrun"
     if cluster.n_devices <= 1 or cluster.device.cpu.thread_speedup > 0:
@@ -68,10 +71,10 @@ def plan_device(cluster: ClusterSpec) -> str:
     return "cuda" if DEVICE_TRAITS[cluster.device.kind].cuda else "cpu"
 
 
-def node_axes(graph: Graph, cluster: ClusterSpec) -> dict[str, frozenset[str]]:
+def node_axes(graph: Graph, cluster: ClusterSpec, *, backend: str = "") -> dict[str, frozenset[str]]:
     """Device node -> the axes its program runs at size > 1 under ``plan_backend(cluster)`` (``mesh_support``)."""
     fsdp = any(getattr(getattr(n, "optimizer", None), "sharding", "") == "fsdp" for n in graph.nodes)
-    backend, device = plan_backend(cluster, fsdp=fsdp), plan_device(cluster)
+    backend, device = plan_backend(cluster, fsdp=fsdp, backend=backend), plan_device(cluster)
     return {
         n.name: runnable_axes(n.kind, backend, engine=getattr(n, "engine", None), device=device)
         for n in graph.nodes
@@ -105,10 +108,10 @@ def fits_splits(model: ModelSpec, dims: ParallelDims) -> bool:
     return dims.pp <= model.n_layers
 
 
-def node_rules(graph: Graph, cluster: ClusterSpec) -> dict[str, NodeRule]:
+def node_rules(graph: Graph, cluster: ClusterSpec, *, backend: str = "") -> dict[str, NodeRule]:
     """Device node -> its ``NodeRule`` under ``plan_backend(cluster)`` (what ``check_meshes`` would let run)."""
     fsdp = any(getattr(getattr(n, "optimizer", None), "sharding", "") == "fsdp" for n in graph.nodes)
-    backend, device = plan_backend(cluster, fsdp=fsdp), plan_device(cluster)
+    backend, device = plan_backend(cluster, fsdp=fsdp, backend=backend), plan_device(cluster)
     return {
         n.name: NodeRule(kind=n.kind, backend=backend, device=device, engine=getattr(n, "engine", None), facts=node_facts(n))
         for n in graph.nodes
@@ -116,7 +119,7 @@ def node_rules(graph: Graph, cluster: ClusterSpec) -> dict[str, NodeRule]:
     }
 
 
-def check_layout(graph: Graph, cluster: ClusterSpec, layout: Mapping[str, tuple[Sequence[int], ParallelDims]]) -> None:
+def check_layout(graph: Graph, cluster: ClusterSpec, layout: Mapping[str, tuple[Sequence[int], ParallelDims]], *, backend: str = "") -> None:
     """Refuse a given layout with an axis of size > 1 that its node's program does not run where the plan runs.
 
     Raises:
@@ -124,7 +127,7 @@ def check_layout(graph: Graph, cluster: ClusterSpec, layout: Mapping[str, tuple[
             instead and the fix), naming the backend the cluster implies.
     """
     fsdp = any(getattr(getattr(n, "optimizer", None), "sharding", "") == "fsdp" for n in graph.nodes)
-    backend, device = plan_backend(cluster, fsdp=fsdp), plan_device(cluster)
+    backend, device = plan_backend(cluster, fsdp=fsdp, backend=backend), plan_device(cluster)
     for name, (devices, dims) in layout.items():
         node = graph.node(name)
         mesh = {a: getattr(dims, a) for a in MESH_AXES if getattr(dims, a) > 1}

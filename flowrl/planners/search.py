@@ -231,8 +231,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None, *,
         gen_engine=gen_engine,
         last_logits=frozenset(last),
         extra_tokens=extra,
-        axes=node_axes(graph, ctx.cluster) if runnable else None,
-        rules=node_rules(graph, ctx.cluster) if runnable else None,
+        axes=node_axes(graph, ctx.cluster, backend=ctx.tuning.backend) if runnable else None,
+        rules=node_rules(graph, ctx.cluster, backend=ctx.tuning.backend) if runnable else None,
     )
 
 
@@ -312,7 +312,7 @@ class _Evaluator:
         #: the host's processes outnumber its cores (``train.host_crowded``): vLLM's workers, one per vLLM generator at least
         self.crowded = host_crowded(ctx.cluster, sum(ENGINE_CAPS[e].weight_hop for e in roles.gen_engine.values()))
         #: the plan runs as a torchrun job, where vLLM edges may take the direct route (``estimate.direct``)
-        self.ranks = runs_as_ranks(ctx.cluster, fsdp=any(self._sharding(n) == "fsdp" for n in roles.heavy))
+        self.ranks = runs_as_ranks(ctx.cluster, fsdp=any(self._sharding(n) == "fsdp" for n in roles.heavy)) or ctx.tuning.backend == "torchrun"
 
 
     def allow_tp_across_hosts(self, mode: str) -> None:

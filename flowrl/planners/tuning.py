@@ -50,6 +50,11 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         grad_bytes: bytes per gradient element (float32 accumulation).
         optimizer_bytes: AdamW state bytes per parameter; None: 12 with bf16 parameters (fp32 master
             copy + two moments), 8 with float32 parameters (two moments).
+        backend: the backend the plan runs under (``local``, ``process``, ``torchrun``), which decides
+            the axes each node's program runs (``flowrl.mesh_support``) and, on a CPU, whether a mesh is
+            one process's threads or one-thread ranks; ``""``: what the cluster implies
+            (``flowrl.planners.runnable.plan_backend``). ``flowrl plan --emit`` plans for ``torchrun``,
+            the launch it writes.
         zero_stage: ZeRO stage of the trainer over its data-parallel axis: 0 nothing sharded, 1
             optimizer states (ZeRO-1 / Megatron's distributed optimizer), 2 also gradients (ZeRO-2),
             3 also parameters (ZeRO-3 / FSDP: gathered per micro-batch); None: 1 if
@@ -132,6 +137,7 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     grad_bytes: float = 4.0
     optimizer_bytes: float | None = None
     shard_optimizer: bool = True
+    backend: Literal["", "local", "process", "torchrun"] = ""
     zero_stage: Literal[0, 1, 2, 3] | None = None
     offload: Literal["auto", "off"] = "auto"
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"

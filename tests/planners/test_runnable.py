@@ -99,3 +99,17 @@ def test_a_given_placement_with_an_axis_that_does_not_run_is_refused(monkeypatch
     _flip(monkeypatch, ("policy", "torchrun", "pp"))
     with pytest.raises(PlanError, match=r"policy 'policy' has pp=2 on its mesh .* it would run .*runs under torchrun"):
         plan_graph(build_example("llamarl"), "8xH100", model=model_preset("llama3-8b"), strategy=layout)
+
+def test_a_named_backend_decides_the_axes_and_emit_plans_for_torchrun(tmp_path, capsys):
+    calibrated = msgspec.structs.replace(parse_cluster("cpu:4"), device=cpu_device(cores=4, memory_bytes=2**34, cpu=CpuTerms(thread_speedup=1.5)))
+    graph = build_example("llamarl")
+    assert sorted(node_axes(graph, calibrated)["policy"]) == ["dp"]  # implied: a calibrated CPU's mesh is one process's threads
+    assert sorted(node_axes(graph, calibrated, backend="torchrun")["policy"]) == ["dp", "pp", "tp"]
+    # a given layout is checked against the named backend: pp runs under torchrun, not in one process
+    with pytest.raises(PlanError, match=r"has pp=2 on its mesh .*runs under local"):
+        plan_graph(graph, calibrated, strategy="gen:d1@0 | policy:p2@1-2")
+    assert plan_graph(graph, calibrated, strategy="gen:d1@0 | policy:p2@1-2", backend="torchrun").placements["policy"].dims.pp == 2
+    from flowrl.cli.main import main
+
+    assert main(["plan", "llamarl", "--cluster", "cpu:3", "--backend", "local", "--emit", str(tmp_path / "out")]) == 2
+    assert "--emit writes a torchrun launch" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -262,7 +262,9 @@ def train_options(
     # a tp or pp mesh runs under torchrun on any device: on a CPU as ranks too, priced by ``cpu_ranks``'
     # terms (each rank's share of the layers and linears, its all-reduces and sends at gloo's rate)
     split = tp > 1 or pp > 1
-    cpu_ranks = ((sharding == "fsdp" and not forward_only) or split) and DEVICE_TRAITS[dev.kind].pinned
+    # (and under torchrun, ``Tuning.backend``, every mesh on a CPU is ranks: replicas are one-thread processes too)
+    ranks_backend = t.backend == "torchrun" and not forward_only
+    cpu_ranks = ((sharding == "fsdp" and not forward_only) or split or ranks_backend) and DEVICE_TRAITS[dev.kind].pinned
     share = rank_share(model, tp, pp) if cpu_ranks and split else None
     if cpu_ranks:
         replicas, speedup = dp, 1.0
