@@ -135,8 +135,8 @@ def tp_comm_s(tokens: float, layers: int, tp: int, ctx: Context, *, forwards: in
         >>> from flowrl.planners.workload import Workload
         >>> dev = cpu_device(cores=2, memory_bytes=2**30, cpu=CpuTerms(gloo_by_bytes=((2**20, 1e9),)))
         >>> ctx = Context(cluster=ClusterSpec(name="c", hosts=1, devices_per_host=2, device=dev), workload=Workload(prompts_per_step=1, samples_per_prompt=1, prompt_len=1, gen_len=1), tuning=Tuning())
-        >>> round(tp_comm_s(256, 4, 2, ctx, forwards=1, backwards=1, width=1024) * 1e3, 3)  # 4 layers x 4 of 1 MiB at 1 GB/s, + 2 x 1 us each
-        16.809
+        >>> round(tp_comm_s(256, 4, 2, ctx, forwards=1, backwards=1, width=1024) * 1e3, 3)  # 4 layers x (2 + 5) of 1 MiB at 1 GB/s, + 2 x 1 us each
+        29.416
     """
     if tp <= 1:
         return 0.0
