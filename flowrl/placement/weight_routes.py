@@ -13,7 +13,9 @@ A weight edge into an engine whose weights move on into worker processes of its 
 (``inprocess``), it is not in flight, no user program runs either end, its generator has such an
 engine and lock-step batching, the generator has ranks (any mesh: one engine, ``dp`` replicas, vLLM
 ``tp`` > 1; one group reaches every worker of every engine), the policy's ranks and the generator's
-are apart, and neither end's model has LoRA adapters. Every other edge
+are apart, neither end's model has LoRA adapters, and the policy is not split into pipeline stages
+(``pipelined``: each stage holds only its own layers, so none gathers a whole bucket; its stages send
+their own layers over the hop's collective). Every other edge
 takes the hop. The runtime opens the edges it names (``runtime/backends/direct_route.direct_channels``)
 and the planner prices them (``planners/estimate/direct.py``), so both read this one function.
 
@@ -45,11 +47,14 @@ def _has_adapters(node: object) -> bool:
     return model is None or (isinstance(model, HFModelConfig) and model.lora is not None)
 
 
-def route_of(graph: Graph, edge: WeightEdge, ranks: Mapping[str, Sequence[int]], programs: Collection[str] = ()) -> str:
+def route_of(
+    graph: Graph, edge: WeightEdge, ranks: Mapping[str, Sequence[int]], programs: Collection[str] = (), pipelined: Collection[str] = ()
+) -> str:
     """:data:`DIRECT` or :data:`HOP` for weight ``edge`` of ``graph`` with the nodes on ``ranks`` (the
-    rule in the module docstring); ``programs``: the nodes a user program runs (``RunConfig.programs``)."""
+    rule in the module docstring); ``programs``: the nodes a user program runs (``RunConfig.programs``);
+    ``pipelined``: the policies whose mesh has ``pp`` > 1."""
     src, dst = edge.src, edge.dst
-    if edge.transport != "inprocess" or edge.in_flight or src in programs or dst in programs:
+    if edge.transport != "inprocess" or edge.in_flight or src in programs or dst in programs or src in pipelined:
         return HOP
     gen = graph.node(dst)
     if not isinstance(gen, GeneratorNode) or not ENGINE_CAPS[gen.engine].weight_hop or gen.sampling.batching == "continuous":
@@ -62,12 +67,15 @@ def route_of(graph: Graph, edge: WeightEdge, ranks: Mapping[str, Sequence[int]],
     return DIRECT
 
 
-def direct_edges(graph: Graph, ranks: Mapping[str, Sequence[int]], programs: Collection[str] = ()) -> frozenset[tuple[str, str]]:
+def direct_edges(
+    graph: Graph, ranks: Mapping[str, Sequence[int]], programs: Collection[str] = (), pipelined: Collection[str] = ()
+) -> frozenset[tuple[str, str]]:
     """The ``(policy, generator)`` weight edges that take the direct route (module docstring).
 
     Args:
         graph: the pipeline.
         ranks: node -> its ranks (a torchrun job's ``Placement.devices``; the planner's layout's devices).
         programs: nodes a user program runs (their edges take the hop).
+        pipelined: policies whose mesh has ``pp`` > 1 (their edges take the hop).
     """
-    return frozenset((e.src, e.dst) for e in graph.weight_edges if route_of(graph, e, ranks, programs) == DIRECT)
+    return frozenset((e.src, e.dst) for e in graph.weight_edges if route_of(graph, e, ranks, programs, pipelined) == DIRECT)

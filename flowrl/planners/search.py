@@ -490,7 +490,8 @@ class _Evaluator:
         for loss, policy in r.loss_of.items():
             estimates[loss] = NodeEstimate(time_s=0.0, memory=MemoryBreakdown(), notes=(f"runs inside {policy}'s step",))
         syncs = []
-        direct = direct_edges(self.graph, {n: layout[n][0] for n in names}) if self.ranks else frozenset()
+        pipelined = {n for n in names if layout[n][1].pp > 1}  # a pipeline's stages take the hop (weight_routes)
+        direct = direct_edges(self.graph, {n: layout[n][0] for n in names}, pipelined=pipelined) if self.ranks else frozenset()
         for edge in self.graph.weight_edges:
             if edge.src not in layout or edge.dst not in layout:
                 continue

@@ -94,13 +94,18 @@ def test_a_pipeline_the_program_cannot_run_is_refused(mesh, graph_options, match
     check_pipeline(pp_graph(**graph_options), {"policy": (("pp", "dp", "tp"), (1, 2, 1))})  # no pp: not a pipeline
 
 
-def test_a_direct_route_from_a_pipeline_is_refused():
+def test_a_pipelines_edge_into_vllm_takes_the_hop_not_the_direct_route():
     """A default edge into a vLLM generator on ranks of its own takes the direct route
-    (``placement.weight_routes.direct_edges``), which sends one rank's whole model."""
-    from flowrl.runtime.parallel.pipeline import check_pipeline
+    (``placement.weight_routes.direct_edges``), which sends whole buckets from every policy rank; a
+    pipeline's stages each hold their own layers, so its edge takes the hop (each stage sends its layers
+    over the collective), in the runtime and in the planner alike."""
+    from flowrl.examples.hf_copy import build_hf_copy
+    from flowrl.placement.weight_routes import direct_edges
 
-    with pytest.raises(ConfigError, match=r"weight edge to generator 'gen' takes the direct route.*transport='collective'"):
-        check_pipeline(pp_graph(), {"policy": (("pp", "dp", "tp"), (2, 1, 1))}, direct={("policy", "gen")})
+    graph = build_hf_copy(engine="vllm")
+    ranks = {"gen": (0,), "policy": (1, 2)}
+    assert direct_edges(graph, ranks) == {("policy", "gen")}
+    assert direct_edges(graph, ranks, pipelined={"policy"}) == frozenset()
 
 
 def test_lora_on_a_pipeline_is_refused(hf_qwen2_dir):

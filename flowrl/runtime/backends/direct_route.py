@@ -51,12 +51,13 @@ ROUTE = "torchrun-vllm-direct"
 POLL_S = 0.02
 
 
-def direct_channels(graph: Graph, ranks: dict[str, tuple[int, ...]], programs: dict[str, str]) -> frozenset[str]:
+def direct_channels(graph: Graph, ranks: dict[str, tuple[int, ...]], programs: dict[str, str], pipelined: frozenset[str] = frozenset()) -> frozenset[str]:
     """The channels (``"<policy>-><generator>"``) of the weight edges that take the direct route: the
-    rule is ``flowrl.placement.weight_routes.direct_edges``, which the planner prices too."""
+    rule is ``flowrl.placement.weight_routes.direct_edges``, which the planner prices too
+    (``pipelined``: the policies split into pipeline stages, which take the hop)."""
     from flowrl.runtime.backends.weights import channel
 
-    return frozenset(channel(src, dst) for src, dst in direct_edges(graph, ranks, programs))
+    return frozenset(channel(src, dst) for src, dst in direct_edges(graph, ranks, programs, pipelined))
 
 
 def store_channel(ch: str) -> Any:

@@ -93,7 +93,6 @@ from flowrl.runtime.preflight import check_engine_meshes, check_meshes, check_ra
 from flowrl.placement.layout import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
-from flowrl.placement.weight_routes import direct_edges
 from flowrl.runtime.parallel.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
@@ -322,7 +321,8 @@ def run_torchrun(
     cuda = device.type == "cuda"
     check_meshes(graph, placement, backend="torchrun", device=device.type, skip=config.programs)  # every rank alike, the default's too
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
-    check_pipeline(graph, axes, skip=config.programs, direct=direct_edges(graph, ranks, config.programs))
+    pipelined = frozenset(n for n, _ in pipeline_policies(graph, axes, skip=config.programs))  # take the hop (weight_routes)
+    check_pipeline(graph, axes, skip=config.programs)
     check_tp_meshes(graph, axes, skip=config.programs)  # a tensor-parallel policy's tp against its heads and widths
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else host_memory_bytes()
@@ -331,7 +331,7 @@ def run_torchrun(
     if cuda:
         torch.cuda.set_device(device)
     ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device,
-                      direct=direct_channels(graph, ranks, dict(config.programs)))
+                      direct=direct_channels(graph, ranks, dict(config.programs), pipelined))
     register_direct()  # every rank: the generator's program opens its direct edge through the registry
     set_context(ctx)
     owns_group = not dist.is_initialized()

@@ -79,21 +79,19 @@ def pipeline_policies(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[s
     return out
 
 
-def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str] = (), direct: Iterable[tuple[str, str]] = ()) -> None:
+def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str] = ()) -> None:
     """Refuse, before any work, a pipeline-parallel policy the pipeline program cannot run as asked.
 
     Args:
         axes: node -> (axis names, shape) of its mesh (the placement's).
         skip: user programs (they run on their lead rank, whatever the mesh).
-        direct: the ``(policy, generator)`` weight edges on the direct route into vLLM
-            (``flowrl.placement.weight_routes.direct_edges``).
 
     Raises:
         ConfigError: naming the policy, the values and the fix, for ``pp`` larger than the model's
-            layers, a ``tp`` axis beside ``pp``, ``sharding="fsdp"``, ``packing=True``, LoRA adapters,
-            or a weight edge on the direct route (it sends one rank's whole model).
+            layers, a ``tp`` axis beside ``pp``, ``sharding="fsdp"``, ``packing=True`` or LoRA adapters.
+            (Its weight edges into vLLM take the hop, never the direct route, which sends whole buckets
+            from every rank: ``flowrl.placement.weight_routes``.)
     """
-    direct = set(direct)
     for node, sizes in pipeline_policies(graph, axes, skip=skip):
         pp, where = sizes["pp"], f"policy {node.name!r} (mesh {({a: n for a, n in sizes.items() if n > 1})})"
         layers = model_layers(node.model)
@@ -117,13 +115,6 @@ def check_pipeline(graph: Graph, axes: Mapping[str, Any], *, skip: Iterable[str]
             raise ConfigError(
                 f"{where}: packing=True, but pipeline stages exchange activations of one shape per micro-batch, "
                 "so a pipeline-parallel policy runs padded; set packing=None (the default) or False"
-            )
-        for src, dst in sorted(e for e in direct if e[0] == node.name):
-            raise ConfigError(
-                f"{where}: its weight edge to generator {dst!r} takes the direct route into vLLM's workers, which sends "
-                "one rank's whole model, and each pipeline stage holds part of it; give the edge transport='collective' "
-                f"(b.weights({src!r}, {dst!r}, transport='collective')): each stage sends its own layers to the generator's rank, "
-                "which passes the whole model on to vLLM"
             )
         lora = getattr(node.model, "lora", None)
         if lora is not None:
