@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -60,22 +61,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def plan_annotations(path: str, graph: Graph) -> dict[str, str]:
+def plan_annotations(path: str, graph: Graph, *, graph_arg: str | None = None) -> dict[str, str]:
     """``{node: plan.node_label(node)}`` for the plan file at ``path``."""
-    plan = _load_plan(path, graph)
+    plan = _load_plan(path, graph, graph_arg=graph_arg)
     return {name: plan.node_label(name) for name in plan.placements}
 
 
-def plan_labels(path: str, graph: Graph) -> dict[str, Any]:
+def plan_labels(path: str, graph: Graph, *, graph_arg: str | None = None) -> dict[str, Any]:
     """The exporters' labelling keywords for the plan file at ``path``: ``annotations`` (devices
     and dims per node), ``models`` (the model each node was planned with) and ``title`` (graph,
     cluster, models, step, and the model and workload the plan's times are for, with the graph's
     own where they differ: ``flowrl.planners.plan_match.planned_for``).
 
     Raises:
-        as ``_load_plan``.
+        as ``_load_plan`` (``graph_arg``: the graph as the user named it, for the command it suggests).
     """
-    plan = _load_plan(path, graph)
+    plan = _load_plan(path, graph, graph_arg=graph_arg)
     title = plan.picture_title()
     if hasattr(plan, "workload"):  # a planner's Plan: which model and step its times are for, beside the graph's own
         from flowrl.planners.plan_match import planned_for
@@ -88,7 +89,7 @@ def plan_labels(path: str, graph: Graph) -> dict[str, Any]:
     }
 
 
-def _load_plan(path: str, graph: Graph) -> Any:
+def _load_plan(path: str, graph: Graph, *, graph_arg: str | None = None) -> Any:
     """The plan file at ``path``.
 
     Raises:
@@ -98,7 +99,9 @@ def _load_plan(path: str, graph: Graph) -> Any:
     from flowrl.errors import ConfigError
 
     if not os.path.isfile(path):
-        raise ConfigError(f"--plan {path}: no such file; make one with 'flowrl plan {graph.name} --cluster cpu -o {path}'")
+        from flowrl.replan import plan_command
+
+        raise ConfigError(f"--plan {path}: no such file; make one with: {plan_command(graph_arg, '--cluster cpu', '-o', shlex.quote(path))}")
     try:
         from flowrl.planners.plan import load_plan
     except ImportError as exc:
@@ -150,7 +153,9 @@ def _run(args: argparse.Namespace) -> int:
         )
 
     graph = load_graph(args.graph)
-    labels = plan_labels(args.plan, graph) if args.plan else {}
+    from flowrl.examples import DEFAULT_EXAMPLE
+
+    labels = plan_labels(args.plan, graph, graph_arg=args.graph or DEFAULT_EXAMPLE) if args.plan else {}
 
     if fmt in IMAGE_FORMATS:
         data: bytes = render_bytes(graph, fmt, direction=args.direction, **labels)

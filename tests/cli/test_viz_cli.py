@@ -311,7 +311,7 @@ def test_error_unknown_output_suffix(capsys, tmp_path, name: str) -> None:
 
 
 def test_error_plan_file_missing(capsys) -> None:
-    assert "--plan nope.json: no such file; make one with 'flowrl plan llamarl" in _user_error(capsys, "--plan", "nope.json")
+    assert "--plan nope.json: no such file; make one with: flowrl plan llamarl" in _user_error(capsys, "--plan", "nope.json")
 
 
 def test_error_graphviz_missing(capsys, tmp_path, monkeypatch) -> None:
