@@ -372,7 +372,7 @@ def test_the_runtime_refuses_each_combination_at_launch_as_the_table_does(tmp_pa
             names = tuple(a for a in AXES if a in mesh)
             axes = {"policy": (names, tuple(mesh[a] for a in names))}
             try:
-                check_pipeline(g, axes, skip={}, direct=set())
+                check_pipeline(g, axes, skip={})
                 check_tp_meshes(g, axes, skip={})
                 runtime = None
             except ConfigError as exc:

@@ -118,8 +118,9 @@ def test_the_planner_prices_a_critic_as_training():
     roles = resolve_roles(graph, ctx)
     assert roles.trainers == ("critic", "policy") and "critic" not in roles.refs
     assert roles.recompute["critic"] and roles.iterations["critic"] == (1, 1)
-    plan = plan_graph(graph, "cpu:2")
+    plan = plan_graph(graph, "cpu:1")  # one device each (a critic runs on one rank: flowrl.mesh_support), the same dims
     critic, policy = plan.placements["critic"], plan.placements["policy"]
+    assert critic.dims == policy.dims
     # the same model and batch: the critic's forward + backward plus its own values pass (a forward
     # without gradients, 2 of the 6 flops per parameter and token) cost 4/3 of the policy's step, which
     # at one update per batch recomputes nothing (flowrl.graph.objectives.recomputes_logprobs)
