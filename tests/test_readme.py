@@ -66,7 +66,7 @@ def test_the_trl_table_names_options_that_exist():
 
     from flowrl.graph.builder import GraphBuilder
     from flowrl.graph.configs import LoraConfig
-    from flowrl.graph.option_names import OPTION_OWNERS
+    from flowrl.graph.option_names import option_fields
 
     cli = "".join(p.read_text() for p in (ROOT / "flowrl" / "cli").glob("*.py"))
     checked = 0
@@ -82,7 +82,7 @@ def test_the_trl_table_names_options_that_exist():
         for part in options.split(";"):
             for before, method in re.findall(r"(.*?)on `b\.(\w+)`", part):
                 takes = set(inspect.signature(getattr(GraphBuilder, method)).parameters)
-                takes |= set(OPTION_OWNERS[method].__struct_fields__) if method in OPTION_OWNERS else set()
+                takes |= set(option_fields(method))
                 for name in re.findall(r"`(\w+)(?:=[^`]*)?`", before):
                     assert name in takes, f"{trl}: b.{method}(...) takes no {name!r}"
                     checked += 1

@@ -5,12 +5,16 @@ engine/trainer log-prob mismatch (``mismatch/kl``, ``mismatch/abs_logp_max``; st
 token of the trainer's current weights, ``mismatch/tokens`` 0, measured nothing and are left out),
 and step time; then, where the rows hold them (``panels``): training health (pi's entropy, the
 reward's spread within groups, completion lengths and the share cut at ``max_new_tokens``, the
-gradient norm, the learning rate), one panel per named reward field
+gradient norm, the learning rate), the critic's (``CRITIC_PANELS``: its value loss and clip
+fraction, explained variance, mean value and return, gradient norm), the step's parts (``gen_s``,
+``train_s``, ``sync_s``, ``idle_s``), one panel per named reward field
 (``reward/NAME``, when a loss combines several), a KL panel (the KL to the reference ``loss/kl_ref``, and
 the objective's KL(mu || pi) estimate, ``aipo/kl`` ...), and the evaluations of ``--eval-every`` (greedy
 and sampled reward, pass@k; drawn at the evaluated steps only). The left column against the trainer
 step, the right against wall time. Each metrics file is one line per panel, labelled by its file name,
-so ``k = 0`` and ``k = 2`` runs sit side by side.
+so ``k = 0`` and ``k = 2`` runs sit side by side; a metric a run does not record draws no line and
+takes no legend entry. ``--smooth N`` draws each curve as its trailing mean over N steps (``smooth``)
+over the raw values, faint; the numeric metrics no panel reads are listed on stderr (``unplotted``).
 matplotlib is an optional extra (``pip install 'flowrl[plot]'``); it draws with the Agg backend, so
 no display is needed.
 """
@@ -23,13 +27,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "plot_runs", "draw_runs", "panels", "PANELS", "HEALTH_PANELS"]
+__all__ = ["register", "plot_runs", "draw_runs", "panels", "smooth", "unplotted", "PANELS", "HEALTH_PANELS", "CRITIC_PANELS", "TIMING_PANELS"]
 
 #: (title, what it reads): a key of the metrics rows, or ``"step_time_s"`` (the difference of ``time_s``).
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward (mean)", ("reward_mean",)),
     ("loss", ("loss",)),
-    ("staleness (policy version - rollout version)", ("staleness",)),
+    ("staleness (trainer steps, the unit of k; policy versions)", ("staleness_batches", "staleness")),
     ("importance ratio pi/mu (mean) and truncated fraction", ("ratio_mean", "truncated_frac")),
     ("log-prob mismatch mu - pi on current-version tokens (mean, max |.|)", ("mismatch/kl", "mismatch/abs_logp_max")),
     ("step time (s)", ("step_time_s",)),
@@ -43,6 +47,19 @@ HEALTH_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("share of completions cut at max_new_tokens", ("rollout/cut_frac",)),
     ("gradient norm (before clipping)", ("policy/grad_norm",)),
     ("learning rate", ("policy/lr",)),
+)
+
+#: Where a step's time went (the rows' timings), a panel when the rows hold them.
+TIMING_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("step parts (s): generation, training, weight sync, trainer idle", ("gen_s", "train_s", "sync_s", "idle_s")),
+)
+
+#: A critic's figures (``flowrl.operators.critic``), a panel each when the rows hold its first key.
+CRITIC_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("critic value loss; clipped share", ("critic/value_loss", "critic/clip_frac")),
+    ("critic explained variance", ("critic/explained_variance",)),
+    ("critic value and return (mean)", ("critic/value_mean", "critic/return_mean")),
+    ("critic gradient norm (before clipping)", ("critic/grad_norm",)),
 )
 
 #: The objectives' KL(mu || pi) estimates (``flowrl.operators.losses``), as the KL panel reads them.
@@ -60,7 +77,7 @@ def panels(runs: dict[str, list[dict[str, Any]]]) -> list[tuple[str, tuple[str, 
     """
     keys = {k for rows in runs.values() for row in rows for k in row}
     out = list(PANELS)
-    out += [(title, wanted) for title, wanted in HEALTH_PANELS if wanted[0] in keys]
+    out += [(title, wanted) for title, wanted in (*HEALTH_PANELS, *CRITIC_PANELS, *TIMING_PANELS) if wanted[0] in keys]
     named = sorted(k for k in keys if k.startswith("reward/"))
     if len(named) > 1:  # one field is the reward panel already
         out += [(f"reward: {k.partition('/')[2]}", (k,)) for k in named]
@@ -73,6 +90,41 @@ def panels(runs: dict[str, list[dict[str, Any]]]) -> list[tuple[str, tuple[str, 
     if passes:
         out.append(("eval: pass@k", tuple(passes)))
     return out
+
+
+def smooth(values: list[float], n: int) -> list[float]:
+    """The trailing mean of ``values`` over ``n`` points (fewer at the start); ``n <= 1``: the values.
+
+    Example:
+        >>> smooth([0.0, 2.0, 4.0, 6.0], 2)
+        [0.0, 1.0, 3.0, 5.0]
+    """
+    if n <= 1:
+        return list(values)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= n:
+            total -= values[i - n]
+        out.append(total / min(i + 1, n))
+    return out
+
+
+#: Row keys that are not curves: bookkeeping, or drawn through another key (``time_s`` is the x axis).
+NOT_CURVES = frozenset({"step", "time_s", "policy_version", "rollout_version", "max_staleness", "prompt_index", "layout"})
+
+
+def unplotted(runs: dict[str, list[dict[str, Any]]], drawn: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """The numeric metrics of the rows that no drawn panel reads (a ``/``-less panel key reads
+    ``objective/key`` too), sorted: what ``flowrl plot`` lists so that no family goes unseen.
+
+    Example:
+        >>> unplotted({"r": [{"step": 1, "time_s": 1.0, "loss": 1.0, "aipo/ratio_mean": 1.0, "gen/tokens_per_s": 9.0}]}, list(PANELS))
+        ['gen/tokens_per_s']
+    """
+    read = {k for _, keys in drawn for k in keys}
+    numeric = {k for rows in runs.values() for row in rows for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return sorted(k for k in numeric - NOT_CURVES - read if k.rpartition("/")[2] not in read)
 
 
 PLOT_INSTALL = "pip install 'flowrl[plot]'  (or: pip install matplotlib)"
@@ -91,13 +143,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "each named reward, KL and evaluations when recorded)",
         description="Draw reward, loss, staleness, importance ratio / truncated fraction, the engine/trainer log-prob "
         "mismatch and step time against step "
-        "(and, when the rows hold them, each named reward, the KL and the --eval-every evaluations) "
+        "(and, when the rows hold them, training health, the critic's figures, the step's parts, each named reward, the KL and the "
+        "--eval-every evaluations) "
         "and wall time, one line per metrics file (from 'flowrl run --metrics FILE'). Needs matplotlib: " + PLOT_INSTALL,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("metrics", nargs="+", metavar="METRICS.jsonl", help="metrics files written by 'flowrl run --metrics'")
     p.add_argument("-o", "--output", default="curves.png", metavar="FILE", help="the picture (.png, .svg or .pdf; default: curves.png)")
+    p.add_argument("--smooth", type=int, default=1, metavar="N",
+                   help="draw each curve as its trailing mean over N steps, over the raw values (faint); default 1: raw only")
     p.set_defaults(func=_run)
 
 
@@ -129,23 +184,26 @@ def _labels(paths: list[Path]) -> list[str]:
     return [str(p) if stems.count(p.stem) > 1 else p.stem for p in paths]
 
 
-def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[str]) -> None:
-    """Draw ``panels(runs)`` for every run (label -> metrics rows) into ``output`` (format from its suffix).
+def plot_runs(runs: dict[str, list[dict[str, Any]]], output: str | os.PathLike[str], *, smooth_n: int = 1) -> None:
+    """Draw ``panels(runs)`` for every run (label -> metrics rows) into ``output`` (format from its suffix),
+    each curve smoothed over ``smooth_n`` steps (``smooth``).
 
     Raises:
         ConfigError: when matplotlib is missing (with the install command).
     """
-    fig = draw_runs(runs)  # checks matplotlib is there
+    fig = draw_runs(runs, smooth_n=smooth_n)  # checks matplotlib is there
     import matplotlib.pyplot as plt
 
     fig.savefig(output, dpi=90)
     plt.close(fig)
 
 
-def draw_runs(runs: dict[str, list[dict[str, Any]]]) -> Any:
+def draw_runs(runs: dict[str, list[dict[str, Any]]], *, smooth_n: int = 1) -> Any:
     """The matplotlib figure ``plot_runs`` saves: two columns (by trainer step, by wall time) per panel,
     laid out by matplotlib's constrained layout, which keeps the figure's title above the first row's
-    titles and legends (``tight_layout`` ignores a ``suptitle`` and let it overlap them).
+    titles and legends (``tight_layout`` ignores a ``suptitle`` and let it overlap them). A series a
+    run does not record draws nothing (no empty legend entry); with ``smooth_n`` > 1 each curve is its
+    trailing mean (labelled), over its raw values drawn faint and unlabelled (evaluations, sparse, stay raw).
 
     Raises:
         ConfigError: when matplotlib is missing (with the install command).
@@ -166,17 +224,23 @@ def draw_runs(runs: dict[str, list[dict[str, Any]]]) -> Any:
             color = f"C{label_i % 10}"
             for key_i, key in enumerate(keys):
                 steps, times, values = _series(rows, key)
+                if not values:  # this run does not record it: no line, no legend entry
+                    continue
                 style = ("-", "--", ":", "-.")[key_i % 4] + ("o" if key.startswith("eval/") else "")
                 name = label if len(keys) == 1 else f"{label} {key}"
-                axes[row][0].plot(steps, values, style, color=color, label=name, linewidth=1.2)
-                axes[row][1].plot(times, values, style, color=color, label=name, linewidth=1.2)
+                smoothed = smooth_n > 1 and not key.startswith("eval/")
+                shown = smooth(values, smooth_n) if smoothed else values
+                for ax, xs in ((axes[row][0], steps), (axes[row][1], times)):
+                    if smoothed:
+                        ax.plot(xs, values, style, color=color, linewidth=0.8, alpha=0.25)  # the raw values, unlabelled
+                    ax.plot(xs, shown, style, color=color, label=name + (f" (mean of {smooth_n})" if smoothed else ""), linewidth=1.2)
         for col, xlabel in enumerate(("trainer step", "wall time (s)")):
             ax = axes[row][col]
             ax.set_title(title, fontsize=10)
             ax.set_xlabel(xlabel)
             ax.grid(True, alpha=0.3)
             if ax.lines:
-                ax.legend(fontsize=8)
+                ax.legend(fontsize=8)  # the labelled lines only (matplotlib skips the raw ones, unlabelled)
             else:
                 ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.suptitle("flowrl: " + ", ".join(runs), fontsize=12)
@@ -188,6 +252,8 @@ def _run(args: argparse.Namespace) -> int:
     from flowrl.runtime.observe.metrics import read_metrics
 
     out = Path(args.output)
+    if args.smooth < 1:
+        raise ConfigError(f"--smooth {args.smooth}: N is the steps each curve's trailing mean takes, >= 1 (1: raw values only)")
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"-o {out}: write .png, .svg or .pdf")
     if not out.parent.resolve().is_dir():
@@ -205,6 +271,9 @@ def _run(args: argparse.Namespace) -> int:
         if not rows:
             raise ConfigError(f"metrics file {str(path)!r} holds no step rows")
         runs[label] = rows
-    plot_runs(runs, out)
+    plot_runs(runs, out, smooth_n=args.smooth)
     print(f"flowrl plot: wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''})", file=sys.stderr)
+    left = unplotted(runs, panels(runs))
+    if left:
+        print(f"flowrl plot: not drawn (no panel reads them): {', '.join(left)}", file=sys.stderr)
     return 0

@@ -250,7 +250,7 @@ def _checkpoint_directory(args: argparse.Namespace) -> Iterator[None]:
 def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, config: RunConfig) -> int:
     """Run the graph with a progress bar and print the summary (rank 0 or a single process)."""
     from flowrl.errors import NodeBuildError, NodeExecutionError
-    from flowrl.runtime.observe.progress import ProgressBar
+    from flowrl.runtime.observe.progress import ProgressBar, sample_rate
     from flowrl.runtime.run import run_graph
 
     import warnings
@@ -303,11 +303,11 @@ def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, 
     if rows:
         head, tail = rows[: max(1, len(rows) // 10)], rows[-max(1, len(rows) // 10):]
         mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
-        samples = sum(r.get("samples", 0) for r in rows)
+        rate = sample_rate(rows)  # the bar's numbers: its last line shows the same rate
         print(
             f"done: {len(rows)} steps in {result.wall_s:.1f} s; reward {mean(head, 'reward_mean'):.3f} -> "
             f"{mean(tail, 'reward_mean'):.3f} (first/last 10% of steps); staleness max {max(r['staleness'] for r in rows)}; "
-            f"{samples / max(result.wall_s, 1e-9):.1f} samples/s; policy version {result.version}"
+            f"{rate.text()}; policy version {result.version}"
         )
         evaluated = [r for r in rows if "eval/greedy_reward_mean" in r]
         if evaluated:

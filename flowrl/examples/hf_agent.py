@@ -40,6 +40,7 @@ from typing import Any
 
 from flowrl.data.files import write_jsonl
 from flowrl.envs.tools import ToolEnv
+from flowrl.examples.assets_cli import main
 from flowrl.examples.hf_copy import build_config
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
@@ -149,4 +150,4 @@ def write_assets(directory: str | Path) -> Path:
 
 
 if __name__ == "__main__":  # python -m flowrl.examples.hf_agent DIR
-    print(write_assets(sys.argv[1] if len(sys.argv) > 1 else ASSETS))
+    raise SystemExit(main(sys.argv[1:], write_assets, prog="python -m flowrl.examples.hf_agent", what="the example's config, tokenizer and prompts"))

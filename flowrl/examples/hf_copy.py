@@ -1,7 +1,7 @@
 """The Hugging Face example: a small Llama-architecture model learns to copy digits from a prompt file.
 
 Everything it uses is built in code and shipped as plain files in ``flowrl/examples/assets/hf_copy``
-(regenerate them with ``python -m flowrl.examples.hf_copy DIR [HEADS]``; a test checks the shipped files equal
+(regenerate them with ``python -m flowrl.examples.hf_copy DIR [HEADS] [--force]``; a test checks the shipped files equal
 what this module builds):
 
 - ``config.json``: a ``LlamaConfig`` of ~90K parameters (2 layers, width 64), initialised with
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.data.files import write_jsonl
+from flowrl.examples.assets_cli import main
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.engines import Engine
@@ -138,4 +139,4 @@ def write_assets(directory: str | Path, *, heads: int = 4) -> Path:
 
 
 if __name__ == "__main__":  # python -m flowrl.examples.hf_copy DIR [HEADS]
-    print(write_assets(sys.argv[1] if len(sys.argv) > 1 else ASSETS, heads=int(sys.argv[2]) if len(sys.argv) > 2 else 4))
+    raise SystemExit(main(sys.argv[1:], write_assets, prog="python -m flowrl.examples.hf_copy", what="the example's config, tokenizer and prompts", heads=4))

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from flowrl.data.files import write_jsonl
+from flowrl.examples.assets_cli import main
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
@@ -115,4 +116,4 @@ def write_assets(directory: str | Path) -> Path:
 
 
 if __name__ == "__main__":  # python -m flowrl.examples.qwen_math DIR
-    print(write_assets(sys.argv[1] if len(sys.argv) > 1 else ASSETS))
+    raise SystemExit(main(sys.argv[1:], write_assets, prog="python -m flowrl.examples.qwen_math", what="the example's config and math problems"))

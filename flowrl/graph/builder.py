@@ -24,7 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from flowrl.errors import ConfigError, GraphError
-from flowrl.graph.engines import Engine
+from flowrl.graph.engines import Engine, VLLMConfig
 from flowrl.graph.envs import EnvConfig
 from flowrl.graph.configs import HFModelConfig, LoraConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.judges import JudgeConfig
@@ -166,7 +166,9 @@ class GraphBuilder:
         (stored by reference, like a scorer's function), its reference string, or an ``EnvConfig``;
         the keyword arguments that are ``EnvConfig`` fields (``max_turns``, ``step_timeout_s``, ...)
         go to it. ``engine`` picks what samples: ``"builtin"`` (flowrl's decode loop) or ``"vllm"`` (a
-        vLLM engine, for a Hugging Face model; see ``flowrl.graph.engines``).
+        vLLM engine, for a Hugging Face model; see ``flowrl.graph.engines``); the keyword arguments that
+        are ``VLLMConfig`` fields (``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``) are
+        vLLM's settings, refused with another engine.
         """
         env_config = None
         if env is not None:
@@ -177,8 +179,9 @@ class GraphBuilder:
             raise ConfigError(f"generator {name!r}: {sorted(k for k in kwargs if k in EnvConfig.__struct_fields__)} "
                               "apply to a generator with an environment only; pass env=")
         cfg = _config(SamplingConfig, sampling, kwargs, f"generator {name!r}")
+        vllm = _config(VLLMConfig, None, kwargs, f"generator {name!r}") if any(k in VLLMConfig.__struct_fields__ for k in kwargs) else None
         self._no_leftovers("generator", name, kwargs)
-        node = GeneratorNode(name=name, model=model or self.model, sampling=cfg, engine=engine, env=env_config)
+        node = GeneratorNode(name=name, model=model or self.model, sampling=cfg, engine=engine, env=env_config, vllm=vllm)
         return self.add(node, (prompts,))
 
     def scorer(

@@ -42,7 +42,7 @@ import msgspec
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import AnyModelConfig, ModelConfig, SamplingConfig
 
-__all__ = ["Engine", "EngineCaps", "ENGINE_CAPS", "ENGINE_NAMES", "DEFAULT_ENGINE", "VLLM_PRECISIONS", "check_engine_options"]
+__all__ = ["Engine", "EngineCaps", "ENGINE_CAPS", "ENGINE_NAMES", "DEFAULT_ENGINE", "VLLM_PRECISIONS", "VLLMConfig", "check_engine_options"]
 
 #: A generator's engine (``GeneratorNode.engine``): the keys of ``ENGINE_CAPS``.
 Engine = Literal["builtin", "vllm"]
@@ -79,7 +79,9 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
         cuda_memory_fraction: on a CUDA GPU it claims this fraction of each of its GPUs' memory when
             it starts (weights, activations and its KV cache pool) and holds it for the run unless it
             sleeps (vLLM's ``gpu_memory_utilization``, which the runtime passes from here and the
-            planner counts); 0: it allocates as it runs.
+            planner counts, unless the node sets its own: ``VLLMConfig``); 0: it allocates as it runs.
+        vllm_options: it takes a node's ``VLLMConfig`` (vLLM's memory and batch settings); an engine
+            that does not refuses one that sets any.
     """
 
     builtin_models: bool
@@ -95,6 +97,7 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
     python_loop: bool = True
     cpu_kernels: bool = False
     cuda_memory_fraction: float = 0.0
+    vllm_options: bool = False
 
 
 #: Every engine. vLLM's engine is its own processes, started by the generator's process (the local
@@ -106,7 +109,7 @@ ENGINE_CAPS: dict[str, EngineCaps] = {
     "vllm": EngineCaps(
         builtin_models=False, precisions=VLLM_PRECISIONS, kv_cache_optional=False,
         backends=("local", "process", "torchrun"), machine_check=True, sleeps=True, weight_hop=True,
-        refills_rows=True, python_loop=False, cpu_kernels=True,
+        refills_rows=True, python_loop=False, cpu_kernels=True, vllm_options=True,
         cuda_memory_fraction=0.45,  # half a GPU, less slack: a policy colocated on it keeps the other half
     ),
 }
@@ -115,17 +118,83 @@ ENGINE_NAMES: tuple[str, ...] = tuple(ENGINE_CAPS)
 DEFAULT_ENGINE: Engine = "builtin"
 
 
-def check_engine_options(name: str, engine: str, model: AnyModelConfig, sampling: SamplingConfig) -> None:
+class VLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's own settings of a generator with ``engine="vllm"``: ``b.generator(..., gpu_memory_utilization=0.3)``.
+
+    Each is passed to ``vllm.LLM`` under its own name; None is flowrl's default (docs/vllm.md).
+
+    Attributes:
+        gpu_memory_utilization: the share of each device's memory vLLM claims when it starts (weights,
+            activations, KV cache pool), in (0, 1]. None: on a CUDA GPU ``EngineCaps.cuda_memory_fraction``
+            (0.45: a policy colocated on the GPU keeps the rest), which the planner counts (a set value
+            too); on a CPU, where vLLM reads it as the share of *host* memory it reserves and refuses to
+            start when that much is not free (its own default 0.92 on a busy machine), flowrl passes none
+            and sizes the KV cache itself (``kv_cache_memory_bytes``: room for ``max_num_seqs``
+            full-length sequences, 64 MiB to 4 GiB), which starts beside other processes.
+        max_model_len: longest prompt + completion vLLM takes (tokens). None: ``HFModelConfig.max_seq_len``,
+            else the model's ``max_position_embeddings``; more than the latter is refused at start.
+        max_num_seqs: sequences vLLM decodes at once. None: ``slots`` under ``batching="continuous"``
+            with ``slots`` set, else 256 (vLLM's default on GPUs).
+
+    Example:
+        >>> VLLMConfig(gpu_memory_utilization=0.3).given()
+        {'gpu_memory_utilization': 0.3}
+        >>> VLLMConfig(max_num_seqs=0)
+        Traceback (most recent call last):
+        ...
+        flowrl.errors.ConfigError: VLLMConfig: max_num_seqs=0 must be >= 1
+    """
+
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+
+    def __post_init__(self) -> None:
+        u = self.gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ConfigError(f"VLLMConfig: gpu_memory_utilization={u} must be in (0, 1] (a share of each device's memory)")
+        for name in ("max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"VLLMConfig: {name}={value} must be >= 1")
+
+    def given(self) -> dict[str, float | int]:
+        """The settings that are set (not None), by name."""
+        return {k: v for k in self.__struct_fields__ if (v := getattr(self, k)) is not None}
+
+
+def check_engine_options(
+    name: str, engine: str, model: AnyModelConfig, sampling: SamplingConfig, vllm: VLLMConfig | None = None
+) -> None:
     """Refuse settings generator ``name``'s ``engine`` cannot honour, naming the setting and the fix.
 
     Raises:
-        ConfigError: for an unknown engine, or (``"vllm"``) a built-in ``ModelConfig``,
-            ``use_kv_cache=False``, or a quantized precision.
+        ConfigError: for an unknown engine, vLLM's settings (``vllm``) on an engine that does not take
+            them, or (``"vllm"``) a built-in ``ModelConfig``, ``use_kv_cache=False``, a quantized
+            precision, ``max_num_seqs`` other than continuous batching's ``slots``, or a
+            ``max_model_len`` with no room for a prompt beside ``max_new_tokens``.
     """
     owner = f"generator {name!r}"
     if engine not in ENGINE_CAPS:
         raise ConfigError(f"{owner}: engine={engine!r} is not one of {list(ENGINE_CAPS)}")
     caps, s = ENGINE_CAPS[engine], sampling
+    given = vllm.given() if vllm is not None else {}
+    if given and not caps.vllm_options:
+        listed = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise ConfigError(
+            f"{owner}: {listed} {'is' if len(given) == 1 else 'are'} vLLM's setting{'s' if len(given) > 1 else ''}, which "
+            f"engine={engine!r} does not use (it allocates as it decodes); pass engine='vllm', or drop {', '.join(given)}"
+        )
+    if vllm is not None and vllm.max_num_seqs is not None and s.batching == "continuous" and s.slots and vllm.max_num_seqs != s.slots:
+        raise ConfigError(
+            f"{owner}: max_num_seqs={vllm.max_num_seqs} and slots={s.slots}: under batching='continuous' slots is what vLLM "
+            "decodes at once (its max_num_seqs); set one of them"
+        )
+    if vllm is not None and vllm.max_model_len is not None and vllm.max_model_len <= s.max_new_tokens:
+        raise ConfigError(
+            f"{owner}: max_model_len={vllm.max_model_len} leaves no room for a prompt beside max_new_tokens={s.max_new_tokens}; "
+            "raise max_model_len (prompt + completion tokens) or lower max_new_tokens"
+        )
     if isinstance(model, ModelConfig) and not caps.builtin_models:
         raise ConfigError(
             f"{owner}: engine={engine!r} needs a Hugging Face model (HFModelConfig: a directory it loads), but its model is "

@@ -52,7 +52,7 @@ from flowrl.graph.refs import resolve
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS, Engine, check_engine_options
+from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS, Engine, VLLMConfig, check_engine_options
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.judges import JudgeConfig
@@ -167,15 +167,18 @@ class GeneratorNode(NodeBase, tag="generator"):
         env: multi-turn episodes against an environment, or an agent program's over the chat
             endpoint (``flowrl.graph.envs``; either engine); None: one completion per sample. With
             one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
+        vllm: vLLM's memory and batch settings (``VLLMConfig``: ``gpu_memory_utilization``,
+            ``max_model_len``, ``max_num_seqs``); None: flowrl's defaults. Refused on the built-in engine.
     """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     engine: Engine = DEFAULT_ENGINE
     env: EnvConfig | None = None
+    vllm: VLLMConfig | None = None
 
     def __post_init__(self) -> None:
-        check_engine_options(self.name, self.engine, self.model, self.sampling)
+        check_engine_options(self.name, self.engine, self.model, self.sampling, self.vllm)
         if self.env is not None and (not ENGINE_CAPS[self.engine].continuous_episodes or self.env.agent) and self.sampling.batching != "lockstep":
             what = "an agent program (agent=True)" if self.env.agent else f"env= with engine={self.engine!r}"
             raise ConfigError(
@@ -193,6 +196,7 @@ class GeneratorNode(NodeBase, tag="generator"):
         s = self.sampling
         engine = f", engine={self.engine}" if self.engine != "builtin" else ""
         text = f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}{engine}"
+        text += "".join(f", {k}={v:g}" for k, v in (self.vllm.given() if self.vllm is not None else {}).items())
         return text + (f", env={self.env.env}, max_turns={self.env.max_turns}" if self.env is not None else "")
 
 

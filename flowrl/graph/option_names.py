@@ -18,18 +18,32 @@ from __future__ import annotations
 import difflib
 
 from flowrl.graph.configs import LossConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
+from flowrl.graph.engines import VLLMConfig
 
-__all__ = ["TRL_OPTIONS", "TRL_NOTES", "OPTION_OWNERS", "REFERENCE_SYNC_OPTIONS", "option_hint", "leftover_message", "reference_options"]
+__all__ = [
+    "TRL_OPTIONS", "TRL_NOTES", "OPTION_OWNERS", "REFERENCE_SYNC_OPTIONS", "option_fields", "option_hint", "leftover_message",
+    "reference_options",
+]  # fmt: skip
 
-#: Which builder method takes the fields of which config.
-OPTION_OWNERS: dict[str, type] = {
-    "source": SourceConfig,
-    "generator": SamplingConfig,
-    "loss": LossConfig,
-    "policy": OptimizerConfig,
-    "reference": ReferenceConfig,
-    "critic": OptimizerConfig,
+#: Which builder method takes the fields of which configs (a generator: its sampling, and vLLM's settings).
+OPTION_OWNERS: dict[str, tuple[type, ...]] = {
+    "source": (SourceConfig,),
+    "generator": (SamplingConfig, VLLMConfig),
+    "loss": (LossConfig,),
+    "policy": (OptimizerConfig,),
+    "reference": (ReferenceConfig,),
+    "critic": (OptimizerConfig,),
 }
+
+
+def option_fields(kind: str) -> tuple[str, ...]:
+    """The option names builder method ``kind`` takes from its configs (none for a method without one).
+
+    Example:
+        >>> "gpu_memory_utilization" in option_fields("generator"), option_fields("nope")
+        (True, ())
+    """
+    return tuple(f for cls in OPTION_OWNERS.get(kind, ()) for f in cls.__struct_fields__)
 
 #: TRL ``GRPOConfig`` option -> flowrl's option (a field of one of ``OPTION_OWNERS``' configs), or a
 #: sentence where flowrl has no such option or keeps it elsewhere (a run flag, a node of its own).
@@ -45,6 +59,11 @@ TRL_OPTIONS: dict[str, str] = {
     "mask_truncated_completions": "mask_truncated_completions",
     "importance_sampling_level": "objective",
     "vllm_importance_sampling_cap": "rho",
+    "vllm_gpu_memory_utilization": "gpu_memory_utilization",
+    "vllm_tensor_parallel_size": (
+        "a tp axis on the generator's torchrun mesh (a --plan) is vLLM's tensor_parallel_size: one engine per replica"
+    ),
+    "vllm_enable_sleep_mode": "flowrl run --offload (auto by default): a colocated vLLM generator sleeps while its trainer runs, on CUDA",
     "scale_rewards": "normalize_std",
     "max_grad_norm": "grad_clip",
     "lr_scheduler_type": "schedule",
@@ -99,7 +118,7 @@ TRL_NOTES: dict[str, str] = {
 
 def _owner_of(option: str) -> str | None:
     """The builder method whose config has a field called ``option``."""
-    return next((kind for kind, cls in OPTION_OWNERS.items() if option in cls.__struct_fields__), None)
+    return next((kind for kind in OPTION_OWNERS if option in option_fields(kind)), None)
 
 
 def _where(kind: str, option: str) -> str:
@@ -118,7 +137,7 @@ def option_hint(kind: str, option: str) -> str:
     owner = _owner_of(option)
     if owner is not None:
         return f"{option!r} is an option of b.{owner}(...), not of b.{kind}(...)"
-    fields = [f for cls in OPTION_OWNERS.values() for f in cls.__struct_fields__]
+    fields = [f for kind in OPTION_OWNERS for f in option_fields(kind)]
     close = difflib.get_close_matches(option, fields, n=1)
     if close:
         return f"did you mean {close[0]!r}?{_where(kind, close[0])}"
@@ -132,7 +151,7 @@ def reference_options(options: dict[str, object] | list[str]) -> list[str]:
 
 def leftover_message(kind: str, name: str, options: list[str]) -> str:
     """The error for keyword arguments ``options`` that node ``name`` of ``kind`` does not take."""
-    known = sorted(OPTION_OWNERS[kind].__struct_fields__) if kind in OPTION_OWNERS else []
+    known = sorted(option_fields(kind))
     hints = [h for h in (option_hint(kind, o) for o in sorted(options)) if h]
     text = f"{kind} {name!r}: unknown option(s) {sorted(options)}"
     if hints:

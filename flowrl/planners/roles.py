@@ -52,6 +52,8 @@ class NodeRole:
         dtype: a generator-side node's weight dtype (``""``: a trainer-side node, which uses the
             trainer's ``param_bytes``).
         engine: a generator-side node's engine (``"builtin"`` or ``"vllm"``).
+        memory_fraction: a generator's own share of each GPU its engine claims at start (``VLLMConfig.
+            gpu_memory_utilization``); 0: the engine's (``EngineCaps.cuda_memory_fraction``).
         recompute: a training node's step runs the extra no-gradient log-prob forward (log pi_prox:
             ``flowrl.graph.objectives.recomputes_logprobs``, the trainer's rule).
         iterations: a training node's (passes over a batch, optimizer steps a batch).
@@ -63,6 +65,7 @@ class NodeRole:
     model: ModelSpec
     dtype: str = ""
     engine: str = DEFAULT_ENGINE
+    memory_fraction: float = 0.0
     recompute: bool = False
     iterations: tuple[int, int] = (1, 1)
     micro_batch: int = 0
@@ -93,7 +96,11 @@ def model_shape(config: Any, model: ModelSpec | None) -> ModelSpec:
 
 def generator_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:
     """A generator: its model, weight dtype (``--gen-precision`` over its sampling precision) and engine."""
-    return NodeRole(model=model_shape(node.model, model), dtype=generator_dtype(node.sampling.precision, ctx), engine=node.engine)
+    share = node.vllm.gpu_memory_utilization if node.vllm is not None else None
+    return NodeRole(
+        model=model_shape(node.model, model), dtype=generator_dtype(node.sampling.precision, ctx), engine=node.engine,
+        memory_fraction=share or 0.0,
+    )
 
 
 def policy_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) -> NodeRole:

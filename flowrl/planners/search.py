@@ -84,6 +84,8 @@ class Roles:
         models: heavy node -> its model shape.
         gen_dtype: generator -> weight dtype; param_bytes: bytes per trainer parameter.
         gen_engine: generator -> its engine (``GeneratorNode.engine``: ``"builtin"`` or ``"vllm"``).
+        gen_memory: generator -> the share of each GPU it set its engine to claim (``VLLMConfig.
+            gpu_memory_utilization``); absent: the engine's (``EngineCaps.cuda_memory_fraction``).
         recompute: policy -> whether its step runs the extra no-gradient log-prob forward (the
             trainer's rule, ``flowrl.graph.objectives.recomputes_logprobs``, or ``Tuning``'s override).
         iterations: policy -> (passes over a batch, optimizer steps a batch) (``OptimizerConfig``).
@@ -108,6 +110,7 @@ class Roles:
     iterations: dict[str, tuple[int, int]]
     micro_batch: dict[str, int]
     gen_engine: dict[str, str] = field(default_factory=dict)
+    gen_memory: dict[str, float] = field(default_factory=dict)
     last_logits: frozenset[str] = frozenset()
     extra_tokens: dict[str, int] = field(default_factory=dict)
     axes: dict[str, frozenset[str]] | None = None
@@ -175,6 +178,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None, *,
     models: dict[str, ModelSpec] = {}
     gen_dtype: dict[str, str] = {}
     gen_engine: dict[str, str] = {}
+    gen_memory: dict[str, float] = {}
     recompute: dict[str, bool] = {}
     iterations: dict[str, tuple[int, int]] = {}
     micro: dict[str, int] = {}
@@ -198,6 +202,8 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None, *,
             gens.append(node.name)
             gen_dtype[node.name] = role.dtype
             gen_engine[node.name] = role.engine
+            if role.memory_fraction:
+                gen_memory[node.name] = role.memory_fraction
         elif spec.publishes_weights or spec.trains:  # it trains (a policy, a critic)
             trainers.append(node.name)
             micro[node.name] = role.micro_batch
@@ -229,6 +235,7 @@ def resolve_roles(graph: Graph, ctx: Context, model: ModelSpec | None = None, *,
         iterations=iterations,
         micro_batch=micro,
         gen_engine=gen_engine,
+        gen_memory=gen_memory,
         last_logits=frozenset(last),
         extra_tokens=extra,
         axes=node_axes(graph, ctx.cluster, backend=ctx.tuning.backend) if runnable else None,
@@ -366,7 +373,7 @@ class _Evaluator:
         model = r.models[name]
         p_dev = model.params * stage_fraction(model.n_layers, dims.pp) / dims.tp  # the largest stage
         if name in r.gens:
-            return engine_claim(r.gen_engine.get(name, DEFAULT_ENGINE), self.ctx) or p_dev * precision_bytes(r.gen_dtype[name])
+            return engine_claim(r.gen_engine.get(name, DEFAULT_ENGINE), self.ctx, r.gen_memory.get(name, 0.0)) or p_dev * precision_bytes(r.gen_dtype[name])
         if name in r.refs:
             return p_dev * r.param_bytes
         t = self.ctx.tuning
@@ -461,7 +468,7 @@ class _Evaluator:
         if name in r.gens:
             est = estimate_generate(
                 model, dims, devices, self.ctx, precision=r.gen_dtype[name], reserved_bytes=reserved, node=name,
-                engine=r.gen_engine.get(name, DEFAULT_ENGINE),
+                engine=r.gen_engine.get(name, DEFAULT_ENGINE), memory_fraction=r.gen_memory.get(name, 0.0),
             )
         else:
             what = f"{model.name} {'forward' if name in r.refs else 'training'} on {dims.short()}"

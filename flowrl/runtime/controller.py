@@ -193,6 +193,7 @@ class Controller:
         row = self.sink.add_step(
             ex.name, seq, version=version, generators=self.gate.gated_by(ex.name), program=ex.program, rollout_version=rollout_version,
             batch=batch, info=info, time_s=time.perf_counter() - self._t0, idle_s=idle, updates=self.gate.updates,
+            max_staleness=self.gate.policy_k(ex.name),
         )  # fmt: skip
         self.ledger.consume(row["prompt_index"])
         if checkpoint:  # before the clock moves on: a node gated on it (a critic) has not begun the next batch

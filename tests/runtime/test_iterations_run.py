@@ -7,6 +7,8 @@ version ``>= U * (seq - k)``, so a consumed batch is at most ``U * k`` versions 
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from flowrl.errors import NodeExecutionError
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.runtime.config import RunConfig
+from flowrl.runtime.observe.progress import ProgressBar
 from flowrl.runtime.run import run_graph
 
 from tests.runtime.helpers import synthetic_config
@@ -43,6 +46,13 @@ def test_the_bound_counts_trainer_steps_of_u_versions(k):
     assert all(r["rollout_version"] % 4 == 0 for r in result.rows)  # only whole batches are published
     assert all(0 <= s <= 4 * k for s in stale), stale
     assert max(stale) == 4 * k, stale
+    # the rows also say it in the bound's unit (batches) beside k, and the bar prints both, named
+    assert [r["staleness_batches"] for r in result.rows] == [s // 4 for s in stale]
+    assert {r["max_staleness"] for r in result.rows} == {k}
+    worst = next(r for r in result.rows if r["staleness"] == 4 * k)
+    out = io.StringIO()
+    ProgressBar(8, stream=out)(worst)
+    assert f"staleness {k}/{k} batch{'es' if k != 1 else ''}{f' ({4 * k} versions)' if k else ''} " in out.getvalue(), out.getvalue()
 
 
 def _real(workdir, steps: int, *, resume: bool = False, stop_at: int | None = None, k: int = 0, backend: str = "local"):

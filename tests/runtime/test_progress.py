@@ -1,31 +1,53 @@
-"""The progress bar's rate and ETA come from recent steps, not from the start of the run."""
+"""The progress bar's rate and the run's summary come from the same numbers (the rows' samples and
+time_s): the run's rate, start-up included, and the recent window's, named; the ETA from recent steps."""
 
 from __future__ import annotations
 
 import io
+import re
 
-from flowrl.runtime.observe import progress
-from flowrl.runtime.observe.progress import ProgressBar
+from flowrl.cli.main import main
+from flowrl.runtime.observe.progress import ProgressBar, sample_rate
 
 
-def test_rate_and_eta_ignore_slow_start(monkeypatch):
-    clock = {"t": 0.0}
-    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock["t"])
+def _rows(n: int, *, start_up: float = 30.0, step_s: float = 0.5, samples: int = 256) -> list[dict]:
+    """``n`` rows of ``samples`` each, the first after ``start_up`` seconds, then one every ``step_s``."""
+    return [{"step": s, "samples": samples, "reward_mean": 0.5, "staleness": 1, "time_s": start_up + step_s * (s - 1)} for s in range(1, n + 1)]
+
+
+def test_the_bar_shows_the_runs_rate_and_the_recent_one_named_and_an_eta_from_recent_steps():
     out = io.StringIO()
     bar = ProgressBar(100, stream=out, window=5)
-    clock["t"] = 30.0  # 30 s of start-up before the first step
-    for step in range(1, 51):
-        bar({"step": step, "samples": 256, "reward_mean": 0.5, "staleness": 1})
-        clock["t"] += 0.5  # then a step every 0.5 s: 512 samples/s
+    rows = _rows(50)
+    for row in rows:
+        bar(row)
     last = out.getvalue().strip().splitlines()[-1]
-    assert "512.0 samples/s" in last, last
+    run = 50 * 256 / (30.0 + 0.5 * 49)  # 234.9: 30 s of start-up, then a step every 0.5 s
+    assert f"{run:.1f} samples/s (last 5 steps: 512.0)" in last, last  # 5 steps of 256 samples in 2.5 s
     assert "ETA   25s" in last, last  # 50 steps left at 0.5 s each
+    assert sample_rate(rows, window=5) == (run, 512.0, 5, 0.5)
+
+
+def test_one_row_has_the_runs_rate_only():
+    rate = sample_rate(_rows(1, start_up=2.0))
+    assert rate.text() == "128.0 samples/s" and rate.step_s == 2.0
 
 
 def test_non_terminal_prints_a_line_every_tenth():
     out = io.StringIO()
     bar = ProgressBar(20, stream=out)
     for step in range(1, 21):
-        bar({"step": step, "samples": 1, "reward_mean": 0.0, "staleness": 0})
+        bar({"step": step, "samples": 1, "reward_mean": 0.0, "staleness": 0, "time_s": float(step)})
     lines = out.getvalue().splitlines()
     assert [line.split("/")[0] for line in lines] == [f"step {s:>2}" for s in range(2, 21, 2)]
+
+
+def test_the_bars_last_rate_is_the_summarys(capsys):
+    """A run's bar (the issue: 177.1 samples/s there, 34.2 in the summary) ends on the summary's figures."""
+    assert main(["run", "--synthetic", "--steps", "6"]) == 0
+    captured = capsys.readouterr()
+    bar = [line for line in captured.err.splitlines() if line.startswith("step 6/6")][-1]
+    done = next(line for line in captured.out.splitlines() if line.startswith("done: 6 steps"))
+    shown = re.search(r"\d+\.\d samples/s \(last 5 steps: \d+\.\d\)", bar)
+    assert shown is not None, bar
+    assert shown.group(0) in done, (bar, done)

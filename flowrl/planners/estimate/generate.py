@@ -110,7 +110,7 @@ from flowrl.planners.parallel import ParallelDims, stage_layers
 from flowrl.planners.tuning import VLLM_CPU_DECODE_SPEEDUP
 from flowrl.planners.units import format_excess, format_gib_pair
 
-__all__ = ["estimate_generate", "generator_dtype", "vllm_decode_speedup", "engine_claim"]
+__all__ = ["estimate_generate", "generator_dtype", "vllm_decode_speedup", "engine_claim", "claim_fraction"]
 
 
 def generator_dtype(node_precision: str, ctx: Context) -> str:
@@ -124,12 +124,20 @@ def vllm_decode_speedup(ctx: Context) -> float:
     return ctx.tuning.vllm_cpu_decode_speedup or ctx.cluster.device.cpu.vllm_decode_speedup or VLLM_CPU_DECODE_SPEEDUP
 
 
-def engine_claim(engine: str, ctx: Context) -> int:
+def claim_fraction(engine: str, memory_fraction: float = 0.0) -> float:
+    """The share of each CUDA GPU ``engine`` claims at start: the node's own ``memory_fraction`` (vLLM's
+    ``gpu_memory_utilization`` set on the generator) where its engine claims one, else
+    ``EngineCaps.cuda_memory_fraction``; 0 for an engine that allocates as it runs."""
+    default = ENGINE_CAPS[engine].cuda_memory_fraction
+    return (memory_fraction or default) if default > 0 else 0.0
+
+
+def engine_claim(engine: str, ctx: Context, memory_fraction: float = 0.0) -> int:
     """Bytes per device ``engine`` claims when it starts and holds for the run on this cluster's
-    devices (``EngineCaps.cuda_memory_fraction`` of a CUDA GPU's memory: vLLM's
-    ``gpu_memory_utilization``); 0 where it allocates as it runs (a CPU, the built-in engine)."""
+    devices (``claim_fraction`` of a CUDA GPU's memory: vLLM's ``gpu_memory_utilization``, the node's
+    ``memory_fraction`` when set); 0 where it allocates as it runs (a CPU, the built-in engine)."""
     dev = ctx.cluster.device
-    fraction = ENGINE_CAPS[engine].cuda_memory_fraction
+    fraction = claim_fraction(engine, memory_fraction)
     return int(fraction * dev.memory_bytes) if fraction > 0 and DEVICE_TRAITS[dev.kind].cuda else 0
 
 
@@ -157,6 +165,7 @@ def estimate_generate(
     reserved_bytes: float = 0.0,
     node: str = "gen",
     engine: str = DEFAULT_ENGINE,
+    memory_fraction: float = 0.0,
 ) -> NodeEstimate:
     """Seconds to generate one step's completions on this mesh, and bytes per device.
 
@@ -165,6 +174,8 @@ def estimate_generate(
         reserved_bytes: bytes per device held by colocated nodes (their weights and optimizer states);
             the KV cache gets what is left.
         engine: the generator's engine, ``"builtin"`` or ``"vllm"`` (see the module docstring).
+        memory_fraction: the node's own share of each GPU its engine claims (``VLLMConfig.gpu_memory_utilization``);
+            0: the engine's (``EngineCaps.cuda_memory_fraction``).
 
     Example:
         >>> from flowrl.planners.cluster import parse_cluster
@@ -197,19 +208,20 @@ def estimate_generate(
     workspace = int(prefill_chunk * (8 * h + 3 * model.active_ffn_dim) * ab / tp + min(per_replica, 1024) * V * 4 / tp)
 
     budget = memory_budget(ctx)
-    claim = engine_claim(engine, ctx)
+    claim = engine_claim(engine, ctx, memory_fraction)
     if claim:  # the engine takes its share of each GPU at start, whatever it needs: its KV pool is the rest
         room = claim - weights - workspace if claim + reserved_bytes <= budget else 0
     else:
         room = budget - reserved_bytes - weights - workspace
     max_batch = int(room // kv_seq) if room > 0 else 0
     if max_batch < 1 and claim:
-        fraction = ENGINE_CAPS[engine].cuda_memory_fraction
+        fraction = claim_fraction(engine, memory_fraction)
+        source = "the generator's gpu_memory_utilization" if memory_fraction else "EngineCaps.cuda_memory_fraction"
         inside = weights + workspace + kv_seq
         need_s, budget_s = format_gib_pair(claim + reserved_bytes, budget)
         share = (
             f"node {node!r} ({model.name} generation on {dims.short()}, {precision} weights): {engine} claims {fraction:g} of each "
-            f"{dev.name}'s {dev.memory_bytes / GiB:.1f} GiB ({claim / GiB:.1f} GiB, EngineCaps.cuda_memory_fraction) for the run"
+            f"{dev.name}'s {dev.memory_bytes / GiB:.1f} GiB ({claim / GiB:.1f} GiB, {source}) for the run"
         )
         if inside > claim:
             problem = (
@@ -293,7 +305,7 @@ def estimate_generate(
     if w.env_s:
         breakdown["env"] = w.env_s  # waiting on environments (multi-turn rollouts): a generator-side delay
     mode = "continuous stream, a re-prefill per update" if stream else "continuous within a call" if caps.refills_rows else "continuous" if continuous else "lock-step"
-    held = (f"holds {ENGINE_CAPS[engine].cuda_memory_fraction:g} of each {dev.name} for the run ({claim / GiB:.1f} GiB: weights, KV cache pool, activations)",) if claim else ()
+    held = (f"holds {claim_fraction(engine, memory_fraction):g} of each {dev.name} for the run ({claim / GiB:.1f} GiB: weights, KV cache pool, activations)",) if claim else ()
     notes = (f"{engine} engine", *held, f"batch {b} x {waves} wave{'s' if waves > 1 else ''}", f"{precision} weights", f"{mode}, {steps:.0f} decode steps")
     cross_step = t.cross_step_slots if t.cross_step_slots is not None else DEVICE_TRAITS[dev.kind].cross_step_slots
     cross_step = cross_step and (stream or not caps.refills_rows)  # called per batch: weights change between calls, each waits for its longest

@@ -1,7 +1,8 @@
 """Per-step metrics as JSON lines: one object per trainer step, flushed as it is written.
 
-Every line has at least ``step``, ``policy_version``, ``rollout_version``, ``staleness``,
-``reward_mean``, ``loss``, ``time_s`` and the timings ``gen_s``, ``train_s``, ``sync_s``, ``idle_s``,
+Every line has at least ``step``, ``policy_version``, ``rollout_version``, ``staleness`` (policy
+versions, as the two versions count), ``staleness_batches`` and ``max_staleness`` (the same in trainer
+steps, the unit of the bound k, and k: ``staleness 2/2 batches`` on the progress bar), ``reward_mean``, ``loss``, ``time_s`` and the timings ``gen_s``, ``train_s``, ``sync_s``, ``idle_s``,
 plus the loss's own namespaced metrics (``aipo/ratio_mean`` ...), the engine/trainer mismatch
 (``mismatch/kl``, ``mismatch/abs_logp_max``, ``mismatch/tokens``, ``mismatch/outside_kept_frac``:
 ``flowrl.operators.mismatch``; 0.0 over 0 tokens when no token is of the trainer's weights, never
@@ -61,8 +62,8 @@ GENERATOR_PREFIXES = ("env/", "slots/")
 #: Metrics-row key holding one step's completion-length histogram (``[[length, count], ...]``).
 COMPLETION_LEN_HIST = "completion_len_hist"
 
-REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "reward_mean", "loss", "time_s",
-                 "gen_s", "train_s", "sync_s", "idle_s")
+REQUIRED_KEYS = ("step", "policy_version", "rollout_version", "staleness", "staleness_batches", "max_staleness", "reward_mean",
+                 "loss", "time_s", "gen_s", "train_s", "sync_s", "idle_s")
 
 #: The training-health figures of every row of a policy that trains (module docstring).
 HEALTH_KEYS = (
@@ -161,6 +162,7 @@ def step_row(
     time_s: float,
     idle_s: float,
     updates: int = 1,
+    max_staleness: int = 0,
 ) -> dict[str, Any]:
     """The metrics row of trainer step ``seq`` (0-based; the row's ``step`` is ``seq + 1``).
 
@@ -173,7 +175,9 @@ def step_row(
         reward_weights: scorer name -> weight in the combined reward.
         time_s: seconds since the run started; idle_s: seconds the policy waited for this batch.
         updates: policy versions per step (``Graph.updates_per_batch``): the row's ``staleness`` is the
-            policy's version at the step's start (``updates * seq``) minus ``rollout_version``, in versions.
+            policy's version at the step's start (``updates * seq``) minus ``rollout_version``, in versions;
+            ``staleness_batches`` is that over ``updates``, in trainer steps (batches), the unit of the bound.
+        max_staleness: the bound k the batch was checked against, in batches (``StalenessGate.policy_k``).
     """
     rewards = {name: batch[name].float() for name in reward_weights if name in batch}
     combined = sum(w * rewards[name] for name, w in reward_weights.items() if name in rewards)
@@ -182,6 +186,8 @@ def step_row(
         "policy_version": version,
         "rollout_version": rollout_version,
         "staleness": updates * seq - rollout_version,
+        "staleness_batches": _in_batches(updates * seq - rollout_version, updates),
+        "max_staleness": max_staleness,
         "reward_mean": float(combined.mean()) if isinstance(combined, torch.Tensor) else 0.0,
         "loss": float(info.get("loss", float("nan"))),
         "time_s": time_s,
@@ -201,6 +207,13 @@ def step_row(
     prompts = batch.get("prompt_index")
     row["prompt_index"] = sorted(set(prompts.tolist())) if prompts is not None else []  # exactly-once is checkable from the file
     return row
+
+
+def _in_batches(versions: int, updates: int) -> int | float:
+    """``versions`` policy versions in trainer steps of ``updates`` versions each: an int when whole
+    (published versions are multiples of ``updates``), else a float."""
+    whole, rest = divmod(versions, max(1, updates))
+    return whole if rest == 0 else versions / max(1, updates)
 
 
 def rollout_health(batch: dict[str, torch.Tensor], rewards: torch.Tensor | None) -> dict[str, float]:

@@ -1,57 +1,126 @@
 """A progress bar for runs: one redrawn line on a terminal, a line every tenth of the run otherwise.
 
-Samples/s and the ETA come from the last ``window`` steps, so start-up (spawning worker processes,
-building models) does not drag the rate down for the rest of the run.
+Its rate and the run's summary (``flowrl run``'s ``done:`` line) come from the same numbers, the
+metrics rows' ``samples`` and ``time_s`` (seconds since the run started), through ``sample_rate``:
+the run's rate (its samples over the last row's ``time_s``, start-up included) and the rate over the
+last ``window`` steps (start-up left out), both named. The ETA comes from the recent steps, so
+start-up (spawning worker processes, building models) does not drag it for the rest of the run.
+
+Example:
+    >>> rows = [{"step": s, "samples": 8, "time_s": 10.0 + s} for s in range(1, 5)]
+    >>> rate = sample_rate(rows, window=2)
+    >>> rate.text()
+    '2.3 samples/s (last 2 steps: 8.0)'
+    >>> rate.step_s
+    1.0
 """
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
-from typing import IO, Any
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, NamedTuple
 
-__all__ = ["ProgressBar"]
+__all__ = ["ProgressBar", "SampleRate", "sample_rate", "staleness_text"]
+
+
+class SampleRate(NamedTuple):
+    """Samples per second of a run so far.
+
+    Attributes:
+        run: all its samples over the last row's ``time_s`` (start-up included).
+        recent: over the last ``steps`` steps (the rows' ``time_s`` differences); ``run`` with one row.
+        steps: steps in the recent window (0: one row, no window).
+        step_s: seconds per step over the recent window (the whole run's with one row).
+    """
+
+    run: float
+    recent: float
+    steps: int
+    step_s: float
+
+    def text(self) -> str:
+        """The rate as the bar and the summary print it: the run's, then the recent window's, named."""
+        if not self.steps:
+            return f"{self.run:.1f} samples/s"
+        return f"{self.run:.1f} samples/s (last {self.steps} step{'s' if self.steps > 1 else ''}: {self.recent:.1f})"
+
+
+def sample_rate(rows: Sequence[Mapping[str, Any]], *, window: int = 20, start: int = 0) -> SampleRate:
+    """The run's and the recent rate from metrics rows (each with ``step``, ``samples``, ``time_s``).
+
+    Args:
+        rows: the run's rows so far, in order (at least one).
+        window: steps in the recent window.
+        start: the step the run started after (a resumed run's first row is ``start + 1``).
+    """
+    last = rows[-1]
+    elapsed = max(1e-9, float(last["time_s"]))
+    total = sum(int(r.get("samples", 0)) for r in rows)
+    run = total / elapsed
+    if len(rows) < 2:
+        return SampleRate(run, run, 0, elapsed / max(1, int(last["step"]) - start))
+    first = rows[max(0, len(rows) - 1 - window)]
+    span = max(1e-9, float(last["time_s"]) - float(first["time_s"]))
+    steps = int(last["step"]) - int(first["step"])
+    recent = sum(int(r.get("samples", 0)) for r in rows[max(0, len(rows) - window):]) / span
+    return SampleRate(run, recent, steps, span / max(1, steps))
+
+
+def staleness_text(row: Mapping[str, Any]) -> str:
+    """A row's staleness in the unit of the bound k (trainer steps: batches), against k, and in policy
+    versions too where a batch makes several (``updates`` per batch).
+
+    Example:
+        >>> staleness_text({"staleness": 4, "staleness_batches": 2, "max_staleness": 2})
+        'staleness 2/2 batches (4 versions)'
+        >>> staleness_text({"staleness": 1, "staleness_batches": 1, "max_staleness": 1})
+        'staleness 1/1 batch'
+        >>> staleness_text({"staleness": 3})  # a row without the batch figures (an older file)
+        'staleness 3 versions'
+    """
+    versions = row["staleness"]
+    if "staleness_batches" not in row:
+        return f"staleness {versions} version{'s' if versions != 1 else ''}"
+    batches, k = row["staleness_batches"], row.get("max_staleness", 0)
+    text = f"staleness {batches:g}/{k} batch{'es' if k != 1 else ''}"
+    return text + (f" ({versions} version{'s' if versions != 1 else ''})" if versions != batches else "")
 
 
 class ProgressBar:
-    """Shows step, reward, staleness and samples/s; call it with each metrics row."""
+    """Shows step, reward, staleness in batches against k (``staleness_text``) and samples/s (``sample_rate``);
+    call it with each metrics row."""
 
     def __init__(self, total: int, *, start: int = 0, stream: IO[str] | None = None, width: int = 24, window: int = 20) -> None:
         self.total = total
         self.start = start
         self.stream = stream or sys.stderr
         self.width = width
+        self.window = window
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._t0 = time.perf_counter()
-        self._samples = 0
-        self._recent: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=window + 1)  # (time, samples so far, step)
+        self._rows: list[dict[str, Any]] = []  # each row's step, samples and time_s: what sample_rate reads
         self._every = max(1, (total - start) // 10)
 
     def __call__(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
-        self._samples += int(row.get("samples", 0))
-        now = time.perf_counter()
-        self._recent.append((now, self._samples, step))
-        if len(self._recent) > 1:  # the rate over the recent window
-            t_old, s_old, step_old = self._recent[0]
-            span = max(1e-9, now - t_old)
-            rate, step_s = (self._samples - s_old) / span, span / max(1, step - step_old)
-        else:
-            rate, step_s = self._samples / max(1e-9, now - self._t0), (now - self._t0) / max(1, step - self.start)
+        when = float(row["time_s"]) if "time_s" in row else time.perf_counter() - self._t0  # the rows' clock, else ours
+        self._rows.append({"step": step, "samples": int(row.get("samples", 0)), "time_s": when})
+        rate = sample_rate(self._rows, window=self.window, start=self.start)
         done = (step - self.start) / max(1, self.total - self.start)
-        eta = step_s * (self.total - step)
+        eta = rate.step_s * (self.total - step)
         filled = int(self.width * done)
         bar = "#" * filled + "." * (self.width - filled)
         text = (
             f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] reward {row['reward_mean']:.3f} "
-            f"staleness {row['staleness']} {rate:6.1f} samples/s ETA {eta:4.0f}s"
+            f"{staleness_text(row)} {rate.text()} ETA {eta:4.0f}s"
         )
         for sample in row.get("samples_text", ()):  # --log-samples: above the bar, which is redrawn below
             line = f"  sample: {sample['prompt']!r} -> {sample['completion']!r}  reward {sample['reward']:.3f}"
             self.stream.write(("\r\033[K" if self.tty else "") + line + "\n")
         if self.tty:
-            self.stream.write("\r" + text)
+            self.stream.write("\r\033[K" + text)
             if step >= self.total:
                 self.stream.write("\n")
         elif (step - self.start) % self._every == 0 or step >= self.total:
