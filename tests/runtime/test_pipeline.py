@@ -204,6 +204,7 @@ def test_a_pipeline_step_equals_one_process_and_resumes_on_another_layout(tmp_pa
 
 
 # -- a real run --------------------------------------------------------------------------------------
+@pytest.mark.slow  # ~30 s; the default suite runs a pp policy through the CLI in tests/test_mesh_support.py's walk
 def test_a_run_with_a_pp_policy_publishes_the_whole_models_weights(tmp_path):
     """3 processes: the generator on rank 0, the policy's mesh {"pp": 2} on ranks 1-2 (two updates per
     batch), the default weight edge (collective). Every step at k = 0, and after the last sync the

@@ -240,7 +240,8 @@ TP2 = {"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"tp": 2}}}
 DP2_TP2 = {"gen": [0], "policy": {"ranks": [0, 1, 2, 3], "mesh": {"dp": 2, "tp": 2}}}  # FSDP2 over dp (fsdp_graph's sharding), the generator colocated
 
 
-@pytest.mark.parametrize(("transport", "place"), [("inprocess", TP2), pytest.param("file", TP2, marks=pytest.mark.slow),
+# ~20 s each; the default suite runs a tp policy (beside a tp generator) through the CLI in tests/test_mesh_support.py's walk
+@pytest.mark.parametrize(("transport", "place"), [pytest.param("inprocess", TP2, marks=pytest.mark.slow), pytest.param("file", TP2, marks=pytest.mark.slow),
                                                   pytest.param("inprocess", DP2_TP2, marks=pytest.mark.slow)], ids=["tp2", "tp2-file", "dp2-tp2"])
 def test_a_tp_policy_trains_through_the_cli_and_its_generator_holds_its_weights(tmp_path, transport, place):
     """The generator on rank 0, the policy on ranks 1-2 with the mesh {"tp": 2} (or on ranks 0-3 with
