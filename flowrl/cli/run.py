@@ -489,6 +489,9 @@ def _what_is_kept(args: argparse.Namespace) -> str:
             found = latest_checkpoint(args.checkpoint_dir)
         except Exception:  # noqa: BLE001 - a note must not hide the failure
             found = None
-        if found is not None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + 1
+        if found is not None and args.resume == "auto" and restart <= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0):
+            notes.append(f"the last complete checkpoint is {found}: torchrun's restart {restart} continues from it (--resume auto)")
+        elif found is not None:
             notes.append(f"the last complete checkpoint is {found}: fix the cause and rerun with --resume")
     return ("\n" + "; ".join(notes)) if notes else ""
