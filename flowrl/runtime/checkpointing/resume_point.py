@@ -47,17 +47,22 @@ class ResumePoint(msgspec.Struct, frozen=True):
     skipped: tuple[tuple[str, str], ...] = ()
 
 
+class _Files(msgspec.Struct):
+    """The part of a checkpoint's ``store.CheckpointMeta`` a completeness check reads: its state files."""
+
+    files: dict[str, str]
+
+
 def incomplete(path: Path) -> str | None:
     """Why the ``step-*`` directory ``path`` is not a whole checkpoint, or None when it is."""
     from flowrl.runtime.checkpointing.sharded_index import read_info, written
-    from flowrl.runtime.checkpointing.store import CheckpointMeta
 
     if not path.is_dir():
         return "it does not exist"
     if not (path / "meta.json").is_file():
         return "no meta.json: its save did not finish"
     try:
-        meta = msgspec.json.decode((path / "meta.json").read_bytes(), type=CheckpointMeta)
+        meta = msgspec.json.decode((path / "meta.json").read_bytes(), type=_Files)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         return None  # not an interrupted save: read_meta refuses it, naming the file
     for name in meta.files.values():
