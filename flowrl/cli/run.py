@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from flowrl.graph.ir import Graph
     from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
@@ -270,17 +272,16 @@ def _restart_warnings(config: RunConfig) -> list[str]:
     said = f"torchrun restarts this job up to {restarts} times (--max-restarts {restarts}), but"
     if not config.checkpoint_dir:
         return [f"{said} it writes no checkpoints: a restart begins from step 0; add --checkpoint-dir DIR --checkpoint-every N --resume auto"]
-    if config.resume != "auto":
-        what = ("--resume refuses a first start into a directory without a checkpoint" if config.resume
-                else "a restart is refused, the directory then holding this run's checkpoints")
-        return [f"{said} {what}; use --resume auto (continue when there is a checkpoint, start fresh otherwise)"]
+    if not config.resume:  # (--resume: this start found a checkpoint, so every restart will)
+        return [f"{said} a restart is refused, the directory then holding this run's checkpoints; "
+                "use --resume auto (continue when there is a checkpoint, start fresh otherwise)"]
     if not config.checkpoint_every:
         return [f"{said} it checkpoints only at the end (no --checkpoint-every): a restart begins from step 0; add --checkpoint-every N"]
     return []
 
 
 @contextlib.contextmanager
-def _checkpoint_directory(args: argparse.Namespace) -> Iterator[object]:
+def _checkpoint_directory(args: argparse.Namespace) -> Iterator[Path | None]:
     """Check and lock ``--checkpoint-dir`` for the whole run (nothing to do without one); yields the
     checkpoint the run resumes from (None: a fresh run)."""
     if not args.checkpoint_dir:
