@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from flowrl.graph.ir import Graph
     from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
@@ -28,6 +30,8 @@ examples:
                                                score the policy every 10 steps on held-out rows (eval/... keys)
   flowrl run --checkpoint-dir ck --checkpoint-every 10     then, after a stop: add --resume
                                                (a directory that holds checkpoints needs --resume or --overwrite-checkpoints)
+  torchrun --max-restarts 3 --nproc-per-node 3 -m flowrl run --backend torchrun --checkpoint-dir ck --checkpoint-every 10 --resume auto
+                                               restarted after a rank fails, the job continues from its newest checkpoint
   flowrl run --backend process                 one OS process per executor, weights over shared memory
   flowrl run --synthetic --option gen_s=0.2 --option train_s=0.3
                                                the runtime alone, operators replaced by sleeps
@@ -95,7 +99,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                    help="how many of the newest checkpoints stay in --checkpoint-dir; older ones are deleted (default: 3)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (which must hold one)")
+    p.add_argument(
+        "--resume", nargs="?", const=True, default=False, metavar="auto",
+        help="continue from the newest complete checkpoint in --checkpoint-dir (which must hold one); --resume auto: "
+        "continue when it holds one, start fresh when it holds none (the command for a job that torchrun --max-restarts restarts)",
+    )
     p.add_argument(
         "--overwrite-checkpoints",
         action="store_true",
@@ -139,6 +147,7 @@ def _run_here(args: argparse.Namespace) -> int:
     from flowrl.runtime.run import run_graph
     from flowrl.runtime.synthetic import synthetic_programs
 
+    _resume_value(args)
     graph = load_graph(args.graph)
     if args.steps is None:
         from flowrl.examples import default_steps
@@ -226,25 +235,70 @@ def _run_here(args: argparse.Namespace) -> int:
 
         check_fits_in_memory(graph, skip=frozenset(config.programs), graph_arg=_graph_arg(args))
     if backend_traits(args.backend).ranks and os.environ.get("RANK", "0") != "0":
+        # a worker rank: rank 0 reports and owns the checkpoint directory; whether and from which
+        # checkpoint the run resumes is rank 0's decision alone (the `load` it sends names the path)
         run_graph(graph, placement, config)
-        return 0  # a worker rank: rank 0 reports (and owns the checkpoint directory)
-    with _checkpoint_directory(args):
+        return 0
+    for line in _restart_warnings(config):
+        print(f"flowrl run: warning: {line}", file=sys.stderr)
+    if (restart := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)) > 0:
+        print(f"flowrl run: torchrun restart {restart} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}", file=sys.stderr)
+    with _checkpoint_directory(args) as found:
+        if config.resume == "auto":  # decided once, here, under the directory's lock
+            config = msgspec.structs.replace(config, resume=found is not None)
         return _train(args, graph, placement, config)
 
 
+def _resume_value(args: argparse.Namespace) -> None:
+    """``--resume`` alone is True, ``--resume auto`` is "auto"; ``--resume GRAPH`` (argparse took the
+    graph for the flag's value) is ``--resume`` before the graph."""
+    from flowrl.errors import ConfigError
+
+    if args.resume in (True, False, "auto"):
+        return
+    if args.graph is None:
+        args.graph, args.resume = args.resume, True
+        return
+    raise ConfigError(f"--resume {args.resume}: --resume takes no value (continue; the directory must hold a checkpoint) or 'auto' "
+                      "(continue when it holds one, start fresh when it holds none)")
+
+
+def _restart_warnings(config: RunConfig) -> list[str]:
+    """What a torchrun restart of this job would not do (torchrun's elastic agent exports ``--max-restarts``
+    to its workers as ``TORCHELASTIC_MAX_RESTARTS``): continue without checkpoints, or start at all."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts < 1:
+        return []
+    said = f"torchrun restarts this job up to {restarts} times (--max-restarts {restarts}), but"
+    if not config.checkpoint_dir:
+        return [f"{said} it writes no checkpoints: a restart begins from step 0; add --checkpoint-dir DIR --checkpoint-every N --resume auto"]
+    if not config.resume:  # (--resume: this start found a checkpoint, so every restart will)
+        return [f"{said} a restart is refused, the directory then holding this run's checkpoints; "
+                "use --resume auto (continue when there is a checkpoint, start fresh otherwise)"]
+    if not config.checkpoint_every:
+        return [f"{said} it checkpoints only at the end (no --checkpoint-every): a restart begins from step 0; add --checkpoint-every N"]
+    return []
+
+
 @contextlib.contextmanager
-def _checkpoint_directory(args: argparse.Namespace) -> Iterator[None]:
-    """Check and lock ``--checkpoint-dir`` for the whole run (nothing to do without one)."""
+def _checkpoint_directory(args: argparse.Namespace) -> Iterator[Path | None]:
+    """Check and lock ``--checkpoint-dir`` for the whole run (nothing to do without one); yields the
+    checkpoint the run resumes from (None: a fresh run)."""
     if not args.checkpoint_dir:
-        yield
+        yield None
         return
     from flowrl.runtime.checkpointing.store import lock_directory, prepare_directory
 
-    with lock_directory(args.checkpoint_dir, create=not args.resume):  # first: a concurrent run is refused at once
-        found = prepare_directory(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite_checkpoints)
+    def say(line: str) -> None:
+        print(f"flowrl run: {line}", file=sys.stderr)
+
+    with lock_directory(args.checkpoint_dir, create=args.resume is not True):  # first: a concurrent run is refused at once
+        found = prepare_directory(args.checkpoint_dir, resume=args.resume, overwrite=args.overwrite_checkpoints, report=say)
         if found is not None:
             print(f"resuming from {found}", file=sys.stderr)
-        yield
+        elif args.resume == "auto":
+            say(f"--resume auto: {args.checkpoint_dir} holds no complete checkpoint; starting fresh")
+        yield found
 
 
 def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, config: RunConfig) -> int:
@@ -436,6 +490,9 @@ def _what_is_kept(args: argparse.Namespace) -> str:
             found = latest_checkpoint(args.checkpoint_dir)
         except Exception:  # noqa: BLE001 - a note must not hide the failure
             found = None
-        if found is not None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + 1
+        if found is not None and args.resume == "auto" and restart <= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0):
+            notes.append(f"the last complete checkpoint is {found}: torchrun's restart {restart} continues from it (--resume auto)")
+        elif found is not None:
             notes.append(f"the last complete checkpoint is {found}: fix the cause and rerun with --resume")
     return ("\n" + "; ".join(notes)) if notes else ""

@@ -31,7 +31,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         checkpoint_dir: where checkpoints go; checkpoint_every: every N steps (0: only at the end).
         keep_checkpoints: how many of the newest checkpoints stay in ``checkpoint_dir`` (>= 1);
             older ones are deleted as each new one is committed.
-        resume: continue from the newest checkpoint in ``checkpoint_dir``.
+        resume: continue from the newest complete checkpoint in ``checkpoint_dir`` (True: there must
+            be one, the CLI checks); ``"auto"``: continue from it when there is one and start fresh
+            when there is none, the same setting for a job's first start and every restart
+            (``torchrun --max-restarts``); False: a fresh run.
         programs: node -> ``module:qualname`` program factory replacing the built-in one.
         options: settings passed to those programs (``ProgramEnv.options``).
         channel_capacity: messages per data edge; 0 picks ``max_staleness + 1``.
@@ -67,7 +70,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
-    resume: bool = False
+    resume: bool | Literal["auto"] = False
     programs: dict[str, str] = {}
     options: dict[str, Any] = {}
     channel_capacity: int = 0
@@ -95,6 +98,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError(
                 f"keep_checkpoints={self.keep_checkpoints} must be >= 1 (the newest checkpoint, the one LATEST names, always stays)"
             )
+        if not isinstance(self.resume, bool) and self.resume != "auto":
+            raise ConfigError(f"resume={self.resume!r}: one of True (continue), 'auto' (continue if there is a checkpoint, else start fresh) or False")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ConfigError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir DIR)")
         if self.channel_capacity < 0:

@@ -120,3 +120,34 @@ def test_a_prune_killed_halfway_leaves_no_step_directory_that_looks_complete(tmp
         meta = msgspec.json.decode((step / "meta.json").read_bytes(), type=CheckpointMeta)
         assert all((step / f).is_file() for f in meta.files.values()), f"{step.name} looks complete but is not"
     assert (tmp_path / "LATEST").read_text() == "step-00000002"
+
+
+def test_resume_auto_starts_fresh_on_nothing_and_continues_on_a_checkpoint(tmp_path):
+    """``--resume auto``: None (a fresh run) where ``--resume`` is refused, the checkpoint where it is not."""
+    assert prepare_directory(tmp_path / "missing", resume="auto", overwrite=False) is None
+    assert prepare_directory(tmp_path, resume="auto", overwrite=False) is None
+    _checkpoint(tmp_path, 20)
+    assert prepare_directory(tmp_path, resume="auto", overwrite=False) == tmp_path / "step-00000020"
+    with pytest.raises(CheckpointError, match=re.escape("--resume auto continues the checkpoints in --checkpoint-dir, --overwrite-checkpoints deletes them")):
+        prepare_directory(tmp_path, resume="auto", overwrite=True)
+    assert holds_checkpoints(tmp_path)
+
+
+@pytest.mark.parametrize("resume", [True, "auto"])
+def test_a_resume_passes_over_an_unfinished_checkpoint_and_says_so(tmp_path, resume):
+    _checkpoint(tmp_path, 4)
+    (tmp_path / "step-00000008").mkdir()  # renamed into place without its meta.json (not flowrl's writer)
+    (tmp_path / "LATEST").write_text("step-00000008")
+    lines: list[str] = []
+    assert prepare_directory(tmp_path, resume=resume, overwrite=False, report=lines.append) == tmp_path / "step-00000004"
+    assert lines == [f"skipping {tmp_path / 'step-00000008'} (no meta.json: its save did not finish); resuming from step-00000004, the newest complete one"]
+
+
+def test_resume_with_only_unfinished_checkpoints_is_refused_and_auto_starts_fresh(tmp_path):
+    (tmp_path / "step-00000002").mkdir()
+    (tmp_path / "LATEST").write_text("step-00000002")
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        prepare_directory(tmp_path, resume=True, overwrite=False)
+    lines: list[str] = []
+    assert prepare_directory(tmp_path, resume="auto", overwrite=False, report=lines.append) is None
+    assert lines == [f"skipping {tmp_path / 'step-00000002'} (no meta.json: its save did not finish); no complete checkpoint is left"]

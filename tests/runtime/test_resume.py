@@ -84,7 +84,7 @@ class _StopAt(Exception):
     """Raised from ``on_step`` to stop a run mid-way, as a crash of the trainer would."""
 
 
-def _real_run(backend: str, steps: int, workdir, *, resume: bool = False, stop_at: int | None = None):
+def _real_run(backend: str, steps: int, workdir, *, resume: bool | str = False, stop_at: int | None = None):
     """The default example with its real operators (synchronous, so its weights are reproducible bit for
     bit), checkpointing every 2 steps; stopped by a failure after step ``stop_at`` if given."""
     from flowrl.examples import build_example
@@ -162,3 +162,23 @@ def test_a_checkpoint_from_before_a_new_config_field_resumes(graph_k, tmp_path):
     g2 = graph_k(2)
     with pytest.raises(CheckpointError, match="different definition"):
         run_graph(g2, synthetic_config(g2, steps=6, checkpoint_dir=str(tmp_path), resume=True))
+
+
+def test_real_run_with_resume_auto_starts_fresh_then_continues_bit_for_bit(uninterrupted, tmp_path):
+    """``resume="auto"``, the same config for a first start and a restart: into an empty directory a
+    fresh run (stopped after step 5), then from its checkpoint of step 4 to the end, with the rows'
+    prompts and the final weights of an uninterrupted run."""
+    import torch
+
+    from tests.reliability.killresume import check_run
+
+    want, weights = uninterrupted
+    with pytest.raises(NodeExecutionError, match="stopped by the test"):
+        _real_run("local", 6, tmp_path, resume="auto", stop_at=5)
+    assert (tmp_path / "ck" / "LATEST").read_text() == "step-00000004"
+    resumed = _real_run("local", 6, tmp_path, resume="auto")
+    assert [r["step"] for r in resumed.rows] == [5, 6]
+    problems: list[str] = []
+    assert check_run(tmp_path / "m.jsonl", want, 0, problems) == (0, 0) and not problems, problems
+    got = _final_weights(resumed)
+    assert all(torch.equal(got[name], weights[name]) for name in weights), "the resumed run's final weights differ"

@@ -52,6 +52,13 @@ Timeouts (a failure stops the whole job in bounded time; nothing waits forever):
   way the controller fails the run naming the node and the rank, closes every socket (each worker's
   ``serve`` then returns) and rank 0 exits 1; torchrun then stops any rank still running.
 - ``RunConfig.stall_timeout_s``: the controller fails the run if no executor finishes a step for that long.
+
+Restarts (``torchrun --max-restarts N``): torchrun's agent restarts every rank with the same command
+after one fails. Each attempt's process group keeps its keys apart in the agent's store
+(``_attempt_store``). The checkpoint directory is rank 0's alone: whether and from which checkpoint
+the run resumes (``--resume auto``: the newest complete one, or a fresh start when there is none) is
+decided once, there, under the directory's lock, and the other ranks load what rank 0's ``load``
+requests name; no worker reads the directory, so no two ranks can decide differently.
 """
 
 from __future__ import annotations
@@ -217,6 +224,25 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
+def _attempt_store(rank: int, world: int) -> dict[str, Any]:
+    """``init_process_group``'s store for this attempt of a job that torchrun's elastic agent restarts.
+
+    The agent hosts one store for every attempt (``TORCHELASTIC_USE_AGENT_STORE``), so the keys of the
+    attempt before a restart are still there: gloo's rendezvous and ``_STORE_KEY`` would read the dead
+    ranks' addresses whenever one rank reaches them before another has written its own (seen: a
+    restarted job failing with "Gloo connectFullMesh failed ... Connection refused"). Each attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gets keys of its own. Outside such an agent: torchrun's default.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"flowrl/attempt-{attempt}", store), "rank": rank, "world_size": world}
+
+
 def _one_host() -> bool:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "-1")) == int(os.environ.get("WORLD_SIZE", "-2"))
 
@@ -336,7 +362,7 @@ def run_torchrun(
     set_context(ctx)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S), **_attempt_store(rank, world))
     edges = _edge_options(graph, ctx, axes)
     ok = False
     try:

@@ -12,7 +12,7 @@ The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belon
   trainer consumed already (``delivered_ahead``: a resumed run skips them, so every prompt is
   delivered exactly once). A
   failure removes the staging folder and names the previous checkpoint, which stays intact.
-- :func:`restore_run_checkpoint`: loads the newest checkpoint into the programs (each policy
+- :func:`restore_run_checkpoint`: loads the newest complete checkpoint into the programs (each policy
   its state; each source seeks to the data position), or returns None when there is none.
 """
 
@@ -27,7 +27,8 @@ import msgspec
 
 from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
-from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter, graph_fingerprint, latest_checkpoint, read_meta, state_file
+from flowrl.runtime.checkpointing.resume_point import resume_point
+from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter, graph_fingerprint, read_meta, state_file
 from flowrl.runtime.programs import NodeProgram
 
 __all__ = ["Restored", "save_run_checkpoint", "restore_run_checkpoint"]
@@ -90,7 +91,9 @@ def save_run_checkpoint(
 
 
 def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, NodeProgram], *, steps: int) -> Restored | None:
-    """Load the newest checkpoint in ``directory`` into ``programs``; None when there is none (a fresh run).
+    """Load the newest complete checkpoint in ``directory`` (``resume_point.resume_point``: LATEST's, or
+    the newest whole one below it when LATEST's save was interrupted) into ``programs``; None when there
+    is none (a fresh run).
 
     The checkpoint's version counts optimizer steps; the run's ``steps`` count batches, each
     ``graph.updates_per_batch()`` versions.
@@ -99,7 +102,7 @@ def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, 
         CheckpointError: the checkpoint holds a node this graph lacks, a file cannot be loaded, or it
             is already at ``steps``.
     """
-    path = latest_checkpoint(directory)
+    path = resume_point(directory).path
     if path is None:
         return None
     meta = read_meta(path, graph)

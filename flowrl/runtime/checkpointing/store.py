@@ -28,9 +28,9 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -273,45 +273,68 @@ def holds_checkpoints(directory: str | os.PathLike[str]) -> bool:
     return (d / "LATEST").exists() or any(p.is_dir() for p in d.glob("step-*"))
 
 
-def prepare_directory(directory: str | os.PathLike[str], *, resume: bool, overwrite: bool) -> Path | None:
+def prepare_directory(
+    directory: str | os.PathLike[str],
+    *,
+    resume: bool | Literal["auto"],
+    overwrite: bool,
+    report: Callable[[str], None] | None = None,
+) -> Path | None:
     """Check what a run may do with ``directory`` before it starts; returns the checkpoint to resume from.
 
-    Call it holding the directory's lock (``lock_directory``): with ``overwrite`` it deletes.
+    Call it holding the directory's lock (``lock_directory``): with ``overwrite`` it deletes, and the
+    decision it returns holds only while nothing else writes there.
 
     Args:
         directory: the checkpoint directory.
-        resume: continue from its newest checkpoint (which must exist).
+        resume: True: continue from its newest complete checkpoint (which must exist); ``"auto"``:
+            continue from it when there is one, start fresh when there is none (a job that torchrun
+            restarts runs the same command every time); False: a fresh run.
         overwrite: start over: delete the checkpoints it holds (``step-*``, ``LATEST``) first.
+        report: called with a line for each incomplete checkpoint or interrupted save a resume passes
+            over (``resume_point.ResumePoint.skipped``).
 
     Returns:
         The checkpoint to resume from, or None for a fresh run.
 
     Raises:
-        CheckpointError: resuming from a directory with no checkpoint, a fresh run into a directory
-            that holds checkpoints without ``overwrite``, or both flags at once.
+        CheckpointError: resuming (True) from a directory with no complete checkpoint, a fresh run
+            into a directory that holds checkpoints without ``overwrite``, or resuming and
+            ``overwrite`` at once.
     """
+    from flowrl.runtime.checkpointing.resume_point import resume_point
+
     d = Path(directory)
+    flag = "--resume auto" if resume == "auto" else "--resume"
     if resume and overwrite:
-        raise CheckpointError("--resume continues the checkpoints in --checkpoint-dir, --overwrite-checkpoints deletes them; pick one")
+        raise CheckpointError(f"{flag} continues the checkpoints in --checkpoint-dir, --overwrite-checkpoints deletes them; pick one")
     if resume:
-        found = latest_checkpoint(d) if d.is_dir() else None
-        if found is None:
-            where = "does not exist" if not d.exists() else "holds no checkpoint (no LATEST file)"
-            raise CheckpointError(
-                f"--resume: checkpoint directory {str(directory)!r} {where}; check the path, or drop --resume to start a fresh run"
-            )
-        return found
+        point = resume_point(d)
+        for name, why in point.skipped if report is not None else ():
+            report(f"skipping {d / name} ({why}); {_resumes_from(point.path)}")
+        if point.path is not None or resume == "auto":
+            return point.path
+        where = "does not exist" if not d.exists() else "holds no complete checkpoint"
+        raise CheckpointError(
+            f"--resume: checkpoint directory {str(directory)!r} {where}; check the path, or drop --resume to start a fresh run "
+            "(--resume auto continues when there is a checkpoint and starts fresh when there is none)"
+        )
     if holds_checkpoints(d) and not overwrite:
         newest = latest_checkpoint(d) if (d / "LATEST").exists() else None
         what = f"the checkpoints of an earlier run (newest {newest.name})" if newest else "checkpoints of an earlier run"
         raise CheckpointError(
             f"checkpoint directory {str(directory)!r} holds {what}; a fresh run would overwrite them. "
             "Add --resume to continue that run, or --overwrite-checkpoints to delete them and start over "
-            "(or choose another --checkpoint-dir)"
+            "(or choose another --checkpoint-dir); a command that must work on a first start and on a restart "
+            "(torchrun --max-restarts) takes --resume auto"
         )
     if overwrite:
         _delete_checkpoints(d)
     return None
+
+
+def _resumes_from(path: Path | None) -> str:
+    return f"resuming from {path.name}, the newest complete one" if path is not None else "no complete checkpoint is left"
 
 
 def _delete_checkpoints(directory: Path) -> None:
