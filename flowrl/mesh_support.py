@@ -33,12 +33,13 @@ What is true today (checked in the code, ``flowrl.runtime.backends``):
   no ``pp``. A policy runs ``dp`` (``DataParallelPolicy`` replicas or ``ShardedPolicy``, FSDP2), ``tp``
   (``TensorParallelPolicy``: DTensor shards, with FSDP2 over ``dp`` on a 2-D mesh) and ``pp``
   (``PipelinePolicy``: stages x ``dp`` replicas). A frozen reference runs ``tp``
-  (``TensorParallelReference``). Critics and reward models have no rank program: the lead rank would
-  run the one-process program while the others idle, so their meshes of several ranks are refused.
+  (``TensorParallelReference``), a critic ``tp`` (``TensorParallelCritic``). Reward models have no rank
+  program, nor do critics and references over ``dp`` or ``pp``: the lead rank would run the
+  one-process program while the others idle, so those meshes are refused.
 - Some axes run only in some combinations or with some node settings (``COMBINATIONS``, keyed by the
   same variant and backend, read with the node's ``node_facts``): a policy's ``pp`` beside ``tp``, its
   ``tp`` beside ``dp`` without FSDP2, ``pp`` with FSDP2, LoRA or ``packing=True``, ``tp`` with LoRA
-  dropout, a syncing reference's ``tp``. ``refusal`` refuses them by name and the planner skips them
+  dropout, a syncing reference's ``tp``, a LoRA critic's ``tp``. ``refusal`` refuses them by name and the planner skips them
   (``allowed``).
 - ``local`` / ``process``: one program per node in one process; its devices are the cores its
   intra-op threads run on (CPU), or on CUDA its first GPU (``executor_placement.node_devices``): a
@@ -46,12 +47,12 @@ What is true today (checked in the code, ``flowrl.runtime.backends``):
   ``tp`` and ``pp`` are never split.
 
 Example:
-    >>> mesh_support("critic", "tp", "torchrun").runs, mesh_support("generator", "tp", "torchrun", engine="vllm").runs
-    (False, True)
+    >>> mesh_support("critic", "tp", "torchrun").runs, mesh_support("reward_model", "tp", "torchrun").runs
+    (True, False)
     >>> sorted(runnable_axes("policy", "torchrun")), sorted(runnable_axes("reference", "mine", device="cpu"))
     (['dp', 'pp', 'tp'], ['dp'])
     >>> print(refusal("critic", "critic", {"dp": 2}, "torchrun", devices=(1, 2)))
-    critic 'critic' has dp=2 on its mesh {"dp": 2}, but a critic's program on torchrun runs on one rank only: it would run one copy on its lead rank 1 while ranks [2] idle (this kind has no program over several ranks), without a word; place it on one rank (e.g. [1])
+    critic 'critic' has dp=2 on its mesh {"dp": 2}, but a critic's program on torchrun runs only tp over several ranks: it would run one copy on its lead rank 1 while ranks [2] idle (a critic's program over several ranks splits tp only), without a word; place it on one rank (e.g. [1])
     >>> print(refusal("policy", "policy", {"dp": 2, "tp": 2}, "torchrun", devices=(1, 2, 3, 4)))
     policy 'policy' has dp=2 and tp=2 on its mesh {"dp": 2, "tp": 2}, but dp beside tp runs only as FSDP2 over dp on the 2-D mesh: set sharding='fsdp' on the policy, or give it a mesh of tp only
     >>> allowed("policy", "torchrun", {"dp": 2, "tp": 2}, facts=frozenset({"fsdp"}))
@@ -128,9 +129,9 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
     ("reference", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("reference", "torchrun", "tp"): AxisRun(runs=True, how="one frozen reference split over {size} tensor-parallel ranks (TensorParallelReference)"),
     ("reference", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
-    ("critic", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
-    ("critic", "torchrun", "tp"): AxisRun(runs=False, how=_LEAD_ONLY),
-    ("critic", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
+    ("critic", "torchrun", "dp"): AxisRun(runs=False, how="one copy on its lead rank {first} while ranks {idle} idle (a critic's program over several ranks splits tp only)"),
+    ("critic", "torchrun", "tp"): AxisRun(runs=True, how="one critic split over {size} tensor-parallel ranks, its value head whole (TensorParallelCritic)"),
+    ("critic", "torchrun", "pp"): AxisRun(runs=False, how="one copy on its lead rank {first} while ranks {idle} idle (a critic's program over several ranks splits tp only)"),
     ("reward_model", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("reward_model", "torchrun", "tp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("reward_model", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
@@ -166,7 +167,7 @@ class Combination(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 #: (variant, backend) -> the combinations its program refuses (checked by each program again at launch:
-#: ``runtime.parallel.tp_train.check_tp_policy`` / ``check_tp_reference``, ``runtime.parallel.pipeline.check_pipeline``).
+#: ``runtime.parallel.tp_train.check_tp_policy`` / ``check_tp_reference`` / ``check_tp_critic``, ``runtime.parallel.pipeline.check_pipeline``).
 COMBINATIONS: dict[tuple[str, str], tuple[Combination, ...]] = {
     ("policy", "torchrun"): (
         Combination(axes=frozenset({"pp", "tp"}), why="a policy's pipeline stages do not split their layers over tp (pp x tp is not built): give it pp or tp, not both"),
@@ -178,6 +179,9 @@ COMBINATIONS: dict[tuple[str, str], tuple[Combination, ...]] = {
     ),
     ("reference", "torchrun"): (
         Combination(axes=frozenset({"tp"}), when=frozenset({"syncing"}), why="a reference mixed with the policy every sync_steps is not split over tp: leave sync_steps unset (a frozen reference), or place it on one rank"),
+    ),
+    ("critic", "torchrun"): (
+        Combination(axes=frozenset({"tp"}), when=frozenset({"lora"}), why="a LoRA critic is not split over tp: give it a model without lora, or place it on one rank"),
     ),
 }
 
@@ -313,6 +317,13 @@ def refusal(
 
 
 def one_device(kind: str, backend: str, *, engine: str | None = None, device: str | None = None) -> bool:
-    """Whether a node of ``kind`` runs no axis over several devices on ``backend`` (``device``): a default
-    placement gives it one device (its first) rather than a mesh it would not run."""
-    return not runnable_axes(kind, backend, engine=engine, device=device)
+    """Whether a node of ``kind`` does not run ``dp`` over several devices on ``backend`` (``device``): a
+    default placement (a ``dp`` mesh over the node's devices) gives it one device (its first) rather than
+    a mesh it would not run. A kind that runs only ``tp`` (a reference, a critic under torchrun) runs
+    on several ranks when a placement names its ``tp`` axis.
+
+    Example:
+        >>> one_device("critic", "torchrun"), one_device("policy", "torchrun")
+        (True, False)
+    """
+    return "dp" not in runnable_axes(kind, backend, engine=engine, device=device)

@@ -160,6 +160,7 @@ class Critic:
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         opt = node.optimizer
         self.optimizer = torch.optim.AdamW(list(self.trainable.values()), lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay)
+        self.clip_grad_norm = torch.nn.utils.clip_grad_norm_  # (params, max_norm) -> norm; a tensor-parallel critic counts shards once
         self.version = 0
 
     def _values(self, part: Mapping[str, Tensor]) -> Tensor:
@@ -222,7 +223,7 @@ class Critic:
                     loss.backward()
                 loss_sum += float(loss.detach())
                 clip_sum += m["critic/clip_frac"] * float(part["completion_mask"].sum())
-            norm = float(torch.nn.utils.clip_grad_norm_(list(self.trainable.values()), opt.grad_clip or float("inf")))
+            norm = float(self.clip_grad_norm(list(self.trainable.values()), opt.grad_clip or float("inf")))
             self.optimizer.step()
             self.version += 1
             losses.append(loss_sum)

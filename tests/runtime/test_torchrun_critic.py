@@ -1,8 +1,8 @@
 """A critic under the torchrun backend (issue 35): it runs on one rank, as in one process.
 
-A critic has no rank program (no entry in ``rank_programs.RANK_PROGRAMS``): its program runs on one
-rank, so a mesh of several ranks is refused before any work (``flowrl.mesh_support``: it would run
-on the lead while the others idle). By default: that refusal, on every rank's path (``run_graph``).
+A critic's rank program splits a ``tp`` axis only (``rank_programs.critic_ranks``, ``tp_critic``;
+``tests/runtime/test_tp_critic.py``), so a ``dp`` mesh is refused before any work (``flowrl.mesh_support``:
+it would run on the lead while the others idle). By default: that refusal, on every rank's path (``run_graph``).
 ``--runslow`` (a torchrun job is ~20 s on 2 cores): ``llamarl_ppo`` under torchrun with the critic on
 its own rank gives the local backend's metrics rows with the same seed, k = 0: the same tokens and
 rewards exactly, every float metric within float32 rounding.

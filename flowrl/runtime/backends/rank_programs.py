@@ -11,7 +11,8 @@ its kind's entry in ``RANK_PROGRAMS``:
 - a generator: ``ParallelGenerator``, replicas that split each batch of prompts, each replica a
   tensor-parallel group when its mesh has a ``tp`` axis of size > 1 (see ``flowrl.runtime.parallel.tensor_parallel``);
 - a reference: tensor-parallel with a ``tp`` mesh axis > 1 (``tp_reference``);
-- anything else (a critic, a reward model): one rank only; a mesh of several is refused
+- a critic: tensor-parallel with a ``tp`` mesh axis > 1 (``tp_critic``; any other axis refused);
+- anything else (a reward model): one rank only; a mesh of several is refused
   before any work (``flowrl.mesh_support``, ``preflight.check_meshes``); a user or synthetic program
   (``RunConfig.programs``) on several ranks runs on the lead rank while the others idle.
 
@@ -549,8 +550,18 @@ def reference_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: Share
     return build_program(graph, node.name, env, transports) if _context().rank == ranks[0] else _Idle()
 
 
+def critic_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
+    """A critic's entry in ``RANK_PROGRAMS``: tensor-parallel over its ``tp`` axis (``tp_critic``); a mesh
+    with any other axis > 1 is refused there by name (``tp_critic.check_tp_critic``)."""
+    from flowrl.runtime.backends.tp_critic import TensorParallelCritic
+
+    return TensorParallelCritic(node, graph, device=env.device_of(node.name), group=group, ranks=ranks, mesh=mesh)  # type: ignore[arg-type]
+
+
 #: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,
 #: group, ranks, mesh) -> program``, built on every rank of its mesh; a kind not here runs its own
 #: program (``flowrl.runtime.program_table.PROGRAMS``) on one rank (``flowrl.mesh_support`` says which axes
 #: each kind runs; ``tests/test_mesh_support.py`` checks the two agree).
-RANK_PROGRAMS: dict[str, Callable[..., Any]] = {"generator": ParallelGenerator, "policy": policy_ranks, "reference": reference_ranks}
+RANK_PROGRAMS: dict[str, Callable[..., Any]] = {
+    "generator": ParallelGenerator, "policy": policy_ranks, "reference": reference_ranks, "critic": critic_ranks,
+}

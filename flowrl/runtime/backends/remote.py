@@ -73,17 +73,19 @@ class Link(Protocol):
 class RemoteProgram:
     """A node program served by peers elsewhere; the controller's executor thread calls it like a local one."""
 
-    def __init__(self, node: str, link: Link, *, save_on_every_peer: bool = False) -> None:
+    def __init__(self, node: str, link: Link, *, save_on_every_peer: bool = False, one_file: bool = False) -> None:
         self.node = node
         self.link = link
         self.save_on_every_peer = save_on_every_peer  # an FSDP policy: every rank writes its shards
+        self.one_file = one_file  # with save_on_every_peer: every peer takes part in gathering one file (a tensor-parallel critic)
         self._lock = threading.Lock()
 
     @property
     def sharded_state(self) -> bool:
         """Whether ``save`` writes a sharded state (a directory of every peer's shards,
-        ``flowrl.runtime.checkpointing.sharded_state``) rather than one file: a program whose peers hold shards."""
-        return self.save_on_every_peer
+        ``flowrl.runtime.checkpointing.sharded_state``) rather than one file: a program whose peers hold
+        shards, unless they gather them into one file (``one_file``)."""
+        return self.save_on_every_peer and not self.one_file
 
     def _send(self, header: dict[str, Any], tensors: Batch | None, peers: tuple[int, ...]) -> None:
         lead = self.link.peers[0]

@@ -349,7 +349,7 @@ def run_torchrun(
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
     pipelined = frozenset(n for n, _ in pipeline_policies(graph, axes, skip=config.programs))  # take the hop (weight_routes)
     check_pipeline(graph, axes, skip=config.programs)
-    check_tp_meshes(graph, axes, skip=config.programs)  # a tensor-parallel policy's tp against its heads and widths
+    check_tp_meshes(graph, axes, skip=config.programs)  # a tensor-parallel policy's, reference's or critic's tp against its heads and widths
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else host_memory_bytes()
     check_ranks_fit(graph, ranks, device=device.type, memory_bytes=memory, skip=frozenset(config.programs),
@@ -512,8 +512,12 @@ def _control(
         sharded |= {n.name for n, _ in pipeline_policies(graph, _axes(placement), skip=config.programs)}  # each stage writes its own
         sharded |= {n for n, (names, shape) in _axes(placement).items() if dict(zip(names, shape)).get("tp", 1) > 1
                     and graph.node(n).kind == "policy" and n not in config.programs}  # a tensor-parallel policy (tp_policy)
+        gathers = {n for n, (names, shape) in _axes(placement).items() if dict(zip(names, shape)).get("tp", 1) > 1
+                   and graph.node(n).kind == "critic" and n not in config.programs}  # a tensor-parallel critic (tp_critic)
         for node, rs in ctx.ranks.items():
-            node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}), save_on_every_peer=node in sharded and len(rs) > 1)
+            gathered = node in gathers and len(rs) > 1  # every rank takes part in the save, the lead writes one file
+            node_programs[node] = RemoteProgram(node, RankLinks(node, {r: links[node][r] for r in rs}),
+                                                save_on_every_peer=(node in sharded or gathered) and len(rs) > 1, one_file=gathered)
         for node, group in node_programs.items():
             group.open({**init, "node": node})
             group.ready()

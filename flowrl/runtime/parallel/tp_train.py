@@ -55,7 +55,7 @@ from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.graph.nodes import PolicyNode
 from flowrl.placement.resharding import Replicate, Shard, ShardLayout, dp_tp, replicated, tp_column, tp_row
 
-__all__ = ["mesh_sizes", "check_tp_policy", "check_tp_reference", "check_tp_meshes", "tp_plan", "head_local", "shard_tp_model_", "shard_tp_trainer_", "clip_grad_norm_", "trainer_layouts"]
+__all__ = ["mesh_sizes", "check_tp_policy", "check_tp_reference", "check_tp_critic", "check_tp_meshes", "tp_plan", "head_local", "shard_tp_model_", "shard_tp_trainer_", "clip_grad_norm_", "trainer_layouts"]
 
 
 def mesh_sizes(axes: tuple[Sequence[str], Sequence[int]] | None, ranks: int) -> dict[str, int]:
@@ -116,6 +116,24 @@ def check_tp_reference(node: Any, sizes: Mapping[str, int]) -> None:
     _check_splits(where, node.model, sizes["tp"])
 
 
+def check_tp_critic(node: Any, sizes: Mapping[str, int]) -> None:
+    """Refuse, before any work, a tensor-parallel critic this program cannot train as asked.
+
+    Raises:
+        ConfigError: naming the critic, the values and the fix, for an axis other than ``tp`` > 1,
+            a LoRA critic, or a ``tp`` the model cannot be split into (``tp_train``'s checks).
+    """
+    from flowrl.models.lora import lora_of
+
+    where = f"critic {node.name!r} (mesh {dict(sizes)})"
+    other = {a: n for a, n in sizes.items() if a != "tp" and n > 1}
+    if other:
+        raise ConfigError(f"{where}: a tensor-parallel critic splits its model over tp only; give it a mesh of tp={sizes['tp']} ({other} must be 1)")
+    if lora_of(node.model) is not None:
+        raise ConfigError(f"{where}: a LoRA critic is not split over tp; give it one rank, or a model without lora")
+    _check_splits(where, node.model, sizes["tp"])
+
+
 def _check_splits(where: str, model: Any, tp: int) -> None:
     """Refuse a model tp cannot split: its family has no split table, tp does not divide the heads,
     the kv heads or a split weight's width (``where`` names the node and its mesh)."""
@@ -145,12 +163,12 @@ def _check_splits(where: str, model: Any, tp: int) -> None:
 
 
 def check_tp_meshes(graph: Any, axes: Mapping[str, tuple[Sequence[str], Sequence[int]]], *, skip: Iterable[str] = ()) -> None:
-    """``check_tp_policy`` / ``check_tp_reference`` for every policy and reference of ``graph`` whose mesh
+    """``check_tp_policy`` / ``check_tp_reference`` / ``check_tp_critic`` for every policy, reference and critic of ``graph`` whose mesh
     (``axes``: node -> (names, shape)) has a ``tp`` axis > 1, but those in ``skip`` (user programs):
     the torchrun backend's check on every rank before any work.
 
     Raises:
-        ConfigError: as ``check_tp_policy`` and ``check_tp_reference``.
+        ConfigError: as ``check_tp_policy``, ``check_tp_reference`` and ``check_tp_critic``.
     """
     skip = set(skip)
     for node in graph.nodes:
@@ -162,6 +180,8 @@ def check_tp_meshes(graph: Any, axes: Mapping[str, tuple[Sequence[str], Sequence
             check_tp_policy(node, sizes)
         elif node.kind == "reference":
             check_tp_reference(node, sizes)
+        elif node.kind == "critic":
+            check_tp_critic(node, sizes)
 
 
 def _owners(splits: Mapping[str, str]) -> dict[str, str]:
