@@ -106,6 +106,36 @@ def test_a_tp_critic_checkpoint_is_one_process_state(step_result):
     assert r["loaded_vs_file"] == 0.0 and r["loaded_version"] == 1, r  # 1 -> tp: each rank keeps its shards of it
 
 
+@pytest.mark.slow  # three torchrun jobs, ~45 s on 2 shared cores
+def test_a_tp_critic_checkpoints_and_resumes_as_one_rank_runs(tmp_path):
+    """``llamarl_ppo`` with the critic at tp = 2, checkpointed after 2 steps and resumed for 2 more, gives
+    the rows of 4 uninterrupted steps with the critic on one rank: the same tokens and versions, every
+    critic metric within float32 rounding (``test_torchrun_critic._float_atol``)."""
+    from flowrl.examples import build_example
+    from flowrl.models.families.builtin.model import Transformer
+    from tests.runtime.test_torchrun import _rows
+    from tests.runtime.test_torchrun_critic import _float_atol
+    from tests.tolerances import reductions
+
+    (tmp_path / "tp.json").write_text(json.dumps({"gen": [0], "policy": [1], "critic": {"ranks": [0, 1], "mesh": {"tp": 2}}}))
+    (tmp_path / "one.json").write_text(json.dumps({"gen": [0], "policy": [1], "critic": [0]}))
+    run = ["-m", "flowrl", "run", "llamarl_ppo", "--backend", "torchrun", "--seed", "0", "--quiet", "--max-staleness", "0"]
+    for args in (["--plan", "tp.json", "--steps", "2", "--metrics", "a.jsonl", "--checkpoint-dir", "ck", "--checkpoint-every", "1"],
+                 ["--plan", "tp.json", "--steps", "4", "--metrics", "b.jsonl", "--checkpoint-dir", "ck", "--resume"],
+                 ["--plan", "one.json", "--steps", "4", "--metrics", "c.jsonl"]):
+        proc = _torchrun(2, [*run, *args], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ran, ref = _rows(tmp_path / "a.jsonl") + _rows(tmp_path / "b.jsonl"), _rows(tmp_path / "c.jsonl")
+    assert [r["step"] for r in ran] == [1, 2, 3, 4] and ran[0]["layout"]["critic"]["mesh"] == {"tp": 2}
+    model = build_example("llamarl_ppo").node("critic").model
+    n = sum(reductions(Transformer(model), model.max_seq_len)) + ref[0]["samples"] * model.max_seq_len
+    for a, b in zip(ran, ref):
+        assert a["critic/version"] == b["critic/version"] and a["reward_mean"] == b["reward_mean"], (a, b)
+        for k in (k for k in b if k.startswith("critic/")):
+            assert abs(a[k] - b[k]) <= _float_atol(max(abs(a[k]), abs(b[k])), n), (a["step"], k, a[k], b[k])
+    assert abs(ran[-1]["critic/value_mean"]) > 10 * _float_atol(abs(ran[-1]["critic/value_mean"]), n), ran[-1]  # it trained
+
+
 # -- the job (each rank) -------------------------------------------------------------------------------
 def _step_job(out: str) -> int:
     import torch.distributed as dist
