@@ -227,7 +227,7 @@ def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
         sys.path.insert(0, str(work))
     ranks = max(max(v if isinstance(v, list) else v["ranks"]) for v in placement.values()) + 1
     predicted = _predict(work / "graph.py", m, placement, ranks)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work), *filter(None, [os.environ.get("PYTHONPATH")]))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "flowrl", "run", "graph.py", "--backend", "torchrun",
            "--plan", "place.json", "--steps", str(args.steps), "--metrics", "m.jsonl", "--quiet"]
@@ -285,7 +285,7 @@ def _run_planned(tmp: Path, model: Path, args, m) -> dict:
     (work / "graph.py").write_text(GRAPH.format(model=str(model), new_tokens=args.new_tokens, sharding="replicate", micro_batch=args.pp_micro_batch))
     (work / "bench_reward.py").write_text(REWARD)
     (work / "cpu.json").write_bytes(cluster_to_json(calibrated_cluster(m, cores=args.ranks)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work), *filter(None, [os.environ.get("PYTHONPATH")]))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
     plan_cmd = [sys.executable, "-m", "flowrl", "plan", "graph.py", "--cluster", "cpu.json", "--emit", "launch"]
     planned = subprocess.run(plan_cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
     if planned.returncode != 0:

@@ -525,3 +525,18 @@ if __name__ == "__main__":  # a rank: ends without interpreter teardown (see ran
     if sys.argv[1] == "run":
         end_rank_process(_run_job(sys.argv[2], sys.argv[3]))
     raise SystemExit(f"unknown mode {sys.argv[1]!r}")
+
+
+def test_grad_squares_is_the_float64_sum_of_squares_within_float32_rounding():
+    """A hand-computed case exactly (3^2 + 4^2 + 12^2 = 169, float32 and bfloat16 alike: every step is
+    exact), float64 kept float64, and a random gradient within the float32 bound of a sum of n squares
+    (relative (n + 2) u, u = 2^-24: the norm's sum plus its square root and the squaring)."""
+    from flowrl.runtime.parallel.tp_train import grad_squares
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        got = grad_squares(torch.tensor([[3.0, 4.0], [12.0, 0.0]], dtype=dtype))
+        assert got.dtype == torch.float64 and float(got) == 169.0, (dtype, got)
+    g = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    exact = float(g.double().square().sum())
+    assert abs(float(grad_squares(g)) - exact) <= (g.numel() + 2) * 2.0**-24 * exact, (float(grad_squares(g)), exact)
+    assert abs(float(grad_squares(g.double())) - exact) <= (g.numel() + 2) * 2.0**-53 * exact  # float64 stays float64

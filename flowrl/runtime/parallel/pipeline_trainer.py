@@ -48,6 +48,7 @@ from flowrl.operators.generation import DTYPES
 from flowrl.operators.logprobs import attended_mask, completion_logprobs, completion_logprobs_and_entropy, padded_layout
 from flowrl.operators.trainer import Trainer
 from flowrl.runtime.parallel.pipeline import StageModule
+from flowrl.runtime.parallel.tp_train import grad_squares
 
 __all__ = ["PipelineTrainer"]
 
@@ -212,7 +213,7 @@ class PipelineTrainer(Trainer):
         if self.stage.count > 1 and self.stage.tied_head is not None:
             grad = tied.grad if tied is not None else torch.zeros(self.stage.tied_head[1], device=self.device)
             dist.all_reduce(grad, group=self.pp_group)  # the first and the last stage's copies (the middle ones: zeros)
-        squares = sum((p.grad.double().pow(2).sum() for p in params if p is not tied or self.stage.first), torch.zeros((), dtype=torch.float64))
+        squares = sum((grad_squares(p.grad) for p in params if p is not tied or self.stage.first), torch.zeros((), dtype=torch.float64))
         total = squares.reshape(1).to(self.device)
         if self.stage.count > 1:
             dist.all_reduce(total, group=self.pp_group)
