@@ -42,6 +42,7 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
+from flowrl.runtime.backends.rank_policy import collective_bytes
 from flowrl.runtime.programs import Batch, Info, PolicyProgram, SharedTransports
 
 __all__ = ["PipelinePolicy"]
@@ -114,7 +115,6 @@ class PipelinePolicy(PolicyProgram):
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.host import release_freed_memory
-        from flowrl.runtime.backends.weights import channel, opened
         from flowrl.runtime.parallel.distributed import broadcast_batch, reduce_metrics, shard_by_groups
 
         start = time.perf_counter()
@@ -144,10 +144,7 @@ class PipelinePolicy(PolicyProgram):
             runs = f"{self.dp} data-parallel replica(s), each {self.pp} pipeline stages (1F1B; GPipe with fewer micro-batches than stages)"
             info[LAYOUT_KEY] = record(self.ranks, {"pp": self.pp, "dp": self.dp}, groups, runs)
             self._reported = True
-        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
-            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(total, group=self.group)
-            info["weights/collective_bytes"] = float(total)
+        info.update(collective_bytes(self, sent))
         return {}, info
 
     def _share_metrics(self, metrics: dict[str, float]) -> dict[str, float]:

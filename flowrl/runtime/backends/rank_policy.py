@@ -19,7 +19,7 @@ from flowrl.errors import ConfigError
 from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 from flowrl.runtime.programs import Batch, Info, PolicyProgram
 
-__all__ = ["RankContext", "set_context"]
+__all__ = ["RankContext", "set_context", "publish_shards", "collective_bytes"]
 
 
 # -- this rank's view of the job --------------------------------------------------------------------
@@ -112,7 +112,6 @@ class _RankPolicy(PolicyProgram):
         return part
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.runtime.backends.weights import channel, opened
         from flowrl.runtime.parallel.distributed import broadcast_batch, shard_by_groups
         from flowrl.host import release_freed_memory
 
@@ -136,11 +135,46 @@ class _RankPolicy(PolicyProgram):
         if self.index == 0 and not self._reported:  # the layout it built, for the run's first row
             info[LAYOUT_KEY] = self._layout()
             self._reported = True
-        if any(opened(channel(*e)) is not None for e in self._edges):  # bytes all ranks put on the wire
-            total = torch.tensor([float(self.collective_bytes - sent)], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(total, group=self.group)
-            info["weights/collective_bytes"] = float(total)
+        info.update(collective_bytes(self, sent))
         return {}, info
+
+
+def publish_shards(program: Any) -> float:
+    """Publish a sharded policy's new weights (its ``trainer.model`` holds DTensors: FSDP2 or tp shards):
+    on a collective edge every rank sends its own shards (no gather); on a ``shm``/``file`` edge every
+    rank gathers (a collective) and the lead writes. Seconds taken."""
+    from flowrl.runtime.backends.weights import channel, opened
+    from flowrl.runtime.parallel.fsdp import full_weights, local_weights
+
+    start = time.perf_counter()
+    trainer = program.trainer
+    if trainer.version > program._published:
+        full = None
+        for edge in program._edges:
+            collective = opened(channel(*edge))
+            if collective is not None:
+                before = collective.bytes_sent
+                collective.publish(local_weights(trainer.model), trainer.version)
+                program.collective_bytes += collective.bytes_sent - before
+                continue
+            full = full_weights(trainer.model) if full is None else full  # every rank gathers
+            if program.index == 0:
+                program._transports.writer(*edge).publish(full, trainer.version)
+        program._published = trainer.version
+    return time.perf_counter() - start
+
+
+def collective_bytes(program: Any, sent: int) -> dict[str, float]:
+    """``{"weights/collective_bytes": ...}``: the payload bytes every rank of ``program``'s group put on
+    collective weight edges since ``sent`` (this rank's ``collective_bytes`` before publishing), summed
+    over the group (every rank calls it); empty without a collective edge."""
+    from flowrl.runtime.backends.weights import channel, opened
+
+    if not any(opened(channel(*e)) is not None for e in program._edges):
+        return {}
+    total = torch.tensor([float(program.collective_bytes - sent)], dtype=torch.float64, device=program.device)
+    torch.distributed.all_reduce(total, group=program.group)
+    return {"weights/collective_bytes": float(total)}
 
 
 def _mesh_axes(mesh: Any) -> dict[str, int]:

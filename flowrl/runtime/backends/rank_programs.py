@@ -46,7 +46,7 @@ from flowrl.runtime.programs import (
     SharedTransports,
 )
 from flowrl.runtime.program_table import build_program
-from flowrl.runtime.backends.rank_policy import RankContext, _context, _mesh_axes, _RankPolicy, set_context
+from flowrl.runtime.backends.rank_policy import RankContext, _context, _mesh_axes, _RankPolicy, publish_shards, set_context
 from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 
 __all__ = [
@@ -157,24 +157,7 @@ class ShardedPolicy(_RankPolicy):
         self.collective_bytes = 0
 
     def publish(self) -> float:
-        from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.runtime.parallel.fsdp import full_weights, local_weights
-
-        start = time.perf_counter()
-        if self.trainer.version > self._published:
-            full = None
-            for edge in self._edges:
-                collective = opened(channel(*edge))
-                if collective is not None:
-                    before = collective.bytes_sent
-                    collective.publish(local_weights(self.trainer.model), self.trainer.version)
-                    self.collective_bytes += collective.bytes_sent - before
-                    continue
-                full = full_weights(self.trainer.model) if full is None else full  # every rank gathers
-                if self.index == 0:
-                    self._transports.writer(*edge).publish(full, self.trainer.version)
-            self._published = self.trainer.version
-        return time.perf_counter() - start
+        return publish_shards(self)
 
     def _share(self, mine: float, total: float) -> None:
         from flowrl.runtime.parallel.fsdp import token_scale

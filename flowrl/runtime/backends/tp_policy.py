@@ -32,14 +32,13 @@ rank gathering each bucket (``full_tensor`` of the split weights), the lead send
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
-from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, _RankPolicy
+from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, _RankPolicy, publish_shards
 from flowrl.runtime.programs import SharedTransports
 
 __all__ = ["TensorParallelPolicy"]
@@ -102,24 +101,7 @@ class TensorParallelPolicy(_RankPolicy):
         return float(metrics["policy/grad_norm"])  # the global norm already (tp_train.clip_grad_norm_), averaged over the steps
 
     def publish(self) -> float:
-        from flowrl.runtime.backends.weights import channel, opened
-        from flowrl.runtime.parallel.fsdp import full_weights, local_weights
-
-        start = time.perf_counter()
-        if self.trainer.version > self._published:
-            full = None
-            for edge in self._edges:
-                collective = opened(channel(*edge))
-                if collective is not None:
-                    before = collective.bytes_sent
-                    collective.publish(local_weights(self.trainer.model), self.trainer.version)
-                    self.collective_bytes += collective.bytes_sent - before
-                    continue
-                full = full_weights(self.trainer.model) if full is None else full  # every rank gathers (collectives)
-                if self.index == 0:
-                    self._transports.writer(*edge).publish(full, self.trainer.version)
-            self._published = self.trainer.version
-        return time.perf_counter() - start
+        return publish_shards(self)
 
     def save(self, path: str) -> None:
         from flowrl.runtime.checkpointing.sharded_state import save_sharded
