@@ -60,8 +60,12 @@ def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = V
         bos_token_id=1,
         eos_token_id=2,
     )
-    if family == "qwen3":  # its head_dim is a field of its own (default 128), not hidden / heads
+    if family in ("qwen3", "qwen3_moe"):  # its head_dim is a field of its own (default 128), not hidden / heads
         common["head_dim"] = hidden // 4
+    if family.endswith("_moe"):  # 8 experts, top-2, every layer sparse
+        common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "qwen2_moe":
+        common["shared_expert_intermediate_size"] = hidden
     return transformers.AutoConfig.for_model(family, **common)
 
 

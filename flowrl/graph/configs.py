@@ -489,7 +489,7 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
             loss and gradients to float rounding, fewer tokens computed on mixed lengths. A
             micro-batch that packing would not shorten runs padded. ``None`` (the default): pack
             when the model's family takes packed rows (``ModelFamily.packing``: the built-in one,
-            llama, qwen2, qwen3), pad otherwise; ``True``: pack, and refuse another family;
+            llama, qwen2, qwen3 and the MoE families), pad otherwise; ``True``: pack, and refuse another family;
             ``False``: pad (``flowrl.operators.packing.packs``).
     """
 
