@@ -18,7 +18,8 @@ two at each size. ``GLOO_SIZES`` (4, 16 and 64 MiB: a 0.5B model's tensors and b
 a second on this project's 2-core CPU, plus the two processes' start.
 
 At each of ``activation_sizes`` (``ACTIVATION_SIZES``: 256 KiB to 4 MiB, a micro-batch's ``[tokens,
-hidden]`` activations) the same processes also time an ``all_reduce`` (a tensor-parallel policy's,
+hidden]`` activations, and 16 KiB, a tp generator's decode step ``[rows, hidden]``, where the rate is
+gloo's latency) the same processes also time an ``all_reduce`` (a tensor-parallel policy's,
 ``bandwidth = nbytes / seconds``: ``all_reduce_s``' terms with n = 2) and a ``send`` there and back
 (a pipeline stage's activations and their gradient: ``bandwidth = nbytes / (seconds / 2)``):
 ``CpuTerms.gloo_all_reduce_by_bytes`` and ``gloo_send_by_bytes``. On this project's CPU both ran 2-9
@@ -57,7 +58,7 @@ __all__ = ["GlooFigures", "measure_gloo", "with_gloo", "GLOO_SIZES", "ACTIVATION
 #: Bytes of the tensors the collectives gather (or reduce-scatter) by default, ascending.
 GLOO_SIZES = (4 * 2**20, 16 * 2**20, 64 * 2**20)
 #: Bytes of the activations whose all-reduce and send are timed by default, ascending.
-ACTIVATION_SIZES = (2**18, 2**20, 4 * 2**20)
+ACTIVATION_SIZES = (2**14, 2**18, 2**20, 4 * 2**20)
 #: Seconds the two processes may take, start-up included, before they are killed.
 TIMEOUT_S = 300.0
 

@@ -85,7 +85,8 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             ``gen_thread_speedup`` (time of the width-64 training pass, and of 8 decode-shaped
             passes, on one thread alone over its time with ``cores`` intra-op threads, the two
             taking turns on one compute thread); ``shared_slowdown`` (``_shared_slowdown``);
-            ``slot_row_overhead_s`` (``_slot_row_overhead``); ``decode_step_overhead_s`` (one
+            ``slot_row_overhead_s`` (``_slot_row_overhead``); ``decode_rows_fraction`` (``_decode_rows``,
+            at the widest width measured); ``decode_step_overhead_s`` (one
             decode step of the built-in generator outside its blocks, ``_decode_overhead``).
     """
 
@@ -179,13 +180,14 @@ def _pass_model(width: int) -> tuple[Any, ModelSpec]:
     return build_model(config), model_from_config(config)
 
 
-def _pass_call(width: int, kind: str) -> Callable[[], object]:
-    """One ``PASSES[kind]`` pass of a fresh width-``width`` model (warmed up)."""
+def _pass_call(width: int, kind: str, rows: int | None = None) -> Callable[[], object]:
+    """One ``PASSES[kind]`` pass of a fresh width-``width`` model on ``rows`` rows (default
+    ``pass_rows(width)``), warmed up."""
     import torch
 
     model, _ = _pass_model(width)
     _, tokens, backward = PASSES[kind]
-    rows = pass_rows(width)
+    rows = rows or pass_rows(width)
     x = torch.randint(0, 16, (rows, tokens))
     valid = torch.ones_like(x, dtype=torch.bool)
 
@@ -211,6 +213,26 @@ def pass_flops(width: int, kind: str) -> float:
     _, spec = _pass_model(width)
     _, tokens, backward = PASSES[kind]
     return pass_rows(width) * tokens * spec.forward_flops_per_token(tokens / 2) * (3 if backward else 1)
+
+
+#: Rows of the decode passes ``_decode_rows`` times beside the table's (a generator's batch on a CPU).
+DECODE_ROWS = (1, 4, 16)
+
+
+def _decode_rows(width: int, *, repeats: int, statistic: str) -> tuple[tuple[int, float], ...]:
+    """``CpuTerms.decode_rows_fraction`` at ``width``: the decode pass's FLOP/s on each of
+    ``DECODE_ROWS`` rows (those below ``pass_rows(width)``) over its rate on ``pass_rows(width)``, one
+    thread, the passes taking turns so that each sees the machine's load alike."""
+    full = pass_rows(width)
+    rows = [r for r in DECODE_ROWS if r < full] + [full]
+    calls = {r: _pass_call(width, "decode", r) for r in rows}
+    seconds: dict[int, list[float]] = {r: [] for r in rows}
+    for _ in range(repeats):
+        for r, call in calls.items():
+            seconds[r].append(_timed([call], inner=3, repeats=1, statistic=statistic))
+    pick = min if statistic == "best" else statistics.median
+    per_row = {r: pick(seconds[r]) / r for r in rows}  # seconds per row: FLOPs are proportional to rows
+    return tuple((r, per_row[full] / per_row[r]) for r in rows[:-1])
 
 
 def _pass_rates(widths: tuple[int, ...], *, repeats: int, statistic: str) -> dict[str, tuple[tuple[int, float], ...]]:
@@ -400,6 +422,7 @@ def measure(
         t_op = _timed(blocks, inner=200, repeats=repeats, statistic=statistic) / BLOCK_OPS
 
         rates = _pass_rates(table_widths, repeats=repeats, statistic=statistic)
+        decode_rows = _decode_rows(table_widths[-1], repeats=repeats, statistic=statistic)
         train_64, decode_64 = _pass_call(64, "train"), _pass_call(64, "decode")
         t_one = _timed([train_64], inner=2, repeats=repeats, statistic=statistic)
         shared = _shared_slowdown(decode_64, train_64, cores=cores, repeats=repeats, statistic=statistic)
@@ -423,6 +446,7 @@ def measure(
         cpu=CpuTerms(
             flops_by_width=rates["forward"],
             decode_flops_by_width=rates["decode"],
+            decode_rows_fraction=decode_rows,
             train_flops_by_width=rates["train"],
             thread_speedup=t_one / t_all,
             gen_thread_speedup=t_gen_one / t_gen_all,

@@ -120,6 +120,14 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             presets): ``peak_flops`` x the ``Tuning`` MFU, plus launches.
         decode_flops_by_width: the same for a decode-shaped pass (one token on each of 256 rows);
             empty: ``flops_by_width``.
+        decode_rows_fraction: ``(rows, fraction)`` pairs, rows ascending: the decode pass's rate on
+            ``rows`` rows over its rate on the table's rows (``calibration.measure.pass_rows``), at the
+            widest calibrated width (``flowrl calibrate``: ``_decode_rows``). A decode step of few rows
+            streams every weight for little arithmetic, and on a CPU core that streaming is not hidden
+            behind the matmuls: 8 rows of a width-896 model decoded at ~0.4 of 73 rows' rate on this
+            project's CPU. A generator of ``b`` rows decodes at the rate times the fraction
+            interpolated at ``b`` (``DeviceSpec.decode_rows_factor``; 1 from the table's last rows
+            up); empty: 1 (the roofline's memory term alone).
         train_flops_by_width: the same for forward + backward (three times the forward FLOPs);
             empty: ``flops_by_width``.
         thread_speedup: how much faster one process runs the built-in model's training pass with
@@ -164,7 +172,7 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             (``gloo_rate``); empty: not measured (``tuning.GLOO_BANDWIDTH``).
         gloo_all_reduce_by_bytes: ``(bytes, bytes/s)`` pairs, sizes ascending: gloo's all-reduce of a
             tensor of that many bytes between two processes of the host, in ``estimate.common.all_reduce_s``'
-            terms (``2 * (n - 1) / n * bytes / bandwidth``, n = 2), measured at activations' sizes (256 KiB
+            terms (``2 * (n - 1) / n * bytes / bandwidth``, n = 2), measured at activations' sizes (16 KiB
             to 4 MiB): what a tensor-parallel policy's all-reduces of ``[tokens, hidden]`` run at on CPU
             ranks (``estimate.cpu_ranks``); empty: ``gloo_by_bytes``' rate (on this project's CPU 2-4
             times slower at these sizes: gloo's reduce-scatter is its slow half).
@@ -178,6 +186,7 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
 
     flops_by_width: tuple[tuple[int, float], ...] = ()
     decode_flops_by_width: tuple[tuple[int, float], ...] = ()
+    decode_rows_fraction: tuple[tuple[int, float], ...] = ()
     train_flops_by_width: tuple[tuple[int, float], ...] = ()
     thread_speedup: float = 0.0
     gen_thread_speedup: float = 0.0
@@ -213,6 +222,9 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             sizes = [n for n, _ in table]
             if sizes != sorted(set(sizes)) or any(n < 1 or not 0 < r < float("inf") for n, r in table):
                 raise PlanError(f"CpuTerms: {field}={table} must be (bytes >= 1, bytes/s > 0) pairs, sizes strictly ascending")
+        rows = [r for r, _ in self.decode_rows_fraction]
+        if rows != sorted(set(rows)) or any(r < 1 or not 0 < f <= 4 for r, f in self.decode_rows_fraction):
+            raise PlanError(f"CpuTerms: decode_rows_fraction={self.decode_rows_fraction} must be (rows >= 1, 0 < fraction <= 4) pairs, rows strictly ascending")
 
     def gloo_rate(self, nbytes: float) -> float | None:
         """The measured gloo rate (bytes/s) of a collective of ``nbytes``: ``gloo_by_bytes`` interpolated
@@ -330,6 +342,23 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             return table[-1][1]
         (w0, f0), (w1, f1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= width <= b[0])
         return f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
+
+    def decode_rows_factor(self, rows: float) -> float:
+        """``CpuTerms.decode_rows_fraction`` interpolated at ``rows`` (linearly in log(rows), clamped to
+        its first entry; 1 from its last entry up, and without a table).
+
+        Example:
+            >>> d = cpu_device(cores=2, memory_bytes=2**30, cpu=CpuTerms(decode_rows_fraction=((1, 0.1), (16, 0.5), (64, 1.0))))
+            >>> d.decode_rows_factor(1), d.decode_rows_factor(4), d.decode_rows_factor(100), cpu_device(cores=2).decode_rows_factor(4)
+            (0.1, 0.3, 1.0, 1.0)
+        """
+        table = self.cpu.decode_rows_fraction
+        if not table or rows >= table[-1][0]:
+            return 1.0
+        if rows <= table[0][0]:
+            return table[0][1]
+        (r0, f0), (r1, f1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= rows <= b[0])
+        return f0 + (f1 - f0) * math.log(rows / r0) / math.log(r1 / r0)
 
     def mesh_speedup(self, n: int, per_host: int, *, generator: bool = False) -> float:
         """How much faster ``n`` of these devices, on hosts of ``per_host``, run one mesh's work than

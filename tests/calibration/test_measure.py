@@ -27,6 +27,8 @@ def test_measure_returns_positive_figures():
     for table in (m.cpu.flops_by_width, m.cpu.decode_flops_by_width, m.cpu.train_flops_by_width):
         assert [w for w, _ in table] == list(WIDTHS) and all(rate > 0 for _, rate in table)
     assert m.cpu.thread_speedup > 0 and m.cpu.gen_thread_speedup > 0 and m.cpu.shared_slowdown >= 1 and m.cpu.decode_step_overhead_s >= 0 and m.cpu.slot_row_overhead_s >= 0
+    rows = m.cpu.decode_rows_fraction  # decode on 1, 4 and 16 rows against the table's rows at the widest width
+    assert [r for r, _ in rows] == [1, 4, 16] and all(f > 0 for _, f in rows)
     calibrated_cluster(m)  # every measured figure is a valid DeviceSpec field
     assert msgspec.json.decode(msgspec.json.encode(m), type=Measurements) == m
 

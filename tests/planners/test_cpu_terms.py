@@ -88,6 +88,34 @@ def test_measured_generate_rates_take_no_mfu_and_no_launches():
     assert est.breakdown["launch"] == 0.0
 
 
+def test_a_few_rows_decode_at_the_rate_measured_on_few_rows():
+    """``decode_rows_fraction`` scales the decode rate at the generator's rows: 4 rows between the
+    table's 1 (0.25) and 16 (1.0) rows, halfway in log(rows), decode at 0.625 of the table's rate."""
+    dev = device(kind="cpu", flops_by_width=((8, 1e11),), decode_flops_by_width=((8, 5e10),), decode_rows_fraction=((1, 0.25), (16, 1.0)))
+    est = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=dev))
+    assert dev.decode_rows_factor(4) == pytest.approx(0.625)
+    assert est.breakdown["decode_compute"] == pytest.approx(4 * F_TOK(3.5) / (5e10 * 0.625))
+    plain = estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=msgspec.structs.replace(dev, cpu=msgspec.structs.replace(dev.cpu, decode_rows_fraction=()))))
+    assert plain.breakdown["decode_compute"] == pytest.approx(4 * F_TOK(3.5) / 5e10)
+
+
+def test_a_cpu_tp_generators_all_reduces_run_at_gloos_rate_at_their_size():
+    """A tp generator on CPU ranks all-reduces its ``[rows, h]`` activations over gloo at the rate
+    calibrated at that size, not at the device's memory copy rate (``intra_host_bandwidth``); on a GPU
+    the cluster's link."""
+    from flowrl.planners.estimate.common import Link, all_reduce_s
+
+    gloo = ((16, 1e6), (2**20, 1e6))  # 1 MB/s at every size: far below the 1e10 intra-host figure
+    dev = device(kind="cpu", flops_by_width=((8, 1e11),), gloo_all_reduce_by_bytes=gloo)
+    est = estimate_generate(TINY, ParallelDims(tp=2), range(2), ctx(dev=dev))
+    act = dev.dtype_bytes  # the test device computes in bfloat16
+    one_token = 2 * 2 * all_reduce_s(4 * 8 * act, 2, Link(1e6, 0.0))  # L=2 layers x 2 all-reduces of [4 rows, h=8]
+    prefill = 2 * 2 * all_reduce_s(12 * 8 * act, 2, Link(1e6, 0.0))  # 4 prompts x 3 tokens
+    assert est.breakdown["tp_comm"] == pytest.approx(one_token + prefill)
+    gpu = estimate_generate(TINY, ParallelDims(tp=2), range(2), ctx(dev=device(gloo_all_reduce_by_bytes=gloo)))
+    assert gpu.breakdown["tp_comm"] < est.breakdown["tp_comm"] / 100  # 1e10 B/s NVLink-like link, bf16
+
+
 @pytest.mark.parametrize(
     "speedups, generator, expected",
     [

@@ -46,9 +46,14 @@ A continuous generator also pays ``DeviceSpec.cpu.slot_row_overhead_s`` per busy
 to ``gen_len`` (the default lengths) gives ``steps = waves * gen_len`` in every mode.
 
 ``peak * mfu`` is, on a calibrated CPU device (``DeviceSpec.cpu.flops_by_width``), the measured rate of
-the built-in model's forward at the model's width instead (``decode_flops_by_width`` for decode):
+the built-in model's forward at the model's width instead (``decode_flops_by_width`` for decode,
+times ``DeviceSpec.decode_rows_factor(b)``: the rate measured on few rows over the table's, since a
+CPU core decoding a few rows streams every weight without hiding it behind the arithmetic):
 what the machine achieves on the whole pass, so no MFU factor, and its launches are in it (the
-``ops_per_layer * kernel_overhead`` terms are 0 there).
+``ops_per_layer * kernel_overhead`` terms are 0 there). A tp generator on a CPU runs as torchrun
+ranks, one process each: its all-reduces go over gloo at the rate ``flowrl calibrate --gloo``
+measured at their size (``cpu_ranks.gloo_link``; a decode step's ``[b, h]`` is a few KiB, where
+gloo's latency dominates), never the CPU device's memory copy rate.
 
 The engine (``GeneratorNode.engine``, the first note of every generator estimate) is costed by its
 row in ``graph.engines.ENGINE_CAPS``: ``"builtin"``'s is the model above as it stands. ``"vllm"``'s
@@ -88,11 +93,10 @@ Prefill is counted per completion (no prefix sharing between the samples of one 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from flowrl.planners.estimate.common import (
     GiB,
-    Link,
     Context,
     MemoryBreakdown,
     NodeEstimate,
@@ -102,6 +106,7 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.planners.cluster import DEVICE_TRAITS
+from flowrl.planners.estimate.cpu_ranks import gloo_link
 from flowrl.graph.engines import DEFAULT_ENGINE, ENGINE_CAPS
 from flowrl.planners.estimate.train import memory_budget
 from flowrl.planners.lengths import LengthDistribution, decode_steps, steady_decode_steps
@@ -251,6 +256,15 @@ def estimate_generate(
     b = math.ceil(per_replica / waves)
 
     tp_link = axis_link(c, t, devices, dims, "tp") if tp > 1 else None
+
+    def tp_all_reduce_s(nbytes: float) -> float:
+        """One all-reduce of ``nbytes`` over the tp group: over the cluster's link on GPUs; on CPU ranks
+        (a tp generator runs under torchrun, one process a rank) at gloo's calibrated rate at that size."""
+        if tp_link is None:
+            return 0.0
+        cuda = DEVICE_TRAITS[dev.kind].cuda
+        return all_reduce_s(nbytes, tp, tp_link if cuda else gloo_link(ctx, nbytes, "all_reduce"))
+
     pp_link = axis_link(c, t, devices, dims, "pp") if pp > 1 else None
     prefill_rate, measured = _rate(precision, ctx, h, "forward", t.mfu_prefill)
     decode_rate, _ = _rate(precision, ctx, h, "decode", t.mfu_decode)
@@ -259,7 +273,7 @@ def estimate_generate(
 
     p_tok = b * w.prompt_len
     prefill_compute = p_tok * model.forward_flops_per_token(w.prompt_len / 2) / (tp * pp * prefill_rate)
-    prefill_comm = L * 2 * all_reduce_s(p_tok * h * ab, tp, tp_link) if tp_link else 0.0
+    prefill_comm = L * 2 * tp_all_reduce_s(p_tok * h * ab)
     prefill = prefill_compute + prefill_comm + L * launch_layer
 
     dist = w.length_dist
@@ -273,9 +287,10 @@ def estimate_generate(
     read_weights = weights * (1 - model.routed_expert_params / model.params * (1 - model.expert_read_fraction(b)))
     read = read_weights * L / (layers * pp) + b * ctx_len * kv_token * L / (layers * pp) + b * V * 4 / (tp * pp)  # a mean stage
     t_read = read / mem_bw
-    t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * decode_rate)
+    # on a calibrated CPU, the rate at b rows (a few rows stream every weight for little arithmetic)
+    t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * decode_rate * dev.decode_rows_factor(b))
     stage = max(t_read, t_compute)
-    tp_tok = L / pp * 2 * all_reduce_s(b * h * ab, tp, tp_link) if tp_link else 0.0
+    tp_tok = L / pp * 2 * tp_all_reduce_s(b * h * ab)
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
     step_overhead = dev.cpu.decode_step_overhead_s if caps.python_loop else 0.0  # flowrl's Python sampling loop
     token += step_overhead
@@ -284,7 +299,7 @@ def estimate_generate(
     prefill /= speedup
     token /= speedup
     decode = steps * token
-    reprefill = _reprefill(model, w.prompt_len + _kept(dist), b, tp, pp, prefill_rate, L, h, ab, tp_link, launch_layer) / speedup if stream else 0.0
+    reprefill = _reprefill(model, w.prompt_len + _kept(dist), b, tp, pp, prefill_rate, L, h, ab, tp_all_reduce_s, launch_layer) / speedup if stream else 0.0
     # flowrl's slot batcher: Python bookkeeping per busy row per decode step, one per completion token
     slot_rows = per_replica * dist.mean * dev.cpu.slot_row_overhead_s / speedup if continuous and caps.python_loop else 0.0
 
@@ -321,9 +336,11 @@ def _kept(dist: LengthDistribution) -> float:
     return sum(n * n * wt for n, wt in dist.points) / total / (2 * dist.mean)
 
 
-def _reprefill(model: ModelSpec, kept: float, b: int, tp: int, pp: int, rate: float, L: int, h: int, ab: int, tp_link: Link | None, launch_layer: float) -> float:
+def _reprefill(
+    model: ModelSpec, kept: float, b: int, tp: int, pp: int, rate: float, L: int, h: int, ab: int, tp_all_reduce_s: Callable[[float], float], launch_layer: float
+) -> float:
     """One replica's prefill of ``b`` running requests' ``kept`` tokens again, after a weight update (module docstring)."""
     tokens = b * kept
     compute = tokens * model.forward_flops_per_token(kept / 2) / (tp * pp * rate)
-    comm = L * 2 * all_reduce_s(tokens * h * ab, tp, tp_link) if tp_link else 0.0
+    comm = L * 2 * tp_all_reduce_s(tokens * h * ab)
     return compute + comm + L * launch_layer
