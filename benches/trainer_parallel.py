@@ -177,16 +177,18 @@ def _ran(first_row: dict) -> dict | str:
 
 
 def _calibrate(path: str | None):
-    """This CPU's measurements (``flowrl calibrate``'s, at width 896, with gloo's rates); with ``path``,
-    read from it when it exists, else measured and written there."""
+    """This CPU's measurements (``flowrl calibrate --gloo``'s, at width 896: gloo's rates and the split
+    passes' efficiencies); with ``path``, read from it when it exists, else measured and written there."""
     import msgspec
 
     from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
     from flowrl.calibration.measure import Measurements, measure
+    from flowrl.calibration.rank_passes import measure_rank_passes, with_rank_passes
 
     if path and Path(path).is_file():
         return msgspec.json.decode(Path(path).read_bytes(), type=Measurements)
     m = with_gloo(measure(widths=(896,)), measure_gloo())
+    m = with_rank_passes(m, measure_rank_passes(896))
     if path:
         Path(path).write_bytes(msgspec.json.encode(m))
     return m
@@ -358,7 +360,9 @@ def main() -> None:
         "model": f"Qwen2.5-0.5B-shaped, {args.layers} layers (fp32), 2 prompts x 4 samples x {args.new_tokens} tokens, max_staleness 0",
         "calibrated": {"train_gflops_at_896": round(m.cpu.train_flops_by_width[-1][1] / 1e9, 2),
                        **{f"{name}_gb_per_s_by_mib": {f"{n / 2**20:g}": round(r / 1e9, 3) for n, r in getattr(m.cpu, field)}
-                          for name, field in (("gather", "gloo_by_bytes"), ("all_reduce", "gloo_all_reduce_by_bytes"), ("send", "gloo_send_by_bytes"))}},
+                          for name, field in (("gather", "gloo_by_bytes"), ("all_reduce", "gloo_all_reduce_by_bytes"), ("send", "gloo_send_by_bytes"))},
+                       "decode_rows_fraction": [[r, round(f, 3)] for r, f in m.cpu.decode_rows_fraction],
+                       **{k: round(getattr(m.cpu, k), 3) for k in ("tp_train_efficiency", "tp_decode_efficiency", "pp_train_efficiency")}},
         "layouts": results,
         "loadavg_1m_at_start": round(load, 2),
         "cpus": os.cpu_count(),

@@ -53,7 +53,7 @@ import msgspec
 from flowrl.calibration.measure import Measurements
 from flowrl.errors import PlanError
 
-__all__ = ["GlooFigures", "measure_gloo", "with_gloo", "GLOO_SIZES", "ACTIVATION_SIZES"]
+__all__ = ["GlooFigures", "measure_gloo", "with_gloo", "run_pair", "GLOO_SIZES", "ACTIVATION_SIZES"]
 
 #: Bytes of the tensors the collectives gather (or reduce-scatter) by default, ascending.
 GLOO_SIZES = (4 * 2**20, 16 * 2**20, 64 * 2**20)
@@ -101,16 +101,36 @@ def measure_gloo(
         raise PlanError(f"measure_gloo: activation_sizes={list(activation_sizes)} must be ascending byte counts >= 8 (or none)")
     if statistic not in ("median", "best"):
         raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
+    cmd = ["--bytes", ",".join(map(str, sizes)), "--activation-bytes", ",".join(map(str, activation_sizes)), "--repeats", str(repeats)]
+    seconds = run_pair("flowrl.calibration.gloo_rate", cmd, what="gloo's rate")
+    pick = min if statistic == "best" else statistics.median
+    rate = {name: tuple(n / 2 / pick(seconds[f"{name}/{n}"]) for n in sizes) for name in ("all_gather", "reduce_scatter")}
+    return GlooFigures(
+        sizes=tuple(sizes), gather_bandwidth=rate["all_gather"], reduce_scatter_bandwidth=rate["reduce_scatter"],
+        activation_sizes=tuple(activation_sizes),
+        all_reduce_bandwidth=tuple(n / pick(seconds[f"all_reduce/{n}"]) for n in activation_sizes),
+        send_bandwidth=tuple(n / (pick(seconds[f"send/{n}"]) / 2) for n in activation_sizes),  # there and back: two sends
+    )
+
+
+def run_pair(module: str, args: list[str], *, what: str) -> dict[str, list[float]]:
+    """Run ``python -m module --port P --rank R *args`` as two processes (R = 0, 1) over a ``TCPStore``
+    this process binds (it picks the port: no race), one intra-op thread each as torchrun starts a
+    rank, and return rank 0's last stdout line as JSON (``{name: [seconds, ...]}``).
+
+    Raises:
+        PlanError: naming ``what`` was measured, when a process failed or took longer than ``TIMEOUT_S``
+            (its error kept); one failing stops the other (it would wait for its peer).
+    """
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this process listens: it picked the port
-    cmd = [sys.executable, "-m", "flowrl.calibration.gloo_rate", "--port", str(store.port), "--bytes", ",".join(map(str, sizes)),
-           "--activation-bytes", ",".join(map(str, activation_sizes)), "--repeats", str(repeats)]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cmd = [sys.executable, "-m", module, "--port", str(store.port), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun starts each rank
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        while any(p.poll() is None for p in procs):  # one failing stops the other (it would wait for its peer)
+        while any(p.poll() is None for p in procs):
             if any(p.returncode for p in procs if p.poll() is not None) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -124,17 +144,8 @@ def measure_gloo(
         late = time.monotonic() > deadline
         err = next((e for (_, e), p in zip(outs, procs) if p.returncode and e), "")
         why = f"took longer than {TIMEOUT_S:.0f} s (the machine is too busy?)" if late else f"a process failed (exit codes {[p.returncode for p in procs]})"
-        raise PlanError(f"measuring gloo's rate: {why}: {err[-2000:]}")
-    out = outs[0][0]
-    seconds = json.loads(out.strip().splitlines()[-1])
-    pick = min if statistic == "best" else statistics.median
-    rate = {name: tuple(n / 2 / pick(seconds[f"{name}/{n}"]) for n in sizes) for name in ("all_gather", "reduce_scatter")}
-    return GlooFigures(
-        sizes=tuple(sizes), gather_bandwidth=rate["all_gather"], reduce_scatter_bandwidth=rate["reduce_scatter"],
-        activation_sizes=tuple(activation_sizes),
-        all_reduce_bandwidth=tuple(n / pick(seconds[f"all_reduce/{n}"]) for n in activation_sizes),
-        send_bandwidth=tuple(n / (pick(seconds[f"send/{n}"]) / 2) for n in activation_sizes),  # there and back: two sends
-    )
+        raise PlanError(f"measuring {what}: {why}: {err[-2000:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
 def _rank(rank: int, port: int, sizes: list[int], repeats: int, activation_sizes: list[int] = ()) -> None:

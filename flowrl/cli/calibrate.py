@@ -22,7 +22,7 @@ examples:
   flowrl plan llamarl --cluster cpu.json  ... and plan with it
   flowrl calibrate --graph g.py -o cpu.json   also at g.py's model widths (and vLLM's figures if it has a vLLM generator)
   flowrl calibrate --widths 896 --vllm    the pass rates at width 896 too; vLLM's decode and sync rates (~1 min more)
-  flowrl calibrate --gloo                 also gloo's collective rate between two processes (an FSDP2 policy's gathers)
+  flowrl calibrate --gloo                 also gloo's rates between two processes and how split passes run there (CPU ranks)
 """
 
 
@@ -38,8 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "measured at widths 32-256; a wider model takes width 256's rate unless its width is measured "
             "too (--graph, --widths). vLLM's decode speed-up and weight-sync rate are measured with --vllm "
             "or --graph of a graph with a vLLM generator (starts vLLM: about a minute more); the rate of gloo's "
-            "all-gather and reduce-scatter between two processes (what an FSDP2 policy's collectives run at on "
-            "CPU ranks) with --gloo or --graph of a graph with an FSDP2 policy (two processes: seconds)."
+            "all-gather, reduce-scatter, all-reduce and send between two processes (what an FSDP2, tp or pp "
+            "policy's collectives run at on CPU ranks), and how well the two run a tensor- or pipeline-parallel "
+            "pass against the planner's terms, with --gloo or --graph of a graph with an FSDP2 policy (two "
+            "processes: about a minute at width 896)."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -51,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph", metavar="GRAPH", help="also measure what GRAPH needs: its models' widths, and vLLM's figures at its vLLM generator's shape")
     p.add_argument("--widths", metavar="W,W", help="more model widths to measure the pass rates at (comma-separated hidden sizes, e.g. 896)")
     p.add_argument("--vllm", action="store_true", help="measure vLLM's decode speed-up and weight-sync rate (needs vLLM; default shape: --graph's vLLM model, else qwen2.5-0.5b's)")
-    p.add_argument("--gloo", action="store_true", help="measure gloo's all-gather and reduce-scatter rate between two processes (an FSDP2 policy's collectives on CPU ranks)")
+    p.add_argument("--gloo", action="store_true", help="measure gloo's collective rates between two processes and the split passes' efficiency there (FSDP2, tp and pp policies on CPU ranks)")
     p.set_defaults(func=_run)
 
 
@@ -83,6 +85,15 @@ def _run(args: argparse.Namespace) -> int:
         acts = "; ".join(f"{n / 2**20:g} MiB all-reduce {a / 1e9:.2f}, send {p / 1e9:.2f}"
                          for (n, a), (_, p) in zip(m.cpu.gloo_all_reduce_by_bytes, m.cpu.gloo_send_by_bytes))
         print(f"gloo at activations' sizes (GB/s): {acts}", file=sys.stderr)
+        from flowrl.calibration.rank_passes import measure_rank_passes, with_rank_passes
+
+        width = max(32, m.cpu.train_flops_by_width[-1][0] // 32 * 32)  # the widest width measured (the graph's model)
+        m = with_rank_passes(m, measure_rank_passes(width, repeats=min(args.repeats, 3)))
+        print(
+            f"split passes on two ranks at width {width}, against the planner's terms: tp training {m.cpu.tp_train_efficiency:.2f}, "
+            f"tp decoding {m.cpu.tp_decode_efficiency:.2f}, pp training (1F1B) {m.cpu.pp_train_efficiency:.2f}",
+            file=sys.stderr,
+        )
     if vllm_model is not None:
         from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
 

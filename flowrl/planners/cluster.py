@@ -178,6 +178,15 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             times slower at these sizes: gloo's reduce-scatter is its slow half).
         gloo_send_by_bytes: the same for one ``send`` of that many bytes (``bytes / bandwidth``): a
             pipeline stage's activations and their gradients; empty: ``gloo_by_bytes``' rate.
+        tp_train_efficiency: how well a CPU rank of a tp = 2 policy runs its training pass: the
+            planner's terms for it (half the whole pass at the one-core rate, plus its all-reduces at
+            gloo's rates) over the pass measured through the trainer's own tensor parallelism
+            (``flowrl.calibration.rank_passes``, ``flowrl calibrate --gloo``): narrower matmuls,
+            DTensor's dispatch and the ranks waiting for each other, which are no FLOP or byte. A tp
+            rank's compute term is divided by it (``estimate.cpu_ranks``); 0: not measured (1).
+        tp_decode_efficiency: the same for the built-in generator's tp decode step (8 rows).
+        pp_train_efficiency: the same for a 2-stage 1F1B schedule against its terms (compute, bubble,
+            sends): a pipeline stage's compute term is divided by it.
         host_cores: the host's cores when its devices (ranks) may outnumber them (``flowrl
             calibrate`` writes the cores it measured; ``calibrated_cluster(m, cores=n)`` with n
             above them is that many ranks on fewer cores): meshes busy together on more devices
@@ -199,6 +208,9 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     gloo_by_bytes: tuple[tuple[int, float], ...] = ()
     gloo_all_reduce_by_bytes: tuple[tuple[int, float], ...] = ()
     gloo_send_by_bytes: tuple[tuple[int, float], ...] = ()
+    tp_train_efficiency: float = 0.0
+    tp_decode_efficiency: float = 0.0
+    pp_train_efficiency: float = 0.0
     host_cores: int = 0
 
     def __post_init__(self) -> None:
@@ -222,6 +234,9 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             sizes = [n for n, _ in table]
             if sizes != sorted(set(sizes)) or any(n < 1 or not 0 < r < float("inf") for n, r in table):
                 raise PlanError(f"CpuTerms: {field}={table} must be (bytes >= 1, bytes/s > 0) pairs, sizes strictly ascending")
+        for field in ("tp_train_efficiency", "tp_decode_efficiency", "pp_train_efficiency"):
+            if not 0 <= getattr(self, field) <= 4:
+                raise PlanError(f"CpuTerms: {field}={getattr(self, field)} must be in [0, 4] (0: not measured)")
         rows = [r for r, _ in self.decode_rows_fraction]
         if rows != sorted(set(rows)) or any(r < 1 or not 0 < f <= 4 for r, f in self.decode_rows_fraction):
             raise PlanError(f"CpuTerms: decode_rows_fraction={self.decode_rows_fraction} must be (rows >= 1, 0 < fraction <= 4) pairs, rows strictly ascending")
@@ -342,6 +357,21 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
             return table[-1][1]
         (w0, f0), (w1, f1) = next((a, b) for a, b in zip(table, table[1:]) if a[0] <= width <= b[0])
         return f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
+
+    def rank_efficiency(self, pass_kind: str, *, tp: int = 1, pp: int = 1) -> float:
+        """How well CPU ranks of a ``tp`` x ``pp`` mesh run a ``pass_kind`` (``"train"`` or ``"decode"``)
+        pass against the planner's terms: the product of ``CpuTerms``' measured efficiencies of the
+        axes > 1 (an unmeasured one counts 1).
+
+        Example:
+            >>> d = cpu_device(cores=2, memory_bytes=2**30, cpu=CpuTerms(tp_train_efficiency=0.6, pp_train_efficiency=0.7))
+            >>> d.rank_efficiency("train", tp=2), round(d.rank_efficiency("train", tp=2, pp=2), 6), d.rank_efficiency("decode", tp=2), d.rank_efficiency("train")
+            (0.6, 0.42, 1.0, 1.0)
+        """
+        c = self.cpu
+        tp_eff = c.tp_decode_efficiency if pass_kind == "decode" else c.tp_train_efficiency
+        pp_eff = c.pp_train_efficiency if pass_kind == "train" else 0.0
+        return (tp_eff or 1.0 if tp > 1 else 1.0) * (pp_eff or 1.0 if pp > 1 else 1.0)
 
     def decode_rows_factor(self, rows: float) -> float:
         """``CpuTerms.decode_rows_fraction`` interpolated at ``rows`` (linearly in log(rows), clamped to

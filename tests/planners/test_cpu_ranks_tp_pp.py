@@ -181,3 +181,23 @@ def test_all_reduces_and_sends_run_at_their_own_calibrated_rates_else_the_gather
     for field in ("gloo_all_reduce_by_bytes", "gloo_send_by_bytes"):
         with pytest.raises(PlanError, match=rf"{field}=.* must be \(bytes >= 1, bytes/s > 0\) pairs, sizes strictly ascending"):
             CpuTerms(**{field: ((2**20, 1e9), (2**18, 1e9))})
+
+
+@pytest.mark.parametrize("dims, field", [(ParallelDims(tp=2), "tp_train_efficiency"), (ParallelDims(pp=2), "pp_train_efficiency")])
+def test_a_split_ranks_compute_runs_at_its_measured_efficiency_and_its_collectives_as_priced(dims, field):
+    """``CpuTerms.tp_train_efficiency`` / ``pp_train_efficiency`` (``flowrl calibrate --gloo``: the runtime's
+    split passes against these terms) divide a rank's compute; its all-reduces and sends keep their
+    gloo-rate terms; the other axis' efficiency does not apply."""
+    micro = {"micro_batch": 2} if dims.pp > 1 else {}
+    plain = option(dims, **micro)
+    slow = option(dims, c=ctx(**{field: 0.5}), **micro)
+    other = option(dims, c=ctx(**{("pp_train_efficiency" if field.startswith("tp") else "tp_train_efficiency"): 0.5}), **micro)
+    assert slow.breakdown["compute"] == pytest.approx(2 * plain.breakdown["compute"], rel=1e-12)
+    for part in ("tp_comm", "pp_comm"):
+        assert slow.breakdown[part] == pytest.approx(plain.breakdown[part], rel=1e-12)
+    assert other.breakdown["compute"] == pytest.approx(plain.breakdown["compute"], rel=1e-12)
+
+
+def test_an_efficiency_out_of_range_is_refused():
+    with pytest.raises(PlanError, match=r"tp_train_efficiency=-0.5 must be in \[0, 4\]"):
+        CpuTerms(tp_train_efficiency=-0.5)

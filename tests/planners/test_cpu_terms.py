@@ -116,6 +116,21 @@ def test_a_cpu_tp_generators_all_reduces_run_at_gloos_rate_at_their_size():
     assert gpu.breakdown["tp_comm"] < est.breakdown["tp_comm"] / 100  # 1e10 B/s NVLink-like link, bf16
 
 
+def test_a_cpu_tp_generators_decode_runs_at_its_measured_efficiency():
+    """``CpuTerms.tp_decode_efficiency`` (the built-in generator's split decode step against these
+    terms) divides a CPU tp generator's decode step, not its all-reduces; a GPU's and a tp=1's ignore it."""
+    base = dict(kind="cpu", flops_by_width=((8, 1e11),), gloo_all_reduce_by_bytes=((16, 1e6),))
+    plain = estimate_generate(TINY, ParallelDims(tp=2), range(2), ctx(dev=device(**base)))
+    slow = estimate_generate(TINY, ParallelDims(tp=2), range(2), ctx(dev=device(**base, tp_decode_efficiency=0.5)))
+    key = next(k for k in plain.breakdown if k.startswith("decode_"))
+    assert slow.breakdown[key] == pytest.approx(2 * plain.breakdown[key], rel=1e-12)
+    assert slow.breakdown["tp_comm"] == plain.breakdown["tp_comm"]
+    one = [estimate_generate(TINY, ParallelDims(), range(1), ctx(dev=device(**base, **e))).time_s for e in ({}, {"tp_decode_efficiency": 0.5})]
+    assert one[0] == one[1]
+    gpu = [estimate_generate(TINY, ParallelDims(tp=2), range(2), ctx(dev=device(**e))).time_s for e in ({}, {"tp_decode_efficiency": 0.5})]
+    assert gpu[0] == gpu[1]
+
+
 @pytest.mark.parametrize(
     "speedups, generator, expected",
     [

@@ -290,6 +290,8 @@ def estimate_generate(
     # on a calibrated CPU, the rate at b rows (a few rows stream every weight for little arithmetic)
     t_compute = b * model.forward_flops_per_token(ctx_len) / (tp * pp * decode_rate * dev.decode_rows_factor(b))
     stage = max(t_read, t_compute)
+    if tp > 1 and caps.python_loop and not DEVICE_TRAITS[dev.kind].cuda:  # the built-in engine's tp ranks on a CPU
+        stage /= dev.rank_efficiency("decode", tp=tp)  # as measured against these terms (CpuTerms.tp_decode_efficiency)
     tp_tok = L / pp * 2 * tp_all_reduce_s(b * h * ab)
     token = pp * (stage + tp_tok + L / pp * launch_layer) + ((pp - 1) * send_s(b * h * ab, pp_link) if pp_link else 0.0)
     step_overhead = dev.cpu.decode_step_overhead_s if caps.python_loop else 0.0  # flowrl's Python sampling loop
