@@ -86,7 +86,7 @@ class Measurements(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             passes, on one thread alone over its time with ``cores`` intra-op threads, the two
             taking turns on one compute thread); ``shared_slowdown`` (``_shared_slowdown``);
             ``slot_row_overhead_s`` (``_slot_row_overhead``); ``decode_rows_fraction`` (``_decode_rows``,
-            at the widest width measured); ``decode_step_overhead_s`` (one
+            at the widest width measured); ``adamw_s_per_param`` (``_adamw_step``); ``decode_step_overhead_s`` (one
             decode step of the built-in generator outside its blocks, ``_decode_overhead``).
     """
 
@@ -340,6 +340,26 @@ def _decode_overhead(repeats: int) -> float:
     return max(0.0, 2 * step_s(1) - step_s(2))
 
 
+#: Parameters of ``_adamw_step``'s model: 8 tensors of 2M float32 (each state as large as the caches'
+#: several times over, as a real policy's are).
+ADAMW_TENSORS, ADAMW_NUMEL = 8, 2**21
+
+
+def _adamw_step(repeats: int, statistic: str) -> float:
+    """Seconds per parameter of ``torch.optim.AdamW.step`` on one thread, as the trainer builds it
+    (its defaults: on a CPU torch takes the per-parameter loop), over ``ADAMW_TENSORS`` tensors of
+    ``ADAMW_NUMEL`` float32 with gradients: ``CpuTerms.adamw_s_per_param``."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(ADAMW_NUMEL)) for _ in range(ADAMW_TENSORS)]
+    for p in params:
+        p.grad = torch.randn(ADAMW_NUMEL)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt.step()  # the states are made on the first step
+    seconds = _timed([opt.step], inner=2, repeats=repeats, statistic=statistic)
+    return seconds / (ADAMW_TENSORS * ADAMW_NUMEL)
+
+
 def _slot_row_overhead(repeats: int, *, rows: int = 64, tokens: int = 8) -> float:
     """Seconds per busy row per decode step that flowrl's slot batcher spends beyond lock step: the
     same ``rows`` samples of ``tokens`` tokens (no stop token, no refill) drawn by a ``SlotBatcher``
@@ -433,6 +453,7 @@ def measure(
         torch.set_num_threads(1)
         decode_s = _decode_overhead(repeats)
         slot_s = _slot_row_overhead(repeats)
+        adamw_s = _adamw_step(repeats, statistic)
     finally:
         torch.set_num_threads(threads)
     return Measurements(
@@ -453,6 +474,7 @@ def measure(
             shared_slowdown=shared,
             decode_step_overhead_s=decode_s,
             slot_row_overhead_s=slot_s,
+            adamw_s_per_param=adamw_s,
         ),
     )
 

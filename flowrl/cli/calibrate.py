@@ -120,7 +120,8 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"model passes, GFLOP/s by width: {rates}; thread speedup {m.cpu.thread_speedup:.2f} (generating {m.cpu.gen_thread_speedup:.2f}), shared slowdown "
         f"{m.cpu.shared_slowdown:.2f}, decode step overhead {m.cpu.decode_step_overhead_s * 1e6:.0f} us, slot row "
-        f"overhead {m.cpu.slot_row_overhead_s * 1e6:.1f} us",
+        f"overhead {m.cpu.slot_row_overhead_s * 1e6:.1f} us, AdamW step {m.cpu.adamw_s_per_param * 1e9:.2f} ns a parameter, "
+        f"decode on 1/4/16 rows at {'/'.join(f'{f:.2f}' for _, f in m.cpu.decode_rows_fraction)} of the table's rate",
         file=sys.stderr,
     )
     data = cluster_to_json(cluster)

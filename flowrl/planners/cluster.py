@@ -178,6 +178,11 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             times slower at these sizes: gloo's reduce-scatter is its slow half).
         gloo_send_by_bytes: the same for one ``send`` of that many bytes (``bytes / bandwidth``): a
             pipeline stage's activations and their gradients; empty: ``gloo_by_bytes``' rate.
+        adamw_s_per_param: seconds per parameter of one AdamW step on one thread (``flowrl calibrate``:
+            ``torch.optim.AdamW.step`` over 16M float32 parameters; on a CPU torch steps each tensor in
+            its own loop of elementwise passes, several times the bytes of the parameters, gradients
+            and two moments that the memory-bandwidth term counts). When > 0 a CPU rank's optimizer
+            step is its stepped parameters times it (``estimate.train``); 0: the bandwidth term.
         tp_train_efficiency: how well a CPU rank of a tp = 2 policy runs its training pass: the
             planner's terms for it (half the whole pass at the one-core rate, plus its all-reduces at
             gloo's rates) over the pass measured through the trainer's own tensor parallelism
@@ -208,13 +213,14 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     gloo_by_bytes: tuple[tuple[int, float], ...] = ()
     gloo_all_reduce_by_bytes: tuple[tuple[int, float], ...] = ()
     gloo_send_by_bytes: tuple[tuple[int, float], ...] = ()
+    adamw_s_per_param: float = 0.0
     tp_train_efficiency: float = 0.0
     tp_decode_efficiency: float = 0.0
     pp_train_efficiency: float = 0.0
     host_cores: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s", "vllm_decode_speedup", "vllm_sync_bandwidth"):
+        for field in ("thread_speedup", "gen_thread_speedup", "decode_step_overhead_s", "slot_row_overhead_s", "train_step_overhead_s", "vllm_decode_speedup", "vllm_sync_bandwidth", "adamw_s_per_param"):
             value = getattr(self, field)
             if not (value >= 0 and value < float("inf")):
                 raise PlanError(f"CpuTerms: {field}={value} must be a finite number >= 0")

@@ -29,6 +29,7 @@ def test_measure_returns_positive_figures():
     assert m.cpu.thread_speedup > 0 and m.cpu.gen_thread_speedup > 0 and m.cpu.shared_slowdown >= 1 and m.cpu.decode_step_overhead_s >= 0 and m.cpu.slot_row_overhead_s >= 0
     rows = m.cpu.decode_rows_fraction  # decode on 1, 4 and 16 rows against the table's rows at the widest width
     assert [r for r, _ in rows] == [1, 4, 16] and all(f > 0 for _, f in rows)
+    assert 1e-11 < m.cpu.adamw_s_per_param < 1e-6  # seconds per parameter of an AdamW step
     calibrated_cluster(m)  # every measured figure is a valid DeviceSpec field
     assert msgspec.json.decode(msgspec.json.encode(m), type=Measurements) == m
 

@@ -188,6 +188,13 @@ def test_train_step_overhead_is_paid_once_per_optimizer_step():
     assert over.breakdown["optimizer"] - base.breakdown["optimizer"] == pytest.approx(2e-3)
 
 
+def test_a_measured_adamw_step_prices_the_optimizer_per_parameter():
+    """``adamw_s_per_param`` (``flowrl calibrate``'s AdamW step) replaces the bandwidth term: TINY's
+    1352 parameters x 1 us, plus the step overhead."""
+    est = estimate_train(TINY, ParallelDims(), range(1), ctx(dev=device(adamw_s_per_param=1e-6, train_step_overhead_s=2e-3)))
+    assert est.breakdown["optimizer"] == pytest.approx(1352 * 1e-6 + 2e-3, rel=1e-12)
+
+
 # -- flowrl's own trainer and slot batcher on a CPU device ------------------------------------------------
 def test_cpu_trainer_pads_the_whole_batch_to_its_longest_sequence():
     # 4 sequences of 3 prompt tokens + 1 or 3 completion tokens: padded, one micro-batch of 4 (the

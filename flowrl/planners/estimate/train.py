@@ -21,6 +21,7 @@ Time of one optimizer step::
     grad_sync   = (1 - overlap) * all_reduce(P/(tp*pp) * grad_bytes, dp)         # reduce-scatter (all_gather) at zero >= 2
     optimizer   = P/(tp*pp) * (param_bytes + grad_bytes + 2 * optimizer_bytes / shard) / mem_bw
                   + param_tensors * 10 * kernel_overhead  (+ all_gather of the params if sharded)
+                  (a calibrated CPU: P/(tp*pp) * ``CpuTerms.adamw_s_per_param``, AdamW's step measured)
                   (ZeRO-3: a rank steps its shards, param_bytes + grad_bytes / dp too)
     T           = pipeline + grad_sync + optimizer
     zero = 3    :  t_mb += (1 - overlap) * gathers * all_gather(P/(tp*pp) * param_bytes, dp)
@@ -329,8 +330,11 @@ def train_options(
         tensors = 9 * L + 3
         states = over(d_train * ob, x_dev * ob, shard if replicas > 1 else 1)  # a CPU mesh's one process steps all of them
         stepped = over(d_train * (pb + gb), x_dev * (pb + gb), dp if zero >= 3 and replicas > 1 else 1)  # ZeRO-3: a rank steps its shards
-        optimizer_s = (stepped + 2 * states) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
-        optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.cpu.train_step_overhead_s
+        if dev.cpu.adamw_s_per_param > 0:  # a calibrated CPU: AdamW's measured per-parameter loop
+            optimizer_s = stepped / (pb + gb) * dev.cpu.adamw_s_per_param + dev.cpu.train_step_overhead_s
+        else:
+            optimizer_s = (stepped + 2 * states) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
+            optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.cpu.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
             optimizer_s += experts_too(all_gather_s, d_train * pb, x_dev * pb)
     resident = weights + grads + optim
