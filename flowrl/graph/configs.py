@@ -17,7 +17,7 @@ from typing import Literal, get_args
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.graph.corrections import CorrectionConfig, check_correction
+from flowrl.graph.corrections import CorrectionConfig, check_correction, correction_of
 from flowrl.graph.objectives import BUILTIN_OBJECTIVES, OBJECTIVES, ObjectiveRow
 
 __all__ = [
@@ -370,6 +370,8 @@ class LossConfig(msgspec.Struct, **_STRUCT):
 
     def __post_init__(self) -> None:
         o = "LossConfig"
+        if self.correction is not None and not isinstance(self.correction, CorrectionConfig):  # a name or a dict, in Python
+            msgspec.structs.force_setattr(self, "correction", correction_of(self.correction, owner=o))
         self._check_row(o)
         _finite(o, gamma=self.gamma, lam=self.lam)
         _check(0 <= self.gamma <= 1, o, f"gamma={self.gamma} must be in [0, 1] (GAE's discount per token; 1: undiscounted)")
