@@ -186,7 +186,7 @@ def register_objective(
     """Add a user's objective (its row, ``ObjectiveRow``'s fields) to this process's table; returns it.
 
     ``fn`` is a module-level function (or its reference); graphs store it by reference, as a scorer's
-    function. Registering the same row again is a no-op (a module imported twice).
+    function. Registering a name again replaces its row (a script run again in one process, edited).
 
     Example:
         >>> row = register_objective("my_pg", "flowrl.operators.losses:pg_objective")
@@ -195,7 +195,7 @@ def register_objective(
         >>> del OBJECTIVES["my_pg"]
 
     Raises:
-        ConfigError: a built-in's name, another row under the same name, or a malformed row.
+        ConfigError: a built-in's name or a malformed row.
     """
     try:
         ref = reference_of(fn)
@@ -207,8 +207,6 @@ def register_objective(
     )  # fmt: skip
     if name in BUILTIN_OBJECTIVES:
         raise ConfigError(f"objective {name!r} is built in; register yours under another name")
-    if name in OBJECTIVES and OBJECTIVES[name] != row:
-        raise ConfigError(f"objective {name!r} is already registered as {OBJECTIVES[name]}; pick another name")
     OBJECTIVES[name] = row
     return row
 
