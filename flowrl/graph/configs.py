@@ -414,6 +414,7 @@ class LossConfig(msgspec.Struct, **_STRUCT):
         if self.row is not None:
             _check(self.row.name == self.objective, o, f"row {self.row.name!r} is carried for objective {self.objective!r}: they must name the same objective")
             _check(self.objective not in BUILTIN_OBJECTIVES, o, f"objective {self.objective!r} is built in: it carries no row")
+            _check(bool(self.row.fn), o, f"objective {self.objective!r}'s row names no function: set fn='package.module:function'")
         row = self.row or OBJECTIVES.get(self.objective)
         if row is None:
             return

@@ -1,7 +1,7 @@
 """Objectives as rows: the one table the trainer, the validator and the planner read.
 
-An objective is an ``ObjectiveRow``: its name, its loss function (a reference ``module:function``, the
-torch code living in ``flowrl.operators``), the log-probs it reads, whether it is anchored at the old
+An objective is an ``ObjectiveRow``: its name, its loss function (a built-in's found by name in
+``flowrl.operators.losses.LOSSES``, a user's a reference ``module:function``), the log-probs it reads, whether it is anchored at the old
 policy, the advantages it takes, the correction it already applies and its own options. Nothing here
 imports torch: a graph holds the row's facts, the trainer resolves its function by name.
 
@@ -75,15 +75,14 @@ READ_FIELDS: dict[str, str] = {
     "teacher": "teacher_logprobs",
 }
 
-_LOSSES = "flowrl.operators.losses"
-
 
 class ObjectiveRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One objective (module docstring).
 
     Attributes:
         name: ``LossConfig.objective``.
-        fn: ``module:function`` (or ``file.py:function``) of the loss,
+        fn: a user's loss, ``module:function`` (or ``file.py:function``); "" for a built-in (its
+            function is ``flowrl.operators.losses.LOSSES[name]``). The loss is
             ``fn(config, logprobs, old, advantages, mask, *, normalizer, lengths, options, **reads)``
             returning ``(loss, metrics)``: ``old`` is the log-probs of the policy its ratio is taken
             against (mu, or pi_old when ``anchored_at_old``), ``reads`` holds ``proximal=`` /
@@ -100,7 +99,7 @@ class ObjectiveRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """
 
     name: str
-    fn: str
+    fn: str = ""
     reads: tuple[str, ...] = ("mu",)
     anchored_at_old: bool = False
     advantages: Literal["group", "gae"] = "group"
@@ -112,7 +111,7 @@ class ObjectiveRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         where = f"objective {self.name!r}"
         if not self.name.isidentifier():
             raise ConfigError(f"{where}: the name must be letters, digits and '_' (it is LossConfig.objective)")
-        message = check_reference(self.fn)
+        message = check_reference(self.fn) if self.fn else None
         if message:
             raise ConfigError(f"{where}: fn: {message}")
         unknown = [r for r in self.reads if r not in READS]
@@ -132,8 +131,8 @@ class ObjectiveRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return "proximal" in self.reads
 
 
-def _row(name: str, fn: str, **kw: Any) -> ObjectiveRow:
-    return ObjectiveRow(name=name, fn=f"{_LOSSES}:{fn}", **kw)
+def _row(name: str, **kw: Any) -> ObjectiveRow:
+    return ObjectiveRow(name=name, **kw)
 
 
 _CLIP = "min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)"
@@ -142,22 +141,22 @@ _CLIP = "min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)"
 BUILTIN_OBJECTIVES: dict[str, ObjectiveRow] = {
     r.name: r
     for r in (
-        _row("aipo", "aipo_objective", corrects="AIPO's one-sided truncation of pi/mu at rho", summary="- sg[min(pi/mu, rho)] A log pi"),
-        _row("pg", "pg_objective", summary="- A log pi (mu ignored)"),
-        _row("grpo", "ppo_clip_objective", anchored_at_old=True, summary=f"- {_CLIP}, r = pi/pi_old"),
-        _row("ppo_clip", "ppo_clip_objective", anchored_at_old=True, summary="grpo's, under the PPO paper's name"),
-        _row("ppo", "ppo_clip_objective", reads=("mu", "values"), anchored_at_old=True, advantages="gae",
+        _row("aipo", corrects="AIPO's one-sided truncation of pi/mu at rho", summary="- sg[min(pi/mu, rho)] A log pi"),
+        _row("pg", summary="- A log pi (mu ignored)"),
+        _row("grpo", anchored_at_old=True, summary=f"- {_CLIP}, r = pi/pi_old"),
+        _row("ppo_clip", anchored_at_old=True, summary="grpo's, under the PPO paper's name"),
+        _row("ppo", reads=("mu", "values"), anchored_at_old=True, advantages="gae",
              summary=f"- {_CLIP}, A a critic's whitened GAE per token"),  # fmt: skip
-        _row("gspo", "gspo_objective", anchored_at_old=True, summary=f"- {_CLIP}, r the sequence's geometric-mean ratio"),
-        _row("cispo", "cispo_objective", anchored_at_old=True, summary="- sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi"),
-        _row("tis", "tis_objective", corrects="truncated IS of pi/mu (the tis objective)", summary="- sg[min(pi/mu, rho)] A log pi, per token or sequence"),
-        _row("mis", "mis_objective", corrects="masked IS of pi/mu (the mis objective)", summary="- sg[pi/mu 1[rho_low <= pi/mu <= rho]] A log pi"),
-        _row("decoupled_ppo", "decoupled_ppo_objective", reads=("mu", "proximal"), corrects="decoupled PPO's pi_prox/mu weight capped at rho",
+        _row("gspo", anchored_at_old=True, summary=f"- {_CLIP}, r the sequence's geometric-mean ratio"),
+        _row("cispo", anchored_at_old=True, summary="- sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi"),
+        _row("tis", corrects="truncated IS of pi/mu (the tis objective)", summary="- sg[min(pi/mu, rho)] A log pi, per token or sequence"),
+        _row("mis", corrects="masked IS of pi/mu (the mis objective)", summary="- sg[pi/mu 1[rho_low <= pi/mu <= rho]] A log pi"),
+        _row("decoupled_ppo", reads=("mu", "proximal"), corrects="decoupled PPO's pi_prox/mu weight capped at rho",
              summary=f"- sg[pi_prox/mu 1[pi_prox/mu <= rho]] {_CLIP}, r = pi/pi_prox"),  # fmt: skip
-        _row("dppo", "dppo_objective", corrects="DPPO's probability-difference mask against mu",
+        _row("dppo", corrects="DPPO's probability-difference mask against mu",
              options={"mask_low": 0.2, "mask_high": 0.2, "adv_tau": 1.0, "kl_tau": 1e-3},
              summary="- 1[keep] adv_tau A pi/mu + kl_tau (log pi/mu)^2; keep: pi - mu <= mask_high (A > 0), >= -mask_low (A < 0)"),  # fmt: skip
-        _row("sapo", "sapo_objective", anchored_at_old=True, options={"tau_pos": 1.0, "tau_neg": 1.05},
+        _row("sapo", anchored_at_old=True, options={"tau_pos": 1.0, "tau_neg": 1.05},
              summary="- (4/tau) sigmoid(tau (r - 1)) A, tau = tau_pos (A > 0) or tau_neg, r = pi/pi_old"),  # fmt: skip
     )
 }
@@ -198,7 +197,7 @@ def register_objective(
         ConfigError: a built-in's name or a malformed row.
     """
     try:
-        ref = reference_of(fn)
+        ref = reference_of(fn)  # a user's function, stored by reference
     except Exception as exc:  # a lambda or a nested function: GraphError
         raise ConfigError(f"objective {name!r}: {exc}") from None
     row = ObjectiveRow(

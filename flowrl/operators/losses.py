@@ -812,10 +812,24 @@ def sapo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv:
     return sapo_loss(logprobs, behaviour, adv, mask, tau_pos=o["tau_pos"], tau_neg=o["tau_neg"], **_agg(config, normalizer, lengths))
 
 
-#: The built-in rows' functions by ``LossConfig.objective`` (``flowrl.graph.objectives.BUILTIN_OBJECTIVES``
-#: names each by reference): ``fn(config, logprobs, old, advantages, mask, *, options, normalizer, lengths)``
-#: (and ``proximal=``, log pi_prox, for the rows that read it).
-LOSSES: dict[str, LossFn] = {name: globals()[row.fn.split(":")[1]] for name, row in BUILTIN_OBJECTIVES.items()}
+#: The built-in rows' functions (``flowrl.graph.objectives.BUILTIN_OBJECTIVES`` holds their facts; both
+#: list the same names, ``tests/operators/test_objective_rows.py``), by ``LossConfig.objective``:
+#: ``fn(config, logprobs, old, advantages, mask, *, options, normalizer, lengths)`` (and ``proximal=``,
+#: log pi_prox, for the rows that read it).
+LOSSES: dict[str, LossFn] = {
+    "aipo": aipo_objective,
+    "pg": pg_objective,
+    "grpo": ppo_clip_objective,
+    "ppo_clip": ppo_clip_objective,
+    "ppo": ppo_clip_objective,  # with a critic's token-level GAE advantages (loss_advantages)
+    "gspo": gspo_objective,
+    "cispo": cispo_objective,
+    "tis": tis_objective,
+    "mis": mis_objective,
+    "decoupled_ppo": decoupled_ppo_objective,
+    "dppo": dppo_objective,
+    "sapo": sapo_objective,
+}
 
 _RESOLVED: dict[str, LossFn] = {}
 
@@ -828,7 +842,7 @@ def objective_function(config: LossConfig | str, *, owner: str = "loss") -> Loss
             reference and the fix).
     """
     row = _row(config, owner)
-    if row.name in LOSSES and row == BUILTIN_OBJECTIVES.get(row.name):
+    if not row.fn:  # a built-in
         return LOSSES[row.name]
     if row.fn not in _RESOLVED:
         try:

@@ -52,7 +52,7 @@ def test_the_old_sets_are_views_of_the_rows():
     assert NEEDS_PROXIMAL == {"decoupled_ppo"}
     assert ANCHORED_AT_OLD == {"grpo", "ppo_clip", "ppo", "gspo", "cispo", "sapo"}
     assert {n for n, r in BUILTIN_OBJECTIVES.items() if r.corrects} == {"aipo", "tis", "mis", "decoupled_ppo", "dppo"}
-    assert all(r.fn.startswith("flowrl.operators.losses:") for r in BUILTIN_OBJECTIVES.values())
+    assert not any(r.fn for r in BUILTIN_OBJECTIVES.values())  # found by name in flowrl.operators.losses.LOSSES
 
 
 def test_a_users_row_travels_in_the_graph_file_and_the_planner_reads_it(user_row):
@@ -92,10 +92,11 @@ def test_a_correction_shows_in_describe_and_survives_json():
         (lambda: _graph(objective="grpo", correction={"kind": "seq_mask", "low": 1.2, "high": 1.1}), ConfigError, r"low=1.2 > high=1.1"),
         (lambda: _graph(objective="grpo", options={"tau_pos": 1.0}), ConfigError, r"not options of objective 'grpo' \(its options: none\)"),
         (lambda: LossConfig(objective="grpo", row=ObjectiveRow(name="grpo", fn="m:f")), ConfigError, r"is built in: it carries no row"),
+        (lambda: _graph(objective=ObjectiveRow(name="mine")), ConfigError, r"objective 'mine''s row names no function"),
         (lambda: _graph(objective="no_such"), GraphError, None),  # known at run start (flowrl.runtime.names)
     ],
     ids=["builtin-name", "lambda", "no-mu", "unknown-read", "gae-without-values", "corrects", "unknown-correction", "low-above-high",
-         "foreign-option", "row-for-builtin", "unknown-name-builds"],
+         "foreign-option", "row-for-builtin", "row-without-fn", "unknown-name-builds"],
 )
 def test_bad_rows_corrections_and_options_are_refused_by_name(call, error, match):
     if match is None:  # an unknown name builds (its form is checked); the run refuses it

@@ -21,7 +21,8 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import LossConfig
 from flowrl.graph.corrections import CorrectionConfig
-from flowrl.operators.losses import compute_loss
+from flowrl.graph.objectives import BUILTIN_OBJECTIVES
+from flowrl.operators.losses import LOSSES, compute_loss
 
 from ..tolerances import U32
 
@@ -46,6 +47,10 @@ def run(config: LossConfig, logp=LOGP, **fields):
 
 def close(actual, expected) -> None:
     torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64), atol=TOL, rtol=0)
+
+
+def test_the_built_in_rows_and_their_functions_list_the_same_names():
+    assert sorted(LOSSES) == sorted(BUILTIN_OBJECTIVES)
 
 
 # --- DPPO (prime-rl's default) --------------------------------------------------------------------
