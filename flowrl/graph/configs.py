@@ -428,7 +428,7 @@ class LossConfig(msgspec.Struct, **_STRUCT):
             o_ = self.objective_options()
             bad = {k: v for k, v in o_.items() if v < 0 or (k.startswith("tau") and v <= 0)}
             _check(not bad, o, f"options {bad} of objective {self.objective!r} must be >= 0 (temperatures tau_* > 0)")
-        problem = check_correction(self.correction, self.objective, row.corrects, owner=o)
+        problem = check_correction(self.correction, self.objective, row.corrects)
         _check(problem is None, o, problem or "")
 
     def objective_options(self) -> dict[str, float]:

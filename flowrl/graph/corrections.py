@@ -129,11 +129,11 @@ def correction_of(value: Any, *, owner: str = "loss") -> CorrectionConfig | None
     raise ConfigError(f"{owner}: correction={value!r} must be one of {list(CORRECTIONS)}, a dict with 'kind', or a CorrectionConfig")
 
 
-def check_correction(correction: CorrectionConfig | None, objective: str, corrects: str, *, owner: str = "loss") -> str | None:
+def check_correction(correction: CorrectionConfig | None, objective: str, corrects: str) -> str | None:
     """What is wrong with ``correction`` on an objective whose row corrects ``corrects`` already; None if nothing."""
     if correction is not None and corrects:
         return (
-            f"{owner}: correction={correction.kind!r} on objective {objective!r}, which already corrects the mismatch "
+            f"correction={correction.kind!r} on objective {objective!r}, which already corrects the mismatch "
             f"({corrects}); drop the correction, or use objective='pg' / 'grpo' / another objective with it"
         )
     return None

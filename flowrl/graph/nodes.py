@@ -324,7 +324,7 @@ class LossNode(NodeBase, tag="loss"):
         option not at its default (``reward_weights`` where a weight is not 1: the fields show on the edges)."""
         c = self.loss
         extra = {"aipo": f", rho={c.rho:g}", "pg": ""}.get(c.objective, f", eps={c.clip_eps:g}")
-        shown = ("objective", "baseline", "rho" if c.objective == "aipo" else "clip_eps", "row")
+        shown = ("objective", "baseline", "rho" if c.objective == "aipo" else "clip_eps")
         if c.objective == "ppo":  # GAE's, not a group baseline
             return ", ".join([f"ppo, eps={c.clip_eps:g}, gamma={c.gamma:g}, lam={c.lam:g}", *_changed(c, skip=shown + ("gamma", "lam", "reward_weights"))])
         rest = _changed(c, skip=shown + (() if any(w != 1 for w in c.reward_weights.values()) else ("reward_weights",)))
@@ -353,7 +353,7 @@ def _value(v: object) -> str:
         return "(" + ", ".join(_value(x) for x in v) + ")"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in sorted(v.items())) + "}"  # sorted: stable across JSON round trips
-    if hasattr(v, "describe"):  # a correction: tis(level=token, cap=2.0)
+    if hasattr(v, "describe"):  # a correction, tis(level=token, cap=2.0); a user's objective row, its function
         return v.describe()  # type: ignore[attr-defined]
     return str(v)
 

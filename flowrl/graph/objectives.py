@@ -125,6 +125,10 @@ class ObjectiveRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if bad:
             raise ConfigError(f"{where}: options {bad} must be identifiers with numeric defaults")
 
+    def describe(self) -> str:
+        """Its function's reference (a built-in's name)."""
+        return self.fn or self.name
+
     @property
     def recomputes(self) -> bool:
         """Whether the trainer computes log pi_prox for it whatever the updates per batch."""
