@@ -350,7 +350,10 @@ class GraphBuilder:
             kwargs["row"] = OBJECTIVES[kwargs["objective"]]  # a user's row travels with the graph
         if "correction" in kwargs:
             kwargs["correction"] = correction_of(kwargs["correction"], owner=owner)
-        cfg = _config(LossConfig, config, kwargs, owner)
+        try:
+            cfg = _config(LossConfig, config, kwargs, owner)
+        except ConfigError as exc:  # LossConfig's own checks: name the node
+            raise ConfigError(str(exc) if str(exc).startswith(owner) else f"{owner}: {exc}") from None
         self._no_leftovers("loss", name, kwargs)
         self._check_reward_weights(name, cfg, inputs)
         self._check_critic(name, cfg, inputs)

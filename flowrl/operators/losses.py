@@ -1,5 +1,5 @@
 """RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), plain policy gradient, GRPO/PPO-clip
-(with DAPO's clip-higher), GSPO, CISPO, truncated and masked IS, a KL penalty.
+(with DAPO's clip-higher), GSPO, CISPO, SAPO, DPPO, truncated and masked IS, a KL penalty.
 
 Every loss takes per-token tensors ``[S, C]`` (S samples, C completion positions) and returns
 ``(loss, metrics)``: a scalar to minimise and python floats under namespaced keys. Per-token terms are
@@ -70,13 +70,22 @@ dropped above ``rho`` (AReaL's ``behav_imp_weight_cap``)::
 
 (With one update per batch r = 1 in value, and the gradient is ``w * A * grad log pi``.)
 
-The old policy of the PPO-style objectives (``ANCHORED_AT_OLD``: ``grpo``, ``ppo_clip``, ``gspo``,
-``cispo``, whose ``ratio`` is clipped): with several updates per batch (``num_iterations`` or
-``num_mini_batches`` > 1) the trainer computes log pi_old, the policy at the batch's start
-(``proximal_logprobs``; TRL's ``old_per_token_logps``), and the ratio is ``pi / pi_old``, as TRL takes
-it; with one update per batch it is ``pi / mu`` (the engine's recorded log-probs: PPO's old policy
-when the generator is on-policy, and a correction of a stale batch's k >= 1 versions otherwise).
-``aipo``, ``tis`` and ``mis`` are importance corrections towards mu and always take ``pi / mu``; ``pg``
+DPPO (``dppo_loss``, prime-rl's default) masks a token whose probability moved too far from mu's in
+the advantage's direction and adds a squared log-ratio KL; SAPO (``sapo_loss``, Qwen) replaces PPO's
+clip by a smooth sigmoid gate (formulas in their docstrings).
+
+Each objective is a row of ``flowrl.graph.objectives`` (what it reads, what its ratio is anchored at,
+its advantages, the correction it applies itself, its options); ``LOSSES`` holds the built-in rows'
+functions by name, ``compute_loss`` reads the row. The old policy of the PPO-style objectives
+(``anchored_at_old``: ``grpo``, ``ppo_clip``, ``ppo``, ``gspo``, ``cispo``, ``sapo``, whose ``ratio``
+is clipped or gated): with several updates per batch (``num_iterations`` or ``num_mini_batches`` > 1)
+the trainer computes log pi_old, the policy at the batch's start (``proximal_logprobs``; TRL's
+``old_per_token_logps``), and the ratio is ``pi / pi_old``, as TRL takes it; with one update per batch
+it is ``pi / mu`` (the engine's recorded log-probs: PPO's old policy when the generator is on-policy,
+and a correction of a stale batch's k >= 1 versions otherwise), or ``pi / pi`` (1 in value) under a
+rollout correction, which then carries the whole pi_old / mu gap (``flowrl.graph.corrections``: each
+token's gradient scaled by a truncated or masked weight of that ratio, ``flowrl.operators.corrections``).
+``aipo``, ``tis``, ``mis`` and ``dppo`` are corrections towards mu and always take ``pi / mu``; ``pg``
 takes no ratio.
 
 Aggregation (``loss_agg``, TRL's ``loss_type``), over per-token terms ``l_{i,t}`` and mask ``m``::
