@@ -10,6 +10,7 @@ from flowrl.graph import (
     SamplingConfig,
     SourceConfig,
     from_json,
+    register_objective,
     to_json,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "SourceConfig",
     "to_json",
     "from_json",
+    "register_objective",
     "FlowrlError",
     "GraphError",
     "ConfigError",

@@ -5,6 +5,7 @@ from flowrl.graph.critic import CriticNode
 from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig, SamplingConfig, SourceConfig
 from flowrl.graph.fields import FIELDS, FieldType
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
+from flowrl.graph.objectives import ObjectiveRow, register_objective
 from flowrl.graph.nodes import (
     NODE_KINDS,
     GeneratorNode,
@@ -44,4 +45,6 @@ __all__ = [
     "to_json",
     "from_json",
     "references",
+    "ObjectiveRow",
+    "register_objective",
 ]

@@ -40,7 +40,9 @@ from flowrl.graph.nodes import (
     SourceNode,
     signature,
 )
-from flowrl.graph.critic import CRITIC_OBJECTIVES, CriticNode
+from flowrl.graph.corrections import correction_of
+from flowrl.graph.critic import CriticNode, reads_values
+from flowrl.graph.objectives import BUILTIN_OBJECTIVES, OBJECTIVES, ObjectiveRow
 from flowrl.graph.advice import warn_about
 from flowrl.graph.option_names import leftover_message, reference_options
 from flowrl.graph.refs import reference_of
@@ -317,9 +319,21 @@ class GraphBuilder:
 
         With several scorers, ``reward_weights`` defaults to weight 1.0 for each scorer's output.
         ``objective="ppo"`` reads a critic's values (``critic()``), listed among ``inputs``.
+        ``objective`` is a name (a built-in's, or one ``register_objective`` added: its row is copied
+        into the config, so the graph file carries it) or an ``ObjectiveRow``; ``correction`` is a
+        rollout correction's name (``"tis"``, ``"icepop"``, ``"seq_mask"``), a dict with ``kind`` and
+        its thresholds, or a ``CorrectionConfig`` (``flowrl.graph.corrections``).
+
+        Example:
+            >>> b = GraphBuilder("g")
+            >>> gen = b.generator("gen", b.source("prompts", task="copy"))
+            >>> reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
+            >>> b.loss("grpo", gen, reward, objective="grpo", correction={"kind": "icepop", "high": 3.0}).describe()
+            'grpo, eps=0.2, baseline=group_mean, correction=icepop(low=0.5, high=3.0)'
 
         Raises:
-            ConfigError: ``objective="ppo"`` without a critic among ``inputs``, or a critic with another objective.
+            ConfigError: ``objective="ppo"`` without a critic among ``inputs``, or a critic with another
+                objective; a correction on an objective that corrects already, or a bad threshold.
         """
         if config is None and "reward_weights" not in kwargs:
             read = [self._lookup(r, reader=name) for r in inputs]
@@ -328,7 +342,18 @@ class GraphBuilder:
             outputs += ["env_rewards" for n in read if isinstance(n, GeneratorNode) and n.env is not None]
             if outputs:
                 kwargs["reward_weights"] = {o: 1.0 for o in outputs}
-        cfg = _config(LossConfig, config, kwargs, f"loss {name!r}")
+        owner = f"loss {name!r}"
+        if isinstance(kwargs.get("objective"), ObjectiveRow):
+            kwargs["row"] = kwargs["objective"]
+            kwargs["objective"] = kwargs["row"].name
+        elif kwargs.get("objective") in OBJECTIVES and kwargs["objective"] not in BUILTIN_OBJECTIVES:
+            kwargs["row"] = OBJECTIVES[kwargs["objective"]]  # a user's row travels with the graph
+        if "correction" in kwargs:
+            kwargs["correction"] = correction_of(kwargs["correction"], owner=owner)
+        try:
+            cfg = _config(LossConfig, config, kwargs, owner)
+        except ConfigError as exc:  # LossConfig's own checks: name the node
+            raise ConfigError(str(exc) if str(exc).startswith(owner) else f"{owner}: {exc}") from None
         self._no_leftovers("loss", name, kwargs)
         self._check_reward_weights(name, cfg, inputs)
         self._check_critic(name, cfg, inputs)
@@ -337,14 +362,14 @@ class GraphBuilder:
     def _check_critic(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
         """Refuse ``"ppo"`` without a critic among ``inputs``, and a critic listed for another objective."""
         critics = [n.name for n in (self._lookup(r, reader=name) for r in inputs) if isinstance(n, CriticNode)]
-        if cfg.objective in CRITIC_OBJECTIVES and not critics:
+        if reads_values(cfg) and not critics:
             gens = [n.name for n in self._nodes if isinstance(n, GeneratorNode)]
             raise ConfigError(
                 f"loss {name!r}: objective={cfg.objective!r} takes its advantages from a critic's values, and none is listed; "
                 f"declare one, critic = b.critic('critic', {gens[0] if gens else 'gen'!r}, lr=...), and list it: b.loss({name!r}, ..., critic) "
                 "(or use objective='grpo', whose group baseline needs no critic)"
             )
-        if critics and cfg.objective not in CRITIC_OBJECTIVES:
+        if critics and not reads_values(cfg):
             raise ConfigError(
                 f"loss {name!r}: objective={cfg.objective!r} does not use a learned value, but critic {critics[0]!r} is listed; "
                 "set objective='ppo' (GAE advantages from the critic), or drop the critic"

@@ -17,6 +17,8 @@ from typing import Literal, get_args
 import msgspec
 
 from flowrl.errors import ConfigError
+from flowrl.graph.corrections import CorrectionConfig, check_correction, correction_of
+from flowrl.graph.objectives import BUILTIN_OBJECTIVES, OBJECTIVES, ObjectiveRow
 
 __all__ = [
     "ModelConfig",
@@ -335,6 +337,12 @@ class LossConfig(msgspec.Struct, **_STRUCT):
         reward_weights: reward fields the loss reads and their weights (one per scorer output).
         gamma: ``"ppo"``'s GAE discount per completion token, in [0, 1].
         lam: ``"ppo"``'s GAE lambda (bias-variance trade-off of the advantage), in [0, 1].
+        correction: a rollout correction layered on the objective (``flowrl.graph.corrections``:
+            ``tis``, ``icepop``, ``seq_mask``); None: none.
+        options: the objective's own options (``ObjectiveRow.options``: ``dppo``'s ``mask_low``,
+            ``mask_high``, ``adv_tau``, ``kl_tau``; ``sapo``'s ``tau_pos``, ``tau_neg``; a user's row's).
+        row: a user's objective row (``flowrl.graph.objectives.register_objective``), carried so that a
+            graph file runs in a process that did not register it; None for a built-in.
     """
 
     objective: str = "aipo"
@@ -356,9 +364,15 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     reward_weights: dict[str, float] = msgspec.field(default_factory=lambda: {"rewards": 1.0})
     gamma: float = 1.0
     lam: float = 0.95
+    correction: CorrectionConfig | None = None
+    options: dict[str, float] = msgspec.field(default_factory=dict)
+    row: ObjectiveRow | None = None
 
     def __post_init__(self) -> None:
         o = "LossConfig"
+        if self.correction is not None and not isinstance(self.correction, CorrectionConfig):  # a name or a dict, in Python
+            msgspec.structs.force_setattr(self, "correction", correction_of(self.correction, owner=o))
+        self._check_row(o)
         _finite(o, gamma=self.gamma, lam=self.lam)
         _check(0 <= self.gamma <= 1, o, f"gamma={self.gamma} must be in [0, 1] (GAE's discount per token; 1: undiscounted)")
         _check(0 <= self.lam <= 1, o, f"lam={self.lam} must be in [0, 1] (GAE's lambda; 1: Monte-Carlo returns, 0: one-step TD)")
@@ -392,6 +406,35 @@ class LossConfig(msgspec.Struct, **_STRUCT):
             not self.dynamic_sampling_groups or self.dynamic_sampling, o,
             f"dynamic_sampling_groups={self.dynamic_sampling_groups} needs dynamic_sampling=True (it caps the groups dynamic sampling keeps)",
         )
+
+    def _check_row(self, o: str) -> None:
+        """The carried row names this objective and no built-in; the options are the row's; a correction
+        is refused on an objective that corrects already. An objective no table knows is checked where
+        the run starts (``flowrl.runtime.names``)."""
+        if self.row is not None:
+            _check(self.row.name == self.objective, o, f"row {self.row.name!r} is carried for objective {self.objective!r}: they must name the same objective")
+            _check(self.objective not in BUILTIN_OBJECTIVES, o, f"objective {self.objective!r} is built in: it carries no row")
+            _check(bool(self.row.fn), o, f"objective {self.objective!r}'s row names no function: set fn='package.module:function'")
+        row = self.row or OBJECTIVES.get(self.objective)
+        if row is None:
+            return
+        _finite(o, **{f"options[{k!r}]": v for k, v in self.options.items()})
+        unknown = sorted(set(self.options) - set(row.options))
+        _check(
+            not unknown, o,
+            f"options {unknown} are not options of objective {self.objective!r} (its options: {sorted(row.options) or 'none'}): drop them",
+        )  # fmt: skip
+        if row.name in BUILTIN_OBJECTIVES:  # the built-ins' options are weights, bands and temperatures
+            o_ = self.objective_options()
+            bad = {k: v for k, v in o_.items() if v < 0 or (k.startswith("tau") and v <= 0)}
+            _check(not bad, o, f"options {bad} of objective {self.objective!r} must be >= 0 (temperatures tau_* > 0)")
+        problem = check_correction(self.correction, self.objective, row.corrects)
+        _check(problem is None, o, problem or "")
+
+    def objective_options(self) -> dict[str, float]:
+        """The objective's options: its row's defaults, overridden by ``options``."""
+        row = self.row or OBJECTIVES.get(self.objective)
+        return {**(row.options if row is not None else {}), **self.options}
 
     def clip_range(self) -> tuple[float, float]:
         """``(clip_eps_low, clip_eps_high)``, each defaulting to ``clip_eps``: the clip interval is

@@ -34,21 +34,29 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from flowrl.errors import ConfigError
-from flowrl.graph.configs import AnyModelConfig, ModelConfig, OptimizerConfig
+from flowrl.graph.configs import AnyModelConfig, LossConfig, ModelConfig, OptimizerConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE
 from flowrl.graph.nodes import LossNode, NodeBase, Signature
+from flowrl.graph.objectives import BUILTIN_OBJECTIVES, OBJECTIVES
 
 if TYPE_CHECKING:
     from flowrl.graph.structure import GraphStructure
 
-__all__ = ["CriticNode", "CRITIC_INPUTS", "VALUE_FIELDS", "critic_problems", "no_critic", "CRITIC_OBJECTIVES"]
+__all__ = ["CriticNode", "CRITIC_INPUTS", "VALUE_FIELDS", "critic_problems", "no_critic", "CRITIC_OBJECTIVES", "reads_values"]
 
 #: Rollout fields a critic reads (besides its reward fields).
 CRITIC_INPUTS: tuple[str, ...] = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens", "group_ids")
 #: What a critic writes, and a loss that uses a learned value reads.
 VALUE_FIELDS: tuple[str, ...] = ("values", "value_version")
-#: Objectives whose advantages come from a critic's values (``flowrl.operators.gae``).
-CRITIC_OBJECTIVES: frozenset[str] = frozenset({"ppo"})
+#: The built-in objectives whose advantages come from a critic's values (``flowrl.operators.gae``):
+#: the rows with ``advantages="gae"`` (``flowrl.graph.objectives``).
+CRITIC_OBJECTIVES: frozenset[str] = frozenset(n for n, r in BUILTIN_OBJECTIVES.items() if r.advantages == "gae")
+
+
+def reads_values(config: LossConfig) -> bool:
+    """Whether a loss's objective takes its advantages from a critic's values (its row's ``advantages``)."""
+    row = config.row or OBJECTIVES.get(config.objective)
+    return row is not None and row.advantages == "gae"
 
 
 class CriticNode(NodeBase, tag="critic"):
@@ -122,7 +130,7 @@ def critic_problems(g: GraphStructure) -> Iterable[str]:
             continue
         (loss,) = losses
         objective = loss.loss.objective
-        if objective not in CRITIC_OBJECTIVES:
+        if not reads_values(loss.loss):
             yield (
                 f"critic {critic.name!r} feeds loss {loss.name!r}, whose objective {objective!r} does not use a learned value; "
                 "set objective='ppo' on the loss, or remove the critic"

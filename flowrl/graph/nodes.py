@@ -57,6 +57,7 @@ from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LossConfig, Mode
 from flowrl.graph.envs import ENV_FIELDS, EnvConfig
 from flowrl.graph.judges import JudgeConfig
 from flowrl.graph.fields import FIELDS, REWARD_TYPE, ROLLOUT_FIELDS, SOURCE_FIELDS, FieldType
+from flowrl.graph.objectives import OBJECTIVES, READ_FIELDS
 
 __all__ = [
     "NodeKind",
@@ -311,8 +312,11 @@ class LossNode(NodeBase, tag="loss"):
         inputs.update({name: REWARD_TYPE for name in self.loss.reward_weights})
         if self.loss.kl_coef > 0:
             inputs["ref_logprobs"] = FIELDS["ref_logprobs"]
-        if self.loss.objective == "ppo":  # a critic's (flowrl.graph.critic)
+        row = self.loss.row or OBJECTIVES.get(self.loss.objective)
+        reads = row.reads if row is not None else ()
+        if "values" in reads:  # a critic's (flowrl.graph.critic)
             inputs.update(_fields(("values", "value_version")))
+        inputs.update(_fields(tuple(READ_FIELDS[r] for r in reads if r == "teacher" and READ_FIELDS[r] in FIELDS)))
         return Signature(inputs, _fields(("objective",)))
 
     def describe(self) -> str:
@@ -349,6 +353,8 @@ def _value(v: object) -> str:
         return "(" + ", ".join(_value(x) for x in v) + ")"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in sorted(v.items())) + "}"  # sorted: stable across JSON round trips
+    if hasattr(v, "describe"):  # a correction, tis(level=token, cap=2.0); a user's objective row, its function
+        return v.describe()  # type: ignore[attr-defined]
     return str(v)
 
 

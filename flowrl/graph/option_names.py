@@ -58,7 +58,7 @@ TRL_OPTIONS: dict[str, str] = {
     "epsilon_high": "clip_eps_high",
     "mask_truncated_completions": "mask_truncated_completions",
     "importance_sampling_level": "objective",
-    "vllm_importance_sampling_cap": "rho",
+    "vllm_importance_sampling_cap": "correction",
     "vllm_gpu_memory_utilization": "gpu_memory_utilization",
     "vllm_tensor_parallel_size": (
         "a tp axis on the generator's torchrun mesh (a --plan) is vLLM's tensor_parallel_size: one engine per replica"
@@ -104,10 +104,13 @@ REFERENCE_SYNC_OPTIONS: frozenset[str] = frozenset(
 TRL_NOTES: dict[str, str] = {
     "loss_type": (
         "TRL's grpo is loss_agg='seq_mean', bnpo and dapo are 'token_mean', dr_grpo is 'dr_grpo'; "
-        "the objective itself (aipo, grpo, gspo, cispo, tis, mis, pg) is objective="
+        "the objective itself (aipo, grpo, gspo, cispo, sapo, dppo, tis, mis, pg, ...) is objective="
     ),
     "importance_sampling_level": "'sequence' is objective='gspo' (or is_level='sequence' with objective='tis' / 'mis')",
-    "vllm_importance_sampling_cap": "TRL's truncated IS correction is objective='tis' with the cap rho",
+    "vllm_importance_sampling_cap": (
+        "TRL's truncated IS correction is correction={'kind': 'tis', 'cap': C} on b.loss, on any objective that does not "
+        "correct already (objective='tis' with cap rho is the same on plain pg)"
+    ),
     "steps_per_generation": "a batch of P prompts splits into num_mini_batches mini-batches of whole prompt groups, one optimizer step each",
     "ref_model_sync_steps": (
         "flowrl counts trainer steps (batches) where TRL counts optimizer steps: with U updates per batch, TRL's N is N / U here; "

@@ -11,7 +11,7 @@ import msgspec
 from flowrl.errors import ConfigError, GraphError
 from flowrl.fileio import decode_errors
 from flowrl.graph.ir import Graph, GraphSpec
-from flowrl.graph.nodes import GeneratorNode, ScorerNode, SourceNode
+from flowrl.graph.nodes import GeneratorNode, LossNode, ScorerNode, SourceNode
 from flowrl.graph.refs import is_reference
 
 __all__ = ["to_json", "from_json", "references", "MAX_GRAPH_BYTES"]
@@ -63,4 +63,5 @@ def references(data: bytes | str | Graph) -> list[str]:
     refs = {n.fn for n in spec.nodes if isinstance(n, ScorerNode)}
     refs |= {n.source.task for n in spec.nodes if isinstance(n, SourceNode) and is_reference(n.source.task)}
     refs |= {n.env.env for n in spec.nodes if isinstance(n, GeneratorNode) and n.env is not None}  # environments
+    refs |= {n.loss.row.fn for n in spec.nodes if isinstance(n, LossNode) and n.loss.row is not None}  # a user's objective
     return sorted(refs)

@@ -25,7 +25,7 @@ NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 #: The form of a transport name (``flowrl.runtime.transports.register_transport`` checks it too).
 TRANSPORT_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 #: The form of a built-in task's or an objective's name; which names exist is checked at run start
-#: (``flowrl.runtime.names``), against the registries (``TASKS``, ``LOSSES``).
+#: (``flowrl.runtime.names``), against the registries (``TASKS``, ``OBJECTIVES``).
 REGISTRY_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 

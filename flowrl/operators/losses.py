@@ -1,5 +1,5 @@
 """RL objectives as pure tensor functions: advantages, AIPO (LlamaRL), plain policy gradient, GRPO/PPO-clip
-(with DAPO's clip-higher), GSPO, CISPO, truncated and masked IS, a KL penalty.
+(with DAPO's clip-higher), GSPO, CISPO, SAPO, DPPO, truncated and masked IS, a KL penalty.
 
 Every loss takes per-token tensors ``[S, C]`` (S samples, C completion positions) and returns
 ``(loss, metrics)``: a scalar to minimise and python floats under namespaced keys. Per-token terms are
@@ -70,13 +70,22 @@ dropped above ``rho`` (AReaL's ``behav_imp_weight_cap``)::
 
 (With one update per batch r = 1 in value, and the gradient is ``w * A * grad log pi``.)
 
-The old policy of the PPO-style objectives (``ANCHORED_AT_OLD``: ``grpo``, ``ppo_clip``, ``gspo``,
-``cispo``, whose ``ratio`` is clipped): with several updates per batch (``num_iterations`` or
-``num_mini_batches`` > 1) the trainer computes log pi_old, the policy at the batch's start
-(``proximal_logprobs``; TRL's ``old_per_token_logps``), and the ratio is ``pi / pi_old``, as TRL takes
-it; with one update per batch it is ``pi / mu`` (the engine's recorded log-probs: PPO's old policy
-when the generator is on-policy, and a correction of a stale batch's k >= 1 versions otherwise).
-``aipo``, ``tis`` and ``mis`` are importance corrections towards mu and always take ``pi / mu``; ``pg``
+DPPO (``dppo_loss``, prime-rl's default) masks a token whose probability moved too far from mu's in
+the advantage's direction and adds a squared log-ratio KL; SAPO (``sapo_loss``, Qwen) replaces PPO's
+clip by a smooth sigmoid gate (formulas in their docstrings).
+
+Each objective is a row of ``flowrl.graph.objectives`` (what it reads, what its ratio is anchored at,
+its advantages, the correction it applies itself, its options); ``LOSSES`` holds the built-in rows'
+functions by name, ``compute_loss`` reads the row. The old policy of the PPO-style objectives
+(``anchored_at_old``: ``grpo``, ``ppo_clip``, ``ppo``, ``gspo``, ``cispo``, ``sapo``, whose ``ratio``
+is clipped or gated): with several updates per batch (``num_iterations`` or ``num_mini_batches`` > 1)
+the trainer computes log pi_old, the policy at the batch's start (``proximal_logprobs``; TRL's
+``old_per_token_logps``), and the ratio is ``pi / pi_old``, as TRL takes it; with one update per batch
+it is ``pi / mu`` (the engine's recorded log-probs: PPO's old policy when the generator is on-policy,
+and a correction of a stale batch's k >= 1 versions otherwise), or ``pi / pi`` (1 in value) under a
+rollout correction, which then carries the whole pi_old / mu gap (``flowrl.graph.corrections``: each
+token's gradient scaled by a truncated or masked weight of that ratio, ``flowrl.operators.corrections``).
+``aipo``, ``tis``, ``mis`` and ``dppo`` are corrections towards mu and always take ``pi / mu``; ``pg``
 takes no ratio.
 
 Aggregation (``loss_agg``, TRL's ``loss_type``), over per-token terms ``l_{i,t}`` and mask ``m``::
@@ -107,11 +116,12 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
-from flowrl.graph.critic import CRITIC_OBJECTIVES
+from flowrl.graph.objectives import ANCHORED_AT_OLD, BUILTIN_OBJECTIVES, NEEDS_PROXIMAL, READ_FIELDS, ObjectiveRow, known_objectives, row_of
+from flowrl.graph.refs import resolve
+from flowrl.operators.corrections import apply_weights, correction_weights
 from flowrl.operators.gae import gae, whiten
-from flowrl.graph.objectives import ANCHORED_AT_OLD, NEEDS_PROXIMAL  # the table the planner reads too
 
 __all__ = [
     "masked_mean",
@@ -125,6 +135,8 @@ __all__ = [
     "cispo_loss",
     "is_loss",
     "decoupled_ppo_loss",
+    "dppo_loss",
+    "sapo_loss",
     "proximal_metrics",
     "kl_penalty",
     "aggregate",
@@ -133,7 +145,18 @@ __all__ = [
     "NEEDS_PROXIMAL",
     "ANCHORED_AT_OLD",
     "check_objective",
+    "objective_function",
     "compute_loss",
+    "aipo_objective",
+    "pg_objective",
+    "ppo_clip_objective",
+    "gspo_objective",
+    "cispo_objective",
+    "tis_objective",
+    "mis_objective",
+    "decoupled_ppo_objective",
+    "dppo_objective",
+    "sapo_objective",
 ]
 
 LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
@@ -236,14 +259,14 @@ def advantages(
 
 
 def loss_advantages(config: LossConfig, rewards: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
-    """The advantages ``config``'s objective trains on: a critic's whitened GAE ``[S, C]`` for the
-    objectives that read one (``CRITIC_OBJECTIVES``: ``flowrl.operators.gae``, ``gamma``, ``lam``), else
-    per-sample group advantages ``[S]`` (``advantages``).
+    """The advantages ``config``'s objective trains on (its row's ``advantages``): a critic's whitened
+    GAE ``[S, C]`` for ``"gae"`` (``flowrl.operators.gae``, ``gamma``, ``lam``), else per-sample group
+    advantages ``[S]`` (``advantages``).
 
     Raises:
         ConfigError: a critic objective and a batch without ``values``.
     """
-    if config.objective in CRITIC_OBJECTIVES:
+    if _row(config).advantages == "gae":
         if "values" not in batch:
             raise ConfigError(f"objective {config.objective!r} needs a critic's 'values' in the batch (it has {sorted(batch)}): list a critic in the loss")
         mask = batch["completion_mask"]
@@ -563,6 +586,132 @@ def decoupled_ppo_loss(
     return loss, metrics
 
 
+def dppo_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    mask_low: float = 0.2,
+    mask_high: float = 0.2,
+    adv_tau: float = 1.0,
+    kl_tau: float = 1e-3,
+    normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """DPPO with a squared log-ratio KL, prime-rl's default loss (``default_loss_fn`` in
+    ``src/prime_rl/trainer/rl/loss.py`` of github.com/PrimeIntellect-ai/prime-rl: DPPO-Binary TV,
+    arXiv 2602.04879, with Kimi-K2.5's KL term, arXiv 2602.02276; defaults as its ``DefaultLossConfig``).
+
+    The trust region is on the probability difference ``d_t = pi_t - mu_t`` against the engine's
+    policy, by the advantage's sign: a token whose probability already rose by more than
+    ``mask_high`` (``A > 0``) or fell by more than ``mask_low`` (otherwise) is masked from the
+    policy term; every real token keeps the KL term::
+
+        keep_t = (d_t <= mask_high) if A > 0 else (d_t >= -mask_low)
+        loss = agg_{i,t} [ - keep_t adv_tau A r_t + kl_tau (log r_t)^2 ],   r_t = pi_t / mu_t (with gradient)
+
+    Args:
+        logprobs, behaviour_logprobs, mask, normalizer, agg, lengths: as ``aipo_loss``.
+        advantages: ``[S]`` or ``[S, C]``.
+        mask_low, mask_high: the band of ``pi - mu`` (probabilities, >= 0).
+        adv_tau, kl_tau: the weights of the policy and the KL terms (>= 0).
+
+    Returns:
+        ``(loss, metrics)`` with ``loss/policy``, ``dppo_tv/ratio_mean``, ``dppo_tv/masked_frac``,
+        ``dppo_tv/masked_frac_high`` (A > 0 masked), ``dppo_tv/masked_frac_low`` (A < 0 masked),
+        ``dppo_tv/kl`` (KL(mu || pi), k3) and ``dppo_tv/kl_term`` (mean (log r)^2).
+
+    Example (pi = 0.5, mu = 0.25, A = 1: d = 0.25 > 0.2, the policy term masked; the KL term's gradient
+    2 kl_tau log 2):
+        >>> lp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        >>> loss, m = dppo_loss(lp, torch.tensor([[math.log(0.25)]]), torch.tensor([1.0]), torch.tensor([[True]]))
+        >>> loss.backward(); round(float(lp.grad), 6), m["dppo_tv/masked_frac_high"]
+        (0.001386, 1.0)
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # [S, C] or [S, 1]
+    log_ratio = torch.where(mask, logprobs - behaviour_logprobs, zero)  # [S, C], with gradient
+    ratio = log_ratio.exp()
+    with torch.no_grad():
+        diff = torch.where(mask, logprobs.detach().exp() - behaviour_logprobs.exp(), zero)  # [S, C]
+        high, low = diff > mask_high, diff < -mask_low
+        masked = torch.where(adv > 0, high, low) & mask
+    policy = torch.where(masked, zero, adv_tau * adv * ratio)
+    per_token = -policy + kl_tau * log_ratio**2  # [S, C]
+    loss = aggregate(per_token, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    with torch.no_grad():
+        lr, r = log_ratio.detach(), ratio.detach()
+        metrics = {
+            "loss/policy": float(loss.detach()),
+            "dppo_tv/ratio_mean": float(masked_mean(r, mask)),
+            "dppo_tv/masked_frac": float(masked_mean(masked.float(), mask)),
+            "dppo_tv/masked_frac_high": float(masked_mean((masked & (adv > 0)).float(), mask)),
+            "dppo_tv/masked_frac_low": float(masked_mean((masked & (adv < 0)).float(), mask)),
+            "dppo_tv/kl": float(masked_mean(r - 1 - lr, mask)),
+            "dppo_tv/kl_term": float(masked_mean(lr**2, mask)),
+        }
+    return loss, metrics
+
+
+def sapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    normalizer: float | None = None,
+    agg: str = "token_mean",
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """SAPO, Soft Adaptive Policy Optimization (Gao et al. 2025, Qwen, arXiv 2511.20347): PPO's hard
+    clip replaced by a smooth gate of the token ratio, steeper for negative advantages::
+
+        loss = - agg_{i,t} (4 / tau) sigmoid(tau (r_t - 1)) A,   tau = tau_pos if A > 0 else tau_neg,  r_t = pi_t / pi_old_t
+
+    Its gradient is ``4 s (1 - s) r A grad log pi`` with ``s = sigmoid(tau (r - 1))``: ``A grad log
+    pi`` at ``r = 1``, fading smoothly as r leaves 1. Chosen over M2PO and KPop as the one of the
+    three shipped most widely (verl, AReaL, TRL-style trainers, torchforge, Trinity-RFT list it;
+    Qwen3-VL trained with it).
+
+    Args:
+        logprobs, mask, normalizer, agg, lengths: as ``aipo_loss``.
+        old_logprobs: ``[S, C]`` log pi_old (the anchor: pi_prox, or mu with one update a batch).
+        advantages: ``[S]`` or ``[S, C]``.
+        tau_pos, tau_neg: the gate's temperatures (> 0; the paper's 1.0 and 1.05).
+
+    Returns:
+        ``(loss, metrics)`` with ``loss/policy``, ``sapo/ratio_mean``, ``sapo/gate_mean`` (the mean
+        gradient factor ``4 s (1 - s)``, 1 on-policy) and ``sapo/kl`` (KL(pi_old || pi), k3).
+
+    Example (on-policy, r = 1: the gradient is REINFORCE's, -A):
+        >>> lp = torch.tensor([[-1.0]], requires_grad=True)
+        >>> loss, m = sapo_loss(lp, lp.detach(), torch.tensor([2.0]), torch.tensor([[True]]))
+        >>> loss.backward(); float(lp.grad), m["sapo/gate_mean"]
+        (-2.0, 1.0)
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    log_ratio = torch.where(mask, logprobs - old_logprobs, zero)  # [S, C], with gradient
+    ratio = log_ratio.exp()
+    tau = torch.where(adv > 0, torch.tensor(tau_pos, device=mask.device), torch.tensor(tau_neg, device=mask.device))  # [S, C] or [S, 1]
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
+    loss = -aggregate(gate * adv, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    with torch.no_grad():
+        sig = torch.sigmoid(tau * (ratio.detach() - 1))
+        lr, r = log_ratio.detach(), ratio.detach()
+        metrics = {
+            "loss/policy": float(loss.detach()),
+            "sapo/ratio_mean": float(masked_mean(r, mask)),
+            "sapo/gate_mean": float(masked_mean((4 * sig * (1 - sig)).expand_as(r), mask)),
+            "sapo/kl": float(masked_mean(r - 1 - lr, mask)),
+        }
+    return loss, metrics
+
+
 @torch.no_grad()
 def proximal_metrics(logprobs: Tensor, proximal_logprobs: Tensor, mask: Tensor, *, clip_eps_low: float, clip_eps_high: float) -> dict[str, float]:
     """pi against the proximal ("old") policy, the trainer's weights at the batch's start, over ``mask``:
@@ -620,65 +769,113 @@ def _agg(config: LossConfig, normalizer: float | None, lengths: Tensor | None) -
     return {"agg": config.loss_agg, "normalizer": normalizer, "lengths": lengths}
 
 
-def _aipo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+def aipo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
     return aipo_loss(logprobs, behaviour, adv, mask, rho=config.rho, **_agg(config, normalizer, lengths))
 
 
-def _pg(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+def pg_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
     return pg_loss(logprobs, behaviour, adv, mask, rho=config.rho, **_agg(config, normalizer, lengths))
 
 
-def _ppo_clip(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+def ppo_clip_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
     low, high = config.clip_range()
     return ppo_clip_loss(logprobs, behaviour, adv, mask, clip_eps=low, clip_eps_high=high, **_agg(config, normalizer, lengths))
 
 
-def _gspo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+def gspo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
     low, high = config.clip_range()
     return gspo_loss(logprobs, behaviour, adv, mask, clip_eps_low=low, clip_eps_high=high, **_agg(config, normalizer, lengths))
 
 
-def _cispo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+def cispo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
     low, high = config.clip_range()
     return cispo_loss(logprobs, behaviour, adv, mask, clip_eps_low=low, clip_eps_high=high, **_agg(config, normalizer, lengths))
 
 
-def _tis(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+def tis_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
     return is_loss(logprobs, behaviour, adv, mask, mode="truncate", level=config.is_level, high=config.rho, **_agg(config, normalizer, lengths))
 
 
-def _mis(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, normalizer=None, lengths=None):
+def mis_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
     low, high = config.mis_range()
     return is_loss(logprobs, behaviour, adv, mask, mode="mask", level=config.is_level, high=high, low=low, **_agg(config, normalizer, lengths))
 
 
-def _decoupled_ppo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, proximal: Tensor, normalizer=None, lengths=None):
+def decoupled_ppo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, proximal: Tensor, normalizer=None, lengths=None):
     low, high = config.clip_range()
     return decoupled_ppo_loss(
         logprobs, proximal, behaviour, adv, mask, clip_eps_low=low, clip_eps_high=high, cap=config.rho, **_agg(config, normalizer, lengths)
     )
 
 
-#: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer, lengths)``
-#: (and ``proximal=``, log pi_prox, for those in ``NEEDS_PROXIMAL``).
+def dppo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
+    o = config.objective_options() if options is None else options
+    return dppo_loss(
+        logprobs, behaviour, adv, mask, mask_low=o["mask_low"], mask_high=o["mask_high"], adv_tau=o["adv_tau"], kl_tau=o["kl_tau"],
+        **_agg(config, normalizer, lengths),
+    )  # fmt: skip
+
+
+def sapo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, options=None, normalizer=None, lengths=None):
+    o = config.objective_options() if options is None else options
+    return sapo_loss(logprobs, behaviour, adv, mask, tau_pos=o["tau_pos"], tau_neg=o["tau_neg"], **_agg(config, normalizer, lengths))
+
+
+#: The built-in rows' functions (``flowrl.graph.objectives.BUILTIN_OBJECTIVES`` holds their facts; both
+#: list the same names, ``tests/operators/test_objective_rows.py``), by ``LossConfig.objective``:
+#: ``fn(config, logprobs, old, advantages, mask, *, options, normalizer, lengths)`` (and ``proximal=``,
+#: log pi_prox, for the rows that read it).
 LOSSES: dict[str, LossFn] = {
-    "aipo": _aipo,
-    "pg": _pg,
-    "grpo": _ppo_clip,
-    "ppo_clip": _ppo_clip,
-    "ppo": _ppo_clip,  # with a critic's token-level GAE advantages (loss_advantages)
-    "gspo": _gspo,
-    "cispo": _cispo,
-    "tis": _tis,
-    "mis": _mis,
-    "decoupled_ppo": _decoupled_ppo,
+    "aipo": aipo_objective,
+    "pg": pg_objective,
+    "grpo": ppo_clip_objective,
+    "ppo_clip": ppo_clip_objective,
+    "ppo": ppo_clip_objective,  # with a critic's token-level GAE advantages (loss_advantages)
+    "gspo": gspo_objective,
+    "cispo": cispo_objective,
+    "tis": tis_objective,
+    "mis": mis_objective,
+    "decoupled_ppo": decoupled_ppo_objective,
+    "dppo": dppo_objective,
+    "sapo": sapo_objective,
 }
 
+_RESOLVED: dict[str, LossFn] = {}
 
-def check_objective(objective: str) -> None:
-    """Raise ``ConfigError`` listing the known objectives if ``objective`` is not one of them."""
-    if objective not in LOSSES:
-        raise ConfigError(f"unknown loss objective {objective!r}: known objectives are {', '.join(sorted(LOSSES))}")
+
+def objective_function(config: LossConfig | str, *, owner: str = "loss") -> LossFn:
+    """The loss function of ``config``'s row: a built-in's, or a user's imported by its reference.
+
+    Raises:
+        ConfigError: an unknown objective, or a user's function that cannot be imported (naming the
+            reference and the fix).
+    """
+    row = _row(config, owner)
+    if not row.fn:  # a built-in
+        return LOSSES[row.name]
+    if row.fn not in _RESOLVED:
+        try:
+            _RESOLVED[row.fn] = resolve(row.fn)
+        except GraphError as exc:
+            raise ConfigError(
+                f"{owner}: objective {row.name!r}'s function {row.fn!r} cannot be imported here: {exc}; "
+                "put its module on PYTHONPATH (or its file at that path) on every host of the run"
+            ) from None
+    return _RESOLVED[row.fn]
+
+
+def _row(config: LossConfig | str, owner: str = "loss") -> ObjectiveRow:
+    try:
+        return row_of(config, owner=owner)
+    except ConfigError:
+        name = config if isinstance(config, str) else config.objective
+        raise ConfigError(f"unknown loss objective {name!r}: known objectives are {known_objectives()}") from None
+
+
+def check_objective(objective: LossConfig | str) -> None:
+    """Raise ``ConfigError`` listing the known objectives if ``objective`` (a name or a ``LossConfig``)
+    is not one of them, or its function cannot be imported."""
+    objective_function(objective)
 
 
 _advantages = advantages
@@ -693,16 +890,19 @@ def compute_loss(
     normalizer: float | None = None,
     lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The loss a ``LossNode`` declares, over a rollout batch with its reward fields.
+    """The loss a ``LossNode`` declares, over a rollout batch with its reward fields: its objective's
+    row (``flowrl.graph.objectives``) says what the function reads and what its ratio is anchored at;
+    the loss's correction (``flowrl.graph.corrections``) weights each token's gradient.
 
     Args:
         config: the loss node's config.
         logprobs: ``[S, C]`` log pi of ``batch["completion_ids"]``, with gradients.
         batch: rollout fields (``behaviour_logprobs``, ``completion_mask``, ``group_ids``), the reward
             fields of ``config.reward_weights``, with ``kl_coef > 0`` ``ref_logprobs``, and for an
-            objective of ``NEEDS_PROXIMAL`` ``proximal_logprobs`` (without it, pi's own values: the
-            proximal policy of a batch's only update). An objective of ``ANCHORED_AT_OLD`` takes its
-            ratio against ``proximal_logprobs`` when the batch has them, else against mu.
+            objective reading ``"proximal"`` ``proximal_logprobs`` (without it, pi's own values: the
+            proximal policy of a batch's only update). An objective anchored at the old policy takes
+            its ratio against ``proximal_logprobs`` when the batch has them, else against pi's own
+            values under a correction, else against mu.
         advantages: ``[S]`` precomputed advantages (a micro-batch passes its slice of the whole
             batch's); computed from the batch's rewards when None.
         normalizer: the whole batch's divisor under ``config.loss_agg`` (``batch_normalizer``; default:
@@ -710,26 +910,43 @@ def compute_loss(
         lengths: ``[S]`` sequence lengths for ``seq_mean`` (default: ``completion_mask.sum(1)``).
 
     Returns:
-        ``(loss, metrics)``: the objective's metrics plus ``loss/total`` and, with a KL penalty,
-        ``loss/kl_ref``.
+        ``(loss, metrics)``: the objective's metrics plus ``loss/total``, with a correction the
+        ``correction/*`` metrics, with a KL penalty ``loss/kl_ref``.
 
     Raises:
         ConfigError: for an unknown objective or a missing field.
     """
-    check_objective(config.objective)
+    row = _row(config)
+    fn = objective_function(config)
     for field in ("behaviour_logprobs", "completion_mask", "group_ids"):
         if field not in batch:
             raise ConfigError(f"loss {config.objective!r} needs batch field {field!r}; the batch has {sorted(batch)}")
     if advantages is None:
         advantages = loss_advantages(config, combined_rewards(config, batch), batch)
     mask = batch["completion_mask"]
-    extra = {}
-    if config.objective in NEEDS_PROXIMAL:  # without the field pi_prox is pi now: a batch's only update
-        extra["proximal"] = batch["proximal_logprobs"] if "proximal_logprobs" in batch else logprobs.detach()
-    old = batch["behaviour_logprobs"]  # mu; PPO's old policy is pi_old when the trainer computed it (several updates)
-    if config.objective in ANCHORED_AT_OLD and "proximal_logprobs" in batch:
-        old = batch["proximal_logprobs"]
-    loss, metrics = LOSSES[config.objective](config, logprobs, old, advantages, mask, normalizer=normalizer, lengths=lengths, **extra)
+    mu = batch["behaviour_logprobs"]
+    prox = batch["proximal_logprobs"] if "proximal_logprobs" in batch else logprobs.detach()  # pi_prox: pi now on a batch's only update
+    extra: dict[str, Tensor] = {}
+    if "proximal" in row.reads:
+        extra["proximal"] = prox
+    if "teacher" in row.reads:
+        if READ_FIELDS["teacher"] not in batch:
+            raise ConfigError(f"loss {config.objective!r} reads a teacher's log-probs ({READ_FIELDS['teacher']!r}); the batch has {sorted(batch)}: add a teacher node feeding the loss")
+        extra["teacher"] = batch[READ_FIELDS["teacher"]]
+    old = mu  # PPO's old policy is pi_old when the trainer computed it (several updates), or under a correction
+    if row.anchored_at_old and ("proximal_logprobs" in batch or config.correction is not None):
+        old = prox
+    policy_logprobs, policy_mask, correction = logprobs, mask, {}
+    if config.correction is not None:  # the whole batch's counts, whatever the correction masks
+        normalizer = batch_normalizer(mask, config.loss_agg) if normalizer is None else normalizer
+        lengths = mask.sum(1) if lengths is None else lengths
+        weight, correction = correction_weights(config.correction, prox, mu, mask)
+        policy_mask = mask & (weight > 0)
+        policy_logprobs = apply_weights(logprobs, weight, policy_mask)
+    loss, metrics = fn(
+        config, policy_logprobs, old, advantages, policy_mask, options=config.objective_options(), normalizer=normalizer, lengths=lengths, **extra
+    )
+    metrics.update(correction)
     if config.kl_coef > 0:
         if "ref_logprobs" not in batch:
             raise ConfigError(

@@ -199,7 +199,7 @@ class Trainer:
     """
 
     def __init__(self, node: PolicyNode, loss: LossNode, *, device: str | torch.device = "cpu", model: torch.nn.Module | None = None) -> None:
-        check_objective(loss.loss.objective)
+        check_objective(loss.loss)
         self.packing = packs(node.optimizer.packing, node.model, owner=f"policy {node.name!r}")  # None: where the family can
         self.name = node.name
         self.node, self.loss = node, loss
@@ -249,7 +249,7 @@ class Trainer:
         batch = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
         config, opt = self.loss.loss, self.node.optimizer
         start_version = self.version
-        proximal = recomputes_logprobs(config.objective, updates_per_batch=opt.updates_per_batch)  # the planner prices the same rule
+        proximal = recomputes_logprobs(config, updates_per_batch=opt.updates_per_batch)  # the planner prices the same rule
         mine = self.part_of(batch)  # this rank's samples (all of them in one process): the rollout's metrics
         raw_rewards = combined_rewards(config, mine)  # [S], before shaping: what reward_mean reports
         rollout = {

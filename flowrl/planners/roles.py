@@ -108,7 +108,7 @@ def policy_role(node: Any, graph: Graph, ctx: Context, model: ModelSpec | None) 
     log-probs: the trainer's own rule (``flowrl.graph.objectives.recomputes_logprobs``) unless
     ``Tuning.recompute_logprobs`` says otherwise (a what-if, or a baseline system's choice)."""
     loss = graph.loss_of(node.name)
-    objective = getattr(getattr(loss, "loss", None), "objective", "aipo")
+    objective = getattr(loss, "loss", None) or "aipo"  # its LossConfig: the row it carries or names
     opt = node.optimizer
     recompute = recomputes_logprobs(objective, updates_per_batch=opt.updates_per_batch)
     if ctx.tuning.recompute_logprobs is not None:

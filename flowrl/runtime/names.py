@@ -1,6 +1,7 @@
 """The names a graph uses, checked against this run's registries at run start.
 
-A graph file holds names, not code: a built-in task (``TASKS``), an objective (``LOSSES``), a
+A graph file holds names, not code: a built-in task (``TASKS``), an objective (``OBJECTIVES``; a user's
+row travels in the file and its function is imported here), a
 weight transport, a generator's environment. Building or validating a graph checks only their form (``flowrl.graph.validate``),
 so the IR imports no torch; which names exist is known where the run starts, in the process that
 registered them, and is checked here before any work.
@@ -29,10 +30,12 @@ def check_names(graph: Graph) -> None:
     Raises:
         ConfigError: an unknown task (listing the built-in ones).
         GraphError: an unknown objective (listing the known ones).
+        ConfigError: a user's objective whose function cannot be imported.
         TransportError: an unknown transport (``check_transports``).
         ConfigError / GraphError: a generator's environment that does not resolve or lacks ``reset``/``step``.
     """
-    from flowrl.operators.losses import LOSSES
+    from flowrl.graph.objectives import OBJECTIVES, known_objectives
+    from flowrl.operators.losses import objective_function
     from flowrl.operators.tasks import TASKS
     from flowrl.runtime.transports.registry import check_transports
 
@@ -45,9 +48,10 @@ def check_names(graph: Graph) -> None:
             "or name a factory (seed) -> Task as 'package.module:function' or 'path/to/file.py:function'"
         )
     for node in graph.nodes_of_kind("loss"):
-        objective = node.loss.objective  # type: ignore[attr-defined]
-        if objective not in LOSSES:
-            raise GraphError(f"loss {node.name!r}: unknown objective {objective!r}; known objectives are {', '.join(sorted(LOSSES))}")
+        config = node.loss  # type: ignore[attr-defined]
+        if config.row is None and config.objective not in OBJECTIVES:
+            raise GraphError(f"loss {node.name!r}: unknown objective {config.objective!r}; known objectives are {known_objectives()}")
+        objective_function(config, owner=f"loss {node.name!r}")  # a user's row: its function imports here, or ConfigError
     check_transports(e.transport for e in graph.weight_edges)
     for node in graph.nodes_of_kind("generator"):
         env = getattr(node, "env", None)

@@ -211,7 +211,7 @@ def test_the_kl_term_needs_reference_logprobs():
 @pytest.mark.parametrize(
     ("config", "fields", "match"),
     [
-        (LossConfig(objective="dpo"), {"rewards": torch.zeros(2)}, "unknown loss objective 'dpo': known objectives are aipo, cispo, decoupled_ppo, grpo, gspo, mis, pg, ppo, ppo_clip, tis"),
+        (LossConfig(objective="dpo"), {"rewards": torch.zeros(2)}, "unknown loss objective 'dpo': known objectives are aipo, cispo, decoupled_ppo, dppo, grpo, gspo, mis, pg, ppo, ppo_clip, sapo, tis"),
         (LossConfig(), {"score": torch.zeros(2)}, "reward field 'rewards'"),
     ],
     ids=["unknown-objective", "missing-reward"],

@@ -19,12 +19,12 @@ from flowrl.runtime.run import run_graph
 MODEL = ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=32)
 
 
-def _graph(*, k: int = 0, iterations: int = 1):
+def _graph(*, k: int = 0, iterations: int = 1, **loss):
     b = GraphBuilder("ppo", model=MODEL)
     gen = b.generator("gen", b.source("prompts", task="copy", batch_size=2), n_samples=4, max_new_tokens=4)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
     critic = b.critic("critic", gen, reward, lr=1e-2, num_iterations=iterations)
-    policy = b.policy("policy", b.loss("loss", gen, reward, critic, objective="ppo"), lr=1e-2)
+    policy = b.policy("policy", b.loss("loss", gen, reward, critic, objective="ppo", **loss), lr=1e-2)
     b.weights(policy, gen, max_staleness=k)
     return b.build()
 
@@ -89,3 +89,40 @@ def test_the_critic_learns_the_value_while_ppo_trains():
     assert first < 0.05 and last > 0.2, (first, last)  # benches/critic.py: ~0 at first, 0.2-0.45 over steps 100-150
     reward = [r["reward_mean"] for r in rows]
     assert sum(reward[-20:]) / 20 > sum(reward[:20]) / 20 + 0.2
+
+
+def test_a_ppo_batch_trains_on_the_values_of_the_critic_version_its_row_names(monkeypatch):
+    """The "ppo" row reads a critic's values: the values in each batch the policy trains on are, bit
+    for bit, those the critic's weights at the version its row names (``critic/version``, the batch's
+    ``value_version``) compute for that batch's rows; with ``correction="icepop"`` its rows report what
+    the correction masked."""
+    from flowrl.operators.critic import Critic
+    from flowrl.operators.trainer import Trainer
+
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}  # critic version -> its weights
+    trained: list[dict[str, torch.Tensor]] = []  # the batches the policy trained on
+    critic_train, policy_train = Critic.train_step, Trainer.train_step
+
+    def snapshot(self, batch):
+        snapshots[self.version] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return critic_train(self, batch)
+
+    def record(self, batch):
+        trained.append({k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)})
+        return policy_train(self, batch)
+
+    monkeypatch.setattr(Critic, "train_step", snapshot)
+    monkeypatch.setattr(Trainer, "train_step", record)
+    graph = _graph(k=1, iterations=2, correction="icepop")  # a correction on PPO with a critic: its rows say what it masked
+    rows = run_graph(graph, RunConfig(steps=3)).rows
+    assert [int(b["value_version"]) for b in trained] == [int(r["critic/version"]) for r in rows] == [0, 2, 4]
+    for r in rows:  # a sequence is touched exactly when one of its tokens is
+        assert 0 <= r["correction/token_frac"] <= 1 and (r["correction/token_frac"] > 0) == (r["correction/seq_frac"] > 0)
+        assert r["correction/weight_max"] > 0
+    fresh = Critic(graph.node("critic"), graph.node("loss").loss)
+    for batch in trained:
+        fresh.model.load_state_dict(snapshots[int(batch["value_version"])])
+        assert torch.equal(fresh.values(batch), batch["values"])
+    # not vacuous: another version's weights give other values for the same rows
+    fresh.model.load_state_dict(snapshots[0])
+    assert not torch.equal(fresh.values(trained[-1]), trained[-1]["values"])
