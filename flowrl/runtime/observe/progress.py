@@ -22,6 +22,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, NamedTuple
 
+from flowrl.runtime.observe.progress_figures import DEFAULT_PROGRESS, figures_text
+
 __all__ = ["ProgressBar", "SampleRate", "sample_rate", "staleness_text"]
 
 
@@ -89,11 +91,16 @@ def staleness_text(row: Mapping[str, Any]) -> str:
 
 
 class ProgressBar:
-    """Shows step, reward, staleness in batches against k (``staleness_text``) and samples/s (``sample_rate``);
+    """Shows step, the row's ``figures`` (``flowrl.runtime.observe.progress_figures``: by default reward,
+    entropy, grad norm, staleness in batches against k and the mismatch) and samples/s (``sample_rate``);
     call it with each metrics row."""
 
-    def __init__(self, total: int, *, start: int = 0, stream: IO[str] | None = None, width: int = 24, window: int = 20) -> None:
+    def __init__(
+        self, total: int, *, start: int = 0, stream: IO[str] | None = None, width: int = 24, window: int = 20,
+        figures: Sequence[str] = DEFAULT_PROGRESS,
+    ) -> None:  # fmt: skip
         self.total = total
+        self.figures = tuple(figures)
         self.start = start
         self.stream = stream or sys.stderr
         self.width = width
@@ -113,8 +120,8 @@ class ProgressBar:
         filled = int(self.width * done)
         bar = "#" * filled + "." * (self.width - filled)
         text = (
-            f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] reward {row['reward_mean']:.3f} "
-            f"{staleness_text(row)} {rate.text()} ETA {eta:4.0f}s"
+            f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] {figures_text(row, self.figures)} "
+            f"{rate.text()} ETA {eta:4.0f}s"
         )
         for sample in row.get("samples_text", ()):  # --log-samples: above the bar, which is redrawn below
             line = f"  sample: {sample['prompt']!r} -> {sample['completion']!r}  reward {sample['reward']:.3f}"
