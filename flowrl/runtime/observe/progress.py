@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, NamedTuple
 
-from flowrl.runtime.observe.progress_figures import DEFAULT_PROGRESS, figures_text
+from flowrl.runtime.observe.progress_figures import DEFAULT_PROGRESS, figures_text, staleness_text
 
 __all__ = ["ProgressBar", "SampleRate", "sample_rate", "staleness_text"]
 
@@ -68,26 +68,6 @@ def sample_rate(rows: Sequence[Mapping[str, Any]], *, window: int = 20, start: i
     steps = int(last["step"]) - int(first["step"])
     recent = sum(int(r.get("samples", 0)) for r in rows[max(0, len(rows) - window):]) / span
     return SampleRate(run, recent, steps, span / max(1, steps))
-
-
-def staleness_text(row: Mapping[str, Any]) -> str:
-    """A row's staleness in the unit of the bound k (trainer steps: batches), against k, and in policy
-    versions too where a batch makes several (``updates`` per batch).
-
-    Example:
-        >>> staleness_text({"staleness": 4, "staleness_batches": 2, "max_staleness": 2})
-        'staleness 2/2 batches (4 versions)'
-        >>> staleness_text({"staleness": 1, "staleness_batches": 1, "max_staleness": 1})
-        'staleness 1/1 batch'
-        >>> staleness_text({"staleness": 3})  # a row without the batch figures (an older file)
-        'staleness 3 versions'
-    """
-    versions = row["staleness"]
-    if "staleness_batches" not in row:
-        return f"staleness {versions} version{'s' if versions != 1 else ''}"
-    batches, k = row["staleness_batches"], row.get("max_staleness", 0)
-    text = f"staleness {batches:g}/{k} batch{'es' if k != 1 else ''}"
-    return text + (f" ({versions} version{'s' if versions != 1 else ''})" if versions != batches else "")
 
 
 class ProgressBar:

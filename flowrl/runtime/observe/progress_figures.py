@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from flowrl.errors import ConfigError
 
-__all__ = ["Figure", "PROGRESS_FIGURES", "DEFAULT_PROGRESS", "parse_progress", "figures_text", "progress_help"]
+__all__ = ["staleness_text", "Figure", "PROGRESS_FIGURES", "DEFAULT_PROGRESS", "parse_progress", "figures_text", "progress_help"]
 
 
 def _number(key: str, form: str) -> Callable[[Mapping[str, Any]], str | None]:
@@ -32,9 +32,27 @@ def _number(key: str, form: str) -> Callable[[Mapping[str, Any]], str | None]:
     return read
 
 
-def _staleness(row: Mapping[str, Any]) -> str | None:
-    from flowrl.runtime.observe.progress import staleness_text
+def staleness_text(row: Mapping[str, Any]) -> str:
+    """A row's staleness in the unit of the bound k (trainer steps: batches), against k, and in policy
+    versions too where a batch makes several (``updates`` per batch).
 
+    Example:
+        >>> staleness_text({"staleness": 4, "staleness_batches": 2, "max_staleness": 2})
+        'staleness 2/2 batches (4 versions)'
+        >>> staleness_text({"staleness": 1, "staleness_batches": 1, "max_staleness": 1})
+        'staleness 1/1 batch'
+        >>> staleness_text({"staleness": 3})  # a row without the batch figures (an older file)
+        'staleness 3 versions'
+    """
+    versions = row["staleness"]
+    if "staleness_batches" not in row:
+        return f"staleness {versions} version{'s' if versions != 1 else ''}"
+    batches, k = row["staleness_batches"], row.get("max_staleness", 0)
+    text = f"staleness {batches:g}/{k} batch{'es' if k != 1 else ''}"
+    return text + (f" ({versions} version{'s' if versions != 1 else ''})" if versions != batches else "")
+
+
+def _staleness(row: Mapping[str, Any]) -> str | None:
     return staleness_text(row).removeprefix("staleness ") if "staleness" in row else None
 
 
