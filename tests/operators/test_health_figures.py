@@ -24,7 +24,7 @@ from flowrl.operators import logprobs as logprobs_module
 from flowrl.operators.trainer import Trainer
 from flowrl.runtime.observe.metrics import rollout_health
 
-from tests.tolerances import U32, GradientMagnitudes, assert_within, entropy_atol, grad_norm_atol, logit_atol, logprob_atol
+from tests.tolerances import U32, GradientMagnitudes, entropy_atol, grad_norm_atol, logit_atol, logprob_atol
 
 from .helpers import loss_node, tiny_policy_node
 
