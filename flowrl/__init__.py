@@ -16,6 +16,13 @@ from flowrl.graph import (
 
 __version__ = "0.1.0"
 
+import os as _os
+
+if _os.environ.get("FLOWRL_QUIET_VLLM") == "1":  # a process vLLM spawned for flowrl: filter vLLM's import-time noise
+    from flowrl.operators.engines.vllm_logging import quiet_import_noise as _quiet_import_noise
+
+    _quiet_import_noise()
+
 # The runtime (torch) loads on first use, so that building a graph imports no torch.
 _LAZY = {
     "run_graph": "flowrl.runtime.run",

@@ -24,6 +24,8 @@ examples:
   flowrl run                                   train the default example (reward 0.07 -> ~0.99 in under a minute on 2 cores)
   flowrl run --max-staleness 0                 synchronous on-policy training, for comparison
   flowrl run --metrics m.jsonl --trace t.json  per-step metrics and a Perfetto timeline ('flowrl plot m.jsonl' draws them)
+  flowrl run --progress reward,zero_std,length
+                                               the bar's figures (default: reward,entropy,grad_norm,staleness,mismatch)
   flowrl run --tensorboard tb                  the same scalars for 'tensorboard --logdir tb'
   flowrl run --wandb myproject --wandb-mode offline       the rows and the run config to Weights & Biases ('wandb sync' later)
   flowrl run hf_copy --eval-every 10 --eval-data held.jsonl --eval-samples 4
@@ -51,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from flowrl.cli.graphs import GRAPH_FORMS
     from flowrl.graph.engines import ENGINE_CAPS
     from flowrl.runtime.backends.backend import backend_names
+    from flowrl.runtime.observe.progress_figures import progress_help
 
     p = sub.add_parser(
         "run",
@@ -121,6 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the models run: auto (CUDA when torch sees a GPU, else the CPU; default), cpu, or cuda (each node on cuda:N from the plan)")
+    p.add_argument("--progress", metavar="NAME,...", help=progress_help())
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
@@ -172,6 +176,12 @@ def _run_here(args: argparse.Namespace) -> int:
         from flowrl.replan import plan_command
 
         raise ConfigError(f"--plan {args.plan}: no such file; make one with `{plan_command(_graph_arg(args), '--cluster cpu', '-o', shlex.quote(args.plan))}`")
+    if args.progress is not None and args.quiet:
+        raise ConfigError("--progress picks the figures of the progress bar, which --quiet turns off; drop one of them")
+    if args.progress is not None:
+        from flowrl.runtime.observe.progress_figures import parse_progress
+
+        parse_progress(args.progress)  # unknown names refused before any work
     options = _parse_options(args.option)
     if options and not args.synthetic:
         raise ConfigError("--option sets the synthetic operators' settings; add --synthetic (or drop --option)")
@@ -316,7 +326,10 @@ def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, 
     print(f"flowrl run: graph {graph.name!r}, {args.steps} steps, max_staleness {k}, backend {args.backend}", file=sys.stderr)
     for message in advice(graph):  # here as lines; run_graph's GraphWarnings of the same are ignored below
         print(f"flowrl run: warning: {message}", file=sys.stderr)
-    bar = None if args.quiet else ProgressBar(args.steps)
+    from flowrl.runtime.observe.progress_figures import DEFAULT_PROGRESS, parse_progress
+
+    figures = DEFAULT_PROGRESS if args.progress is None else parse_progress(args.progress)
+    bar = None if args.quiet else ProgressBar(args.steps, figures=figures)
     sinks = [s for s in (bar,) if s is not None]
     closing: list = []  # the sinks that hold files open
     wandb_sink = None

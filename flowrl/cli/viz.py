@@ -23,7 +23,8 @@ formats:
   mermaid  text; paste into a ```mermaid block on GitHub (the default)
   dot      Graphviz text; 'dot -Tsvg' draws it
   json     the graph file itself; 'flowrl viz FILE.json' and 'flowrl run FILE.json' read it back
-  svg/png/pdf  drawn by Graphviz's 'dot' (apt-get install graphviz / brew install graphviz)
+  svg/png/pdf  drawn by Graphviz's 'dot', a program pip does not install: apt-get install graphviz
+               (Debian/Ubuntu) / brew install graphviz (macOS) / conda install graphviz
 
 Text formats go to stdout unless -o is given; svg, png and pdf go to -o FILE, or to GRAPHNAME.svg/.png/.pdf.
 With -o and no --format, the file's suffix picks the format (.mmd .dot .gv .json .svg .png .pdf);

@@ -14,6 +14,11 @@ Example (the canonical LlamaRL pipeline):
 Each node call names the nodes it reads from; every input field of the new node is wired from the
 one listed node that produces it. Node configs can be passed whole (``sampling=SamplingConfig(...)``)
 or as keyword arguments of that config (``n_samples=4``).
+
+A value the caller does not give (no keyword argument, no whole config) takes the default of the
+node's model kind (``flowrl.graph.defaults``): a pretrained Hugging Face model starts from TRL's
+``lr`` 1e-6, ``max_new_tokens`` 256 and synchronous weights (``max_staleness`` 0), the built-in
+model from the configs' own defaults; ``print(graph)`` names each value set so.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import msgspec
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.engines import Engine, VLLMConfig
 from flowrl.graph.envs import EnvConfig
-from flowrl.graph.configs import HFModelConfig, LoraConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
+from flowrl.graph.defaults import KIND_DEFAULTS, DefaultUsed, model_kind
+from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LoraConfig, LossConfig, ModelConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.judges import JudgeConfig
 from flowrl.graph.ir import DataEdge, Graph, GraphSpec, WeightEdge
 from flowrl.graph.nodes import (
@@ -78,6 +84,16 @@ class GraphBuilder:
         self._nodes: list[Node] = []
         self._edges: list[DataEdge] = []
         self._weight_edges: list[WeightEdge] = []
+        self._defaults: list[DefaultUsed] = []
+
+    def _kind_default(self, node: str, option: str, model: AnyModelConfig, config_default: float | int) -> float | int:
+        """``model``'s kind's default for ``option`` (``flowrl.graph.defaults``), noted for
+        ``print(graph)`` where it differs from ``config_default``, the config's own."""
+        kind = model_kind(model)
+        value = getattr(KIND_DEFAULTS[kind], option)
+        if value != config_default:
+            self._defaults.append(DefaultUsed(node=node, option=option, value=value, kind=kind))
+        return value
 
     # -- generic ------------------------------------------------------------------------------------
     def add(self, node: Node, inputs: tuple[NodeRef, ...] = ()) -> Node:
@@ -180,6 +196,8 @@ class GraphBuilder:
         elif any(k in EnvConfig.__struct_fields__ and k != "env" for k in kwargs):
             raise ConfigError(f"generator {name!r}: {sorted(k for k in kwargs if k in EnvConfig.__struct_fields__)} "
                               "apply to a generator with an environment only; pass env=")
+        if sampling is None and "max_new_tokens" not in kwargs:
+            kwargs["max_new_tokens"] = self._kind_default(name, "max_new_tokens", model or self.model, SamplingConfig().max_new_tokens)
         cfg = _config(SamplingConfig, sampling, kwargs, f"generator {name!r}")
         vllm = _config(VLLMConfig, None, kwargs, f"generator {name!r}") if any(k in VLLMConfig.__struct_fields__ for k in kwargs) else None
         self._no_leftovers("generator", name, kwargs)
@@ -292,6 +310,8 @@ class GraphBuilder:
             >>> b.loss("ppo", gen, reward, critic, objective="ppo", gamma=1.0, lam=0.95).describe()
             'ppo, eps=0.2, gamma=1, lam=0.95'
         """
+        if optimizer is None and "lr" not in kwargs:
+            kwargs["lr"] = self._kind_default(name, "lr", model or self.model, OptimizerConfig().lr)
         cfg = _config(OptimizerConfig, optimizer, kwargs, f"critic {name!r}")
         self._no_leftovers("critic", name, kwargs)
         source = self._lookup(rollouts, reader=name)
@@ -409,6 +429,8 @@ class GraphBuilder:
         Raises:
             ConfigError: for ``lora`` on the built-in model (LoRA adapts Hugging Face models, through peft).
         """
+        if optimizer is None and "lr" not in kwargs:
+            kwargs["lr"] = self._kind_default(name, "lr", model or self.model, OptimizerConfig().lr)
         cfg = _config(OptimizerConfig, optimizer, kwargs, f"policy {name!r}")
         self._no_leftovers("policy", name, kwargs)
         model = model or self.model
@@ -422,18 +444,21 @@ class GraphBuilder:
         return self.add(PolicyNode(name=name, model=model, optimizer=cfg), (loss,))
 
     def weights(
-        self, src: NodeRef, dst: NodeRef, *, transport: str = "inprocess", max_staleness: int = 1, in_flight: bool = False
+        self, src: NodeRef, dst: NodeRef, *, transport: str = "inprocess", max_staleness: int | None = None, in_flight: bool = False
     ) -> WeightEdge:
         """A weight edge: ``src``'s trainable weights reach ``dst`` over ``transport``, at most
-        ``max_staleness`` versions behind when its rollouts are consumed; ``in_flight`` lets a
-        continuous generator take them between decode steps."""
-        edge = WeightEdge(
-            src=src if isinstance(src, str) else src.name,
-            dst=dst if isinstance(dst, str) else dst.name,
-            transport=transport,
-            max_staleness=max_staleness,
-            in_flight=in_flight,
-        )
+        ``max_staleness`` trainer steps (batches) behind when its rollouts are consumed; ``in_flight``
+        lets a continuous generator take them between decode steps. ``max_staleness`` defaults, into
+        a generator, to that of ``src``'s model kind (``flowrl.graph.defaults``: 0 for a pretrained
+        Hugging Face model, 1 otherwise), and to 1 into another node."""
+        src_name, dst_name = (ref if isinstance(ref, str) else ref.name for ref in (src, dst))
+        if max_staleness is None:
+            max_staleness = WeightEdge(src=src_name, dst=dst_name).max_staleness  # the edge's own default
+            declared = {n.name: n for n in self._nodes}
+            model = getattr(declared.get(src_name), "model", None)
+            if isinstance(declared.get(dst_name), GeneratorNode) and model is not None:
+                max_staleness = int(self._kind_default(f"{src_name}~>{dst_name}", "max_staleness", model, max_staleness))
+        edge = WeightEdge(src=src_name, dst=dst_name, transport=transport, max_staleness=max_staleness, in_flight=in_flight)
         self._adopt_lora(edge)
         self._weight_edges.append(edge)
         return edge
@@ -472,6 +497,6 @@ class GraphBuilder:
             edges=tuple(self._edges),
             weight_edges=tuple(self._weight_edges),
         )
-        graph = Graph(spec)
+        graph = Graph(spec, defaults=tuple(self._defaults))
         warn_about(graph)
         return graph

@@ -23,6 +23,7 @@ Pictures of a graph come from the free functions of ``flowrl.pictures`` (DOT, Me
 
 from __future__ import annotations
 
+from flowrl.graph.defaults import DefaultUsed
 from flowrl.graph.structure import SCHEMA_VERSION, DataEdge, GraphSpec, GraphStructure, WeightEdge
 from flowrl.graph.validate import validate_graph
 
@@ -36,6 +37,8 @@ class Graph(GraphStructure):
         spec: the plain-data graph.
         validate: check every rule (``flowrl.graph.validate``) and raise ``GraphError`` on the first
             broken one. Only tests that study invalid graphs turn this off.
+        defaults: the values a model kind's defaults set (``GraphBuilder`` passes them;
+            ``flowrl.graph.defaults``), which ``str(graph)`` names.
 
     Example:
         >>> from flowrl.examples import build_example
@@ -44,7 +47,7 @@ class Graph(GraphStructure):
         ['prompts', 'gen', 'reward', 'aipo', 'policy']
     """
 
-    def __init__(self, spec: GraphSpec, *, validate: bool = True) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: GraphSpec, *, validate: bool = True, defaults: tuple[DefaultUsed, ...] = ()) -> None:
+        super().__init__(spec, defaults=defaults)
         if validate:
             validate_graph(self)

@@ -58,7 +58,7 @@ def with_model_path(graph: Graph, path: str) -> Graph:
         elif isinstance(node, SourceNode) and node.source.tokenizer in old:
             node = msgspec.structs.replace(node, source=msgspec.structs.replace(node.source, tokenizer=path))
         nodes.append(node)
-    return Graph(msgspec.structs.replace(graph.spec, nodes=tuple(nodes)))
+    return Graph(msgspec.structs.replace(graph.spec, nodes=tuple(nodes)), defaults=graph.defaults)
 
 
 def with_engine(graph: Graph, engine: str) -> Graph:
@@ -70,7 +70,7 @@ def with_engine(graph: Graph, engine: str) -> Graph:
     if not any(n.kind == "generator" for n in graph.nodes):
         raise ConfigError(f"--engine {engine!r}: graph {graph.name!r} has no generator")
     nodes = tuple(msgspec.structs.replace(n, engine=engine) if isinstance(n, GeneratorNode) else n for n in graph.nodes)
-    return Graph(msgspec.structs.replace(graph.spec, nodes=nodes))
+    return Graph(msgspec.structs.replace(graph.spec, nodes=nodes), defaults=graph.defaults)
 
 
 def with_sharding(graph: Graph, sharding: str) -> Graph:
@@ -86,4 +86,4 @@ def with_sharding(graph: Graph, sharding: str) -> Graph:
         msgspec.structs.replace(n, optimizer=msgspec.structs.replace(n.optimizer, sharding=sharding)) if isinstance(n, PolicyNode) else n
         for n in graph.nodes
     )
-    return Graph(msgspec.structs.replace(graph.spec, nodes=nodes))
+    return Graph(msgspec.structs.replace(graph.spec, nodes=nodes), defaults=graph.defaults)

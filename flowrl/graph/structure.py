@@ -17,6 +17,7 @@ import networkx as nx
 
 from flowrl.graph.fields import FieldType
 from flowrl.graph.configs import HFModelConfig
+from flowrl.graph.defaults import DefaultUsed, defaults_line
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import IN_POLICY_KINDS, GeneratorNode, Node, NodeBase, PolicyNode, SourceNode, describe
 
@@ -72,10 +73,14 @@ class GraphStructure:
 
     Args:
         spec: the plain-data graph.
+        defaults: the values ``GraphBuilder`` set from a model kind's defaults
+            (``flowrl.graph.defaults``), named by ``str()``; not part of the spec (a graph file
+            holds the values, and a graph read from one names none).
     """
 
-    def __init__(self, spec: GraphSpec) -> None:
+    def __init__(self, spec: GraphSpec, *, defaults: tuple[DefaultUsed, ...] = ()) -> None:
         self._spec = spec
+        self.defaults = defaults
         self._nodes: dict[str, Node] = {}
         for node in spec.nodes:
             self._nodes.setdefault(node.name, node)
@@ -220,7 +225,7 @@ class GraphStructure:
             lines.append(line)
         for w in self._spec.weight_edges:
             lines.append(f"  {w.src} ~> {w.dst}  weights(transport={w.transport}, max_staleness={w.max_staleness})")
-        return "\n".join(lines)
+        return "\n".join(lines + defaults_line(self.defaults))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, nodes={len(self)}, edges={len(self.edges)}, weight_edges={len(self.weight_edges)})"

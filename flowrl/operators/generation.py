@@ -289,7 +289,9 @@ class Generator:
         if longest > self.model.max_seq_len:
             raise ConfigError(
                 f"generator {self.name!r}: longest prompt ({longest - self.sampling.max_new_tokens}) + "
-                f"max_new_tokens ({self.sampling.max_new_tokens}) = {longest} > max_seq_len={self.model.max_seq_len}"
+                f"max_new_tokens ({self.sampling.max_new_tokens}) = {longest} > max_seq_len={self.model.max_seq_len}; "
+                "set a smaller max_new_tokens= on the generator (a pretrained Hugging Face model's default is 256: "
+                "flowrl.graph.defaults) or max_prompt_len= on the source"
             )
         return ids, lens
 

@@ -348,3 +348,21 @@ def test_subprocess_json_graph_never_imports_its_scorer(tmp_path) -> None:
     assert not marker.exists()
     control = subprocess.run([sys.executable, "-c", "import flowrl_evil_cli_scorer"], cwd=tmp_path, env=env, check=True, timeout=60)
     assert control.returncode == 0 and marker.exists()  # the module does have a side effect on import
+
+
+def test_a_picture_without_graphviz_names_it_and_its_three_installs_and_so_do_the_guides(tmp_path, monkeypatch, capsys):
+    """No 'dot' on PATH: `flowrl viz -o p.svg` fails with a one-line reason (no traceback) naming
+    Graphviz and how to install it (apt-get, brew, conda); docs/running.md, README and --help say the same."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no 'dot'
+    assert main(["viz", "llamarl", "-o", str(tmp_path / "p.svg")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    installs = ("apt-get install graphviz", "brew install graphviz", "conda install graphviz")
+    assert "Graphviz" in err and all(i in err for i in installs) and "Traceback" not in err, err
+    root = Path(__file__).parents[2]
+    for guide in ("docs/running.md", "README.md"):
+        text = " ".join((root / guide).read_text(encoding="utf-8").split())
+        assert all(f"`{i}`" in text for i in installs), guide
+    with pytest.raises(SystemExit):
+        main(["viz", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert all(i in usage for i in installs), usage

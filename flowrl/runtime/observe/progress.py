@@ -22,6 +22,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, NamedTuple
 
+from flowrl.runtime.observe.progress_figures import DEFAULT_PROGRESS, figures_text, staleness_text
+
 __all__ = ["ProgressBar", "SampleRate", "sample_rate", "staleness_text"]
 
 
@@ -68,32 +70,17 @@ def sample_rate(rows: Sequence[Mapping[str, Any]], *, window: int = 20, start: i
     return SampleRate(run, recent, steps, span / max(1, steps))
 
 
-def staleness_text(row: Mapping[str, Any]) -> str:
-    """A row's staleness in the unit of the bound k (trainer steps: batches), against k, and in policy
-    versions too where a batch makes several (``updates`` per batch).
-
-    Example:
-        >>> staleness_text({"staleness": 4, "staleness_batches": 2, "max_staleness": 2})
-        'staleness 2/2 batches (4 versions)'
-        >>> staleness_text({"staleness": 1, "staleness_batches": 1, "max_staleness": 1})
-        'staleness 1/1 batch'
-        >>> staleness_text({"staleness": 3})  # a row without the batch figures (an older file)
-        'staleness 3 versions'
-    """
-    versions = row["staleness"]
-    if "staleness_batches" not in row:
-        return f"staleness {versions} version{'s' if versions != 1 else ''}"
-    batches, k = row["staleness_batches"], row.get("max_staleness", 0)
-    text = f"staleness {batches:g}/{k} batch{'es' if k != 1 else ''}"
-    return text + (f" ({versions} version{'s' if versions != 1 else ''})" if versions != batches else "")
-
-
 class ProgressBar:
-    """Shows step, reward, staleness in batches against k (``staleness_text``) and samples/s (``sample_rate``);
+    """Shows step, the row's ``figures`` (``flowrl.runtime.observe.progress_figures``: by default reward,
+    entropy, grad norm, staleness in batches against k and the mismatch) and samples/s (``sample_rate``);
     call it with each metrics row."""
 
-    def __init__(self, total: int, *, start: int = 0, stream: IO[str] | None = None, width: int = 24, window: int = 20) -> None:
+    def __init__(
+        self, total: int, *, start: int = 0, stream: IO[str] | None = None, width: int = 24, window: int = 20,
+        figures: Sequence[str] = DEFAULT_PROGRESS,
+    ) -> None:  # fmt: skip
         self.total = total
+        self.figures = tuple(figures)
         self.start = start
         self.stream = stream or sys.stderr
         self.width = width
@@ -113,8 +100,8 @@ class ProgressBar:
         filled = int(self.width * done)
         bar = "#" * filled + "." * (self.width - filled)
         text = (
-            f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] reward {row['reward_mean']:.3f} "
-            f"{staleness_text(row)} {rate.text()} ETA {eta:4.0f}s"
+            f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] {figures_text(row, self.figures)} "
+            f"{rate.text()} ETA {eta:4.0f}s"
         )
         for sample in row.get("samples_text", ()):  # --log-samples: above the bar, which is redrawn below
             line = f"  sample: {sample['prompt']!r} -> {sample['completion']!r}  reward {sample['reward']:.3f}"
