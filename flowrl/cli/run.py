@@ -109,6 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="start over in a --checkpoint-dir that holds checkpoints: delete them first (without it, such a run is refused)",
     )
+    p.add_argument("--liveness-timeout", type=float, metavar="S",
+                   help="torchrun: a rank of any role (or its vLLM engine) that dies or stops answering for S seconds ends every rank "
+                   "with a message naming it, so torchrun --max-restarts can restart the job (default: 60)")
     p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE', or a placement like '{\"gen\": [0], \"policy\": [1]}' (every backend)")
     p.add_argument("--synthetic", action="store_true", help="replace every operator by a sleep of known length (measures the runtime alone)")
     p.add_argument(
@@ -209,6 +212,7 @@ def _run_here(args: argparse.Namespace) -> int:
             eval_samples=args.eval_samples,
             eval_pass_reward=args.eval_pass_reward,
             offload=args.offload,
+            liveness_timeout_s=args.liveness_timeout,
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
@@ -385,6 +389,7 @@ def _as_flags(message: str) -> str:
 
     names = r"\b(eval_every|eval_data|eval_samples|eval_pass_reward)\b(=?)"
     message = re.sub(names, lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) else ""), message)
+    message = re.sub(r"\bliveness_timeout_s=", "--liveness-timeout ", message).replace("backend='torchrun'", "--backend torchrun")
     return re.sub(r"(?<![\w-])steps=(?=\d)", "--steps ", message)  # the field with its value, not the word
 
 
