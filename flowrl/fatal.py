@@ -9,6 +9,8 @@ peers why, so they end too), stops this process's descendants (SIGTERM, then SIG
 ``grace_s``: vLLM's engine processes, so none is left behind), flushes stdout and stderr and
 calls ``os._exit``: no interpreter teardown, which could wait on the very thread that hangs.
 A second caller (another watchdog, at the same moment) waits for the first to end the process.
+A Ctrl-C reaches every process of the terminal's group, vLLM's too: the CLI notes it
+(``note_interrupt``) before anything else, and a watchdog that sees a child end after it stays silent.
 
 Example:
     >>> remove = on_end(lambda message: None)
@@ -28,11 +30,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["end_process", "on_end", "descendant_pids", "ending"]
+__all__ = ["end_process", "on_end", "descendant_pids", "ending", "interrupted", "note_interrupt"]
 
 _hooks: list[Callable[[str], None]] = []
 _lock = threading.Lock()
 _ending = threading.Event()
+_interrupted = threading.Event()
+
+
+def note_interrupt() -> None:
+    """Record that this process was interrupted (Ctrl-C): its children got the SIGINT too and end by design."""
+    _interrupted.set()
+
+
+def interrupted() -> bool:
+    """True once ``note_interrupt`` ran: a watchdog then takes a child's end for the interrupt's, not a failure."""
+    return _interrupted.is_set()
 
 
 def on_end(hook: Callable[[str], None]) -> Callable[[], None]:

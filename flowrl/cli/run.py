@@ -344,11 +344,11 @@ def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, 
             sink(row)
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _noting_interrupts():
             warnings.filterwarnings("ignore", category=GraphWarning)
             result = run_graph(graph, placement, config, on_step=on_step if sinks else None)
     except KeyboardInterrupt:
-        print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
+        print("\nflowrl run: interrupted" + _saved_at(args.checkpoint_dir), file=sys.stderr)
         return 130
     except NodeExecutionError as exc:
         if isinstance(exc, NodeBuildError):
@@ -381,6 +381,43 @@ def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, 
         if path:
             print(f"{what}: {path}")
     return 0
+
+
+@contextlib.contextmanager
+def _noting_interrupts() -> Iterator[None]:
+    """Ctrl-C (Python's default SIGINT handler in place) is noted first (``flowrl.fatal.note_interrupt``:
+    vLLM's processes, which got it too, then end without a watchdog calling it a failure), then raises
+    KeyboardInterrupt as before."""
+    import signal
+    import threading
+
+    from flowrl.fatal import note_interrupt
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        note_interrupt()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _saved_at(directory: str | None) -> str:
+    """After Ctrl-C: where the final state went and its step (``; checkpoint ck/step-00000033 (step 33)``), or nothing."""
+    if not directory:
+        return ""
+    from flowrl.runtime.checkpointing.store import latest_checkpoint
+
+    path = latest_checkpoint(directory)
+    if path is None:
+        return f"; no checkpoint in {directory} (interrupted before the first step)"
+    return f"; checkpoint {path} (step {int(path.name.split('-')[1])})"
 
 
 def _as_flags(message: str) -> str:
