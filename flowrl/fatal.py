@@ -13,10 +13,10 @@ A Ctrl-C reaches every process of the terminal's group, vLLM's too: the CLI note
 (``note_interrupt``) before anything else, and a watchdog that sees a child end after it stays silent.
 
 Example:
-    >>> remove = on_end(lambda message: None)
+    >>> remove = on_end(lambda message: None)   # a heartbeat tells its peers this way
     >>> remove()
-    >>> sorted(descendant_pids(0))   # pid 0 has no /proc entry: no descendants
-    []
+    >>> ending(), interrupted()
+    (False, False)
 """
 
 from __future__ import annotations
