@@ -12,10 +12,12 @@ Prints JSON: per fault, the seconds from the fault to training again (the first 
 after the restart's resume), the steps re-done (rows written before the fault past the checkpoint
 resumed from), and the restart's resume point; for the job, prompts lost and repeated against the
 reference (goal 0), whether its rows are 1..steps once each, and whether its final policy state
-(every shard's tensors) equals the reference's bit for bit; wall times and the load.
+(every shard's tensors) equals the reference's bit for bit; wall times and the load. With ``--vllm``
+also the same job on the vLLM engine whose engine core is SIGKILLed: its recovery and prompts.
 
     python benches/faults.py                    # 40 steps, a checkpoint every 4, --liveness-timeout 10
     python benches/faults.py --steps 60 --every 5 --liveness 20
+    python benches/faults.py --vllm             # also the README's vLLM job, its engine core SIGKILLed once
 """
 
 from __future__ import annotations
@@ -57,13 +59,24 @@ def _rank_pid(agent: int, rank: int) -> int | None:
     return None
 
 
-def start(cwd: Path, model: Path, steps: int, every: int, liveness: float) -> subprocess.Popen:
+def _engine_pid(agent: int) -> int | None:
+    """vLLM's engine core among the job's processes."""
+    for pid in descendants(agent):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def start(cwd: Path, model: Path, steps: int, every: int, liveness: float, engine: str = "builtin") -> subprocess.Popen:
     (cwd / "place.json").write_text('{"gen": [0], "policy": [1, 2]}')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "3", "--nproc-per-node", "3",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
            "-m", "flowrl", "run", "hf_copy", "--model", str(model), "--sharding", "fsdp", "--backend", "torchrun",
            "--plan", "place.json", "--quiet", "--steps", str(steps), "--max-staleness", "0", "--checkpoint-dir", "ck",
-           "--checkpoint-every", str(every), "--resume", "auto", "--metrics", "m.jsonl", "--liveness-timeout", str(liveness)]
+           "--checkpoint-every", str(every), "--resume", "auto", "--metrics", "m.jsonl", "--liveness-timeout", str(liveness), "--engine", engine]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "60"}
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=open(cwd / "err.txt", "w"), start_new_session=True)
 
@@ -108,18 +121,19 @@ def equal_states(a: dict[str, object], b: dict[str, object]) -> tuple[bool, int]
     return differ == 0 and len(a) > 0, differ
 
 
-def run_faulted(cwd: Path, model: Path, steps: int, every: int, liveness: float, timeout: float) -> dict:
-    job = start(cwd, model, steps, every, liveness)
+def run_faulted(cwd: Path, model: Path, steps: int, every: int, liveness: float, timeout: float,
+                faults_in_turn: tuple = FAULTS, engine: str = "builtin") -> dict:
+    job = start(cwd, model, steps, every, liveness, engine)
     t0 = time.monotonic()
     faults = []
     try:
-        for i, (sig, rank, role) in enumerate(FAULTS):
-            want_rows = (i + 1) * steps // (len(FAULTS) + 1)
+        for i, (sig, rank, role) in enumerate(faults_in_turn):
+            want_rows = (i + 1) * steps // (len(faults_in_turn) + 1)
             while len(rows_of(cwd / "m.jsonl")) < want_rows or len(resumes(cwd)) < i:  # training again after the previous fault
                 if job.poll() is not None or time.monotonic() - t0 > timeout:
                     raise RuntimeError(f"the job ended or stalled before fault {i + 1}: {(cwd / 'err.txt').read_text()[-3000:]}")
                 time.sleep(0.02)
-            victim = _rank_pid(job.pid, rank)
+            victim = _engine_pid(job.pid) if rank == "engine" else _rank_pid(job.pid, rank)
             before = len(rows_of(cwd / "m.jsonl"))
             hit = time.monotonic()
             os.kill(victim, getattr(signal, sig))
@@ -129,7 +143,7 @@ def run_faulted(cwd: Path, model: Path, steps: int, every: int, liveness: float,
                 time.sleep(0.02)
             again = time.monotonic() - hit
             resumed = resumes(cwd)[i]
-            faults.append({"fault": f"{sig} rank {rank} ({role})", "rows_at_fault": before, "resumed_from_step": resumed,
+            faults.append({"fault": f"{sig} {role}" if rank == "engine" else f"{sig} rank {rank} ({role})", "rows_at_fault": before, "resumed_from_step": resumed,
                            "steps_redone": before - resumed, "fault_to_training_s": round(again, 2)})
         job.wait(timeout=timeout)
     finally:
@@ -145,6 +159,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--liveness", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--vllm", action="store_true", help="also a job on the vLLM engine whose engine core is SIGKILLed (prompts checked; not bit-exact)")
     args = p.parse_args()
     from flowrl.examples.hf_copy import write_assets
 
@@ -163,6 +178,17 @@ def main() -> None:
         problems: list[str] = []
         lost, repeated = check_run(fault_dir / "m.jsonl", want, 0, problems)
         same, differ = equal_states(final_state(clean_dir / "ck", args.steps), final_state(fault_dir / "ck", args.steps))
+        extra = {}
+        if args.vllm:
+            vllm_dir = Path(tmp) / "vllm"
+            vllm_dir.mkdir()
+            extra["vllm"] = run_faulted(vllm_dir, model, args.steps, args.every, args.liveness, args.timeout,
+                                        (("SIGKILL", "engine", "vLLM's engine core on rank 0"),), engine="vllm")
+            vllm_problems: list[str] = []
+            extra["vllm"]["prompts_lost"], extra["vllm"]["prompts_repeated"] = check_run(vllm_dir / "m.jsonl", want, 0, vllm_problems)
+            extra["vllm"]["rows_problems"] = vllm_problems
+            extra["vllm"]["message"] = next((line for line in (vllm_dir / "err.txt").read_text(errors="replace").splitlines()
+                                             if "vLLM's engine process" in line), None)
         print(json.dumps({
             "command": "torchrun --max-restarts 3 --nproc-per-node 3 -m flowrl run hf_copy --sharding fsdp --backend torchrun "
                        f"(gen on rank 0, policy FSDP2 on 1-2) --steps {args.steps} --max-staleness 0 --checkpoint-every {args.every} "
@@ -170,7 +196,7 @@ def main() -> None:
             "reference": {"exit": clean.returncode, "wall_s": round(clean_s, 1), "rows": len(want)},
             **out,
             "prompts_lost": lost, "prompts_repeated": repeated, "rows_problems": problems,
-            "final_policy_equal_bit_for_bit": same, "entries_differing": differ,
+            "final_policy_equal_bit_for_bit": same, "entries_differing": differ, **extra,
             "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
         }, indent=1))
 

@@ -80,6 +80,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -721,22 +722,35 @@ class _own_process_group:
     multiprocessing's spawn (``_posixsubprocess.fork_exec``, whose 23 arguments in CPython 3.11-3.12
     are checked; elsewhere the processes stay in this group, as vLLM starts them)."""
 
+    _lock = threading.Lock()
+    _depth = 0  # engines starting at once in this process (threads): the first patches, the last restores
+    _original: Any = None
+
     def __enter__(self) -> None:
         import _posixsubprocess
 
-        self._module, self._original = _posixsubprocess, _posixsubprocess.fork_exec
-        original = self._original
+        cls = type(self)
+        with cls._lock:
+            cls._depth += 1
+            if cls._depth > 1 or sys.version_info[:2] not in ((3, 11), (3, 12)):
+                return
+            original = cls._original = _posixsubprocess.fork_exec
 
-        def fork_exec(*args: Any) -> int:
-            if len(args) == 23 and args[15] is False and args[16] == -1:  # call_setsid, pgid_to_set
-                args = (*args[:16], 0, *args[17:])
-            return original(*args)
+            def fork_exec(*args: Any) -> int:
+                if len(args) == 23 and args[15] is False and args[16] == -1:  # call_setsid, pgid_to_set
+                    args = (*args[:16], 0, *args[17:])
+                return original(*args)
 
-        if sys.version_info[:2] in ((3, 11), (3, 12)):
             _posixsubprocess.fork_exec = fork_exec
 
     def __exit__(self, *exc: object) -> None:
-        self._module.fork_exec = self._original
+        import _posixsubprocess
+
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0 and cls._original is not None:
+                _posixsubprocess.fork_exec, cls._original = cls._original, None
 
 
 def cpu_binding(tp: int, owner: str, cpus: Sequence[int] | None = None) -> str:
