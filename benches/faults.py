@@ -150,7 +150,8 @@ def run_faulted(cwd: Path, model: Path, steps: int, every: int, liveness: float,
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    return {"exit": job.returncode, "wall_s": round(time.monotonic() - t0, 1), "faults": faults}
+    said = [line for line in (cwd / "err.txt").read_text(errors="replace").splitlines() if "flowrl run: error:" in line]
+    return {"exit": job.returncode, "wall_s": round(time.monotonic() - t0, 1), "faults": faults, "errors_said": said}
 
 
 def main() -> None:
@@ -159,6 +160,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--liveness", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--vllm-only", action="store_true", help="the vLLM job alone (its prompts against a built-in reference run)")
     p.add_argument("--vllm", action="store_true", help="also a job on the vLLM engine whose engine core is SIGKILLed (prompts checked; not bit-exact)")
     args = p.parse_args()
     from flowrl.examples.hf_copy import write_assets
@@ -173,13 +175,14 @@ def main() -> None:
         clean = start(clean_dir, model, args.steps, args.every, args.liveness)
         clean.wait(timeout=args.timeout)
         clean_s = time.monotonic() - t0
-        out = run_faulted(fault_dir, model, args.steps, args.every, args.liveness, args.timeout)
         want = [r["prompt_index"] for r in rows_of(clean_dir / "m.jsonl")]
-        problems: list[str] = []
-        lost, repeated = check_run(fault_dir / "m.jsonl", want, 0, problems)
-        same, differ = equal_states(final_state(clean_dir / "ck", args.steps), final_state(fault_dir / "ck", args.steps))
+        out, problems, lost, repeated, same, differ = {}, [], None, None, None, None
+        if not args.vllm_only:
+            out = run_faulted(fault_dir, model, args.steps, args.every, args.liveness, args.timeout)
+            lost, repeated = check_run(fault_dir / "m.jsonl", want, 0, problems)
+            same, differ = equal_states(final_state(clean_dir / "ck", args.steps), final_state(fault_dir / "ck", args.steps))
         extra = {}
-        if args.vllm:
+        if args.vllm or args.vllm_only:
             vllm_dir = Path(tmp) / "vllm"
             vllm_dir.mkdir()
             extra["vllm"] = run_faulted(vllm_dir, model, args.steps, args.every, args.liveness, args.timeout,
@@ -187,8 +190,7 @@ def main() -> None:
             vllm_problems: list[str] = []
             extra["vllm"]["prompts_lost"], extra["vllm"]["prompts_repeated"] = check_run(vllm_dir / "m.jsonl", want, 0, vllm_problems)
             extra["vllm"]["rows_problems"] = vllm_problems
-            extra["vllm"]["message"] = next((line for line in (vllm_dir / "err.txt").read_text(errors="replace").splitlines()
-                                             if "vLLM's engine process" in line), None)
+
         print(json.dumps({
             "command": "torchrun --max-restarts 3 --nproc-per-node 3 -m flowrl run hf_copy --sharding fsdp --backend torchrun "
                        f"(gen on rank 0, policy FSDP2 on 1-2) --steps {args.steps} --max-staleness 0 --checkpoint-every {args.every} "
