@@ -1,7 +1,7 @@
 """A dead or stopped torchrun rank ends every rank within ``--liveness-timeout``, naming it, with no process left.
 
-One 2-rank job per fault on the default example (its real tiny model; the generator on rank 0, the
-policy on rank 1), ``--liveness-timeout 4`` and no ``--max-restarts`` (so the job's end is observable):
+One 2-rank job per fault on the default pipeline with synthetic operators (sleeps; weights over files;
+the generator on rank 0, the policy on rank 1: what is tested is the ranks, not the model), ``--liveness-timeout 4`` and no ``--max-restarts`` (so the job's end is observable):
 the test SIGKILLs or SIGSTOPs the policy's rank once the metrics hold a row, then checks that the job
 ended within the bound and a slack for the shared machine, that rank 0's message names rank 1, its
 node and the cause, and that no process the job started is alive. The stall timeout stays at its
@@ -54,8 +54,9 @@ def fault_job(tmp_path: Path, sig: signal.Signals) -> tuple[float, str, list[int
     (tmp_path / "place.json").write_text('{"gen": [0], "policy": [1]}')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-           "-m", "flowrl", "run", "--backend", "torchrun", "--plan", "place.json", "--quiet",
-           "--steps", "500", "--max-staleness", "1", "--metrics", "m.jsonl", "--liveness-timeout", str(BOUND_S)]
+           "-m", "flowrl", "run", "tests.reliability.test_torchrun_faults:file_graph", "--synthetic", "--option", "gen_s=0.05",
+           "--option", "train_s=0.05", "--backend", "torchrun", "--plan", "place.json", "--quiet",
+           "--steps", "5000", "--max-staleness", "1", "--metrics", "m.jsonl", "--liveness-timeout", str(BOUND_S)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "300"}
     job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
