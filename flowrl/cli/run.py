@@ -112,6 +112,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="start over in a --checkpoint-dir that holds checkpoints: delete them first (without it, such a run is refused)",
     )
+    p.add_argument("--liveness-timeout", type=float, metavar="S",
+                   help="torchrun: a rank of any role (or its vLLM engine) that dies or stops answering for S seconds ends every rank "
+                   "with a message naming it, so torchrun --max-restarts can restart the job (default: 60)")
     p.add_argument("--plan", metavar="FILE", help="a plan from 'flowrl plan GRAPH --cluster cpu -o FILE', or a placement like '{\"gen\": [0], \"policy\": [1]}' (every backend)")
     p.add_argument("--synthetic", action="store_true", help="replace every operator by a sleep of known length (measures the runtime alone)")
     p.add_argument(
@@ -219,6 +222,7 @@ def _run_here(args: argparse.Namespace) -> int:
             eval_samples=args.eval_samples,
             eval_pass_reward=args.eval_pass_reward,
             offload=args.offload,
+            liveness_timeout_s=args.liveness_timeout,
         )
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
@@ -353,11 +357,11 @@ def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, 
             sink(row)
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _noting_interrupts():
             warnings.filterwarnings("ignore", category=GraphWarning)
             result = run_graph(graph, placement, config, on_step=on_step if sinks else None)
     except KeyboardInterrupt:
-        print("\nflowrl run: interrupted" + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""), file=sys.stderr)
+        print("\nflowrl run: interrupted" + _saved_at(args.checkpoint_dir), file=sys.stderr)
         return 130
     except NodeExecutionError as exc:
         if isinstance(exc, NodeBuildError):
@@ -392,12 +396,50 @@ def _train(args: argparse.Namespace, graph: Graph, placement: Placement | None, 
     return 0
 
 
+@contextlib.contextmanager
+def _noting_interrupts() -> Iterator[None]:
+    """Ctrl-C (Python's default SIGINT handler in place) is noted first (``flowrl.fatal.note_interrupt``:
+    vLLM's processes, which got it too, then end without a watchdog calling it a failure), then raises
+    KeyboardInterrupt as before."""
+    import signal
+    import threading
+
+    from flowrl.fatal import note_interrupt
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        note_interrupt()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _saved_at(directory: str | None) -> str:
+    """After Ctrl-C: where the final state went and its step (``; checkpoint ck/step-00000033 (step 33)``), or nothing."""
+    if not directory:
+        return ""
+    from flowrl.runtime.checkpointing.store import latest_checkpoint
+
+    path = latest_checkpoint(directory)
+    if path is None:
+        return f"; no checkpoint in {directory} (interrupted before the first step)"
+    return f"; checkpoint {path} (step {int(path.name.split('-')[1])})"
+
+
 def _as_flags(message: str) -> str:
     """A ``RunConfig`` message in the command line's words: ``eval_every=3`` -> ``--eval-every 3``."""
     import re
 
     names = r"\b(eval_every|eval_data|eval_samples|eval_pass_reward)\b(=?)"
     message = re.sub(names, lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) else ""), message)
+    message = re.sub(r"\bliveness_timeout_s=", "--liveness-timeout ", message).replace("backend='torchrun'", "--backend torchrun")
     return re.sub(r"(?<![\w-])steps=(?=\d)", "--steps ", message)  # the field with its value, not the word
 
 

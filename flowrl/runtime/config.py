@@ -39,6 +39,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         options: settings passed to those programs (``ProgramEnv.options``).
         channel_capacity: messages per data edge; 0 picks ``max_staleness + 1``.
         stall_timeout_s: fail the run if no executor finishes a step for this long.
+        liveness_timeout_s: torchrun only: a rank of any role whose heartbeat stands still this long
+            (dead, stopped, wedged) ends every rank of the job, naming it, so torchrun can restart
+            (``flowrl.runtime.backends.heartbeat``); None: 60 s. Refused on another backend.
         progress: draw a progress bar on stderr.
         log_samples: every N trainer steps, decode a few samples of the batch into the metrics row
             (``samples_text``; ``flowrl.runtime.observe.samples``); 0 never.
@@ -75,6 +78,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     options: dict[str, Any] = {}
     channel_capacity: int = 0
     stall_timeout_s: float = 300.0
+    liveness_timeout_s: float | None = None
     progress: bool = False
     threads: int = 0
     log_samples: int = 0
@@ -119,5 +123,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError(f"eval_data={self.eval_data!r} is read only with eval_every, how often to evaluate (in steps)")
         if self.eval_samples < 1:
             raise ConfigError(f"eval_samples={self.eval_samples} must be >= 1 (sampled completions per eval row)")
+        if self.liveness_timeout_s is not None and self.liveness_timeout_s <= 0:
+            raise ConfigError(f"liveness_timeout_s={self.liveness_timeout_s} must be > 0 (seconds a rank's heartbeat may stand still)")
+        if self.liveness_timeout_s is not None and self.backend != "torchrun":
+            raise ConfigError(
+                f"liveness_timeout_s={self.liveness_timeout_s} bounds how long a torchrun rank may stop answering, but backend={self.backend!r} "
+                "runs no heartbeat (its workers' deaths close their sockets at once; a stopped worker meets stall_timeout_s): "
+                "drop it or run with backend='torchrun'"
+            )
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"stall_timeout_s={self.stall_timeout_s} must be > 0")

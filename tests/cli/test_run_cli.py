@@ -46,9 +46,12 @@ def test_progress_bar_lines_when_not_a_tty(capsys):
         (["run", "llamarl", "--engine", "vllm"], "engine='vllm' needs a Hugging Face model"),
         (["run", "hf_copy", "--engine", "vllm", "--steps", "1"], "head size is 16"),
         (["run", "hf_copy", "--sharding", "fsdp", "--steps", "1"], "sharding='fsdp'"),  # FSDP2 runs under torchrun only
+        (["run", "--liveness-timeout", "5"], "--liveness-timeout 5.0 bounds how long a torchrun rank may stop answering, but backend='local' "
+         "runs no heartbeat"),  # the heartbeat is torchrun's
+        (["run", "--backend", "torchrun", "--liveness-timeout", "0"], "--liveness-timeout 0.0 must be > 0"),
     ],
     ids=["steps", "staleness", "ckpt-every", "resume", "example", "graph-file", "plan", "metrics-dir", "option-typo", "engine-builtin-model",
-         "engine-head-size", "fsdp-without-torchrun"],
+         "engine-head-size", "fsdp-without-torchrun", "liveness-off-torchrun", "liveness-zero"],
 )
 def test_user_mistakes_exit_2(argv, message, capsys):
     assert main(argv) == 2

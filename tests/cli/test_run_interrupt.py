@@ -39,6 +39,8 @@ def test_sigint_checkpoints_and_exits_130(tmp_path: Path):
     assert path is not None and (path / "meta.json").is_file()
     done = int(path.name.split("-")[1])
     assert done >= 5
+    assert f"interrupted; checkpoint {path} (step {done})" in err, err  # the step saved, named (vLLM's run: tests/reliability/test_vllm_faults.py)
+    assert done == len(read_metrics(metrics))  # the final state, at the step reached
     # resume continues right after the checkpoint
     resumed = subprocess.run(
         [sys.executable, "-m", "flowrl", "run", "--synthetic", "--steps", str(done + 3), "--quiet",

@@ -78,7 +78,9 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,7 @@ from flowrl.operators.generation import _mix  # the built-in engine's seed mixer
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
 from flowrl.operators.engines.vllm_lora import VLLMAdapters
 from flowrl.operators.engines.vllm_reaper import Reaper, descendants, started_since
+from flowrl.operators.engines.vllm_watch import EngineWatch
 
 __all__ = ["VLLMGenerator", "check_vllm", "memory_settings", "cpu_binding", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
@@ -409,10 +412,13 @@ class VLLMGenerator:
         before = descendants()
         try:
             _quiet_vllm(self._tmp)
-            return self._start_quiet(node, raw, device, seed)
+            llm = self._start_quiet(node, raw, device, seed)
         finally:
             _restore_environment(saved)
-            self._reaper = Reaper.watch(started_since(before))  # vLLM's processes end with this one, even killed
+            started = started_since(before)
+            self._reaper = Reaper.watch(started)  # vLLM's processes end with this one, even killed
+        self._watch = EngineWatch(f"generator {node.name!r}", started, self)  # and this one ends when one of them dies
+        return llm
 
     def _start_quiet(self, node: GeneratorNode, raw: Mapping[str, Any], device: str, seed: int) -> Any:
         owner = f"generator {node.name!r}"
@@ -449,7 +455,7 @@ class VLLMGenerator:
         binding = cpu_binding(tp, owner) if tp > 1 and not device.startswith("cuda") and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND") else None
         visible = _cuda_visible(self._devices if device.startswith("cuda") else ())
         try:
-            with visible, _environment({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {}):
+            with visible, _environment({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {}), _own_process_group():
                 return LLM(**kwargs)
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"{owner}: vLLM could not start on {config.path!r}: {type(exc).__name__}: {exc}") from exc
@@ -691,6 +697,9 @@ class VLLMGenerator:
         direct, self._direct = self.__dict__.get("_direct"), None
         if direct is not None:
             direct.close()
+        watch, self._watch = self.__dict__.get("_watch"), None
+        if watch is not None:
+            watch.close()  # before vLLM's processes end by design
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             try:  # vLLM's default 5 s is too short for its CPU worker to exit: a forced kill left its shared-memory queue to the resource tracker
@@ -701,6 +710,47 @@ class VLLMGenerator:
         if reaper is not None:
             reaper.close()  # kills what the shutdown left running
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class _own_process_group:
+    """While vLLM starts, the processes this process spawns (vLLM's engine core; the workers it starts in
+    turn follow it) lead a process group of their own, so a Ctrl-C, which the terminal sends to its
+    foreground group, reaches this process only: it writes the final checkpoint and ends vLLM by
+    ``close`` (vLLM's engine, interrupted on its own, dumps its requests' tracebacks, leaks its
+    shared memory and leaves this process's generate waiting on a dead engine). Their end is
+    still assured by ``close``, the reaper and the watch. Done by handing ``pgid_to_set=0`` to
+    multiprocessing's spawn (``_posixsubprocess.fork_exec``, whose 23 arguments in CPython 3.11-3.12
+    are checked; elsewhere the processes stay in this group, as vLLM starts them)."""
+
+    _lock = threading.Lock()
+    _depth = 0  # engines starting at once in this process (threads): the first patches, the last restores
+    _original: Any = None
+
+    def __enter__(self) -> None:
+        import _posixsubprocess
+
+        cls = type(self)
+        with cls._lock:
+            cls._depth += 1
+            if cls._depth > 1 or sys.version_info[:2] not in ((3, 11), (3, 12)):
+                return
+            original = cls._original = _posixsubprocess.fork_exec
+
+            def fork_exec(*args: Any) -> int:
+                if len(args) == 23 and args[15] is False and args[16] == -1:  # call_setsid, pgid_to_set
+                    args = (*args[:16], 0, *args[17:])
+                return original(*args)
+
+            _posixsubprocess.fork_exec = fork_exec
+
+    def __exit__(self, *exc: object) -> None:
+        import _posixsubprocess
+
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0 and cls._original is not None:
+                _posixsubprocess.fork_exec, cls._original = cls._original, None
 
 
 def cpu_binding(tp: int, owner: str, cpus: Sequence[int] | None = None) -> str:

@@ -52,6 +52,11 @@ Timeouts (a failure stops the whole job in bounded time; nothing waits forever):
   way the controller fails the run naming the node and the rank, closes every socket (each worker's
   ``serve`` then returns) and rank 0 exits 1; torchrun then stops any rank still running.
 - ``RunConfig.stall_timeout_s``: the controller fails the run if no executor finishes a step for that long.
+- ``--liveness-timeout`` (``RunConfig.liveness_timeout_s``, default 60 s): every rank beats a counter in
+  the job's store; a rank of any role whose counter stands still that long (dead, SIGSTOPped, wedged)
+  ends every rank with a message naming it, its nodes and the cause, a stopped one SIGKILLed by a
+  rank on its host (``heartbeat``). A worker that torchrun SIGTERMs ends with its processes
+  (``flowrl.fatal.end_process``), naming a peer whose process is gone.
 
 Restarts (``torchrun --max-restarts N``): torchrun's agent restarts every rank with the same command
 after one fails. Each attempt's process group keeps its keys apart in the agent's store
@@ -80,6 +85,7 @@ import torch
 
 from flowrl.backend_traits import BACKENDS
 from flowrl.errors import ConfigError, FlowrlError, PlanError
+from flowrl.fatal import end_process
 from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
@@ -87,6 +93,7 @@ from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
 from flowrl.runtime.backends.direct_route import ROUTE, direct_channels
 from flowrl.runtime.backends.direct_route import register as register_direct
+from flowrl.runtime.backends.heartbeat import DEFAULT_TIMEOUT_S, Heartbeat, rank_roles
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
@@ -239,8 +246,12 @@ def _attempt_store(rank: int, world: int) -> dict[str, Any]:
         return {}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"flowrl/attempt-{attempt}", store), "rank": rank, "world_size": world}
+    return {"store": dist.PrefixStore(_attempt_prefix(), store), "rank": rank, "world_size": world}
+
+
+def _attempt_prefix() -> str:
+    """The store prefix of this attempt's keys (``TORCHELASTIC_RESTART_COUNT``; 0 outside an elastic agent)."""
+    return f"flowrl/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _one_host() -> bool:
@@ -365,20 +376,26 @@ def run_torchrun(
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S), **_attempt_store(rank, world))
     edges = _edge_options(graph, ctx, axes)
     ok = False
+    heartbeat = Heartbeat.connect(_attempt_prefix(), rank, world, rank_roles(ranks, world), config.liveness_timeout_s or DEFAULT_TIMEOUT_S)
+    if heartbeat is not None:
+        heartbeat.start()
     try:
         groups = _setup_groups(graph, ctx, placement, edges)
         open_edges(edges, groups, rank, device)  # handshakes: every participating rank is here now
         store = dist.distributed_c10d._get_default_store()
         mine = [n for n, rs in ranks.items() if rank in rs]
         if rank != 0:
-            result = _work(store, ctx, mine)
+            with _end_on_sigterm(heartbeat, rank, ranks, world):
+                result = _work(store, ctx, mine)
         else:
             seen: dict[str, Controller] = {}
-            with _report_on_sigterm(seen):
+            with _report_on_sigterm(seen, heartbeat.dead_peer if heartbeat is not None else lambda: None):
                 result = _control(graph, config, placement, store, ctx, on_step, seen, edges)
         ok = True
         return result
     finally:
+        if heartbeat is not None:  # this rank is leaving: its peers no longer judge it (its exit status speaks now)
+            heartbeat.done()
         close_edges(drain_s=10.0 if ok else 0.0)  # after a success, let the last version reach the generators
         set_context(None)
         if owns_group:
@@ -407,10 +424,32 @@ def _work(store: Any, ctx: RankContext, mine: list[str]) -> RunResult:
 
 
 @contextlib.contextmanager
-def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
+def _end_on_sigterm(heartbeat: Heartbeat | None, rank: int, ranks: Mapping[str, Any], world: int) -> Iterator[None]:
+    """A worker rank that torchrun SIGTERMs (another rank failed) says so, naming a peer on this host
+    whose process is gone where there is one, and ends with its own processes (vLLM's:
+    ``fatal.end_process``) rather than dying silently."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    me = f"rank {rank} ({rank_roles(ranks, world)[rank]})"
+
+    def on_term(signum: int, frame: Any) -> None:
+        dead = heartbeat.dead_peer() if heartbeat is not None else None
+        end_process(f"{me}: torchrun stopped this rank (SIGTERM)" + (f" after {dead}" if dead else ", most likely because another rank failed"))
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _report_on_sigterm(seen: dict[str, Controller], dead_peer: Callable[[], str | None] = lambda: None) -> Iterator[None]:
     """When a rank dies, torchrun SIGTERMs every other rank, rank 0 included, often before rank 0
     has printed what it saw. On SIGTERM, print the failure the controller recorded (naming the rank
-    and its node) or, without one, that torchrun stopped this rank; then exit 1."""
+    and its node) or, without one, the peer on this host whose process is gone (``dead_peer``) or
+    that torchrun stopped this rank; then exit 1."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -423,6 +462,8 @@ def _report_on_sigterm(seen: dict[str, Controller]) -> Iterator[None]:
             node, step, exc = failure
             at = f" at step {step}" if step is not None else ""
             message = f"node {node!r} failed{at}: {type(exc).__name__}: {exc}"
+        elif (dead := dead_peer()) is not None:
+            message = f"torchrun stopped rank 0 (SIGTERM) after {dead}"
         else:
             message = "torchrun stopped rank 0 (SIGTERM), most likely because another rank failed; see torchrun's summary"
         print(f"flowrl run: error: {message}", file=sys.stderr, flush=True)
