@@ -31,11 +31,17 @@ if TYPE_CHECKING:
     from flowrl.graph.configs import AnyModelConfig
     from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["Split", "ModelFamily", "FamilyAdapter", "ModelTokens"]
+__all__ = ["Split", "ModelFamily", "FamilyAdapter", "ModelTokens", "StackedRow"]
 
 #: How tensor parallelism splits a weight (``flowrl.runtime.parallel.tensor_parallel``): ``column`` (dim 0,
 #: output rows), ``row`` (dim 1, input columns; all-reduce after), or ``replicated``.
 Split = Literal["column", "row", "replicated"]
+
+#: One row of ``ModelFamily.stacked``: (regular expression a stacked weight's whole name matches, its
+#: group 1 the experts module's name; the per-expert tensor names of its checkpoint layout, templates
+#: with ``{module}`` and ``{expert}``), e.g. ``(r"(.*\.experts)\.gate_up_proj", ("{module}.{expert}.gate_proj.weight",
+#: "{module}.{expert}.up_proj.weight"))``: expert ``e``'s slice ``[e]`` is those tensors concatenated on dim 0.
+StackedRow = tuple[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,10 @@ class ModelFamily:
             a name no row matches is replicated. Empty: the family has no tensor parallelism.
         export_names: (regular expression over a weight name, replacement) for the Hugging Face
             name an export writes, first match wins; empty: the names are already Hugging Face's.
+        stacked: the weights its model holds stacked over experts (``[experts, ...]``) that its
+            Hugging Face checkpoints (``save_pretrained``'s files, vLLM's loader) hold per expert, one
+            ``StackedRow`` each; ``checkpoint_names`` and ``unstack`` read them. Empty: every weight is
+            stored under its own name.
         packing: its model takes packed rows (``CausalLM.forward(tokens, packed_positions=)``:
             positions restarting per sequence, attention kept within each), which a policy's
             ``OptimizerConfig.packing`` needs. A Hugging Face family declares it when transformers
@@ -104,6 +114,7 @@ class ModelFamily:
     adapter: str
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
+    stacked: tuple[StackedRow, ...] = ()
     packing: bool = False
 
     def load_adapter(self) -> FamilyAdapter:
@@ -133,3 +144,35 @@ class ModelFamily:
             if match:
                 return match.expand(repl)
         raise ConfigError(f"{self.name} weight {name!r} has no Hugging Face ({self.hf_architecture}) name")
+
+    def checkpoint_names(self, name: str, expert: int) -> tuple[str, ...]:
+        """The checkpoint tensors whose concatenation (dim 0) is expert ``expert``'s slice of the stacked
+        weight ``name``; ``()`` for a weight stored whole under its own name.
+
+        Example:
+            >>> from flowrl.models.families import FAMILIES
+            >>> FAMILIES["qwen3_moe"].checkpoint_names("model.layers.1.mlp.experts.gate_up_proj", 3)
+            ('model.layers.1.mlp.experts.3.gate_proj.weight', 'model.layers.1.mlp.experts.3.up_proj.weight')
+        """
+        for pattern, parts in self.stacked:
+            match = re.fullmatch(pattern, name)
+            if match:
+                return tuple(p.format(module=match.group(1), expert=expert) for p in parts)
+        return ()
+
+    def unstack(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` under its checkpoint names: a stacked weight as each expert's tensors (views,
+        the parts of ``tensor[e]`` split evenly on dim 0, in ``checkpoint_names`` order), any other as itself.
+
+        Raises:
+            ConfigError: when a stacked weight's expert slice does not split evenly into its parts.
+        """
+        if not self.checkpoint_names(name, 0):
+            return [(name, tensor)]
+        out: list[tuple[str, torch.Tensor]] = []
+        for e in range(tensor.shape[0]):
+            names = self.checkpoint_names(name, e)
+            if tensor.shape[1] % len(names):
+                raise ConfigError(f"{self.name} weight {name!r} of shape {tuple(tensor.shape)}: {tensor.shape[1]} rows an expert do not split into {names}")
+            out += zip(names, tensor[e].chunk(len(names), dim=0))
+        return out

@@ -196,6 +196,18 @@ def test_packed_step_equals_the_padded_one_on_the_hf_families(hf_dir):
     _equal_steps(lambda **o: hf_policy_node(hf_dir, **o), loss_node(loss_agg="seq_mean"), _long_tail(vocab=100), micro_batch_size=0)
 
 
+def test_packed_log_probs_equal_the_padded_ones_on_the_moe_families(hf_moe_dir):
+    """Qwen3-MoE and Qwen2-MoE: packed rows route each token as its padded row does (routing is per
+    token), so the trainer's log pi over packed rows equals the padded one's within float32 rounding."""
+    batch = _long_tail(vocab=100)
+    padded = Trainer(hf_policy_node(hf_moe_dir, packing=False), loss_node(objective="grpo"))
+    packed = Trainer(hf_policy_node(hf_moe_dir, packing=True), loss_node(objective="grpo"))
+    spy = _Spy(packed.model)
+    want, got = padded._logprobs(batch, grad=False), packed._logprobs(batch, grad=False)
+    assert (spy.packed, spy.padded) == (1, 0)
+    assert_within(got, want, logprob_atol(padded.model, rollout_sequences(batch), temperature=0.8), msg="log pi")
+
+
 def test_packed_recompute_of_log_pi_old_equals_the_padded_one():
     """Several updates a batch: log pi_old (no gradient, the ``old/*`` metrics, the clipped ratio) packed too."""
     batch = _long_tail(vocab=16)

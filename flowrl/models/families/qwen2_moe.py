@@ -8,7 +8,7 @@ Llama MLP); the router, the shared expert's gate and the stacked experts stay wh
 
 from __future__ import annotations
 
-from flowrl.models.families.qwen3_moe import MOE_ATTENTION
+from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_STACKED
 from flowrl.models.family import ModelFamily, Split
 
 __all__ = ["FAMILY"]
@@ -24,5 +24,6 @@ FAMILY = ModelFamily(
     hf_architecture="Qwen2MoeForCausalLM",
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION + _SHARED_EXPERT,
+    stacked=MOE_STACKED,
     packing=True,
 )

@@ -4,9 +4,11 @@ Both run on the Llama-style adapter (``flowrl.models.families.llama_style``): tr
 model from the directory's ``config.json``; each MoE block is a router (``mlp.gate.weight``,
 ``[experts, hidden]``) choosing ``num_experts_per_tok`` experts per token, and the experts' weights
 stacked in two tensors per layer (``mlp.experts.gate_up_proj`` ``[experts, 2 * moe_intermediate,
-hidden]``, ``mlp.experts.down_proj`` ``[experts, hidden, moe_intermediate]``), the names an export
-writes and vLLM loads. Qwen2-MoE adds a dense shared expert (``mlp.shared_expert.{gate,up,down}_proj``)
-scaled by a sigmoid gate (``mlp.shared_expert_gate``).
+hidden]``, ``mlp.experts.down_proj`` ``[experts, hidden, moe_intermediate]``). Its checkpoints (what
+``save_pretrained`` writes, a hub directory holds and vLLM's loader reads) hold them per expert,
+``mlp.experts.{e}.{gate,up,down}_proj.weight``: ``MOE_STACKED`` says how (``ModelFamily.stacked``).
+Qwen2-MoE adds a dense shared expert (``mlp.shared_expert.{gate,up,down}_proj``) scaled by a sigmoid
+gate (``mlp.shared_expert_gate``).
 
 Its tensor-parallel split is the attention's (the Llama block's attention rows); the router and the
 stacked experts stay whole on every tp rank.
@@ -15,12 +17,19 @@ stacked experts stay whole on every tp rank.
 from __future__ import annotations
 
 from flowrl.models.families.llama import LLAMA_BLOCK
-from flowrl.models.family import ModelFamily
+from flowrl.models.family import ModelFamily, StackedRow
 
-__all__ = ["MOE_ATTENTION", "FAMILY"]
+__all__ = ["MOE_ATTENTION", "MOE_STACKED", "FAMILY"]
 
 #: The Llama block's attention rows: what tensor parallelism splits in an MoE block.
 MOE_ATTENTION = LLAMA_BLOCK[:2]
+
+#: The stacked experts and their per-expert checkpoint tensors: ``gate_up_proj[e]`` is expert e's gate
+#: rows then its up rows; ``down_proj[e]`` its down projection.
+MOE_STACKED: tuple[StackedRow, ...] = (
+    (r"(.*\.mlp\.experts)\.gate_up_proj", ("{module}.{expert}.gate_proj.weight", "{module}.{expert}.up_proj.weight")),
+    (r"(.*\.mlp\.experts)\.down_proj", ("{module}.{expert}.down_proj.weight",)),
+)
 
 FAMILY = ModelFamily(
     name="qwen3_moe",
@@ -28,5 +37,6 @@ FAMILY = ModelFamily(
     hf_architecture="Qwen3MoeForCausalLM",
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION,
+    stacked=MOE_STACKED,
     packing=True,
 )
