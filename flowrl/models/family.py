@@ -101,6 +101,10 @@ class ModelFamily:
             Hugging Face checkpoints (``save_pretrained``'s files, vLLM's loader) hold per expert, one
             ``StackedRow`` each; ``checkpoint_names`` and ``unstack`` read them. Empty: every weight is
             stored under its own name.
+        fixed_keys: ``config.json`` keys flowrl reads at one value only, ``(key, value)``: a directory
+            with another value is refused by ``flowrl.models.hf.check_hf_dir`` before any work, naming the
+            key (a mixture of experts with dense blocks among its sparse ones: the planner counts
+            neither, the tests exercise neither).
         packing: its model takes packed rows (``CausalLM.forward(tokens, packed_positions=)``:
             positions restarting per sequence, attention kept within each), which a policy's
             ``OptimizerConfig.packing`` needs. A Hugging Face family declares it when transformers
@@ -115,6 +119,7 @@ class ModelFamily:
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
     stacked: tuple[StackedRow, ...] = ()
+    fixed_keys: tuple[tuple[str, Any], ...] = ()
     packing: bool = False
 
     def load_adapter(self) -> FamilyAdapter:

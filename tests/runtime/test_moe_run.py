@@ -113,3 +113,17 @@ def test_fsdp2_shards_a_moe_policy_and_its_checkpoint_exports(hf_qwen3_moe_dir, 
     ids = torch.tensor([[1, 5, 6, 7, 8, 9, 2], [1, 12, 30, 4, 3, 3, 3]])
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, initial(input_ids=ids).logits, rtol=0, atol=logit_atol(model, list(ids)))
+
+
+def test_a_run_of_a_moe_directory_with_dense_blocks_is_refused_before_any_work(hf_qwen3_moe_dir, tmp_path):
+    """``mlp_only_layers`` (``flowrl.models.hf.check_hf_dir``, the run's preflight): named, nothing started, no checkpoint."""
+    import json
+    import shutil
+
+    from flowrl.errors import ConfigError
+
+    d = shutil.copytree(hf_qwen3_moe_dir, tmp_path / "m")
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "mlp_only_layers": [0]}))
+    with pytest.raises(ConfigError, match=r"node 'gen': .* has mlp_only_layers=\[0\]; flowrl reads a qwen3_moe \(Qwen3MoeForCausalLM\) directory only with mlp_only_layers=\[\]"):
+        run_graph(_graph(d, tmp_path, critic=False), RunConfig(steps=1, checkpoint_dir=str(tmp_path / "ckpt"), device="cpu"))
+    assert not (tmp_path / "ckpt").exists()

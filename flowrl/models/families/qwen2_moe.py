@@ -8,7 +8,7 @@ Llama MLP); the router, the shared expert's gate and the stacked experts stay wh
 
 from __future__ import annotations
 
-from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_STACKED
+from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_FIXED_KEYS, MOE_STACKED
 from flowrl.models.family import ModelFamily, Split
 
 __all__ = ["FAMILY"]
@@ -25,5 +25,6 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION + _SHARED_EXPERT,
     stacked=MOE_STACKED,
+    fixed_keys=MOE_FIXED_KEYS,
     packing=True,
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from flowrl.models.families.llama import LLAMA_BLOCK
 from flowrl.models.family import ModelFamily, StackedRow
 
-__all__ = ["MOE_ATTENTION", "MOE_STACKED", "FAMILY"]
+__all__ = ["MOE_ATTENTION", "MOE_STACKED", "MOE_FIXED_KEYS", "FAMILY"]
 
 #: The Llama block's attention rows: what tensor parallelism splits in an MoE block.
 MOE_ATTENTION = LLAMA_BLOCK[:2]
@@ -31,6 +31,10 @@ MOE_STACKED: tuple[StackedRow, ...] = (
     (r"(.*\.mlp\.experts)\.down_proj", ("{module}.{expert}.down_proj.weight",)),
 )
 
+#: Every decoder block a mixture of experts: no dense blocks listed (``mlp_only_layers``), none between
+#: sparse ones (``decoder_sparse_step``). Other layouts are refused by name (``ModelFamily.fixed_keys``).
+MOE_FIXED_KEYS: tuple[tuple[str, object], ...] = (("mlp_only_layers", []), ("decoder_sparse_step", 1))
+
 FAMILY = ModelFamily(
     name="qwen3_moe",
     description="hf",
@@ -38,5 +42,6 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION,
     stacked=MOE_STACKED,
+    fixed_keys=MOE_FIXED_KEYS,
     packing=True,
 )
