@@ -101,6 +101,9 @@ class ModelFamily:
             Hugging Face checkpoints (``save_pretrained``'s files, vLLM's loader) hold per expert, one
             ``StackedRow`` each; ``checkpoint_names`` and ``unstack`` read them. Empty: every weight is
             stored under its own name.
+        lora_refused: modules LoRA does not adapt, ``(regular expression a module's dotted path matches,
+            what it is)``: a ``LoraConfig.target_modules`` entry naming one is refused naming the module,
+            the family and the linear layers it adapts (``flowrl.models.lora.lora_modules``).
         fixed_keys: ``config.json`` keys flowrl reads at one value only, ``(key, value)``: a directory
             with another value is refused by ``flowrl.models.hf.check_hf_dir`` before any work, naming the
             key (a mixture of experts with dense blocks among its sparse ones: the planner counts
@@ -119,6 +122,7 @@ class ModelFamily:
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
     stacked: tuple[StackedRow, ...] = ()
+    lora_refused: tuple[tuple[str, str], ...] = ()
     fixed_keys: tuple[tuple[str, Any], ...] = ()
     packing: bool = False
 

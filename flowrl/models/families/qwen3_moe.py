@@ -10,6 +10,10 @@ hidden]``, ``mlp.experts.down_proj`` ``[experts, hidden, moe_intermediate]``). I
 Qwen2-MoE adds a dense shared expert (``mlp.shared_expert.{gate,up,down}_proj``) scaled by a sigmoid
 gate (``mlp.shared_expert_gate``).
 
+LoRA adapts its linear layers, the attention's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``; a target
+naming the router (``gate``) or the experts (``experts``, and the per-expert checkpoint names
+``gate_proj``, ``up_proj``, ``down_proj``) is refused (``MOE_LORA_REFUSED``).
+
 Its tensor-parallel split is the attention's (the Llama block's attention rows); the router and the
 stacked experts stay whole on every tp rank.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 from flowrl.models.families.llama import LLAMA_BLOCK
 from flowrl.models.family import ModelFamily, StackedRow
 
-__all__ = ["MOE_ATTENTION", "MOE_STACKED", "MOE_FIXED_KEYS", "FAMILY"]
+__all__ = ["MOE_ATTENTION", "MOE_STACKED", "MOE_LORA_REFUSED", "MOE_FIXED_KEYS", "FAMILY"]
 
 #: The Llama block's attention rows: what tensor parallelism splits in an MoE block.
 MOE_ATTENTION = LLAMA_BLOCK[:2]
@@ -29,6 +33,14 @@ MOE_ATTENTION = LLAMA_BLOCK[:2]
 MOE_STACKED: tuple[StackedRow, ...] = (
     (r"(.*\.mlp\.experts)\.gate_up_proj", ("{module}.{expert}.gate_proj.weight", "{module}.{expert}.up_proj.weight")),
     (r"(.*\.mlp\.experts)\.down_proj", ("{module}.{expert}.down_proj.weight",)),
+)
+
+#: What LoRA does not adapt in an MoE block: the router (a ``Qwen3MoeTopKRouter``/``Qwen2MoeTopKRouter``
+#: holding a bare weight) and the stacked experts (3-D tensors, no ``nn.Linear``); its attention
+#: projections (and Qwen2-MoE's shared expert) are linear layers and take adapters.
+MOE_LORA_REFUSED: tuple[tuple[str, str], ...] = (
+    (r"(.*\.)?mlp\.gate", "the router"),
+    (r"(.*\.)?mlp\.experts(\..*)?", "the routed experts, stacked over experts in 3-D tensors"),
 )
 
 #: Every decoder block a mixture of experts: no dense blocks listed (``mlp_only_layers``), none between
@@ -42,6 +54,7 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION,
     stacked=MOE_STACKED,
+    lora_refused=MOE_LORA_REFUSED,
     fixed_keys=MOE_FIXED_KEYS,
     packing=True,
 )
