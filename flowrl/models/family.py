@@ -101,6 +101,10 @@ class ModelFamily:
             Hugging Face checkpoints (``save_pretrained``'s files, vLLM's loader) hold per expert, one
             ``StackedRow`` each; ``checkpoint_names`` and ``unstack`` read them. Empty: every weight is
             stored under its own name.
+        router: regular expression the module name of each router of a mixture of experts matches
+            (a module whose forward returns its logits ``[tokens, experts]`` first, and a config with
+            ``num_experts`` and ``num_experts_per_tok``); empty: a dense family. The trainer counts the
+            experts' load through it and adds the load-balancing loss (``flowrl.operators.router_load``).
         lora_refused: modules LoRA does not adapt, ``(regular expression a module's dotted path matches,
             what it is)``: a ``LoraConfig.target_modules`` entry naming one is refused naming the module,
             the family and the linear layers it adapts (``flowrl.models.lora.lora_modules``).
@@ -122,6 +126,7 @@ class ModelFamily:
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
     stacked: tuple[StackedRow, ...] = ()
+    router: str = ""
     lora_refused: tuple[tuple[str, str], ...] = ()
     fixed_keys: tuple[tuple[str, Any], ...] = ()
     packing: bool = False

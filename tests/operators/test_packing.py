@@ -248,7 +248,7 @@ def test_equal_lengths_run_padded():
 
 def test_packing_is_refused_for_a_family_whose_attention_cannot_take_packed_rows(hf_llama_dir, monkeypatch):
     monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packing=False))
-    with pytest.raises(ConfigError, match=r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"):
+    with pytest.raises(ConfigError, match=r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3, qwen3_moe, qwen2_moe\)"):
         Trainer(hf_policy_node(hf_llama_dir, packing=True), loss_node())
     assert not Trainer(hf_policy_node(hf_llama_dir, packing=False), loss_node()).packing  # unpacked: fine
     assert not Trainer(hf_policy_node(hf_llama_dir), loss_node()).packing  # the default pads such a family, silently
@@ -258,7 +258,7 @@ def test_packing_is_on_by_default_where_the_family_can_pack(hf_qwen2_dir):
     from flowrl.graph.configs import ReferenceConfig
 
     assert OptimizerConfig().packing is None and ReferenceConfig().packing is None  # None: where the family can
-    assert packing.__all__ == ["pack_rows", "packed_logits", "check_packing", "packs"]
+    assert packing.__all__ == ["pack_rows", "packed_logits", "packed_real_mask", "check_packing", "packs"]
     assert Trainer(tiny_policy_node(), loss_node()).packing and Trainer(hf_policy_node(hf_qwen2_dir), loss_node()).packing
     assert not Trainer(tiny_policy_node(packing=False), loss_node()).packing
     spy = _Spy((trainer := Trainer(tiny_policy_node(), loss_node())).model)
@@ -302,7 +302,7 @@ def test_a_run_refuses_packing_for_such_a_family_before_it_starts(hf_llama_dir, 
     aipo = b.loss("aipo", gen, b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward"))
     b.weights(b.policy("policy", aipo, packing=True), gen)
     graph = b.build()
-    message = r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"
+    message = r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3, qwen3_moe, qwen2_moe\)"
     with pytest.raises(ConfigError, match=message):
         preflight.check_packing_families(graph)
     monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a trainer was built"))

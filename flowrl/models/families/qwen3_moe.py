@@ -23,7 +23,7 @@ from __future__ import annotations
 from flowrl.models.families.llama import LLAMA_BLOCK
 from flowrl.models.family import ModelFamily, StackedRow
 
-__all__ = ["MOE_ATTENTION", "MOE_STACKED", "MOE_LORA_REFUSED", "MOE_FIXED_KEYS", "FAMILY"]
+__all__ = ["MOE_ATTENTION", "MOE_ROUTER", "MOE_STACKED", "MOE_LORA_REFUSED", "MOE_FIXED_KEYS", "FAMILY"]
 
 #: The Llama block's attention rows: what tensor parallelism splits in an MoE block.
 MOE_ATTENTION = LLAMA_BLOCK[:2]
@@ -34,6 +34,9 @@ MOE_STACKED: tuple[StackedRow, ...] = (
     (r"(.*\.mlp\.experts)\.gate_up_proj", ("{module}.{expert}.gate_proj.weight", "{module}.{expert}.up_proj.weight")),
     (r"(.*\.mlp\.experts)\.down_proj", ("{module}.{expert}.down_proj.weight",)),
 )
+
+#: The routers: each MoE block's ``mlp.gate`` (its forward returns ``(logits, top-k weights, top-k indices)``).
+MOE_ROUTER = r"model\.layers\.\d+\.mlp\.gate"
 
 #: What LoRA does not adapt in an MoE block: the router (a ``Qwen3MoeTopKRouter``/``Qwen2MoeTopKRouter``
 #: holding a bare weight) and the stacked experts (3-D tensors, no ``nn.Linear``); its attention
@@ -54,6 +57,7 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION,
     stacked=MOE_STACKED,
+    router=MOE_ROUTER,
     lora_refused=MOE_LORA_REFUSED,
     fixed_keys=MOE_FIXED_KEYS,
     packing=True,
