@@ -99,8 +99,13 @@ class ModelFamily:
             name an export writes, first match wins; empty: the names are already Hugging Face's.
         stacked: the weights its model holds stacked over experts (``[experts, ...]``) that its
             Hugging Face checkpoints (``save_pretrained``'s files, vLLM's loader) hold per expert, one
-            ``StackedRow`` each; ``checkpoint_names`` and ``unstack`` read them. Empty: every weight is
+            ``StackedRow`` each; ``checkpoint_names`` reads them. Empty: every weight is
             stored under its own name.
+        vllm_names: (regular expression over a weight name, replacement) for the name of the tensor
+            vLLM's model holds it in, first match wins (a mixture of experts' stacked experts are vLLM's
+            fused ``w13_weight`` / ``w2_weight``); what ``vllm_engine.VLLMGenerator.weights_differ``
+            compares, bit for bit. Empty: vLLM's names are the Hugging Face ones (its fused
+            ``qkv_proj`` and ``gate_up_proj`` aside, which it reports itself).
         router: regular expression the module name of each router of a mixture of experts matches
             (a module whose forward returns its logits ``[tokens, experts]`` first, and a config with
             ``num_experts`` and ``num_experts_per_tok``); empty: a dense family. The trainer counts the
@@ -126,6 +131,7 @@ class ModelFamily:
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
     stacked: tuple[StackedRow, ...] = ()
+    vllm_names: tuple[tuple[str, str], ...] = ()
     router: str = ""
     lora_refused: tuple[tuple[str, str], ...] = ()
     fixed_keys: tuple[tuple[str, Any], ...] = ()
@@ -159,6 +165,20 @@ class ModelFamily:
                 return match.expand(repl)
         raise ConfigError(f"{self.name} weight {name!r} has no Hugging Face ({self.hf_architecture}) name")
 
+    def vllm_name(self, name: str) -> str:
+        """The name of the tensor vLLM's model holds weight ``name`` in (``vllm_names``; unchanged when no row matches).
+
+        Example:
+            >>> from flowrl.models.families import FAMILIES
+            >>> FAMILIES["qwen3_moe"].vllm_name("model.layers.0.mlp.experts.down_proj")
+            'model.layers.0.mlp.experts.routed_experts.w2_weight'
+        """
+        for pattern, repl in self.vllm_names:
+            match = re.fullmatch(pattern, name)
+            if match:
+                return match.expand(repl)
+        return name
+
     def checkpoint_names(self, name: str, expert: int) -> tuple[str, ...]:
         """The checkpoint tensors whose concatenation (dim 0) is expert ``expert``'s slice of the stacked
         weight ``name``; ``()`` for a weight stored whole under its own name.
@@ -173,20 +193,3 @@ class ModelFamily:
             if match:
                 return tuple(p.format(module=match.group(1), expert=expert) for p in parts)
         return ()
-
-    def unstack(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` under its checkpoint names: a stacked weight as each expert's tensors (views,
-        the parts of ``tensor[e]`` split evenly on dim 0, in ``checkpoint_names`` order), any other as itself.
-
-        Raises:
-            ConfigError: when a stacked weight's expert slice does not split evenly into its parts.
-        """
-        if not self.checkpoint_names(name, 0):
-            return [(name, tensor)]
-        out: list[tuple[str, torch.Tensor]] = []
-        for e in range(tensor.shape[0]):
-            names = self.checkpoint_names(name, e)
-            if tensor.shape[1] % len(names):
-                raise ConfigError(f"{self.name} weight {name!r} of shape {tuple(tensor.shape)}: {tensor.shape[1]} rows an expert do not split into {names}")
-            out += zip(names, tensor[e].chunk(len(names), dim=0))
-        return out

@@ -128,7 +128,9 @@ class RouterLoad:
         self._tally()
 
     def _tally(self) -> None:
-        if not self._real or any(len(l) != len(self._real) for l in self._logits):
+        if not self._real and not any(self._logits):  # no forward ran (a micro-batch without attended tokens)
+            return
+        if any(len(l) != len(self._real) for l in self._logits):
             raise RuntimeError(f"router load: {len(self._real)} forwards but {[len(l) for l in self._logits]} router calls; this is a flowrl bug")
         real = torch.cat(self._real)
         per_layer = [torch.cat(l)[real.to(l[0].device)] for l in self._logits]  # [real tokens, E] per layer

@@ -52,6 +52,7 @@ def test_a_moe_directory_trains_as_policy_reference_and_critic(request, tmp_path
     assert result.version == 1
     (row,) = [r for r in result.rows if "policy/grad_norm" in r]
     assert row["policy/grad_norm"] > 0 and math.isfinite(row["loss/total"])
+    assert 1 <= row["moe/load_max_over_mean"] <= row["moe/load_max_over_mean_max"] <= 8 / 2 and row["moe/aux_loss"] > 0  # at most E / k
     assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] <= atol  # the engine's mu is the trainer's pi
     (checkpoint,) = (tmp_path / "ckpt").glob("step-*")
     trained = torch.load(checkpoint / "policy-policy.pt", weights_only=True)["model"]
@@ -101,6 +102,7 @@ def test_fsdp2_shards_a_moe_policy_and_its_checkpoint_exports(hf_qwen3_moe_dir, 
     rows = _rows(tmp_path / "m.jsonl")
     assert [r["policy_version"] for r in rows] == [1, 2] and all(r["staleness"] == 0 for r in rows)
     assert rows[1]["mismatch/tokens"] > 0 and rows[1]["mismatch/abs_logp_max"] <= graph_logprob_atol(graph, steps=1)
+    assert all(1 <= r["moe/load_max_over_mean"] <= r["moe/load_max_over_mean_max"] <= 8 / 2 for r in rows)  # every row: the experts' load
     state = read_policy_state(tmp_path / "ck")
     initial = transformers.AutoModelForCausalLM.from_pretrained(str(hf_qwen3_moe_dir), local_files_only=True, dtype=torch.float32)
     assert int(state["version"]) == 2 and sorted(state["model"]) == sorted(initial.state_dict())  # gathered: whole tensors, every name

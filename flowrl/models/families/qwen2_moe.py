@@ -10,7 +10,7 @@ the shared expert: the routed experts are stacked tensors and take none), not th
 
 from __future__ import annotations
 
-from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_FIXED_KEYS, MOE_LORA_REFUSED, MOE_ROUTER, MOE_STACKED
+from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_FIXED_KEYS, MOE_LORA_REFUSED, MOE_ROUTER, MOE_STACKED, MOE_VLLM_NAMES
 from flowrl.models.family import ModelFamily, Split
 
 __all__ = ["FAMILY"]
@@ -27,6 +27,7 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION + _SHARED_EXPERT,
     stacked=MOE_STACKED,
+    vllm_names=MOE_VLLM_NAMES,
     router=MOE_ROUTER,
     lora_refused=MOE_LORA_REFUSED,
     fixed_keys=MOE_FIXED_KEYS,

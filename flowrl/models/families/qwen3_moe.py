@@ -23,7 +23,7 @@ from __future__ import annotations
 from flowrl.models.families.llama import LLAMA_BLOCK
 from flowrl.models.family import ModelFamily, StackedRow
 
-__all__ = ["MOE_ATTENTION", "MOE_ROUTER", "MOE_STACKED", "MOE_LORA_REFUSED", "MOE_FIXED_KEYS", "FAMILY"]
+__all__ = ["MOE_ATTENTION", "MOE_ROUTER", "MOE_STACKED", "MOE_VLLM_NAMES", "MOE_LORA_REFUSED", "MOE_FIXED_KEYS", "FAMILY"]
 
 #: The Llama block's attention rows: what tensor parallelism splits in an MoE block.
 MOE_ATTENTION = LLAMA_BLOCK[:2]
@@ -33,6 +33,13 @@ MOE_ATTENTION = LLAMA_BLOCK[:2]
 MOE_STACKED: tuple[StackedRow, ...] = (
     (r"(.*\.mlp\.experts)\.gate_up_proj", ("{module}.{expert}.gate_proj.weight", "{module}.{expert}.up_proj.weight")),
     (r"(.*\.mlp\.experts)\.down_proj", ("{module}.{expert}.down_proj.weight",)),
+)
+
+#: vLLM's (0.32) fused experts: ``w13_weight`` ``[experts, 2 * width, hidden]`` is ``gate_up_proj`` (gate rows
+#: first), ``w2_weight`` is ``down_proj``; its loader takes the stacked tensors under their transformers names.
+MOE_VLLM_NAMES: tuple[tuple[str, str], ...] = (
+    (r"(.*\.mlp\.experts)\.gate_up_proj", r"\1.routed_experts.w13_weight"),
+    (r"(.*\.mlp\.experts)\.down_proj", r"\1.routed_experts.w2_weight"),
 )
 
 #: The routers: each MoE block's ``mlp.gate`` (its forward returns ``(logits, top-k weights, top-k indices)``).
@@ -57,6 +64,7 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION,
     stacked=MOE_STACKED,
+    vllm_names=MOE_VLLM_NAMES,
     router=MOE_ROUTER,
     lora_refused=MOE_LORA_REFUSED,
     fixed_keys=MOE_FIXED_KEYS,
