@@ -451,21 +451,28 @@ def _hf_moe(source: dict, where: str, values: dict[str, int]) -> dict[str, int]:
     (``num_local_experts``; an expert is ``intermediate_size`` wide), Qwen3-MoE (``num_experts``,
     ``moe_intermediate_size``), DeepSeek-V2/V3 (``n_routed_experts``, ``n_shared_experts``,
     ``first_k_dense_replace``, and MLA's ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
-    ``qk_rope_head_dim``, ``v_head_dim``). A layout it cannot count (Qwen2-MoE's shared expert of its
-    own width, experts on every other layer) is refused, naming the key, rather than read as dense."""
+    ``qk_rope_head_dim``, ``v_head_dim``), Qwen2-MoE (``shared_expert_intermediate_size``, a multiple of
+    the expert width: that many shared experts; its sigmoid gate, ``dim`` weights a block, is left out).
+    A layout it cannot count (a shared expert width no multiple of the routed one, experts on every
+    other layer) is refused, naming the key, rather than read as dense."""
     experts = next((_hf_int(source, k, where) for k in ("num_local_experts", "n_routed_experts", "num_experts") if source.get(k)), 0)
     moe: dict[str, int] = {}
     if experts:
-        for key, fine in (("shared_expert_intermediate_size", 0), ("decoder_sparse_step", 1), ("moe_layer_freq", 1)):
+        width = _hf_int(source, "moe_intermediate_size", where) or values["ffn_dim"]  # Mixtral: an expert is intermediate_size wide
+        shared_width = _hf_int(source, "shared_expert_intermediate_size", where)  # Qwen2-MoE: one shared expert this wide
+        for key, fine in (("decoder_sparse_step", 1), ("moe_layer_freq", 1)):
             if source.get(key, fine) not in (fine, None):
                 raise PlanError(f"model config {where!r}: {key}={source[key]!r} is a mixture-of-experts layout the planner does not count; "
                                 "it counts a routed expert width, shared experts of that width and leading dense blocks")  # fmt: skip
+        if shared_width % width:
+            raise PlanError(f"model config {where!r}: shared_expert_intermediate_size={shared_width} is not a multiple of the expert width "
+                            f"{width}; the planner counts shared experts of the routed experts' width")  # fmt: skip
         if source.get("mlp_only_layers"):
             raise PlanError(f"model config {where!r}: mlp_only_layers={source['mlp_only_layers']!r} (dense blocks among the experts) is not counted")
-        width = _hf_int(source, "moe_intermediate_size", where) or values["ffn_dim"]  # Mixtral: an expert is intermediate_size wide
         moe = {
             "n_experts": experts, "experts_per_token": _hf_int(source, "num_experts_per_tok", where), "expert_ffn_dim": width,
-            "shared_experts": _hf_int(source, "n_shared_experts", where), "dense_layers": _hf_int(source, "first_k_dense_replace", where),
+            "shared_experts": _hf_int(source, "n_shared_experts", where) or shared_width // width,
+            "dense_layers": _hf_int(source, "first_k_dense_replace", where),
         }  # fmt: skip
     if source.get("kv_lora_rank"):
         kv_rank, rope = _hf_int(source, "kv_lora_rank", where), _hf_int(source, "qk_rope_head_dim", where)

@@ -4,7 +4,8 @@
 Qwen3 of hidden size 32-64 and a 100-token vocabulary, plus a word-level tokenizer built with
 ``tokenizers`` (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2, the words of ``WORDS``). The fixtures
 ``hf_llama_dir``, ``hf_qwen2_dir`` and ``hf_dir`` (both families in turn) build one per session;
-they are registered for the whole suite through ``tests/conftest.py``'s ``pytest_plugins``, so
+``hf_qwen3_moe_dir``, ``hf_qwen2_moe_dir`` and ``hf_moe_dir`` the same for the mixture-of-experts
+families. They are registered for the whole suite through ``tests/conftest.py``'s ``pytest_plugins``, so
 integration tests use them too. Each skips visibly when ``transformers`` is missing.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["WORDS", "VOCAB", "make_hf_dir", "hf_llama_dir", "hf_qwen2_dir", "hf_qwen2_chat_dir", "hf_dir", "hf_config", "CHAT_TEMPLATE"]
+__all__ = ["WORDS", "VOCAB", "make_hf_dir", "hf_llama_dir", "hf_qwen2_dir", "hf_qwen2_chat_dir", "hf_dir", "hf_qwen3_moe_dir", "hf_qwen2_moe_dir", "hf_moe_dir", "hf_config", "CHAT_TEMPLATE"]
 
 VOCAB = 100
 WORDS: tuple[str, ...] = tuple(str(i) for i in range(10)) + tuple("abcdefghijklmnopqrstuvwxyz") + ("+", "=", "-", "?", "yes", "no")
@@ -150,4 +151,22 @@ def hf_qwen2_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(params=["llama", "qwen2"])
 def hf_dir(request: pytest.FixtureRequest) -> Path:
     """Each tiny HF family's directory in turn."""
+    return request.getfixturevalue(f"hf_{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE directory (8 experts, top-2, every layer sparse), built once per session."""
+    return make_hf_dir(tmp_path_factory.mktemp("hf") / "qwen3_moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2-MoE directory (8 experts, top-2, a shared expert; untied), built once per session."""
+    return make_hf_dir(tmp_path_factory.mktemp("hf") / "qwen2_moe", "qwen2_moe", tie=False)
+
+
+@pytest.fixture(params=["qwen3_moe", "qwen2_moe"])
+def hf_moe_dir(request: pytest.FixtureRequest) -> Path:
+    """Each tiny mixture-of-experts family's directory in turn."""
     return request.getfixturevalue(f"hf_{request.param}_dir")

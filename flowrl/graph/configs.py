@@ -534,6 +534,11 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
             when the model's family takes packed rows (``ModelFamily.packing``: the built-in one,
             llama, qwen2, qwen3 and the MoE families), pad otherwise; ``True``: pack, and refuse another family;
             ``False``: pad (``flowrl.operators.packing.packs``).
+        router_aux_loss_coef: a mixture-of-experts policy's load-balancing loss weight (transformers'
+            ``router_aux_loss_coef``): the trainer adds ``coef * aux`` to each micro-batch's loss, ``aux``
+            being transformers' ``load_balancing_loss_func`` (Switch Transformer's) over the routers' logits
+            of its real tokens (``flowrl.operators.router_load``); 0 (the default): off. Refused on a
+            dense model, a critic and a pipeline-parallel policy.
     """
 
     lr: float = 1e-3
@@ -553,10 +558,12 @@ class OptimizerConfig(msgspec.Struct, **_STRUCT):
     param_dtype: Precision = "float32"
     reduce_dtype: Precision = "float32"
     packing: bool | None = None
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         o = "OptimizerConfig"
-        _finite(o, lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+        _finite(o, lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip, router_aux_loss_coef=self.router_aux_loss_coef)
+        _check(self.router_aux_loss_coef >= 0, o, f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (0: off)")
         _finite(o, **{f"betas[{i}]": b for i, b in enumerate(self.betas)})
         _check(self.weight_decay >= 0, o, f"weight_decay={self.weight_decay} must be >= 0")
         _check(self.lr > 0, o, f"lr={self.lr} must be > 0")

@@ -31,11 +31,17 @@ if TYPE_CHECKING:
     from flowrl.graph.configs import AnyModelConfig
     from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["Split", "ModelFamily", "FamilyAdapter", "ModelTokens"]
+__all__ = ["Split", "ModelFamily", "FamilyAdapter", "ModelTokens", "StackedRow"]
 
 #: How tensor parallelism splits a weight (``flowrl.runtime.parallel.tensor_parallel``): ``column`` (dim 0,
 #: output rows), ``row`` (dim 1, input columns; all-reduce after), or ``replicated``.
 Split = Literal["column", "row", "replicated"]
+
+#: One row of ``ModelFamily.stacked``: (regular expression a stacked weight's whole name matches, its
+#: group 1 the experts module's name; the per-expert tensor names of its checkpoint layout, templates
+#: with ``{module}`` and ``{expert}``), e.g. ``(r"(.*\.experts)\.gate_up_proj", ("{module}.{expert}.gate_proj.weight",
+#: "{module}.{expert}.up_proj.weight"))``: expert ``e``'s slice ``[e]`` is those tensors concatenated on dim 0.
+StackedRow = tuple[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,26 @@ class ModelFamily:
             a name no row matches is replicated. Empty: the family has no tensor parallelism.
         export_names: (regular expression over a weight name, replacement) for the Hugging Face
             name an export writes, first match wins; empty: the names are already Hugging Face's.
+        stacked: the weights its model holds stacked over experts (``[experts, ...]``) that its
+            Hugging Face checkpoints (``save_pretrained``'s files, vLLM's loader) hold per expert, one
+            ``StackedRow`` each; ``checkpoint_names`` reads them. Empty: every weight is
+            stored under its own name.
+        vllm_names: (regular expression over a weight name, replacement) for the name of the tensor
+            vLLM's model holds it in, first match wins (a mixture of experts' stacked experts are vLLM's
+            fused ``w13_weight`` / ``w2_weight``); what ``vllm_engine.VLLMGenerator.weights_differ``
+            compares, bit for bit. Empty: vLLM's names are the Hugging Face ones (its fused
+            ``qkv_proj`` and ``gate_up_proj`` aside, which it reports itself).
+        router: regular expression the module name of each router of a mixture of experts matches
+            (a module whose forward returns its logits ``[tokens, experts]`` first, and a config with
+            ``num_experts`` and ``num_experts_per_tok``); empty: a dense family. The trainer counts the
+            experts' load through it and adds the load-balancing loss (``flowrl.operators.router_load``).
+        lora_refused: modules LoRA does not adapt, ``(regular expression a module's dotted path matches,
+            what it is)``: a ``LoraConfig.target_modules`` entry naming one is refused naming the module,
+            the family and the linear layers it adapts (``flowrl.models.lora.lora_modules``).
+        fixed_keys: ``config.json`` keys flowrl reads at one value only, ``(key, value)``: a directory
+            with another value is refused by ``flowrl.models.hf.check_hf_dir`` before any work, naming the
+            key (a mixture of experts with dense blocks among its sparse ones: the planner counts
+            neither, the tests exercise neither).
         packing: its model takes packed rows (``CausalLM.forward(tokens, packed_positions=)``:
             positions restarting per sequence, attention kept within each), which a policy's
             ``OptimizerConfig.packing`` needs. A Hugging Face family declares it when transformers
@@ -104,6 +130,11 @@ class ModelFamily:
     adapter: str
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
+    stacked: tuple[StackedRow, ...] = ()
+    vllm_names: tuple[tuple[str, str], ...] = ()
+    router: str = ""
+    lora_refused: tuple[tuple[str, str], ...] = ()
+    fixed_keys: tuple[tuple[str, Any], ...] = ()
     packing: bool = False
 
     def load_adapter(self) -> FamilyAdapter:
@@ -133,3 +164,32 @@ class ModelFamily:
             if match:
                 return match.expand(repl)
         raise ConfigError(f"{self.name} weight {name!r} has no Hugging Face ({self.hf_architecture}) name")
+
+    def vllm_name(self, name: str) -> str:
+        """The name of the tensor vLLM's model holds weight ``name`` in (``vllm_names``; unchanged when no row matches).
+
+        Example:
+            >>> from flowrl.models.families import FAMILIES
+            >>> FAMILIES["qwen3_moe"].vllm_name("model.layers.0.mlp.experts.down_proj")
+            'model.layers.0.mlp.experts.routed_experts.w2_weight'
+        """
+        for pattern, repl in self.vllm_names:
+            match = re.fullmatch(pattern, name)
+            if match:
+                return match.expand(repl)
+        return name
+
+    def checkpoint_names(self, name: str, expert: int) -> tuple[str, ...]:
+        """The checkpoint tensors whose concatenation (dim 0) is expert ``expert``'s slice of the stacked
+        weight ``name``; ``()`` for a weight stored whole under its own name.
+
+        Example:
+            >>> from flowrl.models.families import FAMILIES
+            >>> FAMILIES["qwen3_moe"].checkpoint_names("model.layers.1.mlp.experts.gate_up_proj", 3)
+            ('model.layers.1.mlp.experts.3.gate_proj.weight', 'model.layers.1.mlp.experts.3.up_proj.weight')
+        """
+        for pattern, parts in self.stacked:
+            match = re.fullmatch(pattern, name)
+            if match:
+                return tuple(p.format(module=match.group(1), expert=expert) for p in parts)
+        return ()

@@ -2,7 +2,7 @@
 
 ``check_hf_dir`` reads ``config.json`` and refuses, before any work, what cannot run: a missing
 directory or hub id, no ``config.json``, a ``model_type`` of no family in ``flowrl.models.families``,
-``init="pretrained"`` without weight files, a missing ``transformers``. ``load_hf`` builds the model (pretrained weights,
+a key of its family's ``fixed_keys`` at another value (a mixture of experts with dense blocks), ``init="pretrained"`` without weight files, a missing ``transformers``. ``load_hf`` builds the model (pretrained weights,
 or seeded random ones under ``torch.random.fork_rng`` so that every node built from one config gets
 the same weights) and wraps it in ``HFCausalLM``.
 
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig
-from flowrl.models.families import hf_family_names
+from flowrl.models.families import FAMILIES, hf_family_names
 from flowrl.models.local import require_transformers, resolve_local_dir
 
 __all__ = ["HFCausalLM", "check_hf_dir", "load_hf", "load_auto", "hf_eos_ids"]
@@ -43,7 +43,8 @@ def check_hf_dir(config: HFModelConfig, *, owner: str = "model") -> dict[str, An
 
     Raises:
         ConfigError: for a missing directory or hub id, no ``config.json``, an unsupported
-            ``model_type``, ``init="pretrained"`` without weight files, or no ``transformers``.
+            ``model_type``, a ``fixed_keys`` value the family does not read, ``init="pretrained"`` without
+            weight files, or no ``transformers``.
     """
     directory = resolve_local_dir(config.path, owner=owner)
     cfg_file = directory / "config.json"
@@ -62,6 +63,13 @@ def check_hf_dir(config: HFModelConfig, *, owner: str = "model") -> dict[str, An
         raise ConfigError(
             f"{owner}: {str(cfg_file)!r} has model_type {model_type!r}; flowrl trains the families {hf_family_names()}"
         )
+    family = FAMILIES[model_type]
+    for key, value in family.fixed_keys:
+        if raw.get(key, value) not in (value, None):
+            raise ConfigError(
+                f"{owner}: {str(cfg_file)!r} has {key}={raw[key]!r}; flowrl reads a {model_type} ({family.hf_architecture}) "
+                f"directory only with {key}={value!r} (every decoder block a mixture of experts): write the config with {key}={value!r}"
+            )
     if config.init == "pretrained" and not any(next(directory.glob(g), None) for g in _WEIGHT_GLOBS):
         raise ConfigError(
             f"{owner}: {str(directory)!r} holds no weights (*.safetensors or pytorch_model*.bin); "

@@ -20,7 +20,9 @@ forward passes only: the generators sample from ``W0 + scale * B A`` without dro
 
 ``lora_modules`` is the one matching rule (peft's: a target name equals a module's dotted path or
 ends it after a dot) and refuses, before any work, a name that matches no module (listing the linear
-layers present) or one that matches a layer peft cannot wrap.
+layers present), one naming a module its family lists in ``ModelFamily.lora_refused`` (a mixture of
+experts' router and stacked experts: LoRA adapts its attention projections and Qwen2-MoE's shared
+expert), or one that matches a layer peft cannot wrap.
 
 Example:
     >>> import torch
@@ -35,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ from torch import Tensor, nn
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, LoraConfig
+from flowrl.models.family import ModelFamily
 
 __all__ = [
     "LORA_INSTALL_HINT",
@@ -92,18 +96,29 @@ def lora_modules(model: nn.Module, lora: LoraConfig, *, owner: str = "model") ->
     """The dotted paths of the modules ``lora.target_modules`` names, in the model's order.
 
     Raises:
-        ConfigError: for a target that matches no module (listing the linear layers' last names), or a
-            matched module that is not a linear layer (peft wraps ``nn.Linear``; flowrl merges only those).
+        ConfigError: for a target that matches no module (listing the linear layers' last names), a
+            module its family's ``ModelFamily.lora_refused`` lists (a mixture of experts' router and
+            stacked experts, naming the family), or a matched module that is not a linear layer (peft
+            wraps ``nn.Linear``; flowrl merges only those).
     """
     names = [n for n, _ in model.named_modules() if n]
     matched = {t: [n for n in names if n == t or n.endswith("." + t)] for t in lora.target_modules}
     linear = _linear_names(model)
     present = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    family = _family(model)
+    refused = [(t, n, what) for t, found in matched.items() for n in found for pattern, what in (family.lora_refused if family else ()) if re.fullmatch(pattern, n)]
+    if refused:
+        t, n, what = refused[0]
+        raise ConfigError(
+            f"{owner}: lora target_modules {t!r} matches {n!r}, {what} of the {family.name} family ({family.hf_architecture}; "  # type: ignore[union-attr]
+            f"{len(refused)} such modules); LoRA adapts its linear layers only: pick among {present}"
+        )
     missing = [t for t, found in matched.items() if not found]
     if missing:
+        stacked = f"; the {family.name} family's routed experts are stacked 3-D tensors, which LoRA does not adapt" if family and family.stacked else ""
         raise ConfigError(
             f"{owner}: lora target_modules {missing} match no module of the model; its linear layers are named {present} "
-            "(give last names such as 'q_proj', or dotted paths)"
+            f"(give last names such as 'q_proj', or dotted paths){stacked}"
         )
     modules = dict(model.named_modules())
     chosen = list(dict.fromkeys(n for n in names if any(n in found for found in matched.values())))
@@ -114,6 +129,13 @@ def lora_modules(model: nn.Module, lora: LoraConfig, *, owner: str = "model") ->
             f"pick among {present}"
         )
     return chosen
+
+
+def _family(model: nn.Module) -> ModelFamily | None:
+    """The family of a transformers model or its flowrl wrapper (its config's ``model_type``), if flowrl has one."""
+    from flowrl.models.families import FAMILIES
+
+    return FAMILIES.get(str(getattr(getattr(getattr(model, "hf", model), "config", None), "model_type", "")))
 
 
 def add_adapters(model: nn.Module, config: AnyModelConfig, *, owner: str = "policy") -> None:

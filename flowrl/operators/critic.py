@@ -152,6 +152,11 @@ class Critic:
         self.loss = loss
         self.device = torch.device(device)
         owner = f"critic {node.name!r}"
+        if node.optimizer.router_aux_loss_coef:
+            raise ConfigError(
+                f"{owner}: router_aux_loss_coef={node.optimizer.router_aux_loss_coef} is a mixture-of-experts policy's load-balancing "
+                "loss; a critic does not add it: remove it from the critic's options"
+            )
         self.model = build_model(node.model, device=self.device).train()
         add_adapters(self.model, node.model, owner=owner)  # LoRA: freezes the base; the head below trains in full
         self.head = attach_value_head(self.model, owner=owner)

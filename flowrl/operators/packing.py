@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from flowrl.graph.configs import AnyModelConfig
     from flowrl.models.causal_lm import CausalLM
 
-__all__ = ["pack_rows", "packed_logits", "check_packing", "packs"]
+__all__ = ["pack_rows", "packed_logits", "packed_real_mask", "check_packing", "packs"]
 
 
 def check_packing(config: AnyModelConfig, *, owner: str) -> None:
@@ -96,6 +96,28 @@ def pack_rows(lengths: list[int], *, capacity: int) -> list[list[int]]:
     return rows
 
 
+def _layout(prompt_lens: Tensor, attended: Tensor) -> tuple[list[int], int, list[list[int]]]:
+    """``packed_logits``' rows: each sample's input length (prompt + attended completion, less the last
+    token, which predicts nothing; 0 without a completion), the row length (the longest) and the rows."""
+    n = [p_i + a_i - 1 if a_i > 0 else 0 for p_i, a_i in zip(prompt_lens.tolist(), attended.sum(1).tolist())]
+    L = max(n, default=0)
+    return n, L, pack_rows(n, capacity=L) if L else []
+
+
+def packed_real_mask(prompt_lens: Tensor, attended: Tensor) -> Tensor:
+    """Bool ``[R, L]``: the real tokens of the packed rows ``packed_logits`` lays out for these samples
+    (each row's sequences, not its padding tail), for a caller that counts per token (a mixture of
+    experts' router load, ``flowrl.operators.router_load``).
+
+    Example:
+        >>> packed_real_mask(torch.tensor([2, 3, 1]), torch.tensor([[True, True], [True, False], [True, True]])).int().tolist()
+        [[1, 1, 1], [1, 1, 1], [1, 1, 0]]
+    """
+    n, L, rows = _layout(prompt_lens, attended)
+    used = torch.tensor([sum(n[i] for i in members) for members in rows], dtype=torch.int64)
+    return torch.arange(L)[None, :] < used[:, None]
+
+
 def packed_logits(
     model: CausalLM, prompt_ids: Tensor, prompt_lens: Tensor, completion_ids: Tensor, attended: Tensor
 ) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -116,11 +138,9 @@ def packed_logits(
     a = attended.sum(1).tolist()
     if any(a_i > 0 and p_i == 0 for p_i, a_i in zip(p, a)):
         return None  # a completion with no prompt before it: no position predicts its first token
-    n = [p_i + a_i - 1 if a_i > 0 else 0 for p_i, a_i in zip(p, a)]  # [S] inputs: the last token predicts nothing
-    L = max(n, default=0)
+    n, L, rows = _layout(prompt_lens, attended)
     if L == 0:
         return None
-    rows = pack_rows(n, capacity=L)
     if len(rows) * L >= S * (max(p) + C - 1):
         return None
     device = prompt_ids.device

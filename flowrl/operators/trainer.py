@@ -31,6 +31,12 @@ against (``losses.ANCHORED_AT_OLD``: pi / pi_old, TRL's ``old_per_token_logps``,
 5. bumps ``version`` (completed optimizer steps, 0 before the first): a batch advances it by
    ``updates_per_batch``.
 
+A mixture-of-experts model (a family with ``ModelFamily.router``) has its routers hooked
+(``flowrl.operators.router_load``): every step's metrics report the experts' load over the real
+tokens of its forwards (``moe/load_max_over_mean``, ``moe/load_max_over_mean_max``, ``moe/aux_loss``),
+and ``OptimizerConfig.router_aux_loss_coef`` adds the load-balancing loss to each micro-batch's
+(refused on a dense model).
+
 A model description with ``lora`` (``flowrl.models.lora``) trains adapters only: the optimizer holds
 them, ``weights()`` and the state's ``model`` are them, the base weights stay as built.
 
@@ -61,6 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import msgspec
@@ -87,7 +94,9 @@ from flowrl.operators.shaping import dynamic_sample, shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.lora import adapter_weights, add_adapters, lora_of
-from flowrl.models.registry import build_model
+from flowrl.models.families import FAMILIES
+from flowrl.models.registry import build_model, family_of
+from flowrl.operators.router_load import RouterLoad, real_tokens
 
 __all__ = ["Trainer", "learning_rate", "cpu_copy", "TRAIN_FIELDS", "TOKEN_MEANS"]
 
@@ -131,6 +140,27 @@ def learning_rate(config: OptimizerConfig, step: int) -> float:
 
 def _whole(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return batch
+
+
+def _router_load(node: PolicyNode, model: torch.nn.Module) -> RouterLoad | None:
+    """The routers' hooks of a mixture-of-experts policy (``flowrl.operators.router_load``); None for a dense one.
+
+    Raises:
+        ConfigError: for ``router_aux_loss_coef`` on a dense model.
+    """
+    coef = node.optimizer.router_aux_loss_coef
+    family = family_of(node.model)
+    if not family.router:
+        if coef:
+            moe = [f.name for f in FAMILIES.values() if f.router]
+            raise ConfigError(
+                f"policy {node.name!r}: router_aux_loss_coef={coef} is a mixture of experts' load-balancing loss, and its model "
+                f"family {family.name!r} is dense (the families with routers: {moe}); remove router_aux_loss_coef"
+            )
+        return None
+    if not isinstance(getattr(model, "hf", None), torch.nn.Module):  # a pipeline stage (its own trainer refuses the loss)
+        return None
+    return RouterLoad(model, family, coef)
 
 
 def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
@@ -220,6 +250,7 @@ class Trainer:
         self.loss_scale = 1.0  # a factor on the loss before backward, set per step by flowrl.runtime.parallel.fsdp
         self.part_of: Callable[[dict[str, Tensor]], dict[str, Tensor]] = _whole  # a data-parallel rank's share
         self.clip_grad_norm: Callable[[Any, float], Tensor] = torch.nn.utils.clip_grad_norm_  # a tensor-parallel rank's counts each shard once
+        self.router = _router_load(node, self.model)  # a mixture of experts: the experts' load, the load-balancing loss
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
         """One rollout batch: ``num_iterations * num_mini_batches`` optimizer steps (module docstring), each
@@ -371,6 +402,8 @@ class Trainer:
             "policy/entropy": float(entropy_sum) / max(tokens, 1),
             "policy/tokens": float(tokens),
         })  # fmt: skip
+        if self.router is not None:
+            metrics.update(self.router.metrics())
         self.version += 1
         return metrics
 
@@ -387,10 +420,14 @@ class Trainer:
         pieces: list[Tensor] = []
         kept_pieces: list[Tensor] = []
         entropy_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # pi's entropy over the completion tokens
+        total = real_tokens(batch) if self.router is not None else 0  # the forwards' real tokens: the aux loss's weights
         for start, part in zip(range(0, n, size), split(batch, size)):
-            logprobs, entropy = self._forward(part, completion_logprobs_and_entropy)  # [s, C] each; entropy 0 off the mask
+            with self.router.counting(part) if self.router is not None else nullcontext():
+                logprobs, entropy = self._forward(part, completion_logprobs_and_entropy)  # [s, C] each; entropy 0 off the mask
             entropy_sum += entropy.sum(dtype=torch.float64)
             loss, kept, logprobs = self._micro_loss(part, logprobs, adv[start : start + size], normalizer, lengths[start : start + size])
+            if self.router is not None and self.router.coef and self.router.aux is not None:  # the load-balancing loss, token-weighted
+                loss = loss + self.router.coef * self.router.aux * (real_tokens(part) / total)
             if loss.requires_grad:  # a micro-batch without a trainable token (e.g. multi-turn samples that all failed) adds nothing
                 (loss * self.loss_scale).backward()
             pieces.append(logprobs.detach())

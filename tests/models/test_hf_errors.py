@@ -51,7 +51,7 @@ def _tokenizer_config_only(d):
 CASES = [
     ("no-config", _no_config, {}, r"has no config.json .*save_pretrained"),
     ("no-weights", _no_weights, {}, r'holds no weights .*init="random"'),
-    ("unsupported-family", _gpt2, {}, r"model_type 'gpt2'; flowrl trains the families \['llama', 'qwen2', 'qwen3'\]"),
+    ("unsupported-family", _gpt2, {}, r"model_type 'gpt2'; flowrl trains the families \['llama', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen2_moe'\]"),
 ]
 
 
@@ -115,3 +115,22 @@ def test_missing_transformers_gives_the_install_hint(hf_llama_dir, monkeypatch):
     monkeypatch.setattr(local.importlib, "import_module", no_transformers)
     with pytest.raises(ConfigError, match=r"needs the 'transformers' package: pip install 'flowrl\[hf\]'"):
         build_model(HFModelConfig(path=str(hf_llama_dir)))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "model_type"),
+    [("mlp_only_layers", [1], "qwen3_moe"), ("decoder_sparse_step", 2, "qwen3_moe"), ("mlp_only_layers", [0], "qwen2_moe"), ("model_type", "mixtral", "")],
+)
+def test_a_moe_config_flowrl_cannot_read_is_refused_by_name_before_any_work(request, tmp_path, key, value, model_type):
+    """Dense blocks among a Qwen MoE's sparse ones (transformers builds them; the planner counts neither
+    and no test runs them), and an MoE family flowrl has no row for: refused naming the key and the family."""
+    d = _copy(request.getfixturevalue(f"hf_{model_type or 'qwen3_moe'}_dir"), tmp_path / "m")
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, key: value}))
+    if key == "model_type":
+        match = r"model_type 'mixtral'; flowrl trains the families \[.*'qwen3_moe', 'qwen2_moe'\]"
+    else:
+        default = [] if key == "mlp_only_layers" else 1
+        match = re.escape(f"has {key}={value!r}; flowrl reads a {model_type} ({'Qwen3MoeForCausalLM' if model_type == 'qwen3_moe' else 'Qwen2MoeForCausalLM'}) directory only with {key}={default!r}")
+    with pytest.raises(ConfigError, match=match):
+        build_model(HFModelConfig(path=str(d)))

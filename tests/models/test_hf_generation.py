@@ -30,6 +30,11 @@ def test_behaviour_logprobs_equal_the_hf_forward(hf_dir, use_kv_cache, temperatu
     assert torch.equal(out["sampling_temperature"], torch.full((9,), temperature))
 
 
+def test_a_moe_generators_kv_cached_logprobs_equal_the_hf_forward(hf_moe_dir):
+    """Qwen3-MoE and Qwen2-MoE (8 experts, top-2): the KV-cached decode routes each token as the full forward does."""
+    test_behaviour_logprobs_equal_the_hf_forward(hf_moe_dir, use_kv_cache=True, temperature=1.0)
+
+
 def test_cache_and_no_cache_draw_the_same_completions(hf_llama_dir):
     outs = [Generator(hf_generator_node(hf_llama_dir, use_kv_cache=c), seed=1).generate(left_padded(PROMPTS)) for c in (True, False)]
     assert torch.equal(outs[0]["completion_ids"], outs[1]["completion_ids"])

@@ -288,3 +288,48 @@ def test_lora_dropout_reaches_peft_in_the_trainer_and_the_adapter_directory(hf_q
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
     plain = Trainer(PolicyNode(name="policy", model=_model(hf_qwen2_dir)), LossNode(name="pg", loss=LossConfig(objective="pg")))
     assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity) for m in plain.model.modules() if hasattr(m, "lora_dropout"))
+
+
+MOE_LORA = {"qwen3_moe": ("q_proj", "v_proj"), "qwen2_moe": ("q_proj", "gate_proj", "up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("family", list(MOE_LORA))
+def test_lora_on_a_moe_family_adapts_attention_and_the_shared_expert_and_trains_them_alone(request, family):
+    """Qwen3-MoE: the attention's projections; Qwen2-MoE: ``gate_proj``/``up_proj``/``down_proj`` are its
+    shared expert's (the routed experts are stacked tensors): one step moves the adapters only and the
+    generator's merged model equals peft's."""
+    directory = request.getfixturevalue(f"hf_{family}_dir")
+    lora = LoraConfig(r=2, alpha=4.0, target_modules=MOE_LORA[family])
+    trainer = Trainer(PolicyNode(name="policy", model=_model(directory, lora), optimizer=OptimizerConfig(lr=1e-2)), LossNode(name="pg", loss=LossConfig(objective="pg")))
+    adapted = sorted({n.rsplit(".lora_", 1)[0] for n in trainer.weights()})
+    want = [f"model.layers.{i}.{m}" for i in range(2) for m in (("self_attn.q_proj", "self_attn.v_proj") if family == "qwen3_moe" else
+            ("self_attn.q_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"))]  # fmt: skip
+    assert adapted == sorted(want)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    adapters = _random_adapters(trainer)
+    trainer.train_step(_batch(directory))
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)  # experts and router untouched
+    assert any(not torch.equal(t, adapters[n]) for n, t in trainer.weights().items())
+    gen = Generator(GeneratorNode(name="gen", model=_model(directory, lora)), seed=0)
+    gen.load_weights(trainer.weights(), version=1)
+    reference = _peft_model(directory, trainer.weights(), lora)
+    ids = torch.tensor([[1, 5, 6, 7, 8], [1, 12, 30, 4, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(gen.model(ids), reference(input_ids=ids).logits, rtol=0, atol=logit_atol(reference, list(ids), extra=[2] * len(want)))
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "match"),
+    [
+        ("qwen3_moe", ("q_proj", "gate"), r"'gate' matches 'model.layers.0.mlp.gate', the router of the qwen3_moe family \(Qwen3MoeForCausalLM; 2 such modules\); LoRA adapts its linear layers only: pick among \['k_proj', 'lm_head', 'o_proj', 'q_proj', 'v_proj'\]"),
+        ("qwen2_moe", ("experts",), r"'experts' matches 'model.layers.0.mlp.experts', the routed experts, stacked over experts in 3-D tensors of the qwen2_moe family \(Qwen2MoeForCausalLM"),
+        ("qwen3_moe", ("gate_proj",), r"\['gate_proj'\] match no module .*; the qwen3_moe family's routed experts are stacked 3-D tensors, which LoRA does not adapt"),
+    ],
+    ids=["router", "experts", "expert-projection"],
+)
+def test_lora_on_a_moe_router_or_its_experts_is_refused_naming_the_module_and_family(request, family, targets, match):
+    directory = request.getfixturevalue(f"hf_{family}_dir")
+    lora = dict(r=2, target_modules=targets)
+    for build in (lambda: _policy_with(directory, lora), lambda: _generator_with(directory, lora)):
+        with pytest.raises(ConfigError, match=match):
+            build()

@@ -196,6 +196,18 @@ def test_packed_step_equals_the_padded_one_on_the_hf_families(hf_dir):
     _equal_steps(lambda **o: hf_policy_node(hf_dir, **o), loss_node(loss_agg="seq_mean"), _long_tail(vocab=100), micro_batch_size=0)
 
 
+def test_packed_log_probs_equal_the_padded_ones_on_the_moe_families(hf_moe_dir):
+    """Qwen3-MoE and Qwen2-MoE: packed rows route each token as its padded row does (routing is per
+    token), so the trainer's log pi over packed rows equals the padded one's within float32 rounding."""
+    batch = _long_tail(vocab=100)
+    padded = Trainer(hf_policy_node(hf_moe_dir, packing=False), loss_node(objective="grpo"))
+    packed = Trainer(hf_policy_node(hf_moe_dir, packing=True), loss_node(objective="grpo"))
+    spy = _Spy(packed.model)
+    want, got = padded._logprobs(batch, grad=False), packed._logprobs(batch, grad=False)
+    assert (spy.packed, spy.padded) == (1, 0)
+    assert_within(got, want, logprob_atol(padded.model, rollout_sequences(batch), temperature=0.8), msg="log pi")
+
+
 def test_packed_recompute_of_log_pi_old_equals_the_padded_one():
     """Several updates a batch: log pi_old (no gradient, the ``old/*`` metrics, the clipped ratio) packed too."""
     batch = _long_tail(vocab=16)
@@ -236,7 +248,7 @@ def test_equal_lengths_run_padded():
 
 def test_packing_is_refused_for_a_family_whose_attention_cannot_take_packed_rows(hf_llama_dir, monkeypatch):
     monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packing=False))
-    with pytest.raises(ConfigError, match=r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"):
+    with pytest.raises(ConfigError, match=r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3, qwen3_moe, qwen2_moe\)"):
         Trainer(hf_policy_node(hf_llama_dir, packing=True), loss_node())
     assert not Trainer(hf_policy_node(hf_llama_dir, packing=False), loss_node()).packing  # unpacked: fine
     assert not Trainer(hf_policy_node(hf_llama_dir), loss_node()).packing  # the default pads such a family, silently
@@ -246,7 +258,7 @@ def test_packing_is_on_by_default_where_the_family_can_pack(hf_qwen2_dir):
     from flowrl.graph.configs import ReferenceConfig
 
     assert OptimizerConfig().packing is None and ReferenceConfig().packing is None  # None: where the family can
-    assert packing.__all__ == ["pack_rows", "packed_logits", "check_packing", "packs"]
+    assert packing.__all__ == ["pack_rows", "packed_logits", "packed_real_mask", "check_packing", "packs"]
     assert Trainer(tiny_policy_node(), loss_node()).packing and Trainer(hf_policy_node(hf_qwen2_dir), loss_node()).packing
     assert not Trainer(tiny_policy_node(packing=False), loss_node()).packing
     spy = _Spy((trainer := Trainer(tiny_policy_node(), loss_node())).model)
@@ -290,7 +302,7 @@ def test_a_run_refuses_packing_for_such_a_family_before_it_starts(hf_llama_dir, 
     aipo = b.loss("aipo", gen, b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward"))
     b.weights(b.policy("policy", aipo, packing=True), gen)
     graph = b.build()
-    message = r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3\)"
+    message = r"policy 'policy': packing=True .* 'llama' does not \(the families that do: builtin, qwen2, qwen3, qwen3_moe, qwen2_moe\)"
     with pytest.raises(ConfigError, match=message):
         preflight.check_packing_families(graph)
     monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("a trainer was built"))

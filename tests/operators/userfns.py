@@ -9,6 +9,11 @@ def length_reward(prompt_ids, completion_ids):
     return float(len(completion_ids))
 
 
+def mean_id_reward(prompt_ids, completion_ids):
+    """The completion's mean token id: differs between samples of a random model (a nonzero advantage)."""
+    return sum(completion_ids) / max(len(completion_ids), 1)
+
+
 def raises(prompt_ids, completion_ids):
     if len(completion_ids) >= 0:
         raise ZeroDivisionError("boom")

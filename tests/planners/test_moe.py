@@ -158,13 +158,30 @@ def test_a_deepseek_v3_config_counts_what_transformers_builds():
     assert spec.params == _built(transformers.DeepseekV3ForCausalLM(config), leave_out=("e_score_correction_bias",))
 
 
+def test_a_qwen2_moe_config_counts_its_shared_expert_as_experts_of_the_routed_width():
+    """Qwen2-MoE's shared expert 4x the routed width (Qwen1.5-MoE-A2.7B: 5632 = 4 x 1408) counts as 4
+    shared experts; the count leaves out its sigmoid gate (``dim`` weights a block)."""
+    transformers = pytest.importorskip("transformers")
+    from flowrl.modelspec import model_from_hf_config
+
+    config = transformers.Qwen2MoeConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                         shared_expert_intermediate_size=32, tie_word_embeddings=False)  # fmt: skip
+    spec = model_from_hf_config(config.to_dict(), name="q2")
+    assert (spec.n_experts, spec.shared_experts, spec.expert_ffn_dim) == (4, 4, 8)
+    assert spec.params == _built(transformers.Qwen2MoeForCausalLM(config), leave_out=("shared_expert_gate.weight", "self_attn.q_proj.bias",
+                                                                                       "self_attn.k_proj.bias", "self_attn.v_proj.bias"))  # fmt: skip
+
+
 def test_a_moe_layout_it_cannot_count_is_refused():
     from flowrl.modelspec import model_from_hf_config
 
     qwen2_moe = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "intermediate_size": 24, "vocab_size": 50,
-                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 32}  # fmt: skip
-    with pytest.raises(PlanError, match="shared_expert_intermediate_size=32"):
+                 "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 20}  # fmt: skip
+    with pytest.raises(PlanError, match="shared_expert_intermediate_size=20 is not a multiple of the expert width 8"):
         model_from_hf_config(qwen2_moe, name="q2")
+    with pytest.raises(PlanError, match="decoder_sparse_step=2"):
+        model_from_hf_config({**qwen2_moe, "shared_expert_intermediate_size": 0, "decoder_sparse_step": 2}, name="q2")
 
 
 # -- expert parallelism in training ----------------------------------------------------------------

@@ -32,6 +32,8 @@ CASES = {
     "llama-random": ("llama", True, 32, "random"),
     "qwen2-random": ("qwen2", False, 48, "random"),
     "qwen3-random": ("qwen3", True, 32, "random"),
+    "qwen3_moe-pretrained": ("qwen3_moe", True, 32, "pretrained"),  # stacked experts from per-expert files
+    "qwen2_moe-random": ("qwen2_moe", False, 32, "random"),
     "qwen2-random-lora": ("qwen2", False, 48, "random"),
     "llama-pretrained-tied-lora": ("llama", True, 32, "pretrained"),
 }

@@ -3,12 +3,14 @@
 Each MoE block adds a dense shared expert (``mlp.shared_expert.{gate,up,down}_proj``) to the routed
 experts' output, scaled by a sigmoid gate (``mlp.shared_expert_gate``); see ``qwen3_moe`` for the
 router and the stacked experts. Tensor parallelism splits the attention and the shared expert (as a
-Llama MLP); the router, the shared expert's gate and the stacked experts stay whole.
+Llama MLP); the router, the shared expert's gate and the stacked experts stay whole. LoRA adapts the
+attention's projections and the shared expert's (``gate_proj``, ``up_proj``, ``down_proj`` name those of
+the shared expert: the routed experts are stacked tensors and take none), not the router or the experts.
 """
 
 from __future__ import annotations
 
-from flowrl.models.families.qwen3_moe import MOE_ATTENTION
+from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_FIXED_KEYS, MOE_LORA_REFUSED, MOE_ROUTER, MOE_STACKED, MOE_VLLM_NAMES
 from flowrl.models.family import ModelFamily, Split
 
 __all__ = ["FAMILY"]
@@ -24,5 +26,10 @@ FAMILY = ModelFamily(
     hf_architecture="Qwen2MoeForCausalLM",
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION + _SHARED_EXPERT,
+    stacked=MOE_STACKED,
+    vllm_names=MOE_VLLM_NAMES,
+    router=MOE_ROUTER,
+    lora_refused=MOE_LORA_REFUSED,
+    fixed_keys=MOE_FIXED_KEYS,
     packing=True,
 )

@@ -337,7 +337,7 @@ class VLLMGenerator:
         prefix_caching: bool = True, sleep_mode: bool = False, tensor_parallel_size: int = 1, devices: Sequence[str] | None = None,
     ) -> None:
         from flowrl.models.hf import check_hf_dir
-        from flowrl.models.registry import model_tokens, weight_shapes
+        from flowrl.models.registry import family_of, model_tokens, weight_shapes
 
         device = str(device)
         check_vllm(node, device=device)
@@ -364,6 +364,7 @@ class VLLMGenerator:
         self._decode = tokens.decode
         self.vocab_size = int(raw.get("vocab_size") or 0)
         self._tied = bool(raw.get("tie_word_embeddings", False))
+        self._vllm_name = family_of(node.model).vllm_name  # the family's names for tensors vLLM holds fused (stacked experts)
         self._heads = int(raw.get("num_attention_heads") or 1)
         self._kv_heads = int(raw.get("num_key_value_heads") or self._heads)
         self.max_seq_len = _max_model_len(config, raw, owner, node.vllm)
@@ -562,7 +563,7 @@ class VLLMGenerator:
         for worker in self.llm.collective_rpc("flowrl_weight_digests"):  # with tensor parallelism: each worker's shards
             shard = TPShard(rank=worker["tp_rank"], size=worker["tp_size"], heads=self._heads, kv_heads=self._kv_heads)
             ranks.add(shard.rank)
-            want = expected_digests(cast, worker["packed"], tied=self._tied, shard=shard)
+            want = expected_digests(cast, worker["packed"], tied=self._tied, shard=shard, rename=self._vllm_name)
             got = worker["digests"]
             differ.update(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
         if ranks != set(range(self.tensor_parallel_size)):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -156,12 +156,16 @@ def tp_part(name: str, t: Tensor, shard: TPShard) -> Tensor:
     return t.tensor_split(n, dim=0)[r]
 
 
-def expected_digests(weights: Mapping[str, Tensor], packed: Mapping[str, list[str]], *, tied: bool, shard: TPShard = TPShard()) -> dict[str, str]:
+def expected_digests(
+    weights: Mapping[str, Tensor], packed: Mapping[str, list[str]], *, tied: bool, shard: TPShard = TPShard(), rename: Callable[[str], str] = str
+) -> dict[str, str]:
     """What ``FlowrlWorkerExtension.flowrl_weight_digests`` must report for a vLLM model holding
     ``weights`` (Hugging Face names, the generator's dtype): fused projections are their parts
     concatenated along the output rows in ``packed``'s order (``qkv_proj`` = q, k, v), a tied
     ``lm_head`` is the embedding. With tensor parallelism (``shard``) each tensor is first cut to the
-    worker's part (``tp_part``), so a fused shard is its parts' shards concatenated.
+    worker's part (``tp_part``), so a fused shard is its parts' shards concatenated. ``rename``: the
+    name vLLM holds a tensor under when it is not the Hugging Face one (``ModelFamily.vllm_name``: a
+    mixture of experts' stacked experts are vLLM's ``w13_weight`` / ``w2_weight``).
 
     Example:
         >>> w = {"l.q_proj.weight": torch.ones(2, 2), "l.k_proj.weight": torch.zeros(1, 2), "l.v_proj.weight": torch.zeros(1, 2)}
@@ -182,7 +186,7 @@ def expected_digests(weights: Mapping[str, Tensor], packed: Mapping[str, list[st
                 names = [f"{prefix}.{p}.{leaf}" for p in parts]
                 out[key] = _digest(torch.cat([tp_part(n, weights[n], shard) for n in names]))
             continue
-        out[name] = _digest(tp_part(name, weights[name], shard))
+        out[rename(name)] = _digest(tp_part(name, weights[name], shard))
     if tied and "lm_head.weight" not in weights:
         out["lm_head.weight"] = _digest(tp_part("lm_head.weight", weights["model.embed_tokens.weight"], shard))
     return out

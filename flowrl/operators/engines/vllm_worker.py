@@ -169,7 +169,9 @@ class FlowrlWorkerExtension:
                 weight = getattr(module, "weight", None)
                 if method is None or not hasattr(method, "apply") or weight is None or name.endswith("embed_tokens"):
                     continue
-                cols = int(getattr(module, "input_size_per_partition", 0) or getattr(module, "embedding_dim", 0) or weight.shape[-1])
+                cols = int(  # a replicated layer (a MoE router's GateLinear) has only input_size; its repacked weight may be empty
+                    getattr(module, "input_size_per_partition", 0) or getattr(module, "input_size", 0) or getattr(module, "embedding_dim", 0) or weight.shape[-1]
+                )
                 eye = torch.eye(cols, dtype=weight.dtype, device=weight.device)
                 w = method.apply(module, eye, bias=None).T  # [out, in]
                 out[f"{name}.weight"] = _digest(w[: _vocab_rows(module, w)])

@@ -13,7 +13,9 @@ for bit, what building the whole model and keeping ``torch.chunk(p, dp)[rank]`` 
 - a Hugging Face directory with weights (``init="pretrained"``): each rank reads only its rows of
   each tensor from the safetensors files (their byte range, read into a tensor of their size;
   ``safe_open(...).get_slice(name)[start:stop]`` for a dtype other than float 16/32/64), cast to
-  float32 as ``from_pretrained(dtype=float32)`` does;
+  float32 as ``from_pretrained(dtype=float32)`` does; a mixture of experts' stacked weights
+  (``[experts, ...]``, rows = experts) from the files' per-expert tensors of this rank's experts
+  (``ModelFamily.stacked``: ``save_pretrained`` writes ``mlp.experts.{e}.gate_proj.weight``, ...);
 - ``init="random"``: transformers draws its weights from the global generator in module order (a
   module's constructor, then ``_init_weights`` per module in ``initialize_weights``' order), so the
   build runs that same code under the same seed with one module's parameters real at a time
@@ -51,6 +53,8 @@ from torch import Tensor, nn
 from flowrl.errors import ConfigError, FlowrlError
 from flowrl.host import release_freed_memory
 from flowrl.graph.configs import AnyModelConfig, HFModelConfig, ModelConfig
+from flowrl.models.family import ModelFamily
+from flowrl.models.registry import family_of
 
 __all__ = ["RowSource", "meta_build", "materialise_", "row_range"]
 
@@ -222,7 +226,7 @@ def _hf(config: HFModelConfig) -> tuple[nn.Module, RowSource]:
     if config.init == "pretrained":
         with _ParamsOnMeta():
             hf = load_auto(msgspec.structs.replace(config, init="random"), "AutoModelForCausalLM")  # the architecture; values from the files
-        return HFCausalLM(hf, max_seq_len=max_len), _file_rows(Path(config.path).expanduser())
+        return HFCausalLM(hf, max_seq_len=max_len), _file_rows(Path(config.path).expanduser(), family_of(config))
     build = _OneModuleAtATime()
     with build:
         hf = load_auto(config, "AutoModelForCausalLM")  # seeded, inside fork_rng, as load_hf
@@ -282,10 +286,12 @@ def _read_rows(f: Any, data_start: int, entry: Mapping[str, Any], start: int, st
     return out
 
 
-def _file_rows(directory: Path) -> RowSource:
-    """Rows read from the directory's ``*.safetensors`` (or ``pytorch_model*.bin``, memory-mapped)."""
+def _file_rows(directory: Path, family: ModelFamily) -> RowSource:
+    """Rows read from the directory's ``*.safetensors`` (or ``pytorch_model*.bin``, memory-mapped); a
+    weight the family holds stacked over experts (``ModelFamily.stacked``) and the files hold per expert
+    is this rank's experts' tensors, each concatenated as ``checkpoint_names`` says, stacked."""
 
-    def source(wanted: Mapping[str, tuple[int, int]]) -> Iterator[tuple[str, Tensor]]:
+    def tensors(wanted: Mapping[str, tuple[int, int | None]]) -> Iterator[tuple[str, Tensor]]:
         files = sorted(directory.glob("*.safetensors"))
         left = dict(wanted)
         if files:
@@ -298,6 +304,7 @@ def _file_rows(directory: Path) -> RowSource:
                     for name in [n for n in header if n in left]:
                         start, stop = left.pop(name)
                         entry = header[name]
+                        stop = entry["shape"][0] if stop is None and entry["shape"] else stop
                         if entry["dtype"] in _SAFETENSORS_DTYPES and entry["shape"]:
                             rows = _read_rows(f, 8 + size, entry, start, stop)
                         else:
@@ -317,7 +324,29 @@ def _file_rows(directory: Path) -> RowSource:
                 "flowrl reads the Hugging Face parameter names as saved by save_pretrained"
             )
 
+    def source(wanted: Mapping[str, tuple[int, int]]) -> Iterator[tuple[str, Tensor]]:
+        stored = _stored_names(directory)
+        parts = {n: [family.checkpoint_names(n, e) for e in range(*rows)] for n, rows in wanted.items() if n not in stored and family.checkpoint_names(n, 0)}
+        plain: dict[str, tuple[int, int | None]] = {n: rows for n, rows in wanted.items() if n not in parts}
+        whole: dict[str, Tensor] = {}
+        for name, rows in tensors({**plain, **{p: (0, None) for experts in parts.values() for names in experts for p in names}}):
+            if name in plain:
+                yield name, rows
+            else:
+                whole[name] = rows
+        for name, experts in parts.items():
+            yield name, torch.stack([torch.cat([whole.pop(p) for p in names]) for names in experts])
+
     return source
+
+
+def _stored_names(directory: Path) -> set[str]:
+    """The tensor names of the directory's safetensors headers (empty for ``pytorch_model*.bin`` files)."""
+    names: set[str] = set()
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            names |= set(json.loads(f.read(int.from_bytes(f.read(8), "little"))))
+    return names
 
 
 def _replayed_rows(model: nn.Module, records: list[tuple[nn.Module, nn.Module, Callable[[nn.Module], None], Tensor]]) -> RowSource:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flowrl.errors import ConfigError
 from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.operators.batch import leading_dim
 from flowrl.operators.generation import DTYPES
@@ -100,6 +101,11 @@ class PipelineTrainer(Trainer):
     """
 
     def __init__(self, node: PolicyNode, loss: LossNode, *, stage: StageModule, pp_group: Any, dp_group: Any, device: torch.device) -> None:
+        if node.optimizer.router_aux_loss_coef:  # its stages' micro-batch losses see the last stage's logits only
+            raise ConfigError(
+                f"policy {node.name!r}: router_aux_loss_coef={node.optimizer.router_aux_loss_coef} is not added by a pipeline-parallel "
+                "policy (its routers sit on every stage); run it without a pp axis or remove router_aux_loss_coef"
+            )
         super().__init__(node, loss, device=device, model=stage)
         self.packing = False  # fixed-shape micro-batches (pipeline.check_pipeline refuses packing=True)
         self.stage = stage
