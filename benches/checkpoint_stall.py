@@ -53,7 +53,7 @@ def _policy(layers: int):
     model = ModelConfig(vocab_size=spec.vocab_size, dim=spec.dim, n_layers=layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                         ffn_dim=spec.ffn_dim, tie_embeddings=spec.tie_embeddings, max_seq_len=256, seed=0)  # fmt: skip
     b = GraphBuilder("checkpoint_stall", model=model)
-    gen = b.generator("gen", b.source("prompts", task="copy", batch_size=1), n_samples=1, max_new_tokens=4)
+    gen = b.generator("gen", b.source("prompts", task="copy", batch_size=1), n_samples=2, max_new_tokens=4)
     score = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
     policy = b.policy("policy", b.loss("aipo", gen, score), lr=1e-5)
     b.weights(policy, gen)
