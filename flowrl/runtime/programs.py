@@ -538,7 +538,7 @@ class PolicyProgram(ProgramBase):
             return lambda: None
         from flowrl.runtime.checkpointing.background import stage
 
-        state = stage(self.trainer.state(copy=False), self.__dict__.setdefault("_staged", {}))
+        state = stage(self.trainer.state(copy=False), self.__dict__.setdefault("_checkpoint_buffers", {}))
         return lambda: torch.save(state, path)
 
     def save(self, path: str) -> None:

@@ -181,7 +181,7 @@ class ShardedPolicy(_RankPolicy):
         """``save``'s shards staged to CPU memory now; the write returned, to run behind training."""
         from flowrl.runtime.checkpointing.sharded_state import snapshot_sharded
 
-        return snapshot_sharded(self.trainer, path, group=self.group)
+        return snapshot_sharded(self.trainer, path, group=self.group, buffers=self.__dict__.setdefault("_checkpoint_buffers", {}))
 
     def load(self, path: str) -> None:
         from flowrl.runtime.parallel.fsdp import load_full_state

@@ -48,7 +48,14 @@ def stage(value: Any, buffers: dict[Any, Any], key: tuple[Any, ...] = ()) -> Any
     copied into a CPU buffer of ``buffers`` kept from the last call (allocated on the first call, or when
     a tensor's shape or dtype changed): the memory is already mapped, so the copy runs at memory speed.
 
-    The caller owns ``buffers`` and must not stage again while a write still reads the previous copy."""
+    A ``DTensor`` (a shard of a policy over ranks) is staged as its local shard's copy, wrapped again with
+    the same mesh, placements and global shape (DCP writes it as the original). The caller owns
+    ``buffers`` and must not stage again while a write still reads the previous copy."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = stage(value.to_local(), buffers, key)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
     if isinstance(value, torch.Tensor):
         src = value.detach()
         buf = buffers.get(key)

@@ -60,8 +60,8 @@ def save_stages(trainer: Any, whole: list[str], path: str | Path, *, group: Any)
     snapshot_stages(trainer, whole, path, group=group, background=False)()
 
 
-def snapshot_stages(trainer: Any, whole: list[str], path: str | Path, *, group: Any, background: bool = True) -> Any:
-    """``save_stages`` in two parts: the stages' state staged now, the write returned
+def snapshot_stages(trainer: Any, whole: list[str], path: str | Path, *, group: Any, background: bool = True, buffers: dict[Any, Any] | None = None) -> Any:
+    """``save_stages`` in two parts: the stages' state staged now into ``buffers``, the write returned
     (``sharded_state.dcp_write``)."""
     import torch.distributed as dist
 
@@ -69,7 +69,7 @@ def snapshot_stages(trainer: Any, whole: list[str], path: str | Path, *, group: 
 
     state = stage_state(trainer, whole, optimizer=trainer.version > 0)  # before the first step AdamW has no state
     info = ShardedStateInfo(version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=dist.get_world_size(group))
-    return dcp_write("saving the pipeline stages' checkpoint", state, Path(path), group=group, background=background, info=info)
+    return dcp_write("saving the pipeline stages' checkpoint", state, Path(path), group=group, background=background, info=info, buffers=buffers)
 
 
 def _check_config(trainer: Any, saved: Any, path: Path) -> None:
