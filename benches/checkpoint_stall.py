@@ -16,10 +16,10 @@ moments filled by one optimizer step. The run's own path saves it: ``Checkpointe
   The first async save allocates the buffers (``first_stall_s``); the median is over the others.
 
 With ``fsdp2`` in ``--layouts``, the same policy sharded with FSDP2 over 2 gloo ranks (a torchrun job):
-``sync`` is ``sharded_state.save_sharded`` (every rank's shards and the index written before it
-returns, what a rank's ``save`` does), ``async`` is ``snapshot_sharded``'s stall (DCP's ``async_save``
-staging the rank's shards to CPU memory) with the write waited for apart (``write_s``); the slowest
-rank's seconds.
+``sync`` is ``sharded_state.save_sharded`` (every rank's shards and the index written and fsynced
+before it returns, what a rank's ``save`` does), ``async`` is ``snapshot_sharded``'s stall (the
+rank's shards copied into the staging buffers it keeps between checkpoints, handed to DCP's
+``async_save``) with the write waited for apart (``write_s``); the slowest rank's seconds.
 
 Also the trainer's work while a write is in flight (one process): a forward and backward of a ``--tokens``-token
 sequence, timed alone and during a background write (``step_s_idle`` / ``step_s_during_write``: what
@@ -116,6 +116,7 @@ def _fsdp_job(out: str, layers: int, repeats: int) -> int:
     numel = _moments(trainer)  # the whole model's (a DTensor counts its global shape)
     trainer.version = 1
     group = mesh.get_group()
+    buffers: dict = {}  # the staging buffers a rank keeps between checkpoints
     rows: list[tuple[str, float, float]] = []
     for r in range(repeats + 1):
         for mode in ("sync", "async"):
@@ -126,7 +127,7 @@ def _fsdp_job(out: str, layers: int, repeats: int) -> int:
                 save_sharded(trainer, target, group=group)
                 stall = write = time.perf_counter() - t0
             else:
-                finish = snapshot_sharded(trainer, target, group=group)
+                finish = snapshot_sharded(trainer, target, group=group, buffers=buffers)  # as ShardedPolicy.snapshot
                 stall = time.perf_counter() - t0
                 finish()
                 write = time.perf_counter() - t0
