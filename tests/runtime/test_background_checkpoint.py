@@ -26,6 +26,7 @@ def _run(tmp_path: Path, ck: str, steps: int, *extra: str):
     return _rows(tmp_path / f"{ck}.jsonl")
 
 
+@pytest.mark.slow  # CI time (a torchrun job, ~25 s at load 6); the default suite's vLLM test (test_vllm_torchrun, direct-k0) checks every checkpoint an FSDP2 policy writes behind training against vLLM's weights, bit for bit
 def test_every_sharded_checkpoint_written_behind_training_is_whole_at_its_steps_version(tmp_path):
     from flowrl.runtime.checkpointing.sharded_state import check_complete, read_state
     from flowrl.runtime.checkpointing.store import latest_checkpoint
