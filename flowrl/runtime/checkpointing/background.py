@@ -4,8 +4,10 @@ A checkpoint has two parts (``resume.save_run_checkpoint``): taking the state (t
 for it: a copy of its tensors to CPU memory, ``stage``) and writing it (``torch.save`` of the copy,
 fsync, the rename into ``step-*`` and ``LATEST``: ``BackgroundSave`` runs this on its thread while
 the trainer goes on). A program that can split its save so has ``snapshot(path) -> write``
-(``PolicyProgram``, a syncing ``ReferenceProgram``); any other program's ``save`` runs whole while
-the trainer waits (``snapshot_or_save``).
+(``PolicyProgram``, a syncing ``ReferenceProgram``, a sharded policy's rank through
+``sharded_state.snapshot_sharded``, and ``RemoteProgram``, whose peers write behind their steps
+while its write polls them); any other program's ``save`` runs whole while the trainer waits
+(``snapshot_or_save``).
 
 - At most one save is in flight: the next waits for the previous (``BackgroundSave.submit``), so the
   staging buffers (``stage``) are reused and never written while a writer reads them.
