@@ -10,8 +10,9 @@ before the run it wraps the methods that are the phases, so the runtime itself k
 
 - ``sync``: on a policy rank ``ShardedPolicy.publish`` (its shards onto the wire); on rank 0
   ``VLLMGenerator._push`` (the received state into vLLM's worker);
-- ``checkpoint``: on a policy rank ``ShardedPolicy.save`` (its shards to disk); on rank 0 the
-  checkpointer's ``save_run_checkpoint``.
+- ``checkpoint``: on a policy rank ``ShardedPolicy.save`` (its shards to disk) or ``.snapshot`` (a run's
+  checkpoint: its shards staged in memory, the write following behind training); on rank 0 the
+  checkpointer's ``take_run_checkpoint``.
 
 Each rank's peak RSS in a phase is exact for its own process (the kernel's high-water mark, reset on
 entry: ``/proc/self/clear_refs``) and sampled every 10 ms for vLLM's worker (a child of rank 0). Each
@@ -123,8 +124,9 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "__init__", "build"),  # RSS on entry: libraries, no model yet
     ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "publish", "sync"),
     ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "save", "checkpoint"),
+    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "snapshot", "checkpoint"),  # a run's checkpoint: the shards staged (their write follows behind training)
     ("flowrl.operators.engines.vllm_engine:VLLMGenerator", "_push", "sync"),
-    ("flowrl.runtime.checkpointing.checkpointer", "save_run_checkpoint", "checkpoint"),  # the name the Checkpointer calls
+    ("flowrl.runtime.checkpointing.checkpointer", "take_run_checkpoint", "checkpoint"),  # the name the Checkpointer calls (the state taken; a remote policy saves in it)
 )
 
 

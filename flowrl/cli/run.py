@@ -100,6 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-pass-reward", type=float, default=1.0, metavar="R", help="an eval completion passes when its reward is >= R (default: 1.0)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="where checkpoints go")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps (and at the end)")
+    p.add_argument("--checkpoint-every-minutes", type=float, default=0.0, metavar="M",
+                   help="also checkpoint after the first step that ends M minutes after the last checkpoint (0: by steps only)")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                    help="how many of the newest checkpoints stay in --checkpoint-dir; older ones are deleted (default: 3)")
     p.add_argument(
@@ -210,6 +212,7 @@ def _run_here(args: argparse.Namespace) -> int:
             trace=args.trace,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
+            checkpoint_every_minutes=args.checkpoint_every_minutes,
             keep_checkpoints=args.keep_checkpoints,
             resume=args.resume,
             programs=synthetic_programs(graph) if args.synthetic else {},
@@ -289,7 +292,7 @@ def _restart_warnings(config: RunConfig) -> list[str]:
     if not config.resume:  # (--resume: this start found a checkpoint, so every restart will)
         return [f"{said} a restart is refused, the directory then holding this run's checkpoints; "
                 "use --resume auto (continue when there is a checkpoint, start fresh otherwise)"]
-    if not config.checkpoint_every:
+    if not config.checkpoint_every and not config.checkpoint_every_minutes:
         return [f"{said} it checkpoints only at the end (no --checkpoint-every): a restart begins from step 0; add --checkpoint-every N"]
     return []
 

@@ -72,11 +72,13 @@ class EnvResult:
         value: what the call returned (None after an error).
         error: ``""`` if it returned; else why not (``"TypeError: ..."``, ``"timed out after 2 s"``).
         seconds: how long it took (the limit, for a call that timed out).
+        timed_out: the error is the call's time limit (not an exception it raised).
     """
 
     value: Any = None
     error: str = ""
     seconds: float = 0.0
+    timed_out: bool = False
 
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, box: dict[str, Any]) -> None:
@@ -90,6 +92,7 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, box: d
         box["value"] = value
     except BaseException as exc:  # noqa: BLE001 - whatever an environment raises fails its sample only
         box["error"] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, TimeoutError) else f"timed out after {timeout_s:g} s"
+        box["timed_out"] = isinstance(exc, TimeoutError)
 
 
 class Pending:
@@ -113,9 +116,9 @@ class Pending:
         self._thread.join(max(0.0, limit - time.perf_counter()))
         seconds = time.perf_counter() - self._t0
         if self._thread.is_alive():
-            return EnvResult(error=f"timed out after {min(self._timeout_s, limit - self._t0):.3g} s", seconds=seconds)
+            return EnvResult(error=f"timed out after {min(self._timeout_s, limit - self._t0):.3g} s", seconds=seconds, timed_out=True)
         if "error" in self._box:
-            return EnvResult(error=self._box["error"], seconds=seconds)
+            return EnvResult(error=self._box["error"], seconds=seconds, timed_out=self._box["timed_out"])
         return EnvResult(value=self._box.get("value"), seconds=seconds)
 
 

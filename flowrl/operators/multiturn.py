@@ -24,7 +24,8 @@ The sample's completion is the concatenation of its turns. What each part of it 
   ``env_failed``: True when the environment raised, ran past ``step_timeout_s`` /
   ``episode_timeout_s``, or returned something outside the protocol, or an observation could not be
   encoded or was longer than ``max_env_tokens``. A failed sample gets reward 0 and an all-False
-  mask (no loss), its error is logged (logger ``flowrl.envs``) and counted (``env/failed``): the run goes on.
+  mask (no loss), its error is logged (logger ``flowrl.envs``) and counted (``env/failed``, and by
+  cause in ``env/failed/<cause>``, one of ``FAIL_CAUSES``): the run goes on.
 
 An episode also ends when its next model turn would not fit ``max_seq_len`` (not a failure).
 Environment calls of one turn run concurrently (a thread per sample, ``flowrl.envs.environment.start``).
@@ -32,7 +33,8 @@ Each model turn re-reads the sample's whole prefix (one prefill per turn; the KV
 across environment turns).
 
 ``generate`` also returns the batch's metrics (``env/turns_mean``, ``env/seconds`` (wall-clock time
-spent waiting on environments), ``env/seconds_per_sample``, ``env/failed``, ``env/model_tokens``,
+spent waiting on environments), ``env/seconds_per_sample``, ``env/failed`` (and ``env/failed/<cause>``
+for every cause of ``FAIL_CAUSES``), ``env/model_tokens``,
 ``env/env_tokens`` (tokens per sample by role), ``env/reward_mean``), which the generator program
 reports and the metrics rows carry.
 
@@ -59,9 +61,19 @@ from flowrl.operators.env_tokens import ObservationEncoder, observation_encoder
 from flowrl.operators.generation import Generator, rollout_batch
 from flowrl.operators.source import pad_left
 
-__all__ = ["MultiTurnGenerator", "Episode", "row_fields"]
+__all__ = ["FAIL_CAUSES", "MultiTurnGenerator", "Episode", "row_fields"]
 
 log = logging.getLogger("flowrl.envs")
+
+#: Why a sample failed, each counted in the metrics as ``env/failed/<cause>``: the environment or agent
+#: program raised; a call or program ran past its limit; it returned something outside the protocol
+#: (an observation or step of the wrong form, a reward that is no finite real); an observation could not
+#: be encoded or was longer than ``max_env_tokens``; an agent program returned without asking the endpoint.
+FAIL_CAUSES: tuple[str, ...] = ("raised", "timeout", "protocol", "observation", "no_request")
+
+
+class _ObservationError(EnvError):
+    """An observation that cannot be encoded or is too long (cause ``observation``)."""
 
 
 @dataclass
@@ -82,9 +94,12 @@ class Episode:
     env_s: float = 0.0
     done: bool = False
     error: str = ""
+    cause: str = ""  # one of FAIL_CAUSES when ``error`` is set
 
-    def fail(self, error: str) -> None:
-        self.error, self.done = error, True
+    def fail(self, error: str, cause: str) -> None:
+        if cause not in FAIL_CAUSES:
+            raise ValueError(f"episode failure cause {cause!r} is not one of {FAIL_CAUSES}")
+        self.error, self.cause, self.done = error, cause, True
 
 
 class MultiTurnGenerator:
@@ -140,12 +155,12 @@ class MultiTurnGenerator:
         """Take ``reset``'s result: the environment and its first observation's tokens, or the failure."""
         ep.env_s += result.seconds
         if result.error:
-            return ep.fail(f"reset: {result.error}")
+            return ep.fail(f"reset: {result.error}", _call_cause(result))
         ep.env, first_obs = result.value
         try:
             self._observe(ep, first_obs, where="reset", model_stopped=True)
         except EnvError as exc:
-            ep.fail(str(exc))
+            ep.fail(str(exc), _error_cause(exc))
 
     def wants_turn(self, ep: Episode) -> bool:
         """Whether the episode takes another model turn; it ends (truncated, not failed) when one would not fit ``max_seq_len``."""
@@ -171,7 +186,7 @@ class MultiTurnGenerator:
         (None, or the last turn) or the observation's tokens; or the failure."""
         ep.env_s += result.seconds
         if result.error:
-            return ep.fail(f"step: {result.error}")
+            return ep.fail(f"step: {result.error}", _call_cause(result))
         try:
             obs, reward, _info = parse_step(result.value)
             ep.reward += reward
@@ -181,7 +196,7 @@ class MultiTurnGenerator:
                 stopped = bool(turn) and turn[-1] in self.gen.stop_tokens
                 self._observe(ep, obs, where="step", model_stopped=stopped)
         except EnvError as exc:
-            ep.fail(str(exc))
+            ep.fail(str(exc), _error_cause(exc))
 
     def _observe(self, ep: Episode, value: Any, *, where: str, model_stopped: bool) -> None:
         """Append an observation's tokens (mask 0), or fail the episode."""
@@ -192,9 +207,9 @@ class MultiTurnGenerator:
         try:
             ids = self.encoder.encode(text, model_stopped=model_stopped)
         except Exception as exc:
-            raise EnvError(f"{where}'s observation {text!r:.100} cannot be encoded: {type(exc).__name__}: {exc}") from exc
+            raise _ObservationError(f"{where}'s observation {text!r:.100} cannot be encoded: {type(exc).__name__}: {exc}") from exc
         if len(ids) > self.config.max_env_tokens:
-            raise EnvError(f"{where}'s observation is {len(ids)} tokens, more than max_env_tokens={self.config.max_env_tokens}")
+            raise _ObservationError(f"{where}'s observation is {len(ids)} tokens, more than max_env_tokens={self.config.max_env_tokens}")
         ep.tokens += ids
         ep.mask += [False] * len(ids)
         ep.logprobs += [0.0] * len(ids)
@@ -281,10 +296,19 @@ class MultiTurnGenerator:
             "env/seconds": env_wall,
             "env/seconds_per_sample": sum(ep.env_s for ep in episodes) / S,
             "env/failed": float(sum(bool(ep.error) for ep in episodes)),
+            **{f"env/failed/{c}": float(sum(bool(ep.error) and ep.cause == c for ep in episodes)) for c in FAIL_CAUSES},
             "env/model_tokens": model / S,
             "env/env_tokens": sum(len(ep.mask) for ep in episodes) / S - model / S,
             "env/reward_mean": sum(0.0 if ep.error else ep.reward for ep in episodes) / S,
         }
+
+
+def _call_cause(result: EnvResult) -> str:
+    return "timeout" if result.timed_out else "raised"
+
+
+def _error_cause(exc: EnvError) -> str:
+    return "observation" if isinstance(exc, _ObservationError) else "protocol"
 
 
 def row_fields(graph: Any, generator: str) -> Callable[[int], dict[str, Any]] | None:

@@ -465,14 +465,17 @@ class Trainer:
         """Copy ``state`` into the model in place (the optimizer and the version are left as they are)."""
         copy_weights(self._weights, state, owner=f"policy {self.name!r}")
 
-    def state(self) -> dict[str, Any]:
+    def state(self, *, copy: bool = True) -> dict[str, Any]:
         """A copy of everything a checkpoint needs: ``version``, ``model``, ``optimizer`` and the model config,
-        every tensor on the CPU (``load_state`` moves them to ``device``)."""
+        every tensor on the CPU (``load_state`` moves them to ``device``). ``copy=False``: the live
+        tensors, where they are (for a caller that copies them itself: ``checkpointing.background.stage``)."""
+        model = dict(self._weights) if self.lora else dict(self.model.state_dict())  # LoRA: the adapters
+        optimizer = self.optimizer.state_dict()
         return {
             "version": self.version,
             "model_config": msgspec.to_builtins(self.node.model),
-            "model": cpu_copy(dict(self._weights) if self.lora else dict(self.model.state_dict())),  # LoRA: the adapters
-            "optimizer": cpu_copy(self.optimizer.state_dict()),
+            "model": cpu_copy(model) if copy else model,
+            "optimizer": cpu_copy(optimizer) if copy else optimizer,
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:

@@ -5,6 +5,7 @@ Where the nodes run is not part of it: ``run_graph(graph, placement, config)`` t
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -29,6 +30,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         metrics: JSON-lines file, one row per trainer step.
         trace: Chrome trace file (open in https://ui.perfetto.dev).
         checkpoint_dir: where checkpoints go; checkpoint_every: every N steps (0: only at the end).
+        checkpoint_every_minutes: also a checkpoint after the first step that ends this many minutes
+            after the last one was taken (or the run began); 0: by steps only. Each checkpoint's
+            state is taken between steps and written behind training (``checkpointing.background``).
         keep_checkpoints: how many of the newest checkpoints stay in ``checkpoint_dir`` (>= 1);
             older ones are deleted as each new one is committed.
         resume: continue from the newest complete checkpoint in ``checkpoint_dir`` (True: there must
@@ -72,6 +76,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     trace: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_every_minutes: float = 0.0
     keep_checkpoints: int = 3
     resume: bool | Literal["auto"] = False
     programs: dict[str, str] = {}
@@ -104,7 +109,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
         if not isinstance(self.resume, bool) and self.resume != "auto":
             raise ConfigError(f"resume={self.resume!r}: one of True (continue), 'auto' (continue if there is a checkpoint, else start fresh) or False")
-        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+        if not (self.checkpoint_every_minutes >= 0 and math.isfinite(self.checkpoint_every_minutes)):
+            raise ConfigError(f"checkpoint_every_minutes={self.checkpoint_every_minutes} must be a finite number >= 0 (0: by steps only)")
+        if (self.checkpoint_every or self.checkpoint_every_minutes or self.resume) and not self.checkpoint_dir:
             raise ConfigError("checkpointing and --resume need a checkpoint directory (--checkpoint-dir DIR)")
         if self.channel_capacity < 0:
             raise ConfigError(f"channel_capacity={self.channel_capacity} must be >= 0")

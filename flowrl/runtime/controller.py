@@ -20,6 +20,7 @@ Invariant (``StalenessGate.check``, on every batch): ``U * seq - rollout_version
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from flowrl.errors import CheckpointError
 from flowrl.graph.fields import OPTIONAL_FIELDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
@@ -47,6 +49,8 @@ from flowrl.runtime.observe.step_trace import SPAN_NAMES, trace_step
 from flowrl.trace import Tracer
 
 __all__ = ["Controller", "RunResult", "StalenessViolation", "SPAN_NAMES"]
+
+log = logging.getLogger("flowrl.runtime")
 
 
 @dataclass
@@ -115,7 +119,10 @@ class Controller:
             if self.checkpoints.enabled and self.stop.failure is None and self.sink.rows and not self.checkpoints.holds(self.clock.version):
                 self._checkpoint(self.clock.version)
         finally:
-            self.parts.close()
+            try:
+                self._wait_for_checkpoint()  # the write in flight is on disk before the programs close
+            finally:
+                self.parts.close()
             self.sink.close(wait=self.stop.failure is None and not interrupted)  # after a failure: without unfinished evaluations
             if self.config.trace and self.sink.rows:  # a run that failed before its first step leaves no trace file
                 self.tracer.save(self.config.trace)
@@ -123,6 +130,16 @@ class Controller:
             raise KeyboardInterrupt
         self.stop.raise_failure(self.graph)
         return RunResult(self.sink.rows, self.clock.version, self.ledger.consumed, time.perf_counter() - self._t0, self.checkpoints.last)
+
+    def _wait_for_checkpoint(self) -> None:
+        """Wait for the checkpoint being written; its failure is raised unless the run failed first
+        (that failure is the run's to report; the write's is logged)."""
+        try:
+            self.checkpoints.wait()
+        except CheckpointError as exc:
+            if self.stop.failure is None:
+                raise
+            log.error("%s", exc)
 
     def _halt(self) -> None:
         self.stop.stop()

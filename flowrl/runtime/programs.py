@@ -455,11 +455,18 @@ class ReferenceProgram(ProgramBase):
         info["ref_s"] = time.perf_counter() - start
         return out, info
 
-    def save(self, path: str) -> None:
-        """A syncing reference's mixed weights and ``synced_at`` (a frozen one has no state)."""
+    def snapshot(self, path: str) -> Callable[[], None]:
+        """A syncing reference's mixed weights and ``synced_at`` (a frozen one has no state), copied now;
+        returns their write to ``path``. A subclass with its own ``save`` saves now, whole."""
+        if type(self).save is not ReferenceProgram.save:
+            self.save(path)
+            return lambda: None
         with self._lock:
             state = {"synced_at": self.synced_at, "weights": {k: t.detach().cpu().clone() for k, t in self.reference.parameters.items()}}
-        torch.save(state, path)
+        return lambda: torch.save(state, path)
+
+    def save(self, path: str) -> None:
+        self.snapshot(path)()
 
     def load(self, path: str) -> None:
         state = torch.load(path, weights_only=True, map_location="cpu")
@@ -521,8 +528,21 @@ class PolicyProgram(ProgramBase):
             info["sync/bytes"] = float(sum(t.numel() * t.element_size() for t in self.trainer.weights().values()))
         return {}, info
 
+    def snapshot(self, path: str) -> Callable[[], None]:
+        """The trainer's state copied now into CPU buffers kept from one checkpoint to the next
+        (``checkpointing.background.stage``: one more copy of the state held for the run); returns its
+        write to ``path``, which runs while training goes on. A subclass with its own ``save`` (shards
+        over ranks) saves now, whole."""
+        if type(self).save is not PolicyProgram.save:
+            self.save(path)
+            return lambda: None
+        from flowrl.runtime.checkpointing.background import stage
+
+        state = stage(self.trainer.state(copy=False), self.__dict__.setdefault("_checkpoint_buffers", {}))
+        return lambda: torch.save(state, path)
+
     def save(self, path: str) -> None:
-        torch.save(self.trainer.state(), path)
+        self.snapshot(path)()
 
     def load(self, path: str) -> None:
         from flowrl.runtime.checkpointing.sharded_state import read_state

@@ -11,7 +11,8 @@ Options (``RunConfig.options``):
     die_node, die_step: that node's process kills itself with SIGKILL at that step (the whole run
         in the local backend, the node's worker in the process backend, its rank under torchrun);
     save_s: a policy checkpoint takes this long to write (half the file, a pause, the rest), so
-        that a kill can land while a checkpoint is being written;
+        that a kill can land while a checkpoint is being written (behind training where the
+        controller holds the program: ``snapshot``);
     weight_numel: size of the synthetic weights (float32 elements).
 
 From the command line: ``flowrl run --synthetic --option gen_s=0.05 --option die_node=gen ...``.
@@ -161,20 +162,28 @@ class SyntheticPolicy(_Synthetic[PolicyNode]):
         publish_s = self._publish()
         return {}, {"loss": 0.0, "train_s": train_s, "publish_s": publish_s, "version": self.version}
 
-    def save(self, path: str) -> None:
+    def snapshot(self, path: str) -> Any:
+        """The version taken now; the write (``save_s`` long) returned, to run behind training."""
         state = {"version": torch.tensor(self.version)}
         pause = float(self.opt.get("save_s", 0.0))
-        if not pause:
-            torch.save(state, path)
-            return
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getvalue()
-        with open(path, "wb") as f:  # a slow writer: half, a pause, the rest
-            f.write(data[: len(data) // 2])
-            f.flush()
-            time.sleep(pause)
-            f.write(data[len(data) // 2 :])
+
+        def write() -> None:
+            if not pause:
+                torch.save(state, path)
+                return
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            data = buffer.getvalue()
+            with open(path, "wb") as f:  # a slow writer: half, a pause, the rest
+                f.write(data[: len(data) // 2])
+                f.flush()
+                time.sleep(pause)
+                f.write(data[len(data) // 2 :])
+
+        return write
+
+    def save(self, path: str) -> None:
+        self.snapshot(path)()
 
     def load(self, path: str) -> None:
         self.version = int(torch.load(path, weights_only=True)["version"])

@@ -4,7 +4,9 @@ Forked by the process backend's zygote (``backends.zygote``), or started as ``py
 flowrl.runtime.worker FD PARENT_PID``; either way ``run_worker`` serves the connected socket on file
 descriptor FD and the worker dies with its parent (``die_with_parent``).
 The first message is ``init`` (the graph as JSON, the node name, the ``ProgramEnv``, the cores to
-pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, each answered by
+pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, and ``snapshot``
+(the state taken now, its write run on a thread here: ``checkpointing.background``; one in flight)
+and ``written`` (``"done"``: whether that write is on disk; its failure is the reply's error), each answered by
 ``{"ok": true, ...}`` or ``{"ok": false, "error": ..., "traceback": ..., "user_mistake": ...}``
 (``user_mistake``: the error is a flowrl check of the user's input, so the controller reports its
 message alone, without the traceback). A program with a ``between_requests()`` method has it called every
@@ -28,6 +30,7 @@ import torch
 
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.serialize import from_json
+from flowrl.runtime.checkpointing.background import BackgroundSave, snapshot_or_save
 from flowrl.runtime.program_table import build_program
 from flowrl.runtime.programs import ProgramEnv, SharedTransports
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
@@ -61,6 +64,7 @@ def serve(sock: socket.socket) -> None:
                             "user_mistake": _rooted_in_flowrl_check(exc)})
         return
     between = getattr(program, "between_requests", None)  # a torchrun policy answering vLLM's direct weight requests
+    writes = BackgroundSave()  # a checkpoint's write behind the program's steps (``snapshot``)
     try:
         while True:
             if callable(between):
@@ -71,6 +75,7 @@ def serve(sock: socket.socket) -> None:
             op = request["op"]
             try:
                 if op == "close":
+                    writes.wait()
                     program.close()
                     transports.close()
                     send_message(sock, {"ok": True})
@@ -84,7 +89,18 @@ def serve(sock: socket.socket) -> None:
                 elif op == "seek":
                     program.seek(request["position"])
                 elif op == "save":
+                    writes.wait()
                     program.save(request["path"])
+                elif op == "snapshot":
+                    writes.wait()  # the previous write first: one in flight
+                    if (write := snapshot_or_save(program, request["path"])) is not None:
+                        writes.submit(write, f"the checkpoint state {request['path']}")
+                elif op == "written":
+                    done = not writes.in_flight
+                    if done:
+                        writes.wait()  # its failure, if it failed
+                    send_message(sock, {"ok": True, "done": done})
+                    continue
                 elif op == "load":
                     program.load(request["path"])
                 else:

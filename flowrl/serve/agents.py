@@ -18,8 +18,8 @@ same fields as an environment's episodes, ``ENV_FIELDS`` included):
 - ``env_rewards`` is what the program returned; ``env_turns`` its replies;
 - a program that raises, returns no finite real, times out (the episode is closed at once: a later
   request gets 404 and a hung program's thread is abandoned, a daemon), or never sends a request
-  fails its sample (reward 0, all-False mask), which is counted (``env/failed``) and logged; the
-  run goes on. An episode cut at the context (``context_length_exceeded``) keeps its reward.
+  fails its sample (reward 0, all-False mask), which is counted (``env/failed``, and by cause:
+  ``env/failed/raised``, ``/timeout``, ``/no_request``, ``/protocol``) and logged; the run goes on. An episode cut at the context (``context_length_exceeded``) keeps its reward.
 
 The engine samples each batch of waiting requests together (``ChatEndpoint``'s sampler thread):
 ``turn_sampler(generator)`` adapts the built-in engine (one padded decode) and vLLM (one
@@ -144,6 +144,10 @@ class AgentRollouts:
         ids, lens = prompts["prompt_ids"], prompts["prompt_lens"]
         index = prompts.get("prompt_index", torch.arange(ids.shape[0], dtype=torch.int64))
         width = ids.shape[1]
+        if ids.shape[0] * n > self.endpoint.backlog:
+            log.warning("generator %r: %d agent programs start at once but the kernel queues at most %d connections "
+                        "(net.core.somaxconn); a burst of first requests beyond it may be reset: raise net.core.somaxconn "
+                        "or give the generator fewer prompts per batch", gen.name, ids.shape[0] * n, self.endpoint.backlog)  # fmt: skip
         runs = []
         for p in range(ids.shape[0]):
             prompt = ids[p, width - int(lens[p]) :].tolist()
@@ -173,11 +177,11 @@ class AgentRollouts:
             out.versions = [self.gen.version if m else -1 for m in conv.mask]
         reward = result.value
         if result.error:
-            out.error = f"agent program: {result.error}"
+            out.fail(f"agent program: {result.error}", "timeout" if result.timed_out else "raised")
         elif conv is None or not ep.requests:
-            out.error = "agent program: returned without a reply from the endpoint"
+            out.fail("agent program: returned without a reply from the endpoint", "no_request")
         elif isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-            out.error = f"agent program: returned {reward!r:.100}; it returns the episode's reward, a finite real number"
+            out.fail(f"agent program: returned {reward!r:.100}; it returns the episode's reward, a finite real number", "protocol")
         else:
             out.reward = float(reward)
         if not out.prompt:  # a failed program that never asked: a one-token prompt keeps its row in the batch

@@ -23,6 +23,12 @@ Requests from many episodes are sampled together: a sampler thread takes every r
 (after ``batch_window_s``) and hands them to ``sample(sequences, seeds)`` in one call. Served by the
 standard library's ``ThreadingHTTPServer`` on a daemon thread per connection, so the endpoint needs
 neither vLLM nor a web framework (fastapi/uvicorn come with vLLM only), and stops with ``close``.
+
+A burst of first requests (every program of a batch connecting at once) is held, not refused: the
+server listens with the largest queue the kernel allows (``listen_backlog()``, the kernel's
+``net.core.somaxconn``, 4096 on current Linux, instead of the standard library's 5), so connections
+wait until the accept loop takes them. ``AgentRollouts`` warns when a batch runs more programs than
+that queue holds.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import logging
 import queue
 import re
+import socket
 import threading
 import time
 import uuid
@@ -41,7 +48,7 @@ from typing import Any
 
 from flowrl.serve.conversation import Conversation, ConversationError, Renderer, check_messages
 
-__all__ = ["ChatEndpoint", "EndpointEpisode", "Sampler"]
+__all__ = ["ChatEndpoint", "EndpointEpisode", "Sampler", "listen_backlog"]
 
 log = logging.getLogger("flowrl.serve")
 
@@ -49,6 +56,23 @@ log = logging.getLogger("flowrl.serve")
 Sampler = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]
 
 _ROUTE = re.compile(r"^/episodes/([A-Za-z0-9_-]+)/v1(/.*)$")
+
+
+def listen_backlog() -> int:
+    """The longest listen queue the kernel grants (``net.core.somaxconn``; ``socket.SOMAXCONN`` where it
+    cannot be read): connections beyond it may be reset before the server accepts them."""
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return max(int(f.read().strip()), socket.SOMAXCONN)
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
+
+
+class _Server(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with the kernel's longest listen queue (the standard library asks for 5)."""
+
+    daemon_threads = True
+    request_queue_size = listen_backlog()
 
 
 class _RequestError(Exception):
@@ -107,8 +131,8 @@ class ChatEndpoint:
         self._queue: queue.Queue[tuple[list[int], int, queue.Queue] | None] = queue.Queue()
         self.errors = 0  # requests refused
         handler = type("Handler", (_Handler,), {"endpoint": self})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), handler)
+        self.backlog = self._server.request_queue_size  # connections the kernel holds until accepted
         self.host, self.port = self._server.server_address[:2]
         self._threads = [threading.Thread(target=self._server.serve_forever, name="flowrl-endpoint", daemon=True),
                          threading.Thread(target=self._sampler, name="flowrl-endpoint-sampler", daemon=True)]  # fmt: skip

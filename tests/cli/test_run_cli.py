@@ -112,6 +112,18 @@ def test_keep_checkpoints_below_1_exits_2(tmp_path, capsys):
     assert "keep_checkpoints=0 must be >= 1" in " ".join(capsys.readouterr().err.split())
 
 
+def test_checkpoint_every_minutes_checkpoints_by_wall_time(tmp_path, capsys):
+    """Every synthetic step takes 20 ms, more than 0.0002 minutes (12 ms): a checkpoint after each step."""
+    ck = tmp_path / "ck"
+    argv = ["run", "--synthetic", "--steps", "3", "--checkpoint-dir", str(ck), "--checkpoint-every-minutes", "0.0002", "--quiet",
+            "--option", "train_s=0.02", "--keep-checkpoints", "5"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000001", "step-00000002", "step-00000003"]
+    bad = ["run", "--synthetic", "--steps", "2", "--checkpoint-dir", str(tmp_path / "b"), "--checkpoint-every-minutes", "-1", "--quiet"]
+    assert main(bad) == 2
+    assert "checkpoint_every_minutes=-1.0 must be a finite number >= 0" in " ".join(capsys.readouterr().err.split())
+
+
 def test_one_sample_per_prompt_is_a_warning_line_and_a_python_warning(tmp_path, capsys):
     """A graph file with n_samples=1 (no builder involved): ``flowrl run`` says it once, as a line; ``run_graph`` warns."""
     import msgspec

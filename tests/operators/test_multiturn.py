@@ -13,7 +13,7 @@ from flowrl.graph.envs import EnvConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.generation import Generator
 from flowrl.operators.logprobs import completion_logprobs
-from flowrl.operators.multiturn import MultiTurnGenerator
+from flowrl.operators.multiturn import FAIL_CAUSES, MultiTurnGenerator
 from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 
 from tests.tolerances import ratio_atol, rollout_logprob_atol
@@ -155,12 +155,13 @@ def test_environment_tokens_get_no_gradient_and_model_tokens_do():
 
 
 @pytest.mark.parametrize(
-    "env, why",
-    [("FlakyRaise", "RuntimeError: the environment broke"), ("FlakyHang", "timed out"), ("FlakyGarbage", "not a tuple"),
-     ("FlakyNan", "finite real"), ("FlakyBadObs", "cannot be encoded"), ("ResetRaises", "ValueError: no episode today")],
+    "env, why, cause",
+    [("FlakyRaise", "RuntimeError: the environment broke", "raised"), ("FlakyHang", "timed out", "timeout"),
+     ("FlakyGarbage", "not a tuple", "protocol"), ("FlakyNan", "finite real", "protocol"),
+     ("FlakyBadObs", "cannot be encoded", "observation"), ("ResetRaises", "ValueError: no episode today", "raised")],
     ids=["raises", "hangs", "garbage", "nan-reward", "unencodable-observation", "reset-raises"],
 )
-def test_a_failing_environment_fails_its_sample_only(env, why, caplog):
+def test_a_failing_environment_fails_its_sample_only(env, why, cause, caplog):
     """Sample 2 (prompt 1, sample 0) fails: reward 0, mask all False, counted and logged; the others are untouched."""
     from tests.envs.envs_for_tests import HANG_RELEASE
 
@@ -179,6 +180,7 @@ def test_a_failing_environment_fails_its_sample_only(env, why, caplog):
     assert out["env_rewards"].tolist() == [1.0, 1.0, 0.0, 1.0]
     assert all(out["completion_mask"][s].any() for s in (0, 1, 3))
     assert metrics["env/failed"] == 1.0
+    assert {c: metrics[f"env/failed/{c}"] for c in FAIL_CAUSES} == {c: float(c == cause) for c in FAIL_CAUSES}  # the row says why
     assert why in caplog.text and "sample 2" in caplog.text
 
 
@@ -188,7 +190,7 @@ def test_episode_time_limit_counts_all_of_an_episodes_calls():
     mt, _ = _spied(node)
     out, metrics = mt.generate(prompts_of(PROMPTS[:1]))
     assert out["env_failed"].tolist() == [True, True]
-    assert metrics["env/failed"] == 2.0
+    assert metrics["env/failed"] == 2.0 and metrics["env/failed/timeout"] == 2.0
 
 
 def test_the_trainer_attends_environment_tokens_so_an_on_policy_ratio_is_one():

@@ -170,6 +170,7 @@ def test_a_hanging_or_raising_program_fails_its_sample_only(generator):
         time.sleep(0.01)
     assert not [t for t in threading.enumerate() if t.name == "flowrl-env"]  # none outlives this test (later ones check)
     assert out["env_failed"].tolist() == [False, False, True, True] and metrics["env/failed"] == 2.0
+    assert (metrics["env/failed/timeout"], metrics["env/failed/raised"], metrics["env/failed/no_request"]) == (1.0, 1.0, 0.0)  # why each failed
     assert not out["completion_mask"][2:].any() and out["completion_mask"][:2].any(1).all()
     assert out["env_rewards"].tolist() == [1.0, 1.0, 0.0, 0.0]
 
@@ -216,5 +217,6 @@ def test_a_program_that_never_asks_or_returns_no_number_fails_its_sample(generat
     finally:
         agents.close()
     assert out["env_failed"].all() and metrics["env/failed"] == 4.0 and not out["completion_mask"].any()
+    assert (metrics["env/failed/no_request"], metrics["env/failed/protocol"], metrics["env/failed/raised"]) == (2.0, 2.0, 0.0)
     assert "returned without a reply from the endpoint" in caplog.text
     assert "returned 'great'; it returns the episode's reward, a finite real number" in caplog.text

@@ -129,6 +129,14 @@ class DirectPolicy:
         self._before()
         self.program.save(path)
 
+    def snapshot(self, path: str) -> Any:
+        """The policy's state taken now (``checkpointing.background.snapshot_or_save``); its write returned."""
+        from flowrl.runtime.checkpointing.background import snapshot_or_save
+
+        self._before()
+        write = snapshot_or_save(self.program, path)
+        return write if write is not None else (lambda: None)
+
     def load(self, path: str) -> None:
         self._before()
         self.program.load(path)

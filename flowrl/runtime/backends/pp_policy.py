@@ -210,6 +210,12 @@ class PipelinePolicy(PolicyProgram):
 
         save_stages(self.trainer, self.whole, path, group=self.group)
 
+    def snapshot(self, path: str) -> Any:
+        """``save``'s stages staged to CPU memory now; the write returned, to run behind training."""
+        from flowrl.runtime.checkpointing.stage_state import snapshot_stages
+
+        return snapshot_stages(self.trainer, self.whole, path, group=self.group, buffers=self.__dict__.setdefault("_checkpoint_buffers", {}))
+
     def load(self, path: str) -> None:
         from flowrl.runtime.checkpointing.stage_state import load_stages
 

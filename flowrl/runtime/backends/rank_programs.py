@@ -177,6 +177,12 @@ class ShardedPolicy(_RankPolicy):
 
         save_sharded(self.trainer, path, group=self.group)  # a directory: each rank writes its own shards, nothing is gathered
 
+    def snapshot(self, path: str) -> Any:
+        """``save``'s shards staged to CPU memory now; the write returned, to run behind training."""
+        from flowrl.runtime.checkpointing.sharded_state import snapshot_sharded
+
+        return snapshot_sharded(self.trainer, path, group=self.group, buffers=self.__dict__.setdefault("_checkpoint_buffers", {}))
+
     def load(self, path: str) -> None:
         from flowrl.runtime.parallel.fsdp import load_full_state
         from flowrl.runtime.checkpointing.sharded_state import SHARDED_SUFFIX, is_sharded, load_sharded
@@ -454,23 +460,26 @@ class ParallelGenerator(GeneratorProgram):
     def _replicas_env_metrics(self, sampled: Info, samples: int) -> Info:
         """The whole batch's ``env/*`` numbers (``MultiTurnGenerator.metrics``) from each replica's, every
         rank of the node taking part (a replica counts once, through its first rank): the per-sample
-        means weighted by each replica's ``samples``, ``env/failed`` summed, ``env/seconds`` the longest
+        means weighted by each replica's ``samples``, ``env/failed`` and ``env/failed/<cause>`` summed, ``env/seconds`` the longest
         wait (replicas wait in parallel). Numbers an engine adds beyond these are not reported with
         several replicas (a replica given no prompts cannot name them)."""
         import torch.distributed as dist
 
         from flowrl.operators.multiturn import MultiTurnGenerator
 
-        means = [k for k in sorted(MultiTurnGenerator.metrics([], 0.0)) if k not in ("env/failed", "env/seconds")]
+        keys = sorted(MultiTurnGenerator.metrics([], 0.0))
+        failed = [k for k in keys if k.startswith("env/failed")]  # env/failed and env/failed/<cause>: counts, summed
+        means = [k for k in keys if k not in failed and k != "env/seconds"]
         counts = samples if _context().rank == self.tp_ranks[0] else 0  # idle vLLM ranks and tp copies weigh nothing
-        sums = torch.tensor([float(sampled.get(k, 0.0)) * counts for k in means] + [float(sampled.get("env/failed", 0.0)) * bool(counts), float(counts)],
+        sums = torch.tensor([float(sampled.get(k, 0.0)) * counts for k in means] + [float(sampled.get(k, 0.0)) * bool(counts) for k in failed] + [float(counts)],
                             dtype=torch.float64, device=self.device)  # fmt: skip
         wait = torch.tensor([float(sampled.get("env/seconds", 0.0))], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, group=self.group)
         dist.all_reduce(wait, op=dist.ReduceOp.MAX, group=self.group)
-        *totals, failed, total = sums.tolist()
+        *totals, total = sums.tolist()
         env = {k: v / (total or 1.0) for k, v in zip(means, totals)}
-        return {**{k: v for k, v in sampled.items() if not k.startswith("env/")}, **env, "env/failed": failed, "env/seconds": wait.item()}
+        env.update(zip(failed, totals[len(means) :]))
+        return {**{k: v for k, v in sampled.items() if not k.startswith("env/")}, **env, "env/seconds": wait.item()}
 
 
 def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> Any:

@@ -1,7 +1,8 @@
 """The controller's proxy of a node program that runs elsewhere: ``RemoteProgram`` over a ``Link``.
 
-A remote program has the methods of a local one (``start``, ``seek``, ``step``, ``save``, ``load``,
-``close``); each call is one request to the program's *peers* (the workers serving it, answering
+A remote program has the methods of a local one (``start``, ``seek``, ``step``, ``save``, ``snapshot``,
+``load``, ``close``; ``snapshot``: the peers take the state now and write it behind their steps, and
+the write it returns polls them, between steps, until every file is on disk); each call is one request to the program's *peers* (the workers serving it, answering
 ``flowrl.runtime.worker.serve``) and one reply from each. The proxy owns what every backend shares:
 the order (every request goes to every peer before any reply is read, since peers may meet in
 collectives inside the request), the lock (one call at a time), which peers a call needs (``seek``
@@ -17,6 +18,7 @@ how a message reaches a peer and comes back, and which error names a peer that d
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol
 
 from flowrl.errors import FlowrlError
@@ -26,6 +28,9 @@ from flowrl.runtime.wire import ConnectionLost
 __all__ = ["Link", "RemoteProgram"]
 
 Reply = tuple[dict[str, Any], Batch]
+
+#: How often a checkpoint's write behind training asks the peers whether it is on disk (between steps).
+WRITTEN_POLL_S = 0.05
 
 
 class Link(Protocol):
@@ -142,6 +147,32 @@ class RemoteProgram:
 
     def save(self, path: str) -> None:
         self._call({"op": "save", "path": path}, lead_only=not self.save_on_every_peer)  # else peers hold the same state
+
+    def snapshot(self, path: str) -> Any:
+        """The state taken on the peers now (``save``'s peers; each writes behind its steps); returns the
+        wait for their writes, which asks them between steps (``written``) until every one is done."""
+        lead_only = not self.save_on_every_peer
+        self._call({"op": "snapshot", "path": path}, lead_only=lead_only)
+
+        def write() -> None:
+            peers = self.link.peers[:1] if lead_only else self.link.peers
+            while True:
+                with self._lock:
+                    self._send({"op": "written"}, None, peers)
+                    answers = []
+                    for p in peers:  # every peer's answer: the lead's alone does not say the others' files are written
+                        try:
+                            answers.append((p, self.link.recv(p)[0]))
+                        except (ConnectionLost, OSError):
+                            raise self.link.died(p) from None
+                failed = [(p, r) for p, r in answers if not r.get("ok")]
+                if failed:
+                    raise self.link.raised(failed, starting=False)
+                if all(r.get("done") for _, r in answers):
+                    return
+                time.sleep(WRITTEN_POLL_S)
+
+        return write
 
     def load(self, path: str) -> None:
         self._call({"op": "load", "path": path})

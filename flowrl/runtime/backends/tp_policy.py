@@ -108,6 +108,12 @@ class TensorParallelPolicy(_RankPolicy):
 
         save_sharded(self.trainer, path, group=self.group)  # each rank writes its own shards, nothing is gathered
 
+    def snapshot(self, path: str) -> Any:
+        """``save``'s shards staged to CPU memory now; the write returned, to run behind training."""
+        from flowrl.runtime.checkpointing.sharded_state import snapshot_sharded
+
+        return snapshot_sharded(self.trainer, path, group=self.group, buffers=self.__dict__.setdefault("_checkpoint_buffers", {}))
+
     def load(self, path: str) -> None:
         from flowrl.runtime.checkpointing.sharded_state import SHARDED_SUFFIX, is_sharded, load_sharded
         from flowrl.runtime.parallel.fsdp import load_full_state

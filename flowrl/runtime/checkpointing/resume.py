@@ -4,13 +4,14 @@ references that sync with them, ``Node.keeps_state``) plus the data position.
 The files and their format (``step-NNNNNNNN/``, ``meta.json``, ``LATEST``) belong to
 ``flowrl.runtime.checkpointing.store``; this module decides what a run puts in them and reads back:
 
-- :func:`save_run_checkpoint`: every policy program saves its state into a staging folder (one
+- :func:`take_run_checkpoint` / :func:`save_run_checkpoint`: every policy program saves its state into a staging folder (one
   file ``policy-<node>.pt``, or a program whose ranks hold shards, ``sharded_state``, a directory
   ``policy-<node>.dcp`` of every rank's shards: ``flowrl.runtime.checkpointing.sharded_state``), which
   is committed with the run's version and data position (the index of the next unread prompt) and,
   for continuous batching, which delivers prompts out of order, the indices above it that the
   trainer consumed already (``delivered_ahead``: a resumed run skips them, so every prompt is
-  delivered exactly once). A
+  delivered exactly once). ``take_run_checkpoint`` takes the state now and returns the write (which
+  ``background.BackgroundSave`` runs behind training); a
   failure removes the staging folder and names the previous checkpoint, which stays intact.
 - :func:`restore_run_checkpoint`: loads the newest complete checkpoint into the programs (each policy
   its state; each source seeks to the data position), or returns None when there is none.
@@ -20,18 +21,20 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from flowrl.errors import CheckpointError
 from flowrl.graph.ir import Graph
+from flowrl.runtime.checkpointing.background import snapshot_or_save
 from flowrl.runtime.checkpointing.resume_point import resume_point
 from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter, graph_fingerprint, read_meta, state_file
 from flowrl.runtime.programs import NodeProgram
 
-__all__ = ["Restored", "save_run_checkpoint", "restore_run_checkpoint"]
+__all__ = ["Restored", "take_run_checkpoint", "save_run_checkpoint", "restore_run_checkpoint"]
 
 
 class Restored(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,7 +46,7 @@ class Restored(msgspec.Struct, frozen=True, kw_only=True):
     delivered_ahead: tuple[int, ...] = ()
 
 
-def save_run_checkpoint(
+def take_run_checkpoint(
     directory: str,
     graph: Graph,
     programs: Mapping[str, NodeProgram],
@@ -53,41 +56,63 @@ def save_run_checkpoint(
     previous: Path | None,
     delivered_ahead: tuple[int, ...] = (),
     keep: int = 3,
-) -> Path:
-    """Checkpoint the state of every node that keeps some (``Node.keeps_state``: the policies, syncing
-    references) in ``programs`` at ``version``; returns the committed folder.
+) -> Callable[[], Path]:
+    """Take the state of every node that keeps some (``Node.keeps_state``: the policies, syncing
+    references) in ``programs`` at ``version`` now (``background.snapshot_or_save``: a copy in memory
+    where the program can split its save, else its files written); returns the write that finishes
+    the checkpoint (the copies' files, then ``CheckpointWriter.commit``: ``LATEST``) and gives the
+    committed folder. The write may run on another thread while training goes on.
 
     The newest ``keep`` checkpoints stay in ``directory`` (``RunConfig.keep_checkpoints``).
 
     Raises:
-        CheckpointError: a program failed to save or the disk is full, naming the step, the folder
-            and the intact ``previous`` checkpoint.
+        CheckpointError: a program failed to save or the disk is full (here or from the write),
+            naming the step, the folder and the intact ``previous`` checkpoint.
     """
     writer = CheckpointWriter(directory, keep=keep, graph=graph)
     staging = writer.staging(version)
-    files = {}
+
+    def failed(exc: Exception) -> CheckpointError:
+        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
+        kept = f"; the previous checkpoint {previous} is intact" if previous else ""
+        return CheckpointError(
+            f"writing the checkpoint of step {version // graph.updates_per_batch()} (version {version}) to {directory} failed "
+            f"({type(exc).__name__}: {exc}){kept}; free disk space or choose another --checkpoint-dir"
+        )
+
+    files, writes = {}, []
     try:
         for node in (n for n in graph.nodes if n.keeps_state()):  # the policies, and references that sync
             program = programs[node.name]
             files[node.name] = state_file(node.name, kind=node.kind, sharded=bool(getattr(program, "sharded_state", False)))
-            program.save(str(staging / files[node.name]))
-        meta = CheckpointMeta(
-            version=version,
-            data_position=data_position,
-            delivered_ahead=delivered_ahead,
-            graph=graph.name,
-            graph_sha256=graph_fingerprint(graph),
-            files=files,
-            wall_time=time.time(),
-        )
-        return writer.commit(staging, meta)
+            if (write := snapshot_or_save(program, str(staging / files[node.name]))) is not None:
+                writes.append(write)
     except Exception as exc:
-        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
-        kept = f"; the previous checkpoint {previous} is intact" if previous else ""
-        raise CheckpointError(
-            f"writing the checkpoint of step {version // graph.updates_per_batch()} (version {version}) to {directory} failed "
-            f"({type(exc).__name__}: {exc}){kept}; free disk space or choose another --checkpoint-dir"
-        ) from exc
+        raise failed(exc) from exc
+    meta = CheckpointMeta(
+        version=version,
+        data_position=data_position,
+        delivered_ahead=delivered_ahead,
+        graph=graph.name,
+        graph_sha256=graph_fingerprint(graph),
+        files=files,
+        wall_time=time.time(),
+    )
+
+    def finish() -> Path:
+        try:
+            for write in writes:
+                write()
+            return writer.commit(staging, meta)
+        except Exception as exc:
+            raise failed(exc) from exc
+
+    return finish
+
+
+def save_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, NodeProgram], **options: Any) -> Path:
+    """``take_run_checkpoint`` and its write at once (the trainer waits for the disk); returns the committed folder."""
+    return take_run_checkpoint(directory, graph, programs, **options)()
 
 
 def restore_run_checkpoint(directory: str, graph: Graph, programs: Mapping[str, NodeProgram], *, steps: int) -> Restored | None:

@@ -27,7 +27,7 @@ import torch
 
 from flowrl.errors import CheckpointError
 
-__all__ = ["save_stages", "load_stages", "stage_state"]
+__all__ = ["save_stages", "snapshot_stages", "load_stages", "stage_state"]
 
 
 def stage_state(trainer: Any, whole: list[str], *, optimizer: bool = True) -> dict[str, Any]:
@@ -57,17 +57,19 @@ def save_stages(trainer: Any, whole: list[str], path: str | Path, *, group: Any)
     Raises:
         CheckpointError: on every rank when one failed (``sharded_state._collective``).
     """
+    snapshot_stages(trainer, whole, path, group=group, background=False)()
+
+
+def snapshot_stages(trainer: Any, whole: list[str], path: str | Path, *, group: Any, background: bool = True, buffers: dict[Any, Any] | None = None) -> Any:
+    """``save_stages`` in two parts: the stages' state staged now into ``buffers``, the write returned
+    (``sharded_state.dcp_write``)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    from flowrl.runtime.checkpointing.sharded_state import INFO_FILE, ShardedStateInfo, _collective, _writer
+    from flowrl.runtime.checkpointing.sharded_state import ShardedStateInfo, dcp_write
 
-    path = Path(path)
     state = stage_state(trainer, whole, optimizer=trainer.version > 0)  # before the first step AdamW has no state
-    _collective("saving the pipeline stages' checkpoint", path, lambda: dcp.save(state, storage_writer=_writer(path), process_group=group))
-    if dist.get_rank(group) == 0:
-        info = ShardedStateInfo(version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=dist.get_world_size(group))
-        (path / INFO_FILE).write_bytes(msgspec.json.encode(info))
+    info = ShardedStateInfo(version=trainer.version, model_config=msgspec.to_builtins(trainer.node.model), dp=dist.get_world_size(group))
+    return dcp_write("saving the pipeline stages' checkpoint", state, Path(path), group=group, background=background, info=info, buffers=buffers)
 
 
 def _check_config(trainer: Any, saved: Any, path: Path) -> None:
