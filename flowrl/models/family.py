@@ -96,6 +96,11 @@ class ModelFamily:
             ``OptimizerConfig.packing`` needs. A Hugging Face family declares it when transformers
             keeps packed sequences apart from their ``position_ids`` (``masking_utils``' packed-sequence
             detection for sdpa, eager and flex attention; flash-attention's varlen kernel).
+        router: a regular expression a mixture-of-experts router's module name ends with (``re.search``),
+            its decoder layer's index as group 1; the router's ``forward(h)`` returns ``(logits [T, E],
+            top-k weights [T, k], top-k indices [T, k])`` and it has ``num_experts``, ``top_k`` and
+            ``norm_topk_prob`` (``flowrl.models.routing`` records and replays through it). Empty: a
+            dense family, no routers.
     """
 
     name: str
@@ -105,6 +110,7 @@ class ModelFamily:
     split_table: tuple[tuple[str, Split], ...] = ()
     export_names: tuple[tuple[str, str], ...] = ()
     packing: bool = False
+    router: str = ""
 
     def load_adapter(self) -> FamilyAdapter:
         """The adapter module (imported now)."""

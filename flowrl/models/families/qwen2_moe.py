@@ -8,7 +8,7 @@ Llama MLP); the router, the shared expert's gate and the stacked experts stay wh
 
 from __future__ import annotations
 
-from flowrl.models.families.qwen3_moe import MOE_ATTENTION
+from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_ROUTER
 from flowrl.models.family import ModelFamily, Split
 
 __all__ = ["FAMILY"]
@@ -25,4 +25,5 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION + _SHARED_EXPERT,
     packing=True,
+    router=MOE_ROUTER,
 )

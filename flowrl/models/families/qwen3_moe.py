@@ -17,10 +17,13 @@ from __future__ import annotations
 from flowrl.models.families.llama import LLAMA_BLOCK
 from flowrl.models.family import ModelFamily
 
-__all__ = ["MOE_ATTENTION", "FAMILY"]
+__all__ = ["MOE_ATTENTION", "MOE_ROUTER", "FAMILY"]
 
 #: The Llama block's attention rows: what tensor parallelism splits in an MoE block.
 MOE_ATTENTION = LLAMA_BLOCK[:2]
+
+#: The router of each MoE block (transformers' ``Qwen3MoeTopKRouter`` / ``Qwen2MoeTopKRouter``), by module name.
+MOE_ROUTER = r"layers\.(\d+)\.mlp\.gate$"
 
 FAMILY = ModelFamily(
     name="qwen3_moe",
@@ -29,4 +32,5 @@ FAMILY = ModelFamily(
     adapter="flowrl.models.families.llama_style",
     split_table=MOE_ATTENTION,
     packing=True,
+    router=MOE_ROUTER,
 )

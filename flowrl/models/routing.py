@@ -1,0 +1,236 @@
+"""Mixture-of-experts routing of a model's forward: find the routers, record the experts they choose, force given ones.
+
+A MoE family declares where its routers are (``ModelFamily.router``, a module-name pattern); a dense
+family has none. Each router's ``forward(h)`` returns ``(logits [N, E], weights [N, k], experts
+[N, k])`` for the ``N`` tokens of the forward, row-major over ``[batch, time]``. This module works
+through forward hooks on those modules, so it needs nothing from the model's code:
+
+- ``RoutingRecorder``: each router's chosen experts, stacked ``[N, layers, k]`` per forward (the
+  generator records every token it feeds, prompt and completion, as it decodes with the KV cache).
+- ``RoutingReplay``: the router's output replaced by the given experts ``[N, layers, k]``, with the
+  gate weights read from the router's *own* logits at those experts, as the family computes them:
+  ``softmax(logits)`` in float32, gathered at the experts, renormalised over them when
+  ``norm_topk_prob``, cast to the logits' dtype (transformers' ``Qwen3MoeTopKRouter``, op for op, so
+  replaying a forward's own record gives bit-identical logits). An entry equal to the expert count
+  (``unrecorded(E)``) is "not recorded": that token keeps the router's own choice. It counts, over the
+  recorded tokens, how often the router's own top-k set equals the given one (``agreement``).
+
+Routing travels as the rollout field ``routed_experts`` ``[sample, time, layer, top_k]`` (time: the
+left-padded prompt's columns, then the completion's) in the smallest integer dtype that holds the
+expert count and the "not recorded" mark (``expert_dtype``: uint8 up to 255 experts, int16 above).
+
+Example:
+    >>> expert_dtype(8), expert_dtype(256), unrecorded(8)
+    (torch.uint8, torch.int16, 8)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from flowrl.errors import ConfigError
+
+__all__ = ["MoeShape", "moe_routers", "moe_shape", "expert_dtype", "unrecorded", "RoutingRecorder", "RoutingReplay", "routing_agreement"]
+
+#: The largest expert count ``routed_experts`` can carry (int16, with one value left for "not recorded").
+MAX_EXPERTS = 32766
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A MoE model's routing shape.
+
+    Attributes:
+        layers: routers (MoE blocks), in layer order.
+        experts: experts per block (``E``).
+        top_k: experts each token goes to (``k``).
+        norm_topk_prob: the gate weights are renormalised over the chosen experts.
+    """
+
+    layers: int
+    experts: int
+    top_k: int
+    norm_topk_prob: bool
+
+
+def _model_type(model: nn.Module) -> str | None:
+    """The transformers ``model_type`` of the first submodule carrying a config (None: not a Hugging Face model)."""
+    for module in model.modules():
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        if isinstance(model_type, str):
+            return model_type
+    return None
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of ``model``, one per MoE block in layer order, as its family declares them
+    (``ModelFamily.router``); ``[]`` for a dense model (the built-in transformer, Llama, Qwen2/3)."""
+    from flowrl.models.families import FAMILIES
+
+    family = FAMILIES.get(_model_type(model) or "builtin")
+    if family is None or not family.router:
+        return []
+    found = []
+    for name, module in model.named_modules():
+        match = re.search(family.router, name)
+        if match:
+            found.append((int(match.group(1)), module))
+    return [module for _, module in sorted(found, key=lambda pair: pair[0])]
+
+
+def moe_shape(model: nn.Module, *, owner: str = "model") -> MoeShape:
+    """The routing shape of a MoE ``model``.
+
+    Raises:
+        ConfigError: for a dense model (naming ``owner``), or routers that disagree on their experts.
+    """
+    routers = moe_routers(model)
+    if not routers:
+        kind = _model_type(model) or "builtin"
+        raise ConfigError(f"{owner}: its model ({kind!r}) is dense, it has no mixture-of-experts routers to record or replay")
+    shapes = {(int(r.num_experts), int(r.top_k), bool(r.norm_topk_prob)) for r in routers}
+    if len(shapes) != 1:
+        raise ConfigError(f"{owner}: its routers disagree on (experts, top_k, norm_topk_prob): {sorted(shapes)}")
+    experts, top_k, norm = shapes.pop()
+    if experts > MAX_EXPERTS:
+        raise ConfigError(f"{owner}: {experts} experts exceed the {MAX_EXPERTS} that routed_experts (int16) can carry")
+    return MoeShape(layers=len(routers), experts=experts, top_k=top_k, norm_topk_prob=norm)
+
+
+def expert_dtype(experts: int) -> torch.dtype:
+    """The dtype of ``routed_experts`` for ``experts`` experts: uint8 when the ids and ``unrecorded`` fit, else int16."""
+    return torch.uint8 if experts <= 255 else torch.int16
+
+
+def unrecorded(experts: int) -> int:
+    """The value of a ``routed_experts`` entry that records nothing (the token keeps its router's own choice)."""
+    return experts
+
+
+def routing_agreement(own: Tensor, given: Tensor, experts: int) -> tuple[int, int]:
+    """``(agree, total)`` over the recorded token-layer choices (``given`` not ``unrecorded``):
+    those whose top-k *set* in ``own`` equals the one in ``given`` (``[..., k]`` each)."""
+    recorded = (given != unrecorded(experts)).all(-1)
+    same = (own.sort(-1).values == given.sort(-1).values.to(own.dtype)).all(-1)
+    return int((same & recorded).sum()), int(recorded.sum())
+
+
+class _Hooks:
+    """Forward hooks on every router of a model, removed on ``close()`` / leaving the ``with`` block."""
+
+    def __init__(self, model: nn.Module, *, owner: str) -> None:
+        self.owner = owner
+        self.shape = moe_shape(model, owner=owner)
+        self._handles: list[RemovableHandle] = []
+        for layer, router in enumerate(moe_routers(model)):
+            self._handles.append(router.register_forward_hook(self._hook_of(layer)))
+
+    def _hook_of(self, layer: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RoutingRecorder(_Hooks):
+    """Records the experts every router chooses (see the module docstring).
+
+    Example (a dense model has nothing to record)::
+
+        with RoutingRecorder(model, owner="generator 'gen'") as rec:
+            model(tokens)          # [B, T]
+            experts = rec.take()   # [B * T, layers, k], int64
+    """
+
+    def __init__(self, model: nn.Module, *, owner: str) -> None:
+        self._calls: list[list[Tensor]] = []
+        super().__init__(model, owner=owner)
+        self._calls = [[] for _ in range(self.shape.layers)]
+
+    def _hook_of(self, layer: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: tuple[Tensor, Tensor, Tensor]) -> None:
+            self._calls[layer].append(output[2].detach())
+
+        return hook
+
+    def take(self) -> Tensor:
+        """The experts of the forward(s) since the last ``take``, ``[N, layers, k]`` (tokens of each
+        forward in order), and forget them.
+
+        Raises:
+            ConfigError: when the routers saw different numbers of tokens (a forward left unfinished).
+        """
+        per_layer = [torch.cat(calls) if calls else torch.zeros(0, self.shape.top_k, dtype=torch.int64) for calls in self._calls]
+        counts = {int(t.shape[0]) for t in per_layer}
+        if len(counts) != 1:
+            raise ConfigError(f"{self.owner}: its routers recorded different token counts {sorted(counts)}; a forward did not finish")
+        for calls in self._calls:
+            calls.clear()
+        return torch.stack(per_layer, dim=1)
+
+
+class RoutingReplay(_Hooks):
+    """Forces the given experts in every forward (see the module docstring).
+
+    Args:
+        model: a MoE model.
+        experts: ``[N, layers, k]`` integer, the experts of each of the ``N`` tokens each forward under
+            it feeds (row-major ``[batch, time]``); ``unrecorded(E)`` where the router chooses.
+        owner: names the node in errors.
+
+    Attributes:
+        agree, total: over the recorded token-layer choices of the forwards so far, how many had the
+            router's own top-k set equal to the given one, and how many there were.
+    """
+
+    def __init__(self, model: nn.Module, experts: Tensor, *, owner: str) -> None:
+        super().__init__(model, owner=owner)
+        s = self.shape
+        if experts.dim() != 3 or tuple(experts.shape[1:]) != (s.layers, s.top_k):
+            self.close()
+            raise ConfigError(
+                f"{owner}: routed_experts has shape {tuple(experts.shape)}; its model routes through {s.layers} MoE layers "
+                f"with top_k={s.top_k}, so it must be [tokens, {s.layers}, {s.top_k}] (was it recorded by another model?)"
+            )
+        if experts.numel() and int(experts.max()) > s.experts:
+            self.close()
+            raise ConfigError(f"{owner}: routed_experts names expert {int(experts.max())} but its model has {s.experts} experts")
+        self.experts = experts.long()
+        self.agree = 0
+        self.total = 0
+
+    def _hook_of(self, layer: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+            logits, _, own = output
+            given = self.experts[:, layer].to(own.device)  # [N, k]
+            if given.shape[0] != own.shape[0]:
+                raise ConfigError(
+                    f"{self.owner}: the forward routes {own.shape[0]} tokens but routed_experts holds {given.shape[0]}; "
+                    "the replayed routing must be laid out as the forward's tokens"
+                )
+            agree, total = routing_agreement(own, given, self.shape.experts)
+            self.agree += agree
+            self.total += total
+            free = (given == unrecorded(self.shape.experts)).any(-1, keepdim=True)  # [N, 1]: the router's own choice
+            chosen = torch.where(free, own, given)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # the family's: float32 softmax, gathered, renormalised
+            weights = probs.gather(-1, chosen)
+            if self.shape.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), chosen
+
+        return hook
