@@ -26,7 +26,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,18 @@ from torch.utils.hooks import RemovableHandle
 
 from flowrl.errors import ConfigError
 
-__all__ = ["MoeShape", "moe_routers", "moe_shape", "expert_dtype", "unrecorded", "RoutingRecorder", "RoutingReplay", "routing_agreement"]
+__all__ = [
+    "MoeShape",
+    "moe_routers",
+    "moe_shape",
+    "expert_dtype",
+    "unrecorded",
+    "RoutingRecorder",
+    "RoutingReplay",
+    "RoutingAgreement",
+    "routing_agreement",
+    "replaying",
+]
 
 #: The largest expert count ``routed_experts`` can carry (int16, with one value left for "not recorded").
 MAX_EXPERTS = 32766
@@ -234,3 +247,35 @@ class RoutingReplay(_Hooks):
             return logits, weights.to(logits.dtype), chosen
 
         return hook
+
+
+@dataclass
+class RoutingAgreement:
+    """A running count of routing agreement (``RoutingReplay.agree`` / ``total``), summed over forwards.
+
+    Attributes:
+        agree: recorded token-layer choices whose router's own top-k set equalled the given one.
+        total: recorded token-layer choices seen.
+    """
+
+    agree: int = 0
+    total: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """``routing/agreement`` (``agree / total``) and ``routing/tokens`` (``total``: token-layer choices); ``{}`` when nothing was replayed."""
+        return {"routing/agreement": self.agree / self.total, "routing/tokens": float(self.total)} if self.total else {}
+
+
+@contextlib.contextmanager
+def replaying(model: nn.Module, experts: Tensor | None, *, owner: str, agreement: RoutingAgreement | None = None) -> Iterator[None]:
+    """Run the block's forwards with ``experts`` ``[..., layers, k]`` forced (``RoutingReplay``; the
+    leading dims flattened are the forward's tokens, row-major); nothing when ``experts`` is None.
+    Adds the block's agreement to ``agreement``."""
+    if experts is None:
+        yield
+        return
+    with RoutingReplay(model, experts.reshape(-1, *experts.shape[-2:]), owner=owner) as replay:
+        yield
+    if agreement is not None:
+        agreement.agree += replay.agree
+        agreement.total += replay.total
