@@ -14,7 +14,9 @@ and the ratio off / on of the mean mismatch per step.
 
 ``--router-std`` sets the routers' initial standard deviation: transformers' initialisation (0.02)
 routes near-uniformly, a trained router decides (its logits spread by more than the rounding of
-bfloat16); the bench runs each value given.
+bfloat16); the bench runs each value given. ``--expert-scale`` multiplies the experts' initial weights
+(at transformers' initialisation their output is small beside the residual stream, so a token sent
+to another expert changes little).
 
     python benches/moe.py                                   # ~2-4 min on a loaded 2-core CPU
     python benches/moe.py --steps 8 --router-std 0.02 0.5 --experts 16
@@ -42,9 +44,11 @@ from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.trainer import Trainer
 
 
-def write_model(directory: Path, *, layers: int, dim: int, experts: int, top_k: int, vocab: int, router_std: float, seed: int) -> int:
-    """A Qwen3-MoE of random weights (routers of std ``router_std``) and a word-level tokenizer without
-    an end token into ``directory``; returns its parameter count."""
+def write_model(
+    directory: Path, *, layers: int, dim: int, experts: int, top_k: int, vocab: int, router_std: float, expert_scale: float, seed: int
+) -> int:
+    """A Qwen3-MoE of random weights (routers of std ``router_std``, experts ``expert_scale`` times their
+    initial size) and a word-level tokenizer without an end token into ``directory``; returns its parameter count."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -61,6 +65,9 @@ def write_model(directory: Path, *, layers: int, dim: int, experts: int, top_k: 
             for module in model.modules():
                 if type(module).__name__ == "Qwen3MoeTopKRouter":
                     module.weight.normal_(0.0, router_std)
+                elif type(module).__name__ == "Qwen3MoeExperts":
+                    for p in module.parameters():
+                        p.mul_(expert_scale)
     model.save_pretrained(str(directory))
     core = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab)}}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -100,7 +107,7 @@ def measure(trainer: Trainer, rollout: dict[str, torch.Tensor], *, replay: bool)
 def mismatch(args: argparse.Namespace, router_std: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        params = write_model(directory, layers=args.layers, dim=args.dim, experts=args.experts, top_k=args.top_k, vocab=args.vocab, router_std=router_std, seed=0)
+        params = write_model(directory, layers=args.layers, dim=args.dim, experts=args.experts, top_k=args.top_k, vocab=args.vocab, router_std=router_std, expert_scale=args.expert_scale, seed=0)
         model = HFModelConfig(path=str(directory))
         sampling = SamplingConfig(n_samples=args.samples, max_new_tokens=args.new_tokens, precision="bfloat16", temperature=1.0)
         generator = Generator(GeneratorNode(name="gen", model=model, sampling=sampling, routing_replay=True), seed=0)
@@ -160,6 +167,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--router-std", type=float, nargs="+", default=[0.02, 0.5])
+    parser.add_argument("--expert-scale", type=float, default=1.0, help="experts' weights times this (a trained MoE's experts carry its MLP signal)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "2"))))
     out: dict = {"config": vars(args), "torch": torch.__version__, "load_before": os.getloadavg()}

@@ -337,9 +337,13 @@ class Generator:
         ids, lens, index, rng = self._batch_start(prompts)
         n = self.sampling.n_samples
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
+        shape = self.routing
+        routed = None  # [S, Tp + C, layers, k]: what routing_replay records, unrecorded until a forward routes the token
+        if shape is not None:
+            width = sample_ids.shape[1] + self.sampling.max_new_tokens
+            routed = torch.full((sample_ids.shape[0], width, shape.layers, shape.top_k), unrecorded(shape.experts), dtype=expert_dtype(shape.experts), device=self.device)
         with torch.no_grad():
-            tokens, logprobs, mask, routed = self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng)
-        tokens, logprobs, mask = tokens.cpu(), logprobs.cpu(), mask.cpu()
+            tokens, logprobs, mask = (t.cpu() for t in self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng, routed=routed))
         versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
         sampling = self.sampling
         out = rollout_batch(
@@ -350,25 +354,23 @@ class Generator:
             out["routed_experts"] = routed.cpu()
         return out
 
-    def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator, *, routed: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(tokens, logprobs, mask)`` ``[S, C]`` of ``S`` left-padded prompts; with ``routed``
+        (``[S, Tp + C, layers, k]``, ``routing_replay``), each fed token's experts written into it."""
         S, C, device = prompt_ids.shape[0], self.sampling.max_new_tokens, prompt_ids.device
         tokens = torch.full((S, C), self.pad_id, dtype=torch.int64, device=device)
         logprobs = torch.zeros(S, C, dtype=torch.float32, device=device)
         mask = torch.zeros(S, C, dtype=torch.bool, device=device)
-        shape = self.routing
-        routed = None  # [S, Tp0 + C, layers, k]: what routing_replay records, unrecorded until a forward routes the token
-        if shape is not None:
-            routed = torch.full((S, prompt_ids.shape[1] + C, shape.layers, shape.top_k), unrecorded(shape.experts), dtype=expert_dtype(shape.experts), device=device)
         if S == 0:
-            return tokens, logprobs, mask, routed
+            return tokens, logprobs, mask
         skip = prompt_ids.shape[1] - int(prompt_lens.max())
         prompt_ids = prompt_ids[:, skip:]  # drop all-pad columns
         Tp = prompt_ids.shape[1]
         valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), torch.ones(S, C, dtype=torch.bool, device=device)], dim=1)
         cache = self.model.new_cache(S, Tp + C) if self.sampling.use_kv_cache else None
-        with RoutingRecorder(self.model, owner=f"generator {self.name!r}") if shape is not None else _no_recorder() as recorder:
+        with RoutingRecorder(self.model, owner=f"generator {self.name!r}") if routed is not None else _no_recorder() as recorder:
             self._decode_loop(prompt_ids, valid, cache, tokens, logprobs, mask, rng, recorder=recorder, routed=routed, skip=skip)
-        return tokens, logprobs, mask, routed
+        return tokens, logprobs, mask
 
     def _decode_loop(
         self,

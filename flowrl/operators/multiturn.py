@@ -234,7 +234,7 @@ class MultiTurnGenerator:
         gen = self.gen
         batch, plens = pad_left([ep.prompt + ep.tokens for ep in active], gen.pad_id)
         with torch.no_grad():
-            tokens, logprobs, mask = (t.cpu() for t in gen._sample(batch.to(gen.device), plens.to(gen.device), rng)[:3])  # no routing: routing_replay refuses env=
+            tokens, logprobs, mask = (t.cpu() for t in gen._sample(batch.to(gen.device), plens.to(gen.device), rng))
         counts = mask.sum(1).tolist()
         return [(tokens[i, :k].tolist(), logprobs[i, :k].tolist()) for i, k in enumerate(counts)]
 

@@ -97,7 +97,7 @@ def turn_sampler(gen: Any) -> Sampler:
         batch, lens = pad_left(sequences, gen.pad_id)
         rng = torch.Generator(device=gen.device).manual_seed(_mix(*seeds))
         with torch.no_grad():
-            tokens, logprobs, mask = (t.cpu() for t in gen._sample(batch.to(gen.device), lens.to(gen.device), rng)[:3])
+            tokens, logprobs, mask = (t.cpu() for t in gen._sample(batch.to(gen.device), lens.to(gen.device), rng))
         return [(tokens[i, :k].tolist(), logprobs[i, :k].tolist()) for i, k in enumerate(mask.sum(1).tolist())]
 
     return sample_builtin
