@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flowrl.errors import ConfigError
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.ir import Graph
@@ -56,3 +57,11 @@ def test_routed_experts_cross_torchrun_ranks_in_their_dtype(tmp_path: Path) -> N
 
     mp.spawn(ranks_job, args=(f"file://{tmp_path / 'init'}", str(out)), nprocs=2, join=True)
     assert json.loads(out.read_text()) == {"same": True}
+
+
+def test_a_dense_model_is_refused_before_any_work(tmp_path: Path, hf_llama_dir: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "copy 1 2 =", "answer": "1 2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"generator 'gen': routing_replay=True records a mixture of experts' routing, but its model \('llama'\) is dense"):
+        run_graph(_graph(hf_llama_dir, prompts), RunConfig(steps=1, progress=False, metrics=str(tmp_path / "m.jsonl")))
+    assert not (tmp_path / "m.jsonl").exists()  # nothing ran
