@@ -160,9 +160,9 @@ class _Hooks:
 
 
 class RoutingRecorder(_Hooks):
-    """Records the experts every router chooses (see the module docstring).
+    """Records the experts every router chooses (see the module docstring); a dense model is refused.
 
-    Example (a dense model has nothing to record)::
+    Example::
 
         with RoutingRecorder(model, owner="generator 'gen'") as rec:
             model(tokens)          # [B, T]
