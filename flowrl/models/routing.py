@@ -7,7 +7,8 @@ through forward hooks on those modules, so it needs nothing from the model's cod
 
 - ``RoutingRecorder``: each router's chosen experts, stacked ``[N, layers, k]`` per forward (the
   generator records every token it feeds, prompt and completion, as it decodes with the KV cache).
-- ``RoutingReplay``: the router's output replaced by the given experts ``[N, layers, k]``, with the
+- ``RoutingReplay``: the router's output replaced by the given experts ``[N, layers, k]`` (also in the
+  recomputation activation checkpointing runs in the backward pass), with the
   gate weights read from the router's *own* logits at those experts, as the family computes them:
   ``softmax(logits)`` in float32, gathered at the experts, renormalised over them when
   ``norm_topk_prob``, cast to the logits' dtype (transformers' ``Qwen3MoeTopKRouter``, op for op, so
@@ -196,8 +197,72 @@ class RoutingRecorder(_Hooks):
         return torch.stack(per_layer, dim=1)
 
 
-class RoutingReplay(_Hooks):
-    """Forces the given experts in every forward (see the module docstring).
+def _gate(logits: Tensor, chosen: Tensor, norm_topk_prob: bool) -> Tensor:
+    """The gate weights at experts ``chosen`` ``[N, k]``, as the family computes them: softmax of the
+    router's ``logits`` in float32, gathered, renormalised over the chosen when ``norm_topk_prob``."""
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass (activation checkpointing recomputes forwards there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _ReplaySlot:
+    """The state of one router's permanent replay hook (``RoutingReplay``).
+
+    Attributes:
+        active: the replay the block now running forces, and this router's layer in it (None: the router chooses).
+        saved: the experts the last forward that recorded gradients forced here: what a recomputation
+            in the backward pass (activation checkpointing) must force again, after the block ended.
+    """
+
+    def __init__(self, norm_topk_prob: bool) -> None:
+        self.active: tuple[RoutingReplay, int] | None = None
+        self.saved: Tensor | None = None
+        self.norm_topk_prob = norm_topk_prob
+
+    def __call__(self, module: nn.Module, args: Any, output: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor] | None:
+        logits, _, own = output
+        backward = _in_backward()
+        if self.active is not None:
+            replay, layer = self.active
+            chosen = replay.choose(layer, own, count=not backward)
+        elif backward and self.saved is not None and self.saved.shape[0] == own.shape[0]:
+            chosen = self.saved  # a checkpointed layer recomputed: the experts its forward was given
+        else:
+            if torch.is_grad_enabled() and not backward:
+                self.saved = None
+            return None  # the router's own output
+        if torch.is_grad_enabled() and not backward:
+            self.saved = chosen
+        return logits, _gate(logits, chosen, self.norm_topk_prob), chosen
+
+
+def _slots(model: nn.Module, *, owner: str) -> list[_ReplaySlot]:
+    """Each router's replay slot, its hook registered (first, before any other hook) on first use and kept."""
+    slots = []
+    for router in moe_routers(model):
+        slot = router.__dict__.get("_flowrl_replay")
+        if slot is None:
+            slot = _ReplaySlot(bool(router.norm_topk_prob))
+            router.__dict__["_flowrl_replay"] = slot
+            router.register_forward_hook(slot, prepend=True)
+        slot.norm_topk_prob = bool(router.norm_topk_prob)
+        slots.append(slot)
+    return slots
+
+
+class RoutingReplay:
+    """Forces the given experts in every forward of its block (see the module docstring).
+
+    Each router carries one permanent forward hook (registered on first use, inert outside a block):
+    a forward that records gradients keeps the experts it was given, so that activation checkpointing,
+    which recomputes a layer's forward in the backward pass after the block ended, routes it the same
+    way (and is not counted twice in the agreement).
 
     Args:
         model: a MoE model.
@@ -211,42 +276,53 @@ class RoutingReplay(_Hooks):
     """
 
     def __init__(self, model: nn.Module, experts: Tensor, *, owner: str) -> None:
-        super().__init__(model, owner=owner)
-        s = self.shape
+        self.owner = owner
+        self.shape = s = moe_shape(model, owner=owner)
         if experts.dim() != 3 or tuple(experts.shape[1:]) != (s.layers, s.top_k):
-            self.close()
             raise ConfigError(
                 f"{owner}: routed_experts has shape {tuple(experts.shape)}; its model routes through {s.layers} MoE layers "
                 f"with top_k={s.top_k}, so it must be [tokens, {s.layers}, {s.top_k}] (was it recorded by another model?)"
             )
         if experts.numel() and int(experts.max()) > s.experts:
-            self.close()
             raise ConfigError(f"{owner}: routed_experts names expert {int(experts.max())} but its model has {s.experts} experts")
         self.experts = experts.long()
         self.agree = 0
         self.total = 0
+        self._slots = _slots(model, owner=owner)
+        for layer, slot in enumerate(self._slots):
+            slot.active = (self, layer)
 
-    def _hook_of(self, layer: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-            logits, _, own = output
-            given = self.experts[:, layer].to(own.device)  # [N, k]
-            if given.shape[0] != own.shape[0]:
-                raise ConfigError(
-                    f"{self.owner}: the forward routes {own.shape[0]} tokens but routed_experts holds {given.shape[0]}; "
-                    "the replayed routing must be laid out as the forward's tokens"
-                )
+    def choose(self, layer: int, own: Tensor, *, count: bool) -> Tensor:
+        """The experts ``[N, k]`` layer ``layer`` routes by: the given ones, the router's ``own`` where
+        unrecorded; counts the agreement when ``count``.
+
+        Raises:
+            ConfigError: when the forward's token count is not the given routing's.
+        """
+        given = self.experts[:, layer].to(own.device)  # [N, k]
+        if given.shape[0] != own.shape[0]:
+            raise ConfigError(
+                f"{self.owner}: the forward routes {own.shape[0]} tokens but routed_experts holds {given.shape[0]}; "
+                "the replayed routing must be laid out as the forward's tokens"
+            )
+        if count:
             agree, total = routing_agreement(own, given, self.shape.experts)
             self.agree += agree
             self.total += total
-            free = (given == unrecorded(self.shape.experts)).any(-1, keepdim=True)  # [N, 1]: the router's own choice
-            chosen = torch.where(free, own, given)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # the family's: float32 softmax, gathered, renormalised
-            weights = probs.gather(-1, chosen)
-            if self.shape.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return logits, weights.to(logits.dtype), chosen
+        free = (given == unrecorded(self.shape.experts)).any(-1, keepdim=True)  # [N, 1]: the router's own choice
+        return torch.where(free, own, given)
 
-        return hook
+    def close(self) -> None:
+        """End the block: the routers choose again (a recomputation in backward still forces what its forward did)."""
+        for slot in self._slots:
+            if slot.active is not None and slot.active[0] is self:
+                slot.active = None
+
+    def __enter__(self) -> RoutingReplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass

@@ -92,6 +92,23 @@ def test_trainer_at_k0_agrees_fully_and_replays(moe_dir: Path, rollout: dict[str
     assert metrics["mismatch/abs_logp_max"] < rollout_logprob_atol(Generator(_generator(moe_dir)).model, rollout)
 
 
+def test_gradient_checkpointing_recomputes_with_the_replayed_experts(moe_dir: Path, rollout: dict[str, torch.Tensor]) -> None:
+    """Activation checkpointing recomputes each layer's forward in the backward pass, after the replay's
+    block ended: the routers must route that recomputation as the forward was (else torch refuses the
+    recomputation, or the gradient is another routing's). Forced experts other than the model's own
+    make the difference visible: the same step with and without checkpointing."""
+    forced = rollout["routed_experts"].clone()
+    recorded = forced != unrecorded(8)
+    forced[..., 0] = torch.where(recorded[..., 0], 3, forced[..., 0])
+    forced[..., 1] = torch.where(recorded[..., 1], 5, forced[..., 1])
+    rows = []
+    for checkpointing in (False, True):
+        trainer = Trainer(hf_policy_node(moe_dir, packing=False, gradient_checkpointing=checkpointing, grad_clip=0.0), LossNode(name="aipo"))
+        rows.append(trainer.train_step({**rollout, "routed_experts": forced}))
+    assert rows[0]["routing/agreement"] < 0.5 and rows[0]["routing/tokens"] == rows[1]["routing/tokens"]  # counted once each
+    assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5) and rows[0]["policy/grad_norm"] == pytest.approx(rows[1]["policy/grad_norm"], rel=1e-5)
+
+
 def _perturbed(directory: Path, scale: float) -> torch.nn.Module:
     """The policy's model with its routers moved by seeded noise of ``scale`` (what another precision's
     rounding or a few optimizer steps do to near-tied choices)."""
