@@ -31,7 +31,7 @@ def _graph(directory: Path, prompts: Path) -> Graph:
     return b.build()
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("process", marks=pytest.mark.slow)])  # process: ~30 s, the wire's dtypes are test_wire's
+@pytest.mark.parametrize("backend", ["local", pytest.param("process", marks=pytest.mark.slow)])  # process: ~5 s idle, the wire's dtypes are test_wire's
 def test_every_row_reports_full_agreement_at_k0(tmp_path: Path, backend: str) -> None:
     directory = make_hf_dir(tmp_path / "moe", "qwen3_moe")
     prompts = tmp_path / "prompts.jsonl"
@@ -46,7 +46,6 @@ def test_every_row_reports_full_agreement_at_k0(tmp_path: Path, backend: str) ->
         assert row["mismatch/abs_logp_max"] < atol
 
 
-@pytest.mark.slow  # two spawned ranks: ~4 s idle; the bytes path itself runs in every torchrun dp test
 def test_routed_experts_cross_torchrun_ranks_in_their_dtype(tmp_path: Path) -> None:
     """What the torchrun backend moves rollouts with (gloo broadcast and send): uint8 and int16 arrive bit
     for bit (gloo's broadcast has no int16: batches travel as bytes)."""
