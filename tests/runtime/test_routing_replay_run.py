@@ -64,3 +64,12 @@ def test_a_dense_model_is_refused_before_any_work(tmp_path: Path, hf_llama_dir: 
     with pytest.raises(ConfigError, match=r"generator 'gen': routing_replay=True records a mixture of experts' routing, but its model \('llama'\) is dense"):
         run_graph(_graph(hf_llama_dir, prompts), RunConfig(steps=1, progress=False, metrics=str(tmp_path / "m.jsonl")))
     assert not (tmp_path / "m.jsonl").exists()  # nothing ran
+
+
+def test_a_pipeline_parallel_policy_refuses_to_drop_the_routing() -> None:
+    import torch
+
+    from flowrl.runtime.parallel.pipeline_trainer import _fields
+
+    with pytest.raises(ConfigError, match="a pipeline-parallel policy does not replay a generator's routing"):
+        _fields({"routed_experts": torch.zeros(1, 2, 1, 2, dtype=torch.uint8)})
