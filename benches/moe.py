@@ -1,17 +1,25 @@
-"""Trainer tokens/s of a mixture-of-experts model against a dense model of the same active parameters, as JSON.
+"""Mixture-of-experts benches: the train/inference mismatch with routing replay off and on.
 
-    python benches/moe.py [--hidden 128] [--layers 4] [--experts 8] [--top-k 2] [--samples 16] [--repeats 5] [--threads 1]
+``mismatch``: a Qwen3-MoE-shaped model built from a config (nothing downloaded; ``--experts`` experts,
+top-``--top-k``, ``--layers`` layers, ``norm_topk_prob`` as Qwen3-30B-A3B has it), the built-in
+engine sampling in bfloat16 with ``routing_replay=True`` (it records each token's experts per
+layer), the trainer in float32, k = 0 (the generator receives the trainer's weights after every
+step). Per step, on that step's rollout, the trainer's log pi of the completion tokens is computed
+twice, with its own routers (replay off) and with the recorded experts (replay on), in alternating
+order; then one AIPO step trains the policy (with replay on at even steps, off at odd ones, so that
+both kinds of update run in the one run). Reported per step and mode: routing agreement (share of
+token-layer choices whose trainer top-k set equals the generator's), mean and max |log pi - log mu|
+over completion tokens, the k3 estimate of KL(mu || pi) (mean of ``r - 1 - log r``, ``r = pi / mu``);
+and the ratio off / on of the mean mismatch per step.
 
-Two Hugging Face models built from configs (random weights, no download), one process: a Qwen3-MoE
-(``--experts`` routed experts of width ``--expert-width``, top-``--top-k``, every block sparse) and a
-dense Qwen3 whose MLP is ``top_k * expert_width`` wide, so a token goes through the same number of
-MLP parameters in both (the router's ``hidden x experts`` aside). The same batch (``--samples``
-sequences of a 32-token prompt and a 32-token completion, AIPO, packing as the default decides) is
-one ``Trainer.train_step`` per timing; the two models alternate within each repeat, after one warm-up
-step each. Tokens/s counts real tokens (prompt + completion) per second of ``train_step``. The MoE
-step also computes the experts' load metrics (``flowrl.operators.router_load``), which are part of
-what a MoE policy costs. The machine's load (``os.getloadavg``) is printed before and after: on a
-shared machine the absolute figures move with it, the ratio less.
+``--router-std`` sets the routers' initial standard deviation: transformers' initialisation (0.02)
+routes near-uniformly, a trained router decides (its logits spread by more than the rounding of
+bfloat16); the bench runs each value given. ``--expert-scale`` multiplies the experts' initial weights
+(at transformers' initialisation their output is small beside the residual stream, so a token sent
+to another expert changes little).
+
+    python benches/moe.py                                   # ~2-4 min on a loaded 2-core CPU
+    python benches/moe.py --steps 8 --router-std 0.02 0.5 --experts 16
 """
 
 from __future__ import annotations
@@ -20,99 +28,159 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from flowrl.graph.configs import HFModelConfig, OptimizerConfig
-from flowrl.graph.nodes import LossNode, PolicyNode
+from flowrl.graph.configs import HFModelConfig, SamplingConfig
+from flowrl.graph.nodes import GeneratorNode, LossNode, PolicyNode
+from flowrl.graph.configs import OptimizerConfig
+from flowrl.models.routing import RoutingAgreement, moe_routers
+from flowrl.operators.generation import Generator
+from flowrl.operators.logprobs import completion_logprobs
 from flowrl.operators.trainer import Trainer
 
-VOCAB = 512
 
-
-def _directory(root: Path, family: str, args: argparse.Namespace) -> Path:
-    """A config-only directory of ``family`` (``qwen3_moe`` or the dense ``qwen3``) and a word tokenizer."""
-    import transformers
+def write_model(
+    directory: Path, *, layers: int, dim: int, experts: int, top_k: int, vocab: int, router_std: float, expert_scale: float, seed: int
+) -> int:
+    """A Qwen3-MoE of random weights (routers of std ``router_std``, experts ``expert_scale`` times their
+    initial size) and a word-level tokenizer without an end token into ``directory``; returns its parameter count."""
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=args.hidden // 4, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_width,
-                                             intermediate_size=args.top_k * args.expert_width, decoder_sparse_step=1, mlp_only_layers=[], **common)  # fmt: skip
-    else:
-        config = transformers.Qwen3Config(intermediate_size=args.top_k * args.expert_width, **common)
-    d = root / family
-    d.mkdir()
-    config.save_pretrained(str(d))
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>").save_pretrained(str(d))
-    return d
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=dim // 32, num_key_value_heads=max(dim // 64, 1),
+        head_dim=32, intermediate_size=2 * dim, moe_intermediate_size=dim // 2, num_experts=experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
+        with torch.no_grad():
+            for module in model.modules():
+                if type(module).__name__ == "Qwen3MoeTopKRouter":
+                    module.weight.normal_(0.0, router_std)
+                elif type(module).__name__ == "Qwen3MoeExperts":
+                    for p in module.parameters():
+                        p.mul_(expert_scale)
+    model.save_pretrained(str(directory))
+    core = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab)}}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>").save_pretrained(str(directory))
+    return sum(p.numel() for p in model.parameters())
 
 
-def _batch(samples: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    prompt, completion = 32, 32
+def prompts(n: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(6, 17, (n,), generator=g)
+    ids = torch.zeros(n, int(lens.max()), dtype=torch.int64)
+    for i, length in enumerate(lens.tolist()):
+        ids[i, ids.shape[1] - length :] = torch.randint(2, vocab, (length,), generator=g)
+    return {"prompt_ids": ids, "prompt_lens": lens, "prompt_index": torch.arange(seed * n, seed * n + n)}
+
+
+def measure(trainer: Trainer, rollout: dict[str, torch.Tensor], *, replay: bool) -> dict[str, float]:
+    """log pi of the rollout's completions with the trainer's routers (replay False) or the recorded
+    experts (True) against mu: agreement, mean / max |log pi - log mu|, k3 KL(mu || pi)."""
+    agreement = RoutingAgreement()
+    args = [rollout[k] for k in ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")]
+    with torch.no_grad():
+        pi = completion_logprobs(trainer.model, *args, routed_experts=rollout["routed_experts"] if replay else None, agreement=agreement, packing=trainer.packing)
+        if not replay:  # agreement is measured the same way in both modes: the trainer's own top-k against the recorded one
+            completion_logprobs(trainer.model, *args, routed_experts=rollout["routed_experts"], agreement=agreement, packing=trainer.packing)
+    mask = rollout["completion_mask"]
+    d = (pi - rollout["behaviour_logprobs"])[mask].double()  # log pi - log mu
     return {
-        "sample_prompt_ids": torch.randint(3, VOCAB, (samples, prompt), generator=gen),
-        "sample_prompt_lens": torch.full((samples,), prompt),
-        "completion_ids": torch.randint(3, VOCAB, (samples, completion), generator=gen),
-        "completion_mask": torch.ones(samples, completion, dtype=torch.bool),
-        "behaviour_logprobs": torch.full((samples, completion), -6.0),
-        "rewards": torch.randn(samples, generator=gen),
-        "group_ids": torch.arange(samples) // 4,
+        "agreement": round(agreement.agree / max(agreement.total, 1), 5),
+        "abs_mean": float(d.abs().mean()),
+        "abs_max": float(d.abs().max()),
+        "k3_kl": float((d.exp() - 1 - d).mean()),
+        "tokens": int(mask.sum()),
     }
+
+
+def mismatch(args: argparse.Namespace, router_std: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        params = write_model(directory, layers=args.layers, dim=args.dim, experts=args.experts, top_k=args.top_k, vocab=args.vocab, router_std=router_std, expert_scale=args.expert_scale, seed=0)
+        model = HFModelConfig(path=str(directory))
+        sampling = SamplingConfig(n_samples=args.samples, max_new_tokens=args.new_tokens, precision="bfloat16", temperature=1.0)
+        generator = Generator(GeneratorNode(name="gen", model=model, sampling=sampling, routing_replay=True), seed=0)
+        trainer = Trainer(PolicyNode(name="policy", model=model, optimizer=OptimizerConfig(lr=args.lr, packing=False)), LossNode(name="aipo"))
+        steps = []
+        for step in range(args.steps):
+            start = time.perf_counter()
+            generator.load_weights(trainer.weights(), trainer.version)  # k = 0: the trainer's current weights
+            rollout = generator.generate(prompts(args.prompts, args.vocab, seed=step))
+            order = (True, False) if step % 2 == 0 else (False, True)
+            row: dict = {"step": step}
+            for replay in order:
+                row["on" if replay else "off"] = measure(trainer, rollout, replay=replay)
+            row["off_over_on_abs_mean"] = round(row["off"]["abs_mean"] / max(row["on"]["abs_mean"], 1e-30), 3)
+            tokens = rollout["completion_ids"]
+            rewards = (tokens < args.vocab // 2).float().mean(1)  # a reward the policy can raise: the share of low ids
+            batch = {**rollout, "rewards": rewards}
+            if step % 2:  # replay off for this update: the trainer's own routing
+                batch.pop("routed_experts")
+            metrics = trainer.train_step(batch)
+            row["train_replay"] = step % 2 == 0
+            row["train_routing_agreement"] = metrics.get("routing/agreement")
+            row["reward_mean"] = round(float(rewards.mean()), 4)
+            row["seconds"] = round(time.perf_counter() - start, 2)
+            steps.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        ratios = [r["off_over_on_abs_mean"] for r in steps]
+        return {
+            "router_std": router_std,
+            "params": params,
+            "routers": len(moe_routers(trainer.model)),
+            "steps": steps,
+            "summary": {
+                "agreement_mean": round(statistics.mean(r["off"]["agreement"] for r in steps), 5),
+                "abs_mean_off": statistics.mean(r["off"]["abs_mean"] for r in steps),
+                "abs_mean_on": statistics.mean(r["on"]["abs_mean"] for r in steps),
+                "abs_max_off": max(r["off"]["abs_max"] for r in steps),
+                "abs_max_on": max(r["on"]["abs_max"] for r in steps),
+                "k3_off": statistics.mean(r["off"]["k3_kl"] for r in steps),
+                "k3_on": statistics.mean(r["on"]["k3_kl"] for r in steps),
+                "off_over_on_abs_mean": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)},
+            },
+        }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--expert-width", type=int, default=64)
-    p.add_argument("--samples", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
-    batch = _batch(args.samples, torch.Generator().manual_seed(0))
-    tokens = int(batch["sample_prompt_lens"].sum() + batch["completion_mask"].sum())
-    with tempfile.TemporaryDirectory() as tmp:
-        trainers, params = {}, {}
-        for family in ("qwen3_moe", "qwen3"):
-            node = PolicyNode(name="policy", model=HFModelConfig(path=str(_directory(Path(tmp), family, args)), init="random"), optimizer=OptimizerConfig(lr=1e-4))
-            trainers[family] = Trainer(node, LossNode(name="aipo"))
-            params[family] = sum(t.numel() for t in trainers[family].model.parameters())
-        times: dict[str, list[float]] = {f: [] for f in trainers}
-        last: dict[str, dict[str, float]] = {}
-        for family, trainer in trainers.items():
-            trainer.train_step(dict(batch))  # warm-up
-        for _ in range(args.repeats):
-            for family, trainer in trainers.items():
-                start = time.perf_counter()
-                last[family] = trainer.train_step(dict(batch))
-                times[family].append(time.perf_counter() - start)
-    moe_mlp_total = args.layers * (3 * args.hidden * args.expert_width * args.experts + args.hidden * args.experts)
-    moe_mlp_active = args.layers * (3 * args.hidden * args.expert_width * args.top_k + args.hidden * args.experts)
-    out = {
-        "bench": "moe_throughput",
-        "shape": {"hidden": args.hidden, "layers": args.layers, "experts": args.experts, "top_k": args.top_k, "expert_width": args.expert_width,
-                  "dense_width": args.top_k * args.expert_width, "samples": args.samples, "tokens_per_step": tokens, "threads": args.threads},  # fmt: skip
-        "params": {"moe_total": params["qwen3_moe"], "moe_active": params["qwen3_moe"] - moe_mlp_total + moe_mlp_active, "dense": params["qwen3"]},
-        "step_s_median": {f: statistics.median(t) for f, t in times.items()},
-        "tokens_per_s": {f: tokens / statistics.median(t) for f, t in times.items()},
-        "moe_over_dense_tokens_per_s": statistics.median(d / m for m, d in zip(times["qwen3_moe"], times["qwen3"])),
-        "moe_load_max_over_mean_last_step": last["qwen3_moe"]["moe/load_max_over_mean"],
-        "load_before": load_before,
-        "load_after": os.getloadavg(),
-    }
-    print(json.dumps(out, indent=2))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["mismatch"], choices=["mismatch", "throughput"],
+                        help="throughput: benches/moe_throughput.py's figures at its defaults (trainer tokens/s, MoE vs dense of equal active parameters)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--router-std", type=float, nargs="+", default=[0.02, 0.5])
+    parser.add_argument("--expert-scale", type=float, default=1.0, help="experts' weights times this (a trained MoE's experts carry its MLP signal)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "2"))))
+    out: dict = {"config": vars(args), "torch": torch.__version__, "load_before": os.getloadavg()}
+    if "mismatch" in args.parts:
+        out["mismatch"] = [mismatch(args, std) for std in args.router_std]
+    if "throughput" in args.parts:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import moe_throughput
+
+        out["throughput"] = moe_throughput.run(moe_throughput.parse([]))
+    out["load_after"] = os.getloadavg()
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -176,9 +176,13 @@ class GraphBuilder:
         sampling: SamplingConfig | None = None,
         engine: Engine = "builtin",
         env: EnvConfig | str | type | Callable[..., Any] | None = None,
+        routing_replay: bool = False,
         **kwargs: Any,
     ) -> Node:
         """Samples completions from ``prompts``; keyword arguments are ``SamplingConfig`` fields.
+
+        ``routing_replay`` records a mixture of experts' routing for the trainer to replay
+        (``GeneratorNode.routing_replay``).
 
         ``env`` makes it multi-turn (``flowrl.operators.multiturn``): an environment class or factory
         (stored by reference, like a scorer's function), its reference string, or an ``EnvConfig``;
@@ -201,7 +205,7 @@ class GraphBuilder:
         cfg = _config(SamplingConfig, sampling, kwargs, f"generator {name!r}")
         vllm = _config(VLLMConfig, None, kwargs, f"generator {name!r}") if any(k in VLLMConfig.__struct_fields__ for k in kwargs) else None
         self._no_leftovers("generator", name, kwargs)
-        node = GeneratorNode(name=name, model=model or self.model, sampling=cfg, engine=engine, env=env_config, vllm=vllm)
+        node = GeneratorNode(name=name, model=model or self.model, sampling=cfg, engine=engine, env=env_config, vllm=vllm, routing_replay=routing_replay)
         return self.add(node, (prompts,))
 
     def scorer(

@@ -92,6 +92,8 @@ class CriticNode(NodeBase, tag="critic"):
 
     def signature(self) -> Signature:
         inputs = {n: FIELDS[n] for n in CRITIC_INPUTS}
+        if not isinstance(self.model, ModelConfig):  # a Hugging Face critic may be a mixture of experts: it replays the routing
+            inputs["routed_experts"] = FIELDS["routed_experts"]
         inputs.update({r: REWARD_TYPE for r in self.rewards})
         return Signature(inputs, {n: FIELDS[n] for n in VALUE_FIELDS})
 

@@ -3,7 +3,7 @@
 A field is a name plus a type: a dtype and named dims. Dims are symbolic, written the way the shape
 comments in the operators read (``sample``, ``time``): ``prompt`` counts prompts in a batch, ``sample``
 counts completions (``prompt * n_samples``), ``ptime`` and ``ctime`` are prompt and completion
-positions. A scalar has no dims.
+positions, ``time`` both (the prompt's columns, then the completion's). A scalar has no dims.
 
 Example:
     >>> FIELDS["behaviour_logprobs"]
@@ -20,7 +20,7 @@ import msgspec
 
 __all__ = ["Dtype", "FieldType", "FIELDS", "SOURCE_FIELDS", "ROLLOUT_FIELDS", "OPTIONAL_FIELDS", "field_type"]
 
-Dtype = Literal["int64", "float32", "bool"]
+Dtype = Literal["int64", "float32", "bool", "uint8"]
 
 
 class FieldType(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -62,6 +62,10 @@ FIELDS: dict[str, FieldType] = {
     "group_ids": _t("int64", "sample"),  # which prompt of the batch each sample answers
     "rollout_version": _t("int64"),  # policy version of the weights that sampled (the oldest token's)
     "token_versions": _t("int64", "sample", "ctime"),  # version of the weights that drew each token
+    # generator with routing_replay (a mixture of experts; flowrl.models.routing) -> loss, reference, critic: each
+    # token's experts per MoE layer, over the left-padded prompt then the completion; the expert count marks
+    # "not recorded"; uint8, or int16 for a model of more than 255 experts (routing.expert_dtype)
+    "routed_experts": _t("uint8", "sample", "time", "layer", "top_k"),
     # generator with an environment (flowrl.graph.envs.ENV_FIELDS) -> loss, metrics
     "env_rewards": _t("float32", "sample"),  # the sum of the environment's step rewards (0 for a failed sample)
     "env_failed": _t("bool", "sample"),  # the episode failed (the environment raised, hung or returned garbage)
@@ -94,8 +98,9 @@ ROLLOUT_FIELDS: tuple[str, ...] = (
 
 #: Inputs a node reads when an edge carries them and does without otherwise (a graph saved before
 #: the field existed still validates): the trainer and the reference take temperature 1 and no
-#: truncation then, and the mismatch metrics take ``rollout_version`` for every token's version.
-OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature", "sampling_top_k", "sampling_top_p", "token_versions"})
+#: truncation then, the mismatch metrics take ``rollout_version`` for every token's version, and a
+#: mixture of experts routes by its own routers where no ``routed_experts`` arrive (no routing replay).
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"sampling_temperature", "sampling_top_k", "sampling_top_p", "token_versions", "routed_experts"})
 
 REWARD_TYPE = _t("float32", "sample")
 

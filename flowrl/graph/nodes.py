@@ -155,6 +155,24 @@ class SourceNode(NodeBase, tag="source"):
         return f"task={s.task}, batch={s.batch_size}"
 
 
+def _check_routing_replay(node: GeneratorNode) -> None:
+    """Refuse ``routing_replay=True`` where the generator cannot record routing, before any work (what
+    needs a model's files or the machine is checked when a run starts: ``flowrl.runtime.preflight``)."""
+    owner = f"generator {node.name!r}: routing_replay=True"
+    if isinstance(node.model, ModelConfig):
+        raise ConfigError(
+            f"{owner} records a mixture of experts' routing, but its model is the built-in ModelConfig ({node.model.short()}), "
+            "a dense transformer without routers; drop routing_replay, or sample from a MoE Hugging Face model (qwen3_moe, qwen2_moe)"
+        )
+    if node.env is not None:
+        raise ConfigError(f"{owner} records single-turn rollouts; with env={node.env.env!r} the episodes' tokens are not recorded: drop routing_replay or env")
+    if node.sampling.batching != "lockstep":
+        raise ConfigError(
+            f"{owner} records routing in lock-step batches; batching={node.sampling.batching!r} refills rows mid-batch "
+            "and does not record it: set batching='lockstep' or drop routing_replay"
+        )
+
+
 class GeneratorNode(NodeBase, tag="generator"):
     """Samples completions with the behaviour policy mu.
 
@@ -170,6 +188,12 @@ class GeneratorNode(NodeBase, tag="generator"):
             one it also writes ``ENV_FIELDS`` (``env_rewards`` a loss can weigh).
         vllm: vLLM's memory and batch settings (``VLLMConfig``: ``gpu_memory_utilization``,
             ``max_model_len``, ``max_num_seqs``); None: flowrl's defaults. Refused on the built-in engine.
+        routing_replay: record each token's experts per MoE layer (prompt tokens too) into the rollout
+            field ``routed_experts``; the policy, reference and critic it feeds then route by them
+            (``flowrl.models.routing``), so a token goes through the same experts in the trainer as in
+            the engine. A generator option because the generator is where routing is recorded and
+            the field it writes reaches every node that reads the rollout; a mixture-of-experts model,
+            lock-step batching and no ``env`` only (refused otherwise, before any work).
     """
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -177,9 +201,12 @@ class GeneratorNode(NodeBase, tag="generator"):
     engine: Engine = DEFAULT_ENGINE
     env: EnvConfig | None = None
     vllm: VLLMConfig | None = None
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         check_engine_options(self.name, self.engine, self.model, self.sampling, self.vllm)
+        if self.routing_replay:
+            _check_routing_replay(self)
         if self.env is not None and (not ENGINE_CAPS[self.engine].continuous_episodes or self.env.agent) and self.sampling.batching != "lockstep":
             what = "an agent program (agent=True)" if self.env.agent else f"env= with engine={self.engine!r}"
             raise ConfigError(
@@ -191,6 +218,8 @@ class GeneratorNode(NodeBase, tag="generator"):
         outputs = _fields(ROLLOUT_FIELDS)
         if self.env is not None:
             outputs.update(_fields(ENV_FIELDS))
+        if self.routing_replay:
+            outputs["routed_experts"] = FIELDS["routed_experts"]
         return Signature(_fields(SOURCE_FIELDS), outputs)
 
     def describe(self) -> str:
@@ -198,6 +227,7 @@ class GeneratorNode(NodeBase, tag="generator"):
         engine = f", engine={self.engine}" if self.engine != "builtin" else ""
         text = f"model={self.model.short()}, n={s.n_samples}, max_new={s.max_new_tokens}, T={s.temperature:g}{engine}"
         text += "".join(f", {k}={v:g}" for k, v in (self.vllm.given() if self.vllm is not None else {}).items())
+        text += ", routing_replay" if self.routing_replay else ""
         return text + (f", env={self.env.env}, max_turns={self.env.max_turns}" if self.env is not None else "")
 
 
@@ -249,7 +279,8 @@ class ReferenceNode(NodeBase, tag="reference"):
 
     def signature(self) -> Signature:
         return Signature(
-            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens")),
+            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens")
+                    + (() if isinstance(self.model, ModelConfig) else ("routed_experts",))),  # a MoE reference replays the routing
             _fields(("ref_logprobs",)),
         )
 
@@ -308,7 +339,7 @@ class LossNode(NodeBase, tag="loss"):
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
 
     def signature(self) -> Signature:
-        inputs = _fields(ROLLOUT_FIELDS)
+        inputs = _fields(ROLLOUT_FIELDS + ("routed_experts",))
         inputs.update({name: REWARD_TYPE for name in self.loss.reward_weights})
         if self.loss.kl_coef > 0:
             inputs["ref_logprobs"] = FIELDS["ref_logprobs"]

@@ -106,10 +106,6 @@ class ModelFamily:
             fused ``w13_weight`` / ``w2_weight``); what ``vllm_engine.VLLMGenerator.weights_differ``
             compares, bit for bit. Empty: vLLM's names are the Hugging Face ones (its fused
             ``qkv_proj`` and ``gate_up_proj`` aside, which it reports itself).
-        router: regular expression the module name of each router of a mixture of experts matches
-            (a module whose forward returns its logits ``[tokens, experts]`` first, and a config with
-            ``num_experts`` and ``num_experts_per_tok``); empty: a dense family. The trainer counts the
-            experts' load through it and adds the load-balancing loss (``flowrl.operators.router_load``).
         lora_refused: modules LoRA does not adapt, ``(regular expression a module's dotted path matches,
             what it is)``: a ``LoraConfig.target_modules`` entry naming one is refused naming the module,
             the family and the linear layers it adapts (``flowrl.models.lora.lora_modules``).
@@ -122,6 +118,12 @@ class ModelFamily:
             ``OptimizerConfig.packing`` needs. A Hugging Face family declares it when transformers
             keeps packed sequences apart from their ``position_ids`` (``masking_utils``' packed-sequence
             detection for sdpa, eager and flex attention; flash-attention's varlen kernel).
+        router: a regular expression a mixture-of-experts router's module name ends with (``re.search``),
+            its decoder layer's index as group 1; the router's ``forward(h)`` returns ``(logits [T, E],
+            top-k weights [T, k], top-k indices [T, k])`` and it has ``num_experts``, ``top_k`` and
+            ``norm_topk_prob`` (``flowrl.models.routing`` records and replays through it; the trainer
+            counts the experts' load and adds the load-balancing loss through it,
+            ``flowrl.operators.router_load``). Empty: a dense family, no routers.
     """
 
     name: str

@@ -48,12 +48,13 @@ from flowrl.graph.critic import CriticNode
 from flowrl.operators.batch import split
 from flowrl.operators.gae import explained_variance, gae
 from flowrl.operators.generation import DTYPES
-from flowrl.operators.logprobs import prompt_valid
+from flowrl.operators.logprobs import prompt_valid, routed_columns
 from flowrl.operators.losses import masked_mean
 from flowrl.operators.shaping import shape_batch
 from flowrl.operators.trainer import cpu_copy, learning_rate
 from flowrl.models.lora import add_adapters
 from flowrl.models.registry import build_model
+from flowrl.models.routing import replaying
 
 __all__ = ["Critic", "attach_value_head", "completion_values", "value_loss"]
 
@@ -89,7 +90,8 @@ def attach_value_head(model: nn.Module, *, owner: str = "critic") -> str:
 
 def completion_values(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     """``V(x, y_<t)`` ``[S, C]`` float32 of ``batch``'s completions (0 off ``completion_mask``), with
-    gradients unless called under ``no_grad``; the layout of ``completion_logprobs``."""
+    gradients unless called under ``no_grad``; the layout of ``completion_logprobs``, and its routing
+    replay where ``batch`` carries ``routed_experts``."""
     prompt_ids, prompt_lens = batch["sample_prompt_ids"], batch["sample_prompt_lens"]
     completion_ids, mask = batch["completion_ids"], batch["completion_mask"]
     S, Tp = prompt_ids.shape
@@ -105,7 +107,11 @@ def completion_values(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     prompt_ids = prompt_ids[:, skip:]
     valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)[:, :-1]
     tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]
-    values = model(tokens, valid=valid, keep=used).float()[..., 0]  # [S, used]: the state before each y_t
+    routed = batch.get("routed_experts")  # a generator's routing_replay: a MoE critic routes as the engine did
+    if routed is not None:
+        routed = routed_columns(routed, Tp, C)[:, skip : skip + tokens.shape[1]]
+    with replaying(model, routed, owner="critic"):
+        values = model(tokens, valid=valid, keep=used).float()[..., 0]  # [S, used]: the state before each y_t
     values = torch.cat([values, out[:, used:]], dim=1) if used < C else values
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 

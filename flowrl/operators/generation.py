@@ -59,7 +59,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -73,6 +75,7 @@ from flowrl.models.causal_lm import weight_dict
 from flowrl.models.lora import LoraMerge, lora_of
 from flowrl.models.quantize import QUANTIZED_PRECISIONS, quantize_linears_
 from flowrl.models.registry import build_model, model_tokens
+from flowrl.models.routing import MoeShape, RoutingRecorder, expert_dtype, moe_shape, unrecorded
 from flowrl.operators.logprobs import prompt_valid, truncated_log_softmax
 
 __all__ = ["Generator", "DTYPES", "sampling_logprobs", "copy_weights", "rollout_batch", "check_recorded_sampling"]
@@ -114,6 +117,12 @@ def copy_weights(targets: Mapping[str, Tensor], state: Mapping[str, Tensor], *, 
         if source.shape != target.shape:
             raise ConfigError(f"{owner}: weight {name!r} has shape {tuple(source.shape)}, the model wants {tuple(target.shape)}")
         target.copy_(source)
+
+
+@contextlib.contextmanager
+def _no_recorder() -> Iterator[None]:
+    """What ``_sample`` records with when it records no routing."""
+    yield None
 
 
 def _mix(*values: int) -> int:
@@ -229,6 +238,8 @@ class Generator:
         self._decode = tokens.decode
         self._stop = torch.tensor(self.stop_tokens, dtype=torch.int64, device=self.device)
         self._calls = 0
+        #: the routing shape of a MoE model whose routing it records (``routing_replay``); None: it records none
+        self.routing: MoeShape | None = moe_shape(self.model, owner=f"generator {node.name!r}: routing_replay=True") if node.routing_replay else None
 
     @property
     def version(self) -> int:
@@ -316,7 +327,10 @@ class Generator:
             (pad id, False, 0.0); ``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p`` are
             ``[S]``; ``rollout_version`` is ``version``,
             and so is every entry of ``token_versions`` ``[S, max_new_tokens]`` (lock step never
-            changes weights within a batch).
+            changes weights within a batch). With ``routing_replay``, ``routed_experts``
+            ``[S, Tp + max_new_tokens, layers, k]`` (``Tp``: ``prompt_ids``' width): the experts each
+            token was routed through, the prompt's then the completion's, ``unrecorded`` on padding
+            and on each completion's last token (never fed back).
             Every tensor is on the CPU, whatever ``device`` is.
 
         Raises:
@@ -325,27 +339,63 @@ class Generator:
         ids, lens, index, rng = self._batch_start(prompts)
         n = self.sampling.n_samples
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
+        shape = self.routing
+        routed = None  # [S, Tp + C, layers, k]: what routing_replay records, unrecorded until a forward routes the token
+        if shape is not None:
+            width = sample_ids.shape[1] + self.sampling.max_new_tokens
+            routed = torch.full((sample_ids.shape[0], width, shape.layers, shape.top_k), unrecorded(shape.experts), dtype=expert_dtype(shape.experts), device=self.device)
         with torch.no_grad():
-            tokens, logprobs, mask = (t.cpu() for t in self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng))
+            tokens, logprobs, mask = (t.cpu() for t in self._sample(sample_ids.to(self.device), sample_lens.to(self.device), rng, routed=routed))
         versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
         sampling = self.sampling
-        return rollout_batch(
+        out = rollout_batch(
             sample_ids, sample_lens, tokens, mask, logprobs, versions, index,
             n=n, temperature=sampling.temperature, version=self.version, top_k=sampling.top_k, top_p=sampling.top_p,
         )  # fmt: skip
+        if routed is not None:
+            out["routed_experts"] = routed.cpu()
+        return out
 
-    def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    def _sample(self, prompt_ids: Tensor, prompt_lens: Tensor, rng: torch.Generator, *, routed: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(tokens, logprobs, mask)`` ``[S, C]`` of ``S`` left-padded prompts; with ``routed``
+        (``[S, Tp + C, layers, k]``, ``routing_replay``), each fed token's experts written into it."""
         S, C, device = prompt_ids.shape[0], self.sampling.max_new_tokens, prompt_ids.device
         tokens = torch.full((S, C), self.pad_id, dtype=torch.int64, device=device)
         logprobs = torch.zeros(S, C, dtype=torch.float32, device=device)
         mask = torch.zeros(S, C, dtype=torch.bool, device=device)
         if S == 0:
             return tokens, logprobs, mask
-        prompt_ids = prompt_ids[:, prompt_ids.shape[1] - int(prompt_lens.max()) :]  # drop all-pad columns
+        skip = prompt_ids.shape[1] - int(prompt_lens.max())
+        prompt_ids = prompt_ids[:, skip:]  # drop all-pad columns
         Tp = prompt_ids.shape[1]
         valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), torch.ones(S, C, dtype=torch.bool, device=device)], dim=1)
         cache = self.model.new_cache(S, Tp + C) if self.sampling.use_kv_cache else None
+        with RoutingRecorder(self.model, owner=f"generator {self.name!r}") if routed is not None else _no_recorder() as recorder:
+            self._decode_loop(prompt_ids, valid, cache, tokens, logprobs, mask, rng, recorder=recorder, routed=routed, skip=skip)
+        return tokens, logprobs, mask
+
+    def _decode_loop(
+        self,
+        prompt_ids: Tensor,
+        valid: Tensor,
+        cache: Any,
+        tokens: Tensor,
+        logprobs: Tensor,
+        mask: Tensor,
+        rng: torch.Generator,
+        *,
+        recorder: RoutingRecorder | None,
+        routed: Tensor | None,
+        skip: int,
+    ) -> None:
+        """Fill ``tokens``, ``logprobs`` and ``mask`` ``[S, C]`` in place, one token a step; with a
+        ``recorder``, each fed token's experts into ``routed`` (column ``skip + j`` for input ``j``)."""
+        S, Tp = prompt_ids.shape
+        C, device = tokens.shape[1], prompt_ids.device
         logits = self.model(prompt_ids, valid=valid[:, :Tp], cache=cache, keep=1)[:, -1]
+        if recorder is not None and routed is not None:  # the prompt's tokens; padding stays unrecorded
+            fed = recorder.take().view(S, Tp, *routed.shape[2:])
+            routed[:, skip : skip + Tp] = torch.where(valid[:, :Tp, None, None], fed.to(routed.dtype), routed[:, skip : skip + Tp])
         alive = torch.ones(S, dtype=torch.bool, device=device)
         stop_strings = self.sampling.stop_strings
         for t in range(C):
@@ -368,4 +418,7 @@ class Generator:
             else:
                 seq = torch.cat([prompt_ids, tokens[:, : t + 1]], dim=1)
                 logits = self.model(seq, valid=valid[:, :end], keep=1)[:, -1]
-        return tokens, logprobs, mask
+            if recorder is not None and routed is not None:  # token t's experts (the last input of the forward), on real tokens
+                fed = recorder.take().view(S, -1, *routed.shape[2:])[:, -1]
+                column = skip + Tp + t
+                routed[:, column] = torch.where(mask[:, t, None, None], fed.to(routed.dtype), routed[:, column])

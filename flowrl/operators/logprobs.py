@@ -45,7 +45,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from flowrl.errors import ConfigError
 from flowrl.models.causal_lm import CausalLM
+from flowrl.models.routing import RoutingAgreement, replaying
 from flowrl.operators.packing import packed_logits
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "entropy_of",
     "attended_mask",
     "padded_layout",
+    "routed_columns",
 ]
 
 
@@ -90,6 +93,22 @@ def padded_layout(prompt_ids: Tensor, prompt_lens: Tensor, completion_ids: Tenso
     valid = torch.cat([prompt_valid(prompt_ids, prompt_lens), attended[:, :used]], dim=1)[:, :-1]
     tokens = torch.cat([prompt_ids, completion_ids[:, :used]], dim=1)[:, :-1]
     return tokens, valid, used
+
+
+def routed_columns(routed_experts: Tensor, prompt_width: int, completion_width: int) -> Tensor:
+    """``routed_experts`` ``[S, Tp + C, layers, k]`` checked against the rollout's widths (its time axis is
+    the left-padded prompt's ``Tp`` columns, then the completion's ``C``).
+
+    Raises:
+        ConfigError: when the time axis is not ``Tp + C`` long.
+    """
+    if routed_experts.dim() != 4 or routed_experts.shape[1] != prompt_width + completion_width:
+        raise ConfigError(
+            f"routed_experts has shape {tuple(routed_experts.shape)} but the rollout's prompts are {prompt_width} and its completions "
+            f"{completion_width} columns wide: it must be [samples, {prompt_width + completion_width}, layers, top_k] (a generator's "
+            "routing_replay records the prompt's columns, then the completion's)"
+        )
+    return routed_experts
 
 
 #: The first window of largest logits that top-p (without top-k) looks at; it grows 4x until it holds ``top_p``.
@@ -263,6 +282,8 @@ def completion_logprobs(
     top_p: Tensor | float = 1.0,
     completion_lens: Tensor | None = None,
     packing: bool = False,
+    routed_experts: Tensor | None = None,
+    agreement: RoutingAgreement | None = None,
 ) -> Tensor:
     """log p(y_t | x, y_<t) of every completion token, 0 where ``completion_mask`` is False.
 
@@ -287,6 +308,12 @@ def completion_logprobs(
             are attended, log-probs are still 0 where the mask is False. None: the mask's prefix.
         packing: run the forward over packed rows (``flowrl.operators.packing``; the model's family
             must take them) where that costs fewer positions than padding; the same log-probs to float rounding.
+        routed_experts: ``[S, Tp + C, layers, k]`` the experts a mixture of experts routes each token
+            of the prompt and the completion through (the rollout field a generator with
+            ``routing_replay`` records; ``flowrl.models.routing``), in the padded and the packed
+            layout alike; None: the model's routers choose.
+        agreement: adds, over the forward's recorded tokens, how often the model's own top-k equals
+            ``routed_experts`` (``routing/agreement``).
 
     Returns:
         ``[S, C]`` float32.
@@ -294,6 +321,7 @@ def completion_logprobs(
     logp, _ = _completion_logprobs(
         model, prompt_ids, prompt_lens, completion_ids, completion_mask,
         temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=False, packing=packing,
+        routed_experts=routed_experts, agreement=agreement,
     )  # fmt: skip
     return logp
 
@@ -310,6 +338,8 @@ def completion_logprobs_and_entropy(
     top_p: Tensor | float = 1.0,
     completion_lens: Tensor | None = None,
     packing: bool = False,
+    routed_experts: Tensor | None = None,
+    agreement: RoutingAgreement | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``completion_logprobs`` and, from the same forward pass, the entropy of the distribution each
     completion token was evaluated under (``entropy_of`` the truncated, renormalised ``p``; no gradient).
@@ -322,6 +352,7 @@ def completion_logprobs_and_entropy(
     logp, entropy = _completion_logprobs(
         model, prompt_ids, prompt_lens, completion_ids, completion_mask,
         temperature=temperature, top_k=top_k, top_p=top_p, completion_lens=completion_lens, entropy=True, packing=packing,
+        routed_experts=routed_experts, agreement=agreement,
     )  # fmt: skip
     assert entropy is not None  # asked for
     return logp, entropy
@@ -340,6 +371,8 @@ def _completion_logprobs(
     completion_lens: Tensor | None,
     entropy: bool,
     packing: bool = False,
+    routed_experts: Tensor | None = None,
+    agreement: RoutingAgreement | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``completion_logprobs`` (see there), with the entropies ``[S, C]`` when ``entropy``, else None."""
     S = prompt_ids.shape[0]
@@ -350,11 +383,18 @@ def _completion_logprobs(
     if used == 0:
         return out, torch.zeros_like(out) if entropy else None
     # Leading columns that are padding in every row change nothing either.
-    prompt_ids = prompt_ids[:, int(prompt_ids.shape[1] - prompt_lens.max()) :]
-    packed = packed_logits(model, prompt_ids, prompt_lens, completion_ids[:, :used], attended[:, :used]) if packing else None
+    skip = int(prompt_ids.shape[1] - prompt_lens.max())
+    routed = None if routed_experts is None else routed_columns(routed_experts, prompt_ids.shape[1], C)[:, skip:]  # [S, Tp + C, L, k]
+    prompt_ids = prompt_ids[:, skip:]
+    packed = (
+        packed_logits(model, prompt_ids, prompt_lens, completion_ids[:, :used], attended[:, :used], routed_experts=routed, agreement=agreement)
+        if packing
+        else None
+    )
     if packed is None:  # padded (packing off, or it would not shorten this batch)
         tokens, valid, _ = padded_layout(prompt_ids, prompt_lens, completion_ids, attended)
-        logits = model(tokens, valid=valid, keep=used)  # [S, used, V]: the last prompt token's logits predict y_0
+        with replaying(model, None if routed is None else routed[:, : tokens.shape[1]], owner="completion_logprobs", agreement=agreement):
+            logits = model(tokens, valid=valid, keep=used)  # [S, used, V]: the last prompt token's logits predict y_0
         owner = torch.arange(S, device=logits.device)  # the sample of each row of logits
         targets = completion_ids[:, :used]  # [S, used]
     else:  # packed: [N, V], the attended completion tokens only, of samples `owner` at steps `step`

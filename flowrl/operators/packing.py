@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError
+from flowrl.models.routing import RoutingAgreement, moe_shape, replaying, unrecorded
 
 if TYPE_CHECKING:
     from flowrl.graph.configs import AnyModelConfig
@@ -119,7 +120,14 @@ def packed_real_mask(prompt_lens: Tensor, attended: Tensor) -> Tensor:
 
 
 def packed_logits(
-    model: CausalLM, prompt_ids: Tensor, prompt_lens: Tensor, completion_ids: Tensor, attended: Tensor
+    model: CausalLM,
+    prompt_ids: Tensor,
+    prompt_lens: Tensor,
+    completion_ids: Tensor,
+    attended: Tensor,
+    *,
+    routed_experts: Tensor | None = None,
+    agreement: RoutingAgreement | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """The logits predicting each attended completion token, computed over packed rows: ``(logits
     [N, V], sample [N], step [N])``, logit ``j`` predicting ``completion_ids[sample[j], step[j]]``;
@@ -131,6 +139,10 @@ def packed_logits(
         prompt_lens: ``[S]`` real prompt lengths.
         completion_ids: ``[S, C]`` completions.
         attended: ``[S, C]`` bool, a prefix of each row: the completion tokens attended.
+        routed_experts: ``[S, Tp + C', layers, k]`` (``C' >= C``) the experts of each prompt and completion
+            token, laid into the packed rows with them and forced (``flowrl.models.routing.replaying``;
+            the rows' padding routes by its own routers); None: the routers choose.
+        agreement: counts the routers' agreement with ``routed_experts``.
     """
     S, Tp = prompt_ids.shape
     C = completion_ids.shape[1]
@@ -158,5 +170,14 @@ def packed_logits(
             offset += n[i]
         tail = (r + 1) * L - offset  # the row's padding: a sequence of its own, never read
         positions[offset : offset + tail] = torch.arange(tail, device=device)
-    logits = model(tokens.view(len(rows), L), packed_positions=positions.view(len(rows), L))  # [R, L, V]
+    routed = None
+    if routed_experts is not None:  # each sequence's experts where its tokens went; the padding's: unrecorded
+        routed = torch.full((len(rows) * L, *routed_experts.shape[2:]), unrecorded(moe_shape(model).experts), dtype=routed_experts.dtype, device=device)
+        for r, members in enumerate(rows):
+            offset = r * L
+            for i in members:
+                routed[offset : offset + n[i]] = routed_experts[i, Tp - p[i] : Tp + a[i] - 1]
+                offset += n[i]
+    with replaying(model, routed, owner="packed_logits", agreement=agreement):
+        logits = model(tokens.view(len(rows), L), packed_positions=positions.view(len(rows), L))  # [R, L, V]
     return logits.reshape(-1, logits.shape[-1])[torch.cat(sources)], torch.cat(sample), torch.cat(step)

@@ -94,10 +94,12 @@ class Reference:
             temperature = temperature.to(self.device)
         top_k, top_p = rollout.get("sampling_top_k", 0), rollout.get("sampling_top_p", 1.0)
         extent = rollout.get("completion_lens")  # a multi-turn sample's environment tokens are attended, as the trainer attends them
+        routed = rollout.get("routed_experts")  # a generator's routing_replay: the reference routes as the engine did
         with torch.no_grad():
             lp = completion_logprobs(
                 self.model, prompt_ids, prompt_lens, completion_ids, completion_mask, temperature=temperature, top_k=top_k, top_p=top_p,
                 completion_lens=extent.to(self.device) if extent is not None else None,
                 packing=self.packing,
+                routed_experts=routed.to(self.device) if routed is not None else None,
             )
         return {"ref_logprobs": lp.cpu()}

@@ -78,7 +78,7 @@ class RouterLoad:
         inner = getattr(model, "hf", model)
         config = inner.config
         self.experts, self.top_k, self.coef = int(config.num_experts), int(config.num_experts_per_tok), float(coef)
-        routers = [(n, m) for n, m in inner.named_modules() if re.fullmatch(family.router, n)]
+        routers = [(n, m) for n, m in inner.named_modules() if re.search(family.router, n)]
         self.layers = [n for n, _ in routers]
         self._loss_fn = getattr(sys.modules[type(inner).__module__], "load_balancing_loss_func")  # the family's own
         self._active = False

@@ -27,7 +27,11 @@ against (``losses.ANCHORED_AT_OLD``: pi / pi_old, TRL's ``old_per_token_logps``,
    the ``policy/*`` metrics);
 4. measures the engine/trainer mismatch on the tokens drawn by its current weights
    (``flowrl.operators.mismatch``: ``mismatch/kl``, ``mismatch/abs_logp_max``, ``mismatch/tokens``,
-   ``mismatch/outside_kept_frac``), from what every engine writes;
+   ``mismatch/outside_kept_frac``), from what every engine writes; with a rollout that carries
+   ``routed_experts`` (a generator's ``routing_replay``, a mixture of experts), every forward of
+   step 2 routes each token through the generator's experts (``flowrl.models.routing``) and the step
+   reports ``routing/agreement``, the share of token-layer choices where its own routers' top-k set
+   equals the generator's, over ``routing/tokens`` choices (the mismatch above is then replay's);
 5. bumps ``version`` (completed optimizer steps, 0 before the first): a batch advances it by
    ``updates_per_batch``.
 
@@ -97,6 +101,7 @@ from flowrl.models.lora import adapter_weights, add_adapters, lora_of
 from flowrl.models.families import FAMILIES
 from flowrl.models.registry import build_model, family_of
 from flowrl.operators.router_load import RouterLoad, real_tokens
+from flowrl.models.routing import RoutingAgreement
 
 __all__ = ["Trainer", "learning_rate", "cpu_copy", "TRAIN_FIELDS", "TOKEN_MEANS"]
 
@@ -114,7 +119,7 @@ TRAIN_FIELDS: tuple[str, ...] = (
 #: Metrics that are means over tokens -> the count of the tokens each covers: a batch's optimizer steps
 #: are combined (``_combine``), and data-parallel ranks reduced (``flowrl.runtime.parallel.distributed.reduce_metrics``),
 #: weighted by that count, so the figure is the mean over every token of the batch, whatever the split.
-TOKEN_MEANS: dict[str, str] = {"mismatch/kl": "mismatch/tokens", "policy/entropy": "policy/tokens"}
+TOKEN_MEANS: dict[str, str] = {"mismatch/kl": "mismatch/tokens", "policy/entropy": "policy/tokens", "routing/agreement": "routing/tokens"}
 
 
 def learning_rate(config: OptimizerConfig, step: int) -> float:
@@ -251,6 +256,7 @@ class Trainer:
         self.part_of: Callable[[dict[str, Tensor]], dict[str, Tensor]] = _whole  # a data-parallel rank's share
         self.clip_grad_norm: Callable[[Any, float], Tensor] = torch.nn.utils.clip_grad_norm_  # a tensor-parallel rank's counts each shard once
         self.router = _router_load(node, self.model)  # a mixture of experts: the experts' load, the load-balancing loss
+        self._agreement = RoutingAgreement()  # the current optimizer step's routing agreement (routing replay)
 
     def train_step(self, batch: Mapping[str, Tensor]) -> dict[str, float]:
         """One rollout batch: ``num_iterations * num_mini_batches`` optimizer steps (module docstring), each
@@ -358,6 +364,8 @@ class Trainer:
                 top_p=part.get("sampling_top_p", 1.0),
                 completion_lens=part.get("completion_lens"),  # the extent: a multi-turn sample's env tokens are attended, not trained
                 packing=self.packing,
+                routed_experts=part.get("routed_experts"),  # a generator's routing_replay: route as the engine did
+                agreement=self._agreement,
             )
 
     def _update(self, batch: dict[str, Tensor], *, mismatch: bool) -> dict[str, float]:
@@ -375,6 +383,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        self._agreement = RoutingAgreement()
         pieces, kept_pieces, entropy_sum = self._accumulate(batch, adv, normalizer, lengths, size)
         with torch.no_grad():
             all_logprobs = torch.cat(pieces) if pieces else torch.zeros_like(batch["behaviour_logprobs"])
@@ -401,6 +410,7 @@ class Trainer:
             "policy/lr": lr,
             "policy/entropy": float(entropy_sum) / max(tokens, 1),
             "policy/tokens": float(tokens),
+            **self._agreement.metrics(),
         })  # fmt: skip
         if self.router is not None:
             metrics.update(self.router.metrics())

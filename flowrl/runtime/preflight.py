@@ -192,16 +192,19 @@ def check_ranks_fit(
 
 def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[str] = frozenset()) -> None:
     """Refuse, before any node is built, a generator whose engine cannot run here: not installed,
-    a model it cannot load, a backend it does not run under (``flowrl.operators.engines.check_engine``).
+    a model it cannot load, a backend it does not run under (``flowrl.operators.engines.check_engine``),
+    ``routing_replay`` it cannot record (``flowrl.operators.engines.check_routing_replay``).
 
     Raises:
         ConfigError: naming the generator, what is missing and the fix.
     """
-    from flowrl.operators.engines import check_engine
+    from flowrl.operators.engines import check_engine, check_routing_replay
 
     for node in graph.nodes:
         if node.kind != "generator" or node.name in skip:
             continue
+        if getattr(node, "routing_replay", False):  # a dense model; vLLM on a CPU
+            check_routing_replay(node, device=device)  # type: ignore[arg-type]
         engine = getattr(node, "engine", "builtin")
         caps = ENGINE_CAPS[engine]
         _check_vllm_moe_updates(graph, node, engine, device)

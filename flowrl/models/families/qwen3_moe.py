@@ -42,8 +42,9 @@ MOE_VLLM_NAMES: tuple[tuple[str, str], ...] = (
     (r"(.*\.mlp\.experts)\.down_proj", r"\1.routed_experts.w2_weight"),
 )
 
-#: The routers: each MoE block's ``mlp.gate`` (its forward returns ``(logits, top-k weights, top-k indices)``).
-MOE_ROUTER = r"model\.layers\.\d+\.mlp\.gate"
+#: The routers: each MoE block's ``mlp.gate`` (its forward returns ``(logits, top-k weights, top-k indices)``),
+#: by the end of its module name, its layer's index as group 1 (``ModelFamily.router``).
+MOE_ROUTER = r"layers\.(\d+)\.mlp\.gate$"
 
 #: What LoRA does not adapt in an MoE block: the router (a ``Qwen3MoeTopKRouter``/``Qwen2MoeTopKRouter``
 #: holding a bare weight) and the stacked experts (3-D tensors, no ``nn.Linear``); its attention

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flowrl.graph.refs import resolve
+from flowrl.models.families import FAMILIES
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from flowrl.graph.configs import SamplingConfig
     from flowrl.graph.nodes import GeneratorNode
 
-__all__ = ["GeneratorEngine", "EngineSpec", "ENGINES", "build_engine", "check_engine"]
+__all__ = ["GeneratorEngine", "EngineSpec", "ENGINES", "build_engine", "check_engine", "check_routing_replay"]
 
 
 class GeneratorEngine(Protocol):
@@ -100,6 +101,34 @@ def check_engine(node: GeneratorNode, *, device: str = "cpu") -> None:
     spec = ENGINES[node.engine]
     if spec.check:
         resolve(spec.check)(node, device=device)
+
+
+def check_routing_replay(node: GeneratorNode, *, device: str = "cpu") -> None:
+    """Refuse, before anything is loaded, ``routing_replay=True`` where ``node`` cannot record routing:
+    a dense model (its family declares no routers, ``flowrl.models.family.ModelFamily.router``), or
+    the vLLM engine on a CPU (vLLM returns routed experts, ``enable_return_routed_experts``, only from
+    its Model Runner V2, which needs Triton, which has no CPU backend).
+
+    Raises:
+        ConfigError: naming the generator, what it cannot record and the fix.
+    """
+    from flowrl.errors import ConfigError
+    from flowrl.models.registry import family_of
+
+    owner = f"generator {node.name!r}: routing_replay=True"
+    family = family_of(node.model, owner=f"generator {node.name!r}")
+    if not family.router:
+        moe = [name for name, f in FAMILIES.items() if f.router]
+        raise ConfigError(
+            f"{owner} records a mixture of experts' routing, but its model ({family.name!r}) is dense, without routers; "
+            f"drop routing_replay, or sample from a model of a MoE family ({', '.join(moe)})"
+        )
+    if node.engine == "vllm" and not str(device).startswith("cuda"):
+        raise ConfigError(
+            f"{owner} with engine='vllm' on {device!r}: vLLM returns routed experts (enable_return_routed_experts) only from "
+            "its Model Runner V2, which needs Triton, and Triton does not run on a CPU; use engine='builtin' (it records "
+            "routing on any device), run on CUDA GPUs, or drop routing_replay"
+        )
 
 
 def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu", transport: str = "inprocess", **options: Any) -> Any:

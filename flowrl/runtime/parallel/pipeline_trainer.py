@@ -73,7 +73,16 @@ def _rows(batch: Mapping[str, Tensor], index: Tensor) -> dict[str, Tensor]:
 
 
 def _fields(part: Mapping[str, Tensor]) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
-    """``completion_logprobs``' arguments for ``part`` (as ``Trainer._forward`` passes them)."""
+    """``completion_logprobs``' arguments for ``part`` (as ``Trainer._forward`` passes them).
+
+    Raises:
+        ConfigError: for a rollout with ``routed_experts``: the stages' forwards do not replay routing.
+    """
+    if "routed_experts" in part:
+        raise ConfigError(
+            "a pipeline-parallel policy does not replay a generator's routing (routed_experts): its stages run the "
+            "forward; drop routing_replay on the generator, or train the MoE policy without a pp axis"
+        )
     args = (part["sample_prompt_ids"], part["sample_prompt_lens"], part["completion_ids"], part["completion_mask"])
     kwargs = {
         "temperature": part.get("sampling_temperature", 1.0),
