@@ -335,6 +335,8 @@ class LossConfig(msgspec.Struct, **_STRUCT):
         reward_weights: reward fields the loss reads and their weights (one per scorer output).
         gamma: ``"ppo"``'s GAE discount per completion token, in [0, 1].
         lam: ``"ppo"``'s GAE lambda (bias-variance trade-off of the advantage), in [0, 1].
+        distill_coef: ``"opd"``'s weight of the teacher's per-token advantage, ``-distill_coef * (log mu -
+            log teacher)``, added to the reward's (``reward_weights``; weight 0: distillation alone).
     """
 
     objective: str = "aipo"
@@ -356,9 +358,12 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     reward_weights: dict[str, float] = msgspec.field(default_factory=lambda: {"rewards": 1.0})
     gamma: float = 1.0
     lam: float = 0.95
+    distill_coef: float = 1.0
 
     def __post_init__(self) -> None:
         o = "LossConfig"
+        _finite(o, distill_coef=self.distill_coef)
+        _check(self.distill_coef >= 0, o, f"distill_coef={self.distill_coef} must be >= 0 (the weight of opd's reverse-KL advantage)")
         _finite(o, gamma=self.gamma, lam=self.lam)
         _check(0 <= self.gamma <= 1, o, f"gamma={self.gamma} must be in [0, 1] (GAE's discount per token; 1: undiscounted)")
         _check(0 <= self.lam <= 1, o, f"lam={self.lam} must be in [0, 1] (GAE's lambda; 1: Monte-Carlo returns, 0: one-step TD)")

@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["NEEDS_PROXIMAL", "ANCHORED_AT_OLD", "recomputes_logprobs"]
+__all__ = ["NEEDS_PROXIMAL", "ANCHORED_AT_OLD", "READS_TEACHER", "recomputes_logprobs"]
 
 #: Objectives that read the proximal policy's log-probs (batch field ``proximal_logprobs``, which the
 #: trainer computes once per batch with the weights it starts the batch with).
@@ -31,6 +31,10 @@ NEEDS_PROXIMAL: frozenset[str] = frozenset({"decoupled_ppo"})
 #: PPO-style objectives whose clipped ratio is taken against the old policy: ``proximal_logprobs``
 #: when the batch has them (several updates per batch: TRL's ``old_per_token_logps``), else mu.
 ANCHORED_AT_OLD: frozenset[str] = frozenset({"grpo", "ppo_clip", "ppo", "gspo", "cispo"})
+
+
+#: Objectives that read a teacher node's per-token log-probs (batch field ``teacher_logprobs``: ``flowrl.operators.distill``).
+READS_TEACHER: frozenset[str] = frozenset({"opd"})
 
 
 def recomputes_logprobs(objective: str, *, updates_per_batch: int) -> bool:

@@ -111,7 +111,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
 from flowrl.graph.critic import CRITIC_OBJECTIVES
 from flowrl.operators.gae import gae, whiten
-from flowrl.graph.objectives import ANCHORED_AT_OLD, NEEDS_PROXIMAL  # the table the planner reads too
+from flowrl.graph.objectives import ANCHORED_AT_OLD, NEEDS_PROXIMAL, READS_TEACHER  # the table the planner reads too
 
 __all__ = [
     "masked_mean",
@@ -659,6 +659,12 @@ def _decoupled_ppo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv:
     )
 
 
+def _opd(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, teacher: Tensor, normalizer=None, lengths=None):
+    from flowrl.operators.distill import opd  # it imports this module's aggregate
+
+    return opd(config, logprobs, behaviour, adv, mask, teacher=teacher, normalizer=normalizer, lengths=lengths)
+
+
 #: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer, lengths)``
 #: (and ``proximal=``, log pi_prox, for those in ``NEEDS_PROXIMAL``).
 LOSSES: dict[str, LossFn] = {
@@ -672,6 +678,7 @@ LOSSES: dict[str, LossFn] = {
     "tis": _tis,
     "mis": _mis,
     "decoupled_ppo": _decoupled_ppo,
+    "opd": _opd,  # on-policy distillation from a teacher node (flowrl.operators.distill; teacher=, READS_TEACHER)
 }
 
 
@@ -682,6 +689,12 @@ def check_objective(objective: str) -> None:
 
 
 _advantages = advantages
+
+
+def _field(batch: Mapping[str, Tensor], name: str, objective: str) -> Tensor:
+    if name not in batch:
+        raise ConfigError(f"loss {objective!r} needs batch field {name!r} (a teacher node's: flowrl.graph.teacher); the batch has {sorted(batch)}")
+    return batch[name]
 
 
 def compute_loss(
@@ -726,6 +739,8 @@ def compute_loss(
     extra = {}
     if config.objective in NEEDS_PROXIMAL:  # without the field pi_prox is pi now: a batch's only update
         extra["proximal"] = batch["proximal_logprobs"] if "proximal_logprobs" in batch else logprobs.detach()
+    if config.objective in READS_TEACHER:
+        extra["teacher"] = _field(batch, "teacher_logprobs", config.objective)
     old = batch["behaviour_logprobs"]  # mu; PPO's old policy is pi_old when the trainer computed it (several updates)
     if config.objective in ANCHORED_AT_OLD and "proximal_logprobs" in batch:
         old = batch["proximal_logprobs"]
