@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 __all__ = ["TeacherNode", "TEACHER_INPUTS", "TEACHER_FIELD", "teacher_problems", "no_teacher", "vocabulary_mismatch"]
 
 #: Rollout fields a teacher reads.
-TEACHER_INPUTS: tuple[str, ...] = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens")
+TEACHER_INPUTS: tuple[str, ...] = (
+    "sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens", "sampling_temperature",
+)  # fmt: skip
 #: What a teacher writes, and an ``"opd"`` loss reads.
 TEACHER_FIELD = "teacher_logprobs"
 

@@ -30,7 +30,7 @@ def distill_graph(*, teacher_model=BIGGER, reward_weight: float = 0.0, read: boo
 
 def test_the_teacher_feeds_the_loss_its_logprobs_and_survives_a_graph_file():
     g = distill_graph().build()
-    assert "teacher = teacher(model=3L64d) <- gen[completion_ids,completion_lens,completion_mask,sample_prompt_ids,sample_prompt_lens]" in str(g)
+    assert "teacher = teacher(model=3L64d) <- gen[completion_ids,completion_lens,completion_mask,sample_prompt_ids,sample_prompt_lens,sampling_temperature]" in str(g)
     assert "teacher[teacher_logprobs]" in str(g) and "opd = loss(opd, rho=4, baseline=group_mean, reward_weights={rewards: 0})" in str(g)
     assert from_json(to_json(g)) == g
 
