@@ -28,11 +28,15 @@ Metrics (every row): ``distill/reverse_kl`` (the mean of ``k`` over the completi
 ``A_{i,t}``), the ratio's ``opd/ratio_mean``, ``opd/ratio_max``, ``opd/truncated_frac``, and
 ``loss/policy``.
 
+This module computes the per-token terms (``opd_terms``); ``flowrl.operators.losses.LOSSES["opd"]``
+aggregates them under the loss's ``loss_agg`` as every objective's terms are (so this module imports
+nothing of ``losses``, which imports it).
+
 Example:
     >>> mask = torch.tensor([[True, True]])
     >>> mu = torch.log(torch.tensor([[0.5, 0.25]]))
     >>> teacher = torch.log(torch.tensor([[0.5, 0.5]]))
-    >>> loss, m = opd_loss(mu.clone(), mu, teacher, torch.zeros(1), mask, coef=1.0, rho=4.0)
+    >>> per_token, m = opd_terms(mu.clone(), mu, teacher, torch.zeros(1), mask, coef=1.0, rho=4.0)
     >>> round(m["distill/reverse_kl"], 4), round(m["distill/advantage"], 4)
     (-0.3466, 0.3466)
 """
@@ -42,10 +46,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowrl.graph.configs import LossConfig
-from flowrl.operators.losses import aggregate, masked_mean
+__all__ = ["opd_terms", "opd_advantages", "distill_metrics"]
 
-__all__ = ["opd_loss", "opd_advantages", "distill_metrics", "opd"]
+
+def _mean(x: Tensor, mask: Tensor) -> Tensor:
+    """The mean of ``x`` over ``mask`` (0 for an empty mask)."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum().clamp(min=1)
 
 
 def opd_advantages(advantages: Tensor, behaviour_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, *, coef: float) -> Tensor:
@@ -53,7 +59,7 @@ def opd_advantages(advantages: Tensor, behaviour_logprobs: Tensor, teacher_logpr
 
     ``advantages`` is ``[S]`` (per sample) or ``[S, C]`` (per token).
     """
-    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    zero = torch.zeros((), dtype=behaviour_logprobs.dtype, device=mask.device)
     reverse_kl = torch.where(mask, behaviour_logprobs - teacher_logprobs, zero)
     base = advantages[:, None] if advantages.dim() == 1 else advantages
     return torch.where(mask, base - coef * reverse_kl, zero)
@@ -62,28 +68,19 @@ def opd_advantages(advantages: Tensor, behaviour_logprobs: Tensor, teacher_logpr
 @torch.no_grad()
 def distill_metrics(behaviour_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
     """The mean reverse KL ``log mu - log teacher`` and the mean ``log teacher`` over the real tokens."""
-    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    zero = torch.zeros((), dtype=teacher_logprobs.dtype, device=mask.device)
     teacher = torch.where(mask, teacher_logprobs, zero)
     return {
-        "distill/reverse_kl": float(masked_mean(torch.where(mask, behaviour_logprobs, zero) - teacher, mask)),
-        "distill/teacher_logprob": float(masked_mean(teacher, mask)),
+        "distill/reverse_kl": float(_mean(torch.where(mask, behaviour_logprobs, zero) - teacher, mask)),
+        "distill/teacher_logprob": float(_mean(teacher, mask)),
     }
 
 
-def opd_loss(
-    logprobs: Tensor,
-    behaviour_logprobs: Tensor,
-    teacher_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    coef: float,
-    rho: float,
-    normalizer: float | None = None,
-    agg: str = "token_mean",
-    lengths: Tensor | None = None,
+def opd_terms(
+    logprobs: Tensor, behaviour_logprobs: Tensor, teacher_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, coef: float, rho: float
 ) -> tuple[Tensor, dict[str, float]]:
-    """The OPD loss (module docstring).
+    """The OPD loss's per-token terms ``min(pi_t / mu_t, rho) * A_{i,t} * log pi_t`` (``[S, C]``, 0 off the mask; the
+    loss is minus their aggregate) and its metrics but ``loss/policy`` (module docstring).
 
     Args:
         logprobs: ``[S, C]`` log pi, with gradients.
@@ -93,29 +90,19 @@ def opd_loss(
         mask: ``[S, C]`` bool, True on real completion tokens.
         coef: ``distill_coef``, the weight of the reverse-KL advantage.
         rho: the importance ratio's one-sided cap.
-        normalizer, agg, lengths: as ``flowrl.operators.losses.aggregate``.
     """
-    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=mask.device)
     adv = opd_advantages(advantages, behaviour_logprobs, teacher_logprobs, mask, coef=coef)
     log_ratio = torch.where(mask, logprobs.detach() - behaviour_logprobs, zero)
     ratio = log_ratio.exp()
     weight = ratio.clamp(max=rho)  # a constant (no gradient), AIPO's truncation
-    per_token = weight * adv * logprobs
-    loss = -aggregate(per_token, mask, agg=agg, normalizer=normalizer, lengths=lengths)
+    per_token = torch.where(mask, weight * adv * logprobs, zero)
     with torch.no_grad():
         metrics = {
-            "loss/policy": float(loss.detach()),
             **distill_metrics(behaviour_logprobs, teacher_logprobs, mask),
-            "distill/advantage": float(masked_mean(adv, mask)),
-            "opd/ratio_mean": float(masked_mean(ratio, mask)),
-            "opd/ratio_max": float(torch.where(mask, ratio, 0.0).max()) if mask.any() else 1.0,
-            "opd/truncated_frac": float(masked_mean((ratio > rho).float(), mask)),
+            "distill/advantage": float(_mean(adv, mask)),
+            "opd/ratio_mean": float(_mean(ratio, mask)),
+            "opd/ratio_max": float(torch.where(mask, ratio, zero).max()) if mask.any() else 1.0,
+            "opd/truncated_frac": float(_mean((ratio > rho).to(logprobs.dtype), mask)),
         }
-    return loss, metrics
-
-
-def opd(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, teacher: Tensor, normalizer=None, lengths=None):
-    """``LOSSES["opd"]``: ``opd_loss`` with ``config``'s ``distill_coef``, ``rho`` and ``loss_agg``."""
-    return opd_loss(
-        logprobs, behaviour, teacher, adv, mask, coef=config.distill_coef, rho=config.rho, normalizer=normalizer, agg=config.loss_agg, lengths=lengths
-    )
+    return per_token, metrics

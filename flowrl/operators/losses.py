@@ -110,6 +110,7 @@ from torch import Tensor
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
 from flowrl.graph.critic import CRITIC_OBJECTIVES
+from flowrl.operators.distill import opd_terms  # on-policy distillation's per-token terms
 from flowrl.operators.gae import gae, whiten
 from flowrl.graph.objectives import ANCHORED_AT_OLD, NEEDS_PROXIMAL, READS_TEACHER  # the table the planner reads too
 
@@ -660,9 +661,9 @@ def _decoupled_ppo(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv:
 
 
 def _opd(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, teacher: Tensor, normalizer=None, lengths=None):
-    from flowrl.operators.distill import opd  # it imports this module's aggregate
-
-    return opd(config, logprobs, behaviour, adv, mask, teacher=teacher, normalizer=normalizer, lengths=lengths)
+    per_token, metrics = opd_terms(logprobs, behaviour, teacher, adv, mask, coef=config.distill_coef, rho=config.rho)
+    loss = -aggregate(per_token, mask, **_agg(config, normalizer, lengths))
+    return loss, {"loss/policy": float(loss.detach()), **metrics}
 
 
 #: Objectives by ``LossConfig.objective``: ``fn(config, logprobs, behaviour_logprobs, advantages, mask, *, normalizer, lengths)``

@@ -1,4 +1,4 @@
-"""On-policy distillation (``flowrl.operators.distill``): the loss by hand, its gradient against the formula
+"""On-policy distillation (``flowrl.operators.distill``, the row ``LOSSES["opd"]``): the loss by hand, its gradient against the formula
 and against the exact reverse KL's, composition with the reward's advantage, and its teacher operator."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.configs import LossConfig, ModelConfig
-from flowrl.operators.distill import opd_advantages, opd_loss
-from flowrl.operators.losses import aipo_loss, compute_loss
+from flowrl.operators.distill import opd_advantages
+from flowrl.operators.losses import LOSSES, aipo_loss, compute_loss
 from tests.tolerances import U32
 
 L = math.log
@@ -22,6 +22,12 @@ MU = torch.tensor([[L(0.25), L(0.25)], [L(0.1), 7.0]])
 TEACHER = torch.tensor([[L(0.5), L(0.125)], [L(0.2), float("nan")]])
 ADV = torch.tensor([1.0, -2.0])
 MASK = torch.tensor([[True, True], [True, False]])
+def opd_loss(logp, mu, teacher, adv, mask, *, coef: float, rho: float, normalizer=None):
+    """The objective's row (``LOSSES["opd"]``: ``distill.opd_terms`` aggregated under ``token_mean``)."""
+    config = LossConfig(objective="opd", distill_coef=coef, rho=rho)
+    return LOSSES["opd"](config, logp, mu, adv, mask, teacher=teacher, normalizer=normalizer)
+
+
 #: A handful of float32 operations on values of order 1-10: each rounds by at most u, a few dozen u in all.
 REL = 64 * U32
 
