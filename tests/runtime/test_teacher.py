@@ -59,13 +59,13 @@ def test_a_run_distills_in_one_process():
 def test_flowrl_run_distills_under_torchrun_with_the_teacher_on_its_own_rank(tmp_path):
     from tests.runtime.test_torchrun import _torchrun
 
-    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [1], "teacher": [2]}))
-    proc = _torchrun(3, ["-m", "flowrl", "run", "tests.runtime.test_teacher:twin_graph", "--backend", "torchrun", "--plan", "place.json",
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": [0], "teacher": [1]}))
+    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_teacher:twin_graph", "--backend", "torchrun", "--plan", "place.json",
                          "--steps", "2", "--quiet", "--metrics", "m.jsonl", "--device", "cpu"], tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = _rows(tmp_path / "m.jsonl")
     _check_rows(rows, 2)
-    assert rows[0]["layout"]["teacher"]["devices"] == [2], rows[0]["layout"]
+    assert rows[0]["layout"]["teacher"]["devices"] == [1], rows[0]["layout"]
 
 
 # -- a Hugging Face teacher with another tokenizer: refused at run start ----------------------------------
