@@ -10,7 +10,7 @@ keep to it (``one_device``) and the planner enumerates only the axes it allows (
 
 The table's key is ``(variant, backend, axis)``:
 
-- ``variant``: a device kind (``generator``, ``policy``, ``reference``, ``critic``, ``reward_model``),
+- ``variant``: a device kind (``generator``, ``policy``, ``reference``, ``critic``, ``reward_model``, ``teacher``),
   or ``kind/engine`` where an engine differs (``generator/vllm``, under torchrun); any other device
   kind (a user's) reads the ``*`` rows (a program with no rank program of its own). A policy's
   sharding does not change which axes run (replicas and FSDP2 shards both run ``dp`` only), so the
@@ -33,7 +33,7 @@ What is true today (checked in the code, ``flowrl.runtime.backends``):
   no ``pp``. A policy runs ``dp`` (``DataParallelPolicy`` replicas or ``ShardedPolicy``, FSDP2), ``tp``
   (``TensorParallelPolicy``: DTensor shards, with FSDP2 over ``dp`` on a 2-D mesh) and ``pp``
   (``PipelinePolicy``: stages x ``dp`` replicas). A frozen reference runs ``tp``
-  (``TensorParallelReference``), a critic ``tp`` (``TensorParallelCritic``). Reward models have no rank
+  (``TensorParallelReference``), a critic ``tp`` (``TensorParallelCritic``). Reward models and teachers have no rank
   program, nor do critics and references over ``dp`` or ``pp``: the lead rank would run the
   one-process program while the others idle, so those meshes are refused.
 - Some axes run only in some combinations or with some node settings (``COMBINATIONS``, keyed by the
@@ -135,13 +135,16 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
     ("reward_model", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("reward_model", "torchrun", "tp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("reward_model", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
+    ("teacher", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
+    ("teacher", "torchrun", "tp"): AxisRun(runs=False, how=_LEAD_ONLY),
+    ("teacher", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("*", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("*", "torchrun", "tp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("*", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
     # -- local and process: one program per node in one process (runtime.executor_placement) -------
     **{
         (variant, backend, axis): entry
-        for variant in ("generator", "policy", "reference", "critic", "reward_model", "*")
+        for variant in ("generator", "policy", "reference", "critic", "reward_model", "teacher", "*")
         for backend in ("local", "process")
         for axis, entry in (
             ("dp", AxisRun(runs=True, how=_ONE_PROCESS_CPU, devices=("cpu",), elsewhere=_FIRST_GPU)),

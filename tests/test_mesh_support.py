@@ -10,7 +10,8 @@ naming the node, the axis and its size and what would run instead.
 
 The runs, batched: one graph with every built-in device kind (``every_kind``: a Hugging Face Llama
 generator, policy, reference and critic, a classifier reward model), run for one step on the local and
-the process backends and in one torchrun job; a user's device kind (the ``*`` rows) in a fresh
+the process backends and in one torchrun job; a teacher, which feeds an ``"opd"`` loss, in a graph of
+its own (``teacher_graph``, the built-in model) on the local and process backends; a user's device kind (the ``*`` rows) in a fresh
 interpreter (``tests/graph/device_kind_module.py``, as ``tests/graph/test_kinds.py`` adds it); the vLLM
 engine's torchrun rows in one torchrun job behind ``--runslow``.
 """
@@ -33,7 +34,7 @@ from flowrl.runtime.preflight import check_meshes
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = sorted(MESH_SUPPORT)
-BUILTIN_KINDS = {"generator": "gen", "policy": "policy", "reference": "ref", "critic": "critic", "reward_model": "rm"}
+BUILTIN_KINDS = {"generator": "gen", "policy": "policy", "reference": "ref", "critic": "critic", "reward_model": "rm", "teacher": "teacher"}
 USER_KIND = "likelihood"  # tests/graph/device_kind_module.py: the ``*`` rows
 
 
@@ -72,6 +73,14 @@ def every_kind_graph(root: Path, *, engine: str = "builtin"):
     loss = b.loss("ppo", gen, score, rm, critic, ref, objective="ppo", kl_coef=0.01, reward_weights={"rewards": 1.0, "rm_rewards": 0.1})
     b.weights(b.policy("policy", loss, lr=1e-3), gen, max_staleness=0)
     return b.build()
+
+
+def teacher_graph():
+    """The teacher's rows run on a graph of their own (its loss is ``"opd"``, every_kind's a critic's ``"ppo"``):
+    gen -> reward and teacher -> opd -> policy, the built-in tiny model (which axes run does not depend on the family)."""
+    from tests.runtime.test_teacher import twin_graph
+
+    return twin_graph()
 
 
 def _graph_file(root: Path) -> str:
@@ -122,6 +131,12 @@ def _run_one_process(graph, backend: str) -> dict:
 @pytest.fixture(scope="module")
 def one_process_runs(kinds_root: Path) -> dict[str, dict]:
     graph = every_kind_graph(kinds_root)
+    return {backend: _run_one_process(graph, backend) for backend in ("local", "process")}
+
+
+@pytest.fixture(scope="module")
+def teacher_runs() -> dict[str, dict]:
+    graph = teacher_graph()
     return {backend: _run_one_process(graph, backend) for backend in ("local", "process")}
 
 
@@ -247,12 +262,15 @@ def test_every_entry_runs_as_planned_or_is_refused(variant, backend, axis, reque
         _check_ran(run["layout"], run["placement"], "gen", axis)
         return
     root = request.getfixturevalue("kinds_root")
-    graph = every_kind_graph(root, engine=engine or "builtin")
+    graph = teacher_graph() if kind == "teacher" else every_kind_graph(root, engine=engine or "builtin")
     name = BUILTIN_KINDS[kind]
     if not entry.runs:
         _refused(graph, name, kind, backend, axis, engine)
         return
-    run = request.getfixturevalue("torchrun_runs")(axis) if backend == "torchrun" else request.getfixturevalue("one_process_runs")[backend]
+    if kind == "teacher":  # no teacher row runs over several torchrun ranks (the test below)
+        run = request.getfixturevalue("teacher_runs")[backend]
+    else:
+        run = request.getfixturevalue("torchrun_runs")(axis) if backend == "torchrun" else request.getfixturevalue("one_process_runs")[backend]
     _check_ran(run["layout"], run["placement"], name, axis)
     if entry.devices:  # on another device type, refused by preflight with what would run there
         other = next(d for d in ("cpu", "cuda") if d not in entry.devices)

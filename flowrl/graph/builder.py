@@ -49,6 +49,8 @@ from flowrl.graph.nodes import (
 from flowrl.graph.corrections import correction_of
 from flowrl.graph.critic import CriticNode, reads_values
 from flowrl.graph.objectives import BUILTIN_OBJECTIVES, OBJECTIVES, ObjectiveRow
+from flowrl.graph.objectives import READS_TEACHER
+from flowrl.graph.teacher import TeacherNode
 from flowrl.graph.advice import warn_about
 from flowrl.graph.option_names import leftover_message, reference_options
 from flowrl.graph.refs import reference_of
@@ -381,7 +383,30 @@ class GraphBuilder:
         self._no_leftovers("loss", name, kwargs)
         self._check_reward_weights(name, cfg, inputs)
         self._check_critic(name, cfg, inputs)
+        self._check_teacher(name, cfg, inputs)
         return self.add(LossNode(name=name, loss=cfg), inputs)
+
+    def teacher(self, name: str, rollouts: NodeRef, *, model: ModelConfig | HFModelConfig | str) -> Node:
+        """A frozen teacher model (``flowrl.graph.teacher``) scoring ``rollouts`` token by token for
+        ``objective="opd"``; ``model`` is its own (a directory: a pretrained Hugging Face model), with
+        the student's vocabulary."""
+        cfg = HFModelConfig(path=model) if isinstance(model, str) else model
+        return self.add(TeacherNode(name=name, model=cfg), (rollouts,))
+
+    def _check_teacher(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
+        """Refuse ``"opd"`` without a teacher among ``inputs``, and a teacher listed for another objective."""
+        teachers = [n.name for n in (self._lookup(r, reader=name) for r in inputs) if isinstance(n, TeacherNode)]
+        if cfg.objective in READS_TEACHER and not teachers:
+            gens = [n.name for n in self._nodes if isinstance(n, GeneratorNode)]
+            raise ConfigError(
+                f"loss {name!r}: objective={cfg.objective!r} distills from a teacher's per-token log-probs, and no teacher is listed; "
+                f"declare one, teacher = b.teacher('teacher', {gens[0] if gens else 'gen'!r}, model=...), and list it: b.loss({name!r}, ..., teacher)"
+            )
+        if teachers and cfg.objective not in READS_TEACHER:
+            raise ConfigError(
+                f"loss {name!r}: objective={cfg.objective!r} does not read a teacher, but teacher {teachers[0]!r} is listed; "
+                f"set objective='opd' (on-policy distillation), or drop the teacher"
+            )
 
     def _check_critic(self, name: str, cfg: LossConfig, inputs: tuple[NodeRef, ...]) -> None:
         """Refuse ``"ppo"`` without a critic among ``inputs``, and a critic listed for another objective."""

@@ -343,6 +343,8 @@ class LossConfig(msgspec.Struct, **_STRUCT):
             ``mask_high``, ``adv_tau``, ``kl_tau``; ``sapo``'s ``tau_pos``, ``tau_neg``; a user's row's).
         row: a user's objective row (``flowrl.graph.objectives.register_objective``), carried so that a
             graph file runs in a process that did not register it; None for a built-in.
+        distill_coef: ``"opd"``'s weight of the teacher's per-token advantage, ``-distill_coef * (log mu -
+            log teacher)``, added to the reward's (``reward_weights``; weight 0: distillation alone).
     """
 
     objective: str = "aipo"
@@ -367,12 +369,15 @@ class LossConfig(msgspec.Struct, **_STRUCT):
     correction: CorrectionConfig | None = None
     options: dict[str, float] = msgspec.field(default_factory=dict)
     row: ObjectiveRow | None = None
+    distill_coef: float = 1.0
 
     def __post_init__(self) -> None:
         o = "LossConfig"
         if self.correction is not None and not isinstance(self.correction, CorrectionConfig):  # a name or a dict, in Python
             msgspec.structs.force_setattr(self, "correction", correction_of(self.correction, owner=o))
         self._check_row(o)
+        _finite(o, distill_coef=self.distill_coef)
+        _check(self.distill_coef >= 0, o, f"distill_coef={self.distill_coef} must be >= 0 (the weight of opd's reverse-KL advantage)")
         _finite(o, gamma=self.gamma, lam=self.lam)
         _check(0 <= self.gamma <= 1, o, f"gamma={self.gamma} must be in [0, 1] (GAE's discount per token; 1: undiscounted)")
         _check(0 <= self.lam <= 1, o, f"lam={self.lam} must be in [0, 1] (GAE's lambda; 1: Monte-Carlo returns, 0: one-step TD)")

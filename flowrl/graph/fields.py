@@ -72,6 +72,8 @@ FIELDS: dict[str, FieldType] = {
     "env_turns": _t("int64", "sample"),  # model turns the episode took
     # reference -> loss
     "ref_logprobs": _t("float32", "sample", "ctime"),
+    # teacher -> loss (flowrl.graph.teacher): log pi_teacher of each sampled token, at the rollout's temperature
+    "teacher_logprobs": _t("float32", "sample", "ctime"),
     # critic -> loss (flowrl.graph.critic)
     "values": _t("float32", "sample", "ctime"),  # V(x, y_<t): the critic's value of the state before each completion token
     "value_version": _t("int64"),  # the critic's version (its optimizer steps) whose weights computed ``values``

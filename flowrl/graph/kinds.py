@@ -112,6 +112,10 @@ KINDS: dict[str, KindSpec] = {
         node="flowrl.graph.critic:CriticNode", runs_on="devices", span="critic", side="trainer", trains=True,
         style=KindStyle(dot_shape="box3d", dot_style="dashed,filled", mermaid_open="[", mermaid_close="]", fill="#ffe6cc", stroke="#d79b00"),
     ),
+    "teacher": KindSpec(
+        node="flowrl.graph.teacher:TeacherNode", runs_on="devices", span="teacher", side="trainer",
+        style=KindStyle(dot_shape="box", dot_style="dashed,filled", mermaid_open="[[", mermaid_close="]]", fill="#e6f0ff", stroke="#4a6fa5"),
+    ),
     "loss": KindSpec(
         node="flowrl.graph.nodes:LossNode", runs_on="policy", span="loss", side="trainer",
         style=KindStyle(dot_shape="octagon", dot_style="filled", mermaid_open="[/", mermaid_close="/]", fill="#f8cecc", stroke="#b85450"),

@@ -22,6 +22,8 @@ Node kinds (the ``kind`` tag in JSON):
 - ``critic``: a trained value model (``flowrl.graph.critic``): reads the rollout and the reward
   fields of its loss, writes ``values`` and ``value_version``, and trains on each batch with its own
   optimizer on devices of its own.
+- ``teacher``: a frozen model of its own (``flowrl.graph.teacher``): reads the rollout, writes
+  ``teacher_logprobs`` for on-policy distillation (``objective="opd"``).
 - ``loss``: the RL objective (AIPO, GRPO/PPO-clip, PPO with a critic's GAE advantages). Reads the
   rollout and the reward fields named in its config (``"ppo"``: a critic's ``values`` too); runs
   inside the policy's training step, on the policy's devices. Writes ``objective``.
@@ -354,8 +356,8 @@ class LossNode(NodeBase, tag="loss"):
         """The objective, its main knob (AIPO's rho, a clip's eps) and baseline, then every other
         option not at its default (``reward_weights`` where a weight is not 1: the fields show on the edges)."""
         c = self.loss
-        extra = {"aipo": f", rho={c.rho:g}", "pg": ""}.get(c.objective, f", eps={c.clip_eps:g}")
-        shown = ("objective", "baseline", "rho" if c.objective == "aipo" else "clip_eps")
+        extra = {"aipo": f", rho={c.rho:g}", "opd": f", rho={c.rho:g}", "pg": ""}.get(c.objective, f", eps={c.clip_eps:g}")
+        shown = ("objective", "baseline", "rho" if c.objective in ("aipo", "opd") else "clip_eps")
         if c.objective == "ppo":  # GAE's, not a group baseline
             return ", ".join([f"ppo, eps={c.clip_eps:g}, gamma={c.gamma:g}, lam={c.lam:g}", *_changed(c, skip=shown + ("gamma", "lam", "reward_weights"))])
         rest = _changed(c, skip=shown + (() if any(w != 1 for w in c.reward_weights.values()) else ("reward_weights",)))

@@ -58,6 +58,7 @@ __all__ = [
     "BUILTIN_OBJECTIVES",
     "NEEDS_PROXIMAL",
     "ANCHORED_AT_OLD",
+    "READS_TEACHER",
     "register_objective",
     "row_of",
     "known_objectives",
@@ -160,6 +161,8 @@ BUILTIN_OBJECTIVES: dict[str, ObjectiveRow] = {
         _row("dppo", corrects="DPPO's probability-difference mask against mu",
              options={"mask_low": 0.2, "mask_high": 0.2, "adv_tau": 1.0, "kl_tau": 1e-3},
              summary="- 1[keep] adv_tau A pi/mu + kl_tau (log pi/mu)^2; keep: pi - mu <= mask_high (A > 0), >= -mask_low (A < 0)"),  # fmt: skip
+        _row("opd", reads=("mu", "teacher"), corrects="AIPO's one-sided truncation of pi/mu at rho",
+             summary="- sg[min(pi/mu, rho)] (A - distill_coef (log mu - log teacher)) log pi, per token"),  # fmt: skip
         _row("sapo", anchored_at_old=True, options={"tau_pos": 1.0, "tau_neg": 1.05},
              summary="- (4/tau) sigmoid(tau (r - 1)) A, tau = tau_pos (A > 0) or tau_neg, r = pi/pi_old"),  # fmt: skip
     )
@@ -173,6 +176,10 @@ NEEDS_PROXIMAL: frozenset[str] = frozenset(n for n, r in BUILTIN_OBJECTIVES.item
 
 #: The built-in PPO-style objectives whose ratio is taken against the old policy (``anchored_at_old``).
 ANCHORED_AT_OLD: frozenset[str] = frozenset(n for n, r in BUILTIN_OBJECTIVES.items() if r.anchored_at_old)
+
+#: The built-in objectives that read a teacher node's per-token log-probs (``reads`` holds ``"teacher"``:
+#: batch field ``teacher_logprobs``, ``flowrl.graph.teacher``, ``flowrl.operators.distill``).
+READS_TEACHER: frozenset[str] = frozenset(n for n, r in BUILTIN_OBJECTIVES.items() if "teacher" in r.reads)
 
 
 def register_objective(

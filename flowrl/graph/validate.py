@@ -15,6 +15,7 @@ from flowrl.graph.fields import OPTIONAL_FIELDS, REWARD_TYPE
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import IN_POLICY_KINDS, TRAINABLE_KINDS, WEIGHT_HOLDING_KINDS, GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, ScorerNode, SourceNode, signature
 from flowrl.graph.critic import critic_problems, no_critic
+from flowrl.graph.teacher import no_teacher, teacher_problems
 from flowrl.graph.refs import check_reference
 from flowrl.graph.structure import SCHEMA_VERSION, tokenizer_path
 from flowrl.graph.structure import GraphStructure as Graph  # the rules read the structure; ir.Graph runs them
@@ -114,6 +115,9 @@ def _check_fields(g: Graph) -> Iterable[str]:
                 if isinstance(node, LossNode) and fname == "ref_logprobs":
                     yield _no_reference(g, node)
                     continue
+                if node.kind == "loss" and fname == "teacher_logprobs":
+                    yield no_teacher(g, node)
+                    continue
                 if node.kind == "loss" and fname in ("values", "value_version"):
                     if fname == "values":  # one message for the critic's two fields
                         yield no_critic(g, node)
@@ -166,6 +170,8 @@ def _check_unused(g: Graph) -> Iterable[str]:
             hint = (
                 f"pass it to the loss (builder.loss(..., {node.name!r})) so that its reward counts"
                 if _writes_rewards(node)
+                else f"list it in a loss with objective='opd' (builder.loss(..., {node.name!r}, objective='opd')) so that the student distills from it"
+                if node.kind == "teacher"
                 else "connect it to a node that reads them"
             )
             yield f"node {node.name!r} ({node.kind}) writes {outputs} but no node reads them; {hint}, or remove it"
@@ -345,6 +351,7 @@ RULES: tuple[Callable[[Graph], Iterable[str]], ...] = (
     _check_sources,
     _check_objectives,
     critic_problems,
+    teacher_problems,
 )
 
 

@@ -118,10 +118,11 @@ from torch import Tensor
 
 from flowrl.errors import ConfigError, GraphError
 from flowrl.graph.configs import LOSS_AGGREGATIONS, LossConfig
-from flowrl.graph.objectives import ANCHORED_AT_OLD, BUILTIN_OBJECTIVES, NEEDS_PROXIMAL, READ_FIELDS, ObjectiveRow, known_objectives, row_of
+from flowrl.graph.objectives import ANCHORED_AT_OLD, NEEDS_PROXIMAL, READ_FIELDS, ObjectiveRow, known_objectives, row_of
 from flowrl.graph.refs import resolve
 from flowrl.operators.corrections import apply_weights, correction_weights
 from flowrl.operators.gae import gae, whiten
+from flowrl.operators.distill import opd_terms  # on-policy distillation's per-token terms
 
 __all__ = [
     "masked_mean",
@@ -821,6 +822,14 @@ def sapo_objective(config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv:
     return sapo_loss(logprobs, behaviour, adv, mask, tau_pos=o["tau_pos"], tau_neg=o["tau_neg"], **_agg(config, normalizer, lengths))
 
 
+def opd_objective(
+    config: LossConfig, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, *, teacher: Tensor, options=None, normalizer=None, lengths=None
+):
+    per_token, metrics = opd_terms(logprobs, behaviour, teacher, adv, mask, coef=config.distill_coef, rho=config.rho)
+    loss = -aggregate(per_token, mask, **_agg(config, normalizer, lengths))
+    return loss, {"loss/policy": float(loss.detach()), **metrics}
+
+
 #: The built-in rows' functions (``flowrl.graph.objectives.BUILTIN_OBJECTIVES`` holds their facts; both
 #: list the same names, ``tests/operators/test_objective_rows.py``), by ``LossConfig.objective``:
 #: ``fn(config, logprobs, old, advantages, mask, *, options, normalizer, lengths)`` (and ``proximal=``,
@@ -838,6 +847,7 @@ LOSSES: dict[str, LossFn] = {
     "decoupled_ppo": decoupled_ppo_objective,
     "dppo": dppo_objective,
     "sapo": sapo_objective,
+    "opd": opd_objective,  # on-policy distillation from a teacher node (flowrl.operators.distill; teacher=)
 }
 
 _RESOLVED: dict[str, LossFn] = {}
@@ -879,6 +889,7 @@ def check_objective(objective: LossConfig | str) -> None:
 
 
 _advantages = advantages
+
 
 
 def compute_loss(

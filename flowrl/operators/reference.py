@@ -64,12 +64,19 @@ class Reference:
         node: the reference node (its model).
         device: where the model runs (``"cpu"``, ``"cuda:N"``).
 
+    Class attributes (a kind built on it sets its own: ``flowrl.operators.teacher.Teacher``):
+        output: the field ``logprobs`` writes.
+        truncates: score under the rollout's top-k / top-p kept set (else the whole vocabulary, at its temperature).
+
     Attributes:
         model: the model (float32, no gradients), on ``device``.
         weights: its weights by name (``weight_dict``: views; a policy's weight edge carries these).
         parameters: the entries of ``weights`` that are parameters, which a sync mixes (TRL's sync
             zips ``parameters()``; buffers, such as rotary frequencies, are the same in both models).
     """
+
+    output = "ref_logprobs"
+    truncates = True
 
     def __init__(self, node: ReferenceNode, *, device: str | torch.device = "cpu") -> None:
         self.name = node.name
@@ -86,13 +93,13 @@ class Reference:
         mix(self.parameters, policy, alpha)
 
     def logprobs(self, rollout: Mapping[str, Tensor]) -> Batch:
-        """``{"ref_logprobs": float32[sample, ctime]}``, 0 on padding, ``-inf`` outside the kept set, on the CPU."""
+        """``{output: float32[sample, ctime]}``, 0 on padding, ``-inf`` outside the kept set (``truncates``), on the CPU."""
         fields = ("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask")
         prompt_ids, prompt_lens, completion_ids, completion_mask = (rollout[f].to(self.device) for f in fields)
         temperature = rollout.get("sampling_temperature", 1.0)
         if isinstance(temperature, Tensor):
             temperature = temperature.to(self.device)
-        top_k, top_p = rollout.get("sampling_top_k", 0), rollout.get("sampling_top_p", 1.0)
+        top_k, top_p = (rollout.get("sampling_top_k", 0), rollout.get("sampling_top_p", 1.0)) if self.truncates else (0, 1.0)
         extent = rollout.get("completion_lens")  # a multi-turn sample's environment tokens are attended, as the trainer attends them
         routed = rollout.get("routed_experts")  # a generator's routing_replay: the reference routes as the engine did
         with torch.no_grad():
@@ -102,4 +109,4 @@ class Reference:
                 packing=self.packing,
                 routed_experts=routed.to(self.device) if routed is not None else None,
             )
-        return {"ref_logprobs": lp.cpu()}
+        return {self.output: lp.cpu()}

@@ -39,6 +39,7 @@ PLAN_ROLES: dict[str, PlanRole] = {
     "reference": reference_role,
     "reward_model": reward_model_role,
     "critic": critic_role,
+    "teacher": reference_role,  # a frozen model's forward pass over each sequence, its own model's shape
     "policy": policy_role,
 }
 

@@ -19,7 +19,7 @@ from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
 from flowrl.replan import plan_command
 
-__all__ = ["check_meshes", "check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families"]
+__all__ = ["check_meshes", "check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families", "check_teachers"]
 
 
 def check_meshes(graph: Graph, placement: Placement, *, backend: str, device: str, skip: Mapping[str, str] | frozenset[str] = frozenset()) -> None:
@@ -275,3 +275,30 @@ def check_packing_families(graph: Graph, *, skip: frozenset[str] = frozenset()) 
         config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
         if getattr(config, "packing", None) is True and node.name not in skip:  # the default (None) pads a family that cannot pack
             check_packing(node.model, owner=f"{node.kind} {node.name!r}")  # type: ignore[attr-defined]
+
+
+def check_teachers(graph: Graph, *, skip: frozenset[str] = frozenset()) -> None:
+    """Refuse, before any node is built (under torchrun on every rank alike), a Hugging Face teacher
+    whose tokenizer or ``vocab_size`` is not its student generator's (``flowrl.graph.teacher``: the
+    graph's rules compare the configs; this reads the directories' ``config.json`` and tokenizers).
+
+    Raises:
+        ConfigError: naming the teacher, both directories and the first difference.
+    """
+    from flowrl.graph.teacher import TeacherNode
+    from flowrl.operators.teacher import check_same_tokenizer
+
+    for teacher in graph.nodes_of(TeacherNode):
+        if teacher.name in skip or not isinstance(teacher.model, HFModelConfig):
+            continue
+        for gen in (p for p in graph.producers(teacher.name) if isinstance(p, GeneratorNode) and isinstance(p.model, HFModelConfig)):
+            owner = f"teacher {teacher.name!r}"
+            vocab = {n: model_from_config(m).vocab_size for n, m in (("teacher", teacher.model), ("student", gen.model))}
+            if vocab["teacher"] != vocab["student"]:
+                raise ConfigError(
+                    f"{owner}: its model's vocab_size={vocab['teacher']} ({teacher.model.path}) differs from the student generator "
+                    f"{gen.name!r}'s vocab_size={vocab['student']} ({gen.model.path}); a teacher scores the student's token ids as they are "
+                    "(cross-tokenizer distillation is not supported): give the teacher a model with the student's vocabulary"
+                )
+            if teacher.model.tokenizer_path != gen.model.tokenizer_path:
+                check_same_tokenizer(teacher.model.tokenizer_path, gen.model.tokenizer_path, owner=owner)

@@ -33,6 +33,7 @@ from flowrl.runtime.programs import (
     build_reward_model,
     build_scorer,
     build_source,
+    build_teacher,
 )
 
 __all__ = ["PROGRAMS", "ProgramBuilder", "build_program"]
@@ -49,6 +50,7 @@ PROGRAMS: dict[str, ProgramBuilder] = {
     "reference": build_reference,
     "reward_model": build_reward_model,
     "critic": build_critic,
+    "teacher": build_teacher,
     "policy": build_policy,
 }
 

@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from flowrl.errors import ConfigError, FlowrlError, NodeBuildError, TransportError
+from flowrl.graph.configs import ReferenceConfig
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, RewardModelNode, ScorerNode, SourceNode
 from flowrl.runtime.staleness import StalenessGate
@@ -40,6 +41,7 @@ __all__ = [
     "build_generator",
     "build_scorer",
     "build_reference",
+    "build_teacher",
     "build_reward_model",
     "build_policy",
     "SourceProgram",
@@ -390,6 +392,9 @@ class ReferenceProgram(ProgramBase):
 
     State (``_lock``: a checkpoint's ``save`` may run while a step mixes): the model's weights, and
     ``synced_at``, the trainer step of the last mix (0: none), which a resumed run continues from.
+
+    A teacher (``flowrl.graph.teacher``) runs this program frozen, with its own operator
+    (``build_teacher``: ``operator=Teacher(...)``, ``span="teacher_s"``).
     """
 
     def __init__(
@@ -400,14 +405,17 @@ class ReferenceProgram(ProgramBase):
         *,
         device: str = "cpu",
         timeout_s: float = 300.0,
+        operator: Any = None,
+        span: str = "ref_s",
     ) -> None:
         import threading
 
         from flowrl.operators.reference import Reference
 
         self.name = node.name
-        self.reference = Reference(node, device=device)
-        self.config = node.reference
+        self.reference = operator if operator is not None else Reference(node, device=device)
+        self.config = node.reference if isinstance(node, ReferenceNode) else ReferenceConfig()  # another kind's: frozen
+        self._span = span
         self.synced_at = 0
         self._lock = threading.Lock()
         if self.config.sync_steps:
@@ -452,7 +460,7 @@ class ReferenceProgram(ProgramBase):
             info[f"ref/sync_s/{self.name}"] = time.perf_counter() - start
         start = time.perf_counter()
         out = self.reference.logprobs(inputs)
-        info["ref_s"] = time.perf_counter() - start
+        info[self._span] = time.perf_counter() - start
         return out, info
 
     def snapshot(self, path: str) -> Callable[[], None]:
@@ -580,6 +588,14 @@ def build_scorer(node: ScorerNode, graph: Graph, env: ProgramEnv, transports: Sh
 def build_reference(node: ReferenceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
     """A reference model's program: log-probs under its weights, frozen or synced with the policy."""
     return ReferenceProgram(node, graph, transports, device=env.device_of(node.name), timeout_s=env.weight_timeout_s)
+
+
+def build_teacher(node: Any, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
+    """A teacher's program (``flowrl.graph.teacher``): a frozen reference's, its operator the teacher's log-probs."""
+    from flowrl.operators.teacher import Teacher
+
+    device = env.device_of(node.name)
+    return ReferenceProgram(node, device=device, operator=Teacher(node, device=device), span="teacher_s")
 
 
 def build_reward_model(node: RewardModelNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:

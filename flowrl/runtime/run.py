@@ -80,7 +80,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     from flowrl.runtime.parallel.fsdp import check_backend
     from flowrl.runtime.names import check_names
     from flowrl.runtime.executor_placement import resolve_device
-    from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_meshes, check_packing_families
+    from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_meshes, check_packing_families, check_teachers
 
     if isinstance(placement, RunConfig) and config is None:  # run_graph(graph, config)
         placement, config = None, placement
@@ -100,6 +100,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         check_fits_in_memory(graph, skip=frozenset(config.programs))  # user programs allocate what they like
     check_engines(graph, backend=config.backend, device=device, skip=frozenset(config.programs))
     check_packing_families(graph, skip=frozenset(config.programs))  # packing=True with a family that cannot pack
+    check_teachers(graph, skip=frozenset(config.programs))  # a teacher with another tokenizer than its student's
     if config.eval_every:
         from flowrl.runtime.evaluation.during_run import check_eval_data
 

@@ -288,7 +288,7 @@ def test_an_objective_that_is_no_name_is_refused_at_build():
     "node, value, error, message",
     [
         ("prompts", "cpoy", "ConfigError", "source 'prompts': unknown task 'cpoy'; built-in tasks are add, copy, longtail"),
-        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, cispo, decoupled_ppo, dppo, grpo, gspo, mis, pg, ppo, ppo_clip, sapo, tis"),
+        ("aipo", "aipoo", "GraphError", "loss 'aipo': unknown objective 'aipoo'; known objectives are aipo, cispo, decoupled_ppo, dppo, grpo, gspo, mis, opd, pg, ppo, ppo_clip, sapo, tis"),
     ],
     ids=["task", "objective"],
 )

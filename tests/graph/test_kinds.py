@@ -167,7 +167,7 @@ def test_roles_are_table_fields():
     """Which kinds wait for weights, publish them and go on which side: read from the table, not kind names."""
     assert [k for k, s in KINDS.items() if s.waits_for_weights] == ["generator"]
     assert [k for k, s in KINDS.items() if s.publishes_weights] == ["policy"]
-    assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model", "critic"}
+    assert {k for k, s in KINDS.items() if s.runs_on == "devices" and s.side == "trainer"} == {"policy", "reference", "reward_model", "critic", "teacher"}
     assert [k for k, s in KINDS.items() if s.trains] == ["critic"]
     assert all(s.side == "cpu" for s in KINDS.values() if s.runs_on == "cpu")
     assert TRAINABLE_KINDS == {"policy"} and WEIGHT_HOLDING_KINDS == {"generator", "reference", "policy"}

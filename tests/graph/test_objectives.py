@@ -11,7 +11,7 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import LossConfig, ModelConfig
 from flowrl.graph.corrections import CorrectionConfig
 from flowrl.graph.objectives import (
-    ANCHORED_AT_OLD,
+    ANCHORED_AT_OLD, READS_TEACHER,
     BUILTIN_OBJECTIVES,
     NEEDS_PROXIMAL,
     OBJECTIVES,
@@ -51,7 +51,8 @@ def _graph(**loss):
 def test_the_old_sets_are_views_of_the_rows():
     assert NEEDS_PROXIMAL == {"decoupled_ppo"}
     assert ANCHORED_AT_OLD == {"grpo", "ppo_clip", "ppo", "gspo", "cispo", "sapo"}
-    assert {n for n, r in BUILTIN_OBJECTIVES.items() if r.corrects} == {"aipo", "tis", "mis", "decoupled_ppo", "dppo"}
+    assert {n for n, r in BUILTIN_OBJECTIVES.items() if r.corrects} == {"aipo", "tis", "mis", "decoupled_ppo", "dppo", "opd"}
+    assert READS_TEACHER == {"opd"}
     assert not any(r.fn for r in BUILTIN_OBJECTIVES.values())  # found by name in flowrl.operators.losses.LOSSES
 
 

@@ -29,9 +29,9 @@ def batch(mu=MU, mask=MASK, **fields):
     return {"behaviour_logprobs": mu, "completion_mask": mask, "group_ids": torch.arange(mask.shape[0]), **fields}
 
 
-def loss_and_grad(config: LossConfig, logp, mu=MU, adv=ADV, mask=MASK, **kw):
+def loss_and_grad(config: LossConfig, logp, mu=MU, adv=ADV, mask=MASK, fields=None, **kw):
     x = torch.tensor(logp, requires_grad=True)
-    loss, metrics = compute_loss(config, x, batch(mu, mask), advantages=adv, **kw)
+    loss, metrics = compute_loss(config, x, batch(mu, mask, **(fields or {})), advantages=adv, **kw)
     loss.backward()
     return float(loss.detach()), x.grad, metrics
 
@@ -225,8 +225,9 @@ def test_a_long_sequences_ratio_does_not_overflow():
 
 @pytest.mark.parametrize("objective", sorted(LOSSES))
 def test_every_objective_on_policy_is_reinforce(objective):
-    """pi == mu: every ratio is 1, nothing clipped or dropped, and each gradient is -A / N (token_mean)."""
-    _, grad, _ = loss_and_grad(LossConfig(objective=objective), LOGP, torch.tensor(LOGP))
+    """pi == mu: every ratio is 1, nothing clipped or dropped, and each gradient is -A / N (token_mean); opd's teacher is mu too (no reverse KL)."""
+    teacher = {"teacher_logprobs": torch.tensor(LOGP)} if objective == "opd" else {}
+    _, grad, _ = loss_and_grad(LossConfig(objective=objective), LOGP, torch.tensor(LOGP), fields=teacher)
     torch.testing.assert_close(grad, -ADV[:, None] * MASK / 3)
 
 

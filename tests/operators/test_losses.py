@@ -193,7 +193,8 @@ def test_compute_loss_weighs_the_reward_fields():
 @pytest.mark.parametrize("objective", sorted(LOSSES))
 def test_every_objective_runs(objective):
     critic = {"values": torch.zeros_like(LOGP)} if objective == "ppo" else {}  # "ppo" reads a critic's values
-    loss, m = compute_loss(LossConfig(objective=objective), LOGP, batch(rewards=torch.tensor([1.0, 0.0]), **critic))
+    teacher = {"teacher_logprobs": MU} if objective == "opd" else {}  # "opd" reads a teacher's log-probs
+    loss, m = compute_loss(LossConfig(objective=objective), LOGP, batch(rewards=torch.tensor([1.0, 0.0]), **critic, **teacher))
     assert math.isfinite(float(loss)) and "loss/policy" in m
 
 
@@ -211,7 +212,7 @@ def test_the_kl_term_needs_reference_logprobs():
 @pytest.mark.parametrize(
     ("config", "fields", "match"),
     [
-        (LossConfig(objective="dpo"), {"rewards": torch.zeros(2)}, "unknown loss objective 'dpo': known objectives are aipo, cispo, decoupled_ppo, dppo, grpo, gspo, mis, pg, ppo, ppo_clip, sapo, tis"),
+        (LossConfig(objective="dpo"), {"rewards": torch.zeros(2)}, "unknown loss objective 'dpo': known objectives are aipo, cispo, decoupled_ppo, dppo, grpo, gspo, mis, opd, pg, ppo, ppo_clip, sapo, tis"),
         (LossConfig(), {"score": torch.zeros(2)}, "reward field 'rewards'"),
     ],
     ids=["unknown-objective", "missing-reward"],

@@ -34,7 +34,8 @@ def _graph(objective: str, num_iterations: int, num_mini_batches: int):
     gen = b.generator("gen", prompts, n_samples=3, max_new_tokens=5)
     reward = b.scorer("reward", gen, fn="flowrl.operators.tasks:copy_reward")
     critic = [b.critic("critic", gen, reward, lr=1e-3)] if objective == "ppo" else []  # ppo's advantages: a critic's GAE
-    loss = b.loss("loss", gen, reward, *critic, objective=objective)
+    teacher = [b.teacher("teacher", gen, model=TINY)] if objective == "opd" else []  # opd's teacher (its passes are its node's)
+    loss = b.loss("loss", gen, reward, *critic, *teacher, objective=objective)
     pol = b.policy("policy", loss, num_iterations=num_iterations, num_mini_batches=num_mini_batches)
     b.weights(pol, gen, max_staleness=1)
     return b.build()
@@ -72,6 +73,8 @@ def _run_passes(graph, batch, monkeypatch) -> tuple[int, int]:
     n = int(batch["completion_ids"].shape[0])
     if loss.loss.objective == "ppo":  # the critic's fields (the critic's own passes are its node's, priced as its role)
         batch = {**batch, "values": torch.zeros(batch["completion_ids"].shape), "value_version": torch.tensor(0)}
+    if loss.loss.objective == "opd":  # the teacher's field
+        batch = {**batch, "teacher_logprobs": batch["behaviour_logprobs"] - 0.5}
     Trainer(policy, loss).train_step(dict(batch))
     assert rows["grad"] % n == 0 and rows["no_grad"] % n == 0, f"partial passes: {rows} rows over a batch of {n}"
     return rows["grad"] // n, rows["no_grad"] // n

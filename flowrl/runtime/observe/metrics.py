@@ -82,6 +82,7 @@ UNNAMESPACED: dict[str, str] = {
     "score_s": "the scorer's span in the trace (--trace)",
     "ref_s": "the reference's span in the trace (--trace)",
     "rm_s": "the reward model's span in the trace (--trace)",
+    "teacher_s": "the teacher's span in the trace (--trace)",
     "critic_s": "the critic's span in the trace (--trace)",
     "loss": "the row's loss",
     "reward_mean": "the row's reward_mean, computed from the batch",
