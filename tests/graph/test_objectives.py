@@ -11,7 +11,8 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import LossConfig, ModelConfig
 from flowrl.graph.corrections import CorrectionConfig
 from flowrl.graph.objectives import (
-    ANCHORED_AT_OLD, READS_TEACHER,
+    ANCHORED_AT_OLD,
+    READS_TEACHER,
     BUILTIN_OBJECTIVES,
     NEEDS_PROXIMAL,
     OBJECTIVES,
