@@ -183,12 +183,13 @@ def _calibrate(path: str | None):
 
     from flowrl.calibration.gloo_rate import measure_gloo, with_gloo
     from flowrl.calibration.measure import Measurements, measure
-    from flowrl.calibration.rank_passes import measure_rank_passes, with_rank_passes
+    from flowrl.calibration.rank_passes import RankShape, measure_rank_passes, with_rank_passes
 
     if path and Path(path).is_file():
         return msgspec.json.decode(Path(path).read_bytes(), type=Measurements)
     m = with_gloo(measure(widths=(896,)), measure_gloo())
-    m = with_rank_passes(m, measure_rank_passes(896))
+    # the split passes at the bench's policy: the 0.5B shape (14 heads, 2 kv heads, MLP 4864), 8 sequences of ~29 tokens
+    m = with_rank_passes(m, measure_rank_passes(RankShape(width=896, heads=14, kv_heads=2, ffn=4864, rows=8, tokens=29)))
     if path:
         Path(path).write_bytes(msgspec.json.encode(m))
     return m

@@ -42,6 +42,10 @@ class CalibrationNeeds(msgspec.Struct, frozen=True, kw_only=True):
         vllm_new_tokens: its ``max_new_tokens`` (capped); 0: no vLLM generator.
         gloo: a policy shards with FSDP2 (``OptimizerConfig.sharding="fsdp"``): measure gloo's
             collective rate (``flowrl.calibration.gloo_rate``).
+        policy_model: the first policy's model shape; None: no policy.
+        policy_rows: sequences of its batch (the sources' prompts per step x its generator's samples,
+            at most ``MAX_VLLM_ROWS``); policy_tokens: its generator's ``max_new_tokens`` (at most
+            ``MAX_VLLM_TOKENS``): the shape ``flowrl.calibration.rank_passes`` runs the split passes at.
     """
 
     widths: tuple[int, ...] = ()
@@ -49,6 +53,9 @@ class CalibrationNeeds(msgspec.Struct, frozen=True, kw_only=True):
     vllm_rows: int = 0
     vllm_new_tokens: int = 0
     gloo: bool = False
+    policy_model: ModelSpec | None = None
+    policy_rows: int = 0
+    policy_tokens: int = 0
 
 
 def calibration_needs(graph: Graph) -> CalibrationNeeds:
@@ -68,4 +75,11 @@ def calibration_needs(graph: Graph) -> CalibrationNeeds:
             rows = min(MAX_VLLM_ROWS, prompts * node.sampling.n_samples)  # type: ignore[attr-defined]
             tokens = min(MAX_VLLM_TOKENS, node.sampling.max_new_tokens)  # type: ignore[attr-defined]
     fsdp = any(getattr(getattr(n, "optimizer", None), "sharding", "replicate") == "fsdp" for n in graph.nodes)
-    return CalibrationNeeds(widths=tuple(sorted(widths)), vllm_model=vllm, vllm_rows=rows, vllm_new_tokens=tokens, gloo=fsdp)
+    policy = next(iter(graph.nodes_of_kind("policy")), None)
+    gens = graph.nodes_of_kind("generator")
+    p_rows = min(MAX_VLLM_ROWS, prompts * gens[0].sampling.n_samples) if gens else 0  # type: ignore[union-attr]
+    p_tokens = min(MAX_VLLM_TOKENS, gens[0].sampling.max_new_tokens) if gens else 0  # type: ignore[union-attr]
+    return CalibrationNeeds(
+        widths=tuple(sorted(widths)), vllm_model=vllm, vllm_rows=rows, vllm_new_tokens=tokens, gloo=fsdp,
+        policy_model=model_from_config(policy.model) if policy is not None else None, policy_rows=p_rows, policy_tokens=p_tokens,  # type: ignore[union-attr]
+    )

@@ -11,13 +11,14 @@ every sharded operator in Python; the ranks wait for each other at every collect
 pipeline's schedule has work of its own. None of that is a FLOP or a byte, so this module measures
 it as the runtime runs it and hands the planner one efficiency per pass:
 
-- ``tp_train``: the calibration model (``measure._pass_model``: the built-in transformer at the
-  width, 2 layers) split over 2 ranks by the trainer's own tensor parallelism
+- ``tp_train``: a 2-layer built-in transformer of the graph's policy's shape (``RankShape``: width,
+  heads, kv heads, MLP width, its batch's rows and tokens; without a graph the calibration model's,
+  ``default_shape``) split over 2 ranks by the trainer's own tensor parallelism
   (``runtime.parallel.tp_train.shard_tp_model_``: DTensor, the family's split table), one forward +
-  backward of ``pass_rows(width)`` rows of 8 tokens on both ranks at once;
+  backward of the shape's rows on both ranks at once;
 - ``tp_decode``: the same model split by the built-in generator's tensor parallelism
   (``runtime.parallel.tensor_parallel.shard_model_``), one decode-shaped forward (one token) of
-  ``DECODE_ROWS`` rows;
+  the shape's ``decode_rows``;
 - ``pp_train``: the same model in two stages (``runtime.parallel.pipeline.split_model``, one layer
   each) under ``torch.distributed.pipelining``'s ``Schedule1F1B`` over ``MICRO_BATCHES`` micro-batches
   of those rows, as ``PipelineTrainer`` runs it;
@@ -48,7 +49,7 @@ import msgspec
 from flowrl.calibration.measure import Measurements, pass_rows
 from flowrl.errors import PlanError
 
-__all__ = ["RankPassSeconds", "measure_rank_passes", "efficiencies", "with_rank_passes", "DECODE_ROWS", "MICRO_BATCHES"]
+__all__ = ["RankShape", "default_shape", "RankPassSeconds", "measure_rank_passes", "efficiencies", "with_rank_passes", "DECODE_ROWS", "MICRO_BATCHES"]
 
 #: Rows of the decode-shaped passes (a CPU generator's batch).
 DECODE_ROWS = 8
@@ -60,11 +61,43 @@ _LAYERS = 2
 _TOKENS = 8
 
 
+class RankShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The model and batch the split passes run at: the graph's policy's when ``flowrl calibrate --graph``
+    knows it (``needs.CalibrationNeeds.rank_shape``), else the calibration model's (``default_shape``).
+
+    Attributes:
+        width: hidden size; heads / kv_heads / ffn: its attention heads, key-value heads and MLP width.
+        rows / tokens: the training pass's sequences and tokens each; decode_rows: the decode step's rows.
+    """
+
+    width: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    rows: int
+    tokens: int = _TOKENS
+    decode_rows: int = DECODE_ROWS
+
+
+def default_shape(width: int) -> RankShape:
+    """The calibration model's shape at ``width`` (``measure._pass_model``: heads 16 wide, MHA, the
+    built-in MLP width) on ``pass_rows(width)`` rows of 8 tokens.
+
+    Example:
+        >>> default_shape(896)
+        RankShape(width=896, heads=56, kv_heads=56, ffn=2392, rows=73, tokens=8, decode_rows=8)
+    """
+    heads = max(1, width // 16)
+    return RankShape(width=width, heads=heads, kv_heads=heads, ffn=-(-8 * width // 3 // 8) * 8, rows=pass_rows(width))
+
+
 class RankPassSeconds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Seconds of each pass (module docstring), the ``statistic`` over the repeats, and the shape they ran at."""
 
     width: int
     rows: int
+    tokens: int = _TOKENS
+    decode_rows: int = DECODE_ROWS
     whole_train: float
     tp_train: float
     pp_train: float
@@ -98,9 +131,9 @@ def efficiencies(s: RankPassSeconds, m: Measurements) -> dict[str, float]:
         rate = terms.gloo_send_rate(nbytes) or terms.gloo_rate(nbytes)
         return nbytes / rate if rate else 0.0
 
-    act = s.rows * _TOKENS * s.width * 4
+    act = s.rows * s.tokens * s.width * 4
     tp_comm = _LAYERS * (TP_FORWARD_ALL_REDUCES + TP_BACKWARD_ALL_REDUCES) * all_reduce(act)
-    dec_comm = _LAYERS * TP_FORWARD_ALL_REDUCES * all_reduce(DECODE_ROWS * s.width * 4)
+    dec_comm = _LAYERS * TP_FORWARD_ALL_REDUCES * all_reduce(s.decode_rows * s.width * 4)
     mb = s.whole_train / 2 / MICRO_BATCHES  # one stage's share of one micro-batch
     sends = (MICRO_BATCHES + 1) * 2 * send(act / MICRO_BATCHES)  # 1F1B: m + pp - 1 slots, a send each way
 
@@ -119,25 +152,35 @@ def with_rank_passes(m: Measurements, s: RankPassSeconds) -> Measurements:
     return msgspec.structs.replace(m, cpu=msgspec.structs.replace(m.cpu, **efficiencies(s, m)))
 
 
-def measure_rank_passes(width: int, *, repeats: int = 3, statistic: str = "median") -> RankPassSeconds:
-    """Time the passes of the module docstring at ``width`` on two processes of this host.
+def measure_rank_passes(shape: RankShape | int, *, repeats: int = 3, statistic: str = "median") -> RankPassSeconds:
+    """Time the passes of the module docstring at ``shape`` (a width: ``default_shape``'s) on two
+    processes of this host.
 
     Raises:
-        PlanError: a width that does not split in two (heads of 16 wide, an even count), fewer than
-            one repeat, an unknown ``statistic``, or a process that failed or took too long.
+        PlanError: a shape that does not split in two (odd heads, kv heads or MLP width; 4 rows at
+            least for the pipeline's micro-batches), fewer than one repeat, an unknown ``statistic``,
+            or a process that failed or took too long.
     """
-    if width < 32 or width % 32 or repeats < 1:
-        raise PlanError(f"measure_rank_passes: width={width} must be a multiple of 32 (an even number of 16-wide heads) and repeats={repeats} >= 1")
+    if isinstance(shape, int):
+        if shape < 32 or shape % 32:
+            raise PlanError(f"measure_rank_passes: width={shape} must be a multiple of 32 (an even number of 16-wide heads)")
+        shape = default_shape(shape)
+    odd = [k for k in ("heads", "kv_heads", "ffn") if getattr(shape, k) % 2]
+    if odd or shape.width % shape.heads or shape.heads % shape.kv_heads or shape.rows < MICRO_BATCHES or min(shape.tokens, shape.decode_rows) < 1 or repeats < 1:
+        raise PlanError(
+            f"measure_rank_passes: {shape} must split over 2 ranks (even {odd or 'heads, kv_heads, ffn'}; heads dividing the width, "
+            f"kv heads the heads), with at least {MICRO_BATCHES} rows, and repeats={repeats} >= 1"
+        )
     if statistic not in ("median", "best"):
         raise PlanError(f"calibration statistic {statistic!r} is not one of median, best")
     from flowrl.calibration.gloo_rate import run_pair
 
-    seconds = run_pair("flowrl.calibration.rank_passes", ["--width", str(width), "--repeats", str(repeats)], what="the split passes")
+    seconds = run_pair("flowrl.calibration.rank_passes", ["--shape", msgspec.json.encode(shape).decode(), "--repeats", str(repeats)], what="the split passes")
     pick = min if statistic == "best" else statistics.median
-    return RankPassSeconds(width=width, rows=pass_rows(width), **{k: pick(v) for k, v in seconds.items()})
+    return RankPassSeconds(width=shape.width, rows=shape.rows, tokens=shape.tokens, decode_rows=shape.decode_rows, **{k: pick(v) for k, v in seconds.items()})
 
 
-def _rank(rank: int, port: int, width: int, repeats: int) -> None:
+def _rank(rank: int, port: int, shape: RankShape, repeats: int) -> None:
     """One of the two processes: the passes of the module docstring; rank 0 prints their seconds."""
     import copy
 
@@ -147,8 +190,8 @@ def _rank(rank: int, port: int, width: int, repeats: int) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from flowrl.calibration.gloo_rate import TIMEOUT_S
-    from flowrl.calibration.measure import _pass_model
     from flowrl.graph.configs import ModelConfig
+    from flowrl.models import build_model
     from flowrl.runtime.parallel.pipeline import split_model
     from flowrl.runtime.parallel.tensor_parallel import shard_model_
     from flowrl.runtime.parallel.tp_train import shard_tp_model_
@@ -157,13 +200,12 @@ def _rank(rank: int, port: int, width: int, repeats: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        whole, _ = _pass_model(width)
-        heads = max(1, width // 16)
-        config = ModelConfig(vocab_size=16, dim=width, n_layers=_LAYERS, n_heads=heads, n_kv_heads=heads, max_seq_len=2 * _TOKENS)
-        rows = pass_rows(width)
-        x = torch.randint(0, 16, (rows, _TOKENS))
+        width, rows, tokens = shape.width, shape.rows, shape.tokens
+        config = ModelConfig(vocab_size=16, dim=width, n_layers=_LAYERS, n_heads=shape.heads, n_kv_heads=shape.kv_heads, ffn_dim=shape.ffn, max_seq_len=2 * tokens)
+        whole = build_model(config)
+        x = torch.randint(0, 16, (rows, tokens))
         valid = torch.ones_like(x, dtype=torch.bool)
-        xd = torch.randint(0, 16, (DECODE_ROWS, 1))
+        xd = torch.randint(0, 16, (shape.decode_rows, 1))
         vd = torch.ones_like(xd, dtype=torch.bool)
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         tp_train = copy.deepcopy(whole)
@@ -171,10 +213,10 @@ def _rank(rank: int, port: int, width: int, repeats: int) -> None:
         tp_decode = shard_model_(copy.deepcopy(whole), (0, 1), rank, dist.group.WORLD)
         stage = split_model(copy.deepcopy(whole), rank, 2, _LAYERS)
         mb = rows // MICRO_BATCHES
-        hidden = torch.empty(mb, _TOKENS, width, device="meta", requires_grad=True)
-        given = torch.empty(mb, _TOKENS, dtype=torch.int64, device="meta") if stage.first else hidden
-        stage.keep = _TOKENS
-        out = torch.empty(mb, _TOKENS, stage.vocab_rows(), device="meta") if stage.last else hidden
+        hidden = torch.empty(mb, tokens, width, device="meta", requires_grad=True)
+        given = torch.empty(mb, tokens, dtype=torch.int64, device="meta") if stage.first else hidden
+        stage.keep = tokens
+        out = torch.empty(mb, tokens, stage.vocab_rows(), device="meta") if stage.last else hidden
 
         def train(model: torch.nn.Module) -> None:
             model(x, valid=valid).float().sum().backward()
@@ -219,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one of measure_rank_passes' two processes")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--shape", required=True, help="a RankShape as JSON")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    _rank(args.rank, args.port, args.width, args.repeats)
+    _rank(args.rank, args.port, msgspec.json.decode(args.shape, type=RankShape), args.repeats)
 
 
 if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)

@@ -85,12 +85,16 @@ def _run(args: argparse.Namespace) -> int:
         acts = "; ".join(f"{n / 2**20:g} MiB all-reduce {a / 1e9:.2f}, send {p / 1e9:.2f}"
                          for (n, a), (_, p) in zip(m.cpu.gloo_all_reduce_by_bytes, m.cpu.gloo_send_by_bytes))
         print(f"gloo at activations' sizes (GB/s): {acts}", file=sys.stderr)
-        from flowrl.calibration.rank_passes import measure_rank_passes, with_rank_passes
+        from flowrl.calibration.rank_passes import RankShape, default_shape, measure_rank_passes, with_rank_passes
 
-        width = max(32, m.cpu.train_flops_by_width[-1][0] // 32 * 32)  # the widest width measured (the graph's model)
-        m = with_rank_passes(m, measure_rank_passes(width, repeats=min(args.repeats, 3)))
+        shape = default_shape(max(32, m.cpu.train_flops_by_width[-1][0] // 32 * 32))  # the widest width measured
+        p = needs.policy_model
+        if p is not None and not (p.n_heads % 2 or p.n_kv_heads % 2 or p.ffn_dim % 2) and needs.policy_rows >= 4:  # the graph's policy, if it splits
+            shape = RankShape(width=p.dim, heads=p.n_heads, kv_heads=p.n_kv_heads, ffn=p.ffn_dim, rows=needs.policy_rows,
+                              tokens=max(1, needs.policy_tokens), decode_rows=needs.policy_rows)  # fmt: skip
+        m = with_rank_passes(m, measure_rank_passes(shape, repeats=min(args.repeats, 3)))
         print(
-            f"split passes on two ranks at width {width}, against the planner's terms: tp training {m.cpu.tp_train_efficiency:.2f}, "
+            f"split passes on two ranks at {shape}, against the planner's terms: tp training {m.cpu.tp_train_efficiency:.2f}, "
             f"tp decoding {m.cpu.tp_decode_efficiency:.2f}, pp training (1F1B) {m.cpu.pp_train_efficiency:.2f}",
             file=sys.stderr,
         )

@@ -75,3 +75,18 @@ def test_measure_refuses_a_bad_width_before_any_work(widths):
 
 def test_the_default_table_stops_at_256():
     assert WIDTHS[-1] == 256 and pass_rows(896) == PASS_ROWS * 256 // 896
+
+def test_the_policys_shape_and_batch_are_what_the_split_passes_run_at():
+    """``flowrl calibrate --graph`` runs ``rank_passes`` at the first policy's model and its batch: the
+    sources' prompts per step x the generator's samples, its ``max_new_tokens`` (capped)."""
+    from flowrl.examples import build_example
+    from flowrl.modelspec import model_from_config
+
+    graph = build_example("llamarl")
+    needs = calibration_needs(graph)
+    policy = graph.nodes_of_kind("policy")[0]
+    gen = graph.nodes_of_kind("generator")[0]
+    prompts = sum(s.source.batch_size for s in graph.nodes_of_kind("source"))
+    assert needs.policy_model == model_from_config(policy.model)
+    assert needs.policy_rows == min(64, prompts * gen.sampling.n_samples)
+    assert needs.policy_tokens == min(32, gen.sampling.max_new_tokens)

@@ -78,6 +78,7 @@ def fault_job(tmp_path: Path, sig: signal.Signals) -> tuple[float, str, list[int
     return took, err, [p for p in pids if alive(p)]
 
 
+@pytest.mark.slow  # ~8 s of torchrun (the heartbeat's detection and naming are tested in one process by tests/runtime/test_heartbeat.py)
 def test_a_sigstopped_rank_ends_every_rank_within_the_bound(tmp_path: Path) -> None:
     took, err, left = fault_job(tmp_path, signal.SIGSTOP)
     assert "rank 1 (node 'policy') is stopped" in err and "its heartbeat stood still" in err, err[-4000:]
