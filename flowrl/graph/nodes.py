@@ -281,7 +281,8 @@ class ReferenceNode(NodeBase, tag="reference"):
 
     def signature(self) -> Signature:
         return Signature(
-            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens")
+            _fields(("sample_prompt_ids", "sample_prompt_lens", "completion_ids", "completion_mask", "completion_lens",
+                     "sampling_temperature", "sampling_top_k", "sampling_top_p")  # it scores as mu sampled (operators.reference)
                     + (() if isinstance(self.model, ModelConfig) else ("routed_experts",))),  # a MoE reference replays the routing
             _fields(("ref_logprobs",)),
         )
