@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,26 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.reliability.killresume import check_run, descendants, rows_of  # noqa: E402
+from tests.reliability.killresume import check_run, descendants, free_port, rank_pid, rows_of  # noqa: E402
 
 FAULTS = (("SIGKILL", 1, "policy rank"), ("SIGKILL", 0, "generator rank"), ("SIGSTOP", 2, "policy rank"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _rank_pid(agent: int, rank: int) -> int | None:
-    for pid in descendants(agent):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
-            return pid
-    return None
 
 
 def _engine_pid(agent: int) -> int | None:
@@ -73,7 +59,7 @@ def _engine_pid(agent: int) -> int | None:
 def start(cwd: Path, model: Path, steps: int, every: int, liveness: float, engine: str = "builtin") -> subprocess.Popen:
     (cwd / "place.json").write_text('{"gen": [0], "policy": [1, 2]}')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "3", "--nproc-per-node", "3",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "-m", "flowrl", "run", "hf_copy", "--model", str(model), "--sharding", "fsdp", "--backend", "torchrun",
            "--plan", "place.json", "--quiet", "--steps", str(steps), "--max-staleness", "0", "--checkpoint-dir", "ck",
            "--checkpoint-every", str(every), "--resume", "auto", "--metrics", "m.jsonl", "--liveness-timeout", str(liveness), "--engine", engine]
@@ -133,7 +119,7 @@ def run_faulted(cwd: Path, model: Path, steps: int, every: int, liveness: float,
                 if job.poll() is not None or time.monotonic() - t0 > timeout:
                     raise RuntimeError(f"the job ended or stalled before fault {i + 1}: {(cwd / 'err.txt').read_text()[-3000:]}")
                 time.sleep(0.02)
-            victim = _engine_pid(job.pid) if rank == "engine" else _rank_pid(job.pid, rank)
+            victim = _engine_pid(job.pid) if rank == "engine" else rank_pid(job.pid, rank)
             before = len(rows_of(cwd / "m.jsonl"))
             hit = time.monotonic()
             os.kill(victim, getattr(signal, sig))

@@ -124,6 +124,28 @@ def descendants(pid: int) -> list[int]:
         todo += below
     return found
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a torchrun rendezvous endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_pid(agent: int, rank: int) -> int | None:
+    """The pid of the torchrun worker of ``rank`` among the descendants of torchrun's agent (pid
+    ``agent``), read from /proc (its ``RANK`` and ``TORCHELASTIC_RUN_ID``); None when there is none."""
+    for pid in descendants(agent):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
+            return pid
+    return None
+
+
 
 def alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie waiting for its reaper counts as gone)."""

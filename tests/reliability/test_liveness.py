@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.killresume import ROOT, alive, descendants, rows_of
+from tests.reliability.killresume import ROOT, alive, descendants, free_port, rank_pid, rows_of
 
 pytest.importorskip("torch.distributed")
 
@@ -30,22 +29,8 @@ SLACK_S = 20.0  # torchrun's own stop, the agent's exit and a loaded 2-core mach
 JOB_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def rank_pid(agent: int, rank: int) -> int | None:
-    """The pid of the worker of ``rank`` among torchrun's agent's (pid ``agent``) descendants (from /proc)."""
-    for pid in descendants(agent):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"\0".join(env):
-            return pid
-    return None
 
 
 def fault_job(tmp_path: Path, sig: signal.Signals) -> tuple[float, str, list[int]]:
@@ -53,7 +38,7 @@ def fault_job(tmp_path: Path, sig: signal.Signals) -> tuple[float, str, list[int
     signal to the job's end, its stderr, the pids it had that are still alive)."""
     (tmp_path / "place.json").write_text('{"gen": [0], "policy": [1]}')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "-m", "flowrl", "run", "tests.reliability.test_torchrun_faults:file_graph", "--synthetic", "--option", "gen_s=0.05",
            "--option", "train_s=0.05", "--backend", "torchrun", "--plan", "place.json", "--quiet",
            "--steps", "5000", "--max-staleness", "1", "--metrics", "m.jsonl", "--liveness-timeout", str(BOUND_S)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.killresume import ROOT, check_run, children, reference_prompts, rows_of
+from tests.reliability.killresume import ROOT, check_run, free_port, rank_pid, reference_prompts, rows_of
 
 pytest.importorskip("torch.distributed")
 
@@ -30,22 +29,8 @@ JOB_TIMEOUT_S = 240
 STEPS, K, EVERY, KILL_AFTER = 14, 1, 2, 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _rank_pid(agent: int, rank: int) -> int | None:
-    """The pid of the worker of ``rank`` that torchrun's agent (pid ``agent``) started (from /proc)."""
-    for pid in children(agent):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return pid
-    return None
 
 
 def _wait(proc: subprocess.Popen, ready, timeout: float, what: str):
@@ -65,7 +50,7 @@ def restarting_job(cwd: Path, *, steps: int = STEPS, k: int = K, kill_rank: int 
     ``kill_rank`` once the metrics hold ``kill_after`` rows (None: no fault). Returns the finished job,
     its stderr and the rows written when the fault came."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "-m", "flowrl", "run", "--backend", "torchrun", "--plan", "place.json", "--quiet",
            "--steps", str(steps), "--max-staleness", str(k), "--checkpoint-dir", "ck", "--checkpoint-every", str(EVERY),
            "--resume", "auto", "--metrics", "m.jsonl", "--liveness-timeout", "10"]
@@ -78,7 +63,7 @@ def restarting_job(cwd: Path, *, steps: int = STEPS, k: int = K, kill_rank: int 
     try:
         if kill_rank is not None:
             _wait(job, lambda: True if len(rows_of(cwd / "m.jsonl")) >= kill_after else None, JOB_TIMEOUT_S / 2, f"{kill_after} rows")
-            victim = _rank_pid(job.pid, kill_rank)
+            victim = rank_pid(job.pid, kill_rank)
             assert victim is not None and job.poll() is None, f"the job ended before rank {kill_rank} could be hit: {job.communicate()[1][-3000:]}"
             killed_at = len(rows_of(cwd / "m.jsonl"))
             os.kill(victim, sig)
