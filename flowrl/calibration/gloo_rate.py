@@ -59,6 +59,8 @@ __all__ = ["GlooFigures", "measure_gloo", "with_gloo", "run_pair", "GLOO_SIZES",
 GLOO_SIZES = (4 * 2**20, 16 * 2**20, 64 * 2**20)
 #: Bytes of the activations whose all-reduce and send are timed by default, ascending.
 ACTIVATION_SIZES = (2**14, 2**18, 2**20, 4 * 2**20)
+#: How many times the repeats an activation size up to 1 MiB is timed (each takes milliseconds).
+SMALL_REPEATS = 5
 #: Seconds the two processes may take, start-up included, before they are killed.
 TIMEOUT_S = 300.0
 
@@ -172,7 +174,10 @@ def _rank(rank: int, port: int, sizes: list[int], repeats: int, activation_sizes
                         seconds.setdefault(f"{name}/{nbytes}", []).append(time.perf_counter() - t0)
         for nbytes in activation_sizes:
             act = torch.ones(nbytes // 4)
-            for r in range(repeats + 2):  # two warm-ups: the first sends of a size open their buffers
+            # two warm-ups: the first sends of a size open their buffers; up to 1 MiB, SMALL_REPEATS times the
+            # rounds (milliseconds each): one scheduling hiccup moved a single 256 KiB median 10x on 2 cores
+            rounds = repeats * (SMALL_REPEATS if nbytes <= 2**20 else 1)
+            for r in range(rounds + 2):
                 for name in ("all_reduce", "send"):
                     dist.barrier()
                     t0 = time.perf_counter()

@@ -109,7 +109,8 @@ class VLLMSlotBatcher:
         if len(sample.prompt) + C > self.gen.max_seq_len:
             raise ConfigError(
                 f"{owner}: prompt ({len(sample.prompt)}) + max_new_tokens ({C}) = {len(sample.prompt) + C} > "
-                f"max_seq_len={self.gen.max_seq_len}"
+                f"max_seq_len={self.gen.max_seq_len}; set a smaller max_new_tokens= on the generator (a pretrained Hugging Face "
+                "model's default is 256: flowrl.graph.defaults) or max_prompt_len= on the source"
             )
         if front:
             self.waiting.appendleft(sample)
