@@ -29,10 +29,6 @@ JOB_TIMEOUT_S = 240
 STEPS, K, EVERY, KILL_AFTER = 14, 1, 2, 5
 
 
-
-
-
-
 def _wait(proc: subprocess.Popen, ready, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
@@ -112,11 +108,13 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_run_continues(tmp_path: 
 
 
 @pytest.mark.slow  # CI time (~60 s at load 2: an uninterrupted job, then one killed and restarted)
-@pytest.mark.parametrize("kill_rank", [1, 0], ids=["policy-rank", "generator-rank"])
-def test_a_restarted_job_at_k0_ends_bit_for_bit_as_an_uninterrupted_one(tmp_path: Path, kill_rank: int) -> None:
-    """k = 0, the built-in engine on the CPU (deterministic): the job whose rank was SIGKILLed and that
-    torchrun restarted trains the same prompts once each, writes rows 1..steps once each, and ends
-    with the uninterrupted job's final policy (weights and optimizer state) bit for bit."""
+@pytest.mark.parametrize(("kill_rank", "sig"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
+                         ids=["policy-rank", "generator-rank", "sigstop-policy-rank"])
+def test_a_restarted_job_at_k0_ends_bit_for_bit_as_an_uninterrupted_one(tmp_path: Path, kill_rank: int, sig: signal.Signals) -> None:
+    """k = 0, the built-in engine on the CPU (deterministic): the job whose rank was SIGKILLed (or
+    SIGSTOPped: the heartbeat's ``--liveness-timeout 10`` ends the job) and that torchrun restarted
+    trains the same prompts once each, writes rows 1..steps once each, and ends with the uninterrupted
+    job's final policy (weights and optimizer state) bit for bit."""
     import torch
 
     steps, k = 10, 0
@@ -124,7 +122,7 @@ def test_a_restarted_job_at_k0_ends_bit_for_bit_as_an_uninterrupted_one(tmp_path
     (tmp_path / "fault").mkdir()
     clean, clean_err, _ = restarting_job(tmp_path / "clean", steps=steps, k=k, kill_rank=None)
     assert clean.returncode == 0, clean_err[-4000:]
-    job, err, killed_at = restarting_job(tmp_path / "fault", steps=steps, k=k, kill_rank=kill_rank, kill_after=5)
+    job, err, killed_at = restarting_job(tmp_path / "fault", steps=steps, k=k, kill_rank=kill_rank, kill_after=5, sig=sig)
     assert job.returncode == 0 and killed_at < steps, (killed_at, err[-4000:])
     assert "torchrun restart 1 of at most 1" in err, err[-4000:]
     rows = rows_of(tmp_path / "fault" / "m.jsonl")
