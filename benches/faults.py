@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.reliability.killresume import check_run, descendants, free_port, rank_pid, rows_of  # noqa: E402
+from tests.reliability.killresume import check_run, descendants, equal_states, final_state, free_port, rank_pid, rows_of  # noqa: E402
 
 FAULTS = (("SIGKILL", 1, "policy rank"), ("SIGKILL", 0, "generator rank"), ("SIGSTOP", 2, "policy rank"))
 
@@ -70,41 +70,6 @@ def start(cwd: Path, model: Path, steps: int, every: int, liveness: float, engin
 def resumes(cwd: Path) -> list[int]:
     """The step of each resume the job's restarts reported, in order."""
     return [int(s) for s in re.findall(r"resuming from ck/step-(\d+)", (cwd / "err.txt").read_text(errors="replace"))]
-
-
-def final_state(ck: Path, steps: int) -> dict[str, object]:
-    """Every tensor of the policy's state in the last step's checkpoint (one file or every rank's shards), flattened by file and key."""
-    import torch
-
-    flat: dict[str, object] = {}
-
-    def walk(prefix: str, value: object) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}/{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(f"{prefix}/{i}", item)
-        else:
-            flat[prefix] = value
-
-    step = ck / f"step-{steps:08d}"
-    for path in sorted(step.rglob("*")):
-        if path.is_file() and path.suffix in (".pt", ".distcp"):
-            if path.suffix == ".pt":
-                walk(str(path.relative_to(step)), torch.load(path, map_location="cpu", weights_only=True))
-            else:
-                flat[str(path.relative_to(step))] = path.read_bytes()
-    return flat
-
-
-def equal_states(a: dict[str, object], b: dict[str, object]) -> tuple[bool, int]:
-    import torch
-
-    if a.keys() != b.keys():
-        return False, -1
-    differ = sum(1 for k in a if (not torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] != b[k]))
-    return differ == 0 and len(a) > 0, differ
 
 
 def run_faulted(cwd: Path, model: Path, steps: int, every: int, liveness: float, timeout: float,

@@ -333,3 +333,36 @@ def worker_dies_and_resume(workdir: Path, *, steps: int, k: int, every: int, nod
     _resume(args, out, TIMEOUT_S)
     out.lost, out.repeated = check_run(metrics, want, k, out.problems)
     return out
+
+
+def final_state(ck: Path, steps: int, pattern: str = "*") -> dict[str, object]:
+    """Every tensor in the files of step ``steps``' checkpoint that ``pattern`` matches (``"policy-*"``: the
+    policy's, one file or every rank's shards), flattened by file and key."""
+    flat: dict[str, object] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}/{i}", item)
+        else:
+            flat[prefix] = value
+
+    step = ck / f"step-{steps:08d}"
+    for path in sorted(step.rglob(pattern)):
+        if path.is_file() and path.suffix in (".pt", ".distcp"):
+            if path.suffix == ".pt":
+                walk(str(path.relative_to(step)), torch.load(path, map_location="cpu", weights_only=True))
+            else:
+                flat[str(path.relative_to(step))] = path.read_bytes()
+    return flat
+
+
+def equal_states(a: dict[str, object], b: dict[str, object]) -> tuple[bool, int]:
+    """Whether ``final_state``s ``a`` and ``b`` hold the same entries bit for bit, and how many differ (-1: other keys)."""
+    if a.keys() != b.keys():
+        return False, -1
+    differ = sum(1 for k in a if (not torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] != b[k]))
+    return differ == 0 and len(a) > 0, differ

@@ -362,7 +362,9 @@ def train_options(
         forwards = 1 if forward_only else iterations * (1 + int(ckpt)) + int(recompute_logprobs)
         backwards = 0 if forward_only else iterations
         sent = 1 if forward_only else iterations + int(recompute_logprobs)  # a checkpoint's recompute stays on its stage
-        return (  # the rank's compute at its measured efficiency (CpuTerms.tp/pp_train_efficiency: DTensor, narrow matmuls, the schedule)
+        # the rank's compute at its measured efficiency (CpuTerms.tp/pp_train_efficiency: DTensor, narrow matmuls, the
+        # schedule); a reference's forward-only pass takes the training pass's figure, the only one measured
+        return (
             passes * tok_bar * share.flops_per_token(s_bar / 2) / (rate * dev.rank_efficiency("train", tp=tp, pp=pp)),
             tp_comm_s(tok_bar, share.layers, tp, ctx, forwards=forwards, backwards=backwards, act_bytes=ab, width=h),
             passes * share.layers * ops_per_layer * dev.kernel_overhead_s,

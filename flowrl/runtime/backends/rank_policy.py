@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from flowrl.errors import ConfigError
 from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 from flowrl.runtime.programs import Batch, Info, PolicyProgram
 
-__all__ = ["RankContext", "set_context", "publish_shards", "collective_bytes"]
+__all__ = ["RankContext", "set_context", "publish_shards", "collective_bytes", "split_whole_model", "lead_forward_step"]
 
 
 # -- this rank's view of the job --------------------------------------------------------------------
@@ -182,3 +183,34 @@ def _mesh_axes(mesh: Any) -> dict[str, int]:
     if mesh is None:
         return {}
     return dict(zip(mesh.mesh_dim_names or (), (int(s) for s in mesh.mesh.shape)))
+
+
+def split_whole_model(model: Any, mesh: Any, split: Callable[[Any, Any], Any], *, lead: int, group: Any) -> None:
+    """Broadcast ``model``'s whole weights from rank ``lead`` (equal starts on every rank), then
+    ``split(model, tp_mesh)`` it over ``mesh``'s ``tp`` axis (the mesh itself when it has one axis):
+    the start every tensor-parallel forward program (a reference's, a critic's) shares."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.distributed.broadcast(p.data, src=lead, group=group)
+    names = tuple(mesh.mesh_dim_names or ())
+    split(model, mesh["tp"] if len(names) > 1 else mesh)
+
+
+def lead_forward_step(program: Any, step: Callable[..., tuple[Any, Any]], seq: int, inputs: Any, min_version: int, runs: str) -> tuple[Any, Any]:
+    """One step of a tensor-parallel forward program (``program``: ``group``, ``ranks``, ``lead``,
+    ``is_lead``, ``device``, ``_reported``): the lead broadcasts its inputs, every rank runs ``step``
+    (its base class's) on them, and only the lead answers, its first answer with the layout ``runs``
+    describes (the run's first row)."""
+    from flowrl.runtime.observe.layout import LAYOUT_KEY, record
+    from flowrl.runtime.parallel.distributed import broadcast_batch
+
+    batch = broadcast_batch(inputs if program.is_lead else None, src=program.lead, group=program.group, device=program.device)
+    out, info = step(seq, {k: v.cpu() for k, v in batch.items()}, min_version)
+    if not program.is_lead:
+        return {}, {}
+    if not program._reported:
+        info = {**info, LAYOUT_KEY: record(program.ranks, {"tp": len(program.ranks)}, [program.ranks], runs)}
+        program._reported = True
+    return out, info

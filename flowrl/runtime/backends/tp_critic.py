@@ -32,7 +32,7 @@ import torch
 from flowrl.errors import CheckpointError
 from flowrl.graph.critic import CriticNode
 from flowrl.graph.ir import Graph
-from flowrl.runtime.backends.rank_policy import _context, _mesh_axes
+from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, lead_forward_step, split_whole_model
 from flowrl.runtime.critic_program import CriticProgram
 from flowrl.runtime.programs import Batch, Info
 
@@ -97,26 +97,11 @@ class TensorParallelCritic(CriticProgram):
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.device = ctx.device
         self.is_lead = ctx.rank == self.lead
-        with torch.no_grad():
-            for p in self.critic.model.parameters():  # equal whole critics on every rank before splitting
-                torch.distributed.broadcast(p.data, src=self.lead, group=group)
-        names = tuple(mesh.mesh_dim_names or ())
-        shard_critic_(self.critic, mesh["tp"] if len(names) > 1 else mesh, group=group)
+        split_whole_model(self.critic.model, mesh, lambda _, tp_mesh: shard_critic_(self.critic, tp_mesh, group=group), lead=self.lead, group=group)
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.runtime.parallel.distributed import broadcast_batch
-
-        batch = broadcast_batch(inputs if self.is_lead else None, src=self.lead, group=self.group, device=self.device)
-        out, info = super().step(seq, {k: v.cpu() for k, v in batch.items()}, min_version)
-        if not self.is_lead:
-            return {}, {}
-        if not self._reported:  # the layout it built, for the run's first row
-            from flowrl.runtime.observe.layout import LAYOUT_KEY, record
-
-            runs = f"one critic over {len(self.ranks)} tensor-parallel ranks holding DTensor shards of its linears (the value head whole)"
-            info = {**info, LAYOUT_KEY: record(self.ranks, {"tp": len(self.ranks)}, [self.ranks], runs)}
-            self._reported = True
-        return out, info
+        runs = f"one critic over {len(self.ranks)} tensor-parallel ranks holding DTensor shards of its linears (the value head whole)"
+        return lead_forward_step(self, super().step, seq, inputs, min_version, runs)
 
     def save(self, path: str) -> None:
         with self._lock:

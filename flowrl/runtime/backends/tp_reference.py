@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import ReferenceNode
-from flowrl.runtime.backends.rank_policy import _context, _mesh_axes
+from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, lead_forward_step, split_whole_model
 from flowrl.runtime.programs import Batch, Info, ReferenceProgram, SharedTransports
 
 __all__ = ["TensorParallelReference"]
@@ -41,22 +40,7 @@ class TensorParallelReference(ReferenceProgram):
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.device = ctx.device
         self.is_lead = ctx.rank == self.lead
-        with torch.no_grad():
-            for p in self.reference.model.parameters():  # equal whole models on every rank before splitting
-                torch.distributed.broadcast(p.data, src=self.lead, group=group)
-        names = tuple(mesh.mesh_dim_names or ())
-        shard_tp_model_(self.reference.model, mesh["tp"] if len(names) > 1 else mesh, node.model)
+        split_whole_model(self.reference.model, mesh, lambda model, tp_mesh: shard_tp_model_(model, tp_mesh, node.model), lead=self.lead, group=group)
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.runtime.parallel.distributed import broadcast_batch
-
-        batch = broadcast_batch(inputs if self.is_lead else None, src=self.lead, group=self.group, device=self.device)
-        out, info = super().step(seq, {k: v.cpu() for k, v in batch.items()}, min_version)
-        if not self.is_lead:
-            return {}, {}
-        if not self._reported:  # the layout it built, for the run's first row
-            from flowrl.runtime.observe.layout import LAYOUT_KEY, record
-
-            info = {**info, LAYOUT_KEY: record(self.ranks, {"tp": len(self.ranks)}, [self.ranks], f"one frozen reference over {len(self.ranks)} tensor-parallel ranks")}
-            self._reported = True
-        return out, info
+        return lead_forward_step(self, super().step, seq, inputs, min_version, f"one frozen reference over {len(self.ranks)} tensor-parallel ranks")
