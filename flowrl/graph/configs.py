@@ -435,6 +435,11 @@ class LossConfig(msgspec.Struct, **_STRUCT):
             _check(not bad, o, f"options {bad} of objective {self.objective!r} must be >= 0 (temperatures tau_* > 0)")
         problem = check_correction(self.correction, self.objective, row.corrects)
         _check(problem is None, o, problem or "")
+        _check(
+            self.distill_coef == 1.0 or "teacher" in row.reads, o,
+            f"distill_coef={self.distill_coef} weighs a teacher's advantage, which objective {self.objective!r} does not read "
+            "(reads: {}): drop it, or use objective='opd' with a teacher node".format(", ".join(row.reads)),
+        )  # fmt: skip
 
     def objective_options(self) -> dict[str, float]:
         """The objective's options: its row's defaults, overridden by ``options``."""

@@ -152,3 +152,14 @@ def test_the_teacher_scores_the_whole_vocabulary_where_the_reference_truncates()
     truncated = Reference(ReferenceNode(name="ref", model=model)).logprobs({**rollout, "sampling_top_k": torch.tensor([1, 1])})["ref_logprobs"]
     assert torch.equal(teacher, untruncated), "the same model and temperature: the same forward pass"
     assert torch.isneginf(truncated).any() and torch.isfinite(teacher).all()
+
+
+def test_a_distill_coef_on_an_objective_without_a_teacher_is_refused_by_name():
+    """``distill_coef`` weighs a teacher's advantage: on an objective that reads no teacher it would
+    be accepted and ignored, so it is refused; at its default it is no choice and passes."""
+    from flowrl.errors import ConfigError
+    from flowrl.graph.configs import LossConfig
+
+    with pytest.raises(ConfigError, match=r"distill_coef=0.5 weighs a teacher's advantage, which objective 'grpo' does not read \(reads: mu\)"):
+        LossConfig(objective="grpo", distill_coef=0.5)
+    assert LossConfig(objective="grpo").distill_coef == 1.0 and LossConfig(objective="opd", distill_coef=0.5).distill_coef == 0.5
