@@ -435,6 +435,12 @@ class LossConfig(msgspec.Struct, **_STRUCT):
             _check(not bad, o, f"options {bad} of objective {self.objective!r} must be >= 0 (temperatures tau_* > 0)")
         problem = check_correction(self.correction, self.objective, row.corrects)
         _check(problem is None, o, problem or "")
+        gae = {k: v for k, v in (("gamma", self.gamma), ("lam", self.lam)) if v != {"gamma": 1.0, "lam": 0.95}[k]}
+        _check(
+            not gae or row.advantages == "gae", o,
+            f"{gae} discount a critic's GAE advantages, which objective {self.objective!r} does not take (its advantages: "
+            f"{row.advantages}): drop them, or use objective='ppo' with a critic node",
+        )  # fmt: skip
         _check(
             self.distill_coef == 1.0 or "teacher" in row.reads, o,
             f"distill_coef={self.distill_coef} weighs a teacher's advantage, which objective {self.objective!r} does not read "

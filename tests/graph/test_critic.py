@@ -154,3 +154,14 @@ def test_flowrl_run_refuses_a_bad_ppo_graph_file_before_any_work(tmp_path, capsy
     assert code == 2 and "Traceback" not in err
     assert re.search(match, " ".join(err.split()))
     assert not (tmp_path / "m.jsonl").exists()  # refused before any step
+
+
+def test_gae_settings_on_an_objective_without_gae_advantages_are_refused_by_name():
+    """``gamma`` / ``lam`` discount a critic's GAE advantages: on a group-baseline objective they would
+    be accepted and ignored, so off their defaults they are refused."""
+    from flowrl.errors import ConfigError
+    from flowrl.graph.configs import LossConfig
+
+    with pytest.raises(ConfigError, match=r"\{'gamma': 0.9\} discount a critic's GAE advantages, which objective 'grpo' does not take"):
+        LossConfig(objective="grpo", gamma=0.9)
+    assert LossConfig(objective="ppo", gamma=0.9, lam=0.5).gamma == 0.9

@@ -33,7 +33,8 @@ _LOSS = dict(objective="gspo", rho=2.0, clip_eps=0.1, clip_eps_low=0.3, clip_eps
              dynamic_sampling=True, dynamic_sampling_groups=2, baseline="leave_one_out", normalize_std=True, kl_coef=0.1,
              reward_weights={"a": 0.5, "b": 1.0}, gamma=0.9, lam=0.5, distill_coef=0.5, correction=CorrectionConfig(kind="tis"),
              options={"tau_pos": 2.0}, row=ObjectiveRow(name="mine", fn="tests.graph.test_objectives:scaled_pg"))  # fmt: skip
-_GIVEN = {"options": {"objective": "sapo"}, "row": {"objective": "mine"}, "correction": {"objective": "grpo"}, "distill_coef": {"objective": "opd"}}  # what a field needs beside it
+_GIVEN = {"options": {"objective": "sapo"}, "row": {"objective": "mine"}, "correction": {"objective": "grpo"}, "distill_coef": {"objective": "opd"},
+          "gamma": {"objective": "ppo"}, "lam": {"objective": "ppo"}}  # what a field needs beside it
 _OPT = dict(lr=0.5, betas=(0.8, 0.9), weight_decay=0.1, grad_clip=0.5, schedule="cosine", warmup_steps=3, total_steps=9,
             micro_batch_size=2, num_iterations=2, num_mini_batches=2, seed=1, gradient_checkpointing=True, autocast="bfloat16",
             sharding="fsdp", param_dtype="bfloat16", reduce_dtype="bfloat16", packing=True, router_aux_loss_coef=0.01)  # fmt: skip

@@ -163,3 +163,4 @@ def test_a_distill_coef_on_an_objective_without_a_teacher_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"distill_coef=0.5 weighs a teacher's advantage, which objective 'grpo' does not read \(reads: mu\)"):
         LossConfig(objective="grpo", distill_coef=0.5)
     assert LossConfig(objective="grpo").distill_coef == 1.0 and LossConfig(objective="opd", distill_coef=0.5).distill_coef == 0.5
+
