@@ -78,7 +78,7 @@ def _moments(trainer) -> int:
 
 
 def _policy(layers: int):
-    from flowrl.runtime.programs import PolicyProgram, SharedTransports
+    from flowrl.runtime.programs.nodes import PolicyProgram, SharedTransports
 
     graph = _graph(layers)
     program = PolicyProgram(graph.node("policy"), graph.node("aipo"), graph, SharedTransports(()))
@@ -200,7 +200,7 @@ def _one(args: argparse.Namespace) -> dict:
     """The one-process figures (the module docstring)."""
     from flowrl.runtime.checkpointing.checkpointer import Checkpointer
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.ledger import PromptLedger
+    from flowrl.runtime.control.ledger import PromptLedger
 
     graph, program, numel = _policy(args.layers)
     root = Path(args.dir or tempfile.mkdtemp(prefix="flowrl-ckpt-stall-"))
@@ -253,7 +253,7 @@ def _one(args: argparse.Namespace) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
-        from flowrl.runtime.backends.rank_exit import end_rank_process  # a rank: no interpreter teardown (rank_exit)
+        from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process  # a rank: no interpreter teardown (rank_exit)
 
         end_rank_process(_fsdp_job(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
     main()

@@ -3,7 +3,7 @@
 
 The model is ``benches/weight_sync.py``'s (358M parameters, built from a config with random weights);
 the task is the HF example's (copy a word) with 2 prompts x 4 samples x 24 new tokens per step, k = 1.
-Weights take the direct route (``flowrl/runtime/backends/direct_route.py``): the policy's FSDP2 ranks
+Weights take the direct route (``flowrl/runtime/weights/direct_route.py``): the policy's FSDP2 ranks
 gather each bucket and send it straight into vLLM's worker over the weight-sync group; rank 0 only
 coordinates and holds no staging copy. The planner prices the same route (``planners/estimate/direct.py``)
 and the policy as torchrun runs it: two one-thread processes, each half the batch at the one-core rate,

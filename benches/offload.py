@@ -1,5 +1,5 @@
 """What a colocated-offloading round trip costs: a trainer's whole state (parameters, gradients, AdamW
-moments) to host memory and back with ``flowrl.runtime.offload.HostOffload``, as a run with
+moments) to host memory and back with ``flowrl.runtime.programs.offload.HostOffload``, as a run with
 ``--offload on`` does once per trainer step, against the bytes and the time the planner prices.
 
 The model is the built-in family in Qwen2.5-0.5B's shape (hidden 896, 14 heads of 64, 2 KV heads,
@@ -30,7 +30,7 @@ import torch
 from flowrl.graph.configs import LossConfig, ModelConfig, OptimizerConfig
 from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.operators.trainer import Trainer
-from flowrl.runtime.offload import HostOffload
+from flowrl.runtime.programs.offload import HostOffload
 
 FULL_LAYERS = 24
 

@@ -26,7 +26,7 @@ CASES = ("alone", "beside_a_team", "beside_one_thread")
 _CHILD = """
 import statistics, sys, threading, time
 import torch
-from flowrl.runtime.compute_threads import ComputeThread
+from flowrl.runtime.control.compute_threads import ComputeThread
 case, iters, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cores = torch.get_num_threads()
 if case == "beside_a_team":

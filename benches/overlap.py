@@ -15,7 +15,7 @@ import statistics
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.run import run_graph
-from flowrl.runtime.synthetic import synthetic_programs
+from flowrl.runtime.programs.synthetic import synthetic_programs
 
 
 def step_time(backend: str, k: int, gen_s: float, train_s: float, steps: int) -> float:

@@ -41,7 +41,7 @@ from flowrl.errors import NodeExecutionError  # noqa: E402
 from flowrl.examples.llamarl import build_llamarl  # noqa: E402
 from flowrl.runtime.config import RunConfig  # noqa: E402
 from flowrl.runtime.run import run_graph  # noqa: E402
-from flowrl.runtime.synthetic import synthetic_programs  # noqa: E402
+from flowrl.runtime.programs.synthetic import synthetic_programs  # noqa: E402
 from tests.reliability.killresume import descendants, kill_and_resume, reference_prompts, worker_dies_and_resume  # noqa: E402
 
 

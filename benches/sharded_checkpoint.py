@@ -151,7 +151,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
-        from flowrl.runtime.backends.rank_exit import end_rank_process  # a rank: no interpreter teardown (rank_exit)
+        from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process  # a rank: no interpreter teardown (rank_exit)
 
         end_rank_process(_job(sys.argv[2], *(int(a) for a in sys.argv[3:7])))
     main()

@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--rank-part", choices=("tp", "pp"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_part:  # a member of a gloo group: ends without interpreter teardown, where gloo's threads may abort it
-        from flowrl.runtime.backends.rank_exit import end_rank_process
+        from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
         args.part = args.rank_part
         _rank_main(args)

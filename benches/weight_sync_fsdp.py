@@ -121,10 +121,10 @@ class Phases:
 #: What each rank wraps: (owner, its method or function, the phase it counts as). flowrl's own names,
 #: so ``tests/test_benches.py`` checks that each still exists (a rename would break this bench only).
 PHASES: tuple[tuple[str, str, str], ...] = (
-    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "__init__", "build"),  # RSS on entry: libraries, no model yet
-    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "publish", "sync"),
-    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "save", "checkpoint"),
-    ("flowrl.runtime.backends.rank_programs:ShardedPolicy", "snapshot", "checkpoint"),  # a run's checkpoint: the shards staged (their write follows behind training)
+    ("flowrl.runtime.backends.torchrun.rank_programs:ShardedPolicy", "__init__", "build"),  # RSS on entry: libraries, no model yet
+    ("flowrl.runtime.backends.torchrun.rank_programs:ShardedPolicy", "publish", "sync"),
+    ("flowrl.runtime.backends.torchrun.rank_programs:ShardedPolicy", "save", "checkpoint"),
+    ("flowrl.runtime.backends.torchrun.rank_programs:ShardedPolicy", "snapshot", "checkpoint"),  # a run's checkpoint: the shards staged (their write follows behind training)
     ("flowrl.operators.engines.vllm_engine:VLLMGenerator", "_push", "sync"),
     ("flowrl.runtime.checkpointing.checkpointer", "take_run_checkpoint", "checkpoint"),  # the name the Checkpointer calls (the state taken; a remote policy saves in it)
 )
@@ -203,8 +203,8 @@ def run_fsdp_case(tmp: Path, model_dir: Path, steps: int, route: str) -> dict:
     return {"job_s": round(time.perf_counter() - start, 1), "ranks": ranks, "rows": rows}
 
 
-if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.torchrun.rank_exit)
     sys.path.insert(0, str(ROOT))
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     end_rank_process(_job(*sys.argv[1:4]))

@@ -27,7 +27,7 @@ if _os.environ.get("FLOWRL_QUIET_VLLM") == "1":  # a process vLLM spawned for fl
 _LAZY = {
     "run_graph": "flowrl.runtime.run",
     "RunConfig": "flowrl.runtime.config",
-    "RunResult": "flowrl.runtime.controller",
+    "RunResult": "flowrl.runtime.control.controller",
     "Placement": "flowrl.placement.layout",
 }
 

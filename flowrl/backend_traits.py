@@ -26,7 +26,7 @@ class BackendTraits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     Attributes:
         crosses_processes: the two ends of a weight edge may live in different processes (decides the
-            transport each edge opens: ``flowrl.runtime.weight_edges``).
+            transport each edge opens: ``flowrl.runtime.weights.edges``).
         ranks: this process is one rank of a torch.distributed job: every rank runs the graph's
             share placed on it, checks that share's memory itself, and rank 0 reports; a plan's
             devices are the job's ranks.
@@ -34,7 +34,7 @@ class BackendTraits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         offloads: colocated offloading (``RunConfig.offload``: a trainer's state in host memory while
             its generator runs, a vLLM engine asleep while its trainer runs).
         zygote: its workers are forked by a zygote that imports torch once
-            (``runtime/backends/zygote.py``); ``flowrl run`` starts it before importing torch itself,
+            (``runtime/backends/process/zygote.py``); ``flowrl run`` starts it before importing torch itself,
             so that the two imports overlap.
     """
 

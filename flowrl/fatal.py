@@ -1,6 +1,6 @@
 """Ending this process at once, from any thread, after a watchdog found a failure nothing else will report.
 
-A watchdog thread (a torchrun rank's heartbeat, ``flowrl.runtime.backends.heartbeat``; the vLLM
+A watchdog thread (a torchrun rank's heartbeat, ``flowrl.runtime.backends.torchrun.heartbeat``; the vLLM
 engine's process watch, ``flowrl.operators.engines.vllm_watch``) sees what the main thread cannot:
 a peer rank that stopped answering, an engine process that died while the main thread waits on it
 forever. ``end_process`` ends the process from that thread in bounded time: it prints the message

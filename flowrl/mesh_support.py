@@ -116,12 +116,12 @@ _NO_SPLIT = "one process over the {n} devices, nothing split along {axis}"
 
 #: ``(variant, backend, axis) -> AxisRun``: one line per entry (module docstring).
 MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
-    # -- torchrun: rank programs (flowrl.runtime.backends.rank_programs.RANK_PROGRAMS) --------------
+    # -- torchrun: rank programs (flowrl.runtime.backends.torchrun.rank_programs.RANK_PROGRAMS) --------------
     ("generator", "torchrun", "dp"): AxisRun(runs=True, how="{size} replicas splitting each batch of prompts (ParallelGenerator)"),
     ("generator", "torchrun", "tp"): AxisRun(runs=True, how="tensor-parallel groups of {size} ranks, each holding its shards (ParallelGenerator, runtime.parallel.tensor_parallel)"),
     ("generator", "torchrun", "pp"): AxisRun(runs=False, how="{n} data-parallel replicas over ranks {devices} (a generator's program reads no pp axis)"),
     ("generator/vllm", "torchrun", "dp"): AxisRun(runs=True, how="{size} vLLM engines splitting each batch of prompts (ParallelGenerator)"),
-    ("generator/vllm", "torchrun", "tp"): AxisRun(runs=True, how="one vLLM engine per replica with tensor_parallel_size={size} (runtime.backends.vllm_replicas)"),
+    ("generator/vllm", "torchrun", "tp"): AxisRun(runs=True, how="one vLLM engine per replica with tensor_parallel_size={size} (runtime.backends.torchrun.vllm_replicas)"),
     ("generator/vllm", "torchrun", "pp"): AxisRun(runs=False, how="{n} vLLM engines, one per rank of {devices} (a generator's program reads no pp axis)"),
     ("policy", "torchrun", "dp"): AxisRun(runs=True, how="{size} data-parallel replicas (DataParallelPolicy), or FSDP2 shards with sharding='fsdp' (ShardedPolicy)"),
     ("policy", "torchrun", "tp"): AxisRun(runs=True, how="tensor-parallel groups of {size} ranks holding DTensor shards of its linears (TensorParallelPolicy, runtime.parallel.tp_train)"),
@@ -141,7 +141,7 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
     ("*", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("*", "torchrun", "tp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("*", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
-    # -- local and process: one program per node in one process (runtime.executor_placement) -------
+    # -- local and process: one program per node in one process (runtime.control.executor_placement) -------
     **{
         (variant, backend, axis): entry
         for variant in ("generator", "policy", "reference", "critic", "reward_model", "teacher", "*")

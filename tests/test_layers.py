@@ -76,8 +76,8 @@ def module_references(source: str, files: set[str]) -> set[str]:
     outside docstrings: a reference that code imports later, by ``resolve`` or ``importlib``.
 
     Example:
-        >>> sorted(module_references('X = "flowrl.runtime.programs:build_source"', {"flowrl.runtime", "flowrl.runtime.programs"}))
-        ['flowrl.runtime.programs']
+        >>> sorted(module_references('X = "flowrl.runtime.programs.nodes:build_source"', {"flowrl.runtime", "flowrl.runtime.programs.nodes"}))
+        ['flowrl.runtime.programs.nodes']
     """
     tree, found = ast.parse(source), set()
     skip = _docstrings(tree)
@@ -175,7 +175,7 @@ def upward_references(edges, imports: nx.DiGraph) -> list[tuple[str, str]]:
 
 
 def test_no_string_reference_points_up():
-    """A lower layer names no module of a higher one in a string (``"flowrl.runtime.programs:build_source"``
+    """A lower layer names no module of a higher one in a string (``"flowrl.runtime.programs.nodes:build_source"``
     in graph/): what it needs from above, that layer registers in a table of its own."""
     up = upward_references(reference_edges(), import_graph())
     assert not up, f"string references into a higher layer (register them in that layer's table instead): {up}"
@@ -184,9 +184,9 @@ def test_no_string_reference_points_up():
 def test_an_upward_string_reference_is_caught():
     """The check above fails on one: graph/ naming a runtime program, transport_traits a transport class."""
     files = set(import_graph().nodes)
-    added = [("flowrl.graph.kinds", t) for t in module_references('P = "flowrl.runtime.programs:build_source"', files)]
+    added = [("flowrl.graph.kinds", t) for t in module_references('P = "flowrl.runtime.programs.nodes:build_source"', files)]
     added += [("flowrl.transport_traits", t) for t in module_references('T = "flowrl.runtime.transports.file:FileTransport"', files)]
-    assert added == [("flowrl.graph.kinds", "flowrl.runtime.programs"), ("flowrl.transport_traits", "flowrl.runtime.transports.file")]
+    assert added == [("flowrl.graph.kinds", "flowrl.runtime.programs.nodes"), ("flowrl.transport_traits", "flowrl.runtime.transports.file")]
     assert upward_references([*reference_edges(), *added], import_graph()) == added
 
 

@@ -170,7 +170,7 @@ kinds.KINDS["likelihood"] = kinds.KindSpec(
     node="tests.graph.device_kind_module:LikelihoodNode", runs_on="devices", side="trainer", span="likelihood",
     style=kinds.KINDS["reference"].style,
 )
-from flowrl.runtime.program_table import PROGRAMS
+from flowrl.runtime.programs.table import PROGRAMS
 from tests.graph.device_kind_module import LikelihoodNode, build_likelihood
 PROGRAMS["likelihood"] = build_likelihood
 from flowrl.examples.llamarl import DEFAULT_MODEL
@@ -304,7 +304,7 @@ def vllm_torchrun_run(kinds_root: Path, request) -> dict:
 
 
 def test_the_kinds_the_table_runs_over_several_ranks_are_those_with_a_rank_program():
-    from flowrl.runtime.backends.rank_programs import RANK_PROGRAMS
+    from flowrl.runtime.backends.torchrun.rank_programs import RANK_PROGRAMS
 
     spanning = {variant.partition("/")[0] for (variant, backend, _), entry in MESH_SUPPORT.items() if backend == "torchrun" and entry.runs}
     assert spanning == set(RANK_PROGRAMS)

@@ -56,14 +56,14 @@ if os.environ.get("FLOWRL_STEP_PHASES"):
                 _wrap(D, "broadcast_batch", "bcast"); _wrap(D, "reduce_metrics", "reduce_metrics")
             if "host" not in _done and "flowrl.host" in sys.modules and hasattr(sys.modules["flowrl.host"], "release_freed_memory"):
                 _done.add("host"); _wrap(sys.modules["flowrl.host"], "release_freed_memory", "release")
-            if "tp" not in _done and "flowrl.runtime.backends.tp_policy" in sys.modules and hasattr(sys.modules["flowrl.runtime.backends.tp_policy"], "TensorParallelPolicy"):
-                _done.add("tp"); C = sys.modules["flowrl.runtime.backends.tp_policy"].TensorParallelPolicy
+            if "tp" not in _done and "flowrl.runtime.backends.torchrun.tp_policy" in sys.modules and hasattr(sys.modules["flowrl.runtime.backends.torchrun.tp_policy"], "TensorParallelPolicy"):
+                _done.add("tp"); C = sys.modules["flowrl.runtime.backends.torchrun.tp_policy"].TensorParallelPolicy
                 _wrap(C, "_reduce", "tp._reduce"); _wrap(C, "publish", "tp.publish")
-            if "pp" not in _done and "flowrl.runtime.backends.pp_policy" in sys.modules and hasattr(sys.modules["flowrl.runtime.backends.pp_policy"], "PipelinePolicy"):
-                _done.add("pp"); C = sys.modules["flowrl.runtime.backends.pp_policy"].PipelinePolicy
+            if "pp" not in _done and "flowrl.runtime.backends.torchrun.pp_policy" in sys.modules and hasattr(sys.modules["flowrl.runtime.backends.torchrun.pp_policy"], "PipelinePolicy"):
+                _done.add("pp"); C = sys.modules["flowrl.runtime.backends.torchrun.pp_policy"].PipelinePolicy
                 _wrap(C, "_share_metrics", "pp._share_metrics"); _wrap(C, "publish", "pp.publish")
-            if "rp" not in _done and "flowrl.runtime.backends.rank_policy" in sys.modules and hasattr(sys.modules["flowrl.runtime.backends.rank_policy"], "_RankPolicy"):
-                _done.add("rp"); C = sys.modules["flowrl.runtime.backends.rank_policy"]._RankPolicy
+            if "rp" not in _done and "flowrl.runtime.backends.torchrun.rank_policy" in sys.modules and hasattr(sys.modules["flowrl.runtime.backends.torchrun.rank_policy"], "_RankPolicy"):
+                _done.add("rp"); C = sys.modules["flowrl.runtime.backends.torchrun.rank_policy"]._RankPolicy
                 _wrap(C, "step", "rp.step")
         except Exception as e:
             print('SHIM', repr(e), file=sys.stderr)

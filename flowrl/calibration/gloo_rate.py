@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     _rank(args.rank, args.port, [int(n) for n in args.bytes.split(",")], args.repeats, acts)
 
 
-if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.torchrun.rank_exit)
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     main()
     end_rank_process(0)

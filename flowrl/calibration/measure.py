@@ -33,7 +33,7 @@ on one thread, and what running beside another mesh costs is measured on its own
   decode-shaped passes) alone on one thread over its time with one intra-op thread per core when
   the two passes take turns on one thread with one intra-op thread per core (``_taking_turns``).
   That is how the local runtime runs a colocated mesh: its executors hand their steps to the
-  group's one compute thread (``flowrl.runtime.compute_threads``: one OpenMP team per group, since
+  group's one compute thread (``flowrl.runtime.control.compute_threads``: one OpenMP team per group, since
   libgomp stops spinning once the workers of several teams outnumber the cores), so a mesh gains
   what one thread's pass with all of them gains, shared with whatever else the machine runs;
 - ``decode_step_overhead_s``: a decode step of the built-in generator outside its blocks (``_decode_overhead``);
@@ -289,11 +289,11 @@ def _generation_like(decode: Callable[[], object], steps: int = 8) -> Callable[[
 
 def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: str) -> list[float]:
     """Seconds of one call of each of ``calls`` when they take turns on one compute thread with the
-    caller's intra-op threads, as colocated executors' steps do (``runtime.compute_threads``),
+    caller's intra-op threads, as colocated executors' steps do (``runtime.control.compute_threads``),
     ``rounds`` turns each; the first round is warm-up."""
     import torch
 
-    from flowrl.runtime.compute_threads import ComputeThread
+    from flowrl.runtime.control.compute_threads import ComputeThread
 
     times: list[list[float]] = [[] for _ in calls]
 

@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     _rank(args.rank, args.port, msgspec.json.decode(args.shape, type=RankShape), args.repeats)
 
 
-if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.torchrun.rank_exit)
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     main()
     end_rank_process(0)

@@ -23,7 +23,7 @@ import traceback
 
 from flowrl import __version__
 from flowrl.errors import FlowrlError, NodeBuildError, NodeExecutionError
-from flowrl.runtime.backends.rank_exit import end_rank_process, is_rank_process, native_threads
+from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process, is_rank_process, native_threads
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     Called without ``argv`` it is this process's command (``flowrl``, ``python -m flowrl``): as a rank
     of a torchrun job whose C++ threads still run at the end (gloo's, of process groups that outlive
     the job's ``destroy_process_group``), it ends the process itself with that status and without
-    interpreter teardown, where such a thread can abort the rank (``runtime.backends.rank_exit``); a
+    interpreter teardown, where such a thread can abort the rank (``runtime.backends.torchrun.rank_exit``); a
     flowrl bug's traceback is printed first (exit 1). A rank that stopped before any process group
     (a refused input) exits as any process does.
     """

@@ -125,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a setting of the synthetic operators (repeatable; needs --synthetic): gen_s, train_s, score_s, jitter, "
-        "fail_node/fail_step, die_node/die_step, save_s, weight_numel (see flowrl.runtime.synthetic)",
+        "fail_node/fail_step, die_node/die_step, save_s, weight_numel (see flowrl.runtime.programs.synthetic)",
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the models run: auto (CUDA when torch sees a GPU, else the CPU; default), cpu, or cuda (each node on cuda:N from the plan)")
@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if not backend_traits(args.backend).zygote:
         return _run_here(args)
-    from flowrl.runtime.backends import zygote
+    from flowrl.runtime.backends.process import zygote
 
     with zygote.prestarted():  # the workers' zygote imports torch while this process does
         return _run_here(args)
@@ -152,9 +152,9 @@ def _run_here(args: argparse.Namespace) -> int:
     from flowrl.errors import ConfigError
     from flowrl.cli.graphs import load_graph
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.executor_placement import resolve_device
+    from flowrl.runtime.control.executor_placement import resolve_device
     from flowrl.runtime.run import run_graph
-    from flowrl.runtime.synthetic import synthetic_programs
+    from flowrl.runtime.programs.synthetic import synthetic_programs
 
     _resume_value(args)
     graph = load_graph(args.graph)
@@ -520,7 +520,7 @@ def _check_option_names(options: dict[str, object]) -> None:
     import difflib
 
     from flowrl.errors import ConfigError
-    from flowrl.runtime.synthetic import OPTIONS
+    from flowrl.runtime.programs.synthetic import OPTIONS
 
     for key in options:
         if key not in OPTIONS:

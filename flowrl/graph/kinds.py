@@ -5,8 +5,8 @@ Every part of flowrl that treats kinds differently reads these facts: the contro
 spans and the planner its predicted spans with ``span`` (so a measured and a predicted timeline line
 up), placement and the planner's search read ``runs_on`` and ``side``, the exporters draw with
 ``style``. What each layer does with a kind lives in that layer, in a table keyed by kind name:
-the runtime's programs (``flowrl.runtime.program_table.PROGRAMS``, on several ranks
-``flowrl.runtime.backends.rank_programs.RANK_PROGRAMS``) and the planner's estimators and roles
+the runtime's programs (``flowrl.runtime.programs.table.PROGRAMS``, on several ranks
+``flowrl.runtime.backends.torchrun.rank_programs.RANK_PROGRAMS``) and the planner's estimators and roles
 (``flowrl.planners.kind_table``). ``tests/graph/test_kinds.py`` checks every table has every kind.
 
 The node struct is a ``module:qualname`` string (resolved once, when ``flowrl.graph.nodes`` builds

@@ -27,7 +27,7 @@ whatever was generated before (a resumed run re-draws what it would have drawn),
 uncached paths consume the same random numbers.
 
 Device: the model lives on ``device`` (``"cpu"``, ``"cuda:0"``, ...; the runtime picks it,
-``flowrl.runtime.executor_placement.node_devices``). Prompts arrive as CPU tensors and are moved there; every
+``flowrl.runtime.control.executor_placement.node_devices``). Prompts arrive as CPU tensors and are moved there; every
 tensor of the rollout comes back on the CPU (channels, the process wire and scorers carry CPU
 tensors). The sampling RNG is a ``torch.Generator`` on the device: on the CPU results are exactly
 those of a generator built without a device; on CUDA the draws differ from the CPU's (another RNG)

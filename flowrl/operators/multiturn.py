@@ -38,7 +38,7 @@ for every cause of ``FAIL_CAUSES``), ``env/model_tokens``,
 ``env/env_tokens`` (tokens per sample by role), ``env/reward_mean``), which the generator program
 reports and the metrics rows carry.
 
-With ``batching="continuous"``, ``flowrl.runtime.continuous.ContinuousRollouts`` drives the same
+With ``batching="continuous"``, ``flowrl.runtime.programs.continuous.ContinuousRollouts`` drives the same
 episode steps one sample at a time: a finished model turn frees its slot and the sample is parked
 while its environment answers.
 """
@@ -106,7 +106,7 @@ class MultiTurnGenerator:
     """Runs episodes for ``node.env`` with ``generator``'s model (see the module docstring).
 
     The episode's steps are methods that lock step (``generate``) and continuous batching
-    (``flowrl.runtime.continuous``) share: ``episode`` and ``start_reset`` / ``finish_reset`` open one,
+    (``flowrl.runtime.programs.continuous``) share: ``episode`` and ``start_reset`` / ``finish_reset`` open one,
     ``wants_turn`` says whether it takes another model turn, ``add_turn`` records one and
     ``start_step`` / ``finish_step`` hand it to the environment; ``batch`` and ``metrics`` report.
 

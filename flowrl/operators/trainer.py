@@ -223,7 +223,7 @@ class Trainer:
             ``flowrl.runtime.parallel.fsdp.token_scale``).
         part_of: ``(mini_batch) -> this rank's part of it`` (whole prompt groups), called before each
             optimizer step and once on the whole batch (for the rollout's metrics); a data-parallel
-            program sets it (``flowrl.runtime.backends.rank_programs``), and sets its rank's share of the
+            program sets it (``flowrl.runtime.backends.torchrun.rank_programs``), and sets its rank's share of the
             loss there. The identity in one process.
         clip_grad_norm: ``(parameters, max_norm) -> the global norm before clipping``, clipping in place:
             ``torch.nn.utils.clip_grad_norm_``, or a tensor-parallel rank's (``flowrl.runtime.parallel.tp_train``).

@@ -85,7 +85,7 @@ class Placement(msgspec.Struct, **_STRUCT):
         source: where it came from, for messages (``"plan:plan.json"``, ``"default (halves)"``).
         offload: the nodes whose state the plan moves to host memory while a colocated node runs
             (a trainer's parameters, gradients and optimizer state; a vLLM engine asleep): what a
-            run with ``offload="auto"`` does (``flowrl.runtime.offload``).
+            run with ``offload="auto"`` does (``flowrl.runtime.programs.offload``).
     """
 
     nodes: dict[str, NodeMesh]

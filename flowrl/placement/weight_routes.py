@@ -16,7 +16,7 @@ engine and lock-step batching, the generator has ranks (any mesh: one engine, ``
 are apart, neither end's model has LoRA adapters, and the policy is not split into pipeline stages
 (``pipelined``: each stage holds only its own layers, so none gathers a whole bucket; its stages send
 their own layers over the hop's collective). Every other edge
-takes the hop. The runtime opens the edges it names (``runtime/backends/direct_route.direct_channels``)
+takes the hop. The runtime opens the edges it names (``runtime/weights/direct_route.direct_channels``)
 and the planner prices them (``planners/estimate/direct.py``), so both read this one function.
 
 Example:

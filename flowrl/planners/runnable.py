@@ -5,13 +5,13 @@ The planner proposes only layouts the runtime executes. Which axes a node's prog
 plan will run under, which the cluster implies (``plan_backend``):
 
 - a policy with ``sharding="fsdp"``, or GPUs: ``torchrun`` (FSDP2 runs only there; on GPUs a node's
-  one process uses one GPU, ``flowrl.runtime.executor_placement``);
+  one process uses one GPU, ``flowrl.runtime.control.executor_placement``);
 - one device: ``local`` (no mesh has an axis of size > 1);
 - a CPU whose ``flowrl calibrate`` terms give a thread speed-up (``CpuTerms.thread_speedup`` > 0): the
   planner prices a mesh of ``n`` cores as one process with ``n`` intra-op threads, which is what the
   one-process backends run (``local``, ``process``), so ``local``;
 - any other cluster of several devices (GPUs, or CPU cores priced as one rank each): ``torchrun``,
-  the backend whose programs span devices (a rank per device; ``flowrl.runtime.backends.torchrun``).
+  the backend whose programs span devices (a rank per device; ``flowrl.runtime.backends.torchrun.backend``).
 
 ``node_axes`` is read once per plan (``search.resolve_roles`` keeps it in ``Roles.axes``); the search
 enumerates only those axes for each node (``parallel.enumerate_dims``), and a node whose program runs

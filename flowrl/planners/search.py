@@ -384,7 +384,7 @@ class _Evaluator:
 
     def offloadable(self, name: str, dims: ParallelDims) -> float:
         """Bytes per device of ``resident`` that wait in host memory while another node runs, as the
-        runtime moves them (``flowrl.runtime.offload``): a trainer's whole state (parameters,
+        runtime moves them (``flowrl.runtime.programs.offload``): a trainer's whole state (parameters,
         gradients, optimizer states, after its weights are published), a vLLM generator's claim
         (level-1 sleep: weights to host memory, KV cache freed; on CUDA only, where vLLM has a sleep
         mode). Nothing of other nodes: a critic, which trains but publishes no weights, stays
@@ -595,7 +595,7 @@ class _Evaluator:
 
 def _no_offload(ctx: Context, devices: Sequence[int]) -> str:
     """Why the runtime would move no colocated state aside for nodes sharing ``devices``
-    (``flowrl.runtime.offload``), or ``""`` where it does: on GPUs of one host, run by a backend that
+    (``flowrl.runtime.programs.offload``), or ``""`` where it does: on GPUs of one host, run by a backend that
     offloads (``backend_traits(...).offloads``: local, process; ``Tuning.offload`` "auto")."""
     dev, c = ctx.cluster.device, ctx.cluster
     if DEVICE_TRAITS[dev.kind].pinned:

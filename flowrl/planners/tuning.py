@@ -65,7 +65,7 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             optimizer states) to host memory, and puts a colocated vLLM generator to sleep (its
             weights to host memory), while another node needs the room (LlamaRL's co-located
             offloading), paying their way out and back over ``DeviceSpec.host_bandwidth``: what
-            ``flowrl run --offload auto`` then does (``flowrl.runtime.offload``); ``"off"`` never does.
+            ``flowrl run --offload auto`` then does (``flowrl.runtime.programs.offload``); ``"off"`` never does.
         shard_optimizer: shard optimizer states over the data-parallel axis (ZeRO-1 / Megatron's
             distributed optimizer).
         activation_checkpointing: ``"auto"`` turns it on only for nodes that do not fit without it;

@@ -23,7 +23,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         steps: trainer steps to run in total (a resumed run continues up to this many).
         max_staleness: override every weight edge's k; None keeps the graph's.
         backend: ``local`` (threads in this process), ``process`` (one OS process per executor),
-            ``torchrun`` (this process is one rank of a torchrun job; see ``flowrl.runtime.backends.torchrun``)
+            ``torchrun`` (this process is one rank of a torchrun job; see ``flowrl.runtime.backends.torchrun.backend``)
             or a backend registered with ``flowrl.runtime.backends.backend.register_backend``; an unknown
             name is refused by ``run_graph`` before any work.
         seed: seed of sampling and of the synthetic operators.
@@ -45,7 +45,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         stall_timeout_s: fail the run if no executor finishes a step for this long.
         liveness_timeout_s: torchrun only: a rank of any role whose heartbeat stands still this long
             (dead, stopped, wedged) ends every rank of the job, naming it, so torchrun can restart
-            (``flowrl.runtime.backends.heartbeat``); None: 60 s. Refused on another backend.
+            (``flowrl.runtime.backends.torchrun.heartbeat``); None: 60 s. Refused on another backend.
         progress: draw a progress bar on stderr.
         log_samples: every N trainer steps, decode a few samples of the batch into the metrics row
             (``samples_text``; ``flowrl.runtime.observe.samples``); 0 never.
@@ -53,7 +53,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             placement's colocation groups.
         device: where the models run: ``"auto"`` (CUDA when torch sees a CUDA device, else the CPU),
             ``"cpu"`` or ``"cuda"`` (each node on ``cuda:N`` from its placement; see
-            ``flowrl.runtime.executor_placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
+            ``flowrl.runtime.control.executor_placement.node_devices``). ``"cuda"`` without CUDA is refused when the run starts.
         eval_every: every N trainer steps, score the policy on the rows of ``eval_data`` in a
             background thread (``flowrl.runtime.evaluation.during_run``: ``eval/...`` keys in that step's
             metrics row); 0 never.
@@ -61,7 +61,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         eval_samples: sampled completions per eval row (``k`` of pass@k), besides the greedy one.
         eval_pass_reward: an eval completion passes (pass@k, ``eval/greedy_pass``) when its combined
             reward is at least this.
-        offload: colocated offloading (``flowrl.runtime.offload``): ``"auto"`` as the plan says (a
+        offload: colocated offloading (``flowrl.runtime.programs.offload``): ``"auto"`` as the plan says (a
             placement from ``flowrl plan``; none otherwise), ``"on"`` every trainer sharing devices
             with a generator keeps its state in host memory while the generator runs, and a vLLM
             engine that can sleep sleeps while the trainer runs (a trainer sharing no device with a

@@ -31,7 +31,7 @@ from flowrl.graph.ir import Graph
 from flowrl.placement.layout import Placement
 from flowrl.runtime.backends.backend import OnStep, create_backend
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.controller import RunResult
+from flowrl.runtime.control.controller import RunResult
 
 __all__ = ["run_graph"]
 
@@ -69,7 +69,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         ConfigError: also ``config.eval_data`` that cannot be read or lacks a field the prompt or a
             scorer needs, or is given for a graph whose source is a task (``evaluation.check_eval_data``).
         ConfigError: also ``config.offload="on"`` for a trainer that shares no device with a
-            generator (``flowrl.runtime.offload.offload_roles``).
+            generator (``flowrl.runtime.programs.offload.offload_roles``).
         NodeExecutionError: a node failed while running (or an evaluation, ``config.eval_every``).
 
     Warns:
@@ -79,7 +79,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     from flowrl.host import release_freed_memory
     from flowrl.runtime.parallel.fsdp import check_backend
     from flowrl.runtime.names import check_names
-    from flowrl.runtime.executor_placement import resolve_device
+    from flowrl.runtime.control.executor_placement import resolve_device
     from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_meshes, check_packing_families, check_teachers
 
     if isinstance(placement, RunConfig) and config is None:  # run_graph(graph, config)
@@ -107,8 +107,8 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         check_eval_data(graph, str(config.eval_data))  # a missing file or column: refused before any work
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
     if config.offload == "on" or (config.offload == "auto" and placement is not None and placement.offload):  # refused before any work
-        from flowrl.runtime.offload import offload_roles
-        from flowrl.runtime.executor_placement import run_placement
+        from flowrl.runtime.programs.offload import offload_roles
+        from flowrl.runtime.control.executor_placement import run_placement
 
         if backend_traits(backend.name).ranks:  # its ranks hold the default placement of the job's world: refused or said without it
             offload_roles(graph, placement or Placement(nodes={}), config.offload, device=device, backend=backend.name)

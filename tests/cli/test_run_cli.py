@@ -134,7 +134,7 @@ def test_one_sample_per_prompt_is_a_warning_line_and_a_python_warning(tmp_path, 
     from flowrl.graph.serialize import to_json
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
-    from flowrl.runtime.synthetic import synthetic_programs
+    from flowrl.runtime.programs.synthetic import synthetic_programs
 
     spec = build_example("llamarl").spec
     one = lambda n: msgspec.structs.replace(n, sampling=msgspec.structs.replace(n.sampling, n_samples=1)) if n.kind == "generator" else n  # noqa: E731
@@ -294,7 +294,7 @@ def test_flowrl_run_prestarts_the_zygote_where_the_backends_traits_say(monkeypat
 
     from flowrl import backend_traits
     from flowrl.cli import run as run_cli
-    from flowrl.runtime.backends import zygote
+    from flowrl.runtime.backends.process import zygote
 
     if traits is not None:
         monkeypatch.setitem(backend_traits._DECLARED, backend, traits)

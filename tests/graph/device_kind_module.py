@@ -39,7 +39,7 @@ class LikelihoodNode(NodeBase, tag="likelihood"):
 def build_likelihood(node, graph, env, transports):
     """Its program: the frozen model's log-probs of each completion, averaged over its tokens."""
     from flowrl.operators.reference import Reference
-    from flowrl.runtime.programs import ProgramBase
+    from flowrl.runtime.programs.nodes import ProgramBase
 
     class LikelihoodProgram(ProgramBase):
         def __init__(self) -> None:

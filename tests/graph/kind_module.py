@@ -34,7 +34,7 @@ class LengthBonusNode(NodeBase, tag="length_bonus"):
 
 def build_length_bonus(node, graph, env, transports):
     """Its program: the bonus for one batch per step."""
-    from flowrl.runtime.programs import ProgramBase
+    from flowrl.runtime.programs.nodes import ProgramBase
 
     class LengthBonusProgram(ProgramBase):
         def step(self, seq, inputs, min_version):

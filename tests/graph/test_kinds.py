@@ -27,8 +27,8 @@ def test_every_part_of_a_kind_exists(kind):
 def test_every_layer_table_has_every_kind():
     """The runtime's programs, the planner's roles and estimators: one entry per kind that needs one, and no other."""
     from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
-    from flowrl.runtime.backends.rank_programs import RANK_PROGRAMS
-    from flowrl.runtime.program_table import PROGRAMS
+    from flowrl.runtime.backends.torchrun.rank_programs import RANK_PROGRAMS
+    from flowrl.runtime.programs.table import PROGRAMS
 
     on = {where: {k for k, s in KINDS.items() if s.runs_on == where} for where in ("devices", "cpu", "policy")}
     assert set(PROGRAMS) == on["devices"] | on["cpu"], "a kind that runs inside its policy has no program of its own; every other kind has one"
@@ -41,7 +41,7 @@ def test_every_layer_table_has_every_kind():
 @pytest.mark.parametrize("kind", [k for k in NODE_KINDS if KINDS[k].runs_on != "policy"])
 def test_measured_and_predicted_spans_share_the_table_names(kind):
     from flowrl.planners.schedule import _WHAT
-    from flowrl.runtime.controller import SPAN_NAMES
+    from flowrl.runtime.control.controller import SPAN_NAMES
 
     assert SPAN_NAMES[kind] == _WHAT[kind] == KINDS[kind].span
 
@@ -49,8 +49,8 @@ def test_measured_and_predicted_spans_share_the_table_names(kind):
 def test_programs_are_built_through_the_table(monkeypatch):
     """A kind's program comes from its entry in the runtime's table: pointing the entry elsewhere changes what is built."""
     from flowrl.examples.llamarl import build_llamarl
-    from flowrl.runtime.program_table import PROGRAMS, build_program
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports
+    from flowrl.runtime.programs.table import PROGRAMS, build_program
+    from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
 
     monkeypatch.setitem(PROGRAMS, "scorer", _fake_program)
     graph = build_llamarl()
@@ -98,7 +98,7 @@ kinds.KINDS["length_bonus"] = kinds.KindSpec(
 )
 
 from flowrl.planners.kind_table import ESTIMATORS
-from flowrl.runtime.program_table import PROGRAMS
+from flowrl.runtime.programs.table import PROGRAMS
 from tests.graph.kind_module import build_length_bonus, estimate_length_bonus
 
 PROGRAMS["length_bonus"] = build_length_bonus
@@ -180,7 +180,7 @@ kinds.KINDS["likelihood"] = kinds.KindSpec(
 )
 
 from flowrl.planners.kind_table import PLAN_ROLES
-from flowrl.runtime.program_table import PROGRAMS
+from flowrl.runtime.programs.table import PROGRAMS
 from tests.graph.device_kind_module import build_likelihood, likelihood_role
 
 PROGRAMS["likelihood"] = build_likelihood

@@ -25,8 +25,8 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.judges import JudgeConfig
 from flowrl.models.tokenizer import load_tokenizer
-from flowrl.runtime.program_table import build_program
-from flowrl.runtime.programs import ProgramEnv, SharedTransports
+from flowrl.runtime.programs.table import build_program
+from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
 from tests.hf_fixtures import WORDS, hf_config, make_hf_dir
 from tests.tolerances import logit_atol
 

@@ -14,7 +14,7 @@ from flowrl.graph.nodes import SourceNode
 from flowrl.graph.serialize import from_json, to_json
 from flowrl.models.tokenizer import load_tokenizer
 from flowrl.operators.source import PromptSource
-from flowrl.runtime.programs import SourceProgram
+from flowrl.runtime.programs.nodes import SourceProgram
 from tests.data.helpers import data_graph, model_config, word_tokenizer, write_jsonl
 
 ROWS = [{"prompt": f"what is {a} plus {b} ?", "answer": str(a + b), "id": i} for i, (a, b) in enumerate([(1, 2), (3, 4), (2, 2), (5, 1), (0, 3)])]

@@ -8,8 +8,8 @@ import torch
 from flowrl.errors import ConfigError, NodeBuildError, NodeExecutionError
 from flowrl.models.tokenizer import load_tokenizer
 from flowrl.operators.scoring import Scorer
-from flowrl.runtime.program_table import build_program
-from flowrl.runtime.programs import ProgramEnv, SharedTransports
+from flowrl.runtime.programs.table import build_program
+from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
 from tests.data.helpers import data_graph, word_tokenizer, write_jsonl
 
 from . import userfns

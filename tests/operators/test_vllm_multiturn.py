@@ -168,7 +168,7 @@ def test_continuous_episodes_take_weights_in_flight_and_each_token_keeps_its_ver
     from flowrl.models.registry import build_model
     from flowrl.operators.engines.vllm_multiturn import VLLMMultiTurn
     from flowrl.operators.engines.vllm_stream import VLLMSlotBatcher
-    from flowrl.runtime.continuous import ContinuousRollouts
+    from flowrl.runtime.programs.continuous import ContinuousRollouts
 
     sampling = msgspec.structs.replace(SAMPLING, max_new_tokens=8, batching="continuous", slots=3)
     node = msgspec.structs.replace(_node(vllm_dir, f"{ENVS}:Words", max_turns=3), sampling=sampling)

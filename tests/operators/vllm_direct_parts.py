@@ -196,9 +196,9 @@ def _sender(mode: str, store_port: int, rank: int, world: int, pg_port: int, out
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
+if __name__ == "__main__":  # a member of a gloo group: ends without interpreter teardown (flowrl.runtime.backends.torchrun.rank_exit)
     sys.path.insert(0, str(ROOT))
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     if sys.argv[1] == "worker":
         _worker(*map(int, sys.argv[2:4]))

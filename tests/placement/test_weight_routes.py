@@ -55,7 +55,7 @@ def test_the_rule_decides_each_edges_route(build, ranks, programs, direct):
 @pytest.mark.parametrize("build, ranks, programs, direct", CASES, ids=IDS)
 def test_the_runtime_opens_exactly_the_edges_the_rule_sends_direct(build, ranks, programs, direct):
     """``direct_channels`` (what a torchrun job opens) agrees with ``direct_edges`` (what the planner prices)."""
-    from flowrl.runtime.backends.direct_route import direct_channels
+    from flowrl.runtime.weights.direct_route import direct_channels
 
     g = build()
     assert direct_channels(g, ranks, programs) == {f"{s}->{d}" for s, d in direct_edges(g, ranks, programs)}

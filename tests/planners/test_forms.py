@@ -12,9 +12,9 @@ from flowrl.examples.llamarl import build_llamarl, build_llamarl_ref
 from flowrl.placement import NodeMesh, default_placement, placement_to_json, run_devices, run_strategy
 from flowrl.planners.forms import read_placement
 from flowrl.planners.plan import plan_graph, save_plan
-from flowrl.runtime.backends.torchrun import rank_placement
+from flowrl.runtime.backends.torchrun.backend import rank_placement
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.executor_placement import run_placement
+from flowrl.runtime.control.executor_placement import run_placement
 
 LLAMARL = build_llamarl(max_staleness=1)
 

@@ -72,7 +72,7 @@ def reference_prompts(steps: int, k: int) -> list[list[int]]:
     from flowrl.examples import build_example
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
-    from flowrl.runtime.synthetic import synthetic_programs
+    from flowrl.runtime.programs.synthetic import synthetic_programs
 
     graph = build_example("llamarl")
     config = RunConfig(steps=steps, max_staleness=k, programs=synthetic_programs(graph),

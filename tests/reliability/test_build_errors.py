@@ -12,7 +12,7 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.run import run_graph
-from flowrl.runtime.synthetic import synthetic_programs
+from flowrl.runtime.programs.synthetic import synthetic_programs
 from tests.reliability.badinput import clean_error, run_cli
 
 TINY = ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=32)

@@ -54,7 +54,7 @@ def test_transport_failing_mid_publish_stops_the_run():
 
 def test_full_disk_while_checkpointing_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     g = build_llamarl(max_staleness=1)
-    from flowrl.runtime import synthetic
+    from flowrl.runtime.programs import synthetic
 
     real_save = torch.save
     calls = {"n": 0}

@@ -3,7 +3,7 @@ last checkpoint consumes exactly the prompts an uninterrupted run does (read fro
 
 Two torchrun jobs of 3 ranks on CPU (gloo), synthetic operators, weights over files: gen on rank 1, policy on rank 2,
 the controller on rank 0 (about 20-30 s on 2 shared cores). The rank kills itself with
-``--option die_node=gen --option die_step=N`` (``flowrl.runtime.synthetic``).
+``--option die_node=gen --option die_step=N`` (``flowrl.runtime.programs.synthetic``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 
 from flowrl.graph.ir import Graph
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.synthetic import synthetic_programs
+from flowrl.runtime.programs.synthetic import synthetic_programs
 
 
 def synthetic_config(graph: Graph, **overrides) -> RunConfig:
@@ -65,9 +65,9 @@ def generator_rank_program(graph: Graph, rank: int, world: int, dp: int, run_dir
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from flowrl.runtime.backends.rank_programs import RankContext, rank_program, set_context
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports
-    from flowrl.runtime.weight_edges import transport_specs
+    from flowrl.runtime.backends.torchrun.rank_programs import RankContext, rank_program, set_context
+    from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
+    from flowrl.runtime.weights.edges import transport_specs
 
     ranks = tuple(range(world))
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(dp, world // dp), mesh_dim_names=("dp", "tp"))
@@ -84,11 +84,11 @@ def generator_rank_program(graph: Graph, rank: int, world: int, dp: int, run_dir
 
 
 def edge_shard_shapes(graph: Graph, world: int, dp: int, rank: int) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
-    """The shapes the collective transport's generator layout (``backends/weights.py``) gives ``rank`` of
+    """The shapes the collective transport's generator layout (``weights/torchrun_edges.py``) gives ``rank`` of
     node ``gen`` on a ``dp x tp`` mesh, and the policy's parameter specs."""
     import msgspec
 
-    from flowrl.runtime.backends.weights import _generator_layouts, _param_specs
+    from flowrl.runtime.weights.torchrun_edges import _generator_layouts, _param_specs
     from flowrl.placement.resharding import ShardLayout, local_shape
 
     params = _param_specs(graph, "policy")

@@ -44,7 +44,7 @@ class _Late:
 
 LATE = _Late()
 if sys.argv[1] == "end_rank_process":
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     end_rank_process(0)
 sys.exit(0)

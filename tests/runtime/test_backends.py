@@ -49,7 +49,7 @@ def test_what_a_backend_allows_comes_from_its_traits(monkeypatch):
     """FSDP and offloading are refused by a backend's traits, not its name: a user backend declaring ``shards`` takes FSDP."""
     from flowrl import backend_traits
     from flowrl.runtime.parallel.fsdp import check_backend
-    from flowrl.runtime.offload import offload_roles
+    from flowrl.runtime.programs.offload import offload_roles
     from tests.runtime.test_fsdp import fsdp_graph
 
     graph = fsdp_graph()
@@ -104,10 +104,10 @@ def test_unknown_backend_names_the_known_ones():
     assert {"local", "process", "torchrun"} <= set(backend_names())
 
 
-@pytest.mark.parametrize("module", ["local", "process", "torchrun", "drive", "weights", "rank_programs"])
+@pytest.mark.parametrize("module", ["backends.local", "backends.process.backend", "backends.torchrun.backend", "backends.drive", "weights.torchrun_edges", "backends.torchrun.rank_programs"])
 def test_no_backend_imports_run_py(module):
     """``run.py`` dispatches to the backends; a backend importing it back would close an import circle."""
-    source = importlib.import_module(f"flowrl.runtime.backends.{module}").__file__
+    source = importlib.import_module(f"flowrl.runtime.{module}").__file__
     with open(source) as f:
         text = f.read()
     assert "flowrl.runtime.run import" not in text and "from flowrl.runtime import run" not in text

@@ -13,7 +13,7 @@ from flowrl.errors import CheckpointError, ConfigError
 from flowrl.examples import build_example
 from flowrl.runtime.checkpointing.checkpointer import Checkpointer
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.ledger import PromptLedger
+from flowrl.runtime.control.ledger import PromptLedger
 
 
 class _Program:

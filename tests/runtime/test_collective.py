@@ -702,7 +702,7 @@ class _OneRank:
 
 
 if __name__ == "__main__":  # a worker rank: no hypothesis import (it costs a second per rank on a busy machine)
-    from flowrl.runtime.backends.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
 
     _worker_main(sys.argv[1:])
     end_rank_process(0)

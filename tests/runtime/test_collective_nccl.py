@@ -3,7 +3,7 @@
 The worker ranks (``python -m tests.runtime.test_collective_nccl RANK WORLD INIT_FILE OUT_DIR``) join
 an NCCL group, one GPU each, and run resharding cases of ``test_collective`` through its own
 ``_run_case`` with ``device="cuda:<rank>"``; each case gets a group of exactly its participating ranks,
-created by every rank in the same order and warmed with an all-reduce (as ``runtime.backends.weights``
+created by every rank in the same order and warmed with an all-reduce (as ``runtime.weights.torchrun_edges``
 does), so that NCCL's first point-to-point batch need not involve every rank. With 4 GPUs the whole
 table runs; with 2, the cases on ranks 0 and 1 (pure sender -> pure receiver, and colocated ranks that
 send and receive in one batch). With 1 GPU (or none) these tests skip, visibly: NCCL does not

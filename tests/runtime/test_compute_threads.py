@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from flowrl.examples.llamarl import build_llamarl
-from flowrl.runtime.compute_threads import ComputeThread, GroupLock, group_runners, set_intra_op_threads
-from flowrl.runtime.executor_placement import run_placement
+from flowrl.runtime.control.compute_threads import ComputeThread, GroupLock, group_runners, set_intra_op_threads
+from flowrl.runtime.control.executor_placement import run_placement
 from flowrl.runtime.run import run_graph
-from flowrl.runtime.synthetic import synthetic_program
+from flowrl.runtime.programs.synthetic import synthetic_program
 from tests.runtime.helpers import synthetic_config
 
 #: node -> {(thread name, torch intra-op threads) seen inside its program's steps}

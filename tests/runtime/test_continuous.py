@@ -12,7 +12,7 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.ir import Graph
 from flowrl.runtime.checkpointing.store import latest_checkpoint, read_meta
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.controller import Controller
+from flowrl.runtime.control.controller import Controller
 from flowrl.runtime.run import run_graph
 from tests.tolerances import rollout_logprob_atol
 
@@ -166,9 +166,9 @@ def test_exactly_once_across_two_resumes_in_a_row(tmp_path, monkeypatch):
 def _in_flight_program(tmp_path):
     """Node ``gen`` of an in-flight continuous graph as its program, over an inprocess edge whose
     writer this test holds; the policy's initial weights (version 0) published."""
-    from flowrl.runtime.program_table import build_program
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports
-    from flowrl.runtime.weight_edges import transport_specs
+    from flowrl.runtime.programs.table import build_program
+    from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
+    from flowrl.runtime.weights.edges import transport_specs
 
     graph = _graph(k=2, in_flight=True)
     specs = transport_specs(graph, str(tmp_path))

@@ -18,8 +18,8 @@ from flowrl.operators.multiturn import MultiTurnGenerator
 from flowrl.models.families.builtin.tokenizer import DEFAULT_TOKENIZER
 from flowrl.runtime.checkpointing.store import latest_checkpoint, read_meta
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.continuous import ContinuousRollouts
-from flowrl.runtime.controller import Controller
+from flowrl.runtime.programs.continuous import ContinuousRollouts
+from flowrl.runtime.control.controller import Controller
 from flowrl.runtime.run import run_graph
 from tests.envs import envs_for_tests
 from tests.operators.helpers import prompts_of

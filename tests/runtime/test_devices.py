@@ -17,11 +17,11 @@ from flowrl.errors import ConfigError
 from flowrl.examples import build_example
 from flowrl.placement import NodeMesh, Placement
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.executor_placement import node_devices, resolve_device, run_placement
-from flowrl.runtime.program_table import build_program
-from flowrl.runtime.programs import ProgramEnv, SharedTransports
+from flowrl.runtime.control.executor_placement import node_devices, resolve_device, run_placement
+from flowrl.runtime.programs.table import build_program
+from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
 from flowrl.runtime.run import run_graph
-from flowrl.runtime.synthetic import synthetic_program, synthetic_programs
+from flowrl.runtime.programs.synthetic import synthetic_program, synthetic_programs
 from tests.tolerances import graph_logprob_atol, ratio_atol
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")

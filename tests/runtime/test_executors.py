@@ -8,8 +8,8 @@ import pytest
 
 from flowrl.examples import build_example
 from flowrl.placement.default import default_placement
-from flowrl.runtime.channels import ChannelClosed
-from flowrl.runtime.executors import Executors
+from flowrl.runtime.control.channels import ChannelClosed
+from flowrl.runtime.control.executors import Executors
 
 
 class _Program:
@@ -77,7 +77,7 @@ def test_start_join_abort_and_close_reach_every_program():
 def test_take_merges_message_seq_from_every_input_and_refuses_another_seq():
     import torch
 
-    from flowrl.runtime.channels import Message
+    from flowrl.runtime.control.channels import Message
 
     _graph, parts, _ = _executors()
     policy = parts.executors["policy"]
@@ -91,7 +91,7 @@ def test_take_merges_message_seq_from_every_input_and_refuses_another_seq():
 
 def test_each_thread_is_pinned_before_main_runs(monkeypatch):
     """Pinned to its cores and, with a compute thread per group (intra_op_threads), one torch thread of its own."""
-    from flowrl.runtime import executors
+    from flowrl.runtime.control import executors
 
     calls: list[tuple] = []
     monkeypatch.setattr(executors, "set_thread_cores", lambda cores: calls.append(("cores", threading.current_thread().name, cores)))

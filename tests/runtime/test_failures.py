@@ -33,7 +33,7 @@ def test_worker_killed_is_reported(graph_k):
     """SIGKILL of a worker process: the run stops with an error naming the node; no worker is left."""
     g = graph_k(1)
     config = synthetic_config(g, steps=400, backend="process", options={"gen_s": 0.01, "train_s": 0.01})
-    from flowrl.runtime.backends import process as process_backend
+    from flowrl.runtime.backends.process import backend as process_backend
 
     spawned = []
     original = process_backend.ProcessWorkers._spawn

@@ -111,7 +111,7 @@ def test_shards_that_would_desynchronise_the_ranks_are_refused(sizes, micro, mat
 
 def test_the_collective_trainer_layout_is_fsdp_shards():
     """The options the torchrun backend gives the collective transport for an FSDP policy."""
-    from flowrl.runtime.backends.weights import collective_options
+    from flowrl.runtime.weights.torchrun_edges import collective_options
     from flowrl.placement.resharding import ShardLayout, dp_replicas, fsdp
 
     def layout(graph):
@@ -695,7 +695,7 @@ def _mixed_job(out: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     if sys.argv[1] == "bitwise":
         end_rank_process(_bitwise_job(sys.argv[2]))

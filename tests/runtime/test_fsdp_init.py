@@ -190,8 +190,8 @@ def _init_job(out: str, root: str) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from flowrl.runtime.backends import rank_programs
-    from flowrl.runtime.backends.rank_programs import RankContext, ShardedPolicy
+    from flowrl.runtime.backends.torchrun import rank_programs
+    from flowrl.runtime.backends.torchrun.rank_programs import RankContext, ShardedPolicy
     from flowrl.host import release_freed_memory
     from flowrl.runtime.parallel.fsdp_init import meta_build
 
@@ -246,7 +246,7 @@ def _init_job(out: str, root: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     if sys.argv[1] == "init":
         end_rank_process(_init_job(sys.argv[2], sys.argv[3]))

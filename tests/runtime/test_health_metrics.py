@@ -20,7 +20,7 @@ from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.graph.ir import Graph
 from flowrl.operators.trainer import learning_rate
-from flowrl.runtime import controller as controller_module
+from flowrl.runtime.control import controller as controller_module
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.observe.metrics import HEALTH_KEYS, UNNAMESPACED
 from flowrl.runtime.run import run_graph

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from flowrl.errors import ConfigError
-from flowrl.runtime.backends import heartbeat as hb
+from flowrl.runtime.backends.torchrun import heartbeat as hb
 from flowrl.runtime.config import RunConfig
 
 dist = pytest.importorskip("torch.distributed")

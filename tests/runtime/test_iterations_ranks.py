@@ -63,8 +63,8 @@ def _job(out: str) -> int:
     from flowrl.operators.scoring import Scorer
     from flowrl.operators.source import PromptSource
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.backends.rank_programs import DataParallelPolicy, RankContext, ShardedPolicy, set_context
-    from flowrl.runtime.backends.tp_policy import TensorParallelPolicy
+    from flowrl.runtime.backends.torchrun.rank_programs import DataParallelPolicy, RankContext, ShardedPolicy, set_context
+    from flowrl.runtime.backends.torchrun.tp_policy import TensorParallelPolicy
     from flowrl.runtime.parallel.distributed import broadcast_batch, shard_by_groups
     from flowrl.runtime.parallel.fsdp import full_weights
 
@@ -122,6 +122,6 @@ def _job(out: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     end_rank_process(_job(sys.argv[1]))

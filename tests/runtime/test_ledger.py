@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.operators.source import pad_left
-from flowrl.runtime.ledger import PromptLedger
+from flowrl.runtime.control.ledger import PromptLedger
 from flowrl.runtime.staleness import StalenessViolation
 
 
@@ -65,7 +65,7 @@ def test_read_ahead_fills_to_want_without_the_skipped_prompts():
 
 def test_a_continuous_feed_reads_k_batches_ahead_and_its_source_runs_longer():
     from flowrl.examples.longtail import build_longtail
-    from flowrl.runtime.ledger import continuous_feeds
+    from flowrl.runtime.control.ledger import continuous_feeds
     from flowrl.runtime.staleness import StalenessGate
 
     graph = build_longtail(max_staleness=2, batching="continuous")

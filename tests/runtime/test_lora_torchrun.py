@@ -84,7 +84,7 @@ def test_the_generators_adapters_equal_the_final_checkpoints_bit_for_bit(tmp_pat
 
 def test_a_tensor_parallel_generator_with_lora_is_refused_naming_the_replicas_fix(model_dir):
     from flowrl.errors import ConfigError
-    from flowrl.runtime.backends.weights import collective_options
+    from flowrl.runtime.weights.torchrun_edges import collective_options
 
     graph = lora_graph(str(model_dir), "replicate")
     ranks = {"policy": (0,), "gen": (1, 2)}
@@ -104,7 +104,7 @@ def _job(out: str, model_dir: str, sharding: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Colocated offloading (``flowrl.runtime.offload``): a trainer's state round trip bit for bit, steps
+"""Colocated offloading (``flowrl.runtime.programs.offload``): a trainer's state round trip bit for bit, steps
 unchanged, a colocated run with offloading giving the same metrics as without it (k = 0, same seed)
 with the moves in its trace, an engine's sleep and wake in order, who offloads, and bad input
 refused before any work (also from the CLI)."""
@@ -19,7 +19,7 @@ from flowrl.operators.generation import Generator
 from flowrl.operators.trainer import Trainer
 from flowrl.placement import NodeMesh, Placement
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.offload import HostOffload, SleepingGenerator, offload_roles, trace_spans
+from flowrl.runtime.programs.offload import HostOffload, SleepingGenerator, offload_roles, trace_spans
 from flowrl.runtime.run import run_graph
 from tests.operators.helpers import TINY, loss_node, rollout_with_rewards, tiny_policy_node
 
@@ -188,7 +188,7 @@ def test_in_a_run_the_engine_sleeps_while_the_trainer_runs_and_the_trainer_waits
     """On one device at k = 0 the trace's moves and steps alternate: wake, sample, sleep, then reload,
     train, publish, offload, every step; the rows are those of a run without offloading."""
     from flowrl.operators import engines
-    from flowrl.runtime import offload
+    from flowrl.runtime.programs import offload
 
     monkeypatch.setitem(engines.ENGINES, "builtin", engines.EngineSpec(generator=f"{__name__}:SleepyGenerator"))
     monkeypatch.setattr(offload, "_can_sleep", lambda graph, name, device: True)

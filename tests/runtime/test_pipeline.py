@@ -136,7 +136,7 @@ def test_each_stage_materialises_its_tensors_bit_for_bit_the_whole_builds(family
     read or drawn under its embedding's name): equal, bit for bit, to building the whole model."""
     from flowrl.graph.configs import HFModelConfig
     from flowrl.models.registry import build_model
-    from flowrl.runtime.backends.pp_policy import _by_whole_names
+    from flowrl.runtime.backends.torchrun.pp_policy import _by_whole_names
     from flowrl.runtime.parallel.fsdp_init import materialise_, meta_build
     from flowrl.runtime.parallel.pipeline import model_layers, split_model
 
@@ -158,7 +158,7 @@ def test_each_stage_publishes_its_own_layers_on_a_collective_edge():
     """The collective transport's trainer layout of a pp 2 x dp 2 policy on ranks 1-4: each weight on
     the ranks of its stage (dp replicas), the tied head's matrix on the first stage's."""
     from flowrl.placement.resharding import ShardLayout, dp_replicas
-    from flowrl.runtime.backends.weights import collective_options
+    from flowrl.runtime.weights.torchrun_edges import collective_options
 
     graph = pp_graph()
     options = collective_options(graph, "policy", "gen", {"gen": (0,), "policy": (1, 2, 3, 4)}, {}, {"policy": (("pp", "dp", "tp"), (2, 2, 1))}, 30.0)
@@ -321,12 +321,12 @@ def _step_job(out: str, family: str, directory: str, micro: int) -> int:
 
     from flowrl.operators.losses import combined_rewards, loss_advantages
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.backends.pp_policy import PipelinePolicy
-    from flowrl.runtime.backends.rank_programs import RankContext, rank_program, set_context
+    from flowrl.runtime.backends.torchrun.pp_policy import PipelinePolicy
+    from flowrl.runtime.backends.torchrun.rank_programs import RankContext, rank_program, set_context
     from flowrl.runtime.checkpointing.sharded_state import read_state
     from flowrl.runtime.parallel.distributed import shard_by_groups
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports
-    from flowrl.runtime.weight_edges import transport_specs
+    from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
+    from flowrl.runtime.weights.edges import transport_specs
     from tests.runtime.test_fsdp import _batch
     from tests.tolerances import GradientMagnitudes, TokenTerms, grad_norm_atol, rollout_logprob_atol
 
@@ -421,7 +421,7 @@ def _run_job(out: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     if sys.argv[1] == "step":
         end_rank_process(_step_job(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])))

@@ -11,7 +11,7 @@ from flowrl.graph.ir import Graph
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.preflight import check_fits_in_memory
 from flowrl.runtime.run import run_graph
-from flowrl.runtime.synthetic import synthetic_programs
+from flowrl.runtime.programs.synthetic import synthetic_programs
 
 
 def _huge_vocab(g: Graph | None = None) -> Graph:

@@ -75,7 +75,7 @@ def test_pg_ignores_mu_but_logs_the_ratio(tmp_path):
 
 def test_an_int8_generator_with_tensor_parallelism_is_refused():
     from flowrl.errors import ConfigError
-    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
+    from flowrl.runtime.backends.torchrun.rank_programs import ParallelGenerator, RankContext, set_context
 
     class Mesh:  # the two attributes the program reads before touching a process group
         mesh_dim_names = ("dp", "tp")

@@ -1,4 +1,4 @@
-"""A rank's process ends without interpreter teardown, losing nothing of a normal exit (``flowrl.runtime.backends.rank_exit``).
+"""A rank's process ends without interpreter teardown, losing nothing of a normal exit (``flowrl.runtime.backends.torchrun.rank_exit``).
 
 ``flowrl`` run as a rank (``RANK`` and ``WORLD_SIZE`` set, as torchrun sets them) with a gloo group
 still alive at the end (its threads running, as after every torchrun job) keeps its exit status,

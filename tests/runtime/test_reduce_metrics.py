@@ -52,7 +52,7 @@ def _worker_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from flowrl.runtime.backends.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
 
     _worker_main(sys.argv[1:])
     end_rank_process(0)

@@ -9,7 +9,7 @@ import pytest
 
 from flowrl.errors import NodeExecutionError
 from flowrl.examples import build_example
-from flowrl.runtime.run_stop import RunStop
+from flowrl.runtime.control.run_stop import RunStop
 
 
 def test_the_first_failure_is_kept_and_raised_naming_its_node_kind_and_step():

@@ -497,7 +497,7 @@ def _kill_job(out: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     if sys.argv[1] == "kill":
         end_rank_process(_kill_job(sys.argv[2]))

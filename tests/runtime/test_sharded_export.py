@@ -338,7 +338,7 @@ def _layouts_job(out: str, model_dir: str) -> int:
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
     import sys
 
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     torch.set_num_threads(1)
     if sys.argv[1] == "layouts":

@@ -67,10 +67,10 @@ def test_overlap_seen_in_trace(graph_k, k, tmp_path):
 def test_channels_stay_bounded(graph_k):
     from flowrl.examples.llamarl import build_llamarl
     from flowrl.runtime.backends.local import LocalPrograms
-    from flowrl.runtime.controller import Controller
-    from flowrl.runtime.executor_placement import run_placement
-    from flowrl.runtime.programs import ProgramEnv
-    from flowrl.runtime.weight_edges import transport_specs
+    from flowrl.runtime.control.controller import Controller
+    from flowrl.runtime.control.executor_placement import run_placement
+    from flowrl.runtime.programs.nodes import ProgramEnv
+    from flowrl.runtime.weights.edges import transport_specs
 
     g = build_llamarl(max_staleness=3)
     config = synthetic_config(g, steps=10, options={"gen_s": 0.0, "train_s": 0.02})

@@ -63,7 +63,7 @@ def test_the_oldest_token_decides_and_a_future_token_is_refused():
 def test_the_gate_travels_as_plain_data():
     import msgspec
 
-    from flowrl.runtime.programs import ProgramEnv
+    from flowrl.runtime.programs.nodes import ProgramEnv
 
     env = ProgramEnv(staleness=_gate(k=2, updates=3))
     back = msgspec.json.decode(msgspec.json.encode(env), type=ProgramEnv)

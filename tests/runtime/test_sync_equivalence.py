@@ -7,7 +7,7 @@ import torch
 from flowrl.examples import build_example
 from flowrl.runtime.checkpointing.store import latest_checkpoint
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.executor_placement import run_placement
+from flowrl.runtime.control.executor_placement import run_placement
 from flowrl.runtime.run import run_graph
 
 

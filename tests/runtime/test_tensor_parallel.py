@@ -294,7 +294,7 @@ def _check_program_continuous(rank: int, world: int, out_dir: Path) -> dict[str,
 
     from flowrl.operators.generation import Generator
     from flowrl.operators.source import PromptSource
-    from flowrl.runtime.continuous import ContinuousRollouts
+    from flowrl.runtime.programs.continuous import ContinuousRollouts
 
     graph = tp_graph(batching="continuous", slots=4)
     node = graph.node("gen")
@@ -605,7 +605,7 @@ def test_tp_rows_put_the_tp_axis_innermost():
 
 
 def test_a_generator_mesh_with_pipeline_stages_is_refused():
-    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
+    from flowrl.runtime.backends.torchrun.rank_programs import ParallelGenerator, RankContext, set_context
 
     class Mesh:  # the two attributes the program reads before touching a process group
         mesh_dim_names = ("pp", "dp", "tp")
@@ -636,7 +636,7 @@ class _Mesh:
     ids=["dp2-tp2", "dp4"],
 )
 def test_continuous_batching_on_several_generator_replicas_is_refused(mesh, match):
-    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
+    from flowrl.runtime.backends.torchrun.rank_programs import ParallelGenerator, RankContext, set_context
 
     graph = tp_graph(batching="continuous")
     set_context(RankContext(rank=0, world=4, ranks={"gen": (0, 1, 2, 3)}, programs={}))
@@ -648,7 +648,7 @@ def test_continuous_batching_on_several_generator_replicas_is_refused(mesh, matc
 
 
 if __name__ == "__main__":  # a worker rank
-    from flowrl.runtime.backends.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
 
     _worker_main(sys.argv[1:])
     end_rank_process(0)

@@ -434,7 +434,7 @@ def test_hf_tp_errors(case_dirs):
 
 
 if __name__ == "__main__":  # a worker rank
-    from flowrl.runtime.backends.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process  # no interpreter teardown (rank_exit)
 
     _worker_main(sys.argv[1:])
     end_rank_process(0)

@@ -29,7 +29,7 @@ from flowrl.errors import ConfigError, PlanError
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.placement import load_placement
 from flowrl.planners.forms import read_placement
-from flowrl.runtime.backends.torchrun import rank_placement
+from flowrl.runtime.backends.torchrun.backend import rank_placement
 from flowrl.runtime.parallel.distributed import merge_rollouts, shard_by_groups, split_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 #: What libstdc++ prints when ``std::terminate`` is called outside a C++ exception: what kills a rank
 #: that finalizes its interpreter while a gloo worker thread, dropping a finished work's tensors, takes
-#: the GIL (``flowrl.runtime.backends.rank_exit``). Ranks end without finalizing (``end_rank_process``:
+#: the GIL (``flowrl.runtime.backends.torchrun.rank_exit``). Ranks end without finalizing (``end_rank_process``:
 #: the jobs' entry points, ``flowrl`` itself); the jobs that only write a result file retry once on it,
 #: with a warning carrying the stacks, so that a recurrence shows.
 CXX_ABORT = "terminate called without an active exception"
@@ -166,7 +166,7 @@ def test_collective_options_are_plain_data_and_cover_the_model():
     import msgspec
 
     from flowrl.operators.trainer import Trainer
-    from flowrl.runtime.backends.weights import COLLECTIVE, collective_options, participants, weight_transport
+    from flowrl.runtime.weights.torchrun_edges import COLLECTIVE, collective_options, participants, weight_transport
     from flowrl.placement.resharding import ShardLayout, minimum_bytes, plan_state
 
     graph = build_llamarl()
@@ -358,7 +358,7 @@ class _Killer:
     """A synthetic generator that kills its own process at step 2 (a rank dying mid-run)."""
 
     def __init__(self, node, graph, env, transports):
-        from flowrl.runtime.synthetic import synthetic_program
+        from flowrl.runtime.programs.synthetic import synthetic_program
 
         self.inner = synthetic_program(node, graph, env, transports)
 
@@ -375,7 +375,7 @@ class _RealKiller(_Killer):
     """The built-in generator program, killing its own process at step 2 (while weights cross)."""
 
     def __init__(self, node, graph, env, transports):
-        from flowrl.runtime.programs import GeneratorProgram
+        from flowrl.runtime.programs.nodes import GeneratorProgram
 
         self.inner = GeneratorProgram(node, graph, env, transports, seed=env.seed)
 
@@ -394,7 +394,7 @@ def _fail_job(mode: str) -> int:
     from flowrl.cli.main import main as cli_main  # noqa: F401 - same error printing as the CLI
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
-    from flowrl.runtime.synthetic import synthetic_programs
+    from flowrl.runtime.programs.synthetic import synthetic_programs
 
     module = __name__ if __name__ != "__main__" else "tests.runtime.test_torchrun"
     if mode == "die-collective":  # real programs, default weight edge (collective)
@@ -425,8 +425,8 @@ def _run_and_hash_generator_weights(graph, out: Path, steps: int = 3, metrics: s
     ``out/gen-rank{RANK}.json`` (with the bytes it received). test_fsdp's bit-for-bit job uses it too."""
     import time
 
-    import flowrl.runtime.backends.torchrun as tr
-    from flowrl.runtime.backends import weights as edges
+    import flowrl.runtime.backends.torchrun.backend as tr
+    from flowrl.runtime.weights import torchrun_edges as edges
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.run import run_graph
 
@@ -536,7 +536,7 @@ def _dp_job(out: str, loss_agg: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     if sys.argv[1] == "fail":
         end_rank_process(_fail_job(sys.argv[2]))
@@ -550,12 +550,12 @@ if __name__ == "__main__":  # a rank: ends without interpreter teardown (see ran
 def test_weight_edges_of_user_programs_avoid_the_collective_transport(monkeypatch):
     """The collective transport lays out the built-in model: an edge with a user program at an end
     (synthetic operators) uses shm on one host and file across hosts; naming collective is an error."""
-    from flowrl.runtime.backends.torchrun import _weight_transport
-    from flowrl.runtime.backends.weights import COLLECTIVE
+    from flowrl.runtime.backends.torchrun.backend import _weight_transport
+    from flowrl.runtime.weights.torchrun_edges import COLLECTIVE
 
     g = build_llamarl(max_staleness=1)
     (edge,) = g.weight_edges
-    user = {"gen": "flowrl.runtime.synthetic:synthetic_program"}
+    user = {"gen": "flowrl.runtime.programs.synthetic:synthetic_program"}
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert _weight_transport(edge, {}) == COLLECTIVE

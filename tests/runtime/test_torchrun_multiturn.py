@@ -48,8 +48,8 @@ def test_a_generator_rank_program_samples_episodes_in_one_process(tmp_path, monk
     runs the environment's episodes, equal to ``MultiTurnGenerator`` over the same prompts."""
     import torch.distributed as dist
 
-    from flowrl.runtime.backends.rank_programs import ParallelGenerator, RankContext, set_context
-    from flowrl.runtime.programs import ProgramEnv
+    from flowrl.runtime.backends.torchrun.rank_programs import ParallelGenerator, RankContext, set_context
+    from flowrl.runtime.programs.nodes import ProgramEnv
 
     graph = build_guess_game(max_staleness=0)
     (node,) = graph.nodes_of_kind("generator")

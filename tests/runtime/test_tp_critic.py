@@ -143,7 +143,7 @@ def _step_job(out: str) -> int:
     from torch.distributed.tensor import DTensor
 
     from flowrl.operators.critic import Critic
-    from flowrl.runtime.backends.tp_critic import load_whole_state_, shard_critic_, whole_state
+    from flowrl.runtime.backends.torchrun.tp_critic import load_whole_state_, shard_critic_, whole_state
     from tests.operators.test_critic import _batch
     from tests.runtime.test_fsdp import _full, _step_bounds
     from tests.tolerances import GradientMagnitudes, logit_atol, rollout_sequences

@@ -148,7 +148,7 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused_at_launch_before_any_wor
 def test_the_collective_trainer_layout_is_the_tp_shards():
     """The options the torchrun backend gives the collective transport for a tp = 2 policy: per name."""
     from flowrl.placement.resharding import ShardLayout, replicated, tp_column, tp_row
-    from flowrl.runtime.backends.weights import collective_options
+    from flowrl.runtime.weights.torchrun_edges import collective_options
 
     options = collective_options(fsdp_graph(), "policy", "gen", {"gen": (0,), "policy": (1, 2)}, {}, {"policy": (("tp",), (2,))}, 30.0)
     layouts = {n: msgspec.convert(v, ShardLayout) for n, v in options["trainer_layout"].items()}
@@ -518,7 +518,7 @@ def _run_job(out: str, transport: str) -> int:
 
 
 if __name__ == "__main__":  # a rank: ends without interpreter teardown (see rank_exit)
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     if sys.argv[1] == "step":
         end_rank_process(_step_job(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])))

@@ -1,6 +1,6 @@
 """A ``tp`` axis on a vLLM generator under torchrun is vLLM's tensor parallelism: one engine per
 replica with ``tensor_parallel_size = tp``, started by the replica's first rank (vLLM's own worker
-processes), the replica's other ranks idle (``flowrl.runtime.backends.vllm_replicas``).
+processes), the replica's other ranks idle (``flowrl.runtime.backends.torchrun.vllm_replicas``).
 
 The torchrun job (slow: vLLM's start and three ranks' imports, ~1-3 min on 2 shared cores): the
 generator on ranks 0-1 with mesh ``{"dp": 1, "tp": 2}``, the policy on rank 2. After every weight
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.errors import ConfigError
-from flowrl.runtime.backends.vllm_replicas import check_vllm_mesh, engine_ranks, replica_devices, replica_rows
+from flowrl.runtime.backends.torchrun.vllm_replicas import check_vllm_mesh, engine_ranks, replica_devices, replica_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()
@@ -68,7 +68,7 @@ def test_the_cpu_workers_get_cores_of_their_own():
 def test_the_weight_edge_fetches_on_the_engine_ranks_only(model_dir):
     """The collective transport's generator side is the replicas' engine ranks, each taking the full
     state (vLLM's workers shard it); the built-in engine on the same mesh fetches its shards on every rank."""
-    from flowrl.runtime.backends.weights import collective_options, participants
+    from flowrl.runtime.weights.torchrun_edges import collective_options, participants
 
     graph = vllm_tp_graph(str(model_dir))
     ranks = {"prompts": (0,), "gen": (0, 1), "reward": (0,), "aipo": (2,), "policy": (2,)}
@@ -186,8 +186,8 @@ def test_a_tp_2_vllm_generator_holds_the_policys_weights_in_every_shard_and_the_
     assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
 
 
-if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.torchrun.rank_exit)
     sys.path.insert(0, str(ROOT))
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     end_rank_process(_job(*sys.argv[1:4]))

@@ -1,6 +1,6 @@
 """The layout the field scales with, on this CPU: a vLLM generator on rank 0 and an FSDP2 policy on
 ranks 1-2 of one torchrun job (gloo), weights from the policy's shards straight into vLLM's worker over
-the direct route (``flowrl.runtime.backends.direct_route``: every policy rank gathers bucket by bucket,
+the direct route (``flowrl.runtime.weights.direct_route``: every policy rank gathers bucket by bucket,
 rank 1 broadcasts; the generator's rank holds no staging copy).
 
 Checked end to end: every row at k = 0 has mu (vLLM's kernels) equal to pi (the sharded policy's
@@ -55,7 +55,7 @@ def _job(out: str, model_dir: str, k: str, transport: str, sharding: str) -> int
 
     from flowrl.placement import load_placement
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.programs import GeneratorProgram
+    from flowrl.runtime.programs.nodes import GeneratorProgram
     from flowrl.runtime.run import run_graph
 
     syncs = GeneratorProgram._sync
@@ -179,7 +179,7 @@ def test_the_direct_route_is_taken_by_a_default_edge_into_vllm_ranks_apart_from_
     """Into one engine or several (replicas, vLLM tp > 1: one group spans them); the hop route stays
     for colocated ranks, a user program at either end, and an edge that names its transport
     (``collective`` forces the hop)."""
-    from flowrl.runtime.backends.direct_route import direct_channels
+    from flowrl.runtime.weights.direct_route import direct_channels
 
     graph = vllm_fsdp_graph(str(model_dir))
     apart = {"gen": (0,), "policy": (1, 2)}
@@ -204,8 +204,8 @@ def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_ever
     check_engine_meshes(graph, {"gen": (("dp",), (2,)), "policy": (("dp",), (2,))})  # replicas: one engine per rank
 
 
-if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.rank_exit)
+if __name__ == "__main__":  # a rank: ends without interpreter teardown (flowrl.runtime.backends.torchrun.rank_exit)
     sys.path.insert(0, str(ROOT))
-    from flowrl.runtime.backends.rank_exit import end_rank_process
+    from flowrl.runtime.backends.torchrun.rank_exit import end_rank_process
 
     end_rank_process(_job(*sys.argv[1:6]))

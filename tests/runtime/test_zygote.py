@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from flowrl.errors import NodeBuildError
-from flowrl.runtime.backends.zygote import Zygote, ZygoteError
+from flowrl.runtime.backends.process.zygote import Zygote, ZygoteError
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.run import run_graph
-from flowrl.runtime.synthetic import synthetic_programs
+from flowrl.runtime.programs.synthetic import synthetic_programs
 from tests.reliability.killresume import alive, descendants
 from tests.reliability.test_build_errors import _graph
 
@@ -97,7 +97,7 @@ import flowrl
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.run import run_graph
-import flowrl.runtime.worker  # what the zygote preloads for every worker
+import flowrl.runtime.backends.process.worker  # what the zygote preloads for every worker
 run_graph(build_llamarl(), RunConfig(steps=1, progress=False))
 print(sorted(m for m in {HEAVY!r} if m in sys.modules))
 """
@@ -111,7 +111,7 @@ def test_flowrl_and_the_default_example_import_no_heavy_optional_library() -> No
 
 
 def test_a_prestarted_zygote_no_run_took_ends_with_the_command() -> None:
-    from flowrl.runtime.backends import zygote
+    from flowrl.runtime.backends.process import zygote
 
     with pytest.raises(RuntimeError, match="the command failed"), zygote.prestarted():
         assert len(descendants(os.getpid())) == 1

@@ -1,7 +1,7 @@
 """Generator engines: the table from a node's ``engine`` to the class that samples for it.
 
 An engine is a class built as ``cls(node, *, seed, device, transport)`` that the generator program
-(``flowrl.runtime.programs.GeneratorProgram``) drives through ``GeneratorEngine``: it fetches
+(``flowrl.runtime.programs.nodes.GeneratorProgram``) drives through ``GeneratorEngine``: it fetches
 weights into ``weight_targets()`` and sets ``version`` (which makes the engine use them), then calls
 ``generate(prompts)``, which returns the rollout (``flowrl.graph.fields.ROLLOUT_FIELDS``, built by
 ``flowrl.operators.generation.rollout_batch``), and ``close()`` at the end of the run.
@@ -47,7 +47,7 @@ class GeneratorEngine(Protocol):
     """What the generator program needs from an engine (``Generator`` and ``VLLMGenerator`` have it).
 
     Optional: ``close()``; ``sleep()`` / ``wake_up()`` with a ``sleep_mode=True`` keyword at
-    construction, for colocated offloading (``flowrl.runtime.offload``: ``VLLMGenerator``'s)."""
+    construction, for colocated offloading (``flowrl.runtime.programs.offload``: ``VLLMGenerator``'s)."""
 
     name: str
     sampling: SamplingConfig
@@ -76,7 +76,7 @@ class EngineSpec:
         episodes: ``module:qualname`` of the class that runs a generator's multi-turn episodes
             (``env=``) on this engine, built as ``cls(engine, node, rows=...)``.
         batcher: ``module:qualname`` of the continuous batcher ``cls(engine, *, slots, rng)`` that
-            ``flowrl.runtime.continuous.ContinuousRollouts`` drives (``batching="continuous"``).
+            ``flowrl.runtime.programs.continuous.ContinuousRollouts`` drives (``batching="continuous"``).
     """
 
     generator: str

@@ -57,7 +57,7 @@ the file transport does.
 
 Who drives it: ``VLLMGenerator(transport="direct")`` (``connect_direct``, ``take_direct``) on the
 generator's side, and on the policy's a caller that runs ``serve`` between its steps: in a torchrun
-job ``flowrl.runtime.backends.direct_route`` (which edges, and the policy ranks' order of answers),
+job ``flowrl.runtime.weights.direct_route`` (which edges, and the policy ranks' order of answers),
 elsewhere the bench ``benches/weight_sync.py`` and the tests.
 
 Failures end the sync with ``TransportError`` on both sides: a member that dies closes its gloo

@@ -16,7 +16,7 @@ they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on
 ``tensor_parallel_size`` > 1 vLLM runs that many workers (its ``mp`` executor), each holding a shard,
 on the given GPUs or, on a CPU, each bound to cores of its own (``cpu_binding``); a torchrun replica
 of a vLLM generator with a ``tp`` mesh axis starts one such engine
-(``flowrl.runtime.backends.vllm_replicas``).
+(``flowrl.runtime.backends.torchrun.vllm_replicas``).
 
 mu's log-probs: vLLM is started with ``logprobs_mode="processed_logprobs"``, so the log-prob it
 returns for a sampled token is taken from the distribution it was drawn from: logits / temperature,
@@ -313,7 +313,7 @@ class VLLMGenerator:
         prefix_caching: vLLM's automatic prefix caching (``enable_prefix_caching``); off only to
             measure what it saves (``benches/vllm_multiturn.py``).
         sleep_mode: start vLLM able to sleep (``enable_sleep_mode``), for ``sleep`` / ``wake_up``
-            between rollouts (``flowrl.runtime.offload``); CUDA only (``sleep_mode_available``).
+            between rollouts (``flowrl.runtime.programs.offload``); CUDA only (``sleep_mode_available``).
         tensor_parallel_size: vLLM's tensor parallelism: that many workers (vLLM's own processes)
             each hold a shard of the model. On CUDA they use ``devices`` (one GPU each); on a CPU
             each is bound to its own cores (``cpu_binding``) unless ``VLLM_CPU_OMP_THREADS_BIND`` is set.
@@ -695,7 +695,7 @@ class VLLMGenerator:
 
     # -- colocated offloading -----------------------------------------------------------------------
     def sleep(self) -> None:
-        """Level-1 sleep (``flowrl.runtime.offload``): vLLM's weights to host memory, its KV cache freed."""
+        """Level-1 sleep (``flowrl.runtime.programs.offload``): vLLM's weights to host memory, its KV cache freed."""
         self.llm.sleep(level=1)
 
     def wake_up(self) -> None:

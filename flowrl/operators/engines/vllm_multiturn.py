@@ -26,7 +26,7 @@ Seeds: turn ``t`` of sample ``j`` of the prompt at stream position ``i`` draws w
 ``mix(seed, i, j, t)``, whatever it is batched with. Versions: weights change only between
 ``generate`` calls (lock step), so every model token has the generator's version.
 
-With ``batching="continuous"`` ``generate`` is not used: ``flowrl.runtime.continuous.ContinuousRollouts``
+With ``batching="continuous"`` ``generate`` is not used: ``flowrl.runtime.programs.continuous.ContinuousRollouts``
 drives this class's episode steps with ``vllm_stream.VLLMSlotBatcher``, one streamed sample per
 model turn; a weight update in flight stops the running turns and re-submits them with their kept
 tokens, so each token records the version that drew it.

@@ -2,7 +2,7 @@
 
 ``VLLMSlotBatcher`` is the vLLM engine's counterpart of ``flowrl.operators.slots.SlotBatcher``, with
 its interface (``add``, ``step(admit)``, ``busy``, ``waiting``, ``steps``, ``busy_steps``), so that
-``flowrl.runtime.continuous.ContinuousRollouts`` drives either one with the same admission,
+``flowrl.runtime.programs.continuous.ContinuousRollouts`` drives either one with the same admission,
 deadlines, delivery and rollout format (per-token ``versions`` and ``logprobs`` on each ``Sample``).
 
 Why vLLM's step API (``LLMEngine.add_request`` / ``step`` / ``abort_request``) and not its async

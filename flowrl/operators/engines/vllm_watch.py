@@ -7,7 +7,7 @@ every ``POLL_S``; when one is gone while the generator still holds vLLM, it ends
 message naming the generator and the process (``flowrl.fatal.end_process``: its other processes
 stopped too). The run's driver sees what any dead worker shows it: the process backend's controller
 a closed socket naming the node; under torchrun the rank's heartbeat tells every peer
-(``flowrl.runtime.backends.heartbeat``) and torchrun can restart the job with ``--resume auto``.
+(``flowrl.runtime.backends.torchrun.heartbeat``) and torchrun can restart the job with ``--resume auto``.
 A restart of the job, not of the engine in place: the engine's weights, its requests in flight and
 the weight route's groups (the direct route's, into its workers) all died with it, and the job's
 restart rebuilds them from the newest checkpoint by the path every start already takes.

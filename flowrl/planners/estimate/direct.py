@@ -1,7 +1,7 @@
 """The direct weight route's sync: the policy's ranks straight into vLLM's workers, no staging copy.
 
 Which weight edges take it is one rule, ``flowrl.placement.weight_routes.direct_edges``, which the
-torchrun runtime follows too (``runtime/backends/direct_route.direct_channels``): in a torchrun job,
+torchrun runtime follows too (``runtime/weights/direct_route.direct_channels``): in a torchrun job,
 an edge into a vLLM generator on ranks apart from the policy's, with the default transport, lock-step
 batching and no LoRA. The route exists in a torchrun job only, so the planner takes a plan to run as
 one (:func:`runs_as_ranks`) on a GPU cluster, or where a policy shards with FSDP2 (only torchrun

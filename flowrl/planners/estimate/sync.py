@@ -118,7 +118,7 @@ def sync_params(
     """Parameters and layouts the collective transport moves for ``model``: ``layers`` blocks, and with
     ``rest`` the embeddings, head and final norm (the planner prices one block and scales).
 
-    The layouts are the torchrun backend's (``runtime.backends.weights``): the trainer's devices each
+    The layouts are the torchrun backend's (``runtime.weights.torchrun_edges``): the trainer's devices each
     publish a full replica, or with ``trainer_sharded`` (an FSDP policy) their dim-0 shards
     (``resharding.fsdp``: ``torch.chunk`` rows, FSDP2's); the generator's first pipeline stage, ``dp x tp`` devices, splits the
     blocks as ``runtime.tensor_parallel`` does (q, k, v, w1, w3 by rows, wo, w2 by columns, norms replicated).

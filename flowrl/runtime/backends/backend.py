@@ -5,14 +5,14 @@ A :class:`Backend` runs a whole graph: ``run(graph, placement, config, on_step=.
 dispatches through this registry by ``RunConfig.backend``. The built-ins:
 
 - ``local`` (``backends.local``): every program in this process, on the controller's threads;
-- ``process`` (``backends.process``): one OS process per executor on this machine;
-- ``torchrun`` (``backends.torchrun``): this process is one rank of a torch.distributed job.
+- ``process`` (``backends.process.backend``): one OS process per executor on this machine;
+- ``torchrun`` (``backends.torchrun.backend``): this process is one rank of a torch.distributed job.
 
 ``local`` and ``process`` share their driver (``backends.drive.run_with_controller``: one controller in this
 process over node programs); ``torchrun`` drives its own ranks. What each backend is (it crosses
 processes, it is a job of ranks, it shards with FSDP2, it offloads) is pure data,
 ``flowrl.backend_traits.BACKENDS``, which the CLI, preflight and the planner read; a backend class's
-``crosses_processes`` is its row's, and decides the transport each edge opens (``flowrl.runtime.weight_edges``).
+``crosses_processes`` is its row's, and decides the transport each edge opens (``flowrl.runtime.weights.edges``).
 
 To add a backend: one module with a class that has ``name``, ``crosses_processes`` and ``run``, and
 one ``register_backend`` call (or one entry in ``BUILTIN_BACKENDS``). This module imports nothing heavy.
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
     from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.controller import RunResult
+    from flowrl.runtime.control.controller import RunResult
 
 __all__ = ["Backend", "BUILTIN_BACKENDS", "register_backend", "backend_names", "create_backend", "OnStep"]
 
@@ -44,8 +44,8 @@ OnStep = Callable[[dict[str, Any]], None]
 #: are ``flowrl.backend_traits.BACKENDS``.
 BUILTIN_BACKENDS: dict[str, tuple[str, str]] = {
     "local": ("flowrl.runtime.backends.local", "LocalBackend"),
-    "process": ("flowrl.runtime.backends.process", "ProcessBackend"),
-    "torchrun": ("flowrl.runtime.backends.torchrun", "TorchrunBackend"),
+    "process": ("flowrl.runtime.backends.process.backend", "ProcessBackend"),
+    "torchrun": ("flowrl.runtime.backends.torchrun.backend", "TorchrunBackend"),
 }
 
 _USER_BACKENDS: dict[str, Callable[[], Backend]] = {}

@@ -17,14 +17,14 @@ import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.runtime.backends.backend import OnStep
-from flowrl.runtime.compute_threads import set_intra_op_threads
+from flowrl.runtime.control.compute_threads import set_intra_op_threads
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.controller import Controller, RunResult
+from flowrl.runtime.control.controller import Controller, RunResult
 from flowrl.placement.layout import Placement
-from flowrl.runtime.executor_placement import node_devices, resolve_device, run_placement
-from flowrl.runtime.programs import NodeProgram, ProgramEnv
+from flowrl.runtime.control.executor_placement import node_devices, resolve_device, run_placement
+from flowrl.runtime.programs.nodes import NodeProgram, ProgramEnv
 from flowrl.runtime.staleness import StalenessGate
-from flowrl.runtime.weight_edges import transport_specs
+from flowrl.runtime.weights.edges import transport_specs
 
 __all__ = ["ProgramSet", "run_with_controller"]
 
@@ -55,12 +55,12 @@ def run_with_controller(
         open_programs: builds the run's programs from the programs' environment and the placement.
         crosses_processes: the programs live in other processes (decides the weight edges' transports).
         set_threads: the programs run here: size torch's intra-op threads for the run, one compute
-            thread per colocation group (``flowrl.runtime.compute_threads``).
+            thread per colocation group (``flowrl.runtime.control.compute_threads``).
         on_step: called with each metrics row.
     """
     import warnings
 
-    from flowrl.runtime.offload import offload_roles
+    from flowrl.runtime.programs.offload import offload_roles
     from flowrl.runtime.preflight import check_meshes
 
     placement = run_placement(graph, placement, config, backend=config.backend)

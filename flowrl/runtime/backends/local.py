@@ -8,13 +8,13 @@ from flowrl.backend_traits import BACKENDS
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.runtime.backends.backend import OnStep
-from flowrl.runtime.program_table import build_program
-from flowrl.runtime.programs import NodeProgram, ProgramEnv, SharedTransports
+from flowrl.runtime.programs.table import build_program
+from flowrl.runtime.programs.nodes import NodeProgram, ProgramEnv, SharedTransports
 
 if TYPE_CHECKING:
     from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.controller import RunResult
+    from flowrl.runtime.control.controller import RunResult
 
 __all__ = ["LocalBackend", "LocalPrograms"]
 

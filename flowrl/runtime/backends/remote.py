@@ -3,7 +3,7 @@
 A remote program has the methods of a local one (``start``, ``seek``, ``step``, ``save``, ``snapshot``,
 ``load``, ``close``; ``snapshot``: the peers take the state now and write it behind their steps, and
 the write it returns polls them, between steps, until every file is on disk); each call is one request to the program's *peers* (the workers serving it, answering
-``flowrl.runtime.worker.serve``) and one reply from each. The proxy owns what every backend shares:
+``flowrl.runtime.backends.process.worker.serve``) and one reply from each. The proxy owns what every backend shares:
 the order (every request goes to every peer before any reply is read, since peers may meet in
 collectives inside the request), the lock (one call at a time), which peers a call needs (``seek``
 and ``save`` go to the lead only: every peer holds the same state; ``save`` goes to every peer of a
@@ -11,8 +11,8 @@ program built with ``save_on_every_peer``, whose peers hold shards and each writ
 lead gets the input tensors and returns outputs and info). What differs per backend is its ``Link``:
 how a message reaches a peer and comes back, and which error names a peer that died or raised.
 
-- ``process``: one peer, a worker process over a socket pair (``backends.process.WorkerLink``);
-- ``torchrun``: one peer per rank of the node, lead first (``backends.torchrun.RankLinks``).
+- ``process``: one peer, a worker process over a socket pair (``backends.process.backend.WorkerLink``);
+- ``torchrun``: one peer per rank of the node, lead first (``backends.torchrun.backend.RankLinks``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from typing import Any, Protocol
 
 from flowrl.errors import FlowrlError
-from flowrl.runtime.programs import Batch, Info
+from flowrl.runtime.programs.nodes import Batch, Info
 from flowrl.runtime.wire import ConnectionLost
 
 __all__ = ["Link", "RemoteProgram"]

@@ -28,8 +28,8 @@ from flowrl.runtime.checkpointing.resume import Restored, restore_run_checkpoint
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.ledger import PromptLedger
-    from flowrl.runtime.programs import NodeProgram
+    from flowrl.runtime.control.ledger import PromptLedger
+    from flowrl.runtime.programs.nodes import NodeProgram
 
 __all__ = ["Checkpointer"]
 

@@ -32,7 +32,7 @@ from flowrl.graph.ir import Graph
 from flowrl.runtime.checkpointing.background import snapshot_or_save
 from flowrl.runtime.checkpointing.resume_point import resume_point
 from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter, graph_fingerprint, read_meta, state_file
-from flowrl.runtime.programs import NodeProgram
+from flowrl.runtime.programs.nodes import NodeProgram
 
 __all__ = ["Restored", "take_run_checkpoint", "save_run_checkpoint", "restore_run_checkpoint"]
 

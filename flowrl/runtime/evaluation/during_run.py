@@ -39,7 +39,7 @@ from flowrl.errors import ConfigError
 if TYPE_CHECKING:
     from flowrl.graph.ir import Graph
     from flowrl.runtime.evaluation.policy_samples import LoadedPolicy, Scored
-    from flowrl.runtime.programs import NodeProgram
+    from flowrl.runtime.programs.nodes import NodeProgram
 
 __all__ = ["pass_at_k", "pass_ks", "eval_metrics", "evaluate_policy", "check_eval_data", "Evaluator", "merge_eval", "EVAL_KEYS"]
 
@@ -155,7 +155,7 @@ class Evaluator:
     """
 
     def __init__(self, graph: Graph, policy: str, *, data: str, samples: int, pass_reward: float, seed: int = 0) -> None:
-        from flowrl.runtime.compute_threads import set_intra_op_threads
+        from flowrl.runtime.control.compute_threads import set_intra_op_threads
         from flowrl.runtime.evaluation.policy_samples import policy_on_rows
 
         self.samples, self.pass_reward = samples, pass_reward

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from flowrl.graph.ir import Graph
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.programs import NodeProgram
+    from flowrl.runtime.programs.nodes import NodeProgram
 
 __all__ = ["RowSink"]
 

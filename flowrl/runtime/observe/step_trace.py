@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowrl.graph.kinds import KINDS
-from flowrl.runtime.offload import trace_spans
+from flowrl.runtime.programs.offload import trace_spans
 from flowrl.trace import Tracer
 
 __all__ = ["SPAN_NAMES", "trace_step"]

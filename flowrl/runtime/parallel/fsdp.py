@@ -91,7 +91,7 @@ def check_backend(graph: Graph, backend: str, *, skip: Iterable[str] = ()) -> No
 
 def check_ranks(graph: Graph, ranks: Mapping[str, tuple[int, ...]], axes: Mapping[str, Any], *, skip: Iterable[str] = ()) -> None:
     """Refuse an FSDP policy placed on no rank, or on a mesh with an axis other than dp and tp (a
-    tensor-parallel policy: ``flowrl.runtime.backends.tp_policy``). One rank is
+    tensor-parallel policy: ``flowrl.runtime.backends.torchrun.tp_policy``). One rank is
     allowed: the policy runs whole there and checkpoints one file, which sharded ranks read their rows of,
     so that a sharded run resumes on fewer ranks and back with the same graph.
 

@@ -85,7 +85,7 @@ def _to_meta(p: nn.Parameter) -> nn.Parameter:
 
 #: One meta build at a time in a process: the builds patch ``nn.Module.register_parameter`` (and
 #: transformers' ``_initialize_weights``) class-wide, and a rank may build its nodes' programs in
-#: threads (``runtime/backends/torchrun.py``'s serve threads); the patches act in the building thread
+#: threads (``runtime/backends/torchrun/backend.py``'s serve threads); the patches act in the building thread
 #: only, every other thread gets the original behaviour.
 _BUILD_LOCK = threading.Lock()
 

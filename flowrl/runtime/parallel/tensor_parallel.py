@@ -34,7 +34,7 @@ sum, and gloo's bfloat16 support varies between versions); a float32 model reduc
 
 Identical sampling on every tp rank: the logits come out of replicated computations on identical
 inputs (the all-reduce hands every rank the same sum), so ranks that seed their sampling alike draw
-the same tokens. ``ParallelGenerator`` (``flowrl.runtime.backends.rank_programs``) checks this
+the same tokens. ``ParallelGenerator`` (``flowrl.runtime.backends.torchrun.rank_programs``) checks this
 after each batch (a checksum of the rollout over the tp group) rather than trusting it.
 
 API:

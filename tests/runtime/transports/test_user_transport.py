@@ -11,7 +11,7 @@ import pytest
 from flowrl.errors import TransportError
 from flowrl.examples.llamarl import build_llamarl
 from flowrl.runtime.run import run_graph
-from flowrl.runtime.weight_edges import transport_specs
+from flowrl.runtime.weights.edges import transport_specs
 from flowrl.runtime.transports.file import FileTransport
 from flowrl.runtime.transports.registry import register_transport, transport_reference, transport_traits
 from tests.runtime.helpers import synthetic_config

@@ -19,7 +19,7 @@ its kind's entry in ``RANK_PROGRAMS``:
 A rank program reports, at its first step, the layout it built (``info["layout"]``,
 ``flowrl.runtime.observe.layout``), which the run's first row shows.
 
-``RankContext`` (``rank_policy``) is what every rank knows about the job; ``flowrl.runtime.backends.torchrun``
+``RankContext`` (``rank_policy``) is what every rank knows about the job; ``flowrl.runtime.backends.torchrun.backend``
 sets it once per process before any program is built.
 """
 
@@ -36,7 +36,7 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, Node, PolicyNode
-from flowrl.runtime.programs import (
+from flowrl.runtime.programs.nodes import (
     Batch,
     GeneratorProgram,
     Info,
@@ -45,8 +45,8 @@ from flowrl.runtime.programs import (
     ProgramEnv,
     SharedTransports,
 )
-from flowrl.runtime.program_table import build_program
-from flowrl.runtime.backends.rank_policy import RankContext, _context, _mesh_axes, _RankPolicy, publish_shards, set_context
+from flowrl.runtime.programs.table import build_program
+from flowrl.runtime.backends.torchrun.rank_policy import RankContext, _context, _mesh_axes, _RankPolicy, publish_shards, set_context
 from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
     "rank_program",
 ]
 
-RANK_PROGRAM = "flowrl.runtime.backends.rank_programs:rank_program"
+RANK_PROGRAM = "flowrl.runtime.backends.torchrun.rank_programs:rank_program"
 
 
 class _Idle(ProgramBase):
@@ -96,7 +96,7 @@ class DataParallelPolicy(_RankPolicy):
     def publish(self) -> float:
         """Every replica publishes on a collective edge (the transfer plan picks which replica sends
         what); on a shm / file edge (one writer) only the lead does."""
-        from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.runtime.weights.torchrun_edges import channel, opened
 
         start = time.perf_counter()
         if self.trainer.version > self._published:
@@ -217,7 +217,7 @@ class ParallelGenerator(GeneratorProgram):
     ``tensor_parallel_size`` = tp, started by the replica's first rank; vLLM's own workers hold the
     shards, on the devices of the replica's ranks, and the replica's other ranks are ``idle`` (they
     take part in the node's prompt broadcast and metrics only). On the hop route the engine rank
-    fetches the full state and pushes it into every worker (``flowrl.runtime.backends.vllm_replicas``);
+    fetches the full state and pushes it into every worker (``flowrl.runtime.backends.torchrun.vllm_replicas``);
     on the direct route every replica's engine rank has its workers join one group into which the
     policy's rank sends (``direct_route``; the first replica asks for all: ``_engine_of``).
 
@@ -290,7 +290,7 @@ class ParallelGenerator(GeneratorProgram):
         replica's ranks' devices, one per vLLM worker (the replica must sit on one host)."""
         import os
 
-        from flowrl.runtime.backends.vllm_replicas import replica_devices
+        from flowrl.runtime.backends.torchrun.vllm_replicas import replica_devices
 
         ctx = _context()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -487,12 +487,12 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     edges on the direct route wrapped in ``direct_route.DirectPolicy``)."""
     program = _rank_program(node, graph, env, transports)
     ctx = _context()
-    from flowrl.runtime.backends.weights import channel
+    from flowrl.runtime.weights.torchrun_edges import channel
 
     direct = [channel(e.src, e.dst) for e in graph.weight_edges_from(node.name) if channel(e.src, e.dst) in ctx.direct]
     if not direct or not isinstance(program, PolicyProgram):
         return program
-    from flowrl.runtime.backends.direct_route import DirectPolicy
+    from flowrl.runtime.weights.direct_route import DirectPolicy
 
     ranks = ctx.ranks[node.name]
     sharded = bool(getattr(program, "holds_shards", False))  # FSDP2 or tensor-parallel: every rank gathers
@@ -518,12 +518,12 @@ def policy_ranks(node: PolicyNode, graph: Graph, env: ProgramEnv, transports: Sh
     FSDP2 shards for ``sharding="fsdp"``, else data-parallel replicas."""
     axes = _mesh_axes(mesh)
     if axes.get("pp", 1) > 1:
-        from flowrl.runtime.backends.pp_policy import PipelinePolicy
+        from flowrl.runtime.backends.torchrun.pp_policy import PipelinePolicy
 
         ctx = _context()
         return PipelinePolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh, rank=ctx.rank, device=ctx.device)
     if axes.get("tp", 1) > 1:
-        from flowrl.runtime.backends.tp_policy import TensorParallelPolicy
+        from flowrl.runtime.backends.torchrun.tp_policy import TensorParallelPolicy
 
         return TensorParallelPolicy(node, graph, transports, group=group, ranks=ranks, mesh=mesh)
     if node.optimizer.sharding == "fsdp":
@@ -535,7 +535,7 @@ def reference_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: Share
     """A reference's entry in ``RANK_PROGRAMS``: tensor-parallel for a ``tp`` axis > 1 (``tp_reference``),
     else its own program on the lead rank while the others idle."""
     if _mesh_axes(mesh).get("tp", 1) > 1:
-        from flowrl.runtime.backends.tp_reference import TensorParallelReference
+        from flowrl.runtime.backends.torchrun.tp_reference import TensorParallelReference
 
         return TensorParallelReference(node, graph, transports, device=env.device_of(node.name), timeout_s=env.weight_timeout_s,  # type: ignore[arg-type]
                                        group=group, ranks=ranks, mesh=mesh)
@@ -545,14 +545,14 @@ def reference_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: Share
 def critic_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTransports, *, group: Any, ranks: tuple[int, ...], mesh: Any) -> Any:
     """A critic's entry in ``RANK_PROGRAMS``: tensor-parallel over its ``tp`` axis (``tp_critic``); a mesh
     with any other axis > 1 is refused there by name (``tp_critic.check_tp_critic``)."""
-    from flowrl.runtime.backends.tp_critic import TensorParallelCritic
+    from flowrl.runtime.backends.torchrun.tp_critic import TensorParallelCritic
 
     return TensorParallelCritic(node, graph, device=env.device_of(node.name), group=group, ranks=ranks, mesh=mesh)  # type: ignore[arg-type]
 
 
 #: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,
 #: group, ranks, mesh) -> program``, built on every rank of its mesh; a kind not here runs its own
-#: program (``flowrl.runtime.program_table.PROGRAMS``) on one rank (``flowrl.mesh_support`` says which axes
+#: program (``flowrl.runtime.programs.table.PROGRAMS``) on one rank (``flowrl.mesh_support`` says which axes
 #: each kind runs; ``tests/test_mesh_support.py`` checks the two agree).
 RANK_PROGRAMS: dict[str, Callable[..., Any]] = {
     "generator": ParallelGenerator, "policy": policy_ranks, "reference": reference_ranks, "critic": critic_ranks,

@@ -22,7 +22,7 @@ in-flight updates. Naming ``transport="collective"`` on the edge forces the hop.
 
 The rendezvous and the requests go over the job's own store (``vllm_direct.Channel``, under
 ``<policy>-><generator>``). The policy's side is ``DirectPolicy``, which wraps each policy rank's
-program: the requests are answered between the controller's commands (``flowrl.runtime.worker.serve``
+program: the requests are answered between the controller's commands (``flowrl.runtime.backends.process.worker.serve``
 calls ``between_requests`` while it waits for the next one), so a generator asking while the policy waits for
 its next batch (k = 0) is answered. With FSDP2 every rank gathers each bucket, so the ranks must
 answer in the same order relative to their other collectives: the lead decides (it alone looks at
@@ -55,7 +55,7 @@ def direct_channels(graph: Graph, ranks: dict[str, tuple[int, ...]], programs: d
     """The channels (``"<policy>-><generator>"``) of the weight edges that take the direct route: the
     rule is ``flowrl.placement.weight_routes.direct_edges``, which the planner prices too
     (``pipelined``: the policies split into pipeline stages, which take the hop)."""
-    from flowrl.runtime.backends.weights import channel
+    from flowrl.runtime.weights.torchrun_edges import channel
 
     return frozenset(channel(src, dst) for src, dst in direct_edges(graph, ranks, programs, pipelined))
 
@@ -97,7 +97,7 @@ class DirectPolicy:
 
     def __init__(self, program: Any, channels: list[str], *, lead: bool, sharded: bool, group: Any, device: Any) -> None:
         from flowrl.operators.engines.vllm_direct import DirectSender
-        from flowrl.runtime.backends.weights import channel
+        from flowrl.runtime.weights.torchrun_edges import channel
 
         self.program, self.lead, self.sharded = program, lead, sharded
         program._edges = [e for e in program._edges if channel(*e) not in channels]

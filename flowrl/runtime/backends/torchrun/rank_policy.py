@@ -1,6 +1,6 @@
 """What every rank of a torchrun job knows (``RankContext``) and what a policy's rank programs share (``_RankPolicy``).
 
-``RankContext`` is set once per process by ``flowrl.runtime.backends.torchrun`` before any program is
+``RankContext`` is set once per process by ``flowrl.runtime.backends.torchrun.backend`` before any program is
 built (``set_context``). ``_RankPolicy`` is the step every policy program on several ranks runs
 (``rank_programs.DataParallelPolicy`` and ``ShardedPolicy``, ``tp_policy.TensorParallelPolicy``): a
 module of its own so that each of them can subclass it without importing ``rank_programs``, which
@@ -18,7 +18,7 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.runtime.observe.layout import LAYOUT_KEY, record
-from flowrl.runtime.programs import Batch, Info, PolicyProgram
+from flowrl.runtime.programs.nodes import Batch, Info, PolicyProgram
 
 __all__ = ["RankContext", "set_context", "publish_shards", "collective_bytes", "split_whole_model", "lead_forward_step"]
 
@@ -144,7 +144,7 @@ def publish_shards(program: Any) -> float:
     """Publish a sharded policy's new weights (its ``trainer.model`` holds DTensors: FSDP2 or tp shards):
     on a collective edge every rank sends its own shards (no gather); on a ``shm``/``file`` edge every
     rank gathers (a collective) and the lead writes. Seconds taken."""
-    from flowrl.runtime.backends.weights import channel, opened
+    from flowrl.runtime.weights.torchrun_edges import channel, opened
     from flowrl.runtime.parallel.fsdp import full_weights, local_weights
 
     start = time.perf_counter()
@@ -169,7 +169,7 @@ def collective_bytes(program: Any, sent: int) -> dict[str, float]:
     """``{"weights/collective_bytes": ...}``: the payload bytes every rank of ``program``'s group put on
     collective weight edges since ``sent`` (this rank's ``collective_bytes`` before publishing), summed
     over the group (every rank calls it); empty without a collective edge."""
-    from flowrl.runtime.backends.weights import channel, opened
+    from flowrl.runtime.weights.torchrun_edges import channel, opened
 
     if not any(opened(channel(*e)) is not None for e in program._edges):
         return {}

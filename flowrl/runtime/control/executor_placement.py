@@ -20,7 +20,7 @@ lives. ``resolve_device`` turns ``"auto"`` into ``"cuda"`` when torch sees a CUD
 number of visible GPUs: colocated nodes share a GPU, and with one GPU every node is on ``cuda:0``.
 Under torchrun ``rank_device`` gives each rank ``cuda:LOCAL_RANK`` with ``"cuda"`` (or ``"cpu"``):
 every model of a node on that rank lives there, replicas, FSDP2 shards and generators alike
-(``flowrl.runtime.backends.rank_programs``), and its process groups use NCCL there, gloo on a CPU.
+(``flowrl.runtime.backends.torchrun.rank_programs``), and its process groups use NCCL there, gloo on a CPU.
 """
 
 from __future__ import annotations

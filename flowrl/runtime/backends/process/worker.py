@@ -1,7 +1,7 @@
 """The worker process of the ``process`` backend: runs one node's program and answers the controller.
 
-Forked by the process backend's zygote (``backends.zygote``), or started as ``python -m
-flowrl.runtime.worker FD PARENT_PID``; either way ``run_worker`` serves the connected socket on file
+Forked by the process backend's zygote (``backends.process.zygote``), or started as ``python -m
+flowrl.runtime.backends.process.worker FD PARENT_PID``; either way ``run_worker`` serves the connected socket on file
 descriptor FD and the worker dies with its parent (``die_with_parent``).
 The first message is ``init`` (the graph as JSON, the node name, the ``ProgramEnv``, the cores to
 pin to); then requests ``start``, ``seek``, ``step``, ``save``, ``load``, ``close``, and ``snapshot``
@@ -31,8 +31,8 @@ import torch
 from flowrl.errors import FlowrlError, NodeBuildError
 from flowrl.graph.serialize import from_json
 from flowrl.runtime.checkpointing.background import BackgroundSave, snapshot_or_save
-from flowrl.runtime.program_table import build_program
-from flowrl.runtime.programs import ProgramEnv, SharedTransports
+from flowrl.runtime.programs.table import build_program
+from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = ["serve", "run_worker", "die_with_parent"]
@@ -68,7 +68,7 @@ def serve(sock: socket.socket) -> None:
     try:
         while True:
             if callable(between):
-                from flowrl.runtime.backends.direct_route import wait_for_command
+                from flowrl.runtime.weights.direct_route import wait_for_command
 
                 wait_for_command(sock, between)
             request, tensors = recv_message(sock)
@@ -155,7 +155,7 @@ def run_worker(fd: int, parent: int) -> None:
     """Serve the controller on the connected socket ``fd`` until it closes; die with ``parent``.
 
     A worker started as its own interpreter (``main``) and one forked by the process backend's zygote
-    (``backends.zygote``, whose workers die with the zygote) both run this.
+    (``backends.process.zygote``, whose workers die with the zygote) both run this.
     """
     die_with_parent(parent)
     sock = socket.socket(fileno=fd)

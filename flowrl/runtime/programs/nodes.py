@@ -122,10 +122,10 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
         weight_timeout_s: how long a consumer waits for a published version before failing.
         options: free-form settings for user programs (durations of synthetic operators, ...).
         devices: node name -> the torch device its model lives on (``"cuda:0"``); a node not named
-            runs on the CPU. Decided by ``flowrl.runtime.executor_placement.node_devices``.
+            runs on the CPU. Decided by ``flowrl.runtime.control.executor_placement.node_devices``.
         offload: node name -> its part in colocated offloading, ``"trainer"`` (its state waits in
             host memory between its steps) or ``"engine"`` (its engine sleeps between its steps);
-            decided by ``flowrl.runtime.offload.offload_roles``.
+            decided by ``flowrl.runtime.programs.offload.offload_roles``.
         staleness: the run's staleness gate (``StalenessGate.of(graph, config.max_staleness)``: the
             controller's); None: the graph's own bounds.
     """
@@ -198,7 +198,7 @@ class SharedTransports:
 
 def _is_direct(transports: SharedTransports, edge: tuple[str, str]) -> bool:
     """Whether the weight edge takes the direct route into vLLM (only a torchrun job names it so)."""
-    from flowrl.runtime.backends.direct_route import ROUTE
+    from flowrl.runtime.weights.direct_route import ROUTE
 
     route = getattr(transports, "route", None)  # a caller without transports (a test's program) has no direct edge
     return route is not None and route(*edge) == ROUTE
@@ -299,8 +299,8 @@ class GeneratorProgram(ProgramBase):
         between commands (a request waits for a step in progress: with k >= 1 sampling goes on with
         the weights held rather than waiting for the policy's step). With several engines (replicas)
         the first decides and asks for all; the others follow its request (``vllm_direct``)."""
-        from flowrl.runtime.backends.direct_route import store_channel
-        from flowrl.runtime.backends.weights import channel
+        from flowrl.runtime.weights.direct_route import store_channel
+        from flowrl.runtime.weights.torchrun_edges import channel
 
         start = time.perf_counter()
         engine, engines = self._engine_of
@@ -327,7 +327,7 @@ class GeneratorProgram(ProgramBase):
             return self.generator.generate(inputs), {"version": self.generator.version}
         from flowrl.graph.refs import resolve
         from flowrl.operators.engines import ENGINES
-        from flowrl.runtime.continuous import ContinuousRollouts
+        from flowrl.runtime.programs.continuous import ContinuousRollouts
 
         if self._continuous is None:  # group deadlines by the run's bound (a run may override the edge's k)
             self._continuous = ContinuousRollouts(
@@ -569,7 +569,7 @@ def build_error(graph: Graph, name: str, exc: BaseException) -> NodeBuildError:
     return NodeBuildError(f"node {name!r} ({kind}): building its program failed: {what}{where}", node=name)
 
 
-# -- one builder per kind (``flowrl.runtime.program_table.PROGRAMS[kind]``) ---------------------------------
+# -- one builder per kind (``flowrl.runtime.programs.table.PROGRAMS[kind]``) ---------------------------------
 def build_source(node: SourceNode, graph: Graph, env: ProgramEnv, transports: SharedTransports) -> NodeProgram:
     """A source's program: yields prompt batches."""
     return SourceProgram(node, graph)

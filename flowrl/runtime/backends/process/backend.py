@@ -1,7 +1,7 @@
 """The ``process`` backend: one OS process per executor on this machine.
 
-Each worker (``flowrl.runtime.worker``) runs one node's program. Workers are forked, all at once, from
-the zygote (``backends.zygote``), a process that imported torch and the worker's modules once, so a
+Each worker (``flowrl.runtime.backends.process.worker``) runs one node's program. Workers are forked, all at once, from
+the zygote (``backends.process.zygote``), a process that imported torch and the worker's modules once, so a
 worker starts in milliseconds instead of importing torch itself. The controller's executor thread
 for that node talks to it through a ``remote.RemoteProgram`` over a ``WorkerLink``: a socket pair
 with msgspec headers and raw tensor bytes (no pickle).
@@ -34,16 +34,16 @@ from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.backends.remote import RemoteProgram
-from flowrl.runtime.backends.zygote import ForkedWorker, Zygote
-from flowrl.runtime.backends.zygote import take as take_zygote
+from flowrl.runtime.backends.process.zygote import ForkedWorker, Zygote
+from flowrl.runtime.backends.process.zygote import take as take_zygote
 from flowrl.placement.layout import Placement
-from flowrl.runtime.programs import Batch, ProgramEnv
+from flowrl.runtime.programs.nodes import Batch, ProgramEnv
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.wire import recv_message, send_message
 
 if TYPE_CHECKING:
     from flowrl.runtime.config import RunConfig
-    from flowrl.runtime.controller import RunResult
+    from flowrl.runtime.control.controller import RunResult
 
 __all__ = ["ProcessBackend", "ProcessWorkers", "WorkerLink", "WorkerError", "sweep_orphan_segments"]
 

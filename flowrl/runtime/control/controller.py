@@ -35,15 +35,15 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.placement.layout import Placement
 from flowrl.runtime.observe.layout import LAYOUT_KEY, one_process
-from flowrl.runtime.channels import ChannelClosed, Message
+from flowrl.runtime.control.channels import ChannelClosed, Message
 from flowrl.runtime.checkpointing.checkpointer import Checkpointer
-from flowrl.runtime.clock import ClockStopped, VersionClock
+from flowrl.runtime.control.clock import ClockStopped, VersionClock
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.executors import Executor, Executors
-from flowrl.runtime.ledger import PromptLedger, continuous_feeds
-from flowrl.runtime.programs import NodeProgram
+from flowrl.runtime.control.executors import Executor, Executors
+from flowrl.runtime.control.ledger import PromptLedger, continuous_feeds
+from flowrl.runtime.programs.nodes import NodeProgram
 from flowrl.runtime.observe.row_sink import RowSink
-from flowrl.runtime.run_stop import RunStop
+from flowrl.runtime.control.run_stop import RunStop
 from flowrl.runtime.staleness import StalenessGate, StalenessViolation
 from flowrl.runtime.observe.step_trace import SPAN_NAMES, trace_step
 from flowrl.trace import Tracer

@@ -1,11 +1,11 @@
 """The runtime's table of node programs: kind name -> the builder of its program, and ``build_program``.
 
 ``PROGRAMS[kind](node, graph, env, transports) -> NodeProgram`` builds what an executor runs for a
-node of that kind (``flowrl.runtime.programs``, the critic's ``flowrl.runtime.critic_program``). A
+node of that kind (``flowrl.runtime.programs.nodes``, the critic's ``flowrl.runtime.programs.critic``). A
 kind that runs inside its policy's step (``runs_on="policy"``: a loss) has none. A new kind adds its
 builder here (``PROGRAMS[kind] = build``), beside its entry in ``flowrl.graph.kinds.KINDS``;
 ``tests/graph/test_kinds.py`` checks every kind that needs a program has one. On a mesh of several
-ranks, ``flowrl.runtime.backends.rank_programs.RANK_PROGRAMS`` says which kinds run on every rank.
+ranks, ``flowrl.runtime.backends.torchrun.rank_programs.RANK_PROGRAMS`` says which kinds run on every rank.
 
 Example:
     >>> sorted(PROGRAMS) == sorted(k for k, s in KINDS.items() if s.runs_on != "policy")
@@ -21,8 +21,8 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import Node
 from flowrl.graph.refs import resolve
-from flowrl.runtime.critic_program import build_critic
-from flowrl.runtime.programs import (
+from flowrl.runtime.programs.critic import build_critic
+from flowrl.runtime.programs.nodes import (
     NodeProgram,
     ProgramEnv,
     SharedTransports,
@@ -61,7 +61,7 @@ def build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTr
     Raises:
         NodeBuildError: naming the node, whatever the factory or operator raised (``__cause__``).
     """
-    from flowrl.runtime.offload import wrap_program
+    from flowrl.runtime.programs.offload import wrap_program
 
     try:
         role = None if name in env.programs else env.offload.get(name)  # a user's program moves its own state
@@ -81,6 +81,6 @@ def _build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedT
         runs_in_policy = node.kind in KINDS and KINDS[node.kind].runs_on == "policy"
         raise ConfigError(
             f"node {name!r} of kind {node.kind!r} has no program "
-            + ("(loss nodes run inside their policy)" if runs_in_policy else "; add its builder to flowrl.runtime.program_table.PROGRAMS")
+            + ("(loss nodes run inside their policy)" if runs_in_policy else "; add its builder to flowrl.runtime.programs.table.PROGRAMS")
         )
     return PROGRAMS[node.kind](node, graph, env, transports)

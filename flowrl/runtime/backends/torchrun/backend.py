@@ -17,7 +17,7 @@ Where things run:
   The other ranks are workers.
 - Rank 0 listens on a TCP socket (127.0.0.1 when the job is on one host, this host's address
   otherwise) and publishes ``host:port`` in the job's torch.distributed store. Every rank connects
-  once per node it belongs to and answers ``flowrl.runtime.worker.serve`` (the process backend's
+  once per node it belongs to and answers ``flowrl.runtime.backends.process.worker.serve`` (the process backend's
   protocol: msgspec header + raw tensor bytes). Rank 0's own memberships use a socket pair. The
   controller sends each request to every rank of the node at once (``remote.RemoteProgram`` over
   ``RankLinks``); only the lead gets the batch and returns outputs. Commands come over sockets, never over a collective, so an
@@ -34,7 +34,7 @@ Where things run:
   (a vLLM generator's group is one vLLM engine with ``tensor_parallel_size`` = tp, ``vllm_replicas``).
   User / synthetic programs on several ranks run on the lead; the other ranks idle.
 - Weights: ``inprocess`` and ``collective`` edges use the collective transport
-  (``flowrl.runtime.backends.weights``: options from the model config, one instance per rank and
+  (``flowrl.runtime.weights.torchrun_edges``: options from the model config, one instance per rank and
   edge opened at setup, generator ranks receiving in the background); every policy replica
   publishes, every generator rank fetches. Edges that name ``shm`` or ``file`` keep them (``file``
   across hosts needs ``FLOWRL_WEIGHTS_DIR``, a directory every host sees). A default edge into a
@@ -90,18 +90,18 @@ from flowrl.graph.ir import Graph, WeightEdge
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.backend import OnStep
-from flowrl.runtime.backends.rank_programs import RANK_PROGRAM, RankContext, set_context
-from flowrl.runtime.backends.direct_route import ROUTE, direct_channels
-from flowrl.runtime.backends.direct_route import register as register_direct
-from flowrl.runtime.backends.heartbeat import DEFAULT_TIMEOUT_S, Heartbeat, rank_roles
+from flowrl.runtime.backends.torchrun.rank_programs import RANK_PROGRAM, RankContext, set_context
+from flowrl.runtime.weights.direct_route import ROUTE, direct_channels
+from flowrl.runtime.weights.direct_route import register as register_direct
+from flowrl.runtime.backends.torchrun.heartbeat import DEFAULT_TIMEOUT_S, Heartbeat, rank_roles
 from flowrl.runtime.backends.remote import RemoteProgram
-from flowrl.runtime.backends.weights import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
+from flowrl.runtime.weights.torchrun_edges import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
 from flowrl.runtime.config import RunConfig
-from flowrl.runtime.controller import Controller, RunResult
+from flowrl.runtime.control.controller import Controller, RunResult
 from flowrl.runtime.parallel.fsdp import check_ranks, fsdp_policies
 from flowrl.runtime.parallel.pipeline import check_pipeline, pipeline_policies
 from flowrl.runtime.parallel.tp_train import check_tp_meshes
-from flowrl.runtime.executor_placement import one_device_meshes, rank_device, resolve_device
+from flowrl.runtime.control.executor_placement import one_device_meshes, rank_device, resolve_device
 from flowrl.host import host_memory_bytes
 from flowrl.runtime.preflight import check_engine_meshes, check_meshes, check_ranks_fit
 from flowrl.placement.layout import Placement
@@ -109,10 +109,10 @@ from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
 from flowrl.runtime.parallel.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
-from flowrl.runtime.weight_edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
+from flowrl.runtime.weights.edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
-from flowrl.runtime.program_table import build_program
-from flowrl.runtime.programs import Batch, ProgramEnv, SharedTransports
+from flowrl.runtime.programs.table import build_program
+from flowrl.runtime.programs.nodes import Batch, ProgramEnv, SharedTransports
 from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 
 __all__ = [
@@ -286,7 +286,7 @@ def _listen_address() -> str:
 
 
 def _serve_thread(sock: socket.socket, node: str, errors: list[str]) -> threading.Thread:
-    from flowrl.runtime.worker import serve
+    from flowrl.runtime.backends.process.worker import serve
 
     def main() -> None:
         try:

@@ -18,8 +18,8 @@ from typing import Any
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import ReferenceNode
-from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, lead_forward_step, split_whole_model
-from flowrl.runtime.programs import Batch, Info, ReferenceProgram, SharedTransports
+from flowrl.runtime.backends.torchrun.rank_policy import _context, _mesh_axes, lead_forward_step, split_whole_model
+from flowrl.runtime.programs.nodes import Batch, Info, ReferenceProgram, SharedTransports
 
 __all__ = ["TensorParallelReference"]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flowrl.graph.ir import Graph, WeightEdge
-from flowrl.runtime.programs import TransportSpec
+from flowrl.runtime.programs.nodes import TransportSpec
 from flowrl.runtime.transports.registry import transport_reference, transport_traits
 
 __all__ = ["transport_specs", "SHARED_MEMORY", "SHARED_DIRECTORY"]

@@ -32,7 +32,7 @@ import torch
 from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, Node, NodeBase, PolicyNode, ReferenceNode, ScorerNode, SourceNode
-from flowrl.runtime.programs import Batch, Info, ProgramBase, ProgramEnv, SharedTransports
+from flowrl.runtime.programs.nodes import Batch, Info, ProgramBase, ProgramEnv, SharedTransports
 
 N = TypeVar("N", bound=NodeBase)
 
@@ -204,7 +204,7 @@ def synthetic_program(node: Node, graph: Graph, env: ProgramEnv, transports: Sha
     return _BY_KIND[node.kind](node, graph, env, transports)
 
 
-SYNTHETIC = "flowrl.runtime.synthetic:synthetic_program"
+SYNTHETIC = "flowrl.runtime.programs.synthetic:synthetic_program"
 
 
 def synthetic_programs(graph: Graph) -> dict[str, str]:

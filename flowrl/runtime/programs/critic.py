@@ -20,10 +20,10 @@ import torch
 from flowrl.errors import ConfigError, FlowrlError
 from flowrl.graph.critic import CriticNode
 from flowrl.graph.ir import Graph
-from flowrl.runtime.programs import Batch, Info, ProgramBase
+from flowrl.runtime.programs.nodes import Batch, Info, ProgramBase
 
 if TYPE_CHECKING:
-    from flowrl.runtime.programs import ProgramEnv, SharedTransports
+    from flowrl.runtime.programs.nodes import ProgramEnv, SharedTransports
 
 __all__ = ["CriticProgram", "build_critic"]
 

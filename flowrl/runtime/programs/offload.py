@@ -359,7 +359,7 @@ class SleepingGenerator:
 
 
 def wrap_program(program: Any, role: Role | None) -> Any:
-    """``program`` (a ``flowrl.runtime.programs.NodeProgram``, which imports this module) offloading
+    """``program`` (a ``flowrl.runtime.programs.nodes.NodeProgram``, which imports this module) offloading
     as ``role`` says (None: as it is)."""
     if role == "trainer":
         return OffloadingTrainer(program)

@@ -14,7 +14,7 @@ and ``tp``; ranks in mesh order, tp innermost). What each rank holds and how a s
   reduced over the ranks of one tp index (``_reduce``: one rank per dp part, weighted by its samples;
   the ranks of a tp group hold the same figures);
 - weights: on a collective edge every rank publishes its own shards, laid out as
-  ``tp_train.trainer_layouts`` says (``flowrl.runtime.backends.weights`` gives the transport the same
+  ``tp_train.trainer_layouts`` says (``flowrl.runtime.weights.torchrun_edges`` gives the transport the same
   layouts), so each byte leaves one rank once; on a ``shm`` / ``file`` edge every rank gathers
   (``full_tensor``) and the lead publishes the whole tensors;
 - checkpoints: ``save`` runs on every rank (``saves_on_every_rank``) and writes a sharded state
@@ -38,8 +38,8 @@ import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
-from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, _RankPolicy, publish_shards
-from flowrl.runtime.programs import SharedTransports
+from flowrl.runtime.backends.torchrun.rank_policy import _context, _mesh_axes, _RankPolicy, publish_shards
+from flowrl.runtime.programs.nodes import SharedTransports
 
 __all__ = ["TensorParallelPolicy"]
 

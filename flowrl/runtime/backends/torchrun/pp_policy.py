@@ -42,8 +42,8 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
-from flowrl.runtime.backends.rank_policy import collective_bytes
-from flowrl.runtime.programs import Batch, Info, PolicyProgram, SharedTransports
+from flowrl.runtime.backends.torchrun.rank_policy import collective_bytes
+from flowrl.runtime.programs.nodes import Batch, Info, PolicyProgram, SharedTransports
 
 __all__ = ["PipelinePolicy"]
 
@@ -185,7 +185,7 @@ class PipelinePolicy(PolicyProgram):
     def publish(self) -> float:
         """Each stage its own tensors on a collective edge; the whole model, gathered, from the lead on
         another (see the module docstring)."""
-        from flowrl.runtime.backends.weights import channel, opened
+        from flowrl.runtime.weights.torchrun_edges import channel, opened
 
         start = time.perf_counter()
         if self.trainer.version > self._published:

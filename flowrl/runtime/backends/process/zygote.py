@@ -2,8 +2,8 @@
 
 Starting a worker as a fresh interpreter costs an import of torch (1-2 s of CPU each; several at once
 on a small machine take 10 s and more). The zygote pays it once, and a worker is then one ``fork``
-away: the zygote (``python -m flowrl.runtime.backends.zygote FD PARENT_PID``) imports
-``flowrl.runtime.worker`` (torch, the programs, the operators) and ``torch._dynamo`` (which the
+away: the zygote (``python -m flowrl.runtime.backends.process.zygote FD PARENT_PID``) imports
+``flowrl.runtime.backends.process.worker`` (torch, the programs, the operators) and ``torch._dynamo`` (which the
 optimizer imports when a trainer is built), and runs nothing else. Forking is safe because the
 zygote never runs a torch operation and starts no thread of its own: torch's OpenMP pool does not
 exist yet in it (a process that has used OpenMP cannot be forked safely), and the forked worker
@@ -70,10 +70,10 @@ class Zygote:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[3])
+        root = str(Path(__file__).resolve().parents[4])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flowrl.runtime.backends.zygote", str(theirs.fileno()), str(os.getpid())],
+            [sys.executable, "-m", "flowrl.runtime.backends.process.zygote", str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
         )
         theirs.close()
@@ -280,7 +280,7 @@ def _fork_worker(control: socket.socket, wake: tuple[int, int], fd: int) -> int:
         control.close()
         for end in wake:
             os.close(end)
-        from flowrl.runtime.worker import run_worker
+        from flowrl.runtime.backends.process.worker import run_worker
 
         run_worker(fd, os.getppid())
         code = 0
@@ -330,7 +330,7 @@ def main() -> None:
     try:
         import torch._dynamo  # noqa: F401 - preloaded: building a trainer's optimizer imports it
 
-        from flowrl.runtime.worker import die_with_parent  # torch, the programs and the operators, once for every worker
+        from flowrl.runtime.backends.process.worker import die_with_parent  # torch, the programs and the operators, once for every worker
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which raises it
         _send(control, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return

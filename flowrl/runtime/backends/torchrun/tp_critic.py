@@ -32,9 +32,9 @@ import torch
 from flowrl.errors import CheckpointError
 from flowrl.graph.critic import CriticNode
 from flowrl.graph.ir import Graph
-from flowrl.runtime.backends.rank_policy import _context, _mesh_axes, lead_forward_step, split_whole_model
-from flowrl.runtime.critic_program import CriticProgram
-from flowrl.runtime.programs import Batch, Info
+from flowrl.runtime.backends.torchrun.rank_policy import _context, _mesh_axes, lead_forward_step, split_whole_model
+from flowrl.runtime.programs.critic import CriticProgram
+from flowrl.runtime.programs.nodes import Batch, Info
 
 __all__ = ["TensorParallelCritic", "shard_critic_", "whole_state", "load_whole_state_"]
 

@@ -1,0 +1,1 @@
+"""The ``process`` backend: one OS process per executor, forked from a zygote."""
