@@ -121,7 +121,7 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
     ("generator", "torchrun", "tp"): AxisRun(runs=True, how="tensor-parallel groups of {size} ranks, each holding its shards (ParallelGenerator, runtime.parallel.tensor_parallel)"),
     ("generator", "torchrun", "pp"): AxisRun(runs=False, how="{n} data-parallel replicas over ranks {devices} (a generator's program reads no pp axis)"),
     ("generator/vllm", "torchrun", "dp"): AxisRun(runs=True, how="{size} vLLM engines splitting each batch of prompts (ParallelGenerator)"),
-    ("generator/vllm", "torchrun", "tp"): AxisRun(runs=True, how="one vLLM engine per replica with tensor_parallel_size={size} (runtime.backends.torchrun.vllm_replicas)"),
+    ("generator/vllm", "torchrun", "tp"): AxisRun(runs=True, how="one vLLM engine per replica with tensor_parallel_size={size} (runtime.parallel.vllm_replicas)"),
     ("generator/vllm", "torchrun", "pp"): AxisRun(runs=False, how="{n} vLLM engines, one per rank of {devices} (a generator's program reads no pp axis)"),
     ("policy", "torchrun", "dp"): AxisRun(runs=True, how="{size} data-parallel replicas (DataParallelPolicy), or FSDP2 shards with sharding='fsdp' (ShardedPolicy)"),
     ("policy", "torchrun", "tp"): AxisRun(runs=True, how="tensor-parallel groups of {size} ranks holding DTensor shards of its linears (TensorParallelPolicy, runtime.parallel.tp_train)"),

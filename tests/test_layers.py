@@ -238,3 +238,96 @@ def test_building_and_validating_a_graph_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"building a graph imported {out.strip()}"
+
+
+#: The runtime's rooms, bottom to top (ARCHITECTURE.md draws them): an import between two rooms points
+#: down this list or stays on its floor. A top-level module of runtime/ is a room of its own.
+RUNTIME_FLOORS: tuple[frozenset[str], ...] = tuple(
+    frozenset(floor.split())
+    for floor in (
+        "wire config names staleness transports parallel",
+        "checkpointing",
+        "weights",
+        "programs",
+        "evaluation",
+        "observe",
+        "control",
+        "preflight",
+        "backends",
+        "backends.process",
+        "backends.torchrun",
+        "run",
+    )
+)
+
+
+def runtime_room(module: str) -> str | None:
+    """The room of a runtime module (``flowrl.runtime.control.clock`` -> ``control``; the backends'
+    two subpackages are rooms of their own); None outside runtime/."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["flowrl", "runtime"]:
+        return None
+    if parts[2] == "backends" and len(parts) > 3 and parts[3] in ("process", "torchrun"):
+        return f"backends.{parts[3]}"
+    return parts[2]
+
+
+def runtime_floor(room: str) -> int:
+    return next(i for i, floor in enumerate(RUNTIME_FLOORS) if room in floor)
+
+
+def runtime_imports(source: str) -> list[tuple[str, str]]:
+    """(``"module"``, ``"function"`` or ``"annotations"``, the imported flowrl.runtime module path) of every
+    ``from flowrl.runtime... import`` in ``source``; ``annotations`` for one under ``if TYPE_CHECKING:``.
+
+    Example:
+        >>> runtime_imports("def f():\\n    from flowrl.runtime.run import run_graph\\n")
+        [('function', 'flowrl.runtime.run.run_graph')]
+    """
+    tree = ast.parse(source)
+    where: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where.update({id(n): "function" for n in ast.walk(node) if n is not node})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            where.update({id(n): "annotations" for stmt in node.body for n in ast.walk(stmt)})
+    return [
+        (where.get(id(node), "module"), f"{node.module}.{alias.name}")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flowrl.runtime")
+        for alias in node.names
+    ]
+
+
+def test_every_runtime_import_between_rooms_points_down():
+    """Module-level and function-level imports between the runtime's rooms point down ``RUNTIME_FLOORS``
+    (a function-level import is a dependency too, only a later one); an import under ``TYPE_CHECKING``
+    names a type for an annotation and is never executed, so it may name a room above."""
+    files = {_module_name(p): p for p in (ROOT / "runtime").rglob("*.py")}
+    up = []
+    for name, path in sorted(files.items()):
+        for kind, target in runtime_imports(path.read_text()):
+            while target not in files:
+                target = target.rpartition(".")[0]
+            a, b = runtime_room(name), runtime_room(target)
+            if kind != "annotations" and a and b and a != b and runtime_floor(a) < runtime_floor(b):
+                up.append(f"{name} -> {target} ({kind} import; {a} is below {b})")
+    assert not up, "runtime imports that point up a room:\n" + "\n".join(up)
+
+
+def test_every_runtime_room_is_on_a_floor():
+    rooms = {runtime_room(_module_name(p)) for p in (ROOT / "runtime").rglob("*.py")} - {None, "__init__"}
+    placed = set().union(*RUNTIME_FLOORS)
+    assert rooms <= placed, f"runtime rooms on no floor of RUNTIME_FLOORS: {sorted(rooms - placed)}"
+
+
+def test_an_upward_runtime_import_is_caught():
+    kind, target = runtime_imports("def f():\n    from flowrl.runtime.backends.torchrun.backend import x\n")[0]
+    assert kind == "function" and runtime_floor(runtime_room("flowrl.runtime.programs.nodes")) < runtime_floor(runtime_room(target))
+    assert runtime_imports("if TYPE_CHECKING:\n    from flowrl.runtime.run import r\n") == [("annotations", "flowrl.runtime.run.r")]
+
+
+def test_the_runtime_top_level_holds_at_most_eight_modules():
+    top = sorted(p.name for p in (ROOT / "runtime").glob("*.py"))
+    assert len(top) <= 8, f"runtime/ holds {len(top)} modules at its top level (at most 8; put the others in a room): {top}"

@@ -103,7 +103,7 @@ class EngineCaps(msgspec.Struct, frozen=True, kw_only=True):
 #: Every engine. vLLM's engine is its own processes, started by the generator's process (the local
 #: backend's, a process backend's worker, or each replica's first torchrun rank), so it runs under
 #: every backend, one engine per replica: a ``tp`` axis of its torchrun mesh is vLLM's own tensor
-#: parallelism (``runtime/backends/torchrun/vllm_replicas.py``), not flowrl's tp ranks (``tensor_parallel``).
+#: parallelism (``runtime/parallel/vllm_replicas.py``), not flowrl's tp ranks (``tensor_parallel``).
 ENGINE_CAPS: dict[str, EngineCaps] = {
     "builtin": EngineCaps(builtin_models=True, tensor_parallel=True),
     "vllm": EngineCaps(

@@ -239,7 +239,7 @@ def check_engine_meshes(
     graph: Graph, axes: Mapping[str, tuple[tuple[str, ...], tuple[int, ...]]], ranks: Mapping[str, Sequence[int]] | None = None, *, cores: int | None = None
 ) -> None:
     """Refuse, on every torchrun rank before any work, a vLLM generator's mesh that cannot run
-    (``flowrl.runtime.backends.torchrun.vllm_replicas.check_vllm_mesh``): each replica (a tp group of the
+    (``flowrl.runtime.parallel.vllm_replicas.check_vllm_mesh``): each replica (a tp group of the
     mesh) is one vLLM engine with ``tensor_parallel_size = tp``, so ``tp`` may not exceed the
     generator's ranks, nor on a CPU the cores a process may use (``cores``; None: not checked).
 
@@ -250,7 +250,7 @@ def check_engine_meshes(
     Raises:
         ConfigError: naming the generator, its mesh and the fix.
     """
-    from flowrl.runtime.backends.torchrun.vllm_replicas import check_vllm_mesh
+    from flowrl.runtime.parallel.vllm_replicas import check_vllm_mesh
 
     for node in graph.nodes:
         engine = getattr(node, "engine", "builtin")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flowrl.examples.llamarl import build_llamarl
-from flowrl.runtime.control.compute_threads import ComputeThread, GroupLock, group_runners, set_intra_op_threads
+from flowrl.runtime.control.compute_threads import ComputeThread, GroupLock, group_runners
+from flowrl.runtime.parallel.threads import set_intra_op_threads
 from flowrl.runtime.control.executor_placement import run_placement
 from flowrl.runtime.run import run_graph
 from flowrl.runtime.programs.synthetic import synthetic_program

@@ -71,7 +71,7 @@ def _rows(path, n, *, start=0, fields=("prompt", "answer")):
 def _direct_eval(step_dir, data, *, samples, pass_reward):
     """The figures of a checkpoint, computed here from ``flowrl eval``'s rollout, on one torch thread (as the
     evaluation thread runs), with pass@k counted over subsets."""
-    from flowrl.runtime.control.compute_threads import set_intra_op_threads
+    from flowrl.runtime.parallel.threads import set_intra_op_threads
     from flowrl.runtime.evaluation.policy_samples import eval_positions, load_policy, rollout
 
     out = {}

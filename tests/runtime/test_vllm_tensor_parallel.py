@@ -1,6 +1,6 @@
 """A ``tp`` axis on a vLLM generator under torchrun is vLLM's tensor parallelism: one engine per
 replica with ``tensor_parallel_size = tp``, started by the replica's first rank (vLLM's own worker
-processes), the replica's other ranks idle (``flowrl.runtime.backends.torchrun.vllm_replicas``).
+processes), the replica's other ranks idle (``flowrl.runtime.parallel.vllm_replicas``).
 
 The torchrun job (slow: vLLM's start and three ranks' imports, ~1-3 min on 2 shared cores): the
 generator on ranks 0-1 with mesh ``{"dp": 1, "tp": 2}``, the policy on rank 2. After every weight
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.errors import ConfigError
-from flowrl.runtime.backends.torchrun.vllm_replicas import check_vllm_mesh, engine_ranks, replica_devices, replica_rows
+from flowrl.runtime.parallel.vllm_replicas import check_vllm_mesh, engine_ranks, replica_devices, replica_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()

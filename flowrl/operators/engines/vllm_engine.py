@@ -16,7 +16,7 @@ they are set already (``VLLM_ENVIRONMENT``: spawned processes, warnings only, on
 ``tensor_parallel_size`` > 1 vLLM runs that many workers (its ``mp`` executor), each holding a shard,
 on the given GPUs or, on a CPU, each bound to cores of its own (``cpu_binding``); a torchrun replica
 of a vLLM generator with a ``tp`` mesh axis starts one such engine
-(``flowrl.runtime.backends.torchrun.vllm_replicas``).
+(``flowrl.runtime.parallel.vllm_replicas``).
 
 mu's log-probs: vLLM is started with ``logprobs_mode="processed_logprobs"``, so the log-prob it
 returns for a sampled token is taken from the distribution it was drawn from: logits / temperature,

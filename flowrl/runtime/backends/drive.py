@@ -17,7 +17,7 @@ import torch
 
 from flowrl.graph.ir import Graph
 from flowrl.runtime.backends.backend import OnStep
-from flowrl.runtime.control.compute_threads import set_intra_op_threads
+from flowrl.runtime.parallel.threads import set_intra_op_threads
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.control.controller import Controller, RunResult
 from flowrl.placement.layout import Placement

@@ -23,7 +23,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -32,7 +32,9 @@ from flowrl.graph.ir import Graph
 from flowrl.runtime.checkpointing.background import snapshot_or_save
 from flowrl.runtime.checkpointing.resume_point import resume_point
 from flowrl.runtime.checkpointing.store import CheckpointMeta, CheckpointWriter, graph_fingerprint, read_meta, state_file
-from flowrl.runtime.programs.nodes import NodeProgram
+
+if TYPE_CHECKING:
+    from flowrl.runtime.programs.nodes import NodeProgram  # annotations only: checkpointing sits below the programs
 
 __all__ = ["Restored", "take_run_checkpoint", "save_run_checkpoint", "restore_run_checkpoint"]
 

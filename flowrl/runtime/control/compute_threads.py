@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Protocol, TypeVar
 
-import torch
+from flowrl.runtime.parallel.threads import set_intra_op_threads
 
-__all__ = ["StepRunner", "GroupLock", "ComputeThread", "group_runners", "set_intra_op_threads", "set_thread_cores"]
+__all__ = ["StepRunner", "GroupLock", "ComputeThread", "group_runners", "set_thread_cores"]
 
 T = TypeVar("T")
 
@@ -78,6 +78,7 @@ class ComputeThread:
         cores: pin the thread (and so the OpenMP workers it starts) to these cores; empty: no pinning.
 
     Example:
+        >>> import torch
         >>> runner = ComputeThread("flowrl-compute-doc", intra_op_threads=1)
         >>> runner.call(torch.get_num_threads), runner.call(lambda: threading.current_thread().name)
         (1, 'flowrl-compute-doc')
@@ -166,21 +167,3 @@ def set_thread_cores(cores: Iterable[int]) -> None:
             os.sched_setaffinity(threading.get_native_id(), cores)
         except OSError:
             pass
-
-
-def set_intra_op_threads(threads: int) -> None:
-    """Give the calling thread ``threads`` torch intra-op threads, whatever other threads set later.
-
-    ``torch.set_num_threads`` sets the calling thread's OpenMP thread count and a process-wide
-    default; a thread's first parallel op (or ``torch.get_num_threads``) copies that default into
-    the thread once. Taking that copy first keeps a later ``set_num_threads`` of another thread
-    from overriding this thread's count.
-
-    Example:
-        >>> seen: list[int] = []
-        >>> thread = threading.Thread(target=lambda: (set_intra_op_threads(1), seen.append(torch.get_num_threads())))
-        >>> thread.start(); thread.join(); seen
-        [1]
-    """
-    torch.get_num_threads()  # the thread's one-time copy of the process-wide default, taken now
-    torch.set_num_threads(threads)

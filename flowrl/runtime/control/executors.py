@@ -22,7 +22,8 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.kinds import KINDS
 from flowrl.placement.layout import Placement
 from flowrl.runtime.control.channels import Channel
-from flowrl.runtime.control.compute_threads import StepRunner, group_runners, set_intra_op_threads, set_thread_cores
+from flowrl.runtime.control.compute_threads import StepRunner, group_runners, set_thread_cores
+from flowrl.runtime.parallel.threads import set_intra_op_threads
 from flowrl.runtime.programs.nodes import NodeProgram
 
 __all__ = ["Executor", "Executors"]

@@ -155,7 +155,7 @@ class Evaluator:
     """
 
     def __init__(self, graph: Graph, policy: str, *, data: str, samples: int, pass_reward: float, seed: int = 0) -> None:
-        from flowrl.runtime.control.compute_threads import set_intra_op_threads
+        from flowrl.runtime.parallel.threads import set_intra_op_threads
         from flowrl.runtime.evaluation.policy_samples import policy_on_rows
 
         self.samples, self.pass_reward = samples, pass_reward

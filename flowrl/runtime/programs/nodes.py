@@ -26,6 +26,7 @@ from flowrl.graph.configs import ReferenceConfig
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, RewardModelNode, ScorerNode, SourceNode
 from flowrl.runtime.staleness import StalenessGate
+from flowrl.runtime.weights.edges import TransportSpec
 from flowrl.runtime.transports.registry import create_transport, import_transport
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ __all__ = [
     "NodeProgram",
     "ProgramBase",
     "ProgramEnv",
-    "TransportSpec",
     "build_error",
     "build_source",
     "build_generator",
@@ -93,22 +93,6 @@ class ProgramBase:
 
     def close(self) -> None:
         """Release what the program holds."""
-
-
-class TransportSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """How to open one weight edge's transport on either side: its registry name and plain options.
-
-    ``writer_options`` open it on the policy's side, ``reader_options`` on the consumer's side;
-    ``factory`` is a user transport's ``module:qualname`` (``registry.transport_reference``), so that
-    a worker process that did not register it can (``""`` for a built-in).
-    """
-
-    src: str
-    dst: str
-    name: str
-    factory: str = ""
-    writer_options: dict[str, Any] = {}
-    reader_options: dict[str, Any] = {}
 
 
 class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):

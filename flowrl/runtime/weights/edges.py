@@ -15,16 +15,33 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from flowrl.graph.ir import Graph, WeightEdge
-from flowrl.runtime.programs.nodes import TransportSpec
 from flowrl.runtime.transports.registry import transport_reference, transport_traits
 
-__all__ = ["transport_specs", "SHARED_MEMORY", "SHARED_DIRECTORY"]
+__all__ = ["TransportSpec", "transport_specs", "SHARED_MEMORY", "SHARED_DIRECTORY"]
 
 #: The built-in transport that carries weights between the processes of one machine.
 SHARED_MEMORY = "shm"
 #: The built-in transport that carries weights between machines through a directory they all see.
 SHARED_DIRECTORY = "file"
+
+
+class TransportSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How to open one weight edge's transport on either side: its registry name and plain options.
+
+    ``writer_options`` open it on the policy's side, ``reader_options`` on the consumer's side;
+    ``factory`` is a user transport's ``module:qualname`` (``registry.transport_reference``), so that
+    a worker process that did not register it can (``""`` for a built-in).
+    """
+
+    src: str
+    dst: str
+    name: str
+    factory: str = ""
+    writer_options: dict[str, Any] = {}
+    reader_options: dict[str, Any] = {}
 
 
 def transport_specs(

@@ -44,7 +44,7 @@ import torch
 from flowrl.errors import ConfigError, TransportError
 from flowrl.graph.ir import Graph
 from flowrl.placement.resharding import ShardLayout, dp_replicas, fsdp
-from flowrl.runtime.backends.torchrun.vllm_replicas import engine_ranks, is_vllm_tp, replica_rows
+from flowrl.runtime.parallel.vllm_replicas import engine_ranks, is_vllm_tp, replica_rows
 from flowrl.runtime.transports.registry import register_transport, transport_traits
 
 __all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]

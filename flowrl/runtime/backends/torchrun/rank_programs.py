@@ -217,7 +217,7 @@ class ParallelGenerator(GeneratorProgram):
     ``tensor_parallel_size`` = tp, started by the replica's first rank; vLLM's own workers hold the
     shards, on the devices of the replica's ranks, and the replica's other ranks are ``idle`` (they
     take part in the node's prompt broadcast and metrics only). On the hop route the engine rank
-    fetches the full state and pushes it into every worker (``flowrl.runtime.backends.torchrun.vllm_replicas``);
+    fetches the full state and pushes it into every worker (``flowrl.runtime.parallel.vllm_replicas``);
     on the direct route every replica's engine rank has its workers join one group into which the
     policy's rank sends (``direct_route``; the first replica asks for all: ``_engine_of``).
 
@@ -290,7 +290,7 @@ class ParallelGenerator(GeneratorProgram):
         replica's ranks' devices, one per vLLM worker (the replica must sit on one host)."""
         import os
 
-        from flowrl.runtime.backends.torchrun.vllm_replicas import replica_devices
+        from flowrl.runtime.parallel.vllm_replicas import replica_devices
 
         ctx = _context()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
