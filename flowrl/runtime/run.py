@@ -29,7 +29,7 @@ from flowrl.backend_traits import backend_traits
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.placement.layout import Placement
-from flowrl.runtime.backends.backend import OnStep, create_backend
+from flowrl.runtime.backends.backend import OnStep, create_backend, takes_gate
 from flowrl.runtime.config import RunConfig
 from flowrl.runtime.control.controller import RunResult
 
@@ -81,6 +81,7 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
     from flowrl.runtime.names import check_names
     from flowrl.runtime.control.executor_placement import resolve_device
     from flowrl.runtime.preflight import check_engines, check_fits_in_memory, check_meshes, check_packing_families, check_teachers
+    from flowrl.runtime.staleness import StalenessGate
 
     if isinstance(placement, RunConfig) and config is None:  # run_graph(graph, config)
         placement, config = None, placement
@@ -106,6 +107,9 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
 
         check_eval_data(graph, str(config.eval_data))  # a missing file or column: refused before any work
     check_names(graph)  # tasks, objectives, transports: the registries of this process, where the run starts
+    # the run's one gate, which everything that needs k reads; a user's backend that takes none builds
+    # it in the built-in backend it calls (so that a run still builds one)
+    gate = StalenessGate.of(graph, config.max_staleness) if takes_gate(backend) else None
     if config.offload == "on" or (config.offload == "auto" and placement is not None and placement.offload):  # refused before any work
         from flowrl.runtime.programs.offload import offload_roles
         from flowrl.runtime.control.executor_placement import run_placement
@@ -113,9 +117,11 @@ def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: 
         if backend_traits(backend.name).ranks:  # its ranks hold the default placement of the job's world: refused or said without it
             offload_roles(graph, placement or Placement(nodes={}), config.offload, device=device, backend=backend.name)
         else:
-            offload_roles(graph, run_placement(graph, placement, config, backend=backend.name), config.offload, device=device, backend=backend.name)
+            offload_roles(graph, run_placement(graph, placement, config, backend=backend.name, gate=gate), config.offload, device=device, backend=backend.name)
     warn_about(graph)  # legal but most likely a mistake (n_samples=1 with a group baseline): GraphWarning
     try:
-        return backend.run(graph, placement, config, on_step=on_step)
+        if gate is not None:
+            return backend.run(graph, placement, config, on_step=on_step, gate=gate)
+        return backend.run(graph, placement, config, on_step=on_step)  # a user's backend that takes no gate
     finally:
         release_freed_memory()  # a notebook's next run starts from what is live, not what this one freed

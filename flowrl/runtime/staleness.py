@@ -1,8 +1,12 @@
 """The staleness gate: the one owner of the bound k, the updates per batch and the check.
 
-Every number the staleness invariant is made of is derived here, once per run, and the gate is
-handed (as plain data, ``ProgramEnv.staleness``) to whoever needs it: the controller's executors,
-the generator programs (continuous batching's group deadlines) and the channels' capacity.
+Every number the staleness invariant is made of is derived here. ``run_graph`` builds the run's one
+gate (``StalenessGate.of(graph, config.max_staleness)``, the override included) where the run starts
+and hands it down: to the backend (``Backend.run(..., gate=)``), which hands it to the controller (its
+executors' waits, the channels' capacity, the check of every batch), to the run strategy's placement
+(``executor_placement.run_placement``) and, as plain data (``ProgramEnv.staleness``), to the generator
+programs (continuous batching's group deadlines) in whatever process they run. Only a part built
+outside a run (a unit test, a notebook) builds a gate of its own, from the graph alone.
 
 - ``k`` counts trainer steps (batches), per gated weight edge (the edge into a node that waits for
   weights: a generator), the run's ``max_staleness`` when given, else the edge's.
@@ -103,6 +107,10 @@ class StalenessGate(msgspec.Struct, frozen=True, kw_only=True):
     def step_of(self, version: int) -> int:
         """The trainer step whose start ``version`` is (``version // U``)."""
         return version // self.updates
+
+    def tightest(self) -> int:
+        """The smallest k (0 with no gated edge): the bound the run strategy lays its placement out for."""
+        return min((b.k for b in self.bounds.values()), default=0)
 
     def widest(self) -> int:
         """The largest k: how many batches may be in flight on a data edge (0 with no gated edge)."""

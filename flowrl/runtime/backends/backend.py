@@ -1,6 +1,6 @@
 """The backend protocol and registry: a backend decides where a run's node programs live.
 
-A :class:`Backend` runs a whole graph: ``run(graph, placement, config, on_step=...)`` returns the run's
+A :class:`Backend` runs a whole graph: ``run(graph, placement, config, on_step=..., gate=...)`` returns the run's
 ``RunResult`` (``placement`` None: the backend's default, ``flowrl.placement.default``). ``run_graph`` (``flowrl.runtime.run``) checks what every backend needs checked, then
 dispatches through this registry by ``RunConfig.backend``. The built-ins:
 
@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
     from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.control.controller import RunResult
+    from flowrl.runtime.staleness import StalenessGate
 
-__all__ = ["Backend", "BUILTIN_BACKENDS", "register_backend", "backend_names", "create_backend", "OnStep"]
+__all__ = ["Backend", "BUILTIN_BACKENDS", "register_backend", "backend_names", "create_backend", "takes_gate", "OnStep"]
 
 OnStep = Callable[[dict[str, Any]], None]
 
@@ -64,9 +66,13 @@ class Backend(Protocol):
     name: str
     crosses_processes: bool
 
-    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+    def run(
+        self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None, gate: StalenessGate | None = None
+    ) -> RunResult:
         """Execute ``graph`` on ``placement`` (None: the backend's default) for ``config.steps`` trainer
-        steps; ``NodeExecutionError`` on failure."""
+        steps; ``NodeExecutionError`` on failure. ``gate``: the run's staleness gate, built once by
+        ``run_graph``: everything in the run that needs k reads it (a backend that declares no ``gate``
+        parameter is called without one)."""
         ...
 
 
@@ -98,3 +104,15 @@ def create_backend(name: str) -> Backend:
         raise ConfigError(f"unknown backend {name!r}; choose one of {backend_names()} (or register yours with register_backend)")
     module_name, attr = BUILTIN_BACKENDS[name]
     return getattr(importlib.import_module(module_name), attr)()
+
+
+def takes_gate(backend: Backend) -> bool:
+    """Whether ``backend.run`` takes the run's staleness gate (``gate=``, or ``**kwargs``): the built-ins
+    do; a backend written before the gate was handed down is called without it, and reads no k.
+
+    Example:
+        >>> takes_gate(create_backend("local"))
+        True
+    """
+    parameters = inspect.signature(backend.run).parameters.values()
+    return any(p.name == "gate" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

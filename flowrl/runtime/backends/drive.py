@@ -46,6 +46,7 @@ def run_with_controller(
     crosses_processes: bool,
     set_threads: bool,
     on_step: OnStep | None = None,
+    gate: StalenessGate | None = None,
 ) -> RunResult:
     """Run ``graph`` with one controller in this process over the programs ``open_programs`` gives.
 
@@ -57,13 +58,16 @@ def run_with_controller(
         set_threads: the programs run here: size torch's intra-op threads for the run, one compute
             thread per colocation group (``flowrl.runtime.control.compute_threads``).
         on_step: called with each metrics row.
+        gate: the run's staleness gate (``run_graph`` builds it once and hands it down; None, from a
+            user's backend that subclasses a built-in and takes no gate: built here, once).
     """
     import warnings
 
     from flowrl.runtime.programs.offload import offload_roles
     from flowrl.runtime.preflight import check_meshes
 
-    placement = run_placement(graph, placement, config, backend=config.backend)
+    gate = gate if gate is not None else StalenessGate.of(graph, config.max_staleness)
+    placement = run_placement(graph, placement, config, backend=config.backend, gate=gate)
     check_meshes(graph, placement, backend=config.backend, device=resolve_device(config.device), skip=config.programs)  # the default's too
     with warnings.catch_warnings():  # run_graph's check said them already
         warnings.simplefilter("ignore")
@@ -76,7 +80,7 @@ def run_with_controller(
             options=dict(config.options),
             devices=node_devices(placement, resolve_device(config.device)),
             offload=dict(roles),
-            staleness=StalenessGate.of(graph, config.max_staleness),  # the controller's bounds, for the generator programs
+            staleness=gate,  # the controller's bounds, for the generator programs
         )
         programs = open_programs(env, placement)
         threads = torch.get_num_threads()
@@ -86,7 +90,7 @@ def run_with_controller(
             # (``compute_threads``: one OpenMP team per group); this thread builds the programs with one.
             set_intra_op_threads(1)
         try:
-            controller = Controller(graph, config, programs.open(), placement, on_step=on_step, intra_op_threads=group_threads)
+            controller = Controller(graph, config, programs.open(), placement, on_step=on_step, intra_op_threads=group_threads, gate=gate)
             return controller.run()
         finally:
             programs.close()

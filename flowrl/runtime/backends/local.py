@@ -14,6 +14,7 @@ from flowrl.runtime.programs.nodes import NodeProgram, ProgramEnv, SharedTranspo
 if TYPE_CHECKING:
     from flowrl.placement.layout import Placement
     from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.staleness import StalenessGate
     from flowrl.runtime.control.controller import RunResult
 
 __all__ = ["LocalBackend", "LocalPrograms"]
@@ -25,12 +26,14 @@ class LocalBackend:
     name = "local"
     crosses_processes = BACKENDS["local"].crosses_processes
 
-    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+    def run(
+        self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None, gate: StalenessGate | None = None
+    ) -> RunResult:
         """Run ``graph`` here; torch's intra-op threads are divided among the placement's colocation groups."""
         from flowrl.runtime.backends.drive import run_with_controller
 
         return run_with_controller(graph, placement, config, lambda env, placement: LocalPrograms(graph, env),
-                                   crosses_processes=False, set_threads=True, on_step=on_step)
+                                   crosses_processes=False, set_threads=True, on_step=on_step, gate=gate)
 
 
 class LocalPrograms:

@@ -70,17 +70,18 @@ class Controller:
     """Executes ``graph`` with ``node_programs`` (node -> program, or a proxy to a worker process, for
     every node but the losses) on ``placement`` (colocated nodes are serialised); ``on_step`` gets
     each metrics row. ``intra_op_threads``: the programs run here, each colocation group's steps on
-    one compute thread with that many torch threads; None: they run elsewhere."""
+    one compute thread with that many torch threads; None: they run elsewhere. ``gate``: the run's staleness
+    gate (``run_graph`` builds it once; None, outside a run: the gate of ``graph`` and ``config``)."""
 
     def __init__(
         self, graph: Graph, config: RunConfig, node_programs: dict[str, NodeProgram], placement: Placement, *,
-        on_step: Callable[[dict[str, Any]], None] | None = None, intra_op_threads: int | None = None,
+        on_step: Callable[[dict[str, Any]], None] | None = None, intra_op_threads: int | None = None, gate: StalenessGate | None = None,
     ) -> None:  # fmt: skip
         self.graph, self.config, self.placement, self.intra_op_threads = graph, config, placement, intra_op_threads
         self.tracer = Tracer(enabled=bool(config.trace))  # spans are kept in memory only when a trace is asked for
         self.clock = VersionClock(0)
         self.stop, self._t0, self._start = RunStop(stall_timeout_s=config.stall_timeout_s), 0.0, 0
-        self.gate = StalenessGate.of(graph, config.max_staleness)
+        self.gate = gate if gate is not None else StalenessGate.of(graph, config.max_staleness)  # the run's, handed down by run_graph
         self.ledger = PromptLedger(feeds=continuous_feeds(graph, self.gate))
         self.sink = RowSink(graph, config, on_step=on_step, fail=self._fail)
         for name, mesh in placement.nodes.items():  # a program over several ranks reports its own at its first step

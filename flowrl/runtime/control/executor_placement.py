@@ -36,6 +36,7 @@ from flowrl.graph.ir import Graph
 from flowrl.placement.layout import Placement
 from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
+from flowrl.runtime.staleness import StalenessGate
 
 if TYPE_CHECKING:
     from flowrl.runtime.config import RunConfig
@@ -115,7 +116,10 @@ def rank_device(device: str, local_rank: int, *, cuda_count: int | None = None) 
     return torch.device("cuda", local_rank)
 
 
-def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, *, n_devices: int | None = None, backend: str = "local") -> Placement:
+def run_placement(
+    graph: Graph, placement: Placement | None, config: RunConfig, *, n_devices: int | None = None, backend: str = "local",
+    gate: StalenessGate | None = None,
+) -> Placement:
     """The placement a run of ``graph`` uses on this machine: ``placement``, or the run strategy for its staleness bound.
 
     Args:
@@ -126,6 +130,8 @@ def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, 
         backend: the run's backend: without a placement, a node whose program runs no axis over
             several of its devices there (``flowrl.mesh_support``: any node on GPUs, whose one process
             uses its first) gets its first device only (``one_device_meshes``).
+        gate: the run's staleness gate (``run_graph`` builds it); the default placement is laid out for
+            its tightest k. None (a caller outside a run): the gate of ``graph`` and ``config.max_staleness``.
 
     Returns:
         The placement, its pinning kept only where every device id is a core of this machine.
@@ -137,7 +143,7 @@ def run_placement(graph: Graph, placement: Placement | None, config: RunConfig, 
     if placement is None:
         cuda = resolve_device(config.device) == "cuda"
         n = n_devices or (torch.cuda.device_count() if cuda else os.cpu_count() or 1)
-        return one_device_meshes(graph, default_placement(graph, graph.max_staleness(config.max_staleness), n), backend, "cuda" if cuda else "cpu")
+        return one_device_meshes(graph, default_placement(graph, (gate or StalenessGate.of(graph, config.max_staleness)).tightest(), n), backend, "cuda" if cuda else "cpu")
     check_placed(graph, placement.nodes, f"the placement ({placement.source})")
     cores = os.cpu_count() or 1
     pin = placement.pin and all(d < cores for ds in placement.devices.values() for d in ds)

@@ -110,8 +110,8 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
         offload: node name -> its part in colocated offloading, ``"trainer"`` (its state waits in
             host memory between its steps) or ``"engine"`` (its engine sleeps between its steps);
             decided by ``flowrl.runtime.programs.offload.offload_roles``.
-        staleness: the run's staleness gate (``StalenessGate.of(graph, config.max_staleness)``: the
-            controller's); None: the graph's own bounds.
+        staleness: the run's staleness gate (``run_graph`` builds it once, with the run's override,
+            and the controller reads the same); None (a program built outside a run): the graph's own bounds.
     """
 
     transports: tuple[TransportSpec, ...] = ()
@@ -246,6 +246,7 @@ class GeneratorProgram(ProgramBase):
             else:
                 episodes = resolve(ENGINES[node.engine].episodes)  # the engine's episode runner (vLLM's: its step API)
                 self._multiturn = episodes(self.generator, node, rows=row_fields(graph, node.name))
+        # the run hands its gate down (ProgramEnv.staleness); a program built outside a run: the graph's own bounds
         self._bound = (env.staleness or StalenessGate.of(graph)).bound(node.name)  # k and U, the controller's
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)

@@ -43,6 +43,7 @@ from flowrl.runtime.wire import recv_message, send_message
 
 if TYPE_CHECKING:
     from flowrl.runtime.config import RunConfig
+    from flowrl.runtime.staleness import StalenessGate
     from flowrl.runtime.control.controller import RunResult
 
 __all__ = ["ProcessBackend", "ProcessWorkers", "WorkerLink", "WorkerError", "sweep_orphan_segments"]
@@ -124,12 +125,14 @@ class ProcessBackend:
     name = "process"
     crosses_processes = BACKENDS["process"].crosses_processes
 
-    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+    def run(
+        self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None, gate: StalenessGate | None = None
+    ) -> RunResult:
         """Run ``graph`` with one worker per executor node (``ProcessWorkers``), the controller here."""
         from flowrl.runtime.backends.drive import run_with_controller
 
         return run_with_controller(graph, placement, config, lambda env, placement: ProcessWorkers(graph, env, placement),
-                                   crosses_processes=True, set_threads=False, on_step=on_step)
+                                   crosses_processes=True, set_threads=False, on_step=on_step, gate=gate)
 
 
 class ProcessWorkers:

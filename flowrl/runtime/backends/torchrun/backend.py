@@ -140,9 +140,11 @@ class TorchrunBackend:
     name = "torchrun"
     crosses_processes = BACKENDS["torchrun"].crosses_processes
 
-    def run(self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None) -> RunResult:
+    def run(
+        self, graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: OnStep | None = None, gate: StalenessGate | None = None
+    ) -> RunResult:
         """Every rank calls this, with the same placement; rank 0 returns the run's result (``run_torchrun``)."""
-        return run_torchrun(graph, placement, config, on_step=on_step)
+        return run_torchrun(graph, placement, config, on_step=on_step, gate=gate)
 
 
 # -- placement --------------------------------------------------------------------------------------
@@ -340,10 +342,13 @@ def _route(edge: WeightEdge, ctx: RankContext) -> str:
 
 
 def run_torchrun(
-    graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None
+    graph: Graph, placement: Placement | None, config: RunConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None,
+    gate: StalenessGate | None = None,
 ) -> RunResult:
     """Run ``graph`` as one rank of a torchrun job. Rank 0 returns the run's result; the other
     ranks serve their nodes and return an empty result (``version == -1``) when rank 0 is done.
+    ``gate``: the run's staleness gate, built once on each rank by ``run_graph`` (None, from a backend
+    that subclasses this one and takes no gate: built here, once).
 
     Raises:
         PlanError: (every rank, before any work) a placement needing more ranks than WORLD_SIZE.
@@ -352,6 +357,7 @@ def run_torchrun(
     import torch.distributed as dist
 
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    gate = gate if gate is not None else StalenessGate.of(graph, config.max_staleness)
     placement = rank_placement(graph, placement, world)
     ranks, axes = placement.devices, _axes(placement)
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", "0")))
@@ -390,7 +396,7 @@ def run_torchrun(
         else:
             seen: dict[str, Controller] = {}
             with _report_on_sigterm(seen, heartbeat.dead_peer if heartbeat is not None else lambda: None):
-                result = _control(graph, config, placement, store, ctx, on_step, seen, edges)
+                result = _control(graph, config, placement, store, ctx, on_step, seen, edges, gate)
         ok = True
         return result
     finally:
@@ -496,6 +502,7 @@ def _control(
     on_step: Callable[[dict[str, Any]], None] | None,
     seen: dict[str, Controller],
     edges: dict[str, dict[str, Any]],
+    gate: StalenessGate,
 ) -> RunResult:
     listener = socket.create_server((_listen_address(), 0))
     listener.settimeout(CONNECT_TIMEOUT_S)
@@ -515,7 +522,7 @@ def _control(
         programs={**dict(config.programs), **{n: RANK_PROGRAM for n in ctx.ranks}},
         seed=config.seed,
         options=dict(config.options),
-        staleness=StalenessGate.of(graph, config.max_staleness),  # the controller's bounds, for the generator programs
+        staleness=gate,  # the controller's bounds, for the generator programs
     )
     local_errors: list[str] = []
     links: dict[str, dict[int, socket.socket]] = {n: {} for n in ctx.ranks}
@@ -565,7 +572,7 @@ def _control(
         for n in graph.nodes:
             if KINDS[n.kind].runs_on != "policy" and n.name not in node_programs:  # a loss runs in its policy
                 node_programs[n.name] = build_program(graph, n.name, msgspec.structs.replace(env, programs=dict(config.programs)), light)
-        controller = Controller(graph, config, node_programs, placement, on_step=on_step)
+        controller = Controller(graph, config, node_programs, placement, on_step=on_step, gate=gate)
         seen["controller"] = controller
         return controller.run()
     except BaseException:
