@@ -4,6 +4,9 @@
 
 Shared by the planner (the ``cpu`` cluster preset, calibration) and the runtime (the memory check
 before a run), so that both read the same figures.
+
+The runtime calls ``release_freed_memory`` after each module of an FSDP meta-build, before a CPU
+policy rank's weight sync and when ``run_graph`` returns.
 """
 
 from __future__ import annotations

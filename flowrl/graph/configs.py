@@ -4,6 +4,11 @@ Every struct is a frozen, keyword-only msgspec Struct that rejects unknown field
 graph file is an error rather than a silently ignored setting. Range checks live in ``__post_init__``
 and raise ``ConfigError`` with the field, the value and the allowed range.
 
+The model descriptions are ``ModelConfig`` (the built-in transformer) and ``HFModelConfig`` (a
+Hugging Face directory); ``HFModelConfig.lora`` is a description's adapters (``LoraConfig``): the
+builder's ``policy(lora=)`` sets it, and a weight edge gives it to the generator it feeds
+(``GraphBuilder._adopt_lora``); under FSDP2 the adapters shard beside the frozen base.
+
 Example:
     >>> ModelConfig(dim=64, n_layers=2, n_heads=4).head_dim
     16

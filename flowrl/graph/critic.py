@@ -17,6 +17,18 @@ Rules (``critic_problems``, run by ``flowrl.graph.validate``): a critic feeds ex
 objective is ``"ppo"`` and whose reward fields are the ones the critic reads; a ``"ppo"`` loss is fed
 by a critic (``no_critic``).
 
+Across the layers: a critic is a device kind of its own that trains (``KindSpec.trains``) and
+publishes no weights; the planner prices it as training (``flowrl.planners.roles.critic_role``).
+``flowrl.operators.gae`` holds the pure GAE, whitening and explained variance, and
+``flowrl.operators.losses.loss_advantages``, which the trainer calls for any objective, picks group
+baselines or a critic's GAE; ``flowrl.operators.critic`` holds the value head and the clipped value
+loss; ``flowrl.runtime.programs.critic`` its program. The controller writes a checkpoint before it
+advances the version clock, so a checkpoint holds the critic and the policy at the same batch
+(``keeps_state``). Under torchrun it runs on one rank, or tensor-parallel over a ``tp`` axis
+(``RANK_PROGRAMS["critic"]``: ``flowrl.runtime.backends.torchrun.tp_critic``, one step equal to one
+process's within float32 bounds); a ``dp`` or ``pp`` mesh is refused before any work
+(``flowrl.mesh_support``).
+
 Example:
     >>> from flowrl.graph.builder import GraphBuilder
     >>> b = GraphBuilder("ppo")

@@ -19,6 +19,11 @@ Only the builder applies them, to what its caller did not give: a keyword argume
 config (``optimizer=``, ``sampling=``), always wins, and a graph file (``from_json``) keeps the
 values it stored. ``print(graph)`` names each value a kind's default set (``GraphStructure.defaults``).
 
+The builder looks the defaults up as ``KIND_DEFAULTS[model_kind(model)]`` for ``lr``,
+``max_new_tokens`` and a generator edge's ``max_staleness``; each value it set off the config's
+default is a ``DefaultUsed`` held by the ``Graph`` (not by its spec, so a graph file keeps its
+values).
+
 Example:
     >>> from flowrl.graph.configs import HFModelConfig
     >>> kind = model_kind(HFModelConfig(path="/models/qwen"))

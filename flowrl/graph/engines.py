@@ -24,6 +24,11 @@ model family it loads, head sizes its CPU kernels support) is checked when a run
 (``flowrl.operators.engines.check_engine``). Which class runs an engine is the operators' table,
 ``flowrl.operators.engines.ENGINES``, with the same names.
 
+``VLLMConfig`` holds a vLLM generator's own ``gpu_memory_utilization``, ``max_model_len`` and
+``max_num_seqs`` (builder keywords, refused by name on an engine whose row lacks ``vllm_options``);
+the runtime passes them to ``vllm.LLM`` (``vllm_engine.memory_settings``) and the planner counts the
+node's share.
+
 Example:
     >>> from flowrl.graph.configs import ModelConfig
     >>> from flowrl.graph.nodes import GeneratorNode

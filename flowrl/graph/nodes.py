@@ -40,6 +40,15 @@ Each node struct states its own fields and summary (``signature()``, ``describe(
 ``Node`` union that graph files decode into is built from the kinds table
 (``flowrl.graph.kinds.KINDS``), so a new kind is its module (a ``NodeBase`` subclass with a
 ``tag``) plus one entry in that table; nothing here changes.
+
+Typed access: ``Node``, the union graph files decode into, is ``NodeBase`` to a type checker, and
+``GraphStructure.nodes_of(struct)`` hands a kind's nodes out typed, so no ``type: ignore`` reads a
+kind's fields. A ``reward_model`` node receives no weights (``holds_weights=False``: not in
+``WEIGHT_HOLDING_KINDS``). ``Node.keeps_state()`` says what a checkpoint saves (the policies, a
+syncing reference's mixed weights, a critic); ``Node.version_needed`` is a policy version a step
+needs besides the version clock's gate (a syncing reference's ``U * seq``: its weight edge, which
+``validate._check_reference_sync`` requires exactly when ``sync_steps`` is set, names its own
+versions; a critic's step ``s - 1``). Every ``describe()`` lists the options set off their defaults.
 """
 
 from __future__ import annotations

@@ -20,6 +20,15 @@ two tokenizations of the same text) is not built, so such a pair is refused:
 Also refused at graph build: an ``"opd"`` loss that no teacher feeds (``no_teacher``), and a teacher
 that no loss reads (``flowrl.graph.validate``'s unread-output rule).
 
+Across the layers: the teacher's operator is the reference's (``flowrl.operators.teacher.Teacher``
+subclasses ``Reference``: its own output field, the whole vocabulary at the rollout's temperature)
+and its program is the frozen ``ReferenceProgram``
+(``flowrl.runtime.programs.nodes.build_teacher``); the planner prices it with ``reference_role``.
+The objective ``opd`` (``flowrl.operators.distill``, named in ``LOSSES`` and
+``flowrl.graph.objectives.READS_TEACHER``) turns ``log mu - log teacher`` into a negative per-token
+advantage beside the reward's. Under torchrun it runs on one rank; a mesh of several is refused
+(``flowrl.mesh_support``).
+
 Example:
     >>> from flowrl.graph.builder import GraphBuilder
     >>> from flowrl.graph.configs import ModelConfig

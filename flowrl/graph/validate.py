@@ -2,6 +2,12 @@
 
 Every message names the node(s), the broken rule, the values involved and the fix. ``problems``
 lists every broken rule; ``validate_graph`` raises on the first, with the others listed after it.
+
+Among the rules: ``_check_updates`` (mini-batches of whole groups divide the batch; one
+updates-per-batch count for every policy; none with continuous batching) and
+``_check_reference_sync`` (a reference syncs exactly when a weight edge from its policy reaches it). A
+transport's, task's or objective's name is checked for its form only; whether it exists is the run's
+question (``flowrl.runtime.names``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Who makes one: the planner (``Plan.placement()``), the JSON form a user writes
 (``flowrl.placement.forms``), or the run strategy of a run without either
 (``flowrl.placement.default``). Pure data: no torch, no I/O.
 
+The module is ``layout``, not ``data``, and the runtime's completion of a placement is
+``flowrl.runtime.control.executor_placement``, not ``placement``: neither name shadows a package
+(``flowrl.data``, ``flowrl.placement``).
+
 Example:
     >>> p = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(1, 2))})
     >>> str(p), p.groups()

@@ -1,5 +1,25 @@
 """Preflight checks a run makes before it allocates anything: does the graph fit in this machine, can its
-generator engines run here, does every node's program run the mesh the placement gives it?"""
+generator engines run here, does every node's program run the mesh the placement gives it?
+
+Each check refuses before any work, naming the node, the values and the fix:
+
+- ``check_engines``: every generator's engine is installed and able to load its model here, under a
+  backend it runs on, as its ``ENGINE_CAPS`` row says (and no weight edge into a CPU vLLM
+  mixture-of-experts generator, whose MoE kernel ignores a sync);
+- ``check_meshes``: every node's mesh axes of size > 1 are ones its program runs on the backend, as
+  the mesh capability table ``flowrl.mesh_support`` says (``MESH_SUPPORT``: kind, a generator's
+  engine, axis and backend; ``COMBINATIONS``: axes that run alone but not together or not with a
+  node's settings), saying what would run instead; it runs in ``run_graph``, in the local and
+  process backends' driver and on every torchrun rank, default placements included
+  (``executor_placement.one_device_meshes``);
+- ``check_engine_meshes``: a vLLM generator's tp no larger than its ranks, nor on a CPU than the
+  cores a process may use;
+- ``check_fits_in_memory`` / ``check_ranks_fit``: the models' memory against this machine's or each
+  rank's;
+- ``check_packing_families``: ``packing=True`` only on model families that take packed rows;
+- ``check_teachers``: a teacher's Hugging Face tokenizer is its student's (on every backend and
+  torchrun rank).
+"""
 
 from __future__ import annotations
 

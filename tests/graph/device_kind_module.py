@@ -1,4 +1,4 @@
-"""A device kind written the way ARCHITECTURE.md says to add one: this module plus one entry in each table.
+"""A device kind written the way docs/extending.md says to add one: this module plus one entry in each table.
 
 Like ``kind_module.py`` (a CPU kind), it imports only ``flowrl.graph`` at the top and the runtime,
 operators and planner where they are used. ``likelihood`` runs on devices of its own on the trainer's

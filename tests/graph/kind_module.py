@@ -1,4 +1,4 @@
-"""A node kind written the way ARCHITECTURE.md says to add one: this module plus one entry in each table.
+"""A node kind written the way docs/extending.md says to add one: this module plus one entry in each table.
 
 Like the built-in kinds, it imports only ``flowrl.graph`` at the top and the runtime and planner
 where they are used: the kinds table is read while ``flowrl.graph.nodes`` is still loading.

