@@ -301,7 +301,7 @@ def refusal(
     as planned."""
     sizes = {a: int(s) for a, s in mesh.items() if int(s) > 1}
     where = "ranks" if table_backend(backend) == "torchrun" else "devices"
-    for axis in MESH_AXES:
+    for axis in sorted(MESH_AXES, key=lambda a: a != "ep"):  # ep first: a split of dp, named before dp itself
         if axis not in sizes:
             continue
         entry = mesh_support(kind, axis, backend, engine=engine)

@@ -162,6 +162,66 @@ def test_a_grpo_run_at_ep_2_trains_and_its_checkpoint_exports(moe_ep_run, capsys
         torch.testing.assert_close(model(input_ids=ids).logits, initial(input_ids=ids).logits, rtol=0, atol=logit_atol(model, list(ids)))
 
 
+# -- bad input: refused by name before any work --------------------------------------------------------
+def _placement(graph: Any, policy: dict[str, Any]) -> Any:
+    from flowrl.placement.forms import decode_placement
+
+    return decode_placement(json.dumps({"gen": [0], "policy": policy}).encode(), graph, where="place.json")
+
+
+def test_ep_not_dividing_the_experts_or_not_the_policys_ranks_is_refused(hf_qwen3_moe_dir):
+    from flowrl.errors import ConfigError, PlanError
+    from flowrl.runtime.preflight import check_meshes
+    from tests.runtime.ep_fixtures import ep_graph
+
+    graph = ep_graph(str(hf_qwen3_moe_dir))
+    with pytest.raises(ConfigError, match=r"policy 'policy' has ep=3 on its mesh, but ep must divide the 8 routed experts of its model .* \(8 % 3 = 2\).* pick an ep among \[1, 2, 4, 8\]"):
+        check_meshes(graph, _placement(graph, {"ranks": [0, 1, 2], "mesh": {"ep": 3}}), backend="torchrun", device="cpu")
+    with pytest.raises(PlanError, match=r"place.json: node 'policy': a node on devices \[0, 1\] has ep=4, which does not divide its dp=2 ranks.*pick an ep among \[1, 2\]"):
+        _placement(graph, {"ranks": [0, 1], "mesh": {"ep": 4}})
+    with pytest.raises(ConfigError, match=r"policy 'policy' has ep=2 beside dp=4 on its mesh: expert parallelism runs with ep equal to the policy's dp ranks"):
+        check_meshes(graph, _placement(graph, {"ranks": [0, 1, 2, 3], "mesh": {"dp": 4, "ep": 2}}), backend="torchrun", device="cpu")
+    check_meshes(graph, _placement(graph, {"ranks": [0, 1], "mesh": {"ep": 2}}), backend="torchrun", device="cpu")  # what runs
+
+
+def test_ep_on_a_dense_model_without_fsdp_or_off_a_policy_is_refused(hf_qwen3_moe_dir):
+    import msgspec
+
+    from flowrl.errors import ConfigError
+    from flowrl.graph.ir import Graph
+    from flowrl.runtime.preflight import check_meshes
+    from tests.runtime.ep_fixtures import ep_graph
+    from tests.runtime.test_fsdp import fsdp_graph
+
+    dense = fsdp_graph()
+    with pytest.raises(ConfigError, match=r"policy 'policy' has ep=2 on its mesh, but its model .* is dense \(no routed experts to split\)"):
+        check_meshes(dense, _placement(dense, {"ranks": [0, 1], "mesh": {"ep": 2}}), backend="torchrun", device="cpu")
+    graph = ep_graph(str(hf_qwen3_moe_dir))
+    node = graph.node("policy")
+    replicated = Graph(msgspec.structs.replace(graph.spec, nodes=tuple(
+        msgspec.structs.replace(n, optimizer=msgspec.structs.replace(node.optimizer, sharding="replicate")) if n.name == "policy" else n for n in graph.nodes)))
+    with pytest.raises(ConfigError, match=r"has dp=2 and ep=2 on its mesh .* expert parallelism runs with FSDP2 over the other parameters: set sharding='fsdp'"):
+        check_meshes(replicated, _placement(replicated, {"ranks": [0, 1], "mesh": {"ep": 2}}), backend="torchrun", device="cpu")
+    with pytest.raises(ConfigError, match=r"policy 'policy' has ep=2 on its mesh .* a policy's program on local runs only dp over several devices"):
+        check_meshes(graph, _placement(graph, {"ranks": [0, 1], "mesh": {"ep": 2}}), backend="local", device="cpu")
+    from flowrl.placement.forms import decode_placement
+
+    place = decode_placement(json.dumps({"policy": [0, 1], "gen": {"ranks": [0, 1], "mesh": {"ep": 2}}}).encode(), graph, where="place.json")
+    with pytest.raises(ConfigError, match=r"generator 'gen' has ep=2 on its mesh .* every expert on each of ranks \[0, 1\] \(only a policy's program splits experts over ep\)"):
+        check_meshes(graph, place, backend="torchrun", device="cpu")
+
+
+def test_flowrl_run_under_torchrun_refuses_ep_on_a_dense_model_on_every_rank(tmp_path):
+    """Exit code 2, the message on the ranks, no traceback through flowrl, no metrics: nothing ran."""
+    (tmp_path / "place.json").write_text(json.dumps({"gen": [0], "policy": {"ranks": [0, 1], "mesh": {"ep": 2}}}))
+    proc = _torchrun(2, ["-m", "flowrl", "run", "tests.runtime.test_fsdp:fsdp_graph", "--backend", "torchrun", "--plan", "place.json",
+                         "--steps", "1", "--quiet", "--metrics", "m.jsonl"], tmp_path, env={"OMP_NUM_THREADS": "1"})
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode != 0 and not (tmp_path / "m.jsonl").exists(), proc.stderr[-3000:]
+    assert "flowrl run: error: policy 'policy' has ep=2 on its mesh, but its model" in said and "is dense" in said, proc.stderr[-3000:]
+    assert "/flowrl/" not in proc.stderr, proc.stderr[-3000:]  # no traceback through flowrl (torchrun prints its own summary)
+
+
 # -- the job's entry point (run under torchrun) ---------------------------------------------------------
 def _trainer(directory: str, *, ep: int, mesh: Any) -> Any:
     """A trainer started as ``ShardedPolicy`` starts one: on the meta device, the experts split when ``ep`` > 1."""
