@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,6 +110,13 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: A
     return all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
 
 
+def _local(p: Tensor) -> Tensor:
+    """This rank's part of ``p`` (a DTensor's local tensor, through autograd), or ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 class ExpertShard(nn.Module):
     """One MoE block's routed experts, ``1/ep`` of them on this rank, tokens exchanged by all-to-all (module docstring).
 
@@ -118,12 +126,16 @@ class ExpertShard(nn.Module):
         num_experts: ``E``.
     """
 
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    act_fn: Callable[[Tensor], Tensor]
+
     def __init__(self, experts: nn.Module, *, group: Any, ep: int, index: int) -> None:
         super().__init__()
-        self.gate_up_proj = experts.gate_up_proj
-        self.down_proj = experts.down_proj
-        self.act_fn = experts.act_fn
-        self.num_experts = int(experts.num_experts)
+        self.gate_up_proj = experts.gate_up_proj  # type: ignore[assignment]  # nn.Module.__getattr__ is typed Tensor | Module
+        self.down_proj = experts.down_proj  # type: ignore[assignment]  # the same
+        self.act_fn = experts.act_fn  # type: ignore[assignment]  # the same: transformers' activation module
+        self.num_experts = int(getattr(experts, "num_experts"))
         self.group, self.ep, self.index = group, ep, index
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -145,8 +157,8 @@ class ExpertShard(nn.Module):
         local = torch.repeat_interleave(torch.arange(per_rank, device=rows.device).repeat(ep), received.reshape(-1))
         regroup = torch.argsort(local, stable=True)
         scale = 1.0 / ep  # ep == dp: module docstring, gradients
-        gate_up = _ScaleGrad.apply(self.gate_up_proj.to_local(), scale)
-        down = _ScaleGrad.apply(self.down_proj.to_local(), scale)
+        gate_up = _ScaleGrad.apply(_local(self.gate_up_proj), scale)
+        down = _ScaleGrad.apply(_local(self.down_proj), scale)
         grouped = rows[regroup]
         outs = []
         start = 0
@@ -193,7 +205,7 @@ def shard_experts_(model: nn.Module, mesh: Any, stacked: tuple[tuple[str, tuple[
     group = mesh.get_group()
     params: set[nn.Parameter] = set()
     for name, module in found.items():
-        experts = int(module.num_experts)
+        experts = int(getattr(module, "num_experts"))
         if experts % ep:
             raise ConfigError(f"{name}: ep={ep} does not divide its {experts} experts; pick an ep dividing {experts}")
         for attr in ("gate_up_proj", "down_proj"):
