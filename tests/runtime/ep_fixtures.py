@@ -17,13 +17,14 @@ EP_PLACEMENT = {"gen": [0, 1], "policy": {"ranks": [0, 1], "mesh": {"dp": 2, "ep
 
 
 def ep_graph(model_dir: str) -> Any:
-    """prompts -> gen -> reward -> grpo -> policy (FSDP2, ep from the placement) on ``model_dir``, k = 0."""
+    """prompts -> gen (recording its routing) -> reward -> grpo -> policy (FSDP2, ep from the placement,
+    replaying the generator's experts) on ``model_dir``, k = 0."""
     from flowrl.graph.builder import GraphBuilder
     from flowrl.graph.configs import HFModelConfig
 
     b = GraphBuilder("moe_ep", model=HFModelConfig(path=model_dir))
     prompts = b.source("prompts", task="copy", batch_size=4)
-    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=4, temperature=1.0)
+    gen = b.generator("gen", prompts, n_samples=4, max_new_tokens=4, temperature=1.0, routing_replay=True)
     reward = b.scorer("reward", gen, fn="tests.operators.userfns:mean_id_reward")
     loss = b.loss("grpo", gen, reward, objective="grpo")
     policy = b.policy("policy", loss, lr=1e-2, sharding="fsdp")

@@ -108,14 +108,16 @@ def _within(bounds: dict[str, float]) -> bool:
 
 
 def test_an_ep_step_equals_a_one_process_step(step_result):
-    """Each rank holds 4 of each block's 8 experts; its tokens' log-probs, and after one step on half the
+    """Each rank holds 4 of each block's 8 experts; its tokens' log-probs (with its routers' own top-k, and
+    with recorded experts replayed: ``routed_experts``, which then decide where each token goes), and after one step on half the
     batch per rank the clipped gradients, AdamW moments and parameters, are the one-process trainer's on
     the whole batch, each element within its float32 bound (``_step_bounds``, ``MoeGradientMagnitudes``).
-    Measured: log-probs 4.8e-7 (bound 1.2e-4); gradients, moments, parameters at most 4e-4 of their
+    Measured: log-probs 4.8e-7 (bound 1.2e-4), replayed ones 4.8e-7 while replay moved them by 2.8e-3 to 3.3e-3; gradients, moments, parameters at most 4e-4 of their
     bounds. Without the experts' 1/dp gradient scale the gradients were 100x their bounds."""
     for r in step_result:
         assert r["experts_split"] == 2 and r["local_experts"] == [4, 4] and r["init_diff"] == 0.0, r
         assert r["logprob_diff"] <= r["logprob_atol"], r
+        assert r["replay_diff"] <= r["logprob_atol"] < r["replay_moved"], r  # routing replay decides the ep dispatch
         assert _within(r["step"]), r["step"]
     assert step_result[0]["step"] == step_result[1]["step"]  # the global values, the same on both ranks
 
@@ -134,7 +136,7 @@ def test_a_checkpoint_resumes_across_ep_sizes_with_the_same_next_step(step_resul
 # -- flowrl run at ep = 2 (the session's ``moe_ep_run``) ----------------------------------------------------
 def test_a_grpo_run_at_ep_2_trains_and_its_checkpoint_exports(moe_ep_run, capsys):
     """2 GRPO steps under torchrun, the policy's experts split over its 2 ranks (its layout says so), the
-    generator beside it: step 2's rollout was drawn with the weights the ranks published after step 1,
+    generator beside it recording its routing, which the ep trainer replays: step 2's rollout was drawn with the weights the ranks published after step 1,
     so its mu equals the trainer's pi within rounding only if every expert arrived; the experts and the
     routers moved; ``flowrl export`` writes a directory transformers loads with the trained logits."""
     transformers = pytest.importorskip("transformers")
@@ -146,6 +148,7 @@ def test_a_grpo_run_at_ep_2_trains_and_its_checkpoint_exports(moe_ep_run, capsys
     assert [r["policy_version"] for r in rows] == [1, 2] and all(r["staleness"] == 0 for r in rows)
     assert rows[0]["layout"]["policy"]["mesh"] == {"dp": 2, "ep": 2}, rows[0]["layout"]
     assert all(r["policy/grad_norm"] > 0 for r in rows)
+    assert all(r["routing/tokens"] > 0 and 0 <= r["routing/agreement"] <= 1 for r in rows)  # the generator's experts replayed
     assert rows[1]["mismatch/tokens"] > 0 and rows[1]["mismatch/abs_logp_max"] <= graph_logprob_atol(moe_ep_run["graph"], steps=1)
     state = read_policy_state(root / "ck")
     initial = transformers.AutoModelForCausalLM.from_pretrained(str(moe_ep_run["model_dir"]), local_files_only=True, dtype=torch.float32)
@@ -287,6 +290,18 @@ def _step_job(out: str, directory: str) -> int:
     mask = part["completion_mask"].bool()
     result["logprob_diff"] = float((lp - want).abs()[mask].max())
     result["logprob_atol"] = rollout_logprob_atol(ref.model, part)
+    # routing replay decides the dispatch: the same recorded experts (random, distinct per token) in both
+    from flowrl.models.routing import expert_dtype
+
+    width = part["sample_prompt_ids"].shape[1] + part["completion_ids"].shape[1]
+    g = torch.Generator().manual_seed(7 + rank)
+    rows = int(part["completion_ids"].shape[0]) * width * 2  # tokens x layers
+    recorded = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(rows)]).reshape(-1, width, 2, 2).to(expert_dtype(8))
+    replayed = {**part, "routed_experts": recorded}
+    with torch.no_grad():
+        lp_replayed, want_replayed = mine._logprobs(replayed, grad=False), ref._logprobs(replayed, grad=False)
+    result["replay_diff"] = float((lp_replayed - want_replayed).abs()[mask].max())
+    result["replay_moved"] = float((want_replayed - want).abs()[mask].max())  # the recorded experts, not the router's, routed
     # one step at ep = 2 on half the batch per rank against one process on the whole batch
     step_metrics = step(mine, 0)
     result["step"] = _step_bounds(mine, *_ref_step(None, batches[0], one_process), "qwen3_moe")
