@@ -12,8 +12,9 @@ token of the group that chose them. Per block and forward:
 1. the ``T * k`` (token, expert) choices of this rank are sorted by expert (stable), so that the rows
    for each rank's experts are contiguous; the per-expert counts go to every rank (``all_to_all_single``
    of ``E`` integers, equal splits);
-2. the chosen tokens' hidden states go to the ranks holding their experts (``all_to_all_single`` with
-   uneven splits, through autograd: ``torch.distributed.nn.functional``, which works over gloo and NCCL);
+2. the chosen tokens' hidden states go to the ranks holding their experts (an all-to-all with uneven
+   splits through autograd: ``torch.distributed._functional_collectives.all_to_all_single_autograd``,
+   which works over gloo and NCCL);
 3. each rank runs its experts (SwiGLU: ``act(x W_gate) * (x W_up)``, then ``W_down``) over the rows it
    received, grouped by expert;
 4. the outputs go back (the inverse all-to-all) and each is scaled by its token's gate weight and
@@ -103,11 +104,11 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
-    """``x``'s rows exchanged among ``group`` (``in_splits`` rows to each rank, ``out_splits`` from each), through autograd."""
-    from torch.distributed.nn.functional import all_to_all_single
+    """``x``'s rows exchanged among ``group`` (``in_splits`` rows to each rank, ``out_splits`` from each), through
+    autograd (its backward the inverse exchange): torch's functional collective, uneven splits over gloo and NCCL."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
 
 
 def _local(p: Tensor) -> Tensor:
