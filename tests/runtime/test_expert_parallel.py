@@ -2,7 +2,7 @@
 
 The job runs with ``python -m torch.distributed.run`` (CPU, gloo, 2 ranks); this file is its entry
 point (``python tests/runtime/test_expert_parallel.py step OUT DIR``), on a tiny Qwen3-MoE directory
-(``tests/hf_fixtures.py``: 8 experts, top-2, hidden 32, 2 layers):
+(``tests/hf_fixtures.py``: 8 experts, top-2, hidden 32, 2 layers; Qwen2-MoE, with its shared expert, under ``--runslow``):
 
 - one step of a trainer started as ``ShardedPolicy`` starts it at ep = 2 (on the meta device, each rank
   4 of the 8 experts, FSDP2 over the rest) on half the batch per rank, against a one-process trainer
@@ -95,10 +95,12 @@ class MoeGradientMagnitudes(GradientMagnitudes):
 
 
 # -- one step, its checkpoint across ep sizes (one torchrun job) ----------------------------------------
-@pytest.fixture(scope="module")
-def step_result(hf_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.slow)])  # the shared expert's family: --runslow
+def step_result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The step job on the family's tiny directory (Qwen2-MoE: a shared expert beside the routed ones, sharded by FSDP2)."""
+    directory = request.getfixturevalue(f"hf_{request.param}_dir")
     out = tmp_path_factory.mktemp("ep-step")
-    proc = _torchrun(2, [str(THIS), "step", str(out), str(hf_qwen3_moe_dir)], out, env={"OMP_NUM_THREADS": "1"}, retry_cxx_abort=True)
+    proc = _torchrun(2, [str(THIS), "step", str(out), str(directory)], out, env={"OMP_NUM_THREADS": "1"}, retry_cxx_abort=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
@@ -229,7 +231,7 @@ def test_flowrl_run_under_torchrun_refuses_ep_on_a_dense_model_on_every_rank(tmp
 def _trainer(directory: str, *, ep: int, mesh: Any) -> Any:
     """A trainer started as ``ShardedPolicy`` starts one: on the meta device, the experts split when ``ep`` > 1."""
     from flowrl.graph.nodes import LossNode
-    from flowrl.models.families import FAMILIES
+    from flowrl.models.registry import family_of
     from flowrl.operators.trainer import Trainer
     from flowrl.runtime.parallel.expert_parallel import shard_experts_
     from flowrl.runtime.parallel.fsdp import shard_trainer_
@@ -239,7 +241,7 @@ def _trainer(directory: str, *, ep: int, mesh: Any) -> Any:
     node = _policy("qwen3_moe", directory, "fsdp")
     model, source = meta_build(node.model)
     trainer = Trainer(node, LossNode(name="aipo"), model=model)
-    ignored = shard_experts_(trainer.model, mesh, FAMILIES["qwen3_moe"].stacked) if ep > 1 else None
+    ignored = shard_experts_(trainer.model, mesh, family_of(node.model).stacked) if ep > 1 else None
     shard_trainer_(trainer, mesh, source=source, ignored=ignored)
     return trainer
 
