@@ -10,7 +10,7 @@ from flowrl.graph.ir import Graph
 
 __all__ = ["EXAMPLE_NAMES"]
 
-pytest_plugins = ["tests.hf_fixtures"]  # tiny Hugging Face model directories for every HF test
+pytest_plugins = ["tests.hf_fixtures", "tests.runtime.ep_fixtures"]  # tiny Hugging Face model directories for every HF test; the expert-parallel run
 
 EXAMPLE_NAMES: tuple[str, ...] = tuple(sorted(EXAMPLES))
 

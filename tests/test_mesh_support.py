@@ -51,7 +51,10 @@ def _planned(kind: str, backend: str, engine: str | None = None, axis: str | Non
 
 
 def _mesh(devices: list[int], mesh: dict[str, int]) -> NodeMesh:
-    return NodeMesh(devices=tuple(devices), mesh_shape=tuple(mesh.get(a, 1) for a in AXES))
+    """``mesh`` on ``devices``; ``ep`` splits dp, which it takes as its size when ``mesh`` names no dp."""
+    ep = mesh.get("ep", 1)
+    shape = {a: mesh.get(a, ep if a == "dp" else 1) for a in AXES}
+    return NodeMesh(devices=tuple(devices), mesh_shape=tuple(shape.values()), ep=ep)
 
 
 # -- the graph with every built-in device kind -----------------------------------------------------
@@ -109,7 +112,7 @@ def _every_kind_placement(graph, backend: str, axis: str | None = None) -> tuple
         if node.kind not in BUILTIN_KINDS:
             continue
         mesh = _planned(node.kind, backend, getattr(node, "engine", None), axis)
-        size = math.prod(mesh.values())
+        size = math.prod(v for a, v in mesh.items() if a != "ep") if set(mesh) - {"ep"} else mesh.get("ep", 1)  # ep takes no devices of its own
         if size > 1:
             nodes[node.name] = _mesh(list(range(size)), mesh)
         else:
@@ -189,8 +192,9 @@ b.weights(b.policy("policy", b.loss("aipo", gen, reward, lik, reward_weights={"r
 g = b.build()
 out = {}
 for backend, axis, runs in json.loads(sys.argv[1]):
-    shape = tuple(2 if a == axis else 1 for a in ("pp", "dp", "tp"))
-    placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(0,)), "lik": NodeMesh(devices=(0, 1), mesh_shape=shape)})
+    shape = tuple(2 if a == axis or (axis == "ep" and a == "dp") else 1 for a in ("pp", "dp", "tp"))  # ep splits dp
+    lik = NodeMesh(devices=(0, 1), mesh_shape=shape, ep=2 if axis == "ep" else 1)
+    placement = Placement(nodes={"gen": NodeMesh(devices=(0,)), "policy": NodeMesh(devices=(0,)), "lik": lik})
     try:
         rows = run_graph(g, placement, RunConfig(steps=1, progress=False, backend=backend, threads=1, device="cpu")).rows
         out[f"{backend}/{axis}"] = {"layout": rows[0]["layout"]["lik"]}
@@ -215,7 +219,7 @@ def user_kind_runs() -> dict[str, dict]:
 def _check_ran(layout: dict, placement: Placement, name: str, axis: str) -> None:
     """The node's program built the planned mesh, over its devices."""
     planned = placement.nodes[name]
-    want = {a: s for a, s in zip(AXES, planned.mesh_shape) if s > 1}
+    want = planned.sizes()
     got = layout[name]
     assert got["mesh"].get(axis) == 2, (name, axis, got)
     assert got["mesh"] == want and got["devices"] == list(planned.devices), (name, want, got)
@@ -266,6 +270,10 @@ def test_every_entry_runs_as_planned_or_is_refused(variant, backend, axis, reque
     name = BUILTIN_KINDS[kind]
     if not entry.runs:
         _refused(graph, name, kind, backend, axis, engine)
+        return
+    if (kind, backend, axis) == ("policy", "torchrun", "ep"):  # experts to split: a mixture of experts' run (tests/runtime/ep_fixtures.py)
+        run = request.getfixturevalue("moe_ep_run")
+        _check_ran(run["rows"][0]["layout"], run["placement"], name, axis)
         return
     if kind == "teacher":  # no teacher row runs over several torchrun ranks (the test below)
         run = request.getfixturevalue("teacher_runs")[backend]

@@ -158,12 +158,13 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     raise ConfigError(f"{type(model).__name__} has no 'layers' or 'model.layers' list of blocks for FSDP to shard")
 
 
-def shard_trainer_(trainer: Any, mesh: Any, *, source: Any = None) -> None:
+def shard_trainer_(trainer: Any, mesh: Any, *, source: Any = None, ignored: set[nn.Parameter] | None = None) -> None:
     """Shard ``trainer``'s model with FSDP2 over ``mesh`` (1-D) and rebuild its AdamW over the shards
     (see the module docstring). Every rank of ``mesh`` calls it; their models must start equal, or,
     with ``source`` (a ``flowrl.runtime.parallel.fsdp_init.RowSource``), be ``meta_build``'s model with its
     parameters on the meta device: each rank's shards are then allocated on ``trainer.device`` and
-    filled with its rows from ``source`` (``fsdp_init.materialise_``)."""
+    filled with its rows from ``source`` (``fsdp_init.materialise_``). ``ignored``: parameters FSDP2
+    leaves alone (an expert-parallel policy's experts, already DTensors over ``mesh``: ``expert_parallel``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from flowrl.operators.generation import DTYPES
@@ -173,8 +174,8 @@ def shard_trainer_(trainer: Any, mesh: Any, *, source: Any = None) -> None:
     opt = trainer.node.optimizer
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[opt.param_dtype], reduce_dtype=DTYPES[opt.reduce_dtype])
     for block in blocks(trainer.model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(trainer.model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(trainer.model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     if source is not None:
         materialise_(trainer.model, source, trainer.device)
     trainer.optimizer = torch.optim.AdamW(

@@ -374,7 +374,7 @@ def run_torchrun(
     if cuda:
         torch.cuda.set_device(device)
     ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device,
-                      direct=direct_channels(graph, ranks, dict(config.programs), pipelined))
+                      direct=direct_channels(graph, ranks, dict(config.programs), pipelined), ep={n: m.ep for n, m in placement.nodes.items() if m.ep > 1})
     register_direct()  # every rank: the generator's program opens its direct edge through the registry
     set_context(ctx)
     owns_group = not dist.is_initialized()

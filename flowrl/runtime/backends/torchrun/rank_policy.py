@@ -36,6 +36,7 @@ class RankContext:
     meshes: dict[str, Any] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     direct: frozenset[str] = frozenset()  # channels of the weight edges on the direct route (``direct_route``)
+    ep: dict[str, int] = field(default_factory=dict)  # node -> its expert-parallel size, where > 1 (``NodeMesh.ep``)
 
 
 _CONTEXT: RankContext | None = None

@@ -153,8 +153,21 @@ class ShardedPolicy(_RankPolicy):
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
         self.mesh = mesh if mesh.ndim == 1 else mesh["dp"]
-        shard_trainer_(self.trainer, self.mesh, source=source)
+        self.ep = ctx.ep.get(node.name, 1)
+        ignored = None
+        if self.ep > 1:  # the experts split over the dp ranks, tokens exchanged (expert_parallel); FSDP2 shards the rest
+            from flowrl.models.registry import family_of
+            from flowrl.runtime.parallel.expert_parallel import shard_experts_
+
+            ignored = shard_experts_(self.trainer.model, self.mesh, family_of(node.model, owner=f"policy {node.name!r}").stacked)
+            self.runs = "FSDP2 shards over {n} data-parallel ranks, each holding 1/{n} of the experts (expert parallelism, all-to-all)"
+        shard_trainer_(self.trainer, self.mesh, source=source, ignored=ignored)
         self.collective_bytes = 0
+
+    def _layout(self) -> dict[str, Any]:
+        if self.ep == 1:
+            return super()._layout()
+        return record(self.ranks, {"dp": len(self.ranks), "ep": self.ep}, [self.ranks], self.runs.format(n=len(self.ranks)))
 
     def publish(self) -> float:
         return publish_shards(self)
