@@ -292,7 +292,7 @@ class Plan(msgspec.Struct, **_STRUCT):
 
 
 # -- compact string form --------------------------------------------------------------------------
-_PART = re.compile(r"^(?P<name>[^\s|@]+):(?P<dims>[dtp0-9]+)@(?P<devices>[0-9,\- ]+)$")
+_PART = re.compile(r"^(?P<name>[^\s|@]+):(?P<dims>[detp0-9]+)@(?P<devices>[0-9,\- ]+)$")
 
 
 def _parse_devices(text: str, part: str) -> tuple[int, ...]:
