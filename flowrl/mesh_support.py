@@ -1,7 +1,7 @@
 """Which mesh axes each device kind's program executes on each backend: one table, ``MESH_SUPPORT``, pure data.
 
 A placement may give any device node a mesh with the axes ``pp``, ``dp``, ``tp``
-(``flowrl.placement.layout.AXES``). Whether the node's program *executes* an axis of size > 1 depends on
+(``flowrl.placement.layout.AXES``) and ``ep``, the expert-parallel split of ``dp`` (``NodeMesh.ep``). Whether the node's program *executes* an axis of size > 1 depends on
 its kind (a generator also on its engine), on the backend and, for the one-process backends, on the
 device type. This module is the one place that says so; preflight refuses every other mesh before
 any work (``refusal``; ``flowrl.runtime.preflight.check_meshes``), the runtime's default placements
@@ -32,13 +32,15 @@ What is true today (checked in the code, ``flowrl.runtime.backends``):
   group (the built-in engine's shards, or one vLLM engine with ``tensor_parallel_size`` = tp); it reads
   no ``pp``. A policy runs ``dp`` (``DataParallelPolicy`` replicas or ``ShardedPolicy``, FSDP2), ``tp``
   (``TensorParallelPolicy``: DTensor shards, with FSDP2 over ``dp`` on a 2-D mesh) and ``pp``
-  (``PipelinePolicy``: stages x ``dp`` replicas). A frozen reference runs ``tp``
+  (``PipelinePolicy``: stages x ``dp`` replicas) and ``ep`` (a mixture of experts' experts split over groups
+  of ``ep`` dp ranks, with FSDP2: ``runtime.parallel.expert_parallel``; preflight also refuses it on a
+  dense model or with an ``ep`` not dividing the experts, ``runtime.preflight.check_meshes``). A frozen reference runs ``tp``
   (``TensorParallelReference``), a critic ``tp`` (``TensorParallelCritic``). Reward models and teachers have no rank
   program, nor do critics and references over ``dp`` or ``pp``: the lead rank would run the
   one-process program while the others idle, so those meshes are refused.
 - Some axes run only in some combinations or with some node settings (``COMBINATIONS``, keyed by the
   same variant and backend, read with the node's ``node_facts``): a policy's ``pp`` beside ``tp``, its
-  ``tp`` beside ``dp`` without FSDP2, ``pp`` with FSDP2, LoRA or ``packing=True``, ``tp`` with LoRA
+  ``tp`` beside ``dp`` without FSDP2, ``ep`` without FSDP2, with ``tp``, ``pp`` or LoRA, ``pp`` with FSDP2, LoRA or ``packing=True``, ``tp`` with LoRA
   dropout, a syncing reference's ``tp``, a LoRA critic's ``tp``. ``refusal`` refuses them by name and the planner skips them
   (``allowed``).
 - ``local`` / ``process``: one program per node in one process; its devices are the cores its
@@ -50,7 +52,7 @@ Example:
     >>> mesh_support("critic", "tp", "torchrun").runs, mesh_support("reward_model", "tp", "torchrun").runs
     (True, False)
     >>> sorted(runnable_axes("policy", "torchrun")), sorted(runnable_axes("reference", "mine", device="cpu"))
-    (['dp', 'pp', 'tp'], ['dp'])
+    (['dp', 'ep', 'pp', 'tp'], ['dp'])
     >>> print(refusal("critic", "critic", {"dp": 2}, "torchrun", devices=(1, 2)))
     critic 'critic' has dp=2 on its mesh {"dp": 2}, but a critic's program on torchrun runs only tp over several ranks: it would run one copy on its lead rank 1 while ranks [2] idle (a critic's program over several ranks splits tp only), without a word; place it on one rank (e.g. [1])
     >>> print(refusal("policy", "policy", {"dp": 2, "tp": 2}, "torchrun", devices=(1, 2, 3, 4)))
@@ -85,8 +87,9 @@ __all__ = [
     "one_device",
 ]
 
-#: The axes a placement may name (``flowrl.placement.layout.AXES``, pipeline outermost).
-MESH_AXES: tuple[str, ...] = ("pp", "dp", "tp")
+#: The axes a placement may name: ``flowrl.placement.layout.AXES`` (pipeline outermost), then ``ep``, the
+#: expert-parallel split of ``dp`` (``NodeMesh.ep``: groups of ep dp ranks sharing one copy of the experts).
+MESH_AXES: tuple[str, ...] = ("pp", "dp", "tp", "ep")
 #: The backends the table has rows for; any other reads ``table_backend``'s answer.
 MESH_BACKENDS: tuple[str, ...] = ("local", "process", "torchrun")
 
@@ -113,6 +116,7 @@ _LEAD_ONLY = "one copy on its lead rank {first} while ranks {idle} idle (this ki
 _ONE_PROCESS_CPU = "one process whose intra-op threads run on the mesh's {n} cores (no replicas)"
 _FIRST_GPU = "one copy on its first GPU (device {first}) while devices {idle} idle"
 _NO_SPLIT = "one process over the {n} devices, nothing split along {axis}"
+_EVERY_EXPERT = "every expert on each of ranks {devices} (only a policy's program splits experts over ep)"
 
 #: ``(variant, backend, axis) -> AxisRun``: one line per entry (module docstring).
 MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
@@ -126,6 +130,7 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
     ("policy", "torchrun", "dp"): AxisRun(runs=True, how="{size} data-parallel replicas (DataParallelPolicy), or FSDP2 shards with sharding='fsdp' (ShardedPolicy)"),
     ("policy", "torchrun", "tp"): AxisRun(runs=True, how="tensor-parallel groups of {size} ranks holding DTensor shards of its linears (TensorParallelPolicy, runtime.parallel.tp_train)"),
     ("policy", "torchrun", "pp"): AxisRun(runs=True, how="{size} pipeline stages of contiguous layers, 1F1B (PipelinePolicy, runtime.parallel.pipeline)"),
+    ("policy", "torchrun", "ep"): AxisRun(runs=True, how="each mixture-of-experts layer's experts split over groups of {size} dp ranks, tokens exchanged by all-to-all, FSDP2 over the rest (ShardedPolicy, runtime.parallel.expert_parallel)"),
     ("reference", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("reference", "torchrun", "tp"): AxisRun(runs=True, how="one frozen reference split over {size} tensor-parallel ranks (TensorParallelReference)"),
     ("reference", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
@@ -141,6 +146,7 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
     ("*", "torchrun", "dp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("*", "torchrun", "tp"): AxisRun(runs=False, how=_LEAD_ONLY),
     ("*", "torchrun", "pp"): AxisRun(runs=False, how=_LEAD_ONLY),
+    **{(variant, "torchrun", "ep"): AxisRun(runs=False, how=_EVERY_EXPERT) for variant in ("generator", "generator/vllm", "reference", "critic", "reward_model", "teacher", "*")},
     # -- local and process: one program per node in one process (runtime.control.executor_placement) -------
     **{
         (variant, backend, axis): entry
@@ -150,6 +156,7 @@ MESH_SUPPORT: dict[tuple[str, str, str], AxisRun] = {
             ("dp", AxisRun(runs=True, how=_ONE_PROCESS_CPU, devices=("cpu",), elsewhere=_FIRST_GPU)),
             ("tp", AxisRun(runs=False, how=_NO_SPLIT)),
             ("pp", AxisRun(runs=False, how=_NO_SPLIT)),
+            ("ep", AxisRun(runs=False, how=_NO_SPLIT)),
         )
     },
 }
@@ -179,6 +186,10 @@ COMBINATIONS: dict[tuple[str, str], tuple[Combination, ...]] = {
         Combination(axes=frozenset({"pp"}), when=frozenset({"lora"}), why="a LoRA policy is not split into pipeline stages: give it a mesh of dp or tp"),
         Combination(axes=frozenset({"pp"}), when=frozenset({"packing"}), why="pipeline stages exchange fixed-shape activations, so packed rows are refused: leave OptimizerConfig.packing unset (padded rows), or give it a mesh without pp"),
         Combination(axes=frozenset({"tp"}), when=frozenset({"lora_dropout"}), why="LoRA dropout would draw another mask on each tp rank for the same input: set LoraConfig(dropout=0.0), or give it a mesh without tp"),
+        Combination(axes=frozenset({"ep", "tp"}), why="expert-parallel groups are not split over tp (ep x tp is not built): give it ep or tp, not both"),
+        Combination(axes=frozenset({"ep", "pp"}), why="pipeline stages are not split over ep (ep x pp is not built): give it ep or pp, not both"),
+        Combination(axes=frozenset({"ep"}), when=frozenset({"lora"}), why="a LoRA policy is not split over ep: give it a model without lora, or a mesh without ep"),
+        Combination(axes=frozenset({"ep"}), unless=frozenset({"fsdp"}), why="expert parallelism runs with FSDP2 over the other parameters: set sharding='fsdp' on the policy, or give it a mesh without ep"),
     ),
     ("reference", "torchrun"): (
         Combination(axes=frozenset({"tp"}), when=frozenset({"syncing"}), why="a reference mixed with the policy every sync_steps is not split over tp: leave sync_steps unset (a frozen reference), or place it on one rank"),

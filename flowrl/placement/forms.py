@@ -3,7 +3,9 @@
 A *placement* names each device node's devices (ranks under torchrun, cores or GPUs otherwise),
 ``{"gen": [0], "policy": [1, 2]}``, where a node may also give named mesh axes,
 ``{"gen": {"ranks": [1, 2, 3, 4], "mesh": {"dp": 2, "tp": 2}}}`` (names among ``pp``, ``dp``,
-``tp``; their product is the number of ranks; without ``mesh`` the ranks are data-parallel). The
+``tp``; their product is the number of ranks; without ``mesh`` the ranks are data-parallel), and
+``ep``, expert parallelism, a split of ``dp`` that takes no ranks of its own (``{"ep": 2}`` on two
+ranks: dp=2 split into one expert-parallel group of 2; ``NodeMesh.ep``). The
 mesh is laid out in ``AXES`` order (``pp``, ``dp``, ``tp``: tp innermost) whatever order the JSON
 gives. Every device node of the graph (``DEVICE_KINDS``) must be placed, and only those; a misspelt
 name is refused with the closest one. Reading decodes with msgspec and never executes code.
@@ -51,7 +53,8 @@ class NodeForm(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     Attributes:
         ranks: its devices (ranks under torchrun, cores otherwise), in mesh order.
-        mesh: axis name -> size (names among ``pp``, ``dp``, ``tp``); empty: ``{"dp": len(ranks)}``.
+        mesh: axis name -> size (names among ``pp``, ``dp``, ``tp``, and ``ep``, which divides dp and is
+            left out of the product); empty: ``{"dp": len(ranks)}``.
     """
 
     ranks: tuple[int, ...]
@@ -63,12 +66,15 @@ PlacementForm = dict[str, tuple[int, ...] | NodeForm]
 
 
 def _node_mesh(where: str, node: str, value: tuple[int, ...] | NodeForm) -> NodeMesh:
-    ranks, mesh = (value, {}) if not isinstance(value, NodeForm) else (value.ranks, value.mesh)
+    ranks, mesh = (value, {}) if not isinstance(value, NodeForm) else (value.ranks, dict(value.mesh))
     if len(set(ranks)) != len(ranks) or (ranks and min(ranks) < 0):
         raise PlanError(f"{where}: node {node!r} is placed on devices {list(ranks)}: devices must be distinct and >= 0")
-    unknown = sorted(set(mesh) - set(AXES))
+    unknown = sorted(set(mesh) - set(AXES) - {"ep"})
     if unknown:
-        raise PlanError(f"{where}: node {node!r} has mesh axis/axes {unknown}; the axes are {list(AXES)}")
+        raise PlanError(f"{where}: node {node!r} has mesh axis/axes {unknown}; the axes are {list(AXES)}, and ep (a split of dp)")
+    ep = mesh.pop("ep", 1)
+    if not isinstance(ep, int) or ep < 1:
+        raise PlanError(f"{where}: node {node!r} has ep={ep!r}; ep must be an integer >= 1 dividing its dp ranks")
     if not all(v >= 1 for v in mesh.values()):
         raise PlanError(f"{where}: node {node!r} has mesh {mesh}; every axis size must be an integer >= 1")
     if mesh and math.prod(mesh.values()) != len(ranks):
@@ -79,7 +85,10 @@ def _node_mesh(where: str, node: str, value: tuple[int, ...] | NodeForm) -> Node
         )
     if not ranks:
         raise PlanError(f"{where} gives node {node!r} no devices; every generator, policy and reference needs at least one")
-    return NodeMesh(devices=tuple(ranks), mesh_shape=tuple(mesh.get(a, 1) for a in AXES) if mesh else ())
+    try:
+        return NodeMesh(devices=tuple(ranks), mesh_shape=tuple(mesh.get(a, 1) for a in AXES) if mesh else (), ep=ep)
+    except PlanError as exc:
+        raise PlanError(f"{where}: node {node!r}: {exc}") from None
 
 
 def check_placed(graph: Graph, placed: Iterable[str], where: str) -> None:
@@ -139,6 +148,6 @@ def placement_to_json(placement: Placement) -> str:
     """The placement's nodes in the JSON form ``decode_placement`` reads back (data-parallel nodes as plain lists)."""
     form: PlacementForm = {}
     for name, m in placement.nodes.items():
-        mesh = {a: m.size(a) for a in AXES if m.size(a) > 1}
+        mesh = m.sizes()
         form[name] = m.devices if set(mesh) <= {"dp"} else NodeForm(ranks=m.devices, mesh=mesh)
     return msgspec.json.encode(form).decode()

@@ -43,10 +43,25 @@ class NodeMesh(msgspec.Struct, **_STRUCT):
         devices: its device ids in mesh order (distinct, >= 0, at least one).
         mesh_shape: sizes along ``AXES`` (pp, dp, tp), whose product is ``len(devices)``; empty:
             every device a data-parallel replica, ``(1, len(devices), 1)``.
+        ep: expert parallelism, a split of the ``dp`` axis (not a further axis: it takes no devices of
+            its own): each group of ``ep`` consecutive dp ranks holds ``1/ep`` of every mixture-of-experts
+            layer's experts and exchanges tokens among them (``flowrl.runtime.parallel.expert_parallel``);
+            ``dp / ep`` such groups are replicas of each other. It divides ``dp``; 1: every rank holds
+            every expert. Whether the node's program runs it (a policy on a mixture of experts) is
+            ``flowrl.mesh_support``'s.
+
+    Example:
+        >>> NodeMesh(devices=(0, 1, 2, 3), ep=2).short()
+        'd4e2'
+        >>> NodeMesh(devices=(0, 1, 2), ep=2)
+        Traceback (most recent call last):
+        ...
+        flowrl.errors.PlanError: a node on devices [0, 1, 2] has ep=2, which does not divide its dp=3 ranks: expert parallelism splits the dp axis into groups of ep ranks; pick an ep among [1, 3]
     """
 
     devices: tuple[int, ...]
     mesh_shape: tuple[int, ...] = ()
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if not self.devices or len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
@@ -58,6 +73,13 @@ class NodeMesh(msgspec.Struct, **_STRUCT):
         if math.prod(self.mesh_shape) != len(self.devices):
             shape = " * ".join(f"{a}({s})" for a, s in zip(AXES, self.mesh_shape))
             raise PlanError(f"{shape} = {math.prod(self.mesh_shape)} != devices({len(self.devices)}) {list(self.devices)}")
+        dp = self.mesh_shape[AXES.index("dp")]
+        if not isinstance(self.ep, int) or self.ep < 1 or dp % self.ep:
+            fits = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise PlanError(
+                f"a node on devices {list(self.devices)} has ep={self.ep!r}, which does not divide its dp={dp} ranks: "
+                f"expert parallelism splits the dp axis into groups of ep ranks; pick an ep among {fits}"
+            )
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -65,12 +87,19 @@ class NodeMesh(msgspec.Struct, **_STRUCT):
         return AXES
 
     def size(self, axis: str) -> int:
-        """The mesh's size along ``axis`` (``"dp"``, ``"tp"`` or ``"pp"``)."""
-        return self.mesh_shape[AXES.index(axis)]
+        """The mesh's size along ``axis`` (``"dp"``, ``"tp"`` or ``"pp"``; ``"ep"``: the expert-parallel split of dp)."""
+        return self.ep if axis == "ep" else self.mesh_shape[AXES.index(axis)]
+
+    def sizes(self) -> dict[str, int]:
+        """Every axis of size > 1, ``ep`` after ``AXES``: ``{"dp": 4, "ep": 2}``."""
+        out = {a: s for a, s in zip(AXES, self.mesh_shape) if s > 1}
+        if self.ep > 1:
+            out["ep"] = self.ep
+        return out
 
     def short(self) -> str:
-        """The dims in the planner's compact form: ``d2t4`` (axes of size 1 left out, ``d1`` for one device)."""
-        return "".join(f"{a[0]}{self.size(a)}" for a in ("dp", "tp", "pp") if self.size(a) > 1) or "d1"
+        """The dims in the planner's compact form: ``d2t4`` (axes of size 1 left out, ``d1`` for one device; ``e2`` after dp: ep)."""
+        return "".join(f"{a[0]}{self.size(a)}" for a in ("dp", "ep", "tp", "pp") if self.size(a) > 1) or "d1"
 
 
 class Placement(msgspec.Struct, **_STRUCT):

@@ -96,7 +96,7 @@ class NodeRule:
     def allows(self, dims: ParallelDims) -> bool:
         """Whether the node runs ``dims`` as planned: its axes, and no refused combination of them
         (``mesh_support.COMBINATIONS``), nor a model the program cannot split (``model``: see ``fits_splits``)."""
-        return allowed(self.kind, self.backend, {a: getattr(dims, a) for a in MESH_AXES}, facts=self.facts, engine=self.engine, device=self.device)
+        return allowed(self.kind, self.backend, {a: getattr(dims, a, 1) for a in MESH_AXES}, facts=self.facts, engine=self.engine, device=self.device)
 
 
 def fits_splits(model: ModelSpec, dims: ParallelDims) -> bool:
@@ -130,7 +130,7 @@ def check_layout(graph: Graph, cluster: ClusterSpec, layout: Mapping[str, tuple[
     backend, device = plan_backend(cluster, fsdp=fsdp, backend=backend), plan_device(cluster)
     for name, (devices, dims) in layout.items():
         node = graph.node(name)
-        mesh = {a: getattr(dims, a) for a in MESH_AXES if getattr(dims, a) > 1}
+        mesh = {a: getattr(dims, a, 1) for a in MESH_AXES if getattr(dims, a, 1) > 1}
         message = refusal(node.kind, name, mesh, backend, devices=list(devices), engine=getattr(node, "engine", None), device=device, facts=node_facts(node))
         if message is not None:
             raise PlanError(f"{message} (a plan on {cluster.name} runs under {backend}: flowrl.planners.runnable)")
