@@ -28,7 +28,7 @@ Example:
     ('torchrun', 'local')
     >>> axes = node_axes(build_example("llamarl_ref"), parse_cluster("8xH100"))
     >>> {n: sorted(a) for n, a in axes.items()}
-    {'gen': ['dp', 'tp'], 'ref': ['tp'], 'policy': ['dp', 'pp', 'tp']}
+    {'gen': ['dp', 'tp'], 'ref': ['tp'], 'policy': ['dp', 'ep', 'pp', 'tp']}
 """
 
 from __future__ import annotations

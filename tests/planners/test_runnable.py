@@ -79,7 +79,7 @@ def test_a_combination_the_program_refuses_is_not_proposed_and_is_refused_when_g
 
 def test_a_reference_shares_its_sides_dims_only_where_it_runs_them(monkeypatch):
     graph = build_example("llamarl_ref")
-    assert {n: sorted(a) for n, a in node_axes(graph, parse_cluster("8xH100")).items()} == {"gen": ["dp", "tp"], "ref": ["tp"], "policy": ["dp", "pp", "tp"]}
+    assert {n: sorted(a) for n, a in node_axes(graph, parse_cluster("8xH100")).items()} == {"gen": ["dp", "tp"], "ref": ["tp"], "policy": ["dp", "ep", "pp", "tp"]}
     for flip in (False, True):  # as the table says (a frozen reference runs tp only), then with its dp row turned on
         if flip:
             _flip(monkeypatch, ("reference", "torchrun", "dp"))
@@ -104,7 +104,7 @@ def test_a_named_backend_decides_the_axes_and_emit_plans_for_torchrun(tmp_path, 
     calibrated = msgspec.structs.replace(parse_cluster("cpu:4"), device=cpu_device(cores=4, memory_bytes=2**34, cpu=CpuTerms(thread_speedup=1.5)))
     graph = build_example("llamarl")
     assert sorted(node_axes(graph, calibrated)["policy"]) == ["dp"]  # implied: a calibrated CPU's mesh is one process's threads
-    assert sorted(node_axes(graph, calibrated, backend="torchrun")["policy"]) == ["dp", "pp", "tp"]
+    assert sorted(node_axes(graph, calibrated, backend="torchrun")["policy"]) == ["dp", "ep", "pp", "tp"]
     # a given layout is checked against the named backend: pp runs under torchrun, not in one process
     with pytest.raises(PlanError, match=r"has pp=2 on its mesh .*runs under local"):
         plan_graph(graph, calibrated, strategy="gen:d1@0 | policy:p2@1-2")
