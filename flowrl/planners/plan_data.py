@@ -223,7 +223,7 @@ class Plan(msgspec.Struct, **_STRUCT):
             return f"in {owner}'s step · devices {device_ranges(p.devices)}" if p.devices else f"in {owner}'s step"
         if not p.devices:
             return f"host CPU · {format_seconds(p.time_s)}"
-        axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
+        axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "ep", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
         return f"devices {device_ranges(p.devices)} · {axes} · {format_seconds(p.time_s)} · {format_bytes(p.memory_bytes)}"
 
     def node_model(self, name: str) -> str:
