@@ -68,8 +68,8 @@ Megatron and its peers do: the routed experts' X parameters are split over group
 ranks, each rank holding ``E / ep`` whole experts, so ZeRO shards and gathers them, and reduces their
 gradients, over the ``dp / ep`` ranks holding the same experts only (ZeRO-3 gathers no expert when
 ep = dp); the other ``P - X`` parameters as above. The search tries every ep the node's program runs
-(``parallel.expert_splits``: the divisors of dp dividing E) and the plan carries the one it picked
-(``NodeMesh.ep``). Each MoE layer's tokens go to their experts' ranks and back, an all-to-all each way
+(``parallel.expert_splits``: the divisors of dp dividing E, of which the runtime builds ep = dp only,
+``runnable.expert_split_runs``) and the plan carries the one it picked (``NodeMesh.ep``). Each MoE layer's tokens go to their experts' ranks and back, an all-to-all each way
 per pass (the backward's gradients too)::
 
     a2a   = 2 * moe_layers/pp * (forward passes + backward passes) * all_to_all(mb*s_bar * k * h * act_bytes / tp, ep)
