@@ -248,14 +248,16 @@ def test_zero3_gathers_no_expert_when_every_rank_holds_its_own():
 
 
 def test_tokens_go_to_their_experts_and_back():
-    """One MoE block, one micro-batch of one 4-token sequence a rank: an all-to-all each way, forward and backward."""
+    """One MoE block, one micro-batch of one 4-token sequence a rank: an all-to-all of the tokens each way,
+    forward and backward, and the forward's per-expert token counts (``n_experts`` int64s) before them."""
     from flowrl.planners.estimate.common import Link, all_to_all_s
 
     dev = device()
     est = estimate_train(MOE, ParallelDims(dp=4, ep=4), range(4), ctx(dev))
     tokens = WORK.mean_seq_len  # packed, 1 sequence a micro-batch
     one_way = all_to_all_s(tokens * MOE.experts_per_token * MOE.dim * dev.dtype_bytes, 4, Link(dev.intra_host_bandwidth, 0.0))
-    assert est.breakdown["ep_comm"] == pytest.approx(2 * 1 * (1 + 1) * one_way)
+    counts = all_to_all_s(MOE.n_experts * 8, 4, Link(dev.intra_host_bandwidth, 0.0))
+    assert est.breakdown["ep_comm"] == pytest.approx(2 * 1 * (1 + 1) * one_way + counts)
     assert any("experts split over ep=4: all-to-all at NCCL within a host" in n for n in est.notes)
     dense = estimate_train(model_preset("llama3-8b"), ParallelDims(dp=4), range(4), ctx(device(memory_bytes=10**12)))
     assert "ep_comm" not in dense.breakdown
@@ -264,7 +266,9 @@ def test_tokens_go_to_their_experts_and_back():
 def test_the_all_to_all_runs_at_this_cpus_measured_rate_on_cpu_ranks_only():
     """On CPU ranks (an FSDP2 policy under torchrun) the all-to-all is priced at ``flowrl calibrate --gloo``'s
     all-to-all rate at its size (``CpuTerms.gloo_all_to_all_by_bytes``), else the gather rate, else
-    ``GLOO_BANDWIDTH``, each named in the note; a GPU device with the same CPU figures keeps its link's rate."""
+    ``GLOO_BANDWIDTH``, each named in the note; a GPU device with the same CPU figures keeps its link's rate.
+    Per MoE layer: the tokens each way forward and backward (4 all-to-alls) and the forward's per-expert
+    counts (32 bytes), which with a measured table cost what its smallest size does (gloo's latency)."""
     from flowrl.planners.estimate.common import Link, all_to_all_s
     from flowrl.planners.estimate.train import train_options
     from flowrl.planners.tuning import GLOO_BANDWIDTH
@@ -280,13 +284,15 @@ def test_the_all_to_all_runs_at_this_cpus_measured_rate_on_cpu_ranks_only():
 
     cpu = dict(kind="cpu", flops_by_width=((8, 1e11),), train_flops_by_width=((8, 1e11),))
     seconds, note = ep_comm(device(**cpu, gloo_all_to_all_by_bytes=measured, gloo_by_bytes=((int(nbytes), 1e6),)))
-    assert seconds == pytest.approx(2 * 1 * 2 * all_to_all_s(nbytes, 2, Link(3e6, 0.0)))
+    assert seconds == pytest.approx((2 * 2 + 1) * all_to_all_s(nbytes, 2, Link(3e6, 0.0)))  # the counts at the smallest size's time
     assert "gloo all-to-all between CPU ranks, 0.003 GB/s (calibrated: cluster 'c''s CpuTerms.gloo_all_to_all_by_bytes" in note
     seconds, note = ep_comm(device(**cpu, gloo_by_bytes=((int(nbytes), 1e6),)))
-    assert seconds == pytest.approx(2 * 1 * 2 * all_to_all_s(nbytes, 2, Link(1e6, 0.0))) and "gloo all-gather rate" in note
+    assert seconds == pytest.approx(2 * 2 * all_to_all_s(nbytes, 2, Link(1e6, 0.0)) + all_to_all_s(32, 2, Link(1e6, 0.0))) and "gloo all-gather rate" in note
     seconds, note = ep_comm(device(**cpu))
-    assert seconds == pytest.approx(2 * 1 * 2 * all_to_all_s(nbytes, 2, Link(GLOO_BANDWIDTH, 0.0))) and "not calibrated" in note
+    uncalibrated = Link(GLOO_BANDWIDTH, 0.0)
+    assert seconds == pytest.approx(2 * 2 * all_to_all_s(nbytes, 2, uncalibrated) + all_to_all_s(32, 2, uncalibrated)) and "not calibrated" in note
     gpu = device(gloo_all_to_all_by_bytes=measured)  # CPU figures in a GPU cluster's file price nothing there
     seconds, note = ep_comm(gpu)
-    assert seconds == pytest.approx(2 * 1 * 2 * all_to_all_s(tokens * MOE.experts_per_token * MOE.dim * gpu.dtype_bytes, 2, Link(1e10, 0.0)))
+    link = Link(1e10, 0.0)
+    assert seconds == pytest.approx(2 * 2 * all_to_all_s(tokens * MOE.experts_per_token * MOE.dim * gpu.dtype_bytes, 2, link) + all_to_all_s(32, 2, link))
     assert "NCCL within a host, 10 GB/s (cluster 'c''s X: intra_host_bandwidth 10 GB/s x link_efficiency 1)" in note

@@ -8,7 +8,10 @@ ranks holding their experts and back, one all-to-all each way per pass (``estima
   calibrate --gloo`` measured for an ``all_to_all_single`` of that many bytes
   (``CpuTerms.gloo_all_to_all_by_bytes``, interpolated at the size), else its all-gather /
   reduce-scatter rate at that size (``gloo_by_bytes``), else ``tuning.GLOO_BANDWIDTH``, the project's
-  uncalibrated default. A rate achieved: no ``link_efficiency``.
+  uncalibrated default. A rate achieved: no ``link_efficiency``. A message smaller than the smallest
+  size measured takes that size's time (``smallest_priced``): below it gloo's time is its latency,
+  which a rate scaled down to a few bytes would price at nothing (each MoE layer's forward sends its
+  per-expert token counts, a few hundred bytes, before the tokens).
 - **GPUs**: NCCL over the cluster spec's link along the dp axis (the ep groups are dp ranks:
   ``intra_host_bandwidth`` within a host, ``inter_host_bandwidth`` as soon as a dp group spans
   hosts), times ``Tuning.link_efficiency``. A rate measured on a CPU never prices a GPU.
@@ -36,7 +39,7 @@ from flowrl.planners.estimate.rates import Rate, link_rate
 from flowrl.planners.parallel import ParallelDims, axis_groups, spans_hosts
 from flowrl.planners.tuning import GLOO_BANDWIDTH
 
-__all__ = ["all_to_all_rate", "as_link"]
+__all__ = ["all_to_all_rate", "as_link", "smallest_priced"]
 
 
 def all_to_all_rate(ctx: Context, devices: Sequence[int], dims: ParallelDims, nbytes: float) -> Rate:
@@ -59,6 +62,14 @@ def all_to_all_rate(ctx: Context, devices: Sequence[int], dims: ParallelDims, nb
         group = axis_groups(devices, dims, "dp")[0]
         return link_rate(ctx, group[:1], group[-1:])
     return link_rate(ctx, devices[:1], devices[:1])
+
+
+def smallest_priced(ctx: Context) -> int:
+    """Bytes below which an all-to-all costs what one of this many bytes does (module docstring): the
+    smallest size ``flowrl calibrate --gloo`` timed the all-to-all at on CPU ranks; 0 elsewhere."""
+    dev = ctx.cluster.device
+    table = dev.cpu.gloo_all_to_all_by_bytes
+    return table[0][0] if DEVICE_TRAITS[dev.kind].pinned and table else 0
 
 
 def as_link(rate: Rate) -> Link:

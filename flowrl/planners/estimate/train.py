@@ -72,7 +72,8 @@ ep = dp); the other ``P - X`` parameters as above. The search tries every ep the
 ``runnable.expert_split_runs``) and the plan carries the one it picked (``NodeMesh.ep``). Each MoE layer's tokens go to their experts' ranks and back, an all-to-all each way
 per pass (the backward's gradients too)::
 
-    a2a   = 2 * moe_layers/pp * (forward passes + backward passes) * all_to_all(mb*s_bar * k * h * act_bytes / tp, ep)
+    a2a   = moe_layers/pp * [ (2 * forward passes + 2 * backward passes) * all_to_all(mb*s_bar * k * h * act_bytes / tp, ep)
+                              + forward passes * all_to_all(E * 8, ep) ]      # each forward's per-expert token counts
 
 added to ``t_mb`` (``breakdown["ep_comm"]``), at ``estimate.experts.all_to_all_rate``: gloo's
 all-to-all rate ``flowrl calibrate --gloo`` measured at that size on CPU ranks, the cluster spec's
@@ -113,7 +114,7 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.planners.estimate.cpu_ranks import gloo_link, pp_comm_s, rank_share, tp_comm_s
-from flowrl.planners.estimate.experts import all_to_all_rate, as_link
+from flowrl.planners.estimate.experts import all_to_all_rate, as_link, smallest_priced
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
@@ -341,8 +342,10 @@ def train_options(
         """The MoE layers' all-to-alls of one micro-batch: each way, every forward and backward pass."""
         if not moe_layers:
             return 0.0
-        nbytes = tok_bar * model.experts_per_token * h * ab / tp
-        return 2 * moe_layers * (fwd + bwd) * all_to_all_s(nbytes, ep, as_link(all_to_all_rate(ctx, devices, dims, nbytes)))
+        floor = smallest_priced(ctx)  # a message below the smallest size measured takes its time: gloo's latency
+        nbytes, counts = max(tok_bar * model.experts_per_token * h * ab / tp, floor), max(model.n_experts * 8, floor)
+        tokens = all_to_all_s(nbytes, ep, as_link(all_to_all_rate(ctx, devices, dims, nbytes)))
+        return moe_layers * (2 * (fwd + bwd) * tokens + fwd * all_to_all_s(counts, ep, as_link(all_to_all_rate(ctx, devices, dims, counts))))
 
     if forward_only:
         ckpt_choices = (False,)
