@@ -1,5 +1,25 @@
 """Preflight checks a run makes before it allocates anything: does the graph fit in this machine, can its
-generator engines run here, does every node's program run the mesh the placement gives it?"""
+generator engines run here, does every node's program run the mesh the placement gives it?
+
+Each check refuses before any work, naming the node, the values and the fix:
+
+- ``check_engines``: every generator's engine is installed and able to load its model here, under a
+  backend it runs on, as its ``ENGINE_CAPS`` row says (and no weight edge into a CPU vLLM
+  mixture-of-experts generator, whose MoE kernel ignores a sync);
+- ``check_meshes``: every node's mesh axes of size > 1 are ones its program runs on the backend, as
+  the mesh capability table ``flowrl.mesh_support`` says (``MESH_SUPPORT``: kind, a generator's
+  engine, axis and backend; ``COMBINATIONS``: axes that run alone but not together or not with a
+  node's settings), saying what would run instead; it runs in ``run_graph``, in the local and
+  process backends' driver and on every torchrun rank, default placements included
+  (``executor_placement.one_device_meshes``);
+- ``check_engine_meshes``: a vLLM generator's tp no larger than its ranks, nor on a CPU than the
+  cores a process may use;
+- ``check_fits_in_memory`` / ``check_ranks_fit``: the models' memory against this machine's or each
+  rank's;
+- ``check_packing_families``: ``packing=True`` only on model families that take packed rows;
+- ``check_teachers``: a teacher's Hugging Face tokenizer is its student's (on every backend and
+  torchrun rank).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.graph.configs import AnyModelConfig, HFModelConfig
+from flowrl.graph.configs import HFModelConfig
 from flowrl.graph.engines import ENGINE_CAPS
 from flowrl.graph.kinds import KINDS
 from flowrl.graph.nodes import GeneratorNode, SourceNode
@@ -19,7 +39,7 @@ from flowrl.models.hf import check_hf_dir
 from flowrl.modelspec import ModelSpec, model_from_config
 from flowrl.replan import plan_command
 
-__all__ = ["check_meshes", "check_expert_split", "check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families", "check_teachers"]
+__all__ = ["check_meshes", "check_fits_in_memory", "check_engines", "check_engine_meshes", "check_ranks_fit", "rank_needs", "check_packing_families", "check_teachers"]
 
 
 def check_meshes(graph: Graph, placement: Placement, *, backend: str, device: str, skip: Mapping[str, str] | frozenset[str] = frozenset()) -> None:
@@ -45,39 +65,10 @@ def check_meshes(graph: Graph, placement: Placement, *, backend: str, device: st
         if name in skip or name not in graph:
             continue
         node = graph.node(name)
-        axes = mesh.sizes()
+        axes = {a: s for a, s in zip(AXES, mesh.mesh_shape) if s > 1}
         message = refusal(node.kind, name, axes, backend, devices=mesh.devices, engine=getattr(node, "engine", None), device=device, facts=node_facts(node))
         if message is not None:
             raise ConfigError(message)
-        if mesh.ep > 1:
-            check_expert_split(name, node.model, mesh.ep)  # type: ignore[attr-defined]  # refusal lets ep through on a policy only, which has a model
-
-
-def check_expert_split(node: str, model: AnyModelConfig, ep: int) -> None:
-    """Refuse ``ep`` > 1 on node ``node`` unless its ``model`` is a mixture of experts whose experts ``ep`` divides.
-
-    Raises:
-        ConfigError: naming the node, the model, its experts and the ``ep`` values that would run.
-
-    Example:
-        >>> from flowrl.graph.configs import ModelConfig
-        >>> check_expert_split("policy", ModelConfig(), 2)
-        Traceback (most recent call last):
-        ...
-        flowrl.errors.ConfigError: policy 'policy' has ep=2 on its mesh, but its model 2L64d is dense (no routed experts to split): expert parallelism needs a mixture of experts (a qwen3_moe or qwen2_moe directory); give it a mesh without ep
-    """
-    spec = model_from_config(model)
-    if spec.n_experts == 0:
-        raise ConfigError(
-            f"policy {node!r} has ep={ep} on its mesh, but its model {spec.name} is dense (no routed experts to split): "
-            "expert parallelism needs a mixture of experts (a qwen3_moe or qwen2_moe directory); give it a mesh without ep"
-        )
-    if spec.n_experts % ep:
-        fits = [d for d in range(1, spec.n_experts + 1) if spec.n_experts % d == 0]
-        raise ConfigError(
-            f"policy {node!r} has ep={ep} on its mesh, but ep must divide the {spec.n_experts} routed experts of its model {spec.name} "
-            f"({spec.n_experts} % {ep} = {spec.n_experts % ep}): each ep rank holds as many experts; pick an ep among {fits} that divides its dp ranks"
-        )
 
 
 def check_fits_in_memory(graph: Graph, memory_bytes: int | None = None, *, skip: frozenset[str] = frozenset(), graph_arg: str | None = None) -> None:
