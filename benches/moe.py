@@ -18,7 +18,13 @@ bfloat16); the bench runs each value given. ``--expert-scale`` multiplies the ex
 (at transformers' initialisation their output is small beside the residual stream, so a token sent
 to another expert changes little).
 
+The other parts (``--parts``): ``throughput``, ``benches/moe_throughput.py`` at its defaults (trainer
+tokens/s of the MoE against a dense model of the same active parameters, one process), and
+``layouts``, ``benches/moe_layouts.py`` at its defaults (one process, FSDP2 alone and ep = 2 on 2
+torchrun ranks: step time, peak RSS per rank, and the planner's predicted / measured step for each).
+
     python benches/moe.py                                   # ~2-4 min on a loaded 2-core CPU
+    python benches/moe.py --parts throughput layouts        # ~3 min
     python benches/moe.py --steps 8 --router-std 0.02 0.5 --experts 16
 """
 
@@ -155,8 +161,10 @@ def mismatch(args: argparse.Namespace, router_std: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["mismatch"], choices=["mismatch", "throughput"],
-                        help="throughput: benches/moe_throughput.py's figures at its defaults (trainer tokens/s, MoE vs dense of equal active parameters)")
+    parser.add_argument("--parts", nargs="+", default=["mismatch"], choices=["mismatch", "throughput", "layouts"],
+                        help="throughput: benches/moe_throughput.py's figures at its defaults (trainer tokens/s, MoE vs dense of equal active parameters); "
+                             "layouts: benches/moe_layouts.py's at its defaults (one process, FSDP2 alone and ep=2 on 2 torchrun ranks: step time, "
+                             "peak RSS per rank, the planner's predicted / measured)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
@@ -179,6 +187,11 @@ def main() -> None:
         import moe_throughput
 
         out["throughput"] = moe_throughput.run(moe_throughput.parse([]))
+    if "layouts" in args.parts:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import moe_layouts
+
+        out["layouts"] = moe_layouts.run(moe_layouts.parse([]))
     out["load_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 

@@ -282,6 +282,12 @@ def _mla_params(h: int, heads: int, *, q_rank: int, kv_rank: int, nope: int, rop
 #: ``n_shared_experts`` 1, ``first_k_dense_replace`` 3, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512,
 #: ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128), without its multi-token
 #: prediction module (not used by RL): 671.0e9 parameters, 37.5e9 active per token (the card: 671B, 37B).
+#: Qwen3-30B-A3B: its ``config.json`` on the Hugging Face hub (``num_hidden_layers`` 48, ``hidden_size``
+#: 2048, ``num_attention_heads`` 32, ``num_key_value_heads`` 4, ``head_dim`` 128, ``num_experts`` 128,
+#: ``num_experts_per_tok`` 8, ``moe_intermediate_size`` 768, ``decoder_sparse_step`` 1 and no
+#: ``mlp_only_layers``: every block a mixture of experts, ``intermediate_size`` 6144 unused,
+#: ``vocab_size`` 151936, ``tie_word_embeddings`` false, ``max_position_embeddings`` 40960): 30.5e9
+#: parameters, 3.3e9 active per token (the card: 30.5B, 3.3B).
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec(name="llama3-8b", n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, max_seq_len=8192),
     "llama3-70b": ModelSpec(name="llama3-70b", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, max_seq_len=8192),
@@ -303,6 +309,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "qwen3-8b": _qwen("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, False, 40960, head_dim=128),
     "qwen3-14b": _qwen("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, False, 40960, head_dim=128),
     "qwen3-32b": _qwen("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, False, 40960, head_dim=128),
+    "qwen3-30b-a3b": ModelSpec(
+        name="qwen3-30b-a3b", n_layers=48, dim=2048, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, vocab_size=151936,
+        max_seq_len=40960, n_experts=128, experts_per_token=8, expert_ffn_dim=768,
+    ),
     "deepseek-v3": ModelSpec(
         name="deepseek-v3", n_layers=61, dim=7168, n_heads=128, n_kv_heads=128, head_dim=128, ffn_dim=18432, vocab_size=129280,
         max_seq_len=163840, n_experts=256, experts_per_token=8, expert_ffn_dim=2048, shared_experts=1, dense_layers=3,

@@ -21,20 +21,23 @@ At each of ``activation_sizes`` (``ACTIVATION_SIZES``: 256 KiB to 4 MiB, a micro
 hidden]`` activations, and 16 KiB, a tp generator's decode step ``[rows, hidden]``, where the rate is
 gloo's latency) the same processes also time an ``all_reduce`` (a tensor-parallel policy's,
 ``bandwidth = nbytes / seconds``: ``all_reduce_s``' terms with n = 2) and a ``send`` there and back
-(a pipeline stage's activations and their gradient: ``bandwidth = nbytes / (seconds / 2)``):
-``CpuTerms.gloo_all_reduce_by_bytes`` and ``gloo_send_by_bytes``. On this project's CPU both ran 2-9
-times faster than the gather / reduce-scatter rate at those sizes (``benches/tp_pp_parts.py``).
+(a pipeline stage's activations and their gradient: ``bandwidth = nbytes / (seconds / 2)``) and an
+``all_to_all_single`` of that many bytes per rank, half of it to the peer (an expert-parallel
+policy's tokens going to their experts' ranks and back: ``bandwidth = nbytes / 2 / seconds``,
+``estimate.common.all_to_all_s``' terms with n = 2): ``CpuTerms.gloo_all_reduce_by_bytes``,
+``gloo_send_by_bytes`` and ``gloo_all_to_all_by_bytes``. On this project's CPU the all-reduce and send
+ran 2-9 times faster than the gather / reduce-scatter rate at those sizes (``benches/tp_pp_parts.py``).
 
 Example:
     >>> m = Measurements(matmul_flops=40e9, copy_bandwidth=6e9, op_overhead_s=4e-6, cores=2, memory_bytes=2**30)
     >>> figures = GlooFigures(sizes=(2**24, 2**26), gather_bandwidth=(0.5e9, 0.1e9), reduce_scatter_bandwidth=(0.4e9, 0.2e9))
     >>> with_gloo(m, figures).cpu.gloo_by_bytes
     ((16777216, 400000000.0), (67108864, 100000000.0))
-    >>> acts = GlooFigures(sizes=(2**24,), gather_bandwidth=(0.5e9,), reduce_scatter_bandwidth=(0.4e9,),
-    ...                    activation_sizes=(2**20,), all_reduce_bandwidth=(1.5e9,), send_bandwidth=(3e9,))
+    >>> acts = GlooFigures(sizes=(2**24,), gather_bandwidth=(0.5e9,), reduce_scatter_bandwidth=(0.4e9,), activation_sizes=(2**20,),
+    ...                    all_reduce_bandwidth=(1.5e9,), send_bandwidth=(3e9,), all_to_all_bandwidth=(1e9,))
     >>> terms = with_gloo(m, acts).cpu
-    >>> terms.gloo_all_reduce_by_bytes, terms.gloo_send_by_bytes
-    (((1048576, 1500000000.0),), ((1048576, 3000000000.0),))
+    >>> terms.gloo_all_reduce_by_bytes, terms.gloo_send_by_bytes, terms.gloo_all_to_all_by_bytes
+    (((1048576, 1500000000.0),), ((1048576, 3000000000.0),), ((1048576, 1000000000.0),))
 """
 
 from __future__ import annotations
@@ -74,23 +77,27 @@ class GlooFigures(msgspec.Struct, frozen=True, kw_only=True):
     activation_sizes: tuple[int, ...] = ()
     all_reduce_bandwidth: tuple[float, ...] = ()
     send_bandwidth: tuple[float, ...] = ()
+    all_to_all_bandwidth: tuple[float, ...] = ()
 
 
 def with_gloo(m: Measurements, figures: GlooFigures) -> Measurements:
     """``m`` with the slower of the two gloo rates at each size as ``CpuTerms.gloo_by_bytes``, and the
-    all-reduce and send rates at activations' sizes as ``gloo_all_reduce_by_bytes`` and
-    ``gloo_send_by_bytes`` (pure)."""
+    all-reduce, send and all-to-all rates at activations' sizes as ``gloo_all_reduce_by_bytes``,
+    ``gloo_send_by_bytes`` and ``gloo_all_to_all_by_bytes`` (pure)."""
     table = tuple((n, min(g, r)) for n, g, r in zip(figures.sizes, figures.gather_bandwidth, figures.reduce_scatter_bandwidth))
     all_reduce = tuple(zip(figures.activation_sizes, figures.all_reduce_bandwidth))
     send = tuple(zip(figures.activation_sizes, figures.send_bandwidth))
-    cpu = msgspec.structs.replace(m.cpu, gloo_by_bytes=table, gloo_all_reduce_by_bytes=all_reduce, gloo_send_by_bytes=send)
+    all_to_all = tuple(zip(figures.activation_sizes, figures.all_to_all_bandwidth))
+    cpu = msgspec.structs.replace(
+        m.cpu, gloo_by_bytes=table, gloo_all_reduce_by_bytes=all_reduce, gloo_send_by_bytes=send, gloo_all_to_all_by_bytes=all_to_all
+    )
     return msgspec.structs.replace(m, cpu=cpu)
 
 
 def measure_gloo(
     *, sizes: tuple[int, ...] = GLOO_SIZES, activation_sizes: tuple[int, ...] = ACTIVATION_SIZES, repeats: int = 3, statistic: str = "median"
 ) -> GlooFigures:
-    """Time gloo's all-gather and reduce-scatter, and at ``activation_sizes`` its all-reduce and send,
+    """Time gloo's all-gather and reduce-scatter, and at ``activation_sizes`` its all-reduce, send and all-to-all,
     between two processes of this host (module docstring; ``activation_sizes=()``: none of the latter).
 
     Raises:
@@ -112,6 +119,7 @@ def measure_gloo(
         activation_sizes=tuple(activation_sizes),
         all_reduce_bandwidth=tuple(n / pick(seconds[f"all_reduce/{n}"]) for n in activation_sizes),
         send_bandwidth=tuple(n / (pick(seconds[f"send/{n}"]) / 2) for n in activation_sizes),  # there and back: two sends
+        all_to_all_bandwidth=tuple(n / 2 / pick(seconds[f"all_to_all/{n}"]) for n in activation_sizes),  # half of it leaves
     )
 
 
@@ -174,15 +182,18 @@ def _rank(rank: int, port: int, sizes: list[int], repeats: int, activation_sizes
                         seconds.setdefault(f"{name}/{nbytes}", []).append(time.perf_counter() - t0)
         for nbytes in activation_sizes:
             act = torch.ones(nbytes // 4)
+            received = torch.empty_like(act)  # an all-to-all's: half of each rank's rows go to the other
             # two warm-ups: the first sends of a size open their buffers; up to 1 MiB, SMALL_REPEATS times the
             # rounds (milliseconds each): one scheduling hiccup moved a single 256 KiB median 10x on 2 cores
             rounds = repeats * (SMALL_REPEATS if nbytes <= 2**20 else 1)
             for r in range(rounds + 2):
-                for name in ("all_reduce", "send"):
+                for name in ("all_reduce", "send", "all_to_all"):
                     dist.barrier()
                     t0 = time.perf_counter()
                     if name == "all_reduce":
                         dist.all_reduce(act)
+                    elif name == "all_to_all":
+                        dist.all_to_all_single(received, act)
                     elif rank == 0:  # there and back, as a pipeline stage's activations and their gradient
                         dist.send(act, 1)
                         dist.recv(act, 1)
@@ -202,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--bytes", default=",".join(map(str, GLOO_SIZES)), help="comma-separated tensor sizes")
-    parser.add_argument("--activation-bytes", default=",".join(map(str, ACTIVATION_SIZES)), help="comma-separated sizes of the all-reduce and send (empty: none)")
+    parser.add_argument("--activation-bytes", default=",".join(map(str, ACTIVATION_SIZES)), help="comma-separated sizes of the all-reduce, send and all-to-all (empty: none)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     acts = [int(n) for n in args.activation_bytes.split(",") if n]

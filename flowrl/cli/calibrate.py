@@ -82,8 +82,8 @@ def _run(args: argparse.Namespace) -> int:
         m = with_gloo(m, gloo)
         rates = ", ".join(f"{n / 2**20:g} MiB {r / 1e9:.2f}" for n, r in m.cpu.gloo_by_bytes)
         print(f"gloo between two processes (GB/s, the slower of all-gather and reduce-scatter): {rates}", file=sys.stderr)
-        acts = "; ".join(f"{n / 2**20:g} MiB all-reduce {a / 1e9:.2f}, send {p / 1e9:.2f}"
-                         for (n, a), (_, p) in zip(m.cpu.gloo_all_reduce_by_bytes, m.cpu.gloo_send_by_bytes))
+        acts = "; ".join(f"{n / 2**20:g} MiB all-reduce {a / 1e9:.2f}, send {p / 1e9:.2f}, all-to-all {x / 1e9:.2f}"
+                         for (n, a), (_, p), (_, x) in zip(m.cpu.gloo_all_reduce_by_bytes, m.cpu.gloo_send_by_bytes, m.cpu.gloo_all_to_all_by_bytes))
         print(f"gloo at activations' sizes (GB/s): {acts}", file=sys.stderr)
         from flowrl.calibration.rank_passes import RankShape, default_shape, measure_rank_passes, with_rank_passes
 

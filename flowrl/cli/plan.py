@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="search (default: the fastest of both), colocated, disaggregated, or a placement 'gen:d4@0-3 | policy:d4@4-7'",
     )
     p.add_argument("--max-staleness", type=int, metavar="K", help="the k the step assumes (default: the graph's weight edges)")
-    p.add_argument("--model", metavar="M", help="plan every model as this shape: a preset (llama3-8b/70b/405b, qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b) or a HF config.json")
+    p.add_argument("--model", metavar="M", help="plan every model as this shape: a preset (llama3-8b/70b/405b, qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b, qwen3-30b-a3b, deepseek-v3) or a HF config.json")
     p.add_argument("--prompts-per-step", type=int, metavar="N", help="prompts per trainer step")
     p.add_argument("--samples", type=int, metavar="N", help="completions per prompt")
     p.add_argument("--prompt-len", type=int, metavar="N", help="tokens per prompt")

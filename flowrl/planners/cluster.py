@@ -178,6 +178,10 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
             times slower at these sizes: gloo's reduce-scatter is its slow half).
         gloo_send_by_bytes: the same for one ``send`` of that many bytes (``bytes / bandwidth``): a
             pipeline stage's activations and their gradients; empty: ``gloo_by_bytes``' rate.
+        gloo_all_to_all_by_bytes: the same for an ``all_to_all_single`` of that many bytes per rank, in
+            ``estimate.common.all_to_all_s``' terms (``(n - 1) / n * bytes / bandwidth``, n = 2): an
+            expert-parallel policy's tokens to their experts' ranks and back (``estimate.train``);
+            empty: ``gloo_by_bytes``' rate.
         adamw_s_per_param: seconds per parameter of one AdamW step on one thread (``flowrl calibrate``:
             ``torch.optim.AdamW.step`` over 16M float32 parameters; on a CPU torch steps each tensor in
             its own loop of elementwise passes, several times the bytes of the parameters, gradients
@@ -213,6 +217,7 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     gloo_by_bytes: tuple[tuple[int, float], ...] = ()
     gloo_all_reduce_by_bytes: tuple[tuple[int, float], ...] = ()
     gloo_send_by_bytes: tuple[tuple[int, float], ...] = ()
+    gloo_all_to_all_by_bytes: tuple[tuple[int, float], ...] = ()
     adamw_s_per_param: float = 0.0
     tp_train_efficiency: float = 0.0
     tp_decode_efficiency: float = 0.0
@@ -235,7 +240,7 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
                 raise PlanError(
                     f"CpuTerms: {field}={table} must be (width >= 1, FLOP/s > 0) pairs, widths strictly ascending"
                 )
-        for field in ("gloo_by_bytes", "gloo_all_reduce_by_bytes", "gloo_send_by_bytes"):
+        for field in ("gloo_by_bytes", "gloo_all_reduce_by_bytes", "gloo_send_by_bytes", "gloo_all_to_all_by_bytes"):
             table = getattr(self, field)
             sizes = [n for n, _ in table]
             if sizes != sorted(set(sizes)) or any(n < 1 or not 0 < r < float("inf") for n, r in table):
@@ -265,6 +270,10 @@ class CpuTerms(msgspec.Struct, **_STRUCT):
     def gloo_send_rate(self, nbytes: float) -> float | None:
         """``gloo_send_by_bytes`` at ``nbytes``, as ``gloo_rate`` reads its table; None when not measured."""
         return _by_bytes(self.gloo_send_by_bytes, nbytes)
+
+    def gloo_all_to_all_rate(self, nbytes: float) -> float | None:
+        """``gloo_all_to_all_by_bytes`` at ``nbytes``, as ``gloo_rate`` reads its table; None when not measured."""
+        return _by_bytes(self.gloo_all_to_all_by_bytes, nbytes)
 
 
 def _by_bytes(table: tuple[tuple[int, float], ...], nbytes: float) -> float | None:

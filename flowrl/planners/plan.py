@@ -45,7 +45,7 @@ from flowrl.planners.plan_data import (
     plan_to_json,
     save_plan,
 )
-from flowrl.planners.runnable import check_layout
+from flowrl.planners.runnable import check_expert_split, check_layout
 from flowrl.planners.search import Candidate, Roles, evaluate_layout, resolve_roles, search_placements, why_lost
 from flowrl.planners import strategies  # read when called: a strategy added there is known here
 from flowrl.planners.tuning import make_tuning
@@ -84,6 +84,7 @@ def _manual_layout(graph: Graph, roles: Roles, cluster: ClusterSpec, text: str) 
         if max(p.devices) >= cluster.n_devices:
             raise PlanError(f"placement puts {name!r} on device {max(p.devices)}, but cluster {cluster.name!r} has devices 0-{cluster.n_devices - 1}")
         p.dims.check(len(p.devices), roles.models[name], node=name)
+        check_expert_split(name, p.dims)
         layout[name] = (p.devices, p.dims)
     return layout
 

@@ -63,7 +63,7 @@ class NodePlacement(msgspec.Struct, **_STRUCT):
         kind: the node's kind (``generator``, ``policy``, ``loss``, ``source`` ...).
         devices: device ids of its mesh in mesh order (``AXES``: pp outermost, tp innermost);
             empty for host nodes (sources, rule scorers), which run on the host CPU.
-        dims: its parallel dims (dp * tp * pp == len(devices)).
+        dims: its parallel dims (dp * tp * pp == len(devices); ``ep``, a split of dp, becomes ``NodeMesh.ep``).
         axes: mesh axis names, ``("pp", "dp", "tp")``; empty for host nodes.
         mesh_shape: sizes along ``axes``.
         model: the model shape it was estimated with ("" for nodes without a model).
@@ -223,7 +223,7 @@ class Plan(msgspec.Struct, **_STRUCT):
             return f"in {owner}'s step · devices {device_ranges(p.devices)}" if p.devices else f"in {owner}'s step"
         if not p.devices:
             return f"host CPU · {format_seconds(p.time_s)}"
-        axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
+        axes = " ".join(f"{a}{getattr(p.dims, a)}" for a in ("dp", "ep", "tp", "pp") if getattr(p.dims, a) > 1) or "dp1"
         return f"devices {device_ranges(p.devices)} · {axes} · {format_seconds(p.time_s)} · {format_bytes(p.memory_bytes)}"
 
     def node_model(self, name: str) -> str:
@@ -274,7 +274,9 @@ class Plan(msgspec.Struct, **_STRUCT):
             >>> str(plan_graph(build_example("llamarl"), "cpu:2", strategy="disaggregated").placement())
             'gen:d1@0 | policy:d1@1'
         """
-        nodes = {n: NodeMesh(devices=p.devices, mesh_shape=p.mesh_shape) for n, p in self.placements.items() if p.devices and p.kind in DEVICE_KINDS}
+        nodes = {
+            n: NodeMesh(devices=p.devices, mesh_shape=p.mesh_shape, ep=p.dims.ep) for n, p in self.placements.items() if p.devices and p.kind in DEVICE_KINDS
+        }
         offload = tuple(sorted({key.split("/", 1)[1] for p in self.placements.values() for key in p.breakdown if key.startswith("offload/")}))
         return Placement(
             nodes=nodes, strategy=self.strategy, pin=self._pinned(), source=source or f"plan ({self.strategy})", offload=offload,
@@ -292,7 +294,7 @@ class Plan(msgspec.Struct, **_STRUCT):
 
 
 # -- compact string form --------------------------------------------------------------------------
-_PART = re.compile(r"^(?P<name>[^\s|@]+):(?P<dims>[dtp0-9]+)@(?P<devices>[0-9,\- ]+)$")
+_PART = re.compile(r"^(?P<name>[^\s|@]+):(?P<dims>[detp0-9]+)@(?P<devices>[0-9,\- ]+)$")
 
 
 def _parse_devices(text: str, part: str) -> tuple[int, ...]:

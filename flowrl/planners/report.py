@@ -23,19 +23,20 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 
 def format_table(plan: Plan) -> list[str]:
-    """One row per node: name, kind, devices, dp/tp/pp, memory per device, time per step, notes."""
-    rows = [["node", "kind", "devices", "dp", "tp", "pp", "memory/device", "time/step", "notes"]]
+    """One row per node: name, kind, devices, dp/tp/pp, memory per device, time per step, notes; and an
+    ``ep`` column after dp where a node splits its experts (``ParallelDims.ep`` > 1)."""
+    with_ep = any(p.dims.ep > 1 for p in plan.placements.values())
+    axes = ("dp", "ep", "tp", "pp") if with_ep else ("dp", "tp", "pp")
+    rows = [["node", "kind", "devices", *axes, "memory/device", "time/step", "notes"]]
     for name, p in plan.placements.items():
         if p.kind in IN_POLICY_KINDS:
-            rows.append([name, p.kind, device_ranges(p.devices) if p.devices else "cpu", "", "", "", "", "", "inside the policy's step"])
+            rows.append([name, p.kind, device_ranges(p.devices) if p.devices else "cpu", *[""] * len(axes), "", "", "inside the policy's step"])
         elif not p.devices:
-            rows.append([name, p.kind, "cpu", "-", "-", "-", "-", format_seconds(p.time_s), ""])
+            rows.append([name, p.kind, "cpu", *["-"] * len(axes), "-", format_seconds(p.time_s), ""])
         else:
-            d = p.dims
-            rows.append(
-                [name, p.kind, device_ranges(p.devices), str(d.dp), str(d.tp), str(d.pp), format_bytes(p.memory_bytes), format_seconds(p.time_s), ", ".join(p.notes)]
-            )
-    return _table(rows, right={3, 4, 5, 6, 7})
+            sizes = [str(getattr(p.dims, a)) for a in axes]
+            rows.append([name, p.kind, device_ranges(p.devices), *sizes, format_bytes(p.memory_bytes), format_seconds(p.time_s), ", ".join(p.notes)])
+    return _table(rows, right=set(range(3, 3 + len(axes) + 2)))
 
 
 def _count(n: int, what: str) -> str:

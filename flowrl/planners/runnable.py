@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from flowrl.modelspec import ModelSpec
     from flowrl.planners.parallel import ParallelDims
 
-__all__ = ["plan_backend", "plan_device", "node_axes", "NodeRule", "node_rules", "check_layout"]
+__all__ = ["plan_backend", "plan_device", "node_axes", "NodeRule", "node_rules", "check_layout", "expert_split_runs", "check_expert_split"]
 
 
 def plan_backend(cluster: ClusterSpec, *, fsdp: bool = False, backend: str = "") -> str:
@@ -134,3 +134,31 @@ def check_layout(graph: Graph, cluster: ClusterSpec, layout: Mapping[str, tuple[
         message = refusal(node.kind, name, mesh, backend, devices=list(devices), engine=getattr(node, "engine", None), device=device, facts=node_facts(node))
         if message is not None:
             raise PlanError(f"{message} (a plan on {cluster.name} runs under {backend}: flowrl.planners.runnable)")
+
+
+def expert_split_runs(dims: ParallelDims) -> bool:
+    """Whether the runtime builds ``dims``' expert split: ``ep`` 1 (every rank holds every expert), or ``ep``
+    equal to the policy's ``dp`` (each rank 1/dp of the experts). A smaller ``ep`` > 1, groups of ranks
+    holding replicas of an expert group, is priced by ``estimate.train`` but not built
+    (``runtime.parallel.expert_parallel.check_expert_mesh`` refuses it), so the search skips it.
+
+    Example:
+        >>> from flowrl.planners.parallel import ParallelDims
+        >>> [expert_split_runs(ParallelDims(dp=8, ep=e)) for e in (1, 4, 8)]
+        [True, False, True]
+    """
+    return dims.ep in (1, dims.dp)
+
+
+def check_expert_split(name: str, dims: ParallelDims) -> None:
+    """Refuse a given layout whose ``ep`` the runtime does not build (``expert_split_runs``), naming the node, its dp and ep, and the fix.
+
+    Raises:
+        PlanError: the node, its ``dp`` and ``ep``, and the meshes that run.
+    """
+    if not expert_split_runs(dims):
+        raise PlanError(
+            f"node {name!r} has ep={dims.ep} beside dp={dims.dp} ({dims.short()}): the runtime splits the experts over every dp rank "
+            f"(ep = dp) or over none; give it d{dims.dp}e{dims.dp} where {dims.dp} divides its experts, or d{dims.dp} (flowrl.planners.runnable)"
+        )
+

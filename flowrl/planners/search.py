@@ -44,8 +44,8 @@ from flowrl.planners.estimate.train import TrainOptions, host_crowded, pick_fitt
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.kind_table import ESTIMATORS, PLAN_ROLES
 from flowrl.planners.roles import NodeRole
-from flowrl.planners.parallel import AXES, ParallelDims, enumerate_dims, spans_hosts, stage_fraction
-from flowrl.planners.runnable import NodeRule, fits_splits, node_axes, node_rules
+from flowrl.planners.parallel import DIM_AXES, ParallelDims, enumerate_dims, spans_hosts, stage_fraction
+from flowrl.planners.runnable import NodeRule, expert_split_runs, fits_splits, node_axes, node_rules
 from flowrl.planners.schedule import StepTimes, step_times
 from flowrl.planners import strategies
 from flowrl.planners.strategies import DeviceSplit
@@ -122,7 +122,7 @@ class Roles:
 
     def runs_axes(self, name: str) -> frozenset[str]:
         """The mesh axes heavy node ``name``'s program runs at size > 1 (``axes``; None: every axis)."""
-        return frozenset(AXES) if self.axes is None else self.axes.get(name, frozenset(AXES))
+        return frozenset(DIM_AXES) if self.axes is None else self.axes.get(name, frozenset(DIM_AXES))
 
     def side_axes(self, side: Sequence[str]) -> frozenset[str]:
         """The axes some node of ``side`` runs over several devices: the side's dims range over them, and a
@@ -133,7 +133,7 @@ class Roles:
     def runs_dims(self, name: str, dims: ParallelDims) -> bool:
         """Whether heavy node ``name``'s program runs ``dims`` as planned: each axis of size > 1 (``axes``),
         no combination its program refuses and a model it can split (``rules``; None: any)."""
-        if not {a for a in AXES if getattr(dims, a) > 1} <= self.runs_axes(name):
+        if not {a for a in DIM_AXES if getattr(dims, a) > 1} <= self.runs_axes(name) or not expert_split_runs(dims):
             return False
         rule = self.rules.get(name) if self.rules is not None else None
         if rule is None:

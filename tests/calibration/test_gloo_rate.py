@@ -17,10 +17,11 @@ from tests.planners.test_cpu_ranks_plan import graph
 @pytest.mark.slow  # two processes importing torch: 15-25 s on the shared 2-core machine (--runslow)
 def test_two_processes_time_gloos_collectives_and_leave_nothing_running():
     figures = measure_gloo(sizes=(2**16, 2**20), activation_sizes=(2**18,), repeats=1)
-    for rate in (*figures.gather_bandwidth, *figures.reduce_scatter_bandwidth, *figures.all_reduce_bandwidth, *figures.send_bandwidth):
+    rates = (*figures.gather_bandwidth, *figures.reduce_scatter_bandwidth, *figures.all_reduce_bandwidth, *figures.send_bandwidth, *figures.all_to_all_bandwidth)
+    for rate in rates:
         assert rate > 0 and math.isfinite(rate)
     assert figures.sizes == (2**16, 2**20) and len(figures.gather_bandwidth) == len(figures.reduce_scatter_bandwidth) == 2
-    assert figures.activation_sizes == (2**18,) and len(figures.all_reduce_bandwidth) == len(figures.send_bandwidth) == 1
+    assert figures.activation_sizes == (2**18,) and len(figures.all_reduce_bandwidth) == len(figures.send_bandwidth) == len(figures.all_to_all_bandwidth) == 1
     leftover = subprocess.run(["pgrep", "-f", "flowrl.calibration.gloo_rate --port"], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
 

@@ -185,11 +185,35 @@ def test_a_moe_layout_it_cannot_count_is_refused():
 
 
 # -- expert parallelism in training ----------------------------------------------------------------
-def test_expert_parallel_is_the_largest_divisor_of_dp_dividing_the_experts():
-    from flowrl.planners.estimate.train import expert_parallel
+def test_the_experts_split_over_the_divisors_of_dp_that_divide_them():
+    """``expert_splits``: the ep a MoE policy may take on dp ranks (1 for a dense or a LoRA model);
+    ``enumerate_dims`` offers each only where ``ep`` is among the node's axes."""
+    from flowrl.planners.parallel import enumerate_dims, expert_splits
 
-    assert [expert_parallel(MOE, dp) for dp in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
-    assert expert_parallel(model_preset("llama3-8b"), 8) == 1
+    assert [expert_splits(MOE, dp) for dp in (1, 2, 3, 4, 6, 8)] == [[1], [1, 2], [1], [1, 2, 4], [1, 2], [1, 2, 4]]
+    assert expert_splits(model_preset("llama3-8b"), 8) == [1]
+    assert expert_splits(msgspec.structs.replace(MOE, adapter_params=10), 4) == [1]
+    assert [d.short() for d in enumerate_dims(4, MOE, axes=frozenset({"dp", "ep"}))] == ["d4", "d4e2", "d4e4"]
+    assert [d.short() for d in enumerate_dims(4, MOE, axes=frozenset({"dp"}))] == ["d4"]
+
+
+@pytest.mark.parametrize(
+    "dims, model, match",
+    [
+        (dict(dp=4, ep=3), MOE, r"ep\(3\) must divide dp\(4\).*pick ep among \[1, 2, 4\]"),
+        (dict(dp=8, ep=8), MOE, r"ep\(8\) must divide the routed experts, and moe has 4 experts; pick ep among \[1, 2, 4\]"),
+        (dict(dp=2, ep=2), model_preset("llama3-8b"), r"ep\(2\) must divide the routed experts, and llama3-8b is dense \(no experts\); pick ep among \[1\]"),
+    ],
+    ids=["not-dividing-dp", "more-than-experts", "dense"],
+)
+def test_an_ep_the_mesh_or_the_model_cannot_take_is_refused_by_name(dims, model, match):
+    with pytest.raises(PlanError, match=match):
+        ParallelDims(**dims).check(dims["dp"], model)
+
+
+def test_dims_with_ep_round_trip_their_compact_form():
+    assert ParallelDims.parse("d8e4") == ParallelDims(dp=8, ep=4) and ParallelDims(dp=8, ep=4).short() == "d8e4"
+    assert ParallelDims.parse(ParallelDims(dp=4, ep=2, tp=2).short()) == ParallelDims(dp=4, ep=2, tp=2)
 
 
 def _exact(**over):
@@ -199,11 +223,16 @@ def _exact(**over):
 
 
 def test_experts_shard_over_their_ranks_not_replicas():
-    """dp = ep = 4 under ZeRO-1: the dense weights whole on every rank, a quarter of the experts each."""
+    """dp = ep = 4 under ZeRO-1: the dense weights whole on every rank, a quarter of the experts each;
+    at ep = 1 every rank holds every expert (the mesh's ep is what is priced, no implicit split)."""
     dev = device()
-    est = estimate_train(MOE, ParallelDims(dp=4), range(4), ctx(dev, tuning=_exact(zero_stage=1)))
+    est = estimate_train(MOE, ParallelDims(dp=4, ep=4), range(4), ctx(dev, tuning=_exact(zero_stage=1)))
     dense = MOE.params - MOE.routed_expert_params
     assert est.memory.weights == int(dense * dev.dtype_bytes + MOE.routed_expert_params / 4 * dev.dtype_bytes)
+    whole = estimate_train(MOE, ParallelDims(dp=4), range(4), ctx(dev, tuning=_exact(zero_stage=1)))
+    assert whole.memory.weights == MOE.params * dev.dtype_bytes and "ep_comm" not in whole.breakdown
+    half = estimate_train(MOE, ParallelDims(dp=4, ep=2), range(4), ctx(dev, tuning=_exact(zero_stage=1)))
+    assert half.memory.weights == int(dense * dev.dtype_bytes + MOE.routed_expert_params / 2 * dev.dtype_bytes)
 
 
 def test_zero3_gathers_no_expert_when_every_rank_holds_its_own():
@@ -211,7 +240,7 @@ def test_zero3_gathers_no_expert_when_every_rank_holds_its_own():
     from flowrl.planners.estimate.common import Link, all_gather_s
 
     dev, tuning = device(), _exact(zero_stage=3)
-    est = estimate_train(MOE, ParallelDims(dp=4), range(4), ctx(dev, tuning=tuning))
+    est = estimate_train(MOE, ParallelDims(dp=4, ep=4), range(4), ctx(dev, tuning=tuning))
     dense, link = MOE.params - MOE.routed_expert_params, Link(dev.intra_host_bandwidth, 0.0)
     # 1 micro-batch a rank (4 sequences over 4 ranks), no checkpointing: 2 gathers, 1 reduce-scatter
     expected = 2 * all_gather_s(dense * dev.dtype_bytes, 4, link) + all_gather_s(dense * tuning.grad_bytes, 4, link)
@@ -219,13 +248,51 @@ def test_zero3_gathers_no_expert_when_every_rank_holds_its_own():
 
 
 def test_tokens_go_to_their_experts_and_back():
-    """One MoE block, one micro-batch of one 4-token sequence a rank: an all-to-all each way, forward and backward."""
+    """One MoE block, one micro-batch of one 4-token sequence a rank: an all-to-all of the tokens each way,
+    forward and backward, and the forward's per-expert token counts (``n_experts`` int64s) before them."""
     from flowrl.planners.estimate.common import Link, all_to_all_s
 
     dev = device()
-    est = estimate_train(MOE, ParallelDims(dp=4), range(4), ctx(dev))
+    est = estimate_train(MOE, ParallelDims(dp=4, ep=4), range(4), ctx(dev))
     tokens = WORK.mean_seq_len  # packed, 1 sequence a micro-batch
     one_way = all_to_all_s(tokens * MOE.experts_per_token * MOE.dim * dev.dtype_bytes, 4, Link(dev.intra_host_bandwidth, 0.0))
-    assert est.breakdown["ep_comm"] == pytest.approx(2 * 1 * (1 + 1) * one_way)
+    counts = all_to_all_s(MOE.n_experts * 8, 4, Link(dev.intra_host_bandwidth, 0.0))
+    assert est.breakdown["ep_comm"] == pytest.approx(2 * 1 * (1 + 1) * one_way + counts)
+    assert any("experts split over ep=4: all-to-all at NCCL within a host" in n for n in est.notes)
     dense = estimate_train(model_preset("llama3-8b"), ParallelDims(dp=4), range(4), ctx(device(memory_bytes=10**12)))
     assert "ep_comm" not in dense.breakdown
+
+
+def test_the_all_to_all_runs_at_this_cpus_measured_rate_on_cpu_ranks_only():
+    """On CPU ranks (an FSDP2 policy under torchrun) the all-to-all is priced at ``flowrl calibrate --gloo``'s
+    all-to-all rate at its size (``CpuTerms.gloo_all_to_all_by_bytes``), else the gather rate, else
+    ``GLOO_BANDWIDTH``, each named in the note; a GPU device with the same CPU figures keeps its link's rate.
+    Per MoE layer: the tokens each way forward and backward (4 all-to-alls) and the forward's per-expert
+    counts (32 bytes), which with a measured table cost what its smallest size does (gloo's latency)."""
+    from flowrl.planners.estimate.common import Link, all_to_all_s
+    from flowrl.planners.estimate.train import train_options
+    from flowrl.planners.tuning import GLOO_BANDWIDTH
+
+    tokens = 2 * (WORK.mean_seq_len - 1)  # 4 sequences over 2 ranks, one packed micro-batch (packing drops each last token)
+    nbytes = tokens * MOE.experts_per_token * MOE.dim * device().dtype_bytes
+    measured = ((int(nbytes), 3e6),)
+
+    def ep_comm(dev, sharding="fsdp"):
+        opts = train_options(MOE, ParallelDims(dp=2, ep=2), range(2), ctx(dev, tuning=_exact()), sharding=sharding, packing=None)
+        est = opts.estimate(opts.options[0])
+        return est.breakdown["ep_comm"], next(n for n in est.notes if n.startswith("experts split"))
+
+    cpu = dict(kind="cpu", flops_by_width=((8, 1e11),), train_flops_by_width=((8, 1e11),))
+    seconds, note = ep_comm(device(**cpu, gloo_all_to_all_by_bytes=measured, gloo_by_bytes=((int(nbytes), 1e6),)))
+    assert seconds == pytest.approx((2 * 2 + 1) * all_to_all_s(nbytes, 2, Link(3e6, 0.0)))  # the counts at the smallest size's time
+    assert "gloo all-to-all between CPU ranks, 0.003 GB/s (calibrated: cluster 'c''s CpuTerms.gloo_all_to_all_by_bytes" in note
+    seconds, note = ep_comm(device(**cpu, gloo_by_bytes=((int(nbytes), 1e6),)))
+    assert seconds == pytest.approx(2 * 2 * all_to_all_s(nbytes, 2, Link(1e6, 0.0)) + all_to_all_s(32, 2, Link(1e6, 0.0))) and "gloo all-gather rate" in note
+    seconds, note = ep_comm(device(**cpu))
+    uncalibrated = Link(GLOO_BANDWIDTH, 0.0)
+    assert seconds == pytest.approx(2 * 2 * all_to_all_s(nbytes, 2, uncalibrated) + all_to_all_s(32, 2, uncalibrated)) and "not calibrated" in note
+    gpu = device(gloo_all_to_all_by_bytes=measured)  # CPU figures in a GPU cluster's file price nothing there
+    seconds, note = ep_comm(gpu)
+    link = Link(1e10, 0.0)
+    assert seconds == pytest.approx(2 * 2 * all_to_all_s(tokens * MOE.experts_per_token * MOE.dim * gpu.dtype_bytes, 2, link) + all_to_all_s(32, 2, link))
+    assert "NCCL within a host, 10 GB/s (cluster 'c''s X: intra_host_bandwidth 10 GB/s x link_efficiency 1)" in note

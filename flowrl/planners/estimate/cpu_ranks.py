@@ -117,11 +117,12 @@ def rank_share(model: ModelSpec, tp: int, pp: int) -> RankShare:
 def gloo_link(ctx: Context, nbytes: float, op: str = "gather") -> Link:
     """The link a collective of ``nbytes`` (per tensor) crosses between CPU ranks: gloo between two
     processes of the host, at the rate calibrated at that size: ``op`` ``"gather"`` (an all-gather or
-    reduce-scatter: ``CpuTerms.gloo_rate``), ``"all_reduce"`` (``gloo_all_reduce_rate``) or ``"send"``
-    (``gloo_send_rate``); the last two fall back to the first, and that to ``GLOO_BANDWIDTH``. A rate
-    achieved: no ``link_efficiency``."""
+    reduce-scatter: ``CpuTerms.gloo_rate``), ``"all_reduce"`` (``gloo_all_reduce_rate``), ``"send"``
+    (``gloo_send_rate``) or ``"all_to_all"`` (``gloo_all_to_all_rate``); the last three fall back to the
+    first, and that to ``GLOO_BANDWIDTH``. A rate achieved: no ``link_efficiency``."""
     cpu = ctx.cluster.device.cpu
-    rate = {"all_reduce": cpu.gloo_all_reduce_rate, "send": cpu.gloo_send_rate}.get(op, cpu.gloo_rate)(nbytes)
+    rates = {"all_reduce": cpu.gloo_all_reduce_rate, "send": cpu.gloo_send_rate, "all_to_all": cpu.gloo_all_to_all_rate}
+    rate = rates.get(op, cpu.gloo_rate)(nbytes)
     return Link(rate or cpu.gloo_rate(nbytes) or GLOO_BANDWIDTH, ctx.cluster.device.intra_host_latency_s)
 
 

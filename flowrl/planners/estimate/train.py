@@ -62,17 +62,22 @@ Memory per device::
                                                              # (forward only: 4 bytes; a classifier's
                                                              # head_rows, not V; last_logits: mb * V * 4)
 
-A mixture of experts (``ModelSpec.n_experts`` = E) trains with expert parallelism, as Megatron and
-its peers do: the routed experts' X parameters are split over ``ep`` of the dp ranks (``expert_parallel``:
-the largest divisor of dp that divides E), each rank holding ``E / ep`` whole experts, so ZeRO shards
-and gathers them, and reduces their gradients, over the ``dp / ep`` ranks holding the same experts
-only (ZeRO-3 gathers no expert when ep = dp); the other ``P - X`` parameters as above. Each MoE
-layer's tokens go to their experts' ranks and back, an all-to-all each way per pass (the backward's
-gradients too)::
+A mixture of experts (``ModelSpec.n_experts`` = E) on a mesh with ``ParallelDims.ep`` > 1 trains with
+expert parallelism, as the torchrun runtime runs it (``flowrl.runtime.parallel.expert_parallel``) and
+Megatron and its peers do: the routed experts' X parameters are split over groups of ``ep`` of the dp
+ranks, each rank holding ``E / ep`` whole experts, so ZeRO shards and gathers them, and reduces their
+gradients, over the ``dp / ep`` ranks holding the same experts only (ZeRO-3 gathers no expert when
+ep = dp); the other ``P - X`` parameters as above. The search tries every ep the node's program runs
+(``parallel.expert_splits``: the divisors of dp dividing E, of which the runtime builds ep = dp only,
+``runnable.expert_split_runs``) and the plan carries the one it picked (``NodeMesh.ep``). Each MoE layer's tokens go to their experts' ranks and back, an all-to-all each way
+per pass (the backward's gradients too)::
 
-    a2a   = 2 * moe_layers/pp * (forward passes + backward passes) * all_to_all(mb*s_bar * k * h * act_bytes / tp, ep)
+    a2a   = moe_layers/pp * [ (2 * forward passes + 2 * backward passes) * all_to_all(mb*s_bar * k * h * act_bytes / tp, ep)
+                              + forward passes * all_to_all(E * 8, ep) ]      # each forward's per-expert token counts
 
-added to ``t_mb`` (``breakdown["ep_comm"]``). Not modelled: routing imbalance, expert tensor
+added to ``t_mb`` (``breakdown["ep_comm"]``), at ``estimate.experts.all_to_all_rate``: gloo's
+all-to-all rate ``flowrl calibrate --gloo`` measured at that size on CPU ranks, the cluster spec's
+link on GPUs (the policy's note names it). Not modelled: routing imbalance, expert tensor
 parallelism of its own.
 
 A LoRA policy (``ModelSpec.adapter_params`` = A > 0) trains its adapters only: ``grads``,
@@ -109,6 +114,7 @@ from flowrl.planners.estimate.common import (
     send_s,
 )
 from flowrl.planners.estimate.cpu_ranks import gloo_link, pp_comm_s, rank_share, tp_comm_s
+from flowrl.planners.estimate.experts import all_to_all_rate, as_link, smallest_priced
 from flowrl.modelspec import ModelSpec
 from flowrl.planners.cluster import DEVICE_TRAITS, ClusterSpec
 from flowrl.planners.parallel import ParallelDims, stage_layers
@@ -116,7 +122,7 @@ from flowrl.planners.tuning import GLOO_BANDWIDTH, Tuning
 from flowrl.planners.units import format_excess, format_gib_pair
 
 __all__ = [
-    "TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage", "expert_parallel",
+    "TrainOption", "TrainOptions", "train_options", "estimate_train", "pick_fitting", "memory_budget", "zero_stage",
     "gloo_link", "host_crowded",
 ]
 
@@ -137,14 +143,6 @@ def host_crowded(cluster: ClusterSpec, vllm_workers: int) -> bool:
     if not DEVICE_TRAITS[dev.kind].pinned:
         return False
     return cluster.devices_per_host + vllm_workers > (dev.cpu.host_cores or cluster.devices_per_host)
-
-
-def expert_parallel(model: ModelSpec, dp: int) -> int:
-    """Ranks of the dp axis a mixture of experts' routed experts are split over: the largest divisor
-    of ``dp`` that divides ``n_experts`` (1 for a dense model)."""
-    if not model.n_experts:
-        return 1
-    return max(d for d in range(1, dp + 1) if dp % d == 0 and model.n_experts % d == 0)
 
 
 def zero_stage(tuning: Tuning, sharding: str = "replicate") -> int:
@@ -295,7 +293,7 @@ def train_options(
 
     zero = 0 if forward_only else zero_stage(t, sharding)
     # expert parallelism (module docstring): the routed experts, x per device of ep, shard over dp / ep
-    ep = expert_parallel(model, dp) if replicas > 1 and not model.adapter_params else 1
+    ep = dims.ep if replicas > 1 and model.n_experts else 1
     x_full = model.routed_expert_params * frac / tp if ep > 1 else 0.0
     x_dev, dp_x = x_full / ep, dp // ep
     p_dev -= x_full - x_dev
@@ -344,7 +342,10 @@ def train_options(
         """The MoE layers' all-to-alls of one micro-batch: each way, every forward and backward pass."""
         if not moe_layers:
             return 0.0
-        return 2 * moe_layers * (fwd + bwd) * all_to_all_s(tok_bar * model.experts_per_token * h * ab / tp, ep, dp_link)
+        floor = smallest_priced(ctx)  # a message below the smallest size measured takes its time: gloo's latency
+        nbytes, counts = max(tok_bar * model.experts_per_token * h * ab / tp, floor), max(model.n_experts * 8, floor)
+        tokens = all_to_all_s(nbytes, ep, as_link(all_to_all_rate(ctx, devices, dims, nbytes)))
+        return moe_layers * (2 * (fwd + bwd) * tokens + fwd * all_to_all_s(counts, ep, as_link(all_to_all_rate(ctx, devices, dims, counts))))
 
     if forward_only:
         ckpt_choices = (False,)
@@ -449,6 +450,9 @@ def train_options(
             notes.append(f"the whole batch does not fit: set the policy's micro_batch_size={option.micro_batch}")
         if option.checkpointing:
             notes.append("activation checkpointing")
+        if moe_layers:
+            tokens = option.micro_batch * mean_len(option.micro_batch) * model.experts_per_token * h * ab / tp
+            notes.append(f"experts split over ep={ep}: all-to-all at {all_to_all_rate(ctx, devices, dims, tokens).describe()}")
         if recompute_logprobs:
             notes.append("log-prob recompute")
         if updates > 1:
