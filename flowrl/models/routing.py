@@ -82,7 +82,7 @@ def _model_type(model: nn.Module) -> str | None:
     return None
 
 
-def moe_routers(model: nn.Module) -> list[nn.Module]:
+def moe_routers(model: nn.Module) -> list[Any]:
     """The routers of ``model``, one per MoE block in layer order, as its family declares them
     (``ModelFamily.router``); ``[]`` for a dense model (the built-in transformer, Llama, Qwen2/3)."""
     from flowrl.models.families import FAMILIES
@@ -90,7 +90,7 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     family = FAMILIES.get(_model_type(model) or "builtin")
     if family is None or not family.router:
         return []
-    found = []
+    found: list[tuple[int, Any]] = []  # transformers' router modules: num_experts, top_k, norm_topk_prob
     for name, module in model.named_modules():
         match = re.search(family.router, name)
         if match:

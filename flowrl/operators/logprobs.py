@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError
-from flowrl.models.causal_lm import CausalLM
+from flowrl.models.causal_lm import CausalLM, as_module
 from flowrl.models.routing import RoutingAgreement, replaying
 from flowrl.operators.packing import packed_logits
 
@@ -393,7 +393,7 @@ def _completion_logprobs(
     )
     if packed is None:  # padded (packing off, or it would not shorten this batch)
         tokens, valid, _ = padded_layout(prompt_ids, prompt_lens, completion_ids, attended)
-        with replaying(model, None if routed is None else routed[:, : tokens.shape[1]], owner="completion_logprobs", agreement=agreement):
+        with replaying(as_module(model), None if routed is None else routed[:, : tokens.shape[1]], owner="completion_logprobs", agreement=agreement):
             logits = model(tokens, valid=valid, keep=used)  # [S, used, V]: the last prompt token's logits predict y_0
         owner = torch.arange(S, device=logits.device)  # the sample of each row of logits
         targets = completion_ids[:, :used]  # [S, used]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError
+from flowrl.models.causal_lm import as_module
 from flowrl.models.routing import RoutingAgreement, moe_shape, replaying, unrecorded
 
 if TYPE_CHECKING:
@@ -172,12 +173,12 @@ def packed_logits(
         positions[offset : offset + tail] = torch.arange(tail, device=device)
     routed = None
     if routed_experts is not None:  # each sequence's experts where its tokens went; the padding's: unrecorded
-        routed = torch.full((len(rows) * L, *routed_experts.shape[2:]), unrecorded(moe_shape(model).experts), dtype=routed_experts.dtype, device=device)
+        routed = torch.full((len(rows) * L, *routed_experts.shape[2:]), unrecorded(moe_shape(as_module(model)).experts), dtype=routed_experts.dtype, device=device)
         for r, members in enumerate(rows):
             offset = r * L
             for i in members:
                 routed[offset : offset + n[i]] = routed_experts[i, Tp - p[i] : Tp + a[i] - 1]
                 offset += n[i]
-    with replaying(model, routed, owner="packed_logits", agreement=agreement):
+    with replaying(as_module(model), routed, owner="packed_logits", agreement=agreement):
         logits = model(tokens.view(len(rows), L), packed_positions=positions.view(len(rows), L))  # [R, L, V]
     return logits.reshape(-1, logits.shape[-1])[torch.cat(sources)], torch.cat(sample), torch.cat(step)

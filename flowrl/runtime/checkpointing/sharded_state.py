@@ -330,11 +330,12 @@ def _whole(trainer: Any) -> set[str]:
     peft's names."""
     from flowrl.errors import FlowrlError
     from flowrl.models.lora import adapter_shapes
+    from flowrl.models.causal_lm import as_module
     from flowrl.models.registry import meta_model
 
     names = {f"model.{n}" for n in trainer.model.state_dict()}
     try:
-        names |= {f"model.{n}" for n in meta_model(trainer.node.model).state_dict()}
+        names |= {f"model.{n}" for n in as_module(meta_model(trainer.node.model)).state_dict()}
         if trainer.lora:
             names |= {f"model.{n.removesuffix('.weight')}.default.weight" for n in adapter_shapes(trainer.node.model)}
     except FlowrlError:  # no description to build (a test's bare trainer): this rank's names only
