@@ -57,7 +57,6 @@ __all__ = [
     "MAX_DEVICES",
 ]
 
-_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 #: Most devices a cluster may have: plans list every device id of every mesh, and the search
 #: compares them, so a cluster of millions of devices would take minutes and gigabytes to plan
@@ -65,7 +64,7 @@ _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 MAX_DEVICES = 2**17
 
 
-class DeviceKind(msgspec.Struct, **_STRUCT):
+class DeviceKind(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What a kind of device is (``DeviceSpec.kind``): the facts the planner's estimates, a plan's
     placement and the check of a plan against this machine read, instead of the kind's name.
 
@@ -104,7 +103,7 @@ CLUSTER_FORMS = (
 )
 
 
-class CpuTerms(msgspec.Struct, **_STRUCT):
+class CpuTerms(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What ``flowrl calibrate`` measures of a CPU besides its peak rates: how flowrl's own passes and
     executors run there (``DeviceSpec.cpu``; ``calibrate.Measurements.cpu``). The defaults measure nothing.
     Its rates (``vllm_sync_bandwidth``, ``gloo_by_bytes``) price CPU ranks only: a GPU cluster's
@@ -279,7 +278,7 @@ def _by_bytes(table: tuple[tuple[int, float], ...], nbytes: float) -> float | No
     return r0 + (r1 - r0) * math.log(nbytes / n0) / math.log(n1 / n0)
 
 
-class DeviceSpec(msgspec.Struct, **_STRUCT):
+class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One device's figures (see the module docstring for units).
 
     Attributes:
@@ -418,7 +417,7 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
         return 2 if self.compute_dtype == "bfloat16" else 4
 
 
-class ClusterSpec(msgspec.Struct, **_STRUCT):
+class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``hosts`` x ``devices_per_host`` identical devices.
 
     Attributes:
