@@ -443,7 +443,7 @@ class GraphBuilder:
         name: str,
         loss: NodeRef,
         *,
-        model: ModelConfig | None = None,
+        model: AnyModelConfig | None = None,
         optimizer: OptimizerConfig | None = None,
         lora: LoraConfig | dict[str, Any] | None = None,
         **kwargs: Any,

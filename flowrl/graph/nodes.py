@@ -388,7 +388,7 @@ def _value(v: object) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in sorted(v.items())) + "}"  # sorted: stable across JSON round trips
     if hasattr(v, "describe"):  # a correction, tis(level=token, cap=2.0); a user's objective row, its function
-        return v.describe()  # type: ignore[attr-defined]
+        return v.describe()
     return str(v)
 
 

@@ -63,7 +63,7 @@ class CausalLM(Protocol):
     def eval(self) -> Any: ...
 
 
-def as_module(model: CausalLM) -> nn.Module:
+def as_module(model: CausalLM | nn.Module) -> nn.Module:
     """``model`` as the ``nn.Module`` every ``CausalLM`` is (a protocol cannot inherit a class, so the
     type checker learns it here, at run time).
 

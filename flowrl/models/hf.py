@@ -115,7 +115,8 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, hf: nn.Module, *, max_seq_len: int) -> None:
         super().__init__()
-        if list(hf.named_parameters(recurse=False)) or list(hf.named_buffers(recurse=False)):
+        own = [n for n, _ in hf.named_parameters(recurse=False)] + [n for n, _ in hf.named_buffers(recurse=False)]
+        if own:
             raise ConfigError(f"{type(hf).__name__} holds tensors outside its submodules; flowrl cannot adapt it")
         for name, child in hf.named_children():
             self.add_module(name, child)

@@ -227,13 +227,15 @@ def adapter_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], t
     Raises:
         ConfigError: ``config`` has no ``lora``; see also ``lora_modules``.
     """
+    from flowrl.models.causal_lm import as_module
+    from flowrl.models.hf import HFCausalLM
     from flowrl.models.registry import meta_model
 
     lora = lora_of(config)
     if lora is None:
         raise ConfigError("adapter_shapes: the model description has no lora=")
     model = meta_model(config)
-    inner = getattr(model, "hf", model)
+    inner = model.hf if isinstance(model, HFCausalLM) else as_module(model)
     return {n: (tuple(t.shape), t.dtype) for n, t in adapter_targets(inner, lora, device="meta").items()}
 
 

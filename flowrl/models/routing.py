@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from flowrl.errors import ConfigError
+from flowrl.models.causal_lm import CausalLM, as_module
 
 __all__ = [
     "MoeShape",
@@ -343,14 +344,14 @@ class RoutingAgreement:
 
 
 @contextlib.contextmanager
-def replaying(model: nn.Module, experts: Tensor | None, *, owner: str, agreement: RoutingAgreement | None = None) -> Iterator[None]:
+def replaying(model: nn.Module | CausalLM, experts: Tensor | None, *, owner: str, agreement: RoutingAgreement | None = None) -> Iterator[None]:
     """Run the block's forwards with ``experts`` ``[..., layers, k]`` forced (``RoutingReplay``; the
     leading dims flattened are the forward's tokens, row-major); nothing when ``experts`` is None.
     Adds the block's agreement to ``agreement``."""
     if experts is None:
         yield
         return
-    with RoutingReplay(model, experts.reshape(-1, *experts.shape[-2:]), owner=owner) as replay:
+    with RoutingReplay(as_module(model), experts.reshape(-1, *experts.shape[-2:]), owner=owner) as replay:
         yield
     if agreement is not None:
         agreement.agree += replay.agree

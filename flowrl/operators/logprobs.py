@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError
-from flowrl.models.causal_lm import CausalLM, as_module
+from flowrl.models.causal_lm import CausalLM
 from flowrl.models.routing import RoutingAgreement, replaying
 from flowrl.operators.packing import packed_logits
 
@@ -393,7 +393,7 @@ def _completion_logprobs(
     )
     if packed is None:  # padded (packing off, or it would not shorten this batch)
         tokens, valid, _ = padded_layout(prompt_ids, prompt_lens, completion_ids, attended)
-        with replaying(as_module(model), None if routed is None else routed[:, : tokens.shape[1]], owner="completion_logprobs", agreement=agreement):
+        with replaying(model, None if routed is None else routed[:, : tokens.shape[1]], owner="completion_logprobs", agreement=agreement):
             logits = model(tokens, valid=valid, keep=used)  # [S, used, V]: the last prompt token's logits predict y_0
         owner = torch.arange(S, device=logits.device)  # the sample of each row of logits
         targets = completion_ids[:, :used]  # [S, used]
@@ -416,6 +416,7 @@ def _completion_logprobs(
     else:  # samples drawn with different truncations: each setting on its samples' rows
         pieces, ents, order = [], [], []
         for k, p, chosen in settings:
+            assert chosen is not None  # several settings: each names its samples
             rows = torch.isin(owner, chosen.to(owner.device)).nonzero().squeeze(1)
             logp = truncated_log_softmax(logits[rows], top_k=k, top_p=p)
             pieces.append(logp.gather(-1, targets[rows][..., None]).squeeze(-1))

@@ -179,6 +179,6 @@ def packed_logits(
             for i in members:
                 routed[offset : offset + n[i]] = routed_experts[i, Tp - p[i] : Tp + a[i] - 1]
                 offset += n[i]
-    with replaying(as_module(model), routed, owner="packed_logits", agreement=agreement):
+    with replaying(model, routed, owner="packed_logits", agreement=agreement):
         logits = model(tokens.view(len(rows), L), packed_positions=positions.view(len(rows), L))  # [R, L, V]
     return logits.reshape(-1, logits.shape[-1])[torch.cat(sources)], torch.cat(sample), torch.cat(step)

@@ -96,7 +96,7 @@ from flowrl.operators.losses import (
 from flowrl.operators.packing import packs
 from flowrl.operators.shaping import dynamic_sample, shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
-from flowrl.models.causal_lm import weight_dict
+from flowrl.models.causal_lm import CausalLM, weight_dict
 from flowrl.models.lora import adapter_weights, add_adapters, lora_of
 from flowrl.models.families import FAMILIES
 from flowrl.models.registry import build_model, family_of
@@ -246,7 +246,9 @@ class Trainer:
         if model is None:  # a given model has its adapters already (fsdp_init.meta_build)
             add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
         if opt.gradient_checkpointing:
-            self.model.enable_gradient_checkpointing()
+            lm = self.model
+            assert isinstance(lm, CausalLM)  # every flowrl model (the protocol is runtime-checkable)
+            lm.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay
         )
@@ -418,7 +420,7 @@ class Trainer:
         return metrics
 
     def _accumulate(
-        self, batch: dict[str, Tensor], adv: Tensor, normalizer: Tensor, lengths: Tensor, size: int
+        self, batch: dict[str, Tensor], adv: Tensor, normalizer: float, lengths: Tensor, size: int
     ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Forward and backward of ``batch`` in micro-batches of ``size`` samples (gradients accumulate).
 
@@ -444,7 +446,7 @@ class Trainer:
             kept_pieces.append(kept)
         return pieces, kept_pieces, entropy_sum
 
-    def _micro_loss(self, part: Mapping[str, Tensor], logprobs: Tensor, adv: Tensor, normalizer: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _micro_loss(self, part: Mapping[str, Tensor], logprobs: Tensor, adv: Tensor, normalizer: float, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The objective's loss of one micro-batch ``part`` from pi's log-probs ``[s, C]`` of it (with gradients).
 
         Returns:

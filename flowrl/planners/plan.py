@@ -242,6 +242,7 @@ def _to_plan(
             placements[name] = NodePlacement(kind=node.kind, time_s=est.time_s if est else 0.0, notes=("host CPU",))
     steps = best.steps
     step = best.step_s
+    baseline_s: float | None
     if base is None:  # no device nodes: the plan is its own baseline
         baseline_s, baseline_problem, subset, every = steps.sync_step_s, "", None, None
     else:  # the baseline's search (never slower with more devices); every device is LlamaRL's own comparison

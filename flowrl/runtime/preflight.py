@@ -214,7 +214,7 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
                 f"{backend!r}; use --backend {caps.backends[0]}, or engine='builtin'"
             )
         if caps.machine_check:
-            check_engine(node, device=device)  # type: ignore[arg-type]
+            check_engine(node, device=device)
 
 
 def _check_vllm_moe_updates(graph: Graph, node: GeneratorNode, engine: str, device: str) -> None:
