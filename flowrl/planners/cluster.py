@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -568,13 +569,16 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
     with decode_errors(PlanError, mismatch=f"cluster file {str(path)!r} does not match the ClusterSpec schema",
                        invalid=f"cluster file {str(path)!r} is not valid JSON", hint=hint):
         if path.suffix == ".toml":
-            import tomllib
+            if sys.version_info < (3, 11):  # tomllib is 3.11's
+                raise PlanError(f"cluster file {str(path)!r}: reading TOML needs Python 3.11 or later (tomllib); write the cluster file as JSON")
+            else:
+                import tomllib
 
-            try:
-                raw = tomllib.loads(data.decode("utf-8"))
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-                raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
-            return msgspec.convert(raw, type=ClusterSpec)
+                try:
+                    raw = tomllib.loads(data.decode("utf-8"))
+                except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                    raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
+                return msgspec.convert(raw, type=ClusterSpec)
         return msgspec.json.decode(data, type=ClusterSpec)
 
 
