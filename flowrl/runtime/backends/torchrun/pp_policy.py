@@ -35,7 +35,7 @@ state keyed by the whole model's names (``flowrl.runtime.checkpointing.stage_sta
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,9 +44,6 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.runtime.backends.torchrun.rank_policy import collective_bytes
 from flowrl.runtime.programs.nodes import Batch, Info, PolicyProgram, SharedTransports
-
-if TYPE_CHECKING:
-    from flowrl.runtime.parallel.pipeline_trainer import PipelineTrainer
 
 __all__ = ["PipelinePolicy"]
 
