@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -96,7 +96,7 @@ from flowrl.operators.losses import (
 from flowrl.operators.packing import packs
 from flowrl.operators.shaping import dynamic_sample, shape_batch
 from flowrl.operators.mismatch import mismatch_metrics
-from flowrl.models.causal_lm import CausalLM, weight_dict
+from flowrl.models.causal_lm import weight_dict
 from flowrl.models.lora import adapter_weights, add_adapters, lora_of
 from flowrl.models.families import FAMILIES
 from flowrl.models.registry import build_model, family_of
@@ -145,6 +145,13 @@ def learning_rate(config: OptimizerConfig, step: int) -> float:
 
 def _whole(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return batch
+
+
+@runtime_checkable
+class _Recomputes(Protocol):
+    """What ``gradient_checkpointing=True`` calls: a ``CausalLM``'s method, which a pipeline stage has too."""
+
+    def enable_gradient_checkpointing(self) -> None: ...
 
 
 def _router_load(node: PolicyNode, model: torch.nn.Module) -> RouterLoad | None:
@@ -246,9 +253,13 @@ class Trainer:
         if model is None:  # a given model has its adapters already (fsdp_init.meta_build)
             add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
         if opt.gradient_checkpointing:
-            lm = self.model
-            assert isinstance(lm, CausalLM)  # every flowrl model (the protocol is runtime-checkable)
-            lm.enable_gradient_checkpointing()
+            recomputing = self.model
+            if not isinstance(recomputing, _Recomputes):  # every flowrl model and pipeline stage is one
+                raise ConfigError(
+                    f"policy {node.name!r}: gradient_checkpointing=True, and its model ({type(recomputing).__name__}) has no "
+                    "enable_gradient_checkpointing(); give it one, or set gradient_checkpointing=False"
+                )
+            recomputing.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay
         )
