@@ -34,13 +34,13 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _libc_trim() -> Callable[[], Any]:
+def _libc_trim() -> Callable[[int], Any]:
     """glibc's ``malloc_trim(0)``, or a no-op where there is none."""
     import ctypes
     import ctypes.util
 
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return lambda *_: 0
 

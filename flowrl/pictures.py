@@ -125,8 +125,8 @@ def field_summary(fields: Iterable[str], *, max_items: int = 3) -> str:
             items.extend((m, 1) for m in members)
     if len(items) <= max_items:
         return ", ".join(text for text, _ in items)
-    for bundle, members in _BUNDLES.items():
-        if set(names) == members:
+    for bundle, bundled in _BUNDLES.items():
+        if set(names) == bundled:
             return f"{bundle} ({len(names)} fields)"
     keep = items[: max(max_items - 1, 1)]
     rest = len(names) - sum(n for _, n in keep)
@@ -284,7 +284,8 @@ def _mermaid_label(lines: list[str]) -> str:
 def _mermaid_ids(graph: Graph) -> dict[str, str]:
     """Node name -> Mermaid id: the name itself when Mermaid can read it, else ``n<i>``."""
     names: list[str] = []
-    for name in [n.name for n in graph.nodes] + [x for e in (*graph.edges, *graph.weight_edges) for x in (e.src, e.dst)]:
+    ends = [x for e in graph.edges for x in (e.src, e.dst)] + [x for w in graph.weight_edges for x in (w.src, w.dst)]
+    for name in [n.name for n in graph.nodes] + ends:
         if name not in names:
             names.append(name)
     ids = {n: n for n in names if _MERMAID_ID.match(n) and n.lower() not in _MERMAID_RESERVED}

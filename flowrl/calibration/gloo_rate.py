@@ -50,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -158,7 +159,7 @@ def run_pair(module: str, args: list[str], *, what: str) -> dict[str, list[float
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def _rank(rank: int, port: int, sizes: list[int], repeats: int, activation_sizes: list[int] = ()) -> None:
+def _rank(rank: int, port: int, sizes: list[int], repeats: int, activation_sizes: Sequence[int] = ()) -> None:
     """One of the two processes: join the group over the caller's store, time the collectives; rank 0 prints the seconds."""
     import torch
     import torch.distributed as dist

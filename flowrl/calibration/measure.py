@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import threading
@@ -306,7 +307,7 @@ def _taking_turns(calls: list[Callable[[], object]], *, rounds: int, statistic: 
     try:
         for r in range(rounds + 1):
             for i, call in enumerate(calls):
-                seconds = runner.call(lambda call=call: timed(call))
+                seconds = runner.call(functools.partial(timed, call))
                 if r:
                     times[i].append(seconds)
     finally:

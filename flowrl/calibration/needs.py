@@ -24,6 +24,7 @@ from __future__ import annotations
 import msgspec
 
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import GeneratorNode, PolicyNode, SourceNode
 from flowrl.modelspec import ModelSpec, model_from_config
 
 __all__ = ["CalibrationNeeds", "calibration_needs", "MAX_VLLM_ROWS", "MAX_VLLM_TOKENS"]
@@ -63,23 +64,23 @@ def calibration_needs(graph: Graph) -> CalibrationNeeds:
     widths: set[int] = set()
     vllm: ModelSpec | None = None
     rows = tokens = 0
-    prompts = sum(s.source.batch_size for s in graph.nodes_of_kind("source")) or 1  # type: ignore[union-attr]
+    prompts = sum(s.source.batch_size for s in graph.nodes_of(SourceNode)) or 1
     for node in graph.nodes:
         config = getattr(node, "model", None)
         if config is None:
             continue
         spec = model_from_config(config)
         widths.add(spec.dim)
-        if vllm is None and getattr(node, "engine", "builtin") == "vllm":
+        if vllm is None and isinstance(node, GeneratorNode) and node.engine == "vllm":
             vllm = spec
-            rows = min(MAX_VLLM_ROWS, prompts * node.sampling.n_samples)  # type: ignore[attr-defined]
-            tokens = min(MAX_VLLM_TOKENS, node.sampling.max_new_tokens)  # type: ignore[attr-defined]
+            rows = min(MAX_VLLM_ROWS, prompts * node.sampling.n_samples)
+            tokens = min(MAX_VLLM_TOKENS, node.sampling.max_new_tokens)
     fsdp = any(getattr(getattr(n, "optimizer", None), "sharding", "replicate") == "fsdp" for n in graph.nodes)
-    policy = next(iter(graph.nodes_of_kind("policy")), None)
-    gens = graph.nodes_of_kind("generator")
-    p_rows = min(MAX_VLLM_ROWS, prompts * gens[0].sampling.n_samples) if gens else 0  # type: ignore[union-attr]
-    p_tokens = min(MAX_VLLM_TOKENS, gens[0].sampling.max_new_tokens) if gens else 0  # type: ignore[union-attr]
+    policy = next(iter(graph.nodes_of(PolicyNode)), None)
+    gens = graph.nodes_of(GeneratorNode)
+    p_rows = min(MAX_VLLM_ROWS, prompts * gens[0].sampling.n_samples) if gens else 0
+    p_tokens = min(MAX_VLLM_TOKENS, gens[0].sampling.max_new_tokens) if gens else 0
     return CalibrationNeeds(
         widths=tuple(sorted(widths)), vllm_model=vllm, vllm_rows=rows, vllm_new_tokens=tokens, gloo=fsdp,
-        policy_model=model_from_config(policy.model) if policy is not None else None, policy_rows=p_rows, policy_tokens=p_tokens,  # type: ignore[union-attr]
+        policy_model=model_from_config(policy.model) if policy is not None else None, policy_rows=p_rows, policy_tokens=p_tokens,
     )

@@ -192,6 +192,7 @@ def _rank(rank: int, port: int, shape: RankShape, repeats: int) -> None:
     from flowrl.calibration.gloo_rate import TIMEOUT_S
     from flowrl.graph.configs import ModelConfig
     from flowrl.models import build_model
+    from flowrl.models.causal_lm import as_module
     from flowrl.runtime.parallel.pipeline import split_model
     from flowrl.runtime.parallel.tensor_parallel import shard_model_
     from flowrl.runtime.parallel.tp_train import shard_tp_model_
@@ -202,7 +203,7 @@ def _rank(rank: int, port: int, shape: RankShape, repeats: int) -> None:
         torch.manual_seed(0)
         width, rows, tokens = shape.width, shape.rows, shape.tokens
         config = ModelConfig(vocab_size=16, dim=width, n_layers=_LAYERS, n_heads=shape.heads, n_kv_heads=shape.kv_heads, ffn_dim=shape.ffn, max_seq_len=2 * tokens)
-        whole = build_model(config)
+        whole = as_module(build_model(config))
         x = torch.randint(0, 16, (rows, tokens))
         valid = torch.ones_like(x, dtype=torch.bool)
         xd = torch.randint(0, 16, (shape.decode_rows, 1))

@@ -102,8 +102,10 @@ def _run(args: argparse.Namespace) -> int:
         from flowrl.calibration.vllm_rates import measure_vllm, with_vllm
 
         print(f"measuring vLLM at {vllm_model.name}'s shape (width {vllm_model.dim}, 2 layers): starting it takes a minute", file=sys.stderr, flush=True)
-        shape = {"rows": needs.vllm_rows, "new_tokens": needs.vllm_new_tokens} if needs.vllm_rows else {}  # else measure_vllm's defaults
-        figures = measure_vllm(vllm_model, repeats=min(args.repeats, 3), **shape)
+        if needs.vllm_rows:
+            figures = measure_vllm(vllm_model, repeats=min(args.repeats, 3), rows=needs.vllm_rows, new_tokens=needs.vllm_new_tokens)
+        else:  # measure_vllm's default shape
+            figures = measure_vllm(vllm_model, repeats=min(args.repeats, 3))
         m = with_vllm(m, figures)
         print(
             f"vLLM: decode {figures.decode_speedup:.2f}x the built-in engine's on one core, weight sync "

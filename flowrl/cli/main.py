@@ -20,6 +20,7 @@ import os
 import sys
 import textwrap
 import traceback
+from typing import NoReturn
 
 from flowrl import __version__
 from flowrl.errors import FlowrlError, NodeBuildError, NodeExecutionError
@@ -43,7 +44,7 @@ first steps:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own usage errors: exit 2, no traceback
+    def error(self, message: str) -> NoReturn:  # argparse's own usage errors: exit 2, no traceback
         self.print_usage(sys.stderr)
         self.exit(2, f"flowrl: error: {message}\n")
 

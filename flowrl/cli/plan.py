@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowrl.planners.lengths import LengthDistribution
@@ -84,10 +84,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _tuning(pairs: list[str]) -> dict[str, object]:
+def _tuning(pairs: list[str]) -> dict[str, Any]:
+    """``--set`` pairs as ``plan_graph``'s tuning keywords (any JSON value; checked by the planner's tuning)."""
     from flowrl.errors import PlanError
 
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for pair in pairs:
         name, sep, raw = pair.partition("=")
         if not sep or not name.strip():

@@ -35,11 +35,12 @@ def prompt_len_from_file(graph: Graph) -> tuple[int | None, str] | None:
     """
     from flowrl.data.wiring import open_source_stream
     from flowrl.errors import FlowrlError
+    from flowrl.graph.nodes import GeneratorNode, SourceNode
 
-    gens = graph.nodes_of_kind("generator")
+    gens = graph.nodes_of(GeneratorNode)
     if not gens:
         return None
-    sources = [p for p in graph.producers(gens[0].name) if p.kind == "source" and p.source.data]  # type: ignore[attr-defined]
+    sources = [p for p in graph.producers(gens[0].name) if isinstance(p, SourceNode) and p.source.data]
     if not sources:
         return None
     source = sources[0]
@@ -47,12 +48,12 @@ def prompt_len_from_file(graph: Graph) -> tuple[int | None, str] | None:
         stream = open_source_stream(graph, source.name, warn=False)
     except FlowrlError as exc:
         return None, f"the prompt file of source {source.name!r} was not read here ({exc}); the plan assumes the prompt length's upper bound"
-    batch = max(1, source.source.batch_size)  # type: ignore[attr-defined]
+    batch = max(1, source.source.batch_size)
     steps = max(1, min(len(stream), MAX_PROMPTS) // batch)
     longest = [max(len(stream.prompt_ids(s * batch + i)) for i in range(batch)) for s in range(steps)]
     tokens = max(1, round(sum(longest) / steps))
     where = (
-        f"prompt file {source.source.data!r} (mean over {steps} steps of each step's longest prompt, "  # type: ignore[attr-defined]
+        f"prompt file {source.source.data!r} (mean over {steps} steps of each step's longest prompt, "
         f"tokenised as source {source.name!r} will)"
     )
     return tokens, where

@@ -166,7 +166,8 @@ def _check_type(value: Any, schema: dict[str, Any]) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "array":
         return isinstance(value, list) and all(_check_type(v, schema.get("items", {})) for v in value)
-    return {"string": str, "boolean": bool, "object": dict}.get(kind, object) is object or isinstance(value, {"string": str, "boolean": bool, "object": dict}[kind])
+    expected: type | None = {"string": str, "boolean": bool, "object": dict}.get(kind) if isinstance(kind, str) else None
+    return expected is None or isinstance(value, expected)
 
 
 def call_tool(tools: dict[str, Tool], call: ToolCall | str) -> str:

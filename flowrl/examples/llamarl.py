@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flowrl.graph.builder import GraphBuilder
 from flowrl.graph.configs import ModelConfig
 from flowrl.graph.ir import Graph
@@ -17,11 +19,11 @@ DEFAULT_MODEL = ModelConfig(vocab_size=16, dim=64, n_layers=2, n_heads=4, n_kv_h
 
 
 def train_with_aipo(
-    b: GraphBuilder, gen: Node, *inputs: Node, lr: float = 1e-3, max_staleness: int = 1, transport: str = "inprocess", **loss: object
+    b: GraphBuilder, gen: Node, *inputs: Node, lr: float = 1e-3, max_staleness: int = 1, transport: str = "inprocess", **loss: Any
 ) -> Node:
     """The built-in examples' training half: an AIPO loss (``rho=4``, std-normalised advantages, and
     ``loss``'s options) over ``gen`` and ``inputs``, a policy at ``lr``, weights policy ~> ``gen``; returns the policy."""
-    options: dict[str, object] = {"objective": "aipo", "rho": 4.0, "normalize_std": True, **loss}
+    options: dict[str, Any] = {"objective": "aipo", "rho": 4.0, "normalize_std": True, **loss}
     policy = b.policy("policy", b.loss("aipo", gen, *inputs, **options), lr=lr)
     b.weights(policy, gen, transport=transport, max_staleness=max_staleness)
     return policy

@@ -80,7 +80,7 @@ class GraphBuilder:
         model: the model config shared by policy, generator and reference unless one is given.
     """
 
-    def __init__(self, name: str, *, model: ModelConfig | None = None) -> None:
+    def __init__(self, name: str, *, model: AnyModelConfig | None = None) -> None:
         self.name = name
         self.model = model or ModelConfig()
         self._nodes: list[Node] = []
@@ -443,7 +443,7 @@ class GraphBuilder:
         name: str,
         loss: NodeRef,
         *,
-        model: ModelConfig | None = None,
+        model: AnyModelConfig | None = None,
         optimizer: OptimizerConfig | None = None,
         lora: LoraConfig | dict[str, Any] | None = None,
         **kwargs: Any,

@@ -121,7 +121,7 @@ def correction_of(value: Any, *, owner: str = "loss") -> CorrectionConfig | None
         return value
     try:
         if isinstance(value, str):
-            return CorrectionConfig(kind=value)  # type: ignore[arg-type]
+            return CorrectionConfig(kind=value)  # type: ignore[arg-type]  # any name: __post_init__ refuses an unknown kind
         if isinstance(value, dict):
             return msgspec.convert(value, CorrectionConfig)
     except (msgspec.ValidationError, ConfigError) as exc:

@@ -71,7 +71,7 @@ def reads_values(config: LossConfig) -> bool:
     return row is not None and row.advantages == "gae"
 
 
-class CriticNode(NodeBase, tag="critic"):
+class CriticNode(NodeBase, tag="critic", frozen=True):
     """A trained value model (module docstring).
 
     Attributes:

@@ -151,7 +151,7 @@ class NodeBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 _NodeBase = NodeBase  # the name earlier modules used
 
 
-class SourceNode(NodeBase, tag="source"):
+class SourceNode(NodeBase, tag="source", frozen=True):
     """Prompts from a task. See the module docstring for the fields it writes."""
 
     source: SourceConfig = msgspec.field(default_factory=SourceConfig)
@@ -184,7 +184,7 @@ def _check_routing_replay(node: GeneratorNode) -> None:
         )
 
 
-class GeneratorNode(NodeBase, tag="generator"):
+class GeneratorNode(NodeBase, tag="generator", frozen=True):
     """Samples completions with the behaviour policy mu.
 
     Attributes:
@@ -242,7 +242,7 @@ class GeneratorNode(NodeBase, tag="generator"):
         return text + (f", env={self.env.env}, max_turns={self.env.max_turns}" if self.env is not None else "")
 
 
-class ScorerNode(NodeBase, tag="scorer"):
+class ScorerNode(NodeBase, tag="scorer", frozen=True):
     """Rewards from a rule.
 
     Attributes:
@@ -276,7 +276,7 @@ class ScorerNode(NodeBase, tag="scorer"):
         return f"fn={self.fn}" + (", batched" if self.batched else "") + (", text" if self.inputs == "text" else "")
 
 
-class ReferenceNode(NodeBase, tag="reference"):
+class ReferenceNode(NodeBase, tag="reference", frozen=True):
     """A copy of the initial policy, for a KL penalty: frozen, or synced with the policy.
 
     Attributes:
@@ -307,7 +307,7 @@ class ReferenceNode(NodeBase, tag="reference"):
         return updates * seq if self.reference.syncs_at(seq) else -1
 
 
-class RewardModelNode(NodeBase, tag="reward_model"):
+class RewardModelNode(NodeBase, tag="reward_model", frozen=True):
     """Rewards from a Hugging Face model reading each sample's prompt and completion text.
 
     The text is decoded as a text scorer's is (``flowrl.operators.text_inputs``) and encoded again
@@ -345,7 +345,7 @@ class RewardModelNode(NodeBase, tag="reward_model"):
         return f"model={self.model.short()}{judge}" + (f", batch={self.batch_size}" if self.batch_size else "")
 
 
-class LossNode(NodeBase, tag="loss"):
+class LossNode(NodeBase, tag="loss", frozen=True):
     """The RL objective; runs inside its policy's training step."""
 
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -374,7 +374,7 @@ class LossNode(NodeBase, tag="loss"):
         return ", ".join([f"{c.objective}{extra}, baseline={c.baseline}", *rest])
 
 
-class PolicyNode(NodeBase, tag="policy"):
+class PolicyNode(NodeBase, tag="policy", frozen=True):
     """The trainer: pi's weights, its optimizer and the version clock."""
 
     model: AnyModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -397,7 +397,7 @@ def _value(v: object) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in sorted(v.items())) + "}"  # sorted: stable across JSON round trips
     if hasattr(v, "describe"):  # a correction, tis(level=token, cap=2.0); a user's objective row, its function
-        return v.describe()  # type: ignore[attr-defined]
+        return v.describe()
     return str(v)
 
 

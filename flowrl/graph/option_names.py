@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import difflib
 
+import msgspec
+
 from flowrl.graph.configs import LossConfig, OptimizerConfig, ReferenceConfig, SamplingConfig, SourceConfig
 from flowrl.graph.engines import VLLMConfig
 
@@ -26,7 +28,7 @@ __all__ = [
 ]  # fmt: skip
 
 #: Which builder method takes the fields of which configs (a generator: its sampling, and vLLM's settings).
-OPTION_OWNERS: dict[str, tuple[type, ...]] = {
+OPTION_OWNERS: dict[str, tuple[type[msgspec.Struct], ...]] = {
     "source": (SourceConfig,),
     "generator": (SamplingConfig, VLLMConfig),
     "loss": (LossConfig,),

@@ -170,8 +170,8 @@ def reference_of(fn: Callable[..., Any] | str) -> str:
                 "(not a lambda or a nested function) and pass the function, "
                 "its 'module:qualname' or its 'path/to/file.py:qualname'"
             )
-        ref = _through_script(fn, module, qualname) if module not in _FILE_MODULES else None
-        ref = ref or f"{_FILE_MODULES.get(module, module)}:{qualname}"
+        scripted = _through_script(fn, module, qualname) if module not in _FILE_MODULES else None
+        ref = scripted or f"{_FILE_MODULES.get(module, module)}:{qualname}"
     message = check_reference(ref)
     if message:
         raise GraphError(message)

@@ -54,8 +54,8 @@ def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
 
 def is_trl_form(fn: Callable[..., Any]) -> bool:
     """True for TRL's reward-function form: the first parameter is ``completions`` (``f(completions, **kwargs)``)."""
-    params = _parameters(fn)
-    return bool(params) and params[0].name == "completions" and params[0].kind is not inspect.Parameter.VAR_POSITIONAL  # type: ignore[index]
+    params = _parameters(fn) or []
+    return bool(params) and params[0].name == "completions" and params[0].kind is not inspect.Parameter.VAR_POSITIONAL
 
 
 def _annotation(p: inspect.Parameter) -> str:

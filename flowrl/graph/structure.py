@@ -122,7 +122,7 @@ class GraphStructure:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, GraphStructure) and other._spec == self._spec
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable on purpose; typeshed types object.__hash__ as a method
 
     # -- typed accessors ------------------------------------------------------------------------
     def node(self, name: str) -> Node:

@@ -62,7 +62,7 @@ TEACHER_INPUTS: tuple[str, ...] = (
 TEACHER_FIELD = "teacher_logprobs"
 
 
-class TeacherNode(NodeBase, tag="teacher"):
+class TeacherNode(NodeBase, tag="teacher", frozen=True):
     """A frozen teacher model (module docstring).
 
     Attributes:

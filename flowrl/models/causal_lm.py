@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-__all__ = ["CausalLM", "weight_dict"]
+__all__ = ["CausalLM", "as_module", "weight_dict"]
 
 
 @runtime_checkable
@@ -56,6 +56,23 @@ class CausalLM(Protocol):
     def splice_cache(self, cache: Any, part: Any, source: Tensor, rows: Tensor, start: int) -> bool: ...
 
     def enable_gradient_checkpointing(self) -> None: ...
+
+    # The two ``nn.Module`` methods the operators call on any model (``as_module`` gives the rest).
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+
+def as_module(model: CausalLM | nn.Module) -> nn.Module:
+    """``model`` as the ``nn.Module`` every ``CausalLM`` is (a protocol cannot inherit a class, so the
+    type checker learns it here, at run time).
+
+    Raises:
+        TypeError: when ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"a CausalLM is an nn.Module; got {type(model).__name__}")
+    return model
 
 
 def weight_dict(model: nn.Module) -> dict[str, Tensor]:

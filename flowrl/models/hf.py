@@ -111,14 +111,17 @@ class HFCausalLM(nn.Module):
         max_seq_len: as given.
     """
 
+    hf: Any  # a transformers ``PreTrainedModel``: the checker does not follow transformers (pyproject's [tool.mypy])
+
     def __init__(self, hf: nn.Module, *, max_seq_len: int) -> None:
         super().__init__()
-        if list(hf.named_parameters(recurse=False)) or list(hf.named_buffers(recurse=False)):
+        own = [n for n, _ in hf.named_parameters(recurse=False)] + [n for n, _ in hf.named_buffers(recurse=False)]
+        if own:
             raise ConfigError(f"{type(hf).__name__} holds tensors outside its submodules; flowrl cannot adapt it")
         for name, child in hf.named_children():
             self.add_module(name, child)
         self.__dict__["hf"] = hf  # not a submodule: its children are already ours (state-dict names = HF names)
-        self.vocab_size = int(hf.get_input_embeddings().num_embeddings)
+        self.vocab_size = int(self.hf.get_input_embeddings().num_embeddings)
         self.max_seq_len = int(max_seq_len)
 
     def train(self, mode: bool = True) -> HFCausalLM:

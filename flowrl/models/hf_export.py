@@ -74,7 +74,7 @@ def export_hf(state: dict[str, Any], out_dir: str | Path, *, overwrite: bool = F
     if adapter and lora is None:
         raise ConfigError(f"export: --adapter writes a LoRA policy's adapters, and this policy ({config.short()}) has no lora; drop --adapter")
     if adapter:
-        assert isinstance(config, HFModelConfig)  # lora_of is None for the built-in family
+        assert isinstance(config, HFModelConfig) and lora is not None  # lora_of is None for the built-in family
         return save_adapter(weights, lora, out, base_model=config.path)
     probe = msgspec.structs.replace(config, init="random") if isinstance(config, HFModelConfig) else config  # config.json, not weights
     family = family_of(probe, owner="export")

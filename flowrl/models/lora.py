@@ -107,10 +107,10 @@ def lora_modules(model: nn.Module, lora: LoraConfig, *, owner: str = "model") ->
     present = sorted({n.rsplit(".", 1)[-1] for n in linear})
     family = _family(model)
     refused = [(t, n, what) for t, found in matched.items() for n in found for pattern, what in (family.lora_refused if family else ()) if re.fullmatch(pattern, n)]
-    if refused:
+    if refused and family is not None:  # refused is empty without a family
         t, n, what = refused[0]
         raise ConfigError(
-            f"{owner}: lora target_modules {t!r} matches {n!r}, {what} of the {family.name} family ({family.hf_architecture}; "  # type: ignore[union-attr]
+            f"{owner}: lora target_modules {t!r} matches {n!r}, {what} of the {family.name} family ({family.hf_architecture}; "
             f"{len(refused)} such modules); LoRA adapts its linear layers only: pick among {present}"
         )
     missing = [t for t, found in matched.items() if not found]
@@ -227,13 +227,15 @@ def adapter_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], t
     Raises:
         ConfigError: ``config`` has no ``lora``; see also ``lora_modules``.
     """
+    from flowrl.models.causal_lm import as_module
+    from flowrl.models.hf import HFCausalLM
     from flowrl.models.registry import meta_model
 
     lora = lora_of(config)
     if lora is None:
         raise ConfigError("adapter_shapes: the model description has no lora=")
     model = meta_model(config)
-    inner = getattr(model, "hf", model)
+    inner = model.hf if isinstance(model, HFCausalLM) else as_module(model)
     return {n: (tuple(t.shape), t.dtype) for n, t in adapter_targets(inner, lora, device="meta").items()}
 
 
@@ -308,7 +310,7 @@ def save_adapter(weights: Mapping[str, Tensor], lora: LoraConfig, out_dir: str |
     return out
 
 
-def merged_model(config: HFModelConfig, weights: Mapping[str, Tensor]) -> nn.Module:
+def merged_model(config: HFModelConfig, weights: Mapping[str, Tensor]) -> Any:
     """The transformers model of ``config``'s base (as every node builds it: pretrained or seeded)
     with ``weights`` (the adapters) merged by peft's ``merge_and_unload``: a plain ``*ForCausalLM``.
 
@@ -317,11 +319,14 @@ def merged_model(config: HFModelConfig, weights: Mapping[str, Tensor]) -> nn.Mod
     """
     import msgspec
 
+    from flowrl.models.hf import HFCausalLM
     from flowrl.models.registry import build_model
 
     assert config.lora is not None  # the caller's branch
     peft = require_peft("export")
-    base = build_model(msgspec.structs.replace(config, lora=None)).hf  # type: ignore[attr-defined]
+    built = build_model(msgspec.structs.replace(config, lora=None))
+    assert isinstance(built, HFCausalLM)  # an HFModelConfig's family builds one
+    base = built.hf
     lora = config.lora
     targets = lora_modules(base, lora, owner="export")
     model = peft.get_peft_model(base, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", target_modules=targets))

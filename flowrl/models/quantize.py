@@ -148,6 +148,9 @@ class QuantizedLinear(nn.Module):
         bias: the float bias, or None.
     """
 
+    qweight: Tensor  # buffers, registered in __init__
+    scale: Tensor
+
     def __init__(self, linear: nn.Linear, precision: str) -> None:
         super().__init__()
         self.precision = precision

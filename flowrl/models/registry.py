@@ -56,9 +56,9 @@ def weight_shapes(config: AnyModelConfig) -> dict[str, tuple[tuple[int, ...], to
     Raises:
         ConfigError: as ``build_model``.
     """
-    from flowrl.models.causal_lm import weight_dict
+    from flowrl.models.causal_lm import as_module, weight_dict
 
-    return {n: (tuple(t.shape), t.dtype) for n, t in weight_dict(meta_model(config)).items()}
+    return {n: (tuple(t.shape), t.dtype) for n, t in weight_dict(as_module(meta_model(config))).items()}
 
 
 def meta_model(config: AnyModelConfig) -> CausalLM:

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from flowrl.errors import ConfigError
+from flowrl.models.causal_lm import CausalLM, as_module
 
 __all__ = [
     "MoeShape",
@@ -82,7 +83,7 @@ def _model_type(model: nn.Module) -> str | None:
     return None
 
 
-def moe_routers(model: nn.Module) -> list[nn.Module]:
+def moe_routers(model: nn.Module) -> list[Any]:
     """The routers of ``model``, one per MoE block in layer order, as its family declares them
     (``ModelFamily.router``); ``[]`` for a dense model (the built-in transformer, Llama, Qwen2/3)."""
     from flowrl.models.families import FAMILIES
@@ -90,7 +91,7 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     family = FAMILIES.get(_model_type(model) or "builtin")
     if family is None or not family.router:
         return []
-    found = []
+    found: list[tuple[int, Any]] = []  # transformers' router modules: num_experts, top_k, norm_topk_prob
     for name, module in model.named_modules():
         match = re.search(family.router, name)
         if match:
@@ -343,14 +344,14 @@ class RoutingAgreement:
 
 
 @contextlib.contextmanager
-def replaying(model: nn.Module, experts: Tensor | None, *, owner: str, agreement: RoutingAgreement | None = None) -> Iterator[None]:
+def replaying(model: nn.Module | CausalLM, experts: Tensor | None, *, owner: str, agreement: RoutingAgreement | None = None) -> Iterator[None]:
     """Run the block's forwards with ``experts`` ``[..., layers, k]`` forced (``RoutingReplay``; the
     leading dims flattened are the forward's tokens, row-major); nothing when ``experts`` is None.
     Adds the block's agreement to ``agreement``."""
     if experts is None:
         yield
         return
-    with RoutingReplay(model, experts.reshape(-1, *experts.shape[-2:]), owner=owner) as replay:
+    with RoutingReplay(as_module(model), experts.reshape(-1, *experts.shape[-2:]), owner=owner) as replay:
         yield
     if agreement is not None:
         agreement.agree += replay.agree

@@ -75,8 +75,8 @@ def attach_value_head(model: nn.Module, *, owner: str = "critic") -> str:
         head = nn.Linear(old.in_features, 1, bias=True, device=old.weight.device)
         hf.set_output_embeddings(head)
         setattr(model, names[0], head)
-    elif hasattr(model, "output") and hasattr(model, "tok_embeddings"):  # the built-in transformer (output None: tied)
-        weight = model.tok_embeddings.weight
+    elif hasattr(model, "output") and isinstance(embeddings := getattr(model, "tok_embeddings", None), nn.Embedding):  # the built-in transformer (output None: tied)
+        weight = embeddings.weight
         head = nn.Linear(weight.shape[1], 1, bias=True, device=weight.device)
         model.output = head
         names = ["output"]

@@ -416,6 +416,7 @@ def _completion_logprobs(
     else:  # samples drawn with different truncations: each setting on its samples' rows
         pieces, ents, order = [], [], []
         for k, p, chosen in settings:
+            assert chosen is not None  # several settings: each names its samples
             rows = torch.isin(owner, chosen.to(owner.device)).nonzero().squeeze(1)
             logp = truncated_log_softmax(logits[rows], top_k=k, top_p=p)
             pieces.append(logp.gather(-1, targets[rows][..., None]).squeeze(-1))

@@ -947,7 +947,8 @@ def compute_loss(
     old = mu  # PPO's old policy is pi_old when the trainer computed it (several updates), or under a correction
     if row.anchored_at_old and ("proximal_logprobs" in batch or config.correction is not None):
         old = prox
-    policy_logprobs, policy_mask, correction = logprobs, mask, {}
+    policy_logprobs, policy_mask = logprobs, mask
+    correction: dict[str, float] = {}
     if config.correction is not None:  # the whole batch's counts, whatever the correction masks
         normalizer = batch_normalizer(mask, config.loss_agg) if normalizer is None else normalizer
         lengths = mask.sum(1) if lengths is None else lengths

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from flowrl.errors import ConfigError
+from flowrl.models.causal_lm import as_module
 from flowrl.models.routing import RoutingAgreement, moe_shape, replaying, unrecorded
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def packed_logits(
         positions[offset : offset + tail] = torch.arange(tail, device=device)
     routed = None
     if routed_experts is not None:  # each sequence's experts where its tokens went; the padding's: unrecorded
-        routed = torch.full((len(rows) * L, *routed_experts.shape[2:]), unrecorded(moe_shape(model).experts), dtype=routed_experts.dtype, device=device)
+        routed = torch.full((len(rows) * L, *routed_experts.shape[2:]), unrecorded(moe_shape(as_module(model)).experts), dtype=routed_experts.dtype, device=device)
         for r, members in enumerate(rows):
             offset = r * L
             for i in members:

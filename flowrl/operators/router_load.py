@@ -75,7 +75,7 @@ class RouterLoad:
     """
 
     def __init__(self, model: nn.Module, family: ModelFamily, coef: float) -> None:
-        inner = getattr(model, "hf", model)
+        inner: Any = getattr(model, "hf", model)  # the transformers model (not followed by the checker)
         config = inner.config
         self.experts, self.top_k, self.coef = int(config.num_experts), int(config.num_experts_per_tok), float(coef)
         routers = [(n, m) for n, m in inner.named_modules() if re.search(family.router, n)]

@@ -156,6 +156,12 @@ class SlotBatcher:
         else:
             self.waiting.append(sample)
 
+    def _prompt(self, i: int) -> list[int]:
+        """The prompt of the sample in slot ``i`` (one ``_fill`` just placed there)."""
+        row = self.rows[i]
+        assert row is not None, f"slot {i} holds no sample"
+        return row.prompt
+
     def _fill(self, admit: Callable[[Sample], bool] | None) -> list[int]:
         new = []
         for i, row in enumerate(self.rows):
@@ -222,7 +228,7 @@ class SlotBatcher:
         filled = self.valid.shape[1]
         if self._part is not None and (self._part_version != self.gen.version or self._part_valid.shape[1] > filled):
             self.staged = {}  # prefilled by older weights, or wider than this (compacted) cache
-        prompts = {i: tuple(self.rows[i].prompt) for i in new}  # type: ignore[union-attr]
+        prompts = {i: tuple(self._prompt(i)) for i in new}
         ready = [i for i in new if prompts[i] in self.staged]
         if ready and not self._place(ready, prompts):
             return False
@@ -253,7 +259,7 @@ class SlotBatcher:
         from flowrl.operators.source import pad_left
 
         device = self.gen.device
-        ids, lens = pad_left([self.rows[i].prompt if i in new else [] for i in range(self.slots)], self.gen.pad_id)  # type: ignore[union-attr]
+        ids, lens = pad_left([self._prompt(i) if i in new else [] for i in range(self.slots)], self.gen.pad_id)
         width = max(ids.shape[1], 1)
         ids = torch.cat([torch.full((self.slots, width - ids.shape[1]), self.gen.pad_id, dtype=torch.int64), ids], dim=1).to(device)
         fresh = torch.arange(width, device=device)[None, :] >= (width - lens.to(device))[:, None]  # [slots, width]
@@ -272,7 +278,7 @@ class SlotBatcher:
     def _columns(self, new: list[int]) -> None:
         """Bring the cache up to date: the new rows' prompts and the feeding rows' last tokens in it, their logits in ``pending``."""
         feeding = bool(self.feeding.any())
-        longest = max((len(self.rows[i].prompt) for i in new), default=0)  # type: ignore[union-attr]
+        longest = max((len(self._prompt(i)) for i in new), default=0)
         filled = self.valid.shape[1] if self.cache is not None else 0
         if self.splices:
             if self.cache is None or filled + feeding > self.width or longest > filled + feeding:

@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -145,6 +145,13 @@ def learning_rate(config: OptimizerConfig, step: int) -> float:
 
 def _whole(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return batch
+
+
+@runtime_checkable
+class _Recomputes(Protocol):
+    """What ``gradient_checkpointing=True`` calls: a ``CausalLM``'s method, which a pipeline stage has too."""
+
+    def enable_gradient_checkpointing(self) -> None: ...
 
 
 def _router_load(node: PolicyNode, model: torch.nn.Module) -> RouterLoad | None:
@@ -246,7 +253,13 @@ class Trainer:
         if model is None:  # a given model has its adapters already (fsdp_init.meta_build)
             add_adapters(self.model, node.model, owner=f"policy {node.name!r}")
         if opt.gradient_checkpointing:
-            self.model.enable_gradient_checkpointing()
+            recomputing = self.model
+            if not isinstance(recomputing, _Recomputes):  # every flowrl model and pipeline stage is one
+                raise ConfigError(
+                    f"policy {node.name!r}: gradient_checkpointing=True, and its model ({type(recomputing).__name__}) has no "
+                    "enable_gradient_checkpointing(); give it one, or set gradient_checkpointing=False"
+                )
+            recomputing.enable_gradient_checkpointing()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=learning_rate(opt, 0), betas=opt.betas, weight_decay=opt.weight_decay
         )
@@ -418,7 +431,7 @@ class Trainer:
         return metrics
 
     def _accumulate(
-        self, batch: dict[str, Tensor], adv: Tensor, normalizer: Tensor, lengths: Tensor, size: int
+        self, batch: dict[str, Tensor], adv: Tensor, normalizer: float, lengths: Tensor, size: int
     ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Forward and backward of ``batch`` in micro-batches of ``size`` samples (gradients accumulate).
 
@@ -444,7 +457,7 @@ class Trainer:
             kept_pieces.append(kept)
         return pieces, kept_pieces, entropy_sum
 
-    def _micro_loss(self, part: Mapping[str, Tensor], logprobs: Tensor, adv: Tensor, normalizer: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _micro_loss(self, part: Mapping[str, Tensor], logprobs: Tensor, adv: Tensor, normalizer: float, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The objective's loss of one micro-batch ``part`` from pi's log-probs ``[s, C]`` of it (with gradients).
 
         Returns:

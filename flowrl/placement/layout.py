@@ -191,7 +191,7 @@ def device_ranges(ids: Sequence[int]) -> str:
     for d in ids:
         if start is None:
             start = prev = d
-        elif d == prev + 1:  # type: ignore[operator]
+        elif d == prev + 1:  # type: ignore[operator]  # prev is set with start, one line up
             prev = d
         else:
             parts.append(f"{start}-{prev}" if prev != start else f"{start}")

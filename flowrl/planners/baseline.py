@@ -207,8 +207,8 @@ def plan_baseline(graph: Graph, ctx: Context, *, model: ModelSpec | None = None,
         for count in counts:
             if best.get(count) is None:
                 best[count] = _best_on(ev, count, system.shared_layout)
-    subset = [best[c] for c in counts if best[c] is not None]
-    best_subset = min(subset, key=lambda c: (c.steps.sync_step_s, c.split.gen_count)) if subset else None
+    subset = [b for b in (best[c] for c in counts) if b is not None]
+    best_subset = min(subset, key=lambda c: (c.steps.sync_step_s, c.split.gen_count if c.split else 0)) if subset else None
     if best_subset is None and not problem:  # it fits on every device, on none of the counts searched
         problem = f"it fits on none of the device counts searched ({counts[0]}-{counts[-1]}, strategies.candidate_counts), only on all {n}"
     return BaselineResult(system=system, all_devices=best[n], best_subset=best_subset, problem=problem)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -57,7 +58,6 @@ __all__ = [
     "MAX_DEVICES",
 ]
 
-_STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 #: Most devices a cluster may have: plans list every device id of every mesh, and the search
 #: compares them, so a cluster of millions of devices would take minutes and gigabytes to plan
@@ -65,7 +65,7 @@ _STRUCT = dict(frozen=True, kw_only=True, forbid_unknown_fields=True)
 MAX_DEVICES = 2**17
 
 
-class DeviceKind(msgspec.Struct, **_STRUCT):
+class DeviceKind(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What a kind of device is (``DeviceSpec.kind``): the facts the planner's estimates, a plan's
     placement and the check of a plan against this machine read, instead of the kind's name.
 
@@ -104,7 +104,7 @@ CLUSTER_FORMS = (
 )
 
 
-class CpuTerms(msgspec.Struct, **_STRUCT):
+class CpuTerms(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What ``flowrl calibrate`` measures of a CPU besides its peak rates: how flowrl's own passes and
     executors run there (``DeviceSpec.cpu``; ``calibrate.Measurements.cpu``). The defaults measure nothing.
     Its rates (``vllm_sync_bandwidth``, ``gloo_by_bytes``) price CPU ranks only: a GPU cluster's
@@ -288,7 +288,7 @@ def _by_bytes(table: tuple[tuple[int, float], ...], nbytes: float) -> float | No
     return r0 + (r1 - r0) * math.log(nbytes / n0) / math.log(n1 / n0)
 
 
-class DeviceSpec(msgspec.Struct, **_STRUCT):
+class DeviceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One device's figures (see the module docstring for units).
 
     Attributes:
@@ -427,7 +427,7 @@ class DeviceSpec(msgspec.Struct, **_STRUCT):
         return 2 if self.compute_dtype == "bfloat16" else 4
 
 
-class ClusterSpec(msgspec.Struct, **_STRUCT):
+class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``hosts`` x ``devices_per_host`` identical devices.
 
     Attributes:
@@ -578,13 +578,16 @@ def load_cluster_file(path: str | Path) -> ClusterSpec:
     with decode_errors(PlanError, mismatch=f"cluster file {str(path)!r} does not match the ClusterSpec schema",
                        invalid=f"cluster file {str(path)!r} is not valid JSON", hint=hint):
         if path.suffix == ".toml":
-            import tomllib
+            if sys.version_info < (3, 11):  # tomllib is 3.11's
+                raise PlanError(f"cluster file {str(path)!r}: reading TOML needs Python 3.11 or later (tomllib); write the cluster file as JSON")
+            else:
+                import tomllib
 
-            try:
-                raw = tomllib.loads(data.decode("utf-8"))
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-                raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
-            return msgspec.convert(raw, type=ClusterSpec)
+                try:
+                    raw = tomllib.loads(data.decode("utf-8"))
+                except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                    raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
+                return msgspec.convert(raw, type=ClusterSpec)
         return msgspec.json.decode(data, type=ClusterSpec)
 
 

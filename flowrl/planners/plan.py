@@ -162,6 +162,7 @@ def _why_none_fits(graph: Graph, roles: Roles, ctx: Context, strategy: str, prob
     near = closest is not None and closest.memory.total <= 0.95 * ctx.cluster.device.memory_bytes
     more_memory = ["--set memory_util=0.95"] if near and ctx.tuning.memory_util < 0.95 else []
     if never:
+        assert closest is not None  # problems holds never's entries
         reason = f"closest miss: {closest.problem}"
         if name in roles.gens:
             hints = [*fp8, "more devices", "fewer --prompts-per-step (smaller KV cache)", *more_memory]
@@ -242,10 +243,11 @@ def _to_plan(
             placements[name] = NodePlacement(kind=node.kind, time_s=est.time_s if est else 0.0, notes=("host CPU",))
     steps = best.steps
     step = best.step_s
+    baseline_s: float | None
     if base is None:  # no device nodes: the plan is its own baseline
-        baseline, baseline_problem, subset, every = steps.sync_step_s, "", None, None
+        baseline_s, baseline_problem, subset, every = steps.sync_step_s, "", None, None
     else:  # the baseline's search (never slower with more devices); every device is LlamaRL's own comparison
-        baseline = base.best_subset.steps.sync_step_s if base.best_subset else None
+        baseline_s = base.best_subset.steps.sync_step_s if base.best_subset else None
         baseline_problem, subset = base.problem, base.best_subset
         every = base.all_devices.steps.sync_step_s if base.all_devices else None
     alternatives = tuple(
@@ -275,8 +277,8 @@ def _to_plan(
         async_step_s=steps.async_step_s,
         step_s=step,
         speedup=steps.sync_step_s / steps.async_step_s if steps.async_step_s > 0 else 1.0,
-        baseline_step_s=baseline,
-        speedup_vs_baseline=(baseline / step) if baseline and step > 0 else None,
+        baseline_step_s=baseline_s,
+        speedup_vs_baseline=(baseline_s / step) if baseline_s and step > 0 else None,
         baseline_problem=baseline_problem,
         baseline_system=base.system.name if base else "",
         baseline_subset_step_s=subset.steps.sync_step_s if subset else None,

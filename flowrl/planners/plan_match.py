@@ -117,13 +117,13 @@ def graph_differences(plan: Plan, graph: Graph) -> list[str]:
     if out:
         return out  # the models of another set of nodes say nothing more
     for name, engine in plan.engines.items():
-        node = graph.node(name) if name in kinds else None
-        if node is not None and getattr(node, "engine", engine) != engine:
-            out.append(f"generator {name!r} was planned with the {engine} engine, but runs the {node.engine} engine here (--engine)")
+        runs = getattr(graph.node(name), "engine", engine) if name in kinds else engine
+        if runs != engine:
+            out.append(f"generator {name!r} was planned with the {engine} engine, but runs the {runs} engine here (--engine)")
     for name, sharding in plan.shardings.items():
-        here = getattr(getattr(graph.node(name), "optimizer", None), "sharding", sharding) if name in kinds else sharding
-        if here != sharding:
-            out.append(f"{graph.node(name).kind} {name!r} was planned with sharding {sharding!r}, but holds its state as {here!r} here (--sharding)")
+        holds = getattr(getattr(graph.node(name), "optimizer", None), "sharding", sharding) if name in kinds else sharding
+        if holds != sharding:
+            out.append(f"{graph.node(name).kind} {name!r} was planned with sharding {sharding!r}, but holds its state as {holds!r} here (--sharding)")
     models = graph_models(plan, graph)
     for name, planned in plan.models.items():
         mine = (models or {}).get(name)

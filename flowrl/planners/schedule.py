@@ -80,19 +80,20 @@ def _resource_names(devices: Mapping[str, Sequence[int]], graph: Graph) -> dict[
 
 
 def _group_label(sets: Sequence[Sequence[int]]) -> str:
-    if all(isinstance(r, range) and r.step == 1 for r in sets):
-        lo, hi = min(r.start for r in sets), max(r.stop for r in sets)  # type: ignore[union-attr]
-        if sum(len(r) for r in sets) >= hi - lo and _covers(sets, lo, hi):
+    ranges = [r for r in sets if isinstance(r, range) and r.step == 1]
+    if len(ranges) == len(sets):
+        lo, hi = min(r.start for r in ranges), max(r.stop for r in ranges)
+        if sum(len(r) for r in ranges) >= hi - lo and _covers(ranges, lo, hi):
             return f"{lo}-{hi - 1}" if hi - lo > 1 else f"{lo}"
     return device_ranges(sorted({d for r in sets for d in r}))
 
 
-def _covers(sets: Sequence[Sequence[int]], lo: int, hi: int) -> bool:
+def _covers(sets: Sequence[range], lo: int, hi: int) -> bool:
     reach = lo
-    for r in sorted(sets, key=lambda r: r.start):  # type: ignore[union-attr]
-        if r.start > reach:  # type: ignore[union-attr]
+    for r in sorted(sets, key=lambda r: r.start):
+        if r.start > reach:
             return False
-        reach = max(reach, r.stop)  # type: ignore[union-attr]
+        reach = max(reach, r.stop)
     return reach >= hi
 
 

@@ -26,6 +26,7 @@ import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -526,8 +527,8 @@ class _Evaluator:
             syncs.append(
                 add_engine_load(sync, r.models[edge.dst], engine=engine, transport=edge.transport, dst_bytes_per_param=dst_bytes, ctx=self.ctx, dst_dims=ddims)
             )
-        devices = {n: layout[n][0] for n in names}
-        devices.update({loss: layout[p][0] for loss, p in r.loss_of.items() if p in layout})
+        placed = {n: layout[n][0] for n in names}
+        placed.update({loss: layout[p][0] for loss, p in r.loss_of.items() if p in layout})
         times = {n: e.time_s for n, e in estimates.items()}
         feasible = all(e.feasible for e in estimates.values())
         if not feasible:
@@ -540,7 +541,7 @@ class _Evaluator:
         cores = cluster.device.cpu.host_cores
         oversubscribed = cores if cluster.hosts == 1 and 0 < cores < cluster.devices_per_host else 0  # more ranks than cores
         steps = step_times(
-            self.graph, devices, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers,
+            self.graph, placed, times, syncs, sync_overlap=self.ctx.tuning.sync_overlap, steady=steady, order=self.order, producers=self.producers,
             shared_slowdown=shared, host_cores=oversubscribed,
         )
         problem = next((e.problem for e in estimates.values() if not e.feasible), "")
@@ -616,16 +617,17 @@ def _cpu_estimate(kind: str, ctx: Context) -> NodeEstimate:
     return ESTIMATORS[kind](kind, ctx)
 
 
-def _sync_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:
-    """``estimate_sync`` (the transport's transfer) plus the trainer's cast to the generator's dtype."""
-    est = estimate_sync(model, **kwargs)  # type: ignore[arg-type]
-    return add_quantization(est, model, **kwargs)  # type: ignore[arg-type]
+def _sync_with_quantization(model: ModelSpec, **kwargs: Any) -> SyncEstimate:
+    """``estimate_sync`` (the transport's transfer) plus the trainer's cast to the generator's dtype
+    (``kwargs``: both functions' keyword arguments, passed through)."""
+    est = estimate_sync(model, **kwargs)
+    return add_quantization(est, model, **kwargs)
 
 
-def _direct_with_quantization(model: ModelSpec, **kwargs: object) -> SyncEstimate:
+def _direct_with_quantization(model: ModelSpec, **kwargs: Any) -> SyncEstimate:
     """``estimate_direct_sync`` (the direct route into vLLM's workers) plus the trainer's cast to the generator's dtype."""
-    est = estimate_direct_sync(model, **kwargs)  # type: ignore[arg-type]
-    return add_quantization(est, model, **kwargs)  # type: ignore[arg-type]
+    est = estimate_direct_sync(model, **kwargs)
+    return add_quantization(est, model, **kwargs)
 
 
 def evaluator(graph: Graph, roles: Roles, ctx: Context, max_staleness: int) -> _Evaluator:
@@ -666,8 +668,10 @@ def evaluate_layout(graph: Graph, ctx: Context, roles: Roles, layout: Layout, *,
 def _layout(roles: Roles, split: DeviceSplit, gen_dims: ParallelDims | None, train_dims: ParallelDims | None) -> dict:
     layout: dict[str, tuple[Sequence[int], ParallelDims]] = {}
     for n in roles.gens:
+        assert gen_dims is not None  # None only for a side without nodes
         layout[n] = roles.place(n, split.gen_devices, gen_dims)
     for n in roles.train_side:
+        assert train_dims is not None  # as gen_dims
         layout[n] = roles.place(n, split.train_devices, train_dims)
     return layout
 

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -138,13 +138,13 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     """
     sources = graph.nodes_of(SourceNode)
     gens = graph.nodes_of(GeneratorNode)
-    values: dict[str, object] = {
+    values: dict[str, Any] = {  # Workload's fields, of several types
         "prompts_per_step": sum(s.source.batch_size for s in sources) if sources else None,
         "samples_per_prompt": max(g.sampling.n_samples for g in gens) if gens else None,
         "gen_len": max(_model_tokens(g) for g in gens) if gens else None,
         "prompt_len": None,
     }
-    optional: dict[str, object] = {"batching": graph_batching(graph)}
+    optional: dict[str, Any] = {"batching": graph_batching(graph)}
     if gens:
         g = gens[0]
         limits = [p.source.max_prompt_len for p in graph.producers(g.name) if isinstance(p, SourceNode) and p.source.max_prompt_len]
@@ -162,7 +162,7 @@ def workload_from_graph(graph: Graph, **overrides: object) -> Workload:
     if missing:
         flags = {"prompts_per_step": "--prompts-per-step", "samples_per_prompt": "--samples", "prompt_len": "--prompt-len", "gen_len": "--gen-len"}
         raise PlanError(f"graph {graph.name!r} does not say its {', '.join(missing)}; give {' and '.join(flags[m] for m in missing)}")
-    return Workload(**values, **optional)  # type: ignore[arg-type]
+    return Workload(**values, **optional)
 
 
 def _model_tokens(gen: GeneratorNode) -> int:

@@ -34,27 +34,28 @@ def check_names(graph: Graph) -> None:
         TransportError: an unknown transport (``check_transports``).
         ConfigError / GraphError: a generator's environment that does not resolve or lacks ``reset``/``step``.
     """
+    from flowrl.graph.nodes import GeneratorNode, LossNode, SourceNode
     from flowrl.graph.objectives import OBJECTIVES, known_objectives
     from flowrl.operators.losses import objective_function
     from flowrl.operators.tasks import TASKS
     from flowrl.runtime.transports.registry import check_transports
 
-    for node in graph.nodes_of_kind("source"):
-        task = node.source.task  # type: ignore[attr-defined]
-        if node.source.data or task in TASKS or check_reference(task) is None:  # type: ignore[attr-defined]
+    for node in graph.nodes_of(SourceNode):
+        task = node.source.task
+        if node.source.data or task in TASKS or check_reference(task) is None:
             continue
         raise ConfigError(
             f"source {node.name!r}: unknown task {task!r}; built-in tasks are {', '.join(sorted(TASKS))}, "
             "or name a factory (seed) -> Task as 'package.module:function' or 'path/to/file.py:function'"
         )
-    for node in graph.nodes_of_kind("loss"):
-        config = node.loss  # type: ignore[attr-defined]
+    for loss in graph.nodes_of(LossNode):
+        config = loss.loss
         if config.row is None and config.objective not in OBJECTIVES:
-            raise GraphError(f"loss {node.name!r}: unknown objective {config.objective!r}; known objectives are {known_objectives()}")
-        objective_function(config, owner=f"loss {node.name!r}")  # a user's row: its function imports here, or ConfigError
+            raise GraphError(f"loss {loss.name!r}: unknown objective {config.objective!r}; known objectives are {known_objectives()}")
+        objective_function(config, owner=f"loss {loss.name!r}")  # a user's row: its function imports here, or ConfigError
     check_transports(e.transport for e in graph.weight_edges)
-    for node in graph.nodes_of_kind("generator"):
-        env = getattr(node, "env", None)
+    for gen in graph.nodes_of(GeneratorNode):
+        env = gen.env
         if env is not None:  # a multi-turn generator's environment: resolvable, with reset and step
             from flowrl.envs.environment import check_env
             from flowrl.graph.refs import resolve
@@ -62,6 +63,6 @@ def check_names(graph: Graph) -> None:
             if env.agent:  # an agent program: a function (session, row) -> reward
                 from flowrl.serve.check import check_program
 
-                check_program(resolve(env.env), owner=f"generator {node.name!r}")
+                check_program(resolve(env.env), owner=f"generator {gen.name!r}")
             else:
-                check_env(resolve(env.env), owner=f"generator {node.name!r}")
+                check_env(resolve(env.env), owner=f"generator {gen.name!r}")

@@ -252,12 +252,12 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
     """
     from flowrl.operators.engines import check_engine, check_routing_replay
 
-    for node in graph.nodes:
-        if node.kind != "generator" or node.name in skip:
+    for node in graph.nodes_of(GeneratorNode):
+        if node.name in skip:
             continue
-        if getattr(node, "routing_replay", False):  # a dense model; vLLM on a CPU
-            check_routing_replay(node, device=device)  # type: ignore[arg-type]
-        engine = getattr(node, "engine", "builtin")
+        if node.routing_replay:  # a dense model; vLLM on a CPU
+            check_routing_replay(node, device=device)
+        engine = node.engine
         caps = ENGINE_CAPS[engine]
         _check_vllm_moe_updates(graph, node, engine, device)
         if caps.backends and backend not in caps.backends:
@@ -266,7 +266,7 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
                 f"{backend!r}; use --backend {caps.backends[0]}, or engine='builtin'"
             )
         if caps.machine_check:
-            check_engine(node, device=device)  # type: ignore[arg-type]
+            check_engine(node, device=device)
 
 
 def _check_vllm_moe_updates(graph: Graph, node: GeneratorNode, engine: str, device: str) -> None:
@@ -325,8 +325,9 @@ def check_packing_families(graph: Graph, *, skip: frozenset[str] = frozenset()) 
 
     for node in graph.nodes:
         config = getattr(node, "optimizer", None) or getattr(node, "reference", None)
-        if getattr(config, "packing", None) is True and node.name not in skip:  # the default (None) pads a family that cannot pack
-            check_packing(node.model, owner=f"{node.kind} {node.name!r}")  # type: ignore[attr-defined]
+        model = getattr(node, "model", None)  # every node with an optimizer or a reference has one
+        if getattr(config, "packing", None) is True and node.name not in skip and model is not None:  # the default (None) pads a family that cannot pack
+            check_packing(model, owner=f"{node.kind} {node.name!r}")
 
 
 def check_teachers(graph: Graph, *, skip: frozenset[str] = frozenset()) -> None:
@@ -343,7 +344,9 @@ def check_teachers(graph: Graph, *, skip: frozenset[str] = frozenset()) -> None:
     for teacher in graph.nodes_of(TeacherNode):
         if teacher.name in skip or not isinstance(teacher.model, HFModelConfig):
             continue
-        for gen in (p for p in graph.producers(teacher.name) if isinstance(p, GeneratorNode) and isinstance(p.model, HFModelConfig)):
+        for gen in (p for p in graph.producers(teacher.name) if isinstance(p, GeneratorNode)):
+            if not isinstance(gen.model, HFModelConfig):
+                continue
             owner = f"teacher {teacher.name!r}"
             vocab = {n: model_from_config(m).vocab_size for n, m in (("teacher", teacher.model), ("student", gen.model))}
             if vocab["teacher"] != vocab["student"]:

@@ -44,7 +44,9 @@ def run_graph(graph: Graph, config: RunConfig, /, *, on_step: OnStep | None = No
 def run_graph(graph: Graph, placement: Placement | None, config: RunConfig, /, *, on_step: OnStep | None = None) -> RunResult: ...
 
 
-def run_graph(graph, placement=None, config=None, /, *, on_step=None):  # type: ignore[no-untyped-def]
+def run_graph(
+    graph: Graph, placement: Placement | RunConfig | None = None, config: RunConfig | None = None, /, *, on_step: OnStep | None = None
+) -> RunResult:
     """Execute ``graph`` on ``placement`` for ``config.steps`` trainer steps on ``config.backend``.
 
     Args:

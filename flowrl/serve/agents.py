@@ -118,7 +118,7 @@ class AgentRollouts:
     """
 
     #: The rollout and its metrics are built as for an environment's episodes.
-    batch = MultiTurnGenerator.batch
+    batch: Callable[..., Batch] = MultiTurnGenerator.batch  # reads only self.gen, which this class has too
     metrics = staticmethod(MultiTurnGenerator.metrics)
 
     def __init__(

@@ -133,7 +133,7 @@ class ChatEndpoint:
         handler = type("Handler", (_Handler,), {"endpoint": self})
         self._server = _Server((host, port), handler)
         self.backlog = self._server.request_queue_size  # connections the kernel holds until accepted
-        self.host, self.port = self._server.server_address[:2]
+        self.host, self.port = str(self._server.server_address[0]), self._server.server_address[1]  # AF_INET: a str host
         self._threads = [threading.Thread(target=self._server.serve_forever, name="flowrl-endpoint", daemon=True),
                          threading.Thread(target=self._sampler, name="flowrl-endpoint-sampler", daemon=True)]  # fmt: skip
         for t in self._threads:

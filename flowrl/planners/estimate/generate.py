@@ -214,6 +214,7 @@ def estimate_generate(
 
     budget = memory_budget(ctx)
     claim = engine_claim(engine, ctx, memory_fraction)
+    room: float
     if claim:  # the engine takes its share of each GPU at start, whatever it needs: its KV pool is the rest
         room = claim - weights - workspace if claim + reserved_bytes <= budget else 0
     else:

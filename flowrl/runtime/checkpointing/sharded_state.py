@@ -67,7 +67,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -291,6 +291,12 @@ def dcp_write(
         def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
             return stage(state_dict, {} if buffers is None else buffers)
 
+        def synchronize_staging(self) -> None:  # stage() copies before it returns: nothing to wait for
+            return None
+
+        def close(self) -> None:  # it holds nothing but the buffers, which the caller owns
+            return None
+
     pending = _collective(what, path, lambda: dcp.async_save(state, storage_writer=_writer(path), process_group=write_group(group), async_stager=Staged()))
 
     def write() -> None:
@@ -330,11 +336,12 @@ def _whole(trainer: Any) -> set[str]:
     peft's names."""
     from flowrl.errors import FlowrlError
     from flowrl.models.lora import adapter_shapes
+    from flowrl.models.causal_lm import as_module
     from flowrl.models.registry import meta_model
 
     names = {f"model.{n}" for n in trainer.model.state_dict()}
     try:
-        names |= {f"model.{n}" for n in meta_model(trainer.node.model).state_dict()}
+        names |= {f"model.{n}" for n in as_module(meta_model(trainer.node.model)).state_dict()}
         if trainer.lora:
             names |= {f"model.{n.removesuffix('.weight')}.default.weight" for n in adapter_shapes(trainer.node.model)}
     except FlowrlError:  # no description to build (a test's bare trainer): this rank's names only
@@ -421,7 +428,8 @@ def load_sharded(trainer: Any, path: str | Path, *, group: Any) -> None:
     options = _options(trainer)
     model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)  # this rank's shards, to load into
     state = {"model": _stored(trainer, model), "optimizer": optimizer}
-    own = [list(g["params"]) for g in optimizer.get("param_groups", [])]
+    groups = cast(list[dict[str, Any]], optimizer.get("param_groups", []))  # torch types every entry as a union of all values
+    own = [list(g["params"]) for g in groups]
     _collective("loading the sharded checkpoint", Path(path), lambda: dcp.load(state, storage_reader=storage_reader(Path(path)), process_group=group))
     for loaded, names in zip(state["optimizer"].get("param_groups", []), own):  # the saved groups name the whole model's (_whole_groups)
         loaded["params"] = names

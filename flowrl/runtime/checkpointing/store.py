@@ -150,11 +150,11 @@ class CheckpointWriter:
         if self.graph is not None:
             (staging / GRAPH_FILE).write_text(to_json(self.graph))
         (staging / "meta.json").write_bytes(msgspec.json.encode(meta))
-        for f in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # a sharded state's files, then its folder
-            if f.is_dir():
-                _fsync_dir(f)
+        for written_path in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # a sharded state's files, then its folder
+            if written_path.is_dir():
+                _fsync_dir(written_path)
                 continue
-            with open(f, "rb") as fh:
+            with open(written_path, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(staging)
         final = self.directory / f"step-{self._step(meta.version):08d}"
@@ -310,8 +310,9 @@ def prepare_directory(
         raise CheckpointError(f"{flag} continues the checkpoints in --checkpoint-dir, --overwrite-checkpoints deletes them; pick one")
     if resume:
         point = resume_point(d)
-        for name, why in point.skipped if report is not None else ():
-            report(f"skipping {d / name} ({why}); {_resumes_from(point.path)}")
+        if report is not None:
+            for name, why in point.skipped:
+                report(f"skipping {d / name} ({why}); {_resumes_from(point.path)}")
         if point.path is not None or resume == "auto":
             return point.path
         where = "does not exist" if not d.exists() else "holds no complete checkpoint"

@@ -32,7 +32,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from flowrl.runtime.parallel.threads import set_intra_op_threads
 
@@ -88,7 +88,7 @@ class ComputeThread:
     def __init__(self, name: str, *, intra_op_threads: int, cores: Iterable[int] = ()) -> None:
         self.intra_op_threads = intra_op_threads
         self.cores = tuple(sorted(set(cores)))
-        self._tasks: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], object], Future[Any]] | None] = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)  # like the executors: never blocks exit
         self._thread.start()
@@ -103,7 +103,7 @@ class ComputeThread:
         if self._closed:
             raise RuntimeError(f"compute thread {self._thread.name!r} is closed")
         done: Future[T] = Future()
-        self._tasks.put((fn, done))  # type: ignore[arg-type]
+        self._tasks.put((fn, done))
         return done.result()
 
     def close(self, timeout: float = 5.0) -> None:

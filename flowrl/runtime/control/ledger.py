@@ -41,11 +41,13 @@ __all__ = ["PromptLedger", "continuous_feeds"]
 
 def continuous_feeds(graph: Graph, gate: StalenessGate) -> dict[str, tuple[str, int, int]]:
     """Each continuous-batching generator of ``graph`` -> (its source, the source's batch size P, its k)."""
+    from flowrl.graph.nodes import GeneratorNode, SourceNode
+
     feeds = {}
-    for gen in graph.nodes_of_kind("generator"):
-        if gen.sampling.batching == "continuous":  # type: ignore[attr-defined]
+    for gen in graph.nodes_of(GeneratorNode):
+        if gen.sampling.batching == "continuous":
             (source,) = (e.src for e in graph.edges if e.dst == gen.name)
-            feeds[gen.name] = (source, graph.node(source).source.batch_size, gate.bound(gen.name).k)  # type: ignore[attr-defined]
+            feeds[gen.name] = (source, graph.node_of(source, SourceNode).source.batch_size, gate.bound(gen.name).k)
     return feeds
 
 

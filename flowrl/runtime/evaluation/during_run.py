@@ -125,12 +125,13 @@ def check_eval_data(graph: Graph, data: str) -> None:
     Raises:
         ConfigError: naming the file, what is wrong and the fix.
     """
+    from flowrl.graph.nodes import SourceNode
     from flowrl.runtime.evaluation.policy_samples import rows_and_scorers
 
-    sources = graph.nodes_of_kind("source")
+    sources = graph.nodes_of(SourceNode)
     if not sources:
         raise ConfigError(f"eval_data {data!r}: graph {graph.name!r} has no source node whose rows the eval rows replace")
-    config = sources[0].source  # type: ignore[attr-defined]
+    config = sources[0].source
     if not config.data:
         raise ConfigError(
             f"eval_data {data!r}: graph {graph.name!r} draws prompts from task {config.task!r}, not a file; evaluation during "

@@ -24,7 +24,7 @@ from typing import Any
 
 from flowrl.errors import CheckpointError, ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.graph.nodes import GeneratorNode, ScorerNode
+from flowrl.graph.nodes import GeneratorNode, LossNode, ScorerNode, SourceNode
 
 __all__ = ["HELD_OUT_START", "LoadedPolicy", "load_policy", "policy_on_rows", "rows_and_scorers", "reward_model_scorers", "load_weights", "decode", "eval_positions", "rollout", "Scored"]
 
@@ -128,20 +128,20 @@ def policy_on_rows(graph: Graph, *, policy: str | None = None, seed: int = 0, da
     edges = [(w.src, w.dst) for w in graph.weight_edges if (policy is None or w.src == policy) and graph.node(w.dst).kind == "generator"]
     if not edges:
         raise CheckpointError(f"graph {graph.name!r} has no generator that receives policy {policy!r}'s weights")
-    gen_node = graph.node(edges[0][1])
+    gen_node = graph.node_of(edges[0][1], GeneratorNode)
     graph, prompts, scorers = rows_and_scorers(graph, data)
     scorers += reward_model_scorers(graph)
-    loss = next(iter(graph.nodes_of_kind("loss")), None)
+    loss = next(iter(graph.nodes_of(LossNode)), None)
     return LoadedPolicy(
         path=Path(prompts.config.data or "."),
         graph=graph,
         version=0,
-        generator=Generator(gen_node, seed=seed),  # type: ignore[arg-type]
-        generator_node=gen_node,  # type: ignore[arg-type]
+        generator=Generator(gen_node, seed=seed),
+        generator_node=gen_node,
         source=prompts,
         scorers=scorers,
-        reward_weights=dict(loss.loss.reward_weights) if loss is not None else {"rewards": 1.0},  # type: ignore[attr-defined]
-        decode_ids=model_tokens(gen_node.model).decode,  # type: ignore[attr-defined]
+        reward_weights=dict(loss.loss.reward_weights) if loss is not None else {"rewards": 1.0},
+        decode_ids=model_tokens(gen_node.model).decode,
         held_out=prompts.stream is None or bool(data),
     )
 
@@ -161,8 +161,8 @@ def rows_and_scorers(graph: Graph, data: str | None = None) -> tuple[Graph, Any,
     from flowrl.operators.source import PromptSource
     from flowrl.operators.text_inputs import TextInputs
 
-    source = next(n for n in graph.nodes_of_kind("source"))
-    config = source.source  # type: ignore[attr-defined]
+    source = next(n for n in graph.nodes_of(SourceNode))
+    config = source.source
     if data and not config.data:
         raise ConfigError(f"--data {data!r}: graph {graph.name!r} draws prompts from task {config.task!r}, not a file; drop --data")
     if config.data:  # file order, from the first row: positions name rows
@@ -170,7 +170,7 @@ def rows_and_scorers(graph: Graph, data: str | None = None) -> tuple[Graph, Any,
         source = msgspec.structs.replace(source, source=config)
         nodes = tuple(source if n.name == source.name else n for n in graph.nodes)
         graph = type(graph)(msgspec.structs.replace(graph.spec, nodes=nodes), validate=False)
-    prompts = PromptSource(source)  # type: ignore[arg-type]  # reads the file: a missing file or prompt field fails here
+    prompts = PromptSource(source)  # reads the file: a missing file or prompt field fails here
     scorers = [Scorer(n, TextInputs(graph, n.name) if n.inputs == "text" else None) for n in graph.nodes if isinstance(n, ScorerNode)]
     return graph, prompts, scorers
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import PolicyNode
 from flowrl.operators.scoring import unpad
 
 __all__ = ["SampleLogger", "samples_markdown", "SAMPLE_COLUMNS"]
@@ -47,7 +48,7 @@ class SampleLogger:
         if self._decode is None:  # the tokenizer is loaded on first use (HF: from the model directory)
             from flowrl.models.registry import model_tokens
 
-            self._decode = model_tokens(self.graph.node(self.policy).model).decode  # type: ignore[attr-defined]
+            self._decode = model_tokens(self.graph.node_of(self.policy, PolicyNode).model).decode
         prompts, completions = unpad(batch)
         groups = batch["group_ids"].tolist() if "group_ids" in batch else list(range(len(prompts)))
         rewards = sum(w * batch[k].float() for k, w in self.reward_weights.items() if k in batch)

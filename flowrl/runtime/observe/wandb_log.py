@@ -62,8 +62,8 @@ class WandbSink:
         if dir is not None:
             os.makedirs(dir, exist_ok=True)
         self._wandb = wandb
-        mode = mode or os.environ.get("WANDB_MODE") or None  # type: ignore[assignment]
-        self.run = wandb.init(project=project, config=dict(config), mode=mode, dir=None if dir is None else str(dir), name=name)
+        chosen: Any = mode or os.environ.get("WANDB_MODE") or None  # any WANDB_MODE: wandb checks the name
+        self.run = wandb.init(project=project, config=dict(config), mode=chosen, dir=None if dir is None else str(dir), name=name)
 
     def __call__(self, row: dict[str, Any]) -> None:
         from flowrl.runtime.observe.samples import SAMPLE_COLUMNS

@@ -105,11 +105,11 @@ class _ParamsOnMeta:
             if param is not None and not param.is_meta and threading.get_ident() == owner:
                 module._parameters[name] = _to_meta(param)
 
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", register)  # a patch for the block: setattr, as the checker types no patches
         return self
 
     def __exit__(self, *exc: object) -> None:
-        nn.Module.register_parameter = self._original  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", self._original)
         _BUILD_LOCK.release()
 
 
@@ -170,15 +170,15 @@ class _OneModuleAtATime:
                     module._parameters[k] = p
                 _release()
 
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-        PreTrainedModel._initialize_weights = initialize  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", register)  # patches for the block, as _ParamsOnMeta's
+        setattr(PreTrainedModel, "_initialize_weights", initialize)
         return self
 
     def __exit__(self, *exc: object) -> None:
         from transformers.modeling_utils import PreTrainedModel
 
-        nn.Module.register_parameter = self._register  # type: ignore[method-assign]
-        PreTrainedModel._initialize_weights = self._initialize  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", self._register)
+        setattr(PreTrainedModel, "_initialize_weights", self._initialize)
         self._flush()
         _BUILD_LOCK.release()
 
@@ -239,15 +239,16 @@ def _lora(config: HFModelConfig) -> tuple[nn.Module, RowSource]:
     from flowrl.models.lora import inject_adapters, lora_modules
 
     lora = config.lora
+    assert lora is not None  # the caller's branch
     model, base = _hf(msgspec.structs.replace(config, lora=None))
     inner = getattr(model, "hf", model)
-    targets = lora_modules(inner, lora, owner="policy")  # type: ignore[arg-type]
+    targets = lora_modules(inner, lora, owner="policy")
     modules = dict(inner.named_modules())
     metas = {name: modules[name]._parameters["weight"] for name in targets}
     for name in targets:  # peft puts each adapter where its base weight is: a real (empty) one, for real adapters
         modules[name]._parameters["weight"] = nn.Parameter(torch.empty(0), requires_grad=False)
     try:
-        inject_adapters(model, lora, targets)  # type: ignore[arg-type]
+        inject_adapters(model, lora, targets)
     finally:
         for name, weight in metas.items():  # the same module object, now the adapter layer's base_layer
             modules[name]._parameters["weight"] = weight.requires_grad_(False)
@@ -280,7 +281,7 @@ def _read_rows(f: Any, data_start: int, entry: Mapping[str, Any], start: int, st
     out = torch.empty([stop - start, *shape[1:]], dtype=dtype)
     row = math.prod(shape[1:]) * out.element_size()
     f.seek(data_start + int(entry["data_offsets"][0]) + start * row)
-    buffer = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(bytearray())
+    buffer = out.view(torch.uint8).numpy().data.cast("B") if out.numel() else memoryview(bytearray())
     if f.readinto(buffer) != len(buffer):
         raise FlowrlError(f"{f.name!r}: a tensor's bytes end before its header says; the file is cut short")
     return out
@@ -304,16 +305,15 @@ def _file_rows(directory: Path, family: ModelFamily) -> RowSource:
                     for name in [n for n in header if n in left]:
                         start, stop = left.pop(name)
                         entry = header[name]
-                        stop = entry["shape"][0] if stop is None and entry["shape"] else stop
                         if entry["dtype"] in _SAFETENSORS_DTYPES and entry["shape"]:
-                            rows = _read_rows(f, 8 + size, entry, start, stop)
+                            rows = _read_rows(f, 8 + size, entry, start, entry["shape"][0] if stop is None else stop)
                         else:
                             with safe_open(str(path), framework="pt") as handle:
                                 rows = handle.get_slice(name)[start:stop]
                         yield name, rows.to(torch.float32)
         else:
-            for f in sorted(directory.glob("pytorch_model*.bin")):
-                state = torch.load(f, weights_only=True, map_location="cpu", mmap=True)
+            for bin_path in sorted(directory.glob("pytorch_model*.bin")):
+                state = torch.load(bin_path, weights_only=True, map_location="cpu", mmap=True)
                 for name in [n for n in state if n in left]:
                     start, stop = left.pop(name)
                     yield name, state[name][start:stop].to(torch.float32, copy=True)
@@ -371,7 +371,9 @@ def _replayed_rows(model: nn.Module, records: list[tuple[nn.Module, nn.Module, C
             for k, name in names.items():
                 if name not in wanted:
                     continue
-                full = template._parameters[k].detach()
+                param = template._parameters[k]
+                assert param is not None  # names holds the parameters the template has
+                full = param.detach()
                 if torch.isnan(full).any():
                     raise FlowrlError(
                         f"{name}: transformers' _init_weights of {type(module).__name__} leaves it (partly) unset, so its value is "
@@ -393,6 +395,8 @@ def materialise_(model: nn.Module, source: RowSource, device: torch.device | str
     Raises:
         FlowrlError: when the source misses a parameter or gives rows of the wrong shape.
     """
+    from torch.distributed.tensor import DTensor
+
     buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
     model.to_empty(device=device)
     for m, k, b in buffers:
@@ -400,7 +404,7 @@ def materialise_(model: nn.Module, source: RowSource, device: torch.device | str
     locals_: dict[str, Tensor] = {}
     wanted: dict[str, tuple[int, int]] = {}
     for name, p in model.named_parameters():
-        if hasattr(p, "device_mesh"):
+        if isinstance(p, DTensor):  # FSDP2's sharded parameter
             mesh = p.device_mesh
             local = p.to_local()
             start, stop = row_range(p.shape[0], mesh.size(), mesh.get_local_rank())

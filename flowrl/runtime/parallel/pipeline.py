@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,12 @@ from torch import Tensor, nn
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import PolicyNode
+from flowrl.models.families.builtin.model import Transformer
+from flowrl.models.hf import HFCausalLM
+
+if TYPE_CHECKING:
+    from flowrl.graph.configs import ModelConfig
+    from flowrl.models.causal_lm import CausalLM
 
 __all__ = ["stage_bounds", "model_layers", "pipeline_policies", "check_pipeline", "StageModule", "split_model", "stage_owners", "stage_layouts"]
 
@@ -152,27 +158,42 @@ class StageModule(nn.Module):
         names: parameter name here -> its name in the whole model's ``weight_dict``.
     """
 
-    def __init__(self, model: nn.Module, index: int, count: int, n_layers: int) -> None:
+    # What a split of the built-in transformer holds (the parts of other stages are None) ...
+    config: ModelConfig
+    gradient_checkpointing: bool
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    output: nn.Linear | None
+    # ... or of a Hugging Face model: transformers' modules, which the checker does not follow (Any).
+    hf: Any
+    model: Any
+    lm_head: Any
+
+    def __init__(self, model: CausalLM | nn.Module, index: int, count: int, n_layers: int) -> None:
         super().__init__()
         self.index, self.count = index, count
         self.layers_range = stage_bounds(n_layers, count)[index]
         self.first, self.last = index == 0, index == count - 1
         self.keep = 0
         self.autocast: torch.dtype | None = None
-        full = _full_names(model)
-        self._hf = hasattr(model, "hf")
-        embedding = full[id(model.hf.get_input_embeddings().weight if self._hf else model.tok_embeddings.weight)]
+        whole = _whole(model)
+        full = _full_names(whole)
+        self._hf = isinstance(whole, HFCausalLM)
         start, end = self.layers_range
-        if self._hf:
-            self._split_hf(model, start, end)
+        if isinstance(whole, Transformer):
+            embedding = full[id(whole.tok_embeddings.weight)]
+            whole_head = whole.tok_embeddings.weight if whole.output is None else whole.output.weight
+            self._split_builtin(whole, start, end)
         else:
-            self._split_builtin(model, start, end)
+            embedding = full[id(whole.hf.get_input_embeddings().weight)]
+            whole_head = whole.hf.get_output_embeddings().weight
+            self._split_hf(whole, start, end)
         self.names = {name: full[id(t)] for name, t in self.state_dict(keep_vars=True).items()}
-        whole_head = model.hf.get_output_embeddings().weight if self._hf else (model.tok_embeddings.weight if model.output is None else model.output.weight)
         self.tied_head = (embedding, tuple(whole_head.shape)) if full[id(whole_head)] == embedding else None
 
     # -- splitting ---------------------------------------------------------------------------------
-    def _split_builtin(self, model: nn.Module, start: int, end: int) -> None:
+    def _split_builtin(self, model: Transformer, start: int, end: int) -> None:
         self.config = model.config
         self.gradient_checkpointing = bool(getattr(model, "gradient_checkpointing", False))
         tied = model.output is None
@@ -181,7 +202,7 @@ class StageModule(nn.Module):
         self.norm = model.norm if self.last else None
         self.output = model.output if self.last else None
 
-    def _split_hf(self, model: nn.Module, start: int, end: int) -> None:
+    def _split_hf(self, model: HFCausalLM, start: int, end: int) -> None:
         hf = model.hf
         inner = hf.model
         for i in range(len(inner.layers)):
@@ -199,8 +220,12 @@ class StageModule(nn.Module):
         if not self.last:
             return None
         if self._hf:
-            return self.lm_head.weight
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+            weight: Tensor = self.lm_head.weight
+            return weight
+        if self.output is not None:
+            return self.output.weight
+        assert self.tok_embeddings is not None  # the last stage of a tied model holds the embedding
+        return self.tok_embeddings.weight
 
     def tied_parameter(self) -> nn.Parameter | None:
         """This stage's copy of the tied head matrix (the first and the last stage hold one), else None."""
@@ -249,7 +274,11 @@ class StageModule(nn.Module):
         inv_freq = config.rope_theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=valid.device) / head_dim)
         angles = positions.to(torch.float32)[:, None, :, None] * inv_freq
         cos, sin = angles.cos(), angles.sin()
-        h = self.tok_embeddings(x) if self.first else x
+        if self.first:
+            assert self.tok_embeddings is not None  # the first stage holds the embedding
+            h = self.tok_embeddings(x)
+        else:
+            h = x
         for key, layer in self.layers.items():
             if self.gradient_checkpointing and self.training:
                 h = checkpoint(layer, h, cos, sin, mask, None, int(key), use_reentrant=False)
@@ -257,8 +286,12 @@ class StageModule(nn.Module):
                 h = layer(h, cos, sin, mask, None, int(key))
         if not self.last:
             return h
+        assert self.norm is not None  # the last stage holds the final norm
         h = self.norm(h[:, -self.keep :] if self.keep else h)
-        return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        if self.output is not None:
+            return self.output(h)
+        assert self.tok_embeddings is not None  # the last stage of a tied model holds the embedding
+        return F.linear(h, self.tok_embeddings.weight)
 
     # -- shapes of what crosses stages (static pipelining metadata) ----------------------------------
     def hidden_size(self) -> int:
@@ -270,27 +303,39 @@ class StageModule(nn.Module):
         return int(head.shape[0])
 
 
-def split_model(model: nn.Module, index: int, count: int, n_layers: int) -> StageModule:
+def _whole(model: CausalLM | nn.Module) -> HFCausalLM | Transformer:
+    """``model`` as what pipelining splits: a built-in ``Transformer`` or an ``HFCausalLM``.
+
+    Raises:
+        ConfigError: for any other model.
+    """
+    if isinstance(model, (HFCausalLM, Transformer)):
+        return model
+    raise ConfigError(f"pipeline parallelism splits a built-in Transformer or an HFCausalLM, got {type(model).__name__}")
+
+
+def split_model(model: CausalLM | nn.Module, index: int, count: int, n_layers: int) -> StageModule:
     """Stage ``index`` of ``count`` of ``model`` (a built-in ``Transformer`` or an ``HFCausalLM``):
     the parts it does not hold are dropped (freed once ``model`` is)."""
     return StageModule(model, index, count, n_layers)
 
 
-def stage_owners(model: nn.Module, pp: int) -> dict[str, int]:
+def stage_owners(model: CausalLM | nn.Module, pp: int) -> dict[str, int]:
     """``weight_dict`` name of ``model`` (the whole model, any device: the meta one will do) -> the stage
     that publishes it: a block's, its stage; the input embedding (a tied head's matrix too), the first;
     the final norm and an untied head, the last (``StageModule``'s split)."""
     from flowrl.runtime.parallel.fsdp import blocks
 
-    layers = blocks(model)
+    whole = _whole(model)
+    layers = blocks(whole)
     stage_of: dict[int, int] = {}
     for s, (start, end) in enumerate(stage_bounds(len(layers), pp)):
         for block in layers[start:end]:
             stage_of.update((id(p), s) for p in block.parameters())
-    embedding = model.hf.get_input_embeddings().weight if hasattr(model, "hf") else model.tok_embeddings.weight
+    embedding = whole.tok_embeddings.weight if isinstance(whole, Transformer) else whole.hf.get_input_embeddings().weight
     owners: dict[str, int] = {}
     seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():  # weight_dict's names: each tensor once, under its first name
+    for name, t in whole.state_dict(keep_vars=True).items():  # weight_dict's names: each tensor once, under its first name
         if id(t) not in seen:
             seen.add(id(t))
             owners[name] = stage_of.get(id(t), 0 if t is embedding else pp - 1)

@@ -155,7 +155,7 @@ class PipelineTrainer(Trainer):
         return schedule.step(*args, target=rows, valid=valid)
 
     def _accumulate(
-        self, batch: dict[str, Tensor], adv: Tensor, normalizer: Tensor, lengths: Tensor, size: int
+        self, batch: dict[str, Tensor], adv: Tensor, normalizer: float, lengths: Tensor, size: int
     ) -> tuple[list[Tensor], list[Tensor], Tensor]:
         n = int(batch["completion_mask"].shape[0])
         mask = batch["completion_mask"]
@@ -176,7 +176,7 @@ class PipelineTrainer(Trainer):
                 return logits.sum() * 0.0
             part = _rows(batch, real)
             args, kwargs = _fields(part)
-            logprobs, ent = completion_logprobs_and_entropy(_Logits(logits[: real.numel()]), *args, **kwargs)  # type: ignore[arg-type]
+            logprobs, ent = completion_logprobs_and_entropy(_Logits(logits[: real.numel()]), *args, **kwargs)  # type: ignore[arg-type]  # a stand-in: it is only called
             loss, kept, logprobs = self._micro_loss(part, logprobs, adv.index_select(0, real), normalizer, lengths.index_select(0, real))
             pieces.append(logprobs.detach())
             kept_pieces.append(kept)
@@ -208,34 +208,36 @@ class PipelineTrainer(Trainer):
             for start in range(0, n, size):
                 rows = torch.arange(start, min(start + size, n), device=self.device)
                 args, kwargs = _fields(_rows(part, rows))
-                pieces.append(completion_logprobs(_Logits(logits[start : start + rows.numel()]), *args, **kwargs))  # type: ignore[arg-type]
+                pieces.append(completion_logprobs(_Logits(logits[start : start + rows.numel()]), *args, **kwargs))  # type: ignore[arg-type]  # a stand-in: it is only called
         return torch.cat(pieces)
 
     # -- gradients across dp ranks and stages ------------------------------------------------------
     def _clip_gradients(self, max_norm: float) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
+        grads: list[Tensor] = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params]).mul_(float(self.dp_token_share))
+            flat = torch.cat([g.reshape(-1) for g in grads]).mul_(float(self.dp_token_share))
             dist.all_reduce(flat, group=self.dp_group)
             offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         tied = self.stage.tied_parameter()
         if self.stage.count > 1 and self.stage.tied_head is not None:
             grad = tied.grad if tied is not None else torch.zeros(self.stage.tied_head[1], device=self.device)
             dist.all_reduce(grad, group=self.pp_group)  # the first and the last stage's copies (the middle ones: zeros)
-        squares = sum((grad_squares(p.grad) for p in params if p is not tied or self.stage.first), torch.zeros((), dtype=torch.float64))
+        squares = sum((grad_squares(g) for p, g in zip(params, grads) if p is not tied or self.stage.first), torch.zeros((), dtype=torch.float64))
         total = squares.reshape(1).to(self.device)
         if self.stage.count > 1:
             dist.all_reduce(total, group=self.pp_group)
         norm = float(total.sqrt())
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:  # as torch.nn.utils.clip_grad_norm_
-            for p in params:
-                p.grad.mul_(coef)
+            for g in grads:
+                g.mul_(coef)
         self.grad_norms.append(norm)
         return norm

@@ -65,7 +65,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -76,7 +77,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.models.causal_lm import weight_dict
 from flowrl.models.families import FAMILIES
-from flowrl.models.families.builtin.model import KVCache, Transformer
+from flowrl.models.families.builtin.model import Block, KVCache, Transformer
 from flowrl.models.family import Split
 from flowrl.models.hf import HFCausalLM
 from flowrl.models.registry import weight_shapes
@@ -116,7 +117,7 @@ def _splits(family: str, names: list[str]) -> dict[str, Split]:
 
 def _hf_shape(family: str, names: list[str], config: Mapping[str, Any] | Any) -> _Shape:
     """``config``: the ``config.json`` dict or the transformers config object; no ``names``: no splits."""
-    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    get: Callable[..., Any] = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
     heads = int(get("num_attention_heads"))
     return _Shape(family, _splits(family, names), {"num_attention_heads": heads, "num_key_value_heads": int(get("num_key_value_heads", None) or heads)})
 
@@ -367,6 +368,7 @@ def shard_transformer_(
     layouts = tp_param_layouts(config, ranks)
     splits = param_splits(config)
     for i, block in enumerate(model.layers):
+        assert isinstance(block, Block)  # the built-in Transformer's layers
         p = f"layers.{i}."
         for owner, attr in ((block.attention, "wq"), (block.attention, "wk"), (block.attention, "wv"),
                             (block.attention, "wo"), (block.feed_forward, "w1"), (block.feed_forward, "w2"),
@@ -381,8 +383,9 @@ def shard_transformer_(
         block.attention.n_heads = config.n_heads // tp
         block.attention.n_kv_heads = config.n_kv_heads // tp
     model.__class__ = TensorParallelTransformer  # same forward; only new_cache differs (local kv heads)
-    model.tp_ranks, model.tp_rank, model.tp_index = ranks, rank, ranks.index(rank)
-    return model  # type: ignore[return-value]
+    sharded = cast(TensorParallelTransformer, model)  # the same object, its class swapped on the line above
+    sharded.tp_ranks, sharded.tp_rank, sharded.tp_index = ranks, rank, ranks.index(rank)
+    return sharded
 
 
 class TensorParallelHFCausalLM(_TensorParallelModel, HFCausalLM):
@@ -448,16 +451,20 @@ def shard_hf_(
     if missed:
         raise ConfigError(f"shard_hf_: parameters {missed[:5]} split by the {model.hf.config.model_type!r} split table belong to no nn.Linear")
     model.__class__ = TensorParallelHFCausalLM  # same forward and cache
-    model.tp_ranks, model.tp_rank, model.tp_index = ranks, rank, ranks.index(rank)
-    return model  # type: ignore[return-value]
+    sharded = cast(TensorParallelHFCausalLM, model)  # the same object, its class swapped on the line above
+    sharded.tp_ranks, sharded.tp_rank, sharded.tp_index = ranks, rank, ranks.index(rank)
+    return sharded
 
 
 def shard_model_(
     model: nn.Module, ranks: Sequence[int], rank: int, group: Any, *, comm_device: torch.device | None = None
 ) -> nn.Module:
     """:func:`shard_hf_` for an ``HFCausalLM``, else :func:`shard_transformer_` (same arguments and errors)."""
-    shard = shard_hf_ if isinstance(model, HFCausalLM) else shard_transformer_
-    return shard(model, ranks, rank, group, comm_device=comm_device)  # type: ignore[arg-type]
+    if isinstance(model, HFCausalLM):
+        return shard_hf_(model, ranks, rank, group, comm_device=comm_device)
+    if not isinstance(model, Transformer):
+        raise ConfigError(f"shard_transformer_ shards the built-in Transformer, got {type(model).__name__}")
+    return shard_transformer_(model, ranks, rank, group, comm_device=comm_device)
 
 
 @torch.no_grad()

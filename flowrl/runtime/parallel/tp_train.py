@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +54,9 @@ from flowrl.errors import ConfigError
 from flowrl.graph.configs import HFModelConfig, ModelConfig
 from flowrl.graph.nodes import PolicyNode
 from flowrl.placement.resharding import Replicate, Shard, ShardLayout, dp_tp, replicated, tp_column, tp_row
+
+if TYPE_CHECKING:
+    from flowrl.models.family import Split
 
 __all__ = ["mesh_sizes", "check_tp_policy", "check_tp_reference", "check_tp_critic", "check_tp_meshes", "tp_plan", "head_local", "shard_tp_model_", "shard_tp_trainer_", "clip_grad_norm_", "grad_squares", "trainer_layouts"]
 
@@ -211,8 +214,9 @@ def tp_plan(model: nn.Module, splits: Mapping[str, str] | None = None) -> dict[s
     for owner, split in _owners(param_splits(model) if splits is None else splits).items():
         style = ColwiseParallel if split == "column" else RowwiseParallel
         module = modules.get(owner)
-        lora = getattr(module, "base_layer", None) is not None and hasattr(module, "lora_A")
-        base = module.base_layer if lora else module  # type: ignore[union-attr]
+        base_layer = getattr(module, "base_layer", None)  # peft's LoRA layer wraps the nn.Linear
+        lora = base_layer is not None and hasattr(module, "lora_A")
+        base = base_layer if lora else module
         if type(base) is not nn.Linear:
             raise ConfigError(f"{owner}.weight splits {split}-parallel but {owner} is a {type(module).__name__}, not an nn.Linear")
         plan[f"{owner}.base_layer" if lora else owner] = style()
@@ -240,7 +244,7 @@ def head_local(model: nn.Module, splits: Mapping[str, str] | None = None) -> lis
 
     owners = _owners(param_splits(model) if splits is None else splits)
     parents = {o.rpartition(".")[0] for o, split in owners.items() if split == "column"}
-    out = []
+    out: list[str] = []
     for name, module in model.named_modules():
         parent = name.rpartition(".")[0]
         if not name or parent not in parents or name in owners:
@@ -251,10 +255,11 @@ def head_local(model: nn.Module, splits: Mapping[str, str] | None = None) -> lis
 
 def _local_heads(model: nn.Module, tp: int) -> None:
     """The built-in transformer's attention reshapes by its head counts: make them the local ones."""
-    from flowrl.models.families.builtin.model import Transformer
+    from flowrl.models.families.builtin.model import Block, Transformer
 
     if isinstance(model, Transformer):
         for block in model.layers:
+            assert isinstance(block, Block)  # the built-in Transformer's layers
             block.attention.n_heads //= tp
             block.attention.n_kv_heads //= tp
 
@@ -385,10 +390,11 @@ def trainer_layouts(model: ModelConfig | HFModelConfig, ranks: Sequence[int], *,
         raise ConfigError(f"trainer_layouts: dp={dp} x tp={tp} without FSDP is not a layout a policy trains in (check_tp_policy refuses it)")
     splits = param_splits(model)
     if lora_of(model) is not None:  # the adapters travel (``<module>.lora_A.weight``): split as ``tp_plan`` splits them
-        adapters = {}
+        adapters: dict[str, Split] = {}
         for name in adapter_shapes(model):
             module, side, _ = name.rsplit(".", 2)
             target = splits.get(f"{module}.weight", "replicated")
-            adapters[name] = {("column", "lora_B"): "column", ("row", "lora_A"): "row"}.get((target, side), "replicated")
+            by_side: dict[tuple[str, str], Split] = {("column", "lora_B"): "column", ("row", "lora_A"): "row"}
+            adapters[name] = by_side.get((target, side), "replicated")
         splits = adapters
     return {name: kinds[split] for name, split in splits.items()}

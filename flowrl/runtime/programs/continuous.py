@@ -125,9 +125,9 @@ class ContinuousRollouts:
                 if self.mt is None:
                     self.batcher.add(Sample(key=(i, j), prompt=group.prompt))
                     continue
-                ep, row = self.mt.episode(group.prompt, i, j)
+                ep, env_row = self.mt.episode(group.prompt, i, j)
                 self._episodes[(i, j)] = ep
-                self.parked.append((ep, self.mt.start_reset(ep, row), None))
+                self.parked.append((ep, self.mt.start_reset(ep, env_row), None))
 
     def _done(self, key: tuple[int, int], sample: Any) -> None:
         """Sample ``key`` is finished (a ``Sample``, or an ``Episode`` that ended): its group completes with its n-th."""
@@ -190,8 +190,8 @@ class ContinuousRollouts:
         if len(done) < self.P:
             return None
         chosen = done[: self.P]
-        deadlines = sorted(g.deadline for g in self.groups.values() if g.deadline is not None)  # type: ignore[misc]
-        taken = sorted(g.deadline for g in chosen)  # type: ignore[misc]
+        deadlines = sorted(g.deadline for g in self.groups.values() if g.deadline is not None)
+        taken = sorted(g.deadline for g in chosen if g.deadline is not None)  # every finished group has one
         for D in sorted(set(deadlines)):
             left = sum(1 for d in deadlines if d <= D) - sum(1 for d in taken if d <= D)
             if left > self.P * (D - seq):

@@ -20,6 +20,7 @@ import torch
 from flowrl.errors import ConfigError, FlowrlError
 from flowrl.graph.critic import CriticNode
 from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import LossNode
 from flowrl.runtime.programs.nodes import Batch, Info, ProgramBase
 
 if TYPE_CHECKING:
@@ -34,11 +35,11 @@ class CriticProgram(ProgramBase):
     def __init__(self, node: CriticNode, graph: Graph, *, device: str = "cpu") -> None:
         from flowrl.operators.critic import Critic
 
-        losses = [u for u in graph.users(node.name) if u.kind == "loss"]
+        losses = [u for u in graph.users(node.name) if isinstance(u, LossNode)]
         if len(losses) != 1:
             raise ConfigError(f"critic {node.name!r} feeds {len(losses)} losses; it serves exactly one (objective='ppo')")
         self.name = node.name
-        self.critic = Critic(node, losses[0].loss, device=device)  # type: ignore[attr-defined]
+        self.critic = Critic(node, losses[0].loss, device=device)
         self._updates = node.optimizer.num_iterations
         self._lock = threading.Lock()
 

@@ -250,7 +250,7 @@ class GeneratorProgram(ProgramBase):
         self._bound = (env.staleness or StalenessGate.of(graph)).bound(node.name)  # k and U, the controller's
         if node.sampling.batching == "continuous":
             (feed,) = (graph.node(e.src) for e in graph.edges if e.dst == node.name)
-            self._group_count = feed.source.batch_size  # type: ignore[attr-defined]
+            self._group_count = feed.source.batch_size  # type: ignore[attr-defined]  # a generator's feed is a SourceNode
 
     def _poll(self) -> None:
         """Take newer weights if the policy published some (in-flight updates; never waits)."""

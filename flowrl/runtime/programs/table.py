@@ -65,7 +65,7 @@ def build_program(graph: Graph, name: str, env: ProgramEnv, transports: SharedTr
 
     try:
         role = None if name in env.programs else env.offload.get(name)  # a user's program moves its own state
-        return wrap_program(_build_program(graph, name, env, transports), role)  # type: ignore[arg-type]
+        return wrap_program(_build_program(graph, name, env, transports), role)  # type: ignore[arg-type]  # ProgramEnv.offload holds Roles typed as str
     except NodeBuildError:
         raise
     except Exception as exc:

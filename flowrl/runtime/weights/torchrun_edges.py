@@ -116,7 +116,7 @@ def _generator_layouts(graph: Graph, dst: str, fetchers: tuple[int, ...], axes: 
             rows = tp_rows(fetchers, *axes)  # the replicas' tp groups, as ParallelGenerator forms them
         except ConfigError as exc:
             raise ConfigError(f"generator {dst!r}: {exc}") from None
-        config = graph.node(dst).model  # type: ignore[attr-defined]
+        config = graph.node(dst).model  # type: ignore[attr-defined]  # a weight edge's dst is a generator (a model)
         if getattr(config, "lora", None) is not None:
             raise ConfigError(
                 f"generator {dst!r} has a tensor-parallel mesh (tp={tp}) and LoRA adapters from {graph.weight_edges_into(dst)[0].src!r}; "
@@ -151,7 +151,7 @@ def _trainer_layout(graph: Graph, src: str, publishers: tuple[int, ...], program
 
         dp = len(publishers) // tp
         fsdp_dp = getattr(optimizer, "sharding", "replicate") == "fsdp" and dp > 1
-        return trainer_layouts(node.model, publishers, dp=dp, tp=tp, fsdp=fsdp_dp)  # type: ignore[attr-defined]
+        return trainer_layouts(node.model, publishers, dp=dp, tp=tp, fsdp=fsdp_dp)  # type: ignore[attr-defined]  # a weight edge's src is a node that trains a model
     if len(publishers) > 1 and src not in programs and getattr(optimizer, "sharding", "replicate") == "fsdp":
         return fsdp(publishers)
     return dp_replicas(publishers)

@@ -64,7 +64,7 @@ class WorkerError(FlowrlError):
 class WorkerLink:
     """The ``process`` backend's ``remote.Link``: one peer, a worker process over a socket pair."""
 
-    peers = (0,)
+    peers: tuple[int, ...] = (0,)
     closes_with_controller = True
 
     def __init__(self, node: str, proc: ForkedWorker, sock: socket.socket) -> None:
@@ -204,7 +204,7 @@ class ProcessWorkers:
 def sweep_orphan_segments(root: str = "/dev/shm") -> list[str]:
     """Remove flowrl shared-memory segments whose creating controller (the pid in their name,
     ``flowrl-<pid>-<token>-...``) is dead: a SIGKILLed run cannot unlink its own. Returns their names."""
-    removed = []
+    removed: list[str] = []
     folder = Path(root)
     if not folder.is_dir():
         return removed

@@ -299,9 +299,10 @@ def serve(control: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD writes to the wakeup fd
     children: set[int] = set()
+    watched: list[socket.socket | int] = [control, wake_r]
     try:
         while True:
-            readable, _, _ = select.select([control, wake_r], [], [])
+            readable, _, _ = select.select(watched, [], [])
             if wake_r in readable:
                 os.read(wake_r, 512)
                 _reap(control, children)

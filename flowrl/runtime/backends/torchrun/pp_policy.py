@@ -41,7 +41,7 @@ import torch
 
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.graph.nodes import PolicyNode
+from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.runtime.backends.torchrun.rank_policy import collective_bytes
 from flowrl.runtime.programs.nodes import Batch, Info, PolicyProgram, SharedTransports
 
@@ -91,8 +91,11 @@ class PipelinePolicy(PolicyProgram):
         del whole
         materialise_(stage, _by_whole_names(source, stage.names), device)  # this stage's tensors, read or drawn as a whole build's
         self.name = node.name
-        self.trainer = PipelineTrainer(
-            node, graph.loss_of(node.name), stage=stage, pp_group=mesh.get_group("pp"),
+        loss = graph.loss_of(node.name)
+        if not isinstance(loss, LossNode):
+            raise ConfigError(f"policy {node.name!r} has no loss node")
+        self.trainer: PipelineTrainer = PipelineTrainer(
+            node, loss, stage=stage, pp_group=mesh.get_group("pp"),
             dp_group=mesh.get_group("dp") if self.dp > 1 else None, device=device,
         )  # fmt: skip
         self._edges = [(e.src, e.dst) for e in graph.weight_edges_from(node.name)]

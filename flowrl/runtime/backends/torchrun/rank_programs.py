@@ -83,7 +83,7 @@ class DataParallelPolicy(_RankPolicy):
         loss = graph.loss_of(node.name)
         max_norm = float(node.optimizer.grad_clip or 0.0)
         unclipped = msgspec.structs.replace(node, optimizer=msgspec.structs.replace(node.optimizer, grad_clip=0.0))
-        super().__init__(unclipped, loss, graph, transports, device=str(ctx.device))  # type: ignore[arg-type]
+        super().__init__(unclipped, loss, graph, transports, device=str(ctx.device))  # type: ignore[arg-type]  # loss_of types it as a Node: the policy's LossNode
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
@@ -148,7 +148,7 @@ class ShardedPolicy(_RankPolicy):
         loss = graph.loss_of(node.name)
         # parameters on the meta device (LoRA adapters included), each rank materialising only its rows (fsdp_init)
         model, source = meta_build(node.model)
-        super().__init__(node, loss, graph, transports, device=str(ctx.device), model=model)  # type: ignore[arg-type]
+        super().__init__(node, loss, graph, transports, device=str(ctx.device), model=model)  # type: ignore[arg-type]  # loss_of types it as a Node: the policy's LossNode
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
@@ -550,7 +550,7 @@ def reference_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: Share
     if _mesh_axes(mesh).get("tp", 1) > 1:
         from flowrl.runtime.backends.torchrun.tp_reference import TensorParallelReference
 
-        return TensorParallelReference(node, graph, transports, device=env.device_of(node.name), timeout_s=env.weight_timeout_s,  # type: ignore[arg-type]
+        return TensorParallelReference(node, graph, transports, device=env.device_of(node.name), timeout_s=env.weight_timeout_s,  # type: ignore[arg-type]  # the program table's row for a ReferenceNode
                                        group=group, ranks=ranks, mesh=mesh)
     return build_program(graph, node.name, env, transports) if _context().rank == ranks[0] else _Idle()
 
@@ -560,7 +560,7 @@ def critic_ranks(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     with any other axis > 1 is refused there by name (``tp_critic.check_tp_critic``)."""
     from flowrl.runtime.backends.torchrun.tp_critic import TensorParallelCritic
 
-    return TensorParallelCritic(node, graph, device=env.device_of(node.name), group=group, ranks=ranks, mesh=mesh)  # type: ignore[arg-type]
+    return TensorParallelCritic(node, graph, device=env.device_of(node.name), group=group, ranks=ranks, mesh=mesh)  # type: ignore[arg-type]  # the program table's row for a CriticNode
 
 
 #: Kind name -> its program on a mesh of several ranks (torchrun), ``(node, graph, env, transports, *,

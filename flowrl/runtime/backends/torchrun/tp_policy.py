@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
-from flowrl.graph.nodes import PolicyNode
+from flowrl.graph.nodes import LossNode, PolicyNode
 from flowrl.runtime.backends.torchrun.rank_policy import _context, _mesh_axes, _RankPolicy, publish_shards
 from flowrl.runtime.programs.nodes import SharedTransports
 
@@ -58,7 +59,10 @@ class TensorParallelPolicy(_RankPolicy):
         check_tp_policy(node, sizes)
         self.dp, self.tp = sizes["dp"], sizes["tp"]
         self.fsdp = node.optimizer.sharding == "fsdp" and self.dp > 1
-        super().__init__(node, graph.loss_of(node.name), graph, transports, device=str(ctx.device))  # type: ignore[arg-type]
+        loss = graph.loss_of(node.name)
+        if not isinstance(loss, LossNode):
+            raise ConfigError(f"policy {node.name!r} has no loss node")
+        super().__init__(node, loss, graph, transports, device=str(ctx.device))
         self.group, self.ranks, self.lead = group, ranks, ranks[0]
         self.index = ranks.index(ctx.rank)
         self.device = ctx.device
