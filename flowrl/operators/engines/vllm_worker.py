@@ -25,6 +25,8 @@ layer it copies the tensors into fresh parameters and, on a CPU, packs each line
 into a new oneDNN handle: the packed weights are the kernel's own copy, so an in-place copy into
 vLLM's parameters would leave the kernels computing with the old ones (the parameters are empty
 after packing); that repacking is most of a group update's time on a CPU (benches/RESULTS.md).
+A mixture of experts' fused experts are packed likewise on a CPU, but vLLM (0.32) skips their
+packing on a reload; ``_CpuMoePrepack`` has each reload pack them as the first load did.
 
 This module is imported inside vLLM's worker process: it imports nothing of flowrl and no
 torch or vLLM at the top.
