@@ -127,3 +127,36 @@ def test_vllms_moe_kernel_computes_with_the_synced_experts(moe_engine, padded_mo
     model = transformers.AutoModelForCausalLM.from_pretrained(str(padded_moe_dir), local_files_only=True, dtype=torch.float32)
     model.load_state_dict(policy)
     _mu_is_the_hf_forward(moe_engine, model)
+
+
+class _Experts:
+    """Stands for vLLM's CPU experts: ``process_weights_after_loading`` packs a layer (here: counts it)."""
+
+    def __init__(self) -> None:
+        self.packed: list[str] = []
+
+    def process_weights_after_loading(self, layer: str) -> None:
+        self.packed.append(layer)
+
+
+@pytest.mark.parametrize("vllm_packs_on_reload", [False, True], ids=["vllm-0.32", "a-vllm-that-packs-itself"])
+def test_a_reload_packs_each_moe_layer_once_whether_or_not_vllm_does(vllm_packs_on_reload):
+    """``_prepacking`` wraps a MoE quant method's post-load processing for the reload: vLLM 0.32's skips
+    the experts' packing on a reload, so the wrapper packs the layer after it; a vLLM that packs on its
+    own is not packed twice; weights already in the kernel's format are not packed."""
+    from flowrl.operators.engines.vllm_worker import _prepacking
+
+    experts = _Experts()
+
+    def process(layer: str) -> None:  # vLLM's UnquantizedFusedMoEMethod.process_weights_after_loading, on a reload
+        if vllm_packs_on_reload:
+            experts.process_weights_after_loading(layer)
+
+    wrapped = _prepacking(process, experts, lambda: False)
+    wrapped("layer0")
+    wrapped("layer1")
+    assert experts.packed == ["layer0", "layer1"]
+    assert "process_weights_after_loading" not in experts.__dict__  # the count around vLLM's call is undone
+    _prepacking(process, experts, lambda: True)("layer2")  # pre-processed weights: only what vLLM does itself
+    assert experts.packed == ["layer0", "layer1"] + (["layer2"] if vllm_packs_on_reload else [])
+

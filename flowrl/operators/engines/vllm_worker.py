@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION", "BucketPlan", "bucket_views", "bucket_nbytes"]
@@ -457,8 +457,11 @@ class _CpuMoePrepack:
         self.layers = [(layer.quant_method, experts) for layer in model.modules() if (experts := _cpu_prepacking_experts(layer)) is not None]
 
     def __enter__(self) -> _CpuMoePrepack:
-        for method, experts in self.layers:
-            method.process_weights_after_loading = _prepacking(method.process_weights_after_loading, experts)
+        if self.layers:
+            from vllm.model_executor.utils import is_weights_pre_processed
+
+            for method, experts in self.layers:
+                method.process_weights_after_loading = _prepacking(method.process_weights_after_loading, experts, is_weights_pre_processed)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -467,11 +470,9 @@ class _CpuMoePrepack:
             experts.__dict__.pop("process_weights_after_loading", None)
 
 
-def _prepacking(process: Any, experts: Any) -> Any:
+def _prepacking(process: Callable[[Any], None], experts: Any, pre_processed: Callable[[], bool]) -> Callable[[Any], None]:
     """``process`` (a MoE quant method's ``process_weights_after_loading``), then ``experts``' prepacking
-    of the layer unless ``process`` ran it."""
-    from vllm.model_executor.utils import is_weights_pre_processed
-
+    of the layer unless ``process`` ran it or the weights came in the kernel's format (``pre_processed()``)."""
     prepack = type(experts).process_weights_after_loading.__get__(experts)
     ran: list[Any] = []
 
@@ -486,7 +487,7 @@ def _prepacking(process: Any, experts: Any) -> Any:
             process(layer)
         finally:
             experts.__dict__.pop("process_weights_after_loading", None)
-        if not ran and not is_weights_pre_processed():
+        if not ran and not pre_processed():
             prepack(layer)
 
     return process_and_prepack
