@@ -183,11 +183,12 @@ class FlowrlWorkerExtension:
                 eye = torch.eye(cols, dtype=weight.dtype, device=weight.device)
                 w = method.apply(module, eye, bias=None).T  # [out, in]
                 out[f"{name}.weight"] = _digest(w[: _vocab_rows(module, w)])
+            orders: dict[tuple[Any, ...], Any] = {}  # _prepack_order's, by shape, dtype and ISA: every layer's experts share them
             for name, p in model.named_parameters():
                 if p.numel() and name not in out:
                     path, _, leaf = name.rpartition(".")
                     owner = model.get_submodule(path)
-                    t = _unpacked_experts(owner, leaf, p)  # a CPU MoE kernel's experts as the checkpoint holds them
+                    t = _unpacked_experts(owner, leaf, p, orders)  # a CPU MoE kernel's experts as the checkpoint holds them
                     out[name] = _digest(t[: _vocab_rows(owner, t)])
         packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -493,17 +494,19 @@ def _prepacking(process: Callable[[Any], None], experts: Any, pre_processed: Cal
     return process_and_prepack
 
 
-def _unpacked_experts(layer: Any, name: str, t: Any) -> Any:
+def _unpacked_experts(layer: Any, name: str, t: Any, orders: dict[tuple[Any, ...], Any]) -> Any:
     """``t``, the parameter ``name`` of ``layer``, in the checkpoint's layout: for the fused experts of a
     layer vLLM's CPU kernel prepacked (``_cpu_prepacking_experts``), the prepacking undone (the
-    permutation read off the same op applied to the elements' indices) and the kernel's padding of the
-    experts' width dropped; any other tensor as it is."""
+    permutation read off the same op applied to the elements' indices; kept in ``orders`` for the next
+    layer of the same shape) and the kernel's padding of the experts' width dropped; any other tensor as
+    it is."""
     experts = _cpu_prepacking_experts(layer)
     if experts is None or name not in ("w13_weight", "w2_weight"):
         return t
     import torch
 
-    order = _prepack_order(t, experts.isa)
+    key = (tuple(t.shape), t.dtype, experts.isa)
+    order = orders[key] if key in orders else orders.setdefault(key, _prepack_order(t, experts.isa))
     flat = torch.empty_like(t).reshape(-1)
     flat[order] = t.reshape(-1)
     w = flat.view(t.shape)
