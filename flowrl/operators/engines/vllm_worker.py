@@ -506,7 +506,9 @@ def _unpacked_experts(layer: Any, name: str, t: Any, orders: dict[tuple[Any, ...
     import torch
 
     key = (tuple(t.shape), t.dtype, experts.isa)
-    order = orders[key] if key in orders else orders.setdefault(key, _prepack_order(t, experts.isa))
+    if key not in orders:
+        orders[key] = _prepack_order(t, experts.isa)
+    order = orders[key]
     flat = torch.empty_like(t).reshape(-1)
     flat[order] = t.reshape(-1)
     w = flat.view(t.shape)
