@@ -91,8 +91,7 @@ from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.backends.torchrun.rank_programs import RANK_PROGRAM, RankContext, set_context
-from flowrl.runtime.weights.direct_route import ROUTE, direct_channels
-from flowrl.runtime.weights.direct_route import register as register_direct
+from flowrl.runtime.weights.direct_route import direct_channels
 from flowrl.runtime.backends.torchrun.heartbeat import DEFAULT_TIMEOUT_S, Heartbeat, rank_roles
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.weights.torchrun_edges import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
@@ -109,7 +108,7 @@ from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
 from flowrl.runtime.parallel.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
-from flowrl.runtime.weights.edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
+from flowrl.runtime.weights.edges import ROUTE_COLLECTIVE, ROUTE_DIRECT, SHARED_DIRECTORY, SHARED_MEMORY, ROUTE_TRANSPORT, RouteKind, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.programs.table import build_program
 from flowrl.runtime.programs.nodes import Batch, ProgramEnv, SharedTransports
@@ -260,7 +259,7 @@ def _one_host() -> bool:
 
 def _weight_transport(edge: WeightEdge, programs: Mapping[str, str]) -> str:
     """The transport a weight edge uses across ranks: the collective one for a collective transport
-    or one that cannot cross processes (``weights.COLLECTIVE``), the graph's own otherwise.
+    or one that cannot cross processes (``torchrun_edges.COLLECTIVE``), the graph's own otherwise.
 
     An edge whose transport cannot cross processes with a user program at either end (synthetic
     operators, say) moves its weights through ``shm`` on one host and ``file`` otherwise: the
@@ -330,13 +329,18 @@ def _edge_options(graph: Graph, ctx: RankContext, axes: dict[str, Axes]) -> dict
     return {
         channel(e.src, e.dst): collective_options(graph, e.src, e.dst, ctx.ranks, ctx.programs, axes, DIST_TIMEOUT_S)
         for e in graph.weight_edges
-        if _route(e, ctx) == COLLECTIVE
+        if _route(e, ctx)[0] == ROUTE_COLLECTIVE
     }
 
 
-def _route(edge: WeightEdge, ctx: RankContext) -> str:
-    """The transport ``edge`` uses in this job: the direct route into vLLM (``direct_route.ROUTE``) or ``_weight_transport``'s."""
-    return ROUTE if channel(edge.src, edge.dst) in ctx.direct else _weight_transport(edge, ctx.programs)
+def _route(edge: WeightEdge, ctx: RankContext) -> tuple[RouteKind, str]:
+    """The route ``edge`` takes in this job and the transport that moves its weights: the direct route
+    into vLLM (``ctx.direct``: ``placement.weight_routes``' rule; the graph's transport kept, unused),
+    the rank's collective transport, or ``_weight_transport``'s through the registry."""
+    if channel(edge.src, edge.dst) in ctx.direct:
+        return ROUTE_DIRECT, edge.transport
+    name = _weight_transport(edge, ctx.programs)
+    return (ROUTE_COLLECTIVE if name == COLLECTIVE else ROUTE_TRANSPORT), name
 
 
 def run_torchrun(
@@ -369,7 +373,6 @@ def run_torchrun(
         torch.cuda.set_device(device)
     ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device,
                       direct=direct_channels(graph, ranks, dict(config.programs), pipelined))
-    register_direct()  # every rank: the generator's program opens its direct edge through the registry
     set_context(ctx)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -502,12 +505,12 @@ def _control(
     host, port = listener.getsockname()[:2]
     store.set(_STORE_KEY, f"{host}:{port}")
     shared = os.environ.get("FLOWRL_WEIGHTS_DIR")
-    if not shared and not _one_host() and any(transport_traits(_route(e, ctx)).needs_directory for e in graph.weight_edges):
+    if not shared and not _one_host() and any(transport_traits(_route(e, ctx)[1]).needs_directory for e in graph.weight_edges):
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
     specs = tuple(
         msgspec.structs.replace(s, writer_options=edges[channel(s.src, s.dst)], reader_options=edges[channel(s.src, s.dst)])
-        if s.name == COLLECTIVE else s
+        if s.route == ROUTE_COLLECTIVE else s
         for s in transport_specs(graph, run_dir, crosses_processes=True, choose=lambda e: _route(e, ctx), references=False)
     )
     env = ProgramEnv(
