@@ -224,16 +224,22 @@ def close_edges(*, drain_s: float = 0.0) -> None:
 
 
 class _Handle:
-    """What a program's route gets: the rank's shared transport; ``close`` is the job's, not the program's."""
+    """What a program's route gets: the rank's shared transport. Closing the handle ends this holder's
+    use of it (later calls through it are refused, as a closed transport's are); the job closes the
+    shared transport itself once every program on this rank is done (``close_edges``)."""
 
     def __init__(self, transport: Any) -> None:
         self._t = transport
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
+        if self._closed and name in ("publish", "fetch_into", "latest_version"):
+            raise TransportError(f"collective weight edge {self._t.channel!r}: {name}() called after close() (of this route's handle; the job closes the shared transport)")
         return getattr(self._t, name)
 
     def close(self) -> None:
-        """Nothing: the job closes the shared transport once every program on this rank is done."""
+        """End this holder's use (idempotent); the shared transport stays open for the job."""
+        self._closed = True
 
 
 def shared(options: dict[str, Any]) -> _Handle:
