@@ -526,7 +526,7 @@ class VLLMGenerator:
         from flowrl.operators.engines.vllm_direct import DEFAULT_BUCKET_BYTES, DirectReceiver
 
         if self.weights_by != "direct":
-            raise ConfigError(f"generator {self.name!r}: connect_direct needs the engine started with transport='direct'")
+            raise ConfigError(f"generator {self.name!r}: connect_direct needs the engine started on the direct route (its hop 'direct', weights_by={self.weights_by!r})")
         backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
         self._direct = DirectReceiver(self.llm, channel, self._spec, backend=backend, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, engine=engine, engines=engines)
         self._direct.connect()

@@ -248,7 +248,7 @@ def shared(options: dict[str, Any]) -> _Handle:
     Raises:
         TransportError: this rank has none for it, or opened it with other options.
     """
-    ch = options.get("channel")
+    ch = str(options.get("channel", ""))
     with _LOCK:
         transport, expected = _OPEN.get(ch), _OPTIONS.get(ch)
     if transport is None:
