@@ -191,6 +191,19 @@ def test_the_direct_route_is_taken_by_a_default_edge_into_vllm_ranks_apart_from_
     assert direct_channels(vllm_fsdp_graph(str(model_dir), transport="collective"), apart, {}) == set()  # named: the hop
 
 
+def test_a_pipeline_parallel_policys_edge_into_vllm_takes_the_hop_as_the_job_computes_it(model_dir):
+    """The torchrun job hands ``direct_channels`` the names of its pipelined policies (it handed the
+    policy nodes, which never matched a name, so a pp policy's edge took the direct route)."""
+    from flowrl.runtime.backends.torchrun.backend import pipelined_policies
+    from flowrl.runtime.weights.direct_route import direct_channels
+
+    graph = vllm_fsdp_graph(str(model_dir))
+    apart = {"gen": (0,), "policy": (1, 2)}
+    pipelined = pipelined_policies(graph, {"gen": ((), ()), "policy": (("pp",), (2,))})
+    assert pipelined == {"policy"}
+    assert direct_channels(graph, apart, {}, pipelined) == set()
+
+
 def test_a_vllm_generator_whose_tp_exceeds_its_ranks_or_cores_is_refused_on_every_rank_before_any_work(model_dir):
     from flowrl.errors import ConfigError
     from flowrl.runtime.preflight import check_engine_meshes

@@ -1,6 +1,7 @@
 """Generator engines: the table from a node's ``engine`` to the class that samples for it.
 
-An engine is a class built as ``cls(node, *, seed, device, transport)`` that the generator program
+An engine is a class built as ``cls(node, *, seed, device, transport)`` (``transport``: its weight
+edge's route, an object the engine may ask its hop; a name outside a run) that the generator program
 (``flowrl.runtime.programs.nodes.GeneratorProgram``) drives through ``GeneratorEngine``: it fetches
 weights into ``weight_targets()`` and sets ``version`` (which makes the engine use them), then calls
 ``generate(prompts)``, which returns the rollout (``flowrl.graph.fields.ROLLOUT_FIELDS``, built by
@@ -131,8 +132,9 @@ def check_routing_replay(node: GeneratorNode, *, device: str = "cpu") -> None:
         )
 
 
-def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu", transport: str = "inprocess", **options: Any) -> Any:
-    """The engine that samples for ``node`` (a ``GeneratorEngine``), fed weights over a weight edge of
-    ``transport`` (an engine that moves weights on once more, as vLLM into its workers, may follow it);
+def build_engine(node: GeneratorNode, *, seed: int = 0, device: str = "cpu", transport: Any = "inprocess", **options: Any) -> Any:
+    """The engine that samples for ``node`` (a ``GeneratorEngine``), fed weights over its weight edge's
+    route ``transport`` (the runtime's route object; an engine that moves weights on once more, as vLLM
+    into its workers, asks it how: ``vllm_engine.hop_of``);
     ``options`` go to engines that take them (``sleep_mode=True``: vLLM's, for colocated offloading)."""
     return resolve(ENGINES[node.engine].generator)(node, seed=seed, device=device, transport=transport, **options)

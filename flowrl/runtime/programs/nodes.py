@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -27,15 +27,13 @@ from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, ReferenceNode, RewardModelNode, ScorerNode, SourceNode
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weights.edges import TransportSpec
-from flowrl.runtime.transports.registry import create_transport, import_transport
-
-if TYPE_CHECKING:
-    from flowrl.runtime.transports.weight_transport import WeightTransport
+from flowrl.runtime.weights.route import WeightRoute, WeightRoutes
 
 __all__ = [
     "NodeProgram",
     "ProgramBase",
     "ProgramEnv",
+    "SharedTransports",
     "build_error",
     "build_source",
     "build_generator",
@@ -133,59 +131,10 @@ class ProgramEnv(msgspec.Struct, frozen=True, kw_only=True):
         return self.devices.get(node, "cpu")
 
 
-class SharedTransports:
-    """The transports one process holds, opened lazily, keyed by (src, dst, side).
-
-    In the local backend one instance serves every program, so both sides of an in-process
-    transport share one object; in a worker process it holds only that worker's side.
-    """
-
-    def __init__(self, specs: tuple[TransportSpec, ...]) -> None:
-        self._specs = {(s.src, s.dst): s for s in specs}
-        self._open: dict[tuple[str, str], WeightTransport] = {}
-        self._readers: dict[tuple[str, str], WeightTransport] = {}
-
-    @staticmethod
-    def _create(spec: TransportSpec, options: dict[str, Any]) -> WeightTransport:
-        import_transport(spec.name, spec.factory)
-        return create_transport(spec.name, **options)
-
-    def writer(self, src: str, dst: str) -> WeightTransport:
-        """The publishing side of edge ``src -> dst`` (opened on first use)."""
-        key = (src, dst)
-        if key not in self._open:
-            spec = self._specs[key]
-            self._open[key] = self._create(spec, spec.writer_options)
-        return self._open[key]
-
-    def reader(self, src: str, dst: str) -> WeightTransport:
-        """The fetching side of edge ``src -> dst``: the writer's object when it lives in this process."""
-        key = (src, dst)
-        if key in self._open:  # same process as the writer: share the object
-            return self._open[key]
-        if key not in self._readers:
-            spec = self._specs[key]
-            self._readers[key] = self._create(spec, spec.reader_options)
-        return self._readers[key]
-
-    def route(self, src: str, dst: str) -> str:
-        """The registry name of edge ``src -> dst``'s transport (``""`` for an edge it has no spec of)."""
-        spec = self._specs.get((src, dst))
-        return spec.name if spec is not None else ""
-
-    def close(self) -> None:
-        for t in [*self._readers.values(), *self._open.values()]:
-            t.close()
-        self._open.clear()
-        self._readers.clear()
-
-
-def _is_direct(transports: SharedTransports, edge: tuple[str, str]) -> bool:
-    """Whether the weight edge takes the direct route into vLLM (only a torchrun job names it so)."""
-    from flowrl.runtime.weights.direct_route import ROUTE
-
-    route = getattr(transports, "route", None)  # a caller without transports (a test's program) has no direct edge
-    return route is not None and route(*edge) == ROUTE
+#: The weight routes one process holds (``flowrl.runtime.weights.route.WeightRoutes``), under the name
+#: the programs' builders take them by: ``writer`` / ``reader`` give a program an edge's halves,
+#: ``route`` the edge's route object itself.
+SharedTransports = WeightRoutes
 
 
 class SourceProgram(ProgramBase):
@@ -223,11 +172,15 @@ class GeneratorProgram(ProgramBase):
         sleeps = {"sleep_mode": True} if env.offload.get(node.name) == "engine" else {}  # an engine that sleeps starts able to
         options = {**sleeps, **(engine_options or {})}
         self._edge = (edge.src, edge.dst)
-        self._direct = _is_direct(transports, self._edge)  # the policy's ranks send into vLLM's workers (torchrun: ``direct_route``)
+        routes = getattr(transports, "route", None)  # a caller's own transports (a test's) have no route objects
+        route = routes(*self._edge) if routes is not None else None
+        # the run's route of the edge; outside a run (no spec), one of the graph's own transport, never opened here
+        self._route = route if route is not None else WeightRoute(TransportSpec(src=edge.src, dst=edge.dst, name=edge.transport))
+        self._direct = self._route.direct  # the policy's ranks send into vLLM's workers (torchrun: ``direct_route``)
         self._connected = False
         self._engine_of = (0, 1)  # (this engine, the generator's engines): its replicas share one direct route (``ParallelGenerator``)
-        transport = "direct" if self._direct else edge.transport
-        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=transport, **options)  # node.engine's class
+        # the engine gets the route itself: one whose weights go on into workers of its own asks it the hop (``WeightRoute.hop``)
+        self.generator = build_engine(node, seed=seed, device=env.device_of(node.name), transport=self._route, **options)  # node.engine's class
         self._in_flight = edge.in_flight
         self._transports = transports
         self._timeout = env.weight_timeout_s
@@ -284,13 +237,10 @@ class GeneratorProgram(ProgramBase):
         between commands (a request waits for a step in progress: with k >= 1 sampling goes on with
         the weights held rather than waiting for the policy's step). With several engines (replicas)
         the first decides and asks for all; the others follow its request (``vllm_direct``)."""
-        from flowrl.runtime.weights.direct_route import store_channel
-        from flowrl.runtime.weights.torchrun_edges import channel
-
         start = time.perf_counter()
         engine, engines = self._engine_of
         if not self._connected:
-            self._channel = store_channel(channel(*self._edge))
+            self._channel = self._route.receiver().channel  # the route's generator half (``route.DirectEnd``)
             self.generator.connect_direct(self._channel, engine=engine, engines=engines)
             self._connected = True
         held = self.generator.version  # -1 until the first take: vLLM holds dummy weights, never sampled with

@@ -8,8 +8,9 @@ have any mesh: ``dp`` replicas, each one vLLM engine of ``tp`` workers (``vllm_r
 one weight-sync group of ``1 + dp * tp`` members whose rank 0 is the policy's sending rank, and one
 broadcast per tensor reaches every worker of every engine (with ``tp`` > 1 each worker takes the
 full tensor and vLLM's ``load_weights`` keeps its shard), as NeMo-RL, verl and OpenRLHF do it.
-Such an edge's ``TransportSpec`` is named :data:`ROUTE`; the generator's program then starts vLLM
-with ``transport="direct"`` (no staging copy) and its sync is ``VLLMGenerator.take_direct`` at the
+Such an edge's ``TransportSpec`` has the route ``"direct"`` (``weights.route``); the generator's program
+hands its engine the route, whose hop is ``"direct"`` (vLLM starts with no staging copy), and its
+sync is ``VLLMGenerator.take_direct`` over the route's channel (``route.DirectEnd``) at the
 gate's minimum version (``GeneratorProgram._take_direct``; holding that version already, it asks only
 when the lead's ``policy`` key says a newer one exists and the policy is between commands, so
 sampling at k >= 1 does not wait for a step in progress). With several replicas the first replica's
@@ -44,10 +45,8 @@ from flowrl.errors import TransportError
 from flowrl.graph.ir import Graph
 from flowrl.placement.weight_routes import direct_edges
 
-__all__ = ["ROUTE", "direct_channels", "register", "store_channel", "DirectEdge", "DirectPolicy"]
+__all__ = ["direct_channels", "store_channel", "DirectPolicy"]
 
-#: Registry name of a direct edge's ``TransportSpec`` in a torchrun job.
-ROUTE = "torchrun-vllm-direct"
 POLL_S = 0.02
 
 
@@ -67,24 +66,6 @@ def store_channel(ch: str) -> Any:
     from flowrl.operators.engines.vllm_direct import Channel
 
     return Channel(dist.distributed_c10d._get_default_store(), ch)
-
-
-class DirectEdge:
-    """The registry's object for a direct edge (:data:`ROUTE`): a marker; the generator's program
-    reaches the policy through ``store_channel`` and its engine (``VLLMGenerator.take_direct``)."""
-
-    def __init__(self, **options: Any) -> None:
-        self.options = options
-
-    def close(self) -> None:
-        """Nothing: the generator's engine closes the route."""
-
-
-def register() -> None:
-    """Register :data:`ROUTE` (inside a torchrun job only, on every rank)."""
-    from flowrl.runtime.transports.registry import TransportTraits, register_transport
-
-    register_transport(ROUTE, DirectEdge, replace=True, traits=TransportTraits())
 
 
 class DirectPolicy:

@@ -9,8 +9,8 @@ a user's) is kept.
   policy's ``ModelConfig``, via a model built on the meta device: no memory, no initialisation
   cost), the trainer layout and the generator layout (``ShardLayout`` in dict form), the channel
   (``"<policy>-><generator>"``) and the timeout. Every rank computes the same options from the graph
-  and the placement; rank 0 also ships them in the ``TransportSpec`` (registry name
-  :data:`COLLECTIVE`), and the factory checks that they agree.
+  and the placement; rank 0 also ships them in the edge's ``TransportSpec`` (route ``"collective"``),
+  and :func:`shared` checks that they agree.
 - Layouts: every rank of a data-parallel policy publishes its full replica (``dp_replicas`` over the
   policy's ranks; the transfer plan picks the sender of each block among the replicas, least loaded
   first, so each byte is sent once per destination); every rank of an FSDP policy
@@ -29,8 +29,8 @@ a user's) is kept.
   rank during job setup, while all ranks are there (construction handshakes over the store), with
   ``background_receive=True`` so that a generator rank receives each version as soon as it is
   published (a trainer never waits for the generator's next step: see the transport's docstring).
-  The node programs get them through the registry (:data:`COLLECTIVE`): a rank that hosts both the
-  policy and the generator shares one instance between them.
+  The node programs get them through their edge's route (``route.WeightRoute``, which calls
+  :func:`shared`): a rank that hosts both the policy and the generator shares one instance between them.
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ from flowrl.errors import ConfigError, TransportError
 from flowrl.graph.ir import Graph
 from flowrl.placement.resharding import ShardLayout, dp_replicas, fsdp
 from flowrl.runtime.parallel.vllm_replicas import engine_ranks, is_vllm_tp, replica_rows
-from flowrl.runtime.transports.registry import register_transport, transport_traits
+from flowrl.runtime.transports.registry import transport_traits
 
-__all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened"]
+__all__ = ["COLLECTIVE", "weight_transport", "collective_options", "edge_ranks", "open_edges", "close_edges", "opened", "shared"]
 
-#: Registry name of the shared per-rank collective transport (the TransportSpec name in torchrun jobs).
-COLLECTIVE = "torchrun-collective"
+#: The built-in transport that carries a torchrun job's weight edges between ranks (its ``TransportSpec``
+#: name on the route ``"collective"``).
+COLLECTIVE = "collective"
 
 _LOCK = threading.Lock()
 _OPEN: dict[str, Any] = {}  # channel -> CollectiveTransport of this process
@@ -58,8 +59,9 @@ _OPTIONS: dict[str, dict[str, Any]] = {}  # channel -> the options it was built 
 
 
 def weight_transport(name: str) -> str:
-    """The transport a weight edge named ``name`` uses across ranks (a registry name): the shared
-    per-rank collective for a collective transport and for one that cannot cross processes."""
+    """The transport a weight edge named ``name`` uses across ranks (a registry name): the collective
+    one (:data:`COLLECTIVE`, one shared instance per rank) for a collective transport and for one that
+    cannot cross processes; the edge's own otherwise."""
     traits = transport_traits(name)
     if traits.collective or not traits.crosses_processes:
         return COLLECTIVE
@@ -196,8 +198,6 @@ def open_edges(specs: dict[str, dict[str, Any]], groups: dict[str, Any], rank: i
     """Construct this rank's transport of every edge it takes part in (every participating rank must call this)."""
     from flowrl.runtime.transports.collective import CollectiveTransport
 
-    # registered here, inside a torchrun job only: graphs validated elsewhere never see the name
-    register_transport(COLLECTIVE, _shared, replace=True, traits=CollectiveTransport.traits)
     for ch, options in specs.items():
         if rank not in participants(options):
             continue
@@ -224,20 +224,31 @@ def close_edges(*, drain_s: float = 0.0) -> None:
 
 
 class _Handle:
-    """What a program gets from the registry: the rank's shared transport; ``close`` is the job's, not the program's."""
+    """What a program's route gets: the rank's shared transport. Closing the handle ends this holder's
+    use of it (later calls through it are refused, as a closed transport's are); the job closes the
+    shared transport itself once every program on this rank is done (``close_edges``)."""
 
     def __init__(self, transport: Any) -> None:
         self._t = transport
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
+        if self._closed and name in ("publish", "fetch_into", "latest_version"):
+            raise TransportError(f"collective weight edge {self._t.channel!r}: {name}() called after close() (of this route's handle; the job closes the shared transport)")
         return getattr(self._t, name)
 
     def close(self) -> None:
-        """Nothing: the job closes the shared transport once every program on this rank is done."""
+        """End this holder's use (idempotent); the shared transport stays open for the job."""
+        self._closed = True
 
 
-def _shared(**options: Any) -> _Handle:
-    ch = options.get("channel")
+def shared(options: dict[str, Any]) -> _Handle:
+    """This rank's transport of the collective edge that ``options`` (its ``TransportSpec``'s) describe.
+
+    Raises:
+        TransportError: this rank has none for it, or opened it with other options.
+    """
+    ch = str(options.get("channel", ""))
     with _LOCK:
         transport, expected = _OPEN.get(ch), _OPTIONS.get(ch)
     if transport is None:

@@ -13,6 +13,12 @@ where both differ, on the writer too), from the test thread, and from a second t
 concurrency test. It assumes ``publish`` returns without waiting for a reader, as the contract says.
 Class attributes tune the costly checks for slow transports (``concurrent_versions``,
 ``random_examples``).
+
+A route into an engine that caches KV blocks of prompts (vLLM's prefix cache) owes the engine more:
+after an update, a prompt longer than one KV block that was sampled before is sampled again with the
+new weights' log-probs (no token attends to KV computed with the old ones): ``check_engine_update``,
+which every route into vLLM passes (the group and file hops: ``tests/runtime/weights/test_route_into_vllm.py``;
+the direct route: ``tests/operators/test_vllm_direct_engine.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import contextlib
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,7 @@ from hypothesis import strategies as st
 from flowrl.errors import TransportError
 from flowrl.runtime.transports.weight_transport import WeightTransport
 
-__all__ = ["TransportConformance", "random_tensor", "same_bytes", "DTYPES", "SHAPES"]
+__all__ = ["TransportConformance", "check_engine_update", "random_tensor", "same_bytes", "DTYPES", "SHAPES"]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 SHAPES = [(), (1,), (7,), (0,), (3, 0), (2, 3, 4), (16, 33)]
@@ -330,3 +336,31 @@ class TransportConformance:
             writer.publish({"w": torch.ones(1)}, 1)
         with pytest.raises(TransportError, match=r"after close\(\)"):
             reader.fetch_into({"w": torch.zeros(1)})
+
+
+# -- what a route into an engine with a prefix cache owes it ---------------------------------------------
+
+
+def check_engine_update(engine: Any, prompt: list[int], update: Callable[[], Any], old: Any, new: Any) -> None:
+    """``prompt`` (longer than one of the engine's KV blocks) sampled before ``update()`` (one new version
+    through the route) is sampled after it with ``new``'s log-probs: the engine dropped the blocks it
+    had cached with ``old``'s weights. Tolerance: float32 rounding of the two forwards at these
+    weights' magnitudes (``tests/tolerances.py``); the update must move the log-probs by more than
+    that, or the check could not tell a stale cache from a fresh one.
+
+    ``old`` / ``new``: the models (``build_model`` of Hugging Face configs) of the weights the engine
+    holds before and after the update.
+    """
+    from tests.models.helpers import left_padded, reference_logprobs
+    from tests.tolerances import rollout_logprob_atol
+
+    batch = left_padded([prompt])
+    engine.generate(batch)  # the prompt's blocks cached with the old weights
+    update()
+    with torch.no_grad():
+        out = engine.generate(batch)
+        want, stale = reference_logprobs(new.hf, out), reference_logprobs(old.hf, out)
+    atol = rollout_logprob_atol(new, out)
+    mask = out["completion_mask"]
+    assert float((want - stale)[mask].abs().max()) > atol, "the update does not move the log-probs: the check would not see a stale cache"
+    torch.testing.assert_close(out["behaviour_logprobs"], want, rtol=0, atol=atol)

@@ -77,7 +77,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -91,8 +91,7 @@ from flowrl.graph.kinds import KINDS
 from flowrl.graph.serialize import to_json
 from flowrl.runtime.backends.backend import OnStep
 from flowrl.runtime.backends.torchrun.rank_programs import RANK_PROGRAM, RankContext, set_context
-from flowrl.runtime.weights.direct_route import ROUTE, direct_channels
-from flowrl.runtime.weights.direct_route import register as register_direct
+from flowrl.runtime.weights.direct_route import direct_channels
 from flowrl.runtime.backends.torchrun.heartbeat import DEFAULT_TIMEOUT_S, Heartbeat, rank_roles
 from flowrl.runtime.backends.remote import RemoteProgram
 from flowrl.runtime.weights.torchrun_edges import COLLECTIVE, channel, close_edges, collective_options, open_edges, participants, weight_transport
@@ -109,7 +108,7 @@ from flowrl.placement.default import default_placement
 from flowrl.placement.forms import check_placed
 from flowrl.runtime.parallel.meshes import device_mesh
 from flowrl.runtime.staleness import StalenessGate
-from flowrl.runtime.weights.edges import SHARED_DIRECTORY, SHARED_MEMORY, transport_specs
+from flowrl.runtime.weights.edges import ROUTE_COLLECTIVE, ROUTE_DIRECT, SHARED_DIRECTORY, SHARED_MEMORY, ROUTE_TRANSPORT, RouteKind, transport_specs
 from flowrl.runtime.transports.registry import transport_traits
 from flowrl.runtime.programs.table import build_program
 from flowrl.runtime.programs.nodes import Batch, ProgramEnv, SharedTransports
@@ -118,6 +117,7 @@ from flowrl.runtime.wire import ConnectionLost, recv_message, send_message
 __all__ = [
     "TorchrunBackend",
     "run_torchrun",
+    "pipelined_policies",
     "rank_placement",
     "RankLinks",
     "RankError",
@@ -262,7 +262,7 @@ def _one_host() -> bool:
 
 def _weight_transport(edge: WeightEdge, programs: Mapping[str, str]) -> str:
     """The transport a weight edge uses across ranks: the collective one for a collective transport
-    or one that cannot cross processes (``weights.COLLECTIVE``), the graph's own otherwise.
+    or one that cannot cross processes (``torchrun_edges.COLLECTIVE``), the graph's own otherwise.
 
     An edge whose transport cannot cross processes with a user program at either end (synthetic
     operators, say) moves its weights through ``shm`` on one host and ``file`` otherwise: the
@@ -332,13 +332,30 @@ def _edge_options(graph: Graph, ctx: RankContext, axes: dict[str, Axes]) -> dict
     return {
         channel(e.src, e.dst): collective_options(graph, e.src, e.dst, ctx.ranks, ctx.programs, axes, DIST_TIMEOUT_S)
         for e in graph.weight_edges
-        if _route(e, ctx) == COLLECTIVE
+        if _route(e, ctx)[0] == ROUTE_COLLECTIVE
     }
 
 
-def _route(edge: WeightEdge, ctx: RankContext) -> str:
-    """The transport ``edge`` uses in this job: the direct route into vLLM (``direct_route.ROUTE``) or ``_weight_transport``'s."""
-    return ROUTE if channel(edge.src, edge.dst) in ctx.direct else _weight_transport(edge, ctx.programs)
+def _route(edge: WeightEdge, ctx: RankContext) -> tuple[RouteKind, str]:
+    """The route ``edge`` takes in this job and the transport that moves its weights: the direct route
+    into vLLM (``ctx.direct``: ``placement.weight_routes``' rule; the graph's transport kept, unused),
+    the rank's collective transport, or ``_weight_transport``'s through the registry."""
+    if channel(edge.src, edge.dst) in ctx.direct:
+        return ROUTE_DIRECT, edge.transport
+    name = _weight_transport(edge, ctx.programs)
+    return (ROUTE_COLLECTIVE if name == COLLECTIVE else ROUTE_TRANSPORT), name
+
+
+def pipelined_policies(graph: Graph, axes: Mapping[str, Axes], *, skip: Iterable[str] = ()) -> frozenset[str]:
+    """The names of the policies whose mesh has ``pp`` > 1: their weight edges into vLLM take the hop,
+    never the direct route (``placement.weight_routes.direct_edges`` reads names).
+
+    Example:
+        >>> from flowrl.examples import build_example
+        >>> sorted(pipelined_policies(build_example("llamarl"), {"policy": (("pp",), (2,))}))
+        ['policy']
+    """
+    return frozenset(node.name for node, _ in pipeline_policies(graph, axes, skip=skip))
 
 
 def run_torchrun(
@@ -364,7 +381,7 @@ def run_torchrun(
     cuda = device.type == "cuda"
     check_meshes(graph, placement, backend="torchrun", device=device.type, skip=config.programs)  # every rank alike, the default's too
     check_ranks(graph, ranks, axes, skip=config.programs)  # every rank, before any work
-    pipelined = frozenset(n for n, _ in pipeline_policies(graph, axes, skip=config.programs))  # take the hop (weight_routes)
+    pipelined = pipelined_policies(graph, axes, skip=config.programs)  # take the hop (weight_routes)
     check_pipeline(graph, axes, skip=config.programs)
     check_tp_meshes(graph, axes, skip=config.programs)  # a tensor-parallel policy's, reference's or critic's tp against its heads and widths
     check_engine_meshes(graph, {n: a for n, a in axes.items() if n not in config.programs}, ranks, cores=None if cuda else len(os.sched_getaffinity(0)))
@@ -375,7 +392,6 @@ def run_torchrun(
         torch.cuda.set_device(device)
     ctx = RankContext(rank=rank, world=world, ranks=ranks, programs=dict(config.programs), device=device,
                       direct=direct_channels(graph, ranks, dict(config.programs), pipelined), ep={n: m.ep for n, m in placement.nodes.items() if m.ep > 1})
-    register_direct()  # every rank: the generator's program opens its direct edge through the registry
     set_context(ctx)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -509,12 +525,12 @@ def _control(
     host, port = listener.getsockname()[:2]
     store.set(_STORE_KEY, f"{host}:{port}")
     shared = os.environ.get("FLOWRL_WEIGHTS_DIR")
-    if not shared and not _one_host() and any(transport_traits(_route(e, ctx)).needs_directory for e in graph.weight_edges):
+    if not shared and not _one_host() and any(transport_traits(_route(e, ctx)[1]).needs_directory for e in graph.weight_edges):
         raise ConfigError("a torchrun job over several hosts moves weights through files: set FLOWRL_WEIGHTS_DIR to a directory every host sees")
     run_dir = tempfile.mkdtemp(prefix="flowrl-torchrun-", dir=shared or None)
     specs = tuple(
         msgspec.structs.replace(s, writer_options=edges[channel(s.src, s.dst)], reader_options=edges[channel(s.src, s.dst)])
-        if s.name == COLLECTIVE else s
+        if s.route == ROUTE_COLLECTIVE else s
         for s in transport_specs(graph, run_dir, crosses_processes=True, choose=lambda e: _route(e, ctx), references=False)
     )
     env = ProgramEnv(

@@ -502,7 +502,8 @@ def rank_program(node: Node, graph: Graph, env: ProgramEnv, transports: SharedTr
     ctx = _context()
     from flowrl.runtime.weights.torchrun_edges import channel
 
-    direct = [channel(e.src, e.dst) for e in graph.weight_edges_from(node.name) if channel(e.src, e.dst) in ctx.direct]
+    routes = [transports.route(e.src, e.dst) for e in graph.weight_edges_from(node.name)]  # the run's routes, decided at its start
+    direct = [channel(r.spec.src, r.spec.dst) for r in routes if r is not None and r.direct]
     if not direct or not isinstance(program, PolicyProgram):
         return program
     from flowrl.runtime.weights.direct_route import DirectPolicy
