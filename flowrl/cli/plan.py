@@ -84,8 +84,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+#: ``plan_graph``'s own arguments (all but its ``**tuning``), each with how the command sets it: a
+#: ``--set`` of one would collide with the argument the command passes (tests/cli/test_plan_cli.py
+#: checks that this names every one of them)
+OWN_ARGUMENTS = {
+    "graph": "name the graph as the GRAPH argument",
+    "cluster": "use --cluster SPEC",
+    "strategy": "use --strategy S",
+    "max_staleness": "use --max-staleness K",
+    "workload": "use --prompts-per-step, --samples, --prompt-len and --gen-len",
+    "model": "use --model M",
+    "baseline": "the command compares every plan with the synchronous baseline; call plan_graph(baseline=...) for another",
+}
+
+
 def _tuning(pairs: list[str]) -> dict[str, Any]:
-    """``--set`` pairs as ``plan_graph``'s tuning keywords (any JSON value; checked by the planner's tuning)."""
+    """``--set`` pairs as ``plan_graph``'s tuning keywords (any JSON value; checked by the planner's tuning).
+
+    Raises:
+        PlanError: a pair that is no ``NAME=VALUE``, or that names one of ``plan_graph``'s own
+            arguments (``OWN_ARGUMENTS``) rather than a tuning constant.
+    """
     from flowrl.errors import PlanError
 
     out: dict[str, Any] = {}
@@ -93,6 +112,11 @@ def _tuning(pairs: list[str]) -> dict[str, Any]:
         name, sep, raw = pair.partition("=")
         if not sep or not name.strip():
             raise PlanError(f"--set {pair!r}: write NAME=VALUE, e.g. --set mfu_train=0.4")
+        if name.strip() in OWN_ARGUMENTS:
+            raise PlanError(
+                f"--set {pair!r}: {name.strip()!r} is an argument of the plan, not a tuning constant (those are listed "
+                f"in 'flowrl plan --help'); {OWN_ARGUMENTS[name.strip()]}"
+            )
         try:
             value: object = json.loads(raw)
         except json.JSONDecodeError:

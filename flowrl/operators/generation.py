@@ -242,6 +242,11 @@ class Generator:
         self.routing: MoeShape | None = moe_shape(self.model, owner=f"generator {node.name!r}: routing_replay=True") if node.routing_replay else None
 
     @property
+    def max_seq_len(self) -> int:
+        """The longest sequence its model holds (prompt and completion)."""
+        return self.model.max_seq_len
+
+    @property
     def version(self) -> int:
         """Policy version of the weights it holds (0 = the shared initial weights)."""
         return self._version

@@ -49,11 +49,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from flowrl.envs.environment import EnvError, EnvResult, Pending, check_env, make_env, parse_observation, parse_step, start
+from flowrl.graph.configs import SamplingConfig
 from flowrl.graph.nodes import GeneratorNode
 from flowrl.graph.refs import resolve
 from flowrl.operators.batch import Batch
@@ -61,7 +62,7 @@ from flowrl.operators.env_tokens import ObservationEncoder, observation_encoder
 from flowrl.operators.generation import Generator, rollout_batch
 from flowrl.operators.source import pad_left
 
-__all__ = ["FAIL_CAUSES", "MultiTurnGenerator", "Episode", "row_fields"]
+__all__ = ["FAIL_CAUSES", "EpisodeSteps", "MultiTurnGenerator", "Episode", "TurnSampler", "row_fields"]
 
 log = logging.getLogger("flowrl.envs")
 
@@ -102,16 +103,38 @@ class Episode:
         self.error, self.cause, self.done = error, cause, True
 
 
-class MultiTurnGenerator:
-    """Runs episodes for ``node.env`` with ``generator``'s model (see the module docstring).
+class TurnSampler(Protocol):
+    """What the episode steps read of a generator engine (``Generator`` and ``VLLMGenerator`` have it)."""
 
-    The episode's steps are methods that lock step (``generate``) and continuous batching
-    (``flowrl.runtime.programs.continuous``) share: ``episode`` and ``start_reset`` / ``finish_reset`` open one,
-    ``wants_turn`` says whether it takes another model turn, ``add_turn`` records one and
-    ``start_step`` / ``finish_step`` hand it to the environment; ``batch`` and ``metrics`` report.
+    @property
+    def name(self) -> str: ...
+    @property
+    def sampling(self) -> SamplingConfig: ...
+    @property
+    def stop_tokens(self) -> tuple[int, ...]: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    def _decode(self, ids: list[int], /) -> str: ...
+
+
+G = TypeVar("G", bound=TurnSampler)
+
+
+class EpisodeSteps(Generic[G]):
+    """The steps of ``node.env``'s episodes with ``generator``'s engine (see the module docstring).
+
+    The methods that lock step (``MultiTurnGenerator.generate``, ``VLLMMultiTurn.generate``) and
+    continuous batching (``flowrl.runtime.programs.continuous``) share: ``episode`` and ``start_reset`` /
+    ``finish_reset`` open one, ``wants_turn`` says whether it takes another model turn, ``add_turn``
+    records one and ``start_step`` / ``finish_step`` hand it to the environment; ``batch`` and
+    ``metrics`` report.
 
     Args:
-        generator: the node's ``Generator`` (its model, weights, version, sampling and tokens).
+        generator: the node's engine (its version, sampling and tokens).
         node: the generator node, with ``env`` set.
         encoder: how observations become tokens (default: ``observation_encoder`` of the node's model).
         rows: stream position -> the prompt file row's other fields, added to ``reset``'s row (``row_fields``).
@@ -123,7 +146,7 @@ class MultiTurnGenerator:
 
     def __init__(
         self,
-        generator: Generator,
+        generator: G,
         node: GeneratorNode,
         *,
         encoder: ObservationEncoder | None = None,
@@ -164,7 +187,7 @@ class MultiTurnGenerator:
 
     def wants_turn(self, ep: Episode) -> bool:
         """Whether the episode takes another model turn; it ends (truncated, not failed) when one would not fit ``max_seq_len``."""
-        if not ep.done and len(ep.prompt) + len(ep.tokens) + self.gen.sampling.max_new_tokens > self.gen.model.max_seq_len:
+        if not ep.done and len(ep.prompt) + len(ep.tokens) + self.gen.sampling.max_new_tokens > self.gen.max_seq_len:
             ep.done = True
         return not ep.done
 
@@ -215,44 +238,6 @@ class MultiTurnGenerator:
         ep.logprobs += [0.0] * len(ids)
         ep.versions += [-1] * len(ids)
 
-    def generate(self, prompts: Mapping[str, torch.Tensor], rows: list[dict[str, Any]] | None = None) -> tuple[Batch, dict[str, float]]:
-        """Episodes for every sample of ``prompts``, in lock step: the rollout with ``ENV_FIELDS``, and its metrics.
-
-        Args:
-            prompts: ``prompt_ids``, ``prompt_lens`` (and ``prompt_index``), as ``Generator.generate`` takes.
-            rows: per prompt, extra fields for ``reset``'s row (a prompt file's row).
-        """
-        gen = self.gen
-        ids, lens, index, rng = gen._batch_start(prompts)
-        P, n, width = ids.shape[0], gen.sampling.n_samples, ids.shape[1]
-        opened = [self.episode(ids[p, width - int(lens[p]) :].tolist(), int(index[p]), j, rows[p] if rows else None)
-                  for p in range(P) for j in range(n)]  # fmt: skip
-        episodes = [ep for ep, _ in opened]
-        t0 = time.perf_counter()
-        for (ep, _), wait in zip(opened, [self.start_reset(ep, row) for ep, row in opened]):
-            self.finish_reset(ep, wait())
-        env_wall = time.perf_counter() - t0
-        for _ in range(self.config.max_turns):
-            active = [ep for ep in episodes if self.wants_turn(ep)]
-            if not active:
-                break
-            sampled = self._model_turn(active, rng)
-            waits = [self.start_step(ep, self.add_turn(ep, t, lp, [gen.version] * len(t))) for ep, (t, lp) in zip(active, sampled)]
-            t0 = time.perf_counter()
-            for ep, wait, (turn, _) in zip(active, waits, sampled):
-                self.finish_step(ep, wait(), turn)
-            env_wall += time.perf_counter() - t0
-        return self.batch(episodes, ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0), index), self.metrics(episodes, env_wall)
-
-    def _model_turn(self, active: list[Episode], rng: torch.Generator) -> list[tuple[list[int], list[float]]]:
-        """One model turn for each active episode: its sampled tokens and their log-probs under mu."""
-        gen = self.gen
-        batch, plens = pad_left([ep.prompt + ep.tokens for ep in active], gen.pad_id)
-        with torch.no_grad():
-            tokens, logprobs, mask = (t.cpu() for t in gen._sample(batch.to(gen.device), plens.to(gen.device), rng))
-        counts = mask.sum(1).tolist()
-        return [(tokens[i, :k].tolist(), logprobs[i, :k].tolist()) for i, k in enumerate(counts)]
-
     def batch(self, episodes: list[Episode], sample_ids: torch.Tensor, sample_lens: torch.Tensor, index: torch.Tensor) -> Batch:
         """The rollout of finished ``episodes`` (``n`` per prompt of ``index``, in group order), with
         ``ENV_FIELDS``; each failed episode's error is logged here."""
@@ -301,6 +286,60 @@ class MultiTurnGenerator:
             "env/env_tokens": sum(len(ep.mask) for ep in episodes) / S - model / S,
             "env/reward_mean": sum(0.0 if ep.error else ep.reward for ep in episodes) / S,
         }
+
+
+
+class MultiTurnGenerator(EpisodeSteps[Generator]):
+    """Runs episodes for ``node.env`` with a ``Generator``'s model, in lock step (see the module docstring).
+
+    Args:
+        generator: the node's ``Generator`` (its model, weights, version, sampling and tokens).
+        node: the generator node, with ``env`` set.
+        encoder: how observations become tokens (default: ``observation_encoder`` of the node's model).
+        rows: stream position -> the prompt file row's other fields, added to ``reset``'s row (``row_fields``).
+
+    Raises:
+        ConfigError: for an environment without ``reset``/``step``, or a chat template that cannot be
+            applied incrementally (both before any work).
+    """
+
+    def generate(self, prompts: Mapping[str, torch.Tensor], rows: list[dict[str, Any]] | None = None) -> tuple[Batch, dict[str, float]]:
+        """Episodes for every sample of ``prompts``, in lock step: the rollout with ``ENV_FIELDS``, and its metrics.
+
+        Args:
+            prompts: ``prompt_ids``, ``prompt_lens`` (and ``prompt_index``), as ``Generator.generate`` takes.
+            rows: per prompt, extra fields for ``reset``'s row (a prompt file's row).
+        """
+        gen = self.gen
+        ids, lens, index, rng = gen._batch_start(prompts)
+        P, n, width = ids.shape[0], gen.sampling.n_samples, ids.shape[1]
+        opened = [self.episode(ids[p, width - int(lens[p]) :].tolist(), int(index[p]), j, rows[p] if rows else None)
+                  for p in range(P) for j in range(n)]  # fmt: skip
+        episodes = [ep for ep, _ in opened]
+        t0 = time.perf_counter()
+        for (ep, _), wait in zip(opened, [self.start_reset(ep, row) for ep, row in opened]):
+            self.finish_reset(ep, wait())
+        env_wall = time.perf_counter() - t0
+        for _ in range(self.config.max_turns):
+            active = [ep for ep in episodes if self.wants_turn(ep)]
+            if not active:
+                break
+            sampled = self._model_turn(active, rng)
+            waits = [self.start_step(ep, self.add_turn(ep, t, lp, [gen.version] * len(t))) for ep, (t, lp) in zip(active, sampled)]
+            t0 = time.perf_counter()
+            for ep, wait, (turn, _) in zip(active, waits, sampled):
+                self.finish_step(ep, wait(), turn)
+            env_wall += time.perf_counter() - t0
+        return self.batch(episodes, ids.repeat_interleave(n, 0), lens.repeat_interleave(n, 0), index), self.metrics(episodes, env_wall)
+
+    def _model_turn(self, active: list[Episode], rng: torch.Generator) -> list[tuple[list[int], list[float]]]:
+        """One model turn for each active episode: its sampled tokens and their log-probs under mu."""
+        gen = self.gen
+        batch, plens = pad_left([ep.prompt + ep.tokens for ep in active], gen.pad_id)
+        with torch.no_grad():
+            tokens, logprobs, mask = (t.cpu() for t in gen._sample(batch.to(gen.device), plens.to(gen.device), rng))
+        counts = mask.sum(1).tolist()
+        return [(tokens[i, :k].tolist(), logprobs[i, :k].tolist()) for i, k in enumerate(counts)]
 
 
 def _call_cause(result: EnvResult) -> str:

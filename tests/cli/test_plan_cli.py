@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 
 from flowrl.cli.main import main
-from flowrl.planners.plan import load_plan
+from flowrl.cli.plan import OWN_ARGUMENTS
+from flowrl.planners.plan import load_plan, plan_graph
 
 
 def test_plan_default_example_on_cpu(capsys):
@@ -66,6 +68,8 @@ def test_manual_placement_and_tuning_flags(capsys):
         (["plan", "--cluster", "64xH100", "--model", "llama2"], "unknown model preset 'llama2'"),
         (["plan", "--cluster", "cpu:2", "--set", "mfu"], "--set 'mfu': write NAME=VALUE"),
         (["plan", "--cluster", "cpu:2", "--set", "speed=2"], "unknown tuning parameter(s) 'speed'"),
+        (["plan", "--cluster", "cpu:2", "--set", "strategy=colocated"], "--set 'strategy=colocated': 'strategy' is an argument of the plan, not a tuning constant"),
+        (["plan", "--cluster", "cpu:2", "--set", "baseline=1"], "'baseline' is an argument of the plan, not a tuning constant"),
         (["plan", "--cluster", "cpu:2", "--prompt-len", "0"], "workload prompt_len=0 must be >= 1"),
         (["plan", "--cluster", "8xH100", "--model", "llama3-405b"], "no placement of graph 'llamarl' fits on 8xH100"),
         (["plan", "no_such_graph"], "cannot find graph 'no_such_graph'"),
@@ -81,7 +85,7 @@ def test_manual_placement_and_tuning_flags(capsys):
         (["plan", "--cluster", "cpu:2", "--lengths-from", "no_such_metrics.jsonl"], "cannot read metrics file 'no_such_metrics.jsonl'"),
     ],
     ids=[
-        "cluster", "strategy", "model", "set-form", "set-name", "workload", "too-big", "graph", "context", "context-prompt", "cores",
+        "cluster", "strategy", "model", "set-form", "set-name", "set-strategy", "set-baseline", "workload", "too-big", "graph", "context", "context-prompt", "cores",
         "mean-over-max", "two-length-sources", "no-metrics",
     ],
 )
@@ -89,6 +93,15 @@ def test_user_mistakes_exit_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in " ".join(err.split()) and "Traceback" not in err  # main wraps the paragraph at 100 columns
+
+
+def test_a_set_of_each_of_plan_graphs_own_arguments_is_refused_with_its_flag(capsys):
+    named = [p.name for p in inspect.signature(plan_graph).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert sorted(OWN_ARGUMENTS) == sorted(named), "plan.OWN_ARGUMENTS says how the command sets each of plan_graph's arguments"
+    for name in named:
+        assert main(["plan", "--cluster", "cpu:2", "--set", f"{name}=1"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"'{name}' is an argument of the plan, not a tuning constant" in err and OWN_ARGUMENTS[name] in err, err
 
 
 def test_failed_plan_leaves_no_file(tmp_path, capsys):

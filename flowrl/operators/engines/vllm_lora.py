@@ -63,11 +63,12 @@ class VLLMAdapters:
             return None
         import msgspec
 
+        from flowrl.models.causal_lm import as_module
         from flowrl.models.lora import adapter_targets, vllm_max_rank
         from flowrl.models.registry import meta_model
 
         vllm_max_rank(config.lora, owner=owner)
-        model = meta_model(msgspec.structs.replace(config, lora=None))
+        model = as_module(meta_model(msgspec.structs.replace(config, lora=None)))
         return cls(config, adapter_targets(model, config.lora, owner=owner, device="cpu"))
 
     def engine_options(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Multi-turn episodes on the vLLM engine: each model turn one vLLM request, environments stepping while other samples decode.
 
 ``VLLMMultiTurn`` runs the episodes of ``flowrl.operators.multiturn`` (the same environment
-protocol, ``ToolEnv``, limits and failure handling: it reuses ``MultiTurnGenerator``'s episode steps)
+protocol, ``ToolEnv``, limits and failure handling: the episode steps ``EpisodeSteps`` it shares with ``MultiTurnGenerator``)
 with a ``VLLMGenerator``'s engine, driven through vLLM's step API (``llm.llm_engine``:
 ``add_request`` / ``step``) instead of one ``generate`` call per turn:
 
@@ -41,14 +41,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flowrl.envs.environment import Pending
 from flowrl.operators.batch import Batch
 from flowrl.operators.generation import _mix
-from flowrl.operators.multiturn import Episode, MultiTurnGenerator
+from flowrl.operators.multiturn import Episode, EpisodeSteps
+
+if TYPE_CHECKING:
+    from flowrl.operators.engines.vllm_engine import VLLMGenerator
 
 __all__ = ["VLLMMultiTurn"]
 
@@ -57,14 +60,8 @@ IDLE_POLL_S = 0.0005
 _CALLS = itertools.count()
 
 
-class VLLMMultiTurn(MultiTurnGenerator):
-    """``MultiTurnGenerator`` over a ``VLLMGenerator`` (see the module docstring); same arguments."""
-
-    def wants_turn(self, ep: Episode) -> bool:
-        """Another model turn, unless the episode is done or one would not fit vLLM's ``max_seq_len`` (truncated, not failed)."""
-        if not ep.done and len(ep.prompt) + len(ep.tokens) + self.gen.sampling.max_new_tokens > self.gen.max_seq_len:
-            ep.done = True
-        return not ep.done
+class VLLMMultiTurn(EpisodeSteps["VLLMGenerator"]):
+    """The episode steps (``EpisodeSteps``) over a ``VLLMGenerator`` (see the module docstring); ``MultiTurnGenerator``'s arguments."""
 
     def _params(self, ep: Episode) -> Any:
         from vllm.sampling_params import RequestOutputKind
@@ -89,7 +86,7 @@ class VLLMMultiTurn(MultiTurnGenerator):
                   for p in range(P) for j in range(n)]  # fmt: skip
         episodes = [ep for ep, _ in opened]
         engine = gen.llm.llm_engine
-        adapter = gen._lora.request if gen._lora is not None else None
+        adapter = gen.lora_request()
         call = next(_CALLS)
         waiting: dict[int, tuple[Pending, list[int] | None]] = {}  # episode -> its environment call (and the turn it answers; None: reset)
         running: dict[str, int] = {}  # vLLM request id -> episode

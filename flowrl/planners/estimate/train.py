@@ -307,11 +307,11 @@ def train_options(
 
     weights = int(over(dense * pb, x_dev * pb, dp if zero >= 3 else 1))
 
-    def experts_too(collective: Callable[[float, int, Link], float], dense_bytes: float, expert_bytes: float) -> float:
-        """A collective over dp of the dense part, and with expert parallelism over dp / ep of the experts'."""
-        return collective(dense_bytes, dp, dp_link) + (collective(expert_bytes, dp_x, dp_link) if ep > 1 else 0.0)
+    def experts_too(collective: Callable[[float, int, Link], float], link: Link, dense_bytes: float, expert_bytes: float) -> float:
+        """A collective over dp (on ``link``) of the dense part, and with expert parallelism over dp / ep of the experts'."""
+        return collective(dense_bytes, dp, link) + (collective(expert_bytes, dp_x, link) if ep > 1 else 0.0)
 
-    fsdp_gather = (1 - overlap) * experts_too(all_gather_s, dense * pb, x_dev * pb) if zero >= 3 and dp_link else 0.0
+    fsdp_gather = (1 - overlap) * experts_too(all_gather_s, dp_link, dense * pb, x_dev * pb) if zero >= 3 and dp_link else 0.0
     if forward_only:
         grads = optim = 0
         grad_sync = optimizer_s = 0.0
@@ -322,7 +322,7 @@ def train_options(
         optim = int(over(d_train * ob, x_dev * ob, shard))
         if dp_link:
             reduce = all_gather_s if zero >= 2 else all_reduce_s  # reduce-scatter moves what an all-gather does
-            grad_sync = (1 - overlap) * experts_too(reduce, d_train * gb, x_dev * gb)
+            grad_sync = (1 - overlap) * experts_too(reduce, dp_link, d_train * gb, x_dev * gb)
         else:
             grad_sync = 0.0
         tensors = 9 * L + 3
@@ -334,7 +334,7 @@ def train_options(
             optimizer_s = (stepped + 2 * states) / (dev.memory_bandwidth * t.memory_bandwidth_efficiency)
             optimizer_s += tensors * 10 * dev.kernel_overhead_s + dev.cpu.train_step_overhead_s
         if zero in (1, 2) and dp_link:  # the updated shards are gathered back into every replica's parameters
-            optimizer_s += experts_too(all_gather_s, d_train * pb, x_dev * pb)
+            optimizer_s += experts_too(all_gather_s, dp_link, d_train * pb, x_dev * pb)
     resident = weights + grads + optim
     moe_layers = model.moe_layers * frac if ep > 1 else 0.0
 
@@ -347,6 +347,7 @@ def train_options(
         tokens = all_to_all_s(nbytes, ep, as_link(all_to_all_rate(ctx, devices, dims, nbytes)))
         return moe_layers * (2 * (fwd + bwd) * tokens + fwd * all_to_all_s(counts, ep, as_link(all_to_all_rate(ctx, devices, dims, counts))))
 
+    ckpt_choices: tuple[bool, ...]
     if forward_only:
         ckpt_choices = (False,)
     elif t.activation_checkpointing == "auto":

@@ -85,8 +85,10 @@ class Controller:
         self.ledger = PromptLedger(feeds=continuous_feeds(graph, self.gate))
         self.sink = RowSink(graph, config, on_step=on_step, fail=self._fail)
         for name, mesh in placement.nodes.items():  # a program over several ranks reports its own at its first step
-            node = graph.node(name) if name in graph else None
-            record = node and one_process(node.kind, mesh.devices, mesh.mesh_shape, config.backend, engine=getattr(node, "engine", None))
+            if name not in graph:
+                continue
+            node = graph.node(name)
+            record = one_process(node.kind, mesh.devices, mesh.mesh_shape, config.backend, engine=getattr(node, "engine", None))
             if record is not None:
                 self.sink.note_layout(name, record)
         self.parts = Executors(graph, node_programs, placement, capacity=config.channel_capacity or self.gate.widest() + 1, intra_op_threads=intra_op_threads)

@@ -28,7 +28,7 @@ drew it, so carried sequences have per-token versions in both cases. The KV cach
 sequence keeps the keys and values its earlier tokens got under older weights (as PipelineRL does);
 mu's log-probs are those of the distribution each token was actually drawn from.
 
-Environments (``episodes``, a ``flowrl.operators.multiturn.MultiTurnGenerator``): a slot decodes one
+Environments (``episodes``, a ``flowrl.operators.multiturn.EpisodeSteps``): a slot decodes one
 model turn of a sample. When the turn ends the slot frees and the sample is *parked* while its
 environment's ``step`` runs in its thread (``reset`` likewise before the first turn), and the slots
 go on decoding other samples. A parked sample whose call returned comes back as a new slot sample
@@ -59,7 +59,7 @@ from flowrl.runtime.staleness import EdgeBound
 
 if TYPE_CHECKING:
     from flowrl.envs.environment import Pending
-    from flowrl.operators.multiturn import Episode, MultiTurnGenerator
+    from flowrl.operators.multiturn import Episode, EpisodeSteps
 
 __all__ = ["ContinuousRollouts"]
 
@@ -90,7 +90,7 @@ class ContinuousRollouts:
 
     def __init__(
         self, generator: Generator, *, group_count: int, k: int, updates: int = 1, poll: Callable[[], None] | None = None,
-        episodes: MultiTurnGenerator | None = None, batcher: Callable[..., Any] = SlotBatcher,
+        episodes: EpisodeSteps[Any] | None = None, batcher: Callable[..., Any] = SlotBatcher,
     ) -> None:  # fmt: skip
         self.gen = generator
         self.P = group_count
@@ -254,7 +254,7 @@ class ContinuousRollouts:
         self.parked = []
 
     def _episode_rollout(self, chosen: list[_Group], info: dict[str, float]) -> tuple[dict[str, Tensor], dict[str, float]]:
-        """The rollout of the chosen groups' episodes (``MultiTurnGenerator.batch``) and the ``env/*`` numbers."""
+        """The rollout of the chosen groups' episodes (``EpisodeSteps.batch``) and the ``env/*`` numbers."""
         assert self.mt is not None
         episodes = [ep for g in chosen for ep in sorted(g.samples, key=lambda ep: ep.sample)]
         for ep in episodes:

@@ -83,9 +83,9 @@ from flowrl.runtime.transports.slot_memory import (
     HostSlots,
     SlotHandle,
     SlotMemory,
+    open_slots,
     open_storage,
     share_storage,
-    slot_memory_for,
     slot_nbytes,
 )
 
@@ -108,6 +108,11 @@ class IpcHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     slot_nbytes: int
     layout: StateLayout
     handles: tuple[SlotHandle, ...]
+
+
+def _slots_of(block: dict[str, torch.Tensor]) -> int:
+    """How many slots the writer keeps, from its control block (one seq per slot)."""
+    return int(block["seq"].numel())
 
 
 def _views(flat: torch.Tensor, layout: StateLayout) -> dict[str, torch.Tensor]:
@@ -215,7 +220,8 @@ class CudaIpcTransport:
                 self._make_slots(layout_of(state, transport=self.label), state)
             else:
                 check_state(self.label, self._header.layout, state, version)
-            block = self._block
+            block, memory = self._block, self._memory
+            assert block is not None and memory is not None  # a writer's memory is made in __init__, its block by _make_slots
             count = int(block["count"][0])
             slot = count % self._slots
             block["seq"][slot] += 1  # odd: being written
@@ -223,7 +229,7 @@ class CudaIpcTransport:
             with torch.no_grad():
                 for k, dst in self._slot_views[slot].items():
                     copy_tensor(dst, state[k])
-            self._memory.wait(self._buffers[slot])  # the bytes are in before the slot says so
+            memory.wait(self._buffers[slot])  # the bytes are in before the slot says so
             block["version"][slot] = version
             block["seq"][slot] += 1  # even: complete
             block["count"][0] = count + 1
@@ -231,7 +237,9 @@ class CudaIpcTransport:
             self._last_version = version
 
     def _make_slots(self, layout: StateLayout, state: State) -> None:
+        assert self._memory is not None  # the writer's slot memory is made in __init__
         nbytes = slot_nbytes(layout.nbytes)
+        handles: tuple[SlotHandle, ...]
         self._buffers, handles = self._memory.allocate(self._slots, nbytes, state)
         self._slot_views = [_views(b, layout) for b in self._buffers]
         header = IpcHeader(slots=self._slots, slot_nbytes=nbytes, layout=layout, handles=handles)
@@ -246,51 +254,48 @@ class CudaIpcTransport:
         }
 
     def _send_block(self) -> None:
+        assert self._block is not None  # made by the writer's first publish, before any send
         self._control_version += 1
         self._control.publish(self._block, self._control_version)
 
     # -- reader side --------------------------------------------------------------------------
 
-    def _read_block(self) -> bool:
-        """Refresh the control block (reader); False while the writer has published nothing.
+    def _read_block(self) -> dict[str, torch.Tensor] | None:
+        """Refresh the control block (reader) and return it; None while the writer has published nothing.
 
         Raises:
             TransportError: the writer has closed the edge.
         """
         if self._block is None:
             if not os.path.exists(self._control.path):
-                return False
+                return None
             layout = read_header(self._control.path).layout
             self._block = {t.name: torch.zeros(t.shape, dtype=dtype_from_name(t.dtype)) for t in layout.tensors}
-        if self._control.fetch_into(self._block) is None:
-            return False
-        if int(self._block["closed"][0]):
-            count = int(self._block["count"][0])
-            last = int(self._block["version"][(count - 1) % self._slots_of()]) if count else -1
+        block = self._block
+        if self._control.fetch_into(block) is None:
+            return None
+        if int(block["closed"][0]):
+            count = int(block["count"][0])
+            last = int(block["version"][(count - 1) % _slots_of(block)]) if count else -1
             raise TransportError(
                 f"{self.label}: the writer closed the edge (its last version was {last}) and its slots are going away; "
                 "close this reader, and open a new one once a new writer publishes"
             )
-        return True
+        return block
 
-    def _attach(self) -> None:
-        """Map the writer's slots (once, after the first control block arrived)."""
-        if self._header is not None:
-            return
+    def _attach(self, block: dict[str, torch.Tensor]) -> tuple[IpcHeader, SlotMemory]:
+        """Map the writer's slots (once, from the first control block that arrived); the header and the memory."""
+        if self._header is not None and self._memory is not None:
+            return self._header, self._memory
         try:
-            header = msgspec.json.decode(self._block["header"].numpy().tobytes(), type=IpcHeader)
+            header = msgspec.json.decode(block["header"].numpy().tobytes(), type=IpcHeader)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise TransportError(f"{self.label}: unreadable IPC header ({exc}); is the writer a flowrl cuda_ipc transport of this version?") from exc
-        memory = slot_memory_for(header.handles[0], self.label, self._device)
-        try:
-            self._buffers = [memory.open(h) for h in header.handles]
-        except TransportError:
-            self._buffers = []
-            memory.close()
-            raise
+        memory, self._buffers = open_slots(header.handles, self.label, self._device)
         self._memory = memory
         self._slot_views = [_views(b, header.layout) for b in self._buffers]
         self._header = header
+        return header, memory
 
     def latest_version(self) -> int:
         """The newest version published, ``-1`` if none (or no writer yet).
@@ -302,13 +307,11 @@ class CudaIpcTransport:
         if self._create:
             return self._last_version
         with self._lock:
-            if not self._read_block():
+            block = self._read_block()
+            if block is None:
                 return -1
-            count = int(self._block["count"][0])
-            return -1 if count == 0 else int(self._block["version"][(count - 1) % self._slots_of()])
-
-    def _slots_of(self) -> int:
-        return int(self._block["seq"].numel())
+            count = int(block["count"][0])
+            return -1 if count == 0 else int(block["version"][(count - 1) % _slots_of(block)])
 
     def fetch_into(self, target: Mapping[str, torch.Tensor], *, newer_than: int = -1) -> int | None:
         """Copy the newest version into ``target`` (device to device; see the protocol) and return it.
@@ -326,25 +329,26 @@ class CudaIpcTransport:
                 return self._fetch_own(target, newer_than)
             checked = False
             for attempt in range(self._max_retries):
-                if not self._read_block():
+                block = self._read_block()
+                if block is None:
                     return None
-                count = int(self._block["count"][0])
+                count = int(block["count"][0])
                 if count == 0:
                     return None
-                slot = (count - 1) % self._slots_of()
+                slot = (count - 1) % _slots_of(block)
                 # even: the control block is a consistent snapshot, and the slot being written is count % slots
-                seq, version = int(self._block["seq"][slot]), int(self._block["version"][slot])
+                seq, version = int(block["seq"][slot]), int(block["version"][slot])
                 if version <= newer_than:
                     return None
-                self._attach()
+                header, memory = self._attach(block)
                 if not checked:
-                    check_target(self.label, self._header.layout, target)
+                    check_target(self.label, header.layout, target)
                     checked = True
                 for k, src in self._slot_views[slot].items():
                     copy_tensor(target[k], src)
-                self._memory.wait(self._buffers[slot])
-                self._read_block()
-                if int(self._block["seq"][slot]) == seq:
+                memory.wait(self._buffers[slot])
+                after = self._read_block()  # the same block, refreshed (it was there a moment ago)
+                if after is not None and int(after["seq"][slot]) == seq:
                     return version
                 backoff(attempt)  # the writer lapped us: copy again
             raise TransportError(
@@ -355,6 +359,7 @@ class CudaIpcTransport:
     def _fetch_own(self, target: Mapping[str, torch.Tensor], newer_than: int) -> int | None:
         if self._header is None or self._last_version <= newer_than:
             return None
+        assert self._block is not None and self._memory is not None  # made in __init__ and with the header
         check_target(self.label, self._header.layout, target)
         slot = (int(self._block["count"][0]) - 1) % self._slots
         for k, src in self._slot_views[slot].items():

@@ -100,7 +100,7 @@ def write_safetensors(path: str, state: State, *, metadata: dict[str, str] | Non
         f.write(encoded)
         for _, tensor in order:
             if tensor.numel():
-                f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+                f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)  # a memoryview: no copy
         f.flush()
         if fsync:
             os.fsync(f.fileno())

@@ -35,6 +35,7 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -50,7 +51,7 @@ __all__ = [
     "CudaSlots",
     "HostSlots",
     "SlotMemory",
-    "slot_memory_for",
+    "open_slots",
     "slot_nbytes",
     "share_storage",
     "open_storage",
@@ -191,7 +192,7 @@ class CudaSlots:
         self.label = label
         self.device = device
 
-    def allocate(self, count: int, nbytes: int, state: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], tuple[CudaIpcHandle, ...]]:
+    def allocate(self, count: int, nbytes: int, state: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], tuple[CudaIpcHandle, ...]]:
         """``count`` zeroed GPU buffers of ``nbytes`` and their IPC handles.
 
         Raises:
@@ -238,7 +239,7 @@ class HostSlots:
         self._maps: list[mmap.mmap] = []
         self._finalizers: list[weakref.finalize] = []
 
-    def allocate(self, count: int, nbytes: int, state: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], tuple[HostSlotHandle, ...]]:
+    def allocate(self, count: int, nbytes: int, state: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], tuple[HostSlotHandle, ...]]:
         """Create ``count`` zeroed slot files of ``nbytes`` and map them.
 
         Raises:
@@ -306,6 +307,31 @@ class HostSlots:
 SlotMemory = CudaSlots | HostSlots
 
 
-def slot_memory_for(handle: SlotHandle, label: str, device: torch.device | None) -> SlotMemory:
-    """The slot memory a reader opens ``handle`` with (its kind is the handle's type)."""
-    return HostSlots(label) if isinstance(handle, HostSlotHandle) else CudaSlots(label, device)
+def open_slots(handles: tuple[SlotHandle, ...], label: str, device: torch.device | None) -> tuple[SlotMemory, list[torch.Tensor]]:
+    """Map every slot a writer's header names (reader), with the slot memory their handles' type says.
+
+    Raises:
+        TransportError: the handles are of two kinds (no flowrl writer makes such a header), or one
+            cannot be mapped (the memory opened so far is closed first).
+    """
+    host = [h for h in handles if isinstance(h, HostSlotHandle)]
+    cuda = [h for h in handles if isinstance(h, CudaIpcHandle)]
+    if host and cuda:
+        raise TransportError(
+            f"{label}: the writer's header mixes {len(cuda)} cuda and {len(host)} host slot handles; "
+            "a flowrl writer keeps all its slots in one memory: is the writer a flowrl cuda_ipc transport of this version?"
+        )
+    if host:
+        host_memory = HostSlots(label)
+        return host_memory, _open_all(host_memory, lambda: [host_memory.open(h) for h in host])
+    cuda_memory = CudaSlots(label, device)
+    return cuda_memory, _open_all(cuda_memory, lambda: [cuda_memory.open(h) for h in cuda])
+
+
+def _open_all(memory: SlotMemory, open_them: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """``open_them()``, closing ``memory`` (what it mapped so far) if one handle cannot be opened."""
+    try:
+        return open_them()
+    except TransportError:
+        memory.close()
+        raise

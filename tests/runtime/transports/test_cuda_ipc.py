@@ -29,6 +29,7 @@ from flowrl.runtime.transports.weight_transport import layout_of
 import flowrl.runtime.transports.cuda_ipc as cuda_ipc
 from flowrl.runtime.transports.cuda_ipc import CudaIpcHandle, CudaIpcTransport, HostSlotHandle, IpcHeader
 from flowrl.runtime.transports.registry import create_transport, transport_traits
+from flowrl.runtime.transports.slot_memory import open_slots
 from tests.runtime.transports.conformance import TransportConformance
 from tests.runtime.transports.cuda_ipc_peer import make_state
 
@@ -208,6 +209,14 @@ def test_a_slot_file_in_the_way_is_an_error_naming_it():
         writer.close()
         os.unlink(squatter)
     assert not os.path.exists(f"/dev/shm/{name}.slot0")
+
+
+def test_a_header_mixing_slot_memories_is_refused_and_a_gone_slot_file_named():
+    gone = HostSlotHandle(path=f"/dev/shm/{_segment()}.slot0", size_bytes=256)
+    with pytest.raises(TransportError, match=r"mixes 1 cuda and 1 host slot handles; a flowrl writer keeps all its slots in one memory"):
+        open_slots((CudaIpcHandle.from_share_tuple(SHARE_TUPLE), gone), "cuda_ipc segment 'x'", None)
+    with pytest.raises(TransportError, match=rf"slot file '{gone.path}' is gone: the writer closed the edge or exited"):
+        open_slots((gone,), "cuda_ipc segment 'x'", None)
 
 
 # --- a writer in another process (host memory anywhere, GPU memory where there is one) ------------

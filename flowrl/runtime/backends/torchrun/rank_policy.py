@@ -71,6 +71,7 @@ class _RankPolicy(PolicyProgram):
     ranks: tuple[int, ...]
     lead: int
     index: int
+    device: torch.device  # this rank's (``RankContext.device``)
     collective_bytes: int
     runs: str = "{n} ranks"  # what runs, for the layout the lead reports (``{n}``: its ranks)
     _reported: bool = False  # the lead reported its layout (its first step)

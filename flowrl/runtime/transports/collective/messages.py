@@ -255,13 +255,13 @@ def build_messages(spec: Spec, plans: Mapping[str, list[Transfer]], rank: int) -
     for g in generator_ranks:
         if g in fed or g in trainer_ranks:
             continue
-        src = min(trainer_ranks, key=lambda r: (load[r], r))
-        load[src] += 1
-        offsets[(src, g)] = HEADER_BYTES
-        if src == rank:
+        feeder = min(trainer_ranks, key=lambda r: (load[r], r))
+        load[feeder] += 1
+        offsets[(feeder, g)] = HEADER_BYTES
+        if feeder == rank:
             sends[g] = []
         if g == rank:
-            recvs[src] = []
+            recvs[feeder] = []
     dual = rank in trainer_ranks and rank in generator_ranks
     cap = piece_limit(spec.bucket_bytes)
     return Messages(

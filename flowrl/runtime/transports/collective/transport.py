@@ -145,6 +145,8 @@ _POLL_S = (0.0005, 0.005)  # fetch_into's store polling: first and longest pause
 #: gloo never writes from freed memory; they finish or fail when the process group is destroyed.
 _ABANDONED: list[Any] = []
 
+_NO_BYTES = torch.zeros(0, dtype=torch.uint8)  # a staging buffer before _buffers makes it (nothing reads it then)
+
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (b.data_ptr(), b.shape, b.stride(), b.dtype, b.device)
@@ -293,12 +295,14 @@ class CollectiveTransport:
         self._send_works: list[Any] = []
         self._received = -1  # generator side: the version the staging buffers hold (complete)
         self._closed = False
-        self._headers: dict[int, torch.Tensor] | None = None  # destination -> the header of this rank's message
-        self._outbox: dict[int, torch.Tensor] | None = None  # a dual rank's whole messages (see the module docstring)
+        # staging buffers: made by the first publish or fetch (_buffers), empty before it and after close
+        self._allocated = False
+        self._headers: dict[int, torch.Tensor] = {}  # destination -> the header of this rank's message
+        self._outbox: dict[int, torch.Tensor] = {}  # a dual rank's whole messages (see the module docstring)
         self._send_buffer: SendBuffer | None = None  # a trainer rank's packed pieces
-        self._inbox: dict[int, torch.Tensor] | None = None
-        self._local_out: torch.Tensor | None = None
-        self._local_in: torch.Tensor | None = None
+        self._inbox: dict[int, torch.Tensor] = {}  # source -> the message it sends this rank
+        self._local_out = _NO_BYTES  # a dual rank's own blocks, trainer shard to generator shard
+        self._local_in: torch.Tensor | None = None  # a dual rank's: the local blocks of the version received
 
         self.bytes_sent = 0
         self.header_bytes_sent = 0
@@ -311,9 +315,11 @@ class CollectiveTransport:
         self._lock = threading.Lock()
         self._layouts = {"trainer": self._layout("trainer"), "generator": self._layout("generator")}
 
-        self._store = store if store is not None else (dist.distributed_c10d._get_default_store() if dist.is_initialized() else None)
-        if self._store is None:
+        if store is None and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+        if store is None:
             raise TransportError(f"CollectiveTransport {channel!r}: no store to announce versions in; pass store=")
+        self._store: dist.Store = store
         epoch = self._store.add(f"flowrl/collective/{channel}/epoch/{rank}", 1)
         self._prefix = f"flowrl/collective/{channel}/{epoch}"
         if handshake:
@@ -393,8 +399,9 @@ class CollectiveTransport:
     # --- buffers -----------------------------------------------------------------------------------
 
     def _buffers(self) -> None:
-        if self._headers is not None:
+        if self._allocated:
             return
+        self._allocated = True
         dev = self._device
         if self._dual:  # it sends from its fetch_into, after ``state`` may have changed: the whole message is staged
             self._outbox = {d: torch.zeros(self._sizes[(self.rank, d)], dtype=torch.uint8, device=dev) for d in self._sends}
@@ -417,7 +424,7 @@ class CollectiveTransport:
     def _send_buffer_bytes(self) -> int:
         """Bytes of send-side staging this rank holds: its send buffer, or a dual rank's messages."""
         held = self._send_buffer.allocated_bytes if self._send_buffer is not None else 0
-        return held + sum(box.numel() for box in (self._outbox or {}).values())
+        return held + sum(box.numel() for box in self._outbox.values())
 
     # --- checks ------------------------------------------------------------------------------------
 
@@ -729,6 +736,9 @@ class CollectiveTransport:
         self._staging_s += time.perf_counter() - start
 
     def _deliver_local(self, target: Mapping[str, torch.Tensor]) -> None:
+        if not self._local:
+            return
+        assert self._local_in is not None  # only a dual rank copies blocks locally, and _buffers gave it local_in
         for b in self._local:
             target[b.name][b.other].copy_(self._view(self._local_in, b))
             self.bytes_staged += b.nbytes
@@ -775,7 +785,8 @@ class CollectiveTransport:
             if self._pending_sends():
                 _ABANDONED.append((self._send_works, self._headers, self._outbox, self._send_buffer))
             self._send_works = []
-            self._headers = self._outbox = self._inbox = self._local_out = self._local_in = None
+            self._headers, self._outbox, self._inbox = {}, {}, {}
+            self._local_out, self._local_in = _NO_BYTES, None
             self._send_buffer = None
             self._direct = {}
         finally:
