@@ -240,6 +240,11 @@ class Trainer:
             take packed rows (``flowrl.operators.packing.packs``; the default packs where it can).
     """
 
+    #: set on a data-parallel replica's trainer by ``flowrl.runtime.parallel.distributed.make_data_parallel``:
+    #: its share of the batch's loss divisor, and every optimizer step's global gradient norm
+    dp_token_share: float
+    dp_grad_norms: list[float]
+
     def __init__(self, node: PolicyNode, loss: LossNode, *, device: str | torch.device = "cpu", model: torch.nn.Module | None = None) -> None:
         check_objective(loss.loss)
         self.packing = packs(node.optimizer.packing, node.model, owner=f"policy {node.name!r}")  # None: where the family can

@@ -188,7 +188,8 @@ class DirectReceiver:
     ) -> None:
         if not 0 <= engine < engines:
             raise ValueError(f"engine {engine} of {engines}: an engine's index must be in 0..{engines - 1}")
-        self.llm, self.channel, self.spec, self.backend = llm, channel, [tuple(e) for e in spec], backend
+        self.llm, self.channel, self.backend = llm, channel, backend
+        self.spec: list[tuple[str, list[int], str]] = [(str(n), [int(s) for s in shape], str(d)) for n, shape, d in spec]
         self.plan = plan_of(spec, bucket_bytes)
         self.bucket_bytes = bucket_bytes
         self.engine, self.engines = int(engine), int(engines)

@@ -285,7 +285,7 @@ def _check_architecture(node: GeneratorNode, raw: Mapping[str, Any], owner: str)
     missing = [a for a in archs if a not in supported]
     if missing:
         raise ConfigError(
-            f"{owner}: vLLM cannot load {node.model.path!r}: its architectures {missing} are not in vLLM's model "
+            f"{owner}: vLLM cannot load {getattr(node.model, 'path', node.model)!r}: its architectures {missing} are not in vLLM's model "
             f"registry (vLLM {importlib.metadata.version(vllm_distribution() or 'vllm')}); use engine='builtin', or a "
             "model whose config.json names an architecture vLLM supports (LlamaForCausalLM, Qwen2ForCausalLM, ...)"
         )
@@ -408,6 +408,8 @@ class VLLMGenerator:
         self.sync_bytes = 0
         self._group: Any = None
         self._direct: Any = None  # a vllm_direct.DirectReceiver, once ``connect_direct`` ran
+        self._reaper: Reaper | None = None  # set once vLLM's processes started
+        self._watch: EngineWatch | None = None
         self.stream: Any = None  # a vllm_stream.VLLMSlotBatcher: continuous batching's requests in vLLM (it registers itself)
         if self.weights_by == "direct":
             self._spec = [(n, list(shape), str(self._dtype).removeprefix("torch.")) for n, (shape, _) in weight_shapes(config).items()]
@@ -415,10 +417,11 @@ class VLLMGenerator:
             self._version = -1  # nothing received yet: vLLM holds dummy weights until the first ``take_direct``
         elif config.init == "random":  # the policy's version 0: seeded weights drawn as load_hf draws them
             from flowrl.models.causal_lm import weight_dict
+            from flowrl.models.causal_lm import as_module
             from flowrl.models.registry import build_model
 
             model = build_model(config, dtype=torch.float32)
-            self._targets = {n: t.to(self._dtype).clone() for n, t in weight_dict(model).items()}
+            self._targets = {n: t.to(self._dtype).clone() for n, t in weight_dict(as_module(model)).items()}
             del model
         else:
             self._targets = {n: torch.empty(shape, dtype=self._dtype) for n, (shape, _) in weight_shapes(config).items()}

@@ -21,7 +21,7 @@ Every collective here runs on the group passed in and under the process group's 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -153,7 +153,7 @@ def split_prompts(prompts: Mapping[str, Tensor], parts: int) -> list[Batch]:
     return [{k: (v[bounds[p]:bounds[p + 1]] if k in keys else v) for k, v in prompts.items()} for p in range(parts)]
 
 
-def merge_rollouts(parts: list[Mapping[str, Tensor]]) -> Batch:
+def merge_rollouts(parts: Sequence[Mapping[str, Tensor]]) -> Batch:
     """One rollout from the replicas' rollouts, in order: per-sample fields concatenated,
     ``group_ids`` offset by the prompts before each part, ``rollout_version`` the oldest of the parts
     (every part is at least the version the staleness gate asked for, so the bound still holds)."""

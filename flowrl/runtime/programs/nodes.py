@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import torch
@@ -28,6 +28,9 @@ from flowrl.graph.nodes import GeneratorNode, LossNode, Node, PolicyNode, Refere
 from flowrl.runtime.staleness import StalenessGate
 from flowrl.runtime.weights.edges import TransportSpec
 from flowrl.runtime.weights.route import WeightRoute, WeightRoutes
+
+if TYPE_CHECKING:
+    from flowrl.runtime.programs.continuous import ContinuousRollouts
 
 __all__ = [
     "NodeProgram",
@@ -184,7 +187,7 @@ class GeneratorProgram(ProgramBase):
         self._in_flight = edge.in_flight
         self._transports = transports
         self._timeout = env.weight_timeout_s
-        self._continuous = None
+        self._continuous: ContinuousRollouts | None = None
         self._multiturn = None
         if node.env is not None:  # multi-turn episodes against an environment (lock step, or parked between turns in continuous batching)
             from flowrl.graph.refs import resolve
@@ -262,12 +265,16 @@ class GeneratorProgram(ProgramBase):
             return self.generator.generate(inputs), {"version": self.generator.version}
         from flowrl.graph.refs import resolve
         from flowrl.operators.engines import ENGINES
+        from flowrl.operators.multiturn import EpisodeSteps
         from flowrl.runtime.programs.continuous import ContinuousRollouts
 
         if self._continuous is None:  # group deadlines by the run's bound (a run may override the edge's k)
+            episodes = self._multiturn
+            # an agent program samples in lock step (GeneratorNode refuses env.agent with continuous batching)
+            assert episodes is None or isinstance(episodes, EpisodeSteps), type(episodes).__name__
             self._continuous = ContinuousRollouts(
                 self.generator, group_count=self._group_count, k=self._bound.k, updates=self._bound.updates,
-                poll=self._poll if self._in_flight else None, episodes=self._multiturn, batcher=resolve(ENGINES[self._engine].batcher),
+                poll=self._poll if self._in_flight else None, episodes=episodes, batcher=resolve(ENGINES[self._engine].batcher),
             )
         self._continuous.add_prompts(inputs)
         rollout, info = self._continuous.next_batch(seq)

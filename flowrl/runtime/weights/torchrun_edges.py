@@ -143,9 +143,10 @@ def _trainer_layout(graph: Graph, src: str, publishers: tuple[int, ...], program
     node = graph.node(src)
     sizes = dict(zip(axes[0], axes[1])) if axes else {}
     if len(publishers) > 1 and src not in programs and sizes.get("pp", 1) > 1:
+        from flowrl.graph.nodes import PolicyNode
         from flowrl.runtime.parallel.pipeline import stage_layouts
 
-        return stage_layouts(node.model, publishers, sizes)
+        return stage_layouts(graph.node_of(src, PolicyNode).model, publishers, sizes)  # pipelined: a policy
     optimizer = getattr(node, "optimizer", None)
     tp = _meshes_tp(axes)
     if len(publishers) > 1 and src not in programs and tp > 1:

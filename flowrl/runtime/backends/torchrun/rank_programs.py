@@ -259,7 +259,7 @@ class ParallelGenerator(GeneratorProgram):
         from flowrl.runtime.parallel.tensor_parallel import check_tp, tp_rows
 
         ctx = _context()
-        self.rows = [(r,) for r in ranks]  # [replica] -> its tp ranks
+        self.rows: list[tuple[int, ...]] = [(r,) for r in ranks]  # [replica] -> its tp ranks
         tp = _mesh_axes(mesh).get("tp", 1)
         self.vllm_tp = node.engine == "vllm" and tp > 1  # each replica one vLLM engine with tensor_parallel_size=tp (``vllm_replicas``)
         if tp > 1:
