@@ -60,7 +60,7 @@ def moe_engine(padded_moe_dir: Path):
 
 
 def test_a_grpo_run_with_the_vllm_engine_on_a_moe_directory_samples_with_every_update(moe_dir):
-    """GRPO on the tiny Qwen3-MoE, local backend, k = 0, three steps: every batch is drawn by the
+    """GRPO on the tiny Qwen3-MoE, local backend, k = 0, top-p 0.8, three steps: every batch is drawn by the
     policy's current weights, the two after the first by experts vLLM received over the weight-sync
     group, and in every row mu is the trainer's pi up to float32 rounding (measured: at most 1e-6;
     the bound here, about 4e-3). With the experts not packed again for vLLM's CPU kernel after an
@@ -72,7 +72,8 @@ def test_a_grpo_run_with_the_vllm_engine_on_a_moe_directory_samples_with_every_u
     from tests.tolerances import graph_logprob_atol
 
     b = GraphBuilder("moe_vllm", model=HFModelConfig(path=str(moe_dir)))
-    gen = b.generator("gen", b.source("prompts", task="copy", batch_size=2), n_samples=4, max_new_tokens=4, engine="vllm")
+    # top-p: vLLM's truncation is the trainer's too (tests/runtime/test_truncation_run.py's vLLM rows, --runslow)
+    gen = b.generator("gen", b.source("prompts", task="copy", batch_size=2), n_samples=4, max_new_tokens=4, engine="vllm", top_p=0.8)
     reward = b.scorer("reward", gen, fn="tests.operators.userfns:mean_id_reward")
     policy = b.policy("policy", b.loss("loss", gen, reward, objective="grpo"), lr=1e-2)
     b.weights(policy, gen, max_staleness=0)
@@ -85,6 +86,7 @@ def test_a_grpo_run_with_the_vllm_engine_on_a_moe_directory_samples_with_every_u
         assert row["rollout_version"] == row["step"] - 1, row  # k = 0: drawn by the weights of the step before
         assert row["policy/grad_norm"] > 0 and row["moe/load_max_over_mean"] >= 1, row
         assert row["mismatch/tokens"] > 0 and row["mismatch/abs_logp_max"] < atol, (row, atol)
+        assert row["mismatch/outside_kept_frac"] == 0.0, row  # every token vLLM drew lies in pi's top-p set
 
 
 def _mu_is_the_hf_forward(gen, model) -> None:
