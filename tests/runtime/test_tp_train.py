@@ -160,7 +160,7 @@ def test_the_collective_trainer_layout_is_the_tp_shards():
 # -- one step, its checkpoint, its weights (one torchrun job per layout and family) ------------------
 @pytest.fixture(scope="module", params=["builtin-tp2", pytest.param("llama-tp2", marks=pytest.mark.slow), pytest.param("qwen2-tp2", marks=pytest.mark.slow),
                                         "qwen3-tp2", "builtin-dp2tp2", pytest.param("qwen2-dp2tp2", marks=pytest.mark.slow), pytest.param("qwen3-dp2tp2", marks=pytest.mark.slow),
-                                        pytest.param("lora-tp2", marks=pytest.mark.slow),
+                                        pytest.param("lora-tp2", marks=pytest.mark.slow), pytest.param("qwen3_moe-tp2", marks=pytest.mark.slow),
                                         pytest.param("lora-dp2tp2", marks=pytest.mark.slow)])  # CI time: Qwen3 (q/k norms summed over tp) stays
 def step_result(request, tmp_path_factory):
     family, layout = request.param.split("-")
@@ -400,6 +400,9 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
     from tests.tolerances import GradientMagnitudes
 
     import tests.runtime.test_fsdp as fsdp_tests
+
+    if family.endswith("_moe"):  # the routers' and the stacked experts' magnitudes too
+        from tests.runtime.test_expert_parallel import MoeGradientMagnitudes as GradientMagnitudes  # type: ignore[assignment]
 
     fsdp_tests.LORA = LORA_TP  # test_fsdp's policy and bounds read it: adapters on column and row targets alike
     dist.init_process_group("gloo")
