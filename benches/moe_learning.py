@@ -1,8 +1,8 @@
 """Does a mixture-of-experts policy learn as a dense one of the same active size does? (issue 43's Done-when)
 
 The ``hf_copy`` pipeline (``flowrl.examples.hf_copy``: copy three digits, reward by matching digits),
-its model a Hugging Face directory written here, trained from random weights by ``run_graph`` as
-``flowrl run --model DIR`` would:
+its model a Hugging Face directory written here, trained from random weights with GRPO (``--objective``;
+the example's own is AIPO) by ``run_graph`` as ``flowrl run --model DIR`` would:
 
 - **dense**: the example's own Llama (2 layers, width 64, 2 heads of 32, MLP 176);
 - **moe**: a Qwen3-MoE of the same attention and width, 8 experts of width 88, top-2, every layer
@@ -16,7 +16,8 @@ Prints one JSON line per run (the reward over the first and the last 10 % of ste
 |log pi - log mu| over the batches drawn by the weights the trainer holds (staleness 0), wall seconds)
 and a summary line.
 
-    python benches/moe_learning.py                        # ~10 min at rest: 4 runs
+    python benches/moe_learning.py                        # ~80 s at rest: 4 runs
+    python benches/moe_learning.py --objective aipo       # the example's own objective
     python benches/moe_learning.py --engines builtin --steps 200
 """
 
@@ -46,27 +47,28 @@ def write_moe_dir(directory: Path) -> Path:
     return directory
 
 
-def graph_for(model_dir: Path, engine: str, *, replay: bool) -> Any:
-    """``build_hf_copy`` on ``model_dir`` with ``engine``; the generator records routing when ``replay``."""
+def graph_for(model_dir: Path, engine: str, *, replay: bool, objective: str = "grpo") -> Any:
+    """``build_hf_copy`` on ``model_dir`` with ``engine``, its loss ``objective`` with that objective's
+    defaults (the example's own is ``aipo``); the generator records routing when ``replay``."""
     from flowrl.examples.hf_copy import build_hf_copy
     from flowrl.graph.serialize import from_json, to_json
 
     graph = build_hf_copy(model_dir=model_dir, data=model_dir / "prompts.jsonl", engine=engine)  # type: ignore[arg-type]
-    if not replay:
-        return graph
     data = json.loads(to_json(graph))
     for node in data["nodes"]:
         if node["name"] == "gen":
-            node["routing_replay"] = True
+            node["routing_replay"] = replay
+        if node["kind"] == "loss" and node["loss"]["objective"] != objective:
+            node["loss"] = {"objective": objective}
     return from_json(json.dumps(data))
 
 
-def run(model: str, model_dir: Path, engine: str, steps: int, out: Path) -> dict[str, Any]:
+def run(model: str, model_dir: Path, engine: str, steps: int, out: Path, objective: str) -> dict[str, Any]:
     from flowrl.runtime.config import RunConfig
     from flowrl.runtime.observe.metrics import read_metrics
     from flowrl.runtime.run import run_graph
 
-    graph = graph_for(model_dir, engine, replay=model == "moe" and engine == "builtin")
+    graph = graph_for(model_dir, engine, replay=model == "moe" and engine == "builtin", objective=objective)
     metrics = out / f"{model}-{engine}.jsonl"
     start = time.perf_counter()
     run_graph(graph, RunConfig(steps=steps, seed=0, metrics=str(metrics)))
@@ -76,7 +78,7 @@ def run(model: str, model_dir: Path, engine: str, steps: int, out: Path) -> dict
     first = sum(r["reward_mean"] for r in rows[:tenth]) / tenth
     last = sum(r["reward_mean"] for r in rows[-tenth:]) / tenth
     fresh = [r["mismatch/abs_logp_max"] for r in rows if r["staleness"] == 0 and "mismatch/abs_logp_max" in r]  # mu vs pi by the same weights
-    return {"model": model, "engine": engine, "steps": len(rows), "routing_replay": graph.node("gen").routing_replay,
+    return {"model": model, "engine": engine, "objective": objective, "steps": len(rows), "routing_replay": graph.node("gen").routing_replay,
             "reward_first_10pct": round(first, 4), "reward_last_10pct": round(last, 4), "max_abs_logp_mismatch_fresh": round(max(fresh), 7) if fresh else None,
             "wall_s": round(wall, 1)}  # fmt: skip
 
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150, help="trainer steps per run (default 150)")
     parser.add_argument("--engines", nargs="+", default=["builtin", "vllm"], choices=["builtin", "vllm"])
+    parser.add_argument("--objective", default="grpo", help="the loss's objective (default grpo; the example's own is aipo)")
     args = parser.parse_args(argv)
     from flowrl.examples.hf_copy import write_assets
 
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         dirs = {"dense": write_assets(root / "dense", heads=2), "moe": write_moe_dir(root / "moe")}
         for engine in args.engines:
             for model, model_dir in dirs.items():
-                results.append(run(model, model_dir, engine, args.steps, root))
+                results.append(run(model, model_dir, engine, args.steps, root, args.objective))
                 print(json.dumps(results[-1]), flush=True)
     gains = {f"{r['model']}-{r['engine']}": round(r["reward_last_10pct"] - r["reward_first_10pct"], 4) for r in results}
     print(json.dumps({"reward_gain": gains}))

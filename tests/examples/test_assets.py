@@ -61,7 +61,9 @@ def test_hf_copy_help_prints_usage_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no directory named --help
 
 
-def test_hf_copy_refuses_a_non_empty_directory_unless_forced(tmp_path):
+def test_hf_copy_refuses_a_non_empty_directory_unless_forced(tmp_path, capsys):
+    """The refusal through ``python -m`` (its exit status and message); --force and a new directory
+    through the same ``main`` in this process (one interpreter start fewer each)."""
     pytest.importorskip("transformers")
     target = tmp_path / "mine"
     target.mkdir()
@@ -70,11 +72,12 @@ def test_hf_copy_refuses_a_non_empty_directory_unless_forced(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert f"DIR {target} exists and is not empty (holds config.json); pass --force" in proc.stderr
     assert (target / "config.json").read_text() == "{}"  # untouched
-    forced = _run_module("flowrl.examples.hf_copy", str(target), "2", "--force", cwd=tmp_path)
-    assert forced.returncode == 0, forced.stderr
+    cli = dict(prog="python -m flowrl.examples.hf_copy", what="the example's config, tokenizer and prompts", heads=4)
+    assert assets_cli.main([str(target), "2", "--force"], hf_copy.write_assets, **cli) == 0
     assert json.loads((target / "config.json").read_text())["num_attention_heads"] == 2
-    fresh = _run_module("flowrl.examples.hf_copy", str(tmp_path / "new"), cwd=tmp_path)
-    assert fresh.returncode == 0 and fresh.stdout.strip() == str(tmp_path / "new")
+    capsys.readouterr()
+    assert assets_cli.main([str(tmp_path / "new")], hf_copy.write_assets, **cli) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "new")
 
 
 def test_asset_writers_refuse_a_file_and_print_usage_on_a_wrong_argument(tmp_path):

@@ -478,6 +478,7 @@ def test_max_model_len_beyond_the_models_positions_is_refused_by_its_name(tmp_pa
         vllm_engine.check_vllm(_with_options(d, max_model_len=400))
 
 
+@pytest.mark.slow  # CI time: an engine of its own (~20 s); the settings' checks before vLLM starts run by default above
 def test_the_generators_vllm_settings_reach_vllm(vllm_dir, monkeypatch):
     """The one engine started with settings: vLLM's own config holds them (a share of host memory on
     this CPU instead of flowrl's sized KV cache), and it samples within them."""

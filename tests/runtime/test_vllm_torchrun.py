@@ -94,7 +94,9 @@ TP_POLICY = {"gen": [0], "policy": {"ranks": [1, 2], "mesh": {"tp": 2}}}  # a te
 
 @pytest.mark.parametrize(
     ("k", "transport", "sharding", "place"),
-    [(0, "inprocess", "fsdp", ON_RANK_0), pytest.param(1, "inprocess", "fsdp", ON_RANK_0, marks=pytest.mark.slow),
+    # CI time: every row is a 3-rank job with a vLLM engine (~30 s); the direct route's mechanics run by default in
+    # tests/operators/test_vllm_direct.py (FSDP2 shards into vLLM's workers bit for bit), this whole job with --runslow
+    [pytest.param(0, "inprocess", "fsdp", ON_RANK_0, marks=pytest.mark.slow), pytest.param(1, "inprocess", "fsdp", ON_RANK_0, marks=pytest.mark.slow),
      pytest.param(0, "collective", "fsdp", ON_RANK_0, marks=pytest.mark.slow), pytest.param(1, "inprocess", "replicate", ON_RANK_0, marks=pytest.mark.slow),
      pytest.param(1, "inprocess", "replicate", TWO_REPLICAS, marks=pytest.mark.slow),
      pytest.param(0, "inprocess", "replicate", TP_POLICY, marks=pytest.mark.slow)],
