@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benches"))
 
-from trainer_parallel import REWARD, PeakRss, _free_port, _median  # noqa: E402
+from trainer_parallel import _median, run_job, write_job  # noqa: E402
 
 VOCAB = 512
 
@@ -129,33 +127,13 @@ def predict(graph_file: Path, m: Any, placement: dict[str, Any]) -> dict[str, An
 def run_layout(name: str, tmp: Path, model: Path, prompts: Path, args: argparse.Namespace, m: Any) -> dict[str, Any]:
     placement, sharding, expected_mesh = LAYOUTS[name]
     work = tmp / name
-    work.mkdir()
-    (work / "graph.py").write_text(GRAPH.format(model=str(model), prompts=str(prompts), new_tokens=args.new_tokens, sharding=sharding))
-    (work / "place.json").write_text(json.dumps(placement))
-    (work / "bench_reward.py").write_text(REWARD)
-    if str(work) not in sys.path:  # the planner builds the graph here, which names the scorer's module
-        sys.path.insert(0, str(work))
+    write_job(work, GRAPH.format(model=str(model), prompts=str(prompts), new_tokens=args.new_tokens, sharding=sharding), placement)
     predicted = predict(work / "graph.py", m, placement)
     ranks = 2 if name == "one" else 3
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "flowrl", "run", "graph.py", "--backend", "torchrun",
-           "--plan", "place.json", "--steps", str(args.steps), "--metrics", "m.jsonl", "--quiet"]  # fmt: skip
-    load = os.getloadavg()[0]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with PeakRss(proc.pid) as rss:
-        try:
-            _, err = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # torchrun's own process: it ends its workers
-            _, err = proc.communicate()
-            return {"placement": placement, "failed": f"took over {args.timeout} s", "stderr_tail": err[-2000:], "predicted": predicted}
-    metrics = work / "m.jsonl"
-    if proc.returncode != 0 or not metrics.is_file():
-        tail = [ln for ln in err.splitlines() if ln.strip()][-12:]
-        return {"placement": placement, "failed": f"exit {proc.returncode}", "stderr_tail": "\n".join(tail), "predicted": predicted}
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    job = run_job(work, ranks, args.steps, args.timeout)
+    if "failed" in job:
+        return {"placement": placement, **job, "predicted": predicted}
+    rows, rss, load = job["rows"], job["peak_rss"], job["load"]
     steady = rows[1:] or rows
     measured = {k: _median([float(r[k]) for r in steady]) for k in ("train_s", "gen_s", "sync_s")}
     measured["step_s"] = _median([b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:])] or [rows[0]["time_s"]])
@@ -164,11 +142,11 @@ def run_layout(name: str, tmp: Path, model: Path, prompts: Path, args: argparse.
         "placement": placement,
         "ran": ran or "not reported",
         "steps": len(rows),
-        "wall_s": round(time.monotonic() - t0, 1),
+        "wall_s": round(job["wall_s"], 1),
         "measured": measured,
         "first_loss": rows[0].get("loss"),
         "moe_load_max_over_mean": rows[-1].get("moe/load_max_over_mean"),
-        "peak_rss_gib_by_rank": {str(r): round(b / 2**30, 3) for r, b in sorted(rss.peak.items())},
+        "peak_rss_gib_by_rank": {str(r): round(b / 2**30, 3) for r, b in sorted(rss.items())},
         "predicted": predicted,
         "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
     }

@@ -218,38 +218,54 @@ def _predict(graph_file: Path, m, placement: dict, devices: int) -> dict:
     }
 
 
-def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
-    placement, sharding, micro = LAYOUTS[name]
-    micro_batch = args.pp_micro_batch if micro == "pp" else micro
-    work = tmp / name
+def write_job(work: Path, graph: str, placement: dict) -> None:
+    """``work`` (created) with the job's ``graph.py``, ``place.json`` and reward module, importable here too."""
     work.mkdir()
-    (work / "graph.py").write_text(GRAPH.format(model=str(model), new_tokens=args.new_tokens, sharding=sharding, micro_batch=micro_batch))
+    (work / "graph.py").write_text(graph)
     (work / "place.json").write_text(json.dumps(placement))
     (work / "bench_reward.py").write_text(REWARD)
     if str(work) not in sys.path:  # the planner builds the graph here, which names the scorer's module
         sys.path.insert(0, str(work))
-    ranks = max(max(v if isinstance(v, list) else v["ranks"]) for v in placement.values()) + 1
-    predicted = _predict(work / "graph.py", m, placement, ranks)
+
+
+def run_job(work: Path, ranks: int, steps: int, timeout: float) -> dict:
+    """``flowrl run graph.py --backend torchrun --plan place.json`` on ``ranks`` ranks in ``work`` (the
+    graph, placement and reward module written there): ``{"rows", "wall_s", "peak_rss" (rank -> bytes),
+    "load"}`` (the 1-minute load at start), or ``{"failed", "stderr_tail"}``. Shared with ``moe_layouts.py``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(work), *filter(None, [os.environ.get("PYTHONPATH")]))), "OMP_NUM_THREADS": "1", "FLOWRL_DIST_TIMEOUT_S": "600"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "flowrl", "run", "graph.py", "--backend", "torchrun",
-           "--plan", "place.json", "--steps", str(args.steps), "--metrics", "m.jsonl", "--quiet"]
+           "--plan", "place.json", "--steps", str(steps), "--metrics", "m.jsonl", "--quiet"]  # fmt: skip
     load = os.getloadavg()[0]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with PeakRss(proc.pid) as rss:
         try:
-            out, err = proc.communicate(timeout=args.timeout)
+            _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()  # torchrun's own process: it ends its workers
-            out, err = proc.communicate()
-            return {"placement": placement, "failed": f"took over {args.timeout} s", "stderr_tail": err[-2000:], "predicted": predicted}
+            _, err = proc.communicate()
+            return {"failed": f"took over {timeout} s", "stderr_tail": err[-2000:]}
     wall = time.monotonic() - t0
     metrics = work / "m.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
         tail = [ln for ln in err.splitlines() if ln.strip()][-12:]
-        return {"placement": placement, "failed": f"exit {proc.returncode}", "stderr_tail": "\n".join(tail), "predicted": predicted}
+        return {"failed": f"exit {proc.returncode}", "stderr_tail": "\n".join(tail)}
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"rows": rows, "wall_s": wall, "peak_rss": dict(rss.peak), "load": load}
+
+
+def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
+    placement, sharding, micro = LAYOUTS[name]
+    micro_batch = args.pp_micro_batch if micro == "pp" else micro
+    work = tmp / name
+    write_job(work, GRAPH.format(model=str(model), new_tokens=args.new_tokens, sharding=sharding, micro_batch=micro_batch), placement)
+    ranks = max(max(v if isinstance(v, list) else v["ranks"]) for v in placement.values()) + 1
+    predicted = _predict(work / "graph.py", m, placement, ranks)
+    job = run_job(work, ranks, args.steps, args.timeout)
+    if "failed" in job:
+        return {"placement": placement, **job, "predicted": predicted}
+    rows, wall, rss, load = job["rows"], job["wall_s"], job["peak_rss"], job["load"]
     steady = rows[1:] or rows
     measured = {k: _median([float(r[k]) for r in steady]) for k in ("train_s", "gen_s", "sync_s", "idle_s")}
     measured["step_s"] = _median([b["time_s"] - a["time_s"] for a, b in zip(rows, rows[1:])] or [rows[0]["time_s"]])
@@ -262,7 +278,7 @@ def _run_layout(name: str, tmp: Path, model: Path, args, m) -> dict:
         "first_loss": rows[0]["loss"],
         "first_grad_norm": rows[0].get("policy/grad_norm"),
         "first_entropy": rows[0].get("policy/entropy"),
-        "peak_rss_gib_by_rank": {str(r): round(b / 2**30, 2) for r, b in sorted(rss.peak.items())},
+        "peak_rss_gib_by_rank": {str(r): round(b / 2**30, 2) for r, b in sorted(rss.items())},
         "predicted": predicted,
         "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
     }

@@ -290,18 +290,8 @@ class EpisodeSteps(Generic[G]):
 
 
 class MultiTurnGenerator(EpisodeSteps[Generator]):
-    """Runs episodes for ``node.env`` with a ``Generator``'s model, in lock step (see the module docstring).
-
-    Args:
-        generator: the node's ``Generator`` (its model, weights, version, sampling and tokens).
-        node: the generator node, with ``env`` set.
-        encoder: how observations become tokens (default: ``observation_encoder`` of the node's model).
-        rows: stream position -> the prompt file row's other fields, added to ``reset``'s row (``row_fields``).
-
-    Raises:
-        ConfigError: for an environment without ``reset``/``step``, or a chat template that cannot be
-            applied incrementally (both before any work).
-    """
+    """Runs episodes for ``node.env`` with a ``Generator``'s model, in lock step (see the module docstring);
+    built as ``EpisodeSteps`` is (its arguments and errors), ``generator`` a ``Generator``."""
 
     def generate(self, prompts: Mapping[str, torch.Tensor], rows: list[dict[str, Any]] | None = None) -> tuple[Batch, dict[str, float]]:
         """Episodes for every sample of ``prompts``, in lock step: the rollout with ``ENV_FIELDS``, and its metrics.

@@ -401,8 +401,9 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
 
     import tests.runtime.test_fsdp as fsdp_tests
 
-    if family.endswith("_moe"):  # the routers' and the stacked experts' magnitudes too
-        from tests.runtime.test_expert_parallel import MoeGradientMagnitudes as GradientMagnitudes  # type: ignore[assignment]
+    from tests.runtime.test_expert_parallel import MoeGradientMagnitudes
+
+    magnitudes = MoeGradientMagnitudes if family.endswith("_moe") else GradientMagnitudes  # a MoE: its routers' and stacked experts' too
 
     fsdp_tests.LORA = LORA_TP  # test_fsdp's policy and bounds read it: adapters on column and row targets alike
     dist.init_process_group("gloo")
@@ -428,7 +429,7 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
         return t.train_step(part)
 
     mine = build(0)
-    with GradientMagnitudes(ref.model) as mags:
+    with magnitudes(ref.model) as mags:
         ref_metrics = ref.train_step(batches[0])
     metrics = step(mine, batches[0])
     part, whole = shard_by_groups(batches[0], dp)[rank // 2]["completion_mask"].sum(), batches[0]["completion_mask"].sum()
@@ -457,7 +458,7 @@ def _step_job(out: str, family: str, directory: str, dp: int) -> int:
     result["checkpoint_moments_vs_tp"] = max(float((a - b).abs().max()) for a, b in zip(saved, moments))
     one = Trainer(_policy(family, directory, "replicate", packing=False), loss)
     one.load_state(state)
-    with GradientMagnitudes(one.model) as mags:
+    with magnitudes(one.model) as mags:
         one_metrics = one.train_step(batches[1])
     step(mine, batches[1])
     result["second_step"] = _step_bounds(mine, one, mags, batches[1], one_metrics["policy/grad_norm"], family, step=2)

@@ -180,6 +180,7 @@ def _check_taken(taken: list[dict], tmp_path: Path, k: int, transport: str, tied
     from flowrl.runtime.checkpointing.store import read_policy_state
 
     assert taken[-1]["version"] >= STEPS - 1 - k
+    rename = family_of(HFModelConfig(path=str(model_dir), init="random")).vllm_name
     compared = 0
     for i, vllm in enumerate(taken):
         if transport == "inprocess":
@@ -192,7 +193,6 @@ def _check_taken(taken: list[dict], tmp_path: Path, k: int, transport: str, tied
             continue
         state = read_policy_state(ck)
         assert int(state["version"]) == vllm["version"]
-        rename = family_of(HFModelConfig(path=str(model_dir), init="random")).vllm_name
         want = expected_digests({n: t.to(torch.float32) for n, t in state["model"].items()}, vllm["packed"], tied=tied, rename=rename)
         assert want == vllm["digests"]  # vLLM's kernels hold that checkpoint's weights, bit for bit
         model_bytes = sum(t.numel() * 4 for n, t in state["model"].items() if not (tied and n == "lm_head.weight"))  # a tied head is the embedding

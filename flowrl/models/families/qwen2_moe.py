@@ -10,8 +10,10 @@ the shared expert: the routed experts are stacked tensors and take none), not th
 
 from __future__ import annotations
 
-from flowrl.models.families.qwen3_moe import MOE_ATTENTION, MOE_FIXED_KEYS, MOE_LORA_REFUSED, MOE_ROUTER, MOE_STACKED, MOE_VLLM_NAMES
-from flowrl.models.family import ModelFamily, Split
+import dataclasses
+
+from flowrl.models.families import qwen3_moe
+from flowrl.models.family import Split
 
 __all__ = ["FAMILY"]
 
@@ -20,16 +22,8 @@ _SHARED_EXPERT: tuple[tuple[str, Split], ...] = (
     (r"model\.layers\.\d+\.mlp\.shared_expert\.down_proj\.weight", "row"),
 )
 
-FAMILY = ModelFamily(
-    name="qwen2_moe",
-    description="hf",
-    hf_architecture="Qwen2MoeForCausalLM",
-    adapter="flowrl.models.families.llama_style",
-    split_table=MOE_ATTENTION + _SHARED_EXPERT,
-    stacked=MOE_STACKED,
-    vllm_names=MOE_VLLM_NAMES,
-    router=MOE_ROUTER,
-    lora_refused=MOE_LORA_REFUSED,
-    fixed_keys=MOE_FIXED_KEYS,
-    packing=True,
+#: Qwen3-MoE's row (router, stacked experts, vLLM's names, LoRA refusals, fixed keys), its split table
+#: with the shared expert's projections
+FAMILY = dataclasses.replace(
+    qwen3_moe.FAMILY, name="qwen2_moe", hf_architecture="Qwen2MoeForCausalLM", split_table=qwen3_moe.MOE_ATTENTION + _SHARED_EXPERT
 )

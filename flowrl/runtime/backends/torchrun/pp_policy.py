@@ -42,7 +42,7 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph.ir import Graph
 from flowrl.graph.nodes import LossNode, PolicyNode
-from flowrl.runtime.backends.torchrun.rank_policy import collective_bytes
+from flowrl.runtime.backends.torchrun.rank_policy import finish_step
 from flowrl.runtime.programs.nodes import Batch, Info, PolicyProgram, SharedTransports
 
 __all__ = ["PipelinePolicy"]
@@ -117,7 +117,6 @@ class PipelinePolicy(PolicyProgram):
         return part
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
-        from flowrl.host import release_freed_memory
         from flowrl.runtime.parallel.distributed import broadcast_batch, reduce_metrics, shard_by_groups
 
         start = time.perf_counter()
@@ -133,22 +132,15 @@ class PipelinePolicy(PolicyProgram):
             metrics = reduce_metrics(metrics, samples, group=self.trainer.dp_group, device=self.device)
         metrics = self._share_metrics(metrics)
         metrics["policy/grad_norm"] = grad_norm
-        if self.device.type == "cpu":
-            release_freed_memory()
-        train_s = time.perf_counter() - start
-        sent = self.collective_bytes
-        publish_s = self.publish()
-        info: Info = dict(metrics)
-        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
-        if self.rank == self.lead and not self._reported:  # the layout it built, for the run's first row
-            from flowrl.runtime.observe.layout import LAYOUT_KEY, record
+        return finish_step(self, metrics, start, lead=self.rank == self.lead, layout=self._layout)
 
-            groups = [[int(r) for r in self._grid[:, d].tolist()] for d in range(self.dp)]  # each replica's stages, first to last
-            runs = f"{self.dp} data-parallel replica(s), each {self.pp} pipeline stages (1F1B; GPipe with fewer micro-batches than stages)"
-            info[LAYOUT_KEY] = record(self.ranks, {"pp": self.pp, "dp": self.dp}, groups, runs)
-            self._reported = True
-        info.update(collective_bytes(self, sent))
-        return {}, info
+    def _layout(self) -> dict[str, Any]:
+        """The layout it built, for the run's first row: each replica's stages, first to last."""
+        from flowrl.runtime.observe.layout import record
+
+        groups = [[int(r) for r in self._grid[:, d].tolist()] for d in range(self.dp)]
+        runs = f"{self.dp} data-parallel replica(s), each {self.pp} pipeline stages (1F1B; GPipe with fewer micro-batches than stages)"
+        return record(self.ranks, {"pp": self.pp, "dp": self.dp}, groups, runs)
 
     def _share_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """The last stage's metrics on the lead (the other ranks keep their own: nobody reads them)."""

@@ -20,7 +20,7 @@ from flowrl.errors import ConfigError
 from flowrl.runtime.observe.layout import LAYOUT_KEY, record
 from flowrl.runtime.programs.nodes import Batch, Info, PolicyProgram
 
-__all__ = ["RankContext", "set_context", "publish_shards", "collective_bytes", "split_whole_model", "lead_forward_step"]
+__all__ = ["RankContext", "set_context", "publish_shards", "finish_step", "collective_bytes", "split_whole_model", "lead_forward_step"]
 
 
 # -- this rank's view of the job --------------------------------------------------------------------
@@ -116,7 +116,6 @@ class _RankPolicy(PolicyProgram):
 
     def step(self, seq: int, inputs: Batch, min_version: int) -> tuple[Batch, Info]:
         from flowrl.runtime.parallel.distributed import broadcast_batch, shard_by_groups
-        from flowrl.host import release_freed_memory
 
         start = time.perf_counter()
         batch = broadcast_batch(inputs if self.index == 0 else None, src=self.lead, group=self.group, device=self.device)
@@ -128,18 +127,7 @@ class _RankPolicy(PolicyProgram):
         samples = float(shard_by_groups(batch, parts)[index]["completion_mask"].shape[0])
         metrics = self._reduce({k: float(v) for k, v in metrics.items()}, samples)
         metrics["policy/grad_norm"] = grad_norm
-        if self.device.type == "cpu":  # the step's freed activations (and FSDP's gathered layers) back to the system before the sync
-            release_freed_memory()
-        train_s = time.perf_counter() - start
-        sent = self.collective_bytes
-        publish_s = self.publish()
-        info: Info = dict(metrics)
-        info.update(train_s=train_s, publish_s=publish_s, version=self.trainer.version)
-        if self.index == 0 and not self._reported:  # the layout it built, for the run's first row
-            info[LAYOUT_KEY] = self._layout()
-            self._reported = True
-        info.update(collective_bytes(self, sent))
-        return {}, info
+        return finish_step(self, metrics, start, lead=self.index == 0, layout=self._layout)
 
 
 def publish_shards(program: Any) -> float:
@@ -165,6 +153,27 @@ def publish_shards(program: Any) -> float:
                 program._transports.writer(*edge).publish(full, trainer.version)
         program._published = trainer.version
     return time.perf_counter() - start
+
+
+def finish_step(program: Any, metrics: dict[str, float], start: float, *, lead: bool, layout: Callable[[], Any]) -> tuple[Batch, Info]:
+    """A policy rank's step after its optimizer steps, on every kind of policy rank (``_RankPolicy``,
+    ``pp_policy.PipelinePolicy``): on a CPU the step's freed memory back to the system before the sync
+    (activations, FSDP's gathered layers), the new weights published, the step's info (on the ``lead``
+    rank, the layout it built once, for the run's first row; the collective's bytes)."""
+    from flowrl.host import release_freed_memory
+
+    if program.device.type == "cpu":
+        release_freed_memory()
+    train_s = time.perf_counter() - start
+    sent = program.collective_bytes
+    publish_s = program.publish()
+    info: Info = dict(metrics)
+    info.update(train_s=train_s, publish_s=publish_s, version=program.trainer.version)
+    if lead and not program._reported:
+        info[LAYOUT_KEY] = layout()
+        program._reported = True
+    info.update(collective_bytes(program, sent))
+    return {}, info
 
 
 def collective_bytes(program: Any, sent: int) -> dict[str, float]:
